@@ -1,0 +1,46 @@
+"""layerstream: layerwise weight offloading for diffusion pipelines.
+
+The core (plans, config, resolver, runtime) needs only torch; `Omni` and the built-in tiny models need the
+``diffusers`` extra and are imported on first use.
+"""
+
+from layerstream.config.offload_config import (
+    LayerOptions,
+    OffloadConfig,
+    OffloadConfigError,
+    parse_offload_config,
+)
+from layerstream.plan.offload_plan import OffloadPlan, OffloadPlanError, get_offload_plan
+from layerstream.plan.resolved import OffloadPlanResolutionError, ResolvedOffloadPlan
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "resolve_offload_plan": ("layerstream.plan.resolver", "resolve_offload_plan"),
+    "enable_offload": ("layerstream.runtime.enable", "enable_offload"),
+    "OffloadHandle": ("layerstream.runtime.enable", "OffloadHandle"),
+    "OffloadError": ("layerstream.runtime.errors", "OffloadError"),
+    "Omni": ("layerstream.omni", "Omni"),
+}
+
+__all__ = [
+    "LayerOptions",
+    "OffloadConfig",
+    "OffloadConfigError",
+    "OffloadPlan",
+    "OffloadPlanError",
+    "OffloadPlanResolutionError",
+    "ResolvedOffloadPlan",
+    "get_offload_plan",
+    "parse_offload_config",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module_name, attr = _LAZY[name]
+        return getattr(importlib.import_module(module_name), attr)
+    raise AttributeError(f"module 'layerstream' has no attribute {name!r}")

@@ -1,0 +1,3 @@
+from layerstream.cli.main import main
+
+raise SystemExit(main())

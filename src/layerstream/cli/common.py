@@ -1,0 +1,31 @@
+"""Helpers every subcommand shares: one-line errors with exit code 2, config parsing, logging set-up."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A user error the command line reports as one line and exit code 2."""
+
+
+def fail(message: str) -> int:
+    print(f"layerstream: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def parse_config_arg(text: str | None, default: dict | None = None):
+    """Parse --diffusion-offload-config (JSON text) into an OffloadConfig; CliError on any problem."""
+    from layerstream.config.offload_config import OffloadConfigError, parse_offload_config
+
+    try:
+        return parse_offload_config(text if text is not None else (default or {"mode": "layer", "components": ["dit"]}))
+    except OffloadConfigError as e:
+        raise CliError(f"--diffusion-offload-config: {e}") from e
+
+
+def configure_logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

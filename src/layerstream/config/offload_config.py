@@ -1,0 +1,212 @@
+"""`diffusion_offload_config`: parsing and the immutable config it produces.
+
+The parser is the only place that reads user-supplied offload settings. Every rejection names the key path,
+the value seen and what is allowed, and happens before anything in a pipeline is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+MODES = ("layer", "module")
+LAYER_COMPONENTS = ("dit", "text_encoder")
+MODULE_COMPONENTS = ("dit", "text_encoder", "vae")
+WEIGHT_TRANSFERS = ("rank-local", "allgather")
+DEFAULT_ACTIVATION_RESERVE_GB = 4.0
+
+_TOP_LEVEL_KEYS = ("mode", "components", "layer_options", "pin_memory")
+_COMMON_OPTION_KEYS = ("weight_transfer", "prefetch_depth")
+_DIT_ONLY_OPTION_KEYS = ("resident_layers", "device_budget_gb", "activation_reserve_gb")
+
+
+class OffloadConfigError(ValueError):
+    """A `diffusion_offload_config` that cannot be used; the message names the key path."""
+
+    def __init__(self, key_path: str, value: Any, allowed: str):
+        self.key_path = key_path
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"diffusion_offload_config: {key_path} = {_show(value)} is not valid; {allowed}")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerOptions:
+    """How one streamed component moves its blocks."""
+
+    weight_transfer: str = "rank-local"
+    """"rank-local": each process streams from its own full host copy; "allgather": each rank keeps 1/N."""
+    resident_layers: int | str = 0
+    """DiT only: leading blocks kept on the device (never streamed), or "auto" to fill a device budget."""
+    prefetch_depth: int = 1
+    """Blocks kept in flight ahead of compute; the slot ring holds prefetch_depth + 1 blocks."""
+    device_budget_gb: float | None = None
+    """DiT only, for "auto": device bytes (GB) that streamed slots and resident blocks may use."""
+    activation_reserve_gb: float | None = None
+    """DiT only, for "auto" without a budget: free device memory kept back for activations (GB)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """A validated `diffusion_offload_config`. Build it with `parse_offload_config`."""
+
+    mode: str
+    """"layer" streams blocks; "module" swaps whole components on and off the device."""
+    components: tuple[str, ...]
+    """Selected components, in the order given."""
+    layer_options: Mapping[str, LayerOptions] = field(default_factory=lambda: MappingProxyType({}))
+    """Per-component layer options, as given (defaults are filled by `options_for`)."""
+    pin_memory: bool = True
+    """Pin host buffers when the device supports it."""
+
+    def options_for(self, component: str) -> LayerOptions:
+        return self.layer_options.get(component, LayerOptions())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain JSON data (defaults filled in), for reports and round trips."""
+        out: dict[str, Any] = {"mode": self.mode, "components": list(self.components), "pin_memory": self.pin_memory}
+        if self.layer_options:
+            out["layer_options"] = {
+                name: {k: v for k, v in vars(opts).items() if v is not None} for name, opts in self.layer_options.items()
+            }
+        return out
+
+
+def parse_offload_config(obj: Any) -> OffloadConfig:
+    """Parse a dict (or its JSON text) into an `OffloadConfig`, or raise `OffloadConfigError`."""
+    if isinstance(obj, OffloadConfig):
+        return obj
+    if isinstance(obj, (str, bytes, bytearray)):
+        try:
+            obj = json.loads(obj)
+        except json.JSONDecodeError as e:
+            raise OffloadConfigError(
+                "<json>", obj, f"the text must be JSON: {e.msg} at line {e.lineno} column {e.colno} (char {e.pos})"
+            ) from e
+        except UnicodeDecodeError as e:
+            raise OffloadConfigError("<json>", obj, f"the text must be UTF-8 JSON: {e}") from e
+    if not isinstance(obj, Mapping):
+        raise OffloadConfigError("<root>", obj, "expected a JSON object with keys mode and components")
+    _reject_unknown(obj, _TOP_LEVEL_KEYS, "")
+
+    if "mode" not in obj:
+        raise OffloadConfigError("mode", None, f"the key is required; allowed: {_one_of(MODES)}")
+    mode = obj["mode"]
+    if not isinstance(mode, str) or mode not in MODES:
+        raise OffloadConfigError("mode", mode, f"allowed: {_one_of(MODES)}")
+
+    allowed_components = LAYER_COMPONENTS if mode == "layer" else MODULE_COMPONENTS
+    if "components" not in obj:
+        raise OffloadConfigError("components", None, f"the key is required: a non-empty list of {_one_of(allowed_components)}")
+    components = obj["components"]
+    if not isinstance(components, list) or not components:
+        raise OffloadConfigError("components", components, f"expected a non-empty list of {_one_of(allowed_components)}")
+    seen: list[str] = []
+    for i, name in enumerate(components):
+        if not isinstance(name, str):
+            raise OffloadConfigError(f"components[{i}]", name, f"expected a string, one of {_one_of(allowed_components)}")
+        if name not in allowed_components:
+            raise OffloadConfigError(f"components[{i}]", name, f"with mode {mode!r}, allowed: {_one_of(allowed_components)}")
+        if name in seen:
+            raise OffloadConfigError(f"components[{i}]", name, "each component may be listed once")
+        seen.append(name)
+
+    pin_memory = obj.get("pin_memory", True)
+    if not isinstance(pin_memory, bool):
+        raise OffloadConfigError("pin_memory", pin_memory, "expected true or false")
+
+    layer_options: dict[str, LayerOptions] = {}
+    if "layer_options" in obj:
+        raw = obj["layer_options"]
+        if mode != "layer":
+            raise OffloadConfigError("layer_options", raw, 'layer_options apply only to mode "layer"; remove the key')
+        if not isinstance(raw, Mapping):
+            raise OffloadConfigError("layer_options", raw, "expected an object keyed by selected component")
+        for name, opts in raw.items():
+            if name not in seen:
+                allowed = f"selected components: {_one_of(seen)}"
+                raise OffloadConfigError(f"layer_options.{name}", opts, f"options are only for {allowed}")
+            layer_options[name] = _parse_layer_options(name, opts)
+
+    return OffloadConfig(
+        mode=mode,
+        components=tuple(seen),
+        layer_options=MappingProxyType(layer_options),
+        pin_memory=pin_memory,
+    )
+
+
+def _parse_layer_options(component: str, raw: Any) -> LayerOptions:
+    base = f"layer_options.{component}"
+    if not isinstance(raw, Mapping):
+        raise OffloadConfigError(base, raw, "expected an object")
+    allowed_keys = _COMMON_OPTION_KEYS + (_DIT_ONLY_OPTION_KEYS if component == "dit" else ())
+    for key in raw:
+        if key in _DIT_ONLY_OPTION_KEYS and component != "dit":
+            raise OffloadConfigError(f"{base}.{key}", raw[key], f"{key} applies only to dit; allowed here: {_one_of(allowed_keys)}")
+    _reject_unknown(raw, allowed_keys, base)
+
+    weight_transfer = raw.get("weight_transfer", "rank-local")
+    if not isinstance(weight_transfer, str) or weight_transfer not in WEIGHT_TRANSFERS:
+        raise OffloadConfigError(f"{base}.weight_transfer", weight_transfer, f"allowed: {_one_of(WEIGHT_TRANSFERS)}")
+
+    prefetch_depth = raw.get("prefetch_depth", 1)
+    if not _is_int(prefetch_depth) or not 1 <= prefetch_depth <= 8:
+        raise OffloadConfigError(f"{base}.prefetch_depth", prefetch_depth, "expected an integer from 1 to 8")
+
+    resident_layers = raw.get("resident_layers", 0)
+    if isinstance(resident_layers, str):
+        if resident_layers != "auto":
+            raise OffloadConfigError(f"{base}.resident_layers", resident_layers, 'expected an integer >= 0 or "auto"')
+    elif not _is_int(resident_layers) or resident_layers < 0:
+        raise OffloadConfigError(f"{base}.resident_layers", resident_layers, 'expected an integer >= 0 or "auto"')
+
+    budget = _optional_gb(raw, "device_budget_gb", base)
+    reserve = _optional_gb(raw, "activation_reserve_gb", base)
+    if (budget is not None or reserve is not None) and resident_layers != "auto":
+        key = "device_budget_gb" if budget is not None else "activation_reserve_gb"
+        raise OffloadConfigError(f"{base}.{key}", raw[key], 'only used with resident_layers "auto"; set it or remove the key')
+    if budget is not None and reserve is not None:
+        raise OffloadConfigError(
+            f"{base}.activation_reserve_gb", reserve, "give either device_budget_gb or activation_reserve_gb, not both"
+        )
+    return LayerOptions(
+        weight_transfer=weight_transfer,
+        resident_layers=resident_layers,
+        prefetch_depth=prefetch_depth,
+        device_budget_gb=budget,
+        activation_reserve_gb=reserve,
+    )
+
+
+def _optional_gb(raw: Mapping, key: str, base: str) -> float | None:
+    if key not in raw:
+        return None
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise OffloadConfigError(f"{base}.{key}", value, "expected a finite number of GB >= 0")
+    return float(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _reject_unknown(obj: Mapping, allowed: tuple[str, ...], base: str) -> None:
+    for key in obj:
+        if key not in allowed:
+            path = f"{base}.{key}" if base else str(key)
+            raise OffloadConfigError(path, obj[key], f"unknown key; allowed keys: {_one_of(allowed)}")
+
+
+def _one_of(values) -> str:
+    return ", ".join(json.dumps(v) for v in values)

@@ -1,0 +1,144 @@
+"""`ResolvedOffloadPlan`: what the resolver decided, as plain data every backend consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from layerstream.config.offload_config import OffloadConfig
+
+CATEGORIES = ("dit", "text_encoder", "encoder", "image_encoder", "vae", "other")
+SOURCES = ("plan", "builtin", "class_attribute", "auto", "none")
+ACTIONS = ("stream", "swap", "resident", "on_demand")
+
+
+class OffloadPlanResolutionError(ValueError):
+    """A pipeline and config that cannot be resolved into an offload plan; names the class and the path."""
+
+
+@dataclass(frozen=True)
+class BlockStack:
+    """One block list that streams: an ``nn.ModuleList``/``nn.Sequential`` inside a component."""
+
+    owner_path: str
+    """Module path (from the pipeline) of the module holding the list, e.g. ``"transformer"``."""
+    attr_path: str
+    """Attribute path of the list inside its owner, e.g. ``"blocks"`` or ``"encoder.block"``."""
+    block_paths: tuple[str, ...]
+    """Full module path of every block, in declared order."""
+    block_bytes: tuple[int, ...]
+    """Bytes of parameters and buffers of every block."""
+    own_chain: bool = False
+    """True for ``offload_submodules`` stacks, which prefetch along a chain of their own."""
+
+    @property
+    def qualified_name(self) -> str:
+        return join_path(self.owner_path, self.attr_path)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_paths)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.block_bytes)
+
+
+@dataclass(frozen=True)
+class ResolvedComponent:
+    """One component of the pipeline and what offload does with it."""
+
+    path: str
+    """Attribute path from the pipeline; ``""`` when the pipeline is itself the model."""
+    category: str
+    """One of CATEGORIES."""
+    module_class: str
+    source: str
+    """Where the block lists came from: one of SOURCES (``"none"`` when it has none)."""
+    stacks: tuple[BlockStack, ...]
+    """Streamable block lists (empty for components that cannot stream)."""
+    action: str
+    """One of ACTIONS: what enabling does with this component under the config."""
+    total_bytes: int
+    """Bytes of all parameters and buffers of the component."""
+    weight_transfer: str = "rank-local"
+    prefetch_depth: int = 1
+    resident_layers: int | str = 0
+    """Requested leading blocks kept on the device ("auto" is decided at enable time from the device budget)."""
+    resident_allowed: bool = False
+    """Declared in ``resident_dit_paths`` (or discovered automatically)."""
+    replicated: bool = False
+    """Block tensors identical on every rank (DiTs, and encoders in ``encoder_dlo_weight_replication``)."""
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(stack.total_bytes for stack in self.stacks)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(stack.num_blocks for stack in self.stacks)
+
+    @property
+    def display_path(self) -> str:
+        return self.path or "<model>"
+
+
+@dataclass(frozen=True)
+class ResolvedOffloadPlan:
+    """The resolver's answer for one pipeline and one config. Pure data: no module references."""
+
+    pipeline_class: str
+    config: OffloadConfig
+    components: tuple[ResolvedComponent, ...]
+
+    def component(self, path: str) -> ResolvedComponent:
+        for comp in self.components:
+            if comp.path == path:
+                return comp
+        raise KeyError(path)
+
+    @property
+    def streamed(self) -> tuple[ResolvedComponent, ...]:
+        return tuple(c for c in self.components if c.action == "stream")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pipeline_class": self.pipeline_class,
+            "config": self.config.to_dict(),
+            "components": [
+                {
+                    "path": c.display_path,
+                    "category": c.category,
+                    "class": c.module_class,
+                    "source": c.source,
+                    "action": c.action,
+                    "total_bytes": c.total_bytes,
+                    "block_bytes": c.block_bytes,
+                    "resident_layers": c.resident_layers,
+                    "resident_allowed": c.resident_allowed,
+                    "weight_transfer": c.weight_transfer,
+                    "stacks": [
+                        {
+                            "name": s.qualified_name,
+                            "num_blocks": s.num_blocks,
+                            "block_bytes": list(s.block_bytes),
+                            "own_chain": s.own_chain,
+                        }
+                        for s in c.stacks
+                    ],
+                }
+                for c in self.components
+            ],
+        }
+
+
+def join_path(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+def lookup(root: Any, path: str) -> Any:
+    """The object at a dotted attribute path from `root` (``""`` is `root` itself); raises AttributeError."""
+    obj = root
+    for part in path.split(".") if path else ():
+        obj = getattr(obj, part)
+    return obj
