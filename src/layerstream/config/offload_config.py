@@ -35,7 +35,10 @@ class OffloadConfigError(ValueError):
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # an int past Python's digit limit, or nesting too deep to print
+        return f"<{type(value).__name__} too large to show>"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -68,6 +71,20 @@ class OffloadConfig:
     pin_memory: bool = True
     """Pin host buffers when the device supports it."""
 
+    def __post_init__(self) -> None:
+        # Freeze containers handed to the constructor, so no caller keeps a mutable alias into the config.
+        if isinstance(self.components, list):
+            object.__setattr__(self, "components", tuple(self.components))
+        object.__setattr__(self, "layer_options", MappingProxyType(dict(self.layer_options)))
+
+    def __hash__(self) -> int:
+        return hash((self.mode, self.components, frozenset(self.layer_options.items()), self.pin_memory))
+
+    def __reduce__(self):
+        # mappingproxy cannot be pickled or deep-copied; rebuild from plain data instead.
+        state = {"mode": self.mode, "components": self.components, "pin_memory": self.pin_memory}
+        return (_rebuild, (type(self), {**state, "layer_options": dict(self.layer_options)}))
+
     def options_for(self, component: str) -> LayerOptions:
         return self.layer_options.get(component, LayerOptions())
 
@@ -75,10 +92,18 @@ class OffloadConfig:
         """The config as plain JSON data (defaults filled in), for reports and round trips."""
         out: dict[str, Any] = {"mode": self.mode, "components": list(self.components), "pin_memory": self.pin_memory}
         if self.layer_options:
-            out["layer_options"] = {
-                name: {k: v for k, v in vars(opts).items() if v is not None} for name, opts in self.layer_options.items()
-            }
+            out["layer_options"] = {name: _options_dict(name, opts) for name, opts in self.layer_options.items()}
         return out
+
+
+def _options_dict(component: str, opts: LayerOptions) -> dict[str, Any]:
+    # Only keys the parser accepts for this component, so that to_dict() always parses back.
+    allowed = _COMMON_OPTION_KEYS + (_DIT_ONLY_OPTION_KEYS if component == "dit" else ())
+    return {k: v for k, v in vars(opts).items() if k in allowed and v is not None}
+
+
+def _rebuild(cls: type, kwargs: dict[str, Any]) -> Any:
+    return cls(**kwargs)
 
 
 def parse_offload_config(obj: Any) -> OffloadConfig:
@@ -94,6 +119,8 @@ def parse_offload_config(obj: Any) -> OffloadConfig:
             ) from e
         except UnicodeDecodeError as e:
             raise OffloadConfigError("<json>", obj, f"the text must be UTF-8 JSON: {e}") from e
+        except (ValueError, RecursionError) as e:  # an integer past Python's digit limit, or nesting too deep
+            raise OffloadConfigError("<json>", obj, f"the text must be a JSON object of the documented keys: {e}") from e
     if not isinstance(obj, Mapping):
         raise OffloadConfigError("<root>", obj, "expected a JSON object with keys mode and components")
     _reject_unknown(obj, _TOP_LEVEL_KEYS, "")
@@ -117,7 +144,9 @@ def parse_offload_config(obj: Any) -> OffloadConfig:
         if name not in allowed_components:
             raise OffloadConfigError(f"components[{i}]", name, f"with mode {mode!r}, allowed: {_one_of(allowed_components)}")
         if name in seen:
-            raise OffloadConfigError(f"components[{i}]", name, "each component may be listed once")
+            raise OffloadConfigError(
+                f"components[{i}]", name, f"each component may be listed once (already at components[{seen.index(name)}])"
+            )
         seen.append(name)
 
     pin_memory = obj.get("pin_memory", True)
@@ -134,7 +163,7 @@ def parse_offload_config(obj: Any) -> OffloadConfig:
         for name, opts in raw.items():
             if name not in seen:
                 allowed = f"selected components: {_one_of(seen)}"
-                raise OffloadConfigError(f"layer_options.{name}", opts, f"options are only for {allowed}")
+                raise OffloadConfigError(_key_path("layer_options", name), opts, f"options are only for {allowed}")
             layer_options[name] = _parse_layer_options(name, opts)
 
     return OffloadConfig(
@@ -192,9 +221,15 @@ def _optional_gb(raw: Mapping, key: str, base: str) -> float | None:
     if key not in raw:
         return None
     value = raw[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise OffloadConfigError(f"{base}.{key}", value, "expected a finite number of GB >= 0")
-    return float(value)
+    try:
+        gb = float(value)
+    except OverflowError as e:  # an int too large for a float
+        raise OffloadConfigError(f"{base}.{key}", value, "expected a finite number of GB >= 0") from e
+    if not math.isfinite(gb) or gb < 0:
+        raise OffloadConfigError(f"{base}.{key}", value, "expected a finite number of GB >= 0")
+    return gb
 
 
 def _is_int(value: Any) -> bool:
@@ -204,8 +239,15 @@ def _is_int(value: Any) -> bool:
 def _reject_unknown(obj: Mapping, allowed: tuple[str, ...], base: str) -> None:
     for key in obj:
         if key not in allowed:
-            path = f"{base}.{key}" if base else str(key)
-            raise OffloadConfigError(path, obj[key], f"unknown key; allowed keys: {_one_of(allowed)}")
+            raise OffloadConfigError(_key_path(base, key), obj[key], f"unknown key; allowed keys: {_one_of(allowed)}")
+
+
+def _key_path(base: str, key: Any) -> str:
+    # A key that would not read as a path segment ("", "a.b", 3) is quoted, so the path stays unambiguous.
+    if isinstance(key, str) and key.isidentifier():
+        return f"{base}.{key}" if base else key
+    quoted = json.dumps(key) if isinstance(key, str) else _show(key)
+    return f"{base}[{quoted}]"
 
 
 def _one_of(values) -> str:

@@ -55,7 +55,21 @@ class OffloadPlan:
             object.__setattr__(self, f.name, normalized)
 
     def __hash__(self) -> int:
-        return hash(tuple((f.name, repr(getattr(self, f.name))) for f in fields(self)))
+        # Order-free, so that equal plans (dicts given in a different order) hash equal.
+        return hash(tuple(_hashable(getattr(self, f.name)) for f in fields(self)))
+
+    def __reduce__(self):
+        # mappingproxy cannot be pickled or deep-copied; rebuild from plain data instead.
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        return (_rebuild, (type(self), {k: dict(v) if isinstance(v, Mapping) else v for k, v in state.items()}))
+
+
+def _hashable(value: Any) -> Any:
+    return frozenset(value.items()) if isinstance(value, Mapping) else value
+
+
+def _rebuild(cls: type, kwargs: dict[str, Any]) -> Any:
+    return cls(**kwargs)
 
 
 def _fail(field_name: str, value: Any, expected: str) -> OffloadPlanError:
@@ -104,7 +118,6 @@ def get_offload_plan(pipeline: Any) -> OffloadPlan | None:
     if plan is None:
         return None
     if not isinstance(plan, OffloadPlan):
-        raise OffloadPlanError(
-            f"{type(pipeline).__name__}._offload_plan is {type(plan).__name__}; expected an OffloadPlan or None"
-        )
+        owner = pipeline if isinstance(pipeline, type) else type(pipeline)
+        raise OffloadPlanError(f"{owner.__name__}._offload_plan is {type(plan).__name__}; expected an OffloadPlan or None")
     return plan

@@ -1,0 +1,275 @@
+"""`Omni`: load a pipeline on the host, enable offload, and generate.
+
+    omni = Omni(model="tiny-wan", diffusion_offload_config={"mode": "layer", "components": ["dit"]})
+    result = omni.generate("a red fox in the snow", num_inference_steps=4, seed=0)
+    result.save("fox.gif")
+
+Components load on the host; `enable_offload` then moves the resident parts to the device and packs the
+streamed blocks into the host store, so the whole model is never on the device at once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from layerstream.config.offload_config import OffloadConfig, parse_offload_config
+from layerstream.runtime.enable import OffloadHandle, default_device, enable_offload
+from layerstream.runtime.stats import OffloadStats
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONFIG = {"mode": "layer", "components": ["dit"]}
+IMAGE_SUFFIXES = (".png",)
+VIDEO_SUFFIXES = (".mp4", ".gif")
+
+
+class GenerationError(ValueError):
+    """Generation arguments the pipeline cannot take (names the argument, the value and what is allowed)."""
+
+
+@dataclass
+class RunStats:
+    """What one `generate` call cost."""
+
+    seconds: float
+    step_seconds: list[float]
+    bytes_transferred: int
+    num_transfers: int
+    num_sync_loads: int
+    stall_seconds: float
+    device_bytes: int
+    host_bytes: int
+    peak_device_bytes: int | None = None
+
+    @property
+    def seconds_per_step(self) -> float:
+        return sum(self.step_seconds) / len(self.step_seconds) if self.step_seconds else self.seconds
+
+
+@dataclass
+class GenerationResult:
+    """Frames (video: [F, H, W, 3]) or images ([N, H, W, 3]) as uint8, with the run's statistics."""
+
+    kind: str
+    frames: np.ndarray
+    stats: RunStats
+    fps: int = 16
+    raw: Any = field(default=None, repr=False)
+    """The pipeline's float output before conversion to uint8 (for exact comparisons)."""
+
+    def save(self, path: str | Path) -> Path:
+        return save_output(self, path)
+
+
+class Omni:
+    """A pipeline loaded from a local diffusers folder (or an embedded tiny model) with offload enabled."""
+
+    def __init__(
+        self,
+        model: str = "tiny-wan",
+        diffusion_offload_config: OffloadConfig | dict | str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | str | None = None,
+        *,
+        simulated_link_gbps: float | None = None,
+        trace: bool = False,
+        offload: bool = True,
+    ):
+        from layerstream.models.loading import load_pipeline, pipeline_kind
+
+        # parse before loading: a bad config is reported before any weight is read
+        self.config = parse_offload_config(diffusion_offload_config if diffusion_offload_config is not None else DEFAULT_CONFIG)
+        self.model = model
+        self.device = torch.device(device) if device is not None else default_device()
+        self.dtype = _parse_dtype(dtype)
+        self.pipeline = load_pipeline(model, dtype=self.dtype)
+        self.kind = pipeline_kind(self.pipeline)
+        self.handle: OffloadHandle | None = None
+        if offload:
+            self.handle = enable_offload(self.pipeline, self.config, self.device, simulated_link_gbps=simulated_link_gbps, trace=trace)
+        else:
+            self.pipeline.to(self.device)
+        _quiet_progress(self.pipeline)
+
+    def generate(
+        self,
+        prompt: str,
+        negative_prompt: str | None = None,
+        *,
+        height: int | None = None,
+        width: int | None = None,
+        num_frames: int | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        seed: int = 0,
+        fps: int = 16,
+        on_step: Callable[[int, int, float], None] | None = None,
+    ) -> GenerationResult:
+        """Run the pipeline once. `on_step(step, total, seconds)` is called after every denoising step."""
+        defaults = _tiny_defaults(self.model)
+        height = height if height is not None else defaults.get("height")
+        width = width if width is not None else defaults.get("width")
+        num_inference_steps = num_inference_steps if num_inference_steps is not None else defaults.get("num_inference_steps", 20)
+        if guidance_scale is None:
+            guidance_scale = defaults.get("guidance_scale")
+        if self.kind == "video" and num_frames is None:
+            num_frames = defaults.get("num_frames")
+        if self.kind != "video" and num_frames is not None:
+            raise GenerationError(f"num_frames = {num_frames!r} is not valid: {self.model} makes images, not video")
+        _check_positive("num_inference_steps", num_inference_steps)
+        for name, value in (("height", height), ("width", width), ("num_frames", num_frames)):
+            if value is not None:
+                _check_positive(name, value)
+
+        call = inspect.signature(self.pipeline.__call__).parameters
+        kwargs: dict[str, Any] = {"prompt": prompt, "num_inference_steps": num_inference_steps, "output_type": "np"}
+        for name, value in (("height", height), ("width", width), ("num_frames", num_frames)):
+            if value is not None and name in call:
+                kwargs[name] = value
+        if negative_prompt is not None:
+            if "negative_prompt" not in call:
+                raise GenerationError(f"negative_prompt is not supported by {type(self.pipeline).__name__}")
+            kwargs["negative_prompt"] = negative_prompt
+        if guidance_scale is not None:
+            if "true_cfg_scale" in call:  # pipelines whose guidance_scale is a distilled embedding take CFG here
+                kwargs["true_cfg_scale"] = guidance_scale
+            elif "guidance_scale" in call:
+                kwargs["guidance_scale"] = guidance_scale
+        generator_device = "cpu"
+        kwargs["generator"] = torch.Generator(generator_device).manual_seed(seed)
+
+        step_times: list[float] = []
+        last = [time.perf_counter()]
+
+        def step_end(pipe, step, timestep, callback_kwargs):
+            now = time.perf_counter()
+            step_times.append(now - last[0])
+            last[0] = now
+            if on_step is not None:
+                on_step(step + 1, num_inference_steps, step_times[-1])
+            return callback_kwargs
+
+        if "callback_on_step_end" in call:
+            kwargs["callback_on_step_end"] = step_end
+
+        before = self.handle.stats() if self.handle is not None else None
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            output = self.pipeline(**kwargs)
+        seconds = time.perf_counter() - start
+        after = self.handle.stats() if self.handle is not None else None
+        raw = _output_array(output, self.kind)
+        stats = _run_stats(seconds, step_times, before, after, self.device)
+        return GenerationResult(kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=fps, raw=raw)
+
+    def stats(self) -> OffloadStats | None:
+        return self.handle.stats() if self.handle is not None else None
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.disable()
+            self.handle = None
+
+
+def _parse_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise GenerationError(f"dtype = {dtype!r} is not valid; allowed: {', '.join(names)}")
+    return names[dtype]
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise GenerationError(f"{name} = {value!r} is not valid; expected a positive integer")
+
+
+def _tiny_defaults(model: str) -> dict[str, Any]:
+    from layerstream.models.loading import is_tiny_model_name
+
+    if not is_tiny_model_name(model):
+        return {}
+    from layerstream.models.tiny import TINY_MODELS
+
+    return dict(TINY_MODELS[model].generate_kwargs)
+
+
+def _quiet_progress(pipeline) -> None:
+    if hasattr(pipeline, "set_progress_bar_config"):
+        pipeline.set_progress_bar_config(disable=True)  # layerstream reports progress itself, per step
+
+
+def _output_array(output, kind: str) -> np.ndarray:
+    frames = getattr(output, "frames", None)
+    if frames is None:
+        frames = getattr(output, "images", None)
+    if frames is None and isinstance(output, (tuple, list)):
+        frames = output[0]
+    array = np.asarray(frames)
+    if kind == "video" and array.ndim == 5:
+        array = array[0]  # [batch, frames, H, W, C] -> one video
+    return array
+
+
+def _to_uint8(array: np.ndarray) -> np.ndarray:
+    return (np.clip(array, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+
+
+def _run_stats(seconds, step_times, before: OffloadStats | None, after: OffloadStats | None, device) -> RunStats:
+    def delta(name):
+        if before is None or after is None:
+            return 0
+        return getattr(after, name) - getattr(before, name)
+
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return RunStats(
+        seconds=seconds,
+        step_seconds=step_times,
+        bytes_transferred=delta("bytes_transferred"),
+        num_transfers=delta("num_transfers"),
+        num_sync_loads=delta("num_sync_loads"),
+        stall_seconds=delta("stall_seconds"),
+        device_bytes=after.device_bytes if after else 0,
+        host_bytes=after.host_bytes if after else 0,
+        peak_device_bytes=peak,
+    )
+
+
+def save_output(result: GenerationResult, path: str | Path) -> Path:
+    """Write images as PNG and video as MP4 or GIF, chosen by the file suffix."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    allowed = IMAGE_SUFFIXES if result.kind == "image" else VIDEO_SUFFIXES
+    if suffix not in allowed:
+        raise GenerationError(f"output = {str(path)!r}: a {result.kind} is saved as {' or '.join(allowed)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if suffix == ".png":
+        from PIL import Image
+
+        Image.fromarray(result.frames[0]).save(path)
+    else:
+        import imageio.v3 as iio
+
+        if suffix == ".gif":
+            iio.imwrite(path, result.frames, extension=".gif", duration=1000 / result.fps, loop=0)
+        else:
+            iio.imwrite(path, _even_frames(result.frames), extension=".mp4", fps=result.fps, codec="libx264")
+    return path
+
+
+def _even_frames(frames: np.ndarray) -> np.ndarray:
+    """libx264 with yuv420p needs even width and height: pad by one edge pixel where needed."""
+    _, h, w, _ = frames.shape
+    return np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")

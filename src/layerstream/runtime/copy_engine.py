@@ -1,0 +1,213 @@
+"""Copy engines: move a block's bytes into a device slot beside compute, with one protocol on every device.
+
+For each slot the protocol is:
+- `copy_into(slot, job)`: on the copy side, wait until compute has released the slot, run `job` (the copy),
+  then mark the slot ready;
+- `wait_ready(slot)`: compute waits until the slot's latest copy is done;
+- `release(slot)`: compute marks that it is done reading the slot.
+
+`AcceleratorCopyEngine` implements it with a dedicated stream and events (no CPU-side synchronize);
+`CpuCopyEngine` implements it with a copy thread and thread events, optionally throttled to a simulated link
+bandwidth so that scheduling can be tested and measured on a machine without an accelerator.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Job = Callable[[], int]
+"""A copy job: moves bytes into a slot and returns how many bytes crossed the host link."""
+
+
+@dataclass
+class CopyRecord:
+    """One copy as seen by the copy side (times in seconds on the engine's clock)."""
+
+    label: str
+    slot: int
+    nbytes: int
+    start: float = 0.0
+    end: float = 0.0
+
+
+@dataclass
+class _Traced:
+    records: list[CopyRecord] = field(default_factory=list)
+
+
+class CpuCopyEngine:
+    """Copy thread with the slot protocol; `link_gbps` makes each copy last as long as it would on that link."""
+
+    kind = "cpu-thread"
+
+    def __init__(self, device: torch.device, num_slots: int, *, link_gbps: float | None = None):
+        if link_gbps is not None and not link_gbps > 0:
+            raise ValueError(f"simulated_link_gbps = {link_gbps!r} is not valid; expected a number > 0")
+        self.device = device
+        self.link_gbps = link_gbps
+        self._ready = [_done_event() for _ in range(num_slots)]
+        self._released = [_done_event() for _ in range(num_slots)]
+        self._errors: list[BaseException | None] = [None] * num_slots
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="layerstream-copy", daemon=True)
+        self._thread.start()
+        self.copies: list[CopyRecord] = []
+
+    # compute side -------------------------------------------------------------------------------------------
+    def copy_into(self, slot: int, job: Job, record: CopyRecord | None = None) -> None:
+        ready = threading.Event()  # one event per copy: a queued older copy can never signal a newer one
+        self._ready[slot] = ready
+        self._errors[slot] = None
+        self._queue.put((slot, job, ready, record))
+
+    def wait_ready(self, slot: int) -> float:
+        """Block compute until the slot's copy is done; returns the seconds spent waiting (the stall)."""
+        ready = self._ready[slot]
+        if ready.is_set():
+            stall = 0.0
+        else:
+            start = time.perf_counter()
+            ready.wait()  # the compute thread waits for the copy thread: this is the stall being measured
+            stall = time.perf_counter() - start
+        error = self._errors[slot]
+        if error is not None:
+            from layerstream.runtime.errors import TransferError
+
+            raise TransferError(f"copy into slot {slot} failed: {error}") from error
+        self._released[slot].clear()  # compute now reads the slot until release()
+        return stall
+
+    def release(self, slot: int) -> None:
+        self._released[slot].set()
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def pin_(self, buffer: torch.Tensor) -> bool:
+        return False  # the CPU copies from pageable memory; there is no DMA engine to page-lock for
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    # copy side ----------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            slot, job, ready, record = item
+            self._released[slot].wait()  # never overwrite a slot compute may still read
+            start = time.perf_counter()
+            try:
+                nbytes = job()
+                if self.link_gbps is not None:
+                    target = nbytes / (self.link_gbps * 1e9)
+                    remaining = target - (time.perf_counter() - start)
+                    if remaining > 0:
+                        time.sleep(remaining)  # the simulated link: the copy lasts as long as it would on the wire
+            except BaseException as e:  # reported to compute by wait_ready, never lost in this thread
+                logger.debug("copy into slot %d failed", slot, exc_info=True)
+                self._errors[slot] = e
+            if record is not None:
+                record.start, record.end = start, time.perf_counter()
+                self.copies.append(record)
+            ready.set()
+
+
+def _done_event() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
+class AcceleratorCopyEngine:
+    """Stream-and-event engine for CUDA (or another `torch.accelerator`): compute never waits on the CPU.
+
+    `api` is the module providing `Stream`, `Event`, `stream(...)` and `current_stream(...)` (``torch.cuda`` by
+    default); tests pass a recording stand-in to check the order of calls without a GPU.
+    """
+
+    kind = "accelerator-streams"
+
+    def __init__(self, device: torch.device, num_slots: int, *, api=None, timing: bool = False):
+        self.device = device
+        self.api = api if api is not None else _accelerator_api(device)
+        self.timing = timing
+        self.copy_stream = self.api.Stream(device=device)
+        # one pair of events per slot, re-recorded for every copy: nothing is allocated in the steady state
+        self._ready = [self.api.Event() for _ in range(num_slots)]
+        self._released = [self.api.Event() for _ in range(num_slots)]
+        self.copies: list[CopyRecord] = []
+        self._pending_timing: list[tuple[CopyRecord, object, object]] = []
+
+    def copy_into(self, slot: int, job: Job, record: CopyRecord | None = None) -> None:
+        with self.api.stream(self.copy_stream):
+            # GPU-side wait: the copy may not overwrite the slot before compute has finished reading it
+            self.copy_stream.wait_event(self._released[slot])
+            if record is not None and self.timing:
+                start, end = self.api.Event(enable_timing=True), self.api.Event(enable_timing=True)
+                start.record(self.copy_stream)
+            job()
+            if record is not None and self.timing:
+                end.record(self.copy_stream)
+                self._pending_timing.append((record, start, end))
+            self._ready[slot].record(self.copy_stream)
+
+    def wait_ready(self, slot: int) -> float:
+        # GPU-side wait: compute kernels queued after this point run only once the slot's copy has landed
+        self.api.current_stream(self.device).wait_event(self._ready[slot])
+        return 0.0
+
+    def release(self, slot: int) -> None:
+        self._released[slot].record(self.api.current_stream(self.device))
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def pin_(self, buffer: torch.Tensor) -> bool:
+        """Page-lock a host buffer in place so copies from it are asynchronous DMA."""
+        register = getattr(self.api, "host_register", None)
+        if register is not None:
+            return bool(register(buffer))
+        from layerstream.runtime.host_store import pin_buffer_
+
+        return pin_buffer_(buffer)
+
+    def resolve_timings(self, origin_event) -> None:
+        """Turn recorded timing events into times (seconds since `origin_event`). Synchronizes: call after a run."""
+        for record, start, end in self._pending_timing:
+            end.synchronize()  # reading event times needs them complete; this runs after the run, not in it
+            record.start = origin_event.elapsed_time(start) / 1e3
+            record.end = origin_event.elapsed_time(end) / 1e3
+            self.copies.append(record)
+        self._pending_timing.clear()
+
+    def close(self) -> None:
+        pass
+
+
+def _accelerator_api(device: torch.device):
+    if device.type == "cuda":
+        return torch.cuda
+    accel = getattr(torch, device.type, None)
+    if accel is not None and hasattr(accel, "Stream") and hasattr(accel, "Event"):
+        return accel
+    raise ValueError(f"device {device} has no stream API; use a CUDA device or the CPU")
+
+
+def make_copy_engine(device: torch.device, num_slots: int, *, link_gbps: float | None, timing: bool):
+    if device.type == "cpu":
+        return CpuCopyEngine(device, num_slots, link_gbps=link_gbps)
+    if link_gbps is not None:
+        raise ValueError(f"simulated_link_gbps applies only to the CPU; device {device} has a real link")
+    return AcceleratorCopyEngine(device, num_slots, timing=timing)

@@ -1,0 +1,247 @@
+"""Host store: each streamed block's tensors packed into one contiguous host buffer.
+
+A block's parameters and buffers are grouped by the storage they live in; the byte span of each storage that
+the block uses is copied once to an aligned offset of the block's buffer. Shapes, strides, dtypes, views and
+weights tied inside the block are rebuilt from that layout with `as_strided`, so transposed and
+non-contiguous parameters come back exactly as they were. After packing, the block's tensors are rebound to
+empty placeholders (Parameter objects keep their identity) and the original storage is free to go, so host
+memory never holds two copies of the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+ALIGN_BYTES = 64
+"""Offset alignment of each storage span inside a block buffer (cache line; keeps vector kernels aligned)."""
+_SPAN_START_ALIGN = 16  # a span starts at a multiple of the largest element size, so every dtype can view it
+
+
+def align_up(n: int, alignment: int = ALIGN_BYTES) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor of a block lives inside the block's buffer."""
+
+    module: nn.Module
+    name: str
+    is_param: bool
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    element_offset: int
+    """Offset of the tensor's first element from the start of the block buffer, in elements of `dtype`."""
+    span_index: int
+    """Which storage span of the block the tensor lives in (tensors sharing a span are views of one storage)."""
+
+
+def tensor_byte_extent(t: torch.Tensor) -> tuple[int, int]:
+    """[start, end) bytes of a tensor inside its untyped storage."""
+    itemsize = t.element_size()
+    start = t.storage_offset() * itemsize
+    if t.numel() == 0:
+        return start, start
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * itemsize
+
+
+def iter_block_tensors(block: nn.Module):
+    """(module, name, tensor, is_param) for every parameter and buffer of a block, tied ones once per owner."""
+    for module in block.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                yield module, name, param, True
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                yield module, name, buf, False
+
+
+class BlockLayout:
+    """The packed layout of one block: its entries and the byte spans copied from the original storages."""
+
+    def __init__(self, path: str, block: nn.Module):
+        self.path = path
+        self.block = block
+        self.entries: list[TensorEntry] = []
+        # (source tensor giving access to the storage, source byte start, length, destination byte offset)
+        self._spans: list[tuple[torch.Tensor, int, int, int]] = []
+        by_storage: dict[tuple[str, int], list[tuple[nn.Module, str, torch.Tensor, bool]]] = {}
+        for module, name, tensor, is_param in iter_block_tensors(block):
+            if tensor.device.type == "meta":
+                raise ValueError(f"{path}: tensor {name!r} is on the meta device (weights not loaded)")
+            storage = tensor.untyped_storage()
+            key = (str(tensor.device), storage.data_ptr())
+            by_storage.setdefault(key, []).append((module, name, tensor, is_param))
+
+        offset = 0
+        for members in by_storage.values():
+            extents = [tensor_byte_extent(t) for _, _, t, _ in members]
+            start = min(s for s, _ in extents) // _SPAN_START_ALIGN * _SPAN_START_ALIGN
+            end = max(e for _, e in extents)
+            self._spans.append((members[0][2], start, end - start, offset))
+            for module, name, tensor, is_param in members:
+                itemsize = tensor.element_size()
+                byte_pos = offset + tensor.storage_offset() * itemsize - start
+                assert byte_pos % itemsize == 0
+                self.entries.append(
+                    TensorEntry(
+                        module=module,
+                        name=name,
+                        is_param=is_param,
+                        dtype=tensor.dtype,
+                        shape=tuple(tensor.shape),
+                        stride=tuple(tensor.stride()),
+                        element_offset=byte_pos // itemsize,
+                        span_index=len(self._spans) - 1,
+                    )
+                )
+            offset = align_up(offset + end - start)
+        self.nbytes = max(offset, ALIGN_BYTES)
+        """Bytes of the block's buffer (padded; every span at an aligned offset)."""
+        self.tensor_bytes = sum(n for _, _, n, _ in self._spans)
+        """Bytes actually used by the block's tensors (without alignment padding)."""
+
+    def source_spans(self) -> list[tuple[int, int, int]]:
+        return [(src_start, length, dst) for _, src_start, length, dst in self._spans]
+
+    def copy_sources_into(self, buffer: torch.Tensor) -> None:
+        """Copy every span of the original storages into `buffer` (a uint8 tensor of `nbytes`)."""
+        for src, src_start, length, dst in self._spans:
+            raw = torch.empty(0, dtype=torch.uint8, device=src.device)
+            raw.set_(src.untyped_storage(), src_start, (length,), (1,))
+            buffer[dst : dst + length].copy_(raw)
+
+    def forget_sources(self) -> None:
+        """Drop the references to the original storages so they can be freed."""
+        self._spans = [(None, s, n, d) for _, s, n, d in self._spans]  # type: ignore[misc]
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """One tensor per entry, viewing `buffer` (uint8, at least `nbytes`) with the original shape and strides."""
+        typed: dict[torch.dtype, torch.Tensor] = {}
+        out = []
+        for e in self.entries:
+            base = typed.get(e.dtype)
+            if base is None:
+                base = typed[e.dtype] = buffer.view(e.dtype)
+            out.append(torch.as_strided(base, e.shape, e.stride, base.storage_offset() + e.element_offset))
+        return out
+
+    def separate_copies(self, buffer: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+        """Like `views`, but every storage span gets fresh storage of its own on `device` (as before packing)."""
+        storages = [buffer[dst : dst + length].to(device, copy=True) for _, _, length, dst in self._spans]
+        out = []
+        for e in self.entries:
+            _, _, length, dst = self._spans[e.span_index]
+            itemsize = torch.empty(0, dtype=e.dtype).element_size()
+            typed = storages[e.span_index].view(torch.uint8)
+            # the span keeps its original length, which need not be a multiple of the item size: view a prefix
+            whole = length // itemsize * itemsize
+            base = typed[:whole].view(e.dtype) if whole else typed[:0].view(e.dtype)
+            out.append(torch.as_strided(base, e.shape, e.stride, e.element_offset - dst // itemsize))
+        return out
+
+
+class TensorBinder:
+    """Rebinds a block's tensors: parameters through `.data` (identity kept), buffers by assignment."""
+
+    def __init__(self, layout: BlockLayout, device: torch.device):
+        self.layout = layout
+        self._placeholders: dict[torch.dtype, torch.Tensor] = {}
+        params: dict[int, int] = {}
+        self._param_slots: list[tuple[nn.Parameter, int]] = []
+        self._buffer_slots: list[tuple[dict, str, int]] = []
+        for i, e in enumerate(layout.entries):
+            if e.is_param:
+                param = e.module._parameters[e.name]
+                if id(param) not in params:  # a parameter tied inside the block is rebound once
+                    params[id(param)] = i
+                    self._param_slots.append((param, i))
+            else:
+                self._buffer_slots.append((e.module._buffers, e.name, i))
+        # empty tensors of each dtype on the compute device: any read of an evicted weight fails on its shape
+        placeholder_for = {}
+        for e in layout.entries:
+            if e.dtype not in placeholder_for:
+                placeholder_for[e.dtype] = torch.empty(0, dtype=e.dtype, device=device)
+        self._placeholder_list = [placeholder_for[e.dtype] for e in layout.entries]
+
+    def bind_(self, views: list[torch.Tensor]) -> None:
+        for param, i in self._param_slots:
+            param.data = views[i]
+        for buffers, name, i in self._buffer_slots:
+            buffers[name] = views[i]
+
+    def evict_(self) -> None:
+        self.bind_(self._placeholder_list)
+
+
+def pin_buffer_(buffer: torch.Tensor) -> bool:
+    """Page-lock a host buffer in place (exact size: no power-of-two rounding). Returns True if pinned."""
+    if not torch.cuda.is_available():
+        return False
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
+    ok = int(err) == 0 if not isinstance(err, tuple) else int(err[0]) == 0
+    if not ok:
+        logger.warning("cudaHostRegister failed (%s); block buffer stays pageable", err)
+    return ok
+
+
+def unpin_buffer_(buffer: torch.Tensor) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
+class HostBlock:
+    """One streamed block: its layout, its packed host buffer and its binder."""
+
+    def __init__(self, layout: BlockLayout, binder: TensorBinder, buffer: torch.Tensor, pinned: bool):
+        self.layout = layout
+        self.binder = binder
+        self.buffer = buffer
+        self.pinned = pinned
+
+    @property
+    def path(self) -> str:
+        return self.layout.path
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    @property
+    def host_bytes(self) -> int:
+        return self.buffer.numel()
+
+    def release_(self) -> None:
+        if self.pinned:
+            unpin_buffer_(self.buffer)
+            self.pinned = False
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+
+def pack_block_(layout: BlockLayout, device: torch.device, *, pin=None) -> HostBlock:
+    """Copy a block's tensors into one host buffer and evict the block to placeholders.
+
+    `pin` is the copy engine's page-locking function (None keeps the buffer pageable)."""
+    buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+    layout.copy_sources_into(buffer)
+    pinned = bool(pin(buffer)) if pin is not None else False
+    binder = TensorBinder(layout, device)
+    binder.evict_()
+    layout.forget_sources()  # the block's original storage is freed here, before the next block is packed
+    return HostBlock(layout, binder, buffer, pinned)
+
+
+def restore_block_(host_block: HostBlock, device: torch.device) -> None:
+    """Give a block real tensors again on `device` (fresh storage, same layout) and free its host buffer."""
+    host_block.binder.bind_(host_block.layout.separate_copies(host_block.buffer, device))
+    host_block.release_()

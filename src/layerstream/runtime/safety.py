@@ -1,0 +1,84 @@
+"""Checks `enable_offload` runs before it touches anything."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from layerstream.runtime.errors import OffloadError
+from layerstream.runtime.host_store import tensor_byte_extent
+
+
+def check_no_foreign_offload(pipeline_class: str, components: dict[str, nn.Module]) -> None:
+    """Refuse modules already managed by diffusers or accelerate offload hooks."""
+    for path, root in components.items():
+        for name, module in root.named_modules(prefix=path):
+            if getattr(module, "_hf_hook", None) is not None:
+                raise OffloadError(
+                    f"{pipeline_class}: {name or '<model>'} carries an accelerate hook (e.g. from "
+                    "enable_model_cpu_offload or device_map); remove it before enabling layerstream offload"
+                )
+            registry = getattr(module, "_diffusers_hook", None)
+            if registry is not None and getattr(registry, "hooks", None):
+                raise OffloadError(
+                    f"{pipeline_class}: {name or '<model>'} carries diffusers hooks ({', '.join(registry.hooks)}); "
+                    "remove group offloading or other hooks before enabling layerstream offload"
+                )
+
+
+def check_no_shared_block_tensors(
+    pipeline_class: str, components: dict[str, nn.Module], stream_modules: dict[str, nn.Module]
+) -> None:
+    """A streamed block's bytes must belong to that block alone: a weight shared with a resident module or
+    with another block would be read through a placeholder (or overwritten in a slot) while the other runs."""
+    owner_of_module: dict[int, str] = {}
+    for path, module in stream_modules.items():
+        for sub in module.modules():
+            owner_of_module[id(sub)] = path
+    intervals: dict[tuple[str, int], list[tuple[int, int, str | None, str]]] = {}
+    for comp_path, root in components.items():
+        for path, module in _walk(root, comp_path, owner_of_module):
+            owner = _owner(path, module, stream_modules, owner_of_module)
+            for kind in (module._parameters, module._buffers):
+                for name, t in kind.items():
+                    if t is None or t.device.type == "meta" or t.numel() == 0:
+                        continue
+                    key = (str(t.device), t.untyped_storage().data_ptr())
+                    start, end = tensor_byte_extent(t)
+                    intervals.setdefault(key, []).append((start, end, owner, f"{path}.{name}" if path else name))
+    for spans in intervals.values():
+        if len(spans) < 2 or all(owner is None for _, _, owner, _ in spans):
+            continue
+        spans.sort()
+        active: list[tuple[int, str | None, str]] = []
+        for start, end, owner, name in spans:
+            active = [a for a in active if a[0] > start]
+            for _, other_owner, other_name in active:
+                if other_owner != owner:
+                    raise OffloadError(
+                        f"{pipeline_class}: {name} shares memory with {other_name}; a weight shared between a "
+                        "streamed block and another module cannot be streamed safely. Untie it, keep that DiT "
+                        "resident, or declare block lists that keep shared weights outside streamed blocks"
+                    )
+            active.append((end, owner, name))
+
+
+def _walk(root: nn.Module, root_path: str, owner_of_module):
+    stack = [(root_path, root)]
+    while stack:
+        path, module = stack.pop()
+        yield path, module
+        for name, child in module._modules.items():
+            if child is not None:
+                stack.append((f"{path}.{name}" if path else name, child))
+
+
+def _owner(path: str, module: nn.Module, stream_modules, owner_of_module) -> str | None:
+    """The streamed block whose subtree this occurrence sits in (by path, so a module reachable both inside
+    and outside a block counts as outside at its outside occurrence)."""
+    probe = path
+    while True:
+        if probe in stream_modules:
+            return probe
+        if "." not in probe:
+            return None
+        probe = probe.rsplit(".", 1)[0]

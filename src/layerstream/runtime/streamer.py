@@ -1,0 +1,302 @@
+"""The block streamer: hooks that keep each streamed block in a device slot only while it runs.
+
+Pre-forward makes sure the block's bytes are in a slot (a synchronous load if they were not prefetched), binds
+the block's tensors to views of that slot and starts copying the block predicted to run next. Post-forward
+releases the slot and rebinds the block to empty placeholders. Predictions start from the declared order
+(the last block of a chain predicts the first, for the next step or request) and follow the order blocks
+actually run in, learned from every observed transition.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from layerstream.runtime.copy_engine import CopyRecord
+from layerstream.runtime.errors import ConcurrentUseError
+from layerstream.runtime.host_store import HostBlock
+
+MAX_TRACE_RECORDS = 200_000
+RELEARN_AFTER = 2
+"""A learned successor is replaced after the same new successor is seen this many times in a row, so a one-off
+detour (the end of a request, a skipped block) does not unlearn the usual order."""
+
+
+@dataclass
+class ComputeRecord:
+    """One run of a block: when compute waited, started and ended (seconds on the engine's clock)."""
+
+    label: str
+    slot: int
+    wait_start: float
+    start: float
+    end: float = 0.0
+    sync_load: bool = False
+
+
+class BlockCounters:
+    """Transfer counters of one component (plain ints: updated on the hot path)."""
+
+    __slots__ = ("bytes_transferred", "num_transfers", "num_sync_loads", "stall_seconds")
+
+    def __init__(self):
+        self.bytes_transferred = 0
+        self.num_transfers = 0
+        self.num_sync_loads = 0
+        self.stall_seconds = 0.0
+
+
+class StreamedBlock:
+    __slots__ = (
+        "index",
+        "host",
+        "component",
+        "module",
+        "counters",
+        "next_index",
+        "learned",
+        "candidate",
+        "candidate_hits",
+        "slot",
+        "views",
+        "num_transfers",
+        "depth",
+    )
+
+    def __init__(self, index: int, host: HostBlock, component: str, module: nn.Module, counters: BlockCounters, depth: int):
+        self.index = index
+        self.host = host
+        self.component = component
+        self.module = module
+        self.counters = counters
+        self.next_index = index  # set from the chain order, then learned
+        self.learned = False  # whether next_index comes from an observed transition
+        self.candidate = -1  # a different successor seen lately, and how many times in a row
+        self.candidate_hits = 0
+        self.slot: int | None = None  # slot holding (or receiving) this block's bytes
+        self.views: dict[int, list[torch.Tensor]] = {}  # slot -> views of that slot, built once
+        self.num_transfers = 0
+        self.depth = depth
+
+    @property
+    def path(self) -> str:
+        return self.host.path
+
+
+class BlockStreamer:
+    """Schedules the slot ring for every streamed block of a pipeline (all components share the slots)."""
+
+    def __init__(self, blocks: list[StreamedBlock], chains: list[list[int]], engine, slot_buffers: list[torch.Tensor]):
+        self.blocks = blocks
+        self.engine = engine
+        self.slot_buffers = slot_buffers
+        self.num_slots = len(slot_buffers)
+        self.slot_block: list[int | None] = [None] * self.num_slots
+        self.slot_in_use = [False] * self.num_slots
+        self.slot_tick = [0] * self.num_slots
+        self._tick = 0
+        for chain in chains:
+            for pos, index in enumerate(chain):
+                blocks[index].next_index = chain[(pos + 1) % len(chain)]
+        self._last_index: int | None = None
+        self.num_materialized = 0
+        self.max_materialized = 0
+        self.compute_records: deque[ComputeRecord] = deque(maxlen=MAX_TRACE_RECORDS)
+        self._owner: int | None = None
+        self._owner_depth = 0
+        self._owner_lock = threading.Lock()
+        self._active: dict[int, ComputeRecord] = {}
+        self.on_materialize = None  # test hook: called with the streamer after each block is bound
+
+    # ownership: one thread at a time may run the streamed models (they share the slots) ---------------------
+    def enter(self) -> None:
+        me = threading.get_ident()
+        with self._owner_lock:
+            if self._owner is None:
+                self._owner, self._owner_depth = me, 1
+            elif self._owner == me:
+                self._owner_depth += 1
+            else:
+                raise ConcurrentUseError(
+                    "a streamed model is already running in another thread; layerstream runs one forward at a "
+                    "time per pipeline (serialize calls, e.g. with a queue or a lock)"
+                )
+
+    def exit(self) -> None:
+        with self._owner_lock:
+            if self._owner == threading.get_ident():
+                self._owner_depth -= 1
+                if self._owner_depth <= 0:
+                    self._owner, self._owner_depth = None, 0
+
+    def _check_owner(self) -> None:
+        owner = self._owner
+        if owner is not None and owner != threading.get_ident():
+            raise ConcurrentUseError("a streamed block was called from a second thread while another thread runs the model")
+
+    # hooks ---------------------------------------------------------------------------------------------------
+    def pre_forward(self, block: StreamedBlock) -> None:
+        self._check_owner()
+        index = block.index
+        last = self._last_index
+        if last is not None and last != index:
+            self._learn(last, index)
+        self._last_index = index
+
+        sync_load = False
+        wait_start = self.engine.now()
+        slot = block.slot
+        if slot is None:
+            sync_load = True
+            block.counters.num_sync_loads += 1
+            slot = self._free_slot(keep=())
+            self._issue_copy(block, slot)
+        block.counters.stall_seconds += self.engine.wait_ready(slot)
+        self.slot_in_use[slot] = True
+        self._tick += 1
+        self.slot_tick[slot] = self._tick
+
+        views = block.views.get(slot)
+        if views is None:
+            views = block.views[slot] = block.host.layout.views(self.slot_buffers[slot])
+        block.host.binder.bind_(views)
+        self.num_materialized += 1
+        if self.num_materialized > self.max_materialized:
+            self.max_materialized = self.num_materialized
+        record = ComputeRecord(block.path, slot, wait_start, self.engine.now(), sync_load=sync_load)
+        self._active[index] = record
+        self.compute_records.append(record)
+        if self.on_materialize is not None:
+            self.on_materialize(self)
+
+        self._prefetch_after(block)
+
+    def post_forward(self, block: StreamedBlock, output) -> None:
+        record = self._active.pop(block.index, None)
+        if record is None:
+            return  # pre-forward failed before binding (e.g. refused thread): nothing to release
+        record.end = self.engine.now()
+        slot = block.slot
+        block.host.binder.evict_()
+        self.num_materialized -= 1
+        if slot is not None:
+            self.slot_in_use[slot] = False
+            self.engine.release(slot)
+        if output is None and sys.exc_info()[1] is not None:
+            # the block raised: do not learn the next transition from an aborted forward
+            self._last_index = None
+
+    # scheduling ----------------------------------------------------------------------------------------------
+    def _learn(self, last: int, index: int) -> None:
+        prev = self.blocks[last]
+        if prev.next_index == index:
+            prev.learned = True
+            prev.candidate_hits = 0
+        elif not prev.learned:
+            prev.next_index, prev.learned = index, True  # the first observation replaces the declared guess
+        elif prev.candidate == index:
+            prev.candidate_hits += 1
+            if prev.candidate_hits >= RELEARN_AFTER:
+                prev.next_index, prev.candidate_hits = index, 0
+        else:
+            prev.candidate, prev.candidate_hits = index, 1
+
+    def _prefetch_after(self, block: StreamedBlock) -> None:
+        wanted = []
+        index = block.index
+        for _ in range(block.depth):
+            index = self.blocks[index].next_index
+            if index == block.index or index in wanted:
+                break
+            wanted.append(index)
+        keep = tuple(wanted) + (block.index,)
+        for index in wanted:
+            target = self.blocks[index]
+            if target.slot is None:
+                slot = self._free_slot(keep=keep)
+                if slot is None:
+                    return
+                self._issue_copy(target, slot)
+
+    def _free_slot(self, keep: tuple[int, ...]) -> int | None:
+        """The least recently used slot that compute is not reading and that holds no block in `keep`."""
+        best = None
+        for slot in range(self.num_slots):
+            if self.slot_in_use[slot]:
+                continue
+            occupant = self.slot_block[slot]
+            if occupant is not None and occupant in keep:
+                continue
+            if occupant is None:
+                return slot
+            if best is None or self.slot_tick[slot] < self.slot_tick[best]:
+                best = slot
+        if best is None and not keep:
+            raise RuntimeError(
+                f"all {self.num_slots} device slots are in use by running blocks; nested streamed blocks need a "
+                "larger prefetch_depth"
+            )
+        return best
+
+    def _issue_copy(self, block: StreamedBlock, slot: int) -> None:
+        occupant = self.slot_block[slot]
+        if occupant is not None:
+            self.blocks[occupant].slot = None
+        self.slot_block[slot] = block.index
+        block.slot = slot
+        self._tick += 1
+        self.slot_tick[slot] = self._tick
+        nbytes = block.host.nbytes
+        block.num_transfers += 1
+        block.counters.num_transfers += 1
+        block.counters.bytes_transferred += nbytes
+        self.engine.copy_into(slot, _copy_job(self.slot_buffers[slot], block.host.buffer, nbytes), CopyRecord(block.path, slot, nbytes))
+
+    def invalidate_slots(self) -> None:
+        """Forget what the slots hold (after the store changed under them)."""
+        for slot, occupant in enumerate(self.slot_block):
+            if occupant is not None:
+                self.blocks[occupant].slot = None
+            self.slot_block[slot] = None
+
+
+def _copy_job(slot_buffer: torch.Tensor, host_buffer: torch.Tensor, nbytes: int):
+    destination = slot_buffer[:nbytes]
+
+    def job() -> int:
+        destination.copy_(host_buffer, non_blocking=True)  # one contiguous copy per block
+        return nbytes
+
+    return job
+
+
+def install_block_hooks(streamer: BlockStreamer, block: StreamedBlock) -> list:
+    def pre_hook(module, args):
+        streamer.pre_forward(block)
+
+    def post_hook(module, args, output):
+        streamer.post_forward(block, output)
+
+    return [
+        block.module.register_forward_pre_hook(pre_hook),
+        # always_call: the slot is released and the block evicted even when the block raises
+        block.module.register_forward_hook(post_hook, always_call=True),
+    ]
+
+
+def install_root_hooks(streamer: BlockStreamer, module: nn.Module) -> list:
+    def pre_hook(module, args):
+        streamer.enter()
+
+    def post_hook(module, args, output):
+        streamer.exit()
+
+    return [
+        module.register_forward_pre_hook(pre_hook),
+        module.register_forward_hook(post_hook, always_call=True),
+    ]

@@ -1,0 +1,643 @@
+"""`parse_offload_config`: accepted inputs, defaults, immutability, and every rejection."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import pickle
+import re
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from layerstream.config.offload_config import (
+    LAYER_COMPONENTS,
+    MODULE_COMPONENTS,
+    LayerOptions,
+    OffloadConfig,
+    OffloadConfigError,
+    parse_offload_config,
+)
+
+DIT = {"mode": "layer", "components": ["dit"]}
+
+
+def with_dit_options(**options):
+    return {"mode": "layer", "components": ["dit"], "layer_options": {"dit": options}}
+
+
+def assert_rejected(obj, key_path: str, value_text: str, *allowed: str) -> OffloadConfigError:
+    """The parse fails with OffloadConfigError naming the key path, the value seen and what is allowed."""
+    with pytest.raises(OffloadConfigError) as info:
+        parse_offload_config(obj)
+    err = info.value
+    message = str(err)
+    assert isinstance(err, ValueError)
+    assert err.key_path == key_path
+    assert f"{key_path} = " in message, message
+    assert value_text in message, message
+    for text in allowed:
+        assert text in message, message
+    return err
+
+
+# --- accepted input ---------------------------------------------------------------------------------------
+
+
+def test_error_is_a_value_error():
+    assert issubclass(OffloadConfigError, ValueError)
+
+
+def test_minimal_dict_gives_safe_defaults():
+    config = parse_offload_config(DIT)
+    assert isinstance(config, OffloadConfig)
+    assert config.mode == "layer"
+    assert config.components == ("dit",)
+    assert config.pin_memory is True
+    assert dict(config.layer_options) == {}
+    options = config.options_for("dit")
+    assert options == LayerOptions()
+    assert options.weight_transfer == "rank-local"
+    assert options.resident_layers == 0
+    assert options.prefetch_depth == 1
+    assert options.device_budget_gb is None
+    assert options.activation_reserve_gb is None
+
+
+@pytest.mark.parametrize("as_type", [str, bytes, bytearray])
+def test_json_text_parses_like_the_dict(as_type):
+    obj = {
+        "mode": "layer",
+        "components": ["dit", "text_encoder"],
+        "layer_options": {"dit": {"resident_layers": 2}, "text_encoder": {"weight_transfer": "allgather"}},
+        "pin_memory": False,
+    }
+    text = json.dumps(obj)
+    payload = text if as_type is str else as_type(text.encode("utf-8"))
+    assert parse_offload_config(payload) == parse_offload_config(obj)
+
+
+def test_full_layer_config():
+    config = parse_offload_config(
+        {
+            "mode": "layer",
+            "components": ["text_encoder", "dit"],
+            "layer_options": {
+                "dit": {"weight_transfer": "allgather", "resident_layers": "auto", "prefetch_depth": 3, "device_budget_gb": 20},
+                "text_encoder": {"prefetch_depth": 2},
+            },
+            "pin_memory": False,
+        }
+    )
+    assert config.components == ("text_encoder", "dit")  # order as given
+    assert config.pin_memory is False
+    dit = config.options_for("dit")
+    assert dit.weight_transfer == "allgather"
+    assert dit.resident_layers == "auto"
+    assert dit.prefetch_depth == 3
+    assert dit.device_budget_gb == 20.0 and isinstance(dit.device_budget_gb, float)
+    assert dit.activation_reserve_gb is None
+    text_encoder = config.options_for("text_encoder")
+    assert text_encoder == LayerOptions(prefetch_depth=2)
+
+
+def test_activation_reserve_with_auto():
+    config = parse_offload_config(with_dit_options(resident_layers="auto", activation_reserve_gb=0))
+    assert config.options_for("dit").activation_reserve_gb == 0.0
+    assert config.options_for("dit").device_budget_gb is None
+
+
+def test_auto_without_budget_or_reserve_is_accepted():
+    assert parse_offload_config(with_dit_options(resident_layers="auto")).options_for("dit").resident_layers == "auto"
+
+
+@pytest.mark.parametrize("depth", [1, 8])
+def test_prefetch_depth_bounds_are_inclusive(depth):
+    assert parse_offload_config(with_dit_options(prefetch_depth=depth)).options_for("dit").prefetch_depth == depth
+
+
+def test_module_mode_accepts_vae():
+    config = parse_offload_config({"mode": "module", "components": ["dit", "text_encoder", "vae"]})
+    assert config.mode == "module"
+    assert config.components == ("dit", "text_encoder", "vae")
+
+
+def test_an_offload_config_passes_through():
+    config = parse_offload_config(DIT)
+    assert parse_offload_config(config) is config
+
+
+def test_empty_layer_options_object_is_accepted():
+    assert dict(parse_offload_config({**DIT, "layer_options": {}}).layer_options) == {}
+
+
+def test_parsing_does_not_alias_the_input():
+    obj = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"resident_layers": 1}}}
+    config = parse_offload_config(obj)
+    obj["components"].append("text_encoder")
+    obj["layer_options"]["dit"]["resident_layers"] = 5
+    obj["layer_options"]["text_encoder"] = {}
+    assert config.components == ("dit",)
+    assert config.options_for("dit").resident_layers == 1
+    assert "text_encoder" not in config.layer_options
+
+
+# --- immutability -----------------------------------------------------------------------------------------
+
+
+def test_config_is_frozen():
+    config = parse_offload_config(with_dit_options(resident_layers=1))
+    assert dataclasses.is_dataclass(config)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.mode = "module"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.pin_memory = False
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.options_for("dit").resident_layers = 3
+    assert isinstance(config.components, tuple)
+
+
+def test_layer_options_mapping_cannot_be_mutated():
+    config = parse_offload_config(with_dit_options(resident_layers=1))
+    with pytest.raises(TypeError):
+        config.layer_options["dit"] = LayerOptions()
+    with pytest.raises(TypeError):
+        del config.layer_options["dit"]
+    with pytest.raises(TypeError):
+        config.layer_options["text_encoder"] = LayerOptions()
+    assert not hasattr(config.layer_options, "pop")
+    assert config.options_for("dit").resident_layers == 1
+
+
+def test_directly_built_config_freezes_its_mapping():
+    options = {"dit": LayerOptions(resident_layers=2)}
+    config = OffloadConfig(mode="layer", components=["dit"], layer_options=options)
+    options["dit"] = LayerOptions()
+    assert config.options_for("dit").resident_layers == 2
+    assert config.components == ("dit",)
+    with pytest.raises(TypeError):
+        config.layer_options["dit"] = LayerOptions()
+
+
+def test_equal_configs_hash_equal():
+    a = parse_offload_config(with_dit_options(resident_layers=1))
+    b = parse_offload_config(json.dumps(with_dit_options(resident_layers=1)))
+    assert a == b and hash(a) == hash(b)
+    assert a != parse_offload_config(with_dit_options(resident_layers=2))
+    assert len({a, b}) == 1
+
+
+def test_config_survives_pickle_and_deepcopy():
+    config = parse_offload_config(
+        {"mode": "layer", "components": ["dit", "text_encoder"], "layer_options": {"dit": {"resident_layers": "auto"}}}
+    )
+    for clone in (pickle.loads(pickle.dumps(config)), copy.deepcopy(config), copy.copy(config)):
+        assert clone == config
+        with pytest.raises(TypeError):
+            clone.layer_options["dit"] = LayerOptions()
+
+
+# --- to_dict ----------------------------------------------------------------------------------------------
+
+ROUND_TRIP_CASES = [
+    DIT,
+    {"mode": "module", "components": ["vae", "dit"], "pin_memory": False},
+    {"mode": "layer", "components": ["dit", "text_encoder"], "layer_options": {"text_encoder": {"weight_transfer": "allgather"}}},
+    with_dit_options(resident_layers="auto", device_budget_gb=12.5, prefetch_depth=2),
+    with_dit_options(resident_layers="auto", activation_reserve_gb=3),
+    {
+        "mode": "layer",
+        "components": ["text_encoder", "dit"],
+        "layer_options": {"dit": {"resident_layers": 4}, "text_encoder": {"prefetch_depth": 8}},
+    },
+]
+
+
+@pytest.mark.parametrize("obj", ROUND_TRIP_CASES)
+def test_to_dict_round_trips(obj):
+    config = parse_offload_config(obj)
+    data = config.to_dict()
+    assert parse_offload_config(data) == config
+    assert parse_offload_config(json.dumps(data)) == config
+    assert json.loads(json.dumps(data)) == data  # plain JSON data
+
+
+def test_to_dict_fills_defaults():
+    data = parse_offload_config(with_dit_options(resident_layers=2)).to_dict()
+    assert data == {
+        "mode": "layer",
+        "components": ["dit"],
+        "pin_memory": True,
+        "layer_options": {"dit": {"weight_transfer": "rank-local", "resident_layers": 2, "prefetch_depth": 1}},
+    }
+
+
+# --- rejections -------------------------------------------------------------------------------------------
+
+
+def test_unknown_top_level_key():
+    err = assert_rejected({**DIT, "modes": "layer"}, "modes", "'layer'", "unknown key", '"mode"', '"layer_options"', '"pin_memory"')
+    assert err.value == "layer"
+
+
+@pytest.mark.parametrize("component", ["dit", "text_encoder"])
+def test_unknown_layer_option_key(component):
+    obj = {"mode": "layer", "components": [component], "layer_options": {component: {"prefetch": 2}}}
+    assert_rejected(obj, f"layer_options.{component}.prefetch", "2", "unknown key", '"weight_transfer"', '"prefetch_depth"')
+
+
+def test_unknown_dit_option_key_lists_dit_keys():
+    assert_rejected(
+        with_dit_options(resident=1), "layer_options.dit.resident", "1", '"resident_layers"', '"device_budget_gb"', '"activation_reserve_gb"'
+    )
+
+
+def test_missing_mode():
+    assert_rejected({"components": ["dit"]}, "mode", "None", "required", '"layer"', '"module"')
+
+
+@pytest.mark.parametrize("mode", ["stream", "Layer", "", 1, None, ["layer"], True])
+def test_invalid_mode(mode):
+    assert_rejected({"mode": mode, "components": ["dit"]}, "mode", repr(mode), '"layer"', '"module"')
+
+
+def test_missing_components():
+    assert_rejected({"mode": "layer"}, "components", "None", "required", '"dit"', '"text_encoder"')
+
+
+def test_missing_components_in_module_mode_lists_vae():
+    assert_rejected({"mode": "module"}, "components", "None", "required", '"dit"', '"text_encoder"', '"vae"')
+
+
+def test_empty_components():
+    assert_rejected({"mode": "layer", "components": []}, "components", "[]", "non-empty", '"dit"', '"text_encoder"')
+
+
+@pytest.mark.parametrize("components", ["dit", {"dit": True}, None, 3])
+def test_components_not_a_list(components):
+    assert_rejected({"mode": "layer", "components": components}, "components", repr(components), "list", '"dit"')
+
+
+def test_duplicate_components():
+    assert_rejected(
+        {"mode": "layer", "components": ["dit", "text_encoder", "dit"]}, "components[2]", "'dit'", "once", "components[0]"
+    )
+
+
+@pytest.mark.parametrize("entry", [1, None, ["dit"], {"name": "dit"}, True])
+def test_non_string_component(entry):
+    assert_rejected({"mode": "layer", "components": ["dit", entry]}, "components[1]", repr(entry), "string", '"dit"', '"text_encoder"')
+
+
+def test_unknown_component():
+    assert_rejected({"mode": "layer", "components": ["unet"]}, "components[0]", "'unet'", '"dit"', '"text_encoder"')
+
+
+def test_vae_is_unknown_in_layer_mode():
+    err = assert_rejected({"mode": "layer", "components": ["dit", "vae"]}, "components[1]", "'vae'", "'layer'", '"dit"', '"text_encoder"')
+    assert '"vae"' not in err.allowed
+
+
+def test_layer_options_for_unselected_component():
+    obj = {"mode": "layer", "components": ["dit"], "layer_options": {"text_encoder": {"prefetch_depth": 2}}}
+    assert_rejected(obj, "layer_options.text_encoder", "{'prefetch_depth': 2}", "selected components", '"dit"')
+
+
+def test_layer_options_for_unknown_component():
+    obj = {"mode": "layer", "components": ["dit"], "layer_options": {"vae": {}}}
+    assert_rejected(obj, "layer_options.vae", "{}", "selected components", '"dit"')
+
+
+def test_layer_options_in_module_mode():
+    obj = {"mode": "module", "components": ["dit"], "layer_options": {"dit": {"resident_layers": 1}}}
+    assert_rejected(obj, "layer_options", "{'dit': {'resident_layers': 1}}", '"layer"', "remove the key")
+
+
+@pytest.mark.parametrize("raw", [["dit"], "dit", 1, None])
+def test_layer_options_not_an_object(raw):
+    assert_rejected({**DIT, "layer_options": raw}, "layer_options", repr(raw), "object")
+
+
+@pytest.mark.parametrize("raw", [["resident_layers"], "auto", 1, None])
+def test_component_options_not_an_object(raw):
+    assert_rejected({**DIT, "layer_options": {"dit": raw}}, "layer_options.dit", repr(raw), "object")
+
+
+@pytest.mark.parametrize("key", ["resident_layers", "device_budget_gb", "activation_reserve_gb"])
+def test_dit_only_option_on_text_encoder(key):
+    obj = {"mode": "layer", "components": ["text_encoder"], "layer_options": {"text_encoder": {key: 1}}}
+    err = assert_rejected(obj, f"layer_options.text_encoder.{key}", "1", "only to dit", '"weight_transfer"', '"prefetch_depth"')
+    assert '"resident_layers"' not in err.allowed.split("allowed here:")[1]
+
+
+@pytest.mark.parametrize("value", [-1, True, False, "all", "AUTO", "", 1.0, 2.5, None, [1]])
+def test_invalid_resident_layers(value):
+    assert_rejected(with_dit_options(resident_layers=value), "layer_options.dit.resident_layers", repr(value), ">= 0", '"auto"')
+
+
+@pytest.mark.parametrize("value", ["nccl", "ALLGATHER", "", None, 1, True, ["allgather"]])
+def test_unknown_weight_transfer(value):
+    assert_rejected(with_dit_options(weight_transfer=value), "layer_options.dit.weight_transfer", repr(value), '"rank-local"', '"allgather"')
+
+
+def test_unknown_weight_transfer_on_text_encoder():
+    obj = {"mode": "layer", "components": ["text_encoder"], "layer_options": {"text_encoder": {"weight_transfer": "p2p"}}}
+    assert_rejected(obj, "layer_options.text_encoder.weight_transfer", "'p2p'", '"rank-local"', '"allgather"')
+
+
+@pytest.mark.parametrize("value", [1, 0, "true", "false", None, 1.0, []])
+def test_non_bool_pin_memory(value):
+    assert_rejected({**DIT, "pin_memory": value}, "pin_memory", repr(value), "true or false")
+
+
+@pytest.mark.parametrize("value", [0, 9, -1, 100, True, False, 1.0, "2", None])
+def test_invalid_prefetch_depth(value):
+    assert_rejected(with_dit_options(prefetch_depth=value), "layer_options.dit.prefetch_depth", repr(value), "1 to 8")
+
+
+@pytest.mark.parametrize("key", ["device_budget_gb", "activation_reserve_gb"])
+@pytest.mark.parametrize("value", [-1, -0.5, True, False, math.nan, math.inf, -math.inf, "4", None, [4], 10**400])
+def test_invalid_gb(key, value):
+    err = assert_rejected(
+        with_dit_options(resident_layers="auto", **{key: value}), f"layer_options.dit.{key}", repr(value)[:40], "finite", ">= 0"
+    )
+    assert err.value is value
+
+
+@pytest.mark.parametrize("key", ["device_budget_gb", "activation_reserve_gb"])
+@pytest.mark.parametrize("resident_layers", [None, 0, 3])
+def test_gb_without_auto(key, resident_layers):
+    options = {key: 8}
+    if resident_layers is not None:
+        options["resident_layers"] = resident_layers
+    assert_rejected(with_dit_options(**options), f"layer_options.dit.{key}", "8", "resident_layers \"auto\"")
+
+
+def test_budget_and_reserve_together():
+    obj = with_dit_options(resident_layers="auto", device_budget_gb=20, activation_reserve_gb=4)
+    assert_rejected(obj, "layer_options.dit.activation_reserve_gb", "4", "device_budget_gb", "not both")
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"mode": "layer", "components": ["dit"]', '{"mode": "layer",\n "components": [dit]}', "", "{'mode': 'layer'}", '{"a": 1} x'],
+)
+def test_malformed_json_reports_the_position(text):
+    with pytest.raises(json.JSONDecodeError) as expected:
+        json.loads(text)
+    e = expected.value
+    err = assert_rejected(text, "<json>", repr(text)[:40], "JSON", e.msg)
+    assert f"line {e.lineno} column {e.colno} (char {e.pos})" in str(err)
+    assert isinstance(err.__cause__, json.JSONDecodeError)
+
+
+def test_malformed_json_on_a_later_line():
+    text = '{\n  "mode": "layer",\n  "components": ["dit",]\n}'
+    err = assert_rejected(text, "<json>", "'{", "JSON")
+    assert "line 3 column" in str(err)
+
+
+@pytest.mark.parametrize("data", [b"\xff\xfe\xfa", bytearray(b"{\"mode\": \"\xff\"}")])
+def test_undecodable_bytes(data):
+    assert_rejected(data, "<json>", "", "JSON")
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000, "1" * 5_000, '{"mode": ' + "9" * 5_000 + "}"])
+def test_json_past_python_limits_is_a_config_error(text):
+    assert_rejected(text, "<json>", repr(text)[:40], "JSON")
+
+
+@pytest.mark.parametrize("text", ["[]", '["dit"]', "null", "1", '"layer"', "true", "1.5"])
+def test_json_value_that_is_not_an_object(text):
+    value = json.loads(text)
+    assert_rejected(text, "<root>", repr(value), "JSON object", "mode", "components")
+
+
+@pytest.mark.parametrize("obj", [None, ["mode", "layer"], 3, ("layer",)])
+def test_python_value_that_is_not_a_mapping(obj):
+    assert_rejected(obj, "<root>", repr(obj), "JSON object")
+
+
+@pytest.mark.parametrize(
+    ("obj", "key_path"),
+    [
+        ({**DIT, "": 1}, '[""]'),
+        ({**DIT, "pin.memory": 1}, '["pin.memory"]'),
+        ({**DIT, 7: 1}, "[7]"),
+        ({**DIT, "layer_options": {"dit": {"": 1}}}, 'layer_options.dit[""]'),
+        ({**DIT, "layer_options": {"dit.x": {}}}, 'layer_options["dit.x"]'),
+    ],
+)
+def test_odd_keys_are_quoted_in_the_key_path(obj, key_path):
+    assert_rejected(obj, key_path, "")
+
+
+def test_long_values_are_shortened_in_the_message():
+    err = assert_rejected({**DIT, "pin_memory": "x" * 500}, "pin_memory", "'xxxx", "true or false")
+    assert len(str(err)) < 200
+    assert err.value == "x" * 500  # the full value stays on the exception
+
+
+# --- properties -------------------------------------------------------------------------------------------
+
+json_scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
+arbitrary_json = st.recursive(
+    json_scalars,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    max_leaves=20,
+)
+
+
+def _vocabulary(values):
+    return st.sampled_from(values) | arbitrary_json
+
+
+option_keys = {
+    "weight_transfer": _vocabulary(["rank-local", "allgather"]),
+    "resident_layers": _vocabulary(["auto", 0, 1, 3, -1]),
+    "prefetch_depth": _vocabulary([1, 2, 8, 0, 9]),
+    "device_budget_gb": _vocabulary([0, 4.5, 24, -1.0]),
+    "activation_reserve_gb": _vocabulary([0, 2, 4.0]),
+}
+real_components = st.sampled_from(["dit", "text_encoder", "vae"])
+layer_option_values = st.fixed_dictionaries({}, optional=option_keys) | arbitrary_json
+components_values = (
+    st.lists(real_components, min_size=1, max_size=3, unique=True)
+    | st.lists(real_components | arbitrary_json, max_size=4)
+    | arbitrary_json
+)
+layer_options_values = (
+    st.dictionaries(real_components, st.fixed_dictionaries({}, optional=option_keys), max_size=2)
+    | st.dictionaries(real_components | st.text(max_size=6), layer_option_values, max_size=3)
+    | arbitrary_json
+)
+
+
+@st.composite
+def valid_configs(draw):
+    """Configs the documentation says are valid."""
+    mode = draw(st.sampled_from(["layer", "module"]))
+    allowed = LAYER_COMPONENTS if mode == "layer" else MODULE_COMPONENTS
+    components = draw(st.lists(st.sampled_from(allowed), min_size=1, unique=True))
+    obj = {"mode": mode, "components": components}
+    if draw(st.booleans()):
+        obj["pin_memory"] = draw(st.booleans())
+    if mode == "layer" and draw(st.booleans()):
+        layer_options = {}
+        for name in draw(st.lists(st.sampled_from(components), unique=True)):
+            options = draw(
+                st.fixed_dictionaries(
+                    {},
+                    optional={
+                        "weight_transfer": st.sampled_from(["rank-local", "allgather"]),
+                        "prefetch_depth": st.integers(1, 8),
+                    },
+                )
+            )
+            if name == "dit" and draw(st.booleans()):
+                options["resident_layers"] = draw(st.integers(0, 100) | st.just("auto"))
+                if options["resident_layers"] == "auto":
+                    gb = st.integers(0, 200) | st.floats(0, 1e6, allow_nan=False, allow_infinity=False)
+                    extra = draw(st.sampled_from([None, "device_budget_gb", "activation_reserve_gb"]))
+                    if extra:
+                        options[extra] = draw(gb)
+            layer_options[name] = options
+        obj["layer_options"] = layer_options
+    return obj
+
+
+# Built from the real vocabulary so that accepted configs are generated often, with every key and value
+# sometimes replaced by arbitrary JSON, and sometimes missing or joined by a key the parser does not know.
+near_valid_configs = valid_configs() | st.fixed_dictionaries(
+    {"mode": _vocabulary(["layer", "module"]), "components": components_values},
+    optional={"layer_options": layer_options_values, "pin_memory": _vocabulary([True, False])},
+) | st.fixed_dictionaries(
+    {},
+    optional={
+        "mode": _vocabulary(["layer", "module"]),
+        "components": components_values,
+        "layer_options": layer_options_values,
+        "pin_memory": _vocabulary([True, False]),
+        "extra": arbitrary_json,
+    },
+)
+config_like = near_valid_configs | arbitrary_json
+
+PROPERTY_SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _parse_or_config_error(obj):
+    try:
+        result = parse_offload_config(obj)
+    except OffloadConfigError as e:
+        assert isinstance(e.key_path, str) and e.key_path
+        assert e.key_path in str(e)
+        return None
+    assert isinstance(result, OffloadConfig)
+    return result
+
+
+@PROPERTY_SETTINGS
+@given(config_like)
+def test_arbitrary_json_objects_parse_or_raise_config_error(obj):
+    _parse_or_config_error(obj)
+
+
+@PROPERTY_SETTINGS
+@given(config_like)
+def test_arbitrary_json_text_parses_or_raises_config_error(obj):
+    text = json.dumps(obj)
+    from_text = _parse_or_config_error(text)
+    _parse_or_config_error(text.encode("utf-8"))
+    if not any(isinstance(v, float) and math.isnan(v) for v in _leaves(obj)):  # NaN != NaN breaks equality
+        from_object = _parse_or_config_error(obj)
+        assert from_text == from_object
+
+
+@PROPERTY_SETTINGS
+@given(st.text(max_size=60) | st.binary(max_size=60))
+def test_arbitrary_text_parses_or_raises_config_error(text):
+    _parse_or_config_error(text)
+
+
+@PROPERTY_SETTINGS
+@given(near_valid_configs)
+def test_accepted_configs_hold_their_invariants(obj):
+    config = _parse_or_config_error(obj)
+    if config is None:
+        return
+    assert config.mode in ("layer", "module")
+    allowed = LAYER_COMPONENTS if config.mode == "layer" else MODULE_COMPONENTS
+    assert isinstance(config.components, tuple) and config.components
+    assert len(set(config.components)) == len(config.components)
+    assert set(config.components) <= set(allowed)
+    assert isinstance(config.pin_memory, bool)
+    assert set(config.layer_options) <= set(config.components)
+    if config.mode == "module":
+        assert not config.layer_options
+    for name in config.components:
+        options = config.options_for(name)
+        assert options.weight_transfer in ("rank-local", "allgather")
+        assert type(options.prefetch_depth) is int and 1 <= options.prefetch_depth <= 8
+        assert options.resident_layers == "auto" or (type(options.resident_layers) is int and options.resident_layers >= 0)
+        if name != "dit":
+            assert options.resident_layers == 0
+        budgets = [g for g in (options.device_budget_gb, options.activation_reserve_gb) if g is not None]
+        assert len(budgets) <= 1
+        if budgets:
+            assert options.resident_layers == "auto"
+            assert math.isfinite(budgets[0]) and budgets[0] >= 0
+    # Accepted configs survive a round trip through their own report.
+    assert parse_offload_config(config.to_dict()) == config
+    assert parse_offload_config(json.dumps(config.to_dict())) == config
+
+
+@PROPERTY_SETTINGS
+@given(valid_configs())
+def test_documented_valid_configs_are_accepted_as_given(obj):
+    config = parse_offload_config(obj)
+    assert config.mode == obj["mode"]
+    assert config.components == tuple(obj["components"])
+    assert config.pin_memory is obj.get("pin_memory", True)
+    assert set(config.layer_options) == set(obj.get("layer_options", {}))
+    for name, given_options in obj.get("layer_options", {}).items():
+        options = config.options_for(name)
+        for key, value in given_options.items():
+            assert getattr(options, key) == value
+    assert parse_offload_config(json.dumps(obj)) == config
+
+
+def test_property_strategy_produces_valid_configs():
+    """Guards the strategy itself: the invariants test above must see accepted configs, not only errors."""
+    accepted = []
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(near_valid_configs)
+    def collect(obj):
+        try:
+            accepted.append(parse_offload_config(obj))
+        except OffloadConfigError:
+            pass
+
+    collect()
+    assert len(accepted) >= 10
+    assert any(config.layer_options for config in accepted)
+
+
+def _leaves(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _leaves(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _leaves(v)
+    else:
+        yield obj
+
+
+def test_message_format_is_stable():
+    err = assert_rejected({**DIT, "pin_memory": 1}, "pin_memory", "1")
+    assert re.fullmatch(r"diffusion_offload_config: pin_memory = 1 is not valid; expected true or false", str(err))

@@ -1,0 +1,133 @@
+"""The accelerator engine's protocol, checked on CPU against a recording stand-in for streams and events."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from layerstream import enable_offload
+from layerstream.runtime.copy_engine import AcceleratorCopyEngine
+from runtime_toys import ToyDiT, run
+
+
+class Recorder:
+    """Stands in for torch.cuda: streams, events and host registration, logging every call in order."""
+
+    def __init__(self):
+        self.log: list[tuple] = []
+        self._names = {}
+        self.compute = self.Stream(name="compute")
+        self._current = self.compute
+
+    def _name(self, obj, prefix):
+        return self._names.setdefault(id(obj), f"{prefix}{len(self._names)}")
+
+    def Stream(self, device=None, name=None):  # noqa: N802 - mirrors torch.cuda.Stream
+        recorder = self
+
+        class _Stream:
+            def wait_event(self, event):
+                recorder.log.append(("wait_event", recorder._name(self, "stream"), recorder._name(event, "event")))
+
+            def synchronize(self):
+                recorder.log.append(("synchronize", recorder._name(self, "stream")))
+
+        stream = _Stream()
+        if name:
+            self._names[id(stream)] = name
+        return stream
+
+    def Event(self, enable_timing=False):  # noqa: N802 - mirrors torch.cuda.Event
+        recorder = self
+
+        class _Event:
+            def record(self, stream=None):
+                recorder.log.append(("record", recorder._name(self, "event"), recorder._name(stream, "stream")))
+
+            def synchronize(self):
+                recorder.log.append(("synchronize", recorder._name(self, "event")))
+
+        return _Event()
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        previous, self._current = self._current, stream
+        self.log.append(("enter", self._name(stream, "stream")))
+        try:
+            yield
+        finally:
+            self._current = previous
+            self.log.append(("exit", self._name(stream, "stream")))
+
+    def current_stream(self, device=None):
+        return self._current
+
+    def host_register(self, buffer):
+        self.log.append(("host_register", buffer.numel()))
+        return True
+
+    def synchronize(self, device=None):
+        self.log.append(("synchronize", "device"))
+
+
+def test_accelerator_engine_orders_copies_and_compute_with_events():
+    torch.manual_seed(0)
+    model = ToyDiT(dim=16, num_blocks=4).eval()
+    x = torch.randn(2, 16)
+    expected = run(model, (x,))
+    recorder = Recorder()
+    engines = []
+
+    def factory(device, num_slots):
+        engine = AcceleratorCopyEngine(device, num_slots, api=recorder)
+        engines.append(engine)
+        return engine
+
+    # every host buffer is requested pinned, exactly its own size
+    handle = enable_offload(model, {"mode": "layer", "components": ["dit"]}, device="cpu", engine_factory=factory)
+    registers = [e for e in recorder.log if e[0] == "host_register"]
+    assert len(registers) == 4 and all(e[1] == host.host_bytes for e, host in zip(registers, handle._host_blocks.values()))
+    engine = engines[0]
+    copy_stream = recorder._name(engine.copy_stream, "stream")
+    ready = [recorder._name(e, "event") for e in engine._ready]
+    released = [recorder._name(e, "event") for e in engine._released]
+
+    copied_blocks = []
+    real_copy_into = engine.copy_into
+
+    def tracking_copy_into(slot, job, record=None):
+        copied_blocks.append((len(recorder.log), slot))
+        recorder.log.append(("copy_job", slot))
+        return real_copy_into(slot, job, record)
+
+    engine.copy_into = tracking_copy_into
+    recorder.log.clear()
+    assert torch.equal(run(model, (x,)), expected)
+    recorder.log.clear()
+    # steady state: a second forward
+    compute_order = []
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda m, a, i=i: recorder.log.append(("compute", i)))
+    assert torch.equal(run(model, (x,)), expected)
+    log = recorder.log
+
+    assert not [e for e in log if e[0] == "synchronize"], "no synchronize in the steady state"
+    for pos, entry in enumerate(log):
+        if entry[0] == "copy_job":
+            slot = entry[1]
+            # the copy runs on the copy stream after waiting on the slot's release event, then records ready
+            window = log[pos + 1 : pos + 6]
+            assert window[0] == ("enter", copy_stream)
+            assert window[1] == ("wait_event", copy_stream, released[slot])
+            assert ("record", ready[slot], copy_stream) in window
+        if entry[0] == "compute":
+            # compute waited on the ready event of the block's slot before the block ran
+            waits = [e for e in log[:pos] if e[0] == "wait_event" and e[1] == "compute"]
+            assert waits and waits[-1][2] in ready
+            compute_order.append(entry[1])
+    assert compute_order == [0, 1, 2, 3]
+    # every compute release is recorded on the compute stream
+    assert sum(1 for e in log if e[0] == "record" and e[1] in released and e[2] == "compute") == 4
+    handle.disable()
+    assert torch.equal(run(model, (x,)), expected)
