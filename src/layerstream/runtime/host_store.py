@@ -221,6 +221,32 @@ class HostBlock:
     def host_bytes(self) -> int:
         return self.buffer.numel()
 
+    @property
+    def link_bytes(self) -> int:
+        """Bytes one transfer of this block moves over this process's host link."""
+        return self.layout.nbytes
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes this block occupies in a device slot."""
+        return self.layout.nbytes
+
+    def copy_job(self, slot_buffer: torch.Tensor):
+        """A job for the copy engine that fills `slot_buffer` with this block; returns the bytes it moved."""
+        destination = slot_buffer[: self.layout.nbytes]
+        source = self.buffer
+        nbytes = self.layout.nbytes
+
+        def job() -> int:
+            destination.copy_(source, non_blocking=True)  # one contiguous copy per block
+            return nbytes
+
+        return job
+
+    def full_bytes(self) -> torch.Tensor:
+        """The whole block's bytes on the host (used to restore the block at disable)."""
+        return self.buffer
+
     def release_(self) -> None:
         if self.pinned:
             unpin_buffer_(self.buffer)
@@ -243,5 +269,5 @@ def pack_block_(layout: BlockLayout, device: torch.device, *, pin=None) -> HostB
 
 def restore_block_(host_block: HostBlock, device: torch.device) -> None:
     """Give a block real tensors again on `device` (fresh storage, same layout) and free its host buffer."""
-    host_block.binder.bind_(host_block.layout.separate_copies(host_block.buffer, device))
+    host_block.binder.bind_(host_block.layout.separate_copies(host_block.full_bytes(), device))
     host_block.release_()

@@ -251,11 +251,11 @@ class BlockStreamer:
         block.slot = slot
         self._tick += 1
         self.slot_tick[slot] = self._tick
-        nbytes = block.host.nbytes
+        nbytes = block.host.link_bytes
         block.num_transfers += 1
         block.counters.num_transfers += 1
         block.counters.bytes_transferred += nbytes
-        self.engine.copy_into(slot, _copy_job(self.slot_buffers[slot], block.host.buffer, nbytes), CopyRecord(block.path, slot, nbytes))
+        self.engine.copy_into(slot, block.host.copy_job(self.slot_buffers[slot]), CopyRecord(block.path, slot, nbytes))
 
     def invalidate_slots(self) -> None:
         """Forget what the slots hold (after the store changed under them)."""
@@ -263,16 +263,6 @@ class BlockStreamer:
             if occupant is not None:
                 self.blocks[occupant].slot = None
             self.slot_block[slot] = None
-
-
-def _copy_job(slot_buffer: torch.Tensor, host_buffer: torch.Tensor, nbytes: int):
-    destination = slot_buffer[:nbytes]
-
-    def job() -> int:
-        destination.copy_(host_buffer, non_blocking=True)  # one contiguous copy per block
-        return nbytes
-
-    return job
 
 
 def install_block_hooks(streamer: BlockStreamer, block: StreamedBlock) -> list:
