@@ -121,6 +121,8 @@ class Omni:
         num_inference_steps = num_inference_steps if num_inference_steps is not None else defaults.get("num_inference_steps", 20)
         if guidance_scale is None:
             guidance_scale = defaults.get("guidance_scale")
+        if negative_prompt is None:
+            negative_prompt = defaults.get("negative_prompt")
         if self.kind == "video" and num_frames is None:
             num_frames = defaults.get("num_frames")
         if self.kind != "video" and num_frames is not None:
@@ -203,7 +205,10 @@ def _tiny_defaults(model: str) -> dict[str, Any]:
         return {}
     from layerstream.models.tiny import TINY_MODELS
 
-    return dict(TINY_MODELS[model].generate_kwargs)
+    defaults = dict(TINY_MODELS[model].default_kwargs)
+    if "true_cfg_scale" in defaults:  # Omni's guidance_scale is the classifier-free guidance scale
+        defaults["guidance_scale"] = defaults.pop("true_cfg_scale")
+    return defaults
 
 
 def _quiet_progress(pipeline) -> None:

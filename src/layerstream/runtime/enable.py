@@ -118,7 +118,7 @@ def _enable_layer_mode(pipeline, plan, components, device, engine_factory, proce
             "or stream more components"
         )
     check_no_shared_block_tensors(plan.pipeline_class, components, stream_modules)
-    layouts = {path: BlockLayout(path, module) for path, module in stream_modules.items()}
+    layouts = {path: BlockLayout(path, module, device) for path, module in stream_modules.items()}
 
     depth = max((comp.prefetch_depth for comp, _ in streamed_paths), default=1)
     num_slots = depth + 1

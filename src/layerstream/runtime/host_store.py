@@ -20,7 +20,6 @@ logger = logging.getLogger(__name__)
 
 ALIGN_BYTES = 64
 """Offset alignment of each storage span inside a block buffer (cache line; keeps vector kernels aligned)."""
-_SPAN_START_ALIGN = 16  # a span starts at a multiple of the largest element size, so every dtype can view it
 
 
 def align_up(n: int, alignment: int = ALIGN_BYTES) -> int:
@@ -65,14 +64,21 @@ def iter_block_tensors(block: nn.Module):
 
 
 class BlockLayout:
-    """The packed layout of one block: its entries and the byte spans copied from the original storages."""
+    """The packed layout of one block: its entries and the byte spans copied from the original storages.
 
-    def __init__(self, path: str, block: nn.Module):
+    Each span keeps the address residue (mod `ALIGN_BYTES`) its tensors would have if the block were resident
+    on `device`: where they already live on `device` that is their current residue, otherwise 0 (a fresh
+    allocation). CPU BLAS kernels round differently at different alignments, so this is what keeps streamed
+    outputs bit-identical to the resident model.
+    """
+
+    def __init__(self, path: str, block: nn.Module, device: torch.device | None = None):
         self.path = path
         self.block = block
         self.entries: list[TensorEntry] = []
         # (source tensor giving access to the storage, source byte start, length, destination byte offset)
         self._spans: list[tuple[torch.Tensor, int, int, int]] = []
+        self.span_residues: list[int] = []
         by_storage: dict[tuple[str, int], list[tuple[nn.Module, str, torch.Tensor, bool]]] = {}
         for module, name, tensor, is_param in iter_block_tensors(block):
             if tensor.device.type == "meta":
@@ -84,13 +90,19 @@ class BlockLayout:
         offset = 0
         for members in by_storage.values():
             extents = [tensor_byte_extent(t) for _, _, t, _ in members]
-            start = min(s for s, _ in extents) // _SPAN_START_ALIGN * _SPAN_START_ALIGN
+            start = min(s for s, _ in extents)
             end = max(e for _, e in extents)
-            self._spans.append((members[0][2], start, end - start, offset))
+            source = members[0][2]
+            stays = device is not None and _same_device(source.device, device)
+            residue = (source.untyped_storage().data_ptr() + start) % ALIGN_BYTES if stays else 0
+            dst = offset + (residue - offset) % ALIGN_BYTES
+            self._spans.append((source, start, end - start, dst))
+            self.span_residues.append(residue)
             for module, name, tensor, is_param in members:
                 itemsize = tensor.element_size()
-                byte_pos = offset + tensor.storage_offset() * itemsize - start
-                assert byte_pos % itemsize == 0
+                byte_pos = dst + tensor.storage_offset() * itemsize - start
+                if byte_pos % itemsize:
+                    raise ValueError(f"{path}: tensor {name!r} is not aligned to its element size; it cannot be packed")
                 self.entries.append(
                     TensorEntry(
                         module=module,
@@ -103,9 +115,9 @@ class BlockLayout:
                         span_index=len(self._spans) - 1,
                     )
                 )
-            offset = align_up(offset + end - start)
-        self.nbytes = max(offset, ALIGN_BYTES)
-        """Bytes of the block's buffer (padded; every span at an aligned offset)."""
+            offset = dst + end - start
+        self.nbytes = max(align_up(offset), ALIGN_BYTES)
+        """Bytes of the block's buffer (padded; every span at its residue)."""
         self.tensor_bytes = sum(n for _, _, n, _ in self._spans)
         """Bytes actually used by the block's tensors (without alignment padding)."""
 
@@ -135,17 +147,24 @@ class BlockLayout:
         return out
 
     def separate_copies(self, buffer: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
-        """Like `views`, but every storage span gets fresh storage of its own on `device` (as before packing)."""
-        storages = [buffer[dst : dst + length].to(device, copy=True) for _, _, length, dst in self._spans]
+        """Like `views`, but every storage span gets fresh storage of its own on `device` (as before packing),
+        at the same address residue as in the buffer."""
+        raws, shifts = [], []
+        for (_, _, length, dst), residue in zip(self._spans, self.span_residues):
+            raw = torch.empty(align_up(length + ALIGN_BYTES), dtype=torch.uint8, device=device)
+            shift = (residue - raw.data_ptr()) % ALIGN_BYTES
+            raw[shift : shift + length].copy_(buffer[dst : dst + length])
+            raws.append(raw)
+            shifts.append(shift - dst)  # buffer offset -> offset inside raw
         out = []
+        typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         for e in self.entries:
-            _, _, length, dst = self._spans[e.span_index]
-            itemsize = torch.empty(0, dtype=e.dtype).element_size()
-            typed = storages[e.span_index].view(torch.uint8)
-            # the span keeps its original length, which need not be a multiple of the item size: view a prefix
-            whole = length // itemsize * itemsize
-            base = typed[:whole].view(e.dtype) if whole else typed[:0].view(e.dtype)
-            out.append(torch.as_strided(base, e.shape, e.stride, e.element_offset - dst // itemsize))
+            key = (e.span_index, e.dtype)
+            base = typed.get(key)
+            if base is None:
+                base = typed[key] = raws[e.span_index].view(e.dtype)
+            itemsize = base.element_size()
+            out.append(torch.as_strided(base, e.shape, e.stride, e.element_offset + shifts[e.span_index] // itemsize))
         return out
 
 
@@ -181,6 +200,14 @@ class TensorBinder:
 
     def evict_(self) -> None:
         self.bind_(self._placeholder_list)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        return (a.index or 0) == (b.index or 0)
+    return True
 
 
 def pin_buffer_(buffer: torch.Tensor) -> bool:

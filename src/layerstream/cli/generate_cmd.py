@@ -1,0 +1,262 @@
+"""`layerstream generate`: the main job. Load a model, enable offload, generate, save, summarize."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from layerstream.cli.common import CliError, parse_config_arg
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny-wan", help="local diffusers folder or an embedded tiny model (default: tiny-wan)")
+    parser.add_argument("--prompt", default="a red fox running through fresh snow, cinematic", help="text prompt")
+    parser.add_argument("--negative-prompt", default=None, help="negative prompt (classifier-free guidance)")
+    parser.add_argument("--height", type=int, default=None)
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--num-frames", type=int, default=None, help="video models only")
+    parser.add_argument("--steps", type=int, default=None, dest="num_inference_steps", help="denoising steps")
+    parser.add_argument("--guidance-scale", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fps", type=int, default=16, help="frames per second of saved video")
+    parser.add_argument("--output", default=None, help="output file: .png for images, .mp4 or .gif for video")
+    parser.add_argument(
+        "--diffusion-offload-config",
+        default=None,
+        metavar="JSON",
+        help='offload config, e.g. \'{"mode": "layer", "components": ["dit"]}\' (the default)',
+    )
+    parser.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: as saved)")
+    parser.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated host link bandwidth in GB/s")
+    parser.add_argument("--compare-resident", action="store_true", help="also run resident and report whether outputs are identical")
+    parser.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace JSON (and a .png timeline beside it)")
+    parser.add_argument("--nproc", type=int, default=None, help="run N data-parallel ranks on this machine (torchrun), one seed per rank")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = parse_config_arg(args.diffusion_offload_config)  # before anything loads
+    if args.link_gbps is not None and not args.link_gbps > 0:
+        raise CliError(f"--link-gbps = {args.link_gbps!r} is not valid; expected a number > 0")
+    if args.nproc is not None:
+        return _launch_ranks(args)
+    for name in ("height", "width", "num_frames", "num_inference_steps", "fps"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise CliError(f"--{name.replace('_', '-')} = {value} is not valid; expected a positive integer")
+
+    from layerstream.models.loading import ModelLoadError
+    from layerstream.omni import GenerationError, Omni, VIDEO_SUFFIXES, IMAGE_SUFFIXES
+    from layerstream.runtime.errors import OffloadError
+
+    rank, world_size = _rank_info()
+    seed = args.seed + rank
+    try:
+        omni = Omni(
+            model=args.model,
+            diffusion_offload_config=config,
+            device=args.device,
+            dtype=args.dtype,
+            simulated_link_gbps=args.link_gbps,
+            trace=args.trace is not None,
+        )
+    except (ModelLoadError, GenerationError, OffloadError) as e:
+        raise CliError(str(e)) from e
+    except RuntimeError as e:
+        if "device" in str(e).lower():
+            raise CliError(f"--device {args.device}: {e}") from e
+        raise
+
+    output = Path(args.output) if args.output else _default_output(args.model, omni.kind, seed)
+    allowed = IMAGE_SUFFIXES if omni.kind == "image" else VIDEO_SUFFIXES
+    if output.suffix.lower() not in allowed:
+        raise CliError(f"--output {output}: {args.model} makes a {omni.kind}; use a {' or '.join(allowed)} file")
+    if world_size > 1:
+        output = output.with_name(f"{output.stem}.rank{rank}{output.suffix}")
+
+    progress = _Progress(enabled=rank == 0)
+    try:
+        if omni.handle is not None and args.trace:
+            omni.handle.reset_trace()
+        result = omni.generate(
+            args.prompt,
+            args.negative_prompt,
+            height=args.height,
+            width=args.width,
+            num_frames=args.num_frames,
+            num_inference_steps=args.num_inference_steps,
+            guidance_scale=args.guidance_scale,
+            seed=seed,
+            fps=args.fps,
+            on_step=progress.step,
+        )
+    except GenerationError as e:
+        raise CliError(str(e)) from e
+    finally:
+        progress.close()
+    result.save(output)
+
+    trace_files = []
+    if args.trace and omni.handle is not None:
+        trace_files = _write_trace(omni.handle, Path(args.trace))
+
+    identical = None
+    if args.compare_resident:
+        omni.close()  # disable gives back a fully resident pipeline: the same weights, now all on the device
+        reference = omni.generate(
+            args.prompt,
+            args.negative_prompt,
+            height=args.height,
+            width=args.width,
+            num_frames=args.num_frames,
+            num_inference_steps=args.num_inference_steps,
+            guidance_scale=args.guidance_scale,
+            seed=seed,
+            fps=args.fps,
+        )
+        identical = bool((reference.raw == result.raw).all()) and reference.raw.shape == result.raw.shape
+
+    summary = _summary(args.model, omni, result, output, identical, trace_files, rank)
+    if world_size > 1:
+        from layerstream.distributed.launch import gather_objects
+
+        summaries = gather_objects(summary)
+        if rank != 0:
+            return 0 if identical in (None, True) else 1
+    else:
+        summaries = [summary]
+    if args.json:
+        print(json.dumps(summaries if world_size > 1 else summary, indent=2))
+    else:
+        _print_table(summaries)
+    return 0 if all(s["identical_to_resident"] in (None, True) for s in summaries) else 1
+
+
+def _launch_ranks(args) -> int:
+    if args.nproc < 1:
+        raise CliError(f"--nproc = {args.nproc} is not valid; expected an integer >= 1")
+    from layerstream.distributed.launch import launch_torchrun
+
+    argv = [a for a in sys.argv[1:]]
+    forwarded: list[str] = []
+    skip = False
+    for i, a in enumerate(argv):  # the ranks run the same command without --nproc
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        forwarded.append(a)
+    return launch_torchrun(args.nproc, forwarded)
+
+
+def _rank_info() -> tuple[int, int]:
+    import os
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        from layerstream.distributed.launch import rank_info
+
+        return rank_info()
+    return 0, 1
+
+
+def _default_output(model: str, kind: str, seed: int) -> Path:
+    name = Path(model).name if Path(model).exists() else model
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path.cwd() / f"layerstream-{name}-seed{seed}-{stamp}{'.png' if kind == 'image' else '.mp4'}"
+
+
+class _Progress:
+    """A progress bar on a terminal, plain lines otherwise (logs, CI)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.bar = None
+        self.tty = sys.stderr.isatty()
+
+    def step(self, step: int, total: int, seconds: float) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            if self.bar is None:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc="denoising", unit="step", file=sys.stderr)
+            self.bar.update(1)
+        else:
+            print(f"step {step}/{total}: {seconds:.3f} s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _write_trace(handle, path: Path) -> list[str]:
+    from layerstream.bench.trace_export import write_chrome_trace, write_timeline_png
+
+    trace = handle.trace()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix.lower() == ".png":
+        write_timeline_png(trace, path)
+        return [str(path)]
+    write_chrome_trace(trace, path)
+    png = path.with_suffix(".png")
+    write_timeline_png(trace, png)
+    return [str(path), str(png)]
+
+
+def _summary(model, omni, result, output, identical, trace_files, rank) -> dict:
+    s = result.stats
+    return {
+        "rank": rank,
+        "model": model,
+        "output": str(output),
+        "config": omni.config.to_dict(),
+        "device": str(omni.device),
+        "seconds": round(s.seconds, 4),
+        "seconds_per_step": round(s.seconds_per_step, 4),
+        "steps": len(s.step_seconds),
+        "device_bytes": s.device_bytes,
+        "peak_device_bytes": s.peak_device_bytes,
+        "host_bytes": s.host_bytes,
+        "bytes_streamed": s.bytes_transferred,
+        "num_transfers": s.num_transfers,
+        "num_sync_loads": s.num_sync_loads,
+        "stall_seconds": round(s.stall_seconds, 4),
+        "identical_to_resident": identical,
+        "trace_files": trace_files,
+    }
+
+
+def _mib(n) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
+def _print_table(summaries: list[dict]) -> None:
+    rows = [
+        ("rank", lambda s: str(s["rank"])),
+        ("output", lambda s: s["output"]),
+        ("device", lambda s: s["device"]),
+        ("time per step", lambda s: f"{s['seconds_per_step'] * 1e3:,.1f} ms ({s['steps']} steps, {s['seconds']:.2f} s total)"),
+        ("device bytes", lambda s: _mib(s["device_bytes"]) + (f" (peak {_mib(s['peak_device_bytes'])})" if s["peak_device_bytes"] else "")),
+        ("host bytes", lambda s: _mib(s["host_bytes"])),
+        ("bytes streamed", lambda s: f"{_mib(s['bytes_streamed'])} in {s['num_transfers']} transfers ({s['num_sync_loads']} synchronous)"),
+        ("stall time", lambda s: f"{s['stall_seconds'] * 1e3:,.1f} ms"),
+        ("identical to resident", lambda s: "not checked" if s["identical_to_resident"] is None else ("yes" if s["identical_to_resident"] else "NO")),
+    ]
+    if any(s["trace_files"] for s in summaries):
+        rows.append(("trace", lambda s: ", ".join(s["trace_files"])))
+    if len(summaries) == 1:
+        rows = rows[1:]
+    width = max(len(name) for name, _ in rows)
+    for s in summaries:
+        print(f"layerstream generate: {s['model']}")
+        for name, fmt in rows:
+            print(f"  {name:<{width}}  {fmt(s)}")
