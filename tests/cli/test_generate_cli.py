@@ -1,0 +1,89 @@
+"""`layerstream generate` as a user runs it: a subprocess, its exit code, its files and its messages."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import imageio.v3 as iio
+import pytest
+
+
+def generate(*args, cwd=None, timeout=300):
+    env = dict(os.environ)
+    return subprocess.run(
+        [sys.executable, "-m", "layerstream", "generate", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def test_default_model_writes_output_and_matches_resident(tmp_path):
+    result = generate("--steps", "2", "--compare-resident", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["identical_to_resident"] is True
+    assert summary["model"] == "tiny-wan"
+    output = summary["output"]
+    assert os.path.dirname(output) == str(tmp_path) and output.endswith(".mp4")
+    frames = iio.imread(output, index=None)
+    assert frames.ndim == 4 and frames.shape[0] == 9
+    assert summary["bytes_streamed"] > 0 and summary["num_transfers"] > 0
+    # plain progress lines when stderr is not a terminal
+    assert "step 1/2" in result.stderr and "step 2/2" in result.stderr
+
+
+def test_table_summary_and_image_output(tmp_path):
+    out = tmp_path / "flux.png"
+    result = generate("--model", "tiny-flux", "--steps", "2", "--output", str(out), "--diffusion-offload-config",
+                      '{"mode": "layer", "components": ["dit", "text_encoder"]}')
+    assert result.returncode == 0, result.stderr
+    assert iio.imread(out).shape == (64, 64, 3)
+    for label in ("time per step", "device bytes", "host bytes", "bytes streamed", "stall time", str(out)):
+        assert label in result.stdout
+
+
+def test_gif_output_and_trace(tmp_path):
+    out = tmp_path / "wan.gif"
+    trace = tmp_path / "trace.json"
+    result = generate("--steps", "1", "--output", str(out), "--trace", str(trace))
+    assert result.returncode == 0, result.stderr
+    assert iio.imread(out, index=None).shape[0] == 9
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("ph") == "X" for e in events)
+    assert (tmp_path / "trace.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--diffusion-offload-config", "{not json"], "--diffusion-offload-config"),
+        (["--diffusion-offload-config", '{"mode": "layer", "components": ["unet"]}'], "components[0]"),
+        (["--diffusion-offload-config", '{"mode": "layer", "components": ["dit"], "bogus": 1}'], "bogus"),
+        (["--model", "/nonexistent/model/folder"], "/nonexistent/model/folder"),
+        (["--model", "Wan-AI/Wan2.2-T2V-A14B-Diffusers"], "download"),
+        (["--output", "out.txt"], "out.txt"),
+        (["--steps", "0"], "--num-inference-steps"),
+        (["--link-gbps", "-1"], "--link-gbps"),
+        (["--model", "tiny-flux", "--num-frames", "5"], "num_frames"),
+        (["--device", "nosuchdevice"], "--device"),
+        (["--nproc", "0"], "--nproc"),
+    ],
+)
+def test_error_paths_give_one_line_and_exit_code_2(tmp_path, args, needle):
+    result = generate(*args, "--steps", "1", cwd=tmp_path) if "--steps" not in args else generate(*args, cwd=tmp_path)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("layerstream: error:")]
+    assert len(lines) == 1 and needle in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_model_folder_without_model_index(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = generate("--model", str(tmp_path / "empty"))
+    assert result.returncode == 2 and "model_index.json" in result.stderr and "Traceback" not in result.stderr
