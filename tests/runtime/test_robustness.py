@@ -213,10 +213,3 @@ def test_mixed_dtypes_views_transposed_and_tied_weights():
     block = model.blocks[0]
     assert block.a.weight is block.b.weight
     assert not block.t.is_contiguous()
-
-
-def test_single_streamable_block_after_residency_is_refused():
-    model = ToyDiT(dim=16, num_blocks=2)
-    with pytest.raises(ValueError):
-        enable_offload(model, {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"resident_layers": 1}}}, device="cpu")
-    assert all(not m._forward_pre_hooks for m in model.modules())

@@ -92,6 +92,12 @@ class CpuCopyEngine:
     def now(self) -> float:
         return time.perf_counter()
 
+    def resolve(self, mark: float) -> float:
+        return mark
+
+    def resolve_timings(self) -> None:
+        pass  # the copy thread writes its times directly
+
     def pin_(self, buffer: torch.Tensor) -> bool:
         return False  # the CPU copies from pageable memory; there is no DMA engine to page-lock for
 
@@ -149,6 +155,10 @@ class AcceleratorCopyEngine:
         self._released = [self.api.Event() for _ in range(num_slots)]
         self.copies: list[CopyRecord] = []
         self._pending_timing: list[tuple[CopyRecord, object, object]] = []
+        self._origin = None
+        if timing:
+            self._origin = self.api.Event(enable_timing=True)
+            self._origin.record(self.api.current_stream(device))
 
     def copy_into(self, slot: int, job: Job, record: CopyRecord | None = None) -> None:
         with self.api.stream(self.copy_stream):
@@ -171,8 +181,20 @@ class AcceleratorCopyEngine:
     def release(self, slot: int) -> None:
         self._released[slot].record(self.api.current_stream(self.device))
 
-    def now(self) -> float:
-        return time.perf_counter()
+    def now(self):
+        """A time mark on the compute stream: a timing event when tracing (read after the run), else host time."""
+        if not self.timing:
+            return time.perf_counter()
+        event = self.api.Event(enable_timing=True)
+        event.record(self.api.current_stream(self.device))
+        return event
+
+    def resolve(self, mark) -> float:
+        """Seconds of a mark from `now()` (synchronizes on timing events: call after the run)."""
+        if isinstance(mark, float):
+            return mark
+        mark.synchronize()  # reading an event's time needs it complete; this runs after the run, not in it
+        return self._origin.elapsed_time(mark) / 1e3
 
     def pin_(self, buffer: torch.Tensor) -> bool:
         """Page-lock a host buffer in place so copies from it are asynchronous DMA."""
@@ -183,12 +205,10 @@ class AcceleratorCopyEngine:
 
         return pin_buffer_(buffer)
 
-    def resolve_timings(self, origin_event) -> None:
-        """Turn recorded timing events into times (seconds since `origin_event`). Synchronizes: call after a run."""
+    def resolve_timings(self) -> None:
+        """Turn recorded copy timing events into seconds since enable. Synchronizes: call after a run."""
         for record, start, end in self._pending_timing:
-            end.synchronize()  # reading event times needs them complete; this runs after the run, not in it
-            record.start = origin_event.elapsed_time(start) / 1e3
-            record.end = origin_event.elapsed_time(end) / 1e3
+            record.start, record.end = self.resolve(start), self.resolve(end)
             self.copies.append(record)
         self._pending_timing.clear()
 

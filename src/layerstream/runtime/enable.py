@@ -59,6 +59,11 @@ def enable_offload(
     copy thread to a link of that bandwidth. `trace` records accelerator timing events for `handle.trace()`
     (the CPU engine always records). `engine_factory(device, num_slots)` replaces the copy engine (for
     instrumentation and tests). Enabling is a transaction: on any error the pipeline is left as it was.
+
+    Components with `weight_transfer: "allgather"` shard their blocks' host bytes over `process_group` (default:
+    the default group of torch.distributed); every rank of it must call `enable_offload` (and later `disable`)
+    with the same model and config. See layerstream.distributed.collectives for the order of collectives and
+    what happens when a rank fails.
     """
     config = parse_offload_config(config)
     from layerstream.plan.resolver import resolve_offload_plan  # the resolver is the only reader of plans
@@ -107,26 +112,48 @@ def _enable_layer_mode(pipeline, plan, components, device, engine_factory, proce
         kept = set(residency[comp.path].resident_block_paths)
         streamed_paths.append((comp, [[p for p in chain if p not in kept] for chain in _chains_of(comp)]))
 
-    stream_modules: dict[str, nn.Module] = {}
-    for comp, chains in streamed_paths:
-        for chain in chains:
-            for path in chain:
-                stream_modules[path] = lookup(pipeline, path)
-    if len(stream_modules) == 1:
-        raise OffloadError(
-            f"{plan.pipeline_class}: only one block ({next(iter(stream_modules))}) would stream; lower resident_layers "
-            "or stream more components"
-        )
-    check_no_shared_block_tensors(plan.pipeline_class, components, stream_modules)
-    layouts = {path: BlockLayout(path, module, device) for path, module in stream_modules.items()}
+    # allgather: the group and its collectives (torch.distributed is imported only when a component asks)
+    sharded_paths = {p for comp, chains in streamed_paths if comp.weight_transfer == "allgather" for chain in chains for p in chain}
+    gather = None
+    if sharded_paths:
+        from layerstream.distributed.collectives import open_block_gather
+        from layerstream.distributed.sharded_store import stage_sharded_block
+
+        gather = open_block_gather(plan.pipeline_class, device, process_group)  # None: one rank, plain copies
+    if gather is None:
+        sharded_paths = set()
+
+    try:
+        stream_modules: dict[str, nn.Module] = {}
+        for comp, chains in streamed_paths:
+            for chain in chains:
+                for path in chain:
+                    stream_modules[path] = lookup(pipeline, path)
+        if len(stream_modules) == 1:
+            raise OffloadError(
+                f"{plan.pipeline_class}: only one block ({next(iter(stream_modules))}) would stream; lower "
+                "resident_layers or stream more components"
+            )
+        check_no_shared_block_tensors(plan.pipeline_class, components, stream_modules)
+        layouts = {path: BlockLayout(path, module) for path, module in stream_modules.items()}
+    except Exception as e:
+        if gather is not None:
+            try:
+                gather.agree_on_layouts_(failure=e)  # the other ranks learn now instead of at their timeout
+            except Exception:  # this rank's own error is the one to report
+                logger.exception("telling the other ranks that enable_offload failed did not work")
+        raise
 
     depth = max((comp.prefetch_depth for comp, _ in streamed_paths), default=1)
     num_slots = depth + 1
-    slot_nbytes = align_up(max((layout.nbytes for layout in layouts.values()), default=0))
+    slot_nbytes = align_up(
+        max((gather.world_size * gather.shard_nbytes(l.nbytes) if p in sharded_paths else l.nbytes for p, l in layouts.items()), default=0)
+    )
 
     # --- check what can be checked before touching anything --------------------------------------------
-    if process_group is not None or any(c.weight_transfer == "allgather" for c, _ in streamed_paths):
-        raise OffloadError(f"{plan.pipeline_class}: weight_transfer \"allgather\" is not available in this build yet")
+    if gather is not None:
+        # every rank must shard the same layouts before the first payload collective; raises on every rank
+        gather.agree_on_layouts_([l for p, l in layouts.items() if p in sharded_paths], slot_nbytes)
 
     # --- apply, with undo --------------------------------------------------------------------------------
     undo: list[Callable[[], None]] = []
@@ -146,7 +173,14 @@ def _enable_layer_mode(pipeline, plan, components, device, engine_factory, proce
             _move_tensors_(module, comp.path, skip, device, undo)
 
         host_blocks: dict[str, HostBlock] = {}
+        staged = []
         for path, layout in layouts.items():
+            if path in sharded_paths:
+                host = stage_sharded_block(layout, gather, device, pin=engine.pin_ if plan.config.pin_memory else None)
+                host_blocks[path] = host
+                staged.append(host)
+                undo.append(host.release_)  # the block still holds its own weights until the commit below
+                continue
             original_device = _first_device(layout.block)
             host = pack_block_(layout, device, pin=engine.pin_ if plan.config.pin_memory else None)
             host_blocks[path] = host
@@ -179,7 +213,17 @@ def _enable_layer_mode(pipeline, plan, components, device, engine_factory, proce
         for comp in plan.components:
             setattr(components[comp.path], _MARK, handle)
             undo.append(lambda m=components[comp.path]: _unmark(m))
+
+        if gather is not None:
+            gather.commit_()  # every rank staged its shards: only now may any rank drop its original weights
+            for host in staged:
+                host.drop_original_()
     except BaseException as e:
+        if gather is not None and not isinstance(e, KeyboardInterrupt):
+            try:
+                gather.commit_(failure=e)  # tell the other ranks (if not told yet) so that they roll back too
+            except Exception:  # keep rolling back; this rank's own error is the one to report
+                logger.exception("telling the other ranks that enable_offload failed did not work")
         for step in reversed(undo):
             try:
                 step()
@@ -335,14 +379,15 @@ class OffloadHandle:
     def trace(self) -> OffloadTrace:
         """Every copy and compute interval recorded since enable, on one clock."""
         intervals: list[TraceInterval] = []
-        if self._engine is not None:
-            for r in list(self._engine.copies):
+        engine = self._engine
+        if engine is not None:
+            engine.resolve_timings()
+            for r in list(engine.copies):
                 intervals.append(TraceInterval("copy", r.label, r.start, r.end, r.slot))
         if self._streamer is not None:
             for r in list(self._streamer.compute_records):
-                intervals.append(
-                    TraceInterval("compute", r.label, r.start, r.end, r.slot, stall=r.start - r.wait_start, sync_load=r.sync_load)
-                )
+                wait, start, end = engine.resolve(r.wait_start), engine.resolve(r.start), engine.resolve(r.end)
+                intervals.append(TraceInterval("compute", r.label, start, end, r.slot, stall=start - wait, sync_load=r.sync_load))
         intervals.sort(key=lambda i: (i.start, i.lane))
         return OffloadTrace(tuple(intervals))
 
@@ -364,9 +409,11 @@ class OffloadHandle:
             self._hooks = []
             if self._engine is not None:
                 self._engine.close()
-            for host in self._host_blocks.values():
-                restore_block_(host, self.device)
-            self._host_blocks = {}
+            # one block at a time, forgetting each once restored: under allgather a restore is a collective
+            # that can fail (a peer gone), and calling disable() again must not restore a block twice
+            for path in list(self._host_blocks):
+                restore_block_(self._host_blocks[path], self.device)
+                del self._host_blocks[path]
             if self._streamer is not None:
                 self._streamer.slot_buffers.clear()
         for module in self._components.values():

@@ -131,6 +131,18 @@ class BlockLayout:
             raw.set_(src.untyped_storage(), src_start, (length,), (1,))
             buffer[dst : dst + length].copy_(raw)
 
+    def copy_range_into(self, buffer: torch.Tensor, start: int) -> None:
+        """Copy bytes [start, start + buffer.numel()) of the packed block into `buffer` (uint8), straight from
+        the original storages; bytes of the range that no span covers (padding) are left as they are."""
+        end = start + buffer.numel()
+        for src, src_start, length, dst in self._spans:
+            lo, hi = max(dst, start), min(dst + length, end)
+            if lo >= hi:
+                continue
+            raw = torch.empty(0, dtype=torch.uint8, device=src.device)
+            raw.set_(src.untyped_storage(), src_start + lo - dst, (hi - lo,), (1,))
+            buffer[lo - start : hi - start].copy_(raw)
+
     def forget_sources(self) -> None:
         """Drop the references to the original storages so they can be freed."""
         self._spans = [(None, s, n, d) for _, s, n, d in self._spans]  # type: ignore[misc]

@@ -33,10 +33,11 @@ class ComputeRecord:
 
     label: str
     slot: int
-    wait_start: float
-    start: float
-    end: float = 0.0
+    wait_start: object
+    start: object
+    end: object = 0.0
     sync_load: bool = False
+    """Times are the engine's marks: host seconds, or accelerator timing events read after the run."""
 
 
 class BlockCounters:
@@ -255,7 +256,14 @@ class BlockStreamer:
         block.num_transfers += 1
         block.counters.num_transfers += 1
         block.counters.bytes_transferred += nbytes
-        self.engine.copy_into(slot, block.host.copy_job(self.slot_buffers[slot]), CopyRecord(block.path, slot, nbytes))
+        try:
+            self.engine.copy_into(slot, block.host.copy_job(self.slot_buffers[slot]), CopyRecord(block.path, slot, nbytes))
+        except BaseException:
+            # an engine that runs the job in this thread raised (e.g. a failed collective): the slot holds no
+            # complete copy, so forget it and let a later call copy again instead of reading a partial slot
+            self.slot_block[slot] = None
+            block.slot = None
+            raise
 
     def invalidate_slots(self) -> None:
         """Forget what the slots hold (after the store changed under them)."""

@@ -1,0 +1,88 @@
+"""Where layerstream keeps files it builds, and how a folder is published there without ever being half-written."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV_VAR = "LAYERSTREAM_CACHE"
+
+# A build folder this old was left by a process that crashed: no build takes anywhere near this long.
+STALE_BUILD_SECONDS = 3600.0
+
+_BUILD_SUFFIX = ".tmp-"
+
+
+def cache_root() -> Path:
+    """The layerstream cache folder: ``$LAYERSTREAM_CACHE``, else ``$XDG_CACHE_HOME/layerstream``, else
+    ``~/.cache/layerstream``. Read on every call, so that a changed environment takes effect at once."""
+    explicit = os.environ.get(CACHE_ENV_VAR)
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "layerstream"
+
+
+class CacheFolderError(OSError):
+    """A cache folder that exists but is not what layerstream would have built there."""
+
+
+def publish_folder(folder: Path, write: Callable[[Path], None], *, marker: str) -> bool:
+    """Make `folder` exist with the contents `write` produces, atomically.
+
+    `write` fills a temporary sibling folder, which is then renamed onto `folder` in one step, so `folder`
+    is either absent or complete, even if this process dies half-way. Processes racing to build the same
+    folder each write their own sibling; the first rename wins and the others discard their copy. `marker`
+    is a file every complete folder has: a `folder` without it was not built by us and is left untouched.
+
+    Returns True if this call built the folder, False if it was already there (or another process won).
+    """
+    if (folder / marker).is_file():
+        return False
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_builds(folder)
+    # Unique per process and call; mkdir (unlike mkdtemp's private 0700) honours the umask, so the published
+    # folder gets the same permissions as anything else the user creates.
+    build = folder.parent / f".{folder.name}{_BUILD_SUFFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    build.mkdir()
+    try:
+        write(build)
+        if not (build / marker).is_file():
+            raise CacheFolderError(f"{build}: the build wrote no {marker}")
+        try:
+            # A directory rename is atomic, and refuses to replace a non-empty directory: exactly one racing
+            # process succeeds (an empty leftover directory is replaced).
+            os.rename(build, folder)
+        except OSError:
+            if (folder / marker).is_file():
+                return False  # another process published first; its copy is as good as ours
+            raise CacheFolderError(
+                f"{folder} exists but is not a complete build (no {marker}); delete it and retry"
+            ) from None
+        return True
+    finally:
+        if build.exists():
+            shutil.rmtree(build, ignore_errors=True)
+
+
+def _remove_stale_builds(folder: Path) -> None:
+    """Delete build folders for `folder` that crashed processes left behind (best effort).
+
+    Only old ones: a recent one may belong to a process that is building right now.
+    """
+    now = time.time()
+    for leftover in folder.parent.glob(f".{folder.name}{_BUILD_SUFFIX}*"):
+        try:
+            if now - leftover.stat().st_mtime > STALE_BUILD_SECONDS:
+                logger.info("removing stale build folder %s", leftover)
+                shutil.rmtree(leftover, ignore_errors=True)
+        except OSError:
+            continue  # vanished meanwhile, or not ours to stat: nothing to clean

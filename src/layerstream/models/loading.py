@@ -1,0 +1,149 @@
+"""Loading a pipeline from a tiny model name or a local diffusers-format folder, never from the network.
+
+layerstream fetches nothing at run time: a model is either one of the embedded tiny models (built locally
+on first use) or a folder the user downloaded beforehand. Everything is loaded on the host (CPU); placing
+modules on the device is the offload runtime's job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from layerstream.models.tiny import TINY_MODELS, PipelineKind, ensure_tiny_model
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
+
+logger = logging.getLogger(__name__)
+
+MODEL_INDEX = "model_index.json"
+
+_DOWNLOAD_HINT = (
+    "download the folder first (e.g. with huggingface-cli download) and pass its path; nothing is fetched at run time"
+)
+
+# "org/name" as the Hugging Face Hub spells repository ids.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be loaded: not a tiny model name nor a diffusers-format folder, or a failed load."""
+
+
+def is_tiny_model_name(name: object) -> bool:
+    """Whether `name` names an embedded tiny model (``"tiny-wan"``, ``"tiny-flux"``, ``"tiny-qwen-image"``)."""
+    return isinstance(name, str) and name in TINY_MODELS
+
+
+def resolve_model_folder(model: str | os.PathLike[str]) -> Path:
+    """The diffusers-format folder `model` refers to, building it first if `model` is a tiny model name.
+
+    Tiny model names take precedence over a folder of the same name in the working directory (pass
+    ``./tiny-wan`` for the folder). Raises `ModelLoadError` with one line saying what to pass instead.
+    """
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a tiny model name or a folder path, got {type(model).__name__}")
+    if is_tiny_model_name(model):
+        try:
+            return ensure_tiny_model(model)
+        except OSError as e:  # unwritable cache, a foreign folder in the way, a full disk
+            raise ModelLoadError(f"cannot build tiny model {model}: {type(e).__name__}: {_first_line(e)}") from e
+    text = os.fspath(model)
+    if not text:
+        raise ModelLoadError(f"model is empty: pass a tiny model name ({', '.join(TINY_MODELS)}) or a folder path")
+    folder = Path(text).expanduser()
+    if not folder.exists():
+        if isinstance(model, str) and _HUB_ID.fullmatch(text):
+            raise ModelLoadError(
+                f"model {text!r} is not a local folder (it looks like a Hugging Face Hub id): {_DOWNLOAD_HINT}"
+            )
+        raise ModelLoadError(
+            f"model path {folder} does not exist; pass a tiny model name ({', '.join(TINY_MODELS)}) or a local "
+            f"diffusers-format folder: {_DOWNLOAD_HINT}"
+        )
+    if not folder.is_dir():
+        raise ModelLoadError(
+            f"model path {folder} is a file; pass the diffusers-format folder that holds {MODEL_INDEX}"
+        )
+    if not (folder / MODEL_INDEX).is_file():
+        raise ModelLoadError(
+            f"model folder {folder} has no {MODEL_INDEX}, so it is not a diffusers-format pipeline; pass the folder "
+            f"that holds {MODEL_INDEX} (the top of what huggingface-cli download wrote)"
+        )
+    return folder
+
+
+def load_pipeline(model: str | os.PathLike[str], *, dtype: torch.dtype | None = None) -> DiffusionPipeline:
+    """Load `model` (a tiny model name or a local diffusers-format folder) as a diffusers pipeline on the host.
+
+    Never touches the network: files are read with ``local_files_only=True`` while the Hugging Face Hub client
+    is held in offline mode. `dtype` casts every component (None keeps the dtypes the folder was saved in).
+    Raises `ModelLoadError` for a bad `model` and for any failure of diffusers or transformers to load it.
+    """
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+    from diffusers import DiffusionPipeline
+
+    load_kwargs: dict[str, Any] = {"local_files_only": True}
+    if dtype is not None:
+        load_kwargs["dtype"] = dtype
+    with hub_offline():
+        folder = resolve_model_folder(model)
+        logger.info("loading pipeline from %s", folder)
+        try:
+            return DiffusionPipeline.from_pretrained(folder, **load_kwargs)
+        except Exception as e:  # any loader failure becomes one line naming the folder; the cause stays chained
+            raise ModelLoadError(f"cannot load the pipeline in {folder}: {type(e).__name__}: {_first_line(e)}") from e
+
+
+def pipeline_kind(pipeline: Any) -> PipelineKind:
+    """``"video"`` if the pipeline generates videos, else ``"image"``.
+
+    A diffusers pipeline generates video exactly when its ``__call__`` takes ``num_frames`` (Wan, HunyuanVideo,
+    LTX, CogVideoX, Mochi...), which needs no per-class table.
+    """
+    if not callable(pipeline):
+        raise TypeError(f"{type(pipeline).__name__} is not callable, so it is not a diffusers pipeline")
+    return "video" if "num_frames" in inspect.signature(pipeline.__call__).parameters else "image"
+
+
+@contextlib.contextmanager
+def hub_offline() -> Iterator[None]:
+    """Hold the Hugging Face Hub client offline: any request it would make raises instead of reaching out.
+
+    Sets ``HF_HUB_OFFLINE=1`` and, because huggingface_hub reads that variable once at import, also its
+    module-level flag, which it checks before every request. Both are restored on exit. Process-wide: do not
+    run a load concurrently with code that needs the Hub online.
+    """
+    previous_env = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # no Hub client, nothing can be fetched through it
+        constants = None
+    previous_flag = getattr(constants, "HF_HUB_OFFLINE", None)
+    if constants is not None:
+        constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        if constants is not None:
+            constants.HF_HUB_OFFLINE = previous_flag
+        if previous_env is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = previous_env
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else "(no message)"

@@ -1,0 +1,155 @@
+"""The embedded tiny models: real diffusers pipelines at toy sizes, built locally so nothing is downloaded.
+
+Each is built once per machine from configs in code, with fixed-seed weights, and saved as an ordinary
+diffusers-format folder under ``<cache>/models/<name>-v<N>/`` (see `layerstream.models.cache.cache_root`).
+From then on it is loaded like any downloaded model, through ``DiffusionPipeline.from_pretrained``, so the
+tiny models exercise the same loading path as real ones.
+
+Importing this module is cheap: diffusers and transformers are imported only when a model is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+from layerstream.models.cache import cache_root, publish_folder
+
+logger = logging.getLogger(__name__)
+
+# Bump when a tiny model's configs, weights or tokenizers change: the folder name changes with it, so a
+# cache built by an older layerstream is never mistaken for the current model.
+TINY_MODEL_VERSION = 1
+
+PipelineKind = Literal["video", "image"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyModelSpec:
+    """What a caller needs to know to generate with one tiny model."""
+
+    name: str
+    """The name users pass as ``model`` (``"tiny-wan"``)."""
+    pipeline_class: str
+    """The diffusers pipeline class the folder loads as (``"WanPipeline"``)."""
+    kind: PipelineKind
+    """``"video"`` (takes ``num_frames``, returns frames) or ``"image"``."""
+    default_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Pipeline call arguments for a quick, representative generation (size, steps, guidance); read-only."""
+    size_multiple: int
+    """Height and width must be multiples of this (VAE compression x transformer patch size)."""
+    builder: str
+    """Name of the function in `layerstream.models.tiny_components` that builds the pipeline's components."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("video", "image"):
+            raise ValueError(f"{self.name}: kind must be 'video' or 'image', got {self.kind!r}")
+        if self.size_multiple <= 0:
+            raise ValueError(f"{self.name}: size_multiple must be positive, got {self.size_multiple}")
+        object.__setattr__(self, "default_kwargs", MappingProxyType(dict(self.default_kwargs)))
+
+
+TINY_MODELS: Mapping[str, TinyModelSpec] = MappingProxyType(
+    {
+        spec.name: spec
+        for spec in (
+            TinyModelSpec(
+                name="tiny-wan",
+                pipeline_class="WanPipeline",
+                kind="video",
+                # 4 steps: two on each expert (see tiny_components.WAN_BOUNDARY_RATIO); guidance > 1 runs CFG.
+                default_kwargs={
+                    "height": 64,
+                    "width": 64,
+                    "num_frames": 9,
+                    "num_inference_steps": 4,
+                    "guidance_scale": 4.0,
+                },
+                size_multiple=16,
+                builder="build_wan_components",
+            ),
+            TinyModelSpec(
+                name="tiny-flux",
+                pipeline_class="FluxPipeline",
+                kind="image",
+                # Flux.1-dev is guidance-distilled: guidance_scale is an input of the transformer, one pass per
+                # step. Classifier-free guidance is `true_cfg_scale` > 1 with a `negative_prompt`.
+                default_kwargs={
+                    "height": 64,
+                    "width": 64,
+                    "num_inference_steps": 4,
+                    "guidance_scale": 3.5,
+                },
+                size_multiple=16,
+                builder="build_flux_components",
+            ),
+            TinyModelSpec(
+                name="tiny-qwen-image",
+                pipeline_class="QwenImagePipeline",
+                kind="image",
+                # Qwen-Image's own recipe: classifier-free guidance through true_cfg_scale and a blank negative.
+                default_kwargs={
+                    "height": 64,
+                    "width": 64,
+                    "num_inference_steps": 4,
+                    "true_cfg_scale": 4.0,
+                    "negative_prompt": " ",
+                },
+                size_multiple=16,
+                builder="build_qwen_image_components",
+            ),
+        )
+    }
+)
+
+
+def get_tiny_model_spec(name: str) -> TinyModelSpec:
+    """The spec of tiny model `name`; ValueError naming the known models if there is none."""
+    try:
+        return TINY_MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown tiny model {name!r}; known: {', '.join(TINY_MODELS)}") from None
+
+
+def tiny_model_dir(name: str) -> Path:
+    """The folder tiny model `name` lives in (whether or not it is built yet)."""
+    get_tiny_model_spec(name)
+    return cache_root() / "models" / f"{name}-v{TINY_MODEL_VERSION}"
+
+
+def build_tiny_pipeline_components(name: str) -> dict[str, Any]:
+    """Freshly built components (and config values) of tiny model `name`: its pipeline's keyword arguments."""
+    spec = get_tiny_model_spec(name)
+    components_module = importlib.import_module("layerstream.models.tiny_components")
+    return getattr(components_module, spec.builder)()
+
+
+def build_tiny_pipeline(name: str) -> Any:
+    """Tiny model `name` as an in-memory pipeline, built from scratch (not saved, not loaded from disk)."""
+    import diffusers
+
+    spec = get_tiny_model_spec(name)
+    pipeline_class = getattr(diffusers, spec.pipeline_class)
+    return pipeline_class(**build_tiny_pipeline_components(name))
+
+
+def ensure_tiny_model(name: str) -> Path:
+    """Return the folder of tiny model `name`, building and saving it first if it is not there yet.
+
+    Safe against crashes and concurrent builders (see `publish_folder`): the folder is complete or absent.
+    """
+    folder = tiny_model_dir(name)
+
+    def write(build_folder: Path) -> None:
+        build_tiny_pipeline(name).save_pretrained(build_folder, safe_serialization=True)
+
+    started = time.perf_counter()
+    if publish_folder(folder, write, marker="model_index.json"):
+        logger.info("built tiny model %s in %s (%.2f s)", name, folder, time.perf_counter() - started)
+    return folder

@@ -1,0 +1,295 @@
+"""Components of the embedded tiny models: real diffusers / transformers classes at toy sizes.
+
+Each ``build_*_components()`` returns the keyword arguments of its pipeline class, freshly built. Every module
+is built under its own fixed torch seed (without touching the caller's random state), so its weights are the
+same on every machine and do not depend on what was built before it. Sizes are chosen so that a whole
+generation runs in well under a second on a CPU while keeping the structure that offloading cares about:
+several blocks per block list, at least two text-encoder layers, two experts for Wan 2.2, all float32.
+
+This module imports diffusers and transformers; `layerstream.models.tiny` imports it only when building.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLQwenImage,
+    AutoencoderKLWan,
+    FlowMatchEulerDiscreteScheduler,
+    FluxTransformer2DModel,
+    QwenImageTransformer2DModel,
+    UniPCMultistepScheduler,
+    WanTransformer3DModel,
+)
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    T5Config,
+    T5EncoderModel,
+    UMT5Config,
+    UMT5EncoderModel,
+)
+
+from layerstream.models.tokenizers import (
+    build_clip_tokenizer,
+    build_qwen2_tokenizer,
+    build_t5_tokenizer,
+)
+
+# Shared toy sizes. Attention heads are 16 wide so that every model's rotary split (Wan's t/h/w thirds,
+# Flux's and Qwen's axes_dims_rope) still has even parts.
+NUM_DIT_BLOCKS = 3
+NUM_TEXT_ENCODER_LAYERS = 2
+TEXT_HIDDEN_SIZE = 32
+DIT_HEAD_DIM = 16
+DIT_NUM_HEADS = 2
+LATENT_CHANNELS = 4
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Build under a fixed seed, leaving the caller's random state as it was."""
+    with torch.random.fork_rng(devices=[]):  # devices=[]: CPU state only; these models are built on the host
+        torch.manual_seed(seed)
+        yield
+
+
+def _t5_config(config_class: type, vocab_size: int, tokenizer: Any) -> Any:
+    """A two-layer (U)T5 encoder config with gated-GELU feed-forward, as Wan's UMT5 and Flux's T5 use."""
+    return config_class(
+        vocab_size=vocab_size,
+        d_model=TEXT_HIDDEN_SIZE,
+        d_kv=TEXT_HIDDEN_SIZE // 4,
+        d_ff=2 * TEXT_HIDDEN_SIZE,
+        num_layers=NUM_TEXT_ENCODER_LAYERS,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+
+
+# --- Wan 2.2 (text to video, two experts) --------------------------------------------------------------------
+
+# Wan 2.2 A14B switches from the high-noise expert (`transformer`) to the low-noise one (`transformer_2`) at
+# timestep boundary_ratio * 1000. With flow_shift 3 and 4 steps the timesteps are ~999, 900, 750, 500: two each.
+WAN_BOUNDARY_RATIO = 0.875
+
+
+def _wan_transformer() -> WanTransformer3DModel:
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=DIT_NUM_HEADS,
+        attention_head_dim=DIT_HEAD_DIM,
+        in_channels=LATENT_CHANNELS,
+        out_channels=LATENT_CHANNELS,
+        text_dim=TEXT_HIDDEN_SIZE,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=NUM_DIT_BLOCKS,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=64,
+    )
+
+
+def build_wan_components() -> dict[str, Any]:
+    """Keyword arguments for a Wan 2.2-style `WanPipeline` (UMT5 text encoder, two experts, Wan VAE)."""
+    tokenizer = build_t5_tokenizer()
+    with _seeded(1):
+        text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, len(tokenizer), tokenizer))
+    with _seeded(2):
+        transformer = _wan_transformer()
+    with _seeded(3):
+        transformer_2 = _wan_transformer()
+    with _seeded(4):
+        # 8x spatial and 4x temporal compression, as the real Wan 2.1 / 2.2 A14B VAE.
+        vae = AutoencoderKLWan(
+            base_dim=8,
+            z_dim=LATENT_CHANNELS,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            latents_mean=[0.0] * LATENT_CHANNELS,
+            latents_std=[1.0] * LATENT_CHANNELS,
+        )
+    # Wan 2.2 T2V's scheduler: UniPC over flow-matching sigmas.
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=3.0,
+        num_train_timesteps=1000,
+    )
+    return {
+        "tokenizer": tokenizer,
+        "text_encoder": text_encoder,
+        "vae": vae,
+        "scheduler": scheduler,
+        "transformer": transformer,
+        "transformer_2": transformer_2,
+        "boundary_ratio": WAN_BOUNDARY_RATIO,
+    }
+
+
+# --- Flux.1 (text to image, guidance-distilled) --------------------------------------------------------------
+
+
+def build_flux_components() -> dict[str, Any]:
+    """Keyword arguments for a Flux.1-dev-style `FluxPipeline` (CLIP + T5 text encoders, 8x VAE)."""
+    tokenizer = build_clip_tokenizer()
+    tokenizer_2 = build_t5_tokenizer()
+    with _seeded(11):
+        text_encoder = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=TEXT_HIDDEN_SIZE,
+                intermediate_size=2 * TEXT_HIDDEN_SIZE,
+                num_hidden_layers=NUM_TEXT_ENCODER_LAYERS,
+                num_attention_heads=4,
+                max_position_embeddings=tokenizer.model_max_length,
+                projection_dim=TEXT_HIDDEN_SIZE,
+                hidden_act="quick_gelu",
+                # The pooled output is read at the first end-of-text token, found by this id.
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        )
+    with _seeded(12):
+        text_encoder_2 = T5EncoderModel(_t5_config(T5Config, len(tokenizer_2), tokenizer_2))
+    with _seeded(13):
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=4 * LATENT_CHANNELS,  # latents are packed into 2x2 patches
+            num_layers=NUM_DIT_BLOCKS,
+            num_single_layers=NUM_DIT_BLOCKS,
+            attention_head_dim=DIT_HEAD_DIM,
+            num_attention_heads=DIT_NUM_HEADS,
+            joint_attention_dim=TEXT_HIDDEN_SIZE,
+            pooled_projection_dim=TEXT_HIDDEN_SIZE,
+            guidance_embeds=True,
+            axes_dims_rope=(4, 6, 6),
+        )
+    with _seeded(14):
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(8, 8, 8, 8),  # four levels: 8x compression, as the real Flux VAE
+            layers_per_block=1,
+            latent_channels=LATENT_CHANNELS,
+            norm_num_groups=4,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            shift_factor=0.0609,
+            scaling_factor=1.5035,
+        )
+    # Flux.1-dev's scheduler: resolution-dependent shift.
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    return {
+        "scheduler": scheduler,
+        "vae": vae,
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "text_encoder_2": text_encoder_2,
+        "tokenizer_2": tokenizer_2,
+        "transformer": transformer,
+    }
+
+
+# --- Qwen-Image (text to image) ------------------------------------------------------------------------------
+
+
+def build_qwen_image_components() -> dict[str, Any]:
+    """Keyword arguments for a `QwenImagePipeline` (Qwen2.5-VL text encoder, Qwen-Image VAE)."""
+    tokenizer = build_qwen2_tokenizer()
+    special_id = tokenizer.convert_tokens_to_ids
+    with _seeded(21):
+        text_encoder = Qwen2_5_VLForConditionalGeneration(
+            Qwen2_5_VLConfig(
+                text_config={
+                    "vocab_size": len(tokenizer),
+                    "hidden_size": TEXT_HIDDEN_SIZE,
+                    "intermediate_size": 2 * TEXT_HIDDEN_SIZE,
+                    "num_hidden_layers": NUM_TEXT_ENCODER_LAYERS,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "max_position_embeddings": 2048,
+                    # Multimodal RoPE: sections (t, h, w) must add up to half the head size (8 / 2).
+                    "rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1e6},
+                    "bos_token_id": tokenizer.pad_token_id,
+                    "eos_token_id": special_id("<|im_end|>"),
+                    "pad_token_id": tokenizer.pad_token_id,
+                },
+                # The vision tower is never used for text-to-image; it only has to exist, so keep it tiny.
+                vision_config={
+                    "depth": 2,
+                    "hidden_size": 16,
+                    "intermediate_size": 32,
+                    "num_heads": 2,
+                    "out_hidden_size": TEXT_HIDDEN_SIZE,
+                    "fullatt_block_indexes": [1],
+                },
+                image_token_id=special_id("<|image_pad|>"),
+                video_token_id=special_id("<|video_pad|>"),
+                vision_start_token_id=special_id("<|vision_start|>"),
+                vision_end_token_id=special_id("<|vision_end|>"),
+            )
+        )
+    with _seeded(22):
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=4 * LATENT_CHANNELS,  # latents are packed into 2x2 patches
+            out_channels=LATENT_CHANNELS,
+            num_layers=NUM_DIT_BLOCKS,
+            attention_head_dim=DIT_HEAD_DIM,
+            num_attention_heads=DIT_NUM_HEADS,
+            joint_attention_dim=TEXT_HIDDEN_SIZE,
+            axes_dims_rope=(8, 4, 4),
+        )
+    with _seeded(23):
+        vae = AutoencoderKLQwenImage(
+            base_dim=8,
+            z_dim=LATENT_CHANNELS,
+            dim_mult=[1, 1, 1, 1],  # 8x compression, as the real Qwen-Image VAE
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            latents_mean=[0.0] * LATENT_CHANNELS,
+            latents_std=[1.0] * LATENT_CHANNELS,
+        )
+    # Qwen-Image's scheduler: exponential resolution-dependent shift.
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256,
+        base_shift=0.5,
+        max_image_seq_len=8192,
+        max_shift=0.9,
+        shift=1.0,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+        use_dynamic_shifting=True,
+    )
+    return {
+        "scheduler": scheduler,
+        "vae": vae,
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "transformer": transformer,
+    }

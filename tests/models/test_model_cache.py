@@ -1,0 +1,96 @@
+"""The cache location and atomic publishing of built folders."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from layerstream.models.cache import STALE_BUILD_SECONDS, CacheFolderError, cache_root, publish_folder
+
+
+def test_cache_root_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("LAYERSTREAM_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert cache_root() == tmp_path / "home" / ".cache" / "layerstream"
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "layerstream"
+
+    monkeypatch.setenv("LAYERSTREAM_CACHE", str(tmp_path / "explicit"))
+    assert cache_root() == tmp_path / "explicit"
+
+
+def _writer(calls: list[Path], content: str = "ok"):
+    def write(build: Path) -> None:
+        calls.append(build)
+        (build / "sub").mkdir()
+        (build / "sub" / "weights.bin").write_text(content)
+        (build / "index.json").write_text("{}")
+
+    return write
+
+
+def test_publish_builds_once_and_leaves_no_build_folder(tmp_path):
+    folder = tmp_path / "models" / "m-v1"
+    calls: list[Path] = []
+    assert publish_folder(folder, _writer(calls), marker="index.json") is True
+    assert publish_folder(folder, _writer(calls), marker="index.json") is False
+    assert len(calls) == 1 and calls[0].parent == folder.parent and calls[0] != folder
+    assert (folder / "sub" / "weights.bin").read_text() == "ok"
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["m-v1"]
+
+
+def test_failed_build_leaves_nothing(tmp_path):
+    folder = tmp_path / "m-v1"
+
+    def crash(build: Path) -> None:
+        (build / "index.json").write_text("{}")
+        (build / "half.bin").write_text("x")
+        raise RuntimeError("killed half-way")
+
+    with pytest.raises(RuntimeError, match="killed half-way"):
+        publish_folder(folder, crash, marker="index.json")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_build_without_marker_is_rejected(tmp_path):
+    with pytest.raises(CacheFolderError, match="no index.json"):
+        publish_folder(tmp_path / "m-v1", lambda build: None, marker="index.json")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_losing_a_race_keeps_the_winners_folder(tmp_path):
+    folder = tmp_path / "m-v1"
+
+    def write_while_another_process_publishes(build: Path) -> None:
+        _writer([], content="mine")(build)
+        publish_folder(folder, _writer([], content="winner"), marker="index.json")
+
+    assert publish_folder(folder, write_while_another_process_publishes, marker="index.json") is False
+    assert (folder / "sub" / "weights.bin").read_text() == "winner"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m-v1"]
+
+
+def test_foreign_folder_is_not_overwritten(tmp_path):
+    folder = tmp_path / "m-v1"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("someone else's")
+    with pytest.raises(CacheFolderError, match="not a complete build"):
+        publish_folder(folder, _writer([]), marker="index.json")
+    assert [p.name for p in folder.iterdir()] == ["notes.txt"]
+
+
+def test_stale_build_folders_are_removed_recent_ones_kept(tmp_path):
+    folder = tmp_path / "m-v1"
+    stale = tmp_path / ".m-v1.tmp-1-dead"
+    recent = tmp_path / ".m-v1.tmp-2-busy"
+    for leftover in (stale, recent):
+        leftover.mkdir()
+    old = time.time() - 2 * STALE_BUILD_SECONDS
+    os.utime(stale, (old, old))
+    publish_folder(folder, _writer([]), marker="index.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [recent.name, "m-v1"]

@@ -1,0 +1,105 @@
+"""`load_pipeline`: tiny names and local folders load; everything else fails with one clear line, offline."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from layerstream.models import (
+    ModelLoadError,
+    ensure_tiny_model,
+    is_tiny_model_name,
+    load_pipeline,
+    pipeline_kind,
+    resolve_model_folder,
+)
+from layerstream.models.loading import hub_offline
+
+DOWNLOAD_HINT = "download the folder first (e.g. with huggingface-cli download) and pass its path"
+
+
+def test_tiny_names():
+    assert is_tiny_model_name("tiny-wan") and is_tiny_model_name("tiny-flux") and is_tiny_model_name("tiny-qwen-image")
+    assert not is_tiny_model_name("tiny-sdxl") and not is_tiny_model_name(None)
+
+
+def test_local_folder_loads_like_a_tiny_name(tmp_path):
+    folder = tmp_path / "my-wan"
+    shutil.copytree(ensure_tiny_model("tiny-wan"), folder)
+    assert resolve_model_folder(folder) == folder
+    pipe = load_pipeline(str(folder))
+    assert type(pipe).__name__ == "WanPipeline" and pipeline_kind(pipe) == "video"
+
+
+def test_dtype_casts_every_component():
+    pipe = load_pipeline("tiny-flux", dtype=torch.bfloat16)
+    assert pipeline_kind(pipe) == "image"
+    for name in ("transformer", "text_encoder", "text_encoder_2", "vae"):
+        assert getattr(pipe, name).dtype == torch.bfloat16, name
+
+
+def test_dtype_must_be_a_torch_dtype():
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+        load_pipeline("tiny-flux", dtype="bfloat16")
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist") as error:
+        load_pipeline(str(tmp_path / "nowhere"))
+    assert DOWNLOAD_HINT in str(error.value) and "\n" not in str(error.value)
+
+
+def test_hub_id_is_refused_with_the_download_hint(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # so that "Wan-AI/..." is certainly not a relative path here
+    hub_id_message = r"is not a local folder \(it looks like a Hugging Face Hub id\)"
+    with pytest.raises(ModelLoadError, match=hub_id_message) as error:
+        load_pipeline("Wan-AI/Wan2.2-T2V-A14B-Diffusers")
+    assert DOWNLOAD_HINT in str(error.value) and "nothing is fetched at run time" in str(error.value)
+
+
+def test_folder_without_model_index(tmp_path):
+    (tmp_path / "transformer").mkdir()
+    with pytest.raises(ModelLoadError, match="has no model_index.json"):
+        load_pipeline(tmp_path)
+
+
+def test_file_and_empty_string(tmp_path):
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="is a file"):
+        load_pipeline(str(file))
+    with pytest.raises(ModelLoadError, match="model is empty"):
+        load_pipeline("")
+    with pytest.raises(TypeError, match="tiny model name or a folder path"):
+        load_pipeline(42)
+
+
+def test_loader_failure_names_the_folder(tmp_path):
+    folder = tmp_path / "broken"
+    shutil.copytree(ensure_tiny_model("tiny-qwen-image"), folder)
+    (folder / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ModelLoadError, match=f"cannot load the pipeline in {folder}") as error:
+        load_pipeline(folder)
+    assert error.value.__cause__ is not None and "\n" not in str(error.value)
+
+
+def test_hub_offline_blocks_requests_and_restores_state(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    with hub_offline():
+        assert os.environ["HF_HUB_OFFLINE"] == "1" and constants.is_offline_mode()
+    assert "HF_HUB_OFFLINE" not in os.environ and not constants.HF_HUB_OFFLINE
+
+
+def test_tiny_model_blocked_by_a_foreign_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("LAYERSTREAM_CACHE", str(tmp_path))
+    blocker = tmp_path / "models" / "tiny-wan-v1"
+    blocker.mkdir(parents=True)
+    (blocker / "notes.txt").write_text("not a model")
+    with pytest.raises(ModelLoadError, match=f"cannot build tiny model tiny-wan: .*{blocker}.*delete it"):
+        load_pipeline("tiny-wan")
