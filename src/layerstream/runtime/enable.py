@@ -129,13 +129,8 @@ def _enable_layer_mode(pipeline, plan, components, device, engine_factory, proce
             for chain in chains:
                 for path in chain:
                     stream_modules[path] = lookup(pipeline, path)
-        if len(stream_modules) == 1:
-            raise OffloadError(
-                f"{plan.pipeline_class}: only one block ({next(iter(stream_modules))}) would stream; lower "
-                "resident_layers or stream more components"
-            )
         check_no_shared_block_tensors(plan.pipeline_class, components, stream_modules)
-        layouts = {path: BlockLayout(path, module) for path, module in stream_modules.items()}
+        layouts = {path: BlockLayout(path, module, device) for path, module in stream_modules.items()}
     except Exception as e:
         if gather is not None:
             try:

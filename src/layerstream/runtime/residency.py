@@ -71,6 +71,8 @@ def choose_residency(plan: ResolvedOffloadPlan, device: torch.device) -> dict[st
         chain = main_chain(comp)
         if comp.category != "dit" or comp.resident_layers == 0:
             choices[comp.path] = ResidencyChoice((), len(chain), "streams every block")
+        elif not comp.resident_allowed:  # the resolver refuses an int here; "auto" quietly keeps nothing
+            choices[comp.path] = ResidencyChoice((), len(chain), "auto: not declared in resident_dit_paths")
         elif comp.resident_layers == "auto":
             auto.append(comp)
         else:

@@ -1,0 +1,155 @@
+"""`layerstream plan MODEL`: print what offload would do with each component, without enabling anything."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from layerstream.cli.common import CliError, parse_config_arg
+from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan
+
+_COLUMNS = ("component", "category", "source", "action", "blocks", "max block", "streamed", "resident")
+_NUMERIC = frozenset({"blocks", "max block", "streamed", "resident"})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of the ``plan`` subcommand."""
+    parser.add_argument("model", help='"tiny-wan" (the embedded tiny model) or a local diffusers-format folder')
+    parser.add_argument(
+        "--diffusion-offload-config",
+        metavar="JSON",
+        default=None,
+        help='offload config as JSON text (default: {"mode": "layer", "components": ["dit"]})',
+    )
+    parser.add_argument("--json", action="store_true", help="print the resolved plan as JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Resolve the plan for ``args.model`` and print it; user errors raise `CliError` (exit code 2)."""
+    config = parse_config_arg(args.diffusion_offload_config)  # before loading: a bad config fails fast
+    pipeline = _load(args.model)
+
+    # imported here, not at the top: the parser imports every subcommand, and `--help` should not load torch
+    from layerstream.plan.offload_plan import OffloadPlanError
+    from layerstream.plan.resolved import OffloadPlanResolutionError
+    from layerstream.plan.resolver import resolve_offload_plan
+
+    try:
+        plan = resolve_offload_plan(pipeline, config)
+    except (OffloadPlanResolutionError, OffloadPlanError) as e:
+        raise CliError(_one_line(e)) from e
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+def _load(model: str) -> Any:
+    try:
+        from layerstream.models.loading import ModelLoadError, load_pipeline
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("layerstream"):
+            raise CliError("loading models is not available in this build (no layerstream.models.loading)") from e
+        raise CliError(f"loading models needs the diffusers extra (pip install 'layerstream[diffusers]'): {e}") from e
+    try:
+        return load_pipeline(model)
+    except ModelLoadError as e:
+        raise CliError(_one_line(e)) from e
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
+
+
+# --- the table ---------------------------------------------------------------------------------------------
+
+
+def format_plan(plan: ResolvedOffloadPlan) -> str:
+    """A readable table of the resolved plan: one row per component, totals, and the device estimate."""
+    config = plan.config
+    rows = [_row(comp) for comp in plan.components]
+    streamed = sum(_split_bytes(c)[0] for c in plan.components)
+    resident = sum(_split_bytes(c)[1] for c in plan.components)
+    totals = {"component": "total", "streamed": format_bytes(streamed), "resident": format_bytes(resident)}
+    rows.append(dict.fromkeys(_COLUMNS, "") | totals)
+
+    lines = [f"{plan.pipeline_class}: mode {config.mode!r}, components {', '.join(config.components)}", ""]
+    lines += _table(rows)
+    lines.append("")
+    lines.append("streamed: bytes kept on the host and copied in when needed (blocks; whole components in module mode)")
+    lines.append("resident: bytes kept on the device")
+    slots = _slot_estimate(plan)
+    if slots is not None:
+        num_slots, slot_bytes = slots
+        lines.append(
+            f"device estimate: resident {format_bytes(resident)} + {num_slots} slots x {format_bytes(slot_bytes)} "
+            f"(largest streamed block) = {format_bytes(resident + num_slots * slot_bytes)}"
+        )
+    return "\n".join(lines)
+
+
+def _row(comp: ResolvedComponent) -> dict[str, str]:
+    streamed, resident = _split_bytes(comp)
+    all_blocks = [b for stack in comp.stacks for b in stack.block_bytes]
+    blocks = str(comp.num_blocks) if comp.stacks else "-"
+    if comp.action == "stream" and comp.resident_layers != 0:
+        blocks += f" ({comp.resident_layers} resident)"
+    return {
+        "component": comp.display_path,
+        "category": comp.category,
+        "source": comp.source,
+        "action": comp.action,
+        "blocks": blocks,
+        "max block": format_bytes(max(all_blocks)) if all_blocks else "-",
+        "streamed": format_bytes(streamed),
+        "resident": format_bytes(resident),
+    }
+
+
+def _split_bytes(comp: ResolvedComponent) -> tuple[int, int]:
+    """(streamed, resident) bytes of a component under its action."""
+    if comp.action in ("swap", "on_demand"):
+        return comp.total_bytes, 0
+    if comp.action != "stream":
+        return 0, comp.total_bytes
+    streamed = sum(_streamed_block_bytes(comp))
+    return streamed, comp.total_bytes - streamed
+
+
+def _streamed_block_bytes(comp: ResolvedComponent) -> list[int]:
+    # int resident_layers keep the leading blocks of the main chain; "auto" is only decided at enable time,
+    # so the table shows every block as streamed
+    kept = comp.resident_layers if isinstance(comp.resident_layers, int) else 0
+    main = [b for s in comp.stacks if not s.own_chain for b in s.block_bytes]
+    return main[kept:] + [b for s in comp.stacks if s.own_chain for b in s.block_bytes]
+
+
+def _slot_estimate(plan: ResolvedOffloadPlan) -> tuple[int, int] | None:
+    """(slots, bytes per slot) of the device ring shared by all streamed components, or None if none stream."""
+    streamed = [c for c in plan.components if c.action == "stream" and _streamed_block_bytes(c)]
+    if not streamed:
+        return None
+    depth = max(c.prefetch_depth for c in streamed)
+    return depth + 1, max(b for c in streamed for b in _streamed_block_bytes(c))
+
+
+def _table(rows: list[dict[str, str]]) -> list[str]:
+    widths = {col: max(len(col), *(len(r[col]) for r in rows)) for col in _COLUMNS}
+
+    def line(cells: dict[str, str]) -> str:
+        parts = [cells[c].rjust(widths[c]) if c in _NUMERIC else cells[c].ljust(widths[c]) for c in _COLUMNS]
+        return "  ".join(parts).rstrip()
+
+    header = line({c: c for c in _COLUMNS})
+    return [header, "-" * len(header), *(line(r) for r in rows[:-1]), "-" * len(header), line(rows[-1])]
+
+
+def format_bytes(num_bytes: int) -> str:
+    """Human-readable bytes in binary units: ``512 B``, ``3.2 KiB``, ``1.5 GiB``."""
+    if num_bytes < 1024:
+        return f"{num_bytes} B"
+    value = float(num_bytes)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")

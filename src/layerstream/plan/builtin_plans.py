@@ -1,0 +1,229 @@
+"""Built-in offload plans for diffusers pipelines that do not declare `_offload_plan` themselves.
+
+Per-model knowledge is data: each `PipelineFamily` names the pipeline classes it covers, the DiT block lists
+in the order the transformer runs them, and the pipeline's text-encoder components. A text encoder's block
+list depends on the encoder's own class (Flux2 ships a Mistral3 or a Qwen3 encoder), so encoder layouts are
+keyed by transformers class name in `TEXT_ENCODER_BLOCK_ATTRS`.
+
+Every path here was read from the installed sources (diffusers 0.42, transformers 5.x) and is exercised by
+`tests/plan/test_builtin_plans.py`. Looking a class up by name keeps this module free of diffusers imports.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from torch import nn
+
+from layerstream.plan.offload_plan import OffloadPlan
+from layerstream.plan.resolved import lookup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PipelineFamily:
+    """Pipelines that share one layout of DiT and text encoders."""
+
+    pipelines: tuple[str, ...]
+    """diffusers pipeline class names (subclasses are found through the MRO)."""
+    dit: OffloadPlan
+    """The DiT part of the plan: ``block_attrs`` and ``resident_dit_paths``."""
+    text_encoders: tuple[str, ...] = ()
+    """Component names of the pipeline's text encoders; their block lists come from `TEXT_ENCODER_BLOCK_ATTRS`."""
+
+
+def _dits(*paths: str, blocks: tuple[str, ...]) -> OffloadPlan:
+    # every built-in DiT runs its block lists front to back, so its leading blocks may stay resident
+    return OffloadPlan(block_attrs={p: blocks for p in paths}, resident_dit_paths=frozenset(paths))
+
+
+_WAN_BLOCKS = ("blocks",)
+# WanVACE runs every vace block (building the control hints) before the main blocks.
+_WAN_VACE_BLOCKS = ("vace_blocks", "blocks")
+# Flux, Flux2 and HunyuanVideo run the dual-stream blocks, then the single-stream blocks.
+_DUAL_THEN_SINGLE = ("transformer_blocks", "single_transformer_blocks")
+_TRANSFORMER_BLOCKS = ("transformer_blocks",)
+
+FAMILIES: tuple[PipelineFamily, ...] = (
+    # Wan 2.1 has one transformer; Wan 2.2 A14B adds transformer_2 (low-noise expert), None otherwise.
+    PipelineFamily(
+        pipelines=("WanPipeline", "WanImageToVideoPipeline"),
+        dit=_dits("transformer", "transformer_2", blocks=_WAN_BLOCKS),
+        text_encoders=("text_encoder",),
+    ),
+    PipelineFamily(
+        pipelines=("WanVideoToVideoPipeline",),
+        dit=_dits("transformer", blocks=_WAN_BLOCKS),
+        text_encoders=("text_encoder",),
+    ),
+    PipelineFamily(
+        pipelines=("WanVACEPipeline",),
+        dit=_dits("transformer", "transformer_2", blocks=_WAN_VACE_BLOCKS),
+        text_encoders=("text_encoder",),
+    ),
+    # WanAnimate's face adapters run between main blocks; they stay resident.
+    PipelineFamily(
+        pipelines=("WanAnimatePipeline",),
+        dit=_dits("transformer", blocks=_WAN_BLOCKS),
+        text_encoders=("text_encoder",),
+    ),
+    PipelineFamily(
+        pipelines=(
+            "FluxPipeline",
+            "FluxImg2ImgPipeline",
+            "FluxInpaintPipeline",
+            "FluxFillPipeline",
+            "FluxKontextPipeline",
+            "FluxKontextInpaintPipeline",
+            "FluxControlPipeline",
+            "FluxControlImg2ImgPipeline",
+            "FluxControlInpaintPipeline",
+        ),
+        dit=_dits("transformer", blocks=_DUAL_THEN_SINGLE),
+        text_encoders=("text_encoder", "text_encoder_2"),
+    ),
+    PipelineFamily(
+        pipelines=("Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinInpaintPipeline", "Flux2KleinKVPipeline"),
+        dit=_dits("transformer", blocks=_DUAL_THEN_SINGLE),
+        text_encoders=("text_encoder",),
+    ),
+    PipelineFamily(
+        pipelines=(
+            "QwenImagePipeline",
+            "QwenImageImg2ImgPipeline",
+            "QwenImageInpaintPipeline",
+            "QwenImageEditPipeline",
+            "QwenImageEditInpaintPipeline",
+            "QwenImageEditPlusPipeline",
+            "QwenImageLayeredPipeline",
+        ),
+        dit=_dits("transformer", blocks=_TRANSFORMER_BLOCKS),
+        text_encoders=("text_encoder",),
+    ),
+    PipelineFamily(
+        pipelines=(
+            "HunyuanVideoPipeline",
+            "HunyuanVideoImageToVideoPipeline",
+            "HunyuanSkyreelsImageToVideoPipeline",
+            "HunyuanVideoFramepackPipeline",
+        ),
+        dit=_dits("transformer", blocks=_DUAL_THEN_SINGLE),
+        text_encoders=("text_encoder", "text_encoder_2"),
+    ),
+    PipelineFamily(
+        pipelines=("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline", "LTXI2VLongMultiPromptPipeline"),
+        dit=_dits("transformer", blocks=_TRANSFORMER_BLOCKS),
+        text_encoders=("text_encoder",),
+    ),
+    PipelineFamily(
+        pipelines=("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline"),
+        dit=_dits("transformer", blocks=_TRANSFORMER_BLOCKS),
+        text_encoders=("text_encoder", "text_encoder_2", "text_encoder_3"),
+    ),
+    PipelineFamily(
+        pipelines=(
+            "CogVideoXPipeline",
+            "CogVideoXImageToVideoPipeline",
+            "CogVideoXVideoToVideoPipeline",
+            "CogVideoXFunControlPipeline",
+        ),
+        dit=_dits("transformer", blocks=_TRANSFORMER_BLOCKS),
+        text_encoders=("text_encoder",),
+    ),
+)
+
+TEXT_ENCODER_BLOCK_ATTRS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "UMT5EncoderModel": ("encoder.block",),  # Wan
+        "T5EncoderModel": ("encoder.block",),  # Flux, SD3, LTX, CogVideoX
+        "CLIPTextModel": ("encoder.layers",),  # Flux, HunyuanVideo (transformers 5 dropped the text_model level)
+        "CLIPTextModelWithProjection": ("text_model.encoder.layers",),  # SD3
+        "LlamaModel": ("layers",),  # HunyuanVideo
+        "LlavaForConditionalGeneration": ("model.language_model.layers",),  # HunyuanVideo image-to-video
+        "Mistral3ForConditionalGeneration": ("model.language_model.layers",),  # Flux2 (the vision tower stays)
+        "Qwen3ForCausalLM": ("model.layers",),  # Flux2 Klein
+        "Qwen2_5_VLForConditionalGeneration": ("model.language_model.layers",),  # Qwen-Image (the ViT stays)
+    }
+)
+
+
+def _index_families(families: tuple[PipelineFamily, ...]) -> Mapping[str, PipelineFamily]:
+    index: dict[str, PipelineFamily] = {}
+    for family in families:
+        for name in family.pipelines:
+            assert name not in index, f"pipeline class {name} is registered twice"
+            index[name] = family
+    return MappingProxyType(index)
+
+
+BUILTIN_FAMILIES: Mapping[str, PipelineFamily] = _index_families(FAMILIES)
+"""Pipeline class name -> its family."""
+
+
+def builtin_family_for(pipeline: Any) -> PipelineFamily | None:
+    """The family registered for the pipeline's class or its nearest registered base class, or None."""
+    for cls in type(pipeline).__mro__:
+        family = BUILTIN_FAMILIES.get(cls.__name__)
+        if family is not None:
+            return family
+    return None
+
+
+def builtin_plan_for(pipeline: Any) -> OffloadPlan | None:
+    """layerstream's built-in `OffloadPlan` for a known diffusers pipeline, or None for an unknown class.
+
+    The DiT part comes from the pipeline's family. A text encoder enters the plan (typed ``"text_encoder"``,
+    replicated on every rank because each rank loads it whole) when its class is in `TEXT_ENCODER_BLOCK_ATTRS`
+    and the listed paths are block lists on this instance; otherwise the resolver discovers it like any other
+    encoder (class attribute, then automatic), so an unexpected encoder class or library layout never breaks a
+    pipeline that only streams its DiT. Reads attributes only.
+    """
+    family = builtin_family_for(pipeline)
+    if family is None:
+        return None
+    encoder_block_attrs: dict[str, tuple[str, ...]] = {}
+    for path in family.text_encoders:
+        encoder = getattr(pipeline, path, None)
+        if encoder is None:
+            continue  # an optional encoder that is not loaded
+        attrs = _known_encoder_layout(encoder)
+        if attrs is None:
+            logger.debug("%s: no built-in layout for %s (%s)", type(pipeline).__name__, path, type(encoder).__name__)
+            continue
+        encoder_block_attrs[path] = attrs
+    return OffloadPlan(
+        block_attrs=family.dit.block_attrs,
+        resident_dit_paths=family.dit.resident_dit_paths,
+        encoder_component_types={path: "text_encoder" for path in encoder_block_attrs},
+        encoder_block_attrs=encoder_block_attrs,
+        encoder_dlo_weight_replication=frozenset(encoder_block_attrs),
+    )
+
+
+def _known_encoder_layout(encoder: Any) -> tuple[str, ...] | None:
+    attrs = TEXT_ENCODER_BLOCK_ATTRS.get(type(encoder).__name__)
+    if attrs is None:
+        return None
+    for attr in attrs:
+        try:
+            blocks = lookup(encoder, attr)
+        except AttributeError:
+            return None
+        if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or len(blocks) == 0:
+            return None
+    return attrs
+
+
+__all__ = [
+    "BUILTIN_FAMILIES",
+    "FAMILIES",
+    "TEXT_ENCODER_BLOCK_ATTRS",
+    "PipelineFamily",
+    "builtin_family_for",
+    "builtin_plan_for",
+]

@@ -1,0 +1,252 @@
+"""Discovery: which components a pipeline holds, what they are, and where their block lists live.
+
+Everything here only reads modules (attribute lookups, `named_children`, tensor sizes); nothing moves a
+tensor, installs a hook or sets an attribute. The resolver combines these pieces in precedence order.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Collection, Mapping
+from itertools import chain
+from typing import Any
+
+from torch import nn
+
+from layerstream.plan.resolved import OffloadPlanResolutionError, join_path, lookup
+
+BLOCK_LIST_TYPES = (nn.ModuleList, nn.Sequential)
+PIPELINE_MODULE_LISTS = ("_dit_modules", "_encoder_modules", "_vae_modules")
+"""Pipeline class attributes (vllm-omni style) that name component paths by role."""
+CLASS_BLOCK_ATTRS = "_layerwise_offload_blocks_attrs"
+"""Model class attribute naming its block lists, e.g. ``["blocks"]``."""
+
+
+def resolution_error(pipeline_class: str, path: str, problem: str) -> OffloadPlanResolutionError:
+    """The resolver's error: ``"<PipelineClass>: <path>: <problem>"`` (``<model>`` for the empty path)."""
+    return OffloadPlanResolutionError(f"{pipeline_class}: {path or '<model>'}: {problem}")
+
+
+def tensor_bytes(module: nn.Module) -> int:
+    """Bytes of the module's distinct parameters and buffers (numel * element_size, so meta tensors count)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in chain(module.parameters(), module.buffers()):
+        if id(tensor) not in seen:  # tied weights are stored once
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def declared_paths(pipeline: Any, attr: str, pipeline_class: str) -> tuple[str, ...]:
+    """The component paths a pipeline lists in `attr` (``_dit_modules`` ...), or () when it lists none."""
+    value = getattr(pipeline, attr, None)
+    if value is None:
+        return ()
+    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
+        problem = f"{attr} = {value!r} is not valid; expected a list of attribute paths"
+        raise resolution_error(pipeline_class, attr, problem)
+    for item in value:
+        if not isinstance(item, str) or not item:
+            raise resolution_error(pipeline_class, attr, f"{attr} holds {item!r}; expected non-empty attribute paths")
+    return tuple(value)
+
+
+def declares_components(pipeline: Any) -> bool:
+    """True when the object declares its parts: an ``_offload_plan`` or one of `PIPELINE_MODULE_LISTS`."""
+    return any(getattr(pipeline, attr, None) is not None for attr in ("_offload_plan", *PIPELINE_MODULE_LISTS))
+
+
+def enumerate_components(
+    pipeline: Any, declared: Mapping[str, str], pipeline_class: str
+) -> dict[str, nn.Module]:
+    """Component path -> module, in the pipeline's order.
+
+    The base set is a diffusers pipeline's ``components`` (its nn.Module values), an nn.Module pipeline's
+    named children, or the object itself (path ``""``) when it is a bare model: an nn.Module that declares
+    nothing and holds a discoverable block list of its own. `declared` (path -> who declared it, for error
+    messages) adds dotted paths; a declared path replaces the base component it lies inside. Declared paths
+    that hold None (an optional component that is not loaded) are skipped.
+    """
+    registry = getattr(pipeline, "components", None)
+    if isinstance(registry, Mapping):
+        base = list(registry.items())
+    elif isinstance(pipeline, nn.Module):
+        if not declares_components(pipeline) and has_own_block_lists(pipeline):
+            return {"": pipeline}
+        base = list(pipeline.named_children())
+    else:
+        raise resolution_error(
+            pipeline_class,
+            "",
+            f"{type(pipeline).__name__} is neither a diffusers pipeline (a `components` dict) nor an nn.Module",
+        )
+
+    extra = _declared_modules(pipeline, declared, pipeline_class)
+    out: dict[str, nn.Module] = {}
+    for name, module in base:
+        inside = [p for p in extra if p.startswith(name + ".")]
+        if inside:  # the declared sub-components stand in for the module that holds them
+            out.update((p, extra[p]) for p in inside)
+        elif isinstance(module, nn.Module):
+            out[name] = module
+    for path, module in extra.items():
+        out.setdefault(path, module)
+    return out
+
+
+def _declared_modules(pipeline: Any, declared: Mapping[str, str], pipeline_class: str) -> dict[str, nn.Module]:
+    modules: dict[str, nn.Module] = {}
+    for path, origin in declared.items():
+        try:
+            module = lookup(pipeline, path)
+        except AttributeError as e:
+            raise resolution_error(
+                pipeline_class, path, f"declared in {origin} but the pipeline has no such attribute ({e})"
+            ) from e
+        if module is None:
+            continue
+        if not isinstance(module, nn.Module):
+            raise resolution_error(
+                pipeline_class, path, f"declared in {origin} but it is {type(module).__name__}; expected an nn.Module"
+            )
+        modules[path] = module
+    for path in modules:
+        for other in modules:
+            if other.startswith(path + "."):
+                raise resolution_error(
+                    pipeline_class,
+                    other,
+                    f"declared as a component ({declared[other]}) inside another declared component {path!r} "
+                    f"({declared[path]}); components may not nest",
+                )
+    return modules
+
+
+def categorize(
+    path: str,
+    *,
+    dit_paths: Collection[str],
+    encoder_types: Mapping[str, str],
+    encoder_modules: Collection[str],
+    vae_modules: Collection[str],
+) -> str:
+    """The component's category: declarations first, then the name rule on the leaf name."""
+    if path in dit_paths:
+        return "dit"
+    if path in encoder_types:
+        return encoder_types[path]
+    leaf = path.rsplit(".", 1)[-1]
+    if leaf.startswith("text_encoder") or leaf.endswith("text_encoder"):
+        return "text_encoder"
+    if path in encoder_modules:
+        return "encoder"
+    if leaf.startswith("transformer"):
+        return "dit"
+    if path in vae_modules or leaf.startswith("vae"):
+        return "vae"
+    if leaf.startswith("image_encoder"):
+        return "image_encoder"
+    return "other"
+
+
+def block_list_at(
+    pipeline_class: str, component: nn.Module, component_path: str, attr_path: str, origin: str
+) -> nn.Module:
+    """The declared block list `attr_path` inside `component`, checked to be a non-empty ModuleList/Sequential.
+
+    Properties are refused before they are read: a property may build a new list on each access (hooks
+    installed on it would be lost), and reading it could run arbitrary code.
+    """
+    obj: Any = component
+    walked = component_path
+    for part in attr_path.split("."):
+        walked = join_path(walked, part)
+        static = inspect.getattr_static(type(obj), part, None)
+        if isinstance(static, (property, functools.cached_property)):
+            raise resolution_error(
+                pipeline_class,
+                walked,
+                f"declared in {origin} but {part!r} is a property of {type(obj).__name__}; declare the attribute "
+                "that holds the nn.ModuleList itself",
+            )
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as e:
+            raise resolution_error(
+                pipeline_class, walked, f"declared in {origin} but {type(obj).__name__} has no attribute {part!r}"
+            ) from e
+    full = join_path(component_path, attr_path)
+    if not isinstance(obj, BLOCK_LIST_TYPES):
+        problem = f"declared in {origin} but it is {type(obj).__name__}; expected nn.ModuleList or nn.Sequential"
+        raise resolution_error(pipeline_class, full, problem)
+    if len(obj) == 0:
+        problem = f"declared in {origin} but the block list is empty; it needs at least one block"
+        raise resolution_error(pipeline_class, full, problem)
+    return obj
+
+
+def class_block_attrs(module: nn.Module, pipeline_class: str, path: str) -> tuple[str, ...] | None:
+    """The model class's ``_layerwise_offload_blocks_attrs``, or None when the class does not declare it."""
+    value = getattr(type(module), CLASS_BLOCK_ATTRS, None)
+    if value is None:
+        return None
+    name = f"{type(module).__name__}.{CLASS_BLOCK_ATTRS}"
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):  # a bare string is a common slip
+        problem = f"{name} = {value!r} is not valid; expected a list such as ['blocks']"
+        raise resolution_error(pipeline_class, path, problem)
+    for item in value:
+        if not isinstance(item, str) or not item:
+            raise resolution_error(pipeline_class, path, f"{name} holds {item!r}; expected non-empty attribute paths")
+    return tuple(value) or None
+
+
+def repeated_block_classes(module: nn.Module) -> frozenset[str]:
+    """Class names the model itself calls its repeated blocks.
+
+    diffusers' ``_repeated_blocks`` is preferred: its ``_no_split_modules`` may also name one-off modules that
+    happen to sit in lists (WanAnimate's motion-encoder blocks). transformers models only have the latter.
+    """
+    for attr in ("_repeated_blocks", "_no_split_modules"):
+        names = getattr(module, attr, None)
+        if isinstance(names, (list, tuple, set, frozenset)):
+            valid = frozenset(n for n in names if isinstance(n, str))
+            if valid:
+                return valid
+    return frozenset()
+
+
+def find_block_lists(module: nn.Module, skip: Collection[nn.Module] = ()) -> tuple[str, ...]:
+    """Attribute paths (definition order) of the ModuleLists/Sequentials under `module` whose items are all
+    instances of `repeated_block_classes(module)`. Found lists are not searched inside, nor are `skip` modules.
+    """
+    names = repeated_block_classes(module)
+    if not names:
+        return ()
+    skip_ids = {id(m) for m in skip}
+    seen: set[int] = set()
+    found: list[str] = []
+
+    def visit(prefix: str, parent: nn.Module) -> None:
+        for name, child in parent.named_children():
+            if id(child) in skip_ids or id(child) in seen:
+                continue
+            seen.add(id(child))
+            path = join_path(prefix, name)
+            if isinstance(child, BLOCK_LIST_TYPES) and len(child) > 0 and all(_is_one_of(b, names) for b in child):
+                found.append(path)
+            else:
+                visit(path, child)
+
+    visit("", module)
+    return tuple(found)
+
+
+def has_own_block_lists(module: nn.Module) -> bool:
+    """True when `module` is a model by itself: it declares its block lists or they are discoverable."""
+    return bool(getattr(type(module), CLASS_BLOCK_ATTRS, None)) or bool(find_block_lists(module))
+
+
+def _is_one_of(module: nn.Module, class_names: frozenset[str]) -> bool:
+    return any(cls.__name__ in class_names for cls in type(module).__mro__)

@@ -1,0 +1,446 @@
+"""`resolve_offload_plan`: the one reader of offload plans; pure, so every backend can trust its answer.
+
+Resolution runs in three passes over plain data:
+1. discover: enumerate components, categorize them and find their block lists, recording where each list
+   came from (pipeline plan, built-in plan, class attribute, automatic);
+2. check what does not depend on the config: declared paths, types, a block claimed twice;
+3. decide what the config does with each component, and reject selections that cannot work.
+Modules are only read: no tensor moves, no hook is installed, no attribute changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from layerstream.config.offload_config import LayerOptions, OffloadConfig, parse_offload_config
+from layerstream.plan.builtin_plans import builtin_plan_for
+from layerstream.plan.discovery import (
+    block_list_at,
+    categorize,
+    class_block_attrs,
+    declared_paths,
+    enumerate_components,
+    find_block_lists,
+    resolution_error,
+    tensor_bytes,
+)
+from layerstream.plan.offload_plan import ENCODER_TYPES, OffloadPlan, get_offload_plan
+from layerstream.plan.resolved import BlockStack, ResolvedComponent, ResolvedOffloadPlan, join_path, lookup
+
+logger = logging.getLogger(__name__)
+
+STREAMABLE_CATEGORIES = ("dit", "text_encoder")
+"""Categories whose block lists are discovered (and may stream in layer mode)."""
+ON_DEMAND_METHODS = ("load_to_device", "offload_to_cpu")
+
+
+@dataclass
+class _Found:
+    """A component after discovery, before the config is applied."""
+
+    path: str
+    module: nn.Module
+    category: str
+    source: str
+    stacks: tuple[BlockStack, ...]
+    blocks: dict[str, nn.Module]
+    """Block path -> block module, for every stack."""
+
+    @property
+    def main_blocks(self) -> int:
+        """Blocks on the component's own prefetch chain (``resident_layers`` counts along it)."""
+        return sum(s.num_blocks for s in self.stacks if not s.own_chain)
+
+
+class _Declarations:
+    """The pipeline's own plan and layerstream's built-in plan, read in precedence order."""
+
+    def __init__(self, pipeline: Any, pipeline_class: str):
+        self.pipeline_class = pipeline_class
+        self.plan = get_offload_plan(pipeline) or OffloadPlan()
+        self.builtin = builtin_plan_for(pipeline) or OffloadPlan()
+        self.dit_modules = declared_paths(pipeline, "_dit_modules", pipeline_class)
+        self.encoder_modules = declared_paths(pipeline, "_encoder_modules", pipeline_class)
+        self.vae_modules = declared_paths(pipeline, "_vae_modules", pipeline_class)
+        self.encoder_types = {**self.builtin.encoder_component_types, **self.plan.encoder_component_types}
+        self.dit_paths = frozenset(self.plan.block_attrs) | set(self.builtin.block_attrs) | set(self.dit_modules)
+        self.offload_submodules = {**self.builtin.offload_submodules, **self.plan.offload_submodules}
+
+    def component_paths(self) -> dict[str, str]:
+        """Every component path a declaration names -> where it was declared (for error messages)."""
+        out: dict[str, str] = {}
+        for plan, owner in ((self.plan, "_offload_plan"), (self.builtin, "layerstream's built-in plan")):
+            for field in ("block_attrs", "encoder_component_types", "encoder_block_attrs"):
+                for path in getattr(plan, field):
+                    out.setdefault(path, f"{owner}.{field}")
+            for field in ("resident_dit_paths", "encoder_dlo_weight_replication", "on_demand_component_paths"):
+                for path in sorted(getattr(plan, field)):
+                    out.setdefault(path, f"{owner}.{field}")
+        for paths, attr in (
+            (self.dit_modules, "_dit_modules"),
+            (self.encoder_modules, "_encoder_modules"),
+            (self.vae_modules, "_vae_modules"),
+        ):
+            for path in paths:
+                out.setdefault(path, attr)
+        return out
+
+    def check(self) -> None:
+        """Reject declarations that contradict themselves, before any module is read."""
+        for path, kind in self.plan.encoder_component_types.items():
+            if kind not in ENCODER_TYPES:
+                allowed = ", ".join(repr(t) for t in ENCODER_TYPES)
+                raise resolution_error(
+                    self.pipeline_class,
+                    path,
+                    f"_offload_plan.encoder_component_types[{path!r}] = {kind!r} is not a known encoder type; "
+                    f"allowed: {allowed}",
+                )
+        plan = self.plan
+        as_dit = set(plan.block_attrs) | set(self.dit_modules)
+        as_encoder = set(plan.encoder_component_types) | set(plan.encoder_block_attrs) | set(self.encoder_modules)
+        for path in sorted(as_dit & as_encoder):
+            raise resolution_error(
+                self.pipeline_class,
+                path,
+                "declared both as a DiT (block_attrs or _dit_modules) and as an encoder (encoder_component_types, "
+                "encoder_block_attrs or _encoder_modules); declare it as one of them",
+            )
+
+    def block_attrs(self, path: str, category: str) -> tuple[tuple[str, ...], str, str] | None:
+        """(attribute paths, source, origin) a plan declares for this component, or None.
+
+        DiTs are read from ``block_attrs``, every other category from ``encoder_block_attrs``.
+        """
+        field = "block_attrs" if category == "dit" else "encoder_block_attrs"
+        for plan, source, owner in (
+            (self.plan, "plan", "_offload_plan"),
+            (self.builtin, "builtin", "layerstream's built-in plan"),
+        ):
+            attrs = getattr(plan, field).get(path)
+            if attrs is not None:
+                return attrs, source, f"{owner}.{field}[{path!r}]"
+        return None
+
+    def resident_allowed(self, path: str) -> bool:
+        return path in self.plan.resident_dit_paths or path in self.builtin.resident_dit_paths
+
+    def replicated(self, path: str) -> bool:
+        return path in self.plan.encoder_dlo_weight_replication or path in self.builtin.encoder_dlo_weight_replication
+
+    @property
+    def on_demand_paths(self) -> frozenset[str]:
+        return self.plan.on_demand_component_paths | self.builtin.on_demand_component_paths
+
+
+def resolve_offload_plan(pipeline: Any, config: OffloadConfig | Mapping | str) -> ResolvedOffloadPlan:
+    """Decide, without touching the pipeline, what offload does with each of its components under `config`.
+
+    `pipeline` is a diffusers pipeline, an nn.Module pipeline (vllm-omni style, with ``_offload_plan`` and
+    ``_dit_modules``/``_encoder_modules``/``_vae_modules``) or a bare model. `config` is an `OffloadConfig` or
+    anything `parse_offload_config` accepts. Raises `OffloadConfigError` for a bad config and
+    `OffloadPlanResolutionError` (naming the pipeline class and the path) when the pipeline and config do not fit.
+    """
+    config = parse_offload_config(config)
+    pipeline_class = type(pipeline).__name__
+    decl = _Declarations(pipeline, pipeline_class)
+    decl.check()
+
+    found = _discover(pipeline, decl)
+    _check_block_claims(pipeline_class, found)
+    components = tuple(_decide(pipeline_class, decl, config, item) for item in found)
+    _check_selection(pipeline_class, config, found, components)
+    return ResolvedOffloadPlan(pipeline_class=pipeline_class, config=config, components=components)
+
+
+# --- pass 1: discovery -------------------------------------------------------------------------------------
+
+
+def _discover(pipeline: Any, decl: _Declarations) -> list[_Found]:
+    cls = decl.pipeline_class
+    modules = enumerate_components(pipeline, decl.component_paths(), cls)
+    submodules = _submodule_owners(pipeline, decl, modules)
+    found: list[_Found] = []
+    for path, module in modules.items():
+        category = "dit" if path == "" else _category(decl, path)  # "": a bare model, handed in as the DiT
+        own_submodules = {p: m for p, (owner, m) in submodules.items() if owner == path}
+        if own_submodules and category != "dit":
+            raise resolution_error(
+                cls,
+                next(iter(own_submodules)),
+                f"declared in _offload_plan.offload_submodules but its component {path!r} is {category!r}, not a DiT",
+            )
+        lists, source = _find_block_lists(decl, path, module, category, skip=own_submodules.values())
+        for sub_path, sub in own_submodules.items():
+            attr = decl.offload_submodules[sub_path]
+            origin = f"_offload_plan.offload_submodules[{sub_path!r}]"
+            lists.append((sub_path, attr, block_list_at(cls, sub, sub_path, attr, origin), True))
+        if own_submodules and source == "none":
+            source = "plan"  # the DiT's only block lists are the ones its plan names in offload_submodules
+        stacks = tuple(_stack(owner, attr, blocks, own_chain) for owner, attr, blocks, own_chain in lists)
+        block_modules = {
+            join_path(join_path(owner, attr), name): block
+            for owner, attr, blocks, _ in lists
+            for name, block in blocks.named_children()
+        }
+        logger.debug("%s: %s is %s, %d block lists from %s", cls, path or "<model>", category, len(stacks), source)
+        found.append(_Found(path, module, category, source, stacks, block_modules))
+    return found
+
+
+def _category(decl: _Declarations, path: str) -> str:
+    category = categorize(
+        path,
+        dit_paths=decl.dit_paths,
+        encoder_types=decl.encoder_types,
+        encoder_modules=decl.encoder_modules,
+        vae_modules=decl.vae_modules,
+    )
+    if path in decl.plan.resident_dit_paths and category != "dit":
+        raise resolution_error(
+            decl.pipeline_class,
+            path,
+            f"listed in _offload_plan.resident_dit_paths but it is {category!r}; only DiTs (block_attrs keys, "
+            "_dit_modules, or a name starting with 'transformer') may keep resident layers",
+        )
+    return category
+
+
+def _submodule_owners(
+    pipeline: Any, decl: _Declarations, modules: Mapping[str, nn.Module]
+) -> dict[str, tuple[str, nn.Module]]:
+    """`offload_submodules` path -> (the component it lies in, the submodule)."""
+    origin = "_offload_plan.offload_submodules"
+    out: dict[str, tuple[str, nn.Module]] = {}
+    for path in decl.offload_submodules:
+        owners = [c for c in modules if c and path.startswith(c + ".")]
+        if not owners:
+            raise resolution_error(
+                decl.pipeline_class,
+                path,
+                f"declared in {origin} but it lies inside no component (components: {', '.join(modules) or 'none'}); "
+                "it must be a child of a DiT, such as 'transformer.context_encoder'",
+            )
+        try:
+            module = lookup(pipeline, path)
+        except AttributeError as e:
+            problem = f"declared in {origin} but there is no such attribute ({e})"
+            raise resolution_error(decl.pipeline_class, path, problem) from e
+        if not isinstance(module, nn.Module):
+            problem = f"declared in {origin} but it is {type(module).__name__}; expected an nn.Module"
+            raise resolution_error(decl.pipeline_class, path, problem)
+        out[path] = (max(owners, key=len), module)
+    return out
+
+
+_BlockList = tuple[str, str, nn.Module, bool]  # (owner path, attribute path, the list, own_chain)
+
+
+def _find_block_lists(
+    decl: _Declarations, path: str, module: nn.Module, category: str, skip: Iterable[nn.Module]
+) -> tuple[list[_BlockList], str]:
+    """The component's block lists and their source, in precedence order: plan, builtin, class, auto.
+
+    A plan may describe the block lists of any component; they are checked and reported, but only the
+    streamable categories look further (class attribute, automatic) and only they stream.
+    """
+    cls = decl.pipeline_class
+    declared = decl.block_attrs(path, category)
+    if declared is not None:
+        attrs, source, origin = declared
+    elif category not in STREAMABLE_CATEGORIES:
+        return [], "none"
+    elif (class_attrs := class_block_attrs(module, cls, path)) is not None:
+        attrs, source = class_attrs, "class_attribute"
+        origin = f"{type(module).__name__}._layerwise_offload_blocks_attrs"
+    else:
+        attrs, source, origin = find_block_lists(module, skip=tuple(skip)), "auto", "automatic discovery"
+        if not attrs:
+            return [], "none"
+    return [(path, attr, block_list_at(cls, module, path, attr, origin), False) for attr in attrs], source
+
+
+def _stack(owner_path: str, attr_path: str, blocks: nn.Module, own_chain: bool) -> BlockStack:
+    prefix = join_path(owner_path, attr_path)
+    children = list(blocks.named_children())
+    return BlockStack(
+        owner_path=owner_path,
+        attr_path=attr_path,
+        block_paths=tuple(join_path(prefix, name) for name, _ in children),
+        block_bytes=tuple(tensor_bytes(block) for _, block in children),
+        own_chain=own_chain,
+    )
+
+
+# --- pass 2: config-independent checks ---------------------------------------------------------------------
+
+
+def _check_block_claims(pipeline_class: str, found: list[_Found]) -> None:
+    """Every module inside a block belongs to that block only: not to a second stack, and not to another
+    component (an alias such as ``transformer_2 = transformer``). Streaming one would corrupt the other."""
+    claims: dict[int, tuple[str, str]] = {}  # id(module) -> (block path, component path)
+    for item in found:
+        for block_path, block in item.blocks.items():
+            for name, sub in block.named_modules(remove_duplicate=False):
+                owner = claims.setdefault(id(sub), (block_path, item.path))
+                if owner[0] != block_path:
+                    raise resolution_error(
+                        pipeline_class,
+                        join_path(block_path, name),
+                        f"this module is also part of block {owner[0]!r}; a module may belong to one streamed "
+                        "block only (check for overlapping block lists or shared modules)",
+                    )
+    for item in found:
+        for name, sub in item.module.named_modules(remove_duplicate=False):
+            owner = claims.get(id(sub))
+            if owner is not None and owner[1] != item.path:
+                raise resolution_error(
+                    pipeline_class,
+                    join_path(item.path, name),
+                    f"this module is block {owner[0]!r} of component {owner[1] or '<model>'!r}; a block may "
+                    "belong to one component only",
+                )
+
+
+# --- pass 3: apply the config ------------------------------------------------------------------------------
+
+
+def _decide(pipeline_class: str, decl: _Declarations, config: OffloadConfig, item: _Found) -> ResolvedComponent:
+    action = _action(pipeline_class, decl, config, item)
+    is_dit = item.category == "dit"
+    resident_allowed = is_dit and (decl.resident_allowed(item.path) or item.source == "auto")
+    replicated = is_dit or decl.replicated(item.path)
+    extra: dict[str, Any] = {}
+    if action == "stream":
+        options = config.options_for(item.category)
+        _check_stream_options(pipeline_class, item, options, resident_allowed, replicated)
+        extra = {
+            "weight_transfer": options.weight_transfer,
+            "prefetch_depth": options.prefetch_depth,
+            "resident_layers": options.resident_layers,
+        }
+    return ResolvedComponent(
+        path=item.path,
+        category=item.category,
+        module_class=type(item.module).__name__,
+        source=item.source,
+        stacks=item.stacks,
+        action=action,
+        total_bytes=tensor_bytes(item.module),
+        resident_allowed=resident_allowed,
+        replicated=replicated,
+        **extra,
+    )
+
+
+def _action(pipeline_class: str, decl: _Declarations, config: OffloadConfig, item: _Found) -> str:
+    # the pipeline manages these itself, in either mode; offloading them as well would fight it
+    if item.path in decl.on_demand_paths:
+        missing = [m for m in ON_DEMAND_METHODS if not callable(getattr(item.module, m, None))]
+        if missing:
+            raise resolution_error(
+                pipeline_class,
+                item.path,
+                f"listed in on_demand_component_paths but {type(item.module).__name__} has no callable "
+                f"{' or '.join(f'{m}()' for m in missing)}; an on-demand component must implement "
+                f"{' and '.join(f'{m}()' for m in ON_DEMAND_METHODS)}",
+            )
+        return "on_demand"
+    if item.category not in config.components:
+        return "resident"
+    if config.mode == "module":
+        return "swap"
+    return "stream" if item.stacks else "resident"
+
+
+def _check_stream_options(
+    pipeline_class: str, item: _Found, options: LayerOptions, resident_allowed: bool, replicated: bool
+) -> None:
+    key = f"layer_options.{item.category}"
+    if options.weight_transfer == "allgather" and not replicated:
+        raise resolution_error(
+            pipeline_class,
+            item.path,
+            f'{key}.weight_transfer = "allgather" needs block tensors identical on every rank, but this '
+            f"{item.category} is not in the plan's encoder_dlo_weight_replication; use \"rank-local\" or "
+            "declare it there",
+        )
+    resident = options.resident_layers
+    if isinstance(resident, int) and resident > 0:
+        if not resident_allowed:
+            raise resolution_error(
+                pipeline_class,
+                item.path,
+                f"{key}.resident_layers = {resident} but this DiT does not allow resident layers; declare it in the "
+                "plan's resident_dit_paths, or set resident_layers to 0",
+            )
+        if resident > item.main_blocks:
+            raise resolution_error(
+                pipeline_class,
+                item.path,
+                f"{key}.resident_layers = {resident} but this DiT has {item.main_blocks} blocks; allowed: 0 to "
+                f"{item.main_blocks}",
+            )
+
+
+def _check_selection(
+    pipeline_class: str, config: OffloadConfig, found: list[_Found], components: tuple[ResolvedComponent, ...]
+) -> None:
+    """Reject a selection that selects nothing, or leaves nothing to prefetch."""
+    acting = "swap" if config.mode == "module" else "stream"
+    for category in config.components:
+        members = [c for c in components if c.category == category]
+        if any(c.action == acting for c in members):
+            continue
+        hint = (_HINTS.get(category) if acting == "stream" else None) or (
+            f"name or declare a component as {category} (_dit_modules, _vae_modules, encoder_component_types), "
+            f"or remove {category!r} from components"
+        )
+        untyped = [f.path for f in found if f.stacks and f.category not in STREAMABLE_CATEGORIES]
+        if category == "text_encoder" and untyped:
+            hint += f"; block lists were found in {', '.join(untyped)}, which encoder_component_types does not type"
+        if not members:
+            listing = ", ".join(f"{c.display_path} ({c.category})" for c in components) or "none"
+            raise resolution_error(
+                pipeline_class,
+                "components",
+                f'components selects "{category}" but the pipeline has no {category} component '
+                f"(components: {listing}); {hint}",
+            )
+        listing = ", ".join(f"{c.display_path} ({_why_not(c, acting)})" for c in members)
+        raise resolution_error(
+            pipeline_class,
+            ", ".join(c.display_path for c in members),
+            f'components selects "{category}" but no {category} component can {acting} ({listing}); {hint}',
+        )
+    if config.mode == "layer":
+        _check_something_to_prefetch(pipeline_class, components)
+
+
+_HINTS = {
+    "dit": "declare block_attrs in the pipeline's _offload_plan, or _layerwise_offload_blocks_attrs on the DiT class",
+    "text_encoder": "declare encoder_component_types and encoder_block_attrs in the pipeline's _offload_plan",
+}
+
+
+def _why_not(comp: ResolvedComponent, acting: str) -> str:
+    if comp.action == "on_demand":
+        return "on demand: the pipeline manages it"
+    return "no block list found" if acting == "stream" and not comp.stacks else comp.action
+
+
+def _check_something_to_prefetch(pipeline_class: str, components: tuple[ResolvedComponent, ...]) -> None:
+    # counted before residency: resident_layers may leave a single block streaming (it then stays in its slot)
+    streamable = [p for comp in components if comp.action == "stream" for s in comp.stacks for p in s.block_paths]
+    if len(streamable) == 1:
+        raise resolution_error(
+            pipeline_class,
+            streamable[0],
+            "this would be the only streamed block, so there is nothing to prefetch behind it; select more "
+            "components or declare more blocks",
+        )

@@ -1,0 +1,171 @@
+"""`layerstream plan MODEL`: the table, --json, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+from torch import nn
+
+from layerstream.cli import plan_cmd
+from layerstream.cli.main import main
+from layerstream.plan.resolver import resolve_offload_plan
+
+EXIT_USAGE = 2
+
+
+def run_plan(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, out: str, err: str, *fragments: str) -> None:
+    assert code == EXIT_USAGE
+    assert out == ""
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith("layerstream: error: ")
+    for fragment in fragments:
+        assert fragment in err
+
+
+@pytest.fixture
+def fake_loader(monkeypatch):
+    """Stand in for layerstream.models.loading: `load(model)` returns what the test put in `pipelines`."""
+    module = types.ModuleType("layerstream.models.loading")
+
+    class ModelLoadError(ValueError):
+        pass
+
+    pipelines: dict[str, object] = {}
+
+    def load_pipeline(model: str, dtype=None):
+        if model not in pipelines:
+            raise ModelLoadError(f"model {model!r}: no such folder;\nexpected a local diffusers folder or 'tiny-wan'")
+        return pipelines[model]
+
+    module.ModelLoadError = ModelLoadError
+    module.load_pipeline = load_pipeline
+    monkeypatch.setitem(sys.modules, "layerstream.models.loading", module)
+    return pipelines
+
+
+# --- errors ------------------------------------------------------------------------------------------------
+
+
+def _must_not_load(model: str):
+    pytest.fail("the model was loaded before the config was checked")
+
+
+def test_bad_json_config_is_reported_before_loading(capsys, monkeypatch):
+    monkeypatch.setattr(plan_cmd, "_load", _must_not_load)
+    code, out, err = run_plan(capsys, "tiny-wan", "--diffusion-offload-config", "{not json")
+    assert_one_line_error(code, out, err, "--diffusion-offload-config", "JSON")
+
+
+def test_invalid_config_value_is_reported_before_loading(capsys, monkeypatch):
+    monkeypatch.setattr(plan_cmd, "_load", _must_not_load)
+    config = '{"mode": "layer", "components": ["vae"]}'
+    code, out, err = run_plan(capsys, "tiny-wan", "--diffusion-offload-config", config)
+    assert_one_line_error(code, out, err, "components[0]", "'vae'")
+
+
+def test_missing_folder(capsys, tmp_path):
+    missing = tmp_path / "no-such-model"
+    code, out, err = run_plan(capsys, str(missing))
+    assert_one_line_error(code, out, err, str(missing))
+
+
+def test_hub_id_is_refused(capsys):
+    code, out, err = run_plan(capsys, "some-org/some-model")
+    assert_one_line_error(code, out, err, "'some-org/some-model'")
+
+
+def test_multi_line_load_errors_become_one_line(capsys, fake_loader):
+    code, out, err = run_plan(capsys, "elsewhere")
+    assert_one_line_error(code, out, err, "'elsewhere'", "no such folder; expected a local diffusers folder")
+
+
+def test_resolution_errors_become_one_line(capsys, fake_loader):
+    class NoDiTPipeline(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vae = nn.Linear(2, 2)
+
+    fake_loader["broken"] = NoDiTPipeline()
+    code, out, err = run_plan(capsys, "broken")
+    assert_one_line_error(code, out, err, "NoDiTPipeline", "no dit component")
+
+
+def test_missing_model_argument_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan"])
+    assert exit_info.value.code == EXIT_USAGE
+
+
+# --- output ------------------------------------------------------------------------------------------------
+
+
+def test_table(capsys, fake_loader, tiny):
+    components = {"transformer": "wan", "transformer_2": "wan_2", "text_encoder": "umt5", "vae": "wan_vae"}
+    fake_loader["wan"] = tiny.pipeline("WanPipeline", **components)
+    config = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"resident_layers": 1}}}
+    code, out, err = run_plan(capsys, "wan", "--diffusion-offload-config", json.dumps(config))
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == "WanPipeline: mode 'layer', components dit"
+    header = lines[2].split()
+    assert header[:5] == ["component", "category", "source", "action", "blocks"]
+    assert {"streamed", "resident"} <= set(header)
+    rows = {line.split()[0]: line.split() for line in lines[4:8]}
+    assert rows["transformer"][:5] == ["transformer", "dit", "builtin", "stream", "2"]
+    assert "(1 resident)" in lines[4 + list(rows).index("transformer")]
+    assert rows["text_encoder"][:4] == ["text_encoder", "text_encoder", "builtin", "resident"]
+    assert rows["vae"][:4] == ["vae", "vae", "none", "resident"]
+    assert any(line.startswith("total") for line in lines)
+    assert any(line.startswith("device estimate: ") and "2 slots" in line for line in lines)
+    assert "KiB" in out
+
+
+def test_json(capsys, fake_loader, tiny):
+    pipe = tiny.pipeline("WanPipeline", transformer="wan", text_encoder="umt5")
+    fake_loader["wan"] = pipe
+    config = {"mode": "layer", "components": ["dit", "text_encoder"]}
+    code, out, err = run_plan(capsys, "wan", "--json", "--diffusion-offload-config", json.dumps(config))
+    assert (code, err) == (0, "")
+    assert json.loads(out) == resolve_offload_plan(pipe, config).to_dict()
+
+
+def test_format_bytes():
+    assert [plan_cmd.format_bytes(n) for n in (0, 1023, 1024, 1536 * 1024, 3 * 2**30)] == [
+        "0 B",
+        "1023 B",
+        "1.0 KiB",
+        "1.5 MiB",
+        "3.0 GiB",
+    ]
+
+
+# --- the embedded tiny models, loaded for real --------------------------------------------------------------
+
+
+def test_plan_tiny_wan(capsys):
+    code, out, err = run_plan(capsys, "tiny-wan")
+    assert code == 0, err
+    assert out.startswith("WanPipeline: mode 'layer', components dit\n")
+    rows = [line.split() for line in out.splitlines()]
+    assert any(row[:4] == ["transformer", "dit", "builtin", "stream"] for row in rows)
+
+
+@pytest.mark.parametrize("model", ["tiny-wan", "tiny-flux", "tiny-qwen-image"])
+def test_plan_tiny_models_json(capsys, model):
+    config = '{"mode": "layer", "components": ["dit", "text_encoder"]}'
+    code, out, err = run_plan(capsys, model, "--json", "--diffusion-offload-config", config)
+    assert code == 0, err
+    data = json.loads(out)
+    streamed = [c for c in data["components"] if c["action"] == "stream"]
+    assert {c["category"] for c in streamed} == {"dit", "text_encoder"}
+    assert {c["source"] for c in streamed} == {"builtin"}
+    assert all(stack["num_blocks"] > 0 for c in streamed for stack in c["stacks"])
