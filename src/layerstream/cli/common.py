@@ -28,4 +28,11 @@ def parse_config_arg(text: str | None, default: dict | None = None):
 
 
 def configure_logging(verbose: bool = False) -> None:
+    import os
+
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not verbose:
+        # the libraries' own load/save progress bars and advisories would drown layerstream's progress lines
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

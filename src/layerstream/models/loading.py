@@ -93,6 +93,13 @@ def load_pipeline(model: str | os.PathLike[str], *, dtype: torch.dtype | None = 
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
     from diffusers import DiffusionPipeline
 
+    if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") == "1":  # the command line asks for quiet loading
+        import diffusers.utils.logging
+        import transformers.utils.logging
+
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
+
     load_kwargs: dict[str, Any] = {"local_files_only": True}
     if dtype is not None:
         load_kwargs["dtype"] = dtype
