@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections import deque
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 logger = logging.getLogger(__name__)
+
+MAX_COPY_RECORDS = 20_000
+"""Copies kept for `trace()` (the newest; a long-running server must not grow without bound)."""
 
 Job = Callable[[], int]
 """A copy job: moves bytes into a slot and returns how many bytes crossed the host link."""
@@ -60,7 +64,7 @@ class CpuCopyEngine:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="layerstream-copy", daemon=True)
         self._thread.start()
-        self.copies: list[CopyRecord] = []
+        self.copies: deque[CopyRecord] = deque(maxlen=MAX_COPY_RECORDS)
 
     # compute side -------------------------------------------------------------------------------------------
     def copy_into(self, slot: int, job: Job, record: CopyRecord | None = None) -> None:
@@ -153,7 +157,7 @@ class AcceleratorCopyEngine:
         # one pair of events per slot, re-recorded for every copy: nothing is allocated in the steady state
         self._ready = [self.api.Event() for _ in range(num_slots)]
         self._released = [self.api.Event() for _ in range(num_slots)]
-        self.copies: list[CopyRecord] = []
+        self.copies: deque[CopyRecord] = deque(maxlen=MAX_COPY_RECORDS)
         self._pending_timing: list[tuple[CopyRecord, object, object]] = []
         self._origin = None
         if timing:

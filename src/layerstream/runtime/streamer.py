@@ -21,7 +21,7 @@ from layerstream.runtime.copy_engine import CopyRecord
 from layerstream.runtime.errors import ConcurrentUseError
 from layerstream.runtime.host_store import HostBlock
 
-MAX_TRACE_RECORDS = 200_000
+MAX_TRACE_RECORDS = 20_000
 RELEARN_AFTER = 2
 """A learned successor is replaced after the same new successor is seen this many times in a row, so a one-off
 detour (the end of a request, a skipped block) does not unlearn the usual order."""
