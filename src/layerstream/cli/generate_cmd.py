@@ -10,6 +10,9 @@ from pathlib import Path
 
 from layerstream.cli.common import CliError, parse_config_arg
 
+DATA_PARALLEL_CONFIG = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"weight_transfer": "allgather"}}}
+"""The default config with --nproc > 1: every rank keeps 1/N of the DiT's blocks and they are all-gathered."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny-wan", help="local diffusers folder or an embedded tiny model (default: tiny-wan)")
@@ -34,15 +37,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated host link bandwidth in GB/s")
     parser.add_argument("--compare-resident", action="store_true", help="also run resident and report whether outputs are identical")
     parser.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace JSON (and a .png timeline beside it)")
-    parser.add_argument("--nproc", type=int, default=None, help="run N data-parallel ranks on this machine (torchrun), one seed per rank")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="run N data-parallel ranks on this machine (torchrun), seed + rank on each; without a config the "
+        "DiT's weights are shared with allgather",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
 
 
 def run(args: argparse.Namespace) -> int:
-    config = parse_config_arg(args.diffusion_offload_config)  # before anything loads
+    rank, world_size = _rank_info()
+    default = DATA_PARALLEL_CONFIG if (args.nproc or world_size) > 1 else None
+    config = parse_config_arg(args.diffusion_offload_config, default)  # before anything loads
     if args.link_gbps is not None and not args.link_gbps > 0:
         raise CliError(f"--link-gbps = {args.link_gbps!r} is not valid; expected a number > 0")
-    if args.nproc is not None:
+    if args.nproc is not None and args.nproc < 1:
+        raise CliError(f"--nproc = {args.nproc} is not valid; expected an integer >= 1")
+    if args.nproc is not None and args.nproc > 1 and world_size == 1:
         return _launch_ranks(args)
     for name in ("height", "width", "num_frames", "num_inference_steps", "fps"):
         value = getattr(args, name)
@@ -53,13 +66,17 @@ def run(args: argparse.Namespace) -> int:
     from layerstream.omni import GenerationError, Omni, VIDEO_SUFFIXES, IMAGE_SUFFIXES
     from layerstream.runtime.errors import OffloadError
 
-    rank, world_size = _rank_info()
     seed = args.seed + rank
+    device = args.device
+    if world_size > 1:
+        from layerstream.distributed.process_group import init_distributed
+
+        device = init_distributed(args.device)  # cuda:LOCAL_RANK (NCCL) or cpu (gloo)
     try:
         omni = Omni(
             model=args.model,
             diffusion_offload_config=config,
-            device=args.device,
+            device=device,
             dtype=args.dtype,
             simulated_link_gbps=args.link_gbps,
             trace=args.trace is not None,
@@ -123,8 +140,12 @@ def run(args: argparse.Namespace) -> int:
     summary = _summary(args.model, omni, result, output, identical, trace_files, rank)
     if world_size > 1:
         from layerstream.distributed.launch import gather_objects
+        from layerstream.distributed.process_group import destroy_distributed
 
-        summaries = gather_objects(summary)
+        summaries = gather_objects(summary)  # every rank's summary, on rank 0 only
+        if omni.handle is not None:
+            omni.close()  # a collective: every rank gives its shards back together
+        destroy_distributed()
         if rank != 0:
             return 0 if identical in (None, True) else 1
     else:
@@ -137,8 +158,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _launch_ranks(args) -> int:
-    if args.nproc < 1:
-        raise CliError(f"--nproc = {args.nproc} is not valid; expected an integer >= 1")
     from layerstream.distributed.launch import launch_torchrun
 
     argv = [a for a in sys.argv[1:]]
@@ -158,9 +177,10 @@ def _launch_ranks(args) -> int:
 
 
 def _rank_info() -> tuple[int, int]:
+    """(rank, world size) under torchrun; (0, 1) otherwise, without importing torch.distributed."""
     import os
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from layerstream.distributed.launch import rank_info
 
         return rank_info()

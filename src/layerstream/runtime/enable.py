@@ -142,13 +142,19 @@ def _enable_layer_mode(pipeline, plan, components, device, engine_factory, proce
     depth = max((comp.prefetch_depth for comp, _ in streamed_paths), default=1)
     num_slots = depth + 1
     slot_nbytes = align_up(
-        max((gather.world_size * gather.shard_nbytes(l.nbytes) if p in sharded_paths else l.nbytes for p, l in layouts.items()), default=0)
+        max(
+            (
+                gather.world_size * gather.shard_nbytes(layout.nbytes) if path in sharded_paths else layout.nbytes
+                for path, layout in layouts.items()
+            ),
+            default=0,
+        )
     )
 
     # --- check what can be checked before touching anything --------------------------------------------
     if gather is not None:
         # every rank must shard the same layouts before the first payload collective; raises on every rank
-        gather.agree_on_layouts_([l for p, l in layouts.items() if p in sharded_paths], slot_nbytes)
+        gather.agree_on_layouts_([layout for path, layout in layouts.items() if path in sharded_paths], slot_nbytes)
 
     # --- apply, with undo --------------------------------------------------------------------------------
     undo: list[Callable[[], None]] = []
@@ -393,7 +399,9 @@ class OffloadHandle:
             self._streamer.compute_records.clear()
 
     def disable(self) -> None:
-        """Remove every hook and give back a fully resident pipeline (the same Parameter objects, same values)."""
+        """Remove every hook and give back a fully resident pipeline (the same Parameter objects, same values).
+
+        Under allgather this is a collective: every rank must call it (each block's bytes are gathered once)."""
         if not self.enabled:
             return
         if self._module_swapper is not None:

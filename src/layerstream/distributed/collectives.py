@@ -1,0 +1,283 @@
+"""`BlockGather`: the collectives of `weight_transfer: "allgather"`, in one order on every rank.
+
+Every collective offload issues goes through one `BlockGather` per handle:
+- at enable, two votes: the layout vote (a digest of every sharded block's layout, before anything changes)
+  and the commit vote (every rank staged its shards, before any rank drops its original weights);
+- per transfer, a header all-gather, then the payload all-gather of the block into a device slot;
+- at disable, a header and a payload all-gather per block, to give every rank its full weights back.
+
+Order. The transfers a rank issues are a deterministic function of the blocks it runs (the streamer's
+predictions learn from the call order only, never from timing), so ranks that run the same blocks in the same
+order issue the same collectives in the same order. The header (magic, layout tag, sequence number, kind,
+block, bytes) is gathered before each payload: if ranks disagree, every rank sees the same headers, so every
+rank raises `TransferError` naming what each rank asked for, and none issues the payload (whose sizes could
+differ and hang the group). After that the gather is failed "consistently": further transfers raise at once
+without a collective, while the restore at disable still works when every rank calls it.
+
+Failures. A collective that errors (a peer died and closed its connections, or a peer stopped issuing and the
+group's timeout expired) fails the gather "inconsistently": the ranks may be at different points, so no
+further collective is issued at all, transfers and disable raise `TransferError`. A rank never waits longer
+than the group's collective timeout. All collectives of a gather hold one lock, so the disable path (main
+thread) never interleaves with a transfer still running in the copy thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from layerstream.distributed.process_group import GroupMembership
+from layerstream.runtime.errors import OffloadError, TransferError
+from layerstream.runtime.host_store import ALIGN_BYTES, BlockLayout, align_up
+
+logger = logging.getLogger(__name__)
+
+_MAGIC = 0x4C53_4147  # "LSAG": a header from layerstream, not from another collective on the same group
+_PREFETCH, _RESTORE = 1, 2
+_KIND_NAMES = {_PREFETCH: "transfer", _RESTORE: "restore"}
+_VOTE_LAYOUTS, _VOTE_COMMIT = 11, 12
+_VOTE_LEN = 9  # both votes gather rows of one length, so a rank at the other vote is reported, not a size error
+_OK, _FAILED = 1, 0
+
+
+def shard_nbytes(nbytes: int, world_size: int) -> int:
+    """Bytes of one rank's shard of a block of `nbytes`: ceil(nbytes / N), aligned so every chunk of a slot
+    starts at an aligned offset."""
+    return align_up(-(-nbytes // world_size), ALIGN_BYTES)
+
+
+def layout_digest(layouts: Sequence[BlockLayout], slot_nbytes: int, world_size: int) -> bytes:
+    """sha256 over everything the ranks must agree on before their first payload collective."""
+    h = hashlib.sha256()
+    h.update(f"world={world_size};slot={slot_nbytes};blocks={len(layouts)}\n".encode())
+    for layout in layouts:
+        h.update(f"block {layout.path} nbytes={layout.nbytes} shard={shard_nbytes(layout.nbytes, world_size)}\n".encode())
+        for e in layout.entries:
+            h.update(f"  {e.name} {e.is_param} {e.dtype} {e.shape} {e.stride} {e.element_offset} {e.span_index}\n".encode())
+    return h.digest()
+
+
+class BlockGather:
+    """The group's collectives for one offload handle (see the module docstring for order and failures)."""
+
+    def __init__(self, pipeline_class: str, membership: GroupMembership):
+        self.pipeline_class = pipeline_class
+        self.membership = membership
+        self.rank = membership.rank
+        self.world_size = membership.world_size
+        self.block_paths: list[str] = []
+        """Path of every sharded block, by the index its headers carry."""
+        self._lock = threading.Lock()
+        self._sequence = 0
+        self._layout_tag = 0
+        self._failure: str | None = None
+        self._consistent_failure = False
+        self._committed = False
+
+    def __repr__(self) -> str:
+        state = "ok" if self._failure is None else ("failed (consistent)" if self._consistent_failure else "failed")
+        return f"BlockGather(rank {self.rank} of {self.world_size}, {self.membership.backend}, {len(self.block_paths)} blocks, {state})"
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
+    def shard_nbytes(self, nbytes: int) -> int:
+        return shard_nbytes(nbytes, self.world_size)
+
+    def register_block(self, path: str) -> int:
+        """The index headers carry for this block (the same on every rank: layouts are registered in order)."""
+        self.block_paths.append(path)
+        return len(self.block_paths) - 1
+
+    # --- enable: the two votes ------------------------------------------------------------------------------
+    def agree_on_layouts_(
+        self, layouts: Sequence[BlockLayout] = (), slot_nbytes: int = 0, failure: BaseException | None = None
+    ) -> None:
+        """Check that every rank computed the same layouts; raise `OffloadError` on every rank if not.
+
+        A rank whose own checks failed (`failure`) still votes, so the others raise at once instead of waiting
+        for the timeout; it then raises its own error (the caller does)."""
+        digest = layout_digest(layouts, slot_nbytes, self.world_size)
+        self._layout_tag = int.from_bytes(digest[:7], "little")  # 56 bits: fits an int64 header field
+        words = [int.from_bytes(digest[i : i + 7], "little") for i in range(0, 28, 7)]
+        local = [_VOTE_LAYOUTS, _OK if failure is None else _FAILED, len(layouts), sum(layout.nbytes for layout in layouts), slot_nbytes, *words]
+        rows = self._vote(local, "comparing block layouts")
+        if failure is not None:
+            return
+        failed = [r for r, row in enumerate(rows) if row[1] != _OK]
+        if failed:
+            raise OffloadError(
+                f"{self._prefix()}: rank(s) {_ranks(failed)} could not enable offload (see their error); nothing "
+                "was changed on any rank"
+            )
+        if any(row != rows[0] for row in rows):
+            described = "; ".join(
+                f"rank {r}: {row[2]} sharded blocks, {row[3]} bytes, slot {row[4]} bytes, digest {_hex(row[5:])}"
+                for r, row in enumerate(rows)
+            )
+            raise OffloadError(
+                f"{self._prefix()}: the ranks built different block layouts ({described}). Every rank must load "
+                "the same model with the same config (and, with resident_layers \"auto\", the same "
+                "device_budget_gb); nothing was changed on any rank"
+            )
+
+    def commit_(self, failure: BaseException | None = None) -> None:
+        """The last step of enable: every rank says whether it applied everything. Raises `OffloadError` on
+        every rank that succeeded if another failed, so all ranks roll back. Only the first call votes."""
+        if self._committed:
+            return
+        self._committed = True
+        rows = self._vote([_VOTE_COMMIT, _OK if failure is None else _FAILED], "committing")
+        failed = [r for r, row in enumerate(rows) if row[1] != _OK]
+        if failure is None and failed:
+            raise OffloadError(
+                f"{self._prefix()}: rank(s) {_ranks(failed)} failed while enabling offload (see their error); "
+                "rolled back on every rank"
+            )
+
+    def _vote(self, local: list[int], what: str) -> list[list[int]]:
+        local = local + [0] * (_VOTE_LEN - len(local))
+        try:
+            with self._lock:
+                rows = self._all_gather_ints(local)
+        except Exception as e:
+            raise OffloadError(f"{self._prefix()}: {what} with the other ranks failed: {e}") from e
+        for r, row in enumerate(rows):
+            if row[0] != local[0]:
+                raise OffloadError(
+                    f"{self._prefix()}: rank {r} was at another step of enable_offload while this rank was "
+                    f"{what} (another collective on the same group interleaved)"
+                )
+        return rows
+
+    # --- transfers ------------------------------------------------------------------------------------------
+    def gather_block_(self, index: int, nbytes: int, shard: torch.Tensor, gathered: torch.Tensor) -> None:
+        """Fill `gathered` (world_size chunks of the shard size) with block `index`: this rank's `shard`
+        crosses the host link into its own chunk, the other chunks arrive from the other ranks."""
+        with self._lock:
+            self._check_usable(_PREFETCH, index)
+            self._agree_on_header(_PREFETCH, index, nbytes)
+            chunk = shard.numel()
+            gathered[self.rank * chunk : (self.rank + 1) * chunk].copy_(shard, non_blocking=True)
+            self._all_gather_payload(gathered, chunk, index)
+
+    def gather_full_(self, index: int, nbytes: int, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's shard of block `index`, concatenated, on the compute device (for disable)."""
+        if not self._lock.acquire(blocking=False):
+            raise TransferError(
+                f"{self._prefix()}: cannot restore {self.block_paths[index]}: a transfer of this rank is still "
+                "waiting for the other ranks; the full weights cannot be gathered"
+            )
+        try:
+            self._check_usable(_RESTORE, index)
+            self._agree_on_header(_RESTORE, index, nbytes)
+            chunk = shard.numel()
+            out = torch.empty(self.world_size * chunk, dtype=torch.uint8, device=self.membership.device)
+            out[self.rank * chunk : (self.rank + 1) * chunk].copy_(shard)
+            self._all_gather_payload(out, chunk, index)
+            return out
+        finally:
+            self._lock.release()
+
+    def _check_usable(self, kind: int, index: int) -> None:
+        if self._failure is None or (kind == _RESTORE and self._consistent_failure):
+            return
+        raise TransferError(
+            f"{self._prefix()}: no {_KIND_NAMES[kind]} of {self.block_paths[index]}: the allgather transfer failed "
+            f"earlier ({self._failure})"
+            + ("" if self._consistent_failure else "; restart every rank (full weights exist on no rank alone)")
+        )
+
+    def _agree_on_header(self, kind: int, index: int, nbytes: int) -> None:
+        self._sequence += 1
+        local = [_MAGIC, self._layout_tag, self._sequence, kind, index, nbytes]
+        try:
+            rows = self._all_gather_ints(local)
+        except Exception as e:
+            raise self._fail(f"{_KIND_NAMES[kind]} #{self._sequence} of {self.block_paths[index]}: {e}", e) from e
+        if all(row == local for row in rows):
+            return
+        asked = "; ".join(f"rank {r} {self._describe(row)}" for r, row in enumerate(rows))
+        self._failure = f"ranks disagree on {_KIND_NAMES[kind]} #{self._sequence}: {asked}"
+        self._consistent_failure = True  # every rank saw these same headers and stops here too
+        raise TransferError(
+            f"{self._prefix()}: {self._failure}. Data-parallel ranks must run the same blocks in the same order "
+            "(the same pipeline, shapes and step count); no rank transferred anything for it"
+        )
+
+    def _describe(self, row: list[int]) -> str:
+        magic, tag, sequence, kind, index, _ = row
+        if magic != _MAGIC:
+            return "sent something that is not a layerstream header (another collective on the same group?)"
+        if tag != self._layout_tag:
+            return f"is at #{sequence} of a gather with other block layouts (another offload handle?)"
+        name = self.block_paths[index] if 0 <= index < len(self.block_paths) else f"block #{index}"
+        return f"is at #{sequence}: {_KIND_NAMES.get(kind, kind)} of {name}"
+
+    def _all_gather_payload(self, gathered: torch.Tensor, chunk: int, index: int) -> None:
+        import torch.distributed as dist
+
+        group = self.membership.group
+        try:
+            if gathered.device.type == "cuda" and "nccl" in self.membership.backend:
+                # one in-place all-gather into the slot. NCCL runs it after the work queued on the current
+                # (copy) stream, and the copy stream waits for it: the slot's ready event follows the gather
+                own = gathered[self.rank * chunk : (self.rank + 1) * chunk]
+                _all_gather_single(gathered[: self.world_size * chunk], own, group)
+            else:
+                # gloo gathers into a list of views; each rank's own chunk is both input and output. On CUDA
+                # tensors gloo orders itself after the current stream and makes it wait, as NCCL does
+                chunks = list(gathered[: self.world_size * chunk].split(chunk))
+                dist.all_gather(chunks, chunks[self.rank], group=group)
+        except Exception as e:
+            raise self._fail(f"all-gather of {self.block_paths[index]}: {e}", e) from e
+
+    def _fail(self, message: str, error: BaseException) -> TransferError:
+        self._failure = message
+        self._consistent_failure = False
+        logger.debug("allgather transfer failed on rank %d", self.rank, exc_info=error)
+        return TransferError(
+            f"{self._prefix()}: {message}. A peer rank failed, exited or stopped issuing transfers; no further "
+            "collective is issued by this rank"
+        )
+
+    def _all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        import torch.distributed as dist
+
+        device = self.membership.header_device
+        local = torch.tensor(values, dtype=torch.int64, device=device)
+        out = torch.empty(self.world_size, len(values), dtype=torch.int64, device=device)
+        dist.all_gather(list(out.unbind(0)), local, group=self.membership.group)
+        # on an accelerator this reads the result back, waiting for the gather (only groups without a CPU side)
+        return out.tolist()
+
+    def _prefix(self) -> str:
+        return f'{self.pipeline_class}: weight_transfer "allgather" (rank {self.rank} of {self.world_size})'
+
+
+def open_block_gather(pipeline_class: str, device: torch.device, process_group=None) -> BlockGather | None:
+    """A `BlockGather` on the group offload uses, or None for a group of one (plain copies, no collective)."""
+    from layerstream.distributed.process_group import join_offload_group
+
+    membership = join_offload_group(pipeline_class, device, process_group)
+    return BlockGather(pipeline_class, membership) if membership is not None else None
+
+
+def _all_gather_single(output: torch.Tensor, own: torch.Tensor, group) -> None:
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the older name
+    gather(output, own, group=group)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _hex(words: list[int]) -> str:
+    return "".join(w.to_bytes(7, "little").hex() for w in words)[:12]

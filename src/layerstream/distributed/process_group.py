@@ -1,0 +1,170 @@
+"""Joining the process group: the backend a device needs, the collective timeout, the group offload uses.
+
+`init_distributed(device)` is what the command line and the tests call in each rank that torchrun started;
+library users may initialize torch.distributed themselves and pass a group to `enable_offload`.
+`join_offload_group` is what `enable_offload` calls when a component asks for `weight_transfer: "allgather"`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from layerstream.runtime.errors import OffloadError
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT_ENV = "LAYERSTREAM_COLLECTIVE_TIMEOUT"
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+"""Seconds a rank waits in one collective for the others before it fails (and offload raises)."""
+
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def backend_for(device: torch.device | str) -> str:
+    """The torch.distributed backend for ranks computing on `device`.
+
+    CUDA gets NCCL for its tensors plus gloo for small CPU tensors: offload checks every transfer's header on
+    the CPU, so the check never waits for the GPU. The CPU gets gloo.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "cpu:gloo,cuda:nccl"
+    if device.type == "cpu":
+        return "gloo"
+    raise ValueError(f"device {device}: layerstream's distributed offload supports CUDA devices and the CPU")
+
+
+def collective_timeout() -> datetime.timedelta:
+    """The collective timeout from ${COLLECTIVE_TIMEOUT_ENV} (seconds), default 300."""
+    raw = os.environ.get(COLLECTIVE_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return datetime.timedelta(seconds=DEFAULT_COLLECTIVE_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{COLLECTIVE_TIMEOUT_ENV} = {raw!r} is not valid; expected a number of seconds > 0")
+    return datetime.timedelta(seconds=seconds)
+
+
+def init_distributed(device: torch.device | str | None = None, *, backend: str | None = None) -> torch.device:
+    """Join the process group torchrun describes in the environment; return the device this rank computes on.
+
+    `device` None picks ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU; a bare ``"cuda"`` gets the
+    index LOCAL_RANK. The backend follows the device (`backend_for`) unless `backend` is given; collectives
+    time out after ${LAYERSTREAM_COLLECTIVE_TIMEOUT} seconds. Calling it again in an initialized process
+    only returns the device.
+    """
+    import torch.distributed as dist
+
+    missing = [name for name in _TORCHRUN_ENV if not os.environ.get(name)]
+    if missing:
+        raise RuntimeError(
+            f"init_distributed: the environment lacks {', '.join(missing)}; start the ranks with torchrun "
+            "(or `layerstream generate --nproc N`), which sets them"
+        )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if device is None:
+        device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    if dist.is_initialized():
+        return device
+    backend = backend or backend_for(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL binds each rank's communicator to its current device
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=collective_timeout(),
+        device_id=device if device.type == "cuda" and "nccl" in backend else None,
+    )
+    logger.info("rank %d of %d joined the process group (%s) on %s", rank, world_size, dist.get_backend(), device)
+    return device
+
+
+def destroy_distributed() -> None:
+    """Leave the default process group, if this process joined one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class GroupMembership:
+    """This rank's place in the group that offload's collectives run on."""
+
+    group: object
+    """The process group (None: the default group)."""
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+    """Where payload all-gathers land: the compute device."""
+
+    @property
+    def header_device(self) -> torch.device:
+        """Where the small header and vote tensors live: the CPU when the group has a CPU backend, so checking
+        them never waits for an accelerator; else the compute device."""
+        if self.device.type == "cpu" or "gloo" in self.backend or "mpi" in self.backend:
+            return torch.device("cpu")
+        return self.device
+
+
+def join_offload_group(pipeline_class: str, device: torch.device, process_group=None) -> GroupMembership | None:
+    """The group `weight_transfer: "allgather"` runs on, or None when there is one rank (plain copies).
+
+    The group is `process_group`, else the default group. With torch.distributed not initialized the process
+    is a group of one, unless torchrun's environment says there are more ranks: that is an error (each rank
+    would silently keep a full copy).
+    """
+    import torch.distributed as dist
+
+    prefix = f'{pipeline_class}: weight_transfer "allgather"'
+    if not dist.is_available():
+        raise OffloadError(f"{prefix} needs torch.distributed, which this torch build lacks; use \"rank-local\"")
+    if process_group is None and not dist.is_initialized():
+        env_world = os.environ.get("WORLD_SIZE", "1")
+        if env_world.isdigit() and int(env_world) > 1:
+            raise OffloadError(
+                f"{prefix}: WORLD_SIZE={env_world} but torch.distributed is not initialized in this rank; call "
+                "layerstream.distributed.init_distributed(device) (or dist.init_process_group) before enable_offload"
+            )
+        logger.info("%s: torch.distributed is not initialized; one rank, so blocks are copied plainly", prefix)
+        return None
+    world_size = dist.get_world_size(process_group)
+    rank = dist.get_rank(process_group)
+    if rank < 0:
+        raise OffloadError(f"{prefix}: this process is not a member of the process_group passed to enable_offload")
+    if world_size == 1:
+        return None  # a group of one: nothing to gather, so no collective ever runs
+    backend = str(dist.get_backend(process_group))
+    needed = {"cpu": ("gloo", "mpi"), "cuda": ("nccl", "gloo")}.get(device.type)
+    if needed is None:
+        raise OffloadError(f"{prefix}: device {device} is not supported; use a CUDA device or the CPU")
+    if not any(name in backend for name in needed):
+        raise OffloadError(
+            f"{prefix}: the process group's backend {backend!r} cannot gather tensors on {device}; use "
+            f"{' or '.join(needed)} (init_distributed picks {backend_for(device)!r} for this device)"
+        )
+    membership = GroupMembership(process_group, rank, world_size, backend, device)
+    if membership.header_device != torch.device("cpu"):
+        logger.warning(
+            "%s: backend %r has no CPU side, so checking each transfer's header waits for the copy stream; "
+            "initialize with %r (init_distributed does) to avoid that",
+            prefix,
+            backend,
+            backend_for(device),
+        )
+    return membership

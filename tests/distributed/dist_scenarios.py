@@ -1,0 +1,201 @@
+"""What each rank runs in the distributed tests (see dist_harness). Each returns plain data the test checks.
+
+`roundtrip` runs on the device each rank joined the group for; the failure scenarios run on the CPU (gloo),
+whatever `device` says, since what they check is the protocol between ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from dist_toys import config, make_inputs, make_pipeline, run, same_state, snapshot
+from layerstream import enable_offload
+from layerstream.distributed.launch import gather_objects
+from layerstream.runtime.errors import OffloadError, TransferError
+
+
+def _untouched(pipe, params, state) -> bool:
+    hooks = any(m._forward_pre_hooks or m._forward_hooks for m in pipe.modules())
+    same_params = all(p is params[k] for k, p in pipe.named_parameters())
+    return not hooks and same_params and same_state(state, snapshot(pipe))
+
+
+def roundtrip(rank: int, world_size: int, *, device: torch.device) -> dict:
+    """Allgather on the DiT and the replicated encoder: outputs, host bytes, disable; then a second cycle on an
+    explicit group with a resident block and a deeper prefetch."""
+    pipe = make_pipeline().to(device)
+    inputs = tuple(t.to(device) for t in make_inputs(seed=10 + rank))  # data parallel: own inputs, same weights
+    expected = run(pipe, inputs)
+    state, params = snapshot(pipe), dict(pipe.named_parameters())
+    out: dict = {}
+
+    local = enable_offload(pipe, config(transfer="rank-local"), device=device)
+    out["local_host_bytes"] = local.stats().host_bytes
+    out["local_equal"] = torch.equal(run(pipe, inputs), expected)
+    local.disable()
+
+    handle = enable_offload(pipe, config(), device=device)
+    out["engine"] = handle.stats().engine
+    out["evicted"] = pipe.transformer.blocks[1].proj.weight.numel() == 0 and pipe.prompt_model.encoder.layers[0].proj.weight.numel() == 0
+    out["equal"] = [torch.equal(run(pipe, inputs), expected) for _ in range(3)]
+    stats = handle.stats()
+    out["host_bytes"] = stats.host_bytes
+    out["num_streamed_blocks"] = stats.num_streamed_blocks
+    out["num_transfers"] = stats.num_transfers
+    out["bytes_transferred"] = stats.bytes_transferred
+    out["slot_bytes"] = stats.slot_bytes
+    out["num_slots"] = stats.num_slots
+    out["block_nbytes"] = [h.nbytes for h in handle._host_blocks.values()]
+    out["shard_nbytes"] = [h.host_bytes for h in handle._host_blocks.values()]
+    handle.disable()
+    out["restored_state"] = same_state(state, snapshot(pipe))
+    out["restored_params"] = all(p is params[k] for k, p in pipe.named_parameters())
+    out["equal_after_disable"] = torch.equal(run(pipe, inputs), expected)
+
+    group = dist.new_group(list(range(world_size)))
+    second = enable_offload(pipe, config(("dit",), resident_layers=1, prefetch_depth=2), device=device, process_group=group)
+    out["second_equal"] = [torch.equal(run(pipe, inputs), expected) for _ in range(2)]
+    out["second_resident_block_kept"] = pipe.transformer.blocks[0].proj.weight.numel() > 0
+    out["second_stats"] = (second.stats().num_streamed_blocks, second.stats().num_resident_blocks, second.stats().num_slots)
+    second.disable()
+    out["second_restored"] = same_state(state, snapshot(pipe)) and torch.equal(run(pipe, inputs), expected)
+
+    mixed = config(("dit", "text_encoder"))
+    mixed["layer_options"]["text_encoder"]["weight_transfer"] = "rank-local"
+    third = enable_offload(pipe, mixed, device=device)
+    out["mixed_equal"] = torch.equal(run(pipe, inputs), expected)
+    per = third.stats().per_component
+    out["mixed_host_bytes"] = (per["transformer"].host_bytes, per["prompt_model"].host_bytes)
+    third.disable()
+    out["mixed_restored"] = same_state(state, snapshot(pipe))
+
+    out["summaries"] = gather_objects({"rank": rank, "host_bytes": out["host_bytes"]})
+    return out
+
+
+def mismatch(rank: int, world_size: int, *, device: torch.device) -> dict:
+    """Ranks that cannot agree: different shapes; a local check failing on one rank; a failure while applying
+    on one rank. Every rank must raise OffloadError promptly and be left untouched; the group stays usable."""
+    out: dict = {}
+    pipe = make_pipeline(dim=24 if rank == 0 else 32)  # rank 1 loaded another model
+    state, params = snapshot(pipe), dict(pipe.named_parameters())
+    start = time.monotonic()
+    try:
+        enable_offload(pipe, config(), device="cpu")
+        out["shapes"] = "enabled"
+    except OffloadError as e:
+        out["shapes"] = str(e)
+    out["shapes_seconds"] = time.monotonic() - start
+    out["shapes_untouched"] = _untouched(pipe, params, state)
+
+    pipe = make_pipeline()
+    if rank == 1:  # a weight shared between a block and a resident module: only rank 1's own check fails
+        pipe.transformer.head.weight = torch.nn.Parameter(pipe.transformer.blocks[1].out.weight.data[:, :24])
+    state, params = snapshot(pipe), dict(pipe.named_parameters())
+    start = time.monotonic()
+    try:
+        enable_offload(pipe, config(), device="cpu")
+        out["local_check"] = "enabled"
+    except OffloadError as e:
+        out["local_check"] = str(e)
+    out["local_check_seconds"] = time.monotonic() - start
+    out["local_check_untouched"] = _untouched(pipe, params, state)
+
+    pipe = make_pipeline()
+    inputs = make_inputs(seed=3)
+    expected = run(pipe, inputs)
+    state, params = snapshot(pipe), dict(pipe.named_parameters())
+    import layerstream.distributed.sharded_store as sharded_store
+
+    real_stage = sharded_store.stage_sharded_block
+    calls = {"n": 0}
+
+    def failing_stage(*args, **kwargs):
+        calls["n"] += 1
+        if rank == 1 and calls["n"] == 3:
+            raise MemoryError("simulated allocation failure")
+        return real_stage(*args, **kwargs)
+
+    sharded_store.stage_sharded_block = failing_stage
+    try:
+        enable_offload(pipe, config(), device="cpu")
+        out["apply"] = "enabled"
+    except OffloadError as e:
+        out["apply"] = str(e)
+    finally:
+        sharded_store.stage_sharded_block = real_stage
+    out["apply_untouched"] = _untouched(pipe, params, state) and torch.equal(run(pipe, inputs), expected)
+
+    handle = enable_offload(pipe, config(), device="cpu")  # and every rank can still enable together
+    out["afterwards_equal"] = torch.equal(run(pipe, inputs), expected)
+    handle.disable()
+    return out
+
+
+def rank_fails(rank: int, world_size: int, *, device: torch.device, then: str) -> dict:
+    """Rank 1 raises inside block 2 of its first forward, then either stays alive without issuing anything
+    (`then="idle"`) or exits (`then="exit"`). Rank 0 keeps generating and must end with TransferError."""
+    pipe = make_pipeline()
+    inputs = make_inputs(seed=5)
+    handle = enable_offload(pipe, config(("dit",)), device="cpu")
+    out: dict = {}
+    if rank == 1:
+        def boom(module, args):
+            raise RuntimeError("boom in block 2")
+
+        pipe.transformer.blocks[2].register_forward_pre_hook(boom)
+        try:
+            run(pipe, inputs)
+        except RuntimeError as e:
+            out["raised"] = str(e)
+        if then == "exit":
+            os._exit(17)  # a crashed rank: its connections close
+        time.sleep(float(os.environ["LAYERSTREAM_COLLECTIVE_TIMEOUT"]) + 1.5)  # alive, but issues nothing more
+        return out
+    start = time.monotonic()
+    try:
+        for _ in range(5):
+            run(pipe, inputs)
+        out["error"] = None
+    except TransferError as e:
+        out["error"] = str(e)
+    out["seconds"] = time.monotonic() - start
+    try:
+        handle.disable()
+        out["disable"] = "ok"
+    except TransferError as e:
+        out["disable"] = f"TransferError: {e}"
+    return out
+
+
+def diverge(rank: int, world_size: int, *, device: torch.device) -> dict:
+    """Rank 1 skips block 1 in every forward: the ranks' transfers part ways. Both must raise TransferError
+    naming what each asked for, keep raising without a collective, and still restore at disable."""
+    pipe = make_pipeline()
+    inputs = make_inputs(seed=7)
+    skip = (1,) if rank == 1 else ()
+    expected = run(pipe, inputs, skip)
+    state = snapshot(pipe)
+    handle = enable_offload(pipe, config(("dit",)), device="cpu")
+    out: dict = {"forwards": 0}
+    start = time.monotonic()
+    try:
+        for _ in range(4):
+            assert torch.equal(run(pipe, inputs, skip), expected)
+            out["forwards"] += 1
+        out["error"] = None
+    except TransferError as e:
+        out["error"] = str(e)
+    out["seconds"] = time.monotonic() - start
+    try:
+        run(pipe, inputs, skip)
+        out["again"] = "ran"
+    except TransferError as e:
+        out["again"] = str(e)
+    handle.disable()
+    out["restored"] = same_state(state, snapshot(pipe)) and torch.equal(run(pipe, inputs, skip), expected)
+    return out
