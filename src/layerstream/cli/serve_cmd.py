@@ -1,0 +1,129 @@
+"""`layerstream serve MODEL`: serve one offloaded pipeline over HTTP (OpenAI-style images and videos APIs).
+
+Order of work, so that mistakes cost seconds, not a model load: parse and check every argument (including
+--diffusion-offload-config), bind the port, load the model and enable offload, then serve. The ready line
+("layerstream serve: ready on http://127.0.0.1:8000") goes to stderr once requests are accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from layerstream.cli.common import CliError, parse_config_arg
+
+READY_PREFIX = "layerstream serve: ready on "
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of the ``serve`` subcommand."""
+    parser.add_argument("model", help='an embedded tiny model ("tiny-wan", "tiny-flux", ...) or a diffusers folder')
+    parser.add_argument(
+        "--diffusion-offload-config",
+        metavar="JSON",
+        default=None,
+        help='offload config as JSON text (default: {"mode": "layer", "components": ["dit"]})',
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0 picks a free port)")
+    parser.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: as saved)")
+    parser.add_argument(
+        "--max-queue", type=int, default=16, help="requests that may wait behind the running one; more get 429 (default: 16)"
+    )
+    parser.add_argument("--max-frames", type=int, default=129, help="largest num_frames of a video request (default: 129)")
+    parser.add_argument(
+        "--max-size", type=int, default=2048, dest="max_side_pixels", help="largest width or height (default: 2048)"
+    )
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB)")
+    parser.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated host link bandwidth in GB/s")
+    parser.add_argument("--no-access-log", dest="access_log", action="store_false", help="no log line per request")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check arguments, bind, load, serve until SIGTERM/SIGINT; 0 after a graceful stop, CliError on user errors."""
+    config = parse_config_arg(args.diffusion_offload_config)  # before anything loads
+    if args.link_gbps is not None and not args.link_gbps > 0:
+        raise CliError(f"--link-gbps = {args.link_gbps!r} is not valid; expected a number > 0")
+    settings = _settings(args)
+
+    try:  # the server's own modules need the serve extra; say so in one line rather than a traceback
+        from layerstream.server.runner import bind_socket, run_server
+        from layerstream.server.service import GenerationService
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("layerstream"):
+            raise
+        raise CliError(f"serving needs the serve extra (pip install 'layerstream[serve]'): {e}") from e
+    from layerstream.models.loading import ModelLoadError
+    from layerstream.omni import GenerationError, Omni
+    from layerstream.runtime.errors import OffloadError
+
+    _configure_server_logging(getattr(args, "verbose", False), args.access_log)
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as e:
+        raise CliError(f"--host {settings.host} --port {settings.port}: cannot bind: {e.strerror or e}") from e
+    try:
+        try:
+            omni = Omni(
+                model=args.model,
+                diffusion_offload_config=config,
+                device=args.device,
+                dtype=args.dtype,
+                simulated_link_gbps=args.link_gbps,
+            )
+        except (ModelLoadError, GenerationError, OffloadError) as e:
+            raise CliError(" ".join(str(e).split())) from e
+        except RuntimeError as e:
+            if "device" in str(e).lower():
+                raise CliError(f"--device {args.device}: {e}") from e
+            raise
+        try:
+            service = GenerationService(omni, settings)
+        except ValueError as e:  # e.g. the fault-injection switch on a model with nothing to hook
+            raise CliError(str(e)) from e
+        run_server(service, sock, on_ready=_print_ready, access_log=args.access_log)
+    finally:
+        sock.close()
+    print("layerstream serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _settings(args: argparse.Namespace):
+    from layerstream.server.faults import FAULT_PROMPT_ENV
+    from layerstream.server.settings import ServeSettings, ServeSettingsError
+
+    flags = {"max_queue": "--max-queue", "max_frames": "--max-frames", "max_side_pixels": "--max-size",
+             "max_body_bytes": "--max-body-bytes", "port": "--port", "host": "--host"}
+    try:
+        return ServeSettings(
+            host=args.host,
+            port=args.port,
+            max_queue=args.max_queue,
+            max_frames=args.max_frames,
+            max_side_pixels=args.max_side_pixels,
+            max_body_bytes=args.max_body_bytes,
+            fault_prompt=os.environ.get(FAULT_PROMPT_ENV) or None,
+        )
+    except ServeSettingsError as e:
+        message = str(e)
+        for field, flag in flags.items():  # name the flag the user typed, not the settings field
+            if message.startswith(f"{field} = "):
+                message = flag + message[len(field):]
+                break
+        raise CliError(message) from e
+
+
+def _configure_server_logging(verbose: bool, access_log: bool) -> None:
+    # the root logger stays at WARNING (common.configure_logging); the server's lifecycle lines are INFO
+    level = logging.DEBUG if verbose else logging.INFO
+    logging.getLogger("layerstream.server").setLevel(level)
+    logging.getLogger("uvicorn.error").setLevel(level)
+    if access_log:
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+
+
+def _print_ready(url: str) -> None:
+    print(f"{READY_PREFIX}{url}", file=sys.stderr, flush=True)

@@ -1,0 +1,246 @@
+"""The FastAPI app: routes, error answers and request metrics around a `GenerationService`.
+
+    POST /v1/images/generations   OpenAI-style image generation (PNG, base64)
+    POST /v1/videos/generations   the same for video pipelines (MP4, base64), plus num_frames and fps
+    GET  /health                  model, offload config, device, queue depth, status
+    GET  /metrics                 Prometheus text format
+
+Statuses: 400 the model cannot take the request (size multiple, frame rule, wrong endpoint, not JSON);
+413 body over --max-body-bytes; 422 a field missing, mistyped, out of range or unknown; 429 queue full;
+500 the generation raised (the server stays up); 503 shutting down; 504 waited past its ``timeout``.
+A request whose client disconnects while it waits is dropped from the queue (counted as 499).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from layerstream import __version__
+from layerstream.omni import GenerationError
+from layerstream.server.errors import ApiError, validation_error
+from layerstream.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from layerstream.server.metrics import ServerMetrics
+from layerstream.server.queue import Job, QueueClosedError, QueueFullError, QueueTimeoutError
+from layerstream.server.schemas import (
+    ErrorResponse,
+    HealthResponse,
+    ImageData,
+    ImageGenerationRequest,
+    ImageGenerationResponse,
+    VideoData,
+    VideoGenerationRequest,
+    VideoGenerationResponse,
+)
+from layerstream.server.service import GenerationOutput, GenerationService
+
+logger = logging.getLogger(__name__)
+
+IMAGES_PATH = "/v1/images/generations"
+VIDEOS_PATH = "/v1/videos/generations"
+HEALTH_PATH = "/health"
+METRICS_PATH = "/metrics"
+_KNOWN_PATHS = frozenset({IMAGES_PATH, VIDEOS_PATH, HEALTH_PATH, METRICS_PATH})
+
+# An oversized body is read and dropped up to this many bytes before answering 413, so that the client,
+# still sending, reads the answer instead of a reset connection; beyond it the connection is just closed.
+_DRAIN_LIMIT_BYTES = 64 << 20
+
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 413, 422, 429, 500, 503, 504)
+}
+
+
+def create_app(service: GenerationService) -> FastAPI:
+    """The app serving `service`; the lifespan starts its worker and, on shutdown, drains and stops it."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.start()
+        yield
+        # by now uvicorn has answered every open request; joining off the loop keeps it responsive anyway
+        await asyncio.to_thread(service.stop, 60.0)
+
+    app = FastAPI(title="layerstream", version=__version__, lifespan=lifespan)
+    app.add_middleware(RequestMetricsMiddleware, metrics=service.metrics)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+        body = ApiError(error.status_code, f"{request.method} {request.url.path}: {error.detail}", code=code).body()
+        return JSONResponse(body, status_code=error.status_code, headers=getattr(error, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, error: Exception) -> JSONResponse:
+        # a bug in the server itself, not in a generation: still one line in the usual shape
+        logger.exception("unexpected error answering %s %s", request.method, request.url.path)
+        body = ApiError(500, f"internal error: {type(error).__name__}", code="internal_error").body()
+        return JSONResponse(body, status_code=500)
+
+    @app.post(
+        IMAGES_PATH,
+        response_model=ImageGenerationResponse,
+        responses=_ERROR_RESPONSES,
+        openapi_extra=_request_body(ImageGenerationRequest),
+    )
+    async def create_images(request: Request) -> JSONResponse:
+        output = await _run_generation(service, request, ImageGenerationRequest, "image")
+        data = [ImageData(b64_json=f) for f in output.files_b64]
+        return _ok(ImageGenerationResponse(created=int(time.time()), data=data, layerstream=output.usage))
+
+    @app.post(
+        VIDEOS_PATH,
+        response_model=VideoGenerationResponse,
+        responses=_ERROR_RESPONSES,
+        openapi_extra=_request_body(VideoGenerationRequest),
+    )
+    async def create_videos(request: Request) -> JSONResponse:
+        output = await _run_generation(service, request, VideoGenerationRequest, "video")
+        data = [VideoData(b64_json=f) for f in output.files_b64]
+        return _ok(VideoGenerationResponse(created=int(time.time()), data=data, layerstream=output.usage))
+
+    @app.get(HEALTH_PATH, response_model=HealthResponse)
+    async def health() -> dict[str, Any]:
+        return service.health()
+
+    @app.get(METRICS_PATH, response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(service.render_metrics(), media_type=METRICS_CONTENT_TYPE)
+
+    return app
+
+
+async def _run_generation(
+    service: GenerationService, request: Request, model: type[ImageGenerationRequest], kind: str
+) -> GenerationOutput:
+    """Parse, check, queue and await one generation request; every failure becomes an `ApiError`."""
+    service.check_endpoint(kind)  # the wrong endpoint is the first thing to say, whatever the body holds
+    body = await _read_body(request, service.settings.max_body_bytes)
+    try:
+        parsed = model.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error(e, model) from None
+    params = service.prepare(parsed)
+    try:
+        job = service.submit(params, timeout=parsed.timeout)
+    except QueueFullError as e:
+        raise ApiError(429, f"{e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
+    except QueueClosedError as e:
+        raise ApiError(503, str(e), code="shutting_down") from None
+    return await _await_job(service, job, request)
+
+
+async def _await_job(service: GenerationService, job: Job, request: Request) -> GenerationOutput:
+    """The job's output, or its failure as an `ApiError`; drops the job if the client leaves before it starts."""
+    loop = asyncio.get_running_loop()
+    # the deadline fires on the loop: a request that waited too long is answered at once, not when the
+    # worker reaches it, and `expire` guarantees its work never starts
+    timer = loop.call_later(job.timeout, service.queue.expire, job) if job.timeout is not None else None
+    result = asyncio.wrap_future(job.future)
+    client_gone = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({result, client_gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not result.done() and service.queue.cancel(job):
+            # nobody is left to answer: a generation nobody waits for would only delay the ones behind it
+            raise ApiError(499, "the client closed the connection before its generation started", code="client_gone")
+        return await result  # a started generation cannot be stopped halfway; it finishes either way
+    except ApiError:
+        raise
+    except QueueTimeoutError as e:
+        raise ApiError(504, f"the request {e}", code="queue_timeout", param="timeout") from None
+    except QueueClosedError as e:
+        raise ApiError(503, str(e), code="shutting_down") from None
+    except GenerationError as e:
+        raise ApiError(400, str(e), code="invalid_for_model") from None
+    except Exception as e:  # the worker logged the traceback; the client gets one line
+        message = f"generation failed: {type(e).__name__}: {_first_line(e)}"
+        raise ApiError(500, message, code="generation_failed") from None
+    finally:
+        client_gone.cancel()
+        if timer is not None:
+            timer.cancel()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Return when the client disconnects (the body has been read, so only that message can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class RequestMetricsMiddleware:
+    """Counts every answer by endpoint and status, with its latency (plain ASGI: it never touches the body)."""
+
+    def __init__(self, app: ASGIApp, *, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500  # if the app fails before answering, that is what the client sees
+
+        async def send_and_record_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record_status)
+        finally:
+            path = scope.get("path", "")
+            endpoint = path if path in _KNOWN_PATHS else "other"  # bounded label values, whatever clients send
+            self.metrics.observe_request(endpoint, status, time.perf_counter() - started)
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, or a 413 naming the limit once it is known to exceed `max_bytes`."""
+    too_large = ApiError(
+        413,
+        f"the request body is larger than the server's limit of {max_bytes} bytes (--max-body-bytes)",
+        code="body_too_large",
+        param="body",
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > _DRAIN_LIMIT_BYTES:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= max_bytes:
+            chunks.append(chunk)
+        elif size > _DRAIN_LIMIT_BYTES:
+            break
+    if size > max_bytes:
+        raise too_large
+    return b"".join(chunks)
+
+
+def _ok(response: BaseModel) -> JSONResponse:
+    return JSONResponse(response.model_dump())
+
+
+def _request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI entry for a body the route parses itself (to bound its size and shape its errors)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else "(no message)"

@@ -1,0 +1,100 @@
+"""Running the app under uvicorn, with a shutdown that drains the queue before waiting on open requests.
+
+On SIGTERM or SIGINT uvicorn stops listening, waits for open requests, then runs the app's shutdown. The
+requests still waiting in the queue are open requests too, so left alone they would all be generated before
+the process exits. `DrainingServer` therefore closes the queue first: waiting requests are answered 503 at
+once, the running generation finishes and its client gets its answer, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Callable, Iterator
+
+import uvicorn
+
+from layerstream.server.app import create_app
+from layerstream.server.service import GenerationService
+
+logger = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, calling `on_ready(url)` once listening and `on_drain()` first thing on shutdown."""
+
+    def __init__(self, config: uvicorn.Config, *, on_ready: Callable[[], None], on_drain: Callable[[], None]):
+        super().__init__(config)
+        self._on_ready = on_ready
+        self._on_drain = on_drain
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and not self.should_exit:
+            self._on_ready()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._on_drain()
+        await super().shutdown(sockets=sockets)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), not yet listening: connections are refused until the app is up.
+
+    Binding before the model loads makes a busy port a one-line error in seconds, not after a long load.
+    Raises OSError (address in use, unknown host).
+    """
+    addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = addresses[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart at once after a stop (TIME_WAIT)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def socket_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run_server(
+    service: GenerationService, sock: socket.socket, *, on_ready: Callable[[str], None], access_log: bool = True
+) -> None:
+    """Serve `service` on the bound `sock` until SIGTERM or SIGINT; returns after a graceful shutdown."""
+    config = uvicorn.Config(
+        create_app(service),
+        log_config=None,  # the command line configured logging; uvicorn's loggers propagate to it
+        access_log=access_log,
+        timeout_graceful_shutdown=None,  # the running generation always finishes, however long it takes
+        lifespan="on",
+    )
+    url = socket_url(sock)
+    server = DrainingServer(config, on_ready=lambda: on_ready(url), on_drain=service.drain)
+    with _exit_quietly_after_signal():
+        server.run(sockets=[sock])
+
+
+@contextlib.contextmanager
+def _exit_quietly_after_signal() -> Iterator[None]:
+    """Make the signal uvicorn re-raises after its graceful shutdown a no-op, so the process exits 0.
+
+    uvicorn restores the handlers it found and raises the signal it handled again, so that the default
+    action (death by that signal) follows. Having already drained and stopped, we return normally instead.
+    """
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, _ignore_signal) for sig in handled}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _ignore_signal(signum: int, frame: object) -> None:
+    logger.debug("signal %d after shutdown: ignored", signum)

@@ -1,0 +1,159 @@
+"""Request and response bodies of the HTTP API, OpenAI-style.
+
+Requests are strict: a field of the wrong JSON type is an error, never coerced ("3" is not 3, 1.0 is not
+an int, true is not a number), and an unknown field is an error rather than silently ignored, so a typo
+such as ``"num_inference_step"`` is reported instead of quietly running the default. These models check
+what does not depend on the served model; `layerstream.server.limits` checks the rest (size multiple,
+frame rule) against the pipeline.
+
+The JSON schema of every model is frozen in ``tests/server/test_schema.py``: a change here is deliberate.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_IMAGES_PER_REQUEST = 4
+MAX_PROMPT_CHARS = 10_000
+MAX_INFERENCE_STEPS = 1000
+MAX_SEED = 2**32 - 1
+MAX_QUEUE_TIMEOUT_SECONDS = 86_400.0
+MAX_FPS = 120
+
+SIZE_PATTERN = r"^[1-9][0-9]{0,5}x[1-9][0-9]{0,5}$"
+
+
+class _StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ImageGenerationRequest(_StrictModel):
+    """Body of ``POST /v1/images/generations``."""
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="What to generate.")
+    negative_prompt: str | None = Field(
+        default=None, max_length=MAX_PROMPT_CHARS, description="What to steer away from (classifier-free guidance)."
+    )
+    model: str | None = Field(default=None, description="If given, must name the served model.")
+    n: int = Field(
+        default=1, ge=1, le=MAX_IMAGES_PER_REQUEST, description="Outputs to generate, with seeds seed, seed+1, ..."
+    )
+    size: str | None = Field(
+        default=None,
+        pattern=SIZE_PATTERN,
+        description="'WIDTHxHEIGHT' in pixels, each a multiple of the model's size multiple; default: the model's.",
+    )
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="Seed of the first output; default: random.")
+    num_inference_steps: int | None = Field(
+        default=None, ge=1, le=MAX_INFERENCE_STEPS, description="Denoising steps; default: the model's."
+    )
+    guidance_scale: float | None = Field(
+        default=None, ge=0.0, le=100.0, allow_inf_nan=False, description="Guidance scale; default: the model's."
+    )
+    response_format: Literal["b64_json"] = Field(
+        default="b64_json", description="Only 'b64_json': outputs are returned inline, base64-encoded."
+    )
+    timeout: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=MAX_QUEUE_TIMEOUT_SECONDS,
+        allow_inf_nan=False,
+        description="Seconds the request may wait in the queue before it is answered 504 (not started).",
+    )
+
+    def width_height(self) -> tuple[int, int] | None:
+        """``size`` as (width, height), or None for the model's default."""
+        if self.size is None:
+            return None
+        width, height = self.size.split("x")  # the shape was checked against SIZE_PATTERN
+        return int(width), int(height)
+
+
+class VideoGenerationRequest(ImageGenerationRequest):
+    """Body of ``POST /v1/videos/generations``: the image fields plus frames and frame rate."""
+
+    num_frames: int | None = Field(
+        default=None, ge=1, description="Frames of each video; at most the server's --max-frames; default: the model's."
+    )
+    fps: int = Field(default=16, ge=1, le=MAX_FPS, description="Frame rate of the encoded MP4.")
+
+
+# responses ---------------------------------------------------------------------------------------------------
+
+
+class ImageData(BaseModel):
+    b64_json: str = Field(description="The PNG file, base64-encoded.")
+    revised_prompt: None = Field(default=None, description="Always null: prompts are used as given.")
+
+
+class VideoData(BaseModel):
+    b64_json: str = Field(description="The MP4 file, base64-encoded.")
+    mime_type: Literal["video/mp4"] = "video/mp4"
+
+
+class GenerationUsage(BaseModel):
+    """What the request cost, summed over its n outputs (``layerstream`` key of a response)."""
+
+    model: str
+    seeds: list[int]
+    width: int
+    height: int
+    num_frames: int | None
+    num_inference_steps: int
+    queue_seconds: float = Field(description="Time spent waiting in the queue.")
+    seconds: float = Field(description="Time spent generating (all outputs, excluding encoding).")
+    seconds_per_step: float
+    bytes_streamed: int
+    num_transfers: int
+    num_sync_loads: int
+    stall_seconds: float
+    device_bytes: int
+    host_bytes: int
+    peak_device_bytes: int | None
+
+
+class ImageGenerationResponse(BaseModel):
+    created: int = Field(description="Unix time the response was made.")
+    data: list[ImageData]
+    layerstream: GenerationUsage
+
+
+class VideoGenerationResponse(BaseModel):
+    created: int
+    data: list[VideoData]
+    layerstream: GenerationUsage
+
+
+class ErrorDetail(BaseModel):
+    param: str | None = Field(description="The request field at fault (dotted path), or null.")
+    message: str
+    allowed: str | None = Field(default=None, description="What the field accepts, when that can be said.")
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str
+    details: list[ErrorDetail] = Field(default_factory=list)
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "draining"]
+    model: str
+    kind: Literal["image", "video"]
+    device: str
+    dtype: str | None
+    offload_config: dict[str, Any]
+    queue_depth: int = Field(description="Requests waiting (not counting the one running).")
+    max_queue: int
+    running: bool = Field(description="Whether a generation is running now.")
+    size_multiple: int
+    frame_multiple: int | None = Field(description="Video: num_frames - 1 must be a multiple of this.")
+    max_frames: int | None

@@ -1,0 +1,49 @@
+"""The HTTP contract as literals: request schemas, response, health and error keys.
+
+Kept apart from the code on purpose: a test compares the code against these, so a change to the API has to
+be made twice, here and in `layerstream.server.schemas`, which is what makes it deliberate.
+"""
+
+from __future__ import annotations
+
+_OPTIONAL_STRING = {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None}
+IMAGE_REQUEST_CONTRACT = {
+    "required": ["prompt"],
+    "additionalProperties": False,
+    "properties": {
+        "prompt": {"maxLength": 10000, "minLength": 1, "type": "string"},
+        "negative_prompt": {"anyOf": [{"maxLength": 10000, "type": "string"}, {"type": "null"}], "default": None},
+        "model": _OPTIONAL_STRING,
+        "n": {"default": 1, "maximum": 4, "minimum": 1, "type": "integer"},
+        "size": {
+            "anyOf": [{"pattern": "^[1-9][0-9]{0,5}x[1-9][0-9]{0,5}$", "type": "string"}, {"type": "null"}],
+            "default": None,
+        },
+        "seed": {"anyOf": [{"maximum": 4294967295, "minimum": 0, "type": "integer"}, {"type": "null"}], "default": None},
+        "num_inference_steps": {"anyOf": [{"maximum": 1000, "minimum": 1, "type": "integer"}, {"type": "null"}], "default": None},
+        "guidance_scale": {"anyOf": [{"maximum": 100.0, "minimum": 0.0, "type": "number"}, {"type": "null"}], "default": None},
+        "response_format": {"const": "b64_json", "default": "b64_json", "type": "string"},
+        "timeout": {"anyOf": [{"exclusiveMinimum": 0.0, "maximum": 86400.0, "type": "number"}, {"type": "null"}], "default": None},
+    },
+}
+VIDEO_REQUEST_CONTRACT = {
+    **IMAGE_REQUEST_CONTRACT,
+    "properties": {
+        **IMAGE_REQUEST_CONTRACT["properties"],
+        "num_frames": {"anyOf": [{"minimum": 1, "type": "integer"}, {"type": "null"}], "default": None},
+        "fps": {"default": 16, "maximum": 120, "minimum": 1, "type": "integer"},
+    },
+}
+RESPONSE_KEYS = ["created", "data", "layerstream"]
+IMAGE_DATA_KEYS = ["b64_json", "revised_prompt"]
+VIDEO_DATA_KEYS = ["b64_json", "mime_type"]
+USAGE_KEYS = [
+    "model", "seeds", "width", "height", "num_frames", "num_inference_steps", "queue_seconds", "seconds",
+    "seconds_per_step", "bytes_streamed", "num_transfers", "num_sync_loads", "stall_seconds", "device_bytes",
+    "host_bytes", "peak_device_bytes",
+]  # fmt: skip
+HEALTH_KEYS = [
+    "status", "model", "kind", "device", "dtype", "offload_config", "queue_depth", "max_queue", "running",
+    "size_multiple", "frame_multiple", "max_frames",
+]  # fmt: skip
+ERROR_KEYS = ["message", "type", "param", "code", "details"]

@@ -1,0 +1,112 @@
+"""Helpers for the server tests: starting `layerstream serve` as a real subprocess on a free loopback port, and talking to it.
+
+Servers are started with ``--port 0`` (the kernel picks a free port, so there is no race between finding a
+port and binding it) and found through their ready line. Output goes to a log file, never a pipe: a pipe
+nobody reads fills up and blocks the server. Every fixture kills its process in teardown.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+IMAGES = "/v1/images/generations"
+VIDEOS = "/v1/videos/generations"
+READY = re.compile(r"layerstream serve: ready on (http://\S+)")
+STARTUP_TIMEOUT_S = 120.0
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+
+    def client(self, timeout: float = 60.0) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then wait for exit; kills it if it does not stop in time (and fails the caller's check)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def start_server(model: str, *args: str, folder: Path, env: dict[str, str] | None = None) -> ServerProcess:
+    """Start ``layerstream serve MODEL --port 0 ARGS`` and return once /health answers."""
+    log_path = folder / "server.log"
+    # one intra-op thread: the tiny models gain nothing from more, and the test process needs the other core
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    command = [sys.executable, "-m", "layerstream", "serve", model, "--port", "0", *args]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    server = None
+    try:
+        url = _wait_for_ready(process, log_path)
+        server = ServerProcess(process, url, log_path)
+        with server.client(timeout=5.0) as client:
+            assert client.get("/health").status_code == 200
+        return server
+    except BaseException:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        raise
+
+
+def _wait_for_ready(process: subprocess.Popen, log_path: Path) -> str:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        match = READY.search(log_path.read_text(errors="replace"))
+        if match:
+            return match.group(1)
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text(errors='replace')}")
+        time.sleep(0.05)
+    raise TimeoutError(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{log_path.read_text(errors='replace')}")
+
+
+def decode_png(b64: str) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+
+
+def metric(client: httpx.Client, name: str, labels: str = "") -> float:
+    """One sample of /metrics, e.g. ``metric(c, "layerstream_requests_total", 'endpoint="/health",status="200"')``."""
+    text = client.get("/metrics").text
+    pattern = "^" + re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else "") + r" (\S+)$"
+    match = re.search(pattern, text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.02)

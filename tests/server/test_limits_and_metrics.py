@@ -1,0 +1,105 @@
+"""Model rules read from pipelines, request checks against them, and the metrics text format."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from layerstream.server.errors import ApiError
+from layerstream.server.limits import ModelLimits, check_endpoint, check_request, pipeline_size_multiple
+from layerstream.server.metrics import Histogram, QueueState, ServerMetrics
+from layerstream.server.schemas import ImageGenerationRequest, VideoGenerationRequest
+
+
+def _pipeline(spatial_attr, spatial, patch_size, processor_factor):
+    transformer = SimpleNamespace(config=SimpleNamespace(patch_size=patch_size))
+    processor = SimpleNamespace(config=SimpleNamespace(vae_scale_factor=processor_factor))
+    return SimpleNamespace(**{spatial_attr: spatial}, transformer=transformer, image_processor=processor)
+
+
+@pytest.mark.parametrize(
+    "pipeline, expected",
+    [
+        (_pipeline("vae_scale_factor_spatial", 8, (1, 2, 2), 8), 16),  # Wan 2.1/2.2 A14B
+        (_pipeline("vae_scale_factor_spatial", 16, (1, 2, 2), 16), 32),  # Wan 2.2 TI2V-5B
+        (_pipeline("vae_scale_factor", 8, 1, 16), 16),  # Flux: 2x2 packing declared by the image processor
+        (_pipeline("vae_scale_factor", 8, 2, 16), 16),  # Qwen-Image
+    ],
+)
+def test_size_multiple_from_the_pipeline(pipeline, expected):
+    assert pipeline_size_multiple(pipeline) == expected
+
+
+WAN = ModelLimits(
+    model="tiny-wan", kind="video", size_multiple=16, frame_multiple=4, default_width=64, default_height=64,
+    default_num_frames=9, max_frames=13, max_side_pixels=256, supports_negative_prompt=True,
+)  # fmt: skip
+
+
+def _problems(request) -> dict[str, str]:
+    with pytest.raises(ApiError) as info:
+        check_request(request, WAN)
+    assert info.value.status == 400
+    return {d.param: d.allowed for d in info.value.details}
+
+
+def test_wrong_endpoint_names_what_the_model_makes():
+    with pytest.raises(ApiError) as info:
+        check_endpoint(WAN, "image")
+    assert info.value.status == 400 and "makes videos" in info.value.message and "/v1/videos/generations" in info.value.message
+    check_endpoint(WAN, "video")
+
+
+@pytest.mark.parametrize("num_frames", [1, 5, 9, 13])
+def test_frames_following_the_rule_pass(num_frames):
+    check_request(VideoGenerationRequest(prompt="fox", num_frames=num_frames, size="32x48"), WAN)
+
+
+def test_every_bad_field_is_named_with_what_is_allowed():
+    problems = _problems(VideoGenerationRequest(prompt="fox", size="30x32", num_frames=6, model="other"))
+    assert set(problems) == {"size", "num_frames", "model"}
+    assert "multiple of 16" in problems["size"]
+    assert "num_frames - 1 a multiple of 4" in problems["num_frames"] and "to 13" in problems["num_frames"]
+    assert _problems(VideoGenerationRequest(prompt="fox", num_frames=17)).keys() == {"num_frames"}  # over --max-frames
+    assert _problems(VideoGenerationRequest(prompt="fox", size="512x64")).keys() == {"size"}  # over the side cap
+
+
+def test_image_request_on_image_model():
+    flux = ModelLimits(
+        model="tiny-flux", kind="image", size_multiple=16, frame_multiple=None, default_width=64, default_height=64,
+        default_num_frames=None, max_frames=129, max_side_pixels=2048, supports_negative_prompt=False,
+    )  # fmt: skip
+    check_request(ImageGenerationRequest(prompt="fox", size="64x32"), flux)
+    with pytest.raises(ApiError) as info:
+        check_request(ImageGenerationRequest(prompt="fox", negative_prompt="blur"), flux)
+    assert info.value.param == "negative_prompt"
+
+
+def test_histogram_buckets_are_cumulative():
+    histogram = Histogram(buckets=(0.1, 1.0))
+    for value in (0.05, 0.1, 0.5, 3.0):
+        histogram.observe(value)
+    lines = histogram.samples("t", {})
+    assert lines[:3] == ['t_bucket{le="0.1"} 2', 't_bucket{le="1.0"} 3', 't_bucket{le="+Inf"} 4']
+    assert lines[-1] == "t_count 4"
+
+
+def test_metrics_text_is_well_formed():
+    metrics = ServerMetrics()
+    metrics.observe_request("/health", 200, 0.01)
+    metrics.observe_job(queue_seconds=0.5, seconds=1.5, num_outputs=2, ok=True)
+    offload = SimpleNamespace(
+        bytes_transferred=10, num_transfers=2, num_sync_loads=0, stall_seconds=0.25, device_bytes=5, host_bytes=7,
+        pinned_host_bytes=7, slot_bytes=4, max_materialized_blocks=2,
+    )  # fmt: skip
+    state = QueueState(depth=1, max_waiting=4, running=True, num_submitted=3, num_started=2)
+    text = metrics.render(queue=state, offload=offload, labels={"model": 'odd"name', "kind": "image", "device": "cpu"})
+    sample = re.compile(r'^[a-z_]+(\{([a-z_]+="([^"\\]|\\.)*",?)+\})? \S+$')
+    for line in text.splitlines():
+        assert line.startswith("# HELP ") or line.startswith("# TYPE ") or sample.match(line), line
+    assert 'layerstream_requests_total{endpoint="/health",status="200"} 1' in text
+    assert 'layerstream_server_info{model="odd\\"name",kind="image",device="cpu"} 1' in text
+    assert "layerstream_bytes_streamed_total 10" in text and "layerstream_stall_seconds_total 0.25" in text
+    assert 'layerstream_generations_total{outcome="ok"} 2' in text and "layerstream_queue_depth 1" in text

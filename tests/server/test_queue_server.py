@@ -1,0 +1,108 @@
+"""Queue behaviour of a real server with slow generations: 429 when full, 504 before starting, graceful stop.
+
+``--link-gbps 0.001`` throttles the CPU copy engine so that each denoising step of tiny-flux takes about
+0.6 s (most of it waiting on the simulated link, so it holds even on a busy machine), long enough to hold
+the queue in a known state while the test acts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from serve_harness import IMAGES, metric, wait_until
+
+SLOW = ("--link-gbps", "0.001", "--max-queue", "1")
+
+
+def _request(seed: int, steps: int, **extra) -> dict:
+    return {"prompt": "a slow fox", "size": "32x32", "seed": seed, "num_inference_steps": steps, **extra}
+
+
+def _post_in_thread(server, body: dict, results: dict, key: str) -> threading.Thread:
+    def send():
+        with server.client() as own:
+            results[key] = own.post(IMAGES, json=body)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread
+
+
+@pytest.fixture(scope="module")
+def slow_server(server_factory):
+    return server_factory("tiny-flux", *SLOW)
+
+
+def test_full_queue_is_429_and_the_loop_never_blocks(slow_server):
+    results: dict[str, httpx.Response] = {}
+    with slow_server.client() as client:
+        running = _post_in_thread(slow_server, _request(1, steps=3), results, "running")
+        wait_until(lambda: client.get("/health").json()["running"], what="the first generation to start")
+        waiting = _post_in_thread(slow_server, _request(2, steps=1), results, "waiting")
+        wait_until(lambda: client.get("/health").json()["queue_depth"] == 1, what="the second request to queue")
+
+        refused = client.post(IMAGES, json=_request(3, steps=1))
+        assert refused.status_code == 429
+        assert refused.json()["error"]["code"] == "queue_full" and refused.headers["retry-after"] == "1"
+
+        started = time.perf_counter()
+        health = client.get("/health")  # answered while a generation runs: the event loop is free
+        assert health.status_code == 200 and health.json()["running"]
+        assert time.perf_counter() - started < 1.0  # far less than the generation it runs beside
+    for thread in (running, waiting):
+        thread.join(60)
+    assert results["running"].status_code == 200 and results["waiting"].status_code == 200
+
+
+def test_a_request_that_waits_past_its_timeout_is_504_and_never_started(slow_server):
+    results: dict[str, httpx.Response] = {}
+    with slow_server.client() as client:
+        jobs_started = metric(client, "layerstream_jobs_started_total")
+        running = _post_in_thread(slow_server, _request(4, steps=3), results, "running")
+        wait_until(lambda: client.get("/health").json()["running"], what="the first generation to start")
+        started = time.perf_counter()
+        late = client.post(IMAGES, json=_request(5, steps=1, timeout=0.3))
+        waited = time.perf_counter() - started
+        assert late.status_code == 504, late.text
+        assert late.json()["error"]["param"] == "timeout"
+        assert waited < 1.5  # answered at its deadline, not when the worker got to it (about 2 s)
+        running.join(60)
+        assert results["running"].status_code == 200
+        assert metric(client, "layerstream_jobs_started_total") == jobs_started + 1  # the late one never ran
+
+
+def test_a_client_that_leaves_while_queued_is_dropped(slow_server):
+    results: dict[str, httpx.Response] = {}
+    with slow_server.client() as client:
+        jobs_started = metric(client, "layerstream_jobs_started_total")
+        running = _post_in_thread(slow_server, _request(8, steps=3), results, "running")
+        wait_until(lambda: client.get("/health").json()["running"], what="the first generation to start")
+        with pytest.raises(httpx.ReadTimeout), slow_server.client(timeout=0.3) as impatient:
+            impatient.post(IMAGES, json=_request(9, steps=1))
+        wait_until(lambda: client.get("/health").json()["queue_depth"] == 0, what="the abandoned request to leave")
+        running.join(60)
+        assert results["running"].status_code == 200
+        assert metric(client, "layerstream_jobs_started_total") == jobs_started + 1
+        assert metric(client, "layerstream_requests_total", 'endpoint="/v1/images/generations",status="499"') == 1
+
+
+def test_sigterm_finishes_the_running_generation_answers_waiting_503_and_exits_0(server_factory):
+    server = server_factory("tiny-flux", *SLOW)
+    results: dict[str, httpx.Response] = {}
+    with server.client() as client:
+        running = _post_in_thread(server, _request(6, steps=2), results, "running")
+        wait_until(lambda: client.get("/health").json()["running"], what="the generation to start")
+        waiting = _post_in_thread(server, _request(7, steps=1), results, "waiting")
+        wait_until(lambda: client.get("/health").json()["queue_depth"] == 1, what="the second request to queue")
+    assert server.terminate(timeout=30) == 0, server.log()
+    for thread in (running, waiting):
+        thread.join(30)
+    assert results["running"].status_code == 200, results["running"].text
+    assert results["running"].json()["layerstream"]["seeds"] == [6]
+    assert results["waiting"].status_code == 503
+    assert results["waiting"].json()["error"]["code"] == "shutting_down"
+    assert "layerstream serve: stopped" in server.log()

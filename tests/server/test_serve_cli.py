@@ -1,0 +1,42 @@
+"""`layerstream serve` startup errors: one line, exit code 2, before any model loads."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+
+def serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "layerstream", "serve", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def _error_lines(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("layerstream: error:")]
+
+
+def test_bad_offload_config_is_one_line_and_exit_2_before_loading():
+    result = serve("tiny-wan", "--diffusion-offload-config", '{"mode": "layer", "components": ["dit"], "colour": 1}')
+    assert result.returncode == 2
+    assert _error_lines(result) == result.stderr.strip().splitlines()  # nothing but the error line
+    assert "--diffusion-offload-config" in result.stderr and "colour" in result.stderr
+    assert "Loading pipeline" not in result.stderr
+
+
+def test_bad_flags_name_the_flag():
+    result = serve("tiny-wan", "--max-queue", "-1")
+    assert result.returncode == 2 and _error_lines(result) == ["layerstream: error: --max-queue = -1 is not valid; expected an integer from 0 to 1000000"]
+    result = serve("tiny-wan", "--link-gbps", "0")
+    assert result.returncode == 2 and "--link-gbps" in result.stderr
+
+
+def test_a_busy_port_is_reported_before_loading():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        result = serve("tiny-wan", "--port", str(taken.getsockname()[1]))
+    assert result.returncode == 2
+    assert len(_error_lines(result)) == 1 and "cannot bind" in result.stderr
+    assert "Loading pipeline" not in result.stderr
