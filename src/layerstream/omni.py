@@ -131,6 +131,7 @@ class Omni:
         for name, value in (("height", height), ("width", width), ("num_frames", num_frames)):
             if value is not None:
                 _check_positive(name, value)
+        self._check_geometry(height, width, num_frames)
 
         call = inspect.signature(self.pipeline.__call__).parameters
         kwargs: dict[str, Any] = {"prompt": prompt, "num_inference_steps": num_inference_steps, "output_type": "np"}
@@ -175,7 +176,22 @@ class Omni:
         stats = _run_stats(seconds, step_times, before, after, self.device)
         return GenerationResult(kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=fps, raw=raw)
 
+    def _check_geometry(self, height, width, num_frames) -> None:
+        """Refuse sizes the pipeline would silently round (diffusers rounds down to its latent grid)."""
+        from layerstream.models.geometry import pipeline_frame_multiple, pipeline_size_multiple
+
+        multiple = pipeline_size_multiple(self.pipeline)
+        for name, value in (("height", height), ("width", width)):
+            if value is not None and value % multiple:
+                raise GenerationError(f"{name} = {value} is not valid; expected a multiple of {multiple} for {self.model}")
+        frames = pipeline_frame_multiple(self.pipeline) if self.kind == "video" else None
+        if num_frames is not None and frames and (num_frames - 1) % frames:
+            raise GenerationError(
+                f"num_frames = {num_frames} is not valid; expected {frames} * k + 1 frames (e.g. {frames * (num_frames // frames) + 1})"
+            )
+
     def stats(self) -> OffloadStats | None:
+        """Offload counters since enable. Not safe to call from another thread while a generation runs."""
         return self.handle.stats() if self.handle is not None else None
 
     def close(self) -> None:

@@ -95,3 +95,11 @@ def test_save_formats(tmp_path):
     image = Omni("tiny-flux", device="cpu").generate("a fox", num_inference_steps=2, seed=0)
     path = image.save(tmp_path / "img.png")
     assert np.array_equal(iio.imread(path), image.frames[0])
+
+
+def test_generate_rejects_sizes_and_frame_counts_the_pipeline_would_round():
+    omni = Omni("tiny-wan", device="cpu")
+    with pytest.raises(GenerationError, match="height = 40.*multiple of 16"):
+        omni.generate("x", height=40)
+    with pytest.raises(GenerationError, match="num_frames = 6.*4 \\* k \\+ 1"):
+        omni.generate("x", num_frames=6)

@@ -10,10 +10,10 @@ so a request never waits in line only to be refused.
 from __future__ import annotations
 
 import inspect
-import math
 from dataclasses import dataclass
 from typing import Any
 
+from layerstream.models.geometry import pipeline_frame_multiple, pipeline_size_multiple
 from layerstream.server.errors import ApiError, invalid_fields
 from layerstream.server.schemas import ErrorDetail, ImageGenerationRequest, VideoGenerationRequest
 
@@ -51,10 +51,7 @@ def read_model_limits(omni: Any, *, max_frames: int, max_side_pixels: int) -> Mo
         defaults = dict(spec.default_kwargs)
     else:
         size_multiple = pipeline_size_multiple(pipeline)
-    frame_multiple = None
-    if omni.kind == "video":
-        temporal = getattr(pipeline, "vae_scale_factor_temporal", None)
-        frame_multiple = temporal if isinstance(temporal, int) and temporal > 1 else None
+    frame_multiple = pipeline_frame_multiple(pipeline) if omni.kind == "video" else None
     call = inspect.signature(pipeline.__call__).parameters
     return ModelLimits(
         model=omni.model,
@@ -68,31 +65,6 @@ def read_model_limits(omni: Any, *, max_frames: int, max_side_pixels: int) -> Mo
         max_side_pixels=max_side_pixels,
         supports_negative_prompt="negative_prompt" in call,
     )
-
-
-def pipeline_size_multiple(pipeline: Any) -> int:
-    """Pixels per latent token along each side: VAE spatial compression x transformer patch size.
-
-    Pipelines that pack latents into 2x2 patches themselves (Flux, Qwen-Image) declare it through their image
-    processor's ``vae_scale_factor`` rather than the transformer's patch size, so the answer is the least
-    common multiple of both readings.
-    """
-    spatial = getattr(pipeline, "vae_scale_factor_spatial", None) or getattr(pipeline, "vae_scale_factor", None) or 1
-    patch = 1
-    transformer = getattr(pipeline, "transformer", None)
-    config = getattr(transformer, "config", None)
-    patch_size = getattr(config, "patch_size", None) if config is not None else None
-    if isinstance(patch_size, int):
-        patch = patch_size
-    elif isinstance(patch_size, (tuple, list)) and patch_size:
-        patch = int(patch_size[-1])  # (temporal, height, width): the spatial patch is the last
-    processor_multiple = 1
-    for name in ("image_processor", "video_processor"):
-        processor = getattr(pipeline, name, None)
-        factor = getattr(getattr(processor, "config", None), "vae_scale_factor", None)
-        if isinstance(factor, int) and factor > 0:
-            processor_multiple = math.lcm(processor_multiple, factor)
-    return math.lcm(int(spatial) * patch, processor_multiple)
 
 
 def check_endpoint(limits: ModelLimits, endpoint_kind: str) -> None:
