@@ -1,0 +1,11 @@
+"""`layerstream bench`: offload strategies timed against resident on synthetic DiT block stacks.
+
+- `synthetic`: the block stacks (real transformer blocks with Wan and Flux shapes, in plain torch);
+- `strategies`: the strategies compared and how each is set up; `naive`: the load-then-compute baseline;
+- `config`: `BenchConfig`; `harness`: `run_bench`, the round-robin measurement;
+- `measure`: timers, memory readings, link bandwidth;
+- `ideal`: the ideal forward and the transfer floor; `results` and `report`: the output as data and as tables;
+- `capture` and `trace_export`: one forward's trace, as Chrome trace JSON and a PNG timeline.
+
+Nothing here is imported by the runtime, and nothing runs at import time.
+"""

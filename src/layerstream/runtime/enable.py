@@ -393,8 +393,10 @@ class OffloadHandle:
         return OffloadTrace(tuple(intervals))
 
     def reset_trace(self) -> None:
+        """Forget every recorded interval (copies still waiting for their timing events included)."""
         if self._engine is not None:
             self._engine.copies.clear()
+            getattr(self._engine, "_pending_timing", []).clear()
         if self._streamer is not None:
             self._streamer.compute_records.clear()
 

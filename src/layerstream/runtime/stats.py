@@ -20,7 +20,8 @@ class ComponentStats:
     num_sync_loads: int = 0
     """Blocks loaded synchronously because they were not prefetched (skipped blocks, changed order)."""
     stall_seconds: float = 0.0
-    """Time compute waited for copies (measured on the CPU engine; from timing events on an accelerator)."""
+    """Time compute waited for copies, measured by the CPU engine. On an accelerator compute waits on the GPU,
+    not the host, so this stays 0 there: enable with ``trace=True`` and read the stalls from ``trace()``."""
     device_bytes: int = 0
     """Device bytes: the component's resident tensors; in the totals, plus the slot ring."""
     host_bytes: int = 0

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The GPU comparison of offload strategies, in one script: synthetic Wan-14B- and Flux-shaped block stacks,
+# bf16, every strategy timed round robin in one process per model. About 3-4 minutes on one H200.
+#
+#   benchmarks/gpu.sh OUT_DIR
+#
+# Runs from a bare copy of this repository's working tree: layerstream comes from src/ on PYTHONPATH (nothing
+# to install); diffusers is optional (without it the diffusers-group rows are skipped with a note). Wheels in
+# $LAYERSTREAM_WHEELS (default benchmarks/wheels) are pip-installed offline first, e.g. a diffusers wheel and its
+# missing dependencies. Writes OUT_DIR/table.md, OUT_DIR/results.json, OUT_DIR/<model>/results.{md,json}, the
+# trace of one Flux-shaped layerwise forward (OUT_DIR/flux12b/trace.json, timeline.png) and OUT_DIR/gpu.log.
+# Timeouts: BENCH_TIMEOUT_S per model (default 150 s for Wan, 120 s for Flux).
+set -uo pipefail
+
+OUT=${1:?usage: benchmarks/gpu.sh OUT_DIR}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+exec > >(tee "$OUT/gpu.log") 2>&1
+
+echo "== environment"
+date -u
+nvidia-smi || echo "(nvidia-smi is not available)"
+if ! "$PY" -c "import torch" 2>/dev/null; then
+    echo "error: $PY cannot import torch; set PYTHON to an interpreter that has it" >&2
+    exit 2
+fi
+"$PY" -c "import torch; print('torch', torch.__version__, '| cuda', torch.version.cuda, '| python', __import__('sys').version.split()[0])"
+if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "error: torch sees no CUDA device; this script benchmarks a GPU (on a CPU use: PYTHONPATH=src $PY -m layerstream bench --smoke)" >&2
+    exit 2
+fi
+
+WHEELS=${LAYERSTREAM_WHEELS:-$ROOT/benchmarks/wheels}
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    echo "== installing wheels from $WHEELS (offline)"
+    timeout 120 "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" "$WHEELS"/*.whl \
+        || echo "warning: the offline wheel install failed; continuing with what is installed"
+fi
+if "$PY" -c "import diffusers" 2>/dev/null; then
+    "$PY" -c "import diffusers; print('diffusers', diffusers.__version__)"
+else
+    echo "diffusers is not installed: the diffusers-group rows are skipped"
+fi
+
+export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+failed=()
+
+bench() {  # bench NAME TIMEOUT_S ARGS...: one model, every strategy, into $OUT/NAME
+    local name=$1 limit=$2
+    shift 2
+    echo
+    echo "== $name: layerstream bench $*"
+    local start=$SECONDS
+    if ! timeout --kill-after=10 "${BENCH_TIMEOUT_S:-$limit}" "$PY" -m layerstream bench --device cuda --out "$OUT/$name" "$@"; then
+        echo "error: the $name benchmark failed or timed out" >&2
+        failed+=("$name")
+    fi
+    echo "($name took $((SECONDS - start)) s)"
+}
+
+# Wan 2.x 14B blocks at video length: compute-bound (~70 ms per block against ~15 ms of transfer), so layerwise
+# should match resident; resident layers would change nothing here, and module mode would move 5.6 GB a forward.
+bench wan14b 150 --model wan14b --blocks 8 --tokens 32768 --context-tokens 512 --dtype bfloat16 \
+    --strategies resident,layerwise,diffusers-group,naive --repeats 3 --warmup 1
+
+# Flux blocks at 4k image tokens: transfer-bound (a block computes in less time than it takes to copy), where
+# keeping some blocks resident pays off.
+bench flux12b 120 --model flux12b --blocks 8 --tokens 4096 --context-tokens 512 --dtype bfloat16 \
+    --strategies resident,layerwise,layerwise-resident-2,layerwise-auto,module,diffusers-group,naive \
+    --repeats 5 --warmup 1 --trace "$OUT/flux12b"
+
+echo
+echo "== combined table: $OUT/table.md"
+{
+    echo "# layerstream GPU benchmark"
+    echo
+    for name in wan14b flux12b; do
+        echo "## $name"
+        echo
+        if [ -f "$OUT/$name/results.md" ]; then cat "$OUT/$name/results.md"; else echo "(no results: see gpu.log)"; fi
+        echo
+    done
+} >"$OUT/table.md"
+"$PY" - "$OUT" <<'PYEOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+runs = {p.parent.name: json.loads(p.read_text()) for p in sorted(out.glob("*/results.json"))}
+(out / "results.json").write_text(json.dumps(runs, indent=2) + "\n")
+PYEOF
+cat "$OUT/table.md"
+
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "error: failed: ${failed[*]}" >&2
+    exit 1
+fi

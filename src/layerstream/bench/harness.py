@@ -1,0 +1,471 @@
+"""`run_bench`: set every strategy up on its own copy of one model, then time them round robin.
+
+The flow:
+1. build the weights once (a `SyntheticDiT` on the CPU) and the inputs;
+2. set `resident` up first, warm it up and time each block's compute (the ideal and `--link-ratio` need it);
+3. choose the simulated link (CPU) or measure the real one (GPU);
+4. set every other strategy up on its own copy of the weights, timing the enable (cold start) and sampling
+   host memory while it runs;
+5. time forwards round robin: every repetition gives each strategy one turn, so drift (thermal, other
+   load) hits all of them alike. A turn runs two forwards back to back and times the second, which starts in
+   the steady state of a denoising loop: the last block has just prefetched block 0, rather than block 0
+   having arrived at leisure during other strategies' turns (see `_timed_turn`);
+6. optionally capture the trace of one forward of a layerwise strategy.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import importlib.util
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from layerstream.bench import ideal
+from layerstream.bench.config import DTYPES, HOST_MEMORY_HEADROOM, BenchConfig, BenchConfigError
+from layerstream.bench.measure import (
+    BlockTimings,
+    DeviceMemory,
+    PeakRssSampler,
+    available_host_bytes,
+    measure_block_compute,
+    measure_link_gbps,
+    rss_bytes,
+    synchronize,
+)
+from layerstream.bench.results import BenchResult, RunInfo, StrategyResult
+from layerstream.bench.strategies import (
+    PreparedStrategy,
+    StrategyContext,
+    StrategySpec,
+    TransferSnapshot,
+    import_dependencies,
+    parse_strategies,
+    prepare_strategy,
+)
+from layerstream.bench.synthetic import (
+    MODEL_SHAPES,
+    activation_bytes_estimate,
+    build_synthetic_dit,
+    model_bytes,
+    default_sizes,
+    make_inputs,
+)
+
+@dataclass
+class _Row:
+    """What the run collects for one strategy."""
+
+    prepared: PreparedStrategy
+    host_rss_peak_bytes: int = 0
+    host_enable_delta_bytes: int = 0
+    times_s: list[float] = field(default_factory=list)
+    transfers: list[TransferSnapshot] = field(default_factory=list)
+    device_peak_over_base: list[int] = field(default_factory=list)
+    matches_resident: bool | None = None
+    block_transfers: dict[str, int] | None = None
+    """Layerwise: transfers of each streamed block during the timed forwards."""
+
+
+Log = Callable[[str], None]
+
+
+def run_bench(config: BenchConfig, log: Log = lambda message: None) -> BenchResult:
+    """Run the benchmark `config` describes; `log` receives progress lines (for stderr)."""
+    device = _device(config)
+    shape = MODEL_SHAPES[config.model]
+    sizes = default_sizes(shape, device.type)
+    num_blocks = config.num_blocks or sizes.num_blocks
+    num_tokens = config.num_tokens or sizes.num_tokens
+    num_context = sizes.num_context_tokens if config.num_context_tokens is None else config.num_context_tokens
+    dtype_name = config.dtype or ("float32" if device.type == "cpu" else "bfloat16")
+    dtype = DTYPES[dtype_name]
+    if device.type != "cpu" and (config.link_gbps is not None or config.link_ratio is not None):
+        raise BenchConfigError(f"--link-gbps and --link-ratio simulate a link on the CPU; device {device} has a real one")
+    threads = _set_threads(config, device)
+
+    specs = _with_resident(parse_strategies_or_raise(config.strategies, num_blocks))
+    notes: list[str] = []
+    if "resident" not in [s.strip() for s in config.strategies.split(",")]:
+        notes.append("resident was added: every ratio is against it")
+    specs, skipped = _skip_unavailable(specs)
+    notes += [f"{spec.name} skipped: {why}" for spec, why in skipped]
+
+    weight_bytes = model_bytes(shape, num_blocks, dtype)
+    _check_host_memory(weight_bytes, len(specs))  # before building anything: a run that cannot fit never starts
+    log(f"building {shape.name}-shaped weights: {num_blocks} blocks, dim {shape.dim}, {dtype_name}")
+    init_device = device if device.type == "cuda" else torch.device("cpu")
+    prototype = build_synthetic_dit(shape, num_blocks, dtype=dtype, seed=config.seed, init_device=init_device)
+    block_paths = [f"blocks.{i}" for i in range(num_blocks)]
+    block_bytes = _block_link_bytes(prototype)
+    sizes_kw = {"num_tokens": num_tokens, "num_context_tokens": num_context, "batch_size": config.batch_size}
+    inputs = make_inputs(shape, **sizes_kw, dtype=dtype, device=device)
+
+    def forward(prepared: PreparedStrategy):
+        with torch.inference_mode():
+            return prepared.model(**inputs)
+
+    # --- resident first: the reference output, per-block compute and the link ----------------------------------
+    rows: dict[str, _Row] = {}
+    remaining = list(specs)
+    resident_spec = remaining.pop(0)
+    ctx = StrategyContext(device=device, prefetch_depth=config.prefetch_depth)
+    model = _copy_for(prototype, last=not remaining)
+    rows["resident"] = _prepare_row(resident_spec, model, ctx, config.warmup, forward, log)
+    resident = rows["resident"].prepared
+    calibration = measure_block_compute(lambda: forward(resident), list(resident.model.blocks), device)
+    block_compute_s = calibration.block_medians()
+    reference = forward(resident)
+    synchronize(device)
+
+    link_gbps, measured_link_gbps = config.link_gbps, None
+    if config.link_ratio is not None:
+        link_gbps = ideal.link_gbps_for_ratio(
+            int(statistics.median(block_bytes)), statistics.median(block_compute_s), config.link_ratio
+        )
+        log(f"link ratio {config.link_ratio:g}: simulated link {link_gbps:.3f} GB/s")
+    if device.type == "cuda":
+        measured_link_gbps = measure_link_gbps(device, max(block_bytes))
+        log(f"measured host-to-device link: {measured_link_gbps:.1f} GB/s (pinned)")
+
+    budget_gb = config.device_budget_gb
+    if budget_gb is None and any(s.resident_layers == "auto" for s in remaining):
+        budget_gb = default_auto_budget_gb(weight_bytes, block_bytes, config.prefetch_depth)
+        notes.append(f"layerwise-auto budget {budget_gb:.4g} GB: non-block modules + slots + half the blocks")
+
+    traced_name = _traced_strategy(specs) if config.trace_dir else None
+    for spec in remaining:
+        ctx = StrategyContext(
+            device=device,
+            link_gbps=link_gbps,
+            prefetch_depth=config.prefetch_depth,
+            device_budget_gb=budget_gb,
+            trace=spec.name == traced_name,
+        )
+        model = _copy_for(prototype, last=spec is remaining[-1])
+        rows[spec.name] = _prepare_row(spec, model, ctx, config.warmup, forward, log)
+    del prototype
+    gc.collect()
+
+    # --- timed forwards, round robin -------------------------------------------------------------------------
+    memory = DeviceMemory(device)
+    transfers_before = {name: row.prepared.block_transfer_counts() for name, row in rows.items()}
+    for rep in range(config.repeats):
+        for row in rows.values():
+            seconds, transfers, peak_over_base, out = _timed_turn(row.prepared, forward, device, memory)
+            row.times_s.append(seconds)
+            if transfers is not None:
+                row.transfers.append(transfers)
+            if peak_over_base is not None:
+                row.device_peak_over_base.append(peak_over_base)
+            if row.matches_resident is None:
+                row.matches_resident = bool(torch.equal(out, reference))
+        log(f"repetition {rep + 1}/{config.repeats} done")
+
+    for name, row in rows.items():
+        before, after = transfers_before[name], row.prepared.block_transfer_counts()
+        if before is not None and after is not None:
+            row.block_transfers = {p: n - before.get(p, 0) for p, n in after.items()}
+
+    # time the blocks again after the timed loop: the ideal then rests on compute measured at both ends of the
+    # run, not only at its start (the link, chosen before, keeps the first measurement)
+    calibration += measure_block_compute(lambda: forward(resident), list(resident.model.blocks), device)
+    resident_median = statistics.median(rows["resident"].times_s)
+    block_compute_s = _as_timed(calibration, resident_median)
+
+    traced_row = rows.get(traced_name) if traced_name else None
+    trace_files, trace_summary = _write_trace(config, traced_row, forward, device, notes, log)
+
+    info = RunInfo(
+        model=shape.name,
+        dim=shape.dim,
+        num_heads=shape.num_heads,
+        ffn_dim=shape.ffn_dim,
+        num_blocks=num_blocks,
+        num_tokens=num_tokens,
+        num_context_tokens=num_context,
+        batch_size=config.batch_size,
+        dtype=dtype_name,
+        device=str(device),
+        device_name=_device_name(device),
+        torch_version=torch.__version__,
+        threads=threads,
+        repeats=config.repeats,
+        warmup=config.warmup,
+        prefetch_depth=config.prefetch_depth,
+        model_bytes=weight_bytes,
+        block_bytes=block_bytes,
+        block_compute_seconds=block_compute_s,
+        other_compute_seconds=calibration.other_median(),
+        link_gbps=link_gbps,
+        link_ratio=config.link_ratio,
+        measured_link_gbps=measured_link_gbps,
+        device_budget_gb=budget_gb,
+        process_rss_bytes=rss_bytes(),
+        trace_files=trace_files,
+        trace_summary=trace_summary,
+        notes=notes,
+    )
+    activations = activation_bytes_estimate(shape, **sizes_kw, element_size=dtype.itemsize)
+    results = [_result(row, info, resident_median, block_paths, activations) for row in rows.values()]
+    results += [StrategyResult.for_skipped(spec.name, spec.kind, why) for spec, why in skipped]
+    for row in rows.values():
+        row.prepared.close()
+        gc.collect()  # the closed model's tensors go before the next one is restored
+    return BenchResult(run=info, strategies=results)
+
+
+def _as_timed(calibration: BlockTimings, resident_median: float) -> list[float]:
+    """Per-block compute as it runs in the timed loop: the calibrated blocks' shares, scaled so that with the time
+    outside the blocks they add up to the resident's median timed forward.
+
+    The calibration forwards run back to back on warm caches; the timed ones run after other strategies have
+    evicted them (a few percent slower on a CPU). Unscaled, the ideal would sit below what resident achieves.
+    """
+    medians = calibration.block_medians()
+    total = sum(medians)
+    if total <= 0:
+        return medians
+    scale = max(resident_median - calibration.other_median(), 0.0) / total
+    return [m * scale for m in medians]
+
+
+def _timed_turn(prepared: PreparedStrategy, forward, device: torch.device, memory: DeviceMemory):
+    """One strategy's turn: two forwards back to back, the second timed.
+
+    The first forward puts the strategy in the steady state of a denoising loop: its last block prefetches
+    block 0 while the forward ends, so the timed forward pays whatever of that copy is not hidden, as every
+    step of a real loop does. On a GPU the host must not synchronize between the two (that would let the copy
+    finish for free), so the timed forward is bounded by events on the compute stream.
+    Returns (seconds, transfers per forward, device peak bytes above the starting allocation, output).
+    """
+    before = prepared.counters()
+    base = memory.allocated()
+    memory.reset_peak()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        forward(prepared)
+        start.record()
+        out = forward(prepared)
+        end.record()
+        end.synchronize()  # the elapsed time is readable once the timed forward's last kernel has run
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        forward(prepared)
+        begin = time.perf_counter()
+        out = forward(prepared)
+        seconds = time.perf_counter() - begin
+    peak = memory.peak()
+    after = prepared.counters()
+    transfers = (after - before).per_forward(2) if before is not None and after is not None else None
+    peak_over_base = peak - base if peak is not None and base is not None else None
+    return seconds, transfers, peak_over_base, out
+
+
+def parse_strategies_or_raise(text: str, num_blocks: int) -> tuple[StrategySpec, ...]:
+    from layerstream.bench.strategies import StrategyError
+
+    try:
+        return parse_strategies(text, num_blocks=num_blocks)
+    except StrategyError as e:
+        raise BenchConfigError(f"--strategies: {e}") from e
+
+
+def default_auto_budget_gb(model_bytes: int, block_bytes: list[int], prefetch_depth: int) -> float:
+    """A budget that lets layerwise-auto keep about half the blocks: the non-block modules, the slot ring, half
+    the blocks, and half a block of slack for the slots' alignment padding."""
+    largest = max(block_bytes)
+    non_block = model_bytes - sum(block_bytes)
+    keep = len(block_bytes) // 2
+    return (non_block + (prefetch_depth + 1) * largest + (keep + 0.5) * largest) / 1e9
+
+
+def _device(config: BenchConfig) -> torch.device:
+    if config.device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(config.device)
+    except RuntimeError as e:
+        raise BenchConfigError(f"--device {config.device!r} is not a device: {e}") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BenchConfigError(f"--device {config.device!r}: CUDA is not available in this torch ({torch.__version__})")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise BenchConfigError(f"--device {config.device!r} is not supported; use cpu or cuda[:N]")
+    return device
+
+
+def _set_threads(config: BenchConfig, device: torch.device) -> int:
+    if device.type != "cpu":
+        return torch.get_num_threads()
+    # a core of its own for the copy thread, as a GPU's copy engine runs beside its compute
+    threads = config.threads or max(1, (os.cpu_count() or 2) - 1)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def _with_resident(specs: tuple[StrategySpec, ...]) -> list[StrategySpec]:
+    resident = [s for s in specs if s.kind == "resident"] or [StrategySpec("resident", "resident")]
+    return resident + [s for s in specs if s.kind != "resident"]
+
+
+def _skip_unavailable(specs: list[StrategySpec]) -> tuple[list[StrategySpec], list[tuple[StrategySpec, str]]]:
+    kept, skipped = [], []
+    for spec in specs:
+        if spec.kind == "diffusers-group" and importlib.util.find_spec("diffusers") is None:
+            skipped.append((spec, "diffusers is not installed"))
+        else:
+            kept.append(spec)
+    return kept, skipped
+
+
+def _check_host_memory(model_bytes: int, num_copies: int) -> None:
+    """Refuse up front a run whose weight copies (one per strategy) cannot fit in host memory."""
+    available = available_host_bytes()
+    needed = model_bytes * num_copies
+    if available is not None and needed > HOST_MEMORY_HEADROOM * available:
+        raise BenchConfigError(
+            f"{num_copies} strategies x {model_bytes / 1e9:.2f} GB of weights need {needed / 1e9:.1f} GB of host memory, "
+            f"but {available / 1e9:.1f} GB is available; lower --blocks or --strategies, or use --dtype bfloat16"
+        )
+
+
+def _copy_for(prototype, *, last: bool):
+    """Each strategy owns its weights; the last one takes the prototype itself (one copy less at peak)."""
+    return prototype if last else copy.deepcopy(prototype)
+
+
+def _block_link_bytes(model) -> list[int]:
+    """Bytes one transfer of each block moves, as the runtime packs it (aligned tensor spans)."""
+    from layerstream.runtime.host_store import BlockLayout
+
+    return [BlockLayout(f"blocks.{i}", block).nbytes for i, block in enumerate(model.blocks)]
+
+
+def _prepare_row(spec: StrategySpec, model, ctx: StrategyContext, warmup: int, forward, log: Log) -> _Row:
+    log(f"setting up {spec.name}")
+    import_dependencies(spec)  # outside the sampler: imported modules are not the strategy's host memory
+    with PeakRssSampler() as enable_rss:
+        prepared = prepare_strategy(spec, model, ctx)
+    with PeakRssSampler() as warm_rss:
+        for _ in range(warmup):
+            forward(prepared)
+        synchronize(ctx.device)
+    return _Row(
+        prepared,
+        host_rss_peak_bytes=max(enable_rss.peak_bytes, warm_rss.peak_bytes),
+        host_enable_delta_bytes=enable_rss.peak_bytes - enable_rss.start_bytes,
+    )
+
+
+def _traced_strategy(specs: list[StrategySpec]) -> str | None:
+    """The strategy whose forward is traced: plain layerwise if selected, else the first layerwise one."""
+    layerwise = [s.name for s in specs if s.kind == "layerwise"]
+    if "layerwise" in layerwise:
+        return "layerwise"
+    return layerwise[0] if layerwise else None
+
+
+def _write_trace(
+    config: BenchConfig, row: _Row | None, forward, device, notes: list[str], log: Log
+) -> tuple[list[str], dict | None]:
+    """Capture one forward of the traced strategy and export it; returns the files and the trace's summary."""
+    if config.trace_dir is None:
+        return [], None
+    if row is None:
+        notes.append("--trace: no layerwise strategy selected, so no trace was written")
+        return [], None
+    from layerstream.bench.capture import capture_forward_trace
+    from layerstream.bench.trace_export import summarize_trace, write_chrome_trace, write_timeline_png
+
+    prepared = row.prepared
+    forward(prepared)  # settle, as the timed forwards do
+    trace = capture_forward_trace(prepared.handle, lambda: forward(prepared), device)
+    folder = Path(config.trace_dir)
+    files = [str(write_chrome_trace(trace, folder / "trace.json"))]
+    title = f"{prepared.name}: {config.model}, {len(trace.lane('compute'))} streamed blocks"
+    if prepared.link_gbps is not None:
+        title += f", simulated link {prepared.link_gbps:.3g} GB/s"
+    try:
+        files.append(str(write_timeline_png(trace, folder / "timeline.png", title=title)))
+    except ModuleNotFoundError as e:
+        notes.append(f"timeline.png not written: {e}")
+    if device.type == "cuda":
+        notes.append(f"trace: {prepared.name} recorded CUDA timing events in every forward (a few microseconds per block)")
+    log(f"trace of {prepared.name} written to {folder}")
+    return files, {"strategy": prepared.name, **summarize_trace(trace)}
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _result(row: _Row, info: RunInfo, resident_median: float, block_paths: list[str], activations: int) -> StrategyResult:
+    p = row.prepared
+    median = statistics.median(row.times_s)
+    n = len(row.transfers)
+    per_forward = (
+        TransferSnapshot(
+            sum(t.bytes_transferred for t in row.transfers) // n,
+            sum(t.num_transfers for t in row.transfers) // n,
+            sum(t.stall_seconds for t in row.transfers) / n,
+            sum(t.num_sync_loads for t in row.transfers) // n,
+        )
+        if n
+        else None
+    )
+
+    if row.device_peak_over_base and p.device_setup_bytes is not None:
+        device_peak, source = p.device_setup_bytes + max(row.device_peak_over_base), "cuda allocator"
+    else:
+        accounted = p.accounted_device_bytes()
+        device_peak = accounted + activations if accounted is not None else None
+        source = "runtime accounting + activation estimate" if accounted is not None else "n/a"
+
+    # the ideal needs the link each block crossed: the simulated one on the CPU, the measured one on a GPU
+    link = p.link_gbps if info.device == "cpu" else info.measured_link_gbps
+    flags = p.streamed_flags(block_paths, row.block_transfers)
+    ideal_s = floor_s = None
+    if link is not None and flags is not None:
+        transfer_s = ideal.block_transfer_seconds(info.block_bytes, flags, link)
+        ideal_s = ideal.ideal_forward_seconds(info.block_compute_seconds, transfer_s, info.other_compute_seconds)
+        floor_s = ideal.transfer_floor_seconds(transfer_s) or None
+
+    return StrategyResult(
+        strategy=p.name,
+        kind=p.spec.kind,
+        meaningful=p.meaningful,
+        note=p.note,
+        median_seconds=median,
+        min_seconds=min(row.times_s),
+        times_seconds=row.times_s,
+        ratio_to_resident=median / resident_median if resident_median > 0 else None,
+        enable_seconds=p.enable_seconds,
+        device_peak_bytes=device_peak,
+        device_peak_source=source,
+        host_rss_peak_bytes=row.host_rss_peak_bytes,
+        host_enable_delta_bytes=row.host_enable_delta_bytes,
+        bytes_streamed_per_forward=per_forward.bytes_transferred if per_forward else None,
+        transfers_per_forward=per_forward.num_transfers if per_forward else None,
+        stall_seconds_per_forward=per_forward.stall_seconds if per_forward and p.stall_measured() else None,
+        sync_loads_per_forward=per_forward.num_sync_loads if per_forward else None,
+        link_gbps=link if flags is not None else None,
+        ideal_seconds=ideal_s,
+        measured_over_ideal=median / ideal_s if ideal_s else None,
+        transfer_floor_seconds=floor_s,
+        measured_over_floor=median / floor_s if floor_s else None,
+        matches_resident=row.matches_resident,
+        residency=p.residency(),
+    )

@@ -1,0 +1,81 @@
+"""What a perfect streamer would achieve, to judge a measured forward against.
+
+With every block streamed and compute and copies overlapped perfectly, each block costs the longer of its
+compute and the transfer that runs beside it, and the work outside the blocks costs its own time:
+
+    ideal = other + sum_i max(compute_i, transfer_i)
+
+With some blocks resident the same rule applies per streamed block, with the compute that can hide its
+transfer: a streamed block's copy is issued when the previous streamed block starts (the runtime prefetches
+along the chain of streamed blocks, the last one fetching the first), so it overlaps that block's compute and
+the compute of every resident block in between. For streamed blocks s_0 < s_1 < ... (cyclically):
+
+    ideal = other + sum_j max(compute[s_(j-1) .. s_j - 1], transfer[s_j])
+
+which is the formula above when every block streams (each transfer paired with the compute it overlaps), and
+the resident time when none does. Pairing only a block's own compute with its transfer would ignore the
+resident blocks' compute and put the ideal above what the runtime achieves.
+
+The transfer floor is the time the link needs for the bytes of one forward, whatever the compute:
+
+    floor = sum_i transfer_i
+
+A measured forward above `ideal` shows overlap lost (exposed copies, hook and scheduling overhead); when
+transfers dominate, measured / floor says how close the link runs to saturation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+GB = 1e9
+
+
+def transfer_seconds(nbytes: int, link_gbps: float) -> float:
+    """Seconds `nbytes` take on a link of `link_gbps` GB/s (1 GB = 1e9 bytes, as the simulated link counts)."""
+    if not link_gbps > 0:
+        raise ValueError(f"link_gbps = {link_gbps!r} is not valid; expected a number > 0")
+    return nbytes / (link_gbps * GB)
+
+
+def link_gbps_for_ratio(block_bytes: int, block_compute_s: float, ratio: float) -> float:
+    """The link bandwidth at which one block's transfer lasts `ratio` times its compute.
+
+    `ratio` 0.5 means "the transfer takes half the compute"; 2 means "twice the compute".
+    """
+    if not ratio > 0:
+        raise ValueError(f"link ratio = {ratio!r} is not valid; expected a number > 0")
+    if not block_compute_s > 0:
+        raise ValueError(f"block compute time = {block_compute_s!r} s; expected a measured time > 0")
+    return block_bytes / (ratio * block_compute_s) / GB
+
+
+def ideal_forward_seconds(compute_s: Sequence[float], transfer_s: Sequence[float], other_s: float = 0.0) -> float:
+    """The ideal forward (see the module docstring); `transfer_s[i]` is 0 for a block that stays on the device."""
+    if len(compute_s) != len(transfer_s):
+        raise ValueError(f"{len(compute_s)} compute times but {len(transfer_s)} transfer times; expected one per block")
+    num_blocks = len(compute_s)
+    streamed = [i for i, t in enumerate(transfer_s) if t > 0]
+    if not streamed:
+        return max(other_s, 0.0) + sum(compute_s)
+    total = 0.0
+    for j, block in enumerate(streamed):
+        previous = streamed[j - 1]  # cyclic: the first streamed block is prefetched by the last one
+        if previous < block:
+            hiding = range(previous, block)
+        else:  # wraps around the end of the stack (or a single streamed block: the whole stack hides it)
+            hiding = [*range(previous, num_blocks), *range(0, block)]
+        total += max(sum(compute_s[i] for i in hiding), transfer_s[block])
+    return max(other_s, 0.0) + total
+
+
+def transfer_floor_seconds(transfer_s: Sequence[float]) -> float:
+    """The link's busy time for one forward: every streamed block's transfer, back to back."""
+    return float(sum(transfer_s))
+
+
+def block_transfer_seconds(block_bytes: Sequence[int], streamed: Sequence[bool], link_gbps: float) -> list[float]:
+    """Per block: its transfer time if it streams, else 0."""
+    if len(block_bytes) != len(streamed):
+        raise ValueError(f"{len(block_bytes)} block sizes but {len(streamed)} streamed flags")
+    return [transfer_seconds(n, link_gbps) if s else 0.0 for n, s in zip(block_bytes, streamed)]

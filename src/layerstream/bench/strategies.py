@@ -1,0 +1,331 @@
+"""The strategies a benchmark compares, and how each is set up on its own copy of the model.
+
+Names (`--strategies`):
+- `resident`: the whole model on the device; every ratio is against it.
+- `layerwise`: `enable_offload` in layer mode, every block streamed.
+- `layerwise-resident-N`: layer mode with the first N blocks kept on the device (`resident_layers` N).
+- `layerwise-auto`: layer mode with `resident_layers` "auto" under `device_budget_gb`.
+  Any layerwise name may end in `-depth-D` to override `--prefetch-depth` for that row.
+- `module`: `enable_offload` in module mode (the whole model moves on and off around each forward).
+- `diffusers-group`: diffusers' `apply_group_offloading`, block level, one block per group, with a stream where
+  the device has streams.
+- `naive`: synchronous load-then-compute per block (see `naive.py`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from layerstream.bench.measure import DeviceMemory, synchronize, tensor_bytes
+from layerstream.bench.naive import NaiveBlockLoader
+
+KINDS = ("resident", "layerwise", "module", "diffusers-group", "naive")
+DEFAULT_STRATEGIES = (
+    "resident",
+    "layerwise",
+    "layerwise-resident-1",
+    "layerwise-auto",
+    "module",
+    "diffusers-group",
+    "naive",
+)
+_LAYERWISE = re.compile(r"^layerwise(?:-resident-(?P<resident>\d+)|-(?P<auto>auto))?(?:-depth-(?P<depth>\d+))?$")
+
+
+class StrategyError(ValueError):
+    """A strategy name or combination that cannot run; the message names it and what is allowed."""
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """One parsed `--strategies` entry."""
+
+    name: str
+    """As the user wrote it (the row's label)."""
+    kind: str
+    """One of `KINDS`."""
+    resident_layers: int | str = 0
+    """Layerwise only: an int, or "auto"."""
+    prefetch_depth: int | None = None
+    """Layerwise only: overrides the run's prefetch depth."""
+
+
+def parse_strategies(text: str, *, num_blocks: int) -> tuple[StrategySpec, ...]:
+    """Parse a comma-separated strategy list; `StrategyError` names the first entry that is not valid."""
+    specs: list[StrategySpec] = []
+    for raw in text.split(","):
+        name = raw.strip()
+        if not name:
+            continue
+        spec = _parse_one(name, num_blocks)
+        if any(s.name == name for s in specs):
+            raise StrategyError(f"strategy {name!r} is listed twice")
+        specs.append(spec)
+    if not specs:
+        raise StrategyError(f"--strategies {text!r} names no strategy; allowed: {allowed_names()}")
+    return tuple(specs)
+
+
+def allowed_names() -> str:
+    return (
+        "resident, layerwise, layerwise-resident-N, layerwise-auto (layerwise ones may end in -depth-D), module, "
+        "diffusers-group, naive"
+    )
+
+
+def _parse_one(name: str, num_blocks: int) -> StrategySpec:
+    if name in ("resident", "module", "diffusers-group", "naive"):
+        return StrategySpec(name, name)
+    match = _LAYERWISE.match(name)
+    if match is None:
+        raise StrategyError(f"unknown strategy {name!r}; allowed: {allowed_names()}")
+    depth = int(match["depth"]) if match["depth"] else None
+    if depth is not None and not 1 <= depth <= 8:
+        raise StrategyError(f"strategy {name!r}: prefetch depth {depth} is not valid; allowed: 1 to 8")
+    resident: int | str = 0
+    if match["auto"]:
+        resident = "auto"
+    elif match["resident"]:
+        resident = int(match["resident"])
+        # layer mode needs at least two streamed blocks: one computing, one arriving
+        if resident > num_blocks - 2:
+            raise StrategyError(
+                f"strategy {name!r}: {resident} resident blocks of {num_blocks} leave fewer than 2 to stream; "
+                f"allowed: 0 to {max(num_blocks - 2, 0)}"
+            )
+    return StrategySpec(name, "layerwise", resident, depth)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyContext:
+    """What every strategy's set-up needs from the run."""
+
+    device: torch.device
+    link_gbps: float | None = None
+    """Simulated link (CPU only) for the strategies that stream per block."""
+    prefetch_depth: int = 1
+    device_budget_gb: float | None = None
+    """For layerwise-auto."""
+    trace: bool = False
+    """Record accelerator timing events (the strategy whose trace is exported)."""
+
+
+@dataclass(frozen=True)
+class TransferSnapshot:
+    """Cumulative transfer counters of one strategy; subtract two to get one forward's."""
+
+    bytes_transferred: int
+    num_transfers: int
+    stall_seconds: float
+    num_sync_loads: int
+
+    def __sub__(self, other: "TransferSnapshot") -> "TransferSnapshot":
+        return TransferSnapshot(
+            self.bytes_transferred - other.bytes_transferred,
+            self.num_transfers - other.num_transfers,
+            self.stall_seconds - other.stall_seconds,
+            self.num_sync_loads - other.num_sync_loads,
+        )
+
+    def per_forward(self, num_forwards: int) -> "TransferSnapshot":
+        """These counters spread evenly over `num_forwards` forwards."""
+        return TransferSnapshot(
+            self.bytes_transferred // num_forwards,
+            self.num_transfers // num_forwards,
+            self.stall_seconds / num_forwards,
+            self.num_sync_loads // num_forwards,
+        )
+
+
+class PreparedStrategy:
+    """A strategy set up on its own model: what the harness runs, times and asks for counters."""
+
+    def __init__(self, spec: StrategySpec, model: nn.Module, *, meaningful: bool = True, note: str = ""):
+        self.spec = spec
+        self.model = model
+        self.meaningful = meaningful
+        self.note = note
+        self.enable_seconds = 0.0
+        self.link_gbps: float | None = None
+        self.device_setup_bytes: int | None = None
+        """Device bytes the set-up allocated (read from the CUDA allocator)."""
+        self.handle = None  # OffloadHandle for the layerstream strategies
+        self.naive: NaiveBlockLoader | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def counters(self) -> TransferSnapshot | None:
+        """Transfer counters so far, or None where the strategy does not report them."""
+        if self.handle is not None:
+            s = self.handle.stats()
+            return TransferSnapshot(s.bytes_transferred, s.num_transfers, s.stall_seconds, s.num_sync_loads)
+        if self.naive is not None:
+            c = self.naive.counters
+            return TransferSnapshot(c.bytes_transferred, c.num_transfers, c.stall_seconds, 0)
+        return None
+
+    def stall_measured(self) -> bool:
+        """Whether `counters().stall_seconds` is a measurement (the accelerator engine waits on the GPU, unseen)."""
+        if self.naive is not None:
+            return True
+        return self.handle is not None and self.handle.stats().engine == "cpu-thread"
+
+    def accounted_device_bytes(self) -> int | None:
+        """Device bytes by the strategy's own accounting (weights, slots), without activations."""
+        if self.handle is not None:
+            return self.handle.stats().device_bytes
+        if self.spec.kind == "resident":
+            return tensor_bytes(self.model)
+        if self.naive is not None:
+            non_block = tensor_bytes(self.model)  # evicted blocks hold empty placeholders and count 0
+            return non_block + self.naive.max_block_bytes
+        return None
+
+    def block_transfer_counts(self) -> dict[str, int] | None:
+        """Transfers so far per streamed block path (layerwise strategies only)."""
+        if self.handle is None or self.spec.kind != "layerwise":
+            return None
+        return self.handle.block_transfers()
+
+    def streamed_flags(self, block_paths: list[str], transfers_during_run: dict[str, int] | None) -> list[bool] | None:
+        """Per block, whether it crossed the link during the timed forwards; None where blocks do not stream one
+        by one. A layerwise block that streams but never needs a copy (the streamed blocks fit in the slot ring
+        and stay there) counts as resident, as it is."""
+        if self.spec.kind == "layerwise":
+            return [transfers_during_run.get(p, 0) > 0 for p in block_paths] if transfers_during_run is not None else None
+        if self.spec.kind in ("naive", "diffusers-group"):
+            return [True] * len(block_paths)
+        return None
+
+    def residency(self) -> str | None:
+        if self.handle is None:
+            return None
+        described = self.handle.stats().residency
+        return "; ".join(described.values()) or None
+
+    def close(self) -> None:
+        """Undo the strategy (stopping its copy thread) and drop its model, device memory included.
+
+        Undoing puts the weights back on the device; dropping them at once keeps the run's device peak at one
+        restored model at a time while the strategies are closed one after another.
+        """
+        if self.handle is not None and self.handle.enabled:
+            self.handle.disable()
+        if self.naive is not None:
+            self.naive.disable()
+        self.handle = self.naive = self.model = None
+
+
+def import_dependencies(spec: StrategySpec) -> None:
+    """Import what setting `spec` up needs, so that neither its timing nor its host memory counts imports."""
+    importlib.import_module(_IMPORTS.get(spec.kind, "torch"))
+
+
+def prepare_strategy(spec: StrategySpec, model: nn.Module, ctx: StrategyContext) -> PreparedStrategy:
+    """Set `spec` up on `model` (a CPU copy of the weights this strategy owns) and time the set-up."""
+    import_dependencies(spec)  # a cold start times the set-up, not imports
+    memory = DeviceMemory(ctx.device)
+    before = memory.allocated()
+    start = time.perf_counter()
+    prepared = _SETUP[spec.kind](spec, model, ctx)
+    synchronize(ctx.device)  # an enable that queued copies is not done before they are
+    prepared.enable_seconds = time.perf_counter() - start
+    after = memory.allocated()
+    if before is not None and after is not None:
+        prepared.device_setup_bytes = after - before
+    return prepared
+
+
+def _resident(spec: StrategySpec, model: nn.Module, ctx: StrategyContext) -> PreparedStrategy:
+    model.to(ctx.device)
+    return PreparedStrategy(spec, model)
+
+
+def layer_config(spec: StrategySpec, ctx: StrategyContext) -> dict[str, Any]:
+    """The `diffusion_offload_config` of a layerwise strategy."""
+    options: dict[str, Any] = {"prefetch_depth": spec.prefetch_depth or ctx.prefetch_depth}
+    if spec.resident_layers == "auto":
+        options["resident_layers"] = "auto"
+        if ctx.device_budget_gb is not None:
+            options["device_budget_gb"] = ctx.device_budget_gb
+    elif spec.resident_layers:
+        options["resident_layers"] = spec.resident_layers
+    return {"mode": "layer", "components": ["dit"], "layer_options": {"dit": options}}
+
+
+def _layerwise(spec: StrategySpec, model: nn.Module, ctx: StrategyContext) -> PreparedStrategy:
+    from layerstream.runtime.enable import enable_offload
+
+    prepared = PreparedStrategy(spec, model)
+    config = layer_config(spec, ctx)
+    prepared.handle = enable_offload(model, config, ctx.device, simulated_link_gbps=ctx.link_gbps, trace=ctx.trace)
+    prepared.link_gbps = ctx.link_gbps
+    return prepared
+
+
+def _module(spec: StrategySpec, model: nn.Module, ctx: StrategyContext) -> PreparedStrategy:
+    from layerstream.runtime.enable import enable_offload
+
+    on_cpu = ctx.device.type == "cpu"
+    prepared = PreparedStrategy(
+        spec,
+        model,
+        meaningful=not on_cpu,
+        note="not meaningful on CPU: nothing moves, and the simulated link does not apply to module mode" if on_cpu else "",
+    )
+    prepared.handle = enable_offload(model, {"mode": "module", "components": ["dit"]}, ctx.device)
+    return prepared
+
+
+def _diffusers_group(spec: StrategySpec, model: nn.Module, ctx: StrategyContext) -> PreparedStrategy:
+    try:
+        from diffusers.hooks import apply_group_offloading
+    except ModuleNotFoundError as e:
+        raise StrategyError(f"strategy 'diffusers-group' needs diffusers, which is not installed ({e})") from e
+    has_streams = ctx.device.type == "cuda"
+    apply_group_offloading(
+        model,
+        onload_device=ctx.device,
+        offload_device=torch.device("cpu"),
+        offload_type="block_level",
+        num_blocks_per_group=1,
+        use_stream=has_streams,
+    )
+    on_cpu = ctx.device.type == "cpu"
+    note = "not meaningful on CPU: onload and offload device are both the CPU (a no-op baseline)" if on_cpu else ""
+    return PreparedStrategy(spec, model, meaningful=not on_cpu, note=note)
+
+
+def _naive(spec: StrategySpec, model: nn.Module, ctx: StrategyContext) -> PreparedStrategy:
+    blocks = model.blocks
+    for name, child in model.named_children():
+        if child is not blocks:
+            child.to(ctx.device)
+    prepared = PreparedStrategy(spec, model)
+    prepared.naive = NaiveBlockLoader(list(blocks), ctx.device, link_gbps=ctx.link_gbps)
+    prepared.naive.enable_()
+    prepared.link_gbps = ctx.link_gbps
+    return prepared
+
+
+_IMPORTS = {
+    "layerwise": "layerstream.runtime.enable",
+    "module": "layerstream.runtime.module_mode",
+    "diffusers-group": "diffusers.hooks",
+}
+_SETUP = {
+    "resident": _resident,
+    "layerwise": _layerwise,
+    "module": _module,
+    "diffusers-group": _diffusers_group,
+    "naive": _naive,
+}

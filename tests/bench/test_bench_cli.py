@@ -1,0 +1,104 @@
+"""`layerstream bench` end to end, as a subprocess: JSON on stdout, a row per strategy, trace files.
+
+No timing is asserted: the figures depend on the machine. What is checked is the shape of the output and the
+facts that do not depend on speed (bytes streamed, copies per block, outputs equal to resident).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from layerstream.bench.strategies import DEFAULT_STRATEGIES
+
+ROW_FIELDS = (
+    "strategy",
+    "median_seconds",
+    "ratio_to_resident",
+    "device_peak_bytes",
+    "device_peak_source",
+    "host_rss_peak_bytes",
+    "bytes_streamed_per_forward",
+    "stall_seconds_per_forward",
+    "enable_seconds",
+    "ideal_seconds",
+    "measured_over_ideal",
+    "transfer_floor_seconds",
+    "measured_over_floor",
+    "matches_resident",
+)
+
+
+def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "layerstream", "bench", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def smoke_json() -> dict:
+    done = _bench("--smoke", "--json", "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)  # stdout holds the JSON and nothing else
+
+
+def test_smoke_json_has_a_row_per_strategy(smoke_json):
+    rows = {row["strategy"]: row for row in smoke_json["strategies"]}
+    assert list(rows) == list(DEFAULT_STRATEGIES)
+    for row in rows.values():
+        for field in ROW_FIELDS:
+            assert field in row, (row["strategy"], field)
+        if not row["skipped"]:
+            assert row["median_seconds"] > 0
+            assert row["host_rss_peak_bytes"] > 0
+            assert row["enable_seconds"] >= 0
+    assert rows["resident"]["ratio_to_resident"] == pytest.approx(1.0)
+
+
+def test_smoke_json_layerwise_rows_stream_and_match_resident(smoke_json):
+    run = smoke_json["run"]
+    rows = {row["strategy"]: row for row in smoke_json["strategies"]}
+    block_bytes = run["block_bytes"]
+    assert run["link_gbps"] > 0 and run["link_ratio"] == 0.5  # --smoke simulates a link on the CPU
+    layerwise = rows["layerwise"]
+    assert layerwise["bytes_streamed_per_forward"] == sum(block_bytes)  # every block, once per forward
+    assert layerwise["stall_seconds_per_forward"] is not None
+    assert layerwise["ideal_seconds"] > 0 and layerwise["transfer_floor_seconds"] > 0
+    resident_one = rows["layerwise-resident-1"]
+    assert resident_one["bytes_streamed_per_forward"] == sum(block_bytes[1:])
+    assert rows["naive"]["bytes_streamed_per_forward"] > 0
+    for name, row in rows.items():
+        if not row["skipped"]:
+            assert row["matches_resident"] is True, name
+    assert rows["diffusers-group"]["meaningful"] is False  # CPU to CPU: reported, marked
+    assert rows["layerwise"]["device_peak_bytes"] < rows["resident"]["device_peak_bytes"]
+
+
+def test_trace_writes_chrome_json_and_png(tmp_path):
+    done = _bench("--smoke", "--device", "cpu", "--strategies", "resident,layerwise", "--repeats", "1",
+                  "--trace", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    lanes = {e["args"]["name"]: e["tid"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
+    assert set(lanes) == {"copy", "compute"}
+    complete = [e for e in events if e.get("ph") == "X"]
+    num_blocks = 8  # the tiny model's default
+    for lane in ("copy", "compute"):
+        labels = sorted(e["name"] for e in complete if e["cat"] == lane)
+        assert labels == sorted(f"blocks.{i}" for i in range(num_blocks)), lane  # one interval per streamed block
+        assert all(e["tid"] == lanes[lane] and e["dur"] >= 0 for e in complete if e["cat"] == lane)
+    png = (tmp_path / "timeline.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+
+
+def test_help_and_user_errors():
+    done = _bench("--help", timeout=60)
+    assert done.returncode == 0 and "--link-ratio" in done.stdout
+    done = _bench("--smoke", "--device", "cpu", "--strategies", "resident,bogus", timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("layerstream: error: --strategies: unknown strategy 'bogus'")
+    done = _bench("--smoke", "--device", "cpu", "--link-gbps", "1", "--link-ratio", "1", timeout=60)
+    assert done.returncode == 2

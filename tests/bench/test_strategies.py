@@ -1,0 +1,88 @@
+"""Strategy names, the synthetic models and the naive baseline (CPU, tiny shapes)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from layerstream.bench.naive import NaiveBlockLoader
+from layerstream.bench.strategies import StrategyError, StrategySpec, parse_strategies
+from layerstream.bench.synthetic import MODEL_SHAPES, block_param_count, build_synthetic_dit, make_inputs
+from layerstream.plan.resolver import resolve_offload_plan
+
+
+def test_parse_strategies_names_and_overrides():
+    specs = parse_strategies("resident, layerwise,layerwise-resident-2,layerwise-auto-depth-2,naive", num_blocks=6)
+    assert [s.name for s in specs] == ["resident", "layerwise", "layerwise-resident-2", "layerwise-auto-depth-2", "naive"]
+    assert specs[2] == StrategySpec("layerwise-resident-2", "layerwise", 2, None)
+    assert specs[3] == StrategySpec("layerwise-auto-depth-2", "layerwise", "auto", 2)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("layerwise-fast", "unknown strategy"),
+        ("layerwise-resident-5", "leave fewer than 2 to stream"),
+        ("layerwise-depth-9", "allowed: 1 to 8"),
+        ("naive,naive", "listed twice"),
+        (" , ", "names no strategy"),
+    ],
+)
+def test_parse_strategies_rejects(text, message):
+    with pytest.raises(StrategyError, match=message):
+        parse_strategies(text, num_blocks=6)
+
+
+@pytest.mark.parametrize(
+    "name, params_millions",
+    [("wan14b", 351.4), ("wan1.3b", 46.4), ("flux12b", 339.8)],
+)
+def test_block_shapes_have_the_real_parameter_count(name, params_millions):
+    assert block_param_count(MODEL_SHAPES[name]) / 1e6 == pytest.approx(params_millions, rel=1e-3)
+
+
+def test_synthetic_model_is_discovered_automatically_and_allows_resident_layers():
+    model = build_synthetic_dit(MODEL_SHAPES["tiny"], 4, dtype=torch.float32)
+    config = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"resident_layers": 2}}}
+    plan = resolve_offload_plan(model, config)
+    (component,) = plan.components
+    assert component.source == "auto" and component.resident_allowed
+    assert component.stacks[0].block_paths == tuple(f"blocks.{i}" for i in range(4))
+
+
+@pytest.mark.parametrize("name", ["tiny", "flux12b"])
+def test_naive_loader_matches_resident_and_counts_every_block(name):
+    shape = MODEL_SHAPES[name]
+    if name == "flux12b":  # real width, two blocks, a handful of tokens: still a fraction of a second
+        shape = type(shape)(**{**shape.__dict__, "dim": 96, "num_heads": 4, "ffn_dim": 384})
+    model = build_synthetic_dit(shape, 3, dtype=torch.float32)
+    inputs = make_inputs(shape, num_tokens=8, num_context_tokens=4, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        expected = model(**inputs)
+        naive_model = copy.deepcopy(model)
+        loader = NaiveBlockLoader(list(naive_model.blocks), torch.device("cpu"), link_gbps=100.0)
+        loader.enable_()
+        assert all(p.numel() == 0 for p in naive_model.blocks.parameters())  # evicted between forwards
+        assert torch.equal(naive_model(**inputs), expected)
+        assert all(p.numel() == 0 for p in naive_model.blocks.parameters())
+    block_bytes = sum(p.numel() * p.element_size() for p in model.blocks.parameters())
+    assert loader.counters.bytes_transferred == block_bytes
+    assert loader.counters.num_transfers == 3
+    loader.disable()
+    with torch.no_grad():
+        assert torch.equal(naive_model(**inputs), expected)
+
+
+def test_diffusers_group_is_skipped_with_a_note_when_diffusers_is_missing(monkeypatch):
+    import importlib.util
+
+    from layerstream.bench import harness
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "diffusers" else real_find_spec(name, *a))
+    specs = list(parse_strategies("resident,diffusers-group,naive", num_blocks=4))
+    kept, skipped = harness._skip_unavailable(specs)
+    assert [s.name for s in kept] == ["resident", "naive"]
+    assert [(s.name, why) for s, why in skipped] == [("diffusers-group", "diffusers is not installed")]
