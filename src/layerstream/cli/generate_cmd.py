@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: as saved)")
     parser.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated host link bandwidth in GB/s")
-    parser.add_argument("--compare-resident", action="store_true", help="also run resident and report whether outputs are identical")
+    parser.add_argument("--compare-resident", action="store_true", help="also run resident (the whole model on the device) and report whether outputs are bit-identical")
     parser.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace JSON (and a .png timeline beside it)")
     parser.add_argument(
         "--nproc",
@@ -95,22 +95,22 @@ def run(args: argparse.Namespace) -> int:
     if world_size > 1:
         output = output.with_name(f"{output.stem}.rank{rank}{output.suffix}")
 
+    request = dict(
+        prompt=args.prompt,
+        negative_prompt=args.negative_prompt,
+        height=args.height,
+        width=args.width,
+        num_frames=args.num_frames,
+        num_inference_steps=args.num_inference_steps,
+        guidance_scale=args.guidance_scale,
+        seed=seed,
+        fps=args.fps,
+    )
     progress = _Progress(enabled=rank == 0)
     try:
         if omni.handle is not None and args.trace:
             omni.handle.reset_trace()
-        result = omni.generate(
-            args.prompt,
-            args.negative_prompt,
-            height=args.height,
-            width=args.width,
-            num_frames=args.num_frames,
-            num_inference_steps=args.num_inference_steps,
-            guidance_scale=args.guidance_scale,
-            seed=seed,
-            fps=args.fps,
-            on_step=progress.step,
-        )
+        result = omni.generate(**request, on_step=progress.step)
     except GenerationError as e:
         raise CliError(str(e)) from e
     finally:
@@ -124,18 +124,8 @@ def run(args: argparse.Namespace) -> int:
     identical = None
     if args.compare_resident:
         omni.close()  # disable gives back a fully resident pipeline: the same weights, now all on the device
-        reference = omni.generate(
-            args.prompt,
-            args.negative_prompt,
-            height=args.height,
-            width=args.width,
-            num_frames=args.num_frames,
-            num_inference_steps=args.num_inference_steps,
-            guidance_scale=args.guidance_scale,
-            seed=seed,
-            fps=args.fps,
-        )
-        identical = bool((reference.raw == result.raw).all()) and reference.raw.shape == result.raw.shape
+        reference = omni.generate(**request)
+        identical = reference.raw.shape == result.raw.shape and bool((reference.raw == result.raw).all())
 
     summary = _summary(args.model, omni, result, output, identical, trace_files, rank)
     if world_size > 1:
