@@ -52,7 +52,8 @@ class RunStats:
 
     @property
     def seconds_per_step(self) -> float:
-        return sum(self.step_seconds) / len(self.step_seconds) if self.step_seconds else self.seconds
+        """Median step time: the first step also carries prompt encoding and warm-up, so a mean would mislead."""
+        return float(np.median(self.step_seconds)) if self.step_seconds else self.seconds
 
 
 @dataclass

@@ -55,6 +55,8 @@ class StrategySpec:
     """Layerwise only: an int, or "auto"."""
     prefetch_depth: int | None = None
     """Layerwise only: overrides the run's prefetch depth."""
+    weight_transfer: str = "rank-local"
+    """Layerwise only: `layer_options.dit.weight_transfer`; "allgather" is run by `bench.distributed` (ranks)."""
 
 
 def parse_strategies(text: str, *, num_blocks: int) -> tuple[StrategySpec, ...]:
@@ -259,6 +261,8 @@ def layer_config(spec: StrategySpec, ctx: StrategyContext) -> dict[str, Any]:
             options["device_budget_gb"] = ctx.device_budget_gb
     elif spec.resident_layers:
         options["resident_layers"] = spec.resident_layers
+    if spec.weight_transfer != "rank-local":
+        options["weight_transfer"] = spec.weight_transfer
     return {"mode": "layer", "components": ["dit"], "layer_options": {"dit": options}}
 
 

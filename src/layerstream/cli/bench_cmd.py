@@ -1,7 +1,8 @@
 """`layerstream bench`: time offload strategies against resident on synthetic DiT block stacks.
 
 Everything is measured in one process, round robin; see `layerstream.bench.harness` for the method and
-benchmarks/README.md for measured figures and the command lines that produced them.
+benchmarks/README.md for measured figures and the command lines that produced them. `--nproc N` instead runs
+N ranks under torchrun and compares rank-local layerwise with allgather (`layerstream.bench.distributed`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device-budget-gb", type=float, default=None, help="layerwise-auto budget (default: non-block + slots + half the blocks)"
     )
     run.add_argument("--smoke", action="store_true", help="a run of a few seconds on the tiny model (CPU: --link-ratio 0.5)")
+    run.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="compare layerwise (rank-local) with layerwise-allgather in N ranks on this machine (torchrun): host "
+        "bytes, link bytes and time per forward of every rank",
+    )
 
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the results as JSON on stdout (and nothing else)")
@@ -99,6 +108,8 @@ def _on_cpu(device: str | None) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and print a table (or JSON); user errors raise `CliError` (exit code 2)."""
+    if args.nproc is not None or _launched_world_size() > 1:
+        return _run_distributed(args)
     from layerstream.bench.config import BenchConfigError
     from layerstream.bench.harness import run_bench
     from layerstream.bench.report import format_report
@@ -113,12 +124,73 @@ def run(args: argparse.Namespace) -> int:
     except (BenchConfigError, StrategyError, OffloadConfigError, OffloadPlanResolutionError, OffloadError) as e:
         raise CliError(" ".join(str(e).split())) from e
 
-    payload = json.dumps(result.to_dict(), indent=2)
-    report = format_report(result)
+    _print_results(args, json.dumps(result.to_dict(), indent=2), format_report(result))
+    return 0
+
+
+def _print_results(args: argparse.Namespace, payload: str, report: str) -> None:
     if args.out:
         folder = Path(args.out)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "results.json").write_text(payload + "\n")
         (folder / "results.md").write_text(report)
     print(payload if args.json else report)
+
+
+_NOT_WITH_NPROC = (("strategies", "--strategies"), ("trace", "--trace"), ("device_budget_gb", "--device-budget-gb"))
+
+
+def _run_distributed(args: argparse.Namespace) -> int:
+    """--nproc N: relaunch this command in N ranks (torchrun); inside them, run the distributed comparison and
+    print its results from rank 0. --nproc 1 runs it in this process (allgather then copies plainly)."""
+    from layerstream.distributed.launch import in_launched_rank, launch_torchrun
+
+    if args.nproc is not None and args.nproc < 1:
+        raise CliError(f"--nproc = {args.nproc} is not valid; expected an integer >= 1")
+    for name, flag in _NOT_WITH_NPROC:
+        if getattr(args, name) is not None:
+            raise CliError(f"{flag} does not apply with --nproc: every rank runs resident, layerwise and layerwise-allgather")
+    config = build_config(args)  # checked here, before any rank starts
+    world_size = _launched_world_size()
+    if args.nproc is not None and args.nproc > 1 and not in_launched_rank():
+        # the same command without --nproc (torchrun's parser would take it for an abbreviated --nproc-per-node);
+        # the ranks know they are ranks from WORLD_SIZE
+        return launch_torchrun(args.nproc, _without_nproc(sys.argv[1:]))
+    if args.nproc is not None and world_size != args.nproc:
+        raise CliError(f"--nproc {args.nproc} but this rank was launched in a group of {world_size}")
+
+    from layerstream.bench.config import BenchConfigError
+    from layerstream.bench.distributed import format_distributed_report, run_distributed_bench
+    from layerstream.config.offload_config import OffloadConfigError
+    from layerstream.runtime.errors import OffloadError
+
+    try:
+        result = run_distributed_bench(config, log=lambda line: print(f"bench: {line}", file=sys.stderr, flush=True))
+    except (BenchConfigError, OffloadConfigError, OffloadError) as e:
+        raise CliError(" ".join(str(e).split())) from e
+    if result is not None:  # rank 0 reports for every rank
+        _print_results(args, json.dumps(result.to_dict(), indent=2), format_distributed_report(result))
     return 0
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    kept: list[str] = []
+    skip_value = False
+    for arg in argv:
+        if skip_value:
+            skip_value = False
+        elif arg == "--nproc":
+            skip_value = True
+        elif not arg.startswith("--nproc="):
+            kept.append(arg)
+    return kept
+
+
+def _launched_world_size() -> int:
+    """WORLD_SIZE under torchrun, else 1 (read from the environment: no torch.distributed import)."""
+    import os
+
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError as e:
+        raise CliError(f"WORLD_SIZE = {os.environ['WORLD_SIZE']!r} in the environment is not an integer") from e

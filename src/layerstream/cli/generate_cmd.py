@@ -254,7 +254,7 @@ def _print_table(summaries: list[dict]) -> None:
         ("rank", lambda s: str(s["rank"])),
         ("output", lambda s: s["output"]),
         ("device", lambda s: s["device"]),
-        ("time per step", lambda s: f"{s['seconds_per_step'] * 1e3:,.1f} ms ({s['steps']} steps, {s['seconds']:.2f} s total)"),
+        ("time per step", lambda s: f"{s['seconds_per_step'] * 1e3:,.1f} ms median ({s['steps']} steps, {s['seconds']:.2f} s in all with prompt encoding and decoding)"),
         ("device bytes", lambda s: _mib(s["device_bytes"]) + (f" (peak {_mib(s['peak_device_bytes'])})" if s["peak_device_bytes"] else "")),
         ("host bytes", lambda s: _mib(s["host_bytes"])),
         ("bytes streamed", lambda s: f"{_mib(s['bytes_streamed'])} in {s['num_transfers']} transfers ({s['num_sync_loads']} synchronous)"),
