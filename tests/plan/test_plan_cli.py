@@ -169,3 +169,14 @@ def test_plan_tiny_models_json(capsys, model):
     assert {c["category"] for c in streamed} == {"dit", "text_encoder"}
     assert {c["source"] for c in streamed} == {"builtin"}
     assert all(stack["num_blocks"] > 0 for c in streamed for stack in c["stacks"])
+
+
+def test_plan_reports_the_auto_residency_choice_and_reason(capsys):
+    config = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"resident_layers": "auto", "device_budget_gb": 0.0008}}}
+    code, out, err = run_plan(capsys, "tiny-wan", "--diffusion-offload-config", json.dumps(config), "--json")
+    assert code == 0, err
+    residency = json.loads(out)["residency"]
+    assert set(residency) == {"transformer", "transformer_2"}
+    assert all("blocks resident" in text and "device_budget_gb=0.0008" in text for text in residency.values())
+    code, out, err = run_plan(capsys, "tiny-wan", "--diffusion-offload-config", json.dumps({**config, "layer_options": {"dit": {"resident_layers": "auto"}}}))
+    assert code == 0 and "decided at enable time" in out and "device_budget_gb" in out

@@ -39,8 +39,32 @@ def run(args: argparse.Namespace) -> int:
         plan = resolve_offload_plan(pipeline, config)
     except (OffloadPlanResolutionError, OffloadPlanError) as e:
         raise CliError(_one_line(e)) from e
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    residency = residency_lines(plan)
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "residency": residency}, indent=2))
+    else:
+        print(format_plan(plan))
+        if residency:
+            print("residency:")
+            for path, text in residency.items():
+                print(f"  {path}: {text}")
     return 0
+
+
+def residency_lines(plan: ResolvedOffloadPlan) -> dict[str, str]:
+    """Per streamed DiT with resident_layers: what enabling would keep resident, and why (reads no tensor)."""
+    from layerstream.runtime.enable import default_device
+    from layerstream.runtime.errors import OffloadError
+    from layerstream.runtime.residency import choose_residency
+
+    asked = [c for c in plan.streamed if c.category == "dit" and c.resident_layers != 0]
+    if not asked:
+        return {}
+    try:
+        choices = choose_residency(plan, default_device())
+    except OffloadError as e:  # "auto" on a machine without device memory to read and no budget given
+        return {c.display_path: f"decided at enable time: {_one_line(e)}" for c in asked}
+    return {c.display_path: choices[c.path].describe() for c in asked}
 
 
 def _load(model: str) -> Any:

@@ -60,7 +60,7 @@ def device_budget_bytes(plan: ResolvedOffloadPlan, device: torch.device) -> tupl
             "give layer_options.dit.device_budget_gb"
         )
     free, _ = torch.cuda.mem_get_info(device)
-    return int(free - reserve_gb * GB), f"free device memory {free / GB:.1f} GB minus activation_reserve_gb={reserve_gb:g}"
+    return int(free - reserve_gb * GB), f"free device memory {free / GB:.3g} GB minus activation_reserve_gb={reserve_gb:g}"
 
 
 def choose_residency(plan: ResolvedOffloadPlan, device: torch.device) -> dict[str, ResidencyChoice]:
@@ -113,8 +113,8 @@ def _choose_auto(plan: ResolvedOffloadPlan, auto: list[ResolvedComponent], devic
         chain = chains[comp.path]
         picked = tuple(chain[i] for i in spread_indices(len(chain), counts[comp.path]))
         reason = (
-            f"auto: budget {budget / GB:.2f} GB ({source}) - slots {slot_bytes / GB:.2f} GB - non-block modules "
-            f"{non_block / GB:.2f} GB leaves {max(available, 0) / GB:.2f} GB; resident blocks spread through the stack"
+            f"auto: budget {budget / GB:.3g} GB ({source}) - slots {slot_bytes / GB:.3g} GB - non-block modules "
+            f"{non_block / GB:.3g} GB leaves {max(available, 0) / GB:.3g} GB; resident blocks spread through the stack"
         )
         out[comp.path] = ResidencyChoice(picked, len(chain), reason)
     return out
