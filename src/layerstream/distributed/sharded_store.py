@@ -17,36 +17,25 @@ from __future__ import annotations
 import torch
 
 from layerstream.distributed.collectives import BlockGather
-from layerstream.runtime.host_store import BlockLayout, TensorBinder, unpin_buffer_
+from layerstream.runtime.host_store import BlockLayout, HostBlock, TensorBinder
 
 
-class ShardedHostBlock:
-    """One streamed block of which this rank holds one shard; the `HostBlock` interface the streamer uses."""
+class ShardedHostBlock(HostBlock):
+    """One streamed block of which this rank holds one shard (its `buffer`); the streamer sees a `HostBlock`."""
 
     def __init__(self, layout: BlockLayout, binder: TensorBinder, shard: torch.Tensor, pinned: bool, gather: BlockGather, index: int):
-        self.layout = layout
-        self.binder = binder
-        self.shard = shard
-        self.pinned = pinned
+        super().__init__(layout, binder, shard, pinned)
         self.gather = gather
         self.index = index
         """The block's index in the gather's headers (the same on every rank)."""
         self.shard_nbytes = shard.numel()
 
+    @property
+    def shard(self) -> torch.Tensor:
+        return self.buffer
+
     def __repr__(self) -> str:
         return f"ShardedHostBlock({self.path!r}, shard {self.gather.rank}/{self.gather.world_size} of {self.shard_nbytes} bytes)"
-
-    @property
-    def path(self) -> str:
-        return self.layout.path
-
-    @property
-    def nbytes(self) -> int:
-        return self.layout.nbytes
-
-    @property
-    def host_bytes(self) -> int:
-        return self.shard.numel()
 
     @property
     def link_bytes(self) -> int:
@@ -78,12 +67,6 @@ class ShardedHostBlock:
         """Evict the block to placeholders and let its original storage go (after every rank staged)."""
         self.binder.evict_()
         self.layout.forget_sources()
-
-    def release_(self) -> None:
-        if self.pinned:
-            unpin_buffer_(self.shard)
-            self.pinned = False
-        self.shard = torch.empty(0, dtype=torch.uint8)
 
 
 def stage_sharded_block(layout: BlockLayout, gather: BlockGather, device: torch.device, *, pin=None) -> ShardedHostBlock:
