@@ -19,39 +19,33 @@ ranks' shards arrive through the gather and are not counted).
 
 from __future__ import annotations
 
-import os
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from layerstream.bench import ideal
-from layerstream.bench.config import DTYPES, HOST_MEMORY_HEADROOM, BenchConfig, BenchConfigError
+from layerstream.bench.config import BenchConfig
 # the harness's own sizing, set-up and timed turn: these figures are measured as `layerstream bench` measures
 from layerstream.bench.harness import (
     Log,
     _as_timed,
     _Row,
-    _block_link_bytes,
     _copy_for,
     _device,
-    _device_name,
     _prepare_row,
     _timed_turn,
 )
 from layerstream.bench.measure import (
     DeviceMemory,
-    available_host_bytes,
     measure_block_compute,
     measure_link_gbps,
-    rss_bytes,
     synchronize,
 )
 from layerstream.bench.report import MIB, run_header
 from layerstream.bench.results import BenchResult, RunInfo
+from layerstream.bench.run_setup import BenchRun
 from layerstream.bench.strategies import StrategyContext, StrategySpec
-from layerstream.bench.synthetic import MODEL_SHAPES, build_synthetic_dit, default_sizes, make_inputs, model_bytes
 
 SCHEMA = "layerstream.bench.distributed/1"
 
@@ -188,30 +182,10 @@ def _measure(
     config: BenchConfig, device: torch.device, rank: int, world_size: int, bench_group, log: Log
 ) -> tuple[list[RankRow], RunInfo]:
     """This rank's rows and the run's facts; `bench_group` carries the bench's own barriers (None: one rank)."""
-    shape = MODEL_SHAPES[config.model]
-    sizes = default_sizes(shape, device.type)
-    num_blocks = config.num_blocks or sizes.num_blocks
-    num_tokens = config.num_tokens or sizes.num_tokens
-    num_context = sizes.num_context_tokens if config.num_context_tokens is None else config.num_context_tokens
-    dtype_name = config.dtype or ("float32" if device.type == "cpu" else "bfloat16")
-    dtype = DTYPES[dtype_name]
-    if device.type != "cpu" and (config.link_gbps is not None or config.link_ratio is not None):
-        raise BenchConfigError(f"--link-gbps and --link-ratio simulate a link on the CPU; device {device} has a real one")
-    threads = _set_threads(config, device, world_size)
-
-    weight_bytes = model_bytes(shape, num_blocks, dtype)
-    _check_host_memory(weight_bytes, len(STRATEGIES) * world_size)
-    log(f"building {shape.name}-shaped weights: {num_blocks} blocks, dim {shape.dim}, {dtype_name}, seed {config.seed}")
-    init_device = device if device.type == "cuda" else torch.device("cpu")
+    run = BenchRun.size(config, device, world_size)
     # the same seed on every rank: identical weights, which allgather requires (it shards one model's bytes)
-    prototype = build_synthetic_dit(shape, num_blocks, dtype=dtype, seed=config.seed, init_device=init_device)
-    block_bytes = _block_link_bytes(prototype)
-    sizes_kw = {"num_tokens": num_tokens, "num_context_tokens": num_context, "batch_size": config.batch_size}
-    inputs = make_inputs(shape, **sizes_kw, dtype=dtype, device=device)
-
-    def forward(prepared):
-        with torch.inference_mode():
-            return prepared.model(**inputs)
+    run.build_(len(STRATEGIES), log)
+    prototype, block_bytes, forward = run.prototype, run.block_bytes, run.forward
 
     resident_spec, *streamed_specs = STRATEGIES
     rows: dict[str, _Row] = {}
@@ -225,12 +199,7 @@ def _measure(
     # rank 0's compute on every rank: one simulated link for all, so their transfers last alike
     block_compute_s = _from_rank_zero(calibration.block_medians(), bench_group)
 
-    link_gbps = config.link_gbps
-    if config.link_ratio is not None:
-        link_gbps = ideal.link_gbps_for_ratio(
-            int(statistics.median(block_bytes)), statistics.median(block_compute_s), config.link_ratio
-        )
-        log(f"link ratio {config.link_ratio:g}: simulated link {link_gbps:.3f} GB/s")
+    link_gbps = run.simulated_link_gbps(block_compute_s, log)
     measured_link_gbps = measure_link_gbps(device, max(block_bytes)) if device.type == "cuda" else None
 
     for spec in streamed_specs:
@@ -262,33 +231,13 @@ def _measure(
     for row in rows.values():  # in one order on every rank: closing allgather gathers every block back
         row.prepared.close()
 
-    info = RunInfo(
-        model=shape.name,
-        dim=shape.dim,
-        num_heads=shape.num_heads,
-        ffn_dim=shape.ffn_dim,
-        num_blocks=num_blocks,
-        num_tokens=num_tokens,
-        num_context_tokens=num_context,
-        batch_size=config.batch_size,
-        dtype=dtype_name,
-        device=str(device),
-        device_name=_device_name(device),
-        torch_version=torch.__version__,
-        threads=threads,
-        repeats=config.repeats,
-        warmup=config.warmup,
-        prefetch_depth=config.prefetch_depth,
-        model_bytes=weight_bytes,
-        block_bytes=block_bytes,
+    info = run.run_info(
         block_compute_seconds=block_compute_s,
         other_compute_seconds=other_s,
         link_gbps=link_gbps,
-        link_ratio=config.link_ratio,
         measured_link_gbps=measured_link_gbps,
         device_budget_gb=None,
-        process_rss_bytes=rss_bytes(),
-        notes=[f"{world_size} ranks on one machine, {threads} compute thread(s) each; block compute and link from rank 0"],
+        notes=[f"{world_size} ranks on one machine, {run.threads} compute thread(s) each; block compute and link from rank 0"],
     )
     return results, info
 
@@ -315,27 +264,6 @@ def _rank_row(rank: int, row: _Row, resident_median: float) -> RankRow:
         accounted_device_bytes=p.accounted_device_bytes(),
         matches_resident=row.matches_resident,
     )
-
-
-def _set_threads(config: BenchConfig, device: torch.device, world_size: int) -> int:
-    if device.type != "cpu":
-        return torch.get_num_threads()
-    # the ranks share the machine's cores: each gets its share, less a core for its copy thread where it can
-    threads = config.threads or max(1, (os.cpu_count() or 2) // world_size - 1)
-    torch.set_num_threads(threads)
-    return threads
-
-
-def _check_host_memory(weight_bytes: int, num_copies: int) -> None:
-    """Refuse up front a run whose weight copies (one per strategy, in every rank) cannot fit in host memory."""
-    available = available_host_bytes()
-    needed = weight_bytes * num_copies
-    if available is not None and needed > HOST_MEMORY_HEADROOM * available:
-        raise BenchConfigError(
-            f"{num_copies} copies (strategies x ranks) of {weight_bytes / 1e9:.2f} GB of weights need "
-            f"{needed / 1e9:.1f} GB of host memory, but {available / 1e9:.1f} GB is available; lower --blocks or "
-            "--nproc, or use --dtype bfloat16"
-        )
 
 
 def _from_rank_zero(value, group):

@@ -18,28 +18,25 @@ from __future__ import annotations
 import copy
 import gc
 import importlib.util
-import os
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from layerstream.bench import ideal
-from layerstream.bench.config import DTYPES, HOST_MEMORY_HEADROOM, BenchConfig, BenchConfigError
+from layerstream.bench.config import BenchConfig, BenchConfigError
 from layerstream.bench.measure import (
     BlockTimings,
     DeviceMemory,
     PeakRssSampler,
-    available_host_bytes,
     measure_block_compute,
     measure_link_gbps,
-    rss_bytes,
     synchronize,
 )
 from layerstream.bench.results import BenchResult, RunInfo, StrategyResult
+from layerstream.bench.run_setup import BenchRun, Log
 from layerstream.bench.strategies import (
     PreparedStrategy,
     StrategyContext,
@@ -49,14 +46,7 @@ from layerstream.bench.strategies import (
     parse_strategies,
     prepare_strategy,
 )
-from layerstream.bench.synthetic import (
-    MODEL_SHAPES,
-    activation_bytes_estimate,
-    build_synthetic_dit,
-    model_bytes,
-    default_sizes,
-    make_inputs,
-)
+from layerstream.bench.synthetic import activation_bytes_estimate
 
 @dataclass
 class _Row:
@@ -73,22 +63,12 @@ class _Row:
     """Layerwise: transfers of each streamed block during the timed forwards."""
 
 
-Log = Callable[[str], None]
-
 
 def run_bench(config: BenchConfig, log: Log = lambda message: None) -> BenchResult:
     """Run the benchmark `config` describes; `log` receives progress lines (for stderr)."""
     device = _device(config)
-    shape = MODEL_SHAPES[config.model]
-    sizes = default_sizes(shape, device.type)
-    num_blocks = config.num_blocks or sizes.num_blocks
-    num_tokens = config.num_tokens or sizes.num_tokens
-    num_context = sizes.num_context_tokens if config.num_context_tokens is None else config.num_context_tokens
-    dtype_name = config.dtype or ("float32" if device.type == "cpu" else "bfloat16")
-    dtype = DTYPES[dtype_name]
-    if device.type != "cpu" and (config.link_gbps is not None or config.link_ratio is not None):
-        raise BenchConfigError(f"--link-gbps and --link-ratio simulate a link on the CPU; device {device} has a real one")
-    threads = _set_threads(config, device)
+    run = BenchRun.size(config, device)
+    num_blocks = run.num_blocks
 
     specs = _with_resident(parse_strategies_or_raise(config.strategies, num_blocks))
     notes: list[str] = []
@@ -97,19 +77,11 @@ def run_bench(config: BenchConfig, log: Log = lambda message: None) -> BenchResu
     specs, skipped = _skip_unavailable(specs)
     notes += [f"{spec.name} skipped: {why}" for spec, why in skipped]
 
-    weight_bytes = model_bytes(shape, num_blocks, dtype)
-    _check_host_memory(weight_bytes, len(specs))  # before building anything: a run that cannot fit never starts
-    log(f"building {shape.name}-shaped weights: {num_blocks} blocks, dim {shape.dim}, {dtype_name}")
-    init_device = device if device.type == "cuda" else torch.device("cpu")
-    prototype = build_synthetic_dit(shape, num_blocks, dtype=dtype, seed=config.seed, init_device=init_device)
+    run.build_(len(specs), log)
+    prototype = run.prototype
     block_paths = [f"blocks.{i}" for i in range(num_blocks)]
-    block_bytes = _block_link_bytes(prototype)
-    sizes_kw = {"num_tokens": num_tokens, "num_context_tokens": num_context, "batch_size": config.batch_size}
-    inputs = make_inputs(shape, **sizes_kw, dtype=dtype, device=device)
-
-    def forward(prepared: PreparedStrategy):
-        with torch.inference_mode():
-            return prepared.model(**inputs)
+    block_bytes = run.block_bytes
+    forward = run.forward
 
     # --- resident first: the reference output, per-block compute and the link ----------------------------------
     rows: dict[str, _Row] = {}
@@ -124,19 +96,14 @@ def run_bench(config: BenchConfig, log: Log = lambda message: None) -> BenchResu
     reference = forward(resident)
     synchronize(device)
 
-    link_gbps, measured_link_gbps = config.link_gbps, None
-    if config.link_ratio is not None:
-        link_gbps = ideal.link_gbps_for_ratio(
-            int(statistics.median(block_bytes)), statistics.median(block_compute_s), config.link_ratio
-        )
-        log(f"link ratio {config.link_ratio:g}: simulated link {link_gbps:.3f} GB/s")
+    link_gbps, measured_link_gbps = run.simulated_link_gbps(block_compute_s, log), None
     if device.type == "cuda":
         measured_link_gbps = measure_link_gbps(device, max(block_bytes))
         log(f"measured host-to-device link: {measured_link_gbps:.1f} GB/s (pinned)")
 
     budget_gb = config.device_budget_gb
     if budget_gb is None and any(s.resident_layers == "auto" for s in remaining):
-        budget_gb = default_auto_budget_gb(weight_bytes, block_bytes, config.prefetch_depth)
+        budget_gb = default_auto_budget_gb(run.weight_bytes, block_bytes, config.prefetch_depth)
         notes.append(f"layerwise-auto budget {budget_gb:.4g} GB: non-block modules + slots + half the blocks")
 
     traced_name = _traced_strategy(specs) if config.trace_dir else None
@@ -182,37 +149,17 @@ def run_bench(config: BenchConfig, log: Log = lambda message: None) -> BenchResu
     traced_row = rows.get(traced_name) if traced_name else None
     trace_files, trace_summary = _write_trace(config, traced_row, forward, device, notes, log)
 
-    info = RunInfo(
-        model=shape.name,
-        dim=shape.dim,
-        num_heads=shape.num_heads,
-        ffn_dim=shape.ffn_dim,
-        num_blocks=num_blocks,
-        num_tokens=num_tokens,
-        num_context_tokens=num_context,
-        batch_size=config.batch_size,
-        dtype=dtype_name,
-        device=str(device),
-        device_name=_device_name(device),
-        torch_version=torch.__version__,
-        threads=threads,
-        repeats=config.repeats,
-        warmup=config.warmup,
-        prefetch_depth=config.prefetch_depth,
-        model_bytes=weight_bytes,
-        block_bytes=block_bytes,
+    info = run.run_info(
         block_compute_seconds=block_compute_s,
         other_compute_seconds=calibration.other_median(),
         link_gbps=link_gbps,
-        link_ratio=config.link_ratio,
         measured_link_gbps=measured_link_gbps,
         device_budget_gb=budget_gb,
-        process_rss_bytes=rss_bytes(),
         trace_files=trace_files,
         trace_summary=trace_summary,
         notes=notes,
     )
-    activations = activation_bytes_estimate(shape, **sizes_kw, element_size=dtype.itemsize)
+    activations = activation_bytes_estimate(run.shape, **run.sizes_kw, element_size=run.dtype.itemsize)
     results = [_result(row, info, resident_median, block_paths, activations) for row in rows.values()]
     results += [StrategyResult.for_skipped(spec.name, spec.kind, why) for spec, why in skipped]
     for row in rows.values():
@@ -303,15 +250,6 @@ def _device(config: BenchConfig) -> torch.device:
     return device
 
 
-def _set_threads(config: BenchConfig, device: torch.device) -> int:
-    if device.type != "cpu":
-        return torch.get_num_threads()
-    # a core of its own for the copy thread, as a GPU's copy engine runs beside its compute
-    threads = config.threads or max(1, (os.cpu_count() or 2) - 1)
-    torch.set_num_threads(threads)
-    return threads
-
-
 def _with_resident(specs: tuple[StrategySpec, ...]) -> list[StrategySpec]:
     resident = [s for s in specs if s.kind == "resident"] or [StrategySpec("resident", "resident")]
     return resident + [s for s in specs if s.kind != "resident"]
@@ -327,27 +265,9 @@ def _skip_unavailable(specs: list[StrategySpec]) -> tuple[list[StrategySpec], li
     return kept, skipped
 
 
-def _check_host_memory(model_bytes: int, num_copies: int) -> None:
-    """Refuse up front a run whose weight copies (one per strategy) cannot fit in host memory."""
-    available = available_host_bytes()
-    needed = model_bytes * num_copies
-    if available is not None and needed > HOST_MEMORY_HEADROOM * available:
-        raise BenchConfigError(
-            f"{num_copies} strategies x {model_bytes / 1e9:.2f} GB of weights need {needed / 1e9:.1f} GB of host memory, "
-            f"but {available / 1e9:.1f} GB is available; lower --blocks or --strategies, or use --dtype bfloat16"
-        )
-
-
 def _copy_for(prototype, *, last: bool):
     """Each strategy owns its weights; the last one takes the prototype itself (one copy less at peak)."""
     return prototype if last else copy.deepcopy(prototype)
-
-
-def _block_link_bytes(model) -> list[int]:
-    """Bytes one transfer of each block moves, as the runtime packs it (aligned tensor spans)."""
-    from layerstream.runtime.host_store import BlockLayout
-
-    return [BlockLayout(f"blocks.{i}", block).nbytes for i, block in enumerate(model.blocks)]
 
 
 def _prepare_row(spec: StrategySpec, model, ctx: StrategyContext, warmup: int, forward, log: Log) -> _Row:
@@ -402,14 +322,6 @@ def _write_trace(
         notes.append(f"trace: {prepared.name} recorded CUDA timing events in every forward (a few microseconds per block)")
     log(f"trace of {prepared.name} written to {folder}")
     return files, {"strategy": prepared.name, **summarize_trace(trace)}
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    import platform
-
-    return platform.processor() or platform.machine() or "cpu"
 
 
 def _result(row: _Row, info: RunInfo, resident_median: float, block_paths: list[str], activations: int) -> StrategyResult:
