@@ -8,7 +8,7 @@ from torch import nn
 
 from layerstream import enable_offload
 from layerstream.runtime.errors import OffloadError
-from runtime_toys import ToyBlock, ToyDiT, make_my_pipeline, run, snapshot, toy_inputs
+from runtime_toys import ToyDiT, make_my_pipeline, run, snapshot, toy_inputs
 
 DIT = {"mode": "layer", "components": ["dit"]}
 

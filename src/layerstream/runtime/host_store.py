@@ -1,7 +1,8 @@
 """Host store: each streamed block's tensors packed into one contiguous host buffer.
 
 A block's parameters and buffers are grouped by the storage they live in; the byte span of each storage that
-the block uses is copied once to an aligned offset of the block's buffer. Shapes, strides, dtypes, views and
+the block uses is copied once into the block's buffer, at an offset with the address residue (mod
+`ALIGN_BYTES`) the span would have if resident on the compute device (see `BlockLayout`). Shapes, strides, dtypes, views and
 weights tied inside the block are rebuilt from that layout with `as_strided`, so transposed and
 non-contiguous parameters come back exactly as they were. After packing, the block's tensors are rebound to
 empty placeholders (Parameter objects keep their identity) and the original storage is free to go, so host
@@ -19,7 +20,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 ALIGN_BYTES = 64
-"""Offset alignment of each storage span inside a block buffer (cache line; keeps vector kernels aligned)."""
+"""Granularity of span placement: slots and buffers start 64-byte aligned, and spans keep their residue mod 64."""
 
 
 def align_up(n: int, alignment: int = ALIGN_BYTES) -> int:
@@ -118,11 +119,6 @@ class BlockLayout:
             offset = dst + end - start
         self.nbytes = max(align_up(offset), ALIGN_BYTES)
         """Bytes of the block's buffer (padded; every span at its residue)."""
-        self.tensor_bytes = sum(n for _, _, n, _ in self._spans)
-        """Bytes actually used by the block's tensors (without alignment padding)."""
-
-    def source_spans(self) -> list[tuple[int, int, int]]:
-        return [(src_start, length, dst) for _, src_start, length, dst in self._spans]
 
     def copy_sources_into(self, buffer: torch.Tensor) -> None:
         """Copy every span of the original storages into `buffer` (a uint8 tensor of `nbytes`)."""
@@ -263,11 +259,6 @@ class HostBlock:
     @property
     def link_bytes(self) -> int:
         """Bytes one transfer of this block moves over this process's host link."""
-        return self.layout.nbytes
-
-    @property
-    def slot_nbytes(self) -> int:
-        """Bytes this block occupies in a device slot."""
         return self.layout.nbytes
 
     def copy_job(self, slot_buffer: torch.Tensor):

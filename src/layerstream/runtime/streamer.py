@@ -182,12 +182,10 @@ class BlockStreamer:
         if record is None:
             return  # pre-forward failed before binding (e.g. refused thread): nothing to release
         record.end = self.engine.now()
-        slot = block.slot
         block.host.binder.evict_()
         self.num_materialized -= 1
-        if slot is not None:
-            self.slot_in_use[slot] = False
-            self.engine.release(slot)
+        self.slot_in_use[record.slot] = False  # the slot the block was bound to, whatever it holds next
+        self.engine.release(record.slot)
         if output is None and sys.exc_info()[1] is not None:
             # the block raised: do not learn the next transition from an aborted forward
             self._last_index = None
@@ -264,13 +262,6 @@ class BlockStreamer:
             self.slot_block[slot] = None
             block.slot = None
             raise
-
-    def invalidate_slots(self) -> None:
-        """Forget what the slots hold (after the store changed under them)."""
-        for slot, occupant in enumerate(self.slot_block):
-            if occupant is not None:
-                self.blocks[occupant].slot = None
-            self.slot_block[slot] = None
 
 
 def install_block_hooks(streamer: BlockStreamer, block: StreamedBlock) -> list:
