@@ -4,6 +4,13 @@ The core (plans, config, resolver, runtime) needs only torch; `Omni` and the bui
 ``diffusers`` extra and are imported on first use.
 """
 
+from layerstream.errors import (
+    ConcurrentUseError,
+    LayerstreamError,
+    OffloadError,
+    TransferError,
+    UnsupportedUseError,
+)
 from layerstream.config.offload_config import (
     LayerOptions,
     OffloadConfig,
@@ -19,11 +26,22 @@ _LAZY = {
     "resolve_offload_plan": ("layerstream.plan.resolver", "resolve_offload_plan"),
     "enable_offload": ("layerstream.runtime.enable", "enable_offload"),
     "OffloadHandle": ("layerstream.runtime.enable", "OffloadHandle"),
-    "OffloadError": ("layerstream.runtime.errors", "OffloadError"),
     "Omni": ("layerstream.omni", "Omni"),
+    # errors of the optional parts (each a LayerstreamError), importable without loading those parts' extras
+    "GenerationError": ("layerstream.omni", "GenerationError"),
+    "ModelLoadError": ("layerstream.models.loading", "ModelLoadError"),
+    "CacheFolderError": ("layerstream.models.cache", "CacheFolderError"),
+    "BenchConfigError": ("layerstream.bench.config", "BenchConfigError"),
+    "StrategyError": ("layerstream.bench.strategies", "StrategyError"),
+    "ServeSettingsError": ("layerstream.server.settings", "ServeSettingsError"),
 }
 
 __all__ = [
+    "ConcurrentUseError",
+    "LayerstreamError",
+    "OffloadError",
+    "TransferError",
+    "UnsupportedUseError",
     "LayerOptions",
     "OffloadConfig",
     "OffloadConfigError",

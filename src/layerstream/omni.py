@@ -10,6 +10,7 @@ streamed blocks into the host store, so the whole model is never on the device a
 
 from __future__ import annotations
 
+from layerstream.errors import LayerstreamError
 import inspect
 import logging
 import time
@@ -32,7 +33,7 @@ IMAGE_SUFFIXES = (".png",)
 VIDEO_SUFFIXES = (".mp4", ".gif")
 
 
-class GenerationError(ValueError):
+class GenerationError(LayerstreamError, ValueError):
     """Generation arguments the pipeline cannot take (names the argument, the value and what is allowed)."""
 
 

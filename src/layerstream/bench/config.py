@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from layerstream.errors import LayerstreamError
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ HOST_MEMORY_HEADROOM = 0.85
 """Fraction of available host memory the weight copies may take before the run is refused up front."""
 
 
-class BenchConfigError(ValueError):
+class BenchConfigError(LayerstreamError, ValueError):
     """A benchmark setting that cannot run; the message names the setting, the value and what is allowed."""
 
 

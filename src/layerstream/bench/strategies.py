@@ -14,6 +14,7 @@ Names (`--strategies`):
 
 from __future__ import annotations
 
+from layerstream.errors import LayerstreamError
 import importlib
 import re
 import time
@@ -39,7 +40,7 @@ DEFAULT_STRATEGIES = (
 _LAYERWISE = re.compile(r"^layerwise(?:-resident-(?P<resident>\d+)|-(?P<auto>auto))?(?:-depth-(?P<depth>\d+))?$")
 
 
-class StrategyError(ValueError):
+class StrategyError(LayerstreamError, ValueError):
     """A strategy name or combination that cannot run; the message names it and what is allowed."""
 
 

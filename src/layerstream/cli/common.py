@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from layerstream.errors import LayerstreamError
 import logging
 import sys
 
 EXIT_USAGE = 2
 
 
-class CliError(Exception):
+class CliError(LayerstreamError):
     """A user error the command line reports as one line and exit code 2."""
 
 

@@ -6,6 +6,7 @@ the value seen and what is allowed, and happens before anything in a pipeline is
 
 from __future__ import annotations
 
+from layerstream.errors import LayerstreamError
 import json
 import math
 from collections.abc import Mapping
@@ -24,7 +25,7 @@ _COMMON_OPTION_KEYS = ("weight_transfer", "prefetch_depth")
 _DIT_ONLY_OPTION_KEYS = ("resident_layers", "device_budget_gb", "activation_reserve_gb")
 
 
-class OffloadConfigError(ValueError):
+class OffloadConfigError(LayerstreamError, ValueError):
     """A `diffusion_offload_config` that cannot be used; the message names the key path."""
 
     def __init__(self, key_path: str, value: Any, allowed: str):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from layerstream.errors import LayerstreamError
 import logging
 import os
 import secrets
@@ -31,7 +32,7 @@ def cache_root() -> Path:
     return base / "layerstream"
 
 
-class CacheFolderError(OSError):
+class CacheFolderError(LayerstreamError, OSError):
     """A cache folder that exists but is not what layerstream would have built there."""
 
 

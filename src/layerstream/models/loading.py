@@ -7,6 +7,7 @@ modules on the device is the offload runtime's job.
 
 from __future__ import annotations
 
+from layerstream.errors import LayerstreamError
 import contextlib
 import inspect
 import logging
@@ -35,7 +36,7 @@ _DOWNLOAD_HINT = (
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(LayerstreamError, ValueError):
     """A model that cannot be loaded: not a tiny model name nor a diffusers-format folder, or a failed load."""
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from layerstream.errors import LayerstreamError
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -10,7 +11,7 @@ from typing import Any
 ENCODER_TYPES = ("text_encoder",)
 
 
-class OffloadPlanError(TypeError):
+class OffloadPlanError(LayerstreamError, TypeError):
     """An `OffloadPlan` built with a field of the wrong type."""
 
 

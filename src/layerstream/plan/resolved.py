@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from layerstream.errors import LayerstreamError
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,7 @@ SOURCES = ("plan", "builtin", "class_attribute", "auto", "none")
 ACTIONS = ("stream", "swap", "resident", "on_demand")
 
 
-class OffloadPlanResolutionError(ValueError):
+class OffloadPlanResolutionError(LayerstreamError, ValueError):
     """A pipeline and config that cannot be resolved into an offload plan; names the class and the path."""
 
 

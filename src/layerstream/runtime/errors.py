@@ -1,15 +1,5 @@
-"""Errors of the offload runtime."""
+"""Errors of the offload runtime (defined in `layerstream.errors`, kept importable from here)."""
 
-from __future__ import annotations
+from layerstream.errors import ConcurrentUseError, OffloadError, TransferError, UnsupportedUseError
 
-
-class OffloadError(ValueError):
-    """Offload cannot be enabled on this pipeline as configured; nothing was changed."""
-
-
-class ConcurrentUseError(RuntimeError):
-    """A second thread entered a streamed model while another thread was running it."""
-
-
-class TransferError(RuntimeError):
-    """A weight transfer failed (for example a collective of the allgather transfer)."""
+__all__ = ["ConcurrentUseError", "OffloadError", "TransferError", "UnsupportedUseError"]

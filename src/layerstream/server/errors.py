@@ -6,6 +6,7 @@ plus ``details``, one entry per problem, each naming the field and what it accep
 
 from __future__ import annotations
 
+from layerstream.errors import LayerstreamError
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,7 +29,7 @@ _ERROR_TYPES = {
 }
 
 
-class ApiError(Exception):
+class ApiError(LayerstreamError):
     """An answer other than 200: the status, a one-line message, and the field at fault if there is one."""
 
     def __init__(

@@ -10,6 +10,7 @@ job runs, and waits for results through `concurrent.futures.Future` (``asyncio.w
 
 from __future__ import annotations
 
+from layerstream.errors import LayerstreamError
 import logging
 import threading
 import time
@@ -22,15 +23,15 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-class QueueFullError(RuntimeError):
+class QueueFullError(LayerstreamError, RuntimeError):
     """The queue already holds its maximum of waiting jobs."""
 
 
-class QueueClosedError(RuntimeError):
+class QueueClosedError(LayerstreamError, RuntimeError):
     """The queue takes no more jobs (the server is shutting down); waiting jobs fail with it too."""
 
 
-class QueueTimeoutError(TimeoutError):
+class QueueTimeoutError(LayerstreamError, TimeoutError):
     """The job waited longer than its timeout and was not started."""
 
 

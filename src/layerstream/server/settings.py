@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from layerstream.errors import LayerstreamError
 from dataclasses import dataclass
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 
 
-class ServeSettingsError(ValueError):
+class ServeSettingsError(LayerstreamError, ValueError):
     """A server setting outside what is allowed; names the setting, the value and the allowed range."""
 
 
