@@ -24,8 +24,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "resolve_offload_plan": ("layerstream.plan.resolver", "resolve_offload_plan"),
-    "enable_offload": ("layerstream.runtime.enable", "enable_offload"),
-    "OffloadHandle": ("layerstream.runtime.enable", "OffloadHandle"),
+    "enable_offload": ("layerstream.offload", "enable_offload"),
+    "OffloadHandle": ("layerstream.runtime.handle", "OffloadHandle"),
     "Omni": ("layerstream.omni", "Omni"),
     # errors of the optional parts (each a LayerstreamError), importable without loading those parts' extras
     "GenerationError": ("layerstream.omni", "GenerationError"),

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from layerstream.config.offload_config import OffloadConfig, parse_offload_config
-from layerstream.runtime.enable import OffloadHandle, default_device, enable_offload
+from layerstream.offload import default_device, enable_offload
+from layerstream.runtime.handle import OffloadHandle
 from layerstream.runtime.stats import OffloadStats
 
 logger = logging.getLogger(__name__)

@@ -68,6 +68,7 @@ def test_invalid_inputs_are_rejected(call):
 
 def test_default_auto_budget_leaves_room_for_half_the_blocks():
     block = 1_000_000
-    budget = default_auto_budget_gb(model_bytes=8 * block + 500_000, block_bytes=[block] * 8, prefetch_depth=1)
-    # non-block 0.5 MB + 2 slots + 4 blocks + half a block of slack
-    assert budget == pytest.approx((500_000 + 2 * block + 4.5 * block) / 1e9)
+    ring = 2 * (block + 64)  # two slots, each as the placement sizes it (aligned packed bytes)
+    budget = default_auto_budget_gb(model_bytes=8 * block + 500_000, block_bytes=[block] * 8, ring_nbytes=ring)
+    # non-block 0.5 MB + the ring + 4 blocks: no slack, the ring is the placement's own figure
+    assert budget == pytest.approx((500_000 + ring + 4 * block) / 1e9)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from dist_toys import config, make_inputs, make_pipeline, run, same_state, snapshot
 from layerstream import enable_offload
 from layerstream.distributed.launch import gather_objects
-from layerstream.runtime.errors import OffloadError, TransferError
+from layerstream.errors import OffloadError, TransferError
 
 
 def _untouched(pipe, params, state) -> bool:
@@ -49,8 +49,8 @@ def roundtrip(rank: int, world_size: int, *, device: torch.device) -> dict:
     out["bytes_transferred"] = stats.bytes_transferred
     out["slot_bytes"] = stats.slot_bytes
     out["num_slots"] = stats.num_slots
-    out["block_nbytes"] = [h.nbytes for h in handle._host_blocks.values()]
-    out["shard_nbytes"] = [h.host_bytes for h in handle._host_blocks.values()]
+    out["block_nbytes"] = [b.host.layout.nbytes for b in handle.streamer.blocks]
+    out["shard_nbytes"] = [b.host.host_bytes for b in handle.streamer.blocks]
     handle.disable()
     out["restored_state"] = same_state(state, snapshot(pipe))
     out["restored_params"] = all(p is params[k] for k, p in pipe.named_parameters())
@@ -111,23 +111,23 @@ def mismatch(rank: int, world_size: int, *, device: torch.device) -> dict:
     state, params = snapshot(pipe), dict(pipe.named_parameters())
     import layerstream.distributed.sharded_store as sharded_store
 
-    real_stage = sharded_store.stage_sharded_block
+    real_stage = sharded_store.ShardedHostStore.stage_
     calls = {"n": 0}
 
-    def failing_stage(*args, **kwargs):
+    def failing_stage(self, *args, **kwargs):
         calls["n"] += 1
         if rank == 1 and calls["n"] == 3:
             raise MemoryError("simulated allocation failure")
-        return real_stage(*args, **kwargs)
+        return real_stage(self, *args, **kwargs)
 
-    sharded_store.stage_sharded_block = failing_stage
+    sharded_store.ShardedHostStore.stage_ = failing_stage
     try:
         enable_offload(pipe, config(), device="cpu")
         out["apply"] = "enabled"
-    except OffloadError as e:
-        out["apply"] = str(e)
+    except (OffloadError, MemoryError) as e:  # the failing rank's MemoryError comes out as itself
+        out["apply"] = f"{type(e).__name__}: {e}"
     finally:
-        sharded_store.stage_sharded_block = real_stage
+        sharded_store.ShardedHostStore.stage_ = real_stage
     out["apply_untouched"] = _untouched(pipe, params, state) and torch.equal(run(pipe, inputs), expected)
 
     handle = enable_offload(pipe, config(), device="cpu")  # and every rank can still enable together

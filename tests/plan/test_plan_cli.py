@@ -11,6 +11,7 @@ from torch import nn
 
 from layerstream.cli import plan_cmd
 from layerstream.cli.main import main
+from layerstream.offload import plan_placement
 from layerstream.plan.resolver import resolve_offload_plan
 
 EXIT_USAGE = 2
@@ -135,7 +136,8 @@ def test_json(capsys, fake_loader, tiny):
     config = {"mode": "layer", "components": ["dit", "text_encoder"]}
     code, out, err = run_plan(capsys, "wan", "--json", "--diffusion-offload-config", json.dumps(config))
     assert (code, err) == (0, "")
-    assert json.loads(out) == {**resolve_offload_plan(pipe, config).to_dict(), "residency": {}}
+    plan = resolve_offload_plan(pipe, config)
+    assert json.loads(out) == {**plan.to_dict(), "placement": plan_placement(pipe, plan).to_dict(), "residency": {}}
 
 
 def test_format_bytes():

@@ -169,3 +169,10 @@ def run(model, inputs):
 
 def snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def observe_bound_blocks(handle, check) -> list:
+    """Call `check(streamer)` each time a streamed block has just been bound to its slot: a forward pre-hook
+    registered after layerstream's own, so it runs once the block holds real tensors. Returns the hook handles."""
+    streamer = handle.streamer
+    return [b.module.register_forward_pre_hook(lambda m, a: check(streamer)) for b in streamer.blocks]

@@ -67,6 +67,9 @@ class Recorder:
         self.log.append(("host_register", buffer.numel()))
         return True
 
+    def host_unregister(self, buffer):
+        self.log.append(("host_unregister", buffer.numel()))
+
     def synchronize(self, device=None):
         self.log.append(("synchronize", "device"))
 
@@ -87,7 +90,7 @@ def test_accelerator_engine_orders_copies_and_compute_with_events():
     # every host buffer is requested pinned, exactly its own size
     handle = enable_offload(model, {"mode": "layer", "components": ["dit"]}, device="cpu", engine_factory=factory)
     registers = [e for e in recorder.log if e[0] == "host_register"]
-    assert len(registers) == 4 and all(e[1] == host.host_bytes for e, host in zip(registers, handle._host_blocks.values()))
+    assert len(registers) == 4 and all(e[1] == host.host_bytes for e, host in zip(registers, [b.host for b in handle.streamer.blocks]))
     engine = engines[0]
     copy_stream = recorder._name(engine.copy_stream, "stream")
     ready = [recorder._name(e, "event") for e in engine._ready]
@@ -130,4 +133,29 @@ def test_accelerator_engine_orders_copies_and_compute_with_events():
     # every compute release is recorded on the compute stream
     assert sum(1 for e in log if e[0] == "record" and e[1] in released and e[2] == "compute") == 4
     handle.disable()
+    assert torch.equal(run(model, (x,)), expected)
+
+
+def test_disable_waits_for_the_copy_stream_before_any_host_buffer_is_released():
+    torch.manual_seed(0)
+    model = ToyDiT(dim=16, num_blocks=4).eval()
+    x = torch.randn(2, 16)
+    expected = run(model, (x,))
+    recorder = Recorder()
+    engines = []
+
+    def factory(device, num_slots):
+        engines.append(AcceleratorCopyEngine(device, num_slots, api=recorder))
+        return engines[-1]
+
+    handle = enable_offload(model, {"mode": "layer", "components": ["dit"]}, device="cpu", engine_factory=factory)
+    assert torch.equal(run(model, (x,)), expected)  # the last block prefetches the first: a copy is in flight
+    recorder.log.clear()
+    handle.disable()
+    copy_stream = recorder._name(engines[0].copy_stream, "stream")
+    log = recorder.log
+    unregisters = [pos for pos, e in enumerate(log) if e[0] == "host_unregister"]
+    waits = [pos for pos, e in enumerate(log) if e == ("synchronize", copy_stream)]
+    assert len(unregisters) == 4, log
+    assert waits and waits[0] < unregisters[0], log
     assert torch.equal(run(model, (x,)), expected)

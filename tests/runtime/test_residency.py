@@ -8,8 +8,8 @@ from torch import nn
 
 from layerstream import OffloadPlan, enable_offload
 from layerstream.plan.resolved import OffloadPlanResolutionError
-from layerstream.runtime.errors import OffloadError
-from runtime_toys import ToyBlock, ToyDiT, run, tiny_wan_transformer
+from layerstream.errors import OffloadError
+from runtime_toys import ToyBlock, ToyDiT, observe_bound_blocks, run, tiny_wan_transformer
 
 
 class ResidentPipeline(nn.Module):
@@ -229,7 +229,7 @@ def test_prefetch_depth_two_keeps_two_blocks_in_flight():
         assert streamer.num_materialized <= streamer.num_slots == 3
         in_flight.append(sum(1 for b in streamer.slot_block if b is not None))
 
-    handle.streamer.on_materialize = check
+    observe_bound_blocks(handle, check)
     for _ in range(3):
         assert torch.equal(run(model, (x,)), expected)
     stats = handle.stats()

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from layerstream import enable_offload
-from layerstream.runtime.errors import OffloadError
+from layerstream.errors import OffloadError
+from layerstream.runtime.packed_store import PackedHostStore
 from runtime_toys import ToyDiT, make_my_pipeline, run, snapshot, toy_inputs
 
 DIT = {"mode": "layer", "components": ["dit"]}
@@ -30,35 +31,63 @@ def test_shared_weight_between_block_and_resident_module_is_refused_before_anyth
     assert hooks_before == [len(m._forward_pre_hooks) for m in pipe.modules()]
 
 
-def test_failure_midway_rolls_back(monkeypatch):
+class FailingStore(PackedHostStore):
+    """The local store, failing with `error` on the third block it stages (an injected store, test side)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__()
+        self.error = error
+        self.num_staged = 0
+
+    def stage_(self, layout, device, pin):
+        self.num_staged += 1
+        if self.num_staged == 3:
+            raise self.error
+        return super().stage_(layout, device, pin)
+
+
+@pytest.mark.parametrize(
+    "error, expected_type, match",
+    [
+        (RuntimeError("simulated copy failure"), OffloadError, "rolled back.*simulated copy failure"),
+        (MemoryError("simulated host allocation failure"), MemoryError, "simulated host allocation failure"),
+        (torch.OutOfMemoryError("simulated device allocation failure"), torch.OutOfMemoryError, "simulated device"),
+    ],
+)
+def test_failure_midway_rolls_back(error, expected_type, match):
     pipe = make_my_pipeline()
     ids, x = toy_inputs()
     expected = run(pipe, (ids, x))
     state = snapshot(pipe)
     params = dict(pipe.named_parameters())
-    import layerstream.runtime.enable as enable_module
-
-    calls = {"n": 0}
-    real_pack = enable_module.pack_block_
-
-    def failing_pack(layout, device, *, pin=None):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise MemoryError("simulated allocation failure")
-        return real_pack(layout, device, pin=pin)
-
-    monkeypatch.setattr(enable_module, "pack_block_", failing_pack)
-    with pytest.raises(OffloadError, match="rolled back.*simulated allocation failure"):
-        enable_offload(pipe, DIT, device="cpu")
-    monkeypatch.undo()
+    store = FailingStore(error)
+    with pytest.raises(expected_type, match=match) as raised:
+        enable_offload(pipe, DIT, device="cpu", store_factory=lambda path: store)
+    # resource errors come out as themselves (`except torch.OutOfMemoryError` still catches them), after the rollback
+    assert type(raised.value) is type(error) or expected_type is OffloadError
+    assert store.num_staged == 3
     assert all(p is params[k] for k, p in pipe.named_parameters())
     after = snapshot(pipe)
     assert all(torch.equal(state[k], after[k]) for k in state)
-    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in pipe.modules())
+    assert all(not m._forward_pre_hooks and not m._forward_hooks and "forward" not in m.__dict__ for m in pipe.modules())
     assert torch.equal(run(pipe, (ids, x)), expected)
     handle = enable_offload(pipe, DIT, device="cpu")  # and it can still be enabled
     assert torch.equal(run(pipe, (ids, x)), expected)
     handle.disable()
+
+
+def test_engine_failing_to_start_rolls_back_and_keeps_its_error_type():
+    pipe = make_my_pipeline()
+    ids, x = toy_inputs()
+    expected = run(pipe, (ids, x))
+
+    def engine_factory(device, num_slots):
+        raise torch.OutOfMemoryError("simulated: no room for the copy stream")
+
+    with pytest.raises(torch.OutOfMemoryError, match="no room"):
+        enable_offload(pipe, DIT, device="cpu", engine_factory=engine_factory)
+    assert torch.equal(run(pipe, (ids, x)), expected)
+    assert all(not m._forward_pre_hooks and "forward" not in m.__dict__ for m in pipe.modules())
 
 
 def test_enabling_twice_is_an_error():

@@ -10,6 +10,7 @@ from torch import nn
 
 from layerstream import enable_offload
 from runtime_toys import (
+    observe_bound_blocks,
     make_my_pipeline,
     run,
     snapshot,
@@ -111,11 +112,11 @@ def test_never_more_than_slot_count_materialized():
     seen = []
 
     def check(streamer):
-        live = [b for b in streamer.blocks if b.host.binder._param_slots[0][0].numel() > 0]
+        live = [b for b in streamer.blocks if next(b.module.parameters()).numel() > 0]
         seen.append(len(live))
         assert len(live) <= streamer.num_slots
 
-    handle.streamer.on_materialize = check
+    observe_bound_blocks(handle, check)
     run(pipe, (ids, x))
     run(pipe, (ids, x))
     assert len(seen) == 2 * (4 + 3) and max(seen) >= 1
@@ -218,7 +219,7 @@ def test_second_thread_is_refused_while_model_runs():
     release.set()
     t.join(timeout=10)
     hook.remove()
-    from layerstream.runtime.errors import ConcurrentUseError
+    from layerstream.errors import ConcurrentUseError
 
     assert len(errors) == 1 and isinstance(errors[0], ConcurrentUseError)
     assert torch.equal(run(pipe, (ids, x)), expected)

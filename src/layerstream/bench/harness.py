@@ -103,7 +103,7 @@ def run_bench(config: BenchConfig, log: Log = lambda message: None) -> BenchResu
 
     budget_gb = config.device_budget_gb
     if budget_gb is None and any(s.resident_layers == "auto" for s in remaining):
-        budget_gb = default_auto_budget_gb(run.weight_bytes, block_bytes, config.prefetch_depth)
+        budget_gb = default_auto_budget_gb(run.weight_bytes, run.raw_block_bytes, run.placement.ring_nbytes)
         notes.append(f"layerwise-auto budget {budget_gb:.4g} GB: non-block modules + slots + half the blocks")
 
     traced_name = _traced_strategy(specs) if config.trace_dir else None
@@ -224,13 +224,12 @@ def parse_strategies_or_raise(text: str, num_blocks: int) -> tuple[StrategySpec,
         raise BenchConfigError(f"--strategies: {e}") from e
 
 
-def default_auto_budget_gb(model_bytes: int, block_bytes: list[int], prefetch_depth: int) -> float:
-    """A budget that lets layerwise-auto keep about half the blocks: the non-block modules, the slot ring, half
-    the blocks, and half a block of slack for the slots' alignment padding."""
-    largest = max(block_bytes)
+def default_auto_budget_gb(model_bytes: int, block_bytes: list[int], ring_nbytes: int) -> float:
+    """A budget that lets layerwise-auto keep about half the blocks: the non-block modules, the slot ring (as
+    the placement sizes it) and half the blocks (`block_bytes`: each block's own bytes, as resident)."""
     non_block = model_bytes - sum(block_bytes)
     keep = len(block_bytes) // 2
-    return (non_block + (prefetch_depth + 1) * largest + (keep + 0.5) * largest) / 1e9
+    return (non_block + ring_nbytes + keep * max(block_bytes)) / 1e9
 
 
 def _device(config: BenchConfig) -> torch.device:

@@ -38,6 +38,11 @@ class BenchRun:
     prototype: Any = None
     """The weights every strategy copies (`build_`); the last strategy takes it itself."""
     block_bytes: list[int] = field(default_factory=list)
+    """Slot bytes of each block as the runtime packs it (aligned tensor spans): what one transfer moves."""
+    raw_block_bytes: list[int] = field(default_factory=list)
+    """Bytes of each block's own tensors, as they sit on the device when resident."""
+    placement: Any = None
+    """The runtime's placement of the prototype with every block streamed (`plan.placement.Placement`)."""
     inputs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -77,7 +82,9 @@ class BenchRun:
         log(f"building {self.shape.name}-shaped weights: {self.num_blocks} blocks, dim {self.shape.dim}, {self.dtype_name}")
         init_device = self.device if self.device.type == "cuda" else torch.device("cpu")
         self.prototype = build_synthetic_dit(self.shape, self.num_blocks, dtype=self.dtype, seed=self.config.seed, init_device=init_device)
-        self.block_bytes = block_link_bytes(self.prototype)
+        self.placement = layerwise_placement(self.prototype, self.device, self.config.prefetch_depth)
+        self.block_bytes = [self.placement.block_slot_nbytes[p] for p in self.placement.streamed_block_paths]
+        self.raw_block_bytes = [sum(t.numel() * t.element_size() for t in block.parameters()) for block in self.prototype.blocks]
         self.inputs = make_inputs(self.shape, **self.sizes_kw, dtype=self.dtype, device=self.device)
 
     def forward(self, prepared):
@@ -122,11 +129,14 @@ class BenchRun:
         )
 
 
-def block_link_bytes(model) -> list[int]:
-    """Bytes one transfer of each block moves, as the runtime packs it (aligned tensor spans)."""
-    from layerstream.runtime.host_store import BlockLayout
+def layerwise_placement(model, device: torch.device, prefetch_depth: int):
+    """The runtime's own placement of the model with every block streamed: the slot bytes of each block (as
+    the store packs it: aligned tensor spans) and the slot ring."""
+    from layerstream.offload import plan_placement
+    from layerstream.plan.resolver import resolve_offload_plan
 
-    return [BlockLayout(f"blocks.{i}", block).nbytes for i, block in enumerate(model.blocks)]
+    config = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"prefetch_depth": prefetch_depth}}}
+    return plan_placement(model, resolve_offload_plan(model, config), device)
 
 
 def device_name(device: torch.device) -> str:

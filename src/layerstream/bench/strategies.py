@@ -268,7 +268,7 @@ def layer_config(spec: StrategySpec, ctx: StrategyContext) -> dict[str, Any]:
 
 
 def _layerwise(spec: StrategySpec, model: nn.Module, ctx: StrategyContext) -> PreparedStrategy:
-    from layerstream.runtime.enable import enable_offload
+    from layerstream.offload import enable_offload
 
     prepared = PreparedStrategy(spec, model)
     config = layer_config(spec, ctx)
@@ -278,7 +278,7 @@ def _layerwise(spec: StrategySpec, model: nn.Module, ctx: StrategyContext) -> Pr
 
 
 def _module(spec: StrategySpec, model: nn.Module, ctx: StrategyContext) -> PreparedStrategy:
-    from layerstream.runtime.enable import enable_offload
+    from layerstream.offload import enable_offload
 
     on_cpu = ctx.device.type == "cpu"
     prepared = PreparedStrategy(
@@ -323,7 +323,7 @@ def _naive(spec: StrategySpec, model: nn.Module, ctx: StrategyContext) -> Prepar
 
 
 _IMPORTS = {
-    "layerwise": "layerstream.runtime.enable",
+    "layerwise": "layerstream.offload",
     "module": "layerstream.runtime.module_mode",
     "diffusers-group": "diffusers.hooks",
 }

@@ -39,11 +39,13 @@ def run(args: argparse.Namespace) -> int:
         plan = resolve_offload_plan(pipeline, config)
     except (OffloadPlanResolutionError, OffloadPlanError) as e:
         raise CliError(_one_line(e)) from e
-    residency = residency_lines(plan)
+    placement, why_not = _placement(pipeline, plan)
+    residency = residency_lines(plan, placement, why_not)
     if args.json:
-        print(json.dumps({**plan.to_dict(), "residency": residency}, indent=2))
+        placed = placement.to_dict() if placement is not None else {"undecided": why_not}
+        print(json.dumps({**plan.to_dict(), "placement": placed, "residency": residency}, indent=2))
     else:
-        print(format_plan(plan))
+        print(format_plan(plan, placement))
         if residency:
             print("residency:")
             for path, text in residency.items():
@@ -51,20 +53,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def residency_lines(plan: ResolvedOffloadPlan) -> dict[str, str]:
-    """Per streamed DiT with resident_layers: what enabling would keep resident, and why (reads no tensor)."""
-    from layerstream.runtime.enable import default_device
-    from layerstream.runtime.errors import OffloadError
-    from layerstream.runtime.residency import choose_residency
+def _placement(pipeline: Any, plan: ResolvedOffloadPlan):
+    """(the placement enabling would use on this machine's default device, None) or (None, why it is only
+    decided at enable time)."""
+    from layerstream.errors import OffloadError
+    from layerstream.offload import plan_placement
 
-    asked = [c for c in plan.streamed if c.category == "dit" and c.resident_layers != 0]
-    if not asked:
-        return {}
+    if plan.config.mode != "layer":
+        return None, "module mode streams no blocks"
     try:
-        choices = choose_residency(plan, default_device())
+        return plan_placement(pipeline, plan), ""
     except OffloadError as e:  # "auto" on a machine without device memory to read and no budget given
-        return {c.display_path: f"decided at enable time: {_one_line(e)}" for c in asked}
-    return {c.display_path: choices[c.path].describe() for c in asked}
+        return None, _one_line(e)
+
+
+def residency_lines(plan: ResolvedOffloadPlan, placement, why_not: str = "") -> dict[str, str]:
+    """Per streamed DiT with resident_layers: what enabling keeps resident, and why."""
+    asked = [c for c in plan.streamed if c.category == "dit" and c.resident_layers != 0]
+    if placement is None:
+        return {c.display_path: f"decided at enable time: {why_not}" for c in asked}
+    return {c.display_path: placement.residency[c.path].describe() for c in asked}
 
 
 def _load(model: str) -> Any:
@@ -87,12 +95,13 @@ def _one_line(error: Exception) -> str:
 # --- the table ---------------------------------------------------------------------------------------------
 
 
-def format_plan(plan: ResolvedOffloadPlan) -> str:
-    """A readable table of the resolved plan: one row per component, totals, and the device estimate."""
+def format_plan(plan: ResolvedOffloadPlan, placement=None) -> str:
+    """A readable table of the resolved plan: one row per component, totals, and the device estimate (from the
+    placement, when it could be decided here)."""
     config = plan.config
-    rows = [_row(comp) for comp in plan.components]
-    streamed = sum(_split_bytes(c)[0] for c in plan.components)
-    resident = sum(_split_bytes(c)[1] for c in plan.components)
+    rows = [_row(comp, placement) for comp in plan.components]
+    streamed = sum(_split_bytes(c, placement)[0] for c in plan.components)
+    resident = sum(_split_bytes(c, placement)[1] for c in plan.components)
     totals = {"component": "total", "streamed": format_bytes(streamed), "resident": format_bytes(resident)}
     rows.append(dict.fromkeys(_COLUMNS, "") | totals)
 
@@ -101,22 +110,22 @@ def format_plan(plan: ResolvedOffloadPlan) -> str:
     lines.append("")
     lines.append("streamed: bytes kept on the host and copied in when needed (blocks; whole components in module mode)")
     lines.append("resident: bytes kept on the device")
-    slots = _slot_estimate(plan)
-    if slots is not None:
-        num_slots, slot_bytes = slots
+    if placement is not None and placement.num_slots:
         lines.append(
-            f"device estimate: resident {format_bytes(resident)} + {num_slots} slots x {format_bytes(slot_bytes)} "
-            f"(largest streamed block) = {format_bytes(resident + num_slots * slot_bytes)}"
+            f"device estimate: resident {format_bytes(resident)} + {placement.num_slots} slots x "
+            f"{format_bytes(placement.slot_nbytes)} (largest streamed block, as packed) = "
+            f"{format_bytes(resident + placement.ring_nbytes)}"
         )
     return "\n".join(lines)
 
 
-def _row(comp: ResolvedComponent) -> dict[str, str]:
-    streamed, resident = _split_bytes(comp)
+def _row(comp: ResolvedComponent, placement=None) -> dict[str, str]:
+    streamed, resident = _split_bytes(comp, placement)
     all_blocks = [b for stack in comp.stacks for b in stack.block_bytes]
     blocks = str(comp.num_blocks) if comp.stacks else "-"
     if comp.action == "stream" and comp.resident_layers != 0:
-        blocks += f" ({comp.resident_layers} resident)"
+        kept = len(placement.resident_block_paths(comp.path)) if placement is not None else comp.resident_layers
+        blocks += f" ({kept} resident)"
     return {
         "component": comp.display_path,
         "category": comp.category,
@@ -129,31 +138,16 @@ def _row(comp: ResolvedComponent) -> dict[str, str]:
     }
 
 
-def _split_bytes(comp: ResolvedComponent) -> tuple[int, int]:
-    """(streamed, resident) bytes of a component under its action."""
+def _split_bytes(comp: ResolvedComponent, placement=None) -> tuple[int, int]:
+    """(streamed, resident) bytes of a component under its action (without a placement, every block of a
+    streamed component counts as streamed)."""
     if comp.action in ("swap", "on_demand"):
         return comp.total_bytes, 0
     if comp.action != "stream":
         return 0, comp.total_bytes
-    streamed = sum(_streamed_block_bytes(comp))
+    kept = set(placement.resident_block_paths(comp.path)) if placement is not None else set()
+    streamed = sum(n for s in comp.stacks for p, n in zip(s.block_paths, s.block_bytes) if p not in kept)
     return streamed, comp.total_bytes - streamed
-
-
-def _streamed_block_bytes(comp: ResolvedComponent) -> list[int]:
-    # int resident_layers keep the leading blocks of the main chain; "auto" is only decided at enable time,
-    # so the table shows every block as streamed
-    kept = comp.resident_layers if isinstance(comp.resident_layers, int) else 0
-    main = [b for s in comp.stacks if not s.own_chain for b in s.block_bytes]
-    return main[kept:] + [b for s in comp.stacks if s.own_chain for b in s.block_bytes]
-
-
-def _slot_estimate(plan: ResolvedOffloadPlan) -> tuple[int, int] | None:
-    """(slots, bytes per slot) of the device ring shared by all streamed components, or None if none stream."""
-    streamed = [c for c in plan.components if c.action == "stream" and _streamed_block_bytes(c)]
-    if not streamed:
-        return None
-    depth = max(c.prefetch_depth for c in streamed)
-    return depth + 1, max(b for c in streamed for b in _streamed_block_bytes(c))
 
 
 def _table(rows: list[dict[str, str]]) -> list[str]:

@@ -31,8 +31,8 @@ from collections.abc import Sequence
 import torch
 
 from layerstream.distributed.process_group import GroupMembership
-from layerstream.runtime.errors import OffloadError, TransferError
-from layerstream.runtime.host_store import ALIGN_BYTES, BlockLayout, align_up
+from layerstream.errors import OffloadError, TransferError
+from layerstream.runtime.layout import ALIGN_BYTES, BlockLayout, align_up
 
 logger = logging.getLogger(__name__)
 

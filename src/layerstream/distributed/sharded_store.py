@@ -1,41 +1,58 @@
 """Sharded host store for `weight_transfer: "allgather"`: each rank keeps 1/N of every streamed block.
 
-Every rank computes the same `BlockLayout` for a block (the ranks load the same model; enable checks the
-layouts agree), so the packed bytes are the same on every rank. Rank r keeps bytes [r*S, (r+1)*S) of them,
-with S = ceil(nbytes / N) rounded up to `ALIGN_BYTES`; the last shard is zero-padded. A transfer copies the
-local shard into chunk r of a device slot and all-gathers the chunks, so the slot then holds the whole packed
-block and the block's views read it exactly as with a plain `HostBlock`.
+Every rank computes the same `BlockLayout` for a block (the ranks load the same model; `check_layouts_` votes
+that the layouts agree), so the packed bytes are the same on every rank. Rank r keeps bytes [r*S, (r+1)*S) of
+them, with S = ceil(nbytes / N) rounded up to `ALIGN_BYTES`; the last shard is zero-padded. A transfer copies
+the local shard into chunk r of a device slot and all-gathers the chunks, so the slot then holds the whole
+packed block and the block's views read it exactly as with a local packed block.
 
-Staging and dropping are separate steps, unlike `pack_block_`: a block's shard is staged while the block
-keeps its original weights, and the weights go (`drop_original_`) only after every rank has staged every
-shard. Until then, rolling back is local to each rank; afterwards, the full weights exist only across the
-ranks. Host memory peaks at (1 + 1/N) x the streamed bytes during enable, never at two copies.
+Staging and dropping are separate steps, unlike the local store: a block's shard is staged while the block
+keeps its original weights, and the weights go (`commit_`) only after every rank has staged every shard.
+Until then, rolling back is local to each rank; afterwards, the full weights exist only across the ranks.
+Host memory peaks at (1 + 1/N) x the streamed bytes during enable, never at two copies.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+
 import torch
 
 from layerstream.distributed.collectives import BlockGather
-from layerstream.runtime.host_store import BlockLayout, HostBlock, TensorBinder
+from layerstream.runtime.layout import BlockLayout, TensorBinder
+from layerstream.runtime.protocols import Job, Pinner
+
+logger = logging.getLogger(__name__)
 
 
-class ShardedHostBlock(HostBlock):
-    """One streamed block of which this rank holds one shard (its `buffer`); the streamer sees a `HostBlock`."""
+class ShardedBlock:
+    """One streamed block of which this rank holds one shard."""
 
-    def __init__(self, layout: BlockLayout, binder: TensorBinder, shard: torch.Tensor, pinned: bool, gather: BlockGather, index: int):
-        super().__init__(layout, binder, shard, pinned)
+    def __init__(self, layout: BlockLayout, binder: TensorBinder, shard: torch.Tensor, pinner: Pinner | None, gather: BlockGather, index: int):
+        self.layout = layout
+        self.binder = binder
+        self.shard = shard
+        self.pinner = pinner if pinner is not None and pinner.pin_(shard) else None
         self.gather = gather
         self.index = index
         """The block's index in the gather's headers (the same on every rank)."""
         self.shard_nbytes = shard.numel()
 
-    @property
-    def shard(self) -> torch.Tensor:
-        return self.buffer
-
     def __repr__(self) -> str:
-        return f"ShardedHostBlock({self.path!r}, shard {self.gather.rank}/{self.gather.world_size} of {self.shard_nbytes} bytes)"
+        return f"ShardedBlock({self.path!r}, shard {self.gather.rank}/{self.gather.world_size} of {self.shard_nbytes} bytes)"
+
+    @property
+    def path(self) -> str:
+        return self.layout.path
+
+    @property
+    def host_bytes(self) -> int:
+        return self.shard.numel()
+
+    @property
+    def pinned(self) -> bool:
+        return self.pinner is not None
 
     @property
     def link_bytes(self) -> int:
@@ -47,8 +64,7 @@ class ShardedHostBlock(HostBlock):
         """Bytes the gathered block occupies in a device slot: one shard per rank."""
         return self.gather.world_size * self.shard_nbytes
 
-    def copy_job(self, slot_buffer: torch.Tensor):
-        """A job for the copy engine that gathers this block into `slot_buffer`; returns the bytes it moved."""
+    def copy_job(self, slot_buffer: torch.Tensor) -> Job:
         gathered = slot_buffer[: self.slot_nbytes]
         assert gathered.numel() == self.slot_nbytes, "slots are sized for the largest gathered block"
         gather, index, nbytes, shard, moved = self.gather, self.index, self.layout.nbytes, self.shard, self.shard_nbytes
@@ -59,23 +75,80 @@ class ShardedHostBlock(HostBlock):
 
         return job
 
-    def full_bytes(self) -> torch.Tensor:
-        """The whole block's bytes, gathered from every rank (a collective: every rank restores in one order)."""
-        return self.gather.gather_full_(self.index, self.layout.nbytes, self.shard)
-
     def drop_original_(self) -> None:
         """Evict the block to placeholders and let its original storage go (after every rank staged)."""
         self.binder.evict_()
         self.layout.forget_sources()
 
+    def restore_(self, device: torch.device) -> None:
+        """Real tensors again, gathered from every rank (a collective: every rank restores in one order)."""
+        full = self.gather.gather_full_(self.index, self.layout.nbytes, self.shard)
+        self.binder.bind_(self.layout.separate_copies(full, device))
+        self.release_()
 
-def stage_sharded_block(layout: BlockLayout, gather: BlockGather, device: torch.device, *, pin=None) -> ShardedHostBlock:
-    """Copy this rank's shard of a block into a host buffer of its own; the block keeps its weights for now.
+    def release_(self) -> None:
+        if self.pinner is not None:
+            self.pinner.unpin_(self.shard)
+            self.pinner = None
+        self.shard = torch.empty(0, dtype=torch.uint8)
 
-    `pin` is the copy engine's page-locking function (None keeps the shard pageable)."""
-    index = gather.register_block(layout.path)
-    size = gather.shard_nbytes(layout.nbytes)
-    shard = torch.zeros(size, dtype=torch.uint8)  # zeros: the padding past the block's end is deterministic
-    layout.copy_range_into(shard, gather.rank * size)
-    pinned = bool(pin(shard)) if pin is not None else False
-    return ShardedHostBlock(layout, TensorBinder(layout, device), shard, pinned, gather, index)
+
+class ShardedHostStore:
+    """`HostStore` over a `BlockGather`: this rank's shard of every block, gathered into slots on demand."""
+
+    kind = "sharded-allgather"
+
+    def __init__(self, gather: BlockGather):
+        self.gather = gather
+        self.blocks: dict[str, ShardedBlock] = {}
+        self._committed = False
+
+    def __repr__(self) -> str:
+        return f"ShardedHostStore({self.gather!r}, {len(self.blocks)} blocks)"
+
+    def slot_nbytes(self, layout: BlockLayout) -> int:
+        return self.gather.world_size * self.gather.shard_nbytes(layout.nbytes)
+
+    def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
+        # every rank must shard the same layouts before the first payload collective; raises on every rank
+        self.gather.agree_on_layouts_(layouts, slot_nbytes)
+
+    def report_failure_(self, error: BaseException) -> None:
+        try:
+            self.gather.agree_on_layouts_(failure=error)  # the other ranks learn now instead of at their timeout
+        except Exception:  # this rank's own error is the one to report
+            logger.exception("telling the other ranks that enable_offload failed did not work")
+
+    def stage_(self, layout: BlockLayout, device: torch.device, pin: Pinner | None) -> ShardedBlock:
+        """Copy this rank's shard of a block into a host buffer of its own; the block keeps its weights for now."""
+        index = self.gather.register_block(layout.path)
+        size = self.gather.shard_nbytes(layout.nbytes)
+        shard = torch.zeros(size, dtype=torch.uint8)  # zeros: the padding past the block's end is deterministic
+        layout.copy_range_into(shard, self.gather.rank * size)
+        block = ShardedBlock(layout, TensorBinder(layout, device), shard, pin, self.gather, index)
+        self.blocks[layout.path] = block
+        return block
+
+    def commit_(self) -> None:
+        self.gather.commit_()  # raises on every rank if any rank failed to stage: all of them roll back
+        self._committed = True
+        for block in self.blocks.values():
+            block.drop_original_()
+
+    def rollback_(self) -> None:
+        if self._committed:
+            return  # only reached if a later step failed: after the commit the blocks live across the ranks
+        try:
+            self.gather.commit_(failure=RuntimeError("rolled back"))  # tell the peers, if not told yet
+        except Exception:  # keep rolling back; this rank's own error is the one to report
+            logger.exception("telling the other ranks that enable_offload failed did not work")
+        for block in self.blocks.values():
+            block.release_()  # the blocks still hold their original weights
+        self.blocks.clear()
+
+    def restore_(self, device: torch.device) -> None:
+        # one block at a time, forgetting each once restored: a restore is a collective that can fail (a peer
+        # gone), and calling disable() again must not restore a block twice
+        for path in list(self.blocks):
+            self.blocks[path].restore_(device)
+            del self.blocks[path]

@@ -1,10 +1,12 @@
 """Copy engines: move a block's bytes into a device slot beside compute, with one protocol on every device.
 
-For each slot the protocol is:
+The protocol (`runtime.protocols.CopyEngine`), for each slot:
 - `copy_into(slot, job)`: on the copy side, wait until compute has released the slot, run `job` (the copy),
   then mark the slot ready;
-- `wait_ready(slot)`: compute waits until the slot's latest copy is done;
-- `release(slot)`: compute marks that it is done reading the slot.
+- `wait_ready(slot)`: compute waits until the slot's latest copy is done; a job that raised surfaces here as
+  `TransferError`;
+- `release(slot)`: compute marks that it is done reading the slot;
+- `close()`: wait for every copy in flight, then stop (host buffers may be freed only afterwards).
 
 `AcceleratorCopyEngine` implements it with a dedicated stream and events (no CPU-side synchronize);
 `CpuCopyEngine` implements it with a copy thread and thread events, optionally throttled to a simulated link
@@ -15,37 +17,19 @@ from __future__ import annotations
 
 import logging
 import queue
-from collections import deque
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import deque
 
 import torch
+
+from layerstream.errors import TransferError
+from layerstream.runtime.protocols import CopyRecord, Job
 
 logger = logging.getLogger(__name__)
 
 MAX_COPY_RECORDS = 20_000
 """Copies kept for `trace()` (the newest; a long-running server must not grow without bound)."""
-
-Job = Callable[[], int]
-"""A copy job: moves bytes into a slot and returns how many bytes crossed the host link."""
-
-
-@dataclass
-class CopyRecord:
-    """One copy as seen by the copy side (times in seconds on the engine's clock)."""
-
-    label: str
-    slot: int
-    nbytes: int
-    start: float = 0.0
-    end: float = 0.0
-
-
-@dataclass
-class _Traced:
-    records: list[CopyRecord] = field(default_factory=list)
 
 
 class CpuCopyEngine:
@@ -84,9 +68,8 @@ class CpuCopyEngine:
             stall = time.perf_counter() - start
         error = self._errors[slot]
         if error is not None:
-            from layerstream.runtime.errors import TransferError
-
-            raise TransferError(f"copy into slot {slot} failed: {error}") from error
+            self._errors[slot] = None
+            raise _transfer_error(slot, error)
         self._released[slot].clear()  # compute now reads the slot until release()
         return stall
 
@@ -99,15 +82,31 @@ class CpuCopyEngine:
     def resolve(self, mark: float) -> float:
         return mark
 
-    def resolve_timings(self) -> None:
-        pass  # the copy thread writes its times directly
+    def copy_records(self) -> list[CopyRecord]:
+        return list(self.copies)  # the copy thread writes its times directly
+
+    def clear_records(self) -> None:
+        self.copies.clear()
 
     def pin_(self, buffer: torch.Tensor) -> bool:
         return False  # the CPU copies from pageable memory; there is no DMA engine to page-lock for
 
+    def unpin_(self, buffer: torch.Tensor) -> None:
+        pass
+
     def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+        # every slot counts as released: nothing reads a slot after close, and a slot left held by an aborted
+        # forward must not keep a queued copy (and this join) waiting
+        for released in self._released:
+            released.set()
         self._queue.put(None)
-        self._thread.join(timeout=30)
+        # the thread finishes every queued copy before it sees the sentinel: once joined, no copy reads a host
+        # buffer any more, so the caller may free them
+        self._thread.join(timeout=60)
+        if self._thread.is_alive():
+            logger.warning("the copy thread did not stop within 60 s; a copy job may be hanging")
 
     # copy side ----------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -159,25 +158,36 @@ class AcceleratorCopyEngine:
         self._released = [self.api.Event() for _ in range(num_slots)]
         self.copies: deque[CopyRecord] = deque(maxlen=MAX_COPY_RECORDS)
         self._pending_timing: list[tuple[CopyRecord, object, object]] = []
+        self._errors: list[BaseException | None] = [None] * num_slots
+        self._closed = False
         self._origin = None
         if timing:
             self._origin = self.api.Event(enable_timing=True)
             self._origin.record(self.api.current_stream(device))
 
     def copy_into(self, slot: int, job: Job, record: CopyRecord | None = None) -> None:
+        self._errors[slot] = None
         with self.api.stream(self.copy_stream):
             # GPU-side wait: the copy may not overwrite the slot before compute has finished reading it
             self.copy_stream.wait_event(self._released[slot])
             if record is not None and self.timing:
                 start, end = self.api.Event(enable_timing=True), self.api.Event(enable_timing=True)
                 start.record(self.copy_stream)
-            job()
+            try:
+                job()
+            except Exception as e:  # reported by wait_ready, as the CPU engine does: one protocol everywhere
+                logger.debug("copy into slot %d failed", slot, exc_info=True)
+                self._errors[slot] = e
             if record is not None and self.timing:
                 end.record(self.copy_stream)
                 self._pending_timing.append((record, start, end))
             self._ready[slot].record(self.copy_stream)
 
     def wait_ready(self, slot: int) -> float:
+        error = self._errors[slot]
+        if error is not None:
+            self._errors[slot] = None
+            raise _transfer_error(slot, error)
         # GPU-side wait: compute kernels queued after this point run only once the slot's copy has landed
         self.api.current_stream(self.device).wait_event(self._ready[slot])
         return 0.0
@@ -205,19 +215,61 @@ class AcceleratorCopyEngine:
         register = getattr(self.api, "host_register", None)
         if register is not None:
             return bool(register(buffer))
-        from layerstream.runtime.host_store import pin_buffer_
-
         return pin_buffer_(buffer)
 
-    def resolve_timings(self) -> None:
-        """Turn recorded copy timing events into seconds since enable. Synchronizes: call after a run."""
+    def unpin_(self, buffer: torch.Tensor) -> None:
+        unregister = getattr(self.api, "host_unregister", None)
+        if unregister is not None:
+            unregister(buffer)
+        else:
+            unpin_buffer_(buffer)
+
+    def copy_records(self) -> list[CopyRecord]:
+        """Recorded copies, their timing events turned into seconds since enable. Synchronizes: call after a run."""
         for record, start, end in self._pending_timing:
             record.start, record.end = self.resolve(start), self.resolve(end)
             self.copies.append(record)
         self._pending_timing.clear()
+        return list(self.copies)
+
+    def clear_records(self) -> None:
+        self.copies.clear()
+        self._pending_timing.clear()
 
     def close(self) -> None:
-        pass
+        if self._closed:
+            return
+        self._closed = True
+        # host-side wait, once, at teardown: copies queued on the copy stream read pinned host buffers
+        # asynchronously, and the last block always prefetches the first, so one is usually in flight. Only
+        # after this may a host buffer be unpinned or freed, or a slot be given back to the allocator
+        self.copy_stream.synchronize()
+
+
+def _transfer_error(slot: int, error: BaseException) -> TransferError:
+    """The error `wait_ready` raises for a failed copy job (a transfer error passes as it is)."""
+    if isinstance(error, TransferError):
+        return error
+    wrapped = TransferError(f"copy into slot {slot} failed: {error}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
+def pin_buffer_(buffer: torch.Tensor) -> bool:
+    """Page-lock a host buffer in place (exact size: no power-of-two rounding). Returns True if pinned."""
+    if not torch.cuda.is_available():
+        return False
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
+    ok = int(err) == 0 if not isinstance(err, tuple) else int(err[0]) == 0
+    if not ok:
+        logger.warning("cudaHostRegister failed (%s); block buffer stays pageable", err)
+    return ok
+
+
+def unpin_buffer_(buffer: torch.Tensor) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
 def _accelerator_api(device: torch.device):

@@ -1,18 +1,26 @@
-"""Mode "module": whole components move to the device when their forward starts and back when it ends.
+"""Mode "module": whole components move to the device when a call starts and back to the host when it ends.
 
-This is the familiar model CPU offload, kept as a baseline for the benchmarks and for VAEs.
+This is the familiar model CPU offload, kept as a baseline for the benchmarks and for VAEs. A component is
+swapped in around `forward` and around the other methods pipelines call on it (`encode`, `decode`: diffusers
+calls `vae.decode(...)`, never `vae(...)`); nested calls (decode calling forward) swap once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
 
 import torch
 from torch import nn
 
-from layerstream.runtime.stats import ComponentStats, OffloadStats
+from layerstream.plan.resolved import ResolvedOffloadPlan
+from layerstream.runtime.layer_mode import UndoStack
+from layerstream.runtime.stats import ComponentStats, OffloadStats, OffloadTrace
+from layerstream.runtime.wrapping import MethodWrapper
 
 OFFLOAD_DEVICE = torch.device("cpu")
+SWAPPED_METHODS = ("forward", "encode", "decode")
+"""Methods that swap a component in when a pipeline calls them (those the component has)."""
 
 
 def _module_bytes(module: nn.Module) -> int:
@@ -24,21 +32,24 @@ def _module_bytes(module: nn.Module) -> int:
     return total
 
 
-class ModuleSwapper:
-    def __init__(self, plan, components: dict[str, nn.Module], device: torch.device):
+class ModuleModeBackend:
+    """Swaps the plan's "swap" components on and off the device around their calls."""
+
+    def __init__(self, plan: ResolvedOffloadPlan, components: Mapping[str, nn.Module], device: torch.device):
         self.plan = plan
         self.components = components
         self.device = device
-        self.hooks: list = []
+        self._wrappers: list[MethodWrapper] = []
         self.bytes = {c.path: _module_bytes(components[c.path]) for c in plan.components if c.action == "swap"}
         self.transfers = {path: 0 for path in self.bytes}
         self.depth = {path: 0 for path in self.bytes}
 
-    def install(self) -> None:
+    def install_(self) -> None:
         for path in self.bytes:
             module = self.components[path]
-            self.hooks.append(module.register_forward_pre_hook(lambda m, a, p=path: self._onload_(p)))
-            self.hooks.append(module.register_forward_hook(lambda m, a, o, p=path: self._offload_(p), always_call=True))
+            for name in SWAPPED_METHODS:
+                if callable(getattr(module, name, None)):
+                    self._wrappers.append(MethodWrapper(module, name, lambda p=path: self._onload_(p), lambda p=path: self._offload_(p)))
 
     def _onload_(self, path: str) -> None:
         self.depth[path] += 1
@@ -67,42 +78,40 @@ class ModuleSwapper:
         totals["device_bytes"] += max(self.bytes.values(), default=0)
         return OffloadStats(**totals, per_component=MappingProxyType(per), engine="module-swap")
 
+    def block_transfers(self) -> dict[str, int]:
+        return {}
+
+    def trace(self) -> OffloadTrace:
+        return OffloadTrace(())  # whole-module swaps run on the compute thread; there is no copy lane to show
+
+    def reset_trace(self) -> None:
+        pass
+
     def disable(self) -> None:
-        for h in self.hooks:
-            h.remove()
-        self.hooks = []
+        for w in self._wrappers:
+            w.remove()
+        self._wrappers = []
         for path in self.bytes:
             self.components[path].to(self.device)
 
 
-def enable_module_mode(pipeline, plan, components: dict[str, nn.Module], device: torch.device, *, mark: str):
-    from layerstream.runtime.enable import OffloadHandle
-
-    handle = OffloadHandle(plan, device)
-    swapper = ModuleSwapper(plan, components, device)
-    moved: list[tuple[nn.Module, torch.device]] = []
-    try:
-        for comp in plan.components:
-            module = components[comp.path]
-            if comp.action == "on_demand":
-                module.offload_to_cpu()
-            elif comp.action == "swap":
-                moved.append((module, _device_of(module)))
-                module.to(OFFLOAD_DEVICE)
-            else:
-                moved.append((module, _device_of(module)))
-                module.to(device)
-        swapper.install()
-    except BaseException:
-        swapper.disable()
-        for module, original in moved:
-            module.to(original)
-        raise
-    for module in components.values():
-        setattr(module, mark, handle)
-    handle._components = components
-    handle._module_swapper = swapper
-    return handle
+def apply_module_mode(
+    plan: ResolvedOffloadPlan, components: Mapping[str, nn.Module], device: torch.device, undo: UndoStack
+) -> ModuleModeBackend:
+    """Put swapped components on the host and everything else on the device, and wrap the swapped ones."""
+    backend = ModuleModeBackend(plan, components, device)
+    for comp in plan.components:
+        module = components[comp.path]
+        if comp.action == "on_demand":
+            module.offload_to_cpu()
+            undo.push(module.load_to_device)
+            continue
+        original = _device_of(module)
+        undo.push(lambda m=module, d=original: m.to(d))
+        module.to(OFFLOAD_DEVICE if comp.action == "swap" else device)
+    undo.push(lambda: [w.remove() for w in backend._wrappers])
+    backend.install_()
+    return backend
 
 
 def _device_of(module: nn.Module) -> torch.device:

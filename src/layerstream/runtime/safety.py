@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from layerstream.runtime.errors import OffloadError
-from layerstream.runtime.host_store import tensor_byte_extent
+from layerstream.runtime.layout import tensor_byte_extent
 
 
 def check_no_foreign_offload(pipeline_class: str, components: dict[str, nn.Module]) -> None:

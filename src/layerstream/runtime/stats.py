@@ -67,6 +67,8 @@ class TraceInterval:
     stall: float = 0.0
     """Compute only: time the block waited for its copy before starting."""
     sync_load: bool = False
+    component: str = ""
+    """Path of the component the block belongs to (tells the two experts of Wan 2.2 apart)."""
 
 
 @dataclass(frozen=True)

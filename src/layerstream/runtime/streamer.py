@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from layerstream.runtime.copy_engine import CopyRecord
-from layerstream.runtime.errors import ConcurrentUseError
-from layerstream.runtime.host_store import HostBlock
+from layerstream.errors import ConcurrentUseError, TransferError
+from layerstream.runtime.protocols import CopyEngine, CopyRecord, StoredBlock
+from layerstream.runtime.wrapping import MethodWrapper
 
 MAX_TRACE_RECORDS = 20_000
 RELEARN_AFTER = 2
@@ -69,7 +69,7 @@ class StreamedBlock:
         "depth",
     )
 
-    def __init__(self, index: int, host: HostBlock, component: str, module: nn.Module, counters: BlockCounters, depth: int):
+    def __init__(self, index: int, host: StoredBlock, component: str, module: nn.Module, counters: BlockCounters, depth: int):
         self.index = index
         self.host = host
         self.component = component
@@ -92,7 +92,7 @@ class StreamedBlock:
 class BlockStreamer:
     """Schedules the slot ring for every streamed block of a pipeline (all components share the slots)."""
 
-    def __init__(self, blocks: list[StreamedBlock], chains: list[list[int]], engine, slot_buffers: list[torch.Tensor]):
+    def __init__(self, blocks: list[StreamedBlock], chains: list[list[int]], engine: CopyEngine, slot_buffers: list[torch.Tensor]):
         self.blocks = blocks
         self.engine = engine
         self.slot_buffers = slot_buffers
@@ -112,7 +112,6 @@ class BlockStreamer:
         self._owner_depth = 0
         self._owner_lock = threading.Lock()
         self._active: dict[int, ComputeRecord] = {}
-        self.on_materialize = None  # test hook: called with the streamer after each block is bound
 
     # ownership: one thread at a time may run the streamed models (they share the slots) ---------------------
     def enter(self) -> None:
@@ -134,6 +133,17 @@ class BlockStreamer:
                 self._owner_depth -= 1
                 if self._owner_depth <= 0:
                     self._owner, self._owner_depth = None, 0
+                    # the outermost streamed call is over: no block may still be bound. One is only if a block
+                    # was left by an exception its post-forward hook never saw (torch skips hooks on
+                    # KeyboardInterrupt); give its slot back so the next call starts clean
+                    self._release_abandoned_()
+
+    def _release_abandoned_(self) -> None:
+        if not self._active:
+            return
+        for index in list(self._active):
+            self.post_forward(self.blocks[index], None)
+        self._last_index = None  # do not learn a transition from an aborted forward
 
     def _check_owner(self) -> None:
         owner = self._owner
@@ -143,6 +153,8 @@ class BlockStreamer:
     # hooks ---------------------------------------------------------------------------------------------------
     def pre_forward(self, block: StreamedBlock) -> None:
         self._check_owner()
+        if self._owner is None and self._active:
+            self._release_abandoned_()  # a block called outside its component was left bound by a Ctrl-C
         index = block.index
         last = self._last_index
         if last is not None and last != index:
@@ -157,7 +169,13 @@ class BlockStreamer:
             block.counters.num_sync_loads += 1
             slot = self._free_slot(keep=())
             self._issue_copy(block, slot)
-        block.counters.stall_seconds += self.engine.wait_ready(slot)
+        try:
+            block.counters.stall_seconds += self.engine.wait_ready(slot)
+        except TransferError:
+            # the slot holds no complete copy: forget it, so a later call copies again instead of reading it
+            self.slot_block[slot] = None
+            block.slot = None
+            raise
         self.slot_in_use[slot] = True
         self._tick += 1
         self.slot_tick[slot] = self._tick
@@ -172,8 +190,6 @@ class BlockStreamer:
         record = ComputeRecord(block.path, slot, wait_start, self.engine.now(), sync_load=sync_load)
         self._active[index] = record
         self.compute_records.append(record)
-        if self.on_materialize is not None:
-            self.on_materialize(self)
 
         self._prefetch_after(block)
 
@@ -279,13 +295,6 @@ def install_block_hooks(streamer: BlockStreamer, block: StreamedBlock) -> list:
 
 
 def install_root_hooks(streamer: BlockStreamer, module: nn.Module) -> list:
-    def pre_hook(module, args):
-        streamer.enter()
-
-    def post_hook(module, args, output):
-        streamer.exit()
-
-    return [
-        module.register_forward_pre_hook(pre_hook),
-        module.register_forward_hook(post_hook, always_call=True),
-    ]
+    """Enter and leave the streamer around every call of a component. A method wrapper, not a pair of hooks:
+    a Ctrl-C inside the model must not leave it owned by a dead call (torch skips hooks on KeyboardInterrupt)."""
+    return [MethodWrapper(module, "forward", streamer.enter, streamer.exit)]

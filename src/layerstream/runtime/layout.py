@@ -1,23 +1,19 @@
-"""Host store: each streamed block's tensors packed into one contiguous host buffer.
+"""A block's packed layout: where each of its tensors lives inside one contiguous buffer, and how to rebind.
 
 A block's parameters and buffers are grouped by the storage they live in; the byte span of each storage that
-the block uses is copied once into the block's buffer, at an offset with the address residue (mod
-`ALIGN_BYTES`) the span would have if resident on the compute device (see `BlockLayout`). Shapes, strides, dtypes, views and
-weights tied inside the block are rebuilt from that layout with `as_strided`, so transposed and
-non-contiguous parameters come back exactly as they were. After packing, the block's tensors are rebound to
-empty placeholders (Parameter objects keep their identity) and the original storage is free to go, so host
-memory never holds two copies of the model.
+the block uses gets one place in the block's buffer, at an offset with the address residue (mod
+`ALIGN_BYTES`) the span would have if resident on the compute device (see `BlockLayout`). Shapes, strides,
+dtypes, views and weights tied inside the block are rebuilt from that layout with `as_strided`, so transposed
+and non-contiguous parameters come back exactly as they were. The layout is pure: computing it reads tensors'
+addresses and shapes and moves nothing; every host store and the placement read the same `nbytes`.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 ALIGN_BYTES = 64
 """Granularity of span placement: slots and buffers start 64-byte aligned, and spans keep their residue mod 64."""
@@ -139,12 +135,27 @@ class BlockLayout:
             raw.set_(src.untyped_storage(), src_start + lo - dst, (hi - lo,), (1,))
             buffer[lo - start : hi - start].copy_(raw)
 
+    def source_device(self) -> torch.device:
+        """The device the block's original tensors live on (CPU for a block without tensors)."""
+        for source, *_ in self._spans:
+            if source is not None:
+                return source.device
+        return torch.device("cpu")
+
     def forget_sources(self) -> None:
         """Drop the references to the original storages so they can be freed."""
         self._spans = [(None, s, n, d) for _, s, n, d in self._spans]  # type: ignore[misc]
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """One tensor per entry, viewing `buffer` (uint8, at least `nbytes`) with the original shape and strides."""
+        """One tensor per entry, viewing `buffer` (uint8, at least `nbytes`) with the original shape and strides.
+
+        Built outside inference mode and without autograd history, whatever mode the caller runs in: the views
+        are cached and bound as parameters, and must look to every kernel like the resident parameters (an
+        inference tensor bound under `torch.inference_mode()` would change later kernels' paths)."""
+        with torch.inference_mode(False), torch.no_grad():
+            return self._views(buffer)
+
+    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         typed: dict[torch.dtype, torch.Tensor] = {}
         out = []
         for e in self.entries:
@@ -216,88 +227,3 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     if a.type == "cuda":
         return (a.index or 0) == (b.index or 0)
     return True
-
-
-def pin_buffer_(buffer: torch.Tensor) -> bool:
-    """Page-lock a host buffer in place (exact size: no power-of-two rounding). Returns True if pinned."""
-    if not torch.cuda.is_available():
-        return False
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
-    ok = int(err) == 0 if not isinstance(err, tuple) else int(err[0]) == 0
-    if not ok:
-        logger.warning("cudaHostRegister failed (%s); block buffer stays pageable", err)
-    return ok
-
-
-def unpin_buffer_(buffer: torch.Tensor) -> None:
-    if torch.cuda.is_available():
-        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
-
-
-class HostBlock:
-    """One streamed block: its layout, its packed host buffer and its binder."""
-
-    def __init__(self, layout: BlockLayout, binder: TensorBinder, buffer: torch.Tensor, pinned: bool):
-        self.layout = layout
-        self.binder = binder
-        self.buffer = buffer
-        self.pinned = pinned
-
-    @property
-    def path(self) -> str:
-        return self.layout.path
-
-    @property
-    def nbytes(self) -> int:
-        return self.layout.nbytes
-
-    @property
-    def host_bytes(self) -> int:
-        return self.buffer.numel()
-
-    @property
-    def link_bytes(self) -> int:
-        """Bytes one transfer of this block moves over this process's host link."""
-        return self.layout.nbytes
-
-    def copy_job(self, slot_buffer: torch.Tensor):
-        """A job for the copy engine that fills `slot_buffer` with this block; returns the bytes it moved."""
-        destination = slot_buffer[: self.layout.nbytes]
-        source = self.buffer
-        nbytes = self.layout.nbytes
-
-        def job() -> int:
-            destination.copy_(source, non_blocking=True)  # one contiguous copy per block
-            return nbytes
-
-        return job
-
-    def full_bytes(self) -> torch.Tensor:
-        """The whole block's bytes on the host (used to restore the block at disable)."""
-        return self.buffer
-
-    def release_(self) -> None:
-        if self.pinned:
-            unpin_buffer_(self.buffer)
-            self.pinned = False
-        self.buffer = torch.empty(0, dtype=torch.uint8)
-
-
-def pack_block_(layout: BlockLayout, device: torch.device, *, pin=None) -> HostBlock:
-    """Copy a block's tensors into one host buffer and evict the block to placeholders.
-
-    `pin` is the copy engine's page-locking function (None keeps the buffer pageable)."""
-    buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
-    layout.copy_sources_into(buffer)
-    pinned = bool(pin(buffer)) if pin is not None else False
-    binder = TensorBinder(layout, device)
-    binder.evict_()
-    layout.forget_sources()  # the block's original storage is freed here, before the next block is packed
-    return HostBlock(layout, binder, buffer, pinned)
-
-
-def restore_block_(host_block: HostBlock, device: torch.device) -> None:
-    """Give a block real tensors again on `device` (fresh storage, same layout) and free its host buffer."""
-    host_block.binder.bind_(host_block.layout.separate_copies(host_block.full_bytes(), device))
-    host_block.release_()

@@ -1,0 +1,246 @@
+"""`enable_offload`: plan, check, then apply; undo everything if applying fails.
+
+This is where the layers meet: the config is read and resolved into a plan (`plan/`), the host store of each
+streamed component is chosen (the local packed store, or the sharded allgather store from `distributed/`), the
+placement decides where every block goes, and a mode backend of `runtime/` applies it. The handle it returns
+reports and undoes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from layerstream.config.offload_config import OffloadConfig, parse_offload_config
+from layerstream.errors import LayerstreamError, OffloadError
+from layerstream.plan.placement import Placement, needs_device_budget, place_blocks, read_device_budget
+from layerstream.plan.resolved import ResolvedOffloadPlan, lookup
+from layerstream.runtime.copy_engine import make_copy_engine
+from layerstream.runtime.handle import OffloadHandle
+from layerstream.runtime.layer_mode import EngineFactory, UndoStack, apply_layer_mode
+from layerstream.runtime.layout import BlockLayout
+from layerstream.runtime.module_mode import apply_module_mode
+from layerstream.runtime.packed_store import PackedHostStore
+from layerstream.runtime.protocols import HostStore
+from layerstream.runtime.guards import guard_module_
+from layerstream.runtime.safety import check_no_foreign_offload, check_no_shared_block_tensors
+from layerstream.runtime.tensors import named_tensors
+
+logger = logging.getLogger(__name__)
+
+_MARK = "_layerstream_offload"  # attribute set on each component module while offload is enabled
+
+StoreFactory = Callable[[str], HostStore]
+"""Given a streamed component's path, the host store its blocks go to (components may share one store)."""
+
+RESOURCE_ERRORS = (torch.OutOfMemoryError, MemoryError, KeyboardInterrupt)
+"""Errors that come out of a failed enable as themselves (after the rollback), never wrapped."""
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def enable_offload(
+    pipeline: Any,
+    config: OffloadConfig | dict | str,
+    device: torch.device | str | None = None,
+    *,
+    simulated_link_gbps: float | None = None,
+    trace: bool = False,
+    process_group=None,
+    engine_factory: EngineFactory | None = None,
+    store_factory: StoreFactory | None = None,
+) -> OffloadHandle:
+    """Enable offload on `pipeline` as `config` selects and return the handle that reports and undoes it.
+
+    `device` defaults to the current CUDA device, else the CPU. `simulated_link_gbps` (CPU only) throttles the
+    copy thread to a link of that bandwidth. `trace` records accelerator timing events for `handle.trace()`
+    (the CPU engine always records). `engine_factory(device, num_slots)` and `store_factory(component_path)`
+    replace the copy engine and the host stores (instrumentation: wrap the defaults to observe or inject).
+    Enabling is a transaction: on any error the pipeline is left as it was; out-of-memory errors and
+    `KeyboardInterrupt` come out as themselves, other failures while applying as `OffloadError`.
+
+    Components with `weight_transfer: "allgather"` shard their blocks' host bytes over `process_group` (default:
+    the default group of torch.distributed); every rank of it must call `enable_offload` (and later `disable`)
+    with the same model and config. See layerstream.distributed.collectives for the order of collectives and
+    what happens when a rank fails.
+    """
+    config = parse_offload_config(config)
+    from layerstream.plan.resolver import resolve_offload_plan  # the resolver is the only reader of plans
+
+    plan = resolve_offload_plan(pipeline, config)
+    device = _check_device(device, simulated_link_gbps)
+    components = {c.path: lookup(pipeline, c.path) for c in plan.components}
+    _check_components(plan, components)
+    if engine_factory is None:
+        def engine_factory(device, num_slots):
+            return make_copy_engine(device, num_slots, link_gbps=simulated_link_gbps, timing=trace)
+
+    undo = UndoStack()
+    if config.mode == "module":
+        try:
+            backend = apply_module_mode(plan, components, device, undo)
+        except BaseException as e:
+            undo.unwind()
+            _raise_after_rollback(plan, e)
+        return _commit_handle(plan, device, backend, components)
+
+    stores = store_factory_for(plan, device, process_group) if store_factory is None else store_factory
+    component_stores = {comp.path: stores(comp.path) for comp in plan.streamed}
+    try:
+        layouts = block_layouts(pipeline, plan, device)
+        placement = place_for(plan, layouts, component_stores, device)
+        block_modules = {p: lookup(pipeline, p) for p in placement.streamed_block_paths}
+        check_no_shared_block_tensors(plan.pipeline_class, components, block_modules)
+    except BaseException as e:
+        for store in _distinct(component_stores.values()):
+            store.report_failure_(e)
+        raise
+    for store in _distinct(component_stores.values()):
+        mine = [layouts[p] for c in placement.chains if component_stores[c.component] is store for p in c.block_paths]
+        store.check_layouts_(mine, placement.slot_nbytes)
+
+    try:
+        backend = apply_layer_mode(
+            plan=plan,
+            placement=placement,
+            components=components,
+            block_modules=block_modules,
+            layouts={p: layouts[p] for p in placement.streamed_block_paths},
+            stores=component_stores,
+            device=device,
+            engine_factory=engine_factory,
+            undo=undo,
+        )
+    except BaseException as e:
+        undo.unwind()
+        _raise_after_rollback(plan, e)
+    return _commit_handle(plan, device, backend, components, block_modules)
+
+
+def block_layouts(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device) -> dict[str, BlockLayout]:
+    """The packed layout of every streamable block (pure: reads tensors' addresses and shapes, moves nothing)."""
+    return {
+        p: BlockLayout(p, lookup(pipeline, p), device)
+        for comp in plan.streamed
+        for stack in comp.stacks
+        for p in stack.block_paths
+    }
+
+
+def place_for(
+    plan: ResolvedOffloadPlan, layouts: Mapping[str, BlockLayout], stores: Mapping[str, HostStore], device: torch.device
+) -> Placement:
+    """The placement of `plan` on `device`, with each block's slot bytes as its store lays it out."""
+    slot_nbytes = {p: stores[comp.path].slot_nbytes(layouts[p]) for comp in plan.streamed for s in comp.stacks for p in s.block_paths}
+    budget = read_device_budget(plan, device, free_device_bytes(device)) if needs_device_budget(plan) else None
+    return place_blocks(plan, slot_nbytes, budget)
+
+
+def plan_placement(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device | None = None) -> Placement:
+    """The placement `enable_offload` would use on `device`, for one process (every block in the local store);
+    moves nothing. Raises `OffloadError` where residency "auto" has no budget to read."""
+    device = _check_device(device, None)
+    local = PackedHostStore()
+    return place_for(plan, block_layouts(pipeline, plan, device), {c.path: local for c in plan.streamed}, device)
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Free memory of a CUDA device; None where there is none to read."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free
+
+
+def store_factory_for(plan: ResolvedOffloadPlan, device: torch.device, process_group=None) -> StoreFactory:
+    """The default stores: one local packed store, and one sharded store over the group for the components that
+    ask for `weight_transfer: "allgather"` (a group of one gets the local store: plain copies)."""
+    local = PackedHostStore()
+    sharded: HostStore | None = None
+    if any(c.weight_transfer == "allgather" for c in plan.streamed):
+        # torch.distributed is imported only when a component asks for it
+        from layerstream.distributed.collectives import open_block_gather
+        from layerstream.distributed.sharded_store import ShardedHostStore
+
+        gather = open_block_gather(plan.pipeline_class, device, process_group)
+        sharded = ShardedHostStore(gather) if gather is not None else None
+
+    def store_for(path: str) -> HostStore:
+        if sharded is not None and plan.component(path).weight_transfer == "allgather":
+            return sharded
+        return local
+
+    return store_for
+
+
+def _check_device(device, simulated_link_gbps) -> torch.device:
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise OffloadError(f"device {device}: CUDA is not available in this torch ({torch.__version__}); use the CPU")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    if simulated_link_gbps is not None and device.type != "cpu":
+        raise OffloadError(f"simulated_link_gbps = {simulated_link_gbps!r} applies only to the CPU device, not {device}")
+    if simulated_link_gbps is not None and (isinstance(simulated_link_gbps, bool) or not simulated_link_gbps > 0):
+        raise OffloadError(f"simulated_link_gbps = {simulated_link_gbps!r} is not valid; expected a number > 0")
+    return device
+
+
+def _check_components(plan: ResolvedOffloadPlan, components: Mapping[str, nn.Module]) -> None:
+    for comp in plan.components:
+        if getattr(components[comp.path], _MARK, None) is not None:
+            raise OffloadError(
+                f"{plan.pipeline_class}: offload is already enabled on {comp.display_path}; call disable() on its "
+                "handle before enabling again"
+            )
+    check_no_foreign_offload(plan.pipeline_class, components)
+    for comp in plan.components:
+        if comp.action in ("stream", "swap", "resident"):
+            for name, t in named_tensors(components[comp.path]):
+                if t.device.type == "meta":
+                    raise OffloadError(
+                        f"{plan.pipeline_class}: {comp.display_path}.{name} is on the meta device (weights not loaded)"
+                    )
+
+
+def _raise_after_rollback(plan: ResolvedOffloadPlan, error: BaseException):
+    """Raise once the rollback is done: resource errors and our own errors as they are, anything else wrapped
+    in `OffloadError` saying that nothing was changed."""
+    if isinstance(error, (*RESOURCE_ERRORS, LayerstreamError)) or not isinstance(error, Exception):
+        raise error
+    raise OffloadError(f"{plan.pipeline_class}: enabling offload failed and was rolled back: {error}") from error
+
+
+def _commit_handle(plan, device, backend, components, block_modules: Mapping[str, nn.Module] | None = None) -> OffloadHandle:
+    """The last step, which cannot fail: mark the components (and guard them and their streamed blocks against
+    copying and pickling while enabled) and hand out the handle."""
+    guarded = [*components.values(), *(block_modules or {}).values()] if plan.config.mode == "layer" else []
+    unguards = [guard_module_(m) for m in guarded]
+
+    def forget() -> None:
+        for m in components.values():
+            m.__dict__.pop(_MARK, None)
+        for unguard in unguards:
+            unguard()
+
+    handle = OffloadHandle(plan, device, backend, components, on_disable=forget)
+    for m in components.values():
+        m.__dict__[_MARK] = handle
+    return handle
+
+
+def _distinct(stores) -> list[HostStore]:
+    out: list[HostStore] = []
+    for store in stores:
+        if all(store is not s for s in out):
+            out.append(store)
+    return out

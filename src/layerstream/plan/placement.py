@@ -1,0 +1,238 @@
+"""Placement: where every streamable block goes, decided once, as plain data.
+
+`place_blocks` turns a resolved plan, the slot bytes of each block (as the host store will lay it out) and a
+device budget into a `Placement`: which DiT blocks stay resident, the prefetch chains of the blocks that
+stream, the number of device slots and the bytes of each slot. `enable_offload`, `layerstream plan`,
+residency "auto" and the benchmark harness all read it; nothing recomputes any of it.
+
+Resident blocks. An int `resident_layers` N keeps the first N blocks of the main chain of each DiT declared in
+`resident_dit_paths`. `"auto"` fills a device budget: the non-block modules, the slot ring and the resident
+blocks must fit in it. Auto spreads the resident blocks evenly through the stack rather than keeping the
+leading ones: while a resident block computes, the link already copies the next streamed block, so every
+resident block hides one more transfer; with leading blocks resident, the streamed blocks still run back to
+back and a transfer-bound model exposes the same gap after each of them.
+
+The device budget is the one input that is not in the plan: `device_budget_gb` from the config, or the free
+memory of the device minus `activation_reserve_gb`, read by the caller (`read_device_budget`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB
+from layerstream.errors import OffloadError
+from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan
+
+GB = 1e9
+SLOT_ALIGN_BYTES = 64
+"""Slots start at this alignment and their size is a multiple of it (the runtime's span alignment)."""
+
+
+@dataclass(frozen=True)
+class DeviceBudget:
+    """Device bytes offload may use for resident modules, slots and resident blocks, and where the figure came from."""
+
+    nbytes: int
+    source: str
+
+
+@dataclass(frozen=True)
+class ResidencyChoice:
+    """Which blocks of one streamed component's main chain stay on the device, and why."""
+
+    resident_block_paths: tuple[str, ...]
+    num_blocks: int
+    reason: str
+
+    def describe(self) -> str:
+        return f"{len(self.resident_block_paths)}/{self.num_blocks} blocks resident: {self.reason}"
+
+
+@dataclass(frozen=True)
+class PrefetchChain:
+    """Streamed blocks that prefetch one another in this order (the last one prefetches the first)."""
+
+    component: str
+    block_paths: tuple[str, ...]
+    prefetch_depth: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where every streamable block goes (see the module docstring)."""
+
+    residency: Mapping[str, ResidencyChoice]
+    """Per streamed component path."""
+    chains: tuple[PrefetchChain, ...]
+    """Non-empty chains of streamed blocks, in declared order."""
+    num_slots: int
+    """Device slots of the ring shared by every streamed component (0 when nothing streams)."""
+    slot_nbytes: int
+    """Bytes of one slot: the largest streamed block as its store lays it out, aligned."""
+    block_slot_nbytes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    """Slot bytes of every streamed block."""
+
+    @property
+    def ring_nbytes(self) -> int:
+        return self.num_slots * self.slot_nbytes
+
+    @property
+    def streamed_block_paths(self) -> tuple[str, ...]:
+        return tuple(p for chain in self.chains for p in chain.block_paths)
+
+    def resident_block_paths(self, component: str) -> tuple[str, ...]:
+        choice = self.residency.get(component)
+        return choice.resident_block_paths if choice is not None else ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_slots": self.num_slots,
+            "slot_bytes": self.slot_nbytes,
+            "ring_bytes": self.ring_nbytes,
+            "residency": {
+                path: {"resident_blocks": list(c.resident_block_paths), "num_blocks": c.num_blocks, "reason": c.reason}
+                for path, c in self.residency.items()
+            },
+            "chains": [{"component": c.component, "num_blocks": len(c.block_paths), "prefetch_depth": c.prefetch_depth} for c in self.chains],
+        }
+
+
+def align_slot(nbytes: int) -> int:
+    return (nbytes + SLOT_ALIGN_BYTES - 1) // SLOT_ALIGN_BYTES * SLOT_ALIGN_BYTES
+
+
+def main_chain(comp: ResolvedComponent) -> list[str]:
+    """Blocks on the component's own prefetch chain, in declared order (`resident_layers` counts along it)."""
+    return [p for s in comp.stacks if not s.own_chain for p in s.block_paths]
+
+
+def needs_device_budget(plan: ResolvedOffloadPlan) -> bool:
+    """Whether placing this plan reads a device budget (some DiT asks for `resident_layers: "auto"`)."""
+    return any(_wants_auto(c) for c in plan.streamed)
+
+
+def read_device_budget(plan: ResolvedOffloadPlan, device, free_bytes: int | None) -> DeviceBudget:
+    """The budget for residency "auto": `device_budget_gb`, else `free_bytes` of the device minus the
+    activation reserve. `free_bytes` is None where there is no device memory to read (the CPU)."""
+    options = plan.config.options_for("dit")
+    if options.device_budget_gb is not None:
+        return DeviceBudget(round(options.device_budget_gb * GB), f"device_budget_gb={options.device_budget_gb:g}")
+    reserve_gb = options.activation_reserve_gb if options.activation_reserve_gb is not None else DEFAULT_ACTIVATION_RESERVE_GB
+    if free_bytes is None:
+        raise OffloadError(
+            f'layer_options.dit.resident_layers = "auto" on device {device}: there is no device memory to read; '
+            "give layer_options.dit.device_budget_gb"
+        )
+    return DeviceBudget(
+        int(free_bytes - reserve_gb * GB),
+        f"free device memory {free_bytes / GB:.3g} GB minus activation_reserve_gb={reserve_gb:g}",
+    )
+
+
+def place_blocks(
+    plan: ResolvedOffloadPlan, block_slot_nbytes: Mapping[str, int], budget: DeviceBudget | None = None
+) -> Placement:
+    """Decide residency, chains and the slot ring. `block_slot_nbytes` gives every streamable block's slot
+    bytes as its store will lay it out; `budget` is needed when a DiT asks for residency "auto"."""
+    residency = _choose_residency(plan, block_slot_nbytes, budget)
+    chains = []
+    for comp in plan.streamed:
+        kept = set(residency[comp.path].resident_block_paths)
+        for chain in _chains_of(comp):
+            streamed = tuple(p for p in chain if p not in kept)
+            if streamed:
+                chains.append(PrefetchChain(comp.path, streamed, comp.prefetch_depth))
+    streamed_sizes = {p: block_slot_nbytes[p] for c in chains for p in c.block_paths}
+    num_slots = max((c.prefetch_depth for c in chains), default=0) + 1 if chains else 0
+    slot_nbytes = align_slot(max(streamed_sizes.values(), default=0))
+    return Placement(MappingProxyType(residency), tuple(chains), num_slots, slot_nbytes, MappingProxyType(streamed_sizes))
+
+
+def _chains_of(comp: ResolvedComponent) -> list[list[str]]:
+    """Prefetch chains: one through the component's own stacks, one per `offload_submodules` stack."""
+    main = main_chain(comp)
+    chains = [main] if main else []
+    chains += [list(s.block_paths) for s in comp.stacks if s.own_chain]
+    return chains
+
+
+def _wants_auto(comp: ResolvedComponent) -> bool:
+    return comp.category == "dit" and comp.resident_layers == "auto" and comp.resident_allowed
+
+
+def _choose_residency(
+    plan: ResolvedOffloadPlan, block_slot_nbytes: Mapping[str, int], budget: DeviceBudget | None
+) -> dict[str, ResidencyChoice]:
+    choices: dict[str, ResidencyChoice] = {}
+    auto = []
+    for comp in plan.streamed:
+        chain = main_chain(comp)
+        if comp.category != "dit" or comp.resident_layers == 0:
+            choices[comp.path] = ResidencyChoice((), len(chain), "streams every block")
+        elif not comp.resident_allowed:  # the resolver refuses an int here; "auto" quietly keeps nothing
+            choices[comp.path] = ResidencyChoice((), len(chain), "auto: not declared in resident_dit_paths")
+        elif comp.resident_layers == "auto":
+            auto.append(comp)
+        else:
+            n = int(comp.resident_layers)
+            choices[comp.path] = ResidencyChoice(tuple(chain[:n]), len(chain), f"resident_layers={n} (leading blocks)")
+    if auto:
+        if budget is None:
+            raise ValueError('place_blocks: a DiT asks for resident_layers "auto" but no device budget was given')
+        choices.update(_choose_auto(plan, auto, block_slot_nbytes, budget))
+    return choices
+
+
+def _choose_auto(
+    plan: ResolvedOffloadPlan, auto: list[ResolvedComponent], block_slot_nbytes: Mapping[str, int], budget: DeviceBudget
+) -> dict[str, ResidencyChoice]:
+    streamed = plan.streamed
+    # the ring is sized before residency is known: for the largest block that could stream (an upper bound)
+    depth = max((c.prefetch_depth for c in streamed), default=1)
+    slots_bytes = (depth + 1) * align_slot(max((block_slot_nbytes[p] for c in streamed for s in c.stacks for p in s.block_paths), default=0))
+    non_block = sum(c.total_bytes - (c.block_bytes if c.action == "stream" else 0) for c in plan.components if c.action != "on_demand")
+    available = budget.nbytes - slots_bytes - non_block
+    chains = {c.path: main_chain(c) for c in auto}
+    sizes = {c.path: {p: n for s in c.stacks for p, n in zip(s.block_paths, s.block_bytes)} for c in auto}
+    counts = {c.path: 0 for c in auto}
+    # hand out blocks one at a time to the DiT with the smallest resident fraction, while they fit
+    remaining = available
+    while True:
+        candidates = [p for p in counts if counts[p] < len(chains[p])]
+        if not candidates:
+            break
+        path = min(candidates, key=lambda p: counts[p] / len(chains[p]))
+        chain = chains[path]
+        grown = spread_indices(len(chain), counts[path] + 1)
+        extra = sum(sizes[path][chain[i]] for i in grown) - sum(sizes[path][chain[i]] for i in spread_indices(len(chain), counts[path]))
+        if extra > remaining:
+            break
+        remaining -= extra
+        counts[path] += 1
+    out = {}
+    for comp in auto:
+        chain = chains[comp.path]
+        picked = tuple(chain[i] for i in spread_indices(len(chain), counts[comp.path]))
+        reason = (
+            f"auto: budget {budget.nbytes / GB:.3g} GB ({budget.source}) - slots {slots_bytes / GB:.3g} GB - non-block "
+            f"modules {non_block / GB:.3g} GB leaves {max(available, 0) / GB:.3g} GB; resident blocks spread through "
+            "the stack"
+        )
+        if not picked and chain:
+            needed = slots_bytes + non_block + sizes[comp.path][chain[spread_indices(len(chain), 1)[0]]]
+            reason += f"; keeping one block resident needs a budget of at least {needed / GB:.3g} GB"
+        out[comp.path] = ResidencyChoice(picked, len(chain), reason)
+    return out
+
+
+def spread_indices(num_blocks: int, count: int) -> list[int]:
+    """`count` indices spread evenly over range(num_blocks) (count <= num_blocks)."""
+    if count <= 0:
+        return []
+    if count >= num_blocks:
+        return list(range(num_blocks))
+    return sorted({(2 * i + 1) * num_blocks // (2 * count) for i in range(count)})

@@ -1,0 +1,227 @@
+"""Layer mode: stream the placement's blocks through one slot ring, every other tensor on the device.
+
+`apply_layer_mode` is the apply step of `enable_offload` (the plan and the checks ran before it): it allocates
+the slot ring, starts the copy engine, moves every non-streamed tensor to the device, stages every streamed
+block into its host store, hooks the blocks and commits the stores. Each step pushes its undo; on any error
+the undo stack runs in reverse and the error goes on to the caller. `LayerModeBackend` is what the handle
+drives afterwards: stats, trace and teardown.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+
+import torch
+from torch import nn
+
+from layerstream.plan.placement import Placement
+from layerstream.plan.resolved import ResolvedOffloadPlan
+from layerstream.runtime.layout import BlockLayout
+from layerstream.runtime.protocols import CopyEngine, HostStore, StoredBlock
+from layerstream.runtime.stats import ComponentStats, OffloadStats, OffloadTrace, TraceInterval
+from layerstream.runtime.streamer import BlockCounters, BlockStreamer, StreamedBlock, install_block_hooks, install_root_hooks
+from layerstream.runtime.tensors import device_bytes, move_tensors_
+
+logger = logging.getLogger(__name__)
+
+EngineFactory = Callable[[torch.device, int], CopyEngine]
+"""Builds the copy engine for a device and a number of slots."""
+
+
+class UndoStack:
+    """Undo steps pushed while applying; `unwind` runs them newest first and reports (not raises) their errors,
+    so the first error, the one that started the rollback, is the one the caller sees."""
+
+    def __init__(self):
+        self._steps: list[Callable[[], None]] = []
+
+    def push(self, step: Callable[[], None]) -> None:
+        self._steps.append(step)
+
+    def unwind(self) -> None:
+        for step in reversed(self._steps):
+            try:
+                step()
+            except Exception:  # keep undoing; the first error is the one to report
+                logger.exception("undo step failed while rolling back enable_offload")
+        self._steps.clear()
+
+
+def apply_layer_mode(
+    *,
+    plan: ResolvedOffloadPlan,
+    placement: Placement,
+    components: Mapping[str, nn.Module],
+    block_modules: Mapping[str, nn.Module],
+    layouts: Mapping[str, BlockLayout],
+    stores: Mapping[str, HostStore],
+    device: torch.device,
+    engine_factory: EngineFactory,
+    undo: UndoStack,
+) -> "LayerModeBackend":
+    """Apply the placement (see the module docstring). `stores` maps each streamed component to its store;
+    `layouts` and `block_modules` cover every streamed block. Pushes every undo step onto `undo`."""
+    ring = placement.num_slots > 0
+    with torch.inference_mode(False):  # slots are bound as parameters: never inference tensors
+        slot_buffers = [torch.empty(placement.slot_nbytes, dtype=torch.uint8, device=device) for _ in range(placement.num_slots)]
+    engine = engine_factory(device, placement.num_slots) if ring else None
+    if engine is not None:
+        undo.push(engine.close)
+
+    streamed_paths = set(placement.streamed_block_paths)
+    for comp in plan.components:
+        module = components[comp.path]
+        if comp.action == "on_demand":
+            module.offload_to_cpu()
+            undo.push(module.load_to_device)
+            continue
+        move_tensors_(module, comp.path, streamed_paths if comp.action == "stream" else set(), device, undo.push)
+
+    pin = engine if engine is not None and plan.config.pin_memory else None
+    for store in _distinct(stores.values()):
+        undo.push(store.rollback_)  # before the first stage: a store can fail half-way through staging
+    stored: dict[str, StoredBlock] = {}
+    for chain in placement.chains:
+        for path in chain.block_paths:
+            stored[path] = stores[chain.component].stage_(layouts[path], device, pin)
+
+    counters = {comp.path: BlockCounters() for comp in plan.streamed}
+    blocks: list[StreamedBlock] = []
+    chains: list[list[int]] = []
+    for chain in placement.chains:
+        indices = []
+        for path in chain.block_paths:
+            block = StreamedBlock(len(blocks), stored[path], chain.component, block_modules[path], counters[chain.component], chain.prefetch_depth)
+            blocks.append(block)
+            indices.append(block.index)
+        chains.append(indices)
+    streamer = BlockStreamer(blocks, chains, engine, slot_buffers) if blocks else None
+    hooks: list = []
+    undo.push(lambda: [h.remove() for h in hooks])
+    if streamer is not None:
+        for block in blocks:
+            hooks += install_block_hooks(streamer, block)
+        for comp in plan.streamed:
+            hooks += install_root_hooks(streamer, components[comp.path])
+
+    for store in _distinct(stores.values()):
+        store.commit_()  # sharded: every rank staged; only now may any rank drop its original weights
+
+    logger.info(
+        "layerwise offload on %s: %d streamed blocks, %d slots of %.1f MiB",
+        plan.pipeline_class,
+        len(blocks),
+        placement.num_slots,
+        placement.slot_nbytes / 2**20,
+    )
+    return LayerModeBackend(plan, placement, device, components, streamer, engine, stores, hooks, counters)
+
+
+def _distinct(stores) -> list[HostStore]:
+    out: list[HostStore] = []
+    for store in stores:
+        if all(store is not s for s in out):
+            out.append(store)
+    return out
+
+
+class LayerModeBackend:
+    """A running layer mode: the streamer, its engine and stores, and their teardown."""
+
+    def __init__(self, plan, placement, device, components, streamer, engine, stores, hooks, counters):
+        self.plan = plan
+        self.placement = placement
+        self.device = device
+        self.components: Mapping[str, nn.Module] = components
+        self._streamer: BlockStreamer | None = streamer
+        self._engine: CopyEngine | None = engine
+        self._stores: list[HostStore] = _distinct(stores.values())
+        self._hooks = hooks
+        self._counters: dict[str, BlockCounters] = counters
+
+    @property
+    def streamer(self) -> BlockStreamer | None:
+        """The running streamer (None once disabled): its blocks and slots, for inspection."""
+        return self._streamer
+
+    def stats(self) -> OffloadStats:
+        streamer = self._streamer
+        per: dict[str, ComponentStats] = {}
+        for comp in self.plan.components:
+            module = self.components.get(comp.path)
+            if module is None or comp.action == "on_demand":
+                continue
+            host = [b.host for b in streamer.blocks if b.component == comp.path] if streamer else []
+            c = self._counters.get(comp.path)
+            per[comp.path] = ComponentStats(
+                bytes_transferred=c.bytes_transferred if c else 0,
+                num_transfers=c.num_transfers if c else 0,
+                num_sync_loads=c.num_sync_loads if c else 0,
+                stall_seconds=c.stall_seconds if c else 0.0,
+                device_bytes=device_bytes(module, self.device),
+                host_bytes=sum(h.host_bytes for h in host),
+                pinned_host_bytes=sum(h.host_bytes for h in host if h.pinned),
+                num_streamed_blocks=len(host),
+                num_resident_blocks=len(self.placement.resident_block_paths(comp.path)),
+            )
+        totals = {f: sum(getattr(s, f) for s in per.values()) for f in ComponentStats.__dataclass_fields__}
+        totals["device_bytes"] += self.placement.ring_nbytes
+        return OffloadStats(
+            **totals,
+            per_component=MappingProxyType(per),
+            num_slots=self.placement.num_slots,
+            slot_bytes=self.placement.ring_nbytes,
+            max_materialized_blocks=streamer.max_materialized if streamer else 0,
+            engine=getattr(self._engine, "kind", ""),
+            residency=MappingProxyType({p: c.describe() for p, c in self.placement.residency.items()}),
+        )
+
+    def block_transfers(self) -> dict[str, int]:
+        if self._streamer is None:
+            return {}
+        return {b.path: b.num_transfers for b in self._streamer.blocks}
+
+    def trace(self) -> OffloadTrace:
+        intervals: list[TraceInterval] = []
+        engine, streamer = self._engine, self._streamer
+        if engine is None or streamer is None:
+            return OffloadTrace(())
+        component_of = {b.path: b.component for b in streamer.blocks}
+        for r in engine.copy_records():
+            intervals.append(TraceInterval("copy", r.label, r.start, r.end, r.slot, component=component_of.get(r.label, "")))
+        for r in list(streamer.compute_records):
+            wait, start, end = engine.resolve(r.wait_start), engine.resolve(r.start), engine.resolve(r.end)
+            intervals.append(
+                TraceInterval(
+                    "compute", r.label, start, end, r.slot, stall=start - wait, sync_load=r.sync_load,
+                    component=component_of.get(r.label, ""),
+                )
+            )
+        intervals.sort(key=lambda i: (i.start, i.lane))
+        return OffloadTrace(tuple(intervals))
+
+    def reset_trace(self) -> None:
+        if self._engine is not None:
+            self._engine.clear_records()
+        if self._streamer is not None:
+            self._streamer.compute_records.clear()
+
+    def disable(self) -> None:
+        """Teardown in the only safe order: hooks off, then wait for every copy in flight (closing the engine),
+        then give the blocks their tensors back and free the host stores, then forget the slot ring."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._engine is not None:
+            self._engine.close()  # waits for in-flight copies: they read host buffers restore_ frees below
+        for store in self._stores:
+            store.restore_(self.device)  # under allgather a collective: every rank calls disable()
+        self._stores = []
+        if self._streamer is not None:
+            for block in self._streamer.blocks:
+                block.views.clear()  # cached views keep the slots' storage alive
+            self._streamer.slot_buffers.clear()
+        self._streamer = None
+        self._engine = None

@@ -1,0 +1,116 @@
+"""The local packed host store: each streamed block's tensors in one contiguous host buffer of this process.
+
+Staging copies a block's spans into its buffer (pinned at the exact size when the device has a DMA engine: no
+power-of-two rounding) and at once rebinds the block to empty placeholders, so the original storage is freed
+before the next block is staged and host memory never holds two copies of the model. Parameter objects keep
+their identity: parameters are rebound through `.data`, buffers by assignment.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from layerstream.runtime.layout import BlockLayout, TensorBinder
+from layerstream.runtime.protocols import Job, Pinner
+
+logger = logging.getLogger(__name__)
+
+
+class PackedBlock:
+    """One block's packed bytes in a host buffer of this process."""
+
+    def __init__(self, layout: BlockLayout, binder: TensorBinder, buffer: torch.Tensor, pinner: Pinner | None, original_device: torch.device):
+        self.layout = layout
+        self.binder = binder
+        self.buffer = buffer
+        self.pinner = pinner if pinner is not None and pinner.pin_(buffer) else None
+        self.original_device = original_device
+
+    def __repr__(self) -> str:
+        return f"PackedBlock({self.path!r}, {self.host_bytes} bytes{', pinned' if self.pinned else ''})"
+
+    @property
+    def path(self) -> str:
+        return self.layout.path
+
+    @property
+    def host_bytes(self) -> int:
+        return self.buffer.numel()
+
+    @property
+    def pinned(self) -> bool:
+        return self.pinner is not None
+
+    @property
+    def link_bytes(self) -> int:
+        return self.layout.nbytes
+
+    def copy_job(self, slot_buffer: torch.Tensor) -> Job:
+        destination = slot_buffer[: self.layout.nbytes]
+        source = self.buffer
+        nbytes = self.layout.nbytes
+
+        def job() -> int:
+            destination.copy_(source, non_blocking=True)  # one contiguous copy per block
+            return nbytes
+
+        return job
+
+    def restore_(self, device: torch.device) -> None:
+        """Real tensors on `device` again (fresh storage per span, same residues); the host buffer goes."""
+        self.binder.bind_(self.layout.separate_copies(self.buffer, device))
+        self.release_()
+
+    def release_(self) -> None:
+        if self.pinner is not None:
+            self.pinner.unpin_(self.buffer)
+            self.pinner = None
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+
+class PackedHostStore:
+    """`HostStore` keeping every block whole in this process's memory (`weight_transfer: "rank-local"`)."""
+
+    kind = "packed"
+
+    def __init__(self):
+        self.blocks: dict[str, PackedBlock] = {}
+
+    def __repr__(self) -> str:
+        return f"PackedHostStore({len(self.blocks)} blocks, {sum(b.host_bytes for b in self.blocks.values())} bytes)"
+
+    def slot_nbytes(self, layout: BlockLayout) -> int:
+        return layout.nbytes
+
+    def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
+        pass  # nothing to agree on: the store is this process's alone
+
+    def report_failure_(self, error: BaseException) -> None:
+        pass  # no peers to tell
+
+    def stage_(self, layout: BlockLayout, device: torch.device, pin: Pinner | None) -> PackedBlock:
+        original_device = layout.source_device()
+        buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+        layout.copy_sources_into(buffer)
+        block = PackedBlock(layout, TensorBinder(layout, device), buffer, pin, original_device)
+        block.binder.evict_()
+        layout.forget_sources()  # the original storage is freed here, before the next block is staged
+        self.blocks[layout.path] = block
+        return block
+
+    def commit_(self) -> None:
+        pass  # each block dropped its originals when staged
+
+    def rollback_(self) -> None:
+        for path in list(self.blocks):
+            block = self.blocks.pop(path)
+            block.restore_(block.original_device)
+
+    def restore_(self, device: torch.device) -> None:
+        # one block at a time, forgotten once restored: a second call never restores a block twice
+        for path in list(self.blocks):
+            self.blocks[path].restore_(device)
+            del self.blocks[path]

@@ -1,0 +1,47 @@
+"""Wrapping a module's method as an instance attribute, so that work runs around every call.
+
+Hooks cannot do this job everywhere: torch skips even `always_call` forward hooks when a forward ends in
+`KeyboardInterrupt`, and pipelines reach some components through methods other than `forward` (diffusers
+calls `vae.decode(...)`, never `vae(...)`). A wrapper with `try`/`finally` runs in both cases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+
+class MethodWrapper:
+    """`module.<name>` replaced by a wrapper calling `enter()` before and `leave()` after (always) the original;
+    `remove()` puts the original back."""
+
+    def __init__(self, module: nn.Module, name: str, enter: Callable[[], None], leave: Callable[[], None]):
+        self.module = module
+        self.name = name
+        self.had_own = name in module.__dict__
+        self.original = module.__dict__.get(name)
+        inner = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            enter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                leave()
+
+        wrapper.__wrapped__ = inner  # type: ignore[attr-defined]
+        wrapper.__doc__ = getattr(inner, "__doc__", None)
+        self.wrapper = wrapper
+        module.__dict__[name] = wrapper
+
+    def remove(self) -> None:
+        if self.module.__dict__.get(self.name) is not self.wrapper:
+            return  # already removed, or replaced by someone else after us: leave theirs alone
+        if self.had_own:
+            self.module.__dict__[self.name] = self.original
+        else:
+            del self.module.__dict__[self.name]
+
+    def __repr__(self) -> str:
+        return f"MethodWrapper({type(self.module).__name__}.{self.name})"
