@@ -98,13 +98,18 @@ def check_device_arg(flag: str, text: str | None) -> None:
     try:
         device = torch.device(text)
     except (RuntimeError, ValueError):
-        raise CliError(f"{flag} {text!r} is not a device; expected cpu, cuda or cuda:N (or another accelerator torch has)") from None
+        expected = "cpu, cuda or cuda:N (or another accelerator this torch has)"
+        raise CliError(f"{flag} {text!r} is not a device; expected {expected}") from None
     if device.type == "cpu":
         return
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            why = (f"this torch ({torch.__version__}) was built without CUDA" if torch.version.cuda is None and
-                   torch.version.hip is None else "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)")
+            built_with_cuda = torch.version.cuda is not None or torch.version.hip is not None
+            why = (
+                "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)"
+                if built_with_cuda
+                else f"this torch ({torch.__version__}) was built without CUDA"
+            )
             raise CliError(f"{flag} {text}: {why}; use --device cpu, or install a torch build for your CUDA")
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:

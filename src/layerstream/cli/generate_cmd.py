@@ -36,9 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny-wan", help="local diffusers folder or an embedded tiny model (default: tiny-wan)")
     parser.add_argument("--prompt", default="a red fox running through fresh snow, cinematic", help="text prompt")
     parser.add_argument("--negative-prompt", default=None, help="negative prompt (classifier-free guidance)")
-    parser.add_argument("--height", type=positive_int, default=None, help="pixels; a multiple of the model's size multiple, at most --max-size (default: the model's)")
-    parser.add_argument("--width", type=positive_int, default=None, help="pixels; as --height")
-    parser.add_argument("--num-frames", type=positive_int, default=None, help="video models only; at most --max-frames (default: the model's)")
+    parser.add_argument(
+        "--height", type=positive_int, default=None,
+        help="pixels, a multiple of the model's size step (16 for the tiny models), at most --max-size (default: the model's)",
+    )
+    parser.add_argument("--width", type=positive_int, default=None, help="pixels, as --height")
+    parser.add_argument(
+        "--num-frames", type=positive_int, default=None, help="video models only; at most --max-frames (default: the model's)"
+    )
     parser.add_argument("--steps", type=positive_int, default=None, dest="num_inference_steps", help="denoising steps")
     parser.add_argument(
         "--guidance-scale",
@@ -47,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="classifier-free guidance scale, a number >= 0; 1 or less turns guidance off (default: the model's)",
     )
     parser.add_argument(
-        "--seed", type=seed_int, default=0, help=f"random seed, 0 to {MAX_SEED} (2**64 - 1); rank r of --nproc uses seed + r (default: 0)"
+        "--seed", type=seed_int, default=0,
+        help=f"random seed, 0 to {MAX_SEED} (2**64 - 1); rank r of --nproc uses seed + r (default: 0)",
     )
     parser.add_argument("--fps", type=positive_int, default=16, help="frames per second of saved video")
     parser.add_argument(
@@ -196,7 +202,8 @@ def _check_arguments(args: argparse.Namespace, world_size: int) -> None:
         raise CliError(f"{_violation_text(violations[0])} (the cap is set by {cap})")
     num_ranks = max(args.nproc or 1, world_size)
     if args.seed + num_ranks - 1 > MAX_SEED:
-        raise CliError(f"--seed {args.seed} is too large for {num_ranks} ranks (rank r uses seed + r); expected at most {MAX_SEED - num_ranks + 1}")
+        most = MAX_SEED - num_ranks + 1
+        raise CliError(f"--seed {args.seed} is too large for {num_ranks} ranks (rank r uses seed + r); expected at most {most}")
     check_device_arg("--device", args.device)
     if args.output is not None:
         suffixes = IMAGE_SUFFIXES + VIDEO_SUFFIXES
