@@ -192,6 +192,16 @@ class Omni:
             raise GenerationError(
                 f"num_frames = {num_frames} is not valid; expected {frames} * k + 1 frames (e.g. {frames * (num_frames // frames) + 1})"
             )
+        # Past the reach of the model's position table the model fails deep inside ("view size is not compatible").
+        from layerstream.models.geometry import pipeline_max_frames, pipeline_max_side
+
+        largest = pipeline_max_side(self.pipeline)
+        for name, value in (("height", height), ("width", width)):
+            if value is not None and largest is not None and value > largest:
+                raise GenerationError(f"{name} = {value} is not valid; {self.model} makes at most {largest} pixels per side")
+        most = pipeline_max_frames(self.pipeline) if self.kind == "video" else None
+        if num_frames is not None and most is not None and num_frames > most:
+            raise GenerationError(f"num_frames = {num_frames} is not valid; {self.model} makes at most {most} frames")
 
     def stats(self) -> OffloadStats | None:
         """Offload counters since enable. Not safe to call from another thread while a generation runs."""

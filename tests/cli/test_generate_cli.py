@@ -29,6 +29,9 @@ def test_default_model_writes_output_and_matches_resident(tmp_path):
     summary = json.loads(result.stdout)
     assert summary["identical_to_resident"] is True
     assert summary["model"] == "tiny-wan"
+    # what was made, with the model's defaults filled in: enough to make it again
+    assert summary["prompt"] == "a red fox running through fresh snow, cinematic" and summary["seed"] == 0
+    assert (summary["width"], summary["height"], summary["num_frames"]) == (64, 64, 9)
     output = summary["output"]
     assert os.path.dirname(output) == str(tmp_path) and output.endswith(".mp4")
     frames = iio.imread(output, index=None)
@@ -41,11 +44,14 @@ def test_default_model_writes_output_and_matches_resident(tmp_path):
 def test_table_summary_and_image_output(tmp_path):
     out = tmp_path / "flux.png"
     result = generate("--model", "tiny-flux", "--steps", "2", "--output", str(out), "--diffusion-offload-config",
-                      '{"mode": "layer", "components": ["dit", "text_encoder"]}')
+                      '{"mode": "layer", "components": ["dit", "text_encoder"]}', "--seed", "7", "--prompt", "a small cat",
+                      "--width", "48")
     assert result.returncode == 0, result.stderr
-    assert iio.imread(out).shape == (64, 64, 3)
+    assert iio.imread(out).shape == (64, 48, 3)
     for label in ("time per step", "device bytes", "host bytes", "bytes streamed", "stall time", str(out)):
         assert label in result.stdout
+    rows = {line.split()[0]: " ".join(line.split()[1:]) for line in result.stdout.splitlines()[1:]}
+    assert rows["prompt"] == "a small cat" and rows["seed"] == "7" and rows["size"] == "48x64 (width x height)"
 
 
 def test_gif_output_and_trace(tmp_path):
@@ -68,9 +74,9 @@ def test_gif_output_and_trace(tmp_path):
         (["--model", "/nonexistent/model/folder"], "/nonexistent/model/folder"),
         (["--model", "Wan-AI/Wan2.2-T2V-A14B-Diffusers"], "download"),
         (["--output", "out.txt"], "out.txt"),
-        (["--steps", "0"], "--num-inference-steps"),
+        (["--steps", "0"], "--steps"),
         (["--link-gbps", "-1"], "--link-gbps"),
-        (["--model", "tiny-flux", "--num-frames", "5"], "num_frames"),
+        (["--model", "tiny-flux", "--num-frames", "5"], "--num-frames"),
         (["--device", "nosuchdevice"], "--device"),
         (["--nproc", "0"], "--nproc"),
     ],

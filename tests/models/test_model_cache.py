@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from layerstream.models.cache import STALE_BUILD_SECONDS, CacheFolderError, cache_root, publish_folder
+from layerstream.models.cache import STALE_BUILD_SECONDS, CacheFolderError, cache_root, discard_folder, publish_folder
 
 
 def test_cache_root_precedence(monkeypatch, tmp_path):
@@ -84,13 +87,39 @@ def test_foreign_folder_is_not_overwritten(tmp_path):
     assert [p.name for p in folder.iterdir()] == ["notes.txt"]
 
 
-def test_stale_build_folders_are_removed_recent_ones_kept(tmp_path):
+def _scratch_name(folder: Path, host: str, pid: int) -> str:
+    return f".{folder.name}.tmp-{host}-{pid}-0123abcd"
+
+
+def _dead_pid() -> int:
+    """A pid no process has: a child that has been waited for."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_build_folders_of_dead_processes_are_removed_at_the_next_build(tmp_path):
     folder = tmp_path / "m-v1"
-    stale = tmp_path / ".m-v1.tmp-1-dead"
-    recent = tmp_path / ".m-v1.tmp-2-busy"
-    for leftover in (stale, recent):
+    host = socket.gethostname()
+    dead = tmp_path / _scratch_name(folder, host, _dead_pid())  # crashed a moment ago: removed though recent
+    live = tmp_path / _scratch_name(folder, host, os.getpid())  # a build running in this process: kept
+    elsewhere = tmp_path / _scratch_name(folder, "another-host.example", 1)  # cannot tell: kept while recent
+    old_elsewhere = tmp_path / _scratch_name(folder, "another-host.example", 2)  # cannot tell, but old: removed
+    old_format = tmp_path / ".m-v1.tmp-2-busy"  # an older layerstream's name: kept while recent
+    for leftover in (dead, live, elsewhere, old_elsewhere, old_format):
         leftover.mkdir()
+        (leftover / "half.bin").write_text("x")
     old = time.time() - 2 * STALE_BUILD_SECONDS
-    os.utime(stale, (old, old))
+    os.utime(old_elsewhere, (old, old))
     publish_folder(folder, _writer([]), marker="index.json")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [recent.name, "m-v1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, elsewhere.name, old_format.name, "m-v1"])
+
+
+def test_discard_folder_removes_it_whole(tmp_path):
+    folder = tmp_path / "m-v1"
+    publish_folder(folder, _writer([]), marker="index.json")
+    discard_folder(folder)
+    discard_folder(folder)  # already gone (another process discarded it): not an error
+    assert list(tmp_path.iterdir()) == []
+    assert publish_folder(folder, _writer([], content="again"), marker="index.json") is True
+    assert (folder / "sub" / "weights.bin").read_text() == "again"

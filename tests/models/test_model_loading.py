@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -17,6 +18,7 @@ from layerstream.models import (
     resolve_model_folder,
 )
 from layerstream.models.loading import hub_offline
+from layerstream.models.manifest import MANIFEST_NAME
 
 DOWNLOAD_HINT = "download the folder first (e.g. with huggingface-cli download) and pass its path"
 
@@ -80,6 +82,7 @@ def test_file_and_empty_string(tmp_path):
 def test_loader_failure_names_the_folder(tmp_path):
     folder = tmp_path / "broken"
     shutil.copytree(ensure_tiny_model("tiny-qwen-image"), folder)
+    (folder / MANIFEST_NAME).unlink()  # a downloaded folder: no checksums, so diffusers is the one to fail
     (folder / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ModelLoadError, match=f"cannot load the pipeline in {folder}") as error:
         load_pipeline(folder)
@@ -103,3 +106,42 @@ def test_tiny_model_blocked_by_a_foreign_folder(monkeypatch, tmp_path):
     (blocker / "notes.txt").write_text("not a model")
     with pytest.raises(ModelLoadError, match=f"cannot build tiny model tiny-wan: .*{blocker}.*delete it"):
         load_pipeline("tiny-wan")
+
+
+def test_missing_component_folder_is_named_before_diffusers_reads(tmp_path):
+    folder = tmp_path / "partial-wan"
+    shutil.copytree(ensure_tiny_model("tiny-wan"), folder)
+    shutil.rmtree(folder / "transformer_2")  # an interrupted download
+    with pytest.raises(ModelLoadError) as error:
+        load_pipeline(folder)
+    message = str(error.value)
+    assert "transformer_2 (diffusers.WanTransformer3DModel)" in message and "no transformer_2/ folder" in message
+    assert "download the model again" in message and "config.json" not in message and "\n" not in message
+
+
+def test_optional_component_saved_as_null_is_not_required(tmp_path):
+    folder = tmp_path / "flux"
+    shutil.copytree(ensure_tiny_model("tiny-flux"), folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["image_encoder"] == [None, None]  # diffusers' marker of a component saved without
+    assert resolve_model_folder(folder) == folder
+
+
+def test_unreadable_model_index(tmp_path):
+    (tmp_path / "model_index.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="cannot read model_index.json: JSONDecodeError"):
+        load_pipeline(tmp_path)
+
+
+def test_damaged_copy_of_a_built_folder_names_the_file_and_the_fix(tmp_path):
+    folder = tmp_path / "my-wan"
+    shutil.copytree(ensure_tiny_model("tiny-wan"), folder)
+    weights = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-8] ^= 0x01  # one flipped bit in the last tensor: still a valid safetensors file
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError) as error:
+        load_pipeline(folder)
+    message = str(error.value)
+    assert "transformer/diffusion_pytorch_model.safetensors does not match the checksum" in message
+    assert f"delete {MANIFEST_NAME}" in message and "download the model again" in message

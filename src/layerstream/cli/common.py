@@ -1,10 +1,17 @@
-"""Helpers every subcommand shares: one-line errors with exit code 2, config parsing, logging set-up."""
+"""Helpers every subcommand shares: one-line errors with exit code 2, argument checks made before any work
+(values, the device, the output path), config parsing, logging set-up."""
 
 from __future__ import annotations
 
-from layerstream.errors import LayerstreamError
+import argparse
 import logging
+import math
+import os
 import sys
+import tempfile
+from pathlib import Path
+
+from layerstream.errors import LayerstreamError
 
 EXIT_USAGE = 2
 
@@ -37,3 +44,102 @@ def configure_logging(verbose: bool = False) -> None:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+# argparse `type=` functions: a value error is reported by argparse as "argument --steps: ...", naming the
+# flag exactly as the user typed it, with exit code 2, before `run` is reached.
+
+
+def positive_int(text: str) -> int:
+    value = _int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not valid; expected a positive integer")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """A seed: 0 to 2**64 - 1, the values ``torch.Generator.manual_seed`` takes as they are (it would map a
+    negative seed onto a large positive one, so two spellings would name one seed: refused instead)."""
+    from layerstream.models.output_limits import MAX_SEED
+
+    value = _int(text)
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{value} is not valid; expected an integer from 0 to {MAX_SEED} (2**64 - 1)")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text} is not valid; expected a finite number >= 0")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def check_device_arg(flag: str, text: str | None) -> None:
+    """Refuse a device this torch cannot use, in one line naming `flag`, before anything loads.
+
+    Without this, ``--device cuda`` on a CPU-only torch fails deep inside the first copy with
+    ``AssertionError: Torch not compiled with CUDA enabled``. None (the default device) always works.
+    """
+    if text is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        expected = "cpu, cuda or cuda:N (or another accelerator this torch has)"
+        raise CliError(f"{flag} {text!r} is not a device; expected {expected}") from None
+    if device.type == "cpu":
+        return
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            built_with_cuda = torch.version.cuda is not None or torch.version.hip is not None
+            why = (
+                "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)"
+                if built_with_cuda
+                else f"this torch ({torch.__version__}) was built without CUDA"
+            )
+            raise CliError(f"{flag} {text}: {why}; use --device cpu, or install a torch build for your CUDA")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise CliError(f"{flag} {text}: there are {count} CUDA device(s); expected cuda:0 to cuda:{count - 1}")
+        return
+    available = getattr(getattr(torch, device.type, None), "is_available", None)
+    if not callable(available) or not available():
+        raise CliError(f"{flag} {text}: this torch cannot run on {device.type}; use cpu or cuda")
+
+
+def check_output_path(flag: str, path: Path) -> None:
+    """Refuse an output file that could not be written, before any work, rather than after every step.
+
+    Catches a folder given as the file, a parent that is a file, and a folder that refuses new files.
+    Writes and deletes a probe file: permission bits do not tell (root passes ``os.access`` everywhere,
+    and virtual file systems such as /proc refuse files whatever the bits say).
+    """
+    path = path.expanduser().absolute()
+    if path.is_dir():
+        raise CliError(f"{flag} {path} is a folder; expected a file name inside it")
+    folder = path.parent
+    while not folder.exists():  # save creates missing folders; what matters is the first one that exists
+        folder = folder.parent
+    if not folder.is_dir():
+        raise CliError(f"{flag} {path}: {folder} is a file, not a folder")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".layerstream-write-check-", dir=folder)
+    except OSError as e:
+        raise CliError(f"{flag} {path}: cannot create files in {folder} ({e.strerror or e})") from None
+    os.close(handle)
+    os.unlink(probe)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise CliError(f"{flag} {path} exists and is not writable")

@@ -8,23 +8,62 @@ import sys
 import time
 from pathlib import Path
 
-from layerstream.cli.common import CliError, parse_config_arg
+from layerstream.cli.common import (
+    CliError,
+    check_device_arg,
+    check_output_path,
+    non_negative_float,
+    parse_config_arg,
+    positive_int,
+    seed_int,
+)
+from layerstream.models.output_limits import (
+    DEFAULT_MAX_FRAMES,
+    DEFAULT_MAX_SIDE_PIXELS,
+    MAX_SEED,
+    LimitViolation,
+    check_output_caps,
+)
 
 DATA_PARALLEL_CONFIG = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"weight_transfer": "allgather"}}}
 """The default config with --nproc > 1: every rank keeps 1/N of the DiT's blocks and they are all-gathered."""
+
+# the flag a user types for each generation argument, to name it in errors
+_FLAGS = {"height": "--height", "width": "--width", "num_frames": "--num-frames"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny-wan", help="local diffusers folder or an embedded tiny model (default: tiny-wan)")
     parser.add_argument("--prompt", default="a red fox running through fresh snow, cinematic", help="text prompt")
     parser.add_argument("--negative-prompt", default=None, help="negative prompt (classifier-free guidance)")
-    parser.add_argument("--height", type=int, default=None)
-    parser.add_argument("--width", type=int, default=None)
-    parser.add_argument("--num-frames", type=int, default=None, help="video models only")
-    parser.add_argument("--steps", type=int, default=None, dest="num_inference_steps", help="denoising steps")
-    parser.add_argument("--guidance-scale", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fps", type=int, default=16, help="frames per second of saved video")
+    parser.add_argument(
+        "--height", type=positive_int, default=None,
+        help="pixels, a multiple of the model's size step (16 for the tiny models), at most --max-size (default: the model's)",
+    )
+    parser.add_argument("--width", type=positive_int, default=None, help="pixels, as --height")
+    parser.add_argument(
+        "--num-frames", type=positive_int, default=None, help="video models only; at most --max-frames (default: the model's)"
+    )
+    parser.add_argument("--steps", type=positive_int, default=None, dest="num_inference_steps", help="denoising steps")
+    parser.add_argument(
+        "--guidance-scale",
+        type=non_negative_float,
+        default=None,
+        help="classifier-free guidance scale, a number >= 0; 1 or less turns guidance off (default: the model's)",
+    )
+    parser.add_argument(
+        "--seed", type=seed_int, default=0,
+        help=f"random seed, 0 to {MAX_SEED} (2**64 - 1); rank r of --nproc uses seed + r (default: 0)",
+    )
+    parser.add_argument("--fps", type=positive_int, default=16, help="frames per second of saved video")
+    parser.add_argument(
+        "--max-size", type=positive_int, default=DEFAULT_MAX_SIDE_PIXELS, dest="max_side_pixels",
+        help=f"largest --height or --width accepted, as the server's --max-size (default: {DEFAULT_MAX_SIDE_PIXELS})",
+    )
+    parser.add_argument(
+        "--max-frames", type=positive_int, default=DEFAULT_MAX_FRAMES,
+        help=f"largest --num-frames accepted, as the server's --max-frames (default: {DEFAULT_MAX_FRAMES})",
+    )
     parser.add_argument("--output", default=None, help="output file: .png for images, .mp4 or .gif for video")
     parser.add_argument(
         "--diffusion-offload-config",
@@ -55,12 +94,9 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--link-gbps = {args.link_gbps!r} is not valid; expected a number > 0")
     if args.nproc is not None and args.nproc < 1:
         raise CliError(f"--nproc = {args.nproc} is not valid; expected an integer >= 1")
+    _check_arguments(args, world_size)  # every check that needs no model, so a mistake costs no load
     if args.nproc is not None and args.nproc > 1 and world_size == 1:
         return _launch_ranks(args)
-    for name in ("height", "width", "num_frames", "num_inference_steps", "fps"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise CliError(f"--{name.replace('_', '-')} = {value} is not valid; expected a positive integer")
 
     from layerstream.models.loading import ModelLoadError
     from layerstream.omni import GenerationError, Omni, VIDEO_SUFFIXES, IMAGE_SUFFIXES
@@ -91,7 +127,9 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output) if args.output else _default_output(args.model, omni.kind, seed)
     allowed = IMAGE_SUFFIXES if omni.kind == "image" else VIDEO_SUFFIXES
     if output.suffix.lower() not in allowed:
-        raise CliError(f"--output {output}: {args.model} makes a {omni.kind}; use a {' or '.join(allowed)} file")
+        article = "an" if omni.kind == "image" else "a"
+        raise CliError(f"--output {output}: {args.model} makes {article} {omni.kind}; use a {' or '.join(allowed)} file")
+    _check_model_geometry(args, omni)
     if world_size > 1:
         output = output.with_name(f"{output.stem}.rank{rank}{output.suffix}")
 
@@ -127,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         reference = omni.generate(**request)
         identical = reference.raw.shape == result.raw.shape and bool((reference.raw == result.raw).all())
 
-    summary = _summary(args.model, omni, result, output, identical, trace_files, rank)
+    summary = _summary(args.model, omni, result, output, identical, trace_files, rank, prompt=args.prompt, seed=seed)
     if world_size > 1:
         from layerstream.distributed.launch import gather_objects
         from layerstream.distributed.process_group import destroy_distributed
@@ -145,6 +183,49 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(summaries)
     return 0 if all(s["identical_to_resident"] in (None, True) for s in summaries) else 1
+
+
+def _check_arguments(args: argparse.Namespace, world_size: int) -> None:
+    """Checks of the arguments alone, before the model loads: the caps, the seed range across ranks, the
+    device and the output path. What depends on the model (size multiples, frame rule) follows the load."""
+    from layerstream.omni import IMAGE_SUFFIXES, VIDEO_SUFFIXES
+
+    violations = check_output_caps(
+        height=args.height,
+        width=args.width,
+        num_frames=args.num_frames,
+        max_side_pixels=args.max_side_pixels,
+        max_frames=args.max_frames,
+    )
+    if violations:
+        cap = "--max-frames" if violations[0].name == "num_frames" else "--max-size"
+        raise CliError(f"{_violation_text(violations[0])} (the cap is set by {cap})")
+    num_ranks = max(args.nproc or 1, world_size)
+    if args.seed + num_ranks - 1 > MAX_SEED:
+        most = MAX_SEED - num_ranks + 1
+        raise CliError(f"--seed {args.seed} is too large for {num_ranks} ranks (rank r uses seed + r); expected at most {most}")
+    check_device_arg("--device", args.device)
+    if args.output is not None:
+        suffixes = IMAGE_SUFFIXES + VIDEO_SUFFIXES
+        if Path(args.output).suffix.lower() not in suffixes:
+            raise CliError(f"--output {args.output}: expected a {', '.join(suffixes)} file (.png for images)")
+    check_output_path("--output", Path(args.output) if args.output else Path.cwd() / "output.png")
+
+
+def _check_model_geometry(args: argparse.Namespace, omni) -> None:
+    """Sizes the loaded model cannot make, named by flag, before the first step."""
+    from layerstream.models.output_limits import check_output_geometry, read_output_geometry
+
+    if omni.kind != "video" and args.num_frames is not None:
+        raise CliError(f"--num-frames {args.num_frames}: {args.model} makes images, not video; drop --num-frames")
+    geometry = read_output_geometry(omni.pipeline, omni.kind)
+    violations = check_output_geometry(geometry, height=args.height, width=args.width, num_frames=args.num_frames)
+    if violations:
+        raise CliError(f"{_violation_text(violations[0])} for {args.model}")
+
+
+def _violation_text(violation: LimitViolation) -> str:
+    return f"{_FLAGS[violation.name]} = {violation.value} is not valid; expected {violation.allowed}"
 
 
 def _launch_ranks(args) -> int:
@@ -222,11 +303,18 @@ def _write_trace(handle, path: Path) -> list[str]:
     return [str(path), str(png)]
 
 
-def _summary(model, omni, result, output, identical, trace_files, rank) -> dict:
+def _summary(model, omni, result, output, identical, trace_files, rank, *, prompt: str, seed: int) -> dict:
     s = result.stats
+    # the size actually made, read from the output: the model's defaults fill in whatever was not asked for
+    count, height, width = result.frames.shape[:3]
     return {
         "rank": rank,
         "model": model,
+        "prompt": prompt,
+        "seed": seed,
+        "width": int(width),
+        "height": int(height),
+        "num_frames": int(count) if result.kind == "video" else None,
         "output": str(output),
         "config": omni.config.to_dict(),
         "device": str(omni.device),
@@ -252,6 +340,9 @@ def _mib(n) -> str:
 def _print_table(summaries: list[dict]) -> None:
     rows = [
         ("rank", lambda s: str(s["rank"])),
+        ("prompt", lambda s: s["prompt"]),
+        ("seed", lambda s: str(s["seed"])),
+        ("size", lambda s: f"{s['width']}x{s['height']} (width x height)" + (f", {s['num_frames']} frames" if s["num_frames"] else "")),
         ("output", lambda s: s["output"]),
         ("device", lambda s: s["device"]),
         ("time per step", lambda s: f"{s['seconds_per_step'] * 1e3:,.1f} ms median ({s['steps']} steps, {s['seconds']:.2f} s in all with prompt encoding and decoding)"),

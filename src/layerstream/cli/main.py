@@ -26,6 +26,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="layerstream", description="Layerwise weight offloading for diffusion pipelines.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=_version_text(), help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
@@ -38,6 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(sub_parser)
         sub_parser.set_defaults(_run=module.run)
     return parser
+
+
+def _version_text() -> str:
+    """layerstream's version, and torch's with its CUDA build: the first thing a bug report needs."""
+    import torch
+
+    from layerstream import __version__
+
+    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
+    return f"layerstream {__version__} (torch {torch.__version__}, {cuda})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,8 @@ logger = logging.getLogger(__name__)
 
 CACHE_ENV_VAR = "LAYERSTREAM_CACHE"
 
-# A build folder this old was left by a process that crashed: no build takes anywhere near this long.
+# A build folder this old was left by a process that crashed: no build takes anywhere near this long. Used
+# when the builder's liveness cannot be told (another host sharing the cache, or a name we did not write).
 STALE_BUILD_SECONDS = 3600.0
 
 _BUILD_SUFFIX = ".tmp-"
@@ -50,9 +52,9 @@ def publish_folder(folder: Path, write: Callable[[Path], None], *, marker: str) 
         return False
     folder.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_builds(folder)
-    # Unique per process and call; mkdir (unlike mkdtemp's private 0700) honours the umask, so the published
-    # folder gets the same permissions as anything else the user creates.
-    build = folder.parent / f".{folder.name}{_BUILD_SUFFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    # mkdir (unlike mkdtemp's private 0700) honours the umask, so the published folder gets the same
+    # permissions as anything else the user creates.
+    build = _scratch_sibling(folder)
     build.mkdir()
     try:
         write(build)
@@ -74,16 +76,63 @@ def publish_folder(folder: Path, write: Callable[[Path], None], *, marker: str) 
             shutil.rmtree(build, ignore_errors=True)
 
 
-def _remove_stale_builds(folder: Path) -> None:
-    """Delete build folders for `folder` that crashed processes left behind (best effort).
+def discard_folder(folder: Path) -> None:
+    """Remove `folder` (a published build found corrupt) so that it can be built again.
 
-    Only old ones: a recent one may belong to a process that is building right now.
+    Renamed away first, in one step, so that other processes see the folder either whole or absent, never
+    half-deleted; the renamed copy is a scratch folder of this process, which the next build cleans up if
+    this process dies before deleting it.
     """
+    trash = _scratch_sibling(folder)
+    try:
+        os.rename(folder, trash)
+    except FileNotFoundError:
+        return  # another process discarded it first
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _scratch_sibling(folder: Path) -> Path:
+    """A sibling name unique to this host, process and call; the host and pid tell a later build whether
+    the process that made it is still running."""
+    host = socket.gethostname().replace(os.sep, "_") or "localhost"
+    return folder.parent / f".{folder.name}{_BUILD_SUFFIX}{host}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _remove_stale_builds(folder: Path) -> None:
+    """Delete scratch folders for `folder` that dead processes left behind (best effort).
+
+    A folder whose process is known dead (same host, no such pid) goes at once; one whose owner cannot be
+    told goes only when old, since it may belong to a process that is building right now.
+    """
+    prefix = f".{folder.name}{_BUILD_SUFFIX}"
     now = time.time()
-    for leftover in folder.parent.glob(f".{folder.name}{_BUILD_SUFFIX}*"):
+    for leftover in folder.parent.glob(f"{prefix}*"):
         try:
-            if now - leftover.stat().st_mtime > STALE_BUILD_SECONDS:
+            dead = _owner_is_dead(leftover.name[len(prefix):])
+            if dead or (dead is None and now - leftover.stat().st_mtime > STALE_BUILD_SECONDS):
                 logger.info("removing stale build folder %s", leftover)
                 shutil.rmtree(leftover, ignore_errors=True)
         except OSError:
             continue  # vanished meanwhile, or not ours to stat: nothing to clean
+
+
+def _owner_is_dead(tag: str) -> bool | None:
+    """True if the scratch folder tagged ``HOST-PID-HEX`` belongs to a process on this host that has ended,
+    False if that process runs, None if it cannot be told (another host, an older name format)."""
+    parts = tag.rsplit("-", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    host, pid = parts[0], int(parts[1])
+    if host != socket.gethostname().replace(os.sep, "_"):
+        return None
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0 checks existence only
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    except OSError:
+        return None
+    return False

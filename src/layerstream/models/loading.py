@@ -19,14 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from layerstream.models.folder_check import MODEL_INDEX, check_model_folder
 from layerstream.models.tiny import TINY_MODELS, PipelineKind, ensure_tiny_model
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
 logger = logging.getLogger(__name__)
-
-MODEL_INDEX = "model_index.json"
 
 _DOWNLOAD_HINT = (
     "download the folder first (e.g. with huggingface-cli download) and pass its path; nothing is fetched at run time"
@@ -49,7 +48,9 @@ def resolve_model_folder(model: str | os.PathLike[str]) -> Path:
     """The diffusers-format folder `model` refers to, building it first if `model` is a tiny model name.
 
     Tiny model names take precedence over a folder of the same name in the working directory (pass
-    ``./tiny-wan`` for the folder). Raises `ModelLoadError` with one line saying what to pass instead.
+    ``./tiny-wan`` for the folder). A folder is checked before it is returned: every component its
+    ``model_index.json`` names has its subfolder, and files match the checksums layerstream recorded if it
+    built the folder (see `check_model_folder`). Raises `ModelLoadError` with one line saying what to do.
     """
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a tiny model name or a folder path, got {type(model).__name__}")
@@ -80,6 +81,7 @@ def resolve_model_folder(model: str | os.PathLike[str]) -> Path:
             f"model folder {folder} has no {MODEL_INDEX}, so it is not a diffusers-format pipeline; pass the folder "
             f"that holds {MODEL_INDEX} (the top of what huggingface-cli download wrote)"
         )
+    check_model_folder(folder)
     return folder
 
 

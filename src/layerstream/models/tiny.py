@@ -19,7 +19,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
-from layerstream.models.cache import cache_root, publish_folder
+from layerstream.models.cache import cache_root, discard_folder, publish_folder
+from layerstream.models.manifest import CorruptFolderError, verify_manifest, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -143,13 +144,26 @@ def ensure_tiny_model(name: str) -> Path:
     """Return the folder of tiny model `name`, building and saving it first if it is not there yet.
 
     Safe against crashes and concurrent builders (see `publish_folder`): the folder is complete or absent.
+    A folder whose files no longer match the checksums recorded at build time (a bit flip, a NaN written
+    into the weights, a file edited or deleted), or that has no checksums at all, is discarded and rebuilt:
+    a tiny model can always be made again, so a damaged one is never used.
     """
     folder = tiny_model_dir(name)
 
     def write(build_folder: Path) -> None:
         build_tiny_pipeline(name).save_pretrained(build_folder, safe_serialization=True)
+        write_manifest(build_folder)
 
     started = time.perf_counter()
     if publish_folder(folder, write, marker="model_index.json"):
         logger.info("built tiny model %s in %s (%.2f s)", name, folder, time.perf_counter() - started)
+        return folder
+    try:
+        verify_manifest(folder)
+    except CorruptFolderError as e:
+        logger.warning("tiny model %s failed its check (%s); rebuilding it", name, "; ".join(e.problems))
+        discard_folder(folder)
+        publish_folder(folder, write, marker="model_index.json")
+        verify_manifest(folder)  # what this process (or a racing one) just built must check out
+        logger.info("rebuilt tiny model %s in %s (%.2f s)", name, folder, time.perf_counter() - started)
     return folder

@@ -1,0 +1,69 @@
+"""Checks of a diffusers-format folder before diffusers reads it, so that a broken download or a damaged
+copy is reported by name ("component transformer: no transformer/ folder") rather than by whatever
+diffusers happens to trip over first ("no file named config.json found in directory ...")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from layerstream.models.manifest import MANIFEST_NAME, CorruptFolderError, has_manifest, verify_manifest
+
+MODEL_INDEX = "model_index.json"
+
+_REDOWNLOAD_HINT = "download the model again (or copy it again from a complete folder)"
+
+
+def check_model_folder(folder: Path) -> None:
+    """Raise ``ModelLoadError`` if `folder`'s ``model_index.json`` is unreadable, names a component with no
+    subfolder, or if a file differs from the checksums layerstream recorded when it built the folder."""
+    from layerstream.models.loading import ModelLoadError
+
+    missing = missing_components(folder)
+    if missing:
+        names = ", ".join(f"{name} ({library}.{cls})" for name, library, cls in missing)
+        folders = ", ".join(f"{name}/" for name, _, _ in missing)
+        raise ModelLoadError(
+            f"model folder {folder}: {MODEL_INDEX} names {names} but there is no {folders} folder beside it; "
+            f"the folder is incomplete: {_REDOWNLOAD_HINT}"
+        )
+    if has_manifest(folder):  # only folders layerstream built (or copies of them) carry checksums
+        try:
+            verify_manifest(folder)
+        except CorruptFolderError as e:
+            raise ModelLoadError(
+                f"model folder {folder} is damaged: {'; '.join(e.problems)} (see {MANIFEST_NAME}); "
+                f"{_REDOWNLOAD_HINT}, or delete {MANIFEST_NAME} to load it unchecked"
+            ) from e
+
+
+def missing_components(folder: Path) -> list[tuple[str, str, str]]:
+    """(name, library, class) of every component ``model_index.json`` names whose subfolder is absent.
+
+    A component is an entry ``"name": [library, class]`` with both set; ``[null, null]`` marks an optional
+    component the pipeline was saved without, and keys starting with ``_`` are metadata.
+    """
+    from layerstream.models.loading import ModelLoadError
+
+    index_path = folder / MODEL_INDEX
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"model folder {folder}: cannot read {MODEL_INDEX}: {type(e).__name__}: {e}") from e
+    if not isinstance(index, dict):
+        raise ModelLoadError(f"model folder {folder}: {MODEL_INDEX} is not a JSON object")
+    missing = []
+    for name, value in index.items():
+        if name.startswith("_") or not _is_component(value):
+            continue
+        if not (folder / name).is_dir():
+            missing.append((name, value[0], value[1]))
+    return missing
+
+
+def _is_component(value: object) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(part, str) and part for part in value)
+    )

@@ -1,0 +1,108 @@
+"""What one generation may ask for: the caps every entry point applies, and the model's own geometry.
+
+Shared by the command line and the server so that a size one accepts the other accepts too. Checks return
+`LimitViolation`s (the argument, the value, what is allowed) rather than raising, so each entry point words
+them its own way: a flag name on the command line, a JSON field in an HTTP 400.
+
+Caps exist because nothing else stops a typo: ``--height 100000`` ran 76 s and took 15 GB of host memory
+before the model failed. The model's own rules (size multiple, frame rule, the reach of its position
+table) need the loaded pipeline; the caps do not, so they are checked before anything loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from layerstream.models.geometry import (
+    pipeline_frame_multiple,
+    pipeline_max_frames,
+    pipeline_max_side,
+    pipeline_size_multiple,
+)
+
+DEFAULT_MAX_SIDE_PIXELS = 2048
+"""Largest height or width by default (the server's ``--max-size`` and the command line's)."""
+DEFAULT_MAX_FRAMES = 129
+"""Largest ``num_frames`` of a video by default (the server's ``--max-frames`` and the command line's)."""
+MAX_SEED = 2**64 - 1
+"""Seeds are what ``torch.Generator.manual_seed`` takes without wrapping: integers from 0 to 2**64 - 1."""
+
+
+@dataclass(frozen=True)
+class LimitViolation:
+    """One argument a generation cannot take."""
+
+    name: str
+    """``"height"``, ``"width"`` or ``"num_frames"``."""
+    value: int
+    allowed: str
+    """What would be accepted, as a phrase: ``"an integer from 1 to 2048"``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputGeometry:
+    """The sizes a loaded pipeline can make, read once from the pipeline."""
+
+    size_multiple: int
+    """Height and width must be multiples of this."""
+    frame_multiple: int | None
+    """Video: ``num_frames - 1`` must be a multiple of this (None: any count)."""
+    max_side_pixels: int | None
+    """The model's own largest height or width (None: only the caps limit it)."""
+    max_frames: int | None
+    """The model's own largest ``num_frames`` (None: only the caps limit it)."""
+
+
+def read_output_geometry(pipeline: Any, kind: str) -> OutputGeometry:
+    """The geometry of `pipeline`; `kind` is ``"image"`` or ``"video"`` (frame rules apply to video only)."""
+    video = kind == "video"
+    return OutputGeometry(
+        size_multiple=pipeline_size_multiple(pipeline),
+        frame_multiple=pipeline_frame_multiple(pipeline) if video else None,
+        max_side_pixels=pipeline_max_side(pipeline),
+        max_frames=pipeline_max_frames(pipeline) if video else None,
+    )
+
+
+def check_output_caps(
+    *,
+    height: int | None,
+    width: int | None,
+    num_frames: int | None,
+    max_side_pixels: int = DEFAULT_MAX_SIDE_PIXELS,
+    max_frames: int = DEFAULT_MAX_FRAMES,
+) -> list[LimitViolation]:
+    """Violations of the caps alone (no model needed): sides from 1 to `max_side_pixels`, frames from 1 to
+    `max_frames`. None means "the model's default", which is always within the caps."""
+    problems = [
+        LimitViolation(name, value, f"an integer from 1 to {max_side_pixels}")
+        for name, value in (("height", height), ("width", width))
+        if value is not None and not 1 <= value <= max_side_pixels
+    ]
+    if num_frames is not None and not 1 <= num_frames <= max_frames:
+        problems.append(LimitViolation("num_frames", num_frames, f"an integer from 1 to {max_frames}"))
+    return problems
+
+
+def check_output_geometry(
+    geometry: OutputGeometry, *, height: int | None, width: int | None, num_frames: int | None
+) -> list[LimitViolation]:
+    """Violations of what the model can make: size multiples, its largest side, the frame rule and its
+    largest frame count. Run `check_output_caps` as well: this does not apply the caps."""
+    problems = []
+    m, largest = geometry.size_multiple, geometry.max_side_pixels
+    for name, value in (("height", height), ("width", width)):
+        if value is None:
+            continue
+        if value % m or (largest is not None and value > largest):
+            reach = f" up to {largest - largest % m}" if largest is not None else ""
+            problems.append(LimitViolation(name, value, f"a multiple of {m}{reach}"))
+    if num_frames is not None:
+        step = geometry.frame_multiple or 1
+        most = geometry.max_frames
+        if (num_frames - 1) % step or (most is not None and num_frames > most):
+            rule = f"{step} * k + 1 (1, {1 + step}, {1 + 2 * step}, ...)" if step > 1 else "any count"
+            reach = f" up to {most - (most - 1) % step}" if most is not None else ""
+            problems.append(LimitViolation("num_frames", num_frames, f"{rule}{reach}"))
+    return problems

@@ -1,0 +1,111 @@
+"""`layerstream generate` refuses bad arguments in one line with exit code 2, before any model loads."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from layerstream import __version__
+from layerstream.cli.main import main
+
+MAX_SEED = 2**64 - 1
+
+
+@pytest.fixture
+def run_cli(monkeypatch, tmp_path, capsys):
+    """Run the command line in this process, with an empty model cache of its own: a check made "before any
+    work" leaves that cache untouched, since loading even a tiny model first builds it there."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LAYERSTREAM_CACHE", str(cache))
+    for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "DIFFUSERS_VERBOSITY", "TRANSFORMERS_VERBOSITY"):
+        monkeypatch.setenv(name, "")  # main() sets these with setdefault: keep them from leaking out of the test
+    monkeypatch.chdir(tmp_path)
+
+    def run(*args: str) -> tuple[int, str, bool]:
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's own usage errors
+            code = e.code
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("layerstream: error:")]
+        assert len(errors) <= 1, errors
+        return code, errors[0] if errors else "", cache.exists()
+
+    return run
+
+
+def _file(tmp_path: Path) -> Path:
+    path = tmp_path / "notes.txt"
+    path.write_text("a file, not a folder")
+    return path
+
+
+CASES = [
+    (["--steps", "-3"], "argument --steps: -3 is not valid; expected a positive integer"),
+    (["--height", "100000", "--width", "100000"], "--height = 100000 is not valid; expected an integer from 1 to 2048 (the cap is set by --max-size)"),
+    (["--width", "4096"], "--width = 4096 is not valid"),
+    (["--num-frames", "1000"], "--num-frames = 1000 is not valid; expected an integer from 1 to 129 (the cap is set by --max-frames)"),
+    (["--seed", "18446744073709551617"], f"argument --seed: 18446744073709551617 is not valid; expected an integer from 0 to {MAX_SEED}"),
+    (["--seed", "-1"], "argument --seed: -1 is not valid"),
+    (["--nproc", "2", "--seed", str(MAX_SEED)], f"--seed {MAX_SEED} is too large for 2 ranks"),
+    (["--guidance-scale", "-1"], "argument --guidance-scale: -1 is not valid; expected a finite number >= 0"),
+    (["--guidance-scale", "nan"], "argument --guidance-scale: nan is not valid"),
+    (["--output", "{file}/fox.gif"], "{file} is a file, not a folder"),
+    (["--output", "{file}/deeper/fox.gif"], "{file} is a file, not a folder"),
+    (["--output", "{tmp}/out.txt"], "--output {tmp}/out.txt: expected a .png, .mp4, .gif file"),
+    (["--device", "nosuchdevice"], "--device 'nosuchdevice' is not a device"),
+]
+
+
+@pytest.mark.parametrize("args, message", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_refused_before_any_work(run_cli, tmp_path, args, message):
+    fill = {"file": str(_file(tmp_path)), "tmp": str(tmp_path)}
+    code, error, cache_used = run_cli("generate", *(a.format(**fill) for a in args))
+    assert code == 2
+    assert message.format(**fill) in error
+    assert not cache_used, "a model was loaded before the arguments were checked"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_output_in_a_folder_that_refuses_files(run_cli):
+    code, error, cache_used = run_cli("generate", "--output", "/proc/fox.gif")
+    assert code == 2 and "--output /proc/fox.gif: cannot create files in /proc" in error and not cache_used
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_cuda_on_a_torch_without_cuda(run_cli, device):
+    code, error, cache_used = run_cli("generate", "--device", device)
+    assert code == 2 and f"--device {device}: " in error and "--device cpu" in error and not cache_used
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--height", "2048", "--width", "2048"], "--height = 2048 is not valid; expected a multiple of 16 up to 1024 for tiny-wan"),
+        (["--max-size", "4096", "--height", "4096", "--width", "4096"], "--height = 4096 is not valid; expected a multiple of 16 up to 1024"),
+        (["--num-frames", "6"], "--num-frames = 6 is not valid; expected 4 * k + 1"),
+        (["--model", "tiny-flux", "--output", "fox.gif"], "tiny-flux makes an image; use a .png file"),
+    ],
+)
+def test_refused_by_what_the_model_can_make_before_the_first_step(run_cli, capsys, args, message):
+    code, error, _ = run_cli("generate", "--steps", "1", *args)
+    assert code == 2 and message in error
+    assert not list(Path.cwd().glob("*.gif")) and not list(Path.cwd().glob("*.mp4"))
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"layerstream {__version__} (torch {torch.__version__}")
+
+
+def test_help_states_the_seed_and_guidance_rules(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"random seed, 0 to {MAX_SEED} (2**64 - 1)" in text
+    assert "a number >= 0; 1 or less turns guidance off" in text
