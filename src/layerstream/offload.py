@@ -21,7 +21,7 @@ from layerstream.plan.placement import Placement, needs_device_budget, place_blo
 from layerstream.plan.resolved import ResolvedOffloadPlan, lookup
 from layerstream.runtime.copy_engine import make_copy_engine
 from layerstream.runtime.handle import OffloadHandle
-from layerstream.runtime.layer_mode import EngineFactory, UndoStack, apply_layer_mode
+from layerstream.runtime.layer_mode import EngineFactory, apply_layer_mode
 from layerstream.runtime.layout import BlockLayout
 from layerstream.runtime.module_mode import apply_module_mode
 from layerstream.runtime.packed_store import PackedHostStore
@@ -29,6 +29,7 @@ from layerstream.runtime.protocols import HostStore
 from layerstream.runtime.guards import guard_module_
 from layerstream.runtime.safety import check_no_foreign_offload, check_no_shared_block_tensors
 from layerstream.runtime.tensors import named_tensors
+from layerstream.runtime.undo import UndoStack
 
 logger = logging.getLogger(__name__)
 
@@ -221,9 +222,10 @@ def _raise_after_rollback(plan: ResolvedOffloadPlan, error: BaseException):
 
 
 def _commit_handle(plan, device, backend, components, block_modules: Mapping[str, nn.Module] | None = None) -> OffloadHandle:
-    """The last step, which cannot fail: mark the components (and guard them and their streamed blocks against
-    copying and pickling while enabled) and hand out the handle."""
-    guarded = [*components.values(), *(block_modules or {}).values()] if plan.config.mode == "layer" else []
+    """The last step, which cannot fail: mark the components (and guard the streamed ones and their streamed
+    blocks against copying, pickling and converting while enabled) and hand out the handle."""
+    streamed = [components[c.path] for c in plan.streamed] if plan.config.mode == "layer" else []
+    guarded = [*streamed, *(block_modules or {}).values()]
     unguards = [guard_module_(m) for m in guarded]
 
     def forget() -> None:

@@ -5,7 +5,7 @@
 - `config`: `BenchConfig`; `harness`: `run_bench`, the round-robin measurement;
 - `measure`: timers, memory readings, link bandwidth;
 - `ideal`: the ideal forward and the transfer floor; `results` and `report`: the output as data and as tables;
-- `capture` and `trace_export`: one forward's trace, as Chrome trace JSON and a PNG timeline.
+- `capture`: one forward's trace (exported by `layerstream.runtime.trace_export` as Chrome JSON and a PNG timeline).
 
 Nothing here is imported by the runtime, and nothing runs at import time.
 """

@@ -303,7 +303,7 @@ def _write_trace(
         notes.append("--trace: no layerwise strategy selected, so no trace was written")
         return [], None
     from layerstream.bench.capture import capture_forward_trace
-    from layerstream.bench.trace_export import summarize_trace, write_chrome_trace, write_timeline_png
+    from layerstream.runtime.trace_export import summarize_trace, write_chrome_trace, write_timeline_png
 
     prepared = row.prepared
     forward(prepared)  # settle, as the timed forwards do

@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
 
     trace_files = []
     if args.trace and omni.handle is not None:
-        trace_files = _write_trace(omni.handle, Path(args.trace))
+        trace_files = _write_trace(omni.handle, Path(args.trace), title=_trace_title(args, omni))
 
     identical = None
     if args.compare_resident:
@@ -289,17 +289,29 @@ class _Progress:
             self.bar.close()
 
 
-def _write_trace(handle, path: Path) -> list[str]:
-    from layerstream.bench.trace_export import write_chrome_trace, write_timeline_png
+def _trace_title(args: argparse.Namespace, omni) -> str:
+    """What the timeline shows: the model, the device and the link the copies crossed."""
+    device = omni.device
+    if device.type == "cpu":
+        link = f"simulated link {args.link_gbps:g} GB/s" if args.link_gbps else "CPU copy thread, no simulated link"
+    else:
+        import torch
+
+        link = f"{torch.cuda.get_device_name(device)} host link" if device.type == "cuda" else f"{device} host link"
+    return f"{args.model}: layerwise offload on {device}, {link}"
+
+
+def _write_trace(handle, path: Path, *, title: str | None = None) -> list[str]:
+    from layerstream.runtime.trace_export import write_chrome_trace, write_timeline_png
 
     trace = handle.trace()
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() == ".png":
-        write_timeline_png(trace, path)
+        write_timeline_png(trace, path, title=title)
         return [str(path)]
     write_chrome_trace(trace, path)
     png = path.with_suffix(".png")
-    write_timeline_png(trace, png)
+    write_timeline_png(trace, png, title=title)
     return [str(path), str(png)]
 
 

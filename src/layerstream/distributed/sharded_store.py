@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from layerstream.distributed.collectives import BlockGather
+from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.layout import BlockLayout, TensorBinder
 from layerstream.runtime.protocols import Job, Pinner
 
@@ -74,6 +75,28 @@ class ShardedBlock:
             return moved
 
         return job
+
+    def host_range(self, start: int, nbytes: int) -> torch.Tensor:
+        raise UnsupportedUseError(
+            f"{self.path}: backward through a block streamed with weight_transfer \"allgather\" is not supported "
+            "(this rank holds only a shard of its weights); use \"rank-local\" or run under torch.no_grad()"
+        )
+
+    def write_back_(self, slot_buffer: torch.Tensor, start: int, end: int) -> int:
+        """Keep this rank's shard of what the forward wrote (every rank runs the same forward, so together the
+        ranks keep all of it)."""
+        own_start = self.gather.rank * self.shard_nbytes
+        lo, hi = max(start, own_start), min(end, own_start + self.shard_nbytes)
+        if lo >= hi:
+            return 0
+        self.shard[lo - own_start : hi - own_start].copy_(slot_buffer[lo:hi])
+        return hi - lo
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        raise UnsupportedUseError(
+            f"{self.path}: this rank holds only a shard of the block (weight_transfer \"allgather\"); call "
+            "handle.disable() on every rank first to read or load its weights"
+        )
 
     def drop_original_(self) -> None:
         """Evict the block to placeholders and let its original storage go (after every rank staged)."""

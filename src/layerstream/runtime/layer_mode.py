@@ -21,32 +21,15 @@ from layerstream.plan.resolved import ResolvedOffloadPlan
 from layerstream.runtime.layout import BlockLayout
 from layerstream.runtime.protocols import CopyEngine, HostStore, StoredBlock
 from layerstream.runtime.stats import ComponentStats, OffloadStats, OffloadTrace, TraceInterval
+from layerstream.runtime.state_dict import install_state_dict_hooks
 from layerstream.runtime.streamer import BlockCounters, BlockStreamer, StreamedBlock, install_block_hooks, install_root_hooks
 from layerstream.runtime.tensors import device_bytes, move_tensors_
+from layerstream.runtime.undo import UndoStack
 
 logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[torch.device, int], CopyEngine]
 """Builds the copy engine for a device and a number of slots."""
-
-
-class UndoStack:
-    """Undo steps pushed while applying; `unwind` runs them newest first and reports (not raises) their errors,
-    so the first error, the one that started the rollback, is the one the caller sees."""
-
-    def __init__(self):
-        self._steps: list[Callable[[], None]] = []
-
-    def push(self, step: Callable[[], None]) -> None:
-        self._steps.append(step)
-
-    def unwind(self) -> None:
-        for step in reversed(self._steps):
-            try:
-                step()
-            except Exception:  # keep undoing; the first error is the one to report
-                logger.exception("undo step failed while rolling back enable_offload")
-        self._steps.clear()
 
 
 def apply_layer_mode(
@@ -105,6 +88,7 @@ def apply_layer_mode(
             hooks += install_block_hooks(streamer, block)
         for comp in plan.streamed:
             hooks += install_root_hooks(streamer, components[comp.path])
+        hooks += install_state_dict_hooks(streamer, blocks, {c.path: components[c.path] for c in plan.streamed})
 
     for store in _distinct(stores.values()):
         store.commit_()  # sharded: every rank staged; only now may any rank drop its original weights
@@ -155,7 +139,7 @@ class LayerModeBackend:
                 continue
             host = [b.host for b in streamer.blocks if b.component == comp.path] if streamer else []
             c = self._counters.get(comp.path)
-            per[comp.path] = ComponentStats(
+            per[comp.display_path] = ComponentStats(
                 bytes_transferred=c.bytes_transferred if c else 0,
                 num_transfers=c.num_transfers if c else 0,
                 num_sync_loads=c.num_sync_loads if c else 0,
@@ -165,6 +149,7 @@ class LayerModeBackend:
                 pinned_host_bytes=sum(h.host_bytes for h in host if h.pinned),
                 num_streamed_blocks=len(host),
                 num_resident_blocks=len(self.placement.resident_block_paths(comp.path)),
+                bytes_written_back=c.bytes_written_back if c else 0,
             )
         totals = {f: sum(getattr(s, f) for s in per.values()) for f in ComponentStats.__dataclass_fields__}
         totals["device_bytes"] += self.placement.ring_nbytes
@@ -175,7 +160,7 @@ class LayerModeBackend:
             slot_bytes=self.placement.ring_nbytes,
             max_materialized_blocks=streamer.max_materialized if streamer else 0,
             engine=getattr(self._engine, "kind", ""),
-            residency=MappingProxyType({p: c.describe() for p, c in self.placement.residency.items()}),
+            residency=MappingProxyType({self.plan.component(p).display_path: c.describe() for p, c in self.placement.residency.items()}),
         )
 
     def block_transfers(self) -> dict[str, int]:

@@ -135,6 +135,24 @@ class BlockLayout:
             raw.set_(src.untyped_storage(), src_start + lo - dst, (hi - lo,), (1,))
             buffer[lo - start : hi - start].copy_(raw)
 
+    def buffer_byte_ranges(self) -> list[tuple[int, int]]:
+        """[start, end) bytes of every buffer (not parameter) entry in the packed block, merged where they touch."""
+        ranges = []
+        for e in self.entries:
+            if e.is_param or any(size == 0 for size in e.shape):
+                continue
+            itemsize = e.dtype.itemsize
+            start = e.element_offset * itemsize
+            extent = (sum((size - 1) * stride for size, stride in zip(e.shape, e.stride)) + 1) * itemsize
+            ranges.append((start, start + extent))
+        merged: list[tuple[int, int]] = []
+        for start, end in sorted(ranges):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+            else:
+                merged.append((start, end))
+        return merged
+
     def source_device(self) -> torch.device:
         """The device the block's original tensors live on (CPU for a block without tensors)."""
         for source, *_ in self._spans:
@@ -216,6 +234,9 @@ class TensorBinder:
             param.data = views[i]
         for buffers, name, i in self._buffer_slots:
             buffers[name] = views[i]
+
+    def any_requires_grad(self) -> bool:
+        return any(param.requires_grad for param, _ in self._param_slots)
 
     def evict_(self) -> None:
         self.bind_(self._placeholder_list)

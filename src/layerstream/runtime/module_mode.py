@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from layerstream.plan.resolved import ResolvedOffloadPlan
-from layerstream.runtime.layer_mode import UndoStack
+from layerstream.runtime.undo import UndoStack
 from layerstream.runtime.stats import ComponentStats, OffloadStats, OffloadTrace
 from layerstream.runtime.wrapping import MethodWrapper
 
@@ -66,13 +66,13 @@ class ModuleModeBackend:
         per = {}
         for c in self.plan.components:
             if c.action == "swap":
-                per[c.path] = ComponentStats(
+                per[c.display_path] = ComponentStats(
                     bytes_transferred=self.transfers[c.path] * self.bytes[c.path],
                     num_transfers=self.transfers[c.path],
                     host_bytes=self.bytes[c.path],
                 )
             elif c.action == "resident":
-                per[c.path] = ComponentStats(device_bytes=_module_bytes(self.components[c.path]))
+                per[c.display_path] = ComponentStats(device_bytes=_module_bytes(self.components[c.path]))
         totals = {f: sum(getattr(s, f) for s in per.values()) for f in ComponentStats.__dataclass_fields__}
         # while a swapped component runs it is on the device too: count the largest one
         totals["device_bytes"] += max(self.bytes.values(), default=0)
@@ -87,10 +87,13 @@ class ModuleModeBackend:
     def reset_trace(self) -> None:
         pass
 
-    def disable(self) -> None:
+    def remove_wrappers_(self) -> None:
         for w in self._wrappers:
             w.remove()
         self._wrappers = []
+
+    def disable(self) -> None:
+        self.remove_wrappers_()
         for path in self.bytes:
             self.components[path].to(self.device)
 
@@ -109,7 +112,7 @@ def apply_module_mode(
         original = _device_of(module)
         undo.push(lambda m=module, d=original: m.to(d))
         module.to(OFFLOAD_DEVICE if comp.action == "swap" else device)
-    undo.push(lambda: [w.remove() for w in backend._wrappers])
+    undo.push(backend.remove_wrappers_)
     backend.install_()
     return backend
 

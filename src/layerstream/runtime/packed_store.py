@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.layout import BlockLayout, TensorBinder
 from layerstream.runtime.protocols import Job, Pinner
 
@@ -58,6 +59,26 @@ class PackedBlock:
             return nbytes
 
         return job
+
+    def host_range(self, start: int, nbytes: int) -> torch.Tensor:
+        self._check_held("backward through it")
+        return self.buffer[start : start + nbytes]
+
+    def write_back_(self, slot_buffer: torch.Tensor, start: int, end: int) -> int:
+        self._check_held("keep what its forward wrote")
+        # a host-side copy from the device: it waits for the block's compute, which is what must finish first
+        self.buffer[start:end].copy_(slot_buffer[start:end])
+        return end - start
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        self._check_held("read its weights")
+        return self.layout.views(self.buffer)
+
+    def _check_held(self, what: str) -> None:
+        if self.buffer.numel() < self.layout.nbytes:
+            raise UnsupportedUseError(
+                f"{self.path}: offload was disabled since this block ran, so its host copy is gone; cannot {what}"
+            )
 
     def restore_(self, device: torch.device) -> None:
         """Real tensors on `device` again (fresh storage per span, same residues); the host buffer goes."""

@@ -71,6 +71,18 @@ class StoredBlock(Protocol):
     def copy_job(self, slot_buffer: torch.Tensor) -> Job:
         """A job that fills `slot_buffer` (a whole slot) with the block's packed bytes."""
 
+    def host_range(self, start: int, nbytes: int) -> torch.Tensor:
+        """Bytes [start, start + nbytes) of the packed block, on the host (for a tensor autograd saved).
+        Raises `UnsupportedUseError` where this process does not hold them."""
+
+    def write_back_(self, slot_buffer: torch.Tensor, start: int, end: int) -> int:
+        """Copy bytes [start, end) of the packed block from `slot_buffer` back into the store (a buffer the
+        block wrote during its forward); returns the bytes written."""
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """One host tensor per layout entry, viewing the store's bytes (`state_dict`, `load_state_dict`).
+        Raises `UnsupportedUseError` where this process does not hold the whole block."""
+
 
 @runtime_checkable
 class HostStore(Protocol):

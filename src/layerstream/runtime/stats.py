@@ -29,6 +29,9 @@ class ComponentStats:
     pinned_host_bytes: int = 0
     num_streamed_blocks: int = 0
     num_resident_blocks: int = 0
+    bytes_written_back: int = 0
+    """Bytes of buffers that streamed blocks wrote during forward (running statistics, counters), copied back
+    into the host store so that the next call reads them."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,27 @@ class OffloadStats(ComponentStats):
     engine: str = ""
     residency: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     """Per DiT: how many leading blocks stay resident, and why."""
+
+    def __str__(self) -> str:
+        """A readable multi-line summary (the dataclass repr stays available through `repr`)."""
+        lines = [
+            f"offload ({self.engine or 'none'}): {self.num_slots} slots, {_bytes(self.slot_bytes)} of slots, "
+            f"at most {self.max_materialized_blocks} blocks bound at once",
+            f"  device {_bytes(self.device_bytes)}, host {_bytes(self.host_bytes)} "
+            f"({_bytes(self.pinned_host_bytes)} pinned)",
+            f"  streamed {_bytes(self.bytes_transferred)} in {self.num_transfers} transfers, "
+            f"{self.num_sync_loads} synchronous loads, {self.stall_seconds:.3f} s stalled",
+        ]
+        if self.bytes_written_back:
+            lines.append(f"  buffers written back: {_bytes(self.bytes_written_back)}")
+        for path, c in self.per_component.items():
+            lines.append(
+                f"  {path}: {c.num_streamed_blocks} streamed + {c.num_resident_blocks} resident blocks, "
+                f"device {_bytes(c.device_bytes)}, host {_bytes(c.host_bytes)}, {c.num_transfers} transfers"
+            )
+        for path, text in self.residency.items():
+            lines.append(f"  residency {path}: {text}")
+        return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -79,3 +103,12 @@ class OffloadTrace:
 
     def lane(self, name: str) -> tuple[TraceInterval, ...]:
         return tuple(i for i in self.intervals if i.lane == name)
+
+
+def _bytes(num_bytes: int) -> str:
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

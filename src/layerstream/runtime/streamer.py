@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from layerstream.errors import ConcurrentUseError, TransferError
+from layerstream.errors import ConcurrentUseError, TransferError, UnsupportedUseError
 from layerstream.runtime.protocols import CopyEngine, CopyRecord, StoredBlock
+from layerstream.runtime.saved_tensors import slot_saved_tensor_hooks
 from layerstream.runtime.wrapping import MethodWrapper
 
 MAX_TRACE_RECORDS = 20_000
@@ -43,13 +44,24 @@ class ComputeRecord:
 class BlockCounters:
     """Transfer counters of one component (plain ints: updated on the hot path)."""
 
-    __slots__ = ("bytes_transferred", "num_transfers", "num_sync_loads", "stall_seconds")
+    __slots__ = ("bytes_transferred", "num_transfers", "num_sync_loads", "stall_seconds", "bytes_written_back")
 
     def __init__(self):
         self.bytes_transferred = 0
         self.num_transfers = 0
         self.num_sync_loads = 0
         self.stall_seconds = 0.0
+        self.bytes_written_back = 0
+
+
+@dataclass
+class _Binding:
+    """A block bound to a slot for one call: its trace record, the slot's version counter when bound (an
+    in-place write into the slot moves it), and the saved-tensor hooks entered for a grad-mode call."""
+
+    record: ComputeRecord
+    slot_version: int
+    saved_hooks: object = None
 
 
 class StreamedBlock:
@@ -67,6 +79,7 @@ class StreamedBlock:
         "views",
         "num_transfers",
         "depth",
+        "buffer_ranges",
     )
 
     def __init__(self, index: int, host: StoredBlock, component: str, module: nn.Module, counters: BlockCounters, depth: int):
@@ -83,6 +96,7 @@ class StreamedBlock:
         self.views: dict[int, list[torch.Tensor]] = {}  # slot -> views of that slot, built once
         self.num_transfers = 0
         self.depth = depth
+        self.buffer_ranges = host.layout.buffer_byte_ranges()  # what a forward may write that must be kept
 
     @property
     def path(self) -> str:
@@ -111,7 +125,9 @@ class BlockStreamer:
         self._owner: int | None = None
         self._owner_depth = 0
         self._owner_lock = threading.Lock()
-        self._active: dict[int, ComputeRecord] = {}
+        self._active: dict[int, _Binding] = {}
+        self._slot_of_storage = {buffer.untyped_storage().data_ptr(): slot for slot, buffer in enumerate(slot_buffers)}
+        self._bound_in_slot: list[int | None] = [None] * self.num_slots
 
     # ownership: one thread at a time may run the streamed models (they share the slots) ---------------------
     def enter(self) -> None:
@@ -153,6 +169,13 @@ class BlockStreamer:
     # hooks ---------------------------------------------------------------------------------------------------
     def pre_forward(self, block: StreamedBlock) -> None:
         self._check_owner()
+        if torch.is_grad_enabled() and block.host.binder.any_requires_grad():
+            raise UnsupportedUseError(
+                f"{block.path}: a streamed block's weights cannot receive gradients (they are placeholders again "
+                "when backward runs). For gradients with respect to the inputs (guidance, inversion), freeze the "
+                "weights with model.requires_grad_(False); for inference run under torch.no_grad() or "
+                "torch.inference_mode(); to train, call handle.disable() first"
+            )
         if self._owner is None and self._active:
             self._release_abandoned_()  # a block called outside its component was left bound by a Ctrl-C
         index = block.index
@@ -188,16 +211,32 @@ class BlockStreamer:
         if self.num_materialized > self.max_materialized:
             self.max_materialized = self.num_materialized
         record = ComputeRecord(block.path, slot, wait_start, self.engine.now(), sync_load=sync_load)
-        self._active[index] = record
+        binding = _Binding(record, self.slot_buffers[slot]._version)
+        self._active[index] = binding
+        self._bound_in_slot[slot] = index
         self.compute_records.append(record)
+        if torch.is_grad_enabled():
+            # autograd may save slot tensors for backward; keep them as references into the host store
+            binding.saved_hooks = slot_saved_tensor_hooks(self._slot_owner)
+            binding.saved_hooks.__enter__()
 
         self._prefetch_after(block)
 
     def post_forward(self, block: StreamedBlock, output) -> None:
-        record = self._active.pop(block.index, None)
-        if record is None:
+        binding = self._active.pop(block.index, None)
+        if binding is None:
             return  # pre-forward failed before binding (e.g. refused thread): nothing to release
+        record = binding.record
         record.end = self.engine.now()
+        if binding.saved_hooks is not None:
+            binding.saved_hooks.__exit__(None, None, None)
+        self._bound_in_slot[record.slot] = None
+        slot_buffer = self.slot_buffers[record.slot]
+        if slot_buffer._version != binding.slot_version and block.buffer_ranges:
+            # something wrote into the slot in place (BatchNorm statistics, a step counter): keep the buffers'
+            # new bytes in the store, or the next call would read the old ones
+            for start, end in block.buffer_ranges:
+                block.counters.bytes_written_back += block.host.write_back_(slot_buffer, start, end)
         block.host.binder.evict_()
         self.num_materialized -= 1
         self.slot_in_use[record.slot] = False  # the slot the block was bound to, whatever it holds next
@@ -205,6 +244,23 @@ class BlockStreamer:
         if output is None and sys.exc_info()[1] is not None:
             # the block raised: do not learn the next transition from an aborted forward
             self._last_index = None
+
+    def _slot_owner(self, t: torch.Tensor):
+        """(the bound block's store entry, byte offset in the slot) for a tensor viewing a slot, else None."""
+        slot = self._slot_of_storage.get(t.untyped_storage().data_ptr())
+        if slot is None:
+            return None
+        index = self._bound_in_slot[slot]
+        if index is None:
+            return None
+        return self.blocks[index].host, t.data_ptr() - self.slot_buffers[slot].data_ptr()
+
+    def forget_copy_(self, block: StreamedBlock) -> None:
+        """The block's bytes in the store changed (`load_state_dict`): a slot still holding the old copy must
+        not be read; the next call copies again."""
+        if block.slot is not None and not self.slot_in_use[block.slot]:
+            self.slot_block[block.slot] = None
+            block.slot = None
 
     # scheduling ----------------------------------------------------------------------------------------------
     def _learn(self, last: int, index: int) -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from layerstream.bench.trace_export import chrome_trace_events, summarize_trace, write_chrome_trace, write_timeline_png
+from layerstream.runtime.trace_export import chrome_trace_events, summarize_trace, write_chrome_trace, write_timeline_png
 from layerstream.runtime.stats import OffloadTrace, TraceInterval
 
 

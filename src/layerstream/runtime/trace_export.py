@@ -65,7 +65,7 @@ def chrome_trace_events(trace: OffloadTrace) -> list[dict[str, Any]]:
         events.append({"ph": "M", "pid": _PID, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
     for interval in trace.intervals:
         tid = tids[interval.lane]
-        args: dict[str, Any] = {"slot": interval.slot}
+        args: dict[str, Any] = {"slot": interval.slot, "component": interval.component}
         if interval.lane == "compute":
             args.update(stall_us=interval.stall * 1e6, sync_load=interval.sync_load)
         if interval.stall > 0:
@@ -120,17 +120,24 @@ def write_timeline_png(trace: OffloadTrace, path: str | Path, *, title: str | No
     ax = fig.add_subplot(1, 1, 1)
     rows = {lane: len(lanes) - 1 - n for n, lane in enumerate(lanes)}  # first lane on top
     label_bars = len(trace.intervals) <= 80  # labels on every bar would be unreadable beyond that
+    components = _components(trace)
+    span_ms = max((i.end - origin for i in trace.intervals), default=0.0) * 1e3
+    # a copy of a few microseconds next to a step of seconds would be narrower than a pixel: draw every bar at
+    # least this wide (about one pixel of the plot) so that each copy stays visible at the scale of a step
+    min_width_ms = span_ms / 1200
 
     for interval in trace.intervals:
         y = rows[interval.lane]
         start_ms, width_ms = (interval.start - origin) * 1e3, (interval.end - interval.start) * 1e3
-        color = _COLORS["sync_load"] if interval.sync_load else _COLORS.get(interval.lane, "#9D755D")
-        ax.broken_barh([(start_ms, width_ms)], (y - 0.35, 0.7), facecolors=color, edgecolors="white", linewidth=0.5)
+        color = _COLORS["sync_load"] if interval.sync_load else _lane_color(interval, components)
+        bar = (start_ms, max(width_ms, min_width_ms))
+        ax.broken_barh([bar], (y - 0.35, 0.7), facecolors=color, edgecolors="white", linewidth=0.3 if label_bars else 0)
         if interval.stall > 0:
             stall_ms = interval.stall * 1e3
             ax.broken_barh([(start_ms - stall_ms, stall_ms)], (y - 0.35, 0.7), facecolors=_COLORS["stall"])
         if label_bars:
-            ax.text(start_ms + width_ms / 2, y, _short(interval), ha="center", va="center", fontsize=6, clip_on=True)
+            text = _short(interval, len(components) > 1)
+            ax.text(start_ms + width_ms / 2, y, text, ha="center", va="center", fontsize=6, clip_on=True)
 
     ax.set_yticks(list(rows.values()), list(rows.keys()))
     ax.set_ylim(-0.6, len(lanes) - 0.4)
@@ -138,6 +145,8 @@ def write_timeline_png(trace: OffloadTrace, path: str | Path, *, title: str | No
     ax.set_title(title or "layerstream offload timeline")
     ax.grid(axis="x", alpha=0.3)
     legend = [Patch(color=_COLORS[k], label=k.replace("_", " ")) for k in ("copy", "compute", "stall", "sync_load")]
+    if len(components) > 1:  # compute is shaded per component: the two experts of Wan 2.2 tell apart
+        legend[1:2] = [Patch(color=_COMPONENT_SHADES[n % len(_COMPONENT_SHADES)], label=f"compute {c}") for n, c in enumerate(components)]
     # below the axes, so the legend never hides a bar
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.28), fontsize=7, ncol=4, frameon=False)
     fig.tight_layout()
@@ -145,6 +154,25 @@ def write_timeline_png(trace: OffloadTrace, path: str | Path, *, title: str | No
     return path
 
 
-def _short(interval: TraceInterval) -> str:
-    """The block's index (the last path segment) is enough inside a bar."""
-    return interval.label.rsplit(".", 1)[-1]
+_COMPONENT_SHADES = ("#54A24B", "#B279A2", "#72B7B2", "#EECA3B")
+
+
+def _components(trace: OffloadTrace) -> list[str]:
+    """Components of the streamed blocks, in order of first appearance."""
+    seen: list[str] = []
+    for interval in trace.intervals:
+        if interval.component and interval.component not in seen:
+            seen.append(interval.component)
+    return seen
+
+
+def _lane_color(interval: TraceInterval, components: list[str]) -> str:
+    if interval.lane == "compute" and len(components) > 1 and interval.component in components:
+        return _COMPONENT_SHADES[components.index(interval.component) % len(_COMPONENT_SHADES)]
+    return _COLORS.get(interval.lane, "#9D755D")
+
+
+def _short(interval: TraceInterval, with_component: bool = False) -> str:
+    """Inside a bar: the block's index (the last path segment), after its component when several stream."""
+    index = interval.label.rsplit(".", 1)[-1]
+    return f"{interval.component}:{index}" if with_component and interval.component else index
