@@ -9,7 +9,7 @@ import pytest
 
 from layerstream.server.errors import ApiError
 from layerstream.server.limits import ModelLimits, check_endpoint, check_request, pipeline_size_multiple
-from layerstream.server.metrics import Histogram, QueueState, ServerMetrics
+from layerstream.server.metrics import Histogram, JobOutcome, QueueState, ServerMetrics
 from layerstream.server.schemas import ImageGenerationRequest, VideoGenerationRequest
 
 
@@ -34,7 +34,8 @@ def test_size_multiple_from_the_pipeline(pipeline, expected):
 
 WAN = ModelLimits(
     model="tiny-wan", kind="video", size_multiple=16, frame_multiple=4, default_width=64, default_height=64,
-    default_num_frames=9, max_frames=13, max_side_pixels=256, supports_negative_prompt=True,
+    default_num_frames=9, default_num_inference_steps=4, max_frames=13, max_side_pixels=256,
+    max_latent_positions=None, max_work=10**9, supports_negative_prompt=True,
 )  # fmt: skip
 
 
@@ -69,7 +70,8 @@ def test_every_bad_field_is_named_with_what_is_allowed():
 def test_image_request_on_image_model():
     flux = ModelLimits(
         model="tiny-flux", kind="image", size_multiple=16, frame_multiple=None, default_width=64, default_height=64,
-        default_num_frames=None, max_frames=129, max_side_pixels=2048, supports_negative_prompt=False,
+        default_num_frames=None, default_num_inference_steps=4, max_frames=129, max_side_pixels=2048,
+        max_latent_positions=None, max_work=10**9, supports_negative_prompt=False,
     )  # fmt: skip
     check_request(ImageGenerationRequest(prompt="fox", size="64x32"), flux)
     with pytest.raises(ApiError) as info:
@@ -89,7 +91,7 @@ def test_histogram_buckets_are_cumulative():
 def test_metrics_text_is_well_formed():
     metrics = ServerMetrics()
     metrics.observe_request("/health", 200, 0.01)
-    metrics.observe_job(queue_seconds=0.5, seconds=1.5, num_outputs=2, ok=True)
+    metrics.observe_job(queue_seconds=0.5, seconds=1.5, num_outputs=2, outcome=JobOutcome.OK)
     offload = SimpleNamespace(
         bytes_transferred=10, num_transfers=2, num_sync_loads=0, stall_seconds=0.25, device_bytes=5, host_bytes=7,
         pinned_host_bytes=7, slot_bytes=4, max_materialized_blocks=2,

@@ -13,25 +13,68 @@ def pipeline_size_multiple(pipeline: Any) -> int:
     processor's ``vae_scale_factor`` rather than the transformer's patch size, so the answer is the least
     common multiple of both readings.
     """
-    spatial = getattr(pipeline, "vae_scale_factor_spatial", None) or getattr(pipeline, "vae_scale_factor", None) or 1
-    patch = 1
-    transformer = getattr(pipeline, "transformer", None)
-    config = getattr(transformer, "config", None)
-    patch_size = getattr(config, "patch_size", None) if config is not None else None
-    if isinstance(patch_size, int):
-        patch = patch_size
-    elif isinstance(patch_size, (tuple, list)) and patch_size:
-        patch = int(patch_size[-1])  # (temporal, height, width): the spatial patch is the last
     processor_multiple = 1
     for name in ("image_processor", "video_processor"):
         processor = getattr(pipeline, name, None)
         factor = getattr(getattr(processor, "config", None), "vae_scale_factor", None)
         if isinstance(factor, int) and factor > 0:
             processor_multiple = math.lcm(processor_multiple, factor)
-    return math.lcm(int(spatial) * patch, processor_multiple)
+    return math.lcm(_pixels_per_token(pipeline), processor_multiple)
 
 
 def pipeline_frame_multiple(pipeline: Any) -> int | None:
     """Video: ``num_frames - 1`` must be a multiple of the VAE's temporal compression (None: any count)."""
     temporal = getattr(pipeline, "vae_scale_factor_temporal", None)
     return temporal if isinstance(temporal, int) and temporal > 1 else None
+
+
+def pipeline_max_latent_positions(pipeline: Any) -> int | None:
+    """Most latent tokens along one axis (frames, height or width) its transformers can position, or None.
+
+    Wan-style rotary embeddings precompute ``rope_max_seq_len`` positions per axis; a larger grid fails deep
+    inside the first block (``view size is not compatible``) after the text encoder has already run. Both
+    experts of a two-expert pipeline count: the smaller table binds.
+    """
+    limits = []
+    for name in ("transformer", "transformer_2"):
+        config = getattr(getattr(pipeline, name, None), "config", None)
+        value = getattr(config, "rope_max_seq_len", None) if config is not None else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            limits.append(value)
+    return min(limits) if limits else None
+
+
+def pipeline_max_side(pipeline: Any) -> int | None:
+    """Largest height or width in pixels the transformer can position (None: no such limit is declared)."""
+    positions = pipeline_max_latent_positions(pipeline)
+    return None if positions is None else positions * _pixels_per_token(pipeline)
+
+
+def pipeline_max_frames(pipeline: Any) -> int | None:
+    """Video: most frames the transformer can position (None: no such limit is declared)."""
+    positions = pipeline_max_latent_positions(pipeline)
+    if positions is None:
+        return None
+    temporal = pipeline_frame_multiple(pipeline) or 1
+    latent_frames = positions * _patch(pipeline, axis=0)  # latent frames = (num_frames - 1) / temporal + 1
+    return (latent_frames - 1) * temporal + 1
+
+
+def _pixels_per_token(pipeline: Any) -> int:
+    """VAE spatial compression x the transformer's spatial patch size."""
+    spatial = getattr(pipeline, "vae_scale_factor_spatial", None) or getattr(pipeline, "vae_scale_factor", None) or 1
+    return int(spatial) * _patch(pipeline, axis=-1)
+
+
+def _patch(pipeline: Any, *, axis: int) -> int:
+    """The transformer's patch size along `axis` of (temporal, height, width); 1 where it declares none.
+
+    An int patch size is spatial only (image transformers): it patches no time axis.
+    """
+    config = getattr(getattr(pipeline, "transformer", None), "config", None)
+    patch_size = getattr(config, "patch_size", None) if config is not None else None
+    if isinstance(patch_size, int):
+        return patch_size if axis != 0 else 1
+    if isinstance(patch_size, (tuple, list)) and patch_size:
+        return int(patch_size[axis])
+    return 1
