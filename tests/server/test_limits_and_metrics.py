@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from layerstream.models.geometry import pipeline_max_frames, pipeline_max_side
 from layerstream.server.errors import ApiError
 from layerstream.server.limits import ModelLimits, check_endpoint, check_request, pipeline_size_multiple
 from layerstream.server.metrics import Histogram, JobOutcome, QueueState, ServerMetrics
@@ -44,6 +45,51 @@ def _problems(request) -> dict[str, str]:
         check_request(request, WAN)
     assert info.value.status == 400
     return {d.param: d.allowed for d in info.value.details}
+
+
+def _wan_like(*rope_max_seq_lens):
+    experts = {
+        name: SimpleNamespace(config=SimpleNamespace(patch_size=(1, 2, 2), rope_max_seq_len=n))
+        for name, n in zip(("transformer", "transformer_2"), rope_max_seq_lens)
+    }
+    return SimpleNamespace(vae_scale_factor_spatial=8, vae_scale_factor_temporal=4, **experts)
+
+
+def test_largest_size_and_frames_the_transformer_can_position():
+    # tiny-wan: 64 rotary positions per axis, 8x VAE x 2x2 patches -> 1024 px; 4x temporal -> 63 * 4 + 1 frames
+    assert (pipeline_max_side(_wan_like(64)), pipeline_max_frames(_wan_like(64))) == (1024, 253)
+    assert pipeline_max_side(_wan_like(1024, 32)) == 512  # two experts: the smaller table binds
+    flux_like = _pipeline("vae_scale_factor", 8, 1, 16)  # positions computed from ids: no table, no limit
+    assert pipeline_max_side(flux_like) is None and pipeline_max_frames(flux_like) is None
+
+
+def test_a_size_beyond_the_model_grid_names_the_limit():
+    limits = ModelLimits(**{**WAN.__dict__, "max_side_pixels": 1024, "max_latent_positions": 64})
+    with pytest.raises(ApiError) as info:
+        check_request(VideoGenerationRequest(prompt="fox", size="2048x2048"), limits)
+    detail = info.value.details[0]
+    assert info.value.status == 400 and detail.param == "size"
+    assert "to 1024" in detail.allowed and "64 latent tokens per axis" in detail.allowed
+    check_request(VideoGenerationRequest(prompt="fox", size="1024x64"), limits)
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"num_inference_steps": 1000}, "num_inference_steps"),
+        ({"n": 4, "num_inference_steps": 8}, "n"),  # n=4 asks 4x the default, steps 2x
+        ({"size": "256x256", "num_inference_steps": 8}, "size"),
+        ({"num_frames": 13, "num_inference_steps": 5}, "num_frames"),  # 13/9 of the default frames, 5/4 of the steps
+    ],
+)
+def test_more_work_than_the_cap_names_the_field_that_asks_most(fields, named):
+    limits = ModelLimits(**{**WAN.__dict__, "max_work": 64 * 64 * 9 * 4})  # exactly the default request
+    check_request(VideoGenerationRequest(prompt="fox"), limits)
+    with pytest.raises(ApiError) as info:
+        check_request(VideoGenerationRequest(prompt="fox", **fields), limits)
+    detail = info.value.details[0]
+    assert info.value.status == 400 and detail.param == named
+    assert "--max-work" in detail.allowed and "147,456" in detail.allowed
 
 
 def test_wrong_endpoint_names_what_the_model_makes():
