@@ -124,7 +124,7 @@ def test_a_started_job_is_signalled_and_stops_where_it_checks(queue):
 
     def steps(job):
         for _ in range(1000):
-            job.stop.raise_if_requested("between steps")
+            job.stop_signal.raise_if_requested("between steps")
             checked.set()
             time.sleep(0.01)
         return "ran to the end"
@@ -146,6 +146,6 @@ def test_stop_running_signals_only_the_running_job(queue):
     assert started.wait(10)
     waiting = queue.submit(lambda job: "next")
     assert queue.stop_running(StopReason.SHUTDOWN)
-    assert running.stop.reason is StopReason.SHUTDOWN and waiting.stop.reason is None
+    assert running.stop_signal.reason is StopReason.SHUTDOWN and waiting.stop_signal.reason is None
     release.set()
     assert running.future.result(10) == "blocker" and waiting.future.result(10) == "next"

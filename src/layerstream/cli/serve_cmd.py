@@ -152,8 +152,8 @@ def _check_device(text: str | None) -> None:
         raise CliError(f"--device {text!r}: no {device.type} device is available; use --device cpu")
     device_count = getattr(backend, "device_count", None)
     if device.index is not None and callable(device_count) and device.index >= device_count():
-        count = device_count()
-        raise CliError(f"--device {text!r}: this machine has {count} {device.type} device(s), {device.type}:0 to {device.type}:{count - 1}")
+        count, kind = device_count(), device.type
+        raise CliError(f"--device {text!r}: this machine has {count} {kind} device(s), {kind}:0 to {kind}:{count - 1}")
 
 
 def _configure_server_logging(verbose: bool, access_log: bool) -> None:

@@ -163,7 +163,7 @@ async def _await_job(service: GenerationService, job: Job, request: Request) -> 
         return result.result()
     except ApiError:
         raise
-    except GenerationStopped as e:  # the worker stopped it; only a shutdown asks without waiting for the answer
+    except GenerationStopped as e:  # a shutdown stopped it: the other reasons are answered above, not awaited
         raise _stopped_answer(e.reason, job, started=True) from None
     except QueueTimeoutError as e:
         raise ApiError(504, f"the request {e}", code="queue_timeout", param="timeout") from None
@@ -176,7 +176,9 @@ async def _await_job(service: GenerationService, job: Job, request: Request) -> 
         raise ApiError(500, message, code="generation_failed") from None
     finally:
         client_gone.cancel()
-        if not job.future.done():  # leaving without its outcome (this task was cancelled): nobody will read it
+        if not job.future.done():
+            # leaving before the outcome: asked above, or this task was cancelled (the graceful shutdown ran
+            # out); either way nobody will read it. A stop already asked for keeps its first reason.
             service.queue.stop(job, StopReason.CLIENT_GONE)
         # nobody reads the outcome of an abandoned job; cancelling the wrapper keeps asyncio from logging it
         result.cancel()
@@ -252,7 +254,8 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
                 break
     except ClientDisconnect:
         # an ordinary event for a server (a client killed, a network dropped): one line, and counted as 499
-        logger.info("%s %s: the client disconnected after sending %d bytes of its body", request.method, request.url.path, size)
+        path = request.url.path
+        logger.info("%s %s: the client disconnected after sending %d bytes of its body", request.method, path, size)
         raise ApiError(499, "the client closed the connection while sending its body", code="client_gone") from None
     if size > max_bytes:
         raise too_large

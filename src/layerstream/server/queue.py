@@ -49,7 +49,7 @@ class Job:
     submitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     future: Future = field(default_factory=Future)
-    stop: StopSignal = field(default_factory=StopSignal)
+    stop_signal: StopSignal = field(default_factory=StopSignal)
     """Set from the event loop to stop the job once started; the work checks it between steps."""
 
     @property
@@ -158,7 +158,7 @@ class GenerationQueue:
         (its future then fails with `GenerationStopped`); a finished one is left as it is.
         """
         if not self._remove_waiting(job):
-            job.stop.request(reason)  # started or done: the worker reads this between steps
+            job.stop_signal.request(reason)  # started or done: the worker reads this between steps
             return False
         if reason is StopReason.TIMEOUT:
             _fail(job, _timeout_error(job))
@@ -174,7 +174,7 @@ class GenerationQueue:
             job = self._running
         if job is None:
             return False
-        job.stop.request(reason)
+        job.stop_signal.request(reason)
         return True
 
     def _remove_waiting(self, job: Job) -> bool:

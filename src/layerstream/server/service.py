@@ -143,10 +143,10 @@ class GenerationService:
         try:
             for index, seed in enumerate(params.seeds):
                 where = f"output {index + 1} of {num_outputs}"
-                job.stop.raise_if_requested(f"before {where}")
+                job.stop_signal.raise_if_requested(f"before {where}")
 
                 def stop_if_asked(step: int, total: int, seconds: float, where: str = where) -> None:
-                    job.stop.raise_if_requested(f"after step {step} of {total} ({where})")
+                    job.stop_signal.raise_if_requested(f"after step {step} of {total} ({where})")
 
                 result = self.omni.generate(
                     params.prompt,

@@ -9,8 +9,10 @@ from layerstream.errors import LayerstreamError
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 # width x height x frames x steps x outputs. 1e8 lets a 2048x2048 image run 23 steps, or a 832x480 video of
-# 81 frames run 3; at one step an output stays near 3.4 GB of host memory (about 34 bytes per pixel and frame,
-# extrapolated from tiny-wan), which fits a 24 GB machine beside the model. A GPU server raises it with --max-work.
+# 81 frames run 3, and bounds the time of a request on a 2-core CPU to minutes. Memory grows with one output's
+# pixels x frames (outputs are made one at a time): tiny-wan at one step peaked at 1.3 GB for 512x512 x 9
+# frames, 1.4 GB for 512x512 x 33 and 2.2 GB for 1024x1024 x 9, so the largest request the cap lets through
+# stays a few GB, well within a 24 GB host. A GPU server for real models raises it with --max-work.
 DEFAULT_MAX_WORK = 100_000_000
 DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0  # plus one denoising step, within the 30 s most orchestrators allow
 MAX_SHUTDOWN_TIMEOUT_S = 86_400.0

@@ -7,7 +7,8 @@ prefetch of the first, so the runtime is as clean as after a finished generation
 runs bit-identically.
 
 The event loop requests a stop (a deadline passed, the client left, the server is shutting down); the worker
-thread sees it at the next step boundary, or before the next of a request's ``n`` outputs.
+thread sees it at the next step boundary, or before the next of a request's ``n`` outputs (the only boundary
+of a pipeline whose ``__call__`` takes no ``callback_on_step_end``).
 """
 
 from __future__ import annotations
