@@ -171,7 +171,8 @@ def _wait_for_ready(process: subprocess.Popen, log_path: Path, timeout: float) -
 def _stop(process: subprocess.Popen) -> None:
     if process.poll() is not None:
         return
-    process.send_signal(signal.SIGTERM)  # graceful: finishes what runs, answers the rest 503
+    # graceful: waiting requests get 503, the running one --shutdown-timeout s (then it stops at its next step)
+    process.send_signal(signal.SIGTERM)
     try:
         process.wait(60)
     except subprocess.TimeoutExpired:

@@ -14,8 +14,9 @@ def server_factory(tmp_path_factory, layerstream_cache) -> Iterator[Callable[...
     """Start servers for one module; all of them are killed when the module is done."""
     started: list[ServerProcess] = []
 
-    def start(model: str, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        server = start_server(model, *args, folder=tmp_path_factory.mktemp("serve"), env=env)
+    def start(model: str, *args: str, env: dict[str, str] | None = None, fault_prompt: str | None = None) -> ServerProcess:
+        folder = tmp_path_factory.mktemp("serve")
+        server = start_server(model, *args, folder=folder, env=env, fault_prompt=fault_prompt)
         started.append(server)
         return server
 

@@ -44,6 +44,6 @@ USAGE_KEYS = [
 ]  # fmt: skip
 HEALTH_KEYS = [
     "status", "model", "kind", "device", "dtype", "offload_config", "queue_depth", "max_queue", "running",
-    "size_multiple", "frame_multiple", "max_frames",
+    "size_multiple", "frame_multiple", "max_frames", "max_side_pixels", "max_work",
 ]  # fmt: skip
 ERROR_KEYS = ["message", "type", "param", "code", "details"]

@@ -22,6 +22,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from fault_injection import FAULT_PROMPT_ENV
+
 IMAGES = "/v1/images/generations"
 VIDEOS = "/v1/videos/generations"
 READY = re.compile(r"layerstream serve: ready on (http://\S+)")
@@ -56,12 +58,22 @@ class ServerProcess:
             self.process.wait(10)
 
 
-def start_server(model: str, *args: str, folder: Path, env: dict[str, str] | None = None) -> ServerProcess:
-    """Start ``layerstream serve MODEL --port 0 ARGS`` and return once /health answers."""
+def start_server(
+    model: str, *args: str, folder: Path, env: dict[str, str] | None = None, fault_prompt: str | None = None
+) -> ServerProcess:
+    """Start ``layerstream serve MODEL --port 0 ARGS`` and return once /health answers.
+
+    With `fault_prompt`, the server runs through `serve_with_fault.py`: that prompt raises inside a block.
+    """
     log_path = folder / "server.log"
     # one intra-op thread: the tiny models gain nothing from more, and the test process needs the other core
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    command = [sys.executable, "-m", "layerstream", "serve", model, "--port", "0", *args]
+    if fault_prompt is None:
+        launcher = [sys.executable, "-m", "layerstream"]
+    else:
+        launcher = [sys.executable, str(Path(__file__).with_name("serve_with_fault.py"))]
+        full_env[FAULT_PROMPT_ENV] = fault_prompt
+    command = [*launcher, "serve", model, "--port", "0", *args]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     server = None

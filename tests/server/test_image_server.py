@@ -23,9 +23,7 @@ SMALL = {"size": "32x32", "num_inference_steps": 1}
 
 @pytest.fixture(scope="module")
 def server(server_factory):
-    return server_factory(
-        "tiny-flux", "--max-body-bytes", str(MAX_BODY_BYTES), env={"LAYERSTREAM_SERVE_FAULT_PROMPT": FAULT_PROMPT}
-    )
+    return server_factory("tiny-flux", "--max-body-bytes", str(MAX_BODY_BYTES), fault_prompt=FAULT_PROMPT)
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from layerstream.models.geometry import pipeline_max_frames, pipeline_max_side
 from layerstream.server.errors import ApiError
 from layerstream.server.limits import ModelLimits, check_endpoint, check_request, pipeline_size_multiple
-from layerstream.server.metrics import Histogram, QueueState, ServerMetrics
+from layerstream.server.metrics import Histogram, JobOutcome, QueueState, ServerMetrics
 from layerstream.server.schemas import ImageGenerationRequest, VideoGenerationRequest
 
 
@@ -34,7 +35,8 @@ def test_size_multiple_from_the_pipeline(pipeline, expected):
 
 WAN = ModelLimits(
     model="tiny-wan", kind="video", size_multiple=16, frame_multiple=4, default_width=64, default_height=64,
-    default_num_frames=9, max_frames=13, max_side_pixels=256, supports_negative_prompt=True,
+    default_num_frames=9, default_num_inference_steps=4, max_frames=13, max_side_pixels=256,
+    max_latent_positions=None, max_work=10**9, supports_negative_prompt=True,
 )  # fmt: skip
 
 
@@ -43,6 +45,51 @@ def _problems(request) -> dict[str, str]:
         check_request(request, WAN)
     assert info.value.status == 400
     return {d.param: d.allowed for d in info.value.details}
+
+
+def _wan_like(*rope_max_seq_lens):
+    experts = {
+        name: SimpleNamespace(config=SimpleNamespace(patch_size=(1, 2, 2), rope_max_seq_len=n))
+        for name, n in zip(("transformer", "transformer_2"), rope_max_seq_lens)
+    }
+    return SimpleNamespace(vae_scale_factor_spatial=8, vae_scale_factor_temporal=4, **experts)
+
+
+def test_largest_size_and_frames_the_transformer_can_position():
+    # tiny-wan: 64 rotary positions per axis, 8x VAE x 2x2 patches -> 1024 px; 4x temporal -> 63 * 4 + 1 frames
+    assert (pipeline_max_side(_wan_like(64)), pipeline_max_frames(_wan_like(64))) == (1024, 253)
+    assert pipeline_max_side(_wan_like(1024, 32)) == 512  # two experts: the smaller table binds
+    flux_like = _pipeline("vae_scale_factor", 8, 1, 16)  # positions computed from ids: no table, no limit
+    assert pipeline_max_side(flux_like) is None and pipeline_max_frames(flux_like) is None
+
+
+def test_a_size_beyond_the_model_grid_names_the_limit():
+    limits = ModelLimits(**{**WAN.__dict__, "max_side_pixels": 1024, "max_latent_positions": 64})
+    with pytest.raises(ApiError) as info:
+        check_request(VideoGenerationRequest(prompt="fox", size="2048x2048"), limits)
+    detail = info.value.details[0]
+    assert info.value.status == 400 and detail.param == "size"
+    assert "to 1024" in detail.allowed and "64 latent tokens per axis" in detail.allowed
+    check_request(VideoGenerationRequest(prompt="fox", size="1024x64"), limits)
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"num_inference_steps": 1000}, "num_inference_steps"),
+        ({"n": 4, "num_inference_steps": 8}, "n"),  # n=4 asks 4x the default, steps 2x
+        ({"size": "256x256", "num_inference_steps": 8}, "size"),
+        ({"num_frames": 13, "num_inference_steps": 5}, "num_frames"),  # 13/9 of the default frames, 5/4 of the steps
+    ],
+)
+def test_more_work_than_the_cap_names_the_field_that_asks_most(fields, named):
+    limits = ModelLimits(**{**WAN.__dict__, "max_work": 64 * 64 * 9 * 4})  # exactly the default request
+    check_request(VideoGenerationRequest(prompt="fox"), limits)
+    with pytest.raises(ApiError) as info:
+        check_request(VideoGenerationRequest(prompt="fox", **fields), limits)
+    detail = info.value.details[0]
+    assert info.value.status == 400 and detail.param == named
+    assert "--max-work" in detail.allowed and "147,456" in detail.allowed
 
 
 def test_wrong_endpoint_names_what_the_model_makes():
@@ -69,7 +116,8 @@ def test_every_bad_field_is_named_with_what_is_allowed():
 def test_image_request_on_image_model():
     flux = ModelLimits(
         model="tiny-flux", kind="image", size_multiple=16, frame_multiple=None, default_width=64, default_height=64,
-        default_num_frames=None, max_frames=129, max_side_pixels=2048, supports_negative_prompt=False,
+        default_num_frames=None, default_num_inference_steps=4, max_frames=129, max_side_pixels=2048,
+        max_latent_positions=None, max_work=10**9, supports_negative_prompt=False,
     )  # fmt: skip
     check_request(ImageGenerationRequest(prompt="fox", size="64x32"), flux)
     with pytest.raises(ApiError) as info:
@@ -89,7 +137,7 @@ def test_histogram_buckets_are_cumulative():
 def test_metrics_text_is_well_formed():
     metrics = ServerMetrics()
     metrics.observe_request("/health", 200, 0.01)
-    metrics.observe_job(queue_seconds=0.5, seconds=1.5, num_outputs=2, ok=True)
+    metrics.observe_job(queue_seconds=0.5, seconds=1.5, num_outputs=2, outcome=JobOutcome.OK)
     offload = SimpleNamespace(
         bytes_transferred=10, num_transfers=2, num_sync_loads=0, stall_seconds=0.25, device_bytes=5, host_bytes=7,
         pinned_host_bytes=7, slot_bytes=4, max_materialized_blocks=2,

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from layerstream.server.queue import GenerationQueue, QueueClosedError, QueueFullError, QueueTimeoutError
+from layerstream.server.stopping import GenerationStopped, StopReason
 
 
 def _blocker():
@@ -69,7 +70,7 @@ def test_expired_job_never_starts(queue):
     assert started.wait(10)
     ran = threading.Event()
     late = queue.submit(lambda job: ran.set(), timeout=0.05)
-    assert queue.expire(late)
+    assert queue.stop(late, StopReason.TIMEOUT)
     with pytest.raises(QueueTimeoutError):
         late.future.result(1)
     # the worker also refuses a job whose deadline passed before it got to it, timer or not
@@ -113,6 +114,38 @@ def test_cancelled_job_is_dropped(queue):
     queue.submit(block)
     assert started.wait(10)
     job = queue.submit(lambda job: "never")
-    assert queue.cancel(job) and job.future.cancelled() and queue.depth == 0
-    assert not queue.expire(job)  # already gone: nothing to do, no error
+    assert queue.stop(job, StopReason.CLIENT_GONE) and job.future.cancelled() and queue.depth == 0
+    assert not queue.stop(job, StopReason.TIMEOUT)  # already gone: nothing to do, no error
     release.set()
+
+
+def test_a_started_job_is_signalled_and_stops_where_it_checks(queue):
+    checked = threading.Event()
+
+    def steps(job):
+        for _ in range(1000):
+            job.stop_signal.raise_if_requested("between steps")
+            checked.set()
+            time.sleep(0.01)
+        return "ran to the end"
+
+    job = queue.submit(steps)
+    assert checked.wait(10)
+    assert not queue.stop(job, StopReason.TIMEOUT)  # started: signalled, not dropped
+    queue.stop(job, StopReason.CLIENT_GONE)  # a second reason does not replace the first
+    with pytest.raises(GenerationStopped) as info:
+        job.future.result(10)
+    assert info.value.reason is StopReason.TIMEOUT
+    assert queue.submit(lambda job: 42).future.result(10) == 42  # the worker lives on
+
+
+def test_stop_running_signals_only_the_running_job(queue):
+    assert not queue.stop_running(StopReason.SHUTDOWN)  # nothing running: nothing to do
+    block, started, release = _blocker()
+    running = queue.submit(block)
+    assert started.wait(10)
+    waiting = queue.submit(lambda job: "next")
+    assert queue.stop_running(StopReason.SHUTDOWN)
+    assert running.stop_signal.reason is StopReason.SHUTDOWN and waiting.stop_signal.reason is None
+    release.set()
+    assert running.future.result(10) == "blocker" and waiting.future.result(10) == "next"

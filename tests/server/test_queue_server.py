@@ -1,4 +1,4 @@
-"""Queue behaviour of a real server with slow generations: 429 when full, 504 before starting, graceful stop.
+"""A real server with slow generations: 429 when full, 504 and 499 whether waiting or running, bounded stop.
 
 ``--link-gbps 0.001`` throttles the CPU copy engine so that each denoising step of tiny-flux takes about
 0.6 s (most of it waiting on the simulated link, so it holds even on a busy machine), long enough to hold
@@ -7,15 +7,20 @@ the queue in a known state while the test acts.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
-from serve_harness import IMAGES, metric, wait_until
+from serve_harness import IMAGES, decode_png, metric, wait_until
 
 SLOW = ("--link-gbps", "0.001", "--max-queue", "1")
+LONG_STEPS = 100  # about 60 s: a test that sees it end early has seen it stopped
+CLIENT_GONE = 'endpoint="/v1/images/generations",status="499"'
+STOPPED = 'outcome="stopped"'
 
 
 def _request(seed: int, steps: int, **extra) -> dict:
@@ -87,11 +92,74 @@ def test_a_client_that_leaves_while_queued_is_dropped(slow_server):
         running.join(60)
         assert results["running"].status_code == 200
         assert metric(client, "layerstream_jobs_started_total") == jobs_started + 1
-        assert metric(client, "layerstream_requests_total", 'endpoint="/v1/images/generations",status="499"') == 1
+        assert metric(client, "layerstream_requests_total", CLIENT_GONE) >= 1
+        assert metric(client, "layerstream_generations_total", STOPPED) == 0  # dropped, never started
+
+
+def test_a_generation_past_its_timeout_is_504_and_stops_leaving_the_runtime_clean(slow_server):
+    with slow_server.client() as client:
+        before = client.post(IMAGES, json=_request(10, steps=1))
+        assert before.status_code == 200
+        stopped = metric(client, "layerstream_generations_total", STOPPED)
+        started = time.perf_counter()
+        late = client.post(IMAGES, json=_request(11, steps=LONG_STEPS, timeout=1.0))
+        assert late.status_code == 504, late.text
+        assert time.perf_counter() - started < 3.0  # answered at its deadline, not after its 100 steps
+        error = late.json()["error"]
+        assert error["code"] == "generation_timeout" and error["param"] == "timeout"
+        wait_until(lambda: not client.get("/health").json()["running"], timeout=5, what="the generation to stop")
+        assert metric(client, "layerstream_generations_total", STOPPED) == stopped + 1
+        after = client.post(IMAGES, json=_request(10, steps=1))  # the same request as before the stop
+        assert after.status_code == 200, after.text
+    assert (decode_png(after.json()["data"][0]["b64_json"]) == decode_png(before.json()["data"][0]["b64_json"])).all()
+
+
+def test_a_client_that_leaves_during_its_generation_stops_it(slow_server):
+    with slow_server.client() as client:
+        gone = metric(client, "layerstream_requests_total", CLIENT_GONE)
+        stopped = metric(client, "layerstream_generations_total", STOPPED)
+        with pytest.raises(httpx.ReadTimeout), slow_server.client(timeout=1.0) as impatient:
+            impatient.post(IMAGES, json=_request(12, steps=LONG_STEPS))
+        wait_until(lambda: not client.get("/health").json()["running"], timeout=5, what="the generation to stop")
+        assert metric(client, "layerstream_generations_total", STOPPED) == stopped + 1
+        assert metric(client, "layerstream_requests_total", CLIENT_GONE) == gone + 1
+        assert client.post(IMAGES, json=_request(13, steps=1)).status_code == 200
+
+
+def test_a_client_that_disconnects_mid_upload_is_499_and_one_log_line(slow_server):
+    with slow_server.client() as client:
+        gone = metric(client, "layerstream_requests_total", CLIENT_GONE)
+        failed = metric(client, "layerstream_requests_total", 'endpoint="/v1/images/generations",status="500"')
+        log_start = len(slow_server.log())
+        url = urlsplit(slow_server.url)
+        with socket.create_connection((url.hostname, url.port), timeout=5) as sock:
+            head = f"POST {IMAGES} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+            sock.sendall(f"{head}Content-Length: 100000\r\n\r\n".encode() + b'{"prompt": "' + b"x" * 1000)
+            time.sleep(0.2)  # let the server read part of the body before the client vanishes
+        wait_until(lambda: metric(client, "layerstream_requests_total", CLIENT_GONE) == gone + 1, what="the 499")
+        assert metric(client, "layerstream_requests_total", 'endpoint="/v1/images/generations",status="500"') == failed
+    new_lines = [line for line in slow_server.log()[log_start:].splitlines() if "GET /metrics" not in line]
+    assert "Traceback" not in "\n".join(new_lines)
+    assert len(new_lines) == 1 and "disconnected after sending 1012 bytes" in new_lines[0], new_lines
+
+
+def test_sigterm_stops_a_generation_that_outlives_the_shutdown_timeout(server_factory):
+    server = server_factory("tiny-flux", *SLOW, "--shutdown-timeout", "0.5")
+    results: dict[str, httpx.Response] = {}
+    with server.client() as client:
+        running = _post_in_thread(server, _request(14, steps=LONG_STEPS), results, "running")
+        wait_until(lambda: client.get("/health").json()["running"], what="the generation to start")
+    started = time.perf_counter()
+    assert server.terminate(timeout=15) == 0, server.log()
+    assert time.perf_counter() - started < 10.0  # the grace period, one step and the exit; not 100 steps
+    running.join(10)
+    assert results["running"].status_code == 503, results["running"].text
+    assert results["running"].json()["error"]["code"] == "shutting_down"
+    assert "generation stopped (shutdown)" in server.log() and "layerstream serve: stopped" in server.log()
 
 
 def test_sigterm_finishes_the_running_generation_answers_waiting_503_and_exits_0(server_factory):
-    server = server_factory("tiny-flux", *SLOW)
+    server = server_factory("tiny-flux", *SLOW, "--shutdown-timeout", "10")
     results: dict[str, httpx.Response] = {}
     with server.client() as client:
         running = _post_in_thread(server, _request(6, steps=2), results, "running")

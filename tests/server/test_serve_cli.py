@@ -6,6 +6,9 @@ import socket
 import subprocess
 import sys
 
+import pytest
+import torch
+
 
 def serve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -40,3 +43,23 @@ def test_a_busy_port_is_reported_before_loading():
     assert result.returncode == 2
     assert len(_error_lines(result)) == 1 and "cannot bind" in result.stderr
     assert "Loading pipeline" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "flag, value, allowed",
+    [("--shutdown-timeout", "-1", "seconds from 0 to 86400"), ("--shutdown-timeout", "nan", "seconds from 0"),
+     ("--max-work", "0", "an integer from 1")],
+)  # fmt: skip
+def test_bad_limits_name_the_flag(flag, value, allowed):
+    result = serve("tiny-wan", flag, value)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == _error_lines(result)
+    assert f"layerstream: error: {flag} = " in result.stderr and allowed in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that cannot use CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_a_cuda_device_on_a_torch_without_it_is_one_line_before_loading(device):
+    result = serve("tiny-wan", "--device", device, "--port", "0")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == _error_lines(result)  # no traceback, no log line, nothing loaded
+    assert f"--device '{device}'" in result.stderr and "--device cpu" in result.stderr

@@ -11,11 +11,15 @@ from serve_contract import HEALTH_KEYS, RESPONSE_KEYS, VIDEO_DATA_KEYS
 from serve_harness import IMAGES, VIDEOS
 
 CONFIG = '{"mode": "layer", "components": ["dit", "text_encoder"]}'
+MAX_WORK = 1_000_000  # the default request (64x64 x 9 frames x 4 steps) is 147,456
 
 
 @pytest.fixture(scope="module")
 def client(server_factory):
-    server = server_factory("tiny-wan", "--diffusion-offload-config", CONFIG, "--max-frames", "13", "--max-queue", "4")
+    server = server_factory(
+        "tiny-wan", "--diffusion-offload-config", CONFIG, "--max-frames", "13", "--max-queue", "4",
+        "--max-work", str(MAX_WORK),
+    )  # fmt: skip
     with server.client() as c:
         yield c
 
@@ -41,6 +45,29 @@ def test_health_reports_model_config_and_rules(client):
     assert health["model"] == "tiny-wan" and health["kind"] == "video" and health["status"] == "ok"
     assert health["offload_config"]["components"] == ["dit", "text_encoder"]
     assert (health["frame_multiple"], health["max_frames"], health["max_queue"]) == (4, 13, 4)
+    # tiny-wan's rotary tables position 64 latent tokens per axis: 64 x 16 px, below --max-size's 2048
+    assert (health["max_side_pixels"], health["max_work"]) == (1024, MAX_WORK)
+
+
+@pytest.mark.parametrize("size", ["2048x2048", "1040x64"])
+def test_a_size_the_model_cannot_position_is_400_naming_size(client, size):
+    response = client.post(VIDEOS, json={"prompt": "fox", "size": size, "num_frames": 1, "num_inference_steps": 1})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "size" and error["code"] == "invalid_for_model"
+    assert "to 1024" in error["details"][0]["allowed"] and "64 latent tokens" in error["details"][0]["allowed"]
+
+
+def test_a_request_over_the_work_cap_is_400_naming_the_field_that_asks_most(client):
+    # the attack from the issue: largest size, frames, steps and n at once (its size is refused first)
+    attack = {"prompt": "fox", "size": "2048x2048", "num_frames": 129, "num_inference_steps": 1000, "n": 4}
+    assert client.post(VIDEOS, json=attack).status_code == 400
+    # every field in range on its own, but together 64x64 x 13 frames x 20 steps = 1,064,960 > 1,000,000
+    response = client.post(VIDEOS, json={"prompt": "fox", "num_frames": 13, "num_inference_steps": 20})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "num_inference_steps" and "1,064,960" in error["message"]
+    assert "--max-work" in error["details"][0]["allowed"] and "1,000,000" in error["details"][0]["allowed"]
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from layerstream.cli.common import CliError, parse_config_arg
+from layerstream.server.settings import DEFAULT_MAX_WORK, DEFAULT_SHUTDOWN_TIMEOUT_S  # plain data: no serve extra
 
 READY_PREFIX = "layerstream serve: ready on "
 
@@ -37,7 +37,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-size", type=int, default=2048, dest="max_side_pixels", help="largest width or height (default: 2048)"
     )
+    parser.add_argument(
+        "--max-work",
+        type=int,
+        default=DEFAULT_MAX_WORK,
+        help="largest width x height x frames x steps x n of one request; more is a 400 "
+        f"(default: {DEFAULT_MAX_WORK:,}, sized for a 24 GB host; raise it on a GPU server)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB)")
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="after SIGTERM, how long the running generation may go on before it is stopped at its next step "
+        f"(default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})",
+    )
     parser.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated host link bandwidth in GB/s")
     parser.add_argument("--no-access-log", dest="access_log", action="store_false", help="no log line per request")
 
@@ -48,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.link_gbps is not None and not args.link_gbps > 0:
         raise CliError(f"--link-gbps = {args.link_gbps!r} is not valid; expected a number > 0")
     settings = _settings(args)
+    _check_device(args.device)
 
     try:  # the server's own modules need the serve extra; say so in one line rather than a traceback
         from layerstream.server.runner import bind_socket, run_server
@@ -80,10 +96,7 @@ def run(args: argparse.Namespace) -> int:
             if "device" in str(e).lower():
                 raise CliError(f"--device {args.device}: {e}") from e
             raise
-        try:
-            service = GenerationService(omni, settings)
-        except ValueError as e:  # e.g. the fault-injection switch on a model with nothing to hook
-            raise CliError(str(e)) from e
+        service = GenerationService(omni, settings)
         run_server(service, sock, on_ready=_print_ready, access_log=args.access_log)
     finally:
         sock.close()
@@ -92,11 +105,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _settings(args: argparse.Namespace):
-    from layerstream.server.faults import FAULT_PROMPT_ENV
     from layerstream.server.settings import ServeSettings, ServeSettingsError
 
     flags = {"max_queue": "--max-queue", "max_frames": "--max-frames", "max_side_pixels": "--max-size",
-             "max_body_bytes": "--max-body-bytes", "port": "--port", "host": "--host"}
+             "max_work": "--max-work", "max_body_bytes": "--max-body-bytes", "shutdown_timeout": "--shutdown-timeout",
+             "port": "--port", "host": "--host"}  # fmt: skip
     try:
         return ServeSettings(
             host=args.host,
@@ -104,8 +117,9 @@ def _settings(args: argparse.Namespace):
             max_queue=args.max_queue,
             max_frames=args.max_frames,
             max_side_pixels=args.max_side_pixels,
+            max_work=args.max_work,
             max_body_bytes=args.max_body_bytes,
-            fault_prompt=os.environ.get(FAULT_PROMPT_ENV) or None,
+            shutdown_timeout=args.shutdown_timeout,
         )
     except ServeSettingsError as e:
         message = str(e)
@@ -114,6 +128,32 @@ def _settings(args: argparse.Namespace):
                 message = flag + message[len(field):]
                 break
         raise CliError(message) from e
+
+
+def _check_device(text: str | None) -> None:
+    """Refuse a --device this torch cannot use, before the port is bound or a weight is read."""
+    if text is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError as e:
+        raise CliError(f"--device {text!r} is not a device: {e}") from e
+    if device.type == "cpu":
+        return
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, torch.mps ...
+    is_available = getattr(backend, "is_available", None)
+    if not callable(is_available):
+        raise CliError(f"--device {text!r} is not supported; use cpu or cuda[:N]")
+    if not is_available():
+        if device.type == "cuda" and torch.version.cuda is None:
+            raise CliError(f"--device {text!r}: this torch ({torch.__version__}) is built without CUDA; use --device cpu")
+        raise CliError(f"--device {text!r}: no {device.type} device is available; use --device cpu")
+    device_count = getattr(backend, "device_count", None)
+    if device.index is not None and callable(device_count) and device.index >= device_count():
+        count, kind = device_count(), device.type
+        raise CliError(f"--device {text!r}: this machine has {count} {kind} device(s), {kind}:0 to {kind}:{count - 1}")
 
 
 def _configure_server_logging(verbose: bool, access_log: bool) -> None:

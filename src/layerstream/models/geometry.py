@@ -13,22 +13,13 @@ def pipeline_size_multiple(pipeline: Any) -> int:
     processor's ``vae_scale_factor`` rather than the transformer's patch size, so the answer is the least
     common multiple of both readings.
     """
-    spatial = getattr(pipeline, "vae_scale_factor_spatial", None) or getattr(pipeline, "vae_scale_factor", None) or 1
-    patch = 1
-    transformer = getattr(pipeline, "transformer", None)
-    config = getattr(transformer, "config", None)
-    patch_size = getattr(config, "patch_size", None) if config is not None else None
-    if isinstance(patch_size, int):
-        patch = patch_size
-    elif isinstance(patch_size, (tuple, list)) and patch_size:
-        patch = int(patch_size[-1])  # (temporal, height, width): the spatial patch is the last
     processor_multiple = 1
     for name in ("image_processor", "video_processor"):
         processor = getattr(pipeline, name, None)
         factor = getattr(getattr(processor, "config", None), "vae_scale_factor", None)
         if isinstance(factor, int) and factor > 0:
             processor_multiple = math.lcm(processor_multiple, factor)
-    return math.lcm(int(spatial) * patch, processor_multiple)
+    return math.lcm(_pixels_per_token(pipeline), processor_multiple)
 
 
 def pipeline_frame_multiple(pipeline: Any) -> int | None:
@@ -37,48 +28,53 @@ def pipeline_frame_multiple(pipeline: Any) -> int | None:
     return temporal if isinstance(temporal, int) and temporal > 1 else None
 
 
-# Transformer config keys that give the number of positions a precomputed rotary table holds along each axis
-# (Wan: ``rope_max_seq_len``). Going past it does not fail cleanly inside the model ("view size is not
-# compatible"), so the largest size is computed from it and checked before a generation starts. Models that
-# compute their rotary embedding for any length (Flux, Qwen-Image) declare none.
-POSITION_TABLE_KEYS = ("rope_max_seq_len",)
+def pipeline_max_latent_positions(pipeline: Any) -> int | None:
+    """Most latent tokens along one axis (frames, height or width) its transformers can position, or None.
+
+    Wan-style rotary embeddings precompute ``rope_max_seq_len`` positions per axis; a larger grid fails deep
+    inside the first block (``view size is not compatible``) after the text encoder has already run. Both
+    experts of a two-expert pipeline count: the smaller table binds.
+    """
+    limits = []
+    for name in ("transformer", "transformer_2"):
+        config = getattr(getattr(pipeline, name, None), "config", None)
+        value = getattr(config, "rope_max_seq_len", None) if config is not None else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            limits.append(value)
+    return min(limits) if limits else None
 
 
 def pipeline_max_side(pipeline: Any) -> int | None:
-    """The largest height or width the transformer's position table covers (None: no limit of the model's)."""
-    positions = _position_table_size(pipeline)
-    if positions is None:
-        return None
-    spatial = getattr(pipeline, "vae_scale_factor_spatial", None) or getattr(pipeline, "vae_scale_factor", None) or 1
-    patch = _patch_sizes(pipeline)
-    return positions * int(spatial) * patch[-1]
+    """Largest height or width in pixels the transformer can position (None: no such limit is declared)."""
+    positions = pipeline_max_latent_positions(pipeline)
+    return None if positions is None else positions * _pixels_per_token(pipeline)
 
 
 def pipeline_max_frames(pipeline: Any) -> int | None:
-    """Video: the largest ``num_frames`` the transformer's position table covers (None: no such limit)."""
-    positions = _position_table_size(pipeline)
-    temporal = pipeline_frame_multiple(pipeline)
-    if positions is None or temporal is None:
+    """Video: most frames the transformer can position (None: no such limit is declared)."""
+    positions = pipeline_max_latent_positions(pipeline)
+    if positions is None:
         return None
-    latent_frames = positions * _patch_sizes(pipeline)[0]
+    temporal = pipeline_frame_multiple(pipeline) or 1
+    latent_frames = positions * _patch(pipeline, axis=0)  # latent frames = (num_frames - 1) / temporal + 1
     return (latent_frames - 1) * temporal + 1
 
 
-def _position_table_size(pipeline: Any) -> int | None:
-    config = getattr(getattr(pipeline, "transformer", None), "config", None)
-    for key in POSITION_TABLE_KEYS:
-        value = getattr(config, key, None) if config is not None else None
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+def _pixels_per_token(pipeline: Any) -> int:
+    """VAE spatial compression x the transformer's spatial patch size."""
+    spatial = getattr(pipeline, "vae_scale_factor_spatial", None) or getattr(pipeline, "vae_scale_factor", None) or 1
+    return int(spatial) * _patch(pipeline, axis=-1)
 
 
-def _patch_sizes(pipeline: Any) -> tuple[int, int]:
-    """(temporal, spatial) patch size of the transformer; 1 where it declares none."""
+def _patch(pipeline: Any, *, axis: int) -> int:
+    """The transformer's patch size along `axis` of (temporal, height, width); 1 where it declares none.
+
+    An int patch size is spatial only (image transformers): it patches no time axis.
+    """
     config = getattr(getattr(pipeline, "transformer", None), "config", None)
     patch_size = getattr(config, "patch_size", None) if config is not None else None
     if isinstance(patch_size, int):
-        return 1, patch_size
+        return patch_size if axis != 0 else 1
     if isinstance(patch_size, (tuple, list)) and patch_size:
-        return (int(patch_size[0]) if len(patch_size) == 3 else 1), int(patch_size[-1])
-    return 1, 1
+        return int(patch_size[axis])
+    return 1

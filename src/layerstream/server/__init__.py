@@ -2,14 +2,16 @@
 
 The pieces, in the order a request meets them:
 
-- `app`: the FastAPI routes, request metrics and error answers; `runner`: uvicorn with a drain-first stop;
+- `app`: the FastAPI routes, request metrics and error answers; `runner`: uvicorn with a drain-first,
+  bounded stop;
 - `schemas`: request and response bodies (pydantic, strict types, unknown fields rejected);
 - `errors`: every error answer has one shape, ``{"error": {"message", "type", "param", "code", "details"}}``;
-- `limits`: what the served model accepts (size multiple, frame rule), checked before a request queues;
+- `limits`: what the served model accepts (size multiple, largest grid, frame rule, work cap), checked
+  before a request queues;
 - `queue`: a bounded FIFO run by exactly one worker thread (the runtime allows one thread in a model);
+- `stopping`: how a started generation is stopped between denoising steps (timeout, client gone, shutdown);
 - `service`: turns a checked request into `Omni.generate` calls on that thread; `media` encodes outputs;
 - `metrics`: Prometheus text exposition of requests, latency and the offload runtime's counters;
-- `faults`: a test-only switch that makes one prompt raise inside a transformer block;
 - `settings`: the server's limits, validated when built.
 
 Nothing here configures logging or reads the command line: `layerstream.cli.serve_cmd` does.

@@ -5,10 +5,12 @@
     GET  /health                  model, offload config, device, queue depth, status
     GET  /metrics                 Prometheus text format
 
-Statuses: 400 the model cannot take the request (size multiple, frame rule, wrong endpoint, not JSON);
-413 body over --max-body-bytes; 422 a field missing, mistyped, out of range or unknown; 429 queue full;
-500 the generation raised (the server stays up); 503 shutting down; 504 waited past its ``timeout``.
-A request whose client disconnects while it waits is dropped from the queue (counted as 499).
+Statuses: 400 the model cannot take the request (size multiple, largest size or frames, frame rule, more
+work than --max-work, wrong endpoint, not JSON); 413 body over --max-body-bytes; 422 a field missing,
+mistyped, out of range or unknown; 429 queue full; 500 the generation raised (the server stays up); 503
+shutting down; 504 past its ``timeout`` (waiting, or generating: then it stops at the next denoising step).
+A request whose client disconnects, while it sends its body, waits or runs, is counted as 499; its job is
+dropped from the queue or stopped at its next step.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from layerstream import __version__
@@ -42,6 +45,7 @@ from layerstream.server.schemas import (
     VideoGenerationResponse,
 )
 from layerstream.server.service import GenerationOutput, GenerationService
+from layerstream.server.stopping import GenerationStopped, StopReason
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +72,7 @@ def create_app(service: GenerationService) -> FastAPI:
         service.start()
         yield
         # by now uvicorn has answered every open request; joining off the loop keeps it responsive anyway
-        await asyncio.to_thread(service.stop, 60.0)
+        await asyncio.to_thread(service.stop)
 
     app = FastAPI(title="layerstream", version=__version__, lifespan=lifespan)
     app.add_middleware(RequestMetricsMiddleware, metrics=service.metrics)
@@ -144,21 +148,23 @@ async def _run_generation(
 
 
 async def _await_job(service: GenerationService, job: Job, request: Request) -> GenerationOutput:
-    """The job's output, or its failure as an `ApiError`; drops the job if the client leaves before it starts."""
-    loop = asyncio.get_running_loop()
-    # the deadline fires on the loop: a request that waited too long is answered at once, not when the
-    # worker reaches it, and `expire` guarantees its work never starts
-    timer = loop.call_later(job.timeout, service.queue.expire, job) if job.timeout is not None else None
+    """The job's output, or its failure as an `ApiError`.
+
+    Its deadline and its client's disconnect are watched here, on the loop: either answers the request at
+    once, drops the job if it has not started, and otherwise asks the worker to stop it at its next step.
+    """
     result = asyncio.wrap_future(job.future)
     client_gone = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        await asyncio.wait({result, client_gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not result.done() and service.queue.cancel(job):
-            # nobody is left to answer: a generation nobody waits for would only delay the ones behind it
-            raise ApiError(499, "the client closed the connection before its generation started", code="client_gone")
-        return await result  # a started generation cannot be stopped halfway; it finishes either way
+        await asyncio.wait({result, client_gone}, timeout=job.seconds_left(), return_when=asyncio.FIRST_COMPLETED)
+        if not result.done():
+            reason = StopReason.CLIENT_GONE if client_gone.done() else StopReason.TIMEOUT
+            raise _stopped_answer(reason, job, started=not service.queue.stop(job, reason))
+        return result.result()
     except ApiError:
         raise
+    except GenerationStopped as e:  # a shutdown stopped it: the other reasons are answered above, not awaited
+        raise _stopped_answer(e.reason, job, started=True) from None
     except QueueTimeoutError as e:
         raise ApiError(504, f"the request {e}", code="queue_timeout", param="timeout") from None
     except QueueClosedError as e:
@@ -170,8 +176,26 @@ async def _await_job(service: GenerationService, job: Job, request: Request) -> 
         raise ApiError(500, message, code="generation_failed") from None
     finally:
         client_gone.cancel()
-        if timer is not None:
-            timer.cancel()
+        if not job.future.done():
+            # leaving before the outcome: asked above, or this task was cancelled (the graceful shutdown ran
+            # out); either way nobody will read it. A stop already asked for keeps its first reason.
+            service.queue.stop(job, StopReason.CLIENT_GONE)
+        # nobody reads the outcome of an abandoned job; cancelling the wrapper keeps asyncio from logging it
+        result.cancel()
+
+
+def _stopped_answer(reason: StopReason, job: Job, *, started: bool) -> ApiError:
+    """The answer to a request whose job was dropped (`started` False) or stopped between steps."""
+    if reason is StopReason.CLIENT_GONE:
+        when = "during its generation, which was stopped" if started else "before its generation started"
+        return ApiError(499, f"the client closed the connection {when}", code="client_gone")
+    if reason is StopReason.SHUTDOWN:
+        return ApiError(503, "the server is shutting down; the generation was stopped", code="shutting_down")
+    if not started:
+        message = f"the request waited {job.queue_seconds:.3f} s in the queue (timeout {job.timeout} s); not started"
+        return ApiError(504, message, code="queue_timeout", param="timeout")
+    message = f"the request ran past its timeout of {job.timeout} s; its generation was stopped"
+    return ApiError(504, message, code="generation_timeout", param="timeout")
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -221,12 +245,18 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
         raise too_large
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= max_bytes:
-            chunks.append(chunk)
-        elif size > _DRAIN_LIMIT_BYTES:
-            break
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= max_bytes:
+                chunks.append(chunk)
+            elif size > _DRAIN_LIMIT_BYTES:
+                break
+    except ClientDisconnect:
+        # an ordinary event for a server (a client killed, a network dropped): one line, and counted as 499
+        path = request.url.path
+        logger.info("%s %s: the client disconnected after sending %d bytes of its body", request.method, path, size)
+        raise ApiError(499, "the client closed the connection while sending its body", code="client_gone") from None
     if size > max_bytes:
         raise too_large
     return b"".join(chunks)

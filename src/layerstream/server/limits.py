@@ -2,29 +2,39 @@
 
 The schema (`layerstream.server.schemas`) checks types and fixed ranges; this module checks what depends
 on the model: the output kind, the size multiple (the VAE's spatial compression times the transformer's
-patch size), the frame rule of video VAEs (``num_frames - 1`` a multiple of the temporal compression;
-Wan: ``num_frames % 4 == 1``) and the server's own caps. Failing here is a 400 before any work is queued,
-so a request never waits in line only to be refused.
+patch size), the largest grid the transformer can position (Wan's rotary tables), the frame rule of video
+VAEs (``num_frames - 1`` a multiple of the temporal compression; Wan: ``num_frames % 4 == 1``) and the
+server's own caps, the work cap among them. Failing here is a 400 before any work is queued, so a request
+never waits in line only to be refused, and never reaches the pipeline with a shape it would crash on.
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from layerstream.models.geometry import pipeline_frame_multiple, pipeline_size_multiple
+from layerstream.models.geometry import (
+    pipeline_frame_multiple,
+    pipeline_max_frames,
+    pipeline_max_latent_positions,
+    pipeline_max_side,
+    pipeline_size_multiple,
+)
 from layerstream.server.errors import ApiError, invalid_fields
 from layerstream.server.schemas import ErrorDetail, ImageGenerationRequest, VideoGenerationRequest
+from layerstream.server.settings import ServeSettings
+
+# Omni.generate's own choice when neither the request nor the model names a step count
+FALLBACK_NUM_INFERENCE_STEPS = 20
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelLimits:
-    """The served model's rules and the server's caps."""
+    """The served model's rules and defaults, and the server's caps (already lowered to the model's)."""
 
     model: str
-    kind: str
-    """``"image"`` or ``"video"``."""
+    kind: Literal["image", "video"]
     size_multiple: int
     """Width and height must be multiples of this."""
     frame_multiple: int | None
@@ -32,17 +42,41 @@ class ModelLimits:
     default_width: int | None
     default_height: int | None
     default_num_frames: int | None
+    default_num_inference_steps: int
     max_frames: int
+    """The smaller of --max-frames and what the transformer can position."""
     max_side_pixels: int
+    """The smaller of --max-size and what the transformer can position."""
+    max_latent_positions: int | None
+    """Latent tokens per axis the transformer can position, when that is what bounds the two caps above."""
+    max_work: int
+    """--max-work: width x height x frames x steps x n of one request."""
     supports_negative_prompt: bool
 
 
-def read_model_limits(omni: Any, *, max_frames: int, max_side_pixels: int) -> ModelLimits:
+@dataclass(frozen=True)
+class RequestShape:
+    """What a request will really run, the model's defaults filled in."""
+
+    width: int | None
+    height: int | None
+    num_frames: int | None
+    num_inference_steps: int
+    n: int
+
+    def work(self, limits: ModelLimits) -> int:
+        """width x height x frames x steps x n; a size the model picks itself counts as the largest allowed."""
+        side = limits.max_side_pixels
+        pixels = (self.width or side) * (self.height or side)
+        return pixels * (self.num_frames or 1) * self.num_inference_steps * self.n
+
+
+def read_model_limits(omni: Any, settings: ServeSettings) -> ModelLimits:
     """The limits of `omni`'s pipeline: the tiny model's spec, or what the pipeline itself declares."""
     from layerstream.models.loading import is_tiny_model_name
 
     pipeline = omni.pipeline
-    defaults: dict[str, Any] = {}
+    call = inspect.signature(pipeline.__call__).parameters
     if is_tiny_model_name(omni.model):
         from layerstream.models.tiny import TINY_MODELS
 
@@ -51,20 +85,39 @@ def read_model_limits(omni: Any, *, max_frames: int, max_side_pixels: int) -> Mo
         defaults = dict(spec.default_kwargs)
     else:
         size_multiple = pipeline_size_multiple(pipeline)
-    frame_multiple = pipeline_frame_multiple(pipeline) if omni.kind == "video" else None
-    call = inspect.signature(pipeline.__call__).parameters
+        defaults = _call_defaults(pipeline, call)
+    is_video = omni.kind == "video"
+    model_side, model_frames = pipeline_max_side(pipeline), pipeline_max_frames(pipeline) if is_video else None
+    max_side = min(settings.max_side_pixels, model_side) if model_side else settings.max_side_pixels
+    max_frames = min(settings.max_frames, model_frames) if model_frames else settings.max_frames
+    bound_by_model = (model_side is not None and model_side < settings.max_side_pixels) or (
+        model_frames is not None and model_frames < settings.max_frames
+    )
     return ModelLimits(
         model=omni.model,
         kind=omni.kind,
         size_multiple=size_multiple,
-        frame_multiple=frame_multiple,
+        frame_multiple=pipeline_frame_multiple(pipeline) if is_video else None,
         default_width=defaults.get("width"),
         default_height=defaults.get("height"),
-        default_num_frames=defaults.get("num_frames") if omni.kind == "video" else None,
+        default_num_frames=defaults.get("num_frames") if is_video else None,
+        default_num_inference_steps=defaults.get("num_inference_steps") or FALLBACK_NUM_INFERENCE_STEPS,
         max_frames=max_frames,
-        max_side_pixels=max_side_pixels,
+        max_side_pixels=max_side,
+        max_latent_positions=pipeline_max_latent_positions(pipeline) if bound_by_model else None,
+        max_work=settings.max_work,
         supports_negative_prompt="negative_prompt" in call,
     )
+
+
+def request_shape(request: ImageGenerationRequest, limits: ModelLimits) -> RequestShape:
+    """The width, height, frames and steps `request` runs with: its own, else the model's defaults."""
+    size = request.width_height()
+    width, height = size if size is not None else (limits.default_width, limits.default_height)
+    is_video = isinstance(request, VideoGenerationRequest)
+    num_frames = (request.num_frames or limits.default_num_frames) if is_video else None
+    steps = request.num_inference_steps or limits.default_num_inference_steps
+    return RequestShape(width, height, num_frames, steps, request.n)
 
 
 def check_endpoint(limits: ModelLimits, endpoint_kind: str) -> None:
@@ -88,9 +141,11 @@ def check_request(request: ImageGenerationRequest, limits: ModelLimits) -> None:
         problems.append(
             ErrorDetail(param="negative_prompt", message=f"{limits.model} takes no negative prompt", allowed="null")
         )
-    problems += _size_problems(request, limits)
+    shape_problems = _size_problems(request, limits)
     if isinstance(request, VideoGenerationRequest):
-        problems += _frame_problems(request, limits)
+        shape_problems += _frame_problems(request, limits)
+    # the work of a shape the model cannot run means nothing: say what is wrong with the shape first
+    problems += shape_problems or _work_problems(request, limits)
     if problems:
         raise invalid_fields(400, problems, code="invalid_for_model")
 
@@ -100,8 +155,11 @@ def _size_problems(request: ImageGenerationRequest, limits: ModelLimits) -> list
     if size is None:
         return []
     m, cap = limits.size_multiple, limits.max_side_pixels
-    allowed = f"'WIDTHxHEIGHT' with each side a multiple of {m} from {m} to {cap - cap % m} (e.g. '{4 * m}x{4 * m}')"
-    if any(side % m or side > cap for side in size):
+    largest = cap - cap % m
+    allowed = f"'WIDTHxHEIGHT' with each side a multiple of {m} from {m} to {largest} (e.g. '{4 * m}x{4 * m}')"
+    if limits.max_latent_positions is not None:
+        allowed += f"; {limits.model}'s transformer positions at most {limits.max_latent_positions} latent tokens per axis"
+    if any(side % m or side > largest for side in size):
         return [ErrorDetail(param="size", message=f"{request.size!r} is not valid for {limits.model}", allowed=allowed)]
     return []
 
@@ -117,8 +175,50 @@ def _frame_problems(request: VideoGenerationRequest, limits: ModelLimits) -> lis
         allowed = f"an integer from 1 to {largest} with num_frames - 1 a multiple of {step} ({examples})"
     else:
         allowed = f"an integer from 1 to {largest}"
-    if num_frames > limits.max_frames or (num_frames - 1) % step:
+    if num_frames > largest or (num_frames - 1) % step:
         where = "" if request.num_frames is not None else " (the model's default)"
         message = f"{num_frames}{where} is not valid for {limits.model}"
         return [ErrorDetail(param="num_frames", message=message, allowed=allowed)]
     return []
+
+
+def _work_problems(request: ImageGenerationRequest, limits: ModelLimits) -> list[ErrorDetail]:
+    shape = request_shape(request, limits)
+    work = shape.work(limits)
+    if work <= limits.max_work:
+        return []
+    side = limits.max_side_pixels
+    width, height = shape.width or side, shape.height or side
+    factors = f"{width}x{height} pixels x {shape.num_frames or 1} frame(s) x {shape.num_inference_steps} step(s) x n={shape.n}"
+    message = f"{factors} = {work:,} is more work than this server takes in one request"
+    allowed = f"width x height x num_frames x num_inference_steps x n of at most {limits.max_work:,} (--max-work)"
+    return [ErrorDetail(param=_largest_factor(shape, limits), message=message, allowed=allowed)]
+
+
+def _largest_factor(shape: RequestShape, limits: ModelLimits) -> str:
+    """The field that asks for the most beyond the model's defaults: the one to name, and to lower first."""
+    side = limits.max_side_pixels
+    default_pixels = (limits.default_width or side) * (limits.default_height or side)
+    ratios = {"n": float(shape.n)} if shape.n > 1 else {}  # n=1 cannot be lowered: never the one to name
+    ratios["num_inference_steps"] = shape.num_inference_steps / limits.default_num_inference_steps
+    ratios["num_frames"] = (shape.num_frames or 1) / (limits.default_num_frames or 1)
+    ratios["size"] = (shape.width or side) * (shape.height or side) / default_pixels
+    return max(ratios, key=lambda name: ratios[name])  # a tie names the first: the cheapest to lower
+
+
+def _call_defaults(pipeline: Any, call: Any) -> dict[str, int]:
+    """The pipeline's own defaults for size, frames and steps, where its ``__call__`` says them.
+
+    Pipelines that leave height and width None (Flux, Qwen-Image) compute them from ``default_sample_size``
+    latent tokens times the VAE's compression.
+    """
+    defaults = {}
+    for name in ("width", "height", "num_frames", "num_inference_steps"):
+        value = call[name].default if name in call else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            defaults[name] = value
+    sample, factor = getattr(pipeline, "default_sample_size", None), getattr(pipeline, "vae_scale_factor", None)
+    if isinstance(sample, int) and isinstance(factor, int):
+        defaults.setdefault("width", sample * factor)
+        defaults.setdefault("height", sample * factor)
+    return defaults

@@ -11,6 +11,7 @@ import math
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -47,6 +48,13 @@ class Histogram:
         return lines
 
 
+class JobOutcome(StrEnum):
+    OK = "ok"
+    ERROR = "error"
+    STOPPED = "stopped"
+    """Stopped between steps: its timeout passed, its client left, or the server shut down."""
+
+
 @dataclass(frozen=True)
 class QueueState:
     depth: int
@@ -73,12 +81,11 @@ class ServerMetrics:
             self._requests[key] = self._requests.get(key, 0) + 1
             self._latency.setdefault(endpoint, Histogram()).observe(seconds)
 
-    def observe_job(self, *, queue_seconds: float, seconds: float, num_outputs: int, ok: bool) -> None:
-        """One job the worker ran: its wait, its generation time and how many outputs it made (or failed)."""
+    def observe_job(self, *, queue_seconds: float, seconds: float, num_outputs: int, outcome: JobOutcome) -> None:
+        """One job the worker ran: its wait, its generation time and how many outputs it asked for."""
         with self._lock:
             self._queue_wait.observe(queue_seconds)
             self._generation_seconds.observe(seconds)
-            outcome = "ok" if ok else "error"
             self._generations[outcome] = self._generations.get(outcome, 0) + num_outputs
 
     def render(self, *, queue: QueueState, offload: Any | None, labels: Mapping[str, str]) -> str:
@@ -109,8 +116,8 @@ class ServerMetrics:
         text.family(
             "layerstream_generations_total",
             "counter",
-            "Outputs generated (outcome=ok) and outputs of jobs that failed (outcome=error).",
-            [({"outcome": outcome}, generations.get(outcome, 0)) for outcome in ("ok", "error")],
+            "Outputs generated (ok), and outputs of jobs that failed (error) or were stopped (stopped).",
+            [({"outcome": str(outcome)}, generations.get(outcome, 0)) for outcome in JobOutcome],
         )
         text.scalar("layerstream_jobs_submitted_total", "counter", "Requests queued.", queue.num_submitted)
         text.scalar("layerstream_jobs_started_total", "counter", "Queued requests whose work started.", queue.num_started)

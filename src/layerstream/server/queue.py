@@ -5,12 +5,12 @@ runs it (the blocks share one ring of device slots), and one pipeline gains noth
 generations at once. Jobs finish in the order they were submitted.
 
 The event loop only ever touches this queue under a lock held for a few deque operations, never while a
-job runs, and waits for results through `concurrent.futures.Future` (``asyncio.wrap_future``).
+job runs, and waits for results through `concurrent.futures.Future` (``asyncio.wrap_future``). It stops a job
+through `stop`: a waiting job is dropped, a started one is signalled and stops at its next step boundary.
 """
 
 from __future__ import annotations
 
-from layerstream.errors import LayerstreamError
 import logging
 import threading
 import time
@@ -19,6 +19,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
+
+from layerstream.errors import LayerstreamError
+from layerstream.server.stopping import StopReason, StopSignal
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +35,7 @@ class QueueClosedError(LayerstreamError, RuntimeError):
 
 
 class QueueTimeoutError(LayerstreamError, TimeoutError):
-    """The job waited longer than its timeout and was not started."""
+    """The job waited past its deadline and was never started."""
 
 
 @dataclass(eq=False)
@@ -42,13 +45,21 @@ class Job:
     work: Callable[[Job], Any]
     """Called on the worker thread with the job itself (for its queue time)."""
     timeout: float | None
+    """Seconds from submission to the answer: waiting, generating and encoding (None: no limit)."""
     submitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     future: Future = field(default_factory=Future)
+    stop_signal: StopSignal = field(default_factory=StopSignal)
+    """Set from the event loop to stop the job once started; the work checks it between steps."""
 
     @property
     def deadline(self) -> float | None:
         return None if self.timeout is None else self.submitted_at + self.timeout
+
+    def seconds_left(self) -> float | None:
+        """Seconds until the deadline (negative once past), or None without a timeout."""
+        deadline = self.deadline
+        return None if deadline is None else deadline - time.monotonic()
 
     @property
     def queue_seconds(self) -> float:
@@ -139,18 +150,31 @@ class GenerationQueue:
             self._cond.notify()
         return job
 
-    def expire(self, job: Job) -> bool:
-        """Fail `job` with `QueueTimeoutError` if it is still waiting; True if it was. A started job runs on."""
+    def stop(self, job: Job, reason: StopReason) -> bool:
+        """Stop `job` for `reason`; True if it was still waiting (it is dropped and never starts).
+
+        A waiting job fails at once: `QueueTimeoutError` for a timeout, `QueueClosedError` for a shutdown, and
+        a cancelled future when its client is gone. A started job is asked to stop at its next denoising step
+        (its future then fails with `GenerationStopped`); a finished one is left as it is.
+        """
         if not self._remove_waiting(job):
+            job.stop_signal.request(reason)  # started or done: the worker reads this between steps
             return False
-        _fail(job, _timeout_error(job))
+        if reason is StopReason.TIMEOUT:
+            _fail(job, _timeout_error(job))
+        elif reason is StopReason.SHUTDOWN:
+            _fail(job, QueueClosedError("the server is shutting down; the request was not started"))
+        else:
+            job.future.cancel()
         return True
 
-    def cancel(self, job: Job) -> bool:
-        """Drop `job` if it is still waiting (its client went away); True if it was."""
-        if not self._remove_waiting(job):
+    def stop_running(self, reason: StopReason) -> bool:
+        """Ask the running job, if any, to stop at its next denoising step; True if one was running."""
+        with self._cond:
+            job = self._running
+        if job is None:
             return False
-        job.future.cancel()
+        job.stop_signal.request(reason)
         return True
 
     def _remove_waiting(self, job: Job) -> bool:
@@ -172,7 +196,7 @@ class GenerationQueue:
                 job = self._waiting.popleft()
                 deadline = job.deadline
                 if deadline is not None and time.monotonic() >= deadline:
-                    expired = True  # the event loop's timer has not fired yet; the job must still not start
+                    expired = True  # the event loop has not noticed the deadline yet; the job must still not start
                 else:
                     expired = False
                     if not job.future.set_running_or_notify_cancel():

@@ -3,7 +3,9 @@
 On SIGTERM or SIGINT uvicorn stops listening, waits for open requests, then runs the app's shutdown. The
 requests still waiting in the queue are open requests too, so left alone they would all be generated before
 the process exits. `DrainingServer` therefore closes the queue first: waiting requests are answered 503 at
-once, the running generation finishes and its client gets its answer, and the process exits 0.
+once, and the running generation has --shutdown-timeout seconds to finish and answer its client. Past that
+it is stopped at its next denoising step (its client gets a 503), and uvicorn waits `STOP_WAIT_SECONDS` more
+at most before it closes what is still open. The process exits 0 within the sum of the two.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import uvicorn
 
 from layerstream.server.app import create_app
 from layerstream.server.service import GenerationService
+from layerstream.server.settings import STOP_WAIT_SECONDS
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +74,8 @@ def run_server(
         create_app(service),
         log_config=None,  # the command line configured logging; uvicorn's loggers propagate to it
         access_log=access_log,
-        timeout_graceful_shutdown=None,  # the running generation always finishes, however long it takes
+        # the service stops the running generation after --shutdown-timeout; this bounds the wait for its answer
+        timeout_graceful_shutdown=service.settings.shutdown_timeout + STOP_WAIT_SECONDS,
         lifespan="on",
     )
     url = socket_url(sock)

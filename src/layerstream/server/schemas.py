@@ -60,7 +60,10 @@ class ImageGenerationRequest(_StrictModel):
         gt=0.0,
         le=MAX_QUEUE_TIMEOUT_SECONDS,
         allow_inf_nan=False,
-        description="Seconds the request may wait in the queue before it is answered 504 (not started).",
+        description=(
+            "Seconds from receipt to answer, queue and generation together; past it the request is answered 504"
+            " and its generation stops at the next denoising step."
+        ),
     )
 
     def width_height(self) -> tuple[int, int] | None:
@@ -156,4 +159,6 @@ class HealthResponse(BaseModel):
     running: bool = Field(description="Whether a generation is running now.")
     size_multiple: int
     frame_multiple: int | None = Field(description="Video: num_frames - 1 must be a multiple of this.")
-    max_frames: int | None
+    max_frames: int | None = Field(description="Video: most frames a request may ask for.")
+    max_side_pixels: int = Field(description="Largest width or height a request may ask for.")
+    max_work: int = Field(description="Largest width x height x num_frames x num_inference_steps x n of a request.")

@@ -6,35 +6,35 @@ runs on the queue's single worker thread.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from layerstream.omni import GenerationError
-from layerstream.server.faults import FaultInjector
-from layerstream.server.limits import ModelLimits, check_endpoint, check_request, read_model_limits
+from layerstream.omni import GenerationError, RunStats
+from layerstream.server.limits import ModelLimits, check_endpoint, check_request, read_model_limits, request_shape
 from layerstream.server.media import encode_result_b64
-from layerstream.server.metrics import QueueState, ServerMetrics
+from layerstream.server.metrics import JobOutcome, QueueState, ServerMetrics
 from layerstream.server.queue import GenerationQueue, Job
 from layerstream.server.schemas import GenerationUsage, ImageGenerationRequest, VideoGenerationRequest
-from layerstream.server.settings import ServeSettings
+from layerstream.server.settings import STOP_WAIT_SECONDS, ServeSettings
+from layerstream.server.stopping import GenerationStopped, StopReason
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
 class GenerationParams:
-    """A checked request, in `Omni.generate`'s terms; `seeds` holds one seed per output."""
+    """A checked request, in `Omni.generate`'s terms, the model's defaults filled in; one seed per output."""
 
     prompt: str
     negative_prompt: str | None
     width: int | None
     height: int | None
     num_frames: int | None
-    num_inference_steps: int | None
+    num_inference_steps: int
     guidance_scale: float | None
     seeds: tuple[int, ...]
     fps: int
@@ -55,32 +55,51 @@ class GenerationService:
         self.omni = omni
         self.settings = settings
         self.metrics = metrics or ServerMetrics()
-        self.limits: ModelLimits = read_model_limits(
-            omni, max_frames=settings.max_frames, max_side_pixels=settings.max_side_pixels
-        )
+        self.limits: ModelLimits = read_model_limits(omni, settings)
         self.queue = GenerationQueue(settings.max_queue)
-        self.fault = FaultInjector.install(omni, settings.fault_prompt) if settings.fault_prompt else None
         # /metrics reads this snapshot, refreshed by the worker between jobs, rather than the live runtime
         # from the event loop: the counters are then never read halfway through a forward
         self._offload_stats = omni.stats()
+        self._drained_at: float | None = None
+        self._grace_timer: threading.Timer | None = None
 
     # lifecycle -------------------------------------------------------------------------------------------------
     def start(self) -> None:
         self.queue.start()
 
     def drain(self) -> None:
-        """Stop taking requests and answer the waiting ones 503; the running generation goes on."""
+        """Stop taking requests, answer the waiting ones 503, and give the running one --shutdown-timeout s.
+
+        Past that grace period the running generation is stopped at its next denoising step (answered 503).
+        """
         if self.queue.closed:
             return
+        self._drained_at = time.monotonic()
         dropped = self.queue.close()
-        running = "finishing the running generation" if self.queue.running else "nothing running"
+        grace = self.settings.shutdown_timeout
+        running = f"the running generation has {grace:g} s to finish" if self.queue.running else "nothing running"
         logger.info("draining: %d waiting request(s) answered 503; %s", dropped, running)
+        # a timer thread, not the event loop: the loop is busy shutting uvicorn down and must not be relied on
+        self._grace_timer = threading.Timer(grace, self.queue.stop_running, args=(StopReason.SHUTDOWN,))
+        self._grace_timer.daemon = True
+        self._grace_timer.start()
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Drain, then wait for the worker thread to finish its job and exit."""
+    def stop(self) -> bool:
+        """Drain, then wait for the worker thread to exit, at most until the stop's bound; True if it did.
+
+        The bound is --shutdown-timeout plus `STOP_WAIT_SECONDS` from the drain: time for a stopped
+        generation to reach its next step boundary. A step longer than that is left behind (the worker is a
+        daemon thread), so the process still exits in bounded time.
+        """
         self.drain()
-        if not self.queue.join(timeout):
-            logger.warning("the generation worker did not finish within %s s", timeout)
+        assert self._drained_at is not None  # set by drain()
+        deadline = self._drained_at + self.settings.shutdown_timeout + STOP_WAIT_SECONDS
+        finished = self.queue.join(max(0.0, deadline - time.monotonic()))
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+        if not finished:
+            logger.warning("the running generation did not stop in time; leaving it behind")
+        return finished
 
     # requests --------------------------------------------------------------------------------------------------
     def check_endpoint(self, endpoint_kind: str) -> None:
@@ -88,21 +107,21 @@ class GenerationService:
         check_endpoint(self.limits, endpoint_kind)
 
     def prepare(self, request: ImageGenerationRequest) -> GenerationParams:
-        """Check `request` against the model (400 `ApiError` if it cannot run) and fix its seeds."""
+        """Check `request` against the model (400 `ApiError` if it cannot run) and fix its shape and seeds."""
         check_request(request, self.limits)
-        size = request.width_height()
+        # the checks above priced this shape; run exactly it, not whatever the pipeline would default to
+        shape = request_shape(request, self.limits)
         first_seed = request.seed if request.seed is not None else secrets.randbelow(2**32)
-        is_video = isinstance(request, VideoGenerationRequest)
         return GenerationParams(
             prompt=request.prompt,
             negative_prompt=request.negative_prompt,
-            width=size[0] if size else None,
-            height=size[1] if size else None,
-            num_frames=request.num_frames if is_video else None,
-            num_inference_steps=request.num_inference_steps,
+            width=shape.width,
+            height=shape.height,
+            num_frames=shape.num_frames,
+            num_inference_steps=shape.num_inference_steps,
             guidance_scale=request.guidance_scale,
             seeds=tuple(first_seed + i for i in range(request.n)),
-            fps=request.fps if is_video else 16,
+            fps=request.fps if isinstance(request, VideoGenerationRequest) else 16,
         )
 
     def submit(self, params: GenerationParams, *, timeout: float | None) -> Job:
@@ -110,26 +129,47 @@ class GenerationService:
         return self.queue.submit(lambda job: self._generate(params, job), timeout=timeout)
 
     def _generate(self, params: GenerationParams, job: Job) -> GenerationOutput:
-        """Run on the worker thread: one `Omni.generate` per seed, each output encoded as it is made."""
+        """Run on the worker thread: one `Omni.generate` per seed, each output encoded and released before the next.
+
+        Between denoising steps, and before each output, it stops if the event loop asked it to
+        (`GenerationStopped`).
+        """
         started = time.perf_counter()
         files: list[str] = []
-        results = []
+        runs: list[RunStats] = []  # all a response needs of an output once its file is encoded
+        frames_shape: tuple[int, ...] = ()
+        outcome = JobOutcome.ERROR
+        num_outputs = len(params.seeds)
         try:
-            with self._fault_for(params.prompt):
-                for seed in params.seeds:
-                    result = self.omni.generate(
-                        params.prompt,
-                        params.negative_prompt,
-                        height=params.height,
-                        width=params.width,
-                        num_frames=params.num_frames,
-                        num_inference_steps=params.num_inference_steps,
-                        guidance_scale=params.guidance_scale,
-                        seed=seed,
-                        fps=params.fps,
-                    )
-                    files.append(encode_result_b64(result))
-                    results.append(result)
+            for index, seed in enumerate(params.seeds):
+                where = f"output {index + 1} of {num_outputs}"
+                job.stop_signal.raise_if_requested(f"before {where}")
+
+                def stop_if_asked(step: int, total: int, seconds: float, where: str = where) -> None:
+                    job.stop_signal.raise_if_requested(f"after step {step} of {total} ({where})")
+
+                result = self.omni.generate(
+                    params.prompt,
+                    params.negative_prompt,
+                    height=params.height,
+                    width=params.width,
+                    num_frames=params.num_frames,
+                    num_inference_steps=params.num_inference_steps,
+                    guidance_scale=params.guidance_scale,
+                    seed=seed,
+                    fps=params.fps,
+                    on_step=stop_if_asked,
+                )
+                files.append(encode_result_b64(result))
+                runs.append(result.stats)
+                frames_shape = result.frames.shape
+                # drop the float and uint8 frames now: otherwise `result` holds them while the next output runs
+                del result
+            outcome = JobOutcome.OK
+        except GenerationStopped as e:  # asked for: one line, no traceback
+            outcome = JobOutcome.STOPPED
+            logger.info("%s (prompt %r)", e, params.prompt[:80])
+            raise
         except GenerationError as e:  # arguments the pipeline refused: the client's to fix, answered 400
             logger.info("generation refused: %s", e)
             raise
@@ -138,18 +178,12 @@ class GenerationService:
             raise
         finally:
             self._offload_stats = self.omni.stats()
+            seconds = time.perf_counter() - started
             self.metrics.observe_job(
-                queue_seconds=job.queue_seconds,
-                seconds=time.perf_counter() - started,
-                num_outputs=len(params.seeds),
-                ok=len(results) == len(params.seeds),
+                queue_seconds=job.queue_seconds, seconds=seconds, num_outputs=num_outputs, outcome=outcome
             )
-        return GenerationOutput(files, _usage(self.limits.model, params, results, job.queue_seconds))
-
-    def _fault_for(self, prompt: str) -> contextlib.AbstractContextManager:
-        if self.fault is not None and self.fault.matches(prompt):
-            return self.fault.armed()
-        return contextlib.nullcontext()
+        usage = _usage(self.limits, params, runs, frames_shape, job.queue_seconds)
+        return GenerationOutput(files, usage)
 
     # reports ---------------------------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -167,6 +201,8 @@ class GenerationService:
             "size_multiple": self.limits.size_multiple,
             "frame_multiple": self.limits.frame_multiple,
             "max_frames": self.limits.max_frames if self.limits.kind == "video" else None,
+            "max_side_pixels": self.limits.max_side_pixels,
+            "max_work": self.limits.max_work,
         }
 
     def render_metrics(self) -> str:
@@ -182,27 +218,28 @@ class GenerationService:
         return self.metrics.render(queue=state, offload=self._offload_stats, labels=labels)
 
 
-def _usage(model: str, params: GenerationParams, results: list, queue_seconds: float) -> GenerationUsage:
-    stats = [r.stats for r in results]
-    frames = results[0].frames
-    step_seconds = [s for st in stats for s in st.step_seconds]
-    seconds = sum(st.seconds for st in stats)
-    peaks = [st.peak_device_bytes for st in stats if st.peak_device_bytes is not None]
+def _usage(
+    limits: ModelLimits, params: GenerationParams, runs: list[RunStats], frames_shape: tuple[int, ...], queue_seconds: float
+) -> GenerationUsage:
+    """The cost of a request, summed over its outputs; `frames_shape` is one output's [frames, H, W, 3]."""
+    step_seconds = [s for run in runs for s in run.step_seconds]
+    seconds = sum(run.seconds for run in runs)
+    peaks = [run.peak_device_bytes for run in runs if run.peak_device_bytes is not None]
     return GenerationUsage(
-        model=model,
+        model=limits.model,
         seeds=list(params.seeds),
-        width=int(frames.shape[2]),
-        height=int(frames.shape[1]),
-        num_frames=int(frames.shape[0]) if results[0].kind == "video" else None,
-        num_inference_steps=len(stats[0].step_seconds) or (params.num_inference_steps or 0),
+        width=int(frames_shape[2]),
+        height=int(frames_shape[1]),
+        num_frames=int(frames_shape[0]) if limits.kind == "video" else None,
+        num_inference_steps=len(runs[0].step_seconds) or params.num_inference_steps,
         queue_seconds=queue_seconds,
         seconds=seconds,
         seconds_per_step=sum(step_seconds) / len(step_seconds) if step_seconds else seconds,
-        bytes_streamed=sum(st.bytes_transferred for st in stats),
-        num_transfers=sum(st.num_transfers for st in stats),
-        num_sync_loads=sum(st.num_sync_loads for st in stats),
-        stall_seconds=sum(st.stall_seconds for st in stats),
-        device_bytes=stats[-1].device_bytes,
-        host_bytes=stats[-1].host_bytes,
+        bytes_streamed=sum(run.bytes_transferred for run in runs),
+        num_transfers=sum(run.num_transfers for run in runs),
+        num_sync_loads=sum(run.num_sync_loads for run in runs),
+        stall_seconds=sum(run.stall_seconds for run in runs),
+        device_bytes=runs[-1].device_bytes,
+        host_bytes=runs[-1].host_bytes,
         peak_device_bytes=max(peaks) if peaks else None,
     )

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from layerstream.errors import LayerstreamError
 from dataclasses import dataclass
+
+from layerstream.errors import LayerstreamError
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+# width x height x frames x steps x outputs. 1e8 lets a 2048x2048 image run 23 steps, or a 832x480 video of
+# 81 frames run 3, and bounds the time of a request on a 2-core CPU to minutes. Memory grows with one output's
+# pixels x frames (outputs are made one at a time): tiny-wan at one step peaked at 1.3 GB for 512x512 x 9
+# frames, 1.4 GB for 512x512 x 33 and 2.2 GB for 1024x1024 x 9, so the largest request the cap lets through
+# stays a few GB, well within a 24 GB host. A GPU server for real models raises it with --max-work.
+DEFAULT_MAX_WORK = 100_000_000
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0  # plus one denoising step, within the 30 s most orchestrators allow
+MAX_SHUTDOWN_TIMEOUT_S = 86_400.0
+# after --shutdown-timeout, how long a stopped generation has to reach its next step boundary and answer
+# before the server stops waiting for it: a SIGTERM always ends the process within the sum of the two
+STOP_WAIT_SECONDS = 10.0
 
 
 class ServeSettingsError(LayerstreamError, ValueError):
@@ -15,7 +27,7 @@ class ServeSettingsError(LayerstreamError, ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class ServeSettings:
-    """How the server binds and what it lets a request ask for."""
+    """How the server binds, what it lets a request ask for, and how long a stop may take."""
 
     host: str = DEFAULT_HOST
     """Address to bind; loopback by default so that nothing is exposed unless asked for."""
@@ -24,13 +36,15 @@ class ServeSettings:
     max_queue: int = 16
     """Requests that may wait behind the running one; one more answers 429."""
     max_frames: int = 129
-    """Largest ``num_frames`` a video request may ask for."""
+    """Largest ``num_frames`` a video request may ask for (lowered to what the model can position)."""
     max_side_pixels: int = 2048
-    """Largest width or height a request may ask for."""
+    """Largest width or height a request may ask for (lowered to what the model can position)."""
+    max_work: int = DEFAULT_MAX_WORK
+    """Largest width x height x frames x steps x n of one request: bounds its time and, at one step, its memory."""
     max_body_bytes: int = 1 << 20
     """Largest request body; a larger one answers 413 without being parsed."""
-    fault_prompt: str | None = None
-    """Test-only: a request with exactly this prompt raises inside a transformer block (see `faults`)."""
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    """Seconds a running generation may go on after SIGTERM before it is stopped at its next denoising step."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -39,9 +53,14 @@ class ServeSettings:
         _check_int("max_queue", self.max_queue, low=0, high=1_000_000)
         _check_int("max_frames", self.max_frames, low=1, high=100_000)
         _check_int("max_side_pixels", self.max_side_pixels, low=1, high=1_000_000)
+        _check_int("max_work", self.max_work, low=1, high=10**15)
         _check_int("max_body_bytes", self.max_body_bytes, low=1024, high=1 << 30)
-        if self.fault_prompt is not None and (not isinstance(self.fault_prompt, str) or not self.fault_prompt):
-            raise ServeSettingsError(f"fault_prompt = {self.fault_prompt!r} is not valid; expected a non-empty string")
+        value = self.shutdown_timeout
+        # written as `not low <= value <= high` so that NaN, which fails every comparison, is refused too
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SHUTDOWN_TIMEOUT_S:
+            raise ServeSettingsError(
+                f"shutdown_timeout = {value!r} is not valid; expected seconds from 0 to {MAX_SHUTDOWN_TIMEOUT_S:g}"
+            )
 
 
 def _check_int(name: str, value: object, *, low: int, high: int) -> None:

@@ -1,0 +1,34 @@
+"""`ServeSettings`: every limit is checked when built, and the error names the setting, value and range."""
+
+from __future__ import annotations
+
+import pytest
+
+from layerstream.errors import LayerstreamError
+from layerstream.server.settings import ServeSettings, ServeSettingsError
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("shutdown_timeout", -1.0),
+        ("shutdown_timeout", float("nan")),
+        ("shutdown_timeout", float("inf")),
+        ("shutdown_timeout", True),
+        ("shutdown_timeout", "5"),
+        ("max_work", 0),
+        ("max_work", 1.5),
+        ("max_queue", -1),
+        ("port", 70000),
+    ],
+)
+def test_out_of_range_settings_are_refused_naming_the_field(field, value):
+    with pytest.raises(ServeSettingsError, match=rf"^{field} = ") as info:
+        ServeSettings(**{field: value})
+    assert isinstance(info.value, LayerstreamError) and isinstance(info.value, ValueError)
+
+
+def test_defaults_and_edges_are_accepted():
+    settings = ServeSettings()
+    assert settings.shutdown_timeout > 0 and settings.max_work >= 64 * 64 * 9 * 4 * 4  # tiny models, n=4
+    assert ServeSettings(shutdown_timeout=0, max_work=1).shutdown_timeout == 0
