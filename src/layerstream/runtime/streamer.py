@@ -247,7 +247,11 @@ class BlockStreamer:
 
     def _slot_owner(self, t: torch.Tensor):
         """(the bound block's store entry, byte offset in the slot) for a tensor viewing a slot, else None."""
-        slot = self._slot_of_storage.get(t.untyped_storage().data_ptr())
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage of its own (a subclass): not a slot
+            return None
+        slot = self._slot_of_storage.get(storage.data_ptr())
         if slot is None:
             return None
         index = self._bound_in_slot[slot]
