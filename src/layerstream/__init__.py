@@ -31,6 +31,7 @@ _LAZY = {
     "GenerationError": ("layerstream.omni", "GenerationError"),
     "ModelLoadError": ("layerstream.models.loading", "ModelLoadError"),
     "CacheFolderError": ("layerstream.models.cache", "CacheFolderError"),
+    "CorruptFolderError": ("layerstream.models.manifest", "CorruptFolderError"),
     "BenchConfigError": ("layerstream.bench.config", "BenchConfigError"),
     "StrategyError": ("layerstream.bench.strategies", "StrategyError"),
     "ServeSettingsError": ("layerstream.server.settings", "ServeSettingsError"),

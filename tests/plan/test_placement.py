@@ -281,11 +281,6 @@ def test_auto_with_a_budget_too_small_keeps_nothing_and_says_the_minimal_budget(
     assert just.streamed_block_paths == tuple(p for p in DIT_BLOCKS if p != DIT_BLOCKS[3])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="plan/placement.py _choose_auto states the minimal budget with :.3g, which rounds to nearest: the "
-    "figure can be below the real minimum, and giving that budget keeps no block resident",
-)
 def test_auto_minimal_budget_in_the_reason_is_enough_when_given_back():
     plan = _toy_plan({"resident_layers": "auto"})
     sizes = {p: 1000 for p in DIT_BLOCKS}

@@ -108,12 +108,6 @@ def test_accelerator_copy_into_a_released_slot_waits_for_that_release_on_the_cop
     engine.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime/copy_engine.py AcceleratorCopyEngine.copy_into: a copy into a slot compute holds (after "
-    "wait_ready, before release) makes the copy stream wait on the slot's release event as last recorded, i.e. "
-    "the previous release; under CUDA semantics the copy may overwrite the slot while compute reads it",
-)
 def test_accelerator_copy_into_a_held_slot_waits_for_the_coming_release():
     engine = make_engine("accelerator-recorder")
     log, jobs = engine.api.log, Jobs(engine)

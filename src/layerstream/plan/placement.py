@@ -18,6 +18,7 @@ memory of the device minus `activation_reserve_gb`, read by the caller (`read_de
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -224,9 +225,19 @@ def _choose_auto(
         )
         if not picked and chain:
             needed = slots_bytes + non_block + sizes[comp.path][chain[spread_indices(len(chain), 1)[0]]]
-            reason += f"; keeping one block resident needs a budget of at least {needed / GB:.3g} GB"
+            # rounded up, so that the figure given back as device_budget_gb is always enough
+            reason += f"; keeping one block resident needs a budget of at least {_gb_rounded_up(needed):g} GB ({needed} bytes)"
         out[comp.path] = ResidencyChoice(picked, len(chain), reason)
     return out
+
+
+def _gb_rounded_up(nbytes: int, digits: int = 4) -> float:
+    """`nbytes` in GB to `digits` significant digits, rounded up: a stated minimum given back is enough."""
+    if nbytes <= 0:
+        return 0.0
+    gb = nbytes / GB
+    scale = 10 ** (digits - 1 - math.floor(math.log10(gb)))
+    return math.ceil(gb * scale) / scale
 
 
 def spread_indices(num_blocks: int, count: int) -> list[int]:

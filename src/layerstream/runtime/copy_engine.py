@@ -159,6 +159,8 @@ class AcceleratorCopyEngine:
         self.copies: deque[CopyRecord] = deque(maxlen=MAX_COPY_RECORDS)
         self._pending_timing: list[tuple[CopyRecord, object, object]] = []
         self._errors: list[BaseException | None] = [None] * num_slots
+        self._held = [False] * num_slots  # compute reads the slot (between wait_ready and release)
+        self._deferred: list[tuple[Job, CopyRecord | None] | None] = [None] * num_slots
         self._closed = False
         self._origin = None
         if timing:
@@ -167,6 +169,14 @@ class AcceleratorCopyEngine:
 
     def copy_into(self, slot: int, job: Job, record: CopyRecord | None = None) -> None:
         self._errors[slot] = None
+        if self._held[slot]:
+            # compute still reads this slot and has not recorded its release yet: a GPU-side wait now would wait
+            # on the previous release. Queue the copy when release() records the event it must wait for
+            self._deferred[slot] = (job, record)
+            return
+        self._issue(slot, job, record)
+
+    def _issue(self, slot: int, job: Job, record: CopyRecord | None) -> None:
         with self.api.stream(self.copy_stream):
             # GPU-side wait: the copy may not overwrite the slot before compute has finished reading it
             self.copy_stream.wait_event(self._released[slot])
@@ -190,10 +200,15 @@ class AcceleratorCopyEngine:
             raise _transfer_error(slot, error)
         # GPU-side wait: compute kernels queued after this point run only once the slot's copy has landed
         self.api.current_stream(self.device).wait_event(self._ready[slot])
+        self._held[slot] = True
         return 0.0
 
     def release(self, slot: int) -> None:
         self._released[slot].record(self.api.current_stream(self.device))
+        self._held[slot] = False
+        deferred, self._deferred[slot] = self._deferred[slot], None
+        if deferred is not None:
+            self._issue(slot, *deferred)
 
     def now(self):
         """A time mark on the compute stream: a timing event when tracing (read after the run), else host time."""
@@ -240,6 +255,11 @@ class AcceleratorCopyEngine:
         if self._closed:
             return
         self._closed = True
+        for slot, deferred in enumerate(self._deferred):
+            if deferred is not None:  # nothing reads a slot after close: run what waited for a release
+                self._held[slot] = False
+                self._deferred[slot] = None
+                self._issue(slot, *deferred)
         # host-side wait, once, at teardown: copies queued on the copy stream read pinned host buffers
         # asynchronously, and the last block always prefetches the first, so one is usually in flight. Only
         # after this may a host buffer be unpinned or freed, or a slot be given back to the allocator

@@ -113,6 +113,7 @@ class PackedHostStore:
         pass  # no peers to tell
 
     def stage_(self, layout: BlockLayout, device: torch.device, pin: Pinner | None) -> PackedBlock:
+        assert layout.path not in self.blocks, f"{layout.path} staged twice"
         original_device = layout.source_device()
         buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
         layout.copy_sources_into(buffer)
