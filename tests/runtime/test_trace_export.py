@@ -71,3 +71,21 @@ def test_summary_counts_and_busy_times():
     assert summary["stall_seconds"] == pytest.approx(0.001)
     assert summary["num_sync_loads"] == 1
     assert summary["span_seconds"] == pytest.approx(0.009)
+
+
+def test_trace_of_two_streamed_components_labels_each_interval_with_its_component(tmp_path):
+    from layerstream import enable_offload
+    from runtime_toys import make_my_pipeline, run, toy_inputs
+
+    pipe = make_my_pipeline()
+    handle = enable_offload(pipe, {"mode": "layer", "components": ["dit", "text_encoder"]}, device="cpu")
+    run(pipe, toy_inputs())
+    trace = handle.trace()
+    handle.disable()
+    for interval in trace.intervals:
+        assert interval.label.startswith(interval.component + "."), interval
+    assert {i.component for i in trace.lane("compute")} == {"transformer", "prompt_model"}
+    events = [e for e in chrome_trace_events(trace) if e.get("ph") == "X" and e["cat"] in ("copy", "compute")]
+    assert {e["args"]["component"] for e in events} == {"transformer", "prompt_model"}
+    png = write_timeline_png(trace, tmp_path / "t.png", title="toy: two components")
+    assert png.stat().st_size > 0

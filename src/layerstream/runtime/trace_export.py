@@ -136,7 +136,7 @@ def write_timeline_png(trace: OffloadTrace, path: str | Path, *, title: str | No
             stall_ms = interval.stall * 1e3
             ax.broken_barh([(start_ms - stall_ms, stall_ms)], (y - 0.35, 0.7), facecolors=_COLORS["stall"])
         if label_bars:
-            text = _short(interval, len(components) > 1)
+            text = _short(interval)
             ax.text(start_ms + width_ms / 2, y, text, ha="center", va="center", fontsize=6, clip_on=True)
 
     ax.set_yticks(list(rows.values()), list(rows.keys()))
@@ -145,16 +145,21 @@ def write_timeline_png(trace: OffloadTrace, path: str | Path, *, title: str | No
     ax.set_title(title or "layerstream offload timeline")
     ax.grid(axis="x", alpha=0.3)
     legend = [Patch(color=_COLORS[k], label=k.replace("_", " ")) for k in ("copy", "compute", "stall", "sync_load")]
-    if len(components) > 1:  # compute is shaded per component: the two experts of Wan 2.2 tell apart
-        legend[1:2] = [Patch(color=_COMPONENT_SHADES[n % len(_COMPONENT_SHADES)], label=f"compute {c}") for n, c in enumerate(components)]
+    if len(components) > 1:  # shaded per component: the two experts of Wan 2.2 tell apart
+        legend[0:2] = [
+            Patch(color=shades[n % len(shades)], label=f"{lane} {c}")
+            for lane, shades in (("copy", _COPY_SHADES), ("compute", _COMPUTE_SHADES))
+            for n, c in enumerate(components)
+        ]
     # below the axes, so the legend never hides a bar
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.28), fontsize=7, ncol=4, frameon=False)
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.28), fontsize=7, ncol=min(len(legend), 4), frameon=False)
     fig.tight_layout()
     fig.savefig(path, format="png")
     return path
 
 
-_COMPONENT_SHADES = ("#54A24B", "#B279A2", "#72B7B2", "#EECA3B")
+_COMPUTE_SHADES = ("#54A24B", "#B279A2", "#72B7B2", "#EECA3B")
+_COPY_SHADES = ("#4C78A8", "#9E65C8", "#2A9D8F", "#B5893B")
 
 
 def _components(trace: OffloadTrace) -> list[str]:
@@ -167,12 +172,12 @@ def _components(trace: OffloadTrace) -> list[str]:
 
 
 def _lane_color(interval: TraceInterval, components: list[str]) -> str:
-    if interval.lane == "compute" and len(components) > 1 and interval.component in components:
-        return _COMPONENT_SHADES[components.index(interval.component) % len(_COMPONENT_SHADES)]
+    shades = {"copy": _COPY_SHADES, "compute": _COMPUTE_SHADES}.get(interval.lane)
+    if shades is not None and len(components) > 1 and interval.component in components:
+        return shades[components.index(interval.component) % len(shades)]
     return _COLORS.get(interval.lane, "#9D755D")
 
 
-def _short(interval: TraceInterval, with_component: bool = False) -> str:
-    """Inside a bar: the block's index (the last path segment), after its component when several stream."""
-    index = interval.label.rsplit(".", 1)[-1]
-    return f"{interval.component}:{index}" if with_component and interval.component else index
+def _short(interval: TraceInterval) -> str:
+    """Inside a bar: the block's index (the last path segment); the colour tells the component."""
+    return interval.label.rsplit(".", 1)[-1]
