@@ -10,7 +10,6 @@ streamed blocks into the host store, so the whole model is never on the device a
 
 from __future__ import annotations
 
-from layerstream.errors import LayerstreamError
 import inspect
 import logging
 import time
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from layerstream.config.offload_config import OffloadConfig, parse_offload_config
+from layerstream.errors import LayerstreamError
 from layerstream.offload import default_device, enable_offload
 from layerstream.runtime.handle import OffloadHandle
 from layerstream.runtime.stats import OffloadStats

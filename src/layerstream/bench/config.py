@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from layerstream.errors import LayerstreamError
 from dataclasses import dataclass
 
 import torch
 
 from layerstream.bench.strategies import DEFAULT_STRATEGIES
 from layerstream.bench.synthetic import MODEL_SHAPES
+from layerstream.errors import LayerstreamError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HOST_MEMORY_HEADROOM = 0.85

@@ -14,7 +14,6 @@ Names (`--strategies`):
 
 from __future__ import annotations
 
-from layerstream.errors import LayerstreamError
 import importlib
 import re
 import time
@@ -26,6 +25,7 @@ from torch import nn
 
 from layerstream.bench.measure import DeviceMemory, synchronize, tensor_bytes
 from layerstream.bench.naive import NaiveBlockLoader
+from layerstream.errors import LayerstreamError
 
 KINDS = ("resident", "layerwise", "module", "diffusers-group", "naive")
 DEFAULT_STRATEGIES = (

@@ -6,13 +6,14 @@ the value seen and what is allowed, and happens before anything in a pipeline is
 
 from __future__ import annotations
 
-from layerstream.errors import LayerstreamError
 import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+from layerstream.errors import LayerstreamError
 
 MODES = ("layer", "module")
 LAYER_COMPONENTS = ("dit", "text_encoder")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from layerstream.errors import LayerstreamError
 import logging
 import os
 import secrets
@@ -11,6 +10,8 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from layerstream.errors import LayerstreamError
 
 logger = logging.getLogger(__name__)
 

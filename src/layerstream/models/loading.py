@@ -7,7 +7,6 @@ modules on the device is the offload runtime's job.
 
 from __future__ import annotations
 
-from layerstream.errors import LayerstreamError
 import contextlib
 import inspect
 import logging
@@ -19,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from layerstream.errors import LayerstreamError
 from layerstream.models.folder_check import MODEL_INDEX, check_model_folder
+from layerstream.models.saved_dtypes import saved_dtypes
 from layerstream.models.tiny import TINY_MODELS, PipelineKind, ensure_tiny_model
 
 if TYPE_CHECKING:
@@ -89,7 +90,9 @@ def load_pipeline(model: str | os.PathLike[str], *, dtype: torch.dtype | None = 
     """Load `model` (a tiny model name or a local diffusers-format folder) as a diffusers pipeline on the host.
 
     Never touches the network: files are read with ``local_files_only=True`` while the Hugging Face Hub client
-    is held in offline mode. `dtype` casts every component (None keeps the dtypes the folder was saved in).
+    is held in offline mode. `dtype` casts every component; None loads each component in the dtype its
+    safetensors files store (a bfloat16 transformer stays bfloat16, a float32 VAE float32), which also lets
+    diffusers keep the weights as lazy views of the files.
     Raises `ModelLoadError` for a bad `model` and for any failure of diffusers or transformers to load it.
     """
     if dtype is not None and not isinstance(dtype, torch.dtype):
@@ -104,10 +107,10 @@ def load_pipeline(model: str | os.PathLike[str], *, dtype: torch.dtype | None = 
         transformers.utils.logging.disable_progress_bar()
 
     load_kwargs: dict[str, Any] = {"local_files_only": True}
-    if dtype is not None:
-        load_kwargs["dtype"] = dtype
     with hub_offline():
         folder = resolve_model_folder(model)
+        # no dtype: each component in the dtype its checkpoint stores (diffusers would upcast to float32)
+        load_kwargs["dtype"] = dtype if dtype is not None else saved_dtypes(folder)
         logger.info("loading pipeline from %s", folder)
         try:
             return DiffusionPipeline.from_pretrained(folder, **load_kwargs)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from layerstream.errors import LayerstreamError
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
+
+from layerstream.errors import LayerstreamError
 
 ENCODER_TYPES = ("text_encoder",)
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from layerstream.errors import LayerstreamError
 from dataclasses import dataclass
 from typing import Any
 
 from layerstream.config.offload_config import OffloadConfig
+from layerstream.errors import LayerstreamError
 
 CATEGORIES = ("dit", "text_encoder", "encoder", "image_encoder", "vae", "other")
 SOURCES = ("plan", "builtin", "class_attribute", "auto", "none")

@@ -6,12 +6,12 @@ plus ``details``, one entry per problem, each naming the field and what it accep
 
 from __future__ import annotations
 
-from layerstream.errors import LayerstreamError
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from layerstream.errors import LayerstreamError
 from layerstream.server.schemas import ErrorDetail, ErrorInfo, ErrorResponse
 
 # status -> OpenAI-style error type

@@ -1,0 +1,87 @@
+"""The dtype each component of a diffusers-format folder was saved in, read from its safetensors headers.
+
+diffusers loads a model in float32 unless told otherwise, so a bfloat16 checkpoint would take twice its size
+in host memory. Loading each component in the dtype its weights are stored in keeps a bfloat16 transformer in
+bfloat16 and a float32 VAE in float32, and lets diffusers keep the weights as views of the files (read lazily,
+which is what lets the host store read streamed blocks straight from the files).
+
+Only headers are read (8 bytes of length, then JSON): no tensor data.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+
+from layerstream.errors import LayerstreamError
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+"""Floating dtypes a component can compute in, as safetensors names them (integer and float8 tensors never
+decide a component's dtype: float8 is a storage format, not a compute dtype)."""
+
+_MAX_HEADER_BYTES = 100 * 2**20
+
+
+class SafetensorsHeaderError(LayerstreamError, ValueError):
+    """A safetensors file whose header cannot be read (truncated or not safetensors)."""
+
+
+def read_safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file: tensor name -> {dtype, shape, data_offsets}, plus metadata."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise SafetensorsHeaderError(f"{path}: too short to be a safetensors file ({len(raw)} bytes)")
+        (length,) = struct.unpack("<Q", raw)
+        if length > _MAX_HEADER_BYTES:
+            raise SafetensorsHeaderError(f"{path}: header length {length} is not plausible; the file is not safetensors")
+        text = f.read(length)
+    if len(text) != length:
+        raise SafetensorsHeaderError(f"{path}: truncated header ({len(text)} of {length} bytes)")
+    try:
+        header = json.loads(text)
+    except ValueError as e:
+        raise SafetensorsHeaderError(f"{path}: the header is not JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise SafetensorsHeaderError(f"{path}: the header is not a JSON object")
+    return header
+
+
+def stored_dtype(folder: Path) -> torch.dtype | None:
+    """The floating dtype holding most bytes in the safetensors files of one component folder (None: no
+    safetensors files, or no floating tensors)."""
+    totals: dict[torch.dtype, int] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        for name, entry in read_safetensors_header(path).items():
+            if name == "__metadata__" or not isinstance(entry, dict):
+                continue
+            dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))
+            offsets = entry.get("data_offsets") or (0, 0)
+            if dtype is not None:
+                totals[dtype] = totals.get(dtype, 0) + int(offsets[1]) - int(offsets[0])
+    return max(totals, key=totals.get) if totals else None
+
+
+def saved_dtypes(folder: Path) -> dict[str, torch.dtype]:
+    """Component name -> the dtype its weights are stored in, for every component of the pipeline folder that
+    has safetensors files (others are left to their library's default)."""
+    index = json.loads((folder / "model_index.json").read_text())
+    out = {}
+    for name, value in index.items():
+        if name.startswith("_") or not isinstance(value, list) or not (folder / name).is_dir():
+            continue
+        try:
+            dtype = stored_dtype(folder / name)
+        except (OSError, SafetensorsHeaderError):
+            continue  # diffusers reports an unreadable file when it loads it, naming it
+        if dtype is not None:
+            out[name] = dtype
+    return out
