@@ -23,7 +23,9 @@ from layerstream.runtime.protocols import CopyEngine, HostStore, StoredBlock
 from layerstream.runtime.stats import ComponentStats, OffloadStats, OffloadTrace, TraceInterval
 from layerstream.runtime.state_dict import install_state_dict_hooks
 from layerstream.runtime.streamer import BlockCounters, BlockStreamer, StreamedBlock, install_block_hooks, install_root_hooks
-from layerstream.runtime.tensors import device_bytes, move_tensors_
+from layerstream.runtime.file_reads import MappedFiles
+from layerstream.runtime.progress import StagingProgress
+from layerstream.runtime.tensors import device_bytes, move_tensors_, unmap_tensors_
 from layerstream.runtime.undo import UndoStack
 
 logger = logging.getLogger(__name__)
@@ -66,9 +68,25 @@ def apply_layer_mode(
     for store in _distinct(stores.values()):
         undo.push(store.rollback_)  # before the first stage: a store can fail half-way through staging
     stored: dict[str, StoredBlock] = {}
+    progress = StagingProgress(
+        f"staging {plan.pipeline_class} into the host store", sum(layouts[p].nbytes for p in placement.streamed_block_paths),
+        len(placement.streamed_block_paths),
+    )
     for chain in placement.chains:
         for path in chain.block_paths:
             stored[path] = stores[chain.component].stage_(layouts[path], device, pin)
+            progress.advance(layouts[path].nbytes)
+    progress.close(sum(getattr(s, "bytes_read_from_files", 0) for s in _distinct(stores.values())))
+
+    if device.type == "cpu":
+        # resident weights that still view the checkpoint's mapping get memory of their own: afterwards the
+        # process maps nothing of the files (on an accelerator, moving them to the device did the same)
+        files = MappedFiles.snapshot()
+        if len(files):
+            for comp in plan.components:
+                if comp.action != "on_demand":
+                    skip = streamed_paths if comp.action == "stream" else set()
+                    unmap_tensors_(components[comp.path], comp.path, skip, files, undo.push)
 
     counters = {comp.path: BlockCounters() for comp in plan.streamed}
     blocks: list[StreamedBlock] = []

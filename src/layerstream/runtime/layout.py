@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from layerstream.runtime.file_reads import FileReader, MappedFiles
+
 ALIGN_BYTES = 64
 """Granularity of span placement: slots and buffers start 64-byte aligned, and spans keep their residue mod 64."""
 
@@ -116,12 +118,22 @@ class BlockLayout:
         self.nbytes = max(align_up(offset), ALIGN_BYTES)
         """Bytes of the block's buffer (padded; every span at its residue)."""
 
-    def copy_sources_into(self, buffer: torch.Tensor) -> None:
-        """Copy every span of the original storages into `buffer` (a uint8 tensor of `nbytes`)."""
+    def copy_sources_into(self, buffer: torch.Tensor, files: MappedFiles | None = None, reader: FileReader | None = None) -> int:
+        """Copy every span of the original storages into `buffer` (a uint8 tensor of `nbytes`). A span that is
+        an unwritten view of a file mapping (`files`) is read from the file by `reader` instead of faulted in
+        through the mapping. Returns the bytes read from files."""
+        from_files = 0
         for src, src_start, length, dst in self._spans:
+            if files is not None and reader is not None and src.device.type == "cpu":
+                source = files.file_range(src.untyped_storage().data_ptr() + src_start, length)
+                if source is not None:
+                    reader.read_into_(buffer[dst : dst + length], source)
+                    from_files += length
+                    continue
             raw = torch.empty(0, dtype=torch.uint8, device=src.device)
             raw.set_(src.untyped_storage(), src_start, (length,), (1,))
             buffer[dst : dst + length].copy_(raw)
+        return from_files
 
     def copy_range_into(self, buffer: torch.Tensor, start: int) -> None:
         """Copy bytes [start, start + buffer.numel()) of the packed block into `buffer` (uint8), straight from

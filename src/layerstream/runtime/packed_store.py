@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from layerstream.errors import UnsupportedUseError
+from layerstream.runtime.file_reads import FileReader, MappedFiles
 from layerstream.runtime.layout import BlockLayout, TensorBinder
 from layerstream.runtime.protocols import Job, Pinner
 
@@ -99,6 +100,9 @@ class PackedHostStore:
 
     def __init__(self):
         self.blocks: dict[str, PackedBlock] = {}
+        self.bytes_read_from_files = 0
+        self._files: MappedFiles | None = None
+        self._reader: FileReader | None = None
 
     def __repr__(self) -> str:
         return f"PackedHostStore({len(self.blocks)} blocks, {sum(b.host_bytes for b in self.blocks.values())} bytes)"
@@ -116,7 +120,9 @@ class PackedHostStore:
         assert layout.path not in self.blocks, f"{layout.path} staged twice"
         original_device = layout.source_device()
         buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
-        layout.copy_sources_into(buffer)
+        if self._files is None:  # weights still mapped from their files are read from the files (file_reads)
+            self._files, self._reader = MappedFiles.snapshot(), FileReader()
+        self.bytes_read_from_files += layout.copy_sources_into(buffer, self._files, self._reader)
         block = PackedBlock(layout, TensorBinder(layout, device), buffer, pin, original_device)
         block.binder.evict_()
         layout.forget_sources()  # the original storage is freed here, before the next block is staged
@@ -124,12 +130,19 @@ class PackedHostStore:
         return block
 
     def commit_(self) -> None:
-        pass  # each block dropped its originals when staged
+        self._close_files()  # each block dropped its originals when staged
 
     def rollback_(self) -> None:
+        self._close_files()
         for path in list(self.blocks):
             block = self.blocks.pop(path)
             block.restore_(block.original_device)
+
+    def _close_files(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._files.close()
+            self._files = self._reader = None
 
     def restore_(self, device: torch.device) -> None:
         # one block at a time, forgotten once restored: a second call never restores a block twice

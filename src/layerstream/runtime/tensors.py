@@ -7,6 +7,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from layerstream.runtime.file_reads import MappedFiles
+
 
 def named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter and buffer under `module`, tied ones once per owner."""
@@ -54,3 +56,62 @@ def device_bytes(module: nn.Module, device: torch.device) -> int:
             seen.add(key)
             total += t.numel() * t.element_size()
     return total
+
+
+def unmap_tensors_(
+    root: nn.Module, root_path: str, skip: set[str], files: MappedFiles, push_undo: Callable[[Callable[[], None]], None]
+) -> int:
+    """Give every CPU tensor under `root` (outside the `skip` paths) that still views a file mapping a storage
+    of its own in memory, at the same address residue (so kernels round as before); returns the bytes copied.
+
+    After this the module holds nothing of the checkpoint's mapping, and the mapping goes when its last view
+    does. Tensors sharing a storage keep sharing one copy."""
+    copies: dict[int, torch.Tensor] = {}
+    copied = 0
+
+    def moved(t: torch.Tensor) -> torch.Tensor | None:
+        nonlocal copied
+        if t.device.type != "cpu" or t.numel() == 0:
+            return None
+        storage = t.untyped_storage()
+        address, nbytes = storage.data_ptr(), storage.nbytes()
+        if not files.covers(address, nbytes):
+            return None
+        raw = copies.get(address)
+        if raw is None:
+            original = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
+            padded = torch.empty(nbytes + 64, dtype=torch.uint8)
+            shift = (address - padded.data_ptr()) % 64
+            raw = copies[address] = padded[shift : shift + nbytes]
+            raw.copy_(original)
+            copied += nbytes
+        itemsize = t.element_size()
+        if raw.storage_offset() % itemsize:  # a misaligned source: keep the bytes, not the residue
+            return t.clone()
+        typed = raw.view(t.dtype)
+        return torch.as_strided(typed, t.shape, t.stride(), typed.storage_offset() + t.storage_offset())
+
+    stack = [(root_path, root)]
+    while stack:
+        path, module = stack.pop()
+        if path in skip:
+            continue
+        for param in module._parameters.values():
+            if param is None:
+                continue
+            new = moved(param.data)
+            if new is not None:
+                old = param.data
+                param.data = new
+                push_undo(lambda p=param, o=old: setattr(p, "data", o))
+        for name, buf in module._buffers.items():
+            if buf is None:
+                continue
+            new = moved(buf)
+            if new is not None:
+                module._buffers[name] = new
+                push_undo(lambda b=module._buffers, n=name, o=buf: b.__setitem__(n, o))
+        for child_name, child in module._modules.items():
+            if child is not None:
+                stack.append((f"{path}.{child_name}" if path else child_name, child))
+    return copied

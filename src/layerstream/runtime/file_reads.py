@@ -1,0 +1,186 @@
+"""Reading file-backed weights straight from their files, not through the page faults of a mapping.
+
+diffusers (through safetensors) keeps weights loaded in the dtype they are stored in as views of a private
+mapping of the checkpoint files: nothing is read until a tensor is touched. Copying a block out of such a view
+faults the file in page by page (a few hundred MB/s) and leaves every touched page counted in the process
+(file-backed RSS) for as long as anything references the mapping. Reading the same bytes with large `preadv`
+calls on a few threads runs at the disk's speed and maps nothing.
+
+`MappedFiles` tells, for a host address range, which file and offset back it. It reads `/proc/self/maps` (the
+mappings) and `/proc/self/pagemap` (whether each page still holds the file's bytes: a page written since it
+was mapped, copy on write, is anonymous memory now and the file would be wrong, so such a range is copied
+from memory instead). Where /proc is not available (not Linux) every range is copied from memory, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+READ_CHUNK_BYTES = 16 * 2**20
+"""Bytes per `preadv` call: large enough for the disk's full speed, small enough to spread over threads."""
+NUM_READ_THREADS = 4
+
+_PRESENT, _SWAPPED, _FILE_PAGE = 1 << 63, 1 << 62, 1 << 61
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """`nbytes` bytes of file `path` from `offset`."""
+
+    path: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class _Mapping:
+    start: int
+    end: int
+    offset: int
+    path: str
+
+
+class MappedFiles:
+    """The process's private file mappings, read once (call `snapshot` again after new files are mapped)."""
+
+    def __init__(self, mappings: list[_Mapping]):
+        self._mappings = sorted(mappings, key=lambda m: m.start)
+        self._pagemap: int | None = None
+
+    @classmethod
+    def snapshot(cls) -> MappedFiles:
+        try:
+            with open("/proc/self/maps") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return cls([])
+        mappings = []
+        for line in lines:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or not parts[1].endswith("p") or not parts[5].startswith("/"):
+                continue  # shared mappings could change under us; anonymous ones have no file
+            path = parts[5]
+            if path.endswith(" (deleted)") or not os.path.isfile(path):
+                continue
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            mappings.append(_Mapping(start, end, int(parts[2], 16), path))
+        return cls(mappings)
+
+    def __len__(self) -> int:
+        return len(self._mappings)
+
+    def covers(self, address: int, nbytes: int) -> bool:
+        """Whether [address, address + nbytes) lies in one file mapping (written pages or not)."""
+        mapping = self._find(address) if nbytes > 0 else None
+        return mapping is not None and address + nbytes <= mapping.end
+
+    def file_range(self, address: int, nbytes: int) -> FileRange | None:
+        """The file bytes that back [address, address + nbytes), if one private file mapping covers the whole
+        range and none of its pages was written since it was mapped; else None."""
+        if nbytes <= 0 or not self._mappings:
+            return None
+        mapping = self._find(address)
+        if mapping is None or address + nbytes > mapping.end:
+            return None
+        if not self._pages_hold_file_bytes(address, nbytes):
+            return None
+        return FileRange(mapping.path, mapping.offset + address - mapping.start, nbytes)
+
+    def close(self) -> None:
+        if self._pagemap is not None:
+            os.close(self._pagemap)
+            self._pagemap = None
+
+    def _find(self, address: int) -> _Mapping | None:
+        lo, hi = 0, len(self._mappings)
+        while lo < hi:  # the last mapping starting at or before the address
+            mid = (lo + hi) // 2
+            if self._mappings[mid].start <= address:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == 0:
+            return None
+        mapping = self._mappings[lo - 1]
+        return mapping if address < mapping.end else None
+
+    def _pages_hold_file_bytes(self, address: int, nbytes: int) -> bool:
+        """Every page is either not yet faulted in (so it reads from the file) or a page of the file itself."""
+        if self._pagemap is None:
+            try:
+                self._pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
+            except OSError:
+                return False
+        first, last = address // PAGE_BYTES, (address + nbytes - 1) // PAGE_BYTES
+        count = last - first + 1
+        try:
+            raw = os.pread(self._pagemap, 8 * count, 8 * first)
+        except OSError:
+            return False
+        if len(raw) != 8 * count:
+            return False
+        for (entry,) in struct.iter_unpack("<Q", raw):
+            if entry & _SWAPPED:
+                return False  # only anonymous (written) pages of a private mapping go to swap
+            if entry & _PRESENT and not entry & _FILE_PAGE:
+                return False  # copied on write: memory differs from the file
+        return True
+
+
+class FileReader:
+    """Reads file ranges into host tensors with large `preadv` calls on a few threads; keeps files open until
+    `close`. Counts what it read."""
+
+    def __init__(self, num_threads: int = NUM_READ_THREADS):
+        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="layerstream-read")
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def read_into_(self, destination: torch.Tensor, source: FileRange) -> None:
+        """Fill `destination` (a contiguous uint8 CPU tensor of `source.nbytes`) with the file's bytes."""
+        assert destination.dtype == torch.uint8 and destination.is_contiguous() and destination.numel() == source.nbytes
+        fd = self._open(source.path)
+        base = destination.data_ptr()
+        jobs = []
+        for start in range(0, source.nbytes, READ_CHUNK_BYTES):
+            length = min(READ_CHUNK_BYTES, source.nbytes - start)
+            jobs.append(self._pool.submit(_pread_exactly, fd, base + start, length, source.offset + start, source.path))
+        for job in jobs:
+            job.result()  # re-raises a failed read (a truncated file names itself)
+        self.bytes_read += source.nbytes
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def _open(self, path: str) -> int:
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            return fd
+
+
+def _pread_exactly(fd: int, address: int, length: int, offset: int, path: str) -> None:
+    view = memoryview((ctypes.c_char * length).from_address(address)).cast("B")
+    done = 0
+    while done < length:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"{path}: the file ends at byte {offset + done}, before the {length} bytes expected from {offset}")
+        done += n

@@ -1,0 +1,50 @@
+"""Progress of staging a model into the host store: a bar on a terminal, one summary line in the log.
+
+Staging a 60 GB model takes minutes; it must never look frozen. On a terminal (stderr is a TTY) and for at
+least `MIN_BAR_BYTES`, a bar shows bytes staged, GB/s and the time left; everywhere, one INFO line sums up.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+logger = logging.getLogger(__name__)
+
+MIN_BAR_BYTES = 256 * 2**20
+"""Below this, staging is over before a bar would help."""
+
+
+class StagingProgress:
+    def __init__(self, what: str, total_bytes: int, num_blocks: int):
+        self.what = what
+        self.total_bytes = total_bytes
+        self.num_blocks = num_blocks
+        self.done_bytes = 0
+        self.start = time.perf_counter()
+        self._bar = None
+        if total_bytes >= MIN_BAR_BYTES and sys.stderr.isatty():
+            from tqdm.auto import tqdm  # a dependency of diffusers and transformers; only loaded on a terminal
+
+            self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=what, leave=False)
+
+    def advance(self, nbytes: int) -> None:
+        self.done_bytes += nbytes
+        if self._bar is not None:
+            self._bar.update(nbytes)
+
+    def close(self, bytes_from_files: int) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        seconds = time.perf_counter() - self.start
+        rate = self.done_bytes / seconds / 1e9 if seconds > 0 else float("inf")
+        logger.info(
+            "%s: %d blocks, %.2f GB in %.1f s (%.2f GB/s), %.2f GB read straight from the checkpoint files",
+            self.what,
+            self.num_blocks,
+            self.done_bytes / 1e9,
+            seconds,
+            rate,
+            bytes_from_files / 1e9,
+        )
