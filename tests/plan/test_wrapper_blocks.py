@@ -205,7 +205,8 @@ def test_hidream_pipeline_resolves_wrapped_blocks_from_its_builtin_plan():
     transformer = resolved.component("transformer")
     assert (transformer.source, transformer.action) == ("builtin", "stream")
     assert [s.attr_path for s in transformer.stacks] == ["double_stream_blocks", "single_stream_blocks"]
-    assert transformer.stacks[0].block_paths == ("transformer.double_stream_blocks.0", "transformer.double_stream_blocks.1")
+    double = transformer.stacks[0]
+    assert double.block_paths == ("transformer.double_stream_blocks.0", "transformer.double_stream_blocks.1")
     expected_encoders = {
         "text_encoder": ["text_model.encoder.layers"],
         "text_encoder_2": ["text_model.encoder.layers"],
