@@ -180,6 +180,18 @@ def _cogvideox():
     )  # fmt: skip
 
 
+def _hidream():
+    from diffusers import HiDreamImageTransformer2DModel
+
+    # caption_channels: (T5 width, Llama width); text_emb_dim: the two CLIP pooled outputs side by side
+    return HiDreamImageTransformer2DModel(
+        patch_size=2, in_channels=4, out_channels=4, num_layers=NUM_LAYERS, num_single_layers=NUM_LAYERS,
+        attention_head_dim=8, num_attention_heads=2, caption_channels=[8, 8], text_emb_dim=16,
+        num_routed_experts=2, num_activated_experts=1, axes_dims_rope=(4, 2, 2), max_resolution=(8, 8),
+        llama_layers=[0, 1] * NUM_LAYERS,
+    )  # fmt: skip
+
+
 def _wan_vae():
     from diffusers import AutoencoderKLWan
 
@@ -234,6 +246,12 @@ def _llama():
     return LlamaModel(LlamaConfig(**_DECODER))
 
 
+def _llama_causal():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**_DECODER))
+
+
 def _llava():
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
@@ -281,6 +299,7 @@ _BUILDERS = {
     "ltx": _ltx,
     "sd3": _sd3,
     "cogvideox": _cogvideox,
+    "hidream": _hidream,
     "wan_vae": _wan_vae,
     "umt5": _umt5,
     "t5": _t5,
@@ -288,6 +307,7 @@ _BUILDERS = {
     "clip_projection": _clip_projection,
     "clip_projection_2": _clip_projection,
     "llama": _llama,
+    "llama_causal": _llama_causal,
     "llava": _llava,
     "mistral3": _mistral3,
     "qwen3": _qwen3,

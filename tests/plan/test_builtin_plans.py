@@ -47,12 +47,15 @@ EXPECTED_LISTS = {
     "ltx": {"transformer_blocks": "LTXVideoTransformerBlock"},
     "sd3": {"transformer_blocks": "JointTransformerBlock"},
     "cogvideox": {"transformer_blocks": "CogVideoXBlock"},
+    # HiDream wraps each block: the wrappers are what the transformer calls
+    "hidream": {"double_stream_blocks": "HiDreamBlock", "single_stream_blocks": "HiDreamBlock"},
     "umt5": {"encoder.block": "UMT5Block"},
     "t5": {"encoder.block": "T5Block"},
     "clip": {"encoder.layers": "CLIPEncoderLayer"},
     "clip_projection": {"text_model.encoder.layers": "CLIPEncoderLayer"},
     "clip_projection_2": {"text_model.encoder.layers": "CLIPEncoderLayer"},
     "llama": {"layers": "LlamaDecoderLayer"},
+    "llama_causal": {"model.layers": "LlamaDecoderLayer"},
     "llava": {"model.language_model.layers": "LlamaDecoderLayer"},
     "mistral3": {"model.language_model.layers": "MistralDecoderLayer"},
     "qwen3": {"model.layers": "Qwen3DecoderLayer"},
@@ -73,6 +76,13 @@ _SD3 = {
     "text_encoder_3": "t5",
 }
 _COG = {"transformer": "cogvideox", "text_encoder": "t5"}
+_HIDREAM = {
+    "transformer": "hidream",
+    "text_encoder": "clip_projection",
+    "text_encoder_2": "clip_projection_2",
+    "text_encoder_3": "t5",
+    "text_encoder_4": "llama_causal",
+}
 
 # pipeline class -> component -> tiny model kind
 CASES = {
@@ -116,6 +126,7 @@ CASES = {
     "CogVideoXImageToVideoPipeline": _COG,
     "CogVideoXVideoToVideoPipeline": _COG,
     "CogVideoXFunControlPipeline": _COG,
+    "HiDreamImagePipeline": _HIDREAM,
 }
 
 

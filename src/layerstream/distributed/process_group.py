@@ -3,13 +3,22 @@
 `init_distributed(device)` is what the command line and the tests call in each rank that torchrun started;
 library users may initialize torch.distributed themselves and pass a group to `enable_offload`.
 `join_offload_group` is what `enable_offload` calls when a component asks for `weight_transfer: "allgather"`.
+
+Leaving: `destroy_distributed()` leaves the group. A process that forgets it still leaves cleanly: the group
+`init_distributed` created is destroyed by an `atexit` teardown. Left to interpreter shutdown, torch tears the
+group down in C++ static destruction while its threads may still run, and the rank aborts (``terminate called
+without an active exception``, torchrun exit 1). Whatever issues collectives from a thread of its own registers
+a callback with `before_group_teardown`, so that the thread is stopped before the group goes.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,16 +98,86 @@ def init_distributed(device: torch.device | str | None = None, *, backend: str |
         timeout=collective_timeout(),
         device_id=device if device.type == "cuda" and "nccl" in backend else None,
     )
+    _TEARDOWN.group_created_(dist.group.WORLD)
     logger.info("rank %d of %d joined the process group (%s) on %s", rank, world_size, dist.get_backend(), device)
     return device
 
 
 def destroy_distributed() -> None:
-    """Leave the default process group, if this process joined one."""
+    """Leave the default process group, if this process joined one.
+
+    First runs the `before_group_teardown` callbacks (newest first), so that no thread is inside a collective
+    when the group goes. Disable every offload handle before calling it: `disable()` is a collective itself.
+    """
     import torch.distributed as dist
 
+    _TEARDOWN.run_callbacks()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _TEARDOWN.forget_group()
+
+
+def before_group_teardown(callback: Callable[[], None]) -> None:
+    """Run `callback` before the default group is destroyed, by `destroy_distributed` or at interpreter exit.
+
+    For code that issues collectives from a thread of its own (a copy thread all-gathering blocks): the
+    callback stops that thread, waiting for the collective it may be inside. Callbacks run once, newest first;
+    an exception in one is logged and the others still run.
+    """
+    _TEARDOWN.add(callback)
+
+
+class _GroupTeardown:
+    """The process's teardown of the group `init_distributed` created, registered with `atexit` once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+        self._group: object | None = None
+        self._registered = False
+
+    def group_created_(self, group: object) -> None:
+        with self._lock:
+            self._group = group
+            if not self._registered:
+                atexit.register(self.at_exit)
+                self._registered = True
+
+    def forget_group(self) -> None:
+        with self._lock:
+            self._group = None
+
+    def add(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            self._callbacks.append(callback)
+
+    def run_callbacks(self) -> None:
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks[::-1], []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # teardown goes on: the group must still be destroyed
+                logger.warning("a teardown callback failed before leaving the process group", exc_info=True)
+
+    def at_exit(self) -> None:
+        """Destroy the group if it is still the one `init_distributed` created (a group the user made after
+        destroying ours is theirs to destroy)."""
+        import torch.distributed as dist
+
+        self.run_callbacks()
+        with self._lock:
+            ours, self._group = self._group, None
+        if ours is None or not (dist.is_available() and dist.is_initialized()) or dist.group.WORLD is not ours:
+            return
+        logger.debug("destroying the process group at exit (destroy_distributed() was not called)")
+        try:
+            dist.destroy_process_group()
+        except Exception:  # at exit there is no caller left to raise to; a peer may be gone already
+            logger.warning("destroying the process group at exit failed", exc_info=True)
+
+
+_TEARDOWN = _GroupTeardown()
 
 
 @dataclass(frozen=True)

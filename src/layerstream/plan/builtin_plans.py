@@ -125,6 +125,13 @@ FAMILIES: tuple[PipelineFamily, ...] = (
         dit=_dits("transformer", blocks=_TRANSFORMER_BLOCKS),
         text_encoders=("text_encoder", "text_encoder_2", "text_encoder_3"),
     ),
+    # HiDream wraps each block in a HiDreamBlock; the wrappers are what the transformer calls, so they stream.
+    # The double-stream blocks run first, then the single-stream blocks. text_encoder_4 is Llama 3.1.
+    PipelineFamily(
+        pipelines=("HiDreamImagePipeline",),
+        dit=_dits("transformer", blocks=("double_stream_blocks", "single_stream_blocks")),
+        text_encoders=("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4"),
+    ),
     PipelineFamily(
         pipelines=(
             "CogVideoXPipeline",
@@ -140,10 +147,11 @@ FAMILIES: tuple[PipelineFamily, ...] = (
 TEXT_ENCODER_BLOCK_ATTRS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "UMT5EncoderModel": ("encoder.block",),  # Wan
-        "T5EncoderModel": ("encoder.block",),  # Flux, SD3, LTX, CogVideoX
+        "T5EncoderModel": ("encoder.block",),  # Flux, SD3, LTX, CogVideoX, HiDream
         "CLIPTextModel": ("encoder.layers",),  # Flux, HunyuanVideo (transformers 5 dropped the text_model level)
-        "CLIPTextModelWithProjection": ("text_model.encoder.layers",),  # SD3
+        "CLIPTextModelWithProjection": ("text_model.encoder.layers",),  # SD3, HiDream
         "LlamaModel": ("layers",),  # HunyuanVideo
+        "LlamaForCausalLM": ("model.layers",),  # HiDream (the lm_head stays resident)
         "LlavaForConditionalGeneration": ("model.language_model.layers",),  # HunyuanVideo image-to-video
         "Mistral3ForConditionalGeneration": ("model.language_model.layers",),  # Flux2 (the vision tower stays)
         "Qwen3ForCausalLM": ("model.layers",),  # Flux2 Klein

@@ -219,7 +219,11 @@ def repeated_block_classes(module: nn.Module) -> frozenset[str]:
 
 def find_block_lists(module: nn.Module, skip: Collection[nn.Module] = ()) -> tuple[str, ...]:
     """Attribute paths (definition order) of the ModuleLists/Sequentials under `module` whose items are all
-    instances of `repeated_block_classes(module)`. Found lists are not searched inside, nor are `skip` modules.
+    blocks: instances of `repeated_block_classes(module)`, or wrappers around exactly one such instance.
+    Found lists are not searched inside, nor are `skip` modules.
+
+    Wrappers are streamed whole (HiDream's ``HiDreamBlock`` holds one ``HiDreamImageTransformerBlock``): the
+    model calls the wrapper, so its hooks see every call, and the wrapper's own tensors travel with the block.
     """
     names = repeated_block_classes(module)
     if not names:
@@ -234,7 +238,7 @@ def find_block_lists(module: nn.Module, skip: Collection[nn.Module] = ()) -> tup
                 continue
             seen.add(id(child))
             path = join_path(prefix, name)
-            if isinstance(child, BLOCK_LIST_TYPES) and len(child) > 0 and all(_is_one_of(b, names) for b in child):
+            if isinstance(child, BLOCK_LIST_TYPES) and len(child) > 0 and all(_is_block(b, names) for b in child):
                 found.append(path)
             else:
                 visit(path, child)
@@ -250,3 +254,11 @@ def has_own_block_lists(module: nn.Module) -> bool:
 
 def _is_one_of(module: nn.Module, class_names: frozenset[str]) -> bool:
     return any(cls.__name__ in class_names for cls in type(module).__mro__)
+
+
+def _is_block(item: nn.Module, class_names: frozenset[str]) -> bool:
+    """A list item is a block when it is one of `class_names`, or wraps exactly one of them one level down
+    (a wrapper holding two would merge two blocks into one streamed unit, which the model did not declare)."""
+    if _is_one_of(item, class_names):
+        return True
+    return sum(_is_one_of(child, class_names) for child in item.children()) == 1

@@ -58,15 +58,32 @@ class _Found:
 
 
 class _Declarations:
-    """The pipeline's own plan and layerstream's built-in plan, read in precedence order."""
+    """The pipeline's own plan and layerstream's built-in plan, read in precedence order.
+
+    The pipeline wins component by component. A component its ``_offload_plan`` describes (``block_attrs``,
+    ``encoder_component_types`` or ``encoder_block_attrs``) is described by the pipeline alone: the built-in
+    plan's entries for it (category, block lists, submodules inside it, resident layers, replication) are set
+    aside, so the two descriptions never mix. A component its role lists (``_dit_modules``, ``_encoder_modules``,
+    ``_vae_modules``) put in another role than the built-in plan does loses its built-in entries too; where the
+    roles agree, the built-in plan still supplies the block lists.
+    """
 
     def __init__(self, pipeline: Any, pipeline_class: str):
         self.pipeline_class = pipeline_class
         self.plan = get_offload_plan(pipeline) or OffloadPlan()
-        self.builtin = builtin_plan_for(pipeline) or OffloadPlan()
         self.dit_modules = declared_paths(pipeline, "_dit_modules", pipeline_class)
         self.encoder_modules = declared_paths(pipeline, "_encoder_modules", pipeline_class)
         self.vae_modules = declared_paths(pipeline, "_vae_modules", pipeline_class)
+        builtin = builtin_plan_for(pipeline) or OffloadPlan()
+        plan = self.plan
+        described = set(plan.block_attrs) | set(plan.encoder_component_types) | set(plan.encoder_block_attrs)
+        builtin_encoders = set(builtin.encoder_component_types) | set(builtin.encoder_block_attrs)
+        recast = (
+            {p for p in self.dit_modules if p in builtin_encoders}
+            | {p for p in self.encoder_modules if p in builtin.block_attrs}
+            | {p for p in self.vae_modules if p in builtin.block_attrs or p in builtin_encoders}
+        )
+        self.builtin = _without_components(builtin, described | recast)
         self.encoder_types = {**self.builtin.encoder_component_types, **self.plan.encoder_component_types}
         self.dit_paths = frozenset(self.plan.block_attrs) | set(self.builtin.block_attrs) | set(self.dit_modules)
         self.offload_submodules = {**self.builtin.offload_submodules, **self.plan.offload_submodules}
@@ -136,6 +153,23 @@ class _Declarations:
     @property
     def on_demand_paths(self) -> frozenset[str]:
         return self.plan.on_demand_component_paths | self.builtin.on_demand_component_paths
+
+
+def _without_components(plan: OffloadPlan, paths: set[str]) -> OffloadPlan:
+    """`plan` with every entry about the components in `paths` (and about submodules inside them) removed."""
+
+    def outside(path: str) -> bool:
+        return not any(path == p or path.startswith(p + ".") for p in paths)
+
+    return OffloadPlan(
+        block_attrs={k: v for k, v in plan.block_attrs.items() if outside(k)},
+        offload_submodules={k: v for k, v in plan.offload_submodules.items() if outside(k)},
+        resident_dit_paths=frozenset(filter(outside, plan.resident_dit_paths)),
+        encoder_component_types={k: v for k, v in plan.encoder_component_types.items() if outside(k)},
+        encoder_block_attrs={k: v for k, v in plan.encoder_block_attrs.items() if outside(k)},
+        encoder_dlo_weight_replication=frozenset(filter(outside, plan.encoder_dlo_weight_replication)),
+        on_demand_component_paths=frozenset(filter(outside, plan.on_demand_component_paths)),
+    )
 
 
 def resolve_offload_plan(pipeline: Any, config: OffloadConfig | Mapping | str) -> ResolvedOffloadPlan:

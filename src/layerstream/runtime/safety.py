@@ -48,18 +48,23 @@ def check_no_shared_block_tensors(
     for spans in intervals.values():
         if len(spans) < 2 or all(owner is None for _, _, owner, _ in spans):
             continue
-        spans.sort()
+        spans.sort(key=lambda span: span[:2])  # by extent only: owners may be None (resident) and do not order
         active: list[tuple[int, str | None, str]] = []
         for start, end, owner, name in spans:
             active = [a for a in active if a[0] > start]
             for _, other_owner, other_name in active:
                 if other_owner != owner:
                     raise OffloadError(
-                        f"{pipeline_class}: {name} shares memory with {other_name}; a weight shared between a "
-                        "streamed block and another module cannot be streamed safely. Untie it, keep that DiT "
-                        "resident, or declare block lists that keep shared weights outside streamed blocks"
+                        f"{pipeline_class}: {name} shares memory with {other_name} ({_owner_label(owner)} and "
+                        f"{_owner_label(other_owner)}); a weight shared between a streamed block and another module "
+                        "cannot be streamed safely. Untie it, keep that DiT resident, or declare block lists that "
+                        "keep shared weights outside streamed blocks"
                     )
             active.append((end, owner, name))
+
+
+def _owner_label(owner: str | None) -> str:
+    return "a resident module" if owner is None else f"streamed block {owner}"
 
 
 def _walk(root: nn.Module, root_path: str, owner_of_module):
