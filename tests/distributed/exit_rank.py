@@ -2,6 +2,7 @@
 
 Run by `test_exit_teardown.py` in each of N processes with torchrun's environment. ``argv[1]``:
 - ``disable``: the docs example without its last line: enable allgather, run forwards, disable;
+- ``enabled``: the same without `disable()` either: the handle is still enabled at exit;
 - ``docs``: the first Python example of docs/distributed.md, exactly as written (its `load_my_pipeline`
   builds the tiny replicated pipeline);
 - ``hooks``: a single rank checking the teardown order (prints JSON lines).
@@ -27,7 +28,7 @@ ALLGATHER = {
 }
 
 
-def forget_destroy() -> None:
+def forget_destroy(disable: bool = True) -> None:
     device = init_distributed()
     torch.manual_seed(0)
     pipe = ReplicatedPipeline().to(device)
@@ -36,9 +37,11 @@ def forget_destroy() -> None:
     with torch.no_grad():
         for _ in range(2):
             pipe(ids, x)
-    handle.disable()
+    if disable:
+        handle.disable()
     print("rank done", flush=True)
-    # no destroy_distributed(): the atexit teardown init_distributed registered must leave the group
+    # no destroy_distributed(): the atexit teardown init_distributed registered must leave the group; without
+    # disable() the last block's prefetch of the first is an all-gather the copy thread may still be in
 
 
 def docs_example() -> None:
@@ -72,4 +75,5 @@ def hooks() -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    {"disable": forget_destroy, "docs": docs_example, "hooks": hooks}[sys.argv[1]]()
+    modes = {"disable": forget_destroy, "enabled": lambda: forget_destroy(disable=False), "docs": docs_example, "hooks": hooks}
+    modes[sys.argv[1]]()

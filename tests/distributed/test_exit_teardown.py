@@ -58,6 +58,13 @@ def test_ranks_that_never_call_destroy_distributed_exit_0_every_time():
             assert result.returncode == 0, f"run {run} rank {rank} exited {result.returncode}:\n{result.stderr}"
 
 
+def test_ranks_that_exit_with_offload_still_enabled_exit_0():
+    for run in range(3):
+        for rank, result in enumerate(_run_ranks("enabled", world_size=2)):
+            assert "terminate called" not in result.stderr, f"run {run} rank {rank}:\n{result.stderr}"
+            assert result.returncode == 0 and "rank done" in result.stdout, f"run {run} rank {rank}:\n{result.stderr}"
+
+
 def test_the_docs_example_runs_as_written_and_exits_0():
     for rank, result in enumerate(_run_ranks("docs", world_size=2)):
         assert result.returncode == 0 and "rank done" in result.stdout, f"rank {rank}:\n{result.stderr}"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -88,6 +89,14 @@ class BlockGather:
 
     def shard_nbytes(self, nbytes: int) -> int:
         return shard_nbytes(nbytes, self.world_size)
+
+    def close_(self, reason: str = "the process group is being destroyed") -> None:
+        """Issue no collective from now on: waits for one in flight (a prefetch in the copy thread; the peers
+        issue the same one), then fails the gather so that later transfers raise without touching the group."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = reason
+                self._consistent_failure = False
 
     def register_block(self, path: str) -> int:
         """The index headers carry for this block (the same on every rank: layouts are registered in order)."""
@@ -265,7 +274,16 @@ def open_block_gather(pipeline_class: str, device: torch.device, process_group=N
     from layerstream.distributed.process_group import join_offload_group
 
     membership = join_offload_group(pipeline_class, device, process_group)
-    return BlockGather(pipeline_class, membership) if membership is not None else None
+    if membership is None:
+        return None
+    gather = BlockGather(pipeline_class, membership)
+    # a handle still enabled when the group goes (destroy_distributed, or the exit teardown): its copy thread
+    # must not be inside, or start, a collective on a destroyed group (that aborts the process)
+    from layerstream.distributed.process_group import before_group_teardown
+
+    alive = weakref.ref(gather)
+    before_group_teardown(lambda: (lambda g: g is not None and g.close_())(alive()))
+    return gather
 
 
 def _all_gather_single(output: torch.Tensor, own: torch.Tensor, group) -> None:
