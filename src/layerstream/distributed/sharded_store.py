@@ -120,6 +120,7 @@ class ShardedHostStore:
     """`HostStore` over a `BlockGather`: this rank's shard of every block, gathered into slots on demand."""
 
     kind = "sharded-allgather"
+    bytes_read_from_files = 0  # shards are copied from memory (each rank keeps only its part)
 
     def __init__(self, gather: BlockGather):
         self.gather = gather

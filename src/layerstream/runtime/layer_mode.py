@@ -23,7 +23,7 @@ from layerstream.runtime.protocols import CopyEngine, HostStore, StoredBlock
 from layerstream.runtime.stats import ComponentStats, OffloadStats, OffloadTrace, TraceInterval
 from layerstream.runtime.state_dict import install_state_dict_hooks
 from layerstream.runtime.streamer import BlockCounters, BlockStreamer, StreamedBlock, install_block_hooks, install_root_hooks
-from layerstream.runtime.file_reads import MappedFiles
+from layerstream.runtime.file_reads import FileReader, MappedFiles
 from layerstream.runtime.progress import StagingProgress
 from layerstream.runtime.tensors import device_bytes, move_tensors_, unmap_tensors_
 from layerstream.runtime.undo import UndoStack
@@ -76,17 +76,22 @@ def apply_layer_mode(
         for path in chain.block_paths:
             stored[path] = stores[chain.component].stage_(layouts[path], device, pin)
             progress.advance(layouts[path].nbytes)
-    progress.close(sum(getattr(s, "bytes_read_from_files", 0) for s in _distinct(stores.values())))
+    progress.close(sum(s.bytes_read_from_files for s in _distinct(stores.values())))
 
     if device.type == "cpu":
         # resident weights that still view the checkpoint's mapping get memory of their own: afterwards the
         # process maps nothing of the files (on an accelerator, moving them to the device did the same)
         files = MappedFiles.snapshot()
         if len(files):
-            for comp in plan.components:
-                if comp.action != "on_demand":
-                    skip = streamed_paths if comp.action == "stream" else set()
-                    unmap_tensors_(components[comp.path], comp.path, skip, files, undo.push)
+            reader = FileReader()
+            try:
+                for comp in plan.components:
+                    if comp.action != "on_demand":
+                        skip = streamed_paths if comp.action == "stream" else set()
+                        unmap_tensors_(components[comp.path], comp.path, skip, files, reader, undo.push)
+            finally:
+                reader.close()
+                files.close()
 
     counters = {comp.path: BlockCounters() for comp in plan.streamed}
     blocks: list[StreamedBlock] = []
@@ -178,6 +183,7 @@ class LayerModeBackend:
             slot_bytes=self.placement.ring_nbytes,
             max_materialized_blocks=streamer.max_materialized if streamer else 0,
             engine=getattr(self._engine, "kind", ""),
+            host_bytes_from_files=sum(store.bytes_read_from_files for store in self._stores),
             residency=MappingProxyType({self.plan.component(p).display_path: c.describe() for p, c in self.placement.residency.items()}),
         )
 

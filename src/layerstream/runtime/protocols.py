@@ -89,6 +89,8 @@ class HostStore(Protocol):
     """Keeps streamed blocks' bytes off the device (see the module docstring for the lifecycle)."""
 
     kind: str
+    bytes_read_from_files: int
+    """Bytes staged straight from checkpoint files (not copied from memory)."""
 
     def slot_nbytes(self, layout: BlockLayout) -> int:
         """Bytes the block needs in a device slot (pure; the placement sizes the slots from it)."""

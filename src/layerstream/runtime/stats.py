@@ -47,6 +47,8 @@ class OffloadStats(ComponentStats):
     engine: str = ""
     residency: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     """Per DiT: how many leading blocks stay resident, and why."""
+    host_bytes_from_files: int = 0
+    """Host store bytes read straight from checkpoint files at enable (the rest was copied from memory)."""
 
     def __str__(self) -> str:
         """A readable multi-line summary (the dataclass repr stays available through `repr`)."""

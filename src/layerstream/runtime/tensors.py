@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from layerstream.runtime.file_reads import MappedFiles
+from layerstream.runtime.file_reads import FileReader, MappedFiles
 
 
 def named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -59,7 +59,12 @@ def device_bytes(module: nn.Module, device: torch.device) -> int:
 
 
 def unmap_tensors_(
-    root: nn.Module, root_path: str, skip: set[str], files: MappedFiles, push_undo: Callable[[Callable[[], None]], None]
+    root: nn.Module,
+    root_path: str,
+    skip: set[str],
+    files: MappedFiles,
+    reader: FileReader,
+    push_undo: Callable[[Callable[[], None]], None],
 ) -> int:
     """Give every CPU tensor under `root` (outside the `skip` paths) that still views a file mapping a storage
     of its own in memory, at the same address residue (so kernels round as before); returns the bytes copied.
@@ -83,7 +88,11 @@ def unmap_tensors_(
             padded = torch.empty(nbytes + 64, dtype=torch.uint8)
             shift = (address - padded.data_ptr()) % 64
             raw = copies[address] = padded[shift : shift + nbytes]
-            raw.copy_(original)
+            source = files.file_range(address, nbytes)
+            if source is not None:
+                reader.read_into_(raw, source)  # from the file: the mapping's pages are never faulted in
+            else:
+                raw.copy_(original)
             copied += nbytes
         itemsize = t.element_size()
         if raw.storage_offset() % itemsize:  # a misaligned source: keep the bytes, not the residue

@@ -1,0 +1,174 @@
+"""Cold start on a real-width checkpoint: dtypes as saved, streamed blocks read straight from the files into the
+host store, no mapping of the files left behind, outputs bit-identical to the folder loaded resident.
+
+The folder is a Wan 2.2 pipeline whose two transformers have the real Wan 1.3B width (12 heads of 128, FFN
+8960) with 2 blocks each, saved in bfloat16 and sharded so that blocks span several files; the text encoder
+and VAE are the tiny ones. Generations are one frame at 32x32 so that the forwards stay cheap on a CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from layerstream import Omni, enable_offload  # noqa: E402
+from layerstream.models.loading import ModelLoadError, load_pipeline  # noqa: E402
+from layerstream.models.saved_dtypes import read_safetensors_header  # noqa: E402
+
+DIT = {"mode": "layer", "components": ["dit"]}
+REQUEST = dict(prompt="a fox", height=32, width=32, num_frames=1, num_inference_steps=2, seed=0)
+
+
+def _real_width_wan_transformer(seed: int):
+    from diffusers import WanTransformer3DModel
+
+    from layerstream.models.tiny_components import LATENT_CHANNELS, TEXT_HIDDEN_SIZE
+
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=LATENT_CHANNELS,
+        out_channels=LATENT_CHANNELS, text_dim=TEXT_HIDDEN_SIZE, freq_dim=256, ffn_dim=8960, num_layers=2,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=64,
+    ).to(torch.bfloat16)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def wan_folder(tmp_path_factory) -> Path:
+    from diffusers import WanPipeline
+
+    from layerstream.models.tiny_components import build_wan_components
+
+    components = build_wan_components()
+    components["transformer"] = _real_width_wan_transformer(2)
+    components["transformer_2"] = _real_width_wan_transformer(3)
+    folder = tmp_path_factory.mktemp("wan-real-width")
+    # 60 MB shards: a block of ~92 MB spans two or three files
+    WanPipeline(**components).save_pretrained(folder, max_shard_size="60MB", safe_serialization=True)
+    return folder
+
+
+def _block_checkpoint_bytes(folder: Path, component: str) -> tuple[int, int]:
+    """(bytes, tensors) the checkpoint stores for the component's blocks."""
+    nbytes = count = 0
+    for path in (folder / component).glob("*.safetensors"):
+        for name, entry in read_safetensors_header(path).items():
+            if name.startswith("blocks."):
+                nbytes += entry["data_offsets"][1] - entry["data_offsets"][0]
+                count += 1
+    return nbytes, count
+
+
+def _mapped_files_under(folder: Path) -> list[str]:
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if str(folder) in line]
+
+
+def test_a_bf16_folder_loads_in_bf16_and_streams_from_the_files_bit_identically(wan_folder):
+    resident = Omni(model=str(wan_folder), offload=False)
+    # the weights stay bf16 as saved (diffusers keeps the model's few _keep_in_fp32_modules, norms and
+    # modulation tables, in float32 on purpose)
+    weights = resident.pipeline.transformer.blocks.parameters()
+    assert {p.dtype for p in weights if p.dim() == 2} == {torch.bfloat16}
+    expected = resident.generate(**REQUEST)
+    resident.close()
+    del resident
+    gc.collect()  # the resident pipeline's own views of the files go with it
+
+    omni = Omni(model=str(wan_folder), diffusion_offload_config=DIT)
+    stats = omni.stats()
+    for component in ("transformer", "transformer_2"):
+        ckpt_bytes, num_tensors = _block_checkpoint_bytes(wan_folder, component)
+        host = stats.per_component[component].host_bytes
+        # the checkpoint's bytes: alignment pads and the float32 norms are well under 1% on top
+        assert ckpt_bytes <= host <= 1.01 * ckpt_bytes, (component, host, ckpt_bytes)
+    # the streamed bytes came from the files, except the few float32 tensors diffusers upcast in memory
+    assert stats.host_bytes_from_files >= 0.99 * stats.host_bytes, stats
+    assert _mapped_files_under(wan_folder) == []  # nothing of the checkpoint stays mapped
+    got = omni.generate(**REQUEST)
+    assert np.array_equal(np.asarray(got.raw), np.asarray(expected.raw))
+    omni.close()
+
+
+def test_a_dtype_given_on_load_casts_and_stays_bit_identical(wan_folder):
+    expected_pipe = load_pipeline(str(wan_folder), dtype=torch.float16)
+    streamed_pipe = load_pipeline(str(wan_folder), dtype=torch.float16)
+    assert {p.dtype for p in streamed_pipe.transformer.blocks.parameters() if p.dim() == 2} == {torch.float16}
+    handle = enable_offload(streamed_pipe, DIT, device="cpu")
+    from layerstream.models.tiny_components import LATENT_CHANNELS, TEXT_HIDDEN_SIZE
+
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, LATENT_CHANNELS, 1, 4, 4, generator=g).half()
+    prompt_embeds = torch.randn(1, 8, TEXT_HIDDEN_SIZE, generator=g).half()
+    with torch.no_grad():
+        want = expected_pipe.transformer(latents, torch.tensor([500]), prompt_embeds, return_dict=False)[0]
+        got = streamed_pipe.transformer(latents, torch.tensor([500]), prompt_embeds, return_dict=False)[0]
+    assert torch.equal(got, want)
+    assert handle.stats().host_bytes_from_files == 0  # cast weights live in memory, not in the files
+    handle.disable()
+
+
+def test_peak_memory_of_load_and_enable_stays_near_the_host_store(wan_folder, tmp_path):
+    """In a fresh process: peak RSS during load plus enable is at most 1.1x the host store plus the resident
+    parts (over the process's own baseline after imports)."""
+    script = tmp_path / "peak.py"
+    script.write_text(
+        "import json, sys, torch\n"
+        "from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel\n"
+        "from transformers import UMT5EncoderModel\n"
+        "from layerstream import Omni\n"
+        "def kb(key):\n"
+        "    for line in open('/proc/self/status'):\n"
+        "        if line.startswith(key): return int(line.split()[1]) * 1024\n"
+        "base = kb('VmRSS')\n"
+        f"omni = Omni(model={str(wan_folder)!r}, diffusion_offload_config={{'mode': 'layer', 'components': ['dit']}})\n"
+        "s = omni.stats()\n"
+        "resident = sum(c.device_bytes for c in s.per_component.values())\n"
+        f"mapped = [l for l in open('/proc/self/maps') if {str(wan_folder)!r} in l]\n"
+        "print(json.dumps({'base': base, 'peak': kb('VmHWM'), 'host': s.host_bytes, 'resident': resident,\n"
+        "                  'mapped': len(mapped)}))\n"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    grown = m["peak"] - m["base"]
+    assert grown <= 1.1 * m["host"] + m["resident"] + 64 * 2**20, m  # 64 MiB for loader bookkeeping
+    assert m["mapped"] == 0, m  # no checkpoint file left mapped
+
+
+def test_a_truncated_checkpoint_file_is_named_and_nothing_is_half_loaded(wan_folder, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(wan_folder, broken)
+    victim = sorted((broken / "transformer").glob("*.safetensors"))[1]
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    with pytest.raises(ModelLoadError, match=victim.name):
+        load_pipeline(str(broken))
+
+
+def test_a_file_truncated_after_loading_fails_enable_cleanly(wan_folder, tmp_path):
+    """The weights are lazy views of the files: if a file shrinks between load and enable, enable reads it and
+    fails naming it, and rolls back (the pipeline is as it was)."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(wan_folder, copy)
+    pipe = load_pipeline(str(copy))
+    params = dict(pipe.transformer.named_parameters())
+    victim = sorted((copy / "transformer").glob("*.safetensors"))[-1]
+    os.truncate(victim, 64)  # pages not yet read now lie past the end of the file
+    with pytest.raises(Exception, match=victim.name):
+        enable_offload(pipe, DIT, device="cpu")
+    assert all(p is params[k] for k, p in pipe.transformer.named_parameters())
+    assert all(not m._forward_pre_hooks for m in pipe.transformer.modules())
