@@ -8,8 +8,15 @@ from layerstream.runtime.errors import OffloadError
 from layerstream.runtime.layout import tensor_byte_extent
 
 
+COMPOSABLE_DIFFUSERS_HOOKS = frozenset({"layerwise_casting", "peft_autocast_disable"})
+"""diffusers hooks that only change dtypes around a leaf module's forward: they run on the device after
+layerstream has bound the block to its slot (casting allocates fresh tensors, so the slot is never written),
+exactly as they do resident. Every other diffusers hook (group offloading, caches that move weights) is
+refused."""
+
+
 def check_no_foreign_offload(pipeline_class: str, components: dict[str, nn.Module]) -> None:
-    """Refuse modules already managed by diffusers or accelerate offload hooks."""
+    """Refuse modules already managed by diffusers or accelerate offload hooks (layerwise casting composes)."""
     for path, root in components.items():
         for name, module in root.named_modules(prefix=path):
             if getattr(module, "_hf_hook", None) is not None:
@@ -18,10 +25,12 @@ def check_no_foreign_offload(pipeline_class: str, components: dict[str, nn.Modul
                     "enable_model_cpu_offload or device_map); remove it before enabling layerstream offload"
                 )
             registry = getattr(module, "_diffusers_hook", None)
-            if registry is not None and getattr(registry, "hooks", None):
+            foreign = [h for h in getattr(registry, "hooks", None) or () if h not in COMPOSABLE_DIFFUSERS_HOOKS]
+            if foreign:
                 raise OffloadError(
-                    f"{pipeline_class}: {name or '<model>'} carries diffusers hooks ({', '.join(registry.hooks)}); "
-                    "remove group offloading or other hooks before enabling layerstream offload"
+                    f"{pipeline_class}: {name or '<model>'} carries diffusers hooks ({', '.join(foreign)}); "
+                    "remove group offloading or other hooks before enabling layerstream offload (diffusers' "
+                    "layerwise casting is the one kind that composes)"
                 )
 
 
