@@ -96,6 +96,7 @@ class Omni:
         self.dtype = _parse_dtype(dtype)
         self.pipeline = load_pipeline(model, dtype=self.dtype)
         self.kind = pipeline_kind(self.pipeline)
+        self._component_dtypes = _component_dtypes(self.pipeline)  # before enabling: blocks still hold weights
         self.handle: OffloadHandle | None = None
         if offload:
             self.handle = enable_offload(self.pipeline, self.config, self.device, simulated_link_gbps=simulated_link_gbps, trace=trace)
@@ -203,6 +204,11 @@ class Omni:
         if num_frames is not None and most is not None and num_frames > most:
             raise GenerationError(f"num_frames = {num_frames} is not valid; {self.model} makes at most {most} frames")
 
+    def component_dtypes(self) -> dict[str, str]:
+        """The dtype each model component computes in (``"bfloat16"``): the dtype holding most of its weight
+        bytes as loaded (diffusers keeps a few norms of some models in float32 on purpose)."""
+        return dict(self._component_dtypes)
+
     def stats(self) -> OffloadStats | None:
         """Offload counters since enable. Not safe to call from another thread while a generation runs."""
         return self.handle.stats() if self.handle is not None else None
@@ -211,6 +217,17 @@ class Omni:
         if self.handle is not None:
             self.handle.disable()
             self.handle = None
+
+
+def _component_dtypes(pipeline) -> dict[str, str]:
+    from layerstream.models.saved_dtypes import module_dtype
+
+    out = {}
+    for name, component in getattr(pipeline, "components", {}).items():
+        dtype = module_dtype(component) if isinstance(component, torch.nn.Module) else None
+        if dtype is not None:
+            out[name] = str(dtype).removeprefix("torch.")
+    return out
 
 
 def _parse_dtype(dtype) -> torch.dtype | None:

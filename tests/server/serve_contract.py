@@ -43,7 +43,7 @@ USAGE_KEYS = [
     "host_bytes", "peak_device_bytes",
 ]  # fmt: skip
 HEALTH_KEYS = [
-    "status", "model", "kind", "device", "dtype", "offload_config", "queue_depth", "max_queue", "running",
+    "status", "model", "kind", "device", "dtype", "component_dtypes", "offload_config", "queue_depth", "max_queue", "running",
     "size_multiple", "frame_multiple", "max_frames", "max_side_pixels", "max_work",
 ]  # fmt: skip
 ERROR_KEYS = ["message", "type", "param", "code", "details"]

@@ -35,6 +35,9 @@ class StandInOmni:
     def stats(self):
         return None
 
+    def component_dtypes(self):
+        return {"transformer": "float32"}
+
     def generate(self, prompt, negative_prompt=None, *, height, width, num_inference_steps, on_step, **kwargs):
         gc.collect()
         self.alive_at_start.append(sum(ref() is not None for ref in self.outputs))

@@ -85,3 +85,15 @@ def saved_dtypes(folder: Path) -> dict[str, torch.dtype]:
         if dtype is not None:
             out[name] = dtype
     return out
+
+
+def module_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    """The floating dtype holding most of a module's parameter and buffer bytes."""
+    totals: dict[torch.dtype, int] = {}
+    seen: set[int] = set()
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) in seen or not t.is_floating_point():
+            continue
+        seen.add(id(t))
+        totals[t.dtype] = totals.get(t.dtype, 0) + t.element_size() * t.numel()
+    return max(totals, key=totals.get) if totals else None

@@ -152,7 +152,8 @@ class HealthResponse(BaseModel):
     model: str
     kind: Literal["image", "video"]
     device: str
-    dtype: str | None
+    dtype: str | None = Field(description="The dtype asked for with --dtype (None: each component as saved).")
+    component_dtypes: dict[str, str] = Field(description="The dtype each model component computes in.")
     offload_config: dict[str, Any]
     queue_depth: int = Field(description="Requests waiting (not counting the one running).")
     max_queue: int

@@ -194,6 +194,7 @@ class GenerationService:
             "kind": self.limits.kind,
             "device": str(omni.device),
             "dtype": str(omni.dtype).removeprefix("torch.") if omni.dtype is not None else None,
+            "component_dtypes": omni.component_dtypes(),
             "offload_config": omni.config.to_dict(),
             "queue_depth": self.queue.depth,
             "max_queue": self.queue.max_waiting,
