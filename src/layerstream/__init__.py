@@ -32,6 +32,7 @@ _LAZY = {
     "ModelLoadError": ("layerstream.models.loading", "ModelLoadError"),
     "CacheFolderError": ("layerstream.models.cache", "CacheFolderError"),
     "CorruptFolderError": ("layerstream.models.manifest", "CorruptFolderError"),
+    "SafetensorsHeaderError": ("layerstream.models.saved_dtypes", "SafetensorsHeaderError"),
     "BenchConfigError": ("layerstream.bench.config", "BenchConfigError"),
     "StrategyError": ("layerstream.bench.strategies", "StrategyError"),
     "ServeSettingsError": ("layerstream.server.settings", "ServeSettingsError"),

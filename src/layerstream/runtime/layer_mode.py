@@ -76,7 +76,7 @@ def apply_layer_mode(
         for path in chain.block_paths:
             stored[path] = stores[chain.component].stage_(layouts[path], device, pin)
             progress.advance(layouts[path].nbytes)
-    progress.close(sum(s.bytes_read_from_files for s in _distinct(stores.values())))
+    progress.close(sum(_bytes_from_files(s) for s in _distinct(stores.values())))
 
     if device.type == "cpu":
         # resident weights that still view the checkpoint's mapping get memory of their own: afterwards the
@@ -124,6 +124,10 @@ def apply_layer_mode(
         placement.slot_nbytes / 2**20,
     )
     return LayerModeBackend(plan, placement, device, components, streamer, engine, stores, hooks, counters)
+
+
+def _bytes_from_files(store: HostStore) -> int:
+    return getattr(store, "bytes_read_from_files", 0)  # optional: a store that never reads files need not say
 
 
 def _distinct(stores) -> list[HostStore]:
@@ -183,7 +187,7 @@ class LayerModeBackend:
             slot_bytes=self.placement.ring_nbytes,
             max_materialized_blocks=streamer.max_materialized if streamer else 0,
             engine=getattr(self._engine, "kind", ""),
-            host_bytes_from_files=sum(store.bytes_read_from_files for store in self._stores),
+            host_bytes_from_files=sum(_bytes_from_files(store) for store in self._stores),
             residency=MappingProxyType({self.plan.component(p).display_path: c.describe() for p, c in self.placement.residency.items()}),
         )
 

@@ -89,8 +89,7 @@ class HostStore(Protocol):
     """Keeps streamed blocks' bytes off the device (see the module docstring for the lifecycle)."""
 
     kind: str
-    bytes_read_from_files: int
-    """Bytes staged straight from checkpoint files (not copied from memory)."""
+    # optional: `bytes_read_from_files` (int), the bytes staged straight from checkpoint files
 
     def slot_nbytes(self, layout: BlockLayout) -> int:
         """Bytes the block needs in a device slot (pure; the placement sizes the slots from it)."""
