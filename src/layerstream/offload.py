@@ -21,7 +21,7 @@ from layerstream.plan.placement import Placement, needs_device_budget, place_blo
 from layerstream.plan.resolved import ResolvedOffloadPlan, lookup
 from layerstream.runtime.copy_engine import make_copy_engine
 from layerstream.runtime.handle import OffloadHandle
-from layerstream.runtime.layer_mode import EngineFactory, apply_layer_mode
+from layerstream.runtime.layer_mode import EngineFactory, apply_layer_mode, distinct_stores
 from layerstream.runtime.layout import BlockLayout
 from layerstream.runtime.module_mode import apply_module_mode
 from layerstream.runtime.packed_store import PackedHostStore
@@ -101,10 +101,10 @@ def enable_offload(
         block_modules = {p: lookup(pipeline, p) for p in placement.streamed_block_paths}
         check_no_shared_block_tensors(plan.pipeline_class, components, block_modules)
     except BaseException as e:
-        for store in _distinct(component_stores.values()):
+        for store in distinct_stores(component_stores.values()):
             store.report_failure_(e)
         raise
-    for store in _distinct(component_stores.values()):
+    for store in distinct_stores(component_stores.values()):
         mine = [layouts[p] for c in placement.chains if component_stores[c.component] is store for p in c.block_paths]
         store.check_layouts_(mine, placement.slot_nbytes)
 
@@ -238,11 +238,3 @@ def _commit_handle(plan, device, backend, components, block_modules: Mapping[str
     for m in components.values():
         m.__dict__[_MARK] = handle
     return handle
-
-
-def _distinct(stores) -> list[HostStore]:
-    out: list[HostStore] = []
-    for store in stores:
-        if all(store is not s for s in out):
-            out.append(store)
-    return out

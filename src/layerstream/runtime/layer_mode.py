@@ -65,7 +65,7 @@ def apply_layer_mode(
         move_tensors_(module, comp.path, streamed_paths if comp.action == "stream" else set(), device, undo.push)
 
     pin = engine if engine is not None and plan.config.pin_memory else None
-    for store in _distinct(stores.values()):
+    for store in distinct_stores(stores.values()):
         undo.push(store.rollback_)  # before the first stage: a store can fail half-way through staging
     stored: dict[str, StoredBlock] = {}
     progress = StagingProgress(
@@ -76,7 +76,7 @@ def apply_layer_mode(
         for path in chain.block_paths:
             stored[path] = stores[chain.component].stage_(layouts[path], device, pin)
             progress.advance(layouts[path].nbytes)
-    progress.close(sum(_bytes_from_files(s) for s in _distinct(stores.values())))
+    progress.close(sum(_bytes_from_files(s) for s in distinct_stores(stores.values())))
 
     if device.type == "cpu":
         # resident weights that still view the checkpoint's mapping get memory of their own: afterwards the
@@ -113,7 +113,7 @@ def apply_layer_mode(
             hooks += install_root_hooks(streamer, components[comp.path])
         hooks += install_state_dict_hooks(streamer, blocks, {c.path: components[c.path] for c in plan.streamed})
 
-    for store in _distinct(stores.values()):
+    for store in distinct_stores(stores.values()):
         store.commit_()  # sharded: every rank staged; only now may any rank drop its original weights
 
     logger.info(
@@ -130,7 +130,8 @@ def _bytes_from_files(store: HostStore) -> int:
     return getattr(store, "bytes_read_from_files", 0)  # optional: a store that never reads files need not say
 
 
-def _distinct(stores) -> list[HostStore]:
+def distinct_stores(stores) -> list[HostStore]:
+    """Each store once (components may share one), in first-seen order."""
     out: list[HostStore] = []
     for store in stores:
         if all(store is not s for s in out):
@@ -148,7 +149,7 @@ class LayerModeBackend:
         self.components: Mapping[str, nn.Module] = components
         self._streamer: BlockStreamer | None = streamer
         self._engine: CopyEngine | None = engine
-        self._stores: list[HostStore] = _distinct(stores.values())
+        self._stores: list[HostStore] = distinct_stores(stores.values())
         self._hooks = hooks
         self._counters: dict[str, BlockCounters] = counters
 

@@ -16,32 +16,46 @@ def named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from module.named_buffers(remove_duplicate=False)
 
 
-def move_tensors_(
-    root: nn.Module, root_path: str, skip: set[str], device: torch.device, push_undo: Callable[[Callable[[], None]], None]
+def replace_tensors_(
+    root: nn.Module,
+    root_path: str,
+    skip: set[str],
+    convert: Callable[[torch.Tensor], torch.Tensor | None],
+    push_undo: Callable[[Callable[[], None]], None],
 ) -> None:
-    """Move every parameter and buffer under `root` to `device`, except inside the modules at `skip` paths;
-    pushes one undo step per moved tensor (parameters keep their identity: they move through `.data`)."""
-    moved: set[int] = set()
+    """Replace every parameter and buffer under `root` (except inside the modules at `skip` paths) by
+    `convert(tensor)` where that is not None; pushes one undo step per replaced tensor. Parameters keep their
+    identity (they change through `.data`); a parameter tied in several places is converted once."""
+    seen: set[int] = set()
     stack = [(root_path, root)]
     while stack:
         path, module = stack.pop()
         if path in skip:
             continue
         for param in module._parameters.values():
-            if param is None or id(param) in moved or param.device == device:
+            if param is None or id(param) in seen:
                 continue
-            moved.add(id(param))
-            old = param.data
-            param.data = old.to(device)
-            push_undo(lambda p=param, o=old: setattr(p, "data", o))
+            seen.add(id(param))
+            new = convert(param.data)
+            if new is not None:
+                old = param.data
+                param.data = new
+                push_undo(lambda p=param, o=old: setattr(p, "data", o))
         for name, buf in module._buffers.items():
-            if buf is None or buf.device == device:
-                continue
-            module._buffers[name] = buf.to(device)
-            push_undo(lambda b=module._buffers, n=name, o=buf: b.__setitem__(n, o))
+            new = convert(buf) if buf is not None else None
+            if new is not None:
+                module._buffers[name] = new
+                push_undo(lambda b=module._buffers, n=name, o=buf: b.__setitem__(n, o))
         for child_name, child in module._modules.items():
             if child is not None:
                 stack.append((f"{path}.{child_name}" if path else child_name, child))
+
+
+def move_tensors_(
+    root: nn.Module, root_path: str, skip: set[str], device: torch.device, push_undo: Callable[[Callable[[], None]], None]
+) -> None:
+    """Move every parameter and buffer under `root` to `device`, except inside the modules at `skip` paths."""
+    replace_tensors_(root, root_path, skip, lambda t: None if t.device == device else t.to(device), push_undo)
 
 
 def device_bytes(module: nn.Module, device: torch.device) -> int:
@@ -100,27 +114,5 @@ def unmap_tensors_(
         typed = raw.view(t.dtype)
         return torch.as_strided(typed, t.shape, t.stride(), typed.storage_offset() + t.storage_offset())
 
-    stack = [(root_path, root)]
-    while stack:
-        path, module = stack.pop()
-        if path in skip:
-            continue
-        for param in module._parameters.values():
-            if param is None:
-                continue
-            new = moved(param.data)
-            if new is not None:
-                old = param.data
-                param.data = new
-                push_undo(lambda p=param, o=old: setattr(p, "data", o))
-        for name, buf in module._buffers.items():
-            if buf is None:
-                continue
-            new = moved(buf)
-            if new is not None:
-                module._buffers[name] = new
-                push_undo(lambda b=module._buffers, n=name, o=buf: b.__setitem__(n, o))
-        for child_name, child in module._modules.items():
-            if child is not None:
-                stack.append((f"{path}.{child_name}" if path else child_name, child))
+    replace_tensors_(root, root_path, skip, moved, push_undo)
     return copied
