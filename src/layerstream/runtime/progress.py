@@ -25,9 +25,12 @@ class StagingProgress:
         self.start = time.perf_counter()
         self._bar = None
         if total_bytes >= MIN_BAR_BYTES and sys.stderr.isatty():
-            from tqdm.auto import tqdm  # a dependency of diffusers and transformers; only loaded on a terminal
-
-            self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=what, leave=False)
+            try:
+                from tqdm.auto import tqdm  # comes with diffusers and transformers; the core does not need it
+            except ModuleNotFoundError:
+                tqdm = None
+            if tqdm is not None:
+                self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=what, leave=False)
 
     def advance(self, nbytes: int) -> None:
         self.done_bytes += nbytes
