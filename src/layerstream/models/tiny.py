@@ -76,6 +76,19 @@ TINY_MODELS: Mapping[str, TinyModelSpec] = MappingProxyType(
                 builder="build_wan_components",
             ),
             TinyModelSpec(
+                name="tiny-wan-i2v",
+                pipeline_class="WanImageToVideoPipeline",
+                kind="video",
+                # No height or width: the video takes the input image's size (see layerstream.models.input_image).
+                default_kwargs={
+                    "num_frames": 9,
+                    "num_inference_steps": 4,
+                    "guidance_scale": 4.0,
+                },
+                size_multiple=16,
+                builder="build_wan_i2v_components",
+            ),
+            TinyModelSpec(
                 name="tiny-flux",
                 pipeline_class="FluxPipeline",
                 kind="image",
