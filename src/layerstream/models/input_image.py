@@ -95,7 +95,8 @@ def read_input_image(
             raise InputImageError(f"{name} is {len(data):,} bytes; expected at most {max_bytes:,}", too_large=True)
         return _decode(name, data, max_pixels)
     if isinstance(source, (str, os.PathLike)):
-        return _decode(name, _read_file(name, Path(source), max_bytes), max_pixels)
+        path = Path(source).expanduser()
+        return _decode(f"{name} {path}", _read_file(name, path, max_bytes), max_pixels)
     raise InputImageError(
         f"{name} is a {type(source).__name__}; expected a PIL image, a path to an image file, or an array"
     )
