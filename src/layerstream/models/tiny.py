@@ -79,8 +79,10 @@ TINY_MODELS: Mapping[str, TinyModelSpec] = MappingProxyType(
                 name="tiny-wan-i2v",
                 pipeline_class="WanImageToVideoPipeline",
                 kind="video",
-                # No height or width: the video takes the input image's size (see layerstream.models.input_image).
+                # The size with a 64x64 input image: any other image sets the size itself, rounded down to 16.
                 default_kwargs={
+                    "height": 64,
+                    "width": 64,
                     "num_frames": 9,
                     "num_inference_steps": 4,
                     "guidance_scale": 4.0,
