@@ -169,6 +169,11 @@ async def _run_edit(service: GenerationService, request: Request) -> GenerationO
     generation."""
     service.check_endpoint("edit")
     content_type = request.headers.get("content-type", "")
+    if content_type.lower().startswith("application/x-www-form-urlencoded"):  # a form, but it cannot hold a file
+        raise ApiError(
+            400, "image is required: send a multipart/form-data body with the image as a file part named image",
+            code="invalid_image", param="image",
+        )  # fmt: skip
     if not content_type.lower().startswith("multipart/form-data"):
         raise ApiError(
             400, f"expected a multipart/form-data body (an image file part and form fields), got {content_type or 'none'!r}",
