@@ -152,7 +152,7 @@ async def _run_generation(
 ) -> GenerationOutput:
     """Parse, check, queue and await one generation request; every failure becomes an `ApiError`."""
     service.check_endpoint(kind)  # the wrong endpoint is the first thing to say, whatever the body holds
-    body = await _read_body(request, service.body_limit(kind))
+    body = await _read_body(request, service.body_limit(kind), _limit_flags(service, kind))
     try:
         parsed = model.model_validate_json(body)
     except ValidationError as e:
@@ -179,7 +179,7 @@ async def _run_edit(service: GenerationService, request: Request) -> GenerationO
             400, f"expected a multipart/form-data body (an image file part and form fields), got {content_type or 'none'!r}",
             code="invalid_body", param="body",
         )  # fmt: skip
-    body = await _read_body(request, service.body_limit("edit"))
+    body = await _read_body(request, service.body_limit("edit"), _limit_flags(service, "edit"))
     fields, image_bytes = await _parse_edit_form(request, body)
     try:
         parsed = ImageEditRequest.model_validate(fields)
@@ -339,11 +339,18 @@ class RequestMetricsMiddleware:
             self.metrics.observe_request(endpoint, status, time.perf_counter() - started)
 
 
-async def _read_body(request: Request, max_bytes: int) -> bytes:
+def _limit_flags(service: GenerationService, endpoint_kind: str) -> str:
+    """The flags that set an endpoint's body limit, to name in a 413."""
+    if service.body_limit(endpoint_kind) == service.settings.max_body_bytes:
+        return "--max-body-bytes"
+    return "--max-body-bytes plus --max-image-bytes as base64"
+
+
+async def _read_body(request: Request, max_bytes: int, limit_flags: str = "--max-body-bytes") -> bytes:
     """The request body, or a 413 naming the limit once it is known to exceed `max_bytes`."""
     too_large = ApiError(
         413,
-        f"the request body is larger than the server's limit of {max_bytes} bytes (--max-body-bytes)",
+        f"the request body is larger than the server's limit of {max_bytes} bytes ({limit_flags})",
         code="body_too_large",
         param="body",
     )
