@@ -204,7 +204,8 @@ async def _parse_edit_form(request: Request, body: bytes) -> tuple[dict[str, str
     try:
         form = await parser.parse()
     except MultiPartException as e:
-        raise ApiError(400, f"the multipart body cannot be parsed: {e.message}", code="invalid_body", param="body") from None
+        message = f"the multipart body cannot be parsed: {e.message}"
+        raise ApiError(400, message, code="invalid_body", param="body") from None
     try:
         fields: dict[str, str] = {}
         image: UploadFile | None = None
@@ -213,7 +214,8 @@ async def _parse_edit_form(request: Request, body: bytes) -> tuple[dict[str, str
                 raise ApiError(422, f"{name} is given more than once; expected one", code="invalid_request", param=name)
             if name == "image":
                 if not isinstance(value, UploadFile):
-                    raise ApiError(422, "image must be a file part (the image file), not a text field", code="invalid_image", param="image")
+                    message = "image must be a file part (the image file), not a text field"
+                    raise ApiError(422, message, code="invalid_image", param="image")
                 image = value
             elif isinstance(value, UploadFile):
                 raise ApiError(422, f"{name} is a file part; only image may be a file", code="invalid_request", param=name)
