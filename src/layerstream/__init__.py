@@ -30,6 +30,7 @@ _LAZY = {
     # errors of the optional parts (each a LayerstreamError), importable without loading those parts' extras
     "GenerationError": ("layerstream.omni", "GenerationError"),
     "ModelLoadError": ("layerstream.models.loading", "ModelLoadError"),
+    "InputImageError": ("layerstream.models.input_image", "InputImageError"),
     "CacheFolderError": ("layerstream.models.cache", "CacheFolderError"),
     "CorruptFolderError": ("layerstream.models.manifest", "CorruptFolderError"),
     "SafetensorsHeaderError": ("layerstream.models.saved_dtypes", "SafetensorsHeaderError"),

@@ -23,6 +23,8 @@ import torch
 
 from layerstream.config.offload_config import OffloadConfig, parse_offload_config
 from layerstream.errors import LayerstreamError
+from layerstream.models.input_image import ImageInputKind, ImageSource, pipeline_image_input
+from layerstream.models.output_limits import DEFAULT_MAX_SIDE_PIXELS
 from layerstream.offload import default_device, enable_offload
 from layerstream.runtime.handle import OffloadHandle
 from layerstream.runtime.stats import OffloadStats
@@ -68,6 +70,9 @@ class GenerationResult:
     fps: int = 16
     raw: Any = field(default=None, repr=False)
     """The pipeline's float output before conversion to uint8 (for exact comparisons)."""
+    size_note: str | None = None
+    """With an input image: how the output size was reached (``"48x32: the input image's 50x35, rounded down
+    to multiples of 16"``); None without one."""
 
     def save(self, path: str | Path) -> Path:
         return save_output(self, path)
@@ -97,6 +102,8 @@ class Omni:
         self.pipeline = load_pipeline(model, dtype=self.dtype)
         self.kind = pipeline_kind(self.pipeline)
         self._component_dtypes = _component_dtypes(self.pipeline)  # before enabling: blocks still hold weights
+        self.image_input: ImageInputKind = pipeline_image_input(self.pipeline)
+        """Whether the pipeline takes an input image: ``"none"``, ``"optional"`` or ``"required"``."""
         self.handle: OffloadHandle | None = None
         if offload:
             self.handle = enable_offload(self.pipeline, self.config, self.device, simulated_link_gbps=simulated_link_gbps, trace=trace)
@@ -109,6 +116,7 @@ class Omni:
         prompt: str,
         negative_prompt: str | None = None,
         *,
+        image: ImageSource | None = None,
         height: int | None = None,
         width: int | None = None,
         num_frames: int | None = None,
@@ -117,8 +125,22 @@ class Omni:
         seed: int = 0,
         fps: int = 16,
         on_step: Callable[[int, int, float], None] | None = None,
+        max_side_pixels: int | None = None,
     ) -> GenerationResult:
-        """Run the pipeline once. `on_step(step, total, seconds)` is called after every denoising step."""
+        """Run the pipeline once. `on_step(step, total, seconds)` is called after every denoising step.
+
+        `image` (a PIL image, a path or an array) conditions pipelines that take one (image to video, image
+        editing). Without `height` and `width` the output takes the image's size, scaled down to fit the
+        model's largest side (and `max_side_pixels`, default 2048) and rounded down to its size multiple; the
+        result's `size_note` says how. Everything is checked before the pipeline runs.
+        """
+        picture, conditioned = self._input_image(image, height=height, width=width, max_side_pixels=max_side_pixels)
+        if conditioned is not None:
+            height, width = conditioned.height, conditioned.width
+            if (picture.width, picture.height) != (width, height):
+                # condition on the image at the output size, as image-to-video pipelines do themselves: an
+                # editing pipeline would otherwise encode a large input at its full size
+                picture = picture.resize((width, height), _lanczos())
         defaults = _tiny_defaults(self.model)
         height = height if height is not None else defaults.get("height")
         width = width if width is not None else defaults.get("width")
@@ -142,6 +164,14 @@ class Omni:
         for name, value in (("height", height), ("width", width), ("num_frames", num_frames)):
             if value is not None and name in call:
                 kwargs[name] = value
+        if picture is not None:
+            kwargs["image"] = picture
+        # Flux Kontext rescales any size to `max_area` (default 1024 x 1024) and, with `_auto_resize`, its input
+        # image to its preferred resolutions: the size asked for is what it should make, and the image we sized
+        if height is not None and width is not None and "max_area" in call:
+            kwargs["max_area"] = height * width
+        if picture is not None and "_auto_resize" in call:
+            kwargs["_auto_resize"] = False
         if negative_prompt is not None:
             if "negative_prompt" not in call:
                 raise GenerationError(f"negative_prompt is not supported by {type(self.pipeline).__name__}")
@@ -178,7 +208,39 @@ class Omni:
         after = self.handle.stats() if self.handle is not None else None
         raw = _output_array(output, self.kind)
         stats = _run_stats(seconds, step_times, before, after, self.device)
-        return GenerationResult(kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=fps, raw=raw)
+        note = conditioned.note if conditioned is not None else None
+        return GenerationResult(kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=fps, raw=raw, size_note=note)
+
+    def _input_image(self, image, *, height, width, max_side_pixels):
+        """(the RGB image, the size it leads to), or (None, None) without one; refuses an image the pipeline
+        does not take, and a missing one it needs, before any work."""
+        from layerstream.models.geometry import pipeline_max_side, pipeline_size_multiple
+        from layerstream.models.input_image import read_input_image, size_from_image
+
+        pipeline_name = type(self.pipeline).__name__
+        if image is None:
+            if self.image_input == "required":
+                raise GenerationError(
+                    f"image is required: {self.model} ({pipeline_name}) generates from an input image; pass image= "
+                    "(a PIL image, a path or an array)"
+                )
+            return None, None
+        if self.image_input == "none":
+            raise GenerationError(
+                f"image is not valid for {self.model}: {pipeline_name} takes no input image (its __call__ has no "
+                "image argument); drop image, or load an image-to-video or image-editing model"
+            )
+        picture = read_input_image(image)
+        model_side = pipeline_max_side(self.pipeline)
+        caps = [side for side in (model_side, max_side_pixels or DEFAULT_MAX_SIDE_PIXELS) if side is not None]
+        conditioned = size_from_image(
+            picture.size,
+            size_multiple=pipeline_size_multiple(self.pipeline),
+            max_side=min(caps),
+            width=width,
+            height=height,
+        )
+        return picture, conditioned
 
     def _check_geometry(self, height, width, num_frames) -> None:
         """Refuse sizes the pipeline would silently round (diffusers rounds down to its latent grid)."""
@@ -255,6 +317,12 @@ def _tiny_defaults(model: str) -> dict[str, Any]:
     if "true_cfg_scale" in defaults:  # Omni's guidance_scale is the classifier-free guidance scale
         defaults["guidance_scale"] = defaults.pop("true_cfg_scale")
     return defaults
+
+
+def _lanczos():
+    from PIL import Image
+
+    return Image.Resampling.LANCZOS  # what diffusers' image processors resize with
 
 
 def _quiet_progress(pipeline) -> None:

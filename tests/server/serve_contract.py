@@ -32,6 +32,7 @@ VIDEO_REQUEST_CONTRACT = {
         **IMAGE_REQUEST_CONTRACT["properties"],
         "num_frames": {"anyOf": [{"minimum": 1, "type": "integer"}, {"type": "null"}], "default": None},
         "fps": {"default": 16, "maximum": 120, "minimum": 1, "type": "integer"},
+        "image": {"anyOf": [{"minLength": 1, "type": "string"}, {"type": "null"}], "default": None},
     },
 }
 RESPONSE_KEYS = ["created", "data", "layerstream"]
@@ -40,10 +41,11 @@ VIDEO_DATA_KEYS = ["b64_json", "mime_type"]
 USAGE_KEYS = [
     "model", "seeds", "width", "height", "num_frames", "num_inference_steps", "queue_seconds", "seconds",
     "seconds_per_step", "bytes_streamed", "num_transfers", "num_sync_loads", "stall_seconds", "device_bytes",
-    "host_bytes", "peak_device_bytes",
+    "host_bytes", "peak_device_bytes", "size_note",
 ]  # fmt: skip
 HEALTH_KEYS = [
-    "status", "model", "kind", "device", "dtype", "component_dtypes", "offload_config", "queue_depth", "max_queue", "running",
-    "size_multiple", "frame_multiple", "max_frames", "max_side_pixels", "max_work",
+    "status", "model", "kind", "device", "dtype", "component_dtypes", "offload_config", "queue_depth", "max_queue",
+    "running", "size_multiple", "frame_multiple", "max_frames", "max_side_pixels", "max_work", "image_input",
+    "max_image_bytes", "max_image_pixels",
 ]  # fmt: skip
 ERROR_KEYS = ["message", "type", "param", "code", "details"]

@@ -221,3 +221,11 @@ def test_server_is_up_after_the_fuzzing(client):
     assert client.get("/health").status_code == 200
     assert client.post(IMAGES, json={"prompt": "still here", "seed": 2, **SMALL}).status_code == 200
     assert time.perf_counter() - started < 30
+
+
+def test_the_edit_endpoint_on_a_model_without_an_image_input_is_400(client):
+    files = {"image": ("in.png", b"\x89PNG", "image/png")}
+    response = client.post("/v1/images/edits", data={"prompt": "fox"}, files=files)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "wrong_endpoint_for_model" and "takes no input image" in error["message"]

@@ -85,3 +85,11 @@ def test_image_endpoint_on_a_video_model_is_400(client):
     response = client.post(IMAGES, json={"prompt": "fox"})
     assert response.status_code == 400
     assert "tiny-wan makes videos" in response.json()["error"]["message"]
+
+
+def test_an_image_for_a_text_to_video_model_is_400_naming_image(client):
+    response = client.post(VIDEOS, json={"prompt": "fox", "num_frames": 1, "image": "aGVsbG8="})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "image" and "takes no input image" in error["message"]
+    assert client.get("/health").json()["image_input"] == "none"

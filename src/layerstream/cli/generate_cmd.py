@@ -37,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default="a red fox running through fresh snow, cinematic", help="text prompt")
     parser.add_argument("--negative-prompt", default=None, help="negative prompt (classifier-free guidance)")
     parser.add_argument(
+        "--image", default=None, metavar="PATH",
+        help="input image (PNG, JPEG, WebP) for image-to-video and image-editing models; without --height and "
+        "--width the output takes its size, rounded down to the model's size multiple",
+    )
+    parser.add_argument(
         "--height", type=positive_int, default=None,
         help="pixels, a multiple of the model's size step (16 for the tiny models), at most --max-size (default: the model's)",
     )
@@ -95,9 +100,11 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise CliError(f"--nproc = {args.nproc} is not valid; expected an integer >= 1")
     _check_arguments(args, world_size)  # every check that needs no model, so a mistake costs no load
+    image = _read_image_arg(args.image)
     if args.nproc is not None and args.nproc > 1 and world_size == 1:
         return _launch_ranks(args)
 
+    from layerstream.models.input_image import InputImageError
     from layerstream.models.loading import ModelLoadError
     from layerstream.omni import GenerationError, Omni, VIDEO_SUFFIXES, IMAGE_SUFFIXES
     from layerstream.runtime.errors import OffloadError
@@ -133,9 +140,12 @@ def run(args: argparse.Namespace) -> int:
     if world_size > 1:
         output = output.with_name(f"{output.stem}.rank{rank}{output.suffix}")
 
+    _check_image_input(args, omni)
     request = dict(
         prompt=args.prompt,
         negative_prompt=args.negative_prompt,
+        image=image,
+        max_side_pixels=args.max_side_pixels,
         height=args.height,
         width=args.width,
         num_frames=args.num_frames,
@@ -149,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         if omni.handle is not None and args.trace:
             omni.handle.reset_trace()
         result = omni.generate(**request, on_step=progress.step)
-    except GenerationError as e:
+    except (GenerationError, InputImageError) as e:
         raise CliError(str(e)) from e
     finally:
         progress.close()
@@ -166,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
         identical = reference.raw.shape == result.raw.shape and bool((reference.raw == result.raw).all())
 
     summary = _summary(args.model, omni, result, output, identical, trace_files, rank, prompt=args.prompt, seed=seed)
+    summary["image"] = args.image
+    summary["size_note"] = result.size_note
     if world_size > 1:
         from layerstream.distributed.launch import gather_objects
         from layerstream.distributed.process_group import destroy_distributed
@@ -210,6 +222,28 @@ def _check_arguments(args: argparse.Namespace, world_size: int) -> None:
         if Path(args.output).suffix.lower() not in suffixes:
             raise CliError(f"--output {args.output}: expected a {', '.join(suffixes)} file (.png for images)")
     check_output_path("--output", Path(args.output) if args.output else Path.cwd() / "output.png")
+
+
+def _read_image_arg(path: str | None):
+    """--image, read and checked before the model loads: a missing file, a file that is not an image, or one
+    past the caps (bytes, or pixels read from its header) is one line and exit code 2."""
+    if path is None:
+        return None
+    from layerstream.models.input_image import InputImageError, read_input_image
+
+    try:
+        return read_input_image(path, name="--image")
+    except InputImageError as e:
+        raise CliError(str(e)) from e
+
+
+def _check_image_input(args: argparse.Namespace, omni) -> None:
+    """--image against what the loaded model takes, before the first step."""
+    pipeline_name = type(omni.pipeline).__name__
+    if args.image is not None and omni.image_input == "none":
+        raise CliError(f"--image {args.image}: {args.model} ({pipeline_name}) takes no input image; drop --image")
+    if args.image is None and omni.image_input == "required":
+        raise CliError(f"{args.model} ({pipeline_name}) generates from an input image; pass --image PATH")
 
 
 def _check_model_geometry(args: argparse.Namespace, omni) -> None:
@@ -366,6 +400,8 @@ def _print_table(summaries: list[dict]) -> None:
         ("stall time", lambda s: f"{s['stall_seconds'] * 1e3:,.1f} ms"),
         ("identical to resident", lambda s: "not checked" if s["identical_to_resident"] is None else ("yes" if s["identical_to_resident"] else "NO")),
     ]
+    if any(s.get("image") for s in summaries):
+        rows.insert(4, ("input image", lambda s: f"{s['image']} (size {s['size_note']})"))
     if any(s["trace_files"] for s in summaries):
         rows.append(("trace", lambda s: ", ".join(s["trace_files"])))
     if len(summaries) == 1:

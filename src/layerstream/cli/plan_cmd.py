@@ -108,6 +108,10 @@ def format_plan(plan: ResolvedOffloadPlan, placement=None) -> str:
     lines = [f"{plan.pipeline_class}: mode {config.mode!r}, components {', '.join(config.components)}", ""]
     lines += _table(rows)
     lines.append("")
+    lines.append("why:")
+    width = max(len(c.display_path) for c in plan.components) if plan.components else 0
+    lines += [f"  {c.display_path:<{width}}  {c.action}: {c.reason}" for c in plan.components if c.reason]
+    lines.append("")
     lines.append("streamed: bytes kept on the host and copied in when needed (blocks; whole components in module mode)")
     lines.append("resident: bytes kept on the device")
     if placement is not None and placement.num_slots:

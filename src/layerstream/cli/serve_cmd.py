@@ -12,7 +12,12 @@ import logging
 import sys
 
 from layerstream.cli.common import CliError, parse_config_arg
-from layerstream.server.settings import DEFAULT_MAX_WORK, DEFAULT_SHUTDOWN_TIMEOUT_S  # plain data: no serve extra
+from layerstream.server.settings import (  # plain data: no serve extra
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_WORK,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+)
 
 READY_PREFIX = "layerstream serve: ready on "
 
@@ -44,7 +49,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest width x height x frames x steps x n of one request; more is a 400 "
         f"(default: {DEFAULT_MAX_WORK:,}, sized for a 24 GB host; raise it on a GPU server)",
     )
-    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB)")
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=1 << 20,
+        help="largest request body, not counting an input image (default: 1 MiB)",
+    )
+    parser.add_argument(
+        "--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES,
+        help=f"largest input image file of /v1/images/edits and image-to-video requests (default: {DEFAULT_MAX_IMAGE_BYTES >> 20} MiB)",
+    )
+    parser.add_argument(
+        "--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+        help=f"largest input image in pixels, width x height (default: {DEFAULT_MAX_IMAGE_PIXELS:,}, 4096 x 4096)",
+    )
     parser.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -109,6 +125,7 @@ def _settings(args: argparse.Namespace):
 
     flags = {"max_queue": "--max-queue", "max_frames": "--max-frames", "max_side_pixels": "--max-size",
              "max_work": "--max-work", "max_body_bytes": "--max-body-bytes", "shutdown_timeout": "--shutdown-timeout",
+             "max_image_bytes": "--max-image-bytes", "max_image_pixels": "--max-image-pixels",
              "port": "--port", "host": "--host"}  # fmt: skip
     try:
         return ServeSettings(
@@ -119,6 +136,8 @@ def _settings(args: argparse.Namespace):
             max_side_pixels=args.max_side_pixels,
             max_work=args.max_work,
             max_body_bytes=args.max_body_bytes,
+            max_image_bytes=args.max_image_bytes,
+            max_image_pixels=args.max_image_pixels,
             shutdown_timeout=args.shutdown_timeout,
         )
     except ServeSettingsError as e:

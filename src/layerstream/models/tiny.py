@@ -76,6 +76,21 @@ TINY_MODELS: Mapping[str, TinyModelSpec] = MappingProxyType(
                 builder="build_wan_components",
             ),
             TinyModelSpec(
+                name="tiny-wan-i2v",
+                pipeline_class="WanImageToVideoPipeline",
+                kind="video",
+                # The size with a 64x64 input image: any other image sets the size itself, rounded down to 16.
+                default_kwargs={
+                    "height": 64,
+                    "width": 64,
+                    "num_frames": 9,
+                    "num_inference_steps": 4,
+                    "guidance_scale": 4.0,
+                },
+                size_multiple=16,
+                builder="build_wan_i2v_components",
+            ),
+            TinyModelSpec(
                 name="tiny-flux",
                 pipeline_class="FluxPipeline",
                 kind="image",

@@ -27,8 +27,11 @@ from diffusers import (
     WanTransformer3DModel,
 )
 from transformers import (
+    CLIPImageProcessor,
     CLIPTextConfig,
     CLIPTextModel,
+    CLIPVisionConfig,
+    CLIPVisionModel,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     T5Config,
@@ -86,12 +89,13 @@ def _t5_config(config_class: type, vocab_size: int, tokenizer: Any) -> Any:
 WAN_BOUNDARY_RATIO = 0.875
 
 
-def _wan_transformer() -> WanTransformer3DModel:
+def _wan_transformer(**image_conditioning: Any) -> WanTransformer3DModel:
+    """A Wan DiT; image-to-video passes its wider input and its image cross-attention (see `build_wan_i2v_components`)."""
+    options: dict[str, Any] = {"in_channels": LATENT_CHANNELS, **image_conditioning}
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=DIT_NUM_HEADS,
         attention_head_dim=DIT_HEAD_DIM,
-        in_channels=LATENT_CHANNELS,
         out_channels=LATENT_CHANNELS,
         text_dim=TEXT_HIDDEN_SIZE,
         freq_dim=32,
@@ -100,6 +104,20 @@ def _wan_transformer() -> WanTransformer3DModel:
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=64,
+        **options,
+    )
+
+
+def _wan_vae() -> AutoencoderKLWan:
+    # 8x spatial and 4x temporal compression, as the real Wan 2.1 / 2.2 A14B VAE.
+    return AutoencoderKLWan(
+        base_dim=8,
+        z_dim=LATENT_CHANNELS,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * LATENT_CHANNELS,
+        latents_std=[1.0] * LATENT_CHANNELS,
     )
 
 
@@ -113,16 +131,7 @@ def build_wan_components() -> dict[str, Any]:
     with _seeded(3):
         transformer_2 = _wan_transformer()
     with _seeded(4):
-        # 8x spatial and 4x temporal compression, as the real Wan 2.1 / 2.2 A14B VAE.
-        vae = AutoencoderKLWan(
-            base_dim=8,
-            z_dim=LATENT_CHANNELS,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-            latents_mean=[0.0] * LATENT_CHANNELS,
-            latents_std=[1.0] * LATENT_CHANNELS,
-        )
+        vae = _wan_vae()
     # Wan 2.2 T2V's scheduler: UniPC over flow-matching sigmas.
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction",
@@ -138,6 +147,67 @@ def build_wan_components() -> dict[str, Any]:
         "transformer": transformer,
         "transformer_2": transformer_2,
         "boundary_ratio": WAN_BOUNDARY_RATIO,
+    }
+
+
+# --- Wan 2.1 image-to-video (CLIP vision encoder) -----------------------------------------------------------
+
+# The CLIP vision tower sees the input image at this size (the real one at 224): 4x4 patches of 8 pixels.
+CLIP_IMAGE_SIZE = 32
+# The VAE's temporal compression: the conditioning mask has one channel per frame a latent frame covers.
+WAN_TEMPORAL_COMPRESSION = 4
+
+
+def build_wan_i2v_components() -> dict[str, Any]:
+    """Keyword arguments for a Wan 2.1 I2V-style `WanImageToVideoPipeline`: UMT5 text encoder, CLIP vision
+    image encoder, one DiT with image cross-attention, Wan VAE.
+
+    The DiT's input is the noisy latents, the first-frame mask and the encoded input image, stacked along
+    channels (as the real model's 16 + 4 + 16 = 36); the CLIP tower's penultimate hidden states enter every
+    block through the added key/value projections.
+    """
+    tokenizer = build_t5_tokenizer()
+    with _seeded(31):
+        text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, len(tokenizer), tokenizer))
+    with _seeded(32):
+        image_encoder = CLIPVisionModel(
+            CLIPVisionConfig(
+                hidden_size=TEXT_HIDDEN_SIZE,
+                intermediate_size=2 * TEXT_HIDDEN_SIZE,
+                num_hidden_layers=NUM_TEXT_ENCODER_LAYERS,
+                num_attention_heads=4,
+                image_size=CLIP_IMAGE_SIZE,
+                patch_size=8,
+                projection_dim=TEXT_HIDDEN_SIZE,
+                hidden_act="quick_gelu",
+            )
+        )
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": CLIP_IMAGE_SIZE}, crop_size={"height": CLIP_IMAGE_SIZE, "width": CLIP_IMAGE_SIZE}
+    )
+    with _seeded(33):
+        transformer = _wan_transformer(
+            in_channels=2 * LATENT_CHANNELS + WAN_TEMPORAL_COMPRESSION,
+            image_dim=TEXT_HIDDEN_SIZE,
+            added_kv_proj_dim=DIT_NUM_HEADS * DIT_HEAD_DIM,
+        )
+    with _seeded(34):
+        vae = _wan_vae()
+    # Wan 2.1 I2V's scheduler: UniPC over flow-matching sigmas, shift 3 for 480p.
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=3.0,
+        num_train_timesteps=1000,
+    )
+    return {
+        "tokenizer": tokenizer,
+        "text_encoder": text_encoder,
+        "vae": vae,
+        "scheduler": scheduler,
+        "image_processor": image_processor,
+        "image_encoder": image_encoder,
+        "transformer": transformer,
     }
 
 

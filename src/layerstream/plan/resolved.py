@@ -70,6 +70,8 @@ class ResolvedComponent:
     """Declared in ``resident_dit_paths`` (or discovered automatically)."""
     replicated: bool = False
     """Block tensors identical on every rank (DiTs, and encoders in ``encoder_dlo_weight_replication``)."""
+    reason: str = ""
+    """Why `action` was chosen, as a phrase (``"image encoders stay resident in layer mode: ..."``)."""
 
     @property
     def block_bytes(self) -> int:
@@ -113,6 +115,7 @@ class ResolvedOffloadPlan:
                     "class": c.module_class,
                     "source": c.source,
                     "action": c.action,
+                    "reason": c.reason,
                     "total_bytes": c.total_bytes,
                     "block_bytes": c.block_bytes,
                     "resident_layers": c.resident_layers,

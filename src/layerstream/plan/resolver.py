@@ -368,6 +368,7 @@ def _decide(pipeline_class: str, decl: _Declarations, config: OffloadConfig, ite
         total_bytes=tensor_bytes(item.module),
         resident_allowed=resident_allowed,
         replicated=replicated,
+        reason=_reason(action, config, item),
         **extra,
     )
 
@@ -390,6 +391,38 @@ def _action(pipeline_class: str, decl: _Declarations, config: OffloadConfig, ite
     if config.mode == "module":
         return "swap"
     return "stream" if item.stacks else "resident"
+
+
+def _reason(action: str, config: OffloadConfig, item: _Found) -> str:
+    """Why `_action` chose `action` for this component, for `layerstream plan` and the resolved plan's dict."""
+    if action == "on_demand":
+        return "the pipeline moves it on and off the device itself (on_demand_component_paths)"
+    if action == "stream":
+        rest = "; the rest of it (embeddings, norms, a vision tower) stays on the device"
+        where = _SOURCE_WORDS.get(item.source, item.source)
+        return f"selected: its {len(item.blocks)} blocks stream (block lists {where}){rest}"
+    if action == "swap":
+        return "selected in module mode: moved to the device whole while it runs, back to the host after"
+    if item.category in config.components:  # selected, yet resident: there is nothing to stream
+        return "selected, but no block list was found in it"
+    if item.category == "image_encoder":
+        return (
+            "image encoders stay resident: they run once per request, ahead of the denoising loop, and are small "
+            "beside the DiT (components cannot select them)"
+        )
+    if item.category == "vae":
+        return 'VAEs stay resident in layer mode (in module mode, "vae" in components swaps it)'
+    if item.category in ("dit", "text_encoder"):
+        return f'not selected ("{item.category}" is not in components)'
+    return "not a DiT, text encoder or VAE: stays resident"
+
+
+_SOURCE_WORDS = {
+    "plan": "from the pipeline's _offload_plan",
+    "builtin": "from layerstream's built-in plan",
+    "class_attribute": "from the class's _layerwise_offload_blocks_attrs",
+    "auto": "found automatically",
+}
 
 
 def _check_stream_options(

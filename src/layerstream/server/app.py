@@ -1,12 +1,16 @@
 """The FastAPI app: routes, error answers and request metrics around a `GenerationService`.
 
     POST /v1/images/generations   OpenAI-style image generation (PNG, base64)
-    POST /v1/videos/generations   the same for video pipelines (MP4, base64), plus num_frames and fps
+    POST /v1/images/edits         OpenAI-style image editing: a multipart form with an image file and a prompt
+    POST /v1/videos/generations   the same for video pipelines (MP4, base64), plus num_frames and fps, and an
+                                  image (base64) for image-to-video models
     GET  /health                  model, offload config, device, queue depth, status
     GET  /metrics                 Prometheus text format
 
 Statuses: 400 the model cannot take the request (size multiple, largest size or frames, frame rule, more
-work than --max-work, wrong endpoint, not JSON); 413 body over --max-body-bytes; 422 a field missing,
+work than --max-work, wrong endpoint, not JSON, an input image that is not an image, an image the model does
+not take or a missing one it needs); 413 body over --max-body-bytes (plus the image allowance where an
+image may come), or an image over --max-image-bytes or --max-image-pixels; 422 a field missing,
 mistyped, out of range or unknown; 429 queue full; 500 the generation raised (the server stays up); 503
 shutting down; 504 past its ``timeout`` (waiting, or generating: then it stops at the next denoising step).
 A request whose client disconnects, while it sends its body, waits or runs, is counted as 499; its job is
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -38,6 +43,7 @@ from layerstream.server.schemas import (
     ErrorResponse,
     HealthResponse,
     ImageData,
+    ImageEditRequest,
     ImageGenerationRequest,
     ImageGenerationResponse,
     VideoData,
@@ -50,10 +56,13 @@ from layerstream.server.stopping import GenerationStopped, StopReason
 logger = logging.getLogger(__name__)
 
 IMAGES_PATH = "/v1/images/generations"
+EDITS_PATH = "/v1/images/edits"
 VIDEOS_PATH = "/v1/videos/generations"
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
-_KNOWN_PATHS = frozenset({IMAGES_PATH, VIDEOS_PATH, HEALTH_PATH, METRICS_PATH})
+_KNOWN_PATHS = frozenset({IMAGES_PATH, EDITS_PATH, VIDEOS_PATH, HEALTH_PATH, METRICS_PATH})
+# multipart parts of an edit request besides the image: the form fields OpenAI's edits take, and ours
+_MAX_FORM_FIELDS = 32
 
 # An oversized body is read and dropped up to this many bytes before answering 413, so that the client,
 # still sending, reads the answer instead of a reset connection; beyond it the connection is just closed.
@@ -106,6 +115,17 @@ def create_app(service: GenerationService) -> FastAPI:
         return _ok(ImageGenerationResponse(created=int(time.time()), data=data, layerstream=output.usage))
 
     @app.post(
+        EDITS_PATH,
+        response_model=ImageGenerationResponse,
+        responses=_ERROR_RESPONSES,
+        openapi_extra=_edit_request_body(),
+    )
+    async def create_edits(request: Request) -> JSONResponse:
+        output = await _run_edit(service, request)
+        data = [ImageData(b64_json=f) for f in output.files_b64]
+        return _ok(ImageGenerationResponse(created=int(time.time()), data=data, layerstream=output.usage))
+
+    @app.post(
         VIDEOS_PATH,
         response_model=VideoGenerationResponse,
         responses=_ERROR_RESPONSES,
@@ -132,14 +152,103 @@ async def _run_generation(
 ) -> GenerationOutput:
     """Parse, check, queue and await one generation request; every failure becomes an `ApiError`."""
     service.check_endpoint(kind)  # the wrong endpoint is the first thing to say, whatever the body holds
-    body = await _read_body(request, service.settings.max_body_bytes)
+    body = await _read_body(request, service.body_limit(kind), _limit_flags(service, kind))
     try:
         parsed = model.model_validate_json(body)
     except ValidationError as e:
         raise validation_error(e, model) from None
-    params = service.prepare(parsed)
+    image_b64 = getattr(parsed, "image", None)
+    service.check_image_presence(has_image=image_b64 is not None, endpoint=request.url.path)
+    image = await asyncio.to_thread(service.read_image, _decode_base64_image(image_b64)) if image_b64 else None
+    params = service.prepare(parsed, image)
+    return await _submit_and_wait(service, request, params, parsed.timeout)
+
+
+async def _run_edit(service: GenerationService, request: Request) -> GenerationOutput:
+    """`POST /v1/images/edits`: the multipart form parsed into an `ImageEditRequest` and its image, then as a
+    generation."""
+    service.check_endpoint("edit")
+    content_type = request.headers.get("content-type", "")
+    if content_type.lower().startswith("application/x-www-form-urlencoded"):  # a form, but it cannot hold a file
+        raise ApiError(
+            400, "image is required: send a multipart/form-data body with the image as a file part named image",
+            code="invalid_image", param="image",
+        )  # fmt: skip
+    if not content_type.lower().startswith("multipart/form-data"):
+        raise ApiError(
+            400, f"expected a multipart/form-data body (an image file part and form fields), got {content_type or 'none'!r}",
+            code="invalid_body", param="body",
+        )  # fmt: skip
+    body = await _read_body(request, service.body_limit("edit"), _limit_flags(service, "edit"))
+    fields, image_bytes = await _parse_edit_form(request, body)
     try:
-        job = service.submit(params, timeout=parsed.timeout)
+        parsed = ImageEditRequest.model_validate(fields)
+    except ValidationError as e:
+        raise validation_error(e, ImageEditRequest) from None
+    image = await asyncio.to_thread(service.read_image, image_bytes)
+    params = service.prepare(parsed, image)
+    return await _submit_and_wait(service, request, params, parsed.timeout)
+
+
+async def _parse_edit_form(request: Request, body: bytes) -> tuple[dict[str, str], bytes]:
+    """(the text fields, the image file's bytes) of an edit form, already read as `body`; 4xx naming the part."""
+    from starlette.datastructures import UploadFile
+    from starlette.formparsers import MultiPartException, MultiPartParser
+
+    async def read_body_again() -> AsyncIterator[bytes]:  # it was read (and bounded) already
+        yield body
+
+    parser = MultiPartParser(
+        request.headers, read_body_again(), max_files=1, max_fields=_MAX_FORM_FIELDS, max_part_size=len(body) + 1
+    )
+    try:
+        form = await parser.parse()
+    except MultiPartException as e:
+        message = f"the multipart body cannot be parsed: {e.message}"
+        raise ApiError(400, message, code="invalid_body", param="body") from None
+    try:
+        fields: dict[str, str] = {}
+        image: UploadFile | None = None
+        for name, value in form.multi_items():
+            if name in fields or (name == "image" and image is not None):
+                raise ApiError(422, f"{name} is given more than once; expected one", code="invalid_request", param=name)
+            if name == "image":
+                if not isinstance(value, UploadFile):
+                    message = "image must be a file part (the image file), not a text field"
+                    raise ApiError(422, message, code="invalid_image", param="image")
+                image = value
+            elif isinstance(value, UploadFile):
+                raise ApiError(422, f"{name} is a file part; only image may be a file", code="invalid_request", param=name)
+            else:
+                fields[name] = value
+        if image is None:
+            raise ApiError(400, "image is required: a file part named image", code="invalid_image", param="image")
+        return fields, await image.read()
+    finally:
+        await form.close()
+
+
+def _decode_base64_image(text: str) -> bytes:
+    """The bytes of a base64 image field, plain or as a data URL (``data:image/png;base64,...``)."""
+    import base64
+    import binascii
+
+    if text.startswith("data:"):
+        header, _, text = text.partition(",")
+        if not header.endswith(";base64"):
+            raise ApiError(400, "image is a data URL that is not base64-encoded", code="invalid_image", param="image")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, "image is not valid base64", code="invalid_image", param="image") from None
+
+
+async def _submit_and_wait(
+    service: GenerationService, request: Request, params: Any, timeout: float | None
+) -> GenerationOutput:
+    """Queue checked `params` and await the outcome."""
+    try:
+        job = service.submit(params, timeout=timeout)
     except QueueFullError as e:
         raise ApiError(429, f"{e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
     except QueueClosedError as e:
@@ -232,11 +341,18 @@ class RequestMetricsMiddleware:
             self.metrics.observe_request(endpoint, status, time.perf_counter() - started)
 
 
-async def _read_body(request: Request, max_bytes: int) -> bytes:
+def _limit_flags(service: GenerationService, endpoint_kind: str) -> str:
+    """The flags that set an endpoint's body limit, to name in a 413."""
+    if service.body_limit(endpoint_kind) == service.settings.max_body_bytes:
+        return "--max-body-bytes"
+    return "--max-body-bytes plus --max-image-bytes as base64"
+
+
+async def _read_body(request: Request, max_bytes: int, limit_flags: str = "--max-body-bytes") -> bytes:
     """The request body, or a 413 naming the limit once it is known to exceed `max_bytes`."""
     too_large = ApiError(
         413,
-        f"the request body is larger than the server's limit of {max_bytes} bytes (--max-body-bytes)",
+        f"the request body is larger than the server's limit of {max_bytes} bytes ({limit_flags})",
         code="body_too_large",
         param="body",
     )
@@ -269,6 +385,14 @@ def _ok(response: BaseModel) -> JSONResponse:
 def _request_body(model: type[BaseModel]) -> dict[str, Any]:
     """OpenAPI entry for a body the route parses itself (to bound its size and shape its errors)."""
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+def _edit_request_body() -> dict[str, Any]:
+    """OpenAPI entry for the edit form: the image file part and the fields of `ImageEditRequest`."""
+    schema = ImageEditRequest.model_json_schema()
+    schema["properties"] = {"image": {"type": "string", "format": "binary"}, **schema["properties"]}
+    schema["required"] = ["image", *schema.get("required", [])]
+    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}}}
 
 
 def _first_line(error: BaseException) -> str:

@@ -21,6 +21,13 @@ from layerstream.models.geometry import (
     pipeline_max_side,
     pipeline_size_multiple,
 )
+from layerstream.models.input_image import (
+    ConditionedSize,
+    ImageInputKind,
+    InputImageError,
+    pipeline_image_input,
+    size_from_image,
+)
 from layerstream.server.errors import ApiError, invalid_fields
 from layerstream.server.schemas import ErrorDetail, ImageGenerationRequest, VideoGenerationRequest
 from layerstream.server.settings import ServeSettings
@@ -52,6 +59,8 @@ class ModelLimits:
     max_work: int
     """--max-work: width x height x frames x steps x n of one request."""
     supports_negative_prompt: bool
+    image_input: ImageInputKind = "none"
+    """Whether the model takes an input image (``"none"``, ``"optional"``, ``"required"``)."""
 
 
 @dataclass(frozen=True)
@@ -107,21 +116,67 @@ def read_model_limits(omni: Any, settings: ServeSettings) -> ModelLimits:
         max_latent_positions=pipeline_max_latent_positions(pipeline) if bound_by_model else None,
         max_work=settings.max_work,
         supports_negative_prompt="negative_prompt" in call,
+        image_input=pipeline_image_input(pipeline),
     )
 
 
-def request_shape(request: ImageGenerationRequest, limits: ModelLimits) -> RequestShape:
-    """The width, height, frames and steps `request` runs with: its own, else the model's defaults."""
+def request_shape(
+    request: ImageGenerationRequest, limits: ModelLimits, conditioned: ConditionedSize | None = None
+) -> RequestShape:
+    """The width, height, frames and steps `request` runs with: its own, else the size its input image leads
+    to (`conditioned`), else the model's defaults."""
     size = request.width_height()
-    width, height = size if size is not None else (limits.default_width, limits.default_height)
+    if size is not None:
+        width, height = size
+    elif conditioned is not None:
+        width, height = conditioned.width, conditioned.height
+    else:
+        width, height = limits.default_width, limits.default_height
     is_video = isinstance(request, VideoGenerationRequest)
     num_frames = (request.num_frames or limits.default_num_frames) if is_video else None
     steps = request.num_inference_steps or limits.default_num_inference_steps
     return RequestShape(width, height, num_frames, steps, request.n)
 
 
+def image_size_for(request: ImageGenerationRequest, limits: ModelLimits, image_size: tuple[int, int]) -> ConditionedSize:
+    """The output size an input image of `image_size` leads to (the request's size, if it gives one); a 400
+    naming ``image`` if the image is too small to leave a whole size multiple."""
+    size = request.width_height()
+    width, height = size if size is not None else (None, None)
+    try:
+        return size_from_image(
+            image_size, size_multiple=limits.size_multiple, max_side=limits.max_side_pixels, width=width, height=height
+        )
+    except InputImageError as e:
+        raise ApiError(400, str(e), code="invalid_image", param="image") from None
+
+
+def check_image_presence(limits: ModelLimits, *, has_image: bool, endpoint: str) -> None:
+    """A 400 naming ``image`` if the request sends an image the model does not take, or lacks one it needs."""
+    if has_image and limits.image_input == "none":
+        raise ApiError(
+            400, f"{limits.model} takes no input image; drop image, or use {endpoint} without it",
+            code="invalid_for_model", param="image",
+        )  # fmt: skip
+    if not has_image and limits.image_input == "required":
+        where = "POST /v1/images/edits with an image file part" if limits.kind == "image" else "image (base64)"
+        raise ApiError(
+            400, f"{limits.model} generates from an input image: image is required; send it as {where}",
+            code="invalid_for_model", param="image",
+        )  # fmt: skip
+
+
 def check_endpoint(limits: ModelLimits, endpoint_kind: str) -> None:
-    """Raise a 400 `ApiError` naming what the model makes if the endpoint is for the other kind of output."""
+    """Raise a 400 `ApiError` naming what the model makes if the endpoint is for the other kind of output
+    (``"image"``, ``"video"``, or ``"edit"``: images from an input image)."""
+    if endpoint_kind == "edit":
+        if limits.kind == "video":
+            message = f"{limits.model} makes videos; send its input image as image on POST /v1/videos/generations"
+            raise ApiError(400, message, code="wrong_endpoint_for_model")
+        if limits.image_input == "none":
+            message = f"{limits.model} takes no input image; use POST /v1/images/generations"
+            raise ApiError(400, message, code="wrong_endpoint_for_model")
+        return
     if endpoint_kind == limits.kind:
         return
     other = "/v1/videos/generations" if limits.kind == "video" else "/v1/images/generations"
@@ -130,8 +185,9 @@ def check_endpoint(limits: ModelLimits, endpoint_kind: str) -> None:
     raise ApiError(400, f"{limits.model} makes {makes}, not {asked}; use POST {other}", code="wrong_endpoint_for_model")
 
 
-def check_request(request: ImageGenerationRequest, limits: ModelLimits) -> None:
-    """Raise a 400 `ApiError` naming every field the served model cannot take."""
+def check_request(request: ImageGenerationRequest, limits: ModelLimits, conditioned: ConditionedSize | None = None) -> None:
+    """Raise a 400 `ApiError` naming every field the served model cannot take (`conditioned`: the size the
+    request's input image leads to)."""
     problems: list[ErrorDetail] = []
     if request.model is not None and request.model != limits.model:
         problems.append(
@@ -145,7 +201,7 @@ def check_request(request: ImageGenerationRequest, limits: ModelLimits) -> None:
     if isinstance(request, VideoGenerationRequest):
         shape_problems += _frame_problems(request, limits)
     # the work of a shape the model cannot run means nothing: say what is wrong with the shape first
-    problems += shape_problems or _work_problems(request, limits)
+    problems += shape_problems or _work_problems(request, limits, conditioned)
     if problems:
         raise invalid_fields(400, problems, code="invalid_for_model")
 
@@ -182,8 +238,10 @@ def _frame_problems(request: VideoGenerationRequest, limits: ModelLimits) -> lis
     return []
 
 
-def _work_problems(request: ImageGenerationRequest, limits: ModelLimits) -> list[ErrorDetail]:
-    shape = request_shape(request, limits)
+def _work_problems(
+    request: ImageGenerationRequest, limits: ModelLimits, conditioned: ConditionedSize | None
+) -> list[ErrorDetail]:
+    shape = request_shape(request, limits, conditioned)
     work = shape.work(limits)
     if work <= limits.max_work:
         return []

@@ -81,6 +81,30 @@ class VideoGenerationRequest(ImageGenerationRequest):
         default=None, ge=1, description="Frames of each video; at most the server's --max-frames; default: the model's."
     )
     fps: int = Field(default=16, ge=1, le=MAX_FPS, description="Frame rate of the encoded MP4.")
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        description=(
+            "Image-to-video models: the input image (PNG, JPEG or WebP), base64-encoded, optionally as a data URL."
+            " Without size the video takes the image's size, rounded down to the model's size multiple."
+        ),
+    )
+
+
+class ImageEditRequest(ImageGenerationRequest):
+    """The fields of ``POST /v1/images/edits`` besides its ``image`` file part (a multipart form, as OpenAI's).
+
+    Form fields arrive as text, so numbers are parsed from their text here ("2" is 2); unknown fields are
+    still refused, so an unsupported OpenAI field such as ``mask`` is reported rather than ignored.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
+
+    size: str | None = Field(
+        default=None,
+        pattern=SIZE_PATTERN,
+        description="'WIDTHxHEIGHT' in pixels; default: the input image's size, rounded down to the model's size multiple.",
+    )
 
 
 # responses ---------------------------------------------------------------------------------------------------
@@ -115,6 +139,9 @@ class GenerationUsage(BaseModel):
     device_bytes: int
     host_bytes: int
     peak_device_bytes: int | None
+    size_note: str | None = Field(
+        default=None, description="With an input image: how the output size was reached from the image's size."
+    )
 
 
 class ImageGenerationResponse(BaseModel):
@@ -163,3 +190,8 @@ class HealthResponse(BaseModel):
     max_frames: int | None = Field(description="Video: most frames a request may ask for.")
     max_side_pixels: int = Field(description="Largest width or height a request may ask for.")
     max_work: int = Field(description="Largest width x height x num_frames x num_inference_steps x n of a request.")
+    image_input: Literal["none", "optional", "required"] = Field(
+        description="Whether the model takes an input image (POST /v1/images/edits, or image on /v1/videos/generations)."
+    )
+    max_image_bytes: int = Field(description="Largest input image file.")
+    max_image_pixels: int = Field(description="Largest input image, width x height.")

@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from layerstream.omni import GenerationError, RunStats
-from layerstream.server.limits import ModelLimits, check_endpoint, check_request, read_model_limits, request_shape
+from layerstream.server.limits import (
+    ModelLimits,
+    check_endpoint,
+    check_image_presence,
+    check_request,
+    image_size_for,
+    read_model_limits,
+    request_shape,
+)
 from layerstream.server.media import encode_result_b64
 from layerstream.server.metrics import JobOutcome, QueueState, ServerMetrics
 from layerstream.server.queue import GenerationQueue, Job
@@ -38,6 +46,10 @@ class GenerationParams:
     guidance_scale: float | None
     seeds: tuple[int, ...]
     fps: int
+    image: Any = None
+    """The input image (RGB PIL image), already checked; None without one."""
+    size_note: str | None = None
+    """With an input image: how the output size was reached."""
 
 
 @dataclass(frozen=True)
@@ -106,11 +118,37 @@ class GenerationService:
         """400 `ApiError` if the model does not make this kind of output (checked before the body is read)."""
         check_endpoint(self.limits, endpoint_kind)
 
-    def prepare(self, request: ImageGenerationRequest) -> GenerationParams:
-        """Check `request` against the model (400 `ApiError` if it cannot run) and fix its shape and seeds."""
-        check_request(request, self.limits)
+    def check_image_presence(self, *, has_image: bool, endpoint: str) -> None:
+        """400 naming ``image`` if a request sends an image the model does not take, or lacks one it needs."""
+        check_image_presence(self.limits, has_image=has_image, endpoint=endpoint)
+
+    def body_limit(self, endpoint_kind: str) -> int:
+        """Largest body of a request to this endpoint: more when it may carry an input image."""
+        takes_image = endpoint_kind == "edit" or (endpoint_kind == "video" and self.limits.image_input != "none")
+        return self.settings.image_body_bytes if takes_image else self.settings.max_body_bytes
+
+    def read_image(self, data: bytes) -> Any:
+        """The input image in `data`, checked against the caps; 400 (413 when too large) naming ``image``.
+
+        Called off the event loop: decoding a large image takes a while."""
+        from layerstream.models.input_image import InputImageError, read_input_image
+        from layerstream.server.errors import ApiError
+
+        try:
+            return read_input_image(
+                data, name="image", max_pixels=self.settings.max_image_pixels, max_bytes=self.settings.max_image_bytes
+            )
+        except InputImageError as e:
+            raise ApiError(413 if e.too_large else 400, str(e), code="invalid_image", param="image") from None
+
+    def prepare(self, request: ImageGenerationRequest, image: Any = None) -> GenerationParams:
+        """Check `request` (and its decoded input `image`, if any) against the model (400 `ApiError` if it
+        cannot run) and fix its shape and seeds. Without a size, an image's own size (rounded to the model's
+        size multiple, within its largest side) is the output size, and it is what the work cap prices."""
+        conditioned = image_size_for(request, self.limits, image.size) if image is not None else None
+        check_request(request, self.limits, conditioned)
         # the checks above priced this shape; run exactly it, not whatever the pipeline would default to
-        shape = request_shape(request, self.limits)
+        shape = request_shape(request, self.limits, conditioned)
         first_seed = request.seed if request.seed is not None else secrets.randbelow(2**32)
         return GenerationParams(
             prompt=request.prompt,
@@ -122,6 +160,8 @@ class GenerationService:
             guidance_scale=request.guidance_scale,
             seeds=tuple(first_seed + i for i in range(request.n)),
             fps=request.fps if isinstance(request, VideoGenerationRequest) else 16,
+            image=image,
+            size_note=conditioned.note if conditioned is not None else None,
         )
 
     def submit(self, params: GenerationParams, *, timeout: float | None) -> Job:
@@ -151,6 +191,7 @@ class GenerationService:
                 result = self.omni.generate(
                     params.prompt,
                     params.negative_prompt,
+                    image=params.image,
                     height=params.height,
                     width=params.width,
                     num_frames=params.num_frames,
@@ -204,6 +245,9 @@ class GenerationService:
             "max_frames": self.limits.max_frames if self.limits.kind == "video" else None,
             "max_side_pixels": self.limits.max_side_pixels,
             "max_work": self.limits.max_work,
+            "image_input": self.limits.image_input,
+            "max_image_bytes": self.settings.max_image_bytes,
+            "max_image_pixels": self.settings.max_image_pixels,
         }
 
     def render_metrics(self) -> str:
@@ -243,4 +287,5 @@ def _usage(
         device_bytes=runs[-1].device_bytes,
         host_bytes=runs[-1].host_bytes,
         peak_device_bytes=max(peaks) if peaks else None,
+        size_note=params.size_note,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from layerstream.errors import LayerstreamError
+from layerstream.models.input_image import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -42,7 +43,12 @@ class ServeSettings:
     max_work: int = DEFAULT_MAX_WORK
     """Largest width x height x frames x steps x n of one request: bounds its time and, at one step, its memory."""
     max_body_bytes: int = 1 << 20
-    """Largest request body; a larger one answers 413 without being parsed."""
+    """Largest request body without an input image; a larger one answers 413 without being parsed. A request
+    that may carry an image (edits, image-to-video) may be larger by the image: `image_body_bytes`."""
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    """Largest input image file, in bytes (a larger one answers 413 naming ``image``)."""
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    """Largest input image in pixels, read from its header before decoding (more answers 413 naming ``image``)."""
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     """Seconds a running generation may go on after SIGTERM before it is stopped at its next denoising step."""
 
@@ -55,12 +61,21 @@ class ServeSettings:
         _check_int("max_side_pixels", self.max_side_pixels, low=1, high=1_000_000)
         _check_int("max_work", self.max_work, low=1, high=10**15)
         _check_int("max_body_bytes", self.max_body_bytes, low=1024, high=1 << 30)
+        _check_int("max_image_bytes", self.max_image_bytes, low=1024, high=1 << 30)
+        _check_int("max_image_pixels", self.max_image_pixels, low=1, high=1 << 30)
         value = self.shutdown_timeout
         # written as `not low <= value <= high` so that NaN, which fails every comparison, is refused too
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SHUTDOWN_TIMEOUT_S:
             raise ServeSettingsError(
                 f"shutdown_timeout = {value!r} is not valid; expected seconds from 0 to {MAX_SHUTDOWN_TIMEOUT_S:g}"
             )
+
+
+    @property
+    def image_body_bytes(self) -> int:
+        """Largest body of a request that may carry an image: the other fields' allowance plus the image,
+        base64-encoded (4 characters per 3 bytes) or as a multipart file part."""
+        return self.max_body_bytes + -(-self.max_image_bytes // 3) * 4
 
 
 def _check_int(name: str, value: object, *, low: int, high: int) -> None:

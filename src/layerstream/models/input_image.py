@@ -1,0 +1,234 @@
+"""Input images of image-conditioned pipelines (image to video, image editing).
+
+Three questions every entry point asks the same way:
+- does the pipeline take an image, and must it have one? (`pipeline_image_input`, read from its call
+  signature);
+- is what the user gave a usable image? (`read_input_image`: a PIL image, a path, an array or the bytes of
+  a file; refused in one line if it is missing, not an image, empty or larger than the caps, before any
+  pixel is decoded where the header already tells);
+- what size does the output take when the caller names none? (`size_from_image`: the image's own size,
+  scaled down to fit the model's largest side and rounded down to its size multiple, as diffusers pipelines
+  round, never a jump to a default far from the image).
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+import numpy as np
+
+from layerstream.errors import LayerstreamError
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+ImageInputKind = Literal["none", "optional", "required"]
+ImageSource = Union["Image.Image", str, "os.PathLike[str]", np.ndarray, bytes]
+
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
+"""Largest input image, in pixels (16.8 megapixels): checked from the file header, before decoding."""
+DEFAULT_MAX_IMAGE_BYTES = 32 << 20
+"""Largest input image file, in bytes."""
+
+# Pipelines whose signature gives `image` a default of None but that read it unconditionally: Qwen-Image-Edit
+# takes `image.size` first thing in __call__. Matched by class name through the MRO (no diffusers import).
+IMAGE_REQUIRED_PIPELINES = frozenset(
+    {"QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageEditInpaintPipeline"}
+)
+
+
+class InputImageError(LayerstreamError, ValueError):
+    """An input image that cannot be used: missing, not an image, empty, or larger than the caps."""
+
+    def __init__(self, message: str, *, too_large: bool = False):
+        super().__init__(message)
+        self.too_large = too_large
+        """True when the image is refused for its size (a server answers 413 rather than 400)."""
+
+
+def pipeline_image_input(pipeline: Any) -> ImageInputKind:
+    """Whether `pipeline` takes an input image: ``"none"``, ``"optional"`` or ``"required"``.
+
+    Read from the ``image`` argument of its ``__call__``: absent, with a default, or without one (plus the
+    pipelines of `IMAGE_REQUIRED_PIPELINES`, whose default of None is not really allowed).
+    """
+    param = inspect.signature(pipeline.__call__).parameters.get("image")
+    if param is None:
+        return "none"
+    if param.default is inspect.Parameter.empty:
+        return "required"
+    if any(cls.__name__ in IMAGE_REQUIRED_PIPELINES for cls in type(pipeline).__mro__):
+        return "required"
+    return "optional"
+
+
+def read_input_image(
+    source: ImageSource,
+    *,
+    name: str = "image",
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+) -> Image.Image:
+    """`source` as an RGB PIL image, or `InputImageError` naming `name` and what is wrong.
+
+    `source` is a PIL image, a path to an image file, the bytes of one, or an array (H x W gray, or
+    H x W x 1/3/4 channels; uint8, or floats from 0 to 1). Files are checked for size before they are read
+    and for pixels from their header before they are decoded, so an oversized or hostile file costs nothing.
+    """
+    from PIL import Image
+
+    if isinstance(source, Image.Image):
+        _check_pixels(name, source.size, max_pixels)
+        return source.convert("RGB") if source.mode != "RGB" else source.copy()
+    if isinstance(source, np.ndarray):
+        return _from_array(name, source, max_pixels)
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+        if len(data) > max_bytes:
+            raise InputImageError(f"{name} is {len(data):,} bytes; expected at most {max_bytes:,}", too_large=True)
+        return _decode(name, data, max_pixels)
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source).expanduser()
+        return _decode(f"{name} {path}", _read_file(name, path, max_bytes), max_pixels)
+    raise InputImageError(
+        f"{name} is a {type(source).__name__}; expected a PIL image, a path to an image file, or an array"
+    )
+
+
+@dataclass(frozen=True)
+class ConditionedSize:
+    """The output size an input image leads to, and how it was reached (said to the user as `note`)."""
+
+    width: int
+    height: int
+    image_width: int
+    image_height: int
+    note: str
+
+
+def size_from_image(
+    image_size: tuple[int, int],
+    *,
+    size_multiple: int,
+    max_side: int | None,
+    width: int | None = None,
+    height: int | None = None,
+    name: str = "image",
+) -> ConditionedSize:
+    """The output size for an input image of `image_size` (width, height).
+
+    A side the caller gives (`width` or `height`) is kept; a missing side follows the image's aspect ratio.
+    With neither, the image's own size is used, scaled down (aspect kept) to fit `max_side` if larger, and
+    rounded down to multiples of `size_multiple`, as diffusers pipelines round. An image too small to leave a
+    whole multiple is refused rather than enlarged.
+    """
+    image_width, image_height = image_size
+    m = size_multiple
+    if width is not None and height is not None:
+        return ConditionedSize(width, height, image_width, image_height, f"{width}x{height}, as asked")
+    if width is not None or height is not None:
+        # one side given: the other follows the image's aspect ratio
+        target_w = width if width is not None else height * image_width / image_height
+        target_h = height if height is not None else width * image_height / image_width
+        scaled = False
+    else:
+        scale = min(1.0, max_side / max(image_width, image_height)) if max_side else 1.0
+        target_w, target_h = image_width * scale, image_height * scale
+        scaled = scale < 1.0
+    # a hair of tolerance: 100 * 0.48 may come out as 47.99999
+    out_w = math.floor(target_w + 1e-6) // m * m
+    out_h = math.floor(target_h + 1e-6) // m * m
+    if out_w < m or out_h < m:
+        raise InputImageError(
+            f"{name} is {image_width}x{image_height} pixels; the output would be less than {m} pixels on a side "
+            f"(the model's size multiple); expected an image at least {m}x{m} with a less extreme aspect ratio"
+        )
+    steps = []
+    if width is not None or height is not None:
+        steps.append(f"the missing side follows the input image's {image_width}x{image_height}")
+    elif scaled:
+        steps.append(f"the input image's {image_width}x{image_height} scaled to fit {max_side} pixels per side")
+    else:
+        steps.append(f"the input image's {image_width}x{image_height}")
+    if abs(out_w - target_w) > 1e-6 or abs(out_h - target_h) > 1e-6:
+        steps.append(f"rounded down to multiples of {m}")
+    return ConditionedSize(out_w, out_h, image_width, image_height, f"{out_w}x{out_h}: " + ", ".join(steps))
+
+
+# --- reading ----------------------------------------------------------------------------------------------------
+
+
+def _read_file(name: str, path: Path, max_bytes: int) -> bytes:
+    path = path.expanduser()
+    if not path.exists():
+        raise InputImageError(f"{name} {path} does not exist")
+    if not path.is_file():
+        raise InputImageError(f"{name} {path} is not a file")
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise InputImageError(f"{name} {path} is {size:,} bytes; expected at most {max_bytes:,}", too_large=True)
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise InputImageError(f"{name} {path} cannot be read ({e.strerror or e})") from None
+
+
+def _decode(name: str, data: bytes, max_pixels: int) -> Image.Image:
+    from PIL import Image, UnidentifiedImageError
+
+    if not data:
+        raise InputImageError(f"{name} is empty (0 bytes); expected a PNG, JPEG or WebP image")
+    try:
+        with warnings.catch_warnings():
+            # PIL warns, then raises, on images past its own bomb limit; ours (below) is lower and is the one reported
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            _check_pixels(name, image.size, max_pixels)  # from the header: nothing decoded yet
+            image.load()
+    except InputImageError:
+        raise
+    except Image.DecompressionBombError:
+        raise InputImageError(f"{name} has too many pixels; expected at most {max_pixels:,}", too_large=True) from None
+    except UnidentifiedImageError:
+        raise InputImageError(f"{name} is not an image (expected a PNG, JPEG or WebP file)") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as e:  # truncated or corrupt data past a valid header
+        raise InputImageError(f"{name} is not a readable image ({type(e).__name__}: {e})") from None
+    return image.convert("RGB")
+
+
+def _check_pixels(name: str, size: tuple[int, int], max_pixels: int) -> None:
+    width, height = size
+    if width <= 0 or height <= 0:
+        raise InputImageError(f"{name} is {width}x{height} pixels (empty); expected at least one pixel on each side")
+    if width * height > max_pixels:
+        raise InputImageError(
+            f"{name} is {width}x{height} = {width * height:,} pixels; expected at most {max_pixels:,}", too_large=True
+        )
+
+
+def _from_array(name: str, array: np.ndarray, max_pixels: int) -> Image.Image:
+    from PIL import Image
+
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[:, :, 0]
+    if array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[2] not in (3, 4)):
+        raise InputImageError(
+            f"{name} is an array of shape {array.shape}; expected H x W (gray) or H x W x 3 (RGB) or x 4 (RGBA)"
+        )
+    _check_pixels(name, (array.shape[1], array.shape[0]), max_pixels)
+    if array.dtype == np.uint8:
+        pixels = array
+    elif np.issubdtype(array.dtype, np.floating):
+        if not np.isfinite(array).all() or array.min() < 0.0 or array.max() > 1.0:
+            raise InputImageError(f"{name} is a float array with values outside 0 to 1 (or NaN); expected 0 to 1")
+        pixels = (array * 255.0).round().astype(np.uint8)
+    else:
+        raise InputImageError(f"{name} is an array of {array.dtype}; expected uint8 (0 to 255) or floats (0 to 1)")
+    return Image.fromarray(np.ascontiguousarray(pixels)).convert("RGB")
