@@ -22,7 +22,8 @@ from layerstream.runtime.layout import BlockLayout
 from layerstream.runtime.protocols import CopyEngine, HostStore, StoredBlock
 from layerstream.runtime.stats import ComponentStats, OffloadStats, OffloadTrace, TraceInterval
 from layerstream.runtime.state_dict import install_state_dict_hooks
-from layerstream.runtime.streamer import BlockCounters, BlockStreamer, StreamedBlock, install_block_hooks, install_root_hooks
+from layerstream.runtime.block_call import install_block_call
+from layerstream.runtime.streamer import BlockCounters, BlockStreamer, StreamedBlock, install_root_hooks
 from layerstream.runtime.tensors import device_bytes, move_tensors_
 from layerstream.runtime.undo import UndoStack
 
@@ -85,7 +86,7 @@ def apply_layer_mode(
     undo.push(lambda: [h.remove() for h in hooks])
     if streamer is not None:
         for block in blocks:
-            hooks += install_block_hooks(streamer, block)
+            hooks.append(install_block_call(streamer, block))
         for comp in plan.streamed:
             hooks += install_root_hooks(streamer, components[comp.path])
         hooks += install_state_dict_hooks(streamer, blocks, {c.path: components[c.path] for c in plan.streamed})

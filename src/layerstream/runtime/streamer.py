@@ -222,7 +222,7 @@ class BlockStreamer:
 
         self._prefetch_after(block)
 
-    def post_forward(self, block: StreamedBlock, output) -> None:
+    def post_forward(self, block: StreamedBlock, output, *, failed: bool = False) -> None:
         binding = self._active.pop(block.index, None)
         if binding is None:
             return  # pre-forward failed before binding (e.g. refused thread): nothing to release
@@ -241,7 +241,7 @@ class BlockStreamer:
         self.num_materialized -= 1
         self.slot_in_use[record.slot] = False  # the slot the block was bound to, whatever it holds next
         self.engine.release(record.slot)
-        if output is None and sys.exc_info()[1] is not None:
+        if failed or (output is None and sys.exc_info()[1] is not None):
             # the block raised: do not learn the next transition from an aborted forward
             self._last_index = None
 
@@ -340,21 +340,8 @@ class BlockStreamer:
             raise
 
 
-def install_block_hooks(streamer: BlockStreamer, block: StreamedBlock) -> list:
-    def pre_hook(module, args):
-        streamer.pre_forward(block)
-
-    def post_hook(module, args, output):
-        streamer.post_forward(block, output)
-
-    return [
-        block.module.register_forward_pre_hook(pre_hook),
-        # always_call: the slot is released and the block evicted even when the block raises
-        block.module.register_forward_hook(post_hook, always_call=True),
-    ]
-
-
 def install_root_hooks(streamer: BlockStreamer, module: nn.Module) -> list:
     """Enter and leave the streamer around every call of a component. A method wrapper, not a pair of hooks:
-    a Ctrl-C inside the model must not leave it owned by a dead call (torch skips hooks on KeyboardInterrupt)."""
+    a Ctrl-C inside the model must not leave it owned by a dead call (torch skips hooks on KeyboardInterrupt).
+    The blocks themselves are entered by `runtime.block_call`."""
     return [MethodWrapper(module, "forward", streamer.enter, streamer.exit)]
