@@ -128,6 +128,7 @@ class BlockStreamer:
         self._active: dict[int, _Binding] = {}
         self._slot_of_storage = {buffer.untyped_storage().data_ptr(): slot for slot, buffer in enumerate(slot_buffers)}
         self._bound_in_slot: list[int | None] = [None] * self.num_slots
+        self._updating: dict[int, int] = {}  # block index -> slot, for blocks bound by bind_for_update_
 
     # ownership: one thread at a time may run the streamed models (they share the slots) ---------------------
     def enter(self) -> None:
@@ -265,6 +266,47 @@ class BlockStreamer:
         if block.slot is not None and not self.slot_in_use[block.slot]:
             self.slot_block[block.slot] = None
             block.slot = None
+
+    # changing weights between calls (LoRA fusing) ------------------------------------------------------------
+    def bind_for_update_(self, block: StreamedBlock) -> None:
+        """Bind an idle block to a slot holding its bytes, outside any forward, so that code may change its weights
+        in place on the device the model computes on (the same kernels as on the resident model)."""
+        self._check_owner()
+        assert block.index not in self._active and block.index not in self._updating, f"{block.path} is bound"
+        slot = block.slot
+        if slot is None:
+            block.counters.num_sync_loads += 1
+            slot = self._free_slot(keep=())
+            self._issue_copy(block, slot)
+        try:
+            self.engine.wait_ready(slot)
+        except TransferError:
+            self.slot_block[slot] = None
+            block.slot = None
+            raise
+        self.slot_in_use[slot] = True
+        views = block.views.get(slot)
+        if views is None:
+            views = block.views[slot] = block.host.layout.views(self.slot_buffers[slot])
+        block.host.binder.bind_(views)
+        self._updating[block.index] = slot
+
+    def unbind_after_update_(self, block: StreamedBlock) -> None:
+        """Keep what was written into the block bound by `bind_for_update_` (its whole packed bytes go back into
+        the host store; the slot keeps the same bytes) and evict it."""
+        slot = self._updating.pop(block.index)
+        try:
+            block.host.binder.keep_replaced_(block.views[slot])
+            # a host-side copy from the device: it waits for the writes into the slot, which must finish first
+            block.host.write_back_(self.slot_buffers[slot], 0, block.host.layout.nbytes)
+        except BaseException:
+            self.slot_block[slot] = None  # the slot may hold bytes the store does not: never read it again
+            block.slot = None
+            raise
+        finally:
+            block.host.binder.evict_()
+            self.slot_in_use[slot] = False
+            self.engine.release(slot)
 
     # scheduling ----------------------------------------------------------------------------------------------
     def _learn(self, last: int, index: int) -> None:
