@@ -31,7 +31,8 @@ def load(kind: str):
 def generate(pipe, kind: str, **overrides) -> torch.Tensor:
     """Latents of one short, seeded generation."""
     kwargs = {**_CALL[kind], **overrides}
-    out = pipe("a red fox in the snow", generator=torch.Generator().manual_seed(0), output_type="latent", **kwargs)
+    kwargs.setdefault("output_type", "latent")
+    out = pipe("a red fox in the snow", generator=torch.Generator().manual_seed(0), **kwargs)
     return (out.frames if kind == "wan" else out.images).clone()
 
 
