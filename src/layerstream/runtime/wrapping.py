@@ -37,9 +37,8 @@ class MethodWrapper:
             finally:
                 leave()
 
-        wrapper.__doc__ = getattr(inner, "__doc__", None)
-        wrapper = torch.compiler.disable(wrapper, recursive=False, reason="layerstream enters and leaves its streamer outside any graph")
-        wrapper.__wrapped__ = inner  # type: ignore[attr-defined]
+        disabled = torch.compiler.disable(wrapper, recursive=False, reason="layerstream enters and leaves its streamer outside any graph")
+        wrapper = _Unbindable(disabled, inner)
         self.wrapper = wrapper
         module.__dict__[name] = wrapper
 
@@ -53,3 +52,20 @@ class MethodWrapper:
 
     def __repr__(self) -> str:
         return f"MethodWrapper({type(self.module).__name__}.{self.name})"
+
+
+class _Unbindable:
+    """The wrapper as installed: a callable whose `__get__` returns itself. Code that saves `module.forward` and
+    later restores it as `saved.__get__(module)` (cache-dit does) gets this wrapper back, not one bound twice."""
+
+    def __init__(self, fn: Callable, inner: Callable):
+        self._fn = fn
+        self.__wrapped__ = inner
+        self.__doc__ = getattr(inner, "__doc__", None)
+        self.__name__ = getattr(inner, "__name__", "wrapper")
+
+    def __call__(self, *args, **kwargs):
+        return self._fn(*args, **kwargs)
+
+    def __get__(self, obj, objtype=None):
+        return self
