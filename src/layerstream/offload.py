@@ -26,7 +26,7 @@ from layerstream.runtime.layout import BlockLayout
 from layerstream.runtime.module_mode import apply_module_mode
 from layerstream.runtime.packed_store import PackedHostStore
 from layerstream.runtime.protocols import HostStore
-from layerstream.runtime.guards import guard_module_
+from layerstream.runtime.guards import guard_module_, guard_pipeline_
 from layerstream.runtime.safety import check_no_foreign_offload, check_no_shared_block_tensors
 from layerstream.runtime.tensors import named_tensors
 from layerstream.runtime.undo import UndoStack
@@ -91,7 +91,7 @@ def enable_offload(
         except BaseException as e:
             undo.unwind()
             _raise_after_rollback(plan, e)
-        return _commit_handle(plan, device, backend, components)
+        return _commit_handle(plan, device, backend, components, pipeline=pipeline)
 
     stores = store_factory_for(plan, device, process_group) if store_factory is None else store_factory
     component_stores = {comp.path: stores(comp.path) for comp in plan.streamed}
@@ -123,7 +123,7 @@ def enable_offload(
     except BaseException as e:
         undo.unwind()
         _raise_after_rollback(plan, e)
-    return _commit_handle(plan, device, backend, components, block_modules)
+    return _commit_handle(plan, device, backend, components, block_modules, pipeline=pipeline)
 
 
 def block_layouts(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device) -> dict[str, BlockLayout]:
@@ -221,12 +221,17 @@ def _raise_after_rollback(plan: ResolvedOffloadPlan, error: BaseException):
     raise OffloadError(f"{plan.pipeline_class}: enabling offload failed and was rolled back: {error}") from error
 
 
-def _commit_handle(plan, device, backend, components, block_modules: Mapping[str, nn.Module] | None = None) -> OffloadHandle:
-    """The last step, which cannot fail: mark the components (and guard the streamed ones and their streamed
-    blocks against copying, pickling and converting while enabled) and hand out the handle."""
+def _commit_handle(plan, device, backend, components, block_modules: Mapping[str, nn.Module] | None = None, *, pipeline=None) -> OffloadHandle:
+    """The last step, which cannot fail: mark the components (and guard the streamed ones, their streamed blocks
+    and the pipeline against copying, pickling and converting while enabled; wrap the pipeline's LoRA entry
+    points) and hand out the handle."""
     streamed = [components[c.path] for c in plan.streamed] if plan.config.mode == "layer" else []
     guarded = [*streamed, *(block_modules or {}).values()]
     unguards = [guard_module_(m) for m in guarded]
+    if streamed and pipeline is not None and all(pipeline is not m for m in guarded):
+        unguards.append(guard_pipeline_(pipeline, [c.display_path for c in plan.streamed]))
+    if streamed and pipeline is not None and hasattr(backend, "wrap_pipeline_"):
+        unguards.append(backend.wrap_pipeline_(pipeline))
 
     def forget() -> None:
         for m in components.values():

@@ -18,13 +18,15 @@ from torch import nn
 
 from layerstream.plan.placement import Placement
 from layerstream.plan.resolved import ResolvedOffloadPlan
-from layerstream.runtime.layout import BlockLayout
-from layerstream.runtime.protocols import CopyEngine, HostStore, StoredBlock
-from layerstream.runtime.stats import ComponentStats, OffloadStats, OffloadTrace, TraceInterval
-from layerstream.runtime.state_dict import install_state_dict_hooks
-from layerstream.runtime.streamer import BlockCounters, BlockStreamer, StreamedBlock, install_block_hooks, install_root_hooks
+from layerstream.runtime.block_call import install_block_call
 from layerstream.runtime.file_reads import FileReader, MappedFiles
+from layerstream.runtime.layout import BlockLayout
+from layerstream.runtime.lora import LoraSupport, install_lora_support
 from layerstream.runtime.progress import StagingProgress
+from layerstream.runtime.protocols import CopyEngine, HostStore, StoredBlock
+from layerstream.runtime.state_dict import install_state_dict_hooks
+from layerstream.runtime.stats import ComponentStats, OffloadStats, OffloadTrace, TraceInterval
+from layerstream.runtime.streamer import BlockCounters, BlockStreamer, StreamedBlock, install_root_hooks
 from layerstream.runtime.tensors import device_bytes, move_tensors_, unmap_tensors_
 from layerstream.runtime.undo import UndoStack
 
@@ -108,10 +110,15 @@ def apply_layer_mode(
     undo.push(lambda: [h.remove() for h in hooks])
     if streamer is not None:
         for block in blocks:
-            hooks += install_block_hooks(streamer, block)
+            hooks.append(install_block_call(streamer, block))
         for comp in plan.streamed:
             hooks += install_root_hooks(streamer, components[comp.path])
-        hooks += install_state_dict_hooks(streamer, blocks, {c.path: components[c.path] for c in plan.streamed})
+        streamed_components = {c.path: components[c.path] for c in plan.streamed}
+        lora, lora_wrappers = install_lora_support(streamer, streamed_components, device)
+        hooks += lora_wrappers
+        hooks += install_state_dict_hooks(streamer, blocks, streamed_components, on_block_loaded=lora.forget_block_)
+    else:
+        lora = None
 
     for store in distinct_stores(stores.values()):
         store.commit_()  # sharded: every rank staged; only now may any rank drop its original weights
@@ -123,7 +130,7 @@ def apply_layer_mode(
         placement.num_slots,
         placement.slot_nbytes / 2**20,
     )
-    return LayerModeBackend(plan, placement, device, components, streamer, engine, stores, hooks, counters)
+    return LayerModeBackend(plan, placement, device, components, streamer, engine, stores, hooks, counters, lora)
 
 
 def _bytes_from_files(store: HostStore) -> int:
@@ -142,7 +149,7 @@ def distinct_stores(stores) -> list[HostStore]:
 class LayerModeBackend:
     """A running layer mode: the streamer, its engine and stores, and their teardown."""
 
-    def __init__(self, plan, placement, device, components, streamer, engine, stores, hooks, counters):
+    def __init__(self, plan, placement, device, components, streamer, engine, stores, hooks, counters, lora=None):
         self.plan = plan
         self.placement = placement
         self.device = device
@@ -152,6 +159,16 @@ class LayerModeBackend:
         self._stores: list[HostStore] = distinct_stores(stores.values())
         self._hooks = hooks
         self._counters: dict[str, BlockCounters] = counters
+        self._lora: LoraSupport | None = lora
+
+    def wrap_pipeline_(self, pipeline) -> Callable[[], None]:
+        """Wrap the pipeline's own LoRA entry points (diffusers' `load_lora_weights`, `fuse_lora` ...), which
+        read and change the streamed components' weights; returns the undo."""
+        if self._lora is None or any(pipeline is m for m in self.components.values()):
+            return lambda: None
+        wrappers = self._lora.wrap_(pipeline)
+        self._hooks += wrappers
+        return lambda: [w.remove() for w in reversed(wrappers)]
 
     @property
     def streamer(self) -> BlockStreamer | None:
@@ -165,7 +182,9 @@ class LayerModeBackend:
             module = self.components.get(comp.path)
             if module is None or comp.action == "on_demand":
                 continue
-            host = [b.host for b in streamer.blocks if b.component == comp.path] if streamer else []
+            mine = [b for b in streamer.blocks if b.component == comp.path] if streamer else []
+            host = [b.host for b in mine]
+            pre_fuse = self._lora.pre_fuse_bytes if self._lora is not None else {}
             c = self._counters.get(comp.path)
             per[comp.display_path] = ComponentStats(
                 bytes_transferred=c.bytes_transferred if c else 0,
@@ -173,7 +192,7 @@ class LayerModeBackend:
                 num_sync_loads=c.num_sync_loads if c else 0,
                 stall_seconds=c.stall_seconds if c else 0.0,
                 device_bytes=device_bytes(module, self.device),
-                host_bytes=sum(h.host_bytes for h in host),
+                host_bytes=sum(h.host_bytes for h in host) + sum(pre_fuse.get(b.index, 0) for b in mine),
                 pinned_host_bytes=sum(h.host_bytes for h in host if h.pinned),
                 num_streamed_blocks=len(host),
                 num_resident_blocks=len(self.placement.resident_block_paths(comp.path)),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.file_reads import FileReader, MappedFiles
 
 ALIGN_BYTES = 64
@@ -246,6 +247,28 @@ class TensorBinder:
             param.data = views[i]
         for buffers, name, i in self._buffer_slots:
             buffers[name] = views[i]
+
+    def keep_replaced_(self, views: list[torch.Tensor]) -> int:
+        """While bound to `views`, code may have replaced a tensor instead of writing into it (`param.data = new`,
+        as PEFT's safe merge does; `module.buf = new`): copy such values into `views`, so the bytes behind the
+        views keep them. Returns how many were copied. Raises `UnsupportedUseError` for a new shape or dtype."""
+        replaced = [(param.data, i) for param, i in self._param_slots]
+        replaced += [(buffers[name], i) for buffers, name, i in self._buffer_slots]
+        num_copied = 0
+        for data, i in replaced:
+            view = views[i]
+            if data.data_ptr() == view.data_ptr() and data.shape == view.shape and data.stride() == view.stride():
+                continue
+            if data.shape != view.shape or data.dtype != view.dtype:
+                e = self.layout.entries[i]
+                raise UnsupportedUseError(
+                    f"{self.layout.path}: {type(e.module).__name__}.{e.name} was replaced by a tensor of shape "
+                    f"{tuple(data.shape)} and dtype {data.dtype}, not {tuple(view.shape)} {view.dtype}; a streamed "
+                    "block's tensors keep their shape and dtype (call handle.disable() first)"
+                )
+            view.copy_(data)
+            num_copied += 1
+        return num_copied
 
     def any_requires_grad(self) -> bool:
         return any(param.requires_grad for param, _ in self._param_slots)

@@ -13,6 +13,8 @@ Parameter objects, loading is refused at the component before anything is loaded
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
 from layerstream.errors import UnsupportedUseError
@@ -31,26 +33,41 @@ def _entry_keys(block: StreamedBlock) -> list[list[str]]:
     return out
 
 
-def install_state_dict_hooks(streamer: BlockStreamer, blocks: list[StreamedBlock], components: dict[str, nn.Module]) -> list:
-    """Hooks on every streamed block (and a load check on each streamed component); returns removable handles."""
+def install_state_dict_hooks(
+    streamer: BlockStreamer,
+    blocks: list[StreamedBlock],
+    components: dict[str, nn.Module],
+    on_block_loaded: Callable[[StreamedBlock], None] = lambda block: None,
+) -> list:
+    """Hooks on every streamed block (and a load check on each streamed component); returns removable handles.
+    `on_block_loaded(block)` runs after new values were loaded into a block's store."""
     handles = []
+    bound: set[int] = set()  # blocks bound to their host tensors by a load in progress
     for block in blocks:
-        keys = _entry_keys(block)
 
-        def on_state_dict(module, state_dict, prefix, local_metadata, block=block, keys=keys):
+        def on_state_dict(module, state_dict, prefix, local_metadata, block=block):
             tensors = block.host.host_tensors()
-            for tensor, entry_keys in zip(tensors, keys):
+            # names are read now, not at enable: PEFT moves a LoRA'd Linear's weights under `base_layer`
+            for tensor, entry_keys in zip(tensors, _entry_keys(block)):
                 for key in entry_keys:
                     if prefix + key in state_dict:
                         state_dict[prefix + key] = tensor
 
         def before_load(module, state_dict, prefix, local_metadata, *args, block=block):
-            _refuse_assign(local_metadata, block.path)
+            if local_metadata.get("assign_to_params_buffers", False):
+                # assign=True loading only tensors that do not stream (PEFT loads LoRA weights this way)
+                _refuse_assign_to_streamed(state_dict, [block], {id(module): prefix.rstrip(".")}, "", block.path)
+                return
             block.host.binder.bind_(block.host.host_tensors())  # torch copies the new values into the store
+            bound.add(block.index)
 
         def after_load(module, incompatible_keys, block=block):
+            if block.index not in bound:
+                return
+            bound.discard(block.index)
             block.host.binder.evict_()
             streamer.forget_copy_(block)
+            on_block_loaded(block)
 
         handles.append(block.module._register_state_dict_hook(on_state_dict))
         handles.append(block.module._register_load_state_dict_pre_hook(before_load, with_module=True))
@@ -62,7 +79,9 @@ def install_state_dict_hooks(streamer: BlockStreamer, blocks: list[StreamedBlock
             continue
 
         def check_before_load(module, state_dict, prefix, local_metadata, *args, mine=mine, path=path):
-            _refuse_assign(local_metadata, path or "<model>")
+            if local_metadata.get("assign_to_params_buffers", False):
+                names = {id(m): name for name, m in module.named_modules()}
+                _refuse_assign_to_streamed(state_dict, mine, names, prefix, path or "<model>")
             for block in mine:
                 block.host.host_tensors()  # raises, before anything is loaded, where the store cannot take it
 
@@ -70,9 +89,17 @@ def install_state_dict_hooks(streamer: BlockStreamer, blocks: list[StreamedBlock
     return handles
 
 
-def _refuse_assign(local_metadata: dict, where: str) -> None:
-    if local_metadata.get("assign_to_params_buffers", False):
-        raise UnsupportedUseError(
-            f"{where}: load_state_dict(assign=True) would replace the Parameter objects layerstream streams into; "
-            "load without assign (the values go into the host store), or call handle.disable() first"
-        )
+def _refuse_assign_to_streamed(state_dict, blocks: list[StreamedBlock], names: dict[int, str], prefix: str, where: str) -> None:
+    """`load_state_dict(assign=True)` may replace tensors that do not stream; refuse it, before anything is
+    loaded, where it would replace one of a streamed block (`names`: id of each block module -> its name)."""
+    for block in blocks:
+        block_prefix = prefix + names.get(id(block.module), "")
+        for entry_keys in _entry_keys(block):
+            for key in entry_keys:
+                full = f"{block_prefix}.{key}" if block_prefix else key
+                if full in state_dict:
+                    raise UnsupportedUseError(
+                        f"{where}: load_state_dict(assign=True) would replace the Parameter objects layerstream "
+                        f"streams into ({full}); load without assign (the values go into the host store), or call "
+                        "handle.disable() first"
+                    )

@@ -25,7 +25,8 @@ class ComponentStats:
     device_bytes: int = 0
     """Device bytes: the component's resident tensors; in the totals, plus the slot ring."""
     host_bytes: int = 0
-    """Host bytes held by the store for this component (pinned and pageable)."""
+    """Host bytes held by the store for this component (pinned and pageable), plus the pre-fuse copies of blocks
+    with fused LoRA adapters (kept to restore them exactly at unfuse)."""
     pinned_host_bytes: int = 0
     num_streamed_blocks: int = 0
     num_resident_blocks: int = 0

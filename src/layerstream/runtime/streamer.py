@@ -128,6 +128,7 @@ class BlockStreamer:
         self._active: dict[int, _Binding] = {}
         self._slot_of_storage = {buffer.untyped_storage().data_ptr(): slot for slot, buffer in enumerate(slot_buffers)}
         self._bound_in_slot: list[int | None] = [None] * self.num_slots
+        self._updating: dict[int, int] = {}  # block index -> slot, for blocks bound by bind_for_update_
 
     # ownership: one thread at a time may run the streamed models (they share the slots) ---------------------
     def enter(self) -> None:
@@ -222,7 +223,7 @@ class BlockStreamer:
 
         self._prefetch_after(block)
 
-    def post_forward(self, block: StreamedBlock, output) -> None:
+    def post_forward(self, block: StreamedBlock, output, *, failed: bool = False) -> None:
         binding = self._active.pop(block.index, None)
         if binding is None:
             return  # pre-forward failed before binding (e.g. refused thread): nothing to release
@@ -241,7 +242,7 @@ class BlockStreamer:
         self.num_materialized -= 1
         self.slot_in_use[record.slot] = False  # the slot the block was bound to, whatever it holds next
         self.engine.release(record.slot)
-        if output is None and sys.exc_info()[1] is not None:
+        if failed or (output is None and sys.exc_info()[1] is not None):
             # the block raised: do not learn the next transition from an aborted forward
             self._last_index = None
 
@@ -265,6 +266,47 @@ class BlockStreamer:
         if block.slot is not None and not self.slot_in_use[block.slot]:
             self.slot_block[block.slot] = None
             block.slot = None
+
+    # changing weights between calls (LoRA fusing) ------------------------------------------------------------
+    def bind_for_update_(self, block: StreamedBlock) -> None:
+        """Bind an idle block to a slot holding its bytes, outside any forward, so that code may change its weights
+        in place on the device the model computes on (the same kernels as on the resident model)."""
+        self._check_owner()
+        assert block.index not in self._active and block.index not in self._updating, f"{block.path} is bound"
+        slot = block.slot
+        if slot is None:
+            block.counters.num_sync_loads += 1
+            slot = self._free_slot(keep=())
+            self._issue_copy(block, slot)
+        try:
+            self.engine.wait_ready(slot)
+        except TransferError:
+            self.slot_block[slot] = None
+            block.slot = None
+            raise
+        self.slot_in_use[slot] = True
+        views = block.views.get(slot)
+        if views is None:
+            views = block.views[slot] = block.host.layout.views(self.slot_buffers[slot])
+        block.host.binder.bind_(views)
+        self._updating[block.index] = slot
+
+    def unbind_after_update_(self, block: StreamedBlock) -> None:
+        """Keep what was written into the block bound by `bind_for_update_` (its whole packed bytes go back into
+        the host store; the slot keeps the same bytes) and evict it."""
+        slot = self._updating.pop(block.index)
+        try:
+            block.host.binder.keep_replaced_(block.views[slot])
+            # a host-side copy from the device: it waits for the writes into the slot, which must finish first
+            block.host.write_back_(self.slot_buffers[slot], 0, block.host.layout.nbytes)
+        except BaseException:
+            self.slot_block[slot] = None  # the slot may hold bytes the store does not: never read it again
+            block.slot = None
+            raise
+        finally:
+            block.host.binder.evict_()
+            self.slot_in_use[slot] = False
+            self.engine.release(slot)
 
     # scheduling ----------------------------------------------------------------------------------------------
     def _learn(self, last: int, index: int) -> None:
@@ -340,21 +382,8 @@ class BlockStreamer:
             raise
 
 
-def install_block_hooks(streamer: BlockStreamer, block: StreamedBlock) -> list:
-    def pre_hook(module, args):
-        streamer.pre_forward(block)
-
-    def post_hook(module, args, output):
-        streamer.post_forward(block, output)
-
-    return [
-        block.module.register_forward_pre_hook(pre_hook),
-        # always_call: the slot is released and the block evicted even when the block raises
-        block.module.register_forward_hook(post_hook, always_call=True),
-    ]
-
-
 def install_root_hooks(streamer: BlockStreamer, module: nn.Module) -> list:
     """Enter and leave the streamer around every call of a component. A method wrapper, not a pair of hooks:
-    a Ctrl-C inside the model must not leave it owned by a dead call (torch skips hooks on KeyboardInterrupt)."""
+    a Ctrl-C inside the model must not leave it owned by a dead call (torch skips hooks on KeyboardInterrupt).
+    The blocks themselves are entered by `runtime.block_call`."""
     return [MethodWrapper(module, "forward", streamer.enter, streamer.exit)]

@@ -3,12 +3,16 @@
 Hooks cannot do this job everywhere: torch skips even `always_call` forward hooks when a forward ends in
 `KeyboardInterrupt`, and pipelines reach some components through methods other than `forward` (diffusers
 calls `vae.decode(...)`, never `vae(...)`). A wrapper with `try`/`finally` runs in both cases.
+
+The wrapper is opaque to `torch.compile`: on a model compiled whole, `enter` and `leave` run as plain Python
+around the call, and the wrapped method is compiled as a frame of its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 
@@ -22,6 +26,9 @@ class MethodWrapper:
         self.had_own = name in module.__dict__
         self.original = module.__dict__.get(name)
         inner = getattr(module, name)
+        # the bookkeeping never runs under dynamo; the wrapped method does, as a frame of its own
+        enter = torch.compiler.disable(enter, reason="layerstream bookkeeping around a call")
+        leave = torch.compiler.disable(leave, reason="layerstream bookkeeping around a call")
 
         def wrapper(*args, **kwargs):
             enter()
@@ -30,8 +37,8 @@ class MethodWrapper:
             finally:
                 leave()
 
-        wrapper.__wrapped__ = inner  # type: ignore[attr-defined]
-        wrapper.__doc__ = getattr(inner, "__doc__", None)
+        disabled = torch.compiler.disable(wrapper, recursive=False, reason="layerstream enters and leaves its streamer outside any graph")
+        wrapper = _Unbindable(disabled, inner)
         self.wrapper = wrapper
         module.__dict__[name] = wrapper
 
@@ -45,3 +52,20 @@ class MethodWrapper:
 
     def __repr__(self) -> str:
         return f"MethodWrapper({type(self.module).__name__}.{self.name})"
+
+
+class _Unbindable:
+    """The wrapper as installed: a callable whose `__get__` returns itself. Code that saves `module.forward` and
+    later restores it as `saved.__get__(module)` (cache-dit does) gets this wrapper back, not one bound twice."""
+
+    def __init__(self, fn: Callable, inner: Callable):
+        self._fn = fn
+        self.__wrapped__ = inner
+        self.__doc__ = getattr(inner, "__doc__", None)
+        self.__name__ = getattr(inner, "__name__", "wrapper")
+
+    def __call__(self, *args, **kwargs):
+        return self._fn(*args, **kwargs)
+
+    def __get__(self, obj, objtype=None):
+        return self
