@@ -7,7 +7,7 @@ files to weights ready in host (or device) memory while a thread samples anonymo
 prints one JSON line. Imports are not timed: they are the same for every loader.
 
 Rows:
-- `raw-readinto`: one thread, `readinto` of every file into one preallocated buffer (the ceiling), then the
+- `raw-readinto`: one thread, one `readinto` per file into one preallocated buffer (the plain read), then the
   same read again with the files cached (to show the drop worked);
 - `raw-preadv-N`: layerstream's `FileReader` (large `preadv` calls on N threads) into the same buffer;
 - `mmap-copy`: the files mapped by safetensors (`load_file`, lazy views, as diffusers holds them) copied tensor
@@ -275,7 +275,8 @@ def _diffusers(saved_dtype: bool, group_offload: bool) -> Callable[[Path, torch.
         load_seconds = time.perf_counter() - start
         if device.type == "cpu":
             host_bytes = _fault_in_host_tensors_(_modules(pipe))
-            note = "; ".join(filter(None, [note, f"from_pretrained alone {load_seconds:.2f} s (weights lazy)"]))
+            how = "weights lazy" if saved_dtype else "upcast in memory"
+            note = "; ".join(filter(None, [note, f"from_pretrained alone {load_seconds:.2f} s ({how})"]))
         else:  # what stays on the host (group offload: the weights' own storages, plus their pinned copies)
             host_bytes = _host_storage_bytes(_modules(pipe)) + _pinned_host_bytes(device)
         return Outcome(host_bytes=host_bytes, load_seconds=load_seconds, note=note, keep=pipe)
