@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU comparison of offload strategies, in one script: synthetic Wan-14B- and Flux-shaped block stacks,
-# bf16, every strategy timed round robin in one process per model. About 3-4 minutes on one H200.
+# bf16, every strategy timed round robin in one process per model, then the cold start. About 6-8 minutes on one H200.
 #
 #   benchmarks/gpu.sh OUT_DIR
 #
@@ -9,7 +9,10 @@
 # $LAYERSTREAM_WHEELS (default benchmarks/wheels) are pip-installed offline first, e.g. a diffusers wheel and its
 # missing dependencies. Writes OUT_DIR/table.md, OUT_DIR/results.json, OUT_DIR/<model>/results.{md,json}, the
 # trace of one Flux-shaped layerwise forward (OUT_DIR/flux12b/trace.json, timeline.png) and OUT_DIR/gpu.log.
-# Timeouts: BENCH_TIMEOUT_S per model (default 150 s for Wan, 120 s for Flux).
+# Then the cold start (OUT_DIR/cold-start/results.{md,json}): real-width Wan and Flux checkpoint folders (about
+# 1.2 and 1.3 GB, written once under COLD_START_DIR, default ${TMPDIR:-/tmp}/layerstream-cold-start, not in OUT_DIR)
+# loaded from cold files: raw read, from_pretrained(...).to("cuda"), group offload with streams, layerstream.
+# Timeouts: BENCH_TIMEOUT_S per model (default 150 s for Wan, 120 s for Flux, 420 s for the cold start).
 set -uo pipefail
 
 OUT=${1:?usage: benchmarks/gpu.sh OUT_DIR}
@@ -72,12 +75,28 @@ bench flux12b 120 --model flux12b --blocks 8 --tokens 4096 --context-tokens 512 
     --strategies resident,layerwise,layerwise-resident-2,layerwise-auto,module,diffusers-group,naive \
     --repeats 5 --warmup 1 --trace "$OUT/flux12b"
 
+# Cold start, from the same files for every row, each row a fresh process with the files dropped from the page
+# cache: the raw read (ceiling), DiffusionPipeline.from_pretrained(...).to("cuda") in the saved dtype (bf16) and
+# in float32, diffusers' group offload with streams (pinned copies), and layerstream's load + enable (pinned).
+echo
+echo "== cold-start: layerstream bench --cold-start --device cuda"
+COLD_START_DIR=${COLD_START_DIR:-${TMPDIR:-/tmp}/layerstream-cold-start}
+start=$SECONDS
+if ! "$PY" -c "import diffusers" 2>/dev/null; then
+    echo "diffusers is not installed: the cold start (which loads diffusers pipelines) is skipped"
+elif ! timeout --kill-after=10 "${BENCH_TIMEOUT_S:-420}" "$PY" -m layerstream bench --cold-start --device cuda \
+    --cold-start-dir "$COLD_START_DIR" --out "$OUT/cold-start"; then
+    echo "error: the cold-start benchmark failed or timed out" >&2
+    failed+=("cold-start")
+fi
+echo "(cold-start took $((SECONDS - start)) s)"
+
 echo
 echo "== combined table: $OUT/table.md"
 {
     echo "# layerstream GPU benchmark"
     echo
-    for name in wan14b flux12b; do
+    for name in wan14b flux12b cold-start; do
         echo "## $name"
         echo
         if [ -f "$OUT/$name/results.md" ]; then cat "$OUT/$name/results.md"; else echo "(no results: see gpu.log)"; fi

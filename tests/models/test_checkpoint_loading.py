@@ -8,6 +8,7 @@ and VAE are the tiny ones. Generations are one frame at 32x32 so that the forwar
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -29,32 +30,13 @@ DIT = {"mode": "layer", "components": ["dit"]}
 REQUEST = dict(prompt="a fox", height=32, width=32, num_frames=1, num_inference_steps=2, seed=0)
 
 
-def _real_width_wan_transformer(seed: int):
-    from diffusers import WanTransformer3DModel
-
-    from layerstream.models.tiny_components import LATENT_CHANNELS, TEXT_HIDDEN_SIZE
-
-    torch.manual_seed(seed)
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=LATENT_CHANNELS,
-        out_channels=LATENT_CHANNELS, text_dim=TEXT_HIDDEN_SIZE, freq_dim=256, ffn_dim=8960, num_layers=2,
-        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=64,
-    ).to(torch.bfloat16)  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def wan_folder(tmp_path_factory) -> Path:
-    from diffusers import WanPipeline
+    from layerstream.bench.checkpoint_folders import WAN_1_3B_WIDTH, write_checkpoint_folder
 
-    from layerstream.models.tiny_components import build_wan_components
-
-    components = build_wan_components()
-    components["transformer"] = _real_width_wan_transformer(2)
-    components["transformer_2"] = _real_width_wan_transformer(3)
-    folder = tmp_path_factory.mktemp("wan-real-width")
     # 60 MB shards: a block of ~92 MB spans two or three files
-    WanPipeline(**components).save_pretrained(folder, max_shard_size="60MB", safe_serialization=True)
-    return folder
+    spec = dataclasses.replace(WAN_1_3B_WIDTH, num_blocks=2, max_shard_size="60MB")
+    return write_checkpoint_folder(spec, tmp_path_factory.mktemp("wan-real-width"))
 
 
 def _block_checkpoint_bytes(folder: Path, component: str) -> tuple[int, int]:
