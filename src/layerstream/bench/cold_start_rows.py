@@ -40,6 +40,7 @@ import torch
 
 from layerstream.bench.checkpoint_folders import checkpoint_files
 from layerstream.bench.page_cache import cached_fraction, drop_page_cache
+from layerstream.errors import LayerstreamError
 
 DIFFUSERS_ROWS = ("diffusers", "diffusers-float32", "diffusers-group", "layerstream")
 """Rows that import diffusers (a few seconds, untimed)."""
@@ -323,7 +324,7 @@ def _layerstream(folder: Path, files: list[Path], device: torch.device) -> Outco
     return Outcome(host_bytes=stats.host_bytes, extra=extra, note=note, keep=omni)
 
 
-class _RowSkipped(Exception):
+class _RowSkipped(LayerstreamError):
     """The row cannot run here (a library is missing); reported as a note, not as a failure."""
 
 
