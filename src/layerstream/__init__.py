@@ -36,6 +36,7 @@ _LAZY = {
     "SafetensorsHeaderError": ("layerstream.models.saved_dtypes", "SafetensorsHeaderError"),
     "BenchConfigError": ("layerstream.bench.config", "BenchConfigError"),
     "StrategyError": ("layerstream.bench.strategies", "StrategyError"),
+    "ColdStartConfigError": ("layerstream.bench.cold_start", "ColdStartConfigError"),
     "ServeSettingsError": ("layerstream.server.settings", "ServeSettingsError"),
 }
 
