@@ -287,36 +287,12 @@ class GenerationService:
         """
         started = time.perf_counter()
         bytes_before = self._bytes_streamed()
-        outcomes: list[BatchOutcome] = [None] * len(jobs)
         # a request asked to stop before the call starts is left out of it: less work for the others
-        running = [i for i, job in enumerate(jobs) if job.stop_signal.reason is None]
-        for i in set(range(len(jobs))) - set(running):
-            outcomes[i] = _stopped_in_batch(jobs[i], len(jobs), "before its batch started")
-        params = [jobs[i].request for i in running]
-        owners = [i for i, p in zip(running, params) for _ in p.seeds]  # the job each output belongs to
-        num_outputs = len(owners)
-        results: list[Any] = []
+        running = [job for job in jobs if job.stop_signal.reason is None]
         outcome = JobOutcome.ERROR
+        results: list[Any] = []
         try:
-            if params:
-                first = params[0]
-                description = f"a batch of {len(params)} request(s), {num_outputs} output(s)"
-
-                def stop_if_all_asked(step: int, total: int, seconds: float) -> None:
-                    if all(jobs[i].stop_signal.reason is not None for i in running):
-                        jobs[running[0]].stop_signal.raise_if_requested(f"after step {step} of {total} ({description})")
-
-                results = self.omni.generate_batch(
-                    [p.prompt for p in params for _ in p.seeds],
-                    first.negative_prompt,
-                    seeds=[seed for p in params for seed in p.seeds],
-                    height=first.height,
-                    width=first.width,
-                    num_frames=first.num_frames,
-                    num_inference_steps=first.num_inference_steps,
-                    guidance_scale=first.guidance_scale,
-                    on_step=stop_if_all_asked,
-                )
+            results = self._call_batch(running) if running else []
             outcome = JobOutcome.OK
         except GenerationStopped as e:  # every request asked to stop: one line, no traceback
             outcome = JobOutcome.STOPPED
@@ -326,39 +302,82 @@ class GenerationService:
             logger.info("generation refused: %s", e)
             raise
         except Exception:
-            logger.exception("generation of a batch of %d request(s) failed (prompts %r)",
-                             len(params), [p.prompt[:40] for p in params])  # fmt: skip
+            prompts = [job.request.prompt[:40] for job in running]
+            logger.exception("generation of a batch of %d request(s) failed (prompts %r)", len(running), prompts)
             raise
         finally:
             self._offload_stats = self.omni.stats()
-            seconds = time.perf_counter() - started
-            bytes_streamed = self._bytes_streamed() - bytes_before if bytes_before is not None else None
-            self.metrics.observe_batch(len(jobs))
-            for i, job in enumerate(jobs):
-                # a request that ran is stopped if it asked to be; one left out of the call is already settled
-                job_outcome = JobOutcome.STOPPED if i not in running or job.stop_signal.reason else outcome
-                job_outputs = len(job.request.seeds)
-                self.metrics.observe_job(
-                    queue_seconds=job.queue_seconds, seconds=seconds, num_outputs=job_outputs, outcome=job_outcome
-                )
-                if bytes_streamed is not None and i in running:
-                    self.metrics.observe_request_bytes(bytes_streamed * owners.count(i) // num_outputs)
-        for i, p in zip(running, params):
-            job = jobs[i]
-            if job.stop_signal.reason is not None:
-                outcomes[i] = _stopped_in_batch(job, len(jobs), "during its batch, whose other requests ran on")
+            bytes_after = self._bytes_streamed()
+            bytes_streamed = bytes_after - bytes_before if bytes_after is not None and bytes_before is not None else None
+            self._observe_batch(jobs, running, outcome, time.perf_counter() - started, bytes_streamed)
+        return self._batch_answers(jobs, running, results)
+
+    def _call_batch(self, running: list[Job]) -> list[Any]:
+        """One `Omni.generate_batch` for the outputs of `running`, in order; stops between steps once every
+        one of them has been asked to."""
+        params: list[GenerationParams] = [job.request for job in running]
+        first = params[0]  # every request of a batch shares its `BatchKey`
+        where = f"a batch of {len(params)} request(s), {sum(len(p.seeds) for p in params)} output(s)"
+
+        def stop_if_all_asked(step: int, total: int, seconds: float) -> None:
+            if all(job.stop_signal.reason is not None for job in running):
+                running[0].stop_signal.raise_if_requested(f"after step {step} of {total} ({where})")
+
+        return self.omni.generate_batch(
+            [p.prompt for p in params for _ in p.seeds],
+            first.negative_prompt,
+            seeds=[seed for p in params for seed in p.seeds],
+            height=first.height,
+            width=first.width,
+            num_frames=first.num_frames,
+            num_inference_steps=first.num_inference_steps,
+            guidance_scale=first.guidance_scale,
+            on_step=stop_if_all_asked,
+        )
+
+    def _observe_batch(
+        self, jobs: Sequence[Job], running: list[Job], outcome: JobOutcome, seconds: float, bytes_streamed: int | None
+    ) -> None:
+        self.metrics.observe_batch(len(jobs))
+        num_outputs = sum(len(job.request.seeds) for job in running)
+        for job in jobs:
+            num_job_outputs = len(job.request.seeds)
+            # a request left out of the call, or asked to stop during it, is stopped whatever the call did
+            stopped = job not in running or job.stop_signal.reason is not None
+            self.metrics.observe_job(
+                queue_seconds=job.queue_seconds,
+                seconds=seconds,
+                num_outputs=num_job_outputs,
+                outcome=JobOutcome.STOPPED if stopped else outcome,
+            )
+            if bytes_streamed is not None and job in running:
+                self.metrics.observe_request_bytes(bytes_streamed * num_job_outputs // num_outputs)
+
+    def _batch_answers(self, jobs: Sequence[Job], running: list[Job], results: list[Any]) -> list[BatchOutcome]:
+        """Each request's answer: its outputs encoded (each released once encoded), or `GenerationStopped`."""
+        answers: list[BatchOutcome] = []
+        num_outputs = len(results)
+        offset = 0  # where the running job's outputs start in `results`
+        for job in jobs:
+            params: GenerationParams = job.request
+            if job not in running:
+                answers.append(_stopped_in_batch(job, len(jobs), "before its batch started"))
                 continue
-            mine = [k for k, owner in enumerate(owners) if owner == i]
+            mine = range(offset, offset + len(params.seeds))
+            offset += len(params.seeds)
+            if job.stop_signal.reason is not None:
+                answers.append(_stopped_in_batch(job, len(jobs), "during its batch, whose other requests ran on"))
+                continue
+            call, frames_shape = results[mine[0]].stats, results[mine[0]].frames.shape
             files = []
             for k in mine:
                 files.append(encode_result_b64(results[k]))
-                frames_shape = results[k].frames.shape
-            call = results[mine[0]].stats
-            usage = _usage(self.limits, p, [call], frames_shape, job.queue_seconds, batch_size=len(jobs))
-            # its share by outputs: the bytes a request costs, which batching divides
-            usage = usage.model_copy(update={"bytes_streamed": call.bytes_transferred * len(mine) // num_outputs})
-            outcomes[i] = GenerationOutput(files, usage)
-        return outcomes
+                results[k] = None  # its float and uint8 frames are not needed once encoded
+            usage = _usage(self.limits, params, [call], frames_shape, job.queue_seconds, batch_size=len(jobs))
+            # its share, by outputs, of the call's bytes: what a request costs, which batching divides
+            share = call.bytes_transferred * len(mine) // num_outputs
+            answers.append(GenerationOutput(files, usage.model_copy(update={"bytes_streamed": share})))
+        return answers
 
     def _bytes_streamed(self) -> int | None:
         stats = self.omni.stats()
