@@ -82,17 +82,19 @@ def test_four_compatible_requests_run_as_one_batch_each_with_its_own_outputs_and
         assert health["max_batch_size"] == 4 and health["batch_wait_ms"] == 2000
         batches, requests = metric(client, "layerstream_batch_size_count"), metric(client, "layerstream_batch_size_sum")
         streamed = metric(client, "layerstream_bytes_streamed_total")
+        per_request = metric(client, "layerstream_request_bytes_streamed_sum")
         first = _send_four(batching_server, client)
         assert metric(client, "layerstream_batch_size_count") == batches + 1  # one pipeline call ...
         assert metric(client, "layerstream_batch_size_sum") == requests + 4  # ... for the four requests
-        call_bytes = metric(client, "layerstream_bytes_streamed_total") - streamed
+        call_bytes = int(metric(client, "layerstream_bytes_streamed_total") - streamed)
+        shares = [call_bytes * k // 5 for k in (1, 2, 1, 1)]  # by outputs: 1 + 2 + 1 + 1
+        assert metric(client, "layerstream_request_bytes_streamed_sum") - per_request == sum(shares)
         second = _send_four(batching_server, client)
     outputs = {key: _pngs(first[key]) for key in sorted(first)}
     usages = [first[key].json()["layerstream"] for key in sorted(first)]
     assert [u["batch_size"] for u in usages] == [4, 4, 4, 4]
     assert [u["seeds"] for u in usages] == [[1], [2, 3], [3], [4]]
-    # each request pays its share, by outputs, of the one call's bytes: 1 + 2 + 1 + 1 outputs
-    assert [u["bytes_streamed"] for u in usages] == [int(call_bytes) * k // 5 for k in (1, 2, 1, 1)]
+    assert [u["bytes_streamed"] for u in usages] == shares  # each request pays its share of the one call
     images = [image for key in sorted(outputs) for image in outputs[key]]
     assert len(images) == 5 and all((a != b).any() for i, a in enumerate(images) for b in images[i + 1 :])
     for key in sorted(first):  # the same batch, the same seeds: the same outputs, bit for bit
@@ -118,9 +120,10 @@ def test_a_request_of_a_batch_that_times_out_or_leaves_does_not_fail_the_others(
         stopped = metric(client, "layerstream_generations_total", STOPPED)
         sender = Sender(batching_server, client)
         sender.send("ok1", _request("a red fox", 20, steps=3), queued=1)
-        sender.send("late", _request("a grey cat", 21, steps=3, timeout=1.5), queued=2)
+        sender.send("ok2", _request("a red fox", 21, steps=3), queued=2)
+        # the last two start counting just before the batch starts (the fourth fills it): about 2 s of steps
         sender.send("gone", _request("an owl", 22, steps=3), client_timeout=1.5, queued=3)
-        sender.send("ok2", _request("a red fox", 23, steps=3))  # fills the batch: about 2 s of steps
+        sender.send("late", _request("a grey cat", 23, steps=3, timeout=1.5))
         sender.join()
         assert "gone" not in sender.answers  # its client gave up
         late = sender.answers["late"]

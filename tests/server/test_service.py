@@ -54,7 +54,7 @@ class StandInOmni:
                          num_sync_loads=0, stall_seconds=0.0, device_bytes=0, host_bytes=0)  # fmt: skip
         return GenerationResult(kind="image", frames=frames, stats=stats, raw=raw)
 
-    def generate_batch(self, prompts, negative_prompt=None, *, seeds, height, width, num_inference_steps, on_step, **kwargs):
+    def generate_batch(self, prompts, negative_prompt=None, *, seeds, height, width, num_inference_steps, on_step, **_):
         self.batches.append(list(zip(prompts, seeds)))
         if self.on_call is not None:
             self.on_call(len(self.batches) - 1)
@@ -65,7 +65,8 @@ class StandInOmni:
         results = []
         for seed in seeds:  # each output's pixels carry its seed, to tell whose output went where
             raw = np.full((1, height, width, 3), seed / 255, dtype=np.float32)
-            results.append(GenerationResult(kind="image", frames=(raw * 255).round().astype(np.uint8), stats=stats, raw=raw))
+            frames = (raw * 255).round().astype(np.uint8)
+            results.append(GenerationResult(kind="image", frames=frames, stats=stats, raw=raw))
         return results
 
 
@@ -121,7 +122,7 @@ def _submit(service: GenerationService, prompt: str, seed: int, **fields):
 
 
 def test_a_batch_answers_each_request_with_its_own_outputs(batching_service):
-    jobs = [_submit(batching_service, "fox", 10, n=2), _submit(batching_service, "cat", 20), _submit(batching_service, "owl", 30)]
+    jobs = [_submit(batching_service, prompt, seed, n=n) for prompt, seed, n in [("fox", 10, 2), ("cat", 20, 1), ("owl", 30, 1)]]
     outputs = [job.future.result(10) for job in jobs]
     assert batching_service.omni.batches == [[("fox", 10), ("fox", 11), ("cat", 20), ("owl", 30)]]
     assert [o.usage.seeds for o in outputs] == [[10, 11], [20], [30]]

@@ -308,7 +308,7 @@ class GenerationService:
         finally:
             self._offload_stats = self.omni.stats()
             bytes_after = self._bytes_streamed()
-            bytes_streamed = bytes_after - bytes_before if bytes_after is not None and bytes_before is not None else None
+            bytes_streamed = None if bytes_after is None or bytes_before is None else bytes_after - bytes_before
             self._observe_batch(jobs, running, outcome, time.perf_counter() - started, bytes_streamed)
         return self._batch_answers(jobs, running, results)
 
