@@ -10,8 +10,16 @@ number of failed requests. Exits 1 if any request failed or the whole burst ran 
 With ``--spawn MODEL`` it starts ``layerstream serve MODEL --port 0`` itself (extra server flags go after
 ``--server-args``), waits for its ready line, and stops it with SIGTERM when done.
 
-The server runs one generation at a time, so throughput is bounded by generation time; concurrency beyond
-``--max-queue + 1`` only produces 429 answers, which count as failures here.
+With ``--batch-sizes 1,2,4`` (and ``--spawn``) it runs the same burst once per ``--max-batch-size``, each on a
+fresh server, and reports throughput, latency and bytes streamed per request for each, with the ratios to
+the first. Against a transfer-bound server (``--server-args "--link-gbps 0.01"`` on tiny-flux), batching
+divides the bytes each request costs:
+
+    python benchmarks/serve_load.py --spawn tiny-flux --batch-sizes 1,2,4 --requests 8 --concurrency 8 \
+        --size 64x64 --steps 2 --server-args "--link-gbps 0.01"
+
+The server runs one generation (or batch) at a time, so throughput is bounded by generation time;
+concurrency beyond ``--max-queue + 1`` only produces 429 answers, which count as failures here.
 """
 
 from __future__ import annotations
@@ -54,10 +62,16 @@ class LoadReport:
     p99_seconds: float | None
     max_seconds: float | None
     timed_out: bool
+    bytes_per_request: float | None = None
+    """Mean bytes streamed per answered request (the server's ``layerstream.bytes_streamed``)."""
+    max_batch_size: int | None = None
+    """The server's --max-batch-size (from /health)."""
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.batch_sizes:
+        return _compare_batch_sizes(args)
     with _server(args) as url:
         report = asyncio.run(run_load(url, args))
     if args.json:
@@ -67,14 +81,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if report.num_failed == 0 and not report.timed_out else 1
 
 
-async def run_load(url: str, args: argparse.Namespace) -> LoadReport:
-    """Send the burst and measure it. Never raises for a failed request: it is counted instead."""
+def _compare_batch_sizes(args: argparse.Namespace) -> int:
+    """The same burst against a fresh server per --max-batch-size; the table (or JSON) of the reports."""
+    reports = []
+    server_args = args.server_args
+    for size in args.batch_sizes:
+        args.server_args = f"{server_args} --max-batch-size {size}"
+        with _server(args) as url:
+            asyncio.run(run_load(url, args, num_requests=min(args.requests, args.concurrency)))  # warm-up burst
+            reports.append(asyncio.run(run_load(url, args)))
+    args.server_args = server_args
+    if args.json:
+        print(json.dumps([asdict(r) for r in reports], indent=2))
+    else:
+        _print_batch_table(reports)
+    return 0 if all(r.num_failed == 0 and not r.timed_out for r in reports) else 1
+
+
+async def run_load(url: str, args: argparse.Namespace, *, num_requests: int | None = None) -> LoadReport:
+    """Send the burst (`num_requests`, default --requests) and measure it. Never raises for a failed request:
+    it is counted instead."""
+    num_requests = num_requests or args.requests
     async with httpx.AsyncClient(base_url=url, timeout=args.timeout) as client:
         health = (await client.get("/health")).json()
         endpoint = "/v1/videos/generations" if health["kind"] == "video" else "/v1/images/generations"
         body = _request_body(args, video=health["kind"] == "video")
         semaphore = asyncio.Semaphore(args.concurrency)
         latencies: list[float] = []
+        bytes_streamed: list[int] = []
         failures: dict[str, int] = {}
 
         async def one(index: int) -> None:
@@ -87,24 +121,25 @@ async def run_load(url: str, args: argparse.Namespace) -> LoadReport:
                     outcome = type(e).__name__
                 if outcome == "200":
                     latencies.append(time.perf_counter() - started)
+                    bytes_streamed.append(response.json()["layerstream"]["bytes_streamed"])
                 else:
                     failures[outcome] = failures.get(outcome, 0) + 1
 
         started = time.perf_counter()
-        tasks = [asyncio.create_task(one(i)) for i in range(args.requests)]
+        tasks = [asyncio.create_task(one(i)) for i in range(num_requests)]
         _, pending = await asyncio.wait(tasks, timeout=args.timeout)  # the hard bound on the whole burst
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)  # let cancelled requests close their connections
         wall = time.perf_counter() - started
-    num_failed = args.requests - len(latencies)
+    num_failed = num_requests - len(latencies)
     if pending:
         failures["not finished"] = failures.get("not finished", 0) + len(pending)
     return LoadReport(
         url=url,
         model=health["model"],
         endpoint=endpoint,
-        num_requests=args.requests,
+        num_requests=num_requests,
         concurrency=args.concurrency,
         num_failed=num_failed,
         failures=failures,
@@ -114,6 +149,8 @@ async def run_load(url: str, args: argparse.Namespace) -> LoadReport:
         p99_seconds=percentile(latencies, 99),
         max_seconds=max(latencies) if latencies else None,
         timed_out=bool(pending),
+        bytes_per_request=sum(bytes_streamed) / len(bytes_streamed) if bytes_streamed else None,
+        max_batch_size=health.get("max_batch_size"),
     )
 
 
@@ -188,8 +225,25 @@ def _print_report(r: LoadReport) -> None:
     print(f"  requests     {r.num_requests} ({r.concurrency} at a time) in {r.wall_seconds:.2f} s")
     print(f"  throughput   {r.requests_per_second:.3f} requests/s")
     print(f"  latency      p50 {ms(r.p50_seconds)}, p99 {ms(r.p99_seconds)}, max {ms(r.max_seconds)}")
+    if r.bytes_per_request is not None:
+        print(f"  streamed     {r.bytes_per_request / 1e6:,.3f} MB per request")
     failed = ", ".join(f"{k}: {v}" for k, v in sorted(r.failures.items())) or "none"
     print(f"  failed       {r.num_failed} ({failed}){' - TIMED OUT' if r.timed_out else ''}")
+
+
+def _print_batch_table(reports: list[LoadReport]) -> None:
+    base = reports[0]
+    first = f"{base.model} at {base.url.rsplit(':', 1)[0]}, {base.num_requests} requests, {base.concurrency} at a time"
+    print(f"serve_load: {first}")
+    print(f"  {'batch':>5} {'req/s':>8} {'x':>6} {'p50 ms':>9} {'p99 ms':>9} {'MB/request':>11} {'x':>6} failed")
+    for r in reports:
+        speedup = r.requests_per_second / base.requests_per_second if base.requests_per_second else float("nan")
+        mb = (r.bytes_per_request or 0) / 1e6
+        byte_ratio = (r.bytes_per_request or 0) / base.bytes_per_request if base.bytes_per_request else float("nan")
+        p50 = (r.p50_seconds or 0) * 1e3
+        p99 = (r.p99_seconds or 0) * 1e3
+        print(f"  {r.max_batch_size!s:>5} {r.requests_per_second:8.3f} {speedup:6.2f} {p50:9.1f} {p99:9.1f} "
+              f"{mb:11.3f} {byte_ratio:6.2f} {r.num_failed}")  # fmt: skip
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -207,13 +261,29 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-frames", type=int, default=None, help="video models: frames per video")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first request; request i uses seed + i")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--batch-sizes", type=_batch_sizes, default=None, metavar="1,2,4",
+        help="with --spawn: run the burst once per --max-batch-size (a fresh server each) and compare them",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.batch_sizes and not args.spawn:
+        parser.error("--batch-sizes starts a server per batch size: it needs --spawn MODEL")
     for name in ("requests", "concurrency"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
     if not args.timeout > 0:
         parser.error("--timeout must be > 0")
     return args
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every batch size must be at least 1")
+    return sizes
 
 
 if __name__ == "__main__":

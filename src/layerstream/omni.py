@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,6 +141,81 @@ class Omni:
                 # condition on the image at the output size, as image-to-video pipelines do themselves: an
                 # editing pipeline would otherwise encode a large input at its full size
                 picture = picture.resize((width, height), _lanczos())
+        kwargs, num_inference_steps = self._pipeline_kwargs(
+            prompt,
+            negative_prompt,
+            picture=picture,
+            height=height,
+            width=width,
+            num_frames=num_frames,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+        )
+        generator_device = "cpu"
+        kwargs["generator"] = torch.Generator(generator_device).manual_seed(seed)
+        output, stats = self._run_pipeline(kwargs, num_inference_steps, on_step)
+        raw = _output_array(output, self.kind)
+        note = conditioned.note if conditioned is not None else None
+        return GenerationResult(kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=fps, raw=raw, size_note=note)
+
+    def generate_batch(
+        self,
+        prompts: Sequence[str],
+        negative_prompt: str | None = None,
+        *,
+        seeds: Sequence[int],
+        height: int | None = None,
+        width: int | None = None,
+        num_frames: int | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        fps: int = 16,
+        on_step: Callable[[int, int, float], None] | None = None,
+    ) -> list[GenerationResult]:
+        """Run the pipeline once for several outputs: output ``i`` from ``prompts[i]`` and its own generator
+        seeded with ``seeds[i]``; all share the size, frames, steps, guidance and negative prompt.
+
+        Every streamed block is copied to the device once per step for the whole batch instead of once per
+        output, which is where a transfer-bound model gains throughput. The initial noise of each output is
+        the same as `generate` with its seed (diffusers draws one latent per generator), but the pipeline's
+        matrices have a batch dimension, so an output may differ from `generate`'s in the last bits; the same
+        prompts and seeds, in the same order, give the same outputs. Each result's `stats` is the whole call's
+        (the same object for all). Image-conditioned generation takes one image per call: use `generate`.
+        """
+        prompts, seeds = list(prompts), list(seeds)
+        if not prompts or len(prompts) != len(seeds):
+            raise GenerationError(
+                f"prompts and seeds must be non-empty and of one length (one seed per output); got {len(prompts)} "
+                f"prompt(s) and {len(seeds)} seed(s)"
+            )
+        for index, seed in enumerate(seeds):
+            if isinstance(seed, bool) or not isinstance(seed, int):
+                raise GenerationError(f"seeds[{index}] = {seed!r} is not valid; expected an integer")
+        if self.image_input == "required":
+            raise GenerationError(f"{self.model} generates from an input image, one per call: use generate(image=...)")
+        kwargs, num_inference_steps = self._pipeline_kwargs(
+            prompts,
+            negative_prompt,
+            picture=None,
+            height=height,
+            width=width,
+            num_frames=num_frames,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+        )
+        if "negative_prompt" in kwargs:  # one per prompt: pipelines differ in how they broadcast a single one
+            kwargs["negative_prompt"] = [kwargs["negative_prompt"]] * len(prompts)
+        # one generator per output, as diffusers takes them: output i's noise is drawn from generator i alone
+        kwargs["generator"] = [torch.Generator("cpu").manual_seed(seed) for seed in seeds]
+        output, stats = self._run_pipeline(kwargs, num_inference_steps, on_step)
+        raws = _output_arrays(output, self.kind, len(prompts))
+        return [GenerationResult(kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=fps, raw=raw) for raw in raws]
+
+    def _pipeline_kwargs(
+        self, prompt, negative_prompt, *, picture, height, width, num_frames, num_inference_steps, guidance_scale
+    ) -> tuple[dict[str, Any], int]:
+        """(the pipeline's keyword arguments, the step count): the model's defaults filled in and every value
+        checked; everything but the generator and the step callback."""
         defaults = _tiny_defaults(self.model)
         height = height if height is not None else defaults.get("height")
         width = width if width is not None else defaults.get("width")
@@ -181,9 +256,13 @@ class Omni:
                 kwargs["true_cfg_scale"] = guidance_scale
             elif "guidance_scale" in call:
                 kwargs["guidance_scale"] = guidance_scale
-        generator_device = "cpu"
-        kwargs["generator"] = torch.Generator(generator_device).manual_seed(seed)
+        return kwargs, num_inference_steps
 
+    def _run_pipeline(
+        self, kwargs: dict[str, Any], num_inference_steps: int, on_step: Callable[[int, int, float], None] | None
+    ) -> tuple[Any, RunStats]:
+        """Call the pipeline with `kwargs`, timing each step and calling `on_step` after it; (its output, the cost)."""
+        call = inspect.signature(self.pipeline.__call__).parameters
         step_times: list[float] = []
         last = [time.perf_counter()]
 
@@ -206,10 +285,7 @@ class Omni:
             output = self.pipeline(**kwargs)
         seconds = time.perf_counter() - start
         after = self.handle.stats() if self.handle is not None else None
-        raw = _output_array(output, self.kind)
-        stats = _run_stats(seconds, step_times, before, after, self.device)
-        note = conditioned.note if conditioned is not None else None
-        return GenerationResult(kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=fps, raw=raw, size_note=note)
+        return output, _run_stats(seconds, step_times, before, after, self.device)
 
     def _input_image(self, image, *, height, width, max_side_pixels):
         """(the RGB image, the size it leads to), or (None, None) without one; refuses an image the pipeline
@@ -330,16 +406,31 @@ def _quiet_progress(pipeline) -> None:
         pipeline.set_progress_bar_config(disable=True)  # layerstream reports progress itself, per step
 
 
-def _output_array(output, kind: str) -> np.ndarray:
+def _output_frames(output) -> np.ndarray:
+    """The pipeline's frames (video pipelines) or images, as one array with the batch first."""
     frames = getattr(output, "frames", None)
     if frames is None:
         frames = getattr(output, "images", None)
     if frames is None and isinstance(output, (tuple, list)):
         frames = output[0]
-    array = np.asarray(frames)
+    return np.asarray(frames)
+
+
+def _output_array(output, kind: str) -> np.ndarray:
+    array = _output_frames(output)
     if kind == "video" and array.ndim == 5:
         array = array[0]  # [batch, frames, H, W, C] -> one video
     return array
+
+
+def _output_arrays(output, kind: str, num_outputs: int) -> list[np.ndarray]:
+    """A batched output split into one array per output: [1, H, W, C] images, [F, H, W, C] videos."""
+    array = _output_frames(output)
+    if len(array) != num_outputs:
+        raise GenerationError(f"the pipeline returned {len(array)} outputs for {num_outputs} prompts")
+    if kind == "video":
+        return [array[i] for i in range(num_outputs)]
+    return [array[i : i + 1] for i in range(num_outputs)]
 
 
 def _to_uint8(array: np.ndarray) -> np.ndarray:

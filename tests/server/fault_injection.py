@@ -54,7 +54,8 @@ class FaultInjector:
 
 
 class FaultInjectingOmni:
-    """An `Omni` whose `generate` raises `InjectedFault` inside its first streamed block for one prompt."""
+    """An `Omni` whose `generate` (and `generate_batch`, for a batch holding it) raises `InjectedFault` inside
+    its first streamed block for one prompt."""
 
     def __init__(self, omni: Any, prompt: str):
         self.fault_prompt = prompt
@@ -70,6 +71,13 @@ class FaultInjectingOmni:
             return self._omni.generate(prompt, *args, **kwargs)
         with self._injector.armed():
             return self._omni.generate(prompt, *args, **kwargs)
+
+    def generate_batch(self, prompts: Any, *args: Any, **kwargs: Any) -> Any:
+        """A batch raises if any of its prompts is the fault prompt, as a real fault fails the whole call."""
+        if self.fault_prompt not in prompts:
+            return self._omni.generate_batch(prompts, *args, **kwargs)
+        with self._injector.armed():
+            return self._omni.generate_batch(prompts, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # everything else is the wrapped Omni's
         return getattr(self._omni, name)

@@ -41,11 +41,11 @@ VIDEO_DATA_KEYS = ["b64_json", "mime_type"]
 USAGE_KEYS = [
     "model", "seeds", "width", "height", "num_frames", "num_inference_steps", "queue_seconds", "seconds",
     "seconds_per_step", "bytes_streamed", "num_transfers", "num_sync_loads", "stall_seconds", "device_bytes",
-    "host_bytes", "peak_device_bytes", "size_note",
+    "host_bytes", "peak_device_bytes", "size_note", "batch_size",
 ]  # fmt: skip
 HEALTH_KEYS = [
     "status", "model", "kind", "device", "dtype", "component_dtypes", "offload_config", "queue_depth", "max_queue",
     "running", "size_multiple", "frame_multiple", "max_frames", "max_side_pixels", "max_work", "image_input",
-    "max_image_bytes", "max_image_pixels",
+    "max_image_bytes", "max_image_pixels", "max_batch_size", "batch_wait_ms",
 ]  # fmt: skip
 ERROR_KEYS = ["message", "type", "param", "code", "details"]

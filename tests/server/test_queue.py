@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from layerstream.server.queue import GenerationQueue, QueueClosedError, QueueFullError, QueueTimeoutError
+from layerstream.server.queue import BatchPolicy, GenerationQueue, QueueClosedError, QueueFullError, QueueTimeoutError
 from layerstream.server.stopping import GenerationStopped, StopReason
 
 
@@ -149,3 +149,105 @@ def test_stop_running_signals_only_the_running_job(queue):
     assert running.stop_signal.reason is StopReason.SHUTDOWN and waiting.stop_signal.reason is None
     release.set()
     assert running.future.result(10) == "blocker" and waiting.future.result(10) == "next"
+
+
+# batching --------------------------------------------------------------------------------------------------------
+
+
+def _batching_queue(max_batch_size: int, wait_seconds: float = 0.0, max_cost: int = 100):
+    """A batching queue whose batch runner records each batch's job names and answers each job its name."""
+    batches: list[list[str]] = []
+
+    def run_batch(jobs):
+        batches.append([job.request for job in jobs])
+        return [job.request for job in jobs]
+
+    policy = BatchPolicy(max_batch_size=max_batch_size, wait_seconds=wait_seconds, max_cost=max_cost)
+    q = GenerationQueue(max_waiting=8, batching=policy, run_batch=run_batch)
+    q.start()
+    return q, batches
+
+
+def _alone(name: str):
+    return lambda job: name
+
+
+def test_compatible_jobs_run_together_and_the_others_keep_their_order():
+    queue, batches = _batching_queue(max_batch_size=3, max_cost=10)
+    block, started, release = _blocker()
+    queue.submit(block)  # no batch key: runs alone, and holds the queue while the others arrive
+    assert started.wait(10)
+    jobs = [
+        queue.submit(_alone(name), request=name, batch_key=key, cost=cost)
+        for name, key, cost in [("a", 32, 1), ("b", 64, 1), ("c", 32, 1), ("d", 64, 1), ("e", 32, 9), ("f", 32, 1)]
+    ]
+    release.set()
+    assert [job.future.result(10) for job in jobs] == ["a", "b", "c", "d", "e", "f"]
+    # e would take a's batch past the cost cap: it waits and heads a later batch; f joins the first one instead
+    assert batches == [["a", "c", "f"], ["b", "d"]]  # e ran alone (its work, not run_batch)
+    queue.close()
+    assert queue.join(10)
+
+
+def test_the_head_waits_for_its_batch_at_most_the_batch_wait():
+    queue, batches = _batching_queue(max_batch_size=2, wait_seconds=0.4)
+    first = queue.submit(_alone("a"), request="a", batch_key=1)
+    time.sleep(0.1)
+    second = queue.submit(_alone("b"), request="b", batch_key=1)
+    assert second.future.result(10) == "b" and first.future.result(10) == "a"
+    assert batches == [["a", "b"]] and first.queue_seconds < 0.35  # started as soon as the batch was full
+    lone = queue.submit(_alone("c"), request="c", batch_key=1)
+    assert lone.future.result(10) == "c" and 0.35 < lone.queue_seconds < 2.0  # waited out the batch wait, alone
+    queue.close()
+    assert queue.join(10)
+
+
+def test_a_job_failed_by_the_batch_runner_does_not_fail_the_others_and_a_raising_batch_fails_all():
+    calls = []
+
+    def run_batch(jobs):
+        calls.append(len(jobs))
+        if len(calls) == 1:
+            return [RuntimeError("only this one"), "ok"]
+        raise RuntimeError("the whole batch")
+
+    queue = GenerationQueue(max_waiting=8, batching=BatchPolicy(max_batch_size=2, wait_seconds=5.0, max_cost=10),
+                            run_batch=run_batch)  # fmt: skip
+    queue.start()
+    try:
+        pairs = []
+        for _ in range(2):
+            pair = [queue.submit(_alone("alone"), request=i, batch_key="k") for i in range(2)]
+            pairs.append(pair)
+            pair[1].future.exception(10)  # the batch of two starts at once: no need to wait out the 5 s
+        with pytest.raises(RuntimeError, match="only this one"):
+            pairs[0][0].future.result(1)
+        assert pairs[0][1].future.result(1) == "ok"
+        for job in pairs[1]:
+            with pytest.raises(RuntimeError, match="the whole batch"):
+                job.future.result(1)
+        assert queue.submit(lambda job: 42).future.result(10) == 42  # the worker lives on
+    finally:
+        queue.close()
+        assert queue.join(10)
+
+
+def test_stop_running_signals_every_job_of_the_running_batch():
+    release = threading.Event()
+    running = threading.Event()
+
+    def run_batch(jobs):
+        running.set()
+        assert release.wait(10)
+        return [job.stop_signal.reason for job in jobs]
+
+    queue = GenerationQueue(max_waiting=8, batching=BatchPolicy(max_batch_size=2, wait_seconds=5.0, max_cost=10),
+                            run_batch=run_batch)  # fmt: skip
+    queue.start()
+    jobs = [queue.submit(_alone("alone"), batch_key="k") for _ in range(2)]
+    assert running.wait(10) and queue.num_running == 2
+    assert queue.stop_running(StopReason.SHUTDOWN)
+    release.set()
+    assert [job.future.result(10) for job in jobs] == [StopReason.SHUTDOWN] * 2
+    queue.close()
+    assert queue.join(10)

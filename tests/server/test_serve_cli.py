@@ -48,7 +48,7 @@ def test_a_busy_port_is_reported_before_loading():
 @pytest.mark.parametrize(
     "flag, value, allowed",
     [("--shutdown-timeout", "-1", "seconds from 0 to 86400"), ("--shutdown-timeout", "nan", "seconds from 0"),
-     ("--max-work", "0", "an integer from 1")],
+     ("--max-work", "0", "an integer from 1"), ("--max-batch-size", "0", "an integer from 1 to 64")],
 )  # fmt: skip
 def test_bad_limits_name_the_flag(flag, value, allowed):
     result = serve("tiny-wan", flag, value)

@@ -14,6 +14,7 @@ from layerstream.server.schemas import ImageGenerationRequest
 from layerstream.server.service import GenerationService
 from layerstream.server.settings import ServeSettings
 from layerstream.server.stopping import GenerationStopped, StopReason
+from serve_harness import decode_png
 
 
 class _Pipeline:
@@ -31,6 +32,7 @@ class StandInOmni:
         self.outputs: list[weakref.ref] = []
         self.alive_at_start: list[int] = []
         self.on_call = None  # called with the call's index, before its steps
+        self.batches: list[list[tuple[str, int]]] = []  # (prompt, seed) of each output of each batch call
 
     def stats(self):
         return None
@@ -51,6 +53,21 @@ class StandInOmni:
         stats = RunStats(seconds=0.0, step_seconds=[0.0] * num_inference_steps, bytes_transferred=0, num_transfers=0,
                          num_sync_loads=0, stall_seconds=0.0, device_bytes=0, host_bytes=0)  # fmt: skip
         return GenerationResult(kind="image", frames=frames, stats=stats, raw=raw)
+
+    def generate_batch(self, prompts, negative_prompt=None, *, seeds, height, width, num_inference_steps, on_step, **_):
+        self.batches.append(list(zip(prompts, seeds)))
+        if self.on_call is not None:
+            self.on_call(len(self.batches) - 1)
+        for step in range(num_inference_steps):
+            on_step(step + 1, num_inference_steps, 0.0)
+        stats = RunStats(seconds=0.0, step_seconds=[0.0] * num_inference_steps, bytes_transferred=len(prompts) * 100,
+                         num_transfers=0, num_sync_loads=0, stall_seconds=0.0, device_bytes=0, host_bytes=0)  # fmt: skip
+        results = []
+        for seed in seeds:  # each output's pixels carry its seed, to tell whose output went where
+            raw = np.full((1, height, width, 3), seed / 255, dtype=np.float32)
+            frames = (raw * 255).round().astype(np.uint8)
+            results.append(GenerationResult(kind="image", frames=frames, stats=stats, raw=raw))
+        return results
 
 
 @pytest.fixture
@@ -88,3 +105,55 @@ def test_a_stop_requested_between_steps_ends_the_job_and_the_next_one_runs(servi
     text = service.render_metrics()
     assert f'layerstream_generations_total{{outcome="{JobOutcome.STOPPED}"}} 3' in text
     assert 'layerstream_generations_total{outcome="ok"} 1' in text
+
+
+@pytest.fixture
+def batching_service():
+    settings = ServeSettings(port=0, shutdown_timeout=0, max_batch_size=3, batch_wait_ms=5000)
+    service = GenerationService(StandInOmni(), settings)
+    service.start()
+    yield service
+    assert service.stop()
+
+
+def _submit(service: GenerationService, prompt: str, seed: int, **fields):
+    request = ImageGenerationRequest(prompt=prompt, size="16x16", num_inference_steps=2, seed=seed, **fields)
+    return service.submit(service.prepare(request), timeout=None)
+
+
+def test_a_batch_answers_each_request_with_its_own_outputs(batching_service):
+    jobs = [_submit(batching_service, prompt, seed, n=n) for prompt, seed, n in [("fox", 10, 2), ("cat", 20, 1), ("owl", 30, 1)]]
+    outputs = [job.future.result(10) for job in jobs]
+    assert batching_service.omni.batches == [[("fox", 10), ("fox", 11), ("cat", 20), ("owl", 30)]]
+    assert [o.usage.seeds for o in outputs] == [[10, 11], [20], [30]]
+    assert [o.usage.batch_size for o in outputs] == [3, 3, 3]
+    assert [o.usage.bytes_streamed for o in outputs] == [200, 100, 100]  # the call's 400 bytes, shared by outputs
+    pixels = [[decode_png(f)[0, 0, 0] for f in o.files_b64] for o in outputs]
+    assert pixels == [[10, 11], [20], [30]]
+    text = batching_service.render_metrics()
+    assert "layerstream_batch_size_count 1" in text and "layerstream_batch_size_sum 3" in text
+
+
+def test_a_request_stopped_in_a_batch_drops_its_outputs_and_the_others_run_on(batching_service):
+    def stop_the_second(index: int) -> None:
+        jobs[1].stop_signal.request(StopReason.CLIENT_GONE)
+
+    batching_service.omni.on_call = stop_the_second
+    jobs = [_submit(batching_service, name, seed) for name, seed in [("fox", 1), ("cat", 2), ("owl", 3)]]
+    assert len(jobs[0].future.result(10).files_b64) == 1 and len(jobs[2].future.result(10).files_b64) == 1
+    with pytest.raises(GenerationStopped, match="during its batch") as info:
+        jobs[1].future.result(10)
+    assert info.value.reason is StopReason.CLIENT_GONE
+    assert f'layerstream_generations_total{{outcome="{JobOutcome.STOPPED}"}} 1' in batching_service.render_metrics()
+
+
+def test_a_batch_stops_between_steps_once_every_request_asked(batching_service):
+    def stop_all(index: int) -> None:
+        for job in jobs:
+            job.stop_signal.request(StopReason.TIMEOUT)
+
+    batching_service.omni.on_call = stop_all
+    jobs = [_submit(batching_service, name, seed) for name, seed in [("fox", 1), ("cat", 2), ("owl", 3)]]
+    for job in jobs:
+        with pytest.raises(GenerationStopped, match=r"after step 1 of 2 \(a batch of 3 request"):
+            job.future.result(10)

@@ -20,6 +20,10 @@ from layerstream.server.settings import ServeSettings, ServeSettingsError
         ("max_work", 1.5),
         ("max_queue", -1),
         ("port", 70000),
+        ("max_batch_size", 0),
+        ("max_batch_size", 65),
+        ("batch_wait_ms", -1.0),
+        ("batch_wait_ms", float("nan")),
     ],
 )
 def test_out_of_range_settings_are_refused_naming_the_field(field, value):
@@ -32,3 +36,5 @@ def test_defaults_and_edges_are_accepted():
     settings = ServeSettings()
     assert settings.shutdown_timeout > 0 and settings.max_work >= 64 * 64 * 9 * 4 * 4  # tiny models, n=4
     assert ServeSettings(shutdown_timeout=0, max_work=1).shutdown_timeout == 0
+    assert settings.max_batch_size == 1  # batching is opt-in: every request runs alone, as before it existed
+    assert ServeSettings(max_batch_size=64, batch_wait_ms=0).batch_wait_ms == 0

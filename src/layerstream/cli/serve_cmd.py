@@ -13,6 +13,8 @@ import sys
 
 from layerstream.cli.common import CliError, parse_config_arg
 from layerstream.server.settings import (  # plain data: no serve extra
+    DEFAULT_BATCH_WAIT_MS,
+    DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_IMAGE_BYTES,
     DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_MAX_WORK,
@@ -68,6 +70,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="after SIGTERM, how long the running generation may go on before it is stopped at its next step "
         f"(default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=DEFAULT_MAX_BATCH_SIZE,
+        metavar="N",
+        help="run up to N queued requests that share a size, frames, steps, guidance and negative prompt as one "
+        "pipeline call, each streamed block serving all of them (default: 1, every request alone)",
+    )
+    parser.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=DEFAULT_BATCH_WAIT_MS,
+        metavar="MS",
+        help=f"longest a request waits for others to join its batch (default: {DEFAULT_BATCH_WAIT_MS:g})",
     )
     parser.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated host link bandwidth in GB/s")
     parser.add_argument("--no-access-log", dest="access_log", action="store_false", help="no log line per request")
@@ -126,6 +143,7 @@ def _settings(args: argparse.Namespace):
     flags = {"max_queue": "--max-queue", "max_frames": "--max-frames", "max_side_pixels": "--max-size",
              "max_work": "--max-work", "max_body_bytes": "--max-body-bytes", "shutdown_timeout": "--shutdown-timeout",
              "max_image_bytes": "--max-image-bytes", "max_image_pixels": "--max-image-pixels",
+             "max_batch_size": "--max-batch-size", "batch_wait_ms": "--batch-wait-ms",
              "port": "--port", "host": "--host"}  # fmt: skip
     try:
         return ServeSettings(
@@ -139,6 +157,8 @@ def _settings(args: argparse.Namespace):
             max_image_bytes=args.max_image_bytes,
             max_image_pixels=args.max_image_pixels,
             shutdown_timeout=args.shutdown_timeout,
+            max_batch_size=args.max_batch_size,
+            batch_wait_ms=args.batch_wait_ms,
         )
     except ServeSettingsError as e:
         message = str(e)

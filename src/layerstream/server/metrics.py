@@ -18,6 +18,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # seconds: a tiny model answers in tens of milliseconds, a 14B video model in minutes
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+# requests per pipeline call: every size up to 4 on its own (the sizes a small server runs), then coarser
+BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# bytes: a tiny model streams about a megabyte per request, a 14B model hundreds of gigabytes
+BYTES_BUCKETS = tuple(10**k for k in range(4, 14))
 
 
 class Histogram:
@@ -62,6 +66,8 @@ class QueueState:
     running: bool
     num_submitted: int
     num_started: int
+    num_running: int = 0
+    """Requests in the running pipeline call (more than 1: a batch)."""
 
 
 class ServerMetrics:
@@ -74,6 +80,8 @@ class ServerMetrics:
         self._queue_wait = Histogram()
         self._generation_seconds = Histogram()
         self._generations: dict[str, int] = {}
+        self._batch_size = Histogram(BATCH_SIZE_BUCKETS)
+        self._request_bytes = Histogram(BYTES_BUCKETS)
 
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
         with self._lock:
@@ -88,6 +96,16 @@ class ServerMetrics:
             self._generation_seconds.observe(seconds)
             self._generations[outcome] = self._generations.get(outcome, 0) + num_outputs
 
+    def observe_batch(self, num_requests: int) -> None:
+        """One pipeline call the worker made, for `num_requests` requests (1: a request run alone)."""
+        with self._lock:
+            self._batch_size.observe(num_requests)
+
+    def observe_request_bytes(self, num_bytes: int) -> None:
+        """Bytes streamed for one request: its share, by outputs, of what its batch streamed."""
+        with self._lock:
+            self._request_bytes.observe(num_bytes)
+
     def render(self, *, queue: QueueState, offload: Any | None, labels: Mapping[str, str]) -> str:
         """The exposition text. `offload` is an `OffloadStats` snapshot (or None); `labels` go on the info metric."""
         with self._lock:  # copy under the lock, format outside it
@@ -96,6 +114,8 @@ class ServerMetrics:
             queue_wait = _copy(self._queue_wait)
             generation_seconds = _copy(self._generation_seconds)
             generations = dict(self._generations)
+            batch_size = _copy(self._batch_size)
+            request_bytes = _copy(self._request_bytes)
         text = _Exposition()
         text.family("layerstream_server_info", "gauge", "The served model and device (value always 1).", [(labels, 1)])
         text.family(
@@ -119,11 +139,22 @@ class ServerMetrics:
             "Outputs generated (ok), and outputs of jobs that failed (error) or were stopped (stopped).",
             [({"outcome": str(outcome)}, generations.get(outcome, 0)) for outcome in JobOutcome],
         )
+        text.histograms(
+            "layerstream_batch_size",
+            "Requests per pipeline call (1: run alone; more: a batch sharing every streamed block).",
+            [({}, batch_size)],
+        )
+        text.histograms(
+            "layerstream_request_bytes_streamed",
+            "Bytes copied host to device per request: its share, by outputs, of its batch's.",
+            [({}, request_bytes)],
+        )
         text.scalar("layerstream_jobs_submitted_total", "counter", "Requests queued.", queue.num_submitted)
         text.scalar("layerstream_jobs_started_total", "counter", "Queued requests whose work started.", queue.num_started)
         text.scalar("layerstream_queue_depth", "gauge", "Requests waiting behind the running one.", queue.depth)
         text.scalar("layerstream_queue_capacity", "gauge", "Most requests that may wait.", queue.max_waiting)
         text.scalar("layerstream_generation_running", "gauge", "1 while a generation runs.", int(queue.running))
+        text.scalar("layerstream_batch_running", "gauge", "Requests in the running pipeline call.", queue.num_running)
         if offload is not None:
             for name, kind, attr, help_text in _OFFLOAD_METRICS:
                 text.scalar(name, kind, help_text, getattr(offload, attr, 0))

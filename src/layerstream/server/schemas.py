@@ -132,8 +132,8 @@ class GenerationUsage(BaseModel):
     queue_seconds: float = Field(description="Time spent waiting in the queue.")
     seconds: float = Field(description="Time spent generating (all outputs, excluding encoding).")
     seconds_per_step: float
-    bytes_streamed: int
-    num_transfers: int
+    bytes_streamed: int = Field(description="Bytes copied to the device; in a batch, this request's share by outputs.")
+    num_transfers: int = Field(description="Block copies issued; in a batch, the whole call's.")
     num_sync_loads: int
     stall_seconds: float
     device_bytes: int
@@ -141,6 +141,9 @@ class GenerationUsage(BaseModel):
     peak_device_bytes: int | None
     size_note: str | None = Field(
         default=None, description="With an input image: how the output size was reached from the image's size."
+    )
+    batch_size: int = Field(
+        default=1, description="Requests that shared the pipeline call (1: this request ran alone)."
     )
 
 
@@ -195,3 +198,5 @@ class HealthResponse(BaseModel):
     )
     max_image_bytes: int = Field(description="Largest input image file.")
     max_image_pixels: int = Field(description="Largest input image, width x height.")
+    max_batch_size: int = Field(description="Most requests run as one pipeline call (1: no batching).")
+    batch_wait_ms: float = Field(description="Longest a request waits for others to join its batch.")

@@ -1,7 +1,9 @@
 """`GenerationService`: one `Omni`, its queue and worker thread, and what the HTTP layer asks of them.
 
 The app turns HTTP into calls here and the answers back into HTTP; everything that touches the pipeline
-runs on the queue's single worker thread.
+runs on the queue's single worker thread. A request runs alone (`Omni.generate` once per output) or, with
+--max-batch-size above 1, in a batch with other queued requests of the same `BatchKey` (`Omni.generate_batch`
+once for all their outputs), so that every streamed block is copied once per step for the whole batch.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +28,7 @@ from layerstream.server.limits import (
 )
 from layerstream.server.media import encode_result_b64
 from layerstream.server.metrics import JobOutcome, QueueState, ServerMetrics
-from layerstream.server.queue import GenerationQueue, Job
+from layerstream.server.queue import BatchOutcome, BatchPolicy, GenerationQueue, Job
 from layerstream.server.schemas import GenerationUsage, ImageGenerationRequest, VideoGenerationRequest
 from layerstream.server.settings import STOP_WAIT_SECONDS, ServeSettings
 from layerstream.server.stopping import GenerationStopped, StopReason
@@ -50,6 +53,34 @@ class GenerationParams:
     """The input image (RGB PIL image), already checked; None without one."""
     size_note: str | None = None
     """With an input image: how the output size was reached."""
+    work: int = 0
+    """width x height x frames x steps x n, as the work cap priced it."""
+
+    def batch_key(self) -> BatchKey | None:
+        """What a request must share with others to run in one pipeline call with them; None: it runs alone
+        (an input image: pipelines take one image per call)."""
+        if self.image is not None:
+            return None
+        return BatchKey(
+            width=self.width,
+            height=self.height,
+            num_frames=self.num_frames,
+            num_inference_steps=self.num_inference_steps,
+            guidance_scale=self.guidance_scale,
+            negative_prompt=self.negative_prompt,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchKey:
+    """The arguments one pipeline call gives every output; prompts, seeds and n may differ within a batch."""
+
+    width: int | None
+    height: int | None
+    num_frames: int | None
+    num_inference_steps: int
+    guidance_scale: float | None
+    negative_prompt: str | None
 
 
 @dataclass(frozen=True)
@@ -68,7 +99,15 @@ class GenerationService:
         self.settings = settings
         self.metrics = metrics or ServerMetrics()
         self.limits: ModelLimits = read_model_limits(omni, settings)
-        self.queue = GenerationQueue(settings.max_queue)
+        batching = None
+        if settings.max_batch_size > 1:
+            # the work cap bounds a batch as it bounds a request: the time and memory of one pipeline call
+            batching = BatchPolicy(
+                max_batch_size=settings.max_batch_size,
+                wait_seconds=settings.batch_wait_ms / 1000,
+                max_cost=self.limits.max_work,
+            )
+        self.queue = GenerationQueue(settings.max_queue, batching=batching, run_batch=self._generate_batch)
         # /metrics reads this snapshot, refreshed by the worker between jobs, rather than the live runtime
         # from the event loop: the counters are then never read halfway through a forward
         self._offload_stats = omni.stats()
@@ -162,11 +201,18 @@ class GenerationService:
             fps=request.fps if isinstance(request, VideoGenerationRequest) else 16,
             image=image,
             size_note=conditioned.note if conditioned is not None else None,
+            work=shape.work(self.limits),
         )
 
     def submit(self, params: GenerationParams, *, timeout: float | None) -> Job:
         """Queue a generation; raises `QueueFullError` or `QueueClosedError` instead of queueing."""
-        return self.queue.submit(lambda job: self._generate(params, job), timeout=timeout)
+        return self.queue.submit(
+            lambda job: self._generate(params, job),
+            timeout=timeout,
+            request=params,
+            batch_key=params.batch_key(),
+            cost=params.work,
+        )
 
     def _generate(self, params: GenerationParams, job: Job) -> GenerationOutput:
         """Run on the worker thread: one `Omni.generate` per seed, each output encoded and released before the next.
@@ -175,6 +221,7 @@ class GenerationService:
         (`GenerationStopped`).
         """
         started = time.perf_counter()
+        bytes_before = self._bytes_streamed()
         files: list[str] = []
         runs: list[RunStats] = []  # all a response needs of an output once its file is encoded
         frames_shape: tuple[int, ...] = ()
@@ -223,8 +270,118 @@ class GenerationService:
             self.metrics.observe_job(
                 queue_seconds=job.queue_seconds, seconds=seconds, num_outputs=num_outputs, outcome=outcome
             )
+            self.metrics.observe_batch(1)
+            if bytes_before is not None:
+                self.metrics.observe_request_bytes(self._bytes_streamed() - bytes_before)
         usage = _usage(self.limits, params, runs, frames_shape, job.queue_seconds)
         return GenerationOutput(files, usage)
+
+    def _generate_batch(self, jobs: Sequence[Job]) -> list[BatchOutcome]:
+        """Run on the worker thread: the requests of `jobs` (one `BatchKey`) as one `Omni.generate_batch` call,
+        an output per seed of each; then each request's outputs encoded into its own answer.
+
+        A request asked to stop (its timeout, its client gone) does not stop the others: its outputs are
+        dropped and it fails with `GenerationStopped`. The call itself stops at the next step only once every
+        request of the batch has asked to. A call that raises fails every request of the batch (the queue
+        answers each), and the runtime is left clean for the next, as after a request run alone.
+        """
+        started = time.perf_counter()
+        bytes_before = self._bytes_streamed()
+        # a request asked to stop before the call starts is left out of it: less work for the others
+        running = [job for job in jobs if job.stop_signal.reason is None]
+        outcome = JobOutcome.ERROR
+        results: list[Any] = []
+        try:
+            results = self._call_batch(running) if running else []
+            outcome = JobOutcome.OK
+        except GenerationStopped as e:  # every request asked to stop: one line, no traceback
+            outcome = JobOutcome.STOPPED
+            logger.info("%s", e)
+            raise
+        except GenerationError as e:
+            logger.info("generation refused: %s", e)
+            raise
+        except Exception:
+            prompts = [job.request.prompt[:40] for job in running]
+            logger.exception("generation of a batch of %d request(s) failed (prompts %r)", len(running), prompts)
+            raise
+        finally:
+            self._offload_stats = self.omni.stats()
+            bytes_after = self._bytes_streamed()
+            bytes_streamed = None if bytes_after is None or bytes_before is None else bytes_after - bytes_before
+            self._observe_batch(jobs, running, outcome, time.perf_counter() - started, bytes_streamed)
+        return self._batch_answers(jobs, running, results)
+
+    def _call_batch(self, running: list[Job]) -> list[Any]:
+        """One `Omni.generate_batch` for the outputs of `running`, in order; stops between steps once every
+        one of them has been asked to."""
+        params: list[GenerationParams] = [job.request for job in running]
+        first = params[0]  # every request of a batch shares its `BatchKey`
+        where = f"a batch of {len(params)} request(s), {sum(len(p.seeds) for p in params)} output(s)"
+
+        def stop_if_all_asked(step: int, total: int, seconds: float) -> None:
+            if all(job.stop_signal.reason is not None for job in running):
+                running[0].stop_signal.raise_if_requested(f"after step {step} of {total} ({where})")
+
+        return self.omni.generate_batch(
+            [p.prompt for p in params for _ in p.seeds],
+            first.negative_prompt,
+            seeds=[seed for p in params for seed in p.seeds],
+            height=first.height,
+            width=first.width,
+            num_frames=first.num_frames,
+            num_inference_steps=first.num_inference_steps,
+            guidance_scale=first.guidance_scale,
+            on_step=stop_if_all_asked,
+        )
+
+    def _observe_batch(
+        self, jobs: Sequence[Job], running: list[Job], outcome: JobOutcome, seconds: float, bytes_streamed: int | None
+    ) -> None:
+        self.metrics.observe_batch(len(jobs))
+        num_outputs = sum(len(job.request.seeds) for job in running)
+        for job in jobs:
+            num_job_outputs = len(job.request.seeds)
+            # a request left out of the call, or asked to stop during it, is stopped whatever the call did
+            stopped = job not in running or job.stop_signal.reason is not None
+            self.metrics.observe_job(
+                queue_seconds=job.queue_seconds,
+                seconds=seconds,
+                num_outputs=num_job_outputs,
+                outcome=JobOutcome.STOPPED if stopped else outcome,
+            )
+            if bytes_streamed is not None and job in running:
+                self.metrics.observe_request_bytes(bytes_streamed * num_job_outputs // num_outputs)
+
+    def _batch_answers(self, jobs: Sequence[Job], running: list[Job], results: list[Any]) -> list[BatchOutcome]:
+        """Each request's answer: its outputs encoded (each released once encoded), or `GenerationStopped`."""
+        answers: list[BatchOutcome] = []
+        num_outputs = len(results)
+        offset = 0  # where the running job's outputs start in `results`
+        for job in jobs:
+            params: GenerationParams = job.request
+            if job not in running:
+                answers.append(_stopped_in_batch(job, len(jobs), "before its batch started"))
+                continue
+            mine = range(offset, offset + len(params.seeds))
+            offset += len(params.seeds)
+            if job.stop_signal.reason is not None:
+                answers.append(_stopped_in_batch(job, len(jobs), "during its batch, whose other requests ran on"))
+                continue
+            call, frames_shape = results[mine[0]].stats, results[mine[0]].frames.shape
+            files = []
+            for k in mine:
+                files.append(encode_result_b64(results[k]))
+                results[k] = None  # its float and uint8 frames are not needed once encoded
+            usage = _usage(self.limits, params, [call], frames_shape, job.queue_seconds, batch_size=len(jobs))
+            # its share, by outputs, of the call's bytes: what a request costs, which batching divides
+            share = call.bytes_transferred * len(mine) // num_outputs
+            answers.append(GenerationOutput(files, usage.model_copy(update={"bytes_streamed": share})))
+        return answers
+
+    def _bytes_streamed(self) -> int | None:
+        stats = self.omni.stats()
+        return stats.bytes_transferred if stats is not None else None
 
     # reports ---------------------------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -248,6 +405,8 @@ class GenerationService:
             "image_input": self.limits.image_input,
             "max_image_bytes": self.settings.max_image_bytes,
             "max_image_pixels": self.settings.max_image_pixels,
+            "max_batch_size": self.settings.max_batch_size,
+            "batch_wait_ms": self.settings.batch_wait_ms,
         }
 
     def render_metrics(self) -> str:
@@ -258,15 +417,30 @@ class GenerationService:
             running=queue.running,
             num_submitted=queue.num_submitted,
             num_started=queue.num_started,
+            num_running=queue.num_running,
         )
         labels = {"model": self.limits.model, "kind": self.limits.kind, "device": str(self.omni.device)}
         return self.metrics.render(queue=state, offload=self._offload_stats, labels=labels)
 
 
+def _stopped_in_batch(job: Job, batch_size: int, where: str) -> GenerationStopped:
+    reason = job.stop_signal.reason
+    assert reason is not None  # only called for a job asked to stop
+    logger.info("generation stopped (%s) %s of %d; its outputs are dropped", reason, where, batch_size)
+    return GenerationStopped(reason, f"generation stopped ({reason}) {where} of {batch_size}")
+
+
 def _usage(
-    limits: ModelLimits, params: GenerationParams, runs: list[RunStats], frames_shape: tuple[int, ...], queue_seconds: float
+    limits: ModelLimits,
+    params: GenerationParams,
+    runs: list[RunStats],
+    frames_shape: tuple[int, ...],
+    queue_seconds: float,
+    *,
+    batch_size: int = 1,
 ) -> GenerationUsage:
-    """The cost of a request, summed over its outputs; `frames_shape` is one output's [frames, H, W, 3]."""
+    """The cost of a request, summed over its outputs (`runs`: one per output, or its batch's one call);
+    `frames_shape` is one output's [frames, H, W, 3]."""
     step_seconds = [s for run in runs for s in run.step_seconds]
     seconds = sum(run.seconds for run in runs)
     peaks = [run.peak_device_bytes for run in runs if run.peak_device_bytes is not None]
@@ -288,4 +462,5 @@ def _usage(
         host_bytes=runs[-1].host_bytes,
         peak_device_bytes=max(peaks) if peaks else None,
         size_note=params.size_note,
+        batch_size=batch_size,
     )

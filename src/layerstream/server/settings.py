@@ -17,6 +17,11 @@ DEFAULT_PORT = 8000
 DEFAULT_MAX_WORK = 100_000_000
 DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0  # plus one denoising step, within the 30 s most orchestrators allow
 MAX_SHUTDOWN_TIMEOUT_S = 86_400.0
+DEFAULT_MAX_BATCH_SIZE = 1  # every request runs alone, exactly as without batching
+MAX_BATCH_SIZE = 64
+# long enough for requests sent together to reach the queue together, short beside any generation
+DEFAULT_BATCH_WAIT_MS = 10.0
+MAX_BATCH_WAIT_MS = 60_000.0
 # after --shutdown-timeout, how long a stopped generation has to reach its next step boundary and answer
 # before the server stops waiting for it: a SIGTERM always ends the process within the sum of the two
 STOP_WAIT_SECONDS = 10.0
@@ -51,6 +56,11 @@ class ServeSettings:
     """Largest input image in pixels, read from its header before decoding (more answers 413 naming ``image``)."""
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     """Seconds a running generation may go on after SIGTERM before it is stopped at its next denoising step."""
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    """Most queued requests run as one pipeline call (same size, frames, steps, guidance and negative prompt,
+    no input image); 1 runs every request alone."""
+    batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS
+    """Longest a request waits, from its arrival, for others to join its batch (with max_batch_size > 1)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -63,19 +73,21 @@ class ServeSettings:
         _check_int("max_body_bytes", self.max_body_bytes, low=1024, high=1 << 30)
         _check_int("max_image_bytes", self.max_image_bytes, low=1024, high=1 << 30)
         _check_int("max_image_pixels", self.max_image_pixels, low=1, high=1 << 30)
-        value = self.shutdown_timeout
-        # written as `not low <= value <= high` so that NaN, which fails every comparison, is refused too
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SHUTDOWN_TIMEOUT_S:
-            raise ServeSettingsError(
-                f"shutdown_timeout = {value!r} is not valid; expected seconds from 0 to {MAX_SHUTDOWN_TIMEOUT_S:g}"
-            )
-
+        _check_number("shutdown_timeout", self.shutdown_timeout, high=MAX_SHUTDOWN_TIMEOUT_S, unit="seconds")
+        _check_int("max_batch_size", self.max_batch_size, low=1, high=MAX_BATCH_SIZE)
+        _check_number("batch_wait_ms", self.batch_wait_ms, high=MAX_BATCH_WAIT_MS, unit="milliseconds")
 
     @property
     def image_body_bytes(self) -> int:
         """Largest body of a request that may carry an image: the other fields' allowance plus the image,
         base64-encoded (4 characters per 3 bytes) or as a multipart file part."""
         return self.max_body_bytes + -(-self.max_image_bytes // 3) * 4
+
+
+def _check_number(name: str, value: object, *, high: float, unit: str) -> None:
+    # written as `not low <= value <= high` so that NaN, which fails every comparison, is refused too
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= high:
+        raise ServeSettingsError(f"{name} = {value!r} is not valid; expected {unit} from 0 to {high:g}")
 
 
 def _check_int(name: str, value: object, *, low: int, high: int) -> None:
