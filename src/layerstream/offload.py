@@ -24,11 +24,13 @@ from layerstream.runtime.handle import OffloadHandle
 from layerstream.runtime.layer_mode import EngineFactory, apply_layer_mode, distinct_stores
 from layerstream.runtime.layout import BlockLayout
 from layerstream.runtime.module_mode import apply_module_mode
+from layerstream.runtime.disk_store import DiskHostStore
 from layerstream.runtime.packed_store import PackedHostStore
 from layerstream.runtime.protocols import HostStore
 from layerstream.runtime.guards import guard_module_, guard_pipeline_
 from layerstream.runtime.safety import check_no_foreign_offload, check_no_shared_block_tensors
 from layerstream.runtime.tensors import named_tensors
+from layerstream.runtime.tiered_store import TieredHostStore
 from layerstream.runtime.undo import UndoStack
 
 logger = logging.getLogger(__name__)
@@ -98,6 +100,7 @@ def enable_offload(
     try:
         layouts = block_layouts(pipeline, plan, device)
         placement = place_for(plan, layouts, component_stores, device)
+        component_stores = with_disk_tier(component_stores, placement, config.disk_dir)
         block_modules = {p: lookup(pipeline, p) for p in placement.streamed_block_paths}
         check_no_shared_block_tensors(plan.pipeline_class, components, block_modules)
     except BaseException as e:
@@ -143,6 +146,21 @@ def place_for(
     slot_nbytes = {p: stores[comp.path].slot_nbytes(layouts[p]) for comp in plan.streamed for s in comp.stacks for p in s.block_paths}
     budget = read_device_budget(plan, device, free_device_bytes(device)) if needs_device_budget(plan) else None
     return place_blocks(plan, slot_nbytes, budget)
+
+
+def with_disk_tier(stores: Mapping[str, HostStore], placement: Placement, disk_dir: str | None) -> dict[str, HostStore]:
+    """Where the placement puts blocks on disk (`host_budget_gb`), each component's store becomes a tiered store:
+    its own store for the host blocks, one disk store for the disk blocks. Decided after the placement, which
+    needs only the stores' slot bytes; the host store of the tiered one lays blocks out the same way."""
+    tier = placement.host_tier
+    if tier is None or not tier.disk_block_paths:
+        return dict(stores)
+    disk = DiskHostStore(disk_dir)
+    tiered: dict[int, TieredHostStore] = {}
+    for store in stores.values():
+        if id(store) not in tiered:
+            tiered[id(store)] = TieredHostStore(store, disk, tier)
+    return {path: tiered[id(store)] for path, store in stores.items()}
 
 
 def plan_placement(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device | None = None) -> Placement:

@@ -1,0 +1,349 @@
+"""The disk tier: streamed blocks that hold no host memory, read from disk into the slot at every use.
+
+A block placed on disk (`Placement.host_tier`) comes from one of two places:
+- **the checkpoint's own files**, when the block's spans are unwritten views of a file mapping (diffusers loaded
+  it lazily from safetensors): the store records the file ranges and keeps no copy of them. A few spans the
+  loader made in memory (it upcasts norm weights to float32) may remain, up to `MAX_IN_MEMORY_FRACTION` of the
+  block: they stay in host memory, and count as host bytes;
+- **a spill file**, otherwise (a pipeline built or changed in memory): the block's packed bytes are written
+  once, atomically (temporary name, fsync, rename), to `<disk_dir>/<one folder per enable>/`, behind a small
+  header with the byte count and a CRC-32 of the payload. Every read checks both, so a corrupt or truncated
+  file is a `SpillFileError` naming it (raised by `wait_ready`, through the copy engine) and never a wrong
+  picture. `restore_` and `rollback_` read the blocks back into real tensors and remove the folder.
+
+On the CPU a slot is host memory, so the copy job reads the bytes straight into it (on the engine's copy
+thread, beside compute). On an accelerator the job reads into a pinned staging buffer of a ring of two and
+copies that to the device slot asynchronously. The accelerator engine runs jobs on the calling thread, which is
+the compute thread: the read is synchronous there, and compute waits for the disk while it reads. A read-ahead
+I/O thread filling the staging ring ahead of the learned order would hide it; that is not built yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import struct
+import tempfile
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from layerstream.errors import TransferError, UnsupportedUseError
+from layerstream.runtime.file_reads import FileRange, FileReader, MappedFiles
+from layerstream.runtime.layout import ALIGN_BYTES, BlockLayout, TensorBinder
+from layerstream.runtime.protocols import Job, Pinner
+
+logger = logging.getLogger(__name__)
+
+SPILL_MAGIC = b"LSSPILL1"
+_HEADER = struct.Struct("<8sQI")  # magic, payload bytes, CRC-32 of the payload
+HEADER_BYTES = ALIGN_BYTES
+"""The payload starts here: aligned, so that a read lands at the same residue as the slot."""
+MAX_IN_MEMORY_FRACTION = 1 / 8
+"""A file-backed block may keep this much of its bytes (spans made in memory) in host memory; beyond it the
+whole block is spilled."""
+NUM_STAGING_BUFFERS = 2
+"""Accelerator only: one buffer is read into while the device copy of the other is still in flight."""
+
+
+class SpillFileError(TransferError):
+    """A spill file of the disk tier is missing, truncated or corrupt (the message names the file)."""
+
+
+def default_spill_root() -> Path:
+    from layerstream.models.cache import cache_root  # the cache module reads the environment on every call
+
+    return cache_root() / "spill"
+
+
+class _CheckpointSource:
+    """A block backed by checkpoint file bytes: (file range, offset in the packed block) per span, and the few
+    spans made in memory as (host bytes, offset)."""
+
+    def __init__(self, ranges: list[tuple[FileRange, int]], in_memory: list[tuple[torch.Tensor, int]]):
+        self.ranges = ranges
+        self.in_memory = in_memory
+        self.host_bytes = sum(t.numel() for t, _ in in_memory)
+
+    def describe(self) -> str:
+        return ", ".join(sorted({os.path.basename(r.path) for r, _ in self.ranges}))
+
+    def read_into_(self, buffer: torch.Tensor, reader: FileReader) -> int:
+        for source, dst in self.ranges:
+            reader.read_into_(buffer[dst : dst + source.nbytes], source)
+        for chunk, dst in self.in_memory:
+            buffer[dst : dst + chunk.numel()].copy_(chunk)
+        return sum(r.nbytes for r, _ in self.ranges)
+
+
+class _SpillSource:
+    """A block's packed bytes in a spill file of ours, checked at every read."""
+
+    host_bytes = 0
+
+    def __init__(self, path: Path, nbytes: int):
+        self.path = path
+        self.nbytes = nbytes
+
+    def describe(self) -> str:
+        return str(self.path)
+
+    @classmethod
+    def write(cls, path: Path, payload: torch.Tensor) -> _SpillSource:
+        """Write `payload` (uint8, contiguous, CPU) to `path` atomically: a reader sees no file or a whole one."""
+        data = memoryview(payload.numpy())
+        header = _HEADER.pack(SPILL_MAGIC, len(data), zlib.crc32(data)).ljust(HEADER_BYTES, b"\0")
+        partial = path.with_name(path.name + ".partial")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, header)
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
+            os.fsync(fd)  # the bytes are on disk before the name says the file is complete
+        finally:
+            os.close(fd)
+        os.replace(partial, path)
+        return cls(path, len(data))
+
+    def read_into_(self, buffer: torch.Tensor, reader: FileReader) -> int:
+        """Fill `buffer[:nbytes]` with the payload, checked against the header; raises `SpillFileError`."""
+        try:
+            size = os.stat(self.path).st_size
+            with open(self.path, "rb") as f:
+                raw = f.read(_HEADER.size)
+        except OSError as e:
+            raise SpillFileError(f"spill file {self.path} cannot be read: {e}") from e
+        if size != HEADER_BYTES + self.nbytes:
+            raise SpillFileError(
+                f"spill file {self.path} has {size} bytes, not the {HEADER_BYTES + self.nbytes} written (truncated "
+                "or overwritten since offload was enabled)"
+            )
+        magic, nbytes, crc = _HEADER.unpack(raw)
+        if magic != SPILL_MAGIC or nbytes != self.nbytes:
+            raise SpillFileError(f"spill file {self.path}: the header is not the one written (overwritten since enable)")
+        destination = buffer[: self.nbytes]
+        try:
+            reader.read_into_(destination, FileRange(str(self.path), HEADER_BYTES, self.nbytes))
+        except OSError as e:
+            raise SpillFileError(f"spill file {self.path} cannot be read: {e}") from e
+        if zlib.crc32(memoryview(destination.numpy())) != crc:
+            raise SpillFileError(f"spill file {self.path} is corrupt: its bytes do not match the checksum written")
+        return self.nbytes
+
+
+class DiskBlock:
+    """One block of the disk tier: no host bytes; its copy job reads it from disk."""
+
+    def __init__(self, store: DiskHostStore, layout: BlockLayout, binder: TensorBinder, source, original_device: torch.device):
+        self.store = store
+        self.layout = layout
+        self.binder = binder
+        self.source: _CheckpointSource | _SpillSource = source
+        self.original_device = original_device
+
+    def __repr__(self) -> str:
+        return f"DiskBlock({self.path!r}, {self.layout.nbytes} bytes from {self.source.describe()})"
+
+    @property
+    def path(self) -> str:
+        return self.layout.path
+
+    @property
+    def host_bytes(self) -> int:
+        return self.source.host_bytes  # at most the few spans made in memory (the staging ring is the store's)
+
+    @property
+    def pinned(self) -> bool:
+        return False
+
+    @property
+    def link_bytes(self) -> int:
+        return self.layout.nbytes
+
+    def copy_job(self, slot_buffer: torch.Tensor) -> Job:
+        if slot_buffer.device.type == "cpu":
+            destination = slot_buffer[: self.layout.nbytes]
+
+            def job() -> int:  # the CPU slot is host memory: read straight into it
+                self.store.disk_bytes_read += self.source.read_into_(destination, self.store.reader)
+                return self.layout.nbytes
+
+            return job
+        return lambda: self.store.read_through_staging_(self, slot_buffer)
+
+    def read_into_(self, buffer: torch.Tensor) -> None:
+        """Fill `buffer` (uint8, CPU, `layout.nbytes`) with the block's packed bytes."""
+        self.store.disk_bytes_read += self.source.read_into_(buffer, self.store.reader)
+
+    def host_range(self, start: int, nbytes: int) -> torch.Tensor:
+        self._refuse("backward through it")
+
+    def write_back_(self, slot_buffer: torch.Tensor, start: int, end: int) -> int:
+        self._refuse("keep what its forward wrote into its buffers")
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        self._refuse("read or write its weights in place (state_dict, load_state_dict, LoRA)")
+
+    def _refuse(self, what: str):
+        raise UnsupportedUseError(
+            f"{self.path}: the block lives on disk (host_budget_gb), not in host memory; cannot {what}. Raise "
+            "host_budget_gb so that it fits in host memory, or call handle.disable() first"
+        )
+
+
+class DiskHostStore:
+    """`HostStore` for the blocks the placement puts on disk (see the module docstring)."""
+
+    kind = "disk"
+
+    def __init__(self, disk_dir: str | os.PathLike | None = None):
+        self.root = Path(disk_dir).expanduser() if disk_dir is not None else default_spill_root()
+        self.blocks: dict[str, DiskBlock] = {}
+        self.disk_bytes_read = 0
+        """Bytes read from disk (checkpoint files and spill files) since enable."""
+        self.spill_bytes_written = 0
+        self.reader = FileReader()
+        self.folder: Path | None = None
+        self._files: MappedFiles | None = None
+        self._staging_nbytes = 0
+        self._staging: list[torch.Tensor] = []
+        self._staging_done: list = []
+        self._staging_next = 0
+        self._pinner: Pinner | None = None
+
+    def __repr__(self) -> str:
+        spilled = sum(isinstance(b.source, _SpillSource) for b in self.blocks.values())
+        return f"DiskHostStore({len(self.blocks)} blocks, {spilled} spilled to {self.folder})"
+
+    def slot_nbytes(self, layout: BlockLayout) -> int:
+        return layout.nbytes
+
+    def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
+        self._staging_nbytes = slot_nbytes
+
+    def report_failure_(self, error: BaseException) -> None:
+        pass  # no peers to tell
+
+    def stage_(self, layout: BlockLayout, device: torch.device, pin: Pinner | None) -> DiskBlock:
+        assert layout.path not in self.blocks, f"{layout.path} staged twice"
+        if self._files is None:
+            self._files = MappedFiles.snapshot()
+        if device.type != "cpu" and not self._staging:
+            self._open_staging_(device, pin)
+        original_device = layout.source_device()
+        spans = layout.span_file_ranges(self._files)
+        in_memory = [(dst, length) for source, dst, length in spans if source is None and length > 0]
+        if len(in_memory) < len(spans) and sum(n for _, n in in_memory) <= MAX_IN_MEMORY_FRACTION * layout.nbytes:
+            chunks = []
+            for dst, length in in_memory:
+                chunk = torch.empty(length, dtype=torch.uint8)
+                layout.copy_range_into(chunk, dst)
+                chunks.append((chunk, dst))
+            source = _CheckpointSource([(s, dst) for s, dst, _ in spans if s is not None], chunks)
+        else:
+            source = self._spill_(layout)
+        block = DiskBlock(self, layout, TensorBinder(layout, device), source, original_device)
+        block.binder.evict_()
+        layout.forget_sources()  # the block's memory (or its view of the checkpoint) goes now
+        self.blocks[layout.path] = block
+        return block
+
+    def _spill_(self, layout: BlockLayout) -> _SpillSource:
+        if self.folder is None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            # one folder per enable: processes (and pipelines) sharing disk_dir never touch each other's files
+            self.folder = Path(tempfile.mkdtemp(prefix="enable-", dir=self.root))
+        buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+        layout.copy_sources_into(buffer, self._files, self.reader)
+        name = f"{len(self.blocks):05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', layout.path)}.block"
+        source = _SpillSource.write(self.folder / name, buffer)
+        self.spill_bytes_written += layout.nbytes
+        return source
+
+    def commit_(self) -> None:
+        if self._files is not None:
+            self._files.close()
+            self._files = None
+
+    def rollback_(self) -> None:
+        self.commit_()
+        try:
+            self._restore_blocks_(lambda block: block.original_device)
+        finally:
+            self._release_()
+
+    def restore_(self, device: torch.device) -> None:
+        try:
+            self._restore_blocks_(lambda block: device)
+        finally:
+            self._release_()
+
+    def _restore_blocks_(self, device_of) -> None:
+        """Every block gets real tensors again, read (and checked) from disk; the first failure is raised after
+        every other block is restored."""
+        first_error: BaseException | None = None
+        for path in list(self.blocks):
+            block = self.blocks.pop(path)
+            buffer = torch.empty(block.layout.nbytes, dtype=torch.uint8)
+            try:
+                block.read_into_(buffer)
+            except (OSError, TransferError) as e:
+                logger.error("%s: cannot be read back from disk: %s", path, e)
+                first_error = first_error or e
+                continue
+            block.binder.bind_(block.layout.separate_copies(buffer, device_of(block)))
+        if first_error is not None:
+            raise first_error
+
+    def _release_(self) -> None:
+        """Stop reading, free the staging ring and remove the spill files (the engine is closed: nothing reads)."""
+        self.reader.close()
+        for buffer in self._staging:
+            if self._pinner is not None:
+                self._pinner.unpin_(buffer)
+        self._staging, self._staging_done, self._pinner = [], [], None
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
+    # accelerator: disk -> pinned staging -> device slot -----------------------------------------------------
+    def _open_staging_(self, device: torch.device, pin: Pinner | None) -> None:
+        nbytes = max(self._staging_nbytes, 1)
+        self._staging = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(NUM_STAGING_BUFFERS)]
+        if pin is not None:
+            pinned = [b for b in self._staging if pin.pin_(b)]
+            if len(pinned) == len(self._staging):
+                self._pinner = pin
+            else:  # all or none: the copies below are asynchronous only from pinned memory
+                for b in pinned:
+                    pin.unpin_(b)
+        # one event per staging buffer, re-recorded for every copy (a never-recorded event counts as complete);
+        # without CUDA events the copies below are synchronous and need none
+        cuda = device.type == "cuda" and self._pinner is not None
+        self._staging_done = [torch.cuda.Event() if cuda else None for _ in range(NUM_STAGING_BUFFERS)]
+
+    def read_through_staging_(self, block: DiskBlock, slot_buffer: torch.Tensor) -> int:
+        """Read the block into the next staging buffer, then copy it to the slot asynchronously (on the stream
+        the engine runs the job on). Runs on the compute thread: the disk read is synchronous (see the module
+        docstring)."""
+        i = self._staging_next
+        self._staging_next = (i + 1) % len(self._staging)
+        done = self._staging_done[i]
+        if done is not None:
+            # host-side wait: the previous device copy out of this staging buffer must finish before the disk
+            # read overwrites it (with two buffers it was issued one block ago, so it has usually finished)
+            done.synchronize()
+        nbytes = block.layout.nbytes
+        staging = self._staging[i][:nbytes]
+        block.read_into_(staging)  # checked before any byte reaches the slot: a bad file never gives a picture
+        if done is None:  # no event to tell when an asynchronous copy has read the staging buffer: copy in step
+            slot_buffer[:nbytes].copy_(staging)
+        else:
+            slot_buffer[:nbytes].copy_(staging, non_blocking=True)
+            done.record()  # on the current stream: the engine's copy stream while the job runs
+        return nbytes

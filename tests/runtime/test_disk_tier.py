@@ -1,0 +1,146 @@
+"""The disk tier (`host_budget_gb`): blocks beyond the host budget are read from disk at every use.
+
+An in-memory pipeline spills them to checked files under `disk_dir`; outputs stay bit-identical to resident,
+host bytes stay within the budget (by the runtime's own accounting), a corrupt or truncated spill file is a
+clear error naming it, and `disable()` removes the files and brings every weight back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from layerstream import enable_offload
+from layerstream.errors import TransferError
+from layerstream.runtime.disk_store import HEADER_BYTES, SpillFileError
+from layerstream.runtime.layout import BlockLayout
+from runtime_toys import make_my_pipeline, run, snapshot, toy_inputs
+
+BOTH = ["dit", "text_encoder"]
+
+
+def _block_nbytes(pipe) -> dict[str, int]:
+    blocks = {f"transformer.blocks.{i}": b for i, b in enumerate(pipe.transformer.blocks)}
+    blocks |= {f"prompt_model.encoder.layers.{i}": b for i, b in enumerate(pipe.prompt_model.encoder.layers)}
+    return {p: BlockLayout(p, b).nbytes for p, b in blocks.items()}
+
+
+def _config(budget_bytes: int, disk_dir: Path | None = None) -> dict:
+    config = {"mode": "layer", "components": BOTH, "host_budget_gb": budget_bytes / 1e9}
+    if disk_dir is not None:
+        config["disk_dir"] = str(disk_dir)
+    return config
+
+
+def _spill_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def test_blocks_beyond_the_budget_stream_from_spill_files_bit_identically(tmp_path):
+    pipe = make_my_pipeline()
+    ids, x = toy_inputs()
+    expected = run(pipe, (ids, x))
+    before = snapshot(pipe)
+    sizes = _block_nbytes(pipe)
+    budget = 3 * max(sizes.values())  # three of the seven streamed blocks fit
+    handle = enable_offload(pipe, _config(budget, tmp_path), device="cpu")
+    tier = handle.placement.host_tier
+    assert len(tier.host_block_paths) == 3 and len(tier.disk_block_paths) == 4
+    assert len(_spill_files(tmp_path)) == 4  # one checked file per disk block, written once at enable
+    for _ in range(3):  # the cyclic order of denoising steps: the same fixed blocks come from disk every time
+        assert torch.equal(run(pipe, (ids, x)), expected)
+    stats = handle.stats()
+    assert stats.host_bytes <= budget  # the runtime's own accounting: only host-resident bytes
+    assert stats.host_bytes == sum(sizes[p] for p in tier.host_block_paths)
+    transfers = handle.block_transfers()
+    assert all(transfers[p] >= 3 for p in tier.disk_block_paths)
+    assert stats.disk_bytes_read == sum(transfers[p] * sizes[p] for p in tier.disk_block_paths)
+    assert "read from disk" in str(stats)
+    handle.disable()
+    assert _spill_files(tmp_path) == []  # the spill files go with disable
+    after = snapshot(pipe)
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # every weight back, bit for bit
+    assert torch.equal(run(pipe, (ids, x)), expected)
+
+
+def test_without_a_budget_nothing_goes_to_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAYERSTREAM_CACHE", str(tmp_path))
+    pipe = make_my_pipeline()
+    sizes = _block_nbytes(pipe)
+    handle = enable_offload(pipe, {"mode": "layer", "components": BOTH}, device="cpu")
+    stats = handle.stats()
+    assert handle.placement.host_tier is None and stats.disk_bytes_read == 0
+    assert stats.host_bytes == sum(sizes.values())
+    assert not (tmp_path / "spill").exists()
+    handle.disable()
+
+
+def test_spill_files_go_under_the_layerstream_cache_by_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAYERSTREAM_CACHE", str(tmp_path))
+    pipe = make_my_pipeline()
+    ids, x = toy_inputs()
+    expected = run(pipe, (ids, x))
+    handle = enable_offload(pipe, _config(1), device="cpu")  # a budget below any block: every block on disk
+    assert len(_spill_files(tmp_path / "spill")) == 7
+    assert torch.equal(run(pipe, (ids, x)), expected)
+    assert handle.stats().host_bytes == 0
+    handle.disable()
+    assert _spill_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
+def test_a_damaged_spill_file_is_a_clear_error_naming_it(tmp_path, damage):
+    pipe = make_my_pipeline()
+    ids, x = toy_inputs()
+    expected = run(pipe, (ids, x))
+    handle = enable_offload(pipe, _config(1, tmp_path), device="cpu")
+    victim = _spill_files(tmp_path)[2]
+    original = victim.read_bytes()
+    if damage == "flip":
+        data = bytearray(original)
+        data[HEADER_BYTES + 100] ^= 0x01  # one bit of one weight
+        victim.write_bytes(bytes(data))
+    elif damage == "truncate":
+        victim.write_bytes(original[: len(original) // 2])
+    else:
+        victim.unlink()
+    with pytest.raises(TransferError, match=victim.name) as info:
+        run(pipe, (ids, x))
+    assert isinstance(info.value, SpillFileError) or isinstance(info.value.__cause__, SpillFileError)
+    victim.write_bytes(original)  # repaired: the ring is usable again and gives the right picture
+    assert torch.equal(run(pipe, (ids, x)), expected)
+    handle.disable()
+    assert _spill_files(tmp_path) == []
+
+
+def test_a_spill_file_damaged_before_disable_fails_disable_naming_it_and_removes_the_files(tmp_path):
+    pipe = make_my_pipeline()
+    handle = enable_offload(pipe, _config(1, tmp_path), device="cpu")
+    victim = _spill_files(tmp_path)[0]
+    victim.write_bytes(victim.read_bytes()[:-1])
+    with pytest.raises(SpillFileError, match=victim.name):
+        handle.disable()
+    assert _spill_files(tmp_path) == []
+
+
+def test_a_failed_enable_removes_its_spill_files_and_restores_the_weights(tmp_path):
+    pipe = make_my_pipeline()
+    before = snapshot(pipe)
+
+    def failing_engine(device, num_slots):
+        raise RuntimeError("no engine today")
+
+    with pytest.raises(Exception, match="no engine today"):
+        enable_offload(pipe, _config(1, tmp_path), device="cpu", engine_factory=failing_engine)
+    assert _spill_files(tmp_path) == []
+    after = snapshot(pipe)
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_state_dict_of_a_disk_block_is_refused_with_the_reason(tmp_path):
+    pipe = make_my_pipeline()
+    handle = enable_offload(pipe, _config(1, tmp_path), device="cpu")
+    with pytest.raises(Exception, match="lives on disk"):
+        pipe.transformer.state_dict()
+    handle.disable()
