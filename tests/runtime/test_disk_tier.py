@@ -144,3 +144,34 @@ def test_state_dict_of_a_disk_block_is_refused_with_the_reason(tmp_path):
     with pytest.raises(Exception, match="lives on disk"):
         pipe.transformer.state_dict()
     handle.disable()
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "in-memory"])
+def test_tiny_wan_with_half_its_blocks_on_disk_generates_bit_identically(tmp_path, source):
+    """Loaded from its folder, the disk blocks are read from the checkpoint's files (no spill file); built in
+    memory (here: weights copied out of the files' mapping), they are spilled under disk_dir."""
+    pytest.importorskip("diffusers")
+    from tiny_pipelines import generate, load
+
+    expected = generate(load("wan"), "wan")
+    pipe = load("wan")
+    if source == "in-memory":
+        with torch.no_grad():
+            for m in (pipe.transformer, pipe.transformer_2):
+                for p in m.parameters():
+                    p.data = p.data.clone()
+    experts = [pipe.transformer, pipe.transformer_2]
+    sizes = [BlockLayout("b", b).nbytes for m in experts for b in m.blocks]
+    budget = sum(sizes) // 2  # the streamed bytes are twice the budget
+    handle = enable_offload(pipe, {"mode": "layer", "components": ["dit"], "host_budget_gb": budget / 1e9, "disk_dir": str(tmp_path)}, device="cpu")
+    tier = handle.placement.host_tier
+    assert tier.disk_block_paths and tier.host_block_paths
+    assert {p.split(".")[0] for p in tier.disk_block_paths} == {"transformer", "transformer_2"}  # both experts
+    num_spilled = len(_spill_files(tmp_path))
+    assert num_spilled == (0 if source == "checkpoint" else len(tier.disk_block_paths))
+    got = generate(pipe, "wan")  # two experts, classifier-free guidance
+    stats = handle.stats()
+    assert stats.host_bytes <= budget and stats.disk_bytes_read > 0
+    handle.disable()
+    assert torch.equal(got, expected)
+    assert _spill_files(tmp_path) == []
