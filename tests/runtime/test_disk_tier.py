@@ -175,3 +175,32 @@ def test_tiny_wan_with_half_its_blocks_on_disk_generates_bit_identically(tmp_pat
     handle.disable()
     assert torch.equal(got, expected)
     assert _spill_files(tmp_path) == []
+
+
+def test_the_staging_ring_path_gives_the_packed_bytes(tmp_path):
+    """The accelerator path (disk -> staging buffer -> slot), run without an accelerator: a ring for a non-CPU
+    device without CUDA events copies into the slot in step."""
+    from layerstream.runtime.disk_store import NUM_STAGING_BUFFERS, DiskHostStore, StagingRing
+
+    pipe = make_my_pipeline()
+    layouts = [BlockLayout(f"b{i}", b) for i, b in enumerate(pipe.transformer.blocks)]
+    packed = []
+    for layout in layouts:
+        buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
+        layout.copy_sources_into(buffer)
+        packed.append(buffer)
+    store = DiskHostStore(tmp_path)
+    slot_nbytes = max(l.nbytes for l in layouts)
+    store.check_layouts_(layouts, slot_nbytes)
+    stored = [store.stage_(layout, torch.device("cpu"), None) for layout in layouts]
+    store.commit_()
+    ring = StagingRing(slot_nbytes, torch.device("meta"), None)
+    assert len(ring.buffers) == NUM_STAGING_BUFFERS and all(b.numel() == slot_nbytes for b in ring.buffers)
+    slot = torch.empty(slot_nbytes, dtype=torch.uint8)
+    for _ in range(2):  # round the ring more than once
+        for block, want in zip(stored, packed):
+            assert ring.copy_(block.read_into_, block.layout.nbytes, slot) == block.layout.nbytes
+            assert torch.equal(slot[: want.numel()], want)
+    ring.close_()
+    store.restore_(torch.device("cpu"))
+    assert _spill_files(tmp_path) == []

@@ -27,7 +27,7 @@ import shutil
 import struct
 import tempfile
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -174,7 +174,7 @@ class DiskBlock:
                 return self.layout.nbytes
 
             return job
-        return lambda: self.store.read_through_staging_(self, slot_buffer)
+        return lambda: self.store.staging.copy_(self.read_into_, self.layout.nbytes, slot_buffer)
 
     def read_into_(self, buffer: torch.Tensor) -> None:
         """Fill `buffer` (uint8, CPU, `layout.nbytes`) with the block's packed bytes."""
@@ -211,10 +211,8 @@ class DiskHostStore:
         self.folder: Path | None = None
         self._files: MappedFiles | None = None
         self._staging_nbytes = 0
-        self._staging: list[torch.Tensor] = []
-        self._staging_done: list = []
-        self._staging_next = 0
-        self._pinner: Pinner | None = None
+        self.staging: StagingRing | None = None
+        """Accelerator only: host buffers the disk blocks are read into before their copy to the device."""
 
     def __repr__(self) -> str:
         spilled = sum(isinstance(b.source, _SpillSource) for b in self.blocks.values())
@@ -233,8 +231,8 @@ class DiskHostStore:
         assert layout.path not in self.blocks, f"{layout.path} staged twice"
         if self._files is None:
             self._files = MappedFiles.snapshot()
-        if device.type != "cpu" and not self._staging:
-            self._open_staging_(device, pin)
+        if device.type != "cpu" and self.staging is None:
+            self.staging = StagingRing(self._staging_nbytes, device, pin)
         original_device = layout.source_device()
         spans = layout.span_file_ranges(self._files)
         in_memory = [(dst, length) for source, dst, length in spans if source is None and length > 0]
@@ -258,7 +256,7 @@ class DiskHostStore:
             self.root.mkdir(parents=True, exist_ok=True)
             # one folder per enable: processes (and pipelines) sharing disk_dir never touch each other's files
             self.folder = Path(tempfile.mkdtemp(prefix="enable-", dir=self.root))
-        buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+        buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)  # zeroed pads: the file's bytes are all defined
         layout.copy_sources_into(buffer, self._files, self.reader)
         name = f"{len(self.blocks):05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', layout.path)}.block"
         source = _SpillSource.write(self.folder / name, buffer)
@@ -303,47 +301,58 @@ class DiskHostStore:
     def _release_(self) -> None:
         """Stop reading, free the staging ring and remove the spill files (the engine is closed: nothing reads)."""
         self.reader.close()
-        for buffer in self._staging:
-            if self._pinner is not None:
-                self._pinner.unpin_(buffer)
-        self._staging, self._staging_done, self._pinner = [], [], None
+        if self.staging is not None:
+            self.staging.close_()
+            self.staging = None
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
 
-    # accelerator: disk -> pinned staging -> device slot -----------------------------------------------------
-    def _open_staging_(self, device: torch.device, pin: Pinner | None) -> None:
-        nbytes = max(self._staging_nbytes, 1)
-        self._staging = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(NUM_STAGING_BUFFERS)]
+
+class StagingRing:
+    """Accelerator only: host buffers (pinned where the engine can pin) that disk blocks are read into, then
+    copied to the device slot asynchronously. The read is synchronous on the thread running the copy job: the
+    accelerator engine runs jobs on the compute thread (see the module docstring)."""
+
+    def __init__(self, nbytes: int, device: torch.device, pin: Pinner | None, num_buffers: int = NUM_STAGING_BUFFERS):
+        self.buffers = [torch.empty(max(nbytes, 1), dtype=torch.uint8) for _ in range(num_buffers)]
+        self._pinner: Pinner | None = None
         if pin is not None:
-            pinned = [b for b in self._staging if pin.pin_(b)]
-            if len(pinned) == len(self._staging):
+            pinned = [b for b in self.buffers if pin.pin_(b)]
+            if len(pinned) == len(self.buffers):
                 self._pinner = pin
             else:  # all or none: the copies below are asynchronous only from pinned memory
                 for b in pinned:
                     pin.unpin_(b)
-        # one event per staging buffer, re-recorded for every copy (a never-recorded event counts as complete);
-        # without CUDA events the copies below are synchronous and need none
+        # one event per buffer, re-recorded for every copy (a never-recorded event counts as complete); without
+        # CUDA events (or pinned memory) the copies are synchronous and need none
         cuda = device.type == "cuda" and self._pinner is not None
-        self._staging_done = [torch.cuda.Event() if cuda else None for _ in range(NUM_STAGING_BUFFERS)]
+        self._copied = [torch.cuda.Event() if cuda else None for _ in self.buffers]
+        self._next = 0
 
-    def read_through_staging_(self, block: DiskBlock, slot_buffer: torch.Tensor) -> int:
-        """Read the block into the next staging buffer, then copy it to the slot asynchronously (on the stream
-        the engine runs the job on). Runs on the compute thread: the disk read is synchronous (see the module
-        docstring)."""
-        i = self._staging_next
-        self._staging_next = (i + 1) % len(self._staging)
-        done = self._staging_done[i]
-        if done is not None:
-            # host-side wait: the previous device copy out of this staging buffer must finish before the disk
-            # read overwrites it (with two buffers it was issued one block ago, so it has usually finished)
-            done.synchronize()
-        nbytes = block.layout.nbytes
-        staging = self._staging[i][:nbytes]
-        block.read_into_(staging)  # checked before any byte reaches the slot: a bad file never gives a picture
-        if done is None:  # no event to tell when an asynchronous copy has read the staging buffer: copy in step
-            slot_buffer[:nbytes].copy_(staging)
+    def copy_(self, read_into: Callable[[torch.Tensor], None], nbytes: int, slot_buffer: torch.Tensor) -> int:
+        """`read_into(buffer)` fills the next staging buffer (and checks it), which is then copied to the slot on
+        the current stream (the engine's copy stream while a job runs)."""
+        i = self._next
+        self._next = (i + 1) % len(self.buffers)
+        copied = self._copied[i]
+        if copied is not None:
+            # host-side wait: the previous device copy out of this buffer must finish before the disk read
+            # overwrites it (with two buffers it was issued one block ago, so it has usually finished)
+            copied.synchronize()
+        staging = self.buffers[i][:nbytes]
+        read_into(staging)  # checked before any byte reaches the slot: a bad file never gives a picture
+        if copied is None:
+            slot_buffer[:nbytes].copy_(staging)  # no event to tell when an asynchronous copy is done: in step
         else:
             slot_buffer[:nbytes].copy_(staging, non_blocking=True)
-            done.record()  # on the current stream: the engine's copy stream while the job runs
+            copied.record()  # on the current stream: the engine's copy stream while the job runs
         return nbytes
+
+    def close_(self) -> None:
+        """Free the buffers (the engine is closed: no copy reads them any more)."""
+        if self._pinner is not None:
+            for b in self.buffers:
+                self._pinner.unpin_(b)
+            self._pinner = None
+        self.buffers, self._copied = [], []
