@@ -2,7 +2,8 @@
 
 This is where the layers meet: the config is read and resolved into a plan (`plan/`), the host store of each
 streamed component is chosen (the local packed store, or the sharded allgather store from `distributed/`), the
-placement decides where every block goes, and a mode backend of `runtime/` applies it. The handle it returns
+placement decides where every block goes (with `host_budget_gb`, the blocks it puts on disk go to a disk store
+beside the host store: `with_disk_tier`), and a mode backend of `runtime/` applies it. The handle it returns
 reports and undoes it.
 """
 
@@ -20,11 +21,11 @@ from layerstream.errors import LayerstreamError, OffloadError
 from layerstream.plan.placement import Placement, needs_device_budget, place_blocks, read_device_budget
 from layerstream.plan.resolved import ResolvedOffloadPlan, lookup
 from layerstream.runtime.copy_engine import make_copy_engine
+from layerstream.runtime.disk_store import DiskHostStore
 from layerstream.runtime.handle import OffloadHandle
 from layerstream.runtime.layer_mode import EngineFactory, apply_layer_mode, distinct_stores
 from layerstream.runtime.layout import BlockLayout
 from layerstream.runtime.module_mode import apply_module_mode
-from layerstream.runtime.disk_store import DiskHostStore
 from layerstream.runtime.packed_store import PackedHostStore
 from layerstream.runtime.protocols import HostStore
 from layerstream.runtime.guards import guard_module_, guard_pipeline_

@@ -204,3 +204,32 @@ def test_the_staging_ring_path_gives_the_packed_bytes(tmp_path):
     ring.close_()
     store.restore_(torch.device("cpu"))
     assert _spill_files(tmp_path) == []
+
+
+def test_a_checkpoint_file_changed_after_enable_is_a_clear_error(tmp_path):
+    pytest.importorskip("diffusers")
+    import os
+    import shutil
+
+    from layerstream.models.loading import load_pipeline, resolve_model_folder
+    from layerstream.runtime.disk_store import CheckpointChangedError
+    from tiny_pipelines import generate
+
+    folder = tmp_path / "wan"
+    shutil.copytree(resolve_model_folder("tiny-wan"), folder)
+    pipe = load_pipeline(str(folder))
+    pipe.set_progress_bar_config(disable=True)
+    expected_weights = snapshot(pipe.transformer)
+    handle = enable_offload(pipe, {"mode": "layer", "components": ["dit"], "host_budget_gb": 1e-9}, device="cpu")
+    assert handle.stats().host_bytes == 0 and not list(tmp_path.rglob("*.block"))  # read from the checkpoint
+    victim = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    before = os.stat(victim)
+    with open(victim, "ab") as f:
+        f.write(b"\0" * 8)  # the checkpoint rewritten under a running pipeline
+    with pytest.raises(CheckpointChangedError, match=str(victim)):
+        generate(pipe, "wan")
+    os.truncate(victim, before.st_size)
+    os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))  # as it was: reads work again
+    handle.disable()
+    after = snapshot(pipe.transformer)
+    assert all(torch.equal(after[k], v) for k, v in expected_weights.items())

@@ -54,6 +54,10 @@ class SpillFileError(TransferError):
     """A spill file of the disk tier is missing, truncated or corrupt (the message names the file)."""
 
 
+class CheckpointChangedError(TransferError):
+    """A checkpoint file the disk tier reads blocks from was replaced, truncated or removed since enable."""
+
+
 def default_spill_root() -> Path:
     from layerstream.models.cache import cache_root  # the cache module reads the environment on every call
 
@@ -62,22 +66,41 @@ def default_spill_root() -> Path:
 
 class _CheckpointSource:
     """A block backed by checkpoint file bytes: (file range, offset in the packed block) per span, and the few
-    spans made in memory as (host bytes, offset)."""
+    spans made in memory as (host bytes, offset). Each file's size and modification time are noted when the
+    block is staged and checked before every read: a checkpoint replaced or truncated since is an error naming
+    it, not another model's weights."""
 
     def __init__(self, ranges: list[tuple[FileRange, int]], in_memory: list[tuple[torch.Tensor, int]]):
         self.ranges = ranges
         self.in_memory = in_memory
         self.host_bytes = sum(t.numel() for t, _ in in_memory)
+        self.stamps = {r.path: _stamp(r.path) for r, _ in ranges}
 
     def describe(self) -> str:
         return ", ".join(sorted({os.path.basename(r.path) for r, _ in self.ranges}))
 
     def read_into_(self, buffer: torch.Tensor, reader: FileReader) -> int:
+        for path, stamp in self.stamps.items():
+            try:
+                now = _stamp(path)
+            except OSError as e:
+                raise CheckpointChangedError(f"checkpoint file {path} cannot be read: {e}") from e
+            if now != stamp:
+                raise CheckpointChangedError(
+                    f"checkpoint file {path} changed since offload was enabled (size, modification time {now} "
+                    f"instead of {stamp}); its blocks are read from it at every use: disable offload before "
+                    "replacing the files"
+                )
         for source, dst in self.ranges:
             reader.read_into_(buffer[dst : dst + source.nbytes], source)
         for chunk, dst in self.in_memory:
             buffer[dst : dst + chunk.numel()].copy_(chunk)
         return sum(r.nbytes for r, _ in self.ranges)
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
 
 
 class _SpillSource:
