@@ -156,7 +156,7 @@ def with_disk_tier(stores: Mapping[str, HostStore], placement: Placement, disk_d
     tier = placement.host_tier
     if tier is None or not tier.disk_block_paths:
         return dict(stores)
-    disk = DiskHostStore(disk_dir)
+    disk = DiskHostStore(disk_dir, read_ahead=tier.next_on_disk)
     tiered: dict[int, TieredHostStore] = {}
     for store in stores.values():
         if id(store) not in tiered:

@@ -177,12 +177,10 @@ def test_tiny_wan_with_half_its_blocks_on_disk_generates_bit_identically(tmp_pat
     assert _spill_files(tmp_path) == []
 
 
-def test_the_staging_ring_path_gives_the_packed_bytes(tmp_path):
-    """The accelerator path (disk -> staging buffer -> slot), run without an accelerator: a ring for a non-CPU
-    device without CUDA events copies into the slot in step."""
-    from layerstream.runtime.disk_store import NUM_STAGING_BUFFERS, DiskHostStore, StagingRing
+def _staged_on_disk(pipe, tmp_path):
+    """The DiT blocks of `pipe` in a disk store of their own (spilled), and each block's packed bytes."""
+    from layerstream.runtime.disk_store import DiskHostStore
 
-    pipe = make_my_pipeline()
     layouts = [BlockLayout(f"b{i}", b) for i, b in enumerate(pipe.transformer.blocks)]
     packed = []
     for layout in layouts:
@@ -194,16 +192,51 @@ def test_the_staging_ring_path_gives_the_packed_bytes(tmp_path):
     store.check_layouts_(layouts, slot_nbytes)
     stored = [store.stage_(layout, torch.device("cpu"), None) for layout in layouts]
     store.commit_()
+    return store, stored, packed, slot_nbytes
+
+
+def test_the_staging_ring_reads_ahead_along_the_chain(tmp_path):
+    """The accelerator path (disk -> staging buffer -> slot, reading the next disk block ahead on an I/O
+    thread), run without an accelerator: a ring for a device without CUDA events copies into the slot in step."""
+    from layerstream.runtime.disk_store import NUM_STAGING_BUFFERS, StagingRing
+
+    store, stored, packed, slot_nbytes = _staged_on_disk(make_my_pipeline(), tmp_path)
     ring = StagingRing(slot_nbytes, torch.device("meta"), None)
     assert len(ring.buffers) == NUM_STAGING_BUFFERS and all(b.numel() == slot_nbytes for b in ring.buffers)
     slot = torch.empty(slot_nbytes, dtype=torch.uint8)
-    for _ in range(2):  # round the ring more than once
-        for block, want in zip(stored, packed):
-            assert ring.copy_(block.read_into_, block.layout.nbytes, slot) == block.layout.nbytes
+    n = len(stored)
+    for _ in range(3):  # the cyclic order of steps: after the very first block, every read was done ahead
+        for k, (block, want) in enumerate(zip(stored, packed)):
+            assert ring.copy_(block, slot, stored[(k + 1) % n]) == block.layout.nbytes
             assert torch.equal(slot[: want.numel()], want)
+    assert (ring.num_read_ahead_hits, ring.num_read_ahead_misses) == (3 * n - 1, 0)
+    # a changed order (a skipped block): the mispredicted read is dropped, the right block read in step
+    for k in (0, 2, 1):
+        ring.copy_(stored[k], slot, stored[(k + 1) % n])
+        assert torch.equal(slot[: packed[k].numel()], packed[k])
+    assert ring.num_read_ahead_misses == 2
     ring.close_()
     store.restore_(torch.device("cpu"))
     assert _spill_files(tmp_path) == []
+
+
+def test_a_damaged_block_read_ahead_is_an_error_when_it_is_used_not_before(tmp_path):
+    from layerstream.runtime.disk_store import StagingRing
+
+    store, stored, packed, slot_nbytes = _staged_on_disk(make_my_pipeline(), tmp_path)
+    ring = StagingRing(slot_nbytes, torch.device("meta"), None)
+    slot = torch.empty(slot_nbytes, dtype=torch.uint8)
+    victim = stored[1].source.path
+    victim.write_bytes(victim.read_bytes()[:-3])
+    ring.copy_(stored[0], slot, stored[1])  # the read-ahead of block 1 fails on the I/O thread: nothing yet
+    ring.copy_(stored[2], slot, stored[3])  # a miss: block 1's failed read is dropped, not raised here
+    assert torch.equal(slot[: packed[2].numel()], packed[2])
+    ring.copy_(stored[3], slot, stored[1])
+    with pytest.raises(SpillFileError, match=victim.name):
+        ring.copy_(stored[1], slot, stored[2])
+    ring.close_()
+    with pytest.raises(SpillFileError):
+        store.restore_(torch.device("cpu"))
 
 
 def test_a_checkpoint_file_changed_after_enable_is_a_clear_error(tmp_path):
@@ -233,3 +266,33 @@ def test_a_checkpoint_file_changed_after_enable_is_a_clear_error(tmp_path):
     handle.disable()
     after = snapshot(pipe.transformer)
     assert all(torch.equal(after[k], v) for k, v in expected_weights.items())
+
+
+def test_the_accelerator_engine_streams_disk_blocks_and_reports_a_bad_file_at_wait_ready(tmp_path):
+    """The accelerator engine (its CUDA calls recorded by a stand-in) runs disk jobs on the compute thread:
+    outputs bit-identical, only host blocks are registered (pinned), a damaged spill file is a TransferError."""
+    from layerstream.runtime.copy_engine import AcceleratorCopyEngine
+    from test_accelerator_protocol import Recorder
+
+    pipe = make_my_pipeline()
+    ids, x = toy_inputs()
+    expected = run(pipe, (ids, x))
+    sizes = _block_nbytes(pipe)
+    recorder = Recorder()
+
+    def factory(device, num_slots):
+        return AcceleratorCopyEngine(device, num_slots, api=recorder)
+
+    budget = 2 * max(sizes.values())
+    handle = enable_offload(pipe, _config(budget, tmp_path), device="cpu", engine_factory=factory)
+    registered = [e for e in recorder.log if e[0] == "host_register"]
+    assert len(registered) == len(handle.placement.host_tier.host_block_paths) == 2
+    for _ in range(2):
+        assert torch.equal(run(pipe, (ids, x)), expected)
+    victim = _spill_files(tmp_path)[-1]
+    victim.write_bytes(victim.read_bytes()[:-1])
+    with pytest.raises(TransferError, match=victim.name):
+        run(pipe, (ids, x))
+    with pytest.raises(SpillFileError):
+        handle.disable()
+    assert _spill_files(tmp_path) == []

@@ -82,6 +82,8 @@ class HostTierChoice:
     host_nbytes: int
     """Host bytes of the host blocks (each block's packed bytes)."""
     reason: str
+    next_on_disk: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """Disk block -> the disk block its chain runs next (cyclic): what a disk read-ahead reads next."""
 
     def on_disk(self, path: str) -> bool:
         return path in self.disk_block_paths
@@ -219,10 +221,13 @@ def _choose_host_tier(chains: list[PrefetchChain], host_nbytes: Mapping[str, int
         counts[i] += 1
     host: list[str] = []
     disk: list[str] = []
+    next_on_disk: dict[str, str] = {}
     for chain, count in zip(chains, counts):
         kept = set(spread_indices(len(chain.block_paths), count))
-        for j, path in enumerate(chain.block_paths):
-            (host if j in kept else disk).append(path)
+        mine = [p for j, p in enumerate(chain.block_paths) if j not in kept]
+        host += [p for j, p in enumerate(chain.block_paths) if j in kept]
+        disk += mine
+        next_on_disk |= {p: mine[(k + 1) % len(mine)] for k, p in enumerate(mine)}
     total = sum(host_nbytes[p] for c in chains for p in c.block_paths)
     if not disk:
         reason = f"host_budget_gb={budget_gb:g} holds every streamed block ({total / GB:.3g} GB)"
@@ -231,7 +236,7 @@ def _choose_host_tier(chains: list[PrefetchChain], host_nbytes: Mapping[str, int
             f"host_budget_gb={budget_gb:g} holds {used / GB:.3g} of {total / GB:.3g} GB of streamed blocks; the host "
             "blocks are a fixed set spread through each chain, the others are read from disk at every use"
         )
-    return HostTierChoice(budget, tuple(host), tuple(disk), used, reason)
+    return HostTierChoice(budget, tuple(host), tuple(disk), used, reason, MappingProxyType(next_on_disk))
 
 
 def _chains_of(comp: ResolvedComponent) -> list[list[str]]:

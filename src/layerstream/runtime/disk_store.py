@@ -12,10 +12,11 @@ A block placed on disk (`Placement.host_tier`) comes from one of two places:
   picture. `restore_` and `rollback_` read the blocks back into real tensors and remove the folder.
 
 On the CPU a slot is host memory, so the copy job reads the bytes straight into it (on the engine's copy
-thread, beside compute). On an accelerator the job reads into a pinned staging buffer of a ring of two and
-copies that to the device slot asynchronously. The accelerator engine runs jobs on the calling thread, which is
-the compute thread: the read is synchronous there, and compute waits for the disk while it reads. A read-ahead
-I/O thread filling the staging ring ahead of the learned order would hide it; that is not built yet.
+thread, beside compute). On an accelerator the job runs on the compute thread (the engine issues copies from
+it), so the disk read must not happen there: a `StagingRing` of two pinned buffers is filled by a read-ahead
+I/O thread along each chain's declared order of disk blocks, and the job only issues the device copy from the
+buffer already read (reading synchronously only when the prediction missed: the first block, skipped blocks,
+an order the model changed).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import shutil
 import struct
 import tempfile
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -197,7 +199,7 @@ class DiskBlock:
                 return self.layout.nbytes
 
             return job
-        return lambda: self.store.staging.copy_(self.read_into_, self.layout.nbytes, slot_buffer)
+        return lambda: self.store.staging.copy_(self, slot_buffer, self.store.next_after(self.path))
 
     def read_into_(self, buffer: torch.Tensor) -> None:
         """Fill `buffer` (uint8, CPU, `layout.nbytes`) with the block's packed bytes."""
@@ -224,8 +226,10 @@ class DiskHostStore:
 
     kind = "disk"
 
-    def __init__(self, disk_dir: str | os.PathLike | None = None):
+    def __init__(self, disk_dir: str | os.PathLike | None = None, read_ahead: Mapping[str, str] | None = None):
         self.root = Path(disk_dir).expanduser() if disk_dir is not None else default_spill_root()
+        self.read_ahead: Mapping[str, str] = read_ahead or {}
+        """Disk block -> the disk block to read ahead after it (accelerator only)."""
         self.blocks: dict[str, DiskBlock] = {}
         self.disk_bytes_read = 0
         """Bytes read from disk (checkpoint files and spill files) since enable."""
@@ -240,6 +244,9 @@ class DiskHostStore:
     def __repr__(self) -> str:
         spilled = sum(isinstance(b.source, _SpillSource) for b in self.blocks.values())
         return f"DiskHostStore({len(self.blocks)} blocks, {spilled} spilled to {self.folder})"
+
+    def next_after(self, path: str) -> DiskBlock | None:
+        return self.blocks.get(self.read_ahead.get(path, ""))
 
     def slot_nbytes(self, layout: BlockLayout) -> int:
         return layout.nbytes
@@ -293,16 +300,23 @@ class DiskHostStore:
 
     def rollback_(self) -> None:
         self.commit_()
+        self._close_staging_()
         try:
             self._restore_blocks_(lambda block: block.original_device)
         finally:
             self._release_()
 
     def restore_(self, device: torch.device) -> None:
+        self._close_staging_()  # first: a read-ahead in flight uses the reader the restore reads with
         try:
             self._restore_blocks_(lambda block: device)
         finally:
             self._release_()
+
+    def _close_staging_(self) -> None:
+        if self.staging is not None:
+            self.staging.close_()
+            self.staging = None
 
     def _restore_blocks_(self, device_of) -> None:
         """Every block gets real tensors again, read (and checked) from disk; the first failure is raised after
@@ -323,22 +337,25 @@ class DiskHostStore:
 
     def _release_(self) -> None:
         """Stop reading, free the staging ring and remove the spill files (the engine is closed: nothing reads)."""
+        self._close_staging_()
         self.reader.close()
-        if self.staging is not None:
-            self.staging.close_()
-            self.staging = None
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
 
 
 class StagingRing:
-    """Accelerator only: host buffers (pinned where the engine can pin) that disk blocks are read into, then
-    copied to the device slot asynchronously. The read is synchronous on the thread running the copy job: the
-    accelerator engine runs jobs on the compute thread (see the module docstring)."""
+    """Accelerator only: two host buffers (pinned where the engine can pin) that disk blocks are read into, then
+    copied to the device slot asynchronously, with a read-ahead on an I/O thread.
 
-    def __init__(self, nbytes: int, device: torch.device, pin: Pinner | None, num_buffers: int = NUM_STAGING_BUFFERS):
-        self.buffers = [torch.empty(max(nbytes, 1), dtype=torch.uint8) for _ in range(num_buffers)]
+    The accelerator engine runs copy jobs on the compute thread. A job for block B takes B's bytes from the
+    buffer the read-ahead filled (when it predicted B; else it reads B there and then, synchronously), issues
+    the device copy from it, and starts reading the block predicted next (`HostTierChoice.next_on_disk`: the
+    next disk block of B's chain) into the other buffer on the I/O thread. So while the blocks between two disk
+    blocks compute, the disk reads the next one: disk, link and compute run as three stages."""
+
+    def __init__(self, nbytes: int, device: torch.device, pin: Pinner | None):
+        self.buffers = [torch.empty(max(nbytes, 1), dtype=torch.uint8) for _ in range(NUM_STAGING_BUFFERS)]
         self._pinner: Pinner | None = None
         if pin is not None:
             pinned = [b for b in self.buffers if pin.pin_(b)]
@@ -351,29 +368,68 @@ class StagingRing:
         # CUDA events (or pinned memory) the copies are synchronous and need none
         cuda = device.type == "cuda" and self._pinner is not None
         self._copied = [torch.cuda.Event() if cuda else None for _ in self.buffers]
-        self._next = 0
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-disk-ahead")
+        self._ahead: tuple[str, int, Future] | None = None  # (block path, buffer, read in flight)
+        self._last = 1  # the buffer the latest device copy came from
+        self.num_read_ahead_hits = 0
+        self.num_read_ahead_misses = 0
 
-    def copy_(self, read_into: Callable[[torch.Tensor], None], nbytes: int, slot_buffer: torch.Tensor) -> int:
-        """`read_into(buffer)` fills the next staging buffer (and checks it), which is then copied to the slot on
-        the current stream (the engine's copy stream while a job runs)."""
-        i = self._next
-        self._next = (i + 1) % len(self.buffers)
-        copied = self._copied[i]
-        if copied is not None:
-            # host-side wait: the previous device copy out of this buffer must finish before the disk read
-            # overwrites it (with two buffers it was issued one block ago, so it has usually finished)
-            copied.synchronize()
+    def copy_(self, block: DiskBlock, slot_buffer: torch.Tensor, next_block: DiskBlock | None = None) -> int:
+        """Fill `slot_buffer[:nbytes]` with `block`'s bytes (checked) through a staging buffer, then start
+        reading `next_block` ahead. Runs on the thread of the copy job, on its stream."""
+        nbytes = block.layout.nbytes
+        i = self._take_(block)
         staging = self.buffers[i][:nbytes]
-        read_into(staging)  # checked before any byte reaches the slot: a bad file never gives a picture
+        copied = self._copied[i]
         if copied is None:
             slot_buffer[:nbytes].copy_(staging)  # no event to tell when an asynchronous copy is done: in step
         else:
             slot_buffer[:nbytes].copy_(staging, non_blocking=True)
             copied.record()  # on the current stream: the engine's copy stream while the job runs
+        self._last = i
+        if next_block is not None and next_block is not block:
+            self._read_ahead_(next_block, 1 - i)
         return nbytes
 
+    def _take_(self, block: DiskBlock) -> int:
+        """The buffer holding `block`'s bytes: the read-ahead's when it read this block, else read now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            path, i, future = ahead
+            if path == block.path:
+                self.num_read_ahead_hits += 1
+                future.result()  # compute waits here only if the disk has not finished yet; a bad file raises
+                return i
+            self.num_read_ahead_misses += 1
+            try:
+                future.result()  # a mispredicted read still owns the buffer until it ends
+            except (OSError, TransferError):
+                logger.debug("read-ahead of %s failed; it is read again when it runs", path, exc_info=True)
+            free = i  # holds nothing anyone needs, and no device copy reads it
+        else:
+            free = 1 - self._last
+            self._wait_copied_(free)
+        block.read_into_(self.buffers[free][: block.layout.nbytes])  # checked before any byte reaches the slot
+        return free
+
+    def _read_ahead_(self, block: DiskBlock, i: int) -> None:
+        def read() -> None:
+            self._wait_copied_(i)
+            block.read_into_(self.buffers[i][: block.layout.nbytes])
+
+        self._ahead = (block.path, i, self._io.submit(read))
+
+    def _wait_copied_(self, i: int) -> None:
+        copied = self._copied[i]
+        if copied is not None:
+            # host-side wait (on the I/O thread for a read-ahead): the device copy out of this buffer must finish
+            # before a disk read overwrites it; it was issued a block ago, so it has usually finished
+            copied.synchronize()
+
     def close_(self) -> None:
-        """Free the buffers (the engine is closed: no copy reads them any more)."""
+        """Wait for the read-ahead, then free the buffers (the engine is closed: no device copy reads them)."""
+        self._io.shutdown(wait=True)
+        self._ahead = None
         if self._pinner is not None:
             for b in self.buffers:
                 self._pinner.unpin_(b)
