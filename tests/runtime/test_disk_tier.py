@@ -296,3 +296,20 @@ def test_the_accelerator_engine_streams_disk_blocks_and_reports_a_bad_file_at_wa
     with pytest.raises(SpillFileError):
         handle.disable()
     assert _spill_files(tmp_path) == []
+
+
+def test_a_simulated_disk_makes_reads_last_as_long_as_on_that_disk(tmp_path):
+    pipe = make_my_pipeline()
+    ids, x = toy_inputs()
+    expected = run(pipe, (ids, x))
+    gbps = 0.0005  # 0.5 MB/s: a ~17 KB block takes ~35 ms to read
+    handle = enable_offload(pipe, _config(1, tmp_path), device="cpu", simulated_disk_gbps=gbps)
+    assert torch.equal(run(pipe, (ids, x)), expected)  # the first forward learns the order
+    handle.reset_trace()
+    assert torch.equal(run(pipe, (ids, x)), expected)
+    copies = handle.trace().lane("copy")
+    smallest = min(b.host.layout.nbytes for b in handle.streamer.blocks)  # every block is on disk here
+    assert copies and all(c.end - c.start >= 0.9 * smallest / (gbps * 1e9) for c in copies)
+    handle.disable()
+    with pytest.raises(Exception, match="simulated_disk_gbps = 0 is not valid"):
+        enable_offload(make_my_pipeline(), _config(1, tmp_path), device="cpu", simulated_disk_gbps=0)

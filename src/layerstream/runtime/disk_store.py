@@ -27,6 +27,7 @@ import re
 import shutil
 import struct
 import tempfile
+import time
 import zlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -195,7 +196,7 @@ class DiskBlock:
             destination = slot_buffer[: self.layout.nbytes]
 
             def job() -> int:  # the CPU slot is host memory: read straight into it
-                self.store.disk_bytes_read += self.source.read_into_(destination, self.store.reader)
+                self.read_into_(destination)
                 return self.layout.nbytes
 
             return job
@@ -203,7 +204,14 @@ class DiskBlock:
 
     def read_into_(self, buffer: torch.Tensor) -> None:
         """Fill `buffer` (uint8, CPU, `layout.nbytes`) with the block's packed bytes."""
-        self.store.disk_bytes_read += self.source.read_into_(buffer, self.store.reader)
+        start = time.perf_counter()
+        nbytes = self.source.read_into_(buffer, self.store.reader)
+        self.store.disk_bytes_read += nbytes
+        gbps = self.store.simulated_gbps
+        if gbps is not None:
+            remaining = nbytes / (gbps * 1e9) - (time.perf_counter() - start)
+            if remaining > 0:
+                time.sleep(remaining)  # the simulated disk: the read lasts as long as it would on that disk
 
     def host_range(self, start: int, nbytes: int) -> torch.Tensor:
         self._refuse("backward through it")
@@ -226,7 +234,14 @@ class DiskHostStore:
 
     kind = "disk"
 
-    def __init__(self, disk_dir: str | os.PathLike | None = None, read_ahead: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        disk_dir: str | os.PathLike | None = None,
+        read_ahead: Mapping[str, str] | None = None,
+        simulated_gbps: float | None = None,
+    ):
+        self.simulated_gbps = simulated_gbps
+        """CPU measurements: every read lasts at least as long as on a disk of this bandwidth."""
         self.root = Path(disk_dir).expanduser() if disk_dir is not None else default_spill_root()
         self.read_ahead: Mapping[str, str] = read_ahead or {}
         """Disk block -> the disk block to read ahead after it (accelerator only)."""
