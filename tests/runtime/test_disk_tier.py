@@ -55,7 +55,9 @@ def test_blocks_beyond_the_budget_stream_from_spill_files_bit_identically(tmp_pa
     assert stats.host_bytes == sum(sizes[p] for p in tier.host_block_paths)
     transfers = handle.block_transfers()
     assert all(transfers[p] >= 3 for p in tier.disk_block_paths)
-    assert stats.disk_bytes_read == sum(transfers[p] * sizes[p] for p in tier.disk_block_paths)
+    issued = sum(transfers[p] * sizes[p] for p in tier.disk_block_paths)
+    # bytes count when read; the last block's prefetch of the first may still be reading on the copy thread
+    assert issued - max(sizes.values()) <= stats.disk_bytes_read <= issued
     assert "read from disk" in str(stats)
     handle.disable()
     assert _spill_files(tmp_path) == []  # the spill files go with disable
