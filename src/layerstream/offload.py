@@ -2,7 +2,8 @@
 
 This is where the layers meet: the config is read and resolved into a plan (`plan/`), the host store of each
 streamed component is chosen (the local packed store, or the sharded allgather store from `distributed/`), the
-placement decides where every block goes, and a mode backend of `runtime/` applies it. The handle it returns
+placement decides where every block goes (with `host_budget_gb`, the blocks it puts on disk go to a disk store
+beside the host store: `with_disk_tier`), and a mode backend of `runtime/` applies it. The handle it returns
 reports and undoes it.
 """
 
@@ -20,6 +21,7 @@ from layerstream.errors import LayerstreamError, OffloadError
 from layerstream.plan.placement import Placement, needs_device_budget, place_blocks, read_device_budget
 from layerstream.plan.resolved import ResolvedOffloadPlan, lookup
 from layerstream.runtime.copy_engine import make_copy_engine
+from layerstream.runtime.disk_store import DiskHostStore
 from layerstream.runtime.handle import OffloadHandle
 from layerstream.runtime.layer_mode import EngineFactory, apply_layer_mode, distinct_stores
 from layerstream.runtime.layout import BlockLayout
@@ -29,6 +31,7 @@ from layerstream.runtime.protocols import HostStore
 from layerstream.runtime.guards import guard_module_, guard_pipeline_
 from layerstream.runtime.safety import check_no_foreign_offload, check_no_shared_block_tensors
 from layerstream.runtime.tensors import named_tensors
+from layerstream.runtime.tiered_store import TieredHostStore
 from layerstream.runtime.undo import UndoStack
 
 logger = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ def enable_offload(
     device: torch.device | str | None = None,
     *,
     simulated_link_gbps: float | None = None,
+    simulated_disk_gbps: float | None = None,
     trace: bool = False,
     process_group=None,
     engine_factory: EngineFactory | None = None,
@@ -61,7 +65,8 @@ def enable_offload(
 ) -> OffloadHandle:
     """Enable offload on `pipeline` as `config` selects and return the handle that reports and undoes it.
 
-    `device` defaults to the current CUDA device, else the CPU. `simulated_link_gbps` (CPU only) throttles the
+    `device` defaults to the current CUDA device, else the CPU. `simulated_disk_gbps` (CPU only) makes every read
+    of the disk tier (`host_budget_gb`) last as long as it would on a disk of that bandwidth. `simulated_link_gbps` (CPU only) throttles the
     copy thread to a link of that bandwidth. `trace` records accelerator timing events for `handle.trace()`
     (the CPU engine always records). `engine_factory(device, num_slots)` and `store_factory(component_path)`
     replace the copy engine and the host stores (instrumentation: wrap the defaults to observe or inject).
@@ -78,6 +83,7 @@ def enable_offload(
 
     plan = resolve_offload_plan(pipeline, config)
     device = _check_device(device, simulated_link_gbps)
+    _check_device(device, simulated_disk_gbps, "simulated_disk_gbps")
     components = {c.path: lookup(pipeline, c.path) for c in plan.components}
     _check_components(plan, components)
     if engine_factory is None:
@@ -98,6 +104,7 @@ def enable_offload(
     try:
         layouts = block_layouts(pipeline, plan, device)
         placement = place_for(plan, layouts, component_stores, device)
+        component_stores = with_disk_tier(component_stores, placement, config.disk_dir, simulated_disk_gbps)
         block_modules = {p: lookup(pipeline, p) for p in placement.streamed_block_paths}
         check_no_shared_block_tensors(plan.pipeline_class, components, block_modules)
     except BaseException as e:
@@ -145,6 +152,23 @@ def place_for(
     return place_blocks(plan, slot_nbytes, budget)
 
 
+def with_disk_tier(
+    stores: Mapping[str, HostStore], placement: Placement, disk_dir: str | None, disk_gbps: float | None = None
+) -> dict[str, HostStore]:
+    """Where the placement puts blocks on disk (`host_budget_gb`), each component's store becomes a tiered store:
+    its own store for the host blocks, one disk store for the disk blocks. Decided after the placement, which
+    needs only the stores' slot bytes; the host store of the tiered one lays blocks out the same way."""
+    tier = placement.host_tier
+    if tier is None or not tier.disk_block_paths:
+        return dict(stores)
+    disk = DiskHostStore(disk_dir, read_ahead=tier.next_on_disk, simulated_gbps=disk_gbps)
+    tiered: dict[int, TieredHostStore] = {}
+    for store in stores.values():
+        if id(store) not in tiered:
+            tiered[id(store)] = TieredHostStore(store, disk, tier)
+    return {path: tiered[id(store)] for path, store in stores.items()}
+
+
 def plan_placement(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device | None = None) -> Placement:
     """The placement `enable_offload` would use on `device`, for one process (every block in the local store);
     moves nothing. Raises `OffloadError` where residency "auto" has no budget to read."""
@@ -182,7 +206,7 @@ def store_factory_for(plan: ResolvedOffloadPlan, device: torch.device, process_g
     return store_for
 
 
-def _check_device(device, simulated_link_gbps) -> torch.device:
+def _check_device(device, simulated_link_gbps, name: str = "simulated_link_gbps") -> torch.device:
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -190,9 +214,9 @@ def _check_device(device, simulated_link_gbps) -> torch.device:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
     if simulated_link_gbps is not None and device.type != "cpu":
-        raise OffloadError(f"simulated_link_gbps = {simulated_link_gbps!r} applies only to the CPU device, not {device}")
+        raise OffloadError(f"{name} = {simulated_link_gbps!r} applies only to the CPU device, not {device}")
     if simulated_link_gbps is not None and (isinstance(simulated_link_gbps, bool) or not simulated_link_gbps > 0):
-        raise OffloadError(f"simulated_link_gbps = {simulated_link_gbps!r} is not valid; expected a number > 0")
+        raise OffloadError(f"{name} = {simulated_link_gbps!r} is not valid; expected a number > 0")
     return device
 
 

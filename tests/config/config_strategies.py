@@ -25,7 +25,7 @@ from layerstream.config.offload_config import (
     parse_offload_config,
 )
 
-TOP_LEVEL_KEYS = ("mode", "components", "layer_options", "pin_memory")
+TOP_LEVEL_KEYS = ("mode", "components", "layer_options", "pin_memory", "host_budget_gb", "disk_dir")
 OPTION_KEYS = ("weight_transfer", "prefetch_depth")
 DIT_ONLY_KEYS = ("resident_layers", "device_budget_gb", "activation_reserve_gb")
 GB_KEYS = ("device_budget_gb", "activation_reserve_gb")
@@ -37,6 +37,10 @@ arbitrary_json = st.recursive(
     max_leaves=20,
 )
 gigabytes = st.integers(0, 200) | st.floats(0, 1e6, allow_nan=False, allow_infinity=False)
+positive_gigabytes = st.integers(1, 200) | st.floats(1e-9, 1e6, allow_nan=False, allow_infinity=False)
+paths = st.sampled_from(["/tmp/spill", "spill", "~/.cache/x", "D:\\spill"]) | st.text(min_size=1, max_size=12).filter(
+    lambda t: "\x00" not in t
+)
 
 
 def key_path(base: str, key: str) -> str:
@@ -83,7 +87,15 @@ def valid_configs(draw) -> dict[str, Any]:
     if mode == "layer" and draw(st.booleans()):
         names = draw(st.lists(st.sampled_from(components), unique=True))  # may be none: {} is accepted
         obj["layer_options"] = {name: draw(_component_options(name)) for name in names}
+    if mode == "layer" and not _any_allgather(obj) and draw(st.booleans()):
+        obj["host_budget_gb"] = draw(positive_gigabytes)
+        if draw(st.booleans()):
+            obj["disk_dir"] = draw(paths)
     return _shuffled(draw, obj)
+
+
+def _any_allgather(obj: dict) -> bool:
+    return any(o.get("weight_transfer") == "allgather" for o in obj.get("layer_options", {}).values())
 
 
 # --- one fault, and the key path it must be reported at ---------------------------------------------------
@@ -233,17 +245,48 @@ def _budget_and_reserve(draw, obj):
     return "layer_options.dit.activation_reserve_gb"
 
 
+def _bad_host_budget(draw, obj):
+    zero_or_less = st.sampled_from([0, 0.0, -1, -1e-9]) | st.integers(max_value=0) | st.floats(max_value=0)
+    not_finite = st.sampled_from([float("nan"), float("inf"), 10**400])
+    not_a_number = arbitrary_json.filter(lambda v: isinstance(v, bool) or not isinstance(v, (int, float)))
+    obj["host_budget_gb"] = draw(zero_or_less | not_finite | not_a_number)
+    return "host_budget_gb"
+
+
+def _host_budget_in_module_mode(draw, obj):
+    obj["host_budget_gb"] = draw(positive_gigabytes)
+    return "host_budget_gb"
+
+
+def _host_budget_with_allgather(draw, obj):
+    name = draw(st.sampled_from(obj["components"]))
+    _options_of(obj, name)["weight_transfer"] = "allgather"
+    obj["host_budget_gb"] = draw(positive_gigabytes)
+    return "host_budget_gb"
+
+
+def _bad_disk_dir(draw, obj):
+    obj["disk_dir"] = draw(st.sampled_from(["", "a\x00b"]) | arbitrary_json.filter(lambda v: not isinstance(v, str)))
+    return "disk_dir"
+
+
+def _disk_dir_without_budget(draw, obj):
+    obj.pop("host_budget_gb", None)
+    obj["disk_dir"] = draw(paths)
+    return "disk_dir"
+
+
 def _mutations_for(obj: dict) -> list[Mutation]:
     """The faults that apply to this valid config (some need layer mode, a DiT, or a text encoder)."""
     mutations: list[Mutation] = [
         _bad_mode, _missing_mode, _missing_components, _bad_components, _bad_component_entry,
-        _duplicate_component, _unknown_top_level_key, _bad_pin_memory,
+        _duplicate_component, _unknown_top_level_key, _bad_pin_memory, _bad_disk_dir, _disk_dir_without_budget,
     ]  # fmt: skip
     if obj["mode"] == "module":
-        return [*mutations, _layer_options_in_module_mode]
+        return [*mutations, _layer_options_in_module_mode, _host_budget_in_module_mode]
     mutations += [
         _layer_options_not_an_object, _options_for_an_unselected_component, _component_options_not_an_object,
-        _unknown_option_key, _bad_weight_transfer, _bad_prefetch_depth,
+        _unknown_option_key, _bad_weight_transfer, _bad_prefetch_depth, _bad_host_budget, _host_budget_with_allgather,
     ]  # fmt: skip
     if "dit" in obj["components"]:
         mutations += [_bad_resident_layers, _bad_gigabytes, _gigabytes_without_auto, _budget_and_reserve]
@@ -259,7 +302,8 @@ MUTATIONS: dict[str, Mutation] = {
         _unknown_top_level_key, _bad_pin_memory, _layer_options_in_module_mode, _layer_options_not_an_object,
         _options_for_an_unselected_component, _component_options_not_an_object, _unknown_option_key,
         _bad_weight_transfer, _bad_prefetch_depth, _bad_resident_layers, _bad_gigabytes, _gigabytes_without_auto,
-        _budget_and_reserve, _dit_only_key_on_text_encoder,
+        _budget_and_reserve, _dit_only_key_on_text_encoder, _bad_host_budget, _host_budget_in_module_mode,
+        _host_budget_with_allgather, _bad_disk_dir, _disk_dir_without_budget,
     )
 }  # fmt: skip
 """Every fault by name."""
@@ -309,7 +353,12 @@ _component_lists = (
 
 near_valid_configs = st.fixed_dictionaries(
     {"mode": _vocabulary(["layer", "module"]), "components": _component_lists},
-    optional={"layer_options": _layer_options, "pin_memory": _vocabulary([True, False])},
+    optional={
+        "layer_options": _layer_options,
+        "pin_memory": _vocabulary([True, False]),
+        "host_budget_gb": _vocabulary([0.5, 2, 0, -1]),
+        "disk_dir": _vocabulary(["/tmp/spill", ""]),
+    },
 ) | st.fixed_dictionaries(
     {},
     optional={

@@ -209,6 +209,8 @@ ROUND_TRIP_CASES = [
         "components": ["text_encoder", "dit"],
         "layer_options": {"dit": {"resident_layers": 4}, "text_encoder": {"prefetch_depth": 8}},
     },
+    {**DIT, "host_budget_gb": 0.25},
+    {**DIT, "host_budget_gb": 32, "disk_dir": "/tmp/layerstream-spill"},
 ]
 
 
@@ -440,3 +442,35 @@ def test_long_values_are_shortened_in_the_message():
 def test_message_format_is_stable():
     err = assert_rejected({**DIT, "pin_memory": 1}, "pin_memory", "1")
     assert re.fullmatch(r"diffusion_offload_config: pin_memory = 1 is not valid; expected true or false", str(err))
+
+
+# --- host budget and disk tier ----------------------------------------------------------------------------
+
+
+def test_host_budget_and_disk_dir_are_read():
+    config = parse_offload_config({**DIT, "host_budget_gb": 24, "disk_dir": "/data/spill"})
+    assert config.host_budget_gb == 24.0 and config.disk_dir == "/data/spill"
+    assert parse_offload_config(DIT).host_budget_gb is None  # without the key nothing changes
+
+
+@pytest.mark.parametrize("value", [0, -1, 0.0, float("nan"), float("inf"), "8", True, None, [8], 10**400])
+def test_bad_host_budget(value):
+    assert_rejected({**DIT, "host_budget_gb": value}, "host_budget_gb", repr(value)[:10], "finite number of GB > 0")
+
+
+def test_host_budget_needs_layer_mode():
+    assert_rejected({"mode": "module", "components": ["dit"], "host_budget_gb": 8}, "host_budget_gb", "8", '"layer"')
+
+
+def test_host_budget_with_allgather_is_refused():
+    obj = {**with_dit_options(weight_transfer="allgather"), "host_budget_gb": 8}
+    assert_rejected(obj, "host_budget_gb", "8", "rank-local", "layer_options.dit.weight_transfer")
+
+
+@pytest.mark.parametrize("value", ["", "a\x00b", 3, None, ["/tmp"]])
+def test_bad_disk_dir(value):
+    assert_rejected({**DIT, "host_budget_gb": 8, "disk_dir": value}, "disk_dir", repr(value)[:4], "non-empty path string")
+
+
+def test_disk_dir_needs_a_host_budget():
+    assert_rejected({**DIT, "disk_dir": "/tmp/spill"}, "disk_dir", "'/tmp/spill'", "only used with host_budget_gb")

@@ -44,6 +44,11 @@ def _assert_invariants(config: OffloadConfig) -> None:
     assert len(set(config.components)) == len(config.components)
     assert set(config.components) <= set(allowed)
     assert isinstance(config.pin_memory, bool)
+    if config.host_budget_gb is not None:
+        assert config.mode == "layer" and math.isfinite(config.host_budget_gb) and config.host_budget_gb > 0
+        assert all(config.options_for(n).weight_transfer == "rank-local" for n in config.components)
+    if config.disk_dir is not None:
+        assert config.host_budget_gb is not None and isinstance(config.disk_dir, str) and config.disk_dir
     assert set(config.layer_options) <= set(config.components)
     if config.mode == "module":
         assert not config.layer_options
@@ -112,6 +117,8 @@ def test_documented_valid_configs_are_accepted_as_given(obj):
     assert config.mode == obj["mode"]
     assert config.components == tuple(obj["components"])
     assert config.pin_memory is obj.get("pin_memory", True)
+    assert config.host_budget_gb == obj.get("host_budget_gb")
+    assert config.disk_dir == obj.get("disk_dir")
     assert set(config.layer_options) == set(obj.get("layer_options", {}))
     for name, given_options in obj.get("layer_options", {}).items():
         options = config.options_for(name)

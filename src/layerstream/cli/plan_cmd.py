@@ -50,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
             print("residency:")
             for path, text in residency.items():
                 print(f"  {path}: {text}")
+        if placement is not None and placement.host_tier is not None:
+            print("\n".join(host_tier_lines(plan, placement)))
     return 0
 
 
@@ -73,6 +75,25 @@ def residency_lines(plan: ResolvedOffloadPlan, placement, why_not: str = "") -> 
     if placement is None:
         return {c.display_path: f"decided at enable time: {why_not}" for c in asked}
     return {c.display_path: placement.residency[c.path].describe() for c in asked}
+
+
+def host_tier_lines(plan: ResolvedOffloadPlan, placement) -> list[str]:
+    """Which streamed blocks live in host memory and which on disk (with `host_budget_gb`), and why."""
+    tier = placement.host_tier
+    sizes = placement.block_slot_nbytes
+    lines = [f"host tier: {tier.reason}"]
+    for comp in plan.streamed:
+        mine = [p for c in placement.chains if c.component == comp.path for p in c.block_paths]
+        on_disk = [p for p in mine if tier.on_disk(p)]
+        on_host = [p for p in mine if not tier.on_disk(p)]
+        if mine:
+            lines.append(
+                f"  {comp.display_path}: {len(on_host)} blocks on the host ({format_bytes(sum(sizes[p] for p in on_host))}), "
+                f"{len(on_disk)} on disk ({format_bytes(sum(sizes[p] for p in on_disk))})"
+            )
+        if on_disk:
+            lines.append(f"    on disk: {', '.join(on_disk)}")
+    return lines
 
 
 def _load(model: str) -> Any:

@@ -21,7 +21,7 @@ MODULE_COMPONENTS = ("dit", "text_encoder", "vae")
 WEIGHT_TRANSFERS = ("rank-local", "allgather")
 DEFAULT_ACTIVATION_RESERVE_GB = 4.0
 
-_TOP_LEVEL_KEYS = ("mode", "components", "layer_options", "pin_memory")
+_TOP_LEVEL_KEYS = ("mode", "components", "layer_options", "pin_memory", "host_budget_gb", "disk_dir")
 _COMMON_OPTION_KEYS = ("weight_transfer", "prefetch_depth")
 _DIT_ONLY_OPTION_KEYS = ("resident_layers", "device_budget_gb", "activation_reserve_gb")
 
@@ -72,6 +72,12 @@ class OffloadConfig:
     """Per-component layer options, as given (defaults are filled by `options_for`)."""
     pin_memory: bool = True
     """Pin host buffers when the device supports it."""
+    host_budget_gb: float | None = None
+    """Layer mode, rank-local: host memory (GB) the host store may hold for streamed blocks; the streamed
+    blocks beyond it stay on disk (the checkpoint's files, or spill files under `disk_dir`). None: no limit."""
+    disk_dir: str | None = None
+    """With `host_budget_gb`: where blocks that are not backed by checkpoint files are spilled (default: under
+    the layerstream cache)."""
 
     def __post_init__(self) -> None:
         # Freeze containers handed to the constructor, so no caller keeps a mutable alias into the config.
@@ -80,11 +86,13 @@ class OffloadConfig:
         object.__setattr__(self, "layer_options", MappingProxyType(dict(self.layer_options)))
 
     def __hash__(self) -> int:
-        return hash((self.mode, self.components, frozenset(self.layer_options.items()), self.pin_memory))
+        items = frozenset(self.layer_options.items())
+        return hash((self.mode, self.components, items, self.pin_memory, self.host_budget_gb, self.disk_dir))
 
     def __reduce__(self):
         # mappingproxy cannot be pickled or deep-copied; rebuild from plain data instead.
         state = {"mode": self.mode, "components": self.components, "pin_memory": self.pin_memory}
+        state |= {"host_budget_gb": self.host_budget_gb, "disk_dir": self.disk_dir}
         return (_rebuild, (type(self), {**state, "layer_options": dict(self.layer_options)}))
 
     def options_for(self, component: str) -> LayerOptions:
@@ -95,6 +103,10 @@ class OffloadConfig:
         out: dict[str, Any] = {"mode": self.mode, "components": list(self.components), "pin_memory": self.pin_memory}
         if self.layer_options:
             out["layer_options"] = {name: _options_dict(name, opts) for name, opts in self.layer_options.items()}
+        if self.host_budget_gb is not None:
+            out["host_budget_gb"] = self.host_budget_gb
+        if self.disk_dir is not None:
+            out["disk_dir"] = self.disk_dir
         return out
 
 
@@ -168,12 +180,49 @@ def parse_offload_config(obj: Any) -> OffloadConfig:
                 raise OffloadConfigError(_key_path("layer_options", name), opts, f"options are only for {allowed}")
             layer_options[name] = _parse_layer_options(name, opts)
 
+    host_budget_gb, disk_dir = _parse_host_tier(obj, mode, layer_options)
     return OffloadConfig(
         mode=mode,
         components=tuple(seen),
         layer_options=MappingProxyType(layer_options),
         pin_memory=pin_memory,
+        host_budget_gb=host_budget_gb,
+        disk_dir=disk_dir,
     )
+
+
+def _parse_host_tier(obj: Mapping, mode: str, layer_options: Mapping[str, LayerOptions]) -> tuple[float | None, str | None]:
+    """`host_budget_gb` (a finite number > 0, layer mode, rank-local components only) and `disk_dir` (a path,
+    only with a budget)."""
+    budget = None
+    if "host_budget_gb" in obj:
+        value = obj["host_budget_gb"]
+        allowed = "expected a finite number of GB > 0"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise OffloadConfigError("host_budget_gb", value, allowed)
+        try:
+            budget = float(value)
+        except OverflowError as e:  # an int too large for a float
+            raise OffloadConfigError("host_budget_gb", value, allowed) from e
+        if not math.isfinite(budget) or budget <= 0:
+            raise OffloadConfigError("host_budget_gb", value, allowed)
+        if mode != "layer":
+            raise OffloadConfigError("host_budget_gb", value, 'a host budget applies only to mode "layer"; remove the key')
+        sharded = [name for name, opts in layer_options.items() if opts.weight_transfer == "allgather"]
+        if sharded:
+            raise OffloadConfigError(
+                "host_budget_gb", value,
+                f'the disk tier is for "rank-local" components; layer_options.{sharded[0]}.weight_transfer is '
+                '"allgather" (its ranks share the host bytes already): remove one of the two',
+            )  # fmt: skip
+    disk_dir = None
+    if "disk_dir" in obj:
+        disk_dir = obj["disk_dir"]
+        if not isinstance(disk_dir, str) or not disk_dir or "\x00" in disk_dir:
+            raise OffloadConfigError("disk_dir", disk_dir, "expected a non-empty path string (a folder for spill files)")
+        if budget is None:
+            raise OffloadConfigError("disk_dir", disk_dir, "only used with host_budget_gb; set it or remove the key")
+    return budget, disk_dir
 
 
 def _parse_layer_options(component: str, raw: Any) -> LayerOptions:

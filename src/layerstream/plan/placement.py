@@ -14,6 +14,14 @@ back and a transfer-bound model exposes the same gap after each of them.
 
 The device budget is the one input that is not in the plan: `device_budget_gb` from the config, or the free
 memory of the device minus `activation_reserve_gb`, read by the caller (`read_device_budget`).
+
+Host tier. With `host_budget_gb`, the streamed blocks that fit in the budget are held in host memory and the
+rest are read from disk every time they run (`HostTierChoice`). The choice is static, made once here: a
+denoising loop runs the blocks in the same cyclic order every step, and on a cyclic scan larger than the cache
+least-recently-used evicts exactly the block needed next, so it would miss every block. A fixed host-resident
+subset misses only the disk blocks, every step. The host blocks are spread through each chain, as "auto"
+spreads device-resident blocks, so that every disk read has the compute and link time of the host blocks
+before it to hide in, instead of disk reads bunched back to back at the end of the stack.
 """
 
 from __future__ import annotations
@@ -63,6 +71,39 @@ class PrefetchChain:
 
 
 @dataclass(frozen=True)
+class HostTierChoice:
+    """Which streamed blocks the host store holds within `host_budget_gb` and which are read from disk, and why."""
+
+    budget_nbytes: int
+    host_block_paths: tuple[str, ...]
+    """Held in host memory (the local packed store), in chain order."""
+    disk_block_paths: tuple[str, ...]
+    """Read from disk at every use (the checkpoint's files, or spill files), in chain order."""
+    host_nbytes: int
+    """Host bytes of the host blocks (each block's packed bytes)."""
+    reason: str
+    next_on_disk: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """Disk block -> the disk block its chain runs next (cyclic): what a disk read-ahead reads next."""
+
+    def on_disk(self, path: str) -> bool:
+        return path in self.disk_block_paths
+
+    def describe(self) -> str:
+        return (
+            f"{len(self.host_block_paths)} blocks on the host, {len(self.disk_block_paths)} on disk: {self.reason}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "budget_bytes": self.budget_nbytes,
+            "host_bytes": self.host_nbytes,
+            "host_blocks": list(self.host_block_paths),
+            "disk_blocks": list(self.disk_block_paths),
+            "reason": self.reason,
+        }
+
+
+@dataclass(frozen=True)
 class Placement:
     """Where every streamable block goes (see the module docstring)."""
 
@@ -76,6 +117,8 @@ class Placement:
     """Bytes of one slot: the largest streamed block as its store lays it out, aligned."""
     block_slot_nbytes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     """Slot bytes of every streamed block."""
+    host_tier: HostTierChoice | None = None
+    """With `host_budget_gb`: which streamed blocks live in host memory and which on disk (None: all on the host)."""
 
     @property
     def ring_nbytes(self) -> int:
@@ -99,6 +142,7 @@ class Placement:
                 for path, c in self.residency.items()
             },
             "chains": [{"component": c.component, "num_blocks": len(c.block_paths), "prefetch_depth": c.prefetch_depth} for c in self.chains],
+            **({"host_tier": self.host_tier.to_dict()} if self.host_tier is not None else {}),
         }
 
 
@@ -150,7 +194,49 @@ def place_blocks(
     streamed_sizes = {p: block_slot_nbytes[p] for c in chains for p in c.block_paths}
     num_slots = max((c.prefetch_depth for c in chains), default=0) + 1 if chains else 0
     slot_nbytes = align_slot(max(streamed_sizes.values(), default=0))
-    return Placement(MappingProxyType(residency), tuple(chains), num_slots, slot_nbytes, MappingProxyType(streamed_sizes))
+    host_budget_gb = plan.config.host_budget_gb
+    host_tier = _choose_host_tier(chains, streamed_sizes, host_budget_gb) if host_budget_gb is not None else None
+    return Placement(
+        MappingProxyType(residency), tuple(chains), num_slots, slot_nbytes, MappingProxyType(streamed_sizes), host_tier
+    )
+
+
+def _choose_host_tier(chains: list[PrefetchChain], host_nbytes: Mapping[str, int], budget_gb: float) -> HostTierChoice:
+    """Hand out host-resident blocks one at a time to the chain with the smallest host fraction, spread through
+    it, while they fit in the budget (see the module docstring for why a fixed, spread subset)."""
+    budget = round(budget_gb * GB)
+    counts = [0] * len(chains)
+    used = 0
+    while True:
+        candidates = [i for i, c in enumerate(chains) if counts[i] < len(c.block_paths)]
+        if not candidates:
+            break
+        i = min(candidates, key=lambda i: counts[i] / len(chains[i].block_paths))
+        paths = chains[i].block_paths
+        before = sum(host_nbytes[paths[j]] for j in spread_indices(len(paths), counts[i]))
+        after = sum(host_nbytes[paths[j]] for j in spread_indices(len(paths), counts[i] + 1))
+        if used - before + after > budget:
+            break
+        used += after - before
+        counts[i] += 1
+    host: list[str] = []
+    disk: list[str] = []
+    next_on_disk: dict[str, str] = {}
+    for chain, count in zip(chains, counts):
+        kept = set(spread_indices(len(chain.block_paths), count))
+        mine = [p for j, p in enumerate(chain.block_paths) if j not in kept]
+        host += [p for j, p in enumerate(chain.block_paths) if j in kept]
+        disk += mine
+        next_on_disk |= {p: mine[(k + 1) % len(mine)] for k, p in enumerate(mine)}
+    total = sum(host_nbytes[p] for c in chains for p in c.block_paths)
+    if not disk:
+        reason = f"host_budget_gb={budget_gb:g} holds every streamed block ({total / GB:.3g} GB)"
+    else:
+        reason = (
+            f"host_budget_gb={budget_gb:g} holds {used / GB:.3g} of {total / GB:.3g} GB of streamed blocks; the host "
+            "blocks are a fixed set spread through each chain, the others are read from disk at every use"
+        )
+    return HostTierChoice(budget, tuple(host), tuple(disk), used, reason, MappingProxyType(next_on_disk))
 
 
 def _chains_of(comp: ResolvedComponent) -> list[list[str]]:

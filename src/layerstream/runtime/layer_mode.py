@@ -208,6 +208,7 @@ class LayerModeBackend:
             max_materialized_blocks=streamer.max_materialized if streamer else 0,
             engine=getattr(self._engine, "kind", ""),
             host_bytes_from_files=sum(_bytes_from_files(store) for store in self._stores),
+            disk_bytes_read=sum(getattr(store, "disk_bytes_read", 0) for store in self._stores),  # optional, as above
             residency=MappingProxyType({self.plan.component(p).display_path: c.describe() for p, c in self.placement.residency.items()}),
         )
 

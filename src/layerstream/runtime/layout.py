@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from layerstream.errors import UnsupportedUseError
-from layerstream.runtime.file_reads import FileReader, MappedFiles
+from layerstream.runtime.file_reads import FileRange, FileReader, MappedFiles
 
 ALIGN_BYTES = 64
 """Granularity of span placement: slots and buffers start 64-byte aligned, and spans keep their residue mod 64."""
@@ -135,6 +135,17 @@ class BlockLayout:
             raw.set_(src.untyped_storage(), src_start, (length,), (1,))
             buffer[dst : dst + length].copy_(raw)
         return from_files
+
+    def span_file_ranges(self, files: MappedFiles) -> list[tuple[FileRange | None, int, int]]:
+        """For every span: the file bytes that back it (None where the span is not an unwritten view of a file
+        mapping, e.g. a weight built or changed in memory), its offset in the packed block and its length."""
+        out: list[tuple[FileRange | None, int, int]] = []
+        for src, src_start, length, dst in self._spans:
+            source = None
+            if src is not None and src.device.type == "cpu" and length > 0:
+                source = files.file_range(src.untyped_storage().data_ptr() + src_start, length)
+            out.append((source, dst, length))
+        return out
 
     def copy_range_into(self, buffer: torch.Tensor, start: int) -> None:
         """Copy bytes [start, start + buffer.numel()) of the packed block into `buffer` (uint8), straight from

@@ -50,6 +50,8 @@ class OffloadStats(ComponentStats):
     """Per DiT: how many leading blocks stay resident, and why."""
     host_bytes_from_files: int = 0
     """Host store bytes read straight from checkpoint files at enable (the rest was copied from memory)."""
+    disk_bytes_read: int = 0
+    """Bytes the disk tier (`host_budget_gb`) read from disk since enable: checkpoint files and spill files."""
 
     def __str__(self) -> str:
         """A readable multi-line summary (the dataclass repr stays available through `repr`)."""
@@ -61,6 +63,8 @@ class OffloadStats(ComponentStats):
             f"  streamed {_bytes(self.bytes_transferred)} in {self.num_transfers} transfers, "
             f"{self.num_sync_loads} synchronous loads, {self.stall_seconds:.3f} s stalled",
         ]
+        if self.disk_bytes_read:
+            lines.append(f"  read from disk (blocks beyond host_budget_gb): {_bytes(self.disk_bytes_read)}")
         if self.bytes_written_back:
             lines.append(f"  buffers written back: {_bytes(self.bytes_written_back)}")
         for path, c in self.per_component.items():

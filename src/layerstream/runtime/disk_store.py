@@ -1,0 +1,452 @@
+"""The disk tier: streamed blocks that hold no host memory, read from disk into the slot at every use.
+
+A block placed on disk (`Placement.host_tier`) comes from one of two places:
+- **the checkpoint's own files**, when the block's spans are unwritten views of a file mapping (diffusers loaded
+  it lazily from safetensors): the store records the file ranges and keeps no copy of them. A few spans the
+  loader made in memory (it upcasts norm weights to float32) may remain, up to `MAX_IN_MEMORY_FRACTION` of the
+  block: they stay in host memory, and count as host bytes;
+- **a spill file**, otherwise (a pipeline built or changed in memory): the block's packed bytes are written
+  once, atomically (temporary name, fsync, rename), to `<disk_dir>/<one folder per enable>/`, behind a small
+  header with the byte count and a CRC-32 of the payload. Every read checks both, so a corrupt or truncated
+  file is a `SpillFileError` naming it (raised by `wait_ready`, through the copy engine) and never a wrong
+  picture. `restore_` and `rollback_` read the blocks back into real tensors and remove the folder.
+
+On the CPU a slot is host memory, so the copy job reads the bytes straight into it (on the engine's copy
+thread, beside compute). On an accelerator the job runs on the compute thread (the engine issues copies from
+it), so the disk read must not happen there: a `StagingRing` of two pinned buffers is filled by a read-ahead
+I/O thread along each chain's declared order of disk blocks, and the job only issues the device copy from the
+buffer already read (reading synchronously only when the prediction missed: the first block, skipped blocks,
+an order the model changed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import struct
+import tempfile
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from layerstream.errors import TransferError, UnsupportedUseError
+from layerstream.runtime.file_reads import FileRange, FileReader, MappedFiles
+from layerstream.runtime.layout import ALIGN_BYTES, BlockLayout, TensorBinder
+from layerstream.runtime.protocols import Job, Pinner
+
+logger = logging.getLogger(__name__)
+
+SPILL_MAGIC = b"LSSPILL1"
+_HEADER = struct.Struct("<8sQI")  # magic, payload bytes, CRC-32 of the payload
+HEADER_BYTES = ALIGN_BYTES
+"""The payload starts here: aligned, so that a read lands at the same residue as the slot."""
+MAX_IN_MEMORY_FRACTION = 1 / 8
+"""A file-backed block may keep this much of its bytes (spans made in memory) in host memory; beyond it the
+whole block is spilled."""
+NUM_STAGING_BUFFERS = 2
+"""Accelerator only: one buffer is read into while the device copy of the other is still in flight."""
+
+
+class SpillFileError(TransferError):
+    """A spill file of the disk tier is missing, truncated or corrupt (the message names the file)."""
+
+
+class CheckpointChangedError(TransferError):
+    """A checkpoint file the disk tier reads blocks from was replaced, truncated or removed since enable."""
+
+
+def default_spill_root() -> Path:
+    from layerstream.models.cache import cache_root  # the cache module reads the environment on every call
+
+    return cache_root() / "spill"
+
+
+class _CheckpointSource:
+    """A block backed by checkpoint file bytes: (file range, offset in the packed block) per span, and the few
+    spans made in memory as (host bytes, offset). Each file's size and modification time are noted when the
+    block is staged and checked before every read: a checkpoint replaced or truncated since is an error naming
+    it, not another model's weights."""
+
+    def __init__(self, ranges: list[tuple[FileRange, int]], in_memory: list[tuple[torch.Tensor, int]]):
+        self.ranges = ranges
+        self.in_memory = in_memory
+        self.host_bytes = sum(t.numel() for t, _ in in_memory)
+        self.stamps = {r.path: _stamp(r.path) for r, _ in ranges}
+
+    def describe(self) -> str:
+        return ", ".join(sorted({os.path.basename(r.path) for r, _ in self.ranges}))
+
+    def read_into_(self, buffer: torch.Tensor, reader: FileReader) -> int:
+        for path, stamp in self.stamps.items():
+            try:
+                now = _stamp(path)
+            except OSError as e:
+                raise CheckpointChangedError(f"checkpoint file {path} cannot be read: {e}") from e
+            if now != stamp:
+                raise CheckpointChangedError(
+                    f"checkpoint file {path} changed since offload was enabled (size, modification time {now} "
+                    f"instead of {stamp}); its blocks are read from it at every use: disable offload before "
+                    "replacing the files"
+                )
+        for source, dst in self.ranges:
+            reader.read_into_(buffer[dst : dst + source.nbytes], source)
+        for chunk, dst in self.in_memory:
+            buffer[dst : dst + chunk.numel()].copy_(chunk)
+        return sum(r.nbytes for r, _ in self.ranges)
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+class _SpillSource:
+    """A block's packed bytes in a spill file of ours, checked at every read."""
+
+    host_bytes = 0
+
+    def __init__(self, path: Path, nbytes: int):
+        self.path = path
+        self.nbytes = nbytes
+
+    def describe(self) -> str:
+        return str(self.path)
+
+    @classmethod
+    def write(cls, path: Path, payload: torch.Tensor) -> _SpillSource:
+        """Write `payload` (uint8, contiguous, CPU) to `path` atomically: a reader sees no file or a whole one."""
+        data = memoryview(payload.numpy())
+        header = _HEADER.pack(SPILL_MAGIC, len(data), zlib.crc32(data)).ljust(HEADER_BYTES, b"\0")
+        partial = path.with_name(path.name + ".partial")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, header)
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
+            os.fsync(fd)  # the bytes are on disk before the name says the file is complete
+        finally:
+            os.close(fd)
+        os.replace(partial, path)
+        return cls(path, len(data))
+
+    def read_into_(self, buffer: torch.Tensor, reader: FileReader) -> int:
+        """Fill `buffer[:nbytes]` with the payload, checked against the header; raises `SpillFileError`."""
+        try:
+            size = os.stat(self.path).st_size
+            with open(self.path, "rb") as f:
+                raw = f.read(_HEADER.size)
+        except OSError as e:
+            raise SpillFileError(f"spill file {self.path} cannot be read: {e}") from e
+        if size != HEADER_BYTES + self.nbytes:
+            raise SpillFileError(
+                f"spill file {self.path} has {size} bytes, not the {HEADER_BYTES + self.nbytes} written (truncated "
+                "or overwritten since offload was enabled)"
+            )
+        magic, nbytes, crc = _HEADER.unpack(raw)
+        if magic != SPILL_MAGIC or nbytes != self.nbytes:
+            raise SpillFileError(f"spill file {self.path}: the header is not the one written (overwritten since enable)")
+        destination = buffer[: self.nbytes]
+        try:
+            reader.read_into_(destination, FileRange(str(self.path), HEADER_BYTES, self.nbytes))
+        except OSError as e:
+            raise SpillFileError(f"spill file {self.path} cannot be read: {e}") from e
+        if zlib.crc32(memoryview(destination.numpy())) != crc:
+            raise SpillFileError(f"spill file {self.path} is corrupt: its bytes do not match the checksum written")
+        return self.nbytes
+
+
+class DiskBlock:
+    """One block of the disk tier: no host bytes; its copy job reads it from disk."""
+
+    def __init__(self, store: DiskHostStore, layout: BlockLayout, binder: TensorBinder, source, original_device: torch.device):
+        self.store = store
+        self.layout = layout
+        self.binder = binder
+        self.source: _CheckpointSource | _SpillSource = source
+        self.original_device = original_device
+
+    def __repr__(self) -> str:
+        return f"DiskBlock({self.path!r}, {self.layout.nbytes} bytes from {self.source.describe()})"
+
+    @property
+    def path(self) -> str:
+        return self.layout.path
+
+    @property
+    def host_bytes(self) -> int:
+        return self.source.host_bytes  # at most the few spans made in memory (the staging ring is the store's)
+
+    @property
+    def pinned(self) -> bool:
+        return False
+
+    @property
+    def link_bytes(self) -> int:
+        return self.layout.nbytes
+
+    def copy_job(self, slot_buffer: torch.Tensor) -> Job:
+        if slot_buffer.device.type == "cpu":
+            destination = slot_buffer[: self.layout.nbytes]
+
+            def job() -> int:  # the CPU slot is host memory: read straight into it
+                self.read_into_(destination)
+                return self.layout.nbytes
+
+            return job
+        return lambda: self.store.staging.copy_(self, slot_buffer, self.store.next_after(self.path))
+
+    def read_into_(self, buffer: torch.Tensor) -> None:
+        """Fill `buffer` (uint8, CPU, `layout.nbytes`) with the block's packed bytes."""
+        start = time.perf_counter()
+        nbytes = self.source.read_into_(buffer, self.store.reader)
+        self.store.disk_bytes_read += nbytes
+        gbps = self.store.simulated_gbps
+        if gbps is not None:
+            remaining = nbytes / (gbps * 1e9) - (time.perf_counter() - start)
+            if remaining > 0:
+                time.sleep(remaining)  # the simulated disk: the read lasts as long as it would on that disk
+
+    def host_range(self, start: int, nbytes: int) -> torch.Tensor:
+        self._refuse("backward through it")
+
+    def write_back_(self, slot_buffer: torch.Tensor, start: int, end: int) -> int:
+        self._refuse("keep what its forward wrote into its buffers")
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        self._refuse("read or write its weights in place (state_dict, load_state_dict, LoRA)")
+
+    def _refuse(self, what: str):
+        raise UnsupportedUseError(
+            f"{self.path}: the block lives on disk (host_budget_gb), not in host memory; cannot {what}. Raise "
+            "host_budget_gb so that it fits in host memory, or call handle.disable() first"
+        )
+
+
+class DiskHostStore:
+    """`HostStore` for the blocks the placement puts on disk (see the module docstring)."""
+
+    kind = "disk"
+
+    def __init__(
+        self,
+        disk_dir: str | os.PathLike | None = None,
+        read_ahead: Mapping[str, str] | None = None,
+        simulated_gbps: float | None = None,
+    ):
+        self.simulated_gbps = simulated_gbps
+        """CPU measurements: every read lasts at least as long as on a disk of this bandwidth."""
+        self.root = Path(disk_dir).expanduser() if disk_dir is not None else default_spill_root()
+        self.read_ahead: Mapping[str, str] = read_ahead or {}
+        """Disk block -> the disk block to read ahead after it (accelerator only)."""
+        self.blocks: dict[str, DiskBlock] = {}
+        self.disk_bytes_read = 0
+        """Bytes read from disk (checkpoint files and spill files) since enable."""
+        self.spill_bytes_written = 0
+        self.reader = FileReader()
+        self.folder: Path | None = None
+        self._files: MappedFiles | None = None
+        self._staging_nbytes = 0
+        self.staging: StagingRing | None = None
+        """Accelerator only: host buffers the disk blocks are read into before their copy to the device."""
+
+    def __repr__(self) -> str:
+        spilled = sum(isinstance(b.source, _SpillSource) for b in self.blocks.values())
+        return f"DiskHostStore({len(self.blocks)} blocks, {spilled} spilled to {self.folder})"
+
+    def next_after(self, path: str) -> DiskBlock | None:
+        return self.blocks.get(self.read_ahead.get(path, ""))
+
+    def slot_nbytes(self, layout: BlockLayout) -> int:
+        return layout.nbytes
+
+    def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
+        self._staging_nbytes = slot_nbytes
+
+    def report_failure_(self, error: BaseException) -> None:
+        pass  # no peers to tell
+
+    def stage_(self, layout: BlockLayout, device: torch.device, pin: Pinner | None) -> DiskBlock:
+        assert layout.path not in self.blocks, f"{layout.path} staged twice"
+        if self._files is None:
+            self._files = MappedFiles.snapshot()
+        if device.type != "cpu" and self.staging is None:
+            self.staging = StagingRing(self._staging_nbytes, device, pin)
+        original_device = layout.source_device()
+        spans = layout.span_file_ranges(self._files)
+        in_memory = [(dst, length) for source, dst, length in spans if source is None and length > 0]
+        if len(in_memory) < len(spans) and sum(n for _, n in in_memory) <= MAX_IN_MEMORY_FRACTION * layout.nbytes:
+            chunks = []
+            for dst, length in in_memory:
+                chunk = torch.empty(length, dtype=torch.uint8)
+                layout.copy_range_into(chunk, dst)
+                chunks.append((chunk, dst))
+            source = _CheckpointSource([(s, dst) for s, dst, _ in spans if s is not None], chunks)
+        else:
+            source = self._spill_(layout)
+        block = DiskBlock(self, layout, TensorBinder(layout, device), source, original_device)
+        block.binder.evict_()
+        layout.forget_sources()  # the block's memory (or its view of the checkpoint) goes now
+        self.blocks[layout.path] = block
+        return block
+
+    def _spill_(self, layout: BlockLayout) -> _SpillSource:
+        if self.folder is None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            # one folder per enable: processes (and pipelines) sharing disk_dir never touch each other's files
+            self.folder = Path(tempfile.mkdtemp(prefix="enable-", dir=self.root))
+        buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)  # zeroed pads: the file's bytes are all defined
+        layout.copy_sources_into(buffer, self._files, self.reader)
+        name = f"{len(self.blocks):05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', layout.path)}.block"
+        source = _SpillSource.write(self.folder / name, buffer)
+        self.spill_bytes_written += layout.nbytes
+        return source
+
+    def commit_(self) -> None:
+        if self._files is not None:
+            self._files.close()
+            self._files = None
+
+    def rollback_(self) -> None:
+        self.commit_()
+        self._close_staging_()
+        try:
+            self._restore_blocks_(lambda block: block.original_device)
+        finally:
+            self._release_()
+
+    def restore_(self, device: torch.device) -> None:
+        self._close_staging_()  # first: a read-ahead in flight uses the reader the restore reads with
+        try:
+            self._restore_blocks_(lambda block: device)
+        finally:
+            self._release_()
+
+    def _close_staging_(self) -> None:
+        if self.staging is not None:
+            self.staging.close_()
+            self.staging = None
+
+    def _restore_blocks_(self, device_of) -> None:
+        """Every block gets real tensors again, read (and checked) from disk; the first failure is raised after
+        every other block is restored."""
+        first_error: BaseException | None = None
+        for path in list(self.blocks):
+            block = self.blocks.pop(path)
+            buffer = torch.empty(block.layout.nbytes, dtype=torch.uint8)
+            try:
+                block.read_into_(buffer)
+            except (OSError, TransferError) as e:
+                logger.error("%s: cannot be read back from disk: %s", path, e)
+                first_error = first_error or e
+                continue
+            block.binder.bind_(block.layout.separate_copies(buffer, device_of(block)))
+        if first_error is not None:
+            raise first_error
+
+    def _release_(self) -> None:
+        """Stop reading, free the staging ring and remove the spill files (the engine is closed: nothing reads)."""
+        self._close_staging_()
+        self.reader.close()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
+
+class StagingRing:
+    """Accelerator only: two host buffers (pinned where the engine can pin) that disk blocks are read into, then
+    copied to the device slot asynchronously, with a read-ahead on an I/O thread.
+
+    The accelerator engine runs copy jobs on the compute thread. A job for block B takes B's bytes from the
+    buffer the read-ahead filled (when it predicted B; else it reads B there and then, synchronously), issues
+    the device copy from it, and starts reading the block predicted next (`HostTierChoice.next_on_disk`: the
+    next disk block of B's chain) into the other buffer on the I/O thread. So while the blocks between two disk
+    blocks compute, the disk reads the next one: disk, link and compute run as three stages."""
+
+    def __init__(self, nbytes: int, device: torch.device, pin: Pinner | None):
+        self.buffers = [torch.empty(max(nbytes, 1), dtype=torch.uint8) for _ in range(NUM_STAGING_BUFFERS)]
+        self._pinner: Pinner | None = None
+        if pin is not None:
+            pinned = [b for b in self.buffers if pin.pin_(b)]
+            if len(pinned) == len(self.buffers):
+                self._pinner = pin
+            else:  # all or none: the copies below are asynchronous only from pinned memory
+                for b in pinned:
+                    pin.unpin_(b)
+        # one event per buffer, re-recorded for every copy (a never-recorded event counts as complete); without
+        # CUDA events (or pinned memory) the copies are synchronous and need none
+        cuda = device.type == "cuda" and self._pinner is not None
+        self._copied = [torch.cuda.Event() if cuda else None for _ in self.buffers]
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-disk-ahead")
+        self._ahead: tuple[str, int, Future] | None = None  # (block path, buffer, read in flight)
+        self._last = 1  # the buffer the latest device copy came from
+        self.num_read_ahead_hits = 0
+        self.num_read_ahead_misses = 0
+
+    def copy_(self, block: DiskBlock, slot_buffer: torch.Tensor, next_block: DiskBlock | None = None) -> int:
+        """Fill `slot_buffer[:nbytes]` with `block`'s bytes (checked) through a staging buffer, then start
+        reading `next_block` ahead. Runs on the thread of the copy job, on its stream."""
+        nbytes = block.layout.nbytes
+        i = self._take_(block)
+        staging = self.buffers[i][:nbytes]
+        copied = self._copied[i]
+        if copied is None:
+            slot_buffer[:nbytes].copy_(staging)  # no event to tell when an asynchronous copy is done: in step
+        else:
+            slot_buffer[:nbytes].copy_(staging, non_blocking=True)
+            copied.record()  # on the current stream: the engine's copy stream while the job runs
+        self._last = i
+        if next_block is not None and next_block is not block:
+            self._read_ahead_(next_block, 1 - i)
+        return nbytes
+
+    def _take_(self, block: DiskBlock) -> int:
+        """The buffer holding `block`'s bytes: the read-ahead's when it read this block, else read now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            path, i, future = ahead
+            if path == block.path:
+                self.num_read_ahead_hits += 1
+                future.result()  # compute waits here only if the disk has not finished yet; a bad file raises
+                return i
+            self.num_read_ahead_misses += 1
+            try:
+                future.result()  # a mispredicted read still owns the buffer until it ends
+            except (OSError, TransferError):
+                logger.debug("read-ahead of %s failed; it is read again when it runs", path, exc_info=True)
+            free = i  # holds nothing anyone needs, and no device copy reads it
+        else:
+            free = 1 - self._last
+            self._wait_copied_(free)
+        block.read_into_(self.buffers[free][: block.layout.nbytes])  # checked before any byte reaches the slot
+        return free
+
+    def _read_ahead_(self, block: DiskBlock, i: int) -> None:
+        def read() -> None:
+            self._wait_copied_(i)
+            block.read_into_(self.buffers[i][: block.layout.nbytes])
+
+        self._ahead = (block.path, i, self._io.submit(read))
+
+    def _wait_copied_(self, i: int) -> None:
+        copied = self._copied[i]
+        if copied is not None:
+            # host-side wait (on the I/O thread for a read-ahead): the device copy out of this buffer must finish
+            # before a disk read overwrites it; it was issued a block ago, so it has usually finished
+            copied.synchronize()
+
+    def close_(self) -> None:
+        """Wait for the read-ahead, then free the buffers (the engine is closed: no device copy reads them)."""
+        self._io.shutdown(wait=True)
+        self._ahead = None
+        if self._pinner is not None:
+            for b in self.buffers:
+                self._pinner.unpin_(b)
+            self._pinner = None
+        self.buffers, self._copied = [], []
