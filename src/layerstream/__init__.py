@@ -34,6 +34,8 @@ _LAZY = {
     "CacheFolderError": ("layerstream.models.cache", "CacheFolderError"),
     "CorruptFolderError": ("layerstream.models.manifest", "CorruptFolderError"),
     "SafetensorsHeaderError": ("layerstream.models.saved_dtypes", "SafetensorsHeaderError"),
+    "SpillFileError": ("layerstream.runtime.disk_store", "SpillFileError"),
+    "CheckpointChangedError": ("layerstream.runtime.disk_store", "CheckpointChangedError"),
     "BenchConfigError": ("layerstream.bench.config", "BenchConfigError"),
     "StrategyError": ("layerstream.bench.strategies", "StrategyError"),
     "ColdStartConfigError": ("layerstream.bench.cold_start", "ColdStartConfigError"),
