@@ -20,13 +20,14 @@ from layerstream.config.offload_config import (
     LAYER_COMPONENTS,
     MODULE_COMPONENTS,
     MODES,
+    STORAGE_DTYPES,
     WEIGHT_TRANSFERS,
     OffloadConfigError,
     parse_offload_config,
 )
 
 TOP_LEVEL_KEYS = ("mode", "components", "layer_options", "pin_memory")
-OPTION_KEYS = ("weight_transfer", "prefetch_depth")
+OPTION_KEYS = ("weight_transfer", "prefetch_depth", "storage_dtype")
 DIT_ONLY_KEYS = ("resident_layers", "device_budget_gb", "activation_reserve_gb")
 GB_KEYS = ("device_budget_gb", "activation_reserve_gb")
 
@@ -56,6 +57,8 @@ def _component_options(draw, name: str) -> dict[str, Any]:
             {}, optional={"weight_transfer": st.sampled_from(WEIGHT_TRANSFERS), "prefetch_depth": st.integers(1, 8)}
         )
     )
+    if options.get("weight_transfer") != "allgather" and draw(st.booleans()):
+        options["storage_dtype"] = draw(st.sampled_from(STORAGE_DTYPES))
     if name == "dit" and draw(st.booleans()):
         options["resident_layers"] = draw(st.integers(0, 10**6) | st.just("auto"))
         if options["resident_layers"] == "auto":
@@ -193,6 +196,20 @@ def _bad_prefetch_depth(draw, obj):
     return f"layer_options.{name}.prefetch_depth"
 
 
+def _bad_storage_dtype(draw, obj):
+    name = draw(st.sampled_from(obj["components"]))
+    _options_of(obj, name)["storage_dtype"] = draw(arbitrary_json.filter(_not_in(STORAGE_DTYPES)))
+    return f"layer_options.{name}.storage_dtype"
+
+
+def _storage_dtype_with_allgather(draw, obj):
+    name = draw(st.sampled_from(obj["components"]))
+    options = _options_of(obj, name)
+    options["weight_transfer"] = "allgather"
+    options["storage_dtype"] = draw(st.sampled_from(STORAGE_DTYPES))
+    return f"layer_options.{name}.storage_dtype"
+
+
 def _bad_resident_layers(draw, obj):
     negative = st.just(-1) | st.integers(max_value=-1)
     other = arbitrary_json.filter(lambda v: v != "auto" and (isinstance(v, bool) or not isinstance(v, int)))
@@ -243,7 +260,8 @@ def _mutations_for(obj: dict) -> list[Mutation]:
         return [*mutations, _layer_options_in_module_mode]
     mutations += [
         _layer_options_not_an_object, _options_for_an_unselected_component, _component_options_not_an_object,
-        _unknown_option_key, _bad_weight_transfer, _bad_prefetch_depth,
+        _unknown_option_key, _bad_weight_transfer, _bad_prefetch_depth, _bad_storage_dtype,
+        _storage_dtype_with_allgather,
     ]  # fmt: skip
     if "dit" in obj["components"]:
         mutations += [_bad_resident_layers, _bad_gigabytes, _gigabytes_without_auto, _budget_and_reserve]
@@ -259,7 +277,7 @@ MUTATIONS: dict[str, Mutation] = {
         _unknown_top_level_key, _bad_pin_memory, _layer_options_in_module_mode, _layer_options_not_an_object,
         _options_for_an_unselected_component, _component_options_not_an_object, _unknown_option_key,
         _bad_weight_transfer, _bad_prefetch_depth, _bad_resident_layers, _bad_gigabytes, _gigabytes_without_auto,
-        _budget_and_reserve, _dit_only_key_on_text_encoder,
+        _budget_and_reserve, _dit_only_key_on_text_encoder, _bad_storage_dtype, _storage_dtype_with_allgather,
     )
 }  # fmt: skip
 """Every fault by name."""
@@ -291,6 +309,7 @@ _option_values = {
     "weight_transfer": _vocabulary(["rank-local", "allgather"]),
     "resident_layers": _vocabulary(["auto", 0, 1, 3, -1]),
     "prefetch_depth": _vocabulary([1, 2, 8, 0, 9]),
+    "storage_dtype": _vocabulary([*STORAGE_DTYPES, "bfloat16"]),
     "device_budget_gb": _vocabulary([0, 4.5, 24, -1.0]),
     "activation_reserve_gb": _vocabulary([0, 2, 4.0]),
 }

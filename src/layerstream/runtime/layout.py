@@ -136,6 +136,18 @@ class BlockLayout:
             buffer[dst : dst + length].copy_(raw)
         return from_files
 
+    def span_placements(self) -> list[tuple[int, int]]:
+        """(destination byte offset, length) of every storage span in the packed buffer, in buffer order."""
+        return [(dst, length) for _, _, length, dst in self._spans]
+
+    def span_source(self, index: int) -> torch.Tensor:
+        """The original bytes of span `index` (uint8, viewing the original storage; before `forget_sources`)."""
+        src, src_start, length, _ = self._spans[index]
+        assert src is not None, f"{self.path}: the sources were forgotten"
+        raw = torch.empty(0, dtype=torch.uint8, device=src.device)
+        raw.set_(src.untyped_storage(), src_start, (length,), (1,))
+        return raw
+
     def copy_range_into(self, buffer: torch.Tensor, start: int) -> None:
         """Copy bytes [start, start + buffer.numel()) of the packed block into `buffer` (uint8), straight from
         the original storages; bytes of the range that no span covers (padding) are left as they are."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from layerstream.errors import UnsupportedTensorError
 from layerstream.runtime.errors import OffloadError
 from layerstream.runtime.layout import tensor_byte_extent
 
@@ -96,3 +97,34 @@ def _owner(path: str, module: nn.Module, stream_modules, owner_of_module) -> str
         if "." not in probe:
             return None
         probe = probe.rsplit(".", 1)[0]
+
+
+def check_packable_block_tensors(pipeline_class: str, block_path: str, block: nn.Module) -> None:
+    """Every parameter and buffer of a streamed block must be packable as bytes: a plain tensor (or a Parameter
+    subclass with storage of its own). A tensor subclass that wraps inner tensors (torchao's quantized weights)
+    has no storage of its own to copy into a slot; it is refused here, before anything changes, naming it."""
+    for name, module in block.named_modules(prefix=block_path):
+        for kind in (module._parameters, module._buffers):
+            for tensor_name, t in kind.items():
+                if t is None:
+                    continue
+                reason = _unpackable_reason(t)
+                if reason is not None:
+                    cls = type(t)
+                    raise UnsupportedTensorError(
+                        f"{pipeline_class}: {name}.{tensor_name} is a {cls.__module__}.{cls.__qualname__} ({reason}); "
+                        "layerstream cannot stream it. Keep this model resident, or load it unquantized (or as "
+                        "diffusers' GGUF parameters, which stream)"
+                    )
+
+
+def _unpackable_reason(t) -> str | None:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        return "a tensor subclass wrapping inner tensors"
+    try:
+        t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return "a tensor without storage of its own"
+    return None
