@@ -15,18 +15,37 @@ from tests.runtime.tiny_pipelines import DIT, load  # noqa: E402
 
 
 def _tensors(pipe) -> dict[str, tuple[torch.Tensor, object]]:
-    return {f"transformer.{n}": (t, type(t)) for n, t in pipe.transformer.named_parameters()}
+    named = [*pipe.transformer.named_parameters(), *pipe.transformer.named_buffers()]
+    return {f"transformer.{n}": (t, type(t)) for n, t in named}
 
 
-@pytest.mark.parametrize("scheme", ["int8", "float8"])
-def test_torchao_quantized_blocks_are_refused_before_anything_changes(scheme):
-    torchao = pytest.importorskip("torchao.quantization")
-    config = torchao.Int8WeightOnlyConfig() if scheme == "int8" else torchao.Float8WeightOnlyConfig()
+class Opaque(torch.Tensor):
+    """A wrapper subclass without `__tensor_flatten__`: nothing tells layerstream where its bytes are."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        def unwrap(x):
+            return x.inner if isinstance(x, Opaque) else x
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+def test_an_unpackable_tensor_subclass_is_refused_before_anything_changes():
     pipe = load("flux")
-    torchao.quantize_(pipe.transformer.transformer_blocks[1], config)
+    to_q = pipe.transformer.transformer_blocks[1].attn.to_q
+    to_q.register_buffer("opaque", Opaque(torch.zeros(4)))
     before = _tensors(pipe)
     devices = {n: t.device for n, (t, _) in before.items()}
-    with pytest.raises(UnsupportedTensorError, match=r"transformer\.transformer_blocks\.1\.\S+\.weight is a torchao") as info:
+    with pytest.raises(UnsupportedTensorError, match=r"transformer\.transformer_blocks\.1\.attn\.to_q\.opaque is a \S*Opaque") as info:
         enable_offload(pipe, DIT, device="cpu")
     assert isinstance(info.value, OffloadError) and isinstance(info.value, TypeError)
     after = _tensors(pipe)
@@ -34,8 +53,45 @@ def test_torchao_quantized_blocks_are_refused_before_anything_changes(scheme):
     for name, (tensor, cls) in before.items():
         assert after[name][0] is tensor and type(after[name][0]) is cls and tensor.device == devices[name]
     assert getattr(pipe.transformer, "_layerstream_offload", None) is None
+
+
+def _torchao_config(scheme: str):
+    torchao = pytest.importorskip("torchao.quantization")
+    return torchao, torchao.Int8WeightOnlyConfig() if scheme == "int8" else torchao.Float8WeightOnlyConfig()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "float8"])
+def test_torchao_weight_only_blocks_stream_bit_identically(scheme):
+    from tests.runtime.tiny_pipelines import generate
+
+    torchao, config = _torchao_config(scheme)
+    resident, streamed = load("flux"), load("flux")
+    for pipe in (resident, streamed):
+        torchao.quantize_(pipe.transformer, config)  # every Linear, resident ones included
+    weight = streamed.transformer.transformer_blocks[0].attn.to_q.weight
+    inner_names = weight.__tensor_flatten__()[0]
+    before = {n: getattr(weight, n).clone() for n in inner_names}
+    state_before = {k: v for k, v in streamed.transformer.state_dict().items()}
     with torch.no_grad():
-        pipe.transformer.transformer_blocks[1].attn.to_q(torch.randn(1, 4, pipe.transformer.transformer_blocks[1].attn.to_q.in_features))
+        expected = generate(resident, "flux")
+        handle = enable_offload(streamed, DIT, device="cpu")
+        assert torch.equal(generate(streamed, "flux"), expected)
+        assert torch.equal(generate(streamed, "flux"), expected)
+        assert getattr(weight, inner_names[0]).numel() == 0  # evicted between calls: placeholders
+        state = streamed.transformer.state_dict()  # the same subclass, over the store's inner tensors
+        for key, value in state_before.items():
+            assert type(state[key]) is type(value), key
+        assert torch.equal(state["transformer_blocks.0.attn.to_q.weight"].qdata, before["qdata"])
+        stats = handle.stats().per_component["transformer"]
+        handle.disable()
+        assert torch.equal(generate(streamed, "flux"), expected)
+    assert streamed.transformer.transformer_blocks[0].attn.to_q.weight is weight
+    for name, value in before.items():
+        assert torch.equal(getattr(weight, name), value), name
+    float32_block_bytes = sum(
+        m.weight.numel() * 4 for n, m in resident.transformer.named_modules() if "blocks." in n and isinstance(m, torch.nn.Linear)
+    )
+    assert stats.host_bytes < 0.5 * float32_block_bytes  # one byte per weight, plus scales, biases and norms
 
 
 def _write_gguf(path, state_dict) -> dict[str, int]:

@@ -71,7 +71,12 @@ class CastLayout:
         span_cast = [True] * len(placements)
         for e in layout.entries:
             i = e.span_index
-            castable = id(e.module) in cast_ids and e.dtype.is_floating_point and e.dtype.itemsize > storage_dtype.itemsize
+            castable = (
+                id(e.module) in cast_ids
+                and not e.inner  # a quantized weight's inner tensors (torchao) keep their dtype
+                and e.dtype.is_floating_point
+                and e.dtype.itemsize > storage_dtype.itemsize
+            )
             if not castable or span_dtype[i] not in (None, e.dtype):
                 span_cast[i] = False  # a span is cast whole or not at all (its entries view one storage)
             span_dtype[i] = e.dtype
