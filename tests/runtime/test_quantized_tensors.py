@@ -188,3 +188,24 @@ def test_gguf_q8_0_and_q4_k_blocks_stream_bit_identically(tmp_path):
     for key, (cls, quant_type, value) in before.items():
         assert type(after[key]) is cls and getattr(after[key], "quant_type", None) == quant_type, key
         assert torch.equal(after[key], value), key
+
+
+def test_input_gradients_through_torchao_blocks_match_resident():
+    torchao, config = _torchao_config("int8")
+    from tests.runtime.runtime_toys import ToyDiT
+
+    def make():
+        torch.manual_seed(0)
+        model = ToyDiT(dim=256, num_blocks=4).eval()
+        torchao.quantize_(model, config)
+        return model.requires_grad_(False)
+
+    resident, streamed = make(), make()
+    handle = enable_offload(streamed, DIT, device="cpu")
+    grads = []
+    for model in (resident, streamed):
+        x = torch.randn(2, 8, 256, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        model(x).square().sum().backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
+    handle.disable()

@@ -19,24 +19,28 @@ FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 def _config(storage_dtype: str, components=("dit",)) -> dict:
-    return {"mode": "layer", "components": list(components), "layer_options": {"dit": {"storage_dtype": storage_dtype}}}
+    options = {name: {"storage_dtype": storage_dtype} for name in components}
+    return {"mode": "layer", "components": list(components), "layer_options": options}
 
 
-BLOCK_LISTS = ("blocks.", "transformer_blocks.", "single_transformer_blocks.")
-"""Where the tiny DiTs' streamed blocks are: storage_dtype casts only what streams."""
+def _cast_resident(pipe, storage_dtype: torch.dtype, config: dict) -> None:
+    """diffusers' layerwise casting of each component `config` streams, limited to its streamed blocks:
+    storage_dtype rounds only the bytes that cross the link (on tiny Wan's DiTs that is everything diffusers
+    casts; Flux also casts its embedders, which stay resident)."""
+    from diffusers.hooks import apply_layerwise_casting
 
+    from layerstream.plan.resolver import resolve_offload_plan
+    from layerstream.runtime.cast_rule import skip_patterns_for
 
-def _cast_resident(pipe, storage_dtype: torch.dtype) -> None:
-    """diffusers' layerwise casting of each DiT, limited to its streamed blocks: storage_dtype rounds only the
-    bytes that cross the link (on tiny Wan that is everything diffusers casts; Flux also casts its embedders)."""
-    for name in dit_components(pipe):
-        module = getattr(pipe, name)
+    for comp in resolve_offload_plan(pipe, config).streamed:
+        module = lookup(pipe, comp.path)
+        blocks = tuple(p[len(comp.path) + 1 :] + "." for stack in comp.stacks for p in stack.block_paths)
         original = {k: v.clone() for k, v in module.state_dict().items()}
-        compute_dtype = module.dtype
-        module.enable_layerwise_casting(storage_dtype=storage_dtype, compute_dtype=compute_dtype)
+        compute_dtype = next(module.parameters()).dtype
+        apply_layerwise_casting(module, storage_dtype, compute_dtype, skip_modules_pattern=skip_patterns_for(module))
         for sub_name, sub in module.named_modules():
             registry = getattr(sub, "_diffusers_hook", None)
-            if registry is None or registry.get_hook("layerwise_casting") is None or sub_name.startswith(BLOCK_LISTS):
+            if registry is None or registry.get_hook("layerwise_casting") is None or (sub_name + ".").startswith(blocks):
                 continue
             # a resident layer: keep it exactly as loaded (the hook then casts to the compute dtype only)
             registry.get_hook("layerwise_casting").storage_dtype = compute_dtype
@@ -49,14 +53,19 @@ def _snapshot(pipe) -> dict[str, torch.Tensor]:
     return {f"{c}.{k}": v.clone() for c in dit_components(pipe) for k, v in getattr(pipe, c).state_dict().items()}
 
 
-@pytest.mark.parametrize("storage_dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize(
+    "storage_dtype, components",
+    [("float8_e4m3fn", ("dit",)), ("float8_e5m2", ("dit",)), ("float8_e4m3fn", ("dit", "text_encoder"))],
+    ids=["e4m3fn-dit", "e5m2-dit", "e4m3fn-dit+text"],
+)
 @pytest.mark.parametrize("kind", ["wan", "flux"])
-def test_fp8_storage_is_bit_identical_to_diffusers_layerwise_casting(kind, storage_dtype):
+def test_fp8_storage_is_bit_identical_to_diffusers_layerwise_casting(kind, storage_dtype, components):
     resident, streamed = load(kind), load(kind)
-    _cast_resident(resident, FP8[storage_dtype])
+    config = _config(storage_dtype, components)
+    _cast_resident(resident, FP8[storage_dtype], config)
     with torch.no_grad():
         expected = generate(resident, kind)
-        handle = enable_offload(streamed, _config(storage_dtype), device="cpu")
+        handle = enable_offload(streamed, config, device="cpu")
         assert torch.equal(generate(streamed, kind), expected)
         assert torch.equal(generate(streamed, kind), expected)  # steady state too
         stats = handle.stats()
@@ -65,6 +74,7 @@ def test_fp8_storage_is_bit_identical_to_diffusers_layerwise_casting(kind, stora
         # disable gives the weights back in their own dtype, rounded to float8 as stored: the same output
         for name in dit_components(streamed):
             assert all(p.dtype == torch.float32 for p in getattr(streamed, name).parameters())
+        assert all(c.storage_dtype == storage_dtype for c in handle.plan.streamed)
         assert torch.equal(generate(streamed, kind), expected)
 
 
@@ -134,7 +144,7 @@ def test_a_failed_enable_gives_back_the_original_tensors_exactly():
 
 def test_input_gradients_through_fp8_blocks_match_diffusers_layerwise_casting():
     resident, streamed = load("flux"), load("flux")
-    _cast_resident(resident, torch.float8_e4m3fn)
+    _cast_resident(resident, torch.float8_e4m3fn, _config("float8_e4m3fn"))
     for pipe in (resident, streamed):
         pipe.transformer.requires_grad_(False)
     handle = enable_offload(streamed, _config("float8_e4m3fn"), device="cpu")
