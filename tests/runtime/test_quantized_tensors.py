@@ -176,6 +176,9 @@ def test_gguf_q8_0_and_q4_k_blocks_stream_bit_identically(tmp_path):
         handle = enable_offload(streamed, DIT, device="cpu")
         assert torch.equal(streamed(**_flux_inputs(streamed))[0], expected)
         assert torch.equal(streamed(**_flux_inputs(streamed))[0], expected)
+        for key, value in streamed.state_dict().items():  # while enabled: the same classes and quantization types
+            assert type(value) is before[key][0] and getattr(value, "quant_type", None) == before[key][1], key
+            assert torch.equal(value, before[key][2]), key
         stats = handle.stats()
         # the quantized bytes stream: far fewer than the float32 blocks would be
         float32_bytes = sum(

@@ -280,9 +280,17 @@ class TensorBinder:
                 set_inner_(wrapper, path, views[i])
 
     def public_tensors(self, views: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """Per entry, the tensor the model shows for it when bound to `views`: the view itself, or for the first
-        inner tensor of a wrapper subclass a new wrapper of the same type over the views (None for its others)."""
+        """Per entry, the tensor the model shows for it when bound to `views`: the view itself (of the parameter's
+        own class where it is a Parameter subclass), or for the first inner tensor of a wrapper subclass a new
+        wrapper of the same type over the views (None for its others)."""
         out: list[torch.Tensor | None] = list(views)
+        for param, i in self._param_slots:
+            if type(param) is not nn.Parameter and out[i] is not None:
+                # a Parameter subclass with storage of its own (diffusers' GGUF weights): the same class and
+                # attributes (quantization type) over the view, as `param.detach()` gives resident
+                shown = torch.Tensor._make_subclass(type(param), out[i], False)
+                shown.__dict__.update({k: v for k, v in param.__dict__.items() if k != "_is_param"})
+                out[i] = shown
         for wrapper, inner_slots in self._wrappers.values():
             for _, i in inner_slots:
                 out[i] = None
