@@ -70,9 +70,10 @@ bench wan14b 150 --model wan14b --blocks 8 --tokens 32768 --context-tokens 512 -
     --strategies resident,layerwise,diffusers-group,naive --repeats 3 --warmup 1
 
 # Flux blocks at 4k image tokens: transfer-bound (a block computes in less time than it takes to copy), where
-# keeping some blocks resident pays off.
+# keeping some blocks resident pays off, and where float8 storage (layerwise-fp8, and diffusers' group offloading
+# with the same layerwise casting as its peer) moves fewer bytes; "max |diff|" says how far the output moves.
 bench flux12b 120 --model flux12b --blocks 8 --tokens 4096 --context-tokens 512 --dtype bfloat16 \
-    --strategies resident,layerwise,layerwise-resident-2,layerwise-auto,module,diffusers-group,naive \
+    --strategies resident,layerwise,layerwise-resident-2,layerwise-auto,module,diffusers-group,naive,layerwise-fp8,diffusers-group-fp8 \
     --repeats 5 --warmup 1 --trace "$OUT/flux12b"
 
 # Cold start, from the same files for every row, each row a fresh process with the files dropped from the page

@@ -9,6 +9,7 @@ from layerstream.errors import (
     LayerstreamError,
     OffloadError,
     TransferError,
+    UnsupportedTensorError,
     UnsupportedUseError,
 )
 from layerstream.config.offload_config import (
@@ -47,6 +48,7 @@ __all__ = [
     "LayerstreamError",
     "OffloadError",
     "TransferError",
+    "UnsupportedTensorError",
     "UnsupportedUseError",
     "LayerOptions",
     "OffloadConfig",

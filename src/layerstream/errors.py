@@ -17,6 +17,11 @@ class OffloadError(LayerstreamError, ValueError):
     """Offload cannot be enabled on this pipeline as configured; nothing was changed."""
 
 
+class UnsupportedTensorError(OffloadError, TypeError):
+    """A streamed block holds a tensor whose bytes layerstream cannot pack (a tensor subclass without storage of
+    its own, such as a quantized weight); raised at enable, before anything changes. Names the tensor and type."""
+
+
 class ConcurrentUseError(LayerstreamError, RuntimeError):
     """A second thread entered a streamed model while another thread was running it."""
 

@@ -19,7 +19,8 @@ from torch import nn
 from layerstream.config.offload_config import OffloadConfig, parse_offload_config
 from layerstream.errors import LayerstreamError, OffloadError
 from layerstream.plan.placement import Placement, needs_device_budget, place_blocks, read_device_budget
-from layerstream.plan.resolved import ResolvedOffloadPlan, lookup
+from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan, lookup
+from layerstream.runtime.cast_store import STORAGE_DTYPES, CastHostStore
 from layerstream.runtime.copy_engine import make_copy_engine
 from layerstream.runtime.disk_store import DiskHostStore
 from layerstream.runtime.handle import OffloadHandle
@@ -29,7 +30,7 @@ from layerstream.runtime.module_mode import apply_module_mode
 from layerstream.runtime.packed_store import PackedHostStore
 from layerstream.runtime.protocols import HostStore
 from layerstream.runtime.guards import guard_module_, guard_pipeline_
-from layerstream.runtime.safety import check_no_foreign_offload, check_no_shared_block_tensors
+from layerstream.runtime.safety import check_no_foreign_offload, check_no_shared_block_tensors, check_packable_block_tensors
 from layerstream.runtime.tensors import named_tensors
 from layerstream.runtime.tiered_store import TieredHostStore
 from layerstream.runtime.undo import UndoStack
@@ -99,7 +100,10 @@ def enable_offload(
             _raise_after_rollback(plan, e)
         return _commit_handle(plan, device, backend, components, pipeline=pipeline)
 
-    stores = store_factory_for(plan, device, process_group) if store_factory is None else store_factory
+    if store_factory is None:
+        stores = store_factory_for(plan, device, process_group, components=components)
+    else:
+        stores = store_factory
     component_stores = {comp.path: stores(comp.path) for comp in plan.streamed}
     try:
         layouts = block_layouts(pipeline, plan, device)
@@ -134,13 +138,12 @@ def enable_offload(
 
 
 def block_layouts(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device) -> dict[str, BlockLayout]:
-    """The packed layout of every streamable block (pure: reads tensors' addresses and shapes, moves nothing)."""
-    return {
-        p: BlockLayout(p, lookup(pipeline, p), device)
-        for comp in plan.streamed
-        for stack in comp.stacks
-        for p in stack.block_paths
-    }
+    """The packed layout of every streamable block (pure: reads tensors' addresses and shapes, moves nothing).
+    Raises `UnsupportedTensorError` for a block holding a tensor that cannot be packed."""
+    blocks = {p: lookup(pipeline, p) for comp in plan.streamed for stack in comp.stacks for p in stack.block_paths}
+    for path, block in blocks.items():
+        check_packable_block_tensors(plan.pipeline_class, path, block)
+    return {p: BlockLayout(p, block, device) for p, block in blocks.items()}
 
 
 def place_for(
@@ -174,7 +177,8 @@ def plan_placement(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.devic
     moves nothing. Raises `OffloadError` where residency "auto" has no budget to read."""
     device = _check_device(device, None)
     local = PackedHostStore()
-    return place_for(plan, block_layouts(pipeline, plan, device), {c.path: local for c in plan.streamed}, device)
+    stores = {c.path: _low_precision_store(c, lookup(pipeline, c.path)) or local for c in plan.streamed}
+    return place_for(plan, block_layouts(pipeline, plan, device), stores, device)
 
 
 def free_device_bytes(device: torch.device) -> int | None:
@@ -185,10 +189,22 @@ def free_device_bytes(device: torch.device) -> int | None:
     return free
 
 
-def store_factory_for(plan: ResolvedOffloadPlan, device: torch.device, process_group=None) -> StoreFactory:
-    """The default stores: one local packed store, and one sharded store over the group for the components that
-    ask for `weight_transfer: "allgather"` (a group of one gets the local store: plain copies)."""
+def store_factory_for(
+    plan: ResolvedOffloadPlan,
+    device: torch.device,
+    process_group=None,
+    *,
+    components: Mapping[str, nn.Module] | None = None,
+) -> StoreFactory:
+    """The default stores: one local packed store, one sharded store over the group for the components that
+    ask for `weight_transfer: "allgather"` (a group of one gets the local store: plain copies), and a
+    low-precision store per component with a `storage_dtype` (`components` maps their paths to the modules)."""
     local = PackedHostStore()
+    cast: dict[str, HostStore] = {}
+    for comp in plan.streamed:
+        if comp.storage_dtype is not None:
+            assert components is not None, "storage_dtype needs the component modules"
+            cast[comp.path] = _low_precision_store(comp, components[comp.path])
     sharded: HostStore | None = None
     if any(c.weight_transfer == "allgather" for c in plan.streamed):
         # torch.distributed is imported only when a component asks for it
@@ -199,11 +215,20 @@ def store_factory_for(plan: ResolvedOffloadPlan, device: torch.device, process_g
         sharded = ShardedHostStore(gather) if gather is not None else None
 
     def store_for(path: str) -> HostStore:
+        if path in cast:
+            return cast[path]
         if sharded is not None and plan.component(path).weight_transfer == "allgather":
             return sharded
         return local
 
     return store_for
+
+
+def _low_precision_store(comp: ResolvedComponent, module: nn.Module) -> HostStore | None:
+    """The component's own low-precision store where it asks for a `storage_dtype` (else None)."""
+    if comp.storage_dtype is None:
+        return None
+    return CastHostStore(module, STORAGE_DTYPES[comp.storage_dtype])
 
 
 def _check_device(device, simulated_link_gbps, name: str = "simulated_link_gbps") -> torch.device:

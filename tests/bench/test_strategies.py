@@ -86,3 +86,15 @@ def test_diffusers_group_is_skipped_with_a_note_when_diffusers_is_missing(monkey
     kept, skipped = harness._skip_unavailable(specs)
     assert [s.name for s in kept] == ["resident", "naive"]
     assert [(s.name, why) for s, why in skipped] == [("diffusers-group", "diffusers is not installed")]
+
+
+def test_fp8_rows_parse_into_float8_storage():
+    from layerstream.bench.strategies import StrategyContext, layer_config, parse_strategies
+
+    specs = {s.name: s for s in parse_strategies("layerwise-fp8,layerwise-resident-1-depth-2-fp8,diffusers-group-fp8", num_blocks=8)}
+    assert specs["layerwise-fp8"].kind == "layerwise" and specs["layerwise-fp8"].storage_dtype == "float8_e4m3fn"
+    deep = specs["layerwise-resident-1-depth-2-fp8"]
+    assert (deep.resident_layers, deep.prefetch_depth, deep.storage_dtype) == (1, 2, "float8_e4m3fn")
+    assert specs["diffusers-group-fp8"].kind == "diffusers-group"
+    options = layer_config(specs["layerwise-fp8"], StrategyContext(device=torch.device("cpu")))["layer_options"]["dit"]
+    assert options["storage_dtype"] == "float8_e4m3fn"

@@ -20,13 +20,14 @@ from layerstream.config.offload_config import (
     LAYER_COMPONENTS,
     MODULE_COMPONENTS,
     MODES,
+    STORAGE_DTYPES,
     WEIGHT_TRANSFERS,
     OffloadConfigError,
     parse_offload_config,
 )
 
 TOP_LEVEL_KEYS = ("mode", "components", "layer_options", "pin_memory", "host_budget_gb", "disk_dir")
-OPTION_KEYS = ("weight_transfer", "prefetch_depth")
+OPTION_KEYS = ("weight_transfer", "prefetch_depth", "storage_dtype")
 DIT_ONLY_KEYS = ("resident_layers", "device_budget_gb", "activation_reserve_gb")
 GB_KEYS = ("device_budget_gb", "activation_reserve_gb")
 
@@ -60,6 +61,8 @@ def _component_options(draw, name: str) -> dict[str, Any]:
             {}, optional={"weight_transfer": st.sampled_from(WEIGHT_TRANSFERS), "prefetch_depth": st.integers(1, 8)}
         )
     )
+    if options.get("weight_transfer") != "allgather" and draw(st.booleans()):
+        options["storage_dtype"] = draw(st.sampled_from(STORAGE_DTYPES))
     if name == "dit" and draw(st.booleans()):
         options["resident_layers"] = draw(st.integers(0, 10**6) | st.just("auto"))
         if options["resident_layers"] == "auto":
@@ -87,11 +90,15 @@ def valid_configs(draw) -> dict[str, Any]:
     if mode == "layer" and draw(st.booleans()):
         names = draw(st.lists(st.sampled_from(components), unique=True))  # may be none: {} is accepted
         obj["layer_options"] = {name: draw(_component_options(name)) for name in names}
-    if mode == "layer" and not _any_allgather(obj) and draw(st.booleans()):
+    if mode == "layer" and not _any_allgather(obj) and not _any_storage_dtype(obj) and draw(st.booleans()):
         obj["host_budget_gb"] = draw(positive_gigabytes)
         if draw(st.booleans()):
             obj["disk_dir"] = draw(paths)
     return _shuffled(draw, obj)
+
+
+def _any_storage_dtype(obj: dict) -> bool:
+    return any("storage_dtype" in options for options in obj.get("layer_options", {}).values())
 
 
 def _any_allgather(obj: dict) -> bool:
@@ -205,6 +212,20 @@ def _bad_prefetch_depth(draw, obj):
     return f"layer_options.{name}.prefetch_depth"
 
 
+def _bad_storage_dtype(draw, obj):
+    name = draw(st.sampled_from(obj["components"]))
+    _options_of(obj, name)["storage_dtype"] = draw(arbitrary_json.filter(_not_in(STORAGE_DTYPES)))
+    return f"layer_options.{name}.storage_dtype"
+
+
+def _storage_dtype_with_allgather(draw, obj):
+    name = draw(st.sampled_from(obj["components"]))
+    options = _options_of(obj, name)
+    options["weight_transfer"] = "allgather"
+    options["storage_dtype"] = draw(st.sampled_from(STORAGE_DTYPES))
+    return f"layer_options.{name}.storage_dtype"
+
+
 def _bad_resident_layers(draw, obj):
     negative = st.just(-1) | st.integers(max_value=-1)
     other = arbitrary_json.filter(lambda v: v != "auto" and (isinstance(v, bool) or not isinstance(v, int)))
@@ -287,6 +308,7 @@ def _mutations_for(obj: dict) -> list[Mutation]:
     mutations += [
         _layer_options_not_an_object, _options_for_an_unselected_component, _component_options_not_an_object,
         _unknown_option_key, _bad_weight_transfer, _bad_prefetch_depth, _bad_host_budget, _host_budget_with_allgather,
+        _bad_storage_dtype, _storage_dtype_with_allgather,
     ]  # fmt: skip
     if "dit" in obj["components"]:
         mutations += [_bad_resident_layers, _bad_gigabytes, _gigabytes_without_auto, _budget_and_reserve]
@@ -303,7 +325,8 @@ MUTATIONS: dict[str, Mutation] = {
         _options_for_an_unselected_component, _component_options_not_an_object, _unknown_option_key,
         _bad_weight_transfer, _bad_prefetch_depth, _bad_resident_layers, _bad_gigabytes, _gigabytes_without_auto,
         _budget_and_reserve, _dit_only_key_on_text_encoder, _bad_host_budget, _host_budget_in_module_mode,
-        _host_budget_with_allgather, _bad_disk_dir, _disk_dir_without_budget,
+        _host_budget_with_allgather, _bad_disk_dir, _disk_dir_without_budget, _bad_storage_dtype,
+        _storage_dtype_with_allgather,
     )
 }  # fmt: skip
 """Every fault by name."""
@@ -335,6 +358,7 @@ _option_values = {
     "weight_transfer": _vocabulary(["rank-local", "allgather"]),
     "resident_layers": _vocabulary(["auto", 0, 1, 3, -1]),
     "prefetch_depth": _vocabulary([1, 2, 8, 0, 9]),
+    "storage_dtype": _vocabulary([*STORAGE_DTYPES, "bfloat16"]),
     "device_budget_gb": _vocabulary([0, 4.5, 24, -1.0]),
     "activation_reserve_gb": _vocabulary([0, 2, 4.0]),
 }

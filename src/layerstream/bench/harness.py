@@ -59,6 +59,7 @@ class _Row:
     transfers: list[TransferSnapshot] = field(default_factory=list)
     device_peak_over_base: list[int] = field(default_factory=list)
     matches_resident: bool | None = None
+    max_abs_diff: float | None = None
     block_transfers: dict[str, int] | None = None
     """Layerwise: transfers of each streamed block during the timed forwards."""
 
@@ -133,6 +134,7 @@ def run_bench(config: BenchConfig, log: Log = lambda message: None) -> BenchResu
                 row.device_peak_over_base.append(peak_over_base)
             if row.matches_resident is None:
                 row.matches_resident = bool(torch.equal(out, reference))
+                row.max_abs_diff = float((out.float() - reference.float()).abs().max()) if out.numel() else 0.0
         log(f"repetition {rep + 1}/{config.repeats} done")
 
     for name, row in rows.items():
@@ -350,7 +352,7 @@ def _result(row: _Row, info: RunInfo, resident_median: float, block_paths: list[
     flags = p.streamed_flags(block_paths, row.block_transfers)
     ideal_s = floor_s = None
     if link is not None and flags is not None:
-        transfer_s = ideal.block_transfer_seconds(info.block_bytes, flags, link)
+        transfer_s = ideal.block_transfer_seconds(_link_block_bytes(p, info.block_bytes, flags), flags, link)
         ideal_s = ideal.ideal_forward_seconds(info.block_compute_seconds, transfer_s, info.other_compute_seconds)
         floor_s = ideal.transfer_floor_seconds(transfer_s) or None
 
@@ -378,5 +380,18 @@ def _result(row: _Row, info: RunInfo, resident_median: float, block_paths: list[
         transfer_floor_seconds=floor_s,
         measured_over_floor=median / floor_s if floor_s else None,
         matches_resident=row.matches_resident,
+        max_abs_diff=row.max_abs_diff,
         residency=p.residency(),
     )
+
+
+def _link_block_bytes(p: PreparedStrategy, block_bytes: list[int], streamed: list[bool]) -> list[int]:
+    """The bytes each block moves over the link: its own bytes, or for a low-precision row (`-fp8`) its bytes
+    scaled by the store's stored / full ratio (the ideal and floor of an fp8 row are its own, not bf16's)."""
+    if p.spec.storage_dtype is None or p.handle is None:
+        return block_bytes
+    full = sum(b for b, s in zip(block_bytes, streamed) if s)
+    if not full:
+        return block_bytes
+    ratio = p.handle.stats().host_bytes / full
+    return [round(b * ratio) for b in block_bytes]

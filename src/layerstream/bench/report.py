@@ -20,6 +20,7 @@ COLUMNS = (
     "stall ms/fwd",
     "enable s",
     "= resident",
+    "max |diff|",
     "notes",
 )
 
@@ -52,6 +53,7 @@ def _cells(s: StrategyResult) -> list[str]:
         _num(s.stall_seconds_per_forward * 1e3 if s.stall_seconds_per_forward is not None else None, ".2f"),
         _num(s.enable_seconds, ".3f"),
         "-" if s.matches_resident is None else ("yes" if s.matches_resident else "NO"),
+        _num(s.max_abs_diff, ".3g"),
         "; ".join(notes),
     ]
 

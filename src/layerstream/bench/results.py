@@ -90,6 +90,8 @@ class StrategyResult:
     measured_over_floor: float | None = None
     matches_resident: bool | None = None
     """Whether the first timed output equals the resident output bit for bit."""
+    max_abs_diff: float | None = None
+    """The largest absolute difference of the first timed output from the resident output (0 where equal)."""
     residency: str | None = None
 
     @classmethod

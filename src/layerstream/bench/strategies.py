@@ -9,6 +9,9 @@ Names (`--strategies`):
 - `module`: `enable_offload` in module mode (the whole model moves on and off around each forward).
 - `diffusers-group`: diffusers' `apply_group_offloading`, block level, one block per group, with a stream where
   the device has streams.
+- `layerwise-fp8` (any layerwise name may end in `-fp8`): layer mode with `storage_dtype` "float8_e4m3fn".
+- `diffusers-group-fp8`: diffusers' layerwise casting (float8_e4m3fn storage) under its group offloading, the
+  peer of `layerwise-fp8`. Both are lossy: the `max |diff|` column says how far the output moves.
 - `naive`: synchronous load-then-compute per block (see `naive.py`).
 """
 
@@ -37,7 +40,11 @@ DEFAULT_STRATEGIES = (
     "diffusers-group",
     "naive",
 )
-_LAYERWISE = re.compile(r"^layerwise(?:-resident-(?P<resident>\d+)|-(?P<auto>auto))?(?:-depth-(?P<depth>\d+))?$")
+_LAYERWISE = re.compile(
+    r"^layerwise(?:-resident-(?P<resident>\d+)|-(?P<auto>auto))?(?:-depth-(?P<depth>\d+))?(?P<fp8>-fp8)?$"
+)
+FP8_STORAGE = "float8_e4m3fn"
+"""The storage dtype of the `-fp8` rows."""
 
 
 class StrategyError(LayerstreamError, ValueError):
@@ -58,6 +65,8 @@ class StrategySpec:
     """Layerwise only: overrides the run's prefetch depth."""
     weight_transfer: str = "rank-local"
     """Layerwise only: `layer_options.dit.weight_transfer`; "allgather" is run by `bench.distributed` (ranks)."""
+    storage_dtype: str | None = None
+    """Layerwise: `layer_options.dit.storage_dtype`; diffusers-group: the storage dtype of its layerwise casting."""
 
 
 def parse_strategies(text: str, *, num_blocks: int) -> tuple[StrategySpec, ...]:
@@ -78,14 +87,16 @@ def parse_strategies(text: str, *, num_blocks: int) -> tuple[StrategySpec, ...]:
 
 def allowed_names() -> str:
     return (
-        "resident, layerwise, layerwise-resident-N, layerwise-auto (layerwise ones may end in -depth-D), module, "
-        "diffusers-group, naive"
+        "resident, layerwise, layerwise-resident-N, layerwise-auto (layerwise ones may end in -depth-D, then -fp8), "
+        "module, diffusers-group, diffusers-group-fp8, naive"
     )
 
 
 def _parse_one(name: str, num_blocks: int) -> StrategySpec:
     if name in ("resident", "module", "diffusers-group", "naive"):
         return StrategySpec(name, name)
+    if name == "diffusers-group-fp8":
+        return StrategySpec(name, "diffusers-group", storage_dtype=FP8_STORAGE)
     match = _LAYERWISE.match(name)
     if match is None:
         raise StrategyError(f"unknown strategy {name!r}; allowed: {allowed_names()}")
@@ -103,7 +114,7 @@ def _parse_one(name: str, num_blocks: int) -> StrategySpec:
                 f"strategy {name!r}: {resident} resident blocks of {num_blocks} leave fewer than 2 to stream; "
                 f"allowed: 0 to {max(num_blocks - 2, 0)}"
             )
-    return StrategySpec(name, "layerwise", resident, depth)
+    return StrategySpec(name, "layerwise", resident, depth, storage_dtype=FP8_STORAGE if match["fp8"] else None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -264,6 +275,8 @@ def layer_config(spec: StrategySpec, ctx: StrategyContext) -> dict[str, Any]:
         options["resident_layers"] = spec.resident_layers
     if spec.weight_transfer != "rank-local":
         options["weight_transfer"] = spec.weight_transfer
+    if spec.storage_dtype is not None:
+        options["storage_dtype"] = spec.storage_dtype
     return {"mode": "layer", "components": ["dit"], "layer_options": {"dit": options}}
 
 
@@ -296,6 +309,12 @@ def _diffusers_group(spec: StrategySpec, model: nn.Module, ctx: StrategyContext)
         from diffusers.hooks import apply_group_offloading
     except ModuleNotFoundError as e:
         raise StrategyError(f"strategy 'diffusers-group' needs diffusers, which is not installed ({e})") from e
+    if spec.storage_dtype is not None:
+        from diffusers.hooks import apply_layerwise_casting
+
+        compute_dtype = next(model.parameters()).dtype
+        # the same rule layerwise-fp8 follows (diffusers' default skip patterns), cast before the groups form
+        apply_layerwise_casting(model, getattr(torch, spec.storage_dtype), compute_dtype, skip_modules_pattern="auto")
     has_streams = ctx.device.type == "cuda"
     apply_group_offloading(
         model,

@@ -19,10 +19,12 @@ MODES = ("layer", "module")
 LAYER_COMPONENTS = ("dit", "text_encoder")
 MODULE_COMPONENTS = ("dit", "text_encoder", "vae")
 WEIGHT_TRANSFERS = ("rank-local", "allgather")
+STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+"""Host storage dtypes for `storage_dtype` (lossy: weights are rounded to them once, at enable)."""
 DEFAULT_ACTIVATION_RESERVE_GB = 4.0
 
 _TOP_LEVEL_KEYS = ("mode", "components", "layer_options", "pin_memory", "host_budget_gb", "disk_dir")
-_COMMON_OPTION_KEYS = ("weight_transfer", "prefetch_depth")
+_COMMON_OPTION_KEYS = ("weight_transfer", "prefetch_depth", "storage_dtype")
 _DIT_ONLY_OPTION_KEYS = ("resident_layers", "device_budget_gb", "activation_reserve_gb")
 
 
@@ -58,6 +60,9 @@ class LayerOptions:
     """DiT only, for "auto": device bytes (GB) that streamed slots and resident blocks may use."""
     activation_reserve_gb: float | None = None
     """DiT only, for "auto" without a budget: free device memory kept back for activations (GB)."""
+    storage_dtype: str | None = None
+    """None: blocks stream in their own dtypes. "float8_e4m3fn" / "float8_e5m2": the weights diffusers'
+    layerwise casting would cast are stored (and moved) in that dtype and cast back on the device (lossy)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,6 +220,13 @@ def _parse_host_tier(obj: Mapping, mode: str, layer_options: Mapping[str, LayerO
                 f'the disk tier is for "rank-local" components; layer_options.{sharded[0]}.weight_transfer is '
                 '"allgather" (its ranks share the host bytes already): remove one of the two',
             )  # fmt: skip
+        cast = [name for name, opts in layer_options.items() if opts.storage_dtype is not None]
+        if cast:
+            raise OffloadConfigError(
+                "host_budget_gb", value,
+                f"the disk tier does not store float8 yet; layer_options.{cast[0]}.storage_dtype is set: remove one "
+                "of the two",
+            )  # fmt: skip
     disk_dir = None
     if "disk_dir" in obj:
         disk_dir = obj["disk_dir"]
@@ -250,6 +262,16 @@ def _parse_layer_options(component: str, raw: Any) -> LayerOptions:
     elif not _is_int(resident_layers) or resident_layers < 0:
         raise OffloadConfigError(f"{base}.resident_layers", resident_layers, 'expected an integer >= 0 or "auto"')
 
+    storage_dtype = raw.get("storage_dtype")
+    if "storage_dtype" in raw and (not isinstance(storage_dtype, str) or storage_dtype not in STORAGE_DTYPES):
+        raise OffloadConfigError(
+            f"{base}.storage_dtype", storage_dtype, f"allowed: {_one_of(STORAGE_DTYPES)} (omit the key to keep the model's dtype)"
+        )
+    if storage_dtype is not None and weight_transfer == "allgather":
+        raise OffloadConfigError(
+            f"{base}.storage_dtype", storage_dtype, 'storage_dtype works only with weight_transfer "rank-local"; remove one of them'
+        )
+
     budget = _optional_gb(raw, "device_budget_gb", base)
     reserve = _optional_gb(raw, "activation_reserve_gb", base)
     if (budget is not None or reserve is not None) and resident_layers != "auto":
@@ -265,6 +287,7 @@ def _parse_layer_options(component: str, raw: Any) -> LayerOptions:
         prefetch_depth=prefetch_depth,
         device_budget_gb=budget,
         activation_reserve_gb=reserve,
+        storage_dtype=storage_dtype,
     )
 
 

@@ -64,6 +64,8 @@ class ResolvedComponent:
     """Bytes of all parameters and buffers of the component."""
     weight_transfer: str = "rank-local"
     prefetch_depth: int = 1
+    storage_dtype: str | None = None
+    """Host storage dtype of the castable block weights (`layer_options.<component>.storage_dtype`); None: as is."""
     resident_layers: int | str = 0
     """Requested leading blocks kept on the device ("auto" is decided at enable time from the device budget)."""
     resident_allowed: bool = False
@@ -121,6 +123,7 @@ class ResolvedOffloadPlan:
                     "resident_layers": c.resident_layers,
                     "resident_allowed": c.resident_allowed,
                     "weight_transfer": c.weight_transfer,
+                    "storage_dtype": c.storage_dtype,
                     "stacks": [
                         {
                             "name": s.qualified_name,

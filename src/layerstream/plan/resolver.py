@@ -356,6 +356,7 @@ def _decide(pipeline_class: str, decl: _Declarations, config: OffloadConfig, ite
         extra = {
             "weight_transfer": options.weight_transfer,
             "prefetch_depth": options.prefetch_depth,
+            "storage_dtype": options.storage_dtype,
             "resident_layers": options.resident_layers,
         }
     return ResolvedComponent(

@@ -17,6 +17,7 @@ from torch import nn
 
 from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.file_reads import FileRange, FileReader, MappedFiles
+from layerstream.runtime.subclass_tensors import InnerPath, flatten_inner, get_inner, rebuild, set_inner_
 
 ALIGN_BYTES = 64
 """Granularity of span placement: slots and buffers start 64-byte aligned, and spans keep their residue mod 64."""
@@ -40,6 +41,9 @@ class TensorEntry:
     """Offset of the tensor's first element from the start of the block buffer, in elements of `dtype`."""
     span_index: int
     """Which storage span of the block the tensor lives in (tensors sharing a span are views of one storage)."""
+    inner: InnerPath = ()
+    """For an inner tensor of a wrapper subclass (`runtime.subclass_tensors`): its attribute path in the wrapper
+    `module.<name>`; () for a plain tensor."""
 
 
 def tensor_byte_extent(t: torch.Tensor) -> tuple[int, int]:
@@ -79,17 +83,18 @@ class BlockLayout:
         # (source tensor giving access to the storage, source byte start, length, destination byte offset)
         self._spans: list[tuple[torch.Tensor, int, int, int]] = []
         self.span_residues: list[int] = []
-        by_storage: dict[tuple[str, int], list[tuple[nn.Module, str, torch.Tensor, bool]]] = {}
-        for module, name, tensor, is_param in iter_block_tensors(block):
-            if tensor.device.type == "meta":
-                raise ValueError(f"{path}: tensor {name!r} is on the meta device (weights not loaded)")
-            storage = tensor.untyped_storage()
-            key = (str(tensor.device), storage.data_ptr())
-            by_storage.setdefault(key, []).append((module, name, tensor, is_param))
+        by_storage: dict[tuple[str, int], list[tuple[nn.Module, str, torch.Tensor, bool, InnerPath]]] = {}
+        for module, name, outer, is_param in iter_block_tensors(block):
+            for inner, tensor in flatten_inner(outer):  # a wrapper subclass packs its inner tensors
+                if tensor.device.type == "meta":
+                    raise ValueError(f"{path}: tensor {name!r} is on the meta device (weights not loaded)")
+                storage = tensor.untyped_storage()
+                key = (str(tensor.device), storage.data_ptr())
+                by_storage.setdefault(key, []).append((module, name, tensor, is_param, inner))
 
         offset = 0
         for members in by_storage.values():
-            extents = [tensor_byte_extent(t) for _, _, t, _ in members]
+            extents = [tensor_byte_extent(t) for _, _, t, _, _ in members]
             start = min(s for s, _ in extents)
             end = max(e for _, e in extents)
             source = members[0][2]
@@ -98,7 +103,7 @@ class BlockLayout:
             dst = offset + (residue - offset) % ALIGN_BYTES
             self._spans.append((source, start, end - start, dst))
             self.span_residues.append(residue)
-            for module, name, tensor, is_param in members:
+            for module, name, tensor, is_param, inner in members:
                 itemsize = tensor.element_size()
                 byte_pos = dst + tensor.storage_offset() * itemsize - start
                 if byte_pos % itemsize:
@@ -113,6 +118,7 @@ class BlockLayout:
                         stride=tuple(tensor.stride()),
                         element_offset=byte_pos // itemsize,
                         span_index=len(self._spans) - 1,
+                        inner=inner,
                     )
                 )
             offset = dst + end - start
@@ -146,6 +152,18 @@ class BlockLayout:
                 source = files.file_range(src.untyped_storage().data_ptr() + src_start, length)
             out.append((source, dst, length))
         return out
+
+    def span_placements(self) -> list[tuple[int, int]]:
+        """(destination byte offset, length) of every storage span in the packed buffer, in buffer order."""
+        return [(dst, length) for _, _, length, dst in self._spans]
+
+    def span_source(self, index: int) -> torch.Tensor:
+        """The original bytes of span `index` (uint8, viewing the original storage; before `forget_sources`)."""
+        src, src_start, length, _ = self._spans[index]
+        assert src is not None, f"{self.path}: the sources were forgotten"
+        raw = torch.empty(0, dtype=torch.uint8, device=src.device)
+        raw.set_(src.untyped_storage(), src_start, (length,), (1,))
+        return raw
 
     def copy_range_into(self, buffer: torch.Tensor, start: int) -> None:
         """Copy bytes [start, start + buffer.numel()) of the packed block into `buffer` (uint8), straight from
@@ -238,8 +256,14 @@ class TensorBinder:
         params: dict[int, int] = {}
         self._param_slots: list[tuple[nn.Parameter, int]] = []
         self._buffer_slots: list[tuple[dict, str, int]] = []
+        self._inner_slots: list[tuple[torch.Tensor, InnerPath, int]] = []  # (wrapper, inner path, entry)
+        self._wrappers: dict[int, tuple[torch.Tensor, list[tuple[InnerPath, int]]]] = {}
         for i, e in enumerate(layout.entries):
-            if e.is_param:
+            if e.inner:
+                wrapper = (e.module._parameters if e.is_param else e.module._buffers)[e.name]
+                self._inner_slots.append((wrapper, e.inner, i))
+                self._wrappers.setdefault(id(wrapper), (wrapper, []))[1].append((e.inner, i))
+            elif e.is_param:
                 param = e.module._parameters[e.name]
                 if id(param) not in params:  # a parameter tied inside the block is rebound once
                     params[id(param)] = i
@@ -258,6 +282,31 @@ class TensorBinder:
             param.data = views[i]
         for buffers, name, i in self._buffer_slots:
             buffers[name] = views[i]
+        for wrapper, inner_slots in self._wrappers.values():
+            device = views[inner_slots[0][1]].device
+            if wrapper.device != device:
+                # the wrapper's own metadata names a device: make it the inner tensors' (same object and type)
+                wrapper.data = rebuild(wrapper, {path: views[i] for path, i in inner_slots})
+            for path, i in inner_slots:
+                set_inner_(wrapper, path, views[i])
+
+    def public_tensors(self, views: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Per entry, the tensor the model shows for it when bound to `views`: the view itself (of the parameter's
+        own class where it is a Parameter subclass), or for the first inner tensor of a wrapper subclass a new
+        wrapper of the same type over the views (None for its others)."""
+        out: list[torch.Tensor | None] = list(views)
+        for param, i in self._param_slots:
+            if type(param) is not nn.Parameter and out[i] is not None:
+                # a Parameter subclass with storage of its own (diffusers' GGUF weights): the same class and
+                # attributes (quantization type) over the view, as `param.detach()` gives resident
+                shown = torch.Tensor._make_subclass(type(param), out[i], False)
+                shown.__dict__.update({k: v for k, v in param.__dict__.items() if k != "_is_param"})
+                out[i] = shown
+        for wrapper, inner_slots in self._wrappers.values():
+            for _, i in inner_slots:
+                out[i] = None
+            out[inner_slots[0][1]] = rebuild(wrapper, {path: views[i] for path, i in inner_slots})
+        return out
 
     def keep_replaced_(self, views: list[torch.Tensor]) -> int:
         """While bound to `views`, code may have replaced a tensor instead of writing into it (`param.data = new`,
@@ -265,6 +314,7 @@ class TensorBinder:
         views keep them. Returns how many were copied. Raises `UnsupportedUseError` for a new shape or dtype."""
         replaced = [(param.data, i) for param, i in self._param_slots]
         replaced += [(buffers[name], i) for buffers, name, i in self._buffer_slots]
+        replaced += [(get_inner(wrapper, path), i) for wrapper, path, i in self._inner_slots]
         num_copied = 0
         for data, i in replaced:
             view = views[i]
@@ -282,7 +332,9 @@ class TensorBinder:
         return num_copied
 
     def any_requires_grad(self) -> bool:
-        return any(param.requires_grad for param, _ in self._param_slots)
+        return any(param.requires_grad for param, _ in self._param_slots) or any(
+            w.requires_grad for w, _ in self._wrappers.values()
+        )
 
     def evict_(self) -> None:
         self.bind_(self._placeholder_list)

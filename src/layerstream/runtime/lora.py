@@ -18,8 +18,8 @@ placeholders, so the operations that read or write base weights run with the blo
   subtracts the delta again, which rounds: the resident model comes back close to, not exactly at, its
   original weights.
 
-Where this process does not hold a block whole (allgather shards), each of these is refused before anything
-changes. Only the entry points above are covered: calling PEFT's `merge()` on a layer directly is not.
+Where this process does not hold a block whole (allgather shards), or holds it in a storage dtype
+(`storage_dtype`), each of these is refused before anything changes. Only the entry points above are covered: calling PEFT's `merge()` on a layer directly is not.
 """
 
 from __future__ import annotations
@@ -84,6 +84,9 @@ class LoraSupport:
             if kind != "forget":
                 for block in self._streamer.blocks:
                     block.host.host_tensors()  # refuses, before anything changes, where the store cannot take it
+                    check_lora = getattr(block.host, "check_lora_", None)  # optional: a store that refuses LoRA
+                    if check_lora is not None:
+                        check_lora()
             if kind == "host":
                 for block in self._streamer.blocks:
                     block.host.binder.bind_(block.host.host_tensors())

@@ -3,7 +3,7 @@
 
 A host store keeps the bytes of streamed blocks off the device and knows how to put one block into a device
 slot: the local packed store (`runtime.packed_store`), the sharded allgather store (`distributed`), and the
-storage tiers to come (checkpoint-backed, disk, low precision). A copy engine runs those copies beside compute
+low-precision store (`runtime.cast_store`) and the storage tiers to come (checkpoint-backed, disk). A copy engine runs those copies beside compute
 with a three-call slot protocol: CUDA streams and events, or a CPU thread with a simulated link
 (`runtime.copy_engine`). The streamer (`runtime.streamer`) knows nothing else about either.
 
@@ -80,8 +80,10 @@ class StoredBlock(Protocol):
         block wrote during its forward); returns the bytes written."""
 
     def host_tensors(self) -> list[torch.Tensor]:
-        """One host tensor per layout entry, viewing the store's bytes (`state_dict`, `load_state_dict`).
-        Raises `UnsupportedUseError` where this process does not hold the whole block."""
+        """One host tensor per layout entry, viewing the store's bytes (`state_dict`, `load_state_dict`), in the
+        dtype the store keeps it in. Raises `UnsupportedUseError` where this process does not hold the whole block."""
+
+    # optional: `check_lora_()`, raising `UnsupportedUseError` where LoRA may not change the block (low precision)
 
 
 @runtime_checkable

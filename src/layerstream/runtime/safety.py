@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from layerstream.errors import UnsupportedTensorError
 from layerstream.runtime.errors import OffloadError
 from layerstream.runtime.layout import tensor_byte_extent
+from layerstream.runtime.subclass_tensors import plain_tensors, unpackable_reason
 
 
 COMPOSABLE_DIFFUSERS_HOOKS = frozenset({"layerwise_casting", "peft_autocast_disable"})
@@ -51,9 +53,10 @@ def check_no_shared_block_tensors(
                 for name, t in kind.items():
                     if t is None or t.device.type == "meta" or t.numel() == 0:
                         continue
-                    key = (str(t.device), t.untyped_storage().data_ptr())
-                    start, end = tensor_byte_extent(t)
-                    intervals.setdefault(key, []).append((start, end, owner, f"{path}.{name}" if path else name))
+                    for inner in plain_tensors(t):  # a wrapper subclass's bytes are its inner tensors
+                        key = (str(inner.device), inner.untyped_storage().data_ptr())
+                        start, end = tensor_byte_extent(inner)
+                        intervals.setdefault(key, []).append((start, end, owner, f"{path}.{name}" if path else name))
     for spans in intervals.values():
         if len(spans) < 2 or all(owner is None for _, _, owner, _ in spans):
             continue
@@ -96,3 +99,23 @@ def _owner(path: str, module: nn.Module, stream_modules, owner_of_module) -> str
         if "." not in probe:
             return None
         probe = probe.rsplit(".", 1)[0]
+
+
+def check_packable_block_tensors(pipeline_class: str, block_path: str, block: nn.Module) -> None:
+    """Every parameter and buffer of a streamed block must be packable as bytes: a tensor with storage of its own
+    (plain, or a Parameter subclass such as diffusers' GGUF weights), or a wrapper subclass (torchao's quantized
+    weights) whose inner tensors all have storage of their own. Anything else is refused here, before anything
+    changes, naming the tensor and its type."""
+    for name, module in block.named_modules(prefix=block_path):
+        for kind in (module._parameters, module._buffers):
+            for tensor_name, t in kind.items():
+                if t is None:
+                    continue
+                reason = unpackable_reason(t)
+                if reason is not None:
+                    cls = type(t)
+                    raise UnsupportedTensorError(
+                        f"{pipeline_class}: {name}.{tensor_name} is a {cls.__module__}.{cls.__qualname__} ({reason}); "
+                        "layerstream cannot stream it (plain tensors, diffusers' GGUF weights and torchao's wrapper "
+                        "subclasses stream). Keep this model resident, or load it another way"
+                    )

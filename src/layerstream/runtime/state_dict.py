@@ -46,9 +46,12 @@ def install_state_dict_hooks(
     for block in blocks:
 
         def on_state_dict(module, state_dict, prefix, local_metadata, block=block):
-            tensors = block.host.host_tensors()
+            # wrapper subclasses (torchao) come back whole: the same type over the store's inner tensors
+            tensors = block.host.binder.public_tensors(block.host.host_tensors())
             # names are read now, not at enable: PEFT moves a LoRA'd Linear's weights under `base_layer`
             for tensor, entry_keys in zip(tensors, _entry_keys(block)):
+                if tensor is None:
+                    continue  # another inner tensor of a wrapper given whole above
                 for key in entry_keys:
                     if prefix + key in state_dict:
                         state_dict[prefix + key] = tensor

@@ -249,10 +249,10 @@ class BlockStreamer:
     def _slot_owner(self, t: torch.Tensor):
         """(the bound block's store entry, byte offset in the slot) for a tensor viewing a slot, else None."""
         try:
-            storage = t.untyped_storage()
+            address = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):  # a tensor without storage of its own (a subclass): not a slot
             return None
-        slot = self._slot_of_storage.get(storage.data_ptr())
+        slot = self._slot_of_storage.get(address)
         if slot is None:
             return None
         index = self._bound_in_slot[slot]

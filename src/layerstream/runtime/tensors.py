@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from layerstream.runtime.file_reads import FileReader, MappedFiles
+from layerstream.runtime.subclass_tensors import is_wrapper, plain_tensors
 
 
 def named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -62,13 +63,14 @@ def device_bytes(module: nn.Module, device: torch.device) -> int:
     """Bytes of the module's tensors on `device` (evicted blocks hold empty placeholders and count 0)."""
     seen: set[tuple[int, int]] = set()
     total = 0
-    for _, t in named_tensors(module):
-        if t.device != device or t.numel() == 0:
-            continue
-        key = (t.data_ptr(), t.numel())
-        if key not in seen:
-            seen.add(key)
-            total += t.numel() * t.element_size()
+    for _, outer in named_tensors(module):
+        for t in plain_tensors(outer):  # a wrapper subclass's bytes are its inner tensors
+            if t.device != device or t.numel() == 0:
+                continue
+            key = (t.data_ptr(), t.numel())
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
     return total
 
 
@@ -90,7 +92,7 @@ def unmap_tensors_(
 
     def moved(t: torch.Tensor) -> torch.Tensor | None:
         nonlocal copied
-        if t.device.type != "cpu" or t.numel() == 0:
+        if t.device.type != "cpu" or t.numel() == 0 or is_wrapper(t):  # wrapper subclasses: left as they are
             return None
         storage = t.untyped_storage()
         address, nbytes = storage.data_ptr(), storage.nbytes()
