@@ -281,6 +281,8 @@ def _host_budget_in_module_mode(draw, obj):
 
 def _host_budget_with_allgather(draw, obj):
     name = draw(st.sampled_from(obj["components"]))
+    for options in obj.get("layer_options", {}).values():
+        options.pop("storage_dtype", None)  # one fault at a time: float8 storage with allgather is another
     _options_of(obj, name)["weight_transfer"] = "allgather"
     obj["host_budget_gb"] = draw(positive_gigabytes)
     return "host_budget_gb"

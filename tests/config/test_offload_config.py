@@ -474,3 +474,9 @@ def test_bad_disk_dir(value):
 
 def test_disk_dir_needs_a_host_budget():
     assert_rejected({**DIT, "disk_dir": "/tmp/spill"}, "disk_dir", "'/tmp/spill'", "only used with host_budget_gb")
+
+
+def test_a_host_budget_with_float8_storage_is_refused_naming_both():
+    config = {"mode": "layer", "components": ["dit"], "host_budget_gb": 2, "layer_options": {"dit": {"storage_dtype": "float8_e4m3fn"}}}
+    with pytest.raises(OffloadConfigError, match=r"host_budget_gb = 2 .*layer_options\.dit\.storage_dtype"):
+        parse_offload_config(config)
