@@ -113,6 +113,7 @@ def destroy_distributed() -> None:
 
     _TEARDOWN.run_callbacks()
     if dist.is_available() and dist.is_initialized():
+        _meet_before_leaving()
         dist.destroy_process_group()
     _TEARDOWN.forget_group()
 
@@ -172,12 +173,34 @@ class _GroupTeardown:
             return
         logger.debug("destroying the process group at exit (destroy_distributed() was not called)")
         try:
+            _meet_before_leaving()
             dist.destroy_process_group()
         except Exception:  # at exit there is no caller left to raise to; a peer may be gone already
             logger.warning("destroying the process group at exit failed", exc_info=True)
 
 
 _TEARDOWN = _GroupTeardown()
+
+LEAVE_BARRIER_TIMEOUT_S = 30.0
+"""How long a rank waits at the leaving barrier for the others before it leaves anyway."""
+
+
+def _meet_before_leaving() -> None:
+    """Every rank reaches this point before any rank destroys the group: a rank that tears its connections down
+    while a peer is still finishing its last collective can make the peer's gloo threads abort the process
+    ("terminate called without an active exception"). Bounded: a peer that is gone or stuck is logged and
+    left behind, never waited for past `LEAVE_BARRIER_TIMEOUT_S`."""
+    import torch.distributed as dist
+
+    try:
+        if dist.get_world_size() <= 1:
+            return
+        if "gloo" in str(dist.get_backend()):
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=LEAVE_BARRIER_TIMEOUT_S))
+        else:
+            dist.barrier()
+    except Exception:  # a peer gone already: leave anyway
+        logger.warning("not every rank reached the leaving barrier; leaving the group anyway", exc_info=True)
 
 
 @dataclass(frozen=True)
