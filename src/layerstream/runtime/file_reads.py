@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ READ_CHUNK_BYTES = 16 * 2**20
 """Bytes per `preadv` call: large enough for the disk's full speed, small enough to spread over threads."""
 NUM_READ_THREADS = 4
 
-_PRESENT, _SWAPPED, _FILE_PAGE = 1 << 63, 1 << 62, 1 << 61
 
 
 @dataclass(frozen=True)
@@ -130,11 +128,12 @@ class MappedFiles:
             return False
         if len(raw) != 8 * count:
             return False
-        for (entry,) in struct.iter_unpack("<Q", raw):
-            if entry & _SWAPPED:
-                return False  # only anonymous (written) pages of a private mapping go to swap
-            if entry & _PRESENT and not entry & _FILE_PAGE:
-                return False  # copied on write: memory differs from the file
+        # one vectorized pass (a 60 GB model has millions of pages): bit 63 present, 62 swapped, 61 file page
+        entries = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+        if bool(((entries >> 62) & 1).any()):
+            return False  # only anonymous (written) pages of a private mapping go to swap
+        if bool(((entries < 0) & (((entries >> 61) & 1) == 0)).any()):
+            return False  # present but not a page of the file: copied on write, memory differs from the file
         return True
 
 
