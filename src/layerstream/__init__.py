@@ -35,6 +35,7 @@ _LAZY = {
     "CacheFolderError": ("layerstream.models.cache", "CacheFolderError"),
     "CorruptFolderError": ("layerstream.models.manifest", "CorruptFolderError"),
     "SafetensorsHeaderError": ("layerstream.models.saved_dtypes", "SafetensorsHeaderError"),
+    "CastReadError": ("layerstream.models.cast_on_load", "CastReadError"),
     "SpillFileError": ("layerstream.runtime.disk_store", "SpillFileError"),
     "CheckpointChangedError": ("layerstream.runtime.disk_store", "CheckpointChangedError"),
     "BenchConfigError": ("layerstream.bench.config", "BenchConfigError"),

@@ -38,7 +38,9 @@ from layerstream.errors import LayerstreamError
 
 MODELS = {"wan": WAN_1_3B_WIDTH, "flux": FLUX_WIDTH}
 SMALL_MODELS = {"wan": SMALL_WAN, "flux": SMALL_FLUX}
-DEFAULT_ROWS = ("raw-readinto", "raw-preadv-4", "diffusers", "diffusers-float32", "diffusers-group", "layerstream")
+DEFAULT_ROWS = (
+    "raw-readinto", "raw-preadv-4", "diffusers", "diffusers-float32", "diffusers-group", "layerstream", "layerstream-float32",
+)
 READ_MECHANISM_ROWS = (
     "raw-readinto", "raw-preadv-1", "raw-preadv-2", "raw-preadv-4", "raw-preadv-8", "mmap-copy", "fastsafetensors",
 )  # fmt: skip

@@ -18,7 +18,9 @@ Rows:
   of the files; the time includes faulting every page in (what the first forward would pay);
 - `diffusers-group`: the same, then `apply_group_offloading` (block level, one block per group, a stream on
   CUDA) on each transformer; other components go to the device;
-- `layerstream`: `Omni(model=folder, diffusion_offload_config={"mode": "layer", "components": ["dit"]})`.
+- `layerstream`: `Omni(model=folder, diffusion_offload_config={"mode": "layer", "components": ["dit"]})`;
+- `layerstream-float32`: the same with `dtype="float32"` (the peer of `diffusers-float32`): the bf16
+  transformers are cast while read from the files (`models/cast_on_load.py`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from layerstream.bench.checkpoint_folders import checkpoint_files
 from layerstream.bench.page_cache import cached_fraction, drop_page_cache
 from layerstream.errors import LayerstreamError
 
-DIFFUSERS_ROWS = ("diffusers", "diffusers-float32", "diffusers-group", "layerstream")
+DIFFUSERS_ROWS = ("diffusers", "diffusers-float32", "diffusers-group", "layerstream", "layerstream-float32")
 """Rows that import diffusers (a few seconds, untimed)."""
 
 
@@ -292,36 +294,46 @@ class _StagingLog(logging.Handler):
         super().__init__(logging.INFO)
         self.nbytes = 0.0
         self.seconds = 0.0
+        self.cast_seconds = 0.0
 
     def emit(self, record: logging.LogRecord) -> None:
-        if isinstance(record.args, tuple) and len(record.args) == 6:  # what, blocks, GB, seconds, GB/s, GB from files
-            self.nbytes += record.args[2] * 1e9
-            self.seconds += record.args[3]
+        if isinstance(record.args, tuple) and len(record.args) == 7:  # what, count, unit, GB, s, GB/s, GB from files
+            if str(record.args[0]).startswith("casting"):
+                self.cast_seconds += record.args[4]
+            else:
+                self.nbytes += record.args[3] * 1e9
+                self.seconds += record.args[4]
 
 
-def _layerstream(folder: Path, files: list[Path], device: torch.device) -> Outcome:
-    from layerstream import Omni
+def _layerstream(dtype: str | None) -> Callable[[Path, list[Path], torch.device], Outcome]:
+    def row(folder: Path, files: list[Path], device: torch.device) -> Outcome:
+        from layerstream import Omni
 
-    staging = _StagingLog()
-    progress_logger = logging.getLogger("layerstream.runtime.progress")
-    progress_logger.addHandler(staging)
-    level = progress_logger.level
-    progress_logger.setLevel(logging.INFO)
-    try:
-        omni = Omni(model=str(folder), diffusion_offload_config={"mode": "layer", "components": ["dit"]},
-                    device=device)  # fmt: skip
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # timing boundary: resident components' copies count
-    finally:
-        progress_logger.removeHandler(staging)
-        progress_logger.setLevel(level)
-    stats = omni.stats()
-    note = ""
-    if staging.seconds > 0:
-        note = f"of which staging streamed blocks {staging.seconds:.2f} s ({staging.nbytes / staging.seconds / 1e9:.2f} GB/s)"
-    extra = {"host_bytes_from_files": stats.host_bytes_from_files, "staging_seconds": staging.seconds,
-             "staging_bytes": int(staging.nbytes)}  # fmt: skip
-    return Outcome(host_bytes=stats.host_bytes, extra=extra, note=note, keep=omni)
+        staging = _StagingLog()
+        progress_logger = logging.getLogger("layerstream.runtime.progress")
+        progress_logger.addHandler(staging)
+        level = progress_logger.level
+        progress_logger.setLevel(logging.INFO)
+        try:
+            omni = Omni(model=str(folder), dtype=dtype, device=device,
+                        diffusion_offload_config={"mode": "layer", "components": ["dit"]})  # fmt: skip
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # timing boundary: resident components' copies count
+        finally:
+            progress_logger.removeHandler(staging)
+            progress_logger.setLevel(level)
+        stats = omni.stats()
+        notes = []
+        if staging.cast_seconds > 0:
+            notes.append(f"cast on load {staging.cast_seconds:.2f} s")
+        if staging.seconds > 0:
+            rate = staging.nbytes / staging.seconds / 1e9
+            notes.append(f"of which staging streamed blocks {staging.seconds:.2f} s ({rate:.2f} GB/s)")
+        extra = {"host_bytes_from_files": stats.host_bytes_from_files, "staging_seconds": staging.seconds,
+                 "staging_bytes": int(staging.nbytes), "cast_seconds": staging.cast_seconds}  # fmt: skip
+        return Outcome(host_bytes=stats.host_bytes, extra=extra, note="; ".join(notes), keep=omni)
+
+    return row
 
 
 class _RowSkipped(LayerstreamError):
@@ -336,7 +348,8 @@ _ROWS: dict[str, Callable[[Path, list[Path], torch.device], Outcome]] = {
     "diffusers": _diffusers(saved_dtype=True, group_offload=False),
     "diffusers-float32": _diffusers(saved_dtype=False, group_offload=False),
     "diffusers-group": _diffusers(saved_dtype=True, group_offload=True),
-    "layerstream": _layerstream,
+    "layerstream": _layerstream(None),
+    "layerstream-float32": _layerstream("float32"),
 }
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from layerstream.errors import LayerstreamError
+from layerstream.models.cast_on_load import cast_from_files_, components_to_cast
 from layerstream.models.folder_check import MODEL_INDEX, check_model_folder
 from layerstream.models.saved_dtypes import saved_dtypes
 from layerstream.models.tiny import TINY_MODELS, PipelineKind, ensure_tiny_model
@@ -110,10 +111,18 @@ def load_pipeline(model: str | os.PathLike[str], *, dtype: torch.dtype | None = 
     with hub_offline():
         folder = resolve_model_folder(model)
         # no dtype: each component in the dtype its checkpoint stores (diffusers would upcast to float32)
-        load_kwargs["dtype"] = dtype if dtype is not None else saved_dtypes(folder)
+        saved = saved_dtypes(folder)
+        cast_here = components_to_cast(folder, saved, dtype) if dtype is not None else []
+        if dtype is None:
+            load_kwargs["dtype"] = saved
+        else:  # diffusers models saved in one other dtype load as saved, then are cast from the files below
+            load_kwargs["dtype"] = {"default": dtype, **{name: saved[name] for name in cast_here}}
         logger.info("loading pipeline from %s", folder)
         try:
-            return DiffusionPipeline.from_pretrained(folder, **load_kwargs)
+            pipeline = DiffusionPipeline.from_pretrained(folder, **load_kwargs)
+            for name in cast_here:
+                cast_from_files_(getattr(pipeline, name), dtype, what=name)
+            return pipeline
         except Exception as e:  # any loader failure becomes one line naming the folder; the cause stays chained
             raise ModelLoadError(f"cannot load the pipeline in {folder}: {type(e).__name__}: {_first_line(e)}") from e
 

@@ -15,6 +15,7 @@ import torch
 
 from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.file_reads import FileReader, MappedFiles
+from layerstream.runtime.host_memory import release_freed_memory
 from layerstream.runtime.layout import BlockLayout, TensorBinder
 from layerstream.runtime.protocols import Job, Pinner
 
@@ -122,10 +123,14 @@ class PackedHostStore:
         buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
         if self._files is None:  # weights still mapped from their files are read from the files (file_reads)
             self._files, self._reader = MappedFiles.snapshot(), FileReader()
+        read_before = self.bytes_read_from_files
         self.bytes_read_from_files += layout.copy_sources_into(buffer, self._files, self._reader)
         block = PackedBlock(layout, TensorBinder(layout, device), buffer, pin, original_device)
         block.binder.evict_()
+        source_was_memory = original_device.type == "cpu" and layout.nbytes > self.bytes_read_from_files - read_before
         layout.forget_sources()  # the original storage is freed here, before the next block is staged
+        if source_was_memory:
+            release_freed_memory()  # and given back to the system, not kept in the heap beside the packed copy
         self.blocks[layout.path] = block
         return block
 

@@ -17,8 +17,9 @@ MIN_BAR_BYTES = 256 * 2**20
 
 
 class StagingProgress:
-    def __init__(self, what: str, total_bytes: int, num_blocks: int):
+    def __init__(self, what: str, total_bytes: int, num_blocks: int, *, unit: str = "blocks"):
         self.what = what
+        self.unit = unit
         self.total_bytes = total_bytes
         self.num_blocks = num_blocks
         self.done_bytes = 0
@@ -43,9 +44,10 @@ class StagingProgress:
         seconds = time.perf_counter() - self.start
         rate = self.done_bytes / seconds / 1e9 if seconds > 0 else float("inf")
         logger.info(
-            "%s: %d blocks, %.2f GB in %.1f s (%.2f GB/s), %.2f GB read straight from the checkpoint files",
+            "%s: %d %s, %.2f GB in %.1f s (%.2f GB/s), %.2f GB read straight from the checkpoint files",
             self.what,
             self.num_blocks,
+            self.unit,
             self.done_bytes / 1e9,
             seconds,
             rate,

@@ -1,0 +1,140 @@
+"""Casting a diffusers model to another dtype while its weights are read from the checkpoint files.
+
+Given a dtype other than the saved one, diffusers casts every tensor at load by faulting the file mapping in
+page by page (a few hundred MB/s), holding each cast copy in memory beside the touched file pages. Instead,
+layerstream loads such a component in the dtype its files store (every weight then a lazy view of the files,
+nothing read yet) and casts it here, tensor by tensor: each weight's bytes are read from its file with large
+`preadv` calls on several threads (`runtime.file_reads`), cast into a fresh tensor of the target dtype, and the
+view is dropped. Nothing of the checkpoint stays mapped afterwards, and the host never holds more than the cast
+model plus one tensor in flight.
+
+The result is exactly what diffusers' own cast gives: the same rule decides each tensor's dtype (floating
+tensors saved in the checkpoint go to the target dtype, those under the model's `_keep_in_fp32_modules` to
+float32; integer tensors and buffers the checkpoint does not save keep theirs), and every cast is the same
+`Tensor.to` rounding. Only diffusers models whose files store one floating dtype take this path; anything else
+is cast by diffusers at load as before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from layerstream.errors import LayerstreamError
+from layerstream.models.saved_dtypes import SAFETENSORS_DTYPES, SafetensorsHeaderError, read_safetensors_header
+from layerstream.runtime.file_reads import FileReader, MappedFiles
+from layerstream.runtime.progress import StagingProgress
+
+logger = logging.getLogger(__name__)
+
+CASTABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""Target dtypes cast here; any other (float8, float64) is left to diffusers' own load."""
+
+
+class CastReadError(LayerstreamError, OSError):
+    """A checkpoint file that could not be read while casting (truncated, removed); the message names it."""
+
+
+def components_to_cast(folder: Path, saved: dict[str, torch.dtype], dtype: torch.dtype) -> list[str]:
+    """The components of the pipeline folder that load in their saved dtype and are cast here to `dtype`:
+    diffusers models whose safetensors files store exactly one floating dtype, other than `dtype`."""
+    if dtype not in CASTABLE_DTYPES:
+        return []
+    index = json.loads((folder / "model_index.json").read_text())
+    out = []
+    for name, stored in saved.items():
+        entry = index.get(name)
+        if not (isinstance(entry, list) and entry and entry[0] == "diffusers") or stored == dtype:
+            continue
+        if _floating_dtypes_in(folder / name) == {stored}:
+            out.append(name)
+    return out
+
+
+def _floating_dtypes_in(component_folder: Path) -> set[torch.dtype]:
+    found: set[torch.dtype] = set()
+    for path in sorted(component_folder.glob("*.safetensors")):
+        try:
+            header = read_safetensors_header(path)
+        except (OSError, SafetensorsHeaderError):
+            return set()  # diffusers names the unreadable file when it loads it
+        for name, entry in header.items():
+            if name != "__metadata__" and isinstance(entry, dict):
+                if entry.get("dtype") in SAFETENSORS_DTYPES:
+                    found.add(SAFETENSORS_DTYPES[entry["dtype"]])
+                elif str(entry.get("dtype", "")).startswith("F8"):
+                    found.add(torch.float8_e4m3fn)  # a float8 checkpoint: not ours to cast
+    return found
+
+
+def target_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype, keep_in_fp32: tuple[str, ...]) -> torch.dtype:
+    """The dtype diffusers' load gives a checkpoint tensor `name` when asked for `dtype`."""
+    if not tensor.is_floating_point():
+        return tensor.dtype
+    if any(module in name.split(".") for module in keep_in_fp32):
+        return torch.float32
+    return dtype
+
+
+def cast_from_files_(model: nn.Module, dtype: torch.dtype, *, what: str) -> int:
+    """Cast `model` (loaded in its saved dtype) to `dtype` in place, as diffusers' load would have, reading
+    weights that are still unwritten views of their files straight from the files. Returns the bytes read
+    from files. Raises `CastReadError` naming a file that cannot be read; the model is then partly cast and
+    must be dropped (the caller's load fails as a whole)."""
+    keep_in_fp32 = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    todo = _tensors_to_cast(model, dtype, keep_in_fp32)
+    total = sum(t.nbytes for _, _, _, t, _ in todo)
+    progress = StagingProgress(f"casting {what} to {str(dtype).removeprefix('torch.')}", total, len(todo), unit="tensors")
+    files, reader = MappedFiles.snapshot(), FileReader()
+    scratch = torch.empty(0, dtype=torch.uint8)
+    from_files = 0
+    try:
+        for module, attr, is_param, tensor, target in todo:
+            nbytes = tensor.nbytes  # as stored (the Parameter object takes the new dtype below)
+            source = files.file_range(tensor.data_ptr(), tensor.nbytes) if tensor.is_contiguous() else None
+            if source is None:  # built or changed in memory: cast it as diffusers would
+                cast = tensor.to(target)
+            else:
+                if scratch.numel() < tensor.nbytes:
+                    scratch = torch.empty(tensor.nbytes, dtype=torch.uint8)
+                raw = scratch[: tensor.nbytes]
+                try:
+                    reader.read_into_(raw, source)
+                except OSError as e:
+                    raise CastReadError(f"cannot read {source.path} while casting {what}: {e}") from e
+                cast = raw.view(tensor.dtype).view(tensor.shape).to(target, copy=True)
+                from_files += tensor.nbytes
+            with torch.no_grad():
+                if is_param:
+                    module._parameters[attr].data = cast  # the Parameter object (and any tie to it) stays
+                else:
+                    module._buffers[attr] = cast
+            progress.advance(nbytes)
+    finally:
+        reader.close()
+        files.close()
+        progress.close(from_files)
+    return from_files
+
+
+def _tensors_to_cast(model: nn.Module, dtype: torch.dtype, keep_in_fp32: tuple[str, ...]):
+    """(owner module, attribute, is_param, tensor, target dtype) for every checkpoint tensor whose dtype
+    changes, each tensor object once (a tied weight is one Parameter, cast once, still tied)."""
+    seen: set[int] = set()
+    out = []
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        entries = [(n, t, True) for n, t in module._parameters.items()]
+        entries += [(n, t, False) for n, t in module._buffers.items() if n not in module._non_persistent_buffers_set]
+        for attr, tensor, is_param in entries:
+            if tensor is None or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            target = target_dtype(prefix + attr, tensor, dtype, keep_in_fp32)
+            if target != tensor.dtype:
+                out.append((module, attr, is_param, tensor, target))
+    return out
