@@ -159,3 +159,54 @@ def test_disable_waits_for_the_copy_stream_before_any_host_buffer_is_released():
     assert len(unregisters) == 4, log
     assert waits and waits[0] < unregisters[0], log
     assert torch.equal(run(model, (x,)), expected)
+
+
+def test_host_buffers_are_page_locked_on_a_pinning_thread_while_the_next_block_is_read():
+    """Staging hands each filled buffer to the store's pinning thread and goes on reading the next block;
+    enable returns only once every buffer is pinned. A registration that fails rolls the enable back."""
+    import threading
+
+    import pytest
+
+    from layerstream.errors import OffloadError
+
+    torch.manual_seed(0)
+    model = ToyDiT(dim=16, num_blocks=4).eval()
+    x = torch.randn(2, 16)
+    expected = run(model, (x,))
+    recorder = Recorder()
+    threads = []
+    real_register = recorder.host_register
+
+    def register(buffer):
+        threads.append(threading.current_thread().name)
+        return real_register(buffer)
+
+    recorder.host_register = register
+    factory = lambda device, num_slots: AcceleratorCopyEngine(device, num_slots, api=recorder)  # noqa: E731
+    handle = enable_offload(model, {"mode": "layer", "components": ["dit"]}, device="cpu", engine_factory=factory)
+    assert len(threads) == 4 and all(name.startswith("layerstream-pin") for name in threads), threads
+    stats = handle.stats()
+    assert stats.pinned_host_bytes == stats.host_bytes > 0
+    assert torch.equal(run(model, (x,)), expected)
+    handle.disable()
+
+    failing = Recorder()
+    calls = []
+
+    def refuse_third(buffer):
+        calls.append(buffer.numel())
+        if len(calls) == 3:
+            raise RuntimeError("cudaHostRegister failed: out of pinnable memory")
+        return True
+
+    failing.host_register = refuse_third
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    factory = lambda device, num_slots: AcceleratorCopyEngine(device, num_slots, api=failing)  # noqa: E731
+    with pytest.raises((OffloadError, RuntimeError), match="out of pinnable memory"):
+        enable_offload(model, {"mode": "layer", "components": ["dit"]}, device="cpu", engine_factory=factory)
+    unregistered = [e for e in failing.log if e[0] == "host_unregister"]
+    assert len(unregistered) == 3  # the pinned blocks (and only those) were unpinned
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    assert torch.equal(run(model, (x,)), expected)

@@ -1,7 +1,7 @@
 """The local packed host store: each streamed block's tensors in one contiguous host buffer of this process.
 
 Staging copies a block's spans into its buffer (pinned at the exact size when the device has a DMA engine: no
-power-of-two rounding) and at once rebinds the block to empty placeholders, so the original storage is freed
+power-of-two rounding; a pinning thread page-locks each filled buffer while the next block is read) and at once rebinds the block to empty placeholders, so the original storage is freed
 before the next block is staged and host memory never holds two copies of the model. Parameter objects keep
 their identity: parameters are rebound through `.data`, buffers by assignment.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -29,8 +30,15 @@ class PackedBlock:
         self.layout = layout
         self.binder = binder
         self.buffer = buffer
-        self.pinner = pinner if pinner is not None and pinner.pin_(buffer) else None
+        self.pinner: Pinner | None = None
         self.original_device = original_device
+        if pinner is not None:
+            self.pin_(pinner)
+
+    def pin_(self, pinner: Pinner) -> None:
+        """Page-lock the buffer (the store does it on its pinning thread while the next block is read)."""
+        if pinner.pin_(self.buffer):
+            self.pinner = pinner
 
     def __repr__(self) -> str:
         return f"PackedBlock({self.path!r}, {self.host_bytes} bytes{', pinned' if self.pinned else ''})"
@@ -104,6 +112,8 @@ class PackedHostStore:
         self.bytes_read_from_files = 0
         self._files: MappedFiles | None = None
         self._reader: FileReader | None = None
+        self._pinning: ThreadPoolExecutor | None = None
+        self._pin_jobs: list[Future] = []
 
     def __repr__(self) -> str:
         return f"PackedHostStore({len(self.blocks)} blocks, {sum(b.host_bytes for b in self.blocks.values())} bytes)"
@@ -125,7 +135,11 @@ class PackedHostStore:
             self._files, self._reader = MappedFiles.snapshot(), FileReader()
         read_before = self.bytes_read_from_files
         self.bytes_read_from_files += layout.copy_sources_into(buffer, self._files, self._reader)
-        block = PackedBlock(layout, TensorBinder(layout, device), buffer, pin, original_device)
+        block = PackedBlock(layout, TensorBinder(layout, device), buffer, None, original_device)
+        if pin is not None:  # page-locking a filled buffer overlaps with reading the next block
+            if self._pinning is None:
+                self._pinning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-pin")
+            self._pin_jobs.append(self._pinning.submit(block.pin_, pin))
         block.binder.evict_()
         source_was_memory = original_device.type == "cpu" and layout.nbytes > self.bytes_read_from_files - read_before
         layout.forget_sources()  # the original storage is freed here, before the next block is staged
@@ -136,12 +150,26 @@ class PackedHostStore:
 
     def commit_(self) -> None:
         self._close_files()  # each block dropped its originals when staged
+        self._finish_pinning(raise_errors=True)
 
     def rollback_(self) -> None:
         self._close_files()
+        self._finish_pinning(raise_errors=False)  # a block is unpinned only once its pinning is over
         for path in list(self.blocks):
             block = self.blocks.pop(path)
             block.restore_(block.original_device)
+
+    def _finish_pinning(self, *, raise_errors: bool) -> None:
+        jobs, self._pin_jobs = self._pin_jobs, []
+        try:
+            for job in jobs:
+                error = job.exception()  # waits
+                if error is not None and raise_errors:
+                    raise error
+        finally:
+            if self._pinning is not None:
+                self._pinning.shutdown(wait=True)
+                self._pinning = None
 
     def _close_files(self) -> None:
         if self._reader is not None:
