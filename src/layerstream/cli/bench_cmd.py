@@ -78,6 +78,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "safetensors mapping, fastsafetensors)",
     )
 
+    quality = parser.add_argument_group("quality")
+    quality.add_argument(
+        "--quality",
+        action="store_true",
+        help="measure how far float8 storage moves a pipeline's output: PSNR of the pictures and largest latent "
+        "difference against full precision, and link bytes, on --quality-model",
+    )
+    quality.add_argument(
+        "--quality-model", metavar="MODEL", default=None, help="with --quality: a tiny model name or a local diffusers folder (default: tiny-flux)"
+    )
+    quality.add_argument("--quality-steps", type=int, default=None, metavar="N", help="with --quality: denoising steps (default: 4)")
+
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the results as JSON on stdout (and nothing else)")
     out.add_argument("--trace", metavar="DIR", default=None, help="write trace.json and timeline.png of one layerwise forward")
@@ -127,6 +139,10 @@ def _on_cpu(device: str | None) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and print a table (or JSON); user errors raise `CliError` (exit code 2)."""
+    if args.quality:
+        return _run_quality(args)
+    if args.quality_model is not None or args.quality_steps is not None:
+        raise CliError("--quality-model and --quality-steps need --quality")
     if args.cold_start:
         return _run_cold_start(args)
     if args.read_mechanisms or args.cold_start_dir is not None or args.cold_start_models is not None:
@@ -158,6 +174,37 @@ def _print_results(args: argparse.Namespace, payload: str, report: str) -> None:
         (folder / "results.json").write_text(payload + "\n")
         (folder / "results.md").write_text(report)
     print(payload if args.json else report)
+
+
+_NOT_WITH_QUALITY = (
+    ("model", "--model"), ("blocks", "--blocks"), ("tokens", "--tokens"), ("context_tokens", "--context-tokens"),
+    ("strategies", "--strategies"), ("repeats", "--repeats"), ("warmup", "--warmup"), ("link_gbps", "--link-gbps"),
+    ("link_ratio", "--link-ratio"), ("device_budget_gb", "--device-budget-gb"), ("nproc", "--nproc"), ("trace", "--trace"),
+)  # fmt: skip
+
+
+def _run_quality(args: argparse.Namespace) -> int:
+    """--quality: one pipeline generated with full-precision storage and with each float8 storage dtype."""
+    from layerstream.bench.quality import measure_quality
+    from layerstream.errors import LayerstreamError
+
+    for name, flag in _NOT_WITH_QUALITY:
+        if getattr(args, name) is not None:
+            raise CliError(f"{flag} does not apply with --quality (it measures one pipeline; see --quality-model)")
+    if args.cold_start:
+        raise CliError("--quality and --cold-start are separate benchmarks; give one")
+    steps = 4 if args.quality_steps is None else args.quality_steps
+    if steps < 1:
+        raise CliError(f"--quality-steps = {steps} is not valid; expected an integer >= 1")
+    model = args.quality_model or "tiny-flux"
+    request = {"prompt": "a red fox in the snow", "num_inference_steps": steps, "seed": args.seed}
+    print(f"bench: quality of float8 storage on {model}", file=sys.stderr, flush=True)
+    try:
+        result = measure_quality(model, device=args.device, dtype=args.dtype, request=request)
+    except (LayerstreamError, ValueError) as e:
+        raise CliError(" ".join(str(e).split())) from e
+    _print_results(args, json.dumps(result.to_json(), indent=2), result.to_markdown())
+    return 0
 
 
 _NOT_WITH_COLD_START = (

@@ -35,6 +35,10 @@ CASTABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Target dtypes cast here; any other (float8, float64) is left to diffusers' own load."""
 
 
+BATCH_BYTES = 64 * 2**20
+"""Bytes of stored weights read at once (in flight together on the reader's threads) before they are cast."""
+
+
 class CastReadError(LayerstreamError, OSError):
     """A checkpoint file that could not be read while casting (truncated, removed); the message names it."""
 
@@ -93,32 +97,53 @@ def cast_from_files_(model: nn.Module, dtype: torch.dtype, *, what: str) -> int:
     scratch = torch.empty(0, dtype=torch.uint8)
     from_files = 0
     try:
-        for module, attr, is_param, tensor, target in todo:
-            nbytes = tensor.nbytes  # as stored (the Parameter object takes the new dtype below)
-            source = files.file_range(tensor.data_ptr(), tensor.nbytes) if tensor.is_contiguous() else None
-            if source is None:  # built or changed in memory: cast it as diffusers would
-                cast = tensor.to(target)
-            else:
-                if scratch.numel() < tensor.nbytes:
-                    scratch = torch.empty(tensor.nbytes, dtype=torch.uint8)
-                raw = scratch[: tensor.nbytes]
-                try:
-                    reader.read_into_(raw, source)
-                except OSError as e:
-                    raise CastReadError(f"cannot read {source.path} while casting {what}: {e}") from e
-                cast = raw.view(tensor.dtype).view(tensor.shape).to(target, copy=True)
-                from_files += tensor.nbytes
-            with torch.no_grad():
-                if is_param:
-                    module._parameters[attr].data = cast  # the Parameter object (and any tie to it) stays
+        for batch in _batches(todo, files):
+            batch_bytes = sum(t.nbytes for _, _, _, t, _, _ in batch)
+            if scratch.numel() < batch_bytes:
+                scratch = torch.empty(batch_bytes, dtype=torch.uint8)
+            reads, offset = [], 0
+            for *_, tensor, _, source in batch:
+                if source is not None:
+                    reads.append((scratch[offset : offset + tensor.nbytes], source))
+                    offset += tensor.nbytes
+            try:
+                reader.read_all_(reads)  # the batch's reads all in flight on the reader's threads
+            except OSError as e:
+                raise CastReadError(f"cannot read a checkpoint file while casting {what}: {e}") from e
+            raws = iter(raw for raw, _ in reads)
+            for module, attr, is_param, tensor, target, source in batch:
+                nbytes = tensor.nbytes  # as stored (the Parameter object takes the new dtype below)
+                if source is None:  # built or changed in memory: cast it as diffusers would
+                    cast = tensor.to(target)
                 else:
-                    module._buffers[attr] = cast
-            progress.advance(nbytes)
+                    cast = next(raws).view(tensor.dtype).view(tensor.shape).to(target, copy=True)
+                    from_files += nbytes
+                with torch.no_grad():
+                    if is_param:
+                        module._parameters[attr].data = cast  # the Parameter object (and any tie to it) stays
+                    else:
+                        module._buffers[attr] = cast
+                progress.advance(nbytes)
     finally:
         reader.close()
         files.close()
         progress.close(from_files)
     return from_files
+
+
+def _batches(todo, files: MappedFiles):
+    """`todo` with each tensor's file range (None: not an unwritten view of a file), in batches of about
+    `BATCH_BYTES` (one tensor alone may exceed it)."""
+    batch, nbytes = [], 0
+    for module, attr, is_param, tensor, target in todo:
+        source = files.file_range(tensor.data_ptr(), tensor.nbytes) if tensor.is_contiguous() else None
+        batch.append((module, attr, is_param, tensor, target, source))
+        nbytes += tensor.nbytes
+        if nbytes >= BATCH_BYTES:
+            yield batch
+            batch, nbytes = [], 0
+    if batch:
+        yield batch
 
 
 def _tensors_to_cast(model: nn.Module, dtype: torch.dtype, keep_in_fp32: tuple[str, ...]):

@@ -149,16 +149,28 @@ class FileReader:
 
     def read_into_(self, destination: torch.Tensor, source: FileRange) -> None:
         """Fill `destination` (a contiguous uint8 CPU tensor of `source.nbytes`) with the file's bytes."""
-        assert destination.dtype == torch.uint8 and destination.is_contiguous() and destination.numel() == source.nbytes
-        fd = self._open(source.path)
-        base = destination.data_ptr()
+        self.read_all_([(destination, source)])
+
+    def read_all_(self, reads: list[tuple[torch.Tensor, FileRange]]) -> None:
+        """Fill every destination with its file range, all chunks of all reads in flight on the threads at once
+        (a block is many tensors of a few MB: read one after the other, most threads would idle)."""
         jobs = []
-        for start in range(0, source.nbytes, READ_CHUNK_BYTES):
-            length = min(READ_CHUNK_BYTES, source.nbytes - start)
-            jobs.append(self._pool.submit(_pread_exactly, fd, base + start, length, source.offset + start, source.path))
-        for job in jobs:
-            job.result()  # re-raises a failed read (a truncated file names itself)
-        self.bytes_read += source.nbytes
+        for destination, source in reads:
+            assert destination.dtype == torch.uint8 and destination.is_contiguous() and destination.numel() == source.nbytes
+            fd = self._open(source.path)
+            base = destination.data_ptr()
+            for start in range(0, source.nbytes, READ_CHUNK_BYTES):
+                length = min(READ_CHUNK_BYTES, source.nbytes - start)
+                jobs.append(self._pool.submit(_pread_exactly, fd, base + start, length, source.offset + start, source.path))
+        error = None
+        for job in jobs:  # wait for every job (none may still write into a buffer after we return), then raise
+            try:
+                job.result()
+            except OSError as e:  # a truncated file names itself
+                error = error or e
+        if error is not None:
+            raise error
+        self.bytes_read += sum(source.nbytes for _, source in reads)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -129,18 +129,19 @@ class BlockLayout:
         """Copy every span of the original storages into `buffer` (a uint8 tensor of `nbytes`). A span that is
         an unwritten view of a file mapping (`files`) is read from the file by `reader` instead of faulted in
         through the mapping. Returns the bytes read from files."""
-        from_files = 0
+        reads = []
         for src, src_start, length, dst in self._spans:
             if files is not None and reader is not None and src.device.type == "cpu":
                 source = files.file_range(src.untyped_storage().data_ptr() + src_start, length)
                 if source is not None:
-                    reader.read_into_(buffer[dst : dst + length], source)
-                    from_files += length
+                    reads.append((buffer[dst : dst + length], source))
                     continue
             raw = torch.empty(0, dtype=torch.uint8, device=src.device)
             raw.set_(src.untyped_storage(), src_start, (length,), (1,))
             buffer[dst : dst + length].copy_(raw)
-        return from_files
+        if reads:
+            reader.read_all_(reads)  # every span of the block in flight at once
+        return sum(source.nbytes for _, source in reads)
 
     def span_file_ranges(self, files: MappedFiles) -> list[tuple[FileRange | None, int, int]]:
         """For every span: the file bytes that back it (None where the span is not an unwritten view of a file
