@@ -12,7 +12,7 @@
 # Then the cold start (OUT_DIR/cold-start/results.{md,json}): real-width Wan and Flux checkpoint folders (about
 # 1.2 and 1.3 GB, written once under COLD_START_DIR, default ${TMPDIR:-/tmp}/layerstream-cold-start, not in OUT_DIR)
 # loaded from cold files: raw read, from_pretrained(...).to("cuda"), group offload with streams, layerstream.
-# Timeouts: BENCH_TIMEOUT_S per model (default 150 s for Wan, 120 s for Flux, 420 s for the cold start).
+# Timeouts: BENCH_TIMEOUT_S per model (default 300 s for Wan, 120 s for Flux, 420 s for the cold start).
 set -uo pipefail
 
 OUT=${1:?usage: benchmarks/gpu.sh OUT_DIR}
@@ -66,8 +66,10 @@ bench() {  # bench NAME TIMEOUT_S ARGS...: one model, every strategy, into $OUT/
 
 # Wan 2.x 14B blocks at video length: compute-bound (~70 ms per block against ~15 ms of transfer), so layerwise
 # should match resident; resident layers would change nothing here, and module mode would move 5.6 GB a forward.
-bench wan14b 150 --model wan14b --blocks 8 --tokens 32768 --context-tokens 512 --dtype bfloat16 \
-    --strategies resident,layerwise,diffusers-group,naive --repeats 3 --warmup 1
+# The compiled rows compile every block in place (regional compilation, as diffusers' compile_repeated_blocks);
+# the goal is layerwise-compiled within 2% of resident-compiled. Two warm-up forwards pay the compilation.
+bench wan14b 300 --model wan14b --blocks 8 --tokens 32768 --context-tokens 512 --dtype bfloat16 \
+    --strategies resident,layerwise,diffusers-group,naive,resident-compiled,layerwise-compiled --repeats 3 --warmup 2
 
 # Flux blocks at 4k image tokens: transfer-bound (a block computes in less time than it takes to copy), where
 # keeping some blocks resident pays off, and where float8 storage (layerwise-fp8, and diffusers' group offloading

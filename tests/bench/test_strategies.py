@@ -98,3 +98,33 @@ def test_fp8_rows_parse_into_float8_storage():
     assert specs["diffusers-group-fp8"].kind == "diffusers-group"
     options = layer_config(specs["layerwise-fp8"], StrategyContext(device=torch.device("cpu")))["layer_options"]["dit"]
     assert options["storage_dtype"] == "float8_e4m3fn"
+
+
+def test_compiled_rows_compile_every_block_and_stream_like_the_compiled_resident_model():
+    """`resident-compiled` and `layerwise...-compiled` compile each block in place (regional compilation);
+    the compiled layerwise model gives the compiled resident model's output, bit for bit."""
+    from layerstream.bench.strategies import StrategyContext, prepare_strategy
+
+    specs = {s.name: s for s in parse_strategies("resident-compiled,layerwise-fp8-compiled,layerwise-compiled", num_blocks=4)}
+    assert specs["resident-compiled"] == StrategySpec("resident-compiled", "resident", compiled=True)
+    assert specs["layerwise-fp8-compiled"].compiled and specs["layerwise-fp8-compiled"].storage_dtype == "float8_e4m3fn"
+    with pytest.raises(StrategyError, match="unknown strategy"):
+        parse_strategies("layerwise-compiled-fp8", num_blocks=4)
+
+    torch.manual_seed(0)
+    model = build_synthetic_dit(MODEL_SHAPES["tiny"], num_blocks=4, dtype=torch.float32).eval()
+    inputs = make_inputs(MODEL_SHAPES["tiny"], num_tokens=16, num_context_tokens=0, dtype=torch.float32, device="cpu")
+    ctx = StrategyContext(device=torch.device("cpu"))
+    resident = prepare_strategy(specs["resident-compiled"], copy.deepcopy(model), ctx)
+    layerwise = prepare_strategy(specs["layerwise-compiled"], copy.deepcopy(model), ctx)
+    try:
+        assert all(b._compiled_call_impl is not None for b in layerwise.model.blocks)
+        assert all(b._compiled_call_impl is not None for b in resident.model.blocks)
+        with torch.no_grad():
+            want = resident.model(**inputs)
+            for _ in range(2):
+                assert torch.equal(layerwise.model(**inputs), want)
+        assert layerwise.counters().bytes_transferred > 0
+    finally:
+        layerwise.close()
+        resident.close()

@@ -41,8 +41,10 @@ DEFAULT_STRATEGIES = (
     "naive",
 )
 _LAYERWISE = re.compile(
-    r"^layerwise(?:-resident-(?P<resident>\d+)|-(?P<auto>auto))?(?:-depth-(?P<depth>\d+))?(?P<fp8>-fp8)?$"
+    r"^layerwise(?:-resident-(?P<resident>\d+)|-(?P<auto>auto))?(?:-depth-(?P<depth>\d+))?(?P<fp8>-fp8)?(?P<compiled>-compiled)?$"
 )
+COMPILED_SUFFIX = "-compiled"
+"""`resident-compiled`, `layerwise...-compiled`: every block compiled (regional compilation) after set-up."""
 FP8_STORAGE = "float8_e4m3fn"
 """The storage dtype of the `-fp8` rows."""
 
@@ -67,6 +69,9 @@ class StrategySpec:
     """Layerwise only: `layer_options.dit.weight_transfer`; "allgather" is run by `bench.distributed` (ranks)."""
     storage_dtype: str | None = None
     """Layerwise: `layer_options.dit.storage_dtype`; diffusers-group: the storage dtype of its layerwise casting."""
+    compiled: bool = False
+    """Resident and layerwise: compile each block with `torch.compile` after set-up (regional compilation, as
+    diffusers' `compile_repeated_blocks`); the warm-up forwards pay the compilation."""
 
 
 def parse_strategies(text: str, *, num_blocks: int) -> tuple[StrategySpec, ...]:
@@ -87,14 +92,16 @@ def parse_strategies(text: str, *, num_blocks: int) -> tuple[StrategySpec, ...]:
 
 def allowed_names() -> str:
     return (
-        "resident, layerwise, layerwise-resident-N, layerwise-auto (layerwise ones may end in -depth-D, then -fp8), "
-        "module, diffusers-group, diffusers-group-fp8, naive"
+        "resident, resident-compiled, layerwise, layerwise-resident-N, layerwise-auto (layerwise ones may end in "
+        "-depth-D, then -fp8, then -compiled), module, diffusers-group, diffusers-group-fp8, naive"
     )
 
 
 def _parse_one(name: str, num_blocks: int) -> StrategySpec:
     if name in ("resident", "module", "diffusers-group", "naive"):
         return StrategySpec(name, name)
+    if name == "resident" + COMPILED_SUFFIX:
+        return StrategySpec(name, "resident", compiled=True)
     if name == "diffusers-group-fp8":
         return StrategySpec(name, "diffusers-group", storage_dtype=FP8_STORAGE)
     match = _LAYERWISE.match(name)
@@ -114,7 +121,9 @@ def _parse_one(name: str, num_blocks: int) -> StrategySpec:
                 f"strategy {name!r}: {resident} resident blocks of {num_blocks} leave fewer than 2 to stream; "
                 f"allowed: 0 to {max(num_blocks - 2, 0)}"
             )
-    return StrategySpec(name, "layerwise", resident, depth, storage_dtype=FP8_STORAGE if match["fp8"] else None)
+    return StrategySpec(
+        name, "layerwise", resident, depth, storage_dtype=FP8_STORAGE if match["fp8"] else None, compiled=bool(match["compiled"])
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -251,12 +260,21 @@ def prepare_strategy(spec: StrategySpec, model: nn.Module, ctx: StrategyContext)
     before = memory.allocated()
     start = time.perf_counter()
     prepared = _SETUP[spec.kind](spec, model, ctx)
+    if spec.compiled:
+        compile_blocks_(model)
     synchronize(ctx.device)  # an enable that queued copies is not done before they are
     prepared.enable_seconds = time.perf_counter() - start
     after = memory.allocated()
     if before is not None and after is not None:
         prepared.device_setup_bytes = after - before
     return prepared
+
+
+def compile_blocks_(model: nn.Module) -> None:
+    """Regional compilation: each block's forward compiled in place (one graph for all the blocks, which share
+    code and shapes). layerstream's block entry is compile-safe: the binding runs outside the graph."""
+    for block in model.blocks:
+        block.compile()
 
 
 def _resident(spec: StrategySpec, model: nn.Module, ctx: StrategyContext) -> PreparedStrategy:
