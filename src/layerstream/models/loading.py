@@ -20,6 +20,7 @@ import torch
 
 from layerstream.errors import LayerstreamError
 from layerstream.models.cast_on_load import cast_from_files_, components_to_cast
+from layerstream.models.readahead import Readahead
 from layerstream.models.folder_check import MODEL_INDEX, check_model_folder
 from layerstream.models.saved_dtypes import saved_dtypes
 from layerstream.models.tiny import TINY_MODELS, PipelineKind, ensure_tiny_model
@@ -118,6 +119,7 @@ def load_pipeline(model: str | os.PathLike[str], *, dtype: torch.dtype | None = 
         else:  # diffusers models saved in one other dtype load as saved, then are cast from the files below
             load_kwargs["dtype"] = {"default": dtype, **{name: saved[name] for name in cast_here}}
         logger.info("loading pipeline from %s", folder)
+        readahead = Readahead.for_pipeline_folder(folder)  # the disk works while diffusers builds the pipeline
         try:
             pipeline = DiffusionPipeline.from_pretrained(folder, **load_kwargs)
             for name in cast_here:
@@ -125,6 +127,8 @@ def load_pipeline(model: str | os.PathLike[str], *, dtype: torch.dtype | None = 
             return pipeline
         except Exception as e:  # any loader failure becomes one line naming the folder; the cause stays chained
             raise ModelLoadError(f"cannot load the pipeline in {folder}: {type(e).__name__}: {_first_line(e)}") from e
+        finally:
+            readahead.stop()
 
 
 def pipeline_kind(pipeline: Any) -> PipelineKind:

@@ -1,0 +1,80 @@
+"""Reading the checkpoint ahead while diffusers builds the pipeline.
+
+`DiffusionPipeline.from_pretrained` spends its first second or so building model classes, configs and small
+components, reading only file headers: the disk idles. `Readahead` asks the kernel to read the largest model
+files into the page cache meanwhile (`posix_fadvise(POSIX_FADV_WILLNEED)`, in order, on a background thread),
+up to a byte budget well below the memory available, so that the host store's reads that follow find the
+first blocks cached. Page-cache pages are the kernel's, reclaimable and not the process's (RSS): a budget
+keeps them from pushing anything out. Where `posix_fadvise` does not exist it does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+CHUNK_BYTES = 64 * 2**20
+MAX_BYTES = 4 * 2**30
+"""At most this much is read ahead: about what a disk reads while the pipeline is built, and then some."""
+
+
+def _available_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+class Readahead:
+    """Reads `files` ahead into the page cache on a thread until `budget` bytes or `stop()`."""
+
+    def __init__(self, files: list[Path], budget: int | None = None):
+        self._files = files
+        self._budget = min(MAX_BYTES, _available_bytes() // 4) if budget is None else budget
+        self._stop = threading.Event()
+        self.bytes_requested = 0
+        self._thread: threading.Thread | None = None
+        if hasattr(os, "posix_fadvise") and self._budget > 0 and files:
+            self._thread = threading.Thread(target=self._run, name="layerstream-readahead", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def for_pipeline_folder(cls, folder: Path) -> Readahead:
+        """The safetensors files of the folder's components, largest component first."""
+        components = [d for d in folder.iterdir() if d.is_dir()]
+        sizes = {d: sum(f.stat().st_size for f in d.glob("*.safetensors")) for d in components}
+        files = [f for d in sorted(components, key=lambda d: -sizes[d]) for f in sorted(d.glob("*.safetensors"))]
+        return cls(files)
+
+    def wait(self) -> None:
+        """Wait until every request is made (the kernel reads them in the background after)."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        for path in self._files:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue  # the loader names a missing file itself
+            try:
+                size = os.fstat(fd).st_size
+                for offset in range(0, size, CHUNK_BYTES):
+                    if self._stop.is_set() or self.bytes_requested >= self._budget:
+                        return
+                    length = min(CHUNK_BYTES, size - offset)
+                    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+                    self.bytes_requested += length
+            except OSError:
+                return  # advice only: a failure changes nothing
+            finally:
+                os.close(fd)
