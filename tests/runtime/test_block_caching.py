@@ -90,3 +90,25 @@ def test_cache_dit_skips_blocks_of_a_streamed_pipeline_and_matches_the_resident_
         assert num <= transfers[first], path  # a skipped block is not copied again for every skipped step
     assert stats.max_materialized_blocks <= stats.num_slots
     handle.disable()
+
+
+@pytest.mark.slow
+def test_cache_dit_disabled_again_leaves_a_streamed_pipeline_that_matches_resident():
+    """enable_cache, generate, disable_cache, generate: the second picture (no block skipped any more) equals
+    the resident pipeline's after the same sequence."""
+    cache_dit = pytest.importorskip("cache_dit")
+    resident, streamed = load("wan"), load("wan")
+    handle = enable_offload(streamed, DIT, device="cpu")
+    config = cache_dit.DBCacheConfig(
+        Fn_compute_blocks=1, Bn_compute_blocks=0, max_warmup_steps=1, residual_diff_threshold=10.0, max_cached_steps=-1
+    )
+    outputs = []
+    for pipe in (resident, streamed):
+        cache_dit.enable_cache(pipe, cache_config=config)
+        cached = generate(pipe, "wan", num_inference_steps=3)
+        cache_dit.disable_cache(pipe)
+        outputs.append((cached, generate(pipe, "wan", num_inference_steps=3)))
+    (resident_cached, resident_plain), (streamed_cached, streamed_plain) = outputs
+    assert torch.equal(streamed_cached, resident_cached) and torch.equal(streamed_plain, resident_plain)
+    assert not torch.equal(resident_plain, resident_cached)  # the cache did skip blocks the plain run computes
+    handle.disable()
