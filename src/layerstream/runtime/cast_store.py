@@ -36,6 +36,7 @@ from torch import nn
 from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.cast_rule import cast_module_ids
 from layerstream.runtime.layout import ALIGN_BYTES, BlockLayout, TensorBinder, align_up
+from layerstream.runtime.host_buffer import HostBufferBlock, PinningThread
 from layerstream.runtime.protocols import Job, Pinner
 
 logger = logging.getLogger(__name__)
@@ -190,22 +191,14 @@ def stored_view(stored: torch.Tensor, segment: Segment, storage_dtype: torch.dty
     return stored[segment.stored_start : segment.stored_start + segment.stored_nbytes].view(storage_dtype)
 
 
-class CastBlock:
+class CastBlock(HostBufferBlock):
     """One block stored in low precision in a host buffer of this process (a `StoredBlock`)."""
 
-    def __init__(
-        self,
-        cast_layout: CastLayout,
-        binder: TensorBinder,
-        buffer: torch.Tensor,
-        pinner: Pinner | None,
-        originals: list[torch.Tensor],
-    ):
+    def __init__(self, cast_layout: CastLayout, binder: TensorBinder, buffer: torch.Tensor, originals: list[torch.Tensor]):
         self.cast_layout = cast_layout
         self.layout = cast_layout.layout
         self.binder = binder
         self.buffer = buffer
-        self.pinner = pinner if pinner is not None and pinner.pin_(buffer) else None
         self.originals: list[torch.Tensor] | None = originals
         """The block's own tensors until the store commits (the rollback gives them back exactly)."""
         self._slot_ops: dict[int, tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
@@ -214,20 +207,8 @@ class CastBlock:
         return f"CastBlock({self.path!r}, {self.host_bytes} bytes in {self.storage_dtype}{', pinned' if self.pinned else ''})"
 
     @property
-    def path(self) -> str:
-        return self.layout.path
-
-    @property
     def storage_dtype(self) -> torch.dtype:
         return self.cast_layout.storage_dtype
-
-    @property
-    def host_bytes(self) -> int:
-        return self.buffer.numel()
-
-    @property
-    def pinned(self) -> bool:
-        return self.pinner is not None
 
     @property
     def link_bytes(self) -> int:
@@ -312,10 +293,7 @@ class CastBlock:
 
     def release_(self) -> None:
         self._slot_ops.clear()
-        if self.pinner is not None:
-            self.pinner.unpin_(self.buffer)
-            self.pinner = None
-        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.release_buffer_()
 
 
 class CastHostStore:
@@ -328,6 +306,7 @@ class CastHostStore:
         self._cast_ids = cast_module_ids(model)
         self._cast_layouts: dict[int, CastLayout] = {}
         self.blocks: dict[str, CastBlock] = {}
+        self._pinning = PinningThread()
 
     def __repr__(self) -> str:
         return f"CastHostStore({self.storage_dtype}, {len(self.blocks)} blocks, {sum(b.host_bytes for b in self.blocks.values())} bytes)"
@@ -354,16 +333,20 @@ class CastHostStore:
         buffer = torch.zeros(cast_layout.stored_nbytes, dtype=torch.uint8)
         cast_layout.fill_(buffer)
         originals = [_current(e.module, e.name, e.is_param) for e in layout.entries]
-        block = CastBlock(cast_layout, TensorBinder(layout, device), buffer, pin, originals)
+        block = CastBlock(cast_layout, TensorBinder(layout, device), buffer, originals)
+        if pin is not None:
+            self._pinning.submit(block, pin)  # page-locking it overlaps with casting the next block
         block.binder.evict_()  # the originals stay referenced by the block until commit_
         self.blocks[layout.path] = block
         return block
 
     def commit_(self) -> None:
+        self._pinning.finish(raise_errors=True)  # a failed pin still finds the originals for the rollback
         for block in self.blocks.values():
             block.forget_originals_()  # from here on the stored bytes are the only copy
 
     def rollback_(self) -> None:
+        self._pinning.finish(raise_errors=False)
         for path in list(self.blocks):
             self.blocks.pop(path).rollback_()
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.file_reads import FileReader, MappedFiles
+from layerstream.runtime.host_buffer import HostBufferBlock, PinningThread
 from layerstream.runtime.host_memory import release_freed_memory
 from layerstream.runtime.layout import BlockLayout, TensorBinder
 from layerstream.runtime.protocols import Job, Pinner
@@ -23,37 +23,17 @@ from layerstream.runtime.protocols import Job, Pinner
 logger = logging.getLogger(__name__)
 
 
-class PackedBlock:
+class PackedBlock(HostBufferBlock):
     """One block's packed bytes in a host buffer of this process."""
 
-    def __init__(self, layout: BlockLayout, binder: TensorBinder, buffer: torch.Tensor, pinner: Pinner | None, original_device: torch.device):
+    def __init__(self, layout: BlockLayout, binder: TensorBinder, buffer: torch.Tensor, original_device: torch.device):
         self.layout = layout
         self.binder = binder
         self.buffer = buffer
-        self.pinner: Pinner | None = None
         self.original_device = original_device
-        if pinner is not None:
-            self.pin_(pinner)
-
-    def pin_(self, pinner: Pinner) -> None:
-        """Page-lock the buffer (the store does it on its pinning thread while the next block is read)."""
-        if pinner.pin_(self.buffer):
-            self.pinner = pinner
 
     def __repr__(self) -> str:
         return f"PackedBlock({self.path!r}, {self.host_bytes} bytes{', pinned' if self.pinned else ''})"
-
-    @property
-    def path(self) -> str:
-        return self.layout.path
-
-    @property
-    def host_bytes(self) -> int:
-        return self.buffer.numel()
-
-    @property
-    def pinned(self) -> bool:
-        return self.pinner is not None
 
     @property
     def link_bytes(self) -> int:
@@ -96,10 +76,7 @@ class PackedBlock:
         self.release_()
 
     def release_(self) -> None:
-        if self.pinner is not None:
-            self.pinner.unpin_(self.buffer)
-            self.pinner = None
-        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.release_buffer_()
 
 
 class PackedHostStore:
@@ -112,8 +89,7 @@ class PackedHostStore:
         self.bytes_read_from_files = 0
         self._files: MappedFiles | None = None
         self._reader: FileReader | None = None
-        self._pinning: ThreadPoolExecutor | None = None
-        self._pin_jobs: list[Future] = []
+        self._pinning = PinningThread()
 
     def __repr__(self) -> str:
         return f"PackedHostStore({len(self.blocks)} blocks, {sum(b.host_bytes for b in self.blocks.values())} bytes)"
@@ -135,11 +111,9 @@ class PackedHostStore:
             self._files, self._reader = MappedFiles.snapshot(), FileReader()
         read_before = self.bytes_read_from_files
         self.bytes_read_from_files += layout.copy_sources_into(buffer, self._files, self._reader)
-        block = PackedBlock(layout, TensorBinder(layout, device), buffer, None, original_device)
-        if pin is not None:  # page-locking a filled buffer overlaps with reading the next block
-            if self._pinning is None:
-                self._pinning = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-pin")
-            self._pin_jobs.append(self._pinning.submit(block.pin_, pin))
+        block = PackedBlock(layout, TensorBinder(layout, device), buffer, original_device)
+        if pin is not None:
+            self._pinning.submit(block, pin)  # page-locking it overlaps with reading the next block
         block.binder.evict_()
         source_was_memory = original_device.type == "cpu" and layout.nbytes > self.bytes_read_from_files - read_before
         layout.forget_sources()  # the original storage is freed here, before the next block is staged
@@ -150,26 +124,14 @@ class PackedHostStore:
 
     def commit_(self) -> None:
         self._close_files()  # each block dropped its originals when staged
-        self._finish_pinning(raise_errors=True)
+        self._pinning.finish(raise_errors=True)
 
     def rollback_(self) -> None:
         self._close_files()
-        self._finish_pinning(raise_errors=False)  # a block is unpinned only once its pinning is over
+        self._pinning.finish(raise_errors=False)  # a block is unpinned only once its pinning is over
         for path in list(self.blocks):
             block = self.blocks.pop(path)
             block.restore_(block.original_device)
-
-    def _finish_pinning(self, *, raise_errors: bool) -> None:
-        jobs, self._pin_jobs = self._pin_jobs, []
-        try:
-            for job in jobs:
-                error = job.exception()  # waits
-                if error is not None and raise_errors:
-                    raise error
-        finally:
-            if self._pinning is not None:
-                self._pinning.shutdown(wait=True)
-                self._pinning = None
 
     def _close_files(self) -> None:
         if self._reader is not None:
