@@ -17,6 +17,8 @@ is cast by diffusers at load as before.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import logging
 from pathlib import Path
@@ -94,40 +96,63 @@ def cast_from_files_(model: nn.Module, dtype: torch.dtype, *, what: str) -> int:
     total = sum(t.nbytes for _, _, _, t, _ in todo)
     progress = StagingProgress(f"casting {what} to {str(dtype).removeprefix('torch.')}", total, len(todo), unit="tensors")
     files, reader = MappedFiles.snapshot(), FileReader()
-    scratch = torch.empty(0, dtype=torch.uint8)
+    scratches = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
     from_files = 0
+    pending = None  # (batch, its reads, the function that waits for them)
     try:
-        for batch in _batches(todo, files):
-            batch_bytes = sum(t.nbytes for _, _, _, t, _, _ in batch)
-            if scratch.numel() < batch_bytes:
-                scratch = torch.empty(batch_bytes, dtype=torch.uint8)
-            reads, offset = [], 0
-            for *_, tensor, _, source in batch:
-                if source is not None:
-                    reads.append((scratch[offset : offset + tensor.nbytes], source))
-                    offset += tensor.nbytes
-            try:
-                reader.read_all_(reads)  # the batch's reads all in flight on the reader's threads
-            except OSError as e:
-                raise CastReadError(f"cannot read a checkpoint file while casting {what}: {e}") from e
-            raws = iter(raw for raw, _ in reads)
-            for module, attr, is_param, tensor, target, source in batch:
-                nbytes = tensor.nbytes  # as stored (the Parameter object takes the new dtype below)
-                if source is None:  # built or changed in memory: cast it as diffusers would
-                    cast = tensor.to(target)
-                else:
-                    cast = next(raws).view(tensor.dtype).view(tensor.shape).to(target, copy=True)
-                    from_files += nbytes
-                with torch.no_grad():
-                    if is_param:
-                        module._parameters[attr].data = cast  # the Parameter object (and any tie to it) stays
-                    else:
-                        module._buffers[attr] = cast
-                progress.advance(nbytes)
+        # the next batch is read on the reader's threads while this one is cast: two scratch buffers in turn
+        for i, batch in enumerate(itertools.chain(_batches(todo, files), [None])):
+            started = None
+            if batch is not None:
+                started = _start_batch(batch, scratches, i % 2, reader)
+            if pending is not None:
+                from_files += _cast_batch(*pending, what=what, progress=progress)
+            pending = started
+    except BaseException:
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                pending[2]()  # never leave a read writing into a scratch buffer that is being freed
+        raise
     finally:
         reader.close()
         files.close()
         progress.close(from_files)
+    return from_files
+
+
+def _start_batch(batch, scratches: list[torch.Tensor], which: int, reader: FileReader):
+    batch_bytes = sum(t.nbytes for _, _, _, t, _, source in batch if source is not None)
+    if scratches[which].numel() < batch_bytes:
+        scratches[which] = torch.empty(batch_bytes, dtype=torch.uint8)
+    scratch, reads, offset = scratches[which], [], 0
+    for *_, tensor, _, source in batch:
+        if source is not None:
+            reads.append((scratch[offset : offset + tensor.nbytes], source))
+            offset += tensor.nbytes
+    return batch, reads, reader.start_reads_(reads)
+
+
+def _cast_batch(batch, reads, wait, *, what: str, progress: StagingProgress) -> int:
+    """Wait for the batch's reads, cast each tensor and rebind it; returns the bytes read from files."""
+    try:
+        wait()
+    except OSError as e:
+        raise CastReadError(f"cannot read a checkpoint file while casting {what}: {e}") from e
+    raws = iter(raw for raw, _ in reads)
+    from_files = 0
+    for module, attr, is_param, tensor, target, source in batch:
+        nbytes = tensor.nbytes  # as stored (the Parameter object takes the new dtype below)
+        if source is None:  # built or changed in memory: cast it as diffusers would
+            cast = tensor.to(target)
+        else:
+            cast = next(raws).view(tensor.dtype).view(tensor.shape).to(target, copy=True)
+            from_files += nbytes
+        with torch.no_grad():
+            if is_param:
+                module._parameters[attr].data = cast  # the Parameter object (and any tie to it) stays
+            else:
+                module._buffers[attr] = cast
+        progress.advance(nbytes)
     return from_files
 
 

@@ -154,6 +154,11 @@ class FileReader:
     def read_all_(self, reads: list[tuple[torch.Tensor, FileRange]]) -> None:
         """Fill every destination with its file range, all chunks of all reads in flight on the threads at once
         (a block is many tensors of a few MB: read one after the other, most threads would idle)."""
+        self.start_reads_(reads)()
+
+    def start_reads_(self, reads: list[tuple[torch.Tensor, FileRange]]):
+        """Start `read_all_`'s reads and return a function that waits for them (and raises the first
+        failure). Until it returns, the destinations are being written."""
         jobs = []
         for destination, source in reads:
             assert destination.dtype == torch.uint8 and destination.is_contiguous() and destination.numel() == source.nbytes
@@ -162,15 +167,19 @@ class FileReader:
             for start in range(0, source.nbytes, READ_CHUNK_BYTES):
                 length = min(READ_CHUNK_BYTES, source.nbytes - start)
                 jobs.append(self._pool.submit(_pread_exactly, fd, base + start, length, source.offset + start, source.path))
-        error = None
-        for job in jobs:  # wait for every job (none may still write into a buffer after we return), then raise
-            try:
-                job.result()
-            except OSError as e:  # a truncated file names itself
-                error = error or e
-        if error is not None:
-            raise error
-        self.bytes_read += sum(source.nbytes for _, source in reads)
+
+        def wait() -> None:
+            error = None
+            for job in jobs:  # wait for every job (none may still write into a buffer after we return), then raise
+                try:
+                    job.result()
+                except OSError as e:  # a truncated file names itself
+                    error = error or e
+            if error is not None:
+                raise error
+            self.bytes_read += sum(source.nbytes for _, source in reads)
+
+        return wait
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
