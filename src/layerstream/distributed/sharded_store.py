@@ -21,20 +21,22 @@ import torch
 
 from layerstream.distributed.collectives import BlockGather
 from layerstream.errors import UnsupportedUseError
+from layerstream.runtime.host_buffer import HostBufferBlock
 from layerstream.runtime.layout import BlockLayout, TensorBinder
 from layerstream.runtime.protocols import Job, Pinner
 
 logger = logging.getLogger(__name__)
 
 
-class ShardedBlock:
-    """One streamed block of which this rank holds one shard."""
+class ShardedBlock(HostBufferBlock):
+    """One streamed block of which this rank holds one shard (its `buffer`)."""
 
     def __init__(self, layout: BlockLayout, binder: TensorBinder, shard: torch.Tensor, pinner: Pinner | None, gather: BlockGather, index: int):
         self.layout = layout
         self.binder = binder
-        self.shard = shard
-        self.pinner = pinner if pinner is not None and pinner.pin_(shard) else None
+        self.buffer = shard
+        if pinner is not None:
+            self.pin_(pinner)  # here, not on a thread: a failure must reach the store's collective failure report
         self.gather = gather
         self.index = index
         """The block's index in the gather's headers (the same on every rank)."""
@@ -42,18 +44,6 @@ class ShardedBlock:
 
     def __repr__(self) -> str:
         return f"ShardedBlock({self.path!r}, shard {self.gather.rank}/{self.gather.world_size} of {self.shard_nbytes} bytes)"
-
-    @property
-    def path(self) -> str:
-        return self.layout.path
-
-    @property
-    def host_bytes(self) -> int:
-        return self.shard.numel()
-
-    @property
-    def pinned(self) -> bool:
-        return self.pinner is not None
 
     @property
     def link_bytes(self) -> int:
@@ -68,7 +58,7 @@ class ShardedBlock:
     def copy_job(self, slot_buffer: torch.Tensor) -> Job:
         gathered = slot_buffer[: self.slot_nbytes]
         assert gathered.numel() == self.slot_nbytes, "slots are sized for the largest gathered block"
-        gather, index, nbytes, shard, moved = self.gather, self.index, self.layout.nbytes, self.shard, self.shard_nbytes
+        gather, index, nbytes, shard, moved = self.gather, self.index, self.layout.nbytes, self.buffer, self.shard_nbytes
 
         def job() -> int:
             gather.gather_block_(index, nbytes, shard, gathered)
@@ -89,7 +79,7 @@ class ShardedBlock:
         lo, hi = max(start, own_start), min(end, own_start + self.shard_nbytes)
         if lo >= hi:
             return 0
-        self.shard[lo - own_start : hi - own_start].copy_(slot_buffer[lo:hi])
+        self.buffer[lo - own_start : hi - own_start].copy_(slot_buffer[lo:hi])
         return hi - lo
 
     def host_tensors(self) -> list[torch.Tensor]:
@@ -105,15 +95,12 @@ class ShardedBlock:
 
     def restore_(self, device: torch.device) -> None:
         """Real tensors again, gathered from every rank (a collective: every rank restores in one order)."""
-        full = self.gather.gather_full_(self.index, self.layout.nbytes, self.shard)
+        full = self.gather.gather_full_(self.index, self.layout.nbytes, self.buffer)
         self.binder.bind_(self.layout.separate_copies(full, device))
         self.release_()
 
     def release_(self) -> None:
-        if self.pinner is not None:
-            self.pinner.unpin_(self.shard)
-            self.pinner = None
-        self.shard = torch.empty(0, dtype=torch.uint8)
+        self.release_buffer_()
 
 
 class ShardedHostStore:
