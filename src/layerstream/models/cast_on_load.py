@@ -5,8 +5,8 @@ page by page (a few hundred MB/s), holding each cast copy in memory beside the t
 layerstream loads such a component in the dtype its files store (every weight then a lazy view of the files,
 nothing read yet) and casts it here, tensor by tensor: each weight's bytes are read from its file with large
 `preadv` calls on several threads (`runtime.file_reads`), cast into a fresh tensor of the target dtype, and the
-view is dropped. Nothing of the checkpoint stays mapped afterwards, and the host never holds more than the cast
-model plus one tensor in flight.
+view is dropped. The next batch of weights is read while one is cast. Nothing of the checkpoint stays mapped
+afterwards, and the host never holds more than the cast model plus two batches of stored bytes in flight.
 
 The result is exactly what diffusers' own cast gives: the same rule decides each tensor's dtype (floating
 tensors saved in the checkpoint go to the target dtype, those under the model's `_keep_in_fp32_modules` to
@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import logging
 from pathlib import Path
 
 import torch
@@ -31,11 +30,8 @@ from layerstream.models.saved_dtypes import SAFETENSORS_DTYPES, SafetensorsHeade
 from layerstream.runtime.file_reads import FileReader, MappedFiles
 from layerstream.runtime.progress import StagingProgress
 
-logger = logging.getLogger(__name__)
-
 CASTABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Target dtypes cast here; any other (float8, float64) is left to diffusers' own load."""
-
 
 BATCH_BYTES = 64 * 2**20
 """Bytes of stored weights read at once (in flight together on the reader's threads) before they are cast."""
