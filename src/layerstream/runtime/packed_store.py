@@ -22,6 +22,10 @@ from layerstream.runtime.protocols import Job, Pinner
 
 logger = logging.getLogger(__name__)
 
+TRIM_AFTER_BYTES = 16 * 2**20
+"""A block copied from this much host memory or more has its freed originals given back to the system at once
+(a block read from the checkpoint files freed only views of the mapping: nothing to give back)."""
+
 
 class PackedBlock(HostBufferBlock):
     """One block's packed bytes in a host buffer of this process."""
@@ -109,15 +113,15 @@ class PackedHostStore:
         buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
         if self._files is None:  # weights still mapped from their files are read from the files (file_reads)
             self._files, self._reader = MappedFiles.snapshot(), FileReader()
-        read_before = self.bytes_read_from_files
-        self.bytes_read_from_files += layout.copy_sources_into(buffer, self._files, self._reader)
+        from_files = layout.copy_sources_into(buffer, self._files, self._reader)
+        self.bytes_read_from_files += from_files
+        from_memory = sum(length for _, length in layout.span_placements()) - from_files
         block = PackedBlock(layout, TensorBinder(layout, device), buffer, original_device)
         if pin is not None:
             self._pinning.submit(block, pin)  # page-locking it overlaps with reading the next block
         block.binder.evict_()
-        source_was_memory = original_device.type == "cpu" and layout.nbytes > self.bytes_read_from_files - read_before
         layout.forget_sources()  # the original storage is freed here, before the next block is staged
-        if source_was_memory:
+        if original_device.type == "cpu" and from_memory >= TRIM_AFTER_BYTES:
             release_freed_memory()  # and given back to the system, not kept in the heap beside the packed copy
         self.blocks[layout.path] = block
         return block
