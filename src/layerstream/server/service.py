@@ -407,6 +407,9 @@ class GenerationService:
             "max_image_pixels": self.settings.max_image_pixels,
             "max_batch_size": self.settings.max_batch_size,
             "batch_wait_ms": self.settings.batch_wait_ms,
+            "world_size": 1,
+            "backend": None,
+            "ranks": [{"rank": 0, "host_bytes": getattr(self._offload_stats, "host_bytes", None)}],
         }
 
     def render_metrics(self) -> str:
