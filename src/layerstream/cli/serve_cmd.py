@@ -253,7 +253,7 @@ def _check_rank_flags(args: argparse.Namespace) -> None:
     timeout = args.collective_timeout_s
     if not (math.isfinite(timeout) and 0 < timeout <= MAX_COLLECTIVE_TIMEOUT_S):
         raise CliError(
-            f"--collective-timeout-s = {timeout!r} is not valid; expected seconds > 0 and at most {MAX_COLLECTIVE_TIMEOUT_S:g}"
+            f"--collective-timeout-s = {timeout:g} is not valid; expected seconds > 0 and at most {MAX_COLLECTIVE_TIMEOUT_S:g}"
         )
 
 
