@@ -161,6 +161,17 @@ def test_an_odd_number_of_requests_runs_a_placeholder_on_the_idle_rank(wan_ranks
     assert [_files(r) for r in responses] == _single_files(wan_single, VIDEOS, bodies)
 
 
+def test_a_request_past_its_timeout_stops_every_rank_at_the_same_step(wan_ranks, wan_single):
+    with wan_ranks.client(timeout=120) as client:
+        response = client.post(VIDEOS, json={"prompt": "too slow", "seed": 3, **WAN, "num_inference_steps": 40, "timeout": 1.5})
+        assert response.status_code == 504 and response.json()["error"]["code"] == "generation_timeout", response.text
+        wait_until(lambda: metric(client, "layerstream_generation_running") == 0, timeout=60, what="the wave to stop")
+        # both ranks stopped after the same forwards: no transfer failed, so nothing was rebuilt
+        assert "a wave failed" not in wan_ranks.log() and "TransferError" not in wan_ranks.log()
+        body = {"prompt": "after the stop", "seed": 5, **WAN}
+        assert _files(client.post(VIDEOS, json=body)) == _single_files(wan_single, VIDEOS, [body])[0]
+
+
 def test_sigterm_during_a_wave_answers_its_requests_and_every_rank_exits_0(wan_ranks):
     bodies = [{"prompt": f"slow {i}", "seed": i, **WAN, "num_inference_steps": 12} for i in range(2)]
     with ThreadPoolExecutor(2) as pool, wan_ranks.client(timeout=120) as client:

@@ -26,7 +26,7 @@ from layerstream.errors import LayerstreamError
 from layerstream.omni import GenerationError
 from layerstream.server.errors import ApiError
 from layerstream.server.metrics import JobOutcome
-from layerstream.server.queue import BatchOutcome, GenerationQueue, Job, _fail, _timeout_error
+from layerstream.server.queue import BatchOutcome, GenerationQueue, Job, fail_job, timeout_error
 from layerstream.server.ranks import (
     ControlChannel,
     RankGroupError,
@@ -37,7 +37,7 @@ from layerstream.server.ranks import (
     WaveMessage,
     WaveStop,
 )
-from layerstream.server.service import GenerationOutput, GenerationParams, GenerationService, _usage
+from layerstream.server.service import GenerationOutput, GenerationParams, GenerationService, request_usage
 from layerstream.server.settings import ServeSettings
 from layerstream.server.stopping import GenerationStopped, StopReason
 
@@ -94,7 +94,7 @@ class WaveQueue(GenerationQueue):
                 return  # closed and nothing left
             groups, expired = taken
             for job in expired:
-                _fail(job, _timeout_error(job))
+                fail_job(job, timeout_error(job))
             if not groups:
                 if not expired:
                     self._on_idle()
@@ -109,7 +109,7 @@ class WaveQueue(GenerationQueue):
                     self._running = []
             for job, outcome in zip(jobs, outcomes, strict=True):
                 if isinstance(outcome, BaseException):
-                    _fail(job, outcome)
+                    fail_job(job, outcome)
                 else:
                     job.future.set_result(outcome)
             self._after_wave()
@@ -281,7 +281,7 @@ class WaveService(GenerationService):
     def _output(self, job: Job, outcome: RankOutcome, index: int, group_size: int) -> GenerationOutput:
         params: GenerationParams = job.request
         result = outcome.results[index]
-        usage = _usage(self.limits, params, result.runs, result.frames_shape, job.queue_seconds, batch_size=group_size)
+        usage = request_usage(self.limits, params, result.runs, result.frames_shape, job.queue_seconds, batch_size=group_size)
         if self._batching and job.batch_key is not None:  # a batch call: this request's share, by outputs, of its bytes
             call = result.runs[0]
             num_outputs = sum(len(r.files_b64) for r in outcome.results)
