@@ -140,6 +140,24 @@ def test_a_hung_rank_answers_503_and_the_server_exits_nonzero(flux_ranks):
         os.kill(rank0, 0)
 
 
+def test_with_batching_each_rank_runs_a_batch(rank_servers, flux_single):
+    server = rank_servers("tiny-flux", "--max-batch-size", "2", "--batch-wait-ms", "1000")
+    with server.client() as client:
+        waves_before = metric(client, "layerstream_waves_total")
+    bodies = [{"prompt": f"a batch of foxes {i}", "seed": 40 + i, **FLUX} for i in range(4)]
+    responses = _post_all(server, IMAGES, bodies)
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    assert [r.json()["layerstream"]["batch_size"] for r in responses] == [2, 2, 2, 2]
+    with server.client() as client:
+        assert metric(client, "layerstream_waves_total") == waves_before + 1  # 2 ranks x a batch of 2
+    # two requests spread over the ranks, a batch of one each: as the single-process server makes them
+    bodies = [{"prompt": f"two foxes {i}", "seed": 50 + i, **FLUX} for i in range(2)]
+    responses = _post_all(server, IMAGES, bodies)
+    assert [r.json()["layerstream"]["batch_size"] for r in responses] == [1, 1]
+    assert [_files(r) for r in responses] == _single_files(flux_single, IMAGES, bodies)
+    server.kill()
+
+
 def test_four_concurrent_wan_requests_match_the_single_process_server(wan_ranks, wan_single):
     bodies = [{"prompt": f"a river {i}", "seed": 20 + i, **WAN} for i in range(4)]
     responses = _post_all(wan_ranks, VIDEOS, bodies)

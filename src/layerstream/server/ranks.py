@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from layerstream.errors import LayerstreamError
-from layerstream.omni import RunStats
+from layerstream.omni import GenerationError, RunStats
 from layerstream.server.media import encode_result_b64
 from layerstream.server.stopping import GenerationStopped, StopReason
 
@@ -106,6 +106,8 @@ class RankOutcome:
     host_bytes: int | None
     error: str | None = None
     """One line, when the rank's work raised (anything but a requested stop)."""
+    refused: bool = False
+    """The error was the pipeline refusing the arguments (`GenerationError`): no forward ran."""
     stopped: StopReason | None = None
     results: list[RequestResult] = field(default_factory=list)
     num_placeholder_steps: int = 0
@@ -141,7 +143,9 @@ def join_serving_ranks(device: str | None, timeout_s: float, prepare: Callable[[
     timeout = datetime.timedelta(seconds=timeout_s)
     # a client of its own on torchrun's store: waits here never hold a connection another thread needs
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    store = dist.PrefixStore(f"layerstream-serve/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/", client)
+    # one namespace per run and per torchrun restart: a restarted group must not read its predecessor's keys
+    run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store = dist.PrefixStore(f"layerstream-serve/{run}/", client)
     return RankSetup(rank, world_size, compute_device, str(dist.get_backend()), timeout, store)
 
 
@@ -305,6 +309,9 @@ class RankRuntime:
         except GenerationStopped as e:
             outcome.stopped = e.reason
             logger.info("rank %d: %s", self.setup.rank, e)
+        except GenerationError as e:  # the same on every rank: the arguments, not the runtime
+            outcome.error, outcome.refused = str(e), True
+            logger.info("rank %d: generation refused: %s", self.setup.rank, e)
         except Exception as e:
             outcome.error = f"{type(e).__name__}: {_first_line(e)}"
             logger.exception("rank %d: generation of wave %d failed", self.setup.rank, message.wave_id)

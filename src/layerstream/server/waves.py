@@ -243,28 +243,26 @@ class WaveService(GenerationService):
         return self._answers(groups, outcomes, seconds)
 
     def _answers(self, groups: list[list[Job]], outcomes: list[RankOutcome], seconds: float) -> list[BatchOutcome]:
-        errors = [f"rank {o.rank}: {o.error}" for o in outcomes if o.error is not None]
+        failed = [o for o in outcomes if o.error is not None]
         stopped = next((o.stopped for o in outcomes if o.stopped is not None), None)
         failure: BaseException | None = None
-        if errors:
-            # a refusal of the arguments happens before any forward, alike on every rank: answered 400
-            if all("GenerationError" in e for e in errors):
-                failure = GenerationError(errors[0].split(": ", 2)[-1])
-            else:
-                failure = WaveFailedError("; ".join(errors))
-                self._needs_rebuild = True
-        elif stopped is not None:
-            failure = GenerationStopped(stopped, f"generation stopped ({stopped}) during its wave")
+        if failed and all(o.refused for o in failed):
+            # the pipeline refused the arguments before any forward, alike on every rank: answered 400
+            failure = GenerationError(failed[0].error)
+        elif failed:
+            failure = WaveFailedError("; ".join(f"rank {o.rank}: {o.error}" for o in failed))
+            self._needs_rebuild = True
         answers: list[BatchOutcome] = []
         for group, outcome in zip(groups, outcomes):
             for index, job in enumerate(group):
-                asked = job.stop_signal.reason
-                if failure is None and asked is not None:
-                    answer = GenerationStopped(asked, f"generation stopped ({asked}) during its wave; outputs dropped")
+                # a request asked to stop is answered so, whatever the wave did: its outputs are dropped
+                asked = job.stop_signal.reason or (stopped if failure is None else None)
+                if asked is not None:
+                    answer = GenerationStopped(asked, f"generation stopped ({asked}) during its wave")
                     job_outcome = JobOutcome.STOPPED
                 elif failure is not None:
                     answer = failure
-                    job_outcome = JobOutcome.STOPPED if isinstance(failure, GenerationStopped) else JobOutcome.ERROR
+                    job_outcome = JobOutcome.ERROR
                 else:
                     answer = self._output(job, outcome, index, len(group))
                     job_outcome = JobOutcome.OK
@@ -281,11 +279,13 @@ class WaveService(GenerationService):
     def _output(self, job: Job, outcome: RankOutcome, index: int, group_size: int) -> GenerationOutput:
         params: GenerationParams = job.request
         result = outcome.results[index]
-        usage = request_usage(self.limits, params, result.runs, result.frames_shape, job.queue_seconds, batch_size=group_size)
-        if self._batching and job.batch_key is not None:  # a batch call: this request's share, by outputs, of its bytes
-            call = result.runs[0]
+        usage = request_usage(
+            self.limits, params, result.runs, result.frames_shape, job.queue_seconds, batch_size=group_size
+        )
+        if self._batching and job.batch_key is not None:  # a batch call: this request's share of its bytes, by outputs
             num_outputs = sum(len(r.files_b64) for r in outcome.results)
-            usage = usage.model_copy(update={"bytes_streamed": call.bytes_transferred * len(result.files_b64) // num_outputs})
+            share = result.runs[0].bytes_transferred * len(result.files_b64) // num_outputs
+            usage = usage.model_copy(update={"bytes_streamed": share})
         self.metrics.observe_request_bytes(usage.bytes_streamed)
         return GenerationOutput(result.files_b64, usage)
 
@@ -359,18 +359,20 @@ class WaveService(GenerationService):
 
     def render_metrics(self) -> str:
         with self._lock:
-            families = [
-                ("layerstream_waves_total", "Waves run (each rank one request, one batch or a placeholder)", self.num_waves),
-                ("layerstream_wave_idle_ranks_total", "Ranks that ran a placeholder for lack of a request, summed over waves",
+            counters = [
+                ("layerstream_waves_total", "Waves run: each rank one request, one batch or a placeholder.",
+                 self.num_waves),
+                ("layerstream_wave_idle_ranks_total", "Ranks that ran a placeholder for lack of a request, over waves.",
                  self.num_idle_rank_waves),
-                ("layerstream_placeholder_steps_total", "Denoising steps run on placeholders (their outputs are dropped)",
+                ("layerstream_placeholder_steps_total", "Denoising steps run on placeholders (outputs dropped).",
                  self.num_placeholder_steps),
             ]  # fmt: skip
         lines = []
-        for name, help_text, value in families:
+        for name, help_text, value in counters:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
-        lines += ["# HELP layerstream_world_size Serving ranks", "# TYPE layerstream_world_size gauge",
-                  f"layerstream_world_size {self.runtime.setup.world_size}"]  # fmt: skip
+        world_size = self.runtime.setup.world_size
+        lines += ["# HELP layerstream_world_size Serving ranks.", "# TYPE layerstream_world_size gauge",
+                  f"layerstream_world_size {world_size}"]  # fmt: skip
         return super().render_metrics() + "\n".join(lines) + "\n"
 
 
