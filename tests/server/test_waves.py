@@ -65,3 +65,68 @@ def test_a_placeholder_runs_the_same_forwards_for_less(batch_call):
     assert placeholder.placeholder and placeholder.batch_call == batch_call
     # a batch call: one output is enough; alone: every output is a call of its own
     assert placeholder.requests[0].seeds == ((1,) if batch_call else (1, 2, 3))
+
+
+# --- stop points and heartbeats, on an in-memory store (no process group) -----------------------------------
+
+
+def _setup(rank: int, store, timeout_s: float = 0.3):
+    import datetime
+
+    import torch
+
+    from layerstream.server.ranks import RankSetup
+
+    return RankSetup(rank, 2, torch.device("cpu"), "gloo", datetime.timedelta(seconds=timeout_s), store)
+
+
+def test_every_rank_stops_at_the_checkpoint_rank_0_sets():
+    import torch.distributed as dist
+
+    from layerstream.server.ranks import STOP_LAG_CHECKPOINTS, WaveStop
+    from layerstream.server.stopping import GenerationStopped, StopReason
+
+    store = dist.HashStore()
+    asked: list[StopReason | None] = [None]
+    leader = WaveStop(store, 7, decide=lambda: asked[0])
+    follower = WaveStop(store, 7)
+    stopped_at = {}
+    for checkpoint in range(1, 10):
+        if checkpoint == 3:
+            asked[0] = StopReason.TIMEOUT
+        for name, stop in (("leader", leader), ("follower", follower)):
+            if name in stopped_at:
+                continue
+            try:
+                stop.checkpoint(f"checkpoint {checkpoint}")
+            except GenerationStopped as e:
+                assert e.reason is StopReason.TIMEOUT
+                stopped_at[name] = checkpoint
+    assert stopped_at == {"leader": 3 + STOP_LAG_CHECKPOINTS, "follower": 3 + STOP_LAG_CHECKPOINTS}
+    # another wave has a stop point of its own
+    WaveStop(store, 8).checkpoint("first")
+
+
+def test_a_silent_rank_is_lost_after_the_collective_timeout():
+    import time
+
+    import torch.distributed as dist
+
+    from layerstream.server.ranks import ControlChannel, RankGroupError
+
+    store = dist.HashStore()
+    rank1 = ControlChannel(_setup(1, store))  # beats every HEARTBEAT_S
+    rank0 = ControlChannel(_setup(0, store))
+    try:
+        for _ in range(4):  # a live peer is never lost, however long we watch
+            rank0.check_alive()
+            time.sleep(0.2)
+        rank1.close()
+        with pytest.raises(RankGroupError, match="rank 1 has not answered"):
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                rank0.check_alive()
+                time.sleep(0.05)
+    finally:
+        rank0.close()
+        rank1.close()

@@ -154,8 +154,9 @@ class ControlChannel:
 
     Not collectives: a wave's requests may run for minutes, and a rank that finished first must wait for the
     others without a timeout. Liveness comes from heartbeats instead: every rank bumps a counter every
-    `HEARTBEAT_S`, and a rank waiting on another gives up (`RankGroupError`) once that rank's counter has not
-    moved for the collective timeout (a rank that exited, or hangs)."""
+    `HEARTBEAT_S` (or a quarter of the timeout, if shorter), and a rank waiting on another gives up
+    (`RankGroupError`) once that rank's counter has not moved for the collective timeout (a rank that exited,
+    or hangs)."""
 
     def __init__(self, setup: RankSetup):
         self.setup = setup
@@ -218,7 +219,9 @@ class ControlChannel:
             )
 
     def _beat(self) -> None:
-        while not self._stopped.wait(HEARTBEAT_S):
+        # several beats per timeout, however short the timeout: a live rank is never taken for a lost one
+        interval = min(HEARTBEAT_S, self.setup.timeout.total_seconds() / 4)
+        while not self._stopped.wait(interval):
             try:
                 self.setup.store.add(f"heartbeat/{self.setup.rank}", 1)
             except Exception:  # the store is gone: the peers notice our silence
