@@ -324,8 +324,17 @@ class RankRuntime:
         outcome.host_bytes = self.host_bytes()
         return outcome
 
+    @property
+    def shares_weights(self) -> bool:
+        """Whether a component uses allgather: then a failed wave leaves the ranks' transfers out of step."""
+        layer_options = self.omni.config.to_dict().get("layer_options", {})
+        return any(options.get("weight_transfer") == "allgather" for options in layer_options.values())
+
     def _run_work(self, work: RankWork, stop: WaveStop) -> list[RequestResult]:
         omni = self.omni
+
+        def encode(result: Any) -> str:
+            return "" if work.placeholder else encode_result_b64(result)  # nobody reads a placeholder's output
 
         def on_step(step: int, total: int, seconds: float) -> None:
             stop.checkpoint(f"after step {step} of {total}")
@@ -348,7 +357,7 @@ class RankRuntime:
             for p in params:
                 mine = results[offset : offset + len(p.seeds)]
                 offset += len(p.seeds)
-                answers.append(RequestResult([encode_result_b64(r) for r in mine], [mine[0].stats], mine[0].frames.shape))
+                answers.append(RequestResult([encode(r) for r in mine], [mine[0].stats], mine[0].frames.shape))
             return answers
         (params,) = work.requests
         answer = RequestResult([], [], ())
@@ -367,7 +376,7 @@ class RankRuntime:
                 fps=params.fps,
                 on_step=on_step,
             )
-            answer.files_b64.append(encode_result_b64(result))
+            answer.files_b64.append(encode(result))
             answer.runs.append(result.stats)
             answer.frames_shape = result.frames.shape
             del result  # its frames are not needed once encoded

@@ -251,7 +251,8 @@ class WaveService(GenerationService):
             failure = GenerationError(failed[0].error)
         elif failed:
             failure = WaveFailedError("; ".join(f"rank {o.rank}: {o.error}" for o in failed))
-            self._needs_rebuild = True
+            # rank-local runtimes are clean after an exception, as in one process; allgather's transfers are not
+            self._needs_rebuild = self.runtime.shares_weights
         answers: list[BatchOutcome] = []
         for group, outcome in zip(groups, outcomes):
             for index, job in enumerate(group):
