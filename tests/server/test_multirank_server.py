@@ -140,8 +140,13 @@ def test_a_hung_rank_answers_503_and_the_server_exits_nonzero(flux_ranks):
         os.kill(rank0, 0)
 
 
-def test_with_batching_each_rank_runs_a_batch(rank_servers, flux_single):
-    server = rank_servers("tiny-flux", "--max-batch-size", "2", "--batch-wait-ms", "1000")
+@pytest.fixture(scope="module")
+def flux_batching(rank_servers):
+    return rank_servers("tiny-flux", "--max-batch-size", "2", "--batch-wait-ms", "1000")
+
+
+def test_with_batching_each_rank_runs_a_batch(flux_batching, flux_single):
+    server = flux_batching
     with server.client() as client:
         waves_before = metric(client, "layerstream_waves_total")
     bodies = [{"prompt": f"a batch of foxes {i}", "seed": 40 + i, **FLUX} for i in range(4)]
@@ -155,7 +160,14 @@ def test_with_batching_each_rank_runs_a_batch(rank_servers, flux_single):
     responses = _post_all(server, IMAGES, bodies)
     assert [r.json()["layerstream"]["batch_size"] for r in responses] == [1, 1]
     assert [_files(r) for r in responses] == _single_files(flux_single, IMAGES, bodies)
-    server.kill()
+
+
+def test_a_killed_rank_ends_the_server_with_a_nonzero_exit(flux_batching):
+    rank0 = flux_batching.rank_pids()[0]
+    os.kill(flux_batching.rank_pids()[1], signal.SIGKILL)
+    assert flux_batching.wait_exit(COLLECTIVE_TIMEOUT_S + 60) != 0, flux_batching.log()
+    with pytest.raises(ProcessLookupError):
+        os.kill(rank0, 0)  # rank 0 is gone too: its port is closed
 
 
 def test_four_concurrent_wan_requests_match_the_single_process_server(wan_ranks, wan_single):
