@@ -364,6 +364,8 @@ def _serve_rank(args: argparse.Namespace, config, settings) -> int:
 
         def keep_stopper(stop) -> None:
             service.on_fatal = stop
+            if service.fatal_error is not None:  # a rank was lost before the server started
+                stop()
 
         run_server(service, sock, on_ready=_print_ready, access_log=args.access_log, on_stopper=keep_stopper)
         if service.fatal_error is not None or not service.queue.join(0) or not service.stop_ranks():
