@@ -82,3 +82,9 @@ def test_a_bad_config_with_nproc_is_refused_before_any_rank_starts():
     result = serve("tiny-wan", "--nproc", "2", "--diffusion-offload-config", '{"mode": "layer", "components": ["dit"], "colour": 1}')
     assert result.returncode == 2 and result.stderr.strip().splitlines() == _error_lines(result)
     assert "colour" in result.stderr
+
+
+def test_a_device_index_with_several_ranks_is_refused():
+    result = serve("tiny-wan", "--nproc", "2", "--device", "cpu:0")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == _error_lines(result)
+    assert "--device 'cpu:0' with 2 ranks is not valid" in result.stderr and "pass --device cpu" in result.stderr

@@ -131,6 +131,12 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--link-gbps = {args.link_gbps!r} is not valid; expected a number > 0")
     settings = _settings(args)
     _check_device(args.device)
+    if num_ranks > 1 and args.device is not None and ":" in args.device:
+        kind = args.device.split(":")[0]
+        raise CliError(
+            f"--device {args.device!r} with {num_ranks} ranks is not valid: each rank takes its own device "
+            f"({kind}:LOCAL_RANK); pass --device {kind}"
+        )
     if num_ranks > 1 and world_size == 1:
         return _launch_ranks(args, settings)
     if world_size > 1:
