@@ -297,6 +297,10 @@ class RankRuntime:
             dist.destroy_process_group(old_group)
         except Exception:
             logger.warning("destroying the failed wave's offload group failed", exc_info=True)
+        try:  # stops its copy thread; giving the blocks back fails at once, on a group that is gone
+            old_omni.close()
+        except Exception as e:
+            logger.info("rank %d: the failed runtime could not give its blocks back (%s); dropped", self.setup.rank, e)
         del old_omni
         gc.collect()  # the old host store is freed before the new one is filled
         self._group = self._new_offload_group()
