@@ -3,6 +3,8 @@
 `layerstream generate --nproc N ...` calls `launch_torchrun(N, argv)`, which runs the same command in N
 processes under ``torch.distributed.run``; each rank then reads `rank_info()`, joins the group with
 `init_distributed`, generates with seed + rank, and `gather_objects` brings every rank's summary to rank 0.
+`layerstream serve --nproc N` starts the ranks with `start_torchrun` instead, and keeps waiting on them itself,
+so that it can pass a SIGTERM to rank 0 alone.
 """
 
 from __future__ import annotations
