@@ -42,6 +42,8 @@ _LAZY = {
     "StrategyError": ("layerstream.bench.strategies", "StrategyError"),
     "ColdStartConfigError": ("layerstream.bench.cold_start", "ColdStartConfigError"),
     "ServeSettingsError": ("layerstream.server.settings", "ServeSettingsError"),
+    "RankGroupError": ("layerstream.server.ranks", "RankGroupError"),
+    "WaveFailedError": ("layerstream.server.waves", "WaveFailedError"),
 }
 
 __all__ = [

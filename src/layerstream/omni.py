@@ -91,6 +91,7 @@ class Omni:
         simulated_link_gbps: float | None = None,
         trace: bool = False,
         offload: bool = True,
+        process_group=None,
     ):
         from layerstream.models.loading import load_pipeline, pipeline_kind
 
@@ -106,7 +107,14 @@ class Omni:
         """Whether the pipeline takes an input image: ``"none"``, ``"optional"`` or ``"required"``."""
         self.handle: OffloadHandle | None = None
         if offload:
-            self.handle = enable_offload(self.pipeline, self.config, self.device, simulated_link_gbps=simulated_link_gbps, trace=trace)
+            self.handle = enable_offload(
+                self.pipeline,
+                self.config,
+                self.device,
+                simulated_link_gbps=simulated_link_gbps,
+                trace=trace,
+                process_group=process_group,  # allgather's group (None: the default group)
+            )
         else:
             self.pipeline.to(self.device)
         _quiet_progress(self.pipeline)

@@ -46,6 +46,6 @@ USAGE_KEYS = [
 HEALTH_KEYS = [
     "status", "model", "kind", "device", "dtype", "component_dtypes", "offload_config", "queue_depth", "max_queue",
     "running", "size_multiple", "frame_multiple", "max_frames", "max_side_pixels", "max_work", "image_input",
-    "max_image_bytes", "max_image_pixels", "max_batch_size", "batch_wait_ms",
+    "max_image_bytes", "max_image_pixels", "max_batch_size", "batch_wait_ms", "world_size", "backend", "ranks",
 ]  # fmt: skip
 ERROR_KEYS = ["message", "type", "param", "code", "details"]

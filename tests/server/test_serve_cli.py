@@ -63,3 +63,28 @@ def test_a_cuda_device_on_a_torch_without_it_is_one_line_before_loading(device):
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == _error_lines(result)  # no traceback, no log line, nothing loaded
     assert f"--device '{device}'" in result.stderr and "--device cpu" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "flag, value, allowed",
+    [("--nproc", "0", "an integer from 1 to 64"), ("--nproc", "65", "an integer from 1 to 64"),
+     ("--collective-timeout-s", "0", "seconds > 0 and at most 86400"),
+     ("--collective-timeout-s", "nan", "seconds > 0 and at most 86400")],
+)  # fmt: skip
+def test_bad_rank_flags_name_the_flag_before_anything_starts(flag, value, allowed):
+    result = serve("tiny-wan", "--nproc", "2", flag, value) if flag != "--nproc" else serve("tiny-wan", flag, value)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == _error_lines(result)  # no rank started, nothing loaded
+    assert f"layerstream: error: {flag} = {value} is not valid; expected {allowed}" in result.stderr
+
+
+def test_a_bad_config_with_nproc_is_refused_before_any_rank_starts():
+    result = serve("tiny-wan", "--nproc", "2", "--diffusion-offload-config", '{"mode": "layer", "components": ["dit"], "colour": 1}')
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == _error_lines(result)
+    assert "colour" in result.stderr
+
+
+def test_a_device_index_with_several_ranks_is_refused():
+    result = serve("tiny-wan", "--nproc", "2", "--device", "cpu:0")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == _error_lines(result)
+    assert "--device 'cpu:0' with 2 ranks is not valid" in result.stderr and "pass --device cpu" in result.stderr

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
+import signal
 import sys
+import tempfile
+from pathlib import Path
 
 from layerstream.cli.common import CliError, parse_config_arg
 from layerstream.server.settings import (  # plain data: no serve extra
@@ -22,6 +27,12 @@ from layerstream.server.settings import (  # plain data: no serve extra
 )
 
 READY_PREFIX = "layerstream serve: ready on "
+MAX_NPROC = 64
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
+"""Serving's default: a lost or stuck rank is answered 503 within a minute (a block's gather takes far less)."""
+MAX_COLLECTIVE_TIMEOUT_S = 86_400.0
+RANK0_PID_ENV = "LAYERSTREAM_SERVE_RANK0_PID_FILE"
+"""Set by the launcher: where rank 0 writes its pid, so that a SIGTERM to the launcher reaches rank 0 alone."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,17 +97,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MS",
         help=f"longest a request waits for others to join its batch (default: {DEFAULT_BATCH_WAIT_MS:g})",
     )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve with N data-parallel ranks on this machine (torchrun), one device each; rank 0 answers HTTP "
+        "and hands out waves of up to N requests. Without a config the DiT uses allgather: each rank keeps 1/N "
+        "of its blocks' host bytes",
+    )
+    parser.add_argument(
+        "--collective-timeout-s",
+        type=float,
+        default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="with several ranks: how long a rank waits for the others in one collective before the server "
+        f"answers 503 and exits non-zero (default: {DEFAULT_COLLECTIVE_TIMEOUT_S:g})",
+    )
     parser.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated host link bandwidth in GB/s")
     parser.add_argument("--no-access-log", dest="access_log", action="store_false", help="no log line per request")
 
 
 def run(args: argparse.Namespace) -> int:
     """Check arguments, bind, load, serve until SIGTERM/SIGINT; 0 after a graceful stop, CliError on user errors."""
-    config = parse_config_arg(args.diffusion_offload_config)  # before anything loads
+    world_size = _world_size()
+    _check_rank_flags(args)
+    num_ranks = max(args.nproc or 1, world_size)
+    from layerstream.cli.generate_cmd import DATA_PARALLEL_CONFIG
+
+    default = DATA_PARALLEL_CONFIG if num_ranks > 1 else None
+    config = parse_config_arg(args.diffusion_offload_config, default)  # before anything loads
     if args.link_gbps is not None and not args.link_gbps > 0:
         raise CliError(f"--link-gbps = {args.link_gbps!r} is not valid; expected a number > 0")
     settings = _settings(args)
     _check_device(args.device)
+    if num_ranks > 1 and args.device is not None and ":" in args.device:
+        kind = args.device.split(":")[0]
+        raise CliError(
+            f"--device {args.device!r} with {num_ranks} ranks is not valid: each rank takes its own device "
+            f"({kind}:LOCAL_RANK); pass --device {kind}"
+        )
+    if num_ranks > 1 and world_size == 1:
+        return _launch_ranks(args, settings)
+    if world_size > 1:
+        return _serve_rank(args, config, settings)
 
     try:  # the server's own modules need the serve extra; say so in one line rather than a traceback
         from layerstream.server.runner import bind_socket, run_server
@@ -206,3 +250,139 @@ def _configure_server_logging(verbose: bool, access_log: bool) -> None:
 
 def _print_ready(url: str) -> None:
     print(f"{READY_PREFIX}{url}", file=sys.stderr, flush=True)
+
+
+# several ranks ----------------------------------------------------------------------------------------------------
+def _check_rank_flags(args: argparse.Namespace) -> None:
+    if args.nproc is not None and not 1 <= args.nproc <= MAX_NPROC:
+        raise CliError(f"--nproc = {args.nproc} is not valid; expected an integer from 1 to {MAX_NPROC}")
+    timeout = args.collective_timeout_s
+    if not (math.isfinite(timeout) and 0 < timeout <= MAX_COLLECTIVE_TIMEOUT_S):
+        raise CliError(
+            f"--collective-timeout-s = {timeout:g} is not valid; expected seconds > 0 and at most {MAX_COLLECTIVE_TIMEOUT_S:g}"
+        )
+
+
+def _world_size() -> int:
+    """WORLD_SIZE under torchrun, else 1, without importing torch.distributed."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError as e:
+        raise CliError(f"WORLD_SIZE = {os.environ['WORLD_SIZE']!r} in the environment is not an integer") from e
+
+
+def _launch_ranks(args: argparse.Namespace, settings) -> int:
+    """Run this command without --nproc in N ranks under torchrun; SIGTERM and SIGINT go to rank 0 alone,
+    which drains and stops the others, so that every rank exits 0."""
+    from layerstream.distributed.launch import start_torchrun
+    from layerstream.server.runner import bind_socket
+
+    if settings.port != 0:  # a busy port is one line now, not an error in rank 0 after the others started
+        try:
+            bind_socket(settings.host, settings.port).close()
+        except OSError as e:
+            raise CliError(f"--host {settings.host} --port {settings.port}: cannot bind: {e.strerror or e}") from e
+    forwarded = _without_nproc(sys.argv[1:])
+    with tempfile.TemporaryDirectory(prefix="layerstream-serve-") as folder:
+        pid_file = Path(folder) / "rank0.pid"
+        process = start_torchrun(args.nproc, forwarded, extra_env={RANK0_PID_ENV: str(pid_file)})
+
+        def pass_on(signum: int, frame: object) -> None:
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGTERM)
+            except (OSError, ValueError):  # rank 0 not up yet (or gone): torchrun stops every rank
+                process.send_signal(signal.SIGTERM)
+
+        previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return process.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    forwarded: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            forwarded.append(a)
+    return forwarded
+
+
+def _serve_rank(args: argparse.Namespace, config, settings) -> int:
+    """One rank of several: rank 0 binds, serves HTTP and runs waves; the others run the waves it sends."""
+    from layerstream.distributed.process_group import destroy_distributed
+    from layerstream.models.loading import ModelLoadError, is_tiny_model_name, resolve_model_folder
+    from layerstream.omni import GenerationError, Omni
+    from layerstream.runtime.errors import OffloadError
+    from layerstream.server.ranks import ControlChannel, RankGroupError, RankRuntime, join_serving_ranks, serve_follower
+    from layerstream.server.runner import bind_socket, run_server
+    from layerstream.server.waves import WaveService
+
+    _configure_server_logging(getattr(args, "verbose", False), args.access_log)
+    rank = int(os.environ.get("RANK", "0"))
+    sock = None
+    if rank == 0:
+        try:
+            sock = bind_socket(settings.host, settings.port)
+        except OSError as e:
+            raise CliError(f"--host {settings.host} --port {settings.port}: cannot bind: {e.strerror or e}") from e
+    else:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches rank 0, which stops us
+    timeout = args.collective_timeout_s
+    channel = None
+
+    def prepare() -> None:
+        if is_tiny_model_name(args.model):
+            resolve_model_folder(args.model)  # built once here, then read by every rank
+
+    try:
+        setup = join_serving_ranks(args.device, timeout, prepare)
+        print(f"layerstream serve: rank {setup.rank} of {setup.world_size} (pid {os.getpid()}) on {setup.device}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        if rank == 0 and os.environ.get(RANK0_PID_ENV):
+            Path(os.environ[RANK0_PID_ENV]).write_text(str(os.getpid()))
+
+        def load(group):
+            return Omni(model=args.model, diffusion_offload_config=config, device=setup.device, dtype=args.dtype,
+                        simulated_link_gbps=args.link_gbps, process_group=group)  # fmt: skip
+
+        try:
+            runtime = RankRuntime(setup, load)
+        except (ModelLoadError, GenerationError, OffloadError) as e:
+            raise CliError(" ".join(str(e).split())) from e
+        channel = ControlChannel(setup)
+        if rank != 0:
+            try:
+                serve_follower(runtime, channel)
+            except RankGroupError as e:
+                print(f"layerstream serve: rank {rank}: {e}", file=sys.stderr, flush=True)
+                return 1
+            print(f"layerstream serve: rank {rank} stopped", file=sys.stderr, flush=True)
+            return 0
+        assert sock is not None
+        service = WaveService(runtime, channel, settings, idle_seconds=min(timeout / 4, 5.0))
+
+        def keep_stopper(stop) -> None:
+            service.on_fatal = stop
+            if service.fatal_error is not None:  # a rank was lost before the server started
+                stop()
+
+        run_server(service, sock, on_ready=_print_ready, access_log=args.access_log, on_stopper=keep_stopper)
+        if service.fatal_error is not None or not service.queue.join(0) or not service.stop_ranks():
+            print(f"layerstream serve: stopped: {service.fatal_error or 'the ranks could not be stopped'}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return 1
+        print("layerstream serve: stopped", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        if sock is not None:
+            sock.close()
+        if channel is not None:
+            channel.close()
+        destroy_distributed()

@@ -3,6 +3,8 @@
 `layerstream generate --nproc N ...` calls `launch_torchrun(N, argv)`, which runs the same command in N
 processes under ``torch.distributed.run``; each rank then reads `rank_info()`, joins the group with
 `init_distributed`, generates with seed + rank, and `gather_objects` brings every rank's summary to rank 0.
+`layerstream serve --nproc N` starts the ranks with `start_torchrun` instead, and keeps waiting on them itself,
+so that it can pass a SIGTERM to rank 0 alone.
 """
 
 from __future__ import annotations
@@ -53,21 +55,29 @@ def launch_torchrun(nproc: int, module_args: list[str]) -> int:
     torchrun's exit code is 0 when every rank exited 0. Ctrl-C is passed on to torchrun, which stops the
     ranks; the return is then 130. Raises ValueError for `nproc` < 1 and RuntimeError inside a rank.
     """
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc = {nproc!r} is not valid; expected an int >= 1")
-    if in_launched_rank():
-        raise RuntimeError("launch_torchrun was called inside a rank it launched; ranks must not launch again")
-    command = torchrun_command(nproc, list(module_args), master_port=free_port())
-    env = dict(os.environ, **{LAUNCHED_ENV: str(nproc)})
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))  # ranks share the cores
-    logger.info("launching %d ranks: %s", nproc, " ".join(command))
-    process = subprocess.Popen(command, env=env)
+    process = start_torchrun(nproc, module_args)
     try:
         return process.wait()
     except KeyboardInterrupt:
         # torchrun got the same SIGINT from the terminal and stops its ranks; wait so none outlives us
         process.wait()
         return 130
+
+
+def start_torchrun(nproc: int, module_args: list[str], *, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``python -m layerstream <module_args>`` in `nproc` ranks under torchrun and return at once (the
+    caller waits, and may signal a rank itself: `layerstream serve` passes SIGTERM to rank 0 alone).
+
+    Raises ValueError for `nproc` < 1 and RuntimeError inside a rank."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc = {nproc!r} is not valid; expected an int >= 1")
+    if in_launched_rank():
+        raise RuntimeError("launch_torchrun was called inside a rank it launched; ranks must not launch again")
+    command = torchrun_command(nproc, list(module_args), master_port=free_port())
+    env = dict(os.environ, **{LAUNCHED_ENV: str(nproc)}, **(extra_env or {}))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))  # ranks share the cores
+    logger.info("launching %d ranks: %s", nproc, " ".join(command))
+    return subprocess.Popen(command, env=env)
 
 
 def in_launched_rank() -> bool:

@@ -12,7 +12,9 @@ The pieces, in the order a request meets them:
 - `stopping`: how a started generation is stopped between denoising steps (timeout, client gone, shutdown);
 - `service`: turns a checked request into `Omni.generate` calls on that thread; `media` encodes outputs;
 - `metrics`: Prometheus text exposition of requests, latency and the offload runtime's counters;
-- `settings`: the server's limits, validated when built.
+- `settings`: the server's limits, validated when built;
+- `waves` and `ranks`: with several ranks (``serve --nproc N``), rank 0's queue taken a wave at a time, one
+  share per rank, and what every rank runs of a wave, talking through torchrun's key-value store.
 
 Nothing here configures logging or reads the command line: `layerstream.cli.serve_cmd` does.
 """

@@ -183,7 +183,7 @@ class GenerationQueue:
             self._waiting.clear()
             self._cond.notify_all()
         for job in dropped:
-            _fail(job, QueueClosedError("the server is shutting down; the request was not started"))
+            fail_job(job, QueueClosedError("the server is shutting down; the request was not started"))
         return len(dropped)
 
     def join(self, timeout: float | None = None) -> bool:
@@ -234,9 +234,9 @@ class GenerationQueue:
             job.stop_signal.request(reason)  # started or done: the worker reads this between steps
             return False
         if reason is StopReason.TIMEOUT:
-            _fail(job, _timeout_error(job))
+            fail_job(job, timeout_error(job))
         elif reason is StopReason.SHUTDOWN:
-            _fail(job, QueueClosedError("the server is shutting down; the request was not started"))
+            fail_job(job, QueueClosedError("the server is shutting down; the request was not started"))
         else:
             job.future.cancel()
         return True
@@ -266,7 +266,7 @@ class GenerationQueue:
                 return  # closed and nothing left
             jobs, expired = taken
             for job in expired:
-                _fail(job, _timeout_error(job))
+                fail_job(job, timeout_error(job))
             if not jobs:
                 continue  # every job taken had expired or been cancelled
             try:
@@ -359,11 +359,11 @@ def _run_alone(job: Job) -> None:
         job.future.set_result(result)
 
 
-def _timeout_error(job: Job) -> QueueTimeoutError:
+def timeout_error(job: Job) -> QueueTimeoutError:
     return QueueTimeoutError(f"waited {job.queue_seconds:.3f} s in the queue (timeout {job.timeout} s); not started")
 
 
-def _fail(job: Job, error: BaseException) -> None:
+def fail_job(job: Job, error: BaseException) -> None:
     try:
         job.future.set_exception(error)
     except InvalidStateError:

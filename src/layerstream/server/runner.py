@@ -67,9 +67,16 @@ def socket_url(sock: socket.socket) -> str:
 
 
 def run_server(
-    service: GenerationService, sock: socket.socket, *, on_ready: Callable[[str], None], access_log: bool = True
+    service: GenerationService,
+    sock: socket.socket,
+    *,
+    on_ready: Callable[[str], None],
+    access_log: bool = True,
+    on_stopper: Callable[[Callable[[], None]], None] | None = None,
 ) -> None:
-    """Serve `service` on the bound `sock` until SIGTERM or SIGINT; returns after a graceful shutdown."""
+    """Serve `service` on the bound `sock` until SIGTERM or SIGINT; returns after a graceful shutdown.
+
+    `on_stopper`, if given, receives a function that starts the same shutdown from any thread (a lost rank)."""
     config = uvicorn.Config(
         create_app(service),
         log_config=None,  # the command line configured logging; uvicorn's loggers propagate to it
@@ -80,6 +87,8 @@ def run_server(
     )
     url = socket_url(sock)
     server = DrainingServer(config, on_ready=lambda: on_ready(url), on_drain=service.drain)
+    if on_stopper is not None:
+        on_stopper(lambda: setattr(server, "should_exit", True))  # uvicorn's main loop polls it
     with _exit_quietly_after_signal():
         server.run(sockets=[sock])
 

@@ -177,8 +177,13 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class RankHealth(BaseModel):
+    rank: int
+    host_bytes: int | None = Field(description="Host bytes of the rank's offload stores (None: nothing streamed).")
+
+
 class HealthResponse(BaseModel):
-    status: Literal["ok", "draining"]
+    status: Literal["ok", "draining", "failed"] = Field(description="failed: a serving rank was lost; exiting.")
     model: str
     kind: Literal["image", "video"]
     device: str
@@ -200,3 +205,6 @@ class HealthResponse(BaseModel):
     max_image_pixels: int = Field(description="Largest input image, width x height.")
     max_batch_size: int = Field(description="Most requests run as one pipeline call (1: no batching).")
     batch_wait_ms: float = Field(description="Longest a request waits for others to join its batch.")
+    world_size: int = Field(description="Serving ranks (--nproc); rank 0 answers HTTP.")
+    backend: str | None = Field(description="torch.distributed backend of the ranks (None: one process).")
+    ranks: list[RankHealth] = Field(description="Each rank's host bytes, as of its last wave or check.")

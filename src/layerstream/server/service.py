@@ -273,7 +273,7 @@ class GenerationService:
             self.metrics.observe_batch(1)
             if bytes_before is not None:
                 self.metrics.observe_request_bytes(self._bytes_streamed() - bytes_before)
-        usage = _usage(self.limits, params, runs, frames_shape, job.queue_seconds)
+        usage = request_usage(self.limits, params, runs, frames_shape, job.queue_seconds)
         return GenerationOutput(files, usage)
 
     def _generate_batch(self, jobs: Sequence[Job]) -> list[BatchOutcome]:
@@ -373,7 +373,7 @@ class GenerationService:
             for k in mine:
                 files.append(encode_result_b64(results[k]))
                 results[k] = None  # its float and uint8 frames are not needed once encoded
-            usage = _usage(self.limits, params, [call], frames_shape, job.queue_seconds, batch_size=len(jobs))
+            usage = request_usage(self.limits, params, [call], frames_shape, job.queue_seconds, batch_size=len(jobs))
             # its share, by outputs, of the call's bytes: what a request costs, which batching divides
             share = call.bytes_transferred * len(mine) // num_outputs
             answers.append(GenerationOutput(files, usage.model_copy(update={"bytes_streamed": share})))
@@ -407,6 +407,9 @@ class GenerationService:
             "max_image_pixels": self.settings.max_image_pixels,
             "max_batch_size": self.settings.max_batch_size,
             "batch_wait_ms": self.settings.batch_wait_ms,
+            "world_size": 1,
+            "backend": None,
+            "ranks": [{"rank": 0, "host_bytes": getattr(self._offload_stats, "host_bytes", None)}],
         }
 
     def render_metrics(self) -> str:
@@ -430,7 +433,7 @@ def _stopped_in_batch(job: Job, batch_size: int, where: str) -> GenerationStoppe
     return GenerationStopped(reason, f"generation stopped ({reason}) {where} of {batch_size}")
 
 
-def _usage(
+def request_usage(
     limits: ModelLimits,
     params: GenerationParams,
     runs: list[RunStats],

@@ -1,0 +1,410 @@
+"""Serving on several ranks: the groups they talk over, and what every rank runs in a wave.
+
+`layerstream serve --nproc N` (or under torchrun) runs N ranks, one device each, every one holding the same
+pipeline. Rank 0 serves HTTP and hands out waves (`layerstream.server.waves`); every rank, rank 0 included,
+runs its share of a wave through a `RankRuntime`, and the other ranks loop in `serve_follower`.
+
+Three process groups, because a group must see its collectives in one order on every rank:
+- the default group (`init_distributed`): the start (rank 0 builds an embedded model before the others
+  read it) and the leaving barrier;
+- the control group (gloo, CPU objects): rank 0's worker thread broadcasts each `WaveMessage` and gathers each
+  rank's `RankOutcome`; the followers' main threads answer;
+- the offload group: allgather's block transfers, which its copy thread issues at any time (the last block
+  prefetches the first after every forward). It is replaced after a failed wave: a rank that raised inside a
+  block leaves its peers' transfers unmatched, and that group cannot be trusted again.
+
+Stopping a running wave (every request of it timed out or left, or the shutdown's grace ran out) issues no
+collective: rank 0 writes a stop point into the group's key-value store, a few checkpoints (denoising steps,
+outputs) ahead of where it is, and every rank stops at that checkpoint, so all run the same forwards.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import logging
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+import torch
+
+from layerstream.errors import LayerstreamError
+from layerstream.omni import GenerationError, RunStats
+from layerstream.server.media import encode_result_b64
+from layerstream.server.stopping import GenerationStopped, StopReason
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.5
+POLL_S = 0.005
+STOP_LAG_CHECKPOINTS = 2
+"""How far ahead of rank 0 a stop point is set: ranks that share blocks run at most a few blocks apart."""
+
+
+class RankGroupError(LayerstreamError, RuntimeError):
+    """A rank is gone or stopped answering within the collective timeout: no further wave can run."""
+
+
+class WaveKind(StrEnum):
+    RUN = "run"
+    """Run `works[rank]` and report."""
+    PING = "ping"
+    """Nothing to run: report (host bytes), so that an idle group notices a lost rank and never times out."""
+    RECOVER = "recover"
+    """The last wave failed on some rank: rebuild the runtime on a fresh offload group, then report."""
+    STOP = "stop"
+    """Leave the loop: the server is stopping."""
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """What one rank runs in a wave: one request alone (an `Omni.generate` per seed) or one batch call."""
+
+    requests: tuple[Any, ...]
+    """`GenerationParams`, one alone, or those of a batch."""
+    batch_call: bool
+    """One `Omni.generate_batch` for every output of `requests` (else `generate` per seed of the one request)."""
+    placeholder: bool = False
+    """An idle rank's copy of another rank's work: it runs the same forwards, and its outputs are dropped."""
+
+    def as_placeholder(self) -> RankWork:
+        """The cheapest work with the same forwards: a batch call of one output, or the request alone (its
+        outputs are separate calls, which all count)."""
+        first = self.requests[0]
+        if self.batch_call:
+            return RankWork((replace(first, seeds=first.seeds[:1]),), batch_call=True, placeholder=True)
+        return RankWork((first,), batch_call=False, placeholder=True)
+
+
+@dataclass(frozen=True)
+class WaveMessage:
+    kind: WaveKind
+    wave_id: int = 0
+    works: tuple[RankWork, ...] = ()
+
+
+@dataclass
+class RequestResult:
+    """One request's outputs, encoded, and what a response reports of them."""
+
+    files_b64: list[str]
+    runs: list[RunStats]
+    frames_shape: tuple[int, ...]
+
+
+@dataclass
+class RankOutcome:
+    """What a rank reports after each message."""
+
+    rank: int
+    host_bytes: int | None
+    error: str | None = None
+    """One line, when the rank's work raised (anything but a requested stop)."""
+    refused: bool = False
+    """The error was the pipeline refusing the arguments (`GenerationError`): no forward ran."""
+    stopped: StopReason | None = None
+    results: list[RequestResult] = field(default_factory=list)
+    num_placeholder_steps: int = 0
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """This rank's place among the serving ranks; built by `join_serving_ranks`."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    timeout: datetime.timedelta
+    """The collective timeout: how long a rank may be silent (or a transfer wait) before it counts as lost."""
+    store: Any
+    """A key-value store every rank reaches: messages, outcomes, heartbeats and stop points."""
+
+
+def join_serving_ranks(device: str | None, timeout_s: float, prepare: Callable[[], None]) -> RankSetup:
+    """Join the group torchrun describes, with collectives that time out after `timeout_s`; `prepare` runs on
+    rank 0 before any other rank goes on (it builds an embedded model once, not N times at once)."""
+    import torch.distributed as dist
+
+    from layerstream.distributed.process_group import COLLECTIVE_TIMEOUT_ENV, init_distributed
+
+    os.environ[COLLECTIVE_TIMEOUT_ENV] = repr(float(timeout_s))  # init_distributed reads it
+    compute_device = init_distributed(device)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        prepare()
+    dist.barrier()  # the others wait for rank 0's preparation
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # a client of its own on torchrun's store: waits here never hold a connection another thread needs
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    # one namespace per run and per torchrun restart: a restarted group must not read its predecessor's keys
+    run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store = dist.PrefixStore(f"layerstream-serve/{run}/", client)
+    return RankSetup(rank, world_size, compute_device, str(dist.get_backend()), timeout, store)
+
+
+class ControlChannel:
+    """Rank 0's messages to every rank, and every rank's outcome back, through the store.
+
+    Not collectives: a wave's requests may run for minutes, and a rank that finished first must wait for the
+    others without a timeout. Liveness comes from heartbeats instead: every rank bumps a counter every
+    `HEARTBEAT_S` (or a quarter of the timeout, if shorter), and a rank waiting on another gives up
+    (`RankGroupError`) once that rank's counter has not moved for the collective timeout (a rank that exited,
+    or hangs)."""
+
+    def __init__(self, setup: RankSetup):
+        self.setup = setup
+        self._sequence = 0
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (its heartbeat count, when it last changed)
+        self._stopped = threading.Event()
+        self._heart = threading.Thread(target=self._beat, name="layerstream-heartbeat", daemon=True)
+        self._heart.start()
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._heart.join(HEARTBEAT_S * 4)
+
+    def broadcast(self, message: WaveMessage | None) -> WaveMessage:
+        """Rank 0: send `message` to every rank. The others: wait for rank 0's next message."""
+        self._sequence += 1
+        key = f"message/{self._sequence}"
+        if self.setup.rank == 0:
+            self._store_call(self.setup.store.set, key, pickle.dumps(message))
+            return message
+        self._wait_for(key, peer=0)
+        return pickle.loads(self._store_call(self.setup.store.get, key))
+
+    def gather(self, outcome: RankOutcome) -> list[RankOutcome] | None:
+        """Every rank's outcome of the last message, on rank 0 (in rank order); None on the others."""
+        store, rank = self.setup.store, self.setup.rank
+        if rank != 0:
+            self._store_call(store.set, f"outcome/{self._sequence}/{rank}", pickle.dumps(outcome))
+            return None
+        outcomes = [outcome]
+        for peer in range(1, self.setup.world_size):
+            key = f"outcome/{self._sequence}/{peer}"
+            self._wait_for(key, peer=peer)
+            outcomes.append(pickle.loads(self._store_call(store.get, key)))
+            self._store_call(store.delete_key, key)
+        self._store_call(store.delete_key, f"message/{self._sequence}")  # every rank has read it
+        return outcomes
+
+    def check_alive(self) -> None:
+        """Raise `RankGroupError` if a rank's heartbeat has not moved for the collective timeout."""
+        for peer in range(self.setup.world_size):
+            if peer != self.setup.rank:
+                self._check_peer(peer)
+
+    def _wait_for(self, key: str, *, peer: int) -> None:
+        while not self._store_call(self.setup.store.check, [key]):
+            self._check_peer(peer)
+            time.sleep(POLL_S)
+
+    def _check_peer(self, peer: int) -> None:
+        count = self._store_call(self.setup.store.add, f"heartbeat/{peer}", 0)
+        now = time.monotonic()
+        last = self._seen.get(peer)
+        if last is None or last[0] != count:
+            self._seen[peer] = (count, now)
+        elif now - last[1] > self.setup.timeout.total_seconds():
+            raise RankGroupError(
+                f"rank {peer} has not answered for {now - last[1]:.1f} s (the collective timeout is "
+                f"{self.setup.timeout.total_seconds():g} s): it exited or hangs"
+            )
+
+    def _beat(self) -> None:
+        # several beats per timeout, however short the timeout: a live rank is never taken for a lost one
+        interval = min(HEARTBEAT_S, self.setup.timeout.total_seconds() / 4)
+        while not self._stopped.wait(interval):
+            try:
+                self.setup.store.add(f"heartbeat/{self.setup.rank}", 1)
+            except Exception:  # the store is gone: the peers notice our silence
+                return
+
+    @staticmethod
+    def _store_call(function: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return function(*args)
+        except Exception as e:  # the store's host (torchrun, or rank 0) is gone
+            raise RankGroupError(f"the serving ranks lost their store: {_first_line(e)}") from e
+
+
+class WaveStop:
+    """Checkpoints of one wave on one rank: where every rank stops, once rank 0 has decided to stop it."""
+
+    def __init__(self, store: Any, wave_id: int, decide: Callable[[], StopReason | None] | None = None):
+        self._store = store
+        self._key = f"stop/{wave_id}"
+        self._decide = decide
+        self._count = 0
+        self._target: tuple[int, StopReason] | None = None
+
+    def checkpoint(self, where: str) -> None:
+        """Called at the same points on every rank (each output, each step); raises `GenerationStopped` at the
+        stop point."""
+        self._count += 1
+        if self._target is None:
+            if self._decide is not None:  # rank 0: the only rank that knows about clients and deadlines
+                reason = self._decide()
+                if reason is not None:
+                    self._target = (self._count + STOP_LAG_CHECKPOINTS, reason)
+                    self._store.set(self._key, f"{self._target[0]} {reason}")
+            elif self._store.check([self._key]):
+                at, reason = self._store.get(self._key).decode().split()
+                self._target = (int(at), StopReason(reason))
+        if self._target is not None and self._count >= self._target[0]:
+            reason = self._target[1]
+            raise GenerationStopped(reason, f"generation stopped ({reason}) {where}")
+
+
+class RankRuntime:
+    """This rank's `Omni`, loaded on an offload group of the ranks, and the work of a wave run on it."""
+
+    def __init__(self, setup: RankSetup, load: Callable[[Any], Any]):
+        """`load(process_group)` builds the `Omni` (every rank at once: enabling allgather is a collective)."""
+        self.setup = setup
+        self._load = load
+        self._group = self._new_offload_group()
+        self.omni = load(self._group)
+
+    def _new_offload_group(self) -> Any:
+        import torch.distributed as dist
+
+        from layerstream.distributed.process_group import backend_for
+
+        return dist.new_group(backend=backend_for(self.setup.device), timeout=self.setup.timeout)
+
+    def host_bytes(self) -> int | None:
+        stats = self.omni.stats()
+        return stats.host_bytes if stats is not None else None
+
+    def rebuild(self) -> None:
+        """A fresh `Omni` on a fresh offload group, on every rank together (after a wave that failed).
+
+        The old handle is not disabled: giving the blocks back is itself a collective, which a rank that
+        raised inside a block would leave unmatched. Its group is destroyed first, so nothing waits on it."""
+        import torch.distributed as dist
+
+        old_omni, old_group = self.omni, self._group
+        self.omni = None
+        try:
+            dist.destroy_process_group(old_group)
+        except Exception:
+            logger.warning("destroying the failed wave's offload group failed", exc_info=True)
+        try:  # stops its copy thread; giving the blocks back fails at once, on a group that is gone
+            old_omni.close()
+        except Exception as e:
+            logger.info("rank %d: the failed runtime could not give its blocks back (%s); dropped", self.setup.rank, e)
+        del old_omni
+        gc.collect()  # the old host store is freed before the new one is filled
+        self._group = self._new_offload_group()
+        self.omni = self._load(self._group)
+        logger.info("rank %d: runtime rebuilt after a failed wave", self.setup.rank)
+
+    def run(self, message: WaveMessage, stop: WaveStop) -> RankOutcome:
+        """Run this rank's work of `message`; a failure is reported, not raised (the group must still meet)."""
+        work = message.works[self.setup.rank]
+        outcome = RankOutcome(self.setup.rank, None)
+        try:
+            outcome.results = self._run_work(work, stop)
+        except GenerationStopped as e:
+            outcome.stopped = e.reason
+            logger.info("rank %d: %s", self.setup.rank, e)
+        except GenerationError as e:  # the same on every rank: the arguments, not the runtime
+            outcome.error, outcome.refused = str(e), True
+            logger.info("rank %d: generation refused: %s", self.setup.rank, e)
+        except Exception as e:
+            outcome.error = f"{type(e).__name__}: {_first_line(e)}"
+            logger.exception("rank %d: generation of wave %d failed", self.setup.rank, message.wave_id)
+        if work.placeholder:
+            outcome.num_placeholder_steps = sum(len(run.step_seconds) for r in outcome.results for run in r.runs)
+            outcome.results = []  # an idle rank's outputs are nobody's
+        outcome.host_bytes = self.host_bytes()
+        return outcome
+
+    @property
+    def shares_weights(self) -> bool:
+        """Whether a component uses allgather: then a failed wave leaves the ranks' transfers out of step."""
+        layer_options = self.omni.config.to_dict().get("layer_options", {})
+        return any(options.get("weight_transfer") == "allgather" for options in layer_options.values())
+
+    def _run_work(self, work: RankWork, stop: WaveStop) -> list[RequestResult]:
+        omni = self.omni
+
+        def encode(result: Any) -> str:
+            return "" if work.placeholder else encode_result_b64(result)  # nobody reads a placeholder's output
+
+        def on_step(step: int, total: int, seconds: float) -> None:
+            stop.checkpoint(f"after step {step} of {total}")
+
+        if work.batch_call:
+            params = work.requests
+            first = params[0]
+            results = omni.generate_batch(
+                [p.prompt for p in params for _ in p.seeds],
+                first.negative_prompt,
+                seeds=[seed for p in params for seed in p.seeds],
+                height=first.height,
+                width=first.width,
+                num_frames=first.num_frames,
+                num_inference_steps=first.num_inference_steps,
+                guidance_scale=first.guidance_scale,
+                on_step=on_step,
+            )
+            answers, offset = [], 0
+            for p in params:
+                mine = results[offset : offset + len(p.seeds)]
+                offset += len(p.seeds)
+                answers.append(RequestResult([encode(r) for r in mine], [mine[0].stats], mine[0].frames.shape))
+            return answers
+        (params,) = work.requests
+        answer = RequestResult([], [], ())
+        for index, seed in enumerate(params.seeds):
+            stop.checkpoint(f"before output {index + 1} of {len(params.seeds)}")
+            result = omni.generate(
+                params.prompt,
+                params.negative_prompt,
+                image=params.image,
+                height=params.height,
+                width=params.width,
+                num_frames=params.num_frames,
+                num_inference_steps=params.num_inference_steps,
+                guidance_scale=params.guidance_scale,
+                seed=seed,
+                fps=params.fps,
+                on_step=on_step,
+            )
+            answer.files_b64.append(encode(result))
+            answer.runs.append(result.stats)
+            answer.frames_shape = result.frames.shape
+            del result  # its frames are not needed once encoded
+        return [answer]
+
+
+def serve_follower(runtime: RankRuntime, channel: ControlChannel) -> None:
+    """A rank other than 0: run every wave rank 0 sends until it says stop. Raises `RankGroupError` when
+    rank 0 is gone (or silent past the collective timeout)."""
+    rank = runtime.setup.rank
+    while True:
+        message = channel.broadcast(None)
+        if message.kind is WaveKind.STOP:
+            logger.info("rank %d: stop received", rank)
+            return
+        if message.kind is WaveKind.RUN:
+            outcome = runtime.run(message, WaveStop(runtime.setup.store, message.wave_id))
+        else:
+            if message.kind is WaveKind.RECOVER:
+                runtime.rebuild()
+            outcome = RankOutcome(rank, runtime.host_bytes())
+        channel.gather(outcome)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

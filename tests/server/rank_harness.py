@@ -1,0 +1,81 @@
+"""Starting a multi-rank server for the tests: `layerstream serve --nproc N`, or torchrun running a test script.
+
+Each server runs in a session of its own, so that teardown can kill torchrun and every rank with it (killing
+the launcher alone would leave its ranks behind). Ranks print ``layerstream serve: rank R of N (pid P)``;
+`RankServer.rank_pids` reads those lines, so a test can signal one rank.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from layerstream.distributed.launch import free_port
+from serve_harness import ServerProcess, _wait_for_ready
+
+HERE = Path(__file__).parent
+RANK_LINE = re.compile(r"layerstream serve: rank (\d+) of \d+ \(pid (\d+)\)")
+
+
+@dataclass
+class RankServer(ServerProcess):
+    def rank_pids(self) -> dict[int, int]:
+        return {int(rank): int(pid) for rank, pid in RANK_LINE.findall(self.log())}
+
+    def kill(self) -> None:
+        """Kill the launcher, torchrun and every rank (all in the server's session)."""
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(10)
+        for pid in self.rank_pids().values():  # a rank that outlived its launcher would hold a core
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+
+def start_rank_server(
+    model: str, *args: str, folder: Path, nproc: int = 2, script: str | None = None, env: dict[str, str] | None = None
+) -> RankServer:
+    """``layerstream serve MODEL --port 0 --nproc N ARGS``, or with `script`, ``torchrun ... script serve MODEL
+    --port 0 ARGS`` (a test script in this folder that runs the command line with a fault switch)."""
+    log_path = folder / "server.log"
+    pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath, **(env or {})}
+    if script is None:
+        command = [sys.executable, "-m", "layerstream", "serve", model, "--port", "0", "--nproc", str(nproc), *args]
+    else:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(HERE / script),
+            "serve", model, "--port", "0", *args,
+        ]  # fmt: skip
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    server = RankServer(process, "", log_path)
+    try:
+        server.url = _wait_for_ready(process, log_path)
+        deadline = time.monotonic() + 30
+        while len(server.rank_pids()) < nproc:  # every rank has printed its line by the time rank 0 is ready
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.05)
+        return server
+    except BaseException:
+        server.kill()
+        raise

@@ -1,0 +1,217 @@
+"""`layerstream serve --nproc 2`: two gloo ranks on the CPU, the DiT's blocks shared by allgather.
+
+Every output is compared, byte for byte, with the single-process server's for the same request and seed.
+tiny-flux runs under torchrun through `serve_ranks_with_fault.py` (rank 1 raises on the fault prompt);
+tiny-wan runs through the real launcher, `layerstream serve --nproc 2`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from rank_harness import RankServer, start_rank_server
+from serve_harness import IMAGES, VIDEOS, metric, wait_until
+
+FAULT_PROMPT = "explode"
+COLLECTIVE_TIMEOUT_S = 8  # a fault or a hung rank is answered within it (with room for a loaded CI machine)
+ALLGATHER = json.dumps({"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"weight_transfer": "allgather"}}})
+FLUX = {"size": "32x32", "num_inference_steps": 2}
+WAN = {"size": "32x32", "num_frames": 5, "num_inference_steps": 2}
+
+
+@pytest.fixture(scope="module")
+def rank_servers(tmp_path_factory, layerstream_cache):
+    started: list[RankServer] = []
+
+    def start(model: str, *args: str, **kwargs) -> RankServer:
+        server = start_rank_server(model, *args, folder=tmp_path_factory.mktemp("ranks"), **kwargs)
+        started.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.kill()
+
+
+@pytest.fixture(scope="module")
+def flux_ranks(rank_servers):
+    env = {"LAYERSTREAM_TEST_FAULT_RANK": "1", "LAYERSTREAM_TEST_FAULT_PROMPT": FAULT_PROMPT}
+    # no config given: with several ranks the default is the allgather one
+    return rank_servers("tiny-flux", "--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S), script="serve_ranks_with_fault.py", env=env)
+
+
+@pytest.fixture(scope="module")
+def flux_single(server_factory):
+    return server_factory("tiny-flux", "--diffusion-offload-config", ALLGATHER)  # one rank: plain copies
+
+
+@pytest.fixture(scope="module")
+def wan_ranks(rank_servers):
+    # requests sent together wait for each other: a wave of 2, not a wave of 1 and one waiting behind it
+    return rank_servers("tiny-wan", "--collective-timeout-s", "30", "--shutdown-timeout", "60", "--batch-wait-ms", "1000")
+
+
+@pytest.fixture(scope="module")
+def wan_single(server_factory):
+    return server_factory("tiny-wan")
+
+
+def _post_all(server, path: str, bodies: list[dict]) -> list[httpx.Response]:
+    with ThreadPoolExecutor(len(bodies)) as pool, server.client(timeout=120) as client:
+        return list(pool.map(lambda body: client.post(path, json=body), bodies))
+
+
+def _files(response: httpx.Response) -> list[str]:
+    assert response.status_code == 200, response.text
+    return [item["b64_json"] for item in response.json()["data"]]
+
+
+def _single_files(server, path: str, bodies: list[dict]) -> list[list[str]]:
+    with server.client(timeout=120) as client:
+        return [_files(client.post(path, json=body)) for body in bodies]
+
+
+def test_four_concurrent_flux_requests_match_the_single_process_server(flux_ranks, flux_single):
+    bodies = [{"prompt": f"a fox number {i}", "seed": 10 + i, **FLUX} for i in range(4)]
+    bodies[3]["n"] = 2  # a wave holds requests of one output count: this one runs beside a placeholder
+    with flux_ranks.client() as client:
+        waves_before = metric(client, "layerstream_waves_total")
+    responses = _post_all(flux_ranks, IMAGES, bodies)
+    assert [_files(r) for r in responses] == _single_files(flux_single, IMAGES, bodies)
+    with flux_ranks.client() as client:
+        assert metric(client, "layerstream_waves_total") >= waves_before + 2  # 4 requests over 2 ranks
+        assert metric(client, "layerstream_world_size") == 2
+
+
+def test_health_shows_each_rank_holding_half_the_host_bytes(flux_ranks, flux_single):
+    with flux_ranks.client() as client:
+        health = client.get("/health").json()
+    with flux_single.client() as client:
+        single = client.get("/health").json()
+    assert (health["world_size"], health["backend"], health["status"]) == (2, "gloo", "ok")
+    assert health["offload_config"]["layer_options"]["dit"]["weight_transfer"] == "allgather"
+    assert (single["world_size"], single["backend"]) == (1, None)
+    full = single["ranks"][0]["host_bytes"]
+    shares = [r["host_bytes"] for r in health["ranks"]]
+    assert [r["rank"] for r in health["ranks"]] == [0, 1]
+    # each rank keeps ceil(B / 2) of every block, rounded up to 64 bytes
+    assert all(full / 2 <= share <= full / 2 + 64 * 64 for share in shares), (full, shares)
+
+
+def test_a_fault_on_rank_1_answers_500_and_the_next_request_runs_on_a_clean_runtime(flux_ranks, flux_single):
+    started = time.monotonic()
+    with flux_ranks.client() as client:
+        failed = client.post(IMAGES, json={"prompt": FAULT_PROMPT, "seed": 1, **FLUX})
+        assert failed.status_code == 500, failed.text
+        assert "rank 1: InjectedFault" in failed.json()["error"]["message"]
+        # rank 0 waited for rank 1's transfers up to the collective timeout
+        assert time.monotonic() - started < COLLECTIVE_TIMEOUT_S + 30
+        body = {"prompt": "after the fault", "seed": 4, **FLUX}
+        assert _files(client.post(IMAGES, json=body)) == _single_files(flux_single, IMAGES, [body])[0]
+        assert client.get("/health").json()["status"] == "ok"
+
+
+def test_a_hung_rank_answers_503_and_the_server_exits_nonzero(flux_ranks):
+    rank0, rank1 = flux_ranks.rank_pids()[0], flux_ranks.rank_pids()[1]
+    os.kill(rank1, signal.SIGSTOP)  # alive but silent: torchrun does not notice, the heartbeats do
+    try:
+        started = time.monotonic()
+        with flux_ranks.client(timeout=120) as client:
+            response = client.post(IMAGES, json={"prompt": "a fox", "seed": 1, **FLUX})
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "rank_failed" and "rank 1" in response.json()["error"]["message"]
+        # rank 0's transfer times out, then rank 1's silent heartbeat does
+        assert time.monotonic() - started < 2 * COLLECTIVE_TIMEOUT_S + 15
+        wait_until(lambda: "layerstream serve: stopped: rank 1 has not answered" in flux_ranks.log(), timeout=60,
+                   what="rank 0 to stop")  # fmt: skip
+    finally:
+        os.kill(rank1, signal.SIGKILL)  # and a killed rank ends the rest
+    assert flux_ranks.wait_exit(60) != 0, flux_ranks.log()
+    with pytest.raises(ProcessLookupError):
+        os.kill(rank0, 0)
+
+
+@pytest.fixture(scope="module")
+def flux_batching(rank_servers):
+    return rank_servers("tiny-flux", "--max-batch-size", "2", "--batch-wait-ms", "1000")
+
+
+def test_with_batching_each_rank_runs_a_batch(flux_batching, flux_single):
+    server = flux_batching
+    with server.client() as client:
+        waves_before = metric(client, "layerstream_waves_total")
+    bodies = [{"prompt": f"a batch of foxes {i}", "seed": 40 + i, **FLUX} for i in range(4)]
+    responses = _post_all(server, IMAGES, bodies)
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    assert [r.json()["layerstream"]["batch_size"] for r in responses] == [2, 2, 2, 2]
+    with server.client() as client:
+        assert metric(client, "layerstream_waves_total") == waves_before + 1  # 2 ranks x a batch of 2
+    # two requests spread over the ranks, a batch of one each: as the single-process server makes them
+    bodies = [{"prompt": f"two foxes {i}", "seed": 50 + i, **FLUX} for i in range(2)]
+    responses = _post_all(server, IMAGES, bodies)
+    assert [r.json()["layerstream"]["batch_size"] for r in responses] == [1, 1]
+    assert [_files(r) for r in responses] == _single_files(flux_single, IMAGES, bodies)
+
+
+def test_a_killed_rank_ends_the_server_with_a_nonzero_exit(flux_batching):
+    rank0 = flux_batching.rank_pids()[0]
+    os.kill(flux_batching.rank_pids()[1], signal.SIGKILL)
+    assert flux_batching.wait_exit(COLLECTIVE_TIMEOUT_S + 60) != 0, flux_batching.log()
+    with pytest.raises(ProcessLookupError):
+        os.kill(rank0, 0)  # rank 0 is gone too: its port is closed
+
+
+def test_four_concurrent_wan_requests_match_the_single_process_server(wan_ranks, wan_single):
+    bodies = [{"prompt": f"a river {i}", "seed": 20 + i, **WAN} for i in range(4)]
+    responses = _post_all(wan_ranks, VIDEOS, bodies)
+    assert [_files(r) for r in responses] == _single_files(wan_single, VIDEOS, bodies)
+    assert all(r.json()["layerstream"]["num_frames"] == 5 for r in responses)
+
+
+def test_an_odd_number_of_requests_runs_a_placeholder_on_the_idle_rank(wan_ranks, wan_single):
+    with wan_ranks.client() as client:
+        idle_before = metric(client, "layerstream_wave_idle_ranks_total")
+        steps_before = metric(client, "layerstream_placeholder_steps_total")
+        body = {"prompt": "a lone heron", "seed": 7, **WAN}
+        assert _files(client.post(VIDEOS, json=body)) == _single_files(wan_single, VIDEOS, [body])[0]
+        assert metric(client, "layerstream_wave_idle_ranks_total") == idle_before + 1
+        # the idle rank ran the same forwards: both denoising steps of the request
+        assert metric(client, "layerstream_placeholder_steps_total") == steps_before + 2
+    bodies = [{"prompt": f"three herons {i}", "seed": 30 + i, **WAN} for i in range(3)]
+    responses = _post_all(wan_ranks, VIDEOS, bodies)
+    assert [_files(r) for r in responses] == _single_files(wan_single, VIDEOS, bodies)
+
+
+def test_a_request_past_its_timeout_stops_every_rank_at_the_same_step(wan_ranks, wan_single):
+    with wan_ranks.client(timeout=120) as client:
+        response = client.post(VIDEOS, json={"prompt": "too slow", "seed": 3, **WAN, "num_inference_steps": 40, "timeout": 1.5})
+        assert response.status_code == 504 and response.json()["error"]["code"] == "generation_timeout", response.text
+        wait_until(lambda: metric(client, "layerstream_generation_running") == 0, timeout=60, what="the wave to stop")
+        # both ranks stopped after the same forwards: no transfer failed, so nothing was rebuilt
+        assert "a wave failed" not in wan_ranks.log() and "TransferError" not in wan_ranks.log()
+        body = {"prompt": "after the stop", "seed": 5, **WAN}
+        assert _files(client.post(VIDEOS, json=body)) == _single_files(wan_single, VIDEOS, [body])[0]
+
+
+def test_sigterm_during_a_wave_answers_its_requests_and_every_rank_exits_0(wan_ranks):
+    bodies = [{"prompt": f"slow {i}", "seed": i, **WAN, "num_inference_steps": 12} for i in range(2)]
+    with ThreadPoolExecutor(2) as pool, wan_ranks.client(timeout=120) as client:
+        started = metric(client, "layerstream_jobs_started_total")
+        futures = [pool.submit(client.post, VIDEOS, json=body) for body in bodies]
+        wait_until(lambda: metric(client, "layerstream_jobs_started_total") == started + 2, timeout=60, what="the wave")
+        assert client.get("/health").json()["running"]
+        wan_ranks.process.send_signal(signal.SIGTERM)  # the launcher passes it to rank 0, which drains
+        responses = [f.result() for f in futures]
+    assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]
+    assert wan_ranks.wait_exit(60) == 0, wan_ranks.log()
+    log = wan_ranks.log()
+    assert "layerstream serve: rank 1 stopped" in log and "layerstream serve: stopped" in log
