@@ -111,10 +111,9 @@ def run(args: argparse.Namespace) -> int:
 
     seed = args.seed + rank
     device = args.device
+    offload_group = None
     if world_size > 1:
-        from layerstream.distributed.process_group import init_distributed
-
-        device = init_distributed(args.device)  # cuda:LOCAL_RANK (NCCL) or cpu (gloo)
+        device, offload_group = _join_ranks(args)
     try:
         omni = Omni(
             model=args.model,
@@ -123,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             simulated_link_gbps=args.link_gbps,
             trace=args.trace is not None,
+            process_group=offload_group,
         )
     except (ModelLoadError, GenerationError, OffloadError) as e:
         raise CliError(str(e)) from e
@@ -260,6 +260,31 @@ def _check_model_geometry(args: argparse.Namespace, omni) -> None:
 
 def _violation_text(violation: LimitViolation) -> str:
     return f"{_FLAGS[violation.name]} = {violation.value} is not valid; expected {violation.allowed}"
+
+
+def _join_ranks(args) -> tuple:
+    """Join the ranks; return this rank's device and the process group its allgather transfers run on.
+
+    The transfers get a group of their own: the copy thread runs them while the main thread gathers the
+    summaries on the default group (the last block prefetches the first after every forward), and collectives
+    of two threads on one group would interleave differently on each rank. A tiny model is built once, by rank
+    0, before any rank reads it (two ranks building one cache folder at once would collide)."""
+    import torch.distributed as dist
+
+    from layerstream.distributed.process_group import backend_for, collective_timeout, init_distributed
+    from layerstream.models.loading import ModelLoadError, is_tiny_model_name, resolve_model_folder
+
+    device = init_distributed(args.device)  # cuda:LOCAL_RANK (NCCL) or cpu (gloo)
+    failed = None
+    if dist.get_rank() == 0 and is_tiny_model_name(args.model):
+        try:
+            resolve_model_folder(args.model)
+        except ModelLoadError as e:
+            failed = e
+    dist.barrier()  # every rank waits for the build (a failure is reported by each rank's own load below)
+    if failed is not None:
+        raise CliError(str(failed)) from failed
+    return device, dist.new_group(backend=backend_for(device), timeout=collective_timeout())
 
 
 def _launch_ranks(args) -> int:
