@@ -48,6 +48,18 @@ def test_image_generation(client):
     assert not np.array_equal(first, second)  # different seeds
 
 
+def test_seeds_reach_the_command_line_range(client):
+    """Any seed `layerstream generate` takes (up to 2**64 - 1) the server takes; seed + n - 1 must fit too."""
+    top = 2**64 - 1
+    response = client.post(IMAGES, json={"prompt": "a red fox", "n": 2, "seed": top - 1, **SMALL})
+    assert response.status_code == 200, response.text
+    assert response.json()["layerstream"]["seeds"] == [top - 1, top]
+    response = client.post(IMAGES, json={"prompt": "a red fox", "n": 2, "seed": top, **SMALL})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "seed" and str(top) in error["message"] and str(top - 1) in error["message"]
+
+
 def test_health(client):
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["model"] == "tiny-flux" and health["kind"] == "image"
@@ -177,7 +189,7 @@ BAD_VALUES = {
     "prompt": st.just("") | st.integers() | st.booleans() | st.lists(st.text(max_size=3), max_size=2) | st.none(),
     "n": st.integers(max_value=0) | st.integers(min_value=5) | _NOT_INT,
     "size": _BAD_SIZE,
-    "seed": st.integers(max_value=-1) | st.integers(min_value=2**32) | _NOT_INT,
+    "seed": st.integers(max_value=-1) | st.integers(min_value=2**64) | _NOT_INT,
     "num_inference_steps": st.integers(max_value=0) | st.integers(min_value=1001) | _NOT_INT,
     "guidance_scale": st.floats(max_value=-0.001) | st.floats(min_value=100.001) | st.text(max_size=3) | st.booleans(),
     "response_format": st.text(max_size=10).filter(lambda s: s != "b64_json") | st.integers() | st.just("url"),

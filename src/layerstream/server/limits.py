@@ -29,7 +29,7 @@ from layerstream.models.input_image import (
     size_from_image,
 )
 from layerstream.server.errors import ApiError, invalid_fields
-from layerstream.server.schemas import ErrorDetail, ImageGenerationRequest, VideoGenerationRequest
+from layerstream.server.schemas import MAX_SEED, ErrorDetail, ImageGenerationRequest, VideoGenerationRequest
 from layerstream.server.settings import ServeSettings
 
 # Omni.generate's own choice when neither the request nor the model names a step count
@@ -196,6 +196,14 @@ def check_request(request: ImageGenerationRequest, limits: ModelLimits, conditio
     if request.negative_prompt is not None and not limits.supports_negative_prompt:
         problems.append(
             ErrorDetail(param="negative_prompt", message=f"{limits.model} takes no negative prompt", allowed="null")
+        )
+    if request.seed is not None and request.seed + request.n - 1 > MAX_SEED:
+        problems.append(
+            ErrorDetail(
+                param="seed",
+                message=f"{request.seed} is too large for n = {request.n} (output i uses seed + i)",
+                allowed=f"at most {MAX_SEED - request.n + 1}",
+            )
         )
     shape_problems = _size_problems(request, limits)
     if isinstance(request, VideoGenerationRequest):

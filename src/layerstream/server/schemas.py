@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_IMAGES_PER_REQUEST = 4
 MAX_PROMPT_CHARS = 10_000
 MAX_INFERENCE_STEPS = 1000
-MAX_SEED = 2**32 - 1
+MAX_SEED = 2**64 - 1
+"""As the command line allows (`models.output_limits.MAX_SEED`): any seed `generate` takes, the server takes."""
 MAX_QUEUE_TIMEOUT_SECONDS = 86_400.0
 MAX_FPS = 120
 
