@@ -188,7 +188,8 @@ class GenerationService:
         check_request(request, self.limits, conditioned)
         # the checks above priced this shape; run exactly it, not whatever the pipeline would default to
         shape = request_shape(request, self.limits, conditioned)
-        first_seed = request.seed if request.seed is not None else secrets.randbelow(2**32)  # a random seed stays small: easy to read back and retype
+        # a random seed is drawn small (under 2**32): easy to read back from the response and type again
+        first_seed = request.seed if request.seed is not None else secrets.randbelow(2**32)
         return GenerationParams(
             prompt=request.prompt,
             negative_prompt=request.negative_prompt,
