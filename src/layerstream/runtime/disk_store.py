@@ -11,12 +11,21 @@ A block placed on disk (`Placement.host_tier`) comes from one of two places:
   file is a `SpillFileError` naming it (raised by `wait_ready`, through the copy engine) and never a wrong
   picture. `restore_` and `rollback_` read the blocks back into real tensors and remove the folder.
 
-On the CPU a slot is host memory, so the copy job reads the bytes straight into it (on the engine's copy
-thread, beside compute). On an accelerator the job runs on the compute thread (the engine issues copies from
-it), so the disk read must not happen there: a `StagingRing` of two pinned buffers is filled by a read-ahead
-I/O thread along each chain's declared order of disk blocks, and the job only issues the device copy from the
-buffer already read (reading synchronously only when the prediction missed: the first block, skipped blocks,
-an order the model changed).
+Disk, link and compute run as three stages: a `StagingRing` of two host buffers (pinned on an accelerator) is
+filled by a read-ahead I/O thread along each chain's declared order of disk blocks, and a block's copy job only
+copies from the buffer already read into the slot (reading synchronously only when the prediction missed: the
+first block, skipped blocks, an order the model changed). On an accelerator the job runs on the compute thread
+(the engine issues copies from it), so the disk read must not happen there; on the CPU the job runs on the
+engine's copy thread, and the read-ahead keeps the disk busy while that thread copies host blocks.
+
+`disk_stall_seconds` counts the time compute waited on the disk, apart from waits on the link: on an
+accelerator the time the job (on the compute thread) waited for a read; on the CPU the part of compute's wait
+for a disk block's slot during which its copy job was waiting for the read (`count_stall_`, called by the
+streamer).
+
+Spill folders are named after the process that wrote them (`enable-<pid>-<start time>-<random>`): a process
+that died without `disable()` leaves its folder behind, and the next enable under the same `disk_dir` removes
+the folders whose process no longer runs, never a live process's (`remove_stale_spill_folders`).
 """
 
 from __future__ import annotations
@@ -50,7 +59,10 @@ MAX_IN_MEMORY_FRACTION = 1 / 8
 """A file-backed block may keep this much of its bytes (spans made in memory) in host memory; beyond it the
 whole block is spilled."""
 NUM_STAGING_BUFFERS = 2
-"""Accelerator only: one buffer is read into while the device copy of the other is still in flight."""
+"""One buffer is read into while the copy out of the other is in flight (or, on the CPU, while the slot it
+filled is computed)."""
+SPILL_FOLDER_PREFIX = "enable-"
+_SPILL_FOLDER = re.compile(r"^enable-(?P<pid>\d+)-(?P<start>\d+)-")
 
 
 class SpillFileError(TransferError):
@@ -65,6 +77,47 @@ def default_spill_root() -> Path:
     from layerstream.models.cache import cache_root  # the cache module reads the environment on every call
 
     return cache_root() / "spill"
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, from /proc), 0 where /proc does not say, None if the
+    process does not exist. With the pid it names one process: a pid reused by a later process starts later."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # another user's process: alive
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0
+    # the command name (field 2) may hold spaces and parentheses: count fields after its closing parenthesis
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return int(fields[19])  # field 22, starttime
+
+
+def remove_stale_spill_folders(root: Path) -> list[Path]:
+    """Remove the spill folders under `root` whose process no longer runs (it died before `disable()`); a live
+    process's folder, and anything not named by this module, is left alone. Returns the folders removed."""
+    removed = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _SPILL_FOLDER.match(entry.name)
+        if match is None or not entry.is_dir():
+            continue
+        started = process_start_ticks(int(match["pid"]))
+        if started is not None and started in (0, int(match["start"])):
+            continue  # alive (or alive without /proc to tell a reused pid apart): never touch it
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    if removed:
+        logger.info("removed %d spill folder(s) of processes that ended without disable(): %s", len(removed), removed)
+    return removed
 
 
 class _CheckpointSource:
@@ -171,6 +224,8 @@ class DiskBlock:
         self.binder = binder
         self.source: _CheckpointSource | _SpillSource = source
         self.original_device = original_device
+        self.disk_wait = (0.0, 0.0)
+        """When the latest copy job waited for this block's bytes to come off the disk (perf_counter seconds)."""
 
     def __repr__(self) -> str:
         return f"DiskBlock({self.path!r}, {self.layout.nbytes} bytes from {self.source.describe()})"
@@ -192,15 +247,26 @@ class DiskBlock:
         return self.layout.nbytes
 
     def copy_job(self, slot_buffer: torch.Tensor) -> Job:
-        if slot_buffer.device.type == "cpu":
-            destination = slot_buffer[: self.layout.nbytes]
+        store = self.store
+        on_compute_thread = slot_buffer.device.type != "cpu"  # accelerator engines run jobs where compute runs
 
-            def job() -> int:  # the CPU slot is host memory: read straight into it
-                self.read_into_(destination)
-                return self.layout.nbytes
+        def job() -> int:
+            nbytes = store.staging.copy_(self, slot_buffer, store.next_after(self.path))
+            self.disk_wait = store.staging.last_disk_wait
+            if on_compute_thread:
+                store.disk_stall_seconds += self.disk_wait[1] - self.disk_wait[0]  # compute itself waited
+            return nbytes
 
-            return job
-        return lambda: self.store.staging.copy_(self, slot_buffer, self.store.next_after(self.path))
+        return job
+
+    def count_stall_(self, stall_seconds: float) -> None:
+        """Compute just waited `stall_seconds` for this block's copy (the CPU engine's copy thread ran the job):
+        count the part of that wait during which the job was waiting for the disk."""
+        started, ended = self.disk_wait
+        now = time.perf_counter()
+        overlap = min(ended, now) - max(started, now - stall_seconds)
+        if overlap > 0:
+            self.store.disk_stall_seconds += overlap
 
     def read_into_(self, buffer: torch.Tensor) -> None:
         """Fill `buffer` (uint8, CPU, `layout.nbytes`) with the block's packed bytes."""
@@ -248,13 +314,15 @@ class DiskHostStore:
         self.blocks: dict[str, DiskBlock] = {}
         self.disk_bytes_read = 0
         """Bytes read from disk (checkpoint files and spill files) since enable."""
+        self.disk_stall_seconds = 0.0
+        """Time compute waited for disk reads since enable (see the module docstring)."""
         self.spill_bytes_written = 0
         self.reader = FileReader()
         self.folder: Path | None = None
         self._files: MappedFiles | None = None
         self._staging_nbytes = 0
         self.staging: StagingRing | None = None
-        """Accelerator only: host buffers the disk blocks are read into before their copy to the device."""
+        """Host buffers the disk blocks are read into (ahead) before their copy into the slot."""
 
     def __repr__(self) -> str:
         spilled = sum(isinstance(b.source, _SpillSource) for b in self.blocks.values())
@@ -275,8 +343,9 @@ class DiskHostStore:
     def stage_(self, layout: BlockLayout, device: torch.device, pin: Pinner | None) -> DiskBlock:
         assert layout.path not in self.blocks, f"{layout.path} staged twice"
         if self._files is None:
+            remove_stale_spill_folders(self.root)  # once per enable, before this enable writes anything
             self._files = MappedFiles.snapshot()
-        if device.type != "cpu" and self.staging is None:
+        if self.staging is None:
             self.staging = StagingRing(self._staging_nbytes, device, pin)
         original_device = layout.source_device()
         spans = layout.span_file_ranges(self._files)
@@ -299,8 +368,11 @@ class DiskHostStore:
     def _spill_(self, layout: BlockLayout) -> _SpillSource:
         if self.folder is None:
             self.root.mkdir(parents=True, exist_ok=True)
-            # one folder per enable: processes (and pipelines) sharing disk_dir never touch each other's files
-            self.folder = Path(tempfile.mkdtemp(prefix="enable-", dir=self.root))
+            # one folder per enable: processes (and pipelines) sharing disk_dir never touch each other's files;
+            # named after this process, so that a later enable can tell whether it still runs
+            pid = os.getpid()
+            prefix = f"{SPILL_FOLDER_PREFIX}{pid}-{process_start_ticks(pid) or 0}-"
+            self.folder = Path(tempfile.mkdtemp(prefix=prefix, dir=self.root))
         buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)  # zeroed pads: the file's bytes are all defined
         layout.copy_sources_into(buffer, self._files, self.reader)
         name = f"{len(self.blocks):05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', layout.path)}.block"
@@ -360,14 +432,14 @@ class DiskHostStore:
 
 
 class StagingRing:
-    """Accelerator only: two host buffers (pinned where the engine can pin) that disk blocks are read into, then
-    copied to the device slot asynchronously, with a read-ahead on an I/O thread.
+    """Two host buffers (pinned where the engine can pin) that disk blocks are read into, then copied to the
+    slot (asynchronously from pinned memory on an accelerator), with a read-ahead on an I/O thread.
 
-    The accelerator engine runs copy jobs on the compute thread. A job for block B takes B's bytes from the
-    buffer the read-ahead filled (when it predicted B; else it reads B there and then, synchronously), issues
-    the device copy from it, and starts reading the block predicted next (`HostTierChoice.next_on_disk`: the
-    next disk block of B's chain) into the other buffer on the I/O thread. So while the blocks between two disk
-    blocks compute, the disk reads the next one: disk, link and compute run as three stages."""
+    A job for block B takes B's bytes from the buffer the read-ahead filled (when it predicted B; else it reads
+    B there and then, synchronously), starts reading the block predicted next (`HostTierChoice.next_on_disk`:
+    the next disk block of B's chain) into the other buffer on the I/O thread, then copies B into the slot. So
+    while the blocks between two disk blocks compute (and cross the link), the disk reads the next one: disk,
+    link and compute run as three stages."""
 
     def __init__(self, nbytes: int, device: torch.device, pin: Pinner | None):
         self.buffers = [torch.empty(max(nbytes, 1), dtype=torch.uint8) for _ in range(NUM_STAGING_BUFFERS)]
@@ -388,12 +460,19 @@ class StagingRing:
         self._last = 1  # the buffer the latest device copy came from
         self.num_read_ahead_hits = 0
         self.num_read_ahead_misses = 0
+        self.last_disk_wait = (0.0, 0.0)
+        """When the latest `copy_` waited for its block's bytes to come off the disk (perf_counter seconds)."""
 
     def copy_(self, block: DiskBlock, slot_buffer: torch.Tensor, next_block: DiskBlock | None = None) -> int:
-        """Fill `slot_buffer[:nbytes]` with `block`'s bytes (checked) through a staging buffer, then start
-        reading `next_block` ahead. Runs on the thread of the copy job, on its stream."""
+        """Fill `slot_buffer[:nbytes]` with `block`'s bytes (checked) through a staging buffer, having started
+        the read of `next_block` ahead. Runs on the thread of the copy job, on its stream."""
         nbytes = block.layout.nbytes
+        waited = time.perf_counter()
         i = self._take_(block)
+        self.last_disk_wait = (waited, time.perf_counter())
+        self._last = i
+        if next_block is not None and next_block is not block:
+            self._read_ahead_(next_block, 1 - i)  # first: the disk reads the next block while this one is copied
         staging = self.buffers[i][:nbytes]
         copied = self._copied[i]
         if copied is None:
@@ -401,9 +480,6 @@ class StagingRing:
         else:
             slot_buffer[:nbytes].copy_(staging, non_blocking=True)
             copied.record()  # on the current stream: the engine's copy stream while the job runs
-        self._last = i
-        if next_block is not None and next_block is not block:
-            self._read_ahead_(next_block, 1 - i)
         return nbytes
 
     def _take_(self, block: DiskBlock) -> int:
