@@ -72,6 +72,7 @@ def run_bench(config: BenchConfig, log: Log = lambda message: None) -> BenchResu
     num_blocks = run.num_blocks
 
     specs = _with_resident(parse_strategies_or_raise(config.strategies, num_blocks))
+    check_disk_tier_rows(config, specs)
     notes: list[str] = []
     if "resident" not in [s.strip() for s in config.strategies.split(",")]:
         notes.append("resident was added: every ratio is against it")
@@ -115,6 +116,8 @@ def run_bench(config: BenchConfig, log: Log = lambda message: None) -> BenchResu
             prefetch_depth=config.prefetch_depth,
             device_budget_gb=budget_gb,
             trace=spec.name == traced_name,
+            host_budget_gb=config.host_budget_gb,
+            disk_gbps=config.disk_gbps,
         )
         model = _copy_for(prototype, last=spec is remaining[-1])
         rows[spec.name] = _prepare_row(spec, model, ctx, config.warmup, forward, log)
@@ -335,6 +338,8 @@ def _result(row: _Row, info: RunInfo, resident_median: float, block_paths: list[
             sum(t.num_transfers for t in row.transfers) // n,
             sum(t.stall_seconds for t in row.transfers) / n,
             sum(t.num_sync_loads for t in row.transfers) // n,
+            sum(t.disk_bytes_read for t in row.transfers) // n,
+            sum(t.disk_stall_seconds for t in row.transfers) / n,
         )
         if n
         else None
@@ -351,10 +356,18 @@ def _result(row: _Row, info: RunInfo, resident_median: float, block_paths: list[
     link = p.link_gbps if info.device == "cpu" else info.measured_link_gbps
     flags = p.streamed_flags(block_paths, row.block_transfers)
     ideal_s = floor_s = None
+    disk = _disk_figures(p, block_paths, per_forward, median)
     if link is not None and flags is not None:
         transfer_s = ideal.block_transfer_seconds(_link_block_bytes(p, info.block_bytes, flags), flags, link)
         ideal_s = ideal.ideal_forward_seconds(info.block_compute_seconds, transfer_s, info.other_compute_seconds)
         floor_s = ideal.transfer_floor_seconds(transfer_s) or None
+        if disk:  # a third stage; its bandwidth is known only where it is simulated
+            disk_s = _block_disk_seconds(p, block_paths)
+            ideal_s = (
+                ideal.ideal_forward_seconds_with_disk(info.block_compute_seconds, transfer_s, disk_s, info.other_compute_seconds)
+                if disk_s is not None
+                else None
+            )
 
     return StrategyResult(
         strategy=p.name,
@@ -382,7 +395,55 @@ def _result(row: _Row, info: RunInfo, resident_median: float, block_paths: list[
         matches_resident=row.matches_resident,
         max_abs_diff=row.max_abs_diff,
         residency=p.residency(),
+        **disk,
     )
+
+
+# --- the disk tier (--host-budget-gb, --disk-gbps) -----------------------------------------------------------
+
+
+def check_disk_tier_rows(config: BenchConfig, specs) -> None:
+    """--host-budget-gb applies to the layerwise rows; refuse up front what the runtime would refuse later."""
+    if config.host_budget_gb is None:
+        return
+    layerwise = [s for s in specs if s.kind == "layerwise"]
+    if not layerwise:
+        raise BenchConfigError(
+            f"--host-budget-gb = {config.host_budget_gb!r} applies to layerwise rows, and --strategies names none"
+        )
+    low_precision = [s.name for s in layerwise if s.storage_dtype is not None]
+    if low_precision:
+        raise BenchConfigError(
+            f"--host-budget-gb does not combine with float8 storage rows ({', '.join(low_precision)}): the disk "
+            "tier and storage_dtype do not combine yet; drop one of them"
+        )
+
+
+def _disk_figures(p: PreparedStrategy, block_paths: list[str], per_forward: TransferSnapshot | None, median: float) -> dict:
+    """The disk columns of a layerwise row with the disk tier (empty for every other row)."""
+    on_disk = p.disk_block_paths() if p.spec.kind == "layerwise" else ()
+    if not on_disk:
+        return {}
+    figures = {
+        "num_disk_blocks": len(on_disk),
+        "disk_bytes_per_forward": per_forward.disk_bytes_read if per_forward else None,
+        "disk_stall_seconds_per_forward": per_forward.disk_stall_seconds if per_forward else None,
+    }
+    disk_s = _block_disk_seconds(p, block_paths)
+    if disk_s is not None:
+        floor = ideal.disk_floor_seconds(disk_s)
+        figures |= {"disk_gbps": p.disk_gbps, "disk_floor_seconds": floor, "measured_over_disk_floor": median / floor if floor else None}
+    return figures
+
+
+def _block_disk_seconds(p: PreparedStrategy, block_paths: list[str]) -> list[float] | None:
+    """Per block, its read time from the simulated disk (0 for blocks in host memory); None where the disk's
+    bandwidth is not known (a real disk, on a GPU run)."""
+    if p.disk_gbps is None:
+        return None
+    on_disk = set(p.disk_block_paths())
+    packed = {b.path: b.host.layout.nbytes for b in p.handle.streamer.blocks}  # one read: the packed bytes
+    return ideal.block_disk_seconds([packed.get(path, 0) for path in block_paths], [path in on_disk for path in block_paths], p.disk_gbps)
 
 
 def _link_block_bytes(p: PreparedStrategy, block_bytes: list[int], streamed: list[bool]) -> list[int]:
