@@ -331,12 +331,13 @@ def test_a_simulated_disk_makes_reads_last_as_long_as_on_that_disk(tmp_path):
 
 def test_enable_removes_spill_folders_of_dead_processes_and_never_a_live_ones(tmp_path):
     """A process that died before `disable()` leaves its spill folder; the next enable under the same disk_dir
-    removes it, and leaves the folders of live processes (this one, another) and anything else alone."""
+    removes it, and leaves the folders of live processes (this one, another), of other pid namespaces or
+    machines, and anything else alone."""
     import os
     import subprocess
     import sys
 
-    from layerstream.runtime.disk_store import process_start_ticks
+    from layerstream.runtime.disk_store import process_space, process_start_ticks
 
     def folder(name: str) -> Path:
         path = tmp_path / name
@@ -348,18 +349,20 @@ def test_enable_removes_spill_folders_of_dead_processes_and_never_a_live_ones(tm
     ended.wait()
     live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
-        me = os.getpid()
-        dead = folder(f"enable-{ended.pid}-{12345}-abc")
-        reused = folder(f"enable-{me}-{(process_start_ticks(me) or 0) + 1}-def")  # this pid, but an earlier process
-        mine = folder(f"enable-{me}-{process_start_ticks(me) or 0}-ghi")
-        other = folder(f"enable-{live.pid}-{process_start_ticks(live.pid) or 0}-jkl")
+        me, space = os.getpid(), process_space()
+        foreign = "00000000" if space != "00000000" else "11111111"
+        dead = folder(f"enable-{space}-{ended.pid}-12345-abc")
+        elsewhere = folder(f"enable-{foreign}-{ended.pid}-12345-abc")  # the same pid, in another pid namespace
+        reused = folder(f"enable-{space}-{me}-{(process_start_ticks(me) or 0) + 1}-def")  # this pid, an earlier process
+        mine = folder(f"enable-{space}-{me}-{process_start_ticks(me) or 0}-ghi")
+        other = folder(f"enable-{space}-{live.pid}-{process_start_ticks(live.pid) or 0}-jkl")
         unrelated = folder("not-a-spill-folder")
         handle = enable_offload(make_my_pipeline(), _config(1, tmp_path), device="cpu")
         assert not dead.exists()
         if sys.platform.startswith("linux"):  # /proc tells a reused pid apart
             assert not reused.exists()
-        assert mine.exists() and other.exists() and unrelated.exists()
-        ours = [p for p in tmp_path.iterdir() if p.name.startswith(f"enable-{me}-") and p not in (mine, reused)]
+        assert mine.exists() and other.exists() and elsewhere.exists() and unrelated.exists()
+        ours = [p for p in tmp_path.iterdir() if p.name.startswith(f"enable-{space}-{me}-") and p not in (mine, reused)]
         assert len(ours) == 1 and any(ours[0].iterdir())  # this enable's folder, named after this process
         handle.disable()
         assert not ours[0].exists() and mine.exists() and other.exists()

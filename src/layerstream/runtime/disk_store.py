@@ -23,9 +23,10 @@ accelerator the time the job (on the compute thread) waited for a read; on the C
 for a disk block's slot during which its copy job was waiting for the read (`count_stall_`, called by the
 streamer).
 
-Spill folders are named after the process that wrote them (`enable-<pid>-<start time>-<random>`): a process
-that died without `disable()` leaves its folder behind, and the next enable under the same `disk_dir` removes
-the folders whose process no longer runs, never a live process's (`remove_stale_spill_folders`).
+Spill folders are named after the process that wrote them (`enable-<pid space>-<pid>-<start time>-<random>`):
+a process that died without `disable()` leaves its folder behind, and the next enable under the same
+`disk_dir` removes the folders whose process no longer runs, never a live process's, nor one from another
+machine or pid namespace sharing the folder (`remove_stale_spill_folders`).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ NUM_STAGING_BUFFERS = 2
 """One buffer is read into while the copy out of the other is in flight (or, on the CPU, while the slot it
 filled is computed)."""
 SPILL_FOLDER_PREFIX = "enable-"
-_SPILL_FOLDER = re.compile(r"^enable-(?P<pid>\d+)-(?P<start>\d+)-")
+_SPILL_FOLDER = re.compile(r"^enable-(?P<space>[0-9a-f]{8})-(?P<pid>\d+)-(?P<start>\d+)-")
 
 
 class SpillFileError(TransferError):
@@ -98,17 +99,38 @@ def process_start_ticks(pid: int) -> int | None:
     return int(fields[19])  # field 22, starttime
 
 
+def process_space() -> str:
+    """Where this process's pids mean something: its boot and pid namespace (8 hex digits). A `disk_dir` shared
+    with other machines or containers holds folders whose pids cannot be checked from here."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            key = f.read().strip() + os.readlink("/proc/self/ns/pid")
+    except OSError:
+        import socket
+
+        key = socket.gethostname()
+    return f"{zlib.crc32(key.encode()):08x}"
+
+
+def spill_folder_prefix() -> str:
+    """The name this process's spill folders start with: its pid space, pid and start time."""
+    pid = os.getpid()
+    return f"{SPILL_FOLDER_PREFIX}{process_space()}-{pid}-{process_start_ticks(pid) or 0}-"
+
+
 def remove_stale_spill_folders(root: Path) -> list[Path]:
     """Remove the spill folders under `root` whose process no longer runs (it died before `disable()`); a live
-    process's folder, and anything not named by this module, is left alone. Returns the folders removed."""
+    process's folder, a folder from another machine or pid namespace (its pid cannot be checked here), and
+    anything not named by this module are left alone. Returns the folders removed."""
     removed = []
+    space = process_space()
     try:
         entries = list(root.iterdir())
     except OSError:
         return removed
     for entry in entries:
         match = _SPILL_FOLDER.match(entry.name)
-        if match is None or not entry.is_dir():
+        if match is None or match["space"] != space or not entry.is_dir():
             continue
         started = process_start_ticks(int(match["pid"]))
         if started is not None and started in (0, int(match["start"])):
@@ -370,9 +392,7 @@ class DiskHostStore:
             self.root.mkdir(parents=True, exist_ok=True)
             # one folder per enable: processes (and pipelines) sharing disk_dir never touch each other's files;
             # named after this process, so that a later enable can tell whether it still runs
-            pid = os.getpid()
-            prefix = f"{SPILL_FOLDER_PREFIX}{pid}-{process_start_ticks(pid) or 0}-"
-            self.folder = Path(tempfile.mkdtemp(prefix=prefix, dir=self.root))
+            self.folder = Path(tempfile.mkdtemp(prefix=spill_folder_prefix(), dir=self.root))
         buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)  # zeroed pads: the file's bytes are all defined
         layout.copy_sources_into(buffer, self._files, self.reader)
         name = f"{len(self.blocks):05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', layout.path)}.block"
