@@ -224,6 +224,22 @@ def test_the_staging_ring_reads_ahead_along_the_chain(tmp_path):
     assert _spill_files(tmp_path) == []
 
 
+def test_on_an_accelerator_the_compute_threads_wait_for_a_read_is_the_disk_stall(tmp_path):
+    """An accelerator engine runs copy jobs on the compute thread: the time a job waits for its block to come off
+    the disk is compute waiting on the disk, counted as it happens (a device slot: meta, standing in)."""
+    store, stored, packed, slot_nbytes = _staged_on_disk(make_my_pipeline(), tmp_path)
+    store.simulated_gbps = 0.001  # 1 MB/s: a ~17 KB block takes ~17 ms to read
+    device_slot = torch.empty(slot_nbytes, dtype=torch.uint8, device="meta")
+    assert stored[0].copy_job(device_slot)() == stored[0].layout.nbytes  # nothing read ahead: read in step
+    assert store.disk_stall_seconds >= 0.9 * stored[0].layout.nbytes / 1e6
+    host_slot = torch.empty(slot_nbytes, dtype=torch.uint8)
+    before = store.disk_stall_seconds
+    stored[1].copy_job(host_slot)()  # the CPU engine's copy thread: the streamer counts compute's share instead
+    assert store.disk_stall_seconds == before
+    assert torch.equal(host_slot[: packed[1].numel()], packed[1])
+    store.restore_(torch.device("cpu"))
+
+
 def test_a_damaged_block_read_ahead_is_an_error_when_it_is_used_not_before(tmp_path):
     from layerstream.runtime.disk_store import StagingRing
 

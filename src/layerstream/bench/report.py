@@ -94,9 +94,10 @@ def _disk_header(result: BenchResult) -> list[str]:
     r = result.run
     if r.host_budget_gb is None:
         return []
-    rows = [s for s in result.strategies if s.num_disk_blocks]
-    on_disk = f"{rows[0].num_disk_blocks} of {r.num_blocks} blocks on disk" if rows else "every block fits"
-    line = f"disk tier: host budget {r.host_budget_gb:g} GB for the layerwise rows, {on_disk} (spill files)"
+    on_disk = "the blocks beyond it read from spill files (column 'disk blocks')"
+    if not any(s.num_disk_blocks for s in result.strategies):
+        on_disk = "every streamed block fits in it"
+    line = f"disk tier: host budget {r.host_budget_gb:g} GB for the layerwise rows, {on_disk}"
     if r.disk_gbps is not None:
         compute_ms = sum(r.block_compute_seconds) / len(r.block_compute_seconds) * 1e3
         read_ms = max(r.block_bytes) / (r.disk_gbps * 1e9) * 1e3
