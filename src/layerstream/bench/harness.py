@@ -356,13 +356,13 @@ def _result(row: _Row, info: RunInfo, resident_median: float, block_paths: list[
     link = p.link_gbps if info.device == "cpu" else info.measured_link_gbps
     flags = p.streamed_flags(block_paths, row.block_transfers)
     ideal_s = floor_s = None
-    disk = _disk_figures(p, block_paths, per_forward, median)
+    disk_s = _block_disk_seconds(p, block_paths)
+    disk = _disk_figures(p, per_forward, disk_s, median)
     if link is not None and flags is not None:
         transfer_s = ideal.block_transfer_seconds(_link_block_bytes(p, info.block_bytes, flags), flags, link)
         ideal_s = ideal.ideal_forward_seconds(info.block_compute_seconds, transfer_s, info.other_compute_seconds)
         floor_s = ideal.transfer_floor_seconds(transfer_s) or None
-        if disk:  # a third stage; its bandwidth is known only where it is simulated
-            disk_s = _block_disk_seconds(p, block_paths)
+        if disk:  # a third stage, whose bandwidth is known only where it is simulated
             ideal_s = (
                 ideal.ideal_forward_seconds_with_disk(info.block_compute_seconds, transfer_s, disk_s, info.other_compute_seconds)
                 if disk_s is not None
@@ -419,8 +419,9 @@ def check_disk_tier_rows(config: BenchConfig, specs) -> None:
         )
 
 
-def _disk_figures(p: PreparedStrategy, block_paths: list[str], per_forward: TransferSnapshot | None, median: float) -> dict:
-    """The disk columns of a layerwise row with the disk tier (empty for every other row)."""
+def _disk_figures(p: PreparedStrategy, per_forward: TransferSnapshot | None, disk_s: list[float] | None, median: float) -> dict:
+    """The disk columns of a layerwise row with the disk tier (empty for every other row); `disk_s`: each block's
+    read time (`_block_disk_seconds`)."""
     on_disk = p.disk_block_paths() if p.spec.kind == "layerwise" else ()
     if not on_disk:
         return {}
@@ -429,7 +430,6 @@ def _disk_figures(p: PreparedStrategy, block_paths: list[str], per_forward: Tran
         "disk_bytes_per_forward": per_forward.disk_bytes_read if per_forward else None,
         "disk_stall_seconds_per_forward": per_forward.disk_stall_seconds if per_forward else None,
     }
-    disk_s = _block_disk_seconds(p, block_paths)
     if disk_s is not None:
         floor = ideal.disk_floor_seconds(disk_s)
         figures |= {"disk_gbps": p.disk_gbps, "disk_floor_seconds": floor, "measured_over_disk_floor": median / floor if floor else None}
@@ -438,8 +438,8 @@ def _disk_figures(p: PreparedStrategy, block_paths: list[str], per_forward: Tran
 
 def _block_disk_seconds(p: PreparedStrategy, block_paths: list[str]) -> list[float] | None:
     """Per block, its read time from the simulated disk (0 for blocks in host memory); None where the disk's
-    bandwidth is not known (a real disk, on a GPU run)."""
-    if p.disk_gbps is None:
+    bandwidth is not known (a real disk, on a GPU run) or the row has no disk tier."""
+    if p.disk_gbps is None or p.handle is None:
         return None
     on_disk = set(p.disk_block_paths())
     packed = {b.path: b.host.layout.nbytes for b in p.handle.streamer.blocks}  # one read: the packed bytes
