@@ -200,8 +200,8 @@ def _staged_on_disk(pipe, tmp_path):
 
 
 def test_the_staging_ring_reads_ahead_along_the_chain(tmp_path):
-    """The accelerator path (disk -> staging buffer -> slot, reading the next disk block ahead on an I/O
-    thread), run without an accelerator: a ring for a device without CUDA events copies into the slot in step."""
+    """Disk -> staging buffer -> slot, reading the next disk blocks ahead on an I/O thread; a ring for a device
+    without CUDA events copies into the slot in step."""
     from layerstream.runtime.disk_store import NUM_STAGING_BUFFERS, StagingRing
 
     store, stored, packed, slot_nbytes = _staged_on_disk(make_my_pipeline(), tmp_path)
@@ -211,12 +211,13 @@ def test_the_staging_ring_reads_ahead_along_the_chain(tmp_path):
     n = len(stored)
     for _ in range(3):  # the cyclic order of steps: after the very first block, every read was done ahead
         for k, (block, want) in enumerate(zip(stored, packed)):
-            assert ring.copy_(block, slot, stored[(k + 1) % n]) == block.layout.nbytes
+            assert ring.copy_(block, slot, [stored[(k + 1) % n], stored[(k + 2) % n]]) == block.layout.nbytes
             assert torch.equal(slot[: want.numel()], want)
     assert (ring.num_read_ahead_hits, ring.num_read_ahead_misses) == (3 * n - 1, 0)
-    # a changed order (a skipped block): the mispredicted read is dropped, the right block read in step
+    # a changed order: a skipped block's read is dropped and the next one used; a block not read ahead is read
+    # in step
     for k in (0, 2, 1):
-        ring.copy_(stored[k], slot, stored[(k + 1) % n])
+        ring.copy_(stored[k], slot, [stored[(k + 1) % n], stored[(k + 2) % n]])
         assert torch.equal(slot[: packed[k].numel()], packed[k])
     assert ring.num_read_ahead_misses == 2
     ring.close_()
@@ -248,12 +249,12 @@ def test_a_damaged_block_read_ahead_is_an_error_when_it_is_used_not_before(tmp_p
     slot = torch.empty(slot_nbytes, dtype=torch.uint8)
     victim = stored[1].source.path
     victim.write_bytes(victim.read_bytes()[:-3])
-    ring.copy_(stored[0], slot, stored[1])  # the read-ahead of block 1 fails on the I/O thread: nothing yet
-    ring.copy_(stored[2], slot, stored[3])  # a miss: block 1's failed read is dropped, not raised here
+    ring.copy_(stored[0], slot, [stored[1]])  # the read-ahead of block 1 fails on the I/O thread: nothing yet
+    ring.copy_(stored[2], slot, [stored[3]])  # a miss: block 1's failed read is dropped, not raised here
     assert torch.equal(slot[: packed[2].numel()], packed[2])
-    ring.copy_(stored[3], slot, stored[1])
+    ring.copy_(stored[3], slot, [stored[1]])
     with pytest.raises(SpillFileError, match=victim.name):
-        ring.copy_(stored[1], slot, stored[2])
+        ring.copy_(stored[1], slot, [stored[2]])
     ring.close_()
     with pytest.raises(SpillFileError):
         store.restore_(torch.device("cpu"))
