@@ -9,7 +9,8 @@ The flow:
 5. time forwards round robin: every repetition gives each strategy one turn, so drift (thermal, other
    load) hits all of them alike. A turn runs two forwards back to back and times the second, which starts in
    the steady state of a denoising loop: the last block has just prefetched block 0, rather than block 0
-   having arrived at leisure during other strategies' turns (see `_timed_turn`);
+   having arrived at leisure during other strategies' turns (see `_timed_turn`; a row with blocks on disk runs
+   one more untimed forward first, `disk_settle_forwards`);
 6. optionally capture the trace of one forward of a layerwise strategy.
 """
 
