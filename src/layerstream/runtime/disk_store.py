@@ -86,6 +86,8 @@ def default_spill_root() -> Path:
 def process_start_ticks(pid: int) -> int | None:
     """When process `pid` started (clock ticks since boot, from /proc), 0 where /proc does not say, None if the
     process does not exist. With the pid it names one process: a pid reused by a later process starts later."""
+    if os.name != "posix":
+        return 0  # no signal 0 to probe with (on Windows os.kill would act on the process): count it as alive
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
