@@ -102,3 +102,51 @@ def test_help_and_user_errors():
     assert done.stderr.strip().splitlines()[-1].startswith("layerstream: error: --strategies: unknown strategy 'bogus'")
     done = _bench("--smoke", "--device", "cpu", "--link-gbps", "1", "--link-ratio", "1", timeout=60)
     assert done.returncode == 2
+
+
+def test_disk_tier_rows_read_their_disk_blocks_every_forward_and_match_resident():
+    """--host-budget-gb puts the layerwise rows' blocks beyond it in spill files; --disk-gbps simulates the disk.
+    Rows report disk bytes per forward, the disk stall and the disk floor, and stay bit-identical to resident."""
+    done = _bench("--smoke", "--json", "--device", "cpu", "--strategies", "resident,layerwise,naive", "--repeats", "2",
+                  "--host-budget-gb", "0.0006", "--disk-gbps", "0.5")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    run = result["run"]
+    assert run["host_budget_gb"] == 0.0006 and run["disk_gbps"] == 0.5
+    rows = {row["strategy"]: row for row in result["strategies"]}
+    layerwise = rows["layerwise"]
+    block = max(run["block_bytes"])
+    num_host = int(0.0006e9 // block)  # the tiny model's blocks are all the same size
+    assert layerwise["num_disk_blocks"] == run["num_blocks"] - num_host
+    # every disk block is read once a forward (bytes count when read: within one block of it)
+    assert abs(layerwise["disk_bytes_per_forward"] - layerwise["num_disk_blocks"] * block) <= block
+    assert 0 <= layerwise["disk_stall_seconds_per_forward"] <= layerwise["stall_seconds_per_forward"]
+    assert layerwise["disk_floor_seconds"] == pytest.approx(layerwise["num_disk_blocks"] * block / 0.5e9, rel=0.05)
+    assert layerwise["ideal_seconds"] >= layerwise["disk_floor_seconds"]
+    assert layerwise["matches_resident"] is True
+    assert rows["naive"]["num_disk_blocks"] is None  # the disk tier is the layerwise rows'
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--disk-gbps", "1"), "--disk-gbps = 1.0 needs --host-budget-gb"),
+        (("--host-budget-gb", "0"), "--host-budget-gb = 0.0 is not valid; expected a number > 0"),
+        (("--host-budget-gb", "1", "--disk-gbps", "-2"), "--disk-gbps = -2.0 is not valid; expected a number > 0"),
+        (("--host-budget-gb", "1", "--cold-start"), "--host-budget-gb does not apply with --cold-start"),
+        (("--host-budget-gb", "1", "--nproc", "2"), "--host-budget-gb does not apply with --nproc"),
+    ],
+)
+def test_disk_tier_flags_are_checked_before_anything_runs(args, message, capsys):
+    from layerstream.cli.main import main
+
+    assert main(["bench", "--smoke", "--device", "cpu", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_disk_tier_flags_that_the_strategies_cannot_take_exit_2_naming_them():
+    done = _bench("--smoke", "--device", "cpu", "--host-budget-gb", "1", "--strategies", "resident,layerwise-fp8", timeout=60)
+    assert done.returncode == 2
+    assert "--host-budget-gb does not combine with float8 storage rows (layerwise-fp8)" in done.stderr
+    done = _bench("--smoke", "--device", "cpu", "--host-budget-gb", "1", "--strategies", "resident,naive", timeout=60)
+    assert done.returncode == 2 and "applies to layerwise rows, and --strategies names none" in done.stderr

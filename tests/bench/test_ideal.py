@@ -72,3 +72,41 @@ def test_default_auto_budget_leaves_room_for_half_the_blocks():
     budget = default_auto_budget_gb(model_bytes=8 * block + 500_000, block_bytes=[block] * 8, ring_nbytes=ring)
     # non-block 0.5 MB + the ring + 4 blocks: no slack, the ring is the placement's own figure
     assert budget == pytest.approx((500_000 + ring + 4 * block) / 1e9)
+
+
+def test_disk_reads_hide_behind_the_host_blocks_since_the_previous_disk_block():
+    compute = [1.0, 1.0, 1.0, 1.0]
+    transfer = [0.5, 0.5, 0.5, 0.5]
+    disk = [0.0, 1.5, 0.0, 2.5]  # blocks 1 and 3 are read from disk; 0 and 2 are in host memory
+    # block 1's read runs beside blocks 0 and 1 (segment 3 -> 1), block 3's beside blocks 2 and 3
+    expected = 0.25 + max(1.0 + 1.0, 1.5) + max(1.0 + 1.0, 2.5)
+    assert ideal.ideal_forward_seconds_with_disk(compute, transfer, disk, other_s=0.25) == pytest.approx(expected)
+    assert ideal.disk_floor_seconds(disk) == pytest.approx(4.0)
+
+
+def test_every_block_on_disk_costs_the_longest_of_its_three_stages():
+    compute = [1.0, 2.0, 1.0]
+    transfer = [1.5, 0.5, 0.5]
+    disk = [0.5, 1.0, 3.0]
+    # block i's copy and read run beside block i-1's compute (block 0's beside the last block's)
+    expected = max(1.0, 1.5, 0.5) + max(1.0, 0.5, 1.0) + max(2.0, 0.5, 3.0)
+    assert ideal.ideal_forward_seconds_with_disk(compute, transfer, disk) == pytest.approx(expected)
+
+
+def test_a_slow_disk_makes_the_ideal_its_floor_and_no_disk_block_the_plain_ideal():
+    compute, transfer = [0.01] * 8, [0.002] * 8
+    half = [0.0, 0.04] * 4  # every other block on disk, each read twice the compute of the two blocks it hides behind
+    assert ideal.ideal_forward_seconds_with_disk(compute, transfer, half) == pytest.approx(ideal.disk_floor_seconds(half))
+    fast = [0.0, 0.005] * 4
+    assert ideal.ideal_forward_seconds_with_disk(compute, transfer, fast) == pytest.approx(0.08)  # resident time
+    assert ideal.ideal_forward_seconds_with_disk(compute, transfer, [0.0] * 8) == ideal.ideal_forward_seconds(compute, transfer)
+
+
+def test_disk_seconds_and_invalid_disk_inputs():
+    assert ideal.block_disk_seconds([2_000_000, 4_000_000], [False, True], 2.0) == [0.0, pytest.approx(0.002)]
+    with pytest.raises(ValueError, match="must stream"):
+        ideal.ideal_forward_seconds_with_disk([1.0, 1.0], [0.0, 1.0], [1.0, 0.0])
+    with pytest.raises(ValueError, match="one per block"):
+        ideal.ideal_forward_seconds_with_disk([1.0], [1.0], [1.0, 1.0])
+    with pytest.raises(ValueError):
+        ideal.block_disk_seconds([1], [True], 0.0)

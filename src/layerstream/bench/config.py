@@ -54,6 +54,11 @@ class BenchConfig:
     seed: int = 0
     trace_dir: str | None = None
     """Write trace.json and timeline.png of one forward of a layerwise strategy here."""
+    host_budget_gb: float | None = None
+    """The layerwise rows run with the disk tier: `host_budget_gb` of host memory for streamed blocks, the other
+    blocks read from spill files at every use (the synthetic model is built in memory)."""
+    disk_gbps: float | None = None
+    """CPU only, with `host_budget_gb`: every disk-tier read lasts as long as on a disk of this bandwidth (GB/s)."""
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_SHAPES:
@@ -74,10 +79,24 @@ class BenchConfig:
             raise BenchConfigError(f"--dtype {self.dtype!r} is not valid; allowed: {', '.join(DTYPES)}")
         if self.link_gbps is not None and self.link_ratio is not None:
             raise BenchConfigError("--link-gbps and --link-ratio both set the link; give one of them")
+        _check_disk_tier(self)
         for name in ("link_gbps", "link_ratio", "device_budget_gb"):
             value = getattr(self, name)
             if value is not None and not (value > 0 or (name == "device_budget_gb" and value == 0)):
                 raise BenchConfigError(f"{_flag(name)} = {value!r} is not valid; expected a number > 0")
+
+
+def _check_disk_tier(config: BenchConfig) -> None:
+    """--host-budget-gb and --disk-gbps: numbers > 0; a simulated disk needs blocks on disk to read."""
+    for name in ("host_budget_gb", "disk_gbps"):
+        value = getattr(config, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise BenchConfigError(f"{_flag(name)} = {value!r} is not valid; expected a number > 0")
+    if config.disk_gbps is not None and config.host_budget_gb is None:
+        raise BenchConfigError(
+            f"--disk-gbps = {config.disk_gbps!r} needs --host-budget-gb: without a host budget no block is read "
+            "from disk"
+        )
 
 
 def _flag(field_name: str) -> str:

@@ -9,7 +9,8 @@ The flow:
 5. time forwards round robin: every repetition gives each strategy one turn, so drift (thermal, other
    load) hits all of them alike. A turn runs two forwards back to back and times the second, which starts in
    the steady state of a denoising loop: the last block has just prefetched block 0, rather than block 0
-   having arrived at leisure during other strategies' turns (see `_timed_turn`);
+   having arrived at leisure during other strategies' turns (see `_timed_turn`; a row with blocks on disk runs
+   one more untimed forward first, `disk_settle_forwards`);
 6. optionally capture the trace of one forward of a layerwise strategy.
 """
 
@@ -72,6 +73,7 @@ def run_bench(config: BenchConfig, log: Log = lambda message: None) -> BenchResu
     num_blocks = run.num_blocks
 
     specs = _with_resident(parse_strategies_or_raise(config.strategies, num_blocks))
+    check_disk_tier_rows(config, specs)
     notes: list[str] = []
     if "resident" not in [s.strip() for s in config.strategies.split(",")]:
         notes.append("resident was added: every ratio is against it")
@@ -115,6 +117,8 @@ def run_bench(config: BenchConfig, log: Log = lambda message: None) -> BenchResu
             prefetch_depth=config.prefetch_depth,
             device_budget_gb=budget_gb,
             trace=spec.name == traced_name,
+            host_budget_gb=config.host_budget_gb,
+            disk_gbps=config.disk_gbps,
         )
         model = _copy_for(prototype, last=spec is remaining[-1])
         rows[spec.name] = _prepare_row(spec, model, ctx, config.warmup, forward, log)
@@ -126,7 +130,8 @@ def run_bench(config: BenchConfig, log: Log = lambda message: None) -> BenchResu
     transfers_before = {name: row.prepared.block_transfer_counts() for name, row in rows.items()}
     for rep in range(config.repeats):
         for row in rows.values():
-            seconds, transfers, peak_over_base, out = _timed_turn(row.prepared, forward, device, memory)
+            settle = disk_settle_forwards(row.prepared)
+            seconds, transfers, peak_over_base, out = _timed_turn(row.prepared, forward, device, memory, settle)
             row.times_s.append(seconds)
             if transfers is not None:
                 row.transfers.append(transfers)
@@ -185,12 +190,12 @@ def _as_timed(calibration: BlockTimings, resident_median: float) -> list[float]:
     return [m * scale for m in medians]
 
 
-def _timed_turn(prepared: PreparedStrategy, forward, device: torch.device, memory: DeviceMemory):
-    """One strategy's turn: two forwards back to back, the second timed.
+def _timed_turn(prepared: PreparedStrategy, forward, device: torch.device, memory: DeviceMemory, num_settle: int = 1):
+    """One strategy's turn: `num_settle` forwards (one, or more for the disk tier) and one more, timed, back to back.
 
     The first forward puts the strategy in the steady state of a denoising loop: its last block prefetches
     block 0 while the forward ends, so the timed forward pays whatever of that copy is not hidden, as every
-    step of a real loop does. On a GPU the host must not synchronize between the two (that would let the copy
+    step of a real loop does. On a GPU the host must not synchronize between them (that would let the copy
     finish for free), so the timed forward is bounded by events on the compute stream.
     Returns (seconds, transfers per forward, device peak bytes above the starting allocation, output).
     """
@@ -199,20 +204,22 @@ def _timed_turn(prepared: PreparedStrategy, forward, device: torch.device, memor
     memory.reset_peak()
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        forward(prepared)
+        for _ in range(num_settle):
+            forward(prepared)
         start.record()
         out = forward(prepared)
         end.record()
         end.synchronize()  # the elapsed time is readable once the timed forward's last kernel has run
         seconds = start.elapsed_time(end) / 1e3
     else:
-        forward(prepared)
+        for _ in range(num_settle):
+            forward(prepared)
         begin = time.perf_counter()
         out = forward(prepared)
         seconds = time.perf_counter() - begin
     peak = memory.peak()
     after = prepared.counters()
-    transfers = (after - before).per_forward(2) if before is not None and after is not None else None
+    transfers = (after - before).per_forward(num_settle + 1) if before is not None and after is not None else None
     peak_over_base = peak - base if peak is not None and base is not None else None
     return seconds, transfers, peak_over_base, out
 
@@ -335,6 +342,8 @@ def _result(row: _Row, info: RunInfo, resident_median: float, block_paths: list[
             sum(t.num_transfers for t in row.transfers) // n,
             sum(t.stall_seconds for t in row.transfers) / n,
             sum(t.num_sync_loads for t in row.transfers) // n,
+            sum(t.disk_bytes_read for t in row.transfers) // n,
+            sum(t.disk_stall_seconds for t in row.transfers) / n,
         )
         if n
         else None
@@ -351,10 +360,18 @@ def _result(row: _Row, info: RunInfo, resident_median: float, block_paths: list[
     link = p.link_gbps if info.device == "cpu" else info.measured_link_gbps
     flags = p.streamed_flags(block_paths, row.block_transfers)
     ideal_s = floor_s = None
+    disk_s = _block_disk_seconds(p, block_paths)
+    disk = _disk_figures(p, per_forward, disk_s, median)
     if link is not None and flags is not None:
         transfer_s = ideal.block_transfer_seconds(_link_block_bytes(p, info.block_bytes, flags), flags, link)
         ideal_s = ideal.ideal_forward_seconds(info.block_compute_seconds, transfer_s, info.other_compute_seconds)
         floor_s = ideal.transfer_floor_seconds(transfer_s) or None
+        if disk:  # a third stage, whose bandwidth is known only where it is simulated
+            ideal_s = (
+                ideal.ideal_forward_seconds_with_disk(info.block_compute_seconds, transfer_s, disk_s, info.other_compute_seconds)
+                if disk_s is not None
+                else None
+            )
 
     return StrategyResult(
         strategy=p.name,
@@ -382,7 +399,62 @@ def _result(row: _Row, info: RunInfo, resident_median: float, block_paths: list[
         matches_resident=row.matches_resident,
         max_abs_diff=row.max_abs_diff,
         residency=p.residency(),
+        **disk,
     )
+
+
+# --- the disk tier (--host-budget-gb, --disk-gbps) -----------------------------------------------------------
+
+
+def check_disk_tier_rows(config: BenchConfig, specs) -> None:
+    """--host-budget-gb applies to the layerwise rows; refuse up front what the runtime would refuse later."""
+    if config.host_budget_gb is None:
+        return
+    layerwise = [s for s in specs if s.kind == "layerwise"]
+    if not layerwise:
+        raise BenchConfigError(
+            f"--host-budget-gb = {config.host_budget_gb!r} applies to layerwise rows, and --strategies names none"
+        )
+    low_precision = [s.name for s in layerwise if s.storage_dtype is not None]
+    if low_precision:
+        raise BenchConfigError(
+            f"--host-budget-gb does not combine with float8 storage rows ({', '.join(low_precision)}): the disk "
+            "tier and storage_dtype do not combine yet; drop one of them"
+        )
+
+
+def disk_settle_forwards(p: PreparedStrategy) -> int:
+    """Forwards a turn runs before the timed one: one, and two for a row with blocks on disk. Between turns the
+    disk reads ahead at leisure (two blocks), so where the disk sets the pace the first forward of a turn runs
+    partly on reads done before it and leaves the disk ahead of the next; the second consumes that lead."""
+    return 2 if p.spec.kind == "layerwise" and p.disk_block_paths() else 1
+
+
+def _disk_figures(p: PreparedStrategy, per_forward: TransferSnapshot | None, disk_s: list[float] | None, median: float) -> dict:
+    """The disk columns of a layerwise row with the disk tier (empty for every other row); `disk_s`: each block's
+    read time (`_block_disk_seconds`)."""
+    on_disk = p.disk_block_paths() if p.spec.kind == "layerwise" else ()
+    if not on_disk:
+        return {}
+    figures = {
+        "num_disk_blocks": len(on_disk),
+        "disk_bytes_per_forward": per_forward.disk_bytes_read if per_forward else None,
+        "disk_stall_seconds_per_forward": per_forward.disk_stall_seconds if per_forward else None,
+    }
+    if disk_s is not None:
+        floor = ideal.disk_floor_seconds(disk_s)
+        figures |= {"disk_gbps": p.disk_gbps, "disk_floor_seconds": floor, "measured_over_disk_floor": median / floor if floor else None}
+    return figures
+
+
+def _block_disk_seconds(p: PreparedStrategy, block_paths: list[str]) -> list[float] | None:
+    """Per block, its read time from the simulated disk (0 for blocks in host memory); None where the disk's
+    bandwidth is not known (a real disk, on a GPU run) or the row has no disk tier."""
+    if p.disk_gbps is None or p.handle is None:
+        return None
+    on_disk = set(p.disk_block_paths())
+    packed = {b.path: b.host.layout.nbytes for b in p.handle.streamer.blocks}  # one read: the packed bytes
+    return ideal.block_disk_seconds([packed.get(path, 0) for path in block_paths], [path in on_disk for path in block_paths], p.disk_gbps)
 
 
 def _link_block_bytes(p: PreparedStrategy, block_bytes: list[int], streamed: list[bool]) -> list[int]:

@@ -59,11 +59,53 @@ def _cells(s: StrategyResult) -> list[str]:
 
 
 def markdown_table(result: BenchResult) -> str:
-    """The strategies as a markdown table."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    """The strategies as a markdown table (with the disk columns before the notes when a row used the disk tier)."""
+    columns, cells = COLUMNS, _cells
+    if any(s.num_disk_blocks for s in result.strategies):
+        columns = COLUMNS[:-1] + DISK_COLUMNS + COLUMNS[-1:]
+
+        def cells(s: StrategyResult) -> list[str]:
+            row = _cells(s)
+            return row[:-1] + _disk_cells(s) + row[-1:]
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     for s in result.strategies:
-        lines.append("| " + " | ".join(c.replace("|", "/") for c in _cells(s)) + " |")
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells(s)) + " |")
     return "\n".join(lines)
+
+
+# --- the disk tier (--host-budget-gb) ------------------------------------------------------------------------
+
+DISK_COLUMNS = ("disk blocks", "disk MiB/fwd", "disk stall ms/fwd", "x disk floor")
+
+
+def _disk_cells(s: StrategyResult) -> list[str]:
+    if not s.num_disk_blocks:
+        return ["-"] * len(DISK_COLUMNS)
+    return [
+        str(s.num_disk_blocks),
+        _mib(s.disk_bytes_per_forward),
+        _num(s.disk_stall_seconds_per_forward * 1e3 if s.disk_stall_seconds_per_forward is not None else None, ".2f"),
+        _num(s.measured_over_disk_floor, ".3f"),
+    ]
+
+
+def _disk_header(result: BenchResult) -> list[str]:
+    r = result.run
+    if r.host_budget_gb is None:
+        return []
+    on_disk = "the blocks beyond it read from spill files (column 'disk blocks')"
+    if not any(s.num_disk_blocks for s in result.strategies):
+        on_disk = "every streamed block fits in it"
+    line = f"disk tier: host budget {r.host_budget_gb:g} GB for the layerwise rows, {on_disk}"
+    if r.disk_gbps is not None:
+        compute_ms = sum(r.block_compute_seconds) / len(r.block_compute_seconds) * 1e3
+        read_ms = max(r.block_bytes) / (r.disk_gbps * 1e9) * 1e3
+        line += (
+            f"; simulated disk {r.disk_gbps:.4g} GB/s: {read_ms:.3f} ms per block read ({read_ms / compute_ms:.2f} x "
+            "the block compute measured over the whole run)"
+        )
+    return [line]
 
 
 def run_header(result: BenchResult) -> str:
@@ -89,6 +131,7 @@ def run_header(result: BenchResult) -> str:
         lines.append(f"measured host-to-device link {r.measured_link_gbps:.1f} GB/s (pinned copy of one block)")
     if r.device_budget_gb is not None:
         lines.append(f"layerwise-auto device budget {r.device_budget_gb:.4g} GB")
+    lines += _disk_header(result)
     if r.trace_summary:
         t = r.trace_summary
         lines.append(

@@ -44,6 +44,10 @@ class RunInfo:
     """GPU: host-to-device bandwidth of one pinned block-sized copy."""
     device_budget_gb: float | None
     process_rss_bytes: int
+    host_budget_gb: float | None = None
+    """The layerwise rows' host budget (`--host-budget-gb`): the blocks beyond it are read from disk."""
+    disk_gbps: float | None = None
+    """The simulated disk (CPU, `--disk-gbps`), if any."""
     trace_files: list[str] = field(default_factory=list)
     trace_summary: dict | None = None
     """Of the traced forward: strategy, copies, computes, busy times and stalls (see `summarize_trace`)."""
@@ -93,6 +97,18 @@ class StrategyResult:
     max_abs_diff: float | None = None
     """The largest absolute difference of the first timed output from the resident output (0 where equal)."""
     residency: str | None = None
+    # the disk tier (--host-budget-gb); None for rows without it
+    num_disk_blocks: int | None = None
+    """Blocks the host budget left on disk."""
+    disk_bytes_per_forward: int | None = None
+    """Bytes read from disk per forward (`stats().disk_bytes_read`)."""
+    disk_stall_seconds_per_forward: float | None = None
+    """Of the stall, the time compute waited on disk reads (`stats().disk_stall_seconds`)."""
+    disk_gbps: float | None = None
+    """The disk bandwidth the ideal and the disk floor were computed with (the simulated disk)."""
+    disk_floor_seconds: float | None = None
+    """The disk's busy time for one forward: the disk blocks' bytes over the disk bandwidth."""
+    measured_over_disk_floor: float | None = None
 
     @classmethod
     def for_skipped(cls, strategy: str, kind: str, why: str) -> "StrategyResult":

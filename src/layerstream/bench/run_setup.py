@@ -52,6 +52,11 @@ class BenchRun:
         sizes = default_sizes(shape, device.type)
         if device.type != "cpu" and (config.link_gbps is not None or config.link_ratio is not None):
             raise BenchConfigError(f"--link-gbps and --link-ratio simulate a link on the CPU; device {device} has a real one")
+        if device.type != "cpu" and config.disk_gbps is not None:
+            raise BenchConfigError(
+                f"--disk-gbps = {config.disk_gbps!r} simulates a disk on the CPU; on device {device} the disk tier "
+                "reads the real disk (give --host-budget-gb alone)"
+            )
         return cls(
             config=config,
             device=device,
@@ -124,6 +129,8 @@ class BenchRun:
             model_bytes=self.weight_bytes,
             block_bytes=self.block_bytes,
             link_ratio=config.link_ratio,
+            host_budget_gb=config.host_budget_gb,
+            disk_gbps=config.disk_gbps,
             process_rss_bytes=rss_bytes(),
             **measured,
         )

@@ -138,6 +138,10 @@ class StrategyContext:
     """For layerwise-auto."""
     trace: bool = False
     """Record accelerator timing events (the strategy whose trace is exported)."""
+    host_budget_gb: float | None = None
+    """Layerwise rows: run with the disk tier under this host budget."""
+    disk_gbps: float | None = None
+    """Simulated disk (CPU only) of the disk tier."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,8 @@ class TransferSnapshot:
     num_transfers: int
     stall_seconds: float
     num_sync_loads: int
+    disk_bytes_read: int = 0
+    disk_stall_seconds: float = 0.0
 
     def __sub__(self, other: "TransferSnapshot") -> "TransferSnapshot":
         return TransferSnapshot(
@@ -155,6 +161,8 @@ class TransferSnapshot:
             self.num_transfers - other.num_transfers,
             self.stall_seconds - other.stall_seconds,
             self.num_sync_loads - other.num_sync_loads,
+            self.disk_bytes_read - other.disk_bytes_read,
+            self.disk_stall_seconds - other.disk_stall_seconds,
         )
 
     def per_forward(self, num_forwards: int) -> "TransferSnapshot":
@@ -164,6 +172,8 @@ class TransferSnapshot:
             self.num_transfers // num_forwards,
             self.stall_seconds / num_forwards,
             self.num_sync_loads // num_forwards,
+            self.disk_bytes_read // num_forwards,
+            self.disk_stall_seconds / num_forwards,
         )
 
 
@@ -177,6 +187,8 @@ class PreparedStrategy:
         self.note = note
         self.enable_seconds = 0.0
         self.link_gbps: float | None = None
+        self.disk_gbps: float | None = None
+        """The simulated disk of a row with the disk tier (CPU)."""
         self.device_setup_bytes: int | None = None
         """Device bytes the set-up allocated (read from the CUDA allocator)."""
         self.handle = None  # OffloadHandle for the layerstream strategies
@@ -190,7 +202,9 @@ class PreparedStrategy:
         """Transfer counters so far, or None where the strategy does not report them."""
         if self.handle is not None:
             s = self.handle.stats()
-            return TransferSnapshot(s.bytes_transferred, s.num_transfers, s.stall_seconds, s.num_sync_loads)
+            return TransferSnapshot(
+                s.bytes_transferred, s.num_transfers, s.stall_seconds, s.num_sync_loads, s.disk_bytes_read, s.disk_stall_seconds
+            )
         if self.naive is not None:
             c = self.naive.counters
             return TransferSnapshot(c.bytes_transferred, c.num_transfers, c.stall_seconds, 0)
@@ -228,6 +242,12 @@ class PreparedStrategy:
         if self.spec.kind in ("naive", "diffusers-group"):
             return [True] * len(block_paths)
         return None
+
+    def disk_block_paths(self) -> tuple[str, ...]:
+        """The blocks a layerwise row with the disk tier reads from disk (empty without it)."""
+        placement = self.handle.placement if self.handle is not None else None
+        tier = placement.host_tier if placement is not None else None
+        return tier.disk_block_paths if tier is not None else ()
 
     def residency(self) -> str | None:
         if self.handle is None:
@@ -302,10 +322,21 @@ def _layerwise(spec: StrategySpec, model: nn.Module, ctx: StrategyContext) -> Pr
     from layerstream.offload import enable_offload
 
     prepared = PreparedStrategy(spec, model)
-    config = layer_config(spec, ctx)
-    prepared.handle = enable_offload(model, config, ctx.device, simulated_link_gbps=ctx.link_gbps, trace=ctx.trace)
+    config = with_disk_tier(layer_config(spec, ctx), ctx)
+    prepared.handle = enable_offload(
+        model, config, ctx.device, simulated_link_gbps=ctx.link_gbps, simulated_disk_gbps=ctx.disk_gbps, trace=ctx.trace
+    )
     prepared.link_gbps = ctx.link_gbps
+    prepared.disk_gbps = ctx.disk_gbps if ctx.host_budget_gb is not None else None
     return prepared
+
+
+def with_disk_tier(config: dict[str, Any], ctx: StrategyContext) -> dict[str, Any]:
+    """A layerwise config with the disk tier of the run (`--host-budget-gb`): the blocks beyond the budget are
+    spilled once to files under the default `disk_dir` and read from them at every use."""
+    if ctx.host_budget_gb is None:
+        return config
+    return {**config, "host_budget_gb": ctx.host_budget_gb}
 
 
 def _module(spec: StrategySpec, model: nn.Module, ctx: StrategyContext) -> PreparedStrategy:

@@ -50,6 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--device-budget-gb", type=float, default=None, help="layerwise-auto budget (default: non-block + slots + half the blocks)"
     )
+    disk = parser.add_argument_group("disk tier")
+    disk.add_argument(
+        "--host-budget-gb",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="run the layerwise rows with the disk tier: this much host memory for streamed blocks, the other "
+        "blocks read from spill files at every use",
+    )
+    disk.add_argument(
+        "--disk-gbps", type=float, default=None, metavar="GBPS", help="CPU only, with --host-budget-gb: simulated disk in GB/s"
+    )
     run.add_argument("--smoke", action="store_true", help="a run of a few seconds on the tiny model (CPU: --link-ratio 0.5)")
     run.add_argument(
         "--nproc",
@@ -118,6 +130,8 @@ def build_config(args: argparse.Namespace):
         "threads": args.threads,
         "seed": args.seed,
         "trace_dir": args.trace,
+        "host_budget_gb": args.host_budget_gb,
+        "disk_gbps": args.disk_gbps,
     }
     if args.strategies is not None:
         values["strategies"] = args.strategies
@@ -211,6 +225,7 @@ _NOT_WITH_COLD_START = (
     ("model", "--model"), ("blocks", "--blocks"), ("tokens", "--tokens"), ("context_tokens", "--context-tokens"),
     ("dtype", "--dtype"), ("warmup", "--warmup"), ("threads", "--threads"), ("link_gbps", "--link-gbps"),
     ("link_ratio", "--link-ratio"), ("device_budget_gb", "--device-budget-gb"), ("nproc", "--nproc"), ("trace", "--trace"),
+    ("host_budget_gb", "--host-budget-gb"), ("disk_gbps", "--disk-gbps"),
 )  # fmt: skip
 
 
@@ -254,7 +269,10 @@ def _run_cold_start(args: argparse.Namespace) -> int:
     return 1 if result.failed else 0
 
 
-_NOT_WITH_NPROC = (("strategies", "--strategies"), ("trace", "--trace"), ("device_budget_gb", "--device-budget-gb"))
+_NOT_WITH_NPROC = (
+    ("strategies", "--strategies"), ("trace", "--trace"), ("device_budget_gb", "--device-budget-gb"),
+    ("host_budget_gb", "--host-budget-gb"), ("disk_gbps", "--disk-gbps"),
+)  # fmt: skip
 
 
 def _run_distributed(args: argparse.Namespace) -> int:

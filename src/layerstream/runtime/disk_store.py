@@ -11,12 +11,22 @@ A block placed on disk (`Placement.host_tier`) comes from one of two places:
   file is a `SpillFileError` naming it (raised by `wait_ready`, through the copy engine) and never a wrong
   picture. `restore_` and `rollback_` read the blocks back into real tensors and remove the folder.
 
-On the CPU a slot is host memory, so the copy job reads the bytes straight into it (on the engine's copy
-thread, beside compute). On an accelerator the job runs on the compute thread (the engine issues copies from
-it), so the disk read must not happen there: a `StagingRing` of two pinned buffers is filled by a read-ahead
-I/O thread along each chain's declared order of disk blocks, and the job only issues the device copy from the
-buffer already read (reading synchronously only when the prediction missed: the first block, skipped blocks,
-an order the model changed).
+Disk, link and compute run as three stages: a `StagingRing` of three host buffers (pinned on an accelerator)
+is filled by a read-ahead I/O thread along each chain's declared order of disk blocks (two blocks ahead), and
+a block's copy job only copies from the buffer already read into the slot (reading synchronously only when the
+prediction missed: the first block, skipped blocks, an order the model changed). On an accelerator the job runs on the compute thread
+(the engine issues copies from it), so the disk read must not happen there; on the CPU the job runs on the
+engine's copy thread, and the read-ahead keeps the disk busy while that thread copies host blocks.
+
+`disk_stall_seconds` counts the time compute waited on the disk, apart from waits on the link: on an
+accelerator the time the job (on the compute thread) waited for a read; on the CPU the part of compute's wait
+for a disk block's slot during which its copy job was waiting for the read (`count_stall_`, called by the
+streamer).
+
+Spill folders are named after the process that wrote them (`enable-<pid space>-<pid>-<start time>-<random>`):
+a process that died without `disable()` leaves its folder behind, and the next enable under the same
+`disk_dir` removes the folders whose process no longer runs, never a live process's, nor one from another
+machine or pid namespace sharing the folder (`remove_stale_spill_folders`).
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import struct
 import tempfile
 import time
 import zlib
+from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -49,8 +60,13 @@ HEADER_BYTES = ALIGN_BYTES
 MAX_IN_MEMORY_FRACTION = 1 / 8
 """A file-backed block may keep this much of its bytes (spans made in memory) in host memory; beyond it the
 whole block is spilled."""
-NUM_STAGING_BUFFERS = 2
-"""Accelerator only: one buffer is read into while the device copy of the other is still in flight."""
+READ_AHEAD_DEPTH = 2
+"""Disk blocks read ahead of the one being copied: the disk goes on to the next block without waiting for the
+copy side to ask for it (one block ahead, the disk idles whenever the copy side is late to ask)."""
+NUM_STAGING_BUFFERS = READ_AHEAD_DEPTH + 1
+"""The buffers the read-ahead fills, and the one the latest copy comes from."""
+SPILL_FOLDER_PREFIX = "enable-"
+_SPILL_FOLDER = re.compile(r"^enable-(?P<space>[0-9a-f]{8})-(?P<pid>\d+)-(?P<start>\d+)-")
 
 
 class SpillFileError(TransferError):
@@ -65,6 +81,70 @@ def default_spill_root() -> Path:
     from layerstream.models.cache import cache_root  # the cache module reads the environment on every call
 
     return cache_root() / "spill"
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, from /proc), 0 where /proc does not say, None if the
+    process does not exist. With the pid it names one process: a pid reused by a later process starts later."""
+    if os.name != "posix":
+        return 0  # no signal 0 to probe with (on Windows os.kill would act on the process): count it as alive
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # another user's process: alive
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0
+    # the command name (field 2) may hold spaces and parentheses: count fields after its closing parenthesis
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return int(fields[19])  # field 22, starttime
+
+
+def process_space() -> str:
+    """Where this process's pids mean something: its boot and pid namespace (8 hex digits). A `disk_dir` shared
+    with other machines or containers holds folders whose pids cannot be checked from here."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            key = f.read().strip() + os.readlink("/proc/self/ns/pid")
+    except OSError:
+        import socket
+
+        key = socket.gethostname()
+    return f"{zlib.crc32(key.encode()):08x}"
+
+
+def spill_folder_prefix() -> str:
+    """The name this process's spill folders start with: its pid space, pid and start time."""
+    pid = os.getpid()
+    return f"{SPILL_FOLDER_PREFIX}{process_space()}-{pid}-{process_start_ticks(pid) or 0}-"
+
+
+def remove_stale_spill_folders(root: Path) -> list[Path]:
+    """Remove the spill folders under `root` whose process no longer runs (it died before `disable()`); a live
+    process's folder, a folder from another machine or pid namespace (its pid cannot be checked here), and
+    anything not named by this module are left alone. Returns the folders removed."""
+    removed = []
+    space = process_space()
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _SPILL_FOLDER.match(entry.name)
+        if match is None or match["space"] != space or not entry.is_dir():
+            continue
+        started = process_start_ticks(int(match["pid"]))
+        if started is not None and started in (0, int(match["start"])):
+            continue  # alive (or alive without /proc to tell a reused pid apart): never touch it
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    if removed:
+        logger.info("removed %d spill folder(s) of processes that ended without disable(): %s", len(removed), removed)
+    return removed
 
 
 class _CheckpointSource:
@@ -171,6 +251,8 @@ class DiskBlock:
         self.binder = binder
         self.source: _CheckpointSource | _SpillSource = source
         self.original_device = original_device
+        self.disk_wait = (0.0, 0.0)
+        """When the latest copy job waited for this block's bytes to come off the disk (perf_counter seconds)."""
 
     def __repr__(self) -> str:
         return f"DiskBlock({self.path!r}, {self.layout.nbytes} bytes from {self.source.describe()})"
@@ -192,15 +274,26 @@ class DiskBlock:
         return self.layout.nbytes
 
     def copy_job(self, slot_buffer: torch.Tensor) -> Job:
-        if slot_buffer.device.type == "cpu":
-            destination = slot_buffer[: self.layout.nbytes]
+        store = self.store
+        on_compute_thread = slot_buffer.device.type != "cpu"  # accelerator engines run jobs where compute runs
 
-            def job() -> int:  # the CPU slot is host memory: read straight into it
-                self.read_into_(destination)
-                return self.layout.nbytes
+        def job() -> int:
+            nbytes = store.staging.copy_(self, slot_buffer, store.upcoming_after(self.path))
+            self.disk_wait = store.staging.last_disk_wait
+            if on_compute_thread:
+                store.disk_stall_seconds += self.disk_wait[1] - self.disk_wait[0]  # compute itself waited
+            return nbytes
 
-            return job
-        return lambda: self.store.staging.copy_(self, slot_buffer, self.store.next_after(self.path))
+        return job
+
+    def count_stall_(self, stall_seconds: float) -> None:
+        """Compute just waited `stall_seconds` for this block's copy (the CPU engine's copy thread ran the job):
+        count the part of that wait during which the job was waiting for the disk."""
+        started, ended = self.disk_wait
+        now = time.perf_counter()
+        overlap = min(ended, now) - max(started, now - stall_seconds)
+        if overlap > 0:
+            self.store.disk_stall_seconds += overlap
 
     def read_into_(self, buffer: torch.Tensor) -> None:
         """Fill `buffer` (uint8, CPU, `layout.nbytes`) with the block's packed bytes."""
@@ -244,24 +337,35 @@ class DiskHostStore:
         """CPU measurements: every read lasts at least as long as on a disk of this bandwidth."""
         self.root = Path(disk_dir).expanduser() if disk_dir is not None else default_spill_root()
         self.read_ahead: Mapping[str, str] = read_ahead or {}
-        """Disk block -> the disk block to read ahead after it (accelerator only)."""
+        """Disk block -> the disk block its chain runs next (what the staging ring reads ahead)."""
         self.blocks: dict[str, DiskBlock] = {}
         self.disk_bytes_read = 0
         """Bytes read from disk (checkpoint files and spill files) since enable."""
+        self.disk_stall_seconds = 0.0
+        """Time compute waited for disk reads since enable (see the module docstring)."""
         self.spill_bytes_written = 0
         self.reader = FileReader()
         self.folder: Path | None = None
         self._files: MappedFiles | None = None
         self._staging_nbytes = 0
         self.staging: StagingRing | None = None
-        """Accelerator only: host buffers the disk blocks are read into before their copy to the device."""
+        """Host buffers the disk blocks are read into (ahead) before their copy into the slot."""
 
     def __repr__(self) -> str:
         spilled = sum(isinstance(b.source, _SpillSource) for b in self.blocks.values())
         return f"DiskHostStore({len(self.blocks)} blocks, {spilled} spilled to {self.folder})"
 
-    def next_after(self, path: str) -> DiskBlock | None:
-        return self.blocks.get(self.read_ahead.get(path, ""))
+    def upcoming_after(self, path: str) -> list[DiskBlock]:
+        """The disk blocks expected after `path`, in order (its chain's, cyclic), up to `READ_AHEAD_DEPTH`."""
+        upcoming: list[DiskBlock] = []
+        current = path
+        for _ in range(READ_AHEAD_DEPTH):
+            current = self.read_ahead.get(current, "")
+            block = self.blocks.get(current)
+            if block is None or current == path:
+                break
+            upcoming.append(block)
+        return upcoming
 
     def slot_nbytes(self, layout: BlockLayout) -> int:
         return layout.nbytes
@@ -275,8 +379,9 @@ class DiskHostStore:
     def stage_(self, layout: BlockLayout, device: torch.device, pin: Pinner | None) -> DiskBlock:
         assert layout.path not in self.blocks, f"{layout.path} staged twice"
         if self._files is None:
+            remove_stale_spill_folders(self.root)  # once per enable, before this enable writes anything
             self._files = MappedFiles.snapshot()
-        if device.type != "cpu" and self.staging is None:
+        if self.staging is None:
             self.staging = StagingRing(self._staging_nbytes, device, pin)
         original_device = layout.source_device()
         spans = layout.span_file_ranges(self._files)
@@ -299,8 +404,9 @@ class DiskHostStore:
     def _spill_(self, layout: BlockLayout) -> _SpillSource:
         if self.folder is None:
             self.root.mkdir(parents=True, exist_ok=True)
-            # one folder per enable: processes (and pipelines) sharing disk_dir never touch each other's files
-            self.folder = Path(tempfile.mkdtemp(prefix="enable-", dir=self.root))
+            # one folder per enable: processes (and pipelines) sharing disk_dir never touch each other's files;
+            # named after this process, so that a later enable can tell whether it still runs
+            self.folder = Path(tempfile.mkdtemp(prefix=spill_folder_prefix(), dir=self.root))
         buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)  # zeroed pads: the file's bytes are all defined
         layout.copy_sources_into(buffer, self._files, self.reader)
         name = f"{len(self.blocks):05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', layout.path)}.block"
@@ -360,14 +466,15 @@ class DiskHostStore:
 
 
 class StagingRing:
-    """Accelerator only: two host buffers (pinned where the engine can pin) that disk blocks are read into, then
-    copied to the device slot asynchronously, with a read-ahead on an I/O thread.
+    """`READ_AHEAD_DEPTH + 1` host buffers (pinned where the engine can pin) that disk blocks are read into, then
+    copied to the slot (asynchronously from pinned memory on an accelerator), with a read-ahead on an I/O thread.
 
-    The accelerator engine runs copy jobs on the compute thread. A job for block B takes B's bytes from the
-    buffer the read-ahead filled (when it predicted B; else it reads B there and then, synchronously), issues
-    the device copy from it, and starts reading the block predicted next (`HostTierChoice.next_on_disk`: the
-    next disk block of B's chain) into the other buffer on the I/O thread. So while the blocks between two disk
-    blocks compute, the disk reads the next one: disk, link and compute run as three stages."""
+    A job for block B takes B's bytes from the buffer the read-ahead filled (when it predicted B; else it reads
+    B there and then, synchronously), makes sure the next `READ_AHEAD_DEPTH` disk blocks of B's chain
+    (`HostTierChoice.next_on_disk`) are being read into the other buffers, then copies B into the slot. The I/O
+    thread reads them one after another, so the disk never waits for the copy side to ask for the next block:
+    while the blocks between two disk blocks compute (and cross the link), the disk reads the next ones. Disk,
+    link and compute run as three stages."""
 
     def __init__(self, nbytes: int, device: torch.device, pin: Pinner | None):
         self.buffers = [torch.empty(max(nbytes, 1), dtype=torch.uint8) for _ in range(NUM_STAGING_BUFFERS)]
@@ -384,16 +491,24 @@ class StagingRing:
         cuda = device.type == "cuda" and self._pinner is not None
         self._copied = [torch.cuda.Event() if cuda else None for _ in self.buffers]
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-disk-ahead")
-        self._ahead: tuple[str, int, Future] | None = None  # (block path, buffer, read in flight)
-        self._last = 1  # the buffer the latest device copy came from
+        self._ahead: deque[tuple[str, int, Future]] = deque()
+        """Reads issued ahead, in the order their blocks are expected: (block path, buffer, read)."""
+        self._last = 0  # the buffer the latest copy came from
         self.num_read_ahead_hits = 0
         self.num_read_ahead_misses = 0
+        self.last_disk_wait = (0.0, 0.0)
+        """When the latest `copy_` waited for its block's bytes to come off the disk (perf_counter seconds)."""
 
-    def copy_(self, block: DiskBlock, slot_buffer: torch.Tensor, next_block: DiskBlock | None = None) -> int:
-        """Fill `slot_buffer[:nbytes]` with `block`'s bytes (checked) through a staging buffer, then start
-        reading `next_block` ahead. Runs on the thread of the copy job, on its stream."""
+    def copy_(self, block: DiskBlock, slot_buffer: torch.Tensor, upcoming: Sequence[DiskBlock] = ()) -> int:
+        """Fill `slot_buffer[:nbytes]` with `block`'s bytes (checked) through a staging buffer, having made sure
+        that the blocks expected next (`upcoming`, the first `READ_AHEAD_DEPTH` of them) are being read ahead.
+        Runs on the thread of the copy job, on its stream."""
         nbytes = block.layout.nbytes
+        waited = time.perf_counter()
         i = self._take_(block)
+        self.last_disk_wait = (waited, time.perf_counter())
+        self._last = i
+        self._read_ahead_(block, upcoming, i)  # first: the disk reads the next blocks while this one is copied
         staging = self.buffers[i][:nbytes]
         copied = self._copied[i]
         if copied is None:
@@ -401,38 +516,65 @@ class StagingRing:
         else:
             slot_buffer[:nbytes].copy_(staging, non_blocking=True)
             copied.record()  # on the current stream: the engine's copy stream while the job runs
-        self._last = i
-        if next_block is not None and next_block is not block:
-            self._read_ahead_(next_block, 1 - i)
         return nbytes
 
     def _take_(self, block: DiskBlock) -> int:
         """The buffer holding `block`'s bytes: the read-ahead's when it read this block, else read now."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            path, i, future = ahead
-            if path == block.path:
+        position = next((k for k, (path, _, _) in enumerate(self._ahead) if path == block.path), None)
+        if self._ahead:
+            if position == 0:
                 self.num_read_ahead_hits += 1
-                future.result()  # compute waits here only if the disk has not finished yet; a bad file raises
-                return i
-            self.num_read_ahead_misses += 1
-            try:
-                future.result()  # a mispredicted read still owns the buffer until it ends
-            except (OSError, TransferError):
-                logger.debug("read-ahead of %s failed; it is read again when it runs", path, exc_info=True)
-            free = i  # holds nothing anyone needs, and no device copy reads it
-        else:
-            free = 1 - self._last
-            self._wait_copied_(free)
+            else:
+                self.num_read_ahead_misses += 1  # another order than the chain's (a skipped block, a new chain)
+        if position is not None:
+            self._drop_ahead_(position)  # the reads of blocks that were skipped
+            _, i, future = self._ahead.popleft()
+            future.result()  # compute waits here only if the disk has not finished yet; a bad file raises
+            return i
+        self._drop_ahead_(len(self._ahead))
+        free = self._free_buffer_(busy=())
+        self._wait_copied_(free)
         block.read_into_(self.buffers[free][: block.layout.nbytes])  # checked before any byte reaches the slot
         return free
 
-    def _read_ahead_(self, block: DiskBlock, i: int) -> None:
-        def read() -> None:
-            self._wait_copied_(i)
-            block.read_into_(self.buffers[i][: block.layout.nbytes])
+    def _read_ahead_(self, block: DiskBlock, upcoming: Sequence[DiskBlock], current: int) -> None:
+        """Keep reads in flight for the next disk blocks: the ones already issued in the expected order stay, the
+        others are dropped, the missing ones are issued into free buffers."""
+        wanted = [b for b in upcoming if b is not block][:READ_AHEAD_DEPTH]
+        kept = 0
+        while kept < min(len(self._ahead), len(wanted)) and self._ahead[kept][0] == wanted[kept].path:
+            kept += 1
+        while len(self._ahead) > kept:
+            self._forget_(self._ahead.pop())
+        for next_block in wanted[kept:]:
+            i = self._free_buffer_(busy=(current,))
 
-        self._ahead = (block.path, i, self._io.submit(read))
+            def read(i: int = i, next_block: DiskBlock = next_block) -> None:
+                self._wait_copied_(i)
+                next_block.read_into_(self.buffers[i][: next_block.layout.nbytes])
+
+            self._ahead.append((next_block.path, i, self._io.submit(read)))
+
+    def _drop_ahead_(self, count: int) -> None:
+        for _ in range(count):
+            self._forget_(self._ahead.popleft())
+
+    @staticmethod
+    def _forget_(entry: tuple[str, int, Future]) -> None:
+        path, _, future = entry
+        try:
+            future.result()  # a read that is not needed still owns its buffer until it ends
+        except (OSError, TransferError):
+            logger.debug("read-ahead of %s failed; it is read again when it runs", path, exc_info=True)
+
+    def _free_buffer_(self, busy: tuple[int, ...]) -> int:
+        """A buffer no read ahead owns and not in `busy`; the one the latest copy came from last (on an
+        accelerator its copy may still be in flight)."""
+        taken = {i for _, i, _ in self._ahead} | set(busy)
+        free = [i for i in range(len(self.buffers)) if i not in taken]
+        assert free, "staging ring: more reads ahead than buffers"
+        others = [i for i in free if i != self._last]
+        return others[0] if others else free[0]
 
     def _wait_copied_(self, i: int) -> None:
         copied = self._copied[i]
@@ -444,7 +586,7 @@ class StagingRing:
     def close_(self) -> None:
         """Wait for the read-ahead, then free the buffers (the engine is closed: no device copy reads them)."""
         self._io.shutdown(wait=True)
-        self._ahead = None
+        self._ahead.clear()
         if self._pinner is not None:
             for b in self.buffers:
                 self._pinner.unpin_(b)

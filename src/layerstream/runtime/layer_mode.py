@@ -209,6 +209,7 @@ class LayerModeBackend:
             engine=getattr(self._engine, "kind", ""),
             host_bytes_from_files=sum(_bytes_from_files(store) for store in self._stores),
             disk_bytes_read=sum(getattr(store, "disk_bytes_read", 0) for store in self._stores),  # optional, as above
+            disk_stall_seconds=sum(getattr(store, "disk_stall_seconds", 0.0) for store in self._stores),
             residency=MappingProxyType({self.plan.component(p).display_path: c.describe() for p, c in self.placement.residency.items()}),
         )
 

@@ -52,6 +52,10 @@ class OffloadStats(ComponentStats):
     """Host store bytes read straight from checkpoint files at enable (the rest was copied from memory)."""
     disk_bytes_read: int = 0
     """Bytes the disk tier (`host_budget_gb`) read from disk since enable: checkpoint files and spill files."""
+    disk_stall_seconds: float = 0.0
+    """Of the time compute waited for weights, the part it waited on the disk tier's reads (a part of
+    `stall_seconds` on the CPU engine; on an accelerator the host time the compute thread waited for a read,
+    which `stall_seconds` does not count)."""
 
     def __str__(self) -> str:
         """A readable multi-line summary (the dataclass repr stays available through `repr`)."""
@@ -64,7 +68,10 @@ class OffloadStats(ComponentStats):
             f"{self.num_sync_loads} synchronous loads, {self.stall_seconds:.3f} s stalled",
         ]
         if self.disk_bytes_read:
-            lines.append(f"  read from disk (blocks beyond host_budget_gb): {_bytes(self.disk_bytes_read)}")
+            lines.append(
+                f"  read from disk (blocks beyond host_budget_gb): {_bytes(self.disk_bytes_read)}, "
+                f"{self.disk_stall_seconds:.3f} s stalled on the disk"
+            )
         if self.bytes_written_back:
             lines.append(f"  buffers written back: {_bytes(self.bytes_written_back)}")
         for path, c in self.per_component.items():

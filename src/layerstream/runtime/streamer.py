@@ -5,6 +5,9 @@ the block's tensors to views of that slot and starts copying the block predicted
 releases the slot and rebinds the block to empty placeholders. Predictions start from the declared order
 (the last block of a chain predicts the first, for the next step or request) and follow the order blocks
 actually run in, learned from every observed transition.
+
+A stored block may offer `count_stall_(seconds)` (the disk tier does): after compute waited for its copy, the
+streamer tells it how long, so that it can count the part spent waiting on its own source (the disk).
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ class StreamedBlock:
         "num_transfers",
         "depth",
         "buffer_ranges",
+        "count_stall",
     )
 
     def __init__(self, index: int, host: StoredBlock, component: str, module: nn.Module, counters: BlockCounters, depth: int):
@@ -97,6 +101,7 @@ class StreamedBlock:
         self.num_transfers = 0
         self.depth = depth
         self.buffer_ranges = host.layout.buffer_byte_ranges()  # what a forward may write that must be kept
+        self.count_stall = getattr(host, "count_stall_", None)  # optional (see the module docstring)
 
     @property
     def path(self) -> str:
@@ -194,12 +199,16 @@ class BlockStreamer:
             slot = self._free_slot(keep=())
             self._issue_copy(block, slot)
         try:
-            block.counters.stall_seconds += self.engine.wait_ready(slot)
+            stall = self.engine.wait_ready(slot)
         except TransferError:
             # the slot holds no complete copy: forget it, so a later call copies again instead of reading it
             self.slot_block[slot] = None
             block.slot = None
             raise
+        if stall:
+            block.counters.stall_seconds += stall
+            if block.count_stall is not None:
+                block.count_stall(stall)
         self.slot_in_use[slot] = True
         self._tick += 1
         self.slot_tick[slot] = self._tick

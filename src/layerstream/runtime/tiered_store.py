@@ -36,6 +36,10 @@ class TieredHostStore:
     def disk_bytes_read(self) -> int:
         return self.disk.disk_bytes_read
 
+    @property
+    def disk_stall_seconds(self) -> float:
+        return self.disk.disk_stall_seconds
+
     def slot_nbytes(self, layout: BlockLayout) -> int:
         return self.host.slot_nbytes(layout)
 
