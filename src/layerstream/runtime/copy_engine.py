@@ -15,6 +15,7 @@ bandwidth so that scheduling can be tested and measured on a machine without an 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -226,11 +227,12 @@ class AcceleratorCopyEngine:
         return self._origin.elapsed_time(mark) / 1e3
 
     def pin_(self, buffer: torch.Tensor) -> bool:
-        """Page-lock a host buffer in place so copies from it are asynchronous DMA."""
+        """Page-lock a host buffer in place so copies from it are asynchronous DMA. Safe from any thread (the
+        stores pin on a thread of their own): it runs with this engine's device current."""
         register = getattr(self.api, "host_register", None)
         if register is not None:
             return bool(register(buffer))
-        return pin_buffer_(buffer)
+        return pin_buffer_(buffer, self.device)
 
     def unpin_(self, buffer: torch.Tensor) -> None:
         unregister = getattr(self.api, "host_unregister", None)
@@ -275,12 +277,22 @@ def _transfer_error(slot: int, error: BaseException) -> TransferError:
     return wrapped
 
 
-def pin_buffer_(buffer: torch.Tensor) -> bool:
-    """Page-lock a host buffer in place (exact size: no power-of-two rounding). Returns True if pinned."""
+CUDA_HOST_REGISTER_PORTABLE = 1
+"""cudaHostRegisterPortable: pinned for every CUDA context, not only the current device's."""
+
+
+def pin_buffer_(buffer: torch.Tensor, device: torch.device | None = None) -> bool:
+    """Page-lock a host buffer in place (exact size: no power-of-two rounding). Returns True if pinned.
+
+    Runs with `device` current: a thread of its own would otherwise have device 0 current and create a CUDA
+    context there (every rank of a machine on GPU 0)."""
     if not torch.cuda.is_available():
         return False
     cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
+    with torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext():
+        err = cudart.cudaHostRegister(
+            buffer.data_ptr(), buffer.numel() * buffer.element_size(), CUDA_HOST_REGISTER_PORTABLE
+        )
     ok = int(err) == 0 if not isinstance(err, tuple) else int(err[0]) == 0
     if not ok:
         logger.warning("cudaHostRegister failed (%s); block buffer stays pageable", err)
