@@ -37,6 +37,7 @@ import torch
 from layerstream.errors import LayerstreamError
 from layerstream.omni import GenerationError, RunStats
 from layerstream.server.media import encode_result_b64
+from layerstream.server.service import generate_batch
 from layerstream.server.stopping import GenerationStopped, StopReason
 
 logger = logging.getLogger(__name__)
@@ -345,18 +346,7 @@ class RankRuntime:
 
         if work.batch_call:
             params = work.requests
-            first = params[0]
-            results = omni.generate_batch(
-                [p.prompt for p in params for _ in p.seeds],
-                first.negative_prompt,
-                seeds=[seed for p in params for seed in p.seeds],
-                height=first.height,
-                width=first.width,
-                num_frames=first.num_frames,
-                num_inference_steps=first.num_inference_steps,
-                guidance_scale=first.guidance_scale,
-                on_step=on_step,
-            )
+            results = generate_batch(omni, params, on_step)
             answers, offset = [], 0
             for p in params:
                 mine = results[offset : offset + len(p.seeds)]
@@ -367,19 +357,7 @@ class RankRuntime:
         answer = RequestResult([], [], ())
         for index, seed in enumerate(params.seeds):
             stop.checkpoint(f"before output {index + 1} of {len(params.seeds)}")
-            result = omni.generate(
-                params.prompt,
-                params.negative_prompt,
-                image=params.image,
-                height=params.height,
-                width=params.width,
-                num_frames=params.num_frames,
-                num_inference_steps=params.num_inference_steps,
-                guidance_scale=params.guidance_scale,
-                seed=seed,
-                fps=params.fps,
-                on_step=on_step,
-            )
+            result = params.generate_one(omni, seed, on_step)
             answer.files_b64.append(encode(result))
             answer.runs.append(result.stats)
             answer.frames_shape = result.frames.shape

@@ -56,6 +56,22 @@ class GenerationParams:
     work: int = 0
     """width x height x frames x steps x n, as the work cap priced it."""
 
+    def generate_one(self, omni: Any, seed: int, on_step: Any) -> Any:
+        """`omni.generate` for the output of this request with `seed`."""
+        return omni.generate(
+            self.prompt,
+            self.negative_prompt,
+            image=self.image,
+            height=self.height,
+            width=self.width,
+            num_frames=self.num_frames,
+            num_inference_steps=self.num_inference_steps,
+            guidance_scale=self.guidance_scale,
+            seed=seed,
+            fps=self.fps,
+            on_step=on_step,
+        )
+
     def batch_key(self) -> BatchKey | None:
         """What a request must share with others to run in one pipeline call with them; None: it runs alone
         (an input image: pipelines take one image per call)."""
@@ -70,6 +86,22 @@ class GenerationParams:
             negative_prompt=self.negative_prompt,
         )
 
+
+
+def generate_batch(omni: Any, params: Sequence[GenerationParams], on_step: Any) -> list[Any]:
+    """One `omni.generate_batch` call for requests sharing a `BatchKey`: an output per seed of each, in order."""
+    first = params[0]  # every request of a batch shares its `BatchKey`: the shape and guidance are the first's
+    return omni.generate_batch(
+        [p.prompt for p in params for _ in p.seeds],
+        first.negative_prompt,
+        seeds=[seed for p in params for seed in p.seeds],
+        height=first.height,
+        width=first.width,
+        num_frames=first.num_frames,
+        num_inference_steps=first.num_inference_steps,
+        guidance_scale=first.guidance_scale,
+        on_step=on_step,
+    )
 
 @dataclass(frozen=True, kw_only=True)
 class BatchKey:
@@ -236,19 +268,7 @@ class GenerationService:
                 def stop_if_asked(step: int, total: int, seconds: float, where: str = where) -> None:
                     job.stop_signal.raise_if_requested(f"after step {step} of {total} ({where})")
 
-                result = self.omni.generate(
-                    params.prompt,
-                    params.negative_prompt,
-                    image=params.image,
-                    height=params.height,
-                    width=params.width,
-                    num_frames=params.num_frames,
-                    num_inference_steps=params.num_inference_steps,
-                    guidance_scale=params.guidance_scale,
-                    seed=seed,
-                    fps=params.fps,
-                    on_step=stop_if_asked,
-                )
+                result = params.generate_one(self.omni, seed, stop_if_asked)
                 files.append(encode_result_b64(result))
                 runs.append(result.stats)
                 frames_shape = result.frames.shape
@@ -317,24 +337,13 @@ class GenerationService:
         """One `Omni.generate_batch` for the outputs of `running`, in order; stops between steps once every
         one of them has been asked to."""
         params: list[GenerationParams] = [job.request for job in running]
-        first = params[0]  # every request of a batch shares its `BatchKey`
         where = f"a batch of {len(params)} request(s), {sum(len(p.seeds) for p in params)} output(s)"
 
         def stop_if_all_asked(step: int, total: int, seconds: float) -> None:
             if all(job.stop_signal.reason is not None for job in running):
                 running[0].stop_signal.raise_if_requested(f"after step {step} of {total} ({where})")
 
-        return self.omni.generate_batch(
-            [p.prompt for p in params for _ in p.seeds],
-            first.negative_prompt,
-            seeds=[seed for p in params for seed in p.seeds],
-            height=first.height,
-            width=first.width,
-            num_frames=first.num_frames,
-            num_inference_steps=first.num_inference_steps,
-            guidance_scale=first.guidance_scale,
-            on_step=stop_if_all_asked,
-        )
+        return generate_batch(self.omni, params, stop_if_all_asked)
 
     def _observe_batch(
         self, jobs: Sequence[Job], running: list[Job], outcome: JobOutcome, seconds: float, bytes_streamed: int | None
