@@ -72,3 +72,9 @@ def test_init_distributed_outside_torchrun_says_how_to_launch(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeError, match="torchrun"):
         init_distributed("cpu")
+
+
+def test_without_nproc_drops_the_flag_and_its_value_only():
+    argv = ["generate", "--nproc", "2", "--seed", "3", "--nproc=4", "--model", "tiny-flux"]
+    assert launch.without_nproc(argv) == ["generate", "--seed", "3", "--model", "tiny-flux"]
+    assert launch.without_nproc(["serve", "m", "--port", "0"]) == ["serve", "m", "--port", "0"]

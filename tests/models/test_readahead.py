@@ -36,3 +36,10 @@ def test_the_largest_component_is_read_ahead_first_up_to_the_budget(tmp_path):
     stopped = Readahead(readahead._files, budget=0)
     stopped.stop()
     assert stopped.bytes_requested == 0
+
+    # stop() waits for the thread (stopped between two requests, or done): nothing is requested after it
+    many = Readahead(readahead._files * 200, budget=1 << 40)
+    many.stop()
+    requested = many.bytes_requested
+    assert many._thread is not None and not many._thread.is_alive()
+    assert many.bytes_requested == requested

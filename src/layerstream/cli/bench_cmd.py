@@ -278,7 +278,7 @@ _NOT_WITH_NPROC = (
 def _run_distributed(args: argparse.Namespace) -> int:
     """--nproc N: relaunch this command in N ranks (torchrun); inside them, run the distributed comparison and
     print its results from rank 0. --nproc 1 runs it in this process (allgather then copies plainly)."""
-    from layerstream.distributed.launch import in_launched_rank, launch_torchrun
+    from layerstream.distributed.launch import in_launched_rank, launch_torchrun, without_nproc
 
     if args.nproc is not None and args.nproc < 1:
         raise CliError(f"--nproc = {args.nproc} is not valid; expected an integer >= 1")
@@ -290,7 +290,7 @@ def _run_distributed(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc > 1 and not in_launched_rank():
         # the same command without --nproc (torchrun's parser would take it for an abbreviated --nproc-per-node);
         # the ranks know they are ranks from WORLD_SIZE
-        return launch_torchrun(args.nproc, _without_nproc(sys.argv[1:]))
+        return launch_torchrun(args.nproc, without_nproc(sys.argv[1:]))
     if args.nproc is not None and world_size != args.nproc:
         raise CliError(f"--nproc {args.nproc} but this rank was launched in a group of {world_size}")
 
@@ -306,19 +306,6 @@ def _run_distributed(args: argparse.Namespace) -> int:
     if result is not None:  # rank 0 reports for every rank
         _print_results(args, json.dumps(result.to_dict(), indent=2), format_distributed_report(result))
     return 0
-
-
-def _without_nproc(argv: list[str]) -> list[str]:
-    kept: list[str] = []
-    skip_value = False
-    for arg in argv:
-        if skip_value:
-            skip_value = False
-        elif arg == "--nproc":
-            skip_value = True
-        elif not arg.startswith("--nproc="):
-            kept.append(arg)
-    return kept
 
 
 def _launched_world_size() -> int:

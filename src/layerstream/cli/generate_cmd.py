@@ -288,22 +288,9 @@ def _join_ranks(args) -> tuple:
 
 
 def _launch_ranks(args) -> int:
-    from layerstream.distributed.launch import launch_torchrun
+    from layerstream.distributed.launch import launch_torchrun, without_nproc
 
-    argv = [a for a in sys.argv[1:]]
-    forwarded: list[str] = []
-    skip = False
-    for i, a in enumerate(argv):  # the ranks run the same command without --nproc
-        if skip:
-            skip = False
-            continue
-        if a == "--nproc":
-            skip = True
-            continue
-        if a.startswith("--nproc="):
-            continue
-        forwarded.append(a)
-    return launch_torchrun(args.nproc, forwarded)
+    return launch_torchrun(args.nproc, without_nproc(sys.argv[1:]))  # the ranks run the same command
 
 
 def _rank_info() -> tuple[int, int]:

@@ -274,7 +274,7 @@ def _world_size() -> int:
 def _launch_ranks(args: argparse.Namespace, settings) -> int:
     """Run this command without --nproc in N ranks under torchrun; SIGTERM and SIGINT go to rank 0 alone,
     which drains and stops the others, so that every rank exits 0."""
-    from layerstream.distributed.launch import start_torchrun
+    from layerstream.distributed.launch import start_torchrun, without_nproc
     from layerstream.server.runner import bind_socket
 
     if settings.port != 0:  # a busy port is one line now, not an error in rank 0 after the others started
@@ -282,7 +282,7 @@ def _launch_ranks(args: argparse.Namespace, settings) -> int:
             bind_socket(settings.host, settings.port).close()
         except OSError as e:
             raise CliError(f"--host {settings.host} --port {settings.port}: cannot bind: {e.strerror or e}") from e
-    forwarded = _without_nproc(sys.argv[1:])
+    forwarded = without_nproc(sys.argv[1:])
     with tempfile.TemporaryDirectory(prefix="layerstream-serve-") as folder:
         pid_file = Path(folder) / "rank0.pid"
         process = start_torchrun(args.nproc, forwarded, extra_env={RANK0_PID_ENV: str(pid_file)})
@@ -299,19 +299,6 @@ def _launch_ranks(args: argparse.Namespace, settings) -> int:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-
-
-def _without_nproc(argv: list[str]) -> list[str]:
-    forwarded: list[str] = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            forwarded.append(a)
-    return forwarded
 
 
 def _serve_rank(args: argparse.Namespace, config, settings) -> int:

@@ -49,6 +49,20 @@ def torchrun_command(nproc: int, module_args: list[str], *, master_port: int) ->
     ]
 
 
+def without_nproc(argv: list[str]) -> list[str]:
+    """`argv` less its `--nproc N` (or `--nproc=N`): the command each launched rank runs."""
+    kept: list[str] = []
+    skip_value = False
+    for arg in argv:
+        if skip_value:
+            skip_value = False
+        elif arg == "--nproc":
+            skip_value = True
+        elif not arg.startswith("--nproc="):
+            kept.append(arg)
+    return kept
+
+
 def launch_torchrun(nproc: int, module_args: list[str]) -> int:
     """Run ``python -m layerstream <module_args>`` in `nproc` ranks under torchrun; return its exit code.
 

@@ -56,6 +56,10 @@ class TinyModelSpec:
         object.__setattr__(self, "default_kwargs", MappingProxyType(dict(self.default_kwargs)))
 
 
+_WAN_VIDEO_DEFAULTS = {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 4, "guidance_scale": 4.0}
+"""tiny-wan and tiny-wan-i2v: 9 frames at 64x64; 4 steps (on tiny-wan two on each expert, see
+tiny_components.WAN_BOUNDARY_RATIO); guidance > 1 runs classifier-free guidance."""
+
 TINY_MODELS: Mapping[str, TinyModelSpec] = MappingProxyType(
     {
         spec.name: spec
@@ -64,14 +68,7 @@ TINY_MODELS: Mapping[str, TinyModelSpec] = MappingProxyType(
                 name="tiny-wan",
                 pipeline_class="WanPipeline",
                 kind="video",
-                # 4 steps: two on each expert (see tiny_components.WAN_BOUNDARY_RATIO); guidance > 1 runs CFG.
-                default_kwargs={
-                    "height": 64,
-                    "width": 64,
-                    "num_frames": 9,
-                    "num_inference_steps": 4,
-                    "guidance_scale": 4.0,
-                },
+                default_kwargs=_WAN_VIDEO_DEFAULTS,
                 size_multiple=16,
                 builder="build_wan_components",
             ),
@@ -80,13 +77,7 @@ TINY_MODELS: Mapping[str, TinyModelSpec] = MappingProxyType(
                 pipeline_class="WanImageToVideoPipeline",
                 kind="video",
                 # The size with a 64x64 input image: any other image sets the size itself, rounded down to 16.
-                default_kwargs={
-                    "height": 64,
-                    "width": 64,
-                    "num_frames": 9,
-                    "num_inference_steps": 4,
-                    "guidance_scale": 4.0,
-                },
+                default_kwargs=_WAN_VIDEO_DEFAULTS,
                 size_multiple=16,
                 builder="build_wan_i2v_components",
             ),

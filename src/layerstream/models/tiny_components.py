@@ -121,6 +121,16 @@ def _wan_vae() -> AutoencoderKLWan:
     )
 
 
+def _wan_scheduler() -> UniPCMultistepScheduler:
+    """Wan's scheduler (Wan 2.2 T2V and Wan 2.1 I2V alike): UniPC over flow-matching sigmas, shift 3 (480p)."""
+    return UniPCMultistepScheduler(
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=3.0,
+        num_train_timesteps=1000,
+    )
+
+
 def build_wan_components() -> dict[str, Any]:
     """Keyword arguments for a Wan 2.2-style `WanPipeline` (UMT5 text encoder, two experts, Wan VAE)."""
     tokenizer = build_t5_tokenizer()
@@ -132,13 +142,7 @@ def build_wan_components() -> dict[str, Any]:
         transformer_2 = _wan_transformer()
     with _seeded(4):
         vae = _wan_vae()
-    # Wan 2.2 T2V's scheduler: UniPC over flow-matching sigmas.
-    scheduler = UniPCMultistepScheduler(
-        prediction_type="flow_prediction",
-        use_flow_sigmas=True,
-        flow_shift=3.0,
-        num_train_timesteps=1000,
-    )
+    scheduler = _wan_scheduler()
     return {
         "tokenizer": tokenizer,
         "text_encoder": text_encoder,
@@ -193,13 +197,7 @@ def build_wan_i2v_components() -> dict[str, Any]:
         )
     with _seeded(34):
         vae = _wan_vae()
-    # Wan 2.1 I2V's scheduler: UniPC over flow-matching sigmas, shift 3 for 480p.
-    scheduler = UniPCMultistepScheduler(
-        prediction_type="flow_prediction",
-        use_flow_sigmas=True,
-        flow_shift=3.0,
-        num_train_timesteps=1000,
-    )
+    scheduler = _wan_scheduler()
     return {
         "tokenizer": tokenizer,
         "text_encoder": text_encoder,

@@ -160,13 +160,18 @@ class FileReader:
         """Start `read_all_`'s reads and return a function that waits for them (and raises the first
         failure). Until it returns, the destinations are being written."""
         jobs = []
-        for destination, source in reads:
-            assert destination.dtype == torch.uint8 and destination.is_contiguous() and destination.numel() == source.nbytes
-            fd = self._open(source.path)
-            base = destination.data_ptr()
-            for start in range(0, source.nbytes, READ_CHUNK_BYTES):
-                length = min(READ_CHUNK_BYTES, source.nbytes - start)
-                jobs.append(self._pool.submit(_pread_exactly, fd, base + start, length, source.offset + start, source.path))
+        try:
+            for destination, source in reads:
+                assert destination.dtype == torch.uint8 and destination.is_contiguous() and destination.numel() == source.nbytes
+                fd = self._open(source.path)  # raises for a file that is gone
+                base = destination.data_ptr()
+                for start in range(0, source.nbytes, READ_CHUNK_BYTES):
+                    length = min(READ_CHUNK_BYTES, source.nbytes - start)
+                    jobs.append(self._pool.submit(_pread_exactly, fd, base + start, length, source.offset + start, source.path))
+        except BaseException:
+            for job in jobs:  # the caller frees its buffers when this raises: no read may still write into them
+                job.exception()
+            raise
 
         def wait() -> None:
             error = None
