@@ -54,6 +54,7 @@ def test_the_quality_command_prints_json_and_refuses_flags_of_other_benchmarks(t
     assert (tmp_path / "results.md").read_text().count("| float8_") == 2
     for argv, message in (
         (["--quality", "--blocks", "3"], "--blocks does not apply with --quality"),
+        (["--quality", "--host-budget-gb", "1"], "--host-budget-gb does not apply with --quality"),
         (["--quality", "--quality-steps", "0"], "--quality-steps = 0 is not valid"),
         (["--quality-model", "tiny-wan"], "need --quality"),
     ):

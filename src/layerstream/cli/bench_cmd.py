@@ -194,6 +194,7 @@ _NOT_WITH_QUALITY = (
     ("model", "--model"), ("blocks", "--blocks"), ("tokens", "--tokens"), ("context_tokens", "--context-tokens"),
     ("strategies", "--strategies"), ("repeats", "--repeats"), ("warmup", "--warmup"), ("link_gbps", "--link-gbps"),
     ("link_ratio", "--link-ratio"), ("device_budget_gb", "--device-budget-gb"), ("nproc", "--nproc"), ("trace", "--trace"),
+    ("threads", "--threads"), ("host_budget_gb", "--host-budget-gb"), ("disk_gbps", "--disk-gbps"),
 )  # fmt: skip
 
 
