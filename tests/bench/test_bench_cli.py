@@ -88,6 +88,9 @@ def test_trace_writes_chrome_json_and_png(tmp_path):
     num_blocks = 8  # the tiny model's default
     for lane in ("copy", "compute"):
         labels = sorted(e["name"] for e in complete if e["cat"] == lane)
+        if lane == "copy" and labels.count("blocks.0") == 2:
+            # the next call's first block, prefetched while the last one computes, may finish inside this trace
+            labels.remove("blocks.0")
         assert labels == sorted(f"blocks.{i}" for i in range(num_blocks)), lane  # one interval per streamed block
         assert all(e["tid"] == lanes[lane] and e["dur"] >= 0 for e in complete if e["cat"] == lane)
     png = (tmp_path / "timeline.png").read_bytes()
