@@ -162,9 +162,9 @@ def with_disk_tier(
     its own store for the host blocks, one disk store for the disk blocks. Decided after the placement, which
     needs only the stores' slot bytes; the host store of the tiered one lays blocks out the same way."""
     tier = placement.host_tier
-    if tier is None or not tier.disk_block_paths:
+    if tier is None or not tier.from_disk_paths:
         return dict(stores)
-    disk = DiskHostStore(disk_dir, read_ahead=tier.next_on_disk, simulated_gbps=disk_gbps)
+    disk = DiskHostStore(disk_dir, read_ahead=tier.next_on_disk, simulated_gbps=disk_gbps, pool=tier.pool)
     tiered: dict[int, TieredHostStore] = {}
     for store in stores.values():
         if id(store) not in tiered:

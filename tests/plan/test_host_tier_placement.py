@@ -1,17 +1,19 @@
 """The host tier of the placement (`host_budget_gb`): which streamed blocks live in host memory and which on
-disk, decided once, as plain data; and `layerstream plan` showing it."""
+disk, decided once, as plain data (with the host pool that Wan 2.2's experts share); and `layerstream plan`
+showing it."""
 
 from __future__ import annotations
 
 import json
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
+from layerstream import OffloadPlan
 from layerstream.plan.placement import place_blocks, spread_indices
 from layerstream.plan.resolver import resolve_offload_plan
-from test_placement import DIT_BLOCKS, ENCODER_BLOCKS, ToyPipeline, _sizes
+from test_placement import DIT_BLOCKS, ENCODER_BLOCKS, ToyDiT, ToyEncoder, ToyPipeline, _sizes
 
 GB = 1e9
 
@@ -89,7 +91,96 @@ def test_plan_cli_shows_the_host_tier(capsys):
     config = json.dumps({"mode": "layer", "components": ["dit"], "host_budget_gb": 1e-4})
     assert main(["plan", "tiny-wan", "--json", "--diffusion-offload-config", config]) == 0
     tier = json.loads(capsys.readouterr().out)["placement"]["host_tier"]
-    assert tier["host_blocks"] and tier["disk_blocks"] and tier["host_bytes"] <= tier["budget_bytes"] == 100_000
+    # the two experts of Wan 2.2 share the host memory: a pool, no block held for the whole run
+    assert tier["pool"]["entries"] and tier["disk_blocks"] and tier["host_blocks"] == []
+    assert tier["host_bytes"] == tier["pool"]["bytes"] <= tier["budget_bytes"] == 100_000
     assert main(["plan", "tiny-wan", "--diffusion-offload-config", config]) == 0
     out = capsys.readouterr().out
     assert "host tier: host_budget_gb=0.0001 holds" in out and "on disk: transformer.blocks." in out
+    assert "transformer_2: 0 blocks on the host (0 B), 1 in the host pool" in out
+    assert "host pool: 1 entries" in out and "shared by transformer and transformer_2" in out
+
+
+# --- the host pool of alternating DiTs (Wan 2.2's experts) ---------------------------------------------------
+
+
+class WanPipeline(nn.Module):
+    """Named as diffusers' class, so that the built-in Wan plan applies: two experts, one per step."""
+
+    def __init__(self, num_blocks: int = 4, second_expert: bool = True, own_plan: bool = False):
+        super().__init__()
+        self.transformer = ToyDiT(num_blocks)
+        self.transformer_2 = ToyDiT(num_blocks) if second_expert else None
+        if own_plan:  # the pipeline describes transformer_2 itself: the built-in pairing no longer applies to it
+            self._offload_plan = OffloadPlan(block_attrs={"transformer_2": ("blocks",)})
+
+
+EXPERT_BLOCKS = [f"{e}.blocks.{i}" for e in ("transformer", "transformer_2") for i in range(4)]
+
+
+def _wan_plan(budget_bytes: int, pipe=None, components=("dit",)):
+    config = {"mode": "layer", "components": list(components), "host_budget_gb": budget_bytes / GB}
+    return resolve_offload_plan(pipe if pipe is not None else WanPipeline(), config)
+
+
+def test_wan_experts_share_a_host_pool_each_holding_what_the_budget_holds():
+    plan = _wan_plan(3000)
+    assert [c.alternates for c in plan.streamed] == [True, True]
+    tier = place_blocks(plan, {p: 1000 for p in EXPERT_BLOCKS}).host_tier
+    pool = tier.pool
+    # three of each expert's four blocks, spread, share three entries: 3000 bytes, the budget
+    assert pool.members == ("transformer", "transformer_2")
+    picked = [EXPERT_BLOCKS[i] for i in spread_indices(4, 3)]
+    assert pool.entries == tuple((p, p.replace("transformer.", "transformer_2.")) for p in picked)
+    assert pool.nbytes == tier.host_nbytes == 3000 and tier.host_block_paths == ()
+    assert spread_indices(4, 3) == [0, 2, 3]
+    assert tier.disk_block_paths == ("transformer.blocks.1", "transformer_2.blocks.1")
+    assert tier.pooled("transformer_2.blocks.2") and not tier.on_disk("transformer_2.blocks.2")
+    assert set(tier.from_disk_paths) == set(EXPERT_BLOCKS)  # the disk store holds every pooled block's source
+    assert pool.member_of("transformer_2.blocks.0") == "transformer_2" and pool.entry_of("transformer.blocks.3") == 2
+    assert "share a host pool" in tier.reason and "holds no host memory" in tier.reason
+    assert json.loads(json.dumps(tier.to_dict()))["pool"]["members"] == ["transformer", "transformer_2"]
+    # without the pool the same budget held three blocks in all, one or two per expert
+    static = place_blocks(_wan_plan(3000, WanPipeline(own_plan=True)), {p: 1000 for p in EXPERT_BLOCKS}).host_tier
+    assert static.pool is None and len(static.host_block_paths) == 3
+
+
+def test_no_pool_when_every_block_fits_or_there_is_one_expert():
+    tier = place_blocks(_wan_plan(8000), {p: 1000 for p in EXPERT_BLOCKS}).host_tier
+    assert tier.pool is None and len(tier.host_block_paths) == 8  # nothing would ever be read again
+    one = WanPipeline(second_expert=False)  # Wan 2.1, or Wan 2.2 5B: transformer_2 is None
+    tier = place_blocks(_wan_plan(2000, one), {p: 1000 for p in EXPERT_BLOCKS[:4]}).host_tier
+    assert tier.pool is None and len(tier.host_block_paths) == 2
+
+
+def test_a_pool_entry_is_as_large_as_the_largest_block_sharing_it():
+    sizes = {p: (1000 if p.startswith("transformer.") else 1500) for p in EXPERT_BLOCKS}
+    tier = place_blocks(_wan_plan(3000), sizes).host_tier
+    assert tier.pool.entry_nbytes == (1500, 1500) and tier.host_nbytes == 3000
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    sizes=st.lists(st.integers(64, 5000), min_size=8, max_size=8),
+    encoder=st.lists(st.integers(64, 5000), min_size=3, max_size=3),
+    budget=st.integers(1, 60_000),
+)
+def test_pooled_tiers_fit_the_budget_and_every_streamed_block_has_one_tier(sizes, encoder, budget):
+    block_sizes = dict(zip(EXPERT_BLOCKS, sizes)) | {f"text_encoder.layers.{i}": n for i, n in enumerate(encoder)}
+
+    class WithEncoder(WanPipeline):
+        def __init__(self):
+            super().__init__()
+            self.text_encoder = ToyEncoder(3)
+            self._offload_plan = OffloadPlan(encoder_component_types={"text_encoder": "text_encoder"}, encoder_block_attrs={"text_encoder": ("layers",)})
+
+    placement = place_blocks(_wan_plan(budget, WithEncoder(), components=("dit", "text_encoder")), block_sizes)
+    tier = placement.host_tier
+    pool = tier.pool
+    pooled = pool.block_paths if pool is not None else ()
+    assert tier.host_nbytes == sum(block_sizes[p] for p in tier.host_block_paths) + (pool.nbytes if pool else 0) <= budget
+    assert sorted(tier.host_block_paths + tier.disk_block_paths + pooled) == sorted(placement.streamed_block_paths)
+    if pool is not None:
+        assert not any(p.startswith("text_encoder.") for p in pooled)  # only the alternating DiTs share it
+        for entry, nbytes in zip(pool.entries, pool.entry_nbytes):
+            assert len({p.split(".")[0] for p in entry}) == len(entry) and nbytes == max(block_sizes[p] for p in entry)

@@ -85,14 +85,21 @@ def host_tier_lines(plan: ResolvedOffloadPlan, placement) -> list[str]:
     for comp in plan.streamed:
         mine = [p for c in placement.chains if c.component == comp.path for p in c.block_paths]
         on_disk = [p for p in mine if tier.on_disk(p)]
-        on_host = [p for p in mine if not tier.on_disk(p)]
+        pooled = [p for p in mine if tier.pooled(p)]
+        on_host = [p for p in mine if not tier.on_disk(p) and not tier.pooled(p)]
         if mine:
+            in_pool = f", {len(pooled)} in the host pool ({format_bytes(sum(sizes[p] for p in pooled))})" if pooled else ""
             lines.append(
-                f"  {comp.display_path}: {len(on_host)} blocks on the host ({format_bytes(sum(sizes[p] for p in on_host))}), "
-                f"{len(on_disk)} on disk ({format_bytes(sum(sizes[p] for p in on_disk))})"
+                f"  {comp.display_path}: {len(on_host)} blocks on the host ({format_bytes(sum(sizes[p] for p in on_host))})"
+                f"{in_pool}, {len(on_disk)} on disk ({format_bytes(sum(sizes[p] for p in on_disk))})"
             )
         if on_disk:
             lines.append(f"    on disk: {', '.join(on_disk)}")
+    if tier.pool is not None:
+        lines.append(
+            f"  host pool: {len(tier.pool.entries)} entries, {format_bytes(tier.pool.nbytes)}, shared by "
+            f"{' and '.join(tier.pool.members)}: entry j holds the j-th pooled block of whichever runs"
+        )
     return lines
 
 

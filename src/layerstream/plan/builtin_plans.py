@@ -35,6 +35,9 @@ class PipelineFamily:
     """The DiT part of the plan: ``block_attrs`` and ``resident_dit_paths``."""
     text_encoders: tuple[str, ...] = ()
     """Component names of the pipeline's text encoders; their block lists come from `TEXT_ENCODER_BLOCK_ATTRS`."""
+    alternating_dits: tuple[str, ...] = ()
+    """DiTs of which each denoising step runs one, never two (Wan 2.2's experts split the steps at a boundary
+    timestep): under `host_budget_gb` they share one host pool. A layerstream extension, outside `OffloadPlan`."""
 
 
 def _dits(*paths: str, blocks: tuple[str, ...]) -> OffloadPlan:
@@ -50,11 +53,13 @@ _DUAL_THEN_SINGLE = ("transformer_blocks", "single_transformer_blocks")
 _TRANSFORMER_BLOCKS = ("transformer_blocks",)
 
 FAMILIES: tuple[PipelineFamily, ...] = (
-    # Wan 2.1 has one transformer; Wan 2.2 A14B adds transformer_2 (low-noise expert), None otherwise.
+    # Wan 2.1 has one transformer; Wan 2.2 A14B adds transformer_2 (low-noise expert), None otherwise. A step
+    # runs `transformer` at timesteps from the boundary up and `transformer_2` below it, never both.
     PipelineFamily(
         pipelines=("WanPipeline", "WanImageToVideoPipeline"),
         dit=_dits("transformer", "transformer_2", blocks=_WAN_BLOCKS),
         text_encoders=("text_encoder",),
+        alternating_dits=("transformer", "transformer_2"),
     ),
     PipelineFamily(
         pipelines=("WanVideoToVideoPipeline",),
@@ -65,6 +70,7 @@ FAMILIES: tuple[PipelineFamily, ...] = (
         pipelines=("WanVACEPipeline",),
         dit=_dits("transformer", "transformer_2", blocks=_WAN_VACE_BLOCKS),
         text_encoders=("text_encoder",),
+        alternating_dits=("transformer", "transformer_2"),
     ),
     # WanAnimate's face adapters run between main blocks; they stay resident.
     PipelineFamily(

@@ -22,11 +22,20 @@ least-recently-used evicts exactly the block needed next, so it would miss every
 subset misses only the disk blocks, every step. The host blocks are spread through each chain, as "auto"
 spreads device-resident blocks, so that every disk read has the compute and link time of the host blocks
 before it to hide in, instead of disk reads bunched back to back at the end of the stack.
+
+Host pool. DiTs that run one after the other (`ResolvedComponent.alternates`: Wan 2.2's two experts, one per
+denoising step) do not hold host memory each: their host blocks share one pool (`HostPoolChoice`), and the
+expert that is not running holds none. Entry j of the pool is the j-th host block of each of them, in chain
+order; it holds whichever of them ran last, and is read again from disk when the other one runs. So each
+expert keeps as many blocks in host memory as the whole budget holds, and a change of expert (twice a
+request) reads the newcomer's pooled blocks once, in its first step. The pool is used only when the streamed
+blocks do not all fit in the budget.
 """
 
 from __future__ import annotations
 
 import math
+from itertools import zip_longest
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -71,6 +80,39 @@ class PrefetchChain:
 
 
 @dataclass(frozen=True)
+class HostPoolChoice:
+    """Host memory shared by DiTs that run one after the other: entry j holds the j-th host block of one of
+    them at a time (see the module docstring)."""
+
+    members: tuple[str, ...]
+    """The alternating DiTs sharing the pool (component paths)."""
+    entries: tuple[tuple[str, ...], ...]
+    """Per entry, the blocks that share it (at most one per member)."""
+    entry_nbytes: tuple[int, ...]
+    """Per entry, the bytes of its largest block."""
+    member_blocks: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    """Member -> every streamed block of it, pooled or on disk, in chain order (a block of a member that runs
+    tells the pool which member runs)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.entry_nbytes)
+
+    @property
+    def block_paths(self) -> tuple[str, ...]:
+        return tuple(p for entry in self.entries for p in entry)
+
+    def entry_of(self, path: str) -> int | None:
+        return next((j for j, entry in enumerate(self.entries) if path in entry), None)
+
+    def member_of(self, path: str) -> str | None:
+        return next((m for m, blocks in self.member_blocks.items() if path in blocks), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"members": list(self.members), "bytes": self.nbytes, "entries": [list(e) for e in self.entries]}
+
+
+@dataclass(frozen=True)
 class HostTierChoice:
     """Which streamed blocks the host store holds within `host_budget_gb` and which are read from disk, and why."""
 
@@ -84,13 +126,25 @@ class HostTierChoice:
     reason: str
     next_on_disk: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     """Disk block -> the disk block its chain runs next (cyclic): what a disk read-ahead reads next."""
+    pool: HostPoolChoice | None = None
+    """The host pool of the alternating DiTs (None: no pool). Its blocks are not in `host_block_paths`."""
 
     def on_disk(self, path: str) -> bool:
         return path in self.disk_block_paths
 
+    def pooled(self, path: str) -> bool:
+        return self.pool is not None and path in self.pool.block_paths
+
+    @property
+    def from_disk_paths(self) -> tuple[str, ...]:
+        """The blocks the disk store holds: the disk blocks and the pooled ones (read from disk into the pool)."""
+        return self.disk_block_paths + (self.pool.block_paths if self.pool is not None else ())
+
     def describe(self) -> str:
+        pooled = f", {len(self.pool.block_paths)} in the host pool" if self.pool is not None else ""
         return (
-            f"{len(self.host_block_paths)} blocks on the host, {len(self.disk_block_paths)} on disk: {self.reason}"
+            f"{len(self.host_block_paths)} blocks on the host{pooled}, {len(self.disk_block_paths)} on disk: "
+            f"{self.reason}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -99,6 +153,7 @@ class HostTierChoice:
             "host_bytes": self.host_nbytes,
             "host_blocks": list(self.host_block_paths),
             "disk_blocks": list(self.disk_block_paths),
+            **({"pool": self.pool.to_dict()} if self.pool is not None else {}),
             "reason": self.reason,
         }
 
@@ -195,48 +250,84 @@ def place_blocks(
     num_slots = max((c.prefetch_depth for c in chains), default=0) + 1 if chains else 0
     slot_nbytes = align_slot(max(streamed_sizes.values(), default=0))
     host_budget_gb = plan.config.host_budget_gb
-    host_tier = _choose_host_tier(chains, streamed_sizes, host_budget_gb) if host_budget_gb is not None else None
+    alternating = tuple(c.path for c in plan.streamed if c.alternates and any(ch.component == c.path for ch in chains))
+    host_tier = (
+        _choose_host_tier(chains, streamed_sizes, host_budget_gb, alternating if len(alternating) > 1 else ())
+        if host_budget_gb is not None
+        else None
+    )
     return Placement(
         MappingProxyType(residency), tuple(chains), num_slots, slot_nbytes, MappingProxyType(streamed_sizes), host_tier
     )
 
 
-def _choose_host_tier(chains: list[PrefetchChain], host_nbytes: Mapping[str, int], budget_gb: float) -> HostTierChoice:
+def _choose_host_tier(
+    chains: list[PrefetchChain], host_nbytes: Mapping[str, int], budget_gb: float, alternating: tuple[str, ...] = ()
+) -> HostTierChoice:
     """Hand out host-resident blocks one at a time to the chain with the smallest host fraction, spread through
-    it, while they fit in the budget (see the module docstring for why a fixed, spread subset)."""
+    it, while they fit in the budget (see the module docstring for why a fixed, spread subset). The chains of
+    the `alternating` DiTs share a pool when the streamed blocks do not all fit."""
     budget = round(budget_gb * GB)
+    total = sum(host_nbytes[p] for c in chains for p in c.block_paths)
+    if total <= budget:
+        alternating = ()  # every block fits: nothing to share, and nothing read again at a change of expert
     counts = [0] * len(chains)
+
+    def picked(i: int, count: int) -> list[str]:
+        paths = chains[i].block_paths
+        return [paths[j] for j in spread_indices(len(paths), count)]
+
+    def layout(counts: list[int]) -> tuple[int, list[str], list[list[str]]]:
+        """(host bytes, blocks held for the whole run, pool entries) of these counts."""
+        fixed: list[str] = []
+        per_member: dict[str, list[str]] = {m: [] for m in alternating}
+        for i, count in enumerate(counts):
+            (per_member.get(chains[i].component, fixed)).extend(picked(i, count))
+        entries = [[p for p in entry if p is not None] for entry in zip_longest(*per_member.values())]
+        used = sum(host_nbytes[p] for p in fixed) + sum(max(host_nbytes[p] for p in e) for e in entries)
+        return used, fixed, entries
+
     used = 0
     while True:
         candidates = [i for i, c in enumerate(chains) if counts[i] < len(c.block_paths)]
         if not candidates:
             break
         i = min(candidates, key=lambda i: counts[i] / len(chains[i].block_paths))
-        paths = chains[i].block_paths
-        before = sum(host_nbytes[paths[j]] for j in spread_indices(len(paths), counts[i]))
-        after = sum(host_nbytes[paths[j]] for j in spread_indices(len(paths), counts[i] + 1))
-        if used - before + after > budget:
+        grown = counts[:i] + [counts[i] + 1] + counts[i + 1 :]
+        after = layout(grown)[0]
+        if after > budget:
             break
-        used += after - before
-        counts[i] += 1
-    host: list[str] = []
+        used, counts = after, grown
+    _, host, entries = layout(counts)
+    on_host = set(host) | {p for e in entries for p in e}
     disk: list[str] = []
     next_on_disk: dict[str, str] = {}
-    for chain, count in zip(chains, counts):
-        kept = set(spread_indices(len(chain.block_paths), count))
-        mine = [p for j, p in enumerate(chain.block_paths) if j not in kept]
-        host += [p for j, p in enumerate(chain.block_paths) if j in kept]
+    for chain in chains:
+        mine = [p for p in chain.block_paths if p not in on_host]
         disk += mine
         next_on_disk |= {p: mine[(k + 1) % len(mine)] for k, p in enumerate(mine)}
-    total = sum(host_nbytes[p] for c in chains for p in c.block_paths)
-    if not disk:
+    host.sort(key=[p for c in chains for p in c.block_paths].index)
+    pool = None
+    if entries:
+        pool = HostPoolChoice(
+            alternating,
+            tuple(tuple(e) for e in entries),
+            tuple(max(host_nbytes[p] for p in e) for e in entries),
+            MappingProxyType({m: tuple(p for c in chains if c.component == m for p in c.block_paths) for m in alternating}),
+        )
+    if not disk and pool is None:
         reason = f"host_budget_gb={budget_gb:g} holds every streamed block ({total / GB:.3g} GB)"
     else:
         reason = (
             f"host_budget_gb={budget_gb:g} holds {used / GB:.3g} of {total / GB:.3g} GB of streamed blocks; the host "
             "blocks are a fixed set spread through each chain, the others are read from disk at every use"
         )
-    return HostTierChoice(budget, tuple(host), tuple(disk), used, reason, MappingProxyType(next_on_disk))
+        if pool is not None:
+            reason += (
+                f"; {' and '.join(alternating)} run one after the other and share a host pool of "
+                f"{pool.nbytes / GB:.3g} GB (the one not running holds no host memory)"
+            )
+    return HostTierChoice(budget, tuple(host), tuple(disk), used, reason, MappingProxyType(next_on_disk), pool)
 
 
 def _chains_of(comp: ResolvedComponent) -> list[list[str]]:

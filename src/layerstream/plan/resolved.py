@@ -72,6 +72,9 @@ class ResolvedComponent:
     """Declared in ``resident_dit_paths`` (or discovered automatically)."""
     replicated: bool = False
     """Block tensors identical on every rank (DiTs, and encoders in ``encoder_dlo_weight_replication``)."""
+    alternates: bool = False
+    """A DiT that runs in other denoising steps than the other alternating DiTs, never in the same one (Wan 2.2's
+    experts, `PipelineFamily.alternating_dits`): under ``host_budget_gb`` they share one host pool."""
     reason: str = ""
     """Why `action` was chosen, as a phrase (``"image encoders stay resident in layer mode: ..."``)."""
 
@@ -123,6 +126,7 @@ class ResolvedOffloadPlan:
                     "resident_layers": c.resident_layers,
                     "resident_allowed": c.resident_allowed,
                     "weight_transfer": c.weight_transfer,
+                    "alternates": c.alternates,
                     "storage_dtype": c.storage_dtype,
                     "stacks": [
                         {

@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from layerstream.config.offload_config import LayerOptions, OffloadConfig, parse_offload_config
-from layerstream.plan.builtin_plans import builtin_plan_for
+from layerstream.plan.builtin_plans import builtin_family_for, builtin_plan_for
 from layerstream.plan.discovery import (
     block_list_at,
     categorize,
@@ -87,6 +87,9 @@ class _Declarations:
         self.encoder_types = {**self.builtin.encoder_component_types, **self.plan.encoder_component_types}
         self.dit_paths = frozenset(self.plan.block_attrs) | set(self.builtin.block_attrs) | set(self.dit_modules)
         self.offload_submodules = {**self.builtin.offload_submodules, **self.plan.offload_submodules}
+        family = builtin_family_for(pipeline)
+        # only DiTs the built-in plan still describes: one the pipeline redeclared may run otherwise
+        self.alternating = frozenset(p for p in (family.alternating_dits if family else ()) if p in self.builtin.block_attrs)
 
     def component_paths(self) -> dict[str, str]:
         """Every component path a declaration names -> where it was declared (for error messages)."""
@@ -369,6 +372,7 @@ def _decide(pipeline_class: str, decl: _Declarations, config: OffloadConfig, ite
         total_bytes=tensor_bytes(item.module),
         resident_allowed=resident_allowed,
         replicated=replicated,
+        alternates=is_dit and item.path in decl.alternating,
         reason=_reason(action, config, item),
         **extra,
     )

@@ -11,12 +11,22 @@ A block placed on disk (`Placement.host_tier`) comes from one of two places:
   file is a `SpillFileError` naming it (raised by `wait_ready`, through the copy engine) and never a wrong
   picture. `restore_` and `rollback_` read the blocks back into real tensors and remove the folder.
 
-Disk, link and compute run as three stages: a `StagingRing` of three host buffers (pinned on an accelerator)
-is filled by a read-ahead I/O thread along each chain's declared order of disk blocks (two blocks ahead), and
-a block's copy job only copies from the buffer already read into the slot (reading synchronously only when the
-prediction missed: the first block, skipped blocks, an order the model changed). On an accelerator the job runs on the compute thread
-(the engine issues copies from it), so the disk read must not happen there; on the CPU the job runs on the
-engine's copy thread, and the read-ahead keeps the disk busy while that thread copies host blocks.
+Disk, link and compute run as three stages: a `StagingRing` (`runtime.staging`) of three host buffers (pinned
+on an accelerator) is filled by a read-ahead I/O thread along each chain's declared order of disk blocks (two
+blocks ahead), and a block's copy job only copies from the buffer already read into the slot (reading
+synchronously only when the prediction missed: the first block, skipped blocks, an order the model changed). On
+an accelerator the job runs on the compute thread (the engine issues copies from it), so the disk read must not
+happen there; on the CPU the job runs on the engine's copy thread, and the read-ahead keeps the disk busy while
+that thread copies host blocks.
+
+The pooled blocks of alternating DiTs (`HostPoolChoice`: Wan 2.2's experts) are disk blocks too, with the same
+sources, whose bytes stay in an entry of a `HostPool` (`runtime.host_pool`) while their DiT runs: a
+`PooledBlock` copies from its entry, read from disk only when the other DiT ran since.
+
+Disk-tier reads drop their pages from the page cache after them (and a spill file's pages go once written):
+the memory the budget leaves free stays free, and every read reaches the disk. A simulated disk
+(`simulated_gbps`, CPU measurements) keeps the page cache instead, so that the real disk is not what is timed;
+it is one disk: the read-ahead and the pool's reads take turns on it.
 
 `disk_stall_seconds` counts the time compute waited on the disk, apart from waits on the link: on an
 accelerator the time the job (on the compute thread) waited for a read; on the CPU the part of compute's wait
@@ -37,19 +47,21 @@ import re
 import shutil
 import struct
 import tempfile
+import threading
 import time
 import zlib
-from collections import deque
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from layerstream.errors import TransferError, UnsupportedUseError
-from layerstream.runtime.file_reads import FileRange, FileReader, MappedFiles
+from layerstream.plan.placement import HostPoolChoice
+from layerstream.runtime.file_reads import FileRange, FileReader, MappedFiles, drop_cached_pages
+from layerstream.runtime.host_pool import HostPool
 from layerstream.runtime.layout import ALIGN_BYTES, BlockLayout, TensorBinder
 from layerstream.runtime.protocols import Job, Pinner
+from layerstream.runtime.staging import READ_AHEAD_DEPTH, StagingRing
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +72,6 @@ HEADER_BYTES = ALIGN_BYTES
 MAX_IN_MEMORY_FRACTION = 1 / 8
 """A file-backed block may keep this much of its bytes (spans made in memory) in host memory; beyond it the
 whole block is spilled."""
-READ_AHEAD_DEPTH = 2
-"""Disk blocks read ahead of the one being copied: the disk goes on to the next block without waiting for the
-copy side to ask for it (one block ahead, the disk idles whenever the copy side is late to ask)."""
-NUM_STAGING_BUFFERS = READ_AHEAD_DEPTH + 1
-"""The buffers the read-ahead fills, and the one the latest copy comes from."""
 SPILL_FOLDER_PREFIX = "enable-"
 _SPILL_FOLDER = re.compile(r"^enable-(?P<space>[0-9a-f]{8})-(?P<pid>\d+)-(?P<start>\d+)-")
 
@@ -211,6 +218,7 @@ class _SpillSource:
             while done < len(data):
                 done += os.write(fd, data[done:])
             os.fsync(fd)  # the bytes are on disk before the name says the file is complete
+            drop_cached_pages(fd)  # written once, read from disk at every use: its pages need not stay cached
         finally:
             os.close(fd)
         os.replace(partial, path)
@@ -245,6 +253,9 @@ class _SpillSource:
 class DiskBlock:
     """One block of the disk tier: no host bytes; its copy job reads it from disk."""
 
+    member: str | None = None
+    """The alternating DiT the block belongs to, where there is a host pool (None otherwise)."""
+
     def __init__(self, store: DiskHostStore, layout: BlockLayout, binder: TensorBinder, source, original_device: torch.device):
         self.store = store
         self.layout = layout
@@ -278,6 +289,8 @@ class DiskBlock:
         on_compute_thread = slot_buffer.device.type != "cpu"  # accelerator engines run jobs where compute runs
 
         def job() -> int:
+            if store.pool is not None and self.member is not None:
+                store.pool.prepare_(self.member)  # the first block of another DiT: the pool reads its blocks
             nbytes = store.staging.copy_(self, slot_buffer, store.upcoming_after(self.path))
             self.disk_wait = store.staging.last_disk_wait
             if on_compute_thread:
@@ -297,14 +310,19 @@ class DiskBlock:
 
     def read_into_(self, buffer: torch.Tensor) -> None:
         """Fill `buffer` (uint8, CPU, `layout.nbytes`) with the block's packed bytes."""
-        start = time.perf_counter()
-        nbytes = self.source.read_into_(buffer, self.store.reader)
-        self.store.disk_bytes_read += nbytes
-        gbps = self.store.simulated_gbps
-        if gbps is not None:
-            remaining = nbytes / (gbps * 1e9) - (time.perf_counter() - start)
-            if remaining > 0:
-                time.sleep(remaining)  # the simulated disk: the read lasts as long as it would on that disk
+        store = self.store
+        gbps = store.simulated_gbps
+        if gbps is None:
+            nbytes = self.source.read_into_(buffer, store.reader)
+        else:
+            with store.simulated_disk:  # one disk: concurrent reads take turns
+                start = time.perf_counter()
+                nbytes = self.source.read_into_(buffer, store.reader)
+                remaining = nbytes / (gbps * 1e9) - (time.perf_counter() - start)
+                if remaining > 0:
+                    time.sleep(remaining)  # the read lasts as long as it would on that disk
+        with store.counting:  # the read-ahead and the pool read on threads of their own
+            store.disk_bytes_read += nbytes
 
     def host_range(self, start: int, nbytes: int) -> torch.Tensor:
         self._refuse("backward through it")
@@ -315,11 +333,42 @@ class DiskBlock:
     def host_tensors(self) -> list[torch.Tensor]:
         self._refuse("read or write its weights in place (state_dict, load_state_dict, LoRA)")
 
+    _where = "lives on disk (host_budget_gb), not in host memory"
+
     def _refuse(self, what: str):
         raise UnsupportedUseError(
-            f"{self.path}: the block lives on disk (host_budget_gb), not in host memory; cannot {what}. Raise "
-            "host_budget_gb so that it fits in host memory, or call handle.disable() first"
+            f"{self.path}: the block {self._where}; cannot {what}. Raise host_budget_gb so that it fits in host "
+            "memory, or call handle.disable() first"
         )
+
+
+class PooledBlock(DiskBlock):
+    """A disk block whose bytes stay in an entry of the host pool while its DiT runs (`runtime.host_pool`)."""
+
+    _where = "is read from disk into a host pool it shares with another DiT (host_budget_gb)"
+
+    def __init__(self, *args, entry: int, member: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.entry = entry
+        self.member = member
+
+    def __repr__(self) -> str:
+        return f"PooledBlock({self.path!r}, pool entry {self.entry}, {self.layout.nbytes} bytes from {self.source.describe()})"
+
+    def copy_job(self, slot_buffer: torch.Tensor) -> Job:
+        store = self.store
+        on_compute_thread = slot_buffer.device.type != "cpu"
+
+        def job() -> int:
+            waited = time.perf_counter()
+            entry = store.pool.take_(self)  # waits only when the pool is still reading it
+            self.disk_wait = (waited, time.perf_counter())
+            if on_compute_thread:
+                store.disk_stall_seconds += self.disk_wait[1] - self.disk_wait[0]
+            store.pool.copy_out_(entry, slot_buffer, self.layout.nbytes)
+            return self.layout.nbytes
+
+        return job
 
 
 class DiskHostStore:
@@ -332,9 +381,15 @@ class DiskHostStore:
         disk_dir: str | os.PathLike | None = None,
         read_ahead: Mapping[str, str] | None = None,
         simulated_gbps: float | None = None,
+        pool: HostPoolChoice | None = None,
     ):
         self.simulated_gbps = simulated_gbps
         """CPU measurements: every read lasts at least as long as on a disk of this bandwidth."""
+        self.simulated_disk = threading.Lock()
+        self.counting = threading.Lock()
+        self.pool_choice = pool
+        """The pool entries and members (None: no pool); `stage_` makes a `PooledBlock` of every pooled block."""
+        self.pool: HostPool | None = None
         self.root = Path(disk_dir).expanduser() if disk_dir is not None else default_spill_root()
         self.read_ahead: Mapping[str, str] = read_ahead or {}
         """Disk block -> the disk block its chain runs next (what the staging ring reads ahead)."""
@@ -344,7 +399,8 @@ class DiskHostStore:
         self.disk_stall_seconds = 0.0
         """Time compute waited for disk reads since enable (see the module docstring)."""
         self.spill_bytes_written = 0
-        self.reader = FileReader()
+        # a simulated disk stands for the disk: its reads may come from the page cache, the real disk is not timed
+        self.reader = FileReader(drop_cached=simulated_gbps is None)
         self.folder: Path | None = None
         self._files: MappedFiles | None = None
         self._staging_nbytes = 0
@@ -367,6 +423,16 @@ class DiskHostStore:
             upcoming.append(block)
         return upcoming
 
+    @property
+    def staging_nbytes(self) -> int:
+        """Host bytes of the staging ring (beyond the budget)."""
+        return sum(b.numel() for b in self.staging.buffers) if self.staging is not None else 0
+
+    @property
+    def pool_nbytes(self) -> int:
+        """Host bytes of the pool (within the budget)."""
+        return self.pool.nbytes if self.pool is not None else 0
+
     def slot_nbytes(self, layout: BlockLayout) -> int:
         return layout.nbytes
 
@@ -383,6 +449,14 @@ class DiskHostStore:
             self._files = MappedFiles.snapshot()
         if self.staging is None:
             self.staging = StagingRing(self._staging_nbytes, device, pin)
+        choice = self.pool_choice
+        entry = choice.entry_of(layout.path) if choice is not None else None
+        if entry is not None and self.pool is None:
+            self.pool = HostPool(choice.entry_nbytes, choice.member_blocks, device, pin)
+        packed = None
+        if entry is not None and self.pool.wants_bytes(entry):  # the entry starts with this block's bytes
+            packed = torch.zeros(layout.nbytes, dtype=torch.uint8)
+            layout.copy_sources_into(packed, self._files, self.reader)
         original_device = layout.source_device()
         spans = layout.span_file_ranges(self._files)
         in_memory = [(dst, length) for source, dst, length in spans if source is None and length > 0]
@@ -394,21 +468,29 @@ class DiskHostStore:
                 chunks.append((chunk, dst))
             source = _CheckpointSource([(s, dst) for s, dst, _ in spans if s is not None], chunks)
         else:
-            source = self._spill_(layout)
-        block = DiskBlock(self, layout, TensorBinder(layout, device), source, original_device)
+            source = self._spill_(layout, packed)
+        binder = TensorBinder(layout, device)
+        if entry is not None:
+            block = PooledBlock(self, layout, binder, source, original_device, entry=entry, member=choice.member_of(layout.path))
+            self.pool.add_(block, packed)
+        else:
+            block = DiskBlock(self, layout, binder, source, original_device)
+            block.member = choice.member_of(layout.path) if choice is not None else None
         block.binder.evict_()
         layout.forget_sources()  # the block's memory (or its view of the checkpoint) goes now
         self.blocks[layout.path] = block
         return block
 
-    def _spill_(self, layout: BlockLayout) -> _SpillSource:
+    def _spill_(self, layout: BlockLayout, packed: torch.Tensor | None = None) -> _SpillSource:
         if self.folder is None:
             self.root.mkdir(parents=True, exist_ok=True)
             # one folder per enable: processes (and pipelines) sharing disk_dir never touch each other's files;
             # named after this process, so that a later enable can tell whether it still runs
             self.folder = Path(tempfile.mkdtemp(prefix=spill_folder_prefix(), dir=self.root))
-        buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)  # zeroed pads: the file's bytes are all defined
-        layout.copy_sources_into(buffer, self._files, self.reader)
+        buffer = packed
+        if buffer is None:  # (the bytes already packed for a pool entry are written as they are)
+            buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)  # zeroed pads: the file's bytes are all defined
+            layout.copy_sources_into(buffer, self._files, self.reader)
         name = f"{len(self.blocks):05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', layout.path)}.block"
         source = _SpillSource.write(self.folder / name, buffer)
         self.spill_bytes_written += layout.nbytes
@@ -428,16 +510,22 @@ class DiskHostStore:
             self._release_()
 
     def restore_(self, device: torch.device) -> None:
-        self._close_staging_()  # first: a read-ahead in flight uses the reader the restore reads with
+        self._close_staging_()  # first: a read-ahead (or pool read) in flight uses the reader the restore reads with
         try:
             self._restore_blocks_(lambda block: device)
         finally:
             self._release_()
 
     def _close_staging_(self) -> None:
-        if self.staging is not None:
-            self.staging.close_()
-            self.staging = None
+        """Stop reading ahead and free the staging ring and the pool."""
+        try:
+            if self.staging is not None:
+                self.staging.close_()
+                self.staging = None
+        finally:
+            if self.pool is not None:
+                self.pool.close_()
+                self.pool = None
 
     def _restore_blocks_(self, device_of) -> None:
         """Every block gets real tensors again, read (and checked) from disk; the first failure is raised after
@@ -463,132 +551,3 @@ class DiskHostStore:
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
-
-
-class StagingRing:
-    """`READ_AHEAD_DEPTH + 1` host buffers (pinned where the engine can pin) that disk blocks are read into, then
-    copied to the slot (asynchronously from pinned memory on an accelerator), with a read-ahead on an I/O thread.
-
-    A job for block B takes B's bytes from the buffer the read-ahead filled (when it predicted B; else it reads
-    B there and then, synchronously), makes sure the next `READ_AHEAD_DEPTH` disk blocks of B's chain
-    (`HostTierChoice.next_on_disk`) are being read into the other buffers, then copies B into the slot. The I/O
-    thread reads them one after another, so the disk never waits for the copy side to ask for the next block:
-    while the blocks between two disk blocks compute (and cross the link), the disk reads the next ones. Disk,
-    link and compute run as three stages."""
-
-    def __init__(self, nbytes: int, device: torch.device, pin: Pinner | None):
-        self.buffers = [torch.empty(max(nbytes, 1), dtype=torch.uint8) for _ in range(NUM_STAGING_BUFFERS)]
-        self._pinner: Pinner | None = None
-        if pin is not None:
-            pinned = [b for b in self.buffers if pin.pin_(b)]
-            if len(pinned) == len(self.buffers):
-                self._pinner = pin
-            else:  # all or none: the copies below are asynchronous only from pinned memory
-                for b in pinned:
-                    pin.unpin_(b)
-        # one event per buffer, re-recorded for every copy (a never-recorded event counts as complete); without
-        # CUDA events (or pinned memory) the copies are synchronous and need none
-        cuda = device.type == "cuda" and self._pinner is not None
-        self._copied = [torch.cuda.Event() if cuda else None for _ in self.buffers]
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-disk-ahead")
-        self._ahead: deque[tuple[str, int, Future]] = deque()
-        """Reads issued ahead, in the order their blocks are expected: (block path, buffer, read)."""
-        self._last = 0  # the buffer the latest copy came from
-        self.num_read_ahead_hits = 0
-        self.num_read_ahead_misses = 0
-        self.last_disk_wait = (0.0, 0.0)
-        """When the latest `copy_` waited for its block's bytes to come off the disk (perf_counter seconds)."""
-
-    def copy_(self, block: DiskBlock, slot_buffer: torch.Tensor, upcoming: Sequence[DiskBlock] = ()) -> int:
-        """Fill `slot_buffer[:nbytes]` with `block`'s bytes (checked) through a staging buffer, having made sure
-        that the blocks expected next (`upcoming`, the first `READ_AHEAD_DEPTH` of them) are being read ahead.
-        Runs on the thread of the copy job, on its stream."""
-        nbytes = block.layout.nbytes
-        waited = time.perf_counter()
-        i = self._take_(block)
-        self.last_disk_wait = (waited, time.perf_counter())
-        self._last = i
-        self._read_ahead_(block, upcoming, i)  # first: the disk reads the next blocks while this one is copied
-        staging = self.buffers[i][:nbytes]
-        copied = self._copied[i]
-        if copied is None:
-            slot_buffer[:nbytes].copy_(staging)  # no event to tell when an asynchronous copy is done: in step
-        else:
-            slot_buffer[:nbytes].copy_(staging, non_blocking=True)
-            copied.record()  # on the current stream: the engine's copy stream while the job runs
-        return nbytes
-
-    def _take_(self, block: DiskBlock) -> int:
-        """The buffer holding `block`'s bytes: the read-ahead's when it read this block, else read now."""
-        position = next((k for k, (path, _, _) in enumerate(self._ahead) if path == block.path), None)
-        if self._ahead:
-            if position == 0:
-                self.num_read_ahead_hits += 1
-            else:
-                self.num_read_ahead_misses += 1  # another order than the chain's (a skipped block, a new chain)
-        if position is not None:
-            self._drop_ahead_(position)  # the reads of blocks that were skipped
-            _, i, future = self._ahead.popleft()
-            future.result()  # compute waits here only if the disk has not finished yet; a bad file raises
-            return i
-        self._drop_ahead_(len(self._ahead))
-        free = self._free_buffer_(busy=())
-        self._wait_copied_(free)
-        block.read_into_(self.buffers[free][: block.layout.nbytes])  # checked before any byte reaches the slot
-        return free
-
-    def _read_ahead_(self, block: DiskBlock, upcoming: Sequence[DiskBlock], current: int) -> None:
-        """Keep reads in flight for the next disk blocks: the ones already issued in the expected order stay, the
-        others are dropped, the missing ones are issued into free buffers."""
-        wanted = [b for b in upcoming if b is not block][:READ_AHEAD_DEPTH]
-        kept = 0
-        while kept < min(len(self._ahead), len(wanted)) and self._ahead[kept][0] == wanted[kept].path:
-            kept += 1
-        while len(self._ahead) > kept:
-            self._forget_(self._ahead.pop())
-        for next_block in wanted[kept:]:
-            i = self._free_buffer_(busy=(current,))
-
-            def read(i: int = i, next_block: DiskBlock = next_block) -> None:
-                self._wait_copied_(i)
-                next_block.read_into_(self.buffers[i][: next_block.layout.nbytes])
-
-            self._ahead.append((next_block.path, i, self._io.submit(read)))
-
-    def _drop_ahead_(self, count: int) -> None:
-        for _ in range(count):
-            self._forget_(self._ahead.popleft())
-
-    @staticmethod
-    def _forget_(entry: tuple[str, int, Future]) -> None:
-        path, _, future = entry
-        try:
-            future.result()  # a read that is not needed still owns its buffer until it ends
-        except (OSError, TransferError):
-            logger.debug("read-ahead of %s failed; it is read again when it runs", path, exc_info=True)
-
-    def _free_buffer_(self, busy: tuple[int, ...]) -> int:
-        """A buffer no read ahead owns and not in `busy`; the one the latest copy came from last (on an
-        accelerator its copy may still be in flight)."""
-        taken = {i for _, i, _ in self._ahead} | set(busy)
-        free = [i for i in range(len(self.buffers)) if i not in taken]
-        assert free, "staging ring: more reads ahead than buffers"
-        others = [i for i in free if i != self._last]
-        return others[0] if others else free[0]
-
-    def _wait_copied_(self, i: int) -> None:
-        copied = self._copied[i]
-        if copied is not None:
-            # host-side wait (on the I/O thread for a read-ahead): the device copy out of this buffer must finish
-            # before a disk read overwrites it; it was issued a block ago, so it has usually finished
-            copied.synchronize()
-
-    def close_(self) -> None:
-        """Wait for the read-ahead, then free the buffers (the engine is closed: no device copy reads them)."""
-        self._io.shutdown(wait=True)
-        self._ahead.clear()
-        if self._pinner is not None:
-            for b in self.buffers:
-                self._pinner.unpin_(b)
-            self._pinner = None
-        self.buffers, self._copied = [], []

@@ -139,9 +139,12 @@ class MappedFiles:
 
 class FileReader:
     """Reads file ranges into host tensors with large `preadv` calls on a few threads; keeps files open until
-    `close`. Counts what it read."""
+    `close`. Counts what it read. With `drop_cached`, the pages of every range read are dropped from the page
+    cache after it (`POSIX_FADV_DONTNEED`): bytes read again at every use (the disk tier) do not fill the
+    memory that the host budget keeps free, and every read reaches the disk."""
 
-    def __init__(self, num_threads: int = NUM_READ_THREADS):
+    def __init__(self, num_threads: int = NUM_READ_THREADS, drop_cached: bool = False):
+        self.drop_cached = drop_cached and hasattr(os, "posix_fadvise")
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="layerstream-read")
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -167,7 +170,9 @@ class FileReader:
                 base = destination.data_ptr()
                 for start in range(0, source.nbytes, READ_CHUNK_BYTES):
                     length = min(READ_CHUNK_BYTES, source.nbytes - start)
-                    jobs.append(self._pool.submit(_pread_exactly, fd, base + start, length, source.offset + start, source.path))
+                    jobs.append(
+                        self._pool.submit(_pread_exactly, fd, base + start, length, source.offset + start, source.path, self.drop_cached)
+                    )
         except BaseException:
             for job in jobs:  # the caller frees its buffers when this raises: no read may still write into them
                 job.exception()
@@ -201,7 +206,7 @@ class FileReader:
             return fd
 
 
-def _pread_exactly(fd: int, address: int, length: int, offset: int, path: str) -> None:
+def _pread_exactly(fd: int, address: int, length: int, offset: int, path: str, drop_cached: bool = False) -> None:
     view = memoryview((ctypes.c_char * length).from_address(address)).cast("B")
     done = 0
     while done < length:
@@ -209,3 +214,15 @@ def _pread_exactly(fd: int, address: int, length: int, offset: int, path: str) -
         if n <= 0:
             raise OSError(f"{path}: the file ends at byte {offset + done}, before the {length} bytes expected from {offset}")
         done += n
+    if drop_cached:
+        drop_cached_pages(fd, offset, length)
+
+
+def drop_cached_pages(fd: int, offset: int = 0, length: int = 0) -> None:
+    """Ask the kernel to drop the clean cached pages of a file range (all of the file with `length` 0); pages
+    mapped by anyone stay. A hint: where it cannot be given, nothing happens."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            logger.debug("posix_fadvise(DONTNEED) failed", exc_info=True)

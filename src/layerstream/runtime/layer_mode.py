@@ -200,6 +200,11 @@ class LayerModeBackend:
             )
         totals = {f: sum(getattr(s, f) for s in per.values()) for f in ComponentStats.__dataclass_fields__}
         totals["device_bytes"] += self.placement.ring_nbytes
+        # the disk tier's store, shared by the tiered stores of every host store (counted once)
+        disks = list({id(d): d for d in (getattr(store, "disk", None) for store in self._stores) if d is not None}.values())
+        pool_bytes = sum(d.pool_nbytes for d in disks)
+        totals["host_bytes"] += pool_bytes
+        totals["pinned_host_bytes"] += sum(d.pool_nbytes for d in disks if d.pool is not None and d.pool.pinned)
         return OffloadStats(
             **totals,
             per_component=MappingProxyType(per),
@@ -208,8 +213,10 @@ class LayerModeBackend:
             max_materialized_blocks=streamer.max_materialized if streamer else 0,
             engine=getattr(self._engine, "kind", ""),
             host_bytes_from_files=sum(_bytes_from_files(store) for store in self._stores),
-            disk_bytes_read=sum(getattr(store, "disk_bytes_read", 0) for store in self._stores),  # optional, as above
-            disk_stall_seconds=sum(getattr(store, "disk_stall_seconds", 0.0) for store in self._stores),
+            disk_bytes_read=sum(d.disk_bytes_read for d in disks),
+            disk_stall_seconds=sum(d.disk_stall_seconds for d in disks),
+            host_pool_bytes=pool_bytes,
+            disk_staging_bytes=sum(d.staging_nbytes for d in disks),
             residency=MappingProxyType({self.plan.component(p).display_path: c.describe() for p, c in self.placement.residency.items()}),
         )
 

@@ -56,6 +56,11 @@ class OffloadStats(ComponentStats):
     """Of the time compute waited for weights, the part it waited on the disk tier's reads (a part of
     `stall_seconds` on the CPU engine; on an accelerator the host time the compute thread waited for a read,
     which `stall_seconds` does not count)."""
+    host_pool_bytes: int = 0
+    """Host bytes of the pool that alternating DiTs (Wan 2.2's experts) share under `host_budget_gb`: counted in
+    the totals' `host_bytes`, not in any component's (it holds the blocks of whichever DiT runs)."""
+    disk_staging_bytes: int = 0
+    """Host bytes of the disk tier's staging ring: beside `host_bytes`, beyond `host_budget_gb`."""
 
     def __str__(self) -> str:
         """A readable multi-line summary (the dataclass repr stays available through `repr`)."""
@@ -71,6 +76,11 @@ class OffloadStats(ComponentStats):
             lines.append(
                 f"  read from disk (blocks beyond host_budget_gb): {_bytes(self.disk_bytes_read)}, "
                 f"{self.disk_stall_seconds:.3f} s stalled on the disk"
+            )
+        if self.host_pool_bytes or self.disk_staging_bytes:
+            lines.append(
+                f"  host pool of alternating DiTs {_bytes(self.host_pool_bytes)} (in host), disk staging ring "
+                f"{_bytes(self.disk_staging_bytes)}"
             )
         if self.bytes_written_back:
             lines.append(f"  buffers written back: {_bytes(self.bytes_written_back)}")

@@ -1,6 +1,6 @@
 """A host store in two tiers: the blocks the placement keeps in host memory go to the host store (the local
-packed store), the blocks it puts on disk go to the disk store (`runtime.disk_store`). The streamer sees one
-`HostStore`; each block's `StoredBlock` comes from its tier."""
+packed store), the blocks it puts on disk, and those of the host pool of alternating DiTs, go to the disk store
+(`runtime.disk_store`). The streamer sees one `HostStore`; each block's `StoredBlock` comes from its tier."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class TieredHostStore:
         self.host = host
         self.disk = disk
         self.tier = tier
-        self._on_disk = frozenset(tier.disk_block_paths)
+        self._on_disk = frozenset(tier.from_disk_paths)
 
     def __repr__(self) -> str:
         return f"TieredHostStore(host={self.host!r}, disk={self.disk!r})"
@@ -32,19 +32,11 @@ class TieredHostStore:
     def bytes_read_from_files(self) -> int:
         return getattr(self.host, "bytes_read_from_files", 0)  # host bytes staged from checkpoint files
 
-    @property
-    def disk_bytes_read(self) -> int:
-        return self.disk.disk_bytes_read
-
-    @property
-    def disk_stall_seconds(self) -> float:
-        return self.disk.disk_stall_seconds
-
     def slot_nbytes(self, layout: BlockLayout) -> int:
         return self.host.slot_nbytes(layout)
 
     def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
-        self.host.check_layouts_([l for l in layouts if not l.path in self._on_disk], slot_nbytes)
+        self.host.check_layouts_([l for l in layouts if l.path not in self._on_disk], slot_nbytes)
         self.disk.check_layouts_([l for l in layouts if l.path in self._on_disk], slot_nbytes)
 
     def report_failure_(self, error: BaseException) -> None:
