@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU comparison of offload strategies, in one script: synthetic Wan-14B- and Flux-shaped block stacks,
-# bf16, every strategy timed round robin in one process per model, then the cold start. About 6-8 minutes on one H200.
+# bf16, every strategy timed round robin in one process per model, the disk tier (one Wan stack with half its
+# blocks on disk; Wan 2.2's two experts sharing a host pool), then the cold start. About 8-11 minutes on one H200.
 #
 #   benchmarks/gpu.sh OUT_DIR
 #
@@ -71,6 +72,28 @@ bench() {  # bench NAME TIMEOUT_S ARGS...: one model, every strategy, into $OUT/
 bench wan14b 300 --model wan14b --blocks 8 --tokens 32768 --context-tokens 512 --dtype bfloat16 \
     --strategies resident,layerwise,diffusers-group,naive,resident-compiled,layerwise-compiled --repeats 3 --warmup 2
 
+# The disk tier on the Wan shape: a host budget of half the blocks (4 of 8 blocks of 0.70 GB), the other half
+# spilled to files under the layerstream cache on the local disk and read at every use; each read drops its
+# pages from the page cache, so it reaches the disk. "x disk floor" compares with disk bytes / a disk speed the
+# run does not know: read it from "disk MiB/fwd" and the drive's rating.
+bench wan14b-disk 240 --model wan14b --blocks 8 --tokens 32768 --context-tokens 512 --dtype bfloat16 \
+    --strategies resident,layerwise --host-budget-gb 2.85 --repeats 3 --warmup 1
+
+# Wan 2.2's two experts (two Wan-shaped stacks of 8 blocks, one per step, two forwards a step) under a host
+# budget of a third of their bytes: the shared host pool against a static split of the budget, and resident.
+echo
+echo "== wan22-pool: benchmarks/wan22_pool.py --device cuda"
+start=$SECONDS
+mkdir -p "$OUT/wan22-pool"
+if ! timeout --kill-after=10 "${BENCH_TIMEOUT_S:-240}" "$PY" "$ROOT/benchmarks/wan22_pool.py" --device cuda --shape wan14b \
+    --blocks 8 --tokens 8192 --context-tokens 512 --dtype bfloat16 --steps 8 --repeats 1 \
+    --json "$OUT/wan22-pool/results.json" >"$OUT/wan22-pool/results.md"; then
+    echo "error: the wan22-pool benchmark failed or timed out" >&2
+    failed+=("wan22-pool")
+fi
+cat "$OUT/wan22-pool/results.md"
+echo "(wan22-pool took $((SECONDS - start)) s)"
+
 # Flux blocks at 4k image tokens: transfer-bound (a block computes in less time than it takes to copy), where
 # keeping some blocks resident pays off, and where float8 storage (layerwise-fp8, and diffusers' group offloading
 # with the same layerwise casting as its peer) moves fewer bytes; "max |diff|" says how far the output moves.
@@ -99,7 +122,7 @@ echo "== combined table: $OUT/table.md"
 {
     echo "# layerstream GPU benchmark"
     echo
-    for name in wan14b flux12b cold-start; do
+    for name in wan14b wan14b-disk wan22-pool flux12b cold-start; do
         echo "## $name"
         echo
         if [ -f "$OUT/$name/results.md" ]; then cat "$OUT/$name/results.md"; else echo "(no results: see gpu.log)"; fi

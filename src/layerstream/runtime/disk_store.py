@@ -454,8 +454,8 @@ class DiskHostStore:
         if entry is not None and self.pool is None:
             self.pool = HostPool(choice.entry_nbytes, choice.member_blocks, device, pin)
         packed = None
-        if entry is not None and self.pool.wants_bytes(entry):  # the entry starts with this block's bytes
-            packed = torch.zeros(layout.nbytes, dtype=torch.uint8)
+        if entry is not None and self.pool.owner(entry) is None:  # the entry starts with this block's bytes
+            packed = self.pool.buffers[entry][: layout.nbytes].zero_()  # zeroed pads: a spill file's bytes are defined
             layout.copy_sources_into(packed, self._files, self.reader)
         original_device = layout.source_device()
         spans = layout.span_file_ranges(self._files)
@@ -472,7 +472,7 @@ class DiskHostStore:
         binder = TensorBinder(layout, device)
         if entry is not None:
             block = PooledBlock(self, layout, binder, source, original_device, entry=entry, member=choice.member_of(layout.path))
-            self.pool.add_(block, packed)
+            self.pool.add_(block, holds_bytes=packed is not None)
         else:
             block = DiskBlock(self, layout, binder, source, original_device)
             block.member = choice.member_of(layout.path) if choice is not None else None

@@ -65,20 +65,15 @@ class HostPool:
     def owner(self, entry: int) -> PooledBlock | None:
         return self._owner[entry]
 
-    def add_(self, block: PooledBlock, packed: torch.Tensor | None) -> None:
-        """Register a staged block. `packed` (its bytes, read at staging) fills its entry when the entry has no
-        owner yet: the first member staged starts in the pool."""
+    def add_(self, block: PooledBlock, holds_bytes: bool) -> None:
+        """Register a staged block; `holds_bytes`: staging packed its bytes into its entry, which had no owner
+        (the first member staged starts in the pool)."""
         order = self._member_order[block.member]
         self._pooled[block.member].append(block)
         self._pooled[block.member].sort(key=lambda b: order.index(b.path))
-        if packed is not None and self._owner[block.entry] is None:
-            self.buffers[block.entry][: packed.numel()].copy_(packed)
+        if holds_bytes:
             self._owner[block.entry] = block
             self.current = block.member
-
-    def wants_bytes(self, entry: int) -> bool:
-        """Whether staging a block of `entry` should hand its bytes over (the entry has no owner yet)."""
-        return self._owner[entry] is None
 
     def prepare_(self, member: str) -> None:
         """A block of `member` is about to be copied: when another member ran before, read `member`'s pooled
