@@ -85,12 +85,18 @@ def test_pooled_blocks_share_an_entry_read_again_only_when_the_other_dit_ran(tmp
 
 def test_a_damaged_pooled_block_is_an_error_naming_its_file_when_it_is_read(tmp_path):
     pooled = _Pooled(tmp_path)
+    pool = pooled.store.pool
     victim = pooled.blocks[2].source.path
-    victim.write_bytes(victim.read_bytes()[:-5])
+    whole = victim.read_bytes()
+    victim.write_bytes(whole[:-5])
     assert pooled.run(0)  # "a" is in the pool: nothing is read, nothing fails
     with pytest.raises(SpillFileError, match=victim.name):
         pooled.run(2)
-    assert pooled.store.pool.owner(0) is None  # nothing half-read stays in the entry
+    assert pool.owner(0) is None and pool.num_member_changes == 1  # nothing half-read stays in the entry
+    victim.write_bytes(whole)
+    assert pooled.run(2)  # the same DiT asks again: read again, no change of DiT counted
+    assert pool.num_member_changes == 1
+    victim.write_bytes(whole[:-5])
     assert pooled.run(0)  # the other DiT's block is read back into the entry
     with pytest.raises(SpillFileError, match=victim.name):
         pooled.store.restore_(CPU)

@@ -253,11 +253,18 @@ class _SpillSource:
 class DiskBlock:
     """One block of the disk tier: no host bytes; its copy job reads it from disk."""
 
-    member: str | None = None
-    """The alternating DiT the block belongs to, where there is a host pool (None otherwise)."""
-
-    def __init__(self, store: DiskHostStore, layout: BlockLayout, binder: TensorBinder, source, original_device: torch.device):
+    def __init__(
+        self,
+        store: DiskHostStore,
+        layout: BlockLayout,
+        binder: TensorBinder,
+        source,
+        original_device: torch.device,
+        member: str | None = None,
+    ):
         self.store = store
+        self.member = member
+        """The alternating DiT the block belongs to, where there is a host pool (None otherwise)."""
         self.layout = layout
         self.binder = binder
         self.source: _CheckpointSource | _SpillSource = source
@@ -347,10 +354,9 @@ class PooledBlock(DiskBlock):
 
     _where = "is read from disk into a host pool it shares with another DiT (host_budget_gb)"
 
-    def __init__(self, *args, entry: int, member: str, **kwargs):
+    def __init__(self, *args, entry: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.entry = entry
-        self.member = member
 
     def __repr__(self) -> str:
         return f"PooledBlock({self.path!r}, pool entry {self.entry}, {self.layout.nbytes} bytes from {self.source.describe()})"
@@ -386,7 +392,9 @@ class DiskHostStore:
         self.simulated_gbps = simulated_gbps
         """CPU measurements: every read lasts at least as long as on a disk of this bandwidth."""
         self.simulated_disk = threading.Lock()
+        """Held through a simulated read: the read-ahead and the pool share one disk."""
         self.counting = threading.Lock()
+        """Guards the byte count, which reads on several threads add to."""
         self.pool_choice = pool
         """The pool entries and members (None: no pool); `stage_` makes a `PooledBlock` of every pooled block."""
         self.pool: HostPool | None = None
@@ -470,12 +478,12 @@ class DiskHostStore:
         else:
             source = self._spill_(layout, packed)
         binder = TensorBinder(layout, device)
+        member = choice.member_of(layout.path) if choice is not None else None
         if entry is not None:
-            block = PooledBlock(self, layout, binder, source, original_device, entry=entry, member=choice.member_of(layout.path))
+            block = PooledBlock(self, layout, binder, source, original_device, member, entry=entry)
             self.pool.add_(block, holds_bytes=packed is not None)
         else:
-            block = DiskBlock(self, layout, binder, source, original_device)
-            block.member = choice.member_of(layout.path) if choice is not None else None
+            block = DiskBlock(self, layout, binder, source, original_device, member)
         block.binder.evict_()
         layout.forget_sources()  # the block's memory (or its view of the checkpoint) goes now
         self.blocks[layout.path] = block

@@ -104,7 +104,7 @@ class HostPool:
     def _change_to_(self, member: str, first: PooledBlock | None = None) -> None:
         if member != self.current:
             self.num_member_changes += 1
-        self._drop_loads_()
+        self._drop_loads_(keep=member)
         self.current = member
         order = self._pooled[member]
         if first is not None:  # the block asked for first, then the rest in chain order (cyclic)
@@ -116,10 +116,10 @@ class HostPool:
             self._owner[block.entry] = block
             self._loads[block.entry] = self._io.submit(self._load_, block)
 
-    def _drop_loads_(self) -> None:
-        """Cancel the reads still queued (for another member, or after a failure); wait for the one running."""
+    def _drop_loads_(self, keep: str) -> None:
+        """Cancel the reads still queued for members other than `keep`; wait for the one running."""
         for entry, load in enumerate(self._loads):
-            if load is None:
+            if load is None or self._owner[entry].member == keep:  # (a read in flight always has an owner)
                 continue
             if not load.cancel():
                 try:
