@@ -53,6 +53,10 @@ class RunStats:
     device_bytes: int
     host_bytes: int
     peak_device_bytes: int | None = None
+    disk_bytes_read: int = 0
+    """Bytes the disk tier (`host_budget_gb`) read during the call."""
+    disk_stall_seconds: float = 0.0
+    """Of the stall, the time compute waited on disk reads."""
 
     @property
     def seconds_per_step(self) -> float:
@@ -462,6 +466,8 @@ def _run_stats(seconds, step_times, before: OffloadStats | None, after: OffloadS
         device_bytes=after.device_bytes if after else 0,
         host_bytes=after.host_bytes if after else 0,
         peak_device_bytes=peak,
+        disk_bytes_read=delta("disk_bytes_read"),
+        disk_stall_seconds=delta("disk_stall_seconds"),
     )
 
 

@@ -54,6 +54,16 @@ def test_table_summary_and_image_output(tmp_path):
     assert rows["prompt"] == "a small cat" and rows["seed"] == "7" and rows["size"] == "48x64 (width x height)"
 
 
+def test_the_disk_tier_shows_what_it_read_and_stays_identical_to_resident(tmp_path):
+    config = '{"mode": "layer", "components": ["dit"], "host_budget_gb": 0.0001, "disk_dir": "%s"}' % (tmp_path / "spill")
+    result = generate("--steps", "2", "--compare-resident", "--output", str(tmp_path / "wan.gif"),
+                      "--diffusion-offload-config", config)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = {line.split("  ")[1].strip(): line.split("  ", 2)[-1].strip() for line in result.stdout.splitlines()[1:]}
+    assert rows["identical to resident"] == "yes"
+    assert rows["read from disk"].endswith("ms stalled on the disk") and not rows["read from disk"].startswith("0.0 MiB")
+
+
 def test_gif_output_and_trace(tmp_path):
     out = tmp_path / "wan.gif"
     trace = tmp_path / "trace.json"

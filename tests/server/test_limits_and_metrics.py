@@ -140,7 +140,8 @@ def test_metrics_text_is_well_formed():
     metrics.observe_job(queue_seconds=0.5, seconds=1.5, num_outputs=2, outcome=JobOutcome.OK)
     offload = SimpleNamespace(
         bytes_transferred=10, num_transfers=2, num_sync_loads=0, stall_seconds=0.25, device_bytes=5, host_bytes=7,
-        pinned_host_bytes=7, slot_bytes=4, max_materialized_blocks=2,
+        pinned_host_bytes=7, slot_bytes=4, max_materialized_blocks=2, disk_bytes_read=9, disk_stall_seconds=0.125,
+        host_pool_bytes=3, disk_staging_bytes=6,
     )  # fmt: skip
     state = QueueState(depth=1, max_waiting=4, running=True, num_submitted=3, num_started=2)
     text = metrics.render(queue=state, offload=offload, labels={"model": 'odd"name', "kind": "image", "device": "cpu"})
@@ -150,4 +151,6 @@ def test_metrics_text_is_well_formed():
     assert 'layerstream_requests_total{endpoint="/health",status="200"} 1' in text
     assert 'layerstream_server_info{model="odd\\"name",kind="image",device="cpu"} 1' in text
     assert "layerstream_bytes_streamed_total 10" in text and "layerstream_stall_seconds_total 0.25" in text
+    assert "layerstream_disk_bytes_read_total 9" in text and "layerstream_disk_stall_seconds_total 0.125" in text
+    assert "layerstream_host_pool_bytes 3" in text and "layerstream_disk_staging_bytes 6" in text
     assert 'layerstream_generations_total{outcome="ok"} 2' in text and "layerstream_queue_depth 1" in text

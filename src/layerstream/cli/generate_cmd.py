@@ -387,6 +387,8 @@ def _summary(model, omni, result, output, identical, trace_files, rank, *, promp
         "num_transfers": s.num_transfers,
         "num_sync_loads": s.num_sync_loads,
         "stall_seconds": round(s.stall_seconds, 4),
+        "disk_bytes_read": s.disk_bytes_read,
+        "disk_stall_seconds": round(s.disk_stall_seconds, 4),
         "identical_to_resident": identical,
         "trace_files": trace_files,
     }
@@ -412,6 +414,11 @@ def _print_table(summaries: list[dict]) -> None:
         ("stall time", lambda s: f"{s['stall_seconds'] * 1e3:,.1f} ms"),
         ("identical to resident", lambda s: "not checked" if s["identical_to_resident"] is None else ("yes" if s["identical_to_resident"] else "NO")),
     ]
+    if any(s["disk_bytes_read"] for s in summaries):  # the disk tier (host_budget_gb)
+        rows.insert(
+            -1,
+            ("read from disk", lambda s: f"{_mib(s['disk_bytes_read'])}, {s['disk_stall_seconds'] * 1e3:,.1f} ms stalled on the disk"),
+        )
     if any(s.get("image") for s in summaries):
         rows.insert(4, ("input image", lambda s: f"{s['image']} (size {s['size_note']})"))
     if any(s["trace_files"] for s in summaries):

@@ -171,6 +171,10 @@ _OFFLOAD_METRICS = (
     ("layerstream_host_bytes", "gauge", "host_bytes", "Host bytes held by the store of streamed blocks."),
     ("layerstream_pinned_host_bytes", "gauge", "pinned_host_bytes", "Pinned part of the host store."),
     ("layerstream_slot_bytes", "gauge", "slot_bytes", "Bytes of the device slot ring."),
+    ("layerstream_disk_bytes_read_total", "counter", "disk_bytes_read", "Bytes the disk tier read (host_budget_gb)."),
+    ("layerstream_disk_stall_seconds_total", "counter", "disk_stall_seconds", "Time compute waited on disk-tier reads."),
+    ("layerstream_host_pool_bytes", "gauge", "host_pool_bytes", "Host pool shared by alternating DiTs (in host bytes)."),
+    ("layerstream_disk_staging_bytes", "gauge", "disk_staging_bytes", "Staging ring of the disk tier (beyond the budget)."),
     ("layerstream_max_materialized_blocks", "gauge", "max_materialized_blocks", "Most blocks bound to slots at once."),
 )
 
