@@ -5,12 +5,14 @@ Run by `test_exit_teardown.py` in each of N processes with torchrun's environmen
 - ``enabled``: the same without `disable()` either: the handle is still enabled at exit;
 - ``docs``: the first Python example of docs/distributed.md, exactly as written (its `load_my_pipeline`
   builds the tiny replicated pipeline);
-- ``hooks``: a single rank checking the teardown order (prints JSON lines).
+- ``hooks``: a single rank checking the teardown order (prints JSON lines);
+- ``threads``: ``disable``, printing the native threads before exit and after the exit teardown (JSON lines).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -73,7 +75,37 @@ def hooks() -> None:
     before_group_teardown(lambda: calls.append("at exit"))
 
 
+def native_threads() -> list[str]:
+    """Names of this process's threads (Linux: /proc), the ones torch starts in C++ included."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass  # ended meanwhile
+    return sorted(names)
+
+
+def threads() -> None:
+    """`disable` (no destroy_distributed), printing the native threads before exit and after the exit teardown,
+    where the group's gloo workers must be gone: one still running during interpreter finalization aborts the
+    process when it releases its last collective's tensors."""
+    import atexit
+
+    # registered before init_distributed registers its teardown, so it runs after it (atexit is LIFO)
+    atexit.register(lambda: print(json.dumps({"after_teardown": native_threads()}), flush=True))
+    forget_destroy(disable=True)
+    print(json.dumps({"before_exit": native_threads()}), flush=True)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    modes = {"disable": forget_destroy, "enabled": lambda: forget_destroy(disable=False), "docs": docs_example, "hooks": hooks}
+    modes = {
+        "disable": forget_destroy,
+        "enabled": lambda: forget_destroy(disable=False),
+        "docs": docs_example,
+        "hooks": hooks,
+        "threads": threads,
+    }
     modes[sys.argv[1]]()

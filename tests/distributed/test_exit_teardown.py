@@ -65,6 +65,19 @@ def test_ranks_that_exit_with_offload_still_enabled_exit_0():
             assert result.returncode == 0 and "rank done" in result.stdout, f"run {run} rank {rank}:\n{result.stderr}"
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="native thread names are read from /proc (Linux)")
+def test_the_exit_teardown_leaves_no_gloo_thread_running_into_interpreter_finalization():
+    """The cause of the rare abort: a gloo worker thread alive during finalization releases its last
+    collective's tensors, needs the GIL, is made to exit instead, and terminates the process. The group is
+    destroyed only when nothing keeps it: `torch.distributed.nn.functional`, imported lazily after the group
+    existed, kept it as a default argument (`init_distributed` now imports it first)."""
+    for rank, result in enumerate(_run_ranks("threads", world_size=2)):
+        assert result.returncode == 0, f"rank {rank}:\n{result.stderr}"
+        lines = {k: v for line in result.stdout.splitlines() if line.startswith("{") for k, v in json.loads(line).items()}
+        assert any(name.startswith("pt_gloo") for name in lines["before_exit"])  # the workers ran
+        assert [name for name in lines["after_teardown"] if "gloo" in name] == [], lines
+
+
 def test_the_docs_example_runs_as_written_and_exits_0():
     for rank, result in enumerate(_run_ranks("docs", world_size=2)):
         assert result.returncode == 0 and "rank done" in result.stdout, f"rank {rank}:\n{result.stderr}"

@@ -105,15 +105,9 @@ def test_a_damaged_pooled_block_is_an_error_naming_its_file_when_it_is_read(tmp_
 
 def _wan(source: str):
     pytest.importorskip("diffusers")
-    from tiny_pipelines import load
+    from tiny_pipelines import load_wan
 
-    pipe = load("wan")
-    if source == "in-memory":
-        with torch.no_grad():
-            for m in (pipe.transformer, pipe.transformer_2):
-                for p in m.parameters():
-                    p.data = p.data.clone()
-    return pipe
+    return load_wan(source)
 
 
 @pytest.mark.parametrize("source", ["checkpoint", "in-memory"])

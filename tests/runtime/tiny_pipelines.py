@@ -28,6 +28,18 @@ def load(kind: str):
     return pipe
 
 
+def load_wan(source: str):
+    """The tiny Wan 2.2 pipeline: as loaded from its folder (`"checkpoint"`: its DiT weights are lazy views of
+    the safetensors files), or with both experts' weights copied into memory (`"in-memory"`)."""
+    pipe = load("wan")
+    if source == "in-memory":
+        with torch.no_grad():
+            for m in (pipe.transformer, pipe.transformer_2):
+                for p in m.parameters():
+                    p.data = p.data.clone()
+    return pipe
+
+
 def generate(pipe, kind: str, **overrides) -> torch.Tensor:
     """Latents of one short, seeded generation."""
     kwargs = {**_CALL[kind], **overrides}

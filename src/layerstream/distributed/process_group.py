@@ -88,6 +88,7 @@ def init_distributed(device: torch.device | str | None = None, *, backend: str |
     if dist.is_initialized():
         return device
     backend = backend or backend_for(device)
+    _import_group_defaults_first()
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL binds each rank's communicator to its current device
     dist.init_process_group(
@@ -101,6 +102,21 @@ def init_distributed(device: torch.device | str | None = None, *, backend: str |
     _TEARDOWN.group_created_(dist.group.WORLD)
     logger.info("rank %d of %d joined the process group (%s) on %s", rank, world_size, dist.get_backend(), device)
     return device
+
+
+def _import_group_defaults_first() -> None:
+    """Import `torch.distributed.nn.functional` before the group exists.
+
+    Its functions take the default group as a default argument, bound when the module is first imported (torch
+    imports it lazily, through `torch.distributed._shard`, when a module is used in some ways). Imported after
+    `init_process_group`, ten functions keep the group alive after `destroy_process_group`, so its gloo worker
+    threads are not joined and outlive the interpreter: a worker that drops its last collective's tensors
+    during finalization needs the GIL, gets a thread exit instead, and the process aborts ("terminate called
+    without an active exception"). Imported first, the defaults are None."""
+    try:
+        import torch.distributed.nn.functional  # noqa: F401
+    except Exception:  # a build without the RPC parts it imports: nothing binds the group then either
+        logger.debug("torch.distributed.nn.functional cannot be imported", exc_info=True)
 
 
 def destroy_distributed() -> None:
