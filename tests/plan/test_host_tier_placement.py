@@ -153,6 +153,15 @@ def test_no_pool_when_every_block_fits_or_there_is_one_expert():
     assert tier.pool is None and len(tier.host_block_paths) == 2
 
 
+def test_budget_left_once_each_expert_fits_whole_keeps_the_first_entries_for_the_whole_run():
+    tier = place_blocks(_wan_plan(6000), {p: 1000 for p in EXPERT_BLOCKS}).host_tier
+    # the pool holds each expert whole (4000); the 2000 left keep blocks 0 and 1 of both for the whole run,
+    # the blocks a newcomer needs first, so a change of expert reads two blocks instead of four
+    assert tier.host_block_paths == tuple(f"{e}.blocks.{i}" for e in ("transformer", "transformer_2") for i in (0, 1))
+    assert tier.pool.entries == tuple((f"transformer.blocks.{i}", f"transformer_2.blocks.{i}") for i in (2, 3))
+    assert tier.disk_block_paths == () and tier.host_nbytes == 6000
+
+
 def test_a_pool_entry_is_as_large_as_the_largest_block_sharing_it():
     sizes = {p: (1000 if p.startswith("transformer.") else 1500) for p in EXPERT_BLOCKS}
     tier = place_blocks(_wan_plan(3000), sizes).host_tier

@@ -181,3 +181,25 @@ def test_wan_pool_on_the_accelerator_engine_is_pinned_and_a_bad_file_is_a_transf
     with pytest.raises(SpillFileError):
         handle.disable()
     assert _spill_files(tmp_path) == []
+
+
+def test_wan_with_budget_beyond_one_expert_keeps_the_first_blocks_for_the_whole_run(tmp_path):
+    """Four of the six blocks fit: the pool holds each expert whole (three entries) and the fourth block's worth
+    of budget keeps the first block of both experts for the whole run (two entries left in the pool)."""
+    from tiny_pipelines import generate, load
+
+    expected = generate(load("wan"), "wan")
+    pipe = _wan("in-memory")
+    sizes = [BlockLayout("b", b).nbytes for m in (pipe.transformer, pipe.transformer_2) for b in m.blocks]
+    budget = sum(sizes) * 68 // 100
+    config = {"mode": "layer", "components": ["dit"], "host_budget_gb": budget / 1e9, "disk_dir": str(tmp_path)}
+    handle = enable_offload(pipe, config, device="cpu")
+    tier = handle.placement.host_tier
+    assert tier.host_block_paths == ("transformer.blocks.0", "transformer_2.blocks.0") and tier.disk_block_paths == ()
+    assert len(tier.pool.entries) == 2
+    for _ in range(2):
+        assert torch.equal(generate(pipe, "wan"), expected)
+    stats = handle.stats()
+    assert stats.host_bytes <= budget and stats.host_pool_bytes == tier.pool.nbytes
+    handle.disable()
+    assert torch.equal(generate(pipe, "wan"), expected)

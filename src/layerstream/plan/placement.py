@@ -29,7 +29,9 @@ expert that is not running holds none. Entry j of the pool is the j-th host bloc
 order; it holds whichever of them ran last, and is read again from disk when the other one runs. So each
 expert keeps as many blocks in host memory as the whole budget holds, and a change of expert (twice a
 request) reads the newcomer's pooled blocks once, in its first step. The pool is used only when the streamed
-blocks do not all fit in the budget.
+blocks do not all fit in the budget; when the pool holds every DiT whole and budget is left, entries from the
+start of the chains leave the pool and their blocks stay for the whole run (they are not read again at each
+change).
 """
 
 from __future__ import annotations
@@ -299,6 +301,14 @@ def _choose_host_tier(
             break
         used, counts = after, grown
     _, host, entries = layout(counts)
+    if entries and all(counts[i] == len(c.block_paths) for i, c in enumerate(chains)):
+        # every block is in host memory and budget is left: take entries out of the pool, from the start of the
+        # chains (the blocks a newcomer needs first), so that their blocks stay for the whole run and are not
+        # read again at each change of DiT
+        while entries and used + sum(host_nbytes[p] for p in entries[0]) - max(host_nbytes[p] for p in entries[0]) <= budget:
+            entry = entries.pop(0)
+            used += sum(host_nbytes[p] for p in entry) - max(host_nbytes[p] for p in entry)
+            host += entry
     on_host = set(host) | {p for e in entries for p in e}
     disk: list[str] = []
     next_on_disk: dict[str, str] = {}
