@@ -37,9 +37,9 @@ change).
 from __future__ import annotations
 
 import math
-from itertools import zip_longest
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from types import MappingProxyType
 from typing import Any
 
