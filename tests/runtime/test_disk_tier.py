@@ -410,3 +410,28 @@ def test_disk_reads_leave_no_pages_in_the_page_cache_unless_the_disk_is_simulate
         store = DiskHostStore(tmp_path, simulated_gbps=simulated)
         assert store.reader.drop_cached == (simulated is None)
         store.reader.close()
+
+
+@pytest.mark.parametrize("follow", [True, False])
+def test_the_read_ahead_follows_the_order_blocks_run_in_across_components(tmp_path, monkeypatch, follow):
+    """Every block on disk, two components (the encoder runs, then the DiT): along each chain's declared order the
+    read-ahead at the end of one component reads its own first blocks, not the other's, and misses at every
+    hand-over; along the streamer's learned predictions it misses nothing once the order is learned. (With
+    `follow` False the streamer's predictions are withheld: the old behaviour, for contrast.)"""
+    from layerstream.runtime.disk_store import DiskHostStore
+
+    if not follow:
+        monkeypatch.setattr(DiskHostStore, "follow_order_", lambda self, successor, num_blocks: None)
+    pipe = make_my_pipeline()
+    ids, x = toy_inputs()
+    expected = run(pipe, (ids, x))
+    handle = enable_offload(pipe, _config(1, tmp_path), device="cpu")
+    assert len(handle.placement.host_tier.disk_block_paths) == 7
+    ring = handle.streamer.blocks[0].host.store.staging
+    misses = []
+    for _ in range(4):
+        assert torch.equal(run(pipe, (ids, x)), expected)
+        misses.append(ring.num_read_ahead_misses)
+    handle.disable()
+    new_misses = misses[3] - misses[1]  # after the first two calls taught the order
+    assert (new_misses == 0) if follow else (new_misses >= 2), misses

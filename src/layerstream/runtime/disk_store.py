@@ -12,7 +12,8 @@ A block placed on disk (`Placement.host_tier`) comes from one of two places:
   picture. `restore_` and `rollback_` read the blocks back into real tensors and remove the folder.
 
 Disk, link and compute run as three stages: a `StagingRing` (`runtime.staging`) of three host buffers (pinned
-on an accelerator) is filled by a read-ahead I/O thread along each chain's declared order of disk blocks (two
+on an accelerator) is filled by a read-ahead I/O thread along the streamer's predictions (`follow_order_`: the
+order blocks run in, learned; each chain's declared order until the streamer is set up) of disk blocks (two
 blocks ahead), and a block's copy job only copies from the buffer already read into the slot (reading
 synchronously only when the prediction missed: the first block, skipped blocks, an order the model changed). On
 an accelerator the job runs on the compute thread (the engine issues copies from it), so the disk read must not
@@ -50,7 +51,7 @@ import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -400,7 +401,10 @@ class DiskHostStore:
         self.pool: HostPool | None = None
         self.root = Path(disk_dir).expanduser() if disk_dir is not None else default_spill_root()
         self.read_ahead: Mapping[str, str] = read_ahead or {}
-        """Disk block -> the disk block its chain runs next (what the staging ring reads ahead)."""
+        """Disk block -> the disk block its chain runs next: what the staging ring reads ahead until the streamer
+        gives its predictions (`follow_order_`)."""
+        self._successor: Callable[[str], str | None] | None = None
+        self._num_streamed = 0
         self.blocks: dict[str, DiskBlock] = {}
         self.disk_bytes_read = 0
         """Bytes read from disk (checkpoint files and spill files) since enable."""
@@ -419,8 +423,19 @@ class DiskHostStore:
         spilled = sum(isinstance(b.source, _SpillSource) for b in self.blocks.values())
         return f"DiskHostStore({len(self.blocks)} blocks, {spilled} spilled to {self.folder})"
 
+    def follow_order_(self, successor: Callable[[str], str | None], num_blocks: int) -> None:
+        """Read ahead along `successor` (the streamer's prediction of the block that runs after a block, learned
+        from the order blocks run in) through all `num_blocks` streamed blocks, host blocks included, instead of
+        each chain's declared order: the read-ahead follows a model that runs its blocks in another order, and
+        reads the next component's first disk blocks where one component hands over to another."""
+        self._successor = successor
+        self._num_streamed = num_blocks
+
     def upcoming_after(self, path: str) -> list[DiskBlock]:
-        """The disk blocks expected after `path`, in order (its chain's, cyclic), up to `READ_AHEAD_DEPTH`."""
+        """The staged disk blocks (not the pooled ones, which the pool reads) expected after `path`, in order, up
+        to `READ_AHEAD_DEPTH`: along the streamer's predictions once it gave them, else along the chain."""
+        if self._successor is not None:
+            return self._upcoming_predicted(path)
         upcoming: list[DiskBlock] = []
         current = path
         for _ in range(READ_AHEAD_DEPTH):
@@ -429,6 +444,23 @@ class DiskHostStore:
             if block is None or current == path:
                 break
             upcoming.append(block)
+        return upcoming
+
+    def _upcoming_predicted(self, path: str) -> list[DiskBlock]:
+        upcoming: list[DiskBlock] = []
+        current: str | None = path
+        for _ in range(self._num_streamed):  # the predictions may cycle without coming back to `path`
+            current = self._successor(current)
+            if current is None or current == path:
+                break
+            block = self.blocks.get(current)
+            if block is None or isinstance(block, PooledBlock):
+                continue  # a host block (or a pooled one): nothing to read into the ring
+            if block in upcoming:
+                break
+            upcoming.append(block)
+            if len(upcoming) == READ_AHEAD_DEPTH:
+                break
         return upcoming
 
     @property

@@ -122,6 +122,9 @@ def apply_layer_mode(
 
     for store in distinct_stores(stores.values()):
         store.commit_()  # sharded: every rank staged; only now may any rank drop its original weights
+        follow = getattr(store, "follow_order_", None)  # optional: a store that reads ahead (the disk tier)
+        if follow is not None and streamer is not None:
+            follow(streamer.successor, len(blocks))
 
     logger.info(
         "layerwise offload on %s: %d streamed blocks, %d slots of %.1f MiB",

@@ -91,7 +91,9 @@ class HostStore(Protocol):
     """Keeps streamed blocks' bytes off the device (see the module docstring for the lifecycle)."""
 
     kind: str
-    # optional: `bytes_read_from_files` (int), the bytes staged straight from checkpoint files
+    # optional: `bytes_read_from_files` (int), the bytes staged straight from checkpoint files; and
+    # `follow_order_(successor, num_blocks)`, called after the commit with the streamer's prediction of the block
+    # that runs after a block (a store that reads ahead of the slots follows it: the disk tier)
 
     def slot_nbytes(self, layout: BlockLayout) -> int:
         """Bytes the block needs in a device slot (pure; the placement sizes the slots from it)."""

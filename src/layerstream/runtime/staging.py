@@ -2,7 +2,7 @@
 copies out of them into a device slot, asynchronous where CUDA events tell when they are done.
 
 Disk, link and compute run as three stages: a `StagingRing` of `NUM_STAGING_BUFFERS` host buffers (pinned on an
-accelerator) is filled by a read-ahead I/O thread along each chain's order of disk blocks, and a block's copy
+accelerator) is filled by a read-ahead I/O thread along the predicted order of disk blocks, and a block's copy
 job copies from the buffer already read into the slot (see `runtime.disk_store` for where the blocks come
 from)."""
 
@@ -81,8 +81,8 @@ class StagingRing:
     copied to the slot (asynchronously from pinned memory on an accelerator), with a read-ahead on an I/O thread.
 
     A job for block B takes B's bytes from the buffer the read-ahead filled (when it predicted B; else it reads
-    B there and then, synchronously), makes sure the next `READ_AHEAD_DEPTH` disk blocks of B's chain
-    (`HostTierChoice.next_on_disk`) are being read into the other buffers, then copies B into the slot. The I/O
+    B there and then, synchronously), makes sure the next `READ_AHEAD_DEPTH` disk blocks expected after B
+    (`DiskHostStore.upcoming_after`) are being read into the other buffers, then copies B into the slot. The I/O
     thread reads them one after another, so the disk never waits for the copy side to ask for the next block:
     while the blocks between two disk blocks compute (and cross the link), the disk reads the next ones. Disk,
     link and compute run as three stages."""

@@ -7,7 +7,9 @@ releases the slot and rebinds the block to empty placeholders. Predictions start
 actually run in, learned from every observed transition.
 
 A stored block may offer `count_stall_(seconds)` (the disk tier does): after compute waited for its copy, the
-streamer tells it how long, so that it can count the part spent waiting on its own source (the disk).
+streamer tells it how long, so that it can count the part spent waiting on its own source (the disk). A store
+may read ahead further than the slots reach (the disk tier's staging ring): `successor(path)` gives it the
+same prediction, learned order included.
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ class BlockStreamer:
         for chain in chains:
             for pos, index in enumerate(chain):
                 blocks[index].next_index = chain[(pos + 1) % len(chain)]
+        self._index_of = {block.path: block.index for block in blocks}
         self._last_index: int | None = None
         self.num_materialized = 0
         self.max_materialized = 0
@@ -318,6 +321,12 @@ class BlockStreamer:
             self.engine.release(slot)
 
     # scheduling ----------------------------------------------------------------------------------------------
+    def successor(self, path: str) -> str | None:
+        """The block predicted to run after `path` (learned from the order blocks ran in, else the declared
+        chain order); None for a block this streamer does not hold. Safe to call from another thread."""
+        index = self._index_of.get(path)
+        return None if index is None else self.blocks[self.blocks[index].next_index].path
+
     def _learn(self, last: int, index: int) -> None:
         prev = self.blocks[last]
         if prev.next_index == index:

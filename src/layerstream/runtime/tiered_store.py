@@ -32,6 +32,9 @@ class TieredHostStore:
     def bytes_read_from_files(self) -> int:
         return getattr(self.host, "bytes_read_from_files", 0)  # host bytes staged from checkpoint files
 
+    def follow_order_(self, successor, num_blocks: int) -> None:
+        self.disk.follow_order_(successor, num_blocks)
+
     def slot_nbytes(self, layout: BlockLayout) -> int:
         return self.host.slot_nbytes(layout)
 
