@@ -164,7 +164,7 @@ def with_disk_tier(
     tier = placement.host_tier
     if tier is None or not tier.from_disk_paths:
         return dict(stores)
-    disk = DiskHostStore(disk_dir, read_ahead=tier.next_on_disk, simulated_gbps=disk_gbps, pool=tier.pool)
+    disk = DiskHostStore(disk_dir, simulated_gbps=disk_gbps, pool=tier.pool)
     tiered: dict[int, TieredHostStore] = {}
     for store in stores.values():
         if id(store) not in tiered:

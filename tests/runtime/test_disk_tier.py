@@ -412,16 +412,33 @@ def test_disk_reads_leave_no_pages_in_the_page_cache_unless_the_disk_is_simulate
         store.reader.close()
 
 
+def test_before_any_call_the_read_ahead_reads_the_chains_next_disk_blocks_cyclic(tmp_path):
+    """The streamer's first predictions are the declared chain order: after a disk block the read-ahead names the
+    chain's next disk blocks, past the host blocks between them, and the last one's successor is the first."""
+    pipe = make_my_pipeline()
+    sizes = _block_nbytes(pipe)
+    dit = [f"transformer.blocks.{i}" for i in range(4)]
+    config = {"mode": "layer", "components": ["dit"], "host_budget_gb": 2 * max(sizes[p] for p in dit) / 1e9, "disk_dir": str(tmp_path)}
+    handle = enable_offload(pipe, config, device="cpu")
+    tier = handle.placement.host_tier
+    assert tier.host_block_paths == (dit[1], dit[3]) and tier.disk_block_paths == (dit[0], dit[2])
+    store = handle.streamer.blocks[0].host.store
+    assert [b.path for b in store.upcoming_after(dit[0])] == [dit[2]]  # then dit[0] again: the walk stops there
+    assert [b.path for b in store.upcoming_after(dit[2])] == [dit[0]]  # the last runs before the first
+    handle.disable()
+
+
 @pytest.mark.parametrize("follow", [True, False])
 def test_the_read_ahead_follows_the_order_blocks_run_in_across_components(tmp_path, monkeypatch, follow):
     """Every block on disk, two components (the encoder runs, then the DiT): along each chain's declared order the
     read-ahead at the end of one component reads its own first blocks, not the other's, and misses at every
     hand-over; along the streamer's learned predictions it misses nothing once the order is learned. (With
-    `follow` False the streamer's predictions are withheld: the old behaviour, for contrast.)"""
-    from layerstream.runtime.disk_store import DiskHostStore
+    `follow` False the streamer learns nothing, so its predictions stay the declared order: the old behaviour,
+    for contrast.)"""
+    from layerstream.runtime.streamer import BlockStreamer
 
     if not follow:
-        monkeypatch.setattr(DiskHostStore, "follow_order_", lambda self, successor, num_blocks: None)
+        monkeypatch.setattr(BlockStreamer, "_learn", lambda self, last, index: None)
     pipe = make_my_pipeline()
     ids, x = toy_inputs()
     expected = run(pipe, (ids, x))

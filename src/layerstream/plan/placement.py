@@ -126,8 +126,6 @@ class HostTierChoice:
     host_nbytes: int
     """Host bytes of the host blocks (each block's packed bytes)."""
     reason: str
-    next_on_disk: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    """Disk block -> the disk block its chain runs next (cyclic): what a disk read-ahead reads next."""
     pool: HostPoolChoice | None = None
     """The host pool of the alternating DiTs (None: no pool). Its blocks are not in `host_block_paths`."""
 
@@ -310,12 +308,7 @@ def _choose_host_tier(
             used += sum(host_nbytes[p] for p in entry) - max(host_nbytes[p] for p in entry)
             host += entry
     on_host = set(host) | {p for e in entries for p in e}
-    disk: list[str] = []
-    next_on_disk: dict[str, str] = {}
-    for chain in chains:
-        mine = [p for p in chain.block_paths if p not in on_host]
-        disk += mine
-        next_on_disk |= {p: mine[(k + 1) % len(mine)] for k, p in enumerate(mine)}
+    disk = [p for chain in chains for p in chain.block_paths if p not in on_host]
     host.sort(key=[p for c in chains for p in c.block_paths].index)
     pool = None
     if entries:
@@ -337,7 +330,7 @@ def _choose_host_tier(
                 f"; {' and '.join(alternating)} run one after the other and share a host pool of "
                 f"{pool.nbytes / GB:.3g} GB (the one not running holds no host memory)"
             )
-    return HostTierChoice(budget, tuple(host), tuple(disk), used, reason, MappingProxyType(next_on_disk), pool)
+    return HostTierChoice(budget, tuple(host), tuple(disk), used, reason, pool)
 
 
 def _chains_of(comp: ResolvedComponent) -> list[list[str]]:

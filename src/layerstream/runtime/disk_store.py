@@ -12,8 +12,8 @@ A block placed on disk (`Placement.host_tier`) comes from one of two places:
   picture. `restore_` and `rollback_` read the blocks back into real tensors and remove the folder.
 
 Disk, link and compute run as three stages: a `StagingRing` (`runtime.staging`) of three host buffers (pinned
-on an accelerator) is filled by a read-ahead I/O thread along the streamer's predictions (`follow_order_`: the
-order blocks run in, learned; each chain's declared order until the streamer is set up) of disk blocks (two
+on an accelerator) is filled by a read-ahead I/O thread along the streamer's predictions (`follow_order_`: each
+chain's declared order, then the order blocks actually run in) of disk blocks (two
 blocks ahead), and a block's copy job only copies from the buffer already read into the slot (reading
 synchronously only when the prediction missed: the first block, skipped blocks, an order the model changed). On
 an accelerator the job runs on the compute thread (the engine issues copies from it), so the disk read must not
@@ -51,7 +51,7 @@ import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -386,7 +386,6 @@ class DiskHostStore:
     def __init__(
         self,
         disk_dir: str | os.PathLike | None = None,
-        read_ahead: Mapping[str, str] | None = None,
         simulated_gbps: float | None = None,
         pool: HostPoolChoice | None = None,
     ):
@@ -400,10 +399,9 @@ class DiskHostStore:
         """The pool entries and members (None: no pool); `stage_` makes a `PooledBlock` of every pooled block."""
         self.pool: HostPool | None = None
         self.root = Path(disk_dir).expanduser() if disk_dir is not None else default_spill_root()
-        self.read_ahead: Mapping[str, str] = read_ahead or {}
-        """Disk block -> the disk block its chain runs next: what the staging ring reads ahead until the streamer
-        gives its predictions (`follow_order_`)."""
         self._successor: Callable[[str], str | None] | None = None
+        """The streamer's prediction of the block that runs after a block (`follow_order_`): what the staging
+        ring reads ahead along."""
         self._num_streamed = 0
         self.blocks: dict[str, DiskBlock] = {}
         self.disk_bytes_read = 0
@@ -432,22 +430,11 @@ class DiskHostStore:
         self._num_streamed = num_blocks
 
     def upcoming_after(self, path: str) -> list[DiskBlock]:
-        """The staged disk blocks (not the pooled ones, which the pool reads) expected after `path`, in order, up
-        to `READ_AHEAD_DEPTH`: along the streamer's predictions once it gave them, else along the chain."""
-        if self._successor is not None:
-            return self._upcoming_predicted(path)
+        """The staged disk blocks (not the pooled ones, which the pool reads) predicted to run after `path`, in
+        order, up to `READ_AHEAD_DEPTH`; none before the streamer gave its predictions (nothing runs before)."""
         upcoming: list[DiskBlock] = []
-        current = path
-        for _ in range(READ_AHEAD_DEPTH):
-            current = self.read_ahead.get(current, "")
-            block = self.blocks.get(current)
-            if block is None or current == path:
-                break
-            upcoming.append(block)
-        return upcoming
-
-    def _upcoming_predicted(self, path: str) -> list[DiskBlock]:
-        upcoming: list[DiskBlock] = []
+        if self._successor is None:
+            return upcoming
         current: str | None = path
         for _ in range(self._num_streamed):  # the predictions may cycle without coming back to `path`
             current = self._successor(current)

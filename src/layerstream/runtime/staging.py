@@ -124,7 +124,7 @@ class StagingRing:
             if position == 0:
                 self.num_read_ahead_hits += 1
             else:
-                self.num_read_ahead_misses += 1  # another order than the chain's (a skipped block, a new chain)
+                self.num_read_ahead_misses += 1  # another order than predicted (a skipped block, an order not yet learned)
         if position is not None:
             self._drop_ahead_(position)  # the reads of blocks that were skipped
             _, i, future = self._ahead.popleft()
