@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU comparison of offload strategies, in one script: synthetic Wan-14B- and Flux-shaped block stacks,
 # bf16, every strategy timed round robin in one process per model, the disk tier (one Wan stack with half its
-# blocks on disk; Wan 2.2's two experts sharing a host pool), then the cold start. About 8-11 minutes on one H200.
+# blocks on disk; Wan 2.2's two experts sharing a host pool), then the cold start. About 8-11 minutes on one H200
+# (an estimate: the disk-tier runs have not run on a GPU yet).
 #
 #   benchmarks/gpu.sh OUT_DIR
 #
