@@ -155,9 +155,9 @@ def test_tiny_wan_with_half_its_blocks_on_disk_generates_bit_identically(tmp_pat
     """Loaded from its folder, the disk blocks are read from the checkpoint's files (no spill file); built in
     memory (here: weights copied out of the files' mapping), they are spilled under disk_dir."""
     pytest.importorskip("diffusers")
-    from tiny_pipelines import generate, load, load_wan
+    from tiny_pipelines import generate, load_wan
 
-    expected = generate(load("wan"), "wan")
+    expected = generate(load_wan(source), "wan")  # the same weights resident, at the same addresses
     pipe = load_wan(source)
     experts = [pipe.transformer, pipe.transformer_2]
     sizes = [BlockLayout("b", b).nbytes for m in experts for b in m.blocks]

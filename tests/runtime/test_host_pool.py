@@ -114,9 +114,9 @@ def _wan(source: str):
 def test_wan_experts_each_keep_what_the_whole_budget_holds_and_generate_bit_identically(tmp_path, source):
     """The streamed bytes are about three times the budget: one third of the blocks fits. Each expert keeps two of its
     three blocks in host memory while it runs (the static split would give each one), the other expert none."""
-    from tiny_pipelines import generate, load
+    from tiny_pipelines import generate
 
-    expected = generate(load("wan"), "wan")
+    expected = generate(_wan(source), "wan")  # the same weights resident, at the same addresses
     pipe = _wan(source)
     experts = {"transformer": pipe.transformer, "transformer_2": pipe.transformer_2}
     sizes = {f"{name}.blocks.{i}": BlockLayout("b", b).nbytes for name, m in experts.items() for i, b in enumerate(m.blocks)}
@@ -157,9 +157,9 @@ def test_wan_pool_on_the_accelerator_engine_is_pinned_and_a_bad_file_is_a_transf
     from layerstream.runtime.copy_engine import AcceleratorCopyEngine
     from layerstream.runtime.staging import NUM_STAGING_BUFFERS
     from test_accelerator_protocol import Recorder
-    from tiny_pipelines import generate, load
+    from tiny_pipelines import generate
 
-    expected = generate(load("wan"), "wan")
+    expected = generate(_wan("in-memory"), "wan")  # the same weights resident, at the same addresses
     pipe = _wan("in-memory")
     recorder = Recorder()
     sizes = [BlockLayout("b", b).nbytes for m in (pipe.transformer, pipe.transformer_2) for b in m.blocks]
@@ -186,9 +186,9 @@ def test_wan_pool_on_the_accelerator_engine_is_pinned_and_a_bad_file_is_a_transf
 def test_wan_with_budget_beyond_one_expert_keeps_the_first_blocks_for_the_whole_run(tmp_path):
     """Four of the six blocks fit: the pool holds each expert whole (three entries) and the fourth block's worth
     of budget keeps the first block of both experts for the whole run (two entries left in the pool)."""
-    from tiny_pipelines import generate, load
+    from tiny_pipelines import generate
 
-    expected = generate(load("wan"), "wan")
+    expected = generate(_wan("in-memory"), "wan")  # the same weights resident, at the same addresses
     pipe = _wan("in-memory")
     sizes = [BlockLayout("b", b).nbytes for m in (pipe.transformer, pipe.transformer_2) for b in m.blocks]
     budget = sum(sizes) * 68 // 100

@@ -35,18 +35,23 @@ def _cast_resident(pipe, storage_dtype: torch.dtype, config: dict) -> None:
     for comp in resolve_offload_plan(pipe, config).streamed:
         module = lookup(pipe, comp.path)
         blocks = tuple(p[len(comp.path) + 1 :] + "." for stack in comp.stacks for p in stack.block_paths)
-        original = {k: v.clone() for k, v in module.state_dict().items()}
+        # the tensors themselves, not copies: a resident layer keeps its storage, and with it its address
+        original = {
+            name: ({n: p.data for n, p in sub._parameters.items() if p is not None}, dict(sub._buffers))
+            for name, sub in module.named_modules()
+        }
         compute_dtype = next(module.parameters()).dtype
         apply_layerwise_casting(module, storage_dtype, compute_dtype, skip_modules_pattern=skip_patterns_for(module))
         for sub_name, sub in module.named_modules():
             registry = getattr(sub, "_diffusers_hook", None)
             if registry is None or registry.get_hook("layerwise_casting") is None or (sub_name + ".").startswith(blocks):
                 continue
-            # a resident layer: keep it exactly as loaded (the hook then casts to the compute dtype only)
+            # a resident layer: keep it exactly as loaded, storage included (the hook's casts are then no-ops)
             registry.get_hook("layerwise_casting").storage_dtype = compute_dtype
-            sub.to(compute_dtype)
-            for key, tensor in sub.state_dict().items():
-                tensor.copy_(original[f"{sub_name}.{key}"])
+            params, buffers = original[sub_name]
+            for n, data in params.items():
+                sub._parameters[n].data = data
+            sub._buffers.update(buffers)
 
 
 def _snapshot(pipe) -> dict[str, torch.Tensor]:

@@ -30,7 +30,9 @@ def load(kind: str):
 
 def load_wan(source: str):
     """The tiny Wan 2.2 pipeline: as loaded from its folder (`"checkpoint"`: its DiT weights are lazy views of
-    the safetensors files), or with both experts' weights copied into memory (`"in-memory"`)."""
+    the safetensors files), or with both experts' weights copied into memory (`"in-memory"`). The two are
+    different resident models on some CPUs: a copy starts 64-byte aligned where the view kept the file's offset,
+    and MKL's matrix-vector product rounds by alignment (AMD EPYC), so compare each with its own kind."""
     pipe = load("wan")
     if source == "in-memory":
         with torch.no_grad():

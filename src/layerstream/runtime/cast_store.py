@@ -35,7 +35,7 @@ from torch import nn
 
 from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.cast_rule import cast_module_ids
-from layerstream.runtime.layout import ALIGN_BYTES, BlockLayout, TensorBinder, align_up
+from layerstream.runtime.layout import ALIGN_BYTES, BlockLayout, SpanMember, TensorBinder, align_up
 from layerstream.runtime.host_buffer import HostBufferBlock, PinningThread
 from layerstream.runtime.protocols import Job, Pinner
 
@@ -61,8 +61,30 @@ class Segment:
     """The compute dtype of a cast span (uint8 for raw bytes)."""
 
 
+def is_cast_tensor(module: nn.Module, dtype: torch.dtype, inner: tuple, cast_ids: frozenset[int], storage_dtype: torch.dtype) -> bool:
+    """Whether a block tensor is stored in `storage_dtype` (a tensor of a cast layer, floating point, wider)."""
+    return (
+        id(module) in cast_ids
+        and not inner  # a quantized weight's inner tensors (torchao) keep their dtype
+        and dtype.is_floating_point
+        and dtype.itemsize > storage_dtype.itemsize
+    )
+
+
+def compute_layout_for(layout: BlockLayout, cast_ids: frozenset[int], storage_dtype: torch.dtype) -> BlockLayout:
+    """The layout a slot's compute part has: spans that are cast sit at residue 0, where diffusers' casting hook
+    puts them resident (every forward upcasts into a fresh allocation), the rest at their resident residue."""
+
+    def fresh(members: list[SpanMember]) -> bool:
+        dtypes = {m.tensor.dtype for m in members}
+        return len(dtypes) == 1 and all(is_cast_tensor(m.module, m.tensor.dtype, m.inner, cast_ids, storage_dtype) for m in members)
+
+    return layout.relocated(fresh)
+
+
 class CastLayout:
-    """How one block is stored: its segments, in compute-layout order (pure: reads the layout only)."""
+    """How one block is stored: its segments, in compute-layout order (pure: reads the layout only). `layout`
+    is the compute layout (`compute_layout_for`)."""
 
     def __init__(self, layout: BlockLayout, cast_ids: frozenset[int], storage_dtype: torch.dtype):
         self.layout = layout
@@ -72,12 +94,7 @@ class CastLayout:
         span_cast = [True] * len(placements)
         for e in layout.entries:
             i = e.span_index
-            castable = (
-                id(e.module) in cast_ids
-                and not e.inner  # a quantized weight's inner tensors (torchao) keep their dtype
-                and e.dtype.is_floating_point
-                and e.dtype.itemsize > storage_dtype.itemsize
-            )
+            castable = is_cast_tensor(e.module, e.dtype, e.inner, cast_ids, storage_dtype)
             if not castable or span_dtype[i] not in (None, e.dtype):
                 span_cast[i] = False  # a span is cast whole or not at all (its entries view one storage)
             span_dtype[i] = e.dtype
@@ -304,7 +321,7 @@ class CastHostStore:
     def __init__(self, model: nn.Module, storage_dtype: torch.dtype):
         self.storage_dtype = storage_dtype
         self._cast_ids = cast_module_ids(model)
-        self._cast_layouts: dict[int, CastLayout] = {}
+        self._cast_layouts: dict[int, tuple[BlockLayout, CastLayout]] = {}  # id(layout) -> (layout, its cast layout)
         self.blocks: dict[str, CastBlock] = {}
         self._pinning = PinningThread()
 
@@ -313,9 +330,12 @@ class CastHostStore:
 
     def cast_layout(self, layout: BlockLayout) -> CastLayout:
         """How `layout`'s block is stored (computed once per layout)."""
-        cast_layout = self._cast_layouts.get(id(layout))
-        if cast_layout is None or cast_layout.layout is not layout:
-            cast_layout = self._cast_layouts[id(layout)] = CastLayout(layout, self._cast_ids, self.storage_dtype)
+        known = self._cast_layouts.get(id(layout))
+        if known is not None and known[0] is layout:
+            return known[1]
+        compute = compute_layout_for(layout, self._cast_ids, self.storage_dtype)
+        cast_layout = CastLayout(compute, self._cast_ids, self.storage_dtype)
+        self._cast_layouts[id(layout)] = (layout, cast_layout)
         return cast_layout
 
     def slot_nbytes(self, layout: BlockLayout) -> int:
@@ -330,10 +350,11 @@ class CastHostStore:
     def stage_(self, layout: BlockLayout, device: torch.device, pin: Pinner | None) -> CastBlock:
         assert layout.path not in self.blocks, f"{layout.path} staged twice"
         cast_layout = self.cast_layout(layout)
+        compute = cast_layout.layout
         buffer = torch.zeros(cast_layout.stored_nbytes, dtype=torch.uint8)
         cast_layout.fill_(buffer)
-        originals = [_current(e.module, e.name, e.is_param) for e in layout.entries]
-        block = CastBlock(cast_layout, TensorBinder(layout, device), buffer, originals)
+        originals = [_current(e.module, e.name, e.is_param) for e in compute.entries]
+        block = CastBlock(cast_layout, TensorBinder(compute, device), buffer, originals)
         if pin is not None:
             self._pinning.submit(block, pin)  # page-locking it overlaps with casting the next block
         block.binder.evict_()  # the originals stay referenced by the block until commit_

@@ -10,7 +10,9 @@ addresses and shapes and moves nothing; every host store and the placement read 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -46,6 +48,14 @@ class TensorEntry:
     `module.<name>`; () for a plain tensor."""
 
 
+class SpanMember(NamedTuple):
+    """One tensor of a storage span, as a `fresh_span` rule sees it."""
+
+    module: nn.Module
+    tensor: torch.Tensor
+    inner: InnerPath
+
+
 def tensor_byte_extent(t: torch.Tensor) -> tuple[int, int]:
     """[start, end) bytes of a tensor inside its untyped storage."""
     itemsize = t.element_size()
@@ -72,13 +82,22 @@ class BlockLayout:
 
     Each span keeps the address residue (mod `ALIGN_BYTES`) its tensors would have if the block were resident
     on `device`: where they already live on `device` that is their current residue, otherwise 0 (a fresh
-    allocation). CPU BLAS kernels round differently at different alignments, so this is what keeps streamed
-    outputs bit-identical to the resident model.
+    allocation). CPU BLAS kernels round differently at different alignments (MKL's matrix-vector product on
+    an AMD EPYC: four different roundings of one product over the residues mod 64), so this is what keeps
+    streamed outputs bit-identical to the resident model. A span that the resident model would compute on as a
+    fresh tensor every call (a weight upcast from a storage dtype) is marked by `fresh_span` and takes 0 too.
     """
 
-    def __init__(self, path: str, block: nn.Module, device: torch.device | None = None):
+    def __init__(
+        self,
+        path: str,
+        block: nn.Module,
+        device: torch.device | None = None,
+        fresh_span: Callable[[list[SpanMember]], bool] | None = None,
+    ):
         self.path = path
         self.block = block
+        self.device = device
         self.entries: list[TensorEntry] = []
         # (source tensor giving access to the storage, source byte start, length, destination byte offset)
         self._spans: list[tuple[torch.Tensor, int, int, int]] = []
@@ -99,6 +118,8 @@ class BlockLayout:
             end = max(e for _, e in extents)
             source = members[0][2]
             stays = device is not None and _same_device(source.device, device)
+            if fresh_span is not None and fresh_span([SpanMember(m, t, i) for m, _, t, _, i in members]):
+                stays = False
             residue = (source.untyped_storage().data_ptr() + start) % ALIGN_BYTES if stays else 0
             dst = offset + (residue - offset) % ALIGN_BYTES
             self._spans.append((source, start, end - start, dst))
@@ -124,6 +145,11 @@ class BlockLayout:
             offset = dst + end - start
         self.nbytes = max(align_up(offset), ALIGN_BYTES)
         """Bytes of the block's buffer (padded; every span at its residue)."""
+
+    def relocated(self, fresh_span: Callable[[list[SpanMember]], bool]) -> BlockLayout:
+        """The same block laid out again with the spans `fresh_span` accepts at residue 0 (before staging: it
+        reads the original tensors)."""
+        return BlockLayout(self.path, self.block, self.device, fresh_span)
 
     def copy_sources_into(self, buffer: torch.Tensor, files: MappedFiles | None = None, reader: FileReader | None = None) -> int:
         """Copy every span of the original storages into `buffer` (a uint8 tensor of `nbytes`). A span that is
