@@ -27,6 +27,7 @@ from layerstream.runtime.handle import OffloadHandle
 from layerstream.runtime.layer_mode import EngineFactory, apply_layer_mode, distinct_stores
 from layerstream.runtime.layout import BlockLayout
 from layerstream.runtime.module_mode import apply_module_mode
+from layerstream.runtime.ownership import own_pipeline_calls_
 from layerstream.runtime.packed_store import PackedHostStore
 from layerstream.runtime.protocols import HostStore
 from layerstream.runtime.guards import guard_module_, guard_pipeline_
@@ -246,12 +247,7 @@ def _check_device(device, simulated_link_gbps, name: str = "simulated_link_gbps"
 
 
 def _check_components(plan: ResolvedOffloadPlan, components: Mapping[str, nn.Module]) -> None:
-    for comp in plan.components:
-        if getattr(components[comp.path], _MARK, None) is not None:
-            raise OffloadError(
-                f"{plan.pipeline_class}: offload is already enabled on {comp.display_path}; call disable() on its "
-                "handle before enabling again"
-            )
+    _check_not_enabled(plan, components)
     check_no_foreign_offload(plan.pipeline_class, components)
     for comp in plan.components:
         if comp.action in ("stream", "swap", "resident"):
@@ -260,6 +256,28 @@ def _check_components(plan: ResolvedOffloadPlan, components: Mapping[str, nn.Mod
                     raise OffloadError(
                         f"{plan.pipeline_class}: {comp.display_path}.{name} is on the meta device (weights not loaded)"
                     )
+
+
+def _check_not_enabled(plan: ResolvedOffloadPlan, components: Mapping[str, nn.Module]) -> None:
+    """Refuse to enable offload over an earlier enable, naming what that enable did.
+
+    Every component of a plan is marked, the resident ones too, so a pipeline enabled before has all of them
+    marked: the first marked component in plan order (often the resident vae) says nothing about the problem.
+    """
+    marks = [(comp.display_path, getattr(components[comp.path], _MARK, None)) for comp in plan.components]
+    handles = [handle for _, handle in marks if handle is not None]
+    if not handles:
+        return
+    handle = handles[0]
+    marked = [path for path, mark in marks if mark is handle]
+    offloaded = [c.display_path for c in handle.plan.components if c.action != "resident"]
+    what = f"{handle.plan.config.mode} mode, offloading {', '.join(offloaded) or 'nothing'}"
+    if handle.plan.pipeline_class == plan.pipeline_class:
+        where = f"offload is already enabled on this pipeline, by an earlier enable_offload ({what})"
+    else:
+        by = f"by an enable_offload on {handle.plan.pipeline_class}"
+        where = f"offload is already enabled on {', '.join(marked)}, {by} ({what})"
+    raise OffloadError(f"{plan.pipeline_class}: {where}; call disable() on its handle before enabling again")
 
 
 def _raise_after_rollback(plan: ResolvedOffloadPlan, error: BaseException):
@@ -281,6 +299,9 @@ def _commit_handle(plan, device, backend, components, block_modules: Mapping[str
         unguards.append(guard_pipeline_(pipeline, [c.display_path for c in plan.streamed]))
     if streamed and pipeline is not None and hasattr(backend, "wrap_pipeline_"):
         unguards.append(backend.wrap_pipeline_(pipeline))
+    if pipeline is not None and all(pipeline is not m for m in components.values()):
+        # last: the pipeline's own calls take ownership before anything else runs (the LoRA wrappers included)
+        unguards.append(own_pipeline_calls_(pipeline, backend.ownership))
 
     def forget() -> None:
         for m in components.values():

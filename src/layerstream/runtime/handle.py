@@ -14,11 +14,15 @@ import torch
 from torch import nn
 
 from layerstream.plan.resolved import ResolvedOffloadPlan
+from layerstream.runtime.ownership import CallOwnership
 from layerstream.runtime.stats import OffloadStats, OffloadTrace
 
 
 class OffloadBackend(Protocol):
     """One mode's running state (`runtime.layer_mode.LayerModeBackend`, `runtime.module_mode.ModuleModeBackend`)."""
+
+    ownership: CallOwnership
+    """Which thread runs the pipeline now (one at a time)."""
 
     def stats(self) -> OffloadStats: ...
 
@@ -94,11 +98,16 @@ class OffloadHandle:
         If it fails part-way (a peer gone), calling it again continues where it stopped."""
         if self._backend is None:
             return
-        stats = self._backend.stats()
-        self._backend.disable()
-        self._final_stats = stats
-        self._backend = None
-        self._on_disable()
+        ownership = self._backend.ownership
+        ownership.enter()  # refused while another thread runs the pipeline: it would lose its weights mid-call
+        try:
+            stats = self._backend.stats()
+            self._backend.disable()
+            self._final_stats = stats
+            self._backend = None
+            self._on_disable()
+        finally:
+            ownership.exit()
 
     def __repr__(self) -> str:
         state = "enabled" if self.enabled else "disabled"

@@ -22,6 +22,7 @@ from layerstream.runtime.block_call import install_block_call
 from layerstream.runtime.file_reads import FileReader, MappedFiles
 from layerstream.runtime.layout import BlockLayout
 from layerstream.runtime.lora import LoraSupport, install_lora_support
+from layerstream.runtime.ownership import CallOwnership
 from layerstream.runtime.progress import StagingProgress
 from layerstream.runtime.protocols import CopyEngine, HostStore, StoredBlock
 from layerstream.runtime.state_dict import install_state_dict_hooks
@@ -105,7 +106,8 @@ def apply_layer_mode(
             blocks.append(block)
             indices.append(block.index)
         chains.append(indices)
-    streamer = BlockStreamer(blocks, chains, engine, slot_buffers) if blocks else None
+    ownership = CallOwnership(plan.pipeline_class)
+    streamer = BlockStreamer(blocks, chains, engine, slot_buffers, ownership) if blocks else None
     hooks: list = []
     undo.push(lambda: [h.remove() for h in hooks])
     if streamer is not None:
@@ -133,7 +135,7 @@ def apply_layer_mode(
         placement.num_slots,
         placement.slot_nbytes / 2**20,
     )
-    return LayerModeBackend(plan, placement, device, components, streamer, engine, stores, hooks, counters, lora)
+    return LayerModeBackend(plan, placement, device, components, streamer, engine, stores, hooks, counters, lora, ownership)
 
 
 def _bytes_from_files(store: HostStore) -> int:
@@ -152,8 +154,10 @@ def distinct_stores(stores) -> list[HostStore]:
 class LayerModeBackend:
     """A running layer mode: the streamer, its engine and stores, and their teardown."""
 
-    def __init__(self, plan, placement, device, components, streamer, engine, stores, hooks, counters, lora=None):
+    def __init__(self, plan, placement, device, components, streamer, engine, stores, hooks, counters, lora=None, ownership=None):
         self.plan = plan
+        self.ownership: CallOwnership = ownership if ownership is not None else CallOwnership(plan.pipeline_class)
+        """Which thread runs the pipeline (shared with the streamer)."""
         self.placement = placement
         self.device = device
         self.components: Mapping[str, nn.Module] = components

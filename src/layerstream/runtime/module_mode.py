@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from layerstream.plan.resolved import ResolvedOffloadPlan
+from layerstream.runtime.ownership import CallOwnership
 from layerstream.runtime.undo import UndoStack
 from layerstream.runtime.stats import ComponentStats, OffloadStats, OffloadTrace
 from layerstream.runtime.wrapping import MethodWrapper
@@ -43,6 +44,8 @@ class ModuleModeBackend:
         self.bytes = {c.path: _module_bytes(components[c.path]) for c in plan.components if c.action == "swap"}
         self.transfers = {path: 0 for path in self.bytes}
         self.depth = {path: 0 for path in self.bytes}
+        self.ownership = CallOwnership(plan.pipeline_class)
+        """Which thread runs the pipeline: a swap from a second thread would move a component under the first."""
 
     def install_(self) -> None:
         for path in self.bytes:
@@ -52,15 +55,19 @@ class ModuleModeBackend:
                     self._wrappers.append(MethodWrapper(module, name, lambda p=path: self._onload_(p), lambda p=path: self._offload_(p)))
 
     def _onload_(self, path: str) -> None:
+        self.ownership.enter()
         self.depth[path] += 1
         if self.depth[path] == 1:
             self.components[path].to(self.device)
             self.transfers[path] += 1
 
     def _offload_(self, path: str) -> None:
-        self.depth[path] -= 1
-        if self.depth[path] == 0:
-            self.components[path].to(OFFLOAD_DEVICE)
+        try:
+            self.depth[path] -= 1
+            if self.depth[path] == 0:
+                self.components[path].to(OFFLOAD_DEVICE)
+        finally:
+            self.ownership.exit()
 
     def stats(self) -> OffloadStats:
         per = {}

@@ -15,14 +15,14 @@ same prediction, learned order included.
 from __future__ import annotations
 
 import sys
-import threading
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from layerstream.errors import ConcurrentUseError, TransferError, UnsupportedUseError
+from layerstream.errors import TransferError, UnsupportedUseError
+from layerstream.runtime.ownership import CallOwnership
 from layerstream.runtime.protocols import CopyEngine, CopyRecord, StoredBlock
 from layerstream.runtime.saved_tensors import slot_saved_tensor_hooks
 from layerstream.runtime.wrapping import MethodWrapper
@@ -113,7 +113,14 @@ class StreamedBlock:
 class BlockStreamer:
     """Schedules the slot ring for every streamed block of a pipeline (all components share the slots)."""
 
-    def __init__(self, blocks: list[StreamedBlock], chains: list[list[int]], engine: CopyEngine, slot_buffers: list[torch.Tensor]):
+    def __init__(
+        self,
+        blocks: list[StreamedBlock],
+        chains: list[list[int]],
+        engine: CopyEngine,
+        slot_buffers: list[torch.Tensor],
+        ownership: CallOwnership | None = None,
+    ):
         self.blocks = blocks
         self.engine = engine
         self.slot_buffers = slot_buffers
@@ -130,9 +137,8 @@ class BlockStreamer:
         self.num_materialized = 0
         self.max_materialized = 0
         self.compute_records: deque[ComputeRecord] = deque(maxlen=MAX_TRACE_RECORDS)
-        self._owner: int | None = None
-        self._owner_depth = 0
-        self._owner_lock = threading.Lock()
+        self.ownership = ownership if ownership is not None else CallOwnership()
+        self._depth = 0  # nesting of the owner's streamed component calls
         self._active: dict[int, _Binding] = {}
         self._slot_of_storage = {buffer.untyped_storage().data_ptr(): slot for slot, buffer in enumerate(slot_buffers)}
         self._bound_in_slot: list[int | None] = [None] * self.num_slots
@@ -140,28 +146,21 @@ class BlockStreamer:
 
     # ownership: one thread at a time may run the streamed models (they share the slots) ---------------------
     def enter(self) -> None:
-        me = threading.get_ident()
-        with self._owner_lock:
-            if self._owner is None:
-                self._owner, self._owner_depth = me, 1
-            elif self._owner == me:
-                self._owner_depth += 1
-            else:
-                raise ConcurrentUseError(
-                    "a streamed model is already running in another thread; layerstream runs one forward at a "
-                    "time per pipeline (serialize calls, e.g. with a queue or a lock)"
-                )
+        """Enter a streamed component's call (refused in a thread that does not own the pipeline's calls)."""
+        self.ownership.enter()
+        self._depth += 1
 
     def exit(self) -> None:
-        with self._owner_lock:
-            if self._owner == threading.get_ident():
-                self._owner_depth -= 1
-                if self._owner_depth <= 0:
-                    self._owner, self._owner_depth = None, 0
-                    # the outermost streamed call is over: no block may still be bound. One is only if a block
-                    # was left by an exception its post-forward hook never saw (torch skips hooks on
-                    # KeyboardInterrupt); give its slot back so the next call starts clean
-                    self._release_abandoned_()
+        if not self.ownership.held_here():
+            return
+        self._depth -= 1
+        if self._depth <= 0:
+            self._depth = 0
+            # the outermost streamed call is over: no block may still be bound. One is only if a block was left
+            # by an exception its post-forward hook never saw (torch skips hooks on KeyboardInterrupt); give its
+            # slot back so the next call starts clean
+            self._release_abandoned_()
+        self.ownership.exit()
 
     def _release_abandoned_(self) -> None:
         if not self._active:
@@ -171,9 +170,7 @@ class BlockStreamer:
         self._last_index = None  # do not learn a transition from an aborted forward
 
     def _check_owner(self) -> None:
-        owner = self._owner
-        if owner is not None and owner != threading.get_ident():
-            raise ConcurrentUseError("a streamed block was called from a second thread while another thread runs the model")
+        self.ownership.check()
 
     # hooks ---------------------------------------------------------------------------------------------------
     def pre_forward(self, block: StreamedBlock) -> None:
@@ -185,7 +182,7 @@ class BlockStreamer:
                 "weights with model.requires_grad_(False); for inference run under torch.no_grad() or "
                 "torch.inference_mode(); to train, call handle.disable() first"
             )
-        if self._owner is None and self._active:
+        if self._depth == 0 and self._active:
             self._release_abandoned_()  # a block called outside its component was left bound by a Ctrl-C
         index = block.index
         last = self._last_index

@@ -1,0 +1,96 @@
+"""Which thread runs an offloaded pipeline: one at a time, from the entry of its call to the end.
+
+Streamed components share one slot ring, and a pipeline's call changes shared state before its first streamed
+block runs (the scheduler's timesteps and step index, the learned block order). So ownership is taken where a
+call enters: the pipeline's `__call__` and the methods that run a streamed component (`encode_prompt`), and each
+streamed component's forward for callers that skip the pipeline. A second thread is refused there, before it
+reads or writes anything; the owner may re-enter (a pipeline calling its own components).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+
+from layerstream.errors import ConcurrentUseError
+
+OWNED_METHODS = ("__call__", "encode_prompt", "encode_image")
+"""Pipeline methods that take ownership for their whole run (those the pipeline's class has)."""
+
+
+class CallOwnership:
+    """Re-entrant ownership by one thread, refused (not waited for) to every other thread."""
+
+    def __init__(self, what: str = "a streamed model"):
+        self.what = what
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._depth = 0
+
+    def enter(self) -> None:
+        me = threading.get_ident()
+        with self._lock:
+            if self._owner is None:
+                self._owner, self._depth = me, 1
+            elif self._owner == me:
+                self._depth += 1
+            else:
+                raise ConcurrentUseError(
+                    f"{self.what} is already running in another thread; layerstream runs one call at a time per "
+                    "offloaded pipeline, and refuses the second before it touches anything (serialize calls, e.g. "
+                    "with a queue or a lock; Omni.generate waits its turn)"
+                )
+
+    def exit(self) -> None:
+        """Leave one level; a thread that does not own it leaves nothing."""
+        with self._lock:
+            if self._owner == threading.get_ident():
+                self._depth -= 1
+                if self._depth <= 0:
+                    self._owner, self._depth = None, 0
+
+    def held_here(self) -> bool:
+        return self._owner == threading.get_ident()
+
+    def check(self) -> None:
+        """Refuse a thread that is not the owner while someone owns it."""
+        owner = self._owner
+        if owner is not None and owner != threading.get_ident():
+            raise ConcurrentUseError(f"a streamed block of {self.what} was called from a second thread while another thread runs it")
+
+
+def own_pipeline_calls_(pipeline, ownership: CallOwnership) -> Callable[[], None]:
+    """Make `pipeline`'s calls (`OWNED_METHODS`) take `ownership` for their whole run; returns the undo.
+
+    `pipe(...)` looks `__call__` up on the class, so the instance gets a class of its own: a subclass with the
+    same name and module whose owned methods wrap the originals (signatures kept, for `inspect.signature`).
+    `disable()` gives the instance its class back."""
+    cls = type(pipeline)
+    overrides: dict[str, object] = {}
+    for name in OWNED_METHODS:
+        original = getattr(cls, name, None)
+        if callable(original) and (name != "__call__" or original is not object.__call__):
+            overrides[name] = _owned(original, ownership)
+    if not overrides:
+        return lambda: None
+    owned = type(cls.__name__, (cls,), {**overrides, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    pipeline.__class__ = owned
+
+    def undo() -> None:
+        if type(pipeline) is owned:
+            pipeline.__class__ = cls
+
+    return undo
+
+
+def _owned(method: Callable, ownership: CallOwnership) -> Callable:
+    @functools.wraps(method)
+    def owned(self, *args, **kwargs):
+        ownership.enter()  # before the method reads anything: a second thread is refused here
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            ownership.exit()
+
+    return owned
