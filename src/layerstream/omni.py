@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -110,6 +111,7 @@ class Omni:
         self.image_input: ImageInputKind = pipeline_image_input(self.pipeline)
         """Whether the pipeline takes an input image: ``"none"``, ``"optional"`` or ``"required"``."""
         self.handle: OffloadHandle | None = None
+        self._run_lock = threading.Lock()
         if offload:
             self.handle = enable_offload(
                 self.pipeline,
@@ -289,14 +291,17 @@ class Omni:
         if "callback_on_step_end" in call:
             kwargs["callback_on_step_end"] = step_end
 
-        before = self.handle.stats() if self.handle is not None else None
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            output = self.pipeline(**kwargs)
-        seconds = time.perf_counter() - start
-        after = self.handle.stats() if self.handle is not None else None
+        # one call at a time: a second thread waits here, before it reads the counters or the pipeline's state
+        # (what ran before this point only read the arguments); the raw pipeline refuses instead of waiting
+        with self._run_lock:
+            before = self.handle.stats() if self.handle is not None else None
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                output = self.pipeline(**kwargs)
+            seconds = time.perf_counter() - start
+            after = self.handle.stats() if self.handle is not None else None
         return output, _run_stats(seconds, step_times, before, after, self.device)
 
     def _input_image(self, image, *, height, width, max_side_pixels):
@@ -364,9 +369,10 @@ class Omni:
         return self.handle.stats() if self.handle is not None else None
 
     def close(self) -> None:
-        if self.handle is not None:
-            self.handle.disable()
-            self.handle = None
+        with self._run_lock:  # after a generation in another thread, never under it
+            if self.handle is not None:
+                self.handle.disable()
+                self.handle = None
 
 
 def _component_dtypes(pipeline) -> dict[str, str]:
@@ -472,17 +478,29 @@ def _run_stats(seconds, step_times, before: OffloadStats | None, after: OffloadS
 
 
 def save_output(result: GenerationResult, path: str | Path) -> Path:
-    """Write images as PNG and video as MP4 or GIF, chosen by the file suffix."""
+    """Write images as PNG and video as MP4 or GIF, chosen by the file suffix.
+
+    The file is written beside `path` under a temporary name and renamed into place once complete (see
+    `write_atomically`): an error or Ctrl-C while writing leaves a file already at `path` as it was.
+    """
+    from layerstream.atomic_write import write_atomically
+
     path = Path(path)
     suffix = path.suffix.lower()
     allowed = IMAGE_SUFFIXES if result.kind == "image" else VIDEO_SUFFIXES
     if suffix not in allowed:
         raise GenerationError(f"output = {str(path)!r}: a {result.kind} is saved as {' or '.join(allowed)}")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    with write_atomically(path) as partial:
+        _encode(result, partial, suffix)
+    return path
+
+
+def _encode(result: GenerationResult, path: Path, suffix: str) -> None:
+    # the format is passed explicitly, never read from `path`: a temporary name is not the output's name
     if suffix == ".png":
         from PIL import Image
 
-        Image.fromarray(result.frames[0]).save(path)
+        Image.fromarray(result.frames[0]).save(path, format="PNG")
     else:
         import imageio.v3 as iio
 
@@ -490,7 +508,6 @@ def save_output(result: GenerationResult, path: str | Path) -> Path:
             iio.imwrite(path, result.frames, extension=".gif", duration=1000 / result.fps, loop=0)
         else:
             iio.imwrite(path, _even_frames(result.frames), extension=".mp4", fps=result.fps, codec="libx264")
-    return path
 
 
 def _even_frames(frames: np.ndarray) -> np.ndarray:
