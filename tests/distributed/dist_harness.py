@@ -17,19 +17,32 @@ from pathlib import Path
 import pytest
 
 COLLECTIVE_TIMEOUT_S = 3  # short, so that the tests of a stalled peer end quickly
+AGREEMENT_TIMEOUT_S = 30
+"""For scenarios where no peer stalls: ranks of a loaded 2-core machine can reach a collective seconds apart
+(one still importing), which the short timeout above mistook for a dead peer. A result that came from a timeout
+rather than the ranks' own vote still shows: it takes at least this long."""
 
 
 def run_ranks(
-    tmp_path: Path, scenario: str, world_size: int = 2, *, timeout_s: float = 45, device: str = "cpu", backend: str | None = None, **kwargs
+    tmp_path: Path,
+    scenario: str,
+    world_size: int = 2,
+    *,
+    timeout_s: float = 45,
+    device: str = "cpu",
+    backend: str | None = None,
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    **kwargs,
 ) -> list[dict]:
     """`device` is what each rank joins the group for (``"cuda"``: cuda:LOCAL_RANK); `backend` overrides the
-    one `init_distributed` picks for it; `kwargs` go to the scenario."""
+    one `init_distributed` picks for it; `collective_timeout_s` is every collective's timeout in the ranks;
+    `kwargs` go to the scenario. `timeout_s` is the hard limit of the whole run (a hang fails the test)."""
     from layerstream.distributed.launch import free_port
 
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
     procs = [
-        ctx.Process(target=_rank_main, args=(scenario, rank, world_size, port, str(tmp_path), device, backend, kwargs), daemon=True)
+        ctx.Process(target=_rank_main, args=(scenario, rank, world_size, port, str(tmp_path), device, backend, collective_timeout_s, kwargs), daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:
@@ -59,14 +72,16 @@ def raise_rank_errors(results: list[dict]) -> None:
             pytest.fail(f"rank {rank} raised:\n{result['traceback']}")
 
 
-def _rank_main(scenario: str, rank: int, world_size: int, port: int, out_dir: str, device: str, backend, kwargs: dict) -> None:
+def _rank_main(
+    scenario: str, rank: int, world_size: int, port: int, out_dir: str, device: str, backend, collective_timeout_s: float, kwargs: dict
+) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        LAYERSTREAM_COLLECTIVE_TIMEOUT=str(COLLECTIVE_TIMEOUT_S),
+        LAYERSTREAM_COLLECTIVE_TIMEOUT=str(collective_timeout_s),
     )
     import torch
 
