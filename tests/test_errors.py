@@ -14,8 +14,9 @@ import torch
 
 import layerstream
 from layerstream import LayerstreamError, enable_offload
-from layerstream.runtime.copy_engine import CpuCopyEngine
-from layerstream.runtime.packed_store import PackedHostStore
+from layerstream.runtime.engines.copy_engine import CpuCopyEngine
+from layerstream.runtime.stores.packed_store import PackedHostStore
+from layerstream.runtime.contracts import HostStoreBase
 
 sys.path.insert(0, str(Path(__file__).parent / "runtime"))
 from runtime_toys import make_my_pipeline, run, snapshot, toy_inputs  # noqa: E402
@@ -84,8 +85,9 @@ ERRORS = {
 }
 
 
-class RaisingStore:
-    """A `HostStore` wrapping the local packed store, raising `error` at one call (an injected store)."""
+class RaisingStore(HostStoreBase):
+    """A `HostStore` wrapping the local packed store, raising `error` at one call (an injected store; the base
+    gives the contract's defaults)."""
 
     def __init__(self, error: BaseException, where: str, on_call: int = 1):
         self.inner = PackedHostStore()

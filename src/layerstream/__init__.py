@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "resolve_offload_plan": ("layerstream.plan.resolver", "resolve_offload_plan"),
     "enable_offload": ("layerstream.offload", "enable_offload"),
-    "OffloadHandle": ("layerstream.runtime.handle", "OffloadHandle"),
+    "OffloadHandle": ("layerstream.runtime.modes.handle", "OffloadHandle"),
     "Omni": ("layerstream.omni", "Omni"),
     # errors of the optional parts (each a LayerstreamError), importable without loading those parts' extras
     "GenerationError": ("layerstream.omni", "GenerationError"),
@@ -36,8 +36,8 @@ _LAZY = {
     "CorruptFolderError": ("layerstream.models.manifest", "CorruptFolderError"),
     "SafetensorsHeaderError": ("layerstream.models.saved_dtypes", "SafetensorsHeaderError"),
     "CastReadError": ("layerstream.models.cast_on_load", "CastReadError"),
-    "SpillFileError": ("layerstream.runtime.disk_store", "SpillFileError"),
-    "CheckpointChangedError": ("layerstream.runtime.disk_store", "CheckpointChangedError"),
+    "SpillFileError": ("layerstream.runtime.stores.disk.sources", "SpillFileError"),
+    "CheckpointChangedError": ("layerstream.runtime.stores.disk.sources", "CheckpointChangedError"),
     "BenchConfigError": ("layerstream.bench.config", "BenchConfigError"),
     "StrategyError": ("layerstream.bench.strategies", "StrategyError"),
     "ColdStartConfigError": ("layerstream.bench.cold_start", "ColdStartConfigError"),

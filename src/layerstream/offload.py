@@ -1,16 +1,18 @@
 """`enable_offload`: plan, check, then apply; undo everything if applying fails.
 
-This is where the layers meet: the config is read and resolved into a plan (`plan/`), the host store of each
-streamed component is chosen (the local packed store, or the sharded allgather store from `distributed/`), the
-placement decides where every block goes (with `host_budget_gb`, the blocks it puts on disk go to a disk store
-beside the host store: `with_disk_tier`), and a mode backend of `runtime/` applies it. The handle it returns
-reports and undoes it.
+This is the composition root, where the layers meet: the config is read and resolved into a plan (`plan/`),
+the host store of each streamed component is composed from the store kinds (`STORE_KINDS`, through
+`runtime.stores.compose`: float8, sharded allgather from `distributed/`, local packed, and with
+`host_budget_gb` the disk tier around them), every block is laid out once and placed (`plan.placement`, pricing
+blocks in their stores' slot and host bytes), and a mode backend of `runtime/` applies it. The handle it
+returns reports and undoes it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,21 +22,19 @@ from layerstream.config.offload_config import OffloadConfig, parse_offload_confi
 from layerstream.errors import LayerstreamError, OffloadError
 from layerstream.plan.placement import Placement, needs_device_budget, place_blocks, read_device_budget
 from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan, lookup
-from layerstream.runtime.cast_store import STORAGE_DTYPES, CastHostStore
-from layerstream.runtime.copy_engine import make_copy_engine
-from layerstream.runtime.disk_store import DiskHostStore
-from layerstream.runtime.handle import OffloadHandle
-from layerstream.runtime.layer_mode import EngineFactory, apply_layer_mode, distinct_stores
-from layerstream.runtime.layout import BlockLayout
-from layerstream.runtime.module_mode import apply_module_mode
-from layerstream.runtime.ownership import own_pipeline_calls_
-from layerstream.runtime.packed_store import PackedHostStore
-from layerstream.runtime.protocols import HostStore
-from layerstream.runtime.guards import guard_module_, guard_pipeline_
-from layerstream.runtime.safety import check_no_foreign_offload, check_no_shared_block_tensors, check_packable_block_tensors
-from layerstream.runtime.tensors import named_tensors
-from layerstream.runtime.tiered_store import TieredHostStore
-from layerstream.runtime.undo import UndoStack
+from layerstream.runtime.engines.copy_engine import make_copy_engine
+from layerstream.runtime.modes.handle import OffloadHandle
+from layerstream.runtime.modes.hooks import PIPELINE
+from layerstream.runtime.modes.layer_mode import EngineFactory, apply_layer_mode
+from layerstream.runtime.packing.layout import BlockLayout
+from layerstream.runtime.modes.module_mode import apply_module_mode
+from layerstream.runtime.streaming.ownership import own_pipeline_calls_
+from layerstream.runtime.stores.compose import CAST_KIND, PACKED_KIND, ComponentStores, StoreContext, StoreKind, compose_stores
+from layerstream.runtime.contracts import HostStore
+from layerstream.runtime.torch_contract.guards import guard_module_, guard_pipeline_
+from layerstream.runtime.torch_contract.safety import check_no_foreign_offload, check_no_shared_block_tensors, check_packable_block_tensors
+from layerstream.runtime.packing.tensors import named_tensors
+from layerstream.runtime.modes.undo import UndoStack
 
 logger = logging.getLogger(__name__)
 
@@ -101,25 +101,9 @@ def enable_offload(
             _raise_after_rollback(plan, e)
         return _commit_handle(plan, device, backend, components, pipeline=pipeline)
 
-    if store_factory is None:
-        stores = store_factory_for(plan, device, process_group, components=components)
-    else:
-        stores = store_factory
-    component_stores = {comp.path: stores(comp.path) for comp in plan.streamed}
-    try:
-        layouts = block_layouts(pipeline, plan, device)
-        placement = place_for(plan, layouts, component_stores, device)
-        component_stores = with_disk_tier(component_stores, placement, config.disk_dir, simulated_disk_gbps)
-        block_modules = {p: lookup(pipeline, p) for p in placement.streamed_block_paths}
-        check_no_shared_block_tensors(plan.pipeline_class, components, block_modules)
-    except BaseException as e:
-        for store in distinct_stores(component_stores.values()):
-            store.report_failure_(e)
-        raise
-    for store in distinct_stores(component_stores.values()):
-        mine = [layouts[p] for c in placement.chains if component_stores[c.component] is store for p in c.block_paths]
-        store.check_layouts_(mine, placement.slot_nbytes)
-
+    context = StoreContext(plan, device, components, process_group, _spill_root(config), simulated_disk_gbps)
+    stores = _stores(plan, context, store_factory)
+    layouts, placement, block_modules = _plan_layer_mode(pipeline, plan, components, stores, device)
     try:
         backend = apply_layer_mode(
             plan=plan,
@@ -127,7 +111,7 @@ def enable_offload(
             components=components,
             block_modules=block_modules,
             layouts={p: layouts[p] for p in placement.streamed_block_paths},
-            stores=component_stores,
+            stores=stores,
             device=device,
             engine_factory=engine_factory,
             undo=undo,
@@ -136,6 +120,49 @@ def enable_offload(
         undo.unwind()
         _raise_after_rollback(plan, e)
     return _commit_handle(plan, device, backend, components, block_modules, pipeline=pipeline)
+
+
+def _sharded_store(comp: ResolvedComponent, ctx: StoreContext) -> HostStore | None:
+    # torch.distributed is imported only when a component asks for it
+    from layerstream.distributed.collectives import open_block_gather
+    from layerstream.distributed.sharded_store import ShardedHostStore
+
+    gather = open_block_gather(ctx.plan.pipeline_class, ctx.device, ctx.process_group)
+    return ShardedHostStore(gather) if gather is not None else None  # a group of one: plain copies
+
+
+SHARDED_KIND = StoreKind("sharded-allgather", lambda c: c.weight_transfer == "allgather", _sharded_store, shared=True)
+STORE_KINDS: tuple[StoreKind, ...] = (CAST_KIND, SHARDED_KIND, PACKED_KIND)
+"""The host stores, in order of preference: the first whose kind applies to a component and builds serves it."""
+
+
+def _spill_root(config: OffloadConfig) -> Path:
+    from layerstream.models.cache import cache_root  # the cache module reads the environment on every call
+
+    return Path(config.disk_dir) if config.disk_dir is not None else cache_root() / "spill"
+
+
+def _stores(plan: ResolvedOffloadPlan, context: StoreContext, store_factory: StoreFactory | None) -> ComponentStores:
+    if store_factory is None:
+        return compose_stores(context, STORE_KINDS)
+    return ComponentStores({comp.path: store_factory(comp.path) for comp in plan.streamed})
+
+
+def _plan_layer_mode(pipeline, plan: ResolvedOffloadPlan, components, stores: ComponentStores, device: torch.device):
+    """Lay out every block once, place it, tell the stores, and check everything before anything changes:
+    (layouts, placement, the streamed block modules). A failure here tells the stores' peers."""
+    try:
+        layouts = block_layouts(pipeline, plan, device)
+        placement = place_for(plan, layouts, stores, device)
+        stores.place_(placement)
+        block_modules = {p: lookup(pipeline, p) for p in placement.streamed_block_paths}
+        check_no_shared_block_tensors(plan.pipeline_class, components, block_modules)
+    except BaseException as e:
+        stores.report_failure_(e)
+        raise
+    for store, mine in stores.layouts_by_store(placement, layouts):
+        store.check_layouts_(mine, placement.slot_nbytes)
+    return layouts, placement, block_modules
 
 
 def block_layouts(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device) -> dict[str, BlockLayout]:
@@ -147,38 +174,20 @@ def block_layouts(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device
     return {p: BlockLayout(p, block, device) for p, block in blocks.items()}
 
 
-def place_for(
-    plan: ResolvedOffloadPlan, layouts: Mapping[str, BlockLayout], stores: Mapping[str, HostStore], device: torch.device
-) -> Placement:
-    """The placement of `plan` on `device`, with each block's slot bytes as its store lays it out."""
-    slot_nbytes = {p: stores[comp.path].slot_nbytes(layouts[p]) for comp in plan.streamed for s in comp.stacks for p in s.block_paths}
+def place_for(plan: ResolvedOffloadPlan, layouts: Mapping[str, BlockLayout], stores: ComponentStores, device: torch.device) -> Placement:
+    """The placement of `plan` on `device`, pricing each block in its store's slot and host bytes."""
+    slot_nbytes, host_nbytes = stores.slot_and_host_nbytes(plan, layouts)
     budget = read_device_budget(plan, device, free_device_bytes(device)) if needs_device_budget(plan) else None
-    return place_blocks(plan, slot_nbytes, budget)
-
-
-def with_disk_tier(
-    stores: Mapping[str, HostStore], placement: Placement, disk_dir: str | None, disk_gbps: float | None = None
-) -> dict[str, HostStore]:
-    """Where the placement puts blocks on disk (`host_budget_gb`), each component's store becomes a tiered store:
-    its own store for the host blocks, one disk store for the disk blocks. Decided after the placement, which
-    needs only the stores' slot bytes; the host store of the tiered one lays blocks out the same way."""
-    tier = placement.host_tier
-    if tier is None or not tier.from_disk_paths:
-        return dict(stores)
-    disk = DiskHostStore(disk_dir, simulated_gbps=disk_gbps, pool=tier.pool)
-    tiered: dict[int, TieredHostStore] = {}
-    for store in stores.values():
-        if id(store) not in tiered:
-            tiered[id(store)] = TieredHostStore(store, disk, tier)
-    return {path: tiered[id(store)] for path, store in stores.items()}
+    return place_blocks(plan, slot_nbytes, budget, host_nbytes)
 
 
 def plan_placement(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device | None = None) -> Placement:
-    """The placement `enable_offload` would use on `device`, for one process (every block in the local store);
-    moves nothing. Raises `OffloadError` where residency "auto" has no budget to read."""
+    """The placement `enable_offload` would use on `device`, for one process (allgather priced as local); moves
+    nothing. Raises `OffloadError` where residency "auto" has no budget to read."""
     device = _check_device(device, None)
-    local = PackedHostStore()
-    stores = {c.path: _low_precision_store(c, lookup(pipeline, c.path)) or local for c in plan.streamed}
+    components = {c.path: lookup(pipeline, c.path) for c in plan.streamed}
+    local_kinds = tuple(kind for kind in STORE_KINDS if kind is not SHARDED_KIND)  # opens no process group
+    stores = compose_stores(StoreContext(plan, device, components), local_kinds, disk_tier=False)
     return place_for(plan, block_layouts(pipeline, plan, device), stores, device)
 
 
@@ -188,48 +197,6 @@ def free_device_bytes(device: torch.device) -> int | None:
         return None
     free, _ = torch.cuda.mem_get_info(device)
     return free
-
-
-def store_factory_for(
-    plan: ResolvedOffloadPlan,
-    device: torch.device,
-    process_group=None,
-    *,
-    components: Mapping[str, nn.Module] | None = None,
-) -> StoreFactory:
-    """The default stores: one local packed store, one sharded store over the group for the components that
-    ask for `weight_transfer: "allgather"` (a group of one gets the local store: plain copies), and a
-    low-precision store per component with a `storage_dtype` (`components` maps their paths to the modules)."""
-    local = PackedHostStore()
-    cast: dict[str, HostStore] = {}
-    for comp in plan.streamed:
-        if comp.storage_dtype is not None:
-            assert components is not None, "storage_dtype needs the component modules"
-            cast[comp.path] = _low_precision_store(comp, components[comp.path])
-    sharded: HostStore | None = None
-    if any(c.weight_transfer == "allgather" for c in plan.streamed):
-        # torch.distributed is imported only when a component asks for it
-        from layerstream.distributed.collectives import open_block_gather
-        from layerstream.distributed.sharded_store import ShardedHostStore
-
-        gather = open_block_gather(plan.pipeline_class, device, process_group)
-        sharded = ShardedHostStore(gather) if gather is not None else None
-
-    def store_for(path: str) -> HostStore:
-        if path in cast:
-            return cast[path]
-        if sharded is not None and plan.component(path).weight_transfer == "allgather":
-            return sharded
-        return local
-
-    return store_for
-
-
-def _low_precision_store(comp: ResolvedComponent, module: nn.Module) -> HostStore | None:
-    """The component's own low-precision store where it asks for a `storage_dtype` (else None)."""
-    if comp.storage_dtype is None:
-        return None
-    return CastHostStore(module, STORAGE_DTYPES[comp.storage_dtype])
 
 
 def _check_device(device, simulated_link_gbps, name: str = "simulated_link_gbps") -> torch.device:
@@ -291,23 +258,24 @@ def _raise_after_rollback(plan: ResolvedOffloadPlan, error: BaseException):
 def _commit_handle(plan, device, backend, components, block_modules: Mapping[str, nn.Module] | None = None, *, pipeline=None) -> OffloadHandle:
     """The last step, which cannot fail: mark the components (and guard the streamed ones, their streamed blocks
     and the pipeline against copying, pickling and converting while enabled; wrap the pipeline's LoRA entry
-    points) and hand out the handle."""
-    streamed = [components[c.path] for c in plan.streamed] if plan.config.mode == "layer" else []
-    guarded = [*streamed, *(block_modules or {}).values()]
-    unguards = [guard_module_(m) for m in guarded]
-    if streamed and pipeline is not None and all(pipeline is not m for m in guarded):
-        unguards.append(guard_pipeline_(pipeline, [c.display_path for c in plan.streamed]))
-    if streamed and pipeline is not None and hasattr(backend, "wrap_pipeline_"):
-        unguards.append(backend.wrap_pipeline_(pipeline))
-    if pipeline is not None and all(pipeline is not m for m in components.values()):
+    points and its calls) and hand out the handle. Everything installed is recorded on `backend.hooks`."""
+    hooks = backend.hooks
+    streamed = {c.display_path: components[c.path] for c in plan.streamed} if plan.config.mode == "layer" else {}
+    guarded = {**streamed, **(block_modules or {})}
+    guard = "refuses copying, pickling and converting while enabled"
+    for path, module in guarded.items():
+        hooks.add(path, "guard", guard, guard_module_(module))
+    is_component = pipeline is None or any(pipeline is m for m in (*components.values(), *guarded.values()))
+    if streamed and not is_component:
+        hooks.add(PIPELINE, "guard", guard + " (and its other ways of moving components)", guard_pipeline_(pipeline, list(streamed)))
+        backend.wrap_pipeline_(pipeline)
+    if not is_component:
         # last: the pipeline's own calls take ownership before anything else runs (the LoRA wrappers included)
-        unguards.append(own_pipeline_calls_(pipeline, backend.ownership))
+        hooks.add(PIPELINE, "ownership", "one thread at a time from the entry of __call__ and encode_prompt", own_pipeline_calls_(pipeline, backend.ownership))
 
     def forget() -> None:
         for m in components.values():
             m.__dict__.pop(_MARK, None)
-        for unguard in unguards:
-            unguard()
 
     handle = OffloadHandle(plan, device, backend, components, on_disable=forget)
     for m in components.values():

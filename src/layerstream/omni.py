@@ -27,8 +27,8 @@ from layerstream.errors import LayerstreamError
 from layerstream.models.input_image import ImageInputKind, ImageSource, pipeline_image_input
 from layerstream.models.output_limits import DEFAULT_MAX_SIDE_PIXELS
 from layerstream.offload import default_device, enable_offload
-from layerstream.runtime.handle import OffloadHandle
-from layerstream.runtime.stats import OffloadStats
+from layerstream.runtime.modes.handle import OffloadHandle
+from layerstream.runtime.reporting.stats import OffloadStats
 
 logger = logging.getLogger(__name__)
 

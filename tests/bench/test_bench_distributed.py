@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from layerstream.runtime.layout import ALIGN_BYTES
+from layerstream.runtime.packing.layout import ALIGN_BYTES
 
 STREAMED = ("layerwise", "layerwise-allgather")
 

@@ -12,6 +12,7 @@ from layerstream import __version__
 from layerstream.cli.main import main
 
 MAX_SEED = 2**64 - 1
+MAX_PROMPT_CHARS = 10_000  # the server's limit, stated here so a change to it is deliberate
 
 
 @pytest.fixture
@@ -29,8 +30,11 @@ def run_cli(monkeypatch, tmp_path, capsys):
             code = main(list(args))
         except SystemExit as e:  # argparse's own usage errors
             code = e.code
-        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("layerstream: error:")]
+        lines = capsys.readouterr().err.splitlines()
+        errors = [line for line in lines if line.startswith("layerstream: error:")]
         assert len(errors) <= 1, errors
+        if not cache.exists():  # refused before loading: that line alone, no usage block, warning or traceback
+            assert lines == errors, lines
         return code, errors[0] if errors else "", cache.exists()
 
     return run
@@ -42,24 +46,41 @@ def _file(tmp_path: Path) -> Path:
     return path
 
 
+TOO_LONG = "x" * (MAX_PROMPT_CHARS + 1)
+
 CASES = [
-    (["--steps", "-3"], "argument --steps: -3 is not valid; expected a positive integer"),
+    (["--steps", "-3"], "layerstream: error: --steps: -3 is not allowed (an integer >= 1)"),
+    (["--steps", "0"], "layerstream: error: --steps: 0 is not allowed (an integer >= 1)"),
+    (["--steps", "many"], "layerstream: error: --steps: 'many' is not allowed (an integer >= 1)"),
+    (["--fps", "0"], "--fps: 0 is not allowed (an integer >= 1)"),
+    (["--nproc", "0"], "--nproc: 0 is not allowed (an integer >= 1)"),
+    (["--link-gbps", "-1"], "--link-gbps: -1 is not allowed (a finite number > 0)"),
+    (["--stepz", "3"], "unrecognized arguments: --stepz 3 (see layerstream generate --help)"),
     (["--height", "100000", "--width", "100000"], "--height = 100000 is not valid; expected an integer from 1 to 2048 (the cap is set by --max-size)"),
     (["--width", "4096"], "--width = 4096 is not valid"),
     (["--num-frames", "1000"], "--num-frames = 1000 is not valid; expected an integer from 1 to 129 (the cap is set by --max-frames)"),
-    (["--seed", "18446744073709551617"], f"argument --seed: 18446744073709551617 is not valid; expected an integer from 0 to {MAX_SEED}"),
-    (["--seed", "-1"], "argument --seed: -1 is not valid"),
+    (["--seed", "18446744073709551617"], f"--seed: 18446744073709551617 is not allowed (an integer from 0 to {MAX_SEED}, 2**64 - 1)"),
+    (["--seed", "-1"], "--seed: -1 is not allowed"),
     (["--nproc", "2", "--seed", str(MAX_SEED)], f"--seed {MAX_SEED} is too large for 2 ranks"),
-    (["--guidance-scale", "-1"], "argument --guidance-scale: -1 is not valid; expected a finite number >= 0"),
-    (["--guidance-scale", "nan"], "argument --guidance-scale: nan is not valid"),
+    (["--guidance-scale", "-1"], "--guidance-scale: -1 is not allowed (a finite number >= 0)"),
+    (["--guidance-scale", "nan"], "--guidance-scale: nan is not allowed"),
+    (["--prompt", TOO_LONG], "--prompt: a text of 10,001 characters is not allowed (at most 10,000 characters, as the server takes)"),
+    (["--negative-prompt", TOO_LONG], "--negative-prompt: a text of 10,001 characters is not allowed"),
     (["--output", "{file}/fox.gif"], "{file} is a file, not a folder"),
     (["--output", "{file}/deeper/fox.gif"], "{file} is a file, not a folder"),
     (["--output", "{tmp}/out.txt"], "--output {tmp}/out.txt: expected a .png, .mp4, .gif file"),
+    (["--output", "{tmp}/fox.png"], "--output {tmp}/fox.png: tiny-wan makes a video; use a .mp4 or .gif file"),
+    (["--model", "tiny-flux", "--output", "{tmp}/cat.gif"], "--output {tmp}/cat.gif: tiny-flux makes an image; use a .png file"),
+    (["--model", "tiny-flux", "--num-frames", "5"], "--num-frames 5: tiny-flux makes images, not video; drop --num-frames"),
     (["--device", "nosuchdevice"], "--device 'nosuchdevice' is not a device"),
 ]
 
 
-@pytest.mark.parametrize("args, message", CASES, ids=[" ".join(a) for a, _ in CASES])
+def _ids(case) -> str:
+    return " ".join(a if len(a) < 40 else f"<{len(a)} characters>" for a in case[0])
+
+
+@pytest.mark.parametrize("args, message", CASES, ids=[_ids(case) for case in CASES])
 def test_refused_before_any_work(run_cli, tmp_path, args, message):
     fill = {"file": str(_file(tmp_path)), "tmp": str(tmp_path)}
     code, error, cache_used = run_cli("generate", *(a.format(**fill) for a in args))
@@ -87,7 +108,6 @@ def test_cuda_on_a_torch_without_cuda(run_cli, device):
         (["--height", "2048", "--width", "2048"], "--height = 2048 is not valid; expected a multiple of 16 up to 1024 for tiny-wan"),
         (["--max-size", "4096", "--height", "4096", "--width", "4096"], "--height = 4096 is not valid; expected a multiple of 16 up to 1024"),
         (["--num-frames", "6"], "--num-frames = 6 is not valid; expected 4 * k + 1"),
-        (["--model", "tiny-flux", "--output", "fox.gif"], "tiny-flux makes an image; use a .png file"),
     ],
 )
 def test_refused_by_what_the_model_can_make_before_the_first_step(run_cli, capsys, args, message):
@@ -109,3 +129,26 @@ def test_help_states_the_seed_and_guidance_rules(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert f"random seed, 0 to {MAX_SEED} (2**64 - 1)" in text
     assert "a number >= 0; 1 or less turns guidance off" in text
+
+
+def test_the_prompt_limit_is_the_servers():
+    """One number: the longest prompt the command line takes is the longest the server takes."""
+    pydantic = pytest.importorskip("pydantic")
+    from layerstream.cli.main import build_parser
+    from layerstream.server.schemas import ImageGenerationRequest
+
+    longest = "x" * MAX_PROMPT_CHARS
+    assert build_parser().parse_args(["generate", "--prompt", longest]).prompt == longest
+    ImageGenerationRequest(prompt=longest)
+    with pytest.raises(pydantic.ValidationError):
+        ImageGenerationRequest(prompt=longest + "x")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--prompt", longest + "x"])
+
+
+@pytest.mark.parametrize("length, shown", [(80, "p" * 80), (81, "p" * 80 + "... (81 characters)"),
+                                           (100_000, "p" * 80 + "... (100,000 characters)")])  # fmt: skip
+def test_the_table_shortens_long_prompts(length, shown):
+    from layerstream.cli.generate_summary import short_prompt
+
+    assert short_prompt("p" * length) == shown

@@ -122,3 +122,29 @@ def test_data_parallel_ranks_share_weights_and_match_resident(tmp_path, model, m
     single = json.loads(generate("--model", model, "--steps", "1", "--json", cwd=tmp_path).stdout)
     # each rank keeps half of the streamed host bytes (plus per-block alignment padding)
     assert all(s["host_bytes"] <= single["host_bytes"] / 2 + 64 * 6 for s in summaries)
+
+
+@pytest.mark.parametrize(
+    "class_name, name, message",
+    [
+        ("WanPipeline", "fox.png", "makes a video; use a .mp4 or .gif file"),
+        ("FluxPipeline", "cat.gif", "makes an image; use a .png file"),
+    ],
+)
+def test_a_model_folders_kind_comes_from_its_model_index_before_loading(tmp_path, class_name, name, message):
+    """The folder has no component subfolders, so loading it would fail with another error: the suffix error
+    shows the kind was read from model_index.json before anything loaded."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": class_name, "transformer": ["diffusers", "X"]}))
+    result = generate("--model", str(folder), "--output", str(tmp_path / name))
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"layerstream: error: --output {tmp_path / name}: {folder} {message}"]
+
+
+def test_the_summary_shortens_a_long_prompt(tmp_path):
+    prompt = "a small cat on a windowsill " * 300  # 8,400 characters: under the limit, far over a table row
+    result = generate("--model", "tiny-flux", "--steps", "1", "--prompt", prompt, "--output", str(tmp_path / "cat.png"))
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: " ".join(line.split()[1:]) for line in result.stdout.splitlines()[1:]}
+    assert rows["prompt"] == " ".join(prompt[:80].split()) + "... (8,400 characters)"

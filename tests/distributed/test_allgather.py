@@ -16,7 +16,7 @@ from dist_toys import UnreplicatedPipeline, config, make_inputs, make_pipeline, 
 from layerstream import OffloadPlanResolutionError, enable_offload
 from layerstream.distributed.collectives import shard_nbytes
 from layerstream.errors import OffloadError
-from layerstream.runtime.layout import ALIGN_BYTES
+from layerstream.runtime.packing.layout import ALIGN_BYTES
 
 _COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "broadcast", "barrier")
 

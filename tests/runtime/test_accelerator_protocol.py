@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from layerstream import enable_offload
-from layerstream.runtime.copy_engine import AcceleratorCopyEngine
+from layerstream.runtime.engines.copy_engine import AcceleratorCopyEngine
 from runtime_toys import ToyDiT, run
 
 

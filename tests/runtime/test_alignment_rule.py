@@ -16,7 +16,7 @@ from torch import nn
 pytest.importorskip("diffusers")
 
 from layerstream import enable_offload  # noqa: E402
-from layerstream.runtime.layout import ALIGN_BYTES, BlockLayout  # noqa: E402
+from layerstream.runtime.packing.layout import ALIGN_BYTES, BlockLayout  # noqa: E402
 from tests.runtime.tiny_pipelines import dit_components, generate, load, load_wan  # noqa: E402
 
 
@@ -147,7 +147,7 @@ def test_float8_storage_computes_cast_weights_where_diffusers_casting_does_and_t
     weights it does not cast stay where they are."""
     from diffusers.hooks import apply_layerwise_casting
 
-    from layerstream.runtime.cast_rule import skip_patterns_for
+    from layerstream.runtime.stores.cast_rule import skip_patterns_for
 
     pipe = load(kind)
     _scatter_residues_(pipe)

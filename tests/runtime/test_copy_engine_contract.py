@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from layerstream import LayerstreamError, TransferError
-from layerstream.runtime.copy_engine import AcceleratorCopyEngine, CpuCopyEngine
-from layerstream.runtime.protocols import CopyEngine
+from layerstream.runtime.engines.copy_engine import AcceleratorCopyEngine, CpuCopyEngine
+from layerstream.runtime.contracts import CopyEngine
 from test_accelerator_protocol import Recorder
 
 CPU = torch.device("cpu")

@@ -13,8 +13,8 @@ import torch
 
 from layerstream import enable_offload
 from layerstream.errors import TransferError
-from layerstream.runtime.disk_store import HEADER_BYTES, SpillFileError
-from layerstream.runtime.layout import BlockLayout
+from layerstream.runtime.stores.disk.sources import HEADER_BYTES, SpillFileError
+from layerstream.runtime.packing.layout import BlockLayout
 from runtime_toys import make_my_pipeline, run, snapshot, toy_inputs
 
 BOTH = ["dit", "text_encoder"]
@@ -178,7 +178,7 @@ def test_tiny_wan_with_half_its_blocks_on_disk_generates_bit_identically(tmp_pat
 
 def _staged_on_disk(pipe, tmp_path):
     """The DiT blocks of `pipe` in a disk store of their own (spilled), and each block's packed bytes."""
-    from layerstream.runtime.disk_store import DiskHostStore
+    from layerstream.runtime.stores.disk.disk_store import DiskHostStore
 
     layouts = [BlockLayout(f"b{i}", b) for i, b in enumerate(pipe.transformer.blocks)]
     packed = []
@@ -197,7 +197,7 @@ def _staged_on_disk(pipe, tmp_path):
 def test_the_staging_ring_reads_ahead_along_the_chain(tmp_path):
     """Disk -> staging buffer -> slot, reading the next disk blocks ahead on an I/O thread; a ring for a device
     without CUDA events copies into the slot in step."""
-    from layerstream.runtime.staging import NUM_STAGING_BUFFERS, StagingRing
+    from layerstream.runtime.stores.disk.staging import NUM_STAGING_BUFFERS, StagingRing
 
     store, stored, packed, slot_nbytes = _staged_on_disk(make_my_pipeline(), tmp_path)
     ring = StagingRing(slot_nbytes, torch.device("meta"), None)
@@ -237,7 +237,7 @@ def test_on_an_accelerator_the_compute_threads_wait_for_a_read_is_the_disk_stall
 
 
 def test_a_damaged_block_read_ahead_is_an_error_when_it_is_used_not_before(tmp_path):
-    from layerstream.runtime.staging import StagingRing
+    from layerstream.runtime.stores.disk.staging import StagingRing
 
     store, stored, packed, slot_nbytes = _staged_on_disk(make_my_pipeline(), tmp_path)
     ring = StagingRing(slot_nbytes, torch.device("meta"), None)
@@ -261,7 +261,7 @@ def test_a_checkpoint_file_changed_after_enable_is_a_clear_error(tmp_path):
     import shutil
 
     from layerstream.models.loading import load_pipeline, resolve_model_folder
-    from layerstream.runtime.disk_store import CheckpointChangedError
+    from layerstream.runtime.stores.disk.sources import CheckpointChangedError
     from tiny_pipelines import generate
 
     folder = tmp_path / "wan"
@@ -287,7 +287,7 @@ def test_a_checkpoint_file_changed_after_enable_is_a_clear_error(tmp_path):
 def test_the_accelerator_engine_streams_disk_blocks_and_reports_a_bad_file_at_wait_ready(tmp_path):
     """The accelerator engine (its CUDA calls recorded by a stand-in) runs disk jobs on the compute thread:
     outputs bit-identical, only host blocks and the staging ring are registered (pinned), a damaged spill file is a TransferError."""
-    from layerstream.runtime.copy_engine import AcceleratorCopyEngine
+    from layerstream.runtime.engines.copy_engine import AcceleratorCopyEngine
     from test_accelerator_protocol import Recorder
 
     pipe = make_my_pipeline()
@@ -301,7 +301,7 @@ def test_the_accelerator_engine_streams_disk_blocks_and_reports_a_bad_file_at_wa
 
     budget = 2 * max(sizes.values())
     handle = enable_offload(pipe, _config(budget, tmp_path), device="cpu", engine_factory=factory)
-    from layerstream.runtime.staging import NUM_STAGING_BUFFERS
+    from layerstream.runtime.stores.disk.staging import NUM_STAGING_BUFFERS
 
     registered = [e for e in recorder.log if e[0] == "host_register"]
     # the host blocks and the staging ring the disk blocks are read into are pinned; disk blocks are not
@@ -349,7 +349,7 @@ def test_enable_removes_spill_folders_of_dead_processes_and_never_a_live_ones(tm
     import subprocess
     import sys
 
-    from layerstream.runtime.disk_store import process_space, process_start_ticks
+    from layerstream.runtime.stores.disk.sources import process_space, process_start_ticks
 
     def folder(name: str) -> Path:
         path = tmp_path / name
@@ -387,12 +387,13 @@ def test_disk_reads_leave_no_pages_in_the_page_cache_unless_the_disk_is_simulate
     the memory the budget leaves free stays free, and reads reach the disk. A simulated disk keeps the cache
     (the real disk must not be what a CPU measurement times)."""
     from layerstream.bench.page_cache import cached_fraction
-    from layerstream.runtime.disk_store import DiskHostStore, _SpillSource
-    from layerstream.runtime.file_reads import FileReader
+    from layerstream.runtime.stores.disk.disk_store import DiskHostStore
+    from layerstream.runtime.stores.disk.sources import SpillSource
+    from layerstream.runtime.packing.file_reads import FileReader
 
     payload = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8)
     path = tmp_path / "block"
-    source = _SpillSource.write(path, payload)
+    source = SpillSource.write(path, payload)
     fraction = cached_fraction([path])
     if fraction is None:
         pytest.skip("mincore cannot tell what is cached here")
@@ -435,7 +436,7 @@ def test_the_read_ahead_follows_the_order_blocks_run_in_across_components(tmp_pa
     hand-over; along the streamer's learned predictions it misses nothing once the order is learned. (With
     `follow` False the streamer learns nothing, so its predictions stay the declared order: the old behaviour,
     for contrast.)"""
-    from layerstream.runtime.streamer import BlockStreamer
+    from layerstream.runtime.streaming.streamer import BlockStreamer
 
     if not follow:
         monkeypatch.setattr(BlockStreamer, "_learn", lambda self, last, index: None)

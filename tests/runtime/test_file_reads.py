@@ -9,7 +9,7 @@ import torch
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from layerstream.runtime.file_reads import FileReader, MappedFiles  # noqa: E402
+from layerstream.runtime.packing.file_reads import FileReader, MappedFiles  # noqa: E402
 
 
 def test_unwritten_views_map_to_the_file_and_written_ones_do_not(tmp_path: Path):

@@ -16,8 +16,9 @@ import torch
 from layerstream import enable_offload
 from layerstream.errors import TransferError, UnsupportedUseError
 from layerstream.plan.placement import HostPoolChoice
-from layerstream.runtime.disk_store import DiskHostStore, PooledBlock, SpillFileError
-from layerstream.runtime.layout import BlockLayout
+from layerstream.runtime.stores.disk.disk_store import DiskHostStore, PooledBlock
+from layerstream.runtime.stores.disk.sources import SpillFileError
+from layerstream.runtime.packing.layout import BlockLayout
 from runtime_toys import make_my_pipeline
 
 CPU = torch.device("cpu")
@@ -154,8 +155,8 @@ def test_wan_pool_on_the_accelerator_engine_is_pinned_and_a_bad_file_is_a_transf
     """The accelerator engine (its CUDA calls recorded by a stand-in) runs pooled blocks' jobs on the compute
     thread: the pool entries are pinned with the staging ring, outputs are bit-identical, and a damaged spill
     file of the expert not in the pool fails its first use with the file's name."""
-    from layerstream.runtime.copy_engine import AcceleratorCopyEngine
-    from layerstream.runtime.staging import NUM_STAGING_BUFFERS
+    from layerstream.runtime.engines.copy_engine import AcceleratorCopyEngine
+    from layerstream.runtime.stores.disk.staging import NUM_STAGING_BUFFERS
     from test_accelerator_protocol import Recorder
     from tiny_pipelines import generate
 

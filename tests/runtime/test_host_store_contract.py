@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from layerstream.runtime.layout import ALIGN_BYTES, BlockLayout
-from layerstream.runtime.packed_store import PackedHostStore
-from layerstream.runtime.protocols import HostStore, StoredBlock
+from layerstream.runtime.packing.layout import ALIGN_BYTES, BlockLayout
+from layerstream.runtime.stores.packed_store import PackedHostStore
+from layerstream.runtime.contracts import HostStore, StoredBlock
 
 CPU = torch.device("cpu")
 STORES = ["packed", "sharded-gloo-1"]

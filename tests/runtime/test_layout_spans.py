@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from layerstream.runtime.layout import ALIGN_BYTES, BlockLayout
+from layerstream.runtime.packing.layout import ALIGN_BYTES, BlockLayout
 
 CPU = torch.device("cpu")
 

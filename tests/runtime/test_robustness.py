@@ -8,7 +8,7 @@ from torch import nn
 
 from layerstream import enable_offload
 from layerstream.errors import OffloadError
-from layerstream.runtime.packed_store import PackedHostStore
+from layerstream.runtime.stores.packed_store import PackedHostStore
 from runtime_toys import ToyDiT, make_my_pipeline, run, snapshot, toy_inputs
 
 DIT = {"mode": "layer", "components": ["dit"]}
@@ -97,6 +97,29 @@ def test_enabling_twice_is_an_error():
         enable_offload(pipe, DIT, device="cpu")
     handle.disable()
     enable_offload(pipe, DIT, device="cpu").disable()
+
+
+@pytest.mark.parametrize("second", [["dit"], ["text_encoder"]], ids="+".join)
+def test_enabling_twice_names_the_earlier_enable_not_the_first_resident_component(second):
+    """Every component of a plan is marked, the resident prompt_model (first in plan order) too: the error
+    says the pipeline is already offloaded and what that enable streams, whatever the second one selects."""
+    pipe = make_my_pipeline()
+    handle = enable_offload(pipe, DIT, device="cpu")
+    with pytest.raises(OffloadError) as error:
+        enable_offload(pipe, {"mode": "layer", "components": second}, device="cpu")
+    message = str(error.value)
+    assert "offload is already enabled on this pipeline" in message
+    assert "(layer mode, offloading transformer)" in message and "call disable() on its handle" in message
+    assert "prompt_model" not in message
+    handle.disable()
+
+
+def test_enabling_over_a_component_enabled_on_its_own_names_that_component():
+    pipe = make_my_pipeline()
+    handle = enable_offload(pipe.transformer, DIT, device="cpu")
+    with pytest.raises(OffloadError, match=r"already enabled on transformer, by an enable_offload on ToyDiT"):
+        enable_offload(pipe, DIT, device="cpu")
+    handle.disable()
 
 
 def test_foreign_offload_hooks_are_refused():

@@ -11,7 +11,7 @@ import pytest
 from torch import nn
 
 from layerstream import LayerstreamError, enable_offload
-from layerstream.runtime.errors import OffloadError
+from layerstream.errors import OffloadError
 from runtime_toys import make_my_pipeline, run, toy_inputs
 
 DIT = {"mode": "layer", "components": ["dit"]}

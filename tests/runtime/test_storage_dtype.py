@@ -12,7 +12,7 @@ pytest.importorskip("diffusers")
 from layerstream import OffloadError, UnsupportedUseError, enable_offload  # noqa: E402
 from layerstream.config.offload_config import OffloadConfigError  # noqa: E402
 from layerstream.plan.resolved import lookup  # noqa: E402
-from layerstream.runtime.cast_store import CastHostStore  # noqa: E402
+from layerstream.runtime.stores.cast_store import CastHostStore  # noqa: E402
 from tests.runtime.tiny_pipelines import dit_components, generate, load  # noqa: E402
 
 FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
@@ -30,7 +30,7 @@ def _cast_resident(pipe, storage_dtype: torch.dtype, config: dict) -> None:
     from diffusers.hooks import apply_layerwise_casting
 
     from layerstream.plan.resolver import resolve_offload_plan
-    from layerstream.runtime.cast_rule import skip_patterns_for
+    from layerstream.runtime.stores.cast_rule import skip_patterns_for
 
     for comp in resolve_offload_plan(pipe, config).streamed:
         module = lookup(pipe, comp.path)

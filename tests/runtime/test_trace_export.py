@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from layerstream.runtime.trace_export import chrome_trace_events, summarize_trace, write_chrome_trace, write_timeline_png
-from layerstream.runtime.stats import OffloadTrace, TraceInterval
+from layerstream.runtime.reporting.trace_export import chrome_trace_events, summarize_trace, write_chrome_trace, write_timeline_png
+from layerstream.runtime.reporting.stats import OffloadTrace, TraceInterval
 
 
 def _trace() -> OffloadTrace:

@@ -1,12 +1,25 @@
-"""Fixtures of the server tests: servers started per module, always killed in teardown."""
+"""Fixtures of the server tests: servers started per module, always killed in teardown; a tiny Kontext folder."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from serve_harness import ServerProcess, start_server
+
+
+@pytest.fixture(scope="session")
+def kontext_folder(tmp_path_factory) -> Path:
+    """A tiny Flux Kontext saved as a model folder: the image model that takes an input image (edits)."""
+    from diffusers import FluxKontextPipeline
+
+    from layerstream.models.tiny import build_tiny_pipeline_components
+
+    folder = tmp_path_factory.mktemp("tiny-flux-kontext")
+    FluxKontextPipeline(**build_tiny_pipeline_components("tiny-flux")).save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ import numpy as np
 from fault_injection import FAULT_PROMPT_ENV
 
 IMAGES = "/v1/images/generations"
+EDITS = "/v1/images/edits"
 VIDEOS = "/v1/videos/generations"
 READY = re.compile(r"layerstream serve: ready on (http://\S+)")
 STARTUP_TIMEOUT_S = 120.0

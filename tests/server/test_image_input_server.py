@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from serve_harness import IMAGES, VIDEOS, decode_png
+from serve_harness import EDITS, IMAGES, VIDEOS, decode_png
 
-EDITS = "/v1/images/edits"
 PROMPT = "a red fox"
 SEED = 3
 
@@ -117,17 +116,6 @@ def test_the_edit_endpoint_on_a_video_model_is_400(i2v_client):
 # --- image editing: a tiny Flux Kontext, built here ------------------------------------------------------------
 
 EDIT_IMAGE = png_bytes(50, 40)
-
-
-@pytest.fixture(scope="module")
-def kontext_folder(tmp_path_factory):
-    from diffusers import FluxKontextPipeline
-
-    from layerstream.models.tiny import build_tiny_pipeline_components
-
-    folder = tmp_path_factory.mktemp("tiny-flux-kontext")
-    FluxKontextPipeline(**build_tiny_pipeline_components("tiny-flux")).save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@
 - `config`: `BenchConfig`; `harness`: `run_bench`, the round-robin measurement;
 - `measure`: timers, memory readings, link bandwidth;
 - `ideal`: the ideal forward and the transfer floor; `results` and `report`: the output as data and as tables;
-- `capture`: one forward's trace (exported by `layerstream.runtime.trace_export` as Chrome JSON and a PNG timeline).
+- `capture`: one forward's trace (exported by `layerstream.runtime.reporting.trace_export` as Chrome JSON and a PNG timeline).
 - `cold_start` (`--cold-start`): loading real-width checkpoint folders from cold files, row by row in fresh
   processes (`cold_start_rows`), the folders written once by `checkpoint_folders`, the page cache dropped by
   `page_cache`.

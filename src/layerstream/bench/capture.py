@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from layerstream.runtime.stats import OffloadTrace
+from layerstream.runtime.reporting.stats import OffloadTrace
 
 DRAIN_TIMEOUT_S = 60.0
 

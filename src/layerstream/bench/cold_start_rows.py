@@ -147,7 +147,7 @@ def _readinto(files: list[Path], buffer: torch.Tensor) -> None:
 
 def _raw_preadv(num_threads: int) -> Callable[[Path, list[Path], torch.device], Outcome]:
     def read(folder: Path, files: list[Path], device: torch.device) -> Outcome:
-        from layerstream.runtime.file_reads import FileRange, FileReader
+        from layerstream.runtime.packing.file_reads import FileRange, FileReader
 
         buffer = torch.empty(sum(p.stat().st_size for p in files), dtype=torch.uint8)
         reader = FileReader(num_threads=num_threads)
@@ -310,7 +310,7 @@ def _layerstream(dtype: str | None) -> Callable[[Path, list[Path], torch.device]
         from layerstream import Omni
 
         staging = _StagingLog()
-        progress_logger = logging.getLogger("layerstream.runtime.progress")
+        progress_logger = logging.getLogger("layerstream.runtime.reporting.progress")
         progress_logger.addHandler(staging)
         level = progress_logger.level
         progress_logger.setLevel(logging.INFO)

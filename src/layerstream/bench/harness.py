@@ -110,42 +110,11 @@ def run_bench(config: BenchConfig, log: Log = lambda message: None) -> BenchResu
         notes.append(f"layerwise-auto budget {budget_gb:.4g} GB: non-block modules + slots + half the blocks")
 
     traced_name = _traced_strategy(specs) if config.trace_dir else None
-    for spec in remaining:
-        ctx = StrategyContext(
-            device=device,
-            link_gbps=link_gbps,
-            prefetch_depth=config.prefetch_depth,
-            device_budget_gb=budget_gb,
-            trace=spec.name == traced_name,
-            host_budget_gb=config.host_budget_gb,
-            disk_gbps=config.disk_gbps,
-        )
-        model = _copy_for(prototype, last=spec is remaining[-1])
-        rows[spec.name] = _prepare_row(spec, model, ctx, config.warmup, forward, log)
+    rows.update(_prepare_others(remaining, prototype, config, device, link_gbps, budget_gb, traced_name, forward, log))
     del prototype
     gc.collect()
 
-    # --- timed forwards, round robin -------------------------------------------------------------------------
-    memory = DeviceMemory(device)
-    transfers_before = {name: row.prepared.block_transfer_counts() for name, row in rows.items()}
-    for rep in range(config.repeats):
-        for row in rows.values():
-            settle = disk_settle_forwards(row.prepared)
-            seconds, transfers, peak_over_base, out = _timed_turn(row.prepared, forward, device, memory, settle)
-            row.times_s.append(seconds)
-            if transfers is not None:
-                row.transfers.append(transfers)
-            if peak_over_base is not None:
-                row.device_peak_over_base.append(peak_over_base)
-            if row.matches_resident is None:
-                row.matches_resident = bool(torch.equal(out, reference))
-                row.max_abs_diff = float((out.float() - reference.float()).abs().max()) if out.numel() else 0.0
-        log(f"repetition {rep + 1}/{config.repeats} done")
-
-    for name, row in rows.items():
-        before, after = transfers_before[name], row.prepared.block_transfer_counts()
-        if before is not None and after is not None:
-            row.block_transfers = {p: n - before.get(p, 0) for p, n in after.items()}
+    _timed_rounds(rows, config.repeats, forward, device, reference, log)
 
     # time the blocks again after the timed loop: the ideal then rests on compute measured at both ends of the
     # run, not only at its start (the link, chosen before, keeps the first measurement)
@@ -173,6 +142,48 @@ def run_bench(config: BenchConfig, log: Log = lambda message: None) -> BenchResu
         row.prepared.close()
         gc.collect()  # the closed model's tensors go before the next one is restored
     return BenchResult(run=info, strategies=results)
+
+
+def _prepare_others(remaining, prototype, config: BenchConfig, device, link_gbps, budget_gb, traced_name, forward, log: Log) -> dict[str, _Row]:
+    """The rows of every strategy after resident, each on its own copy of the prototype (the last takes it)."""
+    rows = {}
+    for spec in remaining:
+        ctx = StrategyContext(
+            device=device,
+            link_gbps=link_gbps,
+            prefetch_depth=config.prefetch_depth,
+            device_budget_gb=budget_gb,
+            trace=spec.name == traced_name,
+            host_budget_gb=config.host_budget_gb,
+            disk_gbps=config.disk_gbps,
+        )
+        model = _copy_for(prototype, last=spec is remaining[-1])
+        rows[spec.name] = _prepare_row(spec, model, ctx, config.warmup, forward, log)
+    return rows
+
+
+def _timed_rounds(rows: dict[str, _Row], repeats: int, forward, device, reference, log: Log) -> None:
+    """The timed forwards, round robin over the strategies: times, transfers, device peaks, whether each matches
+    the resident output, and each streamed block's transfers during them."""
+    memory = DeviceMemory(device)
+    transfers_before = {name: row.prepared.block_transfer_counts() for name, row in rows.items()}
+    for rep in range(repeats):
+        for row in rows.values():
+            settle = disk_settle_forwards(row.prepared)
+            seconds, transfers, peak_over_base, out = _timed_turn(row.prepared, forward, device, memory, settle)
+            row.times_s.append(seconds)
+            if transfers is not None:
+                row.transfers.append(transfers)
+            if peak_over_base is not None:
+                row.device_peak_over_base.append(peak_over_base)
+            if row.matches_resident is None:
+                row.matches_resident = bool(torch.equal(out, reference))
+                row.max_abs_diff = float((out.float() - reference.float()).abs().max()) if out.numel() else 0.0
+        log(f"repetition {rep + 1}/{repeats} done")
+    for name, row in rows.items():
+        before, after = transfers_before[name], row.prepared.block_transfer_counts()
+        if before is not None and after is not None:
+            row.block_transfers = {p: n - before.get(p, 0) for p, n in after.items()}
 
 
 def _as_timed(calibration: BlockTimings, resident_median: float) -> list[float]:
@@ -312,7 +323,7 @@ def _write_trace(
         notes.append("--trace: no layerwise strategy selected, so no trace was written")
         return [], None
     from layerstream.bench.capture import capture_forward_trace
-    from layerstream.runtime.trace_export import summarize_trace, write_chrome_trace, write_timeline_png
+    from layerstream.runtime.reporting.trace_export import summarize_trace, write_chrome_trace, write_timeline_png
 
     prepared = row.prepared
     forward(prepared)  # settle, as the timed forwards do

@@ -392,7 +392,7 @@ def _naive(spec: StrategySpec, model: nn.Module, ctx: StrategyContext) -> Prepar
 
 _IMPORTS = {
     "layerwise": "layerstream.offload",
-    "module": "layerstream.runtime.module_mode",
+    "module": "layerstream.runtime.modes.module_mode",
     "diffusers-group": "diffusers.hooks",
 }
 _SETUP = {

@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     from layerstream.bench.strategies import StrategyError
     from layerstream.config.offload_config import OffloadConfigError
     from layerstream.plan.resolved import OffloadPlanResolutionError
-    from layerstream.runtime.errors import OffloadError
+    from layerstream.errors import OffloadError
 
     config = build_config(args)
     try:
@@ -298,7 +298,7 @@ def _run_distributed(args: argparse.Namespace) -> int:
     from layerstream.bench.config import BenchConfigError
     from layerstream.bench.distributed import format_distributed_report, run_distributed_bench
     from layerstream.config.offload_config import OffloadConfigError
-    from layerstream.runtime.errors import OffloadError
+    from layerstream.errors import OffloadError
 
     try:
         result = run_distributed_bench(config, log=lambda line: print(f"bench: {line}", file=sys.stderr, flush=True))

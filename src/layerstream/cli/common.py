@@ -46,14 +46,15 @@ def configure_logging(verbose: bool = False) -> None:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-# argparse `type=` functions: a value error is reported by argparse as "argument --steps: ...", naming the
-# flag exactly as the user typed it, with exit code 2, before `run` is reached.
+# argparse `type=` functions: argparse reports a value error as "argument --steps: <message>", naming the flag
+# as the user typed it; our parser words that as one line, "--steps: 0 is not allowed (an integer >= 1)",
+# with exit code 2, before `run` is reached.
 
 
 def positive_int(text: str) -> int:
-    value = _int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} is not valid; expected a positive integer")
+    value = _int(text, "an integer >= 1")
+    if value < 1:
+        raise _not_allowed(text, "an integer >= 1")
     return value
 
 
@@ -62,27 +63,54 @@ def seed_int(text: str) -> int:
     negative seed onto a large positive one, so two spellings would name one seed: refused instead)."""
     from layerstream.models.output_limits import MAX_SEED
 
-    value = _int(text)
+    allowed = f"an integer from 0 to {MAX_SEED}, 2**64 - 1"
+    value = _int(text, allowed)
     if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"{value} is not valid; expected an integer from 0 to {MAX_SEED} (2**64 - 1)")
+        raise _not_allowed(text, allowed)
     return value
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _float(text, "a finite number >= 0")
     if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text} is not valid; expected a finite number >= 0")
+        raise _not_allowed(text, "a finite number >= 0")
     return value
 
 
-def _int(text: str) -> int:
+def positive_float(text: str) -> float:
+    value = _float(text, "a finite number > 0")
+    if not (math.isfinite(value) and value > 0):
+        raise _not_allowed(text, "a finite number > 0")
+    return value
+
+
+def prompt_text(text: str) -> str:
+    """A prompt of at most `MAX_PROMPT_CHARS` characters, the server's limit as well; the error gives its
+    length rather than echoing it."""
+    from layerstream.models.output_limits import MAX_PROMPT_CHARS
+
+    if len(text) > MAX_PROMPT_CHARS:
+        allowed = f"at most {MAX_PROMPT_CHARS:,} characters, as the server takes"
+        raise argparse.ArgumentTypeError(f"a text of {len(text):,} characters is not allowed ({allowed})")
+    return text
+
+
+def _int(text: str, allowed: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise _not_allowed(repr(text), allowed) from None
+
+
+def _float(text: str, allowed: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise _not_allowed(repr(text), allowed) from None
+
+
+def _not_allowed(shown: str, allowed: str) -> argparse.ArgumentTypeError:
+    return argparse.ArgumentTypeError(f"{shown} is not allowed ({allowed})")
 
 
 def check_device_arg(flag: str, text: str | None) -> None:
@@ -139,7 +167,9 @@ def check_output_path(flag: str, path: Path) -> None:
         handle, probe = tempfile.mkstemp(prefix=".layerstream-write-check-", dir=folder)
     except OSError as e:
         raise CliError(f"{flag} {path}: cannot create files in {folder} ({e.strerror or e})") from None
-    os.close(handle)
-    os.unlink(probe)
+    try:
+        os.close(handle)
+    finally:  # even on Ctrl-C: the probe must not stay behind beside the output
+        os.unlink(probe)
     if path.exists() and not os.access(path, os.W_OK):
         raise CliError(f"{flag} {path} exists and is not writable")

@@ -1,4 +1,4 @@
-"""`layerstream generate`: the main job. Load a model, enable offload, generate, save, summarize."""
+"""`layerstream generate`: the main job. Check, load a model, enable offload, generate, save, summarize."""
 
 from __future__ import annotations
 
@@ -14,12 +14,17 @@ from layerstream.cli.common import (
     check_output_path,
     non_negative_float,
     parse_config_arg,
+    positive_float,
     positive_int,
+    prompt_text,
     seed_int,
 )
+from layerstream.cli.generate_summary import print_table, summary
+from layerstream.cli.interrupt import Phase, PhaseLog, report_interrupt
 from layerstream.models.output_limits import (
     DEFAULT_MAX_FRAMES,
     DEFAULT_MAX_SIDE_PIXELS,
+    MAX_PROMPT_CHARS,
     MAX_SEED,
     LimitViolation,
     check_output_caps,
@@ -34,8 +39,14 @@ _FLAGS = {"height": "--height", "width": "--width", "num_frames": "--num-frames"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny-wan", help="local diffusers folder or an embedded tiny model (default: tiny-wan)")
-    parser.add_argument("--prompt", default="a red fox running through fresh snow, cinematic", help="text prompt")
-    parser.add_argument("--negative-prompt", default=None, help="negative prompt (classifier-free guidance)")
+    parser.add_argument(
+        "--prompt", type=prompt_text, default="a red fox running through fresh snow, cinematic",
+        help=f"text prompt, at most {MAX_PROMPT_CHARS:,} characters (as the server takes)",
+    )
+    parser.add_argument(
+        "--negative-prompt", type=prompt_text, default=None,
+        help="negative prompt (classifier-free guidance), at most as long as --prompt",
+    )
     parser.add_argument(
         "--image", default=None, metavar="PATH",
         help="input image (PNG, JPEG, WebP) for image-to-video and image-editing models; without --height and "
@@ -78,12 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: as saved)")
-    parser.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated host link bandwidth in GB/s")
+    parser.add_argument("--link-gbps", type=positive_float, default=None, help="CPU only: simulated host link bandwidth in GB/s")
     parser.add_argument("--compare-resident", action="store_true", help="also run resident (the whole model on the device) and report whether outputs are bit-identical")
     parser.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace JSON (and a .png timeline beside it)")
     parser.add_argument(
         "--nproc",
-        type=int,
+        type=positive_int,
         default=None,
         help="run N data-parallel ranks on this machine (torchrun), seed + rank on each; without a config the "
         "DiT's weights are shared with allgather",
@@ -91,31 +102,74 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
 
 
+
+
 def run(args: argparse.Namespace) -> int:
+    """Generate as the arguments say; Ctrl-C at any point ends it with one line naming the phase it stopped
+    in and what it had written (outputs are written whole or not at all) and exit code 130."""
+    log = PhaseLog()
+    try:
+        return _run(args, log)
+    except KeyboardInterrupt:
+        return report_interrupt(log)
+
+
+def _run(args: argparse.Namespace, log: PhaseLog) -> int:
     rank, world_size = _rank_info()
     default = DATA_PARALLEL_CONFIG if (args.nproc or world_size) > 1 else None
     config = parse_config_arg(args.diffusion_offload_config, default)  # before anything loads
-    if args.link_gbps is not None and not args.link_gbps > 0:
-        raise CliError(f"--link-gbps = {args.link_gbps!r} is not valid; expected a number > 0")
-    if args.nproc is not None and args.nproc < 1:
-        raise CliError(f"--nproc = {args.nproc} is not valid; expected an integer >= 1")
     _check_arguments(args, world_size)  # every check that needs no model, so a mistake costs no load
     image = _read_image_arg(args.image)
     if args.nproc is not None and args.nproc > 1 and world_size == 1:
         return _launch_ranks(args)
 
-    from layerstream.models.input_image import InputImageError
-    from layerstream.models.loading import ModelLoadError
-    from layerstream.omni import GenerationError, Omni, VIDEO_SUFFIXES, IMAGE_SUFFIXES
-    from layerstream.runtime.errors import OffloadError
-
+    log.enter(Phase.LOADING)
+    omni = _load(args, config, world_size)
     seed = args.seed + rank
+    output = _output_path(args, omni, seed, rank, world_size)
+    _check_model_geometry(args, omni)
+    _check_image_input(args, omni)
+    request = dict(
+        prompt=args.prompt,
+        negative_prompt=args.negative_prompt,
+        image=image,
+        max_side_pixels=args.max_side_pixels,
+        height=args.height,
+        width=args.width,
+        num_frames=args.num_frames,
+        num_inference_steps=args.num_inference_steps,
+        guidance_scale=args.guidance_scale,
+        seed=seed,
+        fps=args.fps,
+    )
+    log.enter(Phase.GENERATING)
+    result = _generate(args, omni, request, rank)
+    with log.writing(Phase.WRITING_OUTPUT, output):
+        result.save(output)
+    trace_files = _save_trace(args, omni, log)
+    identical = None
+    if args.compare_resident:
+        log.enter(Phase.COMPARING)
+        identical = _matches_resident(omni, request, result)
+    log.enter(Phase.REPORTING)
+    made = summary(args.model, omni, result, output, identical, trace_files, rank, prompt=args.prompt, seed=seed)
+    made["image"] = args.image
+    made["size_note"] = result.size_note
+    return _report(args, omni, made, rank, world_size)
+
+
+def _load(args: argparse.Namespace, config, world_size: int):
+    """The model loaded with offload enabled (joining the other ranks first under torchrun), as an `Omni`."""
+    from layerstream.errors import OffloadError
+    from layerstream.models.loading import ModelLoadError
+    from layerstream.omni import GenerationError, Omni
+
     device = args.device
     offload_group = None
     if world_size > 1:
         device, offload_group = _join_ranks(args)
     try:
-        omni = Omni(
+        return Omni(
             model=args.model,
             diffusion_offload_config=config,
             device=device,
@@ -131,75 +185,74 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--device {args.device}: {e}") from e
         raise
 
+
+def _output_path(args: argparse.Namespace, omni, seed: int, rank: int, world_size: int) -> Path:
+    """--output (or a default name for what the model makes), checked against the loaded model's kind, with
+    the rank in the name under torchrun."""
     output = Path(args.output) if args.output else _default_output(args.model, omni.kind, seed)
-    allowed = IMAGE_SUFFIXES if omni.kind == "image" else VIDEO_SUFFIXES
-    if output.suffix.lower() not in allowed:
-        article = "an" if omni.kind == "image" else "a"
-        raise CliError(f"--output {output}: {args.model} makes {article} {omni.kind}; use a {' or '.join(allowed)} file")
-    _check_model_geometry(args, omni)
+    _check_kind(args, omni.kind, output)  # again: a folder's kind may be known only now
     if world_size > 1:
         output = output.with_name(f"{output.stem}.rank{rank}{output.suffix}")
+    return output
 
-    _check_image_input(args, omni)
-    request = dict(
-        prompt=args.prompt,
-        negative_prompt=args.negative_prompt,
-        image=image,
-        max_side_pixels=args.max_side_pixels,
-        height=args.height,
-        width=args.width,
-        num_frames=args.num_frames,
-        num_inference_steps=args.num_inference_steps,
-        guidance_scale=args.guidance_scale,
-        seed=seed,
-        fps=args.fps,
-    )
+
+def _generate(args: argparse.Namespace, omni, request: dict, rank: int):
+    from layerstream.models.input_image import InputImageError
+    from layerstream.omni import GenerationError
+
     progress = _Progress(enabled=rank == 0)
     try:
         if omni.handle is not None and args.trace:
             omni.handle.reset_trace()
-        result = omni.generate(**request, on_step=progress.step)
+        return omni.generate(**request, on_step=progress.step)
     except (GenerationError, InputImageError) as e:
         raise CliError(str(e)) from e
     finally:
         progress.close()
-    result.save(output)
 
-    trace_files = []
-    if args.trace and omni.handle is not None:
-        trace_files = _write_trace(omni.handle, Path(args.trace), title=_trace_title(args, omni))
 
-    identical = None
-    if args.compare_resident:
-        omni.close()  # disable gives back a fully resident pipeline: the same weights, now all on the device
-        reference = omni.generate(**request)
-        identical = reference.raw.shape == result.raw.shape and bool((reference.raw == result.raw).all())
+def _save_trace(args: argparse.Namespace, omni, log: PhaseLog) -> list[str]:
+    if not args.trace or omni.handle is None:
+        return []
+    path = Path(args.trace)
+    files = dict.fromkeys((path, path if path.suffix.lower() == ".png" else path.with_suffix(".png")))
+    with log.writing(Phase.WRITING_TRACE, *files):
+        return _write_trace(omni.handle, path, title=_trace_title(args, omni))
 
-    summary = _summary(args.model, omni, result, output, identical, trace_files, rank, prompt=args.prompt, seed=seed)
-    summary["image"] = args.image
-    summary["size_note"] = result.size_note
+
+def _matches_resident(omni, request: dict, result) -> bool:
+    """Whether the resident pipeline makes exactly `result` from the same request (--compare-resident)."""
+    omni.close()  # disable gives back a fully resident pipeline: the same weights, now all on the device
+    reference = omni.generate(**request)
+    return reference.raw.shape == result.raw.shape and bool((reference.raw == result.raw).all())
+
+
+def _report(args: argparse.Namespace, omni, made: dict, rank: int, world_size: int) -> int:
+    """Print the summary (rank 0 prints every rank's); exit code 1 if an output differs from resident."""
     if world_size > 1:
         from layerstream.distributed.launch import gather_objects
         from layerstream.distributed.process_group import destroy_distributed
 
-        summaries = gather_objects(summary)  # every rank's summary, on rank 0 only
+        summaries = gather_objects(made)  # every rank's summary, on rank 0 only
         if omni.handle is not None:
             omni.close()  # a collective: every rank gives its shards back together
         destroy_distributed()
         if rank != 0:
-            return 0 if identical in (None, True) else 1
+            return 0 if made["identical_to_resident"] in (None, True) else 1
     else:
-        summaries = [summary]
+        summaries = [made]
     if args.json:
-        print(json.dumps(summaries if world_size > 1 else summary, indent=2))
+        print(json.dumps(summaries if world_size > 1 else made, indent=2))
     else:
-        _print_table(summaries)
+        print_table(summaries)
     return 0 if all(s["identical_to_resident"] in (None, True) for s in summaries) else 1
 
 
 def _check_arguments(args: argparse.Namespace, world_size: int) -> None:
     """Checks of the arguments alone, before the model loads: the caps, the seed range across ranks, the
-    device and the output path. What depends on the model (size multiples, frame rule) follows the load."""
+    device, the output path and its suffix against what the model makes. What needs the loaded model (size
+    multiples, frame rule, image input) follows the load."""
+    from layerstream.models.loading import model_kind
     from layerstream.omni import IMAGE_SUFFIXES, VIDEO_SUFFIXES
 
     violations = check_output_caps(
@@ -222,6 +275,22 @@ def _check_arguments(args: argparse.Namespace, world_size: int) -> None:
         if Path(args.output).suffix.lower() not in suffixes:
             raise CliError(f"--output {args.output}: expected a {', '.join(suffixes)} file (.png for images)")
     check_output_path("--output", Path(args.output) if args.output else Path.cwd() / "output.png")
+    # the tiny model's spec or the folder's model_index.json tells the kind without loading a weight
+    _check_kind(args, model_kind(args.model), Path(args.output) if args.output else None)
+
+
+def _check_kind(args: argparse.Namespace, kind: str | None, output: Path | None) -> None:
+    """--output's suffix and --num-frames against what the model makes (`kind` None: not known yet)."""
+    from layerstream.omni import IMAGE_SUFFIXES, VIDEO_SUFFIXES
+
+    if kind is None:
+        return
+    allowed = IMAGE_SUFFIXES if kind == "image" else VIDEO_SUFFIXES
+    if output is not None and output.suffix.lower() not in allowed:
+        article = "an" if kind == "image" else "a"
+        raise CliError(f"--output {output}: {args.model} makes {article} {kind}; use a {' or '.join(allowed)} file")
+    if kind != "video" and args.num_frames is not None:
+        raise CliError(f"--num-frames {args.num_frames}: {args.model} makes images, not video; drop --num-frames")
 
 
 def _read_image_arg(path: str | None):
@@ -250,8 +319,6 @@ def _check_model_geometry(args: argparse.Namespace, omni) -> None:
     """Sizes the loaded model cannot make, named by flag, before the first step."""
     from layerstream.models.output_limits import check_output_geometry, read_output_geometry
 
-    if omni.kind != "video" and args.num_frames is not None:
-        raise CliError(f"--num-frames {args.num_frames}: {args.model} makes images, not video; drop --num-frames")
     geometry = read_output_geometry(omni.pipeline, omni.kind)
     violations = check_output_geometry(geometry, height=args.height, width=args.width, num_frames=args.num_frames)
     if violations:
@@ -348,85 +415,16 @@ def _trace_title(args: argparse.Namespace, omni) -> str:
 
 
 def _write_trace(handle, path: Path, *, title: str | None = None) -> list[str]:
-    from layerstream.runtime.trace_export import write_chrome_trace, write_timeline_png
+    """The Chrome trace JSON at `path` and its timeline beside it as a .png (only the .png if `path` is one),
+    each written whole or not at all."""
+    from layerstream.atomic_write import write_atomically
+    from layerstream.runtime.reporting.trace_export import write_chrome_trace, write_timeline_png
 
     trace = handle.trace()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix.lower() == ".png":
-        write_timeline_png(trace, path, title=title)
-        return [str(path)]
-    write_chrome_trace(trace, path)
-    png = path.with_suffix(".png")
-    write_timeline_png(trace, png, title=title)
-    return [str(path), str(png)]
-
-
-def _summary(model, omni, result, output, identical, trace_files, rank, *, prompt: str, seed: int) -> dict:
-    s = result.stats
-    # the size actually made, read from the output: the model's defaults fill in whatever was not asked for
-    count, height, width = result.frames.shape[:3]
-    return {
-        "rank": rank,
-        "model": model,
-        "prompt": prompt,
-        "seed": seed,
-        "width": int(width),
-        "height": int(height),
-        "num_frames": int(count) if result.kind == "video" else None,
-        "output": str(output),
-        "config": omni.config.to_dict(),
-        "device": str(omni.device),
-        "dtypes": omni.component_dtypes(),
-        "seconds": round(s.seconds, 4),
-        "seconds_per_step": round(s.seconds_per_step, 4),
-        "steps": len(s.step_seconds),
-        "device_bytes": s.device_bytes,
-        "peak_device_bytes": s.peak_device_bytes,
-        "host_bytes": s.host_bytes,
-        "bytes_streamed": s.bytes_transferred,
-        "num_transfers": s.num_transfers,
-        "num_sync_loads": s.num_sync_loads,
-        "stall_seconds": round(s.stall_seconds, 4),
-        "disk_bytes_read": s.disk_bytes_read,
-        "disk_stall_seconds": round(s.disk_stall_seconds, 4),
-        "identical_to_resident": identical,
-        "trace_files": trace_files,
-    }
-
-
-def _mib(n) -> str:
-    return "-" if n is None else f"{n / 2**20:,.1f} MiB"
-
-
-def _print_table(summaries: list[dict]) -> None:
-    rows = [
-        ("rank", lambda s: str(s["rank"])),
-        ("prompt", lambda s: s["prompt"]),
-        ("seed", lambda s: str(s["seed"])),
-        ("size", lambda s: f"{s['width']}x{s['height']} (width x height)" + (f", {s['num_frames']} frames" if s["num_frames"] else "")),
-        ("output", lambda s: s["output"]),
-        ("device", lambda s: s["device"]),
-        ("dtypes", lambda s: ", ".join(f"{name} {dtype}" for name, dtype in s["dtypes"].items()) or "-"),
-        ("time per step", lambda s: f"{s['seconds_per_step'] * 1e3:,.1f} ms median ({s['steps']} steps, {s['seconds']:.2f} s in all with prompt encoding and decoding)"),
-        ("device bytes", lambda s: _mib(s["device_bytes"]) + (f" (peak {_mib(s['peak_device_bytes'])})" if s["peak_device_bytes"] else "")),
-        ("host bytes", lambda s: _mib(s["host_bytes"])),
-        ("bytes streamed", lambda s: f"{_mib(s['bytes_streamed'])} in {s['num_transfers']} transfers ({s['num_sync_loads']} synchronous)"),
-        ("stall time", lambda s: f"{s['stall_seconds'] * 1e3:,.1f} ms"),
-        ("identical to resident", lambda s: "not checked" if s["identical_to_resident"] is None else ("yes" if s["identical_to_resident"] else "NO")),
-    ]
-    if any(s["disk_bytes_read"] for s in summaries):  # the disk tier (host_budget_gb)
-        rows.insert(
-            -1,
-            ("read from disk", lambda s: f"{_mib(s['disk_bytes_read'])}, {s['disk_stall_seconds'] * 1e3:,.1f} ms stalled on the disk"),
-        )
-    if any(s.get("image") for s in summaries):
-        rows.insert(4, ("input image", lambda s: f"{s['image']} (size {s['size_note']})"))
-    if any(s["trace_files"] for s in summaries):
-        rows.append(("trace", lambda s: ", ".join(s["trace_files"])))
-    if len(summaries) == 1:
-        rows = rows[1:]
-    width = max(len(name) for name, _ in rows)
-    for s in summaries:
-        print(f"layerstream generate: {s['model']}")
-        for name, fmt in rows:
-            print(f"  {name:<{width}}  {fmt(s)}")
+    png = path if path.suffix.lower() == ".png" else path.with_suffix(".png")
+    if png != path:
+        with write_atomically(path) as partial:
+            write_chrome_trace(trace, partial)
+    with write_atomically(png) as partial:
+        write_timeline_png(trace, partial, title=title)
+    return [str(p) for p in dict.fromkeys((path, png))]

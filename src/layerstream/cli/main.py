@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 
 from layerstream.cli.common import CliError, configure_logging, fail
+from layerstream.cli.interrupt import EXIT_INTERRUPTED, PhaseLog, report_interrupt
 
 # subcommand -> module exposing add_arguments(parser) and run(args) -> int; imported only when used
 SUBCOMMANDS = {
@@ -18,9 +18,15 @@ SUBCOMMANDS = {
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's own exit code for usage errors is 2 as well
-        self.print_usage(sys.stderr)
-        raise SystemExit(fail(message))
+    subcommand_parsers: dict[str, argparse.ArgumentParser]
+    """The top-level parser's subcommands by name, to word an unknown flag as its subcommand's mistake."""
+
+    def error(self, message: str):
+        """One line and exit code 2 (argparse's own code), never the usage block: a flag's value as
+        ``--steps: 0 is not allowed (an integer >= 1)``, any other mistake with a pointer to --help."""
+        if message.startswith("argument "):
+            raise SystemExit(fail(message.removeprefix("argument ")))
+        raise SystemExit(fail(f"{message} (see {self.prog} --help)"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--version", action="version", version=_version_text(), help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.subcommand_parsers = {}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser = parser.subcommand_parsers[name] = sub.add_parser(name, help=help_text, description=help_text)
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
@@ -52,7 +59,13 @@ def _version_text() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()  # imports torch: Ctrl-C is likely here too
+        args, unknown = parser.parse_known_args(argv)
+    except KeyboardInterrupt:
+        return report_interrupt(PhaseLog())
+    if unknown:  # argparse would blame the top-level parser; the flags were given to the subcommand
+        parser.subcommand_parsers.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     configure_logging(args.verbose)
     if not hasattr(args, "_run"):
         return fail(f"the {args.command} subcommand is not available in this build")
@@ -60,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except CliError as e:
         return fail(str(e))
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt:  # a subcommand without phases of its own (generate reports its own)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"serving needs the serve extra (pip install 'layerstream[serve]'): {e}") from e
     from layerstream.models.loading import ModelLoadError
     from layerstream.omni import GenerationError, Omni
-    from layerstream.runtime.errors import OffloadError
+    from layerstream.errors import OffloadError
 
     _configure_server_logging(getattr(args, "verbose", False), args.access_log)
     try:
@@ -306,7 +306,7 @@ def _serve_rank(args: argparse.Namespace, config, settings) -> int:
     from layerstream.distributed.process_group import destroy_distributed
     from layerstream.models.loading import ModelLoadError, is_tiny_model_name, resolve_model_folder
     from layerstream.omni import GenerationError, Omni
-    from layerstream.runtime.errors import OffloadError
+    from layerstream.errors import OffloadError
     from layerstream.server.ranks import ControlChannel, RankGroupError, RankRuntime, join_serving_ranks, serve_follower
     from layerstream.server.runner import bind_socket, run_server
     from layerstream.server.waves import WaveService

@@ -11,14 +11,16 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal, get_args
 
 from layerstream.errors import LayerstreamError
 
-MODES = ("layer", "module")
+Mode = Literal["layer", "module"]
+WeightTransfer = Literal["rank-local", "allgather"]
+MODES: tuple[Mode, ...] = get_args(Mode)
 LAYER_COMPONENTS = ("dit", "text_encoder")
 MODULE_COMPONENTS = ("dit", "text_encoder", "vae")
-WEIGHT_TRANSFERS = ("rank-local", "allgather")
+WEIGHT_TRANSFERS: tuple[WeightTransfer, ...] = get_args(WeightTransfer)
 STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 """Host storage dtypes for `storage_dtype` (lossy: weights are rounded to them once, at enable)."""
 DEFAULT_ACTIVATION_RESERVE_GB = 4.0
@@ -50,7 +52,7 @@ def _show(value: Any) -> str:
 class LayerOptions:
     """How one streamed component moves its blocks."""
 
-    weight_transfer: str = "rank-local"
+    weight_transfer: WeightTransfer = "rank-local"
     """"rank-local": each process streams from its own full host copy; "allgather": each rank keeps 1/N."""
     resident_layers: int | str = 0
     """DiT only: leading blocks kept on the device (never streamed), or "auto" to fill a device budget."""
@@ -69,7 +71,7 @@ class LayerOptions:
 class OffloadConfig:
     """A validated `diffusion_offload_config`. Build it with `parse_offload_config`."""
 
-    mode: str
+    mode: Mode
     """"layer" streams blocks; "module" swaps whole components on and off the device."""
     components: tuple[str, ...]
     """Selected components, in the order given."""

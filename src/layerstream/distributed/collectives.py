@@ -33,7 +33,7 @@ import torch
 
 from layerstream.distributed.process_group import GroupMembership
 from layerstream.errors import OffloadError, TransferError
-from layerstream.runtime.layout import ALIGN_BYTES, BlockLayout, align_up
+from layerstream.runtime.packing.layout import ALIGN_BYTES, BlockLayout, align_up
 
 logger = logging.getLogger(__name__)
 

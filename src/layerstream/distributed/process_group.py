@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from layerstream.runtime.errors import OffloadError
+from layerstream.errors import OffloadError
 
 logger = logging.getLogger(__name__)
 

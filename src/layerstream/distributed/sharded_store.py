@@ -21,9 +21,9 @@ import torch
 
 from layerstream.distributed.collectives import BlockGather
 from layerstream.errors import UnsupportedUseError
-from layerstream.runtime.host_buffer import HostBufferBlock
-from layerstream.runtime.layout import BlockLayout, TensorBinder
-from layerstream.runtime.protocols import Job, Pinner
+from layerstream.runtime.packing.host_buffer import HostBufferBlock
+from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
+from layerstream.runtime.contracts import HostStoreBase, Job, Pinner
 
 logger = logging.getLogger(__name__)
 
@@ -103,11 +103,10 @@ class ShardedBlock(HostBufferBlock):
         self.release_buffer_()
 
 
-class ShardedHostStore:
+class ShardedHostStore(HostStoreBase):
     """`HostStore` over a `BlockGather`: this rank's shard of every block, gathered into slots on demand."""
 
     kind = "sharded-allgather"
-    bytes_read_from_files = 0  # shards are copied from memory (each rank keeps only its part)
 
     def __init__(self, gather: BlockGather):
         self.gather = gather
@@ -118,7 +117,10 @@ class ShardedHostStore:
         return f"ShardedHostStore({self.gather!r}, {len(self.blocks)} blocks)"
 
     def slot_nbytes(self, layout: BlockLayout) -> int:
-        return self.gather.world_size * self.gather.shard_nbytes(layout.nbytes)
+        return self.gather.world_size * self.gather.shard_nbytes(layout.nbytes)  # the gathered block
+
+    def host_nbytes(self, layout: BlockLayout) -> int:
+        return self.gather.shard_nbytes(layout.nbytes)  # this rank's shard
 
     def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
         # every rank must shard the same layouts before the first payload collective; raises on every rank

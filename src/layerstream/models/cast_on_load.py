@@ -4,7 +4,7 @@ Given a dtype other than the saved one, diffusers casts every tensor at load by 
 page by page (a few hundred MB/s), holding each cast copy in memory beside the touched file pages. Instead,
 layerstream loads such a component in the dtype its files store (every weight then a lazy view of the files,
 nothing read yet) and casts it here, tensor by tensor: each weight's bytes are read from its file with large
-`preadv` calls on several threads (`runtime.file_reads`), cast into a fresh tensor of the target dtype, and the
+`preadv` calls on several threads (`runtime.packing.file_reads`), cast into a fresh tensor of the target dtype, and the
 view is dropped. The next batch of weights is read while one is cast. Nothing of the checkpoint stays mapped
 afterwards, and the host never holds more than the cast model plus two batches of stored bytes in flight.
 
@@ -27,8 +27,8 @@ from torch import nn
 
 from layerstream.errors import LayerstreamError
 from layerstream.models.saved_dtypes import SAFETENSORS_DTYPES, SafetensorsHeaderError, read_safetensors_header
-from layerstream.runtime.file_reads import FileReader, MappedFiles
-from layerstream.runtime.progress import StagingProgress
+from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
+from layerstream.runtime.reporting.progress import StagingProgress
 
 CASTABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Target dtypes cast here; any other (float8, float64) is left to diffusers' own load."""

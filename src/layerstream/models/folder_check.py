@@ -7,9 +7,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from layerstream.errors import LayerstreamError
 from layerstream.models.manifest import MANIFEST_NAME, CorruptFolderError, has_manifest, verify_manifest
 
 MODEL_INDEX = "model_index.json"
+
+
+class ModelLoadError(LayerstreamError, ValueError):
+    """A model that cannot be loaded: not a tiny model name nor a diffusers-format folder, or a failed load."""
+
 
 _REDOWNLOAD_HINT = "download the model again (or copy it again from a complete folder)"
 
@@ -17,8 +23,6 @@ _REDOWNLOAD_HINT = "download the model again (or copy it again from a complete f
 def check_model_folder(folder: Path) -> None:
     """Raise ``ModelLoadError`` if `folder`'s ``model_index.json`` is unreadable, names a component with no
     subfolder, or if a file differs from the checksums layerstream recorded when it built the folder."""
-    from layerstream.models.loading import ModelLoadError
-
     missing = missing_components(folder)
     if missing:
         names = ", ".join(f"{name} ({library}.{cls})" for name, library, cls in missing)
@@ -43,8 +47,6 @@ def missing_components(folder: Path) -> list[tuple[str, str, str]]:
     A component is an entry ``"name": [library, class]`` with both set; ``[null, null]`` marks an optional
     component the pipeline was saved without, and keys starting with ``_`` are metadata.
     """
-    from layerstream.models.loading import ModelLoadError
-
     index_path = folder / MODEL_INDEX
     try:
         index = json.loads(index_path.read_text())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import logging
 import os
 import re
@@ -18,10 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from layerstream.errors import LayerstreamError
 from layerstream.models.cast_on_load import cast_from_files_, components_to_cast
 from layerstream.models.readahead import Readahead
-from layerstream.models.folder_check import MODEL_INDEX, check_model_folder
+from layerstream.models.folder_check import MODEL_INDEX, ModelLoadError, check_model_folder
 from layerstream.models.saved_dtypes import saved_dtypes
 from layerstream.models.tiny import TINY_MODELS, PipelineKind, ensure_tiny_model
 
@@ -36,10 +36,6 @@ _DOWNLOAD_HINT = (
 
 # "org/name" as the Hugging Face Hub spells repository ids.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-class ModelLoadError(LayerstreamError, ValueError):
-    """A model that cannot be loaded: not a tiny model name nor a diffusers-format folder, or a failed load."""
 
 
 def is_tiny_model_name(name: object) -> bool:
@@ -140,6 +136,31 @@ def pipeline_kind(pipeline: Any) -> PipelineKind:
     if not callable(pipeline):
         raise TypeError(f"{type(pipeline).__name__} is not callable, so it is not a diffusers pipeline")
     return "video" if "num_frames" in inspect.signature(pipeline.__call__).parameters else "image"
+
+
+def model_kind(model: str | os.PathLike[str]) -> PipelineKind | None:
+    """What `model` makes, told without loading it: a tiny model's kind, or for a folder the kind of the
+    pipeline class its ``model_index.json`` names (``_class_name``), by `pipeline_kind`'s rule.
+
+    None when it cannot be told (no such folder, an unreadable index, a class diffusers does not have): the
+    load that follows reports what is wrong, and the loaded pipeline tells its kind.
+    """
+    if is_tiny_model_name(model):
+        return TINY_MODELS[model].kind
+    try:
+        index = json.loads((Path(model).expanduser() / MODEL_INDEX).read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    class_name = index.get("_class_name") if isinstance(index, dict) else None
+    if not isinstance(class_name, str):
+        return None
+    import diffusers
+
+    pipeline_class = getattr(diffusers, class_name, None)
+    if not isinstance(pipeline_class, type):
+        return None
+    # a class's __call__ attribute is its instances' (the class comes before type's own), so the rule applies
+    return pipeline_kind(pipeline_class)
 
 
 @contextlib.contextmanager

@@ -27,6 +27,8 @@ DEFAULT_MAX_FRAMES = 129
 """Largest ``num_frames`` of a video by default (the server's ``--max-frames`` and the command line's)."""
 MAX_SEED = 2**64 - 1
 """Seeds are what ``torch.Generator.manual_seed`` takes without wrapping: integers from 0 to 2**64 - 1."""
+MAX_PROMPT_CHARS = 10_000
+"""Longest prompt (and negative prompt), in characters, on the command line and the server alike."""
 
 
 @dataclass(frozen=True)

@@ -234,10 +234,16 @@ def read_device_budget(plan: ResolvedOffloadPlan, device, free_bytes: int | None
 
 
 def place_blocks(
-    plan: ResolvedOffloadPlan, block_slot_nbytes: Mapping[str, int], budget: DeviceBudget | None = None
+    plan: ResolvedOffloadPlan,
+    block_slot_nbytes: Mapping[str, int],
+    budget: DeviceBudget | None = None,
+    block_host_nbytes: Mapping[str, int] | None = None,
 ) -> Placement:
-    """Decide residency, chains and the slot ring. `block_slot_nbytes` gives every streamable block's slot
-    bytes as its store will lay it out; `budget` is needed when a DiT asks for residency "auto"."""
+    """Decide residency, chains, the slot ring and the host tier. `block_slot_nbytes` gives every streamable
+    block's slot bytes as its store will lay it out (what the ring is sized in) and `block_host_nbytes` its host
+    bytes (what `host_budget_gb` is spent in; default: the slot bytes); `budget` is needed when a DiT asks for
+    residency "auto"."""
+    host_sizes = block_host_nbytes if block_host_nbytes is not None else block_slot_nbytes
     residency = _choose_residency(plan, block_slot_nbytes, budget)
     chains = []
     for comp in plan.streamed:
@@ -252,7 +258,7 @@ def place_blocks(
     host_budget_gb = plan.config.host_budget_gb
     alternating = tuple(c.path for c in plan.streamed if c.alternates and any(ch.component == c.path for ch in chains))
     host_tier = (
-        _choose_host_tier(chains, streamed_sizes, host_budget_gb, alternating if len(alternating) > 1 else ())
+        _choose_host_tier(chains, {p: host_sizes[p] for p in streamed_sizes}, host_budget_gb, alternating if len(alternating) > 1 else ())
         if host_budget_gb is not None
         else None
     )

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
-from layerstream.config.offload_config import OffloadConfig
+from layerstream.config.offload_config import OffloadConfig, WeightTransfer
 from layerstream.errors import LayerstreamError
 
-CATEGORIES = ("dit", "text_encoder", "encoder", "image_encoder", "vae", "other")
-SOURCES = ("plan", "builtin", "class_attribute", "auto", "none")
-ACTIONS = ("stream", "swap", "resident", "on_demand")
+Category = Literal["dit", "text_encoder", "encoder", "image_encoder", "vae", "other"]
+Source = Literal["plan", "builtin", "class_attribute", "auto", "none"]
+Action = Literal["stream", "swap", "resident", "on_demand"]
+"""What enabling does with a component: stream its blocks, swap it whole (module mode), keep it on the device,
+or leave it to the pipeline (on-demand components)."""
+CATEGORIES: tuple[Category, ...] = get_args(Category)
+SOURCES: tuple[Source, ...] = get_args(Source)
+ACTIONS: tuple[Action, ...] = get_args(Action)
 
 
 class OffloadPlanResolutionError(LayerstreamError, ValueError):
@@ -51,18 +56,17 @@ class ResolvedComponent:
 
     path: str
     """Attribute path from the pipeline; ``""`` when the pipeline is itself the model."""
-    category: str
-    """One of CATEGORIES."""
+    category: Category
     module_class: str
-    source: str
-    """Where the block lists came from: one of SOURCES (``"none"`` when it has none)."""
+    source: Source
+    """Where the block lists came from (``"none"`` when it has none)."""
     stacks: tuple[BlockStack, ...]
     """Streamable block lists (empty for components that cannot stream)."""
-    action: str
-    """One of ACTIONS: what enabling does with this component under the config."""
+    action: Action
+    """What enabling does with this component under the config."""
     total_bytes: int
     """Bytes of all parameters and buffers of the component."""
-    weight_transfer: str = "rank-local"
+    weight_transfer: WeightTransfer = "rank-local"
     prefetch_depth: int = 1
     storage_dtype: str | None = None
     """Host storage dtype of the castable block weights (`layer_options.<component>.storage_dtype`); None: as is."""

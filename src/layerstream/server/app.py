@@ -38,6 +38,7 @@ from layerstream.omni import GenerationError
 from layerstream.server.errors import ApiError, validation_error
 from layerstream.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from layerstream.server.metrics import ServerMetrics
+from layerstream.server.openapi import apply_exact_openapi_, edit_request_body, json_request_body
 from layerstream.server.queue import Job, QueueClosedError, QueueFullError, QueueTimeoutError
 from layerstream.server.schemas import (
     ErrorResponse,
@@ -84,6 +85,7 @@ def create_app(service: GenerationService) -> FastAPI:
         await asyncio.to_thread(service.stop)
 
     app = FastAPI(title="layerstream", version=__version__, lifespan=lifespan)
+    apply_exact_openapi_(app)
     app.add_middleware(RequestMetricsMiddleware, metrics=service.metrics)
 
     @app.exception_handler(ApiError)
@@ -107,7 +109,7 @@ def create_app(service: GenerationService) -> FastAPI:
         IMAGES_PATH,
         response_model=ImageGenerationResponse,
         responses=_ERROR_RESPONSES,
-        openapi_extra=_request_body(ImageGenerationRequest),
+        openapi_extra=json_request_body(ImageGenerationRequest),
     )
     async def create_images(request: Request) -> JSONResponse:
         output = await _run_generation(service, request, ImageGenerationRequest, "image")
@@ -118,7 +120,7 @@ def create_app(service: GenerationService) -> FastAPI:
         EDITS_PATH,
         response_model=ImageGenerationResponse,
         responses=_ERROR_RESPONSES,
-        openapi_extra=_edit_request_body(),
+        openapi_extra=edit_request_body(),
     )
     async def create_edits(request: Request) -> JSONResponse:
         output = await _run_edit(service, request)
@@ -129,7 +131,7 @@ def create_app(service: GenerationService) -> FastAPI:
         VIDEOS_PATH,
         response_model=VideoGenerationResponse,
         responses=_ERROR_RESPONSES,
-        openapi_extra=_request_body(VideoGenerationRequest),
+        openapi_extra=json_request_body(VideoGenerationRequest),
     )
     async def create_videos(request: Request) -> JSONResponse:
         output = await _run_generation(service, request, VideoGenerationRequest, "video")
@@ -380,19 +382,6 @@ async def _read_body(request: Request, max_bytes: int, limit_flags: str = "--max
 
 def _ok(response: BaseModel) -> JSONResponse:
     return JSONResponse(response.model_dump())
-
-
-def _request_body(model: type[BaseModel]) -> dict[str, Any]:
-    """OpenAPI entry for a body the route parses itself (to bound its size and shape its errors)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
-
-
-def _edit_request_body() -> dict[str, Any]:
-    """OpenAPI entry for the edit form: the image file part and the fields of `ImageEditRequest`."""
-    schema = ImageEditRequest.model_json_schema()
-    schema["properties"] = {"image": {"type": "string", "format": "binary"}, **schema["properties"]}
-    schema["required"] = ["image", *schema.get("required", [])]
-    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}}}
 
 
 def _first_line(error: BaseException) -> str:

@@ -91,8 +91,8 @@ def validation_error(error: ValidationError, model: type[BaseModel]) -> ApiError
             details.append(ErrorDetail(param=param, message="is required", allowed=allowed))
         else:
             message = item["msg"]
-            if kind.endswith("_type") or kind in ("literal_error", "enum"):  # say what was sent, not only what is wanted
-                message = f"{message}, got {_json_type(item.get('input'))}"
+            if "input" in item:  # say what was sent, not only what is wanted
+                message = f"{message}, got {_json_type(item['input'])}"
             details.append(ErrorDetail(param=param, message=message, allowed=allowed))
     if any(item["type"] == "json_invalid" for item in error.errors()):
         return invalid_fields(400, details, code="invalid_json")  # not JSON at all: malformed, not merely invalid

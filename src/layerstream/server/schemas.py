@@ -11,12 +11,15 @@ The JSON schema of every model is frozen in ``tests/server/test_schema.py``: a c
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from layerstream.models.output_limits import MAX_PROMPT_CHARS  # the command line's limit too
 
 MAX_IMAGES_PER_REQUEST = 4
-MAX_PROMPT_CHARS = 10_000
 MAX_INFERENCE_STEPS = 1000
 MAX_SEED = 2**64 - 1
 """As the command line allows (`models.output_limits.MAX_SEED`): any seed `generate` takes, the server takes."""
@@ -95,8 +98,11 @@ class VideoGenerationRequest(ImageGenerationRequest):
 class ImageEditRequest(ImageGenerationRequest):
     """The fields of ``POST /v1/images/edits`` besides its ``image`` file part (a multipart form, as OpenAI's).
 
-    Form fields arrive as text, so numbers are parsed from their text here ("2" is 2); unknown fields are
-    still refused, so an unsupported OpenAI field such as ``mask`` is reported rather than ignored.
+    Form fields arrive as text, so numbers are parsed from their text here ("2" is 2). A form has no null: a
+    nullable field sent as the text ``null`` (what OpenAPI tools send for null) is absent, and so is one sent
+    as empty text (what httpx sends for None) where the field takes no empty text: the numbers and size;
+    negative_prompt and model keep empty text as given. Unknown fields are still refused, so an unsupported
+    OpenAI field such as ``mask`` is reported rather than ignored.
     """
 
     model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
@@ -105,6 +111,38 @@ class ImageEditRequest(ImageGenerationRequest):
         default=None,
         pattern=SIZE_PATTERN,
         description="'WIDTHxHEIGHT' in pixels; default: the input image's size, rounded down to the model's size multiple.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _form_nulls_are_absent(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        null_texts = form_null_texts(cls)
+        return {
+            name: None if isinstance(value, str) and value in null_texts.get(name, ()) else value
+            for name, value in data.items()
+        }
+
+
+@functools.cache
+def form_null_texts(model: type[BaseModel]) -> dict[str, frozenset[str]]:
+    """For each nullable field of `model`, the form texts that mean null: ``"null"``, and ``""`` unless the
+    field's schema lets a value be empty. Read from the JSON schema, so the rule is the served document's."""
+    texts = {}
+    for name, schema in model.model_json_schema()["properties"].items():
+        options = schema.get("anyOf", [schema])
+        values = [option for option in options if option.get("type") != "null"]
+        if len(values) < len(options):
+            texts[name] = frozenset({"null"} if any(map(_takes_empty_text, values)) else {"null", ""})
+    return texts
+
+
+def _takes_empty_text(schema: dict[str, Any]) -> bool:
+    return (
+        schema.get("type") == "string"
+        and schema.get("minLength", 0) == 0
+        and re.search(schema.get("pattern", ""), "") is not None
     )
 
 

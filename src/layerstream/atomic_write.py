@@ -1,0 +1,90 @@
+"""Writing a file so that it is whole or absent: the one way layerstream writes its outputs (generated images
+and videos, the command line's trace files), whatever interrupts it.
+
+`write_atomically` hands out a temporary path beside the target; the caller's writer fills it, and only a
+complete, flushed file is renamed over the target. A failure or Ctrl-C at any point removes the temporary
+file and leaves whatever was at the target as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+PARTIAL_MARK = ".partial-"
+"""In every temporary name (``.fox.partial-1a2b3c4d.mp4``): with the leading dot, it cannot pass for an output."""
+
+PAUSE_ENV_VAR = "LAYERSTREAM_TEST_WRITE_PAUSE_SECONDS"
+"""Test hook: seconds to hold a complete temporary file before renaming it, so a test can interrupt a write at
+a known moment (when the temporary file appears) instead of racing the encoder. Unset outside tests."""
+
+
+@contextlib.contextmanager
+def write_atomically(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path in the target's folder to write the whole file to; on a clean exit, flush it to
+    the disk and rename it onto `path` in one step. On any exception (KeyboardInterrupt included) the
+    temporary file is removed and `path` is untouched.
+
+    The temporary name keeps the target's suffix, so writers that pick a format by suffix pick the right one.
+    A symlink at `path` is written through, as a plain write would: its target is replaced, not the link.
+    """
+    target = Path(path)
+    if target.is_symlink():
+        target = target.resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = _create_partial(target)
+    try:
+        yield partial
+        _pause_for_tests()
+        _fsync(partial)  # the data reaches the disk before the rename makes it the output
+        os.replace(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    _fsync_folder(target.parent)  # makes the rename itself survive a power loss
+
+
+def _create_partial(target: Path) -> Path:
+    """Create an empty temporary file beside `target` under a name no other call can have picked.
+
+    Created with os.open rather than mkstemp: mkstemp's private 0600 mode would become the output's mode,
+    while this honours the umask as any plain write does.
+    """
+    while True:
+        partial = target.with_name(f".{target.stem}{PARTIAL_MARK}{secrets.token_hex(4)}{target.suffix}")
+        try:
+            os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue  # 2**32 names: a collision is rare, and the next token is as good
+        return partial
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_folder(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # a platform (Windows) or file system that cannot open folders: the rename is done anyway
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on a folder; the file itself is already on the disk
+    finally:
+        os.close(fd)
+
+
+def _pause_for_tests() -> None:
+    seconds = os.environ.get(PAUSE_ENV_VAR)
+    if seconds:
+        time.sleep(float(seconds))

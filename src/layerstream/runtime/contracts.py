@@ -1,0 +1,238 @@
+"""The contracts the streamer and the mode backends talk to: where a block's bytes live (`HostStore`, one
+`StoredBlock` per block) and how they move (`CopyEngine`).
+
+Every capability a caller uses is declared here, with its default in `HostStoreBase` / `StoredBlockBase`: a
+store says how many device bytes a block needs in a slot (`slot_nbytes`) and how many host bytes it keeps for
+it (`host_nbytes`: the two differ for the float8 store, whose slot also holds a staging region, and for the
+sharded store, whose slot holds the gathered block), learns where the placement put each block (`place_`),
+follows the streamer's order (`follow_order_`) and reports its own figures (`stats()`). The stores live in
+`runtime.stores` (packed, float8, tiered with the disk tier in `runtime.stores.disk`) and `distributed`
+(sharded); `runtime.stores.compose` builds each component's store. A copy engine runs copies beside compute
+with a three-call slot protocol (`runtime.engines`).
+
+Lifecycle of a store, driven by `enable_offload` and the handle:
+  `slot_nbytes` / `host_nbytes` (pure, for the placement) -> `place_` (the placement's decisions) ->
+  `check_layouts_` (before anything changes) -> `stage_` per block -> `commit_` -> `follow_order_` -> copies
+  through `StoredBlock.copy_job` while enabled -> `restore_` at disable (after the engine is closed). A failure
+  before the commit calls `rollback_`, which gives every staged block its original tensors back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+
+from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
+
+if TYPE_CHECKING:
+    from layerstream.plan.placement import Placement
+
+Job = Callable[[], int]
+"""A copy job: moves one block's bytes into a slot and returns how many bytes crossed this process's link."""
+
+
+@dataclass
+class CopyRecord:
+    """One copy as seen by the copy side (times in seconds on the engine's clock)."""
+
+    label: str
+    slot: int
+    nbytes: int
+    start: float = 0.0
+    end: float = 0.0
+
+
+class Pinner(Protocol):
+    """Page-locks host buffers for the device's DMA engine (the copy engine is one)."""
+
+    def pin_(self, buffer: torch.Tensor) -> bool: ...
+
+    def unpin_(self, buffer: torch.Tensor) -> None: ...
+
+
+@runtime_checkable
+class StoredBlock(Protocol):
+    """One block held by a host store: what the streamer needs to bind it and to copy it into a slot."""
+
+    layout: BlockLayout
+    binder: TensorBinder
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes this process holds for the block."""
+
+    @property
+    def pinned(self) -> bool: ...
+
+    @property
+    def link_bytes(self) -> int:
+        """Bytes one transfer of the block moves over this process's host link."""
+
+    def copy_job(self, slot_buffer: torch.Tensor) -> Job:
+        """A job that fills `slot_buffer` (a whole slot) with the block's packed bytes."""
+
+    def host_range(self, start: int, nbytes: int) -> torch.Tensor:
+        """Bytes [start, start + nbytes) of the packed block, on the host (for a tensor autograd saved).
+        Raises `UnsupportedUseError` where this process does not hold them."""
+
+    def write_back_(self, slot_buffer: torch.Tensor, start: int, end: int) -> int:
+        """Copy bytes [start, end) of the packed block from `slot_buffer` back into the store (a buffer the
+        block wrote during its forward); returns the bytes written."""
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """One host tensor per layout entry, viewing the store's bytes (`state_dict`, `load_state_dict`), in the
+        dtype the store keeps it in. Raises `UnsupportedUseError` where this process does not hold the whole block."""
+
+    def check_lora_(self) -> None:
+        """Raise `UnsupportedUseError` where LoRA may not change the block (low precision); default: allowed."""
+
+    def count_stall_(self, stall_seconds: float) -> None:
+        """Compute just waited `stall_seconds` for this block's copy: a block that reads a source of its own (the
+        disk) counts the part spent waiting on it; default: nothing to count."""
+
+
+@runtime_checkable
+class HostStore(Protocol):
+    """Keeps streamed blocks' bytes off the device (see the module docstring for the lifecycle)."""
+
+    kind: str
+
+    def slot_nbytes(self, layout: BlockLayout) -> int:
+        """Bytes the block needs in a device slot (pure; the placement sizes the slots from it)."""
+
+    def host_nbytes(self, layout: BlockLayout) -> int:
+        """Host bytes this process keeps for the block when the store holds it in host memory (pure; the placement
+        prices the host tier in it)."""
+
+    def place_(self, placement: Placement) -> None:
+        """The placement's decisions, before `check_layouts_` (the tiered store learns which blocks go to disk)."""
+
+    def follow_order_(self, successor: Callable[[str], str | None], num_blocks: int) -> None:
+        """After the commit: the streamer's prediction of the block that runs after a block, over all `num_blocks`
+        streamed blocks (a store that reads ahead of the slots follows it: the disk tier)."""
+
+    def stats(self) -> StoreStats:
+        """The store's own figures (see `StoreStats`)."""
+
+    def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
+        """Check, before anything changes, that the store can hold these blocks (a collective store checks that
+        every rank agrees). Raises `OffloadError`."""
+
+    def report_failure_(self, error: BaseException) -> None:
+        """This process failed before or while staging: let any peer know (a local store has none)."""
+
+    def stage_(self, layout: BlockLayout, device: torch.device, pin: Pinner | None) -> StoredBlock:
+        """Take the block's bytes into the store; from now on the block may hold placeholders."""
+
+    def commit_(self) -> None:
+        """Every block is staged: the store's copy becomes the only one (originals may be dropped)."""
+
+    def rollback_(self) -> None:
+        """Undo every `stage_` (before the commit): blocks get their original tensors back, host memory goes."""
+
+    def restore_(self, device: torch.device) -> None:
+        """Give every block real tensors on `device` again (fresh storage, same layout) and free the host
+        memory. The caller has closed the copy engine first: no copy may still read a host buffer."""
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """What a store reports of itself; the backend sums these, counting each store once."""
+
+    host_bytes: int = 0
+    """Host bytes kept beside the blocks' own (`StoredBlock.host_bytes`): the disk tier's pool."""
+    pinned_host_bytes: int = 0
+    """Of those, page-locked."""
+    bytes_read_from_files: int = 0
+    """Bytes staged straight from checkpoint files at enable."""
+    disk_bytes_read: int = 0
+    """Bytes read from disk (checkpoint or spill files) since enable."""
+    disk_stall_seconds: float = 0.0
+    """Time compute waited for disk reads since enable."""
+    host_pool_bytes: int = 0
+    """Host bytes of the disk tier's pool of alternating DiTs (within the budget)."""
+    disk_staging_bytes: int = 0
+    """Host bytes of the disk tier's staging ring (beyond the budget)."""
+
+    def __add__(self, other: StoreStats) -> StoreStats:
+        return StoreStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+
+class StoredBlockBase:
+    """Defaults of the optional parts of `StoredBlock`."""
+
+    def check_lora_(self) -> None:
+        pass  # LoRA may change the block (its store keeps it in its own dtype)
+
+    def count_stall_(self, stall_seconds: float) -> None:
+        pass  # nothing but the link to wait for
+
+
+class HostStoreBase:
+    """Defaults of `HostStore`: a block laid out as it is (slot and host bytes both `layout.nbytes`), nothing to
+    agree on with peers, nothing to learn from the placement or the order, no figures of its own."""
+
+    def slot_nbytes(self, layout: BlockLayout) -> int:
+        return layout.nbytes
+
+    def host_nbytes(self, layout: BlockLayout) -> int:
+        return layout.nbytes
+
+    def place_(self, placement: Placement) -> None:
+        pass  # a single-tier store holds every block it is given
+
+    def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
+        pass  # nothing to agree on: the store is this process's alone
+
+    def report_failure_(self, error: BaseException) -> None:
+        pass  # no peers to tell
+
+    def follow_order_(self, successor: Callable[[str], str | None], num_blocks: int) -> None:
+        pass  # nothing read ahead of the slots
+
+    def stats(self) -> StoreStats:
+        return StoreStats()
+
+
+@runtime_checkable
+class CopyEngine(Protocol):
+    """Moves bytes into device slots beside compute. For each slot:
+
+    - `copy_into(slot, job)`: on the copy side, wait until compute has released the slot, run `job`, then
+      mark the slot ready;
+    - `wait_ready(slot)`: compute waits until the slot's latest copy is done (a failed job raises
+      `TransferError` here);
+    - `release(slot)`: compute marks that it is done reading the slot.
+    """
+
+    kind: str
+
+    def copy_into(self, slot: int, job: Job, record: CopyRecord | None = None) -> None: ...
+
+    def wait_ready(self, slot: int) -> float:
+        """Returns the seconds compute waited on the host (0 where it waits on the device)."""
+
+    def release(self, slot: int) -> None: ...
+
+    def now(self) -> object:
+        """A time mark on the compute side; `resolve` turns it into seconds after the run."""
+
+    def resolve(self, mark: object) -> float: ...
+
+    def copy_records(self) -> list[CopyRecord]:
+        """Every recorded copy with its times resolved (may synchronize: call after a run)."""
+
+    def clear_records(self) -> None: ...
+
+    def pin_(self, buffer: torch.Tensor) -> bool: ...
+
+    def unpin_(self, buffer: torch.Tensor) -> None: ...
+
+    def close(self) -> None:
+        """Wait for every copy still in flight, then stop. Host buffers may be freed only after this."""

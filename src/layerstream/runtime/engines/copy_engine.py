@@ -1,0 +1,321 @@
+"""Copy engines: move a block's bytes into a device slot beside compute, with one protocol on every device.
+
+The protocol (`runtime.contracts.CopyEngine`), for each slot:
+- `copy_into(slot, job)`: on the copy side, wait until compute has released the slot, run `job` (the copy),
+  then mark the slot ready;
+- `wait_ready(slot)`: compute waits until the slot's latest copy is done; a job that raised surfaces here as
+  `TransferError`;
+- `release(slot)`: compute marks that it is done reading the slot;
+- `close()`: wait for every copy in flight, then stop (host buffers may be freed only afterwards).
+
+`AcceleratorCopyEngine` implements it with a dedicated stream and events (no CPU-side synchronize);
+`CpuCopyEngine` implements it with a copy thread and thread events, optionally throttled to a simulated link
+bandwidth so that scheduling can be tested and measured on a machine without an accelerator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+
+import torch
+
+from layerstream.errors import TransferError
+from layerstream.runtime.contracts import CopyRecord, Job
+
+logger = logging.getLogger(__name__)
+
+MAX_COPY_RECORDS = 20_000
+"""Copies kept for `trace()` (the newest; a long-running server must not grow without bound)."""
+
+
+class CpuCopyEngine:
+    """Copy thread with the slot protocol; `link_gbps` makes each copy last as long as it would on that link."""
+
+    kind = "cpu-thread"
+
+    def __init__(self, device: torch.device, num_slots: int, *, link_gbps: float | None = None):
+        if link_gbps is not None and not link_gbps > 0:
+            raise ValueError(f"simulated_link_gbps = {link_gbps!r} is not valid; expected a number > 0")
+        self.device = device
+        self.link_gbps = link_gbps
+        self._ready = [_done_event() for _ in range(num_slots)]
+        self._released = [_done_event() for _ in range(num_slots)]
+        self._errors: list[BaseException | None] = [None] * num_slots
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="layerstream-copy", daemon=True)
+        self._thread.start()
+        self.copies: deque[CopyRecord] = deque(maxlen=MAX_COPY_RECORDS)
+
+    # compute side -------------------------------------------------------------------------------------------
+    def copy_into(self, slot: int, job: Job, record: CopyRecord | None = None) -> None:
+        ready = threading.Event()  # one event per copy: a queued older copy can never signal a newer one
+        self._ready[slot] = ready
+        self._errors[slot] = None
+        self._queue.put((slot, job, ready, record))
+
+    def wait_ready(self, slot: int) -> float:
+        """Block compute until the slot's copy is done; returns the seconds spent waiting (the stall)."""
+        ready = self._ready[slot]
+        if ready.is_set():
+            stall = 0.0
+        else:
+            start = time.perf_counter()
+            ready.wait()  # the compute thread waits for the copy thread: this is the stall being measured
+            stall = time.perf_counter() - start
+        error = self._errors[slot]
+        if error is not None:
+            self._errors[slot] = None
+            raise _transfer_error(slot, error)
+        self._released[slot].clear()  # compute now reads the slot until release()
+        return stall
+
+    def release(self, slot: int) -> None:
+        self._released[slot].set()
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def resolve(self, mark: float) -> float:
+        return mark
+
+    def copy_records(self) -> list[CopyRecord]:
+        return list(self.copies)  # the copy thread writes its times directly
+
+    def clear_records(self) -> None:
+        self.copies.clear()
+
+    def pin_(self, buffer: torch.Tensor) -> bool:
+        return False  # the CPU copies from pageable memory; there is no DMA engine to page-lock for
+
+    def unpin_(self, buffer: torch.Tensor) -> None:
+        pass
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+        # every slot counts as released: nothing reads a slot after close, and a slot left held by an aborted
+        # forward must not keep a queued copy (and this join) waiting
+        for released in self._released:
+            released.set()
+        self._queue.put(None)
+        # the thread finishes every queued copy before it sees the sentinel: once joined, no copy reads a host
+        # buffer any more, so the caller may free them
+        self._thread.join(timeout=60)
+        if self._thread.is_alive():
+            logger.warning("the copy thread did not stop within 60 s; a copy job may be hanging")
+
+    # copy side ----------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            slot, job, ready, record = item
+            self._released[slot].wait()  # never overwrite a slot compute may still read
+            start = time.perf_counter()
+            try:
+                nbytes = job()
+                if self.link_gbps is not None:
+                    target = nbytes / (self.link_gbps * 1e9)
+                    remaining = target - (time.perf_counter() - start)
+                    if remaining > 0:
+                        time.sleep(remaining)  # the simulated link: the copy lasts as long as it would on the wire
+            except BaseException as e:  # reported to compute by wait_ready, never lost in this thread
+                logger.debug("copy into slot %d failed", slot, exc_info=True)
+                self._errors[slot] = e
+            if record is not None:
+                record.start, record.end = start, time.perf_counter()
+                self.copies.append(record)
+            ready.set()
+
+
+def _done_event() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
+class AcceleratorCopyEngine:
+    """Stream-and-event engine for CUDA (or another `torch.accelerator`): compute never waits on the CPU.
+
+    `api` is the module providing `Stream`, `Event`, `stream(...)` and `current_stream(...)` (``torch.cuda`` by
+    default); tests pass a recording stand-in to check the order of calls without a GPU.
+    """
+
+    kind = "accelerator-streams"
+
+    def __init__(self, device: torch.device, num_slots: int, *, api=None, timing: bool = False):
+        self.device = device
+        self.api = api if api is not None else _accelerator_api(device)
+        self.timing = timing
+        self.copy_stream = self.api.Stream(device=device)
+        # one pair of events per slot, re-recorded for every copy: nothing is allocated in the steady state
+        self._ready = [self.api.Event() for _ in range(num_slots)]
+        self._released = [self.api.Event() for _ in range(num_slots)]
+        self.copies: deque[CopyRecord] = deque(maxlen=MAX_COPY_RECORDS)
+        self._pending_timing: list[tuple[CopyRecord, object, object]] = []
+        self._errors: list[BaseException | None] = [None] * num_slots
+        self._held = [False] * num_slots  # compute reads the slot (between wait_ready and release)
+        self._deferred: list[tuple[Job, CopyRecord | None] | None] = [None] * num_slots
+        self._closed = False
+        self._origin = None
+        if timing:
+            self._origin = self.api.Event(enable_timing=True)
+            self._origin.record(self.api.current_stream(device))
+
+    def copy_into(self, slot: int, job: Job, record: CopyRecord | None = None) -> None:
+        self._errors[slot] = None
+        if self._held[slot]:
+            # compute still reads this slot and has not recorded its release yet: a GPU-side wait now would wait
+            # on the previous release. Queue the copy when release() records the event it must wait for
+            self._deferred[slot] = (job, record)
+            return
+        self._issue(slot, job, record)
+
+    def _issue(self, slot: int, job: Job, record: CopyRecord | None) -> None:
+        with self.api.stream(self.copy_stream):
+            # GPU-side wait: the copy may not overwrite the slot before compute has finished reading it
+            self.copy_stream.wait_event(self._released[slot])
+            if record is not None and self.timing:
+                start, end = self.api.Event(enable_timing=True), self.api.Event(enable_timing=True)
+                start.record(self.copy_stream)
+            try:
+                job()
+            except Exception as e:  # reported by wait_ready, as the CPU engine does: one protocol everywhere
+                logger.debug("copy into slot %d failed", slot, exc_info=True)
+                self._errors[slot] = e
+            if record is not None and self.timing:
+                end.record(self.copy_stream)
+                self._pending_timing.append((record, start, end))
+            self._ready[slot].record(self.copy_stream)
+
+    def wait_ready(self, slot: int) -> float:
+        error = self._errors[slot]
+        if error is not None:
+            self._errors[slot] = None
+            raise _transfer_error(slot, error)
+        # GPU-side wait: compute kernels queued after this point run only once the slot's copy has landed
+        self.api.current_stream(self.device).wait_event(self._ready[slot])
+        self._held[slot] = True
+        return 0.0
+
+    def release(self, slot: int) -> None:
+        self._released[slot].record(self.api.current_stream(self.device))
+        self._held[slot] = False
+        deferred, self._deferred[slot] = self._deferred[slot], None
+        if deferred is not None:
+            self._issue(slot, *deferred)
+
+    def now(self):
+        """A time mark on the compute stream: a timing event when tracing (read after the run), else host time."""
+        if not self.timing:
+            return time.perf_counter()
+        event = self.api.Event(enable_timing=True)
+        event.record(self.api.current_stream(self.device))
+        return event
+
+    def resolve(self, mark) -> float:
+        """Seconds of a mark from `now()` (synchronizes on timing events: call after the run)."""
+        if isinstance(mark, float):
+            return mark
+        mark.synchronize()  # reading an event's time needs it complete; this runs after the run, not in it
+        return self._origin.elapsed_time(mark) / 1e3
+
+    def pin_(self, buffer: torch.Tensor) -> bool:
+        """Page-lock a host buffer in place so copies from it are asynchronous DMA. Safe from any thread (the
+        stores pin on a thread of their own): it runs with this engine's device current."""
+        register = getattr(self.api, "host_register", None)
+        if register is not None:
+            return bool(register(buffer))
+        return pin_buffer_(buffer, self.device)
+
+    def unpin_(self, buffer: torch.Tensor) -> None:
+        unregister = getattr(self.api, "host_unregister", None)
+        if unregister is not None:
+            unregister(buffer)
+        else:
+            unpin_buffer_(buffer)
+
+    def copy_records(self) -> list[CopyRecord]:
+        """Recorded copies, their timing events turned into seconds since enable. Synchronizes: call after a run."""
+        for record, start, end in self._pending_timing:
+            record.start, record.end = self.resolve(start), self.resolve(end)
+            self.copies.append(record)
+        self._pending_timing.clear()
+        return list(self.copies)
+
+    def clear_records(self) -> None:
+        self.copies.clear()
+        self._pending_timing.clear()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for slot, deferred in enumerate(self._deferred):
+            if deferred is not None:  # nothing reads a slot after close: run what waited for a release
+                self._held[slot] = False
+                self._deferred[slot] = None
+                self._issue(slot, *deferred)
+        # host-side wait, once, at teardown: copies queued on the copy stream read pinned host buffers
+        # asynchronously, and the last block always prefetches the first, so one is usually in flight. Only
+        # after this may a host buffer be unpinned or freed, or a slot be given back to the allocator
+        self.copy_stream.synchronize()
+
+
+def _transfer_error(slot: int, error: BaseException) -> TransferError:
+    """The error `wait_ready` raises for a failed copy job (a transfer error passes as it is)."""
+    if isinstance(error, TransferError):
+        return error
+    wrapped = TransferError(f"copy into slot {slot} failed: {error}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
+CUDA_HOST_REGISTER_PORTABLE = 1
+"""cudaHostRegisterPortable: pinned for every CUDA context, not only the current device's."""
+
+
+def pin_buffer_(buffer: torch.Tensor, device: torch.device | None = None) -> bool:
+    """Page-lock a host buffer in place (exact size: no power-of-two rounding). Returns True if pinned.
+
+    Runs with `device` current: a thread of its own would otherwise have device 0 current and create a CUDA
+    context there (every rank of a machine on GPU 0)."""
+    if not torch.cuda.is_available():
+        return False
+    cudart = torch.cuda.cudart()
+    with torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext():
+        err = cudart.cudaHostRegister(
+            buffer.data_ptr(), buffer.numel() * buffer.element_size(), CUDA_HOST_REGISTER_PORTABLE
+        )
+    ok = int(err) == 0 if not isinstance(err, tuple) else int(err[0]) == 0
+    if not ok:
+        logger.warning("cudaHostRegister failed (%s); block buffer stays pageable", err)
+    return ok
+
+
+def unpin_buffer_(buffer: torch.Tensor) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
+def _accelerator_api(device: torch.device):
+    if device.type == "cuda":
+        return torch.cuda
+    accel = getattr(torch, device.type, None)
+    if accel is not None and hasattr(accel, "Stream") and hasattr(accel, "Event"):
+        return accel
+    raise ValueError(f"device {device} has no stream API; use a CUDA device or the CPU")
+
+
+def make_copy_engine(device: torch.device, num_slots: int, *, link_gbps: float | None, timing: bool):
+    if device.type == "cpu":
+        return CpuCopyEngine(device, num_slots, link_gbps=link_gbps)
+    if link_gbps is not None:
+        raise ValueError(f"simulated_link_gbps applies only to the CPU; device {device} has a real link")
+    return AcceleratorCopyEngine(device, num_slots, timing=timing)

@@ -1,0 +1,135 @@
+"""Mode "module": whole components move to the device when a call starts and back to the host when it ends.
+
+This is the familiar model CPU offload, kept as a baseline for the benchmarks and for VAEs. A component is
+swapped in around `forward` and around the other methods pipelines call on it (`encode`, `decode`: diffusers
+calls `vae.decode(...)`, never `vae(...)`); nested calls (decode calling forward) swap once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import torch
+from torch import nn
+
+from layerstream.plan.resolved import ResolvedOffloadPlan
+from layerstream.runtime.modes.hooks import HookSet
+from layerstream.runtime.streaming.ownership import CallOwnership
+from layerstream.runtime.modes.undo import UndoStack
+from layerstream.runtime.reporting.stats import ComponentStats, OffloadStats, OffloadTrace
+from layerstream.runtime.streaming.wrapping import MethodWrapper
+
+OFFLOAD_DEVICE = torch.device("cpu")
+SWAPPED_METHODS = ("forward", "encode", "decode")
+"""Methods that swap a component in when a pipeline calls them (those the component has)."""
+
+
+def _module_bytes(module: nn.Module) -> int:
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+class ModuleModeBackend:
+    """Swaps the plan's "swap" components on and off the device around their calls."""
+
+    streamer = None  # nothing streams block by block
+    placement = None
+
+    def __init__(self, plan: ResolvedOffloadPlan, components: Mapping[str, nn.Module], device: torch.device):
+        self.plan = plan
+        self.components = components
+        self.device = device
+        self.hooks = HookSet()
+        """Everything installed on the pipeline, by name (the handle lists it; disable removes it)."""
+        self.bytes = {c.path: _module_bytes(components[c.path]) for c in plan.components if c.action == "swap"}
+        self.transfers = {path: 0 for path in self.bytes}
+        self.depth = {path: 0 for path in self.bytes}
+        self.ownership = CallOwnership(plan.pipeline_class)
+        """Which thread runs the pipeline: a swap from a second thread would move a component under the first."""
+
+    def install_(self) -> None:
+        display = {c.path: c.display_path for c in self.plan.components}
+        for path in self.bytes:
+            module = self.components[path]
+            for name in SWAPPED_METHODS:
+                if callable(getattr(module, name, None)):
+                    wrapper = MethodWrapper(module, name, lambda p=path: self._onload_(p), lambda p=path: self._offload_(p))
+                    self.hooks.add(display[path], f"swap.{name}", "moves the component to the device around the call", wrapper.remove)
+
+    def _onload_(self, path: str) -> None:
+        self.ownership.enter()
+        self.depth[path] += 1
+        if self.depth[path] == 1:
+            self.components[path].to(self.device)
+            self.transfers[path] += 1
+
+    def _offload_(self, path: str) -> None:
+        try:
+            self.depth[path] -= 1
+            if self.depth[path] == 0:
+                self.components[path].to(OFFLOAD_DEVICE)
+        finally:
+            self.ownership.exit()
+
+    def stats(self) -> OffloadStats:
+        per = {}
+        for c in self.plan.components:
+            if c.action == "swap":
+                per[c.display_path] = ComponentStats(
+                    bytes_transferred=self.transfers[c.path] * self.bytes[c.path],
+                    num_transfers=self.transfers[c.path],
+                    host_bytes=self.bytes[c.path],
+                )
+            elif c.action == "resident":
+                per[c.display_path] = ComponentStats(device_bytes=_module_bytes(self.components[c.path]))
+        totals = {f: sum(getattr(s, f) for s in per.values()) for f in ComponentStats.__dataclass_fields__}
+        # while a swapped component runs it is on the device too: count the largest one
+        totals["device_bytes"] += max(self.bytes.values(), default=0)
+        return OffloadStats(**totals, per_component=MappingProxyType(per), engine="module-swap")
+
+    def block_transfers(self) -> dict[str, int]:
+        return {}
+
+    def trace(self) -> OffloadTrace:
+        return OffloadTrace(())  # whole-module swaps run on the compute thread; there is no copy lane to show
+
+    def reset_trace(self) -> None:
+        pass
+
+    def remove_wrappers_(self) -> None:
+        self.hooks.remove_all_()
+
+    def disable(self) -> None:
+        self.remove_wrappers_()
+        for path in self.bytes:
+            self.components[path].to(self.device)
+
+
+def apply_module_mode(
+    plan: ResolvedOffloadPlan, components: Mapping[str, nn.Module], device: torch.device, undo: UndoStack
+) -> ModuleModeBackend:
+    """Put swapped components on the host and everything else on the device, and wrap the swapped ones."""
+    backend = ModuleModeBackend(plan, components, device)
+    for comp in plan.components:
+        module = components[comp.path]
+        if comp.action == "on_demand":
+            module.offload_to_cpu()
+            undo.push(module.load_to_device)
+            continue
+        original = _device_of(module)
+        undo.push(lambda m=module, d=original: m.to(d))
+        module.to(OFFLOAD_DEVICE if comp.action == "swap" else device)
+    undo.push(backend.remove_wrappers_)
+    backend.install_()
+    return backend
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    return OFFLOAD_DEVICE

@@ -1,0 +1,148 @@
+"""Composing each streamed component's host store, in one place, from its resolved component.
+
+A `StoreKind` says which components it serves (`applies`), how to build its store (`build`, which may decline
+with None: allgather over a group of one is plain copies) and whether the components it serves share one store.
+`compose_stores` takes the kinds in order of preference, the first that builds wins; a new store joins by adding
+its kind to the list the composition root passes (`offload.STORE_KINDS`), not by editing a chain of ifs. With
+`host_budget_gb` the tier is part of the composition: the component's store becomes the host side of a
+`TieredHostStore` over one disk store, before the placement, which then prices blocks in the host side's
+figures and tells the stores its decisions (`place_`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from layerstream.plan.placement import Placement
+from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan
+from layerstream.runtime.contracts import HostStore
+from layerstream.runtime.packing.layout import BlockLayout
+from layerstream.runtime.stores.cast_store import STORAGE_DTYPES, CastHostStore
+from layerstream.runtime.stores.disk.disk_store import DiskHostStore
+from layerstream.runtime.stores.packed_store import PackedHostStore
+from layerstream.runtime.stores.tiered_store import TieredHostStore
+
+
+@dataclass(frozen=True)
+class StoreContext:
+    """What building a store may need beyond its component: handed down by the composition root."""
+
+    plan: ResolvedOffloadPlan
+    device: torch.device
+    components: Mapping[str, nn.Module]
+    process_group: Any = None
+    spill_root: Path | None = None
+    """Where the disk tier's spill files go (`disk_dir`, or the cache's folder); needed with `host_budget_gb`."""
+    simulated_disk_gbps: float | None = None
+
+
+@dataclass(frozen=True)
+class StoreKind:
+    """One kind of host store (see the module docstring)."""
+
+    name: str
+    applies: Callable[[ResolvedComponent], bool]
+    build: Callable[[ResolvedComponent, StoreContext], HostStore | None]
+    shared: bool = False
+    """One store for every component of this kind (built for the first one)."""
+
+
+def _build_cast(comp: ResolvedComponent, ctx: StoreContext) -> HostStore:
+    return CastHostStore(ctx.components[comp.path], STORAGE_DTYPES[comp.storage_dtype])
+
+
+CAST_KIND = StoreKind("cast", lambda c: c.storage_dtype is not None, _build_cast)
+PACKED_KIND = StoreKind("packed", lambda c: True, lambda c, ctx: PackedHostStore(), shared=True)
+
+
+@dataclass
+class ComponentStores:
+    """The store of each streamed component, and each distinct store once (components may share one)."""
+
+    by_component: dict[str, HostStore]
+    distinct: list[HostStore] = field(default_factory=list)
+
+    def __post_init__(self):
+        for store in self.by_component.values():
+            if all(store is not s for s in self.distinct):
+                self.distinct.append(store)
+
+    def __getitem__(self, component: str) -> HostStore:
+        return self.by_component[component]
+
+    def __iter__(self) -> Iterator[HostStore]:
+        return iter(self.distinct)
+
+    def slot_and_host_nbytes(self, plan: ResolvedOffloadPlan, layouts: Mapping[str, BlockLayout]) -> tuple[dict[str, int], dict[str, int]]:
+        """Per streamable block: the slot bytes and the host bytes its component's store gives it (pure)."""
+        slot, host = {}, {}
+        for comp in plan.streamed:
+            store = self.by_component[comp.path]
+            for stack in comp.stacks:
+                for path in stack.block_paths:
+                    slot[path] = store.slot_nbytes(layouts[path])
+                    host[path] = store.host_nbytes(layouts[path])
+        return slot, host
+
+    def place_(self, placement: Placement) -> None:
+        for store in self.distinct:
+            store.place_(placement)
+
+    def layouts_by_store(self, placement: Placement, layouts: Mapping[str, BlockLayout]) -> list[tuple[HostStore, list[BlockLayout]]]:
+        """Each distinct store with the layouts of the streamed blocks it will hold, in chain order."""
+        out: list[tuple[HostStore, list[BlockLayout]]] = [(store, []) for store in self.distinct]
+        index = {id(store): i for i, store in enumerate(self.distinct)}
+        for chain in placement.chains:
+            mine = out[index[id(self.by_component[chain.component])]][1]
+            mine.extend(layouts[p] for p in chain.block_paths)
+        return out
+
+    def report_failure_(self, error: BaseException) -> None:
+        for store in self.distinct:
+            store.report_failure_(error)
+
+
+def compose_stores(ctx: StoreContext, kinds: Sequence[StoreKind], *, disk_tier: bool = True) -> ComponentStores:
+    """The store of every streamed component of `ctx.plan` (see the module docstring). `disk_tier=False` leaves
+    the tier out (it prices blocks as its host side does: enough for a placement that is only shown)."""
+    built: dict[str, HostStore] = {}  # shared kind -> its store
+    by_component: dict[str, HostStore] = {}
+    for comp in ctx.plan.streamed:
+        by_component[comp.path] = _store_for(comp, ctx, kinds, built)
+    if disk_tier and ctx.plan.config.host_budget_gb is not None:
+        by_component = _with_disk_tier(by_component, ctx)
+    return ComponentStores(by_component)
+
+
+def _store_for(comp: ResolvedComponent, ctx: StoreContext, kinds: Sequence[StoreKind], built: dict[str, HostStore]) -> HostStore:
+    for kind in kinds:
+        if not kind.applies(comp):
+            continue
+        if kind.shared and kind.name in built:
+            return built[kind.name]
+        store = kind.build(comp, ctx)
+        if store is None:
+            continue  # the kind declined (allgather over a group of one): the next one serves
+        if kind.shared:
+            built[kind.name] = store
+        return store
+    raise AssertionError(f"no store kind serves {comp.path} (the packed kind serves every component)")
+
+
+def _with_disk_tier(by_component: dict[str, HostStore], ctx: StoreContext) -> dict[str, HostStore]:
+    """Every component's store as the host side of a tiered store over one shared disk store (the config allows
+    `host_budget_gb` only where every streamed component has the local packed store, so there is one)."""
+    assert ctx.spill_root is not None, "host_budget_gb needs a spill folder"
+    disk = DiskHostStore(ctx.spill_root, simulated_gbps=ctx.simulated_disk_gbps)
+    tiered: dict[int, TieredHostStore] = {}
+    for store in by_component.values():
+        if id(store) not in tiered:
+            tiered[id(store)] = TieredHostStore(store, disk)
+    assert len(tiered) <= 1, "one disk store serves one host store (its figures are counted once)"
+    return {path: tiered[id(store)] for path, store in by_component.items()}

@@ -1,0 +1,394 @@
+"""The disk tier's store: streamed blocks that hold no host memory, read from disk into the slot at every use.
+
+A block placed on disk (`Placement.host_tier`) is read from the checkpoint's own files where its spans are
+unwritten views of a file mapping (a few spans the loader made in memory, up to `MAX_IN_MEMORY_FRACTION` of the
+block, stay in host memory and count as host bytes), else from a spill file written once at enable under
+`<root>/<one folder per enable>/` (`sources`). Every read is checked; `restore_` and `rollback_` read the
+blocks back into real tensors and remove the folder.
+
+Disk, link and compute run as three stages: a `StagingRing` (`staging`) of three host buffers (pinned on an
+accelerator) is filled by a read-ahead I/O thread two disk blocks ahead along the streamer's prediction of the
+order blocks run in (`follow_order_`), and a block's copy job only copies from the buffer already read into
+the slot (reading synchronously only when the prediction missed). On an accelerator the job runs on the
+compute thread, so the disk read must not happen there; on the CPU it runs on the engine's copy thread.
+
+The pooled blocks of alternating DiTs (`HostPoolChoice`: Wan 2.2's experts) are disk blocks too, whose bytes
+stay in an entry of a `HostPool` (`host_pool`) while their DiT runs, read from disk only when the other DiT ran
+since.
+
+Disk-tier reads drop their pages from the page cache after them: the memory the budget leaves free stays free.
+A simulated disk (`simulated_gbps`, CPU measurements) keeps the page cache instead and is one disk: the
+read-ahead and the pool's reads take turns on it. `disk_stall_seconds` counts the time compute waited on the
+disk, apart from the link: on an accelerator the time the job waited for a read; on the CPU the part of
+compute's wait during which the copy job was waiting for the read (`count_stall_`, called by the streamer).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from layerstream.errors import TransferError, UnsupportedUseError
+from layerstream.plan.placement import HostPoolChoice, Placement
+from layerstream.runtime.contracts import HostStoreBase, Job, Pinner, StoredBlockBase, StoreStats
+from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
+from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
+from layerstream.runtime.stores.disk.host_pool import HostPool
+from layerstream.runtime.stores.disk.sources import (
+    CheckpointSource,
+    SpillSource,
+    remove_stale_spill_folders,
+    spill_folder_prefix,
+)
+from layerstream.runtime.stores.disk.staging import READ_AHEAD_DEPTH, StagingRing
+
+logger = logging.getLogger(__name__)
+
+MAX_IN_MEMORY_FRACTION = 1 / 8
+"""A file-backed block may keep this much of its bytes (spans made in memory) in host memory; beyond it the
+whole block is spilled."""
+
+
+class DiskBlock(StoredBlockBase):
+    """One block of the disk tier: no host bytes; its copy job reads it from disk."""
+
+    def __init__(
+        self,
+        store: DiskHostStore,
+        layout: BlockLayout,
+        binder: TensorBinder,
+        source,
+        original_device: torch.device,
+        member: str | None = None,
+    ):
+        self.store = store
+        self.member = member
+        """The alternating DiT the block belongs to, where there is a host pool (None otherwise)."""
+        self.layout = layout
+        self.binder = binder
+        self.source: CheckpointSource | SpillSource = source
+        self.original_device = original_device
+        self.disk_wait = (0.0, 0.0)
+        """When the latest copy job waited for this block's bytes to come off the disk (perf_counter seconds)."""
+
+    def __repr__(self) -> str:
+        return f"DiskBlock({self.path!r}, {self.layout.nbytes} bytes from {self.source.describe()})"
+
+    @property
+    def path(self) -> str:
+        return self.layout.path
+
+    @property
+    def host_bytes(self) -> int:
+        return self.source.host_bytes  # at most the few spans made in memory (the staging ring is the store's)
+
+    @property
+    def pinned(self) -> bool:
+        return False
+
+    @property
+    def link_bytes(self) -> int:
+        return self.layout.nbytes
+
+    def copy_job(self, slot_buffer: torch.Tensor) -> Job:
+        store = self.store
+        on_compute_thread = slot_buffer.device.type != "cpu"  # accelerator engines run jobs where compute runs
+
+        def job() -> int:
+            if store.pool is not None and self.member is not None:
+                store.pool.prepare_(self.member)  # the first block of another DiT: the pool reads its blocks
+            nbytes = store.staging.copy_(self, slot_buffer, store.upcoming_after(self.path))
+            self.disk_wait = store.staging.last_disk_wait
+            if on_compute_thread:
+                store.disk_stall_seconds += self.disk_wait[1] - self.disk_wait[0]  # compute itself waited
+            return nbytes
+
+        return job
+
+    def count_stall_(self, stall_seconds: float) -> None:
+        """Compute just waited `stall_seconds` for this block's copy (the CPU engine's copy thread ran the job):
+        count the part of that wait during which the job was waiting for the disk."""
+        started, ended = self.disk_wait
+        now = time.perf_counter()
+        overlap = min(ended, now) - max(started, now - stall_seconds)
+        if overlap > 0:
+            self.store.disk_stall_seconds += overlap
+
+    def read_into_(self, buffer: torch.Tensor) -> None:
+        """Fill `buffer` (uint8, CPU, `layout.nbytes`) with the block's packed bytes."""
+        store = self.store
+        gbps = store.simulated_gbps
+        if gbps is None:
+            nbytes = self.source.read_into_(buffer, store.reader)
+        else:
+            with store.simulated_disk:  # one disk: concurrent reads take turns
+                start = time.perf_counter()
+                nbytes = self.source.read_into_(buffer, store.reader)
+                remaining = nbytes / (gbps * 1e9) - (time.perf_counter() - start)
+                if remaining > 0:
+                    time.sleep(remaining)  # the read lasts as long as it would on that disk
+        with store.counting:  # the read-ahead and the pool read on threads of their own
+            store.disk_bytes_read += nbytes
+
+    def host_range(self, start: int, nbytes: int) -> torch.Tensor:
+        self._refuse("backward through it")
+
+    def write_back_(self, slot_buffer: torch.Tensor, start: int, end: int) -> int:
+        self._refuse("keep what its forward wrote into its buffers")
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        self._refuse("read or write its weights in place (state_dict, load_state_dict, LoRA)")
+
+    _where = "lives on disk (host_budget_gb), not in host memory"
+
+    def _refuse(self, what: str):
+        raise UnsupportedUseError(
+            f"{self.path}: the block {self._where}; cannot {what}. Raise host_budget_gb so that it fits in host "
+            "memory, or call handle.disable() first"
+        )
+
+
+class PooledBlock(DiskBlock):
+    """A disk block whose bytes stay in an entry of the host pool while its DiT runs (`runtime.stores.disk.host_pool`)."""
+
+    _where = "is read from disk into a host pool it shares with another DiT (host_budget_gb)"
+
+    def __init__(self, *args, entry: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.entry = entry
+
+    def __repr__(self) -> str:
+        return f"PooledBlock({self.path!r}, pool entry {self.entry}, {self.layout.nbytes} bytes from {self.source.describe()})"
+
+    def copy_job(self, slot_buffer: torch.Tensor) -> Job:
+        store = self.store
+        on_compute_thread = slot_buffer.device.type != "cpu"
+
+        def job() -> int:
+            waited = time.perf_counter()
+            entry = store.pool.take_(self)  # waits only when the pool is still reading it
+            self.disk_wait = (waited, time.perf_counter())
+            if on_compute_thread:
+                store.disk_stall_seconds += self.disk_wait[1] - self.disk_wait[0]
+            store.pool.copy_out_(entry, slot_buffer, self.layout.nbytes)
+            return self.layout.nbytes
+
+        return job
+
+
+class DiskHostStore(HostStoreBase):
+    """`HostStore` for the blocks the placement puts on disk (see the module docstring). `root` is the folder
+    spill files go under (`disk_dir`, or the cache's spill folder: the composition root chooses)."""
+
+    kind = "disk"
+
+    def __init__(self, root: str | Path, simulated_gbps: float | None = None, pool: HostPoolChoice | None = None):
+        self.simulated_gbps = simulated_gbps
+        """CPU measurements: every read lasts at least as long as on a disk of this bandwidth."""
+        self.simulated_disk = threading.Lock()
+        """Held through a simulated read: the read-ahead and the pool share one disk."""
+        self.counting = threading.Lock()
+        """Guards the byte count, which reads on several threads add to."""
+        self.pool_choice: HostPoolChoice | None = pool
+        """The pool entries and members (given, or from `place_`; None: no pool); `stage_` makes a `PooledBlock` of every pooled
+        block."""
+        self.pool: HostPool | None = None
+        self.root = Path(root).expanduser()
+        self._successor: Callable[[str], str | None] | None = None
+        """The streamer's prediction of the block that runs after a block (`follow_order_`): what the staging
+        ring reads ahead along."""
+        self._num_streamed = 0
+        self.blocks: dict[str, DiskBlock] = {}
+        self.disk_bytes_read = 0
+        """Bytes read from disk (checkpoint files and spill files) since enable."""
+        self.disk_stall_seconds = 0.0
+        """Time compute waited for disk reads since enable (see the module docstring)."""
+        self.spill_bytes_written = 0
+        # a simulated disk stands for the disk: its reads may come from the page cache, the real disk is not timed
+        self.reader = FileReader(drop_cached=simulated_gbps is None)
+        self.folder: Path | None = None
+        self._files: MappedFiles | None = None
+        self._staging_nbytes = 0
+        self.staging: StagingRing | None = None
+        """Host buffers the disk blocks are read into (ahead) before their copy into the slot."""
+
+    def __repr__(self) -> str:
+        spilled = sum(isinstance(b.source, SpillSource) for b in self.blocks.values())
+        return f"DiskHostStore({len(self.blocks)} blocks, {spilled} spilled to {self.folder})"
+
+    def follow_order_(self, successor: Callable[[str], str | None], num_blocks: int) -> None:
+        """Read ahead along `successor` (the streamer's prediction of the block that runs after a block, learned
+        from the order blocks run in) through all `num_blocks` streamed blocks, host blocks included, instead of
+        each chain's declared order: the read-ahead follows a model that runs its blocks in another order, and
+        reads the next component's first disk blocks where one component hands over to another."""
+        self._successor = successor
+        self._num_streamed = num_blocks
+
+    def upcoming_after(self, path: str) -> list[DiskBlock]:
+        """The staged disk blocks (not the pooled ones, which the pool reads) predicted to run after `path`, in
+        order, up to `READ_AHEAD_DEPTH`; none before the streamer gave its predictions (nothing runs before)."""
+        upcoming: list[DiskBlock] = []
+        if self._successor is None:
+            return upcoming
+        current: str | None = path
+        for _ in range(self._num_streamed):  # the predictions may cycle without coming back to `path`
+            current = self._successor(current)
+            if current is None or current == path:
+                break
+            block = self.blocks.get(current)
+            if block is None or isinstance(block, PooledBlock):
+                continue  # a host block (or a pooled one): nothing to read into the ring
+            if block in upcoming:
+                break
+            upcoming.append(block)
+            if len(upcoming) == READ_AHEAD_DEPTH:
+                break
+        return upcoming
+
+    @property
+    def staging_nbytes(self) -> int:
+        """Host bytes of the staging ring (beyond the budget)."""
+        return sum(b.numel() for b in self.staging.buffers) if self.staging is not None else 0
+
+    @property
+    def pool_nbytes(self) -> int:
+        """Host bytes of the pool (within the budget)."""
+        return self.pool.nbytes if self.pool is not None else 0
+
+    def host_nbytes(self, layout: BlockLayout) -> int:
+        return 0  # a disk block keeps no host bytes (but for the few spans made in memory, counted by the block)
+
+    def place_(self, placement: Placement) -> None:
+        self.pool_choice = placement.host_tier.pool if placement.host_tier is not None else None
+
+    def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
+        self._staging_nbytes = slot_nbytes
+
+    def stats(self) -> StoreStats:
+        pool = self.pool_nbytes
+        return StoreStats(
+            host_bytes=pool,
+            pinned_host_bytes=pool if self.pool is not None and self.pool.pinned else 0,
+            disk_bytes_read=self.disk_bytes_read,
+            disk_stall_seconds=self.disk_stall_seconds,
+            host_pool_bytes=pool,
+            disk_staging_bytes=self.staging_nbytes,
+        )
+
+    def stage_(self, layout: BlockLayout, device: torch.device, pin: Pinner | None) -> DiskBlock:
+        assert layout.path not in self.blocks, f"{layout.path} staged twice"
+        if self._files is None:
+            remove_stale_spill_folders(self.root)  # once per enable, before this enable writes anything
+            self._files = MappedFiles.snapshot()
+        if self.staging is None:
+            self.staging = StagingRing(self._staging_nbytes, device, pin)
+        choice = self.pool_choice
+        entry = choice.entry_of(layout.path) if choice is not None else None
+        if entry is not None and self.pool is None:
+            self.pool = HostPool(choice.entry_nbytes, choice.member_blocks, device, pin)
+        packed = None
+        if entry is not None and self.pool.owner(entry) is None:  # the entry starts with this block's bytes
+            packed = self.pool.buffers[entry][: layout.nbytes].zero_()  # zeroed pads: a spill file's bytes are defined
+            layout.copy_sources_into(packed, self._files, self.reader)
+        original_device = layout.source_device()
+        spans = layout.span_file_ranges(self._files)
+        in_memory = [(dst, length) for source, dst, length in spans if source is None and length > 0]
+        if len(in_memory) < len(spans) and sum(n for _, n in in_memory) <= MAX_IN_MEMORY_FRACTION * layout.nbytes:
+            chunks = []
+            for dst, length in in_memory:
+                chunk = torch.empty(length, dtype=torch.uint8)
+                layout.copy_range_into(chunk, dst)
+                chunks.append((chunk, dst))
+            source = CheckpointSource([(s, dst) for s, dst, _ in spans if s is not None], chunks)
+        else:
+            source = self._spill_(layout, packed)
+        binder = TensorBinder(layout, device)
+        member = choice.member_of(layout.path) if choice is not None else None
+        if entry is not None:
+            block = PooledBlock(self, layout, binder, source, original_device, member, entry=entry)
+            self.pool.add_(block, holds_bytes=packed is not None)
+        else:
+            block = DiskBlock(self, layout, binder, source, original_device, member)
+        block.binder.evict_()
+        layout.forget_sources()  # the block's memory (or its view of the checkpoint) goes now
+        self.blocks[layout.path] = block
+        return block
+
+    def _spill_(self, layout: BlockLayout, packed: torch.Tensor | None = None) -> SpillSource:
+        if self.folder is None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            # one folder per enable: processes (and pipelines) sharing disk_dir never touch each other's files;
+            # named after this process, so that a later enable can tell whether it still runs
+            self.folder = Path(tempfile.mkdtemp(prefix=spill_folder_prefix(), dir=self.root))
+        buffer = packed
+        if buffer is None:  # (the bytes already packed for a pool entry are written as they are)
+            buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)  # zeroed pads: the file's bytes are all defined
+            layout.copy_sources_into(buffer, self._files, self.reader)
+        name = f"{len(self.blocks):05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', layout.path)}.block"
+        source = SpillSource.write(self.folder / name, buffer)
+        self.spill_bytes_written += layout.nbytes
+        return source
+
+    def commit_(self) -> None:
+        if self._files is not None:
+            self._files.close()
+            self._files = None
+
+    def rollback_(self) -> None:
+        self.commit_()
+        self._close_staging_()
+        try:
+            self._restore_blocks_(lambda block: block.original_device)
+        finally:
+            self._release_()
+
+    def restore_(self, device: torch.device) -> None:
+        self._close_staging_()  # first: a read-ahead (or pool read) in flight uses the reader the restore reads with
+        try:
+            self._restore_blocks_(lambda block: device)
+        finally:
+            self._release_()
+
+    def _close_staging_(self) -> None:
+        """Stop reading ahead and free the staging ring and the pool."""
+        try:
+            if self.staging is not None:
+                self.staging.close_()
+                self.staging = None
+        finally:
+            if self.pool is not None:
+                self.pool.close_()
+                self.pool = None
+
+    def _restore_blocks_(self, device_of) -> None:
+        """Every block gets real tensors again, read (and checked) from disk; the first failure is raised after
+        every other block is restored."""
+        first_error: BaseException | None = None
+        for path in list(self.blocks):
+            block = self.blocks.pop(path)
+            buffer = torch.empty(block.layout.nbytes, dtype=torch.uint8)
+            try:
+                block.read_into_(buffer)
+            except (OSError, TransferError) as e:
+                logger.error("%s: cannot be read back from disk: %s", path, e)
+                first_error = first_error or e
+                continue
+            block.binder.bind_(block.layout.separate_copies(buffer, device_of(block)))
+        if first_error is not None:
+            raise first_error
+
+    def _release_(self) -> None:
+        """Stop reading, free the staging ring and remove the spill files (the engine is closed: nothing reads)."""
+        self._close_staging_()
+        self.reader.close()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None

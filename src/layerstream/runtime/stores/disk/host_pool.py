@@ -1,0 +1,160 @@
+"""The host pool of the disk tier: host memory shared by DiTs that run one after the other (Wan 2.2's experts).
+
+Entry j of the pool (`plan.placement.HostPoolChoice`) is the buffer of the j-th host block of each alternating
+DiT, and holds the bytes of one of them at a time: its owner. A `PooledBlock` is a disk block (its bytes come
+from the checkpoint's files or a spill file, checked, as for every disk block) whose copy job copies from its
+entry rather than from a staging buffer, reading it from disk first when the entry holds another block.
+
+A change of DiT is seen by the copy job of the first block of the newcomer that runs (a pooled block or a disk
+block: `prepare_`): the pool queues disk reads of every pooled block of the newcomer, in its chain's order, on
+an I/O thread of its own, so that they run beside compute and the link, and each job waits only for its own
+block. Reads still queued for the DiT that ran before are cancelled. At enable the entries take the bytes of
+the first DiT staged, so that the first request reads nothing for them.
+
+Only the thread that runs copy jobs changes which block owns an entry (on an accelerator the compute thread, on
+the CPU the engine's copy thread); the I/O thread only fills buffers. Before a read overwrites an entry, it
+waits for the device copy out of it (a CUDA event, as in the staging ring).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+import torch
+
+from layerstream.errors import TransferError
+from layerstream.runtime.contracts import Pinner
+from layerstream.runtime.packing.layout import BlockLayout
+from layerstream.runtime.stores.disk.staging import copy_events, copy_out_, pin_all_or_none, unpin_all, wait_copied
+
+
+class PooledBlock(Protocol):
+    """What the pool needs of a pooled block (`disk_store.PooledBlock`): its entry, its DiT and a checked read."""
+
+    layout: BlockLayout
+    entry: int
+    member: str | None
+
+    @property
+    def path(self) -> str: ...
+
+    def read_into_(self, buffer: torch.Tensor) -> None: ...
+
+logger = logging.getLogger(__name__)
+
+
+class HostPool:
+    """Buffers shared by the pooled blocks of alternating DiTs (see the module docstring)."""
+
+    def __init__(self, entry_nbytes: Sequence[int], member_order: Mapping[str, Sequence[str]], device: torch.device, pin: Pinner | None):
+        self.buffers = [torch.empty(max(n, 1), dtype=torch.uint8) for n in entry_nbytes]
+        self._pinner = pin_all_or_none(self.buffers, pin)
+        self._copied = copy_events(device, self._pinner, len(self.buffers))
+        self._owner: list[PooledBlock | None] = [None] * len(self.buffers)
+        self._loads: list[Future | None] = [None] * len(self.buffers)
+        self._member_order = member_order
+        """Member -> its streamed blocks in chain order (which pooled blocks to read first)."""
+        self._pooled: dict[str, list[PooledBlock]] = {m: [] for m in member_order}
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-pool-load")
+        self.current: str | None = None
+        """The member whose blocks the entries hold or are being read for."""
+        self.num_member_changes = 0
+        self.bytes_loaded = 0
+        """Bytes read from disk into the pool since enable (at changes of member)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinner is not None
+
+    def owner(self, entry: int) -> PooledBlock | None:
+        return self._owner[entry]
+
+    def add_(self, block: PooledBlock, holds_bytes: bool) -> None:
+        """Register a staged block; `holds_bytes`: staging packed its bytes into its entry, which had no owner
+        (the first member staged starts in the pool)."""
+        order = self._member_order[block.member]
+        self._pooled[block.member].append(block)
+        self._pooled[block.member].sort(key=lambda b: order.index(b.path))
+        if holds_bytes:
+            self._owner[block.entry] = block
+            self.current = block.member
+
+    def prepare_(self, member: str) -> None:
+        """A block of `member` is about to be copied: when another member ran before, read `member`'s pooled
+        blocks into the pool from now on."""
+        if member != self.current:
+            self._change_to_(member)
+
+    def take_(self, block: PooledBlock) -> int:
+        """The entry holding `block`'s bytes, read first when it holds another block's (waits for the read)."""
+        entry = block.entry
+        if self.current != block.member or self._owner[entry] is not block:
+            self._change_to_(block.member, first=block)
+        load = self._loads[entry]
+        if load is not None:
+            try:
+                load.result()
+            except BaseException:
+                self._owner[entry] = None  # read again the next time it runs
+                raise
+            finally:
+                self._loads[entry] = None
+        return entry
+
+    def copy_out_(self, entry: int, slot_buffer: torch.Tensor, nbytes: int) -> None:
+        """Copy the first `nbytes` of `entry` into the slot (after `take_`)."""
+        copy_out_(self.buffers[entry], slot_buffer, nbytes, self._copied[entry])
+
+    def _change_to_(self, member: str, first: PooledBlock | None = None) -> None:
+        if member != self.current:
+            self.num_member_changes += 1
+        self._drop_loads_(keep=member)
+        self.current = member
+        order = self._pooled[member]
+        if first is not None:  # the block asked for first, then the rest in chain order (cyclic)
+            k = order.index(first)
+            order = order[k:] + order[:k]
+        for block in order:
+            if self._owner[block.entry] is block:
+                continue  # its bytes are there, or on their way
+            self._owner[block.entry] = block
+            self._loads[block.entry] = self._io.submit(self._load_, block)
+
+    def _drop_loads_(self, keep: str) -> None:
+        """Cancel the reads still queued for members other than `keep`; wait for the one running."""
+        for entry, load in enumerate(self._loads):
+            if load is None or self._owner[entry].member == keep:  # (a read in flight always has an owner)
+                continue
+            if not load.cancel():
+                try:
+                    load.result()
+                    continue  # read whole: the entry holds its owner's bytes, keep it
+                except (OSError, TransferError):
+                    logger.debug("pool read for entry %d failed; read again when needed", entry, exc_info=True)
+            self._owner[entry] = None
+            self._loads[entry] = None
+
+    def _load_(self, block: PooledBlock) -> None:
+        entry = block.entry
+        wait_copied(self._copied[entry])  # the device copy of the entry's previous owner must be done
+        block.read_into_(self.buffers[entry][: block.layout.nbytes])
+        self.bytes_loaded += block.layout.nbytes
+
+    def close_(self) -> None:
+        """Stop reading, then free the buffers (the engine is closed: no device copy reads them)."""
+        for load in self._loads:
+            if load is not None:
+                load.cancel()
+        self._io.shutdown(wait=True)
+        self._loads = [None] * len(self._loads)
+        self._owner = [None] * len(self._owner)
+        unpin_all(self.buffers, self._pinner)
+        self._pinner = None
+        self.buffers, self._copied = [], []

@@ -1,0 +1,203 @@
+"""Where a disk-tier block's bytes come from: the checkpoint's own files, or a spill file of ours, and the spill
+folders' lifetime (named after the process that wrote them, so a later enable removes a dead process's).
+
+Spill files are written once, atomically (temporary name, fsync, rename), behind a small header with the byte
+count and a CRC-32 of the payload. Every read checks both, so a corrupt or truncated file is a `SpillFileError`
+naming it and never a wrong picture. A checkpoint file replaced since enable is a `CheckpointChangedError`.
+Spill folders are named `enable-<pid space>-<pid>-<start time>-<random>`: the next enable under the same root
+removes the folders of processes that no longer run, never a live process's, nor one from another machine or
+pid namespace sharing the folder (`remove_stale_spill_folders`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import struct
+import zlib
+from pathlib import Path
+
+import torch
+
+from layerstream.errors import TransferError
+from layerstream.runtime.packing.file_reads import FileRange, FileReader, drop_cached_pages
+from layerstream.runtime.packing.layout import ALIGN_BYTES
+
+logger = logging.getLogger(__name__)
+
+SPILL_MAGIC = b"LSSPILL1"
+_HEADER = struct.Struct("<8sQI")  # magic, payload bytes, CRC-32 of the payload
+HEADER_BYTES = ALIGN_BYTES
+"""The payload starts here: aligned, so that a read lands at the same residue as the slot."""
+SPILL_FOLDER_PREFIX = "enable-"
+_SPILL_FOLDER = re.compile(r"^enable-(?P<space>[0-9a-f]{8})-(?P<pid>\d+)-(?P<start>\d+)-")
+
+
+class SpillFileError(TransferError):
+    """A spill file of the disk tier is missing, truncated or corrupt (the message names the file)."""
+
+
+class CheckpointChangedError(TransferError):
+    """A checkpoint file the disk tier reads blocks from was replaced, truncated or removed since enable."""
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, from /proc), 0 where /proc does not say, None if the
+    process does not exist. With the pid it names one process: a pid reused by a later process starts later."""
+    if os.name != "posix":
+        return 0  # no signal 0 to probe with (on Windows os.kill would act on the process): count it as alive
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # another user's process: alive
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0
+    # the command name (field 2) may hold spaces and parentheses: count fields after its closing parenthesis
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return int(fields[19])  # field 22, starttime
+
+
+def process_space() -> str:
+    """Where this process's pids mean something: its boot and pid namespace (8 hex digits). A `disk_dir` shared
+    with other machines or containers holds folders whose pids cannot be checked from here."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            key = f.read().strip() + os.readlink("/proc/self/ns/pid")
+    except OSError:
+        import socket
+
+        key = socket.gethostname()
+    return f"{zlib.crc32(key.encode()):08x}"
+
+
+def spill_folder_prefix() -> str:
+    """The name this process's spill folders start with: its pid space, pid and start time."""
+    pid = os.getpid()
+    return f"{SPILL_FOLDER_PREFIX}{process_space()}-{pid}-{process_start_ticks(pid) or 0}-"
+
+
+def remove_stale_spill_folders(root: Path) -> list[Path]:
+    """Remove the spill folders under `root` whose process no longer runs (it died before `disable()`); a live
+    process's folder, a folder from another machine or pid namespace (its pid cannot be checked here), and
+    anything not named by this module are left alone. Returns the folders removed."""
+    removed = []
+    space = process_space()
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _SPILL_FOLDER.match(entry.name)
+        if match is None or match["space"] != space or not entry.is_dir():
+            continue
+        started = process_start_ticks(int(match["pid"]))
+        if started is not None and started in (0, int(match["start"])):
+            continue  # alive (or alive without /proc to tell a reused pid apart): never touch it
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    if removed:
+        logger.info("removed %d spill folder(s) of processes that ended without disable(): %s", len(removed), removed)
+    return removed
+
+
+class CheckpointSource:
+    """A block backed by checkpoint file bytes: (file range, offset in the packed block) per span, and the few
+    spans made in memory as (host bytes, offset). Each file's size and modification time are noted when the
+    block is staged and checked before every read: a checkpoint replaced or truncated since is an error naming
+    it, not another model's weights."""
+
+    def __init__(self, ranges: list[tuple[FileRange, int]], in_memory: list[tuple[torch.Tensor, int]]):
+        self.ranges = ranges
+        self.in_memory = in_memory
+        self.host_bytes = sum(t.numel() for t, _ in in_memory)
+        self.stamps = {r.path: _stamp(r.path) for r, _ in ranges}
+
+    def describe(self) -> str:
+        return ", ".join(sorted({os.path.basename(r.path) for r, _ in self.ranges}))
+
+    def read_into_(self, buffer: torch.Tensor, reader: FileReader) -> int:
+        for path, stamp in self.stamps.items():
+            try:
+                now = _stamp(path)
+            except OSError as e:
+                raise CheckpointChangedError(f"checkpoint file {path} cannot be read: {e}") from e
+            if now != stamp:
+                raise CheckpointChangedError(
+                    f"checkpoint file {path} changed since offload was enabled (size, modification time {now} "
+                    f"instead of {stamp}); its blocks are read from it at every use: disable offload before "
+                    "replacing the files"
+                )
+        for source, dst in self.ranges:
+            reader.read_into_(buffer[dst : dst + source.nbytes], source)
+        for chunk, dst in self.in_memory:
+            buffer[dst : dst + chunk.numel()].copy_(chunk)
+        return sum(r.nbytes for r, _ in self.ranges)
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+class SpillSource:
+    """A block's packed bytes in a spill file of ours, checked at every read."""
+
+    host_bytes = 0
+
+    def __init__(self, path: Path, nbytes: int):
+        self.path = path
+        self.nbytes = nbytes
+
+    def describe(self) -> str:
+        return str(self.path)
+
+    @classmethod
+    def write(cls, path: Path, payload: torch.Tensor) -> SpillSource:
+        """Write `payload` (uint8, contiguous, CPU) to `path` atomically: a reader sees no file or a whole one."""
+        data = memoryview(payload.numpy())
+        header = _HEADER.pack(SPILL_MAGIC, len(data), zlib.crc32(data)).ljust(HEADER_BYTES, b"\0")
+        partial = path.with_name(path.name + ".partial")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, header)
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
+            os.fsync(fd)  # the bytes are on disk before the name says the file is complete
+            drop_cached_pages(fd)  # written once, read from disk at every use: its pages need not stay cached
+        finally:
+            os.close(fd)
+        os.replace(partial, path)
+        return cls(path, len(data))
+
+    def read_into_(self, buffer: torch.Tensor, reader: FileReader) -> int:
+        """Fill `buffer[:nbytes]` with the payload, checked against the header; raises `SpillFileError`."""
+        try:
+            size = os.stat(self.path).st_size
+            with open(self.path, "rb") as f:
+                raw = f.read(_HEADER.size)
+        except OSError as e:
+            raise SpillFileError(f"spill file {self.path} cannot be read: {e}") from e
+        if size != HEADER_BYTES + self.nbytes:
+            raise SpillFileError(
+                f"spill file {self.path} has {size} bytes, not the {HEADER_BYTES + self.nbytes} written (truncated "
+                "or overwritten since offload was enabled)"
+            )
+        magic, nbytes, crc = _HEADER.unpack(raw)
+        if magic != SPILL_MAGIC or nbytes != self.nbytes:
+            raise SpillFileError(f"spill file {self.path}: the header is not the one written (overwritten since enable)")
+        destination = buffer[: self.nbytes]
+        try:
+            reader.read_into_(destination, FileRange(str(self.path), HEADER_BYTES, self.nbytes))
+        except OSError as e:
+            raise SpillFileError(f"spill file {self.path} cannot be read: {e}") from e
+        if zlib.crc32(memoryview(destination.numpy())) != crc:
+            raise SpillFileError(f"spill file {self.path} is corrupt: its bytes do not match the checksum written")
+        return self.nbytes

@@ -1,0 +1,196 @@
+"""The staging ring of the disk tier, and what it shares with the host pool: buffers pinned all or none, and
+copies out of them into a device slot, asynchronous where CUDA events tell when they are done.
+
+Disk, link and compute run as three stages: a `StagingRing` of `NUM_STAGING_BUFFERS` host buffers (pinned on an
+accelerator) is filled by a read-ahead I/O thread along the predicted order of disk blocks, and a block's copy
+job copies from the buffer already read into the slot (see `runtime.stores.disk.disk_store` for where the blocks come
+from)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+import torch
+
+from layerstream.errors import TransferError
+from layerstream.runtime.contracts import Pinner
+from layerstream.runtime.packing.layout import BlockLayout
+
+
+class DiskBlock(Protocol):
+    """What the ring needs of a disk block (`disk_store.DiskBlock`): its path, layout and a checked read."""
+
+    layout: BlockLayout
+
+    @property
+    def path(self) -> str: ...
+
+    def read_into_(self, buffer: torch.Tensor) -> None: ...
+
+logger = logging.getLogger(__name__)
+
+READ_AHEAD_DEPTH = 2
+"""Disk blocks read ahead of the one being copied: the disk goes on to the next block without waiting for the
+copy side to ask for it (one block ahead, the disk idles whenever the copy side is late to ask)."""
+NUM_STAGING_BUFFERS = READ_AHEAD_DEPTH + 1
+"""The buffers the read-ahead fills, and the one the latest copy comes from."""
+
+
+def pin_all_or_none(buffers: Sequence[torch.Tensor], pin: Pinner | None) -> Pinner | None:
+    """Page-lock every buffer, or none (copies are asynchronous only from pinned memory, and a buffer's copies
+    are all asynchronous or all in step): the pinner that pinned them, or None."""
+    if pin is None:
+        return None
+    pinned = [b for b in buffers if pin.pin_(b)]
+    if len(pinned) == len(buffers):
+        return pin
+    for b in pinned:
+        pin.unpin_(b)
+    return None
+
+
+def copy_events(device: torch.device, pinner: Pinner | None, count: int) -> list:
+    """One CUDA event per buffer, re-recorded for every copy out of it (a never-recorded event counts as
+    complete), where those copies are asynchronous (CUDA, pinned); without them the copies are in step and need
+    none."""
+    cuda = device.type == "cuda" and pinner is not None
+    return [torch.cuda.Event() if cuda else None for _ in range(count)]
+
+
+def copy_out_(buffer: torch.Tensor, slot_buffer: torch.Tensor, nbytes: int, event) -> None:
+    """Copy `buffer[:nbytes]` into the slot: asynchronously, recording `event` after it on the current stream
+    (the engine's copy stream while a job runs), or in step where there is no event to tell when it is done."""
+    if event is None:
+        slot_buffer[:nbytes].copy_(buffer[:nbytes])
+    else:
+        slot_buffer[:nbytes].copy_(buffer[:nbytes], non_blocking=True)
+        event.record()
+
+
+def wait_copied(event) -> None:
+    """Host-side wait for the device copy out of a buffer before a disk read overwrites it (it was issued a
+    block ago, so it has usually finished)."""
+    if event is not None:
+        event.synchronize()
+
+
+def unpin_all(buffers: Sequence[torch.Tensor], pinner: Pinner | None) -> None:
+    if pinner is not None:
+        for b in buffers:
+            pinner.unpin_(b)
+
+
+class StagingRing:
+    """`READ_AHEAD_DEPTH + 1` host buffers (pinned where the engine can pin) that disk blocks are read into, then
+    copied to the slot (asynchronously from pinned memory on an accelerator), with a read-ahead on an I/O thread.
+
+    A job for block B takes B's bytes from the buffer the read-ahead filled (when it predicted B; else it reads
+    B there and then, synchronously), makes sure the next `READ_AHEAD_DEPTH` disk blocks expected after B
+    (`DiskHostStore.upcoming_after`) are being read into the other buffers, then copies B into the slot. The I/O
+    thread reads them one after another, so the disk never waits for the copy side to ask for the next block:
+    while the blocks between two disk blocks compute (and cross the link), the disk reads the next ones. Disk,
+    link and compute run as three stages."""
+
+    def __init__(self, nbytes: int, device: torch.device, pin: Pinner | None):
+        self.buffers = [torch.empty(max(nbytes, 1), dtype=torch.uint8) for _ in range(NUM_STAGING_BUFFERS)]
+        self._pinner = pin_all_or_none(self.buffers, pin)
+        self._copied = copy_events(device, self._pinner, len(self.buffers))
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-disk-ahead")
+        self._ahead: deque[tuple[str, int, Future]] = deque()
+        """Reads issued ahead, in the order their blocks are expected: (block path, buffer, read)."""
+        self._last = 0  # the buffer the latest copy came from
+        self.num_read_ahead_hits = 0
+        self.num_read_ahead_misses = 0
+        self.last_disk_wait = (0.0, 0.0)
+        """When the latest `copy_` waited for its block's bytes to come off the disk (perf_counter seconds)."""
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinner is not None
+
+    def copy_(self, block: DiskBlock, slot_buffer: torch.Tensor, upcoming: Sequence[DiskBlock] = ()) -> int:
+        """Fill `slot_buffer[:nbytes]` with `block`'s bytes (checked) through a staging buffer, having made sure
+        that the blocks expected next (`upcoming`, the first `READ_AHEAD_DEPTH` of them) are being read ahead.
+        Runs on the thread of the copy job, on its stream."""
+        nbytes = block.layout.nbytes
+        waited = time.perf_counter()
+        i = self._take_(block)
+        self.last_disk_wait = (waited, time.perf_counter())
+        self._last = i
+        self._read_ahead_(block, upcoming, i)  # first: the disk reads the next blocks while this one is copied
+        copy_out_(self.buffers[i], slot_buffer, nbytes, self._copied[i])
+        return nbytes
+
+    def _take_(self, block: DiskBlock) -> int:
+        """The buffer holding `block`'s bytes: the read-ahead's when it read this block, else read now."""
+        position = next((k for k, (path, _, _) in enumerate(self._ahead) if path == block.path), None)
+        if self._ahead:
+            if position == 0:
+                self.num_read_ahead_hits += 1
+            else:
+                self.num_read_ahead_misses += 1  # another order than predicted (a skipped block, an order not yet learned)
+        if position is not None:
+            self._drop_ahead_(position)  # the reads of blocks that were skipped
+            _, i, future = self._ahead.popleft()
+            future.result()  # compute waits here only if the disk has not finished yet; a bad file raises
+            return i
+        self._drop_ahead_(len(self._ahead))
+        free = self._free_buffer_(busy=())
+        self._wait_copied_(free)
+        block.read_into_(self.buffers[free][: block.layout.nbytes])  # checked before any byte reaches the slot
+        return free
+
+    def _read_ahead_(self, block: DiskBlock, upcoming: Sequence[DiskBlock], current: int) -> None:
+        """Keep reads in flight for the next disk blocks: the ones already issued in the expected order stay, the
+        others are dropped, the missing ones are issued into free buffers."""
+        wanted = [b for b in upcoming if b is not block][:READ_AHEAD_DEPTH]
+        kept = 0
+        while kept < min(len(self._ahead), len(wanted)) and self._ahead[kept][0] == wanted[kept].path:
+            kept += 1
+        while len(self._ahead) > kept:
+            self._forget_(self._ahead.pop())
+        for next_block in wanted[kept:]:
+            i = self._free_buffer_(busy=(current,))
+
+            def read(i: int = i, next_block: DiskBlock = next_block) -> None:
+                self._wait_copied_(i)
+                next_block.read_into_(self.buffers[i][: next_block.layout.nbytes])
+
+            self._ahead.append((next_block.path, i, self._io.submit(read)))
+
+    def _drop_ahead_(self, count: int) -> None:
+        for _ in range(count):
+            self._forget_(self._ahead.popleft())
+
+    @staticmethod
+    def _forget_(entry: tuple[str, int, Future]) -> None:
+        path, _, future = entry
+        try:
+            future.result()  # a read that is not needed still owns its buffer until it ends
+        except (OSError, TransferError):
+            logger.debug("read-ahead of %s failed; it is read again when it runs", path, exc_info=True)
+
+    def _free_buffer_(self, busy: tuple[int, ...]) -> int:
+        """A buffer no read ahead owns and not in `busy`; the one the latest copy came from last (on an
+        accelerator its copy may still be in flight)."""
+        taken = {i for _, i, _ in self._ahead} | set(busy)
+        free = [i for i in range(len(self.buffers)) if i not in taken]
+        assert free, "staging ring: more reads ahead than buffers"
+        others = [i for i in free if i != self._last]
+        return others[0] if others else free[0]
+
+    def _wait_copied_(self, i: int) -> None:
+        wait_copied(self._copied[i])  # on the I/O thread for a read-ahead
+
+    def close_(self) -> None:
+        """Wait for the read-ahead, then free the buffers (the engine is closed: no device copy reads them)."""
+        self._io.shutdown(wait=True)
+        self._ahead.clear()
+        unpin_all(self.buffers, self._pinner)
+        self._pinner = None
+        self.buffers, self._copied = [], []

@@ -1,0 +1,401 @@
+"""The block streamer: hooks that keep each streamed block in a device slot only while it runs.
+
+Pre-forward makes sure the block's bytes are in a slot (a synchronous load if they were not prefetched), binds
+the block's tensors to views of that slot and starts copying the block predicted to run next. Post-forward
+releases the slot and rebinds the block to empty placeholders. Predictions start from the declared order
+(the last block of a chain predicts the first, for the next step or request) and follow the order blocks
+actually run in, learned from every observed transition.
+
+After compute waited for a block's copy, the streamer tells the stored block how long (`count_stall_`), so that
+a block with a source of its own (the disk) can count the part spent waiting on it. A store may read ahead
+further than the slots reach (the disk tier's staging ring): `successor(path)` gives it the same prediction,
+learned order included.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from layerstream.errors import TransferError, UnsupportedUseError
+from layerstream.runtime.streaming.ownership import CallOwnership
+from layerstream.runtime.contracts import CopyEngine, CopyRecord, StoredBlock
+from layerstream.runtime.torch_contract.saved_tensors import slot_saved_tensor_hooks
+from layerstream.runtime.streaming.wrapping import MethodWrapper
+
+MAX_TRACE_RECORDS = 20_000
+RELEARN_AFTER = 2
+"""A learned successor is replaced after the same new successor is seen this many times in a row, so a one-off
+detour (the end of a request, a skipped block) does not unlearn the usual order."""
+
+
+@dataclass
+class ComputeRecord:
+    """One run of a block: when compute waited, started and ended (seconds on the engine's clock)."""
+
+    label: str
+    slot: int
+    wait_start: object
+    start: object
+    end: object = 0.0
+    sync_load: bool = False
+    """Times are the engine's marks: host seconds, or accelerator timing events read after the run."""
+
+
+class BlockCounters:
+    """Transfer counters of one component (plain ints: updated on the hot path)."""
+
+    __slots__ = ("bytes_transferred", "num_transfers", "num_sync_loads", "stall_seconds", "bytes_written_back")
+
+    def __init__(self):
+        self.bytes_transferred = 0
+        self.num_transfers = 0
+        self.num_sync_loads = 0
+        self.stall_seconds = 0.0
+        self.bytes_written_back = 0
+
+
+@dataclass
+class _Binding:
+    """A block bound to a slot for one call: its trace record, the slot's version counter when bound (an
+    in-place write into the slot moves it), and the saved-tensor hooks entered for a grad-mode call."""
+
+    record: ComputeRecord
+    slot_version: int
+    saved_hooks: object = None
+
+
+class StreamedBlock:
+    __slots__ = (
+        "index",
+        "host",
+        "component",
+        "module",
+        "counters",
+        "next_index",
+        "learned",
+        "candidate",
+        "candidate_hits",
+        "slot",
+        "views",
+        "num_transfers",
+        "depth",
+        "buffer_ranges",
+    )
+
+    def __init__(self, index: int, host: StoredBlock, component: str, module: nn.Module, counters: BlockCounters, depth: int):
+        self.index = index
+        self.host = host
+        self.component = component
+        self.module = module
+        self.counters = counters
+        self.next_index = index  # set from the chain order, then learned
+        self.learned = False  # whether next_index comes from an observed transition
+        self.candidate = -1  # a different successor seen lately, and how many times in a row
+        self.candidate_hits = 0
+        self.slot: int | None = None  # slot holding (or receiving) this block's bytes
+        self.views: dict[int, list[torch.Tensor]] = {}  # slot -> views of that slot, built once
+        self.num_transfers = 0
+        self.depth = depth
+        self.buffer_ranges = host.layout.buffer_byte_ranges()  # what a forward may write that must be kept
+
+    @property
+    def path(self) -> str:
+        return self.host.path
+
+
+class BlockStreamer:
+    """Schedules the slot ring for every streamed block of a pipeline (all components share the slots)."""
+
+    def __init__(
+        self,
+        blocks: list[StreamedBlock],
+        chains: list[list[int]],
+        engine: CopyEngine,
+        slot_buffers: list[torch.Tensor],
+        ownership: CallOwnership | None = None,
+    ):
+        self.blocks = blocks
+        self.engine = engine
+        self.slot_buffers = slot_buffers
+        self.num_slots = len(slot_buffers)
+        self.slot_block: list[int | None] = [None] * self.num_slots
+        self.slot_in_use = [False] * self.num_slots
+        self.slot_tick = [0] * self.num_slots
+        self._tick = 0
+        for chain in chains:
+            for pos, index in enumerate(chain):
+                blocks[index].next_index = chain[(pos + 1) % len(chain)]
+        self._index_of = {block.path: block.index for block in blocks}
+        self._last_index: int | None = None
+        self.num_materialized = 0
+        self.max_materialized = 0
+        self.compute_records: deque[ComputeRecord] = deque(maxlen=MAX_TRACE_RECORDS)
+        self.ownership = ownership if ownership is not None else CallOwnership()
+        self._depth = 0  # nesting of the owner's streamed component calls
+        self._active: dict[int, _Binding] = {}
+        self._slot_of_storage = {buffer.untyped_storage().data_ptr(): slot for slot, buffer in enumerate(slot_buffers)}
+        self._bound_in_slot: list[int | None] = [None] * self.num_slots
+        self._updating: dict[int, int] = {}  # block index -> slot, for blocks bound by bind_for_update_
+
+    # ownership: one thread at a time may run the streamed models (they share the slots) ---------------------
+    def enter(self) -> None:
+        """Enter a streamed component's call (refused in a thread that does not own the pipeline's calls)."""
+        self.ownership.enter()
+        self._depth += 1
+
+    def exit(self) -> None:
+        if not self.ownership.held_here():
+            return
+        self._depth -= 1
+        if self._depth <= 0:
+            self._depth = 0
+            # the outermost streamed call is over: no block may still be bound. One is only if a block was left
+            # by an exception its post-forward hook never saw (torch skips hooks on KeyboardInterrupt); give its
+            # slot back so the next call starts clean
+            self._release_abandoned_()
+        self.ownership.exit()
+
+    def _release_abandoned_(self) -> None:
+        if not self._active:
+            return
+        for index in list(self._active):
+            self.post_forward(self.blocks[index], None)
+        self._last_index = None  # do not learn a transition from an aborted forward
+
+    def _check_owner(self) -> None:
+        self.ownership.check()
+
+    # hooks ---------------------------------------------------------------------------------------------------
+    def pre_forward(self, block: StreamedBlock) -> None:
+        self._check_owner()
+        if torch.is_grad_enabled() and block.host.binder.any_requires_grad():
+            raise UnsupportedUseError(
+                f"{block.path}: a streamed block's weights cannot receive gradients (they are placeholders again "
+                "when backward runs). For gradients with respect to the inputs (guidance, inversion), freeze the "
+                "weights with model.requires_grad_(False); for inference run under torch.no_grad() or "
+                "torch.inference_mode(); to train, call handle.disable() first"
+            )
+        if self._depth == 0 and self._active:
+            self._release_abandoned_()  # a block called outside its component was left bound by a Ctrl-C
+        index = block.index
+        last = self._last_index
+        if last is not None and last != index:
+            self._learn(last, index)
+        self._last_index = index
+
+        sync_load = False
+        wait_start = self.engine.now()
+        slot = block.slot
+        if slot is None:
+            sync_load = True
+            block.counters.num_sync_loads += 1
+            slot = self._free_slot(keep=())
+            self._issue_copy(block, slot)
+        try:
+            stall = self.engine.wait_ready(slot)
+        except TransferError:
+            # the slot holds no complete copy: forget it, so a later call copies again instead of reading it
+            self.slot_block[slot] = None
+            block.slot = None
+            raise
+        if stall:
+            block.counters.stall_seconds += stall
+            block.host.count_stall_(stall)
+        self.slot_in_use[slot] = True
+        self._tick += 1
+        self.slot_tick[slot] = self._tick
+
+        views = block.views.get(slot)
+        if views is None:
+            views = block.views[slot] = block.host.layout.views(self.slot_buffers[slot])
+        block.host.binder.bind_(views)
+        self.num_materialized += 1
+        if self.num_materialized > self.max_materialized:
+            self.max_materialized = self.num_materialized
+        record = ComputeRecord(block.path, slot, wait_start, self.engine.now(), sync_load=sync_load)
+        binding = _Binding(record, self.slot_buffers[slot]._version)
+        self._active[index] = binding
+        self._bound_in_slot[slot] = index
+        self.compute_records.append(record)
+        if torch.is_grad_enabled():
+            # autograd may save slot tensors for backward; keep them as references into the host store
+            binding.saved_hooks = slot_saved_tensor_hooks(self._slot_owner)
+            binding.saved_hooks.__enter__()
+
+        self._prefetch_after(block)
+
+    def post_forward(self, block: StreamedBlock, output, *, failed: bool = False) -> None:
+        binding = self._active.pop(block.index, None)
+        if binding is None:
+            return  # pre-forward failed before binding (e.g. refused thread): nothing to release
+        record = binding.record
+        record.end = self.engine.now()
+        if binding.saved_hooks is not None:
+            binding.saved_hooks.__exit__(None, None, None)
+        self._bound_in_slot[record.slot] = None
+        slot_buffer = self.slot_buffers[record.slot]
+        if slot_buffer._version != binding.slot_version and block.buffer_ranges:
+            # something wrote into the slot in place (BatchNorm statistics, a step counter): keep the buffers'
+            # new bytes in the store, or the next call would read the old ones
+            for start, end in block.buffer_ranges:
+                block.counters.bytes_written_back += block.host.write_back_(slot_buffer, start, end)
+        block.host.binder.evict_()
+        self.num_materialized -= 1
+        self.slot_in_use[record.slot] = False  # the slot the block was bound to, whatever it holds next
+        self.engine.release(record.slot)
+        if failed or (output is None and sys.exc_info()[1] is not None):
+            # the block raised: do not learn the next transition from an aborted forward
+            self._last_index = None
+
+    def _slot_owner(self, t: torch.Tensor):
+        """(the bound block's store entry, byte offset in the slot) for a tensor viewing a slot, else None."""
+        try:
+            address = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage of its own (a subclass): not a slot
+            return None
+        slot = self._slot_of_storage.get(address)
+        if slot is None:
+            return None
+        index = self._bound_in_slot[slot]
+        if index is None:
+            return None
+        return self.blocks[index].host, t.data_ptr() - self.slot_buffers[slot].data_ptr()
+
+    def forget_copy_(self, block: StreamedBlock) -> None:
+        """The block's bytes in the store changed (`load_state_dict`): a slot still holding the old copy must
+        not be read; the next call copies again."""
+        if block.slot is not None and not self.slot_in_use[block.slot]:
+            self.slot_block[block.slot] = None
+            block.slot = None
+
+    # changing weights between calls (LoRA fusing) ------------------------------------------------------------
+    def bind_for_update_(self, block: StreamedBlock) -> None:
+        """Bind an idle block to a slot holding its bytes, outside any forward, so that code may change its weights
+        in place on the device the model computes on (the same kernels as on the resident model)."""
+        self._check_owner()
+        assert block.index not in self._active and block.index not in self._updating, f"{block.path} is bound"
+        slot = block.slot
+        if slot is None:
+            block.counters.num_sync_loads += 1
+            slot = self._free_slot(keep=())
+            self._issue_copy(block, slot)
+        try:
+            self.engine.wait_ready(slot)
+        except TransferError:
+            self.slot_block[slot] = None
+            block.slot = None
+            raise
+        self.slot_in_use[slot] = True
+        views = block.views.get(slot)
+        if views is None:
+            views = block.views[slot] = block.host.layout.views(self.slot_buffers[slot])
+        block.host.binder.bind_(views)
+        self._updating[block.index] = slot
+
+    def unbind_after_update_(self, block: StreamedBlock) -> None:
+        """Keep what was written into the block bound by `bind_for_update_` (its whole packed bytes go back into
+        the host store; the slot keeps the same bytes) and evict it."""
+        slot = self._updating.pop(block.index)
+        try:
+            block.host.binder.keep_replaced_(block.views[slot])
+            # a host-side copy from the device: it waits for the writes into the slot, which must finish first
+            block.host.write_back_(self.slot_buffers[slot], 0, block.host.layout.nbytes)
+        except BaseException:
+            self.slot_block[slot] = None  # the slot may hold bytes the store does not: never read it again
+            block.slot = None
+            raise
+        finally:
+            block.host.binder.evict_()
+            self.slot_in_use[slot] = False
+            self.engine.release(slot)
+
+    # scheduling ----------------------------------------------------------------------------------------------
+    def successor(self, path: str) -> str | None:
+        """The block predicted to run after `path` (learned from the order blocks ran in, else the declared
+        chain order); None for a block this streamer does not hold. Safe to call from another thread."""
+        index = self._index_of.get(path)
+        return None if index is None else self.blocks[self.blocks[index].next_index].path
+
+    def _learn(self, last: int, index: int) -> None:
+        prev = self.blocks[last]
+        if prev.next_index == index:
+            prev.learned = True
+            prev.candidate_hits = 0
+        elif not prev.learned:
+            prev.next_index, prev.learned = index, True  # the first observation replaces the declared guess
+        elif prev.candidate == index:
+            prev.candidate_hits += 1
+            if prev.candidate_hits >= RELEARN_AFTER:
+                prev.next_index, prev.candidate_hits = index, 0
+        else:
+            prev.candidate, prev.candidate_hits = index, 1
+
+    def _prefetch_after(self, block: StreamedBlock) -> None:
+        wanted = []
+        index = block.index
+        for _ in range(block.depth):
+            index = self.blocks[index].next_index
+            if index == block.index or index in wanted:
+                break
+            wanted.append(index)
+        keep = tuple(wanted) + (block.index,)
+        for index in wanted:
+            target = self.blocks[index]
+            if target.slot is None:
+                slot = self._free_slot(keep=keep)
+                if slot is None:
+                    return
+                self._issue_copy(target, slot)
+
+    def _free_slot(self, keep: tuple[int, ...]) -> int | None:
+        """The least recently used slot that compute is not reading and that holds no block in `keep`."""
+        best = None
+        for slot in range(self.num_slots):
+            if self.slot_in_use[slot]:
+                continue
+            occupant = self.slot_block[slot]
+            if occupant is not None and occupant in keep:
+                continue
+            if occupant is None:
+                return slot
+            if best is None or self.slot_tick[slot] < self.slot_tick[best]:
+                best = slot
+        if best is None and not keep:
+            raise RuntimeError(
+                f"all {self.num_slots} device slots are in use by running blocks; nested streamed blocks need a "
+                "larger prefetch_depth"
+            )
+        return best
+
+    def _issue_copy(self, block: StreamedBlock, slot: int) -> None:
+        occupant = self.slot_block[slot]
+        if occupant is not None:
+            self.blocks[occupant].slot = None
+        self.slot_block[slot] = block.index
+        block.slot = slot
+        self._tick += 1
+        self.slot_tick[slot] = self._tick
+        nbytes = block.host.link_bytes
+        block.num_transfers += 1
+        block.counters.num_transfers += 1
+        block.counters.bytes_transferred += nbytes
+        try:
+            self.engine.copy_into(slot, block.host.copy_job(self.slot_buffers[slot]), CopyRecord(block.path, slot, nbytes))
+        except BaseException:
+            # an engine that runs the job in this thread raised (e.g. a failed collective): the slot holds no
+            # complete copy, so forget it and let a later call copy again instead of reading a partial slot
+            self.slot_block[slot] = None
+            block.slot = None
+            raise
+
+
+def install_root_hooks(streamer: BlockStreamer, module: nn.Module) -> list:
+    """Enter and leave the streamer around every call of a component. A method wrapper, not a pair of hooks:
+    a Ctrl-C inside the model must not leave it owned by a dead call (torch skips hooks on KeyboardInterrupt).
+    The blocks themselves are entered by `runtime.streaming.block_call`."""
+    return [MethodWrapper(module, "forward", streamer.enter, streamer.exit)]

@@ -1,0 +1,201 @@
+"""LoRA on streamed blocks: loading, fusing and unfusing adapters (diffusers and PEFT) while offload is enabled.
+
+PEFT puts a LoRA layer around each targeted `nn.Linear`; the Linear (and its Parameter objects, which the
+streamer rebinds) moves under `base_layer`, and the new `lora_A`/`lora_B` weights are created on the device of
+the base weight: the compute device. They stay resident there, with their block (counted in `stats()`'s
+device bytes); they are not part of the host store and never stream. Between calls a streamed block holds
+placeholders, so the operations that read or write base weights run with the blocks bound to real bytes:
+
+- loading and adding adapters (`load_lora_weights`, `load_lora_adapter`, `add_adapter`) run with every
+  streamed block bound to its host tensors (diffusers checks the base weights' shapes; DoRA reads them); new
+  adapter tensors that landed off the compute device are moved to it afterwards;
+- fusing and unfusing (`fuse_lora`, `unfuse_lora`) change base weights in place: each LoRA layer's
+  `merge`/`unmerge` runs with its block bound to a device slot holding its bytes (the same kernels as on the
+  resident model), and the block's bytes go back into the host store before the next block is bound, so every
+  later forward streams the fused weights;
+- unfusing restores the bytes from before the first fuse exactly: fusing keeps a host copy of each block it
+  changes (counted in `stats()`'s host bytes) until the block has no fused adapter left. PEFT's own unmerge
+  subtracts the delta again, which rounds: the resident model comes back close to, not exactly at, its
+  original weights.
+
+Where this process does not hold a block whole (allgather shards), or holds it in a storage dtype
+(`storage_dtype`), each of these is refused before anything changes. Only the entry points above are covered: calling PEFT's `merge()` on a layer directly is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from layerstream.runtime.streaming.streamer import BlockStreamer, StreamedBlock
+from layerstream.runtime.streaming.wrapping import MethodWrapper
+
+HOST_BOUND_METHODS = ("load_lora_weights", "load_lora_adapter", "add_adapter")
+"""Methods (of a pipeline or a streamed component) that run with every streamed block bound to its host tensors."""
+FUSING_METHODS = ("fuse_lora", "unfuse_lora")
+"""Methods that run with each LoRA layer's block bound to a device slot while it merges or unmerges."""
+FORGETTING_METHODS = ("unload_lora_weights", "unload_lora", "delete_adapters")
+"""Methods after which a block without fused adapters no longer needs its pre-fuse bytes."""
+
+
+def tuner_layers(module: nn.Module) -> Iterator[nn.Module]:
+    """PEFT's adapter layers under `module` (duck-typed: peft need not be installed to run layerstream)."""
+    for m in module.modules():
+        if hasattr(m, "merged_adapters") and callable(getattr(m, "merge", None)) and callable(getattr(m, "unmerge", None)):
+            yield m
+
+
+class LoraSupport:
+    """Wraps the LoRA entry points of the streamed components (and of the pipeline) so that they see real
+    weights; keeps the pre-fuse bytes of fused blocks."""
+
+    def __init__(self, streamer: BlockStreamer, device: torch.device):
+        self._streamer = streamer
+        self._device = device
+        self._pre_fuse: dict[int, torch.Tensor] = {}  # block index -> its packed bytes before the first fuse
+        self._depth = 0  # nested entry points (pipeline.fuse_lora calls transformer.fuse_lora): the outermost acts
+        self._bound: StreamedBlock | None = None  # the block bound for a merge or unmerge
+        self._unmerged: set[int] = set()
+        self._layer_wrappers: list[MethodWrapper] = []
+
+    @property
+    def pre_fuse_bytes(self) -> dict[int, int]:
+        """Block index -> host bytes kept to restore it exactly at unfuse."""
+        return {i: t.numel() for i, t in self._pre_fuse.items()}
+
+    def wrap_(self, owner) -> list[MethodWrapper]:
+        """Wrap the LoRA entry points `owner` (a pipeline or a streamed component) has; returns the wrappers."""
+        wrappers = []
+        for names, kind in ((HOST_BOUND_METHODS, "host"), (FUSING_METHODS, "fuse"), (FORGETTING_METHODS, "forget")):
+            for name in names:
+                if callable(getattr(owner, name, None)):
+                    wrappers.append(MethodWrapper(owner, name, lambda kind=kind: self._enter(kind), self._leave_fn(kind)))
+        return wrappers
+
+    # entry and exit of a wrapped method -----------------------------------------------------------------------
+    def _enter(self, kind: str) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return
+        try:
+            self._streamer.enter()
+            if kind != "forget":
+                for block in self._streamer.blocks:
+                    block.host.host_tensors()  # refuses, before anything changes, where the store cannot take it
+                    block.host.check_lora_()  # a low-precision store refuses LoRA
+            if kind == "host":
+                for block in self._streamer.blocks:
+                    block.host.binder.bind_(block.host.host_tensors())
+            elif kind == "fuse":
+                self._intercept_merges_()
+        except BaseException:
+            self._depth -= 1
+            self._streamer.exit()
+            raise
+
+    def _leave_fn(self, kind: str) -> Callable[[], None]:
+        def leave() -> None:
+            self._depth -= 1
+            if self._depth > 0:
+                return
+            try:
+                if kind == "host":
+                    self._unbind_from_host_()
+                elif kind == "fuse":
+                    self._finish_merges_()
+                self._forget_unneeded_pre_fuse_()
+            finally:
+                self._streamer.exit()
+
+        return leave
+
+    # bound to the host store ------------------------------------------------------------------------------------
+    def _unbind_from_host_(self) -> None:
+        for block in self._streamer.blocks:
+            host = block.host.host_tensors()
+            try:
+                block.host.binder.keep_replaced_(host)
+            finally:
+                block.host.binder.evict_()
+                self._streamer.forget_copy_(block)  # the store's bytes may have changed: stream them anew
+            self._move_adapters_to_device_(block)
+
+    def _move_adapters_to_device_(self, block: StreamedBlock) -> None:
+        """Tensors a loaded adapter added to a streamed block live on the compute device (resident, with it)."""
+        for module in block.module.modules():
+            for name, param in module._parameters.items():
+                if param is not None and param.device != self._device and param.numel() > 0:
+                    param.data = param.data.to(self._device)
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.device != self._device and buf.numel() > 0:
+                    module._buffers[name] = buf.to(self._device)
+
+    # merges and unmerges, one block at a time in a device slot ------------------------------------------------
+    def _intercept_merges_(self) -> None:
+        self._unmerged.clear()
+        for block in self._streamer.blocks:
+            for layer in tuner_layers(block.module):
+                for name in ("merge", "unmerge"):
+                    self._layer_wrappers.append(
+                        MethodWrapper(layer, name, lambda block=block, name=name: self._bind_block_(block, name), _nothing)
+                    )
+
+    def _bind_block_(self, block: StreamedBlock, operation: str) -> None:
+        if self._bound is not block:
+            self._unbind_block_()
+            self._streamer.bind_for_update_(block)
+            self._bound = block
+        if operation == "merge" and block.index not in self._pre_fuse:
+            self._pre_fuse[block.index] = block.host.host_range(0, block.host.layout.nbytes).clone()
+        if operation == "unmerge":
+            self._unmerged.add(block.index)
+
+    def _unbind_block_(self) -> None:
+        block, self._bound = self._bound, None
+        if block is not None:
+            self._streamer.unbind_after_update_(block)
+
+    def _finish_merges_(self) -> None:
+        try:
+            self._unbind_block_()
+        finally:
+            for wrapper in reversed(self._layer_wrappers):
+                wrapper.remove()
+            self._layer_wrappers.clear()
+        for index in sorted(self._unmerged):
+            block = self._streamer.blocks[index]
+            original = self._pre_fuse.get(index)
+            if original is not None and not _any_merged(block):
+                # PEFT's unmerge rounds; the bytes from before the first fuse are exact
+                block.host.write_back_(original, 0, original.numel())
+                self._streamer.forget_copy_(block)
+        self._unmerged.clear()
+
+    def _forget_unneeded_pre_fuse_(self) -> None:
+        for index in list(self._pre_fuse):
+            if not _any_merged(self._streamer.blocks[index]):
+                del self._pre_fuse[index]  # unfused, or its adapters unloaded with their fused weights kept
+
+    def forget_block_(self, block: StreamedBlock) -> None:
+        """The block's bytes were replaced (`load_state_dict`): its pre-fuse bytes no longer apply."""
+        self._pre_fuse.pop(block.index, None)
+
+
+def _any_merged(block: StreamedBlock) -> bool:
+    return any(layer.merged_adapters for layer in tuner_layers(block.module))
+
+
+def _nothing() -> None:
+    pass
+
+
+def install_lora_support(streamer: BlockStreamer, components: Mapping[str, nn.Module], device: torch.device):
+    """LoRA support over `streamer`, with the entry points of every streamed component wrapped; returns
+    (support, wrappers). The pipeline's entry points are wrapped by `support.wrap_(pipeline)`."""
+    support = LoraSupport(streamer, device)
+    wrappers = []
+    for module in components.values():
+        wrappers += support.wrap_(module)
+    return support, wrappers

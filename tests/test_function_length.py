@@ -1,0 +1,22 @@
+"""Readable units: no function of the package is longer than 80 lines (argparse definitions aside)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "src" / "layerstream"
+MAX_LINES = 80
+ARGPARSE_DEFINITIONS = {"add_arguments"}
+"""The functions that only declare command-line flags (one `add_argument` call after another)."""
+
+
+def test_no_function_is_longer_than_80_lines():
+    long = []
+    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in ARGPARSE_DEFINITIONS:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_LINES:
+                    long.append(f"{path.relative_to(PACKAGE_ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert long == []

@@ -1,0 +1,107 @@
+"""The package's import graph: no cycle anywhere (imports inside functions and under TYPE_CHECKING included),
+and `runtime/` imports nothing from the layers above it (loading, the entry points, scale-out)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "src" / "layerstream"
+RUNTIME_MAY_IMPORT = ("layerstream.runtime", "layerstream.plan", "layerstream.config", "layerstream.errors")
+"""`runtime/` sits on the plan's data and the package's errors; `models`, `omni`, `cli`, `server`, `bench`,
+`distributed` and `offload` (the composition root) are above it."""
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE_ROOT.rglob("*.py"):
+        parts = path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every module of the package that `name` imports, wherever the import statement is."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and target.startswith("layerstream"):
+                found.add(target)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    # a package's __init__ is imported with any of its modules, but ours hold no imports of their own modules
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_in_the_package():
+    graph = _graph()
+    assert len(graph) > 50  # the walk found the package
+    assert _cycles(graph) == []
+
+
+def test_runtime_imports_nothing_above_it():
+    wrong = sorted(
+        (name, target)
+        for name, targets in _graph().items()
+        if name.startswith("layerstream.runtime")
+        for target in targets
+        if not target.startswith(RUNTIME_MAY_IMPORT)
+    )
+    assert wrong == []
+
+
+def test_runtime_top_level_holds_few_modules():
+    top = [p.name for p in (PACKAGE_ROOT / "runtime").glob("*.py")]
+    assert len(top) <= 8, top
+    assert "errors.py" not in top
