@@ -11,6 +11,7 @@ returns reports and undoes it.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -247,6 +248,18 @@ def _check_not_enabled(plan: ResolvedOffloadPlan, components: Mapping[str, nn.Mo
     raise OffloadError(f"{plan.pipeline_class}: {where}; call disable() on its handle before enabling again")
 
 
+def _release_when_dropped(pipeline, backend) -> weakref.finalize | None:
+    """Free the engine's thread, the host stores and the spill files when the pipeline (and with it its handle,
+    which keeps it) is collected without `disable()`: a server swapping models or a notebook rebuilding a
+    pipeline would otherwise leak them each time. Not at interpreter exit (the process frees everything)."""
+    release = backend.release_when_dropped()
+    if release is None or pipeline is None:
+        return None
+    finalizer = weakref.finalize(pipeline, release)
+    finalizer.atexit = False
+    return finalizer
+
+
 def _raise_after_rollback(plan: ResolvedOffloadPlan, error: BaseException):
     """Raise once the rollback is done: resource errors and our own errors as they are, anything else wrapped
     in `OffloadError` saying that nothing was changed."""
@@ -273,11 +286,15 @@ def _commit_handle(plan, device, backend, components, block_modules: Mapping[str
         # last: the pipeline's own calls take ownership before anything else runs (the LoRA wrappers included)
         hooks.add(PIPELINE, "ownership", "one thread at a time from the entry of __call__ and encode_prompt", own_pipeline_calls_(pipeline, backend.ownership))
 
+    finalizer = _release_when_dropped(pipeline, backend)
+
     def forget() -> None:
+        if finalizer is not None:
+            finalizer.detach()  # disabled: nothing is left to release
         for m in components.values():
             m.__dict__.pop(_MARK, None)
 
-    handle = OffloadHandle(plan, device, backend, components, on_disable=forget)
+    handle = OffloadHandle(plan, device, backend, components, on_disable=forget, pipeline=pipeline)
     for m in components.values():
         m.__dict__[_MARK] = handle
     return handle

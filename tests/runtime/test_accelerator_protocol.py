@@ -3,23 +3,56 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import pytest
 import torch
 
 from layerstream import enable_offload
 from layerstream.runtime.engines.copy_engine import AcceleratorCopyEngine
+from layerstream.runtime.packing.layout import BlockLayout
 from runtime_toys import ToyDiT, run
 
 
 class Recorder:
-    """Stands in for torch.cuda: streams, events and host registration, logging every call in order."""
+    """Stands in for torch.cuda: streams, events and host registration, logging every call in order. It models
+    what CUDA's hazards depend on: a current device per thread (0 until `device(...)` sets it) and the primary
+    context each CUDA call creates on the calling thread's current device (`contexts`), and graph capture."""
 
     def __init__(self):
         self.log: list[tuple] = []
         self._names = {}
+        self._local = threading.local()
+        self.contexts: set[int] = set()
+        self.capturing = False
+        self.refuse_registration = False
+        """Make every host registration fail as CUDA does: False back, and the error kept for the thread."""
         self.compute = self.Stream(name="compute")
         self._current = self.compute
+        self.contexts.clear()  # building the stand-in is not a CUDA call
+
+    def _cuda_call(self) -> None:
+        self.contexts.add(getattr(self._local, "device", 0))
+
+    def _launch(self) -> None:
+        """Compute on this thread: torch reads CUDA's last error after every kernel launch, so an error an
+        earlier call left on the thread (unread) fails the launch."""
+        self._cuda_call()
+        sticky = getattr(self._local, "error", None)
+        if sticky is not None:
+            raise RuntimeError(f"CUDA error: {sticky} (left by an earlier call on this thread)")
+
+    @contextlib.contextmanager
+    def device(self, device):
+        previous = getattr(self._local, "device", 0)
+        self._local.device = device.index if isinstance(device, torch.device) else int(device)
+        try:
+            yield
+        finally:
+            self._local.device = previous
+
+    def is_current_stream_capturing(self) -> bool:
+        return self.capturing
 
     def _name(self, obj, prefix):
         return self._names.setdefault(id(obj), f"{prefix}{len(self._names)}")
@@ -29,9 +62,11 @@ class Recorder:
 
         class _Stream:
             def wait_event(self, event):
+                recorder._cuda_call()
                 recorder.log.append(("wait_event", recorder._name(self, "stream"), recorder._name(event, "event")))
 
             def synchronize(self):
+                recorder._cuda_call()
                 recorder.log.append(("synchronize", recorder._name(self, "stream")))
 
         stream = _Stream()
@@ -44,6 +79,7 @@ class Recorder:
 
         class _Event:
             def record(self, stream=None):
+                recorder._cuda_call()
                 recorder.log.append(("record", recorder._name(self, "event"), recorder._name(stream, "stream")))
 
             def synchronize(self):
@@ -54,21 +90,29 @@ class Recorder:
     @contextlib.contextmanager
     def stream(self, stream):
         previous, self._current = self._current, stream
+        self._cuda_call()
         self.log.append(("enter", self._name(stream, "stream")))
         try:
             yield
         finally:
             self._current = previous
+            self._cuda_call()  # restoring the current device's stream: a context there if there was none
             self.log.append(("exit", self._name(stream, "stream")))
 
     def current_stream(self, device=None):
+        self._launch()  # the compute side asks for its stream to queue work on it
         return self._current
 
     def host_register(self, buffer):
+        self._cuda_call()
+        if self.refuse_registration:
+            self._local.error = "cudaErrorHostMemoryAlreadyRegistered"
+            return False
         self.log.append(("host_register", buffer.numel()))
         return True
 
     def host_unregister(self, buffer):
+        self._cuda_call()
         self.log.append(("host_unregister", buffer.numel()))
 
     def synchronize(self, device=None):
@@ -214,3 +258,63 @@ def test_host_buffers_are_page_locked_on_a_pinning_thread_while_the_next_block_i
     assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
     assert not any(m._forward_pre_hooks for m in model.modules())
     assert torch.equal(run(model, (x,)), expected)
+
+
+def test_copies_and_teardown_from_a_thread_with_another_device_current_make_no_context_there():
+    """An engine on device 1 driven from threads that never set a device (their current device is 0): every
+    call the engine makes runs with device 1 current, so no context appears on device 0."""
+    recorder = Recorder()
+    engine = AcceleratorCopyEngine(torch.device("cuda", 1), 2, api=recorder)
+    recorder.contexts.clear()  # (the stand-in's constructor calls run before the guard matters)
+    buffer = torch.zeros(64, dtype=torch.uint8)
+
+    def copy_side():
+        engine.copy_into(0, lambda: 0)
+        engine.unpin_(buffer)
+
+    thread = threading.Thread(target=copy_side)
+    thread.start()
+    thread.join()
+    closer = threading.Thread(target=engine.close)
+    closer.start()
+    closer.join()
+    assert recorder.contexts == {1}
+
+
+def test_a_block_entered_while_the_stream_is_captured_is_refused_with_what_to_do():
+    from layerstream import UnsupportedUseError
+
+    model = ToyDiT(dim=16, num_blocks=4).eval()
+    x = torch.randn(2, 16)
+    recorder = Recorder()
+    handle = enable_offload(
+        model, {"mode": "layer", "components": ["dit"]}, device="cpu",
+        engine_factory=lambda device, num_slots: AcceleratorCopyEngine(device, num_slots, api=recorder),
+    )
+    recorder.capturing = True
+    with pytest.raises(UnsupportedUseError, match="captured into a CUDA graph.*without CUDA graphs"):
+        run(model, (x,))
+    recorder.capturing = False
+    run(model, (x,))  # the refusal left the model usable
+    handle.disable()
+
+
+def test_a_refused_host_registration_leaves_buffers_pageable_and_never_fails_compute(tmp_path):
+    """CUDA keeps a failed call's error for the thread until it is read, and the next launch there raises it:
+    registrations run off the compute thread, so a refusal only leaves buffers pageable."""
+    torch.manual_seed(0)
+    model = ToyDiT(dim=16, num_blocks=4).eval()
+    x = torch.randn(2, 16)
+    expected = run(model, (x,))
+    recorder = Recorder()
+    recorder.refuse_registration = True
+    block = BlockLayout("b", model.blocks[0]).nbytes
+    config = {"mode": "layer", "components": ["dit"], "host_budget_gb": 2.5 * block / 1e9, "disk_dir": str(tmp_path)}
+    handle = enable_offload(
+        model, config, device="cpu",
+        engine_factory=lambda device, num_slots: AcceleratorCopyEngine(device, num_slots, api=recorder),
+    )
+    assert handle.placement.host_tier.disk_block_paths  # the staging ring tried to register too
+    assert torch.equal(run(model, (x,)), expected)
+    assert handle.stats().pinned_host_bytes == 0
+    handle.disable()

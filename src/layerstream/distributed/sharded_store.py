@@ -21,7 +21,7 @@ import torch
 
 from layerstream.distributed.collectives import BlockGather
 from layerstream.errors import UnsupportedUseError
-from layerstream.runtime.packing.host_buffer import HostBufferBlock
+from layerstream.runtime.packing.host_buffer import HostBufferBlock, page_aligned_empty, pin_off_thread
 from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
 from layerstream.runtime.contracts import HostStoreBase, Job, Pinner
 
@@ -36,7 +36,10 @@ class ShardedBlock(HostBufferBlock):
         self.binder = binder
         self.buffer = shard
         if pinner is not None:
-            self.pin_(pinner)  # here, not on a thread: a failure must reach the store's collective failure report
+            # now, and waited for: a failure must reach the store's collective failure report (off the compute
+            # thread all the same, where a failed registration would poison a later kernel)
+            if pin_off_thread(pinner, self.buffer):
+                self.pinner = pinner
         self.gather = gather
         self.index = index
         """The block's index in the gather's headers (the same on every rank)."""
@@ -136,7 +139,7 @@ class ShardedHostStore(HostStoreBase):
         """Copy this rank's shard of a block into a host buffer of its own; the block keeps its weights for now."""
         index = self.gather.register_block(layout.path)
         size = self.gather.shard_nbytes(layout.nbytes)
-        shard = torch.zeros(size, dtype=torch.uint8)  # zeros: the padding past the block's end is deterministic
+        shard = page_aligned_empty(size, zeroed=True)  # zeros: the padding past the block's end is deterministic
         layout.copy_range_into(shard, self.gather.rank * size)
         block = ShardedBlock(layout, TensorBinder(layout, device), shard, pin, self.gather, index)
         self.blocks[layout.path] = block
@@ -158,6 +161,11 @@ class ShardedHostStore(HostStoreBase):
         for block in self.blocks.values():
             block.release_()  # the blocks still hold their original weights
         self.blocks.clear()
+
+    def release_(self) -> None:
+        """The model was dropped without `disable()`: free this rank's shards (no collective: peers may be gone)."""
+        for path in list(self.blocks):
+            self.blocks.pop(path).release_()
 
     def restore_(self, device: torch.device) -> None:
         # one block at a time, forgetting each once restored: a restore is a collective that can fail (a peer

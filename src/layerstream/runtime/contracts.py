@@ -140,6 +140,10 @@ class HostStore(Protocol):
         """Give every block real tensors on `device` again (fresh storage, same layout) and free the host
         memory. The caller has closed the copy engine first: no copy may still read a host buffer."""
 
+    def release_(self) -> None:
+        """The model was dropped without `disable()`: free and unpin the host memory (and remove spill files),
+        restoring nothing and telling no peer. The caller has closed the copy engine first."""
+
 
 @dataclass(frozen=True)
 class StoreStats:
@@ -233,6 +237,9 @@ class CopyEngine(Protocol):
     def pin_(self, buffer: torch.Tensor) -> bool: ...
 
     def unpin_(self, buffer: torch.Tensor) -> None: ...
+
+    def capturing(self) -> bool:
+        """Whether the compute stream is being captured into a CUDA graph right now (never on the CPU)."""
 
     def close(self) -> None:
         """Wait for every copy still in flight, then stop. Host buffers may be freed only after this."""

@@ -92,6 +92,9 @@ class CpuCopyEngine:
     def pin_(self, buffer: torch.Tensor) -> bool:
         return False  # the CPU copies from pageable memory; there is no DMA engine to page-lock for
 
+    def capturing(self) -> bool:
+        return False  # no graphs to capture on the CPU
+
     def unpin_(self, buffer: torch.Tensor) -> None:
         pass
 
@@ -163,6 +166,8 @@ class AcceleratorCopyEngine:
         self._held = [False] * num_slots  # compute reads the slot (between wait_ready and release)
         self._deferred: list[tuple[Job, CopyRecord | None] | None] = [None] * num_slots
         self._closed = False
+        self._is_capturing = getattr(self.api, "is_current_stream_capturing", None)  # CUDA's; other APIs may lack it
+        self._device_guard = getattr(self.api, "device", None)  # `torch.cuda.device(d)`: makes `d` current
         self._origin = None
         if timing:
             self._origin = self.api.Event(enable_timing=True)
@@ -177,8 +182,14 @@ class AcceleratorCopyEngine:
             return
         self._issue(slot, job, record)
 
+    def _on_device(self):
+        """The engine's device current for the calls inside: leaving `stream(...)` restores the current device's
+        stream, which in a thread whose current device is another one creates a CUDA context there (0.5 GB on
+        GPU 0 per process)."""
+        return self._device_guard(self.device) if self._device_guard is not None else contextlib.nullcontext()
+
     def _issue(self, slot: int, job: Job, record: CopyRecord | None) -> None:
-        with self.api.stream(self.copy_stream):
+        with self._on_device(), self.api.stream(self.copy_stream):
             # GPU-side wait: the copy may not overwrite the slot before compute has finished reading it
             self.copy_stream.wait_event(self._released[slot])
             if record is not None and self.timing:
@@ -211,6 +222,9 @@ class AcceleratorCopyEngine:
         if deferred is not None:
             self._issue(slot, *deferred)
 
+    def capturing(self) -> bool:
+        return self._is_capturing is not None and bool(self._is_capturing())
+
     def now(self):
         """A time mark on the compute stream: a timing event when tracing (read after the run), else host time."""
         if not self.timing:
@@ -236,10 +250,11 @@ class AcceleratorCopyEngine:
 
     def unpin_(self, buffer: torch.Tensor) -> None:
         unregister = getattr(self.api, "host_unregister", None)
-        if unregister is not None:
-            unregister(buffer)
-        else:
-            unpin_buffer_(buffer)
+        with self._on_device():  # unregistering from a thread with another device current would make a context there
+            if unregister is not None:
+                unregister(buffer)
+            else:
+                unpin_buffer_(buffer)
 
     def copy_records(self) -> list[CopyRecord]:
         """Recorded copies, their timing events turned into seconds since enable. Synchronizes: call after a run."""
@@ -265,7 +280,8 @@ class AcceleratorCopyEngine:
         # host-side wait, once, at teardown: copies queued on the copy stream read pinned host buffers
         # asynchronously, and the last block always prefetches the first, so one is usually in flight. Only
         # after this may a host buffer be unpinned or freed, or a slot be given back to the allocator
-        self.copy_stream.synchronize()
+        with self._on_device():
+            self.copy_stream.synchronize()
 
 
 def _transfer_error(slot: int, error: BaseException) -> TransferError:

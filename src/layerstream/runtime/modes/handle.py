@@ -45,6 +45,9 @@ class OffloadBackend(Protocol):
 
     def disable(self) -> None: ...
 
+    def release_when_dropped(self) -> Callable[[], None] | None:
+        """What frees threads and host memory if the pipeline is dropped without `disable()` (None: nothing)."""
+
 
 class OffloadHandle:
     """Reports on and undoes one `enable_offload`: `stats()`, `trace()` and `disable()`."""
@@ -56,6 +59,7 @@ class OffloadHandle:
         backend: OffloadBackend,
         components: Mapping[str, nn.Module],
         on_disable: Callable[[], None] = lambda: None,
+        pipeline=None,
     ):
         self.plan = plan
         self.device = device
@@ -63,6 +67,7 @@ class OffloadHandle:
         self._components = dict(components)
         self._on_disable = on_disable
         self._final_stats: OffloadStats | None = None
+        self._pipeline = pipeline  # kept alive while the handle is: the finalizer on it frees what enable holds
 
     @property
     def enabled(self) -> bool:
@@ -120,6 +125,7 @@ class OffloadHandle:
             self._backend.disable()
             self._final_stats = stats
             self._backend = None
+            self._pipeline = None
             self._on_disable()
         finally:
             ownership.exit()

@@ -9,6 +9,7 @@ drives afterwards: stats, trace and teardown.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -190,6 +191,12 @@ class LayerModeBackend:
         for wrapper in self._lora.wrap_(pipeline):
             self.hooks.add(PIPELINE, f"lora.{wrapper.name}", "binds the blocks' host weights while LoRA changes them", wrapper.remove)
 
+    def release_when_dropped(self) -> Callable[[], None]:
+        """What frees this backend's threads and host memory if the pipeline is dropped without `disable()`:
+        a callable holding only the engine, the stores and the slots (nothing that keeps the pipeline alive)."""
+        slots = self._streamer.slot_buffers if self._streamer is not None else []
+        return functools.partial(release_dropped, self._engine, list(self._stores), slots)
+
     @property
     def streamer(self) -> BlockStreamer | None:
         """The running streamer (None once disabled): its blocks and slots, for inspection."""
@@ -283,3 +290,21 @@ class LayerModeBackend:
             self._streamer.slot_buffers.clear()
         self._streamer = None
         self._engine = None
+
+
+def release_dropped(engine: CopyEngine | None, stores: list[HostStore], slot_buffers: list[torch.Tensor]) -> None:
+    """A pipeline was dropped without `disable()`: stop the engine (its copies in flight finish first: they
+    read host buffers and write the slots, which stay referenced here until then), then free every store's host
+    memory and spill files. Runs from the garbage collector: every error is logged, none raised."""
+    try:
+        if engine is not None:
+            engine.close()
+    except Exception:  # noqa: BLE001 - a finalizer has no caller to raise to
+        logger.exception("closing the copy engine of a dropped pipeline failed")
+    for store in stores:
+        try:
+            store.release_()
+        except Exception:  # noqa: BLE001
+            logger.exception("freeing the host store of a dropped pipeline failed")
+    slot_buffers.clear()
+    logger.info("a pipeline was dropped without disable(): its copy engine and %d host store(s) were released", len(stores))

@@ -101,6 +101,9 @@ class ModuleModeBackend:
     def reset_trace(self) -> None:
         pass
 
+    def release_when_dropped(self) -> None:
+        return None  # nothing runs beside the model and nothing is held off it: a dropped pipeline frees itself
+
     def remove_wrappers_(self) -> None:
         self.hooks.remove_all_()
 

@@ -8,12 +8,43 @@ before it commits, and before it rolls back (a buffer is unpinned only once its 
 
 from __future__ import annotations
 
+import mmap
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from layerstream.runtime.packing.layout import BlockLayout
 from layerstream.runtime.contracts import Pinner, StoredBlockBase
+
+
+PAGE_BYTES = mmap.PAGESIZE
+"""Host buffers that may be page-locked start on a page and own their last page whole: CUDA registers whole
+pages, and a page registered twice (two buffers sharing it) fails, leaving the second buffer pageable."""
+
+
+def page_aligned_empty(nbytes: int, *, zeroed: bool = False) -> torch.Tensor:
+    """A uint8 host tensor of `nbytes` that starts on a page boundary, in an allocation rounded up to whole pages
+    that no other buffer shares (at most two pages more than asked for)."""
+    rounded = -(-max(nbytes, 1) // PAGE_BYTES) * PAGE_BYTES
+    raw = torch.zeros(rounded + PAGE_BYTES, dtype=torch.uint8) if zeroed else torch.empty(rounded + PAGE_BYTES, dtype=torch.uint8)
+    shift = -raw.data_ptr() % PAGE_BYTES
+    return raw[shift : shift + nbytes]
+
+
+def page_span(buffer: torch.Tensor) -> tuple[int, int]:
+    """[first, last] page numbers a buffer touches (what registering it page-locks)."""
+    start = buffer.data_ptr()
+    end = start + max(buffer.numel() * buffer.element_size(), 1) - 1
+    return start // PAGE_BYTES, end // PAGE_BYTES
+
+
+def pin_off_thread(pinner: Pinner, buffer: torch.Tensor) -> bool:
+    """`pinner.pin_(buffer)` on a short-lived thread of its own, waited for. CUDA keeps the error of a failed
+    call per host thread until it is read, and torch reads it after the next kernel launch on that thread: a
+    failed `cudaHostRegister` on the compute thread would fail an unrelated kernel later. On its own thread a
+    failure only leaves the buffer pageable."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-pin") as pool:
+        return pool.submit(pinner.pin_, buffer).result()
 
 
 class HostBufferBlock(StoredBlockBase):

@@ -35,7 +35,7 @@ from torch import nn
 from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.stores.cast_rule import cast_module_ids
 from layerstream.runtime.packing.layout import ALIGN_BYTES, BlockLayout, SpanMember, TensorBinder, align_up
-from layerstream.runtime.packing.host_buffer import HostBufferBlock, PinningThread
+from layerstream.runtime.packing.host_buffer import HostBufferBlock, PinningThread, page_aligned_empty
 from layerstream.runtime.contracts import HostStoreBase, Job, Pinner
 
 logger = logging.getLogger(__name__)
@@ -347,7 +347,7 @@ class CastHostStore(HostStoreBase):
         assert layout.path not in self.blocks, f"{layout.path} staged twice"
         cast_layout = self.cast_layout(layout)
         compute = cast_layout.layout
-        buffer = torch.zeros(cast_layout.stored_nbytes, dtype=torch.uint8)
+        buffer = page_aligned_empty(cast_layout.stored_nbytes, zeroed=True)  # its pages its own: it can be page-locked
         cast_layout.fill_(buffer)
         originals = [_current(e.module, e.name, e.is_param) for e in compute.entries]
         block = CastBlock(cast_layout, TensorBinder(compute, device), buffer, originals)
@@ -366,6 +366,12 @@ class CastHostStore(HostStoreBase):
         self._pinning.finish(raise_errors=False)
         for path in list(self.blocks):
             self.blocks.pop(path).rollback_()
+
+    def release_(self) -> None:
+        """The model was dropped without `disable()`: free (and unpin) every host buffer, restoring nothing."""
+        self._pinning.finish(raise_errors=False)  # a buffer is unpinned only once its pinning is over
+        for path in list(self.blocks):
+            self.blocks.pop(path).release_()
 
     def restore_(self, device: torch.device) -> None:
         # one block at a time, forgotten once restored: a second call never restores a block twice

@@ -14,7 +14,7 @@ import torch
 
 from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
-from layerstream.runtime.packing.host_buffer import HostBufferBlock, PinningThread
+from layerstream.runtime.packing.host_buffer import HostBufferBlock, PinningThread, page_aligned_empty
 from layerstream.runtime.packing.host_memory import release_freed_memory
 from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
 from layerstream.runtime.contracts import HostStoreBase, Job, Pinner, StoreStats
@@ -103,7 +103,7 @@ class PackedHostStore(HostStoreBase):
     def stage_(self, layout: BlockLayout, device: torch.device, pin: Pinner | None) -> PackedBlock:
         assert layout.path not in self.blocks, f"{layout.path} staged twice"
         original_device = layout.source_device()
-        buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+        buffer = page_aligned_empty(layout.nbytes)  # its pages its own: it can always be page-locked
         if self._files is None:  # weights still mapped from their files are read from the files (file_reads)
             self._files, self._reader = MappedFiles.snapshot(), FileReader()
         from_files = layout.copy_sources_into(buffer, self._files, self._reader)
@@ -135,6 +135,12 @@ class PackedHostStore(HostStoreBase):
             self._reader.close()
             self._files.close()
             self._files = self._reader = None
+
+    def release_(self) -> None:
+        """The model was dropped without `disable()`: free (and unpin) every host buffer, restoring nothing."""
+        self._pinning.finish(raise_errors=False)  # a buffer is unpinned only once its pinning is over
+        for path in list(self.blocks):
+            self.blocks.pop(path).release_()
 
     def restore_(self, device: torch.device) -> None:
         # one block at a time, forgotten once restored: a second call never restores a block twice

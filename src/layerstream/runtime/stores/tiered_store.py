@@ -70,6 +70,12 @@ class TieredHostStore(HostStoreBase):
         finally:
             self.host.rollback_()
 
+    def release_(self) -> None:
+        try:
+            self.disk.release_()
+        finally:
+            self.host.release_()
+
     def restore_(self, device: torch.device) -> None:
         try:
             self.disk.restore_(device)

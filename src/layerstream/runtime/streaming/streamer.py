@@ -173,6 +173,13 @@ class BlockStreamer:
     # hooks ---------------------------------------------------------------------------------------------------
     def pre_forward(self, block: StreamedBlock) -> None:
         self._check_owner()
+        if self.engine.capturing():
+            raise UnsupportedUseError(
+                f"{block.path}: a streamed block was called while the stream is being captured into a CUDA graph "
+                "(torch.cuda.graph, or torch.compile mode=\"reduce-overhead\" over the whole model); streaming "
+                "waits on events and copies on a side stream, which a graph cannot replay. Compile the blocks "
+                "without CUDA graphs instead (compile_repeated_blocks, or mode=\"default\"/\"max-autotune-no-cudagraphs\")"
+            )
         if torch.is_grad_enabled() and block.host.binder.any_requires_grad():
             raise UnsupportedUseError(
                 f"{block.path}: a streamed block's weights cannot receive gradients (they are placeholders again "

@@ -385,6 +385,12 @@ class DiskHostStore(HostStoreBase):
         if first_error is not None:
             raise first_error
 
+    def release_(self) -> None:
+        """The model was dropped without `disable()`: stop reading, free the ring and the pool, remove the spill
+        files; the blocks are not read back."""
+        self.blocks.clear()
+        self._release_()
+
     def _release_(self) -> None:
         """Stop reading, free the staging ring and remove the spill files (the engine is closed: nothing reads)."""
         self._close_staging_()

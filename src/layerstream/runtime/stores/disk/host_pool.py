@@ -27,6 +27,7 @@ import torch
 
 from layerstream.errors import TransferError
 from layerstream.runtime.contracts import Pinner
+from layerstream.runtime.packing.host_buffer import page_aligned_empty
 from layerstream.runtime.packing.layout import BlockLayout
 from layerstream.runtime.stores.disk.staging import copy_events, copy_out_, pin_all_or_none, unpin_all, wait_copied
 
@@ -50,7 +51,7 @@ class HostPool:
     """Buffers shared by the pooled blocks of alternating DiTs (see the module docstring)."""
 
     def __init__(self, entry_nbytes: Sequence[int], member_order: Mapping[str, Sequence[str]], device: torch.device, pin: Pinner | None):
-        self.buffers = [torch.empty(max(n, 1), dtype=torch.uint8) for n in entry_nbytes]
+        self.buffers = [page_aligned_empty(max(n, 1)) for n in entry_nbytes]  # each can be page-locked
         self._pinner = pin_all_or_none(self.buffers, pin)
         self._copied = copy_events(device, self._pinner, len(self.buffers))
         self._owner: list[PooledBlock | None] = [None] * len(self.buffers)

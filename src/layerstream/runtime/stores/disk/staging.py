@@ -19,6 +19,7 @@ import torch
 
 from layerstream.errors import TransferError
 from layerstream.runtime.contracts import Pinner
+from layerstream.runtime.packing.host_buffer import page_aligned_empty, pin_off_thread
 from layerstream.runtime.packing.layout import BlockLayout
 
 
@@ -46,7 +47,7 @@ def pin_all_or_none(buffers: Sequence[torch.Tensor], pin: Pinner | None) -> Pinn
     are all asynchronous or all in step): the pinner that pinned them, or None."""
     if pin is None:
         return None
-    pinned = [b for b in buffers if pin.pin_(b)]
+    pinned = [b for b in buffers if pin_off_thread(pin, b)]  # a failure must not poison the compute thread
     if len(pinned) == len(buffers):
         return pin
     for b in pinned:
@@ -59,7 +60,23 @@ def copy_events(device: torch.device, pinner: Pinner | None, count: int) -> list
     complete), where those copies are asynchronous (CUDA, pinned); without them the copies are in step and need
     none."""
     cuda = device.type == "cuda" and pinner is not None
-    return [torch.cuda.Event() if cuda else None for _ in range(count)]
+    return [_DeviceEvent(device) if cuda else None for _ in range(count)]
+
+
+class _DeviceEvent:
+    """A CUDA event whose host-side wait runs with its device current: the disk tier's I/O threads never set a
+    device, and a CUDA call there would otherwise create a context on GPU 0."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.event = torch.cuda.Event()
+
+    def record(self) -> None:
+        self.event.record()  # on the current stream: the copy job runs with the engine's device and stream
+
+    def synchronize(self) -> None:
+        with torch.cuda.device(self.device):
+            self.event.synchronize()  # the host waits for the copy out of the buffer before overwriting it
 
 
 def copy_out_(buffer: torch.Tensor, slot_buffer: torch.Tensor, nbytes: int, event) -> None:
@@ -97,7 +114,7 @@ class StagingRing:
     link and compute run as three stages."""
 
     def __init__(self, nbytes: int, device: torch.device, pin: Pinner | None):
-        self.buffers = [torch.empty(max(nbytes, 1), dtype=torch.uint8) for _ in range(NUM_STAGING_BUFFERS)]
+        self.buffers = [page_aligned_empty(max(nbytes, 1)) for _ in range(NUM_STAGING_BUFFERS)]  # each can be page-locked
         self._pinner = pin_all_or_none(self.buffers, pin)
         self._copied = copy_events(device, self._pinner, len(self.buffers))
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-disk-ahead")
