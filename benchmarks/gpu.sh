@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU comparison of offload strategies, in one script: synthetic Wan-14B- and Flux-shaped block stacks,
+# The GPU comparison of offload strategies, in one script, after the CUDA hazard checks (gpu_checks.sh, one
+# line each into OUT_DIR/gpu_checks.txt): synthetic Wan-14B- and Flux-shaped block stacks,
 # bf16, every strategy timed round robin in one process per model, the disk tier (one Wan stack with half its
 # blocks on disk; Wan 2.2's two experts sharing a host pool), then the cold start. About 8-11 minutes on one H200
 # (an estimate: the disk-tier runs have not run on a GPU yet).
@@ -52,6 +53,11 @@ fi
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 failed=()
+
+echo
+if ! PYTHON="$PY" "$ROOT/benchmarks/gpu_checks.sh" | tee "$OUT/gpu_checks.txt"; then  # the hazards first
+    failed+=(gpu-checks)
+fi
 
 bench() {  # bench NAME TIMEOUT_S ARGS...: one model, every strategy, into $OUT/NAME
     local name=$1 limit=$2
