@@ -29,7 +29,8 @@ _LAZY = {
     "OffloadHandle": ("layerstream.runtime.modes.handle", "OffloadHandle"),
     "Omni": ("layerstream.omni", "Omni"),
     # errors of the optional parts (each a LayerstreamError), importable without loading those parts' extras
-    "GenerationError": ("layerstream.omni", "GenerationError"),
+    "GenerationError": ("layerstream.request", "GenerationError"),
+    "GenerationRequest": ("layerstream.request", "GenerationRequest"),
     "ModelLoadError": ("layerstream.models.loading", "ModelLoadError"),
     "InputImageError": ("layerstream.models.input_image", "InputImageError"),
     "CacheFolderError": ("layerstream.models.cache", "CacheFolderError"),

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from layerstream.config.offload_config import OffloadConfig, parse_offload_config
-from layerstream.errors import LayerstreamError
 from layerstream.models.input_image import ImageInputKind, ImageSource, pipeline_image_input
 from layerstream.models.output_limits import DEFAULT_MAX_SIDE_PIXELS
 from layerstream.offload import default_device, enable_offload
+from layerstream.request import GenerationError, GenerationRequest, invalid_field
 from layerstream.runtime.modes.handle import OffloadHandle
 from layerstream.runtime.reporting.stats import OffloadStats
 
@@ -35,10 +35,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_CONFIG = {"mode": "layer", "components": ["dit"]}
 IMAGE_SUFFIXES = (".png",)
 VIDEO_SUFFIXES = (".mp4", ".gif")
-
-
-class GenerationError(LayerstreamError, ValueError):
-    """Generation arguments the pipeline cannot take (names the argument, the value and what is allowed)."""
 
 
 @dataclass
@@ -146,31 +142,44 @@ class Omni:
         `image` (a PIL image, a path or an array) conditions pipelines that take one (image to video, image
         editing). Without `height` and `width` the output takes the image's size, scaled down to fit the
         model's largest side (and `max_side_pixels`, default 2048) and rounded down to its size multiple; the
-        result's `size_note` says how. Everything is checked before the pipeline runs.
+        result's `size_note` says how. Everything is checked before the pipeline runs. The arguments are those
+        of `GenerationRequest`: this builds one and `run`s it.
         """
-        picture, conditioned = self._input_image(image, height=height, width=width, max_side_pixels=max_side_pixels)
-        if conditioned is not None:
-            height, width = conditioned.height, conditioned.width
-            if (picture.width, picture.height) != (width, height):
-                # condition on the image at the output size, as image-to-video pipelines do themselves: an
-                # editing pipeline would otherwise encode a large input at its full size
-                picture = picture.resize((width, height), _lanczos())
-        kwargs, num_inference_steps = self._pipeline_kwargs(
-            prompt,
-            negative_prompt,
-            picture=picture,
+        request = GenerationRequest(
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            image=image,
             height=height,
             width=width,
             num_frames=num_frames,
             num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale,
+            seed=seed,
+            fps=fps,
+            max_side_pixels=max_side_pixels if max_side_pixels is not None else DEFAULT_MAX_SIDE_PIXELS,
         )
-        generator_device = "cpu"
-        kwargs["generator"] = torch.Generator(generator_device).manual_seed(seed)
+        return self.run(request, on_step=on_step)
+
+    def run(self, request: GenerationRequest, *, on_step: Callable[[int, int, float], None] | None = None) -> GenerationResult:
+        """Make the one output of `request` (``n = 1``; run each of `request.outputs()` for more, or `run_batch`).
+
+        What depends on the model (image input, size multiples, frame rule, reach) is checked here, before the
+        pipeline runs; the request checked the rest when it was built."""
+        if request.n != 1:
+            raise invalid_field("n", request.n, "1: run makes one output; run each of request.outputs(), or run_batch([request])")
+        picture, conditioned = self._input_image(request)
+        if conditioned is not None:
+            request = replace(request, height=conditioned.height, width=conditioned.width)
+            if (picture.width, picture.height) != (request.width, request.height):
+                # condition on the image at the output size, as image-to-video pipelines do themselves: an
+                # editing pipeline would otherwise encode a large input at its full size
+                picture = picture.resize((request.width, request.height), _lanczos())
+        kwargs, num_inference_steps = self._pipeline_kwargs(request, request.prompt, picture=picture)
+        kwargs["generator"] = torch.Generator("cpu").manual_seed(request.seed)
         output, stats = self._run_pipeline(kwargs, num_inference_steps, on_step)
         raw = _output_array(output, self.kind)
         note = conditioned.note if conditioned is not None else None
-        return GenerationResult(kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=fps, raw=raw, size_note=note)
+        return GenerationResult(kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=request.fps, raw=raw, size_note=note)
 
     def generate_batch(
         self,
@@ -195,6 +204,7 @@ class Omni:
         matrices have a batch dimension, so an output may differ from `generate`'s in the last bits; the same
         prompts and seeds, in the same order, give the same outputs. Each result's `stats` is the whole call's
         (the same object for all). Image-conditioned generation takes one image per call: use `generate`.
+        One `GenerationRequest` per output, run by `run_batch`.
         """
         prompts, seeds = list(prompts), list(seeds)
         if not prompts or len(prompts) != len(seeds):
@@ -202,50 +212,58 @@ class Omni:
                 f"prompts and seeds must be non-empty and of one length (one seed per output); got {len(prompts)} "
                 f"prompt(s) and {len(seeds)} seed(s)"
             )
-        for index, seed in enumerate(seeds):
-            if isinstance(seed, bool) or not isinstance(seed, int):
-                raise GenerationError(f"seeds[{index}] = {seed!r} is not valid; expected an integer")
-        if self.image_input == "required":
-            raise GenerationError(f"{self.model} generates from an input image, one per call: use generate(image=...)")
-        kwargs, num_inference_steps = self._pipeline_kwargs(
-            prompts,
-            negative_prompt,
-            picture=None,
+        shape = GenerationRequest(
+            prompt="",
+            negative_prompt=negative_prompt,
             height=height,
             width=width,
             num_frames=num_frames,
             num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale,
+            fps=fps,
         )
+        requests = [_batch_output(shape, index, prompt, seed) for index, (prompt, seed) in enumerate(zip(prompts, seeds))]
+        return self.run_batch(requests, on_step=on_step)
+
+    def run_batch(
+        self, requests: Sequence[GenerationRequest], *, on_step: Callable[[int, int, float], None] | None = None
+    ) -> list[GenerationResult]:
+        """One pipeline call for every output of `requests`, in order (each request's `n` seeds in turn); they
+        must share their `batch_shape()` (everything but prompt, seed, n, fps and timeout), and carry no image
+        (pipelines take one image per call: `run` those). See `generate_batch`."""
+        requests = list(requests)
+        _check_batch(requests)
+        if self.image_input == "required":
+            raise GenerationError(f"{self.model} generates from an input image, one per call: use generate(image=...)")
+        prompts = [request.prompt for request in requests for _ in request.seeds]
+        kwargs, num_inference_steps = self._pipeline_kwargs(requests[0], prompts, picture=None)
         if "negative_prompt" in kwargs:  # one per prompt: pipelines differ in how they broadcast a single one
             kwargs["negative_prompt"] = [kwargs["negative_prompt"]] * len(prompts)
         # one generator per output, as diffusers takes them: output i's noise is drawn from generator i alone
-        kwargs["generator"] = [torch.Generator("cpu").manual_seed(seed) for seed in seeds]
+        kwargs["generator"] = [torch.Generator("cpu").manual_seed(seed) for request in requests for seed in request.seeds]
         output, stats = self._run_pipeline(kwargs, num_inference_steps, on_step)
-        raws = _output_arrays(output, self.kind, len(prompts))
-        return [GenerationResult(kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=fps, raw=raw) for raw in raws]
+        raws = iter(_output_arrays(output, self.kind, len(prompts)))
+        return [
+            GenerationResult(kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=request.fps, raw=raw)
+            for request in requests
+            for raw in (next(raws) for _ in request.seeds)
+        ]
 
-    def _pipeline_kwargs(
-        self, prompt, negative_prompt, *, picture, height, width, num_frames, num_inference_steps, guidance_scale
-    ) -> tuple[dict[str, Any], int]:
-        """(the pipeline's keyword arguments, the step count): the model's defaults filled in and every value
-        checked; everything but the generator and the step callback."""
+    def _pipeline_kwargs(self, request: GenerationRequest, prompt: str | list[str], *, picture) -> tuple[dict[str, Any], int]:
+        """(the pipeline's keyword arguments, the step count) for `request`'s shape and `prompt` (its own, or a
+        batch's): the model's defaults filled in and what depends on the model checked; everything but the
+        generator and the step callback."""
         defaults = _tiny_defaults(self.model)
-        height = height if height is not None else defaults.get("height")
-        width = width if width is not None else defaults.get("width")
-        num_inference_steps = num_inference_steps if num_inference_steps is not None else defaults.get("num_inference_steps", 20)
-        if guidance_scale is None:
-            guidance_scale = defaults.get("guidance_scale")
-        if negative_prompt is None:
-            negative_prompt = defaults.get("negative_prompt")
+        height = request.height if request.height is not None else defaults.get("height")
+        width = request.width if request.width is not None else defaults.get("width")
+        num_inference_steps = request.num_inference_steps or defaults.get("num_inference_steps", 20)
+        guidance_scale = request.guidance_scale if request.guidance_scale is not None else defaults.get("guidance_scale")
+        negative_prompt = request.negative_prompt if request.negative_prompt is not None else defaults.get("negative_prompt")
+        num_frames = request.num_frames
         if self.kind == "video" and num_frames is None:
             num_frames = defaults.get("num_frames")
         if self.kind != "video" and num_frames is not None:
             raise GenerationError(f"num_frames = {num_frames!r} is not valid: {self.model} makes images, not video")
-        _check_positive("num_inference_steps", num_inference_steps)
-        for name, value in (("height", height), ("width", width), ("num_frames", num_frames)):
-            if value is not None:
-                _check_positive(name, value)
         self._check_geometry(height, width, num_frames)
 
         call = inspect.signature(self.pipeline.__call__).parameters
@@ -304,13 +322,14 @@ class Omni:
             after = self.handle.stats() if self.handle is not None else None
         return output, _run_stats(seconds, step_times, before, after, self.device)
 
-    def _input_image(self, image, *, height, width, max_side_pixels):
+    def _input_image(self, request: GenerationRequest):
         """(the RGB image, the size it leads to), or (None, None) without one; refuses an image the pipeline
         does not take, and a missing one it needs, before any work."""
         from layerstream.models.geometry import pipeline_max_side, pipeline_size_multiple
         from layerstream.models.input_image import read_input_image, size_from_image
 
         pipeline_name = type(self.pipeline).__name__
+        image = request.image
         if image is None:
             if self.image_input == "required":
                 raise GenerationError(
@@ -325,13 +344,13 @@ class Omni:
             )
         picture = read_input_image(image)
         model_side = pipeline_max_side(self.pipeline)
-        caps = [side for side in (model_side, max_side_pixels or DEFAULT_MAX_SIDE_PIXELS) if side is not None]
+        caps = [side for side in (model_side, request.max_side_pixels) if side is not None]
         conditioned = size_from_image(
             picture.size,
             size_multiple=pipeline_size_multiple(self.pipeline),
             max_side=min(caps),
-            width=width,
-            height=height,
+            width=request.width,
+            height=request.height,
         )
         return picture, conditioned
 
@@ -395,9 +414,32 @@ def _parse_dtype(dtype) -> torch.dtype | None:
     return names[dtype]
 
 
-def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise GenerationError(f"{name} = {value!r} is not valid; expected a positive integer")
+def _batch_output(shape: GenerationRequest, index: int, prompt: str, seed: int) -> GenerationRequest:
+    """Output `index` of `generate_batch`: `shape` with its prompt and seed; an error names ``prompts[i]`` or ``seeds[i]``."""
+    try:
+        return replace(shape, prompt=prompt, seed=seed)
+    except GenerationError as e:
+        if e.field not in ("prompt", "seed"):
+            raise
+        raise invalid_field(f"{e.field}s[{index}]", e.value, e.allowed or "") from e
+
+
+def _check_batch(requests: list[GenerationRequest]) -> None:
+    """Refuse requests that cannot run as one pipeline call: none, an image, or two shapes."""
+    if not requests:
+        raise GenerationError("run_batch needs at least one request")
+    for index, request in enumerate(requests):
+        if request.image is not None:
+            raise GenerationError(f"requests[{index}] has an image: image-conditioned generation takes one image per call; use run")
+    shape = requests[0].batch_shape()
+    for index, request in enumerate(requests[1:], start=1):
+        other = request.batch_shape()
+        if other != shape:
+            differ = next(name for name, value in shape.to_dict().items() if other.to_dict()[name] != value)
+            raise GenerationError(
+                f"requests[{index}].{differ} = {getattr(request, differ)!r} differs from requests[0]'s "
+                f"{getattr(requests[0], differ)!r}; expected one shape per batch (everything but prompt, seed, n, fps, timeout)"
+            )
 
 
 def _tiny_defaults(model: str) -> dict[str, Any]:

@@ -45,3 +45,21 @@ def test_bad_batches_are_refused_before_any_work(omni):
         omni.generate_batch(PROMPTS[:2], seeds=[1, "2"])
     with pytest.raises(GenerationError, match="height = 33"):
         omni.generate_batch(PROMPTS, seeds=SEEDS, height=33, width=32)
+
+
+def test_run_batch_takes_requests_with_n_outputs_each_and_refuses_two_shapes(omni):
+    from dataclasses import replace
+
+    from layerstream.request import GenerationRequest
+
+    shape = _shape(omni)
+    fox = GenerationRequest(prompt=PROMPTS[0], seed=SEEDS[0], **shape)
+    cats = GenerationRequest(prompt=PROMPTS[1], seed=SEEDS[1], n=2, fps=8, **shape)
+    batch = omni.run_batch([fox, cats])
+    expected = omni.generate_batch(PROMPTS, seeds=SEEDS, **shape)
+    assert [r.fps for r in batch] == [16, 8, 8]  # each output keeps its own request's frame rate
+    assert all(np.array_equal(b.raw, e.raw) for b, e in zip(batch, expected))
+    with pytest.raises(GenerationError, match=r"requests\[1\]\.num_inference_steps = 2 differs"):
+        omni.run_batch([fox, replace(cats, num_inference_steps=2)])
+    with pytest.raises(GenerationError, match="n = 2 is not valid"):
+        omni.run(cats)

@@ -54,7 +54,7 @@ class FaultInjector:
 
 
 class FaultInjectingOmni:
-    """An `Omni` whose `generate` (and `generate_batch`, for a batch holding it) raises `InjectedFault` inside
+    """An `Omni` whose `run` (and `run_batch`, for a batch holding it) raises `InjectedFault` inside
     its first streamed block for one prompt."""
 
     def __init__(self, omni: Any, prompt: str):
@@ -66,18 +66,18 @@ class FaultInjectingOmni:
     def block_path(self) -> str:
         return self._injector.block_path
 
-    def generate(self, prompt: str, *args: Any, **kwargs: Any) -> Any:
-        if prompt != self.fault_prompt:
-            return self._omni.generate(prompt, *args, **kwargs)
+    def run(self, request: Any, **kwargs: Any) -> Any:
+        if request.prompt != self.fault_prompt:
+            return self._omni.run(request, **kwargs)
         with self._injector.armed():
-            return self._omni.generate(prompt, *args, **kwargs)
+            return self._omni.run(request, **kwargs)
 
-    def generate_batch(self, prompts: Any, *args: Any, **kwargs: Any) -> Any:
+    def run_batch(self, requests: Any, **kwargs: Any) -> Any:
         """A batch raises if any of its prompts is the fault prompt, as a real fault fails the whole call."""
-        if self.fault_prompt not in prompts:
-            return self._omni.generate_batch(prompts, *args, **kwargs)
+        if all(request.prompt != self.fault_prompt for request in requests):
+            return self._omni.run_batch(requests, **kwargs)
         with self._injector.armed():
-            return self._omni.generate_batch(prompts, *args, **kwargs)
+            return self._omni.run_batch(requests, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # everything else is the wrapped Omni's
         return getattr(self._omni, name)

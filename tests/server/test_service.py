@@ -40,7 +40,8 @@ class StandInOmni:
     def component_dtypes(self):
         return {"transformer": "float32"}
 
-    def generate(self, prompt, negative_prompt=None, *, height, width, num_inference_steps, on_step, **kwargs):
+    def run(self, request, *, on_step):
+        height, width, num_inference_steps = request.height, request.width, request.num_inference_steps
         gc.collect()
         self.alive_at_start.append(sum(ref() is not None for ref in self.outputs))
         if self.on_call is not None:
@@ -54,7 +55,10 @@ class StandInOmni:
                          num_sync_loads=0, stall_seconds=0.0, device_bytes=0, host_bytes=0)  # fmt: skip
         return GenerationResult(kind="image", frames=frames, stats=stats, raw=raw)
 
-    def generate_batch(self, prompts, negative_prompt=None, *, seeds, height, width, num_inference_steps, on_step, **_):
+    def run_batch(self, requests, *, on_step):
+        height, width, num_inference_steps = requests[0].height, requests[0].width, requests[0].num_inference_steps
+        prompts = [r.prompt for r in requests for _ in r.seeds]
+        seeds = [seed for r in requests for seed in r.seeds]
         self.batches.append(list(zip(prompts, seeds)))
         if self.on_call is not None:
             self.on_call(len(self.batches) - 1)
@@ -80,7 +84,7 @@ def service():
 
 def _run(service: GenerationService, **fields):
     params = service.prepare(ImageGenerationRequest(prompt="fox", size="16x16", num_inference_steps=2, **fields))
-    return service.submit(params, timeout=None).future.result(10)
+    return service.submit(params).future.result(10)
 
 
 def test_each_output_is_encoded_and_released_before_the_next_one_starts(service):
@@ -118,7 +122,7 @@ def batching_service():
 
 def _submit(service: GenerationService, prompt: str, seed: int, **fields):
     request = ImageGenerationRequest(prompt=prompt, size="16x16", num_inference_steps=2, seed=seed, **fields)
-    return service.submit(service.prepare(request), timeout=None)
+    return service.submit(service.prepare(request))
 
 
 def test_a_batch_answers_each_request_with_its_own_outputs(batching_service):

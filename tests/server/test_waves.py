@@ -6,23 +6,25 @@ from dataclasses import replace
 
 import pytest
 
+from layerstream.request import GenerationRequest
 from layerstream.server.ranks import RankWork
-from layerstream.server.service import GenerationParams
+from layerstream.server.service import ServedRequest
 from layerstream.server.waves import WavePolicy, WaveQueue
 
-BASE = GenerationParams(
-    prompt="p", negative_prompt=None, width=32, height=32, num_frames=None, num_inference_steps=2,
-    guidance_scale=None, seeds=(1,), fps=16, work=1,
-)  # fmt: skip
+BASE = GenerationRequest(prompt="p", width=32, height=32, num_inference_steps=2, seed=1)
 
 
-def _waves(requests: list[GenerationParams], *, num_ranks: int = 2, max_batch_size: int = 1) -> list[list[list[str]]]:
+def _served(work: int = 1, **fields) -> ServedRequest:
+    return ServedRequest(request=replace(BASE, **fields), work=work)
+
+
+def _waves(requests: list[ServedRequest], *, num_ranks: int = 2, max_batch_size: int = 1) -> list[list[list[str]]]:
     """The waves the queue forms from `requests` queued at once: each a list of groups of prompts."""
     waves: list[list[list[str]]] = []
     policy = WavePolicy(num_ranks=num_ranks, max_batch_size=max_batch_size, wait_seconds=0.0, max_cost=10, idle_seconds=60)
 
     def run_wave(groups):
-        waves.append([[job.request.prompt for job in group] for group in groups])
+        waves.append([[job.request.request.prompt for job in group] for group in groups])
         return [None] * sum(map(len, groups))
 
     queue = WaveQueue(16, policy=policy, run_wave=run_wave, after_wave=lambda: None, on_idle=lambda: None)
@@ -39,26 +41,26 @@ def _waves(requests: list[GenerationParams], *, num_ranks: int = 2, max_batch_si
 
 
 def test_requests_alone_fill_one_rank_each_in_fifo_order():
-    requests = [replace(BASE, prompt=str(i)) for i in range(5)]
+    requests = [_served(prompt=str(i)) for i in range(5)]
     assert _waves(requests) == [[["0"], ["1"]], [["2"], ["3"]], [["4"]]]
 
 
 def test_requests_with_other_forwards_wait_for_a_wave_of_their_own():
-    other_steps = replace(BASE, prompt="steps", num_inference_steps=3)
-    two_outputs = replace(BASE, prompt="n2", seeds=(1, 2))
-    requests = [replace(BASE, prompt="a"), other_steps, two_outputs, replace(BASE, prompt="b")]
+    other_steps = _served(prompt="steps", num_inference_steps=3)
+    two_outputs = _served(prompt="n2", n=2)
+    requests = [_served(prompt="a"), other_steps, two_outputs, _served(prompt="b")]
     assert _waves(requests) == [[["a"], ["b"]], [["steps"]], [["n2"]]]
 
 
 def test_batches_spread_over_the_ranks_within_the_cost_cap():
-    requests = [replace(BASE, prompt=str(i), work=4) for i in range(6)]
+    requests = [_served(prompt=str(i), work=4) for i in range(6)]
     # 2 ranks x 4 per batch, but a batch may cost 10: two requests of 4 each per rank
     assert _waves(requests, max_batch_size=4) == [[["0", "2"], ["1", "3"]], [["4"], ["5"]]]
 
 
 @pytest.mark.parametrize("batch_call", [True, False])
 def test_a_placeholder_runs_the_same_forwards_for_less(batch_call):
-    work = RankWork((replace(BASE, seeds=(1, 2, 3)), replace(BASE, prompt="q")), batch_call=batch_call)
+    work = RankWork((replace(BASE, n=3), replace(BASE, prompt="q")), batch_call=batch_call)
     if not batch_call:
         work = RankWork(work.requests[:1], batch_call=False)
     placeholder = work.as_placeholder()

@@ -29,12 +29,17 @@ from layerstream.models.output_limits import (
     LimitViolation,
     check_output_caps,
 )
+from layerstream.request import GenerationError, GenerationRequest
 
 DATA_PARALLEL_CONFIG = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"weight_transfer": "allgather"}}}
 """The default config with --nproc > 1: every rank keeps 1/N of the DiT's blocks and they are all-gathered."""
 
 # the flag a user types for each generation argument, to name it in errors
 _FLAGS = {"height": "--height", "width": "--width", "num_frames": "--num-frames"}
+_REQUEST_FLAGS = {
+    **_FLAGS, "prompt": "--prompt", "negative_prompt": "--negative-prompt", "num_inference_steps": "--steps",
+    "guidance_scale": "--guidance-scale", "seed": "--seed", "fps": "--fps", "max_side_pixels": "--max-size",
+}  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,29 +124,16 @@ def _run(args: argparse.Namespace, log: PhaseLog) -> int:
     default = DATA_PARALLEL_CONFIG if (args.nproc or world_size) > 1 else None
     config = parse_config_arg(args.diffusion_offload_config, default)  # before anything loads
     _check_arguments(args, world_size)  # every check that needs no model, so a mistake costs no load
-    image = _read_image_arg(args.image)
+    # rank r of several uses seed + r
+    request = request_from_args(args, image=_read_image_arg(args.image), seed=args.seed + rank)
     if args.nproc is not None and args.nproc > 1 and world_size == 1:
         return _launch_ranks(args)
 
     log.enter(Phase.LOADING)
     omni = _load(args, config, world_size)
-    seed = args.seed + rank
-    output = _output_path(args, omni, seed, rank, world_size)
+    output = _output_path(args, omni, request.seed, rank, world_size)
     _check_model_geometry(args, omni)
     _check_image_input(args, omni)
-    request = dict(
-        prompt=args.prompt,
-        negative_prompt=args.negative_prompt,
-        image=image,
-        max_side_pixels=args.max_side_pixels,
-        height=args.height,
-        width=args.width,
-        num_frames=args.num_frames,
-        num_inference_steps=args.num_inference_steps,
-        guidance_scale=args.guidance_scale,
-        seed=seed,
-        fps=args.fps,
-    )
     log.enter(Phase.GENERATING)
     result = _generate(args, omni, request, rank)
     with log.writing(Phase.WRITING_OUTPUT, output):
@@ -152,17 +144,39 @@ def _run(args: argparse.Namespace, log: PhaseLog) -> int:
         log.enter(Phase.COMPARING)
         identical = _matches_resident(omni, request, result)
     log.enter(Phase.REPORTING)
-    made = summary(args.model, omni, result, output, identical, trace_files, rank, prompt=args.prompt, seed=seed)
+    made = summary(args.model, omni, result, output, identical, trace_files, rank, prompt=request.prompt, seed=request.seed)
     made["image"] = args.image
     made["size_note"] = result.size_note
     return _report(args, omni, made, rank, world_size)
+
+
+def request_from_args(args: argparse.Namespace, *, image=None, seed: int | None = None) -> GenerationRequest:
+    """The `GenerationRequest` the flags describe (`seed`: this rank's, default --seed; `image`: --image as
+    read); a value it refuses is one line naming the flag."""
+    try:
+        return GenerationRequest(
+            prompt=args.prompt,
+            negative_prompt=args.negative_prompt,
+            image=image,
+            height=args.height,
+            width=args.width,
+            num_frames=args.num_frames,
+            num_inference_steps=args.num_inference_steps,
+            guidance_scale=args.guidance_scale,
+            seed=args.seed if seed is None else seed,
+            fps=args.fps,
+            max_side_pixels=args.max_side_pixels,
+        )
+    except GenerationError as e:
+        flag = _REQUEST_FLAGS.get(e.field or "", e.field)
+        raise CliError(f"{flag}: {e.value!r} is not allowed ({e.allowed})") from e
 
 
 def _load(args: argparse.Namespace, config, world_size: int):
     """The model loaded with offload enabled (joining the other ranks first under torchrun), as an `Omni`."""
     from layerstream.errors import OffloadError
     from layerstream.models.loading import ModelLoadError
-    from layerstream.omni import GenerationError, Omni
+    from layerstream.omni import Omni
 
     device = args.device
     offload_group = None
@@ -196,15 +210,14 @@ def _output_path(args: argparse.Namespace, omni, seed: int, rank: int, world_siz
     return output
 
 
-def _generate(args: argparse.Namespace, omni, request: dict, rank: int):
+def _generate(args: argparse.Namespace, omni, request: GenerationRequest, rank: int):
     from layerstream.models.input_image import InputImageError
-    from layerstream.omni import GenerationError
 
     progress = _Progress(enabled=rank == 0)
     try:
         if omni.handle is not None and args.trace:
             omni.handle.reset_trace()
-        return omni.generate(**request, on_step=progress.step)
+        return omni.run(request, on_step=progress.step)
     except (GenerationError, InputImageError) as e:
         raise CliError(str(e)) from e
     finally:
@@ -220,10 +233,10 @@ def _save_trace(args: argparse.Namespace, omni, log: PhaseLog) -> list[str]:
         return _write_trace(omni.handle, path, title=_trace_title(args, omni))
 
 
-def _matches_resident(omni, request: dict, result) -> bool:
+def _matches_resident(omni, request: GenerationRequest, result) -> bool:
     """Whether the resident pipeline makes exactly `result` from the same request (--compare-resident)."""
     omni.close()  # disable gives back a fully resident pipeline: the same weights, now all on the device
-    reference = omni.generate(**request)
+    reference = omni.run(request)
     return reference.raw.shape == result.raw.shape and bool((reference.raw == result.raw).all())
 
 

@@ -34,7 +34,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from layerstream import __version__
-from layerstream.omni import GenerationError
+from layerstream.request import GenerationError
 from layerstream.server.errors import ApiError, validation_error
 from layerstream.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from layerstream.server.metrics import ServerMetrics
@@ -51,7 +51,7 @@ from layerstream.server.schemas import (
     VideoGenerationRequest,
     VideoGenerationResponse,
 )
-from layerstream.server.service import GenerationOutput, GenerationService
+from layerstream.server.service import GenerationOutput, GenerationService, ServedRequest
 from layerstream.server.stopping import GenerationStopped, StopReason
 
 logger = logging.getLogger(__name__)
@@ -162,8 +162,7 @@ async def _run_generation(
     image_b64 = getattr(parsed, "image", None)
     service.check_image_presence(has_image=image_b64 is not None, endpoint=request.url.path)
     image = await asyncio.to_thread(service.read_image, _decode_base64_image(image_b64)) if image_b64 else None
-    params = service.prepare(parsed, image)
-    return await _submit_and_wait(service, request, params, parsed.timeout)
+    return await _submit_and_wait(service, request, service.prepare(parsed, image))
 
 
 async def _run_edit(service: GenerationService, request: Request) -> GenerationOutput:
@@ -188,8 +187,7 @@ async def _run_edit(service: GenerationService, request: Request) -> GenerationO
     except ValidationError as e:
         raise validation_error(e, ImageEditRequest) from None
     image = await asyncio.to_thread(service.read_image, image_bytes)
-    params = service.prepare(parsed, image)
-    return await _submit_and_wait(service, request, params, parsed.timeout)
+    return await _submit_and_wait(service, request, service.prepare(parsed, image))
 
 
 async def _parse_edit_form(request: Request, body: bytes) -> tuple[dict[str, str], bytes]:
@@ -245,12 +243,10 @@ def _decode_base64_image(text: str) -> bytes:
         raise ApiError(400, "image is not valid base64", code="invalid_image", param="image") from None
 
 
-async def _submit_and_wait(
-    service: GenerationService, request: Request, params: Any, timeout: float | None
-) -> GenerationOutput:
-    """Queue checked `params` and await the outcome."""
+async def _submit_and_wait(service: GenerationService, request: Request, served: ServedRequest) -> GenerationOutput:
+    """Queue a checked request and await the outcome."""
     try:
-        job = service.submit(params, timeout=timeout)
+        job = service.submit(served)
     except QueueFullError as e:
         raise ApiError(429, f"{e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
     except QueueClosedError as e:

@@ -35,9 +35,9 @@ from typing import Any
 import torch
 
 from layerstream.errors import LayerstreamError
-from layerstream.omni import GenerationError, RunStats
+from layerstream.omni import RunStats
+from layerstream.request import GenerationError, GenerationRequest
 from layerstream.server.media import encode_result_b64
-from layerstream.server.service import generate_batch
 from layerstream.server.stopping import GenerationStopped, StopReason
 
 logger = logging.getLogger(__name__)
@@ -65,12 +65,12 @@ class WaveKind(StrEnum):
 
 @dataclass(frozen=True)
 class RankWork:
-    """What one rank runs in a wave: one request alone (an `Omni.generate` per seed) or one batch call."""
+    """What one rank runs in a wave: one request alone (an `Omni.run` per output) or one batch call."""
 
-    requests: tuple[Any, ...]
-    """`GenerationParams`, one alone, or those of a batch."""
+    requests: tuple[GenerationRequest, ...]
+    """One request alone, or those of a batch (pickled with the message; not checked again on arrival)."""
     batch_call: bool
-    """One `Omni.generate_batch` for every output of `requests` (else `generate` per seed of the one request)."""
+    """One `Omni.run_batch` for every output of `requests` (else `Omni.run` per output of the one request)."""
     placeholder: bool = False
     """An idle rank's copy of another rank's work: it runs the same forwards, and its outputs are dropped."""
 
@@ -79,7 +79,7 @@ class RankWork:
         outputs are separate calls, which all count)."""
         first = self.requests[0]
         if self.batch_call:
-            return RankWork((replace(first, seeds=first.seeds[:1]),), batch_call=True, placeholder=True)
+            return RankWork((replace(first, n=1),), batch_call=True, placeholder=True)
         return RankWork((first,), batch_call=False, placeholder=True)
 
 
@@ -345,19 +345,18 @@ class RankRuntime:
             stop.checkpoint(f"after step {step} of {total}")
 
         if work.batch_call:
-            params = work.requests
-            results = generate_batch(omni, params, on_step)
+            results = omni.run_batch(work.requests, on_step=on_step)
             answers, offset = [], 0
-            for p in params:
-                mine = results[offset : offset + len(p.seeds)]
-                offset += len(p.seeds)
+            for request in work.requests:
+                mine = results[offset : offset + request.n]
+                offset += request.n
                 answers.append(RequestResult([encode(r) for r in mine], [mine[0].stats], mine[0].frames.shape))
             return answers
-        (params,) = work.requests
+        (request,) = work.requests
         answer = RequestResult([], [], ())
-        for index, seed in enumerate(params.seeds):
-            stop.checkpoint(f"before output {index + 1} of {len(params.seeds)}")
-            result = params.generate_one(omni, seed, on_step)
+        for index, output in enumerate(request.outputs()):
+            stop.checkpoint(f"before output {index + 1} of {request.n}")
+            result = omni.run(output, on_step=on_step)
             answer.files_b64.append(encode(result))
             answer.runs.append(result.stats)
             answer.frames_shape = result.frames.shape

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from layerstream.models.output_limits import MAX_PROMPT_CHARS  # the command line's limit too
+from layerstream.request import GenerationRequest
 
 MAX_IMAGES_PER_REQUEST = 4
 MAX_INFERENCE_STEPS = 1000
@@ -77,6 +78,27 @@ class ImageGenerationRequest(_StrictModel):
         width, height = self.size.split("x")  # the shape was checked against SIZE_PATTERN
         return int(width), int(height)
 
+    def generation_request(self, *, seed: int, image: Any = None) -> GenerationRequest:
+        """The `GenerationRequest` this body asks for, the model's defaults left unfilled (None): `seed` is the
+        first output's (the body's own, or one the server drew), `image` the decoded input image."""
+        width, height = self.width_height() or (None, None)
+        return GenerationRequest(
+            prompt=self.prompt,
+            negative_prompt=self.negative_prompt,
+            image=image,
+            height=height,
+            width=width,
+            num_inference_steps=self.num_inference_steps,
+            guidance_scale=self.guidance_scale,
+            seed=seed,
+            n=self.n,
+            timeout=self.timeout,
+            **self._video_fields(),
+        )
+
+    def _video_fields(self) -> dict[str, Any]:
+        return {}
+
 
 class VideoGenerationRequest(ImageGenerationRequest):
     """Body of ``POST /v1/videos/generations``: the image fields plus frames and frame rate."""
@@ -93,6 +115,9 @@ class VideoGenerationRequest(ImageGenerationRequest):
             " Without size the video takes the image's size, rounded down to the model's size multiple."
         ),
     )
+
+    def _video_fields(self) -> dict[str, Any]:
+        return {"num_frames": self.num_frames, "fps": self.fps}
 
 
 class ImageEditRequest(ImageGenerationRequest):

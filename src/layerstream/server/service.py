@@ -1,8 +1,8 @@
 """`GenerationService`: one `Omni`, its queue and worker thread, and what the HTTP layer asks of them.
 
 The app turns HTTP into calls here and the answers back into HTTP; everything that touches the pipeline
-runs on the queue's single worker thread. A request runs alone (`Omni.generate` once per output) or, with
---max-batch-size above 1, in a batch with other queued requests of the same `BatchKey` (`Omni.generate_batch`
+runs on the queue's single worker thread. A request runs alone (`Omni.run` once per output) or, with
+--max-batch-size above 1, in a batch with other queued requests of the same `batch_shape()` (`Omni.run_batch`
 once for all their outputs), so that every streamed block is copied once per step for the whole batch.
 """
 
@@ -13,10 +13,11 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from layerstream.omni import GenerationError, RunStats
+from layerstream.omni import RunStats
+from layerstream.request import GenerationError, GenerationRequest
 from layerstream.server.limits import (
     ModelLimits,
     check_endpoint,
@@ -37,82 +38,20 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
-class GenerationParams:
-    """A checked request, in `Omni.generate`'s terms, the model's defaults filled in; one seed per output."""
+class ServedRequest:
+    """A request checked against the served model: the `GenerationRequest` it runs (the model's defaults and
+    its first seed filled in, the shape its checks priced) and what the checks found."""
 
-    prompt: str
-    negative_prompt: str | None
-    width: int | None
-    height: int | None
-    num_frames: int | None
-    num_inference_steps: int
-    guidance_scale: float | None
-    seeds: tuple[int, ...]
-    fps: int
-    image: Any = None
-    """The input image (RGB PIL image), already checked; None without one."""
+    request: GenerationRequest
     size_note: str | None = None
     """With an input image: how the output size was reached."""
     work: int = 0
     """width x height x frames x steps x n, as the work cap priced it."""
 
-    def generate_one(self, omni: Any, seed: int, on_step: Any) -> Any:
-        """`omni.generate` for the output of this request with `seed`."""
-        return omni.generate(
-            self.prompt,
-            self.negative_prompt,
-            image=self.image,
-            height=self.height,
-            width=self.width,
-            num_frames=self.num_frames,
-            num_inference_steps=self.num_inference_steps,
-            guidance_scale=self.guidance_scale,
-            seed=seed,
-            fps=self.fps,
-            on_step=on_step,
-        )
-
-    def batch_key(self) -> BatchKey | None:
-        """What a request must share with others to run in one pipeline call with them; None: it runs alone
-        (an input image: pipelines take one image per call)."""
-        if self.image is not None:
-            return None
-        return BatchKey(
-            width=self.width,
-            height=self.height,
-            num_frames=self.num_frames,
-            num_inference_steps=self.num_inference_steps,
-            guidance_scale=self.guidance_scale,
-            negative_prompt=self.negative_prompt,
-        )
-
-
-
-def generate_batch(omni: Any, params: Sequence[GenerationParams], on_step: Any) -> list[Any]:
-    """One `omni.generate_batch` call for requests sharing a `BatchKey`: an output per seed of each, in order."""
-    first = params[0]  # every request of a batch shares its `BatchKey`: the shape and guidance are the first's
-    return omni.generate_batch(
-        [p.prompt for p in params for _ in p.seeds],
-        first.negative_prompt,
-        seeds=[seed for p in params for seed in p.seeds],
-        height=first.height,
-        width=first.width,
-        num_frames=first.num_frames,
-        num_inference_steps=first.num_inference_steps,
-        guidance_scale=first.guidance_scale,
-        on_step=on_step,
-    )
-
-@dataclass(frozen=True, kw_only=True)
-class BatchKey:
-    """The arguments one pipeline call gives every output; prompts, seeds and n may differ within a batch."""
-
-    width: int | None
-    height: int | None
-    num_frames: int | None
-    num_inference_steps: int
-    guidance_scale: float | None
-    negative_prompt: str | None
+    def batch_key(self) -> GenerationRequest | None:
+        """What it must share with others to run in one pipeline call with them (its `batch_shape()`); None: it
+        runs alone (an input image: pipelines take one image per call)."""
+        return None if self.request.image is not None else self.request.batch_shape()
 
 
 @dataclass(frozen=True)
@@ -212,43 +151,39 @@ class GenerationService:
         except InputImageError as e:
             raise ApiError(413 if e.too_large else 400, str(e), code="invalid_image", param="image") from None
 
-    def prepare(self, request: ImageGenerationRequest, image: Any = None) -> GenerationParams:
-        """Check `request` (and its decoded input `image`, if any) against the model (400 `ApiError` if it
-        cannot run) and fix its shape and seeds. Without a size, an image's own size (rounded to the model's
-        size multiple, within its largest side) is the output size, and it is what the work cap prices."""
-        conditioned = image_size_for(request, self.limits, image.size) if image is not None else None
-        check_request(request, self.limits, conditioned)
+    def prepare(self, body: ImageGenerationRequest, image: Any = None) -> ServedRequest:
+        """Check `body` (and its decoded input `image`, if any) against the model (400 `ApiError` if it cannot
+        run) and fix its shape and seeds. Without a size, an image's own size (rounded to the model's size
+        multiple, within its largest side) is the output size, and it is what the work cap prices."""
+        conditioned = image_size_for(body, self.limits, image.size) if image is not None else None
+        check_request(body, self.limits, conditioned)
         # the checks above priced this shape; run exactly it, not whatever the pipeline would default to
-        shape = request_shape(request, self.limits, conditioned)
+        shape = request_shape(body, self.limits, conditioned)
         # a random seed is drawn small (under 2**32): easy to read back from the response and type again
-        first_seed = request.seed if request.seed is not None else secrets.randbelow(2**32)
-        return GenerationParams(
-            prompt=request.prompt,
-            negative_prompt=request.negative_prompt,
+        first_seed = body.seed if body.seed is not None else secrets.randbelow(2**32)
+        request = replace(
+            body.generation_request(seed=first_seed, image=image),
             width=shape.width,
             height=shape.height,
             num_frames=shape.num_frames,
             num_inference_steps=shape.num_inference_steps,
-            guidance_scale=request.guidance_scale,
-            seeds=tuple(first_seed + i for i in range(request.n)),
-            fps=request.fps if isinstance(request, VideoGenerationRequest) else 16,
-            image=image,
-            size_note=conditioned.note if conditioned is not None else None,
-            work=shape.work(self.limits),
         )
+        note = conditioned.note if conditioned is not None else None
+        return ServedRequest(request=request, size_note=note, work=shape.work(self.limits))
 
-    def submit(self, params: GenerationParams, *, timeout: float | None) -> Job:
-        """Queue a generation; raises `QueueFullError` or `QueueClosedError` instead of queueing."""
+    def submit(self, served: ServedRequest) -> Job:
+        """Queue a generation, with the request's timeout; raises `QueueFullError` or `QueueClosedError` instead
+        of queueing."""
         return self.queue.submit(
-            lambda job: self._generate(params, job),
-            timeout=timeout,
-            request=params,
-            batch_key=params.batch_key(),
-            cost=params.work,
+            lambda job: self._generate(served, job),
+            timeout=served.request.timeout,
+            request=served,
+            batch_key=served.batch_key(),
+            cost=served.work,
         )
 
-    def _generate(self, params: GenerationParams, job: Job) -> GenerationOutput:
-        """Run on the worker thread: one `Omni.generate` per seed, each output encoded and released before the next.
+    def _generate(self, served: ServedRequest, job: Job) -> GenerationOutput:
+        """Run on the worker thread: one `Omni.run` per output, each encoded and released before the next.
 
         Between denoising steps, and before each output, it stops if the event loop asked it to
         (`GenerationStopped`).
@@ -259,16 +194,17 @@ class GenerationService:
         runs: list[RunStats] = []  # all a response needs of an output once its file is encoded
         frames_shape: tuple[int, ...] = ()
         outcome = JobOutcome.ERROR
-        num_outputs = len(params.seeds)
+        request = served.request
+        num_outputs = request.n
         try:
-            for index, seed in enumerate(params.seeds):
+            for index, output in enumerate(request.outputs()):
                 where = f"output {index + 1} of {num_outputs}"
                 job.stop_signal.raise_if_requested(f"before {where}")
 
                 def stop_if_asked(step: int, total: int, seconds: float, where: str = where) -> None:
                     job.stop_signal.raise_if_requested(f"after step {step} of {total} ({where})")
 
-                result = params.generate_one(self.omni, seed, stop_if_asked)
+                result = self.omni.run(output, on_step=stop_if_asked)
                 files.append(encode_result_b64(result))
                 runs.append(result.stats)
                 frames_shape = result.frames.shape
@@ -277,13 +213,13 @@ class GenerationService:
             outcome = JobOutcome.OK
         except GenerationStopped as e:  # asked for: one line, no traceback
             outcome = JobOutcome.STOPPED
-            logger.info("%s (prompt %r)", e, params.prompt[:80])
+            logger.info("%s (prompt %r)", e, request.prompt[:80])
             raise
         except GenerationError as e:  # arguments the pipeline refused: the client's to fix, answered 400
             logger.info("generation refused: %s", e)
             raise
         except Exception:
-            logger.exception("generation failed (prompt %r)", params.prompt[:80])
+            logger.exception("generation failed (prompt %r)", request.prompt[:80])
             raise
         finally:
             self._offload_stats = self.omni.stats()
@@ -294,11 +230,11 @@ class GenerationService:
             self.metrics.observe_batch(1)
             if bytes_before is not None:
                 self.metrics.observe_request_bytes(self._bytes_streamed() - bytes_before)
-        usage = request_usage(self.limits, params, runs, frames_shape, job.queue_seconds)
+        usage = request_usage(self.limits, served, runs, frames_shape, job.queue_seconds)
         return GenerationOutput(files, usage)
 
     def _generate_batch(self, jobs: Sequence[Job]) -> list[BatchOutcome]:
-        """Run on the worker thread: the requests of `jobs` (one `BatchKey`) as one `Omni.generate_batch` call,
+        """Run on the worker thread: the requests of `jobs` (one batch shape) as one `Omni.run_batch` call,
         an output per seed of each; then each request's outputs encoded into its own answer.
 
         A request asked to stop (its timeout, its client gone) does not stop the others: its outputs are
@@ -323,7 +259,7 @@ class GenerationService:
             logger.info("generation refused: %s", e)
             raise
         except Exception:
-            prompts = [job.request.prompt[:40] for job in running]
+            prompts = [job.request.request.prompt[:40] for job in running]
             logger.exception("generation of a batch of %d request(s) failed (prompts %r)", len(running), prompts)
             raise
         finally:
@@ -334,24 +270,24 @@ class GenerationService:
         return self._batch_answers(jobs, running, results)
 
     def _call_batch(self, running: list[Job]) -> list[Any]:
-        """One `Omni.generate_batch` for the outputs of `running`, in order; stops between steps once every
-        one of them has been asked to."""
-        params: list[GenerationParams] = [job.request for job in running]
-        where = f"a batch of {len(params)} request(s), {sum(len(p.seeds) for p in params)} output(s)"
+        """One `Omni.run_batch` for the outputs of `running`, in order; stops between steps once every one of
+        them has been asked to."""
+        requests = [job.request.request for job in running]
+        where = f"a batch of {len(requests)} request(s), {sum(r.n for r in requests)} output(s)"
 
         def stop_if_all_asked(step: int, total: int, seconds: float) -> None:
             if all(job.stop_signal.reason is not None for job in running):
                 running[0].stop_signal.raise_if_requested(f"after step {step} of {total} ({where})")
 
-        return generate_batch(self.omni, params, stop_if_all_asked)
+        return self.omni.run_batch(requests, on_step=stop_if_all_asked)
 
     def _observe_batch(
         self, jobs: Sequence[Job], running: list[Job], outcome: JobOutcome, seconds: float, bytes_streamed: int | None
     ) -> None:
         self.metrics.observe_batch(len(jobs))
-        num_outputs = sum(len(job.request.seeds) for job in running)
+        num_outputs = sum(job.request.request.n for job in running)
         for job in jobs:
-            num_job_outputs = len(job.request.seeds)
+            num_job_outputs = job.request.request.n
             # a request left out of the call, or asked to stop during it, is stopped whatever the call did
             stopped = job not in running or job.stop_signal.reason is not None
             self.metrics.observe_job(
@@ -369,12 +305,12 @@ class GenerationService:
         num_outputs = len(results)
         offset = 0  # where the running job's outputs start in `results`
         for job in jobs:
-            params: GenerationParams = job.request
+            served: ServedRequest = job.request
             if job not in running:
                 answers.append(_stopped_in_batch(job, len(jobs), "before its batch started"))
                 continue
-            mine = range(offset, offset + len(params.seeds))
-            offset += len(params.seeds)
+            mine = range(offset, offset + served.request.n)
+            offset += served.request.n
             if job.stop_signal.reason is not None:
                 answers.append(_stopped_in_batch(job, len(jobs), "during its batch, whose other requests ran on"))
                 continue
@@ -383,7 +319,7 @@ class GenerationService:
             for k in mine:
                 files.append(encode_result_b64(results[k]))
                 results[k] = None  # its float and uint8 frames are not needed once encoded
-            usage = request_usage(self.limits, params, [call], frames_shape, job.queue_seconds, batch_size=len(jobs))
+            usage = request_usage(self.limits, served, [call], frames_shape, job.queue_seconds, batch_size=len(jobs))
             # its share, by outputs, of the call's bytes: what a request costs, which batching divides
             share = call.bytes_transferred * len(mine) // num_outputs
             answers.append(GenerationOutput(files, usage.model_copy(update={"bytes_streamed": share})))
@@ -445,7 +381,7 @@ def _stopped_in_batch(job: Job, batch_size: int, where: str) -> GenerationStoppe
 
 def request_usage(
     limits: ModelLimits,
-    params: GenerationParams,
+    served: ServedRequest,
     runs: list[RunStats],
     frames_shape: tuple[int, ...],
     queue_seconds: float,
@@ -459,11 +395,11 @@ def request_usage(
     peaks = [run.peak_device_bytes for run in runs if run.peak_device_bytes is not None]
     return GenerationUsage(
         model=limits.model,
-        seeds=list(params.seeds),
+        seeds=list(served.request.seeds),
         width=int(frames_shape[2]),
         height=int(frames_shape[1]),
         num_frames=int(frames_shape[0]) if limits.kind == "video" else None,
-        num_inference_steps=len(runs[0].step_seconds) or params.num_inference_steps,
+        num_inference_steps=len(runs[0].step_seconds) or served.request.num_inference_steps,
         queue_seconds=queue_seconds,
         seconds=seconds,
         seconds_per_step=sum(step_seconds) / len(step_seconds) if step_seconds else seconds,
@@ -474,6 +410,6 @@ def request_usage(
         device_bytes=runs[-1].device_bytes,
         host_bytes=runs[-1].host_bytes,
         peak_device_bytes=max(peaks) if peaks else None,
-        size_note=params.size_note,
+        size_note=served.size_note,
         batch_size=batch_size,
     )

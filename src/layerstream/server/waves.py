@@ -4,7 +4,7 @@
 run beside it, up to one per rank (or one batch per rank with --max-batch-size), become a wave. Requests of a
 wave run the same forwards on every rank (allgather gathers each block once per forward on every rank, so
 every rank must run the same number of them): alone, they share their size, frames, steps, guidance,
-negative prompt, output count and whether they carry an image; batched, their `BatchKey`. A rank left without
+negative prompt, output count and whether they carry an image; batched, their batch shape. A rank left without
 a request runs a placeholder, a copy of another rank's work whose outputs are dropped.
 
 `WaveService` is `GenerationService` with that queue: its worker thread broadcasts each wave, runs rank 0's
@@ -19,11 +19,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from layerstream.errors import LayerstreamError
-from layerstream.omni import GenerationError
+from layerstream.request import GenerationError
 from layerstream.server.errors import ApiError
 from layerstream.server.metrics import JobOutcome
 from layerstream.server.queue import BatchOutcome, GenerationQueue, Job, fail_job, timeout_error
@@ -37,7 +37,7 @@ from layerstream.server.ranks import (
     WaveMessage,
     WaveStop,
 )
-from layerstream.server.service import GenerationOutput, GenerationParams, GenerationService, request_usage
+from layerstream.server.service import GenerationOutput, GenerationService, ServedRequest, request_usage
 from layerstream.server.settings import ServeSettings
 from layerstream.server.stopping import GenerationStopped, StopReason
 
@@ -48,12 +48,11 @@ class WaveFailedError(LayerstreamError, RuntimeError):
     """A wave's generation raised on some rank; every request of the wave is answered 500 with it."""
 
 
-def wave_key(params: GenerationParams) -> Hashable:
-    """What requests run alone must share to run side by side in one wave: the same forwards on every rank."""
-    return (
-        params.width, params.height, params.num_frames, params.num_inference_steps, params.guidance_scale,
-        params.negative_prompt, len(params.seeds), params.image is not None,
-    )  # fmt: skip
+def wave_key(served: ServedRequest) -> Hashable:
+    """What requests run alone must share to run side by side in one wave: the same forwards on every rank
+    (their batch shape, output count and whether they carry an image; images may differ)."""
+    request = served.request
+    return replace(request.batch_shape(), image=None), request.n, request.image is not None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,7 +215,7 @@ class WaveService(GenerationService):
         if self.fatal_error is not None:
             return [self._unavailable()] * sum(map(len, groups))
         world_size = self.runtime.setup.world_size
-        works = [RankWork(tuple(j.request for j in g), batch_call=self._batching and g[0].batch_key is not None)
+        works = [RankWork(tuple(j.request.request for j in g), batch_call=self._batching and g[0].batch_key is not None)
                  for g in groups]  # fmt: skip
         num_idle = world_size - len(works)
         works += [works[0].as_placeholder()] * num_idle
@@ -271,17 +270,17 @@ class WaveService(GenerationService):
                 self.metrics.observe_job(
                     queue_seconds=job.queue_seconds,
                     seconds=seconds,
-                    num_outputs=len(job.request.seeds),
+                    num_outputs=job.request.request.n,
                     outcome=job_outcome,
                 )
             self.metrics.observe_batch(len(group))
         return answers
 
     def _output(self, job: Job, outcome: RankOutcome, index: int, group_size: int) -> GenerationOutput:
-        params: GenerationParams = job.request
+        served: ServedRequest = job.request
         result = outcome.results[index]
         usage = request_usage(
-            self.limits, params, result.runs, result.frames_shape, job.queue_seconds, batch_size=group_size
+            self.limits, served, result.runs, result.frames_shape, job.queue_seconds, batch_size=group_size
         )
         if self._batching and job.batch_key is not None:  # a batch call: this request's share of its bytes, by outputs
             num_outputs = sum(len(r.files_b64) for r in outcome.results)

@@ -161,7 +161,9 @@ class AcceleratorCopyEngine:
         self._ready = [self.api.Event() for _ in range(num_slots)]
         self._released = [self.api.Event() for _ in range(num_slots)]
         self.copies: deque[CopyRecord] = deque(maxlen=MAX_COPY_RECORDS)
-        self._pending_timing: list[tuple[CopyRecord, object, object]] = []
+        # timing events not yet read (reading needs a synchronize, so it waits for `copy_records`): the newest
+        # only, like the records, so that a traced server does not grow without bound
+        self._pending_timing: deque[tuple[CopyRecord, object, object]] = deque(maxlen=MAX_COPY_RECORDS)
         self._errors: list[BaseException | None] = [None] * num_slots
         self._held = [False] * num_slots  # compute reads the slot (between wait_ready and release)
         self._deferred: list[tuple[Job, CopyRecord | None] | None] = [None] * num_slots
