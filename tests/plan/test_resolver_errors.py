@@ -165,12 +165,6 @@ def test_resident_layers_need_a_resident_dit_path():
         resolve_offload_plan(ToyPipeline(transformer=DeclaredDiT()), config)
 
 
-def test_resident_layers_beyond_the_block_count(tiny):
-    pipe = tiny.pipeline("WanPipeline", transformer="wan", text_encoder="umt5")
-    with raises_naming("WanPipeline", "transformer", "resident_layers = 3", "2 blocks", "0 to 2"):
-        resolve_offload_plan(pipe, layer("dit", dit={"resident_layers": 3}))
-
-
 def test_on_demand_component_without_the_methods():
     plan = OffloadPlan(on_demand_component_paths=frozenset({"enhancer"}))
     cls = pipeline_class("OnDemandPipeline", _offload_plan=plan)

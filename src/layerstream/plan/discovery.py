@@ -20,6 +20,18 @@ BLOCK_LIST_TYPES = (nn.ModuleList, nn.Sequential)
 PIPELINE_MODULE_LISTS = ("_dit_modules", "_encoder_modules", "_vae_modules")
 """Pipeline class attributes (vllm-omni style) that name component paths by role."""
 CLASS_BLOCK_ATTRS = "_layerwise_offload_blocks_attrs"
+CLASS_BLOCK_ATTR_SINGULAR = "_layerwise_offload_blocks_attr"
+"""The older, deprecated spelling vllm-omni still honours: one attribute name as a string (``"blocks"``)."""
+
+
+def _declared_block_attrs(module: nn.Module):
+    """The class's block-list declaration: the plural list, else the singular string as a one-item list."""
+    value = getattr(type(module), CLASS_BLOCK_ATTRS, None)
+    if value is None:
+        singular = getattr(type(module), CLASS_BLOCK_ATTR_SINGULAR, None)
+        if isinstance(singular, str) and singular:
+            return [singular]
+    return value
 """Model class attribute naming its block lists, e.g. ``["blocks"]``."""
 
 
@@ -189,7 +201,7 @@ def block_list_at(
 
 def class_block_attrs(module: nn.Module, pipeline_class: str, path: str) -> tuple[str, ...] | None:
     """The model class's ``_layerwise_offload_blocks_attrs``, or None when the class does not declare it."""
-    value = getattr(type(module), CLASS_BLOCK_ATTRS, None)
+    value = _declared_block_attrs(module)
     if value is None:
         return None
     name = f"{type(module).__name__}.{CLASS_BLOCK_ATTRS}"
@@ -249,7 +261,7 @@ def find_block_lists(module: nn.Module, skip: Collection[nn.Module] = ()) -> tup
 
 def has_own_block_lists(module: nn.Module) -> bool:
     """True when `module` is a model by itself: it declares its block lists or they are discoverable."""
-    return bool(getattr(type(module), CLASS_BLOCK_ATTRS, None)) or bool(find_block_lists(module))
+    return bool(_declared_block_attrs(module)) or bool(find_block_lists(module))
 
 
 def _is_one_of(module: nn.Module, class_names: frozenset[str]) -> bool:

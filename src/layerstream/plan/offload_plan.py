@@ -113,10 +113,9 @@ def _str_set(name: str, value: Any) -> frozenset[str]:
 
 
 def get_offload_plan(pipeline: Any) -> OffloadPlan | None:
-    """The plan a pipeline class declares in ``_offload_plan``, or None."""
-    plan = getattr(type(pipeline), "_offload_plan", None)
-    if plan is None:
-        plan = getattr(pipeline, "_offload_plan", None)
+    """The plan in ``_offload_plan``: the instance's own where it has one (vllm-omni reads it so), else its
+    class's; None where neither declares one."""
+    plan = getattr(pipeline, "_offload_plan", None)  # the instance's attribute first, then the class's
     if plan is None:
         return None
     if not isinstance(plan, OffloadPlan):

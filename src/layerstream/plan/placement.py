@@ -366,7 +366,10 @@ def _choose_residency(
             auto.append(comp)
         else:
             n = int(comp.resident_layers)
-            choices[comp.path] = ResidencyChoice(tuple(chain[:n]), len(chain), f"resident_layers={n} (leading blocks)")
+            reason = f"resident_layers={n} (leading blocks)"
+            if n >= len(chain):
+                reason = f"resident_layers={n} keeps every one of the {len(chain)} blocks resident"
+            choices[comp.path] = ResidencyChoice(tuple(chain[:n]), len(chain), reason)
     if auto:
         if budget is None:
             raise ValueError('place_blocks: a DiT asks for resident_layers "auto" but no device budget was given')

@@ -451,13 +451,7 @@ def _check_stream_options(
                 f"{key}.resident_layers = {resident} but this DiT does not allow resident layers; declare it in the "
                 "plan's resident_dit_paths, or set resident_layers to 0",
             )
-        if resident > item.main_blocks:
-            raise resolution_error(
-                pipeline_class,
-                item.path,
-                f"{key}.resident_layers = {resident} but this DiT has {item.main_blocks} blocks; allowed: 0 to "
-                f"{item.main_blocks}",
-            )
+        # more than the DiT has keeps every block resident, as vllm-omni does (the placement says so)
 
 
 def _check_selection(
