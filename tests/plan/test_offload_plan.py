@@ -262,13 +262,17 @@ def test_a_plan_of_the_wrong_type_is_an_error(bad):
     assert "OffloadPlan" in message.split(";", 1)[1], message
 
 
-def test_class_attribute_wins_over_an_instance_attribute():
+def test_an_instance_attribute_wins_over_the_class_attribute():
+    """As vllm-omni reads it: a plan set on the instance is that pipeline's plan."""
+
     class Both:
         _offload_plan = OffloadPlan(block_attrs={"transformer": ("blocks",)})
 
     pipeline = Both()
-    pipeline._offload_plan = OffloadPlan(block_attrs={"transformer": ("other",)})
-    assert get_offload_plan(pipeline) is Both._offload_plan
+    mine = OffloadPlan(block_attrs={"transformer": ("other",)})
+    pipeline._offload_plan = mine
+    assert get_offload_plan(pipeline) is mine
+    assert get_offload_plan(Both()) is Both._offload_plan
 
 
 def test_the_pipeline_class_itself_may_be_given():

@@ -161,3 +161,17 @@ def test_a_batch_stops_between_steps_once_every_request_asked(batching_service):
     for job in jobs:
         with pytest.raises(GenerationStopped, match=r"after step 1 of 2 \(a batch of 3 request"):
             job.future.result(10)
+
+
+def test_prepare_carries_the_body_as_one_generation_request_with_the_model_shape_filled_in(service):
+    from dataclasses import replace
+
+    body = ImageGenerationRequest(prompt="fox", size="16x16", seed=5, n=2, timeout=30.0)
+    served = service.prepare(body)
+    # the body's request, with the steps the checks priced (the model's default) and no field spelled again
+    assert served.request == replace(body.generation_request(seed=5), num_inference_steps=served.request.num_inference_steps)
+    assert served.request.seeds == (5, 6) and served.request.timeout == 30.0 and served.request.num_inference_steps >= 1
+    assert served.batch_key() == served.request.batch_shape()
+    job = service.submit(served)
+    assert job.timeout == 30.0  # the queue's deadline is the request's own
+    assert job.future.result(10).usage.seeds == [5, 6]
