@@ -178,7 +178,7 @@ def test_offload_submodules_outside_a_dit():
     with raises_naming("SubPipeline", "text_encoder.encoder", "'text_encoder'", "not a DiT"):
         resolve_offload_plan(cls(transformer=ToyDiT(), text_encoder=PromptModel()), DIT)
     cls = pipeline_class("SubPipeline", _offload_plan=OffloadPlan(offload_submodules={"context_encoder": "blocks"}))
-    with raises_naming("SubPipeline", "context_encoder", "inside no component"):
+    with raises_naming("SubPipeline", "context_encoder", "neither inside a component nor a child of a DiT"):
         resolve_offload_plan(cls(transformer=ToyDiT()), DIT)
 
 

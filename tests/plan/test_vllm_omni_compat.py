@@ -1,13 +1,17 @@
-"""Behaviours of vllm-omni's offloader that plans and models written for it rely on (issue: models written for
-vllm-omni work unchanged): resident layers beyond the stack, the singular class attribute, the instance's plan."""
+"""Behaviours of vllm-omni's offloader that plans and models written for it rely on: `offload_submodules` keyed by
+a DiT's child name, resident layers beyond the stack, the singular class attribute, the instance's plan."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from plan_toys import ContextDiT, pipeline_class
+from plan_toys import ToyDiT as PlainToyDiT
 from torch import nn
 
 from layerstream import OffloadPlan, enable_offload
 from layerstream.offload import plan_placement
+from layerstream.plan.resolved import OffloadPlanResolutionError
 from layerstream.plan.resolver import resolve_offload_plan
 from tests.runtime.runtime_toys import ToyBlock, make_my_pipeline, run, toy_inputs
 
@@ -65,3 +69,25 @@ def test_the_instances_plan_wins_over_its_classs():
     assert [c.path for c in plan.streamed] == ["transformer"] and plan.component("transformer").source == "plan"
     encoder = plan.component("prompt_model")
     assert encoder.action != "stream"
+
+
+def _context_pipeline(submodules: dict[str, str], **components):
+    cls = pipeline_class("ContextPipeline", _offload_plan=OffloadPlan(offload_submodules=submodules))
+    return cls(**components)
+
+
+def test_offload_submodules_keyed_by_the_dits_child_name_as_vllm_omni_keys_them():
+    by_name = resolve_offload_plan(_context_pipeline({"context_encoder": "blocks"}, transformer=ContextDiT()), DIT)
+    by_path = resolve_offload_plan(_context_pipeline({"transformer.context_encoder": "blocks"}, transformer=ContextDiT()), DIT)
+    assert by_name.component("transformer").stacks == by_path.component("transformer").stacks
+    (_, sub) = by_name.component("transformer").stacks
+    assert sub.block_paths == ("transformer.context_encoder.blocks.0", "transformer.context_encoder.blocks.1")
+
+
+def test_a_child_name_found_under_two_dits_applies_to_both_and_under_none_is_an_error():
+    pipe = _context_pipeline({"context_encoder": "blocks"}, transformer=ContextDiT(), transformer_2=ContextDiT())
+    plan = resolve_offload_plan(pipe, DIT)
+    for dit in ("transformer", "transformer_2"):
+        assert plan.component(dit).stacks[-1].block_paths[0] == f"{dit}.context_encoder.blocks.0"
+    with pytest.raises(OffloadPlanResolutionError, match="context_encoder.*neither inside a component nor a child of a DiT"):
+        resolve_offload_plan(_context_pipeline({"context_encoder": "blocks"}, transformer=PlainToyDiT()), DIT)

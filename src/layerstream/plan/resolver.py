@@ -205,7 +205,7 @@ def _discover(pipeline: Any, decl: _Declarations) -> list[_Found]:
     found: list[_Found] = []
     for path, module in modules.items():
         category = "dit" if path == "" else _category(decl, path)  # "": a bare model, handed in as the DiT
-        own_submodules = {p: m for p, (owner, m) in submodules.items() if owner == path}
+        own_submodules = {p: m for p, (owner, m, _) in submodules.items() if owner == path}
         if own_submodules and category != "dit":
             raise resolution_error(
                 cls,
@@ -214,7 +214,7 @@ def _discover(pipeline: Any, decl: _Declarations) -> list[_Found]:
             )
         lists, source = _find_block_lists(decl, path, module, category, skip=own_submodules.values())
         for sub_path, sub in own_submodules.items():
-            attr = decl.offload_submodules[sub_path]
+            attr = submodules[sub_path][2]
             origin = f"_offload_plan.offload_submodules[{sub_path!r}]"
             lists.append((sub_path, attr, block_list_at(cls, sub, sub_path, attr, origin), True))
         if own_submodules and source == "none":
@@ -250,29 +250,50 @@ def _category(decl: _Declarations, path: str) -> str:
 
 def _submodule_owners(
     pipeline: Any, decl: _Declarations, modules: Mapping[str, nn.Module]
-) -> dict[str, tuple[str, nn.Module]]:
-    """`offload_submodules` path -> (the component it lies in, the submodule)."""
+) -> dict[str, tuple[str, nn.Module, str]]:
+    """Full pipeline path of each `offload_submodules` entry -> (the component it lies in, the submodule, its
+    block-list attribute). An entry is a pipeline path (``"transformer.token_refiner"``) or, as vllm-omni keys
+    them, the name of a child of a DiT (``"token_refiner"``: of every DiT that has one)."""
     origin = "_offload_plan.offload_submodules"
-    out: dict[str, tuple[str, nn.Module]] = {}
-    for path in decl.offload_submodules:
-        owners = [c for c in modules if c and path.startswith(c + ".")]
-        if not owners:
+    out: dict[str, tuple[str, nn.Module, str]] = {}
+    dits = [c for c in modules if c and _category(decl, c) == "dit"]
+    for key, attr in decl.offload_submodules.items():
+        owners = [c for c in modules if c and key.startswith(c + ".")]
+        if owners:
+            paths = {key: max(owners, key=len)}
+        else:
+            paths = {f"{dit}.{key}": dit for dit in dits if _has_path(modules[dit], key)}
+        if not paths:
             raise resolution_error(
                 decl.pipeline_class,
-                path,
-                f"declared in {origin} but it lies inside no component (components: {', '.join(modules) or 'none'}); "
-                "it must be a child of a DiT, such as 'transformer.context_encoder'",
+                key,
+                f"declared in {origin} but it is neither inside a component nor a child of a DiT (components: "
+                f"{', '.join(modules) or 'none'}); name a DiT's child ('context_encoder') or its pipeline path "
+                "('transformer.context_encoder')",
             )
-        try:
-            module = lookup(pipeline, path)
-        except AttributeError as e:
-            problem = f"declared in {origin} but there is no such attribute ({e})"
-            raise resolution_error(decl.pipeline_class, path, problem) from e
-        if not isinstance(module, nn.Module):
-            problem = f"declared in {origin} but it is {type(module).__name__}; expected an nn.Module"
-            raise resolution_error(decl.pipeline_class, path, problem)
-        out[path] = (max(owners, key=len), module)
+        for path, owner in paths.items():
+            out[path] = (owner, _submodule_at(pipeline, decl, path, origin), attr)
     return out
+
+
+def _has_path(module: nn.Module, dotted: str) -> bool:
+    try:
+        lookup(module, dotted)
+    except AttributeError:
+        return False
+    return True
+
+
+def _submodule_at(pipeline: Any, decl: _Declarations, path: str, origin: str) -> nn.Module:
+    try:
+        module = lookup(pipeline, path)
+    except AttributeError as e:
+        problem = f"declared in {origin} but there is no such attribute ({e})"
+        raise resolution_error(decl.pipeline_class, path, problem) from e
+    if not isinstance(module, nn.Module):
+        problem = f"declared in {origin} but it is {type(module).__name__}; expected an nn.Module"
+        raise resolution_error(decl.pipeline_class, path, problem)
+    return module
 
 
 _BlockList = tuple[str, str, nn.Module, bool]  # (owner path, attribute path, the list, own_chain)
