@@ -184,7 +184,9 @@ def test_a_plan_that_is_not_an_offload_plan_is_a_type_error():
 # --- categories --------------------------------------------------------------------------------------------
 
 
-def test_categories_follow_declarations_then_the_name_rule():
+def test_categories_follow_the_declared_role_lists_alone():
+    """A pipeline that lists its roles (as vllm-omni's do) is categorized by the lists: undeclared children are
+    not a DiT, a text encoder or a VAE because of their names."""
     cls = pipeline_class(
         "RolesPipeline",
         _dit_modules=["backbone"],
@@ -207,17 +209,37 @@ def test_categories_follow_declarations_then_the_name_rule():
     resolved = resolve_offload_plan(pipe, DIT)
     assert {c.path: c.category for c in resolved.components} == {
         "backbone": "dit",  # _dit_modules
-        "transformer_2": "dit",  # name starts with transformer
+        "transformer_2": "other",  # named like a DiT, but _dit_modules does not list it
         "prompt_model": "encoder",  # _encoder_modules, not typed
         "caption_model": "text_encoder",  # encoder_component_types
+        "text_encoder_2": "other",  # named like a text encoder, but _encoder_modules does not list it
+        "umt5_text_encoder": "other",
+        "decoder": "vae",  # _vae_modules
+        "vae_2": "other",
+        "image_encoder": "image_encoder",
+        "scheduler_net": "other",
+    }
+    assert {c.path for c in resolved.streamed} == {"backbone"}
+
+
+def test_without_role_lists_the_name_rule_categorizes():
+    cls = pipeline_class("NamedPipeline")
+    pipe = cls(
+        transformer_2=ToyDiT(),
+        text_encoder_2=PromptModel(),
+        umt5_text_encoder=PromptModel(),
+        vae_2=nn.Linear(2, 2),
+        image_encoder=nn.Linear(2, 2),
+        scheduler_net=nn.Linear(2, 2),
+    )
+    assert {c.path: c.category for c in resolve_offload_plan(pipe, DIT).components} == {
+        "transformer_2": "dit",  # name starts with transformer
         "text_encoder_2": "text_encoder",  # name starts with text_encoder
         "umt5_text_encoder": "text_encoder",  # name ends with text_encoder
-        "decoder": "vae",  # _vae_modules
         "vae_2": "vae",
         "image_encoder": "image_encoder",
         "scheduler_net": "other",
     }
-    assert {c.path for c in resolved.streamed} == {"backbone", "transformer_2"}
 
 
 def test_dotted_declared_paths_stand_in_for_the_module_holding_them():

@@ -143,20 +143,25 @@ def categorize(
     encoder_types: Mapping[str, str],
     encoder_modules: Collection[str],
     vae_modules: Collection[str],
+    listed_roles: Collection[str] = (),
 ) -> str:
-    """The component's category: declarations first, then the name rule on the leaf name."""
+    """The component's category: declarations first, then the name rule on the leaf name. A role the pipeline
+    lists (`listed_roles`: "dit" for ``_dit_modules``, "encoder" for ``_encoder_modules``, "vae" for
+    ``_vae_modules``) is given by its list alone: with ``_dit_modules`` declared, an undeclared child named
+    ``transformer`` is not a DiT (a listed encoder named as a text encoder is still a text encoder)."""
     if path in dit_paths:
         return "dit"
     if path in encoder_types:
         return encoder_types[path]
     leaf = path.rsplit(".", 1)[-1]
     if leaf.startswith("text_encoder") or leaf.endswith("text_encoder"):
-        return "text_encoder"
+        if "encoder" not in listed_roles or path in encoder_modules:
+            return "text_encoder"
     if path in encoder_modules:
         return "encoder"
-    if leaf.startswith("transformer"):
+    if leaf.startswith("transformer") and "dit" not in listed_roles:
         return "dit"
-    if path in vae_modules or leaf.startswith("vae"):
+    if path in vae_modules or (leaf.startswith("vae") and "vae" not in listed_roles):
         return "vae"
     if leaf.startswith("image_encoder"):
         return "image_encoder"

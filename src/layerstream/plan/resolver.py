@@ -74,6 +74,11 @@ class _Declarations:
         self.dit_modules = declared_paths(pipeline, "_dit_modules", pipeline_class)
         self.encoder_modules = declared_paths(pipeline, "_encoder_modules", pipeline_class)
         self.vae_modules = declared_paths(pipeline, "_vae_modules", pipeline_class)
+        self.listed_roles = frozenset(
+            role for role, attr in (("dit", "_dit_modules"), ("encoder", "_encoder_modules"), ("vae", "_vae_modules"))
+            if getattr(pipeline, attr, None) is not None
+        )
+        """The roles the pipeline lists its components for: each of them is given by its list alone, not by name."""
         builtin = builtin_plan_for(pipeline) or OffloadPlan()
         plan = self.plan
         described = set(plan.block_attrs) | set(plan.encoder_component_types) | set(plan.encoder_block_attrs)
@@ -237,6 +242,7 @@ def _category(decl: _Declarations, path: str) -> str:
         encoder_types=decl.encoder_types,
         encoder_modules=decl.encoder_modules,
         vae_modules=decl.vae_modules,
+        listed_roles=decl.listed_roles,
     )
     if path in decl.plan.resident_dit_paths and category != "dit":
         raise resolution_error(
