@@ -1,0 +1,132 @@
+"""`GenerationRequest`: frozen, checked once when built (an error names the field, the value and what is
+allowed), `to_dict` parsing back, and the command line, the server and `Omni.generate` building the same
+request from the same arguments."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from layerstream.models.output_limits import MAX_PROMPT_CHARS, MAX_SEED
+from layerstream.request import GenerationError, GenerationRequest
+
+
+def test_a_request_is_frozen():
+    request = GenerationRequest(prompt="a fox")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.seed = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("fields", "named", "allowed"),
+    [
+        ({"num_inference_steps": 0}, "num_inference_steps = 0", "a positive integer"),
+        ({"height": 32.0}, "height = 32.0", "a positive integer"),
+        ({"num_frames": True}, "num_frames = True", "a positive integer"),
+        ({"n": 0}, "n = 0", "a positive integer"),
+        ({"fps": -1}, "fps = -1", "a positive integer"),
+        ({"guidance_scale": float("nan")}, "guidance_scale = nan", "a finite number >= 0"),
+        ({"guidance_scale": -1.0}, "guidance_scale = -1.0", "a finite number >= 0"),
+        ({"timeout": 0}, "timeout = 0", "a finite number of seconds > 0"),
+        ({"seed": -1}, "seed = -1", f"an integer from 0 to {MAX_SEED}"),
+        ({"seed": "2"}, "seed = '2'", "an integer"),
+        ({"seed": MAX_SEED, "n": 2}, f"seed = {MAX_SEED}", f"from 0 to {MAX_SEED - 1} (output i of n = 2 uses seed + i)"),
+        ({"prompt": None}, "prompt = None", "a text"),
+        ({"negative_prompt": "x" * (MAX_PROMPT_CHARS + 1)}, "negative_prompt = a text of 10,001 characters", "at most 10,000"),
+    ],
+)
+def test_a_bad_value_is_refused_naming_the_field_the_value_and_what_is_allowed(fields, named, allowed):
+    with pytest.raises(GenerationError) as raised:
+        GenerationRequest(**{"prompt": "a fox", **fields})
+    message = str(raised.value)
+    assert message.startswith(f"{named} is not valid; expected ") and allowed in message
+    assert raised.value.field == named.split(" = ")[0]
+
+
+def test_replacing_a_field_checks_it_again():
+    request = GenerationRequest(prompt="a fox")
+    with pytest.raises(GenerationError, match="width = 0"):
+        dataclasses.replace(request, width=0)
+
+
+def test_to_dict_parses_back_and_unknown_keys_are_refused():
+    request = GenerationRequest(
+        prompt="a fox", negative_prompt="blur", height=32, width=48, num_frames=5, num_inference_steps=3,
+        guidance_scale=4.5, seed=7, n=2, fps=8, max_side_pixels=512, timeout=30.0,
+    )  # fmt: skip
+    data = request.to_dict()
+    assert data["seed"] == 7 and data["n"] == 2 and set(data) == {f.name for f in dataclasses.fields(request)}
+    assert GenerationRequest.from_dict(data) == request
+    with pytest.raises(GenerationError, match="num_inference_step is not a generation argument"):
+        GenerationRequest.from_dict({**data, "num_inference_step": 3})
+    with pytest.raises(GenerationError, match="fps = 0"):
+        GenerationRequest.from_dict({**data, "fps": 0})
+
+
+def test_outputs_and_batch_shape():
+    request = GenerationRequest(prompt="a fox", seed=10, n=3, height=32, timeout=5.0)
+    assert request.seeds == (10, 11, 12)
+    assert [(o.seed, o.n) for o in request.outputs()] == [(10, 1), (11, 1), (12, 1)]
+    other = GenerationRequest(prompt="a cat", seed=1, fps=8, height=32)
+    assert request.batch_shape() == other.batch_shape()  # prompt, seed, n, fps and timeout may differ in a batch
+    assert request.batch_shape() != dataclasses.replace(other, height=48).batch_shape()
+
+
+# --- the three entry points build one request ----------------------------------------------------------------
+
+
+class _CapturingOmni:
+    """Stands in for `Omni` as `self`: `generate` builds the request and hands it to `run`, which keeps it."""
+
+    def run(self, request, *, on_step=None):
+        self.request = request
+        return request
+
+
+def _from_cli(argv: list[str]) -> GenerationRequest:
+    from layerstream.cli.generate_cmd import add_arguments, request_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return request_from_args(parser.parse_args(argv))
+
+
+def _from_omni(*args, **kwargs) -> GenerationRequest:
+    from layerstream.omni import Omni
+
+    return Omni.generate(_CapturingOmni(), *args, **kwargs)
+
+
+def test_the_cli_the_server_and_omni_build_the_same_request():
+    from layerstream.server.schemas import ImageGenerationRequest, VideoGenerationRequest
+
+    cli = _from_cli([
+        "--prompt", "a fox", "--negative-prompt", "blur", "--width", "48", "--height", "32", "--num-frames", "5",
+        "--steps", "3", "--guidance-scale", "4.5", "--seed", "7", "--fps", "8",
+    ])  # fmt: skip
+    body = VideoGenerationRequest.model_validate_json(
+        '{"prompt": "a fox", "negative_prompt": "blur", "size": "48x32", "num_frames": 5, "num_inference_steps": 3,'
+        ' "guidance_scale": 4.5, "seed": 7, "fps": 8}'
+    )
+    server = body.generation_request(seed=body.seed)
+    omni = _from_omni(
+        "a fox", "blur", width=48, height=32, num_frames=5, num_inference_steps=3, guidance_scale=4.5, seed=7, fps=8
+    )
+    assert cli == server == omni
+    # and with every default left to the model
+    image_body = ImageGenerationRequest.model_validate_json('{"prompt": "a cat", "seed": 0}')
+    assert _from_cli(["--prompt", "a cat"]) == image_body.generation_request(seed=0) == _from_omni("a cat")
+
+
+def test_the_cli_names_the_flag_of_a_value_the_request_refuses():
+    from layerstream.cli.common import CliError
+    from layerstream.cli.generate_cmd import request_from_args
+
+    args = argparse.Namespace(
+        prompt="a fox", negative_prompt=None, height=None, width=None, num_frames=None, num_inference_steps=None,
+        guidance_scale=None, seed=-1, fps=16, max_side_pixels=2048,
+    )  # fmt: skip
+    with pytest.raises(CliError, match=r"^--seed: -1 is not allowed \(an integer from 0 to"):
+        request_from_args(args)
