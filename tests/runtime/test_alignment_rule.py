@@ -92,16 +92,6 @@ def _sharded_store_factory(group_of_one):
     return lambda path: store
 
 
-@pytest.fixture(scope="module")
-def gloo_group_of_one():
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
 
 CASES = ["packed", "packed-depth-2", "disk-spilled-pool", "disk-checkpoint-pool", "sharded"]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from layerstream.runtime.packing.layout import ALIGN_BYTES, BlockLayout
@@ -66,15 +65,6 @@ def _assert_restored(block: nn.Module, before: dict) -> None:
     assert tensors["q"].untyped_storage().data_ptr() == tensors["k"].untyped_storage().data_ptr()
     assert tensors["tail"].untyped_storage().data_ptr() == tensors["q"].untyped_storage().data_ptr()
 
-
-@pytest.fixture(scope="module")
-def gloo_group_of_one():
-    """A default gloo process group with this process as its only rank (torn down after the module)."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 @pytest.fixture(params=STORES)

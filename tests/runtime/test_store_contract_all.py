@@ -9,7 +9,6 @@ from types import MappingProxyType
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from layerstream.errors import UnsupportedUseError
 from layerstream.plan.placement import HostPoolChoice, HostTierChoice, Placement, PrefetchChain
@@ -25,14 +24,6 @@ CPU = torch.device("cpu")
 KINDS = ["packed", "float8", "sharded", "disk", "pooled", "tiered"]
 LOSSY = {"float8"}
 
-
-@pytest.fixture(scope="module")
-def gloo_group_of_one():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _placement(paths: list[str], layouts: list[BlockLayout], kind: str) -> Placement:
