@@ -369,11 +369,10 @@ class CastHostStore(HostStoreBase):
             self.blocks.pop(path).rollback_()
 
     def _forget_source_layouts_(self) -> None:
-        """The layouts handed in view the original tensors: once committed, keep none of them (the blocks'
-        compute layouts are their own)."""
+        """The layouts handed in view the original tensors: once committed, they keep no view of them (their
+        cast layouts, computed once, keep answering `slot_nbytes` and `host_nbytes`)."""
         for source, _ in self._cast_layouts.values():
             source.forget_sources()
-        self._cast_layouts.clear()
 
     def release_(self) -> None:
         """The model was dropped without `disable()`: free (and unpin) every host buffer, restoring nothing."""
