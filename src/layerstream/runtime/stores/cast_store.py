@@ -361,18 +361,11 @@ class CastHostStore(HostStoreBase):
         self._pinning.finish(raise_errors=True)  # a failed pin still finds the originals for the rollback
         for block in self.blocks.values():
             block.forget_originals_()  # from here on the stored bytes are the only copy
-        self._forget_source_layouts_()
 
     def rollback_(self) -> None:
         self._pinning.finish(raise_errors=False)
         for path in list(self.blocks):
             self.blocks.pop(path).rollback_()
-
-    def _forget_source_layouts_(self) -> None:
-        """The layouts handed in view the original tensors: once committed, they keep no view of them (their
-        cast layouts, computed once, keep answering `slot_nbytes` and `host_nbytes`)."""
-        for source, _ in self._cast_layouts.values():
-            source.forget_sources()
 
     def release_(self) -> None:
         """The model was dropped without `disable()`: free (and unpin) every host buffer, restoring nothing."""
