@@ -46,6 +46,9 @@ class TensorEntry:
     inner: InnerPath = ()
     """For an inner tensor of a wrapper subclass (`runtime.packing.subclass_tensors`): its attribute path in the wrapper
     `module.<name>`; () for a plain tensor."""
+    inference_param: bool = False
+    """A parameter made under `torch.inference_mode()` (an inference tensor, as loaders and tests often build
+    them): it is only ever rebound to inference tensors (see `inference_alias`)."""
 
 
 class SpanMember(NamedTuple):
@@ -64,6 +67,19 @@ def tensor_byte_extent(t: torch.Tensor) -> tuple[int, int]:
         return start, start
     last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     return start, start + (last + 1) * itemsize
+
+
+def inference_alias(t: torch.Tensor) -> torch.Tensor:
+    """An inference tensor viewing `t`'s bytes with its shape and strides (`t` itself where it is one already).
+
+    An inference Parameter has no version counter, and `.data` cannot give it one: once set to a normal tensor
+    it fails every later use ("Inference tensors do not track version counter"), inside inference mode or not.
+    Set to an inference tensor it works everywhere, as on the resident model."""
+    if t.is_inference():
+        return t
+    with torch.inference_mode():  # an empty inference tensor, then pointed at t's storage: a view would be normal
+        alias = torch.empty(0, dtype=t.dtype, device=t.device)
+        return alias.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
 def iter_block_tensors(block: nn.Module):
@@ -140,6 +156,7 @@ class BlockLayout:
                         element_offset=byte_pos // itemsize,
                         span_index=len(self._spans) - 1,
                         inner=inner,
+                        inference_param=is_param and not inner and tensor.is_inference(),
                     )
                 )
             offset = dst + end - start
@@ -238,9 +255,16 @@ class BlockLayout:
 
         Built outside inference mode and without autograd history, whatever mode the caller runs in: the views
         are cached and bound as parameters, and must look to every kernel like the resident parameters (an
-        inference tensor bound under `torch.inference_mode()` would change later kernels' paths)."""
+        inference tensor bound under `torch.inference_mode()` would change later kernels' paths). A parameter
+        that is an inference tensor resident gets one here too (`inference_alias`)."""
         with torch.inference_mode(False), torch.no_grad():
-            return self._views(buffer)
+            return self._match_inference(self._views(buffer))
+
+    def _match_inference(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        for i, e in enumerate(self.entries):
+            if e.inference_param:
+                tensors[i] = inference_alias(tensors[i])
+        return tensors
 
     def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         typed: dict[torch.dtype, torch.Tensor] = {}
@@ -254,7 +278,12 @@ class BlockLayout:
 
     def separate_copies(self, buffer: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
         """Like `views`, but every storage span gets fresh storage of its own on `device` (as before packing),
-        at the same address residue as in the buffer."""
+        at the same address residue as in the buffer (what `disable()` binds: normal tensors whatever mode it is
+        called in, inference tensors for the parameters that were)."""
+        with torch.inference_mode(False), torch.no_grad():
+            return self._match_inference(self._separate_copies(buffer, device))
+
+    def _separate_copies(self, buffer: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
         raws, shifts = [], []
         for (_, _, length, dst), residue in zip(self._spans, self.span_residues):
             raw = torch.empty(align_up(length + ALIGN_BYTES), dtype=torch.uint8, device=device)
@@ -275,7 +304,10 @@ class BlockLayout:
 
 
 class TensorBinder:
-    """Rebinds a block's tensors: parameters through `.data` (identity kept), buffers by assignment."""
+    """Rebinds a block's tensors: parameters through `.data` (identity kept), buffers by assignment. A parameter
+    made under `torch.inference_mode()` is bound to inference tensors only (`inference_alias`: the stores' views
+    already are, other tensors are aliased here); buffers are bound as normal tensors (an in-place write into
+    one must move the slot's version counter, which an inference tensor has not)."""
 
     def __init__(self, layout: BlockLayout, device: torch.device):
         self.layout = layout
@@ -285,6 +317,7 @@ class TensorBinder:
         self._buffer_slots: list[tuple[dict, str, int]] = []
         self._inner_slots: list[tuple[torch.Tensor, InnerPath, int]] = []  # (wrapper, inner path, entry)
         self._wrappers: dict[int, tuple[torch.Tensor, list[tuple[InnerPath, int]]]] = {}
+        self._inference_entries = frozenset(i for i, e in enumerate(layout.entries) if e.inference_param)
         for i, e in enumerate(layout.entries):
             if e.inner:
                 wrapper = (e.module._parameters if e.is_param else e.module._buffers)[e.name]
@@ -300,13 +333,15 @@ class TensorBinder:
         # empty tensors of each dtype on the compute device: any read of an evicted weight fails on its shape
         placeholder_for = {}
         for e in layout.entries:
-            if e.dtype not in placeholder_for:
-                placeholder_for[e.dtype] = torch.empty(0, dtype=e.dtype, device=device)
-        self._placeholder_list = [placeholder_for[e.dtype] for e in layout.entries]
+            if (e.dtype, e.inference_param) not in placeholder_for:
+                with torch.inference_mode(e.inference_param):
+                    placeholder_for[e.dtype, e.inference_param] = torch.empty(0, dtype=e.dtype, device=device)
+        self._placeholder_list = [placeholder_for[e.dtype, e.inference_param] for e in layout.entries]
 
     def bind_(self, views: list[torch.Tensor]) -> None:
+        inference = self._inference_entries
         for param, i in self._param_slots:
-            param.data = views[i]
+            param.data = inference_alias(views[i]) if i in inference else views[i]
         for buffers, name, i in self._buffer_slots:
             buffers[name] = views[i]
         for wrapper, inner_slots in self._wrappers.values():
@@ -354,7 +389,11 @@ class TensorBinder:
                     f"{tuple(data.shape)} and dtype {data.dtype}, not {tuple(view.shape)} {view.dtype}; a streamed "
                     "block's tensors keep their shape and dtype (call handle.disable() first)"
                 )
-            view.copy_(data)
+            if view.is_inference():
+                with torch.inference_mode():  # an inference tensor may be written only in inference mode
+                    view.copy_(data)
+            else:
+                view.copy_(data)
             num_copied += 1
         return num_copied
 
