@@ -10,6 +10,7 @@ returns reports and undoes it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Mapping
@@ -19,17 +20,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerstream.config.offload_config import OffloadConfig, parse_offload_config
+from layerstream.config.offload_config import AUTO, DEFAULT_HOST_RESERVE_GB, OffloadConfig, parse_offload_config
 from layerstream.errors import LayerstreamError, OffloadError
+from layerstream.machine.memory import read_host_memory
+from layerstream.plan.host_budget import HostBudgetChoice, choose_host_budget, host_needs
 from layerstream.plan.placement import Placement, needs_device_budget, place_blocks, read_device_budget
 from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan, lookup
 from layerstream.runtime.engines.copy_engine import make_copy_engine
 from layerstream.runtime.modes.handle import OffloadHandle
 from layerstream.runtime.modes.hooks import PIPELINE
 from layerstream.runtime.modes.layer_mode import EngineFactory, apply_layer_mode
+from layerstream.runtime.packing.file_reads import MappedFiles
 from layerstream.runtime.packing.layout import BlockLayout
 from layerstream.runtime.modes.module_mode import apply_module_mode
 from layerstream.runtime.streaming.ownership import own_pipeline_calls_
+from layerstream.runtime.stores.disk.staging import NUM_STAGING_BUFFERS
 from layerstream.runtime.stores.compose import CAST_KIND, PACKED_KIND, ComponentStores, StoreContext, StoreKind, compose_stores
 from layerstream.runtime.contracts import HostStore
 from layerstream.runtime.torch_contract.guards import guard_module_, guard_pipeline_
@@ -102,9 +107,10 @@ def enable_offload(
             _raise_after_rollback(plan, e)
         return _commit_handle(plan, device, backend, components, pipeline=pipeline)
 
+    plan, host_budget = resolve_host_budget(pipeline, plan, device)  # "auto": a number, or no disk tier
     context = StoreContext(plan, device, components, process_group, _spill_root(config), simulated_disk_gbps)
     stores = _stores(plan, context, store_factory)
-    layouts, placement, block_modules = _plan_layer_mode(pipeline, plan, components, stores, device)
+    layouts, placement, block_modules = _plan_layer_mode(pipeline, plan, components, stores, device, host_budget)
     try:
         backend = apply_layer_mode(
             plan=plan,
@@ -149,12 +155,12 @@ def _stores(plan: ResolvedOffloadPlan, context: StoreContext, store_factory: Sto
     return ComponentStores({comp.path: store_factory(comp.path) for comp in plan.streamed})
 
 
-def _plan_layer_mode(pipeline, plan: ResolvedOffloadPlan, components, stores: ComponentStores, device: torch.device):
+def _plan_layer_mode(pipeline, plan: ResolvedOffloadPlan, components, stores: ComponentStores, device: torch.device, host_budget=None):
     """Lay out every block once, place it, tell the stores, and check everything before anything changes:
     (layouts, placement, the streamed block modules). A failure here tells the stores' peers."""
     try:
         layouts = block_layouts(pipeline, plan, device)
-        placement = place_for(plan, layouts, stores, device)
+        placement = dataclasses.replace(place_for(plan, layouts, stores, device), host_budget=host_budget)
         stores.place_(placement)
         block_modules = {p: lookup(pipeline, p) for p in placement.streamed_block_paths}
         check_no_shared_block_tensors(plan.pipeline_class, components, block_modules)
@@ -184,12 +190,68 @@ def place_for(plan: ResolvedOffloadPlan, layouts: Mapping[str, BlockLayout], sto
 
 def plan_placement(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device | None = None) -> Placement:
     """The placement `enable_offload` would use on `device`, for one process (allgather priced as local); moves
-    nothing. Raises `OffloadError` where residency "auto" has no budget to read."""
+    nothing. Raises `OffloadError` where residency "auto" has no budget to read (or host budget "auto" no
+    host memory)."""
     device = _check_device(device, None)
+    plan, host_budget = resolve_host_budget(pipeline, plan, device)
+    placement, _ = _priced_placement(pipeline, plan, device)
+    return dataclasses.replace(placement, host_budget=host_budget)
+
+
+def _priced_placement(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device) -> tuple[Placement, dict[str, int]]:
+    """(the placement of `plan` with local stores and no disk tier, each streamable block's host bytes)."""
     components = {c.path: lookup(pipeline, c.path) for c in plan.streamed}
     local_kinds = tuple(kind for kind in STORE_KINDS if kind is not SHARDED_KIND)  # opens no process group
     stores = compose_stores(StoreContext(plan, device, components), local_kinds, disk_tier=False)
-    return place_for(plan, block_layouts(pipeline, plan, device), stores, device)
+    layouts = block_layouts(pipeline, plan, device)
+    return place_for(plan, layouts, stores, device), stores.slot_and_host_nbytes(plan, layouts)[1]
+
+
+def resolve_host_budget(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device) -> tuple[ResolvedOffloadPlan, HostBudgetChoice | None]:
+    """With `host_budget_gb: "auto"`: the plan with the budget this machine allows (a number, or None where
+    every streamed block fits: no disk tier) and the choice with its figures (`plan.host_budget`); any other
+    plan as it is, with None. Reads the host memory now; moves nothing."""
+    config = plan.config
+    if config.host_budget_gb != AUTO:
+        return plan, None
+    unbudgeted = dataclasses.replace(plan, config=dataclasses.replace(config, host_budget_gb=None, host_reserve_gb=None))
+    placement, host_nbytes = _priced_placement(pipeline, unbudgeted, device)
+    memory = read_host_memory()
+    if memory.free_nbytes is None:
+        raise OffloadError('host_budget_gb = "auto": this system shows no /proc/meminfo or memory cgroup to read; give host_budget_gb as a number')
+    reserve_gb = config.host_reserve_gb if config.host_reserve_gb is not None else DEFAULT_HOST_RESERVE_GB
+    needs = host_needs(unbudgeted, placement, device_is_host=device.type == "cpu", reserve_gb=reserve_gb, num_staging_buffers=NUM_STAGING_BUFFERS)
+    streamed = sum(host_nbytes[p] for p in placement.streamed_block_paths)
+    choice = choose_host_budget(
+        free_nbytes=memory.free_nbytes,
+        free_source=memory.describe(),
+        streamed_nbytes=streamed,
+        needs=needs,
+        held_nbytes=min(held_host_nbytes(pipeline, placement.streamed_block_paths), streamed),
+    )
+    return dataclasses.replace(unbudgeted, config=dataclasses.replace(unbudgeted.config, host_budget_gb=choice.budget_gb)), choice
+
+
+def held_host_nbytes(pipeline: Any, block_paths) -> int:
+    """Bytes of these blocks' host storages that are this process's own memory, not views of mapped files
+    (packing moves them into the host store or to disk and frees them), each storage counted once."""
+    files = MappedFiles.snapshot()
+    seen: set[int] = set()
+    total = 0
+    try:
+        for path in block_paths:
+            for _, t in named_tensors(lookup(pipeline, path)):
+                if t.device.type != "cpu" or type(t) not in (torch.Tensor, nn.Parameter):
+                    continue  # device tensors hold no host memory; subclasses' inner storages are not priced here
+                storage = t.untyped_storage()
+                if storage.data_ptr() in seen or storage.nbytes() == 0:
+                    continue
+                seen.add(storage.data_ptr())
+                if not files.covers(storage.data_ptr(), storage.nbytes()):
+                    total += storage.nbytes()
+    finally:
+        files.close()
+    return total
 
 
 def free_device_bytes(device: torch.device) -> int | None:

@@ -24,8 +24,13 @@ WEIGHT_TRANSFERS: tuple[WeightTransfer, ...] = get_args(WeightTransfer)
 STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 """Host storage dtypes for `storage_dtype` (lossy: weights are rounded to them once, at enable)."""
 DEFAULT_ACTIVATION_RESERVE_GB = 4.0
+AUTO = "auto"
+"""`host_budget_gb: "auto"` (and `resident_layers: "auto"`): a figure read from the machine when enabling."""
+DEFAULT_HOST_RESERVE_GB = 2.0
+"""`host_budget_gb: "auto"` keeps this much host memory free for what a generation allocates beside the
+weights (latents, decoded frames, the tokenizer, Python objects); `host_reserve_gb` overrides it."""
 
-_TOP_LEVEL_KEYS = ("mode", "components", "layer_options", "pin_memory", "host_budget_gb", "disk_dir")
+_TOP_LEVEL_KEYS = ("mode", "components", "layer_options", "pin_memory", "host_budget_gb", "host_reserve_gb", "disk_dir")
 _COMMON_OPTION_KEYS = ("weight_transfer", "prefetch_depth", "storage_dtype")
 _DIT_ONLY_OPTION_KEYS = ("resident_layers", "device_budget_gb", "activation_reserve_gb")
 
@@ -79,9 +84,15 @@ class OffloadConfig:
     """Per-component layer options, as given (defaults are filled by `options_for`)."""
     pin_memory: bool = True
     """Pin host buffers when the device supports it."""
-    host_budget_gb: float | None = None
+    host_budget_gb: float | Literal["auto"] | None = None
     """Layer mode, rank-local: host memory (GB) the host store may hold for streamed blocks; the streamed
-    blocks beyond it stay on disk (the checkpoint's files, or spill files under `disk_dir`). None: no limit."""
+    blocks beyond it stay on disk (the checkpoint's files, or spill files under `disk_dir`). None: no limit.
+    "auto": the budget the machine allows, read when enabling (`plan.host_budget`): the free host memory (and
+    the memory cgroup's headroom) minus the rings, the host-side resident parts and `host_reserve_gb`; where
+    every streamed block fits, there is no disk tier."""
+    host_reserve_gb: float | None = None
+    """With `host_budget_gb: "auto"`: host memory (GB) kept free beside the budget (None:
+    `DEFAULT_HOST_RESERVE_GB`)."""
     disk_dir: str | None = None
     """With `host_budget_gb`: where blocks that are not backed by checkpoint files are spilled (default: under
     the layerstream cache)."""
@@ -94,12 +105,12 @@ class OffloadConfig:
 
     def __hash__(self) -> int:
         items = frozenset(self.layer_options.items())
-        return hash((self.mode, self.components, items, self.pin_memory, self.host_budget_gb, self.disk_dir))
+        return hash((self.mode, self.components, items, self.pin_memory, self.host_budget_gb, self.host_reserve_gb, self.disk_dir))
 
     def __reduce__(self):
         # mappingproxy cannot be pickled or deep-copied; rebuild from plain data instead.
         state = {"mode": self.mode, "components": self.components, "pin_memory": self.pin_memory}
-        state |= {"host_budget_gb": self.host_budget_gb, "disk_dir": self.disk_dir}
+        state |= {"host_budget_gb": self.host_budget_gb, "host_reserve_gb": self.host_reserve_gb, "disk_dir": self.disk_dir}
         return (_rebuild, (type(self), {**state, "layer_options": dict(self.layer_options)}))
 
     def options_for(self, component: str) -> LayerOptions:
@@ -112,6 +123,8 @@ class OffloadConfig:
             out["layer_options"] = {name: _options_dict(name, opts) for name, opts in self.layer_options.items()}
         if self.host_budget_gb is not None:
             out["host_budget_gb"] = self.host_budget_gb
+        if self.host_reserve_gb is not None:
+            out["host_reserve_gb"] = self.host_reserve_gb
         if self.disk_dir is not None:
             out["disk_dir"] = self.disk_dir
         return out
@@ -188,31 +201,36 @@ def parse_offload_config(obj: Any) -> OffloadConfig:
             layer_options[name] = _parse_layer_options(name, opts)
 
     host_budget_gb, disk_dir = _parse_host_tier(obj, mode, layer_options)
+    host_reserve_gb = _parse_host_reserve(obj, host_budget_gb)
     return OffloadConfig(
         mode=mode,
         components=tuple(seen),
         layer_options=MappingProxyType(layer_options),
         pin_memory=pin_memory,
         host_budget_gb=host_budget_gb,
+        host_reserve_gb=host_reserve_gb,
         disk_dir=disk_dir,
     )
 
 
-def _parse_host_tier(obj: Mapping, mode: str, layer_options: Mapping[str, LayerOptions]) -> tuple[float | None, str | None]:
-    """`host_budget_gb` (a finite number > 0, layer mode, rank-local components only) and `disk_dir` (a path,
-    only with a budget)."""
+def _parse_host_tier(obj: Mapping, mode: str, layer_options: Mapping[str, LayerOptions]) -> tuple[float | str | None, str | None]:
+    """`host_budget_gb` (a finite number > 0 or "auto", layer mode, rank-local components only) and `disk_dir`
+    (a path, only with a budget)."""
     budget = None
     if "host_budget_gb" in obj:
         value = obj["host_budget_gb"]
-        allowed = "expected a finite number of GB > 0"
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        allowed = f"expected a finite number of GB > 0 or {AUTO!r} (the budget this machine allows)"
+        if isinstance(value, str) and value == AUTO:
+            budget = AUTO
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise OffloadConfigError("host_budget_gb", value, allowed)
-        try:
-            budget = float(value)
-        except OverflowError as e:  # an int too large for a float
-            raise OffloadConfigError("host_budget_gb", value, allowed) from e
-        if not math.isfinite(budget) or budget <= 0:
-            raise OffloadConfigError("host_budget_gb", value, allowed)
+        else:
+            try:
+                budget = float(value)
+            except OverflowError as e:  # an int too large for a float
+                raise OffloadConfigError("host_budget_gb", value, allowed) from e
+            if not math.isfinite(budget) or budget <= 0:
+                raise OffloadConfigError("host_budget_gb", value, allowed)
         if mode != "layer":
             raise OffloadConfigError("host_budget_gb", value, 'a host budget applies only to mode "layer"; remove the key')
         sharded = [name for name, opts in layer_options.items() if opts.weight_transfer == "allgather"]
@@ -237,6 +255,18 @@ def _parse_host_tier(obj: Mapping, mode: str, layer_options: Mapping[str, LayerO
         if budget is None:
             raise OffloadConfigError("disk_dir", disk_dir, "only used with host_budget_gb; set it or remove the key")
     return budget, disk_dir
+
+
+def _parse_host_reserve(obj: Mapping, budget: float | str | None) -> float | None:
+    """`host_reserve_gb`: a finite number >= 0, only with `host_budget_gb: "auto"`."""
+    if "host_reserve_gb" not in obj:
+        return None
+    value = obj["host_reserve_gb"]
+    if budget != AUTO:
+        raise OffloadConfigError(
+            "host_reserve_gb", value, f'only used with host_budget_gb "auto" (host_budget_gb is {_show(budget)}); set it or remove the key'
+        )
+    return _optional_gb(obj, "host_reserve_gb", "")
 
 
 def _parse_layer_options(component: str, raw: Any) -> LayerOptions:
@@ -296,15 +326,15 @@ def _parse_layer_options(component: str, raw: Any) -> LayerOptions:
 def _optional_gb(raw: Mapping, key: str, base: str) -> float | None:
     if key not in raw:
         return None
-    value = raw[key]
+    value, path = raw[key], _key_path(base, key)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise OffloadConfigError(f"{base}.{key}", value, "expected a finite number of GB >= 0")
+        raise OffloadConfigError(path, value, "expected a finite number of GB >= 0")
     try:
         gb = float(value)
     except OverflowError as e:  # an int too large for a float
-        raise OffloadConfigError(f"{base}.{key}", value, "expected a finite number of GB >= 0") from e
+        raise OffloadConfigError(path, value, "expected a finite number of GB >= 0") from e
     if not math.isfinite(gb) or gb < 0:
-        raise OffloadConfigError(f"{base}.{key}", value, "expected a finite number of GB >= 0")
+        raise OffloadConfigError(path, value, "expected a finite number of GB >= 0")
     return gb
 
 

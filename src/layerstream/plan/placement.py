@@ -45,6 +45,7 @@ from typing import Any
 
 from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB
 from layerstream.errors import OffloadError
+from layerstream.plan.host_budget import HostBudgetChoice
 from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan
 
 GB = 1e9
@@ -174,6 +175,8 @@ class Placement:
     """Slot bytes of every streamed block."""
     host_tier: HostTierChoice | None = None
     """With `host_budget_gb`: which streamed blocks live in host memory and which on disk (None: all on the host)."""
+    host_budget: HostBudgetChoice | None = None
+    """With `host_budget_gb: "auto"`: the budget it chose and the figures it chose from."""
 
     @property
     def ring_nbytes(self) -> int:
@@ -198,6 +201,7 @@ class Placement:
             },
             "chains": [{"component": c.component, "num_blocks": len(c.block_paths), "prefetch_depth": c.prefetch_depth} for c in self.chains],
             **({"host_tier": self.host_tier.to_dict()} if self.host_tier is not None else {}),
+            **({"host_budget": self.host_budget.to_dict()} if self.host_budget is not None else {}),
         }
 
 

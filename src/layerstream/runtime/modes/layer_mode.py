@@ -243,6 +243,7 @@ class LayerModeBackend:
             host_pool_bytes=own.host_pool_bytes,
             disk_staging_bytes=own.disk_staging_bytes,
             residency=MappingProxyType({self.plan.component(p).display_path: c.describe() for p, c in self.placement.residency.items()}),
+            host_budget=self.placement.host_budget.describe() if self.placement.host_budget is not None else "",
         )
 
     def block_transfers(self) -> dict[str, int]:

@@ -61,6 +61,9 @@ class OffloadStats(ComponentStats):
     the totals' `host_bytes`, not in any component's (it holds the blocks of whichever DiT runs)."""
     disk_staging_bytes: int = 0
     """Host bytes of the disk tier's staging ring: beside `host_bytes`, beyond `host_budget_gb`."""
+    host_budget: str = ""
+    """With `host_budget_gb: "auto"`: the budget it chose and the figures it chose from (free host memory and
+    where it was read, what runs beside the store); empty otherwise."""
 
     def __str__(self) -> str:
         """A readable multi-line summary (the dataclass repr stays available through `repr`)."""
@@ -91,6 +94,8 @@ class OffloadStats(ComponentStats):
             )
         for path, text in self.residency.items():
             lines.append(f"  residency {path}: {text}")
+        if self.host_budget:
+            lines.append(f"  {self.host_budget}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
