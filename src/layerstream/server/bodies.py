@@ -1,0 +1,101 @@
+"""Reading request bodies within their limits: the whole body (413 once over), and multipart forms."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from starlette.requests import ClientDisconnect, Request
+
+from layerstream.server.errors import ApiError
+
+logger = logging.getLogger(__name__)
+
+# An oversized body is read and dropped up to this many bytes before answering 413, so that the client,
+# still sending, reads the answer instead of a reset connection; beyond it the connection is just closed.
+DRAIN_LIMIT_BYTES = 64 << 20
+MAX_FORM_FIELDS = 32
+"""Multipart parts of a request besides its file: the form fields OpenAI's endpoints take, and ours."""
+
+
+async def read_body(request: Request, max_bytes: int, limit_flags: str = "--max-body-bytes") -> bytes:
+    """The request body, or a 413 naming the limit once it is known to exceed `max_bytes`."""
+    too_large = ApiError(
+        413,
+        f"the request body is larger than the server's limit of {max_bytes} bytes ({limit_flags})",
+        code="body_too_large",
+        param="body",
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > DRAIN_LIMIT_BYTES:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= max_bytes:
+                chunks.append(chunk)
+            elif size > DRAIN_LIMIT_BYTES:
+                break
+    except ClientDisconnect:
+        # an ordinary event for a server (a client killed, a network dropped): one line, and counted as 499
+        path = request.url.path
+        logger.info("%s %s: the client disconnected after sending %d bytes of its body", request.method, path, size)
+        raise ApiError(499, "the client closed the connection while sending its body", code="client_gone") from None
+    if size > max_bytes:
+        raise too_large
+    return b"".join(chunks)
+
+
+async def read_form(request: Request, body: bytes, file_field: str) -> tuple[dict[str, str], bytes | None]:
+    """(the text fields, the bytes of the file part named `file_field` or None) of a multipart form already
+    read as `body`; 4xx naming the part at fault (a field twice, a file where text belongs, or the reverse)."""
+    from starlette.datastructures import UploadFile
+    from starlette.formparsers import MultiPartException, MultiPartParser
+
+    async def read_body_again() -> AsyncIterator[bytes]:  # it was read (and bounded) already
+        yield body
+
+    parser = MultiPartParser(
+        request.headers, read_body_again(), max_files=1, max_fields=MAX_FORM_FIELDS, max_part_size=len(body) + 1
+    )
+    try:
+        form = await parser.parse()
+    except MultiPartException as e:
+        raise ApiError(400, f"the multipart body cannot be parsed: {e.message}", code="invalid_body", param="body") from None
+    try:
+        fields: dict[str, str] = {}
+        upload: UploadFile | None = None
+        for name, value in form.multi_items():
+            if name in fields or (name == file_field and upload is not None):
+                raise ApiError(422, f"{name} is given more than once; expected one", code="invalid_request", param=name)
+            if name == file_field:
+                if not isinstance(value, UploadFile):
+                    message = f"{name} must be a file part (the image file), not a text field"
+                    raise ApiError(422, message, code="invalid_image", param=name)
+                upload = value
+            elif isinstance(value, UploadFile):
+                message = f"{name} is a file part; only {file_field} may be a file"
+                raise ApiError(422, message, code="invalid_request", param=name)
+            else:
+                fields[name] = value
+        return fields, (await upload.read() if upload is not None else None)
+    finally:
+        await form.close()
+
+
+def decode_base64_image(text: str, field: str = "image") -> bytes:
+    """The bytes of a base64 image field, plain or as a data URL (``data:image/png;base64,...``); 400 naming
+    `field` if it is neither."""
+    import base64
+    import binascii
+
+    if text.startswith("data:"):
+        header, _, text = text.partition(",")
+        if not header.endswith(";base64"):
+            raise ApiError(400, f"{field} is a data URL that is not base64-encoded", code="invalid_image", param=field)
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, f"{field} is not valid base64", code="invalid_image", param=field) from None

@@ -1,0 +1,312 @@
+"""`JobManager`: jobs queued on the service's worker, followed step by step, and kept in the store.
+
+A job is checked as a synchronous request is (`GenerationService.prepare`), stored as queued, and queued
+behind the others; on the worker it is marked in progress, generated with a `StepObserver` that turns steps
+into progress and preview events, and its output is written with its settings into the data folder before
+it is marked completed. Deleting a job removes it at once; a running one stops at its next denoising step
+(`StopReason.CANCELLED`) and the worker moves on to the next job.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from layerstream.request import GenerationError
+from layerstream.server.errors import ApiError
+from layerstream.server.jobs.events import JobEvent, JobEvents, stream_events
+from layerstream.server.jobs.outputs import write_mp4_with_settings, write_png_with_settings
+from layerstream.server.jobs.previews import LatentProjection, fit_latent_projection, preview_data_url
+from layerstream.server.jobs.records import (
+    DECODED_PERCENT,
+    JobRecord,
+    JobSettings,
+    JobStatus,
+    LiveProgress,
+    job_object,
+)
+from layerstream.server.jobs.requests import ImageJobRequest, VideoJobRequest, frame_rate, seconds_shown
+from layerstream.server.jobs.store import JobStore
+from layerstream.server.queue import Job, QueueClosedError, QueueFullError
+from layerstream.server.service import GenerationService, ServedRequest
+from layerstream.server.stopping import GenerationStopped, StopReason
+
+logger = logging.getLogger(__name__)
+
+PREVIEWS_PER_JOB = 10
+"""About this many previews over a job's steps (every step for 10 steps or fewer)."""
+MAX_PAGE = 100
+DEFAULT_PAGE = 20
+
+
+@dataclass(eq=False)
+class _LiveJob:
+    """A job this server process queued and has not finished: what the worker and the API share."""
+
+    record: JobRecord
+    served: ServedRequest
+    preview: bool
+    progress: LiveProgress = field(default_factory=LiveProgress)
+    queued: Job | None = None
+    stats_before: Any = None
+
+
+class JobManager:
+    """The job API of one `GenerationService` over one `JobStore`."""
+
+    def __init__(self, service: GenerationService, store: JobStore):
+        self.service = service
+        self.store = store
+        self.kind = service.limits.kind
+        self.fps = frame_rate(service.omni.pipeline) if self.kind == "video" else None
+        self.events = JobEvents()
+        self._lock = threading.Lock()
+        self._live: dict[str, _LiveJob] = {}
+        self._projection: LatentProjection | None = None
+        self._projection_fitted = False
+        store.recover_()
+
+    @property
+    def path(self) -> Literal["/v1/videos", "/v1/images/jobs"]:
+        return "/v1/videos" if self.kind == "video" else "/v1/images/jobs"
+
+    def close(self) -> None:
+        """After the worker stopped: jobs still queued were never run (the queue failed them); say so."""
+        with self._lock:
+            left = list(self._live.values())
+            self._live.clear()
+        for live in left:
+            error = {"code": "server_shutdown", "message": "the server shut down before the job finished"}
+            self.store.update(live.record.with_status(JobStatus.FAILED, error=error, completed_at=int(time.time())))
+        self.store.close()
+
+    # the API ---------------------------------------------------------------------------------------------------
+    def create(self, body: VideoJobRequest | ImageJobRequest, image: Any) -> dict[str, Any]:
+        """Check `body` against the model, store it as a queued job and queue it; its job object.
+
+        Nothing is stored or queued if a check fails (4xx), and a full queue is a 429 with nothing stored."""
+        served = self.service.prepare(body.generation_body(self.service.limits, self.fps or 0), image)
+        record = self._new_record(body, served)
+        live = _LiveJob(record=record, served=served, preview=body.preview)
+        self.store.insert(record)
+        with self._lock:
+            self._live[record.id] = live  # before queueing: the worker may start it at once
+        try:
+            live.queued = self.service.queue.submit(lambda job: self._run(live, job), cost=served.work)
+        except (QueueFullError, QueueClosedError) as e:
+            with self._lock:
+                self._live.pop(record.id, None)
+            self.store.delete(record.id)
+            if isinstance(e, QueueFullError):
+                raise ApiError(429, f"{e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
+            raise ApiError(503, str(e), code="shutting_down") from None
+        logger.info("job %s queued (prompt %r)", record.id, record.settings.prompt[:80])
+        return self._object(record, live)
+
+    def get(self, job_id: str) -> dict[str, Any]:
+        found = self._object_or_none(job_id)
+        if found is None:
+            raise _not_found(self.kind, job_id)
+        return found
+
+    def page(self, *, limit: int, after: str | None, order: Literal["asc", "desc"]) -> dict[str, Any]:
+        """OpenAI's list page of this kind's jobs."""
+        found = self.store.page(self.kind, limit=limit, after=after, order=order)
+        if found is None:
+            raise ApiError(400, f"after = {after!r} names no {self.kind} job of this server", code="invalid_request", param="after")
+        records, has_more = found
+        data = [self._object(record, self._live_of(record.id)) for record in records]
+        first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+        return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": has_more}
+
+    def delete(self, job_id: str) -> dict[str, Any]:
+        """Remove the job and its output; a queued one never runs, a running one stops at its next step."""
+        with self._lock:
+            live = self._live.get(job_id)
+        record = self.store.delete(job_id)
+        if record is None and live is None:
+            raise _not_found(self.kind, job_id)
+        if live is not None and live.queued is not None:
+            if self.service.queue.stop(live.queued, StopReason.CANCELLED):  # it was waiting: it never starts
+                with self._lock:
+                    self._live.pop(job_id, None)
+        self.events.publish(job_id, JobEvent("status", {"id": job_id, "deleted": True}))
+        logger.info("job %s deleted", job_id)
+        return {"id": job_id, "object": f"{self.kind}.deleted", "deleted": True}
+
+    def content(self, job_id: str) -> tuple[Path, str]:
+        """(the output file, its media type) of a completed job; 404 for no job, 409 for one not completed."""
+        record = self.store.get(job_id)
+        if record is None:
+            raise _not_found(self.kind, job_id)
+        path = self.store.output_path(record)
+        if record.status is not JobStatus.COMPLETED or path is None:
+            raise ApiError(409, f"{self.kind} job {job_id} is {record.status}: it has no content yet", code="not_completed")
+        return path, "video/mp4" if record.kind == "video" else "image/png"
+
+    def stream(self, job_id: str) -> AsyncIterator[str]:
+        self.get(job_id)  # a 404 before the stream starts
+        return stream_events(self.events, job_id, lambda: self._object_or_none(job_id))
+
+    # the worker ------------------------------------------------------------------------------------------------
+    def _run(self, live: _LiveJob, job: Job) -> None:
+        """Run on the worker thread: generate, write the output, and mark the job; every failure is the job's."""
+        live.queued = job  # already set by create, unless the worker started it first
+        record = live.record.with_status(JobStatus.IN_PROGRESS)
+        if not self._save(live, record):
+            return  # deleted just as it started
+        live.progress.total_steps = live.served.request.num_inference_steps or 0
+        live.stats_before = self.service.omni.stats()
+        projection = self._latent_projection() if live.preview else None
+        try:
+            output = self.service.generate(live.served, job, _JobObserver(self, live, projection))
+            self._publish_progress(live, DECODED_PERCENT)
+            self._complete(live, base64.b64decode(output.files_b64[0]))
+        except GenerationStopped as e:
+            if e.reason is not StopReason.CANCELLED:  # cancelled: already deleted, nothing to record
+                self._fail(live, "stopped", str(e))
+        except GenerationError as e:
+            self._fail(live, "invalid_for_model", str(e))
+        except Exception as e:  # the service logged the traceback
+            lines = str(e).strip().splitlines()
+            self._fail(live, "generation_failed", f"{type(e).__name__}: {lines[0] if lines else '(no message)'}")
+        finally:
+            with self._lock:
+                self._live.pop(live.record.id, None)
+
+    def _complete(self, live: _LiveJob, data: bytes) -> None:
+        record = live.record
+        metadata = {
+            **record.settings.to_dict(),
+            "model": record.model,
+            "offload_config": self.service.omni.config.to_dict(),
+            "job_id": record.id,
+        }
+        if record.kind == "video":
+            name, size = self.store.write_output(record.id, ".mp4", lambda p: write_mp4_with_settings(data, metadata, p))
+        else:
+            name, size = self.store.write_output(record.id, ".png", lambda p: write_png_with_settings(data, metadata, p))
+        done = record.with_status(
+            JobStatus.COMPLETED, progress=100, completed_at=int(time.time()), output_name=name, output_bytes=size,
+            figures=live.progress.figures(),
+        )  # fmt: skip
+        if not self._save(live, done):
+            self.store.remove_output(name)  # deleted while its file was written
+            return
+        logger.info("job %s completed (%d bytes)", record.id, size)
+        self.store.enforce_retention_()
+
+    def _fail(self, live: _LiveJob, code: str, message: str) -> None:
+        logger.info("job %s failed: %s", live.record.id, message)
+        error = {"code": code, "message": message}
+        failed = live.record.with_status(
+            JobStatus.FAILED, error=error, completed_at=int(time.time()), figures=live.progress.figures()
+        )
+        self._save(live, failed)
+
+    def _save(self, live: _LiveJob, record: JobRecord) -> bool:
+        """Store a new status and announce it; False if the job was deleted meanwhile."""
+        if not self.store.update(record):
+            return False
+        live.record = record
+        self.events.publish(record.id, JobEvent("status", self._object(record, live)))
+        return True
+
+    def _publish_progress(self, live: _LiveJob, percent: int) -> None:
+        live.record = live.record.with_status(live.record.status, progress=percent)
+        self.events.publish(live.record.id, JobEvent("progress", live.progress.event(percent)))
+
+    def _latent_projection(self) -> LatentProjection | None:
+        if not self._projection_fitted:  # once, on the worker thread, before the pipeline runs
+            self._projection = fit_latent_projection(self.service.omni.pipeline)
+            self._projection_fitted = True
+        return self._projection
+
+    # views -----------------------------------------------------------------------------------------------------
+    def _new_record(self, body: VideoJobRequest | ImageJobRequest, served: ServedRequest) -> JobRecord:
+        request, limits = served.request, self.service.limits
+        width, height = request.width or limits.default_width, request.height or limits.default_height
+        settings = JobSettings(
+            prompt=request.prompt,
+            negative_prompt=request.negative_prompt,
+            size=f"{width}x{height}" if width and height else "auto",
+            num_frames=request.num_frames if self.kind == "video" else None,
+            fps=self.fps,
+            num_inference_steps=request.num_inference_steps or limits.default_num_inference_steps,
+            seed=request.seed,
+            guidance_scale=request.guidance_scale,
+            has_input_image=request.image is not None,
+        )
+        seconds = None
+        if isinstance(body, VideoJobRequest) and self.fps:
+            seconds = seconds_shown(body, request.num_frames or 0, self.fps)
+        return JobRecord(
+            id=f"{self.kind}_{secrets.token_hex(16)}",
+            kind=self.kind,
+            model=limits.model,
+            status=JobStatus.QUEUED,
+            created_at=int(time.time()),
+            settings=settings,
+            seconds=seconds,
+        )
+
+    def _live_of(self, job_id: str) -> _LiveJob | None:
+        with self._lock:
+            return self._live.get(job_id)
+
+    def _object_or_none(self, job_id: str) -> dict[str, Any] | None:
+        live = self._live_of(job_id)
+        record = self.store.get(job_id)
+        if record is None:
+            return None
+        return self._object(record, live)
+
+    def _object(self, record: JobRecord, live: _LiveJob | None) -> dict[str, Any]:
+        if live is not None and not record.status.finished:
+            record = live.record  # the live progress, newer than what is stored
+        position = None
+        if live is not None and live.queued is not None and record.status is JobStatus.QUEUED:
+            position = self.service.queue.position(live.queued)
+        return job_object(record, live.progress if live is not None else None, position)
+
+
+class _JobObserver:
+    """A job's `StepObserver`: progress after every step, a preview every few."""
+
+    def __init__(self, manager: JobManager, live: _LiveJob, projection: LatentProjection | None):
+        self.manager = manager
+        self.live = live
+        self.projection = projection
+        self.wants_latents = projection is not None
+
+    def stepped(self, step: int, total: int, seconds: float, stats: Any) -> None:
+        progress, before = self.live.progress, self.live.stats_before
+        progress.step, progress.total_steps = step, total
+        progress.step_seconds.append(seconds)
+        if stats is not None and before is not None:
+            progress.streamed_bytes = stats.bytes_transferred - before.bytes_transferred
+            progress.stall_seconds = stats.stall_seconds - before.stall_seconds
+        self.manager._publish_progress(self.live, progress.percent())
+
+    def latents(self, step: int, total: int, latents: Any) -> None:
+        every = max(1, total // PREVIEWS_PER_JOB)
+        job_id = self.live.record.id
+        if self.projection is None or (step % every and step != total) or not self.manager.events.wants(job_id):
+            return
+        settings = self.live.record.settings
+        if settings.size == "auto":
+            return  # the pipeline picks its size: the packed latents cannot be laid out without it
+        width, height = (int(side) for side in settings.size.split("x"))
+        png = self.projection.preview_png(latents, width=width, height=height)
+        self.manager.events.publish(job_id, JobEvent("preview", {"step": step, "image": preview_data_url(png)}))
+
+
+def _not_found(kind: str, job_id: str) -> ApiError:
+    return ApiError(404, f"no {kind} job {job_id!r} on this server", code="not_found", param="id")

@@ -1,0 +1,164 @@
+"""The bodies of ``POST /v1/videos`` and ``POST /v1/images/jobs``: OpenAI's fields and layerstream's own.
+
+JSON bodies are strict, as every body of this server (no coercion, unknown fields refused); multipart forms,
+which OpenAI's client sends, arrive as text and are read as `ImageEditRequest` reads them (numbers from their
+text, ``null`` or empty text as absent). A checked job body becomes the synchronous endpoints' request
+(`VideoGenerationRequest` or `ImageGenerationRequest`), so a job is checked against the model exactly as a
+synchronous request is.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from layerstream.server.errors import ApiError
+from layerstream.server.limits import ModelLimits
+from layerstream.server.schemas import (
+    MAX_INFERENCE_STEPS,
+    MAX_PROMPT_CHARS,
+    MAX_SEED,
+    SIZE_PATTERN,
+    ErrorDetail,
+    ImageGenerationRequest,
+    VideoGenerationRequest,
+    form_null_texts,
+)
+
+DEFAULT_FPS = 16
+FRAME_RATES = {
+    "WanPipeline": 16, "WanImageToVideoPipeline": 16, "WanVACEPipeline": 16,
+    "LTXPipeline": 24, "LTXImageToVideoPipeline": 24,
+    "HunyuanVideoPipeline": 15, "HunyuanVideoImageToVideoPipeline": 15,
+    "CogVideoXPipeline": 8, "CogVideoXImageToVideoPipeline": 8,
+}  # fmt: skip
+"""The frame rate each video pipeline's model was trained at (`DEFAULT_FPS` for others)."""
+SECONDS_PATTERN = r"^[0-9]{1,5}(\.[0-9]{1,6})?$"
+
+
+class _JobFields(BaseModel):
+    """The fields both job bodies share."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="What to generate.")
+    model: str | None = Field(default=None, description="If given, must name the served model.")
+    size: str | None = Field(default=None, pattern=SIZE_PATTERN, description="'WIDTHxHEIGHT'; default: the model's.")
+    negative_prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS, description="What to steer away from.")
+    num_inference_steps: int | None = Field(default=None, ge=1, le=MAX_INFERENCE_STEPS, description="Denoising steps.")
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="Seed; default: random (reported).")
+    guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0, allow_inf_nan=False)
+    preview: bool = Field(default=False, description="Send preview images on the job's event stream.")
+
+
+class VideoJobRequest(_JobFields):
+    """Body of ``POST /v1/videos`` (JSON); `input_reference` here is the image as base64 or a data URL."""
+
+    seconds: str | int | float | None = Field(
+        default=None, description="Duration; mapped to frames at the model's frame rate and frame rule."
+    )
+    num_frames: int | None = Field(default=None, ge=1, description="Frames; give this or seconds, not both.")
+    input_reference: str | None = Field(default=None, min_length=1, description="Image-to-video: the input image.")
+
+    @field_validator("seconds")
+    @classmethod
+    def _check_seconds(cls, seconds: str | int | float | None) -> str | int | float | None:
+        if seconds is not None:
+            seconds_value(seconds)  # a ValueError: a 422 naming seconds
+        return seconds
+
+    def generation_body(self, limits: ModelLimits, fps: int) -> VideoGenerationRequest:
+        """The synchronous endpoint's request for this job (seconds turned into frames)."""
+        num_frames = self.num_frames
+        if self.seconds is not None:
+            if num_frames is not None:
+                message = f"seconds = {self.seconds!r} and num_frames = {num_frames} both given; give one of them"
+                raise ApiError(422, message, code="invalid_request_body", param="seconds")
+            num_frames = frames_for_seconds(seconds_value(self.seconds), fps, limits)
+        return VideoGenerationRequest(**self._shared(), num_frames=num_frames, fps=fps)
+
+    def _shared(self) -> dict[str, Any]:
+        names = ("prompt", "model", "size", "negative_prompt", "num_inference_steps", "seed", "guidance_scale")
+        return {name: getattr(self, name) for name in names}
+
+
+class ImageJobRequest(_JobFields):
+    """Body of ``POST /v1/images/jobs`` (JSON); `image` here is the input image as base64 or a data URL."""
+
+    image: str | None = Field(default=None, min_length=1, description="Edit models: the input image.")
+
+    def generation_body(self, limits: ModelLimits, fps: int) -> ImageGenerationRequest:
+        names = ("prompt", "model", "size", "negative_prompt", "num_inference_steps", "seed", "guidance_scale")
+        return ImageGenerationRequest(**{name: getattr(self, name) for name in names})
+
+
+class _FormReading(BaseModel):
+    """Form fields arrive as text: numbers are read from it, and ``null`` (or empty text where a field takes no
+    empty text) is absent."""
+
+    model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _form_nulls_are_absent(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        null_texts = form_null_texts(cls)
+        return {
+            name: None if isinstance(value, str) and value in null_texts.get(name, ()) else value
+            for name, value in data.items()
+        }
+
+
+class VideoJobForm(_FormReading, VideoJobRequest):
+    """``POST /v1/videos`` as a multipart form (OpenAI's client): `input_reference` comes as a file part."""
+
+    model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
+
+
+class ImageJobForm(_FormReading, ImageJobRequest):
+    """``POST /v1/images/jobs`` as a multipart form: `image` comes as a file part."""
+
+    model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
+
+
+def seconds_value(seconds: str | int | float) -> float:
+    """`seconds` as a number of seconds (OpenAI sends text such as "4"); a ValueError pydantic reports."""
+    if isinstance(seconds, bool):
+        raise ValueError("seconds must be a number or its text, not a boolean")
+    if isinstance(seconds, str) and not re.fullmatch(SECONDS_PATTERN, seconds):
+        raise ValueError(f"seconds = {seconds!r} is not a number of seconds such as '4' or '2.5'")
+    value = float(seconds)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"seconds = {seconds!r} is not valid; expected a number of seconds > 0")
+    return value
+
+
+def frames_for_seconds(seconds: float, fps: int, limits: ModelLimits) -> int:
+    """Frames for `seconds` at `fps`, on the model's frame rule (``num_frames - 1`` a multiple of its frame
+    multiple: Wan 4 s at 16 fps is 65 frames); a 400 naming ``seconds`` if more than the server allows."""
+    step = limits.frame_multiple or 1
+    frames = max(1, math.floor(seconds * fps / step) * step + (1 if step > 1 else 0))
+    if frames > limits.max_frames:
+        most = (limits.max_frames - 1) / fps if step > 1 else limits.max_frames / fps
+        detail = ErrorDetail(
+            param="seconds",
+            message=f"{seconds:g} s is {frames} frames at {fps} fps; {limits.model} on this server makes at most {limits.max_frames}",
+            allowed=f"at most {most:g} seconds (--max-frames {limits.max_frames})",
+        )
+        raise ApiError(400, f"seconds: {detail.message}", code="invalid_for_model", param="seconds", details=[detail])
+    return frames
+
+
+def seconds_shown(body: VideoJobRequest, num_frames: int, fps: int) -> str:
+    """OpenAI's `seconds` field of the job: as asked, or the frames' duration."""
+    if body.seconds is not None:
+        return str(body.seconds)
+    return f"{num_frames / fps:g}"
+
+
+def frame_rate(pipeline: Any) -> int:
+    return FRAME_RATES.get(type(pipeline).__name__, DEFAULT_FPS)

@@ -1,0 +1,112 @@
+"""The job routes: OpenAI's `/v1/videos` job API for video models, its twin `/v1/images/jobs` for image models.
+
+    POST   {path}                 create (JSON, or multipart with the input image as a file part); 200 at once
+    GET    {path}                 list, newest first (limit, after, order)
+    GET    {path}/{id}            the job object
+    GET    {path}/{id}/content    the MP4 or PNG once completed (409 before)
+    GET    {path}/{id}/events     text/event-stream of status, progress and preview events
+    DELETE {path}/{id}            cancel (a running job stops at its next step) and remove
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from layerstream.server.bodies import decode_base64_image, read_body, read_form
+from layerstream.server.errors import ApiError, validation_error
+from layerstream.server.jobs.manager import DEFAULT_PAGE, MAX_PAGE, JobManager
+from layerstream.server.jobs.requests import ImageJobForm, ImageJobRequest, VideoJobForm, VideoJobRequest
+from layerstream.server.openapi import json_request_body
+
+
+def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
+    """Register the job routes of `jobs`' kind (videos or images) on `app`."""
+    path = jobs.path
+    is_video = jobs.kind == "video"
+    strict_model, form_model = (VideoJobRequest, VideoJobForm) if is_video else (ImageJobRequest, ImageJobForm)
+    image_field = "input_reference" if is_video else "image"
+
+    @app.post(path, openapi_extra=json_request_body(strict_model))
+    async def create_job(request: Request) -> JSONResponse:
+        body, image_bytes = await _read_job_body(request, jobs, strict_model, form_model, image_field)
+        service = jobs.service
+        # the endpoint the synchronous API would name for this model's image input
+        endpoint = "/v1/images/edits" if not is_video else "/v1/videos/generations"
+        service.check_image_presence(has_image=image_bytes is not None, endpoint=endpoint)
+        image = await asyncio.to_thread(service.read_image, image_bytes) if image_bytes is not None else None
+        return JSONResponse(jobs.create(body, image))
+
+    @app.get(path)
+    async def list_jobs(request: Request) -> JSONResponse:
+        limit, after, order = _page_query(request)
+        return JSONResponse(jobs.page(limit=limit, after=after, order=order))
+
+    @app.get(path + "/{job_id}")
+    async def get_job(job_id: str) -> JSONResponse:
+        return JSONResponse(jobs.get(job_id))
+
+    @app.get(path + "/{job_id}/content")
+    async def get_content(job_id: str, request: Request) -> FileResponse:
+        variant = request.query_params.get("variant")
+        if is_video and variant not in (None, "video"):
+            raise ApiError(422, f"variant = {variant!r} is not served; expected 'video'", code="invalid_request", param="variant")
+        file, media_type = jobs.content(job_id)
+        return FileResponse(file, media_type=media_type, filename=file.name)
+
+    @app.get(path + "/{job_id}/events")
+    async def job_events(job_id: str) -> StreamingResponse:
+        # no-cache and no buffering: each event goes out as it happens, through proxies too
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(jobs.stream(job_id), media_type="text/event-stream", headers=headers)
+
+    @app.delete(path + "/{job_id}")
+    async def delete_job(job_id: str) -> JSONResponse:
+        return JSONResponse(jobs.delete(job_id))
+
+
+async def _read_job_body(
+    request: Request, jobs: JobManager, strict_model: type[BaseModel], form_model: type[BaseModel], image_field: str
+) -> tuple[Any, bytes | None]:
+    """(the parsed body, the input image's bytes or None) of a JSON or multipart create request."""
+    content_type = request.headers.get("content-type", "").lower()
+    takes_image = jobs.service.limits.image_input != "none"
+    limit = jobs.service.settings.image_body_bytes if takes_image else jobs.service.settings.max_body_bytes
+    flags = "--max-body-bytes plus --max-image-bytes" if takes_image else "--max-body-bytes"
+    body = await read_body(request, limit, flags)
+    if content_type.startswith("multipart/form-data"):
+        fields, image_bytes = await read_form(request, body, image_field)
+        model, data = form_model, fields
+        parse = form_model.model_validate
+    elif content_type.startswith("application/json") or not content_type:
+        model, parse = strict_model, strict_model.model_validate_json
+        data, image_bytes = body, None
+    else:
+        message = f"expected an application/json or multipart/form-data body, got {content_type!r}"
+        raise ApiError(400, message, code="invalid_body", param="body")
+    try:
+        parsed = parse(data)
+    except ValidationError as e:
+        raise validation_error(e, model) from None
+    inline = getattr(parsed, image_field, None)  # JSON: the image as base64 or a data URL
+    if inline is not None:
+        image_bytes = decode_base64_image(inline, image_field)
+    return parsed, image_bytes
+
+
+def _page_query(request: Request) -> tuple[int, str | None, Literal["asc", "desc"]]:
+    query = request.query_params
+    unknown = sorted(set(query) - {"limit", "after", "order"})
+    if unknown:
+        raise ApiError(422, f"unknown query parameter {unknown[0]!r}; expected limit, after, order", code="invalid_request", param=unknown[0])
+    text = query.get("limit", str(DEFAULT_PAGE))
+    if not text.isdigit() or not 1 <= int(text) <= MAX_PAGE:
+        raise ApiError(422, f"limit = {text!r} is not valid; expected an integer from 1 to {MAX_PAGE}", code="invalid_request", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(422, f"order = {order!r} is not valid; expected 'asc' or 'desc'", code="invalid_request", param="order")
+    return int(text), query.get("after") or None, order  # type: ignore[return-value]  # checked just above

@@ -1,0 +1,253 @@
+"""`JobStore`: the job history in an embedded SQLite database and output files under the data folder.
+
+The database runs in WAL mode and every change is one transaction, so a process killed at any moment
+(kill -9 included) leaves it readable with every committed job. An output file is written whole under a
+temporary name and renamed (`write_atomically`) before the row that names it commits; files that no row
+names (a kill between the two, a temporary file) are removed when the store opens. Opening also fails the
+jobs a stopped server left queued or running, with the reason, and takes a lock on the folder so that two
+servers never share one history.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from layerstream.atomic_write import write_atomically
+from layerstream.errors import LayerstreamError
+from layerstream.server.jobs.records import JobKind, JobRecord, JobSettings, JobStatus
+from layerstream.server.jobs.settings import HistorySettings
+
+logger = logging.getLogger(__name__)
+
+DATABASE_NAME = "jobs.sqlite3"
+OUTPUTS_FOLDER = "outputs"
+LOCK_NAME = "lock"
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- creation order: list pages and retention follow it
+    id TEXT NOT NULL UNIQUE,
+    kind TEXT NOT NULL,
+    status TEXT NOT NULL,
+    output_bytes INTEGER NOT NULL DEFAULT 0,
+    record TEXT NOT NULL  -- the whole JobRecord as JSON
+)
+"""
+
+
+class JobStoreError(LayerstreamError, OSError):
+    """The data folder cannot hold this server's history (in use by another server, unreadable, too new)."""
+
+
+class JobStore:
+    """Jobs and their outputs, safe to use from the event loop and the worker thread at once."""
+
+    def __init__(self, settings: HistorySettings):
+        self.settings = settings
+        self.folder = settings.data_dir
+        self.outputs = self.folder / OUTPUTS_FOLDER
+        try:
+            self.outputs.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise JobStoreError(f"data_dir = {str(self.folder)!r} cannot be created: {e.strerror or e}") from e
+        self._lock_file = _lock_folder(self.folder)
+        self._lock = threading.Lock()  # one connection, used by one thread at a time
+        try:
+            self._db = sqlite3.connect(self.folder / DATABASE_NAME, check_same_thread=False, timeout=10.0)
+            self._open_schema()
+        except sqlite3.Error as e:
+            self._lock_file.close()
+            raise JobStoreError(f"data_dir = {str(self.folder)!r}: the job database cannot be opened: {e}") from e
+
+    def _open_schema(self) -> None:
+        # WAL: readers never block the writer, and a killed process leaves every committed transaction readable
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL is durable against a killed process in WAL mode (only a power loss may lose the last commits)
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise sqlite3.DatabaseError(f"schema version {version} is newer than this layerstream's {SCHEMA_VERSION}")
+        with self._db:
+            self._db.execute(_SCHEMA)
+            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+        self._lock_file.close()  # releases the folder lock
+
+    # start-up --------------------------------------------------------------------------------------------------
+    def recover_(self) -> list[str]:
+        """Fail every job a previous server left queued or running (it will never finish) and remove the files
+        no job names; returns the ids failed."""
+        now = int(time.time())
+        failed = []
+        with self._transaction() as db:
+            rows = db.execute("SELECT record FROM jobs WHERE status IN (?, ?)", (JobStatus.QUEUED, JobStatus.IN_PROGRESS))
+            for (text,) in rows.fetchall():
+                record = _record_from_json(text)
+                error = {
+                    "code": "server_restarted",
+                    "message": f"the server stopped while the job was {record.status}; it was not finished",
+                }
+                self._write_row(db, record.with_status(JobStatus.FAILED, error=error, completed_at=now))
+                failed.append(record.id)
+            named = {row[0] for row in db.execute("SELECT json_extract(record, '$.output_name') FROM jobs")}
+        for path in self.outputs.iterdir():
+            if path.name not in named:
+                path.unlink(missing_ok=True)  # written before a kill, never committed (or a temporary file)
+        if failed:
+            logger.info("job history: %d job(s) left unfinished by the last server marked failed", len(failed))
+        return failed
+
+    # jobs ------------------------------------------------------------------------------------------------------
+    def insert(self, record: JobRecord) -> None:
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO jobs (id, kind, status, output_bytes, record) VALUES (?, ?, ?, ?, ?)",
+                (record.id, record.kind, record.status, record.output_bytes, _record_to_json(record)),
+            )
+
+    def update(self, record: JobRecord) -> bool:
+        """Store `record` over the job of its id; False if that job was deleted meanwhile (nothing is written)."""
+        with self._transaction() as db:
+            return self._write_row(db, record)
+
+    def get(self, job_id: str) -> JobRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT record FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return _record_from_json(row[0]) if row else None
+
+    def page(
+        self, kind: JobKind, *, limit: int, after: str | None, order: Literal["asc", "desc"]
+    ) -> tuple[list[JobRecord], bool] | None:
+        """(up to `limit` jobs of `kind` after the job `after`, in creation `order`; whether more follow), or
+        None if `after` names no job of that kind."""
+        sign, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
+        with self._lock:
+            query, args = "SELECT record FROM jobs WHERE kind = ?", [kind]
+            if after is not None:
+                row = self._db.execute("SELECT seq FROM jobs WHERE id = ? AND kind = ?", (after, kind)).fetchone()
+                if row is None:
+                    return None
+                query += f" AND seq {sign} ?"
+                args.append(row[0])
+            rows = self._db.execute(f"{query} ORDER BY seq {direction} LIMIT ?", (*args, limit + 1)).fetchall()
+        records = [_record_from_json(text) for (text,) in rows]
+        return records[:limit], len(records) > limit
+
+    def delete(self, job_id: str) -> JobRecord | None:
+        """Remove the job and its output file; the record removed, or None if there was none."""
+        with self._transaction() as db:
+            row = db.execute("SELECT record FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None:
+                return None
+            db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+        record = _record_from_json(row[0])
+        self._remove_output(record)
+        return record
+
+    # outputs ---------------------------------------------------------------------------------------------------
+    def output_path(self, record: JobRecord) -> Path | None:
+        return self.outputs / record.output_name if record.output_name else None
+
+    def write_output(self, job_id: str, suffix: str, write: Callable[[Path], None]) -> tuple[str, int]:
+        """Write a job's output with `write(path)` atomically; (its file name, its size in bytes)."""
+        name = f"{job_id}{suffix}"
+        with write_atomically(self.outputs / name) as partial:
+            write(partial)
+        return name, (self.outputs / name).stat().st_size
+
+    def remove_output(self, name: str) -> None:
+        (self.outputs / name).unlink(missing_ok=True)
+
+    def enforce_retention_(self) -> list[str]:
+        """Remove the oldest finished jobs until the history is within --max-jobs and --max-output-bytes (the
+        newest finished job always stays); returns the ids removed."""
+        max_jobs, max_bytes = self.settings.max_jobs, self.settings.max_output_bytes
+        if max_jobs is None and max_bytes is None:
+            return []
+        finished = (JobStatus.COMPLETED, JobStatus.FAILED)
+        with self._transaction() as db:
+            rows = db.execute(
+                "SELECT id, output_bytes, record FROM jobs WHERE status IN (?, ?) ORDER BY seq", finished
+            ).fetchall()
+            count, total = len(rows), sum(row[1] for row in rows)
+            removed = []
+            for job_id, num_bytes, text in rows[:-1]:
+                if (max_jobs is None or count <= max_jobs) and (max_bytes is None or total <= max_bytes):
+                    break
+                db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+                removed.append(_record_from_json(text))
+                count, total = count - 1, total - num_bytes
+        for record in removed:
+            self._remove_output(record)
+        if removed:
+            logger.info("job history: removed %d oldest finished job(s) (retention limits)", len(removed))
+        return [record.id for record in removed]
+
+    # internals -------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock, self._db:  # commits on success, rolls back on an exception
+            yield self._db
+
+    @staticmethod
+    def _write_row(db: sqlite3.Connection, record: JobRecord) -> bool:
+        cursor = db.execute(
+            "UPDATE jobs SET status = ?, output_bytes = ?, record = ? WHERE id = ?",
+            (record.status, record.output_bytes, _record_to_json(record), record.id),
+        )
+        return cursor.rowcount == 1
+
+    def _remove_output(self, record: JobRecord) -> None:
+        if record.output_name:
+            self.remove_output(record.output_name)
+
+
+def _lock_folder(folder: Path):
+    """An open lock file holding an exclusive lock on `folder` until closed; JobStoreError if another holds it."""
+    handle = open(folder / LOCK_NAME, "a+")
+    try:
+        import fcntl
+    except ImportError:  # no advisory locks on this platform: one server per folder is then the user's care
+        return handle
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise JobStoreError(
+            f"data_dir = {str(folder)!r} is in use by another running server (pid in its lock file); "
+            "give each server its own --data-dir"
+        ) from None
+    handle.truncate(0)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def _record_to_json(record: JobRecord) -> str:
+    data: dict[str, Any] = {
+        "id": record.id, "kind": record.kind, "model": record.model, "status": str(record.status),
+        "created_at": record.created_at, "settings": record.settings.to_dict(), "seconds": record.seconds,
+        "progress": record.progress, "completed_at": record.completed_at, "error": record.error,
+        "output_name": record.output_name, "output_bytes": record.output_bytes, "figures": record.figures,
+    }  # fmt: skip
+    return json.dumps(data)
+
+
+def _record_from_json(text: str) -> JobRecord:
+    data = json.loads(text)
+    data["status"] = JobStatus(data["status"])
+    data["settings"] = JobSettings.from_dict(data["settings"])
+    return JobRecord(**data)
