@@ -337,8 +337,11 @@ class TensorBinder:
                 with torch.inference_mode(e.inference_param):
                     placeholder_for[e.dtype, e.inference_param] = torch.empty(0, dtype=e.dtype, device=device)
         self._placeholder_list = [placeholder_for[e.dtype, e.inference_param] for e in layout.entries]
+        self.bound = False
+        """Whether the block holds real bytes (a slot's or the host store's) rather than placeholders."""
 
     def bind_(self, views: list[torch.Tensor]) -> None:
+        self.bound = True
         inference = self._inference_entries
         for param, i in self._param_slots:
             param.data = inference_alias(views[i]) if i in inference else views[i]
@@ -404,6 +407,7 @@ class TensorBinder:
 
     def evict_(self) -> None:
         self.bind_(self._placeholder_list)
+        self.bound = False
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -6,7 +6,9 @@ make both work on the host store, which holds the real weights:
 - `state_dict()`: each streamed block's entries are the store's bytes, as host tensors (views: no copy);
 - `load_state_dict()`: each streamed block is bound to its host tensors while torch loads it, so the new
   values land in the store (shapes checked by torch as usual), then evicted again; a slot still holding the
-  old bytes is forgotten, so the next call streams the new weights.
+  old bytes is forgotten, so the next call streams the new weights. A block already bound when the load
+  starts stays bound after it: a LoRA load (`load_lora_adapter` loads the adapter's weights this way) has
+  bound every block to the host store, and gets them back in the state it left them.
 Where this process does not hold a block whole (allgather shards), or `assign=True` asks to replace the
 Parameter objects, loading is refused at the component before anything is loaded.
 """
@@ -62,6 +64,8 @@ def install_state_dict_hooks(
                 # assign=True loading only tensors that do not stream (PEFT loads LoRA weights this way)
                 _refuse_assign_to_streamed(state_dict, [block], {id(module): prefix.rstrip(".")}, "", block.path)
                 return
+            if block.host.binder.bound:
+                return  # bound by whoever called the load (LoRA support, to the host store): theirs to evict
             block.host.binder.bind_(block.host.host_tensors())  # torch copies the new values into the store
             bound.add(block.index)
 
