@@ -160,11 +160,18 @@ class Omni:
         )
         return self.run(request, on_step=on_step)
 
-    def run(self, request: GenerationRequest, *, on_step: Callable[[int, int, float], None] | None = None) -> GenerationResult:
+    def run(
+        self,
+        request: GenerationRequest,
+        *,
+        on_step: Callable[[int, int, float], None] | None = None,
+        on_latents: Callable[[int, int, torch.Tensor], None] | None = None,
+    ) -> GenerationResult:
         """Make the one output of `request` (``n = 1``; run each of `request.outputs()` for more, or `run_batch`).
 
-        What depends on the model (image input, size multiples, frame rule, reach) is checked here, before the
-        pipeline runs; the request checked the rest when it was built."""
+        `on_latents(step, total, latents)`, after `on_step`, sees the pipeline's latents after each step (to
+        read, never to change: previews). What depends on the model (image input, size multiples, frame rule,
+        reach) is checked here, before the pipeline runs; the request checked the rest when it was built."""
         if request.n != 1:
             raise invalid_field("n", request.n, "1: run makes one output; run each of request.outputs(), or run_batch([request])")
         picture, conditioned = self._input_image(request)
@@ -176,7 +183,7 @@ class Omni:
                 picture = picture.resize((request.width, request.height), _lanczos())
         kwargs, num_inference_steps = self._pipeline_kwargs(request, request.prompt, picture=picture)
         kwargs["generator"] = torch.Generator("cpu").manual_seed(request.seed)
-        output, stats = self._run_pipeline(kwargs, num_inference_steps, on_step)
+        output, stats = self._run_pipeline(kwargs, num_inference_steps, on_step, on_latents)
         raw = _output_array(output, self.kind)
         note = conditioned.note if conditioned is not None else None
         return GenerationResult(kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=request.fps, raw=raw, size_note=note)
@@ -291,7 +298,11 @@ class Omni:
         return kwargs, num_inference_steps
 
     def _run_pipeline(
-        self, kwargs: dict[str, Any], num_inference_steps: int, on_step: Callable[[int, int, float], None] | None
+        self,
+        kwargs: dict[str, Any],
+        num_inference_steps: int,
+        on_step: Callable[[int, int, float], None] | None,
+        on_latents: Callable[[int, int, torch.Tensor], None] | None = None,
     ) -> tuple[Any, RunStats]:
         """Call the pipeline with `kwargs`, timing each step and calling `on_step` after it; (its output, the cost)."""
         call = inspect.signature(self.pipeline.__call__).parameters
@@ -304,6 +315,8 @@ class Omni:
             last[0] = now
             if on_step is not None:
                 on_step(step + 1, num_inference_steps, step_times[-1])
+            if on_latents is not None and "latents" in callback_kwargs:  # diffusers hands over "latents" by default
+                on_latents(step + 1, num_inference_steps, callback_kwargs["latents"])
             return callback_kwargs
 
         if "callback_on_step_end" in call:

@@ -74,7 +74,9 @@ def start_server(
     else:
         launcher = [sys.executable, str(Path(__file__).with_name("serve_with_fault.py"))]
         full_env[FAULT_PROMPT_ENV] = fault_prompt
-    command = [*launcher, "serve", model, "--port", "0", *args]
+    # each server its own job history: one folder holds one server's (a second is refused)
+    data_dir = [] if "--data-dir" in args else ["--data-dir", str(folder / "data")]
+    command = [*launcher, "serve", model, "--port", "0", *data_dir, *args]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     server = None

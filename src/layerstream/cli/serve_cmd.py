@@ -114,6 +114,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with several ranks: how long a rank waits for the others in one collective before the server "
         f"answers 503 and exits non-zero (default: {DEFAULT_COLLECTIVE_TIMEOUT_S:g})",
     )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        metavar="FOLDER",
+        help="where the job history (SQLite) and its outputs are kept; one server per folder "
+        "(default: <layerstream cache>/server)",
+    )
+    parser.add_argument(
+        "--max-jobs", type=int, default=None, metavar="N",
+        help="keep at most N finished jobs; the oldest go first (default: no limit)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-output-bytes", type=int, default=None, metavar="BYTES",
+        help="keep at most BYTES of job outputs; the oldest finished jobs go first (default: no limit)",
+    )  # fmt: skip
     parser.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated host link bandwidth in GB/s")
     parser.add_argument("--no-access-log", dest="access_log", action="store_false", help="no log line per request")
 
@@ -130,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     if args.link_gbps is not None and not args.link_gbps > 0:
         raise CliError(f"--link-gbps = {args.link_gbps!r} is not valid; expected a number > 0")
     settings = _settings(args)
+    history = _history_settings(args)
     _check_device(args.device)
     if num_ranks > 1 and args.device is not None and ":" in args.device:
         kind = args.device.split(":")[0]
@@ -143,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         return _serve_rank(args, config, settings)
 
     try:  # the server's own modules need the serve extra; say so in one line rather than a traceback
+        from layerstream.server.jobs.manager import JobManager
         from layerstream.server.runner import bind_socket, run_server
         from layerstream.server.service import GenerationService
     except ModuleNotFoundError as e:
@@ -158,7 +176,9 @@ def run(args: argparse.Namespace) -> int:
         sock = bind_socket(settings.host, settings.port)
     except OSError as e:
         raise CliError(f"--host {settings.host} --port {settings.port}: cannot bind: {e.strerror or e}") from e
+    store = None
     try:
+        store = _open_history(history)  # a folder in use is one line now, not after a long load
         try:
             omni = Omni(
                 model=args.model,
@@ -174,9 +194,13 @@ def run(args: argparse.Namespace) -> int:
                 raise CliError(f"--device {args.device}: {e}") from e
             raise
         service = GenerationService(omni, settings)
-        run_server(service, sock, on_ready=_print_ready, access_log=args.access_log)
+        jobs = JobManager(service, store)
+        store = None  # the app closes it, through the manager, when it stops
+        run_server(service, sock, on_ready=_print_ready, access_log=args.access_log, jobs=jobs)
     finally:
         sock.close()
+        if store is not None:
+            store.close()
     print("layerstream serve: stopped", file=sys.stderr, flush=True)
     return 0
 
@@ -211,6 +235,33 @@ def _settings(args: argparse.Namespace):
                 message = flag + message[len(field):]
                 break
         raise CliError(message) from e
+
+
+def _history_settings(args: argparse.Namespace):
+    """The job history's settings from --data-dir, --max-jobs and --max-output-bytes (checked before loading)."""
+    from layerstream.models.cache import cache_root
+    from layerstream.server.jobs.settings import HistorySettings, HistorySettingsError
+
+    data_dir = args.data_dir if args.data_dir is not None else cache_root() / "server"
+    try:
+        return HistorySettings(
+            data_dir=data_dir.expanduser(), max_jobs=args.max_jobs, max_output_bytes=args.max_output_bytes
+        )
+    except HistorySettingsError as e:
+        message = str(e)
+        for field, flag in (("max_jobs", "--max-jobs"), ("max_output_bytes", "--max-output-bytes")):
+            if message.startswith(f"{field} = "):
+                message = flag + message[len(field) :]
+        raise CliError(message) from e
+
+
+def _open_history(history):
+    from layerstream.server.jobs.store import JobStore, JobStoreError
+
+    try:
+        return JobStore(history)
+    except JobStoreError as e:
+        raise CliError(str(e).replace("data_dir = ", "--data-dir ", 1)) from e
 
 
 def _check_device(text: str | None) -> None:

@@ -4,6 +4,8 @@
     POST /v1/images/edits         OpenAI-style image editing: a multipart form with an image file and a prompt
     POST /v1/videos/generations   the same for video pipelines (MP4, base64), plus num_frames and fps, and an
                                   image (base64) for image-to-video models
+    /v1/videos, /v1/images/jobs   the job API (see `layerstream.server.jobs.routes`): create, poll, list,
+                                  download, delete, and a server-sent event stream of progress and previews
     GET  /health                  model, offload config, device, queue depth, status
     GET  /metrics                 Prometheus text format
 
@@ -30,12 +32,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from layerstream import __version__
 from layerstream.request import GenerationError
+from layerstream.server.bodies import read_body as _read_body
 from layerstream.server.errors import ApiError, validation_error
+from layerstream.server.jobs.manager import JobManager
+from layerstream.server.jobs.routes import add_job_routes
 from layerstream.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from layerstream.server.metrics import ServerMetrics
 from layerstream.server.openapi import apply_exact_openapi_, edit_request_body, json_request_body
@@ -65,17 +69,14 @@ _KNOWN_PATHS = frozenset({IMAGES_PATH, EDITS_PATH, VIDEOS_PATH, HEALTH_PATH, MET
 # multipart parts of an edit request besides the image: the form fields OpenAI's edits take, and ours
 _MAX_FORM_FIELDS = 32
 
-# An oversized body is read and dropped up to this many bytes before answering 413, so that the client,
-# still sending, reads the answer instead of a reset connection; beyond it the connection is just closed.
-_DRAIN_LIMIT_BYTES = 64 << 20
-
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 413, 422, 429, 500, 503, 504)
 }
 
 
-def create_app(service: GenerationService) -> FastAPI:
-    """The app serving `service`; the lifespan starts its worker and, on shutdown, drains and stops it."""
+def create_app(service: GenerationService, jobs: JobManager | None = None) -> FastAPI:
+    """The app serving `service` (and, with `jobs`, its job API); the lifespan starts its worker and, on
+    shutdown, drains and stops it, then closes the job history."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -83,6 +84,8 @@ def create_app(service: GenerationService) -> FastAPI:
         yield
         # by now uvicorn has answered every open request; joining off the loop keeps it responsive anyway
         await asyncio.to_thread(service.stop)
+        if jobs is not None:
+            await asyncio.to_thread(jobs.close)
 
     app = FastAPI(title="layerstream", version=__version__, lifespan=lifespan)
     apply_exact_openapi_(app)
@@ -138,9 +141,15 @@ def create_app(service: GenerationService) -> FastAPI:
         data = [VideoData(b64_json=f) for f in output.files_b64]
         return _ok(VideoGenerationResponse(created=int(time.time()), data=data, layerstream=output.usage))
 
+    if jobs is not None:
+        add_job_routes(app, jobs)
+
     @app.get(HEALTH_PATH, response_model=HealthResponse)
     async def health() -> dict[str, Any]:
-        return service.health()
+        report = service.health()
+        if jobs is not None:
+            report["jobs_path"] = jobs.path
+        return report
 
     @app.get(METRICS_PATH, response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
@@ -344,36 +353,6 @@ def _limit_flags(service: GenerationService, endpoint_kind: str) -> str:
     if service.body_limit(endpoint_kind) == service.settings.max_body_bytes:
         return "--max-body-bytes"
     return "--max-body-bytes plus --max-image-bytes as base64"
-
-
-async def _read_body(request: Request, max_bytes: int, limit_flags: str = "--max-body-bytes") -> bytes:
-    """The request body, or a 413 naming the limit once it is known to exceed `max_bytes`."""
-    too_large = ApiError(
-        413,
-        f"the request body is larger than the server's limit of {max_bytes} bytes ({limit_flags})",
-        code="body_too_large",
-        param="body",
-    )
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > _DRAIN_LIMIT_BYTES:
-        raise too_large
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size <= max_bytes:
-                chunks.append(chunk)
-            elif size > _DRAIN_LIMIT_BYTES:
-                break
-    except ClientDisconnect:
-        # an ordinary event for a server (a client killed, a network dropped): one line, and counted as 499
-        path = request.url.path
-        logger.info("%s %s: the client disconnected after sending %d bytes of its body", request.method, path, size)
-        raise ApiError(499, "the client closed the connection while sending its body", code="client_gone") from None
-    if size > max_bytes:
-        raise too_large
-    return b"".join(chunks)
 
 
 def _ok(response: BaseModel) -> JSONResponse:

@@ -250,6 +250,14 @@ class GenerationQueue:
             job.stop_signal.request(reason)
         return bool(jobs)
 
+    def position(self, job: Job) -> int | None:
+        """Where `job` waits: 1 runs next; None once it has started (or left the queue)."""
+        with self._cond:
+            try:
+                return self._waiting.index(job) + 1
+            except ValueError:
+                return None
+
     def _remove_waiting(self, job: Job) -> bool:
         with self._cond:
             try:

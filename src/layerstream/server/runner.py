@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 import uvicorn
 
 from layerstream.server.app import create_app
+from layerstream.server.jobs.manager import JobManager
 from layerstream.server.service import GenerationService
 from layerstream.server.settings import STOP_WAIT_SECONDS
 
@@ -73,12 +74,14 @@ def run_server(
     on_ready: Callable[[str], None],
     access_log: bool = True,
     on_stopper: Callable[[Callable[[], None]], None] | None = None,
+    jobs: JobManager | None = None,
 ) -> None:
-    """Serve `service` on the bound `sock` until SIGTERM or SIGINT; returns after a graceful shutdown.
+    """Serve `service` (and `jobs`, its job API, if given) on the bound `sock` until SIGTERM or SIGINT; returns
+    after a graceful shutdown.
 
     `on_stopper`, if given, receives a function that starts the same shutdown from any thread (a lost rank)."""
     config = uvicorn.Config(
-        create_app(service),
+        create_app(service, jobs),
         log_config=None,  # the command line configured logging; uvicorn's loggers propagate to it
         access_log=access_log,
         # the service stops the running generation after --shutdown-timeout; this bounds the wait for its answer

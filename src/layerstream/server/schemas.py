@@ -272,3 +272,11 @@ class HealthResponse(BaseModel):
     world_size: int = Field(description="Serving ranks (--nproc); rank 0 answers HTTP.")
     backend: str | None = Field(description="torch.distributed backend of the ranks (None: one process).")
     ranks: list[RankHealth] = Field(description="Each rank's host bytes, as of its last wave or check.")
+    default_size: str | None = Field(description="'WIDTHxHEIGHT' a request without size makes (None: the pipeline's own).")
+    default_num_frames: int | None = Field(description="Video: frames a request without num_frames or seconds makes.")
+    default_steps: int = Field(description="Denoising steps a request without num_inference_steps runs.")
+    fps: int | None = Field(description="Video: the model's frame rate, which seconds are mapped to frames at.")
+    takes_image: bool = Field(description="Whether the model takes an input image (optional or required).")
+    jobs_path: Literal["/v1/videos", "/v1/images/jobs"] | None = Field(
+        description="Where the job API of this model is (None: not served, as with several ranks)."
+    )

@@ -14,10 +14,12 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from layerstream.omni import RunStats
+from layerstream.runtime.reporting.stats import OffloadStats
 from layerstream.request import GenerationError, GenerationRequest
+from layerstream.server.jobs.requests import frame_rate
 from layerstream.server.limits import (
     ModelLimits,
     check_endpoint,
@@ -52,6 +54,19 @@ class ServedRequest:
         """What it must share with others to run in one pipeline call with them (its `batch_shape()`); None: it
         runs alone (an input image: pipelines take one image per call)."""
         return None if self.request.image is not None else self.request.batch_shape()
+
+
+class StepObserver(Protocol):
+    """Follows one generation on the worker thread, between its denoising steps (a job's progress)."""
+
+    wants_latents: bool
+    """Whether `latents` is called (it costs a look at the latents each step)."""
+
+    def stepped(self, step: int, total: int, seconds: float, stats: OffloadStats | None) -> None:
+        """After step `step` of `total`, which took `seconds`; `stats`: the offload counters now."""
+
+    def latents(self, step: int, total: int, latents: Any) -> None:
+        """The latents after step `step`: to read, never to change."""
 
 
 @dataclass(frozen=True)
@@ -175,18 +190,18 @@ class GenerationService:
         """Queue a generation, with the request's timeout; raises `QueueFullError` or `QueueClosedError` instead
         of queueing."""
         return self.queue.submit(
-            lambda job: self._generate(served, job),
+            lambda job: self.generate(served, job),
             timeout=served.request.timeout,
             request=served,
             batch_key=served.batch_key(),
             cost=served.work,
         )
 
-    def _generate(self, served: ServedRequest, job: Job) -> GenerationOutput:
+    def generate(self, served: ServedRequest, job: Job, observer: StepObserver | None = None) -> GenerationOutput:
         """Run on the worker thread: one `Omni.run` per output, each encoded and released before the next.
 
         Between denoising steps, and before each output, it stops if the event loop asked it to
-        (`GenerationStopped`).
+        (`GenerationStopped`); then `observer`, if any, hears of the step.
         """
         started = time.perf_counter()
         bytes_before = self._bytes_streamed()
@@ -203,8 +218,11 @@ class GenerationService:
 
                 def stop_if_asked(step: int, total: int, seconds: float, where: str = where) -> None:
                     job.stop_signal.raise_if_requested(f"after step {step} of {total} ({where})")
+                    if observer is not None:  # between steps, on this thread: the counters are whole
+                        observer.stepped(step, total, seconds, self.omni.stats())
 
-                result = self.omni.run(output, on_step=stop_if_asked)
+                on_latents = observer.latents if observer is not None and observer.wants_latents else None
+                result = self.omni.run(output, on_step=stop_if_asked, on_latents=on_latents)
                 files.append(encode_result_b64(result))
                 runs.append(result.stats)
                 frames_shape = result.frames.shape
@@ -356,6 +374,22 @@ class GenerationService:
             "world_size": 1,
             "backend": None,
             "ranks": [{"rank": 0, "host_bytes": getattr(self._offload_stats, "host_bytes", None)}],
+            **self._page_defaults(),
+        }
+
+    def _page_defaults(self) -> dict[str, Any]:
+        """What a page needs to fill its form: the model's defaults, and where its jobs are (the app sets
+        ``jobs_path`` when it serves the job API)."""
+        limits = self.limits
+        width, height = limits.default_width, limits.default_height
+        is_video = limits.kind == "video"
+        return {
+            "default_size": f"{width}x{height}" if width and height else None,
+            "default_num_frames": limits.default_num_frames if is_video else None,
+            "default_steps": limits.default_num_inference_steps,
+            "fps": frame_rate(self.omni.pipeline) if is_video else None,
+            "takes_image": limits.image_input != "none",
+            "jobs_path": None,
         }
 
     def render_metrics(self) -> str:

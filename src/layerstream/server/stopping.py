@@ -6,7 +6,8 @@ there unwinds the pipeline where no block holds a slot and the only copy in flig
 prefetch of the first, so the runtime is as clean as after a finished generation: the next request runs, and
 runs bit-identically.
 
-The event loop requests a stop (a deadline passed, the client left, the server is shutting down); the worker
+The event loop requests a stop (a deadline passed, the client left, its job was deleted, the server is
+shutting down); the worker
 thread sees it at the next step boundary, or before the next of a request's ``n`` outputs (the only boundary
 of a pipeline whose ``__call__`` takes no ``callback_on_step_end``).
 """
@@ -28,6 +29,8 @@ class StopReason(StrEnum):
     """The client closed its connection: nobody is left to read the answer."""
     SHUTDOWN = "shutdown"
     """The server got SIGTERM and the running generation outlived --shutdown-timeout."""
+    CANCELLED = "cancelled"
+    """Its job was deleted (``DELETE /v1/videos/{id}``): nobody wants the result any more."""
 
 
 class GenerationStopped(LayerstreamError):
