@@ -15,15 +15,13 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
-import pytest
 import torch
 
+from memory_cgroups import make_memory_cgroup, memory_cgroup  # noqa: F401 (fixtures)
 from runtime_toys import ToyDiT
 
-MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
 DIM, NUM_BLOCKS = 512, 12  # 4 MiB blocks, 48 MiB streamed
 LIMIT_FRACTION = 0.6
 """The cgroup's limit, as a fraction of the streamed bytes (on top of what the child held before joining)."""
@@ -71,50 +69,6 @@ print(json.dumps({
 }))
 # no disable() here: it would read every block back into memory, which this cgroup cannot hold
 """
-
-
-def _own_memory_cgroup() -> Path | None:
-    """The folder of this process's memory cgroup (new cgroups go under it, so that its limits still hold)."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            folder = MEMORY_ROOT / path.lstrip("/")
-            return folder if folder.is_dir() else MEMORY_ROOT
-    return None
-
-
-def _why_not() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return "needs Linux memory cgroups"
-    if os.geteuid() != 0:
-        return "needs root to create a memory cgroup"
-    if not (MEMORY_ROOT / "memory.limit_in_bytes").exists():
-        return f"no cgroup v1 memory controller at {MEMORY_ROOT}"
-    parent = _own_memory_cgroup()
-    if parent is None or not os.access(parent, os.W_OK):
-        return f"the memory cgroup of this process ({parent}) is not writable"
-    return None
-
-
-@pytest.fixture
-def memory_cgroup():
-    """A new memory cgroup under this process's own; removed afterwards (its processes have ended by then)."""
-    why = _why_not()
-    if why is not None:
-        pytest.skip(why)
-    folder = _own_memory_cgroup() / f"layerstream-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        folder.mkdir()
-    except OSError as e:
-        pytest.skip(f"cannot create a memory cgroup: {e}")
-    try:
-        yield folder
-    finally:
-        folder.rmdir()  # an empty cgroup (the child has exited) is removed with rmdir
 
 
 def test_generation_inside_a_memory_cgroup_smaller_than_the_streamed_bytes(tmp_path, memory_cgroup):

@@ -1,0 +1,111 @@
+"""`host_budget_gb: "auto"` under a real memory limit: a cgroup v1 memory cgroup smaller than the streamed bytes.
+
+A real-width Wan checkpoint (Wan 1.3B's blocks, about 93 MB each in bfloat16) is written once. Each child
+process loads it (lazy views of the files), generates resident first (the reference, charged to the parent's
+cgroup), then joins a new cgroup whose limit is below the streamed bytes and generates again with offload:
+- `"auto"`: enabling reads the cgroup's headroom, keeps what fits in host memory and reads the rest from the
+  checkpoint at every use; the output must equal the resident one bit for bit, and `stats()` must say why;
+- no budget: the host store would hold every block, more than the limit, and the kernel kills the child, which
+  proves that the limit binds.
+Skipped where Linux, root and a writable cgroup v1 memory controller are not all there (`memory_cgroups`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memory_cgroups import OOM_KILLED, make_memory_cgroup, memory_cgroup  # noqa: F401 (fixtures)
+
+NUM_BLOCKS = 12
+LIMIT_FRACTION = 0.75
+"""The cgroup's limit as a fraction of the streamed bytes: above the two rings and the reserve, below the blocks."""
+RESERVE_GB = 0.15
+"""host_reserve_gb: the child's own allocations after joining (a pipeline object, activations) are small."""
+
+CHILD = r"""
+import gc, json, sys
+import numpy as np
+from layerstream import Omni
+
+folder, procs, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+request = dict(prompt="a fox", height=16, width=16, num_frames=1, num_inference_steps=2, seed=0)
+resident = Omni(model=folder, offload=False)
+expected = np.asarray(resident.generate(**request).raw)
+resident.close()
+del resident
+gc.collect()
+with open(procs, "w") as f:  # join the cgroup: from here on every page this process touches is charged to it
+    f.write("0")
+config = {"mode": "layer", "components": ["dit"]}
+if mode == "auto":
+    config |= {"host_budget_gb": "auto", "host_reserve_gb": float(sys.argv[4])}
+omni = Omni(model=folder, diffusion_offload_config=config)
+got = np.asarray(omni.generate(**request).raw)
+stats = omni.stats()
+tier = omni.handle.placement.host_tier
+print(json.dumps({
+    "equal": bool(np.array_equal(got, expected)),
+    "host_bytes": stats.host_bytes,
+    "disk_bytes_read": stats.disk_bytes_read,
+    "host_budget": stats.host_budget,
+    "budget_bytes": omni.handle.placement.host_budget.budget_nbytes,
+    "num_disk_blocks": len(tier.disk_block_paths) if tier is not None else 0,
+}))
+sys.stdout.flush()
+import os
+os._exit(0)  # no close(): disable() would read every block back into memory, which this cgroup cannot hold
+"""
+
+
+@pytest.fixture(scope="module")
+def wan_folder(tmp_path_factory) -> Path:
+    from layerstream.bench.checkpoint_folders import WAN_1_3B_WIDTH, write_checkpoint_folder
+
+    spec = dataclasses.replace(WAN_1_3B_WIDTH, num_blocks=NUM_BLOCKS, num_experts=1)
+    return write_checkpoint_folder(spec, tmp_path_factory.mktemp("wan-auto-budget"))
+
+
+def _streamed_bytes(folder: Path) -> int:
+    from layerstream.models.saved_dtypes import read_safetensors_header
+
+    return sum(
+        entry["data_offsets"][1] - entry["data_offsets"][0]
+        for path in (folder / "transformer").glob("*.safetensors")
+        for name, entry in read_safetensors_header(path).items()
+        if name.startswith("blocks.") and name != "__metadata__"
+    )
+
+
+def _run_child(folder: Path, cgroup: Path, mode: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-c", CHILD, str(folder), str(cgroup / "cgroup.procs"), mode, str(RESERVE_GB)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_auto_runs_where_no_budget_is_killed(wan_folder, make_memory_cgroup):
+    streamed = _streamed_bytes(wan_folder)
+    limit = int(LIMIT_FRACTION * streamed)
+    auto_group, unbudgeted_group = make_memory_cgroup(), make_memory_cgroup()
+    for group in (auto_group, unbudgeted_group):
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+
+    done = _run_child(wan_folder, auto_group, "auto")
+    peak = int((auto_group / "memory.max_usage_in_bytes").read_text())
+    assert done.returncode == 0, f"exit {done.returncode} (killed by the cgroup's OOM killer if -9): {done.stderr[-3000:]}"
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["equal"] is True  # bit-identical to the resident pipeline
+    assert peak <= limit < streamed  # the kernel's own figure: the run stayed under a limit below the blocks
+    assert report["num_disk_blocks"] > 0 and report["disk_bytes_read"] > 0  # the rest came from the checkpoint
+    assert 0 < report["budget_bytes"] < limit
+    assert report["host_bytes"] <= report["budget_bytes"] * 1.05  # the runtime's own accounting (+ float32 norms)
+    assert "cgroup v1" in report["host_budget"] and "reserve (host_reserve_gb) 0.15 GB" in report["host_budget"]
+
+    killed = _run_child(wan_folder, unbudgeted_group, "none")
+    assert killed.returncode == OOM_KILLED, f"without a budget the run was not killed: exit {killed.returncode} {killed.stdout[-500:]}"
