@@ -1,0 +1,570 @@
+"""The headline, measured by simulation: Wan 2.2 A14B at 720p x 81 frames on a 24 GB device, 32 GB of host memory
+and an NVMe disk, through the real runtime (`enable_offload` with `host_budget_gb`), scaled down to run on a CPU.
+
+The pipeline is a `WanPipeline` (so layerstream's built-in Wan plan pairs its experts into one host pool) holding
+Wan 2.2's parts at 1/8 of every width: two experts of 40 Wan-shaped blocks (`bench.synthetic`), switched at the
+boundary timestep of Wan 2.2's own schedule, two forwards a step (classifier-free guidance), and transformers'
+`UMT5EncoderModel` with UMT5-XXL's 24 layers, run once per video. A width / 8 has 1/64 of the bytes, so every
+byte figure is scaled by S = 64 (the real block's bytes over the built one's) and so is compute: each block's
+CPU forward is calibrated (by its token count) to last the published compute of a real block / S. The link
+and the disk keep their real bandwidths (`simulated_link_gbps`, `simulated_disk_gbps`), so a block's transfer
+and read are scaled by S too, and every time measured here times S is the time on the target machine.
+
+Compute source (an assumption, stated): Morphic measured Wan 2.2 I2V-A14B (the same DiT blocks and token count
+as T2V) at 1280x720, 81 frames, 40 steps, on 8 H100 with Ulysses sequence parallelism and FlashAttention 3:
+195.13 s a video (M. A. Afridi, "Boosting Wan2.2 I2V Inference on 8 H100s", Morphic, November 2025,
+https://dev.to/muhammad_aliafridi_35ece/boosting-wan22-i2v-inference-on-8-h100s-25-faster-with-sequence-parallelism-magcache-4pfn).
+8 GPUs x 195.13 s / 40 steps / (2 forwards x 40 blocks) = 0.488 s per block forward on one H100. This counts the
+8-GPU run's parallel overheads, the text encoder and the VAE decode as block compute, so it overstates an H100's
+block time by some percent; an RTX 4090 (a 24 GB card) computes a block several times slower, which would hide
+the link and the disk even more: H100 compute on a 24 GB device is the harder case for offload.
+
+    python benchmarks/headline.py                   # the full scenario, a few minutes on a 2-core CPU
+    python benchmarks/headline.py --smoke --json    # seconds, a tiny scale: the shape of the output only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+from diffusers import UniPCMultistepScheduler
+from torch import nn
+from transformers import UMT5Config, UMT5EncoderModel
+
+from layerstream import enable_offload
+from layerstream.bench.ideal import ideal_forward_seconds_with_disk, transfer_seconds
+from layerstream.bench.measure import measure_block_compute, measure_link_gbps, synchronize
+from layerstream.bench.synthetic import MODEL_SHAPES, ModelShape, WanLikeBlock, build_synthetic_dit
+from layerstream.config.offload_config import OffloadConfigError, parse_offload_config
+
+GB = 1e9
+DTYPE = torch.bfloat16
+PUBLISHED_BLOCK_SECONDS = 8 * 195.13 / 40 / (2 * 40)
+"""One H100's compute per block forward at 720p x 81 frames (see the module docstring)."""
+PREDICTION_SOURCE = (
+    "bench ideal (layerstream.bench.ideal, per forward: max of compute, link and disk per block, with the pool's "
+    "reads at each change of expert); the planner (`layerstream plan`) is not in this tree yet"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    """The real model and machine, and how far the run scales them down."""
+
+    width_divisor: int = 8
+    """Every width of the model divided by this (bytes by its square)."""
+    blocks_per_expert: int = 40
+    """Wan 2.2 A14B: 40 blocks per expert."""
+    text_layers: int = 24
+    """UMT5-XXL: 24 encoder layers."""
+    steps: int = 40
+    """Wan 2.2 A14B's default (`sample_steps`), flow shift 12, boundary 0.875, guidance 4.0 then 3.0."""
+    text_tokens: int = 16
+    """Prompt tokens (512 in Wan; the encoder runs once per video and is reported apart from the steps)."""
+    video_tokens: int = 21 * 45 * 80
+    """720p x 81 frames: 21 latent frames of 90 x 160, in 2 x 2 patches. Used as is on a GPU (width 1); on a CPU
+    the token count is calibrated instead (see `Scale.num_tokens`)."""
+    device_gb: float = 24.0
+    host_gb: float = 32.0
+    """The whole machine's memory; the host budget is this minus `host_reserve_gb`."""
+    host_reserve_gb: float = 4.0
+    """Kept out of the host budget for Python, torch and CUDA's libraries and the disk tier's staging ring."""
+    link_gbps: float = 25.0
+    """PCIe 4.0 x16, as measured pinned host-to-device."""
+    disks_gbps: tuple[float, ...] = (3.0, 7.0)
+    """A PCIe 3.0 and a PCIe 4.0 NVMe."""
+    block_compute_s: float = PUBLISHED_BLOCK_SECONDS
+    boundary_ratio: float = 0.875
+    flow_shift: float = 12.0
+    guidance: tuple[float, float] = (4.0, 3.0)
+    """High-noise expert, low-noise expert (Wan 2.2's `sample_guide_scale` is listed low, high)."""
+
+
+FULL = Scenario()
+SMOKE = Scenario(width_divisor=16, blocks_per_expert=4, text_layers=2, steps=4, text_tokens=8)
+REAL_SIZES = replace(FULL, width_divisor=1)
+"""The real model's sizes, which the scale is computed from."""
+
+
+def dit_shape(s: Scenario) -> ModelShape:
+    real = MODEL_SHAPES["wan14b"]
+    w = s.width_divisor
+    return ModelShape(name=f"wan14b/{w}", dim=real.dim // w, num_heads=real.num_heads // w, ffn_dim=real.ffn_dim // w, block_kind="wan")
+
+
+def text_config(s: Scenario) -> UMT5Config:
+    w = s.width_divisor
+    return UMT5Config(
+        vocab_size=256384 // w, d_model=4096 // w, d_kv=64, d_ff=10240 // w, num_heads=64 // w,
+        num_layers=s.text_layers, feed_forward_proj="gated-gelu",
+    )  # fmt: skip
+
+
+class WanPipeline(nn.Module):
+    """Wan 2.2 A14B's denoising loop on the scaled parts: encode once, then each step runs the expert its
+    timestep selects twice (prompt and negative prompt), as diffusers' `WanPipeline` does."""
+
+    def __init__(self, text_encoder: nn.Module, transformer: nn.Module, transformer_2: nn.Module, scenario: Scenario):
+        super().__init__()
+        self.text_encoder = text_encoder
+        self.transformer = transformer
+        self.transformer_2 = transformer_2
+        # Wan's DiT projects the 4096-wide text states to its width; a resident part of the pipeline here
+        self.text_proj = nn.Linear(text_encoder.config.d_model, transformer.shape.dim).to(DTYPE)
+        self.scenario = scenario
+
+    def scheduler(self) -> UniPCMultistepScheduler:
+        scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=self.scenario.flow_shift)
+        scheduler.set_timesteps(self.scenario.steps)
+        return scheduler
+
+    def expert_for(self, timestep: float) -> tuple[nn.Module, float]:
+        high = timestep >= self.scenario.boundary_ratio * 1000
+        return (self.transformer, self.scenario.guidance[0]) if high else (self.transformer_2, self.scenario.guidance[1])
+
+    @torch.no_grad()
+    def encode(self, prompt_ids: torch.Tensor, negative_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(self.text_proj(self.text_encoder(input_ids=ids).last_hidden_state) for ids in (prompt_ids, negative_ids))
+
+    def forward_pair(self, expert: nn.Module, latents: torch.Tensor, context, negative, timestep: float, guidance: float):
+        t = torch.full((1, expert.shape.dim), timestep / 1000, dtype=DTYPE, device=latents.device)
+        x = latents.to(DTYPE)
+        cond, uncond = expert(x, context, t).float(), expert(x, negative, t).float()
+        return uncond + guidance * (cond - uncond)
+
+    @torch.no_grad()
+    def denoise(self, latents: torch.Tensor, context: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+        scheduler = self.scheduler()
+        for timestep in scheduler.timesteps:
+            expert, guidance = self.expert_for(float(timestep))
+            noise = self.forward_pair(expert, latents, context, negative, float(timestep), guidance)
+            latents = scheduler.step(noise, timestep, latents).prev_sample
+        return latents
+
+    @torch.no_grad()
+    def warm_up(self, latents, context, negative) -> None:
+        """One step of each expert, in the order a video runs them: the streamer learns the order, and the host
+        pool ends holding the low-noise expert, as after a video (so a timed video starts in its steady state)."""
+        for expert in (self.transformer, self.transformer_2):
+            self.forward_pair(expert, latents, context, negative, 500.0, 1.0)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    prompt_ids: torch.Tensor
+    negative_ids: torch.Tensor
+    latents: torch.Tensor
+
+
+def build_pipeline(s: Scenario, device: torch.device) -> WanPipeline:
+    """The pipeline on the CPU (the host copy offload starts from); weights are drawn on `device` (fast on a GPU)."""
+    shape = dit_shape(s)
+    experts = [build_synthetic_dit(shape, s.blocks_per_expert, dtype=DTYPE, seed=seed, init_device=device) for seed in (0, 1)]
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []), torch.device(device):
+        torch.manual_seed(2)
+        text_encoder = UMT5EncoderModel(text_config(s)).to(DTYPE).eval()
+    return WanPipeline(text_encoder.to("cpu"), *experts, s).eval()
+
+
+def block_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def real_streamed_bytes() -> tuple[int, int]:
+    """(bytes of one real Wan 2.2 expert block, bytes of every real streamed block: 80 DiT + 24 UMT5 layers),
+    in bfloat16, counted on the meta device."""
+    with torch.device("meta"):
+        block = WanLikeBlock(MODEL_SHAPES["wan14b"])
+        text = UMT5EncoderModel(text_config(REAL_SIZES))
+    dit_block = sum(p.numel() for p in block.parameters()) * DTYPE.itemsize
+    text_blocks = sum(p.numel() for p in text.encoder.block.parameters()) * DTYPE.itemsize
+    return dit_block, 2 * REAL_SIZES.blocks_per_expert * dit_block + text_blocks
+
+
+def streamed_blocks(pipe: WanPipeline) -> list[nn.Module]:
+    return [*pipe.transformer.blocks, *pipe.transformer_2.blocks, *pipe.text_encoder.encoder.block]
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How the run maps onto the real machine."""
+
+    time_and_bytes: float
+    """S: a real block's bytes over a built one's; times and per-block bytes measured here, times S, are real."""
+    memory: float
+    """Real streamed bytes over built ones: memory sizes (the host budget, device and host use) scale by this
+    (S itself in the full scenario; more where a smoke run builds fewer blocks)."""
+    num_tokens: int
+    """Tokens of the scaled video, chosen so that a block's forward lasts the published compute / S."""
+    block_compute_s: float
+    """What one block's forward measured at that token count (target: block_compute_s / S)."""
+
+
+def calibrate_tokens(pipe: WanPipeline, target_s: float, context: torch.Tensor) -> tuple[int, float]:
+    """The token count at which a block's forward lasts `target_s` on this CPU (a few rounds of proportional
+    correction; compute is close to linear in tokens at these sizes)."""
+    block, dim = pipe.transformer.blocks[0], pipe.transformer.shape.dim
+    cond = torch.zeros(1, dim, dtype=DTYPE)
+    tokens, seconds = 64, 0.0
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(1, tokens, dim, generator=torch.Generator().manual_seed(0)).to(DTYPE)
+            block(x, context, cond)  # warm the allocator and caches at this size
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                block(x, context, cond)
+                times.append(time.perf_counter() - start)
+            seconds = statistics.median(times)
+            tokens = max(1, min(16384, round(tokens * target_s / seconds)))
+    return tokens, seconds
+
+
+def make_inputs(s: Scenario, num_tokens: int, dim: int, vocab: int, device: torch.device) -> Inputs:
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (2, s.text_tokens), generator=generator).to(device)
+    latents = torch.randn(1, num_tokens, dim, generator=generator).to(device)
+    return Inputs(ids[:1], ids[1:], latents)
+
+
+@dataclass(frozen=True)
+class Video:
+    """One timed video: its output and times, and the runtime's counters around the denoising loop."""
+
+    latents: torch.Tensor
+    encode_s: float
+    loop_s: float
+    before: Any = None
+    after: Any = None
+
+
+def timed_video(pipe: WanPipeline, inputs: Inputs, snapshot=lambda: None) -> Video:
+    device = inputs.latents.device
+    synchronize(device)  # timing boundaries: on a GPU every queued kernel and copy counts in its interval
+    start = time.perf_counter()
+    context, negative = pipe.encode(inputs.prompt_ids, inputs.negative_ids)
+    synchronize(device)
+    encoded = time.perf_counter()
+    before = snapshot()
+    latents = pipe.denoise(inputs.latents, context, negative)
+    synchronize(device)
+    end = time.perf_counter()
+    return Video(latents.cpu(), encoded - start, end - encoded, before, snapshot())
+
+
+def warm_up(pipe: WanPipeline, inputs: Inputs) -> None:
+    context, negative = pipe.encode(inputs.prompt_ids, inputs.negative_ids)
+    pipe.warm_up(inputs.latents, context, negative)
+
+
+@dataclass(frozen=True)
+class ExpertCompute:
+    """Per block of one expert: its forward's compute on the resident model (seconds), and the rest of a forward."""
+
+    block_s: list[float]
+    other_s: float
+
+
+def measure_experts(pipe: WanPipeline, inputs: Inputs) -> dict[str, ExpertCompute]:
+    context, _ = pipe.encode(inputs.prompt_ids, inputs.negative_ids)
+    x = inputs.latents.to(DTYPE)
+    out = {}
+    for path in ("transformer", "transformer_2"):
+        expert = getattr(pipe, path)
+        t = torch.full((1, expert.shape.dim), 0.5, dtype=DTYPE, device=x.device)
+        with torch.no_grad():
+            timings = measure_block_compute(lambda: expert(x, context, t), list(expert.blocks), x.device, num_forwards=3)
+        out[path] = ExpertCompute(timings.block_medians(), timings.other_median())
+    return out
+
+
+def offload_config(s: Scenario, scale: Scale, storage_dtype: str | None, disk_dir: str | None) -> dict[str, Any]:
+    """What a user of the target machine would write: the DiT and the text encoder streamed, the host budget the
+    machine's memory minus the reserve, float8 storage for the experts where asked. With `disk_dir` None: no
+    budget (everything in host memory; the float8 reference)."""
+    config: dict[str, Any] = {"mode": "layer", "components": ["dit", "text_encoder"]}
+    if disk_dir is not None:
+        config |= {"host_budget_gb": (s.host_gb - s.host_reserve_gb) / scale.memory, "disk_dir": disk_dir}
+    if storage_dtype is not None:
+        config["layer_options"] = {"dit": {"storage_dtype": storage_dtype}}
+    return config
+
+
+def refusal(config: dict[str, Any]) -> str | None:
+    """Why this tree refuses the config (float8 with the disk tier before it lands), or None."""
+    try:
+        parse_offload_config(config)
+    except OffloadConfigError as e:
+        return str(e)
+    return None
+
+
+@dataclass(frozen=True)
+class Offloaded:
+    video: Video
+    placement: Any
+    copy_s: float | None
+    """Median time of a DiT block's copy job on the CPU copy thread (the simulated link, plus any cast); None on
+    a GPU (its copies are timed on the device only with a trace)."""
+
+
+def run_offloaded(pipe: WanPipeline, inputs: Inputs, config: dict[str, Any], ctx: dict[str, Any], disk_gbps: float | None) -> Offloaded:
+    device = inputs.latents.device
+    simulated = {"simulated_link_gbps": ctx["scenario"].link_gbps, "simulated_disk_gbps": disk_gbps} if device.type == "cpu" else {}
+    handle = enable_offload(pipe, config, device, **simulated)
+    try:
+        warm_up(pipe, inputs)
+        video = timed_video(pipe, inputs, handle.stats)
+        copies = [i.end - i.start for i in handle.trace().lane("copy") if i.component in ("transformer", "transformer_2")]
+        return Offloaded(video, handle.placement, statistics.median(copies) if copies and device.type == "cpu" else None)
+    finally:
+        handle.disable()  # the pipeline is whole on the host again (and the spill files are gone) for the next row
+
+
+def predicted_loop_s(ctx: dict[str, Any], placement, transfer_s: float, disk_s: float) -> float:
+    """The bench ideal of the denoising loop: the resident loop plus, per forward, what the ideal of its blocks
+    (the longest of compute, link and disk per block, `ideal_forward_seconds_with_disk`) adds to their compute.
+    `transfer_s` and `disk_s` are one DiT block's copy and read. A disk block is read at every use, a pooled
+    block once per change of expert (the video before this one ended on the low-noise expert)."""
+    pipe, tier = ctx["pipe"], placement.host_tier
+    previous, extra = "transformer_2", 0.0
+    for timestep in pipe.scheduler().timesteps:
+        path = "transformer" if pipe.expert_for(float(timestep))[0] is pipe.transformer else "transformer_2"
+        c = ctx["compute"][path]
+        paths = [f"{path}.blocks.{i}" for i in range(len(c.block_s))]
+        for _ in range(2):  # classifier-free guidance: two forwards a step
+            reread = path != previous
+            disk = [disk_s if tier is not None and (tier.on_disk(p) or (reread and tier.pooled(p))) else 0.0 for p in paths]
+            ideal = ideal_forward_seconds_with_disk(c.block_s, [transfer_s] * len(paths), disk, c.other_s)
+            extra += ideal - (c.other_s + sum(c.block_s))
+            previous = path
+    return ctx["resident"].loop_s + extra
+
+
+def _delta(v: Video, name: str) -> float:
+    return getattr(v.after, name) - getattr(v.before, name)
+
+
+def _dit_paths(paths) -> list[str]:
+    return [p for p in paths if p.split(".")[0] in ("transformer", "transformer_2")]
+
+
+def tier_counts(placement, blocks_per_expert: int) -> dict[str, float]:
+    """Per expert: blocks in the host pool, held for the whole run, and read from disk at every use."""
+    tier = placement.host_tier
+    if tier is None:
+        return {"pooled_blocks_per_expert": 0, "host_blocks_per_expert": blocks_per_expert, "disk_blocks_per_expert": 0, "text_encoder_disk_blocks": 0}
+    pooled = tier.pool.block_paths if tier.pool is not None else ()
+    return {
+        "pooled_blocks_per_expert": len(_dit_paths(pooled)) / 2,
+        "host_blocks_per_expert": len(_dit_paths(tier.host_block_paths)) / 2,
+        "disk_blocks_per_expert": len(_dit_paths(tier.disk_block_paths)) / 2,
+        "text_encoder_disk_blocks": len([p for p in tier.disk_block_paths if p.startswith("text_encoder.")]),
+    }
+
+
+def row_figures(name: str, run: Offloaded, disk_gbps: float | None, reference: tuple[str, Video], ctx: dict[str, Any]) -> dict[str, Any]:
+    """A measured row: seconds per step scaled back against the resident loop (the ideal of a GPU that holds
+    everything) and the prediction, and the stage that bounds a block: the longest of its compute, its copy
+    (the link's time on the target machine; the copy job measured on the CPU) and its disk read."""
+    s, scale, v = ctx["scenario"], ctx["scale"], run.video
+    S, steps, on_disk = scale.time_and_bytes, s.steps, run.placement.host_tier is not None
+    link_bytes = round(_delta(v, "bytes_transferred") / max(_delta(v, "num_transfers"), 1))
+    transfer_s = transfer_seconds(link_bytes, ctx["link_gbps"])
+    disk_s = transfer_seconds(link_bytes, disk_gbps) if disk_gbps and on_disk else 0.0
+    predicted = predicted_loop_s(ctx, run.placement, transfer_s, disk_s) / steps * S
+    compute_s = statistics.mean(t for c in ctx["compute"].values() for t in c.block_s)
+    stages = {"compute": compute_s, "link": transfer_s if run.copy_s is None else max(transfer_s, run.copy_s), "disk": disk_s}
+    measured, ideal = v.loop_s / steps * S, ctx["resident"].loop_s / steps * S
+    row = {
+        "name": name, "status": "measured", "disk_gbps": disk_gbps,
+        "measured_s": measured, "predicted_s": predicted, "ideal_s": ideal, "x_ideal": measured / ideal,
+        "measured_over_predicted": measured / predicted,
+        "disk_gb_per_step": _delta(v, "disk_bytes_read") / steps * S / GB,
+        "link_gb_per_step": _delta(v, "bytes_transferred") / steps * S / GB,
+        "stall_s_per_step": _delta(v, "stall_seconds") / steps * S,
+        "disk_stall_s_per_step": _delta(v, "disk_stall_seconds") / steps * S,
+        "encode_s": v.encode_s * S,
+        "host_gb": (v.after.host_bytes + v.after.disk_staging_bytes) * scale.memory / GB,
+        "device_gb": v.after.device_bytes * S / GB,
+        **tier_counts(run.placement, s.blocks_per_expert),
+        "block_s": {k: t * S for k, t in stages.items()}, "bound": max(stages, key=stages.get),
+        "bit_identical": bool(torch.equal(v.latents, reference[1].latents)), "reference": reference[0],
+        "max_abs_diff_from_bfloat16": float((v.latents - ctx["resident"].latents).abs().max()),
+    }  # fmt: skip
+    if run.copy_s is not None:  # the same ideal with the copy job this CPU measured: what the simulation can reach
+        row["predicted_with_cpu_copy_s"] = predicted_loop_s(ctx, run.placement, max(transfer_s, run.copy_s), disk_s) / steps * S
+    return row
+
+
+def pending_row(name: str, disk_gbps: float | None, why: str) -> dict[str, Any]:
+    return {"name": name, "status": f"pending: float8 with the disk tier not available ({why})", "disk_gbps": disk_gbps,
+            "measured_s": None, "predicted_s": None, "x_ideal": None}  # fmt: skip
+
+
+def measure_rows(pipe: WanPipeline, inputs: Inputs, ctx: dict[str, Any], disk_dir: str) -> list[dict[str, Any]]:
+    """bfloat16 at each disk, then float8: a reference with everything in host memory (what its output must
+    equal bit for bit) and the same disks, or pending rows where this tree refuses float8 with the disk tier."""
+    s, scale = ctx["scenario"], ctx["scale"]
+    rows = []
+    for disk_gbps in s.disks_gbps:
+        run = run_offloaded(pipe, inputs, offload_config(s, scale, None, disk_dir), ctx, disk_gbps)
+        rows.append(row_figures(f"bfloat16@{disk_gbps:g}", run, disk_gbps, ("resident", ctx["resident"]), ctx))
+    fp8 = "float8_e4m3fn"
+    why = refusal(offload_config(s, scale, fp8, disk_dir))
+    if why is not None:
+        return rows + [pending_row(f"float8@{d:g}", d, why) for d in s.disks_gbps]
+    host = run_offloaded(pipe, inputs, offload_config(s, scale, fp8, None), ctx, None)
+    reference = ("float8 in host memory", host.video)
+    rows.append(row_figures("float8-host (reference, no budget)", host, None, reference, ctx))
+    for disk_gbps in s.disks_gbps:
+        run = run_offloaded(pipe, inputs, offload_config(s, scale, fp8, disk_dir), ctx, disk_gbps)
+        rows.append(row_figures(f"float8@{disk_gbps:g}", run, disk_gbps, reference, ctx))
+    return rows
+
+
+def prepare(s: Scenario, device: torch.device) -> tuple[WanPipeline, Inputs, Scale]:
+    """Build the scaled pipeline, take the scale from its bytes, and on a CPU calibrate the token count."""
+    pipe = build_pipeline(s, device)
+    real_block, real_streamed = real_streamed_bytes()
+    built_streamed = sum(block_bytes(b) for b in streamed_blocks(pipe))
+    S = real_block / block_bytes(pipe.transformer.blocks[0])
+    vocab, dim = pipe.text_encoder.config.vocab_size, pipe.transformer.shape.dim
+    if device.type != "cpu":  # real widths, real tokens: the device's own compute, nothing calibrated
+        return pipe, make_inputs(s, s.video_tokens, dim, vocab, device), Scale(S, real_streamed / built_streamed, s.video_tokens, 0.0)
+    probe = make_inputs(s, 1, dim, vocab, device)
+    context, _ = pipe.encode(probe.prompt_ids, probe.negative_ids)
+    tokens, measured = calibrate_tokens(pipe, s.block_compute_s / S, context)
+    return pipe, make_inputs(s, tokens, dim, vocab, device), Scale(S, real_streamed / built_streamed, tokens, measured)
+
+
+def run_resident(pipe: WanPipeline, inputs: Inputs, device_memory_gb: float) -> tuple[Video, dict[str, ExpertCompute]]:
+    """The ideal: every weight on the device (on a GPU before its memory is limited to the target's)."""
+    device = inputs.latents.device
+    pipe.to(device)
+    warm_up(pipe, inputs)
+    video, compute = timed_video(pipe, inputs), measure_experts(pipe, inputs)
+    pipe.to("cpu")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # give the resident weights back before the limit applies
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, device_memory_gb * GB / total), device)
+    return video, compute
+
+
+def run(s: Scenario, disk_dir: str, device: torch.device) -> dict[str, Any]:
+    pipe, inputs, scale = prepare(s, device)
+    resident, compute = run_resident(pipe, inputs, s.device_gb)
+    link_gbps = s.link_gbps if device.type == "cpu" else measure_link_gbps(device, block_bytes(pipe.transformer.blocks[0]))
+    ctx = {"scenario": s, "scale": scale, "pipe": pipe, "resident": resident, "compute": compute, "link_gbps": link_gbps}
+    rows = measure_rows(pipe, inputs, ctx, disk_dir)
+    S, steps = scale.time_and_bytes, s.steps
+    high = sum(1 for t in pipe.scheduler().timesteps if pipe.expert_for(float(t))[0] is pipe.transformer)
+    return {
+        "schema": "layerstream-headline/1",
+        "device": str(device), "simulated": device.type == "cpu",
+        "scenario": {**asdict(s), "high_noise_steps": high, "host_budget_gb": s.host_gb - s.host_reserve_gb, "link_gbps_used": link_gbps},
+        "scale": asdict(scale),
+        "ideal": {"source": "the resident loop: every weight on the device", "s_per_step": resident.loop_s / steps * S,
+                  "published_s_per_step": s.block_compute_s * 2 * s.blocks_per_expert, "encode_s": resident.encode_s * S},
+        "prediction_source": PREDICTION_SOURCE,
+        "rows": rows,
+    }  # fmt: skip
+
+
+def format_report(result: dict[str, Any]) -> str:
+    s, scale, ideal = result["scenario"], result["scale"], result["ideal"]
+    S = scale["time_and_bytes"]
+    where = (
+        f"CPU simulation, scaled by S = {S:.1f} (bytes and times): a block's compute {s['block_compute_s'] * 1e3:.0f} ms "
+        f"(published, one H100) / S = {s['block_compute_s'] / S * 1e3:.2f} ms, measured {scale['block_compute_s'] * 1e3:.2f} "
+        f"ms at {scale['num_tokens']} tokens"
+        if result["simulated"]
+        else f"device {result['device']} limited to {s['device_gb']:g} GB, real widths, {scale['num_tokens']} tokens, the real "
+        f"link ({s['link_gbps_used']:.1f} GB/s measured) and the disk under the spill folder (predicted at {s['disks_gbps'][0]:g} GB/s)"
+    )
+    lines = [
+        f"Wan 2.2 A14B, 720p x 81 frames: {s['steps']} steps ({s['high_noise_steps']} on the high-noise expert), two "
+        f"forwards a step, 2 x {s['blocks_per_expert']} blocks + UMT5 ({s['text_layers']} layers); {s['device_gb']:g} GB "
+        f"device, {s['host_gb']:g} GB host (budget {s['host_budget_gb']:g} GB), link {s['link_gbps']:g} GB/s, NVMe "
+        f"{' and '.join(f'{d:g}' for d in s['disks_gbps'])} GB/s",
+        where,
+        f"ideal (a GPU that holds everything, measured resident): {ideal['s_per_step']:.2f} s / step (published: "
+        f"{ideal['published_s_per_step']:.2f}); the encoder once: {ideal['encode_s']:.2f} s",
+        f"prediction: {result['prediction_source']}",
+        "",
+        "| row | s / step | x ideal | predicted s / step | measured / predicted | disk GB / step | per expert: pooled, held, on disk | host GB | bound (s per block: compute, link, disk) | stall s / step | = reference |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        if r["status"] != "measured":
+            lines.append(f"| {r['name']} | {r['status']} |  |  |  |  |  |  |  |  |  |")
+            continue
+        b = r["block_s"]
+        lines.append(
+            f"| {r['name']} | {r['measured_s']:.2f} | **{r['x_ideal']:.3f}** | {r['predicted_s']:.2f} | "
+            f"{r['measured_over_predicted']:.3f} | {r['disk_gb_per_step']:.2f} | {r['pooled_blocks_per_expert']:g}, "
+            f"{r['host_blocks_per_expert']:g}, {r['disk_blocks_per_expert']:g} | {r['host_gb']:.1f} | {r['bound']} "
+            f"({b['compute']:.3f}, {b['link']:.3f}, {b['disk']:.3f}) | {r['stall_s_per_step']:.2f} | "
+            f"{'yes' if r['bit_identical'] else 'NO'} ({r['reference']}) |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="a tiny scale that runs in seconds (checks the output's shape only)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON on stdout, nothing else")
+    parser.add_argument("--device", default="cpu", help="cpu (the simulation) or cuda (real widths and tokens, the real link and disk)")
+    parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: 40, Wan 2.2's; --smoke: 4)")
+    parser.add_argument("--disk-gbps", type=float, default=None, help="GPU only: the drive's rating, for the prediction (default 7)")
+    parser.add_argument("--disk-dir", default=None, help="spill files go here (default: a temporary folder; on a GPU put it on the NVMe)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU compute threads (default: all cores but one)")
+    parser.add_argument("--block-compute-s", type=float, default=None, help=f"CPU only: a real block forward's compute (default {PUBLISHED_BLOCK_SECONDS:.3f}: one H100)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    scenario = check_args(parser, args, device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads or max(1, torch.get_num_threads() - 1))  # a core for the copy and read threads
+    with tempfile.TemporaryDirectory(prefix="layerstream-headline-", dir=args.disk_dir) as tmp:
+        result = run(scenario, tmp, device)
+    result["smoke"] = args.smoke
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    measured = [r for r in result["rows"] if r["status"] == "measured"]
+    return 0 if all(r["bit_identical"] for r in measured) else 1
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, device: torch.device) -> Scenario:
+    """The scenario the flags select, or a parser error naming the flag, before anything is built."""
+    for flag, value in (("--steps", args.steps), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} = {value!r} is not valid; expected an integer >= 1")
+    for flag, value in (("--disk-gbps", args.disk_gbps), ("--block-compute-s", args.block_compute_s)):
+        if value is not None and not value > 0:
+            parser.error(f"{flag} = {value!r} is not valid; expected a number > 0")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device = {args.device!r} is not valid; expected cpu or cuda")
+    if device.type == "cuda" and (args.smoke or args.block_compute_s is not None):
+        parser.error("--smoke and --block-compute-s are for the CPU simulation; on a GPU the device computes")
+    if device.type == "cpu" and args.disk_gbps is not None:
+        parser.error("--disk-gbps is for a GPU run's prediction; the CPU simulation runs every disk of the scenario")
+    scenario = SMOKE if args.smoke else FULL
+    if device.type == "cuda":
+        scenario = replace(scenario, width_divisor=1, disks_gbps=(args.disk_gbps or 7.0,))
+    if args.steps is not None:
+        scenario = replace(scenario, steps=args.steps)
+    if args.block_compute_s is not None:
+        scenario = replace(scenario, block_compute_s=args.block_compute_s)
+    return scenario
+
+
+if __name__ == "__main__":
+    sys.exit(main())

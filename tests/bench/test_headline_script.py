@@ -1,0 +1,67 @@
+"""`benchmarks/headline.py --smoke --json` runs (a tiny scale, seconds of simulated link and disk): the JSON has
+the rows the README documents, every measured row's output is bit-identical to its reference (bfloat16: the
+resident pipeline; float8: float8 with everything in host memory), and the bfloat16 rows really use the disk
+tier (blocks on disk, bytes read from disk every step, a host pool shared by the experts). Times are not
+asserted (they live in benchmarks/README.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "headline.py"
+
+
+@pytest.fixture
+def module(monkeypatch):
+    spec = importlib.util.spec_from_file_location("headline_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_smoke_run_gives_every_row_with_outputs_equal_to_their_reference(module, tmp_path, capsys):
+    threads = torch.get_num_threads()
+    try:
+        code = module.main(["--smoke", "--json", "--disk-dir", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)  # the script leaves a core to the copy and read threads
+    result = json.loads(capsys.readouterr().out)  # --json: nothing but the JSON on stdout
+    assert code == 0
+    assert result["schema"] == "layerstream-headline/1" and result["smoke"] and result["simulated"]
+    assert result["scale"]["time_and_bytes"] > 1 and result["ideal"]["s_per_step"] > 0
+    rows = {r["name"]: r for r in result["rows"]}
+    assert {"bfloat16@3", "bfloat16@7", "float8@3", "float8@7"} <= set(rows)
+    for row in rows.values():
+        assert {"x_ideal", "predicted_s", "measured_s", "status"} <= set(row)
+    for name in ("bfloat16@3", "bfloat16@7"):
+        row = rows[name]
+        assert row["status"] == "measured" and row["bit_identical"] and row["reference"] == "resident"
+        assert row["x_ideal"] == pytest.approx(row["measured_s"] / row["ideal_s"])
+        assert row["predicted_s"] > 0 and row["disk_blocks_per_expert"] > 0 and row["pooled_blocks_per_expert"] > 0
+        assert row["disk_gb_per_step"] > 0  # the disk tier is read every step, not only at enable
+    for name in ("float8@3", "float8@7"):
+        row = rows[name]
+        if row["status"] == "measured":
+            assert row["bit_identical"] and row["reference"] == "float8 in host memory"
+            assert row["link_gb_per_step"] < rows["bfloat16@3"]["link_gb_per_step"]  # float8 moves fewer bytes
+        else:
+            assert row["status"].startswith("pending: float8 with the disk tier not available")
+            assert row["measured_s"] is None
+    assert not any(tmp_path.rglob("*.block"))  # disable removed every spill file
+
+
+def test_bad_flags_are_refused_before_anything_is_built(module, capsys):
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--steps", "0"])
+    assert exc.value.code == 2
+    assert "--steps = 0 is not valid; expected an integer >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        module.main(["--disk-gbps", "3"])
+    assert "--disk-gbps is for a GPU run" in capsys.readouterr().err
