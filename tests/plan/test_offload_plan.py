@@ -11,11 +11,12 @@ import torch.nn as nn
 
 from layerstream.plan.offload_plan import OffloadPlan, OffloadPlanError, get_offload_plan
 
-MAP_OF_PATHS_FIELDS = ("block_attrs", "encoder_block_attrs")
+MAP_OF_PATHS_FIELDS = ("block_attrs", "encoder_block_attrs", "encoder_host_resident_table_attrs")
 MAP_OF_STR_FIELDS = ("offload_submodules", "encoder_component_types")
 SET_FIELDS = ("resident_dit_paths", "encoder_dlo_weight_replication", "on_demand_component_paths")
-MAPPING_FIELDS = MAP_OF_PATHS_FIELDS + MAP_OF_STR_FIELDS
-ALL_FIELDS = MAPPING_FIELDS + SET_FIELDS
+MAPPING_FIELDS = MAP_OF_PATHS_FIELDS + MAP_OF_STR_FIELDS + ("layerwise_resident_layers",)
+TUPLE_FIELDS = ("resident_paths", "components", "phases", "legacy_selections")
+ALL_FIELDS = MAPPING_FIELDS + SET_FIELDS + TUPLE_FIELDS
 
 FULL_PLAN_KWARGS = {
     "block_attrs": {"transformer": ("blocks",), "transformer_2": ["blocks", "single_blocks"]},
@@ -25,6 +26,12 @@ FULL_PLAN_KWARGS = {
     "encoder_block_attrs": {"text_encoder": ["encoder.block"]},
     "encoder_dlo_weight_replication": {"text_encoder"},
     "on_demand_component_paths": ("prompt_enhancer",),
+    "layerwise_resident_layers": {"transformer": 2},
+    "resident_paths": ["transformer.pos_embed"],
+    "components": ["spec"],
+    "phases": ("phase",),
+    "legacy_selections": ("selection",),
+    "encoder_host_resident_table_attrs": {"text_encoder": ["shared"]},
 }
 
 
@@ -41,6 +48,12 @@ def test_fields_are_exactly_the_public_ones():
         "encoder_block_attrs",
         "encoder_dlo_weight_replication",
         "on_demand_component_paths",
+        "layerwise_resident_layers",
+        "resident_paths",
+        "components",
+        "phases",
+        "legacy_selections",
+        "encoder_host_resident_table_attrs",
     )
 
 
@@ -51,6 +64,8 @@ def test_defaults_are_empty():
     for name in SET_FIELDS:
         assert getattr(plan, name) == frozenset(), name
         assert isinstance(getattr(plan, name), frozenset), name
+    for name in TUPLE_FIELDS:
+        assert getattr(plan, name) == (), name
     assert plan == OffloadPlan()
 
 
@@ -73,8 +88,13 @@ def test_every_field_is_accepted_and_normalized():
     assert type(plan.encoder_block_attrs["text_encoder"]) is tuple
     assert plan.encoder_dlo_weight_replication == frozenset({"text_encoder"})
     assert plan.on_demand_component_paths == frozenset({"prompt_enhancer"})
+    assert dict(plan.layerwise_resident_layers) == {"transformer": 2}
+    assert plan.resident_paths == ("transformer.pos_embed",)
+    assert (plan.components, plan.phases, plan.legacy_selections) == (("spec",), ("phase",), ("selection",))
+    assert dict(plan.encoder_host_resident_table_attrs) == {"text_encoder": ("shared",)}
     for name in SET_FIELDS:
         assert type(getattr(plan, name)) is frozenset, name
+    assert OffloadPlan(layerwise_resident_layers=3).layerwise_resident_layers == 3  # one count for every resident DiT
 
 
 @pytest.mark.parametrize("value", [["a", "b"], ("a", "b"), {"a", "b"}, frozenset({"a", "b"})])
@@ -160,6 +180,12 @@ BAD_VALUES = {
     "resident_dit_paths": [None, "transformer", {"transformer": True}, [1], [""], 5, ["transformer", None]],
     "encoder_dlo_weight_replication": [None, "text_encoder", {"te": "te"}, [b"te"], [""]],
     "on_demand_component_paths": [None, "prompt_enhancer", (i for i in ["a"]), [3.0], [""]],
+    "layerwise_resident_layers": [None, -1, True, 2.0, "2", {"transformer": -1}, {"transformer": True}, {"": 1}, ["transformer"]],
+    "resident_paths": [None, "transformer", [1], [""], {"transformer": 1}],
+    "components": [None, "spec", {"a": 1}, 3],
+    "phases": [None, "denoise", {"a": 1}],
+    "legacy_selections": [None, "layerwise", {"a": 1}],
+    "encoder_host_resident_table_attrs": [None, {"te": "shared"}, {"te": ()}, ("shared",)],
 }
 BAD_CASES = [(name, value) for name, values in BAD_VALUES.items() for value in values]
 
@@ -188,10 +214,11 @@ def test_a_bare_string_set_field_is_not_split_into_characters():
         OffloadPlan(resident_dit_paths="transformer")
 
 
-def test_fields_are_positional_in_declared_order():
-    # vllm-omni's OffloadPlan is a plain dataclass; positional construction must mean the same thing.
-    plan = OffloadPlan({"transformer": ("blocks",)})
-    assert dict(plan.block_attrs) == {"transformer": ("blocks",)}
+def test_positional_construction_is_refused_with_a_clear_error():
+    # vllm-omni's versions order their fields differently (its current one starts with `components`), so a
+    # positional plan has no one meaning: it is refused, naming the keyword form.
+    with pytest.raises(OffloadPlanError, match=r"keyword arguments only \(block_attrs, .*1 positional"):
+        OffloadPlan({"transformer": ("blocks",)})
 
 
 # --- get_offload_plan -------------------------------------------------------------------------------------

@@ -276,8 +276,10 @@ def test_on_demand_components():
     plan = OffloadPlan(on_demand_component_paths=frozenset({"prompt_enhancer"}))
     cls = pipeline_class("OnDemandPipeline", _offload_plan=plan)
     pipe = cls(transformer=ToyDiT(), prompt_enhancer=OnDemand())
-    for config in (DIT, {"mode": "module", "components": ["dit"]}):
-        assert resolve_offload_plan(pipe, config).component("prompt_enhancer").action == "on_demand"
+    for config in (DIT, {"mode": "module", "components": ["dit"]}):  # not selected: stays resident
+        comp = resolve_offload_plan(pipe, config).component("prompt_enhancer")
+        assert (comp.action, comp.on_demand) == ("resident", False)
+    assert "offload_to_cpu() is not called" in resolve_offload_plan(pipe, DIT).component("prompt_enhancer").reason
 
 
 # --- actions and options -----------------------------------------------------------------------------------

@@ -61,10 +61,13 @@ def test_class_attribute_errors_name_the_class_and_path():
         resolve_offload_plan(ToyPipeline(transformer=StringDiT()), DIT)
 
 
-def test_a_declared_component_that_does_not_exist():
+def test_a_declared_component_that_does_not_exist_is_skipped_and_named_when_the_selection_fails():
+    # declared but absent is skipped, as vllm-omni skips it (tests/plan/test_vllm_omni_compat_more.py); where
+    # nothing else fits the selection, the error names the absent declaration
     cls = pipeline_class("TypoPipeline", _offload_plan=OffloadPlan(block_attrs={"transformr": ("blocks",)}))
-    with raises_naming("TypoPipeline", "transformr", "_offload_plan.block_attrs", "no such attribute"):
-        resolve_offload_plan(cls(transformer=ToyDiT()), DIT)
+    assert [a.path for a in resolve_offload_plan(cls(transformer=ToyDiT()), DIT).absent] == ["transformr"]
+    with raises_naming("TypoPipeline", "no dit component", "declared but absent: transformr", "_offload_plan.block_attrs"):
+        resolve_offload_plan(cls(proj=nn.Linear(2, 2)), DIT)
 
 
 def test_a_block_claimed_by_two_stacks():

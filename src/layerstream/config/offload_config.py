@@ -70,6 +70,13 @@ class LayerOptions:
     storage_dtype: str | None = None
     """None: blocks stream in their own dtypes. "float8_e4m3fn" / "float8_e5m2": the weights diffusers'
     layerwise casting would cast are stored (and moved) in that dtype and cast back on the device (lossy)."""
+    resident_layers_given: bool = False
+    """Whether the config names `resident_layers` (always, for a value other than 0). Where it does not, a DiT's
+    own declared count (`OffloadPlan.layerwise_resident_layers`) applies; an explicit 0 streams every block."""
+
+    def __post_init__(self) -> None:
+        if self.resident_layers != 0:
+            object.__setattr__(self, "resident_layers_given", True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,7 +124,8 @@ class OffloadConfig:
         return self.layer_options.get(component, LayerOptions())
 
     def to_dict(self) -> dict[str, Any]:
-        """The config as plain JSON data (defaults filled in), for reports and round trips."""
+        """The config as plain JSON data (defaults filled in, but `resident_layers` only where given), for reports
+        and round trips."""
         out: dict[str, Any] = {"mode": self.mode, "components": list(self.components), "pin_memory": self.pin_memory}
         if self.layer_options:
             out["layer_options"] = {name: _options_dict(name, opts) for name, opts in self.layer_options.items()}
@@ -133,7 +141,11 @@ class OffloadConfig:
 def _options_dict(component: str, opts: LayerOptions) -> dict[str, Any]:
     # Only keys the parser accepts for this component, so that to_dict() always parses back.
     allowed = _COMMON_OPTION_KEYS + (_DIT_ONLY_OPTION_KEYS if component == "dit" else ())
-    return {k: v for k, v in vars(opts).items() if k in allowed and v is not None}
+    # resident_layers only where given: left out, a DiT's own declared count applies (parsed back the same)
+    given = {k: v for k, v in vars(opts).items() if k in allowed and v is not None}
+    if not opts.resident_layers_given:
+        given.pop("resident_layers", None)
+    return given
 
 
 def _rebuild(cls: type, kwargs: dict[str, Any]) -> Any:
@@ -316,6 +328,7 @@ def _parse_layer_options(component: str, raw: Any) -> LayerOptions:
     return LayerOptions(
         weight_transfer=weight_transfer,
         resident_layers=resident_layers,
+        resident_layers_given="resident_layers" in raw,
         prefetch_depth=prefetch_depth,
         device_budget_gb=budget,
         activation_reserve_gb=reserve,

@@ -79,7 +79,7 @@ def enumerate_components(
     named children, or the object itself (path ``""``) when it is a bare model: an nn.Module that declares
     nothing and holds a discoverable block list of its own. `declared` (path -> who declared it, for error
     messages) adds dotted paths; a declared path replaces the base component it lies inside. Declared paths
-    that hold None (an optional component that is not loaded) are skipped.
+    the instance does not hold (`declared_absent`) are skipped.
     """
     registry = getattr(pipeline, "components", None)
     if isinstance(registry, Mapping):
@@ -95,7 +95,8 @@ def enumerate_components(
             f"{type(pipeline).__name__} is neither a diffusers pipeline (a `components` dict) nor an nn.Module",
         )
 
-    extra = _declared_modules(pipeline, declared, pipeline_class)
+    absent = declared_absent(pipeline, declared)
+    extra = _declared_modules(pipeline, {p: o for p, o in declared.items() if p not in absent}, pipeline_class)
     out: dict[str, nn.Module] = {}
     for name, module in base:
         inside = [p for p in extra if p.startswith(name + ".")]
@@ -108,17 +109,23 @@ def enumerate_components(
     return out
 
 
+def declared_absent(root: Any, declared: Collection[str]) -> dict[str, str]:
+    """Declared path -> what stands there instead, for each path the instance does not hold: None (diffusers'
+    optional components that are not loaded) or a missing attribute anywhere along the path."""
+    absent: dict[str, str] = {}
+    for path in declared:
+        try:
+            if lookup(root, path) is None:
+                absent[path] = "it is None"
+        except AttributeError as e:
+            absent[path] = str(e)
+    return absent
+
+
 def _declared_modules(pipeline: Any, declared: Mapping[str, str], pipeline_class: str) -> dict[str, nn.Module]:
     modules: dict[str, nn.Module] = {}
     for path, origin in declared.items():
-        try:
-            module = lookup(pipeline, path)
-        except AttributeError as e:
-            raise resolution_error(
-                pipeline_class, path, f"declared in {origin} but the pipeline has no such attribute ({e})"
-            ) from e
-        if module is None:
-            continue
+        module = lookup(pipeline, path)
         if not isinstance(module, nn.Module):
             raise resolution_error(
                 pipeline_class, path, f"declared in {origin} but it is {type(module).__name__}; expected an nn.Module"

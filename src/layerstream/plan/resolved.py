@@ -81,6 +81,10 @@ class ResolvedComponent:
     experts, `PipelineFamily.alternating_dits`): under ``host_budget_gb`` they share one host pool."""
     reason: str = ""
     """Why `action` was chosen, as a phrase (``"image encoders stay resident in layer mode: ..."``)."""
+    on_demand: bool = False
+    """The pipeline manages this component's residency (``on_demand_component_paths``, selected in layer mode):
+    enabling calls its ``offload_to_cpu()`` once (before streaming its blocks, if it has any) and disabling calls
+    its ``load_to_device()`` once."""
 
     @property
     def block_bytes(self) -> int:
@@ -96,12 +100,26 @@ class ResolvedComponent:
 
 
 @dataclass(frozen=True)
+class AbsentComponent:
+    """A path a declaration names that this pipeline instance does not hold (diffusers sets optional components
+    to None; a dotted path may miss a middle part): skipped, not an error."""
+
+    path: str
+    declared_in: str
+    """Where it was declared (``"_offload_plan.block_attrs"``, ``"_dit_modules"`` ...)."""
+    why: str
+    """What was found instead (``"it is None"``, ``"Pipe has no attribute 'transformer_2'"``)."""
+
+
+@dataclass(frozen=True)
 class ResolvedOffloadPlan:
     """The resolver's answer for one pipeline and one config. Pure data: no module references."""
 
     pipeline_class: str
     config: OffloadConfig
     components: tuple[ResolvedComponent, ...]
+    absent: tuple[AbsentComponent, ...] = ()
+    """Declared paths this instance does not hold (skipped; `layerstream plan` lists them)."""
 
     def component(self, path: str) -> ResolvedComponent:
         for comp in self.components:
@@ -132,6 +150,7 @@ class ResolvedOffloadPlan:
                     "weight_transfer": c.weight_transfer,
                     "alternates": c.alternates,
                     "storage_dtype": c.storage_dtype,
+                    "on_demand": c.on_demand,
                     "stacks": [
                         {
                             "name": s.qualified_name,
@@ -144,6 +163,7 @@ class ResolvedOffloadPlan:
                 }
                 for c in self.components
             ],
+            "absent": [{"path": a.path, "declared_in": a.declared_in, "why": a.why} for a in self.absent],
         }
 
 

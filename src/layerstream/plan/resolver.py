@@ -10,6 +10,7 @@ Modules are only read: no tensor moves, no hook is installed, no attribute chang
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -23,14 +24,29 @@ from layerstream.plan.discovery import (
     block_list_at,
     categorize,
     class_block_attrs,
+    declared_absent,
     declared_paths,
     enumerate_components,
     find_block_lists,
     resolution_error,
     tensor_bytes,
 )
-from layerstream.plan.offload_plan import ENCODER_TYPES, OffloadPlan, get_offload_plan
-from layerstream.plan.resolved import BlockStack, ResolvedComponent, ResolvedOffloadPlan, join_path, lookup
+from layerstream.plan.offload_plan import (
+    ENCODER_TYPES,
+    UNSUPPORTED_FIELDS,
+    OffloadPlan,
+    declared_resident_layers,
+    get_offload_plan,
+    unsupported_fields,
+)
+from layerstream.plan.resolved import (
+    AbsentComponent,
+    BlockStack,
+    ResolvedComponent,
+    ResolvedOffloadPlan,
+    join_path,
+    lookup,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +108,8 @@ class _Declarations:
         self.encoder_types = {**self.builtin.encoder_component_types, **self.plan.encoder_component_types}
         self.dit_paths = frozenset(self.plan.block_attrs) | set(self.builtin.block_attrs) | set(self.dit_modules)
         self.offload_submodules = {**self.builtin.offload_submodules, **self.plan.offload_submodules}
+        self.resident_counts = {**declared_resident_layers(self.builtin), **declared_resident_layers(self.plan)}
+        """DiT path -> leading blocks its model keeps on the device unless the config says otherwise."""
         family = builtin_family_for(pipeline)
         # only DiTs the built-in plan still describes: one the pipeline redeclared may run otherwise
         self.alternating = frozenset(p for p in (family.alternating_dits if family else ()) if p in self.builtin.block_attrs)
@@ -103,6 +121,8 @@ class _Declarations:
             for field in ("block_attrs", "encoder_component_types", "encoder_block_attrs"):
                 for path in getattr(plan, field):
                     out.setdefault(path, f"{owner}.{field}")
+            for path in declared_resident_layers(plan):
+                out.setdefault(path, f"{owner}.layerwise_resident_layers")
             for field in ("resident_dit_paths", "encoder_dlo_weight_replication", "on_demand_component_paths"):
                 for path in sorted(getattr(plan, field)):
                     out.setdefault(path, f"{owner}.{field}")
@@ -116,7 +136,24 @@ class _Declarations:
         return out
 
     def check(self) -> None:
-        """Reject declarations that contradict themselves, before any module is read."""
+        """Reject declarations that contradict themselves or ask for what layerstream lacks, before any module is
+        read."""
+        for name, value in unsupported_fields(self.plan).items():
+            raise resolution_error(
+                self.pipeline_class,
+                f"_offload_plan.{name}",
+                f"_offload_plan.{name} = {value!r} declares {UNSUPPORTED_FIELDS[name]}, which layerstream does not "
+                f"support; remove it (leave {name} empty) and describe the components with block_attrs, "
+                "encoder_block_attrs and the pipeline's role lists",
+            )
+        counts = self.plan.layerwise_resident_layers
+        if isinstance(counts, int) and counts and not self.plan.resident_dit_paths:
+            raise resolution_error(
+                self.pipeline_class,
+                "_offload_plan.layerwise_resident_layers",
+                f"_offload_plan.layerwise_resident_layers = {counts} applies to the DiTs in resident_dit_paths, but "
+                "it lists none; list them there, or give a dict of DiT path -> count",
+            )
         for path, kind in self.plan.encoder_component_types.items():
             if kind not in ENCODER_TYPES:
                 allowed = ", ".join(repr(t) for t in ENCODER_TYPES)
@@ -153,7 +190,11 @@ class _Declarations:
         return None
 
     def resident_allowed(self, path: str) -> bool:
-        return path in self.plan.resident_dit_paths or path in self.builtin.resident_dit_paths
+        return path in self.plan.resident_dit_paths or path in self.builtin.resident_dit_paths or path in self.resident_counts
+
+    def declared_resident(self, path: str) -> bool:
+        """Whether `path` is (inside) a module the pipeline's ``resident_paths`` keeps on the device."""
+        return any(path == p or path.startswith(p + ".") for p in self.plan.resident_paths)
 
     def replicated(self, path: str) -> bool:
         return path in self.plan.encoder_dlo_weight_replication or path in self.builtin.encoder_dlo_weight_replication
@@ -169,15 +210,14 @@ def _without_components(plan: OffloadPlan, paths: set[str]) -> OffloadPlan:
     def outside(path: str) -> bool:
         return not any(path == p or path.startswith(p + ".") for p in paths)
 
-    return OffloadPlan(
-        block_attrs={k: v for k, v in plan.block_attrs.items() if outside(k)},
-        offload_submodules={k: v for k, v in plan.offload_submodules.items() if outside(k)},
-        resident_dit_paths=frozenset(filter(outside, plan.resident_dit_paths)),
-        encoder_component_types={k: v for k, v in plan.encoder_component_types.items() if outside(k)},
-        encoder_block_attrs={k: v for k, v in plan.encoder_block_attrs.items() if outside(k)},
-        encoder_dlo_weight_replication=frozenset(filter(outside, plan.encoder_dlo_weight_replication)),
-        on_demand_component_paths=frozenset(filter(outside, plan.on_demand_component_paths)),
-    )
+    kept: dict[str, Any] = {}
+    for f in dataclasses.fields(plan):
+        value = getattr(plan, f.name)
+        if isinstance(value, Mapping):
+            kept[f.name] = {k: v for k, v in value.items() if outside(k)}
+        elif isinstance(value, frozenset) or f.name == "resident_paths":
+            kept[f.name] = type(value)(filter(outside, value))
+    return dataclasses.replace(plan, **kept)
 
 
 def resolve_offload_plan(pipeline: Any, config: OffloadConfig | Mapping | str) -> ResolvedOffloadPlan:
@@ -193,20 +233,25 @@ def resolve_offload_plan(pipeline: Any, config: OffloadConfig | Mapping | str) -
     decl = _Declarations(pipeline, pipeline_class)
     decl.check()
 
-    found = _discover(pipeline, decl)
+    found, absent = _discover(pipeline, decl)
     _check_block_claims(pipeline_class, found)
+    _check_on_demand_methods(pipeline_class, decl, found)
     components = tuple(_decide(pipeline_class, decl, config, item) for item in found)
-    _check_selection(pipeline_class, config, found, components)
-    return ResolvedOffloadPlan(pipeline_class=pipeline_class, config=config, components=components)
+    absent += _check_resident_paths(pipeline, decl, components)
+    _check_selection(pipeline_class, config, found, components, absent)
+    return ResolvedOffloadPlan(pipeline_class=pipeline_class, config=config, components=components, absent=absent)
 
 
 # --- pass 1: discovery -------------------------------------------------------------------------------------
 
 
-def _discover(pipeline: Any, decl: _Declarations) -> list[_Found]:
+def _discover(pipeline: Any, decl: _Declarations) -> tuple[list[_Found], tuple[AbsentComponent, ...]]:
+    """(every component found, the declared ones this instance does not hold)."""
     cls = decl.pipeline_class
-    modules = enumerate_components(pipeline, decl.component_paths(), cls)
-    submodules = _submodule_owners(pipeline, decl, modules)
+    declared = decl.component_paths()
+    modules = enumerate_components(pipeline, declared, cls)
+    absent = tuple(_absent(cls, path, declared[path], why) for path, why in declared_absent(pipeline, declared).items())
+    submodules = _submodule_owners(pipeline, decl, modules, {a.path for a in absent})
     found: list[_Found] = []
     for path, module in modules.items():
         category = "dit" if path == "" else _category(decl, path)  # "": a bare model, handed in as the DiT
@@ -232,7 +277,13 @@ def _discover(pipeline: Any, decl: _Declarations) -> list[_Found]:
         }
         logger.debug("%s: %s is %s, %d block lists from %s", cls, path or "<model>", category, len(stacks), source)
         found.append(_Found(path, module, category, source, stacks, block_modules))
-    return found
+    return found, absent
+
+
+def _absent(pipeline_class: str, path: str, declared_in: str, why: str) -> AbsentComponent:
+    # vllm-omni skips these too: diffusers pipelines hold None for optional components that are not loaded
+    logger.debug("%s: %s, declared in %s, is absent (%s): skipped", pipeline_class, path, declared_in, why)
+    return AbsentComponent(path, declared_in, why)
 
 
 def _category(decl: _Declarations, path: str) -> str:
@@ -251,11 +302,17 @@ def _category(decl: _Declarations, path: str) -> str:
             f"listed in _offload_plan.resident_dit_paths but it is {category!r}; only DiTs (block_attrs keys, "
             "_dit_modules, or a name starting with 'transformer') may keep resident layers",
         )
+    if path in decl.resident_counts and category != "dit":
+        raise resolution_error(
+            decl.pipeline_class,
+            path,
+            f"listed in layerwise_resident_layers but it is {category!r}; only DiTs keep resident layers",
+        )
     return category
 
 
 def _submodule_owners(
-    pipeline: Any, decl: _Declarations, modules: Mapping[str, nn.Module]
+    pipeline: Any, decl: _Declarations, modules: Mapping[str, nn.Module], absent: set[str]
 ) -> dict[str, tuple[str, nn.Module, str]]:
     """Full pipeline path of each `offload_submodules` entry -> (the component it lies in, the submodule, its
     block-list attribute). An entry is a pipeline path (``"transformer.token_refiner"``) or, as vllm-omni keys
@@ -269,6 +326,9 @@ def _submodule_owners(
             paths = {key: max(owners, key=len)}
         else:
             paths = {f"{dit}.{key}": dit for dit in dits if _has_path(modules[dit], key)}
+        if not paths and any(key.startswith(p + ".") for p in absent):
+            logger.debug("%s: %s[%r] lies in an absent component: skipped", decl.pipeline_class, origin, key)
+            continue
         if not paths:
             raise resolution_error(
                 decl.pipeline_class,
@@ -371,23 +431,41 @@ def _check_block_claims(pipeline_class: str, found: list[_Found]) -> None:
                 )
 
 
+def _check_on_demand_methods(pipeline_class: str, decl: _Declarations, found: list[_Found]) -> None:
+    """An on-demand component implements the two calls the pipeline's residency goes through (checked whether or
+    not this config will make them: the declaration is wrong either way)."""
+    for item in found:
+        if item.path not in decl.on_demand_paths:
+            continue
+        missing = [m for m in ON_DEMAND_METHODS if not callable(getattr(item.module, m, None))]
+        if missing:
+            raise resolution_error(
+                pipeline_class,
+                item.path,
+                f"listed in on_demand_component_paths but {type(item.module).__name__} has no callable "
+                f"{' or '.join(f'{m}()' for m in missing)}; an on-demand component must implement "
+                f"{' and '.join(f'{m}()' for m in ON_DEMAND_METHODS)}",
+            )
+
+
 # --- pass 3: apply the config ------------------------------------------------------------------------------
 
 
 def _decide(pipeline_class: str, decl: _Declarations, config: OffloadConfig, item: _Found) -> ResolvedComponent:
-    action = _action(pipeline_class, decl, config, item)
+    action = _action(decl, config, item)
     is_dit = item.category == "dit"
     resident_allowed = is_dit and (decl.resident_allowed(item.path) or item.source == "auto")
     replicated = is_dit or decl.replicated(item.path)
     extra: dict[str, Any] = {}
     if action == "stream":
         options = config.options_for(item.category)
-        _check_stream_options(pipeline_class, item, options, resident_allowed, replicated)
+        resident = _resident_layers(decl, options, item)
+        _check_stream_options(pipeline_class, item, options, resident, resident_allowed, replicated)
         extra = {
             "weight_transfer": options.weight_transfer,
             "prefetch_depth": options.prefetch_depth,
             "storage_dtype": options.storage_dtype,
-            "resident_layers": options.resident_layers,
+            "resident_layers": resident,
         }
     return ResolvedComponent(
         path=item.path,
@@ -400,39 +478,55 @@ def _decide(pipeline_class: str, decl: _Declarations, config: OffloadConfig, ite
         resident_allowed=resident_allowed,
         replicated=replicated,
         alternates=is_dit and item.path in decl.alternating,
-        reason=_reason(action, config, item),
+        reason=_reason(action, decl, config, item, extra.get("resident_layers", 0)),
+        on_demand=action in ("stream", "on_demand") and item.path in decl.on_demand_paths,
         **extra,
     )
 
 
-def _action(pipeline_class: str, decl: _Declarations, config: OffloadConfig, item: _Found) -> str:
-    # the pipeline manages these itself, in either mode; offloading them as well would fight it
-    if item.path in decl.on_demand_paths:
-        missing = [m for m in ON_DEMAND_METHODS if not callable(getattr(item.module, m, None))]
-        if missing:
-            raise resolution_error(
-                pipeline_class,
-                item.path,
-                f"listed in on_demand_component_paths but {type(item.module).__name__} has no callable "
-                f"{' or '.join(f'{m}()' for m in missing)}; an on-demand component must implement "
-                f"{' and '.join(f'{m}()' for m in ON_DEMAND_METHODS)}",
-            )
-        return "on_demand"
-    if item.category not in config.components:
+def _action(decl: _Declarations, config: OffloadConfig, item: _Found) -> str:
+    if decl.declared_resident(item.path):
         return "resident"
+    if item.category not in config.components:
+        return "resident"  # an unselected on-demand component too: nothing calls its offload_to_cpu()
     if config.mode == "module":
-        return "swap"
-    return "stream" if item.stacks else "resident"
+        return "swap"  # on-demand or not: module mode swaps whole components itself
+    if item.stacks:
+        return "stream"  # an on-demand one as well, after its offload_to_cpu() (see ResolvedComponent.on_demand)
+    return "on_demand" if item.path in decl.on_demand_paths else "resident"
 
 
-def _reason(action: str, config: OffloadConfig, item: _Found) -> str:
+def _resident_layers(decl: _Declarations, options: LayerOptions, item: _Found) -> int | str:
+    """The config's resident_layers where it names one, else the count the model declares, else 0."""
+    declared = decl.resident_counts.get(item.path) if item.category == "dit" else None
+    return options.resident_layers if options.resident_layers_given or declared is None else declared
+
+
+def _reason(action: str, decl: _Declarations, config: OffloadConfig, item: _Found, resident: int | str) -> str:
     """Why `_action` chose `action` for this component, for `layerstream plan` and the resolved plan's dict."""
+    on_demand = item.path in decl.on_demand_paths
     if action == "on_demand":
-        return "the pipeline moves it on and off the device itself (on_demand_component_paths)"
+        return (
+            "selected, on demand: the pipeline moves it on and off the device itself (on_demand_component_paths): "
+            "offload_to_cpu() at enable, load_to_device() at disable"
+        )
     if action == "stream":
         rest = "; the rest of it (embeddings, norms, a vision tower) stays on the device"
+        if on_demand:
+            rest = "; on demand: offload_to_cpu() at enable, load_to_device() at disable" + rest
+        if resident and item.path in decl.resident_counts and resident == decl.resident_counts[item.path]:
+            rest = f"; the model keeps {resident} leading blocks resident (layerwise_resident_layers)" + rest
         where = _SOURCE_WORDS.get(item.source, item.source)
         return f"selected: its {len(item.blocks)} blocks stream (block lists {where}){rest}"
+    if decl.declared_resident(item.path):
+        return "declared resident (the pipeline's resident_paths): never streamed or swapped"
+    if on_demand and action == "resident":
+        return f"on demand, but not selected: it stays resident (offload_to_cpu() is not called); {_plain_reason(action, config, item)}"
+    return _plain_reason(action, config, item)
+
+
+def _plain_reason(action: str, config: OffloadConfig, item: _Found) -> str:
+    """Why a component is swapped or stays resident, from its category and the selection alone."""
     if action == "swap":
         return "selected in module mode: moved to the device whole while it runs, back to the host after"
     if item.category in config.components:  # selected, yet resident: there is nothing to stream
@@ -458,7 +552,7 @@ _SOURCE_WORDS = {
 
 
 def _check_stream_options(
-    pipeline_class: str, item: _Found, options: LayerOptions, resident_allowed: bool, replicated: bool
+    pipeline_class: str, item: _Found, options: LayerOptions, resident: int | str, resident_allowed: bool, replicated: bool
 ) -> None:
     key = f"layer_options.{item.category}"
     if options.weight_transfer == "allgather" and not replicated:
@@ -469,7 +563,6 @@ def _check_stream_options(
             f"{item.category} is not in the plan's encoder_dlo_weight_replication; use \"rank-local\" or "
             "declare it there",
         )
-    resident = options.resident_layers
     if isinstance(resident, int) and resident > 0:
         if not resident_allowed:
             raise resolution_error(
@@ -482,13 +575,18 @@ def _check_stream_options(
 
 
 def _check_selection(
-    pipeline_class: str, config: OffloadConfig, found: list[_Found], components: tuple[ResolvedComponent, ...]
+    pipeline_class: str,
+    config: OffloadConfig,
+    found: list[_Found],
+    components: tuple[ResolvedComponent, ...],
+    absent: tuple[AbsentComponent, ...] = (),
 ) -> None:
-    """Reject a selection that selects nothing, or leaves nothing to prefetch."""
+    """Reject a selection that selects nothing, or leaves nothing to prefetch. In layer mode a selected on-demand
+    component without blocks counts: the pipeline manages it."""
     acting = "swap" if config.mode == "module" else "stream"
     for category in config.components:
         members = [c for c in components if c.category == category]
-        if any(c.action == acting for c in members):
+        if any(c.action == acting or (acting == "stream" and c.action == "on_demand") for c in members):
             continue
         hint = (_HINTS.get(category) if acting == "stream" else None) or (
             f"name or declare a component as {category} (_dit_modules, _vae_modules, encoder_component_types), "
@@ -497,6 +595,8 @@ def _check_selection(
         untyped = [f.path for f in found if f.stacks and f.category not in STREAMABLE_CATEGORIES]
         if category == "text_encoder" and untyped:
             hint += f"; block lists were found in {', '.join(untyped)}, which encoder_component_types does not type"
+        if absent:
+            hint += "; declared but absent: " + ", ".join(f"{a.path} ({a.declared_in}: {a.why})" for a in absent)
         if not members:
             listing = ", ".join(f"{c.display_path} ({c.category})" for c in components) or "none"
             raise resolution_error(
@@ -522,9 +622,36 @@ _HINTS = {
 
 
 def _why_not(comp: ResolvedComponent, acting: str) -> str:
-    if comp.action == "on_demand":
-        return "on demand: the pipeline manages it"
-    return "no block list found" if acting == "stream" and not comp.stacks else comp.action
+    if acting == "stream" and not comp.stacks:
+        return "no block list found"
+    return f"{comp.action}: {comp.reason}" if comp.reason.startswith("declared resident") else comp.action
+
+
+def _check_resident_paths(
+    pipeline: Any, decl: _Declarations, components: tuple[ResolvedComponent, ...]
+) -> tuple[AbsentComponent, ...]:
+    """Every ``resident_paths`` entry stays on the device: a component (resident by `_action`) or a module inside
+    one that does not move it; refused where it would move (inside a streamed block, a swapped or an on-demand
+    component). Entries this instance does not hold are skipped, and returned."""
+    cls, origin = decl.pipeline_class, "_offload_plan.resident_paths"
+    absent = declared_absent(pipeline, decl.plan.resident_paths)
+    for path in decl.plan.resident_paths:
+        if path in absent:
+            continue
+        for comp in components:
+            if comp.path and not path.startswith(comp.path + "."):
+                continue  # not inside this component (the component itself, or one inside the path, is resident)
+            blocks = [p for s in comp.stacks for p in s.block_paths] if comp.action == "stream" else []
+            moved = [p for p in blocks if path == p or path.startswith(p + ".") or p.startswith(path + ".")]
+            if comp.action in ("swap", "on_demand") or comp.on_demand or moved:
+                what = f"block {moved[0]!r} streams" if moved else f"its component {comp.display_path!r} moves whole"
+                raise resolution_error(
+                    cls,
+                    path,
+                    f"listed in {origin} but {what} ({comp.action}); keep the whole component resident (list "
+                    f"{comp.display_path!r}) or leave it out of the selection",
+                )
+    return tuple(_absent(cls, path, origin, why) for path, why in absent.items())
 
 
 def _check_something_to_prefetch(pipeline_class: str, components: tuple[ResolvedComponent, ...]) -> None:

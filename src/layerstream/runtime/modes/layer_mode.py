@@ -88,13 +88,15 @@ def _open_slot_ring(placement: Placement, device: torch.device, engine_factory: 
 
 
 def _place_components_(plan, placement: Placement, components, device: torch.device, undo: UndoStack) -> None:
-    """Every tensor that does not stream goes to the device; on-demand components are the pipeline's to place."""
+    """Every tensor that does not stream goes to the device; an on-demand component first hears the pipeline's
+    own `offload_to_cpu()` (and, without blocks to stream, is left where that put it)."""
     streamed_paths = set(placement.streamed_block_paths)
     for comp in plan.components:
         module = components[comp.path]
-        if comp.action == "on_demand":
+        if comp.on_demand:
             module.offload_to_cpu()
             undo.push(module.load_to_device)
+        if comp.action == "on_demand":
             continue
         move_tensors_(module, comp.path, streamed_paths if comp.action == "stream" else set(), device, undo.push)
 
@@ -278,7 +280,8 @@ class LayerModeBackend:
 
     def disable(self) -> None:
         """Teardown in the only safe order: hooks off, then wait for every copy in flight (closing the engine),
-        then give the blocks their tensors back and free the host stores, then forget the slot ring."""
+        then give the blocks their tensors back and free the host stores, then forget the slot ring; last, the
+        on-demand components' `load_to_device()` (once each) hands their residency back to the pipeline."""
         self.hooks.remove_all_()
         if self._engine is not None:
             self._engine.close()  # waits for in-flight copies: they read host buffers restore_ frees below
@@ -291,6 +294,9 @@ class LayerModeBackend:
             self._streamer.slot_buffers.clear()
         self._streamer = None
         self._engine = None
+        for comp in self.plan.components:
+            if comp.on_demand:
+                self.components[comp.path].load_to_device()  # its blocks are whole again: the pipeline's turn
 
 
 def release_dropped(engine: CopyEngine | None, stores: list[HostStore], slot_buffers: list[torch.Tensor]) -> None:

@@ -120,10 +120,6 @@ def apply_module_mode(
     backend = ModuleModeBackend(plan, components, device)
     for comp in plan.components:
         module = components[comp.path]
-        if comp.action == "on_demand":
-            module.offload_to_cpu()
-            undo.push(module.load_to_device)
-            continue
         original = _device_of(module)
         undo.push(lambda m=module, d=original: m.to(d))
         module.to(OFFLOAD_DEVICE if comp.action == "swap" else device)
