@@ -90,13 +90,14 @@ def fit_latent_projection(pipeline: Any) -> LatentProjection | None:
 
 def _fit(pipeline: Any, vae: Any) -> LatentProjection:
     config = vae.config
-    is_video_vae = "latents_mean" in config and "latents_std" in config
+    # Wan-style VAEs normalize per channel; others (AutoencoderKL) leave these None and scale as a whole
+    per_channel = config.get("latents_mean") is not None and config.get("latents_std") is not None
     channels = config.get("z_dim") or config.get("latent_channels")
     vae_scale = int(getattr(pipeline, "vae_scale_factor_spatial", None) or pipeline.vae_scale_factor)
     generator = torch.Generator("cpu").manual_seed(0)  # its own: the global generator is left as it was
-    shape = (1, channels, 1, FIT_GRID, FIT_GRID) if is_video_vae else (1, channels, FIT_GRID, FIT_GRID)
+    shape = (1, channels, 1, FIT_GRID, FIT_GRID) if per_channel else (1, channels, FIT_GRID, FIT_GRID)
     latents = torch.randn(shape, generator=generator)
-    if is_video_vae:  # the pipeline's latents are normalized per channel; the VAE takes them back
+    if per_channel:  # the pipeline's latents are normalized per channel; the VAE takes them back
         mean = torch.tensor(config["latents_mean"]).view(1, channels, 1, 1, 1)
         std = torch.tensor(config["latents_std"]).view(1, channels, 1, 1, 1)
         vae_latents = latents * std + mean
