@@ -75,19 +75,8 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def create_app(service: GenerationService, jobs: JobManager | None = None) -> FastAPI:
-    """The app serving `service` (and, with `jobs`, its job API); the lifespan starts its worker and, on
-    shutdown, drains and stops it, then closes the job history."""
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        service.start()
-        yield
-        # by now uvicorn has answered every open request; joining off the loop keeps it responsive anyway
-        await asyncio.to_thread(service.stop)
-        if jobs is not None:
-            await asyncio.to_thread(jobs.close)
-
-    app = FastAPI(title="layerstream", version=__version__, lifespan=lifespan)
+    """The app serving `service` (and, with `jobs`, its job API); see `_lifespan`."""
+    app = FastAPI(title="layerstream", version=__version__, lifespan=_lifespan(service, jobs))
     apply_exact_openapi_(app)
     app.add_middleware(RequestMetricsMiddleware, metrics=service.metrics)
 
@@ -156,6 +145,21 @@ def create_app(service: GenerationService, jobs: JobManager | None = None) -> Fa
         return PlainTextResponse(service.render_metrics(), media_type=METRICS_CONTENT_TYPE)
 
     return app
+
+
+def _lifespan(service: GenerationService, jobs: JobManager | None):
+    """Start the service's worker; on shutdown drain and stop it, then close the job history."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.start()
+        yield
+        # by now uvicorn has answered every open request; joining off the loop keeps it responsive anyway
+        await asyncio.to_thread(service.stop)
+        if jobs is not None:
+            await asyncio.to_thread(jobs.close)
+
+    return lifespan
 
 
 async def _run_generation(
