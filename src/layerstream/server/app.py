@@ -135,10 +135,7 @@ def create_app(service: GenerationService, jobs: JobManager | None = None) -> Fa
 
     @app.get(HEALTH_PATH, response_model=HealthResponse)
     async def health() -> dict[str, Any]:
-        report = service.health()
-        if jobs is not None:
-            report["jobs_path"] = jobs.path
-        return report
+        return {**service.health(), **({"jobs_path": jobs.path} if jobs is not None else {})}
 
     @app.get(METRICS_PATH, response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
