@@ -7,7 +7,7 @@ be made twice, here and in `layerstream.server.schemas`, which is what makes it 
 from __future__ import annotations
 
 _OPTIONAL_STRING = {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None}
-IMAGE_REQUEST_CONTRACT = {
+_COMMON_CONTRACT = {
     "required": ["prompt"],
     "additionalProperties": False,
     "properties": {
@@ -22,21 +22,38 @@ IMAGE_REQUEST_CONTRACT = {
         "seed": {"anyOf": [{"maximum": 18446744073709551615, "minimum": 0, "type": "integer"}, {"type": "null"}], "default": None},
         "num_inference_steps": {"anyOf": [{"maximum": 1000, "minimum": 1, "type": "integer"}, {"type": "null"}], "default": None},
         "guidance_scale": {"anyOf": [{"maximum": 100.0, "minimum": 0.0, "type": "number"}, {"type": "null"}], "default": None},
-        "response_format": {"const": "b64_json", "default": "b64_json", "type": "string"},
         "timeout": {"anyOf": [{"exclusiveMinimum": 0.0, "maximum": 86400.0, "type": "number"}, {"type": "null"}], "default": None},
     },
 }
-VIDEO_REQUEST_CONTRACT = {
-    **IMAGE_REQUEST_CONTRACT,
+_IMAGE_SIZE = {"anyOf": [{"pattern": "^(auto|[1-9][0-9]{0,5}x[1-9][0-9]{0,5})$", "type": "string"}, {"type": "null"}], "default": None}
+IMAGE_REQUEST_CONTRACT = {
+    **_COMMON_CONTRACT,
     "properties": {
-        **IMAGE_REQUEST_CONTRACT["properties"],
+        **_COMMON_CONTRACT["properties"],
+        "size": _IMAGE_SIZE,
+        "response_format": {"default": "b64_json", "enum": ["b64_json", "url"], "type": "string"},
+        "output_format": {"default": "png", "enum": ["png", "jpeg", "webp"], "type": "string"},
+        "output_compression": {"anyOf": [{"maximum": 100, "minimum": 0, "type": "integer"}, {"type": "null"}], "default": None},
+        "quality": {
+            "anyOf": [{"enum": ["auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"], "type": "string"}, {"type": "null"}],
+            "default": None,
+        },
+        "user": {"anyOf": [{"maxLength": 256, "type": "string"}, {"type": "null"}], "default": None},
+    },
+}
+VIDEO_REQUEST_CONTRACT = {
+    **_COMMON_CONTRACT,
+    "properties": {
+        **_COMMON_CONTRACT["properties"],
+        "response_format": {"const": "b64_json", "default": "b64_json", "type": "string"},
         "num_frames": {"anyOf": [{"minimum": 1, "type": "integer"}, {"type": "null"}], "default": None},
         "fps": {"default": 16, "maximum": 120, "minimum": 1, "type": "integer"},
         "image": {"anyOf": [{"minLength": 1, "type": "string"}, {"type": "null"}], "default": None},
     },
 }
 RESPONSE_KEYS = ["created", "data", "layerstream"]
-IMAGE_DATA_KEYS = ["b64_json", "revised_prompt"]
+IMAGE_RESPONSE_KEYS = ["created", "data", "output_format", "size", "layerstream"]
+IMAGE_DATA_KEYS = ["b64_json", "url", "revised_prompt"]
 VIDEO_DATA_KEYS = ["b64_json", "mime_type"]
 USAGE_KEYS = [
     "model", "seeds", "width", "height", "num_frames", "num_inference_steps", "queue_seconds", "seconds",

@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve_contract import IMAGE_DATA_KEYS, RESPONSE_KEYS, USAGE_KEYS
+from serve_contract import IMAGE_DATA_KEYS, IMAGE_RESPONSE_KEYS, USAGE_KEYS
 from serve_harness import IMAGES, VIDEOS, decode_png, metric, wait_until
 
 FAULT_PROMPT = "explode"
@@ -36,7 +36,7 @@ def test_image_generation(client):
     response = client.post(IMAGES, json={"prompt": "a red fox", "n": 2, "seed": 5, **SMALL})
     assert response.status_code == 200, response.text
     body = response.json()
-    assert list(body) == RESPONSE_KEYS
+    assert list(body) == IMAGE_RESPONSE_KEYS and body["output_format"] == "png" and body["size"] == "32x32"
     assert [list(item) for item in body["data"]] == [IMAGE_DATA_KEYS] * 2
     assert all(item["revised_prompt"] is None for item in body["data"])
     usage = body["layerstream"]

@@ -26,6 +26,7 @@ from serve_contract import (
     HEALTH_KEYS,
     IMAGE_DATA_KEYS,
     IMAGE_REQUEST_CONTRACT,
+    IMAGE_RESPONSE_KEYS,
     RESPONSE_KEYS,
     USAGE_KEYS,
     VIDEO_DATA_KEYS,
@@ -57,7 +58,7 @@ def test_request_schemas_are_frozen():
 
 
 def test_response_schemas_are_frozen():
-    assert list(ImageGenerationResponse.model_fields) == RESPONSE_KEYS
+    assert list(ImageGenerationResponse.model_fields) == IMAGE_RESPONSE_KEYS
     assert list(VideoGenerationResponse.model_fields) == RESPONSE_KEYS
     assert list(ImageData.model_fields) == IMAGE_DATA_KEYS
     assert list(VideoData.model_fields) == VIDEO_DATA_KEYS

@@ -40,7 +40,7 @@ class StandInOmni:
     def component_dtypes(self):
         return {"transformer": "float32"}
 
-    def run(self, request, *, on_step):
+    def run(self, request, *, on_step, on_latents=None):
         height, width, num_inference_steps = request.height, request.width, request.num_inference_steps
         gc.collect()
         self.alive_at_start.append(sum(ref() is not None for ref in self.outputs))
@@ -107,8 +107,8 @@ def test_a_stop_requested_between_steps_ends_the_job_and_the_next_one_runs(servi
     service.omni.on_call = None
     assert len(_run(service).files_b64) == 1
     text = service.render_metrics()
-    assert f'layerstream_generations_total{{outcome="{JobOutcome.STOPPED}"}} 3' in text
-    assert 'layerstream_generations_total{outcome="ok"} 1' in text
+    assert f'layerstream_generations_total{{outcome="{JobOutcome.STOPPED}"}} 3.0' in text
+    assert 'layerstream_generations_total{outcome="ok"} 1.0' in text
 
 
 @pytest.fixture
@@ -135,7 +135,7 @@ def test_a_batch_answers_each_request_with_its_own_outputs(batching_service):
     pixels = [[decode_png(f)[0, 0, 0] for f in o.files_b64] for o in outputs]
     assert pixels == [[10, 11], [20], [30]]
     text = batching_service.render_metrics()
-    assert "layerstream_batch_size_count 1" in text and "layerstream_batch_size_sum 3" in text
+    assert "layerstream_batch_size_count 1.0" in text and "layerstream_batch_size_sum 3.0" in text
 
 
 def test_a_request_stopped_in_a_batch_drops_its_outputs_and_the_others_run_on(batching_service):
@@ -148,7 +148,7 @@ def test_a_request_stopped_in_a_batch_drops_its_outputs_and_the_others_run_on(ba
     with pytest.raises(GenerationStopped, match="during its batch") as info:
         jobs[1].future.result(10)
     assert info.value.reason is StopReason.CLIENT_GONE
-    assert f'layerstream_generations_total{{outcome="{JobOutcome.STOPPED}"}} 1' in batching_service.render_metrics()
+    assert f'layerstream_generations_total{{outcome="{JobOutcome.STOPPED}"}} 1.0' in batching_service.render_metrics()
 
 
 def test_a_batch_stops_between_steps_once_every_request_asked(batching_service):

@@ -1,7 +1,8 @@
 """The FastAPI app: routes, error answers and request metrics around a `GenerationService`.
 
-    POST /v1/images/generations   OpenAI-style image generation (PNG, base64)
+    POST /v1/images/generations   OpenAI-style image generation (PNG, JPEG or WebP; base64, or a URL)
     POST /v1/images/edits         OpenAI-style image editing: a multipart form with an image file and a prompt
+    GET  /v1/images/outputs/NAME  an image answered as a URL (response_format 'url'), kept in memory a while
     POST /v1/videos/generations   the same for video pipelines (MP4, base64), plus num_frames and fps, and an
                                   image (base64) for image-to-video models
     /v1/videos, /v1/images/jobs   the job API (see `layerstream.server.jobs.routes`): create, poll, list,
@@ -22,6 +23,7 @@ dropped from the queue or stopped at its next step.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -29,7 +31,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -40,12 +42,14 @@ from layerstream.server.bodies import read_body as _read_body
 from layerstream.server.errors import ApiError, validation_error
 from layerstream.server.jobs.manager import JobManager
 from layerstream.server.jobs.routes import add_job_routes
+from layerstream.server.image_outputs import KeptOutputs, encode_image
 from layerstream.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from layerstream.server.metrics import ServerMetrics
 from layerstream.server.openapi import apply_exact_openapi_, edit_request_body, json_request_body
 from layerstream.server.queue import Job, QueueClosedError, QueueFullError, QueueTimeoutError
 from layerstream.server.schemas import (
     ErrorResponse,
+    GenerationBody,
     HealthResponse,
     ImageData,
     ImageEditRequest,
@@ -65,7 +69,7 @@ EDITS_PATH = "/v1/images/edits"
 VIDEOS_PATH = "/v1/videos/generations"
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
-_KNOWN_PATHS = frozenset({IMAGES_PATH, EDITS_PATH, VIDEOS_PATH, HEALTH_PATH, METRICS_PATH})
+IMAGE_OUTPUTS_PATH = "/v1/images/outputs"
 # multipart parts of an edit request besides the image: the form fields OpenAI's edits take, and ours
 _MAX_FORM_FIELDS = 32
 
@@ -78,6 +82,7 @@ def create_app(service: GenerationService, jobs: JobManager | None = None) -> Fa
     """The app serving `service` (and, with `jobs`, its job API); see `_lifespan`."""
     app = FastAPI(title="layerstream", version=__version__, lifespan=_lifespan(service, jobs))
     apply_exact_openapi_(app)
+    kept_outputs = KeptOutputs()  # the files of response_format 'url', newest first out of memory
     app.add_middleware(RequestMetricsMiddleware, metrics=service.metrics)
 
     @app.exception_handler(ApiError)
@@ -104,9 +109,8 @@ def create_app(service: GenerationService, jobs: JobManager | None = None) -> Fa
         openapi_extra=json_request_body(ImageGenerationRequest),
     )
     async def create_images(request: Request) -> JSONResponse:
-        output = await _run_generation(service, request, ImageGenerationRequest, "image")
-        data = [ImageData(b64_json=f) for f in output.files_b64]
-        return _ok(ImageGenerationResponse(created=int(time.time()), data=data, layerstream=output.usage))
+        body, output = await _run_generation(service, request, ImageGenerationRequest, "image")
+        return _ok(await _image_response(request, body, output, kept_outputs))
 
     @app.post(
         EDITS_PATH,
@@ -115,9 +119,19 @@ def create_app(service: GenerationService, jobs: JobManager | None = None) -> Fa
         openapi_extra=edit_request_body(),
     )
     async def create_edits(request: Request) -> JSONResponse:
-        output = await _run_edit(service, request)
-        data = [ImageData(b64_json=f) for f in output.files_b64]
-        return _ok(ImageGenerationResponse(created=int(time.time()), data=data, layerstream=output.usage))
+        body, output = await _run_edit(service, request)
+        return _ok(await _image_response(request, body, output, kept_outputs))
+
+    @app.get(IMAGE_OUTPUTS_PATH + "/{name}", name="image_output", response_class=Response)
+    async def image_output(name: str) -> Response:
+        kept = kept_outputs.get(name)
+        if kept is None:
+            message = (
+                f"no image output {name!r}: response_format 'url' outputs are kept in memory, the newest"
+                f" {kept_outputs.max_outputs} (at most {kept_outputs.max_bytes >> 20} MiB), until the server restarts"
+            )
+            raise ApiError(404, message, code="not_found", param="name")
+        return Response(kept.data, media_type=kept.media_type)
 
     @app.post(
         VIDEOS_PATH,
@@ -126,7 +140,7 @@ def create_app(service: GenerationService, jobs: JobManager | None = None) -> Fa
         openapi_extra=json_request_body(VideoGenerationRequest),
     )
     async def create_videos(request: Request) -> JSONResponse:
-        output = await _run_generation(service, request, VideoGenerationRequest, "video")
+        _, output = await _run_generation(service, request, VideoGenerationRequest, "video")
         data = [VideoData(b64_json=f) for f in output.files_b64]
         return _ok(VideoGenerationResponse(created=int(time.time()), data=data, layerstream=output.usage))
 
@@ -160,9 +174,10 @@ def _lifespan(service: GenerationService, jobs: JobManager | None):
 
 
 async def _run_generation(
-    service: GenerationService, request: Request, model: type[ImageGenerationRequest], kind: str
-) -> GenerationOutput:
-    """Parse, check, queue and await one generation request; every failure becomes an `ApiError`."""
+    service: GenerationService, request: Request, model: type[GenerationBody], kind: str
+) -> tuple[Any, GenerationOutput]:
+    """Parse, check, queue and await one generation request: (its body, its output); every failure becomes an
+    `ApiError`."""
     service.check_endpoint(kind)  # the wrong endpoint is the first thing to say, whatever the body holds
     body = await _read_body(request, service.body_limit(kind), _limit_flags(service, kind))
     try:
@@ -172,12 +187,12 @@ async def _run_generation(
     image_b64 = getattr(parsed, "image", None)
     service.check_image_presence(has_image=image_b64 is not None, endpoint=request.url.path)
     image = await asyncio.to_thread(service.read_image, _decode_base64_image(image_b64)) if image_b64 else None
-    return await _submit_and_wait(service, request, service.prepare(parsed, image))
+    return parsed, await _submit_and_wait(service, request, service.prepare(parsed, image))
 
 
-async def _run_edit(service: GenerationService, request: Request) -> GenerationOutput:
+async def _run_edit(service: GenerationService, request: Request) -> tuple[ImageEditRequest, GenerationOutput]:
     """`POST /v1/images/edits`: the multipart form parsed into an `ImageEditRequest` and its image, then as a
-    generation."""
+    generation: (the fields, the output)."""
     service.check_endpoint("edit")
     content_type = request.headers.get("content-type", "")
     if content_type.lower().startswith("application/x-www-form-urlencoded"):  # a form, but it cannot hold a file
@@ -191,17 +206,52 @@ async def _run_edit(service: GenerationService, request: Request) -> GenerationO
             code="invalid_body", param="body",
         )  # fmt: skip
     body = await _read_body(request, service.body_limit("edit"), _limit_flags(service, "edit"))
-    fields, image_bytes = await _parse_edit_form(request, body)
+    fields, image_bytes = await _parse_edit_form(request, body, service.limits.model)
     try:
         parsed = ImageEditRequest.model_validate(fields)
     except ValidationError as e:
         raise validation_error(e, ImageEditRequest) from None
     image = await asyncio.to_thread(service.read_image, image_bytes)
-    return await _submit_and_wait(service, request, service.prepare(parsed, image))
+    return parsed, await _submit_and_wait(service, request, service.prepare(parsed, image))
 
 
-async def _parse_edit_form(request: Request, body: bytes) -> tuple[dict[str, str], bytes]:
-    """(the text fields, the image file's bytes) of an edit form, already read as `body`; 4xx naming the part."""
+async def _image_response(
+    request: Request, body: ImageGenerationRequest, output: GenerationOutput, kept_outputs: KeptOutputs
+) -> ImageGenerationResponse:
+    """The answer to an image request: its files in `output_format`, inline or as URLs to `kept_outputs`."""
+    if body.user is not None or body.quality is not None:  # recorded here only: they change nothing
+        logger.info("image request: user %r, quality %r", body.user, body.quality)
+    if body.output_format == "png" and body.response_format == "b64_json":
+        data = [ImageData(b64_json=f) for f in output.files_b64]  # as encoded: no decoding round trip
+    else:
+        files = await asyncio.to_thread(_encode_images, output.files_b64, body)
+        if body.response_format == "url":
+            names = [kept_outputs.put(f, body.output_format) for f in files]
+            data = [ImageData(url=str(request.url_for("image_output", name=name))) for name in names]
+        else:
+            data = [ImageData(b64_json=base64.b64encode(f).decode("ascii")) for f in files]
+    usage = output.usage
+    return ImageGenerationResponse(
+        created=int(time.time()),
+        data=data,
+        output_format=body.output_format,
+        size=f"{usage.width}x{usage.height}",
+        layerstream=usage,
+    )
+
+
+def _encode_images(files_b64: list[str], body: ImageGenerationRequest) -> list[bytes]:
+    """The service's base64 PNGs as files of the body's output format (off the event loop: decoding and
+    encoding take a while)."""
+    return [encode_image(base64.b64decode(f), body.output_format, body.output_compression) for f in files_b64]
+
+
+async def _parse_edit_form(request: Request, body: bytes, model: str) -> tuple[dict[str, str], bytes]:
+    """(the text fields, the image file's bytes) of an edit form, already read as `body`; 4xx naming the part.
+
+    The image comes as ``image``, or as OpenAI's client sends a list, ``image[]``: the served models take one
+    image, so a list of one is that image and a longer one is refused. A ``mask`` is refused: they edit the
+    whole image."""
     from starlette.datastructures import UploadFile
     from starlette.formparsers import MultiPartException, MultiPartParser
 
@@ -209,8 +259,10 @@ async def _parse_edit_form(request: Request, body: bytes) -> tuple[dict[str, str
         yield body
 
     parser = MultiPartParser(
-        request.headers, read_body_again(), max_files=1, max_fields=_MAX_FORM_FIELDS, max_part_size=len(body) + 1
-    )
+        # files beyond the image are parsed to be refused by name (a mask, a second image), not as "too many"
+        request.headers, read_body_again(), max_files=_MAX_FORM_FIELDS, max_fields=_MAX_FORM_FIELDS,
+        max_part_size=len(body) + 1,
+    )  # fmt: skip
     try:
         form = await parser.parse()
     except MultiPartException as e:
@@ -218,29 +270,34 @@ async def _parse_edit_form(request: Request, body: bytes) -> tuple[dict[str, str
         raise ApiError(400, message, code="invalid_body", param="body") from None
     try:
         fields: dict[str, str] = {}
-        image: UploadFile | None = None
+        images: list[UploadFile] = []
         for name, value in form.multi_items():
-            if name in fields or (name == "image" and image is not None):
-                raise ApiError(422, f"{name} is given more than once; expected one", code="invalid_request", param=name)
-            if name == "image":
+            if name in ("image", "image[]"):
                 if not isinstance(value, UploadFile):
-                    message = "image must be a file part (the image file), not a text field"
+                    message = f"{name} must be a file part (the image file), not a text field"
                     raise ApiError(422, message, code="invalid_image", param="image")
-                image = value
+                images.append(value)
+            elif name == "mask":
+                message = f"mask is not supported: {model} edits the whole image as the prompt says; send no mask"
+                raise ApiError(422, message, code="invalid_request", param="mask")
+            elif name in fields:
+                raise ApiError(422, f"{name} is given more than once; expected one", code="invalid_request", param=name)
             elif isinstance(value, UploadFile):
                 raise ApiError(422, f"{name} is a file part; only image may be a file", code="invalid_request", param=name)
             else:
                 fields[name] = value
-        if image is None:
+        if not images:
             raise ApiError(400, "image is required: a file part named image", code="invalid_image", param="image")
-        return fields, await image.read()
+        if len(images) > 1:
+            message = f"image: got {len(images)} images; {model} takes one input image"
+            raise ApiError(422, message, code="invalid_image", param="image")
+        return fields, await images[0].read()
     finally:
         await form.close()
 
 
 def _decode_base64_image(text: str) -> bytes:
     """The bytes of a base64 image field, plain or as a data URL (``data:image/png;base64,...``)."""
-    import base64
     import binascii
 
     if text.startswith("data:"):
@@ -344,8 +401,9 @@ class RequestMetricsMiddleware:
         try:
             await self.app(scope, receive, send_and_record_status)
         finally:
-            path = scope.get("path", "")
-            endpoint = path if path in _KNOWN_PATHS else "other"  # bounded label values, whatever clients send
+            # the matched route's template (/v1/videos/{video_id}), never the path a client sent: bounded labels
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None) or "other"
             self.metrics.observe_request(endpoint, status, time.perf_counter() - started)
 
 

@@ -29,7 +29,7 @@ from layerstream.models.input_image import (
     size_from_image,
 )
 from layerstream.server.errors import ApiError, invalid_fields
-from layerstream.server.schemas import MAX_SEED, ErrorDetail, ImageGenerationRequest, VideoGenerationRequest
+from layerstream.server.schemas import MAX_SEED, ErrorDetail, GenerationBody, VideoGenerationRequest
 from layerstream.server.settings import ServeSettings
 
 # Omni.generate's own choice when neither the request nor the model names a step count
@@ -121,7 +121,7 @@ def read_model_limits(omni: Any, settings: ServeSettings) -> ModelLimits:
 
 
 def request_shape(
-    request: ImageGenerationRequest, limits: ModelLimits, conditioned: ConditionedSize | None = None
+    request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None = None
 ) -> RequestShape:
     """The width, height, frames and steps `request` runs with: its own, else the size its input image leads
     to (`conditioned`), else the model's defaults."""
@@ -138,7 +138,7 @@ def request_shape(
     return RequestShape(width, height, num_frames, steps, request.n)
 
 
-def image_size_for(request: ImageGenerationRequest, limits: ModelLimits, image_size: tuple[int, int]) -> ConditionedSize:
+def image_size_for(request: GenerationBody, limits: ModelLimits, image_size: tuple[int, int]) -> ConditionedSize:
     """The output size an input image of `image_size` leads to (the request's size, if it gives one); a 400
     naming ``image`` if the image is too small to leave a whole size multiple."""
     size = request.width_height()
@@ -185,7 +185,7 @@ def check_endpoint(limits: ModelLimits, endpoint_kind: str) -> None:
     raise ApiError(400, f"{limits.model} makes {makes}, not {asked}; use POST {other}", code="wrong_endpoint_for_model")
 
 
-def check_request(request: ImageGenerationRequest, limits: ModelLimits, conditioned: ConditionedSize | None = None) -> None:
+def check_request(request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None = None) -> None:
     """Raise a 400 `ApiError` naming every field the served model cannot take (`conditioned`: the size the
     request's input image leads to)."""
     problems: list[ErrorDetail] = []
@@ -214,7 +214,7 @@ def check_request(request: ImageGenerationRequest, limits: ModelLimits, conditio
         raise invalid_fields(400, problems, code="invalid_for_model")
 
 
-def _size_problems(request: ImageGenerationRequest, limits: ModelLimits) -> list[ErrorDetail]:
+def _size_problems(request: GenerationBody, limits: ModelLimits) -> list[ErrorDetail]:
     size = request.width_height()
     if size is None:
         return []
@@ -247,7 +247,7 @@ def _frame_problems(request: VideoGenerationRequest, limits: ModelLimits) -> lis
 
 
 def _work_problems(
-    request: ImageGenerationRequest, limits: ModelLimits, conditioned: ConditionedSize | None
+    request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None
 ) -> list[ErrorDetail]:
     shape = request_shape(request, limits, conditioned)
     work = shape.work(limits)

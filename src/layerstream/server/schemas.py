@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from layerstream.models.output_limits import MAX_PROMPT_CHARS  # the command line's limit too
 from layerstream.request import GenerationRequest
+from layerstream.server.image_outputs import MAX_KEPT_OUTPUT_BYTES, MAX_KEPT_OUTPUTS
 
 MAX_IMAGES_PER_REQUEST = 4
 MAX_INFERENCE_STEPS = 1000
@@ -28,14 +29,19 @@ MAX_QUEUE_TIMEOUT_SECONDS = 86_400.0
 MAX_FPS = 120
 
 SIZE_PATTERN = r"^[1-9][0-9]{0,5}x[1-9][0-9]{0,5}$"
+AUTO_SIZE = "auto"
+"""OpenAI's size meaning the model's default (with an input image: the image's size)."""
+IMAGE_SIZE_PATTERN = r"^(auto|[1-9][0-9]{0,5}x[1-9][0-9]{0,5})$"
+MAX_USER_CHARS = 256
 
 
 class _StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-class ImageGenerationRequest(_StrictModel):
-    """Body of ``POST /v1/images/generations``."""
+class GenerationBody(_StrictModel):
+    """The fields every generation endpoint takes; `ImageGenerationRequest` and `VideoGenerationRequest` add
+    their own."""
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="What to generate.")
     negative_prompt: str | None = Field(
@@ -57,9 +63,6 @@ class ImageGenerationRequest(_StrictModel):
     guidance_scale: float | None = Field(
         default=None, ge=0.0, le=100.0, allow_inf_nan=False, description="Guidance scale; default: the model's."
     )
-    response_format: Literal["b64_json"] = Field(
-        default="b64_json", description="Only 'b64_json': outputs are returned inline, base64-encoded."
-    )
     timeout: float | None = Field(
         default=None,
         gt=0.0,
@@ -72,8 +75,8 @@ class ImageGenerationRequest(_StrictModel):
     )
 
     def width_height(self) -> tuple[int, int] | None:
-        """``size`` as (width, height), or None for the model's default."""
-        if self.size is None:
+        """``size`` as (width, height), or None for the model's default (no size, or ``"auto"``)."""
+        if self.size is None or self.size == AUTO_SIZE:
             return None
         width, height = self.size.split("x")  # the shape was checked against SIZE_PATTERN
         return int(width), int(height)
@@ -100,9 +103,54 @@ class ImageGenerationRequest(_StrictModel):
         return {}
 
 
-class VideoGenerationRequest(ImageGenerationRequest):
-    """Body of ``POST /v1/videos/generations``: the image fields plus frames and frame rate."""
+class ImageGenerationRequest(GenerationBody):
+    """Body of ``POST /v1/images/generations``: the common fields plus OpenAI's image output fields."""
 
+    size: str | None = Field(
+        default=None,
+        pattern=IMAGE_SIZE_PATTERN,
+        description=(
+            "'WIDTHxHEIGHT' in pixels, each a multiple of the model's size multiple, or 'auto'; default (and"
+            " 'auto'): the model's."
+        ),
+    )
+    response_format: Literal["b64_json", "url"] = Field(
+        default="b64_json",
+        description=(
+            "'b64_json': the files inline, base64-encoded; 'url': a URL on this server for each file, kept in"
+            f" memory for the newest {MAX_KEPT_OUTPUTS} outputs (at most {MAX_KEPT_OUTPUT_BYTES >> 20} MiB) until"
+            " the server restarts."
+        ),
+    )
+    output_format: Literal["png", "jpeg", "webp"] = Field(
+        default="png", description="File format of each image: PNG (lossless), JPEG or WebP."
+    )
+    output_compression: int | None = Field(
+        default=None,
+        ge=0,
+        le=100,
+        description="JPEG and WebP: the encoder's quality, 0 to 100 (default 100, as OpenAI's); no effect on PNG (lossless).",
+    )
+    quality: Literal["auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"] | None = Field(
+        default=None,
+        description=(
+            "OpenAI's quality tier: accepted and logged, with no effect (the output is set by"
+            " num_inference_steps and size)."
+        ),
+    )
+    user: str | None = Field(
+        default=None,
+        max_length=MAX_USER_CHARS,
+        description="An id of the end user, as OpenAI takes it: accepted and logged, with no effect.",
+    )
+
+
+class VideoGenerationRequest(GenerationBody):
+    """Body of ``POST /v1/videos/generations``: the common fields plus frames, frame rate and input image."""
+
+    response_format: Literal["b64_json"] = Field(
+        default="b64_json", description="Only 'b64_json': the MP4 files inline, base64-encoded."
+    )
     num_frames: int | None = Field(
         default=None, ge=1, description="Frames of each video; at most the server's --max-frames; default: the model's."
     )
@@ -127,15 +175,19 @@ class ImageEditRequest(ImageGenerationRequest):
     nullable field sent as the text ``null`` (what OpenAPI tools send for null) is absent, and so is one sent
     as empty text (what httpx sends for None) where the field takes no empty text: the numbers and size;
     negative_prompt and model keep empty text as given. Unknown fields are still refused, so an unsupported
-    OpenAI field such as ``mask`` is reported rather than ignored.
+    OpenAI field such as ``background`` is reported rather than ignored (and ``mask``, text or file, is a 422
+    naming it: the models served edit the whole image).
     """
 
     model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
 
     size: str | None = Field(
         default=None,
-        pattern=SIZE_PATTERN,
-        description="'WIDTHxHEIGHT' in pixels; default: the input image's size, rounded down to the model's size multiple.",
+        pattern=IMAGE_SIZE_PATTERN,
+        description=(
+            "'WIDTHxHEIGHT' in pixels, or 'auto'; default (and 'auto'): the input image's size, rounded down to the"
+            " model's size multiple."
+        ),
     )
 
     @model_validator(mode="before")
@@ -175,7 +227,10 @@ def _takes_empty_text(schema: dict[str, Any]) -> bool:
 
 
 class ImageData(BaseModel):
-    b64_json: str = Field(description="The PNG file, base64-encoded.")
+    b64_json: str | None = Field(
+        default=None, description="The image file (in output_format), base64-encoded; null with response_format 'url'."
+    )
+    url: str | None = Field(default=None, description="response_format 'url': where to fetch the file; else null.")
     revised_prompt: None = Field(default=None, description="Always null: prompts are used as given.")
 
 
@@ -214,6 +269,8 @@ class GenerationUsage(BaseModel):
 class ImageGenerationResponse(BaseModel):
     created: int = Field(description="Unix time the response was made.")
     data: list[ImageData]
+    output_format: Literal["png", "jpeg", "webp"] = Field(description="The format of every file in data.")
+    size: str = Field(description="'WIDTHxHEIGHT' of the images, as generated.")
     layerstream: GenerationUsage
 
 

@@ -22,10 +22,12 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from layerstream.errors import LayerstreamError
 from layerstream.request import GenerationError
 from layerstream.server.errors import ApiError
-from layerstream.server.metrics import JobOutcome
+from layerstream.server.metrics import JobOutcome, render_families
 from layerstream.server.queue import BatchOutcome, GenerationQueue, Job, fail_job, timeout_error
 from layerstream.server.ranks import (
     ControlChannel,
@@ -254,6 +256,7 @@ class WaveService(GenerationService):
             self._needs_rebuild = self.runtime.shares_weights
         answers: list[BatchOutcome] = []
         for group, outcome in zip(groups, outcomes):
+            num_group_outputs = sum(job.request.request.n for job in group)  # what its rank made in the wave
             for index, job in enumerate(group):
                 # a request asked to stop is answered so, whatever the wave did: its outputs are dropped
                 asked = job.stop_signal.reason or (stopped if failure is None else None)
@@ -269,7 +272,7 @@ class WaveService(GenerationService):
                 answers.append(answer)
                 self.metrics.observe_job(
                     queue_seconds=job.queue_seconds,
-                    seconds=seconds,
+                    seconds=seconds * job.request.request.n / num_group_outputs,  # its share of its rank's call
                     num_outputs=job.request.request.n,
                     outcome=job_outcome,
                 )
@@ -359,21 +362,18 @@ class WaveService(GenerationService):
 
     def render_metrics(self) -> str:
         with self._lock:
-            counters = [
-                ("layerstream_waves_total", "Waves run: each rank one request, one batch or a placeholder.",
-                 self.num_waves),
-                ("layerstream_wave_idle_ranks_total", "Ranks that ran a placeholder for lack of a request, over waves.",
-                 self.num_idle_rank_waves),
-                ("layerstream_placeholder_steps_total", "Denoising steps run on placeholders (outputs dropped).",
-                 self.num_placeholder_steps),
+            families = [
+                CounterMetricFamily("layerstream_waves", "Waves run: each rank one request, one batch or a placeholder.",
+                                    value=self.num_waves),
+                CounterMetricFamily("layerstream_wave_idle_ranks",
+                                    "Ranks that ran a placeholder for lack of a request, over waves.",
+                                    value=self.num_idle_rank_waves),
+                CounterMetricFamily("layerstream_placeholder_steps",
+                                    "Denoising steps run on placeholders (outputs dropped).",
+                                    value=self.num_placeholder_steps),
             ]  # fmt: skip
-        lines = []
-        for name, help_text, value in counters:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
-        world_size = self.runtime.setup.world_size
-        lines += ["# HELP layerstream_world_size Serving ranks.", "# TYPE layerstream_world_size gauge",
-                  f"layerstream_world_size {world_size}"]  # fmt: skip
-        return super().render_metrics() + "\n".join(lines) + "\n"
+        families.append(GaugeMetricFamily("layerstream_world_size", "Serving ranks.", value=self.runtime.setup.world_size))
+        return super().render_metrics() + render_families(families)
 
 
 def _stop_reason(jobs: Sequence[Job]) -> StopReason | None:
