@@ -128,6 +128,7 @@ def format_plan(plan: ResolvedOffloadPlan, placement=None) -> str:
     placement, when it could be decided here)."""
     config = plan.config
     rows = [_row(comp, placement) for comp in plan.components]
+    rows += [_absent_row(a) for a in plan.absent]
     streamed = sum(_split_bytes(c, placement)[0] for c in plan.components)
     resident = sum(_split_bytes(c, placement)[1] for c in plan.components)
     totals = {"component": "total", "streamed": format_bytes(streamed), "resident": format_bytes(resident)}
@@ -137,8 +138,9 @@ def format_plan(plan: ResolvedOffloadPlan, placement=None) -> str:
     lines += _table(rows)
     lines.append("")
     lines.append("why:")
-    width = max(len(c.display_path) for c in plan.components) if plan.components else 0
+    width = max((len(p) for p in [c.display_path for c in plan.components] + [a.path for a in plan.absent]), default=0)
     lines += [f"  {c.display_path:<{width}}  {c.action}: {c.reason}" for c in plan.components if c.reason]
+    lines += [f"  {a.path:<{width}}  declared, absent: declared in {a.declared_in}, but {a.why}; skipped" for a in plan.absent]
     lines.append("")
     lines.append("streamed: bytes kept on the host and copied in when needed (blocks; whole components in module mode)")
     lines.append("resident: bytes kept on the device")
@@ -168,6 +170,12 @@ def _row(comp: ResolvedComponent, placement=None) -> dict[str, str]:
         "streamed": format_bytes(streamed),
         "resident": format_bytes(resident),
     }
+
+
+def _absent_row(absent) -> dict[str, str]:
+    """A declared component this pipeline instance does not hold (an optional one left None): skipped."""
+    cells = dict.fromkeys(_COLUMNS, "-")
+    return cells | {"component": absent.path, "source": "declared", "action": "declared, absent"}
 
 
 def _split_bytes(comp: ResolvedComponent, placement=None) -> tuple[int, int]:
