@@ -16,8 +16,11 @@ from runtime_toys import ToyDiT, run
 
 class Recorder:
     """Stands in for torch.cuda: streams, events and host registration, logging every call in order. It models
-    what CUDA's hazards depend on: a current device per thread (0 until `device(...)` sets it) and the primary
-    context each CUDA call creates on the calling thread's current device (`contexts`), and graph capture."""
+    what CUDA's hazards depend on: a current device and a current stream per thread (device 0 and the compute
+    stream until `device(...)` and `stream(...)` set them), the primary context each CUDA call creates on the
+    calling thread's current device (`contexts`), the last error a failed call leaves on its thread until a
+    launch there reads it, the streams the caching allocator must wait for before reusing a tensor's memory
+    (`record_stream`), and graph capture."""
 
     def __init__(self):
         self.log: list[tuple] = []
@@ -27,9 +30,22 @@ class Recorder:
         self.capturing = False
         self.refuse_registration = False
         """Make every host registration fail as CUDA does: False back, and the error kept for the thread."""
+        self.refuse_unregistration = False
+        """Likewise for unregistering (a buffer CUDA does not know as registered)."""
+        self.errors_left: list[tuple[str, str]] = []
+        """(thread name, error) of every failed call: the error stays on that thread until a launch reads it."""
+        self.stream_uses: dict[int, set[str]] = {}
+        """Tensor address -> the streams `record_stream` named: the allocator waits for them before reuse."""
         self.compute = self.Stream(name="compute")
-        self._current = self.compute
         self.contexts.clear()  # building the stand-in is not a CUDA call
+
+    @property
+    def _current(self):
+        return getattr(self._local, "stream", self.compute)
+
+    def _fail(self, error: str) -> None:
+        self._local.error = error
+        self.errors_left.append((threading.current_thread().name, error))
 
     def _cuda_call(self) -> None:
         self.contexts.add(getattr(self._local, "device", 0))
@@ -89,13 +105,13 @@ class Recorder:
 
     @contextlib.contextmanager
     def stream(self, stream):
-        previous, self._current = self._current, stream
+        previous, self._local.stream = self._current, stream
         self._cuda_call()
         self.log.append(("enter", self._name(stream, "stream")))
         try:
             yield
         finally:
-            self._current = previous
+            self._local.stream = previous
             self._cuda_call()  # restoring the current device's stream: a context there if there was none
             self.log.append(("exit", self._name(stream, "stream")))
 
@@ -106,14 +122,23 @@ class Recorder:
     def host_register(self, buffer):
         self._cuda_call()
         if self.refuse_registration:
-            self._local.error = "cudaErrorHostMemoryAlreadyRegistered"
+            self._fail("cudaErrorHostMemoryAlreadyRegistered")
             return False
         self.log.append(("host_register", buffer.numel()))
         return True
 
     def host_unregister(self, buffer):
         self._cuda_call()
+        if self.refuse_unregistration:
+            self._fail("cudaErrorHostMemoryNotRegistered")
+            return
         self.log.append(("host_unregister", buffer.numel()))
+
+    def record_stream(self, tensor, stream):
+        """`tensor.record_stream(stream)`: the caching allocator will not reuse the tensor's memory before the
+        work `stream` has queued by the time the tensor is freed has run."""
+        self.stream_uses.setdefault(tensor.data_ptr(), set()).add(self._name(stream, "stream"))
+        self.log.append(("record_stream", tensor.data_ptr(), self._name(stream, "stream")))
 
     def synchronize(self, device=None):
         self.log.append(("synchronize", "device"))
@@ -144,10 +169,10 @@ def test_accelerator_engine_orders_copies_and_compute_with_events():
     copied_blocks = []
     real_copy_into = engine.copy_into
 
-    def tracking_copy_into(slot, job, record=None):
+    def tracking_copy_into(slot, job, record=None, **options):
         copied_blocks.append((len(recorder.log), slot))
         recorder.log.append(("copy_job", slot))
-        return real_copy_into(slot, job, record)
+        return real_copy_into(slot, job, record, **options)
 
     engine.copy_into = tracking_copy_into
     recorder.log.clear()
@@ -317,4 +342,51 @@ def test_a_refused_host_registration_leaves_buffers_pageable_and_never_fails_com
     assert handle.placement.host_tier.disk_block_paths  # the staging ring tried to register too
     assert torch.equal(run(model, (x,)), expected)
     assert handle.stats().pinned_host_bytes == 0
+    handle.disable()
+
+
+def test_a_refused_registration_asked_for_on_the_compute_thread_leaves_no_error_there():
+    """torch's `cudaHostRegister` binding leaves CUDA's last error set on the calling thread, and the next kernel
+    launched there fails with it. The engine registers (and unregisters) on a thread of its own, so a refusal
+    asked for from the compute thread leaves the error on a thread that launches nothing and ends."""
+    recorder = Recorder()
+    recorder.refuse_registration = recorder.refuse_unregistration = True
+    engine = AcceleratorCopyEngine(torch.device("cuda", 0), 2, api=recorder)
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    assert engine.pin_(buffer) is False  # refused: the buffer stays pageable
+    engine.unpin_(buffer)
+    here = threading.current_thread().name
+    assert [error for _, error in recorder.errors_left] == ["cudaErrorHostMemoryAlreadyRegistered", "cudaErrorHostMemoryNotRegistered"]
+    assert all(thread != here and thread.startswith("layerstream-pin") for thread, _ in recorder.errors_left)
+    recorder.current_stream()  # a launch on the compute thread: no error left for it to read
+    engine.close()
+    recorder.host_register(buffer)  # the stand-in does model the hazard: refused here, the next launch fails
+    with pytest.raises(RuntimeError, match="cudaErrorHostMemoryAlreadyRegistered"):
+        recorder.current_stream()
+
+
+def test_the_slot_ring_is_recorded_on_the_copy_stream_before_any_copy_writes_it():
+    """Slots are allocated on the compute stream; the copy stream writes them. Each is recorded on the copy
+    stream at enable (`record_stream`), so the caching allocator reuses its memory only after every copy queued
+    until it is freed has run, whichever way the pipeline goes (disable, or dropped without it)."""
+    torch.manual_seed(0)
+    model = ToyDiT(dim=16, num_blocks=4).eval()
+    x = torch.randn(2, 16)
+    expected = run(model, (x,))
+    recorder = Recorder()
+    engines = []
+
+    def factory(device, num_slots):
+        engines.append(AcceleratorCopyEngine(device, num_slots, api=recorder))
+        return engines[-1]
+
+    handle = enable_offload(model, {"mode": "layer", "components": ["dit"]}, device="cpu", engine_factory=factory)
+    copy_stream = recorder._name(engines[0].copy_stream, "stream")
+    slots = handle.streamer.slot_buffers
+    assert len(slots) >= 2
+    assert all(recorder.stream_uses.get(s.data_ptr()) == {copy_stream} for s in slots)
+    assert torch.equal(run(model, (x,)), expected)
+    log = recorder.log
+    first_copy = log.index(("enter", copy_stream))
+    assert all(pos < first_copy for pos, e in enumerate(log) if e[0] == "record_stream")
     handle.disable()

@@ -17,13 +17,23 @@ from layerstream.runtime.contracts import CopyEngine
 from test_accelerator_protocol import Recorder
 
 CPU = torch.device("cpu")
-ENGINES = ["cpu-thread", "accelerator-recorder"]
+ENGINES = ["cpu-thread", "accelerator-recorder", "accelerator-issuing"]
 QUIET_S = 0.15  # how long a copy that must not run yet is given to run anyway
+
+
+class IssuingEngine(AcceleratorCopyEngine):
+    """The accelerator engine with every job taken as one that waits on the host (a disk read): each is queued
+    by the engine's issuing thread."""
+
+    def copy_into(self, slot, job, record=None, *, waits_on_host=True):
+        super().copy_into(slot, job, record, waits_on_host=True)
 
 
 def make_engine(kind: str, num_slots: int = 2):
     if kind == "cpu-thread":
         return CpuCopyEngine(CPU, num_slots)
+    if kind == "accelerator-issuing":
+        return IssuingEngine(CPU, num_slots, api=Recorder())
     return AcceleratorCopyEngine(CPU, num_slots, api=Recorder())
 
 
@@ -35,6 +45,8 @@ class Jobs:
         self.ran: dict[str, float] = {}
         self.log_pos: dict[str, int] = {}
         self.events: dict[str, threading.Event] = {}
+        self.threads: dict[str, str] = {}
+        self.gate_open: dict[str, bool] = {}
 
     def job(self, name: str, nbytes: int = 8, fail: BaseException | None = None, seconds: float = 0.0):
         self.events[name] = threading.Event()
@@ -43,6 +55,7 @@ class Jobs:
             if seconds:
                 time.sleep(seconds)
             self.ran[name] = time.perf_counter()
+            self.threads[name] = threading.current_thread().name
             api = getattr(self.engine, "api", None)
             if isinstance(api, Recorder):
                 self.log_pos[name] = len(api.log)
@@ -198,3 +211,71 @@ def test_accelerator_close_synchronizes_the_copy_stream_once():
     log = engine.api.log
     syncs = [i for i, e in enumerate(log) if e == ("synchronize", copy_stream)]
     assert len(syncs) == 1 and syncs[0] > jobs.log_pos["in-flight"]
+
+
+# --- a job that waits on the host is queued by the accelerator engine's issuing thread --------------------------
+
+
+def _gated(jobs: Jobs, name: str, gate: threading.Event):
+    """A job that waits (at most 5 s) for the test to open `gate`, as a disk job waits for its read."""
+    inner = jobs.job(name)
+
+    def run() -> int:
+        jobs.gate_open[name] = gate.wait(5)
+        return inner()
+
+    return run
+
+
+def test_accelerator_a_job_that_waits_on_the_host_leaves_the_compute_thread_free_and_wait_ready_waits_for_it():
+    engine = make_engine("accelerator-recorder")
+    log, jobs = engine.api.log, Jobs(engine)
+    _, ready, _ = _names(engine)
+    gate = threading.Event()
+    engine.copy_into(0, _gated(jobs, "disk", gate), waits_on_host=True)
+    # copy_into returned with the job still waiting: it did not run here (inline, it would have timed out)
+    assert "disk" not in jobs.ran
+    opener = threading.Timer(0.05, gate.set)
+    opener.start()
+    stall = engine.wait_ready(0)  # the compute thread waits on the host only now, for the job to be queued
+    opener.join()
+    assert jobs.gate_open["disk"] and jobs.threads["disk"] == "layerstream-copy-issue"
+    assert stall > 0
+    # compute's device-side wait on the slot's ready event comes after the issuing thread recorded it
+    recorded = max(i for i, e in enumerate(log) if e[0] == "record" and e[1] == ready[0] and e[2] != "compute")
+    waited = max(i for i, e in enumerate(log) if e == ("wait_event", "compute", ready[0]))
+    assert jobs.log_pos["disk"] < recorded < waited
+    engine.release(0)
+    engine.close()
+    assert not [t for t in threading.enumerate() if t.name == "layerstream-copy-issue"]
+
+
+def test_accelerator_a_copy_into_a_slot_whose_disk_copy_is_pending_follows_it_on_the_issuing_thread():
+    """One order per slot: a copy that would run on the compute thread waits behind the slot's pending one."""
+    engine = make_engine("accelerator-recorder")
+    jobs = Jobs(engine)
+    gate = threading.Event()
+    engine.copy_into(0, _gated(jobs, "disk", gate), waits_on_host=True)
+    engine.copy_into(0, jobs.job("host"))  # the slot was taken for another block before the first was used
+    engine.copy_into(1, jobs.job("other-slot"))  # another slot: queued right here
+    assert jobs.threads["other-slot"] == threading.current_thread().name and "host" not in jobs.ran
+    gate.set()
+    engine.wait_ready(0)
+    assert jobs.ran["disk"] < jobs.ran["host"] and jobs.threads["host"] == "layerstream-copy-issue"
+    engine.release(0)
+    engine.wait_ready(1)
+    engine.release(1)
+    engine.close()
+
+
+def test_accelerator_close_lets_the_issuing_thread_queue_its_copies_then_synchronizes():
+    engine = make_engine("accelerator-issuing")
+    jobs = Jobs(engine)
+    copy_stream, _, _ = _names(engine)
+    engine.copy_into(0, jobs.job("slow", seconds=0.05))
+    engine.copy_into(1, jobs.job("next"))
+    engine.close()
+    log = engine.api.log
+    syncs = [i for i, e in enumerate(log) if e == ("synchronize", copy_stream)]
+    assert set(jobs.ran) == {"slow", "next"} and len(syncs) == 1 and syncs[0] > jobs.log_pos["next"]
+    assert not [t for t in threading.enumerate() if t.name == "layerstream-copy-issue"]

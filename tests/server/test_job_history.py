@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from jobs_harness import IMAGE_JOBS, VIDEOS, mp4_frames, png_pixels, wait_for_job
-from serve_harness import wait_until
+from serve_harness import metric, wait_until
 
 from layerstream.server.jobs.outputs import read_settings
 
@@ -83,6 +83,9 @@ def test_retention_removes_the_oldest_finished_jobs_first(server_factory, tmp_pa
             wait_for_job(http, IMAGE_JOBS, made[-1])
         assert [job["id"] for job in http.get(IMAGE_JOBS).json()["data"]] == made[:0:-1]
         assert http.get(f"{IMAGE_JOBS}/{made[0]}").status_code == 404
+        # the job states on /metrics follow the history (the removed job has left them)
+        assert metric(http, "layerstream_jobs", 'status="completed"') == 2
+        assert metric(http, "layerstream_queue_wait_seconds_count") >= 3
         from PIL import Image
 
         settings_png = http.get(f"{IMAGE_JOBS}/{made[2]}/content").content

@@ -74,6 +74,10 @@ class StoredBlock(Protocol):
     def link_bytes(self) -> int:
         """Bytes one transfer of the block moves over this process's host link."""
 
+    copy_waits_on_host: bool
+    """Whether the block's copy job may wait on the host (a disk read): an accelerator engine queues such a job
+    on a thread of its own, so that compute goes on queuing kernels meanwhile."""
+
     def copy_job(self, slot_buffer: torch.Tensor) -> Job:
         """A job that fills `slot_buffer` (a whole slot) with the block's packed bytes."""
 
@@ -171,6 +175,8 @@ class StoreStats:
 class StoredBlockBase:
     """Defaults of the optional parts of `StoredBlock`."""
 
+    copy_waits_on_host = False  # the bytes are in host memory: the job only queues a copy
+
     def check_lora_(self) -> None:
         pass  # LoRA may change the block (its store keeps it in its own dtype)
 
@@ -217,7 +223,8 @@ class CopyEngine(Protocol):
 
     kind: str
 
-    def copy_into(self, slot: int, job: Job, record: CopyRecord | None = None) -> None: ...
+    def copy_into(self, slot: int, job: Job, record: CopyRecord | None = None, *, waits_on_host: bool = False) -> None:
+        """`waits_on_host`: the job may wait on the host (`StoredBlock.copy_waits_on_host`)."""
 
     def wait_ready(self, slot: int) -> float:
         """Returns the seconds compute waited on the host (0 where it waits on the device)."""
@@ -240,6 +247,9 @@ class CopyEngine(Protocol):
 
     def capturing(self) -> bool:
         """Whether the compute stream is being captured into a CUDA graph right now (never on the CPU)."""
+
+    def guard_slots_(self, slot_buffers: list[torch.Tensor]) -> None:
+        """The slot ring, at enable: its memory may not be handed to anyone else while a copy may still write it."""
 
     def close(self) -> None:
         """Wait for every copy still in flight, then stop. Host buffers may be freed only after this."""

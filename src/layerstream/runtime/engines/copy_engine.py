@@ -8,9 +8,11 @@ The protocol (`runtime.contracts.CopyEngine`), for each slot:
 - `release(slot)`: compute marks that it is done reading the slot;
 - `close()`: wait for every copy in flight, then stop (host buffers may be freed only afterwards).
 
-`AcceleratorCopyEngine` implements it with a dedicated stream and events (no CPU-side synchronize);
-`CpuCopyEngine` implements it with a copy thread and thread events, optionally throttled to a simulated link
-bandwidth so that scheduling can be tested and measured on a machine without an accelerator.
+`AcceleratorCopyEngine` implements it with a dedicated stream and events (no CPU-side synchronize); it queues a
+copy on the caller's thread, except a copy whose job waits on the host (`waits_on_host`: a disk read), which an
+issuing thread queues, so that compute goes on queuing kernels meanwhile. `CpuCopyEngine` implements it with a
+copy thread and thread events, optionally throttled to a simulated link bandwidth so that scheduling can be
+tested and measured on a machine without an accelerator.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from layerstream.errors import TransferError
 from layerstream.runtime.contracts import CopyRecord, Job
+from layerstream.runtime.packing.host_buffer import on_own_thread
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +55,8 @@ class CpuCopyEngine:
         self.copies: deque[CopyRecord] = deque(maxlen=MAX_COPY_RECORDS)
 
     # compute side -------------------------------------------------------------------------------------------
-    def copy_into(self, slot: int, job: Job, record: CopyRecord | None = None) -> None:
+    def copy_into(self, slot: int, job: Job, record: CopyRecord | None = None, *, waits_on_host: bool = False) -> None:
+        """Queue `job` for the copy thread (every job runs there, whether or not it waits on the host)."""
         ready = threading.Event()  # one event per copy: a queued older copy can never signal a newer one
         self._ready[slot] = ready
         self._errors[slot] = None
@@ -97,6 +101,9 @@ class CpuCopyEngine:
 
     def unpin_(self, buffer: torch.Tensor) -> None:
         pass
+
+    def guard_slots_(self, slot_buffers: list[torch.Tensor]) -> None:
+        pass  # a queued job holds its slot tensor: the memory cannot go before the copy into it has run
 
     def close(self) -> None:
         if not self._thread.is_alive():
@@ -143,16 +150,30 @@ def _done_event() -> threading.Event:
     return event
 
 
+class _Copy:
+    """One copy handed to the accelerator engine: `done` is set once it is queued on the copy stream (None: it
+    was queued before `copy_into` returned), `error` is what its job raised."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self, done: threading.Event | None = None):
+        self.done = done
+        self.error: BaseException | None = None
+
+
 class AcceleratorCopyEngine:
-    """Stream-and-event engine for CUDA (or another `torch.accelerator`): compute never waits on the CPU.
+    """Stream-and-event engine for CUDA (or another `torch.accelerator`): compute never waits on the CPU for a
+    copy, except for one whose job waits on the host (a disk read) and has not been queued yet.
 
     `api` is the module providing `Stream`, `Event`, `stream(...)` and `current_stream(...)` (``torch.cuda`` by
-    default); tests pass a recording stand-in to check the order of calls without a GPU.
+    default); tests pass a recording stand-in to check the order of calls without a GPU. `issue_thread=False`
+    queues every copy on the caller's thread, host waits included (the behaviour before the issuing thread,
+    kept to measure it against: `benchmarks/gpu_checks.py`).
     """
 
     kind = "accelerator-streams"
 
-    def __init__(self, device: torch.device, num_slots: int, *, api=None, timing: bool = False):
+    def __init__(self, device: torch.device, num_slots: int, *, api=None, timing: bool = False, issue_thread: bool = True):
         self.device = device
         self.api = api if api is not None else _accelerator_api(device)
         self.timing = timing
@@ -164,9 +185,12 @@ class AcceleratorCopyEngine:
         # timing events not yet read (reading needs a synchronize, so it waits for `copy_records`): the newest
         # only, like the records, so that a traced server does not grow without bound
         self._pending_timing: deque[tuple[CopyRecord, object, object]] = deque(maxlen=MAX_COPY_RECORDS)
-        self._errors: list[BaseException | None] = [None] * num_slots
+        self._latest = [_Copy() for _ in range(num_slots)]  # each slot's latest copy
         self._held = [False] * num_slots  # compute reads the slot (between wait_ready and release)
-        self._deferred: list[tuple[Job, CopyRecord | None] | None] = [None] * num_slots
+        self._deferred: list[tuple[Job, CopyRecord | None, bool] | None] = [None] * num_slots
+        self._issue_thread = issue_thread
+        self._issuer: threading.Thread | None = None  # started by the first copy that waits on the host
+        self._issue_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._is_capturing = getattr(self.api, "is_current_stream_capturing", None)  # CUDA's; other APIs may lack it
         self._device_guard = getattr(self.api, "device", None)  # `torch.cuda.device(d)`: makes `d` current
@@ -175,14 +199,13 @@ class AcceleratorCopyEngine:
             self._origin = self.api.Event(enable_timing=True)
             self._origin.record(self.api.current_stream(device))
 
-    def copy_into(self, slot: int, job: Job, record: CopyRecord | None = None) -> None:
-        self._errors[slot] = None
+    def copy_into(self, slot: int, job: Job, record: CopyRecord | None = None, *, waits_on_host: bool = False) -> None:
         if self._held[slot]:
             # compute still reads this slot and has not recorded its release yet: a GPU-side wait now would wait
             # on the previous release. Queue the copy when release() records the event it must wait for
-            self._deferred[slot] = (job, record)
+            self._deferred[slot] = (job, record, waits_on_host)
             return
-        self._issue(slot, job, record)
+        self._issue(slot, job, record, waits_on_host)
 
     def _on_device(self):
         """The engine's device current for the calls inside: leaving `stream(...)` restores the current device's
@@ -190,7 +213,36 @@ class AcceleratorCopyEngine:
         GPU 0 per process)."""
         return self._device_guard(self.device) if self._device_guard is not None else contextlib.nullcontext()
 
-    def _issue(self, slot: int, job: Job, record: CopyRecord | None) -> None:
+    def _issue(self, slot: int, job: Job, record: CopyRecord | None, waits_on_host: bool) -> None:
+        previous = self._latest[slot]
+        follows = previous.done is not None and not previous.done.is_set()
+        if self._issue_thread and (waits_on_host or follows):
+            # the job would hold this thread until its bytes are on the host (a disk read): the issuing thread
+            # queues it, and compute goes on queuing kernels meanwhile. A later copy into the same slot follows
+            # it there, so that the slot's copies stay in the order they were asked for
+            copy = self._latest[slot] = _Copy(threading.Event())
+            self._start_issuer()
+            self._issue_queue.put((slot, job, record, copy))
+            return
+        copy = self._latest[slot] = _Copy()
+        self._queue_copy(slot, job, record, copy)
+
+    def _start_issuer(self) -> None:
+        if self._issuer is None:
+            self._issuer = threading.Thread(target=self._run_issuer, name="layerstream-copy-issue", daemon=True)
+            self._issuer.start()
+
+    def _run_issuer(self) -> None:
+        while (item := self._issue_queue.get()) is not None:
+            slot, job, record, copy = item
+            try:
+                self._queue_copy(slot, job, record, copy)
+            except BaseException as e:  # noqa: BLE001 - reported by wait_ready, never lost in this thread
+                copy.error = copy.error or e
+            finally:
+                copy.done.set()
+
+    def _queue_copy(self, slot: int, job: Job, record: CopyRecord | None, copy: _Copy) -> None:
         with self._on_device(), self.api.stream(self.copy_stream):
             # GPU-side wait: the copy may not overwrite the slot before compute has finished reading it
             self.copy_stream.wait_event(self._released[slot])
@@ -201,21 +253,28 @@ class AcceleratorCopyEngine:
                 job()
             except Exception as e:  # reported by wait_ready, as the CPU engine does: one protocol everywhere
                 logger.debug("copy into slot %d failed", slot, exc_info=True)
-                self._errors[slot] = e
+                copy.error = e
             if record is not None and self.timing:
                 end.record(self.copy_stream)
                 self._pending_timing.append((record, start, end))
             self._ready[slot].record(self.copy_stream)
 
     def wait_ready(self, slot: int) -> float:
-        error = self._errors[slot]
-        if error is not None:
-            self._errors[slot] = None
+        """Compute waits on the device for the slot's copy; on the host only while the issuing thread has not
+        queued it yet (its job still waits for the disk): returns those seconds (the stall on the host)."""
+        copy = self._latest[slot]
+        stall = 0.0
+        if copy.done is not None and not copy.done.is_set():
+            start = time.perf_counter()
+            copy.done.wait()  # host-side wait: the ready event below is recorded once the copy is queued
+            stall = time.perf_counter() - start
+        if copy.error is not None:
+            error, copy.error = copy.error, None
             raise _transfer_error(slot, error)
         # GPU-side wait: compute kernels queued after this point run only once the slot's copy has landed
         self.api.current_stream(self.device).wait_event(self._ready[slot])
         self._held[slot] = True
-        return 0.0
+        return stall
 
     def release(self, slot: int) -> None:
         self._released[slot].record(self.api.current_stream(self.device))
@@ -226,6 +285,17 @@ class AcceleratorCopyEngine:
 
     def capturing(self) -> bool:
         return self._is_capturing is not None and bool(self._is_capturing())
+
+    def guard_slots_(self, slot_buffers: list[torch.Tensor]) -> None:
+        """The copy stream writes into these device buffers, which compute allocated: when they are freed, the
+        caching allocator must wait for the copy stream's work queued until then, not only the compute stream's,
+        before it hands their memory to anyone (`record_stream`; once per slot, at enable)."""
+        record = getattr(self.api, "record_stream", None)  # a stand-in's; torch's is a method of the tensor
+        for buffer in slot_buffers:
+            if record is not None:
+                record(buffer, self.copy_stream)
+            else:
+                buffer.record_stream(self.copy_stream)
 
     def now(self):
         """A time mark on the compute stream: a timing event when tracing (read after the run), else host time."""
@@ -243,16 +313,25 @@ class AcceleratorCopyEngine:
         return self._origin.elapsed_time(mark) / 1e3
 
     def pin_(self, buffer: torch.Tensor) -> bool:
-        """Page-lock a host buffer in place so copies from it are asynchronous DMA. Safe from any thread (the
-        stores pin on a thread of their own): it runs with this engine's device current."""
-        register = getattr(self.api, "host_register", None)
-        if register is not None:
-            return bool(register(buffer))
-        return pin_buffer_(buffer, self.device)
+        """Page-lock a host buffer in place so copies from it are asynchronous DMA. The registration runs on a
+        short-lived thread of its own, with this engine's device current: a refused `cudaHostRegister` leaves
+        CUDA's last error set on the thread that called it (torch's binding neither clears it nor exposes
+        `cudaGetLastError`), and the next kernel launched on that thread would fail with it."""
+        return on_own_thread(self._register, buffer)
+
+    def _register(self, buffer: torch.Tensor) -> bool:
+        register = getattr(self.api, "host_register", None)  # a stand-in's
+        with self._on_device():
+            return bool(register(buffer)) if register is not None else pin_buffer_(buffer)
 
     def unpin_(self, buffer: torch.Tensor) -> None:
-        unregister = getattr(self.api, "host_unregister", None)
-        with self._on_device():  # unregistering from a thread with another device current would make a context there
+        """Unregister a buffer `pin_` registered, on a thread of its own for the same reason (a teardown may run
+        on the compute thread, or from the garbage collector on any thread)."""
+        on_own_thread(self._unregister, buffer)
+
+    def _unregister(self, buffer: torch.Tensor) -> None:
+        unregister = getattr(self.api, "host_unregister", None)  # a stand-in's
+        with self._on_device():  # unregistering with another device current would make a context there
             if unregister is not None:
                 unregister(buffer)
             else:
@@ -260,10 +339,10 @@ class AcceleratorCopyEngine:
 
     def copy_records(self) -> list[CopyRecord]:
         """Recorded copies, their timing events turned into seconds since enable. Synchronizes: call after a run."""
-        for record, start, end in self._pending_timing:
+        while self._pending_timing:  # (the issuing thread may still add one: popped one at a time)
+            record, start, end = self._pending_timing.popleft()
             record.start, record.end = self.resolve(start), self.resolve(end)
             self.copies.append(record)
-        self._pending_timing.clear()
         return list(self.copies)
 
     def clear_records(self) -> None:
@@ -279,11 +358,23 @@ class AcceleratorCopyEngine:
                 self._held[slot] = False
                 self._deferred[slot] = None
                 self._issue(slot, *deferred)
+        self._stop_issuer()
         # host-side wait, once, at teardown: copies queued on the copy stream read pinned host buffers
         # asynchronously, and the last block always prefetches the first, so one is usually in flight. Only
         # after this may a host buffer be unpinned or freed, or a slot be given back to the allocator
         with self._on_device():
             self.copy_stream.synchronize()
+
+    def _stop_issuer(self) -> None:
+        """Let the issuing thread queue every copy handed to it, then stop it."""
+        issuer, self._issuer = self._issuer, None
+        if issuer is None:
+            return
+        self._issue_queue.put(None)
+        if issuer is not threading.current_thread():  # (a finalizer may run on it: it stops after this job)
+            issuer.join(timeout=60)
+            if issuer.is_alive():
+                logger.warning("the copy issuing thread did not stop within 60 s; a disk read may be hanging")
 
 
 def _transfer_error(slot: int, error: BaseException) -> TransferError:
@@ -299,18 +390,13 @@ CUDA_HOST_REGISTER_PORTABLE = 1
 """cudaHostRegisterPortable: pinned for every CUDA context, not only the current device's."""
 
 
-def pin_buffer_(buffer: torch.Tensor, device: torch.device | None = None) -> bool:
-    """Page-lock a host buffer in place (exact size: no power-of-two rounding). Returns True if pinned.
-
-    Runs with `device` current: a thread of its own would otherwise have device 0 current and create a CUDA
-    context there (every rank of a machine on GPU 0)."""
+def pin_buffer_(buffer: torch.Tensor) -> bool:
+    """Page-lock a host buffer in place (exact size: no power-of-two rounding). Returns True if pinned. The
+    caller makes its device current (`AcceleratorCopyEngine.pin_`): a thread of its own would otherwise have
+    device 0 current and create a CUDA context there (every rank of a machine on GPU 0)."""
     if not torch.cuda.is_available():
         return False
-    cudart = torch.cuda.cudart()
-    with torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext():
-        err = cudart.cudaHostRegister(
-            buffer.data_ptr(), buffer.numel() * buffer.element_size(), CUDA_HOST_REGISTER_PORTABLE
-        )
+    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), CUDA_HOST_REGISTER_PORTABLE)
     ok = int(err) == 0 if not isinstance(err, tuple) else int(err[0]) == 0
     if not ok:
         logger.warning("cudaHostRegister failed (%s); block buffer stays pageable", err)

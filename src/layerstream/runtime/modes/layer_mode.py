@@ -83,6 +83,7 @@ def _open_slot_ring(placement: Placement, device: torch.device, engine_factory: 
         slot_buffers = [torch.empty(placement.slot_nbytes, dtype=torch.uint8, device=device) for _ in range(placement.num_slots)]
     engine = engine_factory(device, placement.num_slots) if placement.num_slots > 0 else None
     if engine is not None:
+        engine.guard_slots_(slot_buffers)  # the copy stream writes them: freed only after its copies have run
         undo.push(engine.close)
     return slot_buffers, engine
 
@@ -226,6 +227,7 @@ class LayerModeBackend:
                 num_streamed_blocks=len(host),
                 num_resident_blocks=len(self.placement.resident_block_paths(comp.path)),
                 bytes_written_back=c.bytes_written_back if c else 0,
+                copy_issue_seconds=c.issue_seconds if c else 0.0,
             )
         totals = {f: sum(getattr(s, f) for s in per.values()) for f in ComponentStats.__dataclass_fields__}
         totals["device_bytes"] += self.placement.ring_nbytes

@@ -9,13 +9,17 @@ before it commits, and before it rolls back (a buffer is unpinned only once its 
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 
 from layerstream.runtime.packing.layout import BlockLayout
 from layerstream.runtime.contracts import Pinner, StoredBlockBase
 
+
+T = TypeVar("T")
 
 PAGE_BYTES = mmap.PAGESIZE
 """Host buffers that may be page-locked start on a page and own their last page whole: CUDA registers whole
@@ -38,13 +42,19 @@ def page_span(buffer: torch.Tensor) -> tuple[int, int]:
     return start // PAGE_BYTES, end // PAGE_BYTES
 
 
-def pin_off_thread(pinner: Pinner, buffer: torch.Tensor) -> bool:
-    """`pinner.pin_(buffer)` on a short-lived thread of its own, waited for. CUDA keeps the error of a failed
-    call per host thread until it is read, and torch reads it after the next kernel launch on that thread: a
-    failed `cudaHostRegister` on the compute thread would fail an unrelated kernel later. On its own thread a
-    failure only leaves the buffer pageable."""
+def on_own_thread(call: Callable[..., T], *args) -> T:
+    """`call(*args)` on a short-lived thread of its own, waited for (its exception raised here). CUDA keeps the
+    error of a failed call per host thread until it is read, and torch reads it after the next kernel launch on
+    that thread: a failed `cudaHostRegister` on the compute thread would fail an unrelated kernel later. On a
+    thread of its own, which launches nothing and ends, a failure only leaves the buffer pageable."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-pin") as pool:
-        return pool.submit(pinner.pin_, buffer).result()
+        return pool.submit(call, *args).result()
+
+
+def pin_off_thread(pinner: Pinner, buffer: torch.Tensor) -> bool:
+    """`pinner.pin_(buffer)` on a thread of its own (see `on_own_thread`; the accelerator engine's `pin_`
+    registers on one itself, so this guards any other pinner too)."""
+    return on_own_thread(pinner.pin_, buffer)
 
 
 class HostBufferBlock(StoredBlockBase):

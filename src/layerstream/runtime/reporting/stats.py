@@ -20,8 +20,9 @@ class ComponentStats:
     num_sync_loads: int = 0
     """Blocks loaded synchronously because they were not prefetched (skipped blocks, changed order)."""
     stall_seconds: float = 0.0
-    """Time compute waited for copies, measured by the CPU engine. On an accelerator compute waits on the GPU,
-    not the host, so this stays 0 there: enable with ``trace=True`` and read the stalls from ``trace()``."""
+    """Host time compute waited for copies: every wait on the CPU engine. On an accelerator compute waits on the
+    GPU, not the host, so this counts only the waits for disk-tier copies not yet queued (their read was late):
+    enable with ``trace=True`` and read the GPU's stalls from ``trace()``."""
     device_bytes: int = 0
     """Device bytes: the component's resident tensors; in the totals, plus the slot ring."""
     host_bytes: int = 0
@@ -33,6 +34,10 @@ class ComponentStats:
     bytes_written_back: int = 0
     """Bytes of buffers that streamed blocks wrote during forward (running statistics, counters), copied back
     into the host store so that the next call reads them."""
+    copy_issue_seconds: float = 0.0
+    """Host time compute spent handing copies to the copy engine (an accelerator engine queues each copy whose
+    job does not wait on the host right there: microseconds a block). With `stall_seconds`, the time the compute
+    thread was blocked by streaming rather than queuing kernels."""
 
 
 @dataclass(frozen=True)
@@ -53,9 +58,8 @@ class OffloadStats(ComponentStats):
     disk_bytes_read: int = 0
     """Bytes the disk tier (`host_budget_gb`) read from disk since enable: checkpoint files and spill files."""
     disk_stall_seconds: float = 0.0
-    """Of the time compute waited for weights, the part it waited on the disk tier's reads (a part of
-    `stall_seconds` on the CPU engine; on an accelerator the host time the compute thread waited for a read,
-    which `stall_seconds` does not count)."""
+    """Of the time compute waited for weights (`stall_seconds`, and `copy_issue_seconds` where compute queued a
+    disk-tier copy itself), the part it waited on the disk tier's reads."""
     host_pool_bytes: int = 0
     """Host bytes of the pool that alternating DiTs (Wan 2.2's experts) share under `host_budget_gb`: counted in
     the totals' `host_bytes`, not in any component's (it holds the blocks of whichever DiT runs)."""

@@ -6,8 +6,10 @@ releases the slot and rebinds the block to empty placeholders. Predictions start
 (the last block of a chain predicts the first, for the next step or request) and follow the order blocks
 actually run in, learned from every observed transition.
 
-After compute waited for a block's copy, the streamer tells the stored block how long (`count_stall_`), so that
-a block with a source of its own (the disk) can count the part spent waiting on it. A store may read ahead
+After compute waited for a block's copy, or queued one itself (`issue_seconds`), the streamer tells the stored
+block how long (`count_stall_`), so that a block with a source of its own (the disk) can count the part spent
+waiting on it. A block whose copy job may wait on the host says so (`copy_waits_on_host`), and the engine keeps
+such a job off the compute thread. A store may read ahead
 further than the slots reach (the disk tier's staging ring): `successor(path)` gives it the same prediction,
 learned order included.
 """
@@ -15,6 +17,7 @@ learned order included.
 from __future__ import annotations
 
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -49,13 +52,15 @@ class ComputeRecord:
 class BlockCounters:
     """Transfer counters of one component (plain ints: updated on the hot path)."""
 
-    __slots__ = ("bytes_transferred", "num_transfers", "num_sync_loads", "stall_seconds", "bytes_written_back")
+    __slots__ = ("bytes_transferred", "num_transfers", "num_sync_loads", "stall_seconds", "issue_seconds", "bytes_written_back")
 
     def __init__(self):
         self.bytes_transferred = 0
         self.num_transfers = 0
         self.num_sync_loads = 0
         self.stall_seconds = 0.0
+        self.issue_seconds = 0.0
+        """Host time compute spent handing copies to the engine (an accelerator engine queues most itself)."""
         self.bytes_written_back = 0
 
 
@@ -387,18 +392,24 @@ class BlockStreamer:
         block.slot = slot
         self._tick += 1
         self.slot_tick[slot] = self._tick
-        nbytes = block.host.link_bytes
+        host = block.host
+        nbytes = host.link_bytes
         block.num_transfers += 1
         block.counters.num_transfers += 1
         block.counters.bytes_transferred += nbytes
+        issuing = time.perf_counter()
         try:
-            self.engine.copy_into(slot, block.host.copy_job(self.slot_buffers[slot]), CopyRecord(block.path, slot, nbytes))
+            job = host.copy_job(self.slot_buffers[slot])
+            self.engine.copy_into(slot, job, CopyRecord(block.path, slot, nbytes), waits_on_host=host.copy_waits_on_host)
         except BaseException:
             # an engine that runs the job in this thread raised (e.g. a failed collective): the slot holds no
             # complete copy, so forget it and let a later call copy again instead of reading a partial slot
             self.slot_block[slot] = None
             block.slot = None
             raise
+        issued = time.perf_counter() - issuing
+        block.counters.issue_seconds += issued
+        host.count_stall_(issued)  # an engine that ran the job here waited for its source meanwhile
 
 
 def install_root_hooks(streamer: BlockStreamer, module: nn.Module) -> list:

@@ -71,7 +71,10 @@ class JobManager:
         self._live: dict[str, _LiveJob] = {}
         self._projection: LatentProjection | None = None
         self._projection_fitted = False
+        self.metrics = service.metrics
         store.recover_()
+        for job_id, status in store.statuses():  # the history's jobs count in layerstream_jobs from the start
+            self.metrics.record_job_state(job_id, status)
 
     @property
     def path(self) -> Literal["/v1/videos", "/v1/images/jobs"]:
@@ -96,6 +99,7 @@ class JobManager:
         record = self._new_record(body, served)
         live = _LiveJob(record=record, served=served, preview=body.preview)
         self.store.insert(record)
+        self.metrics.record_job_state(record.id, record.status)
         with self._lock:
             self._live[record.id] = live  # before queueing: the worker may start it at once
         try:
@@ -104,6 +108,7 @@ class JobManager:
             with self._lock:
                 self._live.pop(record.id, None)
             self.store.delete(record.id)
+            self.metrics.forget_job(record.id)
             if isinstance(e, QueueFullError):
                 raise ApiError(429, f"{e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
             raise ApiError(503, str(e), code="shutting_down") from None
@@ -137,6 +142,7 @@ class JobManager:
             if self.service.queue.stop(live.queued, StopReason.CANCELLED):  # it was waiting: it never starts
                 with self._lock:
                     self._live.pop(job_id, None)
+        self.metrics.forget_job(job_id)
         self.events.publish(job_id, JobEvent("status", {"id": job_id, "deleted": True}))
         logger.info("job %s deleted", job_id)
         return {"id": job_id, "object": f"{self.kind}.deleted", "deleted": True}
@@ -201,7 +207,8 @@ class JobManager:
             self.store.remove_output(name)  # deleted while its file was written
             return
         logger.info("job %s completed (%d bytes)", record.id, size)
-        self.store.enforce_retention_()
+        for removed in self.store.enforce_retention_():
+            self.metrics.forget_job(removed)
 
     def _fail(self, live: _LiveJob, code: str, message: str) -> None:
         logger.info("job %s failed: %s", live.record.id, message)
@@ -216,6 +223,7 @@ class JobManager:
         if not self.store.update(record):
             return False
         live.record = record
+        self.metrics.record_job_state(record.id, record.status)
         self.events.publish(record.id, JobEvent("status", self._object(record, live)))
         return True
 

@@ -128,6 +128,12 @@ class JobStore:
             row = self._db.execute("SELECT record FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return _record_from_json(row[0]) if row else None
 
+    def statuses(self) -> list[tuple[str, JobStatus]]:
+        """(id, status) of every job kept, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT id, status FROM jobs ORDER BY seq").fetchall()
+        return [(job_id, JobStatus(status)) for job_id, status in rows]
+
     def page(
         self, kind: JobKind, *, limit: int, after: str | None, order: Literal["asc", "desc"]
     ) -> tuple[list[JobRecord], bool] | None:

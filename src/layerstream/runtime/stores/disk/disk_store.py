@@ -9,8 +9,9 @@ blocks back into real tensors and remove the folder.
 Disk, link and compute run as three stages: a `StagingRing` (`staging`) of three host buffers (pinned on an
 accelerator) is filled by a read-ahead I/O thread two disk blocks ahead along the streamer's prediction of the
 order blocks run in (`follow_order_`), and a block's copy job only copies from the buffer already read into
-the slot (reading synchronously only when the prediction missed). On an accelerator the job runs on the
-compute thread, so the disk read must not happen there; on the CPU it runs on the engine's copy thread.
+the slot (reading synchronously only when the prediction missed). A disk block's job may wait for its read
+(`copy_waits_on_host`), so it never runs on the compute thread: the accelerator engine queues it on its issuing
+thread, the CPU engine runs it on its copy thread.
 
 The pooled blocks of alternating DiTs (`HostPoolChoice`: Wan 2.2's experts) are disk blocks too, whose bytes
 stay in an entry of a `HostPool` (`host_pool`) while their DiT runs, read from disk only when the other DiT ran
@@ -19,8 +20,8 @@ since.
 Disk-tier reads drop their pages from the page cache after them: the memory the budget leaves free stays free.
 A simulated disk (`simulated_gbps`, CPU measurements) keeps the page cache instead and is one disk: the
 read-ahead and the pool's reads take turns on it. `disk_stall_seconds` counts the time compute waited on the
-disk, apart from the link: on an accelerator the time the job waited for a read; on the CPU the part of
-compute's wait during which the copy job was waiting for the read (`count_stall_`, called by the streamer).
+disk, apart from the link: the part of compute's wait (for a copy, or while it queued one) during which the
+copy job was waiting for the read (`count_stall_`, called by the streamer).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ whole block is spilled."""
 
 class DiskBlock(StoredBlockBase):
     """One block of the disk tier: no host bytes; its copy job reads it from disk."""
+
+    copy_waits_on_host = True  # for its read: an accelerator engine queues the job on a thread of its own
 
     def __init__(
         self,
@@ -100,22 +103,19 @@ class DiskBlock(StoredBlockBase):
 
     def copy_job(self, slot_buffer: torch.Tensor) -> Job:
         store = self.store
-        on_compute_thread = slot_buffer.device.type != "cpu"  # accelerator engines run jobs where compute runs
 
         def job() -> int:
             if store.pool is not None and self.member is not None:
                 store.pool.prepare_(self.member)  # the first block of another DiT: the pool reads its blocks
             nbytes = store.staging.copy_(self, slot_buffer, store.upcoming_after(self.path))
-            self.disk_wait = store.staging.last_disk_wait
-            if on_compute_thread:
-                store.disk_stall_seconds += self.disk_wait[1] - self.disk_wait[0]  # compute itself waited
+            self.disk_wait = store.staging.last_disk_wait  # compute's part of it: count_stall_
             return nbytes
 
         return job
 
     def count_stall_(self, stall_seconds: float) -> None:
-        """Compute just waited `stall_seconds` for this block's copy (the CPU engine's copy thread ran the job):
-        count the part of that wait during which the job was waiting for the disk."""
+        """Compute just spent `stall_seconds` waiting for this block's copy, or queuing it: count the part of
+        that time during which the job was waiting for the disk."""
         started, ended = self.disk_wait
         now = time.perf_counter()
         overlap = min(ended, now) - max(started, now - stall_seconds)
@@ -170,14 +170,11 @@ class PooledBlock(DiskBlock):
 
     def copy_job(self, slot_buffer: torch.Tensor) -> Job:
         store = self.store
-        on_compute_thread = slot_buffer.device.type != "cpu"
 
         def job() -> int:
             waited = time.perf_counter()
             entry = store.pool.take_(self)  # waits only when the pool is still reading it
             self.disk_wait = (waited, time.perf_counter())
-            if on_compute_thread:
-                store.disk_stall_seconds += self.disk_wait[1] - self.disk_wait[0]
             store.pool.copy_out_(entry, slot_buffer, self.layout.nbytes)
             return self.layout.nbytes
 

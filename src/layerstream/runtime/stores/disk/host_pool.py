@@ -11,8 +11,8 @@ an I/O thread of its own, so that they run beside compute and the link, and each
 block. Reads still queued for the DiT that ran before are cancelled. At enable the entries take the bytes of
 the first DiT staged, so that the first request reads nothing for them.
 
-Only the thread that runs copy jobs changes which block owns an entry (on an accelerator the compute thread, on
-the CPU the engine's copy thread); the I/O thread only fills buffers. Before a read overwrites an entry, it
+Only the thread that runs disk-tier copy jobs changes which block owns an entry (the accelerator engine's issuing
+thread, the CPU engine's copy thread); the I/O thread only fills buffers. Before a read overwrites an entry, it
 waits for the device copy out of it (a CUDA event, as in the staging ring).
 """
 

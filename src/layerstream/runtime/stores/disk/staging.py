@@ -19,7 +19,7 @@ import torch
 
 from layerstream.errors import TransferError
 from layerstream.runtime.contracts import Pinner
-from layerstream.runtime.packing.host_buffer import page_aligned_empty, pin_off_thread
+from layerstream.runtime.packing.host_buffer import page_aligned_empty
 from layerstream.runtime.packing.layout import BlockLayout
 
 
@@ -47,7 +47,7 @@ def pin_all_or_none(buffers: Sequence[torch.Tensor], pin: Pinner | None) -> Pinn
     are all asynchronous or all in step): the pinner that pinned them, or None."""
     if pin is None:
         return None
-    pinned = [b for b in buffers if pin_off_thread(pin, b)]  # a failure must not poison the compute thread
+    pinned = [b for b in buffers if pin.pin_(b)]  # (the engine registers off this thread: a refusal poisons nothing)
     if len(pinned) == len(buffers):
         return pin
     for b in pinned:
