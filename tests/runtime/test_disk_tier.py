@@ -291,7 +291,7 @@ def test_a_checkpoint_file_changed_after_enable_is_a_clear_error(tmp_path):
 
 
 def test_the_accelerator_engine_streams_disk_blocks_and_reports_a_bad_file_at_wait_ready(tmp_path):
-    """The accelerator engine (its CUDA calls recorded by a stand-in) runs disk jobs on the compute thread:
+    """The accelerator engine (its CUDA calls recorded by a stand-in) runs disk jobs on its issuing thread:
     outputs bit-identical, only host blocks and the staging ring are registered (pinned), a damaged spill file is a TransferError."""
     from layerstream.runtime.engines.copy_engine import AcceleratorCopyEngine
     from test_accelerator_protocol import Recorder

@@ -152,7 +152,7 @@ def test_wan_experts_each_keep_what_the_whole_budget_holds_and_generate_bit_iden
 
 
 def test_wan_pool_on_the_accelerator_engine_is_pinned_and_a_bad_file_is_a_transfer_error(tmp_path):
-    """The accelerator engine (its CUDA calls recorded by a stand-in) runs pooled blocks' jobs on the compute
+    """The accelerator engine (its CUDA calls recorded by a stand-in) runs pooled blocks' jobs on its issuing
     thread: the pool entries are pinned with the staging ring, outputs are bit-identical, and a damaged spill
     file of the expert not in the pool fails its first use with the file's name."""
     from layerstream.runtime.engines.copy_engine import AcceleratorCopyEngine
