@@ -132,6 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated host link bandwidth in GB/s")
     parser.add_argument("--no-access-log", dest="access_log", action="store_false", help="no log line per request")
+    parser.add_argument("--no-ui", dest="ui", action="store_false", help="no web page at / (the API only)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -196,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         service = GenerationService(omni, settings)
         jobs = JobManager(service, store)
         store = None  # the app closes it, through the manager, when it stops
-        run_server(service, sock, on_ready=_print_ready, access_log=args.access_log, jobs=jobs)
+        run_server(service, sock, on_ready=_print_ready, access_log=args.access_log, jobs=jobs, ui=args.ui)
     finally:
         sock.close()
         if store is not None:
@@ -411,7 +412,9 @@ def _serve_rank(args: argparse.Namespace, config, settings) -> int:
             if service.fatal_error is not None:  # a rank was lost before the server started
                 stop()
 
-        run_server(service, sock, on_ready=_print_ready, access_log=args.access_log, on_stopper=keep_stopper)
+        run_server(
+            service, sock, on_ready=_print_ready, access_log=args.access_log, on_stopper=keep_stopper, ui=args.ui
+        )
         if service.fatal_error is not None or not service.queue.join(0) or not service.stop_ranks():
             print(f"layerstream serve: stopped: {service.fatal_error or 'the ranks could not be stopped'}",
                   file=sys.stderr, flush=True)  # fmt: skip

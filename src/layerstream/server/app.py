@@ -9,6 +9,7 @@
                                   download, delete, and a server-sent event stream of progress and previews
     GET  /health                  model, offload config, device, queue depth, status
     GET  /metrics                 Prometheus text format
+    GET  /                        the web page (`layerstream.server.ui`), unless --no-ui
 
 Statuses: 400 the model cannot take the request (size multiple, largest size or frames, frame rule, more
 work than --max-work, wrong endpoint, not JSON, an input image that is not an image, an image the model does
@@ -61,6 +62,7 @@ from layerstream.server.schemas import (
 )
 from layerstream.server.service import GenerationOutput, GenerationService, ServedRequest
 from layerstream.server.stopping import GenerationStopped, StopReason
+from layerstream.server.ui import add_web_page
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +80,11 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def create_app(service: GenerationService, jobs: JobManager | None = None) -> FastAPI:
-    """The app serving `service` (and, with `jobs`, its job API); see `_lifespan`."""
+def create_app(service: GenerationService, jobs: JobManager | None = None, *, ui: bool = True) -> FastAPI:
+    """The app serving `service` (and, with `jobs`, its job API, and with `ui` too, the web page at ``/``); see
+    `_lifespan`."""
     app = FastAPI(title="layerstream", version=__version__, lifespan=_lifespan(service, jobs))
     apply_exact_openapi_(app)
-    kept_outputs = KeptOutputs()  # the files of response_format 'url', newest first out of memory
     app.add_middleware(RequestMetricsMiddleware, metrics=service.metrics)
 
     @app.exception_handler(ApiError)
@@ -101,6 +103,39 @@ def create_app(service: GenerationService, jobs: JobManager | None = None) -> Fa
         logger.exception("unexpected error answering %s %s", request.method, request.url.path)
         body = ApiError(500, f"internal error: {type(error).__name__}", code="internal_error").body()
         return JSONResponse(body, status_code=500)
+
+    _add_image_routes(app, service)
+
+    @app.post(
+        VIDEOS_PATH,
+        response_model=VideoGenerationResponse,
+        responses=_ERROR_RESPONSES,
+        openapi_extra=json_request_body(VideoGenerationRequest),
+    )
+    async def create_videos(request: Request) -> JSONResponse:
+        _, output = await _run_generation(service, request, VideoGenerationRequest, "video")
+        data = [VideoData(b64_json=f) for f in output.files_b64]
+        return _ok(VideoGenerationResponse(created=int(time.time()), data=data, layerstream=output.usage))
+
+    if jobs is not None:
+        add_job_routes(app, jobs)
+    if ui:
+        add_web_page(app)  # without the job API it says so, and its form stays off
+
+    @app.get(HEALTH_PATH, response_model=HealthResponse)
+    async def health() -> dict[str, Any]:
+        return {**service.health(), **({"jobs_path": jobs.path} if jobs is not None else {})}
+
+    @app.get(METRICS_PATH, response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(service.render_metrics(), media_type=METRICS_CONTENT_TYPE)
+
+    return app
+
+
+def _add_image_routes(app: FastAPI, service: GenerationService) -> None:
+    """The image endpoints, and the route of the files they answer as URLs (response_format 'url')."""
+    kept_outputs = KeptOutputs()  # the newest such files, in memory
 
     @app.post(
         IMAGES_PATH,
@@ -132,30 +167,6 @@ def create_app(service: GenerationService, jobs: JobManager | None = None) -> Fa
             )
             raise ApiError(404, message, code="not_found", param="name")
         return Response(kept.data, media_type=kept.media_type)
-
-    @app.post(
-        VIDEOS_PATH,
-        response_model=VideoGenerationResponse,
-        responses=_ERROR_RESPONSES,
-        openapi_extra=json_request_body(VideoGenerationRequest),
-    )
-    async def create_videos(request: Request) -> JSONResponse:
-        _, output = await _run_generation(service, request, VideoGenerationRequest, "video")
-        data = [VideoData(b64_json=f) for f in output.files_b64]
-        return _ok(VideoGenerationResponse(created=int(time.time()), data=data, layerstream=output.usage))
-
-    if jobs is not None:
-        add_job_routes(app, jobs)
-
-    @app.get(HEALTH_PATH, response_model=HealthResponse)
-    async def health() -> dict[str, Any]:
-        return {**service.health(), **({"jobs_path": jobs.path} if jobs is not None else {})}
-
-    @app.get(METRICS_PATH, response_class=PlainTextResponse)
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(service.render_metrics(), media_type=METRICS_CONTENT_TYPE)
-
-    return app
 
 
 def _lifespan(service: GenerationService, jobs: JobManager | None):

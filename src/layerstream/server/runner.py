@@ -75,13 +75,14 @@ def run_server(
     access_log: bool = True,
     on_stopper: Callable[[Callable[[], None]], None] | None = None,
     jobs: JobManager | None = None,
+    ui: bool = True,
 ) -> None:
-    """Serve `service` (and `jobs`, its job API, if given) on the bound `sock` until SIGTERM or SIGINT; returns
-    after a graceful shutdown.
+    """Serve `service` (and `jobs`, its job API, if given; and the web page, with `ui`) on the bound `sock`
+    until SIGTERM or SIGINT; returns after a graceful shutdown.
 
     `on_stopper`, if given, receives a function that starts the same shutdown from any thread (a lost rank)."""
     config = uvicorn.Config(
-        create_app(service, jobs),
+        create_app(service, jobs, ui=ui),
         log_config=None,  # the command line configured logging; uvicorn's loggers propagate to it
         access_log=access_log,
         # the service stops the running generation after --shutdown-timeout; this bounds the wait for its answer

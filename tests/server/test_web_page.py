@@ -1,0 +1,185 @@
+"""The web page at ``/``: served from the package (nothing from elsewhere), turned off by --no-ui, and used in a
+real browser (headless Chromium through selenium) against `layerstream serve tiny-wan`: type a prompt, press
+Generate, watch the progress bar, find the result in the history, again after a reload and after a restart
+of the server on the same data folder, then use its settings and delete it."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from importlib.resources import files
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from layerstream.cli.main import build_parser
+from layerstream.server.app import create_app
+from layerstream.server.service import GenerationService
+from layerstream.server.settings import ServeSettings
+from test_service import StandInOmni
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+SCREENSHOT_COPY_ENV = "LAYERSTREAM_PAGE_SCREENSHOT"
+"""If set, a path where the browser test also leaves its screenshot (to look at it)."""
+PROMPT = "a red fox running through fresh snow"
+STATIC = files("layerstream.server.ui") / "static"
+
+
+# --- served by the app, without a browser ----------------------------------------------------------------------
+
+
+def _app(**kwargs) -> TestClient:
+    return TestClient(create_app(GenerationService(StandInOmni(), ServeSettings(port=0, shutdown_timeout=0)), **kwargs))
+
+
+def test_the_page_and_its_files_are_served_from_the_package():
+    with _app() as client:
+        page = client.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert re.search(r'<label for="prompt">Prompt</label>', page.text) and ">Generate</button>" in page.text
+        for name, media_type in (("app.js", "javascript"), ("style.css", "text/css")):
+            served = client.get(f"/ui/{name}")
+            assert served.status_code == 200 and media_type in served.headers["content-type"]
+            assert served.text == (STATIC / name).read_text(encoding="utf-8")
+    for name in ("index.html", "app.js", "style.css"):  # no asset from the internet, no build step
+        text = (STATIC / name).read_text(encoding="utf-8")
+        assert not re.search(r"https?://|//cdn|@import|\bimport\s", text), name
+
+
+def test_no_ui_serves_no_page():
+    with _app(ui=False) as client:
+        assert client.get("/").status_code == 404 and client.get("/ui/app.js").status_code == 404
+        assert client.get("/metrics").status_code == 200  # the API is served as ever
+    assert build_parser().parse_args(["serve", "tiny-wan", "--no-ui"]).ui is False
+    assert build_parser().parse_args(["serve", "tiny-wan"]).ui is True
+
+
+# --- in a real browser ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver; .ci/run does)")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,900"):
+        options.add_argument(argument)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _find(driver, css: str):
+    return driver.find_element("css selector", css)
+
+
+def _field(driver, label: str):
+    """The form control labelled `label`, as a person finds it."""
+    target = driver.find_element("xpath", f"//label[normalize-space()={label!r}]").get_attribute("for")
+    return driver.find_element("id", target)
+
+
+def _fill(driver, label: str, text: str) -> None:
+    control = _field(driver, label)
+    control.clear()
+    control.send_keys(text)
+
+
+def _history_card(driver, job_id: str):
+    cards = driver.find_elements("css selector", f'#history li[data-job="{job_id}"]')
+    return cards[0] if cards else None
+
+
+RECORD_PROGRESS = """
+window.progressSeen = [];
+new MutationObserver(() => {
+  for (const bar of document.querySelectorAll('[role=progressbar]')) {
+    const value = Number(bar.getAttribute('aria-valuenow'));
+    if (window.progressSeen.at(-1) !== value) window.progressSeen.push(value);
+  }
+}).observe(document.body, {subtree: true, childList: true, attributes: true, attributeFilter: ['aria-valuenow']});
+"""
+
+
+def test_generate_watch_and_find_the_result_again(browser, server_factory, tmp_path):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    data_dir = tmp_path / "data"
+    server = server_factory("tiny-wan", "--data-dir", str(data_dir))
+    wait = WebDriverWait(browser, 120, poll_frequency=0.05)
+    browser.get(server.url + "/")
+    wait.until(lambda d: _find(d, "#model").text.startswith("tiny-wan"))
+    assert _field(browser, "Size").get_attribute("value") == "64x64"  # the model's defaults, from /health
+    assert _field(browser, "Length").get_attribute("value") == "9"
+    _fill(browser, "Prompt", PROMPT)
+    _fill(browser, "Negative prompt", "blurry")
+    _fill(browser, "Size", "32x32")
+    _fill(browser, "Length", "5")
+    _fill(browser, "Steps", "8")
+    _fill(browser, "Seed", "11")
+    browser.execute_script(RECORD_PROGRESS)
+    browser.find_element("xpath", "//button[normalize-space()='Generate']").click()
+
+    bar = wait.until(lambda d: d.find_elements("css selector", "#running [role=progressbar]"))[0]
+    job_id = bar.find_element("xpath", "ancestor::article").get_attribute("data-job")
+    assert job_id.startswith("video_")
+    wait.until(lambda d: d.execute_script("return window.progressSeen.some(v => v > 0)"))
+    browser.save_screenshot(str(tmp_path / "page-running.png"))
+    card = wait.until(lambda d: _history_card(d, job_id))
+    seen = browser.execute_script("return window.progressSeen")
+    assert seen == sorted(seen) and 0 < max(seen) <= 100, seen  # it moved forward, within bounds
+    _check_history_card(card, server.url, job_id)
+    logs = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert logs == [], logs
+
+    browser.refresh()
+    card = wait.until(lambda d: _history_card(d, job_id))
+    _check_history_card(card, server.url, job_id)
+
+    server.terminate()
+    restarted = server_factory("tiny-wan", "--data-dir", str(data_dir))
+    browser.get(restarted.url + "/")
+    card = wait.until(lambda d: _history_card(d, job_id))
+    _check_history_card(card, restarted.url, job_id)
+    wait.until(lambda d: d.execute_script(
+        f'return document.querySelector(\'#history li[data-job="{job_id}"] video\').readyState >= 1'
+    ))  # fmt: skip
+    _save_screenshot(browser, tmp_path / "page-history.png")
+
+    _fill(browser, "Prompt", "something else")
+    card.find_element("xpath", ".//button[normalize-space()='Use these settings']").click()
+    assert _field(browser, "Prompt").get_attribute("value") == PROMPT
+    assert _field(browser, "Negative prompt").get_attribute("value") == "blurry"
+    assert _field(browser, "Seed").get_attribute("value") == "11"
+    assert _field(browser, "Steps").get_attribute("value") == "8"
+    card.find_element("xpath", ".//button[normalize-space()='Delete']").click()
+    wait.until(lambda d: _history_card(d, job_id) is None)
+    assert httpx.get(f"{restarted.url}/v1/videos/{job_id}").status_code == 404
+
+
+def _check_history_card(card, url: str, job_id: str) -> None:
+    """The card shows the prompt and the settings, the video, and a download of the job's own file."""
+    text = card.text
+    assert PROMPT in text and "32x32" in text and "5 frames" in text and "8 steps" in text and "seed 11" in text
+    video = card.find_element("tag name", "video")
+    assert video.get_attribute("src") == f"{url}/v1/videos/{job_id}/content"
+    download = card.find_element("link text", "Download")
+    assert download.get_attribute("href") == video.get_attribute("src")
+    content = httpx.get(download.get_attribute("href"))
+    assert content.status_code == 200 and content.headers["content-type"] == "video/mp4" and content.content[4:8] == b"ftyp"
+
+
+def _save_screenshot(browser, path: Path) -> None:
+    browser.save_screenshot(str(path))
+    copy = os.environ.get(SCREENSHOT_COPY_ENV)
+    if copy:
+        shutil.copyfile(path, copy)
