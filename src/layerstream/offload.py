@@ -194,11 +194,11 @@ def plan_placement(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.devic
     host memory)."""
     device = _check_device(device, None)
     plan, host_budget = resolve_host_budget(pipeline, plan, device)
-    placement, _ = _priced_placement(pipeline, plan, device)
+    placement, _ = priced_placement(pipeline, plan, device)
     return dataclasses.replace(placement, host_budget=host_budget)
 
 
-def _priced_placement(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device) -> tuple[Placement, dict[str, int]]:
+def priced_placement(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device) -> tuple[Placement, dict[str, int]]:
     """(the placement of `plan` with local stores and no disk tier, each streamable block's host bytes)."""
     components = {c.path: lookup(pipeline, c.path) for c in plan.streamed}
     local_kinds = tuple(kind for kind in STORE_KINDS if kind is not SHARDED_KIND)  # opens no process group
@@ -215,7 +215,7 @@ def resolve_host_budget(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.
     if config.host_budget_gb != AUTO:
         return plan, None
     unbudgeted = dataclasses.replace(plan, config=dataclasses.replace(config, host_budget_gb=None, host_reserve_gb=None))
-    placement, host_nbytes = _priced_placement(pipeline, unbudgeted, device)
+    placement, host_nbytes = priced_placement(pipeline, unbudgeted, device)
     memory = read_host_memory()
     if memory.free_nbytes is None:
         raise OffloadError('host_budget_gb = "auto": this system shows no /proc/meminfo or memory cgroup to read; give host_budget_gb as a number')

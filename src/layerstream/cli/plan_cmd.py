@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from layerstream.cli.common import CliError, parse_config_arg
+from layerstream.cli.plan_machine import add_machine_arguments, run_machine_plan, wants_machine_plan
 from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan
 
 _COLUMNS = ("component", "category", "source", "action", "blocks", "max block", "streamed", "resident")
@@ -23,10 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='offload config as JSON text (default: {"mode": "layer", "components": ["dit"]})',
     )
     parser.add_argument("--json", action="store_true", help="print the resolved plan as JSON instead of a table")
+    add_machine_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Resolve the plan for ``args.model`` and print it; user errors raise `CliError` (exit code 2)."""
+    if wants_machine_plan(args):  # --device-memory and --host-memory: the plan for that machine
+        return run_machine_plan(args, _load(args.model))
     config = parse_config_arg(args.diffusion_offload_config)  # before loading: a bad config fails fast
     pipeline = _load(args.model)
 

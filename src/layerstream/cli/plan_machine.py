@@ -1,0 +1,112 @@
+"""`layerstream plan MODEL --device-memory GB --host-memory GB ...`: the plan for a machine given by its figures.
+
+The flags, their checks (one line naming the flag, before the model is loaded) and the report; the planning
+itself is `layerstream.machine.planner`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from layerstream.cli.common import CliError, non_negative_float, positive_float, positive_int
+
+_FLAG_OF = {
+    "device_memory_gb": "--device-memory", "host_memory_gb": "--host-memory", "link_gbps": "--link-gbps",
+    "disk_gbps": "--disk-gbps", "device_tflops": "--device-tflops", "baseline_gb": "--baseline-gb",
+    "host_reserve_gb": "--host-reserve-gb",
+}  # fmt: skip
+"""The planner's field names as the flags that set them."""
+_MACHINE_FLAGS = ("link_gbps", "disk_gbps", "device_tflops", "baseline_gb", "host_reserve_gb", "allow_lossy", "measure")
+
+
+def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The machine's flags (GB are 1e9 bytes; defaults documented in `layerstream.machine.planner`)."""
+    from_planner = "see docs/planning.md"
+    group = parser.add_argument_group("a plan for a machine (give both memories)")
+    group.add_argument("--device-memory", type=positive_float, metavar="GB", help="the device's memory")
+    group.add_argument("--host-memory", type=positive_float, metavar="GB", help="the whole process's host memory, Python and libraries included")
+    group.add_argument("--link-gbps", type=positive_float, metavar="X", help=f"host-to-device GB/s (default 25, PCIe 4.0 x16; {from_planner})")
+    group.add_argument("--disk-gbps", type=positive_float, metavar="Y", help="disk read GB/s (default 3, a PCIe 3.0 NVMe)")
+    group.add_argument("--device-tflops", type=positive_float, metavar="T", help="bfloat16 TFLOPS for the compute estimate (default 150)")
+    group.add_argument("--baseline-gb", type=non_negative_float, metavar="GB", help="host memory before any model (default 1.41: imports 0.41 + a CUDA context 1.0)")
+    group.add_argument("--host-reserve-gb", type=non_negative_float, metavar="GB", help="host memory kept free for a generation (default 2)")
+    group.add_argument("--allow-lossy", action="store_true", help="float8 storage may be recommended (weights rounded once)")
+    group.add_argument("--measure", action="store_true", help="time one step on this machine's device instead of the FLOPs estimate")
+    group.add_argument("--height", type=positive_int, help="pixels, for the tokens per block (default: the model's)")
+    group.add_argument("--width", type=positive_int, help="pixels (default: the model's)")
+    group.add_argument("--num-frames", type=positive_int, help="video models (default: the model's)")
+
+
+def wants_machine_plan(args: argparse.Namespace) -> bool:
+    """Whether the machine flags were given; refuses a half-given machine or mixed modes, before loading."""
+    memories = {"--device-memory": args.device_memory, "--host-memory": args.host_memory}
+    others = [f"--{name.replace('_', '-')}" for name in _MACHINE_FLAGS if getattr(args, name) not in (None, False)]
+    others += [f"--{n.replace('_', '-')}" for n in ("height", "width", "num_frames") if getattr(args, n) is not None]
+    given = [flag for flag, value in memories.items() if value is not None]
+    if not given:
+        if others:
+            raise CliError(f"{others[0]}: only used with --device-memory and --host-memory (a plan for a machine); give both")
+        return False
+    if len(given) == 1:
+        missing = next(flag for flag in memories if flag not in given)
+        raise CliError(f"{given[0]} = {memories[given[0]]:g}: a plan for a machine needs {missing} too")
+    if args.diffusion_offload_config is not None:
+        raise CliError("--diffusion-offload-config: a plan for a machine recommends the config itself; give either it or --device-memory and --host-memory")
+    return True
+
+
+def run_machine_plan(args: argparse.Namespace, pipeline: Any) -> int:
+    from layerstream.errors import LayerstreamError
+    from layerstream.machine.planner import Machine, MachinePlanError, check_machine, measured_block_seconds, plan_for_machine
+
+    given = {k: getattr(args, k) for k in ("link_gbps", "disk_gbps", "device_tflops", "baseline_gb", "host_reserve_gb")}
+    machine = Machine(
+        device_memory_gb=args.device_memory, host_memory_gb=args.host_memory, allow_lossy=args.allow_lossy,
+        **{k: v for k, v in given.items() if v is not None},
+    )  # fmt: skip
+    size = {k: v for k, v in (("height", args.height), ("width", args.width), ("num_frames", args.num_frames)) if v is not None}
+    try:
+        check_machine(machine)
+        result = plan_for_machine(pipeline, machine, size=size)
+        if args.measure:
+            from layerstream.offload import default_device
+
+            seconds = measured_block_seconds(pipeline, result.config, size, default_device())
+            result = plan_for_machine(pipeline, machine, size=size, block_seconds=seconds)
+    except MachinePlanError as e:  # "host_memory_gb = 3: ..." -> "--host-memory = 3: ..."
+        name, _, rest = str(e).partition(" = ")
+        raise CliError(f"{_FLAG_OF.get(name, name)} = {rest}" if rest else str(e)) from e
+    except LayerstreamError as e:  # the recommended config refused (float8 with a disk tier before its support)
+        raise CliError(" ".join(f"the recommended configuration: {e}".split())) from e
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print("\n".join(machine_plan_lines(result)))
+    return 0
+
+
+def machine_plan_lines(result) -> list[str]:
+    from layerstream.plan.host_budget import format_gb
+
+    m, stages = result.machine, result.stage_seconds_per_step
+    lines = [
+        f"on a machine of {m.device_memory_gb:g} GB device, {m.host_memory_gb:g} GB host, link {m.link_gbps:g} GB/s, "
+        f"disk {m.disk_gbps:g} GB/s: it runs",
+        f"  device: {format_gb(result.device_nbytes)} (resident parts and blocks, {result.placement.num_slots} slots of "
+        f"{format_gb(result.placement.slot_nbytes)})",
+        f"  host:   {format_gb(result.host_nbytes)} of {m.host_memory_gb:g} GB (baseline {m.baseline_gb:g} GB, the host store, "
+        f"the staging ring with a disk tier, reserve {m.host_reserve_gb:g} GB)",
+        f"  disk:   {format_gb(result.disk_nbytes)} of blocks read from disk",
+        f"  per step ({m.forwards_per_step} forwards): {format_gb(result.link_nbytes_per_step)} over the link, "
+        f"{format_gb(result.disk_nbytes_per_step)} from disk",
+        f"  predicted: {result.seconds_per_step:.4g} s per step, bound by {result.bound} (compute {stages['compute']:.4g} s, "
+        f"link {stages['link']:.4g} s, disk {stages['disk']:.4g} s alone)",
+        f"  compute per block: {result.compute_source}",
+        f"  {result.host_budget.describe()}",
+        *(f"  note: {n}" for n in result.notes),
+        "config to paste:",
+        f"  --diffusion-offload-config '{json.dumps(dict(result.config))}'",
+    ]
+    return lines
