@@ -135,12 +135,14 @@ def _sharded_store(comp: ResolvedComponent, ctx: StoreContext) -> HostStore | No
     from layerstream.distributed.sharded_store import ShardedHostStore
 
     gather = open_block_gather(ctx.plan.pipeline_class, ctx.device, ctx.process_group)
-    return ShardedHostStore(gather) if gather is not None else None  # a group of one: plain copies
+    # float8 components' blocks are sharded in their float8 form; a group of one: plain copies (the next kind)
+    return ShardedHostStore(gather, ctx.form_of) if gather is not None else None
 
 
 SHARDED_KIND = StoreKind("sharded-allgather", lambda c: c.weight_transfer == "allgather", _sharded_store, shared=True)
-STORE_KINDS: tuple[StoreKind, ...] = (CAST_KIND, SHARDED_KIND, PACKED_KIND)
-"""The host stores, in order of preference: the first whose kind applies to a component and builds serves it."""
+STORE_KINDS: tuple[StoreKind, ...] = (SHARDED_KIND, CAST_KIND, PACKED_KIND)
+"""The host stores, in order of preference: the first whose kind applies to a component and builds serves it
+(allgather before float8: the sharded store keeps a float8 component's blocks in their float8 form)."""
 
 
 def _spill_root(config: OffloadConfig) -> Path:

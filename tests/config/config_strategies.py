@@ -61,7 +61,7 @@ def _component_options(draw, name: str) -> dict[str, Any]:
             {}, optional={"weight_transfer": st.sampled_from(WEIGHT_TRANSFERS), "prefetch_depth": st.integers(1, 8)}
         )
     )
-    if options.get("weight_transfer") != "allgather" and draw(st.booleans()):
+    if draw(st.booleans()):  # float8 storage combines with either transfer
         options["storage_dtype"] = draw(st.sampled_from(STORAGE_DTYPES))
     if name == "dit" and draw(st.booleans()):
         options["resident_layers"] = draw(st.integers(0, 10**6) | st.just("auto"))
@@ -90,15 +90,11 @@ def valid_configs(draw) -> dict[str, Any]:
     if mode == "layer" and draw(st.booleans()):
         names = draw(st.lists(st.sampled_from(components), unique=True))  # may be none: {} is accepted
         obj["layer_options"] = {name: draw(_component_options(name)) for name in names}
-    if mode == "layer" and not _any_allgather(obj) and not _any_storage_dtype(obj) and draw(st.booleans()):
+    if mode == "layer" and not _any_allgather(obj) and draw(st.booleans()):  # float8 storage combines with it
         obj["host_budget_gb"] = draw(positive_gigabytes)
         if draw(st.booleans()):
             obj["disk_dir"] = draw(paths)
     return _shuffled(draw, obj)
-
-
-def _any_storage_dtype(obj: dict) -> bool:
-    return any("storage_dtype" in options for options in obj.get("layer_options", {}).values())
 
 
 def _any_allgather(obj: dict) -> bool:
@@ -218,14 +214,6 @@ def _bad_storage_dtype(draw, obj):
     return f"layer_options.{name}.storage_dtype"
 
 
-def _storage_dtype_with_allgather(draw, obj):
-    name = draw(st.sampled_from(obj["components"]))
-    options = _options_of(obj, name)
-    options["weight_transfer"] = "allgather"
-    options["storage_dtype"] = draw(st.sampled_from(STORAGE_DTYPES))
-    return f"layer_options.{name}.storage_dtype"
-
-
 def _bad_resident_layers(draw, obj):
     negative = st.just(-1) | st.integers(max_value=-1)
     other = arbitrary_json.filter(lambda v: v != "auto" and (isinstance(v, bool) or not isinstance(v, int)))
@@ -281,8 +269,6 @@ def _host_budget_in_module_mode(draw, obj):
 
 def _host_budget_with_allgather(draw, obj):
     name = draw(st.sampled_from(obj["components"]))
-    for options in obj.get("layer_options", {}).values():
-        options.pop("storage_dtype", None)  # one fault at a time: float8 storage with allgather is another
     _options_of(obj, name)["weight_transfer"] = "allgather"
     obj["host_budget_gb"] = draw(positive_gigabytes)
     return "host_budget_gb"
@@ -310,7 +296,7 @@ def _mutations_for(obj: dict) -> list[Mutation]:
     mutations += [
         _layer_options_not_an_object, _options_for_an_unselected_component, _component_options_not_an_object,
         _unknown_option_key, _bad_weight_transfer, _bad_prefetch_depth, _bad_host_budget, _host_budget_with_allgather,
-        _bad_storage_dtype, _storage_dtype_with_allgather,
+        _bad_storage_dtype,
     ]  # fmt: skip
     if "dit" in obj["components"]:
         mutations += [_bad_resident_layers, _bad_gigabytes, _gigabytes_without_auto, _budget_and_reserve]
@@ -328,7 +314,6 @@ MUTATIONS: dict[str, Mutation] = {
         _bad_weight_transfer, _bad_prefetch_depth, _bad_resident_layers, _bad_gigabytes, _gigabytes_without_auto,
         _budget_and_reserve, _dit_only_key_on_text_encoder, _bad_host_budget, _host_budget_in_module_mode,
         _host_budget_with_allgather, _bad_disk_dir, _disk_dir_without_budget, _bad_storage_dtype,
-        _storage_dtype_with_allgather,
     )
 }  # fmt: skip
 """Every fault by name."""

@@ -476,7 +476,12 @@ def test_disk_dir_needs_a_host_budget():
     assert_rejected({**DIT, "disk_dir": "/tmp/spill"}, "disk_dir", "'/tmp/spill'", "only used with host_budget_gb")
 
 
-def test_a_host_budget_with_float8_storage_is_refused_naming_both():
-    config = {"mode": "layer", "components": ["dit"], "host_budget_gb": 2, "layer_options": {"dit": {"storage_dtype": "float8_e4m3fn"}}}
-    with pytest.raises(OffloadConfigError, match=r"host_budget_gb = 2 .*layer_options\.dit\.storage_dtype"):
-        parse_offload_config(config)
+def test_float8_storage_combines_with_a_host_budget_and_with_allgather():
+    """The disk tier keeps float8 blocks in float8 (host tier, pool and spill files); allgather shards the float8
+    bytes. Both parse, and parse back from `to_dict`."""
+    budget = {"mode": "layer", "components": ["dit"], "host_budget_gb": 2, "layer_options": {"dit": {"storage_dtype": "float8_e4m3fn"}}}
+    sharded = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"storage_dtype": "float8_e5m2", "weight_transfer": "allgather"}}}
+    for raw in (budget, sharded):
+        config = parse_offload_config(raw)
+        assert config.options_for("dit").storage_dtype == raw["layer_options"]["dit"]["storage_dtype"]
+        assert parse_offload_config(config.to_dict()) == config

@@ -199,3 +199,39 @@ def diverge(rank: int, world_size: int, *, device: torch.device) -> dict:
     handle.disable()
     out["restored"] = same_state(state, snapshot(pipe)) and torch.equal(run(pipe, inputs, skip), expected)
     return out
+
+
+def _float8_config(transfer: str, float8_encoder: bool) -> dict:
+    """Both components streamed with `transfer`; the DiT stored in float8 (and the encoder, with `float8_encoder`)."""
+    out = config(("dit", "text_encoder"), transfer=transfer, storage_dtype="float8_e4m3fn")
+    if float8_encoder:
+        out["layer_options"]["text_encoder"]["storage_dtype"] = "float8_e4m3fn"
+    return out
+
+
+def float8_allgather(rank: int, world_size: int, *, device: torch.device) -> dict:
+    """float8 storage with allgather against float8 in one process (rank-local): outputs, host bytes per rank,
+    and the weights disable gives back; with the encoder in float8 too, and with it as it is (one sharded
+    store, two forms)."""
+    inputs = tuple(t.to(device) for t in make_inputs(seed=20 + rank))  # data parallel: own inputs, same weights
+    out: dict = {}
+    for float8_encoder in (True, False):
+        key = "both" if float8_encoder else "dit"
+        local_pipe = make_pipeline().to(device)
+        local = enable_offload(local_pipe, _float8_config("rank-local", float8_encoder), device=device)
+        expected = run(local_pipe, inputs)
+        local_stats = local.stats()
+        local_blocks = {b.path: b.host.link_bytes for b in local.streamer.blocks}  # the stored bytes, whole
+        local.disable()
+
+        pipe = make_pipeline().to(device)
+        handle = enable_offload(pipe, _float8_config("allgather", float8_encoder), device=device)
+        out[f"{key}_equal"] = [torch.equal(run(pipe, inputs), expected) for _ in range(3)]
+        stats = handle.stats()
+        out[f"{key}_host_bytes"] = (stats.host_bytes, local_stats.host_bytes)
+        out[f"{key}_shards"] = {b.path: (b.host.host_bytes, local_blocks[b.path], type(b.host).__name__) for b in handle.streamer.blocks}
+        out[f"{key}_link_bytes"] = {b.path: b.host.link_bytes for b in handle.streamer.blocks}
+        handle.disable()
+        out[f"{key}_restored"] = same_state(snapshot(local_pipe), snapshot(pipe))  # the float8-rounded weights
+        out[f"{key}_equal_after_disable"] = torch.equal(run(pipe, inputs), run(local_pipe, inputs))
+    return out

@@ -426,12 +426,6 @@ def check_disk_tier_rows(config: BenchConfig, specs) -> None:
         raise BenchConfigError(
             f"--host-budget-gb = {config.host_budget_gb!r} applies to layerwise rows, and --strategies names none"
         )
-    low_precision = [s.name for s in layerwise if s.storage_dtype is not None]
-    if low_precision:
-        raise BenchConfigError(
-            f"--host-budget-gb does not combine with float8 storage rows ({', '.join(low_precision)}): the disk "
-            "tier and storage_dtype do not combine yet; drop one of them"
-        )
 
 
 def disk_settle_forwards(p: PreparedStrategy) -> int:

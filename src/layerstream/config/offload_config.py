@@ -252,13 +252,6 @@ def _parse_host_tier(obj: Mapping, mode: str, layer_options: Mapping[str, LayerO
                 f'the disk tier is for "rank-local" components; layer_options.{sharded[0]}.weight_transfer is '
                 '"allgather" (its ranks share the host bytes already): remove one of the two',
             )  # fmt: skip
-        cast = [name for name, opts in layer_options.items() if opts.storage_dtype is not None]
-        if cast:
-            raise OffloadConfigError(
-                "host_budget_gb", value,
-                f"the disk tier does not store float8 yet; layer_options.{cast[0]}.storage_dtype is set: remove one "
-                "of the two",
-            )  # fmt: skip
     disk_dir = None
     if "disk_dir" in obj:
         disk_dir = obj["disk_dir"]
@@ -310,10 +303,6 @@ def _parse_layer_options(component: str, raw: Any) -> LayerOptions:
     if "storage_dtype" in raw and (not isinstance(storage_dtype, str) or storage_dtype not in STORAGE_DTYPES):
         raise OffloadConfigError(
             f"{base}.storage_dtype", storage_dtype, f"allowed: {_one_of(STORAGE_DTYPES)} (omit the key to keep the model's dtype)"
-        )
-    if storage_dtype is not None and weight_transfer == "allgather":
-        raise OffloadConfigError(
-            f"{base}.storage_dtype", storage_dtype, 'storage_dtype works only with weight_transfer "rank-local"; remove one of them'
         )
 
     budget = _optional_gb(raw, "device_budget_gb", base)

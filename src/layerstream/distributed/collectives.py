@@ -33,7 +33,8 @@ import torch
 
 from layerstream.distributed.process_group import GroupMembership
 from layerstream.errors import OffloadError, TransferError
-from layerstream.runtime.packing.layout import ALIGN_BYTES, BlockLayout, align_up
+from layerstream.runtime.contracts import StoredForm
+from layerstream.runtime.packing.layout import ALIGN_BYTES, align_up
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +52,15 @@ def shard_nbytes(nbytes: int, world_size: int) -> int:
     return align_up(-(-nbytes // world_size), ALIGN_BYTES)
 
 
-def layout_digest(layouts: Sequence[BlockLayout], slot_nbytes: int, world_size: int) -> bytes:
-    """sha256 over everything the ranks must agree on before their first payload collective."""
+def layout_digest(forms: Sequence[StoredForm], slot_nbytes: int, world_size: int) -> bytes:
+    """sha256 over everything the ranks must agree on before their first payload collective: each block's
+    compute layout and the form its bytes are sharded in (packed, or float8)."""
     h = hashlib.sha256()
-    h.update(f"world={world_size};slot={slot_nbytes};blocks={len(layouts)}\n".encode())
-    for layout in layouts:
-        h.update(f"block {layout.path} nbytes={layout.nbytes} shard={shard_nbytes(layout.nbytes, world_size)}\n".encode())
+    h.update(f"world={world_size};slot={slot_nbytes};blocks={len(forms)}\n".encode())
+    for form in forms:
+        layout = form.layout
+        stored = form.stored_nbytes
+        h.update(f"block {layout.path} nbytes={layout.nbytes} {form.signature} shard={shard_nbytes(stored, world_size)}\n".encode())
         for e in layout.entries:
             h.update(f"  {e.name} {e.is_param} {e.dtype} {e.shape} {e.stride} {e.element_offset} {e.span_index}\n".encode())
     return h.digest()
@@ -105,16 +109,17 @@ class BlockGather:
 
     # --- enable: the two votes ------------------------------------------------------------------------------
     def agree_on_layouts_(
-        self, layouts: Sequence[BlockLayout] = (), slot_nbytes: int = 0, failure: BaseException | None = None
+        self, forms: Sequence[StoredForm] = (), slot_nbytes: int = 0, failure: BaseException | None = None
     ) -> None:
-        """Check that every rank computed the same layouts; raise `OffloadError` on every rank if not.
+        """Check that every rank computed the same layouts, in the same forms (`forms`: one per sharded block);
+        raise `OffloadError` on every rank if not.
 
         A rank whose own checks failed (`failure`) still votes, so the others raise at once instead of waiting
         for the timeout; it then raises its own error (the caller does)."""
-        digest = layout_digest(layouts, slot_nbytes, self.world_size)
+        digest = layout_digest(forms, slot_nbytes, self.world_size)
         self._layout_tag = int.from_bytes(digest[:7], "little")  # 56 bits: fits an int64 header field
         words = [int.from_bytes(digest[i : i + 7], "little") for i in range(0, 28, 7)]
-        local = [_VOTE_LAYOUTS, _OK if failure is None else _FAILED, len(layouts), sum(layout.nbytes for layout in layouts), slot_nbytes, *words]
+        local = [_VOTE_LAYOUTS, _OK if failure is None else _FAILED, len(forms), sum(f.stored_nbytes for f in forms), slot_nbytes, *words]
         rows = self._vote(local, "comparing block layouts")
         if failure is not None:
             return

@@ -6,6 +6,11 @@ them, with S = ceil(nbytes / N) rounded up to `ALIGN_BYTES`; the last shard is z
 the local shard into chunk r of a device slot and all-gathers the chunks, so the slot then holds the whole
 packed block and the block's views read it exactly as with a local packed block.
 
+Each block is sharded in its component's form (`form_of`, `contracts.StoredForm`): with `storage_dtype` the
+ranks shard the block's float8 stored bytes, gather them into the slot's staging region (after the compute
+layout) and cast them into the compute layout on the device, as the local float8 store does after its copy.
+The shards then hold 1/N of the float8 bytes.
+
 Staging and dropping are separate steps, unlike the local store: a block's shard is staged while the block
 keeps its original weights, and the weights go (`commit_`) only after every rank has staged every shard.
 Until then, rolling back is local to each rank; afterwards, the full weights exist only across the ranks.
@@ -15,7 +20,7 @@ Host memory peaks at (1 + 1/N) x the streamed bytes during enable, never at two 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,7 +28,8 @@ from layerstream.distributed.collectives import BlockGather
 from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.packing.host_buffer import HostBufferBlock, page_aligned_empty, pin_off_thread
 from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
-from layerstream.runtime.contracts import HostStoreBase, Job, Pinner
+from layerstream.runtime.contracts import HostStoreBase, Job, Pinner, StoredForm
+from layerstream.runtime.packing.stored_form import PackedForm, SlotUnpack
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +37,10 @@ logger = logging.getLogger(__name__)
 class ShardedBlock(HostBufferBlock):
     """One streamed block of which this rank holds one shard (its `buffer`)."""
 
-    def __init__(self, layout: BlockLayout, binder: TensorBinder, shard: torch.Tensor, pinner: Pinner | None, gather: BlockGather, index: int):
-        self.layout = layout
+    def __init__(self, form: StoredForm, binder: TensorBinder, shard: torch.Tensor, pinner: Pinner | None, gather: BlockGather, index: int):
+        self.form = form
+        self.layout = form.layout
+        self.unpack = SlotUnpack(form)
         self.binder = binder
         self.buffer = shard
         if pinner is not None:
@@ -55,16 +63,20 @@ class ShardedBlock(HostBufferBlock):
 
     @property
     def slot_nbytes(self) -> int:
-        """Bytes the gathered block occupies in a device slot: one shard per rank."""
-        return self.gather.world_size * self.shard_nbytes
+        """Bytes the gathered block occupies in a device slot: the compute layout where the form unpacks there
+        (float8), then one shard per rank."""
+        return self.form.stored_offset + self.gather.world_size * self.shard_nbytes
 
     def copy_job(self, slot_buffer: torch.Tensor) -> Job:
-        gathered = slot_buffer[: self.slot_nbytes]
-        assert gathered.numel() == self.slot_nbytes, "slots are sized for the largest gathered block"
-        gather, index, nbytes, shard, moved = self.gather, self.index, self.layout.nbytes, self.buffer, self.shard_nbytes
+        gathered = slot_buffer[self.form.stored_offset : self.slot_nbytes]
+        assert slot_buffer.numel() >= self.slot_nbytes, "slots are sized for the largest gathered block"
+        gather, index, nbytes, shard, moved = self.gather, self.index, self.form.stored_nbytes, self.buffer, self.shard_nbytes
+        unpack = self.unpack
 
         def job() -> int:
             gather.gather_block_(index, nbytes, shard, gathered)
+            # float8: the casts into the compute layout, queued after the gather on the copy stream
+            unpack.run_(slot_buffer)
             return moved
 
         return job
@@ -79,11 +91,7 @@ class ShardedBlock(HostBufferBlock):
         """Keep this rank's shard of what the forward wrote (every rank runs the same forward, so together the
         ranks keep all of it)."""
         own_start = self.gather.rank * self.shard_nbytes
-        lo, hi = max(start, own_start), min(end, own_start + self.shard_nbytes)
-        if lo >= hi:
-            return 0
-        self.buffer[lo - own_start : hi - own_start].copy_(slot_buffer[lo:hi])
-        return hi - lo
+        return self.form.write_slot_range_(self.buffer, own_start, slot_buffer, start, end)
 
     def host_tensors(self) -> list[torch.Tensor]:
         raise UnsupportedUseError(
@@ -98,11 +106,13 @@ class ShardedBlock(HostBufferBlock):
 
     def restore_(self, device: torch.device) -> None:
         """Real tensors again, gathered from every rank (a collective: every rank restores in one order)."""
-        full = self.gather.gather_full_(self.index, self.layout.nbytes, self.buffer)
-        self.binder.bind_(self.layout.separate_copies(full, device))
+        full = self.gather.gather_full_(self.index, self.form.stored_nbytes, self.buffer)
+        compute = self.form.compute_bytes(full)  # float8: upcast (exact) from the stored bytes
+        self.binder.bind_(self.layout.separate_copies(compute, device))
         self.release_()
 
     def release_(self) -> None:
+        self.unpack.clear_()
         self.release_buffer_()
 
 
@@ -111,8 +121,10 @@ class ShardedHostStore(HostStoreBase):
 
     kind = "sharded-allgather"
 
-    def __init__(self, gather: BlockGather):
+    def __init__(self, gather: BlockGather, form_of: Callable[[BlockLayout], StoredForm] = PackedForm):
         self.gather = gather
+        self.form_of = form_of
+        """The form each block is sharded in (float8 for a component with `storage_dtype`; default: packed)."""
         self.blocks: dict[str, ShardedBlock] = {}
         self._committed = False
 
@@ -120,14 +132,19 @@ class ShardedHostStore(HostStoreBase):
         return f"ShardedHostStore({self.gather!r}, {len(self.blocks)} blocks)"
 
     def slot_nbytes(self, layout: BlockLayout) -> int:
-        return self.gather.world_size * self.gather.shard_nbytes(layout.nbytes)  # the gathered block
+        form = self.form_of(layout)  # the gathered block (after the compute layout, for float8)
+        return form.stored_offset + self.gather.world_size * self.gather.shard_nbytes(form.stored_nbytes)
 
     def host_nbytes(self, layout: BlockLayout) -> int:
-        return self.gather.shard_nbytes(layout.nbytes)  # this rank's shard
+        return self.gather.shard_nbytes(self.form_of(layout).stored_nbytes)  # this rank's shard
+
+    def stored_form(self, layout: BlockLayout) -> StoredForm:
+        return self.form_of(layout)
 
     def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
-        # every rank must shard the same layouts before the first payload collective; raises on every rank
-        self.gather.agree_on_layouts_(layouts, slot_nbytes)
+        # every rank must shard the same layouts, in the same forms, before the first payload collective;
+        # raises on every rank
+        self.gather.agree_on_layouts_([self.form_of(l) for l in layouts], slot_nbytes)
 
     def report_failure_(self, error: BaseException) -> None:
         try:
@@ -138,10 +155,11 @@ class ShardedHostStore(HostStoreBase):
     def stage_(self, layout: BlockLayout, device: torch.device, pin: Pinner | None) -> ShardedBlock:
         """Copy this rank's shard of a block into a host buffer of its own; the block keeps its weights for now."""
         index = self.gather.register_block(layout.path)
-        size = self.gather.shard_nbytes(layout.nbytes)
+        form = self.form_of(layout)
+        size = self.gather.shard_nbytes(form.stored_nbytes)
         shard = page_aligned_empty(size, zeroed=True)  # zeros: the padding past the block's end is deterministic
-        layout.copy_range_into(shard, self.gather.rank * size)
-        block = ShardedBlock(layout, TensorBinder(layout, device), shard, pin, self.gather, index)
+        form.fill_range_(shard, self.gather.rank * size)
+        block = ShardedBlock(form, TensorBinder(form.layout, device), shard, pin, self.gather, index)
         self.blocks[layout.path] = block
         return block
 

@@ -5,7 +5,9 @@ Every capability a caller uses is declared here, with its default in `HostStoreB
 store says how many device bytes a block needs in a slot (`slot_nbytes`) and how many host bytes it keeps for
 it (`host_nbytes`: the two differ for the float8 store, whose slot also holds a staging region, and for the
 sharded store, whose slot holds the gathered block), learns where the placement put each block (`place_`),
-follows the streamer's order (`follow_order_`) and reports its own figures (`stats()`). The stores live in
+follows the streamer's order (`follow_order_`), says in which form it keeps a block's bytes (`stored_form`: packed
+byte for byte, or float8; the disk tier and the sharded store keep a block in its component's form) and reports
+its own figures (`stats()`). The stores live in
 `runtime.stores` (packed, float8, tiered with the disk tier in `runtime.stores.disk`) and `distributed`
 (sharded); `runtime.stores.compose` builds each component's store. A copy engine runs copies beside compute
 with a three-call slot protocol (`runtime.engines`).
@@ -25,7 +27,9 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
 from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
+from layerstream.runtime.packing.stored_form import PackedForm
 
 if TYPE_CHECKING:
     from layerstream.plan.placement import Placement
@@ -51,6 +55,52 @@ class Pinner(Protocol):
     def pin_(self, buffer: torch.Tensor) -> bool: ...
 
     def unpin_(self, buffer: torch.Tensor) -> None: ...
+
+
+@runtime_checkable
+class StoredForm(Protocol):
+    """How a block's bytes are kept off the device, and how they become its compute layout in a slot: the packed
+    form keeps the compute layout byte for byte (`runtime.packing.stored_form.PackedForm`), the float8 form keeps
+    the cast spans in float8 (`runtime.stores.cast_store.CastLayout`). Pure: reads the layout only."""
+
+    layout: BlockLayout
+    """The compute layout: what a slot holds while the block computes (the streamer binds its views)."""
+    lossless: bool
+    """Whether the stored bytes give back the original tensors exactly (the packed form; float8 rounds)."""
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes of the stored block (what a store keeps of it, what a whole transfer moves)."""
+
+    @property
+    def stored_offset(self) -> int:
+        """Where in a slot the stored bytes land: 0 for the packed form, after the compute layout where they are
+        unpacked in the slot (so a slot needs `stored_offset + stored_nbytes`)."""
+
+    @property
+    def signature(self) -> str:
+        """A short description of how the bytes are stored, the same wherever the form is (ranks compare it)."""
+
+    def fill_(self, stored: torch.Tensor, files: MappedFiles | None = None, reader: FileReader | None = None) -> int:
+        """Write the stored bytes (uint8, `stored_nbytes`) from the block's original tensors; spans that are
+        unwritten views of a file mapping (`files`) are read from the file by `reader`. Returns the bytes read
+        from files."""
+
+    def fill_range_(self, out: torch.Tensor, start: int) -> None:
+        """Write stored bytes [start, start + out.numel()) into `out`; bytes past the stored block are left as
+        they are (a zeroed shard keeps its zero padding)."""
+
+    def slot_ops(self, slot_buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (destination, source) copies that turn the stored bytes in a slot into the compute layout, in
+        order (views of `slot_buffer`; none for the packed form)."""
+
+    def compute_bytes(self, stored: torch.Tensor) -> torch.Tensor:
+        """The compute layout's bytes made from the stored bytes (for restoring real tensors)."""
+
+    def write_slot_range_(self, stored: torch.Tensor, stored_start: int, slot_buffer: torch.Tensor, start: int, end: int) -> int:
+        """Store bytes [start, end) of the compute layout held in `slot_buffer` into `stored`, which holds stored
+        bytes [stored_start, stored_start + stored.numel()) (a whole block, or a rank's shard); returns the
+        stored bytes written."""
 
 
 @runtime_checkable
@@ -113,6 +163,10 @@ class HostStore(Protocol):
     def host_nbytes(self, layout: BlockLayout) -> int:
         """Host bytes this process keeps for the block when the store holds it in host memory (pure; the placement
         prices the host tier in it)."""
+
+    def stored_form(self, layout: BlockLayout) -> StoredForm:
+        """The form the store keeps the block's bytes in (pure): the disk tier writes and reads the block's bytes
+        in its host store's form, so float8 blocks are float8 on disk too."""
 
     def place_(self, placement: Placement) -> None:
         """The placement's decisions, before `check_layouts_` (the tiered store learns which blocks go to disk)."""
@@ -193,6 +247,9 @@ class HostStoreBase:
 
     def host_nbytes(self, layout: BlockLayout) -> int:
         return layout.nbytes
+
+    def stored_form(self, layout: BlockLayout) -> StoredForm:
+        return PackedForm(layout)
 
     def place_(self, placement: Placement) -> None:
         pass  # a single-tier store holds every block it is given

@@ -5,7 +5,11 @@ layerwise casting would cast (`runtime.stores.cast_rule`) are stored in the stor
 rest byte for byte. A device slot holds the block's compute layout (the ordinary `BlockLayout`, which the
 streamer binds) followed by a staging region for the stored bytes. One copy job moves the stored bytes into
 the staging region (one host-to-device copy), then casts each stored span into its place in the compute layout
-on the device (`copy_` with a dtype change: no allocation per block) and copies the rest as bytes. The result in
+on the device (`copy_` with a dtype change: no allocation per block) and copies the rest as bytes.
+
+`CastLayout` is the float8 form of a block (`contracts.StoredForm`); the other stores keep a float8 component's
+blocks in it too: the disk tier (`host_budget_gb`) writes the stored bytes to its spill files and its host pool,
+and the sharded store (`weight_transfer: "allgather"`) shards them and gathers them into the staging region. The result in
 the compute layout is exactly what diffusers' casting hook produces resident: an fp8 -> bf16/fp16/fp32 upcast
 is exact, so the output is bit-identical to the resident model with `enable_layerwise_casting`.
 
@@ -34,8 +38,10 @@ from torch import nn
 
 from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.stores.cast_rule import cast_module_ids
+from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
 from layerstream.runtime.packing.layout import ALIGN_BYTES, BlockLayout, SpanMember, TensorBinder, align_up
 from layerstream.runtime.packing.host_buffer import HostBufferBlock, PinningThread, page_aligned_empty
+from layerstream.runtime.packing.stored_form import SlotUnpack
 from layerstream.runtime.contracts import HostStoreBase, Job, Pinner
 
 logger = logging.getLogger(__name__)
@@ -83,7 +89,9 @@ def compute_layout_for(layout: BlockLayout, cast_ids: frozenset[int], storage_dt
 
 class CastLayout:
     """How one block is stored: its segments, in compute-layout order (pure: reads the layout only). `layout`
-    is the compute layout (`compute_layout_for`)."""
+    is the compute layout (`compute_layout_for`). The float8 `StoredForm`."""
+
+    lossless = False  # the cast spans are rounded to the storage dtype
 
     def __init__(self, layout: BlockLayout, cast_ids: frozenset[int], storage_dtype: torch.dtype):
         self.layout = layout
@@ -131,18 +139,64 @@ class CastLayout:
         """Compute layout, then the staging region for the stored bytes."""
         return self.layout.nbytes + self.stored_nbytes
 
-    def fill_(self, stored: torch.Tensor) -> None:
+    @property
+    def stored_offset(self) -> int:
+        return self.layout.nbytes  # the staging region follows the compute layout
+
+    @property
+    def signature(self) -> str:
+        kinds = "".join("c" if s.kind == "cast" else "r" for s in self.segments)
+        return f"{str(self.storage_dtype).removeprefix('torch.')} {self.stored_nbytes} segments {kinds}"
+
+    def __repr__(self) -> str:
+        return f"CastLayout({self.layout.path!r}, {self.stored_nbytes} bytes in {self.storage_dtype})"
+
+    def fill_(self, stored: torch.Tensor, files: MappedFiles | None = None, reader: FileReader | None = None) -> int:
         """Write the block's stored bytes into `stored` (uint8, `stored_nbytes`) from the original tensors: cast
-        spans rounded to the storage dtype, everything else copied as it is."""
+        spans rounded to the storage dtype, everything else copied as it is. With `files` and `reader`, spans
+        that are unwritten views of a file mapping are read from the file first (one block's compute bytes at a
+        time: the reader drops the pages it read). Returns the bytes read from files."""
+        packed, from_files = None, 0
+        if files is not None and reader is not None:
+            packed = torch.empty(self.layout.nbytes, dtype=torch.uint8)
+            from_files = self.layout.copy_sources_into(packed, files, reader)
         placements = self.layout.span_placements()
         for i, (dst, length) in enumerate(placements):
             segment = self.segments[self.span_segment[i]]
-            source = self.layout.span_source(i)
+            source = self.layout.span_source(i) if packed is None else packed[dst : dst + length]
             if segment.kind == "cast":
                 stored_view(stored, segment, self.storage_dtype).copy_(source.view(segment.dtype))
             else:
                 at = segment.stored_start + dst - segment.compute_start
                 stored[at : at + length].copy_(source)
+        return from_files
+
+    def fill_range_(self, out: torch.Tensor, start: int) -> None:
+        """Stored bytes [start, start + out.numel()) into `out` (a rank's shard), made from the whole block's."""
+        whole = torch.zeros(self.stored_nbytes, dtype=torch.uint8)
+        self.fill_(whole)
+        count = max(0, min(out.numel(), self.stored_nbytes - start))
+        out[:count].copy_(whole[start : start + count])
+
+    def slot_ops(self, slot_buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (compute view, stored view) pairs that fill a slot's compute layout from its staging region."""
+        # like the layout's views: never inference tensors, never autograd history
+        with torch.inference_mode(False), torch.no_grad():
+            staging = slot_buffer[self.stored_offset : self.stored_offset + self.stored_nbytes]
+            pairs = []
+            for segment in self.segments:
+                compute = slot_buffer[segment.compute_start : segment.compute_start + segment.compute_nbytes]
+                if segment.kind == "cast":
+                    pairs.append((compute.view(segment.dtype), stored_view(staging, segment, self.storage_dtype)))
+                else:
+                    pairs.append((compute, staging[segment.stored_start : segment.stored_start + segment.stored_nbytes]))
+        return pairs
+
+    def compute_bytes(self, stored: torch.Tensor) -> torch.Tensor:
+        return self.compute_range(stored, 0, self.layout.nbytes)
+
+    def write_slot_range_(self, stored: torch.Tensor, stored_start: int, slot_buffer: torch.Tensor, start: int, end: int) -> int:
+        return self.write_compute_range_(stored, slot_buffer, start, end, stored_start)
 
     def compute_range(self, stored: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
         """Bytes [start, start + nbytes) of the block's compute layout, made on the host from `stored` (cast
@@ -161,10 +215,13 @@ class CastLayout:
                 out[lo - start : hi - start].copy_(stored[lo + at : hi + at])
         return out
 
-    def write_compute_range_(self, stored: torch.Tensor, compute: torch.Tensor, start: int, end: int) -> int:
+    def write_compute_range_(self, stored: torch.Tensor, compute: torch.Tensor, start: int, end: int, stored_start: int = 0) -> int:
         """Store bytes [start, end) of a compute layout held in `compute` (a slot, or a host copy of the block's
-        compute bytes); cast spans are rounded to the storage dtype. Returns the stored bytes written."""
+        compute bytes) into `stored`, which holds stored bytes [stored_start, stored_start + stored.numel()) (the
+        whole block, or a rank's shard); cast spans are rounded to the storage dtype. Returns the stored bytes
+        written."""
         written = 0
+        whole = stored_start == 0 and stored.numel() >= self.stored_nbytes
         for segment in self.segments:
             lo, hi = max(segment.compute_start, start), min(segment.compute_start + segment.compute_nbytes, end)
             if lo >= hi:
@@ -174,12 +231,19 @@ class CastLayout:
                 first = (lo - segment.compute_start) // itemsize
                 last = -(-(hi - segment.compute_start) // itemsize)
                 source = compute[segment.compute_start + first * itemsize : segment.compute_start + last * itemsize]
-                stored_view(stored, segment, self.storage_dtype)[first:last].copy_(source.view(segment.dtype))
-                written += (last - first) * self.storage_dtype.itemsize
+                if whole:
+                    stored_view(stored, segment, self.storage_dtype)[first:last].copy_(source.view(segment.dtype))
+                    written += (last - first) * self.storage_dtype.itemsize
+                else:  # a shard: round the elements, keep the bytes of them that fall in it
+                    rounded = source.view(segment.dtype).to(self.storage_dtype).view(torch.uint8).cpu()
+                    written += _copy_window_(stored, stored_start, rounded, segment.stored_start + first * self.storage_dtype.itemsize)
             else:
                 at = segment.stored_start - segment.compute_start
-                stored[lo + at : hi + at].copy_(compute[lo:hi])
-                written += hi - lo
+                if whole:
+                    stored[lo + at : hi + at].copy_(compute[lo:hi])
+                    written += hi - lo
+                else:
+                    written += _copy_window_(stored, stored_start, compute[lo:hi], lo + at)
         return written
 
     def stored_tensors(self, stored: torch.Tensor) -> list[torch.Tensor]:
@@ -202,6 +266,16 @@ class CastLayout:
         return out
 
 
+def _copy_window_(stored: torch.Tensor, stored_start: int, data: torch.Tensor, at: int) -> int:
+    """Copy the part of `data` (stored bytes from `at`) that falls in the window `stored` holds (from
+    `stored_start`); returns the bytes copied."""
+    lo, hi = max(at, stored_start), min(at + data.numel(), stored_start + stored.numel())
+    if lo >= hi:
+        return 0
+    stored[lo - stored_start : hi - stored_start].copy_(data[lo - at : hi - at])
+    return hi - lo
+
+
 def stored_view(stored: torch.Tensor, segment: Segment, storage_dtype: torch.dtype) -> torch.Tensor:
     """A cast segment's elements in `stored` (a host buffer or a slot's staging region), in the storage dtype."""
     return stored[segment.stored_start : segment.stored_start + segment.stored_nbytes].view(storage_dtype)
@@ -217,7 +291,7 @@ class CastBlock(HostBufferBlock):
         self.buffer = buffer
         self.originals: list[torch.Tensor] | None = originals
         """The block's own tensors until the store commits (the rollback gives them back exactly)."""
-        self._slot_ops: dict[int, tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self.unpack = SlotUnpack(cast_layout)
 
     def __repr__(self) -> str:
         return f"CastBlock({self.path!r}, {self.host_bytes} bytes in {self.storage_dtype}{', pinned' if self.pinned else ''})"
@@ -231,37 +305,16 @@ class CastBlock(HostBufferBlock):
         return self.cast_layout.stored_nbytes
 
     def copy_job(self, slot_buffer: torch.Tensor) -> Job:
-        staging, casts = self._ops_for(slot_buffer)
-        source = self.buffer
-        nbytes = self.cast_layout.stored_nbytes
+        layout = self.cast_layout
+        staging = slot_buffer[layout.stored_offset : layout.stored_offset + layout.stored_nbytes]
+        source, unpack = self.buffer, self.unpack
 
         def job() -> int:
             staging.copy_(source, non_blocking=True)  # one host-to-device copy per block: the stored bytes
-            for destination, stored in casts:
-                destination.copy_(stored)  # on the device, in the copy's stream: upcast or byte copy into place
-            return nbytes
+            unpack.run_(slot_buffer)  # then the casts into the compute layout, on the device
+            return layout.stored_nbytes
 
         return job
-
-    def _ops_for(self, slot_buffer: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """The staging region of a slot and the (compute view, stored view) pairs that fill its compute layout,
-        built once per slot."""
-        key = slot_buffer.data_ptr()
-        ops = self._slot_ops.get(key)
-        if ops is None:
-            # like the layout's views: never inference tensors, never autograd history
-            with torch.inference_mode(False), torch.no_grad():
-                compute_nbytes = self.layout.nbytes
-                staging = slot_buffer[compute_nbytes : compute_nbytes + self.cast_layout.stored_nbytes]
-                pairs = []
-                for segment in self.cast_layout.segments:
-                    compute = slot_buffer[segment.compute_start : segment.compute_start + segment.compute_nbytes]
-                    if segment.kind == "cast":
-                        pairs.append((compute.view(segment.dtype), stored_view(staging, segment, self.storage_dtype)))
-                    else:
-                        pairs.append((compute, staging[segment.stored_start : segment.stored_start + segment.stored_nbytes]))
-            ops = self._slot_ops[key] = (staging, pairs)
-        return ops
 
     def host_range(self, start: int, nbytes: int) -> torch.Tensor:
         self._check_held("backward through it")
@@ -308,8 +361,27 @@ class CastBlock(HostBufferBlock):
         self.release_()
 
     def release_(self) -> None:
-        self._slot_ops.clear()
+        self.unpack.clear_()
         self.release_buffer_()
+
+
+class CastForms:
+    """The float8 form (`CastLayout`) of each block of one component, computed once per layout; the stores that
+    keep the component's blocks (local, disk tier, sharded) share it."""
+
+    def __init__(self, model: nn.Module, storage_dtype: torch.dtype):
+        self.storage_dtype = storage_dtype
+        self._cast_ids = cast_module_ids(model)
+        self._known: dict[int, tuple[BlockLayout, CastLayout]] = {}  # id(layout) -> (layout, its cast layout)
+
+    def form(self, layout: BlockLayout) -> CastLayout:
+        known = self._known.get(id(layout))
+        if known is not None and known[0] is layout:
+            return known[1]
+        compute = compute_layout_for(layout, self._cast_ids, self.storage_dtype)
+        cast_layout = CastLayout(compute, self._cast_ids, self.storage_dtype)
+        self._known[id(layout)] = (layout, cast_layout)
+        return cast_layout
 
 
 class CastHostStore(HostStoreBase):
@@ -317,10 +389,9 @@ class CastHostStore(HostStoreBase):
 
     kind = "cast"
 
-    def __init__(self, model: nn.Module, storage_dtype: torch.dtype):
+    def __init__(self, model: nn.Module, storage_dtype: torch.dtype, forms: CastForms | None = None):
         self.storage_dtype = storage_dtype
-        self._cast_ids = cast_module_ids(model)
-        self._cast_layouts: dict[int, tuple[BlockLayout, CastLayout]] = {}  # id(layout) -> (layout, its cast layout)
+        self.forms = forms if forms is not None else CastForms(model, storage_dtype)
         self.blocks: dict[str, CastBlock] = {}
         self._pinning = PinningThread()
 
@@ -329,13 +400,10 @@ class CastHostStore(HostStoreBase):
 
     def cast_layout(self, layout: BlockLayout) -> CastLayout:
         """How `layout`'s block is stored (computed once per layout)."""
-        known = self._cast_layouts.get(id(layout))
-        if known is not None and known[0] is layout:
-            return known[1]
-        compute = compute_layout_for(layout, self._cast_ids, self.storage_dtype)
-        cast_layout = CastLayout(compute, self._cast_ids, self.storage_dtype)
-        self._cast_layouts[id(layout)] = (layout, cast_layout)
-        return cast_layout
+        return self.forms.form(layout)
+
+    def stored_form(self, layout: BlockLayout) -> CastLayout:
+        return self.forms.form(layout)
 
     def slot_nbytes(self, layout: BlockLayout) -> int:
         return self.cast_layout(layout).slot_nbytes  # the compute layout and a staging region for the stored bytes
@@ -349,7 +417,7 @@ class CastHostStore(HostStoreBase):
         compute = cast_layout.layout
         buffer = page_aligned_empty(cast_layout.stored_nbytes, zeroed=True)  # its pages its own: it can be page-locked
         cast_layout.fill_(buffer)
-        originals = [_current(e.module, e.name, e.is_param) for e in compute.entries]
+        originals = [current_tensor(e.module, e.name, e.is_param) for e in compute.entries]
         block = CastBlock(cast_layout, TensorBinder(compute, device), buffer, originals)
         if pin is not None:
             self._pinning.submit(block, pin)  # page-locking it overlaps with casting the next block
@@ -380,6 +448,6 @@ class CastHostStore(HostStoreBase):
             del self.blocks[path]
 
 
-def _current(module: nn.Module, name: str, is_param: bool) -> torch.Tensor:
+def current_tensor(module: nn.Module, name: str, is_param: bool) -> torch.Tensor:
     """The tensor the binder would replace: a parameter's `.data` (the Parameter object stays), or the buffer."""
     return module._parameters[name].data if is_param else module._buffers[name]

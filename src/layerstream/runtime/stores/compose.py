@@ -4,15 +4,20 @@ A `StoreKind` says which components it serves (`applies`), how to build its stor
 with None: allgather over a group of one is plain copies) and whether the components it serves share one store.
 `compose_stores` takes the kinds in order of preference, the first that builds wins; a new store joins by adding
 its kind to the list the composition root passes (`offload.STORE_KINDS`), not by editing a chain of ifs. With
-`host_budget_gb` the tier is part of the composition: the component's store becomes the host side of a
+`host_budget_gb` the tier is part of the composition: the components' stores become the host side of one
 `TieredHostStore` over one disk store, before the placement, which then prices blocks in the host side's
 figures and tells the stores its decisions (`place_`).
+
+float8 storage (`storage_dtype`) is a form, not only a store: a component's blocks have one `CastForms`
+(`StoreContext.cast_forms`), which the float8 store keeps in host memory, the disk tier on disk and in its pool
+(it asks the host side's `stored_form`), and the sharded store shards (`StoreContext.form_of`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +26,10 @@ from torch import nn
 
 from layerstream.plan.placement import Placement
 from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan
-from layerstream.runtime.contracts import HostStore
+from layerstream.runtime.contracts import HostStore, StoredForm
 from layerstream.runtime.packing.layout import BlockLayout
-from layerstream.runtime.stores.cast_store import STORAGE_DTYPES, CastHostStore
+from layerstream.runtime.packing.stored_form import PackedForm
+from layerstream.runtime.stores.cast_store import STORAGE_DTYPES, CastForms, CastHostStore
 from layerstream.runtime.stores.disk.disk_store import DiskHostStore
 from layerstream.runtime.stores.packed_store import PackedHostStore
 from layerstream.runtime.stores.tiered_store import TieredHostStore
@@ -41,6 +47,25 @@ class StoreContext:
     """Where the disk tier's spill files go (`disk_dir`, or the cache's folder); needed with `host_budget_gb`."""
     simulated_disk_gbps: float | None = None
 
+    @cached_property
+    def cast_forms(self) -> dict[str, CastForms]:
+        """The float8 forms of each streamed component with `storage_dtype`, by component path (pure; one per
+        component, shared by every store that keeps its blocks)."""
+        return {
+            comp.path: CastForms(self.components[comp.path], STORAGE_DTYPES[comp.storage_dtype])
+            for comp in self.plan.streamed
+            if comp.storage_dtype is not None
+        }
+
+    @cached_property
+    def _component_of_block(self) -> dict[str, str]:
+        return {p: comp.path for comp in self.plan.streamed for stack in comp.stacks for p in stack.block_paths}
+
+    def form_of(self, layout: BlockLayout) -> StoredForm:
+        """The form a block's bytes are kept in: float8 for a component with `storage_dtype`, else packed."""
+        forms = self.cast_forms.get(self._component_of_block.get(layout.path, ""))
+        return forms.form(layout) if forms is not None else PackedForm(layout)
+
 
 @dataclass(frozen=True)
 class StoreKind:
@@ -54,10 +79,11 @@ class StoreKind:
 
 
 def _build_cast(comp: ResolvedComponent, ctx: StoreContext) -> HostStore:
-    return CastHostStore(ctx.components[comp.path], STORAGE_DTYPES[comp.storage_dtype])
+    return CastHostStore(ctx.components[comp.path], STORAGE_DTYPES[comp.storage_dtype], ctx.cast_forms[comp.path])
 
 
 CAST_KIND = StoreKind("cast", lambda c: c.storage_dtype is not None, _build_cast)
+"""float8 in this process's memory (after the sharded kind, which keeps float8 blocks sharded over its ranks)."""
 PACKED_KIND = StoreKind("packed", lambda c: True, lambda c, ctx: PackedHostStore(), shared=True)
 
 
@@ -136,13 +162,15 @@ def _store_for(comp: ResolvedComponent, ctx: StoreContext, kinds: Sequence[Store
 
 
 def _with_disk_tier(by_component: dict[str, HostStore], ctx: StoreContext) -> dict[str, HostStore]:
-    """Every component's store as the host side of a tiered store over one shared disk store (the config allows
-    `host_budget_gb` only where every streamed component has the local packed store, so there is one)."""
+    """Every component's store as the host side of one tiered store over one disk store (the config allows
+    `host_budget_gb` only with "rank-local" components: packed or float8 stores), so the disk store's figures
+    are counted once. The disk store keeps each block in its host store's form."""
     assert ctx.spill_root is not None, "host_budget_gb needs a spill folder"
-    disk = DiskHostStore(ctx.spill_root, simulated_gbps=ctx.simulated_disk_gbps)
-    tiered: dict[int, TieredHostStore] = {}
-    for store in by_component.values():
-        if id(store) not in tiered:
-            tiered[id(store)] = TieredHostStore(store, disk)
-    assert len(tiered) <= 1, "one disk store serves one host store (its figures are counted once)"
-    return {path: tiered[id(store)] for path, store in by_component.items()}
+    host_of = {
+        path: by_component[comp.path] for comp in ctx.plan.streamed for stack in comp.stacks for path in stack.block_paths
+    }
+    disk = DiskHostStore(
+        ctx.spill_root, simulated_gbps=ctx.simulated_disk_gbps, form_of=lambda layout: host_of[layout.path].stored_form(layout)
+    )
+    tiered = TieredHostStore(host_of, disk)
+    return {path: tiered for path in by_component}

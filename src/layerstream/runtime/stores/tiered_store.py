@@ -1,83 +1,106 @@
 """A host store in two tiers, composed with the others when `host_budget_gb` is set: the blocks the placement
-keeps in host memory go to the host store (the component's own store), the blocks it puts on disk, and those of
-the host pool of alternating DiTs, go to the disk store (`runtime.stores.disk`). The placement prices blocks in
-the host store's figures; `place_` tells the tiered store which blocks went where. The streamer sees one
-`HostStore`; each block's `StoredBlock` comes from its tier."""
+keeps in host memory go to their component's own store (the host side: packed, or float8), the blocks it puts
+on disk, and those of the host pool of alternating DiTs, go to the one disk store (`runtime.stores.disk`), which
+keeps each block in its host store's form (`stored_form`: float8 blocks are float8 on disk and in the pool). The
+placement prices blocks in the host side's figures; `place_` tells the tiered store which blocks went where.
+The streamer sees one `HostStore`; each block's `StoredBlock` comes from its tier."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from layerstream.plan.placement import Placement
-from layerstream.runtime.contracts import HostStore, HostStoreBase, Pinner, StoredBlock, StoreStats
+from layerstream.runtime.contracts import HostStore, HostStoreBase, Pinner, StoredBlock, StoredForm, StoreStats
 from layerstream.runtime.packing.layout import BlockLayout
 from layerstream.runtime.stores.disk.disk_store import DiskHostStore
 
 
 class TieredHostStore(HostStoreBase):
-    """`HostStore` splitting blocks between a host store and a disk store as the placement's host tier says."""
+    """`HostStore` splitting blocks between host stores and a disk store as the placement's host tier says.
+    `host` is the host side: one store for every block, or each block path's store (components with stores of
+    their own kinds, float8 beside packed, under one budget and one disk store)."""
 
     kind = "tiered"
 
-    def __init__(self, host: HostStore, disk: DiskHostStore):
-        self.host = host
+    def __init__(self, host: HostStore | Mapping[str, HostStore], disk: DiskHostStore):
+        if isinstance(host, Mapping):
+            self._host_of: Mapping[str, HostStore] | None = dict(host)
+            self.hosts = list({id(store): store for store in host.values()}.values())
+        else:
+            self._host_of = None
+            self.hosts = [host]
         self.disk = disk
         self._on_disk: frozenset[str] = frozenset()
 
     def __repr__(self) -> str:
-        return f"TieredHostStore(host={self.host!r}, disk={self.disk!r})"
+        return f"TieredHostStore(hosts={self.hosts!r}, disk={self.disk!r})"
+
+    def host_for(self, layout: BlockLayout) -> HostStore:
+        """The host store of a block (the one it is priced in, and whose form it keeps on disk)."""
+        return self.hosts[0] if self._host_of is None else self._host_of[layout.path]
 
     def slot_nbytes(self, layout: BlockLayout) -> int:
-        return self.host.slot_nbytes(layout)  # the disk store lays a block out as the host store does
+        return self.host_for(layout).slot_nbytes(layout)  # the disk store lays a block out as its host store does
 
     def host_nbytes(self, layout: BlockLayout) -> int:
-        return self.host.host_nbytes(layout)  # what the block costs the budget if it stays in host memory
+        return self.host_for(layout).host_nbytes(layout)  # what the block costs the budget if it stays in host memory
+
+    def stored_form(self, layout: BlockLayout) -> StoredForm:
+        return self.host_for(layout).stored_form(layout)
 
     def place_(self, placement: Placement) -> None:
         tier = placement.host_tier
         self._on_disk = frozenset(tier.from_disk_paths) if tier is not None else frozenset()
-        self.host.place_(placement)
+        for host in self.hosts:
+            host.place_(placement)
         self.disk.place_(placement)
 
     def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
-        self.host.check_layouts_([l for l in layouts if l.path not in self._on_disk], slot_nbytes)
+        for host in self.hosts:
+            host.check_layouts_([l for l in layouts if l.path not in self._on_disk and self.host_for(l) is host], slot_nbytes)
         self.disk.check_layouts_([l for l in layouts if l.path in self._on_disk], slot_nbytes)
 
     def report_failure_(self, error: BaseException) -> None:
-        self.host.report_failure_(error)
+        for host in self.hosts:
+            host.report_failure_(error)
         self.disk.report_failure_(error)
 
     def stage_(self, layout: BlockLayout, device: torch.device, pin: Pinner | None) -> StoredBlock:
-        store = self.disk if layout.path in self._on_disk else self.host
+        store = self.disk if layout.path in self._on_disk else self.host_for(layout)
         return store.stage_(layout, device, pin)
 
     def commit_(self) -> None:
-        self.host.commit_()
+        for host in self.hosts:
+            host.commit_()
         self.disk.commit_()
 
     def follow_order_(self, successor: Callable[[str], str | None], num_blocks: int) -> None:
-        self.host.follow_order_(successor, num_blocks)
+        for host in self.hosts:
+            host.follow_order_(successor, num_blocks)
         self.disk.follow_order_(successor, num_blocks)
 
     def stats(self) -> StoreStats:
-        return self.host.stats() + self.disk.stats()
+        return sum((host.stats() for host in self.hosts), self.disk.stats())
 
     def rollback_(self) -> None:
-        try:
-            self.disk.rollback_()
-        finally:
-            self.host.rollback_()
+        self._each_(lambda store: store.rollback_())
 
     def release_(self) -> None:
-        try:
-            self.disk.release_()
-        finally:
-            self.host.release_()
+        self._each_(lambda store: store.release_())
 
     def restore_(self, device: torch.device) -> None:
-        try:
-            self.disk.restore_(device)
-        finally:
-            self.host.restore_(device)
+        self._each_(lambda store: store.restore_(device))
+
+    def _each_(self, step: Callable[[HostStore], None]) -> None:
+        """`step` on the disk store, then on every host store, each even if one before failed; the first failure
+        is raised after all of them ran."""
+        first_error: BaseException | None = None
+        for store in (self.disk, *self.hosts):
+            try:
+                step(store)
+            except BaseException as e:
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error

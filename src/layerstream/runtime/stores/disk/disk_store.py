@@ -13,6 +13,13 @@ the slot (reading synchronously only when the prediction missed). A disk block's
 (`copy_waits_on_host`), so it never runs on the compute thread: the accelerator engine queues it on its issuing
 thread, the CPU engine runs it on its copy thread.
 
+Every block is kept in its host store's form (`form_of`, the tiered store's `stored_form`): a float8 block's
+stored bytes are float8 in its spill file, in the staging ring and in the pool, and its copy job unpacks them
+in the slot (`SlotUnpack`) after copying them into the slot's staging region. A float8 block is always spilled
+(the checkpoint holds the wider dtype), once, at enable: its spill file holds its stored bytes (about half the
+bfloat16 bytes), and the block keeps its original tensors until `commit_`, so that a rollback gives them back
+exactly; a restore reads the stored bytes back and upcasts them (the rounded values, as the float8 store).
+
 The pooled blocks of alternating DiTs (`HostPoolChoice`: Wan 2.2's experts) are disk blocks too, whose bytes
 stay in an entry of a `HostPool` (`host_pool`) while their DiT runs, read from disk only when the other DiT ran
 since.
@@ -39,9 +46,11 @@ import torch
 
 from layerstream.errors import TransferError, UnsupportedUseError
 from layerstream.plan.placement import HostPoolChoice, Placement
-from layerstream.runtime.contracts import HostStoreBase, Job, Pinner, StoredBlockBase, StoreStats
+from layerstream.runtime.contracts import HostStoreBase, Job, Pinner, StoredBlockBase, StoredForm, StoreStats
 from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
 from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
+from layerstream.runtime.packing.stored_form import PackedForm, SlotUnpack, stored_region
+from layerstream.runtime.stores.cast_store import current_tensor
 from layerstream.runtime.stores.disk.host_pool import HostPool
 from layerstream.runtime.stores.disk.sources import (
     CheckpointSource,
@@ -66,16 +75,21 @@ class DiskBlock(StoredBlockBase):
     def __init__(
         self,
         store: DiskHostStore,
-        layout: BlockLayout,
+        form: StoredForm,
         binder: TensorBinder,
         source,
         original_device: torch.device,
         member: str | None = None,
+        originals: list[torch.Tensor] | None = None,
     ):
         self.store = store
         self.member = member
         """The alternating DiT the block belongs to, where there is a host pool (None otherwise)."""
-        self.layout = layout
+        self.form = form
+        self.layout = form.layout
+        self.unpack = SlotUnpack(form)
+        self.originals = originals
+        """A lossy form's block keeps its own tensors until the store commits (the rollback gives them back)."""
         self.binder = binder
         self.source: CheckpointSource | SpillSource = source
         self.original_device = original_device
@@ -83,7 +97,7 @@ class DiskBlock(StoredBlockBase):
         """When the latest copy job waited for this block's bytes to come off the disk (perf_counter seconds)."""
 
     def __repr__(self) -> str:
-        return f"DiskBlock({self.path!r}, {self.layout.nbytes} bytes from {self.source.describe()})"
+        return f"DiskBlock({self.path!r}, {self.stored_nbytes} bytes from {self.source.describe()})"
 
     @property
     def path(self) -> str:
@@ -98,17 +112,24 @@ class DiskBlock(StoredBlockBase):
         return False
 
     @property
+    def stored_nbytes(self) -> int:
+        """Bytes of the block on disk, in the staging ring and in the pool (its form's stored bytes)."""
+        return self.form.stored_nbytes
+
+    @property
     def link_bytes(self) -> int:
-        return self.layout.nbytes
+        return self.form.stored_nbytes
 
     def copy_job(self, slot_buffer: torch.Tensor) -> Job:
         store = self.store
+        region = stored_region(self.form, slot_buffer)
 
         def job() -> int:
             if store.pool is not None and self.member is not None:
                 store.pool.prepare_(self.member)  # the first block of another DiT: the pool reads its blocks
-            nbytes = store.staging.copy_(self, slot_buffer, store.upcoming_after(self.path))
+            nbytes = store.staging.copy_(self, region, store.upcoming_after(self.path))
             self.disk_wait = store.staging.last_disk_wait  # compute's part of it: count_stall_
+            self.unpack.run_(slot_buffer)  # float8: the casts into the compute layout, after the copy on its stream
             return nbytes
 
         return job
@@ -123,7 +144,7 @@ class DiskBlock(StoredBlockBase):
             self.store.disk_stall_seconds += overlap
 
     def read_into_(self, buffer: torch.Tensor) -> None:
-        """Fill `buffer` (uint8, CPU, `layout.nbytes`) with the block's packed bytes."""
+        """Fill `buffer` (uint8, CPU, `stored_nbytes`) with the block's stored bytes."""
         store = self.store
         gbps = store.simulated_gbps
         if gbps is None:
@@ -166,17 +187,19 @@ class PooledBlock(DiskBlock):
         self.entry = entry
 
     def __repr__(self) -> str:
-        return f"PooledBlock({self.path!r}, pool entry {self.entry}, {self.layout.nbytes} bytes from {self.source.describe()})"
+        return f"PooledBlock({self.path!r}, pool entry {self.entry}, {self.stored_nbytes} bytes from {self.source.describe()})"
 
     def copy_job(self, slot_buffer: torch.Tensor) -> Job:
         store = self.store
+        region, nbytes = stored_region(self.form, slot_buffer), self.stored_nbytes
 
         def job() -> int:
             waited = time.perf_counter()
             entry = store.pool.take_(self)  # waits only when the pool is still reading it
             self.disk_wait = (waited, time.perf_counter())
-            store.pool.copy_out_(entry, slot_buffer, self.layout.nbytes)
-            return self.layout.nbytes
+            store.pool.copy_out_(entry, region, nbytes)
+            self.unpack.run_(slot_buffer)  # float8: the casts into the compute layout, after the copy on its stream
+            return nbytes
 
         return job
 
@@ -187,7 +210,15 @@ class DiskHostStore(HostStoreBase):
 
     kind = "disk"
 
-    def __init__(self, root: str | Path, simulated_gbps: float | None = None, pool: HostPoolChoice | None = None):
+    def __init__(
+        self,
+        root: str | Path,
+        simulated_gbps: float | None = None,
+        pool: HostPoolChoice | None = None,
+        form_of: Callable[[BlockLayout], StoredForm] = PackedForm,
+    ):
+        self.form_of = form_of
+        """The form each block is kept in (the tiered store's host side says; default: packed)."""
         self.simulated_gbps = simulated_gbps
         """CPU measurements: every read lasts at least as long as on a disk of this bandwidth."""
         self.simulated_disk = threading.Lock()
@@ -267,7 +298,8 @@ class DiskHostStore(HostStoreBase):
         self.pool_choice = placement.host_tier.pool if placement.host_tier is not None else None
 
     def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
-        self._staging_nbytes = slot_nbytes
+        # the ring holds stored bytes: float8 blocks need about half of a bfloat16 block, not a whole slot
+        self._staging_nbytes = max((self.form_of(l).stored_nbytes for l in layouts), default=slot_nbytes)
 
     def stats(self) -> StoreStats:
         pool = self.pool_nbytes
@@ -287,60 +319,79 @@ class DiskHostStore(HostStoreBase):
             self._files = MappedFiles.snapshot()
         if self.staging is None:
             self.staging = StagingRing(self._staging_nbytes, device, pin)
+        form = self.form_of(layout)
+        compute = form.layout
         choice = self.pool_choice
         entry = choice.entry_of(layout.path) if choice is not None else None
         if entry is not None and self.pool is None:
             self.pool = HostPool(choice.entry_nbytes, choice.member_blocks, device, pin)
         packed = None
         if entry is not None and self.pool.owner(entry) is None:  # the entry starts with this block's bytes
-            packed = self.pool.buffers[entry][: layout.nbytes].zero_()  # zeroed pads: a spill file's bytes are defined
-            layout.copy_sources_into(packed, self._files, self.reader)
-        original_device = layout.source_device()
-        spans = layout.span_file_ranges(self._files)
-        in_memory = [(dst, length) for source, dst, length in spans if source is None and length > 0]
-        if len(in_memory) < len(spans) and sum(n for _, n in in_memory) <= MAX_IN_MEMORY_FRACTION * layout.nbytes:
-            chunks = []
-            for dst, length in in_memory:
-                chunk = torch.empty(length, dtype=torch.uint8)
-                layout.copy_range_into(chunk, dst)
-                chunks.append((chunk, dst))
-            source = CheckpointSource([(s, dst) for s, dst, _ in spans if s is not None], chunks)
-        else:
-            source = self._spill_(layout, packed)
-        binder = TensorBinder(layout, device)
+            packed = self.pool.buffers[entry][: form.stored_nbytes].zero_()  # zeroed pads: a spill file's bytes are defined
+            form.fill_(packed, self._files, self.reader)
+        original_device = compute.source_device()
+        source = self._checkpoint_source(compute) if form.lossless else None  # a lossy form's bytes are not the file's
+        if source is None:
+            source = self._spill_(form, packed)
+        binder = TensorBinder(compute, device)
         member = choice.member_of(layout.path) if choice is not None else None
+        # a lossless form's original tensors go now; a lossy one's stay until the commit, for an exact rollback
+        originals = None if form.lossless else [current_tensor(e.module, e.name, e.is_param) for e in compute.entries]
         if entry is not None:
-            block = PooledBlock(self, layout, binder, source, original_device, member, entry=entry)
+            block = PooledBlock(self, form, binder, source, original_device, member, originals, entry=entry)
             self.pool.add_(block, holds_bytes=packed is not None)
         else:
-            block = DiskBlock(self, layout, binder, source, original_device, member)
+            block = DiskBlock(self, form, binder, source, original_device, member, originals)
         block.binder.evict_()
-        layout.forget_sources()  # the block's memory (or its view of the checkpoint) goes now
+        if form.lossless:
+            compute.forget_sources()  # the block's memory (or its view of the checkpoint) goes now
         self.blocks[layout.path] = block
         return block
 
-    def _spill_(self, layout: BlockLayout, packed: torch.Tensor | None = None) -> SpillSource:
+    def _checkpoint_source(self, layout: BlockLayout) -> CheckpointSource | None:
+        """The checkpoint's own file ranges for a block whose spans are unwritten views of its files (the few
+        spans made in memory kept as host bytes, up to `MAX_IN_MEMORY_FRACTION`); None: spill it."""
+        spans = layout.span_file_ranges(self._files)
+        in_memory = [(dst, length) for source, dst, length in spans if source is None and length > 0]
+        if len(in_memory) == len(spans) or sum(n for _, n in in_memory) > MAX_IN_MEMORY_FRACTION * layout.nbytes:
+            return None
+        chunks = []
+        for dst, length in in_memory:
+            chunk = torch.empty(length, dtype=torch.uint8)
+            layout.copy_range_into(chunk, dst)
+            chunks.append((chunk, dst))
+        return CheckpointSource([(s, dst) for s, dst, _ in spans if s is not None], chunks)
+
+    def _spill_(self, form: StoredForm, packed: torch.Tensor | None = None) -> SpillSource:
         if self.folder is None:
             self.root.mkdir(parents=True, exist_ok=True)
             # one folder per enable: processes (and pipelines) sharing disk_dir never touch each other's files;
             # named after this process, so that a later enable can tell whether it still runs
             self.folder = Path(tempfile.mkdtemp(prefix=spill_folder_prefix(), dir=self.root))
         buffer = packed
-        if buffer is None:  # (the bytes already packed for a pool entry are written as they are)
-            buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)  # zeroed pads: the file's bytes are all defined
-            layout.copy_sources_into(buffer, self._files, self.reader)
-        name = f"{len(self.blocks):05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', layout.path)}.block"
+        if buffer is None:  # (the bytes already stored for a pool entry are written as they are)
+            buffer = torch.zeros(form.stored_nbytes, dtype=torch.uint8)  # zeroed pads: the file's bytes are all defined
+            form.fill_(buffer, self._files, self.reader)
+        path = form.layout.path
+        name = f"{len(self.blocks):05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', path)}.block"
         source = SpillSource.write(self.folder / name, buffer)
-        self.spill_bytes_written += layout.nbytes
+        self.spill_bytes_written += form.stored_nbytes
         return source
 
     def commit_(self) -> None:
+        self._close_files_()
+        for block in self.blocks.values():
+            if block.originals is not None:
+                block.originals = None  # from here on the stored bytes are the only copy
+                block.layout.forget_sources()
+
+    def _close_files_(self) -> None:
         if self._files is not None:
             self._files.close()
             self._files = None
 
     def rollback_(self) -> None:
-        self.commit_()
+        self._close_files_()
         self._close_staging_()
         try:
             self._restore_blocks_(lambda block: block.original_device)
@@ -371,20 +422,27 @@ class DiskHostStore(HostStoreBase):
         first_error: BaseException | None = None
         for path in list(self.blocks):
             block = self.blocks.pop(path)
-            buffer = torch.empty(block.layout.nbytes, dtype=torch.uint8)
+            block.unpack.clear_()
+            if block.originals is not None:  # a rollback before the commit: the very tensors it had
+                block.binder.bind_(block.originals)
+                continue
+            buffer = torch.empty(block.stored_nbytes, dtype=torch.uint8)
             try:
                 block.read_into_(buffer)
             except (OSError, TransferError) as e:
                 logger.error("%s: cannot be read back from disk: %s", path, e)
                 first_error = first_error or e
                 continue
-            block.binder.bind_(block.layout.separate_copies(buffer, device_of(block)))
+            compute = block.form.compute_bytes(buffer)  # float8: upcast (exact) from the stored bytes
+            block.binder.bind_(block.layout.separate_copies(compute, device_of(block)))
         if first_error is not None:
             raise first_error
 
     def release_(self) -> None:
         """The model was dropped without `disable()`: stop reading, free the ring and the pool, remove the spill
         files; the blocks are not read back."""
+        for block in self.blocks.values():
+            block.unpack.clear_()
         self.blocks.clear()
         self._release_()
 
@@ -395,3 +453,4 @@ class DiskHostStore(HostStoreBase):
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
+

@@ -42,6 +42,10 @@ class PooledBlock(Protocol):
     @property
     def path(self) -> str: ...
 
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes a read gives (the block's stored bytes: float8 ones for a float8 block)."""
+
     def read_into_(self, buffer: torch.Tensor) -> None: ...
 
 logger = logging.getLogger(__name__)
@@ -145,8 +149,8 @@ class HostPool:
     def _load_(self, block: PooledBlock) -> None:
         entry = block.entry
         wait_copied(self._copied[entry])  # the device copy of the entry's previous owner must be done
-        block.read_into_(self.buffers[entry][: block.layout.nbytes])
-        self.bytes_loaded += block.layout.nbytes
+        block.read_into_(self.buffers[entry][: block.stored_nbytes])
+        self.bytes_loaded += block.stored_nbytes
 
     def close_(self) -> None:
         """Stop reading, then free the buffers (the engine is closed: no device copy reads them)."""

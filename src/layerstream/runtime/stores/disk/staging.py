@@ -31,6 +31,10 @@ class DiskBlock(Protocol):
     @property
     def path(self) -> str: ...
 
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes a read gives (the block's stored bytes: float8 ones for a float8 block)."""
+
     def read_into_(self, buffer: torch.Tensor) -> None: ...
 
 logger = logging.getLogger(__name__)
@@ -134,7 +138,7 @@ class StagingRing:
         """Fill `slot_buffer[:nbytes]` with `block`'s bytes (checked) through a staging buffer, having made sure
         that the blocks expected next (`upcoming`, the first `READ_AHEAD_DEPTH` of them) are being read ahead.
         Runs on the thread of the copy job, on its stream."""
-        nbytes = block.layout.nbytes
+        nbytes = block.stored_nbytes
         waited = time.perf_counter()
         i = self._take_(block)
         self.last_disk_wait = (waited, time.perf_counter())
@@ -159,7 +163,7 @@ class StagingRing:
         self._drop_ahead_(len(self._ahead))
         free = self._free_buffer_(busy=())
         self._wait_copied_(free)
-        block.read_into_(self.buffers[free][: block.layout.nbytes])  # checked before any byte reaches the slot
+        block.read_into_(self.buffers[free][: block.stored_nbytes])  # checked before any byte reaches the slot
         return free
 
     def _read_ahead_(self, block: DiskBlock, upcoming: Sequence[DiskBlock], current: int) -> None:
@@ -176,7 +180,7 @@ class StagingRing:
 
             def read(i: int = i, next_block: DiskBlock = next_block) -> None:
                 self._wait_copied_(i)
-                next_block.read_into_(self.buffers[i][: next_block.layout.nbytes])
+                next_block.read_into_(self.buffers[i][: next_block.stored_nbytes])
 
             self._ahead.append((next_block.path, i, self._io.submit(read)))
 
