@@ -101,12 +101,17 @@ def _history_card(driver, job_id: str):
 
 RECORD_PROGRESS = """
 window.progressSeen = [];
-new MutationObserver(() => {
+window.previewsSeen = 0;
+new MutationObserver((changes) => {
   for (const bar of document.querySelectorAll('[role=progressbar]')) {
     const value = Number(bar.getAttribute('aria-valuenow'));
     if (window.progressSeen.at(-1) !== value) window.progressSeen.push(value);
   }
-}).observe(document.body, {subtree: true, childList: true, attributes: true, attributeFilter: ['aria-valuenow']});
+  for (const change of changes) {
+    if (change.attributeName === 'src' && change.target.matches('img.preview')
+        && change.target.src.startsWith('data:image/png;base64,')) window.previewsSeen += 1;
+  }
+}).observe(document.body, {subtree: true, childList: true, attributes: true, attributeFilter: ['aria-valuenow', 'src']});
 """
 
 
@@ -137,6 +142,7 @@ def test_generate_watch_and_find_the_result_again(browser, server_factory, tmp_p
     card = wait.until(lambda d: _history_card(d, job_id))
     seen = browser.execute_script("return window.progressSeen")
     assert seen == sorted(seen) and 0 < max(seen) <= 100, seen  # it moved forward, within bounds
+    assert browser.execute_script("return window.previewsSeen") >= 1  # live previews from the event stream
     _check_history_card(card, server.url, job_id)
     logs = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert logs == [], logs
