@@ -1,0 +1,130 @@
+"""`layerstream plan MODEL --device-memory GB --host-memory GB ...`: the plan for a machine, its JSON, its errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from layerstream.cli import plan_cmd
+from layerstream.cli.main import main
+from layerstream.machine.planner import Machine, block_flops, latent_tokens, plan_for_machine
+from layerstream.models.loading import load_pipeline
+
+EXIT_USAGE = 2
+SMALL = ["--height", "32", "--width", "32", "--num-frames", "5"]
+"""A small generation, so that --measure takes a moment on the CPU."""
+
+
+def run_plan(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(["plan", *argv])
+    except SystemExit as e:  # a flag's value refused by argparse, through the CLI's one-line error
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def tiny_wan():
+    return load_pipeline("tiny-wan")
+
+
+def _must_not_load(model: str):
+    pytest.fail("the model was loaded before the flags were checked")
+
+
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["--host-memory", "8"], ["--host-memory = 8", "needs --device-memory"]),
+        (["--device-memory", "24"], ["--device-memory = 24", "needs --host-memory"]),
+        (["--device-memory", "0", "--host-memory", "8"], ["--device-memory", "0", "a finite number > 0"]),
+        (["--device-memory", "24", "--host-memory", "nan"], ["--host-memory", "nan"]),
+        (["--device-memory", "24", "--host-memory", "8", "--link-gbps", "-1"], ["--link-gbps", "-1"]),
+        (["--device-memory", "24", "--host-memory", "8", "--disk-gbps", "x"], ["--disk-gbps", "'x'"]),
+        (["--measure"], ["--measure", "only used with --device-memory and --host-memory"]),
+        (["--allow-lossy"], ["--allow-lossy", "only used with"]),
+        (["--device-memory", "24", "--host-memory", "8", "--diffusion-offload-config", "{}"], ["--diffusion-offload-config", "recommends"]),
+    ],
+)
+def test_bad_flags_give_one_line_before_loading(capsys, monkeypatch, argv, fragments):
+    monkeypatch.setattr(plan_cmd, "_load", _must_not_load)
+    code, out, err = run_plan(capsys, "tiny-wan", *argv)
+    assert code == EXIT_USAGE and out == "" and err.count("\n") == 1 and err.startswith("layerstream: error: "), err
+    for fragment in fragments:
+        assert fragment in err
+
+
+def test_a_machine_too_small_is_one_line_naming_the_figure(capsys):
+    code, out, err = run_plan(capsys, "tiny-wan", "--device-memory", "24", "--host-memory", "1")
+    assert code == EXIT_USAGE and out == "" and err.count("\n") == 1
+    assert "--host-memory = 1 is not valid" in err and "baseline of 1.41 GB" in err
+    code, _, err = run_plan(capsys, "tiny-wan", "--device-memory", "3", "--host-memory", "8")
+    assert code == EXIT_USAGE and "--device-memory = 3" in err and "activation reserve" in err
+
+
+def test_json_gives_the_config_to_paste_and_the_figures(capsys, tiny_wan):
+    code, out, err = run_plan(capsys, "tiny-wan", "--device-memory", "4.0003", "--host-memory", "4", "--json", *SMALL)
+    assert code == 0, err
+    recommended = json.loads(out)["recommended"]
+    config = recommended["diffusion_offload_config"]
+    assert config["layer_options"]["dit"] == {"resident_layers": "auto", "device_budget_gb": 0.0003}
+    assert "storage_dtype" not in config["layer_options"]["dit"]  # lossless unless --allow-lossy
+    assert set(recommended["bytes"]) == {"device", "host", "disk"} and recommended["bound"] in ("compute", "link", "disk")
+    assert recommended["predicted_seconds_per_step"] > 0 and recommended["per_step"]["disk_bytes"] == 0
+    assert recommended["host_budget"]["budget_bytes"] is None  # everything fits: no disk tier, no host_budget_gb
+    assert "host_budget_gb" not in config
+
+
+def test_the_prediction_is_the_bench_ideal_of_the_placed_blocks(tiny_wan):
+    from layerstream.bench import ideal
+    from layerstream.plan.resolved import lookup
+
+    machine = Machine(device_memory_gb=4.0003, host_memory_gb=4, device_tflops=1e-3, link_gbps=1e-3)
+    result = plan_for_machine(tiny_wan, machine, size={"height": 32, "width": 32, "num_frames": 5})
+    tokens = latent_tokens(tiny_wan, {"height": 32, "width": 32, "num_frames": 5})
+    assert tokens == 2 * 2 * 2  # 32 px / 16 px per token, squared, times (5 - 1) / 4 + 1 latent frames
+    blocks = [p for c in result.placement.chains for p in c.block_paths]
+    resident = set(result.placement.residency["transformer"].resident_block_paths)
+    paths = [f"transformer.blocks.{i}" for i in range(len(tiny_wan.transformer.blocks))]
+    compute = [block_flops(lookup(tiny_wan, p), tokens) / 1e9 for p in paths]
+    sizes = [result.placement.block_slot_nbytes.get(p, 0) for p in paths]
+    link = ideal.block_transfer_seconds(sizes, [p not in resident and p in blocks for p in paths], 1e-3)
+    assert result.seconds_per_step == pytest.approx(2 * ideal.ideal_forward_seconds(compute, link))
+    assert result.bound == "link" and result.link_nbytes_per_step == 2 * sum(sizes)
+
+
+def test_a_small_host_puts_blocks_on_disk_and_the_disk_shows_in_the_prediction(tiny_wan):
+    machine = Machine(device_memory_gb=4.0003, host_memory_gb=1.41 + 2.0 + 0.00025, disk_gbps=1e-4)  # staging 0.16 MB + two blocks
+    result = plan_for_machine(tiny_wan, machine, size={"height": 32, "width": 32, "num_frames": 5})
+    tier = result.placement.host_tier
+    assert result.config["host_budget_gb"] == pytest.approx(result.host_budget.budget_gb, rel=1e-3)
+    assert result.config["host_budget_gb"] <= result.host_budget.budget_gb  # rounded down: pasted back it still fits
+    assert tier is not None and tier.disk_block_paths and result.disk_nbytes_per_step > 0
+    assert result.bound == "disk" and result.host_nbytes <= machine.host_memory_gb * 1e9
+
+
+def test_allow_lossy_recommends_float8(tiny_wan):
+    machine = Machine(device_memory_gb=4.0003, host_memory_gb=8, allow_lossy=True)
+    result = plan_for_machine(tiny_wan, machine, size={"height": 32, "width": 32, "num_frames": 5})
+    assert result.config["layer_options"]["dit"]["storage_dtype"] == "float8_e4m3fn"
+    lossless = plan_for_machine(tiny_wan, Machine(device_memory_gb=4.0003, host_memory_gb=8), size={"height": 32, "width": 32, "num_frames": 5})
+    assert result.link_nbytes_per_step < lossless.link_nbytes_per_step  # float8 bytes (and the scales) on the link
+
+
+def test_measure_times_the_blocks_on_this_device(capsys):
+    code, out, err = run_plan(capsys, "tiny-wan", "--device-memory", "4.0003", "--host-memory", "4", "--measure", "--json", *SMALL)
+    assert code == 0, err
+    recommended = json.loads(out)["recommended"]
+    assert recommended["compute"].startswith("measured") and recommended["predicted_seconds_per_step"] > 0
+
+
+def test_the_table_names_the_bound_and_the_config_to_paste(capsys):
+    code, out, err = run_plan(capsys, "tiny-wan", "--device-memory", "4.0003", "--host-memory", "4", *SMALL)
+    assert code == 0, err
+    assert "predicted:" in out and "bound by" in out and "--diffusion-offload-config '" in out
+    pasted = out.split("--diffusion-offload-config '")[1].split("'")[0]
+    from layerstream.config.offload_config import parse_offload_config
+
+    assert parse_offload_config(pasted).layer_options["dit"].resident_layers == "auto"
