@@ -11,7 +11,7 @@ import pytest
 from plan_toys import DIT, TEXT, Block, ContextDiT, ToyPipeline, layer, pipeline_class, raises_naming, stack_names
 from torch import nn
 
-import layerstream.plan.resolver as resolver
+import layerstream.plan.declarations as declarations
 from layerstream.plan.offload_plan import OffloadPlan
 from layerstream.plan.resolver import resolve_offload_plan
 
@@ -103,9 +103,9 @@ def builtin_with_submodules(monkeypatch):
         offload_submodules={"transformer.context_encoder": "blocks"},
         resident_dit_paths=frozenset({"transformer"}),
     )
-    real = resolver.builtin_plan_for
+    real = declarations.builtin_plan_for
     monkeypatch.setattr(
-        resolver,
+        declarations,
         "builtin_plan_for",
         lambda pipeline: builtin if type(pipeline).__name__.startswith("BuiltinContext") else real(pipeline),
     )

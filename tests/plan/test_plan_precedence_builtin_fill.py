@@ -8,7 +8,7 @@ import pytest
 from plan_toys import BOTH, Block, PromptModel, ToyDiT, pipeline_class, stack_names
 from torch import nn
 
-from layerstream.plan import resolver
+from layerstream.plan import declarations
 from layerstream.plan.offload_plan import OffloadPlan
 from layerstream.plan.resolver import resolve_offload_plan
 
@@ -38,7 +38,7 @@ class TwoListEncoder(PromptModel):
 @pytest.fixture
 def builtin_plan(monkeypatch):
     """Pretend layerstream ships BUILTIN for the pipeline classes of this file."""
-    monkeypatch.setattr(resolver, "builtin_plan_for", lambda pipeline: BUILTIN)
+    monkeypatch.setattr(declarations, "builtin_plan_for", lambda pipeline: BUILTIN)
 
 
 def _pipeline(own_plan: OffloadPlan | None):

@@ -1,8 +1,9 @@
 """`resolve_offload_plan`: the one reader of offload plans; pure, so every backend can trust its answer.
 
 Resolution runs in three passes over plain data:
-1. discover: enumerate components, categorize them and find their block lists, recording where each list
-   came from (pipeline plan, built-in plan, class attribute, automatic);
+1. discover: enumerate components (skipping declared ones the instance does not hold), categorize them and find
+   their block lists, recording where each list came from (pipeline plan, built-in plan, class attribute,
+   automatic); the declarations themselves are read by `plan.declarations`;
 2. check what does not depend on the config: declared paths, types, a block claimed twice;
 3. decide what the config does with each component, and reject selections that cannot work.
 Modules are only read: no tensor moves, no hook is installed, no attribute changes.
@@ -10,7 +11,6 @@ Modules are only read: no tensor moves, no hook is installed, no attribute chang
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -19,25 +19,16 @@ from typing import Any
 from torch import nn
 
 from layerstream.config.offload_config import LayerOptions, OffloadConfig, parse_offload_config
-from layerstream.plan.builtin_plans import builtin_family_for, builtin_plan_for
+from layerstream.plan.declarations import Declarations
 from layerstream.plan.discovery import (
     block_list_at,
     categorize,
     class_block_attrs,
     declared_absent,
-    declared_paths,
     enumerate_components,
     find_block_lists,
     resolution_error,
     tensor_bytes,
-)
-from layerstream.plan.offload_plan import (
-    ENCODER_TYPES,
-    UNSUPPORTED_FIELDS,
-    OffloadPlan,
-    declared_resident_layers,
-    get_offload_plan,
-    unsupported_fields,
 )
 from layerstream.plan.resolved import (
     AbsentComponent,
@@ -73,153 +64,6 @@ class _Found:
         return sum(s.num_blocks for s in self.stacks if not s.own_chain)
 
 
-class _Declarations:
-    """The pipeline's own plan and layerstream's built-in plan, read in precedence order.
-
-    The pipeline wins component by component. A component its ``_offload_plan`` describes (``block_attrs``,
-    ``encoder_component_types`` or ``encoder_block_attrs``) is described by the pipeline alone: the built-in
-    plan's entries for it (category, block lists, submodules inside it, resident layers, replication) are set
-    aside, so the two descriptions never mix. A component its role lists (``_dit_modules``, ``_encoder_modules``,
-    ``_vae_modules``) put in another role than the built-in plan does loses its built-in entries too; where the
-    roles agree, the built-in plan still supplies the block lists.
-    """
-
-    def __init__(self, pipeline: Any, pipeline_class: str):
-        self.pipeline_class = pipeline_class
-        self.plan = get_offload_plan(pipeline) or OffloadPlan()
-        self.dit_modules = declared_paths(pipeline, "_dit_modules", pipeline_class)
-        self.encoder_modules = declared_paths(pipeline, "_encoder_modules", pipeline_class)
-        self.vae_modules = declared_paths(pipeline, "_vae_modules", pipeline_class)
-        self.listed_roles = frozenset(
-            role for role, attr in (("dit", "_dit_modules"), ("encoder", "_encoder_modules"), ("vae", "_vae_modules"))
-            if getattr(pipeline, attr, None) is not None
-        )
-        """The roles the pipeline lists its components for: each of them is given by its list alone, not by name."""
-        builtin = builtin_plan_for(pipeline) or OffloadPlan()
-        plan = self.plan
-        described = set(plan.block_attrs) | set(plan.encoder_component_types) | set(plan.encoder_block_attrs)
-        builtin_encoders = set(builtin.encoder_component_types) | set(builtin.encoder_block_attrs)
-        recast = (
-            {p for p in self.dit_modules if p in builtin_encoders}
-            | {p for p in self.encoder_modules if p in builtin.block_attrs}
-            | {p for p in self.vae_modules if p in builtin.block_attrs or p in builtin_encoders}
-        )
-        self.builtin = _without_components(builtin, described | recast)
-        self.encoder_types = {**self.builtin.encoder_component_types, **self.plan.encoder_component_types}
-        self.dit_paths = frozenset(self.plan.block_attrs) | set(self.builtin.block_attrs) | set(self.dit_modules)
-        self.offload_submodules = {**self.builtin.offload_submodules, **self.plan.offload_submodules}
-        self.resident_counts = {**declared_resident_layers(self.builtin), **declared_resident_layers(self.plan)}
-        """DiT path -> leading blocks its model keeps on the device unless the config says otherwise."""
-        family = builtin_family_for(pipeline)
-        # only DiTs the built-in plan still describes: one the pipeline redeclared may run otherwise
-        self.alternating = frozenset(p for p in (family.alternating_dits if family else ()) if p in self.builtin.block_attrs)
-
-    def component_paths(self) -> dict[str, str]:
-        """Every component path a declaration names -> where it was declared (for error messages)."""
-        out: dict[str, str] = {}
-        for plan, owner in ((self.plan, "_offload_plan"), (self.builtin, "layerstream's built-in plan")):
-            for field in ("block_attrs", "encoder_component_types", "encoder_block_attrs"):
-                for path in getattr(plan, field):
-                    out.setdefault(path, f"{owner}.{field}")
-            for path in declared_resident_layers(plan):
-                out.setdefault(path, f"{owner}.layerwise_resident_layers")
-            for field in ("resident_dit_paths", "encoder_dlo_weight_replication", "on_demand_component_paths"):
-                for path in sorted(getattr(plan, field)):
-                    out.setdefault(path, f"{owner}.{field}")
-        for paths, attr in (
-            (self.dit_modules, "_dit_modules"),
-            (self.encoder_modules, "_encoder_modules"),
-            (self.vae_modules, "_vae_modules"),
-        ):
-            for path in paths:
-                out.setdefault(path, attr)
-        return out
-
-    def check(self) -> None:
-        """Reject declarations that contradict themselves or ask for what layerstream lacks, before any module is
-        read."""
-        for name, value in unsupported_fields(self.plan).items():
-            raise resolution_error(
-                self.pipeline_class,
-                f"_offload_plan.{name}",
-                f"_offload_plan.{name} = {value!r} declares {UNSUPPORTED_FIELDS[name]}, which layerstream does not "
-                f"support; remove it (leave {name} empty) and describe the components with block_attrs, "
-                "encoder_block_attrs and the pipeline's role lists",
-            )
-        counts = self.plan.layerwise_resident_layers
-        if isinstance(counts, int) and counts and not self.plan.resident_dit_paths:
-            raise resolution_error(
-                self.pipeline_class,
-                "_offload_plan.layerwise_resident_layers",
-                f"_offload_plan.layerwise_resident_layers = {counts} applies to the DiTs in resident_dit_paths, but "
-                "it lists none; list them there, or give a dict of DiT path -> count",
-            )
-        for path, kind in self.plan.encoder_component_types.items():
-            if kind not in ENCODER_TYPES:
-                allowed = ", ".join(repr(t) for t in ENCODER_TYPES)
-                raise resolution_error(
-                    self.pipeline_class,
-                    path,
-                    f"_offload_plan.encoder_component_types[{path!r}] = {kind!r} is not a known encoder type; "
-                    f"allowed: {allowed}",
-                )
-        plan = self.plan
-        as_dit = set(plan.block_attrs) | set(self.dit_modules)
-        as_encoder = set(plan.encoder_component_types) | set(plan.encoder_block_attrs) | set(self.encoder_modules)
-        for path in sorted(as_dit & as_encoder):
-            raise resolution_error(
-                self.pipeline_class,
-                path,
-                "declared both as a DiT (block_attrs or _dit_modules) and as an encoder (encoder_component_types, "
-                "encoder_block_attrs or _encoder_modules); declare it as one of them",
-            )
-
-    def block_attrs(self, path: str, category: str) -> tuple[tuple[str, ...], str, str] | None:
-        """(attribute paths, source, origin) a plan declares for this component, or None.
-
-        DiTs are read from ``block_attrs``, every other category from ``encoder_block_attrs``.
-        """
-        field = "block_attrs" if category == "dit" else "encoder_block_attrs"
-        for plan, source, owner in (
-            (self.plan, "plan", "_offload_plan"),
-            (self.builtin, "builtin", "layerstream's built-in plan"),
-        ):
-            attrs = getattr(plan, field).get(path)
-            if attrs is not None:
-                return attrs, source, f"{owner}.{field}[{path!r}]"
-        return None
-
-    def resident_allowed(self, path: str) -> bool:
-        return path in self.plan.resident_dit_paths or path in self.builtin.resident_dit_paths or path in self.resident_counts
-
-    def declared_resident(self, path: str) -> bool:
-        """Whether `path` is (inside) a module the pipeline's ``resident_paths`` keeps on the device."""
-        return any(path == p or path.startswith(p + ".") for p in self.plan.resident_paths)
-
-    def replicated(self, path: str) -> bool:
-        return path in self.plan.encoder_dlo_weight_replication or path in self.builtin.encoder_dlo_weight_replication
-
-    @property
-    def on_demand_paths(self) -> frozenset[str]:
-        return self.plan.on_demand_component_paths | self.builtin.on_demand_component_paths
-
-
-def _without_components(plan: OffloadPlan, paths: set[str]) -> OffloadPlan:
-    """`plan` with every entry about the components in `paths` (and about submodules inside them) removed."""
-
-    def outside(path: str) -> bool:
-        return not any(path == p or path.startswith(p + ".") for p in paths)
-
-    kept: dict[str, Any] = {}
-    for f in dataclasses.fields(plan):
-        value = getattr(plan, f.name)
-        if isinstance(value, Mapping):
-            kept[f.name] = {k: v for k, v in value.items() if outside(k)}
-        elif isinstance(value, frozenset) or f.name == "resident_paths":
-            kept[f.name] = type(value)(filter(outside, value))
-    return dataclasses.replace(plan, **kept)
-
-
 def resolve_offload_plan(pipeline: Any, config: OffloadConfig | Mapping | str) -> ResolvedOffloadPlan:
     """Decide, without touching the pipeline, what offload does with each of its components under `config`.
 
@@ -230,7 +74,7 @@ def resolve_offload_plan(pipeline: Any, config: OffloadConfig | Mapping | str) -
     """
     config = parse_offload_config(config)
     pipeline_class = type(pipeline).__name__
-    decl = _Declarations(pipeline, pipeline_class)
+    decl = Declarations(pipeline, pipeline_class)
     decl.check()
 
     found, absent = _discover(pipeline, decl)
@@ -245,7 +89,7 @@ def resolve_offload_plan(pipeline: Any, config: OffloadConfig | Mapping | str) -
 # --- pass 1: discovery -------------------------------------------------------------------------------------
 
 
-def _discover(pipeline: Any, decl: _Declarations) -> tuple[list[_Found], tuple[AbsentComponent, ...]]:
+def _discover(pipeline: Any, decl: Declarations) -> tuple[list[_Found], tuple[AbsentComponent, ...]]:
     """(every component found, the declared ones this instance does not hold)."""
     cls = decl.pipeline_class
     declared = decl.component_paths()
@@ -286,7 +130,7 @@ def _absent(pipeline_class: str, path: str, declared_in: str, why: str) -> Absen
     return AbsentComponent(path, declared_in, why)
 
 
-def _category(decl: _Declarations, path: str) -> str:
+def _category(decl: Declarations, path: str) -> str:
     category = categorize(
         path,
         dit_paths=decl.dit_paths,
@@ -312,7 +156,7 @@ def _category(decl: _Declarations, path: str) -> str:
 
 
 def _submodule_owners(
-    pipeline: Any, decl: _Declarations, modules: Mapping[str, nn.Module], absent: set[str]
+    pipeline: Any, decl: Declarations, modules: Mapping[str, nn.Module], absent: set[str]
 ) -> dict[str, tuple[str, nn.Module, str]]:
     """Full pipeline path of each `offload_submodules` entry -> (the component it lies in, the submodule, its
     block-list attribute). An entry is a pipeline path (``"transformer.token_refiner"``) or, as vllm-omni keys
@@ -350,7 +194,7 @@ def _has_path(module: nn.Module, dotted: str) -> bool:
     return True
 
 
-def _submodule_at(pipeline: Any, decl: _Declarations, path: str, origin: str) -> nn.Module:
+def _submodule_at(pipeline: Any, decl: Declarations, path: str, origin: str) -> nn.Module:
     try:
         module = lookup(pipeline, path)
     except AttributeError as e:
@@ -366,7 +210,7 @@ _BlockList = tuple[str, str, nn.Module, bool]  # (owner path, attribute path, th
 
 
 def _find_block_lists(
-    decl: _Declarations, path: str, module: nn.Module, category: str, skip: Iterable[nn.Module]
+    decl: Declarations, path: str, module: nn.Module, category: str, skip: Iterable[nn.Module]
 ) -> tuple[list[_BlockList], str]:
     """The component's block lists and their source, in precedence order: plan, builtin, class, auto.
 
@@ -431,7 +275,7 @@ def _check_block_claims(pipeline_class: str, found: list[_Found]) -> None:
                 )
 
 
-def _check_on_demand_methods(pipeline_class: str, decl: _Declarations, found: list[_Found]) -> None:
+def _check_on_demand_methods(pipeline_class: str, decl: Declarations, found: list[_Found]) -> None:
     """An on-demand component implements the two calls the pipeline's residency goes through (checked whether or
     not this config will make them: the declaration is wrong either way)."""
     for item in found:
@@ -451,7 +295,7 @@ def _check_on_demand_methods(pipeline_class: str, decl: _Declarations, found: li
 # --- pass 3: apply the config ------------------------------------------------------------------------------
 
 
-def _decide(pipeline_class: str, decl: _Declarations, config: OffloadConfig, item: _Found) -> ResolvedComponent:
+def _decide(pipeline_class: str, decl: Declarations, config: OffloadConfig, item: _Found) -> ResolvedComponent:
     action = _action(decl, config, item)
     is_dit = item.category == "dit"
     resident_allowed = is_dit and (decl.resident_allowed(item.path) or item.source == "auto")
@@ -484,7 +328,7 @@ def _decide(pipeline_class: str, decl: _Declarations, config: OffloadConfig, ite
     )
 
 
-def _action(decl: _Declarations, config: OffloadConfig, item: _Found) -> str:
+def _action(decl: Declarations, config: OffloadConfig, item: _Found) -> str:
     if decl.declared_resident(item.path):
         return "resident"
     if item.category not in config.components:
@@ -496,13 +340,13 @@ def _action(decl: _Declarations, config: OffloadConfig, item: _Found) -> str:
     return "on_demand" if item.path in decl.on_demand_paths else "resident"
 
 
-def _resident_layers(decl: _Declarations, options: LayerOptions, item: _Found) -> int | str:
+def _resident_layers(decl: Declarations, options: LayerOptions, item: _Found) -> int | str:
     """The config's resident_layers where it names one, else the count the model declares, else 0."""
     declared = decl.resident_counts.get(item.path) if item.category == "dit" else None
     return options.resident_layers if options.resident_layers_given or declared is None else declared
 
 
-def _reason(action: str, decl: _Declarations, config: OffloadConfig, item: _Found, resident: int | str) -> str:
+def _reason(action: str, decl: Declarations, config: OffloadConfig, item: _Found, resident: int | str) -> str:
     """Why `_action` chose `action` for this component, for `layerstream plan` and the resolved plan's dict."""
     on_demand = item.path in decl.on_demand_paths
     if action == "on_demand":
@@ -628,7 +472,7 @@ def _why_not(comp: ResolvedComponent, acting: str) -> str:
 
 
 def _check_resident_paths(
-    pipeline: Any, decl: _Declarations, components: tuple[ResolvedComponent, ...]
+    pipeline: Any, decl: Declarations, components: tuple[ResolvedComponent, ...]
 ) -> tuple[AbsentComponent, ...]:
     """Every ``resident_paths`` entry stays on the device: a component (resident by `_action`) or a module inside
     one that does not move it; refused where it would move (inside a streamed block, a swapped or an on-demand
