@@ -2,8 +2,9 @@
 # The GPU comparison of offload strategies, in one script, after the CUDA hazard checks (gpu_checks.sh, one
 # line each into OUT_DIR/gpu_checks.txt): synthetic Wan-14B- and Flux-shaped block stacks,
 # bf16, every strategy timed round robin in one process per model, the disk tier (one Wan stack with half its
-# blocks on disk; Wan 2.2's two experts sharing a host pool), then the cold start. About 8-11 minutes on one H200
-# (an estimate: the disk-tier runs have not run on a GPU yet).
+# blocks on disk; Wan 2.2's two experts sharing a host pool), the headline (Wan 2.2 A14B on a 24 GB device), then
+# the cold start. About 18-21 minutes on one H200 (an estimate: the disk-tier and headline runs have not run on a
+# GPU yet).
 #
 #   benchmarks/gpu.sh OUT_DIR
 #
@@ -101,6 +102,23 @@ fi
 cat "$OUT/wan22-pool/results.md"
 echo "(wan22-pool took $((SECONDS - start)) s)"
 
+# The headline on a real GPU (benchmarks/headline.py --device cuda; on a CPU the same script is a simulation):
+# Wan 2.2 A14B at its real widths (2 x 40 blocks of 0.70 GB + UMT5-XXL, about 66 GB built in host memory) and
+# 720p x 81 frames' 75,600 tokens, resident first (the ideal: the GPU holds everything), then the device limited
+# to 24 GB (torch.cuda.set_per_process_memory_fraction) with a 28 GB host budget (a 32 GB machine less a 4 GB
+# reserve): bfloat16, float8 in host memory (the exactness reference) and float8 with the disk tier, spill files
+# on the local disk (about 38 GB at most, removed after each row). 3 steps (2 high-noise, 1 low-noise: one
+# change of expert). Not yet run on a GPU: about 10 minutes is an estimate (0.3 s per block forward).
+echo
+echo "== headline: benchmarks/headline.py --device cuda"
+start=$SECONDS
+if ! timeout --kill-after=10 "${BENCH_TIMEOUT_S:-900}" "$PY" "$ROOT/benchmarks/headline.py" --device cuda --steps 3 \
+    --disk-dir "${HEADLINE_DISK_DIR:-${TMPDIR:-/tmp}}" --out "$OUT/headline"; then
+    echo "error: the headline benchmark failed or timed out" >&2
+    failed+=("headline")
+fi
+echo "(headline took $((SECONDS - start)) s)"
+
 # Flux blocks at 4k image tokens: transfer-bound (a block computes in less time than it takes to copy), where
 # keeping some blocks resident pays off, and where float8 storage (layerwise-fp8, and diffusers' group offloading
 # with the same layerwise casting as its peer) moves fewer bytes; "max |diff|" says how far the output moves.
@@ -129,7 +147,7 @@ echo "== combined table: $OUT/table.md"
 {
     echo "# layerstream GPU benchmark"
     echo
-    for name in wan14b wan14b-disk wan22-pool flux12b cold-start; do
+    for name in wan14b wan14b-disk wan22-pool headline flux12b cold-start; do
         echo "## $name"
         echo
         if [ -f "$OUT/$name/results.md" ]; then cat "$OUT/$name/results.md"; else echo "(no results: see gpu.log)"; fi

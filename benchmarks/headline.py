@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -281,7 +282,9 @@ def measure_experts(pipe: WanPipeline, inputs: Inputs) -> dict[str, ExpertComput
         expert = getattr(pipe, path)
         t = torch.full((1, expert.shape.dim), 0.5, dtype=DTYPE, device=x.device)
         with torch.no_grad():
-            timings = measure_block_compute(lambda: expert(x, context, t), list(expert.blocks), x.device, num_forwards=3)
+            # a GPU's block times vary little, and one of its forwards at 720p lasts seconds: one forward there
+            forwards = 3 if x.device.type == "cpu" else 1
+            timings = measure_block_compute(lambda: expert(x, context, t), list(expert.blocks), x.device, num_forwards=forwards)
         out[path] = ExpertCompute(timings.block_medians(), timings.other_median())
     return out
 
@@ -319,12 +322,17 @@ class Offloaded:
 def run_offloaded(pipe: WanPipeline, inputs: Inputs, config: dict[str, Any], ctx: dict[str, Any], disk_gbps: float | None) -> Offloaded:
     device = inputs.latents.device
     simulated = {"simulated_link_gbps": ctx["scenario"].link_gbps, "simulated_disk_gbps": disk_gbps} if device.type == "cpu" else {}
+    started = time.perf_counter()
     handle = enable_offload(pipe, config, device, **simulated)
+    print(f"enabled in {time.perf_counter() - started:.1f} s: {json.dumps(config)}", file=sys.stderr)  # progress
     try:
         warm_up(pipe, inputs)
         video = timed_video(pipe, inputs, handle.stats)
+        print(f"  encode {video.encode_s:.2f} s, denoise {video.loop_s:.2f} s", file=sys.stderr)
+        if device.type != "cpu":
+            return Offloaded(video, handle.placement, None)
         copies = [i.end - i.start for i in handle.trace().lane("copy") if i.component in ("transformer", "transformer_2")]
-        return Offloaded(video, handle.placement, statistics.median(copies) if copies and device.type == "cpu" else None)
+        return Offloaded(video, handle.placement, statistics.median(copies) if copies else None)
     finally:
         handle.disable()  # the pipeline is whole on the host again (and the spill files are gone) for the next row
 
@@ -452,6 +460,7 @@ def run_resident(pipe: WanPipeline, inputs: Inputs, device_memory_gb: float) -> 
     pipe.to(device)
     warm_up(pipe, inputs)
     video, compute = timed_video(pipe, inputs), measure_experts(pipe, inputs)
+    print(f"resident: encode {video.encode_s:.2f} s, denoise {video.loop_s:.2f} s", file=sys.stderr)
     pipe.to("cpu")
     if device.type == "cuda":
         torch.cuda.empty_cache()  # give the resident weights back before the limit applies
@@ -527,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: 40, Wan 2.2's; --smoke: 4)")
     parser.add_argument("--disk-gbps", type=float, default=None, help="GPU only: the drive's rating, for the prediction (default 7)")
     parser.add_argument("--disk-dir", default=None, help="spill files go here (default: a temporary folder; on a GPU put it on the NVMe)")
+    parser.add_argument("--out", default=None, help="also write the table and the JSON to OUT/results.md and OUT/results.json")
     parser.add_argument("--threads", type=int, default=None, help="CPU compute threads (default: all cores but one)")
     parser.add_argument("--block-compute-s", type=float, default=None, help=f"CPU only: a real block forward's compute (default {PUBLISHED_BLOCK_SECONDS:.3f}: one H100)")
     args = parser.parse_args(argv)
@@ -538,6 +548,11 @@ def main(argv: list[str] | None = None) -> int:
         result = run(scenario, tmp, device)
     result["smoke"] = args.smoke
     print(json.dumps(result, indent=2) if args.json else format_report(result))
+    if args.out is not None:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out / "results.md").write_text(format_report(result) + "\n")
     measured = [r for r in result["rows"] if r["status"] == "measured"]
     return 0 if all(r["bit_identical"] for r in measured) else 1
 
