@@ -109,3 +109,38 @@ def test_auto_runs_where_no_budget_is_killed(wan_folder, make_memory_cgroup):
 
     killed = _run_child(wan_folder, unbudgeted_group, "none")
     assert killed.returncode == OOM_KILLED, f"without a budget the run was not killed: exit {killed.returncode} {killed.stdout[-500:]}"
+
+
+PLANNED_CHILD = r"""
+import json, os, sys
+with open(sys.argv[2], "w") as f:  # the whole process, imports included, runs in the cgroup
+    f.write("0")
+from layerstream import Omni
+omni = Omni(model=sys.argv[1], diffusion_offload_config=sys.argv[3])
+omni.generate(prompt="a fox", height=16, width=16, num_frames=1, num_inference_steps=2, seed=0)
+print(json.dumps({"host_bytes": omni.stats().host_bytes, "disk_bytes_read": omni.stats().disk_bytes_read}))
+sys.stdout.flush()
+os._exit(0)  # no close(): disable() would read every block back into memory
+"""
+
+
+def test_the_planned_config_finishes_in_a_cgroup_of_the_stated_host_memory(wan_folder, memory_cgroup):
+    from layerstream.machine.planner import Machine, plan_for_machine
+    from layerstream.models.loading import load_pipeline
+
+    streamed = _streamed_bytes(wan_folder)
+    host_memory_gb = 0.6 * streamed / 1e9 + 0.45 + RESERVE_GB  # below the blocks: a disk tier
+    # baseline 0.45: the measured imports, no CUDA context on the CPU; the device's 4 GB activation reserve + 0.3
+    machine = Machine(device_memory_gb=4.3, host_memory_gb=host_memory_gb, baseline_gb=0.45, host_reserve_gb=RESERVE_GB)
+    result = plan_for_machine(load_pipeline(str(wan_folder)), machine, size={"height": 16, "width": 16, "num_frames": 1})
+    assert "host_budget_gb" in result.config and result.placement.host_tier.disk_block_paths
+    # on the CPU the device is the host: the cgroup holds the stated host memory and the plan's device bytes
+    limit = round(host_memory_gb * 1e9) + result.device_nbytes
+    (memory_cgroup / "memory.limit_in_bytes").write_text(str(limit))
+    argv = [sys.executable, "-c", PLANNED_CHILD, str(wan_folder), str(memory_cgroup / "cgroup.procs"), json.dumps(dict(result.config))]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, f"exit {done.returncode} (killed by the cgroup's OOM killer if -9): {done.stderr[-3000:]}"
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["disk_bytes_read"] > 0 and report["host_bytes"] <= result.config["host_budget_gb"] * 1e9 * 1.05
+    assert result.host_nbytes <= host_memory_gb * 1e9  # the plan's own figure for the whole process
+    assert int((memory_cgroup / "memory.max_usage_in_bytes").read_text()) <= limit
