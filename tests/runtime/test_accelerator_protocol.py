@@ -287,7 +287,8 @@ def test_host_buffers_are_page_locked_on_a_pinning_thread_while_the_next_block_i
 
 def test_copies_and_teardown_from_a_thread_with_another_device_current_make_no_context_there():
     """An engine on device 1 driven from threads that never set a device (their current device is 0): every
-    call the engine makes runs with device 1 current, so no context appears on device 0."""
+    call the engine makes runs with device 1 current (its issuing and registration threads too), so no context
+    appears on device 0."""
     recorder = Recorder()
     engine = AcceleratorCopyEngine(torch.device("cuda", 1), 2, api=recorder)
     recorder.contexts.clear()  # (the stand-in's constructor calls run before the guard matters)
@@ -295,6 +296,8 @@ def test_copies_and_teardown_from_a_thread_with_another_device_current_make_no_c
 
     def copy_side():
         engine.copy_into(0, lambda: 0)
+        engine.copy_into(1, lambda: 0, waits_on_host=True)  # queued by the issuing thread
+        engine.pin_(buffer)  # registered on a thread of its own
         engine.unpin_(buffer)
 
     thread = threading.Thread(target=copy_side)
