@@ -86,3 +86,34 @@ def test_a_kept_handle_keeps_the_pipeline_working_and_disable_still_restores():
         assert torch.equal(run(handle._pipeline, inputs), expected)
     handle.disable()
     assert all(p.numel() > 0 for p in transformer.parameters())
+
+
+def test_a_dropped_pipeline_on_the_accelerator_engine_stops_its_issuing_thread_and_unregisters_everything(tmp_path):
+    """The accelerator engine (its CUDA calls recorded by a stand-in) with the disk tier: the issuing thread that
+    queued the disk blocks' copies stops, after the copy stream is synchronized every registered buffer is
+    unregistered, and the spill files go."""
+    from layerstream.runtime.engines.copy_engine import AcceleratorCopyEngine
+    from test_accelerator_protocol import Recorder
+
+    pipe = make_my_pipeline(dim=64)
+    block = BlockLayout("b", pipe.transformer.blocks[0]).nbytes
+    config = {"mode": "layer", "components": ["dit"], "host_budget_gb": 1.5 * block / 1e9, "disk_dir": str(tmp_path)}
+    recorder = Recorder()
+    handle = enable_offload(
+        pipe, config, device="cpu", engine_factory=lambda device, n: AcceleratorCopyEngine(device, n, api=recorder)
+    )
+    copy_stream = recorder._name(handle.backend._engine.copy_stream, "stream")
+    ids, x = toy_inputs(dim=64)
+    with torch.no_grad():
+        run(pipe, (ids, x))
+    assert "layerstream-copy-issue" in _layerstream_threads()  # disk blocks' copies went through it
+    registered = sum(1 for e in recorder.log if e[0] == "host_register")
+    recorder.log.clear()
+    del pipe, handle
+    gc.collect()
+    log = recorder.log
+    unregistered = [pos for pos, e in enumerate(log) if e[0] == "host_unregister"]
+    synced = log.index(("synchronize", copy_stream))
+    assert registered > 0 and len(unregistered) == registered and all(pos > synced for pos in unregistered)
+    assert not [n for n in _layerstream_threads() if n.startswith(("layerstream-copy", "layerstream-disk", "layerstream-pin"))]
+    assert list(tmp_path.rglob("*.block")) == []
