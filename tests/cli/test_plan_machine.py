@@ -128,3 +128,22 @@ def test_the_table_names_the_bound_and_the_config_to_paste(capsys):
     from layerstream.config.offload_config import parse_offload_config
 
     assert parse_offload_config(pasted).layer_options["dit"].resident_layers == "auto"
+
+
+def test_the_lossy_plan_runs_and_keeps_blocks_in_memory_where_a_disk_tier_would_cost_more(tiny_wan):
+    import numpy as np
+
+    from layerstream import Omni
+
+    size = {"height": 32, "width": 32, "num_frames": 5}
+    roomy = plan_for_machine(tiny_wan, Machine(device_memory_gb=4.0003, host_memory_gb=8, allow_lossy=True), size=size)
+    block = roomy.host_budget.streamed_nbytes // len(tiny_wan.transformer.blocks)  # float8 bytes and scales
+    room = sum(roomy.host_budget.needs.values()) + 5 * block // 2  # two and a half blocks beside the rings
+    result = plan_for_machine(tiny_wan, Machine(device_memory_gb=4.0003, host_memory_gb=1.41 + room / 1e9, allow_lossy=True), size=size)
+    # the tiny blocks are smaller than the staging ring a disk tier would need: holding them all costs less
+    assert result.host_budget.needs["disk staging ring"] > roomy.host_budget.streamed_nbytes
+    assert "host_budget_gb" not in result.config and result.config["layer_options"]["dit"]["storage_dtype"] == "float8_e4m3fn"
+    omni = Omni(model="tiny-wan", diffusion_offload_config=dict(result.config))
+    output = np.asarray(omni.generate(prompt="a fox", num_inference_steps=2, seed=0, **size).raw)
+    assert np.isfinite(output).all() and omni.stats().disk_bytes_read == 0
+    omni.close()
