@@ -7,6 +7,7 @@ import importlib
 
 from layerstream.cli.common import CliError, configure_logging, fail
 from layerstream.cli.interrupt import EXIT_INTERRUPTED, PhaseLog, report_interrupt
+from layerstream.models.optional_imports import torchao_deferred
 
 # subcommand -> module exposing add_arguments(parser) and run(args) -> int; imported only when used
 SUBCOMMANDS = {
@@ -70,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "_run"):
         return fail(f"the {args.command} subcommand is not available in this build")
     try:
-        return int(args._run(args) or 0)
+        # stderr holds layerstream's lines: torchao (and its import warnings) only for a model that needs it
+        with torchao_deferred(getattr(args, "model", None)):
+            return int(args._run(args) or 0)
     except CliError as e:
         return fail(str(e))
     except KeyboardInterrupt:  # a subcommand without phases of its own (generate reports its own)
