@@ -118,3 +118,22 @@ def test_disable_inside_inference_mode_gives_normal_parameters_back():
         model(**inputs).square().sum().backward()
     grads = {n: p.grad for n, p in resident.named_parameters()}
     assert all(p.grad is not None and torch.equal(p.grad, grads[n]) for n, p in streamed.named_parameters())
+
+
+def test_tensors_replaced_at_enable_keep_inference_parameters_working():
+    """Enabling moves every tensor that does not stream to the device (`replace_tensors_`; on an accelerator a
+    copy made outside inference mode): an inference parameter gets its copy as an inference tensor."""
+    from layerstream.runtime.packing.tensors import replace_tensors_
+
+    resident, inputs = _built_in_inference_mode(_toy)
+    model, _ = _built_in_inference_mode(_toy)
+    params = dict(model.named_parameters())
+    undo = []
+    replace_tensors_(model, "", set(), lambda t: t.clone(), undo.append)  # a new, normal tensor for each
+    assert len(undo) == len(params) + len(dict(model.named_buffers()))
+    assert dict(model.named_parameters()) == params and all(p.is_inference() for p in params.values())
+    assert torch.equal(run(model, inputs), run(resident, inputs))
+    assert torch.equal(_run_inference_mode(model, inputs), run(resident, inputs))
+    for step in reversed(undo):
+        step()
+    assert torch.equal(run(model, inputs), run(resident, inputs))

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
+from layerstream.runtime.packing.layout import inference_alias
 from layerstream.runtime.packing.subclass_tensors import is_wrapper, plain_tensors
 
 
@@ -26,7 +27,9 @@ def replace_tensors_(
 ) -> None:
     """Replace every parameter and buffer under `root` (except inside the modules at `skip` paths) by
     `convert(tensor)` where that is not None; pushes one undo step per replaced tensor. Parameters keep their
-    identity (they change through `.data`); a parameter tied in several places is converted once."""
+    identity (they change through `.data`); a parameter tied in several places is converted once. A parameter
+    made under `torch.inference_mode()` gets its new tensor as an inference tensor (`inference_alias`: a
+    normal one as its `.data` would break it), whatever mode `convert` ran in."""
     seen: set[int] = set()
     stack = [(root_path, root)]
     while stack:
@@ -39,6 +42,8 @@ def replace_tensors_(
             seen.add(id(param))
             new = convert(param.data)
             if new is not None:
+                if param.is_inference() and not is_wrapper(new):
+                    new = inference_alias(new)
                 old = param.data
                 param.data = new
                 push_undo(lambda p=param, o=old: setattr(p, "data", o))
