@@ -210,23 +210,28 @@ class Scale:
 
 
 def calibrate_tokens(pipe: WanPipeline, target_s: float, context: torch.Tensor) -> tuple[int, float]:
-    """The token count at which a block's forward lasts `target_s` on this CPU (a few rounds of proportional
-    correction; compute is close to linear in tokens at these sizes)."""
+    """The token count at which a block's forward lasts `target_s` on this CPU. A forward costs about a + b x tokens
+    at these sizes; the fastest of several forwards at two token counts gives a and b (the fastest is the one
+    least disturbed by other load on a shared machine: a median there once drove the count down to 1 token)."""
     block, dim = pipe.transformer.blocks[0], pipe.transformer.shape.dim
     cond = torch.zeros(1, dim, dtype=DTYPE)
-    tokens, seconds = 64, 0.0
-    with torch.no_grad():
-        for _ in range(4):
-            x = torch.randn(1, tokens, dim, generator=torch.Generator().manual_seed(0)).to(DTYPE)
+
+    def fastest(tokens: int) -> float:
+        x = torch.randn(1, tokens, dim, generator=torch.Generator().manual_seed(0)).to(DTYPE)
+        with torch.no_grad():
             block(x, context, cond)  # warm the allocator and caches at this size
             times = []
-            for _ in range(5):
+            for _ in range(9):
                 start = time.perf_counter()
                 block(x, context, cond)
                 times.append(time.perf_counter() - start)
-            seconds = statistics.median(times)
-            tokens = max(1, min(16384, round(tokens * target_s / seconds)))
-    return tokens, seconds
+        return min(times)
+
+    low, high = 16, 256
+    low_s, high_s = fastest(low), fastest(high)
+    per_token = max((high_s - low_s) / (high - low), 1e-9)
+    tokens = max(1, min(16384, round(low + (target_s - low_s) / per_token)))
+    return tokens, fastest(tokens)
 
 
 def make_inputs(s: Scenario, num_tokens: int, dim: int, vocab: int, device: torch.device) -> Inputs:
@@ -337,7 +342,7 @@ def run_offloaded(pipe: WanPipeline, inputs: Inputs, config: dict[str, Any], ctx
         handle.disable()  # the pipeline is whole on the host again (and the spill files are gone) for the next row
 
 
-def predicted_loop_s(ctx: dict[str, Any], placement, transfer_s: float, disk_s: float) -> float:
+def predicted_loop_s(ctx: dict[str, Any], placement, transfer_s: float, disk_s: float, resident_loop_s: float) -> float:
     """The bench ideal of the denoising loop: the resident loop plus, per forward, what the ideal of its blocks
     (the longest of compute, link and disk per block, `ideal_forward_seconds_with_disk`) adds to their compute.
     `transfer_s` and `disk_s` are one DiT block's copy and read. A disk block is read at every use, a pooled
@@ -354,7 +359,7 @@ def predicted_loop_s(ctx: dict[str, Any], placement, transfer_s: float, disk_s: 
             ideal = ideal_forward_seconds_with_disk(c.block_s, [transfer_s] * len(paths), disk, c.other_s)
             extra += ideal - (c.other_s + sum(c.block_s))
             previous = path
-    return ctx["resident"].loop_s + extra
+    return resident_loop_s + extra
 
 
 def _delta(v: Video, name: str) -> float:
@@ -379,7 +384,7 @@ def tier_counts(placement, blocks_per_expert: int) -> dict[str, float]:
     }
 
 
-def row_figures(name: str, run: Offloaded, disk_gbps: float | None, reference: tuple[str, Video], ctx: dict[str, Any]) -> dict[str, Any]:
+def row_figures(name: str, run: Offloaded, disk_gbps: float | None, reference: tuple[str, Video], ideal_video: Video, ctx: dict[str, Any]) -> dict[str, Any]:
     """A measured row: seconds per step scaled back against the resident loop (the ideal of a GPU that holds
     everything) and the prediction, and the stage that bounds a block: the longest of its compute, its copy
     (the link's time on the target machine; the copy job measured on the CPU) and its disk read."""
@@ -388,10 +393,10 @@ def row_figures(name: str, run: Offloaded, disk_gbps: float | None, reference: t
     link_bytes = round(_delta(v, "bytes_transferred") / max(_delta(v, "num_transfers"), 1))
     transfer_s = transfer_seconds(link_bytes, ctx["link_gbps"])
     disk_s = transfer_seconds(link_bytes, disk_gbps) if disk_gbps and on_disk else 0.0
-    predicted = predicted_loop_s(ctx, run.placement, transfer_s, disk_s) / steps * S
+    predicted = predicted_loop_s(ctx, run.placement, transfer_s, disk_s, ideal_video.loop_s) / steps * S
     compute_s = statistics.mean(t for c in ctx["compute"].values() for t in c.block_s)
     stages = {"compute": compute_s, "link": transfer_s if run.copy_s is None else max(transfer_s, run.copy_s), "disk": disk_s}
-    measured, ideal = v.loop_s / steps * S, ctx["resident"].loop_s / steps * S
+    measured, ideal = v.loop_s / steps * S, ideal_video.loop_s / steps * S
     row = {
         "name": name, "status": "measured", "disk_gbps": disk_gbps,
         "measured_s": measured, "predicted_s": predicted, "ideal_s": ideal, "x_ideal": measured / ideal,
@@ -409,7 +414,7 @@ def row_figures(name: str, run: Offloaded, disk_gbps: float | None, reference: t
         "max_abs_diff_from_bfloat16": float((v.latents - ctx["resident"].latents).abs().max()),
     }  # fmt: skip
     if run.copy_s is not None:  # the same ideal with the copy job this CPU measured: what the simulation can reach
-        row["predicted_with_cpu_copy_s"] = predicted_loop_s(ctx, run.placement, max(transfer_s, run.copy_s), disk_s) / steps * S
+        row["predicted_with_cpu_copy_s"] = predicted_loop_s(ctx, run.placement, max(transfer_s, run.copy_s), disk_s, ideal_video.loop_s) / steps * S
     return row
 
 
@@ -423,20 +428,34 @@ def measure_rows(pipe: WanPipeline, inputs: Inputs, ctx: dict[str, Any], disk_di
     equal bit for bit) and the same disks, or pending rows where this tree refuses float8 with the disk tier."""
     s, scale = ctx["scenario"], ctx["scale"]
     rows = []
+
+    def measure(name: str, storage_dtype: str | None, budget_dir: str | None, disk_gbps: float | None, reference) -> Offloaded:
+        ideal = paired_ideal(pipe, inputs, ctx)
+        run = run_offloaded(pipe, inputs, offload_config(s, scale, storage_dtype, budget_dir), ctx, disk_gbps)
+        rows.append(row_figures(name, run, disk_gbps, reference or ("itself: the float8 reference", run.video), ideal, ctx))
+        return run
+
     for disk_gbps in s.disks_gbps:
-        run = run_offloaded(pipe, inputs, offload_config(s, scale, None, disk_dir), ctx, disk_gbps)
-        rows.append(row_figures(f"bfloat16@{disk_gbps:g}", run, disk_gbps, ("resident", ctx["resident"]), ctx))
+        measure(f"bfloat16@{disk_gbps:g}", None, disk_dir, disk_gbps, ("resident", ctx["resident"]))
     fp8 = "float8_e4m3fn"
     why = refusal(offload_config(s, scale, fp8, disk_dir))
     if why is not None:
         return rows + [pending_row(f"float8@{d:g}", d, why) for d in s.disks_gbps]
-    host = run_offloaded(pipe, inputs, offload_config(s, scale, fp8, None), ctx, None)
-    reference = ("float8 in host memory", host.video)
-    rows.append(row_figures("float8-host (reference, no budget)", host, None, reference, ctx))
+    host = measure("float8-host (reference, no budget)", fp8, None, None, None)
     for disk_gbps in s.disks_gbps:
-        run = run_offloaded(pipe, inputs, offload_config(s, scale, fp8, disk_dir), ctx, disk_gbps)
-        rows.append(row_figures(f"float8@{disk_gbps:g}", run, disk_gbps, reference, ctx))
+        measure(f"float8@{disk_gbps:g}", fp8, disk_dir, disk_gbps, ("float8 in host memory", host.video))
     return rows
+
+
+def paired_ideal(pipe: WanPipeline, inputs: Inputs, ctx: dict[str, Any]) -> Video:
+    """The resident video a row is compared with. On the CPU one is timed right before each row, so that the
+    shared machine's load drifts over both alike; on a GPU, whose memory is limited after the resident run,
+    the one resident run."""
+    if inputs.latents.device.type != "cpu":
+        return ctx["resident"]
+    video = timed_video(pipe, inputs)
+    print(f"resident (paired): denoise {video.loop_s:.2f} s", file=sys.stderr)
+    return video
 
 
 def prepare(s: Scenario, device: torch.device) -> tuple[WanPipeline, Inputs, Scale]:
@@ -482,7 +501,8 @@ def run(s: Scenario, disk_dir: str, device: torch.device) -> dict[str, Any]:
         "device": str(device), "simulated": device.type == "cpu",
         "scenario": {**asdict(s), "high_noise_steps": high, "host_budget_gb": s.host_gb - s.host_reserve_gb, "link_gbps_used": link_gbps},
         "scale": asdict(scale),
-        "ideal": {"source": "the resident loop: every weight on the device", "s_per_step": resident.loop_s / steps * S,
+        "ideal": {"source": "the resident loop (every weight on the device); on the CPU timed again right before each row, "
+                  "and each row's x_ideal is against that one", "s_per_step": resident.loop_s / steps * S,
                   "published_s_per_step": s.block_compute_s * 2 * s.blocks_per_expert, "encode_s": resident.encode_s * S},
         "prediction_source": PREDICTION_SOURCE,
         "rows": rows,
@@ -506,20 +526,21 @@ def format_report(result: dict[str, Any]) -> str:
         f"device, {s['host_gb']:g} GB host (budget {s['host_budget_gb']:g} GB), link {s['link_gbps']:g} GB/s, NVMe "
         f"{' and '.join(f'{d:g}' for d in s['disks_gbps'])} GB/s",
         where,
-        f"ideal (a GPU that holds everything, measured resident): {ideal['s_per_step']:.2f} s / step (published: "
+        f"ideal (a GPU that holds everything, measured resident, first run): {ideal['s_per_step']:.2f} s / step (published: "
         f"{ideal['published_s_per_step']:.2f}); the encoder once: {ideal['encode_s']:.2f} s",
         f"prediction: {result['prediction_source']}",
         "",
-        "| row | s / step | x ideal | predicted s / step | measured / predicted | disk GB / step | per expert: pooled, held, on disk | host GB | bound (s per block: compute, link, disk) | stall s / step | = reference |",
+        "| row | s / step | x ideal | predicted s / step (with this CPU's copy) | measured / predicted | disk GB / step | per expert: pooled, held, on disk | host GB | bound (s per block: compute, link, disk) | stall s / step | = reference |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         if r["status"] != "measured":
             lines.append(f"| {r['name']} | {r['status']} |  |  |  |  |  |  |  |  |  |")
             continue
-        b = r["block_s"]
+        b, cpu = r["block_s"], r.get("predicted_with_cpu_copy_s")
         lines.append(
-            f"| {r['name']} | {r['measured_s']:.2f} | **{r['x_ideal']:.3f}** | {r['predicted_s']:.2f} | "
+            f"| {r['name']} | {r['measured_s']:.2f} | **{r['x_ideal']:.3f}** | {r['predicted_s']:.2f}"
+            f"{f' ({cpu:.2f})' if cpu is not None else ''} | "
             f"{r['measured_over_predicted']:.3f} | {r['disk_gb_per_step']:.2f} | {r['pooled_blocks_per_expert']:g}, "
             f"{r['host_blocks_per_expert']:g}, {r['disk_blocks_per_expert']:g} | {r['host_gb']:.1f} | {r['bound']} "
             f"({b['compute']:.3f}, {b['link']:.3f}, {b['disk']:.3f}) | {r['stall_s_per_step']:.2f} | "
