@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 class ShardedBlock(HostBufferBlock):
     """One streamed block of which this rank holds one shard (its `buffer`)."""
 
+    # not tracked: a write-back may touch one rank's shard and not another's, and every rank must decide alike
+    # whether to copy (gather) a block again; nothing else writes a shard (state_dict and LoRA are refused)
+    host_version = None
+
     def __init__(self, form: StoredForm, binder: TensorBinder, shard: torch.Tensor, pinner: Pinner | None, gather: BlockGather, index: int):
         self.form = form
         self.layout = form.layout

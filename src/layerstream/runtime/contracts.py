@@ -150,6 +150,13 @@ class StoredBlock(Protocol):
         """Compute just waited `stall_seconds` for this block's copy: a block that reads a source of its own (the
         disk) counts the part spent waiting on it; default: nothing to count."""
 
+    @property
+    def host_version(self) -> int | None:
+        """A number that moves whenever something writes the store's bytes of the block in place (torch's version
+        counter of the host buffer, which every view of it shares: the tensors `state_dict()` gives, a
+        write-back): a slot copied from an older version must be copied again. None where writes are not tracked
+        (every writer then calls `BlockStreamer.forget_copy_`); default: None."""
+
 
 @runtime_checkable
 class HostStore(Protocol):
@@ -236,6 +243,8 @@ class StoredBlockBase:
 
     def count_stall_(self, stall_seconds: float) -> None:
         pass  # nothing but the link to wait for
+
+    host_version = None  # writes are not tracked: the store's writers forget the slot copies themselves
 
 
 class HostStoreBase:

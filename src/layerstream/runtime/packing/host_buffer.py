@@ -76,6 +76,12 @@ class HostBufferBlock(StoredBlockBase):
     def pinned(self) -> bool:
         return self.pinner is not None
 
+    @property
+    def host_version(self) -> int | None:
+        buffer = self.buffer
+        # an inference tensor (a buffer made under torch.inference_mode) keeps no version counter
+        return None if buffer.is_inference() else buffer._version
+
     def pin_(self, pinner: Pinner) -> None:
         """Page-lock the buffer (a refusal leaves it pageable: copies from it are then synchronous)."""
         if pinner.pin_(self.buffer):

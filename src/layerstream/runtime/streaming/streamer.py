@@ -12,6 +12,10 @@ waiting on it. A block whose copy job may wait on the host says so (`copy_waits_
 such a job off the compute thread. A store may read ahead
 further than the slots reach (the disk tier's staging ring): `successor(path)` gives it the same prediction,
 learned order included.
+
+A slot is read for a block only while the store's bytes are those its copy was issued from: each copy notes the
+block's `host_version`, and a block whose store was written since (through a `state_dict()` tensor, a
+write-back) is copied again; writers the version does not see forget the copy themselves (`forget_copy_`).
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ class StreamedBlock:
         "num_transfers",
         "depth",
         "buffer_ranges",
+        "copied_version",
     )
 
     def __init__(self, index: int, host: StoredBlock, component: str, module: nn.Module, counters: BlockCounters, depth: int):
@@ -107,6 +112,7 @@ class StreamedBlock:
         self.num_transfers = 0
         self.depth = depth
         self.buffer_ranges = host.layout.buffer_byte_ranges()  # what a forward may write that must be kept
+        self.copied_version = host.host_version  # the store's bytes the latest copy into `slot` was issued from
 
     @property
     def path(self) -> str:
@@ -202,6 +208,7 @@ class BlockStreamer:
 
         sync_load = False
         wait_start = self.engine.now()
+        self._forget_outdated_copy_(block)
         slot = block.slot
         if slot is None:
             sync_load = True
@@ -280,10 +287,18 @@ class BlockStreamer:
 
     def forget_copy_(self, block: StreamedBlock) -> None:
         """The block's bytes in the store changed (`load_state_dict`): a slot still holding the old copy must
-        not be read; the next call copies again."""
+        not be read; the next call copies again. A copy still in flight into that slot may go on reading the
+        store while it is written: the slot is never read for this block again, and the new copy is queued after
+        the write (an engine runs a slot's copies in the order they were asked for)."""
         if block.slot is not None and not self.slot_in_use[block.slot]:
             self.slot_block[block.slot] = None
             block.slot = None
+
+    def _forget_outdated_copy_(self, block: StreamedBlock) -> None:
+        """Forget the block's slot if the store's bytes were written in place since its copy was issued (through
+        a tensor of `state_dict()`, a write-back): one version read per block and call, a copy only after a write."""
+        if block.slot is not None and block.copied_version != block.host.host_version:
+            self.forget_copy_(block)
 
     # changing weights between calls (LoRA fusing) ------------------------------------------------------------
     def bind_for_update_(self, block: StreamedBlock) -> None:
@@ -291,6 +306,7 @@ class BlockStreamer:
         in place on the device the model computes on (the same kernels as on the resident model)."""
         self._check_owner()
         assert block.index not in self._active and block.index not in self._updating, f"{block.path} is bound"
+        self._forget_outdated_copy_(block)
         slot = block.slot
         if slot is None:
             block.counters.num_sync_loads += 1
@@ -317,6 +333,7 @@ class BlockStreamer:
             block.host.binder.keep_replaced_(block.views[slot])
             # a host-side copy from the device: it waits for the writes into the slot, which must finish first
             block.host.write_back_(self.slot_buffers[slot], 0, block.host.layout.nbytes)
+            block.copied_version = block.host.host_version  # the slot holds exactly the bytes just stored
         except BaseException:
             self.slot_block[slot] = None  # the slot may hold bytes the store does not: never read it again
             block.slot = None
@@ -358,6 +375,7 @@ class BlockStreamer:
         keep = tuple(wanted) + (block.index,)
         for index in wanted:
             target = self.blocks[index]
+            self._forget_outdated_copy_(target)
             if target.slot is None:
                 slot = self._free_slot(keep=keep)
                 if slot is None:
@@ -390,6 +408,7 @@ class BlockStreamer:
             self.blocks[occupant].slot = None
         self.slot_block[slot] = block.index
         block.slot = slot
+        block.copied_version = block.host.host_version  # read before the job: a later write makes it outdated
         self._tick += 1
         self.slot_tick[slot] = self._tick
         host = block.host

@@ -145,6 +145,8 @@ class LoraSupport:
     def _bind_block_(self, block: StreamedBlock, operation: str) -> None:
         if self._bound is not block:
             self._unbind_block_()
+            # waits for a copy of the block still in flight (the first block's prefetch after a forward) before the
+            # merge writes into its slot; the slot's bytes then go back whole into the store (unbind_after_update_)
             self._streamer.bind_for_update_(block)
             self._bound = block
         if operation == "merge" and block.index not in self._pre_fuse:

@@ -3,7 +3,9 @@
 Between calls a streamed block holds empty placeholders, so without help `state_dict()` would save nothing of
 it and `load_state_dict()` would fail on every block weight after overwriting the resident ones. These hooks
 make both work on the host store, which holds the real weights:
-- `state_dict()`: each streamed block's entries are the store's bytes, as host tensors (views: no copy);
+- `state_dict()`: each streamed block's entries are the store's bytes, as host tensors (views: no copy). They
+  share the host buffer's version counter, so an in-place write through them outdates a slot copied before it
+  (`StoredBlock.host_version`): the next call copies that block again;
 - `load_state_dict()`: each streamed block is bound to its host tensors while torch loads it, so the new
   values land in the store (shapes checked by torch as usual), then evicted again; a slot still holding the
   old bytes is forgotten, so the next call streams the new weights. A block already bound when the load
@@ -74,6 +76,10 @@ def install_state_dict_hooks(
                 return
             bound.discard(block.index)
             block.host.binder.evict_()
+            # the load wrote through Parameters bound by `.data`, which keep version counters of their own (the
+            # buffer's did not move): forget the slot explicitly. The last block of a forward prefetches the
+            # first, so that copy may still be in flight and have read old bytes, or a mix: its slot is never read
+            # for this block again, and the next call's copy is queued after this write, behind it on the engine
             streamer.forget_copy_(block)
             on_block_loaded(block)
 
