@@ -48,7 +48,7 @@ class CpuCopyEngine:
         self.link_gbps = link_gbps
         self._ready = [_done_event() for _ in range(num_slots)]
         self._released = [_done_event() for _ in range(num_slots)]
-        self._errors: list[BaseException | None] = [None] * num_slots
+        self._errors: list[tuple[threading.Event, BaseException] | None] = [None] * num_slots  # (copy, its error)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="layerstream-copy", daemon=True)
         self._thread.start()
@@ -71,10 +71,10 @@ class CpuCopyEngine:
             start = time.perf_counter()
             ready.wait()  # the compute thread waits for the copy thread: this is the stall being measured
             stall = time.perf_counter() - start
-        error = self._errors[slot]
-        if error is not None:
+        failed = self._errors[slot]
+        if failed is not None and failed[0] is ready:
             self._errors[slot] = None
-            raise _transfer_error(slot, error)
+            raise _transfer_error(slot, failed[1])
         self._released[slot].clear()  # compute now reads the slot until release()
         return stall
 
@@ -137,7 +137,9 @@ class CpuCopyEngine:
                         time.sleep(remaining)  # the simulated link: the copy lasts as long as it would on the wire
             except BaseException as e:  # reported to compute by wait_ready, never lost in this thread
                 logger.debug("copy into slot %d failed", slot, exc_info=True)
-                self._errors[slot] = e
+                # tagged with its copy: one superseded by a newer copy into the slot (its block forgotten while it
+                # was in flight, the store being written) fails nothing, the newer copy overwrites its bytes
+                self._errors[slot] = (ready, e)
             if record is not None:
                 record.start, record.end = start, time.perf_counter()
                 self.copies.append(record)
