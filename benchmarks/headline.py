@@ -26,6 +26,7 @@ the link and the disk even more: H100 compute on a 24 GB device is the harder ca
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -50,6 +51,7 @@ GB = 1e9
 DTYPE = torch.bfloat16
 PUBLISHED_BLOCK_SECONDS = 8 * 195.13 / 40 / (2 * 40)
 """One H100's compute per block forward at 720p x 81 frames (see the module docstring)."""
+STORAGES = ("bfloat16", "float8")
 PREDICTION_SOURCE = (
     "bench ideal (layerstream.bench.ideal, per forward: max of compute, link and disk per block, with the pool's "
     "reads at each change of expert); the planner (`layerstream plan`) is not in this tree yet"
@@ -317,7 +319,10 @@ def refusal(config: dict[str, Any]) -> str | None:
 
 @dataclass(frozen=True)
 class Offloaded:
-    video: Video
+    videos: list[Video]
+    """The timed videos of the row, in turn with..."""
+    ideals: list[Video]
+    """... the resident videos they are compared with (the ideal of the same moment, on the CPU)."""
     placement: Any
     copy_s: float | None
     """Median time of a DiT block's copy job on the CPU copy thread (the simulated link, plus any cast); None on
@@ -325,19 +330,25 @@ class Offloaded:
 
 
 def run_offloaded(pipe: WanPipeline, inputs: Inputs, config: dict[str, Any], ctx: dict[str, Any], disk_gbps: float | None) -> Offloaded:
-    device = inputs.latents.device
+    """Enable, warm up, then `repeats` turns of a resident video (the twin, on the CPU) and an offloaded one, so
+    that the shared machine's load drifts over both alike; on a GPU, whose memory is limited after the resident
+    run, every turn is compared with that one run."""
+    device, twin = inputs.latents.device, ctx["twin"]
     simulated = {"simulated_link_gbps": ctx["scenario"].link_gbps, "simulated_disk_gbps": disk_gbps} if device.type == "cpu" else {}
     started = time.perf_counter()
     handle = enable_offload(pipe, config, device, **simulated)
     print(f"enabled in {time.perf_counter() - started:.1f} s: {json.dumps(config)}", file=sys.stderr)  # progress
     try:
         warm_up(pipe, inputs)
-        video = timed_video(pipe, inputs, handle.stats)
-        print(f"  encode {video.encode_s:.2f} s, denoise {video.loop_s:.2f} s", file=sys.stderr)
+        videos, ideals = [], []
+        for _ in range(ctx["repeats"]):
+            ideals.append(timed_video(twin, inputs) if twin is not None else ctx["resident"])
+            videos.append(timed_video(pipe, inputs, handle.stats))
+            print(f"  resident {ideals[-1].loop_s:.2f} s, offloaded {videos[-1].loop_s:.2f} s a video", file=sys.stderr)
         if device.type != "cpu":
-            return Offloaded(video, handle.placement, None)
+            return Offloaded(videos, ideals, handle.placement, None)
         copies = [i.end - i.start for i in handle.trace().lane("copy") if i.component in ("transformer", "transformer_2")]
-        return Offloaded(video, handle.placement, statistics.median(copies) if copies else None)
+        return Offloaded(videos, ideals, handle.placement, statistics.median(copies) if copies else None)
     finally:
         handle.disable()  # the pipeline is whole on the host again (and the spill files are gone) for the next row
 
@@ -384,22 +395,24 @@ def tier_counts(placement, blocks_per_expert: int) -> dict[str, float]:
     }
 
 
-def row_figures(name: str, run: Offloaded, disk_gbps: float | None, reference: tuple[str, Video], ideal_video: Video, ctx: dict[str, Any]) -> dict[str, Any]:
+def row_figures(name: str, run: Offloaded, disk_gbps: float | None, reference: tuple[str, Video], ctx: dict[str, Any]) -> dict[str, Any]:
     """A measured row: seconds per step scaled back against the resident loop (the ideal of a GPU that holds
     everything) and the prediction, and the stage that bounds a block: the longest of its compute, its copy
     (the link's time on the target machine; the copy job measured on the CPU) and its disk read."""
-    s, scale, v = ctx["scenario"], ctx["scale"], run.video
+    s, scale, v = ctx["scenario"], ctx["scale"], run.videos[-1]
     S, steps, on_disk = scale.time_and_bytes, s.steps, run.placement.host_tier is not None
+    ideal_loop_s = statistics.median(i.loop_s for i in run.ideals)
     link_bytes = round(_delta(v, "bytes_transferred") / max(_delta(v, "num_transfers"), 1))
     transfer_s = transfer_seconds(link_bytes, ctx["link_gbps"])
     disk_s = transfer_seconds(link_bytes, disk_gbps) if disk_gbps and on_disk else 0.0
-    predicted = predicted_loop_s(ctx, run.placement, transfer_s, disk_s, ideal_video.loop_s) / steps * S
+    predicted = predicted_loop_s(ctx, run.placement, transfer_s, disk_s, ideal_loop_s) / steps * S
     compute_s = statistics.mean(t for c in ctx["compute"].values() for t in c.block_s)
     stages = {"compute": compute_s, "link": transfer_s if run.copy_s is None else max(transfer_s, run.copy_s), "disk": disk_s}
-    measured, ideal = v.loop_s / steps * S, ideal_video.loop_s / steps * S
+    measured = statistics.median(video.loop_s for video in run.videos) / steps * S
+    ideal = ideal_loop_s / steps * S
     row = {
         "name": name, "status": "measured", "disk_gbps": disk_gbps,
-        "measured_s": measured, "predicted_s": predicted, "ideal_s": ideal, "x_ideal": measured / ideal,
+        "measured_s": measured, "predicted_s": predicted, "ideal_s": ideal, "x_ideal": statistics.median(v.loop_s / i.loop_s for v, i in zip(run.videos, run.ideals)),
         "measured_over_predicted": measured / predicted,
         "disk_gb_per_step": _delta(v, "disk_bytes_read") / steps * S / GB,
         "link_gb_per_step": _delta(v, "bytes_transferred") / steps * S / GB,
@@ -410,11 +423,12 @@ def row_figures(name: str, run: Offloaded, disk_gbps: float | None, reference: t
         "device_gb": v.after.device_bytes * S / GB,
         **tier_counts(run.placement, s.blocks_per_expert),
         "block_s": {k: t * S for k, t in stages.items()}, "bound": max(stages, key=stages.get),
-        "bit_identical": bool(torch.equal(v.latents, reference[1].latents)), "reference": reference[0],
+        "bit_identical": all(torch.equal(video.latents, reference[1].latents) for video in run.videos), "reference": reference[0],
+        "repeats": len(run.videos), "x_ideal_each": [v.loop_s / i.loop_s for v, i in zip(run.videos, run.ideals)],
         "max_abs_diff_from_bfloat16": float((v.latents - ctx["resident"].latents).abs().max()),
     }  # fmt: skip
     if run.copy_s is not None:  # the same ideal with the copy job this CPU measured: what the simulation can reach
-        row["predicted_with_cpu_copy_s"] = predicted_loop_s(ctx, run.placement, max(transfer_s, run.copy_s), disk_s, ideal_video.loop_s) / steps * S
+        row["predicted_with_cpu_copy_s"] = predicted_loop_s(ctx, run.placement, max(transfer_s, run.copy_s), disk_s, ideal_loop_s) / steps * S
     return row
 
 
@@ -426,36 +440,27 @@ def pending_row(name: str, disk_gbps: float | None, why: str) -> dict[str, Any]:
 def measure_rows(pipe: WanPipeline, inputs: Inputs, ctx: dict[str, Any], disk_dir: str) -> list[dict[str, Any]]:
     """bfloat16 at each disk, then float8: a reference with everything in host memory (what its output must
     equal bit for bit) and the same disks, or pending rows where this tree refuses float8 with the disk tier."""
-    s, scale = ctx["scenario"], ctx["scale"]
+    s, scale, storages = ctx["scenario"], ctx["scale"], ctx["storages"]
     rows = []
 
     def measure(name: str, storage_dtype: str | None, budget_dir: str | None, disk_gbps: float | None, reference) -> Offloaded:
-        ideal = paired_ideal(pipe, inputs, ctx)
         run = run_offloaded(pipe, inputs, offload_config(s, scale, storage_dtype, budget_dir), ctx, disk_gbps)
-        rows.append(row_figures(name, run, disk_gbps, reference or ("itself: the float8 reference", run.video), ideal, ctx))
+        rows.append(row_figures(name, run, disk_gbps, reference or ("itself: the float8 reference", run.videos[0]), ctx))
         return run
 
-    for disk_gbps in s.disks_gbps:
-        measure(f"bfloat16@{disk_gbps:g}", None, disk_dir, disk_gbps, ("resident", ctx["resident"]))
+    if "bfloat16" in storages:
+        for disk_gbps in s.disks_gbps:
+            measure(f"bfloat16@{disk_gbps:g}", None, disk_dir, disk_gbps, ("resident", ctx["resident"]))
+    if "float8" not in storages:
+        return rows
     fp8 = "float8_e4m3fn"
     why = refusal(offload_config(s, scale, fp8, disk_dir))
     if why is not None:
         return rows + [pending_row(f"float8@{d:g}", d, why) for d in s.disks_gbps]
     host = measure("float8-host (reference, no budget)", fp8, None, None, None)
     for disk_gbps in s.disks_gbps:
-        measure(f"float8@{disk_gbps:g}", fp8, disk_dir, disk_gbps, ("float8 in host memory", host.video))
+        measure(f"float8@{disk_gbps:g}", fp8, disk_dir, disk_gbps, ("float8 in host memory", host.videos[0]))
     return rows
-
-
-def paired_ideal(pipe: WanPipeline, inputs: Inputs, ctx: dict[str, Any]) -> Video:
-    """The resident video a row is compared with. On the CPU one is timed right before each row, so that the
-    shared machine's load drifts over both alike; on a GPU, whose memory is limited after the resident run,
-    the one resident run."""
-    if inputs.latents.device.type != "cpu":
-        return ctx["resident"]
-    video = timed_video(pipe, inputs)
-    print(f"resident (paired): denoise {video.loop_s:.2f} s", file=sys.stderr)
-    return video
 
 
 def prepare(s: Scenario, device: torch.device) -> tuple[WanPipeline, Inputs, Scale]:
@@ -488,11 +493,13 @@ def run_resident(pipe: WanPipeline, inputs: Inputs, device_memory_gb: float) -> 
     return video, compute
 
 
-def run(s: Scenario, disk_dir: str, device: torch.device) -> dict[str, Any]:
+def run(s: Scenario, disk_dir: str, device: torch.device, repeats: int = 1, storages: tuple[str, ...] = STORAGES) -> dict[str, Any]:
     pipe, inputs, scale = prepare(s, device)
     resident, compute = run_resident(pipe, inputs, s.device_gb)
     link_gbps = s.link_gbps if device.type == "cpu" else measure_link_gbps(device, block_bytes(pipe.transformer.blocks[0]))
-    ctx = {"scenario": s, "scale": scale, "pipe": pipe, "resident": resident, "compute": compute, "link_gbps": link_gbps}
+    ctx = {"scenario": s, "scale": scale, "pipe": pipe, "resident": resident, "compute": compute, "link_gbps": link_gbps,
+           "repeats": repeats, "storages": storages,
+           "twin": copy.deepcopy(pipe) if device.type == "cpu" else None}  # fmt: skip
     rows = measure_rows(pipe, inputs, ctx, disk_dir)
     S, steps = scale.time_and_bytes, s.steps
     high = sum(1 for t in pipe.scheduler().timesteps if pipe.expert_for(float(t))[0] is pipe.transformer)
@@ -501,8 +508,8 @@ def run(s: Scenario, disk_dir: str, device: torch.device) -> dict[str, Any]:
         "device": str(device), "simulated": device.type == "cpu",
         "scenario": {**asdict(s), "high_noise_steps": high, "host_budget_gb": s.host_gb - s.host_reserve_gb, "link_gbps_used": link_gbps},
         "scale": asdict(scale),
-        "ideal": {"source": "the resident loop (every weight on the device); on the CPU timed again right before each row, "
-                  "and each row's x_ideal is against that one", "s_per_step": resident.loop_s / steps * S,
+        "ideal": {"source": "the resident loop (every weight on the device); on the CPU a resident twin is timed in turn "
+                  "with each row's videos, and x_ideal is the median of those pairs' ratios", "s_per_step": resident.loop_s / steps * S,
                   "published_s_per_step": s.block_compute_s * 2 * s.blocks_per_expert, "encode_s": resident.encode_s * S},
         "prediction_source": PREDICTION_SOURCE,
         "rows": rows,
@@ -555,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON on stdout, nothing else")
     parser.add_argument("--device", default="cpu", help="cpu (the simulation) or cuda (real widths and tokens, the real link and disk)")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: 40, Wan 2.2's; --smoke: 4)")
+    parser.add_argument("--repeats", type=int, default=1, help="timed videos per row, each after a resident one (CPU)")
+    parser.add_argument("--storage", choices=(*STORAGES, "both"), default="both", help="which rows to run (default both)")
     parser.add_argument("--disk-gbps", type=float, default=None, help="GPU only: the drive's rating, for the prediction (default 7)")
     parser.add_argument("--disk-dir", default=None, help="spill files go here (default: a temporary folder; on a GPU put it on the NVMe)")
     parser.add_argument("--out", default=None, help="also write the table and the JSON to OUT/results.md and OUT/results.json")
@@ -566,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(args.threads or max(1, torch.get_num_threads() - 1))  # a core for the copy and read threads
     with tempfile.TemporaryDirectory(prefix="layerstream-headline-", dir=args.disk_dir) as tmp:
-        result = run(scenario, tmp, device)
+        result = run(scenario, tmp, device, args.repeats, STORAGES if args.storage == "both" else (args.storage,))
     result["smoke"] = args.smoke
     print(json.dumps(result, indent=2) if args.json else format_report(result))
     if args.out is not None:
@@ -580,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, device: torch.device) -> Scenario:
     """The scenario the flags select, or a parser error naming the flag, before anything is built."""
-    for flag, value in (("--steps", args.steps), ("--threads", args.threads)):
+    for flag, value in (("--steps", args.steps), ("--threads", args.threads), ("--repeats", args.repeats)):
         if value is not None and value < 1:
             parser.error(f"{flag} = {value!r} is not valid; expected an integer >= 1")
     for flag, value in (("--disk-gbps", args.disk_gbps), ("--block-compute-s", args.block_compute_s)):
