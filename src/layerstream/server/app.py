@@ -27,7 +27,6 @@ import asyncio
 import base64
 import logging
 import time
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -39,6 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from layerstream import __version__
 from layerstream.request import GenerationError
+from layerstream.server.bodies import decode_base64_image, edit_refusals, read_form
 from layerstream.server.bodies import read_body as _read_body
 from layerstream.server.errors import ApiError, validation_error
 from layerstream.server.jobs.manager import JobManager
@@ -72,8 +72,6 @@ VIDEOS_PATH = "/v1/videos/generations"
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
 IMAGE_OUTPUTS_PATH = "/v1/images/outputs"
-# multipart parts of an edit request besides the image: the form fields OpenAI's edits take, and ours
-_MAX_FORM_FIELDS = 32
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 413, 422, 429, 500, 503, 504)
@@ -197,7 +195,7 @@ async def _run_generation(
         raise validation_error(e, model) from None
     image_b64 = getattr(parsed, "image", None)
     service.check_image_presence(has_image=image_b64 is not None, endpoint=request.url.path)
-    image = await asyncio.to_thread(service.read_image, _decode_base64_image(image_b64)) if image_b64 else None
+    image = await asyncio.to_thread(service.read_image, decode_base64_image(image_b64)) if image_b64 else None
     return parsed, await _submit_and_wait(service, request, service.prepare(parsed, image))
 
 
@@ -217,7 +215,10 @@ async def _run_edit(service: GenerationService, request: Request) -> tuple[Image
             code="invalid_body", param="body",
         )  # fmt: skip
     body = await _read_body(request, service.body_limit("edit"), _limit_flags(service, "edit"))
-    fields, image_bytes = await _parse_edit_form(request, body, service.limits.model)
+    model = service.limits.model
+    fields, image_bytes = await read_form(request, body, "image", model=model, refused=edit_refusals(model))
+    if image_bytes is None:
+        raise ApiError(400, "image is required: a file part named image", code="invalid_image", param="image")
     try:
         parsed = ImageEditRequest.model_validate(fields)
     except ValidationError as e:
@@ -255,70 +256,6 @@ def _encode_images(files_b64: list[str], body: ImageGenerationRequest) -> list[b
     """The service's base64 PNGs as files of the body's output format (off the event loop: decoding and
     encoding take a while)."""
     return [encode_image(base64.b64decode(f), body.output_format, body.output_compression) for f in files_b64]
-
-
-async def _parse_edit_form(request: Request, body: bytes, model: str) -> tuple[dict[str, str], bytes]:
-    """(the text fields, the image file's bytes) of an edit form, already read as `body`; 4xx naming the part.
-
-    The image comes as ``image``, or as OpenAI's client sends a list, ``image[]``: the served models take one
-    image, so a list of one is that image and a longer one is refused. A ``mask`` is refused: they edit the
-    whole image."""
-    from starlette.datastructures import UploadFile
-    from starlette.formparsers import MultiPartException, MultiPartParser
-
-    async def read_body_again() -> AsyncIterator[bytes]:  # it was read (and bounded) already
-        yield body
-
-    parser = MultiPartParser(
-        # files beyond the image are parsed to be refused by name (a mask, a second image), not as "too many"
-        request.headers, read_body_again(), max_files=_MAX_FORM_FIELDS, max_fields=_MAX_FORM_FIELDS,
-        max_part_size=len(body) + 1,
-    )  # fmt: skip
-    try:
-        form = await parser.parse()
-    except MultiPartException as e:
-        message = f"the multipart body cannot be parsed: {e.message}"
-        raise ApiError(400, message, code="invalid_body", param="body") from None
-    try:
-        fields: dict[str, str] = {}
-        images: list[UploadFile] = []
-        for name, value in form.multi_items():
-            if name in ("image", "image[]"):
-                if not isinstance(value, UploadFile):
-                    message = f"{name} must be a file part (the image file), not a text field"
-                    raise ApiError(422, message, code="invalid_image", param="image")
-                images.append(value)
-            elif name == "mask":
-                message = f"mask is not supported: {model} edits the whole image as the prompt says; send no mask"
-                raise ApiError(422, message, code="invalid_request", param="mask")
-            elif name in fields:
-                raise ApiError(422, f"{name} is given more than once; expected one", code="invalid_request", param=name)
-            elif isinstance(value, UploadFile):
-                raise ApiError(422, f"{name} is a file part; only image may be a file", code="invalid_request", param=name)
-            else:
-                fields[name] = value
-        if not images:
-            raise ApiError(400, "image is required: a file part named image", code="invalid_image", param="image")
-        if len(images) > 1:
-            message = f"image: got {len(images)} images; {model} takes one input image"
-            raise ApiError(422, message, code="invalid_image", param="image")
-        return fields, await images[0].read()
-    finally:
-        await form.close()
-
-
-def _decode_base64_image(text: str) -> bytes:
-    """The bytes of a base64 image field, plain or as a data URL (``data:image/png;base64,...``)."""
-    import binascii
-
-    if text.startswith("data:"):
-        header, _, text = text.partition(",")
-        if not header.endswith(";base64"):
-            raise ApiError(400, "image is a data URL that is not base64-encoded", code="invalid_image", param="image")
-    try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise ApiError(400, "image is not valid base64", code="invalid_image", param="image") from None
 
 
 async def _submit_and_wait(service: GenerationService, request: Request, served: ServedRequest) -> GenerationOutput:

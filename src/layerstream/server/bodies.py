@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 # still sending, reads the answer instead of a reset connection; beyond it the connection is just closed.
 DRAIN_LIMIT_BYTES = 64 << 20
 MAX_FORM_FIELDS = 32
-"""Multipart parts of a request besides its file: the form fields OpenAI's endpoints take, and ours."""
+"""Multipart fields of a request, and files: the form fields OpenAI's endpoints take, and ours."""
 
 
 async def read_body(request: Request, max_bytes: int, limit_flags: str = "--max-body-bytes") -> bytes:
@@ -48,9 +48,16 @@ async def read_body(request: Request, max_bytes: int, limit_flags: str = "--max-
     return b"".join(chunks)
 
 
-async def read_form(request: Request, body: bytes, file_field: str) -> tuple[dict[str, str], bytes | None]:
-    """(the text fields, the bytes of the file part named `file_field` or None) of a multipart form already
-    read as `body`; 4xx naming the part at fault (a field twice, a file where text belongs, or the reverse)."""
+async def read_form(
+    request: Request, body: bytes, image_field: str, *, model: str, refused: Mapping[str, str] | None = None
+) -> tuple[dict[str, str], bytes | None]:
+    """(the text fields, the bytes of the image file part or None) of a multipart form already read as `body`;
+    a 4xx naming the part at fault.
+
+    The image comes as `image_field`, or as OpenAI's client sends a list, ``image_field[]``: the served models
+    (`model`) take one image, so a list of one is that image and a longer one is refused. A part named in
+    `refused`, as a file or as text, is a 422 naming it with its message there (the edits' ``mask``); so are
+    a field given twice, a file where text belongs, and text where the image belongs."""
     from starlette.datastructures import UploadFile
     from starlette.formparsers import MultiPartException, MultiPartParser
 
@@ -58,31 +65,43 @@ async def read_form(request: Request, body: bytes, file_field: str) -> tuple[dic
         yield body
 
     parser = MultiPartParser(
-        request.headers, read_body_again(), max_files=1, max_fields=MAX_FORM_FIELDS, max_part_size=len(body) + 1
-    )
+        # files beyond the image are parsed to be refused by name (a mask, a second image), not as "too many"
+        request.headers, read_body_again(), max_files=MAX_FORM_FIELDS, max_fields=MAX_FORM_FIELDS,
+        max_part_size=len(body) + 1,
+    )  # fmt: skip
     try:
         form = await parser.parse()
     except MultiPartException as e:
         raise ApiError(400, f"the multipart body cannot be parsed: {e.message}", code="invalid_body", param="body") from None
     try:
         fields: dict[str, str] = {}
-        upload: UploadFile | None = None
+        images: list[UploadFile] = []
         for name, value in form.multi_items():
-            if name in fields or (name == file_field and upload is not None):
-                raise ApiError(422, f"{name} is given more than once; expected one", code="invalid_request", param=name)
-            if name == file_field:
+            if name in (image_field, image_field + "[]"):
                 if not isinstance(value, UploadFile):
                     message = f"{name} must be a file part (the image file), not a text field"
-                    raise ApiError(422, message, code="invalid_image", param=name)
-                upload = value
+                    raise ApiError(422, message, code="invalid_image", param=image_field)
+                images.append(value)
+            elif refused and name in refused:
+                raise ApiError(422, refused[name], code="invalid_request", param=name)
+            elif name in fields:
+                raise ApiError(422, f"{name} is given more than once; expected one", code="invalid_request", param=name)
             elif isinstance(value, UploadFile):
-                message = f"{name} is a file part; only {file_field} may be a file"
+                message = f"{name} is a file part; only {image_field} may be a file"
                 raise ApiError(422, message, code="invalid_request", param=name)
             else:
                 fields[name] = value
-        return fields, (await upload.read() if upload is not None else None)
+        if len(images) > 1:
+            message = f"{image_field}: got {len(images)} images; {model} takes one input image"
+            raise ApiError(422, message, code="invalid_image", param=image_field)
+        return fields, (await images[0].read() if images else None)
     finally:
         await form.close()
+
+
+def edit_refusals(model: str) -> dict[str, str]:
+    """The parts an edit form refuses by name (for `read_form`): `model` edits the whole image, so no mask."""
+    return {"mask": f"mask is not supported: {model} edits the whole image as the prompt says; send no mask"}
 
 
 def decode_base64_image(text: str, field: str = "image") -> bytes:

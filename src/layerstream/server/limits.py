@@ -138,31 +138,38 @@ def request_shape(
     return RequestShape(width, height, num_frames, steps, request.n)
 
 
-def image_size_for(request: GenerationBody, limits: ModelLimits, image_size: tuple[int, int]) -> ConditionedSize:
+def image_size_for(
+    request: GenerationBody, limits: ModelLimits, image_size: tuple[int, int], field: str = "image"
+) -> ConditionedSize:
     """The output size an input image of `image_size` leads to (the request's size, if it gives one); a 400
-    naming ``image`` if the image is too small to leave a whole size multiple."""
+    naming `field` (the image's field) if the image is too small to leave a whole size multiple."""
     size = request.width_height()
     width, height = size if size is not None else (None, None)
     try:
         return size_from_image(
-            image_size, size_multiple=limits.size_multiple, max_side=limits.max_side_pixels, width=width, height=height
-        )
+            image_size, size_multiple=limits.size_multiple, max_side=limits.max_side_pixels, width=width, height=height,
+            name=field,
+        )  # fmt: skip
     except InputImageError as e:
-        raise ApiError(400, str(e), code="invalid_image", param="image") from None
+        raise ApiError(400, str(e), code="invalid_image", param=field) from None
 
 
-def check_image_presence(limits: ModelLimits, *, has_image: bool, endpoint: str) -> None:
-    """A 400 naming ``image`` if the request sends an image the model does not take, or lacks one it needs."""
+def check_image_presence(
+    limits: ModelLimits, *, has_image: bool, endpoint: str, field: str = "image", how: str | None = None
+) -> None:
+    """A 400 naming `field` if the request sends an image the model does not take, or lacks one it needs; `how`
+    says how to send one (by default, as the synchronous endpoints take it)."""
     if has_image and limits.image_input == "none":
         raise ApiError(
-            400, f"{limits.model} takes no input image; drop image, or use {endpoint} without it",
-            code="invalid_for_model", param="image",
+            400, f"{limits.model} takes no input image; drop {field}, or use {endpoint} without it",
+            code="invalid_for_model", param=field,
         )  # fmt: skip
     if not has_image and limits.image_input == "required":
-        where = "POST /v1/images/edits with an image file part" if limits.kind == "image" else "image (base64)"
+        if how is None:
+            how = "POST /v1/images/edits with an image file part" if limits.kind == "image" else "image (base64)"
         raise ApiError(
-            400, f"{limits.model} generates from an input image: image is required; send it as {where}",
-            code="invalid_for_model", param="image",
+            400, f"{limits.model} generates from an input image: {field} is required; send it as {how}",
+            code="invalid_for_model", param=field,
         )  # fmt: skip
 
 

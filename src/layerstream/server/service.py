@@ -143,17 +143,17 @@ class GenerationService:
         """400 `ApiError` if the model does not make this kind of output (checked before the body is read)."""
         check_endpoint(self.limits, endpoint_kind)
 
-    def check_image_presence(self, *, has_image: bool, endpoint: str) -> None:
-        """400 naming ``image`` if a request sends an image the model does not take, or lacks one it needs."""
-        check_image_presence(self.limits, has_image=has_image, endpoint=endpoint)
+    def check_image_presence(self, *, has_image: bool, endpoint: str, field: str = "image", how: str | None = None) -> None:
+        """400 naming `field` if a request sends an image the model does not take, or lacks one it needs."""
+        check_image_presence(self.limits, has_image=has_image, endpoint=endpoint, field=field, how=how)
 
     def body_limit(self, endpoint_kind: str) -> int:
         """Largest body of a request to this endpoint: more when it may carry an input image."""
         takes_image = endpoint_kind == "edit" or (endpoint_kind == "video" and self.limits.image_input != "none")
         return self.settings.image_body_bytes if takes_image else self.settings.max_body_bytes
 
-    def read_image(self, data: bytes) -> Any:
-        """The input image in `data`, checked against the caps; 400 (413 when too large) naming ``image``.
+    def read_image(self, data: bytes, field: str = "image") -> Any:
+        """The input image in `data`, checked against the caps; 400 (413 when too large) naming `field`.
 
         Called off the event loop: decoding a large image takes a while."""
         from layerstream.models.input_image import InputImageError, read_input_image
@@ -161,16 +161,17 @@ class GenerationService:
 
         try:
             return read_input_image(
-                data, name="image", max_pixels=self.settings.max_image_pixels, max_bytes=self.settings.max_image_bytes
+                data, name=field, max_pixels=self.settings.max_image_pixels, max_bytes=self.settings.max_image_bytes
             )
         except InputImageError as e:
-            raise ApiError(413 if e.too_large else 400, str(e), code="invalid_image", param="image") from None
+            raise ApiError(413 if e.too_large else 400, str(e), code="invalid_image", param=field) from None
 
-    def prepare(self, body: ImageGenerationRequest, image: Any = None) -> ServedRequest:
-        """Check `body` (and its decoded input `image`, if any) against the model (400 `ApiError` if it cannot
-        run) and fix its shape and seeds. Without a size, an image's own size (rounded to the model's size
-        multiple, within its largest side) is the output size, and it is what the work cap prices."""
-        conditioned = image_size_for(body, self.limits, image.size) if image is not None else None
+    def prepare(self, body: ImageGenerationRequest, image: Any = None, image_field: str = "image") -> ServedRequest:
+        """Check `body` (and its decoded input `image`, sent as `image_field`, if any) against the model (400
+        `ApiError` if it cannot run) and fix its shape and seeds. Without a size, an image's own size (rounded to
+        the model's size multiple, within its largest side) is the output size, and it is what the work cap
+        prices."""
+        conditioned = image_size_for(body, self.limits, image.size, image_field) if image is not None else None
         check_request(body, self.limits, conditioned)
         # the checks above priced this shape; run exactly it, not whatever the pipeline would default to
         shape = request_shape(body, self.limits, conditioned)

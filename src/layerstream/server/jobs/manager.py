@@ -95,7 +95,7 @@ class JobManager:
         """Check `body` against the model, store it as a queued job and queue it; its job object.
 
         Nothing is stored or queued if a check fails (4xx), and a full queue is a 429 with nothing stored."""
-        served = self.service.prepare(body.generation_body(self.service.limits, self.fps or 0), image)
+        served = self.service.prepare(body.generation_body(self.service.limits, self.fps or 0), image, body.image_field)
         record = self._new_record(body, served)
         live = _LiveJob(record=record, served=served, preview=body.preview)
         self.store.insert(record)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -57,6 +57,9 @@ class _JobFields(BaseModel):
 class VideoJobRequest(_JobFields):
     """Body of ``POST /v1/videos`` (JSON); `input_reference` here is the image as base64 or a data URL."""
 
+    image_field: ClassVar[str] = "input_reference"
+    """The field of the input image, named by every error about the image."""
+
     seconds: str | int | float | None = Field(
         default=None, description="Duration; mapped to frames at the model's frame rate and frame rule."
     )
@@ -87,6 +90,8 @@ class VideoJobRequest(_JobFields):
 
 class ImageJobRequest(_JobFields):
     """Body of ``POST /v1/images/jobs`` (JSON); `image` here is the input image as base64 or a data URL."""
+
+    image_field: ClassVar[str] = "image"
 
     image: str | None = Field(default=None, min_length=1, description="Edit models: the input image.")
 

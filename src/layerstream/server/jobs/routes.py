@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from layerstream.server.bodies import decode_base64_image, read_body, read_form
+from layerstream.server.bodies import decode_base64_image, edit_refusals, read_body, read_form
 from layerstream.server.errors import ApiError, validation_error
 from layerstream.server.jobs.manager import DEFAULT_PAGE, MAX_PAGE, JobManager
 from layerstream.server.jobs.requests import ImageJobForm, ImageJobRequest, VideoJobForm, VideoJobRequest
@@ -29,16 +29,16 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
     path = jobs.path
     is_video = jobs.kind == "video"
     strict_model, form_model = (VideoJobRequest, VideoJobForm) if is_video else (ImageJobRequest, ImageJobForm)
-    image_field = "input_reference" if is_video else "image"
+    image_field = strict_model.image_field
+    how = f"{image_field} (a file part, or base64 or a data URL in JSON)"
 
     @app.post(path, openapi_extra=json_request_body(strict_model))
     async def create_job(request: Request) -> JSONResponse:
-        body, image_bytes = await _read_job_body(request, jobs, strict_model, form_model, image_field)
+        body, image_bytes = await _read_job_body(request, jobs, strict_model, form_model)
         service = jobs.service
-        # the endpoint the synchronous API would name for this model's image input
-        endpoint = "/v1/images/edits" if not is_video else "/v1/videos/generations"
-        service.check_image_presence(has_image=image_bytes is not None, endpoint=endpoint)
-        image = await asyncio.to_thread(service.read_image, image_bytes) if image_bytes is not None else None
+        has_image = image_bytes is not None
+        service.check_image_presence(has_image=has_image, endpoint=f"POST {path}", field=image_field, how=how)
+        image = await asyncio.to_thread(service.read_image, image_bytes, image_field) if has_image else None
         return JSONResponse(jobs.create(body, image))
 
     @app.get(path)
@@ -70,16 +70,20 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
 
 
 async def _read_job_body(
-    request: Request, jobs: JobManager, strict_model: type[BaseModel], form_model: type[BaseModel], image_field: str
+    request: Request, jobs: JobManager, strict_model: type[VideoJobRequest | ImageJobRequest], form_model: type[BaseModel]
 ) -> tuple[Any, bytes | None]:
     """(the parsed body, the input image's bytes or None) of a JSON or multipart create request."""
+    image_field = strict_model.image_field
     content_type = request.headers.get("content-type", "").lower()
     takes_image = jobs.service.limits.image_input != "none"
     limit = jobs.service.settings.image_body_bytes if takes_image else jobs.service.settings.max_body_bytes
     flags = "--max-body-bytes plus --max-image-bytes" if takes_image else "--max-body-bytes"
     body = await read_body(request, limit, flags)
     if content_type.startswith("multipart/form-data"):
-        fields, image_bytes = await read_form(request, body, image_field)
+        model_name = jobs.service.limits.model
+        # an image job with an input image is an edit, and refuses what an edit refuses
+        refused = edit_refusals(model_name) if jobs.kind == "image" and takes_image else None
+        fields, image_bytes = await read_form(request, body, image_field, model=model_name, refused=refused)
         model, data = form_model, fields
         parse = form_model.model_validate
     elif content_type.startswith("application/json") or not content_type:
