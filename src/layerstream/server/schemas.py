@@ -168,7 +168,26 @@ class VideoGenerationRequest(GenerationBody):
         return {"num_frames": self.num_frames, "fps": self.fps}
 
 
-class ImageEditRequest(ImageGenerationRequest):
+class FormReading(BaseModel):
+    """A body read from a multipart form, whose fields arrive as text: numbers are read from it, and ``null``
+    (or empty text where a field takes no empty text, see `form_null_texts`) is absent. Listed first among the
+    bases of a form's model."""
+
+    model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _form_nulls_are_absent(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        null_texts = form_null_texts(cls)
+        return {
+            name: None if isinstance(value, str) and value in null_texts.get(name, ()) else value
+            for name, value in data.items()
+        }
+
+
+class ImageEditRequest(FormReading, ImageGenerationRequest):
     """The fields of ``POST /v1/images/edits`` besides its ``image`` file part (a multipart form, as OpenAI's).
 
     Form fields arrive as text, so numbers are parsed from their text here ("2" is 2). A form has no null: a
@@ -189,17 +208,6 @@ class ImageEditRequest(ImageGenerationRequest):
             " model's size multiple."
         ),
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _form_nulls_are_absent(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        null_texts = form_null_texts(cls)
-        return {
-            name: None if isinstance(value, str) and value in null_texts.get(name, ()) else value
-            for name, value in data.items()
-        }
 
 
 @functools.cache

@@ -1,8 +1,8 @@
 """The bodies of ``POST /v1/videos`` and ``POST /v1/images/jobs``: OpenAI's fields and layerstream's own.
 
 JSON bodies are strict, as every body of this server (no coercion, unknown fields refused); multipart forms,
-which OpenAI's client sends, arrive as text and are read as `ImageEditRequest` reads them (numbers from their
-text, ``null`` or empty text as absent). A checked job body becomes the synchronous endpoints' request
+which OpenAI's client sends, arrive as text and are read as `ImageEditRequest` is, through `FormReading`
+(numbers from their text, ``null`` or empty text as absent). A checked job body becomes the synchronous endpoints' request
 (`VideoGenerationRequest` or `ImageGenerationRequest`), so a job is checked against the model exactly as a
 synchronous request is.
 """
@@ -13,7 +13,7 @@ import math
 import re
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from layerstream.server.errors import ApiError
 from layerstream.server.limits import ModelLimits
@@ -23,9 +23,9 @@ from layerstream.server.schemas import (
     MAX_SEED,
     SIZE_PATTERN,
     ErrorDetail,
+    FormReading,
     ImageGenerationRequest,
     VideoGenerationRequest,
-    form_null_texts,
 )
 
 DEFAULT_FPS = 16
@@ -100,31 +100,13 @@ class ImageJobRequest(_JobFields):
         return ImageGenerationRequest(**{name: getattr(self, name) for name in names})
 
 
-class _FormReading(BaseModel):
-    """Form fields arrive as text: numbers are read from it, and ``null`` (or empty text where a field takes no
-    empty text) is absent."""
-
-    model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _form_nulls_are_absent(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        null_texts = form_null_texts(cls)
-        return {
-            name: None if isinstance(value, str) and value in null_texts.get(name, ()) else value
-            for name, value in data.items()
-        }
-
-
-class VideoJobForm(_FormReading, VideoJobRequest):
+class VideoJobForm(FormReading, VideoJobRequest):
     """``POST /v1/videos`` as a multipart form (OpenAI's client): `input_reference` comes as a file part."""
 
     model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
 
 
-class ImageJobForm(_FormReading, ImageJobRequest):
+class ImageJobForm(FormReading, ImageJobRequest):
     """``POST /v1/images/jobs`` as a multipart form: `image` comes as a file part."""
 
     model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
