@@ -44,8 +44,9 @@ from transformers import UMT5Config, UMT5EncoderModel
 from layerstream import enable_offload
 from layerstream.bench.ideal import ideal_forward_seconds_with_disk, transfer_seconds
 from layerstream.bench.measure import measure_block_compute, measure_link_gbps, synchronize
-from layerstream.bench.synthetic import MODEL_SHAPES, ModelShape, WanLikeBlock, build_synthetic_dit
-from layerstream.config.offload_config import OffloadConfigError, parse_offload_config
+from layerstream.bench.synthetic import MODEL_SHAPES, ModelShape, SyntheticDiT, WanLikeBlock, build_synthetic_dit
+from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB, DEFAULT_HOST_RESERVE_GB
+from layerstream.machine.planner import CUDA_CONTEXT_GB, PROCESS_BASELINE_GB, Machine, MachinePlan, plan_for_machine
 
 GB = 1e9
 DTYPE = torch.bfloat16
@@ -53,8 +54,8 @@ PUBLISHED_BLOCK_SECONDS = 8 * 195.13 / 40 / (2 * 40)
 """One H100's compute per block forward at 720p x 81 frames (see the module docstring)."""
 STORAGES = ("bfloat16", "float8")
 PREDICTION_SOURCE = (
-    "bench ideal (layerstream.bench.ideal, per forward: max of compute, link and disk per block, with the pool's "
-    "reads at each change of expert); the planner (`layerstream plan`) is not in this tree yet"
+    "the planner (layerstream.machine.planner.plan_for_machine, as `layerstream plan --device-memory 24 --host-memory 32 "
+    "[--allow-lossy]`), with compute per block measured on the resident pipeline; its configuration is the one each row runs"
 )
 
 
@@ -77,9 +78,7 @@ class Scenario:
     the token count is calibrated instead (see `Scale.num_tokens`)."""
     device_gb: float = 24.0
     host_gb: float = 32.0
-    """The whole machine's memory; the host budget is this minus `host_reserve_gb`."""
-    host_reserve_gb: float = 4.0
-    """Kept out of the host budget for Python, torch and CUDA's libraries and the disk tier's staging ring."""
+    """The whole process's memory, Python and libraries included (the planner's `--host-memory`)."""
     link_gbps: float = 25.0
     """PCIe 4.0 x16, as measured pinned host-to-device."""
     disks_gbps: tuple[float, ...] = (3.0, 7.0)
@@ -92,7 +91,7 @@ class Scenario:
 
 
 FULL = Scenario()
-SMOKE = Scenario(width_divisor=16, blocks_per_expert=4, text_layers=2, steps=4, text_tokens=8)
+SMOKE = Scenario(width_divisor=16, blocks_per_expert=12, text_layers=2, steps=4, text_tokens=8)
 REAL_SIZES = replace(FULL, width_divisor=1)
 """The real model's sizes, which the scale is computed from."""
 
@@ -175,6 +174,13 @@ def build_pipeline(s: Scenario, device: torch.device) -> WanPipeline:
         torch.manual_seed(2)
         text_encoder = UMT5EncoderModel(text_config(s)).to(DTYPE).eval()
     return WanPipeline(text_encoder.to("cpu"), *experts, s).eval()
+
+
+def meta_pipeline(s: Scenario) -> WanPipeline:
+    """The pipeline at `s`'s sizes on the meta device (no memory, no time): what the planner plans."""
+    with torch.device("meta"):
+        experts = [SyntheticDiT(dit_shape(s), s.blocks_per_expert).to(DTYPE) for _ in range(2)]
+        return WanPipeline(UMT5EncoderModel(text_config(s)).to(DTYPE), *experts, s)
 
 
 def block_bytes(module: nn.Module) -> int:
@@ -296,25 +302,31 @@ def measure_experts(pipe: WanPipeline, inputs: Inputs) -> dict[str, ExpertComput
     return out
 
 
-def offload_config(s: Scenario, scale: Scale, storage_dtype: str | None, disk_dir: str | None) -> dict[str, Any]:
-    """What a user of the target machine would write: the DiT and the text encoder streamed, the host budget the
-    machine's memory minus the reserve, float8 storage for the experts where asked. With `disk_dir` None: no
-    budget (everything in host memory; the float8 reference)."""
-    config: dict[str, Any] = {"mode": "layer", "components": ["dit", "text_encoder"]}
-    if disk_dir is not None:
-        config |= {"host_budget_gb": (s.host_gb - s.host_reserve_gb) / scale.memory, "disk_dir": disk_dir}
-    if storage_dtype is not None:
-        config["layer_options"] = {"dit": {"storage_dtype": storage_dtype}}
+def machine_plan(pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy: bool) -> MachinePlan:
+    """The planner's recommendation for the target machine (`layerstream plan --device-memory 24 --host-memory 32`),
+    asked at the run's scale: memory figures divided by the memory scale (the planner's 4 GB activation reserve,
+    one of its constants, kept whole), the link and the disk as they are, compute per block as measured on the
+    resident pipeline. Its seconds per step, times S, are its prediction for the real machine."""
+    s, m = ctx["scenario"], ctx["scale"].memory
+    machine = Machine(
+        device_memory_gb=DEFAULT_ACTIVATION_RESERVE_GB + (s.device_gb - DEFAULT_ACTIVATION_RESERVE_GB) / m,
+        host_memory_gb=s.host_gb / m, baseline_gb=(PROCESS_BASELINE_GB + CUDA_CONTEXT_GB) / m,
+        host_reserve_gb=DEFAULT_HOST_RESERVE_GB / m, link_gbps=ctx["link_gbps"], disk_gbps=disk_gbps, allow_lossy=lossy,
+    )  # fmt: skip
+    seconds = {f"{path}.blocks.{i}": t for path, c in ctx["compute"].items() for i, t in enumerate(c.block_s)}
+    return plan_for_machine(pipe, machine, block_seconds=seconds)
+
+
+def row_config(plan: MachinePlan, disk_dir: str, *, budget: bool = True) -> dict[str, Any]:
+    """The planner's config to paste, with the run's spill folder; `budget` False drops the host budget (the
+    float8 reference: every block in host memory)."""
+    config = json.loads(json.dumps(plan.config))  # a plain copy
+    if "host_budget_gb" in config:
+        if budget:
+            config["disk_dir"] = disk_dir
+        else:
+            del config["host_budget_gb"]
     return config
-
-
-def refusal(config: dict[str, Any]) -> str | None:
-    """Why this tree refuses the config (float8 with the disk tier before it lands), or None."""
-    try:
-        parse_offload_config(config)
-    except OffloadConfigError as e:
-        return str(e)
-    return None
 
 
 @dataclass(frozen=True)
@@ -324,6 +336,7 @@ class Offloaded:
     ideals: list[Video]
     """... the resident videos they are compared with (the ideal of the same moment, on the CPU)."""
     placement: Any
+    config: dict[str, Any]
     copy_s: float | None
     """Median time of a DiT block's copy job on the CPU copy thread (the simulated link, plus any cast); None on
     a GPU (its copies are timed on the device only with a trace)."""
@@ -346,9 +359,9 @@ def run_offloaded(pipe: WanPipeline, inputs: Inputs, config: dict[str, Any], ctx
             videos.append(timed_video(pipe, inputs, handle.stats))
             print(f"  resident {ideals[-1].loop_s:.2f} s, offloaded {videos[-1].loop_s:.2f} s a video", file=sys.stderr)
         if device.type != "cpu":
-            return Offloaded(videos, ideals, handle.placement, None)
+            return Offloaded(videos, ideals, handle.placement, config, None)
         copies = [i.end - i.start for i in handle.trace().lane("copy") if i.component in ("transformer", "transformer_2")]
-        return Offloaded(videos, ideals, handle.placement, statistics.median(copies) if copies else None)
+        return Offloaded(videos, ideals, handle.placement, config, statistics.median(copies) if copies else None)
     finally:
         handle.disable()  # the pipeline is whole on the host again (and the spill files are gone) for the next row
 
@@ -364,10 +377,12 @@ def predicted_loop_s(ctx: dict[str, Any], placement, transfer_s: float, disk_s: 
         path = "transformer" if pipe.expert_for(float(timestep))[0] is pipe.transformer else "transformer_2"
         c = ctx["compute"][path]
         paths = [f"{path}.blocks.{i}" for i in range(len(c.block_s))]
+        resident = set(placement.resident_block_paths(path))
+        transfer = [0.0 if p in resident else transfer_s for p in paths]
         for _ in range(2):  # classifier-free guidance: two forwards a step
             reread = path != previous
             disk = [disk_s if tier is not None and (tier.on_disk(p) or (reread and tier.pooled(p))) else 0.0 for p in paths]
-            ideal = ideal_forward_seconds_with_disk(c.block_s, [transfer_s] * len(paths), disk, c.other_s)
+            ideal = ideal_forward_seconds_with_disk(c.block_s, transfer, disk, c.other_s)
             extra += ideal - (c.other_s + sum(c.block_s))
             previous = path
     return resident_loop_s + extra
@@ -384,10 +399,13 @@ def _dit_paths(paths) -> list[str]:
 def tier_counts(placement, blocks_per_expert: int) -> dict[str, float]:
     """Per expert: blocks in the host pool, held for the whole run, and read from disk at every use."""
     tier = placement.host_tier
+    resident = {"resident_blocks_per_expert": sum(len(placement.resident_block_paths(p)) for p in ("transformer", "transformer_2")) / 2}
     if tier is None:
-        return {"pooled_blocks_per_expert": 0, "host_blocks_per_expert": blocks_per_expert, "disk_blocks_per_expert": 0, "text_encoder_disk_blocks": 0}
+        streamed = blocks_per_expert - resident["resident_blocks_per_expert"]
+        return {**resident, "pooled_blocks_per_expert": 0, "host_blocks_per_expert": streamed, "disk_blocks_per_expert": 0, "text_encoder_disk_blocks": 0}
     pooled = tier.pool.block_paths if tier.pool is not None else ()
     return {
+        **resident,
         "pooled_blocks_per_expert": len(_dit_paths(pooled)) / 2,
         "host_blocks_per_expert": len(_dit_paths(tier.host_block_paths)) / 2,
         "disk_blocks_per_expert": len(_dit_paths(tier.disk_block_paths)) / 2,
@@ -395,7 +413,7 @@ def tier_counts(placement, blocks_per_expert: int) -> dict[str, float]:
     }
 
 
-def row_figures(name: str, run: Offloaded, disk_gbps: float | None, reference: tuple[str, Video], ctx: dict[str, Any]) -> dict[str, Any]:
+def row_figures(name: str, run: Offloaded, plan: MachinePlan, disk_gbps: float | None, reference: tuple[str, Video], ctx: dict[str, Any]) -> dict[str, Any]:
     """A measured row: seconds per step scaled back against the resident loop (the ideal of a GPU that holds
     everything) and the prediction, and the stage that bounds a block: the longest of its compute, its copy
     (the link's time on the target machine; the copy job measured on the CPU) and its disk read."""
@@ -405,7 +423,8 @@ def row_figures(name: str, run: Offloaded, disk_gbps: float | None, reference: t
     link_bytes = round(_delta(v, "bytes_transferred") / max(_delta(v, "num_transfers"), 1))
     transfer_s = transfer_seconds(link_bytes, ctx["link_gbps"])
     disk_s = transfer_seconds(link_bytes, disk_gbps) if disk_gbps and on_disk else 0.0
-    predicted = predicted_loop_s(ctx, run.placement, transfer_s, disk_s, ideal_loop_s) / steps * S
+    predicted = plan.seconds_per_step * S
+    bench_ideal = predicted_loop_s(ctx, run.placement, transfer_s, disk_s, ideal_loop_s) / steps * S
     compute_s = statistics.mean(t for c in ctx["compute"].values() for t in c.block_s)
     stages = {"compute": compute_s, "link": transfer_s if run.copy_s is None else max(transfer_s, run.copy_s), "disk": disk_s}
     measured = statistics.median(video.loop_s for video in run.videos) / steps * S
@@ -413,7 +432,9 @@ def row_figures(name: str, run: Offloaded, disk_gbps: float | None, reference: t
     row = {
         "name": name, "status": "measured", "disk_gbps": disk_gbps,
         "measured_s": measured, "predicted_s": predicted, "ideal_s": ideal, "x_ideal": statistics.median(v.loop_s / i.loop_s for v, i in zip(run.videos, run.ideals)),
-        "measured_over_predicted": measured / predicted,
+        "measured_over_predicted": measured / predicted, "planner_bound": plan.bound,
+        "planner_disk_gb_per_step": plan.disk_nbytes_per_step * S / GB, "config": run.config,
+        "bench_ideal_s": bench_ideal,
         "disk_gb_per_step": _delta(v, "disk_bytes_read") / steps * S / GB,
         "link_gb_per_step": _delta(v, "bytes_transferred") / steps * S / GB,
         "stall_s_per_step": _delta(v, "stall_seconds") / steps * S,
@@ -432,34 +453,28 @@ def row_figures(name: str, run: Offloaded, disk_gbps: float | None, reference: t
     return row
 
 
-def pending_row(name: str, disk_gbps: float | None, why: str) -> dict[str, Any]:
-    return {"name": name, "status": f"pending: float8 with the disk tier not available ({why})", "disk_gbps": disk_gbps,
-            "measured_s": None, "predicted_s": None, "x_ideal": None}  # fmt: skip
-
-
 def measure_rows(pipe: WanPipeline, inputs: Inputs, ctx: dict[str, Any], disk_dir: str) -> list[dict[str, Any]]:
-    """bfloat16 at each disk, then float8: a reference with everything in host memory (what its output must
-    equal bit for bit) and the same disks, or pending rows where this tree refuses float8 with the disk tier."""
-    s, scale, storages = ctx["scenario"], ctx["scale"], ctx["storages"]
+    """Per disk, the planner's configuration for the target machine: bfloat16, then float8 (`--allow-lossy`)
+    beside a float8 reference with the same config and every block in host memory (what its output must equal
+    bit for bit)."""
+    s, storages = ctx["scenario"], ctx["storages"]
     rows = []
 
-    def measure(name: str, storage_dtype: str | None, budget_dir: str | None, disk_gbps: float | None, reference) -> Offloaded:
-        run = run_offloaded(pipe, inputs, offload_config(s, scale, storage_dtype, budget_dir), ctx, disk_gbps)
-        rows.append(row_figures(name, run, disk_gbps, reference or ("itself: the float8 reference", run.videos[0]), ctx))
+    def measure(name: str, plan: MachinePlan, config: dict[str, Any], disk_gbps: float | None, reference) -> Offloaded:
+        run = run_offloaded(pipe, inputs, config, ctx, disk_gbps)
+        rows.append(row_figures(name, run, plan, disk_gbps, reference or ("itself: the float8 reference", run.videos[0]), ctx))
         return run
 
     if "bfloat16" in storages:
         for disk_gbps in s.disks_gbps:
-            measure(f"bfloat16@{disk_gbps:g}", None, disk_dir, disk_gbps, ("resident", ctx["resident"]))
-    if "float8" not in storages:
-        return rows
-    fp8 = "float8_e4m3fn"
-    why = refusal(offload_config(s, scale, fp8, disk_dir))
-    if why is not None:
-        return rows + [pending_row(f"float8@{d:g}", d, why) for d in s.disks_gbps]
-    host = measure("float8-host (reference, no budget)", fp8, None, None, None)
-    for disk_gbps in s.disks_gbps:
-        measure(f"float8@{disk_gbps:g}", fp8, disk_dir, disk_gbps, ("float8 in host memory", host.videos[0]))
+            plan = machine_plan(pipe, ctx, disk_gbps, lossy=False)
+            measure(f"bfloat16@{disk_gbps:g}", plan, row_config(plan, disk_dir), disk_gbps, ("resident", ctx["resident"]))
+    if "float8" in storages:
+        plans = {d: machine_plan(pipe, ctx, d, lossy=True) for d in s.disks_gbps}
+        first = plans[s.disks_gbps[0]]
+        host = measure("float8-host (reference, no budget)", first, row_config(first, disk_dir, budget=False), None, None)
+        for disk_gbps, plan in plans.items():
+            measure(f"float8@{disk_gbps:g}", plan, row_config(plan, disk_dir), disk_gbps, ("float8 in host memory", host.videos[0]))
     return rows
 
 
@@ -506,7 +521,7 @@ def run(s: Scenario, disk_dir: str, device: torch.device, repeats: int = 1, stor
     return {
         "schema": "layerstream-headline/1",
         "device": str(device), "simulated": device.type == "cpu",
-        "scenario": {**asdict(s), "high_noise_steps": high, "host_budget_gb": s.host_gb - s.host_reserve_gb, "link_gbps_used": link_gbps},
+        "scenario": {**asdict(s), "high_noise_steps": high, "link_gbps_used": link_gbps},
         "scale": asdict(scale),
         "ideal": {"source": "the resident loop (every weight on the device); on the CPU a resident twin is timed in turn "
                   "with each row's videos, and x_ideal is the median of those pairs' ratios", "s_per_step": resident.loop_s / steps * S,
@@ -530,25 +545,22 @@ def format_report(result: dict[str, Any]) -> str:
     lines = [
         f"Wan 2.2 A14B, 720p x 81 frames: {s['steps']} steps ({s['high_noise_steps']} on the high-noise expert), two "
         f"forwards a step, 2 x {s['blocks_per_expert']} blocks + UMT5 ({s['text_layers']} layers); {s['device_gb']:g} GB "
-        f"device, {s['host_gb']:g} GB host (budget {s['host_budget_gb']:g} GB), link {s['link_gbps']:g} GB/s, NVMe "
-        f"{' and '.join(f'{d:g}' for d in s['disks_gbps'])} GB/s",
+        f"device, {s['host_gb']:g} GB host, link {s['link_gbps']:g} GB/s, NVMe {' and '.join(f'{d:g}' for d in s['disks_gbps'])} GB/s",
         where,
         f"ideal (a GPU that holds everything, measured resident, first run): {ideal['s_per_step']:.2f} s / step (published: "
         f"{ideal['published_s_per_step']:.2f}); the encoder once: {ideal['encode_s']:.2f} s",
-        f"prediction: {result['prediction_source']}",
+        f"prediction and configuration: {result['prediction_source']}",
         "",
-        "| row | s / step | x ideal | predicted s / step (with this CPU's copy) | measured / predicted | disk GB / step | per expert: pooled, held, on disk | host GB | bound (s per block: compute, link, disk) | stall s / step | = reference |",
+        "| row | s / step | x ideal | predicted s / step (bench ideal; with this CPU's copy) | measured / predicted | disk GB / step (predicted) "
+        "| per expert: resident, pooled, held, on disk | host GB | bound (s per block: compute, link, disk) | stall s / step | = reference |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        if r["status"] != "measured":
-            lines.append(f"| {r['name']} | {r['status']} |  |  |  |  |  |  |  |  |  |")
-            continue
         b, cpu = r["block_s"], r.get("predicted_with_cpu_copy_s")
         lines.append(
-            f"| {r['name']} | {r['measured_s']:.2f} | **{r['x_ideal']:.3f}** | {r['predicted_s']:.2f}"
-            f"{f' ({cpu:.2f})' if cpu is not None else ''} | "
-            f"{r['measured_over_predicted']:.3f} | {r['disk_gb_per_step']:.2f} | {r['pooled_blocks_per_expert']:g}, "
+            f"| {r['name']} | {r['measured_s']:.2f} | **{r['x_ideal']:.3f}** | {r['predicted_s']:.2f} ({r['bench_ideal_s']:.2f}"
+            f"{f'; {cpu:.2f}' if cpu is not None else ''}) | {r['measured_over_predicted']:.3f} | {r['disk_gb_per_step']:.2f} "
+            f"({r['planner_disk_gb_per_step']:.2f}) | {r['resident_blocks_per_expert']:g}, {r['pooled_blocks_per_expert']:g}, "
             f"{r['host_blocks_per_expert']:g}, {r['disk_blocks_per_expert']:g} | {r['host_gb']:.1f} | {r['bound']} "
             f"({b['compute']:.3f}, {b['link']:.3f}, {b['disk']:.3f}) | {r['stall_s_per_step']:.2f} | "
             f"{'yes' if r['bit_identical'] else 'NO'} ({r['reference']}) |"
