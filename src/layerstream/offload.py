@@ -222,14 +222,20 @@ def resolve_host_budget(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.
     if memory.free_nbytes is None:
         raise OffloadError('host_budget_gb = "auto": this system shows no /proc/meminfo or memory cgroup to read; give host_budget_gb as a number')
     reserve_gb = config.host_reserve_gb if config.host_reserve_gb is not None else DEFAULT_HOST_RESERVE_GB
-    needs = host_needs(unbudgeted, placement, device_is_host=device.type == "cpu", reserve_gb=reserve_gb, num_staging_buffers=NUM_STAGING_BUFFERS)
+    needs = host_needs(
+        unbudgeted, placement, device_is_host=device.type == "cpu", reserve_gb=reserve_gb,
+        num_staging_buffers=NUM_STAGING_BUFFERS, block_host_nbytes=host_nbytes,
+    )  # fmt: skip
     streamed = sum(host_nbytes[p] for p in placement.streamed_block_paths)
+    # float8 stores keep a block's own tensors until the commit (an exact rollback): not freed while enabling
+    float8 = {p for c in unbudgeted.streamed if c.storage_dtype is not None for s in c.stacks for p in s.block_paths}
+    freed = [p for p in placement.streamed_block_paths if p not in float8]
     choice = choose_host_budget(
         free_nbytes=memory.free_nbytes,
         free_source=memory.describe(),
         streamed_nbytes=streamed,
         needs=needs,
-        held_nbytes=min(held_host_nbytes(pipeline, placement.streamed_block_paths), streamed),
+        held_nbytes=min(held_host_nbytes(pipeline, freed), sum(host_nbytes[p] for p in freed)),
     )
     return dataclasses.replace(unbudgeted, config=dataclasses.replace(unbudgeted.config, host_budget_gb=choice.budget_gb)), choice
 

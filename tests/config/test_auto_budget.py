@@ -192,3 +192,71 @@ def test_too_small_a_machine_refuses_before_anything_changes(monkeypatch):
     assert {k: (v, v.data_ptr()) for k, v in model.named_parameters()} == before  # the same tensors, untouched
     with torch.inference_mode():
         assert torch.equal(model(x), expected)
+
+
+# --- float8 with "auto" ----------------------------------------------------------------------------------------
+
+FP8_AUTO = {**AUTO, "layer_options": {"dit": {"storage_dtype": "float8_e4m3fn"}}}
+
+
+def _fp8_expected(model, x):
+    handle = enable_offload(model, {**DIT, "layer_options": FP8_AUTO["layer_options"]}, device="cpu")
+    try:
+        with torch.inference_mode():
+            return model(x)
+    finally:
+        handle.disable()
+
+
+def _roomy_choice(model, config, monkeypatch):
+    import layerstream.offload as offload
+    from layerstream.plan.resolver import resolve_offload_plan
+
+    monkeypatch.setattr(offload, "read_host_memory", lambda: HostMemory(10**12))
+    plan = resolve_offload_plan(model, parse_offload_config(config))
+    return offload.resolve_host_budget(model, plan, torch.device("cpu"))[1]
+
+
+def test_float8_blocks_in_memory_are_not_counted_as_freed_while_enabling(monkeypatch, tmp_path):
+    """The float8 stores keep a block's original tensors until the commit (an exact rollback), so an in-memory
+    model's blocks are not freed while the float8 bytes are made: "auto" must find room for those beside them."""
+    import layerstream.offload as offload
+
+    model, x, _ = _toy()
+    expected = _fp8_expected(model, x)
+    config = {**FP8_AUTO, "host_reserve_gb": 0.0, "disk_dir": str(tmp_path)}
+    roomy = _roomy_choice(model, config, monkeypatch)
+    assert roomy.held_nbytes == 0  # held in memory, but not freed before the commit
+    free = sum(roomy.needs.values()) + roomy.streamed_nbytes // 3  # room for a third of the float8 blocks
+    monkeypatch.setattr(offload, "read_host_memory", lambda: HostMemory(free))
+    handle = enable_offload(model, config, device="cpu")
+    try:
+        choice = handle.placement.host_budget
+        assert choice.budget_nbytes == roomy.streamed_nbytes // 3  # a disk tier: the originals stay until commit
+        with torch.inference_mode():
+            assert torch.equal(model(x), expected)
+        stats = handle.stats()
+        assert stats.host_bytes <= choice.budget_nbytes and stats.disk_bytes_read > 0
+    finally:
+        handle.disable()
+
+
+def test_the_staging_ring_is_priced_in_stored_float8_bytes(monkeypatch, tmp_path):
+    """The disk tier's staging ring holds stored bytes (float8), not a whole slot (compute layout and staging
+    region): "auto" prices it as the ring enabling makes, so the budget is not short by twice the ring."""
+    import layerstream.offload as offload
+
+    model, x, _ = _toy()
+    expected = _fp8_expected(model, x)
+    config = {**FP8_AUTO, "host_reserve_gb": 0.0, "disk_dir": str(tmp_path)}
+    roomy = _roomy_choice(model, config, monkeypatch)
+    free = sum(roomy.needs.values()) + roomy.streamed_nbytes // 4
+    monkeypatch.setattr(offload, "read_host_memory", lambda: HostMemory(free))
+    handle = enable_offload(model, config, device="cpu")
+    try:
+        with torch.inference_mode():
+            assert torch.equal(model(x), expected)
+        choice, stats = handle.placement.host_budget, handle.stats()
+        assert choice.budget_nbytes is not None and stats.disk_staging_bytes == choice.needs[STAGING_RING]
+    finally:
+        handle.disable()

@@ -182,7 +182,10 @@ def plan_for_machine(
             f"{format_gb(device_nbytes)}; this model does not run on that device"
         )
     streamed = {p: host_nbytes[p] for p in placement.streamed_block_paths}
-    needs = host_needs(unbudgeted, placement, device_is_host=False, reserve_gb=machine.host_reserve_gb, num_staging_buffers=NUM_STAGING_BUFFERS)
+    needs = host_needs(
+        unbudgeted, placement, device_is_host=False, reserve_gb=machine.host_reserve_gb,
+        num_staging_buffers=NUM_STAGING_BUFFERS, block_host_nbytes=host_nbytes,
+    )  # fmt: skip
     free = round((machine.host_memory_gb - machine.baseline_gb) * GB)
     try:
         choice = choose_host_budget(

@@ -42,7 +42,8 @@ class HostBudgetChoice:
     streamed_nbytes: int
     """Host bytes of every streamed block, as the host store keeps them."""
     held_nbytes: int = 0
-    """Streamed bytes already in this process's memory (not file views): freed as they are packed."""
+    """Streamed bytes already in this process's memory (not file views): freed as they are packed (float8
+    blocks are not counted: their own tensors stay until enabling commits)."""
     needs: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     """What runs beside the store in host memory, by name (the staging ring only with a disk tier)."""
 
@@ -97,14 +98,22 @@ def choose_host_budget(
 
 
 def host_needs(
-    plan: ResolvedOffloadPlan, placement: Any, *, device_is_host: bool, reserve_gb: float, num_staging_buffers: int
+    plan: ResolvedOffloadPlan,
+    placement: Any,
+    *,
+    device_is_host: bool,
+    reserve_gb: float,
+    num_staging_buffers: int,
+    block_host_nbytes: Mapping[str, int],
 ) -> dict[str, int]:
     """For `plan` placed as `placement` (a `plan.placement.Placement`, which records this module's choice)
-    without a disk tier: what runs beside the host store in host memory, by name: the disk tier's staging ring (buffers of one
-    slot each), where the device is the host itself the slot ring and the resident parts (the non-streamed
-    modules and resident blocks), components whose residency the pipeline manages (they wait in host memory),
-    and the reserve."""
-    needs = {STAGING_RING: num_staging_buffers * placement.slot_nbytes}
+    without a disk tier: what runs beside the host store in host memory, by name: the disk tier's staging ring
+    (buffers of the largest streamed block as its store keeps it, `block_host_nbytes`: float8 bytes for a
+    float8 block, not a whole slot), where the device is the host itself the slot ring and the resident parts
+    (the non-streamed modules and resident blocks), components whose residency the pipeline manages (they wait
+    in host memory), and the reserve."""
+    largest = max((block_host_nbytes[p] for p in placement.streamed_block_paths), default=0)
+    needs = {STAGING_RING: num_staging_buffers * largest}
     managed = sum(c.total_bytes for c in plan.components if c.action == "on_demand")
     if device_is_host:
         streamed = set(placement.streamed_block_paths)
