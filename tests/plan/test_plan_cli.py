@@ -182,3 +182,22 @@ def test_plan_reports_the_auto_residency_choice_and_reason(capsys):
     assert all("blocks resident" in text and "device_budget_gb=0.0008" in text for text in residency.values())
     code, out, err = run_plan(capsys, "tiny-wan", "--diffusion-offload-config", json.dumps({**config, "layer_options": {"dit": {"resident_layers": "auto"}}}))
     assert code == 0 and "decided at enable time" in out and "device_budget_gb" in out
+
+
+def test_the_table_says_what_host_budget_auto_chose(capsys, monkeypatch):
+    import layerstream.offload as offload
+    from layerstream.machine.memory import HostMemory
+
+    config = json.dumps({"mode": "layer", "components": ["dit"], "host_budget_gb": "auto", "host_reserve_gb": 0})
+    code, out, err = run_plan(capsys, "tiny-wan", "--diffusion-offload-config", config)
+    assert code == 0, err
+    assert 'host budget: host_budget_gb "auto": ' in out and "no disk tier" in out  # this machine holds it all
+    code, out, err = run_plan(capsys, "tiny-wan", "--diffusion-offload-config", config, "--json")
+    roomy = json.loads(out)["placement"]["host_budget"]
+    free = sum(roomy["needs"].values()) + roomy["streamed_bytes"] // 3
+    monkeypatch.setattr(offload, "read_host_memory", lambda: HostMemory(free))  # a third of the blocks fit
+    code, out, err = run_plan(capsys, "tiny-wan", "--diffusion-offload-config", config)
+    assert code == 0, err
+    line = next(line for line in out.splitlines() if line.startswith("host budget: "))
+    assert "MemAvailable" in line and "a budget of" in line and "the rest is read from disk" in line
+    assert "host tier: " in out and "on disk" in out

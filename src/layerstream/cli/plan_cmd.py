@@ -54,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
             print("residency:")
             for path, text in residency.items():
                 print(f"  {path}: {text}")
+        if placement is not None and placement.host_budget is not None:  # "auto": what it chose, and from what
+            print(f"host budget: {placement.host_budget.describe()}")
         if placement is not None and placement.host_tier is not None:
             print("\n".join(host_tier_lines(plan, placement)))
     return 0
