@@ -81,7 +81,8 @@ class JobManager:
         return "/v1/videos" if self.kind == "video" else "/v1/images/jobs"
 
     def close(self) -> None:
-        """After the worker stopped: jobs still queued were never run (the queue failed them); say so."""
+        """After the worker stopped: a job still live (a generation left behind by the stop) never finished;
+        say so. (Jobs still queued at the drain were failed then, by `_never_started`.)"""
         with self._lock:
             left = list(self._live.values())
             self._live.clear()
@@ -112,6 +113,7 @@ class JobManager:
             if isinstance(e, QueueFullError):
                 raise ApiError(429, f"{e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
             raise ApiError(503, str(e), code="shutting_down") from None
+        live.queued.future.add_done_callback(lambda future: self._never_started(live, future))
         logger.info("job %s queued (prompt %r)", record.id, record.settings.prompt[:80])
         return self._object(record, live)
 
@@ -165,12 +167,19 @@ class JobManager:
     def _run(self, live: _LiveJob, job: Job) -> None:
         """Run on the worker thread: generate, write the output, and mark the job; every failure is the job's."""
         live.queued = job  # already set by create, unless the worker started it first
-        record = live.record.with_status(JobStatus.IN_PROGRESS)
-        if not self._save(live, record):
-            return  # deleted just as it started
-        live.progress.total_steps = live.served.request.num_inference_steps or 0
-        live.stats_before = self.service.omni.stats()
-        projection = self._latent_projection() if live.preview else None
+        try:
+            if not self._save(live, live.record.with_status(JobStatus.IN_PROGRESS)):
+                return  # deleted just as it started
+            live.progress.total_steps = live.served.request.num_inference_steps or 0
+            live.stats_before = self.service.omni.stats()
+            projection = self._latent_projection() if live.preview else None
+            self._generate(live, job, projection)
+        finally:
+            with self._lock:
+                self._live.pop(live.record.id, None)
+
+    def _generate(self, live: _LiveJob, job: Job, projection: LatentProjection | None) -> None:
+        """Generate the started job and mark it completed or failed (a deleted one is left unrecorded)."""
         try:
             output = self.service.generate(live.served, job, _JobObserver(self, live, projection))
             self._publish_progress(live, DECODED_PERCENT)
@@ -183,9 +192,15 @@ class JobManager:
         except Exception as e:  # the service logged the traceback
             lines = str(e).strip().splitlines()
             self._fail(live, "generation_failed", f"{type(e).__name__}: {lines[0] if lines else '(no message)'}")
-        finally:
-            with self._lock:
-                self._live.pop(live.record.id, None)
+
+    def _never_started(self, live: _LiveJob, future: Any) -> None:
+        """A job the queue failed before it started (a drain: the server is stopping) fails now, with the
+        reason, so that its event streams end rather than hold the shutdown open."""
+        if future.cancelled() or not isinstance(future.exception(), QueueClosedError):
+            return  # it ran (its outcome is recorded), or it was deleted while it waited
+        with self._lock:
+            self._live.pop(live.record.id, None)
+        self._fail(live, "server_shutdown", "the server shut down before the job started")
 
     def _complete(self, live: _LiveJob, data: bytes) -> None:
         record = live.record
@@ -207,8 +222,7 @@ class JobManager:
             self.store.remove_output(name)  # deleted while its file was written
             return
         logger.info("job %s completed (%d bytes)", record.id, size)
-        for removed in self.store.enforce_retention_():
-            self.metrics.forget_job(removed)
+        self._enforce_retention()
 
     def _fail(self, live: _LiveJob, code: str, message: str) -> None:
         logger.info("job %s failed: %s", live.record.id, message)
@@ -216,7 +230,12 @@ class JobManager:
         failed = live.record.with_status(
             JobStatus.FAILED, error=error, completed_at=int(time.time()), figures=live.progress.figures()
         )
-        self._save(live, failed)
+        if self._save(live, failed):
+            self._enforce_retention()  # failed jobs count against the limits as completed ones do
+
+    def _enforce_retention(self) -> None:
+        for removed in self.store.enforce_retention_():
+            self.metrics.forget_job(removed)
 
     def _save(self, live: _LiveJob, record: JobRecord) -> bool:
         """Store a new status and announce it; False if the job was deleted meanwhile."""
@@ -224,6 +243,9 @@ class JobManager:
             return False
         live.record = record
         self.metrics.record_job_state(record.id, record.status)
+        if self.store.get(record.id) is None:  # deleted between the two: its forget_job may have come first
+            self.metrics.forget_job(record.id)
+            return False
         self.events.publish(record.id, JobEvent("status", self._object(record, live)))
         return True
 

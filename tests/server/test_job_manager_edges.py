@@ -1,0 +1,145 @@
+"""`JobManager` on a stand-in `Omni`, at the moments where the worker, the event loop and the queue meet: a
+drain while jobs wait, a delete just as a job starts or while its status is saved, jobs that fail under a
+retention limit."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from layerstream.server.jobs.manager import JobManager
+from layerstream.server.jobs.requests import ImageJobRequest
+from layerstream.server.jobs.settings import HistorySettings
+from layerstream.server.jobs.store import JobStore
+from layerstream.server.service import GenerationService
+from layerstream.server.settings import ServeSettings
+from serve_harness import wait_until
+from test_service import StandInOmni
+
+BODY = ImageJobRequest(prompt="a red fox", size="16x16", num_inference_steps=2)
+
+
+class _Omni(StandInOmni):
+    """The service's stand-in, with the offload config a completed job writes into its output."""
+
+    config = SimpleNamespace(to_dict=lambda: {"mode": "layer", "components": ["dit"]})
+
+
+@pytest.fixture
+def make_jobs(tmp_path):
+    made: list[JobManager] = []
+    gate = threading.Event()  # set: generations run on; clear: each waits before its steps until set
+    gate.set()
+
+    def make(**history) -> JobManager:
+        service = GenerationService(_Omni(), ServeSettings(port=0, shutdown_timeout=0))
+        service.omni.on_call = lambda index: gate.wait(30)
+        jobs = JobManager(service, JobStore(HistorySettings(data_dir=tmp_path / f"data{len(made)}", **history)))
+        service.start()
+        made.append(jobs)
+        return jobs
+
+    make.gate = gate
+    yield make
+    gate.set()
+    for jobs in made:
+        assert jobs.service.stop()
+        jobs.close()
+
+
+def _status(jobs: JobManager, job_id: str) -> str:
+    return jobs.get(job_id)["status"]
+
+
+def _job_gauge(jobs: JobManager) -> dict[str, float]:
+    text = jobs.service.render_metrics()
+    found = {}
+    for line in text.splitlines():
+        if line.startswith('layerstream_jobs{status="'):
+            labels, value = line.split(" ")
+            found[labels.split('"')[1]] = float(value)
+    return found
+
+
+def test_a_queued_job_fails_at_once_when_the_server_drains_and_its_event_stream_ends(make_jobs):
+    jobs = make_jobs()
+    make_jobs.gate.clear()
+    running = jobs.create(BODY, None)["id"]
+    wait_until(lambda: _status(jobs, running) == "in_progress", what="the first job to start")
+    queued = jobs.create(BODY, None)["id"]
+
+    async def watch_through_drain() -> list[str]:
+        stream = jobs.stream(queued)
+        chunks = [await stream.__anext__()]  # subscribed: its status now (queued)
+        jobs.service.drain()  # what SIGTERM does first, on the event loop: the queue fails its waiting jobs
+
+        async def rest() -> None:
+            async for chunk in stream:
+                chunks.append(chunk)
+
+        await asyncio.wait_for(rest(), timeout=10)  # without a final status it would wait for the server's end
+        return chunks
+
+    chunks = asyncio.run(watch_through_drain())
+    assert '"status": "queued"' in chunks[0]
+    assert chunks[-1].startswith("event: status") and '"status": "failed"' in chunks[-1]
+    job = jobs.get(queued)
+    assert job["status"] == "failed" and job["error"]["code"] == "server_shutdown", job
+    assert _job_gauge(jobs)["queued"] == 0
+    make_jobs.gate.set()
+
+
+def test_a_job_deleted_just_as_it_starts_is_let_go(make_jobs):
+    jobs = make_jobs()
+    run, started = jobs._run, []
+
+    def deleted_as_it_starts(live, job) -> None:  # the queue has taken it; the worker has not marked it yet
+        started.append(job)
+        jobs.delete(live.record.id)
+        run(live, job)
+
+    jobs._run = deleted_as_it_starts
+    made = jobs.create(BODY, None)["id"]
+    wait_until(lambda: started and started[0].future.done(), what="the job's turn on the worker")
+    assert started[0].future.exception() is None
+    with pytest.raises(Exception, match="no image job"):
+        jobs.get(made)
+    assert made not in jobs._live  # nothing of the deleted job (its request, its input image) is held on to
+    assert sum(_job_gauge(jobs).values()) == 0
+
+
+def test_a_job_deleted_while_its_new_status_is_saved_leaves_no_state_on_metrics(make_jobs):
+    jobs = make_jobs()
+    record = jobs.metrics.record_job_state
+
+    def deleted_between_store_and_metrics(job_id: str, status: str) -> None:
+        if status == "in_progress":  # the store has it in progress; the event loop deletes it now
+            jobs.delete(job_id)
+        record(job_id, status)
+
+    jobs.metrics.record_job_state = deleted_between_store_and_metrics
+    made = jobs.create(BODY, None)["id"]
+    wait_until(lambda: jobs.service.queue.num_started == 1 and not jobs.service.queue.running, what="the worker")
+    jobs.metrics.record_job_state = record
+    kept = jobs.create(BODY, None)["id"]
+    wait_until(lambda: _status(jobs, kept) == "completed", what="the next job")
+    assert jobs.store.get(made) is None
+    assert _job_gauge(jobs) == {"queued": 0, "in_progress": 0, "completed": 1, "failed": 0}
+
+
+def test_failed_jobs_are_held_to_the_retention_limit_too(make_jobs):
+    jobs = make_jobs(max_jobs=2)
+
+    def fail(index: int) -> None:
+        raise RuntimeError("out of memory in a block")
+
+    jobs.service.omni.on_call = fail
+    made = [jobs.create(BODY, None)["id"] for _ in range(3)]
+    wait_until(lambda: jobs.store.get(made[-1]) is None or _status(jobs, made[-1]) == "failed", what="the last job")
+    kept = [job["id"] for job in jobs.page(limit=10, after=None, order="asc")["data"]]
+    assert kept == made[1:]
+    assert all(_status(jobs, job_id) == "failed" for job_id in kept)
+    assert _job_gauge(jobs)["failed"] == 2
