@@ -189,3 +189,28 @@ def _save_screenshot(browser, path: Path) -> None:
     copy = os.environ.get(SCREENSHOT_COPY_ENV)
     if copy:
         shutil.copyfile(path, copy)
+
+
+def test_the_page_stays_usable_with_many_jobs_waiting(browser, server_factory):
+    """A browser opens at most six connections to one HTTP/1.1 server, and an event stream holds one as long as
+    its job is unfinished: the page must not follow so many that its own requests (the list, Generate) wait."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    server = server_factory("tiny-flux", "--link-gbps", "0.001")
+    with server.client() as http:
+        waiting = [
+            http.post("/v1/images/jobs", json={"prompt": f"slow {i}", "size": "32x32", "num_inference_steps": 200}).json()["id"]
+            for i in range(7)
+        ]
+    wait = WebDriverWait(browser, 60, poll_frequency=0.05)
+    browser.get(server.url + "/")
+    wait.until(lambda d: len(d.find_elements("css selector", "#queue li")) == 6)  # one runs, six wait
+    assert browser.find_elements("css selector", f'#running [data-job="{waiting[0]}"]')
+    _fill(browser, "Prompt", "one more")
+    _fill(browser, "Size", "32x32")
+    browser.find_element("xpath", "//button[normalize-space()='Generate']").click()
+    # the new job is answered and listed while the seven are still unfinished
+    wait.until(lambda d: "one more" in d.execute_script("return document.querySelector('#queue').textContent"))
+    assert browser.find_element("id", "form-error").get_attribute("hidden")
+    with server.client() as http:
+        assert http.get(f"/v1/images/jobs/{waiting[-1]}").json()["status"] == "queued"

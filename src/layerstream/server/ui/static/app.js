@@ -4,6 +4,9 @@
 
 const POLL_MS = 4000; // the job list is read again this often: jobs made by other clients show up too
 const LIST_LIMIT = 100;
+// a browser opens at most 6 connections to one HTTP/1.1 server and each event stream holds one while its job
+// is unfinished: follow a few (the running job first), and leave the others to the poll and to fetch
+const MAX_STREAMS = 3;
 
 const state = {
   health: null,
@@ -176,7 +179,15 @@ function useSettings(job) {
 
 function track(job) {
   state.jobs.set(job.id, job);
-  if (!isFinished(job) && !state.streams.has(job.id)) follow(job.id);
+  followMore();
+}
+
+function followMore() {
+  const order = (job) => (job.status === "in_progress" ? 0 : job.layerstream.queue_position ?? 1e9);
+  const unfollowed = [...state.jobs.values()]
+    .filter((job) => !isFinished(job) && !state.streams.has(job.id))
+    .sort((a, b) => order(a) - order(b) || a.created_at - b.created_at);
+  for (const job of unfollowed.slice(0, Math.max(0, MAX_STREAMS - state.streams.size))) follow(job.id);
 }
 
 function follow(id) {
@@ -184,8 +195,13 @@ function follow(id) {
   state.streams.set(id, source);
   source.addEventListener("status", (event) => {
     const job = JSON.parse(event.data);
-    state.jobs.set(id, job);
-    if (isFinished(job)) stopFollowing(id); // the server ends the stream now; no reconnection wanted
+    if (job.deleted) {
+      forget(id); // deleted elsewhere; the server ends the stream now
+    } else {
+      state.jobs.set(id, job);
+      if (isFinished(job)) stopFollowing(id); // the server ends the stream now; no reconnection wanted
+    }
+    followMore();
     render();
   });
   source.addEventListener("progress", (event) => {
