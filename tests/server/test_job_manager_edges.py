@@ -143,3 +143,21 @@ def test_failed_jobs_are_held_to_the_retention_limit_too(make_jobs):
     assert kept == made[1:]
     assert all(_status(jobs, job_id) == "failed" for job_id in kept)
     assert _job_gauge(jobs)["failed"] == 2
+
+
+def test_opening_the_history_removes_only_the_files_it_wrote(tmp_path):
+    """--data-dir may name a folder that already holds an outputs/ of someone else's (another tool's results):
+    only job outputs no job names, and temporary files of job outputs, are removed when the store opens."""
+    outputs = tmp_path / "data" / "outputs"
+    outputs.mkdir(parents=True)
+    theirs = [outputs / "fox.mp4", outputs / "image_notes.txt", outputs / ".hidden.png"]
+    ours = [outputs / f"image_{'0' * 32}.png", outputs / f".video_{'a' * 32}.partial-1a2b3c4d.mp4"]
+    for path in theirs + ours:
+        path.write_bytes(b"x")
+    store = JobStore(HistorySettings(data_dir=tmp_path / "data"))
+    try:
+        store.recover_()  # what the job manager does first
+        assert [path.exists() for path in theirs] == [True, True, True]
+        assert [path.exists() for path in ours] == [False, False]  # no job names them: a kill left them
+    finally:
+        store.close()

@@ -2,10 +2,10 @@
 
 The database runs in WAL mode and every change is one transaction, so a process killed at any moment
 (kill -9 included) leaves it readable with every committed job. An output file is written whole under a
-temporary name and renamed (`write_atomically`) before the row that names it commits; files that no row
-names (a kill between the two, a temporary file) are removed when the store opens. Opening also fails the
-jobs a stopped server left queued or running, with the reason, and takes a lock on the folder so that two
-servers never share one history.
+temporary name and renamed (`write_atomically`) before the row that names it commits; job files that no row
+names (a kill between the two, a temporary file) are removed when the store opens, and other files are left.
+Opening also fails the jobs a stopped server left queued or running, with the reason, and takes a lock on the
+folder so that two servers never share one history.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -21,7 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from layerstream.atomic_write import write_atomically
+from layerstream.atomic_write import PARTIAL_MARK, write_atomically
 from layerstream.errors import LayerstreamError
 from layerstream.server.jobs.records import JobKind, JobRecord, JobSettings, JobStatus
 from layerstream.server.jobs.settings import HistorySettings
@@ -32,6 +33,9 @@ DATABASE_NAME = "jobs.sqlite3"
 OUTPUTS_FOLDER = "outputs"
 LOCK_NAME = "lock"
 SCHEMA_VERSION = 1
+# what write_output writes (a job's output, or its temporary file): only these may be removed unasked, since
+# --data-dir may name a folder whose outputs/ also holds other files (another tool's results)
+_JOB_FILE = re.compile(rf"\.?(video|image)_[0-9a-f]+({re.escape(PARTIAL_MARK)}[0-9a-f]+)?\.(mp4|png)")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -88,8 +92,8 @@ class JobStore:
 
     # start-up --------------------------------------------------------------------------------------------------
     def recover_(self) -> list[str]:
-        """Fail every job a previous server left queued or running (it will never finish) and remove the files
-        no job names; returns the ids failed."""
+        """Fail every job a previous server left queued or running (it will never finish) and remove the job
+        files no job names; returns the ids failed."""
         now = int(time.time())
         failed = []
         with self._transaction() as db:
@@ -104,7 +108,7 @@ class JobStore:
                 failed.append(record.id)
             named = {row[0] for row in db.execute("SELECT json_extract(record, '$.output_name') FROM jobs")}
         for path in self.outputs.iterdir():
-            if path.name not in named:
+            if path.name not in named and _JOB_FILE.fullmatch(path.name):
                 path.unlink(missing_ok=True)  # written before a kill, never committed (or a temporary file)
         if failed:
             logger.info("job history: %d job(s) left unfinished by the last server marked failed", len(failed))
