@@ -45,6 +45,7 @@ _LAZY = {
     "ServeSettingsError": ("layerstream.server.settings", "ServeSettingsError"),
     "RankGroupError": ("layerstream.server.ranks", "RankGroupError"),
     "WaveFailedError": ("layerstream.server.waves", "WaveFailedError"),
+    "MachinePlanError": ("layerstream.machine.planner", "MachinePlanError"),
 }
 
 __all__ = [
