@@ -105,10 +105,10 @@ echo "(wan22-pool took $((SECONDS - start)) s)"
 # The headline on a real GPU (benchmarks/headline.py --device cuda; on a CPU the same script is a simulation):
 # Wan 2.2 A14B at its real widths (2 x 40 blocks of 0.70 GB + UMT5-XXL, about 66 GB built in host memory) and
 # 720p x 81 frames' 75,600 tokens, resident first (the ideal: the GPU holds everything), then the device limited
-# to 24 GB (torch.cuda.set_per_process_memory_fraction) with a 28 GB host budget (a 32 GB machine less a 4 GB
-# reserve): bfloat16, float8 in host memory (the exactness reference) and float8 with the disk tier, spill files
-# on the local disk (about 38 GB at most, removed after each row). 3 steps (2 high-noise, 1 low-noise: one
-# change of expert). Not yet run on a GPU: about 10 minutes is an estimate (0.3 s per block forward).
+# to 24 GB (torch.cuda.set_per_process_memory_fraction) and each row running the planner's configuration for a
+# 24 GB / 32 GB machine: bfloat16, float8 in host memory (the exactness reference) and float8 with the disk tier,
+# spill files on the local disk (about 38 GB at most, removed after each row). 3 steps (2 high-noise, 1
+# low-noise: one change of expert). Not yet run on a GPU: about 10 minutes is an estimate (0.3 s a block forward).
 echo
 echo "== headline: benchmarks/headline.py --device cuda"
 start=$SECONDS
