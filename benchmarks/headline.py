@@ -1,5 +1,6 @@
 """The headline, measured by simulation: Wan 2.2 A14B at 720p x 81 frames on a 24 GB device, 32 GB of host memory
-and an NVMe disk, through the real runtime (`enable_offload` with `host_budget_gb`), scaled down to run on a CPU.
+and an NVMe disk, through the real runtime (`enable_offload`: the disk tier, the experts' host pool, float8
+storage), scaled down to run on a CPU.
 
 The pipeline is a `WanPipeline` (so layerstream's built-in Wan plan pairs its experts into one host pool) holding
 Wan 2.2's parts at 1/8 of every width: two experts of 40 Wan-shaped blocks (`bench.synthetic`), switched at the
@@ -22,7 +23,7 @@ https://dev.to/muhammad_aliafridi_35ece/boosting-wan22-i2v-inference-on-8-h100s-
 block time by some percent; an RTX 4090 (a 24 GB card) computes a block several times slower, which would hide
 the link and the disk even more: H100 compute on a 24 GB device is the harder case for offload.
 
-    python benchmarks/headline.py                   # the full scenario, a few minutes on a 2-core CPU
+    python benchmarks/headline.py                   # the full scenario, about 10 minutes on a 2-core CPU
     python benchmarks/headline.py --smoke --json    # seconds, a tiny scale: the shape of the output only
 """
 
