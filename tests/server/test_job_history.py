@@ -81,6 +81,12 @@ def test_retention_removes_the_oldest_finished_jobs_first(server_factory, tmp_pa
         for i in range(3):
             made.append(http.post(IMAGE_JOBS, json={"prompt": f"fox {i}", "seed": i, **FAST}).json()["id"])
             wait_for_job(http, IMAGE_JOBS, made[-1])
+        # the completed status is stored first and retention runs just after it (a limit never applied times out)
+        wait_until(
+            lambda: http.get(f"{IMAGE_JOBS}/{made[0]}").status_code == 404
+            and metric(http, "layerstream_jobs", 'status="completed"') == 2,
+            what="the oldest job's removal from the history and from /metrics",
+        )
         assert [job["id"] for job in http.get(IMAGE_JOBS).json()["data"]] == made[:0:-1]
         assert http.get(f"{IMAGE_JOBS}/{made[0]}").status_code == 404
         # the job states on /metrics follow the history (the removed job has left them)
