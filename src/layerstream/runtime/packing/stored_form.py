@@ -11,6 +11,7 @@ import torch
 
 from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
 from layerstream.runtime.packing.layout import BlockLayout
+from layerstream.runtime.packing.upcast import Upcast
 
 
 class PackedForm:
@@ -66,15 +67,16 @@ class SlotUnpack:
 
     def __init__(self, form):
         self.form = form
-        self._ops: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._ops: dict[int, list[Upcast]] = {}
 
     def run_(self, slot_buffer: torch.Tensor) -> None:
         key = slot_buffer.data_ptr()
         ops = self._ops.get(key)
         if ops is None:
-            ops = self._ops[key] = self.form.slot_ops(slot_buffer)
-        for destination, stored in ops:
-            destination.copy_(stored)  # on the device, in the copy's stream: upcast or byte copy into place
+            with torch.inference_mode(False), torch.no_grad():  # views that stay usable in and out of inference mode
+                ops = self._ops[key] = [Upcast(destination, stored) for destination, stored in self.form.slot_ops(slot_buffer)]
+        for op in ops:
+            op.run_()  # on the device, in the copy's stream: upcast (exact) or byte copy into place
 
     def clear_(self) -> None:
         self._ops.clear()  # the views keep the slots alive

@@ -30,7 +30,7 @@ copies.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -42,6 +42,7 @@ from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
 from layerstream.runtime.packing.layout import ALIGN_BYTES, BlockLayout, SpanMember, TensorBinder, align_up
 from layerstream.runtime.packing.host_buffer import HostBufferBlock, PinningThread, page_aligned_empty
 from layerstream.runtime.packing.stored_form import SlotUnpack
+from layerstream.runtime.packing.upcast import upcast_
 from layerstream.runtime.contracts import HostStoreBase, Job, Pinner
 
 logger = logging.getLogger(__name__)
@@ -184,13 +185,35 @@ class CastLayout:
         with torch.inference_mode(False), torch.no_grad():
             staging = slot_buffer[self.stored_offset : self.stored_offset + self.stored_nbytes]
             pairs = []
-            for segment in self.segments:
+            for segment in self.slot_runs:
                 compute = slot_buffer[segment.compute_start : segment.compute_start + segment.compute_nbytes]
                 if segment.kind == "cast":
                     pairs.append((compute.view(segment.dtype), stored_view(staging, segment, self.storage_dtype)))
                 else:
                     pairs.append((compute, staging[segment.stored_start : segment.stored_start + segment.stored_nbytes]))
         return pairs
+
+    @property
+    def slot_runs(self) -> tuple[Segment, ...]:
+        """The segments as the slot unpacks them: neighbouring cast segments whose stored bytes lie as their compute
+        bytes do (at the width ratio) are one cast, so a block's weights and biases are a few casts instead of one
+        each (a launch each on a device, a lookup plan each on the CPU). The padding between them in the stored
+        region is cast into the padding between them in the compute layout, which no tensor views."""
+        runs: list[Segment] = []
+        for segment in self.segments:
+            last = runs[-1] if runs else None
+            if (
+                segment.kind == "cast" and last is not None and last.kind == "cast" and last.dtype == segment.dtype
+                and segment.compute_start - last.compute_start
+                == (segment.stored_start - last.stored_start) * segment.dtype.itemsize // self.storage_dtype.itemsize
+            ):  # fmt: skip
+                stored_nbytes = segment.stored_start + segment.stored_nbytes - last.stored_start
+                runs[-1] = replace(
+                    last, compute_nbytes=stored_nbytes * segment.dtype.itemsize // self.storage_dtype.itemsize, stored_nbytes=stored_nbytes
+                )
+            else:
+                runs.append(segment)
+        return tuple(runs)
 
     def compute_bytes(self, stored: torch.Tensor) -> torch.Tensor:
         return self.compute_range(stored, 0, self.layout.nbytes)
@@ -208,7 +231,8 @@ class CastLayout:
             if lo >= hi:
                 continue
             if segment.kind == "cast":
-                compute = stored_view(stored, segment, self.storage_dtype).to(segment.dtype).view(torch.uint8)
+                source = stored_view(stored, segment, self.storage_dtype)
+                compute = upcast_(torch.empty(source.shape, dtype=segment.dtype, device=source.device), source).view(torch.uint8)
                 out[lo - start : hi - start].copy_(compute[lo - segment.compute_start : hi - segment.compute_start])
             else:
                 at = segment.stored_start - segment.compute_start
