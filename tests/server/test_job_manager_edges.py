@@ -165,3 +165,37 @@ def test_opening_the_history_removes_only_the_files_it_wrote(tmp_path):
         assert [path.exists() for path in ours] == [False, False]  # no job names them: a kill left them
     finally:
         store.close()
+
+
+def test_a_job_deleted_while_its_output_downloads_keeps_sending_the_bytes(make_jobs):
+    """The content route sends the store's link for that download: a DELETE meanwhile removes the job and its
+    file name, not the bytes being sent; the link goes when the response ends; a later request is 404."""
+    from layerstream.server.errors import ApiError
+
+    jobs = make_jobs()
+    job_id = jobs.create(BODY, None)["id"]
+    wait_until(lambda: _status(jobs, job_id) == "completed", what="the job to complete")
+    output = jobs.store.output_path(jobs.store.get(job_id))
+    expected = output.read_bytes()
+    served, media_type, name = jobs.content(job_id)
+    assert (media_type, name) == ("image/png", output.name) and served != output
+    with served.open("rb") as sending:  # the response has begun
+        jobs.delete(job_id)
+        assert not output.exists()
+        assert sending.read() == expected
+    jobs.release_content(served)
+    assert list(jobs.store.serving.iterdir()) == []
+    with pytest.raises(ApiError) as gone:
+        jobs.content(job_id)
+    assert gone.value.status == 404
+
+
+def test_links_left_by_a_stopped_server_are_removed_at_start(tmp_path):
+    store = JobStore(HistorySettings(data_dir=tmp_path))
+    left = store.serving / f"{'0' * 32}-image_{'ab' * 8}.png"
+    left.write_bytes(b"a download cut by a kill")
+    other = store.serving / "notes.txt"  # not one of ours: kept
+    other.write_text("x")
+    store.recover_()
+    store.close()
+    assert not left.exists() and other.exists()

@@ -149,15 +149,23 @@ class JobManager:
         logger.info("job %s deleted", job_id)
         return {"id": job_id, "object": f"{self.kind}.deleted", "deleted": True}
 
-    def content(self, job_id: str) -> tuple[Path, str]:
-        """(the output file, its media type) of a completed job; 404 for no job, 409 for one not completed."""
+    def content(self, job_id: str) -> tuple[Path, str, str]:
+        """(a file to send, its media type, the output's name) of a completed job; 404 for no job, 409 for one not
+        completed. The file is the store's link for this download (`JobStore.serve_output`): the caller gives it
+        back with `release_content` once the response has ended."""
         record = self.store.get(job_id)
         if record is None:
             raise _not_found(self.kind, job_id)
         path = self.store.output_path(record)
         if record.status is not JobStatus.COMPLETED or path is None:
             raise ApiError(409, f"{self.kind} job {job_id} is {record.status}: it has no content yet", code="not_completed")
-        return path, "video/mp4" if record.kind == "video" else "image/png"
+        served = self.store.serve_output(record)
+        if served is None:  # deleted between the lookup and the link
+            raise _not_found(self.kind, job_id)
+        return served, "video/mp4" if record.kind == "video" else "image/png", path.name
+
+    def release_content(self, served: Path) -> None:
+        self.store.release_served(served)
 
     def stream(self, job_id: str) -> AsyncIterator[str]:
         self.get(job_id)  # a 404 before the stream starts

@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -22,6 +24,21 @@ from layerstream.server.errors import ApiError, validation_error
 from layerstream.server.jobs.manager import DEFAULT_PAGE, MAX_PAGE, JobManager
 from layerstream.server.jobs.requests import ImageJobForm, ImageJobRequest, VideoJobForm, VideoJobRequest
 from layerstream.server.openapi import json_request_body
+
+
+class _ServedFile(FileResponse):
+    """A job's output sent from the link made for this download, which goes when the response ends (sent,
+    cut by the client or failed), so a DELETE meanwhile never cuts the bytes being sent."""
+
+    def __init__(self, path: Path, *, release: Callable[[Path], None], **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self._served, self._release = path, release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release(self._served)
 
 
 def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
@@ -55,8 +72,8 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
         variant = request.query_params.get("variant")
         if is_video and variant not in (None, "video"):
             raise ApiError(422, f"variant = {variant!r} is not served; expected 'video'", code="invalid_request", param="variant")
-        file, media_type = jobs.content(job_id)
-        return FileResponse(file, media_type=media_type, filename=file.name)
+        served, media_type, name = jobs.content(job_id)
+        return _ServedFile(served, media_type=media_type, filename=name, release=jobs.release_content)
 
     @app.get(path + "/{job_id}/events")
     async def job_events(job_id: str) -> StreamingResponse:

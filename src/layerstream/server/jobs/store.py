@@ -18,6 +18,7 @@ import re
 import sqlite3
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -31,11 +32,15 @@ logger = logging.getLogger(__name__)
 
 DATABASE_NAME = "jobs.sqlite3"
 OUTPUTS_FOLDER = "outputs"
+SERVING_FOLDER = "serving"
+"""Hard links to outputs being downloaded (`serve_output`): a job deleted meanwhile keeps sending its bytes."""
 LOCK_NAME = "lock"
 SCHEMA_VERSION = 1
 # what write_output writes (a job's output, or its temporary file): only these may be removed unasked, since
 # --data-dir may name a folder whose outputs/ also holds other files (another tool's results)
 _JOB_FILE = re.compile(rf"\.?(video|image)_[0-9a-f]+({re.escape(PARTIAL_MARK)}[0-9a-f]+)?\.(mp4|png)")
+
+_SERVED_FILE = re.compile(rf"[0-9a-f]{{32}}-{_JOB_FILE.pattern}")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -60,8 +65,10 @@ class JobStore:
         self.settings = settings
         self.folder = settings.data_dir
         self.outputs = self.folder / OUTPUTS_FOLDER
+        self.serving = self.folder / SERVING_FOLDER
         try:
             self.outputs.mkdir(parents=True, exist_ok=True)
+            self.serving.mkdir(exist_ok=True)
         except OSError as e:
             raise JobStoreError(f"data_dir = {str(self.folder)!r} cannot be created: {e.strerror or e}") from e
         self._lock_file = _lock_folder(self.folder)
@@ -110,6 +117,9 @@ class JobStore:
         for path in self.outputs.iterdir():
             if path.name not in named and _JOB_FILE.fullmatch(path.name):
                 path.unlink(missing_ok=True)  # written before a kill, never committed (or a temporary file)
+        for path in self.serving.iterdir():
+            if _SERVED_FILE.fullmatch(path.name):
+                path.unlink(missing_ok=True)  # a download the last server was sending when it stopped
         if failed:
             logger.info("job history: %d job(s) left unfinished by the last server marked failed", len(failed))
         return failed
@@ -177,6 +187,26 @@ class JobStore:
         with write_atomically(self.outputs / name) as partial:
             write(partial)
         return name, (self.outputs / name).stat().st_size
+
+    def serve_output(self, record: JobRecord) -> Path | None:
+        """A hard link to the job's output for one download (`release_served` removes it), so that a DELETE while
+        the bytes are sent removes the job's file name only; None if the output is already gone. Where the
+        filesystem makes no hard links, the output itself (a DELETE meanwhile can then cut the download)."""
+        path = self.output_path(record)
+        if path is None:
+            return None
+        link = self.serving / f"{uuid.uuid4().hex}-{path.name}"
+        try:
+            os.link(path, link)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return path if path.exists() else None
+        return link
+
+    def release_served(self, served: Path) -> None:
+        if served.parent == self.serving:
+            served.unlink(missing_ok=True)
 
     def remove_output(self, name: str) -> None:
         (self.outputs / name).unlink(missing_ok=True)
