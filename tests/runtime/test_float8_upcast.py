@@ -76,25 +76,3 @@ def test_inference_mode_does_not_change_the_result() -> None:
         upcast_(out, stored)
     assert torch.equal(out.view(torch.int16), stored.to(torch.bfloat16).view(torch.int16))
 
-
-def test_a_blocks_neighbouring_cast_spans_unpack_as_one_cast_and_every_tensor_is_exact() -> None:
-    """`CastLayout.slot_runs`: a Wan-shaped block's weights and biases unpack in a few casts (not one each), and
-    every tensor of the block reads in the slot what the form's own host upcast gives it (raw spans byte for byte)."""
-    from layerstream.bench.synthetic import ModelShape, build_synthetic_dit
-    from layerstream.runtime.packing.layout import BlockLayout
-    from layerstream.runtime.packing.stored_form import SlotUnpack
-    from layerstream.runtime.stores.cast_store import CastForms
-
-    shape = ModelShape(name="wan/40", dim=128, num_heads=2, ffn_dim=352, block_kind="wan")
-    model = build_synthetic_dit(shape, 1, dtype=torch.bfloat16)
-    form = CastForms(model, torch.float8_e4m3fn).form(BlockLayout("blocks.0", model.blocks[0], torch.device("cpu")))
-    kinds = [s.kind for s in form.segments]
-    assert kinds.count("cast") > 4 and len(form.slot_runs) < len(form.segments) / 2
-    stored = torch.empty(form.stored_nbytes, dtype=torch.uint8)
-    form.fill_(stored)
-    slot = torch.full((form.slot_nbytes,), 0xFF, dtype=torch.uint8)  # NaN bytes wherever nothing writes
-    slot[form.stored_offset : form.stored_offset + form.stored_nbytes].copy_(stored)
-    SlotUnpack(form).run_(slot)
-    expected = form.compute_bytes(stored)  # per segment, on the host: every span's bytes, zero between them
-    for dst, length in form.layout.span_placements():
-        assert torch.equal(slot[dst : dst + length], expected[dst : dst + length]), dst

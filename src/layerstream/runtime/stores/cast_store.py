@@ -40,10 +40,11 @@ from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.stores.cast_rule import cast_module_ids
 from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
 from layerstream.runtime.packing.layout import ALIGN_BYTES, BlockLayout, SpanMember, TensorBinder, align_up
-from layerstream.runtime.packing.host_buffer import HostBufferBlock, PinningThread, page_aligned_empty
+from layerstream.runtime.packing.host_buffer import HostBufferBlock, page_aligned_empty
 from layerstream.runtime.packing.stored_form import SlotUnpack
 from layerstream.runtime.packing.upcast import upcast_
-from layerstream.runtime.contracts import HostStoreBase, Job, Pinner
+from layerstream.runtime.stores.buffer_store import HostBufferStore
+from layerstream.runtime.contracts import Job, Pinner
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +287,7 @@ class CastLayout:
             base = typed.get(dtype)
             if base is None:
                 base = typed[dtype] = stored.view(dtype)
-            out.append(torch.as_strided(base, e.shape, e.stride, offset))
+            out.append(torch.as_strided(base, e.shape, e.stride, base.storage_offset() + offset))  # `stored` may be a slice
         return out
 
 
@@ -408,7 +409,7 @@ class CastForms:
         return cast_layout
 
 
-class CastHostStore(HostStoreBase):
+class CastHostStore(HostBufferStore):
     """`HostStore` keeping one component's blocks in low precision in this process's memory."""
 
     kind = "cast"
@@ -416,8 +417,8 @@ class CastHostStore(HostStoreBase):
     def __init__(self, model: nn.Module, storage_dtype: torch.dtype, forms: CastForms | None = None):
         self.storage_dtype = storage_dtype
         self.forms = forms if forms is not None else CastForms(model, storage_dtype)
+        super().__init__()
         self.blocks: dict[str, CastBlock] = {}
-        self._pinning = PinningThread()
 
     def __repr__(self) -> str:
         return f"CastHostStore({self.storage_dtype}, {len(self.blocks)} blocks, {sum(b.host_bytes for b in self.blocks.values())} bytes)"
@@ -459,17 +460,6 @@ class CastHostStore(HostStoreBase):
         for path in list(self.blocks):
             self.blocks.pop(path).rollback_()
 
-    def release_(self) -> None:
-        """The model was dropped without `disable()`: free (and unpin) every host buffer, restoring nothing."""
-        self._pinning.finish(raise_errors=False)  # a buffer is unpinned only once its pinning is over
-        for path in list(self.blocks):
-            self.blocks.pop(path).release_()
-
-    def restore_(self, device: torch.device) -> None:
-        # one block at a time, forgotten once restored: a second call never restores a block twice
-        for path in list(self.blocks):
-            self.blocks[path].restore_(device)
-            del self.blocks[path]
 
 
 def current_tensor(module: nn.Module, name: str, is_param: bool) -> torch.Tensor:

@@ -14,10 +14,11 @@ import torch
 
 from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
-from layerstream.runtime.packing.host_buffer import HostBufferBlock, PinningThread, page_aligned_empty
+from layerstream.runtime.packing.host_buffer import HostBufferBlock, page_aligned_empty
 from layerstream.runtime.packing.host_memory import release_freed_memory
 from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
-from layerstream.runtime.contracts import HostStoreBase, Job, Pinner, StoreStats
+from layerstream.runtime.stores.buffer_store import HostBufferStore
+from layerstream.runtime.contracts import Job, Pinner, StoreStats
 
 logger = logging.getLogger(__name__)
 
@@ -82,17 +83,17 @@ class PackedBlock(HostBufferBlock):
         self.release_buffer_()
 
 
-class PackedHostStore(HostStoreBase):
+class PackedHostStore(HostBufferStore):
     """`HostStore` keeping every block whole in this process's memory (`weight_transfer: "rank-local"`)."""
 
     kind = "packed"
 
     def __init__(self):
+        super().__init__()
         self.blocks: dict[str, PackedBlock] = {}
         self.bytes_read_from_files = 0
         self._files: MappedFiles | None = None
         self._reader: FileReader | None = None
-        self._pinning = PinningThread()
 
     def __repr__(self) -> str:
         return f"PackedHostStore({len(self.blocks)} blocks, {sum(b.host_bytes for b in self.blocks.values())} bytes)"
@@ -136,14 +137,3 @@ class PackedHostStore(HostStoreBase):
             self._files.close()
             self._files = self._reader = None
 
-    def release_(self) -> None:
-        """The model was dropped without `disable()`: free (and unpin) every host buffer, restoring nothing."""
-        self._pinning.finish(raise_errors=False)  # a buffer is unpinned only once its pinning is over
-        for path in list(self.blocks):
-            self.blocks.pop(path).release_()
-
-    def restore_(self, device: torch.device) -> None:
-        # one block at a time, forgotten once restored: a second call never restores a block twice
-        for path in list(self.blocks):
-            self.blocks[path].restore_(device)
-            del self.blocks[path]
