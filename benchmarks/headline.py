@@ -149,8 +149,9 @@ class Offloaded:
 
 def run_offloaded(pipe: WanPipeline, inputs: Inputs, config: dict[str, Any], ctx: dict[str, Any], disk_gbps: float | None) -> Offloaded:
     """Enable, warm up, then `repeats` turns of a resident video (the twin, on the CPU) and an offloaded one, so
-    that the shared machine's load drifts over both alike; on a GPU, whose memory is limited after the resident
-    run, every turn is compared with that one run."""
+    that the shared machine's load drifts over both alike (the turns alternate which runs first: a drift that
+    lasts the whole run favours neither); on a GPU, whose memory is limited after the resident run, every turn is
+    compared with that one run."""
     device, twin = inputs.latents.device, ctx["twin"]
     simulated = {"simulated_link_gbps": ctx["scenario"].link_gbps, "simulated_disk_gbps": disk_gbps} if device.type == "cpu" else {}
     started = time.perf_counter()
@@ -159,9 +160,12 @@ def run_offloaded(pipe: WanPipeline, inputs: Inputs, config: dict[str, Any], ctx
     try:
         warm_up(pipe, inputs)
         videos, ideals = [], []
-        for _ in range(ctx["repeats"]):
+        for turn in range(ctx["repeats"]):
+            if turn % 2:  # offloaded first
+                videos.append(timed_video(pipe, inputs, handle.stats))
             ideals.append(timed_video(twin, inputs) if twin is not None else ctx["resident"])
-            videos.append(timed_video(pipe, inputs, handle.stats))
+            if not turn % 2:
+                videos.append(timed_video(pipe, inputs, handle.stats))
             print(f"  resident {ideals[-1].loop_s:.2f} s, offloaded {videos[-1].loop_s:.2f} s a video", file=sys.stderr)
         if device.type != "cpu":
             return Offloaded(videos, ideals, handle.placement, config, None)
