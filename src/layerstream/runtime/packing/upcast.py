@@ -22,13 +22,12 @@ FLOAT8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 _CHUNK_PAIRS = 1 << 18
 """Pairs converted per lookup: a 1 MiB index buffer, small enough to stay in the cache between its two passes."""
 
+MIN_LOOKUP_ELEMENTS = 4096
+"""Below this, torch's `copy_` is quicker than planning lookups (a few microseconds of Python per call)."""
+
 _tables: dict[tuple[torch.dtype, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 _tables_lock = threading.Lock()
 _scratch = threading.local()
-
-
-MIN_LOOKUP_ELEMENTS = 4096
-"""Below this, torch's `copy_` is quicker than planning lookups (a few microseconds of Python per call)."""
 
 
 class Upcast:

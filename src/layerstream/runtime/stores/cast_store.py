@@ -461,7 +461,6 @@ class CastHostStore(HostBufferStore):
             self.blocks.pop(path).rollback_()
 
 
-
 def current_tensor(module: nn.Module, name: str, is_param: bool) -> torch.Tensor:
     """The tensor the binder would replace: a parameter's `.data` (the Parameter object stays), or the buffer."""
     return module._parameters[name].data if is_param else module._buffers[name]

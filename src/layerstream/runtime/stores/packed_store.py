@@ -136,4 +136,3 @@ class PackedHostStore(HostBufferStore):
             self._reader.close()
             self._files.close()
             self._files = self._reader = None
-
