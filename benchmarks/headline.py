@@ -109,9 +109,10 @@ def measure_experts(pipe: WanPipeline, inputs: Inputs) -> dict[str, ExpertComput
 
 def machine_plan(pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy: bool) -> MachinePlan:
     """The planner's recommendation for the target machine (`layerstream plan --device-memory 24 --host-memory 32`),
-    asked at the run's scale: memory figures divided by the memory scale (the planner's 4 GB activation reserve,
-    one of its constants, kept whole), the link and the disk as they are, compute per block as measured on the
-    resident pipeline. Its seconds per step, times S, are its prediction for the real machine."""
+    asked at the run's scale: memory figures divided by the memory scale (the planner's default 4 GB activation
+    reserve kept whole; at real widths and 75,600 tokens its estimate, about 5.7 GB, is larger and is the one
+    used), the link and the disk as they are, the run's tokens, compute per block as measured on the resident
+    pipeline. Its seconds per step, times S, are its prediction for the real machine."""
     s, m = ctx["scenario"], ctx["scale"].memory
     machine = Machine(
         device_memory_gb=DEFAULT_ACTIVATION_RESERVE_GB + (s.device_gb - DEFAULT_ACTIVATION_RESERVE_GB) / m,
@@ -119,7 +120,7 @@ def machine_plan(pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy
         host_reserve_gb=DEFAULT_HOST_RESERVE_GB / m, link_gbps=ctx["link_gbps"], disk_gbps=disk_gbps, allow_lossy=lossy,
     )  # fmt: skip
     seconds = {f"{path}.blocks.{i}": t for path, c in ctx["compute"].items() for i, t in enumerate(c.block_s)}
-    return plan_for_machine(pipe, machine, block_seconds=seconds)
+    return plan_for_machine(pipe, machine, block_seconds=seconds, tokens=ctx["scale"].num_tokens)
 
 
 def row_config(plan: MachinePlan, disk_dir: str, *, budget: bool = True) -> dict[str, Any]:

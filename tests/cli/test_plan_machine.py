@@ -150,3 +150,37 @@ def test_the_lossy_plan_runs_and_keeps_blocks_in_memory_where_a_disk_tier_would_
     output = np.asarray(omni.generate(prompt="a fox", num_inference_steps=2, seed=0, **size).raw)
     assert np.isfinite(output).all() and omni.stats().disk_bytes_read == 0
     omni.close()
+
+
+def test_a_large_video_keeps_its_activations_estimate_free_on_the_device(tiny_wan):
+    """Where a DiT block's forward at the asked tokens holds more than the default 4 GB reserve, the planner
+    keeps that estimate free instead, and says so; at a small size the default stays."""
+    from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB
+    from layerstream.machine.planner import block_activation_nbytes
+
+    machine = Machine(device_memory_gb=24, host_memory_gb=16)
+    small = plan_for_machine(tiny_wan, machine)
+    assert small.activation_reserve_gb == DEFAULT_ACTIVATION_RESERVE_GB and not any("activation" in n for n in small.notes)
+    assert small.config["layer_options"]["dit"]["device_budget_gb"] == pytest.approx(24 - DEFAULT_ACTIVATION_RESERVE_GB)
+    block = tiny_wan.transformer.blocks[0]
+    tokens = int(10e9 // block_activation_nbytes(block, 1))  # about 10 GB of activations in one forward
+    large = plan_for_machine(tiny_wan, machine, tokens=tokens)
+    reserve = block_activation_nbytes(block, tokens) / 1e9
+    assert 9.9 < reserve <= 10 and large.activation_reserve_gb == pytest.approx(reserve)
+    assert large.config["layer_options"]["dit"]["device_budget_gb"] == pytest.approx(24 - reserve, abs=1e-4)
+    assert any(f"{reserve:.3g} GB" in n and f"{tokens} tokens" in n for n in large.notes)
+    assert large.to_dict()["recommended"]["activation_reserve_gb"] == pytest.approx(reserve)
+
+
+def test_the_activation_estimate_of_a_wan_block_at_720p():
+    """Wan 2.2 A14B's block at 720p x 81 frames (75,600 tokens, width 5120, FFN 13824, bfloat16): the residual
+    stream and its normed copy beside the FFN's two 13824-wide intermediates are the peak."""
+    import torch
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+    from layerstream.machine.planner import block_activation_nbytes
+
+    with torch.device("meta"):
+        block = WanTransformerBlock(dim=5120, ffn_dim=13824, num_heads=40, qk_norm="rms_norm_across_heads", cross_attn_norm=True, eps=1e-6).to(torch.bfloat16)
+    tokens = 21 * 45 * 80
+    assert block_activation_nbytes(block, tokens) == tokens * (2 * 5120 + 2 * 13824) * 2  # 5.73 GB

@@ -95,7 +95,7 @@ def machine_plan_lines(result) -> list[str]:
         f"on a machine of {m.device_memory_gb:g} GB device, {m.host_memory_gb:g} GB host, link {m.link_gbps:g} GB/s, "
         f"disk {m.disk_gbps:g} GB/s: it runs",
         f"  device: {format_gb(result.device_nbytes)} (resident parts and blocks, {result.placement.num_slots} slots of "
-        f"{format_gb(result.placement.slot_nbytes)})",
+        f"{format_gb(result.placement.slot_nbytes)}), {result.activation_reserve_gb:.3g} GB kept for activations",
         f"  host:   {format_gb(result.host_nbytes)} of {m.host_memory_gb:g} GB (baseline {m.baseline_gb:g} GB, the host store, "
         f"the staging ring with a disk tier, reserve {m.host_reserve_gb:g} GB)",
         f"  disk:   {format_gb(result.disk_nbytes)} of blocks read from disk",

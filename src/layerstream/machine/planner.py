@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import math
 import statistics
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -93,6 +94,8 @@ class MachinePlan:
     compute_source: str
     tokens: int
     notes: tuple[str, ...] = field(default=())
+    activation_reserve_gb: float = DEFAULT_ACTIVATION_RESERVE_GB
+    """Device memory left beside the resident parts for a forward's activations (`activation_reserve`)."""
 
     @property
     def bound(self) -> Bound:
@@ -110,6 +113,7 @@ class MachinePlan:
                 "stage_seconds_per_step": dict(self.stage_seconds_per_step),
                 "compute": self.compute_source,
                 "tokens": self.tokens,
+                "activation_reserve_gb": self.activation_reserve_gb,
                 "host_budget": self.host_budget.to_dict(),
                 "placement": self.placement.to_dict(),
                 "notes": list(self.notes),
@@ -134,13 +138,17 @@ def check_machine(machine: Machine) -> None:
         )
 
 
-def recommended_config(pipeline: Any, machine: Machine, *, text_encoder: bool, host_budget_gb: float | None) -> dict[str, Any]:
-    """The config `"auto"` settings would reach on `machine`, with its figures written out."""
-    device_budget = machine.device_memory_gb - DEFAULT_ACTIVATION_RESERVE_GB
+def recommended_config(
+    pipeline: Any, machine: Machine, *, text_encoder: bool, host_budget_gb: float | None,
+    activation_reserve_gb: float = DEFAULT_ACTIVATION_RESERVE_GB,
+) -> dict[str, Any]:  # fmt: skip
+    """The config `"auto"` settings would reach on `machine`, with its figures written out; the device budget
+    leaves `activation_reserve_gb` beside the resident parts (`activation_reserve`)."""
+    device_budget = machine.device_memory_gb - activation_reserve_gb
     if device_budget <= 0:
         raise MachinePlanError(
             f"device_memory_gb = {machine.device_memory_gb:g} leaves nothing beside the activation reserve of "
-            f"{DEFAULT_ACTIVATION_RESERVE_GB:g} GB; expected more than that"
+            f"{activation_reserve_gb:.3g} GB; expected more than that"
         )
     dit: dict[str, Any] = {"resident_layers": "auto", "device_budget_gb": round(device_budget, 4)}
     if machine.allow_lossy:
@@ -158,10 +166,12 @@ def plan_for_machine(
     *,
     size: Mapping[str, int] | None = None,
     block_seconds: Mapping[str, float] | None = None,
+    tokens: int | None = None,
 ) -> MachinePlan:
     """The plan (see the module docstring). `size` ({"height", "width", "num_frames"}; default: the pipeline's
-    own defaults) gives the tokens a block sees; `block_seconds` (block path -> seconds, from
-    `measured_block_seconds`) replaces the FLOPs estimate. Raises `MachinePlanError` where it cannot run."""
+    own defaults) gives the tokens a block sees, or `tokens` gives them itself (a pipeline that is not diffusers');
+    `block_seconds` (block path -> seconds, from `measured_block_seconds`) replaces the FLOPs estimate. Raises
+    `MachinePlanError` where it cannot run."""
     from layerstream.offload import plan_placement, priced_placement  # the composition root prices the stores
     from layerstream.plan.resolver import resolve_offload_plan
     from layerstream.runtime.stores.disk.staging import NUM_STAGING_BUFFERS
@@ -169,8 +179,19 @@ def plan_for_machine(
     check_machine(machine)
     cpu = torch.device("cpu")  # layouts are priced here; their bytes do not depend on the device
     notes: list[str] = []
+    tokens = latent_tokens(pipeline, size) if tokens is None else tokens
+    reserve_gb, estimated = activation_reserve(pipeline, tokens)
+    if estimated:
+        notes.append(
+            f"the activation reserve is {reserve_gb:.3g} GB, not the default {DEFAULT_ACTIVATION_RESERVE_GB:g}: a DiT block's "
+            f"forward at {tokens} tokens holds about that much at its peak (an estimate, `block_activation_nbytes`)"
+        )
     for text_encoder in (False, True):
-        unbudgeted = resolve_offload_plan(pipeline, parse_offload_config(recommended_config(pipeline, machine, text_encoder=text_encoder, host_budget_gb=None)))
+        unbudgeted = resolve_offload_plan(
+            pipeline, parse_offload_config(recommended_config(
+                pipeline, machine, text_encoder=text_encoder, host_budget_gb=None, activation_reserve_gb=reserve_gb,
+            )),
+        )  # fmt: skip
         placement, host_nbytes = priced_placement(pipeline, unbudgeted, cpu)
         if _device_nbytes(unbudgeted, placement) <= machine.device_memory_gb * GB or not _has_text_encoder(unbudgeted):
             break
@@ -195,10 +216,9 @@ def plan_for_machine(
     except LayerstreamError as e:
         raise MachinePlanError(f"host_memory_gb = {machine.host_memory_gb:g}: {e}") from e
     budget_gb = None if choice.budget_gb is None else _round_down(choice.budget_gb)
-    config = recommended_config(pipeline, machine, text_encoder=text_encoder, host_budget_gb=budget_gb)
+    config = recommended_config(pipeline, machine, text_encoder=text_encoder, host_budget_gb=budget_gb, activation_reserve_gb=reserve_gb)
     plan = resolve_offload_plan(pipeline, parse_offload_config(config))
     placement = plan_placement(pipeline, plan, cpu)
-    tokens = latent_tokens(pipeline, size)
     compute, source = _block_compute(pipeline, placement, block_seconds, tokens, machine)
     per_step = _per_step(plan, placement, streamed, compute, machine)
     host_total = round(machine.baseline_gb * GB) + sum(needs.values()) - (0 if budget_gb is not None else needs["disk staging ring"])
@@ -208,7 +228,7 @@ def plan_for_machine(
         machine, config, placement, choice, device_nbytes, host_total,
         sum(streamed[p] for p in tier.from_disk_paths) if tier is not None else 0,
         per_step["link_bytes"], per_step["disk_bytes"], per_step["seconds"],
-        {k: per_step[k + "_s"] for k in ("compute", "link", "disk")}, source, tokens, tuple(notes),
+        {k: per_step[k + "_s"] for k in ("compute", "link", "disk")}, source, tokens, tuple(notes), reserve_gb,
     )  # fmt: skip
 
 
@@ -244,6 +264,32 @@ def latent_tokens(pipeline: Any, size: Mapping[str, int] | None = None) -> int:
     temporal = pipeline_frame_multiple(pipeline)
     frames = (size["num_frames"] - 1) // temporal + 1 if temporal and "num_frames" in defaults else 1
     return max(size["height"] // side, 1) * max(size["width"] // side, 1) * frames
+
+
+def block_activation_nbytes(block: nn.Module, tokens: int) -> int:
+    """An estimate of the activations one forward of `block` holds at its peak over `tokens` tokens, in its
+    dtype: the residual stream and its normed copy, beside either the attention's query, key, value and output
+    (four of the hidden width: fused attention keeps no tokens x tokens matrix) or the widest layer's output and
+    its activation. The hidden width is the input width most of the block's linear layers share."""
+    linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        return 0
+    hidden = Counter(m.in_features for m in linears).most_common(1)[0][0]
+    widest = max(m.out_features for m in linears)
+    return tokens * max(6 * hidden, 2 * hidden + 2 * widest) * linears[0].weight.dtype.itemsize
+
+
+def activation_reserve(pipeline: Any, tokens: int) -> tuple[float, bool]:
+    """(the device memory in GB to keep free for activations, whether the estimate exceeded the default): the
+    default reserve, or the largest `block_activation_nbytes` of a DiT's first block where that is more (a large
+    video: Wan 2.2 at 720p x 81 frames, 75,600 tokens, holds about 5.7 GB in one block's forward)."""
+    from layerstream.plan.resolved import lookup
+    from layerstream.plan.resolver import resolve_offload_plan
+
+    plan = resolve_offload_plan(pipeline, parse_offload_config({"mode": "layer", "components": ["dit"]}))
+    firsts = [s.block_paths[0] for c in plan.streamed if c.category == "dit" for s in c.stacks if s.block_paths]
+    estimate = max((block_activation_nbytes(lookup(pipeline, p), tokens) for p in firsts), default=0) / GB
+    return (estimate, True) if estimate > DEFAULT_ACTIVATION_RESERVE_GB else (DEFAULT_ACTIVATION_RESERVE_GB, False)
 
 
 def block_flops(block: nn.Module, tokens: int) -> int:
