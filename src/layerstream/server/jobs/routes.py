@@ -35,8 +35,10 @@ class _ServedFile(FileResponse):
         self._served, self._release = path, release
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        # no `pathsend`: a server offered it would read the link after this returns, once it is gone
+        extensions = {k: v for k, v in scope.get("extensions", {}).items() if k != "http.response.pathsend"}
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__({**scope, "extensions": extensions}, receive, send)
         finally:
             self._release(self._served)
 
