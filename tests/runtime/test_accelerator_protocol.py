@@ -206,7 +206,9 @@ def test_accelerator_engine_orders_copies_and_compute_with_events():
     assert torch.equal(run(model, (x,)), expected)
 
 
-def test_disable_waits_for_the_copy_stream_before_any_host_buffer_is_released():
+def _toy_on_recorded_engine():
+    """A 4-block toy DiT, its input and resident output, enabled on an accelerator engine over a `Recorder`:
+    (model, x, expected, recorder, the engines made, handle)."""
     torch.manual_seed(0)
     model = ToyDiT(dim=16, num_blocks=4).eval()
     x = torch.randn(2, 16)
@@ -219,6 +221,11 @@ def test_disable_waits_for_the_copy_stream_before_any_host_buffer_is_released():
         return engines[-1]
 
     handle = enable_offload(model, {"mode": "layer", "components": ["dit"]}, device="cpu", engine_factory=factory)
+    return model, x, expected, recorder, engines, handle
+
+
+def test_disable_waits_for_the_copy_stream_before_any_host_buffer_is_released():
+    model, x, expected, recorder, engines, handle = _toy_on_recorded_engine()
     assert torch.equal(run(model, (x,)), expected)  # the last block prefetches the first: a copy is in flight
     recorder.log.clear()
     handle.disable()
@@ -372,18 +379,7 @@ def test_the_slot_ring_is_recorded_on_the_copy_stream_before_any_copy_writes_it(
     """Slots are allocated on the compute stream; the copy stream writes them. Each is recorded on the copy
     stream at enable (`record_stream`), so the caching allocator reuses its memory only after every copy queued
     until it is freed has run, whichever way the pipeline goes (disable, or dropped without it)."""
-    torch.manual_seed(0)
-    model = ToyDiT(dim=16, num_blocks=4).eval()
-    x = torch.randn(2, 16)
-    expected = run(model, (x,))
-    recorder = Recorder()
-    engines = []
-
-    def factory(device, num_slots):
-        engines.append(AcceleratorCopyEngine(device, num_slots, api=recorder))
-        return engines[-1]
-
-    handle = enable_offload(model, {"mode": "layer", "components": ["dit"]}, device="cpu", engine_factory=factory)
+    model, x, expected, recorder, engines, handle = _toy_on_recorded_engine()
     copy_stream = recorder._name(engines[0].copy_stream, "stream")
     slots = handle.streamer.slot_buffers
     assert len(slots) >= 2

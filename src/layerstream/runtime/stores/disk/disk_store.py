@@ -453,4 +453,3 @@ class DiskHostStore(HostStoreBase):
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
-
