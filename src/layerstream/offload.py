@@ -174,13 +174,16 @@ def _plan_layer_mode(pipeline, plan: ResolvedOffloadPlan, components, stores: Co
     return layouts, placement, block_modules
 
 
-def block_layouts(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device) -> dict[str, BlockLayout]:
+def block_layouts(
+    pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device, *, allow_meta: bool = False
+) -> dict[str, BlockLayout]:
     """The packed layout of every streamable block (pure: reads tensors' addresses and shapes, moves nothing).
-    Raises `UnsupportedTensorError` for a block holding a tensor that cannot be packed."""
+    `allow_meta` lets planning lay out a skeleton's meta tensors (each its own span, at residue 0). Raises
+    `UnsupportedTensorError` for a block holding a tensor that cannot be packed."""
     blocks = {p: lookup(pipeline, p) for comp in plan.streamed for stack in comp.stacks for p in stack.block_paths}
     for path, block in blocks.items():
         check_packable_block_tensors(plan.pipeline_class, path, block)
-    return {p: BlockLayout(p, block, device) for p, block in blocks.items()}
+    return {p: BlockLayout(p, block, device, allow_meta=allow_meta) for p, block in blocks.items()}
 
 
 def place_for(plan: ResolvedOffloadPlan, layouts: Mapping[str, BlockLayout], stores: ComponentStores, device: torch.device) -> Placement:
@@ -205,7 +208,7 @@ def priced_placement(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.dev
     components = {c.path: lookup(pipeline, c.path) for c in plan.streamed}
     local_kinds = tuple(kind for kind in STORE_KINDS if kind is not SHARDED_KIND)  # opens no process group
     stores = compose_stores(StoreContext(plan, device, components), local_kinds, disk_tier=False)
-    layouts = block_layouts(pipeline, plan, device)
+    layouts = block_layouts(pipeline, plan, device, allow_meta=True)  # planning may price a skeleton
     return place_for(plan, layouts, stores, device), stores.slot_and_host_nbytes(plan, layouts)[1]
 
 

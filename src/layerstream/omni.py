@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from layerstream.config.offload_config import OffloadConfig, parse_offload_config
+from layerstream.models.hub import ModelSource
 from layerstream.models.input_image import ImageInputKind, ImageSource, pipeline_image_input
 from layerstream.models.output_limits import DEFAULT_MAX_SIDE_PIXELS
 from layerstream.offload import default_device, enable_offload
@@ -80,11 +81,13 @@ class GenerationResult:
 
 
 class Omni:
-    """A pipeline loaded from a local diffusers folder (or an embedded tiny model) with offload enabled."""
+    """A pipeline loaded from a Hugging Face Hub id, a local diffusers folder or an embedded tiny model, with
+    offload enabled. A Hub id is downloaded into huggingface_hub's cache first (`revision` pins a branch, tag
+    or commit; `variant` picks weights such as ``"fp16"``, as diffusers names them)."""
 
     def __init__(
         self,
-        model: str = "tiny-wan",
+        model: str | ModelSource = "tiny-wan",
         diffusion_offload_config: OffloadConfig | dict | str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | str | None = None,
@@ -93,15 +96,19 @@ class Omni:
         trace: bool = False,
         offload: bool = True,
         process_group=None,
+        revision: str | None = None,
+        variant: str | None = None,
     ):
-        from layerstream.models.loading import load_pipeline, pipeline_kind
+        from layerstream.models.loading import load_pipeline, pipeline_kind, resolve_model
 
         # parse before loading: a bad config is reported before any weight is read
         self.config = parse_offload_config(diffusion_offload_config if diffusion_offload_config is not None else DEFAULT_CONFIG)
-        self.model = model
+        self.model = model.model if isinstance(model, ModelSource) else model
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = _parse_dtype(dtype)
-        self.pipeline = load_pipeline(model, dtype=self.dtype)
+        self.source = model if isinstance(model, ModelSource) else resolve_model(model, revision=revision, variant=variant)
+        """Where the model's files came from (a Hub id's revision and commit, or the folder)."""
+        self.pipeline = load_pipeline(self.source, dtype=self.dtype)
         self.kind = pipeline_kind(self.pipeline)
         self._component_dtypes = _component_dtypes(self.pipeline)  # before enabling: blocks still hold weights
         self.image_input: ImageInputKind = pipeline_image_input(self.pipeline)

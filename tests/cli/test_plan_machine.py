@@ -30,7 +30,7 @@ def tiny_wan():
     return load_pipeline("tiny-wan")
 
 
-def _must_not_load(model: str):
+def _must_not_load(args):
     pytest.fail("the model was loaded before the flags were checked")
 
 
@@ -49,7 +49,8 @@ def _must_not_load(model: str):
     ],
 )
 def test_bad_flags_give_one_line_before_loading(capsys, monkeypatch, argv, fragments):
-    monkeypatch.setattr(plan_cmd, "_load", _must_not_load)
+    monkeypatch.setattr(plan_cmd, "_skeleton", _must_not_load)
+    monkeypatch.setattr(plan_cmd, "_weights", _must_not_load)
     code, out, err = run_plan(capsys, "tiny-wan", *argv)
     assert code == EXIT_USAGE and out == "" and err.count("\n") == 1 and err.startswith("layerstream: error: "), err
     for fragment in fragments:

@@ -51,6 +51,7 @@ def fake_loader(monkeypatch):
     pipelines.real = real
     module.ModelLoadError = ModelLoadError
     module.load_pipeline = lambda model, dtype=None: pipelines[model]
+    module.load_skeleton = lambda model, **_: (pipelines[model], {"model": model, "origin": "folder"})
     monkeypatch.setitem(sys.modules, "layerstream.models.loading", module)
     return pipelines
 

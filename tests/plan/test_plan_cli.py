@@ -34,7 +34,8 @@ def assert_one_line_error(code: int, out: str, err: str, *fragments: str) -> Non
 
 @pytest.fixture
 def fake_loader(monkeypatch):
-    """Stand in for layerstream.models.loading: `load(model)` returns what the test put in `pipelines`."""
+    """Stand in for layerstream.models.loading: `load_pipeline(model)` and `load_skeleton(model)` return what
+    the test put in `pipelines`."""
     module = types.ModuleType("layerstream.models.loading")
 
     class ModelLoadError(ValueError):
@@ -47,8 +48,12 @@ def fake_loader(monkeypatch):
             raise ModelLoadError(f"model {model!r}: no such folder;\nexpected a local diffusers folder or 'tiny-wan'")
         return pipelines[model]
 
+    def load_skeleton(model: str, **_):  # the test's pipeline stands for the skeleton
+        return load_pipeline(model), {"model": model, "origin": "folder"}
+
     module.ModelLoadError = ModelLoadError
     module.load_pipeline = load_pipeline
+    module.load_skeleton = load_skeleton
     monkeypatch.setitem(sys.modules, "layerstream.models.loading", module)
     return pipelines
 
@@ -56,18 +61,20 @@ def fake_loader(monkeypatch):
 # --- errors ------------------------------------------------------------------------------------------------
 
 
-def _must_not_load(model: str):
+def _must_not_load(args):
     pytest.fail("the model was loaded before the config was checked")
 
 
 def test_bad_json_config_is_reported_before_loading(capsys, monkeypatch):
-    monkeypatch.setattr(plan_cmd, "_load", _must_not_load)
+    monkeypatch.setattr(plan_cmd, "_skeleton", _must_not_load)
+    monkeypatch.setattr(plan_cmd, "_weights", _must_not_load)
     code, out, err = run_plan(capsys, "tiny-wan", "--diffusion-offload-config", "{not json")
     assert_one_line_error(code, out, err, "--diffusion-offload-config", "JSON")
 
 
 def test_invalid_config_value_is_reported_before_loading(capsys, monkeypatch):
-    monkeypatch.setattr(plan_cmd, "_load", _must_not_load)
+    monkeypatch.setattr(plan_cmd, "_skeleton", _must_not_load)
+    monkeypatch.setattr(plan_cmd, "_weights", _must_not_load)
     config = '{"mode": "layer", "components": ["vae"]}'
     code, out, err = run_plan(capsys, "tiny-wan", "--diffusion-offload-config", config)
     assert_one_line_error(code, out, err, "components[0]", "'vae'")
@@ -79,9 +86,9 @@ def test_missing_folder(capsys, tmp_path):
     assert_one_line_error(code, out, err, str(missing))
 
 
-def test_hub_id_is_refused(capsys):
+def test_a_hub_id_offline_is_one_line(capsys):  # the suite runs with HF_HUB_OFFLINE=1 (tests/models/test_hub.py: online)
     code, out, err = run_plan(capsys, "some-org/some-model")
-    assert_one_line_error(code, out, err, "'some-org/some-model'")
+    assert_one_line_error(code, out, err, "some-org/some-model", "HF_HUB_OFFLINE is set")
 
 
 def test_multi_line_load_errors_become_one_line(capsys, fake_loader):
@@ -137,7 +144,8 @@ def test_json(capsys, fake_loader, tiny):
     code, out, err = run_plan(capsys, "wan", "--json", "--diffusion-offload-config", json.dumps(config))
     assert (code, err) == (0, "")
     plan = resolve_offload_plan(pipe, config)
-    assert json.loads(out) == {**plan.to_dict(), "placement": plan_placement(pipe, plan).to_dict(), "residency": {}}
+    expected = {**plan.to_dict(), "placement": plan_placement(pipe, plan).to_dict(), "residency": {}}
+    assert json.loads(out) == {**expected, "model_source": {"model": "wan", "origin": "folder"}}
 
 
 def test_format_bytes():

@@ -98,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "difference against full precision, and link bytes, on --quality-model",
     )
     quality.add_argument(
-        "--quality-model", metavar="MODEL", default=None, help="with --quality: a tiny model name or a local diffusers folder (default: tiny-flux)"
+        "--quality-model", metavar="MODEL", default=None, help="with --quality: a Hugging Face Hub id (downloaded into its cache), a tiny model name or a local diffusers folder (default: tiny-flux)"
     )
     quality.add_argument("--quality-steps", type=int, default=None, metavar="N", help="with --quality: denoising steps (default: 4)")
 

@@ -35,6 +35,35 @@ def parse_config_arg(text: str | None, default: dict | None = None):
         raise CliError(f"--diffusion-offload-config: {e}") from e
 
 
+def add_hub_arguments(parser: argparse.ArgumentParser) -> None:
+    """--revision and --variant, for a model given as a Hugging Face Hub id."""
+    parser.add_argument(
+        "--revision", default=None, metavar="REV",
+        help="Hub ids only: the branch, tag or commit to download (default: main); reported in the summary",
+    )  # fmt: skip
+    parser.add_argument(
+        "--variant", default=None, metavar="NAME",
+        help='weights variant as diffusers names it, e.g. "fp16" (default: the plain weights)',
+    )  # fmt: skip
+
+
+def fetch_before_ranks(args: argparse.Namespace) -> dict[str, str]:
+    """With --nproc and a Hub id: download the snapshot here, once, before any rank starts (a download can take
+    far longer than the ranks' collective timeout), and return the environment that makes every rank read
+    that snapshot from the cache without a request, so that all ranks load one commit."""
+    from layerstream.models.hub import looks_like_hub_id
+
+    if not looks_like_hub_id(args.model) or Path(args.model).exists():
+        return {}
+    from layerstream.models.loading import ModelLoadError, resolve_model
+
+    try:
+        resolve_model(args.model, revision=args.revision, variant=args.variant)
+    except ModelLoadError as e:
+        raise CliError(" ".join(str(e).split())) from e
+    return {"HF_HUB_OFFLINE": "1"}
+
+
 def configure_logging(verbose: bool = False) -> None:
     import os
 

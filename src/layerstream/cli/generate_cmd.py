@@ -10,8 +10,10 @@ from pathlib import Path
 
 from layerstream.cli.common import (
     CliError,
+    add_hub_arguments,
     check_device_arg,
     check_output_path,
+    fetch_before_ranks,
     non_negative_float,
     parse_config_arg,
     positive_float,
@@ -43,7 +45,12 @@ _REQUEST_FLAGS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny-wan", help="local diffusers folder or an embedded tiny model (default: tiny-wan)")
+    parser.add_argument(
+        "--model", default="tiny-wan",
+        help="a Hugging Face Hub id (org/name, downloaded into its cache), a local diffusers folder, or an embedded "
+        "tiny model (default: tiny-wan)",
+    )  # fmt: skip
+    add_hub_arguments(parser)
     parser.add_argument(
         "--prompt", type=prompt_text, default="a red fox running through fresh snow, cinematic",
         help=f"text prompt, at most {MAX_PROMPT_CHARS:,} characters (as the server takes)",
@@ -191,6 +198,8 @@ def _load(args: argparse.Namespace, config, world_size: int):
             simulated_link_gbps=args.link_gbps,
             trace=args.trace is not None,
             process_group=offload_group,
+            revision=args.revision,
+            variant=args.variant,
         )
     except (ModelLoadError, GenerationError, OffloadError) as e:
         raise CliError(str(e)) from e
@@ -352,13 +361,14 @@ def _join_ranks(args) -> tuple:
     import torch.distributed as dist
 
     from layerstream.distributed.process_group import backend_for, collective_timeout, init_distributed
+    from layerstream.models.hub import looks_like_hub_id
     from layerstream.models.loading import ModelLoadError, is_tiny_model_name, resolve_model_folder
 
     device = init_distributed(args.device)  # cuda:LOCAL_RANK (NCCL) or cpu (gloo)
     failed = None
-    if dist.get_rank() == 0 and is_tiny_model_name(args.model):
-        try:
-            resolve_model_folder(args.model)
+    if dist.get_rank() == 0 and (is_tiny_model_name(args.model) or looks_like_hub_id(args.model)):
+        try:  # rank 0 builds the tiny model or downloads the Hub snapshot; the others then read it
+            resolve_model_folder(args.model, revision=args.revision, variant=args.variant)
         except ModelLoadError as e:
             failed = e
     dist.barrier()  # every rank waits for the build (a failure is reported by each rank's own load below)
@@ -370,7 +380,8 @@ def _join_ranks(args) -> tuple:
 def _launch_ranks(args) -> int:
     from layerstream.distributed.launch import launch_torchrun, without_nproc
 
-    return launch_torchrun(args.nproc, without_nproc(sys.argv[1:]))  # the ranks run the same command
+    extra_env = fetch_before_ranks(args)
+    return launch_torchrun(args.nproc, without_nproc(sys.argv[1:]), extra_env=extra_env)  # the ranks run the same command
 
 
 def _rank_info() -> tuple[int, int]:
@@ -385,7 +396,7 @@ def _rank_info() -> tuple[int, int]:
 
 
 def _default_output(model: str, kind: str, seed: int) -> Path:
-    name = Path(model).name if Path(model).exists() else model
+    name = Path(model).name  # a folder's name, a Hub id's name, or a tiny model's
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Path.cwd() / f"layerstream-{name}-seed{seed}-{stamp}{'.png' if kind == 'image' else '.mp4'}"
 

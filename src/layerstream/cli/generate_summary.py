@@ -22,6 +22,7 @@ def summary(model, omni, result, output, identical, trace_files, rank, *, prompt
     return {
         "rank": rank,
         "model": model,
+        "source": omni.source.to_dict(),
         "prompt": prompt,
         "seed": seed,
         "width": int(width),
@@ -74,6 +75,8 @@ def print_table(summaries: list[dict]) -> None:
             -1,
             ("read from disk", lambda s: f"{_mib(s['disk_bytes_read'])}, {s['disk_stall_seconds'] * 1e3:,.1f} ms stalled on the disk"),
         )
+    if any(s["source"]["origin"] == "hub" for s in summaries):  # the Hub revision the files are of
+        rows.insert(1, ("revision", lambda s: f"{s['source']['revision']} (commit {s['source']['commit']})" if s["source"]["origin"] == "hub" else "-"))
     if any(s.get("image") for s in summaries):
         rows.insert(4, ("input image", lambda s: f"{s['image']} (size {s['size_note']})"))
     if any(s["trace_files"] for s in summaries):

@@ -1,12 +1,19 @@
-"""`layerstream plan MODEL`: print what offload would do with each component, without enabling anything."""
+"""`layerstream plan MODEL`: print what offload would do with each component, without enabling anything.
+
+The plan is made on the pipeline's skeleton (`layerstream.models.skeleton`: models built from their configs
+on the meta device, in the dtypes the checkpoint stores), so no weight is read. For a Hub id the configs and
+the safetensors headers come from the Hub and nothing else is downloaded; the plan is the same as for the
+downloaded folder by construction. Only ``--measure`` needs the weights.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
-from layerstream.cli.common import CliError, parse_config_arg
+from layerstream.cli.common import CliError, add_hub_arguments, parse_config_arg
 from layerstream.cli.plan_machine import add_machine_arguments, run_machine_plan, wants_machine_plan
 from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan
 
@@ -16,7 +23,16 @@ _NUMERIC = frozenset({"blocks", "max block", "streamed", "resident"})
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of the ``plan`` subcommand."""
-    parser.add_argument("model", help='"tiny-wan" (the embedded tiny model) or a local diffusers-format folder')
+    parser.add_argument(
+        "model",
+        help='a Hugging Face Hub id (planned from its metadata: nothing is downloaded), a local diffusers-format '
+        'folder, or an embedded tiny model ("tiny-wan")',
+    )
+    add_hub_arguments(parser)
+    parser.add_argument(
+        "--download", action="store_true",
+        help="with a Hub id and --measure: download the model first (--measure runs its weights)",
+    )  # fmt: skip
     parser.add_argument(
         "--diffusion-offload-config",
         metavar="JSON",
@@ -30,9 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Resolve the plan for ``args.model`` and print it; user errors raise `CliError` (exit code 2)."""
     if wants_machine_plan(args):  # --device-memory and --host-memory: the plan for that machine
-        return run_machine_plan(args, _load(args.model))
+        pipeline, origin = _weights(args) if args.measure else _skeleton(args)
+        _print_origin(origin, args.json)
+        return run_machine_plan(args, pipeline)
+    if args.download:
+        raise CliError("--download: only used with --measure (a plan needs no weights; --measure runs them)")
     config = parse_config_arg(args.diffusion_offload_config)  # before loading: a bad config fails fast
-    pipeline = _load(args.model)
+    pipeline, origin = _skeleton(args)
 
     # imported here, not at the top: the parser imports every subcommand, and `--help` should not load torch
     from layerstream.plan.offload_plan import OffloadPlanError
@@ -47,8 +67,9 @@ def run(args: argparse.Namespace) -> int:
     residency = residency_lines(plan, placement, why_not)
     if args.json:
         placed = placement.to_dict() if placement is not None else {"undecided": why_not}
-        print(json.dumps({**plan.to_dict(), "placement": placed, "residency": residency}, indent=2))
+        print(json.dumps({**plan.to_dict(), "placement": placed, "residency": residency, "model_source": origin}, indent=2))
     else:
+        _print_origin(origin, False)
         print(format_plan(plan, placement))
         if residency:
             print("residency:")
@@ -109,17 +130,55 @@ def host_tier_lines(plan: ResolvedOffloadPlan, placement) -> list[str]:
     return lines
 
 
-def _load(model: str) -> Any:
+def _skeleton(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """(the pipeline's skeleton, where its metadata came from), by `load_skeleton`."""
+    loading = _loading()
     try:
-        from layerstream.models.loading import ModelLoadError, load_pipeline
+        return loading.load_skeleton(args.model, revision=args.revision, variant=args.variant)
+    except loading.ModelLoadError as e:
+        raise CliError(_one_line(e)) from e
+
+
+def _weights(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """(the pipeline with its weights, where they came from), for --measure: a Hub id is read from the cache,
+    or downloaded with --download."""
+    loading = _loading()
+    from layerstream.models.hub import looks_like_hub_id
+
+    hub = looks_like_hub_id(args.model) and not Path(args.model).exists()
+    try:
+        if hub and not args.download:  # only what the cache holds: --measure downloads nothing unasked
+            source = loading.resolve_model(args.model, revision=args.revision, variant=args.variant, offline=True)
+            return loading.load_pipeline(source), source.to_dict()
+        source = loading.resolve_model(args.model, revision=args.revision, variant=args.variant)
+        return loading.load_pipeline(source), source.to_dict()
+    except loading.ModelLoadError as e:
+        if hub and not args.download:
+            raise CliError(f"--measure runs the model's weights and {args.model} is not downloaded: add --download to fetch it") from e
+        raise CliError(_one_line(e)) from e
+
+
+def _loading():
+    import importlib
+
+    try:
+        loading = importlib.import_module("layerstream.models.loading")
     except ModuleNotFoundError as e:
         if e.name and e.name.startswith("layerstream"):
             raise CliError("loading models is not available in this build (no layerstream.models.loading)") from e
         raise CliError(f"loading models needs the diffusers extra (pip install 'layerstream[diffusers]'): {e}") from e
-    try:
-        return load_pipeline(model)
-    except ModelLoadError as e:
-        raise CliError(_one_line(e)) from e
+    return loading
+
+
+def _print_origin(origin: dict[str, Any], as_json: bool) -> None:
+    """For a Hub id planned from its metadata: say so, with what a download would fetch."""
+    if as_json or "download_bytes" not in origin:
+        return
+    print(
+        f"{origin['model']} @ {origin['revision']} (commit {origin['commit']}): planned from {origin['from']}, nothing "
+        f"downloaded; the download is {format_bytes(origin['total_download_bytes'])} "
+        f"({format_bytes(origin['download_bytes'])} not yet in the cache)"
+    )
 
 
 def _one_line(error: Exception) -> str:

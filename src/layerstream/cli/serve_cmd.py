@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from layerstream.cli.common import CliError, parse_config_arg
+from layerstream.cli.common import CliError, add_hub_arguments, fetch_before_ranks, parse_config_arg
 from layerstream.server.settings import (  # plain data: no serve extra
     DEFAULT_BATCH_WAIT_MS,
     DEFAULT_MAX_BATCH_SIZE,
@@ -37,7 +37,17 @@ RANK0_PID_ENV = "LAYERSTREAM_SERVE_RANK0_PID_FILE"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of the ``serve`` subcommand."""
-    parser.add_argument("model", help='an embedded tiny model ("tiny-wan", "tiny-flux", ...) or a diffusers folder')
+    parser.add_argument(
+        "model",
+        help='a Hugging Face Hub id (org/name, downloaded into its cache), a local diffusers folder, or an embedded '
+        'tiny model ("tiny-wan", "tiny-flux", ...)',
+    )
+    add_hub_arguments(parser)
+    parser.add_argument(
+        "--omni", action="store_true",
+        help="accepted for vllm-omni's command line (vllm serve MODEL --omni) and ignored: layerstream always serves "
+        "the offloaded diffusion pipeline",
+    )  # fmt: skip
     parser.add_argument(
         "--diffusion-offload-config",
         metavar="JSON",
@@ -187,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
                 device=args.device,
                 dtype=args.dtype,
                 simulated_link_gbps=args.link_gbps,
+                revision=args.revision,
+                variant=args.variant,
             )
         except (ModelLoadError, GenerationError, OffloadError) as e:
             raise CliError(" ".join(str(e).split())) from e
@@ -337,7 +349,8 @@ def _launch_ranks(args: argparse.Namespace, settings) -> int:
     forwarded = without_nproc(sys.argv[1:])
     with tempfile.TemporaryDirectory(prefix="layerstream-serve-") as folder:
         pid_file = Path(folder) / "rank0.pid"
-        process = start_torchrun(args.nproc, forwarded, extra_env={RANK0_PID_ENV: str(pid_file)})
+        extra_env = {RANK0_PID_ENV: str(pid_file), **fetch_before_ranks(args)}
+        process = start_torchrun(args.nproc, forwarded, extra_env=extra_env)
 
         def pass_on(signum: int, frame: object) -> None:
             try:
@@ -356,7 +369,8 @@ def _launch_ranks(args: argparse.Namespace, settings) -> int:
 def _serve_rank(args: argparse.Namespace, config, settings) -> int:
     """One rank of several: rank 0 binds, serves HTTP and runs waves; the others run the waves it sends."""
     from layerstream.distributed.process_group import destroy_distributed
-    from layerstream.models.loading import ModelLoadError, is_tiny_model_name, resolve_model_folder
+    from layerstream.models.hub import looks_like_hub_id
+    from layerstream.models.loading import ModelLoadError, is_tiny_model_name, resolve_model
     from layerstream.omni import GenerationError, Omni
     from layerstream.errors import OffloadError
     from layerstream.server.ranks import ControlChannel, RankGroupError, RankRuntime, join_serving_ranks, serve_follower
@@ -376,9 +390,11 @@ def _serve_rank(args: argparse.Namespace, config, settings) -> int:
     timeout = args.collective_timeout_s
     channel = None
 
-    def prepare() -> None:
-        if is_tiny_model_name(args.model):
-            resolve_model_folder(args.model)  # built once here, then read by every rank
+    prepared: list = []
+
+    def prepare() -> None:  # rank 0 builds the tiny model or downloads the Hub snapshot; the others wait for it
+        if is_tiny_model_name(args.model) or looks_like_hub_id(args.model):
+            prepared.append(resolve_model(args.model, revision=args.revision, variant=args.variant))
 
     try:
         setup = join_serving_ranks(args.device, timeout, prepare)
@@ -387,8 +403,13 @@ def _serve_rank(args: argparse.Namespace, config, settings) -> int:
         if rank == 0 and os.environ.get(RANK0_PID_ENV):
             Path(os.environ[RANK0_PID_ENV]).write_text(str(os.getpid()))
 
+        # the others read what rank 0 fetched from the cache, so every rank loads the same commit
+        source = prepared[0] if prepared else args.model
+        offline = rank != 0 and looks_like_hub_id(args.model) and not Path(args.model).exists()
+
         def load(group):
-            return Omni(model=args.model, diffusion_offload_config=config, device=setup.device, dtype=args.dtype,
+            model = resolve_model(args.model, revision=args.revision, variant=args.variant, offline=True) if offline else source
+            return Omni(model=model, diffusion_offload_config=config, device=setup.device, dtype=args.dtype,
                         simulated_link_gbps=args.link_gbps, process_group=group)  # fmt: skip
 
         try:

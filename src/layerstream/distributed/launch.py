@@ -63,13 +63,13 @@ def without_nproc(argv: list[str]) -> list[str]:
     return kept
 
 
-def launch_torchrun(nproc: int, module_args: list[str]) -> int:
+def launch_torchrun(nproc: int, module_args: list[str], *, extra_env: dict[str, str] | None = None) -> int:
     """Run ``python -m layerstream <module_args>`` in `nproc` ranks under torchrun; return its exit code.
 
     torchrun's exit code is 0 when every rank exited 0. Ctrl-C is passed on to torchrun, which stops the
     ranks; the return is then 130. Raises ValueError for `nproc` < 1 and RuntimeError inside a rank.
     """
-    process = start_torchrun(nproc, module_args)
+    process = start_torchrun(nproc, module_args, extra_env=extra_env)
     try:
         return process.wait()
     except KeyboardInterrupt:

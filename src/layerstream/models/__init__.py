@@ -1,4 +1,4 @@
-"""Models layerstream can load: the embedded tiny models and local diffusers-format folders.
+"""Models layerstream can load: the embedded tiny models, local diffusers-format folders and Hub ids.
 
 Everything here needs the ``diffusers`` extra; names are imported on first use so that importing
 `layerstream.models` stays cheap.
@@ -18,6 +18,9 @@ _LAZY = {
     "load_pipeline": "layerstream.models.loading",
     "pipeline_kind": "layerstream.models.loading",
     "resolve_model_folder": "layerstream.models.loading",
+    "resolve_model": "layerstream.models.loading",
+    "ModelSource": "layerstream.models.hub",
+    "looks_like_hub_id": "layerstream.models.hub",
 }
 
 __all__ = list(_LAZY)

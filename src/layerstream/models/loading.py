@@ -1,8 +1,8 @@
-"""Loading a pipeline from a tiny model name or a local diffusers-format folder, never from the network.
+"""Loading a pipeline from a tiny model name, a local diffusers-format folder or a Hugging Face Hub id.
 
-layerstream fetches nothing at run time: a model is either one of the embedded tiny models (built locally
-on first use) or a folder the user downloaded beforehand. Everything is loaded on the host (CPU); placing
-modules on the device is the offload runtime's job.
+A Hub id is downloaded through huggingface_hub into its cache first (`layerstream.models.hub`); diffusers then
+reads the folder offline. Everything is loaded on the host (CPU); placing modules on the device is the
+offload runtime's job.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import inspect
 import json
 import logging
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +21,7 @@ import torch
 from layerstream.models.cast_on_load import cast_from_files_, components_to_cast
 from layerstream.models.readahead import Readahead
 from layerstream.models.folder_check import MODEL_INDEX, ModelLoadError, check_model_folder
+from layerstream.models.hub import ModelSource, download_snapshot, looks_like_hub_id
 from layerstream.models.saved_dtypes import saved_dtypes
 from layerstream.models.tiny import TINY_MODELS, PipelineKind, ensure_tiny_model
 
@@ -30,12 +30,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_DOWNLOAD_HINT = (
-    "download the folder first (e.g. with huggingface-cli download) and pass its path; nothing is fetched at run time"
-)
-
-# "org/name" as the Hugging Face Hub spells repository ids.
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_WHAT_MODEL_IS = "a tiny model name ({}), a local diffusers-format folder, or a Hugging Face Hub id (org/name)"
 
 
 def is_tiny_model_name(name: object) -> bool:
@@ -43,33 +38,50 @@ def is_tiny_model_name(name: object) -> bool:
     return isinstance(name, str) and name in TINY_MODELS
 
 
-def resolve_model_folder(model: str | os.PathLike[str]) -> Path:
-    """The diffusers-format folder `model` refers to, building it first if `model` is a tiny model name.
+def resolve_model_folder(
+    model: str | os.PathLike[str], *, revision: str | None = None, variant: str | None = None
+) -> Path:
+    """The diffusers-format folder `model` refers to (see `resolve_model`)."""
+    return resolve_model(model, revision=revision, variant=variant).folder
 
-    Tiny model names take precedence over a folder of the same name in the working directory (pass
-    ``./tiny-wan`` for the folder). A folder is checked before it is returned: every component its
-    ``model_index.json`` names has its subfolder, and files match the checksums layerstream recorded if it
-    built the folder (see `check_model_folder`). Raises `ModelLoadError` with one line saying what to do.
+
+def resolve_model(
+    model: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    variant: str | None = None,
+    offline: bool | None = None,
+) -> ModelSource:
+    """Where `model`'s files are: a tiny model built on first use, a local folder, or a Hub snapshot
+    downloaded into huggingface_hub's cache (only what the pipeline loads, in `variant` where given).
+
+    Tiny model names come first (pass ``./tiny-wan`` for a folder of that name), then an existing local path
+    (a folder that happens to be spelled ``org/name`` wins over the Hub), then a Hub id. A folder is checked
+    before it is returned: every component its ``model_index.json`` names has its subfolder, and files match
+    the checksums layerstream recorded if it built the folder (see `check_model_folder`). `revision` (a
+    branch, tag or commit) applies to Hub ids only; `offline` reads a Hub id from the cache without a request
+    (as ``HF_HUB_OFFLINE=1`` does). Raises `ModelLoadError` with one line saying what to do.
     """
     if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"model must be a tiny model name or a folder path, got {type(model).__name__}")
+        raise TypeError(f"model must be a tiny model name, a folder path or a Hub id, got {type(model).__name__}")
+    for name, value in (("revision", revision), ("variant", variant)):
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ModelLoadError(f"{name} = {value!r} is not valid; expected a non-empty string or None")
     if is_tiny_model_name(model):
         try:
-            return ensure_tiny_model(model)
+            return ModelSource(str(model), ensure_tiny_model(model), "tiny", variant=variant)
         except OSError as e:  # unwritable cache, a foreign folder in the way, a full disk
             raise ModelLoadError(f"cannot build tiny model {model}: {type(e).__name__}: {_first_line(e)}") from e
     text = os.fspath(model)
     if not text:
-        raise ModelLoadError(f"model is empty: pass a tiny model name ({', '.join(TINY_MODELS)}) or a folder path")
+        raise ModelLoadError(f"model is empty: pass {_WHAT_MODEL_IS.format(', '.join(TINY_MODELS))}")
     folder = Path(text).expanduser()
     if not folder.exists():
-        if isinstance(model, str) and _HUB_ID.fullmatch(text):
-            raise ModelLoadError(
-                f"model {text!r} is not a local folder (it looks like a Hugging Face Hub id): {_DOWNLOAD_HINT}"
-            )
+        if isinstance(model, str) and looks_like_hub_id(text):
+            return download_snapshot(text, revision=revision, variant=variant, offline=offline)
         raise ModelLoadError(
-            f"model path {folder} does not exist; pass a tiny model name ({', '.join(TINY_MODELS)}) or a local "
-            f"diffusers-format folder: {_DOWNLOAD_HINT}"
+            f"model path {folder} does not exist and is not spelled like a Hub id (org/name); pass "
+            f"{_WHAT_MODEL_IS.format(', '.join(TINY_MODELS))}"
         )
     if not folder.is_dir():
         raise ModelLoadError(
@@ -78,17 +90,24 @@ def resolve_model_folder(model: str | os.PathLike[str]) -> Path:
     if not (folder / MODEL_INDEX).is_file():
         raise ModelLoadError(
             f"model folder {folder} has no {MODEL_INDEX}, so it is not a diffusers-format pipeline; pass the folder "
-            f"that holds {MODEL_INDEX} (the top of what huggingface-cli download wrote)"
+            f"that holds {MODEL_INDEX} (the top of what a Hub download wrote)"
         )
     check_model_folder(folder)
-    return folder
+    return ModelSource(text, folder, "folder", variant=variant)
 
 
-def load_pipeline(model: str | os.PathLike[str], *, dtype: torch.dtype | None = None) -> DiffusionPipeline:
-    """Load `model` (a tiny model name or a local diffusers-format folder) as a diffusers pipeline on the host.
+def load_pipeline(
+    model: str | os.PathLike[str] | ModelSource,
+    *,
+    dtype: torch.dtype | None = None,
+    revision: str | None = None,
+    variant: str | None = None,
+) -> DiffusionPipeline:
+    """Load `model` (a tiny model name, a local diffusers-format folder, a Hub id, or a `ModelSource` already
+    resolved) as a diffusers pipeline on the host.
 
-    Never touches the network: files are read with ``local_files_only=True`` while the Hugging Face Hub client
-    is held in offline mode. `dtype` casts every component; None loads each component in the dtype its
+    A Hub id is downloaded first (`resolve_model`); then files are read with ``local_files_only=True`` while
+    the Hugging Face Hub client is held in offline mode. `dtype` casts every component; None loads each component in the dtype its
     safetensors files store (a bfloat16 transformer stays bfloat16, a float32 VAE float32), which also lets
     diffusers keep the weights as lazy views of the files.
     Raises `ModelLoadError` for a bad `model` and for any failure of diffusers or transformers to load it.
@@ -104,11 +123,14 @@ def load_pipeline(model: str | os.PathLike[str], *, dtype: torch.dtype | None = 
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
 
+    source = model if isinstance(model, ModelSource) else resolve_model(model, revision=revision, variant=variant)
     load_kwargs: dict[str, Any] = {"local_files_only": True}
+    if source.variant is not None:
+        load_kwargs["variant"] = source.variant
     with hub_offline():
-        folder = resolve_model_folder(model)
+        folder = source.folder
         # no dtype: each component in the dtype its checkpoint stores (diffusers would upcast to float32)
-        saved = saved_dtypes(folder)
+        saved = saved_dtypes(folder, source.variant)
         cast_here = components_to_cast(folder, saved, dtype) if dtype is not None else []
         if dtype is None:
             load_kwargs["dtype"] = saved
@@ -125,6 +147,30 @@ def load_pipeline(model: str | os.PathLike[str], *, dtype: torch.dtype | None = 
             raise ModelLoadError(f"cannot load the pipeline in {folder}: {type(e).__name__}: {_first_line(e)}") from e
         finally:
             readahead.stop()
+
+
+def load_skeleton(
+    model: str | os.PathLike[str], *, revision: str | None = None, variant: str | None = None
+) -> tuple[Any, dict[str, Any]]:
+    """(`model`'s pipeline skeleton, where its metadata came from): models built from their configs on the
+    meta device in the dtypes the checkpoint stores, for planning; no weight is read. A Hub id that is not a
+    local path is described by the Hub's metadata alone (JSON files and safetensors headers), with the bytes a
+    download would fetch; anything else by its folder. Both build the skeleton the same way."""
+    from layerstream.models.hub import fetch_plan_metadata
+    from layerstream.models.skeleton import build_skeleton, folder_tensor_dtypes
+
+    text = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
+    if isinstance(model, str) and not is_tiny_model_name(model) and looks_like_hub_id(model) and not Path(text).exists():
+        meta = fetch_plan_metadata(model, revision=revision, variant=variant)
+        origin = {
+            **meta.source.to_dict(),
+            "from": "the Hub's metadata (configs and safetensors headers)",
+            "total_download_bytes": meta.total_nbytes,
+            "download_bytes": meta.download_nbytes,
+        }
+        return build_skeleton(meta.source.folder, meta.tensor_dtypes), origin
+    source = resolve_model(model, revision=revision, variant=variant)
+    return build_skeleton(source.folder, folder_tensor_dtypes(source.folder, source.variant)), source.to_dict()
 
 
 def pipeline_kind(pipeline: Any) -> PipelineKind:

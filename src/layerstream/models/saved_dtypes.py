@@ -55,11 +55,21 @@ def read_safetensors_header(path: Path) -> dict:
     return header
 
 
-def stored_dtype(folder: Path) -> torch.dtype | None:
-    """The floating dtype holding most bytes in the safetensors files of one component folder (None: no
-    safetensors files, or no floating tensors)."""
+def loaded_safetensors(folder: Path, variant: str | None = None) -> list[Path]:
+    """The safetensors files of one component folder that diffusers loads: those of `variant` where the folder
+    has them, else the plain ones (a folder may hold both, as a Hub snapshot fetched with two variants does)."""
+    from layerstream.models.hub import weight_file_key
+
+    files = sorted(folder.glob("*.safetensors"))
+    mine = [p for p in files if weight_file_key(p.name) == (".safetensors", variant)] if variant else []
+    return mine or [p for p in files if weight_file_key(p.name) == (".safetensors", None)]
+
+
+def stored_dtype(folder: Path, variant: str | None = None) -> torch.dtype | None:
+    """The floating dtype holding most bytes in the safetensors files diffusers loads from one component folder
+    (None: no safetensors files, or no floating tensors)."""
     totals: dict[torch.dtype, int] = {}
-    for path in sorted(folder.glob("*.safetensors")):
+    for path in loaded_safetensors(folder, variant):
         for name, entry in read_safetensors_header(path).items():
             if name == "__metadata__" or not isinstance(entry, dict):
                 continue
@@ -70,7 +80,7 @@ def stored_dtype(folder: Path) -> torch.dtype | None:
     return max(totals, key=totals.get) if totals else None
 
 
-def saved_dtypes(folder: Path) -> dict[str, torch.dtype]:
+def saved_dtypes(folder: Path, variant: str | None = None) -> dict[str, torch.dtype]:
     """Component name -> the dtype its weights are stored in, for every component of the pipeline folder that
     has safetensors files (others are left to their library's default)."""
     index = json.loads((folder / "model_index.json").read_text())
@@ -79,7 +89,7 @@ def saved_dtypes(folder: Path) -> dict[str, torch.dtype]:
         if name.startswith("_") or not isinstance(value, list) or not (folder / name).is_dir():
             continue
         try:
-            dtype = stored_dtype(folder / name)
+            dtype = stored_dtype(folder / name, variant)
         except (OSError, SafetensorsHeaderError):
             continue  # diffusers reports an unreadable file when it loads it, naming it
         if dtype is not None:

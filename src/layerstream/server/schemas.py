@@ -311,9 +311,19 @@ class RankHealth(BaseModel):
     host_bytes: int | None = Field(description="Host bytes of the rank's offload stores (None: nothing streamed).")
 
 
+class ModelSourceInfo(BaseModel):
+    model: str = Field(description="The model as the server was started with it.")
+    origin: Literal["tiny", "folder", "hub"]
+    folder: str = Field(description="The folder its files were read from (for a Hub id, the cached snapshot).")
+    revision: str | None = Field(default=None, description="Hub ids: the revision asked for (main by default).")
+    commit: str | None = Field(default=None, description="Hub ids: the commit the snapshot is of.")
+    variant: str | None = Field(default=None, description="The weights variant loaded (fp16...), if one was asked for.")
+
+
 class HealthResponse(BaseModel):
     status: Literal["ok", "draining", "failed"] = Field(description="failed: a serving rank was lost; exiting.")
     model: str
+    model_source: ModelSourceInfo = Field(description="Where the model's files came from.")
     kind: Literal["image", "video"]
     device: str
     dtype: str | None = Field(description="The dtype asked for with --dtype (None: each component as saved).")

@@ -356,6 +356,7 @@ class GenerationService:
         return {
             "status": "draining" if self.queue.closed else "ok",
             "model": self.limits.model,
+            "model_source": omni.source.to_dict(),  # a Hub id's revision and commit, or the folder
             "kind": self.limits.kind,
             "device": str(omni.device),
             "dtype": str(omni.dtype).removeprefix("torch.") if omni.dtype is not None else None,

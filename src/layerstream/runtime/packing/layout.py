@@ -110,6 +110,8 @@ class BlockLayout:
         block: nn.Module,
         device: torch.device | None = None,
         fresh_span: Callable[[list[SpanMember]], bool] | None = None,
+        *,
+        allow_meta: bool = False,
     ):
         self.path = path
         self.block = block
@@ -122,9 +124,11 @@ class BlockLayout:
         for module, name, outer, is_param in iter_block_tensors(block):
             for inner, tensor in flatten_inner(outer):  # a wrapper subclass packs its inner tensors
                 if tensor.device.type == "meta":
-                    raise ValueError(f"{path}: tensor {name!r} is on the meta device (weights not loaded)")
-                storage = tensor.untyped_storage()
-                key = (str(tensor.device), storage.data_ptr())
+                    if not allow_meta:
+                        raise ValueError(f"{path}: tensor {name!r} is on the meta device (weights not loaded)")
+                    key = ("meta", id(tensor))  # a skeleton's tensors share no storage: each is its own span
+                else:
+                    key = (str(tensor.device), tensor.untyped_storage().data_ptr())
                 by_storage.setdefault(key, []).append((module, name, tensor, is_param, inner))
 
         offset = 0
@@ -133,7 +137,7 @@ class BlockLayout:
             start = min(s for s, _ in extents)
             end = max(e for _, e in extents)
             source = members[0][2]
-            stays = device is not None and _same_device(source.device, device)
+            stays = device is not None and source.device.type != "meta" and _same_device(source.device, device)
             if fresh_span is not None and fresh_span([SpanMember(m, t, i) for m, _, t, _, i in members]):
                 stays = False
             residue = (source.untyped_storage().data_ptr() + start) % ALIGN_BYTES if stays else 0

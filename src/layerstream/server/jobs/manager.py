@@ -270,6 +270,7 @@ class JobManager:
     # views -----------------------------------------------------------------------------------------------------
     def _new_record(self, body: VideoJobRequest | ImageJobRequest, served: ServedRequest) -> JobRecord:
         request, limits = served.request, self.service.limits
+        source = self.service.omni.source
         width, height = request.width or limits.default_width, request.height or limits.default_height
         settings = JobSettings(
             prompt=request.prompt,
@@ -281,6 +282,8 @@ class JobManager:
             seed=request.seed,
             guidance_scale=request.guidance_scale,
             has_input_image=request.image is not None,
+            model_revision=(source.revision or "main") if source.origin == "hub" else None,
+            model_commit=source.commit,
         )
         seconds = None
         if isinstance(body, VideoJobRequest) and self.fps:

@@ -46,6 +46,10 @@ class JobSettings:
     guidance_scale: float | None
     """None: the model's default."""
     has_input_image: bool
+    model_revision: str | None = None
+    """A Hub model's revision as asked (``main``) and the commit it was (`model_commit`); None for a folder or a
+    tiny model, and in records written before these fields existed."""
+    model_commit: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -58,6 +62,8 @@ class JobSettings:
             "seed": self.seed,
             "guidance_scale": self.guidance_scale,
             "has_input_image": self.has_input_image,
+            "model_revision": self.model_revision,
+            "model_commit": self.model_commit,
         }
 
     @classmethod

@@ -1,0 +1,436 @@
+"""Models named by a Hugging Face Hub id (``"Wan-AI/Wan2.2-T2V-A14B-Diffusers"``): downloaded through
+huggingface_hub into its standard cache, or planned from the Hub's metadata alone.
+
+Only what the pipeline loads is fetched: ``model_index.json``, each component's config and tokenizer files,
+and its weights in one format (safetensors before ``.bin``, in the variant asked for). Settings are
+huggingface_hub's own and are read when a model is resolved, not at import: ``HF_ENDPOINT``, ``HF_HOME`` /
+``HF_HUB_CACHE``, ``HF_HUB_OFFLINE`` and the token (``HF_TOKEN`` or a saved login).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from layerstream.models.folder_check import MODEL_INDEX, ModelLoadError, check_model_folder
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""``org/name``, as the Hub spells repository ids."""
+
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_DEFAULT_ENDPOINT = "https://huggingface.co"
+_DEFAULT_REVISION = "main"
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".onnx", ".onnx_data", ".gguf")
+"""Files holding weights; of these only one format per component is fetched."""
+_FORMATS = (".safetensors", ".bin")  # in the order diffusers prefers them
+_SHARD = re.compile(r"-\d{5}-of-\d{5}")
+_INDEX = re.compile(r"(?P<stem>.+)\.(?P<format>safetensors|bin)\.index(?:\.(?P<variant>[^.]+))?\.json")
+
+
+def looks_like_hub_id(model: object) -> bool:
+    """Whether `model` is spelled like a Hub repository id (``org/name``)."""
+    return isinstance(model, str) and HUB_ID.fullmatch(model) is not None
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files come from: an embedded tiny model, a local folder, or a Hub snapshot."""
+
+    model: str
+    """The model as the caller named it."""
+    folder: Path
+    origin: Literal["tiny", "folder", "hub"]
+    revision: str | None = None
+    """The Hub revision asked for (None: ``main``)."""
+    commit: str | None = None
+    """The Hub commit the snapshot is of."""
+    variant: str | None = None
+    """The weights variant diffusers loads (``"fp16"``); None: the plain weights."""
+
+    def describe(self) -> str:
+        """One line for a summary: the id with its revision and commit, or the folder."""
+        if self.origin != "hub":
+            return self.model if self.origin == "tiny" else str(self.folder)
+        return f"{self.model} @ {self.revision or _DEFAULT_REVISION} (commit {self.commit})"
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": self.model, "origin": self.origin, "folder": str(self.folder)}
+        if self.origin == "hub":
+            out.update(revision=self.revision or _DEFAULT_REVISION, commit=self.commit)
+        if self.variant is not None:
+            out["variant"] = self.variant
+        return out
+
+
+@dataclass(frozen=True)
+class HubSettings:
+    """huggingface_hub's settings as the environment gives them now."""
+
+    endpoint: str
+    cache_dir: Path
+    offline: bool
+
+    @classmethod
+    def from_environment(cls) -> HubSettings:
+        env = os.environ
+        home = Path(env.get("HF_HOME") or Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface")
+        cache = Path(env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or home / "hub").expanduser()
+        offline = (env.get("HF_HUB_OFFLINE") or env.get("TRANSFORMERS_OFFLINE") or "").upper() in {"1", "ON", "YES", "TRUE"}
+        return cls(endpoint=(env.get("HF_ENDPOINT") or _DEFAULT_ENDPOINT).rstrip("/"), cache_dir=cache, offline=offline)
+
+    def repo_dir(self, repo_id: str) -> Path:
+        """The repository's folder in the cache (huggingface_hub's layout: ``models--org--name``)."""
+        return self.cache_dir / ("models--" + repo_id.replace("/", "--"))
+
+
+@dataclass(frozen=True)
+class RepoFile:
+    """A file of a Hub repository at one commit, with what the Hub reports of it."""
+
+    name: str
+    size: int
+    blob: str | None
+    """The name its blob has in the cache (the LFS sha256, or the git blob id)."""
+
+
+@dataclass(frozen=True)
+class HubMetadata:
+    """A pipeline described by the Hub's metadata alone: its JSON files in a partial snapshot, the dtype of
+    every tensor from the safetensors headers, and what a download would fetch."""
+
+    source: ModelSource
+    tensor_dtypes: dict[str, dict[str, str]]
+    files: list[RepoFile] = field(default_factory=list)
+    """Every file a download of the pipeline fetches."""
+    cached: frozenset[str] = frozenset()
+    """Of `files`, those whose bytes are already in the cache."""
+
+    @property
+    def total_nbytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def download_nbytes(self) -> int:
+        """What a download would still fetch (the total less what the cache holds)."""
+        return sum(f.size for f in self.files if f.name not in self.cached)
+
+
+# --- choosing the files ---------------------------------------------------------------------------------------
+
+
+def select_files(filenames: Iterable[str], index: Mapping[str, Any], variant: str | None = None) -> list[str]:
+    """The files of a pipeline repository the pipeline loads: ``model_index.json``, every non-weight file in
+    each component's folder, and the component's weights in one format (safetensors, else ``.bin``), in
+    `variant` where the component has it (diffusers falls back to the plain weights where it has not).
+    Raises `ModelLoadError` where a component has weights only in a variant that was not asked for."""
+    by_folder: dict[str, list[str]] = {}
+    for name in filenames:
+        folder, _, leaf = name.rpartition("/")
+        by_folder.setdefault(folder, []).append(leaf)
+    chosen = [MODEL_INDEX]
+    for component, value in index.items():
+        if component.startswith("_") or not (isinstance(value, list) and len(value) == 2 and value[0] and value[1]):
+            continue
+        leaves = by_folder.get(component, [])
+        weights = [leaf for leaf in leaves if weight_file_key(leaf) is not None]
+        others = [leaf for leaf in leaves if weight_file_key(leaf) is None]
+        fmt, picked_variant = _pick_weights(component, [weight_file_key(leaf) for leaf in weights], variant)
+        for leaf in sorted(others + weights):
+            key = weight_file_key(leaf)
+            if key is None or key == (fmt, picked_variant):
+                chosen.append(f"{component}/{leaf}")
+    return chosen
+
+
+def weight_file_key(leaf: str) -> tuple[str, str | None] | None:
+    """(format, variant) of a weight file or weight index, None for any other file
+    (``"diffusion_pytorch_model.fp16-00001-of-00002.safetensors"`` -> ``(".safetensors", "fp16")``)."""
+    match = _INDEX.fullmatch(leaf)
+    if match:
+        return f".{match['format']}", match["variant"]
+    suffix = next((s for s in WEIGHT_SUFFIXES if leaf.endswith(s)), None)
+    if suffix is None:
+        return None
+    stem = _SHARD.sub("", leaf[: -len(suffix)])
+    _, dot, tail = stem.rpartition(".")
+    return suffix, (tail if dot else None)
+
+
+def _pick_weights(
+    component: str, keys: list[tuple[str, str | None] | None], variant: str | None
+) -> tuple[str | None, str | None]:
+    present = {k for k in keys if k is not None}
+    wanted = ([(f, variant) for f in _FORMATS] if variant else []) + [(f, None) for f in _FORMATS]
+    for key in wanted:
+        if key in present:
+            return key
+    variants = sorted({v for f, v in present if v and f in _FORMATS})
+    if variants:
+        raise ModelLoadError(
+            f"component {component} has weights only in the variant(s) {', '.join(variants)}; pass "
+            f"--variant {variants[0]} (variant={variants[0]!r} in Python)"
+        )
+    return None, None  # a component without loadable weights: diffusers reports it when it loads
+
+
+# --- talking to the Hub ----------------------------------------------------------------------------------------
+
+
+def download_snapshot(
+    repo_id: str, *, revision: str | None = None, variant: str | None = None, offline: bool | None = None
+) -> ModelSource:
+    """The cached snapshot of `repo_id` at `revision`, downloading what is missing of what the pipeline loads.
+
+    Offline (``HF_HUB_OFFLINE=1``, or `offline` True), or where the Hub cannot be reached, a cached snapshot is
+    used without a request. Before the first weight byte the missing bytes are checked against the cache's free space.
+    Raises `ModelLoadError` with one line naming the repository and what to do.
+    """
+    settings = HubSettings.from_environment()
+    if settings.offline or offline:
+        why = "HF_HUB_OFFLINE is set" if settings.offline else "it is read from the cache only"
+        return _cached_source(repo_id, revision, variant, settings, why=why)
+    with _hub_errors(repo_id, revision, settings):
+        try:
+            commit, files = _repo_files(repo_id, revision, settings)
+        except _NetworkError as e:
+            return _cached_source(repo_id, revision, variant, settings, why=f"the Hub at {settings.endpoint} cannot be reached ({e})")
+        index = json.loads(Path(_fetch(repo_id, MODEL_INDEX, commit, settings)).read_text())
+        wanted = [files[name] for name in select_files(files, index, variant)]
+        _check_free_space(repo_id, wanted, settings)
+        _fetch_all(repo_id, wanted, commit, settings)
+    _write_ref(repo_id, revision, commit, settings)
+    folder = settings.repo_dir(repo_id) / "snapshots" / commit
+    check_model_folder(folder)
+    return ModelSource(repo_id, folder, "hub", revision, commit, variant)
+
+
+def _write_ref(repo_id: str, revision: str | None, commit: str, settings: HubSettings) -> None:
+    """Record which commit a branch or tag named, as huggingface_hub's cache does (``refs/<name>``), so that an
+    offline run finds the snapshot by the name it was asked by. Files are fetched by commit, so that a branch
+    that moves during the download cannot mix two commits."""
+    name = revision or _DEFAULT_REVISION
+    if _COMMIT.fullmatch(name):
+        return
+    ref = settings.repo_dir(repo_id) / "refs" / name
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    partial = ref.with_name(ref.name + ".partial")
+    partial.write_text(commit)
+    partial.replace(ref)
+
+
+def fetch_plan_metadata(repo_id: str, *, revision: str | None = None, variant: str | None = None) -> HubMetadata:
+    """What planning needs of `repo_id`, fetching no weight file: the JSON files the pipeline loads (into the
+    cache) and the safetensors headers of its weights (by ranged reads of each file's first bytes)."""
+    settings = HubSettings.from_environment()
+    if settings.offline:
+        raise ModelLoadError(
+            f"model {repo_id}: planning from the Hub's metadata needs the network and HF_HUB_OFFLINE is set; "
+            "unset it, or plan a downloaded folder"
+        )
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=settings.endpoint)
+    with _hub_errors(repo_id, revision, settings):
+        try:
+            commit, files = _repo_files(repo_id, revision, settings)
+        except _NetworkError as e:
+            raise ModelLoadError(
+                f"model {repo_id}: cannot reach the Hub at {settings.endpoint} ({e}); planning from its metadata "
+                "needs the network"
+            ) from e
+        index = json.loads(Path(_fetch(repo_id, MODEL_INDEX, commit, settings)).read_text())
+        wanted = [files[name] for name in select_files(files, index, variant)]
+        dtypes: dict[str, dict[str, str]] = {}
+        for f in wanted:
+            if f.name.endswith(".json"):
+                _fetch(repo_id, f.name, commit, settings)
+            elif f.name.endswith(".safetensors"):
+                header = api.parse_safetensors_file_metadata(repo_id, f.name, revision=commit)
+                component = f.name.split("/", 1)[0]
+                dtypes.setdefault(component, {}).update({k: v.dtype for k, v in header.tensors.items()})
+    _write_ref(repo_id, revision, commit, settings)
+    cached = frozenset(f.name for f in wanted if _blob_cached(repo_id, f, settings))
+    folder = settings.repo_dir(repo_id) / "snapshots" / commit
+    return HubMetadata(ModelSource(repo_id, folder, "hub", revision, commit, variant), dtypes, wanted, cached)
+
+
+class _NetworkError(Exception):
+    """The Hub could not be reached (no route, refused, timed out)."""
+
+
+def _repo_files(repo_id: str, revision: str | None, settings: HubSettings) -> tuple[str, dict[str, RepoFile]]:
+    """(the commit `revision` names, every file of the repository at that commit)."""
+    from huggingface_hub import HfApi
+
+    try:
+        info = HfApi(endpoint=settings.endpoint).model_info(repo_id, revision=revision, files_metadata=True)
+    except Exception as e:
+        if _is_network_error(e):
+            raise _NetworkError(_first_line(e)) from e
+        raise
+    files = {}
+    for sibling in info.siblings or []:
+        blob = sibling.lfs.sha256 if sibling.lfs is not None else sibling.blob_id
+        size = sibling.lfs.size if sibling.lfs is not None else (sibling.size or 0)
+        files[sibling.rfilename] = RepoFile(sibling.rfilename, int(size or 0), blob)
+    return str(info.sha), files
+
+
+def _fetch(repo_id: str, filename: str, commit: str, settings: HubSettings) -> str:
+    from huggingface_hub import hf_hub_download
+
+    return hf_hub_download(repo_id, filename, revision=commit, cache_dir=settings.cache_dir, endpoint=settings.endpoint)
+
+
+def _fetch_all(repo_id: str, files: list[RepoFile], commit: str, settings: HubSettings) -> None:
+    """Download every file not yet in the snapshot: huggingface_hub's progress bars on a terminal, one line a
+    file otherwise (an interrupted file resumes where it stopped, by huggingface_hub's own rule)."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    snapshot = settings.repo_dir(repo_id) / "snapshots" / commit
+    todo = [f for f in files if not (snapshot / f.name).is_file()]
+    terminal = sys.stderr.isatty()
+    bars_were_off = are_progress_bars_disabled()
+    if not terminal:
+        disable_progress_bars()
+    try:
+        for number, f in enumerate(todo, 1):
+            if not terminal:
+                print(f"layerstream: downloading {repo_id}/{f.name} ({_gb(f.size)}) [{number}/{len(todo)}]",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            _fetch(repo_id, f.name, commit, settings)
+    finally:
+        if not terminal and not bars_were_off:
+            enable_progress_bars()
+
+
+def _check_free_space(repo_id: str, files: list[RepoFile], settings: HubSettings) -> None:
+    needed = sum(f.size for f in files if not _blob_cached(repo_id, f, settings))
+    where = settings.cache_dir
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if needed > free:
+        raise ModelLoadError(
+            f"model {repo_id}: the download needs {_gb(needed)} but the cache's filesystem ({settings.cache_dir}) "
+            f"has {_gb(free)} free; free some space or point HF_HUB_CACHE (or HF_HOME) at a larger disk"
+        )
+
+
+def _blob_cached(repo_id: str, f: RepoFile, settings: HubSettings) -> bool:
+    return f.blob is not None and (settings.repo_dir(repo_id) / "blobs" / f.blob).is_file()
+
+
+def _cached_source(
+    repo_id: str, revision: str | None, variant: str | None, settings: HubSettings, *, why: str
+) -> ModelSource:
+    """The cached snapshot of `revision`, read without a request."""
+    repo_dir = settings.repo_dir(repo_id)
+    wanted = revision or _DEFAULT_REVISION
+    commit = wanted if _COMMIT.fullmatch(wanted) else None
+    ref = repo_dir / "refs" / wanted
+    if commit is None and ref.is_file():
+        commit = ref.read_text().strip()
+    folder = repo_dir / "snapshots" / commit if commit else None
+    if folder is None or not (folder / MODEL_INDEX).is_file():
+        raise ModelLoadError(
+            f"model {repo_id}: {why} and no snapshot of revision {wanted} is cached in {settings.cache_dir}; "
+            "connect to the network (and unset HF_HUB_OFFLINE) to download it"
+        )
+    check_model_folder(folder)
+    _check_weights_present(repo_id, folder)
+    return ModelSource(repo_id, folder, "hub", revision, commit, variant)
+
+
+def _check_weights_present(repo_id: str, folder: Path) -> None:
+    """A snapshot that planning filled with JSON files only, or a download stopped half-way, is refused
+    naming the component whose weights are missing."""
+    import importlib
+
+    import torch
+
+    from layerstream.models.skeleton import pipeline_components
+
+    for name, (library, class_name) in pipeline_components(folder).items():
+        try:
+            cls = getattr(importlib.import_module(library), class_name)
+        except (ImportError, AttributeError):
+            continue  # the load names a class it cannot find
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+            continue
+        leaves = [p.name for p in (folder / name).iterdir()] if (folder / name).is_dir() else []
+        shards = _indexed_shards(folder / name, leaves)
+        has_weights = any(weight_file_key(leaf) is not None and _INDEX.fullmatch(leaf) is None for leaf in leaves)
+        if not has_weights or any(not (folder / name / s).is_file() for s in shards):
+            raise ModelLoadError(
+                f"model {repo_id}: the cached snapshot {folder.name} has no complete weights for component {name} "
+                "(a download that stopped, or a plan that fetched only metadata); connect to the network to finish it"
+            )
+
+
+def _indexed_shards(folder: Path, leaves: list[str]) -> set[str]:
+    shards: set[str] = set()
+    for leaf in leaves:
+        if _INDEX.fullmatch(leaf):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                shards.update(json.loads((folder / leaf).read_text()).get("weight_map", {}).values())
+    return shards
+
+
+@contextlib.contextmanager
+def _hub_errors(repo_id: str, revision: str | None, settings: HubSettings) -> Iterator[None]:
+    """huggingface_hub's errors as one `ModelLoadError` line naming the repository and what to do."""
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        yield
+    except GatedRepoError as e:
+        raise ModelLoadError(
+            f"model {repo_id}: the repository is gated and this machine has no access to it; accept its terms at "
+            f"{settings.endpoint}/{repo_id}, then log in (hf auth login) or set HF_TOKEN"
+        ) from e
+    except RepositoryNotFoundError as e:
+        raise ModelLoadError(
+            f"model {repo_id}: no such repository on the Hub at {settings.endpoint}, or it is private and this "
+            "machine is not logged in; check the id, or log in (hf auth login) or set HF_TOKEN"
+        ) from e
+    except RevisionNotFoundError as e:
+        raise ModelLoadError(
+            f"model {repo_id}: revision {revision!r} does not exist; pass a branch, tag or commit of the repository"
+        ) from e
+    except HfHubHTTPError as e:
+        raise ModelLoadError(f"model {repo_id}: the Hub answered {_first_line(e)}") from e
+    except Exception as e:
+        if _is_network_error(e):
+            raise ModelLoadError(
+                f"model {repo_id}: the download stopped, the Hub at {settings.endpoint} cannot be reached "
+                f"({_first_line(e)}); run again to resume it"
+            ) from e
+        raise
+
+
+def _is_network_error(error: BaseException) -> bool:
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if isinstance(error, HfHubHTTPError):
+        return False
+    module = type(error).__module__.split(".")[0]
+    return module in {"httpx", "httpx2", "requests", "urllib3"} or isinstance(error, (ConnectionError, TimeoutError))
+
+
+def _gb(num_bytes: int) -> str:
+    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e7 else f"{num_bytes / 1e6:.2f} MB"
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
