@@ -155,7 +155,8 @@ def test_a_revision_is_pinned_and_reported(hub, tmp_path, capsys):
     assert resolve_model(REPO).commit != commit  # main is another commit
 
     out = tmp_path / "fox.gif"
-    assert main(["generate", "--model", REPO, "--revision", "v1", "--steps", "1", "--output", str(out), "--json"]) == 0
+    small = ["--height", "32", "--width", "32", "--num-frames", "5", "--guidance-scale", "1"]
+    assert main(["generate", "--model", REPO, "--revision", "v1", "--steps", "1", *small, "--output", str(out), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     summary = summary[0] if isinstance(summary, list) else summary
     assert summary["source"] == {"model": REPO, "origin": "hub", "folder": str(source.folder), "revision": "v1", "commit": commit}
@@ -251,3 +252,17 @@ def _repo_files(hub) -> list[str]:
 
 def _index() -> dict:
     return json.loads((Path(ensure_tiny_model("tiny-wan")) / "model_index.json").read_text())
+
+
+def test_with_nproc_the_snapshot_is_fetched_once_before_the_ranks_and_they_read_the_cache(hub, monkeypatch):
+    import argparse
+
+    from layerstream.cli.common import fetch_before_ranks
+
+    args = argparse.Namespace(model=REPO, revision=None, variant=None)
+    env = fetch_before_ranks(args)
+    assert env == {"HF_HUB_OFFLINE": "1"} and any(f.endswith(".safetensors") for f in hub.downloaded())
+    hub.requests.clear()
+    monkeypatch.setenv("HF_HUB_OFFLINE", env["HF_HUB_OFFLINE"])  # what each rank then sees
+    assert resolve_model(REPO).commit == hub.repos[REPO].refs["main"] and hub.requests == []
+    assert fetch_before_ranks(argparse.Namespace(model="tiny-wan", revision=None, variant=None)) == {}
