@@ -366,12 +366,39 @@ def _launch_ranks(args: argparse.Namespace, settings) -> int:
                 signal.signal(sig, handler)
 
 
+class _RankModel:
+    """The model of one serving rank: rank 0 builds the tiny model or downloads the Hub snapshot while the others
+    wait; they then read what it fetched from the cache, so every rank loads the same commit."""
+
+    def __init__(self, args: argparse.Namespace, config):
+        self.args, self.config = args, config
+        self.source = None
+
+    def prepare(self) -> None:  # on rank 0, before the others go on
+        from layerstream.models.hub import looks_like_hub_id
+        from layerstream.models.loading import is_tiny_model_name, resolve_model
+
+        args = self.args
+        if is_tiny_model_name(args.model) or looks_like_hub_id(args.model):
+            self.source = resolve_model(args.model, revision=args.revision, variant=args.variant)
+
+    def load(self, setup, group):
+        from layerstream.models.hub import looks_like_hub_id
+        from layerstream.models.loading import resolve_model
+        from layerstream.omni import Omni
+
+        args, model = self.args, self.source or self.args.model
+        if self.source is None and looks_like_hub_id(args.model) and not Path(args.model).exists():
+            model = resolve_model(args.model, revision=args.revision, variant=args.variant, offline=True)
+        return Omni(model=model, diffusion_offload_config=self.config, device=setup.device, dtype=args.dtype,
+                    simulated_link_gbps=args.link_gbps, process_group=group)  # fmt: skip
+
+
 def _serve_rank(args: argparse.Namespace, config, settings) -> int:
     """One rank of several: rank 0 binds, serves HTTP and runs waves; the others run the waves it sends."""
     from layerstream.distributed.process_group import destroy_distributed
-    from layerstream.models.hub import looks_like_hub_id
-    from layerstream.models.loading import ModelLoadError, is_tiny_model_name, resolve_model
-    from layerstream.omni import GenerationError, Omni
+    from layerstream.models.loading import ModelLoadError
+    from layerstream.omni import GenerationError
     from layerstream.errors import OffloadError
     from layerstream.server.ranks import ControlChannel, RankGroupError, RankRuntime, join_serving_ranks, serve_follower
     from layerstream.server.runner import bind_socket, run_server
@@ -390,30 +417,16 @@ def _serve_rank(args: argparse.Namespace, config, settings) -> int:
     timeout = args.collective_timeout_s
     channel = None
 
-    prepared: list = []
-
-    def prepare() -> None:  # rank 0 builds the tiny model or downloads the Hub snapshot; the others wait for it
-        if is_tiny_model_name(args.model) or looks_like_hub_id(args.model):
-            prepared.append(resolve_model(args.model, revision=args.revision, variant=args.variant))
-
+    model = _RankModel(args, config)
     try:
-        setup = join_serving_ranks(args.device, timeout, prepare)
+        setup = join_serving_ranks(args.device, timeout, model.prepare)
         print(f"layerstream serve: rank {setup.rank} of {setup.world_size} (pid {os.getpid()}) on {setup.device}",
               file=sys.stderr, flush=True)  # fmt: skip
         if rank == 0 and os.environ.get(RANK0_PID_ENV):
             Path(os.environ[RANK0_PID_ENV]).write_text(str(os.getpid()))
 
-        # the others read what rank 0 fetched from the cache, so every rank loads the same commit
-        source = prepared[0] if prepared else args.model
-        offline = rank != 0 and looks_like_hub_id(args.model) and not Path(args.model).exists()
-
-        def load(group):
-            model = resolve_model(args.model, revision=args.revision, variant=args.variant, offline=True) if offline else source
-            return Omni(model=model, diffusion_offload_config=config, device=setup.device, dtype=args.dtype,
-                        simulated_link_gbps=args.link_gbps, process_group=group)  # fmt: skip
-
         try:
-            runtime = RankRuntime(setup, load)
+            runtime = RankRuntime(setup, lambda group: model.load(setup, group))
         except (ModelLoadError, GenerationError, OffloadError) as e:
             raise CliError(" ".join(str(e).split())) from e
         channel = ControlChannel(setup)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from layerstream.models.folder_check import MODEL_INDEX, ModelLoadError, check_model_folder
+from layerstream.models.weight_files import WEIGHT_INDEX, weight_file_key
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 """``org/name``, as the Hub spells repository ids."""
@@ -29,11 +30,7 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 _DEFAULT_ENDPOINT = "https://huggingface.co"
 _DEFAULT_REVISION = "main"
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".onnx", ".onnx_data", ".gguf")
-"""Files holding weights; of these only one format per component is fetched."""
 _FORMATS = (".safetensors", ".bin")  # in the order diffusers prefers them
-_SHARD = re.compile(r"-\d{5}-of-\d{5}")
-_INDEX = re.compile(r"(?P<stem>.+)\.(?P<format>safetensors|bin)\.index(?:\.(?P<variant>[^.]+))?\.json")
 
 
 def looks_like_hub_id(model: object) -> bool:
@@ -149,20 +146,6 @@ def select_files(filenames: Iterable[str], index: Mapping[str, Any], variant: st
             if key is None or key == (fmt, picked_variant):
                 chosen.append(f"{component}/{leaf}")
     return chosen
-
-
-def weight_file_key(leaf: str) -> tuple[str, str | None] | None:
-    """(format, variant) of a weight file or weight index, None for any other file
-    (``"diffusion_pytorch_model.fp16-00001-of-00002.safetensors"`` -> ``(".safetensors", "fp16")``)."""
-    match = _INDEX.fullmatch(leaf)
-    if match:
-        return f".{match['format']}", match["variant"]
-    suffix = next((s for s in WEIGHT_SUFFIXES if leaf.endswith(s)), None)
-    if suffix is None:
-        return None
-    stem = _SHARD.sub("", leaf[: -len(suffix)])
-    _, dot, tail = stem.rpartition(".")
-    return suffix, (tail if dot else None)
 
 
 def _pick_weights(
@@ -369,7 +352,7 @@ def _check_weights_present(repo_id: str, folder: Path) -> None:
             continue
         leaves = [p.name for p in (folder / name).iterdir()] if (folder / name).is_dir() else []
         shards = _indexed_shards(folder / name, leaves)
-        has_weights = any(weight_file_key(leaf) is not None and _INDEX.fullmatch(leaf) is None for leaf in leaves)
+        has_weights = any(weight_file_key(leaf) is not None and WEIGHT_INDEX.fullmatch(leaf) is None for leaf in leaves)
         if not has_weights or any(not (folder / name / s).is_file() for s in shards):
             raise ModelLoadError(
                 f"model {repo_id}: the cached snapshot {folder.name} has no complete weights for component {name} "
@@ -380,7 +363,7 @@ def _check_weights_present(repo_id: str, folder: Path) -> None:
 def _indexed_shards(folder: Path, leaves: list[str]) -> set[str]:
     shards: set[str] = set()
     for leaf in leaves:
-        if _INDEX.fullmatch(leaf):
+        if WEIGHT_INDEX.fullmatch(leaf):
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 shards.update(json.loads((folder / leaf).read_text()).get("weight_map", {}).values())
     return shards

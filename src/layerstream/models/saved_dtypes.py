@@ -58,7 +58,7 @@ def read_safetensors_header(path: Path) -> dict:
 def loaded_safetensors(folder: Path, variant: str | None = None) -> list[Path]:
     """The safetensors files of one component folder that diffusers loads: those of `variant` where the folder
     has them, else the plain ones (a folder may hold both, as a Hub snapshot fetched with two variants does)."""
-    from layerstream.models.hub import weight_file_key
+    from layerstream.models.weight_files import weight_file_key
 
     files = sorted(folder.glob("*.safetensors"))
     mine = [p for p in files if weight_file_key(p.name) == (".safetensors", variant)] if variant else []
