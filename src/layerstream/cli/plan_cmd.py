@@ -145,15 +145,12 @@ def _weights(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     loading = _loading()
     from layerstream.models.hub import looks_like_hub_id
 
-    hub = looks_like_hub_id(args.model) and not Path(args.model).exists()
-    try:
-        if hub and not args.download:  # only what the cache holds: --measure downloads nothing unasked
-            source = loading.resolve_model(args.model, revision=args.revision, variant=args.variant, offline=True)
-            return loading.load_pipeline(source), source.to_dict()
-        source = loading.resolve_model(args.model, revision=args.revision, variant=args.variant)
+    cache_only = looks_like_hub_id(args.model) and not Path(args.model).exists() and not args.download
+    try:  # a Hub id without --download: only what the cache holds, since --measure downloads nothing unasked
+        source = loading.resolve_model(args.model, revision=args.revision, variant=args.variant, offline=cache_only)
         return loading.load_pipeline(source), source.to_dict()
     except loading.ModelLoadError as e:
-        if hub and not args.download:
+        if cache_only:
             raise CliError(f"--measure runs the model's weights and {args.model} is not downloaded: add --download to fetch it") from e
         raise CliError(_one_line(e)) from e
 

@@ -107,9 +107,9 @@ def load_pipeline(
     resolved) as a diffusers pipeline on the host.
 
     A Hub id is downloaded first (`resolve_model`); then files are read with ``local_files_only=True`` while
-    the Hugging Face Hub client is held in offline mode. `dtype` casts every component; None loads each component in the dtype its
-    safetensors files store (a bfloat16 transformer stays bfloat16, a float32 VAE float32), which also lets
-    diffusers keep the weights as lazy views of the files.
+    the Hugging Face Hub client is held in offline mode. `dtype` casts every component; None loads each
+    component in the dtype its safetensors files store (a bfloat16 transformer stays bfloat16, a float32 VAE
+    float32), which also lets diffusers keep the weights as lazy views of the files.
     Raises `ModelLoadError` for a bad `model` and for any failure of diffusers or transformers to load it.
     """
     if dtype is not None and not isinstance(dtype, torch.dtype):
@@ -159,8 +159,7 @@ def load_skeleton(
     from layerstream.models.hub import fetch_plan_metadata
     from layerstream.models.skeleton import build_skeleton, folder_tensor_dtypes
 
-    text = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
-    if isinstance(model, str) and not is_tiny_model_name(model) and looks_like_hub_id(model) and not Path(text).exists():
+    if isinstance(model, str) and looks_like_hub_id(model) and not Path(model).expanduser().exists():
         meta = fetch_plan_metadata(model, revision=revision, variant=variant)
         origin = {
             **meta.source.to_dict(),

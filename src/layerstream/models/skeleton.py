@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import json
 import logging
 from collections.abc import Mapping
@@ -81,10 +82,10 @@ def build_skeleton(folder: Path, tensor_dtypes: TensorDtypes) -> Any:
     components: dict[str, Any] = {}
     for name, (library, class_name) in pipeline_components(folder).items():
         components[name] = _build_component(folder / name, name, library, class_name, tensor_dtypes.get(name, {}))
-    # optional components the pipeline was saved without, and ones left out above, are passed as None
-    expected = pipeline_class._get_signature_keys(pipeline_class)[0] if hasattr(pipeline_class, "_get_signature_keys") else []
-    for name in expected:
-        components.setdefault(name, None)
+    # what the pipeline's __init__ requires and the folder left out (optional components saved as [null, null])
+    for name, parameter in inspect.signature(pipeline_class.__init__).parameters.items():
+        if name != "self" and parameter.default is parameter.empty and parameter.kind is not parameter.VAR_KEYWORD:
+            components.setdefault(name, None)
     try:
         return pipeline_class(**components)
     except Exception as e:  # a pipeline whose __init__ needs what a skeleton leaves out (a tokenizer)
