@@ -26,7 +26,7 @@ from layerstream.config.offload_config import (
     parse_offload_config,
 )
 
-TOP_LEVEL_KEYS = ("mode", "components", "layer_options", "pin_memory", "host_budget_gb", "disk_dir")
+TOP_LEVEL_KEYS = ("mode", "components", "layer_options", "pin_memory", "host_budget_gb", "disk_dir", "lora_exact_unfuse")
 OPTION_KEYS = ("weight_transfer", "prefetch_depth", "storage_dtype")
 DIT_ONLY_KEYS = ("resident_layers", "device_budget_gb", "activation_reserve_gb")
 GB_KEYS = ("device_budget_gb", "activation_reserve_gb")
@@ -87,6 +87,8 @@ def valid_configs(draw) -> dict[str, Any]:
     obj: dict[str, Any] = {"mode": mode, "components": components}
     if draw(st.booleans()):
         obj["pin_memory"] = draw(st.booleans())
+    if mode == "layer" and draw(st.booleans()):
+        obj["lora_exact_unfuse"] = draw(st.booleans())
     if mode == "layer" and draw(st.booleans()):
         names = draw(st.lists(st.sampled_from(components), unique=True))  # may be none: {} is accepted
         obj["layer_options"] = {name: draw(_component_options(name)) for name in names}

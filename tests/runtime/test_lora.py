@@ -1,8 +1,9 @@
 """LoRA with offload enabled (issue 15, item 2): PEFT's `add_adapter` and diffusers' `load_lora_weights`,
 `set_adapters`, `fuse_lora`, `unfuse_lora`, `delete_adapters` and `unload_lora_weights` on tiny Wan 2.2 and
-tiny Flux pipelines give the resident pipeline's outputs bit for bit. Adapter weights stay resident on the
-device (counted in device bytes); fusing writes into the host store and keeps a host copy of the original
-bytes (counted in host bytes) so that unfusing restores them exactly, where PEFT's resident unmerge rounds."""
+tiny Flux pipelines give the resident pipeline's outputs bit for bit at every stage, unfuse and unload
+included. Adapter weights stay resident on the device (counted in device bytes); fusing writes into the host
+store. With ``lora_exact_unfuse`` it keeps a host copy of the original bytes (counted in host bytes) so that
+unfusing restores them exactly, where PEFT's unmerge (resident, and streamed by default) rounds."""
 
 from __future__ import annotations
 
@@ -37,12 +38,13 @@ def test_peft_add_adapter_after_enable_matches_the_resident_adapter(kind):
     assert torch.equal(generate(streamed, kind), generate(resident, kind))
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_diffusers_lora_lifecycle_matches_the_resident_pipeline_and_unfuse_is_exact(kind, tmp_path):
+def _lifecycle_until_fused(kind, tmp_path, config):
+    """(resident, streamed, handle, host bytes before fusing, original weights, both): two adapters loaded,
+    weighted and fused on both pipelines, every stage checked bit for bit against resident."""
     resident, streamed = load(kind), load(kind)
     first, second = write_lora_file(resident, tmp_path, seed=1), write_lora_file(resident, tmp_path, seed=2)
     original = _base_weights(resident.transformer)
-    handle = enable_offload(streamed, DIT, device="cpu")
+    handle = enable_offload(streamed, config, device="cpu")
     host_bytes = handle.stats().host_bytes
     base = generate(resident, kind)
     assert torch.equal(generate(streamed, kind), base)
@@ -63,11 +65,32 @@ def test_diffusers_lora_lifecycle_matches_the_resident_pipeline_and_unfuse_is_ex
 
     fused = both(lambda p: p.fuse_lora(adapter_names=["first", "second"], lora_scale=0.8))
     assert not torch.equal(fused, weighted)
-    streamed_blocks = handle.stats().per_component["transformer"]
-    assert handle.stats().host_bytes > host_bytes  # the pre-fuse bytes of the fused blocks, until unfused
     assert _base_weights(streamed.transformer).keys() == original.keys()
     assert not all(torch.equal(v, original[k]) for k, v in _base_weights(streamed.transformer).items())  # the store holds fused weights
-    assert streamed_blocks.num_streamed_blocks > 0
+    assert handle.stats().per_component["transformer"].num_streamed_blocks > 0
+    return resident, streamed, handle, host_bytes, original, both
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_diffusers_lora_lifecycle_matches_the_resident_pipeline_at_every_stage(kind, tmp_path):
+    resident, streamed, handle, host_bytes, original, both = _lifecycle_until_fused(kind, tmp_path, DIT)
+    assert handle.stats().host_bytes == host_bytes  # no pre-fuse copy by default
+    both(lambda p: p.unfuse_lora())  # PEFT's unmerge on both: the same rounding
+    assert all(torch.equal(v, _base_weights(resident.transformer)[k]) for k, v in _base_weights(streamed.transformer).items())
+    both(lambda p: p.delete_adapters("second"))
+    both(lambda p: p.fuse_lora())
+    both(lambda p: p.unfuse_lora())
+    unloaded = both(lambda p: p.unload_lora_weights())
+    assert all("lora_" not in n for n, _ in streamed.transformer.named_parameters())
+    handle.disable()
+    assert torch.equal(generate(streamed, kind), unloaded) and torch.equal(generate(resident, kind), unloaded)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lora_exact_unfuse_restores_the_original_bytes(kind, tmp_path):
+    config = {**DIT, "lora_exact_unfuse": True}
+    resident, streamed, handle, host_bytes, original, both = _lifecycle_until_fused(kind, tmp_path, config)
+    assert handle.stats().host_bytes > host_bytes  # the pre-fuse bytes of the fused blocks, until unfused
 
     for pipe in (resident, streamed):
         pipe.unfuse_lora()

@@ -30,7 +30,10 @@ DEFAULT_HOST_RESERVE_GB = 2.0
 """`host_budget_gb: "auto"` keeps this much host memory free for what a generation allocates beside the
 weights (latents, decoded frames, the tokenizer, Python objects); `host_reserve_gb` overrides it."""
 
-_TOP_LEVEL_KEYS = ("mode", "components", "layer_options", "pin_memory", "host_budget_gb", "host_reserve_gb", "disk_dir")
+_TOP_LEVEL_KEYS = (
+    "mode", "components", "layer_options", "pin_memory", "host_budget_gb", "host_reserve_gb", "disk_dir",
+    "lora_exact_unfuse",
+)  # fmt: skip
 _COMMON_OPTION_KEYS = ("weight_transfer", "prefetch_depth", "storage_dtype")
 _DIT_ONLY_OPTION_KEYS = ("resident_layers", "device_budget_gb", "activation_reserve_gb")
 
@@ -103,6 +106,10 @@ class OffloadConfig:
     disk_dir: str | None = None
     """With `host_budget_gb`: where blocks that are not backed by checkpoint files are spilled (default: under
     the layerstream cache)."""
+    lora_exact_unfuse: bool = False
+    """Layer mode: `unfuse_lora` restores the bytes from before the first fuse exactly (a host copy of each fused
+    block is kept until then). False (the default): unfusing subtracts the delta again, as diffusers does on a
+    resident model, which rounds the same way, so outputs stay equal to the resident pipeline's at every stage."""
 
     def __post_init__(self) -> None:
         # Freeze containers handed to the constructor, so no caller keeps a mutable alias into the config.
@@ -112,12 +119,16 @@ class OffloadConfig:
 
     def __hash__(self) -> int:
         items = frozenset(self.layer_options.items())
-        return hash((self.mode, self.components, items, self.pin_memory, self.host_budget_gb, self.host_reserve_gb, self.disk_dir))
+        return hash(
+            (self.mode, self.components, items, self.pin_memory, self.host_budget_gb, self.host_reserve_gb, self.disk_dir,
+             self.lora_exact_unfuse)
+        )  # fmt: skip
 
     def __reduce__(self):
         # mappingproxy cannot be pickled or deep-copied; rebuild from plain data instead.
         state = {"mode": self.mode, "components": self.components, "pin_memory": self.pin_memory}
         state |= {"host_budget_gb": self.host_budget_gb, "host_reserve_gb": self.host_reserve_gb, "disk_dir": self.disk_dir}
+        state |= {"lora_exact_unfuse": self.lora_exact_unfuse}
         return (_rebuild, (type(self), {**state, "layer_options": dict(self.layer_options)}))
 
     def options_for(self, component: str) -> LayerOptions:
@@ -133,6 +144,8 @@ class OffloadConfig:
             out["host_budget_gb"] = self.host_budget_gb
         if self.host_reserve_gb is not None:
             out["host_reserve_gb"] = self.host_reserve_gb
+        if self.lora_exact_unfuse:
+            out["lora_exact_unfuse"] = True
         if self.disk_dir is not None:
             out["disk_dir"] = self.disk_dir
         return out
@@ -199,6 +212,12 @@ def parse_offload_config(obj: Any) -> OffloadConfig:
     if not isinstance(pin_memory, bool):
         raise OffloadConfigError("pin_memory", pin_memory, "expected true or false")
 
+    lora_exact_unfuse = obj.get("lora_exact_unfuse", False)
+    if not isinstance(lora_exact_unfuse, bool):
+        raise OffloadConfigError("lora_exact_unfuse", lora_exact_unfuse, "expected true or false")
+    if lora_exact_unfuse and mode != "layer":
+        raise OffloadConfigError("lora_exact_unfuse", lora_exact_unfuse, 'applies only to mode "layer"; remove the key')
+
     layer_options: dict[str, LayerOptions] = {}
     if "layer_options" in obj:
         raw = obj["layer_options"]
@@ -222,6 +241,7 @@ def parse_offload_config(obj: Any) -> OffloadConfig:
         host_budget_gb=host_budget_gb,
         host_reserve_gb=host_reserve_gb,
         disk_dir=disk_dir,
+        lora_exact_unfuse=lora_exact_unfuse,
     )
 
 

@@ -159,7 +159,7 @@ def _install_hooks(plan, components, streamer: BlockStreamer, device: torch.devi
         for wrapper in install_root_hooks(streamer, components[comp.path]):
             hooks.add(comp.display_path, "component_call", "one thread at a time; frees a block a Ctrl-C left bound", wrapper.remove)
     streamed_components = {c.path: components[c.path] for c in plan.streamed}
-    lora, lora_wrappers = install_lora_support(streamer, streamed_components, device)
+    lora, lora_wrappers = install_lora_support(streamer, streamed_components, device, exact_unfuse=plan.config.lora_exact_unfuse)
     for wrapper in lora_wrappers:
         hooks.add(path_of[id(wrapper.module)], f"lora.{wrapper.name}", "binds the blocks' host weights while LoRA changes them", wrapper.remove)
     display = {c.path: c.display_path for c in plan.streamed}

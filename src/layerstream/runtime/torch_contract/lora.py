@@ -13,10 +13,11 @@ placeholders, so the operations that read or write base weights run with the blo
   `merge`/`unmerge` runs with its block bound to a device slot holding its bytes (the same kernels as on the
   resident model), and the block's bytes go back into the host store before the next block is bound, so every
   later forward streams the fused weights;
-- unfusing restores the bytes from before the first fuse exactly: fusing keeps a host copy of each block it
-  changes (counted in `stats()`'s host bytes) until the block has no fused adapter left. PEFT's own unmerge
-  subtracts the delta again, which rounds: the resident model comes back close to, not exactly at, its
-  original weights.
+- unfusing runs PEFT's own unmerge, which subtracts the delta again and rounds exactly as it does on the
+  resident model (the same arithmetic on the same values in the same order), so every stage of the life cycle
+  gives the resident pipeline's outputs. With ``lora_exact_unfuse`` in the config, unfusing instead restores
+  the bytes from before the first fuse exactly: fusing then keeps a host copy of each block it changes
+  (counted in `stats()`'s host bytes) until the block has no fused adapter left.
 
 Where this process does not hold a block whole (allgather shards), or holds it in a storage dtype
 (`storage_dtype`), each of these is refused before anything changes. Only the entry points above are covered: calling PEFT's `merge()` on a layer directly is not.
@@ -51,9 +52,10 @@ class LoraSupport:
     """Wraps the LoRA entry points of the streamed components (and of the pipeline) so that they see real
     weights; keeps the pre-fuse bytes of fused blocks."""
 
-    def __init__(self, streamer: BlockStreamer, device: torch.device):
+    def __init__(self, streamer: BlockStreamer, device: torch.device, *, exact_unfuse: bool = False):
         self._streamer = streamer
         self._device = device
+        self._exact_unfuse = exact_unfuse
         self._pre_fuse: dict[int, torch.Tensor] = {}  # block index -> its packed bytes before the first fuse
         self._depth = 0  # nested entry points (pipeline.fuse_lora calls transformer.fuse_lora): the outermost acts
         self._bound: StreamedBlock | None = None  # the block bound for a merge or unmerge
@@ -149,7 +151,7 @@ class LoraSupport:
             # merge writes into its slot; the slot's bytes then go back whole into the store (unbind_after_update_)
             self._streamer.bind_for_update_(block)
             self._bound = block
-        if operation == "merge" and block.index not in self._pre_fuse:
+        if self._exact_unfuse and operation == "merge" and block.index not in self._pre_fuse:
             self._pre_fuse[block.index] = block.host.host_range(0, block.host.layout.nbytes).clone()
         if operation == "unmerge":
             self._unmerged.add(block.index)
@@ -193,10 +195,13 @@ def _nothing() -> None:
     pass
 
 
-def install_lora_support(streamer: BlockStreamer, components: Mapping[str, nn.Module], device: torch.device):
+def install_lora_support(
+    streamer: BlockStreamer, components: Mapping[str, nn.Module], device: torch.device, *, exact_unfuse: bool = False
+):
     """LoRA support over `streamer`, with the entry points of every streamed component wrapped; returns
-    (support, wrappers). The pipeline's entry points are wrapped by `support.wrap_(pipeline)`."""
-    support = LoraSupport(streamer, device)
+    (support, wrappers). The pipeline's entry points are wrapped by `support.wrap_(pipeline)`. `exact_unfuse`:
+    unfusing restores the pre-fuse bytes instead of subtracting the delta."""
+    support = LoraSupport(streamer, device, exact_unfuse=exact_unfuse)
     wrappers = []
     for module in components.values():
         wrappers += support.wrap_(module)
