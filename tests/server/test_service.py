@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import gc
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from layerstream.models.hub import ModelSource
 from layerstream.omni import GenerationResult, RunStats
 from layerstream.server.metrics import JobOutcome
 from layerstream.server.schemas import ImageGenerationRequest
@@ -26,6 +28,7 @@ class StandInOmni:
     """Just enough of `Omni` for the service: makes blank images and records what is still alive."""
 
     model, kind, device, dtype = "stand-in", "image", "cpu", None
+    source = ModelSource("stand-in", Path("stand-in"), "folder")
 
     def __init__(self) -> None:
         self.pipeline = _Pipeline()
