@@ -3,6 +3,7 @@ this process, and the guard that keeps `fast` tests free of processes and socket
 
 from __future__ import annotations
 
+import logging
 import multiprocessing.process
 import os
 import socket
@@ -50,6 +51,20 @@ def _build_tiny_models_once(cache: Path) -> None:
     with FileLock(str(cache / "tiny-models.lock")):
         for name in TINY_MODELS:
             ensure_tiny_model(name)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` xdist has, by now, named each grouped test ``NODEID@GROUP`` (its worker
+    picks a group by that name): a grouped test without the suffix means the groups would run side by side."""
+    if _xdist_worker(config) is None or config.getoption("dist", None) != "loadgroup":
+        return
+    lost = [item.nodeid for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"--dist loadgroup did not group {lost[0]} (pytest {pytest.__version__}): "
+            "pin a pytest that pytest-xdist can rename items in (pyproject's test extra says which)"
+        )
 
 
 def _xdist_worker(config: pytest.Config) -> str | None:
@@ -104,6 +119,11 @@ def _fast_tests_stay_in_process(request: pytest.FixtureRequest) -> Iterator[None
 # --- the command line, in this process ----------------------------------------------------------------------------
 
 
+def _logger_levels() -> dict[logging.Logger, int]:
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    return {logger: logger.level for logger in loggers if isinstance(logger, logging.Logger)}
+
+
 _CLI_DEFAULTED_ENV = ("HF_HUB_DISABLE_PROGRESS_BARS", "DIFFUSERS_VERBOSITY", "TRANSFORMERS_VERBOSITY")
 """What `configure_logging` sets with ``setdefault``: restored after each command run in process."""
 
@@ -136,7 +156,9 @@ def layerstream_cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monk
 
     def run(*argv: str, cwd: Path | None = None) -> CliResult:
         capsys.readouterr()  # what the test printed before is not the command's
-        saved = {name: os.environ.get(name) for name in _CLI_DEFAULTED_ENV}
+        saved_env = {name: os.environ.get(name) for name in _CLI_DEFAULTED_ENV}
+        saved_levels = _logger_levels()
+        root_handlers = list(logging.getLogger().handlers)
         with monkeypatch.context() as patch:
             if cwd is not None:
                 patch.chdir(cwd)
@@ -144,12 +166,15 @@ def layerstream_cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monk
                 code = main(list(argv))
             except SystemExit as e:  # argparse's --help and usage errors
                 code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-            finally:
-                for name, value in saved.items():
+            finally:  # the command's logging set-up (levels, a root handler) is the process's: undone
+                for name, value in saved_env.items():
                     if value is None:
                         os.environ.pop(name, None)
                     else:
                         os.environ[name] = value
+                for logger, level in _logger_levels().items():
+                    logger.setLevel(saved_levels.get(logger, logging.NOTSET))
+                logging.getLogger().handlers[:] = root_handlers
         out, err = capsys.readouterr()
         return CliResult(code, out, err)
 
