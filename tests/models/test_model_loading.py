@@ -20,6 +20,9 @@ from layerstream.models import (
 from layerstream.models.loading import hub_offline
 from layerstream.models.manifest import MANIFEST_NAME
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 DOWNLOAD_HINT = "download the folder first (e.g. with huggingface-cli download) and pass its path"
 
 
