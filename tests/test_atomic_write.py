@@ -10,6 +10,9 @@ import pytest
 
 from layerstream.atomic_write import PARTIAL_MARK, write_atomically
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 
 def _write(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:

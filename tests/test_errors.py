@@ -21,6 +21,9 @@ from layerstream.runtime.contracts import HostStoreBase
 sys.path.insert(0, str(Path(__file__).parent / "runtime"))
 from runtime_toys import make_my_pipeline, run, snapshot, toy_inputs  # noqa: E402
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 KNOWN_VIOLATIONS: set[str] = set()
 """Classes known to break the rule (none: the server's fault switch moved to the test side)."""
 

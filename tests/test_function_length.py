@@ -5,6 +5,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "src" / "layerstream"
 MAX_LINES = 80
 ARGPARSE_DEFINITIONS = {"add_arguments"}

@@ -6,6 +6,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "src" / "layerstream"
 RUNTIME_MAY_IMPORT = ("layerstream.runtime", "layerstream.plan", "layerstream.config", "layerstream.errors")
 """`runtime/` sits on the plan's data and the package's errors; `models`, `omni`, `cli`, `server`, `bench`,

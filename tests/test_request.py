@@ -12,6 +12,9 @@ import pytest
 from layerstream.models.output_limits import MAX_PROMPT_CHARS, MAX_SEED
 from layerstream.request import GenerationError, GenerationRequest
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 
 def test_a_request_is_frozen():
     request = GenerationRequest(prompt="a fox")

@@ -1,4 +1,5 @@
-"""`layerstream bench` end to end, as a subprocess: JSON on stdout, a row per strategy, trace files.
+"""`layerstream bench` end to end: JSON on stdout, a row per strategy, trace files. The smoke run and one
+user error run as subprocesses (the exit status, stderr without a traceback); the rest through `main`.
 
 No timing is asserted: the figures depend on the machine. What is checked is the shape of the output and the
 facts that do not depend on speed (bytes streamed, copies per block, outputs equal to resident).
@@ -77,8 +78,8 @@ def test_smoke_json_layerwise_rows_stream_and_match_resident(smoke_json):
     assert rows["layerwise"]["device_peak_bytes"] < rows["resident"]["device_peak_bytes"]
 
 
-def test_trace_writes_chrome_json_and_png(tmp_path):
-    done = _bench("--smoke", "--device", "cpu", "--strategies", "resident,layerwise", "--repeats", "1",
+def test_trace_writes_chrome_json_and_png(tmp_path, layerstream_cli):
+    done = layerstream_cli("bench", "--smoke", "--device", "cpu", "--strategies", "resident,layerwise", "--repeats", "1",
                   "--trace", str(tmp_path))
     assert done.returncode == 0, done.stderr
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
@@ -97,20 +98,20 @@ def test_trace_writes_chrome_json_and_png(tmp_path):
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
 
 
-def test_help_and_user_errors():
-    done = _bench("--help", timeout=60)
+def test_help_and_user_errors(layerstream_cli):
+    done = layerstream_cli("bench", "--help")
     assert done.returncode == 0 and "--link-ratio" in done.stdout
-    done = _bench("--smoke", "--device", "cpu", "--strategies", "resident,bogus", timeout=60)
-    assert done.returncode == 2
+    done = _bench("--smoke", "--device", "cpu", "--strategies", "resident,bogus", timeout=60)  # a real process
+    assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("layerstream: error: --strategies: unknown strategy 'bogus'")
-    done = _bench("--smoke", "--device", "cpu", "--link-gbps", "1", "--link-ratio", "1", timeout=60)
-    assert done.returncode == 2
+    done = layerstream_cli("bench", "--smoke", "--device", "cpu", "--link-gbps", "1", "--link-ratio", "1")
+    assert done.returncode == 2 and len(done.error_lines) == 1
 
 
-def test_disk_tier_rows_read_their_disk_blocks_every_forward_and_match_resident():
+def test_disk_tier_rows_read_their_disk_blocks_every_forward_and_match_resident(layerstream_cli):
     """--host-budget-gb puts the layerwise rows' blocks beyond it in spill files; --disk-gbps simulates the disk.
     Rows report disk bytes per forward, the disk stall and the disk floor, and stay bit-identical to resident."""
-    done = _bench("--smoke", "--json", "--device", "cpu", "--strategies", "resident,layerwise,naive", "--repeats", "2",
+    done = layerstream_cli("bench", "--smoke", "--json", "--device", "cpu", "--strategies", "resident,layerwise,naive", "--repeats", "2",
                   "--host-budget-gb", "0.0006", "--disk-gbps", "0.5")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
@@ -147,6 +148,6 @@ def test_disk_tier_flags_are_checked_before_anything_runs(args, message, capsys)
     assert message in capsys.readouterr().err
 
 
-def test_disk_tier_flags_that_the_strategies_cannot_take_exit_2_naming_them():
-    done = _bench("--smoke", "--device", "cpu", "--host-budget-gb", "1", "--strategies", "resident,naive", timeout=60)
+def test_disk_tier_flags_that_the_strategies_cannot_take_exit_2_naming_them(layerstream_cli):
+    done = layerstream_cli("bench", "--smoke", "--device", "cpu", "--host-budget-gb", "1", "--strategies", "resident,naive")
     assert done.returncode == 2 and "applies to layerwise rows, and --strategies names none" in done.stderr

@@ -15,6 +15,9 @@ import pytest
 
 from layerstream.runtime.packing.layout import ALIGN_BYTES
 
+# ranks on loopback ports chosen by free_port, timeouts sized for a 2-core machine: on one xdist worker, one group at a time
+pytestmark = pytest.mark.xdist_group("ranks")
+
 STREAMED = ("layerwise", "layerwise-allgather")
 
 

@@ -61,10 +61,10 @@ def test_smoke_reports_every_row_from_cold_files(cold_start_dir, tmp_path):
     assert result["drop_ok"] and result["max_cached_fraction_before"] == 0.0
 
 
-def test_flags_that_do_not_apply_are_refused():
-    done = _bench("--cold-start", "--model", "wan14b")
+def test_flags_that_do_not_apply_are_refused(layerstream_cli):
+    done = layerstream_cli("bench", "--cold-start", "--model", "wan14b")
     assert done.returncode == 2 and "--model does not apply with --cold-start" in done.stderr
-    done = _bench("--read-mechanisms")
+    done = layerstream_cli("bench", "--read-mechanisms")
     assert done.returncode == 2 and "need --cold-start" in done.stderr
 
 

@@ -7,6 +7,9 @@ import pytest
 from layerstream.bench import ideal
 from layerstream.bench.harness import default_auto_budget_gb
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 
 def test_every_block_streamed_pairs_each_transfer_with_the_compute_beside_it():
     compute = [1.0, 2.0, 1.0]

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -40,13 +37,8 @@ def test_float8_storage_halves_the_link_bytes_or_better_and_moves_the_output_a_l
     assert float8[1].max_abs_latent_diff > float8[0].max_abs_latent_diff
 
 
-def test_the_quality_command_prints_json_and_refuses_flags_of_other_benchmarks(tmp_path):
-    env = dict(os.environ, HF_HUB_DISABLE_PROGRESS_BARS="1")
-    out = subprocess.run(
-        [sys.executable, "-m", "layerstream", "bench", "--quality", "--quality-model", "tiny-wan", "--quality-steps", "1",
-         "--json", "--out", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+def test_the_quality_command_prints_json_and_refuses_flags_of_other_benchmarks(tmp_path, layerstream_cli):
+    out = layerstream_cli("bench", "--quality", "--quality-model", "tiny-wan", "--quality-steps", "1", "--json", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr
     payload = json.loads(out.stdout)
     assert [r["storage"] for r in payload["rows"]] == ["full precision", "float8_e4m3fn", "float8_e5m2"]
@@ -58,5 +50,5 @@ def test_the_quality_command_prints_json_and_refuses_flags_of_other_benchmarks(t
         (["--quality", "--quality-steps", "0"], "--quality-steps = 0 is not valid"),
         (["--quality-model", "tiny-wan"], "need --quality"),
     ):
-        bad = subprocess.run([sys.executable, "-m", "layerstream", "bench", *argv], capture_output=True, text=True, timeout=120)
+        bad = layerstream_cli("bench", *argv)
         assert bad.returncode == 2 and message in bad.stderr, (argv, bad.stderr)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from layerstream.bench.report import DISK_COLUMNS, format_report
 from layerstream.bench.results import BenchResult, RunInfo, StrategyResult
+
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
 
 MIB = 2**20
 

@@ -11,6 +11,9 @@ import torch
 from layerstream import __version__
 from layerstream.cli.main import main
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 MAX_SEED = 2**64 - 1
 MAX_PROMPT_CHARS = 10_000  # the server's limit, stated here so a change to it is deliberate
 

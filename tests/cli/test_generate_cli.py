@@ -1,4 +1,9 @@
-"""`layerstream generate` as a user runs it: a subprocess, its exit code, its files and its messages."""
+"""`layerstream generate` as a user runs it: its exit code, its files and its messages.
+
+The main job and the data-parallel ranks run as subprocesses, as does one error (what only a real process
+shows: the exit status, nothing but one line on stderr, no traceback); the other commands run through `main`
+in this process (`layerstream_cli`), which gives the same exit code, stdout and stderr without an interpreter
+and a torch import per command."""
 
 from __future__ import annotations
 
@@ -41,9 +46,9 @@ def test_default_model_writes_output_and_matches_resident(tmp_path):
     assert "step 1/2" in result.stderr and "step 2/2" in result.stderr
 
 
-def test_table_summary_and_image_output(tmp_path):
+def test_table_summary_and_image_output(tmp_path, layerstream_cli):
     out = tmp_path / "flux.png"
-    result = generate("--model", "tiny-flux", "--steps", "2", "--output", str(out), "--diffusion-offload-config",
+    result = layerstream_cli("generate", "--model", "tiny-flux", "--steps", "2", "--output", str(out), "--diffusion-offload-config",
                       '{"mode": "layer", "components": ["dit", "text_encoder"]}', "--seed", "7", "--prompt", "a small cat",
                       "--width", "48")
     assert result.returncode == 0, result.stderr
@@ -54,9 +59,9 @@ def test_table_summary_and_image_output(tmp_path):
     assert rows["prompt"] == "a small cat" and rows["seed"] == "7" and rows["size"] == "48x64 (width x height)"
 
 
-def test_the_disk_tier_shows_what_it_read_and_stays_identical_to_resident(tmp_path):
+def test_the_disk_tier_shows_what_it_read_and_stays_identical_to_resident(tmp_path, layerstream_cli):
     config = '{"mode": "layer", "components": ["dit"], "host_budget_gb": 0.0001, "disk_dir": "%s"}' % (tmp_path / "spill")
-    result = generate("--steps", "2", "--compare-resident", "--output", str(tmp_path / "wan.gif"),
+    result = layerstream_cli("generate", "--steps", "2", "--compare-resident", "--output", str(tmp_path / "wan.gif"),
                       "--diffusion-offload-config", config)  # fmt: skip
     assert result.returncode == 0, result.stderr
     rows = {line.split("  ")[1].strip(): line.split("  ", 2)[-1].strip() for line in result.stdout.splitlines()[1:]}
@@ -64,10 +69,10 @@ def test_the_disk_tier_shows_what_it_read_and_stays_identical_to_resident(tmp_pa
     assert rows["read from disk"].endswith("ms stalled on the disk") and not rows["read from disk"].startswith("0.0 MiB")
 
 
-def test_gif_output_and_trace(tmp_path):
+def test_gif_output_and_trace(tmp_path, layerstream_cli):
     out = tmp_path / "wan.gif"
     trace = tmp_path / "trace.json"
-    result = generate("--steps", "1", "--output", str(out), "--trace", str(trace))
+    result = layerstream_cli("generate", "--steps", "1", "--output", str(out), "--trace", str(trace))
     assert result.returncode == 0, result.stderr
     assert iio.imread(out, index=None).shape[0] == 9
     events = json.loads(trace.read_text())["traceEvents"]
@@ -91,22 +96,32 @@ def test_gif_output_and_trace(tmp_path):
         (["--nproc", "0"], "--nproc"),
     ],
 )
-def test_error_paths_give_one_line_and_exit_code_2(tmp_path, args, needle):
-    result = generate(*args, "--steps", "1", cwd=tmp_path) if "--steps" not in args else generate(*args, cwd=tmp_path)
+def test_error_paths_give_one_line_and_exit_code_2(tmp_path, layerstream_cli, args, needle):
+    steps = [] if "--steps" in args else ["--steps", "1"]
+    result = layerstream_cli("generate", *args, *steps, cwd=tmp_path)  # an unexpected exception fails the test
     assert result.returncode == 2, (result.stdout, result.stderr)
-    lines = [line for line in result.stderr.splitlines() if line.startswith("layerstream: error:")]
+    lines = result.error_lines
     assert len(lines) == 1 and needle in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
 
 
-def test_model_folder_without_model_index(tmp_path):
+def test_model_folder_without_model_index(tmp_path, layerstream_cli):
     (tmp_path / "empty").mkdir()
-    result = generate("--model", str(tmp_path / "empty"))
-    assert result.returncode == 2 and "model_index.json" in result.stderr and "Traceback" not in result.stderr
+    result = layerstream_cli("generate", "--model", str(tmp_path / "empty"))
+    assert result.returncode == 2 and "model_index.json" in result.stderr
 
 
+def test_an_error_in_a_real_process_is_one_line_exit_2_and_no_traceback(tmp_path):
+    """The promise the in-process error tests above cannot see: the process's own exit status, and its stderr
+    holding the one error line (no traceback, no warning from a library import)."""
+    result = generate("--diffusion-offload-config", '{"mode": "layer", "components": ["dit"], "bogus": 1}', "--steps", "1", cwd=tmp_path)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.stderr.splitlines() == [line for line in result.stderr.splitlines() if line.startswith("layerstream: error:")]
+    assert len(result.stderr.splitlines()) == 1 and "bogus" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.xdist_group("ranks")  # torchrun on a port chosen by free_port: beside the other rank groups
 @pytest.mark.parametrize("model", ["tiny-wan", "tiny-flux"])
-def test_data_parallel_ranks_share_weights_and_match_resident(tmp_path, model, monkeypatch):
+def test_data_parallel_ranks_share_weights_and_match_resident(tmp_path, model, monkeypatch, layerstream_cli):
     """Two ranks on a fresh model cache (rank 0 builds the tiny model once); the allgather transfers run on a
     group of their own, so gathering the summaries never interleaves with the copy thread's transfers."""
     from layerstream.models.cache import CACHE_ENV_VAR
@@ -119,7 +134,7 @@ def test_data_parallel_ranks_share_weights_and_match_resident(tmp_path, model, m
     assert all(s["identical_to_resident"] is True for s in summaries)
     assert summaries[0]["config"]["layer_options"]["dit"]["weight_transfer"] == "allgather"
     assert len({s["output"] for s in summaries}) == 2 and all(os.path.exists(s["output"]) for s in summaries)
-    single = json.loads(generate("--model", model, "--steps", "1", "--json", cwd=tmp_path).stdout)
+    single = json.loads(layerstream_cli("generate", "--model", model, "--steps", "1", "--json", cwd=tmp_path).stdout)
     # each rank keeps half of the streamed host bytes (plus per-block alignment padding)
     assert all(s["host_bytes"] <= single["host_bytes"] / 2 + 64 * 6 for s in summaries)
 
@@ -131,20 +146,20 @@ def test_data_parallel_ranks_share_weights_and_match_resident(tmp_path, model, m
         ("FluxPipeline", "cat.gif", "makes an image; use a .png file"),
     ],
 )
-def test_a_model_folders_kind_comes_from_its_model_index_before_loading(tmp_path, class_name, name, message):
+def test_a_model_folders_kind_comes_from_its_model_index_before_loading(tmp_path, layerstream_cli, class_name, name, message):
     """The folder has no component subfolders, so loading it would fail with another error: the suffix error
     shows the kind was read from model_index.json before anything loaded."""
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "model_index.json").write_text(json.dumps({"_class_name": class_name, "transformer": ["diffusers", "X"]}))
-    result = generate("--model", str(folder), "--output", str(tmp_path / name))
+    result = layerstream_cli("generate", "--model", str(folder), "--output", str(tmp_path / name))
     assert result.returncode == 2
     assert result.stderr.splitlines() == [f"layerstream: error: --output {tmp_path / name}: {folder} {message}"]
 
 
-def test_the_summary_shortens_a_long_prompt(tmp_path):
+def test_the_summary_shortens_a_long_prompt(tmp_path, layerstream_cli):
     prompt = "a small cat on a windowsill " * 300  # 8,400 characters: under the limit, far over a table row
-    result = generate("--model", "tiny-flux", "--steps", "1", "--prompt", prompt, "--output", str(tmp_path / "cat.png"))
+    result = layerstream_cli("generate", "--model", "tiny-flux", "--steps", "1", "--prompt", prompt, "--output", str(tmp_path / "cat.png"))
     assert result.returncode == 0, result.stderr
     rows = {line.split()[0]: " ".join(line.split()[1:]) for line in result.stdout.splitlines()[1:]}
     assert rows["prompt"] == " ".join(prompt[:80].split()) + "... (8,400 characters)"

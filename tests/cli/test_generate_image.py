@@ -1,5 +1,7 @@
 """`layerstream generate --image PATH`: image to video with tiny-wan-i2v, bit-identical to resident, and every
-bad --image one line with exit code 2 (before the model loads when the file alone tells)."""
+bad --image one line with exit code 2 (before the model loads when the file alone tells). One image to video
+runs as a subprocess, as a user runs it; the rest through `main` in this process (`layerstream_cli`), where an
+error line is all of stderr just the same (test_generate_cli keeps generate's errors in a real process)."""
 
 from __future__ import annotations
 
@@ -27,10 +29,11 @@ def _image(path, width, height):
 
 
 @pytest.mark.parametrize("components", [["dit"], ["dit", "text_encoder"]], ids="+".join)
-def test_image_to_video_matches_resident_and_takes_the_images_size(tmp_path, components):
+def test_image_to_video_matches_resident_and_takes_the_images_size(tmp_path, layerstream_cli, components):
     image = _image(tmp_path / "in.png", 50, 35)
     config = json.dumps({"mode": "layer", "components": components})
-    result = generate(
+    run = generate if components == ["dit"] else lambda *args: layerstream_cli("generate", *args)
+    result = run(
         "--model", "tiny-wan-i2v", "--image", image, "--steps", "2", "--num-frames", "5", "--compare-resident",
         "--diffusion-offload-config", config, "--output", str(tmp_path / "out.mp4"), "--json",
     )  # fmt: skip
@@ -61,15 +64,15 @@ def _error_line(result) -> str:
     ],
     ids=["missing", "not-an-image", "empty", "huge", "folder"],
 )
-def test_a_bad_image_is_one_line_and_exit_2(tmp_path, make, message):
+def test_a_bad_image_is_one_line_and_exit_2(tmp_path, layerstream_cli, make, message):
     path = make(tmp_path)
-    line = _error_line(generate("--model", "tiny-wan-i2v", "--image", path, "--output", str(tmp_path / "o.mp4")))
+    line = _error_line(layerstream_cli("generate", "--model", "tiny-wan-i2v", "--image", path, "--output", str(tmp_path / "o.mp4")))
     assert line.startswith("layerstream: error: --image ") and message in line
 
 
-def test_a_model_that_needs_an_image_and_gets_none_is_exit_2(tmp_path):
+def test_a_model_that_needs_an_image_and_gets_none_is_exit_2(tmp_path, layerstream_cli):
     # (an image for a model that takes none is refused the same way; Omni's tests cover that case)
-    line = _error_line(generate("--model", "tiny-wan-i2v", "--output", str(tmp_path / "o.mp4")))
+    line = _error_line(layerstream_cli("generate", "--model", "tiny-wan-i2v", "--output", str(tmp_path / "o.mp4")))
     assert "generates from an input image; pass --image PATH" in line
 
 

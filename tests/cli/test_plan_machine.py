@@ -11,6 +11,9 @@ from layerstream.cli.main import main
 from layerstream.machine.planner import Machine, block_flops, latent_tokens, plan_for_machine
 from layerstream.models.loading import load_pipeline
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 EXIT_USAGE = 2
 SMALL = ["--height", "32", "--width", "32", "--num-frames", "5"]
 """A small generation, so that --measure takes a moment on the CPU."""

@@ -7,10 +7,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 if importlib.util.find_spec("torchao") is None:
     pytest.skip("torchao is not installed (the `torchao` extra, part of `all`)", allow_module_level=True)
@@ -56,20 +59,36 @@ def test_plan_of_an_unquantized_model_imports_no_torchao():
     assert stderr == ""
 
 
-BUILD_TORCHAO_FOLDER = (
-    "import shutil, sys, torch\n"
-    "from pathlib import Path\n"
-    "from diffusers import FluxTransformer2DModel, TorchAoConfig\n"
-    "from torchao.quantization import Int8WeightOnlyConfig\n"
-    "from layerstream.models.loading import resolve_model_folder\n"
-    "source, folder = resolve_model_folder('tiny-flux'), Path(sys.argv[1])\n"
-    "shutil.copytree(source, folder, ignore=shutil.ignore_patterns('layerstream-manifest.json', 'transformer'))\n"
-    "config = TorchAoConfig(Int8WeightOnlyConfig())\n"
-    "model = FluxTransformer2DModel.from_pretrained(source / 'transformer', quantization_config=config, torch_dtype=torch.float32)\n"
-    "model.save_pretrained(folder / 'transformer')\n"
-)
-"""The tiny Flux pipeline with its transformer saved quantized by torchao (int8 weight-only), as diffusers saves
-a `TorchAoConfig` model; in a process of its own (diffusers records once whether torchao is installed)."""
+def build_torchao_folder(folder: Path) -> None:
+    """The tiny Flux pipeline with its transformer saved quantized by torchao (int8 weight-only), as diffusers
+    saves a `TorchAoConfig` model."""
+    from diffusers import FluxTransformer2DModel, TorchAoConfig
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    from layerstream.models.loading import resolve_model_folder
+
+    source = resolve_model_folder("tiny-flux")
+    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("layerstream-manifest.json", "transformer"))
+    config = TorchAoConfig(Int8WeightOnlyConfig())
+    model = FluxTransformer2DModel.from_pretrained(source / "transformer", quantization_config=config, torch_dtype=torch.float32)
+    model.save_pretrained(folder / "transformer")
+
+
+def _build_torchao_folder(folder: Path) -> None:
+    """`build_torchao_folder` here where this process's diffusers found torchao (the suite has it look before
+    any command line runs in process), else in a process of its own: diffusers records once whether it is there."""
+    import diffusers.utils
+
+    if diffusers.utils.is_torchao_available():
+        build_torchao_folder(folder)
+        return
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from pathlib import Path; "
+        "from test_torchao_quiet import build_torchao_folder; build_torchao_folder(Path(sys.argv[1]))"
+    )
+    built = _python(code, str(folder))
+    assert built.returncode == 0, built.stderr
+
 
 DEFER_THEN_IMPORT = (
     "import importlib.util, sys\n"
@@ -93,8 +112,7 @@ def _python(code: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_a_model_saved_quantized_by_torchao_gets_it(tmp_path):
     folder = tmp_path / "tiny-flux-int8"
-    built = _python(BUILD_TORCHAO_FOLDER, str(folder))
-    assert built.returncode == 0, built.stderr
+    _build_torchao_folder(folder)
     assert folder_needs_torchao(folder) and model_needs_torchao(str(folder))
     assert not model_needs_torchao("tiny-flux") and not model_needs_torchao(None)
     code, torchao_imported, _, _ = _cli("plan", str(folder))

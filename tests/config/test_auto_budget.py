@@ -17,6 +17,9 @@ from layerstream.plan.host_budget import STAGING_RING, choose_host_budget
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from runtime_toys import ToyDiT  # noqa: E402
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 DIT = {"mode": "layer", "components": ["dit"]}
 AUTO = {**DIT, "host_budget_gb": "auto"}
 MB = 10**6

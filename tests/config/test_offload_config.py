@@ -18,6 +18,9 @@ from layerstream.config.offload_config import (
     parse_offload_config,
 )
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 DIT = {"mode": "layer", "components": ["dit"]}
 
 

@@ -18,6 +18,9 @@ from layerstream.distributed.collectives import shard_nbytes
 from layerstream.errors import OffloadError
 from layerstream.runtime.packing.layout import ALIGN_BYTES
 
+# ranks on loopback ports chosen by free_port, timeouts sized for a 2-core machine: on one xdist worker, one group at a time
+pytestmark = pytest.mark.xdist_group("ranks")
+
 _COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "broadcast", "barrier")
 
 

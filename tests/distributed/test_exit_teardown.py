@@ -17,9 +17,16 @@ import pytest
 
 from layerstream.distributed.launch import free_port
 
+# ranks on loopback ports chosen by free_port, timeouts sized for a 2-core machine: on one xdist worker, one group at a time
+pytestmark = pytest.mark.xdist_group("ranks")
+
 HERE = Path(__file__).parent
 RUN_TIMEOUT_S = 60
-NUM_RUNS = 5  # before the fix about one run in four aborted; each run takes a few seconds
+NUM_RUNS = 4
+"""Runs of two ranks that never call `destroy_distributed()` (each a few seconds: two interpreters importing
+torch). Before the fix about one run in four aborted; each run also checks the cause itself, which fails every
+time it is back: a gloo worker thread still alive after the exit teardown."""
+NUM_ENABLED_RUNS = 2
 
 
 def _run_ranks(mode: str, world_size: int) -> list[subprocess.CompletedProcess]:
@@ -50,32 +57,40 @@ def _run_ranks(mode: str, world_size: int) -> list[subprocess.CompletedProcess]:
     return results
 
 
-def test_ranks_that_never_call_destroy_distributed_exit_0_every_time():
-    for run in range(NUM_RUNS):
-        for rank, result in enumerate(_run_ranks("disable", world_size=2)):
+@pytest.fixture(scope="module")
+def runs_without_destroy() -> list[list[subprocess.CompletedProcess]]:
+    """`NUM_RUNS` runs of ``threads``: the docs example without ``destroy_distributed()`` (``disable``), which
+    also lists the native threads before exit and after the exit teardown; the two tests below read them."""
+    return [_run_ranks("threads", world_size=2) for _ in range(NUM_RUNS)]
+
+
+def test_ranks_that_never_call_destroy_distributed_exit_0_every_time(runs_without_destroy):
+    for run, results in enumerate(runs_without_destroy):
+        for rank, result in enumerate(results):
             assert "rank done" in result.stdout, f"run {run} rank {rank}:\n{result.stderr}"
             assert "terminate called" not in result.stderr, f"run {run} rank {rank}:\n{result.stderr}"
             assert result.returncode == 0, f"run {run} rank {rank} exited {result.returncode}:\n{result.stderr}"
 
 
 def test_ranks_that_exit_with_offload_still_enabled_exit_0():
-    for run in range(3):
+    for run in range(NUM_ENABLED_RUNS):
         for rank, result in enumerate(_run_ranks("enabled", world_size=2)):
             assert "terminate called" not in result.stderr, f"run {run} rank {rank}:\n{result.stderr}"
             assert result.returncode == 0 and "rank done" in result.stdout, f"run {run} rank {rank}:\n{result.stderr}"
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="native thread names are read from /proc (Linux)")
-def test_the_exit_teardown_leaves_no_gloo_thread_running_into_interpreter_finalization():
+def test_the_exit_teardown_leaves_no_gloo_thread_running_into_interpreter_finalization(runs_without_destroy):
     """The cause of the rare abort: a gloo worker thread alive during finalization releases its last
     collective's tensors, needs the GIL, is made to exit instead, and terminates the process. The group is
     destroyed only when nothing keeps it: `torch.distributed.nn.functional`, imported lazily after the group
     existed, kept it as a default argument (`init_distributed` now imports it first)."""
-    for rank, result in enumerate(_run_ranks("threads", world_size=2)):
-        assert result.returncode == 0, f"rank {rank}:\n{result.stderr}"
-        lines = {k: v for line in result.stdout.splitlines() if line.startswith("{") for k, v in json.loads(line).items()}
-        assert any(name.startswith("pt_gloo") for name in lines["before_exit"])  # the workers ran
-        assert [name for name in lines["after_teardown"] if "gloo" in name] == [], lines
+    for run, results in enumerate(runs_without_destroy):
+        for rank, result in enumerate(results):
+            assert result.returncode == 0, f"run {run} rank {rank}:\n{result.stderr}"
+            lines = {k: v for line in result.stdout.splitlines() if line.startswith("{") for k, v in json.loads(line).items()}
+            assert any(name.startswith("pt_gloo") for name in lines["before_exit"])  # the workers ran
+            assert [name for name in lines["after_teardown"] if "gloo" in name] == [], (run, lines)
 
 
 def test_the_docs_example_runs_as_written_and_exits_0():

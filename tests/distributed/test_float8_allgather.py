@@ -4,9 +4,14 @@ the device. Outputs are bit-identical to float8 in one process (rank-local), on 
 
 from __future__ import annotations
 
+import pytest
+
 from dist_harness import AGREEMENT_TIMEOUT_S, raise_rank_errors, run_ranks
 from layerstream.distributed.collectives import shard_nbytes
 from layerstream.runtime.packing.layout import ALIGN_BYTES
+
+# ranks on loopback ports chosen by free_port, timeouts sized for a 2-core machine: on one xdist worker, one group at a time
+pytestmark = pytest.mark.xdist_group("ranks")
 
 
 def test_two_ranks_hold_half_the_float8_bytes_each_and_match_float8_in_one_process(tmp_path):

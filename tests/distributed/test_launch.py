@@ -11,6 +11,9 @@ import torch
 from layerstream.distributed import launch
 from layerstream.distributed.process_group import backend_for, collective_timeout, init_distributed
 
+# ranks on loopback ports chosen by free_port, timeouts sized for a 2-core machine: on one xdist worker, one group at a time
+pytestmark = pytest.mark.xdist_group("ranks")
+
 
 def test_torchrun_command_runs_the_same_layerstream_command_in_n_ranks_on_loopback():
     command = launch.torchrun_command(3, ["generate", "tiny-wan", "--seed", "5"], master_port=29555)

@@ -13,6 +13,9 @@ from safetensors.torch import load_file, save_file
 from layerstream.models import ensure_tiny_model, load_pipeline
 from layerstream.models.manifest import MANIFEST_NAME, CorruptFolderError, verify_manifest, write_manifest
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 WEIGHTS = Path("transformer") / "diffusion_pytorch_model.safetensors"
 
 

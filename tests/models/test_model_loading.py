@@ -20,6 +20,9 @@ from layerstream.models import (
 from layerstream.models.loading import hub_offline
 from layerstream.models.manifest import MANIFEST_NAME
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 WHAT_MODEL_IS = "a local diffusers-format folder, or a Hugging Face Hub id (org/name)"
 
 

@@ -15,6 +15,9 @@ from layerstream.models.output_limits import (
     read_output_geometry,
 )
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 
 def test_caps_need_no_model():
     assert check_output_caps(height=None, width=None, num_frames=None) == []

@@ -10,7 +10,8 @@ import pytest
 
 from layerstream.models.readahead import CHUNK_BYTES, Readahead
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="posix_fadvise is not available here")
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = [pytest.mark.fast, pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="posix_fadvise is not available here")]
 
 
 def _folder(tmp_path: Path) -> Path:

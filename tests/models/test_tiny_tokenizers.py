@@ -12,6 +12,9 @@ from layerstream.models.tokenizers import (
     build_t5_tokenizer,
 )
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 BUILDERS = {"t5": build_t5_tokenizer, "clip": build_clip_tokenizer, "qwen2": build_qwen2_tokenizer}
 
 

@@ -17,6 +17,9 @@ from layerstream.plan.offload_plan import OffloadPlan
 from layerstream.plan.resolved import lookup
 from layerstream.plan.resolver import resolve_offload_plan
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 BOTH = {"mode": "layer", "components": ["dit", "text_encoder"]}
 
 # tiny model kind -> {block-list attribute: class of its blocks}, written from the library sources (not from

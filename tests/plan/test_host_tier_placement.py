@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -14,6 +15,9 @@ from layerstream import OffloadPlan
 from layerstream.plan.placement import place_blocks, spread_indices
 from layerstream.plan.resolver import resolve_offload_plan
 from test_placement import DIT_BLOCKS, ENCODER_BLOCKS, ToyDiT, ToyEncoder, ToyPipeline, _sizes
+
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
 
 GB = 1e9
 

@@ -10,6 +10,9 @@ import pytest
 from layerstream.plan.builtin_plans import builtin_family_for
 from layerstream.plan.resolver import resolve_offload_plan
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 LAYER = {"mode": "layer", "components": ["dit", "text_encoder"]}
 MODULE = {"mode": "module", "components": ["dit", "text_encoder"]}
 

@@ -11,6 +11,9 @@ import torch.nn as nn
 
 from layerstream.plan.offload_plan import OffloadPlan, OffloadPlanError, get_offload_plan
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 MAP_OF_PATHS_FIELDS = ("block_attrs", "encoder_block_attrs", "encoder_host_resident_table_attrs")
 MAP_OF_STR_FIELDS = ("offload_submodules", "encoder_component_types")
 SET_FIELDS = ("resident_dit_paths", "encoder_dlo_weight_replication", "on_demand_component_paths")

@@ -20,6 +20,9 @@ from layerstream.plan.resolved import lookup
 from layerstream.plan.resolver import resolve_offload_plan
 from test_builtin_plans import CASES
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 GB = 1e9
 
 

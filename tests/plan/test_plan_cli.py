@@ -14,6 +14,9 @@ from layerstream.cli.main import main
 from layerstream.offload import plan_placement
 from layerstream.plan.resolver import resolve_offload_plan
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 EXIT_USAGE = 2
 
 

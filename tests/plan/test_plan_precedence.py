@@ -15,6 +15,9 @@ import layerstream.plan.declarations as declarations
 from layerstream.plan.offload_plan import OffloadPlan
 from layerstream.plan.resolver import resolve_offload_plan
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 
 def _wan_22(tiny, plan: OffloadPlan):
     from diffusers import WanPipeline

@@ -12,6 +12,9 @@ from layerstream.plan import declarations
 from layerstream.plan.offload_plan import OffloadPlan
 from layerstream.plan.resolver import resolve_offload_plan
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 BUILTIN = OffloadPlan(
     block_attrs={"transformer": ("blocks",)},
     resident_dit_paths=frozenset({"transformer"}),

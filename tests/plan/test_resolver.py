@@ -33,6 +33,9 @@ from layerstream.plan.offload_plan import OffloadPlan, OffloadPlanError
 from layerstream.plan.resolved import OffloadPlanResolutionError, lookup
 from layerstream.plan.resolver import resolve_offload_plan
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 
 # --- precedence ------------------------------------------------------------------------------------------
 

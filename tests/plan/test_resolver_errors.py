@@ -25,6 +25,9 @@ from layerstream.plan.offload_plan import OffloadPlan
 from layerstream.plan.resolved import OffloadPlanResolutionError
 from layerstream.plan.resolver import resolve_offload_plan
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 
 def test_resolution_errors_are_value_errors():
     assert issubclass(OffloadPlanResolutionError, ValueError)

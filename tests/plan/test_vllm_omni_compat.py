@@ -15,6 +15,9 @@ from layerstream.plan.resolved import OffloadPlanResolutionError
 from layerstream.plan.resolver import resolve_offload_plan
 from tests.runtime.runtime_toys import ToyBlock, make_my_pipeline, run, toy_inputs
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 DIT = {"mode": "layer", "components": ["dit"]}
 
 

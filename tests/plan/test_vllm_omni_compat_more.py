@@ -20,6 +20,9 @@ from layerstream.plan.offload_plan import UNSUPPORTED_FIELDS
 from layerstream.plan.resolver import resolve_offload_plan
 from tests.runtime.runtime_toys import ToyDiT, ToyTextEncoder, run, toy_inputs
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 DIM = 32
 DIT = {"mode": "layer", "components": ["dit"]}
 TEXT = {"mode": "layer", "components": ["text_encoder"]}

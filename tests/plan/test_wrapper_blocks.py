@@ -16,6 +16,9 @@ from layerstream.models.tokenizers import build_clip_tokenizer, build_qwen2_toke
 from layerstream.plan.discovery import find_block_lists
 from layerstream.plan.resolver import resolve_offload_plan
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 DIT = {"mode": "layer", "components": ["dit"]}
 DIT_AND_TEXT = {"mode": "layer", "components": ["dit", "text_encoder"]}
 

@@ -13,6 +13,9 @@ from layerstream.runtime.engines.copy_engine import AcceleratorCopyEngine
 from layerstream.runtime.packing.layout import BlockLayout
 from runtime_toys import ToyDiT, run
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 
 class Recorder:
     """Stands in for torch.cuda: streams, events and host registration, logging every call in order. It models

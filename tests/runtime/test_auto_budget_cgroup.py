@@ -23,6 +23,9 @@ import pytest
 
 from memory_cgroups import OOM_KILLED, make_memory_cgroup, memory_cgroup  # noqa: F401 (fixtures)
 
+# children under memory limits, each beside a large checkpoint: on one xdist worker, one at a time
+pytestmark = pytest.mark.xdist_group("memory_cgroups")
+
 NUM_BLOCKS = 12
 LIMIT_FRACTION = 0.75
 """The cgroup's limit as a fraction of the streamed bytes: above the two rings and the reserve, below the blocks."""

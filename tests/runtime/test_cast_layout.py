@@ -4,12 +4,16 @@ allocation."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from layerstream.bench.synthetic import ModelShape, build_synthetic_dit
 from layerstream.runtime.packing.layout import BlockLayout
 from layerstream.runtime.packing.stored_form import SlotUnpack
 from layerstream.runtime.stores.cast_store import CastForms, CastLayout
+
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
 
 CPU = torch.device("cpu")
 

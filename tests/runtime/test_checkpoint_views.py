@@ -12,6 +12,9 @@ import pytest
 import torch
 from torch import nn
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from layerstream import OffloadPlan, enable_offload  # noqa: E402

@@ -19,6 +19,9 @@ from layerstream.runtime.stores.disk.staging import StagingRing
 from runtime_toys import ToyDiT, run
 from test_accelerator_protocol import Recorder
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 DISK_GBPS = 0.002  # 2 MB/s: each ~9 KB block takes ~4 ms to read, far longer than its compute
 
 

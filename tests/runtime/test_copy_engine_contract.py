@@ -16,6 +16,9 @@ from layerstream.runtime.engines.copy_engine import AcceleratorCopyEngine, CpuCo
 from layerstream.runtime.contracts import CopyEngine
 from test_accelerator_protocol import Recorder
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 CPU = torch.device("cpu")
 ENGINES = ["cpu-thread", "accelerator-recorder", "accelerator-issuing"]
 QUIET_S = 0.15  # how long a copy that must not run yet is given to run anyway

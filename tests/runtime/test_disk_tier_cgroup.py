@@ -17,10 +17,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from memory_cgroups import make_memory_cgroup, memory_cgroup  # noqa: F401 (fixtures)
 from runtime_toys import ToyDiT
+
+# children under memory limits, each beside a large checkpoint: on one xdist worker, one at a time
+pytestmark = pytest.mark.xdist_group("memory_cgroups")
 
 DIM, NUM_BLOCKS = 512, 12  # 4 MiB blocks, 48 MiB streamed
 LIMIT_FRACTION = 0.6

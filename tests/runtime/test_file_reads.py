@@ -7,6 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from layerstream.runtime.packing.file_reads import FileReader, MappedFiles  # noqa: E402

@@ -5,12 +5,16 @@ exactly its window of what a forward writes. Two ranks: tests/distributed/test_f
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from layerstream import enable_offload
 from layerstream.runtime.packing.layout import BlockLayout
 from layerstream.runtime.stores.cast_store import CastForms
 from runtime_toys import make_my_pipeline, run, snapshot, toy_inputs
+
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
 
 CPU = torch.device("cpu")
 FP8 = "float8_e4m3fn"

@@ -9,6 +9,9 @@ import torch
 
 from layerstream.runtime.packing.upcast import upcast_
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 TARGETS = (torch.bfloat16, torch.float16, torch.float32)
 

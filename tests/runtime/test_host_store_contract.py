@@ -12,6 +12,9 @@ from layerstream.runtime.packing.layout import ALIGN_BYTES, BlockLayout
 from layerstream.runtime.stores.packed_store import PackedHostStore
 from layerstream.runtime.contracts import HostStore, StoredBlock
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 CPU = torch.device("cpu")
 STORES = ["packed", "sharded-gloo-1"]
 

@@ -4,6 +4,7 @@ its slots (compute layout plus staging region) are larger than the bfloat16 ones
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from layerstream.offload import block_layouts, place_for
@@ -12,6 +13,9 @@ from layerstream.runtime.stores.cast_store import CastHostStore
 from layerstream.runtime.stores.compose import ComponentStores
 from layerstream.runtime.stores.packed_store import PackedHostStore
 from tests.runtime.runtime_toys import ToyDiT, make_my_pipeline
+
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
 
 CPU = torch.device("cpu")
 

@@ -10,6 +10,9 @@ import torch
 from layerstream import enable_offload
 from runtime_toys import ToyDiT, run, snapshot, tiny_wan_transformer
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 DIT = {"mode": "layer", "components": ["dit"]}
 
 

@@ -11,6 +11,9 @@ from layerstream import enable_offload  # noqa: E402
 from layerstream.runtime.modes.hooks import PIPELINE  # noqa: E402
 from tests.runtime.tiny_pipelines import DIT, load  # noqa: E402
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 
 def test_hooks_lists_every_streamed_block_and_is_empty_after_disable():
     pipe = load("wan")

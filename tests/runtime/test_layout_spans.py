@@ -10,6 +10,9 @@ from torch import nn
 
 from layerstream.runtime.packing.layout import ALIGN_BYTES, BlockLayout
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 CPU = torch.device("cpu")
 
 

@@ -13,6 +13,9 @@ from layerstream.runtime.packing.host_buffer import PAGE_BYTES, page_span
 from layerstream.runtime.packing.layout import BlockLayout
 from tests.runtime.runtime_toys import ToyDiT, make_my_pipeline
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 
 class PageRegisteringEngine(CpuCopyEngine):
     """The CPU engine, pinning as CUDA does: whole pages, a page already registered fails the registration."""

@@ -14,6 +14,9 @@ from torch import nn
 from layerstream import UnsupportedUseError, enable_offload
 from runtime_toys import ToyDiT, run, snapshot, tiny_flux_transformer, tiny_wan_transformer
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 DIT = {"mode": "layer", "components": ["dit"]}
 
 

@@ -11,6 +11,9 @@ from layerstream.plan.resolved import OffloadPlanResolutionError
 from layerstream.errors import OffloadError
 from runtime_toys import ToyBlock, ToyDiT, observe_bound_blocks, run, tiny_wan_transformer
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 
 class ResidentPipeline(nn.Module):
     _offload_plan = OffloadPlan(block_attrs={"transformer": ("blocks",)}, resident_dit_paths=frozenset({"transformer"}))

@@ -11,6 +11,9 @@ from layerstream.errors import OffloadError
 from layerstream.runtime.stores.packed_store import PackedHostStore
 from runtime_toys import ToyDiT, make_my_pipeline, run, snapshot, toy_inputs
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 DIT = {"mode": "layer", "components": ["dit"]}
 
 

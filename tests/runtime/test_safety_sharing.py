@@ -14,6 +14,9 @@ from layerstream import LayerstreamError, enable_offload
 from layerstream.errors import OffloadError
 from runtime_toys import make_my_pipeline, run, toy_inputs
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 DIT = {"mode": "layer", "components": ["dit"]}
 
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from layerstream import enable_offload
 from runtime_toys import ToyDiT, make_my_pipeline, run, toy_inputs
+
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
 
 
 def test_a_bare_model_is_named_and_stats_print_as_a_summary():

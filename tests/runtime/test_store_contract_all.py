@@ -20,6 +20,9 @@ from layerstream.runtime.stores.packed_store import PackedHostStore
 from layerstream.runtime.stores.tiered_store import TieredHostStore
 from tests.runtime.runtime_toys import ToyDiT
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 CPU = torch.device("cpu")
 KINDS = ["packed", "float8", "sharded", "disk", "pooled", "tiered"]
 LOSSY = {"float8"}

@@ -9,6 +9,9 @@ import pytest
 from layerstream.runtime.reporting.trace_export import chrome_trace_events, summarize_trace, write_chrome_trace, write_timeline_png
 from layerstream.runtime.reporting.stats import OffloadTrace, TraceInterval
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 
 def _trace() -> OffloadTrace:
     return OffloadTrace(

@@ -19,6 +19,9 @@ import torch
 from layerstream import enable_offload
 from runtime_toys import ToyDiT, run
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 DIT = {"mode": "layer", "components": ["dit"]}
 NUM_BLOCKS = 4
 

@@ -1,4 +1,5 @@
-"""Fixtures of the server tests: servers started per module, always killed in teardown; a tiny Kontext folder."""
+"""Fixtures of the server tests: servers started per module or shared by every module, always killed in
+teardown; a tiny Kontext folder."""
 
 from __future__ import annotations
 
@@ -37,4 +38,26 @@ def server_factory(tmp_path_factory, layerstream_cache) -> Iterator[Callable[...
         yield start
     finally:
         for server in started:
+            server.kill()
+
+
+@pytest.fixture(scope="session")
+def shared_server(tmp_path_factory, layerstream_cache) -> Iterator[Callable[[str], ServerProcess]]:
+    """``shared_server(MODEL)``: the server ``layerstream serve MODEL`` starts with its defaults, one per model
+    for every module (of this xdist worker) that asks, killed when the session ends. Each start costs an
+    interpreter, torch and a model load; a test on a shared server reads only what its own requests return
+    (outputs, errors, how a list changed), never the whole job history or a counter's absolute value."""
+    started: dict[str, ServerProcess] = {}
+
+    def get(model: str) -> ServerProcess:
+        if model not in started:
+            started[model] = start_server(model, folder=tmp_path_factory.mktemp("shared-serve"))
+        server = started[model]
+        assert server.process.poll() is None, f"the shared {model} server exited, after an earlier test:\n{server.log()}"
+        return server
+
+    try:
+        yield get
+    finally:
+        for server in started.values():
             server.kill()

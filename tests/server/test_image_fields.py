@@ -21,8 +21,8 @@ SMALL = {"size": "32x32", "num_inference_steps": 1, "seed": 7}
 
 
 @pytest.fixture(scope="module")
-def server(server_factory):
-    return server_factory("tiny-flux")
+def server(shared_server):
+    return shared_server("tiny-flux")
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +138,8 @@ EDIT_FIELDS = {"num_inference_steps": 1, "seed": 3}
 
 
 @pytest.fixture(scope="module")
-def edit_server(server_factory, kontext_folder):
-    return server_factory(str(kontext_folder))
+def edit_server(shared_server, kontext_folder):
+    return shared_server(str(kontext_folder))
 
 
 @pytest.fixture(scope="module")

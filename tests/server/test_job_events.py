@@ -14,8 +14,8 @@ from jobs_harness import IMAGE_JOBS, png_pixels, read_events, wait_for_job
 BODY = {"prompt": "a red fox", "size": "48x32", "seed": 9, "num_inference_steps": 4}
 
 
-def test_events_arrive_in_order_and_previews_decode_and_change_nothing(server_factory):
-    server = server_factory("tiny-flux")
+def test_events_arrive_in_order_and_previews_decode_and_change_nothing(shared_server):
+    server = shared_server("tiny-flux")
     with server.client() as http:
         plain = http.post(IMAGE_JOBS, json=BODY).json()
         previewed = http.post(IMAGE_JOBS, json={**BODY, "preview": True}).json()

@@ -5,8 +5,6 @@ settings; the retention limit removes the oldest finished jobs first; one server
 from __future__ import annotations
 
 import sqlite3
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -74,8 +72,15 @@ def test_a_kill_9_loses_no_finished_job_and_leaves_the_database_readable(server_
         assert len(http.get(IMAGE_JOBS).json()["data"]) == 5
 
 
-def test_retention_removes_the_oldest_finished_jobs_first(server_factory, tmp_path):
-    server = server_factory("tiny-flux", "--max-jobs", "2")
+@pytest.fixture(scope="module")
+def retaining(server_factory, tmp_path_factory):
+    """A server keeping at most 2 jobs, on a data folder the tests know."""
+    data = tmp_path_factory.mktemp("retaining") / "data"
+    return server_factory("tiny-flux", "--max-jobs", "2", "--data-dir", str(data)), data
+
+
+def test_retention_removes_the_oldest_finished_jobs_first(retaining, tmp_path):
+    server, _ = retaining
     with server.client() as http:
         made = []
         for i in range(3):
@@ -100,16 +105,18 @@ def test_retention_removes_the_oldest_finished_jobs_first(server_factory, tmp_pa
         assert Image.open(tmp_path / "out.png").text["prompt"] == "fox 2"
 
 
-def test_one_server_per_data_folder_and_bad_retention_flags(server_factory, tmp_path):
-    data = tmp_path / "shared"
-    server_factory("tiny-flux", "--data-dir", str(data))
-    second = subprocess.run(
-        [sys.executable, "-m", "layerstream", "serve", "tiny-flux", "--port", "0", "--data-dir", str(data)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+def test_one_server_per_data_folder_and_bad_retention_flags(retaining, layerstream_cli, monkeypatch):
+    """The second server is this process's command line (which opens the history before loading anything)."""
+    import layerstream.omni
+
+    _, data = retaining
+    monkeypatch.setattr(layerstream.omni, "Omni", _must_not_load)
+    second = layerstream_cli("serve", "tiny-flux", "--port", "0", "--data-dir", str(data))
     assert second.returncode != 0 and "--data-dir" in second.stderr and "in use by another running server" in second.stderr
     for flag in ("--max-jobs", "--max-output-bytes"):
-        bad = subprocess.run(
-            [sys.executable, "-m", "layerstream", "serve", "tiny-flux", flag, "0"], capture_output=True, text=True, timeout=120
-        )
+        bad = layerstream_cli("serve", "tiny-flux", flag, "0")
         assert bad.returncode != 0 and f"{flag} = 0 is not valid" in bad.stderr, bad.stderr
+
+
+def _must_not_load(*args, **kwargs):
+    raise AssertionError("the model loaded before the error")

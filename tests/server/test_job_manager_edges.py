@@ -19,6 +19,9 @@ from layerstream.server.settings import ServeSettings
 from serve_harness import wait_until
 from test_service import StandInOmni
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 BODY = ImageJobRequest(prompt="a red fox", size="16x16", num_inference_steps=2)
 
 

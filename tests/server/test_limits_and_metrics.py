@@ -13,6 +13,9 @@ from layerstream.server.limits import ModelLimits, check_endpoint, check_request
 from layerstream.server.metrics import JobOutcome, QueueState, ServerMetrics
 from layerstream.server.schemas import ImageGenerationRequest, VideoGenerationRequest
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 
 def _pipeline(spatial_attr, spatial, patch_size, processor_factor):
     transformer = SimpleNamespace(config=SimpleNamespace(patch_size=patch_size))

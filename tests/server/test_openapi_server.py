@@ -39,10 +39,10 @@ EDIT_IMAGE = png_bytes(50, 40)
 
 
 @pytest.fixture(scope="module")
-def servers(server_factory, kontext_folder) -> dict[str, httpx.Client]:
+def servers(shared_server, kontext_folder) -> dict[str, httpx.Client]:
     """A client per endpoint, each on a server whose model takes that endpoint's requests."""
     models = {IMAGES: "tiny-flux", VIDEOS: "tiny-wan", EDITS: str(kontext_folder)}
-    clients = {path: server_factory(model).client() for path, model in models.items()}
+    clients = {path: shared_server(model).client() for path, model in models.items()}
     yield clients
     for client in clients.values():
         client.close()

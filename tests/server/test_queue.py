@@ -10,6 +10,9 @@ import pytest
 from layerstream.server.queue import BatchPolicy, GenerationQueue, QueueClosedError, QueueFullError, QueueTimeoutError
 from layerstream.server.stopping import GenerationStopped, StopReason
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 
 def _blocker():
     """A job that runs until released, and an event set once it has started."""

@@ -33,6 +33,9 @@ from serve_contract import (
     VIDEO_REQUEST_CONTRACT,
 )
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 
 def contract(model) -> dict:
     """The parts of a JSON schema clients rely on: fields, types, bounds, defaults (not titles or prose)."""

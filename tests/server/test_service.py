@@ -18,6 +18,9 @@ from layerstream.server.settings import ServeSettings
 from layerstream.server.stopping import GenerationStopped, StopReason
 from serve_harness import decode_png
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 
 class _Pipeline:
     def __call__(self, prompt, height=None, width=None, num_inference_steps=2):  # what limits read

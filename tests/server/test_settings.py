@@ -7,6 +7,9 @@ import pytest
 from layerstream.errors import LayerstreamError
 from layerstream.server.settings import ServeSettings, ServeSettingsError
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 
 @pytest.mark.parametrize(
     "field, value",

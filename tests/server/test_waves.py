@@ -11,6 +11,9 @@ from layerstream.server.ranks import RankWork
 from layerstream.server.service import ServedRequest
 from layerstream.server.waves import WavePolicy, WaveQueue
 
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
 BASE = GenerationRequest(prompt="p", width=32, height=32, num_inference_steps=2, seed=1)
 
 
