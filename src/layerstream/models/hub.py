@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from layerstream.errors import LayerstreamError
 from layerstream.models.folder_check import MODEL_INDEX, ModelLoadError, check_model_folder
 from layerstream.models.weight_files import WEIGHT_INDEX, weight_file_key
 
@@ -246,7 +247,7 @@ def fetch_plan_metadata(repo_id: str, *, revision: str | None = None, variant: s
     return HubMetadata(ModelSource(repo_id, folder, "hub", revision, commit, variant), dtypes, wanted, cached)
 
 
-class _NetworkError(Exception):
+class _NetworkError(LayerstreamError, ConnectionError):
     """The Hub could not be reached (no route, refused, timed out)."""
 
 

@@ -10,6 +10,8 @@ Importing this module is cheap: diffusers and transformers are imported only whe
 
 from __future__ import annotations
 
+import contextlib
+
 import importlib
 import logging
 import time
@@ -157,7 +159,8 @@ def ensure_tiny_model(name: str) -> Path:
     folder = tiny_model_dir(name)
 
     def write(build_folder: Path) -> None:
-        build_tiny_pipeline(name).save_pretrained(build_folder, safe_serialization=True)
+        with _no_progress_bars():  # a sub-megabyte model: transformers' "Writing model shards" bar is noise
+            build_tiny_pipeline(name).save_pretrained(build_folder, safe_serialization=True)
         write_manifest(build_folder)
 
     started = time.perf_counter()
@@ -173,3 +176,16 @@ def ensure_tiny_model(name: str) -> Path:
         verify_manifest(folder)  # what this process (or a racing one) just built must check out
         logger.info("rebuilt tiny model %s in %s (%.2f s)", name, folder, time.perf_counter() - started)
     return folder
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    import transformers.utils.logging as transformers_logging
+
+    was_enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            transformers_logging.enable_progress_bar()
