@@ -64,7 +64,7 @@ def test_no_ui_serves_no_page():
 @pytest.fixture(scope="module")
 def browser():
     if not (CHROMIUM and CHROMEDRIVER):
-        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver; .ci/run does)")
+        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver; make test does, as root)")
     webdriver = pytest.importorskip("selenium.webdriver")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
