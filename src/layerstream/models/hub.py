@@ -175,8 +175,8 @@ def download_snapshot(
     """The cached snapshot of `repo_id` at `revision`, downloading what is missing of what the pipeline loads.
 
     Offline (``HF_HUB_OFFLINE=1``, or `offline` True), or where the Hub cannot be reached, a cached snapshot is
-    used without a request. Before the first weight byte the missing bytes are checked against the cache's free space.
-    Raises `ModelLoadError` with one line naming the repository and what to do.
+    used without a request. Before the first weight byte the missing bytes are checked against the cache's free
+    space. Raises `ModelLoadError` with one line naming the repository and what to do.
     """
     settings = HubSettings.from_environment()
     if settings.offline or offline:
@@ -186,7 +186,8 @@ def download_snapshot(
         try:
             commit, files = _repo_files(repo_id, revision, settings)
         except _NetworkError as e:
-            return _cached_source(repo_id, revision, variant, settings, why=f"the Hub at {settings.endpoint} cannot be reached ({e})")
+            why = f"the Hub at {settings.endpoint} cannot be reached ({e})"
+            return _cached_source(repo_id, revision, variant, settings, why=why)
         index = json.loads(Path(_fetch(repo_id, MODEL_INDEX, commit, settings)).read_text())
         wanted = [files[name] for name in select_files(files, index, variant)]
         _check_free_space(repo_id, wanted, settings)
