@@ -51,9 +51,9 @@ def fetch_before_ranks(args: argparse.Namespace) -> dict[str, str]:
     """With --nproc and a Hub id: download the snapshot here, once, before any rank starts (a download can take
     far longer than the ranks' collective timeout), and return the environment that makes every rank read
     that snapshot from the cache without a request, so that all ranks load one commit."""
-    from layerstream.models.hub import looks_like_hub_id
+    from layerstream.models.hub import names_hub_repo
 
-    if not looks_like_hub_id(args.model) or Path(args.model).exists():
+    if not names_hub_repo(args.model):
         return {}
     from layerstream.models.loading import ModelLoadError, resolve_model
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 from layerstream.cli.common import CliError, add_hub_arguments, parse_config_arg
@@ -143,9 +142,9 @@ def _weights(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """(the pipeline with its weights, where they came from), for --measure: a Hub id is read from the cache,
     or downloaded with --download."""
     loading = _loading()
-    from layerstream.models.hub import looks_like_hub_id
+    from layerstream.models.hub import names_hub_repo
 
-    cache_only = looks_like_hub_id(args.model) and not Path(args.model).exists() and not args.download
+    cache_only = names_hub_repo(args.model) and not args.download
     try:  # a Hub id without --download: only what the cache holds, since --measure downloads nothing unasked
         source = loading.resolve_model(args.model, revision=args.revision, variant=args.variant, offline=cache_only)
         return loading.load_pipeline(source), source.to_dict()

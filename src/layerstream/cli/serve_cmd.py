@@ -383,12 +383,12 @@ class _RankModel:
             self.source = resolve_model(args.model, revision=args.revision, variant=args.variant)
 
     def load(self, setup, group):
-        from layerstream.models.hub import looks_like_hub_id
+        from layerstream.models.hub import names_hub_repo
         from layerstream.models.loading import resolve_model
         from layerstream.omni import Omni
 
         args, model = self.args, self.source or self.args.model
-        if self.source is None and looks_like_hub_id(args.model) and not Path(args.model).exists():
+        if self.source is None and names_hub_repo(args.model):
             model = resolve_model(args.model, revision=args.revision, variant=args.variant, offline=True)
         return Omni(model=model, diffusion_offload_config=self.config, device=setup.device, dtype=args.dtype,
                     simulated_link_gbps=args.link_gbps, process_group=group)  # fmt: skip

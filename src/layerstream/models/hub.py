@@ -39,6 +39,12 @@ def looks_like_hub_id(model: object) -> bool:
     return isinstance(model, str) and HUB_ID.fullmatch(model) is not None
 
 
+def names_hub_repo(model: object) -> bool:
+    """Whether `model` is taken from the Hub: spelled ``org/name`` and not an existing local path (a local
+    folder spelled like a Hub id wins)."""
+    return looks_like_hub_id(model) and not Path(model).expanduser().exists()
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """Where a model's files come from: an embedded tiny model, a local folder, or a Hub snapshot."""
@@ -184,12 +190,10 @@ def download_snapshot(
         return _cached_source(repo_id, revision, variant, settings, why=why)
     with _hub_errors(repo_id, revision, settings):
         try:
-            commit, files = _repo_files(repo_id, revision, settings)
+            commit, wanted = _pipeline_files(repo_id, revision, variant, settings)
         except _NetworkError as e:
             why = f"the Hub at {settings.endpoint} cannot be reached ({e})"
             return _cached_source(repo_id, revision, variant, settings, why=why)
-        index = json.loads(Path(_fetch(repo_id, MODEL_INDEX, commit, settings)).read_text())
-        wanted = [files[name] for name in select_files(files, index, variant)]
         _check_free_space(repo_id, wanted, settings)
         _fetch_all(repo_id, wanted, commit, settings)
     _write_ref(repo_id, revision, commit, settings)
@@ -226,14 +230,12 @@ def fetch_plan_metadata(repo_id: str, *, revision: str | None = None, variant: s
     api = HfApi(endpoint=settings.endpoint)
     with _hub_errors(repo_id, revision, settings):
         try:
-            commit, files = _repo_files(repo_id, revision, settings)
+            commit, wanted = _pipeline_files(repo_id, revision, variant, settings)
         except _NetworkError as e:
             raise ModelLoadError(
                 f"model {repo_id}: cannot reach the Hub at {settings.endpoint} ({e}); planning from its metadata "
                 "needs the network"
             ) from e
-        index = json.loads(Path(_fetch(repo_id, MODEL_INDEX, commit, settings)).read_text())
-        wanted = [files[name] for name in select_files(files, index, variant)]
         dtypes: dict[str, dict[str, str]] = {}
         for f in wanted:
             if f.name.endswith(".json"):
@@ -250,6 +252,16 @@ def fetch_plan_metadata(repo_id: str, *, revision: str | None = None, variant: s
 
 class _NetworkError(LayerstreamError, ConnectionError):
     """The Hub could not be reached (no route, refused, timed out)."""
+
+
+def _pipeline_files(
+    repo_id: str, revision: str | None, variant: str | None, settings: HubSettings
+) -> tuple[str, list[RepoFile]]:
+    """(the commit `revision` names, the files of it the pipeline loads), fetching ``model_index.json`` (which
+    names the components) and nothing else."""
+    commit, files = _repo_files(repo_id, revision, settings)
+    index = json.loads(Path(_fetch(repo_id, MODEL_INDEX, commit, settings)).read_text())
+    return commit, [files[name] for name in select_files(files, index, variant)]
 
 
 def _repo_files(repo_id: str, revision: str | None, settings: HubSettings) -> tuple[str, dict[str, RepoFile]]:

@@ -21,7 +21,7 @@ import torch
 from layerstream.models.cast_on_load import cast_from_files_, components_to_cast
 from layerstream.models.readahead import Readahead
 from layerstream.models.folder_check import MODEL_INDEX, ModelLoadError, check_model_folder
-from layerstream.models.hub import ModelSource, download_snapshot, looks_like_hub_id
+from layerstream.models.hub import ModelSource, download_snapshot, looks_like_hub_id, names_hub_repo
 from layerstream.models.saved_dtypes import saved_dtypes
 from layerstream.models.tiny import TINY_MODELS, PipelineKind, ensure_tiny_model
 
@@ -159,7 +159,7 @@ def load_skeleton(
     from layerstream.models.hub import fetch_plan_metadata
     from layerstream.models.skeleton import build_skeleton, folder_tensor_dtypes
 
-    if isinstance(model, str) and looks_like_hub_id(model) and not Path(model).expanduser().exists():
+    if names_hub_repo(model):
         meta = fetch_plan_metadata(model, revision=revision, variant=variant)
         origin = {
             **meta.source.to_dict(),

@@ -282,7 +282,7 @@ class JobManager:
             seed=request.seed,
             guidance_scale=request.guidance_scale,
             has_input_image=request.image is not None,
-            model_revision=(source.revision or "main") if source.origin == "hub" else None,
+            model_revision=source.to_dict().get("revision"),
             model_commit=source.commit,
         )
         seconds = None
