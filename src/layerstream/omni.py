@@ -10,6 +10,7 @@ streamed blocks into the host store, so the whole model is never on the device a
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
@@ -24,7 +25,8 @@ import torch
 
 from layerstream.config.offload_config import OffloadConfig, parse_offload_config
 from layerstream.models.hub import ModelSource
-from layerstream.models.input_image import ImageInputKind, ImageSource, pipeline_image_input
+from layerstream.models.input_image import ImageInputKind, ImageSource
+from layerstream.models.model_rules import ModelRules, read_model_rules
 from layerstream.models.output_limits import DEFAULT_MAX_SIDE_PIXELS
 from layerstream.offload import default_device, enable_offload
 from layerstream.request import GenerationError, GenerationRequest, invalid_field
@@ -70,6 +72,7 @@ class GenerationResult:
     frames: np.ndarray
     stats: RunStats
     fps: int = 16
+    """Video: the frame rate it is saved at (the request's, else the model's)."""
     raw: Any = field(default=None, repr=False)
     """The pipeline's float output before conversion to uint8 (for exact comparisons)."""
     size_note: str | None = None
@@ -111,7 +114,9 @@ class Omni:
         self.pipeline = load_pipeline(self.source, dtype=self.dtype)
         self.kind = pipeline_kind(self.pipeline)
         self._component_dtypes = _component_dtypes(self.pipeline)  # before enabling: blocks still hold weights
-        self.image_input: ImageInputKind = pipeline_image_input(self.pipeline)
+        self.rules: ModelRules = read_model_rules(self.pipeline, self.model)
+        """What the model accepts and its defaults (size, frames, steps, guidance, frame rate)."""
+        self.image_input: ImageInputKind = self.rules.image_input
         """Whether the pipeline takes an input image: ``"none"``, ``"optional"`` or ``"required"``."""
         self.handle: OffloadHandle | None = None
         self._run_lock = threading.Lock()
@@ -140,9 +145,10 @@ class Omni:
         num_inference_steps: int | None = None,
         guidance_scale: float | None = None,
         seed: int = 0,
-        fps: int = 16,
+        fps: int | None = None,
         on_step: Callable[[int, int, float], None] | None = None,
         max_side_pixels: int | None = None,
+        **options: Any,
     ) -> GenerationResult:
         """Run the pipeline once. `on_step(step, total, seconds)` is called after every denoising step.
 
@@ -150,7 +156,9 @@ class Omni:
         editing). Without `height` and `width` the output takes the image's size, scaled down to fit the
         model's largest side (and `max_side_pixels`, default 2048) and rounded down to its size multiple; the
         result's `size_note` says how. Everything is checked before the pipeline runs. The arguments are those
-        of `GenerationRequest`: this builds one and `run`s it.
+        of `GenerationRequest` (`options`: its others, such as ``guidance_scale_2``, ``true_cfg_scale``,
+        ``boundary_ratio`` and ``flow_shift``); None takes the model's default (`rules`). This builds one
+        request and `run`s it.
         """
         request = GenerationRequest(
             prompt=prompt,
@@ -164,6 +172,7 @@ class Omni:
             seed=seed,
             fps=fps,
             max_side_pixels=max_side_pixels if max_side_pixels is not None else DEFAULT_MAX_SIDE_PIXELS,
+            **_request_options(options),
         )
         return self.run(request, on_step=on_step)
 
@@ -190,10 +199,11 @@ class Omni:
                 picture = picture.resize((request.width, request.height), _lanczos())
         kwargs, num_inference_steps = self._pipeline_kwargs(request, request.prompt, picture=picture)
         kwargs["generator"] = torch.Generator("cpu").manual_seed(request.seed)
-        output, stats = self._run_pipeline(kwargs, num_inference_steps, on_step, on_latents)
+        output, stats = self._run_pipeline(request, kwargs, num_inference_steps, on_step, on_latents)
         raw = _output_array(output, self.kind)
         note = conditioned.note if conditioned is not None else None
-        return GenerationResult(kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=request.fps, raw=raw, size_note=note)
+        fps = request.fps or self.rules.fps
+        return GenerationResult(kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=fps, raw=raw, size_note=note)
 
     def generate_batch(
         self,
@@ -206,8 +216,9 @@ class Omni:
         num_frames: int | None = None,
         num_inference_steps: int | None = None,
         guidance_scale: float | None = None,
-        fps: int = 16,
+        fps: int | None = None,
         on_step: Callable[[int, int, float], None] | None = None,
+        **options: Any,
     ) -> list[GenerationResult]:
         """Run the pipeline once for several outputs: output ``i`` from ``prompts[i]`` and its own generator
         seeded with ``seeds[i]``; all share the size, frames, steps, guidance and negative prompt.
@@ -235,6 +246,7 @@ class Omni:
             num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale,
             fps=fps,
+            **_request_options(options),
         )
         requests = [_batch_output(shape, index, prompt, seed) for index, (prompt, seed) in enumerate(zip(prompts, seeds))]
         return self.run_batch(requests, on_step=on_step)
@@ -255,27 +267,30 @@ class Omni:
             kwargs["negative_prompt"] = [kwargs["negative_prompt"]] * len(prompts)
         # one generator per output, as diffusers takes them: output i's noise is drawn from generator i alone
         kwargs["generator"] = [torch.Generator("cpu").manual_seed(seed) for request in requests for seed in request.seeds]
-        output, stats = self._run_pipeline(kwargs, num_inference_steps, on_step)
+        output, stats = self._run_pipeline(requests[0], kwargs, num_inference_steps, on_step)
         raws = iter(_output_arrays(output, self.kind, len(prompts)))
         return [
-            GenerationResult(kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=request.fps, raw=raw)
+            GenerationResult(kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=request.fps or self.rules.fps, raw=raw)
             for request in requests
             for raw in (next(raws) for _ in request.seeds)
         ]
 
     def _pipeline_kwargs(self, request: GenerationRequest, prompt: str | list[str], *, picture) -> tuple[dict[str, Any], int]:
         """(the pipeline's keyword arguments, the step count) for `request`'s shape and `prompt` (its own, or a
-        batch's): the model's defaults filled in and what depends on the model checked; everything but the
-        generator and the step callback."""
-        defaults = _tiny_defaults(self.model)
-        height = request.height if request.height is not None else defaults.get("height")
-        width = request.width if request.width is not None else defaults.get("width")
-        num_inference_steps = request.num_inference_steps or defaults.get("num_inference_steps", 20)
-        guidance_scale = request.guidance_scale if request.guidance_scale is not None else defaults.get("guidance_scale")
-        negative_prompt = request.negative_prompt if request.negative_prompt is not None else defaults.get("negative_prompt")
+        batch's): the model's defaults (`self.rules`) filled in and what depends on the model checked;
+        everything but the generator and the step callback."""
+        rules = self.rules
+        refused = rules.refused_fields(request.to_dict())
+        if refused:
+            name = refused[0]
+            raise GenerationError(f"{name} is not valid for {self.model}: {rules.why_not(name)}", field=name, value=getattr(request, name))
+        height = request.height if request.height is not None else rules.default_height
+        width = request.width if request.width is not None else rules.default_width
+        num_inference_steps = request.num_inference_steps or rules.default_num_inference_steps
+        negative_prompt = request.negative_prompt if request.negative_prompt is not None else rules.default_negative_prompt
         num_frames = request.num_frames
         if self.kind == "video" and num_frames is None:
-            num_frames = defaults.get("num_frames")
+            num_frames = rules.default_num_frames
         if self.kind != "video" and num_frames is not None:
             raise GenerationError(f"num_frames = {num_frames!r} is not valid: {self.model} makes images, not video")
         self._check_geometry(height, width, num_frames)
@@ -294,24 +309,20 @@ class Omni:
         if picture is not None and "_auto_resize" in call:
             kwargs["_auto_resize"] = False
         if negative_prompt is not None:
-            if "negative_prompt" not in call:
-                raise GenerationError(f"negative_prompt is not supported by {type(self.pipeline).__name__}")
             kwargs["negative_prompt"] = negative_prompt
-        if guidance_scale is not None:
-            if "true_cfg_scale" in call:  # pipelines whose guidance_scale is a distilled embedding take CFG here
-                kwargs["true_cfg_scale"] = guidance_scale
-            elif "guidance_scale" in call:
-                kwargs["guidance_scale"] = guidance_scale
+        kwargs.update(_guidance_arguments(request, rules, call))
         return kwargs, num_inference_steps
 
     def _run_pipeline(
         self,
+        request: GenerationRequest,
         kwargs: dict[str, Any],
         num_inference_steps: int,
         on_step: Callable[[int, int, float], None] | None,
         on_latents: Callable[[int, int, torch.Tensor], None] | None = None,
     ) -> tuple[Any, RunStats]:
-        """Call the pipeline with `kwargs`, timing each step and calling `on_step` after it; (its output, the cost)."""
+        """Call the pipeline with `kwargs` and `request`'s per-request settings (restored after), timing each step
+        and calling `on_step` after it; (its output, the cost)."""
         call = inspect.signature(self.pipeline.__call__).parameters
         step_times: list[float] = []
         last = [time.perf_counter()]
@@ -336,7 +347,7 @@ class Omni:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
             start = time.perf_counter()
-            with torch.inference_mode():
+            with torch.inference_mode(), _settings_for(self.pipeline, request):
                 output = self.pipeline(**kwargs)
             seconds = time.perf_counter() - start
             after = self.handle.stats() if self.handle is not None else None
@@ -375,28 +386,12 @@ class Omni:
         return picture, conditioned
 
     def _check_geometry(self, height, width, num_frames) -> None:
-        """Refuse sizes the pipeline would silently round (diffusers rounds down to its latent grid)."""
-        from layerstream.models.geometry import pipeline_frame_multiple, pipeline_size_multiple
-
-        multiple = pipeline_size_multiple(self.pipeline)
-        for name, value in (("height", height), ("width", width)):
-            if value is not None and value % multiple:
-                raise GenerationError(f"{name} = {value} is not valid; expected a multiple of {multiple} for {self.model}")
-        frames = pipeline_frame_multiple(self.pipeline) if self.kind == "video" else None
-        if num_frames is not None and frames and (num_frames - 1) % frames:
-            raise GenerationError(
-                f"num_frames = {num_frames} is not valid; expected {frames} * k + 1 frames (e.g. {frames * (num_frames // frames) + 1})"
-            )
-        # Past the reach of the model's position table the model fails deep inside ("view size is not compatible").
-        from layerstream.models.geometry import pipeline_max_frames, pipeline_max_side
-
-        largest = pipeline_max_side(self.pipeline)
-        for name, value in (("height", height), ("width", width)):
-            if value is not None and largest is not None and value > largest:
-                raise GenerationError(f"{name} = {value} is not valid; {self.model} makes at most {largest} pixels per side")
-        most = pipeline_max_frames(self.pipeline) if self.kind == "video" else None
-        if num_frames is not None and most is not None and num_frames > most:
-            raise GenerationError(f"num_frames = {num_frames} is not valid; {self.model} makes at most {most} frames")
+        """Refuse sizes the pipeline would silently round (diffusers rounds down to its latent grid) or that lie
+        past the reach of its position table (the model would fail deep inside: "view size is not compatible")."""
+        violations = self.rules.check_geometry(height=height, width=width, num_frames=num_frames)
+        if violations:
+            problem = violations[0]
+            raise invalid_field(problem.name, problem.value, f"{problem.allowed} for {self.model}")
 
     def component_dtypes(self) -> dict[str, str]:
         """The dtype each model component computes in (``"bfloat16"``): the dtype holding most of its weight
@@ -462,17 +457,57 @@ def _check_batch(requests: list[GenerationRequest]) -> None:
             )
 
 
-def _tiny_defaults(model: str) -> dict[str, Any]:
-    from layerstream.models.loading import is_tiny_model_name
+def _request_options(options: dict[str, Any]) -> dict[str, Any]:
+    """`generate`'s extra keywords, which must be `GenerationRequest` fields it has no parameter of its own for."""
+    allowed = {"guidance_scale_2", "true_cfg_scale", "boundary_ratio", "flow_shift"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise GenerationError(f"{unknown[0]} is not a generation argument; expected one of {', '.join(sorted(allowed))}", field=unknown[0])
+    return options
 
-    if not is_tiny_model_name(model):
-        return {}
-    from layerstream.models.tiny import TINY_MODELS
 
-    defaults = dict(TINY_MODELS[model].default_kwargs)
-    if "true_cfg_scale" in defaults:  # Omni's guidance_scale is the classifier-free guidance scale
-        defaults["guidance_scale"] = defaults.pop("true_cfg_scale")
-    return defaults
+def _guidance_arguments(request: GenerationRequest, rules: ModelRules, call) -> dict[str, Any]:
+    """The guidance scales as the pipeline's call takes them.
+
+    `guidance_scale` is the classifier-free guidance scale: a pipeline that takes CFG through ``true_cfg_scale``
+    (its ``guidance_scale`` is a distilled model's embedding input) gets it there, unless the request gives
+    ``true_cfg_scale`` itself (vllm-omni's field), in which case each goes to the argument of its name."""
+    out: dict[str, Any] = {}
+    guidance = request.guidance_scale
+    if guidance is None and request.true_cfg_scale is None:
+        guidance = rules.default_guidance_scale
+    if request.true_cfg_scale is not None:
+        out["true_cfg_scale"] = request.true_cfg_scale
+        if guidance is not None and "guidance_scale" in call:
+            out["guidance_scale"] = guidance
+    elif guidance is not None:
+        if "true_cfg_scale" in call:
+            out["true_cfg_scale"] = guidance
+        elif "guidance_scale" in call:
+            out["guidance_scale"] = guidance
+    if request.guidance_scale_2 is not None:
+        out["guidance_scale_2"] = request.guidance_scale_2
+    return out
+
+
+@contextlib.contextmanager
+def _settings_for(pipeline, request: GenerationRequest):
+    """The request's per-request settings applied to `pipeline` for the call, and restored after it, whatever
+    happens: ``boundary_ratio`` (the pipeline's config) and ``flow_shift`` (a scheduler built from the served
+    one's config with it; the served scheduler object is put back)."""
+    ratio_before = pipeline.config["boundary_ratio"] if request.boundary_ratio is not None else None
+    scheduler_before = pipeline.scheduler if request.flow_shift is not None else None
+    try:
+        if request.boundary_ratio is not None:
+            pipeline.register_to_config(boundary_ratio=request.boundary_ratio)
+        if scheduler_before is not None:
+            pipeline.scheduler = type(scheduler_before).from_config(scheduler_before.config, flow_shift=request.flow_shift)
+        yield
+    finally:
+        if scheduler_before is not None:
+            pipeline.scheduler = scheduler_before
+        if request.boundary_ratio is not None:
+            pipeline.register_to_config(boundary_ratio=ratio_before)
 
 
 def _lanczos():

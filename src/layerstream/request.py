@@ -53,13 +53,24 @@ class GenerationRequest:
     """Video models only."""
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
-    """The classifier-free guidance scale, a finite number >= 0."""
+    """The classifier-free guidance scale, a finite number >= 0 (where a pipeline takes classifier-free guidance
+    through ``true_cfg_scale``, as Qwen-Image does, it goes there unless `true_cfg_scale` is given)."""
+    guidance_scale_2: float | None = None
+    """Two-expert pipelines (Wan 2.2 A14B): the low-noise expert's guidance scale; None: `guidance_scale`."""
+    true_cfg_scale: float | None = None
+    """Pipelines with a ``true_cfg_scale`` argument (Flux, Qwen-Image): that argument, as given; `guidance_scale`
+    then goes to the pipeline's own ``guidance_scale`` (a distilled model's guidance input)."""
+    boundary_ratio: float | None = None
+    """Two-expert pipelines: where the second expert takes over, as a fraction of the training timesteps (the
+    pipeline's config for this request only); 0 to 1."""
+    flow_shift: float | None = None
+    """Pipelines whose scheduler has a ``flow_shift`` (Wan's UniPC): its value for this request only; > 0."""
     seed: int = 0
     """The first output's seed, 0 to 2**64 - 1 (what ``torch.Generator.manual_seed`` takes as it is)."""
     n: int = 1
     """Outputs to make, with seeds seed, seed + 1, ..."""
-    fps: int = 16
-    """Frame rate of saved or encoded video."""
+    fps: int | None = None
+    """Frame rate of saved or encoded video; None: the model's (`ModelRules.fps`: Wan 16, LTX 24)."""
     max_side_pixels: int = DEFAULT_MAX_SIDE_PIXELS
     """Largest side of an output sized from its input image."""
     timeout: float | None = None
@@ -71,10 +82,17 @@ class GenerationRequest:
         for name in ("height", "width", "num_frames", "num_inference_steps"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
-        for name in ("n", "fps", "max_side_pixels"):
+        if self.fps is not None:
+            _check_positive_int("fps", self.fps)
+        for name in ("n", "max_side_pixels"):
             _check_positive_int(name, getattr(self, name))
-        if self.guidance_scale is not None:
-            _check_number("guidance_scale", self.guidance_scale, "a finite number >= 0", lambda v: v >= 0)
+        for name in ("guidance_scale", "guidance_scale_2", "true_cfg_scale"):
+            if getattr(self, name) is not None:
+                _check_number(name, getattr(self, name), "a finite number >= 0", lambda v: v >= 0)
+        if self.boundary_ratio is not None:
+            _check_number("boundary_ratio", self.boundary_ratio, "a number from 0 to 1", lambda v: 0 <= v <= 1)
+        if self.flow_shift is not None:
+            _check_number("flow_shift", self.flow_shift, "a finite number > 0", lambda v: v > 0)
         if self.timeout is not None:
             _check_number("timeout", self.timeout, "a finite number of seconds > 0", lambda v: v > 0)
         _check_seed(self.seed, self.n)
@@ -91,7 +109,7 @@ class GenerationRequest:
     def batch_shape(self) -> GenerationRequest:
         """This request without what may differ between the outputs of one pipeline call (prompt, seed, n, fps,
         timeout): requests with equal shapes can run as one batch."""
-        return replace(self, prompt="", seed=0, n=1, fps=16, timeout=None)
+        return replace(self, prompt="", seed=0, n=1, fps=None, timeout=None)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name, as it is (the image too); `from_dict` builds the same request back."""

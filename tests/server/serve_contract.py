@@ -22,6 +22,11 @@ _COMMON_CONTRACT = {
         "seed": {"anyOf": [{"maximum": 18446744073709551615, "minimum": 0, "type": "integer"}, {"type": "null"}], "default": None},
         "num_inference_steps": {"anyOf": [{"maximum": 1000, "minimum": 1, "type": "integer"}, {"type": "null"}], "default": None},
         "guidance_scale": {"anyOf": [{"maximum": 100.0, "minimum": 0.0, "type": "number"}, {"type": "null"}], "default": None},
+        # vllm-omni's fields (each refused with a 422 by a pipeline that cannot take it)
+        "guidance_scale_2": {"anyOf": [{"maximum": 100.0, "minimum": 0.0, "type": "number"}, {"type": "null"}], "default": None},
+        "true_cfg_scale": {"anyOf": [{"maximum": 100.0, "minimum": 0.0, "type": "number"}, {"type": "null"}], "default": None},
+        "boundary_ratio": {"anyOf": [{"maximum": 1.0, "minimum": 0.0, "type": "number"}, {"type": "null"}], "default": None},
+        "flow_shift": {"anyOf": [{"exclusiveMinimum": 0.0, "maximum": 100.0, "type": "number"}, {"type": "null"}], "default": None},
         "timeout": {"anyOf": [{"exclusiveMinimum": 0.0, "maximum": 86400.0, "type": "number"}, {"type": "null"}], "default": None},
     },
 }
@@ -47,7 +52,7 @@ VIDEO_REQUEST_CONTRACT = {
         **_COMMON_CONTRACT["properties"],
         "response_format": {"const": "b64_json", "default": "b64_json", "type": "string"},
         "num_frames": {"anyOf": [{"minimum": 1, "type": "integer"}, {"type": "null"}], "default": None},
-        "fps": {"default": 16, "maximum": 120, "minimum": 1, "type": "integer"},
+        "fps": {"anyOf": [{"maximum": 120, "minimum": 1, "type": "integer"}, {"type": "null"}], "default": None},
         "image": {"anyOf": [{"minLength": 1, "type": "string"}, {"type": "null"}], "default": None},
     },
 }

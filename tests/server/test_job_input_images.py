@@ -190,14 +190,17 @@ def test_without_an_image_kontext_makes_the_generation_endpoints_image(edit_serv
 
 def test_an_image_job_without_the_image_a_model_needs_is_one_400_naming_image():
     """No tiny image model needs its image (Qwen-Image-Edit does): the job route's check, on such limits."""
+    from layerstream.models.model_rules import ModelRules
+    from layerstream.models.output_limits import OutputGeometry
     from layerstream.server.limits import ModelLimits, check_image_presence
 
-    limits = ModelLimits(
-        model="qwen-image-edit", kind="image", size_multiple=16, frame_multiple=None, default_width=None,
-        default_height=None, default_num_frames=None, default_num_inference_steps=4, max_frames=1,
-        max_side_pixels=1024, max_latent_positions=None, max_work=10**8, supports_negative_prompt=True,
-        image_input="required",
+    rules = ModelRules(
+        model="qwen-image-edit", pipeline_class="QwenImageEditPipeline", kind="image",
+        geometry=OutputGeometry(size_multiple=16, frame_multiple=None, max_side_pixels=None, max_frames=None),
+        image_input="required", default_width=None, default_height=None, default_num_frames=None,
+        default_num_inference_steps=4, default_guidance_scale=None, fps=16, takes=frozenset({"negative_prompt"}),
     )  # fmt: skip
+    limits = ModelLimits(rules=rules, max_frames=1, max_side_pixels=1024, max_latent_positions=None, max_work=10**8)
     with pytest.raises(ApiError) as raised:
         check_image_presence(limits, has_image=False, endpoint="POST /v1/images/jobs", field="image", how="image (a file)")
     assert (raised.value.status, raised.value.param) == (400, "image")

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from types import SimpleNamespace
 
 import pytest
 
-from layerstream.models.geometry import pipeline_max_frames, pipeline_max_side
+from layerstream.models.geometry import pipeline_max_frames, pipeline_max_side, pipeline_size_multiple
+from layerstream.models.model_rules import ModelRules
+from layerstream.models.output_limits import OutputGeometry
 from layerstream.server.errors import ApiError
-from layerstream.server.limits import ModelLimits, check_endpoint, check_request, pipeline_size_multiple
+from layerstream.server.limits import ModelLimits, check_endpoint, check_request
 from layerstream.server.metrics import JobOutcome, QueueState, ServerMetrics
 from layerstream.server.schemas import ImageGenerationRequest, VideoGenerationRequest
 
@@ -36,10 +39,18 @@ def test_size_multiple_from_the_pipeline(pipeline, expected):
     assert pipeline_size_multiple(pipeline) == expected
 
 
+def _rules(model, kind, *, frame_multiple, default_num_frames, takes, image_input="none", size=(64, 64)):
+    geometry = OutputGeometry(size_multiple=16, frame_multiple=frame_multiple, max_side_pixels=None, max_frames=None)
+    return ModelRules(
+        model=model, pipeline_class="Stand-in", kind=kind, geometry=geometry, image_input=image_input,
+        default_width=size[0], default_height=size[1], default_num_frames=default_num_frames,
+        default_num_inference_steps=4, default_guidance_scale=None, fps=16, takes=frozenset(takes),
+    )  # fmt: skip
+
+
 WAN = ModelLimits(
-    model="tiny-wan", kind="video", size_multiple=16, frame_multiple=4, default_width=64, default_height=64,
-    default_num_frames=9, default_num_inference_steps=4, max_frames=13, max_side_pixels=256,
-    max_latent_positions=None, max_work=10**9, supports_negative_prompt=True,
+    rules=_rules("tiny-wan", "video", frame_multiple=4, default_num_frames=9, takes={"negative_prompt"}),
+    max_frames=13, max_side_pixels=256, max_latent_positions=None, max_work=10**9,
 )  # fmt: skip
 
 
@@ -67,7 +78,7 @@ def test_largest_size_and_frames_the_transformer_can_position():
 
 
 def test_a_size_beyond_the_model_grid_names_the_limit():
-    limits = ModelLimits(**{**WAN.__dict__, "max_side_pixels": 1024, "max_latent_positions": 64})
+    limits = dataclasses.replace(WAN, max_side_pixels=1024, max_latent_positions=64)
     with pytest.raises(ApiError) as info:
         check_request(VideoGenerationRequest(prompt="fox", size="2048x2048"), limits)
     detail = info.value.details[0]
@@ -86,7 +97,7 @@ def test_a_size_beyond_the_model_grid_names_the_limit():
     ],
 )
 def test_more_work_than_the_cap_names_the_field_that_asks_most(fields, named):
-    limits = ModelLimits(**{**WAN.__dict__, "max_work": 64 * 64 * 9 * 4})  # exactly the default request
+    limits = dataclasses.replace(WAN, max_work=64 * 64 * 9 * 4)  # exactly the default request
     check_request(VideoGenerationRequest(prompt="fox"), limits)
     with pytest.raises(ApiError) as info:
         check_request(VideoGenerationRequest(prompt="fox", **fields), limits)
@@ -118,9 +129,8 @@ def test_every_bad_field_is_named_with_what_is_allowed():
 
 def test_image_request_on_image_model():
     flux = ModelLimits(
-        model="tiny-flux", kind="image", size_multiple=16, frame_multiple=None, default_width=64, default_height=64,
-        default_num_frames=None, default_num_inference_steps=4, max_frames=129, max_side_pixels=2048,
-        max_latent_positions=None, max_work=10**9, supports_negative_prompt=False,
+        rules=_rules("tiny-flux", "image", frame_multiple=None, default_num_frames=None, takes={"true_cfg_scale"}),
+        max_frames=129, max_side_pixels=2048, max_latent_positions=None, max_work=10**9,
     )  # fmt: skip
     check_request(ImageGenerationRequest(prompt="fox", size="64x32"), flux)
     with pytest.raises(ApiError) as info:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from layerstream.models.hub import ModelSource
+from layerstream.models.model_rules import read_model_rules
 from layerstream.omni import GenerationResult, RunStats
 from layerstream.server.metrics import JobOutcome
 from layerstream.server.schemas import ImageGenerationRequest
@@ -35,6 +36,7 @@ class StandInOmni:
 
     def __init__(self) -> None:
         self.pipeline = _Pipeline()
+        self.rules = read_model_rules(self.pipeline, self.model)
         self.outputs: list[weakref.ref] = []
         self.alive_at_start: list[int] = []
         self.on_call = None  # called with the call's index, before its steps

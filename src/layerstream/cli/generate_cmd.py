@@ -41,6 +41,8 @@ _FLAGS = {"height": "--height", "width": "--width", "num_frames": "--num-frames"
 _REQUEST_FLAGS = {
     **_FLAGS, "prompt": "--prompt", "negative_prompt": "--negative-prompt", "num_inference_steps": "--steps",
     "guidance_scale": "--guidance-scale", "seed": "--seed", "fps": "--fps", "max_side_pixels": "--max-size",
+    "guidance_scale_2": "--guidance-scale-2", "true_cfg_scale": "--true-cfg-scale",
+    "boundary_ratio": "--boundary-ratio", "flow_shift": "--flow-shift",
 }  # fmt: skip
 
 
@@ -83,7 +85,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=seed_int, default=0,
         help=f"random seed, 0 to {MAX_SEED} (2**64 - 1); rank r of --nproc uses seed + r (default: 0)",
     )
-    parser.add_argument("--fps", type=positive_int, default=16, help="frames per second of saved video")
+    parser.add_argument(
+        "--guidance-scale-2", type=non_negative_float, default=None,
+        help="two-expert models (Wan 2.2 A14B): the low-noise expert's guidance scale (default: --guidance-scale)",
+    )
+    parser.add_argument(
+        "--true-cfg-scale", type=non_negative_float, default=None,
+        help="models with a true_cfg_scale argument (Flux, Qwen-Image): that argument; --guidance-scale then goes to "
+        "the model's own guidance_scale",
+    )
+    parser.add_argument(
+        "--boundary-ratio", type=non_negative_float, default=None,
+        help="two-expert models: where the second expert takes over, a fraction of the timesteps from 0 to 1 "
+        "(default: the model's config)",
+    )
+    parser.add_argument(
+        "--flow-shift", type=positive_float, default=None,
+        help="models whose scheduler has a flow_shift (Wan): its value for this run (default: the model's)",
+    )
+    parser.add_argument(
+        "--fps", type=positive_int, default=None,
+        help="frames per second of saved video (default: the model's: Wan 16, LTX 24)",
+    )
     parser.add_argument(
         "--max-size", type=positive_int, default=DEFAULT_MAX_SIDE_PIXELS, dest="max_side_pixels",
         help=f"largest --height or --width accepted, as the server's --max-size (default: {DEFAULT_MAX_SIDE_PIXELS})",
@@ -173,6 +196,10 @@ def request_from_args(args: argparse.Namespace, *, image=None, seed: int | None 
             seed=args.seed if seed is None else seed,
             fps=args.fps,
             max_side_pixels=args.max_side_pixels,
+            guidance_scale_2=args.guidance_scale_2,
+            true_cfg_scale=args.true_cfg_scale,
+            boundary_ratio=args.boundary_ratio,
+            flow_shift=args.flow_shift,
         )
     except GenerationError as e:
         flag = _REQUEST_FLAGS.get(e.field or "", e.field)
@@ -338,13 +365,14 @@ def _check_image_input(args: argparse.Namespace, omni) -> None:
 
 
 def _check_model_geometry(args: argparse.Namespace, omni) -> None:
-    """Sizes the loaded model cannot make, named by flag, before the first step."""
-    from layerstream.models.output_limits import check_output_geometry, read_output_geometry
-
-    geometry = read_output_geometry(omni.pipeline, omni.kind)
-    violations = check_output_geometry(geometry, height=args.height, width=args.width, num_frames=args.num_frames)
+    """Sizes and options the loaded model cannot take, named by flag, before the first step."""
+    rules = omni.rules
+    violations = rules.check_geometry(height=args.height, width=args.width, num_frames=args.num_frames)
     if violations:
         raise CliError(f"{_violation_text(violations[0])} for {args.model}")
+    refused = rules.refused_fields(vars(args))
+    if refused:
+        raise CliError(f"{_REQUEST_FLAGS[refused[0]]} is not valid for {args.model}: {rules.why_not(refused[0])}")
 
 
 def _violation_text(violation: LimitViolation) -> str:

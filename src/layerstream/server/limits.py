@@ -10,46 +10,22 @@ never waits in line only to be refused, and never reaches the pipeline with a sh
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from layerstream.models.geometry import (
-    pipeline_frame_multiple,
-    pipeline_max_frames,
-    pipeline_max_latent_positions,
-    pipeline_max_side,
-    pipeline_size_multiple,
-)
-from layerstream.models.input_image import (
-    ConditionedSize,
-    ImageInputKind,
-    InputImageError,
-    pipeline_image_input,
-    size_from_image,
-)
+from layerstream.models.geometry import pipeline_max_latent_positions
+from layerstream.models.input_image import ConditionedSize, InputImageError, size_from_image
+from layerstream.models.model_rules import ModelRules
 from layerstream.server.errors import ApiError, invalid_fields
 from layerstream.server.schemas import MAX_SEED, ErrorDetail, GenerationBody, VideoGenerationRequest
 from layerstream.server.settings import ServeSettings
 
-# Omni.generate's own choice when neither the request nor the model names a step count
-FALLBACK_NUM_INFERENCE_STEPS = 20
-
-
 @dataclass(frozen=True, kw_only=True)
 class ModelLimits:
-    """The served model's rules and defaults, and the server's caps (already lowered to the model's)."""
+    """The served model's rules and defaults (`ModelRules`, as `Omni` and the command line read them) and the
+    server's caps, already lowered to what the model can position."""
 
-    model: str
-    kind: Literal["image", "video"]
-    size_multiple: int
-    """Width and height must be multiples of this."""
-    frame_multiple: int | None
-    """Video: ``num_frames - 1`` must be a multiple of this (None: any count)."""
-    default_width: int | None
-    default_height: int | None
-    default_num_frames: int | None
-    default_num_inference_steps: int
+    rules: ModelRules
     max_frames: int
     """The smaller of --max-frames and what the transformer can position."""
     max_side_pixels: int
@@ -58,9 +34,19 @@ class ModelLimits:
     """Latent tokens per axis the transformer can position, when that is what bounds the two caps above."""
     max_work: int
     """--max-work: width x height x frames x steps x n of one request."""
-    supports_negative_prompt: bool
-    image_input: ImageInputKind = "none"
-    """Whether the model takes an input image (``"none"``, ``"optional"``, ``"required"``)."""
+
+    # the rules' figures, as the checks below read them
+    model = property(lambda self: self.rules.model)
+    kind = property(lambda self: self.rules.kind)
+    size_multiple = property(lambda self: self.rules.size_multiple)
+    frame_multiple = property(lambda self: self.rules.frame_multiple)
+    default_width = property(lambda self: self.rules.default_width)
+    default_height = property(lambda self: self.rules.default_height)
+    default_num_frames = property(lambda self: self.rules.default_num_frames)
+    default_num_inference_steps = property(lambda self: self.rules.default_num_inference_steps)
+    supports_negative_prompt = property(lambda self: self.rules.supports_negative_prompt)
+    image_input = property(lambda self: self.rules.image_input)
+    fps = property(lambda self: self.rules.fps)
 
 
 @dataclass(frozen=True)
@@ -81,42 +67,21 @@ class RequestShape:
 
 
 def read_model_limits(omni: Any, settings: ServeSettings) -> ModelLimits:
-    """The limits of `omni`'s pipeline: the tiny model's spec, or what the pipeline itself declares."""
-    from layerstream.models.loading import is_tiny_model_name
-
-    pipeline = omni.pipeline
-    call = inspect.signature(pipeline.__call__).parameters
-    if is_tiny_model_name(omni.model):
-        from layerstream.models.tiny import TINY_MODELS
-
-        spec = TINY_MODELS[omni.model]
-        size_multiple = spec.size_multiple
-        defaults = dict(spec.default_kwargs)
-    else:
-        size_multiple = pipeline_size_multiple(pipeline)
-        defaults = _call_defaults(pipeline, call)
-    is_video = omni.kind == "video"
-    model_side, model_frames = pipeline_max_side(pipeline), pipeline_max_frames(pipeline) if is_video else None
+    """The limits of `omni`'s model: its rules (`omni.rules`) and the server's caps lowered to its reach."""
+    rules = omni.rules
+    is_video = rules.kind == "video"
+    model_side, model_frames = rules.geometry.max_side_pixels, rules.geometry.max_frames if is_video else None
     max_side = min(settings.max_side_pixels, model_side) if model_side else settings.max_side_pixels
     max_frames = min(settings.max_frames, model_frames) if model_frames else settings.max_frames
     bound_by_model = (model_side is not None and model_side < settings.max_side_pixels) or (
         model_frames is not None and model_frames < settings.max_frames
     )
     return ModelLimits(
-        model=omni.model,
-        kind=omni.kind,
-        size_multiple=size_multiple,
-        frame_multiple=pipeline_frame_multiple(pipeline) if is_video else None,
-        default_width=defaults.get("width"),
-        default_height=defaults.get("height"),
-        default_num_frames=defaults.get("num_frames") if is_video else None,
-        default_num_inference_steps=defaults.get("num_inference_steps") or FALLBACK_NUM_INFERENCE_STEPS,
+        rules=rules,
         max_frames=max_frames,
         max_side_pixels=max_side,
-        max_latent_positions=pipeline_max_latent_positions(pipeline) if bound_by_model else None,
+        max_latent_positions=pipeline_max_latent_positions(omni.pipeline) if bound_by_model else None,
         max_work=settings.max_work,
-        supports_negative_prompt="negative_prompt" in call,
-        image_input=pipeline_image_input(pipeline),
     )
 
 
@@ -194,7 +159,13 @@ def check_endpoint(limits: ModelLimits, endpoint_kind: str) -> None:
 
 def check_request(request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None = None) -> None:
     """Raise a 400 `ApiError` naming every field the served model cannot take (`conditioned`: the size the
-    request's input image leads to)."""
+    request's input image leads to); first a 422 naming each optional field the pipeline cannot take
+    (``boundary_ratio`` on Flux), which is never dropped silently."""
+    rules = limits.rules
+    refused = [name for name in rules.refused_fields(request.model_dump()) if name != "negative_prompt"]
+    if refused:
+        details = [ErrorDetail(param=name, message=f"not valid for {limits.model}: {rules.why_not(name)}", allowed="null") for name in refused]
+        raise invalid_fields(422, details, code="unsupported_for_model")
     problems: list[ErrorDetail] = []
     if request.model is not None and request.model != limits.model:
         problems.append(
@@ -277,21 +248,3 @@ def _largest_factor(shape: RequestShape, limits: ModelLimits) -> str:
     ratios["num_frames"] = (shape.num_frames or 1) / (limits.default_num_frames or 1)
     ratios["size"] = (shape.width or side) * (shape.height or side) / default_pixels
     return max(ratios, key=lambda name: ratios[name])  # a tie names the first: the cheapest to lower
-
-
-def _call_defaults(pipeline: Any, call: Any) -> dict[str, int]:
-    """The pipeline's own defaults for size, frames and steps, where its ``__call__`` says them.
-
-    Pipelines that leave height and width None (Flux, Qwen-Image) compute them from ``default_sample_size``
-    latent tokens times the VAE's compression.
-    """
-    defaults = {}
-    for name in ("width", "height", "num_frames", "num_inference_steps"):
-        value = call[name].default if name in call else None
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            defaults[name] = value
-    sample, factor = getattr(pipeline, "default_sample_size", None), getattr(pipeline, "vae_scale_factor", None)
-    if isinstance(sample, int) and isinstance(factor, int):
-        defaults.setdefault("width", sample * factor)
-        defaults.setdefault("height", sample * factor)
-    return defaults

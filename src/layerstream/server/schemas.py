@@ -63,6 +63,25 @@ class GenerationBody(_StrictModel):
     guidance_scale: float | None = Field(
         default=None, ge=0.0, le=100.0, allow_inf_nan=False, description="Guidance scale; default: the model's."
     )
+    guidance_scale_2: float | None = Field(
+        default=None, ge=0.0, le=100.0, allow_inf_nan=False,
+        description="Two-expert models (Wan 2.2 A14B): the low-noise expert's guidance scale; default: guidance_scale.",
+    )
+    true_cfg_scale: float | None = Field(
+        default=None, ge=0.0, le=100.0, allow_inf_nan=False,
+        description=(
+            "Models with a true_cfg_scale argument (Flux, Qwen-Image): that argument; guidance_scale then goes to"
+            " the model's own guidance_scale. Default: guidance_scale is the classifier-free scale."
+        ),
+    )
+    boundary_ratio: float | None = Field(
+        default=None, ge=0.0, le=1.0, allow_inf_nan=False,
+        description="Two-expert models: where the second expert takes over, a fraction of the timesteps; default: the model's.",
+    )
+    flow_shift: float | None = Field(
+        default=None, gt=0.0, le=100.0, allow_inf_nan=False,
+        description="Models whose scheduler has a flow_shift (Wan): its value for this request; default: the model's.",
+    )
     timeout: float | None = Field(
         default=None,
         gt=0.0,
@@ -93,6 +112,10 @@ class GenerationBody(_StrictModel):
             width=width,
             num_inference_steps=self.num_inference_steps,
             guidance_scale=self.guidance_scale,
+            guidance_scale_2=self.guidance_scale_2,
+            true_cfg_scale=self.true_cfg_scale,
+            boundary_ratio=self.boundary_ratio,
+            flow_shift=self.flow_shift,
             seed=seed,
             n=self.n,
             timeout=self.timeout,
@@ -154,7 +177,9 @@ class VideoGenerationRequest(GenerationBody):
     num_frames: int | None = Field(
         default=None, ge=1, description="Frames of each video; at most the server's --max-frames; default: the model's."
     )
-    fps: int = Field(default=16, ge=1, le=MAX_FPS, description="Frame rate of the encoded MP4.")
+    fps: int | None = Field(
+        default=None, ge=1, le=MAX_FPS, description="Frame rate of the encoded MP4; default: the model's (Wan 16, LTX 24)."
+    )
     image: str | None = Field(
         default=None,
         min_length=1,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import statistics
 import threading
 import time
 from collections.abc import Sequence
@@ -19,7 +20,6 @@ from typing import Any, Protocol
 from layerstream.omni import RunStats
 from layerstream.runtime.reporting.stats import OffloadStats
 from layerstream.request import GenerationError, GenerationRequest
-from layerstream.server.jobs.requests import frame_rate
 from layerstream.server.limits import (
     ModelLimits,
     check_endpoint,
@@ -184,6 +184,8 @@ class GenerationService:
             num_frames=shape.num_frames,
             num_inference_steps=shape.num_inference_steps,
         )
+        if self.limits.kind == "video" and request.fps is None:
+            request = replace(request, fps=self.limits.fps)  # what the MP4 is encoded at, shown in the job's settings
         note = conditioned.note if conditioned is not None else None
         return ServedRequest(request=request, size_note=note, work=shape.work(self.limits))
 
@@ -391,7 +393,7 @@ class GenerationService:
             "default_size": f"{width}x{height}" if width and height else None,
             "default_num_frames": limits.default_num_frames if is_video else None,
             "default_steps": limits.default_num_inference_steps,
-            "fps": frame_rate(self.omni.pipeline) if is_video else None,
+            "fps": limits.fps if is_video else None,
             "takes_image": limits.image_input != "none",
             "jobs_path": None,
         }
@@ -440,7 +442,8 @@ def request_usage(
         num_inference_steps=len(runs[0].step_seconds) or served.request.num_inference_steps,
         queue_seconds=queue_seconds,
         seconds=seconds,
-        seconds_per_step=sum(step_seconds) / len(step_seconds) if step_seconds else seconds,
+        # the median, as Omni's and the job's: the first step also carries prompt encoding and warm-up
+        seconds_per_step=statistics.median(step_seconds) if step_seconds else seconds,
         bytes_streamed=sum(run.bytes_transferred for run in runs),
         num_transfers=sum(run.num_transfers for run in runs),
         num_sync_loads=sum(run.num_sync_loads for run in runs),

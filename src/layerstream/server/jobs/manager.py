@@ -31,8 +31,9 @@ from layerstream.server.jobs.records import (
     JobStatus,
     LiveProgress,
     job_object,
+    run_figures,
 )
-from layerstream.server.jobs.requests import ImageJobRequest, VideoJobRequest, frame_rate, seconds_shown
+from layerstream.server.jobs.requests import ImageJobRequest, VideoJobRequest, seconds_shown
 from layerstream.server.jobs.store import JobStore
 from layerstream.server.queue import Job, QueueClosedError, QueueFullError
 from layerstream.server.service import GenerationService, ServedRequest
@@ -65,7 +66,6 @@ class JobManager:
         self.service = service
         self.store = store
         self.kind = service.limits.kind
-        self.fps = frame_rate(service.omni.pipeline) if self.kind == "video" else None
         self.events = JobEvents()
         self._lock = threading.Lock()
         self._live: dict[str, _LiveJob] = {}
@@ -96,7 +96,7 @@ class JobManager:
         """Check `body` against the model, store it as a queued job and queue it; its job object.
 
         Nothing is stored or queued if a check fails (4xx), and a full queue is a 429 with nothing stored."""
-        served = self.service.prepare(body.generation_body(self.service.limits, self.fps or 0), image, body.image_field)
+        served = self.service.prepare(body.generation_body(self.service.limits), image, body.image_field)
         record = self._new_record(body, served)
         live = _LiveJob(record=record, served=served, preview=body.preview)
         self.store.insert(record)
@@ -191,7 +191,7 @@ class JobManager:
         try:
             output = self.service.generate(live.served, job, _JobObserver(self, live, projection))
             self._publish_progress(live, DECODED_PERCENT)
-            self._complete(live, base64.b64decode(output.files_b64[0]))
+            self._complete(live, base64.b64decode(output.files_b64[0]), output.usage)
         except GenerationStopped as e:
             if e.reason is not StopReason.CANCELLED:  # cancelled: already deleted, nothing to record
                 self._fail(live, "stopped", str(e))
@@ -210,7 +210,7 @@ class JobManager:
             self._live.pop(live.record.id, None)
         self._fail(live, "server_shutdown", "the server shut down before the job started")
 
-    def _complete(self, live: _LiveJob, data: bytes) -> None:
+    def _complete(self, live: _LiveJob, data: bytes, usage: Any) -> None:
         record = live.record
         metadata = {
             **record.settings.to_dict(),
@@ -224,7 +224,7 @@ class JobManager:
             name, size = self.store.write_output(record.id, ".png", lambda p: write_png_with_settings(data, metadata, p))
         done = record.with_status(
             JobStatus.COMPLETED, progress=100, completed_at=int(time.time()), output_name=name, output_bytes=size,
-            figures=live.progress.figures(),
+            figures={**live.progress.figures(), **run_figures(usage)},
         )  # fmt: skip
         if not self._save(live, done):
             self.store.remove_output(name)  # deleted while its file was written
@@ -277,17 +277,21 @@ class JobManager:
             negative_prompt=request.negative_prompt,
             size=f"{width}x{height}" if width and height else "auto",
             num_frames=request.num_frames if self.kind == "video" else None,
-            fps=self.fps,
+            fps=request.fps if self.kind == "video" else None,
             num_inference_steps=request.num_inference_steps or limits.default_num_inference_steps,
             seed=request.seed,
             guidance_scale=request.guidance_scale,
+            guidance_scale_2=request.guidance_scale_2,
+            true_cfg_scale=request.true_cfg_scale,
+            boundary_ratio=request.boundary_ratio,
+            flow_shift=request.flow_shift,
             has_input_image=request.image is not None,
             model_revision=source.to_dict().get("revision"),
             model_commit=source.commit,
         )
         seconds = None
-        if isinstance(body, VideoJobRequest) and self.fps:
-            seconds = seconds_shown(body, request.num_frames or 0, self.fps)
+        if isinstance(body, VideoJobRequest) and request.fps:
+            seconds = seconds_shown(body, request.num_frames or 0, request.fps)
         return JobRecord(
             id=f"{self.kind}_{secrets.token_hex(16)}",
             kind=self.kind,

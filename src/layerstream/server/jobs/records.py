@@ -46,6 +46,11 @@ class JobSettings:
     guidance_scale: float | None
     """None: the model's default."""
     has_input_image: bool
+    guidance_scale_2: float | None = None
+    """vllm-omni's fields, as the request gave them (None: the model's default; and in older records)."""
+    true_cfg_scale: float | None = None
+    boundary_ratio: float | None = None
+    flow_shift: float | None = None
     model_revision: str | None = None
     """A Hub model's revision as asked (``main``) and the commit it was (`model_commit`); None for a folder or a
     tiny model, and in records written before these fields existed."""
@@ -61,6 +66,10 @@ class JobSettings:
             "num_inference_steps": self.num_inference_steps,
             "seed": self.seed,
             "guidance_scale": self.guidance_scale,
+            "guidance_scale_2": self.guidance_scale_2,
+            "true_cfg_scale": self.true_cfg_scale,
+            "boundary_ratio": self.boundary_ratio,
+            "flow_shift": self.flow_shift,
             "has_input_image": self.has_input_image,
             "model_revision": self.model_revision,
             "model_commit": self.model_commit,
@@ -92,7 +101,8 @@ class JobRecord:
     """The output file's name under the data folder's outputs/, once completed."""
     output_bytes: int = 0
     figures: dict[str, Any] | None = None
-    """A finished job's last progress figures (step, total, seconds_per_step, streamed_bytes, stall_seconds)."""
+    """A finished job's last progress figures (step, total, seconds_per_step, streamed_bytes, stall_seconds),
+    and a completed one's `run_figures` (inference_time_s, peak_memory_mb)."""
 
     def with_status(self, status: JobStatus, **changes: Any) -> JobRecord:
         return replace(self, status=status, **changes)
@@ -157,6 +167,29 @@ class LiveProgress:
         }
 
 
+def run_figures(usage: Any) -> dict[str, float | None]:
+    """vllm-omni's figures of a completed job, from its `GenerationUsage`: ``inference_time_s``, the pipeline
+    call's seconds (encoding excluded), and ``peak_memory_mb``, the device's peak allocation during it (MiB);
+    on a CPU device, which has no such counter, the process's peak resident memory so far (``VmHWM``)."""
+    peak = usage.peak_device_bytes if usage.peak_device_bytes is not None else process_peak_bytes()
+    return {
+        "inference_time_s": round(usage.seconds, 6),
+        "peak_memory_mb": round(peak / 2**20, 3) if peak is not None else None,
+    }
+
+
+def process_peak_bytes() -> int | None:
+    """This process's peak resident set (``VmHWM`` of /proc/self/status), or None where there is no /proc."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB
+    except OSError:
+        return None
+    return None
+
+
 def job_object(record: JobRecord, live: LiveProgress | None, queue_position: int | None) -> dict[str, Any]:
     """The job object of the API (OpenAI's video object, or its image twin), with the ``layerstream`` extension."""
     if live is None:
@@ -177,6 +210,8 @@ def job_object(record: JobRecord, live: LiveProgress | None, queue_position: int
         "model": record.model,
         "prompt": record.settings.prompt,
         "error": record.error,
+        "inference_time_s": (record.figures or {}).get("inference_time_s"),
+        "peak_memory_mb": (record.figures or {}).get("peak_memory_mb"),
         "layerstream": {
             "settings": record.settings.to_dict(),
             "queue_position": queue_position if record.status is JobStatus.QUEUED else None,

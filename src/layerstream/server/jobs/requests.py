@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from layerstream.server.errors import ApiError
 from layerstream.server.limits import ModelLimits
 from layerstream.server.schemas import (
+    MAX_FPS,
     MAX_INFERENCE_STEPS,
     MAX_PROMPT_CHARS,
     MAX_SEED,
@@ -28,14 +29,6 @@ from layerstream.server.schemas import (
     VideoGenerationRequest,
 )
 
-DEFAULT_FPS = 16
-FRAME_RATES = {
-    "WanPipeline": 16, "WanImageToVideoPipeline": 16, "WanVACEPipeline": 16,
-    "LTXPipeline": 24, "LTXImageToVideoPipeline": 24,
-    "HunyuanVideoPipeline": 15, "HunyuanVideoImageToVideoPipeline": 15,
-    "CogVideoXPipeline": 8, "CogVideoXImageToVideoPipeline": 8,
-}  # fmt: skip
-"""The frame rate each video pipeline's model was trained at (`DEFAULT_FPS` for others)."""
 SECONDS_PATTERN = r"^[0-9]{1,5}(\.[0-9]{1,6})?$"
 
 
@@ -51,7 +44,29 @@ class _JobFields(BaseModel):
     num_inference_steps: int | None = Field(default=None, ge=1, le=MAX_INFERENCE_STEPS, description="Denoising steps.")
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="Seed; default: random (reported).")
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0, allow_inf_nan=False)
+    guidance_scale_2: float | None = Field(
+        default=None, ge=0.0, le=100.0, allow_inf_nan=False, description="Two-expert models: the second expert's guidance."
+    )
+    true_cfg_scale: float | None = Field(
+        default=None, ge=0.0, le=100.0, allow_inf_nan=False, description="Models with a true_cfg_scale argument: it."
+    )
+    boundary_ratio: float | None = Field(
+        default=None, ge=0.0, le=1.0, allow_inf_nan=False, description="Two-expert models: where the second takes over."
+    )
+    flow_shift: float | None = Field(
+        default=None, gt=0.0, le=100.0, allow_inf_nan=False, description="Schedulers with a flow_shift (Wan): its value."
+    )
     preview: bool = Field(default=False, description="Send preview images on the job's event stream.")
+
+    def _shared(self) -> dict[str, Any]:
+        """The fields the synchronous endpoints take too, as given."""
+        return {name: getattr(self, name) for name in _SHARED_FIELDS}
+
+
+_SHARED_FIELDS = (
+    "prompt", "model", "size", "negative_prompt", "num_inference_steps", "seed", "guidance_scale",
+    "guidance_scale_2", "true_cfg_scale", "boundary_ratio", "flow_shift",
+)  # fmt: skip
 
 
 class VideoJobRequest(_JobFields):
@@ -64,6 +79,11 @@ class VideoJobRequest(_JobFields):
         default=None, description="Duration; mapped to frames at the model's frame rate and frame rule."
     )
     num_frames: int | None = Field(default=None, ge=1, description="Frames; give this or seconds, not both.")
+    width: int | None = Field(default=None, ge=1, le=999_999, description="Pixels, with height (vllm-omni's); or size.")
+    height: int | None = Field(default=None, ge=1, le=999_999, description="Pixels, with width; or size.")
+    fps: int | None = Field(
+        default=None, ge=1, le=MAX_FPS, description="Frame rate of the MP4 (and of seconds); default: the model's."
+    )
     input_reference: str | None = Field(default=None, min_length=1, description="Image-to-video: the input image.")
 
     @field_validator("seconds")
@@ -73,19 +93,33 @@ class VideoJobRequest(_JobFields):
             seconds_value(seconds)  # a ValueError: a 422 naming seconds
         return seconds
 
-    def generation_body(self, limits: ModelLimits, fps: int) -> VideoGenerationRequest:
-        """The synchronous endpoint's request for this job (seconds turned into frames)."""
+    def generation_body(self, limits: ModelLimits) -> VideoGenerationRequest:
+        """The synchronous endpoint's request for this job (seconds turned into frames at its frame rate: the
+        body's fps, else the model's; width and height into size)."""
+        fps = self.frame_rate(limits)
         num_frames = self.num_frames
         if self.seconds is not None:
             if num_frames is not None:
                 message = f"seconds = {self.seconds!r} and num_frames = {num_frames} both given; give one of them"
                 raise ApiError(422, message, code="invalid_request_body", param="seconds")
             num_frames = frames_for_seconds(seconds_value(self.seconds), fps, limits)
-        return VideoGenerationRequest(**self._shared(), num_frames=num_frames, fps=fps)
+        return VideoGenerationRequest(**{**self._shared(), "size": self._size()}, num_frames=num_frames, fps=fps)
 
-    def _shared(self) -> dict[str, Any]:
-        names = ("prompt", "model", "size", "negative_prompt", "num_inference_steps", "seed", "guidance_scale")
-        return {name: getattr(self, name) for name in names}
+    def frame_rate(self, limits: ModelLimits) -> int:
+        return self.fps if self.fps is not None else limits.fps
+
+    def _size(self) -> str | None:
+        """`size`, or vllm-omni's width and height (both, and agreeing with size where that is given too)."""
+        if self.width is None and self.height is None:
+            return self.size
+        if self.width is None or self.height is None:
+            missing, given = ("width", "height") if self.width is None else ("height", "width")
+            raise ApiError(422, f"{given} given without {missing}; give both, or size 'WIDTHxHEIGHT'", code="invalid_request_body", param=missing)
+        size = f"{self.width}x{self.height}"
+        if self.size is not None and self.size != size:
+            message = f"size = {self.size!r} and width x height = {size!r} disagree; give one of them, or equal ones"
+            raise ApiError(422, message, code="invalid_request_body", param="size")
+        return size
 
 
 class ImageJobRequest(_JobFields):
@@ -95,9 +129,8 @@ class ImageJobRequest(_JobFields):
 
     image: str | None = Field(default=None, min_length=1, description="Edit models: the input image.")
 
-    def generation_body(self, limits: ModelLimits, fps: int) -> ImageGenerationRequest:
-        names = ("prompt", "model", "size", "negative_prompt", "num_inference_steps", "seed", "guidance_scale")
-        return ImageGenerationRequest(**{name: getattr(self, name) for name in names})
+    def generation_body(self, limits: ModelLimits) -> ImageGenerationRequest:
+        return ImageGenerationRequest(**self._shared())
 
 
 class VideoJobForm(FormReading, VideoJobRequest):
@@ -145,7 +178,3 @@ def seconds_shown(body: VideoJobRequest, num_frames: int, fps: int) -> str:
     if body.seconds is not None:
         return str(body.seconds)
     return f"{num_frames / fps:g}"
-
-
-def frame_rate(pipeline: Any) -> int:
-    return FRAME_RATES.get(type(pipeline).__name__, DEFAULT_FPS)

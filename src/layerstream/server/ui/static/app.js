@@ -62,6 +62,15 @@ function settingsLine(settings) {
   if (settings.num_frames) parts.push(`${settings.num_frames} frames`);
   parts.push(`${settings.num_inference_steps} steps`, `seed ${settings.seed}`);
   if (settings.guidance_scale !== null && settings.guidance_scale !== undefined) parts.push(`guidance ${settings.guidance_scale}`);
+  // vllm-omni's fields, where the job gave them
+  const given = [
+    ["guidance_scale_2", "guidance 2"], ["true_cfg_scale", "true CFG"],
+    ["boundary_ratio", "boundary"], ["flow_shift", "flow shift"],
+  ];
+  for (const [name, label] of given) {
+    if (settings[name] !== null && settings[name] !== undefined) parts.push(`${label} ${settings[name]}`);
+  }
+  if (settings.fps) parts.push(`${settings.fps} fps`);
   if (settings.has_input_image) parts.push("input image");
   return parts.join(" · ");
 }

@@ -1,0 +1,206 @@
+"""`ModelRules`: what one loaded pipeline accepts and what it does when a request leaves a field out.
+
+Read once from the pipeline (an embedded tiny model declares its small defaults in its spec instead), and
+used by every entry point: `Omni`, the command line and the server check a request against the same rules,
+fill in the same defaults and only word the refusals for their caller (a flag, a JSON field, an argument).
+So the same request makes the same picture from the library, `generate`, the synchronous endpoint and a job.
+
+What is read:
+- the geometry (`OutputGeometry`: size multiple, frame rule, the reach of the position table);
+- whether the pipeline takes an input image;
+- its own defaults: size, frames and steps from its ``__call__`` signature (Wan: 480x832, 81 frames, 50
+  steps; Flux and Qwen-Image size from ``default_sample_size`` latent tokens), guidance the same way;
+- the frame rate the model was trained at (`FRAME_RATES`, by pipeline class);
+- which optional request fields it can take, and how: a call argument (``negative_prompt``,
+  ``guidance_scale_2``, ``true_cfg_scale``) or a per-request override of a setting (``boundary_ratio``, a
+  two-expert Wan pipeline's config; ``flow_shift``, its scheduler's config).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from layerstream.models.input_image import ImageInputKind, pipeline_image_input
+from layerstream.models.output_limits import LimitViolation, OutputGeometry, check_output_geometry, read_output_geometry
+
+DEFAULT_FPS = 16
+FRAME_RATES = {
+    "WanPipeline": 16, "WanImageToVideoPipeline": 16, "WanVACEPipeline": 16,
+    "LTXPipeline": 24, "LTXImageToVideoPipeline": 24, "LTXConditionPipeline": 24,
+    "HunyuanVideoPipeline": 15, "HunyuanVideoImageToVideoPipeline": 15,
+    "CogVideoXPipeline": 8, "CogVideoXImageToVideoPipeline": 8,
+}  # fmt: skip
+"""The frame rate each video pipeline's model was trained at (`DEFAULT_FPS` for others). By class: Wan 2.2's
+5B TI2V model, trained at 24 fps, loads as `WanPipeline` too and is encoded at 16 unless a request says."""
+FALLBACK_NUM_INFERENCE_STEPS = 50
+"""Steps when neither the request nor the pipeline's ``__call__`` names a count (diffusers' usual default)."""
+
+OPTIONAL_FIELDS = ("negative_prompt", "guidance_scale_2", "true_cfg_scale", "boundary_ratio", "flow_shift")
+"""Request fields only some pipelines take; a request that gives one its pipeline cannot take is refused."""
+CALL_ARGUMENT_FIELDS = ("negative_prompt", "guidance_scale_2", "true_cfg_scale")
+SETTING_FIELDS = ("boundary_ratio", "flow_shift")
+"""Fields that override a pipeline or scheduler setting for one request (restored after it)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelRules:
+    """One loaded pipeline's rules and defaults; see the module docstring for where each is read from."""
+
+    model: str
+    """The model as it was named (``"tiny-wan"``, a Hub id, a folder)."""
+    pipeline_class: str
+    kind: Literal["image", "video"]
+    geometry: OutputGeometry
+    image_input: ImageInputKind
+    """Whether it takes an input image: ``"none"``, ``"optional"`` or ``"required"``."""
+    default_width: int | None
+    """Width of a request that gives none (None: the pipeline picks, e.g. from its input image)."""
+    default_height: int | None
+    default_num_frames: int | None
+    """Video: frames of a request that gives none; None for images."""
+    default_num_inference_steps: int
+    default_guidance_scale: float | None
+    """The classifier-free guidance scale of a request that gives none (where the pipeline takes CFG through
+    ``true_cfg_scale``, that one's default); None: the pipeline names none."""
+    default_negative_prompt: str | None = None
+    """A tiny model's own recipe (Qwen-Image's blank negative); None for real models: the pipeline's."""
+    fps: int
+    """Video: the frame rate outputs are encoded at unless a request says (`FRAME_RATES`)."""
+    takes: frozenset[str]
+    """Of `OPTIONAL_FIELDS`, those this pipeline takes."""
+    tiny: bool = False
+    """An embedded tiny model: its defaults are passed to the pipeline, which has real-size ones of its own."""
+
+    @property
+    def size_multiple(self) -> int:
+        return self.geometry.size_multiple
+
+    @property
+    def frame_multiple(self) -> int | None:
+        return self.geometry.frame_multiple
+
+    @property
+    def supports_negative_prompt(self) -> bool:
+        return "negative_prompt" in self.takes
+
+    def check_geometry(self, *, height: int | None, width: int | None, num_frames: int | None) -> list[LimitViolation]:
+        """What the model cannot make of these sizes (multiples, reach, frame rule); None fields are defaults."""
+        return check_output_geometry(self.geometry, height=height, width=width, num_frames=num_frames)
+
+    def refused_fields(self, given: dict[str, Any]) -> list[str]:
+        """Of the optional fields `given` sets (not None), the ones this pipeline cannot take, in order."""
+        return [name for name in OPTIONAL_FIELDS if given.get(name) is not None and name not in self.takes]
+
+    def why_not(self, name: str) -> str:
+        """Why this pipeline cannot take optional field `name`, as a phrase (for an error message)."""
+        if name in ("boundary_ratio", "guidance_scale_2"):
+            return f"{self.pipeline_class} has no second expert (a boundary_ratio in its config and a transformer_2)"
+        if name == "flow_shift":
+            return f"{self.pipeline_class}'s scheduler has no flow_shift setting"
+        return f"{self.pipeline_class}'s __call__ takes no {name}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The rules as plain data (the server's /health shows a part of them)."""
+        return {
+            "model": self.model,
+            "pipeline_class": self.pipeline_class,
+            "kind": self.kind,
+            "size_multiple": self.geometry.size_multiple,
+            "frame_multiple": self.geometry.frame_multiple,
+            "max_side_pixels": self.geometry.max_side_pixels,
+            "max_frames": self.geometry.max_frames,
+            "image_input": self.image_input,
+            "default_width": self.default_width,
+            "default_height": self.default_height,
+            "default_num_frames": self.default_num_frames,
+            "default_num_inference_steps": self.default_num_inference_steps,
+            "default_guidance_scale": self.default_guidance_scale,
+            "fps": self.fps,
+            "takes": sorted(self.takes),
+        }
+
+
+def read_model_rules(pipeline: Any, model: str) -> ModelRules:
+    """The rules of `pipeline`, loaded as `model`: an embedded tiny model's from its spec, a real one's from
+    the pipeline itself."""
+    from layerstream.models.loading import is_tiny_model_name, pipeline_kind
+
+    kind = pipeline_kind(pipeline)
+    call = inspect.signature(pipeline.__call__).parameters
+    geometry = read_output_geometry(pipeline, kind)
+    tiny = is_tiny_model_name(model)
+    if tiny:
+        from layerstream.models.tiny import TINY_MODELS
+
+        defaults = dict(TINY_MODELS[model].default_kwargs)
+        if "true_cfg_scale" in defaults:  # a request's guidance_scale is CFG: where it goes is the call's business
+            defaults["guidance_scale"] = defaults.pop("true_cfg_scale")
+    else:
+        defaults = _call_defaults(pipeline, call)
+    steps = defaults.get("num_inference_steps")
+    guidance = defaults.get("guidance_scale")
+    return ModelRules(
+        model=model,
+        pipeline_class=type(pipeline).__name__,
+        kind=kind,
+        geometry=geometry,
+        image_input=pipeline_image_input(pipeline),
+        default_width=defaults.get("width"),
+        default_height=defaults.get("height"),
+        default_num_frames=defaults.get("num_frames") if kind == "video" else None,
+        default_num_inference_steps=steps if isinstance(steps, int) else FALLBACK_NUM_INFERENCE_STEPS,
+        default_guidance_scale=float(guidance) if guidance is not None else None,
+        default_negative_prompt=defaults.get("negative_prompt"),
+        fps=FRAME_RATES.get(type(pipeline).__name__, DEFAULT_FPS),
+        takes=_optional_fields_taken(pipeline, call),
+        tiny=tiny,
+    )
+
+
+def _optional_fields_taken(pipeline: Any, call: Any) -> frozenset[str]:
+    taken = {name for name in CALL_ARGUMENT_FIELDS if name in call}
+    if two_experts(pipeline):
+        taken.add("boundary_ratio")
+    else:
+        taken.discard("guidance_scale_2")  # Wan refuses it without a boundary (its check_inputs)
+    scheduler_config = getattr(getattr(pipeline, "scheduler", None), "config", None)
+    if scheduler_config is not None and "flow_shift" in scheduler_config:
+        taken.add("flow_shift")
+    return frozenset(taken)
+
+
+def two_experts(pipeline: Any) -> bool:
+    """Whether `pipeline` switches between two transformers at a boundary (Wan 2.2 A14B): its config names a
+    boundary_ratio and it has a transformer_2."""
+    config = getattr(pipeline, "config", None)
+    return (
+        config is not None
+        and "boundary_ratio" in config
+        and config["boundary_ratio"] is not None
+        and getattr(pipeline, "transformer_2", None) is not None
+    )
+
+
+def _call_defaults(pipeline: Any, call: Any) -> dict[str, Any]:
+    """The pipeline's own defaults for size, frames, steps and guidance, where its ``__call__`` says them.
+
+    Pipelines that leave height and width None (Flux, Qwen-Image) compute them from ``default_sample_size``
+    latent tokens times the VAE's compression. Guidance is ``true_cfg_scale``'s default where the pipeline
+    takes classifier-free guidance there (its ``guidance_scale`` is then a distilled embedding's input)."""
+    defaults: dict[str, Any] = {}
+    for name in ("width", "height", "num_frames", "num_inference_steps"):
+        value = call[name].default if name in call else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            defaults[name] = value
+    for name in ("true_cfg_scale", "guidance_scale"):
+        value = call[name].default if name in call else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            defaults["guidance_scale"] = float(value)
+            break
+    sample, factor = getattr(pipeline, "default_sample_size", None), getattr(pipeline, "vae_scale_factor", None)
+    if isinstance(sample, int) and isinstance(factor, int):
+        defaults.setdefault("width", sample * factor)
+        defaults.setdefault("height", sample * factor)
+    return defaults

@@ -1,0 +1,144 @@
+"""One set of model rules: `Omni`, `generate`, the synchronous endpoint and a job resolve the same defaults.
+
+For every embedded tiny model, and for the same model saved as an ordinary diffusers folder (which has its
+pipeline's real-size defaults: Wan's 50 steps), the four entry points build their requests their own way;
+what reaches the pipeline's call must be the same, and so must the frame rate the output is encoded at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+from types import SimpleNamespace
+
+import pytest
+from PIL import Image
+
+from layerstream.cli.generate_cmd import add_arguments, request_from_args
+from layerstream.models.model_rules import FRAME_RATES, read_model_rules
+from layerstream.models.tiny import TINY_MODELS, ensure_tiny_model
+from layerstream.omni import Omni
+from layerstream.request import GenerationError, GenerationRequest
+from layerstream.server.jobs.requests import ImageJobRequest, VideoJobRequest
+from layerstream.server.schemas import ImageGenerationRequest, VideoGenerationRequest
+from layerstream.server.service import GenerationService
+from layerstream.server.settings import ServeSettings
+
+# a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
+pytestmark = pytest.mark.fast
+
+PROMPT = "a red fox"
+_NOT_COMPARED = ("generator", "callback_on_step_end", "image")  # a fresh generator each; the image is the same one
+
+
+class _Called(Exception):
+    """Raised by the recorded call instead of running the pipeline: only its arguments are wanted."""
+
+
+def _call_arguments(monkeypatch, omni: Omni, request: GenerationRequest) -> dict:
+    """The keyword arguments `omni.run(request)` calls its pipeline with (the pipeline does not run)."""
+    seen: list[dict] = []
+    original = type(omni.pipeline).__call__
+
+    @functools.wraps(original)  # keeps the signature Omni reads
+    def record(self, *args, **kwargs):
+        seen.append(kwargs)
+        raise _Called
+
+    with monkeypatch.context() as patch:
+        patch.setattr(type(omni.pipeline), "__call__", record)
+        with pytest.raises(_Called):
+            omni.run(request)
+    return {name: value for name, value in seen[0].items() if name not in _NOT_COMPARED}
+
+
+def _cli_request(model: str, image_path) -> GenerationRequest:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--model", model, "--prompt", PROMPT] + (["--image", str(image_path)] if image_path else [])
+    args = parser.parse_args(argv)
+    image = Image.open(image_path).convert("RGB") if image_path else None
+    return request_from_args(args, image=image)
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["tiny", "saved-folder"])
+@pytest.mark.parametrize("name", list(TINY_MODELS))
+def test_every_entry_point_resolves_the_same_defaults(monkeypatch, tmp_path, name, saved):
+    model = str(ensure_tiny_model(name)) if saved else name
+    omni = Omni(model, offload=False)
+    rules = omni.rules
+    image = Image.new("RGB", (48, 32), (200, 40, 40)) if rules.image_input == "required" else None
+    image_path = None
+    if image is not None:
+        image_path = tmp_path / "input.png"
+        image.save(image_path)
+    service = GenerationService(omni, ServeSettings(port=0, max_work=10**12))  # a real-size default is much work
+    video = rules.kind == "video"
+    sync_body = VideoGenerationRequest(prompt=PROMPT) if video else ImageGenerationRequest(prompt=PROMPT)
+    job_body = (VideoJobRequest if video else ImageJobRequest)(prompt=PROMPT)
+
+    requests = {
+        "Omni": GenerationRequest(prompt=PROMPT, image=image),
+        "generate": _cli_request(model, image_path),
+        "synchronous": service.prepare(sync_body, image).request,
+        "job": service.prepare(job_body.generation_body(service.limits), image).request,
+    }
+    calls = {where: _call_arguments(monkeypatch, omni, request.outputs()[0]) for where, request in requests.items()}
+    assert all(call == calls["Omni"] for call in calls.values()), calls
+    if video:
+        assert {where: request.fps or rules.fps for where, request in requests.items()} == dict.fromkeys(requests, rules.fps)
+
+    steps = calls["Omni"]["num_inference_steps"]
+    if saved:  # a real model's own default: the pipeline's __call__ says it (WanPipeline: 50)
+        assert steps == inspect.signature(type(omni.pipeline).__call__).parameters["num_inference_steps"].default
+    else:
+        assert steps == TINY_MODELS[name].default_kwargs["num_inference_steps"]
+
+
+def test_frame_rates_and_optional_fields_follow_the_pipeline():
+    def call(self, prompt, num_frames=121, num_inference_steps=40, guidance_scale=3.0):
+        pass
+
+    ltx = type("LTXPipeline", (), {"__call__": call})()
+    rules = read_model_rules(ltx, "a/ltx")
+    assert (rules.fps, rules.kind, rules.default_num_inference_steps, rules.default_guidance_scale) == (24, "video", 40, 3.0)
+    assert rules.takes == frozenset() and FRAME_RATES["LTXPipeline"] == 24
+    assert rules.refused_fields({"negative_prompt": "blur", "flow_shift": 3.0, "boundary_ratio": None}) == [
+        "negative_prompt",
+        "flow_shift",
+    ]
+
+
+def test_wan22_takes_vllm_omnis_fields_and_flux_refuses_them_naming_the_pipeline():
+    wan = Omni("tiny-wan", offload=False)
+    assert wan.rules.takes == {"negative_prompt", "guidance_scale_2", "boundary_ratio", "flow_shift"}
+    flux = Omni("tiny-flux", offload=False)
+    assert "true_cfg_scale" in flux.rules.takes and "boundary_ratio" not in flux.rules.takes
+    with pytest.raises(GenerationError, match="boundary_ratio is not valid for tiny-flux: FluxPipeline has no second expert"):
+        flux.generate(PROMPT, boundary_ratio=0.5)
+    with pytest.raises(GenerationError, match="flow_shift is not valid for tiny-flux: FluxPipeline's scheduler"):
+        flux.generate(PROMPT, flow_shift=3.0)
+
+
+def test_per_request_settings_reach_the_call_and_are_restored_after_it(monkeypatch):
+    omni = Omni("tiny-wan", offload=False)
+    seen = []
+    original = type(omni.pipeline).__call__
+
+    @functools.wraps(original)
+    def record(self, *args, **kwargs):
+        seen.append(SimpleNamespace(ratio=self.config.boundary_ratio, shift=self.scheduler.config.flow_shift, kwargs=kwargs))
+        if len(seen) == 2:
+            raise RuntimeError("a failing call restores them too")
+        return original(self, *args, **kwargs)
+
+    ratio, shift, scheduler = omni.pipeline.config.boundary_ratio, omni.pipeline.scheduler.config.flow_shift, omni.pipeline.scheduler
+    monkeypatch.setattr(type(omni.pipeline), "__call__", record)
+    omni.generate(PROMPT, boundary_ratio=0.5, flow_shift=5.0, guidance_scale_2=2.0, num_inference_steps=2)
+    with pytest.raises(RuntimeError, match="restores them too"):
+        omni.generate(PROMPT, boundary_ratio=0.25, flow_shift=7.0, num_inference_steps=2)
+    assert [(s.ratio, s.shift) for s in seen] == [(0.5, 5.0), (0.25, 7.0)]
+    assert seen[0].kwargs["guidance_scale_2"] == 2.0
+    assert omni.pipeline.config.boundary_ratio == ratio and omni.pipeline.scheduler is scheduler
+    assert scheduler.config.flow_shift == shift
