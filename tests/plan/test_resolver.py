@@ -187,17 +187,8 @@ def test_a_plan_that_is_not_an_offload_plan_is_a_type_error():
 # --- categories --------------------------------------------------------------------------------------------
 
 
-def test_categories_follow_the_declared_role_lists_alone():
-    """A pipeline that lists its roles (as vllm-omni's do) is categorized by the lists: undeclared children are
-    not a DiT, a text encoder or a VAE because of their names."""
-    cls = pipeline_class(
-        "RolesPipeline",
-        _dit_modules=["backbone"],
-        _encoder_modules=["prompt_model", "caption_model"],
-        _vae_modules=["decoder"],
-        _offload_plan=OffloadPlan(encoder_component_types={"caption_model": "text_encoder"}),
-    )
-    pipe = cls(
+def _children_named_like_roles() -> dict[str, nn.Module]:
+    return dict(
         backbone=ToyDiT(),
         transformer_2=ToyDiT(),
         prompt_model=PromptModel(),
@@ -209,7 +200,18 @@ def test_categories_follow_the_declared_role_lists_alone():
         image_encoder=nn.Linear(2, 2),
         scheduler_net=nn.Linear(2, 2),
     )
-    resolved = resolve_offload_plan(pipe, DIT)
+
+
+def test_categories_follow_the_declared_role_lists_alone():
+    """A pipeline that lists some of its roles is categorized by those lists: undeclared children are not a DiT
+    or a text encoder because of their names; the role it does not list (here the VAE) keeps the name rule."""
+    cls = pipeline_class(
+        "SomeRolesPipeline",
+        _dit_modules=["backbone"],
+        _encoder_modules=["prompt_model", "caption_model"],
+        _offload_plan=OffloadPlan(encoder_component_types={"caption_model": "text_encoder"}),
+    )
+    resolved = resolve_offload_plan(cls(**_children_named_like_roles()), DIT)
     assert {c.path: c.category for c in resolved.components} == {
         "backbone": "dit",  # _dit_modules
         "transformer_2": "other",  # named like a DiT, but _dit_modules does not list it
@@ -217,12 +219,35 @@ def test_categories_follow_the_declared_role_lists_alone():
         "caption_model": "text_encoder",  # encoder_component_types
         "text_encoder_2": "other",  # named like a text encoder, but _encoder_modules does not list it
         "umt5_text_encoder": "other",
-        "decoder": "vae",  # _vae_modules
-        "vae_2": "other",
+        "decoder": "other",  # no _vae_modules: the name rule, and "decoder" is no VAE's name
+        "vae_2": "vae",
         "image_encoder": "image_encoder",
         "scheduler_net": "other",
     }
     assert {c.path for c in resolved.streamed} == {"backbone"}
+    assert resolved.untouched == ()
+
+
+def test_a_pipeline_that_declares_its_roles_leaves_undeclared_children_untouched():
+    """All three role lists (vllm-omni's SupportsComponentDiscovery): the lists are the whole picture; a child
+    none of the pipeline's declarations names is no component at all, and `plan` lists it as untouched."""
+    cls = pipeline_class(
+        "RolesPipeline",
+        _dit_modules=["backbone"],
+        _encoder_modules=["prompt_model"],
+        _vae_modules=["decoder"],
+        _offload_plan=OffloadPlan(encoder_component_types={"caption_model": "text_encoder"}),
+    )
+    resolved = resolve_offload_plan(cls(**_children_named_like_roles()), DIT)
+    assert {c.path: c.category for c in resolved.components} == {
+        "backbone": "dit",  # _dit_modules
+        "prompt_model": "encoder",  # _encoder_modules, not typed
+        "caption_model": "text_encoder",  # declared by the pipeline's own _offload_plan
+        "decoder": "vae",  # _vae_modules
+    }
+    untouched = ["transformer_2", "text_encoder_2", "umt5_text_encoder", "vae_2", "image_encoder", "scheduler_net"]
+    assert [u.path for u in resolved.untouched] == untouched
+    assert [u["path"] for u in resolved.to_dict()["untouched"]] == untouched
 
 
 def test_without_role_lists_the_name_rule_categorizes():

@@ -190,6 +190,7 @@ def format_plan(plan: ResolvedOffloadPlan, placement=None) -> str:
     config = plan.config
     rows = [_row(comp, placement) for comp in plan.components]
     rows += [_absent_row(a) for a in plan.absent]
+    rows += [_untouched_row(u) for u in plan.untouched]
     streamed = sum(_split_bytes(c, placement)[0] for c in plan.components)
     resident = sum(_split_bytes(c, placement)[1] for c in plan.components)
     totals = {"component": "total", "streamed": format_bytes(streamed), "resident": format_bytes(resident)}
@@ -199,9 +200,15 @@ def format_plan(plan: ResolvedOffloadPlan, placement=None) -> str:
     lines += _table(rows)
     lines.append("")
     lines.append("why:")
-    width = max((len(p) for p in [c.display_path for c in plan.components] + [a.path for a in plan.absent]), default=0)
+    paths = [c.display_path for c in plan.components] + [a.path for a in plan.absent] + [u.path for u in plan.untouched]
+    width = max(map(len, paths), default=0)
     lines += [f"  {c.display_path:<{width}}  {c.action}: {c.reason}" for c in plan.components if c.reason]
     lines += [f"  {a.path:<{width}}  declared, absent: declared in {a.declared_in}, but {a.why}; skipped" for a in plan.absent]
+    lines += [
+        f"  {u.path:<{width}}  undeclared, untouched: the pipeline declares its roles (_dit_modules, _encoder_modules, "
+        "_vae_modules) and names it in none of its declarations; enabling leaves it where it is"
+        for u in plan.untouched
+    ]
     lines.append("")
     lines.append("streamed: bytes kept on the host and copied in when needed (blocks; whole components in module mode)")
     lines.append("resident: bytes kept on the device")
@@ -237,6 +244,12 @@ def _absent_row(absent) -> dict[str, str]:
     """A declared component this pipeline instance does not hold (an optional one left None): skipped."""
     cells = dict.fromkeys(_COLUMNS, "-")
     return cells | {"component": absent.path, "source": "declared", "action": "declared, absent"}
+
+
+def _untouched_row(untouched) -> dict[str, str]:
+    """An undeclared child of a pipeline that declares its roles: left where it is, in neither total."""
+    cells = dict.fromkeys(_COLUMNS, "-")
+    return cells | {"component": untouched.path, "source": "undeclared", "action": "undeclared, untouched"}
 
 
 def _split_bytes(comp: ResolvedComponent, placement=None) -> tuple[int, int]:

@@ -1,7 +1,8 @@
 """`Declarations`: what a pipeline says about its components, read in precedence order for the resolver.
 
 Its own ``_offload_plan`` (the instance's, else its class's), its role lists (``_dit_modules``,
-``_encoder_modules``, ``_vae_modules``) and layerstream's built-in plan for its class. Only reads attributes.
+``_encoder_modules``, ``_vae_modules``), the modules it keeps on the device (``_resident_modules``) and
+layerstream's built-in plan for its class. Only reads attributes.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from layerstream.plan.builtin_plans import builtin_family_for, builtin_plan_for
-from layerstream.plan.discovery import declared_paths, resolution_error
+from layerstream.plan.discovery import RESIDENT_LIST, ROLE_LISTS, declared_paths, resolution_error
 from layerstream.plan.offload_plan import (
     ENCODER_TYPES,
     UNSUPPORTED_FIELDS,
@@ -39,6 +40,11 @@ class Declarations:
         self.dit_modules = declared_paths(pipeline, "_dit_modules", pipeline_class)
         self.encoder_modules = declared_paths(pipeline, "_encoder_modules", pipeline_class)
         self.vae_modules = declared_paths(pipeline, "_vae_modules", pipeline_class)
+        self.resident_modules = declared_paths(pipeline, RESIDENT_LIST, pipeline_class)
+        self.declares_roles = all(getattr(pipeline, attr, None) is not None for attr in ROLE_LISTS)
+        """All three role lists set (vllm-omni's `SupportsComponentDiscovery`): the lists, ``_resident_modules`` and
+        the pipeline's own ``_offload_plan`` are the whole picture, and a child none of them names is left untouched.
+        Where only some are set, each set role is given by its list alone and the rest by the name rule."""
         self.listed_roles = frozenset(
             role for role, attr in (("dit", "_dit_modules"), ("encoder", "_encoder_modules"), ("vae", "_vae_modules"))
             if getattr(pipeline, attr, None) is not None
@@ -138,12 +144,33 @@ class Declarations:
                 return attrs, source, f"{owner}.{field}[{path!r}]"
         return None
 
+    def own_component_paths(self) -> frozenset[str]:
+        """Every path the pipeline itself names (not the built-in plan): its role lists, ``_resident_modules`` and
+        the component fields of its ``_offload_plan``. With `declares_roles`, the only components there are."""
+        plan = self.plan
+        named = {*self.dit_modules, *self.encoder_modules, *self.vae_modules, *self.resident_modules}
+        named |= {*plan.block_attrs, *plan.encoder_component_types, *plan.encoder_block_attrs, *plan.resident_paths}
+        named |= {*plan.resident_dit_paths, *declared_resident_layers(plan), *plan.on_demand_component_paths}
+        return frozenset(named | plan.encoder_dlo_weight_replication)
+
+    def resident_paths(self) -> dict[str, str]:
+        """Module path -> where it was declared, for every module the pipeline keeps on the device: its
+        ``_offload_plan.resident_paths``, then its ``_resident_modules`` (vllm-omni's list of the same)."""
+        out = dict.fromkeys(self.plan.resident_paths, "_offload_plan.resident_paths")
+        for path in self.resident_modules:
+            out.setdefault(path, RESIDENT_LIST)
+        return out
+
     def resident_allowed(self, path: str) -> bool:
         return path in self.plan.resident_dit_paths or path in self.builtin.resident_dit_paths or path in self.resident_counts
 
-    def declared_resident(self, path: str) -> bool:
-        """Whether `path` is (inside) a module the pipeline's ``resident_paths`` keeps on the device."""
-        return any(path == p or path.startswith(p + ".") for p in self.plan.resident_paths)
+    def declared_resident(self, path: str) -> str | None:
+        """Where the pipeline declares `path` (or a module holding it) kept on the device (`resident_paths`), or
+        None."""
+        for p, origin in self.resident_paths().items():
+            if path == p or path.startswith(p + "."):
+                return origin
+        return None
 
     def replicated(self, path: str) -> bool:
         return path in self.plan.encoder_dlo_weight_replication or path in self.builtin.encoder_dlo_weight_replication

@@ -17,8 +17,23 @@ from torch import nn
 from layerstream.plan.resolved import OffloadPlanResolutionError, join_path, lookup
 
 BLOCK_LIST_TYPES = (nn.ModuleList, nn.Sequential)
-PIPELINE_MODULE_LISTS = ("_dit_modules", "_encoder_modules", "_vae_modules")
-"""Pipeline class attributes (vllm-omni style) that name component paths by role."""
+ROLE_LISTS = ("_dit_modules", "_encoder_modules", "_vae_modules")
+"""Pipeline class attributes (vllm-omni style) that name component paths by role. A pipeline that sets all three
+(vllm-omni's `SupportsComponentDiscovery`, each list possibly empty) declares its roles: its lists, with
+``_resident_modules`` and its own ``_offload_plan``, are then the whole picture."""
+RESIDENT_LIST = "_resident_modules"
+"""Pipeline class attribute (vllm-omni style, optional) naming modules kept on the device while offloading."""
+PIPELINE_MODULE_LISTS = (*ROLE_LISTS, RESIDENT_LIST)
+"""Every pipeline class attribute that names component paths."""
+FORWARDING_TO_CLASSES = frozenset(
+    {"diffusers.models.modeling_utils.ModelMixin", "transformers.modeling_utils.PreTrainedModel"}
+)
+"""Library base classes whose ``to()`` only checks its arguments (quantized weights) and calls torch's: a component
+that inherits its ``to()`` from one of them does not move itself (by qualified name: no library is imported)."""
+IMAGE_ARGUMENTS = ("image", "images", "pixel_values")
+"""Argument names through which a pipeline's prompt encoding takes an image (diffusers' ``encode_prompt(prompt,
+image, ...)`` in Qwen-Image-Edit and HunyuanVideo image-to-video; transformers' ``pixel_values`` for a
+vision-language model handed in by itself)."""
 CLASS_BLOCK_ATTRS = "_layerwise_offload_blocks_attrs"
 CLASS_BLOCK_ATTR_SINGULAR = "_layerwise_offload_blocks_attr"
 """The older, deprecated spelling vllm-omni still honours: one attribute name as a string (``"blocks"``)."""
@@ -286,3 +301,76 @@ def _is_block(item: nn.Module, class_names: frozenset[str]) -> bool:
     if _is_one_of(item, class_names):
         return True
     return sum(_is_one_of(child, class_names) for child in item.children()) == 1
+
+
+def defines_own_to(module: nn.Module) -> str | None:
+    """``"<Class>.to"`` where the module's class defines its own ``to()`` (vllm-omni's staged encoders and VAEs
+    stage their weights there), else None: torch's ``nn.Module.to``, or one of `FORWARDING_TO_CLASSES`."""
+    for cls in type(module).__mro__:
+        if "to" in cls.__dict__:
+            if cls is nn.Module or f"{cls.__module__}.{cls.__qualname__}" in FORWARDING_TO_CLASSES:
+                return None
+            return f"{cls.__qualname__}.to"
+    return None
+
+
+def vision_tower_paths(module: nn.Module) -> tuple[str, ...]:
+    """Attribute paths of the vision towers inside a vision-language model: the outermost submodules built from
+    its ``config.vision_config`` (transformers builds the tower from that sub-config: Qwen2-VL's and Qwen2.5-VL's
+    ``model.visual``, Llava's and Mistral3's ``model.vision_tower``). () for a model without one."""
+    vision = getattr(getattr(module, "config", None), "vision_config", None)
+    if vision is None:
+        return ()
+    found: list[str] = []
+    for name, sub in module.named_modules():
+        if name and getattr(sub, "config", None) is vision and not any(name.startswith(p + ".") for p in found):
+            found.append(name)
+    return tuple(found)
+
+
+def hands_encoder_images(pipeline: Any) -> bool:
+    """Whether the pipeline hands its text encoders an image, so that a vision-language encoder runs its vision
+    tower: its ``encode_prompt`` takes one (`IMAGE_ARGUMENTS`); a pipeline without ``encode_prompt`` where its own
+    call does (``forward`` for an nn.Module pipeline, else ``__call__``).
+
+    ``encode_prompt`` decides where there is one, not the call: Qwen-Image img2img and EasyAnimate inpainting take
+    an image but encode the prompt from text alone (their encoders' vision towers never run), Qwen-Image-Edit
+    takes one and hands it to Qwen2.5-VL. Unreadable signatures count as handing one (nothing changes then).
+    """
+    call = "forward" if isinstance(pipeline, nn.Module) else "__call__"
+    for name in ("encode_prompt", call):
+        fn = getattr(pipeline, name, None)
+        if not callable(fn):
+            continue
+        try:
+            parameters = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            return True
+        return any(arg in parameters for arg in IMAGE_ARGUMENTS)
+    return False
+
+
+def resident_parts(module: nn.Module, streamed_lists: Collection[str]) -> list[tuple[str, int]]:
+    """(attribute path, bytes) of what stays on the device when the block lists at `streamed_lists` (attribute
+    paths inside `module`) stream: the outermost submodules holding none of them, and ``""`` for tensors the
+    modules on the way hold themselves; largest first, parts without tensors left out."""
+    parts: list[tuple[str, int]] = []
+    own = 0
+
+    def visit(prefix: str, parent: nn.Module) -> None:
+        nonlocal own
+        held = chain(parent._parameters.values(), parent._buffers.values())
+        own += sum(t.numel() * t.element_size() for t in held if t is not None)
+        for name, child in parent.named_children():
+            path = join_path(prefix, name)
+            if path in streamed_lists:
+                continue
+            if any(s.startswith(path + ".") for s in streamed_lists):
+                visit(path, child)
+            elif (nbytes := tensor_bytes(child)) > 0:
+                parts.append((path, nbytes))
+
+    visit("", module)
+    if own:
+        parts.append(("", own))
+    return sorted(parts, key=lambda part: -part[1])

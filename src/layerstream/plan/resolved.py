@@ -85,6 +85,10 @@ class ResolvedComponent:
     """The pipeline manages this component's residency (``on_demand_component_paths``, selected in layer mode):
     enabling calls its ``offload_to_cpu()`` once (before streaming its blocks, if it has any) and disabling calls
     its ``load_to_device()`` once."""
+    own_to: str | None = None
+    """``"<Class>.to"`` for a resident component whose class defines its own ``to()`` (it stages itself there):
+    enabling moves it through that ``to()``, once, and ``disable()`` moves it back through it to where enabling
+    found it; None where the component is moved tensor by tensor (every other one)."""
 
     @property
     def block_bytes(self) -> int:
@@ -112,6 +116,17 @@ class AbsentComponent:
 
 
 @dataclass(frozen=True)
+class UntouchedComponent:
+    """A child of a pipeline that declares its roles (all of ``_dit_modules``, ``_encoder_modules`` and
+    ``_vae_modules``) and names it in none of its declarations: enabling leaves it where it is, untouched (not
+    moved, not marked), as vllm-omni does; a module the pipeline keeps elsewhere on purpose stays there."""
+
+    path: str
+    module_class: str
+    total_bytes: int
+
+
+@dataclass(frozen=True)
 class ResolvedOffloadPlan:
     """The resolver's answer for one pipeline and one config. Pure data: no module references."""
 
@@ -120,6 +135,9 @@ class ResolvedOffloadPlan:
     components: tuple[ResolvedComponent, ...]
     absent: tuple[AbsentComponent, ...] = ()
     """Declared paths this instance does not hold (skipped; `layerstream plan` lists them)."""
+    untouched: tuple[UntouchedComponent, ...] = ()
+    """Undeclared children of a pipeline that declares its roles: left where they are (`layerstream plan` lists
+    them as "undeclared, untouched")."""
 
     def component(self, path: str) -> ResolvedComponent:
         for comp in self.components:
@@ -151,6 +169,7 @@ class ResolvedOffloadPlan:
                     "alternates": c.alternates,
                     "storage_dtype": c.storage_dtype,
                     "on_demand": c.on_demand,
+                    "own_to": c.own_to,
                     "stacks": [
                         {
                             "name": s.qualified_name,
@@ -164,6 +183,9 @@ class ResolvedOffloadPlan:
                 for c in self.components
             ],
             "absent": [{"path": a.path, "declared_in": a.declared_in, "why": a.why} for a in self.absent],
+            "untouched": [
+                {"path": u.path, "class": u.module_class, "total_bytes": u.total_bytes} for u in self.untouched
+            ],
         }
 
 

@@ -1,9 +1,11 @@
 """`resolve_offload_plan`: the one reader of offload plans; pure, so every backend can trust its answer.
 
 Resolution runs in three passes over plain data:
-1. discover: enumerate components (skipping declared ones the instance does not hold), categorize them and find
-   their block lists, recording where each list came from (pipeline plan, built-in plan, class attribute,
-   automatic); the declarations themselves are read by `plan.declarations`;
+1. discover: enumerate components (skipping declared ones the instance does not hold, and leaving untouched the
+   children a pipeline that declares its roles does not name), categorize them and find their block lists,
+   recording where each list came from (pipeline plan, built-in plan, class attribute, automatic; automatic
+   discovery keeps out a vision tower the pipeline never runs); the declarations themselves are read by
+   `plan.declarations`;
 2. check what does not depend on the config: declared paths, types, a block claimed twice;
 3. decide what the config does with each component, and reject selections that cannot work.
 Modules are only read: no tensor moves, no hook is installed, no attribute changes.
@@ -21,20 +23,26 @@ from torch import nn
 from layerstream.config.offload_config import LayerOptions, OffloadConfig, parse_offload_config
 from layerstream.plan.declarations import Declarations
 from layerstream.plan.discovery import (
+    ROLE_LISTS,
     block_list_at,
     categorize,
     class_block_attrs,
     declared_absent,
+    defines_own_to,
     enumerate_components,
     find_block_lists,
+    hands_encoder_images,
+    resident_parts,
     resolution_error,
     tensor_bytes,
+    vision_tower_paths,
 )
 from layerstream.plan.resolved import (
     AbsentComponent,
     BlockStack,
     ResolvedComponent,
     ResolvedOffloadPlan,
+    UntouchedComponent,
     join_path,
     lookup,
 )
@@ -57,6 +65,9 @@ class _Found:
     stacks: tuple[BlockStack, ...]
     blocks: dict[str, nn.Module]
     """Block path -> block module, for every stack."""
+    idle_lists: tuple[tuple[str, int], ...] = ()
+    """(attribute path, number of blocks) of the block lists automatic discovery found in a vision tower the
+    pipeline never runs (`hands_encoder_images`): kept out of `stacks`, so they stay on the device."""
 
     @property
     def main_blocks(self) -> int:
@@ -77,24 +88,35 @@ def resolve_offload_plan(pipeline: Any, config: OffloadConfig | Mapping | str) -
     decl = Declarations(pipeline, pipeline_class)
     decl.check()
 
-    found, absent = _discover(pipeline, decl)
-    _check_block_claims(pipeline_class, found)
+    found, absent, untouched = _discover(pipeline, decl)
+    _check_block_claims(pipeline_class, found, untouched)
     _check_on_demand_methods(pipeline_class, decl, found)
     components = tuple(_decide(pipeline_class, decl, config, item) for item in found)
-    absent += _check_resident_paths(pipeline, decl, components)
+    absent += _check_resident_paths(pipeline, decl, components, untouched)
     _check_selection(pipeline_class, config, found, components, absent)
-    return ResolvedOffloadPlan(pipeline_class=pipeline_class, config=config, components=components, absent=absent)
+    return ResolvedOffloadPlan(
+        pipeline_class=pipeline_class,
+        config=config,
+        components=components,
+        absent=absent,
+        untouched=tuple(UntouchedComponent(p, type(m).__name__, tensor_bytes(m)) for p, m in untouched.items()),
+    )
 
 
 # --- pass 1: discovery -------------------------------------------------------------------------------------
 
 
-def _discover(pipeline: Any, decl: Declarations) -> tuple[list[_Found], tuple[AbsentComponent, ...]]:
-    """(every component found, the declared ones this instance does not hold)."""
+def _discover(
+    pipeline: Any, decl: Declarations
+) -> tuple[list[_Found], tuple[AbsentComponent, ...], dict[str, nn.Module]]:
+    """(every component found, the declared ones this instance does not hold, the children left untouched)."""
     cls = decl.pipeline_class
     declared = decl.component_paths()
     modules = enumerate_components(pipeline, declared, cls)
     absent = tuple(_absent(cls, path, declared[path], why) for path, why in declared_absent(pipeline, declared).items())
+    untouched = _untouched(decl, modules)
+    modules = {p: m for p, m in modules.items() if p not in untouched}
+    hands_images = hands_encoder_images(pipeline)
     submodules = _submodule_owners(pipeline, decl, modules, {a.path for a in absent})
     found: list[_Found] = []
     for path, module in modules.items():
@@ -106,7 +128,7 @@ def _discover(pipeline: Any, decl: Declarations) -> tuple[list[_Found], tuple[Ab
                 next(iter(own_submodules)),
                 f"declared in _offload_plan.offload_submodules but its component {path!r} is {category!r}, not a DiT",
             )
-        lists, source = _find_block_lists(decl, path, module, category, skip=own_submodules.values())
+        lists, source, idle = _find_block_lists(decl, path, module, category, own_submodules.values(), hands_images)
         for sub_path, sub in own_submodules.items():
             attr = submodules[sub_path][2]
             origin = f"_offload_plan.offload_submodules[{sub_path!r}]"
@@ -120,8 +142,20 @@ def _discover(pipeline: Any, decl: Declarations) -> tuple[list[_Found], tuple[Ab
             for name, block in blocks.named_children()
         }
         logger.debug("%s: %s is %s, %d block lists from %s", cls, path or "<model>", category, len(stacks), source)
-        found.append(_Found(path, module, category, source, stacks, block_modules))
-    return found, absent
+        found.append(_Found(path, module, category, source, stacks, block_modules, idle))
+    return found, absent, untouched
+
+
+def _untouched(decl: Declarations, modules: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
+    """The children a pipeline that declares its roles names nowhere: vllm-omni leaves them where they are (a
+    module the pipeline keeps off the device on purpose stays off it). {} for any other pipeline."""
+    if not decl.declares_roles:
+        return {}
+    own = decl.own_component_paths()
+    untouched = {p: m for p, m in modules.items() if p not in own}
+    for path in untouched:
+        logger.debug("%s: %s is in none of %s: untouched", decl.pipeline_class, path, ", ".join(ROLE_LISTS))
+    return untouched
 
 
 def _absent(pipeline_class: str, path: str, declared_in: str, why: str) -> AbsentComponent:
@@ -210,27 +244,37 @@ _BlockList = tuple[str, str, nn.Module, bool]  # (owner path, attribute path, th
 
 
 def _find_block_lists(
-    decl: Declarations, path: str, module: nn.Module, category: str, skip: Iterable[nn.Module]
-) -> tuple[list[_BlockList], str]:
-    """The component's block lists and their source, in precedence order: plan, builtin, class, auto.
+    decl: Declarations, path: str, module: nn.Module, category: str, skip: Iterable[nn.Module], hands_images: bool
+) -> tuple[list[_BlockList], str, tuple[tuple[str, int], ...]]:
+    """The component's block lists, their source (in precedence order: plan, builtin, class, auto) and the lists
+    automatic discovery keeps out because they never run.
 
     A plan may describe the block lists of any component; they are checked and reported, but only the
-    streamable categories look further (class attribute, automatic) and only they stream.
+    streamable categories look further (class attribute, automatic) and only they stream. Automatic discovery
+    finds every list of the model's block classes, a vision-language encoder's vision blocks included (its
+    ``_no_split_modules`` names them); where the pipeline hands its encoders no image (`hands_encoder_images`),
+    the tower never runs, and streaming it would only spend a prefetch and a synchronous load on it each call:
+    those lists stay on the device with the rest of the tower. Declared lists are taken as declared.
     """
     cls = decl.pipeline_class
     declared = decl.block_attrs(path, category)
+    idle: tuple[tuple[str, int], ...] = ()
     if declared is not None:
         attrs, source, origin = declared
     elif category not in STREAMABLE_CATEGORIES:
-        return [], "none"
+        return [], "none", idle
     elif (class_attrs := class_block_attrs(module, cls, path)) is not None:
         attrs, source = class_attrs, "class_attribute"
         origin = f"{type(module).__name__}._layerwise_offload_blocks_attrs"
     else:
         attrs, source, origin = find_block_lists(module, skip=tuple(skip)), "auto", "automatic discovery"
+        if not hands_images:
+            towers = vision_tower_paths(module)
+            idle = tuple((a, len(lookup(module, a))) for a in attrs if any(a.startswith(t + ".") for t in towers))
+            attrs = tuple(a for a in attrs if a not in dict(idle))
         if not attrs:
-            return [], "none"
-    return [(path, attr, block_list_at(cls, module, path, attr, origin), False) for attr in attrs], source
+            return [], "none", idle
+    return [(path, attr, block_list_at(cls, module, path, attr, origin), False) for attr in attrs], source, idle
 
 
 def _stack(owner_path: str, attr_path: str, blocks: nn.Module, own_chain: bool) -> BlockStack:
@@ -248,9 +292,10 @@ def _stack(owner_path: str, attr_path: str, blocks: nn.Module, own_chain: bool) 
 # --- pass 2: config-independent checks ---------------------------------------------------------------------
 
 
-def _check_block_claims(pipeline_class: str, found: list[_Found]) -> None:
+def _check_block_claims(pipeline_class: str, found: list[_Found], untouched: Mapping[str, nn.Module]) -> None:
     """Every module inside a block belongs to that block only: not to a second stack, and not to another
-    component (an alias such as ``transformer_2 = transformer``). Streaming one would corrupt the other."""
+    component or an untouched child (an alias such as ``transformer_2 = transformer``). Streaming one would
+    corrupt the other."""
     claims: dict[int, tuple[str, str]] = {}  # id(module) -> (block path, component path)
     for item in found:
         for block_path, block in item.blocks.items():
@@ -263,13 +308,14 @@ def _check_block_claims(pipeline_class: str, found: list[_Found]) -> None:
                         f"this module is also part of block {owner[0]!r}; a module may belong to one streamed "
                         "block only (check for overlapping block lists or shared modules)",
                     )
-    for item in found:
-        for name, sub in item.module.named_modules(remove_duplicate=False):
+    holders = [(item.path, item.module) for item in found] + list(untouched.items())
+    for path, module in holders:
+        for name, sub in module.named_modules(remove_duplicate=False):
             owner = claims.get(id(sub))
-            if owner is not None and owner[1] != item.path:
+            if owner is not None and owner[1] != path:
                 raise resolution_error(
                     pipeline_class,
-                    join_path(item.path, name),
+                    join_path(path, name),
                     f"this module is block {owner[0]!r} of component {owner[1] or '<model>'!r}; a block may "
                     "belong to one component only",
                 )
@@ -324,6 +370,7 @@ def _decide(pipeline_class: str, decl: Declarations, config: OffloadConfig, item
         alternates=is_dit and item.path in decl.alternating,
         reason=_reason(action, decl, config, item, extra.get("resident_layers", 0)),
         on_demand=action in ("stream", "on_demand") and item.path in decl.on_demand_paths,
+        own_to=defines_own_to(item.module) if action == "resident" else None,
         **extra,
     )
 
@@ -355,18 +402,51 @@ def _reason(action: str, decl: Declarations, config: OffloadConfig, item: _Found
             "offload_to_cpu() at enable, load_to_device() at disable"
         )
     if action == "stream":
-        rest = "; the rest of it (embeddings, norms, a vision tower) stays on the device"
+        rest = "; " + _stays_on_device(item)
         if on_demand:
             rest = "; on demand: offload_to_cpu() at enable, load_to_device() at disable" + rest
         if resident and item.path in decl.resident_counts and resident == decl.resident_counts[item.path]:
             rest = f"; the model keeps {resident} leading blocks resident (layerwise_resident_layers)" + rest
         where = _SOURCE_WORDS.get(item.source, item.source)
         return f"selected: its {len(item.blocks)} blocks stream (block lists {where}){rest}"
-    if decl.declared_resident(item.path):
-        return "declared resident (the pipeline's resident_paths): never streamed or swapped"
+    moved = ""
+    if action == "resident" and (own_to := defines_own_to(item.module)) is not None:
+        moved = f"; moved through its own {own_to}() to the device at enable, and back through it at disable()"
+    if (origin := decl.declared_resident(item.path)) is not None:
+        return f"declared resident (the pipeline's {origin}): never streamed or swapped" + moved
     if on_demand and action == "resident":
         return f"on demand, but not selected: it stays resident (offload_to_cpu() is not called); {_plain_reason(action, config, item)}"
-    return _plain_reason(action, config, item)
+    return _plain_reason(action, config, item) + moved
+
+
+_NAMED_PARTS = 4
+"""Parts named in a streamed component's reason (the largest); the rest are counted."""
+
+
+def _stays_on_device(item: _Found) -> str:
+    """What of a streamed component stays on the device, read from the component: its parts outside the streamed
+    lists, largest first (a vision tower among them said to be one, with its idle block lists)."""
+    streamed = {s.qualified_name[len(item.path) + 1 :] if item.path else s.qualified_name for s in item.stacks}
+    parts = resident_parts(item.module, streamed)
+    if not parts:
+        return "nothing else of it holds tensors"
+    towers = vision_tower_paths(item.module)
+    named = [_part_words(path, towers, item) for path, _ in parts[:_NAMED_PARTS]]
+    if len(parts) > _NAMED_PARTS:
+        named.append(f"{len(parts) - _NAMED_PARTS} more")
+    return "its other parts stay on the device: " + ", ".join(named)
+
+
+def _part_words(path: str, towers: tuple[str, ...], item: _Found) -> str:
+    if not path:
+        return "tensors of its own"
+    if path not in towers:
+        return path
+    idle = [(a, n) for a, n in item.idle_lists if a.startswith(path + ".")]
+    if not idle:
+        return f"{path} (a vision tower)"
+    lists = " and ".join(f"{a} ({n} blocks)" for a, n in idle)
+    return f"{path} (a vision tower, with {lists}: the pipeline hands its encoder no image, so it never runs)"
 
 
 def _plain_reason(action: str, config: OffloadConfig, item: _Found) -> str:
@@ -472,16 +552,26 @@ def _why_not(comp: ResolvedComponent, acting: str) -> str:
 
 
 def _check_resident_paths(
-    pipeline: Any, decl: Declarations, components: tuple[ResolvedComponent, ...]
+    pipeline: Any, decl: Declarations, components: tuple[ResolvedComponent, ...], untouched: Mapping[str, nn.Module]
 ) -> tuple[AbsentComponent, ...]:
-    """Every ``resident_paths`` entry stays on the device: a component (resident by `_action`) or a module inside
-    one that does not move it; refused where it would move (inside a streamed block, a swapped or an on-demand
-    component). Entries this instance does not hold are skipped, and returned."""
-    cls, origin = decl.pipeline_class, "_offload_plan.resident_paths"
-    absent = declared_absent(pipeline, decl.plan.resident_paths)
-    for path in decl.plan.resident_paths:
+    """Every ``resident_paths`` and ``_resident_modules`` entry stays on the device: a component (resident by
+    `_action`) or a module inside one that does not move it; refused where it would move (inside a streamed block,
+    a swapped or an on-demand component) or where nothing moves it (inside a child left untouched). Entries this
+    instance does not hold are skipped, and returned."""
+    cls = decl.pipeline_class
+    declared = decl.resident_paths()
+    absent = declared_absent(pipeline, declared)
+    for path, origin in declared.items():
         if path in absent:
             continue
+        holder = next((u for u in untouched if path.startswith(u + ".")), None)
+        if holder is not None:
+            raise resolution_error(
+                cls,
+                path,
+                f"listed in {origin} but it lies in {holder!r}, which none of {', '.join(ROLE_LISTS)} names, so "
+                f"enabling leaves it untouched; name {holder!r} in one of them, or list {holder!r} itself in {origin}",
+            )
         for comp in components:
             if comp.path and not path.startswith(comp.path + "."):
                 continue  # not inside this component (the component itself, or one inside the path, is resident)
@@ -495,7 +585,7 @@ def _check_resident_paths(
                     f"listed in {origin} but {what} ({comp.action}); keep the whole component resident (list "
                     f"{comp.display_path!r}) or leave it out of the selection",
                 )
-    return tuple(_absent(cls, path, origin, why) for path, why in absent.items())
+    return tuple(_absent(cls, path, declared[path], why) for path, why in absent.items())
 
 
 def _check_something_to_prefetch(pipeline_class: str, components: tuple[ResolvedComponent, ...]) -> None:

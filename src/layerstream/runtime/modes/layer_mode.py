@@ -1,7 +1,8 @@
 """Layer mode: stream the placement's blocks through one slot ring, every other tensor on the device.
 
 `apply_layer_mode` is the apply step of `enable_offload` (the plan and the checks ran before it): it allocates
-the slot ring, starts the copy engine, moves every non-streamed tensor to the device, stages every streamed
+the slot ring, starts the copy engine, moves every non-streamed tensor to the device (a resident component that
+defines its own `to()` through that `to()`, once), stages every streamed
 block into its host store, hooks the blocks and commits the stores. Each step pushes its undo; on any error
 the undo stack runs in reverse and the error goes on to the caller. `LayerModeBackend` is what the handle
 drives afterwards: stats, trace and teardown.
@@ -30,7 +31,7 @@ from layerstream.runtime.stores.compose import ComponentStores
 from layerstream.runtime.torch_contract.state_dict import install_state_dict_hooks
 from layerstream.runtime.reporting.stats import ComponentStats, OffloadStats, OffloadTrace, TraceInterval
 from layerstream.runtime.streaming.streamer import BlockCounters, BlockStreamer, StreamedBlock, install_root_hooks
-from layerstream.runtime.packing.tensors import device_bytes, move_tensors_, unmap_tensors_
+from layerstream.runtime.packing.tensors import device_bytes, module_device, move_tensors_, unmap_tensors_
 from layerstream.runtime.modes.hooks import PIPELINE, HookSet
 from layerstream.runtime.modes.undo import UndoStack
 
@@ -55,7 +56,7 @@ def apply_layer_mode(
     """Apply the placement (see the module docstring). `stores` gives each streamed component its store;
     `layouts` and `block_modules` cover every streamed block. Pushes every undo step onto `undo`."""
     slot_buffers, engine = _open_slot_ring(placement, device, engine_factory, undo)
-    _place_components_(plan, placement, components, device, undo)
+    moved_by_own_to = _place_components_(plan, placement, components, device, undo)
     pin = engine if engine is not None and plan.config.pin_memory else None
     stored = _stage_blocks(plan, placement, layouts, stores, device, pin, undo)
     if device.type == "cpu":
@@ -74,7 +75,9 @@ def apply_layer_mode(
         "layerwise offload on %s: %d streamed blocks, %d slots of %.1f MiB",
         plan.pipeline_class, len(stored), placement.num_slots, placement.slot_nbytes / 2**20,
     )
-    return LayerModeBackend(plan, placement, device, components, streamer, engine, stores, hooks, counters, lora, ownership)
+    backend = LayerModeBackend(plan, placement, device, components, streamer, engine, stores, hooks, counters, lora, ownership)
+    backend.moved_by_own_to = moved_by_own_to
+    return backend
 
 
 def _open_slot_ring(placement: Placement, device: torch.device, engine_factory: EngineFactory, undo: UndoStack):
@@ -88,10 +91,15 @@ def _open_slot_ring(placement: Placement, device: torch.device, engine_factory: 
     return slot_buffers, engine
 
 
-def _place_components_(plan, placement: Placement, components, device: torch.device, undo: UndoStack) -> None:
+def _place_components_(
+    plan, placement: Placement, components, device: torch.device, undo: UndoStack
+) -> dict[str, torch.device]:
     """Every tensor that does not stream goes to the device; an on-demand component first hears the pipeline's
-    own `offload_to_cpu()` (and, without blocks to stream, is left where that put it)."""
+    own `offload_to_cpu()` (and, without blocks to stream, is left where that put it). A resident component whose
+    class defines its own `to()` (`ResolvedComponent.own_to`) is moved through it, once: it may stage its weights
+    there, which a tensor-by-tensor move would bypass. Returns those components' paths -> where they were."""
     streamed_paths = set(placement.streamed_block_paths)
+    moved_by_own_to: dict[str, torch.device] = {}
     for comp in plan.components:
         module = components[comp.path]
         if comp.on_demand:
@@ -99,7 +107,13 @@ def _place_components_(plan, placement: Placement, components, device: torch.dev
             undo.push(module.load_to_device)
         if comp.action == "on_demand":
             continue
+        if comp.own_to is not None:
+            moved_by_own_to[comp.path] = original = module_device(module)
+            undo.push(lambda m=module, d=original: m.to(d))
+            module.to(device)
+            continue
         move_tensors_(module, comp.path, streamed_paths if comp.action == "stream" else set(), device, undo.push)
+    return moved_by_own_to
 
 
 def _stage_blocks(plan, placement: Placement, layouts, stores: ComponentStores, device, pin, undo: UndoStack) -> dict[str, StoredBlock]:
@@ -129,7 +143,7 @@ def _unmap_resident_(plan, placement: Placement, components, undo: UndoStack) ->
     reader = FileReader()
     try:
         for comp in plan.components:
-            if comp.action != "on_demand":
+            if comp.action != "on_demand" and comp.own_to is None:  # a component moving itself is left to its to()
                 skip = streamed_paths if comp.action == "stream" else set()
                 unmap_tensors_(components[comp.path], comp.path, skip, files, reader, undo.push)
     finally:
@@ -185,6 +199,9 @@ class LayerModeBackend:
         """Everything installed on the pipeline, by name (the handle lists it; disable removes it)."""
         self._counters: dict[str, BlockCounters] = counters
         self._lora: LoraSupport | None = lora
+        self.moved_by_own_to: dict[str, torch.device] = {}
+        """Resident components moved through their own `to()` at enable -> where they were: `disable()` moves
+        them back there through it."""
 
     def wrap_pipeline_(self, pipeline) -> None:
         """Wrap the pipeline's own LoRA entry points (diffusers' `load_lora_weights`, `fuse_lora` ...), which
@@ -283,7 +300,8 @@ class LayerModeBackend:
     def disable(self) -> None:
         """Teardown in the only safe order: hooks off, then wait for every copy in flight (closing the engine),
         then give the blocks their tensors back and free the host stores, then forget the slot ring; last, the
-        on-demand components' `load_to_device()` (once each) hands their residency back to the pipeline."""
+        on-demand components' `load_to_device()` (once each) hands their residency back to the pipeline, and each
+        component that moves itself goes back through its own `to()` (once) to where enable found it."""
         self.hooks.remove_all_()
         if self._engine is not None:
             self._engine.close()  # waits for in-flight copies: they read host buffers restore_ frees below
@@ -299,6 +317,9 @@ class LayerModeBackend:
         for comp in self.plan.components:
             if comp.on_demand:
                 self.components[comp.path].load_to_device()  # its blocks are whole again: the pipeline's turn
+        for path, original in self.moved_by_own_to.items():
+            self.components[path].to(original)
+        self.moved_by_own_to = {}  # a second disable() moves nothing
 
 
 def release_dropped(engine: CopyEngine | None, stores: list[HostStore], slot_buffers: list[torch.Tensor]) -> None:

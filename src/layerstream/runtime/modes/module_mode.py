@@ -17,6 +17,7 @@ from layerstream.plan.resolved import ResolvedOffloadPlan
 from layerstream.runtime.modes.hooks import HookSet
 from layerstream.runtime.streaming.ownership import CallOwnership
 from layerstream.runtime.modes.undo import UndoStack
+from layerstream.runtime.packing.tensors import module_device
 from layerstream.runtime.reporting.stats import ComponentStats, OffloadStats, OffloadTrace
 from layerstream.runtime.streaming.wrapping import MethodWrapper
 
@@ -51,6 +52,9 @@ class ModuleModeBackend:
         self.depth = {path: 0 for path in self.bytes}
         self.ownership = CallOwnership(plan.pipeline_class)
         """Which thread runs the pipeline: a swap from a second thread would move a component under the first."""
+        self.moved_by_own_to: dict[str, torch.device] = {}
+        """Resident components whose class defines its own `to()` -> where enable found them (`disable()` moves
+        them back there through it)."""
 
     def install_(self) -> None:
         display = {c.path: c.display_path for c in self.plan.components}
@@ -111,24 +115,25 @@ class ModuleModeBackend:
         self.remove_wrappers_()
         for path in self.bytes:
             self.components[path].to(self.device)
+        for path, original in self.moved_by_own_to.items():
+            self.components[path].to(original)  # a component that moves itself goes back where enable found it
+        self.moved_by_own_to = {}
 
 
 def apply_module_mode(
     plan: ResolvedOffloadPlan, components: Mapping[str, nn.Module], device: torch.device, undo: UndoStack
 ) -> ModuleModeBackend:
-    """Put swapped components on the host and everything else on the device, and wrap the swapped ones."""
+    """Put swapped components on the host and everything else on the device, each through its `to()` once, and
+    wrap the swapped ones."""
     backend = ModuleModeBackend(plan, components, device)
     for comp in plan.components:
         module = components[comp.path]
-        original = _device_of(module)
+        original = module_device(module)
         undo.push(lambda m=module, d=original: m.to(d))
         module.to(OFFLOAD_DEVICE if comp.action == "swap" else device)
+        if comp.own_to is not None:
+            backend.moved_by_own_to[comp.path] = original
     undo.push(backend.remove_wrappers_)
     backend.install_()
     return backend
 
-
-def _device_of(module: nn.Module) -> torch.device:
-    for t in module.parameters():
-        return t.device
-    return OFFLOAD_DEVICE

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from itertools import chain
 
 import torch
 from torch import nn
@@ -62,6 +63,14 @@ def move_tensors_(
 ) -> None:
     """Move every parameter and buffer under `root` to `device`, except inside the modules at `skip` paths."""
     replace_tensors_(root, root_path, skip, lambda t: None if t.device == device else t.to(device), push_undo)
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """Where a module is: the device of its first parameter, else of its first buffer, else the CPU (a module
+    without tensors: where ``.to()`` moves it back to)."""
+    for t in chain(module.parameters(), module.buffers()):
+        return t.device
+    return torch.device("cpu")
 
 
 def device_bytes(module: nn.Module, device: torch.device) -> int:
