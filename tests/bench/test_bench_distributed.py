@@ -16,7 +16,7 @@ import pytest
 from layerstream.runtime.packing.layout import ALIGN_BYTES
 
 # ranks on loopback ports chosen by free_port, timeouts sized for a 2-core machine: on one xdist worker, one group at a time
-pytestmark = pytest.mark.xdist_group("ranks")
+pytestmark = pytest.mark.xdist_group("serving_ranks")  # torchrun groups: beside tests/distributed's "ranks", not with them
 
 STREAMED = ("layerwise", "layerwise-allgather")
 

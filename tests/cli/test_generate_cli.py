@@ -119,7 +119,7 @@ def test_an_error_in_a_real_process_is_one_line_exit_2_and_no_traceback(tmp_path
     assert len(result.stderr.splitlines()) == 1 and "bogus" in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.xdist_group("ranks")  # torchrun on a port chosen by free_port: beside the other rank groups
+@pytest.mark.xdist_group("serving_ranks")  # torchrun on a port chosen by free_port: with the serving rank groups
 @pytest.mark.parametrize("model", ["tiny-wan", "tiny-flux"])
 def test_data_parallel_ranks_share_weights_and_match_resident(tmp_path, model, monkeypatch, layerstream_cli):
     """Two ranks on a fresh model cache (rank 0 builds the tiny model once); the allgather transfers run on a

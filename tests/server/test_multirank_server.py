@@ -19,7 +19,7 @@ from rank_harness import RankServer, start_rank_server
 from serve_harness import IMAGES, VIDEOS, metric, wait_until
 
 # ranks on loopback ports chosen by free_port, timeouts sized for a 2-core machine: on one xdist worker, one group at a time
-pytestmark = pytest.mark.xdist_group("ranks")
+pytestmark = pytest.mark.xdist_group("serving_ranks")  # torchrun groups: beside tests/distributed's "ranks", not with them
 
 FAULT_PROMPT = "explode"
 COLLECTIVE_TIMEOUT_S = 4
