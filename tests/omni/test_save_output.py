@@ -1,5 +1,5 @@
-"""`GenerationResult.save` (and so the server's encoded outputs, which go through `save_output`) writes whole
-files or none: an encoder that fails or is interrupted half-way leaves a file at the target as it was."""
+"""`GenerationResult.save` writes whole files or none: a write that fails or is interrupted half-way leaves a
+file at the target as it was."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 
-import layerstream.omni as omni_module
+import layerstream.outputs as outputs_module
 from layerstream.omni import GenerationResult, RunStats
 
 
@@ -27,13 +27,11 @@ def test_save_replaces_an_existing_file_with_the_whole_video(tmp_path, suffix):
 
 @pytest.mark.parametrize("error", [OSError("disk full"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
 def test_an_encoder_stopped_half_way_leaves_the_old_file(tmp_path, monkeypatch, error):
-    real_encode = omni_module._encode
-
-    def encode_then_stop(result, path, suffix):
-        real_encode(result, path, suffix)  # a real, partly-written file at the temporary name
+    def write_half_then_stop(path, data):
+        path.write_bytes(data[: len(data) // 2])  # a real, partly-written file at the temporary name
         raise error
 
-    monkeypatch.setattr(omni_module, "_encode", encode_then_stop)
+    monkeypatch.setattr(outputs_module, "_write_file", write_half_then_stop)
     target = tmp_path / "fox.mp4"
     target.write_bytes(b"an earlier output")
     with pytest.raises(type(error)):

@@ -105,10 +105,12 @@ def _wait_for_ready(process: subprocess.Popen, log_path: Path) -> str:
     raise TimeoutError(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{log_path.read_text(errors='replace')}")
 
 
-def decode_png(b64: str) -> np.ndarray:
+def decode_png(data: str | bytes) -> np.ndarray:
+    """The pixels of a PNG, given as its bytes or as base64 text (a response's b64_json)."""
     from PIL import Image
 
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+    png = base64.b64decode(data) if isinstance(data, str) else data
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
 
 
 def metric(client: httpx.Client, name: str, labels: str = "") -> float:

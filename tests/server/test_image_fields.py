@@ -11,13 +11,21 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from layerstream.server.image_outputs import KeptOutputs, encode_image
+from layerstream.server.image_outputs import KeptOutputs
 from serve_harness import EDITS, IMAGES, decode_png
 
 openai = pytest.importorskip("openai")
 
 PROMPT = "a red fox"
 SMALL = {"size": "32x32", "num_inference_steps": 1, "seed": 7}
+
+
+def encode_image(png: bytes, output_format: str, compression: int | None = None) -> bytes:
+    """The reference: the PNG's pixels, encoded by Pillow as `output_format` (quality 100 unless given)."""
+    with Image.open(io.BytesIO(png)) as image:
+        encoded = io.BytesIO()
+        image.convert("RGB").save(encoded, format=output_format.upper(), quality=100 if compression is None else compression)
+    return encoded.getvalue()
 
 
 @pytest.fixture(scope="module")

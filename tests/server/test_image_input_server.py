@@ -38,11 +38,11 @@ def b64(data: bytes) -> str:
 def _resident(model: str, image: bytes, **kwargs):
     """The resident pipeline's output for the same request, encoded as the server encodes it."""
     from layerstream.omni import Omni
-    from layerstream.server.media import encode_result_b64
+    from layerstream.outputs import default_encoding
 
     omni = Omni(model, device="cpu", offload=False)
     result = omni.generate(PROMPT, image=Image.open(io.BytesIO(image)), seed=SEED, **kwargs)
-    return result, encode_result_b64(result)
+    return result, base64.b64encode(default_encoding(result.kind).encode(result)).decode("ascii")
 
 
 # --- image to video: tiny-wan-i2v ------------------------------------------------------------------------------

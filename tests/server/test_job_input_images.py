@@ -38,12 +38,12 @@ def resident_frames(model: str, image: bytes, **kwargs) -> torch.Tensor:
     """The resident pipeline's frames for the same request, through the server's encoding (MP4 or PNG) and
     back, as a job's output is read."""
     from layerstream.omni import Omni
-    from layerstream.server.media import encode_result_b64
+    from layerstream.outputs import default_encoding
 
     result = Omni(model, device="cpu", offload=False).generate(
         PROMPT, image=Image.open(io.BytesIO(image)), seed=SEED, num_inference_steps=STEPS, **kwargs
     )
-    encoded = base64.b64decode(encode_result_b64(result))
+    encoded = default_encoding(result.kind).encode(result)
     return mp4_frames(encoded) if encoded[4:8] == b"ftyp" else png_pixels(encoded)
 
 

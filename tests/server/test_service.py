@@ -97,7 +97,7 @@ def _run(service: GenerationService, **fields):
 
 def test_each_output_is_encoded_and_released_before_the_next_one_starts(service):
     output = _run(service, n=3, seed=1)
-    assert len(output.files_b64) == 3 and output.usage.seeds == [1, 2, 3] and output.usage.width == 16
+    assert len(output.files) == 3 and output.usage.seeds == [1, 2, 3] and output.usage.width == 16
     # no earlier output's float or uint8 frames are alive while the next is generated
     assert service.omni.alive_at_start == [0, 0, 0]
 
@@ -113,7 +113,7 @@ def test_a_stop_requested_between_steps_ends_the_job_and_the_next_one_runs(servi
     assert info.value.reason is StopReason.TIMEOUT
     assert len(service.omni.alive_at_start) == 2  # the third output never started
     service.omni.on_call = None
-    assert len(_run(service).files_b64) == 1
+    assert len(_run(service).files) == 1
     text = service.render_metrics()
     assert f'layerstream_generations_total{{outcome="{JobOutcome.STOPPED}"}} 3.0' in text
     assert 'layerstream_generations_total{outcome="ok"} 1.0' in text
@@ -140,7 +140,7 @@ def test_a_batch_answers_each_request_with_its_own_outputs(batching_service):
     assert [o.usage.seeds for o in outputs] == [[10, 11], [20], [30]]
     assert [o.usage.batch_size for o in outputs] == [3, 3, 3]
     assert [o.usage.bytes_streamed for o in outputs] == [200, 100, 100]  # the call's 400 bytes, shared by outputs
-    pixels = [[decode_png(f)[0, 0, 0] for f in o.files_b64] for o in outputs]
+    pixels = [[decode_png(f)[0, 0, 0] for f in o.files] for o in outputs]
     assert pixels == [[10, 11], [20], [30]]
     text = batching_service.render_metrics()
     assert "layerstream_batch_size_count 1.0" in text and "layerstream_batch_size_sum 3.0" in text
@@ -152,7 +152,7 @@ def test_a_request_stopped_in_a_batch_drops_its_outputs_and_the_others_run_on(ba
 
     batching_service.omni.on_call = stop_the_second
     jobs = [_submit(batching_service, name, seed) for name, seed in [("fox", 1), ("cat", 2), ("owl", 3)]]
-    assert len(jobs[0].future.result(10).files_b64) == 1 and len(jobs[2].future.result(10).files_b64) == 1
+    assert len(jobs[0].future.result(10).files) == 1 and len(jobs[2].future.result(10).files) == 1
     with pytest.raises(GenerationStopped, match="during its batch") as info:
         jobs[1].future.result(10)
     assert info.value.reason is StopReason.CLIENT_GONE

@@ -43,7 +43,7 @@ from layerstream.server.bodies import read_body as _read_body
 from layerstream.server.errors import ApiError, validation_error
 from layerstream.server.jobs.manager import JobManager
 from layerstream.server.jobs.routes import add_job_routes
-from layerstream.server.image_outputs import KeptOutputs, encode_image
+from layerstream.server.image_outputs import KeptOutputs
 from layerstream.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from layerstream.server.metrics import ServerMetrics
 from layerstream.server.openapi import apply_exact_openapi_, edit_request_body, json_request_body
@@ -112,7 +112,7 @@ def create_app(service: GenerationService, jobs: JobManager | None = None, *, ui
     )
     async def create_videos(request: Request) -> JSONResponse:
         _, output = await _run_generation(service, request, VideoGenerationRequest, "video")
-        data = [VideoData(b64_json=f) for f in output.files_b64]
+        data = [VideoData(b64_json=_base64(f)) for f in output.files]
         return _ok(VideoGenerationResponse(created=int(time.time()), data=data, layerstream=output.usage))
 
     if jobs is not None:
@@ -233,15 +233,12 @@ async def _image_response(
     """The answer to an image request: its files in `output_format`, inline or as URLs to `kept_outputs`."""
     if body.user is not None or body.quality is not None:  # recorded here only: they change nothing
         logger.info("image request: user %r, quality %r", body.user, body.quality)
-    if body.output_format == "png" and body.response_format == "b64_json":
-        data = [ImageData(b64_json=f) for f in output.files_b64]  # as encoded: no decoding round trip
+    # the files come encoded in the body's format (the worker encoded each once): base64 only here, at the edge
+    if body.response_format == "url":
+        names = [kept_outputs.put(f, body.output_format) for f in output.files]
+        data = [ImageData(url=str(request.url_for("image_output", name=name))) for name in names]
     else:
-        files = await asyncio.to_thread(_encode_images, output.files_b64, body)
-        if body.response_format == "url":
-            names = [kept_outputs.put(f, body.output_format) for f in files]
-            data = [ImageData(url=str(request.url_for("image_output", name=name))) for name in names]
-        else:
-            data = [ImageData(b64_json=base64.b64encode(f).decode("ascii")) for f in files]
+        data = [ImageData(b64_json=_base64(f)) for f in output.files]
     usage = output.usage
     return ImageGenerationResponse(
         created=int(time.time()),
@@ -252,10 +249,8 @@ async def _image_response(
     )
 
 
-def _encode_images(files_b64: list[str], body: ImageGenerationRequest) -> list[bytes]:
-    """The service's base64 PNGs as files of the body's output format (off the event loop: decoding and
-    encoding take a while)."""
-    return [encode_image(base64.b64decode(f), body.output_format, body.output_compression) for f in files_b64]
+def _base64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
 
 
 async def _submit_and_wait(service: GenerationService, request: Request, served: ServedRequest) -> GenerationOutput:

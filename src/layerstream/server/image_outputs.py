@@ -1,12 +1,11 @@
-"""What the image endpoints hand back beyond inline PNG: the images in another format, and URLs to them.
+"""What the image endpoints keep for ``response_format: "url"``: the newest outputs, by name.
 
-`encode_image` turns one of the service's PNGs into the format a request asks for; `KeptOutputs` keeps the
+The files come encoded in the format a request asks for (`layerstream.outputs`); `KeptOutputs` keeps the
 newest outputs in memory, bounded by count and by bytes, for ``response_format: "url"``.
 """
 
 from __future__ import annotations
 
-import io
 import secrets
 import threading
 from collections import OrderedDict
@@ -16,25 +15,10 @@ from typing import Literal
 OutputFormat = Literal["png", "jpeg", "webp"]
 
 MEDIA_TYPES: dict[str, str] = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
-DEFAULT_COMPRESSION = 100
-"""JPEG and WebP quality when a request gives no output_compression: OpenAI's default."""
 MAX_KEPT_OUTPUTS = 256
 """response_format 'url': how many image outputs the server keeps in memory for their URLs ..."""
 MAX_KEPT_OUTPUT_BYTES = 256 << 20
 """... and in how many bytes at most: past either, the oldest are dropped (their URLs answer 404)."""
-
-
-def encode_image(png: bytes, output_format: OutputFormat, compression: int | None = None) -> bytes:
-    """`png` (an encoded output) as a file of `output_format`; a PNG is handed back as it is."""
-    if output_format == "png":
-        return png
-    from PIL import Image
-
-    quality = DEFAULT_COMPRESSION if compression is None else compression
-    with Image.open(io.BytesIO(png)) as image:
-        encoded = io.BytesIO()
-        image.convert("RGB").save(encoded, format=output_format.upper(), quality=quality)
-    return encoded.getvalue()
 
 
 @dataclass(frozen=True)

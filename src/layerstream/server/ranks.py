@@ -37,7 +37,7 @@ import torch
 from layerstream.errors import LayerstreamError
 from layerstream.omni import RunStats
 from layerstream.request import GenerationError, GenerationRequest
-from layerstream.server.media import encode_result_b64
+from layerstream.outputs import OutputEncoding, default_encoding
 from layerstream.server.stopping import GenerationStopped, StopReason
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,8 @@ class RankWork:
     """One `Omni.run_batch` for every output of `requests` (else `Omni.run` per output of the one request)."""
     placeholder: bool = False
     """An idle rank's copy of another rank's work: it runs the same forwards, and its outputs are dropped."""
+    encodings: tuple[OutputEncoding | None, ...] = ()
+    """How each request's outputs become files (None, or missing: the kind's default), encoded on the rank."""
 
     def as_placeholder(self) -> RankWork:
         """The cheapest work with the same forwards: a batch call of one output, or the request alone (its
@@ -92,9 +94,9 @@ class WaveMessage:
 
 @dataclass
 class RequestResult:
-    """One request's outputs, encoded, and what a response reports of them."""
+    """One request's outputs, encoded (sent back pickled, as bytes), and what a response reports of them."""
 
-    files_b64: list[str]
+    files: list[bytes]
     runs: list[RunStats]
     frames_shape: tuple[int, ...]
 
@@ -338,8 +340,11 @@ class RankRuntime:
     def _run_work(self, work: RankWork, stop: WaveStop) -> list[RequestResult]:
         omni = self.omni
 
-        def encode(result: Any) -> str:
-            return "" if work.placeholder else encode_result_b64(result)  # nobody reads a placeholder's output
+        def encode(result: Any, index: int) -> bytes:
+            if work.placeholder:
+                return b""  # nobody reads a placeholder's output
+            encoding = work.encodings[index] if index < len(work.encodings) else None
+            return (encoding or default_encoding(result.kind)).encode(result)
 
         def on_step(step: int, total: int, seconds: float) -> None:
             stop.checkpoint(f"after step {step} of {total}")
@@ -347,17 +352,17 @@ class RankRuntime:
         if work.batch_call:
             results = omni.run_batch(work.requests, on_step=on_step)
             answers, offset = [], 0
-            for request in work.requests:
+            for number, request in enumerate(work.requests):
                 mine = results[offset : offset + request.n]
                 offset += request.n
-                answers.append(RequestResult([encode(r) for r in mine], [mine[0].stats], mine[0].frames.shape))
+                answers.append(RequestResult([encode(r, number) for r in mine], [mine[0].stats], mine[0].frames.shape))
             return answers
         (request,) = work.requests
         answer = RequestResult([], [], ())
         for index, output in enumerate(request.outputs()):
             stop.checkpoint(f"before output {index + 1} of {request.n}")
             result = omni.run(output, on_step=on_step)
-            answer.files_b64.append(encode(result))
+            answer.files.append(encode(result, 0))
             answer.runs.append(result.stats)
             answer.frames_shape = result.frames.shape
             del result  # its frames are not needed once encoded

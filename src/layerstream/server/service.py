@@ -29,7 +29,7 @@ from layerstream.server.limits import (
     read_model_limits,
     request_shape,
 )
-from layerstream.server.media import encode_result_b64
+from layerstream.outputs import OutputEncoding, default_encoding
 from layerstream.server.metrics import JobOutcome, QueueState, ServerMetrics
 from layerstream.server.queue import BatchOutcome, BatchPolicy, GenerationQueue, Job
 from layerstream.server.schemas import GenerationUsage, ImageGenerationRequest, VideoGenerationRequest
@@ -49,6 +49,11 @@ class ServedRequest:
     """With an input image: how the output size was reached."""
     work: int = 0
     """width x height x frames x steps x n, as the work cap priced it."""
+    encoding: OutputEncoding | None = None
+    """How each output becomes its file (None: PNG for images, MP4 for video), encoded once, on the worker."""
+
+    def encode(self, result: Any) -> bytes:
+        return (self.encoding or default_encoding(result.kind)).encode(result)
 
     def batch_key(self) -> GenerationRequest | None:
         """What it must share with others to run in one pipeline call with them (its `batch_shape()`); None: it
@@ -71,9 +76,9 @@ class StepObserver(Protocol):
 
 @dataclass(frozen=True)
 class GenerationOutput:
-    """What the worker hands back: base64 files, one per seed, and the cost of making them."""
+    """What the worker hands back: the encoded files, one per seed, and the cost of making them."""
 
-    files_b64: list[str]
+    files: list[bytes]
     usage: GenerationUsage
 
 
@@ -187,7 +192,10 @@ class GenerationService:
         if self.limits.kind == "video" and request.fps is None:
             request = replace(request, fps=self.limits.fps)  # what the MP4 is encoded at, shown in the job's settings
         note = conditioned.note if conditioned is not None else None
-        return ServedRequest(request=request, size_note=note, work=shape.work(self.limits))
+        encoding = None
+        if isinstance(body, ImageGenerationRequest):  # the body's format, encoded once on the worker
+            encoding = OutputEncoding(body.output_format, body.output_compression)
+        return ServedRequest(request=request, size_note=note, work=shape.work(self.limits), encoding=encoding)
 
     def submit(self, served: ServedRequest) -> Job:
         """Queue a generation, with the request's timeout; raises `QueueFullError` or `QueueClosedError` instead
@@ -208,7 +216,7 @@ class GenerationService:
         """
         started = time.perf_counter()
         bytes_before = self._bytes_streamed()
-        files: list[str] = []
+        files: list[bytes] = []
         runs: list[RunStats] = []  # all a response needs of an output once its file is encoded
         frames_shape: tuple[int, ...] = ()
         outcome = JobOutcome.ERROR
@@ -226,7 +234,7 @@ class GenerationService:
 
                 on_latents = observer.latents if observer is not None and observer.wants_latents else None
                 result = self.omni.run(output, on_step=stop_if_asked, on_latents=on_latents)
-                files.append(encode_result_b64(result))
+                files.append(served.encode(result))
                 runs.append(result.stats)
                 frames_shape = result.frames.shape
                 # drop the float and uint8 frames now: otherwise `result` holds them while the next output runs
@@ -340,7 +348,7 @@ class GenerationService:
             call, frames_shape = results[mine[0]].stats, results[mine[0]].frames.shape
             files = []
             for k in mine:
-                files.append(encode_result_b64(results[k]))
+                files.append(served.encode(results[k]))
                 results[k] = None  # its float and uint8 frames are not needed once encoded
             usage = request_usage(self.limits, served, [call], frames_shape, job.queue_seconds, batch_size=len(jobs))
             # its share, by outputs, of the call's bytes: what a request costs, which batching divides

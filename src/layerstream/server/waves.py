@@ -217,8 +217,13 @@ class WaveService(GenerationService):
         if self.fatal_error is not None:
             return [self._unavailable()] * sum(map(len, groups))
         world_size = self.runtime.setup.world_size
-        works = [RankWork(tuple(j.request.request for j in g), batch_call=self._batching and g[0].batch_key is not None)
-                 for g in groups]  # fmt: skip
+        works = [
+            RankWork(
+                tuple(j.request.request for j in g), batch_call=self._batching and g[0].batch_key is not None,
+                encodings=tuple(j.request.encoding for j in g),
+            )
+            for g in groups
+        ]  # fmt: skip
         num_idle = world_size - len(works)
         works += [works[0].as_placeholder()] * num_idle
         self._wave_id += 1
@@ -286,11 +291,11 @@ class WaveService(GenerationService):
             self.limits, served, result.runs, result.frames_shape, job.queue_seconds, batch_size=group_size
         )
         if self._batching and job.batch_key is not None:  # a batch call: this request's share of its bytes, by outputs
-            num_outputs = sum(len(r.files_b64) for r in outcome.results)
-            share = result.runs[0].bytes_transferred * len(result.files_b64) // num_outputs
+            num_outputs = sum(len(r.files) for r in outcome.results)
+            share = result.runs[0].bytes_transferred * len(result.files) // num_outputs
             usage = usage.model_copy(update={"bytes_streamed": share})
         self.metrics.observe_request_bytes(usage.bytes_streamed)
-        return GenerationOutput(result.files_b64, usage)
+        return GenerationOutput(result.files, usage)
 
     def _after_wave(self) -> None:
         """After a failed wave is answered: every rank rebuilds its runtime before the next one."""

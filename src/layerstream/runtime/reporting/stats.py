@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -136,6 +136,36 @@ class OffloadTrace:
 
     def lane(self, name: str) -> tuple[TraceInterval, ...]:
         return tuple(i for i in self.intervals if i.lane == name)
+
+
+@dataclass(frozen=True)
+class StreamCounters:
+    """The counters of `OffloadStats` that only grow, so that a stretch of time (one generation) is the
+    difference of two readings: ``StreamCounters.of(after) - StreamCounters.of(before)``."""
+
+    bytes_transferred: int = 0
+    num_transfers: int = 0
+    num_sync_loads: int = 0
+    stall_seconds: float = 0.0
+    disk_bytes_read: int = 0
+    disk_stall_seconds: float = 0.0
+
+    @classmethod
+    def of(cls, stats: OffloadStats | None) -> StreamCounters:
+        """The counters of `stats` (all zero for None: nothing is streamed)."""
+        if stats is None:
+            return cls()
+        return cls(
+            bytes_transferred=stats.bytes_transferred,
+            num_transfers=stats.num_transfers,
+            num_sync_loads=stats.num_sync_loads,
+            stall_seconds=stats.stall_seconds,
+            disk_bytes_read=stats.disk_bytes_read,
+            disk_stall_seconds=stats.disk_stall_seconds,
+        )
+
+    def __sub__(self, other: StreamCounters) -> StreamCounters:
+        return StreamCounters(*(mine - theirs for mine, theirs in zip(astuple(self), astuple(other))))
 
 
 def _bytes(num_bytes: int) -> str:

@@ -9,20 +9,19 @@ it is marked completed. Deleting a job removes it at once; a running one stops a
 
 from __future__ import annotations
 
-import base64
 import logging
 import secrets
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from layerstream.request import GenerationError
 from layerstream.server.errors import ApiError
 from layerstream.server.jobs.events import JobEvent, JobEvents, stream_events
-from layerstream.server.jobs.outputs import write_mp4_with_settings, write_png_with_settings
+from layerstream.outputs import OutputEncoding
 from layerstream.server.jobs.previews import LatentProjection, fit_latent_projection, preview_data_url
 from layerstream.server.jobs.records import (
     DECODED_PERCENT,
@@ -98,6 +97,15 @@ class JobManager:
         Nothing is stored or queued if a check fails (4xx), and a full queue is a 429 with nothing stored."""
         served = self.service.prepare(body.generation_body(self.service.limits), image, body.image_field)
         record = self._new_record(body, served)
+        # the output carries the settings needed to make it again, written as it is encoded (PNG text chunks,
+        # the MP4's comment): nothing is decoded or remuxed afterwards
+        metadata = {
+            **record.settings.to_dict(),
+            "model": record.model,
+            "offload_config": self.service.omni.config.to_dict(),
+            "job_id": record.id,
+        }
+        served = replace(served, encoding=OutputEncoding("mp4" if self.kind == "video" else "png", metadata=metadata))
         live = _LiveJob(record=record, served=served, preview=body.preview)
         self.store.insert(record)
         self.metrics.record_job_state(record.id, record.status)
@@ -191,7 +199,7 @@ class JobManager:
         try:
             output = self.service.generate(live.served, job, _JobObserver(self, live, projection))
             self._publish_progress(live, DECODED_PERCENT)
-            self._complete(live, base64.b64decode(output.files_b64[0]), output.usage)
+            self._complete(live, output.files[0], output.usage)
         except GenerationStopped as e:
             if e.reason is not StopReason.CANCELLED:  # cancelled: already deleted, nothing to record
                 self._fail(live, "stopped", str(e))
@@ -211,17 +219,9 @@ class JobManager:
         self._fail(live, "server_shutdown", "the server shut down before the job started")
 
     def _complete(self, live: _LiveJob, data: bytes, usage: Any) -> None:
+        """Store the job's file: encoded once by the worker, with the job's settings already inside it."""
         record = live.record
-        metadata = {
-            **record.settings.to_dict(),
-            "model": record.model,
-            "offload_config": self.service.omni.config.to_dict(),
-            "job_id": record.id,
-        }
-        if record.kind == "video":
-            name, size = self.store.write_output(record.id, ".mp4", lambda p: write_mp4_with_settings(data, metadata, p))
-        else:
-            name, size = self.store.write_output(record.id, ".png", lambda p: write_png_with_settings(data, metadata, p))
+        name, size = self.store.write_output(record.id, f".{live.served.encoding.format}", lambda p: p.write_bytes(data))
         done = record.with_status(
             JobStatus.COMPLETED, progress=100, completed_at=int(time.time()), output_name=name, output_bytes=size,
             figures={**live.progress.figures(), **run_figures(usage)},
