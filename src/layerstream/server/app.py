@@ -12,13 +12,16 @@
     GET  /                        the web page (`layerstream.server.ui`), unless --no-ui
 
 Statuses: 400 the model cannot take the request (size multiple, largest size or frames, frame rule, more
-work than --max-work, wrong endpoint, not JSON, an input image that is not an image, an image the model does
-not take or a missing one it needs); 413 body over --max-body-bytes (plus the image allowance where an
-image may come), or an image over --max-image-bytes or --max-image-pixels; 422 a field missing,
-mistyped, out of range or unknown; 429 queue full; 500 the generation raised (the server stays up); 503
-shutting down; 504 past its ``timeout`` (waiting, or generating: then it stops at the next denoising step).
-A request whose client disconnects, while it sends its body, waits or runs, is counted as 499; its job is
-dropped from the queue or stopped at its next step.
+work than --max-work, wrong endpoint, not JSON (no body at all included), an input image that is not an
+image, an image the model does not take or a missing one it needs); 404 no such job or kept image output;
+405 a method the path does not serve (``Allow`` lists every one it does); 409 a job's content before it has
+completed; 413 body over --max-body-bytes (plus the image allowance where an image may come), or an image over
+--max-image-bytes or --max-image-pixels; 422 a field missing, mistyped, out of range or unknown; 429 queue
+full; 500 the generation raised (the server stays up); 503 shutting down; 504 past its ``timeout`` (waiting,
+or generating: then it stops at the next denoising step). Each route's OpenAPI entry states the statuses it
+answers, every error with the `ErrorResponse` body. A request whose client disconnects, while it sends its
+body, waits or runs, is counted as 499 (no client reads it: not in the document); its job is dropped from the
+queue or stopped at its next step.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from layerstream import __version__
@@ -46,10 +50,16 @@ from layerstream.server.jobs.routes import add_job_routes
 from layerstream.server.image_outputs import KeptOutputs
 from layerstream.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from layerstream.server.metrics import ServerMetrics
-from layerstream.server.openapi import apply_exact_openapi_, edit_request_body, json_request_body
+from layerstream.server.openapi import (
+    QUEUEING_ERRORS,
+    apply_exact_openapi_,
+    binary_response,
+    edit_request_body,
+    error_responses,
+    json_request_body,
+)
 from layerstream.server.queue import Job, QueueClosedError, QueueFullError, QueueTimeoutError
 from layerstream.server.schemas import (
-    ErrorResponse,
     GenerationBody,
     HealthResponse,
     ImageData,
@@ -73,9 +83,14 @@ HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
 IMAGE_OUTPUTS_PATH = "/v1/images/outputs"
 
-_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 413, 422, 429, 500, 503, 504)
-}
+_GENERATION_ERRORS = error_responses({
+    400: "The served model cannot take the request (its endpoint, size, frames, work, input image), or the body is not"
+         " what the endpoint reads (JSON, or the edit's multipart form)",
+    **QUEUEING_ERRORS,
+    500: "The generation raised (the server stays up)",
+    504: "The request ran past its timeout (waiting, or generating)",
+})  # fmt: skip
+_IMAGE_OUTPUT_ERRORS = error_responses({404: "No kept output of that name (kept in memory, the newest only)"})
 
 
 def create_app(service: GenerationService, jobs: JobManager | None = None, *, ui: bool = True) -> FastAPI:
@@ -93,7 +108,10 @@ def create_app(service: GenerationService, jobs: JobManager | None = None, *, ui
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
         body = ApiError(error.status_code, f"{request.method} {request.url.path}: {error.detail}", code=code).body()
-        return JSONResponse(body, status_code=error.status_code, headers=getattr(error, "headers", None))
+        headers = getattr(error, "headers", None)
+        if error.status_code == 405:  # Starlette's Allow names the first route of the path only
+            headers = {**(headers or {}), "Allow": ", ".join(sorted(_served_methods(app, request.scope)))}
+        return JSONResponse(body, status_code=error.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, error: Exception) -> JSONResponse:
@@ -107,7 +125,7 @@ def create_app(service: GenerationService, jobs: JobManager | None = None, *, ui
     @app.post(
         VIDEOS_PATH,
         response_model=VideoGenerationResponse,
-        responses=_ERROR_RESPONSES,
+        responses=_GENERATION_ERRORS,
         openapi_extra=json_request_body(VideoGenerationRequest),
     )
     async def create_videos(request: Request) -> JSONResponse:
@@ -138,7 +156,7 @@ def _add_image_routes(app: FastAPI, service: GenerationService) -> None:
     @app.post(
         IMAGES_PATH,
         response_model=ImageGenerationResponse,
-        responses=_ERROR_RESPONSES,
+        responses=_GENERATION_ERRORS,
         openapi_extra=json_request_body(ImageGenerationRequest),
     )
     async def create_images(request: Request) -> JSONResponse:
@@ -148,14 +166,19 @@ def _add_image_routes(app: FastAPI, service: GenerationService) -> None:
     @app.post(
         EDITS_PATH,
         response_model=ImageGenerationResponse,
-        responses=_ERROR_RESPONSES,
+        responses=_GENERATION_ERRORS,
         openapi_extra=edit_request_body(),
     )
     async def create_edits(request: Request) -> JSONResponse:
         body, output = await _run_edit(service, request)
         return _ok(await _image_response(request, body, output, kept_outputs))
 
-    @app.get(IMAGE_OUTPUTS_PATH + "/{name}", name="image_output", response_class=Response)
+    @app.get(
+        IMAGE_OUTPUTS_PATH + "/{name}",
+        name="image_output",
+        response_class=Response,
+        responses={**binary_response("The image", "image/png", "image/jpeg", "image/webp"), **_IMAGE_OUTPUT_ERRORS},
+    )
     async def image_output(name: str) -> Response:
         kept = kept_outputs.get(name)
         if kept is None:
@@ -165,6 +188,16 @@ def _add_image_routes(app: FastAPI, service: GenerationService) -> None:
             )
             raise ApiError(404, message, code="not_found", param="name")
         return Response(kept.data, media_type=kept.media_type)
+
+
+def _served_methods(app: FastAPI, scope: Scope) -> set[str]:
+    """Every method served on the path of a 405: that of the route Starlette chose (the first whose path matches;
+    ``/v1/videos/generations`` is not read as a job id), by all of its routes (each serves its own methods)."""
+    routes = [route for route in app.router.routes if isinstance(route, Route) and route.methods]
+    chosen = next((route for route in routes if route.matches(scope)[0] is not Match.NONE), None)
+    if chosen is None:
+        return set()
+    return set().union(*(route.methods or () for route in routes if route.path == chosen.path))
 
 
 def _lifespan(service: GenerationService, jobs: JobManager | None):

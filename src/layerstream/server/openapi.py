@@ -1,27 +1,63 @@
-"""The served OpenAPI document: the request bodies the routes parse themselves, and their bounds kept exact.
+"""The served OpenAPI document: the request bodies the routes parse themselves, their bounds kept exact, and
+every status each route answers.
 
 FastAPI passes the document it builds through its own `OpenAPI` model, whose ``minimum``, ``maximum``,
 ``exclusiveMinimum``, ``exclusiveMaximum`` and ``multipleOf`` are floats: every integer bound comes out a
 float (``n`` from 1.0 to 4.0) and ``seed``'s 2**64 - 1 is rounded to 2**64, one past what the server takes,
 so tools that validate against the document send requests the server refuses. `apply_exact_openapi_`
 puts the request bodies back, as the request models state them, after that pass, and turns any other
-integer bound back into an integer.
+integer bound back into an integer. FastAPI also documents a 422 of its own shape (``HTTPValidationError``) on
+every route with a parameter; the routes here parse their input themselves and answer every error as an
+`ErrorResponse`, each route stating its statuses with `error_responses`, so that 422 is taken out.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
-from layerstream.server.schemas import ImageEditRequest
+from layerstream.server.schemas import ErrorResponse, ImageEditRequest
 
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 # a float holds every integer up to this exactly: a larger integer bound it carries may have been rounded
 _EXACT_FLOAT_INTEGERS = 2**53
+_FASTAPI_VALIDATION_SCHEMAS = ("HTTPValidationError", "ValidationError")
+_RETRY_AFTER_HEADER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}}
+
+QUEUEING_ERRORS = {
+    413: "The body, or its image, is over the server's limits (--max-body-bytes, --max-image-bytes or -pixels)",
+    422: "A field is missing, mistyped, out of range or unknown",
+    429: "The queue is full",
+    503: "The server is shutting down, or a serving rank failed",
+}
+"""The statuses every route that queues a generation (answered at once, or as a job) may answer, besides its 400."""
+
+
+def error_responses(when: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    """``responses`` of a route: each error status it answers (status -> when), all with the `ErrorResponse` body;
+    a 429 with its ``Retry-After`` header."""
+    responses: dict[int | str, dict[str, Any]] = {}
+    for status, description in when.items():
+        responses[status] = {"model": ErrorResponse, "description": description}
+        if status == 429:
+            responses[status]["headers"] = _RETRY_AFTER_HEADER
+    return responses
+
+
+def binary_response(description: str, *media_types: str) -> dict[int | str, dict[str, Any]]:
+    """``responses`` entry of a route whose 200 is a file (an image, a video) of one of `media_types`."""
+    content = {media_type: {"schema": {"type": "string", "format": "binary"}} for media_type in media_types}
+    return {200: {"description": description, "content": content}}
+
+
+def event_stream_response(description: str) -> dict[int | str, dict[str, Any]]:
+    """``responses`` entry of a route whose 200 is a server-sent event stream."""
+    return {200: {"description": description, "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 def json_request_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -47,6 +83,7 @@ def apply_exact_openapi_(app: FastAPI) -> None:
         document = build()
         if document is not built_before:  # built just now: correct it once
             _restore_request_bodies_(document, app)
+            _drop_fastapi_validation_errors_(document)
             _restore_integer_bounds_(document)
         return document
 
@@ -65,6 +102,22 @@ def _restore_request_bodies_(document: dict[str, Any], app: FastAPI) -> None:
         assert route.body_field is None, f"{route.path} has a body parameter and a request body of its own"
         for method in route.methods:
             document["paths"][route.path_format][method.lower()]["requestBody"] = copy.deepcopy(body)
+
+
+def _drop_fastapi_validation_errors_(document: dict[str, Any]) -> None:
+    """FastAPI's own 422 out of every operation (its path parameters are plain strings, which always validate,
+    so it is never answered), and its schemas with it."""
+    reference = "#/components/schemas/HTTPValidationError"
+    for operations in document["paths"].values():
+        for operation in operations.values():
+            answer = operation.get("responses", {}).get("422", {})
+            if answer.get("content", {}).get("application/json", {}).get("schema", {}).get("$ref") == reference:
+                del operation["responses"]["422"]
+    if reference in json.dumps(document["paths"]):
+        return  # referred to elsewhere too: kept
+    schemas = document.get("components", {}).get("schemas", {})
+    for name in _FASTAPI_VALIDATION_SCHEMAS:
+        schemas.pop(name, None)
 
 
 def _restore_integer_bounds_(node: Any) -> None:

@@ -30,6 +30,18 @@ from layerstream.server.schemas import (
 )
 
 SECONDS_PATTERN = r"^[0-9]{1,5}(\.[0-9]{1,6})?$"
+SECONDS_SCHEMA = [
+    {"type": "string", "pattern": r"^(?![0.]*$)[0-9]{1,5}(\.[0-9]{1,6})?$"},  # SECONDS_PATTERN, and not zero
+    {"type": "integer", "exclusiveMinimum": 0},
+    {"type": "number", "exclusiveMinimum": 0},
+    {"type": "null"},
+]
+"""What `seconds_value` takes, as the OpenAPI document states it."""
+
+
+def _all_given(*names: str) -> dict[str, Any]:
+    """The JSON schema of a body that gives every one of `names`, none of them null."""
+    return {"required": list(names), "properties": {name: {"not": {"type": "null"}} for name in names}}
 
 
 class _JobFields(BaseModel):
@@ -74,9 +86,13 @@ class VideoJobRequest(_JobFields):
 
     image_field: ClassVar[str] = "input_reference"
     """The field of the input image, named by every error about the image."""
+    # seconds or num_frames, not both (`generation_body` refuses both), as the document says
+    model_config = ConfigDict(json_schema_extra={"not": _all_given("seconds", "num_frames")})
 
     seconds: str | int | float | None = Field(
-        default=None, description="Duration; mapped to frames at the model's frame rate and frame rule."
+        default=None,
+        description="Duration; mapped to frames at the model's frame rate and frame rule.",
+        json_schema_extra={"anyOf": SECONDS_SCHEMA},
     )
     num_frames: int | None = Field(default=None, ge=1, description="Frames; give this or seconds, not both.")
     width: int | None = Field(default=None, ge=1, le=999_999, description="Pixels, with height (vllm-omni's); or size.")
@@ -161,7 +177,8 @@ def frames_for_seconds(seconds: float, fps: int, limits: ModelLimits) -> int:
     """Frames for `seconds` at `fps`, on the model's frame rule (``num_frames - 1`` a multiple of its frame
     multiple: Wan 4 s at 16 fps is 65 frames); a 400 naming ``seconds`` if more than the server allows."""
     step = limits.frame_multiple or 1
-    frames = max(1, math.floor(seconds * fps / step) * step + (1 if step > 1 else 0))
+    steps = seconds * fps / step  # inf for 1e308 seconds: more frames than any server makes
+    frames = max(1, math.floor(steps) * step + (1 if step > 1 else 0)) if math.isfinite(steps) else math.inf
     if frames > limits.max_frames:
         most = (limits.max_frames - 1) / fps if step > 1 else limits.max_frames / fps
         detail = ErrorDetail(

@@ -6,6 +6,9 @@
     GET    {path}/{id}/content    the MP4 or PNG once completed (409 before)
     GET    {path}/{id}/events     text/event-stream of status, progress and preview events
     DELETE {path}/{id}            cancel (a running job stops at its next step) and remove
+
+Each route of one job answers 404 for an id that names no job of this server; every route's statuses are
+in its ``responses``, as the OpenAPI document states them.
 """
 
 from __future__ import annotations
@@ -23,7 +26,29 @@ from layerstream.server.bodies import decode_base64_image, edit_refusals, read_b
 from layerstream.server.errors import ApiError, validation_error
 from layerstream.server.jobs.manager import DEFAULT_PAGE, MAX_PAGE, JobManager
 from layerstream.server.jobs.requests import ImageJobForm, ImageJobRequest, VideoJobForm, VideoJobRequest
-from layerstream.server.openapi import json_request_body
+from layerstream.server.openapi import (
+    QUEUEING_ERRORS,
+    binary_response,
+    error_responses,
+    event_stream_response,
+    json_request_body,
+)
+
+_NO_JOB = {404: "No job of this id on this server"}
+_CREATE_ERRORS = error_responses({
+    400: "The served model cannot take the request (size, frames, work, input image), or the body is neither JSON"
+         " nor multipart",
+    **QUEUEING_ERRORS,  # nothing is stored
+})  # fmt: skip
+_LIST_ERRORS = error_responses({400: "after names no job of this server", 422: "A query parameter unknown or invalid"})
+_PAGE_PARAMETERS = [
+    {"name": "limit", "in": "query", "required": False,
+     "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": DEFAULT_PAGE}},
+    {"name": "after", "in": "query", "required": False, "schema": {"type": "string"},
+     "description": "The id of the job the page starts after"},
+    {"name": "order", "in": "query", "required": False, "schema": {"enum": ["asc", "desc"], "default": "desc"}},
+]  # fmt: skip
+_VARIANT_PARAMETER = {"name": "variant", "in": "query", "required": False, "schema": {"enum": ["video"]}}
 
 
 class _ServedFile(FileResponse):
@@ -51,7 +76,7 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
     image_field = strict_model.image_field
     how = f"{image_field} (a file part, or base64 or a data URL in JSON)"
 
-    @app.post(path, openapi_extra=json_request_body(strict_model))
+    @app.post(path, responses=_CREATE_ERRORS, openapi_extra=json_request_body(strict_model))
     async def create_job(request: Request) -> JSONResponse:
         body, image_bytes = await _read_job_body(request, jobs, strict_model, form_model)
         service = jobs.service
@@ -60,16 +85,24 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
         image = await asyncio.to_thread(service.read_image, image_bytes, image_field) if has_image else None
         return JSONResponse(jobs.create(body, image))
 
-    @app.get(path)
+    @app.get(path, responses=_LIST_ERRORS, openapi_extra={"parameters": _PAGE_PARAMETERS})
     async def list_jobs(request: Request) -> JSONResponse:
         limit, after, order = _page_query(request)
         return JSONResponse(jobs.page(limit=limit, after=after, order=order))
 
-    @app.get(path + "/{job_id}")
+    @app.get(path + "/{job_id}", responses=error_responses(_NO_JOB))
     async def get_job(job_id: str) -> JSONResponse:
         return JSONResponse(jobs.get(job_id))
 
-    @app.get(path + "/{job_id}/content")
+    content_errors = {**_NO_JOB, 409: "The job has not completed", **({422: "variant is not 'video'"} if is_video else {})}
+    content = binary_response("The output", "video/mp4" if is_video else "image/png")
+
+    @app.get(
+        path + "/{job_id}/content",
+        response_class=FileResponse,
+        responses={**content, **error_responses(content_errors)},
+        openapi_extra={"parameters": [_VARIANT_PARAMETER]} if is_video else None,
+    )
     async def get_content(job_id: str, request: Request) -> FileResponse:
         variant = request.query_params.get("variant")
         if is_video and variant not in (None, "video"):
@@ -77,13 +110,15 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
         served, media_type, name = jobs.content(job_id)
         return _ServedFile(served, media_type=media_type, filename=name, release=jobs.release_content)
 
-    @app.get(path + "/{job_id}/events")
+    events = {**event_stream_response("Status, progress and preview events"), **error_responses(_NO_JOB)}
+
+    @app.get(path + "/{job_id}/events", response_class=StreamingResponse, responses=events)
     async def job_events(job_id: str) -> StreamingResponse:
         # no-cache and no buffering: each event goes out as it happens, through proxies too
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(jobs.stream(job_id), media_type="text/event-stream", headers=headers)
 
-    @app.delete(path + "/{job_id}")
+    @app.delete(path + "/{job_id}", responses=error_responses(_NO_JOB))
     async def delete_job(job_id: str) -> JSONResponse:
         return JSONResponse(jobs.delete(job_id))
 
