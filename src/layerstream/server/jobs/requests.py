@@ -130,11 +130,12 @@ class VideoJobRequest(_JobFields):
             return self.size
         if self.width is None or self.height is None:
             missing, given = ("width", "height") if self.width is None else ("height", "width")
-            raise ApiError(422, f"{given} given without {missing}; give both, or size 'WIDTHxHEIGHT'", code="invalid_request_body", param=missing)
+            # 400, as every check past the schema (which cannot say "both or neither" of two nullable fields)
+            raise ApiError(400, f"{given} given without {missing}; give both, or size 'WIDTHxHEIGHT'", code="invalid_request", param=missing)
         size = f"{self.width}x{self.height}"
         if self.size is not None and self.size != size:
             message = f"size = {self.size!r} and width x height = {size!r} disagree; give one of them, or equal ones"
-            raise ApiError(422, message, code="invalid_request_body", param="size")
+            raise ApiError(400, message, code="invalid_request", param="size")
         return size
 
 
