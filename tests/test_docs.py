@@ -96,6 +96,11 @@ def test_every_block_runs_or_says_why_not():
             assert category, f"{block.id}: {block.not_run!r} is not one of {REASONS}"
             reasons[category] += 1
     assert dict(reasons) == MARKED, f"marked blocks by reason: {dict(reasons)}"
+    for page in PAGES:  # a mark stands right above the block it excuses, never astray
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("<!-- not run"):
+                assert NOT_RUN.match(line) and i + 1 < len(lines) and re.fullmatch(r"```\w+\s*", lines[i + 1]), f"{page.name}:{i + 1}"
     assert len(TO_RUN) >= 15 and len(BLOCKS) == len(TO_RUN) + sum(MARKED.values())
     for block in TO_RUN:
         assert block.hub_ids() <= set(HUB_STANDINS), f"{block.id}: no stand-in for {block.hub_ids() - set(HUB_STANDINS)}"
@@ -173,3 +178,21 @@ def test_the_block_runs(block, block_folder, layerstream_cli, standin_hub, monke
     for argv in _shell_commands(block):
         result = layerstream_cli(*_few_steps(argv))
         assert result.returncode == 0, f"{block.id}: layerstream {shlex.join(argv)}\n{result.stderr}"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_reaches_a_file_and_its_heading():
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            assert file.exists(), f"{page.name}: {target}"
+            if anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", file.read_text(), re.M)
+                assert anchor in {_anchor(h) for h in headings}, f"{page.name}: {target}"
