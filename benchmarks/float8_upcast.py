@@ -18,7 +18,7 @@ import torch
 from layerstream.runtime.packing.upcast import Upcast
 
 WAN_BLOCK_ELEMENTS = 5_508_928
-"""Cast elements of one Wan 2.2 block at 1/8 of every width (`bench.wan22_scenario`)."""
+"""Cast elements of one Wan 2.2 block at 1/8 of every width (`benchmarks/wan22_scenario.py`)."""
 
 
 def fastest_ms(run, repeats: int) -> float:

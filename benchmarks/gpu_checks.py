@@ -17,6 +17,7 @@ for a GPU and not yet run on one: each check catches its own error and reports i
 from __future__ import annotations
 
 import gc
+import contextlib
 import sys
 import threading
 import time
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from layerstream import UnsupportedUseError, enable_offload
+from layerstream.runtime.engines.accelerator_api import AcceleratorApi
 from layerstream.runtime.engines.copy_engine import AcceleratorCopyEngine
 
 DIM, BLOCKS = 256, 6
@@ -357,9 +359,10 @@ def check_compute_thread(tmp: str) -> str:
             f"forward {t_after / t_before:.2f}x")
 
 
-class SyncCpuApi:
-    """A stand-in for torch.cuda on the CPU for `--cpu-simulation`: one synchronous device, so every copy is done
-    when its job returns and every event is complete; what is simulated is which host thread runs which job."""
+class SyncCpuApi(AcceleratorApi):
+    """A stand-in for torch.cuda on the CPU for `--cpu-simulation` (overriding every call of `AcceleratorApi`):
+    one synchronous device, so every copy is done when its job returns and every event is complete; what is
+    simulated is which host thread runs which job."""
 
     class Stream:
         def __init__(self, device=None):
@@ -385,12 +388,18 @@ class SyncCpuApi:
 
     @staticmethod
     def stream(stream):
-        import contextlib
-
         return contextlib.nullcontext()
 
     def current_stream(self, device=None):
         return self._stream
+
+    @staticmethod
+    def device(device):
+        return contextlib.nullcontext()  # one device: always the current one
+
+    @staticmethod
+    def is_current_stream_capturing():
+        return False  # no graphs on the CPU
 
     @staticmethod
     def record_stream(tensor, stream):
@@ -399,6 +408,10 @@ class SyncCpuApi:
     @staticmethod
     def host_register(buffer):
         return False  # nothing to page-lock
+
+    @staticmethod
+    def host_unregister(buffer):
+        pass  # nothing was page-locked
 
 
 def cpu_simulation(num_pairs: int = 3, disk_per_compute: float = 3.0) -> str:

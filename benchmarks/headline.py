@@ -2,7 +2,7 @@
 and an NVMe disk, through the real runtime (`enable_offload`: the disk tier, the experts' host pool, float8
 storage), scaled down to run on a CPU.
 
-The scenario (`layerstream.bench.wan22_scenario`: the pipeline, its loop, the compute source and the calibration)
+The scenario (`wan22_scenario.py` beside this script: the pipeline, its loop, the compute source and the calibration)
 builds Wan 2.2's parts at 1/8 of every width. A width / 8 has 1/64 of the bytes, so every byte figure is scaled
 by S = 64 (the real block's bytes over the built one's) and so is compute: each block's CPU forward is calibrated (by its token count) to last the published compute of a real block / S. The link
 and the disk keep their real bandwidths (`simulated_link_gbps`, `simulated_disk_gbps`), so a block's transfer
@@ -12,7 +12,7 @@ runs the configuration the planner recommends for that machine (`plan_for_machin
 every output is compared bit for bit with its reference (resident; for float8, float8 in host memory).
 
 Compute source: 0.488 s per block forward on one H100, from a published 8 x H100 run of Wan 2.2 at 720p x 81
-frames (cited, with its assumptions, in `layerstream.bench.wan22_scenario`).
+frames (cited, with its assumptions, in `wan22_scenario.py`).
 
     python benchmarks/headline.py                   # the full scenario, about 10 minutes on a 2-core CPU
     python benchmarks/headline.py --smoke --json    # seconds, a tiny scale: the shape of the output only
@@ -34,14 +34,19 @@ from typing import Any
 import torch
 
 from layerstream import enable_offload
-from layerstream.bench.ideal import ideal_forward_seconds_with_disk, transfer_seconds
-from layerstream.bench.measure import measure_block_compute, measure_link_gbps, synchronize
-from layerstream.bench.wan22_scenario import (
+from layerstream.bench.measure import measure_block_compute, measure_link_gbps
+from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB, DEFAULT_HOST_RESERVE_GB
+from layerstream.machine.planner import CUDA_CONTEXT_GB, PROCESS_BASELINE_GB, Machine, MachinePlan, plan_for_machine
+from layerstream.timing.block_timer import synchronize
+from layerstream.timing.ideal import ideal_forward_seconds_with_disk, transfer_seconds
+
+# the scenario is the module beside this script, found also when a test loads the script from its file
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from wan22_scenario import (
     DTYPE, FULL, GB, PUBLISHED_BLOCK_SECONDS, SMOKE, Inputs, Scale, Scenario, WanPipeline, block_bytes, build_pipeline,
     calibrate_tokens, make_inputs, real_streamed_bytes, streamed_blocks,
 )  # fmt: skip
-from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB, DEFAULT_HOST_RESERVE_GB
-from layerstream.machine.planner import CUDA_CONTEXT_GB, PROCESS_BASELINE_GB, Machine, MachinePlan, plan_for_machine
 
 STORAGES = ("bfloat16", "float8")
 PREDICTION_SOURCE = (

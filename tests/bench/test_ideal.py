@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from layerstream.bench import ideal
 from layerstream.bench.harness import default_auto_budget_gb
+from layerstream.timing import ideal
 
 # a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
 pytestmark = pytest.mark.fast

@@ -82,8 +82,8 @@ def test_json_gives_the_config_to_paste_and_the_figures(capsys, tiny_wan):
 
 
 def test_the_prediction_is_the_bench_ideal_of_the_placed_blocks(tiny_wan):
-    from layerstream.bench import ideal
     from layerstream.plan.resolved import lookup
+    from layerstream.timing import ideal
 
     machine = Machine(device_memory_gb=4.0003, host_memory_gb=4, device_tflops=1e-3, link_gbps=1e-3)
     result = plan_for_machine(tiny_wan, machine, size={"height": 32, "width": 32, "num_frames": 5})

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from layerstream import enable_offload
+from layerstream.runtime.engines.accelerator_api import AcceleratorApi
 from layerstream.runtime.engines.copy_engine import AcceleratorCopyEngine
 from layerstream.runtime.packing.layout import BlockLayout
 from runtime_toys import ToyDiT, run
@@ -17,8 +18,8 @@ from runtime_toys import ToyDiT, run
 pytestmark = pytest.mark.fast
 
 
-class Recorder:
-    """Stands in for torch.cuda: streams, events and host registration, logging every call in order. It models
+class Recorder(AcceleratorApi):
+    """Stands in for torch.cuda (overriding every call of `AcceleratorApi`): streams, events and host registration, logging every call in order. It models
     what CUDA's hazards depend on: a current device and a current stream per thread (device 0 and the compute
     stream until `device(...)` and `stream(...)` set them), the primary context each CUDA call creates on the
     calling thread's current device (`contexts`), the last error a failed call leaves on its thread until a
@@ -26,6 +27,7 @@ class Recorder:
     (`record_stream`), and graph capture."""
 
     def __init__(self):
+        super().__init__()
         self.log: list[tuple] = []
         self._names = {}
         self._local = threading.local()

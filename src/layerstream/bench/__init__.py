@@ -3,8 +3,9 @@
 - `synthetic`: the block stacks (real transformer blocks with Wan and Flux shapes, in plain torch);
 - `strategies`: the strategies compared and how each is set up; `naive`: the load-then-compute baseline;
 - `config`: `BenchConfig`; `harness`: `run_bench`, the round-robin measurement;
-- `measure`: timers, memory readings, link bandwidth;
-- `ideal`: the ideal forward and the transfer floor; `results` and `report`: the output as data and as tables;
+- `measure`: per-block compute over forwards, memory readings, link bandwidth (the block timer and the ideal
+  forward are `layerstream.timing`'s, which the planner shares); `results` and `report`: the output as data and
+  as tables;
 - `capture`: one forward's trace (exported by `layerstream.runtime.reporting.trace_export` as Chrome JSON and a PNG timeline).
 - `cold_start` (`--cold-start`): loading real-width checkpoint folders from cold files, row by row in fresh
   processes (`cold_start_rows`), the folders written once by `checkpoint_folders`, the page cache dropped by

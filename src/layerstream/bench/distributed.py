@@ -40,12 +40,12 @@ from layerstream.bench.measure import (
     DeviceMemory,
     measure_block_compute,
     measure_link_gbps,
-    synchronize,
 )
 from layerstream.bench.report import MIB, run_header
 from layerstream.bench.results import BenchResult, RunInfo
 from layerstream.bench.run_setup import BenchRun
 from layerstream.bench.strategies import StrategyContext, StrategySpec
+from layerstream.timing.block_timer import synchronize
 
 SCHEMA = "layerstream.bench.distributed/1"
 

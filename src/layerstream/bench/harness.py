@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from layerstream.bench import ideal
 from layerstream.bench.config import BenchConfig, BenchConfigError
 from layerstream.bench.measure import (
     BlockTimings,
@@ -34,7 +33,6 @@ from layerstream.bench.measure import (
     PeakRssSampler,
     measure_block_compute,
     measure_link_gbps,
-    synchronize,
 )
 from layerstream.bench.results import BenchResult, RunInfo, StrategyResult
 from layerstream.bench.run_setup import BenchRun, Log
@@ -48,6 +46,8 @@ from layerstream.bench.strategies import (
     prepare_strategy,
 )
 from layerstream.bench.synthetic import activation_bytes_estimate
+from layerstream.timing import ideal
+from layerstream.timing.block_timer import synchronize
 
 @dataclass
 class _Row:

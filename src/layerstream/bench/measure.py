@@ -1,4 +1,5 @@
-"""Measuring helpers: device synchronization, host and device memory, per-block compute, link bandwidth."""
+"""Measuring helpers: host and device memory, per-block compute over forwards, link bandwidth (the block timer
+and the device synchronization are `layerstream.timing.block_timer`'s, shared with the planner)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device to finish queued work (a no-op on the CPU, where work is already done)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # timing boundary: every queued kernel and copy counts in the interval
+from layerstream.timing.block_timer import BlockTimer, synchronize
 
 
 def rss_bytes() -> int:
@@ -113,44 +110,6 @@ def tensor_bytes(module: nn.Module) -> int:
     return total
 
 
-class _BlockTimer:
-    """Forward hooks that time each block: perf_counter on the CPU, CUDA events on a GPU (no host sync inside)."""
-
-    def __init__(self, blocks: Sequence[nn.Module], device: torch.device):
-        self.device = device
-        self.marks: list[list] = [[] for _ in blocks]  # per block: (start, end) pairs of the current forward
-        self.handles = []
-        for i, block in enumerate(blocks):
-            self.handles.append(block.register_forward_pre_hook(lambda m, a, i=i: self._mark(i, start=True)))
-            self.handles.append(block.register_forward_hook(lambda m, a, o, i=i: self._mark(i, start=False)))
-
-    def _mark(self, index: int, *, start: bool) -> None:
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-        else:
-            event = time.perf_counter()
-        if start:
-            self.marks[index].append([event, None])
-        else:
-            self.marks[index][-1][1] = event
-
-    def seconds(self) -> list[list[float]]:
-        """Per block, the duration of each recorded run."""
-        synchronize(self.device)  # event times can be read only once they have completed
-        out = []
-        for pairs in self.marks:
-            if self.device.type == "cuda":
-                out.append([s.elapsed_time(e) / 1e3 for s, e in pairs])
-            else:
-                out.append([e - s for s, e in pairs])
-        return out
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
 @dataclass(frozen=True)
 class BlockTimings:
     """Compute times of a resident model's blocks over a few forwards."""
@@ -178,7 +137,7 @@ def measure_block_compute(
     Hooks add a few microseconds per block, so these forwards are not the timed ones. The time outside the
     blocks comes from the same forwards as the block times, so the two always add up to a forward.
     """
-    timer = _BlockTimer(blocks, device)
+    timer = BlockTimer(blocks, device)
     totals = []
     try:
         for _ in range(num_forwards):

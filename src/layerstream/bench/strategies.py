@@ -26,9 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerstream.bench.measure import DeviceMemory, synchronize, tensor_bytes
+from layerstream.bench.measure import DeviceMemory, tensor_bytes
 from layerstream.bench.naive import NaiveBlockLoader
 from layerstream.errors import LayerstreamError
+from layerstream.timing.block_timer import synchronize
 
 KINDS = ("resident", "layerwise", "module", "diffusers-group", "naive")
 DEFAULT_STRATEGIES = (

@@ -4,5 +4,5 @@
   `host_budget_gb: "auto"` when enabling;
 - `planner`: `layerstream plan MODEL --device-memory --host-memory`: the configuration a machine given by its
   figures should run, its bytes per tier and per step, and the predicted seconds per step (the benchmarks'
-  ideal, `layerstream.bench.ideal`).
+  ideal, `layerstream.timing.ideal`).
 """

@@ -5,7 +5,7 @@ with residency "auto" filling the device (its memory minus the activation reserv
 too where keeping it resident would not leave room for the slot ring, float8 storage only when lossy storage is
 allowed, and the host budget `host_budget_gb: "auto"` would choose (`plan.host_budget`, from the host memory
 minus the process's baseline). It places the blocks with the same placement as enabling, and predicts the
-seconds per step with the benchmarks' ideal (`bench.ideal.ideal_forward_seconds_with_disk`: per block the
+seconds per step with the benchmarks' ideal (`timing.ideal.ideal_forward_seconds_with_disk`: per block the
 longest of compute, link and disk, each stage running ahead of the next) from the bytes each block moves and
 its compute: measured on the device (`measured_block_seconds`) or estimated from its FLOPs at the device's
 throughput (`block_flops`).
@@ -24,12 +24,13 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from layerstream.bench import ideal
 from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB, DEFAULT_HOST_RESERVE_GB, parse_offload_config
 from layerstream.errors import LayerstreamError
 from layerstream.models.geometry import pipeline_frame_multiple, pipeline_size_multiple
 from layerstream.plan.host_budget import GB, HostBudgetChoice, choose_host_budget, format_gb, host_needs
 from layerstream.plan.placement import Placement
+from layerstream.timing import ideal
+from layerstream.timing.block_timer import BlockTimer
 
 PROCESS_BASELINE_GB = 0.41
 """Host memory of a Python process that has imported torch, diffusers, transformers and layerstream, before any
@@ -353,7 +354,6 @@ def measured_block_seconds(pipeline: Any, config: Mapping[str, Any], size: Mappi
     """Each DiT block's compute time in one denoising step on `device` with `config` enabled, median per block:
     for a streamed block the compute interval of the runtime's own trace (from when its weights were ready),
     for a resident one the time between its forward hooks. The pipeline is left as it was."""
-    from layerstream.bench.measure import _BlockTimer  # the benchmark's block timer (CUDA events on a GPU)
     from layerstream.offload import enable_offload
     from layerstream.plan.resolved import lookup
 
@@ -367,7 +367,7 @@ def measured_block_seconds(pipeline: Any, config: Mapping[str, Any], size: Mappi
             with torch.inference_mode():
                 pipeline(**{k: v for k, v in kwargs.items() if k in accepted})
 
-        timer = _BlockTimer([lookup(pipeline, p) for p in paths], device)
+        timer = BlockTimer([lookup(pipeline, p) for p in paths], device)
         try:
             one_step()
             hooks = {p: statistics.median(t) for p, t in zip(paths, timer.seconds()) if t}

@@ -17,7 +17,6 @@ tested and measured on a machine without an accelerator.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -28,6 +27,7 @@ import torch
 
 from layerstream.errors import TransferError
 from layerstream.runtime.contracts import CopyRecord, Job
+from layerstream.runtime.engines.accelerator_api import AcceleratorApi
 from layerstream.runtime.packing.host_buffer import on_own_thread
 
 logger = logging.getLogger(__name__)
@@ -167,15 +167,23 @@ class AcceleratorCopyEngine:
     """Stream-and-event engine for CUDA (or another `torch.accelerator`): compute never waits on the CPU for a
     copy, except for one whose job waits on the host (a disk read) and has not been queued yet.
 
-    `api` is the module providing `Stream`, `Event`, `stream(...)` and `current_stream(...)` (``torch.cuda`` by
-    default); tests pass a recording stand-in to check the order of calls without a GPU. `issue_thread=False`
-    queues every copy on the caller's thread, host waits included (the behaviour before the issuing thread,
-    kept to measure it against: `benchmarks/gpu_checks.py`).
+    `api` is the `AcceleratorApi` it calls (torch.cuda's by default); tests pass a recording stand-in (a
+    subclass) to check the order of calls without a GPU. `issue_thread=False` queues every copy on the caller's
+    thread, host waits included (the behaviour before the issuing thread, kept to measure it against:
+    `benchmarks/gpu_checks.py`).
     """
 
     kind = "accelerator-streams"
 
-    def __init__(self, device: torch.device, num_slots: int, *, api=None, timing: bool = False, issue_thread: bool = True):
+    def __init__(
+        self,
+        device: torch.device,
+        num_slots: int,
+        *,
+        api: AcceleratorApi | None = None,
+        timing: bool = False,
+        issue_thread: bool = True,
+    ):
         self.device = device
         self.api = api if api is not None else _accelerator_api(device)
         self.timing = timing
@@ -194,8 +202,6 @@ class AcceleratorCopyEngine:
         self._issuer: threading.Thread | None = None  # started by the first copy that waits on the host
         self._issue_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
-        self._is_capturing = getattr(self.api, "is_current_stream_capturing", None)  # CUDA's; other APIs may lack it
-        self._device_guard = getattr(self.api, "device", None)  # `torch.cuda.device(d)`: makes `d` current
         self._origin = None
         if timing:
             self._origin = self.api.Event(enable_timing=True)
@@ -213,7 +219,7 @@ class AcceleratorCopyEngine:
         """The engine's device current for the calls inside: leaving `stream(...)` restores the current device's
         stream, which in a thread whose current device is another one creates a CUDA context there (0.5 GB on
         GPU 0 per process)."""
-        return self._device_guard(self.device) if self._device_guard is not None else contextlib.nullcontext()
+        return self.api.device(self.device)
 
     def _issue(self, slot: int, job: Job, record: CopyRecord | None, waits_on_host: bool) -> None:
         previous = self._latest[slot]
@@ -286,18 +292,14 @@ class AcceleratorCopyEngine:
             self._issue(slot, *deferred)
 
     def capturing(self) -> bool:
-        return self._is_capturing is not None and bool(self._is_capturing())
+        return bool(self.api.is_current_stream_capturing())
 
     def guard_slots_(self, slot_buffers: list[torch.Tensor]) -> None:
         """The copy stream writes into these device buffers, which compute allocated: when they are freed, the
         caching allocator must wait for the copy stream's work queued until then, not only the compute stream's,
         before it hands their memory to anyone (`record_stream`; once per slot, at enable)."""
-        record = getattr(self.api, "record_stream", None)  # a stand-in's; torch's is a method of the tensor
         for buffer in slot_buffers:
-            if record is not None:
-                record(buffer, self.copy_stream)
-            else:
-                buffer.record_stream(self.copy_stream)
+            self.api.record_stream(buffer, self.copy_stream)
 
     def now(self):
         """A time mark on the compute stream: a timing event when tracing (read after the run), else host time."""
@@ -322,9 +324,8 @@ class AcceleratorCopyEngine:
         return on_own_thread(self._register, buffer)
 
     def _register(self, buffer: torch.Tensor) -> bool:
-        register = getattr(self.api, "host_register", None)  # a stand-in's
         with self._on_device():
-            return bool(register(buffer)) if register is not None else pin_buffer_(buffer)
+            return bool(self.api.host_register(buffer))
 
     def unpin_(self, buffer: torch.Tensor) -> None:
         """Unregister a buffer `pin_` registered, on a thread of its own for the same reason (a teardown may run
@@ -332,12 +333,8 @@ class AcceleratorCopyEngine:
         on_own_thread(self._unregister, buffer)
 
     def _unregister(self, buffer: torch.Tensor) -> None:
-        unregister = getattr(self.api, "host_unregister", None)  # a stand-in's
         with self._on_device():  # unregistering with another device current would make a context there
-            if unregister is not None:
-                unregister(buffer)
-            else:
-                unpin_buffer_(buffer)
+            self.api.host_unregister(buffer)
 
     def copy_records(self) -> list[CopyRecord]:
         """Recorded copies, their timing events turned into seconds since enable. Synchronizes: call after a run."""
@@ -388,34 +385,14 @@ def _transfer_error(slot: int, error: BaseException) -> TransferError:
     return wrapped
 
 
-CUDA_HOST_REGISTER_PORTABLE = 1
-"""cudaHostRegisterPortable: pinned for every CUDA context, not only the current device's."""
-
-
-def pin_buffer_(buffer: torch.Tensor) -> bool:
-    """Page-lock a host buffer in place (exact size: no power-of-two rounding). Returns True if pinned. The
-    caller makes its device current (`AcceleratorCopyEngine.pin_`): a thread of its own would otherwise have
-    device 0 current and create a CUDA context there (every rank of a machine on GPU 0)."""
-    if not torch.cuda.is_available():
-        return False
-    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), CUDA_HOST_REGISTER_PORTABLE)
-    ok = int(err) == 0 if not isinstance(err, tuple) else int(err[0]) == 0
-    if not ok:
-        logger.warning("cudaHostRegister failed (%s); block buffer stays pageable", err)
-    return ok
-
-
-def unpin_buffer_(buffer: torch.Tensor) -> None:
-    if torch.cuda.is_available():
-        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
-
-
-def _accelerator_api(device: torch.device):
+def _accelerator_api(device: torch.device) -> AcceleratorApi:
+    """torch.cuda's API for a CUDA device; for another accelerator, its torch module where it has CUDA's stream
+    calls (`torch.xpu`)."""
     if device.type == "cuda":
-        return torch.cuda
+        return AcceleratorApi()
     accel = getattr(torch, device.type, None)
-    if accel is not None and hasattr(accel, "Stream") and hasattr(accel, "Event"):
-        return accel
+    if accel is not None and all(hasattr(accel, name) for name in ("Stream", "Event", "stream", "current_stream", "device")):
+        return AcceleratorApi(accel)
     raise ValueError(f"device {device} has no stream API; use a CUDA device or the CPU")
 
 

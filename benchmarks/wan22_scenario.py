@@ -1,6 +1,7 @@
 """The headline scenario at a scale: Wan 2.2 A14B at 720p x 81 frames, its parts built at 1/w of every width
 (`Scenario.width_divisor`), its denoising loop, and the calibration that makes a block's forward on this machine
-last the published compute over the scale. `benchmarks/headline.py` runs it through the runtime and reports.
+last the published compute over the scale. `headline.py` beside it runs it through the runtime and reports
+(it lives with the benchmarks: nothing in the package uses it).
 
 The pipeline is a `WanPipeline` (so layerstream's built-in Wan plan pairs its experts into one host pool) holding
 two experts of 40 Wan-shaped blocks (`bench.synthetic`), switched at the boundary timestep of Wan 2.2's own
