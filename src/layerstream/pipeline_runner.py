@@ -203,7 +203,6 @@ class PipelineRunner:
     def _input_image(self, request: GenerationRequest):
         """(the RGB image, the size it leads to), or (None, None) without one; refuses an image the pipeline
         does not take, and a missing one it needs, before any work."""
-        from layerstream.models.geometry import pipeline_max_side, pipeline_size_multiple
         from layerstream.models.input_image import read_input_image, size_from_image
 
         pipeline_name = type(self.pipeline).__name__
@@ -221,11 +220,11 @@ class PipelineRunner:
                 "image argument); drop image, or load an image-to-video or image-editing model"
             )
         picture = read_input_image(image)
-        model_side = pipeline_max_side(self.pipeline)
+        model_side = self.rules.geometry.max_side_pixels
         caps = [side for side in (model_side, request.max_side_pixels) if side is not None]
         conditioned = size_from_image(
             picture.size,
-            size_multiple=pipeline_size_multiple(self.pipeline),
+            size_multiple=self.rules.size_multiple,
             max_side=min(caps),
             width=request.width,
             height=request.height,
