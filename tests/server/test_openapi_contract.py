@@ -87,10 +87,9 @@ def test_schemathesis_finds_no_failure(case):
     # still holds for such a request, its 422 included.
     excluded = [positive_data_acceptance] if writes_an_integer_as_a_float(case) else []
     response = case.call()
-    # Deviation, with its reason: vllm-omni's optional fields (guidance_scale_2, true_cfg_scale, boundary_ratio,
-    # flow_shift) are in every body's schema, but a pipeline that cannot take one answers 422
-    # unsupported_for_model naming it and the pipeline (issue 36: never dropped silently), so positive data
-    # may be refused there; every other check still holds for that answer.
+    # vllm-omni's optional fields (guidance_scale_2, true_cfg_scale, boundary_ratio, flow_shift) are in every
+    # body's schema; a pipeline that cannot take one answers 400 unsupported_for_model (the first deviation
+    # above). Should it ever answer 422 here, that is excluded from the positive-data check alone.
     if response.status_code == 422 and _error_code(response) == "unsupported_for_model":
         excluded = [positive_data_acceptance]
     case.validate_response(response, excluded_checks=excluded)

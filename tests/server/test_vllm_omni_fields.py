@@ -102,7 +102,7 @@ def test_a_vllm_omni_body_reaches_the_pipeline(served, encoding):
 @pytest.mark.parametrize(
     "body, status, param",
     [
-        ({"true_cfg_scale": 4.0}, 422, "true_cfg_scale"),  # WanPipeline's __call__ takes none
+        ({"true_cfg_scale": 4.0}, 400, "true_cfg_scale"),  # WanPipeline's __call__ takes none: past the schema
         ({"width": 32}, 400, "height"),  # past the schema, which cannot say "both or neither"
         ({"width": 32, "height": 32, "size": "64x64"}, 400, "size"),
         ({"fps": 0}, 422, "fps"),

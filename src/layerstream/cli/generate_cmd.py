@@ -196,10 +196,8 @@ def request_from_args(args: argparse.Namespace, *, image=None, seed: int | None 
             seed=args.seed if seed is None else seed,
             fps=args.fps,
             max_side_pixels=args.max_side_pixels,
-            guidance_scale_2=args.guidance_scale_2,
-            true_cfg_scale=args.true_cfg_scale,
-            boundary_ratio=args.boundary_ratio,
-            flow_shift=args.flow_shift,
+            # vllm-omni's options: absent from a namespace built without them (older callers), as None
+            **{name: getattr(args, name, None) for name in ("guidance_scale_2", "true_cfg_scale", "boundary_ratio", "flow_shift")},
         )
     except GenerationError as e:
         flag = _REQUEST_FLAGS.get(e.field or "", e.field)

@@ -159,13 +159,14 @@ def check_endpoint(limits: ModelLimits, endpoint_kind: str) -> None:
 
 def check_request(request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None = None) -> None:
     """Raise a 400 `ApiError` naming every field the served model cannot take (`conditioned`: the size the
-    request's input image leads to); first a 422 naming each optional field the pipeline cannot take
-    (``boundary_ratio`` on Flux), which is never dropped silently."""
+    request's input image leads to); first a 400 naming each optional field the pipeline cannot take
+    (``boundary_ratio`` on Flux), which is never dropped silently (400, as every check against the model: the
+    document is one for every model)."""
     rules = limits.rules
     refused = [name for name in rules.refused_fields(request.model_dump()) if name != "negative_prompt"]
     if refused:
         details = [ErrorDetail(param=name, message=f"not valid for {limits.model}: {rules.why_not(name)}", allowed="null") for name in refused]
-        raise invalid_fields(422, details, code="unsupported_for_model")
+        raise invalid_fields(400, details, code="unsupported_for_model")
     problems: list[ErrorDetail] = []
     if request.model is not None and request.model != limits.model:
         problems.append(
