@@ -88,9 +88,9 @@ def test_schemathesis_finds_no_failure(case):
     excluded = [positive_data_acceptance] if writes_an_integer_as_a_float(case) else []
     response = case.call()
     # vllm-omni's optional fields (guidance_scale_2, true_cfg_scale, boundary_ratio, flow_shift) are in every
-    # body's schema; a pipeline that cannot take one answers 400 unsupported_for_model (the first deviation
+    # body's schema; a pipeline that cannot take one answers 400 invalid_for_model (the first deviation
     # above). Should it ever answer 422 here, that is excluded from the positive-data check alone.
-    if response.status_code == 422 and _error_code(response) == "unsupported_for_model":
+    if response.status_code == 422 and _error_code(response) == "invalid_for_model":
         excluded = [positive_data_acceptance]
     case.validate_response(response, excluded_checks=excluded)
 

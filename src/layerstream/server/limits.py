@@ -166,7 +166,7 @@ def check_request(request: GenerationBody, limits: ModelLimits, conditioned: Con
     refused = [name for name in rules.refused_fields(request.model_dump()) if name != "negative_prompt"]
     if refused:
         details = [ErrorDetail(param=name, message=f"not valid for {limits.model}: {rules.why_not(name)}", allowed="null") for name in refused]
-        raise invalid_fields(400, details, code="unsupported_for_model")
+        raise invalid_fields(400, details, code="invalid_for_model")
     problems: list[ErrorDetail] = []
     if request.model is not None and request.model != limits.model:
         problems.append(
