@@ -30,6 +30,26 @@ def test_the_runtime_errors_path_of_the_last_release_still_imports_and_warns():
     assert any("layerstream.runtime.errors is deprecated" in m and "layerstream.errors" in m for m in messages)
 
 
+@pytest.mark.parametrize(
+    "old_path, name, new_path",
+    [
+        ("layerstream.bench.ideal", "ideal_forward_seconds_with_disk", "layerstream.timing.ideal"),
+        ("layerstream.server.media", "encode_result_b64", "layerstream.outputs"),
+    ],
+)
+def test_a_moved_module_of_the_last_release_still_imports_and_warns(old_path, name, new_path):
+    sys.modules.pop(old_path, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = importlib.import_module(old_path)
+    assert callable(getattr(old, name))
+    new = importlib.import_module(new_path)
+    if hasattr(new, name):
+        assert getattr(old, name) is getattr(new, name)
+    messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert any(f"{old_path} is deprecated" in m and new_path in m for m in messages)
+
+
 DOCUMENTED_IMPORT = re.compile(r"^\s*from (layerstream[\w.]*) import ([\w, ]+)$|^\s*import (layerstream[\w.]*)$", re.M)
 
 

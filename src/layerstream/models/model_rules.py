@@ -101,26 +101,6 @@ class ModelRules:
             return f"{self.pipeline_class}'s scheduler has no flow_shift setting"
         return f"{self.pipeline_class}'s __call__ takes no {name}"
 
-    def to_dict(self) -> dict[str, Any]:
-        """The rules as plain data (the server's /health shows a part of them)."""
-        return {
-            "model": self.model,
-            "pipeline_class": self.pipeline_class,
-            "kind": self.kind,
-            "size_multiple": self.geometry.size_multiple,
-            "frame_multiple": self.geometry.frame_multiple,
-            "max_side_pixels": self.geometry.max_side_pixels,
-            "max_frames": self.geometry.max_frames,
-            "image_input": self.image_input,
-            "default_width": self.default_width,
-            "default_height": self.default_height,
-            "default_num_frames": self.default_num_frames,
-            "default_num_inference_steps": self.default_num_inference_steps,
-            "default_guidance_scale": self.default_guidance_scale,
-            "fps": self.fps,
-            "takes": sorted(self.takes),
-        }
-
 
 def read_model_rules(pipeline: Any, model: str) -> ModelRules:
     """The rules of `pipeline`, loaded as `model`: an embedded tiny model's from its spec, a real one's from

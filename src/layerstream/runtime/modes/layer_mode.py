@@ -75,9 +75,9 @@ def apply_layer_mode(
         "layerwise offload on %s: %d streamed blocks, %d slots of %.1f MiB",
         plan.pipeline_class, len(stored), placement.num_slots, placement.slot_nbytes / 2**20,
     )
-    backend = LayerModeBackend(plan, placement, device, components, streamer, engine, stores, hooks, counters, lora, ownership)
-    backend.moved_by_own_to = moved_by_own_to
-    return backend
+    return LayerModeBackend(
+        plan, placement, device, components, streamer, engine, stores, hooks, counters, lora, ownership, moved_by_own_to
+    )
 
 
 def _open_slot_ring(placement: Placement, device: torch.device, engine_factory: EngineFactory, undo: UndoStack):
@@ -185,7 +185,10 @@ def _install_hooks(plan, components, streamer: BlockStreamer, device: torch.devi
 class LayerModeBackend:
     """A running layer mode: the streamer, its engine and stores, and their teardown."""
 
-    def __init__(self, plan, placement, device, components, streamer, engine, stores, hooks, counters, lora=None, ownership=None):
+    def __init__(
+        self, plan, placement, device, components, streamer, engine, stores, hooks, counters, lora=None, ownership=None,
+        moved_by_own_to: dict[str, torch.device] | None = None,
+    ):  # fmt: skip
         self.plan = plan
         self.ownership: CallOwnership = ownership if ownership is not None else CallOwnership(plan.pipeline_class)
         """Which thread runs the pipeline (shared with the streamer)."""
@@ -199,7 +202,7 @@ class LayerModeBackend:
         """Everything installed on the pipeline, by name (the handle lists it; disable removes it)."""
         self._counters: dict[str, BlockCounters] = counters
         self._lora: LoraSupport | None = lora
-        self.moved_by_own_to: dict[str, torch.device] = {}
+        self.moved_by_own_to: dict[str, torch.device] = dict(moved_by_own_to or {})
         """Resident components moved through their own `to()` at enable -> where they were: `disable()` moves
         them back there through it."""
 
