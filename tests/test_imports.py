@@ -1,5 +1,6 @@
 """The package's import graph: no cycle anywhere (imports inside functions and under TYPE_CHECKING included),
-and `runtime/` imports nothing from the layers above it (loading, the entry points, scale-out)."""
+`runtime/` imports nothing from the layers above it (loading, the entry points, scale-out), and each top-level
+package imports only what `docs/architecture.md`'s table allows it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,35 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "src" / "layerstream"
 RUNTIME_MAY_IMPORT = ("layerstream.runtime", "layerstream.plan", "layerstream.config", "layerstream.errors")
 """`runtime/` sits on the plan's data and the package's errors; `models`, `omni`, `cli`, `server`, `bench`,
 `distributed` and `offload` (the composition root) are above it."""
+
+
+MAY_IMPORT: dict[str, frozenset[str]] = {
+    name: frozenset(allowed.split())
+    for name, allowed in {
+        # the core, pure or moving bytes: nothing above it
+        "errors": "",
+        "atomic_write": "",
+        "timing": "",  # the ideal and the block timer: torch only, below the planner and the benchmarks alike
+        "config": "errors",
+        "plan": "config errors",
+        "runtime": "config errors plan",
+        # loading and scale-out, over the core
+        "models": "errors runtime",
+        "request": "errors models",
+        "distributed": "errors runtime",
+        # the composition root and planning for a machine (each reaches the other inside a function only)
+        "offload": "config distributed errors machine models plan runtime",
+        "machine": "config errors models offload plan runtime timing",
+        # the entry points; only the command line reaches the benchmarks
+        "layerstream": "config errors plan",  # the public surface (the rest is imported on first use)
+        "omni": "atomic_write config errors models offload request runtime",
+        "server": "layerstream atomic_write config distributed errors models omni request runtime",
+        "bench": "layerstream config distributed errors models offload plan runtime timing",
+        "cli": "layerstream atomic_write bench config distributed errors machine models offload omni plan request runtime server",
+        "__main__": "cli",
+    }.items()
+}
+"""Top-level package (or module) -> the top-level packages it may import: the table of `docs/architecture.md`."""
 
 
 def _modules() -> dict[str, Path]:
@@ -112,3 +142,26 @@ def test_runtime_top_level_holds_few_modules():
     if "errors.py" in top:  # only as the last release's import path, which warns and defines nothing
         alias = (PACKAGE_ROOT / "runtime" / "errors.py").read_text()
         assert "DeprecationWarning" in alias and "class " not in alias
+
+
+def _top(name: str) -> str:
+    """`layerstream.machine.planner` -> `machine`; the package itself -> `layerstream`."""
+    return name.split(".")[1] if "." in name else name
+
+
+def test_each_package_imports_only_what_the_architecture_allows():
+    graph = _graph()
+    assert {_top(name) for name in graph} == set(MAY_IMPORT)  # a new top-level package gets its row
+    wrong = sorted(
+        (name, target)
+        for name, targets in graph.items()
+        for target in targets
+        if _top(target) != _top(name) and _top(target) not in MAY_IMPORT[_top(name)]
+    )
+    assert wrong == []
+
+
+def test_the_planner_and_the_library_below_it_import_nothing_from_the_benchmarks():
+    below_bench = {top for top, allowed in MAY_IMPORT.items() if top not in ("bench", "cli", "__main__")}
+    assert all("bench" not in MAY_IMPORT[top] for top in below_bench)
+    assert not [t for name, ts in _graph().items() if _top(name) == "machine" for t in ts if _top(t) == "bench"]

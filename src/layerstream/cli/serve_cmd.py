@@ -19,17 +19,24 @@ from pathlib import Path
 from layerstream.cli.common import CliError, add_hub_arguments, fetch_before_ranks, parse_config_arg
 from layerstream.server.settings import (  # plain data: no serve extra
     DEFAULT_BATCH_WAIT_MS,
+    DEFAULT_HOST,
     DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_FRAMES,
     DEFAULT_MAX_IMAGE_BYTES,
     DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_SIDE_PIXELS,
     DEFAULT_MAX_WORK,
+    DEFAULT_PORT,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
 )
 
 READY_PREFIX = "layerstream serve: ready on "
 MAX_NPROC = 64
-DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
-"""Serving's default: a lost or stuck rank is answered 503 within a minute (a block's gather takes far less)."""
+DEFAULT_SERVE_COLLECTIVE_TIMEOUT_S = 60.0
+"""`serve --collective-timeout-s`'s default, shorter than a process group's (`DEFAULT_PROCESS_GROUP_TIMEOUT_S`,
+300): a lost or stuck rank is answered 503 within a minute (a block's gather takes far less)."""
 MAX_COLLECTIVE_TIMEOUT_S = 86_400.0
 RANK0_PID_ENV = "LAYERSTREAM_SERVE_RANK0_PID_FILE"
 """Set by the launcher: where rank 0 writes its pid, so that a SIGTERM to the launcher reaches rank 0 alone."""
@@ -54,16 +61,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='offload config as JSON text (default: {"mode": "layer", "components": ["dit"]})',
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0 picks a free port)")
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST}, loopback only)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default: {DEFAULT_PORT}; 0 picks a free port)")
     parser.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: as saved)")
     parser.add_argument(
-        "--max-queue", type=int, default=16, help="requests that may wait behind the running one; more get 429 (default: 16)"
+        "--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+        help=f"requests that may wait behind the running one; more get 429 (default: {DEFAULT_MAX_QUEUE})",
     )
-    parser.add_argument("--max-frames", type=int, default=129, help="largest num_frames of a video request (default: 129)")
     parser.add_argument(
-        "--max-size", type=int, default=2048, dest="max_side_pixels", help="largest width or height (default: 2048)"
+        "--max-frames", type=int, default=DEFAULT_MAX_FRAMES,
+        help=f"largest num_frames of a video request (default: {DEFAULT_MAX_FRAMES})",
+    )
+    parser.add_argument(
+        "--max-size", type=int, default=DEFAULT_MAX_SIDE_PIXELS, dest="max_side_pixels",
+        help=f"largest width or height (default: {DEFAULT_MAX_SIDE_PIXELS})",
     )
     parser.add_argument(
         "--max-work",
@@ -73,8 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: {DEFAULT_MAX_WORK:,}, sized for a 24 GB host; raise it on a GPU server)",
     )
     parser.add_argument(
-        "--max-body-bytes", type=int, default=1 << 20,
-        help="largest request body, not counting an input image (default: 1 MiB)",
+        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest request body, not counting an input image (default: {DEFAULT_MAX_BODY_BYTES >> 20} MiB)",
     )
     parser.add_argument(
         "--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES,
@@ -119,10 +131,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--collective-timeout-s",
         type=float,
-        default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+        default=DEFAULT_SERVE_COLLECTIVE_TIMEOUT_S,
         metavar="SECONDS",
         help="with several ranks: how long a rank waits for the others in one collective before the server "
-        f"answers 503 and exits non-zero (default: {DEFAULT_COLLECTIVE_TIMEOUT_S:g})",
+        f"answers 503 and exits non-zero (default: {DEFAULT_SERVE_COLLECTIVE_TIMEOUT_S:g})",
     )
     parser.add_argument(
         "--data-dir",

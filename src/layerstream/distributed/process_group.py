@@ -28,8 +28,9 @@ from layerstream.errors import OffloadError
 logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_ENV = "LAYERSTREAM_COLLECTIVE_TIMEOUT"
-DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
-"""Seconds a rank waits in one collective for the others before it fails (and offload raises)."""
+DEFAULT_PROCESS_GROUP_TIMEOUT_S = 300.0
+"""Seconds a rank of a process group `init_distributed` joins waits in one collective for the others before it
+fails (and offload raises), unless ${COLLECTIVE_TIMEOUT_ENV} says otherwise (`serve` sets its own, shorter one)."""
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -52,7 +53,7 @@ def collective_timeout() -> datetime.timedelta:
     """The collective timeout from ${COLLECTIVE_TIMEOUT_ENV} (seconds), default 300."""
     raw = os.environ.get(COLLECTIVE_TIMEOUT_ENV, "").strip()
     if not raw:
-        return datetime.timedelta(seconds=DEFAULT_COLLECTIVE_TIMEOUT_S)
+        return datetime.timedelta(seconds=DEFAULT_PROCESS_GROUP_TIMEOUT_S)
     try:
         seconds = float(raw)
     except ValueError:

@@ -17,14 +17,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from layerstream.models.output_limits import MAX_PROMPT_CHARS  # the command line's limit too
+from layerstream.models.output_limits import MAX_PROMPT_CHARS, MAX_SEED  # the command line's limits too
 from layerstream.request import GenerationRequest
 from layerstream.server.image_outputs import MAX_KEPT_OUTPUT_BYTES, MAX_KEPT_OUTPUTS
 
 MAX_IMAGES_PER_REQUEST = 4
 MAX_INFERENCE_STEPS = 1000
-MAX_SEED = 2**64 - 1
-"""As the command line allows (`models.output_limits.MAX_SEED`): any seed `generate` takes, the server takes."""
 MAX_QUEUE_TIMEOUT_SECONDS = 86_400.0
 MAX_FPS = 120
 

@@ -6,9 +6,12 @@ from dataclasses import dataclass
 
 from layerstream.errors import LayerstreamError
 from layerstream.models.input_image import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
+from layerstream.models.output_limits import DEFAULT_MAX_FRAMES, DEFAULT_MAX_SIDE_PIXELS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+DEFAULT_MAX_QUEUE = 16
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a prompt and its settings, far below it; an input image comes on top
 # width x height x frames x steps x outputs. 1e8 lets a 2048x2048 image run 23 steps, or a 832x480 video of
 # 81 frames run 3, and bounds the time of a request on a 2-core CPU to minutes. Memory grows with one output's
 # pixels x frames (outputs are made one at a time): tiny-wan at one step peaked at 1.3 GB for 512x512 x 9
@@ -39,15 +42,15 @@ class ServeSettings:
     """Address to bind; loopback by default so that nothing is exposed unless asked for."""
     port: int = DEFAULT_PORT
     """TCP port; 0 picks a free one (the ready line names it)."""
-    max_queue: int = 16
+    max_queue: int = DEFAULT_MAX_QUEUE
     """Requests that may wait behind the running one; one more answers 429."""
-    max_frames: int = 129
+    max_frames: int = DEFAULT_MAX_FRAMES
     """Largest ``num_frames`` a video request may ask for (lowered to what the model can position)."""
-    max_side_pixels: int = 2048
+    max_side_pixels: int = DEFAULT_MAX_SIDE_PIXELS
     """Largest width or height a request may ask for (lowered to what the model can position)."""
     max_work: int = DEFAULT_MAX_WORK
     """Largest width x height x frames x steps x n of one request: bounds its time and, at one step, its memory."""
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     """Largest request body without an input image; a larger one answers 413 without being parsed. A request
     that may carry an image (edits, image-to-video) may be larger by the image: `image_body_bytes`."""
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
