@@ -31,14 +31,16 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
         # loading and scale-out, over the core
         "models": "errors runtime",
         "request": "errors models",
+        "outputs": "atomic_write errors request",  # a result encoded once into its file
+        "pipeline_runner": "errors models outputs request runtime",  # a request made into one pipeline call
         "distributed": "errors runtime",
         # the composition root and planning for a machine (each reaches the other inside a function only)
         "offload": "config distributed errors machine models plan runtime",
         "machine": "config errors models offload plan runtime timing",
         # the entry points; only the command line reaches the benchmarks
         "layerstream": "config errors plan",  # the public surface (the rest is imported on first use)
-        "omni": "atomic_write config errors models offload request runtime",
-        "server": "layerstream atomic_write config distributed errors models omni request runtime",
+        "omni": "atomic_write config errors models offload outputs pipeline_runner request runtime",
+        "server": "layerstream atomic_write config distributed errors models omni outputs request runtime",
         "bench": "layerstream config distributed errors models offload plan runtime timing",
         "cli": "layerstream atomic_write bench config distributed errors machine models offload omni plan request runtime server",
         "__main__": "cli",

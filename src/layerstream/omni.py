@@ -53,13 +53,13 @@ class Omni:
         revision: str | None = None,
         variant: str | None = None,
     ):
-        from layerstream.models.loading import component_dtypes, load_pipeline, parse_dtype, pipeline_kind, resolve_model
+        from layerstream.models.loading import component_dtypes, load_pipeline, pipeline_kind, resolve_model
 
         # parse before loading: a bad config is reported before any weight is read
         self.config = parse_offload_config(diffusion_offload_config if diffusion_offload_config is not None else DEFAULT_CONFIG)
         self.model = model.model if isinstance(model, ModelSource) else model
         self.device = torch.device(device) if device is not None else default_device()
-        self.dtype = parse_dtype(dtype)
+        self.dtype = _parse_dtype(dtype)
         self.source = model if isinstance(model, ModelSource) else resolve_model(model, revision=revision, variant=variant)
         """Where the model's files came from (a Hub id's revision and commit, or the folder)."""
         self.pipeline = load_pipeline(self.source, dtype=self.dtype)
@@ -176,3 +176,11 @@ def _quiet_progress(pipeline) -> None:
         pipeline.set_progress_bar_config(disable=True)  # layerstream reports progress itself, per step
 
 
+def _parse_dtype(dtype) -> torch.dtype | None:
+    """`dtype` as a torch dtype: None, a torch dtype, or its name (``"bfloat16"``, ``"bf16"``...)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise GenerationError(f"dtype = {dtype!r} is not valid; allowed: {', '.join(names)}")
+    return names[dtype]

@@ -251,15 +251,3 @@ def component_dtypes(pipeline) -> dict[str, str]:
         if dtype is not None:
             out[name] = str(dtype).removeprefix("torch.")
     return out
-
-
-def parse_dtype(dtype) -> torch.dtype | None:
-    """`dtype` as a torch dtype: None, a torch dtype, or its name (``"bfloat16"``, ``"bf16"``...)."""
-    from layerstream.request import GenerationError  # Omni's argument error, as it always was
-
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in names:
-        raise GenerationError(f"dtype = {dtype!r} is not valid; allowed: {', '.join(names)}")
-    return names[dtype]
