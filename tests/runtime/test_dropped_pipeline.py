@@ -25,8 +25,10 @@ def _rss_bytes() -> int:
     raise AssertionError("no VmRSS in /proc/self/status")
 
 
-def _layerstream_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("layerstream")]
+def _layerstream_threads(started_after: frozenset[threading.Thread] = frozenset()) -> list[str]:
+    """Names of layerstream's live threads, leaving out those already alive in `started_after` (another test's
+    pipeline, still alive on this worker, is not this test's to stop)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("layerstream") and t not in started_after]
 
 
 def _enable_run_and_drop(config: dict) -> tuple[int, int]:
@@ -63,6 +65,7 @@ def test_five_dropped_pipelines_leave_no_thread_and_no_host_memory():
 
 
 def test_a_dropped_disk_tier_pipeline_removes_its_spill_files(tmp_path):
+    alive_before = frozenset(threading.enumerate())
     pipe = make_my_pipeline(dim=64)
     block = BlockLayout("b", pipe.transformer.blocks[0]).nbytes
     config = {"mode": "layer", "components": ["dit"], "host_budget_gb": 1.5 * block / 1e9, "disk_dir": str(tmp_path)}
@@ -71,7 +74,7 @@ def test_a_dropped_disk_tier_pipeline_removes_its_spill_files(tmp_path):
     del pipe, handle
     gc.collect()
     assert list(tmp_path.rglob("*.block")) == [] and not any(tmp_path.iterdir())
-    assert not [n for n in _layerstream_threads() if n.startswith("layerstream-copy")]
+    assert not [n for n in _layerstream_threads(alive_before) if n.startswith("layerstream-copy")]
 
 
 def test_a_kept_handle_keeps_the_pipeline_working_and_disable_still_restores():
@@ -89,6 +92,7 @@ def test_a_kept_handle_keeps_the_pipeline_working_and_disable_still_restores():
 
 
 def test_a_dropped_pipeline_on_the_accelerator_engine_stops_its_issuing_thread_and_unregisters_everything(tmp_path):
+    alive_before = frozenset(threading.enumerate())
     """The accelerator engine (its CUDA calls recorded by a stand-in) with the disk tier: the issuing thread that
     queued the disk blocks' copies stops, after the copy stream is synchronized every registered buffer is
     unregistered, and the spill files go."""
@@ -106,7 +110,7 @@ def test_a_dropped_pipeline_on_the_accelerator_engine_stops_its_issuing_thread_a
     ids, x = toy_inputs(dim=64)
     with torch.no_grad():
         run(pipe, (ids, x))
-    assert "layerstream-copy-issue" in _layerstream_threads()  # disk blocks' copies went through it
+    assert "layerstream-copy-issue" in _layerstream_threads(alive_before)  # disk blocks' copies went through it
     registered = sum(1 for e in recorder.log if e[0] == "host_register")
     recorder.log.clear()
     del pipe, handle
@@ -115,5 +119,7 @@ def test_a_dropped_pipeline_on_the_accelerator_engine_stops_its_issuing_thread_a
     unregistered = [pos for pos, e in enumerate(log) if e[0] == "host_unregister"]
     synced = log.index(("synchronize", copy_stream))
     assert registered > 0 and len(unregistered) == registered and all(pos > synced for pos in unregistered)
-    assert not [n for n in _layerstream_threads() if n.startswith(("layerstream-copy", "layerstream-disk", "layerstream-pin"))]
+    assert not [
+        n for n in _layerstream_threads(alive_before) if n.startswith(("layerstream-copy", "layerstream-disk", "layerstream-pin"))
+    ]
     assert list(tmp_path.rglob("*.block")) == []

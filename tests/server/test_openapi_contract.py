@@ -72,7 +72,8 @@ def served_schema(request, tmp_path_factory):
     omni = Omni(model=request.param, diffusion_offload_config=SERVE_CONFIG)
     service = GenerationService(omni, ServeSettings(max_work=MAX_WORK[request.param]))
     app = build_serve_app(service, tmp_path_factory.mktemp(f"{request.param}-data"))
-    return schemathesis.openapi.from_asgi("/openapi.json", app, config=CONFIG)
+    yield schemathesis.openapi.from_asgi("/openapi.json", app, config=CONFIG)
+    omni.close()  # its copy thread ends with the module, not when the collector gets to it
 
 
 schema = schemathesis.pytest.from_fixture("served_schema")
