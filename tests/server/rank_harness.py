@@ -56,6 +56,9 @@ def start_rank_server(
     """``layerstream serve MODEL --port 0 --nproc N ARGS``, or with `script`, ``torchrun ... script serve MODEL
     --port 0 ARGS`` (a test script in this folder that runs the command line with a fault switch)."""
     log_path = folder / "server.log"
+    # each server its own job history: one folder holds one server's (a second is refused)
+    data_dir = [] if "--data-dir" in args else ["--data-dir", str(folder / "data")]
+    args = (*data_dir, *args)
     pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath, **(env or {})}
     if script is None:

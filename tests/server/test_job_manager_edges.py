@@ -96,18 +96,23 @@ def test_a_queued_job_fails_at_once_when_the_server_drains_and_its_event_stream_
 
 
 def test_a_job_deleted_just_as_it_starts_is_let_go(make_jobs):
+    from layerstream.server.stopping import GenerationStopped, StopReason
+
     jobs = make_jobs()
-    run, started = jobs._run, []
+    start, started = jobs._started, []
 
-    def deleted_as_it_starts(live, job) -> None:  # the queue has taken it; the worker has not marked it yet
-        started.append(job)
+    def deleted_as_it_starts(live):  # the queue has taken it; the worker has not marked it yet
+        started.append(live.queued)
         jobs.delete(live.record.id)
-        run(live, job)
+        return start(live)
 
-    jobs._run = deleted_as_it_starts
+    jobs._started = deleted_as_it_starts
     made = jobs.create(BODY, None)["id"]
     wait_until(lambda: started and started[0].future.done(), what="the job's turn on the worker")
-    assert started[0].future.exception() is None
+    # let go before its first output: stopped as deleted, nothing generated
+    stopped = started[0].future.exception()
+    assert isinstance(stopped, GenerationStopped) and stopped.reason is StopReason.CANCELLED
+    assert "before output 1" in str(stopped) and jobs.service.omni.alive_at_start == []
     with pytest.raises(Exception, match="no image job"):
         jobs.get(made)
     assert made not in jobs._live  # nothing of the deleted job (its request, its input image) is held on to

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-import layerstream.server.service as service_module
+import layerstream.server.in_process as runner_module
 from layerstream.server.app import create_app
 from layerstream.server.metrics import JOB_STATES, JobOutcome, QueueState, ServerMetrics
 from layerstream.server.schemas import ImageGenerationRequest
@@ -121,7 +121,7 @@ def test_job_states_move_between_series():
 
 
 class FakeClock:
-    """The service's `time`, whose perf_counter moves only when a pipeline call is made."""
+    """The in-process runner's `time`, whose perf_counter moves only when a pipeline call is made."""
 
     def __init__(self, seconds_per_call: float):
         self.now = 0.0
@@ -136,7 +136,7 @@ class FakeClock:
 
 
 def _start_service(monkeypatch, clock: FakeClock, **settings) -> GenerationService:
-    monkeypatch.setattr(service_module, "time", clock)
+    monkeypatch.setattr(runner_module, "time", clock)
     service = GenerationService(StandInOmni(), ServeSettings(port=0, shutdown_timeout=0, **settings))
     service.omni.on_call = clock.call
     service.start()

@@ -14,6 +14,30 @@ from layerstream.server.stopping import GenerationStopped, StopReason
 pytestmark = pytest.mark.fast
 
 
+class RunEach:
+    """A runner whose jobs are functions: each group's jobs called one by one with the job itself (or, with
+    `run_batch`, a group of several handed to it whole)."""
+
+    def __init__(self, run_batch=None):
+        self.run_batch = run_batch
+
+    def run(self, groups):
+        (group,) = groups
+        if len(group) > 1:
+            return self.run_batch(group)
+        (job,) = group
+        try:
+            return [job.served(job)]
+        except BaseException as e:  # reported to the waiting request; the worker lives on for the next job
+            return [e]
+
+    def after_run(self):
+        pass
+
+    def idle(self):
+        pass
+
+
 def _blocker():
     """A job that runs until released, and an event set once it has started."""
     started, release = threading.Event(), threading.Event()
@@ -28,7 +52,7 @@ def _blocker():
 
 @pytest.fixture
 def queue():
-    q = GenerationQueue(max_waiting=3)
+    q = GenerationQueue(max_waiting=3, runner=RunEach())
     q.start()
     yield q
     q.close()
@@ -96,7 +120,7 @@ def test_a_failing_job_does_not_stop_the_worker(queue):
 
 
 def test_close_answers_waiting_jobs_and_finishes_the_running_one():
-    queue = GenerationQueue(max_waiting=2)
+    queue = GenerationQueue(max_waiting=2, runner=RunEach())
     queue.start()
     block, started, release = _blocker()
     running = queue.submit(block)
@@ -162,11 +186,11 @@ def _batching_queue(max_batch_size: int, wait_seconds: float = 0.0, max_cost: in
     batches: list[list[str]] = []
 
     def run_batch(jobs):
-        batches.append([job.request for job in jobs])
-        return [job.request for job in jobs]
+        batches.append([job.served(job) for job in jobs])
+        return [job.served(job) for job in jobs]
 
     policy = BatchPolicy(max_batch_size=max_batch_size, wait_seconds=wait_seconds, max_cost=max_cost)
-    q = GenerationQueue(max_waiting=8, batching=policy, run_batch=run_batch)
+    q = GenerationQueue(max_waiting=8, runner=RunEach(run_batch), policy=policy)
     q.start()
     return q, batches
 
@@ -181,7 +205,7 @@ def test_compatible_jobs_run_together_and_the_others_keep_their_order():
     queue.submit(block)  # no batch key: runs alone, and holds the queue while the others arrive
     assert started.wait(10)
     jobs = [
-        queue.submit(_alone(name), request=name, batch_key=key, cost=cost)
+        queue.submit(_alone(name), batch_key=key, cost=cost)
         for name, key, cost in [("a", 32, 1), ("b", 64, 1), ("c", 32, 1), ("d", 64, 1), ("e", 32, 9), ("f", 32, 1)]
     ]
     release.set()
@@ -194,12 +218,12 @@ def test_compatible_jobs_run_together_and_the_others_keep_their_order():
 
 def test_the_head_waits_for_its_batch_at_most_the_batch_wait():
     queue, batches = _batching_queue(max_batch_size=2, wait_seconds=0.4)
-    first = queue.submit(_alone("a"), request="a", batch_key=1)
+    first = queue.submit(_alone("a"), batch_key=1)
     time.sleep(0.1)
-    second = queue.submit(_alone("b"), request="b", batch_key=1)
+    second = queue.submit(_alone("b"), batch_key=1)
     assert second.future.result(10) == "b" and first.future.result(10) == "a"
     assert batches == [["a", "b"]] and first.queue_seconds < 0.35  # started as soon as the batch was full
-    lone = queue.submit(_alone("c"), request="c", batch_key=1)
+    lone = queue.submit(_alone("c"), batch_key=1)
     assert lone.future.result(10) == "c" and 0.35 < lone.queue_seconds < 2.0  # waited out the batch wait, alone
     queue.close()
     assert queue.join(10)
@@ -214,13 +238,13 @@ def test_a_job_failed_by_the_batch_runner_does_not_fail_the_others_and_a_raising
             return [RuntimeError("only this one"), "ok"]
         raise RuntimeError("the whole batch")
 
-    queue = GenerationQueue(max_waiting=8, batching=BatchPolicy(max_batch_size=2, wait_seconds=5.0, max_cost=10),
-                            run_batch=run_batch)  # fmt: skip
+    queue = GenerationQueue(max_waiting=8, policy=BatchPolicy(max_batch_size=2, wait_seconds=5.0, max_cost=10),
+                            runner=RunEach(run_batch))  # fmt: skip
     queue.start()
     try:
         pairs = []
         for _ in range(2):
-            pair = [queue.submit(_alone("alone"), request=i, batch_key="k") for i in range(2)]
+            pair = [queue.submit(_alone("alone"), batch_key="k") for i in range(2)]
             pairs.append(pair)
             pair[1].future.exception(10)  # the batch of two starts at once: no need to wait out the 5 s
         with pytest.raises(RuntimeError, match="only this one"):
@@ -244,8 +268,8 @@ def test_stop_running_signals_every_job_of_the_running_batch():
         assert release.wait(10)
         return [job.stop_signal.reason for job in jobs]
 
-    queue = GenerationQueue(max_waiting=8, batching=BatchPolicy(max_batch_size=2, wait_seconds=5.0, max_cost=10),
-                            run_batch=run_batch)  # fmt: skip
+    queue = GenerationQueue(max_waiting=8, policy=BatchPolicy(max_batch_size=2, wait_seconds=5.0, max_cost=10),
+                            runner=RunEach(run_batch))  # fmt: skip
     queue.start()
     jobs = [queue.submit(_alone("alone"), batch_key="k") for _ in range(2)]
     assert running.wait(10) and queue.num_running == 2

@@ -1,4 +1,4 @@
-"""`WaveQueue`: which queued requests run side by side, one group per rank (no process, no model)."""
+"""The queue with a `WavePolicy`: which queued requests run side by side, one group per rank (no process, no model)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from dataclasses import replace
 import pytest
 
 from layerstream.request import GenerationRequest
-from layerstream.server.ranks import RankWork
-from layerstream.server.service import ServedRequest
-from layerstream.server.waves import WavePolicy, WaveQueue
+from layerstream.server.output_loop import GroupWork
+from layerstream.server.queue import GenerationQueue
+from layerstream.server.served import ServedRequest
+from layerstream.server.waves import WavePolicy
 
 # a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
 pytestmark = pytest.mark.fast
@@ -26,13 +27,20 @@ def _waves(requests: list[ServedRequest], *, num_ranks: int = 2, max_batch_size:
     waves: list[list[list[str]]] = []
     policy = WavePolicy(num_ranks=num_ranks, max_batch_size=max_batch_size, wait_seconds=0.0, max_cost=10, idle_seconds=60)
 
-    def run_wave(groups):
-        waves.append([[job.request.request.prompt for job in group] for group in groups])
-        return [None] * sum(map(len, groups))
+    class Recorder:  # the runner: records each wave's groups
+        def run(self, groups):
+            waves.append([[job.served.prompt for job in group] for group in groups])
+            return [None] * sum(map(len, groups))
 
-    queue = WaveQueue(16, policy=policy, run_wave=run_wave, after_wave=lambda: None, on_idle=lambda: None)
+        def after_run(self):
+            pass
+
+        def idle(self):
+            pass
+
+    queue = GenerationQueue(16, runner=Recorder(), policy=policy)
     jobs = [
-        queue.submit(lambda job: None, request=r, batch_key=r.batch_key() if max_batch_size > 1 else None, cost=r.work)
+        queue.submit(r, batch_key=r.batch_key() if max_batch_size > 1 else None, cost=r.work)
         for r in requests
     ]  # fmt: skip
     queue.start()  # after every submit: the first wave sees them all
@@ -63,9 +71,9 @@ def test_batches_spread_over_the_ranks_within_the_cost_cap():
 
 @pytest.mark.parametrize("batch_call", [True, False])
 def test_a_placeholder_runs_the_same_forwards_for_less(batch_call):
-    work = RankWork((replace(BASE, n=3), replace(BASE, prompt="q")), batch_call=batch_call)
+    work = GroupWork((replace(BASE, n=3), replace(BASE, prompt="q")), batch_call=batch_call)
     if not batch_call:
-        work = RankWork(work.requests[:1], batch_call=False)
+        work = GroupWork(work.requests[:1], batch_call=False)
     placeholder = work.as_placeholder()
     assert placeholder.placeholder and placeholder.batch_call == batch_call
     # a batch call: one output is enough; alone: every output is a call of its own

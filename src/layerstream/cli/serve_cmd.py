@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     if num_ranks > 1 and world_size == 1:
         return _launch_ranks(args, settings)
     if world_size > 1:
-        return _serve_rank(args, config, settings)
+        return _serve_rank(args, config, settings, history)
 
     try:  # the server's own modules need the serve extra; say so in one line rather than a traceback
         from layerstream.server.jobs.manager import JobManager
@@ -406,24 +406,31 @@ class _RankModel:
                     simulated_link_gbps=args.link_gbps, process_group=group)  # fmt: skip
 
 
-def _serve_rank(args: argparse.Namespace, config, settings) -> int:
-    """One rank of several: rank 0 binds, serves HTTP and runs waves; the others run the waves it sends."""
+def _serve_rank(args: argparse.Namespace, config, settings, history) -> int:
+    """One rank of several: rank 0 binds, keeps the job history, serves HTTP and runs waves; the others run
+    the waves it sends."""
     from layerstream.distributed.process_group import destroy_distributed
     from layerstream.models.loading import ModelLoadError
     from layerstream.omni import GenerationError
     from layerstream.errors import OffloadError
+    from layerstream.server.jobs.manager import JobManager
     from layerstream.server.ranks import ControlChannel, RankGroupError, RankRuntime, join_serving_ranks, serve_follower
     from layerstream.server.runner import bind_socket, run_server
-    from layerstream.server.waves import WaveService
+    from layerstream.server.service import GenerationService, RankGroup
 
     _configure_server_logging(getattr(args, "verbose", False), args.access_log)
     rank = int(os.environ.get("RANK", "0"))
-    sock = None
+    sock = store = None
     if rank == 0:
         try:
             sock = bind_socket(settings.host, settings.port)
         except OSError as e:
             raise CliError(f"--host {settings.host} --port {settings.port}: cannot bind: {e.strerror or e}") from e
+        try:
+            store = _open_history(history)  # the history lives with the HTTP rank; a folder in use is one line now
+        except CliError:
+            sock.close()
+            raise
     else:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches rank 0, which stops us
     timeout = args.collective_timeout_s
@@ -450,8 +457,11 @@ def _serve_rank(args: argparse.Namespace, config, settings) -> int:
                 return 1
             print(f"layerstream serve: rank {rank} stopped", file=sys.stderr, flush=True)
             return 0
-        assert sock is not None
-        service = WaveService(runtime, channel, settings, idle_seconds=min(timeout / 4, 5.0))
+        assert sock is not None and store is not None
+        ranks = RankGroup(runtime, channel, idle_seconds=min(timeout / 4, 5.0))
+        service = GenerationService(runtime.omni, settings, ranks=ranks)
+        jobs = JobManager(service, store)
+        store = None  # the app closes it, through the manager, when it stops
 
         def keep_stopper(stop) -> None:
             service.on_fatal = stop
@@ -459,7 +469,8 @@ def _serve_rank(args: argparse.Namespace, config, settings) -> int:
                 stop()
 
         run_server(
-            service, sock, on_ready=_print_ready, access_log=args.access_log, on_stopper=keep_stopper, ui=args.ui
+            service, sock, on_ready=_print_ready, access_log=args.access_log, on_stopper=keep_stopper, jobs=jobs,
+            ui=args.ui,
         )
         if service.fatal_error is not None or not service.queue.join(0) or not service.stop_ranks():
             print(f"layerstream serve: stopped: {service.fatal_error or 'the ranks could not be stopped'}",
@@ -470,6 +481,8 @@ def _serve_rank(args: argparse.Namespace, config, settings) -> int:
     finally:
         if sock is not None:
             sock.close()
+        if store is not None:
+            store.close()
         if channel is not None:
             channel.close()
         destroy_distributed()

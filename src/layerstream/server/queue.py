@@ -1,18 +1,18 @@
-"""A bounded FIFO of jobs, run by exactly one worker thread: one at a time, or several together in a batch.
+"""A bounded FIFO of jobs, run by exactly one worker thread, which hands what it takes to a runner.
 
 One thread, not a pool: the offload runtime refuses a second thread entering a streamed model while one
 runs it (the blocks share one ring of device slots), and one pipeline gains nothing from running two
 generations at once. Jobs finish in the order they were submitted.
 
-With a `BatchPolicy`, the job at the head of the queue takes along the waiting jobs with its `batch_key`
-(oldest first, up to `max_batch_size` jobs whose `cost` sums to at most `max_cost`), and they run as one
-batch. The head waits for its batch to fill at most until `wait_seconds` after it was submitted, so a server
-under load, whose head has already waited, never adds to its wait. Jobs that cannot join keep their order:
-the oldest of them is the next head.
+How the worker takes jobs is a `TakePolicy`: one at a time (`TakeOne`), a batch of jobs that share a
+`batch_key` (`BatchPolicy`), or a wave of groups, one per rank (`layerstream.server.waves.WavePolicy`). What
+it does with them is a `Runner`: it gets the groups taken and gives back one outcome per job, a result or the
+exception the job fails with; the queue answers each job's future. The queue knows nothing of models.
 
 The event loop only ever touches this queue under a lock held for a few deque operations, never while a
 job runs, and waits for results through `concurrent.futures.Future` (``asyncio.wrap_future``). It stops a job
-through `stop`: a waiting job is dropped, a started one is signalled and stops at its next step boundary.
+through `stop`: a waiting job is dropped, a started one is signalled (its `stop_signal`, which the runner
+reads between steps) and stops at its next step boundary.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from layerstream.errors import LayerstreamError
 from layerstream.server.stopping import StopReason, StopSignal
@@ -44,48 +44,29 @@ class QueueTimeoutError(LayerstreamError, TimeoutError):
     """The job waited past its deadline and was never started."""
 
 
-RequestT = TypeVar("RequestT")
-
-
-@dataclass(frozen=True, kw_only=True)
-class BatchPolicy:
-    """Which waiting jobs run together, and how long the head of the queue waits for others to join."""
-
-    max_batch_size: int
-    """Most jobs in one batch (1: every job runs alone)."""
-    wait_seconds: float
-    """Longest the head waits, from its submission, for its batch to fill."""
-    max_cost: int
-    """Most summed `Job.cost` of one batch: a batch that would exceed it is split (the server's work cap)."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size = {self.max_batch_size!r} is not valid; expected an integer >= 1")
-        if not 0 <= self.wait_seconds < float("inf"):
-            raise ValueError(f"wait_seconds = {self.wait_seconds!r} is not valid; expected seconds >= 0")
-        if isinstance(self.max_cost, bool) or not isinstance(self.max_cost, int) or self.max_cost < 1:
-            raise ValueError(f"max_cost = {self.max_cost!r} is not valid; expected an integer >= 1")
+ServedT = TypeVar("ServedT")
+ResultT = TypeVar("ResultT")
 
 
 @dataclass(eq=False)
-class Job(Generic[RequestT]):
+class Job(Generic[ServedT]):
     """One submitted unit of work; `future` holds its result or its exception."""
 
-    work: Callable[[Job], Any]
-    """Called on the worker thread with the job itself (for its queue time) when the job runs alone."""
+    served: ServedT
+    """What the runner runs (the server's `ServedRequest`)."""
     timeout: float | None
     """Seconds from submission to the answer: waiting, generating and encoding (None: no limit)."""
-    request: RequestT | None = None
-    """What the work runs, for the batch runner, which runs several jobs' requests in one call."""
     batch_key: Hashable | None = None
     """Jobs with equal keys may run as one batch; None: this job always runs alone."""
     cost: int = 0
     """The job's share of a batch's `BatchPolicy.max_cost`."""
+    observer: object = None
+    """Whoever follows the job step by step (the server's `StepObserver` of a job of the job API), or None."""
     submitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     future: Future = field(default_factory=Future)
     stop_signal: StopSignal = field(default_factory=StopSignal)
-    """Set from the event loop to stop the job once started; the work checks it between steps."""
+    """Set from the event loop to stop the job once started; the runner checks it between steps."""
 
     @property
     def deadline(self) -> float | None:
@@ -103,36 +84,118 @@ class Job(Generic[RequestT]):
         return end - self.submitted_at
 
 
-BatchOutcome = Any
-"""What the batch runner gives back for each job of a batch: its result, or the exception it fails with."""
-BatchRunner = Callable[[Sequence[Job]], Sequence[BatchOutcome]]
-"""Runs a batch of started jobs as one; returns one outcome per job, in order, or raises to fail them all."""
+Outcome = ResultT | BaseException
+"""What a runner gives back for one job: its result, or the exception it fails with."""
 
 
-class GenerationQueue:
-    """Bounded FIFO with one worker thread. `max_waiting` counts jobs not yet started.
+class Runner(Protocol[ServedT, ResultT]):
+    """Runs what the worker takes. Stops are read from each job's `stop_signal` between steps."""
 
-    With `batching` (and `run_batch`, which runs a batch of two or more jobs), compatible jobs run together.
-    """
+    def run(self, groups: list[list[Job[ServedT]]]) -> Sequence[Outcome[ResultT]]:
+        """Run the started jobs of `groups` (each group one pipeline call, or one rank's share); one outcome per
+        job, in order. Raising fails every job of them."""
+        ...
+
+    def after_run(self) -> None:
+        """After the outcomes of a run are answered (a rank group rebuilds here, its clients already told)."""
+        ...
+
+    def idle(self) -> None:
+        """Nothing ran for the policy's `idle_seconds` (a rank group checks on its ranks here)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Take:
+    """What a policy makes of the waiting jobs: the groups to run, unless the head should wait `wait_seconds`
+    longer for more to join (> 0: wait, then ask again)."""
+
+    groups: list[list[Job]]
+    wait_seconds: float = 0.0
+
+
+class TakePolicy(Protocol):
+    """Which waiting jobs the worker takes next, and in which groups."""
+
+    idle_seconds: float | None
+    """With nothing waiting this long, the worker calls `Runner.idle` (None: never)."""
+
+    def take(self, waiting: Sequence[Job]) -> Take:
+        """The groups headed by ``waiting[0]`` (never empty), oldest first; called under the queue's lock."""
+        ...
+
+
+@dataclass(frozen=True)
+class TakeOne:
+    """Every job alone, in order."""
+
+    idle_seconds: float | None = None
+
+    def take(self, waiting: Sequence[Job]) -> Take:
+        return Take([[waiting[0]]])
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchPolicy:
+    """Which waiting jobs run together, and how long the head of the queue waits for others to join.
+
+    The head takes along the waiting jobs with its `batch_key` (oldest first, up to `max_batch_size` jobs whose
+    `cost` sums to at most `max_cost`). It waits for its batch to fill at most until `wait_seconds` after it was
+    submitted, so a server under load, whose head has already waited, never adds to its wait. Jobs that cannot
+    join keep their order: the oldest of them is the next head."""
+
+    max_batch_size: int
+    """Most jobs in one batch (1: every job runs alone)."""
+    wait_seconds: float
+    """Longest the head waits, from its submission, for its batch to fill."""
+    max_cost: int
+    """Most summed `Job.cost` of one batch: a batch that would exceed it is split (the server's work cap)."""
+    idle_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size = {self.max_batch_size!r} is not valid; expected an integer >= 1")
+        if not 0 <= self.wait_seconds < float("inf"):
+            raise ValueError(f"wait_seconds = {self.wait_seconds!r} is not valid; expected seconds >= 0")
+        if isinstance(self.max_cost, bool) or not isinstance(self.max_cost, int) or self.max_cost < 1:
+            raise ValueError(f"max_cost = {self.max_cost!r} is not valid; expected an integer >= 1")
+
+    def take(self, waiting: Sequence[Job]) -> Take:
+        head = waiting[0]
+        if self.max_batch_size == 1 or head.batch_key is None:
+            return Take([[head]])
+        batch, cost = [head], head.cost
+        for job in waiting[1:]:
+            if len(batch) == self.max_batch_size:
+                break
+            # a job that would take the batch past the cost cap waits for a later batch (it may head it)
+            if job.batch_key == head.batch_key and cost + job.cost <= self.max_cost:
+                batch.append(job)
+                cost += job.cost
+        full = len(batch) >= self.max_batch_size
+        return Take([batch], 0.0 if full else head.submitted_at + self.wait_seconds - time.monotonic())
+
+
+class GenerationQueue(Generic[ServedT, ResultT]):
+    """Bounded FIFO with one worker thread, taking jobs by `policy` and running them with `runner`.
+    `max_waiting` counts jobs not yet started."""
 
     def __init__(
         self,
         max_waiting: int,
         *,
+        runner: Runner[ServedT, ResultT],
+        policy: TakePolicy | None = None,
         thread_name: str = "layerstream-generate",
-        batching: BatchPolicy | None = None,
-        run_batch: BatchRunner | None = None,
     ):
         if max_waiting < 0:
             raise ValueError(f"max_waiting = {max_waiting!r} is not valid; expected an integer >= 0")
-        if batching is not None and batching.max_batch_size > 1 and run_batch is None:
-            raise ValueError("batching with max_batch_size > 1 needs run_batch, the function that runs a batch")
         self.max_waiting = max_waiting
-        self.batching = batching
-        self._run_batch = run_batch
+        self.policy: TakePolicy = policy if policy is not None else TakeOne()
+        self.runner = runner
         self._thread_name = thread_name
-        self._waiting: deque[Job] = deque()
-        self._running: list[Job] = []
+        self._waiting: deque[Job[ServedT]] = deque()
+        self._running: list[Job[ServedT]] = []
         self._closed = False
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -142,7 +205,7 @@ class GenerationQueue:
     # state -----------------------------------------------------------------------------------------------------
     @property
     def depth(self) -> int:
-        """Jobs waiting (the running one not counted)."""
+        """Jobs waiting (the running ones not counted)."""
         with self._cond:
             return len(self._waiting)
 
@@ -153,7 +216,7 @@ class GenerationQueue:
 
     @property
     def num_running(self) -> int:
-        """Jobs of the running batch (1 for a job running alone, 0 when idle)."""
+        """Jobs of the running run (1 for a job running alone, 0 when idle)."""
         with self._cond:
             return len(self._running)
 
@@ -173,9 +236,9 @@ class GenerationQueue:
             self._thread.start()
 
     def close(self) -> int:
-        """Take no more jobs and fail every waiting one with `QueueClosedError`; the running job goes on.
+        """Take no more jobs and fail every waiting one with `QueueClosedError`; the running jobs go on.
 
-        Returns how many waiting jobs were failed. The worker exits once the running job is done.
+        Returns how many waiting jobs were failed. The worker exits once the running jobs are done.
         """
         with self._cond:
             self._closed = True
@@ -197,19 +260,17 @@ class GenerationQueue:
     # jobs ------------------------------------------------------------------------------------------------------
     def submit(
         self,
-        work: Callable[[Job], Any],
+        served: ServedT,
         *,
         timeout: float | None = None,
-        request: Any = None,
         batch_key: Hashable | None = None,
         cost: int = 0,
-    ) -> Job:
-        """Queue `work` behind the others; raises `QueueFullError` or `QueueClosedError` instead of queueing.
+        observer: object = None,
+    ) -> Job[ServedT]:
+        """Queue `served` behind the others; raises `QueueFullError` or `QueueClosedError` instead of queueing.
 
-        With batching on, `request` is what the batch runner reads, and jobs with the same `batch_key` may run
-        together (`cost` counted against the policy's `max_cost`).
-        """
-        job = Job(work=work, timeout=timeout, request=request, batch_key=batch_key, cost=cost)
+        Jobs with the same `batch_key` may run together (`cost` counted against a batch's `max_cost`)."""
+        job = Job(served=served, timeout=timeout, batch_key=batch_key, cost=cost, observer=observer)
         with self._cond:
             if self._closed:
                 raise QueueClosedError("the server is shutting down and takes no new requests")
@@ -227,11 +288,11 @@ class GenerationQueue:
         """Stop `job` for `reason`; True if it was still waiting (it is dropped and never starts).
 
         A waiting job fails at once: `QueueTimeoutError` for a timeout, `QueueClosedError` for a shutdown, and
-        a cancelled future when its client is gone. A started job is asked to stop at its next denoising step
-        (its future then fails with `GenerationStopped`); a finished one is left as it is.
+        a cancelled future when its client is gone or its job deleted. A started job is asked to stop at its
+        next denoising step (its future then fails with `GenerationStopped`); a finished one is left as it is.
         """
         if not self._remove_waiting(job):
-            job.stop_signal.request(reason)  # started or done: the worker reads this between steps
+            job.stop_signal.request(reason)  # started or done: the runner reads this between steps
             return False
         if reason is StopReason.TIMEOUT:
             fail_job(job, timeout_error(job))
@@ -242,8 +303,7 @@ class GenerationQueue:
         return True
 
     def stop_running(self, reason: StopReason) -> bool:
-        """Ask the running job (every job of the running batch), if any, to stop at its next denoising step;
-        True if one was running."""
+        """Ask every running job, if any, to stop at its next denoising step; True if one was running."""
         with self._cond:
             jobs = list(self._running)
         for job in jobs:
@@ -272,99 +332,64 @@ class GenerationQueue:
             taken = self._take_next()
             if taken is None:
                 return  # closed and nothing left
-            jobs, expired = taken
+            groups, expired = taken
             for job in expired:
                 fail_job(job, timeout_error(job))
-            if not jobs:
-                continue  # every job taken had expired or been cancelled
+            if not groups:
+                if not expired:
+                    self.runner.idle()
+                continue  # every job taken had expired or been cancelled, or there was none
+            jobs = [job for group in groups for job in group]
             try:
-                if len(jobs) == 1:
-                    _run_alone(jobs[0])
-                else:
-                    self._run_together(jobs)
+                outcomes = list(self.runner.run(groups))
+                if len(outcomes) != len(jobs):
+                    raise RuntimeError(f"the runner returned {len(outcomes)} outcomes for {len(jobs)} jobs")
+            except BaseException as e:  # the whole run failed: each of its jobs is told; the worker lives on
+                outcomes = [e] * len(jobs)
             finally:
                 with self._cond:
                     self._running = []
+            for job, outcome in zip(jobs, outcomes):
+                if isinstance(outcome, BaseException):
+                    fail_job(job, outcome)
+                else:
+                    job.future.set_result(outcome)
+            self.runner.after_run()
 
-    def _take_next(self) -> tuple[list[Job], list[Job]] | None:
-        """(the jobs to run now, started; the taken jobs whose deadline passed while they waited), or None once
-        closed and empty. Blocks until a job waits and, with batching, until its batch is full or its wait is over."""
+    def _take_next(self) -> tuple[list[list[Job]], list[Job]] | None:
+        """(the groups to run now, started; the taken jobs whose deadline passed while they waited), ([], [])
+        after the policy's `idle_seconds` with nothing waiting, or None once closed and empty. Blocks until a
+        job waits and the policy says its groups may start."""
+        idle_seconds = self.policy.idle_seconds
         with self._cond:
             while True:
                 while not self._waiting and not self._closed:
-                    self._cond.wait()
+                    if not self._cond.wait(idle_seconds) and not self._waiting and not self._closed:
+                        return [], []  # idle_seconds passed with nothing to run
                 if not self._waiting:
                     return None
-                head = self._waiting[0]
-                batch = self._batch_for(head)
-                wait_left = self._fill_wait_left(head, len(batch))
-                if wait_left <= 0:
+                take = self.policy.take(list(self._waiting))
+                if take.wait_seconds <= 0:
                     break
-                # woken by a submit (the batch may now be full) or at the end of the head's wait; a stop that
+                # woken by a submit (the groups may now be full) or at the end of the head's wait; a stop that
                 # removes the head is seen on the next pass
-                self._cond.wait(wait_left)
-            for job in batch:
-                self._waiting.remove(job)
-            started, expired = [], []
+                self._cond.wait(take.wait_seconds)
+            started_groups, expired = [], []
             now = time.monotonic()
-            for job in batch:
-                deadline = job.deadline
-                if deadline is not None and now >= deadline:
-                    expired.append(job)  # the event loop has not noticed the deadline yet; it must still not start
-                elif job.future.set_running_or_notify_cancel():  # False: cancelled while waiting
-                    job.started_at = now
-                    started.append(job)
-            self._running = started
-            self.num_started += len(started)
-            return started, expired
-
-    def _batch_for(self, head: Job) -> list[Job]:
-        """`head` and the waiting jobs that may run with it, oldest first, within the policy's size and cost."""
-        policy = self.batching
-        batch = [head]
-        if policy is None or policy.max_batch_size == 1 or head.batch_key is None:
-            return batch
-        cost = head.cost
-        for job in self._waiting:
-            if len(batch) == policy.max_batch_size:
-                break
-            # a job that would take the batch past the cost cap waits for a later batch (it may head it)
-            if job is not head and job.batch_key == head.batch_key and cost + job.cost <= policy.max_cost:
-                batch.append(job)
-                cost += job.cost
-        return batch
-
-    def _fill_wait_left(self, head: Job, batch_size: int) -> float:
-        """Seconds the head may still wait for more jobs to join its batch (<= 0: start now)."""
-        policy = self.batching
-        if policy is None or head.batch_key is None or batch_size >= policy.max_batch_size:
-            return 0.0
-        return head.submitted_at + policy.wait_seconds - time.monotonic()
-
-    def _run_together(self, jobs: list[Job]) -> None:
-        assert self._run_batch is not None  # checked in __init__ for any policy that can make a batch
-        try:
-            outcomes = list(self._run_batch(jobs))
-            if len(outcomes) != len(jobs):
-                raise RuntimeError(f"the batch runner returned {len(outcomes)} outcomes for {len(jobs)} jobs")
-        except BaseException as e:  # the whole batch failed: each of its requests is told; the worker lives on
-            for job in jobs:
-                job.future.set_exception(e)
-            return
-        for job, outcome in zip(jobs, outcomes):
-            if isinstance(outcome, BaseException):
-                job.future.set_exception(outcome)
-            else:
-                job.future.set_result(outcome)
-
-
-def _run_alone(job: Job) -> None:
-    try:
-        result = job.work(job)
-    except BaseException as e:  # reported to the waiting request; the worker lives on for the next job
-        job.future.set_exception(e)
-    else:
-        job.future.set_result(result)
+            for group in take.groups:
+                started = []
+                for job in group:
+                    self._waiting.remove(job)
+                    if job.deadline is not None and now >= job.deadline:
+                        expired.append(job)  # the event loop has not noticed the deadline yet; it must still not start
+                    elif job.future.set_running_or_notify_cancel():  # False: cancelled while waiting
+                        job.started_at = now
+                        started.append(job)
+                if started:
+                    started_groups.append(started)
+            self._running = [job for group in started_groups for job in group]
+            self.num_started += len(self._running)
+            return started_groups, expired
 
 
 def timeout_error(job: Job) -> QueueTimeoutError:

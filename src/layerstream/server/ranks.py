@@ -28,16 +28,16 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 import torch
 
 from layerstream.errors import LayerstreamError
-from layerstream.omni import RunStats
-from layerstream.request import GenerationError, GenerationRequest
-from layerstream.outputs import OutputEncoding, default_encoding
+from layerstream.request import GenerationError
+from layerstream.server.output_loop import GroupWork, RequestResult, run_group
+from layerstream.server.served import StepObserver
 from layerstream.server.stopping import GenerationStopped, StopReason
 
 logger = logging.getLogger(__name__)
@@ -64,41 +64,10 @@ class WaveKind(StrEnum):
 
 
 @dataclass(frozen=True)
-class RankWork:
-    """What one rank runs in a wave: one request alone (an `Omni.run` per output) or one batch call."""
-
-    requests: tuple[GenerationRequest, ...]
-    """One request alone, or those of a batch (pickled with the message; not checked again on arrival)."""
-    batch_call: bool
-    """One `Omni.run_batch` for every output of `requests` (else `Omni.run` per output of the one request)."""
-    placeholder: bool = False
-    """An idle rank's copy of another rank's work: it runs the same forwards, and its outputs are dropped."""
-    encodings: tuple[OutputEncoding | None, ...] = ()
-    """How each request's outputs become files (None, or missing: the kind's default), encoded on the rank."""
-
-    def as_placeholder(self) -> RankWork:
-        """The cheapest work with the same forwards: a batch call of one output, or the request alone (its
-        outputs are separate calls, which all count)."""
-        first = self.requests[0]
-        if self.batch_call:
-            return RankWork((replace(first, n=1),), batch_call=True, placeholder=True)
-        return RankWork((first,), batch_call=False, placeholder=True)
-
-
-@dataclass(frozen=True)
 class WaveMessage:
     kind: WaveKind
     wave_id: int = 0
-    works: tuple[RankWork, ...] = ()
-
-
-@dataclass
-class RequestResult:
-    """One request's outputs, encoded (sent back pickled, as bytes), and what a response reports of them."""
-
-    files: list[bytes]
-    runs: list[RunStats]
-    frames_shape: tuple[int, ...]
+    works: tuple[GroupWork, ...] = ()
 
 
 @dataclass
@@ -249,8 +218,8 @@ class WaveStop:
         self._target: tuple[int, StopReason] | None = None
 
     def checkpoint(self, where: str) -> None:
-        """Called at the same points on every rank (each output, each step); raises `GenerationStopped` at the
-        stop point."""
+        """Called at the same points on every rank (each output, each step: `output_loop.Checkpoint`); raises
+        `GenerationStopped` at the stop point."""
         self._count += 1
         if self._target is None:
             if self._decide is not None:  # rank 0: the only rank that knows about clients and deadlines
@@ -310,12 +279,13 @@ class RankRuntime:
         self.omni = self._load(self._group)
         logger.info("rank %d: runtime rebuilt after a failed wave", self.setup.rank)
 
-    def run(self, message: WaveMessage, stop: WaveStop) -> RankOutcome:
-        """Run this rank's work of `message`; a failure is reported, not raised (the group must still meet)."""
+    def run(self, message: WaveMessage, stop: WaveStop, observer: StepObserver | None = None) -> RankOutcome:
+        """Run this rank's work of `message` (`observer`: who hears of its steps, on rank 0); a failure is
+        reported, not raised (the group must still meet)."""
         work = message.works[self.setup.rank]
         outcome = RankOutcome(self.setup.rank, None)
         try:
-            outcome.results = self._run_work(work, stop)
+            outcome.results = run_group(self.omni, work, stop.checkpoint, observer=observer)
         except GenerationStopped as e:
             outcome.stopped = e.reason
             logger.info("rank %d: %s", self.setup.rank, e)
@@ -336,37 +306,6 @@ class RankRuntime:
         """Whether a component uses allgather: then a failed wave leaves the ranks' transfers out of step."""
         layer_options = self.omni.config.to_dict().get("layer_options", {})
         return any(options.get("weight_transfer") == "allgather" for options in layer_options.values())
-
-    def _run_work(self, work: RankWork, stop: WaveStop) -> list[RequestResult]:
-        omni = self.omni
-
-        def encode(result: Any, index: int) -> bytes:
-            if work.placeholder:
-                return b""  # nobody reads a placeholder's output
-            encoding = work.encodings[index] if index < len(work.encodings) else None
-            return (encoding or default_encoding(result.kind)).encode(result)
-
-        def on_step(step: int, total: int, seconds: float) -> None:
-            stop.checkpoint(f"after step {step} of {total}")
-
-        if work.batch_call:
-            results = omni.run_batch(work.requests, on_step=on_step)
-            answers, offset = [], 0
-            for number, request in enumerate(work.requests):
-                mine = results[offset : offset + request.n]
-                offset += request.n
-                answers.append(RequestResult([encode(r, number) for r in mine], [mine[0].stats], mine[0].frames.shape))
-            return answers
-        (request,) = work.requests
-        answer = RequestResult([], [], ())
-        for index, output in enumerate(request.outputs()):
-            stop.checkpoint(f"before output {index + 1} of {request.n}")
-            result = omni.run(output, on_step=on_step)
-            answer.files.append(encode(result, 0))
-            answer.runs.append(result.stats)
-            answer.frames_shape = result.frames.shape
-            del result  # its frames are not needed once encoded
-        return [answer]
 
 
 def serve_follower(runtime: RankRuntime, channel: ControlChannel) -> None:

@@ -376,5 +376,5 @@ class HealthResponse(BaseModel):
     fps: int | None = Field(description="Video: the model's frame rate, which seconds are mapped to frames at.")
     takes_image: bool = Field(description="Whether the model takes an input image (optional or required).")
     jobs_path: Literal["/v1/videos", "/v1/images/jobs"] | None = Field(
-        description="Where the job API of this model is (None: not served, as with several ranks)."
+        description="Where the job API of this model is (None: not served)."
     )

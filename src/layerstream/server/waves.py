@@ -1,16 +1,18 @@
-"""Rank 0 of a multi-rank server: waves of requests, one share per rank, and what the HTTP layer asks of them.
+"""Rank 0 of a multi-rank server: waves of requests, one share per rank.
 
-`WaveQueue` is the server's FIFO with another take: the head of the queue and the waiting requests that can
-run beside it, up to one per rank (or one batch per rank with --max-batch-size), become a wave. Requests of a
-wave run the same forwards on every rank (allgather gathers each block once per forward on every rank, so
-every rank must run the same number of them): alone, they share their size, frames, steps, guidance,
-negative prompt, output count and whether they carry an image; batched, their batch shape. A rank left without
-a request runs a placeholder, a copy of another rank's work whose outputs are dropped.
+`WavePolicy` is how the server's queue takes jobs with several ranks: the head of the queue and the waiting
+requests that can run beside it, up to one per rank (or one batch per rank with --max-batch-size), become a
+wave. Requests of a wave run the same forwards on every rank (allgather gathers each block once per forward on
+every rank, so every rank must run the same number of them): alone, they share their size, frames, steps,
+guidance, negative prompt, output count and whether they carry an image; batched, their batch shape. A rank
+left without a request runs a placeholder, a copy of another rank's work whose outputs are dropped.
 
-`WaveService` is `GenerationService` with that queue: its worker thread broadcasts each wave, runs rank 0's
-share, gathers every rank's outcome and answers. A wave that raised on any rank answers 500 to each of its
-requests and is followed by a rebuild of the runtime on every rank. A rank that is gone or silent past the
-collective timeout answers 503 and stops the server, which then exits non-zero.
+`RankRunner` is the queue's runner with several ranks: it broadcasts each wave, runs rank 0's share, gathers
+every rank's outcome and answers. Rank 0's steps are every job's steps (the ranks run the same forwards), so a
+job's observer hears of them whichever rank runs it; previews come from rank 0's own job only. A wave that
+raised on any rank answers 500 to each of its requests and is followed by a rebuild of the runtime on every
+rank. A rank that is gone or silent past the collective timeout answers 503 and stops the server, which then
+exits non-zero.
 """
 
 from __future__ import annotations
@@ -27,23 +29,25 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from layerstream.errors import LayerstreamError
 from layerstream.request import GenerationError
 from layerstream.server.errors import ApiError
-from layerstream.server.metrics import JobOutcome, render_families
-from layerstream.server.queue import BatchOutcome, GenerationQueue, Job, fail_job, timeout_error
+from layerstream.server.limits import ModelLimits
+from layerstream.server.metrics import JobOutcome, ServerMetrics
+from layerstream.server.output_loop import GroupWork
+from layerstream.server.queue import Job, Take
 from layerstream.server.ranks import (
     ControlChannel,
     RankGroupError,
     RankOutcome,
     RankRuntime,
-    RankWork,
     WaveKind,
     WaveMessage,
     WaveStop,
 )
-from layerstream.server.service import GenerationOutput, GenerationService, ServedRequest, request_usage
-from layerstream.server.settings import ServeSettings
+from layerstream.server.served import Answer, GenerationOutput, ServedRequest, StepObserver, request_usage
 from layerstream.server.stopping import GenerationStopped, StopReason
 
 logger = logging.getLogger(__name__)
+
+ServedJob = Job[ServedRequest]
 
 
 class WaveFailedError(LayerstreamError, RuntimeError):
@@ -59,6 +63,8 @@ def wave_key(served: ServedRequest) -> Hashable:
 
 @dataclass(frozen=True, kw_only=True)
 class WavePolicy:
+    """Takes a wave at a time: groups of jobs, one group per rank (a `queue.TakePolicy`)."""
+
     num_ranks: int
     max_batch_size: int
     """Requests of one rank's batch (1: each rank runs one request alone)."""
@@ -67,106 +73,35 @@ class WavePolicy:
     max_cost: int
     """Most summed `Job.cost` of one rank's batch."""
     idle_seconds: float
-    """With nothing to run for this long, the worker checks on the ranks (`on_idle`)."""
+    """With nothing to run for this long, the worker checks on the ranks (`RankRunner.idle`)."""
 
+    def take(self, waiting: Sequence[ServedJob]) -> Take:
+        head = waiting[0]
+        groups, capacity = self._wave_for(head, waiting)
+        full = sum(map(len, groups)) >= capacity
+        return Take(groups, 0.0 if full else head.submitted_at + self.wait_seconds - time.monotonic())
 
-class WaveQueue(GenerationQueue):
-    """The bounded FIFO, taken a wave at a time: groups of jobs, one group per rank."""
+    def batches(self, job: ServedJob) -> bool:
+        """Whether `job` runs in a batch call (else alone, an `Omni.run` per output)."""
+        return self.max_batch_size > 1 and job.batch_key is not None
 
-    def __init__(
-        self,
-        max_waiting: int,
-        *,
-        policy: WavePolicy,
-        run_wave: Callable[[list[list[Job]]], list[BatchOutcome]],
-        after_wave: Callable[[], None],
-        on_idle: Callable[[], None],
-    ):
-        super().__init__(max_waiting, thread_name="layerstream-waves")
-        self.policy = policy
-        self._run_wave = run_wave
-        self._after_wave = after_wave
-        self._on_idle = on_idle
-
-    def _run_worker(self) -> None:
-        while True:
-            taken = self._take_wave()
-            if taken is None:
-                return  # closed and nothing left
-            groups, expired = taken
-            for job in expired:
-                fail_job(job, timeout_error(job))
-            if not groups:
-                if not expired:
-                    self._on_idle()
-                continue
-            jobs = [job for group in groups for job in group]
-            try:
-                outcomes = self._run_wave(groups)
-            except BaseException as e:  # the whole wave failed: each of its requests is told
-                outcomes = [e] * len(jobs)
-            finally:
-                with self._cond:
-                    self._running = []
-            for job, outcome in zip(jobs, outcomes, strict=True):
-                if isinstance(outcome, BaseException):
-                    fail_job(job, outcome)
-                else:
-                    job.future.set_result(outcome)
-            self._after_wave()
-
-    def _take_wave(self) -> tuple[list[list[Job]], list[Job]] | None:
-        """(the groups to run, started; taken jobs whose deadline passed), ([], []) after `idle_seconds` with
-        nothing to run, or None once closed and empty."""
-        policy = self.policy
-        with self._cond:
-            while True:
-                while not self._waiting and not self._closed:
-                    if not self._cond.wait(policy.idle_seconds) and not self._waiting and not self._closed:
-                        return [], []
-                if not self._waiting:
-                    return None
-                head = self._waiting[0]
-                groups, capacity = self._wave_for(head)
-                wait_left = head.submitted_at + policy.wait_seconds - time.monotonic()
-                if sum(map(len, groups)) >= capacity or wait_left <= 0:
-                    break
-                self._cond.wait(wait_left)  # woken by a submit, or at the end of the head's wait
-            started_groups, expired = [], []
-            now = time.monotonic()
-            for group in groups:
-                started = []
-                for job in group:
-                    self._waiting.remove(job)
-                    if job.deadline is not None and now >= job.deadline:
-                        expired.append(job)
-                    elif job.future.set_running_or_notify_cancel():  # False: cancelled while waiting
-                        job.started_at = now
-                        started.append(job)
-                if started:
-                    started_groups.append(started)
-            self._running = [job for group in started_groups for job in group]
-            self.num_started += len(self._running)
-            return started_groups, expired
-
-    def _wave_for(self, head: Job) -> tuple[list[list[Job]], int]:
+    def _wave_for(self, head: ServedJob, waiting: Sequence[ServedJob]) -> tuple[list[list[ServedJob]], int]:
         """The groups of a wave headed by `head` (oldest first, spread over the ranks), and the most jobs it
         could hold."""
-        policy = self.policy
-        batching = policy.max_batch_size > 1 and head.batch_key is not None
-        per_rank = policy.max_batch_size if batching else 1
-        key = head.batch_key if batching else wave_key(head.request)
+        batching = self.batches(head)
+        per_rank = self.max_batch_size if batching else 1
+        key = head.batch_key if batching else wave_key(head.served)
         groups, costs = [[head]], [head.cost]
-        for job in self._waiting:
+        for job in waiting:
             if job is head:
                 continue
-            if (job.batch_key if batching else wave_key(job.request)) != key:
+            if (job.batch_key if batching else wave_key(job.served)) != key:
                 continue
-            if len(groups) < policy.num_ranks:  # spread first: ranks run side by side
+            if len(groups) < self.num_ranks:  # spread first: ranks run side by side
                 groups.append([job])
                 costs.append(job.cost)
                 continue
-            room = [i for i, g in enumerate(groups) if len(g) < per_rank and costs[i] + job.cost <= policy.max_cost]
+            room = [i for i, g in enumerate(groups) if len(g) < per_rank and costs[i] + job.cost <= self.max_cost]
             if not room:
                 if all(len(g) >= per_rank for g in groups):
                     break
@@ -174,71 +109,67 @@ class WaveQueue(GenerationQueue):
             smallest = min(room, key=lambda i: len(groups[i]))
             groups[smallest].append(job)
             costs[smallest] += job.cost
-        return groups, policy.num_ranks * per_rank
+        return groups, self.num_ranks * per_rank
 
 
-class WaveService(GenerationService):
-    """`GenerationService` for rank 0 of several: requests run in waves across the ranks."""
+class RankRunner:
+    """The queue's runner on rank 0 of several: each run is a wave, every rank its group (or a placeholder)."""
 
-    def __init__(self, runtime: RankRuntime, channel: ControlChannel, settings: ServeSettings, *, idle_seconds: float):
-        super().__init__(runtime.omni, settings)
+    def __init__(
+        self, runtime: RankRuntime, channel: ControlChannel, policy: WavePolicy, limits: ModelLimits, metrics: ServerMetrics
+    ):
         self.runtime = runtime
         self.channel = channel
-        setup = runtime.setup
-        self._batching = settings.max_batch_size > 1
-        self.queue = WaveQueue(
-            settings.max_queue,
-            policy=WavePolicy(
-                num_ranks=setup.world_size,
-                max_batch_size=settings.max_batch_size,
-                wait_seconds=settings.batch_wait_ms / 1000,
-                max_cost=self.limits.max_work,
-                idle_seconds=idle_seconds,
-            ),
-            run_wave=self._run_wave,
-            after_wave=self._after_wave,
-            on_idle=self._ping,
-        )
+        self.policy = policy
+        self.limits = limits
+        self.metrics = metrics
+        self.offload_stats = runtime.omni.stats()
         self._lock = threading.Lock()
         self._wave_id = 0
         self._needs_rebuild = False
-        self._rank_host_bytes: list[int | None] = [None] * setup.world_size
+        self._rank_host_bytes: list[int | None] = [None] * runtime.setup.world_size
         self.num_waves = 0
         self.num_idle_rank_waves = 0
         self.num_placeholder_steps = 0
         self.fatal_error: RankGroupError | None = None
         self.on_fatal: Callable[[], None] = lambda: None
-        """Set by the runner: stop serving (the process then exits non-zero)."""
+        """Set by the service: close the queue and stop serving (the process then exits non-zero)."""
         self._exchange(WaveMessage(WaveKind.PING), lambda: None)  # every rank's host bytes, for /health
 
+    @property
+    def omni(self) -> Any:
+        return self.runtime.omni
+
     # waves -----------------------------------------------------------------------------------------------------
-    def _run_wave(self, groups: list[list[Job]]) -> list[BatchOutcome]:
-        """Run on the worker thread: one wave, every rank its group (or a placeholder); one outcome per job."""
+    def run(self, groups: list[list[ServedJob]]) -> list[Answer]:
+        """One wave, every rank its group (or a placeholder); one answer per job."""
+        jobs = [job for group in groups for job in group]
         if self.fatal_error is not None:
-            return [self._unavailable()] * sum(map(len, groups))
-        world_size = self.runtime.setup.world_size
+            return [self._unavailable()] * len(jobs)
         works = [
-            RankWork(
-                tuple(j.request.request for j in g), batch_call=self._batching and g[0].batch_key is not None,
-                encodings=tuple(j.request.encoding for j in g),
+            GroupWork(
+                tuple(j.served.request for j in g), batch_call=self.policy.batches(g[0]),
+                encodings=tuple(j.served.encoding for j in g),
             )
             for g in groups
         ]  # fmt: skip
-        num_idle = world_size - len(works)
+        num_idle = self.runtime.setup.world_size - len(works)
         works += [works[0].as_placeholder()] * num_idle
         self._wave_id += 1
         message = WaveMessage(WaveKind.RUN, self._wave_id, tuple(works))
-        jobs = [job for group in groups for job in group]
+        for job in jobs:
+            if job.observer is not None:
+                job.observer.started()
         started = time.perf_counter()
         try:
             self.channel.broadcast(message)
             stop = WaveStop(self.runtime.setup.store, self._wave_id, decide=lambda: _stop_reason(jobs))
-            outcomes = self.channel.gather(self.runtime.run(message, stop))
+            outcomes = self.channel.gather(self.runtime.run(message, stop, _WaveObserver.of(jobs, groups[0])))
         except RankGroupError as e:
             self._lose_group(e)
             return [self._unavailable()] * len(jobs)
         finally:
-            self._offload_stats = self.runtime.omni.stats()
+            self.offload_stats = self.runtime.omni.stats()
         assert outcomes is not None  # rank 0 gathers
         seconds = time.perf_counter() - started
         with self._lock:
@@ -248,7 +179,7 @@ class WaveService(GenerationService):
             self._rank_host_bytes = [o.host_bytes for o in outcomes]
         return self._answers(groups, outcomes, seconds)
 
-    def _answers(self, groups: list[list[Job]], outcomes: list[RankOutcome], seconds: float) -> list[BatchOutcome]:
+    def _answers(self, groups: list[list[ServedJob]], outcomes: list[RankOutcome], seconds: float) -> list[Answer]:
         failed = [o for o in outcomes if o.error is not None]
         stopped = next((o.stopped for o in outcomes if o.stopped is not None), None)
         failure: BaseException | None = None
@@ -259,45 +190,42 @@ class WaveService(GenerationService):
             failure = WaveFailedError("; ".join(f"rank {o.rank}: {o.error}" for o in failed))
             # rank-local runtimes are clean after an exception, as in one process; allgather's transfers are not
             self._needs_rebuild = self.runtime.shares_weights
-        answers: list[BatchOutcome] = []
+        answers: list[Answer] = []
         for group, outcome in zip(groups, outcomes):
-            num_group_outputs = sum(job.request.request.n for job in group)  # what its rank made in the wave
+            num_group_outputs = sum(job.served.num_outputs for job in group)  # what its rank made in the wave
             for index, job in enumerate(group):
                 # a request asked to stop is answered so, whatever the wave did: its outputs are dropped
                 asked = job.stop_signal.reason or (stopped if failure is None else None)
                 if asked is not None:
-                    answer = GenerationStopped(asked, f"generation stopped ({asked}) during its wave")
+                    answer: Answer = GenerationStopped(asked, f"generation stopped ({asked}) during its wave")
                     job_outcome = JobOutcome.STOPPED
                 elif failure is not None:
-                    answer = failure
-                    job_outcome = JobOutcome.ERROR
+                    answer, job_outcome = failure, JobOutcome.ERROR
                 else:
-                    answer = self._output(job, outcome, index, len(group))
-                    job_outcome = JobOutcome.OK
+                    answer, job_outcome = self._output(job, outcome, index, len(group)), JobOutcome.OK
                 answers.append(answer)
                 self.metrics.observe_job(
                     queue_seconds=job.queue_seconds,
-                    seconds=seconds * job.request.request.n / num_group_outputs,  # its share of its rank's call
-                    num_outputs=job.request.request.n,
+                    seconds=seconds * job.served.num_outputs / num_group_outputs,  # its share of its rank's call
+                    num_outputs=job.served.num_outputs,
                     outcome=job_outcome,
                 )
             self.metrics.observe_batch(len(group))
         return answers
 
-    def _output(self, job: Job, outcome: RankOutcome, index: int, group_size: int) -> GenerationOutput:
-        served: ServedRequest = job.request
+    def _output(self, job: ServedJob, outcome: RankOutcome, index: int, group_size: int) -> GenerationOutput:
         result = outcome.results[index]
         usage = request_usage(
-            self.limits, served, result.runs, result.frames_shape, job.queue_seconds, batch_size=group_size
+            self.limits, job.served, result.runs, result.frames_shape, job.queue_seconds, batch_size=group_size
         )
-        if self._batching and job.batch_key is not None:  # a batch call: this request's share of its bytes, by outputs
+        if self.policy.batches(job):  # a batch call: this request's share of its bytes, by outputs
             num_outputs = sum(len(r.files) for r in outcome.results)
             share = result.runs[0].bytes_transferred * len(result.files) // num_outputs
             usage = usage.model_copy(update={"bytes_streamed": share})
         self.metrics.observe_request_bytes(usage.bytes_streamed)
         return GenerationOutput(result.files, usage)
 
-    def _after_wave(self) -> None:
+    def after_run(self) -> None:
         """After a failed wave is answered: every rank rebuilds its runtime before the next one."""
         if not self._needs_rebuild or self.fatal_error is not None:
             return
@@ -305,10 +233,9 @@ class WaveService(GenerationService):
         logger.warning("a wave failed: rebuilding the runtime on every rank")
         self._exchange(WaveMessage(WaveKind.RECOVER), self.runtime.rebuild)
         if self.runtime.omni is not None:
-            self.omni = self.runtime.omni
-            self._offload_stats = self.omni.stats()
+            self.offload_stats = self.runtime.omni.stats()
 
-    def _ping(self) -> None:
+    def idle(self) -> None:
         """Idle: check that every rank's heartbeat still moves."""
         if self.fatal_error is None:
             try:
@@ -334,38 +261,22 @@ class WaveService(GenerationService):
     def _lose_group(self, error: RankGroupError) -> None:
         logger.error("%s; answering 503 and stopping the server", error)
         self.fatal_error = error
-        dropped = self.queue.close()
-        logger.info("%d waiting request(s) answered 503", dropped)
         self.on_fatal()
 
     def _unavailable(self) -> ApiError:
         return ApiError(503, f"a serving rank failed: {self.fatal_error}", code="rank_failed")
 
-    def stop_ranks(self) -> bool:
-        """After the worker has exited: tell every rank to leave (False when the group is already lost)."""
-        if self.fatal_error is not None:
-            return False
-        try:
-            self.channel.broadcast(WaveMessage(WaveKind.STOP))
-        except RankGroupError as e:
-            logger.error("%s", e)
-            return False
-        return True
-
     # reports ---------------------------------------------------------------------------------------------------
-    def health(self) -> dict[str, Any]:
-        report = super().health()
+    def report(self) -> dict[str, Any]:
+        """What /health says of the ranks."""
         setup = self.runtime.setup
-        if self.fatal_error is not None:
-            report["status"] = "failed"
         with self._lock:
             host_bytes = list(self._rank_host_bytes)
-        report["world_size"] = setup.world_size
-        report["backend"] = setup.backend
-        report["ranks"] = [{"rank": rank, "host_bytes": b} for rank, b in enumerate(host_bytes)]
-        return report
+        ranks = [{"rank": rank, "host_bytes": b} for rank, b in enumerate(host_bytes)]
+        failed = {"status": "failed"} if self.fatal_error is not None else {}
+        return {"world_size": setup.world_size, "backend": setup.backend, "ranks": ranks, **failed}
 
-    def render_metrics(self) -> str:
+    def metric_families(self) -> list[Any]:
         with self._lock:
             families = [
                 CounterMetricFamily("layerstream_waves", "Waves run: each rank one request, one batch or a placeholder.",
@@ -378,7 +289,34 @@ class WaveService(GenerationService):
                                     value=self.num_placeholder_steps),
             ]  # fmt: skip
         families.append(GaugeMetricFamily("layerstream_world_size", "Serving ranks.", value=self.runtime.setup.world_size))
-        return super().render_metrics() + render_families(families)
+        return families
+
+
+class _WaveObserver:
+    """Rank 0's steps told to every job of the wave that has an observer (the ranks run the same forwards);
+    latents, for previews, only to rank 0's own job when it runs alone (its latents are the ones here)."""
+
+    @classmethod
+    def of(cls, jobs: list[ServedJob], rank0_group: list[ServedJob]) -> _WaveObserver | None:
+        """None when no job of the wave is followed: the steps then cost no look at the counters."""
+        observers = [job.observer for job in jobs if job.observer is not None]
+        return cls(observers, rank0_group[0].observer if len(rank0_group) == 1 else None) if observers else None
+
+    def __init__(self, observers: list[StepObserver], own: StepObserver | None):
+        self._observers = observers
+        self._latents_to = own if own is not None and own.wants_latents else None
+        self.wants_latents = self._latents_to is not None
+
+    def started(self) -> None:
+        pass  # told before the wave was sent
+
+    def stepped(self, step: int, total: int, seconds: float, stats: Any) -> None:
+        for observer in self._observers:
+            observer.stepped(step, total, seconds, stats)
+
+    def latents(self, step: int, total: int, latents: Any) -> None:
+        if self._latents_to is not None:
+            self._latents_to.latents(step, total, latents)
 
 
 def _stop_reason(jobs: Sequence[Job]) -> StopReason | None:

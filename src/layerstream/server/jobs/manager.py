@@ -1,10 +1,12 @@
 """`JobManager`: jobs queued on the service's worker, followed step by step, and kept in the store.
 
 A job is checked as a synchronous request is (`GenerationService.prepare`), stored as queued, and queued
-behind the others; on the worker it is marked in progress, generated with a `StepObserver` that turns steps
-into progress and preview events, and its output is written with its settings into the data folder before
-it is marked completed. Deleting a job removes it at once; a running one stops at its next denoising step
-(`StopReason.CANCELLED`) and the worker moves on to the next job.
+behind the others with a `StepObserver`, as one request run alone: in process, or on whichever rank its wave
+gives it. When it starts it is marked in progress; its steps become progress and preview events; once its
+future is answered its output, encoded with its settings inside, is written into the data folder and it is
+marked completed (or failed). Deleting a job removes it at once; a running one stops at its next denoising
+step (`StopReason.CANCELLED`; on ranks, at the wave's next stop point once every job of the wave is deleted,
+else its outputs are dropped) and the worker moves on. The history is kept by the process serving HTTP.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from layerstream.server.jobs.records import (
 from layerstream.server.jobs.requests import ImageJobRequest, VideoJobRequest, seconds_shown
 from layerstream.server.jobs.store import JobStore
 from layerstream.server.queue import Job, QueueClosedError, QueueFullError
+from layerstream.server.served import GenerationOutput
 from layerstream.server.service import GenerationService, ServedRequest
 from layerstream.server.stopping import GenerationStopped, StopReason
 
@@ -112,7 +115,7 @@ class JobManager:
         with self._lock:
             self._live[record.id] = live  # before queueing: the worker may start it at once
         try:
-            live.queued = self.service.queue.submit(lambda job: self._run(live, job), cost=served.work)
+            live.queued = self.service.submit(served, _JobObserver(self, live))
         except (QueueFullError, QueueClosedError) as e:
             with self._lock:
                 self._live.pop(record.id, None)
@@ -121,7 +124,7 @@ class JobManager:
             if isinstance(e, QueueFullError):
                 raise ApiError(429, f"{e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
             raise ApiError(503, str(e), code="shutting_down") from None
-        live.queued.future.add_done_callback(lambda future: self._never_started(live, future))
+        live.queued.future.add_done_callback(lambda future: self._finished(live, future))
         logger.info("job %s queued (prompt %r)", record.id, record.settings.prompt[:80])
         return self._object(record, live)
 
@@ -180,43 +183,43 @@ class JobManager:
         return stream_events(self.events, job_id, lambda: self._object_or_none(job_id))
 
     # the worker ------------------------------------------------------------------------------------------------
-    def _run(self, live: _LiveJob, job: Job) -> None:
-        """Run on the worker thread: generate, write the output, and mark the job; every failure is the job's."""
-        live.queued = job  # already set by create, unless the worker started it first
+    def _started(self, live: _LiveJob) -> LatentProjection | None:
+        """On the worker, as the job starts: mark it in progress; the latent projection of its previews, if any.
+
+        A job deleted just now is left to its stop signal (set by `delete`): it stops before its first output."""
+        if not self._save(live, live.record.with_status(JobStatus.IN_PROGRESS)):
+            return None
+        live.progress.total_steps = live.served.request.num_inference_steps or 0
+        live.stats_before = self.service.omni.stats()
+        return self._latent_projection() if live.preview else None
+
+    def _finished(self, live: _LiveJob, future: Any) -> None:
+        """The job's future is answered (on the worker, or on the event loop for a job failed by a drain before
+        it started): its output written and the job marked, or its failure recorded; a deleted one is left
+        unrecorded."""
         try:
-            if not self._save(live, live.record.with_status(JobStatus.IN_PROGRESS)):
-                return  # deleted just as it started
-            live.progress.total_steps = live.served.request.num_inference_steps or 0
-            live.stats_before = self.service.omni.stats()
-            projection = self._latent_projection() if live.preview else None
-            self._generate(live, job, projection)
+            if future.cancelled():
+                return  # deleted while it waited
+            error = future.exception()
+            if error is None:
+                output: GenerationOutput = future.result()
+                self._publish_progress(live, DECODED_PERCENT)
+                self._complete(live, output.files[0], output.usage)
+            elif isinstance(error, QueueClosedError):
+                self._fail(live, "server_shutdown", "the server shut down before the job started")
+            elif isinstance(error, GenerationStopped):
+                if error.reason is not StopReason.CANCELLED:  # cancelled: already deleted, nothing to record
+                    self._fail(live, "stopped", str(error))
+            elif isinstance(error, GenerationError):
+                self._fail(live, "invalid_for_model", str(error))
+            elif isinstance(error, ApiError):  # a serving rank was lost
+                self._fail(live, error.code, error.message)
+            else:  # the runner logged the traceback
+                lines = str(error).strip().splitlines()
+                self._fail(live, "generation_failed", f"{type(error).__name__}: {lines[0] if lines else '(no message)'}")
         finally:
             with self._lock:
                 self._live.pop(live.record.id, None)
-
-    def _generate(self, live: _LiveJob, job: Job, projection: LatentProjection | None) -> None:
-        """Generate the started job and mark it completed or failed (a deleted one is left unrecorded)."""
-        try:
-            output = self.service.generate(live.served, job, _JobObserver(self, live, projection))
-            self._publish_progress(live, DECODED_PERCENT)
-            self._complete(live, output.files[0], output.usage)
-        except GenerationStopped as e:
-            if e.reason is not StopReason.CANCELLED:  # cancelled: already deleted, nothing to record
-                self._fail(live, "stopped", str(e))
-        except GenerationError as e:
-            self._fail(live, "invalid_for_model", str(e))
-        except Exception as e:  # the service logged the traceback
-            lines = str(e).strip().splitlines()
-            self._fail(live, "generation_failed", f"{type(e).__name__}: {lines[0] if lines else '(no message)'}")
-
-    def _never_started(self, live: _LiveJob, future: Any) -> None:
-        """A job the queue failed before it started (a drain: the server is stopping) fails now, with the
-        reason, so that its event streams end rather than hold the shutdown open."""
-        if future.cancelled() or not isinstance(future.exception(), QueueClosedError):
-            return  # it ran (its outcome is recorded), or it was deleted while it waited
-        with self._lock:
-            self._live.pop(live.record.id, None)
-        self._fail(live, "server_shutdown", "the server shut down before the job started")
 
     def _complete(self, live: _LiveJob, data: bytes, usage: Any) -> None:
         """Store the job's file: encoded once by the worker, with the job's settings already inside it."""
@@ -323,13 +326,17 @@ class JobManager:
 
 
 class _JobObserver:
-    """A job's `StepObserver`: progress after every step, a preview every few."""
+    """A job's `StepObserver`: in progress when it starts, progress after every step, a preview every few."""
 
-    def __init__(self, manager: JobManager, live: _LiveJob, projection: LatentProjection | None):
+    def __init__(self, manager: JobManager, live: _LiveJob):
         self.manager = manager
         self.live = live
-        self.projection = projection
-        self.wants_latents = projection is not None
+        self.projection: LatentProjection | None = None
+        self.wants_latents = False
+
+    def started(self) -> None:
+        self.projection = self.manager._started(self.live)
+        self.wants_latents = self.projection is not None
 
     def stepped(self, step: int, total: int, seconds: float, stats: Any) -> None:
         progress, before = self.live.progress, self.live.stats_before

@@ -1,0 +1,196 @@
+"""`InProcessRunner`: the server's runner on one process, its one `Omni`, on the queue's worker thread.
+
+A group of one job runs alone (`Omni.run` once per output); a batch (with --max-batch-size above 1, jobs of one
+`batch_shape()`) runs as one `Omni.run_batch` for all their outputs, so that every streamed block is copied
+once per step for the whole batch. Either way through `output_loop.run_group`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from layerstream.request import GenerationError
+from layerstream.runtime.reporting.stats import OffloadStats
+from layerstream.server.limits import ModelLimits
+from layerstream.server.metrics import JobOutcome, ServerMetrics
+from layerstream.server.output_loop import GroupWork, RequestResult, run_group
+from layerstream.server.queue import Job
+from layerstream.server.served import Answer, GenerationOutput, ServedRequest, request_usage
+from layerstream.server.stopping import GenerationStopped
+
+logger = logging.getLogger(__name__)
+
+ServedJob = Job[ServedRequest]
+
+
+class InProcessRunner:
+    """Runs what the queue takes on `omni`: one group per run (the queue's policy takes one at a time)."""
+
+    def __init__(self, omni: Any, limits: ModelLimits, metrics: ServerMetrics):
+        self.omni = omni
+        self.limits = limits
+        self.metrics = metrics
+        # /metrics reads this snapshot, refreshed by the worker after each run, rather than the live runtime
+        # from the event loop: the counters are then never read halfway through a forward
+        self.offload_stats: OffloadStats | None = omni.stats()
+
+    def run(self, groups: list[list[ServedJob]]) -> list[Answer]:
+        (group,) = groups
+        return [self._run_alone(group[0])] if len(group) == 1 else self._run_batch(group)
+
+    def after_run(self) -> None:
+        pass
+
+    def idle(self) -> None:
+        pass
+
+    def report(self) -> dict[str, Any]:
+        """What /health says of the ranks: one, this process."""
+        host_bytes = self.offload_stats.host_bytes if self.offload_stats is not None else None
+        return {"world_size": 1, "backend": None, "ranks": [{"rank": 0, "host_bytes": host_bytes}]}
+
+    def metric_families(self) -> list[Any]:
+        return []
+
+    # one request alone -----------------------------------------------------------------------------------------
+    def _run_alone(self, job: ServedJob) -> Answer:
+        """Every output of the job's request, one `Omni.run` each, encoded and released before the next.
+
+        Between denoising steps, and before each output, it stops if the event loop asked it to
+        (`GenerationStopped`); then the job's observer, if any, hears of the step."""
+        served = job.served
+        started = time.perf_counter()
+        bytes_before = self._bytes_streamed()
+        outcome = JobOutcome.ERROR
+        try:
+            if job.observer is not None:
+                job.observer.started()
+            work = GroupWork((served.request,), batch_call=False, encodings=(served.encoding,))
+            (result,) = run_group(self.omni, work, job.stop_signal.raise_if_requested, observer=job.observer)
+            outcome = JobOutcome.OK
+        except GenerationStopped as e:  # asked for: one line, no traceback
+            outcome = JobOutcome.STOPPED
+            logger.info("%s (prompt %r)", e, served.prompt[:80])
+            return e
+        except GenerationError as e:  # arguments the pipeline refused: the client's to fix, answered 400
+            logger.info("generation refused: %s", e)
+            return e
+        except Exception as e:
+            logger.exception("generation failed (prompt %r)", served.prompt[:80])
+            return e
+        finally:
+            self.offload_stats = self.omni.stats()
+            self.metrics.observe_job(
+                queue_seconds=job.queue_seconds, seconds=time.perf_counter() - started,
+                num_outputs=served.num_outputs, outcome=outcome,
+            )  # fmt: skip
+            self.metrics.observe_batch(1)
+            if bytes_before is not None:
+                self.metrics.observe_request_bytes(self._bytes_streamed() - bytes_before)
+        usage = request_usage(self.limits, served, result.runs, result.frames_shape, job.queue_seconds)
+        return GenerationOutput(result.files, usage)
+
+    # a batch ---------------------------------------------------------------------------------------------------
+    def _run_batch(self, jobs: list[ServedJob]) -> list[Answer]:
+        """The requests of `jobs` (one batch shape) as one `Omni.run_batch` call, an output per seed of each;
+        then each request's outputs encoded into its own answer.
+
+        A request asked to stop (its timeout, its client gone) does not stop the others: its outputs are
+        dropped and it fails with `GenerationStopped`. The call itself stops at the next step only once every
+        request of the batch has asked to. A call that raises fails every request of the batch, and the
+        runtime is left clean for the next, as after a request run alone.
+        """
+        started = time.perf_counter()
+        bytes_before = self._bytes_streamed()
+        # a request asked to stop before the call starts is left out of it: less work for the others
+        running = [job for job in jobs if job.stop_signal.reason is None]
+        outcome = JobOutcome.ERROR
+        results: list[RequestResult] = []
+        try:
+            results = self._call_batch(running) if running else []
+            outcome = JobOutcome.OK
+        except GenerationStopped as e:  # every request asked to stop: one line, no traceback
+            outcome = JobOutcome.STOPPED
+            logger.info("%s", e)
+            return [e] * len(jobs)
+        except GenerationError as e:
+            logger.info("generation refused: %s", e)
+            return [e] * len(jobs)
+        except Exception as e:
+            prompts = [job.served.prompt[:40] for job in running]
+            logger.exception("generation of a batch of %d request(s) failed (prompts %r)", len(running), prompts)
+            return [e] * len(jobs)
+        finally:
+            self.offload_stats = self.omni.stats()
+            bytes_after = self._bytes_streamed()
+            bytes_streamed = None if bytes_after is None or bytes_before is None else bytes_after - bytes_before
+            self._observe_batch(jobs, running, outcome, time.perf_counter() - started, bytes_streamed)
+        return self._batch_answers(jobs, running, results)
+
+    def _call_batch(self, running: list[ServedJob]) -> list[RequestResult]:
+        """One `Omni.run_batch` for the outputs of `running`, in order; stops between steps once every one of
+        them has been asked to."""
+
+        def stop_if_all_asked(where: str) -> None:
+            if all(job.stop_signal.reason is not None for job in running):
+                running[0].stop_signal.raise_if_requested(where)
+
+        work = GroupWork(
+            tuple(job.served.request for job in running), batch_call=True,
+            encodings=tuple(job.served.encoding for job in running),
+        )  # fmt: skip
+        # a request asked to stop during the call is answered so: its outputs are not encoded
+        return run_group(self.omni, work, stop_if_all_asked, wanted=lambda i: running[i].stop_signal.reason is None)
+
+    def _observe_batch(
+        self, jobs: list[ServedJob], running: list[ServedJob], outcome: JobOutcome, seconds: float,
+        bytes_streamed: int | None,
+    ) -> None:  # fmt: skip
+        self.metrics.observe_batch(len(jobs))
+        num_outputs = sum(job.served.num_outputs for job in running)
+        for job in jobs:
+            num_job_outputs = job.served.num_outputs
+            # a request left out of the call, or asked to stop during it, is stopped whatever the call did
+            stopped = job not in running or job.stop_signal.reason is not None
+            self.metrics.observe_job(
+                queue_seconds=job.queue_seconds,
+                # its own share of the call, by outputs (a batch of 4 taking 61 s adds 61 s, not 244); none if
+                # it was left out of the call
+                seconds=seconds * num_job_outputs / num_outputs if job in running else None,
+                num_outputs=num_job_outputs,
+                outcome=JobOutcome.STOPPED if stopped else outcome,
+            )
+            if bytes_streamed is not None and job in running:
+                self.metrics.observe_request_bytes(bytes_streamed * num_job_outputs // num_outputs)
+
+    def _batch_answers(self, jobs: list[ServedJob], running: list[ServedJob], results: list[RequestResult]) -> list[Answer]:
+        """Each request's answer: its encoded outputs, or `GenerationStopped`."""
+        answers: list[Answer] = []
+        num_outputs = sum(job.served.num_outputs for job in running)
+        by_job = dict(zip(running, results))
+        for job in jobs:
+            if job not in by_job:
+                answers.append(stopped_in_batch(job, len(jobs), "before its batch started"))
+                continue
+            if job.stop_signal.reason is not None:
+                answers.append(stopped_in_batch(job, len(jobs), "during its batch, whose other requests ran on"))
+                continue
+            result, served = by_job[job], job.served
+            usage = request_usage(self.limits, served, result.runs, result.frames_shape, job.queue_seconds, batch_size=len(jobs))
+            # its share, by outputs, of the call's bytes: what a request costs, which batching divides
+            share = result.runs[0].bytes_transferred * served.num_outputs // num_outputs
+            answers.append(GenerationOutput(result.files, usage.model_copy(update={"bytes_streamed": share})))
+        return answers
+
+    def _bytes_streamed(self) -> int | None:
+        stats = self.omni.stats()
+        return stats.bytes_transferred if stats is not None else None
+
+
+def stopped_in_batch(job: ServedJob, batch_size: int, where: str) -> GenerationStopped:
+    reason = job.stop_signal.reason
+    assert reason is not None  # only called for a job asked to stop
+    logger.info("generation stopped (%s) %s of %d; its outputs are dropped", reason, where, batch_size)
+    return GenerationStopped(reason, f"generation stopped ({reason}) {where} of {batch_size}")

@@ -1,0 +1,107 @@
+"""What the server's queue carries and hands back: a request checked against the served model, whoever follows
+it step by step, and the encoded answer with its cost."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from layerstream.outputs import OutputEncoding
+from layerstream.omni import RunStats
+from layerstream.request import GenerationRequest
+from layerstream.runtime.reporting.stats import OffloadStats
+from layerstream.server.limits import ModelLimits
+from layerstream.server.schemas import GenerationUsage
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServedRequest:
+    """A request checked against the served model: the `GenerationRequest` it runs (the model's defaults and
+    its first seed filled in, the shape its checks priced) and what the checks found."""
+
+    request: GenerationRequest
+    size_note: str | None = None
+    """With an input image: how the output size was reached."""
+    work: int = 0
+    """width x height x frames x steps x n, as the work cap priced it."""
+    encoding: OutputEncoding | None = None
+    """How each output becomes its file (None: PNG for images, MP4 for video), encoded once, where it is made."""
+
+    @property
+    def num_outputs(self) -> int:
+        return self.request.n
+
+    @property
+    def prompt(self) -> str:
+        return self.request.prompt
+
+    def batch_key(self) -> GenerationRequest | None:
+        """What it must share with others to run in one pipeline call with them (its `batch_shape()`); None: it
+        runs alone (an input image: pipelines take one image per call)."""
+        return None if self.request.image is not None else self.request.batch_shape()
+
+
+class StepObserver(Protocol):
+    """Follows one job on the worker thread: its start, and each denoising step (a job's progress)."""
+
+    wants_latents: bool
+    """Whether `latents` is called (it costs a look at the latents each step)."""
+
+    def started(self) -> None:
+        """The job starts now (before its first output)."""
+
+    def stepped(self, step: int, total: int, seconds: float, stats: OffloadStats | None) -> None:
+        """After step `step` of `total`, which took `seconds`; `stats`: the offload counters now."""
+
+    def latents(self, step: int, total: int, latents: Any) -> None:
+        """The latents after step `step`: to read, never to change."""
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """What the worker hands back: the encoded files, one per seed, and the cost of making them."""
+
+    files: list[bytes]
+    usage: GenerationUsage
+
+
+Answer = GenerationOutput | BaseException
+"""A job's outcome: its output, or the exception it fails with (answered by the queue)."""
+
+
+def request_usage(
+    limits: ModelLimits,
+    served: ServedRequest,
+    runs: list[RunStats],
+    frames_shape: tuple[int, ...],
+    queue_seconds: float,
+    *,
+    batch_size: int = 1,
+) -> GenerationUsage:
+    """The cost of a request, summed over its outputs (`runs`: one per output, or its batch's one call);
+    `frames_shape` is one output's [frames, H, W, 3]."""
+    step_seconds = [s for run in runs for s in run.step_seconds]
+    seconds = sum(run.seconds for run in runs)
+    peaks = [run.peak_device_bytes for run in runs if run.peak_device_bytes is not None]
+    return GenerationUsage(
+        model=limits.model,
+        seeds=list(served.request.seeds),
+        width=int(frames_shape[2]),
+        height=int(frames_shape[1]),
+        num_frames=int(frames_shape[0]) if limits.kind == "video" else None,
+        num_inference_steps=len(runs[0].step_seconds) or served.request.num_inference_steps,
+        queue_seconds=queue_seconds,
+        seconds=seconds,
+        # the median, as Omni's and the job's: the first step also carries prompt encoding and warm-up
+        seconds_per_step=statistics.median(step_seconds) if step_seconds else seconds,
+        bytes_streamed=sum(run.bytes_transferred for run in runs),
+        num_transfers=sum(run.num_transfers for run in runs),
+        num_sync_loads=sum(run.num_sync_loads for run in runs),
+        stall_seconds=sum(run.stall_seconds for run in runs),
+        device_bytes=runs[-1].device_bytes,
+        host_bytes=runs[-1].host_bytes,
+        peak_device_bytes=max(peaks) if peaks else None,
+        size_note=served.size_note,
+        batch_size=batch_size,
+    )
