@@ -1,6 +1,7 @@
 """`layerstream serve --nproc 2`: two gloo ranks on the CPU, the DiT's blocks shared by allgather.
 
-Every output is compared, byte for byte, with the single-process server's for the same request and seed.
+Every output is compared, byte for byte (a job's, frame for frame), with the single-process server's for the
+same request and seed. The job API runs each job on one rank, as the synchronous endpoints do.
 tiny-flux runs under torchrun through `serve_ranks_with_fault.py` (rank 1 raises on the fault prompt);
 tiny-wan runs through the real launcher, `layerstream serve --nproc 2`.
 """
@@ -14,7 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
+from jobs_harness import mp4_frames, read_events, wait_for_job
 from rank_harness import RankServer, start_rank_server
 from serve_harness import IMAGES, VIDEOS, metric, wait_until
 
@@ -204,6 +207,76 @@ def test_a_request_past_its_timeout_stops_every_rank_at_the_same_step(wan_ranks,
         assert "a wave failed" not in wan_ranks.log() and "TransferError" not in wan_ranks.log()
         body = {"prompt": "after the stop", "seed": 5, **WAN}
         assert _files(client.post(VIDEOS, json=body)) == _single_files(wan_single, VIDEOS, [body])[0]
+
+
+JOBS = "/v1/videos"
+
+
+def _job_body(prompt: str, seed: int, **fields) -> dict:
+    return {"prompt": prompt, "seed": seed, **WAN, **fields}
+
+
+def _sync_frames(server, body: dict):
+    """The frames of the single-process server's synchronous answer to `body`."""
+    import base64
+
+    ((video,),) = _single_files(server, VIDEOS, [body])
+    return mp4_frames(base64.b64decode(video))
+
+
+def test_a_job_runs_on_the_ranks_streams_its_events_and_its_content_matches_the_single_process_server(
+    wan_ranks, wan_single
+):
+    body = _job_body("a job on two ranks", 61)
+    with wan_ranks.client(timeout=120) as http:
+        assert http.get("/health").json()["jobs_path"] == JOBS
+        job = http.post(JOBS, json=body).json()
+        assert job["object"] == "video" and job["status"] in ("queued", "in_progress"), job
+        with http.stream("GET", f"{JOBS}/{job['id']}/events") as response:
+            events = read_events(response)
+        statuses = [data["status"] for name, data in events if name == "status"]
+        assert statuses[-2:] == ["in_progress", "completed"], events
+        assert [data["step"] for name, data in events if name == "progress"][:2] == [1, 2]
+        content = http.get(f"{JOBS}/{job['id']}/content")
+        assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
+        listed = [j["id"] for j in http.get(JOBS, params={"limit": 100}).json()["data"]]
+        assert job["id"] in listed  # the history lives with rank 0, which serves HTTP
+    assert torch.equal(mp4_frames(content.content), _sync_frames(wan_single, body))
+
+
+def test_two_jobs_run_side_by_side_one_per_rank(wan_ranks, wan_single):
+    bodies = [_job_body(f"two jobs {i}", 70 + i) for i in range(2)]
+    with wan_ranks.client(timeout=120) as http:
+        waves_before = metric(http, "layerstream_waves_total")
+        made = [http.post(JOBS, json=body).json()["id"] for body in bodies]  # a wave of 2 (--batch-wait-ms 1000)
+        done = [wait_for_job(http, JOBS, job_id) for job_id in made]
+        assert [job["status"] for job in done] == ["completed", "completed"], done
+        assert metric(http, "layerstream_waves_total") == waves_before + 1
+        frames = [mp4_frames(http.get(f"{JOBS}/{job_id}/content").content) for job_id in made]
+    for got, body in zip(frames, bodies):
+        assert torch.equal(got, _sync_frames(wan_single, body))
+
+
+def test_deleting_running_jobs_cancels_them_on_whichever_rank_runs_them(wan_ranks, wan_single):
+    bodies = [_job_body(f"cancelled {i}", 80 + i, num_inference_steps=40) for i in range(2)]
+    with wan_ranks.client(timeout=120) as http:
+        stopped_before = metric(http, "layerstream_generations_total", 'outcome="stopped"')
+        made = [http.post(JOBS, json=body).json()["id"] for body in bodies]  # one wave: rank 0 and rank 1
+        for job_id in made:
+            wait_for_job(http, JOBS, job_id, statuses=("in_progress",), timeout=60)
+        for job_id in reversed(made):  # rank 1's job first, then rank 0's: the wave stops once both are gone
+            assert http.delete(f"{JOBS}/{job_id}").json() == {"id": job_id, "object": "video.deleted", "deleted": True}
+            assert http.get(f"{JOBS}/{job_id}").status_code == 404
+        wait_until(lambda: metric(http, "layerstream_generation_running") == 0, timeout=60, what="the wave to stop")
+        assert metric(http, "layerstream_generations_total", 'outcome="stopped"') == stopped_before + 2
+        # every rank stopped at the same stop point, well before its 40 steps: nothing to rebuild
+        assert "rank 1: generation stopped (cancelled)" in wan_ranks.log()
+        assert "a wave failed" not in wan_ranks.log()
+        after = _job_body("after the cancel", 90)
+        job_id = http.post(JOBS, json=after).json()["id"]
+        assert wait_for_job(http, JOBS, job_id)["status"] == "completed"
+        frames = mp4_frames(http.get(f"{JOBS}/{job_id}/content").content)
+    assert torch.equal(frames, _sync_frames(wan_single, after))
 
 
 def test_sigterm_during_a_wave_answers_its_requests_and_every_rank_exits_0(wan_ranks):
