@@ -384,3 +384,13 @@ def _run_stats(seconds, step_times, streamed: StreamCounters, now: OffloadStats 
         disk_bytes_read=streamed.disk_bytes_read,
         disk_stall_seconds=streamed.disk_stall_seconds,
     )
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """`dtype` as a torch dtype: None, a torch dtype, or its name (``"bfloat16"``, ``"bf16"``...)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise GenerationError(f"dtype = {dtype!r} is not valid; allowed: {', '.join(names)}")
+    return names[dtype]
