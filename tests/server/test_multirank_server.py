@@ -229,7 +229,9 @@ def test_a_job_runs_on_the_ranks_streams_its_events_and_its_content_matches_the_
 ):
     body = _job_body("a job on two ranks", 61)
     with wan_ranks.client(timeout=120) as http:
-        assert http.get("/health").json()["jobs_path"] == JOBS
+        assert http.get("/health").json()["jobs_path"] == JOBS  # what the web page reads to turn its form on
+        page = http.get("/")
+        assert page.status_code == 200 and ">Generate</button>" in page.text
         job = http.post(JOBS, json=body).json()
         assert job["object"] == "video" and job["status"] in ("queued", "in_progress"), job
         with http.stream("GET", f"{JOBS}/{job['id']}/events") as response:

@@ -84,7 +84,7 @@ class JobManager:
 
     def close(self) -> None:
         """After the worker stopped: a job still live (a generation left behind by the stop) never finished;
-        say so. (Jobs still queued at the drain were failed then, by `_never_started`.)"""
+        say so. (Jobs still queued at the drain were failed then, by `_finished`.)"""
         with self._lock:
             left = list(self._live.values())
             self._live.clear()
