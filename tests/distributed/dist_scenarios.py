@@ -306,7 +306,9 @@ def allgather_budget(rank: int, world_size: int, *, device: torch.device, disk_d
     from pathlib import Path
 
     import layerstream.offload as offload
+    from layerstream.distributed.collectives import shard_nbytes
     from layerstream.machine.memory import HostMemory
+    from layerstream.runtime.packing.layout import BlockLayout
     from layerstream.models.loading import load_pipeline
 
     root = Path(disk_dir) / f"rank{rank}"
@@ -316,9 +318,10 @@ def allgather_budget(rank: int, world_size: int, *, device: torch.device, disk_d
     expected = _generate_wan(pipe)  # the resident pipeline in this one process
     dit = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"weight_transfer": "allgather"}}}
 
-    local = enable_offload(pipe, dit, device=device)  # no budget: every shard in host memory
-    block_shard = max(b.host.host_bytes for b in local.streamer.blocks)
-    local.disable()
+    # the first enable of the pipeline as loaded: its DiT blocks are views of the checkpoint's files (a disable
+    # gives them back as tensors of their own, which later enables spill)
+    block = pipe.transformer.blocks[0]
+    block_shard = shard_nbytes(BlockLayout("transformer.blocks.0", block, device).nbytes, world_size)
     out["shard_nbytes"] = block_shard
     budget = 2 * block_shard + block_shard // 2  # two shards per rank fit
     out["budget"] = budget

@@ -19,6 +19,9 @@ them on tiny Wan, whose blocks are 52 KB)."""
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
+    from layerstream.models.tiny import ensure_tiny_model
+
+    ensure_tiny_model("tiny-wan")  # built here, once: two ranks building it into one cache would race
     tmp_path = tmp_path_factory.mktemp("allgather-budget")
     results = run_ranks(
         tmp_path, "allgather_budget", collective_timeout_s=AGREEMENT_TIMEOUT_S, timeout_s=6 * AGREEMENT_TIMEOUT_S,
@@ -63,6 +66,7 @@ def test_auto_with_allgather_gives_each_rank_its_share_of_the_hosts_free_memory(
         assert 2 * r["shard_nbytes"] <= faked["budget_bytes"] < 3 * r["shard_nbytes"]
         assert r["faked_tier"][0] == faked["budget_bytes"] and r["faked_tier"][2] > 0
         assert r["faked_equal"] == [True, True] and r["faked_restored"]
+        assert r["faked_spill_files"] == 6  # the DiTs were given back in memory by a disable: their shards spilled
         assert r["faked_stats"]["host_bytes"] <= faked["budget_bytes"]
 
 
