@@ -358,6 +358,7 @@ def allgather_budget(rank: int, world_size: int, *, device: torch.device, disk_d
     out["toy_host_bytes"] = handle.stats().host_bytes
     out["toy_host_blocks"] = handle.placement.host_tier.host_block_paths
     out["toy_parts"] = _parts(handle)
+    out["toy_issue_thread"] = {b.host.copy_waits_on_host for b in handle.streamer.blocks}
     out["toy_spill_files"] = len(_files_under(root))
     handle.disable()
     out["toy_restored"] = same_state(toy_state, snapshot(toy)) and torch.equal(run(toy, inputs), toy_expected)

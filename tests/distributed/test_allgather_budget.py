@@ -77,6 +77,8 @@ def test_ranks_with_budgets_of_their_own_place_other_blocks_on_disk_and_still_ag
         assert 0 < r["toy_host_bytes"] <= r["toy_budget"]
         kinds = {kind for kind, _, _ in r["toy_parts"].values()}
         assert kinds == {"ShardedBlock", "DiskBlock"}, r["toy_parts"]
+        # with blocks on disk every gather goes through the engine's issuing thread, host shards' too: one order
+        assert r["toy_issue_thread"] == {True}
         assert len(r["toy_host_blocks"]) == 2 + 3 * rank
         assert r["toy_spill_files"] == 7 - len(r["toy_host_blocks"])  # the toy lives in memory: its shards spilled
         # disable gathers every block back in one order, host and disk shards alike, and removes the files
