@@ -30,7 +30,7 @@ MARKED = {
     "installs packages": 1,
     "needs a GPU": 1,
     "needs a download": 2,
-    "needs torchrun": 3,
+    "needs torchrun": 4,
     "starts a server": 4,
     "needs a running server": 1,
     "needs files of your own": 1,

@@ -107,7 +107,7 @@ def enable_offload(
             _raise_after_rollback(plan, e)
         return _commit_handle(plan, device, backend, components, pipeline=pipeline)
 
-    plan, host_budget = resolve_host_budget(pipeline, plan, device)  # "auto": a number, or no disk tier
+    plan, host_budget = resolve_host_budget(pipeline, plan, device, process_group)  # "auto": a number, or no disk tier
     context = StoreContext(plan, device, components, process_group, _spill_root(config), simulated_disk_gbps)
     stores = _stores(plan, context, store_factory)
     layouts, placement, block_modules = _plan_layer_mode(pipeline, plan, components, stores, device, host_budget)
@@ -212,10 +212,14 @@ def priced_placement(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.dev
     return place_for(plan, layouts, stores, device), stores.slot_and_host_nbytes(plan, layouts)[1]
 
 
-def resolve_host_budget(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device) -> tuple[ResolvedOffloadPlan, HostBudgetChoice | None]:
+def resolve_host_budget(
+    pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device, process_group=None
+) -> tuple[ResolvedOffloadPlan, HostBudgetChoice | None]:
     """With `host_budget_gb: "auto"`: the plan with the budget this machine allows (a number, or None where
     every streamed block fits: no disk tier) and the choice with its figures (`plan.host_budget`); any other
-    plan as it is, with None. Reads the host memory now; moves nothing."""
+    plan as it is, with None. With "allgather" components on a group of several ranks, the budget is this
+    rank's: its share of the host's free memory (`_rank_share`), spent in its shard bytes. Reads the host
+    memory now; moves nothing, issues no collective."""
     config = plan.config
     if config.host_budget_gb != AUTO:
         return plan, None
@@ -224,23 +228,49 @@ def resolve_host_budget(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.
     memory = read_host_memory()
     if memory.free_nbytes is None:
         raise OffloadError('host_budget_gb = "auto": this system shows no /proc/meminfo or memory cgroup to read; give host_budget_gb as a number')
+    free_nbytes, free_source, host_nbytes, sharded = _rank_share(unbudgeted, process_group, memory, host_nbytes)
     reserve_gb = config.host_reserve_gb if config.host_reserve_gb is not None else DEFAULT_HOST_RESERVE_GB
     needs = host_needs(
         unbudgeted, placement, device_is_host=device.type == "cpu", reserve_gb=reserve_gb,
         num_staging_buffers=NUM_STAGING_BUFFERS, block_host_nbytes=host_nbytes,
     )  # fmt: skip
     streamed = sum(host_nbytes[p] for p in placement.streamed_block_paths)
-    # float8 stores keep a block's own tensors until the commit (an exact rollback): not freed while enabling
+    # float8 stores keep a block's own tensors until the commit (an exact rollback), and so do sharded ones (the
+    # commit is a vote of every rank): not freed while enabling
     float8 = {p for c in unbudgeted.streamed if c.storage_dtype is not None for s in c.stacks for p in s.block_paths}
-    freed = [p for p in placement.streamed_block_paths if p not in float8]
+    freed = [p for p in placement.streamed_block_paths if p not in float8 | sharded]
     choice = choose_host_budget(
-        free_nbytes=memory.free_nbytes,
-        free_source=memory.describe(),
+        free_nbytes=free_nbytes,
+        free_source=free_source,
         streamed_nbytes=streamed,
         needs=needs,
         held_nbytes=min(held_host_nbytes(pipeline, freed), sum(host_nbytes[p] for p in freed)),
     )
     return dataclasses.replace(unbudgeted, config=dataclasses.replace(unbudgeted.config, host_budget_gb=choice.budget_gb)), choice
+
+
+def _rank_share(plan: ResolvedOffloadPlan, process_group, memory, host_nbytes: Mapping[str, int]):
+    """For "auto" with allgather components on a group of several ranks: (this rank's share of the free host
+    memory: the host's free memory divided by the ranks on this host, where it came from, each block's host
+    bytes with the sharded blocks' as this rank's shard, the sharded block paths). Otherwise the process's own
+    figures and no sharded blocks."""
+    sharded_components = [c for c in plan.streamed if c.weight_transfer == "allgather"]
+    share = None
+    if sharded_components:
+        from layerstream.distributed.process_group import offload_host_share  # only when a component asks for it
+
+        share = offload_host_share(process_group)
+    if share is None:
+        return memory.free_nbytes, memory.describe(), host_nbytes, set()
+    from layerstream.distributed.collectives import shard_nbytes
+
+    sharded = {p for c in sharded_components for s in c.stacks for p in s.block_paths}
+    shares = {p: shard_nbytes(n, share.world_size) if p in sharded else n for p, n in host_nbytes.items()}
+    source = (
+        f"{memory.describe()}, shared by the {share.ranks_on_host} allgather ranks on this host: 1/{share.ranks_on_host} "
+        f"each, spent in this rank's shards (1/{share.world_size} of each sharded block)"
+    )
+    return memory.free_nbytes // share.ranks_on_host, source, shares, sharded
 
 
 def held_host_nbytes(pipeline: Any, block_paths) -> int:

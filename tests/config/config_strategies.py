@@ -92,15 +92,11 @@ def valid_configs(draw) -> dict[str, Any]:
     if mode == "layer" and draw(st.booleans()):
         names = draw(st.lists(st.sampled_from(components), unique=True))  # may be none: {} is accepted
         obj["layer_options"] = {name: draw(_component_options(name)) for name in names}
-    if mode == "layer" and not _any_allgather(obj) and draw(st.booleans()):  # float8 storage combines with it
+    if mode == "layer" and draw(st.booleans()):  # with float8 storage, and with allgather (each rank's budget)
         obj["host_budget_gb"] = draw(positive_gigabytes)
         if draw(st.booleans()):
             obj["disk_dir"] = draw(paths)
     return _shuffled(draw, obj)
-
-
-def _any_allgather(obj: dict) -> bool:
-    return any(o.get("weight_transfer") == "allgather" for o in obj.get("layer_options", {}).values())
 
 
 # --- one fault, and the key path it must be reported at ---------------------------------------------------
@@ -269,13 +265,6 @@ def _host_budget_in_module_mode(draw, obj):
     return "host_budget_gb"
 
 
-def _host_budget_with_allgather(draw, obj):
-    name = draw(st.sampled_from(obj["components"]))
-    _options_of(obj, name)["weight_transfer"] = "allgather"
-    obj["host_budget_gb"] = draw(positive_gigabytes)
-    return "host_budget_gb"
-
-
 def _bad_disk_dir(draw, obj):
     obj["disk_dir"] = draw(st.sampled_from(["", "a\x00b"]) | arbitrary_json.filter(lambda v: not isinstance(v, str)))
     return "disk_dir"
@@ -297,7 +286,7 @@ def _mutations_for(obj: dict) -> list[Mutation]:
         return [*mutations, _layer_options_in_module_mode, _host_budget_in_module_mode]
     mutations += [
         _layer_options_not_an_object, _options_for_an_unselected_component, _component_options_not_an_object,
-        _unknown_option_key, _bad_weight_transfer, _bad_prefetch_depth, _bad_host_budget, _host_budget_with_allgather,
+        _unknown_option_key, _bad_weight_transfer, _bad_prefetch_depth, _bad_host_budget,
         _bad_storage_dtype,
     ]  # fmt: skip
     if "dit" in obj["components"]:
@@ -315,7 +304,7 @@ MUTATIONS: dict[str, Mutation] = {
         _options_for_an_unselected_component, _component_options_not_an_object, _unknown_option_key,
         _bad_weight_transfer, _bad_prefetch_depth, _bad_resident_layers, _bad_gigabytes, _gigabytes_without_auto,
         _budget_and_reserve, _dit_only_key_on_text_encoder, _bad_host_budget, _host_budget_in_module_mode,
-        _host_budget_with_allgather, _bad_disk_dir, _disk_dir_without_budget, _bad_storage_dtype,
+        _bad_disk_dir, _disk_dir_without_budget, _bad_storage_dtype,
     )
 }  # fmt: skip
 """Every fault by name."""

@@ -56,10 +56,11 @@ def test_a_reserve_without_auto_is_refused(budget):
         parse_offload_config(obj)
 
 
-def test_auto_with_allgather_is_refused_like_a_number():
-    obj = {**AUTO, "layer_options": {"dit": {"weight_transfer": "allgather"}}}
-    with pytest.raises(OffloadConfigError, match=r"host_budget_gb = 'auto' .*rank-local"):
-        parse_offload_config(obj)
+def test_auto_with_allgather_is_accepted_like_a_number():
+    obj = {**AUTO, "host_reserve_gb": 1, "layer_options": {"dit": {"weight_transfer": "allgather"}}}
+    config = parse_offload_config(obj)
+    assert config.host_budget_gb == "auto" and config.host_reserve_gb == 1.0
+    assert parse_offload_config(config.to_dict()) == config
 
 
 # --- reading the host memory ---------------------------------------------------------------------------------

@@ -465,9 +465,16 @@ def test_host_budget_needs_layer_mode():
     assert_rejected({"mode": "module", "components": ["dit"], "host_budget_gb": 8}, "host_budget_gb", "8", '"layer"')
 
 
-def test_host_budget_with_allgather_is_refused():
-    obj = {**with_dit_options(weight_transfer="allgather"), "host_budget_gb": 8}
-    assert_rejected(obj, "host_budget_gb", "8", "rank-local", "layer_options.dit.weight_transfer")
+def test_host_budget_with_allgather_is_each_ranks_budget():
+    """allgather with a host budget parses (each rank's shards beyond its budget go through the disk tier), and
+    parses back; what stays impossible with it is refused as without allgather, naming the key."""
+    obj = {**with_dit_options(weight_transfer="allgather"), "host_budget_gb": 8, "disk_dir": "/data/spill"}
+    config = parse_offload_config(obj)
+    assert config.host_budget_gb == 8.0 and config.options_for("dit").weight_transfer == "allgather"
+    assert parse_offload_config(config.to_dict()) == config
+    module = {"mode": "module", "components": ["dit"], "host_budget_gb": 8}
+    assert_rejected(module, "host_budget_gb", "8", '"layer"')
+    assert_rejected({**obj, "host_budget_gb": 0}, "host_budget_gb", "0", "finite number of GB > 0")
 
 
 @pytest.mark.parametrize("value", ["", "a\x00b", 3, None, ["/tmp"]])

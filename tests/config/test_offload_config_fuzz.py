@@ -49,7 +49,6 @@ def _assert_invariants(config: OffloadConfig) -> None:
     assert isinstance(config.pin_memory, bool)
     if config.host_budget_gb is not None:
         assert config.mode == "layer" and math.isfinite(config.host_budget_gb) and config.host_budget_gb > 0
-        assert all(config.options_for(n).weight_transfer == "rank-local" for n in config.components)
     if config.disk_dir is not None:
         assert config.host_budget_gb is not None and isinstance(config.disk_dir, str) and config.disk_dir
     assert set(config.layer_options) <= set(config.components)

@@ -235,3 +235,132 @@ def float8_allgather(rank: int, world_size: int, *, device: torch.device) -> dic
         out[f"{key}_restored"] = same_state(snapshot(local_pipe), snapshot(pipe))  # the float8-rounded weights
         out[f"{key}_equal_after_disable"] = torch.equal(run(pipe, inputs), run(local_pipe, inputs))
     return out
+
+
+# --- allgather with host_budget_gb: each rank's shards beyond its budget go through the disk tier -----------------
+
+_WAN_CALL = dict(height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=4.0, output_type="latent")
+
+
+def _generate_wan(pipe) -> torch.Tensor:
+    out = pipe("a red fox in the snow", generator=torch.Generator().manual_seed(0), **_WAN_CALL)
+    return out.frames.clone()
+
+
+def _rss_bytes() -> int:
+    """This process's resident set (VmRSS of /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def _wan_state(pipe) -> dict[str, torch.Tensor]:
+    return {f"{name}.{k}": v for name in ("transformer", "transformer_2") for k, v in snapshot(getattr(pipe, name)).items()}
+
+
+def _files_under(root) -> list[str]:
+    return sorted(str(p) for p in root.rglob("*") if p.is_file())
+
+
+def _parts(handle) -> dict[str, tuple[str, str, int]]:
+    """Per streamed block: (its stored block's class, what of it this process keeps, bytes kept of it)."""
+    out = {}
+    for b in handle.streamer.blocks:
+        part = getattr(b.host, "part", None)  # a disk-tier block; a host-memory block is its own
+        out[b.path] = (type(b.host).__name__, type(part).__name__ if part is not None else "", b.host.link_bytes)
+    return out
+
+
+def _wan_with_budget(out: dict, pipe, expected, config: dict, key: str, device) -> None:
+    """Enable `config` on tiny Wan, generate twice, read the stats, the VmRSS growth and the parts, disable."""
+    from pathlib import Path
+    state = _wan_state(pipe)
+    rss_before = _rss_bytes()
+    handle = enable_offload(pipe, config, device=device)
+    rss_after = _rss_bytes()
+    out[f"{key}_equal"] = [torch.equal(_generate_wan(pipe), expected) for _ in range(2)]
+    stats = handle.stats()
+    out[f"{key}_stats"] = {
+        name: getattr(stats, name)
+        for name in ("host_bytes", "disk_bytes_read", "host_pool_bytes", "disk_staging_bytes", "slot_bytes", "num_transfers")
+    }
+    out[f"{key}_rss_growth"] = rss_after - rss_before
+    tier = handle.placement.host_tier
+    out[f"{key}_tier"] = None if tier is None else (tier.budget_nbytes, len(tier.host_block_paths), len(tier.disk_block_paths), tier.pool is not None)
+    choice = handle.placement.host_budget
+    out[f"{key}_choice"] = None if choice is None else choice.to_dict()
+    out[f"{key}_parts"] = _parts(handle)
+    out[f"{key}_block_nbytes"] = {b.path: b.host.layout.nbytes for b in handle.streamer.blocks}
+    out[f"{key}_spill_files"] = len(_files_under(Path(config["disk_dir"])))
+    handle.disable()
+    out[f"{key}_restored"] = same_state(state, _wan_state(pipe)) and torch.equal(_generate_wan(pipe), expected)
+
+
+def allgather_budget(rank: int, world_size: int, *, device: torch.device, disk_dir: str) -> dict:
+    """Tiny Wan 2.2 (two alternating DiTs, read from its checkpoint's files) with allgather and a host budget
+    of about two shards per rank: the shards beyond it in the host pool and on disk (the checkpoint ranges in
+    each rank's shard). Then "auto" (each rank's share of the host's free memory, real and faked), and the toy
+    pipeline with a budget of its own per rank (the ranks place different blocks on disk)."""
+    from pathlib import Path
+
+    import layerstream.offload as offload
+    from layerstream.distributed.collectives import shard_nbytes
+    from layerstream.machine.memory import HostMemory
+    from layerstream.runtime.packing.layout import BlockLayout
+    from layerstream.models.loading import load_pipeline
+
+    root = Path(disk_dir) / f"rank{rank}"
+    out: dict = {}
+    pipe = load_pipeline("tiny-wan")
+    pipe.set_progress_bar_config(disable=True)
+    expected = _generate_wan(pipe)  # the resident pipeline in this one process
+    dit = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"weight_transfer": "allgather"}}}
+
+    # the first enable of the pipeline as loaded: its DiT blocks are views of the checkpoint's files (a disable
+    # gives them back as tensors of their own, which later enables spill)
+    block = pipe.transformer.blocks[0]
+    block_shard = shard_nbytes(BlockLayout("transformer.blocks.0", block, device).nbytes, world_size)
+    out["shard_nbytes"] = block_shard
+    budget = 2 * block_shard + block_shard // 2  # two shards per rank fit
+    out["budget"] = budget
+    _wan_with_budget(out, pipe, expected, {**dit, "host_budget_gb": budget / 1e9, "disk_dir": str(root)}, "wan", device)
+    out["wan_files_left"] = _files_under(root)
+
+    # "auto": this rank's share of the host's free memory, as read
+    _wan_with_budget(out, pipe, expected, {**dit, "host_budget_gb": "auto", "disk_dir": str(root)}, "auto", device)
+    # and with a host whose free memory leaves each rank about two shards beside what runs beside the store
+    needs = {k: v for k, v in out["auto_choice"]["needs"].items() if not k.startswith("reserve")}
+    free = 2 * (sum(needs.values()) + 2 * block_shard + block_shard // 2)
+    out["faked_free"] = free
+    real = offload.read_host_memory
+    offload.read_host_memory = lambda: HostMemory(available_nbytes=free)
+    try:
+        faked = {**dit, "host_budget_gb": "auto", "host_reserve_gb": 0, "disk_dir": str(root)}
+        _wan_with_budget(out, pipe, expected, faked, "faked", device)
+    finally:
+        offload.read_host_memory = real
+    out["faked_needs"] = needs
+
+    # the toy pipeline, both components sharded, with another budget on each rank: other blocks on disk
+    toy = make_pipeline()
+    inputs = make_inputs(seed=30 + rank)
+    toy_expected, toy_state = run(toy, inputs), snapshot(toy)
+    probe = enable_offload(toy, config(), device=device)
+    toy_shards = {b.path: b.host.host_bytes for b in probe.streamer.blocks}
+    probe.disable()
+    toy_budget = sum(sorted(toy_shards.values())[: 2 + 3 * rank])  # rank 0: two shards, rank 1: five
+    toy_config = {**config(), "host_budget_gb": toy_budget / 1e9, "disk_dir": str(root)}
+    handle = enable_offload(toy, toy_config, device=device)
+    out["toy_equal"] = [torch.equal(run(toy, inputs), toy_expected) for _ in range(3)]
+    out["toy_budget"] = toy_budget
+    out["toy_host_bytes"] = handle.stats().host_bytes
+    out["toy_host_blocks"] = handle.placement.host_tier.host_block_paths
+    out["toy_parts"] = _parts(handle)
+    out["toy_issue_thread"] = {b.host.copy_waits_on_host for b in handle.streamer.blocks}
+    out["toy_spill_files"] = len(_files_under(root))
+    handle.disable()
+    out["toy_restored"] = same_state(toy_state, snapshot(toy)) and torch.equal(run(toy, inputs), toy_expected)
+    out["toy_files_left"] = _files_under(root)
+    return out

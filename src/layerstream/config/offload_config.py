@@ -95,11 +95,13 @@ class OffloadConfig:
     pin_memory: bool = True
     """Pin host buffers when the device supports it."""
     host_budget_gb: float | Literal["auto"] | None = None
-    """Layer mode, rank-local: host memory (GB) the host store may hold for streamed blocks; the streamed
+    """Layer mode: host memory (GB) the host store of this process may hold for streamed blocks; the streamed
     blocks beyond it stay on disk (the checkpoint's files, or spill files under `disk_dir`). None: no limit.
-    "auto": the budget the machine allows, read when enabling (`plan.host_budget`): the free host memory (and
-    the memory cgroup's headroom) minus the rings, the host-side resident parts and `host_reserve_gb`; where
-    every streamed block fits, there is no disk tier."""
+    With `weight_transfer: "allgather"` it is each rank's budget, spent in the rank's shard bytes (its shards
+    beyond it are on disk). "auto": the budget the machine allows, read when enabling (`plan.host_budget`): the
+    free host memory (and the memory cgroup's headroom; shared equally by the allgather ranks on one host)
+    minus the rings, the host-side resident parts and `host_reserve_gb`; where every streamed block fits, there
+    is no disk tier."""
     host_reserve_gb: float | None = None
     """With `host_budget_gb: "auto"`: host memory (GB) kept free beside the budget (None:
     `DEFAULT_HOST_RESERVE_GB`)."""
@@ -231,7 +233,7 @@ def parse_offload_config(obj: Any) -> OffloadConfig:
                 raise OffloadConfigError(_key_path("layer_options", name), opts, f"options are only for {allowed}")
             layer_options[name] = _parse_layer_options(name, opts)
 
-    host_budget_gb, disk_dir = _parse_host_tier(obj, mode, layer_options)
+    host_budget_gb, disk_dir = _parse_host_tier(obj, mode)
     host_reserve_gb = _parse_host_reserve(obj, host_budget_gb)
     return OffloadConfig(
         mode=mode,
@@ -245,9 +247,9 @@ def parse_offload_config(obj: Any) -> OffloadConfig:
     )
 
 
-def _parse_host_tier(obj: Mapping, mode: str, layer_options: Mapping[str, LayerOptions]) -> tuple[float | str | None, str | None]:
-    """`host_budget_gb` (a finite number > 0 or "auto", layer mode, rank-local components only) and `disk_dir`
-    (a path, only with a budget)."""
+def _parse_host_tier(obj: Mapping, mode: str) -> tuple[float | str | None, str | None]:
+    """`host_budget_gb` (a finite number > 0 or "auto", layer mode; per rank with "allgather" components) and
+    `disk_dir` (a path, only with a budget)."""
     budget = None
     if "host_budget_gb" in obj:
         value = obj["host_budget_gb"]
@@ -265,13 +267,6 @@ def _parse_host_tier(obj: Mapping, mode: str, layer_options: Mapping[str, LayerO
                 raise OffloadConfigError("host_budget_gb", value, allowed)
         if mode != "layer":
             raise OffloadConfigError("host_budget_gb", value, 'a host budget applies only to mode "layer"; remove the key')
-        sharded = [name for name, opts in layer_options.items() if opts.weight_transfer == "allgather"]
-        if sharded:
-            raise OffloadConfigError(
-                "host_budget_gb", value,
-                f'the disk tier is for "rank-local" components; layer_options.{sharded[0]}.weight_transfer is '
-                '"allgather" (its ranks share the host bytes already): remove one of the two',
-            )  # fmt: skip
     disk_dir = None
     if "disk_dir" in obj:
         disk_dir = obj["disk_dir"]

@@ -287,3 +287,29 @@ def join_offload_group(pipeline_class: str, device: torch.device, process_group=
             backend_for(device),
         )
     return membership
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """How the ranks of the group offload uses share this host's memory (for `host_budget_gb: "auto"`)."""
+
+    world_size: int
+    """Ranks of the group: each keeps 1/world_size of every sharded block."""
+    ranks_on_host: int
+    """Of them, on this host (torchrun's LOCAL_WORLD_SIZE; where it is not set, every rank of the group: the
+    share then errs low, never high)."""
+
+
+def offload_host_share(process_group=None) -> HostShare | None:
+    """The share of this host's memory each allgather rank may take; None for a group of one (or without
+    torch.distributed). Issues no collective."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or (process_group is None and not dist.is_initialized()):
+        return None
+    world_size = dist.get_world_size(process_group)
+    if world_size <= 1:
+        return None
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    ranks_on_host = min(int(local), world_size) if local.isdigit() and int(local) > 0 else world_size
+    return HostShare(world_size, ranks_on_host)

@@ -15,6 +15,16 @@ Staging and dropping are separate steps, unlike the local store: a block's shard
 keeps its original weights, and the weights go (`commit_`) only after every rank has staged every shard.
 Until then, rolling back is local to each rank; afterwards, the full weights exist only across the ranks.
 Host memory peaks at (1 + 1/N) x the streamed bytes during enable, never at two copies.
+
+With `host_budget_gb` the store is the host side of the disk tier, as a local store is: the budget is spent in
+this rank's shard bytes, and a block the placement puts on disk (or in the host pool of alternating DiTs) keeps
+this rank's shard there (`ShardPart`, the store's `disk_part`): in a spill file of its own, or as the checkpoint
+ranges that fall into the shard, read into the staging ring (or a pool entry) and gathered from there into the
+slot with the other ranks' shards. Each rank places its own blocks within its own budget; the ranks still agree
+on every block (the layout vote covers both tiers) and gather every block in one order: a block's index is
+given when it is staged, whichever tier holds it, and the restore at disable goes by index. Where a rank has
+blocks on disk, its gathers are all issued from the copy engine's issuing thread (`copy_waits_on_host`), so
+that a gather from host memory never overtakes one still waiting for its read.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ from layerstream.distributed.collectives import BlockGather
 from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.packing.host_buffer import HostBufferBlock, page_aligned_empty, pin_off_thread
 from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
-from layerstream.runtime.contracts import HostStoreBase, Job, Pinner, StoredForm
+from layerstream.runtime.contracts import HostStoreBase, Job, Pinner, StoredBlock, StoredForm
 from layerstream.runtime.packing.stored_form import PackedForm, SlotUnpack
 
 logger = logging.getLogger(__name__)
@@ -120,6 +130,53 @@ class ShardedBlock(HostBufferBlock):
         self.release_buffer_()
 
 
+class ShardPart:
+    """This rank's shard of a block the disk tier holds (a `contracts.DiskPart`): bytes [r*S, (r+1)*S) of the
+    stored block, on disk and in the disk tier's buffers, gathered from there into the slot as a host shard is."""
+
+    keeps_originals = True  # after the commit the full weights exist only across the ranks: roll back before it
+    restored_by_host_store = True  # a restore is a collective, in the gather's order (`ShardedHostStore.restore_`)
+
+    def __init__(self, store: ShardedHostStore, form: StoredForm):
+        self.store = store
+        self.gather = store.gather
+        self.form = form
+        self.nbytes = self.gather.shard_nbytes(form.stored_nbytes)
+        self.start = self.gather.rank * self.nbytes
+        self.index: int | None = None
+        """The block's index in the gather's headers, given when the disk tier stages it."""
+        self.block: StoredBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"ShardPart({self.form.layout.path!r}, shard {self.gather.rank}/{self.gather.world_size} of {self.nbytes} bytes)"
+
+    def staged_(self, block: StoredBlock) -> None:
+        self.index = self.gather.register_block(self.form.layout.path)  # in staging order, as the host shards
+        self.block = block
+        self.store.disk_parts[self.form.layout.path] = self
+
+    def fill_(self, out: torch.Tensor, files=None, reader=None) -> int:
+        self.form.fill_range_(out, self.start)  # past the block's end `out` keeps the zeros it came with
+        return 0
+
+    def to_slot_(self, held: torch.Tensor, slot_buffer: torch.Tensor, non_blocking: bool) -> int:
+        gathered = slot_buffer[self.form.stored_offset : self.form.stored_offset + self.gather.world_size * self.nbytes]
+        self.gather.gather_block_(self.index, self.form.stored_nbytes, held[: self.nbytes], gathered)
+        return self.nbytes  # this rank's shard crossed its link; the rest came from its peers
+
+    def compute_bytes(self, held: torch.Tensor) -> torch.Tensor:
+        raise AssertionError(f"{self.form.layout.path}: a shard alone has no compute bytes; the sharded store restores it")
+
+    def restore_(self, device: torch.device) -> None:
+        """Real tensors again: this rank's shard read back from disk (checked), gathered with every rank's (a
+        collective: every rank restores in the gather's order)."""
+        held = torch.empty(self.nbytes, dtype=torch.uint8)
+        self.block.read_into_(held)
+        full = self.gather.gather_full_(self.index, self.form.stored_nbytes, held)
+        compute = self.form.compute_bytes(full)  # float8: upcast (exact) from the stored bytes
+        self.block.binder.bind_(self.form.layout.separate_copies(compute, device))
+
+
 class ShardedHostStore(HostStoreBase):
     """`HostStore` over a `BlockGather`: this rank's shard of every block, gathered into slots on demand."""
 
@@ -130,10 +187,22 @@ class ShardedHostStore(HostStoreBase):
         self.form_of = form_of
         """The form each block is sharded in (float8 for a component with `storage_dtype`; default: packed)."""
         self.blocks: dict[str, ShardedBlock] = {}
+        self.disk_parts: dict[str, ShardPart] = {}
+        """This rank's shards of the blocks the disk tier holds (`host_budget_gb`), by block path."""
+        self._gathers_in_issue_order = False
         self._committed = False
 
     def __repr__(self) -> str:
-        return f"ShardedHostStore({self.gather!r}, {len(self.blocks)} blocks)"
+        return f"ShardedHostStore({self.gather!r}, {len(self.blocks)} blocks in host memory, {len(self.disk_parts)} on disk)"
+
+    def disk_part(self, layout: BlockLayout) -> ShardPart:
+        return ShardPart(self, self.form_of(layout))
+
+    def place_(self, placement) -> None:  # a `plan.placement.Placement`
+        tier = placement.host_tier
+        # a disk block's gather waits for its read on the engine's issuing thread; a host block's gather would
+        # run at once on the compute thread and could overtake it on one rank and not on another
+        self._gathers_in_issue_order = tier is not None and bool(tier.from_disk_paths)
 
     def slot_nbytes(self, layout: BlockLayout) -> int:
         form = self.form_of(layout)  # the gathered block (after the compute layout, for float8)
@@ -164,6 +233,8 @@ class ShardedHostStore(HostStoreBase):
         shard = page_aligned_empty(size, zeroed=True)  # zeros: the padding past the block's end is deterministic
         form.fill_range_(shard, self.gather.rank * size)
         block = ShardedBlock(form, TensorBinder(form.layout, device), shard, pin, self.gather, index)
+        if self._gathers_in_issue_order:
+            block.copy_waits_on_host = True  # queued behind the disk blocks' gathers (see `place_`)
         self.blocks[layout.path] = block
         return block
 
@@ -183,15 +254,23 @@ class ShardedHostStore(HostStoreBase):
         for block in self.blocks.values():
             block.release_()  # the blocks still hold their original weights
         self.blocks.clear()
+        self.disk_parts.clear()  # the disk tier gives those blocks their original weights back
 
     def release_(self) -> None:
-        """The model was dropped without `disable()`: free this rank's shards (no collective: peers may be gone)."""
+        """The model was dropped without `disable()`: free this rank's shards (no collective: peers may be gone;
+        the disk tier removes the shards on disk)."""
         for path in list(self.blocks):
             self.blocks.pop(path).release_()
+        self.disk_parts.clear()
 
     def restore_(self, device: torch.device) -> None:
-        # one block at a time, forgetting each once restored: a restore is a collective that can fail (a peer
-        # gone), and calling disable() again must not restore a block twice
-        for path in list(self.blocks):
-            self.blocks[path].restore_(device)
-            del self.blocks[path]
+        # in the gather's order, host and disk-tier shards alike (each rank may hold other blocks on disk), one
+        # block at a time, forgetting each once restored: a restore is a collective that can fail (a peer gone),
+        # and calling disable() again must not restore a block twice. The disk tier stopped reading ahead first
+        pending = sorted([*self.blocks.values(), *self.disk_parts.values()], key=lambda b: b.index)
+        for item in pending:
+            item.restore_(device)
+            if isinstance(item, ShardPart):
+                del self.disk_parts[item.form.layout.path]
+            else:
+                del self.blocks[item.path]

@@ -6,8 +6,9 @@ store says how many device bytes a block needs in a slot (`slot_nbytes`) and how
 it (`host_nbytes`: the two differ for the float8 store, whose slot also holds a staging region, and for the
 sharded store, whose slot holds the gathered block), learns where the placement put each block (`place_`),
 follows the streamer's order (`follow_order_`), says in which form it keeps a block's bytes (`stored_form`: packed
-byte for byte, or float8; the disk tier and the sharded store keep a block in its component's form) and reports
-its own figures (`stats()`). The stores live in
+byte for byte, or float8; the disk tier and the sharded store keep a block in its component's form), says what
+this process keeps of a block the disk tier holds (`disk_part`: the whole stored block, or a rank's shard of it)
+and reports its own figures (`stats()`). The stores live in
 `runtime.stores` (packed, float8, tiered with the disk tier in `runtime.stores.disk`) and `distributed`
 (sharded); `runtime.stores.compose` builds each component's store. A copy engine runs copies beside compute
 with a three-call slot protocol (`runtime.engines`).
@@ -29,7 +30,7 @@ import torch
 
 from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
 from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
-from layerstream.runtime.packing.stored_form import PackedForm
+from layerstream.runtime.packing.stored_form import PackedForm, stored_region
 
 if TYPE_CHECKING:
     from layerstream.plan.placement import Placement
@@ -175,6 +176,11 @@ class HostStore(Protocol):
         """The form the store keeps the block's bytes in (pure): the disk tier writes and reads the block's bytes
         in its host store's form, so float8 blocks are float8 on disk too."""
 
+    def disk_part(self, layout: BlockLayout) -> DiskPart:
+        """What this process keeps of the block where the disk tier holds it in the store's stead (pure): the
+        whole stored block (`WholePart`), or this rank's shard of it (the sharded store), on disk and in the disk
+        tier's host buffers, and how those bytes reach a slot."""
+
     def place_(self, placement: Placement) -> None:
         """The placement's decisions, before `check_layouts_` (the tiered store learns which blocks go to disk)."""
 
@@ -208,6 +214,69 @@ class HostStore(Protocol):
     def release_(self) -> None:
         """The model was dropped without `disable()`: free and unpin the host memory (and remove spill files),
         restoring nothing and telling no peer. The caller has closed the copy engine first."""
+
+
+@runtime_checkable
+class DiskPart(Protocol):
+    """What this process keeps of one block of the disk tier: stored bytes [start, start + nbytes) of the block
+    in its form, on disk (a spill file, or the checkpoint's ranges), in the staging ring and in the host pool;
+    and how they reach a device slot. The disk store asks each block's host store (`HostStore.disk_part`)."""
+
+    form: StoredForm
+    start: int
+    """The first stored byte of the part (0 for a whole block; rank r's shard starts at r x its size)."""
+    nbytes: int
+    """Bytes of the part (a shard's zero padding past the block's end included)."""
+    keeps_originals: bool
+    """The block keeps its original tensors until the store commits, so that a rollback gives them back without
+    reading the part (a lossy form's rounded bytes, or a shard that holds only part of the block)."""
+    restored_by_host_store: bool
+    """The block's full bytes exist only across ranks: its host store restores it (`restore_`, a collective in
+    the order of its peers) and the disk store leaves it alone at restore and at a rollback after the commit."""
+
+    def staged_(self, block: StoredBlock) -> None:
+        """The disk store staged the block as `block` (whose `read_into_` reads the part back): the sharded
+        store registers it with its gather, in the order blocks are staged on every rank."""
+
+    def fill_(self, out: torch.Tensor, files: MappedFiles | None, reader: FileReader | None) -> int:
+        """Write the part (uint8, `nbytes`, zeroed by the caller) from the block's original tensors; returns
+        the bytes read from files."""
+
+    def to_slot_(self, held: torch.Tensor, slot_buffer: torch.Tensor, non_blocking: bool) -> int:
+        """Move the part, held in `held[:nbytes]` (a staging buffer or a pool entry), into its place in the
+        slot: one copy, or the shard's copy and the all-gather of every rank's shard (the caller then unpacks a
+        lossy form in the slot and records its event). Returns the bytes that crossed this process's link."""
+
+    def compute_bytes(self, held: torch.Tensor) -> torch.Tensor:
+        """The compute layout's bytes from the part read back (a restore by the disk store: whole parts only)."""
+
+
+class WholePart:
+    """The `DiskPart` of every store that keeps blocks whole: the block's stored bytes, in its form."""
+
+    start = 0
+    restored_by_host_store = False
+
+    def __init__(self, form: StoredForm):
+        self.form = form
+        self.nbytes = form.stored_nbytes
+        self.keeps_originals = not form.lossless
+
+    def __repr__(self) -> str:
+        return f"WholePart({self.form!r})"
+
+    def staged_(self, block: StoredBlock) -> None:
+        pass  # nobody else needs to know
+
+    def fill_(self, out: torch.Tensor, files: MappedFiles | None, reader: FileReader | None) -> int:
+        return self.form.fill_(out, files, reader)
+
+    def to_slot_(self, held: torch.Tensor, slot_buffer: torch.Tensor, non_blocking: bool) -> int:
+        stored_region(self.form, slot_buffer).copy_(held[: self.nbytes], non_blocking=non_blocking)
+        return self.nbytes
+
+    def compute_bytes(self, held: torch.Tensor) -> torch.Tensor:
+        return self.form.compute_bytes(held[: self.nbytes])
 
 
 @dataclass(frozen=True)
@@ -259,6 +328,9 @@ class HostStoreBase:
 
     def stored_form(self, layout: BlockLayout) -> StoredForm:
         return PackedForm(layout)
+
+    def disk_part(self, layout: BlockLayout) -> DiskPart:
+        return WholePart(self.stored_form(layout))  # this process keeps the whole block
 
     def place_(self, placement: Placement) -> None:
         pass  # a single-tier store holds every block it is given

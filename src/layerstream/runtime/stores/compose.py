@@ -6,7 +6,9 @@ with None: allgather over a group of one is plain copies) and whether the compon
 its kind to the list the composition root passes (`offload.STORE_KINDS`), not by editing a chain of ifs. With
 `host_budget_gb` the tier is part of the composition: the components' stores become the host side of one
 `TieredHostStore` over one disk store, before the placement, which then prices blocks in the host side's
-figures and tells the stores its decisions (`place_`).
+figures and tells the stores its decisions (`place_`). The sharded store of allgather components is a host side
+like the others: the budget is spent in this rank's shard bytes, and the disk store keeps this rank's shard of
+each of its blocks (`HostStore.disk_part`), which then takes part in the all-gather.
 
 float8 storage (`storage_dtype`) is a form, not only a store: a component's blocks have one `CastForms`
 (`StoreContext.cast_forms`), which the float8 store keeps in host memory, the disk tier on disk and in its pool
@@ -162,15 +164,18 @@ def _store_for(comp: ResolvedComponent, ctx: StoreContext, kinds: Sequence[Store
 
 
 def _with_disk_tier(by_component: dict[str, HostStore], ctx: StoreContext) -> dict[str, HostStore]:
-    """Every component's store as the host side of one tiered store over one disk store (the config allows
-    `host_budget_gb` only with "rank-local" components: packed or float8 stores), so the disk store's figures
-    are counted once. The disk store keeps each block in its host store's form."""
+    """Every component's store (packed, float8 or sharded) as the host side of one tiered store over one disk
+    store, so the disk store's figures are counted once. The disk store keeps what each block's host store
+    says this process keeps of it (`disk_part`: the whole block in its form, or this rank's shard)."""
     assert ctx.spill_root is not None, "host_budget_gb needs a spill folder"
     host_of = {
         path: by_component[comp.path] for comp in ctx.plan.streamed for stack in comp.stacks for path in stack.block_paths
     }
     disk = DiskHostStore(
-        ctx.spill_root, simulated_gbps=ctx.simulated_disk_gbps, form_of=lambda layout: host_of[layout.path].stored_form(layout)
+        ctx.spill_root,
+        simulated_gbps=ctx.simulated_disk_gbps,
+        form_of=lambda layout: host_of[layout.path].stored_form(layout),
+        part_of=lambda layout: host_of[layout.path].disk_part(layout),
     )
     tiered = TieredHostStore(host_of, disk)
     return {path: tiered for path in by_component}

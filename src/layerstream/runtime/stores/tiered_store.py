@@ -1,9 +1,16 @@
 """A host store in two tiers, composed with the others when `host_budget_gb` is set: the blocks the placement
-keeps in host memory go to their component's own store (the host side: packed, or float8), the blocks it puts
+keeps in host memory go to their component's own store (the host side: packed, float8 or sharded), the blocks it puts
 on disk, and those of the host pool of alternating DiTs, go to the one disk store (`runtime.stores.disk`), which
 keeps each block in its host store's form (`stored_form`: float8 blocks are float8 on disk and in the pool). The
 placement prices blocks in the host side's figures; `place_` tells the tiered store which blocks went where.
-The streamer sees one `HostStore`; each block's `StoredBlock` comes from its tier."""
+The streamer sees one `HostStore`; each block's `StoredBlock` comes from its tier.
+
+The disk store keeps what the host store says this process keeps of a block (`disk_part`): with
+`weight_transfer: "allgather"` the sharded store's blocks on disk are this rank's shards, gathered into the slot
+with the other ranks' shards. So a host store checks every block it is the host side of, whichever tier holds
+it (the sharded store's ranks vote on all their blocks: each rank may put other blocks on disk), and restores
+first, while the spill files are still there (the sharded store restores its disk-tier shards itself, in the
+order of its peers)."""
 
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from layerstream.plan.placement import Placement
-from layerstream.runtime.contracts import HostStore, HostStoreBase, Pinner, StoredBlock, StoredForm, StoreStats
+from layerstream.runtime.contracts import DiskPart, HostStore, HostStoreBase, Pinner, StoredBlock, StoredForm, StoreStats
 from layerstream.runtime.packing.layout import BlockLayout
 from layerstream.runtime.stores.disk.disk_store import DiskHostStore
 
@@ -50,6 +57,9 @@ class TieredHostStore(HostStoreBase):
     def stored_form(self, layout: BlockLayout) -> StoredForm:
         return self.host_for(layout).stored_form(layout)
 
+    def disk_part(self, layout: BlockLayout) -> DiskPart:
+        return self.host_for(layout).disk_part(layout)
+
     def place_(self, placement: Placement) -> None:
         tier = placement.host_tier
         self._on_disk = frozenset(tier.from_disk_paths) if tier is not None else frozenset()
@@ -58,8 +68,8 @@ class TieredHostStore(HostStoreBase):
         self.disk.place_(placement)
 
     def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
-        for host in self.hosts:
-            host.check_layouts_([l for l in layouts if l.path not in self._on_disk and self.host_for(l) is host], slot_nbytes)
+        for host in self.hosts:  # every block it is the host side of, on disk too (see the module docstring)
+            host.check_layouts_([l for l in layouts if self.host_for(l) is host], slot_nbytes)
         self.disk.check_layouts_([l for l in layouts if l.path in self._on_disk], slot_nbytes)
 
     def report_failure_(self, error: BaseException) -> None:
@@ -91,13 +101,16 @@ class TieredHostStore(HostStoreBase):
         self._each_(lambda store: store.release_())
 
     def restore_(self, device: torch.device) -> None:
-        self._each_(lambda store: store.restore_(device))
+        # nothing reads ahead any more, then the host stores (the sharded one reads its shards on disk), then
+        # the disk store, which removes the spill files
+        self.disk.stop_reading_()
+        self._each_(lambda store: store.restore_(device), (*self.hosts, self.disk))
 
-    def _each_(self, step: Callable[[HostStore], None]) -> None:
-        """`step` on the disk store, then on every host store, each even if one before failed; the first failure
-        is raised after all of them ran."""
+    def _each_(self, step: Callable[[HostStore], None], stores: Sequence[HostStore] | None = None) -> None:
+        """`step` on each of `stores` (default: the disk store, then every host store), each even if one before
+        failed; the first failure is raised after all of them ran."""
         first_error: BaseException | None = None
-        for store in (self.disk, *self.hosts):
+        for store in stores if stores is not None else (self.disk, *self.hosts):
             try:
                 step(store)
             except BaseException as e:

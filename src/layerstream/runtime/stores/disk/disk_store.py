@@ -20,6 +20,12 @@ in the slot (`SlotUnpack`) after copying them into the slot's staging region. A 
 bfloat16 bytes), and the block keeps its original tensors until `commit_`, so that a rollback gives them back
 exactly; a restore reads the stored bytes back and upcasts them (the rounded values, as the float8 store).
 
+What the disk tier keeps of a block is its host store's `DiskPart` (`part_of`): the whole stored block, or,
+for `weight_transfer: "allgather"`, this rank's shard of it, which the part's copy into the slot gathers with
+the other ranks' shards (`distributed.sharded_store`). A part's bytes are a window of the stored block: a spill
+file holds the window, a checkpoint-backed part reads the file ranges that fall into it. A part whose full
+bytes exist only across ranks is restored by its host store, in the order of its peers.
+
 The pooled blocks of alternating DiTs (`HostPoolChoice`: Wan 2.2's experts) are disk blocks too, whose bytes
 stay in an entry of a `HostPool` (`host_pool`) while their DiT runs, read from disk only when the other DiT ran
 since.
@@ -46,10 +52,10 @@ import torch
 
 from layerstream.errors import TransferError, UnsupportedUseError
 from layerstream.plan.placement import HostPoolChoice, Placement
-from layerstream.runtime.contracts import HostStoreBase, Job, Pinner, StoredBlockBase, StoredForm, StoreStats
-from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
+from layerstream.runtime.contracts import DiskPart, HostStoreBase, Job, Pinner, StoredBlockBase, StoredForm, StoreStats, WholePart
+from layerstream.runtime.packing.file_reads import FileRange, FileReader, MappedFiles
 from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
-from layerstream.runtime.packing.stored_form import PackedForm, SlotUnpack, stored_region
+from layerstream.runtime.packing.stored_form import PackedForm, SlotUnpack
 from layerstream.runtime.stores.cast_store import current_tensor
 from layerstream.runtime.stores.disk.host_pool import HostPool
 from layerstream.runtime.stores.disk.sources import (
@@ -75,7 +81,7 @@ class DiskBlock(StoredBlockBase):
     def __init__(
         self,
         store: DiskHostStore,
-        form: StoredForm,
+        part: DiskPart,
         binder: TensorBinder,
         source,
         original_device: torch.device,
@@ -85,11 +91,14 @@ class DiskBlock(StoredBlockBase):
         self.store = store
         self.member = member
         """The alternating DiT the block belongs to, where there is a host pool (None otherwise)."""
-        self.form = form
+        self.part = part
+        """What this process keeps of the block: the whole stored block, or its shard (allgather)."""
+        form = self.form = part.form
         self.layout = form.layout
         self.unpack = SlotUnpack(form)
         self.originals = originals
-        """A lossy form's block keeps its own tensors until the store commits (the rollback gives them back)."""
+        """A lossy form's block (or a shard's) keeps its own tensors until the store commits (the rollback gives
+        them back)."""
         self.binder = binder
         self.source: CheckpointSource | SpillSource = source
         self.original_device = original_device
@@ -113,23 +122,31 @@ class DiskBlock(StoredBlockBase):
 
     @property
     def stored_nbytes(self) -> int:
-        """Bytes of the block on disk, in the staging ring and in the pool (its form's stored bytes)."""
-        return self.form.stored_nbytes
+        """Bytes of the block on disk, in the staging ring and in the pool: its part (the form's stored bytes, or
+        this rank's shard of them)."""
+        return self.part.nbytes
 
     @property
     def link_bytes(self) -> int:
-        return self.form.stored_nbytes
+        return self.part.nbytes
+
+    def copy_out_(self, held: torch.Tensor, slot_buffer: torch.Tensor, event) -> int:
+        """Move the block's bytes, read into `held`, into the slot (copied, or gathered with the other ranks'
+        shards) and record `event` after it on the copy stream (where the copy is asynchronous); then unpack."""
+        nbytes = self.part.to_slot_(held, slot_buffer, non_blocking=event is not None)
+        if event is not None:
+            event.record()  # `held` may be read into again once the copy (or gather) out of it is done
+        self.unpack.run_(slot_buffer)  # float8: the casts into the compute layout, after the copy on its stream
+        return nbytes
 
     def copy_job(self, slot_buffer: torch.Tensor) -> Job:
         store = self.store
-        region = stored_region(self.form, slot_buffer)
 
         def job() -> int:
             if store.pool is not None and self.member is not None:
                 store.pool.prepare_(self.member)  # the first block of another DiT: the pool reads its blocks
-            nbytes = store.staging.copy_(self, region, store.upcoming_after(self.path))
+            nbytes = store.staging.copy_(self, slot_buffer, store.upcoming_after(self.path))
             self.disk_wait = store.staging.last_disk_wait  # compute's part of it: count_stall_
-            self.unpack.run_(slot_buffer)  # float8: the casts into the compute layout, after the copy on its stream
             return nbytes
 
         return job
@@ -191,22 +208,20 @@ class PooledBlock(DiskBlock):
 
     def copy_job(self, slot_buffer: torch.Tensor) -> Job:
         store = self.store
-        region, nbytes = stored_region(self.form, slot_buffer), self.stored_nbytes
 
         def job() -> int:
             waited = time.perf_counter()
             entry = store.pool.take_(self)  # waits only when the pool is still reading it
             self.disk_wait = (waited, time.perf_counter())
-            store.pool.copy_out_(entry, region, nbytes)
-            self.unpack.run_(slot_buffer)  # float8: the casts into the compute layout, after the copy on its stream
-            return nbytes
+            return store.pool.copy_out_(entry, self, slot_buffer)
 
         return job
 
 
 class DiskHostStore(HostStoreBase):
     """`HostStore` for the blocks the placement puts on disk (see the module docstring). `root` is the folder
-    spill files go under (`disk_dir`, or the cache's spill folder: the composition root chooses)."""
+    spill files go under (`disk_dir`, or the cache's spill folder: the composition root chooses); `part_of` says
+    what this process keeps of each block (default: the whole block, in its `form_of` form)."""
 
     kind = "disk"
 
@@ -216,9 +231,12 @@ class DiskHostStore(HostStoreBase):
         simulated_gbps: float | None = None,
         pool: HostPoolChoice | None = None,
         form_of: Callable[[BlockLayout], StoredForm] = PackedForm,
+        part_of: Callable[[BlockLayout], DiskPart] | None = None,
     ):
         self.form_of = form_of
         """The form each block is kept in (the tiered store's host side says; default: packed)."""
+        self.part_of: Callable[[BlockLayout], DiskPart] = part_of or (lambda layout: WholePart(form_of(layout)))
+        """What this process keeps of each block (the host side's `disk_part`; pure)."""
         self.simulated_gbps = simulated_gbps
         """CPU measurements: every read lasts at least as long as on a disk of this bandwidth."""
         self.simulated_disk = threading.Lock()
@@ -298,8 +316,8 @@ class DiskHostStore(HostStoreBase):
         self.pool_choice = placement.host_tier.pool if placement.host_tier is not None else None
 
     def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
-        # the ring holds stored bytes: float8 blocks need about half of a bfloat16 block, not a whole slot
-        self._staging_nbytes = max((self.form_of(l).stored_nbytes for l in layouts), default=slot_nbytes)
+        # the ring holds parts: float8 blocks need about half of a bfloat16 block, a rank's shard 1/N of it
+        self._staging_nbytes = max((self.part_of(l).nbytes for l in layouts), default=slot_nbytes)
 
     def stats(self) -> StoreStats:
         pool = self.pool_nbytes
@@ -319,7 +337,8 @@ class DiskHostStore(HostStoreBase):
             self._files = MappedFiles.snapshot()
         if self.staging is None:
             self.staging = StagingRing(self._staging_nbytes, device, pin)
-        form = self.form_of(layout)
+        part = self.part_of(layout)
+        form = part.form
         compute = form.layout
         choice = self.pool_choice
         entry = choice.entry_of(layout.path) if choice is not None else None
@@ -327,42 +346,50 @@ class DiskHostStore(HostStoreBase):
             self.pool = HostPool(choice.entry_nbytes, choice.member_blocks, device, pin)
         packed = None
         if entry is not None and self.pool.owner(entry) is None:  # the entry starts with this block's bytes
-            packed = self.pool.buffers[entry][: form.stored_nbytes].zero_()  # zeroed pads: a spill file's bytes are defined
-            form.fill_(packed, self._files, self.reader)
+            packed = self.pool.buffers[entry][: part.nbytes].zero_()  # zeroed pads: a spill file's bytes are defined
+            part.fill_(packed, self._files, self.reader)
         original_device = compute.source_device()
-        source = self._checkpoint_source(compute) if form.lossless else None  # a lossy form's bytes are not the file's
+        source = self._checkpoint_source(compute, part) if form.lossless else None  # a lossy form's bytes are not the file's
         if source is None:
-            source = self._spill_(form, packed)
+            source = self._spill_(part, packed)
         binder = TensorBinder(compute, device)
         member = choice.member_of(layout.path) if choice is not None else None
-        # a lossless form's original tensors go now; a lossy one's stay until the commit, for an exact rollback
-        originals = None if form.lossless else [current_tensor(e.module, e.name, e.is_param) for e in compute.entries]
+        # the original tensors go now, or stay until the commit for a rollback that reads nothing (lossy, shard)
+        originals = [current_tensor(e.module, e.name, e.is_param) for e in compute.entries] if part.keeps_originals else None
         if entry is not None:
-            block = PooledBlock(self, form, binder, source, original_device, member, originals, entry=entry)
+            block = PooledBlock(self, part, binder, source, original_device, member, originals, entry=entry)
             self.pool.add_(block, holds_bytes=packed is not None)
         else:
-            block = DiskBlock(self, form, binder, source, original_device, member, originals)
+            block = DiskBlock(self, part, binder, source, original_device, member, originals)
         block.binder.evict_()
-        if form.lossless:
+        if not part.keeps_originals:
             compute.forget_sources()  # the block's memory (or its view of the checkpoint) goes now
+        part.staged_(block)
         self.blocks[layout.path] = block
         return block
 
-    def _checkpoint_source(self, layout: BlockLayout) -> CheckpointSource | None:
+    def _checkpoint_source(self, layout: BlockLayout, part: DiskPart) -> CheckpointSource | None:
         """The checkpoint's own file ranges for a block whose spans are unwritten views of its files (the few
-        spans made in memory kept as host bytes, up to `MAX_IN_MEMORY_FRACTION`); None: spill it."""
+        spans made in memory kept as host bytes, up to `MAX_IN_MEMORY_FRACTION`), cut to the part's window (a
+        rank's shard reads only the ranges that fall into its shard); None: spill it."""
         spans = layout.span_file_ranges(self._files)
         in_memory = [(dst, length) for source, dst, length in spans if source is None and length > 0]
         if len(in_memory) == len(spans) or sum(n for _, n in in_memory) > MAX_IN_MEMORY_FRACTION * layout.nbytes:
             return None
-        chunks = []
-        for dst, length in in_memory:
-            chunk = torch.empty(length, dtype=torch.uint8)
-            layout.copy_range_into(chunk, dst)
-            chunks.append((chunk, dst))
-        return CheckpointSource([(s, dst) for s, dst, _ in spans if s is not None], chunks)
+        ranges, chunks = [], []
+        for source, dst, length in spans:
+            lo, hi = max(dst, part.start), min(dst + length, part.start + part.nbytes)
+            if lo >= hi:
+                continue  # the span lies outside this part
+            if source is not None:
+                ranges.append((FileRange(source.path, source.offset + lo - dst, hi - lo), lo - part.start))
+            else:
+                chunk = torch.empty(hi - lo, dtype=torch.uint8)
+                layout.copy_range_into(chunk, lo)
+                chunks.append((chunk, lo - part.start))
+        return CheckpointSource(ranges, chunks)
 
-    def _spill_(self, form: StoredForm, packed: torch.Tensor | None = None) -> SpillSource:
+    def _spill_(self, part: DiskPart, packed: torch.Tensor | None = None) -> SpillSource:
         if self.folder is None:
             self.root.mkdir(parents=True, exist_ok=True)
             # one folder per enable: processes (and pipelines) sharing disk_dir never touch each other's files;
@@ -370,12 +397,12 @@ class DiskHostStore(HostStoreBase):
             self.folder = Path(tempfile.mkdtemp(prefix=spill_folder_prefix(), dir=self.root))
         buffer = packed
         if buffer is None:  # (the bytes already stored for a pool entry are written as they are)
-            buffer = torch.zeros(form.stored_nbytes, dtype=torch.uint8)  # zeroed pads: the file's bytes are all defined
-            form.fill_(buffer, self._files, self.reader)
-        path = form.layout.path
+            buffer = torch.zeros(part.nbytes, dtype=torch.uint8)  # zeroed pads: the file's bytes are all defined
+            part.fill_(buffer, self._files, self.reader)
+        path = part.form.layout.path
         name = f"{len(self.blocks):05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', path)}.block"
         source = SpillSource.write(self.folder / name, buffer)
-        self.spill_bytes_written += form.stored_nbytes
+        self.spill_bytes_written += part.nbytes
         return source
 
     def commit_(self) -> None:
@@ -399,11 +426,16 @@ class DiskHostStore(HostStoreBase):
             self._release_()
 
     def restore_(self, device: torch.device) -> None:
-        self._close_staging_()  # first: a read-ahead (or pool read) in flight uses the reader the restore reads with
+        self.stop_reading_()  # first: a read-ahead (or pool read) in flight uses the reader the restore reads with
         try:
             self._restore_blocks_(lambda block: device)
         finally:
             self._release_()
+
+    def stop_reading_(self) -> None:
+        """Stop reading ahead and free the staging ring and the pool: before a restore, since a host store that
+        restores its parts itself reads them through the blocks' `read_into_`, with the reader a read-ahead uses."""
+        self._close_staging_()
 
     def _close_staging_(self) -> None:
         """Stop reading ahead and free the staging ring and the pool."""
@@ -426,6 +458,8 @@ class DiskHostStore(HostStoreBase):
             if block.originals is not None:  # a rollback before the commit: the very tensors it had
                 block.binder.bind_(block.originals)
                 continue
+            if block.part.restored_by_host_store:
+                continue  # a collective restore, in its peers' order: its host store restored it (or could not)
             buffer = torch.empty(block.stored_nbytes, dtype=torch.uint8)
             try:
                 block.read_into_(buffer)
@@ -433,7 +467,7 @@ class DiskHostStore(HostStoreBase):
                 logger.error("%s: cannot be read back from disk: %s", path, e)
                 first_error = first_error or e
                 continue
-            compute = block.form.compute_bytes(buffer)  # float8: upcast (exact) from the stored bytes
+            compute = block.part.compute_bytes(buffer)  # float8: upcast (exact) from the stored bytes
             block.binder.bind_(block.layout.separate_copies(compute, device_of(block)))
         if first_error is not None:
             raise first_error

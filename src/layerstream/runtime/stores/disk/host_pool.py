@@ -29,7 +29,7 @@ from layerstream.errors import TransferError
 from layerstream.runtime.contracts import Pinner
 from layerstream.runtime.packing.host_buffer import page_aligned_empty
 from layerstream.runtime.packing.layout import BlockLayout
-from layerstream.runtime.stores.disk.staging import copy_events, copy_out_, pin_all_or_none, unpin_all, wait_copied
+from layerstream.runtime.stores.disk.staging import copy_events, pin_all_or_none, unpin_all, wait_copied
 
 
 class PooledBlock(Protocol):
@@ -47,6 +47,9 @@ class PooledBlock(Protocol):
         """Bytes a read gives (the block's stored bytes: float8 ones for a float8 block)."""
 
     def read_into_(self, buffer: torch.Tensor) -> None: ...
+
+    def copy_out_(self, held: torch.Tensor, slot_buffer: torch.Tensor, event) -> int:
+        """Copy (or gather) the bytes in `held` into the slot, recording `event` after it."""
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +116,10 @@ class HostPool:
                 self._loads[entry] = None
         return entry
 
-    def copy_out_(self, entry: int, slot_buffer: torch.Tensor, nbytes: int) -> None:
-        """Copy the first `nbytes` of `entry` into the slot (after `take_`)."""
-        copy_out_(self.buffers[entry], slot_buffer, nbytes, self._copied[entry])
+    def copy_out_(self, entry: int, block: PooledBlock, slot_buffer: torch.Tensor) -> int:
+        """Copy `block`'s bytes out of `entry` into the slot (after `take_`); returns the bytes that crossed this
+        process's link."""
+        return block.copy_out_(self.buffers[entry], slot_buffer, self._copied[entry])
 
     def _change_to_(self, member: str, first: PooledBlock | None = None) -> None:
         if member != self.current:

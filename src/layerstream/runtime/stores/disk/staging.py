@@ -1,5 +1,5 @@
 """The staging ring of the disk tier, and what it shares with the host pool: buffers pinned all or none, and
-copies out of them into a device slot, asynchronous where CUDA events tell when they are done.
+events that tell when the copy out of a buffer into a device slot (asynchronous from pinned memory) is done.
 
 Disk, link and compute run as three stages: a `StagingRing` of `NUM_STAGING_BUFFERS` host buffers (pinned on an
 accelerator) is filled by a read-ahead I/O thread along the predicted order of disk blocks, and a block's copy
@@ -24,7 +24,8 @@ from layerstream.runtime.packing.layout import BlockLayout
 
 
 class DiskBlock(Protocol):
-    """What the ring needs of a disk block (`disk_store.DiskBlock`): its path, layout and a checked read."""
+    """What the ring needs of a disk block (`disk_store.DiskBlock`): its path, layout, a checked read and the
+    move of its bytes out of a buffer into the slot."""
 
     layout: BlockLayout
 
@@ -36,6 +37,10 @@ class DiskBlock(Protocol):
         """Bytes a read gives (the block's stored bytes: float8 ones for a float8 block)."""
 
     def read_into_(self, buffer: torch.Tensor) -> None: ...
+
+    def copy_out_(self, held: torch.Tensor, slot_buffer: torch.Tensor, event) -> int:
+        """Copy (or gather) the bytes read into `held` into the slot, recording `event` after it; returns the
+        bytes that crossed this process's link."""
 
 logger = logging.getLogger(__name__)
 
@@ -83,16 +88,6 @@ class _DeviceEvent:
             self.event.synchronize()  # the host waits for the copy out of the buffer before overwriting it
 
 
-def copy_out_(buffer: torch.Tensor, slot_buffer: torch.Tensor, nbytes: int, event) -> None:
-    """Copy `buffer[:nbytes]` into the slot: asynchronously, recording `event` after it on the current stream
-    (the engine's copy stream while a job runs), or in step where there is no event to tell when it is done."""
-    if event is None:
-        slot_buffer[:nbytes].copy_(buffer[:nbytes])
-    else:
-        slot_buffer[:nbytes].copy_(buffer[:nbytes], non_blocking=True)
-        event.record()
-
-
 def wait_copied(event) -> None:
     """Host-side wait for the device copy out of a buffer before a disk read overwrites it (it was issued a
     block ago, so it has usually finished)."""
@@ -135,17 +130,16 @@ class StagingRing:
         return self._pinner is not None
 
     def copy_(self, block: DiskBlock, slot_buffer: torch.Tensor, upcoming: Sequence[DiskBlock] = ()) -> int:
-        """Fill `slot_buffer[:nbytes]` with `block`'s bytes (checked) through a staging buffer, having made sure
-        that the blocks expected next (`upcoming`, the first `READ_AHEAD_DEPTH` of them) are being read ahead.
-        Runs on the thread of the copy job, on its stream."""
-        nbytes = block.stored_nbytes
+        """Fill the slot with `block`'s bytes (checked) through a staging buffer, having made sure that the
+        blocks expected next (`upcoming`, the first `READ_AHEAD_DEPTH` of them) are being read ahead; the copy
+        out is asynchronous where the buffer has an event (CUDA, pinned), else in step. Runs on the thread of
+        the copy job, on its stream; returns the bytes that crossed this process's link."""
         waited = time.perf_counter()
         i = self._take_(block)
         self.last_disk_wait = (waited, time.perf_counter())
         self._last = i
         self._read_ahead_(block, upcoming, i)  # first: the disk reads the next blocks while this one is copied
-        copy_out_(self.buffers[i], slot_buffer, nbytes, self._copied[i])
-        return nbytes
+        return block.copy_out_(self.buffers[i], slot_buffer, self._copied[i])
 
     def _take_(self, block: DiskBlock) -> int:
         """The buffer holding `block`'s bytes: the read-ahead's when it read this block, else read now."""
