@@ -1,10 +1,6 @@
-"""`Omni`: load a pipeline on the host, enable offload, and generate.
+"""`Omni`: load a pipeline on the host, enable offload, and generate (docs/python.md shows it in use).
 
-    omni = Omni(model="tiny-wan", diffusion_offload_config={"mode": "layer", "components": ["dit"]})
-    result = omni.generate("a red fox in the snow", num_inference_steps=4, seed=0)
-    result.save("fox.gif")
-
-A facade: loading on the host is `models.loading` (the whole model is never on the device at once), offload
+A facade: loading on the host is `models.loaded` (the whole model is never on the device at once), offload
 `enable_offload`, a request's pipeline call `pipeline_runner.PipelineRunner`, what a model accepts
 `models.model_rules`, the files an output makes `outputs`.
 """
@@ -20,7 +16,6 @@ from layerstream.config.offload_config import OffloadConfig, parse_offload_confi
 from layerstream.models.hub import ModelSource
 from layerstream.models.input_image import ImageInputKind, ImageSource
 from layerstream.models.model_rules import ModelRules
-from layerstream.models.output_limits import DEFAULT_MAX_SIDE_PIXELS
 from layerstream.offload import default_device, enable_offload
 from layerstream.outputs import IMAGE_SUFFIXES, VIDEO_SUFFIXES, GenerationResult, save_output
 from layerstream.pipeline_runner import PipelineRunner, RunStats, batch_requests, parse_dtype, request_options
@@ -34,9 +29,8 @@ DEFAULT_CONFIG = {"mode": "layer", "components": ["dit"]}
 
 
 class Omni:
-    """A pipeline loaded from a Hugging Face Hub id, a local diffusers folder or an embedded tiny model, with
-    offload enabled. A Hub id is downloaded into huggingface_hub's cache first (`revision` pins a branch, tag
-    or commit; `variant` picks weights such as ``"fp16"``, as diffusers names them)."""
+    """A pipeline loaded from a Hugging Face Hub id (into its cache first, at `revision`, in weights `variant`),
+    a local diffusers folder or an embedded tiny model, with offload enabled (docs/python.md)."""
 
     def __init__(
         self,
@@ -52,18 +46,17 @@ class Omni:
         revision: str | None = None,
         variant: str | None = None,
     ):
-        from layerstream.models.loaded import load_model
-        from layerstream.models.loading import resolve_model
+        from layerstream.models.loaded import load_model  # here: importing layerstream loads no diffusers
 
         # parse before loading: a bad config is reported before any weight is read
         self.config = parse_offload_config(diffusion_offload_config if diffusion_offload_config is not None else DEFAULT_CONFIG)
-        self.model = model.model if isinstance(model, ModelSource) else model
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = parse_dtype(dtype)
-        self.source = model if isinstance(model, ModelSource) else resolve_model(model, revision=revision, variant=variant)
+        loaded = load_model(model, dtype=self.dtype, revision=revision, variant=variant)
+        self.model, self.pipeline, self.kind = loaded.name, loaded.pipeline, loaded.kind
+        self._component_dtypes = loaded.component_dtypes
+        self.source: ModelSource = loaded.source
         """Where the model's files came from (a Hub id's revision and commit, or the folder)."""
-        loaded = load_model(self.source, dtype=self.dtype, name=self.model)
-        self.pipeline, self.kind, self._component_dtypes = loaded.pipeline, loaded.kind, loaded.component_dtypes
         self.rules: ModelRules = loaded.rules
         """What the model accepts and its defaults (size, frames, steps, guidance, frame rate)."""
         self.image_input: ImageInputKind = self.rules.image_input
@@ -95,15 +88,12 @@ class Omni:
         max_side_pixels: int | None = None,
         **options: Any,
     ) -> GenerationResult:
-        """Run the pipeline once, with `GenerationRequest`'s arguments (`options`: ``guidance_scale_2``,
-        ``true_cfg_scale``, ``boundary_ratio``, ``flow_shift``; None: the model's default); `on_step(step, total,
-        seconds)` after every step. Without a size, an input `image` gives it, within `max_side_pixels` (default
-        2048), rounded to the model's size multiple (`size_note` says how). All is checked before the run."""
-        max_side_pixels = max_side_pixels if max_side_pixels is not None else DEFAULT_MAX_SIDE_PIXELS
+        """Run the pipeline once with `GenerationRequest`'s arguments (`options`: the rest of them), checked before
+        the run; `on_step(step, total, seconds)` after every step (docs/python.md)."""
         request = GenerationRequest(
             prompt=prompt, negative_prompt=negative_prompt, image=image, height=height, width=width,
             num_frames=num_frames, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-            seed=seed, fps=fps, max_side_pixels=max_side_pixels, **request_options(options),
+            seed=seed, fps=fps, **request_options(options, max_side_pixels=max_side_pixels),
         )  # fmt: skip
         return self.run(request, on_step=on_step)
 
@@ -132,8 +122,7 @@ class Omni:
         on_step: Callable[[int, int, float], None] | None = None,
         **options: Any,
     ) -> list[GenerationResult]:
-        """One pipeline call for several outputs of one shape (output ``i``: ``prompts[i]``, seeded ``seeds[i]``):
-        each streamed block crosses the link once per step for all. See `PipelineRunner.run_batch`."""
+        """One pipeline call for outputs of one shape (output ``i``: ``prompts[i]``, seeded ``seeds[i]``)."""
         shape = GenerationRequest(
             prompt="", negative_prompt=negative_prompt, height=height, width=width, num_frames=num_frames,
             num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, fps=fps, **request_options(options),
@@ -147,8 +136,7 @@ class Omni:
         return self.runner.run_batch(requests, on_step=on_step)
 
     def component_dtypes(self) -> dict[str, str]:
-        """The dtype each component computes in (``"bfloat16"``): the one holding most of its weight bytes as
-        loaded (diffusers keeps a few norms of some models in float32 on purpose)."""
+        """The dtype each component computes in (``"bfloat16"``), as `models.loading.component_dtypes` reads it."""
         return dict(self._component_dtypes)
 
     def stats(self) -> OffloadStats | None:

@@ -279,13 +279,14 @@ def _check_batch(requests: list[GenerationRequest]) -> None:
             )
 
 
-def request_options(options: dict[str, Any]) -> dict[str, Any]:
-    """`generate`'s extra keywords, which must be `GenerationRequest` fields it has no parameter of its own for."""
+def request_options(options: dict[str, Any], *, max_side_pixels: int | None = None) -> dict[str, Any]:
+    """`generate`'s extra keywords, which must be `GenerationRequest` fields it has no parameter of its own for,
+    and `max_side_pixels` where given (None: `GenerationRequest`'s default)."""
     allowed = {"guidance_scale_2", "true_cfg_scale", "boundary_ratio", "flow_shift"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise GenerationError(f"{unknown[0]} is not a generation argument; expected one of {', '.join(sorted(allowed))}", field=unknown[0])
-    return options
+    return options if max_side_pixels is None else {**options, "max_side_pixels": max_side_pixels}
 
 
 def _guidance_arguments(request: GenerationRequest, rules: ModelRules, call) -> dict[str, Any]:

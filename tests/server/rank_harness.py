@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from layerstream.distributed.launch import free_port
+from layerstream.models.tiny import TINY_MODELS, ensure_tiny_model
 from serve_harness import ServerProcess, _wait_for_ready
 
 HERE = Path(__file__).parent
@@ -55,6 +56,10 @@ def start_rank_server(
 ) -> RankServer:
     """``layerstream serve MODEL --port 0 --nproc N ARGS``, or with `script`, ``torchrun ... script serve MODEL
     --port 0 ARGS`` (a test script in this folder that runs the command line with a fault switch)."""
+    if model in TINY_MODELS:
+        # built here, before any rank starts: rank 0 building it on a cold cache would outlast a short
+        # --collective-timeout-s while rank 1 waits (conftest builds them first only under xdist)
+        ensure_tiny_model(model)
     log_path = folder / "server.log"
     # each server its own job history: one folder holds one server's (a second is refused)
     data_dir = [] if "--data-dir" in args else ["--data-dir", str(folder / "data")]

@@ -23,7 +23,7 @@ class Started(AssertionError):
 def serve(layerstream_cli, monkeypatch):
     import layerstream.distributed.launch
     import layerstream.omni
-    import layerstream.server.runner
+    import layerstream.server.http_server
 
     def refuse(what: str):
         def started(*args, **kwargs):
@@ -33,7 +33,7 @@ def serve(layerstream_cli, monkeypatch):
 
     monkeypatch.setattr(layerstream.omni, "Omni", refuse("a model loaded"))
     monkeypatch.setattr(layerstream.distributed.launch, "start_torchrun", refuse("ranks started"))
-    monkeypatch.setattr(layerstream.server.runner, "run_server", refuse("the server started"))
+    monkeypatch.setattr(layerstream.server.http_server, "run_server", refuse("the server started"))
     return lambda *args: layerstream_cli("serve", *args)
 
 

@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:  # the server's own modules need the serve extra; say so in one line rather than a traceback
         from layerstream.server.jobs.manager import JobManager
-        from layerstream.server.runner import bind_socket, run_server
+        from layerstream.server.http_server import bind_socket, run_server
         from layerstream.server.service import GenerationService
     except ModuleNotFoundError as e:
         if e.name and e.name.startswith("layerstream"):
@@ -351,7 +351,7 @@ def _launch_ranks(args: argparse.Namespace, settings) -> int:
     """Run this command without --nproc in N ranks under torchrun; SIGTERM and SIGINT go to rank 0 alone,
     which drains and stops the others, so that every rank exits 0."""
     from layerstream.distributed.launch import start_torchrun, without_nproc
-    from layerstream.server.runner import bind_socket
+    from layerstream.server.http_server import bind_socket
 
     if settings.port != 0:  # a busy port is one line now, not an error in rank 0 after the others started
         try:
@@ -415,7 +415,7 @@ def _serve_rank(args: argparse.Namespace, config, settings, history) -> int:
     from layerstream.errors import OffloadError
     from layerstream.server.jobs.manager import JobManager
     from layerstream.server.ranks import ControlChannel, RankGroupError, RankRuntime, join_serving_ranks, serve_follower
-    from layerstream.server.runner import bind_socket, run_server
+    from layerstream.server.http_server import bind_socket, run_server
     from layerstream.server.service import GenerationService, RankGroup
 
     _configure_server_logging(getattr(args, "verbose", False), args.access_log)

@@ -1,6 +1,7 @@
 """`JobManager`: jobs queued on the service's worker, followed step by step, and kept in the store.
 
-A job is checked as a synchronous request is (`GenerationService.prepare`), stored as queued, and queued
+A job is checked as a synchronous request is (`GenerationService.prepare`), stored as queued (the
+`GenerationRequest` it runs and its `JobSettings`, which is all its record keeps of its body), and queued
 behind the others with a `StepObserver`, as one request run alone: in process, or on whichever rank its wave
 gives it. When it starts it is marked in progress; its steps become progress and preview events; once its
 future is answered its output, encoded with its settings inside, is written into the data folder and it is
@@ -33,6 +34,7 @@ from layerstream.server.jobs.records import (
     LiveProgress,
     job_object,
     run_figures,
+    shown_settings,
 )
 from layerstream.server.jobs.requests import ImageJobRequest, VideoJobRequest, seconds_shown
 from layerstream.server.jobs.store import JobStore
@@ -55,7 +57,7 @@ class _LiveJob:
 
     record: JobRecord
     served: ServedRequest
-    preview: bool
+    """What is queued: `record.request` with its input image, and how its output is encoded."""
     progress: LiveProgress = field(default_factory=LiveProgress)
     queued: Job | None = None
     stats_before: Any = None
@@ -103,13 +105,13 @@ class JobManager:
         # the output carries the settings needed to make it again, written as it is encoded (PNG text chunks,
         # the MP4's comment): nothing is decoded or remuxed afterwards
         metadata = {
-            **record.settings.to_dict(),
+            **shown_settings(record.request, record.settings),
             "model": record.model,
             "offload_config": self.service.omni.config.to_dict(),
             "job_id": record.id,
         }
-        served = replace(served, encoding=OutputEncoding("mp4" if self.kind == "video" else "png", metadata=metadata))
-        live = _LiveJob(record=record, served=served, preview=body.preview)
+        served = replace(served, encoding=OutputEncoding(record.settings.output_format, metadata=metadata))
+        live = _LiveJob(record=record, served=served)
         self.store.insert(record)
         self.metrics.record_job_state(record.id, record.status)
         with self._lock:
@@ -125,7 +127,7 @@ class JobManager:
                 raise ApiError(429, f"{e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
             raise ApiError(503, str(e), code="shutting_down") from None
         live.queued.future.add_done_callback(lambda future: self._finished(live, future))
-        logger.info("job %s queued (prompt %r)", record.id, record.settings.prompt[:80])
+        logger.info("job %s queued (prompt %r)", record.id, record.request.prompt[:80])
         return self._object(record, live)
 
     def get(self, job_id: str) -> dict[str, Any]:
@@ -191,7 +193,7 @@ class JobManager:
             return None
         live.progress.total_steps = live.served.request.num_inference_steps or 0
         live.stats_before = self.service.omni.stats()
-        return self._latent_projection() if live.preview else None
+        return self._latent_projection() if live.record.settings.preview else None
 
     def _finished(self, live: _LiveJob, future: Any) -> None:
         """The job's future is answered (on the worker, or on the event loop for a job failed by a drain before
@@ -224,7 +226,7 @@ class JobManager:
     def _complete(self, live: _LiveJob, data: bytes, usage: Any) -> None:
         """Store the job's file: encoded once by the worker, with the job's settings already inside it."""
         record = live.record
-        name, size = self.store.write_output(record.id, f".{live.served.encoding.format}", lambda p: p.write_bytes(data))
+        name, size = self.store.write_output(record.id, f".{record.settings.output_format}", lambda p: p.write_bytes(data))
         done = record.with_status(
             JobStatus.COMPLETED, progress=100, completed_at=int(time.time()), output_name=name, output_bytes=size,
             figures={**live.progress.figures(), **run_figures(usage)},
@@ -272,22 +274,11 @@ class JobManager:
 
     # views -----------------------------------------------------------------------------------------------------
     def _new_record(self, body: VideoJobRequest | ImageJobRequest, served: ServedRequest) -> JobRecord:
-        request, limits = served.request, self.service.limits
-        source = self.service.omni.source
-        width, height = request.width or limits.default_width, request.height or limits.default_height
+        """The queued job: the request `served` runs (its input image not kept) and what only a job has."""
+        request, source = served.request, self.service.omni.source
         settings = JobSettings(
-            prompt=request.prompt,
-            negative_prompt=request.negative_prompt,
-            size=f"{width}x{height}" if width and height else "auto",
-            num_frames=request.num_frames if self.kind == "video" else None,
-            fps=request.fps if self.kind == "video" else None,
-            num_inference_steps=request.num_inference_steps or limits.default_num_inference_steps,
-            seed=request.seed,
-            guidance_scale=request.guidance_scale,
-            guidance_scale_2=request.guidance_scale_2,
-            true_cfg_scale=request.true_cfg_scale,
-            boundary_ratio=request.boundary_ratio,
-            flow_shift=request.flow_shift,
+            output_format="mp4" if self.kind == "video" else "png",
+            preview=body.preview,
             has_input_image=request.image is not None,
             model_revision=source.to_dict().get("revision"),
             model_commit=source.commit,
@@ -298,9 +289,10 @@ class JobManager:
         return JobRecord(
             id=f"{self.kind}_{secrets.token_hex(16)}",
             kind=self.kind,
-            model=limits.model,
+            model=self.service.limits.model,
             status=JobStatus.QUEUED,
             created_at=int(time.time()),
+            request=replace(request, image=None),
             settings=settings,
             seconds=seconds,
         )
@@ -352,10 +344,9 @@ class _JobObserver:
         job_id = self.live.record.id
         if self.projection is None or (step % every and step != total) or not self.manager.events.wants(job_id):
             return
-        settings = self.live.record.settings
-        if settings.size == "auto":
+        width, height = self.live.record.request.width, self.live.record.request.height
+        if not (width and height):
             return  # the pipeline picks its size: the packed latents cannot be laid out without it
-        width, height = (int(side) for side in settings.size.split("x"))
         png = self.projection.preview_png(latents, width=width, height=height)
         self.manager.events.publish(job_id, JobEvent("preview", {"step": step, "image": preview_data_url(png)}))
 

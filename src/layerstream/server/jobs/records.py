@@ -1,4 +1,5 @@
-"""A job as the store keeps it and as the API shows it: its status, its settings, and its live progress."""
+"""A job as the store keeps it and as the API shows it: the `GenerationRequest` it runs and its `JobSettings`,
+its status, and its live progress."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import statistics
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Literal
+
+from layerstream.request import GenerationRequest
 
 JobKind = Literal["video", "image"]
 
@@ -29,28 +32,21 @@ STEPS_PERCENT = 90
 DECODED_PERCENT = 95
 
 
+RECORD_VERSION = 2
+"""The form `JobRecord.to_dict` writes: 2, the `GenerationRequest` and the `JobSettings`; 1 (no ``version``
+key), every setting in one flat ``settings`` object, still read (`_request_and_settings_v1`)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobSettings:
-    """Every setting needed to make the result again (the ``layerstream.settings`` of a job object)."""
+    """What only a job has, beside the `GenerationRequest` it runs."""
 
-    prompt: str
-    negative_prompt: str | None
-    size: str
-    """'WIDTHxHEIGHT' as generated."""
-    num_frames: int | None
-    """Videos: frames generated; None for images."""
-    fps: int | None
-    """Videos: frame rate of the MP4; None for images."""
-    num_inference_steps: int
-    seed: int
-    guidance_scale: float | None
-    """None: the model's default."""
-    has_input_image: bool
-    guidance_scale_2: float | None = None
-    """vllm-omni's fields, as the request gave them (None: the model's default; and in older records)."""
-    true_cfg_scale: float | None = None
-    boundary_ratio: float | None = None
-    flow_shift: float | None = None
+    output_format: Literal["mp4", "png"]
+    """The output file's format (a video job's MP4, an image job's PNG), encoded with `shown_settings` inside."""
+    preview: bool = False
+    """Whether preview images go out on the job's event stream."""
+    has_input_image: bool = False
+    """Whether the job had an input image (the request's image is not kept in the history)."""
     model_revision: str | None = None
     """A Hub model's revision as asked (``main``) and the commit it was (`model_commit`); None for a folder or a
     tiny model, and in records written before these fields existed."""
@@ -58,18 +54,8 @@ class JobSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "prompt": self.prompt,
-            "negative_prompt": self.negative_prompt,
-            "size": self.size,
-            "num_frames": self.num_frames,
-            "fps": self.fps,
-            "num_inference_steps": self.num_inference_steps,
-            "seed": self.seed,
-            "guidance_scale": self.guidance_scale,
-            "guidance_scale_2": self.guidance_scale_2,
-            "true_cfg_scale": self.true_cfg_scale,
-            "boundary_ratio": self.boundary_ratio,
-            "flow_shift": self.flow_shift,
+            "output_format": self.output_format,
+            "preview": self.preview,
             "has_input_image": self.has_input_image,
             "model_revision": self.model_revision,
             "model_commit": self.model_commit,
@@ -78,6 +64,29 @@ class JobSettings:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobSettings:
         return cls(**data)
+
+
+def shown_settings(request: GenerationRequest, settings: JobSettings) -> dict[str, Any]:
+    """Every setting needed to make the result again: the ``layerstream.settings`` of a job object, and what its
+    output file carries. `request` is the job's, the model's defaults filled in."""
+    width, height = request.width, request.height
+    return {
+        "prompt": request.prompt,
+        "negative_prompt": request.negative_prompt,
+        "size": f"{width}x{height}" if width and height else "auto",  # auto: the pipeline picks its size
+        "num_frames": request.num_frames,  # None for images, as fps
+        "fps": request.fps,
+        "num_inference_steps": request.num_inference_steps,
+        "seed": request.seed,
+        "guidance_scale": request.guidance_scale,  # None: the model's default, as the four below
+        "guidance_scale_2": request.guidance_scale_2,
+        "true_cfg_scale": request.true_cfg_scale,
+        "boundary_ratio": request.boundary_ratio,
+        "flow_shift": request.flow_shift,
+        "has_input_image": settings.has_input_image,
+        "model_revision": settings.model_revision,
+        "model_commit": settings.model_commit,
+    }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +99,9 @@ class JobRecord:
     status: JobStatus
     created_at: int
     """Unix seconds."""
+    request: GenerationRequest
+    """What the job runs, the model's defaults and its seed filled in (`GenerationService.prepare`); without its
+    input image, which the history does not keep (`JobSettings.has_input_image`)."""
     settings: JobSettings
     seconds: str | None = None
     """Videos: the duration as OpenAI's `seconds` field shows it (as asked, or frames / fps)."""
@@ -106,6 +118,49 @@ class JobRecord:
 
     def with_status(self, status: JobStatus, **changes: Any) -> JobRecord:
         return replace(self, status=status, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as the store keeps it (JSON-ready, `RECORD_VERSION`); `from_dict` reads it back."""
+        request = {name: value for name, value in self.request.to_dict().items() if name != "image"}
+        return {
+            "version": RECORD_VERSION, "id": self.id, "kind": self.kind, "model": self.model,
+            "status": str(self.status), "created_at": self.created_at, "request": request,
+            "settings": self.settings.to_dict(), "seconds": self.seconds, "progress": self.progress,
+            "completed_at": self.completed_at, "error": self.error, "output_name": self.output_name,
+            "output_bytes": self.output_bytes, "figures": self.figures,
+        }  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobRecord:
+        """A record as `to_dict` writes it, or as version 1 did (one flat ``settings`` object)."""
+        data = dict(data)
+        version = data.pop("version", 1)
+        if version == 1:
+            data["request"], data["settings"] = _request_and_settings_v1(data["kind"], data["settings"])
+        else:
+            data["request"] = GenerationRequest.from_dict(data["request"])
+            data["settings"] = JobSettings.from_dict(data["settings"])
+        return cls(**{**data, "status": JobStatus(data["status"])})
+
+
+def _request_and_settings_v1(kind: JobKind, old: dict[str, Any]) -> tuple[GenerationRequest, JobSettings]:
+    """A version 1 record's flat settings as the request and the job settings they describe (its vllm-omni
+    fields and model revision absent in the oldest of them)."""
+    width, height = (int(side) for side in old["size"].split("x")) if old["size"] != "auto" else (None, None)
+    request = GenerationRequest(
+        prompt=old["prompt"], negative_prompt=old["negative_prompt"], width=width, height=height,
+        num_frames=old["num_frames"], fps=old["fps"], num_inference_steps=old["num_inference_steps"],
+        seed=old["seed"], guidance_scale=old["guidance_scale"], guidance_scale_2=old.get("guidance_scale_2"),
+        true_cfg_scale=old.get("true_cfg_scale"), boundary_ratio=old.get("boundary_ratio"),
+        flow_shift=old.get("flow_shift"),
+    )  # fmt: skip
+    settings = JobSettings(
+        output_format="mp4" if kind == "video" else "png",
+        has_input_image=old["has_input_image"],
+        model_revision=old.get("model_revision"),
+        model_commit=old.get("model_commit"),
+    )
+    return request, settings
 
 
 @dataclass
@@ -194,6 +249,7 @@ def job_object(record: JobRecord, live: LiveProgress | None, queue_position: int
     """The job object of the API (OpenAI's video object, or its image twin), with the ``layerstream`` extension."""
     if live is None:
         live = LiveProgress.from_figures(record.figures) if record.figures else LiveProgress()
+    settings = shown_settings(record.request, record.settings)
     body: dict[str, Any] = {
         "id": record.id,
         "object": record.kind,
@@ -201,22 +257,22 @@ def job_object(record: JobRecord, live: LiveProgress | None, queue_position: int
         "progress": record.progress,
         "created_at": record.created_at,
         "completed_at": record.completed_at,
-        "size": record.settings.size,
+        "size": settings["size"],
     }
     if record.kind == "video":
         body["seconds"] = record.seconds
     running = record.status is JobStatus.IN_PROGRESS
     body |= {
         "model": record.model,
-        "prompt": record.settings.prompt,
+        "prompt": record.request.prompt,
         "error": record.error,
         "inference_time_s": (record.figures or {}).get("inference_time_s"),
         "peak_memory_mb": (record.figures or {}).get("peak_memory_mb"),
         "layerstream": {
-            "settings": record.settings.to_dict(),
+            "settings": settings,
             "queue_position": queue_position if record.status is JobStatus.QUEUED else None,
             "step": live.step if running or record.status.finished else 0,
-            "total_steps": live.total_steps or record.settings.num_inference_steps,
+            "total_steps": live.total_steps or record.request.num_inference_steps,
             "seconds_per_step": live.seconds_per_step,
             "eta_seconds": live.eta_seconds if running else None,
             "streamed_bytes": live.streamed_bytes,

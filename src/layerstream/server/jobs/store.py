@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from layerstream.atomic_write import PARTIAL_MARK, write_atomically
 from layerstream.errors import LayerstreamError
-from layerstream.server.jobs.records import JobKind, JobRecord, JobSettings, JobStatus
+from layerstream.server.jobs.records import JobKind, JobRecord, JobStatus
 from layerstream.server.jobs.settings import HistorySettings
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,9 @@ OUTPUTS_FOLDER = "outputs"
 SERVING_FOLDER = "serving"
 """Hard links to outputs being downloaded (`serve_output`): a job deleted meanwhile keeps sending its bytes."""
 LOCK_NAME = "lock"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: records of `RECORD_VERSION` 2 beside those of 1, which are read as they are (a version-1 layerstream,
+which cannot read the new ones, refuses the database)."""
 # what write_output writes (a job's output, or its temporary file): only these may be removed unasked, since
 # --data-dir may name a folder whose outputs/ also holds other files (another tool's results)
 _JOB_FILE = re.compile(rf"\.?(video|image)_[0-9a-f]+({re.escape(PARTIAL_MARK)}[0-9a-f]+)?\.(mp4|png)")
@@ -277,17 +279,8 @@ def _lock_folder(folder: Path):
 
 
 def _record_to_json(record: JobRecord) -> str:
-    data: dict[str, Any] = {
-        "id": record.id, "kind": record.kind, "model": record.model, "status": str(record.status),
-        "created_at": record.created_at, "settings": record.settings.to_dict(), "seconds": record.seconds,
-        "progress": record.progress, "completed_at": record.completed_at, "error": record.error,
-        "output_name": record.output_name, "output_bytes": record.output_bytes, "figures": record.figures,
-    }  # fmt: skip
-    return json.dumps(data)
+    return json.dumps(record.to_dict())
 
 
 def _record_from_json(text: str) -> JobRecord:
-    data = json.loads(text)
-    data["status"] = JobStatus(data["status"])
-    data["settings"] = JobSettings.from_dict(data["settings"])
-    return JobRecord(**data)
+    return JobRecord.from_dict(json.loads(text))
