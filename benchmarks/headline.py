@@ -35,7 +35,8 @@ import torch
 
 from layerstream import enable_offload
 from layerstream.bench.measure import measure_block_compute, measure_link_gbps
-from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB, DEFAULT_HOST_RESERVE_GB
+from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB
+from layerstream.machine.host_reserve import DECODED_BYTES_PER_VALUE, ENCODING_BYTES_PER_VALUE, FLOOR_NBYTES, TEXT_TOKENS
 from layerstream.machine.planner import CUDA_CONTEXT_GB, PROCESS_BASELINE_GB, Machine, MachinePlan, plan_for_machine
 from layerstream.timing.block_timer import synchronize
 from layerstream.timing.ideal import ideal_forward_seconds_with_disk, transfer_seconds
@@ -112,6 +113,19 @@ def measure_experts(pipe: WanPipeline, inputs: Inputs) -> dict[str, ExpertComput
     return out
 
 
+REAL_VIDEO = (720, 1280, 81)
+"""The real generation's height, width and frames (what its decode holds on the host)."""
+
+
+def real_host_reserve_gb() -> float:
+    """The planner's host reserve for the real generation (`machine.host_reserve`: its 720p x 81 frames decoded
+    and encoded, UMT5-XXL's outputs for the prompt and the negative one); this pipeline has no VAE to read it from."""
+    height, width, frames = REAL_VIDEO
+    values = height * width * frames * 3
+    text = 2 * TEXT_TOKENS * 4096 * DTYPE.itemsize
+    return max((DECODED_BYTES_PER_VALUE + ENCODING_BYTES_PER_VALUE) * values + text, FLOOR_NBYTES) / GB
+
+
 def machine_plan(pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy: bool) -> MachinePlan:
     """The planner's recommendation for the target machine (`layerstream plan --device-memory 24 --host-memory 32`),
     asked at the run's scale: memory figures divided by the memory scale (the planner's default 4 GB activation
@@ -122,7 +136,7 @@ def machine_plan(pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy
     machine = Machine(
         device_memory_gb=DEFAULT_ACTIVATION_RESERVE_GB + (s.device_gb - DEFAULT_ACTIVATION_RESERVE_GB) / m,
         host_memory_gb=s.host_gb / m, baseline_gb=(PROCESS_BASELINE_GB + CUDA_CONTEXT_GB) / m,
-        host_reserve_gb=DEFAULT_HOST_RESERVE_GB / m, link_gbps=ctx["link_gbps"], disk_gbps=disk_gbps, allow_lossy=lossy,
+        host_reserve_gb=real_host_reserve_gb() / m, link_gbps=ctx["link_gbps"], disk_gbps=disk_gbps, allow_lossy=lossy,
     )  # fmt: skip
     seconds = {f"{path}.blocks.{i}": t for path, c in ctx["compute"].items() for i, t in enumerate(c.block_s)}
     return plan_for_machine(pipe, machine, block_seconds=seconds, tokens=ctx["scale"].num_tokens)

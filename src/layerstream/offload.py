@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerstream.config.offload_config import AUTO, DEFAULT_HOST_RESERVE_GB, OffloadConfig, parse_offload_config
+from layerstream.config.offload_config import AUTO, OffloadConfig, parse_offload_config
 from layerstream.errors import LayerstreamError, OffloadError
+from layerstream.machine.host_reserve import host_reserve_for
 from layerstream.machine.memory import read_host_memory
 from layerstream.plan.host_budget import HostBudgetChoice, choose_host_budget, host_needs
 from layerstream.plan.placement import Placement, needs_device_budget, place_blocks, read_device_budget
@@ -224,10 +225,11 @@ def resolve_host_budget(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.
     memory = read_host_memory()
     if memory.free_nbytes is None:
         raise OffloadError('host_budget_gb = "auto": this system shows no /proc/meminfo or memory cgroup to read; give host_budget_gb as a number')
-    reserve_gb = config.host_reserve_gb if config.host_reserve_gb is not None else DEFAULT_HOST_RESERVE_GB
+    # the generation's own host allocations, for the pipeline's default size (host_reserve_gb overrides it)
+    reserve = host_reserve_for(pipeline, unbudgeted, config.host_reserve_gb, device_is_host=device.type == "cpu")
     needs = host_needs(
-        unbudgeted, placement, device_is_host=device.type == "cpu", reserve_gb=reserve_gb,
-        num_staging_buffers=NUM_STAGING_BUFFERS, block_host_nbytes=host_nbytes,
+        unbudgeted, placement, device_is_host=device.type == "cpu", reserve_nbytes=reserve.nbytes,
+        num_staging_buffers=NUM_STAGING_BUFFERS, block_host_nbytes=host_nbytes, reserve_name=reserve.need_name,
     )  # fmt: skip
     streamed = sum(host_nbytes[p] for p in placement.streamed_block_paths)
     # float8 stores keep a block's own tensors until the commit (an exact rollback): not freed while enabling
@@ -239,6 +241,7 @@ def resolve_host_budget(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.
         streamed_nbytes=streamed,
         needs=needs,
         held_nbytes=min(held_host_nbytes(pipeline, freed), sum(host_nbytes[p] for p in freed)),
+        reserve_reason=reserve.describe() if reserve.parts else "",
     )
     return dataclasses.replace(unbudgeted, config=dataclasses.replace(unbudgeted.config, host_budget_gb=choice.budget_gb)), choice
 

@@ -100,7 +100,7 @@ def test_the_prediction_is_the_bench_ideal_of_the_placed_blocks(tiny_wan):
 
 
 def test_a_small_host_puts_blocks_on_disk_and_the_disk_shows_in_the_prediction(tiny_wan):
-    machine = Machine(device_memory_gb=4.0003, host_memory_gb=1.41 + 2.0 + 0.00025, disk_gbps=1e-4)  # staging 0.16 MB + two blocks
+    machine = Machine(device_memory_gb=4.0003, host_memory_gb=1.41 + 2.0 + 0.00025, disk_gbps=1e-4, host_reserve_gb=2.0)  # staging 0.16 MB + two blocks
     result = plan_for_machine(tiny_wan, machine, size={"height": 32, "width": 32, "num_frames": 5})
     tier = result.placement.host_tier
     assert result.config["host_budget_gb"] == pytest.approx(result.host_budget.budget_gb, rel=1e-3)

@@ -3,10 +3,13 @@
 A container, a Slurm job or a systemd unit puts the process in a memory cgroup whose limit is often far below
 the machine's memory, and crossing it gets the process killed without a word. So the free memory is the
 smaller of `MemAvailable` in /proc/meminfo and, for the process's own cgroup and each cgroup above it, its
-limit minus its usage: cgroup v2 `memory.max` - `memory.current`, cgroup v1 `memory.limit_in_bytes` -
-`memory.usage_in_bytes` (the folder named by /proc/self/cgroup under the mount; a container that shows its
-own cgroup as the root of the mount is read there). Usage includes page cache the kernel could reclaim, so
-the headroom errs low, never high.
+limit minus its working set: cgroup v2 `memory.max` - (`memory.current` - `inactive_file` of `memory.stat`),
+cgroup v1 `memory.limit_in_bytes` - (`memory.usage_in_bytes` - `total_inactive_file`) (the folder named by
+/proc/self/cgroup under the mount; a container that shows its own cgroup as the root of the mount is read
+there). A cgroup's usage counts the page cache of every file its processes read (a checkpoint just loaded or
+downloaded), which the kernel reclaims under pressure before it kills anything; its inactive part is what
+Docker and Kubernetes leave out of the working set too. Active file pages stay counted, so the headroom errs
+low, never high.
 """
 
 from __future__ import annotations
@@ -22,16 +25,37 @@ UNLIMITED_NBYTES = 2**62
 
 @dataclass(frozen=True)
 class CgroupLimit:
-    """One memory cgroup that limits this process: where it is, its limit and its usage (bytes)."""
+    """One memory cgroup that limits this process: where it is, its limit, its usage and the inactive page
+    cache inside that usage (bytes)."""
 
     version: int
     folder: str
     limit_nbytes: int
     usage_nbytes: int
+    inactive_file_nbytes: int = 0
+    """Page cache the kernel would reclaim first (v1 `total_inactive_file`, v2 `inactive_file`); 0 unread."""
+
+    @property
+    def working_set_nbytes(self) -> int:
+        """Usage less its inactive page cache (as `docker stats` and the kubelet count it)."""
+        return max(self.usage_nbytes - self.inactive_file_nbytes, 0)
 
     @property
     def headroom_nbytes(self) -> int:
-        return max(self.limit_nbytes - self.usage_nbytes, 0)
+        return max(self.limit_nbytes - self.working_set_nbytes, 0)
+
+    def describe(self) -> str:
+        return (
+            f"cgroup v{self.version} {self.folder}: limit {_gb(self.limit_nbytes)} - working set "
+            f"{_gb(self.working_set_nbytes)} (usage {_gb(self.usage_nbytes)} - inactive file {_gb(self.inactive_file_nbytes)})"
+        )
+
+    def to_dict(self) -> dict[str, int | str]:
+        return {
+            "version": self.version, "folder": self.folder, "limit_bytes": self.limit_nbytes,
+            "usage_bytes": self.usage_nbytes, "inactive_file_bytes": self.inactive_file_nbytes,
+            "working_set_bytes": self.working_set_nbytes, "headroom_bytes": self.headroom_nbytes,
+        }  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -50,13 +74,17 @@ class HostMemory:
     def describe(self) -> str:
         parts = []
         if self.available_nbytes is not None:
-            parts.append(f"MemAvailable {self.available_nbytes / 1e9:.3g} GB")
+            parts.append(f"MemAvailable {_gb(self.available_nbytes)}")
         if self.cgroup is not None:
-            c = self.cgroup
-            parts.append(
-                f"cgroup v{c.version} {c.folder}: limit {c.limit_nbytes / 1e9:.3g} GB - usage {c.usage_nbytes / 1e9:.3g} GB"
-            )
+            parts.append(self.cgroup.describe())
         return "; ".join(parts) if parts else "nothing readable"
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "free_bytes": self.free_nbytes,
+            "available_bytes": self.available_nbytes,
+            "cgroup": self.cgroup.to_dict() if self.cgroup is not None else None,
+        }
 
 
 def read_host_memory(proc: Path = PROC, cgroup_root: Path = CGROUP_ROOT) -> HostMemory:
@@ -88,25 +116,52 @@ def _binding_cgroup(self_cgroup: Path, root: Path) -> CgroupLimit | None:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # cgroup v2 (the unified hierarchy: alone, or beside v1 in hybrid mode)
             for mount in (root, root / "unified"):
-                limits += _levels(mount, path, "memory.max", "memory.current", version=2)
+                limits += _levels(mount, path, _V2)
         elif "memory" in controllers.split(","):
-            limits += _levels(root / "memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes", version=1)
+            limits += _levels(root / "memory", path, _V1)
     return min(limits, key=lambda c: c.headroom_nbytes, default=None)
 
 
-def _levels(mount: Path, path: str, limit_file: str, usage_file: str, *, version: int) -> list[CgroupLimit]:
+@dataclass(frozen=True)
+class _Files:
+    version: int
+    limit: str
+    usage: str
+    inactive_file: str
+    """The key in `memory.stat` of the inactive page cache within `usage` (v1: the hierarchy's, as its usage)."""
+
+
+_V1 = _Files(1, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+_V2 = _Files(2, "memory.max", "memory.current", "inactive_file")
+
+
+def _levels(mount: Path, path: str, files: _Files) -> list[CgroupLimit]:
     """Every level from the process's cgroup up to the mount that has a limit."""
     folder = mount / path.lstrip("/")
     if not folder.is_dir():
         folder = mount  # a cgroup namespace: the process's own cgroup is the root of what it sees
     out = []
     while True:
-        limit, usage = _read_int(folder / limit_file), _read_int(folder / usage_file)
+        limit, usage = _read_int(folder / files.limit), _read_int(folder / files.usage)
         if limit is not None and usage is not None and limit < UNLIMITED_NBYTES:
-            out.append(CgroupLimit(version, str(folder), limit, usage))
+            inactive = min(_read_stat(folder / "memory.stat", files.inactive_file), usage)
+            out.append(CgroupLimit(files.version, str(folder), limit, usage, inactive))
         if folder == mount or mount not in folder.parents:
             return out
         folder = folder.parent
+
+
+def _read_stat(file: Path, key: str) -> int:
+    """One figure of a cgroup's `memory.stat` ("key value" lines); 0 where it or the file is absent."""
+    try:
+        lines = file.read_text().splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return 0
 
 
 def _read_int(file: Path) -> int | None:
@@ -116,3 +171,7 @@ def _read_int(file: Path) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.3g} GB"

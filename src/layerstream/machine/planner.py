@@ -16,7 +16,6 @@ from __future__ import annotations
 import inspect
 import math
 import statistics
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -24,9 +23,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB, DEFAULT_HOST_RESERVE_GB, parse_offload_config
+from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB, parse_offload_config
 from layerstream.errors import LayerstreamError
-from layerstream.models.geometry import pipeline_frame_multiple, pipeline_size_multiple
+from layerstream.machine.generation import block_activation_nbytes, latent_tokens
+from layerstream.machine.host_reserve import HostReserve, host_reserve_for
 from layerstream.plan.host_budget import GB, HostBudgetChoice, choose_host_budget, format_gb, host_needs
 from layerstream.plan.placement import Placement
 from layerstream.timing import ideal
@@ -66,8 +66,9 @@ class Machine:
     device_tflops: float = DEFAULT_DEVICE_TFLOPS
     baseline_gb: float = PROCESS_BASELINE_GB + CUDA_CONTEXT_GB
     """What the process holds before the model: the imports and the device's context."""
-    host_reserve_gb: float = DEFAULT_HOST_RESERVE_GB
-    """Host memory kept free for what a generation allocates (as `host_reserve_gb` in the config)."""
+    host_reserve_gb: float | None = None
+    """Host memory kept free for what a generation allocates (as `host_reserve_gb` in the config); None: the
+    estimate for the generation planned (`machine.host_reserve`)."""
     allow_lossy: bool = False
     """Whether float8 storage (lossy, rounded once) may be recommended."""
     forwards_per_step: int = FORWARDS_PER_STEP
@@ -97,6 +98,8 @@ class MachinePlan:
     notes: tuple[str, ...] = field(default=())
     activation_reserve_gb: float = DEFAULT_ACTIVATION_RESERVE_GB
     """Device memory left beside the resident parts for a forward's activations (`activation_reserve`)."""
+    host_reserve: HostReserve | None = None
+    """Host memory kept for what a generation allocates beside the store, and how it was reached."""
 
     @property
     def bound(self) -> Bound:
@@ -115,6 +118,7 @@ class MachinePlan:
                 "compute": self.compute_source,
                 "tokens": self.tokens,
                 "activation_reserve_gb": self.activation_reserve_gb,
+                "host_reserve": self.host_reserve.to_dict() if self.host_reserve is not None else None,
                 "host_budget": self.host_budget.to_dict(),
                 "placement": self.placement.to_dict(),
                 "notes": list(self.notes),
@@ -128,7 +132,8 @@ def check_machine(machine: Machine) -> None:
         value = getattr(machine, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise MachinePlanError(f"{name} = {value!r} is not valid; expected a finite number > 0")
-    if isinstance(machine.host_reserve_gb, bool) or not 0 <= machine.host_reserve_gb < float("inf"):
+    reserve = machine.host_reserve_gb
+    if reserve is not None and (isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0 <= reserve < float("inf")):
         raise MachinePlanError(f"host_reserve_gb = {machine.host_reserve_gb!r} is not valid; expected a finite number >= 0")
     if isinstance(machine.baseline_gb, bool) or not 0 <= machine.baseline_gb < float("inf"):
         raise MachinePlanError(f"baseline_gb = {machine.baseline_gb!r} is not valid; expected a finite number >= 0")
@@ -204,15 +209,16 @@ def plan_for_machine(
             f"{format_gb(device_nbytes)}; this model does not run on that device"
         )
     streamed = {p: host_nbytes[p] for p in placement.streamed_block_paths}
+    host_reserve = host_reserve_for(pipeline, unbudgeted, machine.host_reserve_gb, device_is_host=False, size=size, tokens=tokens)
     needs = host_needs(
-        unbudgeted, placement, device_is_host=False, reserve_gb=machine.host_reserve_gb,
-        num_staging_buffers=NUM_STAGING_BUFFERS, block_host_nbytes=host_nbytes,
+        unbudgeted, placement, device_is_host=False, reserve_nbytes=host_reserve.nbytes,
+        num_staging_buffers=NUM_STAGING_BUFFERS, block_host_nbytes=host_nbytes, reserve_name=host_reserve.need_name,
     )  # fmt: skip
     free = round((machine.host_memory_gb - machine.baseline_gb) * GB)
     try:
         choice = choose_host_budget(
             free_nbytes=free, free_source=f"host_memory_gb {machine.host_memory_gb:g} - baseline {machine.baseline_gb:g} GB",
-            streamed_nbytes=sum(streamed.values()), needs=needs,
+            streamed_nbytes=sum(streamed.values()), needs=needs, reserve_reason=host_reserve.describe() if host_reserve.parts else "",
         )  # fmt: skip
     except LayerstreamError as e:
         raise MachinePlanError(f"host_memory_gb = {machine.host_memory_gb:g}: {e}") from e
@@ -229,7 +235,7 @@ def plan_for_machine(
         machine, config, placement, choice, device_nbytes, host_total,
         sum(streamed[p] for p in tier.from_disk_paths) if tier is not None else 0,
         per_step["link_bytes"], per_step["disk_bytes"], per_step["seconds"],
-        {k: per_step[k + "_s"] for k in ("compute", "link", "disk")}, source, tokens, tuple(notes), reserve_gb,
+        {k: per_step[k + "_s"] for k in ("compute", "link", "disk")}, source, tokens, tuple(notes), reserve_gb, host_reserve,
     )  # fmt: skip
 
 
@@ -252,32 +258,6 @@ def _device_nbytes(plan, placement: Placement) -> int:
             block_bytes = sum(n for s in comp.stacks for p, n in zip(s.block_paths, s.block_bytes) if p in streamed)
             resident += comp.total_bytes - (block_bytes if comp.action == "stream" else 0)
     return resident + placement.ring_nbytes
-
-
-def latent_tokens(pipeline: Any, size: Mapping[str, int] | None = None) -> int:
-    """Latent tokens a DiT block sees at `size` (default: the pipeline's own default height, width, frames)."""
-    size = dict(size or {})
-    defaults = inspect.signature(pipeline.__call__).parameters
-    for key, fallback in (("height", 1024), ("width", 1024), ("num_frames", 1)):
-        default = defaults[key].default if key in defaults else None
-        size.setdefault(key, default if isinstance(default, int) else fallback)
-    side = pipeline_size_multiple(pipeline)
-    temporal = pipeline_frame_multiple(pipeline)
-    frames = (size["num_frames"] - 1) // temporal + 1 if temporal and "num_frames" in defaults else 1
-    return max(size["height"] // side, 1) * max(size["width"] // side, 1) * frames
-
-
-def block_activation_nbytes(block: nn.Module, tokens: int) -> int:
-    """An estimate of the activations one forward of `block` holds at its peak over `tokens` tokens, in its
-    dtype: the residual stream and its normed copy, beside either the attention's query, key, value and output
-    (four of the hidden width: fused attention keeps no tokens x tokens matrix) or the widest layer's output and
-    its activation. The hidden width is the input width most of the block's linear layers share."""
-    linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
-    if not linears:
-        return 0
-    hidden = Counter(m.in_features for m in linears).most_common(1)[0][0]
-    widest = max(m.out_features for m in linears)
-    return tokens * max(6 * hidden, 2 * hidden + 2 * widest) * linears[0].weight.dtype.itemsize
 
 
 def activation_reserve(pipeline: Any, tokens: int) -> tuple[float, bool]:
