@@ -53,12 +53,13 @@ class Omni:
         revision: str | None = None,
         variant: str | None = None,
     ):
+        from layerstream.models.launched_group import join_launched_group
         from layerstream.models.loading import component_dtypes, load_pipeline, pipeline_kind, resolve_model
 
         # parse before loading: a bad config is reported before any weight is read
         self.config = parse_offload_config(diffusion_offload_config if diffusion_offload_config is not None else DEFAULT_CONFIG)
         self.model = model.model if isinstance(model, ModelSource) else model
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = join_launched_group(self.config, device, process_group) or (torch.device(device) if device is not None else default_device())
         self.dtype = _parse_dtype(dtype)
         self.source = model if isinstance(model, ModelSource) else resolve_model(model, revision=revision, variant=variant)
         """Where the model's files came from (a Hub id's revision and commit, or the folder)."""
