@@ -52,9 +52,7 @@ from wan22_scenario import (
 STORAGES = ("bfloat16", "float8")
 PREDICTION_SOURCE = (
     "the planner (layerstream.machine.planner.plan_for_machine, as `layerstream plan --device-memory 24 --host-memory 32 "
-    "[--allow-lossy]`); its configuration is the one each row runs, and its prediction takes the compute per block "
-    "as `plan --measure` times it: in the row's warm-up step, from the runtime's trace (on the CPU, with the copy and read "
-    "threads beside it); resident blocks at their compute measured on the resident pipeline"
+    "[--allow-lossy]`), with compute per block measured on the resident pipeline; its configuration is the one each row runs"
 )
 
 
@@ -128,7 +126,7 @@ def real_host_reserve_gb() -> float:
     return max((DECODED_BYTES_PER_VALUE + ENCODING_BYTES_PER_VALUE) * values + text, FLOOR_NBYTES) / GB
 
 
-def machine_plan(pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy: bool, block_s: dict[str, float] | None = None) -> MachinePlan:
+def machine_plan(pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy: bool) -> MachinePlan:
     """The planner's recommendation for the target machine (`layerstream plan --device-memory 24 --host-memory 32`),
     asked at the run's scale: memory figures divided by the memory scale (the planner's default 4 GB activation
     reserve kept whole; at real widths and 75,600 tokens its estimate, about 5.7 GB, is larger and is the one
@@ -140,7 +138,7 @@ def machine_plan(pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy
         host_memory_gb=s.host_gb / m, baseline_gb=(PROCESS_BASELINE_GB + CUDA_CONTEXT_GB) / m,
         host_reserve_gb=real_host_reserve_gb() / m, link_gbps=ctx["link_gbps"], disk_gbps=disk_gbps, allow_lossy=lossy,
     )  # fmt: skip
-    seconds = block_s or {f"{path}.blocks.{i}": t for path, c in ctx["compute"].items() for i, t in enumerate(c.block_s)}
+    seconds = {f"{path}.blocks.{i}": t for path, c in ctx["compute"].items() for i, t in enumerate(c.block_s)}
     return plan_for_machine(pipe, machine, block_seconds=seconds, tokens=ctx["scale"].num_tokens)
 
 
@@ -165,9 +163,6 @@ class Offloaded:
     placement: Any
     config: dict[str, Any]
     copy_s: float | None
-    warm_block_s: dict[str, float] | None = None
-    """On the CPU: each DiT block's compute in the warm-up step, from the runtime's trace (median per block), as
-    `layerstream plan --measure` times it: with the copy and read threads running beside it."""
     """Median time of a DiT block's copy job on the CPU copy thread (the simulated link, plus any cast); None on
     a GPU (its copies are timed on the device only with a trace)."""
 
@@ -184,10 +179,6 @@ def run_offloaded(pipe: WanPipeline, inputs: Inputs, config: dict[str, Any], ctx
     print(f"enabled in {time.perf_counter() - started:.1f} s: {json.dumps(config)}", file=sys.stderr)  # progress
     try:
         warm_up(pipe, inputs)
-        warm: dict[str, list[float]] = {}
-        if device.type == "cpu":
-            for interval in handle.trace().lane("compute"):
-                warm.setdefault(interval.label, []).append(interval.end - interval.start)
         videos, ideals = [], []
         for turn in range(ctx["repeats"]):
             if turn % 2:  # offloaded first
@@ -199,8 +190,7 @@ def run_offloaded(pipe: WanPipeline, inputs: Inputs, config: dict[str, Any], ctx
         if device.type != "cpu":
             return Offloaded(videos, ideals, handle.placement, config, None)
         copies = [i.end - i.start for i in handle.trace().lane("copy") if i.component in ("transformer", "transformer_2")]
-        warm_s = {p: statistics.median(t) for p, t in warm.items() if p.split(".")[0] in ("transformer", "transformer_2")}
-        return Offloaded(videos, ideals, handle.placement, config, statistics.median(copies) if copies else None, warm_s or None)
+        return Offloaded(videos, ideals, handle.placement, config, statistics.median(copies) if copies else None)
     finally:
         handle.disable()  # the pipeline is whole on the host again (and the spill files are gone) for the next row
 
@@ -225,10 +215,6 @@ def predicted_loop_s(ctx: dict[str, Any], placement, transfer_s: float, disk_s: 
             extra += ideal - (c.other_s + sum(c.block_s))
             previous = path
     return resident_loop_s + extra
-
-
-def _resident_block_s(ctx: dict[str, Any]) -> dict[str, float]:
-    return {f"{path}.blocks.{i}": t for path, c in ctx["compute"].items() for i, t in enumerate(c.block_s)}
 
 
 def _delta(v: Video, name: str) -> float:
@@ -306,9 +292,6 @@ def measure_rows(pipe: WanPipeline, inputs: Inputs, ctx: dict[str, Any], disk_di
 
     def measure(name: str, plan: MachinePlan, config: dict[str, Any], disk_gbps: float | None, reference) -> Offloaded:
         run = run_offloaded(pipe, inputs, config, ctx, disk_gbps)
-        if run.warm_block_s is not None:  # the prediction from compute timed as `plan --measure` times it
-            lossy = "storage_dtype" in config["layer_options"]["dit"]
-            plan = machine_plan(pipe, ctx, disk_gbps or ctx["scenario"].disks_gbps[0], lossy, block_s={**_resident_block_s(ctx), **run.warm_block_s})
         rows.append(row_figures(name, run, plan, disk_gbps, reference or ("itself: the float8 reference", run.videos[0]), ctx))
         return run
 
