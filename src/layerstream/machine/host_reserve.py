@@ -23,15 +23,14 @@ from layerstream.machine.generation import block_activation_nbytes, generation_s
 from layerstream.plan.host_budget import GB, format_gb
 
 FLOOR_NBYTES = round(0.15 * GB)
-"""The least reserve: what a generation allocates whatever its size (a tiny Wan's whole generation, decode and
-encoding included, raised a process's RSS by 0.05-0.1 GB here)."""
+"""The least reserve: what a generation allocates whatever its size (Python objects, the tokenizer, the scheduler;
+an allowance, not measured). The 0.2 GB the issue found enough at 1/64 scale covers it."""
 DECODED_BYTES_PER_VALUE = 13
 """Host bytes per decoded pixel and channel at the decode's peak: three float32 copies and the uint8 frames."""
 ENCODING_BYTES_PER_VALUE = 1
 """Host bytes per pixel and channel while the output file is encoded (a padded uint8 copy)."""
 TEXT_TOKENS = 512
 """Text tokens of the prompt's hidden states (UMT5's and T5's maximum in Wan and Flux)."""
-Source = str
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,7 @@ class HostReserve:
     """The reserve (bytes) and how it was reached: the parts of the estimate, or the figure the config gave."""
 
     nbytes: int
-    source: Source
+    source: str
     """'host_reserve_gb' (given) or what the estimate was for ('estimated for 480x832 x 81 frames on cuda')."""
     parts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     """The estimate's parts by name (empty where the reserve was given)."""
