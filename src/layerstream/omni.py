@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from layerstream.config.offload_config import OffloadConfig, parse_offload_config
+from layerstream.models.generation_size import RequestSizes
 from layerstream.models.hub import ModelSource
 from layerstream.models.input_image import ImageInputKind, ImageSource
 from layerstream.models.model_rules import ModelRules, read_model_rules
@@ -52,7 +53,9 @@ class Omni:
         process_group=None,
         revision: str | None = None,
         variant: str | None = None,
+        requests: RequestSizes | None = None,  # what will be asked for: the host reserve of "auto" is sized to it
     ):
+        from layerstream.models.generation_size import generation_size_for
         from layerstream.models.launched_group import join_launched_group
         from layerstream.models.loading import component_dtypes, load_pipeline, pipeline_kind, resolve_model
 
@@ -80,6 +83,7 @@ class Omni:
                 simulated_link_gbps=simulated_link_gbps,
                 trace=trace,
                 process_group=process_group,  # allgather's group (None: the default group)
+                generation=generation_size_for(self.rules, requests),  # the largest generation (default: the model's)
             )
         else:
             self.pipeline.to(self.device)

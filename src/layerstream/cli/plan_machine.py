@@ -66,7 +66,7 @@ def run_machine_plan(args: argparse.Namespace, pipeline: Any) -> int:
         device_memory_gb=args.device_memory, host_memory_gb=args.host_memory, allow_lossy=args.allow_lossy,
         **{k: v for k, v in given.items() if v is not None},
     )  # fmt: skip
-    size = {k: v for k, v in (("height", args.height), ("width", args.width), ("num_frames", args.num_frames)) if v is not None}
+    size = planned_size(args, pipeline)
     try:
         check_machine(machine)
         result = plan_for_machine(pipeline, machine, size=size)
@@ -85,6 +85,17 @@ def run_machine_plan(args: argparse.Namespace, pipeline: Any) -> int:
     else:
         print("\n".join(machine_plan_lines(result)))
     return 0
+
+
+def planned_size(args: argparse.Namespace, pipeline: Any) -> dict[str, int]:
+    """--height/--width/--num-frames, each left out taken from the model's defaults (`ModelRules`: an embedded
+    tiny model's own small size, a real model's its pipeline's), as `Omni` would run it."""
+    from layerstream.models.generation_size import RequestSizes, generation_size_for
+    from layerstream.models.model_rules import read_model_rules
+
+    given = {k: v for k, v in (("height", args.height), ("width", args.width), ("num_frames", args.num_frames)) if v is not None}
+    generation = generation_size_for(read_model_rules(pipeline, args.model), RequestSizes(**given))
+    return given if generation is None else {**generation.as_size(), **given}
 
 
 def machine_plan_lines(result) -> list[str]:

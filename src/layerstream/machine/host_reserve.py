@@ -42,6 +42,8 @@ class HostReserve:
     """'host_reserve_gb' (given) or what the estimate was for ('estimated for 480x832 x 81 frames on cuda')."""
     parts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     """The estimate's parts by name (empty where the reserve was given)."""
+    size_source: str = ""
+    """Where the estimate's size came from: the model's defaults, the largest request, the size planned."""
 
     @property
     def need_name(self) -> str:
@@ -53,10 +55,14 @@ class HostReserve:
             return f"{format_gb(self.nbytes)} ({self.source})"
         parts = " + ".join(f"{name} {format_gb(n)}" for name, n in self.parts.items())
         floor = f", at least {format_gb(FLOOR_NBYTES)}" if sum(self.parts.values()) < self.nbytes else ""
-        return f"{format_gb(self.nbytes)} ({self.source}: {parts}{floor})"
+        size = f"; size: {self.size_source}" if self.size_source else ""
+        return f"{format_gb(self.nbytes)} ({self.source}: {parts}{floor}{size})"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"bytes": self.nbytes, "source": self.source, "parts": dict(self.parts), "reason": self.describe()}
+        return {
+            "bytes": self.nbytes, "source": self.source, "parts": dict(self.parts), "size_source": self.size_source,
+            "reason": self.describe(),
+        }  # fmt: skip
 
 
 def given_host_reserve(reserve_gb: float) -> HostReserve:
@@ -70,10 +76,13 @@ def estimate_host_reserve(
     size: Mapping[str, int] | None = None,
     tokens: int | None = None,
     dit_blocks: tuple[nn.Module, ...] = (),
+    size_source: str | None = None,
 ) -> HostReserve:
     """The reserve for one generation at `size` (default: the pipeline's own call defaults). Pixels are counted
     where the pipeline decodes them (it has a `vae`); `dit_blocks` (their first blocks) price the activations on
-    a CPU device at `tokens` latent tokens (default: `generation.latent_tokens`)."""
+    a CPU device at `tokens` latent tokens (default: `generation.latent_tokens`). `size_source` says where the
+    size came from (default: the size given, or the pipeline's call defaults)."""
+    source_of_size = size_source or ("the size planned" if size else "the pipeline's call defaults")
     size = generation_size(pipeline, size)
     parts: dict[str, int] = {}
     if getattr(pipeline, "vae", None) is not None:
@@ -87,8 +96,9 @@ def estimate_host_reserve(
         tokens = latent_tokens(pipeline, size) if tokens is None else tokens
         parts["activations (the device is the host)"] = max(block_activation_nbytes(b, tokens) for b in dit_blocks)
     frames = f" x {size['num_frames']} frames" if size["num_frames"] > 1 else ""
-    source = f"estimated for {size['height']}x{size['width']}{frames}"
-    return HostReserve(max(sum(parts.values()), FLOOR_NBYTES), source, MappingProxyType(parts))
+    at_tokens = f", {tokens} tokens" if tokens is not None and device_is_host and dit_blocks else ""
+    source = f"estimated for {size['height']}x{size['width']}{frames}{at_tokens}"
+    return HostReserve(max(sum(parts.values()), FLOOR_NBYTES), source, MappingProxyType(parts), source_of_size)
 
 
 def text_output_nbytes(pipeline: Any) -> int:
@@ -112,13 +122,20 @@ def host_reserve_for(
     device_is_host: bool,
     size: Mapping[str, int] | None = None,
     tokens: int | None = None,
+    generation: Any = None,
 ) -> HostReserve:
     """`reserve_gb` where given, else the estimate for `plan`'s pipeline (a `ResolvedOffloadPlan`: its DiTs' first
-    blocks price the activations on a CPU device)."""
+    blocks price the activations on a CPU device) at `generation` (a `models.generation_size.GenerationSize`:
+    the largest generation it will run) or else `size` and `tokens`."""
     from layerstream.plan.resolved import lookup
 
     if reserve_gb is not None:
         return given_host_reserve(reserve_gb)
+    source = None
+    if generation is not None:
+        size, tokens, source = generation.as_size(), generation.tokens, generation.source
     firsts = [s.block_paths[0] for c in plan.components if c.category == "dit" for s in c.stacks if s.block_paths]
     blocks = tuple(lookup(pipeline, p) for p in firsts)
-    return estimate_host_reserve(pipeline, device_is_host=device_is_host, size=size, tokens=tokens, dit_blocks=blocks)
+    return estimate_host_reserve(
+        pipeline, device_is_host=device_is_host, size=size, tokens=tokens, dit_blocks=blocks, size_source=source,
+    )  # fmt: skip
