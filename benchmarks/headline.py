@@ -52,7 +52,10 @@ from wan22_scenario import (
 STORAGES = ("bfloat16", "float8")
 PREDICTION_SOURCE = (
     "the planner (layerstream.machine.planner.plan_for_machine, as `layerstream plan --device-memory 24 --host-memory 32 "
-    "[--allow-lossy]`), with compute per block measured on the resident pipeline; its configuration is the one each row runs"
+    "[--allow-lossy]`), with compute per block measured on the resident pipeline at the start, times how much slower the "
+    "resident twin ran beside the row (drift); on the CPU with this CPU's compute time lost per GB copied, read and cast by "
+    "the copy and read threads (host_copy_costs, measured first); the host pool's reads at each change of expert over the "
+    "scenario's steps; its configuration is the one each row runs"
 )
 
 
@@ -126,20 +129,78 @@ def real_host_reserve_gb() -> float:
     return max((DECODED_BYTES_PER_VALUE + ENCODING_BYTES_PER_VALUE) * values + text, FLOOR_NBYTES) / GB
 
 
-def machine_plan(pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy: bool) -> MachinePlan:
+def machine_plan(pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy: bool, *, drift: float = 1.0, host_copy: bool = True) -> MachinePlan:
     """The planner's recommendation for the target machine (`layerstream plan --device-memory 24 --host-memory 32`),
     asked at the run's scale: memory figures divided by the memory scale (the planner's default 4 GB activation
     reserve kept whole; at real widths and 75,600 tokens its estimate, about 5.7 GB, is larger and is the one
-    used), the link and the disk as they are, the run's tokens, compute per block as measured on the resident
-    pipeline. Its seconds per step, times S, are its prediction for the real machine."""
+    used), the link and the disk as they are, the run's tokens and steps, compute per block as measured on the
+    resident pipeline times `drift` (how much slower the resident twin ran beside a row: the shared machine's
+    drift), and on the CPU the compute time this CPU loses per GB the copy and read threads move and per float8
+    GB they cast (`measure_host_copy_costs`; `host_copy` False leaves them out). Its seconds per step, times S,
+    are its prediction for the real machine."""
     s, m = ctx["scenario"], ctx["scale"].memory
+    costs = (ctx["host_copy_costs"] or {}) if host_copy else {}
     machine = Machine(
         device_memory_gb=DEFAULT_ACTIVATION_RESERVE_GB + (s.device_gb - DEFAULT_ACTIVATION_RESERVE_GB) / m,
         host_memory_gb=s.host_gb / m, baseline_gb=(PROCESS_BASELINE_GB + CUDA_CONTEXT_GB) / m,
         host_reserve_gb=real_host_reserve_gb() / m, link_gbps=ctx["link_gbps"], disk_gbps=disk_gbps, allow_lossy=lossy,
+        host_copy_s_per_gb=costs.get("copy_s_per_gb", 0.0), host_cast_s_per_gb=costs.get("cast_s_per_gb", 0.0),
     )  # fmt: skip
-    seconds = {f"{path}.blocks.{i}": t for path, c in ctx["compute"].items() for i, t in enumerate(c.block_s)}
-    return plan_for_machine(pipe, machine, block_seconds=seconds, tokens=ctx["scale"].num_tokens)
+    seconds = {f"{path}.blocks.{i}": t * drift for path, c in ctx["compute"].items() for i, t in enumerate(c.block_s)}
+    return plan_for_machine(pipe, machine, block_seconds=seconds, tokens=ctx["scale"].num_tokens, steps=s.steps)
+
+
+def measure_host_copy_costs(pipe: WanPipeline, inputs: Inputs, rounds: int = 3, forwards: int = 40) -> dict[str, float]:
+    """On a CPU device: the compute time a block's forward loses per GB a thread beside it copies (a block's
+    bytes, memcpy, once per forward, as the copy thread does while the stream runs ahead) and per GB of float8
+    bytes it casts to bfloat16 (the table lookups of the float8 form's unpacking), against the same forwards
+    alone; medians of `rounds` alternating turns. A machine figure for the planner (`Machine.host_copy_s_per_gb`)."""
+    from layerstream.runtime.packing.upcast import upcast_
+
+    block, dim = pipe.transformer.blocks[0], pipe.transformer.shape.dim
+    context, _ = pipe.encode(inputs.prompt_ids, inputs.negative_ids)
+    x, cond = inputs.latents.to(DTYPE), torch.zeros(1, dim, dtype=DTYPE)
+    nbytes = block_bytes(block)
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    stored = torch.ones(nbytes // 2, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    cast_to = torch.empty(nbytes // 2, dtype=DTYPE)
+    jobs = {"alone": (None, 0), "copy": (lambda: dst.copy_(src), nbytes), "cast": (lambda: upcast_(cast_to, stored), nbytes // 2)}
+    times: dict[str, list[float]] = {name: [] for name in jobs}
+    with torch.no_grad():
+        block(x, context, cond)  # warm
+        for _ in range(rounds):
+            for name, (job, _) in jobs.items():
+                times[name].append(_forwards_beside(lambda: block(x, context, cond), forwards, job))
+    alone = statistics.median(times["alone"])
+    lost = {name: max(statistics.median(times[name]) - alone, 0.0) for name in ("copy", "cast")}
+    return {
+        "copy_s_per_gb": lost["copy"] / (forwards * jobs["copy"][1] / GB),
+        "cast_s_per_gb": lost["cast"] / (forwards * jobs["cast"][1] / GB),
+        "forward_alone_s": alone / forwards,
+    }
+
+
+def _forwards_beside(forward, n: int, job) -> float:
+    """Seconds of `n` forwards, each handing `job` (None: nothing) to a thread beside them, its queue drained."""
+    import queue
+    import threading
+
+    todo: queue.Queue = queue.Queue()
+
+    def work() -> None:
+        while (item := todo.get()) is not None:
+            item()
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    start = time.perf_counter()
+    for _ in range(n):
+        if job is not None:
+            todo.put(job)
+        forward()
+    todo.put(None)
+    thread.join()
+    return time.perf_counter() - start
 
 
 def row_config(plan: MachinePlan, disk_dir: str, *, budget: bool = True) -> dict[str, Any]:
@@ -252,7 +313,17 @@ def row_figures(name: str, run: Offloaded, plan: MachinePlan, disk_gbps: float |
     link_bytes = round(_delta(v, "bytes_transferred") / max(_delta(v, "num_transfers"), 1))
     transfer_s = transfer_seconds(link_bytes, ctx["link_gbps"])
     disk_s = transfer_seconds(link_bytes, disk_gbps) if disk_gbps and on_disk else 0.0
+    drift = ideal_loop_s / ctx["resident"].loop_s  # the resident twin beside this row over the first resident video
+    lossy = "storage_dtype" in json.dumps(run.config)
+    disk_for_plan = disk_gbps if disk_gbps is not None else s.disks_gbps[0]
+    plan = machine_plan(ctx["pipe"], ctx, disk_for_plan, lossy, drift=drift)  # the same config: compute moves no block
     predicted = plan.seconds_per_step * S
+    parts = {
+        "predicted_before_s": machine_plan(ctx["pipe"], ctx, disk_for_plan, lossy, host_copy=False).seconds_per_step * S,
+        "predicted_without_drift_s": machine_plan(ctx["pipe"], ctx, disk_for_plan, lossy).seconds_per_step * S,
+        "predicted_without_host_copy_s": machine_plan(ctx["pipe"], ctx, disk_for_plan, lossy, drift=drift, host_copy=False).seconds_per_step * S,
+        "drift": drift,
+    }
     bench_ideal = predicted_loop_s(ctx, run.placement, transfer_s, disk_s, ideal_loop_s) / steps * S
     compute_s = statistics.mean(t for c in ctx["compute"].values() for t in c.block_s)
     stages = {"compute": compute_s, "link": transfer_s if run.copy_s is None else max(transfer_s, run.copy_s), "disk": disk_s}
@@ -261,7 +332,8 @@ def row_figures(name: str, run: Offloaded, plan: MachinePlan, disk_gbps: float |
     row = {
         "name": name, "status": "measured", "disk_gbps": disk_gbps,
         "measured_s": measured, "predicted_s": predicted, "ideal_s": ideal, "x_ideal": statistics.median(v.loop_s / i.loop_s for v, i in zip(run.videos, run.ideals)),
-        "measured_over_predicted": measured / predicted, "planner_bound": plan.bound,
+        "measured_over_predicted": measured / predicted, "planner_bound": plan.bound, **parts,
+        "measured_over_predicted_before": measured / parts["predicted_before_s"],
         "planner_disk_gb_per_step": plan.disk_nbytes_per_step * S / GB, "config": run.config,
         "bench_ideal_s": bench_ideal,
         "disk_gb_per_step": _delta(v, "disk_bytes_read") / steps * S / GB,
@@ -345,8 +417,11 @@ def run(s: Scenario, disk_dir: str, device: torch.device, repeats: int = 1, stor
     pipe, inputs, scale = prepare(s, device)
     resident, compute = run_resident(pipe, inputs, s.device_gb)
     link_gbps = s.link_gbps if device.type == "cpu" else measure_link_gbps(device, block_bytes(pipe.transformer.blocks[0]))
+    costs = measure_host_copy_costs(pipe, inputs) if device.type == "cpu" else None
+    if costs is not None:
+        print(f"host copy costs: {json.dumps(costs)}", file=sys.stderr)  # progress
     ctx = {"scenario": s, "scale": scale, "pipe": pipe, "resident": resident, "compute": compute, "link_gbps": link_gbps,
-           "repeats": repeats, "storages": storages,
+           "repeats": repeats, "storages": storages, "host_copy_costs": costs,
            "twin": copy.deepcopy(pipe) if device.type == "cpu" else None}  # fmt: skip
     rows = measure_rows(pipe, inputs, ctx, disk_dir)
     S, steps = scale.time_and_bytes, s.steps
@@ -359,7 +434,7 @@ def run(s: Scenario, disk_dir: str, device: torch.device, repeats: int = 1, stor
         "ideal": {"source": "the resident loop (every weight on the device); on the CPU a resident twin is timed in turn "
                   "with each row's videos, and x_ideal is the median of those pairs' ratios", "s_per_step": resident.loop_s / steps * S,
                   "published_s_per_step": s.block_compute_s * 2 * s.blocks_per_expert, "encode_s": resident.encode_s * S},
-        "prediction_source": PREDICTION_SOURCE,
+        "prediction_source": PREDICTION_SOURCE, "host_copy_costs": costs,
         "rows": rows,
     }  # fmt: skip
 

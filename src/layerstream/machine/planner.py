@@ -72,6 +72,13 @@ class Machine:
     allow_lossy: bool = False
     """Whether float8 storage (lossy, rounded once) may be recommended."""
     forwards_per_step: int = FORWARDS_PER_STEP
+    host_copy_s_per_gb: float = 0.0
+    """Compute time lost per GB the copy and read threads move, where they share the compute's cores: on a CPU
+    device, whose copies into slots and reads from disk are the host's own work (0 on an accelerator, whose
+    copies are its DMA engines'). A measured figure of the machine (`benchmarks/headline.py` measures it)."""
+    host_cast_s_per_gb: float = 0.0
+    """The same per GB of float8 bytes cast back to the compute dtype on the copy thread (a CPU device's table
+    lookups, `runtime/packing/upcast.py`; 0 on an accelerator, which casts in a kernel beside compute)."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,10 @@ def check_machine(machine: Machine) -> None:
     reserve = machine.host_reserve_gb
     if reserve is not None and (isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0 <= reserve < float("inf")):
         raise MachinePlanError(f"host_reserve_gb = {machine.host_reserve_gb!r} is not valid; expected a finite number >= 0")
+    for name in ("host_copy_s_per_gb", "host_cast_s_per_gb"):
+        value = getattr(machine, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            raise MachinePlanError(f"{name} = {value!r} is not valid; expected a finite number >= 0 (0: an accelerator's copies)")
     if isinstance(machine.baseline_gb, bool) or not 0 <= machine.baseline_gb < float("inf"):
         raise MachinePlanError(f"baseline_gb = {machine.baseline_gb!r} is not valid; expected a finite number >= 0")
     if machine.host_memory_gb <= machine.baseline_gb:
@@ -173,11 +184,13 @@ def plan_for_machine(
     size: Mapping[str, int] | None = None,
     block_seconds: Mapping[str, float] | None = None,
     tokens: int | None = None,
+    steps: int | None = None,
 ) -> MachinePlan:
     """The plan (see the module docstring). `size` ({"height", "width", "num_frames"}; default: the pipeline's
     own defaults) gives the tokens a block sees, or `tokens` gives them itself (a pipeline that is not diffusers');
-    `block_seconds` (block path -> seconds, from `measured_block_seconds`) replaces the FLOPs estimate. Raises
-    `MachinePlanError` where it cannot run."""
+    `block_seconds` (block path -> seconds, from `measured_block_seconds`) replaces the FLOPs estimate; `steps`
+    (default: the pipeline's own) spreads the host pool's reads at each change of expert over a generation.
+    Raises `MachinePlanError` where it cannot run."""
     from layerstream.offload import plan_placement, priced_placement  # the composition root prices the stores
     from layerstream.plan.resolver import resolve_offload_plan
     from layerstream.runtime.stores.disk.staging import NUM_STAGING_BUFFERS
@@ -227,7 +240,7 @@ def plan_for_machine(
     plan = resolve_offload_plan(pipeline, parse_offload_config(config))
     placement = plan_placement(pipeline, plan, cpu)
     compute, source = _block_compute(pipeline, placement, block_seconds, tokens, machine)
-    per_step = _per_step(plan, placement, streamed, compute, machine)
+    per_step = _per_step(plan, placement, streamed, compute, machine, _generation_steps(pipeline, steps))
     host_total = round(machine.baseline_gb * GB) + sum(needs.values()) - (0 if budget_gb is not None else needs["disk staging ring"])
     host_total += placement.host_tier.host_nbytes if placement.host_tier is not None else sum(streamed.values())
     tier = placement.host_tier
@@ -300,34 +313,61 @@ def _block_compute(pipeline, placement: Placement, block_seconds, tokens: int, m
     return compute, f"estimated: the blocks' FLOPs at {tokens} tokens and device_tflops {machine.device_tflops:g}"
 
 
-def _per_step(plan, placement: Placement, streamed: Mapping[str, int], compute: Mapping[str, float], machine: Machine) -> dict[str, float]:
+def _per_step(
+    plan, placement: Placement, streamed: Mapping[str, int], compute: Mapping[str, float], machine: Machine, steps: int,
+) -> dict[str, float]:  # fmt: skip
     """Bytes and seconds of one denoising step: `forwards_per_step` forwards of the DiT that runs (of DiTs
-    that alternate, the slower one; others run one after the other)."""
+    that alternate, the slower one; others run one after the other), and, spread over a generation of `steps`,
+    the first forward of each alternating DiT, which reads its pooled blocks from disk (`_forward`)."""
     tier = placement.host_tier
     per_dit: dict[str, dict[str, float]] = {}
+    entering: dict[str, dict[str, float]] = {}
     for comp in plan.streamed:
         if comp.category != "dit":
             continue
         blocks = [p for s in comp.stacks for p in s.block_paths]
-        moved = [p in streamed for p in blocks]
-        on_disk = [tier is not None and tier.on_disk(p) for p in blocks]
-        sizes = [streamed.get(p, 0) for p in blocks]
-        compute_s = [compute[p] for p in blocks]
-        link_s = ideal.block_transfer_seconds(sizes, moved, machine.link_gbps)
-        disk_s = ideal.block_disk_seconds(sizes, on_disk, machine.disk_gbps)
-        per_dit[comp.path] = {
-            "seconds": ideal.ideal_forward_seconds_with_disk(compute_s, link_s, disk_s),
-            "link_bytes": sum(n for n, m in zip(sizes, moved) if m),
-            "disk_bytes": sum(n for n, d in zip(sizes, on_disk) if d),
-            "compute_s": sum(compute_s), "link_s": sum(link_s), "disk_s": sum(disk_s),
-        }  # fmt: skip
+        per_dit[comp.path] = _forward(blocks, streamed, compute, machine, tier, cast=comp.storage_dtype is not None)
+        if comp.alternates and tier is not None and any(tier.pooled(p) for p in blocks):
+            entering[comp.path] = _forward(blocks, streamed, compute, machine, tier, cast=comp.storage_dtype is not None, pooled=True)
     alternating = [c.path for c in plan.streamed if c.alternates and c.path in per_dit]
     running = [p for p in per_dit if p not in alternating]
     if alternating:
         running.append(max(alternating, key=lambda p: per_dit[p]["seconds"]))
     keys = ("seconds", "link_bytes", "disk_bytes", "compute_s", "link_s", "disk_s")
     total = {k: machine.forwards_per_step * sum(per_dit[p][k] for p in running) for k in keys}
+    for path, first in entering.items():  # once a generation each: the pool's reads, over `steps` steps
+        for k in keys:
+            total[k] += (first[k] - per_dit[path][k]) / steps
     return {k: (round(v) if k.endswith("bytes") else v) for k, v in total.items()}
+
+
+def _forward(blocks, streamed, compute, machine: Machine, tier, *, cast: bool, pooled: bool = False) -> dict[str, float]:
+    """One forward of a DiT's `blocks`: each block's compute (plus the compute time its copy, cast and read take
+    from the cores where they share them, `Machine.host_copy_s_per_gb`), link and disk; `pooled`: the first
+    forward after a change of expert, whose pooled blocks are read from disk too."""
+    moved = [p in streamed for p in blocks]
+    on_disk = [tier is not None and (tier.on_disk(p) or (pooled and tier.pooled(p))) for p in blocks]
+    sizes = [streamed.get(p, 0) for p in blocks]
+    per_gb = machine.host_copy_s_per_gb + (machine.host_cast_s_per_gb if cast else 0.0)
+    compute_s = [
+        compute[p] + (n * per_gb * m + n * machine.host_copy_s_per_gb * d) / GB for p, n, m, d in zip(blocks, sizes, moved, on_disk)
+    ]  # fmt: skip
+    link_s = ideal.block_transfer_seconds(sizes, moved, machine.link_gbps)
+    disk_s = ideal.block_disk_seconds(sizes, on_disk, machine.disk_gbps)
+    return {
+        "seconds": ideal.ideal_forward_seconds_with_disk(compute_s, link_s, disk_s),
+        "link_bytes": sum(n for n, m in zip(sizes, moved) if m),
+        "disk_bytes": sum(n for n, d in zip(sizes, on_disk) if d),
+        "compute_s": sum(compute_s), "link_s": sum(link_s), "disk_s": sum(disk_s),
+    }  # fmt: skip
+
+
+def _generation_steps(pipeline: Any, steps: int | None) -> int:
+    """`steps`, else the pipeline's own default number of denoising steps (50 where its call names none)."""
+    if steps is not None:
+        return steps
+    default = inspect.signature(pipeline.__call__).parameters.get("num_inference_steps")
+    return default.default if default is not None and isinstance(default.default, int) and default.default > 0 else 50
 
 
 def measured_block_seconds(pipeline: Any, config: Mapping[str, Any], size: Mapping[str, int], device: torch.device) -> dict[str, float]:
