@@ -35,7 +35,8 @@ import torch
 
 from layerstream import enable_offload
 from layerstream.bench.measure import measure_block_compute, measure_link_gbps
-from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB, DEFAULT_HOST_RESERVE_GB
+from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB
+from layerstream.machine.host_reserve import DECODED_BYTES_PER_VALUE, ENCODING_BYTES_PER_VALUE, FLOOR_NBYTES, TEXT_TOKENS
 from layerstream.machine.planner import CUDA_CONTEXT_GB, PROCESS_BASELINE_GB, Machine, MachinePlan, plan_for_machine
 from layerstream.timing.block_timer import synchronize
 from layerstream.timing.ideal import ideal_forward_seconds_with_disk, transfer_seconds
@@ -51,7 +52,10 @@ from wan22_scenario import (
 STORAGES = ("bfloat16", "float8")
 PREDICTION_SOURCE = (
     "the planner (layerstream.machine.planner.plan_for_machine, as `layerstream plan --device-memory 24 --host-memory 32 "
-    "[--allow-lossy]`), with compute per block measured on the resident pipeline; its configuration is the one each row runs"
+    "[--allow-lossy]`), with compute per block measured on the resident pipeline at the start, times how much slower the "
+    "resident twin ran beside the row than that compute makes a loop (drift); on the CPU with this CPU's compute time lost per GB copied, read and cast by "
+    "the copy and read threads (host_copy_costs, measured first); the host pool's reads at each change of expert over the "
+    "scenario's steps; its configuration is the one each row runs"
 )
 
 
@@ -112,20 +116,73 @@ def measure_experts(pipe: WanPipeline, inputs: Inputs) -> dict[str, ExpertComput
     return out
 
 
-def machine_plan(pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy: bool) -> MachinePlan:
+REAL_VIDEO = (720, 1280, 81)
+"""The real generation's height, width and frames (what its decode holds on the host)."""
+
+
+def real_host_reserve_gb() -> float:
+    """The planner's host reserve for the real generation (`machine.host_reserve`: its 720p x 81 frames decoded
+    and encoded, UMT5-XXL's outputs for the prompt and the negative one); this pipeline has no VAE to read it from."""
+    height, width, frames = REAL_VIDEO
+    values = height * width * frames * 3
+    text = 2 * TEXT_TOKENS * 4096 * DTYPE.itemsize
+    return max((DECODED_BYTES_PER_VALUE + ENCODING_BYTES_PER_VALUE) * values + text, FLOOR_NBYTES) / GB
+
+
+def machine_plan(pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy: bool, *, drift: float = 1.0, host_copy: bool = True) -> MachinePlan:
     """The planner's recommendation for the target machine (`layerstream plan --device-memory 24 --host-memory 32`),
     asked at the run's scale: memory figures divided by the memory scale (the planner's default 4 GB activation
     reserve kept whole; at real widths and 75,600 tokens its estimate, about 5.7 GB, is larger and is the one
-    used), the link and the disk as they are, the run's tokens, compute per block as measured on the resident
-    pipeline. Its seconds per step, times S, are its prediction for the real machine."""
+    used), the link and the disk as they are, the run's tokens and steps, compute per block as measured on the
+    resident pipeline times `drift` (how much slower the resident twin ran beside a row: the shared machine's
+    drift), and on the CPU the compute time this CPU loses per GB the copy and read threads move and per float8
+    GB they cast (`measure_host_copy_costs`; `host_copy` False leaves them out). Its seconds per step, times S,
+    are its prediction for the real machine."""
     s, m = ctx["scenario"], ctx["scale"].memory
+    costs = (ctx["host_copy_costs"] or {}) if host_copy else {}
     machine = Machine(
         device_memory_gb=DEFAULT_ACTIVATION_RESERVE_GB + (s.device_gb - DEFAULT_ACTIVATION_RESERVE_GB) / m,
         host_memory_gb=s.host_gb / m, baseline_gb=(PROCESS_BASELINE_GB + CUDA_CONTEXT_GB) / m,
-        host_reserve_gb=DEFAULT_HOST_RESERVE_GB / m, link_gbps=ctx["link_gbps"], disk_gbps=disk_gbps, allow_lossy=lossy,
+        host_reserve_gb=real_host_reserve_gb() / m, link_gbps=ctx["link_gbps"], disk_gbps=disk_gbps, allow_lossy=lossy,
+        host_copy_s_per_gb=costs.get("copy_s_per_gb", 0.0), host_cast_s_per_gb=costs.get("cast_s_per_gb", 0.0),
     )  # fmt: skip
-    seconds = {f"{path}.blocks.{i}": t for path, c in ctx["compute"].items() for i, t in enumerate(c.block_s)}
-    return plan_for_machine(pipe, machine, block_seconds=seconds, tokens=ctx["scale"].num_tokens)
+    seconds = {f"{path}.blocks.{i}": t * drift for path, c in ctx["compute"].items() for i, t in enumerate(c.block_s)}
+    return plan_for_machine(pipe, machine, block_seconds=seconds, tokens=ctx["scale"].num_tokens, steps=s.steps)
+
+
+def measure_host_copy_costs(pipe: WanPipeline, twin: WanPipeline, inputs: Inputs, link_gbps: float, rounds: int = 5) -> dict[str, float]:
+    """On a CPU device: the compute time the runtime's copy thread takes from compute, per GB it copies into
+    slots (every block of the high-noise expert streamed from host memory in bfloat16) and per float8 GB it
+    also casts (the same in float8), measured as one forward of that expert offloaded against the same forward
+    of the resident twin, in turns (`rounds`, medians). A calibration before the rows, in a configuration
+    none of them runs; machine figures for the planner (`Machine.host_copy_s_per_gb`, `host_cast_s_per_gb`)."""
+    context, _ = twin.encode(inputs.prompt_ids, inputs.negative_ids)
+    x = inputs.latents.to(DTYPE)
+    t = torch.full((1, pipe.transformer.shape.dim), 0.5, dtype=DTYPE)
+    lost: dict[str, float] = {}
+    for storage, extra in (("bfloat16", {}), ("float8", {"layer_options": {"dit": {"storage_dtype": "float8_e4m3fn"}}})):
+        handle = enable_offload(pipe, {"mode": "layer", "components": ["dit"], **extra}, "cpu", simulated_link_gbps=link_gbps)
+        try:
+            with torch.no_grad():
+                for _ in range(3):  # the streamer learns the order; the host store is touched
+                    pipe.transformer(x, context, t)
+                times: dict[str, list[float]] = {"resident": [], "offloaded": []}
+                before = handle.stats().bytes_transferred
+                for _ in range(rounds):
+                    for name, model in (("resident", twin.transformer), ("offloaded", pipe.transformer)):
+                        started = time.perf_counter()
+                        model(x, context, t)
+                        times[name].append(time.perf_counter() - started)
+                moved = (handle.stats().bytes_transferred - before) / rounds
+        finally:
+            handle.disable()
+        lost[storage] = max(statistics.median(times["offloaded"]) - statistics.median(times["resident"]), 0.0) / (moved / GB)
+        lost[storage + "_resident_forward_s"] = statistics.median(times["resident"])
+    return {
+        "copy_s_per_gb": lost["bfloat16"],
+        "cast_s_per_gb": max(lost["float8"] - lost["bfloat16"], 0.0),
+        "resident_forward_s": lost["bfloat16_resident_forward_s"],
+    }
 
 
 def row_config(plan: MachinePlan, disk_dir: str, *, budget: bool = True) -> dict[str, Any]:
@@ -203,6 +260,17 @@ def predicted_loop_s(ctx: dict[str, Any], placement, transfer_s: float, disk_s: 
     return resident_loop_s + extra
 
 
+def compute_loop_s(ctx: dict[str, Any]) -> float:
+    """The resident denoising loop as the compute measured at the start (`measure_experts`) makes it: per step two
+    forwards of the expert that runs, its blocks and the rest of its forward. A resident twin timed later over
+    this is the shared machine's drift since."""
+    pipe, total = ctx["pipe"], 0.0
+    for timestep in pipe.scheduler().timesteps:
+        c = ctx["compute"]["transformer" if pipe.expert_for(float(timestep))[0] is pipe.transformer else "transformer_2"]
+        total += 2 * (sum(c.block_s) + c.other_s)
+    return total
+
+
 def _delta(v: Video, name: str) -> float:
     return getattr(v.after, name) - getattr(v.before, name)
 
@@ -238,7 +306,17 @@ def row_figures(name: str, run: Offloaded, plan: MachinePlan, disk_gbps: float |
     link_bytes = round(_delta(v, "bytes_transferred") / max(_delta(v, "num_transfers"), 1))
     transfer_s = transfer_seconds(link_bytes, ctx["link_gbps"])
     disk_s = transfer_seconds(link_bytes, disk_gbps) if disk_gbps and on_disk else 0.0
+    drift = ideal_loop_s / compute_loop_s(ctx)  # the resident twin beside this row over what the compute measured gives
+    lossy = "storage_dtype" in json.dumps(run.config)
+    disk_for_plan = disk_gbps if disk_gbps is not None else s.disks_gbps[0]
+    plan = machine_plan(ctx["pipe"], ctx, disk_for_plan, lossy, drift=drift)  # the same config: compute moves no block
     predicted = plan.seconds_per_step * S
+    parts = {
+        "predicted_before_s": machine_plan(ctx["pipe"], ctx, disk_for_plan, lossy, host_copy=False).seconds_per_step * S,
+        "predicted_without_drift_s": machine_plan(ctx["pipe"], ctx, disk_for_plan, lossy).seconds_per_step * S,
+        "predicted_without_host_copy_s": machine_plan(ctx["pipe"], ctx, disk_for_plan, lossy, drift=drift, host_copy=False).seconds_per_step * S,
+        "drift": drift,
+    }
     bench_ideal = predicted_loop_s(ctx, run.placement, transfer_s, disk_s, ideal_loop_s) / steps * S
     compute_s = statistics.mean(t for c in ctx["compute"].values() for t in c.block_s)
     stages = {"compute": compute_s, "link": transfer_s if run.copy_s is None else max(transfer_s, run.copy_s), "disk": disk_s}
@@ -247,7 +325,8 @@ def row_figures(name: str, run: Offloaded, plan: MachinePlan, disk_gbps: float |
     row = {
         "name": name, "status": "measured", "disk_gbps": disk_gbps,
         "measured_s": measured, "predicted_s": predicted, "ideal_s": ideal, "x_ideal": statistics.median(v.loop_s / i.loop_s for v, i in zip(run.videos, run.ideals)),
-        "measured_over_predicted": measured / predicted, "planner_bound": plan.bound,
+        "measured_over_predicted": measured / predicted, "planner_bound": plan.bound, **parts,
+        "measured_over_predicted_before": measured / parts["predicted_before_s"],
         "planner_disk_gb_per_step": plan.disk_nbytes_per_step * S / GB, "config": run.config,
         "bench_ideal_s": bench_ideal,
         "disk_gb_per_step": _delta(v, "disk_bytes_read") / steps * S / GB,
@@ -331,9 +410,12 @@ def run(s: Scenario, disk_dir: str, device: torch.device, repeats: int = 1, stor
     pipe, inputs, scale = prepare(s, device)
     resident, compute = run_resident(pipe, inputs, s.device_gb)
     link_gbps = s.link_gbps if device.type == "cpu" else measure_link_gbps(device, block_bytes(pipe.transformer.blocks[0]))
+    twin = copy.deepcopy(pipe) if device.type == "cpu" else None
+    costs = measure_host_copy_costs(pipe, twin, inputs, link_gbps) if twin is not None else None
+    if costs is not None:
+        print(f"host copy costs: {json.dumps(costs)}", file=sys.stderr)  # progress
     ctx = {"scenario": s, "scale": scale, "pipe": pipe, "resident": resident, "compute": compute, "link_gbps": link_gbps,
-           "repeats": repeats, "storages": storages,
-           "twin": copy.deepcopy(pipe) if device.type == "cpu" else None}  # fmt: skip
+           "repeats": repeats, "storages": storages, "host_copy_costs": costs, "twin": twin}  # fmt: skip
     rows = measure_rows(pipe, inputs, ctx, disk_dir)
     S, steps = scale.time_and_bytes, s.steps
     high = sum(1 for t in pipe.scheduler().timesteps if pipe.expert_for(float(t))[0] is pipe.transformer)
@@ -345,7 +427,7 @@ def run(s: Scenario, disk_dir: str, device: torch.device, repeats: int = 1, stor
         "ideal": {"source": "the resident loop (every weight on the device); on the CPU a resident twin is timed in turn "
                   "with each row's videos, and x_ideal is the median of those pairs' ratios", "s_per_step": resident.loop_s / steps * S,
                   "published_s_per_step": s.block_compute_s * 2 * s.blocks_per_expert, "encode_s": resident.encode_s * S},
-        "prediction_source": PREDICTION_SOURCE,
+        "prediction_source": PREDICTION_SOURCE, "host_copy_costs": costs,
         "rows": rows,
     }  # fmt: skip
 
@@ -369,8 +451,11 @@ def format_report(result: dict[str, Any]) -> str:
         f"ideal (a GPU that holds everything, measured resident, first run): {ideal['s_per_step']:.2f} s / step (published: "
         f"{ideal['published_s_per_step']:.2f}); the encoder once: {ideal['encode_s']:.2f} s",
         f"prediction and configuration: {result['prediction_source']}",
+        *([f"this CPU's host copy costs (compute s lost per GB): copy {result['host_copy_costs']['copy_s_per_gb']:.3f}, "
+           f"float8 cast {result['host_copy_costs']['cast_s_per_gb']:.3f}"] if result.get("host_copy_costs") else []),
         "",
-        "| row | s / step | x ideal | predicted s / step (bench ideal; with this CPU's copy) | measured / predicted | disk GB / step (predicted) "
+        "| row | s / step | x ideal | predicted s / step (bench ideal; with this CPU's copy) | measured / predicted (without drift, "
+        "host copies: before) | disk GB / step (predicted) "
         "| per expert: resident, pooled, held, on disk | host GB | bound (s per block: compute, link, disk) | stall, extra CPU s / step | = reference |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -378,7 +463,8 @@ def format_report(result: dict[str, Any]) -> str:
         b, cpu = r["block_s"], r.get("predicted_with_cpu_copy_s")
         lines.append(
             f"| {r['name']} | {r['measured_s']:.2f} | **{r['x_ideal']:.3f}** | {r['predicted_s']:.2f} ({r['bench_ideal_s']:.2f}"
-            f"{f'; {cpu:.2f}' if cpu is not None else ''}) | {r['measured_over_predicted']:.3f} | {r['disk_gb_per_step']:.2f} "
+            f"{f'; {cpu:.2f}' if cpu is not None else ''}) | {r['measured_over_predicted']:.3f} "
+            f"({r['measured_over_predicted_before']:.3f}) | {r['disk_gb_per_step']:.2f} "
             f"({r['planner_disk_gb_per_step']:.2f}) | {r['resident_blocks_per_expert']:g}, {r['pooled_blocks_per_expert']:g}, "
             f"{r['host_blocks_per_expert']:g}, {r['disk_blocks_per_expert']:g} | {r['host_gb']:.1f} | {r['bound']} "
             f"({b['compute']:.3f}, {b['link']:.3f}, {b['disk']:.3f}) | {r['stall_s_per_step']:.2f}, {r['extra_cpu_s_per_step']:.2f} | "

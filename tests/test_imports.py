@@ -29,7 +29,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
         "plan": "config errors",
         "runtime": "config errors plan",
         # loading and scale-out, over the core
-        "models": "errors runtime",
+        "models": "config distributed errors runtime",  # the launched group: torchrun's, joined for allgather
         "request": "errors models",
         "outputs": "atomic_write errors request",  # a result encoded once into its file
         "pipeline_runner": "errors models outputs request runtime",  # a request made into one pipeline call

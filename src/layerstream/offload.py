@@ -15,13 +15,14 @@ import logging
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from layerstream.config.offload_config import AUTO, DEFAULT_HOST_RESERVE_GB, OffloadConfig, parse_offload_config
+from layerstream.config.offload_config import AUTO, OffloadConfig, parse_offload_config
 from layerstream.errors import LayerstreamError, OffloadError
+from layerstream.machine.host_reserve import host_reserve_for
 from layerstream.machine.memory import read_host_memory
 from layerstream.plan.host_budget import HostBudgetChoice, choose_host_budget, host_needs
 from layerstream.plan.placement import Placement, needs_device_budget, place_blocks, read_device_budget
@@ -41,6 +42,9 @@ from layerstream.runtime.torch_contract.guards import guard_module_, guard_pipel
 from layerstream.runtime.torch_contract.safety import check_no_foreign_offload, check_no_shared_block_tensors, check_packable_block_tensors
 from layerstream.runtime.packing.tensors import named_tensors
 from layerstream.runtime.modes.undo import UndoStack
+
+if TYPE_CHECKING:
+    from layerstream.models.generation_size import GenerationSize
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +74,7 @@ def enable_offload(
     process_group=None,
     engine_factory: EngineFactory | None = None,
     store_factory: StoreFactory | None = None,
+    generation: GenerationSize | None = None,
 ) -> OffloadHandle:
     """Enable offload on `pipeline` as `config` selects and return the handle that reports and undoes it.
 
@@ -78,6 +83,9 @@ def enable_offload(
     copy thread to a link of that bandwidth. `trace` records accelerator timing events for `handle.trace()`
     (the CPU engine always records). `engine_factory(device, num_slots)` and `store_factory(component_path)`
     replace the copy engine and the host stores (instrumentation: wrap the defaults to observe or inject).
+    `generation` is the largest generation the pipeline will run (`models.generation_size`: `Omni` gives its
+    model's defaults or the caller's requests): the host reserve of `host_budget_gb: "auto"` is estimated for
+    it (None: for the pipeline's own call defaults).
     Enabling is a transaction: on any error the pipeline is left as it was; out-of-memory errors and
     `KeyboardInterrupt` come out as themselves, other failures while applying as `OffloadError`.
 
@@ -107,7 +115,7 @@ def enable_offload(
             _raise_after_rollback(plan, e)
         return _commit_handle(plan, device, backend, components, pipeline=pipeline)
 
-    plan, host_budget = resolve_host_budget(pipeline, plan, device, process_group)  # "auto": a number, or no disk tier
+    plan, host_budget = resolve_host_budget(pipeline, plan, device, process_group, generation)  # "auto": a number, or no disk tier
     context = StoreContext(plan, device, components, process_group, _spill_root(config), simulated_disk_gbps)
     stores = _stores(plan, context, store_factory)
     layouts, placement, block_modules = _plan_layer_mode(pipeline, plan, components, stores, device, host_budget)
@@ -193,12 +201,14 @@ def place_for(plan: ResolvedOffloadPlan, layouts: Mapping[str, BlockLayout], sto
     return place_blocks(plan, slot_nbytes, budget, host_nbytes)
 
 
-def plan_placement(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device | None = None) -> Placement:
-    """The placement `enable_offload` would use on `device`, for one process (allgather priced as local); moves
-    nothing. Raises `OffloadError` where residency "auto" has no budget to read (or host budget "auto" no
-    host memory)."""
+def plan_placement(
+    pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device | None = None, generation: GenerationSize | None = None,
+) -> Placement:  # fmt: skip
+    """The placement `enable_offload` would use on `device` (for `generation`, as it), for one process
+    (allgather priced as local); moves nothing. Raises `OffloadError` where residency "auto" has no budget to
+    read (or host budget "auto" no host memory)."""
     device = _check_device(device, None)
-    plan, host_budget = resolve_host_budget(pipeline, plan, device)
+    plan, host_budget = resolve_host_budget(pipeline, plan, device, generation=generation)
     placement, _ = priced_placement(pipeline, plan, device)
     return dataclasses.replace(placement, host_budget=host_budget)
 
@@ -213,8 +223,9 @@ def priced_placement(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.dev
 
 
 def resolve_host_budget(
-    pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device, process_group=None
-) -> tuple[ResolvedOffloadPlan, HostBudgetChoice | None]:
+    pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device, process_group=None,
+    generation: GenerationSize | None = None,
+) -> tuple[ResolvedOffloadPlan, HostBudgetChoice | None]:  # fmt: skip
     """With `host_budget_gb: "auto"`: the plan with the budget this machine allows (a number, or None where
     every streamed block fits: no disk tier) and the choice with its figures (`plan.host_budget`); any other
     plan as it is, with None. With "allgather" components on a group of several ranks, the budget is this
@@ -229,10 +240,11 @@ def resolve_host_budget(
     if memory.free_nbytes is None:
         raise OffloadError('host_budget_gb = "auto": this system shows no /proc/meminfo or memory cgroup to read; give host_budget_gb as a number')
     free_nbytes, free_source, host_nbytes, sharded = _rank_share(unbudgeted, process_group, memory, host_nbytes)
-    reserve_gb = config.host_reserve_gb if config.host_reserve_gb is not None else DEFAULT_HOST_RESERVE_GB
+    # the generation's own host allocations, for the largest generation it will run (host_reserve_gb overrides it)
+    reserve = host_reserve_for(pipeline, unbudgeted, config.host_reserve_gb, device_is_host=device.type == "cpu", generation=generation)
     needs = host_needs(
-        unbudgeted, placement, device_is_host=device.type == "cpu", reserve_gb=reserve_gb,
-        num_staging_buffers=NUM_STAGING_BUFFERS, block_host_nbytes=host_nbytes,
+        unbudgeted, placement, device_is_host=device.type == "cpu", reserve_nbytes=reserve.nbytes,
+        num_staging_buffers=NUM_STAGING_BUFFERS, block_host_nbytes=host_nbytes, reserve_name=reserve.need_name,
     )  # fmt: skip
     streamed = sum(host_nbytes[p] for p in placement.streamed_block_paths)
     # float8 stores keep a block's own tensors until the commit (an exact rollback), and so do sharded ones (the
@@ -245,6 +257,7 @@ def resolve_host_budget(
         streamed_nbytes=streamed,
         needs=needs,
         held_nbytes=min(held_host_nbytes(pipeline, freed), sum(host_nbytes[p] for p in freed)),
+        reserve_reason=reserve.describe() if reserve.parts else "",
     )
     return dataclasses.replace(unbudgeted, config=dataclasses.replace(unbudgeted.config, host_budget_gb=choice.budget_gb)), choice
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from layerstream.config.offload_config import OffloadConfig, parse_offload_config
+from layerstream.models.generation_size import RequestSizes
 from layerstream.models.hub import ModelSource
 from layerstream.models.input_image import ImageInputKind, ImageSource
 from layerstream.models.model_rules import ModelRules
@@ -45,12 +46,15 @@ class Omni:
         process_group=None,
         revision: str | None = None,
         variant: str | None = None,
+        requests: RequestSizes | None = None,  # what will be asked for: the host reserve of "auto" is sized to it
     ):
+        from layerstream.models.generation_size import generation_size_for
+        from layerstream.models.launched_group import join_launched_group
         from layerstream.models.loaded import load_model  # here: importing layerstream loads no diffusers
 
         # parse before loading: a bad config is reported before any weight is read
         self.config = parse_offload_config(diffusion_offload_config if diffusion_offload_config is not None else DEFAULT_CONFIG)
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = join_launched_group(self.config, device, process_group) or (torch.device(device) if device is not None else default_device())
         self.dtype = parse_dtype(dtype)
         loaded = load_model(model, dtype=self.dtype, revision=revision, variant=variant)
         self.model, self.pipeline, self.kind = loaded.name, loaded.pipeline, loaded.kind
@@ -69,6 +73,7 @@ class Omni:
         self.handle = enable_offload(
             self.pipeline, self.config, self.device, simulated_link_gbps=simulated_link_gbps, trace=trace,
             process_group=process_group,  # allgather's group (None: the default group)
+            generation=generation_size_for(self.rules, requests),  # the largest generation (default: the model's)
         )  # fmt: skip
 
     def generate(

@@ -100,7 +100,7 @@ def test_the_prediction_is_the_bench_ideal_of_the_placed_blocks(tiny_wan):
 
 
 def test_a_small_host_puts_blocks_on_disk_and_the_disk_shows_in_the_prediction(tiny_wan):
-    machine = Machine(device_memory_gb=4.0003, host_memory_gb=1.41 + 2.0 + 0.00025, disk_gbps=1e-4)  # staging 0.16 MB + two blocks
+    machine = Machine(device_memory_gb=4.0003, host_memory_gb=1.41 + 2.0 + 0.00025, disk_gbps=1e-4, host_reserve_gb=2.0)  # staging 0.16 MB + two blocks
     result = plan_for_machine(tiny_wan, machine, size={"height": 32, "width": 32, "num_frames": 5})
     tier = result.placement.host_tier
     assert result.config["host_budget_gb"] == pytest.approx(result.host_budget.budget_gb, rel=1e-3)
@@ -188,3 +188,28 @@ def test_the_activation_estimate_of_a_wan_block_at_720p():
         block = WanTransformerBlock(dim=5120, ffn_dim=13824, num_heads=40, qk_norm="rms_norm_across_heads", cross_attn_norm=True, eps=1e-6).to(torch.bfloat16)
     tokens = 21 * 45 * 80
     assert block_activation_nbytes(block, tokens) == tokens * (2 * 5120 + 2 * 13824) * 2  # 5.73 GB
+
+
+def test_the_host_reserve_is_estimated_for_the_generation_and_host_reserve_gb_overrides_it(capsys, tiny_wan):
+    from layerstream.machine.host_reserve import DECODED_BYTES_PER_VALUE, ENCODING_BYTES_PER_VALUE, FLOOR_NBYTES, estimate_host_reserve
+
+    video = {"height": 720, "width": 1280, "num_frames": 81}
+    reserve = estimate_host_reserve(tiny_wan, device_is_host=False, size=video)
+    values = 720 * 1280 * 81 * 3
+    assert reserve.parts["decoded frames"] == DECODED_BYTES_PER_VALUE * values  # 2.9 GB: more than the old flat 2 GB
+    assert reserve.parts["output encoding"] == ENCODING_BYTES_PER_VALUE * values
+    assert reserve.nbytes == sum(reserve.parts.values()) > 3e9 and "activations (the device is the host)" not in reserve.parts
+    on_cpu = estimate_host_reserve(tiny_wan, device_is_host=True, size=video, dit_blocks=(tiny_wan.transformer.blocks[0],))
+    assert on_cpu.parts["activations (the device is the host)"] > 0 and on_cpu.nbytes > reserve.nbytes
+    small = estimate_host_reserve(tiny_wan, device_is_host=False, size={"height": 32, "width": 32, "num_frames": 5})
+    assert small.nbytes == FLOOR_NBYTES > sum(small.parts.values())  # a small generation: the floor
+
+    machine = Machine(device_memory_gb=8, host_memory_gb=16)
+    planned = plan_for_machine(tiny_wan, machine, size=video)
+    assert planned.host_budget.needs["reserve (estimated)"] == reserve.nbytes
+    assert "estimated for 720x1280 x 81 frames: decoded frames 2.91 GB" in planned.host_budget.describe()
+    given = plan_for_machine(tiny_wan, Machine(device_memory_gb=8, host_memory_gb=16, host_reserve_gb=0.5), size=video)
+    assert given.host_budget.needs["reserve (host_reserve_gb)"] == 500_000_000 and given.host_reserve.parts == {}
+
+    code, out, _ = run_plan(capsys, "tiny-wan", "--device-memory", "8", "--host-memory", "16", "--height", "720", "--width", "1280", "--num-frames", "81")
+    assert code == 0 and "host reserve: 3.14 GB (estimated for 720x1280 x 81 frames: decoded frames 2.91 GB" in out

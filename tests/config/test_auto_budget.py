@@ -103,6 +103,23 @@ def test_v2_memory_max_and_a_namespaced_root(tmp_path):
     assert read_host_memory(proc, root).free_nbytes == 8_000_000 * 1024
 
 
+def test_reclaimable_page_cache_is_left_out_of_the_working_set(tmp_path):
+    proc = _fake_proc(tmp_path, "4:memory:/job\n")
+    root = tmp_path / "cgroup"
+    _write(root / "memory" / "job", memory_limit_in_bytes="3000000000", memory_usage_in_bytes="2000000000")
+    stat = "total_inactive_file 500000000\ntotal_active_file 400000000\ntotal_mapped_file 300000000\ntotal_dirty 50000000\n"
+    (root / "memory" / "job" / "memory.stat").write_text("inactive_file 1\n" + stat)  # this level alone: not the hierarchy
+    memory = read_host_memory(proc, root)
+    # the inactive cache (0.5 GB) and the active one that is neither mapped nor dirty (0.9 - 0.3 - 0.05 = 0.55 GB)
+    assert memory.cgroup.working_set_nbytes == 2_000_000_000 - 550_000_000
+    assert memory.free_nbytes == 3_000_000_000 - 1_450_000_000
+    assert "working set 1.45 GB (usage 2 GB - reclaimable page cache 0.55 GB, inactive file 0.5 GB)" in memory.describe()
+    (root / "memory" / "job" / "memory.stat").write_text("total_inactive_file 500000000\ntotal_active_file 0\ntotal_mapped_file 300000000\n")
+    assert read_host_memory(proc, root).free_nbytes == 1_500_000_000  # mapped pages on the inactive list: at least it
+    _write(root, memory_max="1500000000", memory_current="900000000", memory_stat="inactive_file 400000000\nfile_mapped 0\n")
+    assert read_host_memory(_fake_proc(tmp_path / "v2", "0::/\n"), root).free_nbytes == 1_000_000_000  # v2's keys
+
+
 def test_hybrid_v2_under_unified_and_nothing_readable(tmp_path):
     proc = _fake_proc(tmp_path, "0::/a\n", available_kb=100)
     _write(tmp_path / "cgroup" / "unified" / "a", memory_max="4096000", memory_current="0")

@@ -147,3 +147,50 @@ def test_the_planned_config_finishes_in_a_cgroup_of_the_stated_host_memory(wan_f
     assert report["disk_bytes_read"] > 0 and report["host_bytes"] <= result.config["host_budget_gb"] * 1e9 * 1.05
     assert result.host_nbytes <= host_memory_gb * 1e9  # the plan's own figure for the whole process
     assert int((memory_cgroup / "memory.max_usage_in_bytes").read_text()) <= limit
+
+
+WARM_CHILD = r"""
+import json, os, sys
+with open(sys.argv[2], "w") as f:  # the whole process runs in the cgroup: the checkpoint pages it reads are charged to it
+    f.write("0")
+from layerstream import Omni
+from layerstream.machine.memory import read_host_memory
+before = read_host_memory().cgroup.to_dict()
+config = {"mode": "layer", "components": ["dit"], "host_budget_gb": "auto", "host_reserve_gb": float(sys.argv[3])}
+omni = Omni(model=sys.argv[1], diffusion_offload_config=config)
+omni.generate(prompt="a fox", height=16, width=16, num_frames=1, num_inference_steps=2, seed=0)
+print(json.dumps({"cgroup_before": before, "budget_bytes": omni.handle.placement.host_budget.budget_nbytes,
+                  "host_budget": omni.stats().host_budget}))
+sys.stdout.flush()
+os._exit(0)  # no close(): disable() would read every block back into memory
+"""
+
+
+def _drop_from_page_cache(folder: Path) -> None:
+    """Clean pages of the checkpoint leave the page cache, so that a child's reads charge its own cgroup."""
+    os.sync()
+    for path in folder.rglob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def test_auto_chooses_the_same_budget_after_a_run_filled_the_cgroups_page_cache(wan_folder, memory_cgroup):
+    limit = int(LIMIT_FRACTION * _streamed_bytes(wan_folder)) + 450_000_000  # the imports run in the cgroup too
+    (memory_cgroup / "memory.limit_in_bytes").write_text(str(limit))
+    _drop_from_page_cache(wan_folder)
+    reports = []
+    for _ in ("cold", "warm"):
+        argv = [sys.executable, "-c", WARM_CHILD, str(wan_folder), str(memory_cgroup / "cgroup.procs"), str(RESERVE_GB)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert done.returncode == 0, f"exit {done.returncode} (killed by the cgroup's OOM killer if -9): {done.stderr[-3000:]}"
+        reports.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    cold, warm = reports
+    left_by_the_first = warm["cgroup_before"]
+    # the first run's page cache is still charged to the cgroup: usage alone would have left much less room
+    assert left_by_the_first["usage_bytes"] - cold["cgroup_before"]["usage_bytes"] > 0.1 * cold["budget_bytes"]
+    assert cold["budget_bytes"] > 0 and warm["budget_bytes"] == pytest.approx(cold["budget_bytes"], rel=0.05)
+    assert warm["cgroup_before"]["reclaimable_bytes"] >= warm["cgroup_before"]["inactive_file_bytes"] > 0
+    assert "working set" in warm["host_budget"] and "reclaimable page cache" in warm["host_budget"]  # the figures it used

@@ -207,6 +207,7 @@ def request_from_args(args: argparse.Namespace, *, image=None, seed: int | None 
 def _load(args: argparse.Namespace, config, world_size: int):
     """The model loaded with offload enabled (joining the other ranks first under torchrun), as an `Omni`."""
     from layerstream.errors import OffloadError
+    from layerstream.models.generation_size import RequestSizes
     from layerstream.models.loading import ModelLoadError
     from layerstream.omni import Omni
 
@@ -225,6 +226,7 @@ def _load(args: argparse.Namespace, config, world_size: int):
             process_group=offload_group,
             revision=args.revision,
             variant=args.variant,
+            requests=RequestSizes(height=args.height, width=args.width, num_frames=args.num_frames, source="the request's size"),
         )
     except (ModelLoadError, GenerationError, OffloadError) as e:
         raise CliError(str(e)) from e

@@ -31,7 +31,7 @@ def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disk-gbps", type=positive_float, metavar="Y", help="disk read GB/s (default 3, a PCIe 3.0 NVMe)")
     group.add_argument("--device-tflops", type=positive_float, metavar="T", help="bfloat16 TFLOPS for the compute estimate (default 150)")
     group.add_argument("--baseline-gb", type=non_negative_float, metavar="GB", help="host memory before any model (default 1.41: imports 0.41 + a CUDA context 1.0)")
-    group.add_argument("--host-reserve-gb", type=non_negative_float, metavar="GB", help="host memory kept free for a generation (default 2)")
+    group.add_argument("--host-reserve-gb", type=non_negative_float, metavar="GB", help="host memory kept free for a generation (default: estimated for the size planned)")
     group.add_argument("--allow-lossy", action="store_true", help="float8 storage may be recommended (weights rounded once)")
     group.add_argument("--measure", action="store_true", help="time one step on this machine's device instead of the FLOPs estimate")
     group.add_argument("--height", type=positive_int, help="pixels, for the tokens per block (default: the model's)")
@@ -66,7 +66,7 @@ def run_machine_plan(args: argparse.Namespace, pipeline: Any) -> int:
         device_memory_gb=args.device_memory, host_memory_gb=args.host_memory, allow_lossy=args.allow_lossy,
         **{k: v for k, v in given.items() if v is not None},
     )  # fmt: skip
-    size = {k: v for k, v in (("height", args.height), ("width", args.width), ("num_frames", args.num_frames)) if v is not None}
+    size = planned_size(args, pipeline)
     try:
         check_machine(machine)
         result = plan_for_machine(pipeline, machine, size=size)
@@ -87,6 +87,17 @@ def run_machine_plan(args: argparse.Namespace, pipeline: Any) -> int:
     return 0
 
 
+def planned_size(args: argparse.Namespace, pipeline: Any) -> dict[str, int]:
+    """--height/--width/--num-frames, each left out taken from the model's defaults (`ModelRules`: an embedded
+    tiny model's own small size, a real model's its pipeline's), as `Omni` would run it."""
+    from layerstream.models.generation_size import RequestSizes, generation_size_for
+    from layerstream.models.model_rules import read_model_rules
+
+    given = {k: v for k, v in (("height", args.height), ("width", args.width), ("num_frames", args.num_frames)) if v is not None}
+    generation = generation_size_for(read_model_rules(pipeline, args.model), RequestSizes(**given))
+    return given if generation is None else {**generation.as_size(), **given}
+
+
 def machine_plan_lines(result) -> list[str]:
     from layerstream.plan.host_budget import format_gb
 
@@ -97,7 +108,8 @@ def machine_plan_lines(result) -> list[str]:
         f"  device: {format_gb(result.device_nbytes)} (resident parts and blocks, {result.placement.num_slots} slots of "
         f"{format_gb(result.placement.slot_nbytes)}), {result.activation_reserve_gb:.3g} GB kept for activations",
         f"  host:   {format_gb(result.host_nbytes)} of {m.host_memory_gb:g} GB (baseline {m.baseline_gb:g} GB, the host store, "
-        f"the staging ring with a disk tier, reserve {m.host_reserve_gb:g} GB)",
+        f"the staging ring with a disk tier, the reserve)",
+        f"  host reserve: {result.host_reserve.describe()}",
         f"  disk:   {format_gb(result.disk_nbytes)} of blocks read from disk",
         f"  per step ({m.forwards_per_step} forwards): {format_gb(result.link_nbytes_per_step)} over the link, "
         f"{format_gb(result.disk_nbytes_per_step)} from disk",

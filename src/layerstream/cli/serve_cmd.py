@@ -190,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
         if e.name and e.name.startswith("layerstream"):
             raise
         raise CliError(f"serving needs the serve extra (pip install 'layerstream[serve]'): {e}") from e
+    from layerstream.models.generation_size import server_requests
     from layerstream.models.loading import ModelLoadError
     from layerstream.omni import GenerationError, Omni
     from layerstream.errors import OffloadError
@@ -211,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
                 simulated_link_gbps=args.link_gbps,
                 revision=args.revision,
                 variant=args.variant,
+                requests=server_requests(settings),  # the host reserve of "auto" is sized to the largest allowed
             )
         except (ModelLoadError, GenerationError, OffloadError) as e:
             raise CliError(" ".join(str(e).split())) from e
@@ -382,8 +384,8 @@ class _RankModel:
     """The model of one serving rank: rank 0 builds the tiny model or downloads the Hub snapshot while the others
     wait; they then read what it fetched from the cache, so every rank loads the same commit."""
 
-    def __init__(self, args: argparse.Namespace, config):
-        self.args, self.config = args, config
+    def __init__(self, args: argparse.Namespace, config, settings):
+        self.args, self.config, self.settings = args, config, settings
         self.source = None
 
     def prepare(self) -> None:  # on rank 0, before the others go on
@@ -395,6 +397,7 @@ class _RankModel:
             self.source = resolve_model(args.model, revision=args.revision, variant=args.variant)
 
     def load(self, setup, group):
+        from layerstream.models.generation_size import server_requests
         from layerstream.models.hub import names_hub_repo
         from layerstream.models.loading import resolve_model
         from layerstream.omni import Omni
@@ -403,7 +406,7 @@ class _RankModel:
         if self.source is None and names_hub_repo(args.model):
             model = resolve_model(args.model, revision=args.revision, variant=args.variant, offline=True)
         return Omni(model=model, diffusion_offload_config=self.config, device=setup.device, dtype=args.dtype,
-                    simulated_link_gbps=args.link_gbps, process_group=group)  # fmt: skip
+                    simulated_link_gbps=args.link_gbps, process_group=group, requests=server_requests(self.settings))  # fmt: skip
 
 
 def _serve_rank(args: argparse.Namespace, config, settings, history) -> int:
@@ -436,7 +439,7 @@ def _serve_rank(args: argparse.Namespace, config, settings, history) -> int:
     timeout = args.collective_timeout_s
     channel = None
 
-    model = _RankModel(args, config)
+    model = _RankModel(args, config, settings)
     try:
         setup = join_serving_ranks(args.device, timeout, model.prepare)
         print(f"layerstream serve: rank {setup.rank} of {setup.world_size} (pid {os.getpid()}) on {setup.device}",

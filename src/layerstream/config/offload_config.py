@@ -26,9 +26,6 @@ STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 DEFAULT_ACTIVATION_RESERVE_GB = 4.0
 AUTO = "auto"
 """`host_budget_gb: "auto"` (and `resident_layers: "auto"`): a figure read from the machine when enabling."""
-DEFAULT_HOST_RESERVE_GB = 2.0
-"""`host_budget_gb: "auto"` keeps this much host memory free for what a generation allocates beside the
-weights (latents, decoded frames, the tokenizer, Python objects); `host_reserve_gb` overrides it."""
 
 _TOP_LEVEL_KEYS = (
     "mode", "components", "layer_options", "pin_memory", "host_budget_gb", "host_reserve_gb", "disk_dir",
@@ -103,8 +100,8 @@ class OffloadConfig:
     minus the rings, the host-side resident parts and `host_reserve_gb`; where every streamed block fits, there
     is no disk tier."""
     host_reserve_gb: float | None = None
-    """With `host_budget_gb: "auto"`: host memory (GB) kept free beside the budget (None:
-    `DEFAULT_HOST_RESERVE_GB`)."""
+    """With `host_budget_gb: "auto"`: host memory (GB) kept free beside the budget for what a generation allocates
+    (None: an estimate for the pipeline's default generation, `layerstream.machine.host_reserve`)."""
     disk_dir: str | None = None
     """With `host_budget_gb`: where blocks that are not backed by checkpoint files are spilled (default: under
     the layerstream cache)."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 import inspect
 import math
 import statistics
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -24,9 +23,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB, DEFAULT_HOST_RESERVE_GB, parse_offload_config
+from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB, parse_offload_config
 from layerstream.errors import LayerstreamError
-from layerstream.models.geometry import pipeline_frame_multiple, pipeline_size_multiple
+from layerstream.machine.generation import block_activation_nbytes, latent_tokens
+from layerstream.machine.host_reserve import HostReserve, host_reserve_for
 from layerstream.plan.host_budget import GB, HostBudgetChoice, choose_host_budget, format_gb, host_needs
 from layerstream.plan.placement import Placement
 from layerstream.timing import ideal
@@ -66,11 +66,19 @@ class Machine:
     device_tflops: float = DEFAULT_DEVICE_TFLOPS
     baseline_gb: float = PROCESS_BASELINE_GB + CUDA_CONTEXT_GB
     """What the process holds before the model: the imports and the device's context."""
-    host_reserve_gb: float = DEFAULT_HOST_RESERVE_GB
-    """Host memory kept free for what a generation allocates (as `host_reserve_gb` in the config)."""
+    host_reserve_gb: float | None = None
+    """Host memory kept free for what a generation allocates (as `host_reserve_gb` in the config); None: the
+    estimate for the generation planned (`machine.host_reserve`)."""
     allow_lossy: bool = False
     """Whether float8 storage (lossy, rounded once) may be recommended."""
     forwards_per_step: int = FORWARDS_PER_STEP
+    host_copy_s_per_gb: float = 0.0
+    """Compute time lost per GB the copy and read threads move, where they share the compute's cores: on a CPU
+    device, whose copies into slots and reads from disk are the host's own work (0 on an accelerator, whose
+    copies are its DMA engines'). A measured figure of the machine (`benchmarks/headline.py` measures it)."""
+    host_cast_s_per_gb: float = 0.0
+    """The same per GB of float8 bytes cast back to the compute dtype on the copy thread (a CPU device's table
+    lookups, `runtime/packing/upcast.py`; 0 on an accelerator, which casts in a kernel beside compute)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,8 @@ class MachinePlan:
     notes: tuple[str, ...] = field(default=())
     activation_reserve_gb: float = DEFAULT_ACTIVATION_RESERVE_GB
     """Device memory left beside the resident parts for a forward's activations (`activation_reserve`)."""
+    host_reserve: HostReserve | None = None
+    """Host memory kept for what a generation allocates beside the store, and how it was reached."""
 
     @property
     def bound(self) -> Bound:
@@ -115,6 +125,7 @@ class MachinePlan:
                 "compute": self.compute_source,
                 "tokens": self.tokens,
                 "activation_reserve_gb": self.activation_reserve_gb,
+                "host_reserve": self.host_reserve.to_dict() if self.host_reserve is not None else None,
                 "host_budget": self.host_budget.to_dict(),
                 "placement": self.placement.to_dict(),
                 "notes": list(self.notes),
@@ -128,8 +139,13 @@ def check_machine(machine: Machine) -> None:
         value = getattr(machine, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise MachinePlanError(f"{name} = {value!r} is not valid; expected a finite number > 0")
-    if isinstance(machine.host_reserve_gb, bool) or not 0 <= machine.host_reserve_gb < float("inf"):
+    reserve = machine.host_reserve_gb
+    if reserve is not None and (isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0 <= reserve < float("inf")):
         raise MachinePlanError(f"host_reserve_gb = {machine.host_reserve_gb!r} is not valid; expected a finite number >= 0")
+    for name in ("host_copy_s_per_gb", "host_cast_s_per_gb"):
+        value = getattr(machine, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            raise MachinePlanError(f"{name} = {value!r} is not valid; expected a finite number >= 0 (0: an accelerator's copies)")
     if isinstance(machine.baseline_gb, bool) or not 0 <= machine.baseline_gb < float("inf"):
         raise MachinePlanError(f"baseline_gb = {machine.baseline_gb!r} is not valid; expected a finite number >= 0")
     if machine.host_memory_gb <= machine.baseline_gb:
@@ -168,11 +184,13 @@ def plan_for_machine(
     size: Mapping[str, int] | None = None,
     block_seconds: Mapping[str, float] | None = None,
     tokens: int | None = None,
+    steps: int | None = None,
 ) -> MachinePlan:
     """The plan (see the module docstring). `size` ({"height", "width", "num_frames"}; default: the pipeline's
     own defaults) gives the tokens a block sees, or `tokens` gives them itself (a pipeline that is not diffusers');
-    `block_seconds` (block path -> seconds, from `measured_block_seconds`) replaces the FLOPs estimate. Raises
-    `MachinePlanError` where it cannot run."""
+    `block_seconds` (block path -> seconds, from `measured_block_seconds`) replaces the FLOPs estimate; `steps`
+    (default: the pipeline's own) spreads the host pool's reads at each change of expert over a generation.
+    Raises `MachinePlanError` where it cannot run."""
     from layerstream.offload import plan_placement, priced_placement  # the composition root prices the stores
     from layerstream.plan.resolver import resolve_offload_plan
     from layerstream.runtime.stores.disk.staging import NUM_STAGING_BUFFERS
@@ -204,15 +222,16 @@ def plan_for_machine(
             f"{format_gb(device_nbytes)}; this model does not run on that device"
         )
     streamed = {p: host_nbytes[p] for p in placement.streamed_block_paths}
+    host_reserve = host_reserve_for(pipeline, unbudgeted, machine.host_reserve_gb, device_is_host=False, size=size, tokens=tokens)
     needs = host_needs(
-        unbudgeted, placement, device_is_host=False, reserve_gb=machine.host_reserve_gb,
-        num_staging_buffers=NUM_STAGING_BUFFERS, block_host_nbytes=host_nbytes,
+        unbudgeted, placement, device_is_host=False, reserve_nbytes=host_reserve.nbytes,
+        num_staging_buffers=NUM_STAGING_BUFFERS, block_host_nbytes=host_nbytes, reserve_name=host_reserve.need_name,
     )  # fmt: skip
     free = round((machine.host_memory_gb - machine.baseline_gb) * GB)
     try:
         choice = choose_host_budget(
             free_nbytes=free, free_source=f"host_memory_gb {machine.host_memory_gb:g} - baseline {machine.baseline_gb:g} GB",
-            streamed_nbytes=sum(streamed.values()), needs=needs,
+            streamed_nbytes=sum(streamed.values()), needs=needs, reserve_reason=host_reserve.describe() if host_reserve.parts else "",
         )  # fmt: skip
     except LayerstreamError as e:
         raise MachinePlanError(f"host_memory_gb = {machine.host_memory_gb:g}: {e}") from e
@@ -221,7 +240,7 @@ def plan_for_machine(
     plan = resolve_offload_plan(pipeline, parse_offload_config(config))
     placement = plan_placement(pipeline, plan, cpu)
     compute, source = _block_compute(pipeline, placement, block_seconds, tokens, machine)
-    per_step = _per_step(plan, placement, streamed, compute, machine)
+    per_step = _per_step(plan, placement, streamed, compute, machine, _generation_steps(pipeline, steps))
     host_total = round(machine.baseline_gb * GB) + sum(needs.values()) - (0 if budget_gb is not None else needs["disk staging ring"])
     host_total += placement.host_tier.host_nbytes if placement.host_tier is not None else sum(streamed.values())
     tier = placement.host_tier
@@ -229,7 +248,7 @@ def plan_for_machine(
         machine, config, placement, choice, device_nbytes, host_total,
         sum(streamed[p] for p in tier.from_disk_paths) if tier is not None else 0,
         per_step["link_bytes"], per_step["disk_bytes"], per_step["seconds"],
-        {k: per_step[k + "_s"] for k in ("compute", "link", "disk")}, source, tokens, tuple(notes), reserve_gb,
+        {k: per_step[k + "_s"] for k in ("compute", "link", "disk")}, source, tokens, tuple(notes), reserve_gb, host_reserve,
     )  # fmt: skip
 
 
@@ -252,32 +271,6 @@ def _device_nbytes(plan, placement: Placement) -> int:
             block_bytes = sum(n for s in comp.stacks for p, n in zip(s.block_paths, s.block_bytes) if p in streamed)
             resident += comp.total_bytes - (block_bytes if comp.action == "stream" else 0)
     return resident + placement.ring_nbytes
-
-
-def latent_tokens(pipeline: Any, size: Mapping[str, int] | None = None) -> int:
-    """Latent tokens a DiT block sees at `size` (default: the pipeline's own default height, width, frames)."""
-    size = dict(size or {})
-    defaults = inspect.signature(pipeline.__call__).parameters
-    for key, fallback in (("height", 1024), ("width", 1024), ("num_frames", 1)):
-        default = defaults[key].default if key in defaults else None
-        size.setdefault(key, default if isinstance(default, int) else fallback)
-    side = pipeline_size_multiple(pipeline)
-    temporal = pipeline_frame_multiple(pipeline)
-    frames = (size["num_frames"] - 1) // temporal + 1 if temporal and "num_frames" in defaults else 1
-    return max(size["height"] // side, 1) * max(size["width"] // side, 1) * frames
-
-
-def block_activation_nbytes(block: nn.Module, tokens: int) -> int:
-    """An estimate of the activations one forward of `block` holds at its peak over `tokens` tokens, in its
-    dtype: the residual stream and its normed copy, beside either the attention's query, key, value and output
-    (four of the hidden width: fused attention keeps no tokens x tokens matrix) or the widest layer's output and
-    its activation. The hidden width is the input width most of the block's linear layers share."""
-    linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
-    if not linears:
-        return 0
-    hidden = Counter(m.in_features for m in linears).most_common(1)[0][0]
-    widest = max(m.out_features for m in linears)
-    return tokens * max(6 * hidden, 2 * hidden + 2 * widest) * linears[0].weight.dtype.itemsize
 
 
 def activation_reserve(pipeline: Any, tokens: int) -> tuple[float, bool]:
@@ -320,34 +313,61 @@ def _block_compute(pipeline, placement: Placement, block_seconds, tokens: int, m
     return compute, f"estimated: the blocks' FLOPs at {tokens} tokens and device_tflops {machine.device_tflops:g}"
 
 
-def _per_step(plan, placement: Placement, streamed: Mapping[str, int], compute: Mapping[str, float], machine: Machine) -> dict[str, float]:
+def _per_step(
+    plan, placement: Placement, streamed: Mapping[str, int], compute: Mapping[str, float], machine: Machine, steps: int,
+) -> dict[str, float]:  # fmt: skip
     """Bytes and seconds of one denoising step: `forwards_per_step` forwards of the DiT that runs (of DiTs
-    that alternate, the slower one; others run one after the other)."""
+    that alternate, the slower one; others run one after the other), and, spread over a generation of `steps`,
+    the first forward of each alternating DiT, which reads its pooled blocks from disk (`_forward`)."""
     tier = placement.host_tier
     per_dit: dict[str, dict[str, float]] = {}
+    entering: dict[str, dict[str, float]] = {}
     for comp in plan.streamed:
         if comp.category != "dit":
             continue
         blocks = [p for s in comp.stacks for p in s.block_paths]
-        moved = [p in streamed for p in blocks]
-        on_disk = [tier is not None and tier.on_disk(p) for p in blocks]
-        sizes = [streamed.get(p, 0) for p in blocks]
-        compute_s = [compute[p] for p in blocks]
-        link_s = ideal.block_transfer_seconds(sizes, moved, machine.link_gbps)
-        disk_s = ideal.block_disk_seconds(sizes, on_disk, machine.disk_gbps)
-        per_dit[comp.path] = {
-            "seconds": ideal.ideal_forward_seconds_with_disk(compute_s, link_s, disk_s),
-            "link_bytes": sum(n for n, m in zip(sizes, moved) if m),
-            "disk_bytes": sum(n for n, d in zip(sizes, on_disk) if d),
-            "compute_s": sum(compute_s), "link_s": sum(link_s), "disk_s": sum(disk_s),
-        }  # fmt: skip
+        per_dit[comp.path] = _forward(blocks, streamed, compute, machine, tier, cast=comp.storage_dtype is not None)
+        if comp.alternates and tier is not None and any(tier.pooled(p) for p in blocks):
+            entering[comp.path] = _forward(blocks, streamed, compute, machine, tier, cast=comp.storage_dtype is not None, pooled=True)
     alternating = [c.path for c in plan.streamed if c.alternates and c.path in per_dit]
     running = [p for p in per_dit if p not in alternating]
     if alternating:
         running.append(max(alternating, key=lambda p: per_dit[p]["seconds"]))
     keys = ("seconds", "link_bytes", "disk_bytes", "compute_s", "link_s", "disk_s")
     total = {k: machine.forwards_per_step * sum(per_dit[p][k] for p in running) for k in keys}
+    for path, first in entering.items():  # once a generation each: the pool's reads, over `steps` steps
+        for k in keys:
+            total[k] += (first[k] - per_dit[path][k]) / steps
     return {k: (round(v) if k.endswith("bytes") else v) for k, v in total.items()}
+
+
+def _forward(blocks, streamed, compute, machine: Machine, tier, *, cast: bool, pooled: bool = False) -> dict[str, float]:
+    """One forward of a DiT's `blocks`: each block's compute (plus the compute time its copy, cast and read take
+    from the cores where they share them, `Machine.host_copy_s_per_gb`), link and disk; `pooled`: the first
+    forward after a change of expert, whose pooled blocks are read from disk too."""
+    moved = [p in streamed for p in blocks]
+    on_disk = [tier is not None and (tier.on_disk(p) or (pooled and tier.pooled(p))) for p in blocks]
+    sizes = [streamed.get(p, 0) for p in blocks]
+    per_gb = machine.host_copy_s_per_gb + (machine.host_cast_s_per_gb if cast else 0.0)
+    compute_s = [
+        compute[p] + (n * per_gb * m + n * machine.host_copy_s_per_gb * d) / GB for p, n, m, d in zip(blocks, sizes, moved, on_disk)
+    ]  # fmt: skip
+    link_s = ideal.block_transfer_seconds(sizes, moved, machine.link_gbps)
+    disk_s = ideal.block_disk_seconds(sizes, on_disk, machine.disk_gbps)
+    return {
+        "seconds": ideal.ideal_forward_seconds_with_disk(compute_s, link_s, disk_s),
+        "link_bytes": sum(n for n, m in zip(sizes, moved) if m),
+        "disk_bytes": sum(n for n, d in zip(sizes, on_disk) if d),
+        "compute_s": sum(compute_s), "link_s": sum(link_s), "disk_s": sum(disk_s),
+    }  # fmt: skip
+
+
+def _generation_steps(pipeline: Any, steps: int | None) -> int:
+    """`steps`, else the pipeline's own default number of denoising steps (50 where its call names none)."""
+    if steps is not None:
+        return steps
+    default = inspect.signature(pipeline.__call__).parameters.get("num_inference_steps")
+    return default.default if default is not None and isinstance(default.default, int) and default.default > 0 else 50
 
 
 def measured_block_seconds(pipeline: Any, config: Mapping[str, Any], size: Mapping[str, int], device: torch.device) -> dict[str, float]:

@@ -4,7 +4,8 @@ The host store may use what is free for it: the host memory this process may sti
 available memory, or less where a memory cgroup binds, read by `layerstream.machine.memory`), plus the streamed
 blocks' bytes the process already holds in memory (packing moves them into the store or to disk and frees
 them), minus what runs beside the store in host memory: the disk tier's staging ring, the slot ring and the
-resident parts where the device is the host itself (the CPU), and a reserve for what a generation allocates.
+resident parts where the device is the host itself (the CPU), and a reserve for what a generation allocates
+(`host_reserve_gb`, or `layerstream.machine.host_reserve`'s estimate for the generation).
 Where every streamed block fits beside the rest (the staging ring then is not needed), there is no disk tier.
 `enable_offload` and `layerstream plan` (for this machine, or for one given by its figures) both decide here.
 """
@@ -46,6 +47,8 @@ class HostBudgetChoice:
     blocks are not counted: their own tensors stay until enabling commits)."""
     needs: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     """What runs beside the store in host memory, by name (the staging ring only with a disk tier)."""
+    reserve_reason: str = ""
+    """How the reserve among `needs` was reached: given by `host_reserve_gb`, or estimated and from what."""
 
     @property
     def budget_gb(self) -> float | None:
@@ -57,6 +60,8 @@ class HostBudgetChoice:
             figures += f" + {format_gb(self.held_nbytes)} of streamed blocks already in memory"
         needs = [(name, n) for name, n in self.needs.items() if self.budget_nbytes is not None or name != STAGING_RING]
         figures += "".join(f" - {name} {format_gb(n)}" for name, n in needs)
+        if self.reserve_reason:
+            figures += f" [reserve {self.reserve_reason}]"
         streamed = format_gb(self.streamed_nbytes)
         if self.budget_nbytes is None:
             return f'host_budget_gb "auto": {figures} holds every streamed block ({streamed}): no disk tier'
@@ -73,28 +78,31 @@ class HostBudgetChoice:
             "streamed_bytes": self.streamed_nbytes,
             "held_bytes": self.held_nbytes,
             "needs": dict(self.needs),
+            "reserve_reason": self.reserve_reason,
             "reason": self.describe(),
         }
 
 
 def choose_host_budget(
-    *, free_nbytes: int, free_source: str, streamed_nbytes: int, needs: Mapping[str, int], held_nbytes: int = 0
-) -> HostBudgetChoice:
+    *, free_nbytes: int, free_source: str, streamed_nbytes: int, needs: Mapping[str, int], held_nbytes: int = 0,
+    reserve_reason: str = "",
+) -> HostBudgetChoice:  # fmt: skip
     """The budget (see the module docstring). Raises `OffloadError`, naming the figures, where the memory
     cannot hold even what runs beside a store that keeps nothing (every block read from disk)."""
     needs = MappingProxyType(dict(needs))
     room = free_nbytes + held_nbytes - sum(needs.values())
-    choice = HostBudgetChoice(None, free_nbytes, free_source, streamed_nbytes, held_nbytes, needs)
+    choice = HostBudgetChoice(None, free_nbytes, free_source, streamed_nbytes, held_nbytes, needs, reserve_reason)
     if streamed_nbytes <= room + needs.get(STAGING_RING, 0):
         return choice  # everything fits without a disk tier, whose staging ring is then not needed
     if room <= 0:
         beside = ", ".join(f"{name} {format_gb(n)}" for name, n in needs.items())
+        reserve = f"; the reserve {reserve_reason}" if reserve_reason else ""
         raise OffloadError(
             f'host_budget_gb = "auto": {format_gb(free_nbytes)} of host memory is free ({free_source}), less than '
-            f"what runs beside the host store even with every block on disk ({beside}); free memory, lower "
+            f"what runs beside the host store even with every block on disk ({beside}{reserve}); free memory, lower "
             "host_reserve_gb, or give host_budget_gb as a number"
         )
-    return HostBudgetChoice(room, free_nbytes, free_source, streamed_nbytes, held_nbytes, needs)
+    return HostBudgetChoice(room, free_nbytes, free_source, streamed_nbytes, held_nbytes, needs, reserve_reason)
 
 
 def host_needs(
@@ -102,16 +110,17 @@ def host_needs(
     placement: Any,
     *,
     device_is_host: bool,
-    reserve_gb: float,
+    reserve_nbytes: int,
     num_staging_buffers: int,
     block_host_nbytes: Mapping[str, int],
+    reserve_name: str = "reserve (host_reserve_gb)",
 ) -> dict[str, int]:
     """For `plan` placed as `placement` (a `plan.placement.Placement`, which records this module's choice)
     without a disk tier: what runs beside the host store in host memory, by name: the disk tier's staging ring
     (buffers of the largest streamed block as its store keeps it, `block_host_nbytes`: float8 bytes for a
     float8 block, not a whole slot), where the device is the host itself the slot ring and the resident parts
     (the non-streamed modules and resident blocks), components whose residency the pipeline manages (they wait
-    in host memory), and the reserve."""
+    in host memory), and the reserve (`reserve_nbytes`, under `reserve_name`)."""
     largest = max((block_host_nbytes[p] for p in placement.streamed_block_paths), default=0)
     needs = {STAGING_RING: num_staging_buffers * largest}
     managed = sum(c.total_bytes for c in plan.components if c.action == "on_demand")
@@ -123,5 +132,5 @@ def host_needs(
         needs["resident parts"] = resident
     if managed:
         needs["pipeline-managed components"] = managed
-    needs["reserve (host_reserve_gb)"] = round(reserve_gb * GB)
+    needs[reserve_name] = reserve_nbytes
     return needs

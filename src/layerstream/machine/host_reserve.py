@@ -1,0 +1,141 @@
+"""The host reserve of `host_budget_gb: "auto"`: what a generation allocates in host memory beside the host store,
+estimated for its size (or `host_reserve_gb`, given), with how it was reached.
+
+Per output pixel and colour channel the decode holds about `DECODED_BYTES_PER_VALUE` bytes on the host (the
+VAE's float32 frames brought to the host, diffusers' per-frame float32 arrays and their stack, the float32
+temporaries of the uint8 conversion beside the uint8 frames) and the output's encoding about
+`ENCODING_BYTES_PER_VALUE` (an even-sized uint8 copy; the encoded bytes are fewer); the text encoder's outputs are
+the prompt's and the negative prompt's hidden states; and where the device is the host itself (the CPU) a DiT
+block's activations (`generation.block_activation_nbytes`) and the latents live there too. Never less than
+`FLOOR_NBYTES`: Python objects, the tokenizer, the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from torch import nn
+
+from layerstream.machine.generation import block_activation_nbytes, generation_size, latent_tokens
+from layerstream.plan.host_budget import GB, format_gb
+
+FLOOR_NBYTES = round(0.15 * GB)
+"""The least reserve: what a generation allocates whatever its size (Python objects, the tokenizer, the scheduler;
+an allowance, not measured). The 0.2 GB the issue found enough at 1/64 scale covers it."""
+DECODED_BYTES_PER_VALUE = 13
+"""Host bytes per decoded pixel and channel at the decode's peak: three float32 copies and the uint8 frames."""
+ENCODING_BYTES_PER_VALUE = 1
+"""Host bytes per pixel and channel while the output file is encoded (a padded uint8 copy)."""
+TEXT_TOKENS = 512
+"""Text tokens of the prompt's hidden states (UMT5's and T5's maximum in Wan and Flux)."""
+
+
+@dataclass(frozen=True)
+class HostReserve:
+    """The reserve (bytes) and how it was reached: the parts of the estimate, or the figure the config gave."""
+
+    nbytes: int
+    source: str
+    """'host_reserve_gb' (given) or what the estimate was for ('estimated for 480x832 x 81 frames on cuda')."""
+    parts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    """The estimate's parts by name (empty where the reserve was given)."""
+    size_source: str = ""
+    """Where the estimate's size came from: the model's defaults, the largest request, the size planned."""
+
+    @property
+    def need_name(self) -> str:
+        """Its name among what runs beside the host store (`plan.host_budget.host_needs`)."""
+        return "reserve (host_reserve_gb)" if self.source == "host_reserve_gb" else "reserve (estimated)"
+
+    def describe(self) -> str:
+        if not self.parts:
+            return f"{format_gb(self.nbytes)} ({self.source})"
+        parts = " + ".join(f"{name} {format_gb(n)}" for name, n in self.parts.items())
+        floor = f", at least {format_gb(FLOOR_NBYTES)}" if sum(self.parts.values()) < self.nbytes else ""
+        size = f"; size: {self.size_source}" if self.size_source else ""
+        return f"{format_gb(self.nbytes)} ({self.source}: {parts}{floor}{size})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "bytes": self.nbytes, "source": self.source, "parts": dict(self.parts), "size_source": self.size_source,
+            "reason": self.describe(),
+        }  # fmt: skip
+
+
+def given_host_reserve(reserve_gb: float) -> HostReserve:
+    return HostReserve(round(reserve_gb * GB), "host_reserve_gb")
+
+
+def estimate_host_reserve(
+    pipeline: Any,
+    *,
+    device_is_host: bool,
+    size: Mapping[str, int] | None = None,
+    tokens: int | None = None,
+    dit_blocks: tuple[nn.Module, ...] = (),
+    size_source: str | None = None,
+) -> HostReserve:
+    """The reserve for one generation at `size` (default: the pipeline's own call defaults). Pixels are counted
+    where the pipeline decodes them (it has a `vae`); `dit_blocks` (their first blocks) price the activations on
+    a CPU device at `tokens` latent tokens (default: `generation.latent_tokens`). `size_source` says where the
+    size came from (default: the size given, or the pipeline's call defaults)."""
+    source_of_size = size_source or ("the size planned" if size else "the pipeline's call defaults")
+    size = generation_size(pipeline, size)
+    parts: dict[str, int] = {}
+    if getattr(pipeline, "vae", None) is not None:
+        values = size["height"] * size["width"] * size["num_frames"] * 3
+        parts["decoded frames"] = DECODED_BYTES_PER_VALUE * values
+        parts["output encoding"] = ENCODING_BYTES_PER_VALUE * values
+    text = text_output_nbytes(pipeline)
+    if text:
+        parts["text encoder outputs"] = text
+    if device_is_host and dit_blocks:
+        tokens = latent_tokens(pipeline, size) if tokens is None else tokens
+        parts["activations (the device is the host)"] = max(block_activation_nbytes(b, tokens) for b in dit_blocks)
+    frames = f" x {size['num_frames']} frames" if size["num_frames"] > 1 else ""
+    at_tokens = f", {tokens} tokens" if tokens is not None and device_is_host and dit_blocks else ""
+    source = f"estimated for {size['height']}x{size['width']}{frames}{at_tokens}"
+    return HostReserve(max(sum(parts.values()), FLOOR_NBYTES), source, MappingProxyType(parts), source_of_size)
+
+
+def text_output_nbytes(pipeline: Any) -> int:
+    """The prompt's and the negative prompt's hidden states of every text encoder: 2 x tokens x width x dtype."""
+    total = 0
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        encoder = getattr(pipeline, name, None)
+        config = getattr(encoder, "config", None)
+        width = getattr(config, "d_model", None) or getattr(config, "hidden_size", None)
+        if isinstance(encoder, nn.Module) and isinstance(width, int):
+            itemsize = next((p.dtype.itemsize for p in encoder.parameters()), 4)
+            total += 2 * TEXT_TOKENS * width * itemsize
+    return total
+
+
+def host_reserve_for(
+    pipeline: Any,
+    plan: Any,
+    reserve_gb: float | None,
+    *,
+    device_is_host: bool,
+    size: Mapping[str, int] | None = None,
+    tokens: int | None = None,
+    generation: Any = None,
+) -> HostReserve:
+    """`reserve_gb` where given, else the estimate for `plan`'s pipeline (a `ResolvedOffloadPlan`: its DiTs' first
+    blocks price the activations on a CPU device) at `generation` (a `models.generation_size.GenerationSize`:
+    the largest generation it will run) or else `size` and `tokens`."""
+    from layerstream.plan.resolved import lookup
+
+    if reserve_gb is not None:
+        return given_host_reserve(reserve_gb)
+    source = None
+    if generation is not None:
+        size, tokens, source = generation.as_size(), generation.tokens, generation.source
+    firsts = [s.block_paths[0] for c in plan.components if c.category == "dit" for s in c.stacks if s.block_paths]
+    blocks = tuple(lookup(pipeline, p) for p in firsts)
+    return estimate_host_reserve(
+        pipeline, device_is_host=device_is_host, size=size, tokens=tokens, dit_blocks=blocks, size_source=source,
+    )  # fmt: skip
