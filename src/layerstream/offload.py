@@ -35,7 +35,7 @@ from layerstream.runtime.packing.layout import BlockLayout
 from layerstream.runtime.modes.module_mode import apply_module_mode
 from layerstream.runtime.streaming.ownership import own_pipeline_calls_
 from layerstream.runtime.stores.disk.staging import NUM_STAGING_BUFFERS
-from layerstream.runtime.stores.compose import CAST_KIND, PACKED_KIND, ComponentStores, StoreContext, StoreKind, compose_stores
+from layerstream.runtime.stores.compose import CAST_KIND, LOSSLESS_KIND, PACKED_KIND, ComponentStores, StoreContext, StoreKind, compose_stores
 from layerstream.runtime.contracts import HostStore
 from layerstream.runtime.torch_contract.guards import guard_module_, guard_pipeline_
 from layerstream.runtime.torch_contract.safety import check_no_foreign_offload, check_no_shared_block_tensors, check_packable_block_tensors
@@ -140,7 +140,7 @@ def _sharded_store(comp: ResolvedComponent, ctx: StoreContext) -> HostStore | No
 
 
 SHARDED_KIND = StoreKind("sharded-allgather", lambda c: c.weight_transfer == "allgather", _sharded_store, shared=True)
-STORE_KINDS: tuple[StoreKind, ...] = (SHARDED_KIND, CAST_KIND, PACKED_KIND)
+STORE_KINDS: tuple[StoreKind, ...] = (SHARDED_KIND, CAST_KIND, LOSSLESS_KIND, PACKED_KIND)
 """The host stores, in order of preference: the first whose kind applies to a component and builds serves it
 (allgather before float8: the sharded store keeps a float8 component's blocks in their float8 form)."""
 

@@ -330,20 +330,20 @@ class DiskHostStore(HostStoreBase):
             packed = self.pool.buffers[entry][: form.stored_nbytes].zero_()  # zeroed pads: a spill file's bytes are defined
             form.fill_(packed, self._files, self.reader)
         original_device = compute.source_device()
-        source = self._checkpoint_source(compute) if form.lossless else None  # a lossy form's bytes are not the file's
+        source = self._checkpoint_source(compute) if form.stored_is_packed else None  # a float8 or coded form's bytes are not the file's
         if source is None:
             source = self._spill_(form, packed)
         binder = TensorBinder(compute, device)
         member = choice.member_of(layout.path) if choice is not None else None
-        # a lossless form's original tensors go now; a lossy one's stay until the commit, for an exact rollback
-        originals = None if form.lossless else [current_tensor(e.module, e.name, e.is_param) for e in compute.entries]
+        # a packed form's original tensors go now; another's stay until the commit, for an exact rollback
+        originals = None if form.stored_is_packed else [current_tensor(e.module, e.name, e.is_param) for e in compute.entries]
         if entry is not None:
             block = PooledBlock(self, form, binder, source, original_device, member, originals, entry=entry)
             self.pool.add_(block, holds_bytes=packed is not None)
         else:
             block = DiskBlock(self, form, binder, source, original_device, member, originals)
         block.binder.evict_()
-        if form.lossless:
+        if form.stored_is_packed:
             compute.forget_sources()  # the block's memory (or its view of the checkpoint) goes now
         self.blocks[layout.path] = block
         return block
