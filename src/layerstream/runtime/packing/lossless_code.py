@@ -208,8 +208,9 @@ def _scratch_for(device: torch.device, chunk: int) -> dict[str, torch.Tensor]:
 
 
 class SpanDecode:
-    """Decodes one span's stored bytes (`stored`, uint8 `code.nbytes`) into `out` (int16, `code.num_elements`),
-    both views that keep their place (a slot's staging region and compute layout): planned once, run per copy."""
+    """Decodes one span's stored bytes (`stored`, uint8 `code.nbytes`, 16-byte aligned as the form places them)
+    into `out` (int16, `code.num_elements`), both views that keep their place (a slot's staging region and
+    compute layout): planned once, run per copy."""
 
     def __init__(self, code: SpanCode, stored: torch.Tensor, out: torch.Tensor):
         self.code, self.out = code, out

@@ -303,6 +303,7 @@ class DiskHostStore(HostStoreBase):
 
     def stats(self) -> StoreStats:
         pool = self.pool_nbytes
+        coded = [b for b in self.blocks.values() if b.form.lossless and not b.form.stored_is_packed]
         return StoreStats(
             host_bytes=pool,
             pinned_host_bytes=pool if self.pool is not None and self.pool.pinned else 0,
@@ -310,6 +311,8 @@ class DiskHostStore(HostStoreBase):
             disk_stall_seconds=self.disk_stall_seconds,
             host_pool_bytes=pool,
             disk_staging_bytes=self.staging_nbytes,
+            lossless_stored_bytes=sum(b.form.stored_nbytes for b in coded),
+            lossless_decoded_bytes=sum(b.layout.nbytes for b in coded),
         )
 
     def stage_(self, layout: BlockLayout, device: torch.device, pin: Pinner | None) -> DiskBlock:
