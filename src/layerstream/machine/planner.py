@@ -13,6 +13,7 @@ throughput (`block_flops`).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import statistics
@@ -28,6 +29,7 @@ from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB, DEF
 from layerstream.errors import LayerstreamError
 from layerstream.models.geometry import pipeline_frame_multiple, pipeline_size_multiple
 from layerstream.plan.host_budget import GB, HostBudgetChoice, choose_host_budget, format_gb, host_needs
+from layerstream.runtime.packing.lossless_code import ESTIMATED_CODED_FRACTION
 from layerstream.plan.placement import Placement
 from layerstream.timing import ideal
 from layerstream.timing.block_timer import BlockTimer
@@ -72,6 +74,10 @@ class Machine:
     """Whether float8 storage (lossy, rounded once) may be recommended."""
     forwards_per_step: int = FORWARDS_PER_STEP
 
+
+DEVICE_DECODE_GBPS = 100.0
+"""Decoded bytes per second the lossless form's decode is assumed to reach on an accelerator (a few passes of
+elementwise torch ops over a block, at memory speed); `benchmarks/gpu.sh` measures it where a GPU is present."""
 
 @dataclass(frozen=True)
 class MachinePlan:
@@ -141,7 +147,7 @@ def check_machine(machine: Machine) -> None:
 
 def recommended_config(
     pipeline: Any, machine: Machine, *, text_encoder: bool, host_budget_gb: float | None,
-    activation_reserve_gb: float = DEFAULT_ACTIVATION_RESERVE_GB,
+    activation_reserve_gb: float = DEFAULT_ACTIVATION_RESERVE_GB, lossless: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """The config `"auto"` settings would reach on `machine`, with its figures written out; the device budget
     leaves `activation_reserve_gb` beside the resident parts (`activation_reserve`)."""
@@ -154,6 +160,8 @@ def recommended_config(
     dit: dict[str, Any] = {"resident_layers": "auto", "device_budget_gb": round(device_budget, 4)}
     if machine.allow_lossy:
         dit["storage_dtype"] = "float8_e4m3fn"
+    elif lossless:
+        dit["storage_dtype"] = "lossless"  # the same bits: no --allow-lossy needed
     config: dict[str, Any] = {"mode": "layer", "components": ["dit", "text_encoder"] if text_encoder else ["dit"]}
     config["layer_options"] = {"dit": dit}
     if host_budget_gb is not None:
@@ -168,6 +176,32 @@ def plan_for_machine(
     size: Mapping[str, int] | None = None,
     block_seconds: Mapping[str, float] | None = None,
     tokens: int | None = None,
+) -> MachinePlan:
+    """The plan (see `_plan_for_machine`); without `allow_lossy`, where it is bound by the link or the disk, the
+    lossless form (`storage_dtype: "lossless"`: fewer bytes, the same bits, a decode on the device) where it
+    predicts a faster step."""
+    plan = _plan_for_machine(pipeline, machine, size=size, block_seconds=block_seconds, tokens=tokens)
+    if machine.allow_lossy or plan.bound == "compute":
+        return plan
+    coded = _plan_for_machine(pipeline, machine, size=size, block_seconds=block_seconds, tokens=tokens, lossless=True)
+    if coded.seconds_per_step >= plan.seconds_per_step:
+        return plan
+    note = (
+        f"the DiT is stored lossless (about {ESTIMATED_CODED_FRACTION:.2f}x the bytes, the same bits, decoded on the "
+        f"device at an assumed {DEVICE_DECODE_GBPS:g} GB/s): {plan.bound}-bound, {plan.seconds_per_step:.3g} s per "
+        f"step as it is, {coded.seconds_per_step:.3g} s coded"
+    )
+    return dataclasses.replace(coded, notes=coded.notes + (note,))
+
+
+def _plan_for_machine(
+    pipeline: Any,
+    machine: Machine,
+    *,
+    size: Mapping[str, int] | None = None,
+    block_seconds: Mapping[str, float] | None = None,
+    tokens: int | None = None,
+    lossless: bool = False,
 ) -> MachinePlan:
     """The plan (see the module docstring). `size` ({"height", "width", "num_frames"}; default: the pipeline's
     own defaults) gives the tokens a block sees, or `tokens` gives them itself (a pipeline that is not diffusers');
@@ -191,6 +225,7 @@ def plan_for_machine(
         unbudgeted = resolve_offload_plan(
             pipeline, parse_offload_config(recommended_config(
                 pipeline, machine, text_encoder=text_encoder, host_budget_gb=None, activation_reserve_gb=reserve_gb,
+                lossless=lossless,
             )),
         )  # fmt: skip
         placement, host_nbytes = priced_placement(pipeline, unbudgeted, cpu)
@@ -217,7 +252,9 @@ def plan_for_machine(
     except LayerstreamError as e:
         raise MachinePlanError(f"host_memory_gb = {machine.host_memory_gb:g}: {e}") from e
     budget_gb = None if choice.budget_gb is None else _round_down(choice.budget_gb)
-    config = recommended_config(pipeline, machine, text_encoder=text_encoder, host_budget_gb=budget_gb, activation_reserve_gb=reserve_gb)
+    config = recommended_config(
+        pipeline, machine, text_encoder=text_encoder, host_budget_gb=budget_gb, activation_reserve_gb=reserve_gb, lossless=lossless
+    )
     plan = resolve_offload_plan(pipeline, parse_offload_config(config))
     placement = plan_placement(pipeline, plan, cpu)
     compute, source = _block_compute(pipeline, placement, block_seconds, tokens, machine)
@@ -334,6 +371,8 @@ def _per_step(plan, placement: Placement, streamed: Mapping[str, int], compute: 
         sizes = [streamed.get(p, 0) for p in blocks]
         compute_s = [compute[p] for p in blocks]
         link_s = ideal.block_transfer_seconds(sizes, moved, machine.link_gbps)
+        if comp.storage_dtype == "lossless":  # the decode runs after each copy on the copy stream: the link stage
+            link_s = [t + (n / ESTIMATED_CODED_FRACTION / (DEVICE_DECODE_GBPS * 1e9) if m else 0.0) for t, n, m in zip(link_s, sizes, moved)]
         disk_s = ideal.block_disk_seconds(sizes, on_disk, machine.disk_gbps)
         per_dit[comp.path] = {
             "seconds": ideal.ideal_forward_seconds_with_disk(compute_s, link_s, disk_s),
