@@ -15,6 +15,7 @@ from layerstream.runtime.packing.lossless_code import (
     SpanDecode,
     decode,
     encode_into_,
+    WIDTHS,
     escape_capacity,
     plan_code,
     split,
@@ -42,7 +43,7 @@ def test_every_bit_pattern_comes_back(dtype):
     coded, _ = split(shuffled, dtype)
     assert coded.unique().numel() == 256  # every coded byte value: most of them go through the escape list
     assert plan_code(shuffled, dtype) is None  # uniform bits do not code smaller: such a span stays raw
-    for width in (1, 4, 7):  # coded all the same, with room for every element to escape
+    for width in WIDTHS:  # coded all the same, with room for every element to escape
         code = SpanCode(dtype, shuffled.numel(), width, escape_capacity(shuffled.numel(), shuffled.numel()))
         assert torch.equal(_round_trip(shuffled, dtype, code), shuffled)
 
@@ -59,7 +60,7 @@ def test_distinct_exponents_take_the_escape_path_and_a_single_exponent_takes_non
 
     one = torch.full((4096,), 1.5, dtype=DTYPES[dtype]).view(torch.int16)
     code = plan_code(one, dtype)
-    assert code.width == 1 and code.capacity == escape_capacity(0, one.numel())  # no escape needed
+    assert code.width == WIDTHS[0] and code.capacity == escape_capacity(0, one.numel())  # no escape needed
     assert torch.equal(_round_trip(one, dtype), one)
 
 

@@ -39,10 +39,11 @@ from layerstream.runtime.packing.lossless_code import (
     CodeOverflowError,
     SpanCode,
     SpanDecode,
+    count_coded,
     decode,
     encode_into_,
     estimated_code,
-    plan_code,
+    plan_code_from_counts,
 )
 from layerstream.runtime.packing.upcast import Upcast
 from layerstream.runtime.stores.buffer_store import HostBufferStore
@@ -94,6 +95,8 @@ class LosslessForm:
 
     def __init__(self, layout: BlockLayout):
         self.layout = layout
+        self._counts: dict[int, torch.Tensor] = {}
+        """Each coded span's coded-byte counts from planning, for its first fill (not counted twice at enable)."""
         names = _coded_span_dtype(layout)
         segments: list[LosslessSegment] = []
         self.span_segment: list[int] = []
@@ -126,7 +129,8 @@ class LosslessForm:
         source = self.layout.span_source(span)
         if source.device.type == "meta":
             return estimated_code(num_elements, dtype)  # a skeleton: priced, never filled
-        return plan_code(source.cpu().view(torch.int16), dtype)
+        counts = self._counts[span] = count_coded(source.cpu().view(torch.int16), dtype)
+        return plan_code_from_counts(counts, num_elements, dtype)
 
     def __repr__(self) -> str:
         return f"LosslessForm({self.layout.path!r}, {self.stored_nbytes} of {self.layout.nbytes} bytes)"
@@ -158,7 +162,8 @@ class LosslessForm:
             if segment.kind == "coded":
                 region = stored[segment.stored_start : segment.stored_start + segment.stored_nbytes]
                 try:
-                    encode_into_(segment.code, source.cpu().view(torch.int16), region)
+                    # the planning's counts: the table they give codes any values exactly (the capacity is checked)
+                    encode_into_(segment.code, source.cpu().view(torch.int16), region, self._counts.pop(i, None))
                 except CodeOverflowError as e:  # the values changed since the form was made from them
                     raise OffloadError(f"{self.layout.path}: its weights changed while offload was being enabled ({e})") from e
             else:
