@@ -230,9 +230,10 @@ def resolve_host_budget(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.
         num_staging_buffers=NUM_STAGING_BUFFERS, block_host_nbytes=host_nbytes,
     )  # fmt: skip
     streamed = sum(host_nbytes[p] for p in placement.streamed_block_paths)
-    # float8 stores keep a block's own tensors until the commit (an exact rollback): not freed while enabling
-    float8 = {p for c in unbudgeted.streamed if c.storage_dtype is not None for s in c.stacks for p in s.block_paths}
-    freed = [p for p in placement.streamed_block_paths if p not in float8]
+    # a stored form's stores (float8, lossless: any storage_dtype) keep a block's own tensors until the commit (an
+    # exact rollback): not freed while enabling
+    kept_until_commit = {p for c in unbudgeted.streamed if c.storage_dtype is not None for s in c.stacks for p in s.block_paths}
+    freed = [p for p in placement.streamed_block_paths if p not in kept_until_commit]
     choice = choose_host_budget(
         free_nbytes=memory.free_nbytes,
         free_source=memory.describe(),
