@@ -32,7 +32,8 @@ def _config(components, storage_dtype: str | None = "lossless", **top) -> dict:
 
 def _generate(pipe, model: str) -> torch.Tensor:
     kwargs = dict(TINY_MODELS[model].default_kwargs)
-    kwargs.update(num_inference_steps=2, output_type="latent", generator=torch.Generator().manual_seed(0))
+    steps = 1 if model == "tiny-flux" else 2  # Wan 2.2: a step for each expert; Qwen-Image's scheduler needs two
+    kwargs.update(num_inference_steps=steps, output_type="latent", generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = pipe(prompt="a fox", **kwargs)
     return (out.frames if hasattr(out, "frames") else out.images).clone()
@@ -49,17 +50,35 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 CASES = [(m, c, "bf16") for m in DITS for c in (("dit",), ("dit", "text_encoder"))] + [(m, ("dit", "text_encoder"), "fp16") for m in DITS]
 
 
+@pytest.fixture(scope="module")
+def resident():
+    """One pipeline per (model, dtype), with its resident output and weights, shared by the cases below (each
+    disables what it enables, and checks the original bits are back)."""
+    loaded: dict[tuple[str, str], tuple] = {}
+
+    def get(model: str, dtype: str):
+        if (model, dtype) not in loaded:
+            pipe = _load(model, DTYPES[dtype])
+            loaded[(model, dtype)] = (pipe, _generate(pipe, model), _weights(pipe, model))
+        return loaded[(model, dtype)]
+
+    return get
+
+
 @pytest.mark.parametrize("model, components, dtype", CASES, ids=[f"{m}-{'+'.join(c)}-{d}" for m, c, d in CASES])
-def test_lossless_streaming_is_bit_identical_to_resident_and_to_streaming_uncompressed(model, components, dtype):
-    resident, plain, coded = (_load(model, DTYPES[dtype]) for _ in range(3))
-    original = _weights(coded, model)
-    expected = _generate(resident, model)
-    plain_handle = enable_offload(plain, _config(components, None), device="cpu")
-    assert torch.equal(_generate(plain, model), expected)
-    handle = enable_offload(coded, _config(components), device="cpu")
-    assert torch.equal(_generate(coded, model), expected)
-    stats, plain_stats = handle.stats(), plain_handle.stats()
-    assert torch.equal(_generate(coded, model), expected)  # steady state too
+def test_lossless_streaming_is_bit_identical_to_resident_and_to_streaming_uncompressed(resident, model, components, dtype):
+    pipe, expected, original = resident(model, dtype)
+    plain_stats = None
+    if dtype == "bf16" and len(components) == 2:  # streaming the same weights uncompressed, once per model
+        plain_handle = enable_offload(pipe, _config(components, None), device="cpu")
+        assert torch.equal(_generate(pipe, model), expected)
+        plain_stats = plain_handle.stats()
+        plain_handle.disable()
+    handle = enable_offload(pipe, _config(components), device="cpu")
+    assert torch.equal(_generate(pipe, model), expected)
+    stats = handle.stats()
+    if model == "tiny-wan" and dtype == "bf16" and len(components) == 1:
+        assert torch.equal(_generate(pipe, model), expected)  # steady state too (both experts, learned order)
     assert stats.max_materialized_blocks <= stats.num_slots
     coded_blocks = [b for b in handle.streamer.blocks if isinstance(b.host, LosslessBlock)]
     assert len(coded_blocks) == len(handle.streamer.blocks)  # every streamed block, the encoder's too
@@ -69,13 +88,13 @@ def test_lossless_streaming_is_bit_identical_to_resident_and_to_streaming_uncomp
     # the sign and two mantissa bits too)
     ratio = stats.lossless_stored_bytes / stats.lossless_decoded_bytes
     assert ratio < (0.97 if dtype == "bf16" else 0.995), ratio
-    assert stats.num_transfers == plain_stats.num_transfers
-    assert stats.bytes_transferred < plain_stats.bytes_transferred
-    assert stats.host_bytes < plain_stats.host_bytes
-    plain_handle.disable()
+    assert stats.host_bytes < sum(b.host.layout.nbytes for b in handle.streamer.blocks)
+    if plain_stats is not None:
+        assert stats.num_transfers == plain_stats.num_transfers
+        assert stats.bytes_transferred < plain_stats.bytes_transferred
+        assert stats.host_bytes < plain_stats.host_bytes
     handle.disable()
-    assert _same(_weights(coded, model), original)  # the original bits back
-    assert torch.equal(_generate(coded, model), expected)
+    assert _same(_weights(pipe, model), original)  # the original bits back (and with them the resident output)
 
 
 def test_state_dict_gives_the_real_values_and_load_state_dict_takes_new_ones():
