@@ -48,7 +48,7 @@ from wan22_scenario import (
     calibrate_tokens, make_inputs, real_streamed_bytes, streamed_blocks,
 )  # fmt: skip
 
-STORAGES = ("bfloat16", "float8")
+STORAGES = ("bfloat16", "lossless", "float8")
 PREDICTION_SOURCE = (
     "the planner (layerstream.machine.planner.plan_for_machine, as `layerstream plan --device-memory 24 --host-memory 32 "
     "[--allow-lossy]`), with compute per block measured on the resident pipeline; its configuration is the one each row runs"
@@ -112,12 +112,13 @@ def measure_experts(pipe: WanPipeline, inputs: Inputs) -> dict[str, ExpertComput
     return out
 
 
-def machine_plan(pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy: bool) -> MachinePlan:
+def machine_plan(pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy: bool, lossless: bool | None = None) -> MachinePlan:
     """The planner's recommendation for the target machine (`layerstream plan --device-memory 24 --host-memory 32`),
     asked at the run's scale: memory figures divided by the memory scale (the planner's default 4 GB activation
     reserve kept whole; at real widths and 75,600 tokens its estimate, about 5.7 GB, is larger and is the one
     used), the link and the disk as they are, the run's tokens, compute per block as measured on the resident
-    pipeline. Its seconds per step, times S, are its prediction for the real machine."""
+    pipeline. Its seconds per step, times S, are its prediction for the real machine. `lossless` (without
+    `lossy`): the DiT stored lossless (True) or as it is (False), instead of the planner's choice between them."""
     s, m = ctx["scenario"], ctx["scale"].memory
     machine = Machine(
         device_memory_gb=DEFAULT_ACTIVATION_RESERVE_GB + (s.device_gb - DEFAULT_ACTIVATION_RESERVE_GB) / m,
@@ -125,7 +126,7 @@ def machine_plan(pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy
         host_reserve_gb=DEFAULT_HOST_RESERVE_GB / m, link_gbps=ctx["link_gbps"], disk_gbps=disk_gbps, allow_lossy=lossy,
     )  # fmt: skip
     seconds = {f"{path}.blocks.{i}": t for path, c in ctx["compute"].items() for i, t in enumerate(c.block_s)}
-    return plan_for_machine(pipe, machine, block_seconds=seconds, tokens=ctx["scale"].num_tokens)
+    return plan_for_machine(pipe, machine, block_seconds=seconds, tokens=ctx["scale"].num_tokens, lossless=lossless)
 
 
 def row_config(plan: MachinePlan, disk_dir: str, *, budget: bool = True) -> dict[str, Any]:
@@ -270,9 +271,9 @@ def row_figures(name: str, run: Offloaded, plan: MachinePlan, disk_gbps: float |
 
 
 def measure_rows(pipe: WanPipeline, inputs: Inputs, ctx: dict[str, Any], disk_dir: str) -> list[dict[str, Any]]:
-    """Per disk, the planner's configuration for the target machine: bfloat16, then float8 (`--allow-lossy`)
-    beside a float8 reference with the same config and every block in host memory (what its output must equal
-    bit for bit)."""
+    """Per disk, the planner's configuration for the target machine: bfloat16 as it is, then stored lossless (the
+    same bits: its output must equal the resident one bit for bit), then float8 (`--allow-lossy`) beside a float8
+    reference with the same config and every block in host memory (what its output must equal bit for bit)."""
     s, storages = ctx["scenario"], ctx["storages"]
     rows = []
 
@@ -281,10 +282,12 @@ def measure_rows(pipe: WanPipeline, inputs: Inputs, ctx: dict[str, Any], disk_di
         rows.append(row_figures(name, run, plan, disk_gbps, reference or ("itself: the float8 reference", run.videos[0]), ctx))
         return run
 
-    if "bfloat16" in storages:
+    for storage in ("bfloat16", "lossless"):
+        if storage not in storages:
+            continue
         for disk_gbps in s.disks_gbps:
-            plan = machine_plan(pipe, ctx, disk_gbps, lossy=False)
-            measure(f"bfloat16@{disk_gbps:g}", plan, row_config(plan, disk_dir), disk_gbps, ("resident", ctx["resident"]))
+            plan = machine_plan(pipe, ctx, disk_gbps, lossy=False, lossless=storage == "lossless")
+            measure(f"{storage}@{disk_gbps:g}", plan, row_config(plan, disk_dir), disk_gbps, ("resident", ctx["resident"]))
     if "float8" in storages:
         plans = {d: machine_plan(pipe, ctx, d, lossy=True) for d in s.disks_gbps}
         budgeted = {d: plan for d, plan in plans.items() if "host_budget_gb" in plan.config}
@@ -394,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu (the simulation) or cuda (real widths and tokens, the real link and disk)")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: 40, Wan 2.2's; --smoke: 4)")
     parser.add_argument("--repeats", type=int, default=1, help="timed videos per row, each after a resident one (CPU)")
-    parser.add_argument("--storage", choices=(*STORAGES, "both"), default="both", help="which rows to run (default both)")
+    parser.add_argument("--storage", choices=(*STORAGES, "all"), default="all", help="which rows to run (default all)")
     parser.add_argument("--disk-gbps", type=float, default=None, help="GPU only: the drive's rating, for the prediction (default 7)")
     parser.add_argument("--disk-dir", default=None, help="spill files go here (default: a temporary folder; on a GPU put it on the NVMe)")
     parser.add_argument("--out", default=None, help="also write the table and the JSON to OUT/results.md and OUT/results.json")
@@ -406,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(args.threads or max(1, torch.get_num_threads() - 1))  # a core for the copy and read threads
     with tempfile.TemporaryDirectory(prefix="layerstream-headline-", dir=args.disk_dir) as tmp:
-        result = run(scenario, tmp, device, args.repeats, STORAGES if args.storage == "both" else (args.storage,))
+        result = run(scenario, tmp, device, args.repeats, STORAGES if args.storage == "all" else (args.storage,))
     result["smoke"] = args.smoke
     print(json.dumps(result, indent=2) if args.json else format_report(result))
     if args.out is not None:

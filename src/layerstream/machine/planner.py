@@ -176,10 +176,14 @@ def plan_for_machine(
     size: Mapping[str, int] | None = None,
     block_seconds: Mapping[str, float] | None = None,
     tokens: int | None = None,
+    lossless: bool | None = None,
 ) -> MachinePlan:
     """The plan (see `_plan_for_machine`); without `allow_lossy`, where it is bound by the link or the disk, the
     lossless form (`storage_dtype: "lossless"`: fewer bytes, the same bits, a decode on the device) where it
-    predicts a faster step."""
+    predicts a faster step. `lossless` True or False asks for the DiT in that form or not, whatever is faster
+    (a benchmark's rows side by side)."""
+    if lossless is not None:
+        return _plan_for_machine(pipeline, machine, size=size, block_seconds=block_seconds, tokens=tokens, lossless=lossless)
     plan = _plan_for_machine(pipeline, machine, size=size, block_seconds=block_seconds, tokens=tokens)
     if machine.allow_lossy or plan.bound == "compute":
         return plan
