@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 LOSSLESS = "lossless"
 """The config's `storage_dtype` value of this form."""
 MIN_CODED_BYTES = 4096
-"""Smaller spans stay raw: their table and escape slack would eat what coding them saves."""
+"""Smaller spans stay raw: their header and escape slack would eat what coding them saves."""
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ class LosslessForm:
             if segment.kind == "coded":
                 region = stored[segment.stored_start : segment.stored_start + segment.stored_nbytes]
                 try:
-                    # the planning's counts: the table they give codes any values exactly (the capacity is checked)
+                    # the planning's counts: the window they give codes any values exactly (the capacity is checked)
                     encode_into_(segment.code, source.cpu().view(torch.int16), region, self._counts.pop(i, None))
                 except CodeOverflowError as e:  # the values changed since the form was made from them
                     raise OffloadError(f"{self.layout.path}: its weights changed while offload was being enabled ({e})") from e
