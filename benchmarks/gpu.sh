@@ -143,11 +143,23 @@ fi
 echo "(cold-start took $((SECONDS - start)) s)"
 
 echo
+echo "== lossless decode on the device (one real-width Wan block, bit-exact check included)"
+mkdir -p "$OUT/lossless"
+start=$SECONDS
+if timeout 300 env PYTHONPATH="$ROOT/src" "$PY" "$ROOT/benchmarks/lossless.py" --device cuda --repeats 20 >"$OUT/lossless/results.md"; then
+    cat "$OUT/lossless/results.md"
+else
+    echo "error: the lossless decode benchmark failed or timed out" >&2
+    failed+=("lossless")
+fi
+echo "(lossless took $((SECONDS - start)) s)"
+
+echo
 echo "== combined table: $OUT/table.md"
 {
     echo "# layerstream GPU benchmark"
     echo
-    for name in wan14b wan14b-disk wan22-pool headline flux12b cold-start; do
+    for name in wan14b wan14b-disk wan22-pool headline flux12b cold-start lossless; do
         echo "## $name"
         echo
         if [ -f "$OUT/$name/results.md" ]; then cat "$OUT/$name/results.md"; else echo "(no results: see gpu.log)"; fi

@@ -49,7 +49,7 @@ from wan22_scenario import (
     calibrate_tokens, make_inputs, real_streamed_bytes, streamed_blocks,
 )  # fmt: skip
 
-STORAGES = ("bfloat16", "float8")
+STORAGES = ("bfloat16", "lossless", "float8")
 PREDICTION_SOURCE = (
     "the planner (layerstream.machine.planner.plan_for_machine, as `layerstream plan --device-memory 24 --host-memory 32 "
     "[--allow-lossy]`), with compute per block measured on the resident pipeline at the start, times how much slower the "
@@ -129,7 +129,9 @@ def real_host_reserve_gb() -> float:
     return max((DECODED_BYTES_PER_VALUE + ENCODING_BYTES_PER_VALUE) * values + text, FLOOR_NBYTES) / GB
 
 
-def machine_plan(pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy: bool, *, drift: float = 1.0, host_copy: bool = True) -> MachinePlan:
+def machine_plan(
+    pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy: bool, lossless: bool | None = None, *, drift: float = 1.0, host_copy: bool = True,
+) -> MachinePlan:  # fmt: skip
     """The planner's recommendation for the target machine (`layerstream plan --device-memory 24 --host-memory 32`),
     asked at the run's scale: memory figures divided by the memory scale (the planner's default 4 GB activation
     reserve kept whole; at real widths and 75,600 tokens its estimate, about 5.7 GB, is larger and is the one
@@ -137,7 +139,8 @@ def machine_plan(pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy
     resident pipeline times `drift` (how much slower the resident twin ran beside a row: the shared machine's
     drift), and on the CPU the compute time this CPU loses per GB the copy and read threads move and per float8
     GB they cast (`measure_host_copy_costs`; `host_copy` False leaves them out). Its seconds per step, times S,
-    are its prediction for the real machine."""
+    are its prediction for the real machine. `lossless` (without `lossy`): the DiT stored lossless (True) or as it
+    is (False), instead of the planner's choice between them."""
     s, m = ctx["scenario"], ctx["scale"].memory
     costs = (ctx["host_copy_costs"] or {}) if host_copy else {}
     machine = Machine(
@@ -147,7 +150,7 @@ def machine_plan(pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy
         host_copy_s_per_gb=costs.get("copy_s_per_gb", 0.0), host_cast_s_per_gb=costs.get("cast_s_per_gb", 0.0),
     )  # fmt: skip
     seconds = {f"{path}.blocks.{i}": t * drift for path, c in ctx["compute"].items() for i, t in enumerate(c.block_s)}
-    return plan_for_machine(pipe, machine, block_seconds=seconds, tokens=ctx["scale"].num_tokens, steps=s.steps)
+    return plan_for_machine(pipe, machine, block_seconds=seconds, tokens=ctx["scale"].num_tokens, steps=s.steps, lossless=lossless)
 
 
 def measure_host_copy_costs(pipe: WanPipeline, twin: WanPipeline, inputs: Inputs, link_gbps: float, rounds: int = 5) -> dict[str, float]:
@@ -307,14 +310,16 @@ def row_figures(name: str, run: Offloaded, plan: MachinePlan, disk_gbps: float |
     transfer_s = transfer_seconds(link_bytes, ctx["link_gbps"])
     disk_s = transfer_seconds(link_bytes, disk_gbps) if disk_gbps and on_disk else 0.0
     drift = ideal_loop_s / compute_loop_s(ctx)  # the resident twin beside this row over what the compute measured gives
-    lossy = "storage_dtype" in json.dumps(run.config)
+    stored = run.config.get("layer_options", {}).get("dit", {}).get("storage_dtype")
+    lossy = stored not in (None, "lossless")
+    lossless = None if lossy else stored == "lossless"  # the row's own form, not the planner's choice
     disk_for_plan = disk_gbps if disk_gbps is not None else s.disks_gbps[0]
-    plan = machine_plan(ctx["pipe"], ctx, disk_for_plan, lossy, drift=drift)  # the same config: compute moves no block
+    plan = machine_plan(ctx["pipe"], ctx, disk_for_plan, lossy, lossless, drift=drift)  # the same config: compute moves no block
     predicted = plan.seconds_per_step * S
     parts = {
-        "predicted_before_s": machine_plan(ctx["pipe"], ctx, disk_for_plan, lossy, host_copy=False).seconds_per_step * S,
-        "predicted_without_drift_s": machine_plan(ctx["pipe"], ctx, disk_for_plan, lossy).seconds_per_step * S,
-        "predicted_without_host_copy_s": machine_plan(ctx["pipe"], ctx, disk_for_plan, lossy, drift=drift, host_copy=False).seconds_per_step * S,
+        "predicted_before_s": machine_plan(ctx["pipe"], ctx, disk_for_plan, lossy, lossless, host_copy=False).seconds_per_step * S,
+        "predicted_without_drift_s": machine_plan(ctx["pipe"], ctx, disk_for_plan, lossy, lossless).seconds_per_step * S,
+        "predicted_without_host_copy_s": machine_plan(ctx["pipe"], ctx, disk_for_plan, lossy, lossless, drift=drift, host_copy=False).seconds_per_step * S,
         "drift": drift,
     }
     bench_ideal = predicted_loop_s(ctx, run.placement, transfer_s, disk_s, ideal_loop_s) / steps * S
@@ -349,9 +354,9 @@ def row_figures(name: str, run: Offloaded, plan: MachinePlan, disk_gbps: float |
 
 
 def measure_rows(pipe: WanPipeline, inputs: Inputs, ctx: dict[str, Any], disk_dir: str) -> list[dict[str, Any]]:
-    """Per disk, the planner's configuration for the target machine: bfloat16, then float8 (`--allow-lossy`)
-    beside a float8 reference with the same config and every block in host memory (what its output must equal
-    bit for bit)."""
+    """Per disk, the planner's configuration for the target machine: bfloat16 as it is, then stored lossless (the
+    same bits: its output must equal the resident one bit for bit), then float8 (`--allow-lossy`) beside a float8
+    reference with the same config and every block in host memory (what its output must equal bit for bit)."""
     s, storages = ctx["scenario"], ctx["storages"]
     rows = []
 
@@ -360,10 +365,12 @@ def measure_rows(pipe: WanPipeline, inputs: Inputs, ctx: dict[str, Any], disk_di
         rows.append(row_figures(name, run, plan, disk_gbps, reference or ("itself: the float8 reference", run.videos[0]), ctx))
         return run
 
-    if "bfloat16" in storages:
+    for storage in ("bfloat16", "lossless"):
+        if storage not in storages:
+            continue
         for disk_gbps in s.disks_gbps:
-            plan = machine_plan(pipe, ctx, disk_gbps, lossy=False)
-            measure(f"bfloat16@{disk_gbps:g}", plan, row_config(plan, disk_dir), disk_gbps, ("resident", ctx["resident"]))
+            plan = machine_plan(pipe, ctx, disk_gbps, lossy=False, lossless=storage == "lossless")
+            measure(f"{storage}@{disk_gbps:g}", plan, row_config(plan, disk_dir), disk_gbps, ("resident", ctx["resident"]))
     if "float8" in storages:
         plans = {d: machine_plan(pipe, ctx, d, lossy=True) for d in s.disks_gbps}
         budgeted = {d: plan for d, plan in plans.items() if "host_budget_gb" in plan.config}
@@ -480,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu (the simulation) or cuda (real widths and tokens, the real link and disk)")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: 40, Wan 2.2's; --smoke: 4)")
     parser.add_argument("--repeats", type=int, default=1, help="timed videos per row, each after a resident one (CPU)")
-    parser.add_argument("--storage", choices=(*STORAGES, "both"), default="both", help="which rows to run (default both)")
+    parser.add_argument("--storage", choices=(*STORAGES, "all"), default="all", help="which rows to run (default all)")
     parser.add_argument("--disk-gbps", type=float, default=None, help="GPU only: the drive's rating, for the prediction (default 7)")
     parser.add_argument("--disk-dir", default=None, help="spill files go here (default: a temporary folder; on a GPU put it on the NVMe)")
     parser.add_argument("--out", default=None, help="also write the table and the JSON to OUT/results.md and OUT/results.json")
@@ -492,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(args.threads or max(1, torch.get_num_threads() - 1))  # a core for the copy and read threads
     with tempfile.TemporaryDirectory(prefix="layerstream-headline-", dir=args.disk_dir) as tmp:
-        result = run(scenario, tmp, device, args.repeats, STORAGES if args.storage == "both" else (args.storage,))
+        result = run(scenario, tmp, device, args.repeats, STORAGES if args.storage == "all" else (args.storage,))
     result["smoke"] = args.smoke
     print(json.dumps(result, indent=2) if args.json else format_report(result))
     if args.out is not None:

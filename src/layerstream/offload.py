@@ -36,7 +36,7 @@ from layerstream.runtime.packing.layout import BlockLayout
 from layerstream.runtime.modes.module_mode import apply_module_mode
 from layerstream.runtime.streaming.ownership import own_pipeline_calls_
 from layerstream.runtime.stores.disk.staging import NUM_STAGING_BUFFERS
-from layerstream.runtime.stores.compose import CAST_KIND, PACKED_KIND, ComponentStores, StoreContext, StoreKind, compose_stores
+from layerstream.runtime.stores.compose import CAST_KIND, LOSSLESS_KIND, PACKED_KIND, ComponentStores, StoreContext, StoreKind, compose_stores
 from layerstream.runtime.contracts import HostStore
 from layerstream.runtime.torch_contract.guards import guard_module_, guard_pipeline_
 from layerstream.runtime.torch_contract.safety import check_no_foreign_offload, check_no_shared_block_tensors, check_packable_block_tensors
@@ -148,7 +148,7 @@ def _sharded_store(comp: ResolvedComponent, ctx: StoreContext) -> HostStore | No
 
 
 SHARDED_KIND = StoreKind("sharded-allgather", lambda c: c.weight_transfer == "allgather", _sharded_store, shared=True)
-STORE_KINDS: tuple[StoreKind, ...] = (SHARDED_KIND, CAST_KIND, PACKED_KIND)
+STORE_KINDS: tuple[StoreKind, ...] = (SHARDED_KIND, CAST_KIND, LOSSLESS_KIND, PACKED_KIND)
 """The host stores, in order of preference: the first whose kind applies to a component and builds serves it
 (allgather before float8: the sharded store keeps a float8 component's blocks in their float8 form)."""
 
@@ -247,10 +247,10 @@ def resolve_host_budget(
         num_staging_buffers=NUM_STAGING_BUFFERS, block_host_nbytes=host_nbytes, reserve_name=reserve.need_name,
     )  # fmt: skip
     streamed = sum(host_nbytes[p] for p in placement.streamed_block_paths)
-    # float8 stores keep a block's own tensors until the commit (an exact rollback), and so do sharded ones (the
-    # commit is a vote of every rank): not freed while enabling
-    float8 = {p for c in unbudgeted.streamed if c.storage_dtype is not None for s in c.stacks for p in s.block_paths}
-    freed = [p for p in placement.streamed_block_paths if p not in float8 | sharded]
+    # a stored form's stores (float8, lossless: any storage_dtype) keep a block's own tensors until the commit (an
+    # exact rollback), and so do sharded ones (the commit is a vote of every rank): not freed while enabling
+    kept_until_commit = {p for c in unbudgeted.streamed if c.storage_dtype is not None for s in c.stacks for p in s.block_paths}
+    freed = [p for p in placement.streamed_block_paths if p not in kept_until_commit | sharded]
     choice = choose_host_budget(
         free_nbytes=free_nbytes,
         free_source=free_source,

@@ -1,8 +1,8 @@
 """`benchmarks/headline.py --smoke --json` runs (a tiny scale, seconds of simulated link and disk): the JSON has
 the rows the README documents, each running the planner's configuration, every row's output is bit-identical
-to its reference (bfloat16: the resident pipeline; float8: float8 with everything in host memory), and the rows
-really use the disk tier (blocks on disk, bytes read from disk every step, a host pool shared by the experts;
-float8 reads less). Times are not asserted (they live in benchmarks/README.md)."""
+to its reference (bfloat16 and lossless: the resident pipeline; float8: float8 with everything in host memory),
+and the rows really use the disk tier (blocks on disk, bytes read from disk every step, a host pool shared by the
+experts; lossless and float8 move fewer bytes). Times are not asserted (they live in benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_the_smoke_run_gives_every_row_with_outputs_equal_to_their_reference(mod
     assert result["schema"] == "layerstream-headline/1" and result["smoke"] and result["simulated"]
     assert result["scale"]["time_and_bytes"] > 1 and result["ideal"]["s_per_step"] > 0
     rows = {r["name"]: r for r in result["rows"]}
-    assert {"bfloat16@3", "bfloat16@7", "float8@3", "float8@7"} <= set(rows)
+    assert {"bfloat16@3", "bfloat16@7", "lossless@3", "lossless@7", "float8@3", "float8@7"} <= set(rows)
     for row in rows.values():
         assert {"x_ideal", "predicted_s", "measured_s", "status"} <= set(row)
     for name in ("bfloat16@3", "bfloat16@7"):
@@ -48,6 +48,13 @@ def test_the_smoke_run_gives_every_row_with_outputs_equal_to_their_reference(mod
         assert row["predicted_s"] > 0 and row["disk_blocks_per_expert"] > 0 and row["pooled_blocks_per_expert"] > 0
         assert row["disk_gb_per_step"] > 0  # the disk tier is read every step, not only at enable
         assert "host_budget_gb" in row["config"]  # the planner's configuration, which the row ran
+    for name in ("bfloat16@3", "bfloat16@7"):
+        assert "storage_dtype" not in rows[name]["config"].get("layer_options", {}).get("dit", {})  # as it is
+    for name in ("lossless@3", "lossless@7"):
+        row = rows[name]
+        assert row["status"] == "measured" and row["bit_identical"] and row["reference"] == "resident"
+        assert row["config"]["layer_options"]["dit"]["storage_dtype"] == "lossless"
+        assert row["link_gb_per_step"] < rows[name.replace("lossless", "bfloat16")]["link_gb_per_step"]  # coded bytes
     for name in ("float8@3", "float8@7"):
         row = rows[name]
         assert row["status"] == "measured" and row["bit_identical"] and row["reference"] == "float8 in host memory"

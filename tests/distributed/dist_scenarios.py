@@ -234,6 +234,30 @@ def float8_allgather(rank: int, world_size: int, *, device: torch.device) -> dic
         handle.disable()
         out[f"{key}_restored"] = same_state(snapshot(local_pipe), snapshot(pipe))  # the float8-rounded weights
         out[f"{key}_equal_after_disable"] = torch.equal(run(pipe, inputs), run(local_pipe, inputs))
+    out["lossless"] = _lossless_allgather(rank, device)  # in the same launch: ranks are slow to start
+    return out
+
+
+def _lossless_allgather(rank: int, device: torch.device) -> dict:
+    """storage_dtype "lossless" with allgather on a bfloat16 pipeline wide enough to code, against the same
+    weights streamed uncompressed in one process: outputs, each rank's shard of the coded bytes, disable."""
+    ids, x = make_inputs(seed=30 + rank, dim=64)
+    inputs = (ids.to(device), x.to(device, torch.bfloat16))
+    plain_pipe = make_pipeline(dim=64).to(device, torch.bfloat16)
+    plain = enable_offload(plain_pipe, config(("dit", "text_encoder"), transfer="rank-local"), device=device)
+    expected = run(plain_pipe, inputs)
+    plain.disable()
+    pipe = make_pipeline(dim=64).to(device, torch.bfloat16)
+    original = snapshot(pipe)
+    lossless = config(("dit", "text_encoder"), transfer="allgather", storage_dtype="lossless")
+    lossless["layer_options"]["text_encoder"]["storage_dtype"] = "lossless"
+    handle = enable_offload(pipe, lossless, device=device)
+    out = {"equal": [torch.equal(run(pipe, inputs), expected) for _ in range(2)]}
+    stats = handle.stats()
+    out["stored_decoded"] = (stats.lossless_stored_bytes, stats.lossless_decoded_bytes)
+    out["shards"] = {b.path: (b.host.host_bytes, b.host.form.stored_nbytes, type(b.host).__name__) for b in handle.streamer.blocks}
+    handle.disable()
+    out["restored"] = same_state(original, snapshot(pipe))
     return out
 
 

@@ -23,7 +23,7 @@ class Block(nn.Module):
 
     def forward(self, x):
         h = self.out(torch.nn.functional.gelu(self.proj(self.norm(x))))
-        return x + h[..., self.perm] * self.gate.float()
+        return x + (h[..., self.perm] * self.gate.float()).to(x.dtype)  # a bfloat16 pipeline stays bfloat16
 
 
 class TinyDiT(nn.Module):

@@ -1,6 +1,8 @@
 """float8 storage (`storage_dtype`) with `weight_transfer: "allgather"`: each rank keeps 1/N of every block's
 float8 bytes, the ranks gather them into the slot's staging region and cast them into the compute layout on
-the device. Outputs are bit-identical to float8 in one process (rank-local), on 2 gloo ranks on loopback."""
+the device. Outputs are bit-identical to float8 in one process (rank-local), on 2 gloo ranks on loopback. The
+same launch runs the lossless form (`"lossless"`) with allgather: 1/N of the coded bytes per rank, decoded in
+the slot, outputs bit-identical to the same bfloat16 weights streamed uncompressed."""
 
 from __future__ import annotations
 
@@ -32,3 +34,13 @@ def test_two_ranks_hold_half_the_float8_bytes_each_and_match_float8_in_one_proce
         # the encoder kept as it is holds more bytes than in float8: the two configs differ where they should
         encoder = [p for p in results[rank]["dit_shards"] if p.startswith("prompt_model.")]
         assert all(r["dit_shards"][p][1] > r["both_shards"][p][1] for p in encoder)
+        # storage_dtype "lossless" (same launch): each rank keeps 1/N of the coded bytes, outputs as uncompressed
+        lossless = r["lossless"]
+        assert lossless["equal"] == [True, True], rank
+        stored, decoded = lossless["stored_decoded"]
+        assert 0 < stored < 0.9 * decoded
+        shards = lossless["shards"]
+        assert {kind for _, _, kind in shards.values()} == {"ShardedBlock"}
+        assert all(mine == shard_nbytes(whole, 2) for mine, whole, _ in shards.values()), shards
+        assert lossless["restored"]
+

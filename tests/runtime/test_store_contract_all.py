@@ -24,7 +24,7 @@ from tests.runtime.runtime_toys import ToyDiT
 pytestmark = pytest.mark.fast
 
 CPU = torch.device("cpu")
-KINDS = ["packed", "float8", "sharded", "disk", "pooled", "tiered"]
+KINDS = ["packed", "float8", "lossless", "sharded", "disk", "pooled", "tiered"]
 LOSSY = {"float8"}
 
 
@@ -48,6 +48,10 @@ def _store(kind: str, model, tmp_path, request) -> HostStore:
         return PackedHostStore()
     if kind == "float8":
         return CastHostStore(model, torch.float8_e4m3fn)
+    if kind == "lossless":
+        from layerstream.runtime.stores.lossless_store import LosslessHostStore
+
+        return LosslessHostStore()
     if kind == "sharded":
         request.getfixturevalue("gloo_group_of_one")
         from layerstream.distributed.collectives import BlockGather
@@ -68,6 +72,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_every_store_through_the_same_calls(kind, tmp_path, request):
     torch.manual_seed(0)
     model = ToyDiT(dim=16, num_blocks=4)
+    if kind == "lossless":  # bfloat16 weights of 4 KiB and more: what the lossless form codes
+        model = ToyDiT(dim=64, num_blocks=4).to(torch.bfloat16)
     paths = [f"blocks.{i}" for i in range(4)]
     layouts = [BlockLayout(p, b, CPU) for p, b in zip(paths, model.blocks)]
     originals = [[_bits(t) for t in list(b.parameters()) + list(b.buffers())] for b in model.blocks]
@@ -81,11 +87,13 @@ def test_every_store_through_the_same_calls(kind, tmp_path, request):
         expected_host = {"float8": None, "disk": 0, "pooled": 0}.get(kind, layout.nbytes)
         if kind == "float8":
             assert host < layout.nbytes / 2  # float32 weights stored in one byte each, norms and buffers as they are
+        elif kind == "lossless":
+            assert host < 0.9 * layout.nbytes and slot == layout.nbytes + host  # the decoded block, then the coded one
         else:
             assert host == expected_host
     placement = _placement(paths, layouts, kind)
     store.place_(placement)
-    slot_nbytes = placement.slot_nbytes if kind != "float8" else max(store.slot_nbytes(l) for l in layouts)
+    slot_nbytes = placement.slot_nbytes if kind not in ("float8", "lossless") else max(store.slot_nbytes(l) for l in layouts)
     store.check_layouts_(layouts, slot_nbytes)
     stored = [store.stage_(layout, CPU, None) for layout in layouts]
     store.commit_()

@@ -21,8 +21,9 @@ MODES: tuple[Mode, ...] = get_args(Mode)
 LAYER_COMPONENTS = ("dit", "text_encoder")
 MODULE_COMPONENTS = ("dit", "text_encoder", "vae")
 WEIGHT_TRANSFERS: tuple[WeightTransfer, ...] = get_args(WeightTransfer)
-STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2")
-"""Host storage dtypes for `storage_dtype` (lossy: weights are rounded to them once, at enable)."""
+STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2", "lossless")
+"""Host storage forms for `storage_dtype`: the float8 dtypes (lossy: weights are rounded to them once, at enable)
+and "lossless" (bfloat16 and float16 weights coded losslessly, decoded on the device: the same bits)."""
 DEFAULT_ACTIVATION_RESERVE_GB = 4.0
 AUTO = "auto"
 """`host_budget_gb: "auto"` (and `resident_layers: "auto"`): a figure read from the machine when enabling."""
@@ -69,7 +70,9 @@ class LayerOptions:
     """DiT only, for "auto" without a budget: free device memory kept back for activations (GB)."""
     storage_dtype: str | None = None
     """None: blocks stream in their own dtypes. "float8_e4m3fn" / "float8_e5m2": the weights diffusers'
-    layerwise casting would cast are stored (and moved) in that dtype and cast back on the device (lossy)."""
+    layerwise casting would cast are stored (and moved) in that dtype and cast back on the device (lossy).
+    "lossless": every bfloat16 and float16 parameter is stored (and moved) in a lossless code, about 0.75x its
+    bytes, and decoded on the device (bit-exact)."""
     resident_layers_given: bool = False
     """Whether the config names `resident_layers` (always, for a value other than 0). Where it does not, a DiT's
     own declared count (`OffloadPlan.layerwise_resident_layers`) applies; an explicit 0 streams every block."""

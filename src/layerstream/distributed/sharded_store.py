@@ -38,7 +38,7 @@ from layerstream.distributed.collectives import BlockGather
 from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.packing.host_buffer import HostBufferBlock, page_aligned_empty, pin_off_thread
 from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
-from layerstream.runtime.contracts import HostStoreBase, Job, Pinner, StoredBlock, StoredForm
+from layerstream.runtime.contracts import HostStoreBase, Job, Pinner, StoredBlock, StoredForm, StoreStats
 from layerstream.runtime.packing.stored_form import PackedForm, SlotUnpack
 
 logger = logging.getLogger(__name__)
@@ -213,6 +213,13 @@ class ShardedHostStore(HostStoreBase):
 
     def stored_form(self, layout: BlockLayout) -> StoredForm:
         return self.form_of(layout)
+
+    def stats(self) -> StoreStats:
+        coded = [b for b in self.blocks.values() if b.form.lossless and not b.form.stored_is_packed]
+        return StoreStats(  # the whole blocks' figures (this rank keeps 1/N of their stored bytes)
+            lossless_stored_bytes=sum(b.form.stored_nbytes for b in coded),
+            lossless_decoded_bytes=sum(b.layout.nbytes for b in coded),
+        )
 
     def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
         # every rank must shard the same layouts, in the same forms, before the first payload collective;

@@ -13,6 +13,7 @@ throughput (`block_flops`).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import statistics
@@ -28,6 +29,7 @@ from layerstream.errors import LayerstreamError
 from layerstream.machine.generation import block_activation_nbytes, latent_tokens
 from layerstream.machine.host_reserve import HostReserve, host_reserve_for
 from layerstream.plan.host_budget import GB, HostBudgetChoice, choose_host_budget, format_gb, host_needs
+from layerstream.runtime.packing.lossless_code import ESTIMATED_CODED_FRACTION
 from layerstream.plan.placement import Placement
 from layerstream.timing import ideal
 from layerstream.timing.block_timer import BlockTimer
@@ -80,6 +82,10 @@ class Machine:
     """The same per GB of float8 bytes cast back to the compute dtype on the copy thread (a CPU device's table
     lookups, `runtime/packing/upcast.py`; 0 on an accelerator, which casts in a kernel beside compute)."""
 
+
+DEVICE_DECODE_GBPS = 100.0
+"""Decoded bytes per second the lossless form's decode is assumed to reach on an accelerator (a few passes of
+elementwise torch ops over a block, at memory speed); `benchmarks/gpu.sh` measures it where a GPU is present."""
 
 @dataclass(frozen=True)
 class MachinePlan:
@@ -157,7 +163,7 @@ def check_machine(machine: Machine) -> None:
 
 def recommended_config(
     pipeline: Any, machine: Machine, *, text_encoder: bool, host_budget_gb: float | None,
-    activation_reserve_gb: float = DEFAULT_ACTIVATION_RESERVE_GB,
+    activation_reserve_gb: float = DEFAULT_ACTIVATION_RESERVE_GB, lossless: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """The config `"auto"` settings would reach on `machine`, with its figures written out; the device budget
     leaves `activation_reserve_gb` beside the resident parts (`activation_reserve`)."""
@@ -170,6 +176,8 @@ def recommended_config(
     dit: dict[str, Any] = {"resident_layers": "auto", "device_budget_gb": round(device_budget, 4)}
     if machine.allow_lossy:
         dit["storage_dtype"] = "float8_e4m3fn"
+    elif lossless:
+        dit["storage_dtype"] = "lossless"  # the same bits: no --allow-lossy needed
     config: dict[str, Any] = {"mode": "layer", "components": ["dit", "text_encoder"] if text_encoder else ["dit"]}
     config["layer_options"] = {"dit": dit}
     if host_budget_gb is not None:
@@ -185,6 +193,37 @@ def plan_for_machine(
     block_seconds: Mapping[str, float] | None = None,
     tokens: int | None = None,
     steps: int | None = None,
+    lossless: bool | None = None,
+) -> MachinePlan:
+    """The plan (see `_plan_for_machine`); without `allow_lossy`, where it is bound by the link or the disk, the
+    lossless form (`storage_dtype: "lossless"`: fewer bytes, the same bits, a decode on the device) where it
+    predicts a faster step. `lossless` True or False asks for the DiT in that form or not, whatever is faster
+    (a benchmark's rows side by side)."""
+    if lossless is not None:
+        return _plan_for_machine(pipeline, machine, size=size, block_seconds=block_seconds, tokens=tokens, steps=steps, lossless=lossless)
+    plan = _plan_for_machine(pipeline, machine, size=size, block_seconds=block_seconds, tokens=tokens, steps=steps)
+    if machine.allow_lossy or plan.bound == "compute":
+        return plan
+    coded = _plan_for_machine(pipeline, machine, size=size, block_seconds=block_seconds, tokens=tokens, steps=steps, lossless=True)
+    if coded.seconds_per_step >= plan.seconds_per_step:
+        return plan
+    note = (
+        f"the DiT is stored lossless (about {ESTIMATED_CODED_FRACTION:.2f}x the bytes, the same bits, decoded on the "
+        f"device at an assumed {DEVICE_DECODE_GBPS:g} GB/s): {plan.bound}-bound, {plan.seconds_per_step:.3g} s per "
+        f"step as it is, {coded.seconds_per_step:.3g} s coded"
+    )
+    return dataclasses.replace(coded, notes=coded.notes + (note,))
+
+
+def _plan_for_machine(
+    pipeline: Any,
+    machine: Machine,
+    *,
+    size: Mapping[str, int] | None = None,
+    block_seconds: Mapping[str, float] | None = None,
+    tokens: int | None = None,
+    steps: int | None = None,
+    lossless: bool = False,
 ) -> MachinePlan:
     """The plan (see the module docstring). `size` ({"height", "width", "num_frames"}; default: the pipeline's
     own defaults) gives the tokens a block sees, or `tokens` gives them itself (a pipeline that is not diffusers');
@@ -209,6 +248,7 @@ def plan_for_machine(
         unbudgeted = resolve_offload_plan(
             pipeline, parse_offload_config(recommended_config(
                 pipeline, machine, text_encoder=text_encoder, host_budget_gb=None, activation_reserve_gb=reserve_gb,
+                lossless=lossless,
             )),
         )  # fmt: skip
         placement, host_nbytes = priced_placement(pipeline, unbudgeted, cpu)
@@ -236,7 +276,9 @@ def plan_for_machine(
     except LayerstreamError as e:
         raise MachinePlanError(f"host_memory_gb = {machine.host_memory_gb:g}: {e}") from e
     budget_gb = None if choice.budget_gb is None else _round_down(choice.budget_gb)
-    config = recommended_config(pipeline, machine, text_encoder=text_encoder, host_budget_gb=budget_gb, activation_reserve_gb=reserve_gb)
+    config = recommended_config(
+        pipeline, machine, text_encoder=text_encoder, host_budget_gb=budget_gb, activation_reserve_gb=reserve_gb, lossless=lossless
+    )
     plan = resolve_offload_plan(pipeline, parse_offload_config(config))
     placement = plan_placement(pipeline, plan, cpu)
     compute, source = _block_compute(pipeline, placement, block_seconds, tokens, machine)
@@ -326,9 +368,10 @@ def _per_step(
         if comp.category != "dit":
             continue
         blocks = [p for s in comp.stacks for p in s.block_paths]
-        per_dit[comp.path] = _forward(blocks, streamed, compute, machine, tier, cast=comp.storage_dtype is not None)
+        cast, decode = comp.storage_dtype not in (None, "lossless"), comp.storage_dtype == "lossless"
+        per_dit[comp.path] = _forward(blocks, streamed, compute, machine, tier, cast=cast, decode=decode)
         if comp.alternates and tier is not None and any(tier.pooled(p) for p in blocks):
-            entering[comp.path] = _forward(blocks, streamed, compute, machine, tier, cast=comp.storage_dtype is not None, pooled=True)
+            entering[comp.path] = _forward(blocks, streamed, compute, machine, tier, cast=cast, decode=decode, pooled=True)
     alternating = [c.path for c in plan.streamed if c.alternates and c.path in per_dit]
     running = [p for p in per_dit if p not in alternating]
     if alternating:
@@ -341,10 +384,13 @@ def _per_step(
     return {k: (round(v) if k.endswith("bytes") else v) for k, v in total.items()}
 
 
-def _forward(blocks, streamed, compute, machine: Machine, tier, *, cast: bool, pooled: bool = False) -> dict[str, float]:
+def _forward(
+    blocks, streamed, compute, machine: Machine, tier, *, cast: bool, decode: bool = False, pooled: bool = False,
+) -> dict[str, float]:  # fmt: skip
     """One forward of a DiT's `blocks`: each block's compute (plus the compute time its copy, cast and read take
     from the cores where they share them, `Machine.host_copy_s_per_gb`), link and disk; `pooled`: the first
-    forward after a change of expert, whose pooled blocks are read from disk too."""
+    forward after a change of expert, whose pooled blocks are read from disk too; `decode`: lossless blocks,
+    decoded after each copy on the copy stream (the link stage)."""
     moved = [p in streamed for p in blocks]
     on_disk = [tier is not None and (tier.on_disk(p) or (pooled and tier.pooled(p))) for p in blocks]
     sizes = [streamed.get(p, 0) for p in blocks]
@@ -353,6 +399,8 @@ def _forward(blocks, streamed, compute, machine: Machine, tier, *, cast: bool, p
         compute[p] + (n * per_gb * m + n * machine.host_copy_s_per_gb * d) / GB for p, n, m, d in zip(blocks, sizes, moved, on_disk)
     ]  # fmt: skip
     link_s = ideal.block_transfer_seconds(sizes, moved, machine.link_gbps)
+    if decode:
+        link_s = [t + (n / ESTIMATED_CODED_FRACTION / (DEVICE_DECODE_GBPS * 1e9) if m else 0.0) for t, n, m in zip(link_s, sizes, moved)]
     disk_s = ideal.block_disk_seconds(sizes, on_disk, machine.disk_gbps)
     return {
         "seconds": ideal.ideal_forward_seconds_with_disk(compute_s, link_s, disk_s),

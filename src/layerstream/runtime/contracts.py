@@ -67,7 +67,11 @@ class StoredForm(Protocol):
     layout: BlockLayout
     """The compute layout: what a slot holds while the block computes (the streamer binds its views)."""
     lossless: bool
-    """Whether the stored bytes give back the original tensors exactly (the packed form; float8 rounds)."""
+    """Whether the stored bytes give back the original tensors exactly (the packed and the lossless form; float8
+    rounds)."""
+    stored_is_packed: bool
+    """Whether the stored bytes are the packed layout byte for byte (the packed form only: a checkpoint's own file
+    ranges can serve them, and the original tensors may go as soon as the block is staged)."""
 
     @property
     def stored_nbytes(self) -> int:
@@ -94,6 +98,11 @@ class StoredForm(Protocol):
     def slot_ops(self, slot_buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The (destination, source) copies that turn the stored bytes in a slot into the compute layout, in
         order (views of `slot_buffer`; none for the packed form)."""
+
+    def unpack_ops(self, slot_buffer: torch.Tensor) -> list:
+        """What turns the stored bytes in a slot into the compute layout, in order: objects whose `run_()` runs on
+        the copy's thread and stream (float8: one `Upcast` per `slot_ops` pair; lossless: one decode per coded
+        span; none for the packed form). Built once per slot (`SlotUnpack`)."""
 
     def compute_bytes(self, stored: torch.Tensor) -> torch.Tensor:
         """The compute layout's bytes made from the stored bytes (for restoring real tensors)."""
@@ -143,6 +152,11 @@ class StoredBlock(Protocol):
     def host_tensors(self) -> list[torch.Tensor]:
         """One host tensor per layout entry, viewing the store's bytes (`state_dict`, `load_state_dict`), in the
         dtype the store keeps it in. Raises `UnsupportedUseError` where this process does not hold the whole block."""
+
+    def sync_host_tensors_(self, written: bool) -> None:
+        """A caller is done with the tensors `host_tensors()` gave: with `written`, something may have written them
+        (a load, LoRA loading) and the store takes their values; the block lets them go. Default: nothing (they
+        view the store's bytes). A store that gives decoded copies (lossless) codes them again here."""
 
     def check_lora_(self) -> None:
         """Raise `UnsupportedUseError` where LoRA may not change the block (low precision); default: allowed."""
@@ -260,7 +274,7 @@ class WholePart:
     def __init__(self, form: StoredForm):
         self.form = form
         self.nbytes = form.stored_nbytes
-        self.keeps_originals = not form.lossless
+        self.keeps_originals = not form.stored_is_packed
 
     def __repr__(self) -> str:
         return f"WholePart({self.form!r})"
@@ -297,6 +311,10 @@ class StoreStats:
     """Host bytes of the disk tier's pool of alternating DiTs (within the budget)."""
     disk_staging_bytes: int = 0
     """Host bytes of the disk tier's staging ring (beyond the budget)."""
+    lossless_stored_bytes: int = 0
+    """Bytes of the blocks kept in the lossless form, as stored (coded: what moves over the link)."""
+    lossless_decoded_bytes: int = 0
+    """Bytes of the same blocks decoded (their compute layout in a slot)."""
 
     def __add__(self, other: StoreStats) -> StoreStats:
         return StoreStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
@@ -309,6 +327,9 @@ class StoredBlockBase:
 
     def check_lora_(self) -> None:
         pass  # LoRA may change the block (its store keeps it in its own dtype)
+
+    def sync_host_tensors_(self, written: bool) -> None:
+        pass  # `host_tensors()` are views of the store's bytes: what was written is there already
 
     def count_stall_(self, stall_seconds: float) -> None:
         pass  # nothing but the link to wait for

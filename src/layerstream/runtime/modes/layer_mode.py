@@ -266,6 +266,8 @@ class LayerModeBackend:
             disk_stall_seconds=own.disk_stall_seconds,
             host_pool_bytes=own.host_pool_bytes,
             disk_staging_bytes=own.disk_staging_bytes,
+            lossless_stored_bytes=own.lossless_stored_bytes,
+            lossless_decoded_bytes=own.lossless_decoded_bytes,
             residency=MappingProxyType({self.plan.component(p).display_path: c.describe() for p, c in self.placement.residency.items()}),
             host_budget=self.placement.host_budget.describe() if self.placement.host_budget is not None else "",
         )

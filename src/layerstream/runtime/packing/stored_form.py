@@ -11,13 +11,13 @@ import torch
 
 from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
 from layerstream.runtime.packing.layout import BlockLayout
-from layerstream.runtime.packing.upcast import Upcast
 
 
 class PackedForm:
     """A block kept as its packed layout: the stored bytes are the compute layout, nothing to unpack."""
 
     lossless = True
+    stored_is_packed = True
     stored_offset = 0
 
     def __init__(self, layout: BlockLayout):
@@ -43,6 +43,9 @@ class PackedForm:
     def slot_ops(self, slot_buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return []  # the stored bytes are the compute layout already
 
+    def unpack_ops(self, slot_buffer: torch.Tensor) -> list:
+        return []
+
     def compute_bytes(self, stored: torch.Tensor) -> torch.Tensor:
         return stored
 
@@ -61,8 +64,8 @@ def stored_region(form, slot_buffer: torch.Tensor, nbytes: int | None = None) ->
 
 
 class SlotUnpack:
-    """Turns the stored bytes in a slot into the block's compute layout (the float8 form's casts; nothing for the
-    packed form), with the copies' views built once per slot. Runs on the thread (and stream) of the copy job,
+    """Turns the stored bytes in a slot into the block's compute layout (the float8 form's casts, the lossless
+    form's decodes; nothing for the packed form), with the copies' views built once per slot. Runs on the thread (and stream) of the copy job,
     after the stored bytes are in the slot."""
 
     def __init__(self, form):
@@ -74,9 +77,9 @@ class SlotUnpack:
         ops = self._ops.get(key)
         if ops is None:
             with torch.inference_mode(False), torch.no_grad():  # views that stay usable in and out of inference mode
-                ops = self._ops[key] = [Upcast(destination, stored) for destination, stored in self.form.slot_ops(slot_buffer)]
+                ops = self._ops[key] = self.form.unpack_ops(slot_buffer)
         for op in ops:
-            op.run_()  # on the device, in the copy's stream: upcast (exact) or byte copy into place
+            op.run_()  # on the device, in the copy's stream: upcast or decode (exact), or byte copy into place
 
     def clear_(self) -> None:
         self._ops.clear()  # the views keep the slots alive

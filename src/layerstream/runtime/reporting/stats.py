@@ -65,6 +65,11 @@ class OffloadStats(ComponentStats):
     the totals' `host_bytes`, not in any component's (it holds the blocks of whichever DiT runs)."""
     disk_staging_bytes: int = 0
     """Host bytes of the disk tier's staging ring: beside `host_bytes`, beyond `host_budget_gb`."""
+    lossless_stored_bytes: int = 0
+    """Bytes of the streamed blocks kept in the lossless form (`storage_dtype: "lossless"`), as stored: what a
+    transfer of them moves and what host memory or disk keeps."""
+    lossless_decoded_bytes: int = 0
+    """Bytes of the same blocks decoded: their compute layout in a slot (the same bits as streaming them as they are)."""
     host_budget: str = ""
     """With `host_budget_gb: "auto"`: the budget it chose and the figures it chose from (free host memory and
     where it was read, what runs beside the store); empty otherwise."""
@@ -88,6 +93,11 @@ class OffloadStats(ComponentStats):
             lines.append(
                 f"  host pool of alternating DiTs {_bytes(self.host_pool_bytes)} (in host), disk staging ring "
                 f"{_bytes(self.disk_staging_bytes)}"
+            )
+        if self.lossless_decoded_bytes:
+            lines.append(
+                f"  lossless: {_bytes(self.lossless_stored_bytes)} stored for {_bytes(self.lossless_decoded_bytes)} "
+                f"decoded ({self.lossless_stored_bytes / self.lossless_decoded_bytes:.3f}x)"
             )
         if self.bytes_written_back:
             lines.append(f"  buffers written back: {_bytes(self.bytes_written_back)}")

@@ -42,7 +42,7 @@ from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
 from layerstream.runtime.packing.layout import ALIGN_BYTES, BlockLayout, SpanMember, TensorBinder, align_up
 from layerstream.runtime.packing.host_buffer import HostBufferBlock, page_aligned_empty
 from layerstream.runtime.packing.stored_form import SlotUnpack
-from layerstream.runtime.packing.upcast import upcast_
+from layerstream.runtime.packing.upcast import Upcast, upcast_
 from layerstream.runtime.stores.buffer_store import HostBufferStore
 from layerstream.runtime.contracts import Job, Pinner
 
@@ -94,6 +94,7 @@ class CastLayout:
     is the compute layout (`compute_layout_for`). The float8 `StoredForm`."""
 
     lossless = False  # the cast spans are rounded to the storage dtype
+    stored_is_packed = False
 
     def __init__(self, layout: BlockLayout, cast_ids: frozenset[int], storage_dtype: torch.dtype):
         self.layout = layout
@@ -193,6 +194,10 @@ class CastLayout:
                 else:
                     pairs.append((compute, staging[segment.stored_start : segment.stored_start + segment.stored_nbytes]))
         return pairs
+
+    def unpack_ops(self, slot_buffer: torch.Tensor) -> list[Upcast]:
+        with torch.inference_mode(False), torch.no_grad():  # views that stay usable in and out of inference mode
+            return [Upcast(destination, stored) for destination, stored in self.slot_ops(slot_buffer)]
 
     @property
     def slot_runs(self) -> tuple[Segment, ...]:

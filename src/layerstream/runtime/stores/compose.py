@@ -12,7 +12,8 @@ each of its blocks (`HostStore.disk_part`), which then takes part in the all-gat
 
 float8 storage (`storage_dtype`) is a form, not only a store: a component's blocks have one `CastForms`
 (`StoreContext.cast_forms`), which the float8 store keeps in host memory, the disk tier on disk and in its pool
-(it asks the host side's `stored_form`), and the sharded store shards (`StoreContext.form_of`).
+(it asks the host side's `stored_form`), and the sharded store shards (`StoreContext.form_of`). The lossless
+form (`storage_dtype: "lossless"`, `LosslessForms`) goes the same way.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from layerstream.runtime.packing.layout import BlockLayout
 from layerstream.runtime.packing.stored_form import PackedForm
 from layerstream.runtime.stores.cast_store import STORAGE_DTYPES, CastForms, CastHostStore
 from layerstream.runtime.stores.disk.disk_store import DiskHostStore
+from layerstream.runtime.stores.lossless_store import LOSSLESS, LosslessForms, LosslessHostStore
 from layerstream.runtime.stores.packed_store import PackedHostStore
 from layerstream.runtime.stores.tiered_store import TieredHostStore
 
@@ -56,16 +58,23 @@ class StoreContext:
         return {
             comp.path: CastForms(self.components[comp.path], STORAGE_DTYPES[comp.storage_dtype])
             for comp in self.plan.streamed
-            if comp.storage_dtype is not None
+            if comp.storage_dtype in STORAGE_DTYPES
         }
+
+    @cached_property
+    def lossless_forms(self) -> dict[str, LosslessForms]:
+        """The lossless forms of each streamed component with `storage_dtype: "lossless"` (as `cast_forms`)."""
+        return {comp.path: LosslessForms() for comp in self.plan.streamed if comp.storage_dtype == LOSSLESS}
 
     @cached_property
     def _component_of_block(self) -> dict[str, str]:
         return {p: comp.path for comp in self.plan.streamed for stack in comp.stacks for p in stack.block_paths}
 
     def form_of(self, layout: BlockLayout) -> StoredForm:
-        """The form a block's bytes are kept in: float8 for a component with `storage_dtype`, else packed."""
-        forms = self.cast_forms.get(self._component_of_block.get(layout.path, ""))
+        """The form a block's bytes are kept in: float8 or lossless for a component with `storage_dtype`, else
+        packed."""
+        component = self._component_of_block.get(layout.path, "")
+        forms = self.cast_forms.get(component) or self.lossless_forms.get(component)
         return forms.form(layout) if forms is not None else PackedForm(layout)
 
 
@@ -84,8 +93,12 @@ def _build_cast(comp: ResolvedComponent, ctx: StoreContext) -> HostStore:
     return CastHostStore(ctx.components[comp.path], STORAGE_DTYPES[comp.storage_dtype], ctx.cast_forms[comp.path])
 
 
-CAST_KIND = StoreKind("cast", lambda c: c.storage_dtype is not None, _build_cast)
+CAST_KIND = StoreKind("cast", lambda c: c.storage_dtype in STORAGE_DTYPES, _build_cast)
 """float8 in this process's memory (after the sharded kind, which keeps float8 blocks sharded over its ranks)."""
+LOSSLESS_KIND = StoreKind(
+    "lossless", lambda c: c.storage_dtype == LOSSLESS, lambda c, ctx: LosslessHostStore(ctx.lossless_forms[c.path])
+)
+"""Losslessly coded in this process's memory (after the sharded kind too)."""
 PACKED_KIND = StoreKind("packed", lambda c: True, lambda c, ctx: PackedHostStore(), shared=True)
 
 

@@ -19,8 +19,9 @@ placeholders, so the operations that read or write base weights run with the blo
   the bytes from before the first fuse exactly: fusing then keeps a host copy of each block it changes
   (counted in `stats()`'s host bytes) until the block has no fused adapter left.
 
-Where this process does not hold a block whole (allgather shards), or holds it in a storage dtype
-(`storage_dtype`), each of these is refused before anything changes. Only the entry points above are covered: calling PEFT's `merge()` on a layer directly is not.
+Where this process does not hold a block whole (allgather shards), or holds it in a float8 storage dtype
+(`storage_dtype`), each of these is refused before anything changes; a lossless block (`"lossless"`) takes
+them as a bfloat16 one does, coding the block again after a fuse. Only the entry points above are covered: calling PEFT's `merge()` on a layer directly is not.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class LoraSupport:
                 for block in self._streamer.blocks:
                     block.host.host_tensors()  # refuses, before anything changes, where the store cannot take it
                     block.host.check_lora_()  # a low-precision store refuses LoRA
+                    if kind != "host":
+                        block.host.sync_host_tensors_(written=False)  # a lossless store's decoded copy goes again
             if kind == "host":
                 for block in self._streamer.blocks:
                     block.host.binder.bind_(block.host.host_tensors())
@@ -121,6 +124,7 @@ class LoraSupport:
                 block.host.binder.keep_replaced_(host)
             finally:
                 block.host.binder.evict_()
+                block.host.sync_host_tensors_(written=True)  # a lossless store codes its decoded copy again
                 self._streamer.forget_copy_(block)  # the store's bytes may have changed: stream them anew
             self._move_adapters_to_device_(block)
 

@@ -3,7 +3,8 @@
 Between calls a streamed block holds empty placeholders, so without help `state_dict()` would save nothing of
 it and `load_state_dict()` would fail on every block weight after overwriting the resident ones. These hooks
 make both work on the host store, which holds the real weights:
-- `state_dict()`: each streamed block's entries are the store's bytes, as host tensors (views: no copy). They
+- `state_dict()`: each streamed block's entries are the store's bytes, as host tensors (views: no copy; a
+  lossless store gives decoded copies, `StoredBlock.sync_host_tensors_`). They
   share the host buffer's version counter, so an in-place write through them outdates a slot copied before it
   (`StoredBlock.host_version`): the next call copies that block again;
 - `load_state_dict()`: each streamed block is bound to its host tensors while torch loads it, so the new
@@ -53,6 +54,7 @@ def install_state_dict_hooks(
         def on_state_dict(module, state_dict, prefix, local_metadata, block=block):
             # wrapper subclasses (torchao) come back whole: the same type over the store's inner tensors
             tensors = block.host.binder.public_tensors(block.host.host_tensors())
+            block.host.sync_host_tensors_(written=False)  # a lossless store's decoded copies are the caller's now
             # names are read now, not at enable: PEFT moves a LoRA'd Linear's weights under `base_layer`
             for tensor, entry_keys in zip(tensors, _entry_keys(block)):
                 if tensor is None:
@@ -76,6 +78,7 @@ def install_state_dict_hooks(
                 return
             bound.discard(block.index)
             block.host.binder.evict_()
+            block.host.sync_host_tensors_(written=True)  # a lossless store codes the loaded values again
             # the load wrote through Parameters bound by `.data`, which keep version counters of their own (the
             # buffer's did not move): forget the slot explicitly. The last block of a forward prefetches the
             # first, so that copy may still be in flight and have read old bytes, or a mix: its slot is never read
@@ -101,6 +104,7 @@ def install_state_dict_hooks(
                 _refuse_assign_to_streamed(state_dict, mine, names, prefix, path or "<model>")
             for block in mine:
                 block.host.host_tensors()  # raises, before anything is loaded, where the store cannot take it
+                block.host.sync_host_tensors_(written=False)
 
         handles.append((
             path, "load_state_dict.check", "refuses a load the stores cannot take, before anything changes",

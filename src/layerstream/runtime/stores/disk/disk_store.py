@@ -321,6 +321,7 @@ class DiskHostStore(HostStoreBase):
 
     def stats(self) -> StoreStats:
         pool = self.pool_nbytes
+        coded = [b for b in self.blocks.values() if b.form.lossless and not b.form.stored_is_packed]
         return StoreStats(
             host_bytes=pool,
             pinned_host_bytes=pool if self.pool is not None and self.pool.pinned else 0,
@@ -328,6 +329,8 @@ class DiskHostStore(HostStoreBase):
             disk_stall_seconds=self.disk_stall_seconds,
             host_pool_bytes=pool,
             disk_staging_bytes=self.staging_nbytes,
+            lossless_stored_bytes=sum(b.form.stored_nbytes for b in coded),
+            lossless_decoded_bytes=sum(b.layout.nbytes for b in coded),
         )
 
     def stage_(self, layout: BlockLayout, device: torch.device, pin: Pinner | None) -> DiskBlock:
@@ -349,7 +352,7 @@ class DiskHostStore(HostStoreBase):
             packed = self.pool.buffers[entry][: part.nbytes].zero_()  # zeroed pads: a spill file's bytes are defined
             part.fill_(packed, self._files, self.reader)
         original_device = compute.source_device()
-        source = self._checkpoint_source(compute, part) if form.lossless else None  # a lossy form's bytes are not the file's
+        source = self._checkpoint_source(compute, part) if form.stored_is_packed else None  # a float8 or coded form's bytes are not the file's
         if source is None:
             source = self._spill_(part, packed)
         binder = TensorBinder(compute, device)

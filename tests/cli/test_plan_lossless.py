@@ -1,0 +1,35 @@
+"""The machine planner and the lossless form: without `--allow-lossy`, a link- or disk-bound bfloat16 model is
+recommended `storage_dtype: "lossless"` where the fewer bytes (with the decode on the device) predict a faster
+step; a compute-bound one, and a float32 one (nothing to code), keep their bytes as they are."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from layerstream.machine.planner import Machine, _plan_for_machine, plan_for_machine
+from layerstream.models.loading import load_pipeline
+
+SIZE = {"height": 32, "width": 32, "num_frames": 5}
+
+
+@pytest.fixture(scope="module")
+def tiny_wan_bf16():
+    return load_pipeline("tiny-wan", dtype=torch.bfloat16)
+
+
+def test_a_link_bound_bfloat16_model_is_recommended_lossless_without_allow_lossy(tiny_wan_bf16):
+    machine = Machine(device_memory_gb=4.0003, host_memory_gb=4, device_tflops=1e3, link_gbps=1e-3)
+    result = plan_for_machine(tiny_wan_bf16, machine, size=SIZE)
+    assert result.config["layer_options"]["dit"]["storage_dtype"] == "lossless"
+    assert any("lossless" in note for note in result.notes)
+    plain = _plan_for_machine(tiny_wan_bf16, machine, size=SIZE)  # the same machine, the bytes as they are
+    assert "storage_dtype" not in plain.config["layer_options"]["dit"]
+    assert result.link_nbytes_per_step < plain.link_nbytes_per_step and result.seconds_per_step < plain.seconds_per_step
+
+
+def test_a_compute_bound_model_keeps_its_bytes(tiny_wan_bf16):
+    machine = Machine(device_memory_gb=4.0003, host_memory_gb=4, device_tflops=1e-6, link_gbps=100)
+    result = plan_for_machine(tiny_wan_bf16, machine, size=SIZE)
+    assert result.bound == "compute"
+    assert "storage_dtype" not in result.config["layer_options"]["dit"]
