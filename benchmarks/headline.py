@@ -164,8 +164,6 @@ def measure_host_copy_costs(pipe: WanPipeline, twin: WanPipeline, inputs: Inputs
     t = torch.full((1, pipe.transformer.shape.dim), 0.5, dtype=DTYPE)
     lost: dict[str, float] = {}
     for storage, extra in (("bfloat16", {}), ("float8", {"layer_options": {"dit": {"storage_dtype": "float8_e4m3fn"}}})):
-        # disable() gives float8-stored weights back rounded: the rows after this calibration need the originals
-        originals = {k: v.clone() for k, v in pipe.transformer.state_dict().items()} if extra else None
         handle = enable_offload(pipe, {"mode": "layer", "components": ["dit"], **extra}, "cpu", simulated_link_gbps=link_gbps)
         try:
             with torch.no_grad():
@@ -181,8 +179,6 @@ def measure_host_copy_costs(pipe: WanPipeline, twin: WanPipeline, inputs: Inputs
                 moved = (handle.stats().bytes_transferred - before) / rounds
         finally:
             handle.disable()
-            if originals is not None:
-                pipe.transformer.load_state_dict(originals)
         lost[storage] = max(statistics.median(times["offloaded"]) - statistics.median(times["resident"]), 0.0) / (moved / GB)
         lost[storage + "_resident_forward_s"] = statistics.median(times["resident"])
     return {
