@@ -53,7 +53,7 @@ STORAGES = ("bfloat16", "lossless", "float8")
 PREDICTION_SOURCE = (
     "the planner (layerstream.machine.planner.plan_for_machine, as `layerstream plan --device-memory 24 --host-memory 32 "
     "[--allow-lossy]`), with compute per block measured on the resident pipeline at the start, times how much slower the "
-    "resident twin ran beside the row than that compute makes a loop (drift); on the CPU with this CPU's compute time lost per GB copied, read and cast by "
+    "resident twin ran beside the row (drift); on the CPU with this CPU's compute time lost per GB copied, read and cast by "
     "the copy and read threads (host_copy_costs, measured first); the host pool's reads at each change of expert over the "
     "scenario's steps; its configuration is the one each row runs"
 )
@@ -153,39 +153,57 @@ def machine_plan(
     return plan_for_machine(pipe, machine, block_seconds=seconds, tokens=ctx["scale"].num_tokens, steps=s.steps, lossless=lossless)
 
 
-def measure_host_copy_costs(pipe: WanPipeline, twin: WanPipeline, inputs: Inputs, link_gbps: float, rounds: int = 5) -> dict[str, float]:
-    """On a CPU device: the compute time the runtime's copy thread takes from compute, per GB it copies into
-    slots (every block of the high-noise expert streamed from host memory in bfloat16) and per float8 GB it
-    also casts (the same in float8), measured as one forward of that expert offloaded against the same forward
-    of the resident twin, in turns (`rounds`, medians). A calibration before the rows, in a configuration
-    none of them runs; machine figures for the planner (`Machine.host_copy_s_per_gb`, `host_cast_s_per_gb`)."""
-    context, _ = twin.encode(inputs.prompt_ids, inputs.negative_ids)
-    x = inputs.latents.to(DTYPE)
-    t = torch.full((1, pipe.transformer.shape.dim), 0.5, dtype=DTYPE)
-    lost: dict[str, float] = {}
-    for storage, extra in (("bfloat16", {}), ("float8", {"layer_options": {"dit": {"storage_dtype": "float8_e4m3fn"}}})):
-        handle = enable_offload(pipe, {"mode": "layer", "components": ["dit"], **extra}, "cpu", simulated_link_gbps=link_gbps)
-        try:
-            with torch.no_grad():
-                for _ in range(3):  # the streamer learns the order; the host store is touched
-                    pipe.transformer(x, context, t)
-                times: dict[str, list[float]] = {"resident": [], "offloaded": []}
-                before = handle.stats().bytes_transferred
-                for _ in range(rounds):
-                    for name, model in (("resident", twin.transformer), ("offloaded", pipe.transformer)):
-                        started = time.perf_counter()
-                        model(x, context, t)
-                        times[name].append(time.perf_counter() - started)
-                moved = (handle.stats().bytes_transferred - before) / rounds
-        finally:
-            handle.disable()
-        lost[storage] = max(statistics.median(times["offloaded"]) - statistics.median(times["resident"]), 0.0) / (moved / GB)
-        lost[storage + "_resident_forward_s"] = statistics.median(times["resident"])
+def measure_host_copy_costs(pipe: WanPipeline, inputs: Inputs, rounds: int = 3, forwards: int = 40) -> dict[str, float]:
+    """On a CPU device: the compute time a block's forward loses per GB a thread beside it copies (a block's
+    bytes, memcpy, once per forward, as the copy thread does while the stream runs ahead) and per GB of float8
+    bytes it casts to bfloat16 (the table lookups of the float8 form's unpacking), against the same forwards
+    alone; medians of `rounds` alternating turns. A machine figure for the planner (`Machine.host_copy_s_per_gb`)."""
+    from layerstream.runtime.packing.upcast import upcast_
+
+    block, dim = pipe.transformer.blocks[0], pipe.transformer.shape.dim
+    context, _ = pipe.encode(inputs.prompt_ids, inputs.negative_ids)
+    x, cond = inputs.latents.to(DTYPE), torch.zeros(1, dim, dtype=DTYPE)
+    nbytes = block_bytes(block)
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    stored = torch.ones(nbytes // 2, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    cast_to = torch.empty(nbytes // 2, dtype=DTYPE)
+    jobs = {"alone": (None, 0), "copy": (lambda: dst.copy_(src), nbytes), "cast": (lambda: upcast_(cast_to, stored), nbytes // 2)}
+    times: dict[str, list[float]] = {name: [] for name in jobs}
+    with torch.no_grad():
+        block(x, context, cond)  # warm
+        for _ in range(rounds):
+            for name, (job, _) in jobs.items():
+                times[name].append(_forwards_beside(lambda: block(x, context, cond), forwards, job))
+    alone = statistics.median(times["alone"])
+    lost = {name: max(statistics.median(times[name]) - alone, 0.0) for name in ("copy", "cast")}
     return {
-        "copy_s_per_gb": lost["bfloat16"],
-        "cast_s_per_gb": max(lost["float8"] - lost["bfloat16"], 0.0),
-        "resident_forward_s": lost["bfloat16_resident_forward_s"],
+        "copy_s_per_gb": lost["copy"] / (forwards * jobs["copy"][1] / GB),
+        "cast_s_per_gb": lost["cast"] / (forwards * jobs["cast"][1] / GB),
+        "forward_alone_s": alone / forwards,
     }
+
+
+def _forwards_beside(forward, n: int, job) -> float:
+    """Seconds of `n` forwards, each handing `job` (None: nothing) to a thread beside them, its queue drained."""
+    import queue
+    import threading
+
+    todo: queue.Queue = queue.Queue()
+
+    def work() -> None:
+        while (item := todo.get()) is not None:
+            item()
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    start = time.perf_counter()
+    for _ in range(n):
+        if job is not None:
+            todo.put(job)
+        forward()
+    todo.put(None)
+    thread.join()
+    return time.perf_counter() - start
 
 
 def row_config(plan: MachinePlan, disk_dir: str, *, budget: bool = True) -> dict[str, Any]:
@@ -263,17 +281,6 @@ def predicted_loop_s(ctx: dict[str, Any], placement, transfer_s: float, disk_s: 
     return resident_loop_s + extra
 
 
-def compute_loop_s(ctx: dict[str, Any]) -> float:
-    """The resident denoising loop as the compute measured at the start (`measure_experts`) makes it: per step two
-    forwards of the expert that runs, its blocks and the rest of its forward. A resident twin timed later over
-    this is the shared machine's drift since."""
-    pipe, total = ctx["pipe"], 0.0
-    for timestep in pipe.scheduler().timesteps:
-        c = ctx["compute"]["transformer" if pipe.expert_for(float(timestep))[0] is pipe.transformer else "transformer_2"]
-        total += 2 * (sum(c.block_s) + c.other_s)
-    return total
-
-
 def _delta(v: Video, name: str) -> float:
     return getattr(v.after, name) - getattr(v.before, name)
 
@@ -309,7 +316,7 @@ def row_figures(name: str, run: Offloaded, plan: MachinePlan, disk_gbps: float |
     link_bytes = round(_delta(v, "bytes_transferred") / max(_delta(v, "num_transfers"), 1))
     transfer_s = transfer_seconds(link_bytes, ctx["link_gbps"])
     disk_s = transfer_seconds(link_bytes, disk_gbps) if disk_gbps and on_disk else 0.0
-    drift = ideal_loop_s / compute_loop_s(ctx)  # the resident twin beside this row over what the compute measured gives
+    drift = ideal_loop_s / ctx["resident"].loop_s  # the resident twin beside this row over the first resident video
     stored = run.config.get("layer_options", {}).get("dit", {}).get("storage_dtype")
     lossy = stored not in (None, "lossless")
     lossless = None if lossy else stored == "lossless"  # the row's own form, not the planner's choice
@@ -417,12 +424,12 @@ def run(s: Scenario, disk_dir: str, device: torch.device, repeats: int = 1, stor
     pipe, inputs, scale = prepare(s, device)
     resident, compute = run_resident(pipe, inputs, s.device_gb)
     link_gbps = s.link_gbps if device.type == "cpu" else measure_link_gbps(device, block_bytes(pipe.transformer.blocks[0]))
-    twin = copy.deepcopy(pipe) if device.type == "cpu" else None
-    costs = measure_host_copy_costs(pipe, twin, inputs, link_gbps) if twin is not None else None
+    costs = measure_host_copy_costs(pipe, inputs) if device.type == "cpu" else None
     if costs is not None:
         print(f"host copy costs: {json.dumps(costs)}", file=sys.stderr)  # progress
     ctx = {"scenario": s, "scale": scale, "pipe": pipe, "resident": resident, "compute": compute, "link_gbps": link_gbps,
-           "repeats": repeats, "storages": storages, "host_copy_costs": costs, "twin": twin}  # fmt: skip
+           "repeats": repeats, "storages": storages, "host_copy_costs": costs,
+           "twin": copy.deepcopy(pipe) if device.type == "cpu" else None}  # fmt: skip
     rows = measure_rows(pipe, inputs, ctx, disk_dir)
     S, steps = scale.time_and_bytes, s.steps
     high = sum(1 for t in pipe.scheduler().timesteps if pipe.expert_for(float(t))[0] is pipe.transformer)
@@ -458,11 +465,8 @@ def format_report(result: dict[str, Any]) -> str:
         f"ideal (a GPU that holds everything, measured resident, first run): {ideal['s_per_step']:.2f} s / step (published: "
         f"{ideal['published_s_per_step']:.2f}); the encoder once: {ideal['encode_s']:.2f} s",
         f"prediction and configuration: {result['prediction_source']}",
-        *([f"this CPU's host copy costs (compute s lost per GB): copy {result['host_copy_costs']['copy_s_per_gb']:.3f}, "
-           f"float8 cast {result['host_copy_costs']['cast_s_per_gb']:.3f}"] if result.get("host_copy_costs") else []),
         "",
-        "| row | s / step | x ideal | predicted s / step (bench ideal; with this CPU's copy) | measured / predicted (without drift, "
-        "host copies: before) | disk GB / step (predicted) "
+        "| row | s / step | x ideal | predicted s / step (bench ideal; with this CPU's copy) | measured / predicted | disk GB / step (predicted) "
         "| per expert: resident, pooled, held, on disk | host GB | bound (s per block: compute, link, disk) | stall, extra CPU s / step | = reference |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -470,8 +474,7 @@ def format_report(result: dict[str, Any]) -> str:
         b, cpu = r["block_s"], r.get("predicted_with_cpu_copy_s")
         lines.append(
             f"| {r['name']} | {r['measured_s']:.2f} | **{r['x_ideal']:.3f}** | {r['predicted_s']:.2f} ({r['bench_ideal_s']:.2f}"
-            f"{f'; {cpu:.2f}' if cpu is not None else ''}) | {r['measured_over_predicted']:.3f} "
-            f"({r['measured_over_predicted_before']:.3f}) | {r['disk_gb_per_step']:.2f} "
+            f"{f'; {cpu:.2f}' if cpu is not None else ''}) | {r['measured_over_predicted']:.3f} | {r['disk_gb_per_step']:.2f} "
             f"({r['planner_disk_gb_per_step']:.2f}) | {r['resident_blocks_per_expert']:g}, {r['pooled_blocks_per_expert']:g}, "
             f"{r['host_blocks_per_expert']:g}, {r['disk_blocks_per_expert']:g} | {r['host_gb']:.1f} | {r['bound']} "
             f"({b['compute']:.3f}, {b['link']:.3f}, {b['disk']:.3f}) | {r['stall_s_per_step']:.2f}, {r['extra_cpu_s_per_step']:.2f} | "
