@@ -34,15 +34,16 @@ def generate(explicit: bool) -> dict:
         omni.close()  # a collective: every rank closes before the group goes
 
 
-def main(out: Path) -> None:
+def main(out: Path, mode: str) -> None:
+    """`mode` "joined": Omni joins torchrun's group by itself; "explicit": `init_distributed` first. One launch
+    each: a group made again in the same process can read the first group's rendezvous keys (a refused connect)."""
     rank = int(__import__("os").environ["RANK"])
-    runs = [generate(explicit=False)]
-    destroy_distributed()
-    init_distributed("cpu")
-    runs.append(generate(explicit=True))
-    (out / f"rank{rank}.json").write_text(json.dumps(runs))
+    if mode == "explicit":
+        init_distributed("cpu")
+    run = generate(explicit=mode == "explicit")
+    (out / f"rank{rank}-{mode}.json").write_text(json.dumps(run))
     destroy_distributed()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2])

@@ -40,15 +40,16 @@ def test_omni_joins_torchrun_group_by_itself_and_matches_one_process(tmp_path, m
     finally:
         one.close()
 
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(HERE / "omni_rank.py"), str(tmp_path),
-    ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", LAYERSTREAM_COLLECTIVE_TIMEOUT="60")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
+    for mode in ("joined", "explicit"):
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(HERE / "omni_rank.py"), str(tmp_path), mode,
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)
+        assert done.returncode == 0, done.stderr[-4000:]
     for rank in range(2):
-        runs = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        runs = [json.loads((tmp_path / f"rank{rank}-{mode}.json").read_text()) for mode in ("joined", "explicit")]
         assert [r["explicit"] for r in runs] == [False, True]
         assert [r["initialized_before"] for r in runs] == [False, True]  # the first joined by itself
         for run in runs:

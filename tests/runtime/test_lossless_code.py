@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from layerstream.runtime.packing.lossless_code import (
-    CodeOverflowError,
+    _CodeOverflowError,
     SpanCode,
     SpanDecode,
     decode,
@@ -111,7 +111,7 @@ def test_values_that_need_more_escapes_than_kept_are_refused_before_writing():
     encode_into_(code, x16, stored)
     before = stored.clone()
     wide = torch.arange(4096, dtype=torch.int32).mul(97).remainder(1 << 16).to(torch.int16)  # every exponent
-    with pytest.raises(CodeOverflowError, match="escapes"):
+    with pytest.raises(_CodeOverflowError, match="escapes"):
         encode_into_(code, wide, stored)
     assert torch.equal(stored, before)
 

@@ -33,6 +33,8 @@ from typing import Literal
 
 import torch
 
+from layerstream.errors import LayerstreamError
+
 CodedDtype = Literal["bfloat16", "float16"]
 CODED_DTYPES: dict[torch.dtype, CodedDtype] = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -206,7 +208,7 @@ def estimated_code(num_elements: int, dtype: CodedDtype) -> SpanCode:
     return SpanCode(dtype, num_elements, width, spare // _ESCAPE_BYTES)
 
 
-class CodeOverflowError(ValueError):
+class _CodeOverflowError(LayerstreamError, ValueError):  # internal: the store turns it into UnsupportedUseError
     """The values need more escapes than the code keeps (raised before anything is written)."""
 
 
@@ -273,7 +275,7 @@ def _pack_field_(codes: torch.Tensor, out: torch.Tensor, bits: int, shift: int, 
 def encode_into_(code: SpanCode, x16: torch.Tensor, out: torch.Tensor, counts: torch.Tensor | None = None) -> int:
     """Write the code of `x16` (int16, flat, `code.num_elements`) into `out` (uint8, `code.nbytes`, on the CPU);
     the window is the one of `counts` (where given: made from the same or other values, the code is exact with any
-    window) or of these values. Returns the escapes used; raises `CodeOverflowError` (writing nothing) where they
+    window) or of these values. Returns the escapes used; raises `_CodeOverflowError` (writing nothing) where they
     exceed the capacity."""
     n, coded_n, dtype = code.num_elements, code.coded_elements, code.dtype
     x16 = x16.reshape(-1).cpu()
@@ -293,7 +295,7 @@ def encode_into_(code: SpanCode, x16: torch.Tensor, out: torch.Tensor, counts: t
             _pack_field_(codes.view(blocks, block), packed, bits, shift, scratch.part[:count].view(blocks, block))
     positions = torch.cat(found).to(torch.int32)
     if positions.numel() > code.capacity:
-        raise CodeOverflowError(f"{positions.numel()} escapes needed, {code.capacity} kept")
+        raise _CodeOverflowError(f"{positions.numel()} escapes needed, {code.capacity} kept")
     for first in range(0, n, chunk):
         _raw_into_(x16[first : first + chunk], dtype, out[first : min(n, first + chunk)], scratch)
     out[fields_at : code.base_offset].copy_(fields)

@@ -36,7 +36,7 @@ from layerstream.runtime.packing.host_buffer import HostBufferBlock, page_aligne
 from layerstream.runtime.packing.layout import ALIGN_BYTES, BlockLayout, TensorBinder, align_up
 from layerstream.runtime.packing.lossless_code import (
     CODED_DTYPES,
-    CodeOverflowError,
+    _CodeOverflowError,
     SpanCode,
     SpanDecode,
     count_coded,
@@ -164,7 +164,7 @@ class LosslessForm:
                 try:
                     # the planning's counts: the window they give codes any values exactly (the capacity is checked)
                     encode_into_(segment.code, source.cpu().view(torch.int16), region, self._counts.pop(i, None))
-                except CodeOverflowError as e:  # the values changed since the form was made from them
+                except _CodeOverflowError as e:  # the values changed since the form was made from them
                     raise OffloadError(f"{self.layout.path}: its weights changed while offload was being enabled ({e})") from e
             else:
                 at = segment.stored_start + dst - segment.compute_start
@@ -223,7 +223,7 @@ class LosslessForm:
     def write_slot_range_(self, stored: torch.Tensor, stored_start: int, slot_buffer: torch.Tensor, start: int, end: int) -> int:
         """Store bytes [start, end) of a compute layout held in `slot_buffer` (a slot, or host compute bytes) into
         `stored`, which holds stored bytes [stored_start, stored_start + stored.numel()) (the whole block, or a
-        rank's shard): every coded span the range touches is coded again whole. Raises `CodeOverflowError`
+        rank's shard): every coded span the range touches is coded again whole. Raises `_CodeOverflowError`
         before writing anything where a span's new values need more escapes than it keeps."""
         writes: list[tuple[torch.Tensor, int]] = []  # (stored bytes, where they start in the stored block)
         for s in self.segments:
@@ -310,7 +310,7 @@ class LosslessBlock(HostBufferBlock):
         try:
             # a host-side copy from the device: it waits for the block's compute, which is what must finish first
             return self.form.write_slot_range_(self.buffer, 0, slot_buffer, start, end)
-        except CodeOverflowError as e:
+        except _CodeOverflowError as e:
             raise UnsupportedUseError(
                 f"{self.path}: its new values do not fit the lossless code it was stored in at enable ({e}); the "
                 "store keeps its previous values. Call handle.disable(), change the weights, and enable again"
