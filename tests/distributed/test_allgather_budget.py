@@ -85,3 +85,20 @@ def test_ranks_with_budgets_of_their_own_place_other_blocks_on_disk_and_still_ag
         assert r["toy_spill_files"] == 7 - len(r["toy_host_blocks"])  # the toy lives in memory: its shards spilled
         # disable gathers every block back in one order, host and disk shards alike, and removes the files
         assert r["toy_restored"] and r["toy_files_left"] == []
+
+
+def test_lossless_shards_beyond_each_ranks_budget_spill_coded_and_stream_bit_identically(ranks):
+    from layerstream.distributed.collectives import shard_nbytes
+
+    for rank, r in enumerate(ranks):
+        lossless = r["lossless"]
+        assert lossless["equal"] == [True, True], rank  # as the same bfloat16 weights streamed uncompressed
+        stats, parts = lossless["stats"], lossless["parts"]
+        assert 0 < stats["host_bytes"] <= lossless["budget"]  # the budget counts coded bytes
+        assert 0 < stats["stored"] < 0.9 * stats["decoded"] and stats["disk_bytes_read"] > 0
+        assert {kind for kind, _, _ in parts.values()} == {"ShardedBlock", "DiskBlock"}, parts
+        # each rank keeps (and reads from disk) 1/N of each block's coded bytes, in host memory or in a spill file
+        assert all(kept == shard_nbytes(lossless["coded_nbytes"][p], 2) for p, (_, _, kept) in parts.items()), parts
+        on_disk = [p for p, (kind, _, _) in parts.items() if kind == "DiskBlock"]
+        assert lossless["spill_files"] == len(on_disk) > 0
+        assert lossless["restored"] and lossless["files_left"] == []  # disable gives back the originals bit for bit
