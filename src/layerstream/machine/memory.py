@@ -8,11 +8,14 @@ cache the kernel reclaims before it kills anything, out of `memory.max` (v1 `mem
 folder named by /proc/self/cgroup under the mount; a container that shows its own cgroup as the root of the
 mount is read there). A cgroup's usage counts the page cache of every file its processes read (a checkpoint
 just loaded or downloaded), so usage alone leaves a second run in the same container far less room than the
-first. Reclaimable is the inactive file cache (`memory.stat` v2 `inactive_file`, v1 `total_inactive_file`:
-what Docker and Kubernetes leave out of the working set), or more where the active file cache is not mapped by
-any process and not dirty (a run that read its checkpoint twice leaves it active; measured: 49 of a finished
-run's 110 MB): file pages that are mapped (weights used as views of the files) or dirty stay counted, so the
-headroom errs low, never high.
+first. Reclaimable is the file cache that no process maps and that is not dirty (`memory.stat` v2
+`inactive_file + active_file - file_mapped - file_dirty`, v1 the same `total_` figures): the kernel drops it
+before it kills anything, whichever of its lists it is on (a run that read its checkpoint twice leaves it
+active; measured: 49 of a finished run's 110 MB). Docker and Kubernetes leave out the inactive file cache
+alone (`inactive_file`), which also holds mapped pages: measured, a cold cgroup's 14 MB of mapped checkpoint
+pages sat on its inactive list and a warm one's on its active list, so that figure (or the larger of the two)
+gave a warm cgroup a budget 5-6% smaller than a cold one. Mapped file pages (weights used as views of the
+files) and dirty ones stay counted, so the headroom errs low, never high.
 """
 
 from __future__ import annotations
@@ -28,24 +31,23 @@ UNLIMITED_NBYTES = 2**62
 
 @dataclass(frozen=True)
 class CgroupLimit:
-    """One memory cgroup that limits this process: where it is, its limit, its usage and the inactive page
-    cache inside that usage (bytes)."""
+    """One memory cgroup that limits this process: where it is, its limit, its usage, and the page cache
+    inside that usage that the kernel can reclaim and that is inactive (bytes)."""
 
     version: int
     folder: str
     limit_nbytes: int
     usage_nbytes: int
     inactive_file_nbytes: int = 0
-    """Page cache the kernel would reclaim first (v1 `total_inactive_file`, v2 `inactive_file`); 0 unread."""
-    reclaimable_nbytes: int | None = None
-    """Page cache the kernel can drop: the inactive file cache, or all file cache less mapped and dirty pages
-    where that is more (None: the inactive file cache)."""
+    """The inactive file cache (v1 `total_inactive_file`, v2 `inactive_file`; what `docker stats` leaves out
+    of the working set), shown beside the figure used; 0 unread."""
+    reclaimable_nbytes: int = 0
+    """Page cache the kernel can drop: the file cache less its mapped and dirty pages; 0 unread."""
 
     @property
     def working_set_nbytes(self) -> int:
-        """Usage less its reclaimable page cache (at least the inactive one, as `docker stats` counts it)."""
-        reclaimable = max(self.inactive_file_nbytes, self.reclaimable_nbytes or 0)
-        return max(self.usage_nbytes - reclaimable, 0)
+        """Usage less its reclaimable page cache."""
+        return max(self.usage_nbytes - self.reclaimable_nbytes, 0)
 
     @property
     def headroom_nbytes(self) -> int:
