@@ -37,7 +37,7 @@ from layerstream import enable_offload
 from layerstream.bench.measure import measure_block_compute, measure_link_gbps
 from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB
 from layerstream.machine.host_reserve import DECODED_BYTES_PER_VALUE, ENCODING_BYTES_PER_VALUE, FLOOR_NBYTES, TEXT_TOKENS
-from layerstream.machine.planner import CUDA_CONTEXT_GB, PROCESS_BASELINE_GB, Machine, MachinePlan, plan_for_machine
+from layerstream.machine.planner import CUDA_CONTEXT_GB, DEVICE_DECODE_GBPS, PROCESS_BASELINE_GB, Machine, MachinePlan, plan_for_machine
 from layerstream.timing.block_timer import synchronize
 from layerstream.timing.ideal import ideal_forward_seconds_with_disk, transfer_seconds
 
@@ -53,8 +53,9 @@ STORAGES = ("bfloat16", "lossless", "float8")
 PREDICTION_SOURCE = (
     "the planner (layerstream.machine.planner.plan_for_machine, as `layerstream plan --device-memory 24 --host-memory 32 "
     "[--allow-lossy]`), with compute per block measured on the resident pipeline at the start, times how much slower the "
-    "resident twin ran beside the row (drift); on the CPU with this CPU's compute time lost per GB copied, read and cast by "
-    "the copy and read threads (host_copy_costs, measured first); the host pool's reads at each change of expert over the "
+    "resident twin ran beside the row (drift); on the CPU with this CPU's compute time lost per GB copied, read, cast and "
+    "decoded by the copy and read threads, the decode's own rate on the copy thread, and a streamed block's compute from "
+    "its just-filled slot over a resident block's (host_copy_costs, measured first); the host pool's reads at each change of expert over the "
     "scenario's steps; its configuration is the one each row runs"
 )
 
@@ -138,7 +139,8 @@ def machine_plan(
     used), the link and the disk as they are, the run's tokens and steps, compute per block as measured on the
     resident pipeline times `drift` (how much slower the resident twin ran beside a row: the shared machine's
     drift), and on the CPU the compute time this CPU loses per GB the copy and read threads move and per float8
-    GB they cast (`measure_host_copy_costs`; `host_copy` False leaves them out). Its seconds per step, times S,
+    GB they cast or decode, the decode's own rate, and a streamed block's compute from its slot over a resident
+    block's (`measure_host_copy_costs`; `host_copy` False leaves them out). Its seconds per step, times S,
     are its prediction for the real machine. `lossless` (without `lossy`): the DiT stored lossless (True) or as it
     is (False), instead of the planner's choice between them."""
     s, m = ctx["scenario"], ctx["scale"].memory
@@ -148,17 +150,30 @@ def machine_plan(
         host_memory_gb=s.host_gb / m, baseline_gb=(PROCESS_BASELINE_GB + CUDA_CONTEXT_GB) / m,
         host_reserve_gb=real_host_reserve_gb() / m, link_gbps=ctx["link_gbps"], disk_gbps=disk_gbps, allow_lossy=lossy,
         host_copy_s_per_gb=costs.get("copy_s_per_gb", 0.0), host_cast_s_per_gb=costs.get("cast_s_per_gb", 0.0),
+        host_decode_s_per_gb=costs.get("decode_s_per_gb", 0.0), decode_gbps=costs.get("decode_gbps", DEVICE_DECODE_GBPS),
     )  # fmt: skip
     seconds = {f"{path}.blocks.{i}": t * drift for path, c in ctx["compute"].items() for i, t in enumerate(c.block_s)}
+    plan = plan_for_machine(pipe, machine, block_seconds=seconds, tokens=ctx["scale"].num_tokens, steps=s.steps, lossless=lossless)
+    factor = costs.get("slot_compute_factor", 1.0)
+    if factor == 1.0:
+        return plan
+    streamed = set(plan.placement.streamed_block_paths)  # a streamed block computes from its slot: compute moves no block
+    seconds = {p: t * factor if p in streamed else t for p, t in seconds.items()}
     return plan_for_machine(pipe, machine, block_seconds=seconds, tokens=ctx["scale"].num_tokens, steps=s.steps, lossless=lossless)
 
 
 def measure_host_copy_costs(pipe: WanPipeline, inputs: Inputs, rounds: int = 3, forwards: int = 40) -> dict[str, float]:
     """On a CPU device: the compute time a block's forward loses per GB a thread beside it copies (a block's
-    bytes, memcpy, once per forward, as the copy thread does while the stream runs ahead) and per GB of float8
-    bytes it casts to bfloat16 (the table lookups of the float8 form's unpacking), against the same forwards
-    alone; medians of `rounds` alternating turns. A machine figure for the planner (`Machine.host_copy_s_per_gb`)."""
+    bytes, memcpy, once per forward, as the copy thread does while the stream runs ahead), per GB of float8
+    bytes it casts to bfloat16 (the table lookups of the float8 form's unpacking) and per GB it decodes from the
+    lossless form (the block's own coded bytes decoded in a slot), against the same forwards alone; medians of
+    `rounds` alternating turns. Also the decode's own rate on that thread beside the forwards (decoded GB/s: a
+    lossless block's copy job is its copy and then its decode). Machine figures for the planner
+    (`Machine.host_copy_s_per_gb`, `host_cast_s_per_gb`, `host_decode_s_per_gb`, `decode_gbps`)."""
+    from layerstream.runtime.packing.layout import BlockLayout
+    from layerstream.runtime.packing.stored_form import SlotUnpack
     from layerstream.runtime.packing.upcast import upcast_
+    from layerstream.runtime.stores.lossless_store import LosslessForm
 
     block, dim = pipe.transformer.blocks[0], pipe.transformer.shape.dim
     context, _ = pipe.encode(inputs.prompt_ids, inputs.negative_ids)
@@ -167,24 +182,77 @@ def measure_host_copy_costs(pipe: WanPipeline, inputs: Inputs, rounds: int = 3, 
     src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
     stored = torch.ones(nbytes // 2, dtype=torch.uint8).view(torch.float8_e4m3fn)
     cast_to = torch.empty(nbytes // 2, dtype=DTYPE)
-    jobs = {"alone": (None, 0), "copy": (lambda: dst.copy_(src), nbytes), "cast": (lambda: upcast_(cast_to, stored), nbytes // 2)}
+    form = LosslessForm(BlockLayout("block", block, torch.device("cpu")))  # the block's own values, coded
+    slot = torch.zeros(form.slot_nbytes, dtype=torch.uint8)
+    form.fill_(slot[form.stored_offset : form.stored_offset + form.stored_nbytes])
+    unpack = SlotUnpack(form)
+    unpack.run_(slot)  # warm: views, scratch
+    jobs = {
+        "alone": (None, 0), "copy": (lambda: dst.copy_(src), nbytes), "cast": (lambda: upcast_(cast_to, stored), nbytes // 2),
+        "decode": (lambda: unpack.run_(slot), form.layout.nbytes),
+    }  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in jobs}
+    decode_busy: list[float] = []
     with torch.no_grad():
         block(x, context, cond)  # warm
         for _ in range(rounds):
             for name, (job, _) in jobs.items():
-                times[name].append(_forwards_beside(lambda: block(x, context, cond), forwards, job))
+                busy: list[float] = []
+                times[name].append(_forwards_beside(lambda: block(x, context, cond), forwards, job, busy))
+                if name == "decode":
+                    decode_busy.append(sum(busy) / len(busy))
+        slot_factor = slot_compute_factor(pipe, x, context, cond)
     alone = statistics.median(times["alone"])
-    lost = {name: max(statistics.median(times[name]) - alone, 0.0) for name in ("copy", "cast")}
+    lost = {name: max(statistics.median(times[name]) - alone, 0.0) for name in ("copy", "cast", "decode")}
     return {
+        "slot_compute_factor": slot_factor,
         "copy_s_per_gb": lost["copy"] / (forwards * jobs["copy"][1] / GB),
         "cast_s_per_gb": lost["cast"] / (forwards * jobs["cast"][1] / GB),
+        "decode_s_per_gb": lost["decode"] / (forwards * jobs["decode"][1] / GB),
+        "decode_gbps": jobs["decode"][1] / statistics.median(decode_busy) / GB,
         "forward_alone_s": alone / forwards,
     }
 
 
-def _forwards_beside(forward, n: int, job) -> float:
-    """Seconds of `n` forwards, each handing `job` (None: nothing) to a thread beside them, its queue drained."""
+def slot_compute_factor(pipe: WanPipeline, x: torch.Tensor, context: torch.Tensor, cond: torch.Tensor, rounds: int = 3) -> float:
+    """On a CPU device: a streamed block's forward over the same block's resident one. Every block of both
+    experts in turn, as the loop runs them: resident, each forward reads its weights from memory; streamed,
+    a thread has just written them into the slot (as the copy thread's copy, cast or decode does), so they
+    may still sit in the CPU's caches (measured 0.89 with a 260 MB last-level cache). The median of `rounds`
+    alternating turns."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    blocks = [*pipe.transformer.blocks, *pipe.transformer_2.blocks]
+    slot = copy.deepcopy(blocks[0])
+    slot_params = list(slot.parameters())
+    turns: dict[str, list[float]] = {"resident": [], "slot": []}
+
+    @torch.no_grad()  # grad mode is per thread
+    def fill(block: torch.nn.Module) -> None:
+        for dst, src in zip(slot_params, block.parameters()):
+            dst.copy_(src)
+
+    with ThreadPoolExecutor(1) as copier:
+        for _ in range(rounds):
+            total = 0.0
+            for block in blocks:
+                begin = time.perf_counter()
+                block(x, context, cond)
+                total += time.perf_counter() - begin
+            turns["resident"].append(total)
+            total = 0.0
+            for block in blocks:
+                copier.submit(fill, block).result()
+                begin = time.perf_counter()
+                slot(x, context, cond)
+                total += time.perf_counter() - begin
+            turns["slot"].append(total)
+    return statistics.median(turns["slot"]) / statistics.median(turns["resident"])
+
+
+def _forwards_beside(forward, n: int, job, busy: list[float] | None = None) -> float:
+    """Seconds of `n` forwards, each handing `job` (None: nothing) to a thread beside them, its queue drained;
+    each job's own seconds appended to `busy`."""
     import queue
     import threading
 
@@ -192,7 +260,10 @@ def _forwards_beside(forward, n: int, job) -> float:
 
     def work() -> None:
         while (item := todo.get()) is not None:
+            begin = time.perf_counter()
             item()
+            if busy is not None:
+                busy.append(time.perf_counter() - begin)
 
     thread = threading.Thread(target=work, daemon=True)
     thread.start()

@@ -31,7 +31,7 @@ from layerstream.runtime.engines.copy_engine import make_copy_engine
 from layerstream.runtime.modes.handle import OffloadHandle
 from layerstream.runtime.modes.hooks import PIPELINE
 from layerstream.runtime.modes.layer_mode import EngineFactory, apply_layer_mode
-from layerstream.runtime.packing.file_reads import MappedFiles
+from layerstream.runtime.packing.file_reads import PAGE_BYTES, MappedFiles
 from layerstream.runtime.packing.layout import BlockLayout
 from layerstream.runtime.modes.module_mode import apply_module_mode
 from layerstream.runtime.streaming.ownership import own_pipeline_calls_
@@ -239,6 +239,14 @@ def resolve_host_budget(
     memory = read_host_memory()
     if memory.free_nbytes is None:
         raise OffloadError('host_budget_gb = "auto": this system shows no /proc/meminfo or memory cgroup to read; give host_budget_gb as a number')
+    # a stored form's stores (float8, lossless: any storage_dtype) keep a block's own tensors until the commit (an
+    # exact rollback), and so do sharded ones (the commit is a vote of every rank): not freed while enabling
+    kept_until_commit = {p for c in unbudgeted.streamed if c.storage_dtype is not None for s in c.stacks for p in s.block_paths}
+    allgather = {p for c in unbudgeted.streamed if c.weight_transfer == "allgather" for s in c.stacks for p in s.block_paths}
+    # blocks that are views of mapped files, whose views packing drops: their clean pages in a cgroup become
+    # page cache it can reclaim (a warm cgroup maps more of a cached checkpoint than a cold one)
+    dropped = [p for p in placement.streamed_block_paths if p not in kept_until_commit | allgather]
+    memory = memory.releasing_mapped(mapped_view_nbytes(pipeline, dropped))
     free_nbytes, free_source, host_nbytes, sharded = _rank_share(unbudgeted, process_group, memory, host_nbytes)
     # the generation's own host allocations, for the largest generation it will run (host_reserve_gb overrides it)
     reserve = host_reserve_for(pipeline, unbudgeted, config.host_reserve_gb, device_is_host=device.type == "cpu", generation=generation)
@@ -247,9 +255,6 @@ def resolve_host_budget(
         num_staging_buffers=NUM_STAGING_BUFFERS, block_host_nbytes=host_nbytes, reserve_name=reserve.need_name,
     )  # fmt: skip
     streamed = sum(host_nbytes[p] for p in placement.streamed_block_paths)
-    # a stored form's stores (float8, lossless: any storage_dtype) keep a block's own tensors until the commit (an
-    # exact rollback), and so do sharded ones (the commit is a vote of every rank): not freed while enabling
-    kept_until_commit = {p for c in unbudgeted.streamed if c.storage_dtype is not None for s in c.stacks for p in s.block_paths}
     freed = [p for p in placement.streamed_block_paths if p not in kept_until_commit | sharded]
     choice = choose_host_budget(
         free_nbytes=free_nbytes,
@@ -284,6 +289,31 @@ def _rank_share(plan: ResolvedOffloadPlan, process_group, memory, host_nbytes: M
         f"each, spent in this rank's shards (1/{share.world_size} of each sharded block)"
     )
     return memory.free_nbytes // share.ranks_on_host, source, shares, sharded
+
+
+def mapped_view_nbytes(pipeline: Any, block_paths) -> int:
+    """Bytes of clean file pages in memory under these blocks' views of mapped files (a page two tensors share
+    counted once): packing moves their bytes into the host store or reads them from the file, and drops the
+    views."""
+    files = MappedFiles.snapshot()
+    spans: list[tuple[int, int]] = []
+    try:
+        for path in block_paths:
+            for _, t in named_tensors(lookup(pipeline, path)):
+                if t.device.type != "cpu" or type(t) not in (torch.Tensor, nn.Parameter):
+                    continue
+                start, nbytes = t.data_ptr(), t.numel() * t.element_size()  # the tensor's own bytes
+                if nbytes and t.is_contiguous() and files.covers(start, nbytes):
+                    spans.append((start - start % PAGE_BYTES, start + nbytes))
+        total, end = 0, 0
+        for start, stop in sorted(spans):
+            start = max(start, end)  # the part of a page the previous span counted already
+            if stop > start:
+                total += files.present_file_nbytes(start, stop - start)
+                end = -(-stop // PAGE_BYTES) * PAGE_BYTES
+        return total
+    finally:
+        files.close()
 
 
 def held_host_nbytes(pipeline: Any, block_paths) -> int:

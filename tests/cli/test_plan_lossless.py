@@ -4,6 +4,8 @@ step; a compute-bound one, and a float32 one (nothing to code), keep their bytes
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -33,3 +35,22 @@ def test_a_compute_bound_model_keeps_its_bytes(tiny_wan_bf16):
     result = plan_for_machine(tiny_wan_bf16, machine, size=SIZE)
     assert result.bound == "compute"
     assert "storage_dtype" not in result.config["layer_options"]["dit"]
+
+
+def test_the_decode_rate_lengthens_the_link_stage_and_a_shared_core_the_compute(tiny_wan_bf16):
+    from layerstream.machine.planner import DEVICE_DECODE_GBPS, MachinePlanError, check_machine
+    from layerstream.runtime.packing.lossless_code import ESTIMATED_CODED_FRACTION
+
+    machine = Machine(device_memory_gb=4.0003, host_memory_gb=4, device_tflops=1e3, link_gbps=1)
+    fast = plan_for_machine(tiny_wan_bf16, machine, size=SIZE, lossless=True)
+    assert machine.decode_gbps == DEVICE_DECODE_GBPS and fast.config["layer_options"]["dit"]["storage_dtype"] == "lossless"
+    slow = plan_for_machine(tiny_wan_bf16, dataclasses.replace(machine, decode_gbps=0.01), size=SIZE, lossless=True)
+    decoded_gb = slow.link_nbytes_per_step / ESTIMATED_CODED_FRACTION / 1e9
+    extra = decoded_gb / 0.01 - decoded_gb / DEVICE_DECODE_GBPS  # the same bytes decoded at 0.01 GB/s instead
+    assert slow.stage_seconds_per_step["link"] - fast.stage_seconds_per_step["link"] == pytest.approx(extra, rel=1e-6)
+    shared = plan_for_machine(tiny_wan_bf16, dataclasses.replace(machine, host_decode_s_per_gb=2.0), size=SIZE, lossless=True)
+    assert shared.stage_seconds_per_step["compute"] - fast.stage_seconds_per_step["compute"] == pytest.approx(2.0 * decoded_gb, rel=1e-6)
+    plain = plan_for_machine(tiny_wan_bf16, dataclasses.replace(machine, host_decode_s_per_gb=2.0), size=SIZE, lossless=False)
+    assert plain.stage_seconds_per_step == plan_for_machine(tiny_wan_bf16, machine, size=SIZE, lossless=False).stage_seconds_per_step
+    with pytest.raises(MachinePlanError, match=r"decode_gbps = 0 is not valid"):
+        check_machine(dataclasses.replace(machine, decode_gbps=0))

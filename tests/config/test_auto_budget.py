@@ -121,6 +121,35 @@ def test_reclaimable_page_cache_is_left_out_of_the_working_set(tmp_path):
     assert read_host_memory(_fake_proc(tmp_path / "v2", "0::/\n"), root).free_nbytes == 1_000_000_000  # v2's keys
 
 
+def test_mapped_pages_under_the_blocks_views_count_as_reclaimable_in_the_cgroup(tmp_path):
+    import os
+
+    from torch import nn
+
+    from layerstream.machine.memory import CgroupLimit
+    from layerstream.offload import mapped_view_nbytes
+    from layerstream.runtime.packing.file_reads import PAGE_BYTES
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(os.urandom(64 * PAGE_BYTES))
+    mapped = torch.from_file(str(path), shared=False, size=64 * PAGE_BYTES, dtype=torch.uint8)  # a private mapping
+    block = nn.Module()
+    block.a = nn.Parameter(mapped[: 10 * PAGE_BYTES + 100], requires_grad=False)
+    block.b = nn.Parameter(mapped[10 * PAGE_BYTES + 100 : 30 * PAGE_BYTES], requires_grad=False)
+    block.own = nn.Parameter(torch.ones(PAGE_BYTES, dtype=torch.uint8), requires_grad=False)  # not a view: not counted
+    pipe = nn.Module()
+    pipe.blocks = nn.ModuleList([block])
+    assert mapped_view_nbytes(pipe, ["blocks.0"]) == 0  # nothing faulted in yet
+    block.a.sum(), block.b.sum()
+    assert mapped_view_nbytes(pipe, ["blocks.0"]) == 30 * PAGE_BYTES  # the page the two views share, once
+    cgroup = CgroupLimit(1, "/job", limit_nbytes=1000 * MB, usage_nbytes=600 * MB, reclaimable_nbytes=100 * MB, mapped_file_nbytes=20 * MB)
+    memory = HostMemory(None, cgroup)
+    assert memory.releasing_mapped(5 * MB).free_nbytes == 1000 * MB - (600 - 100 - 5) * MB
+    assert memory.releasing_mapped(50 * MB).free_nbytes == 1000 * MB - (600 - 100 - 20) * MB  # at most its mapped pages
+    assert "with 0.005 GB mapped under the streamed blocks' views" in memory.releasing_mapped(5 * MB).describe()
+    assert HostMemory(7 * MB).releasing_mapped(5 * MB).free_nbytes == 7 * MB  # MemAvailable counts them already
+
+
 def test_hybrid_v2_under_unified_and_nothing_readable(tmp_path):
     proc = _fake_proc(tmp_path, "0::/a\n", available_kb=100)
     _write(tmp_path / "cgroup" / "unified" / "a", memory_max="4096000", memory_current="0")

@@ -191,8 +191,9 @@ def test_auto_chooses_the_same_budget_after_a_run_filled_the_cgroups_page_cache(
     left_by_the_first = warm["cgroup_before"]
     # the first run's page cache is still charged to the cgroup: usage alone would have left much less room
     assert left_by_the_first["usage_bytes"] - cold["cgroup_before"]["usage_bytes"] > 0.1 * cold["budget_bytes"]
-    # within 5% (measured 1.6-3.7%: a warm run maps a few MB more of the cached checkpoint; with docker's figure,
-    # usage less the inactive file cache, 5-8%: the cold run's mapped pages sat on the inactive list)
+    # within 5% (measured within 1%; with docker's figure, usage less the inactive file cache, 5-8%: the cold
+    # run's mapped pages sat on the inactive list; with mapped pages under the blocks' views counted, up to 6%:
+    # a warm run maps more of the cached checkpoint around each page it touches)
     assert cold["budget_bytes"] > 0 and warm["budget_bytes"] == pytest.approx(cold["budget_bytes"], rel=0.05)
     assert warm["cgroup_before"]["reclaimable_bytes"] > 0 and warm["cgroup_before"]["inactive_file_bytes"] > 0
     assert "working set" in warm["host_budget"] and "reclaimable page cache" in warm["host_budget"]  # the figures it used

@@ -56,6 +56,11 @@ class MachinePlanError(LayerstreamError, ValueError):
     """A machine the model cannot run on, or figures that make no sense; the message says which and why."""
 
 
+DEVICE_DECODE_GBPS = 100.0
+"""Decoded bytes per second the lossless form's decode is assumed to reach on an accelerator (a few passes of
+elementwise torch ops over a block, at memory speed); `benchmarks/gpu.sh` measures it where a GPU is present."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Machine:
     """The machine to plan for (GB are 1e9 bytes, GB/s 1e9 bytes per second)."""
@@ -81,11 +86,14 @@ class Machine:
     host_cast_s_per_gb: float = 0.0
     """The same per GB of float8 bytes cast back to the compute dtype on the copy thread (a CPU device's table
     lookups, `runtime/packing/upcast.py`; 0 on an accelerator, which casts in a kernel beside compute)."""
+    decode_gbps: float = DEVICE_DECODE_GBPS
+    """Decoded GB per second of the lossless form's decode, which runs after each copy, before the block is
+    ready (the link stage): on an accelerator a few elementwise kernels (assumed, `DEVICE_DECODE_GBPS`); on a
+    CPU device the copy thread's own rate beside compute, a measured figure of the machine."""
+    host_decode_s_per_gb: float = 0.0
+    """Compute time lost per decoded GB where the decode shares the compute's cores (a CPU device's copy
+    thread; 0 on an accelerator)."""
 
-
-DEVICE_DECODE_GBPS = 100.0
-"""Decoded bytes per second the lossless form's decode is assumed to reach on an accelerator (a few passes of
-elementwise torch ops over a block, at memory speed); `benchmarks/gpu.sh` measures it where a GPU is present."""
 
 @dataclass(frozen=True)
 class MachinePlan:
@@ -141,14 +149,14 @@ class MachinePlan:
 
 def check_machine(machine: Machine) -> None:
     """One clear error for figures that cannot describe a machine (the CLI checks its flags the same way)."""
-    for name in ("device_memory_gb", "host_memory_gb", "link_gbps", "disk_gbps", "device_tflops"):
+    for name in ("device_memory_gb", "host_memory_gb", "link_gbps", "disk_gbps", "device_tflops", "decode_gbps"):
         value = getattr(machine, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise MachinePlanError(f"{name} = {value!r} is not valid; expected a finite number > 0")
     reserve = machine.host_reserve_gb
     if reserve is not None and (isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0 <= reserve < float("inf")):
         raise MachinePlanError(f"host_reserve_gb = {machine.host_reserve_gb!r} is not valid; expected a finite number >= 0")
-    for name in ("host_copy_s_per_gb", "host_cast_s_per_gb"):
+    for name in ("host_copy_s_per_gb", "host_cast_s_per_gb", "host_decode_s_per_gb"):
         value = getattr(machine, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
             raise MachinePlanError(f"{name} = {value!r} is not valid; expected a finite number >= 0 (0: an accelerator's copies)")
@@ -209,7 +217,7 @@ def plan_for_machine(
         return plan
     note = (
         f"the DiT is stored lossless (about {ESTIMATED_CODED_FRACTION:.2f}x the bytes, the same bits, decoded on the "
-        f"device at an assumed {DEVICE_DECODE_GBPS:g} GB/s): {plan.bound}-bound, {plan.seconds_per_step:.3g} s per "
+        f"device at {_decode_rate(machine)}): {plan.bound}-bound, {plan.seconds_per_step:.3g} s per "
         f"step as it is, {coded.seconds_per_step:.3g} s coded"
     )
     return dataclasses.replace(coded, notes=coded.notes + (note,))
@@ -395,12 +403,14 @@ def _forward(
     on_disk = [tier is not None and (tier.on_disk(p) or (pooled and tier.pooled(p))) for p in blocks]
     sizes = [streamed.get(p, 0) for p in blocks]
     per_gb = machine.host_copy_s_per_gb + (machine.host_cast_s_per_gb if cast else 0.0)
+    if decode:  # per decoded GB: a coded GB decodes to 1 / ESTIMATED_CODED_FRACTION
+        per_gb += machine.host_decode_s_per_gb / ESTIMATED_CODED_FRACTION
     compute_s = [
         compute[p] + (n * per_gb * m + n * machine.host_copy_s_per_gb * d) / GB for p, n, m, d in zip(blocks, sizes, moved, on_disk)
     ]  # fmt: skip
     link_s = ideal.block_transfer_seconds(sizes, moved, machine.link_gbps)
     if decode:
-        link_s = [t + (n / ESTIMATED_CODED_FRACTION / (DEVICE_DECODE_GBPS * 1e9) if m else 0.0) for t, n, m in zip(link_s, sizes, moved)]
+        link_s = [t + (n / ESTIMATED_CODED_FRACTION / (machine.decode_gbps * GB) if m else 0.0) for t, n, m in zip(link_s, sizes, moved)]
     disk_s = ideal.block_disk_seconds(sizes, on_disk, machine.disk_gbps)
     return {
         "seconds": ideal.ideal_forward_seconds_with_disk(compute_s, link_s, disk_s),
@@ -408,6 +418,12 @@ def _forward(
         "disk_bytes": sum(n for n, d in zip(sizes, on_disk) if d),
         "compute_s": sum(compute_s), "link_s": sum(link_s), "disk_s": sum(disk_s),
     }  # fmt: skip
+
+
+def _decode_rate(machine: Machine) -> str:
+    if machine.decode_gbps == DEVICE_DECODE_GBPS:
+        return f"an assumed {DEVICE_DECODE_GBPS:g} GB/s"
+    return f"{machine.decode_gbps:.3g} GB/s"
 
 
 def _generation_steps(pipeline: Any, steps: int | None) -> int:

@@ -113,23 +113,40 @@ class MappedFiles:
         mapping = self._mappings[lo - 1]
         return mapping if address < mapping.end else None
 
-    def _pages_hold_file_bytes(self, address: int, nbytes: int) -> bool:
-        """Every page is either not yet faulted in (so it reads from the file) or a page of the file itself."""
+    def present_file_nbytes(self, address: int, nbytes: int) -> int:
+        """Bytes of the pages of [address, address + nbytes) that are in memory and still the file's own (clean
+        page cache mapped here, which the kernel can reclaim); 0 outside a file mapping or without pagemap."""
+        mapping = self._find(address) if nbytes > 0 else None
+        if mapping is None or address + nbytes > mapping.end:
+            return 0
+        entries = self._pagemap_entries(address, nbytes)
+        if entries is None:
+            return 0
+        return int(((entries < 0) & (((entries >> 61) & 1) == 1)).sum()) * PAGE_BYTES
+
+    def _pagemap_entries(self, address: int, nbytes: int) -> torch.Tensor | None:
+        """One pagemap entry per page of the range (int64: bit 63 present, 62 swapped, 61 file page)."""
         if self._pagemap is None:
             try:
                 self._pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
             except OSError:
-                return False
+                return None
         first, last = address // PAGE_BYTES, (address + nbytes - 1) // PAGE_BYTES
         count = last - first + 1
         try:
             raw = os.pread(self._pagemap, 8 * count, 8 * first)
         except OSError:
-            return False
+            return None
         if len(raw) != 8 * count:
+            return None
+        return torch.frombuffer(bytearray(raw), dtype=torch.int64)
+
+    def _pages_hold_file_bytes(self, address: int, nbytes: int) -> bool:
+        """Every page is either not yet faulted in (so it reads from the file) or a page of the file itself."""
+        entries = self._pagemap_entries(address, nbytes)
+        if entries is None:
             return False
         # one vectorized pass (a 60 GB model has millions of pages): bit 63 present, 62 swapped, 61 file page
-        entries = torch.frombuffer(bytearray(raw), dtype=torch.int64)
         if bool(((entries >> 62) & 1).any()):
             return False  # only anonymous (written) pages of a private mapping go to swap
         if bool(((entries < 0) & (((entries >> 61) & 1) == 0)).any()):
