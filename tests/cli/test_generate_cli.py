@@ -120,10 +120,11 @@ def test_an_error_in_a_real_process_is_one_line_exit_2_and_no_traceback(tmp_path
 
 
 @pytest.mark.xdist_group("serving_ranks")  # torchrun on a port chosen by free_port: with the serving rank groups
-@pytest.mark.parametrize("model", ["tiny-wan", "tiny-flux"])
+@pytest.mark.parametrize("model", ["tiny-wan"])
 def test_data_parallel_ranks_share_weights_and_match_resident(tmp_path, model, monkeypatch, layerstream_cli):
     """Two ranks on a fresh model cache (rank 0 builds the tiny model once); the allgather transfers run on a
-    group of their own, so gathering the summaries never interleaves with the copy thread's transfers."""
+    group of their own, so gathering the summaries never interleaves with the copy thread's transfers. (An
+    image model on ranks: `serve --nproc 2`'s tests, tests/server/test_multirank_server.py.)"""
     from layerstream.models.cache import CACHE_ENV_VAR
 
     monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path / "cache"))

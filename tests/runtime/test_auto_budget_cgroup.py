@@ -38,7 +38,7 @@ import numpy as np
 from layerstream import Omni
 
 folder, procs, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-request = dict(prompt="a fox", height=16, width=16, num_frames=1, num_inference_steps=2, seed=0)
+request = dict(prompt="a fox", height=16, width=16, num_frames=1, num_inference_steps=1, seed=0)
 resident = Omni(model=folder, offload=False)
 expected = np.asarray(resident.generate(**request).raw)
 resident.close()
@@ -120,7 +120,7 @@ with open(sys.argv[2], "w") as f:  # the whole process, imports included, runs i
     f.write("0")
 from layerstream import Omni
 omni = Omni(model=sys.argv[1], diffusion_offload_config=sys.argv[3])
-omni.generate(prompt="a fox", height=16, width=16, num_frames=1, num_inference_steps=2, seed=0)
+omni.generate(prompt="a fox", height=16, width=16, num_frames=1, num_inference_steps=1, seed=0)
 print(json.dumps({"host_bytes": omni.stats().host_bytes, "disk_bytes_read": omni.stats().disk_bytes_read}))
 sys.stdout.flush()
 os._exit(0)  # no close(): disable() would read every block back into memory
@@ -158,7 +158,7 @@ from layerstream.machine.memory import read_host_memory
 before = read_host_memory().cgroup.to_dict()
 config = {"mode": "layer", "components": ["dit"], "host_budget_gb": "auto", "host_reserve_gb": float(sys.argv[3])}
 omni = Omni(model=sys.argv[1], diffusion_offload_config=config)
-omni.generate(prompt="a fox", height=16, width=16, num_frames=1, num_inference_steps=2, seed=0)
+omni.generate(prompt="a fox", height=16, width=16, num_frames=1, num_inference_steps=1, seed=0)
 print(json.dumps({"cgroup_before": before, "budget_bytes": omni.handle.placement.host_budget.budget_nbytes,
                   "host_budget": omni.stats().host_budget}))
 sys.stdout.flush()
