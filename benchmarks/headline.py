@@ -54,8 +54,7 @@ PREDICTION_SOURCE = (
     "the planner (layerstream.machine.planner.plan_for_machine, as `layerstream plan --device-memory 24 --host-memory 32 "
     "[--allow-lossy]`), with compute per block measured on the resident pipeline at the start, times how much slower the "
     "resident twin ran beside the row (drift); on the CPU with this CPU's compute time lost per GB copied, read, cast and "
-    "decoded by the copy and read threads, the decode's own rate on the copy thread, and a streamed block's compute from "
-    "its just-filled slot over a resident block's (host_copy_costs, measured first); the host pool's reads at each change of expert over the "
+    "decoded by the copy and read threads and the decode's own rate on the copy thread (host_copy_costs, measured first); the host pool's reads at each change of expert over the "
     "scenario's steps; its configuration is the one each row runs"
 )
 
@@ -139,8 +138,8 @@ def machine_plan(
     used), the link and the disk as they are, the run's tokens and steps, compute per block as measured on the
     resident pipeline times `drift` (how much slower the resident twin ran beside a row: the shared machine's
     drift), and on the CPU the compute time this CPU loses per GB the copy and read threads move and per float8
-    GB they cast or decode, the decode's own rate, and a streamed block's compute from its slot over a resident
-    block's (`measure_host_copy_costs`; `host_copy` False leaves them out). Its seconds per step, times S,
+    GB they cast or decode, and the decode's own rate (`measure_host_copy_costs`; `host_copy` False leaves them
+    out). Its seconds per step, times S,
     are its prediction for the real machine. `lossless` (without `lossy`): the DiT stored lossless (True) or as it
     is (False), instead of the planner's choice between them."""
     s, m = ctx["scenario"], ctx["scale"].memory
@@ -153,12 +152,6 @@ def machine_plan(
         host_decode_s_per_gb=costs.get("decode_s_per_gb", 0.0), decode_gbps=costs.get("decode_gbps", DEVICE_DECODE_GBPS),
     )  # fmt: skip
     seconds = {f"{path}.blocks.{i}": t * drift for path, c in ctx["compute"].items() for i, t in enumerate(c.block_s)}
-    plan = plan_for_machine(pipe, machine, block_seconds=seconds, tokens=ctx["scale"].num_tokens, steps=s.steps, lossless=lossless)
-    factor = costs.get("slot_compute_factor", 1.0)
-    if factor == 1.0:
-        return plan
-    streamed = set(plan.placement.streamed_block_paths)  # a streamed block computes from its slot: compute moves no block
-    seconds = {p: t * factor if p in streamed else t for p, t in seconds.items()}
     return plan_for_machine(pipe, machine, block_seconds=seconds, tokens=ctx["scale"].num_tokens, steps=s.steps, lossless=lossless)
 
 
@@ -201,53 +194,15 @@ def measure_host_copy_costs(pipe: WanPipeline, inputs: Inputs, rounds: int = 3, 
                 times[name].append(_forwards_beside(lambda: block(x, context, cond), forwards, job, busy))
                 if name == "decode":
                     decode_busy.append(sum(busy) / len(busy))
-        slot_factor = slot_compute_factor(pipe, x, context, cond)
     alone = statistics.median(times["alone"])
     lost = {name: max(statistics.median(times[name]) - alone, 0.0) for name in ("copy", "cast", "decode")}
     return {
-        "slot_compute_factor": slot_factor,
         "copy_s_per_gb": lost["copy"] / (forwards * jobs["copy"][1] / GB),
         "cast_s_per_gb": lost["cast"] / (forwards * jobs["cast"][1] / GB),
         "decode_s_per_gb": lost["decode"] / (forwards * jobs["decode"][1] / GB),
         "decode_gbps": jobs["decode"][1] / statistics.median(decode_busy) / GB,
         "forward_alone_s": alone / forwards,
     }
-
-
-def slot_compute_factor(pipe: WanPipeline, x: torch.Tensor, context: torch.Tensor, cond: torch.Tensor, rounds: int = 3) -> float:
-    """On a CPU device: a streamed block's forward over the same block's resident one. Every block of both
-    experts in turn, as the loop runs them: resident, each forward reads its weights from memory; streamed,
-    a thread has just written them into the slot (as the copy thread's copy, cast or decode does), so they
-    may still sit in the CPU's caches (measured 0.89 with a 260 MB last-level cache). The median of `rounds`
-    alternating turns."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    blocks = [*pipe.transformer.blocks, *pipe.transformer_2.blocks]
-    slot = copy.deepcopy(blocks[0])
-    slot_params = list(slot.parameters())
-    turns: dict[str, list[float]] = {"resident": [], "slot": []}
-
-    @torch.no_grad()  # grad mode is per thread
-    def fill(block: torch.nn.Module) -> None:
-        for dst, src in zip(slot_params, block.parameters()):
-            dst.copy_(src)
-
-    with ThreadPoolExecutor(1) as copier:
-        for _ in range(rounds):
-            total = 0.0
-            for block in blocks:
-                begin = time.perf_counter()
-                block(x, context, cond)
-                total += time.perf_counter() - begin
-            turns["resident"].append(total)
-            total = 0.0
-            for block in blocks:
-                copier.submit(fill, block).result()
-                begin = time.perf_counter()
-                slot(x, context, cond)
-                total += time.perf_counter() - begin
-            turns["slot"].append(total)
-    return statistics.median(turns["slot"]) / statistics.median(turns["resident"])
 
 
 def _forwards_beside(forward, n: int, job, busy: list[float] | None = None) -> float:
