@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -150,6 +151,7 @@ def machine_plan(
         host_reserve_gb=real_host_reserve_gb() / m, link_gbps=ctx["link_gbps"], disk_gbps=disk_gbps, allow_lossy=lossy,
         host_copy_s_per_gb=costs.get("copy_s_per_gb", 0.0), host_cast_s_per_gb=costs.get("cast_s_per_gb", 0.0),
         host_decode_s_per_gb=costs.get("decode_s_per_gb", 0.0), decode_gbps=costs.get("decode_gbps", DEVICE_DECODE_GBPS),
+        copy_and_read_share_a_core=bool(costs) and torch.get_num_threads() + 1 >= (os.cpu_count() or 1),
     )  # fmt: skip
     seconds = {f"{path}.blocks.{i}": t * drift for path, c in ctx["compute"].items() for i, t in enumerate(c.block_s)}
     return plan_for_machine(pipe, machine, block_seconds=seconds, tokens=ctx["scale"].num_tokens, steps=s.steps, lossless=lossless)

@@ -54,3 +54,20 @@ def test_the_decode_rate_lengthens_the_link_stage_and_a_shared_core_the_compute(
     assert plain.stage_seconds_per_step == plan_for_machine(tiny_wan_bf16, machine, size=SIZE, lossless=False).stage_seconds_per_step
     with pytest.raises(MachinePlanError, match=r"decode_gbps = 0 is not valid"):
         check_machine(dataclasses.replace(machine, decode_gbps=0))
+
+
+def test_a_copy_thread_and_reads_on_one_core_add_up(tiny_wan_bf16):
+    """With a disk tier: where the copy thread and the reads share a core their times per block add up (the
+    transfer stage is the core's busy time); apart, they overlap as a DMA engine and a disk do."""
+    roomy = Machine(device_memory_gb=4.0003, host_memory_gb=4, device_tflops=1e3, link_gbps=1, disk_gbps=0.5, baseline_gb=0, host_reserve_gb=0)
+    choice = plan_for_machine(tiny_wan_bf16, roomy, size=SIZE, lossless=False).host_budget
+    # host memory for the staging ring and a quarter of the streamed blocks: the rest on disk
+    machine = dataclasses.replace(roomy, host_memory_gb=(sum(choice.needs.values()) + choice.streamed_nbytes // 4) / 1e9)
+    apart = plan_for_machine(tiny_wan_bf16, machine, size=SIZE, lossless=False)
+    budget = apart.host_budget.budget_nbytes
+    assert budget is not None and apart.disk_nbytes_per_step > 0, "the plan needs a disk tier for this check"
+    shared = plan_for_machine(tiny_wan_bf16, dataclasses.replace(machine, copy_and_read_share_a_core=True), size=SIZE, lossless=False)
+    assert shared.config == apart.config
+    stages = apart.stage_seconds_per_step
+    assert shared.stage_seconds_per_step["link"] == pytest.approx(stages["link"] + stages["disk"], rel=1e-9)
+    assert shared.seconds_per_step > apart.seconds_per_step

@@ -25,7 +25,7 @@ def test_torchrun_command_runs_the_same_layerstream_command_in_n_ranks_on_loopba
 
 
 def test_launch_torchrun_runs_every_rank_and_returns_the_exit_code():
-    assert launch.launch_torchrun(2, ["--help"]) == 0
+    # (0 where every rank succeeds: `generate --nproc 2`, tests/cli/test_generate_cli.py, goes through it)
     assert launch.launch_torchrun(2, ["no-such-subcommand"]) != 0
 
 

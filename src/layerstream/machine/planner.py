@@ -93,6 +93,10 @@ class Machine:
     host_decode_s_per_gb: float = 0.0
     """Compute time lost per decoded GB where the decode shares the compute's cores (a CPU device's copy
     thread; 0 on an accelerator)."""
+    copy_and_read_share_a_core: bool = False
+    """Whether the copy thread (copy, cast, decode) and the disk reads share one core (a CPU device with one
+    core left beside compute): a block's read and its transfer then run one after the other, the transfer
+    stage their sum, instead of overlapping as a DMA engine and a disk do (False)."""
 
 
 @dataclass(frozen=True)
@@ -412,8 +416,11 @@ def _forward(
     if decode:
         link_s = [t + (n / ESTIMATED_CODED_FRACTION / (machine.decode_gbps * GB) if m else 0.0) for t, n, m in zip(link_s, sizes, moved)]
     disk_s = ideal.block_disk_seconds(sizes, on_disk, machine.disk_gbps)
+    if machine.copy_and_read_share_a_core:  # one core reads, then copies: the link stage is its busy time
+        link_s = [t + d for t, d in zip(link_s, disk_s)]
+    stages = (link_s, [0.0] * len(disk_s)) if machine.copy_and_read_share_a_core else (link_s, disk_s)
     return {
-        "seconds": ideal.ideal_forward_seconds_with_disk(compute_s, link_s, disk_s),
+        "seconds": ideal.ideal_forward_seconds_with_disk(compute_s, *stages),
         "link_bytes": sum(n for n, m in zip(sizes, moved) if m),
         "disk_bytes": sum(n for n, d in zip(sizes, on_disk) if d),
         "compute_s": sum(compute_s), "link_s": sum(link_s), "disk_s": sum(disk_s),
