@@ -55,8 +55,9 @@ PREDICTION_SOURCE = (
     "the planner (layerstream.machine.planner.plan_for_machine, as `layerstream plan --device-memory 24 --host-memory 32 "
     "[--allow-lossy]`), with compute per block measured on the resident pipeline at the start, times how much slower the "
     "resident twin ran beside the row (drift); on the CPU with this CPU's compute time lost per GB copied, read, cast and "
-    "decoded by the copy and read threads and the decode's own rate on the copy thread (host_copy_costs, measured first); the host pool's reads at each change of expert over the "
-    "scenario's steps; its configuration is the one each row runs"
+    "decoded by the copy and read threads, the decode's own rate on the copy thread (host_copy_costs, measured first) "
+    "and the copy thread and the reads on the one core beside compute; the host pool's reads at each change of expert "
+    "over the scenario's steps; its configuration is the one each row runs"
 )
 
 
@@ -139,9 +140,9 @@ def machine_plan(
     used), the link and the disk as they are, the run's tokens and steps, compute per block as measured on the
     resident pipeline times `drift` (how much slower the resident twin ran beside a row: the shared machine's
     drift), and on the CPU the compute time this CPU loses per GB the copy and read threads move and per float8
-    GB they cast or decode, and the decode's own rate (`measure_host_copy_costs`; `host_copy` False leaves them
-    out). Its seconds per step, times S,
-    are its prediction for the real machine. `lossless` (without `lossy`): the DiT stored lossless (True) or as it
+    GB they cast or decode, the decode's own rate, and whether the copy thread and the reads share the one core
+    beside compute (`measure_host_copy_costs`; `host_copy` False leaves them out). Its seconds per step, times
+    S, are its prediction for the real machine. `lossless` (without `lossy`): the DiT stored lossless (True) or as it
     is (False), instead of the planner's choice between them."""
     s, m = ctx["scenario"], ctx["scale"].memory
     costs = (ctx["host_copy_costs"] or {}) if host_copy else {}

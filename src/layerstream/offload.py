@@ -245,8 +245,9 @@ def resolve_host_budget(
     allgather = {p for c in unbudgeted.streamed if c.weight_transfer == "allgather" for s in c.stacks for p in s.block_paths}
     # blocks that are views of mapped files, whose views packing drops: their clean pages in a cgroup become
     # page cache it can reclaim (a warm cgroup maps more of a cached checkpoint than a cold one)
-    dropped = [p for p in placement.streamed_block_paths if p not in kept_until_commit | allgather]
-    memory = memory.releasing_mapped(mapped_view_nbytes(pipeline, dropped))
+    if memory.cgroup is not None:  # (MemAvailable counts them already)
+        dropped = [p for p in placement.streamed_block_paths if p not in kept_until_commit | allgather]
+        memory = memory.releasing_mapped(mapped_view_nbytes(pipeline, dropped))
     free_nbytes, free_source, host_nbytes, sharded = _rank_share(unbudgeted, process_group, memory, host_nbytes)
     # the generation's own host allocations, for the largest generation it will run (host_reserve_gb overrides it)
     reserve = host_reserve_for(pipeline, unbudgeted, config.host_reserve_gb, device_is_host=device.type == "cpu", generation=generation)
