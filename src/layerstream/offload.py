@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -246,7 +246,8 @@ def resolve_host_budget(
     # blocks that are views of mapped files, whose views packing drops: their clean pages in a cgroup become
     # page cache it can reclaim (a warm cgroup maps more of a cached checkpoint than a cold one)
     if memory.cgroup is not None:  # (MemAvailable counts them already)
-        dropped = [p for p in placement.streamed_block_paths if p not in kept_until_commit | allgather]
+        kept = kept_until_commit | allgather
+        dropped = [p for p in placement.streamed_block_paths if p not in kept]
         memory = memory.releasing_mapped(mapped_view_nbytes(pipeline, dropped))
     free_nbytes, free_source, host_nbytes, sharded = _rank_share(unbudgeted, process_group, memory, host_nbytes)
     # the generation's own host allocations, for the largest generation it will run (host_reserve_gb overrides it)
@@ -292,20 +293,26 @@ def _rank_share(plan: ResolvedOffloadPlan, process_group, memory, host_nbytes: M
     return memory.free_nbytes // share.ranks_on_host, source, shares, sharded
 
 
+def _host_tensors(pipeline: Any, block_paths) -> Iterator[torch.Tensor]:
+    """The plain host tensors of these blocks (device tensors hold no host memory; subclasses' inner storages
+    are not priced here)."""
+    for path in block_paths:
+        for _, t in named_tensors(lookup(pipeline, path)):
+            if t.device.type == "cpu" and type(t) in (torch.Tensor, nn.Parameter):
+                yield t
+
+
 def mapped_view_nbytes(pipeline: Any, block_paths) -> int:
     """Bytes of clean file pages in memory under these blocks' views of mapped files (a page two tensors share
     counted once): packing moves their bytes into the host store or reads them from the file, and drops the
     views."""
     files = MappedFiles.snapshot()
-    spans: list[tuple[int, int]] = []
     try:
-        for path in block_paths:
-            for _, t in named_tensors(lookup(pipeline, path)):
-                if t.device.type != "cpu" or type(t) not in (torch.Tensor, nn.Parameter):
-                    continue
-                start, nbytes = t.data_ptr(), t.numel() * t.element_size()  # the tensor's own bytes
-                if nbytes and t.is_contiguous() and files.covers(start, nbytes):
-                    spans.append((start - start % PAGE_BYTES, start + nbytes))
+        spans = []
+        for t in _host_tensors(pipeline, block_paths):
+            start, nbytes = t.data_ptr(), t.numel() * t.element_size()  # the tensor's own bytes
+            if nbytes and t.is_contiguous() and files.covers(start, nbytes):
+                spans.append((start - start % PAGE_BYTES, start + nbytes))
         total, end = 0, 0
         for start, stop in sorted(spans):
             start = max(start, end)  # the part of a page the previous span counted already
@@ -324,16 +331,13 @@ def held_host_nbytes(pipeline: Any, block_paths) -> int:
     seen: set[int] = set()
     total = 0
     try:
-        for path in block_paths:
-            for _, t in named_tensors(lookup(pipeline, path)):
-                if t.device.type != "cpu" or type(t) not in (torch.Tensor, nn.Parameter):
-                    continue  # device tensors hold no host memory; subclasses' inner storages are not priced here
-                storage = t.untyped_storage()
-                if storage.data_ptr() in seen or storage.nbytes() == 0:
-                    continue
-                seen.add(storage.data_ptr())
-                if not files.covers(storage.data_ptr(), storage.nbytes()):
-                    total += storage.nbytes()
+        for t in _host_tensors(pipeline, block_paths):
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen or storage.nbytes() == 0:
+                continue
+            seen.add(storage.data_ptr())
+            if not files.covers(storage.data_ptr(), storage.nbytes()):
+                total += storage.nbytes()
     finally:
         files.close()
     return total

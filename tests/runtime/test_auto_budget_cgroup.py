@@ -5,8 +5,8 @@ process loads it (lazy views of the files), generates resident first (the refere
 cgroup), then joins a new cgroup whose limit is below the streamed bytes and generates again with offload:
 - `"auto"`: enabling reads the cgroup's headroom, keeps what fits in host memory and reads the rest from the
   checkpoint at every use; the output must equal the resident one bit for bit, and `stats()` must say why;
-- the limit is below the streamed bytes, which a host store without a budget would hold whole: the kernel's
-  own peak shows the run stayed under it.
+- no budget: the host store would hold every block, more than the limit, and the kernel kills the child, which
+  proves that the limit binds.
 Skipped where Linux, root and a writable cgroup v1 memory controller are not all there (`memory_cgroups`).
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from memory_cgroups import make_memory_cgroup, memory_cgroup  # noqa: F401 (fixtures)
+from memory_cgroups import OOM_KILLED, make_memory_cgroup, memory_cgroup  # noqa: F401 (fixtures)
 
 # children under memory limits, each beside a large checkpoint: on one xdist worker, one at a time
 pytestmark = pytest.mark.xdist_group("memory_cgroups")
@@ -92,11 +92,12 @@ def _run_child(folder: Path, cgroup: Path, mode: str) -> subprocess.CompletedPro
     return subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
 
 
-def test_auto_runs_under_a_limit_below_the_streamed_blocks(wan_folder, make_memory_cgroup):
+def test_auto_runs_where_no_budget_is_killed(wan_folder, make_memory_cgroup):
     streamed = _streamed_bytes(wan_folder)
     limit = int(LIMIT_FRACTION * streamed)
-    auto_group = make_memory_cgroup()
-    (auto_group / "memory.limit_in_bytes").write_text(str(limit))
+    auto_group, unbudgeted_group = make_memory_cgroup(), make_memory_cgroup()
+    for group in (auto_group, unbudgeted_group):
+        (group / "memory.limit_in_bytes").write_text(str(limit))
 
     done = _run_child(wan_folder, auto_group, "auto")
     peak = int((auto_group / "memory.max_usage_in_bytes").read_text())
@@ -108,8 +109,9 @@ def test_auto_runs_under_a_limit_below_the_streamed_blocks(wan_folder, make_memo
     assert 0 < report["budget_bytes"] < limit
     assert report["host_bytes"] <= report["budget_bytes"] * 1.05  # the runtime's own accounting (+ float32 norms)
     assert "cgroup v1" in report["host_budget"] and "reserve (host_reserve_gb) 0.15 GB" in report["host_budget"]
-    # without a budget the host store alone would hold every streamed block, more than the limit: the kernel
-    # kills such a run (shown by an earlier version of this test; a child's start costs seconds on 2 cores)
+
+    killed = _run_child(wan_folder, unbudgeted_group, "none")
+    assert killed.returncode == OOM_KILLED, f"without a budget the run was not killed: exit {killed.returncode} {killed.stdout[-500:]}"
 
 
 PLANNED_CHILD = r"""
@@ -189,8 +191,8 @@ def test_auto_chooses_the_same_budget_after_a_run_filled_the_cgroups_page_cache(
     # the first run's page cache is still charged to the cgroup: usage alone would have left much less room
     assert left_by_the_first["usage_bytes"] - cold["cgroup_before"]["usage_bytes"] > 0.1 * cold["budget_bytes"]
     # within 5% (measured within 1%; with docker's figure, usage less the inactive file cache, 5-8%: the cold
-    # run's mapped pages sat on the inactive list; with mapped pages under the blocks' views counted, up to 6%:
-    # a warm run maps more of the cached checkpoint around each page it touches)
+    # run's mapped pages sat on the inactive list; with the pages under the blocks' views left in the working
+    # set, up to 6%: a warm run maps more of the cached checkpoint around each page it touches)
     assert cold["budget_bytes"] > 0 and warm["budget_bytes"] == pytest.approx(cold["budget_bytes"], rel=0.05)
     assert warm["cgroup_before"]["reclaimable_bytes"] > 0 and warm["cgroup_before"]["inactive_file_bytes"] > 0
     assert "working set" in warm["host_budget"] and "reclaimable page cache" in warm["host_budget"]  # the figures it used

@@ -416,11 +416,11 @@ def _forward(
     if decode:
         link_s = [t + (n / ESTIMATED_CODED_FRACTION / (machine.decode_gbps * GB) if m else 0.0) for t, n, m in zip(link_s, sizes, moved)]
     disk_s = ideal.block_disk_seconds(sizes, on_disk, machine.disk_gbps)
+    disk_stage_s = disk_s
     if machine.copy_and_read_share_a_core:  # one core reads, then copies: the link stage is its busy time
-        link_s = [t + d for t, d in zip(link_s, disk_s)]
-    stages = (link_s, [0.0] * len(disk_s)) if machine.copy_and_read_share_a_core else (link_s, disk_s)
+        link_s, disk_stage_s = [t + d for t, d in zip(link_s, disk_s)], [0.0] * len(disk_s)
     return {
-        "seconds": ideal.ideal_forward_seconds_with_disk(compute_s, *stages),
+        "seconds": ideal.ideal_forward_seconds_with_disk(compute_s, link_s, disk_stage_s),
         "link_bytes": sum(n for n, m in zip(sizes, moved) if m),
         "disk_bytes": sum(n for n, d in zip(sizes, on_disk) if d),
         "compute_s": sum(compute_s), "link_s": sum(link_s), "disk_s": sum(disk_s),
