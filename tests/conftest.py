@@ -75,13 +75,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _one_intra_op_thread_per_worker(request: pytest.FixtureRequest) -> None:
+def _one_intra_op_thread_per_worker_and_its_children(request: pytest.FixtureRequest) -> None:
     """Under xdist, each worker's torch computes on one thread: two workers already fill the two cores, and more
-    threads only make them wait on each other (a test of 100 racing tiny generations took 74 s instead of 29)."""
-    if _xdist_worker(request.config) is not None:
-        import torch
+    threads only make them wait on each other (a test of 100 racing tiny generations took 74 s instead of 29).
 
+    The processes a test starts (servers, ranks, the command line) compute with as many threads: a reference the
+    test computes here is then computed under the same threading as the child's output it checks (on the AMD
+    EPYC, MKL rounds some products differently with two threads than with one; docs/testing.md)."""
+    import torch
+
+    if _xdist_worker(request.config) is not None:
         torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
 
 
 def _xdist_worker(config: pytest.Config) -> str | None:

@@ -189,6 +189,7 @@ class PipelineRunner:
         # one call at a time: a second thread waits here, before it reads the counters or the pipeline's state
         # (what ran before this point only read the arguments); the raw pipeline refuses instead of waiting
         with self.lock:
+            adopt_process_threads()  # the server's worker computes the same bits as the caller's thread would
             before = StreamCounters.of(self._read_stats())
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -385,6 +386,18 @@ def _run_stats(seconds, step_times, streamed: StreamCounters, now: OffloadStats 
         disk_bytes_read=streamed.disk_bytes_read,
         disk_stall_seconds=streamed.disk_stall_seconds,
     )
+
+
+def adopt_process_threads() -> None:
+    """Give the calling thread the process's intra-op thread count before it computes.
+
+    PyTorch's OpenMP build keeps that count per OS thread: `torch.set_num_threads(n)` sets it on the calling
+    thread and records it for the others, but another thread takes it up only at its first parallel ATen op (or
+    `torch.get_num_threads()`); until then MKL's matrix products, which read the thread's own OpenMP setting,
+    run with one thread per core. On AMD EPYC MKL's sgemm rounds differently with two threads than with one (a
+    6x32 @ 32x64 product differs in its last bit; the Intel Xeon gives the same bits), so the server's worker
+    would compute other bits than the caller's thread for the same seed."""
+    torch.set_num_threads(torch.get_num_threads())
 
 
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:

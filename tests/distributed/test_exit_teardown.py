@@ -38,7 +38,7 @@ def _run_ranks(mode: str, world_size: int) -> list[subprocess.CompletedProcess]:
         env = dict(
             os.environ,
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=pythonpath, LAYERSTREAM_COLLECTIVE_TIMEOUT="20",
+            MASTER_PORT=str(port), PYTHONPATH=pythonpath, LAYERSTREAM_COLLECTIVE_TIMEOUT="20",
         )  # fmt: skip
         command = [sys.executable, str(HERE / "exit_rank.py"), mode]
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

@@ -41,7 +41,7 @@ def test_omni_joins_torchrun_group_by_itself_and_matches_one_process(tmp_path, m
     finally:
         one.close()
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", LAYERSTREAM_COLLECTIVE_TIMEOUT="60")
+    env = dict(os.environ, LAYERSTREAM_COLLECTIVE_TIMEOUT="60")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(HERE / "omni_rank.py"), str(tmp_path),

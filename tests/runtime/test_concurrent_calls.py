@@ -1,6 +1,7 @@
 """Two threads on one offloaded pipeline never give a wrong output: the raw pipeline refuses the second caller at
 the entry of its call, before it touches the scheduler or the streamer; `Omni.generate` makes it wait its turn.
-Every output that comes back equals the same seed run alone, bit for bit."""
+Every output that comes back equals the same seed run alone on a thread of its own, bit for bit (a new thread is
+the like-for-like reference: tests/same_threading.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ pytest.importorskip("diffusers")
 
 from layerstream import ConcurrentUseError, Omni, enable_offload  # noqa: E402
 from tests.runtime.tiny_pipelines import DIT, generate, load  # noqa: E402
+from tests.same_threading import on_new_thread  # noqa: E402
 
 ROUNDS = 50
 FAST = dict(num_inference_steps=1)  # one step keeps 50 rounds short; the preamble is what races
@@ -48,7 +50,7 @@ def _race(call, rounds: int = ROUNDS) -> tuple[list, list[BaseException]]:
 
 def test_two_threads_on_the_raw_pipeline_get_the_seed_output_or_a_refusal():
     pipe = load("wan")
-    expected = generate(pipe, "wan", **FAST)
+    expected = on_new_thread(lambda: generate(pipe, "wan", **FAST))
     handle = enable_offload(pipe, DIT, device="cpu")
     outputs, errors = _race(lambda: generate(pipe, "wan", **FAST))
     handle.disable()
@@ -62,7 +64,7 @@ def test_a_second_caller_is_refused_before_it_touches_the_scheduler():
     """Thread one waits between its denoising steps (where per-forward ownership would be free); a second call
     is refused at once and leaves the scheduler's timesteps and step index as the first call set them."""
     pipe = load("wan")
-    expected = generate(pipe, "wan")
+    expected = on_new_thread(lambda: generate(pipe, "wan"))
     handle = enable_offload(pipe, DIT, device="cpu")
     between_steps, go_on = threading.Event(), threading.Event()
     result = {}
@@ -108,7 +110,7 @@ def test_the_pipeline_keeps_its_class_name_and_signature_and_gets_its_class_back
 
 def test_module_mode_refuses_a_second_caller_too():
     pipe = load("wan")
-    expected = generate(pipe, "wan", **FAST)
+    expected = on_new_thread(lambda: generate(pipe, "wan", **FAST))
     handle = enable_offload(pipe, {"mode": "module", "components": ["dit"]}, device="cpu")
     outputs, errors = _race(lambda: generate(pipe, "wan", **FAST), rounds=10)
     handle.disable()
@@ -118,6 +120,7 @@ def test_module_mode_refuses_a_second_caller_too():
 
 def test_omni_generate_from_two_threads_waits_its_turn_and_both_get_the_seed_output():
     omni = Omni(model="tiny-wan", diffusion_offload_config=DIT, device="cpu")
+    # on the main thread: Omni gives each call the process's thread count, whichever thread makes it
     expected = omni.generate("a red fox in the snow", seed=3, num_inference_steps=1).raw
     # Omni's lock is one mutex around the call: 20 racing rounds show the waiting; the runtime's own refusal
     # (the tests above) keeps 50

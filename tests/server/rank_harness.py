@@ -65,7 +65,7 @@ def start_rank_server(
     data_dir = [] if "--data-dir" in args else ["--data-dir", str(folder / "data")]
     args = (*data_dir, *args)
     pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath, **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": pythonpath, **(env or {})}
     if script is None:
         command = [sys.executable, "-m", "layerstream", "serve", model, "--port", "0", "--nproc", str(nproc), *args]
     else:

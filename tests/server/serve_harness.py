@@ -67,8 +67,8 @@ def start_server(
     With `fault_prompt`, the server runs through `serve_with_fault.py`: that prompt raises inside a block.
     """
     log_path = folder / "server.log"
-    # one intra-op thread: the tiny models gain nothing from more, and the test process needs the other core
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    # the test worker's intra-op thread count comes with os.environ (tests/conftest.py)
+    full_env = {**os.environ, **(env or {})}
     if fault_prompt is None:
         launcher = [sys.executable, "-m", "layerstream"]
     else:
