@@ -32,9 +32,9 @@ plan: venv
 test: venv browser
 	$(PY) -m pytest -q --durations=15 $(XDIST)
 
-# no process, no socket, no browser (tests/conftest.py holds a `fast` test to that): a minute or two
+# no process, no socket, no browser (tests/conftest.py holds a `fast` test to that), on the same two workers
 test-fast: venv
-	$(PY) -m pytest -q -m fast
+	$(PY) -m pytest -q -m fast $(XDIST)
 
 # The web page's browser test drives Debian's Chromium through its chromedriver: installed here where apt can
 # (as root); anywhere else one line says so, and only the browser tests skip.

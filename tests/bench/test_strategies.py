@@ -100,6 +100,7 @@ def test_fp8_rows_parse_into_float8_storage():
     assert options["storage_dtype"] == "float8_e4m3fn"
 
 
+@pytest.mark.xdist_group("inductor")  # with tests/runtime/test_compile.py: one worker pays inductor's first compile
 def test_compiled_rows_compile_every_block_and_stream_like_the_compiled_resident_model():
     """`resident-compiled` and `layerwise...-compiled` compile each block in place (regional compilation);
     the compiled layerwise model gives the compiled resident model's output, bit for bit."""

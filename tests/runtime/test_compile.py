@@ -22,6 +22,11 @@ from layerstream import enable_offload
 from runtime_toys import run, tiny_flux_transformer, tiny_wan_transformer
 from tiny_pipelines import DIT
 
+# inductor's first compile in a process costs about 30 s on 2 cores (its C++ prelude), later ones a few: every
+# test that compiles with inductor runs on one xdist worker
+pytestmark = pytest.mark.xdist_group("inductor")
+
+
 def _flux_with_four_single_blocks():
     from diffusers import FluxTransformer2DModel
 
