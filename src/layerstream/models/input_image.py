@@ -76,17 +76,20 @@ def read_input_image(
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
 ) -> Image.Image:
-    """`source` as an RGB PIL image, or `InputImageError` naming `name` and what is wrong.
+    """`source` as an RGB PIL image, upright as a viewer shows it, or `InputImageError` naming `name` and what is
+    wrong.
 
     `source` is a PIL image, a path to an image file, the bytes of one, or an array (H x W gray, or
     H x W x 1/3/4 channels; uint8, or floats from 0 to 1). Files are checked for size before they are read
     and for pixels from their header before they are decoded, so an oversized or hostile file costs nothing.
+    An EXIF orientation (a phone photo's) is applied before anything else reads the size, as diffusers'
+    `load_image` does: the model is conditioned on the picture the user saw.
     """
     from PIL import Image
 
     if isinstance(source, Image.Image):
         _check_pixels(name, source.size, max_pixels)
-        return source.convert("RGB") if source.mode != "RGB" else source.copy()
+        return _upright(source).convert("RGB")
     if isinstance(source, np.ndarray):
         return _from_array(name, source, max_pixels)
     if isinstance(source, (bytes, bytearray, memoryview)):
@@ -200,7 +203,14 @@ def _decode(name: str, data: bytes, max_pixels: int) -> Image.Image:
         raise InputImageError(f"{name} is not an image (expected a PNG, JPEG or WebP file)") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:  # truncated or corrupt data past a valid header
         raise InputImageError(f"{name} is not a readable image ({type(e).__name__}: {e})") from None
-    return image.convert("RGB")
+    return _upright(image).convert("RGB")
+
+
+def _upright(image: Image.Image) -> Image.Image:
+    """`image` turned as its EXIF orientation tag says (a copy; the image itself when it has no such tag)."""
+    from PIL import ImageOps
+
+    return ImageOps.exif_transpose(image)
 
 
 def _check_pixels(name: str, size: tuple[int, int], max_pixels: int) -> None:
