@@ -284,3 +284,38 @@ def test_stop_running_signals_every_job_of_the_running_batch():
     assert [job.future.result(10) for job in jobs] == [StopReason.SHUTDOWN] * 2
     queue.close()
     assert queue.join(10)
+
+
+class FailingBookkeeping(RunEach):
+    """`after_run` raises after every run and `idle` whenever the queue idles: the worker must go on."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {"after_run": 0, "idle": 0}
+
+    def after_run(self):
+        self.calls["after_run"] += 1
+        raise RuntimeError("after_run broke")
+
+    def idle(self):
+        self.calls["idle"] += 1
+        raise RuntimeError("idle broke")
+
+
+def test_the_worker_survives_its_runners_bookkeeping(caplog):
+    runner = FailingBookkeeping()
+    queue = GenerationQueue(max_waiting=3, runner=runner, policy=BatchPolicy(max_batch_size=1, wait_seconds=0, max_cost=1, idle_seconds=0.01))
+    queue.start()
+    try:
+        for name in ("a", "b", "c"):
+            assert queue.submit(_alone(name)).future.result(10) == name  # each after an after_run that raised
+        deadline = time.monotonic() + 10  # catches a hang only
+        while runner.calls["idle"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert queue.submit(_alone("d")).future.result(10) == "d"  # and after idles that raised
+    finally:
+        queue.close()
+        assert queue.join(10)
+    assert runner.calls["after_run"] == 4
+    assert "the runner's after_run failed" in caplog.text and "the runner's idle failed" in caplog.text

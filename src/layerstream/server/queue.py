@@ -337,7 +337,7 @@ class GenerationQueue(Generic[ServedT, ResultT]):
                 fail_job(job, timeout_error(job))
             if not groups:
                 if not expired:
-                    self.runner.idle()
+                    self._bookkeeping(self.runner.idle)
                 continue  # every job taken had expired or been cancelled, or there was none
             jobs = [job for group in groups for job in group]
             try:
@@ -354,7 +354,16 @@ class GenerationQueue(Generic[ServedT, ResultT]):
                     fail_job(job, outcome)
                 else:
                     job.future.set_result(outcome)
-            self.runner.after_run()
+            self._bookkeeping(self.runner.after_run)
+
+    def _bookkeeping(self, step) -> None:
+        """The runner's `after_run` or `idle`: its clients are already answered (or none waits), so an error there
+        is logged and the worker goes on to the next job (a runner that can no longer run says so in its next
+        `run`)."""
+        try:
+            step()
+        except Exception:  # noqa: BLE001 - logged with its traceback; the worker must outlive it
+            logger.exception("the runner's %s failed; the worker goes on", step.__name__)
 
     def _take_next(self) -> tuple[list[list[Job]], list[Job]] | None:
         """(the groups to run now, started; the taken jobs whose deadline passed while they waited), ([], [])
