@@ -378,3 +378,6 @@ class HealthResponse(BaseModel):
     jobs_path: Literal["/v1/videos", "/v1/images/jobs"] | None = Field(
         description="Where the job API of this model is (None: not served)."
     )
+    jobs_storage: str | None = Field(
+        None, description="'ok', or why the data folder refused the job API's last write (full, read-only...)."
+    )

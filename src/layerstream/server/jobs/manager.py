@@ -12,8 +12,10 @@ else its outputs are dropped) and the worker moves on. The history is kept by th
 
 from __future__ import annotations
 
+import errno
 import logging
 import secrets
+import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -73,6 +75,10 @@ class JobManager:
         self.events = JobEvents()
         self._lock = threading.Lock()
         self._live: dict[str, _LiveJob] = {}
+        self._unstored: dict[str, JobRecord] = {}
+        """Jobs that ended while the database refused their row: their ending, held here so that they still end."""
+        self.storage_problem: str | None = None
+        """Why the data folder refused the last write (None once one succeeds): `/health` says it."""
         self._projection: LatentProjection | None = None
         self._projection_fitted = False
         self.metrics = service.metrics
@@ -112,7 +118,11 @@ class JobManager:
         }
         served = replace(served, encoding=OutputEncoding(record.settings.output_format, metadata=metadata))
         live = _LiveJob(record=record, served=served)
-        self.store.insert(record)
+        try:
+            self.store.insert(record)
+        except (sqlite3.Error, OSError) as e:  # nothing stored, nothing queued: a refusal that says why
+            raise self._storage_refusal(e) from None
+        self.storage_problem = None
         self.metrics.record_job_state(record.id, record.status)
         with self._lock:
             self._live[record.id] = live  # before queueing: the worker may start it at once
@@ -151,7 +161,9 @@ class JobManager:
         with self._lock:
             live = self._live.get(job_id)
         record = self.store.delete(job_id)
-        if record is None and live is None:
+        with self._lock:
+            unstored = self._unstored.pop(job_id, None)
+        if record is None and live is None and unstored is None:
             raise _not_found(self.kind, job_id)
         if live is not None and live.queued is not None:
             if self.service.queue.stop(live.queued, StopReason.CANCELLED):  # it was waiting: it never starts
@@ -198,30 +210,74 @@ class JobManager:
     def _finished(self, live: _LiveJob, future: Any) -> None:
         """The job's future is answered (on the worker, or on the event loop for a job failed by a drain before
         it started): its output written and the job marked, or its failure recorded; a deleted one is left
-        unrecorded."""
+        unrecorded. It runs as the future's callback, where an exception would only be logged: a failure to
+        store the outcome (the file, the row) fails the job instead, so that every job ends."""
         try:
-            if future.cancelled():
-                return  # deleted while it waited
-            error = future.exception()
-            if error is None:
-                output: GenerationOutput = future.result()
-                self._publish_progress(live, DECODED_PERCENT)
-                self._complete(live, output.files[0], output.usage)
-            elif isinstance(error, QueueClosedError):
-                self._fail(live, "server_shutdown", "the server shut down before the job started")
-            elif isinstance(error, GenerationStopped):
-                if error.reason is not StopReason.CANCELLED:  # cancelled: already deleted, nothing to record
-                    self._fail(live, "stopped", str(error))
-            elif isinstance(error, GenerationError):
-                self._fail(live, "invalid_for_model", str(error))
-            elif isinstance(error, ApiError):  # a serving rank was lost
-                self._fail(live, error.code, error.message)
-            else:  # the runner logged the traceback
-                lines = str(error).strip().splitlines()
-                self._fail(live, "generation_failed", f"{type(error).__name__}: {lines[0] if lines else '(no message)'}")
+            self._record_outcome(live, future)
+        except Exception as e:  # noqa: BLE001 - a job must end whatever went wrong in storing it
+            self._fail_unstored(live, e)
         finally:
             with self._lock:
                 self._live.pop(live.record.id, None)
+
+    def _record_outcome(self, live: _LiveJob, future: Any) -> None:
+        if future.cancelled():
+            return  # deleted while it waited
+        error = future.exception()
+        if error is None:
+            output: GenerationOutput = future.result()
+            self._publish_progress(live, DECODED_PERCENT)
+            self._complete(live, output.files[0], output.usage)
+        elif isinstance(error, QueueClosedError):
+            self._fail(live, "server_shutdown", "the server shut down before the job started")
+        elif isinstance(error, GenerationStopped):
+            if error.reason is not StopReason.CANCELLED:  # cancelled: already deleted, nothing to record
+                self._fail(live, "stopped", str(error))
+        elif isinstance(error, GenerationError):
+            self._fail(live, "invalid_for_model", str(error))
+        elif isinstance(error, ApiError):  # a serving rank was lost
+            self._fail(live, error.code, error.message)
+        elif isinstance(error, sqlite3.Error):  # marking it in progress failed: it never ran
+            self._fail(live, "database_error", f"the job database refused a write: {error}")
+        else:  # the runner logged the traceback
+            lines = str(error).strip().splitlines()
+            self._fail(live, "generation_failed", f"{type(error).__name__}: {lines[0] if lines else '(no message)'}")
+
+    def _fail_unstored(self, live: _LiveJob, error: Exception) -> None:
+        """Fail a job whose outcome could not be stored: in the database if it takes the row, else in memory
+        (`_unstored`), so that a client polling it sees it end either way."""
+        code = "database_error" if isinstance(error, sqlite3.Error) else "output_write_failed" if isinstance(error, OSError) else "internal_error"
+        what = {"database_error": "the job database refused its row", "output_write_failed": "its output could not be written"}
+        message = f"{what.get(code, 'storing its outcome failed')}: {type(error).__name__}: {error}"
+        logger.error("job %s failed: %s", live.record.id, message, exc_info=error)
+        self.storage_problem = message
+        try:
+            self._fail(live, code, message)
+            return
+        except Exception as again:  # noqa: BLE001 - the database refuses this write too
+            logger.error("job %s: its failure cannot be stored either (%s); it is kept in memory", live.record.id, again)
+        failed = live.record.with_status(
+            JobStatus.FAILED, error={"code": code, "message": message}, completed_at=int(time.time()),
+            figures=live.progress.figures(),
+        )  # fmt: skip
+        with self._lock:
+            self._unstored[failed.id] = failed
+        live.record = failed
+        self.metrics.record_job_state(failed.id, failed.status)
+        self.events.publish(failed.id, JobEvent("status", self._object(failed, live)))
+
+    def _storage_refusal(self, error: Exception) -> ApiError:
+        """The answer to a job the data folder cannot store (and what `/health` says until a write succeeds)."""
+        full = isinstance(error, sqlite3.Error) and "full" in str(error) or getattr(error, "errno", None) == errno.ENOSPC
+        if full:
+            self.storage_problem = f"the data folder {self.store.folder} is full ({error})"
+            return ApiError(507, f"{self.storage_problem}: the job cannot be stored; free space there", code="data_folder_full")
+        self.storage_problem = f"the data folder {self.store.folder} refused a write ({type(error).__name__}: {error})"
+        return ApiError(503, f"{self.storage_problem}: the job was not stored; retry later", code="database_error")
+
+    def storage_state(self) -> str:
+        """"ok", or why the data folder refused the last write."""
+        return self.storage_problem or "ok"
 
     def _complete(self, live: _LiveJob, data: bytes, usage: Any) -> None:
         """Store the job's file: encoded once by the worker, with the job's settings already inside it."""
@@ -231,7 +287,12 @@ class JobManager:
             JobStatus.COMPLETED, progress=100, completed_at=int(time.time()), output_name=name, output_bytes=size,
             figures={**live.progress.figures(), **run_figures(usage)},
         )  # fmt: skip
-        if not self._save(live, done):
+        try:
+            saved = self._save(live, done)
+        except BaseException:
+            self.store.remove_output(name)  # no row names it: it would be an orphan
+            raise
+        if not saved:
             self.store.remove_output(name)  # deleted while its file was written
             return
         logger.info("job %s completed (%d bytes)", record.id, size)
@@ -309,6 +370,8 @@ class JobManager:
         return self._object(record, live)
 
     def _object(self, record: JobRecord, live: _LiveJob | None) -> dict[str, Any]:
+        with self._lock:
+            record = self._unstored.get(record.id, record)  # it ended, though its row could not say so
         if live is not None and not record.status.finished:
             record = live.record  # the live progress, newer than what is stored
         position = None

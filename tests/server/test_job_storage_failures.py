@@ -1,0 +1,153 @@
+"""A job always ends, whatever fails after its generation, and a job that cannot be stored is refused saying why.
+
+Real failures, not mocks: an output folder on a filesystem that has run out of space (a small tmpfs, where the
+test runs as root; a read-only folder otherwise), a job database whose trigger refuses the write, and a data
+folder on a full tmpfs at creation. The app runs in this process (FastAPI's test client) on tiny-flux.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+JOBS = "/v1/images/jobs"
+BODY = {"prompt": "a fox", "size": "64x64", "num_inference_steps": 1, "seed": 1}  # a PNG of ~12 KB
+
+
+@pytest.fixture(scope="module")
+def omni():
+    from layerstream.omni import Omni
+
+    omni = Omni("tiny-flux", device="cpu")
+    yield omni
+    omni.close()
+
+
+@contextlib.contextmanager
+def _served(omni, data_dir: Path):
+    from layerstream.server.app import create_app
+    from layerstream.server.jobs.manager import JobManager
+    from layerstream.server.jobs.settings import HistorySettings
+    from layerstream.server.jobs.store import JobStore
+    from layerstream.server.service import GenerationService
+    from layerstream.server.settings import ServeSettings
+
+    service = GenerationService(omni, ServeSettings(port=0, shutdown_timeout=0))
+    jobs = JobManager(service, JobStore(HistorySettings(data_dir=data_dir)))
+    with TestClient(create_app(service, jobs, ui=False)) as client:
+        yield client
+
+
+def _ended(client, job_id: str) -> dict:
+    deadline = time.monotonic() + 120  # catches a job that never ends
+    while (job := client.get(f"{JOBS}/{job_id}").json())["status"] not in ("completed", "failed"):
+        assert time.monotonic() < deadline, f"the job never ended: {job}"
+        time.sleep(0.05)
+    return job
+
+
+def _mount_tmpfs(path: Path, size_bytes: int) -> bool:
+    """A tmpfs of `size_bytes` at `path`; False where this process may not mount (not root)."""
+    if os.geteuid() != 0:
+        return False
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)], capture_output=True)
+    return done.returncode == 0
+
+
+def _fill(folder: Path) -> Path:
+    """Write one file into `folder` until its filesystem has no space left; the file."""
+    filler = folder / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_a_job_whose_output_cannot_be_written_fails_saying_so_and_the_server_goes_on(omni, tmp_path):
+    data = tmp_path / "data"
+    outputs = data / "outputs"
+    outputs.mkdir(parents=True)
+    mounted = _mount_tmpfs(outputs, 4096)
+    try:
+        if mounted:
+            _fill(outputs)  # the output folder's filesystem is full: writing the PNG fails with ENOSPC
+        else:
+            outputs.chmod(0o555)  # not root: a read-only folder instead
+        with _served(omni, data) as client:
+            job = client.post(JOBS, json=BODY).json()
+            ended = _ended(client, job["id"])
+            assert ended["status"] == "failed" and ended["error"]["code"] == "output_write_failed", ended
+            assert "its output could not be written" in ended["error"]["message"]
+            assert client.get(f"{JOBS}/{job['id']}").json()["status"] == "failed"  # stored: it stays failed
+            assert [p.name for p in outputs.iterdir() if p.name.startswith(job["id"])] == []  # no partial file
+            assert "could not be written" in client.get("/health").json()["jobs_storage"]
+            assert client.get("/health").status_code == 200
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(outputs)], check=True)
+        else:
+            outputs.chmod(0o755)
+    with _served(omni, data) as client:  # space again: the same server code completes the next job
+        job = client.post(JOBS, json=BODY).json()
+        assert _ended(client, job["id"])["status"] == "completed"
+        assert client.get("/health").json()["jobs_storage"] == "ok"
+
+
+def test_a_job_whose_row_the_database_refuses_fails_and_leaves_no_file(omni, tmp_path):
+    data = tmp_path / "data"
+    with _served(omni, data) as client:
+        refusing = sqlite3.connect(data / "jobs.sqlite3")
+        with refusing:  # the database itself refuses to record any job as ended
+            refusing.execute(
+                "CREATE TRIGGER refuse BEFORE UPDATE ON jobs WHEN NEW.status IN ('completed', 'failed') "
+                "BEGIN SELECT RAISE(ABORT, 'refused by the test'); END"
+            )
+        job = client.post(JOBS, json=BODY).json()
+        ended = _ended(client, job["id"])
+        assert ended["status"] == "failed" and ended["error"]["code"] == "database_error", ended
+        assert "refused by the test" in ended["error"]["message"]
+        assert list((data / "outputs").iterdir()) == []  # the file no row names was removed
+        listed = {item["id"]: item for item in client.get(JOBS).json()["data"]}
+        assert listed[job["id"]]["status"] == "failed"  # the list says so too
+        with refusing:
+            refusing.execute("DROP TRIGGER refuse")
+        refusing.close()
+        again = client.post(JOBS, json=BODY).json()
+        assert _ended(client, again["id"])["status"] == "completed"  # the server kept serving
+        assert client.get(f"{JOBS}/{again['id']}/content").status_code == 200
+
+
+def test_a_job_a_full_data_folder_cannot_store_is_refused_and_health_says_so(omni, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    if not _mount_tmpfs(data, 1 << 20):
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        with _served(omni, data) as client:
+            filler = _fill(data)
+            refused = client.post(JOBS, json=BODY)
+            assert refused.status_code == 507, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "data_folder_full" and "is full" in error["message"] and str(data) in error["message"]
+            assert "is full" in client.get("/health").json()["jobs_storage"]
+            assert client.get(JOBS).json()["data"] == []  # nothing stored
+            filler.unlink()
+            job = client.post(JOBS, json=BODY)
+            assert job.status_code == 200, job.text
+            assert _ended(client, job.json()["id"])["status"] == "completed"
+            assert client.get("/health").json()["jobs_storage"] == "ok"
+    finally:
+        subprocess.run(["umount", "-l", str(data)], check=True)
