@@ -224,12 +224,12 @@ async def _run_generation(
     service.check_endpoint(kind)  # the wrong endpoint is the first thing to say, whatever the body holds
     body = await _read_body(request, service.body_limit(kind), _limit_flags(service, kind))
     try:
-        parsed = model.model_validate_json(body)
+        parsed = await asyncio.to_thread(model.model_validate_json, body)  # up to ~43 MB: off the event loop
     except ValidationError as e:
         raise validation_error(e, model) from None
     image_b64 = getattr(parsed, "image", None)
     service.check_image_presence(has_image=image_b64 is not None, endpoint=request.url.path)
-    image = await asyncio.to_thread(service.read_image, decode_base64_image(image_b64)) if image_b64 else None
+    image = await asyncio.to_thread(lambda: service.read_image(decode_base64_image(image_b64))) if image_b64 else None
     return parsed, await _submit_and_wait(service, request, service.prepare(parsed, image))
 
 

@@ -65,7 +65,7 @@ class _ServedFile(FileResponse):
         try:
             await super().__call__({**scope, "extensions": extensions}, receive, send)
         finally:
-            self._release(self._served)
+            await asyncio.to_thread(self._release, self._served)  # an unlink: off the event loop
 
 
 def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
@@ -83,16 +83,16 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
         has_image = image_bytes is not None
         service.check_image_presence(has_image=has_image, endpoint=f"POST {path}", field=image_field, how=how)
         image = await asyncio.to_thread(service.read_image, image_bytes, image_field) if has_image else None
-        return JSONResponse(jobs.create(body, image))
+        return JSONResponse(await asyncio.to_thread(jobs.create, body, image))  # a database write
 
     @app.get(path, responses=_LIST_ERRORS, openapi_extra={"parameters": _PAGE_PARAMETERS})
     async def list_jobs(request: Request) -> JSONResponse:
         limit, after, order = _page_query(request)
-        return JSONResponse(jobs.page(limit=limit, after=after, order=order))
+        return JSONResponse(await asyncio.to_thread(jobs.page, limit=limit, after=after, order=order))
 
     @app.get(path + "/{job_id}", responses=error_responses(_NO_JOB))
     async def get_job(job_id: str) -> JSONResponse:
-        return JSONResponse(jobs.get(job_id))
+        return JSONResponse(await asyncio.to_thread(jobs.get, job_id))
 
     content_errors = {**_NO_JOB, 409: "The job has not completed", **({422: "variant is not 'video'"} if is_video else {})}
     content = binary_response("The output", "video/mp4" if is_video else "image/png")
@@ -107,7 +107,7 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
         variant = request.query_params.get("variant")
         if is_video and variant not in (None, "video"):
             raise ApiError(422, f"variant = {variant!r} is not served; expected 'video'", code="invalid_request", param="variant")
-        served, media_type, name = jobs.content(job_id)
+        served, media_type, name = await asyncio.to_thread(jobs.content, job_id)  # a read and a hard link
         return _ServedFile(served, media_type=media_type, filename=name, release=jobs.release_content)
 
     events = {**event_stream_response("Status, progress and preview events"), **error_responses(_NO_JOB)}
@@ -120,7 +120,7 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
 
     @app.delete(path + "/{job_id}", responses=error_responses(_NO_JOB))
     async def delete_job(job_id: str) -> JSONResponse:
-        return JSONResponse(jobs.delete(job_id))
+        return JSONResponse(await asyncio.to_thread(jobs.delete, job_id))  # a database write and an unlink
 
 
 async def _read_job_body(
@@ -147,12 +147,12 @@ async def _read_job_body(
         message = f"expected an application/json or multipart/form-data body, got {content_type!r}"
         raise ApiError(400, message, code="invalid_body", param="body")
     try:
-        parsed = parse(data)
+        parsed = await asyncio.to_thread(parse, data)  # a body of up to ~43 MB: parsed off the event loop
     except ValidationError as e:
         raise validation_error(e, model) from None
     inline = getattr(parsed, image_field, None)  # JSON: the image as base64 or a data URL
     if inline is not None:
-        image_bytes = decode_base64_image(inline, image_field)
+        image_bytes = await asyncio.to_thread(decode_base64_image, inline, image_field)
     return parsed, image_bytes
 
 
