@@ -30,6 +30,7 @@ BLOCK_LISTS = {
     },
     "tiny-qwen-image": {"transformer": ["transformer_blocks"], "text_encoder": ["model.language_model.layers"]},
     "tiny-wan-i2v": {"transformer": ["blocks"], "text_encoder": ["encoder.block"], "image_encoder": ["encoder.layers"]},
+    "tiny-wan22-i2v": {"transformer": ["blocks"], "transformer_2": ["blocks"], "text_encoder": ["encoder.block"]},
 }
 
 

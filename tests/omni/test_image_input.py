@@ -190,3 +190,30 @@ def test_flux_kontext_edits_at_the_input_images_size_bit_identical_to_resident(k
         num_inference_steps=STEPS, output_type="np", generator=torch.Generator("cpu").manual_seed(SEED),
     ).images  # fmt: skip
     assert np.array_equal(result.raw, expected)
+
+
+def test_two_expert_image_to_video_takes_vllm_omnis_fields_and_matches_the_resident_pipeline():
+    """tiny-wan22-i2v (Wan 2.2 I2V A14B's structure): both experts stream and run, with the low-noise expert's
+    own guidance scale and the hand-over point given per request, bit for bit as the resident pipeline."""
+    fields = dict(guidance_scale=4.0, guidance_scale_2=2.5, boundary_ratio=0.95)  # timesteps 999 | 900, 750, 500
+    pipe = load_pipeline("tiny-wan22-i2v")
+    pipe.set_progress_bar_config(disable=True)
+    pipe.register_to_config(boundary_ratio=fields["boundary_ratio"])  # what the request's boundary_ratio sets
+    expected = pipe(
+        image=picture(48, 32), prompt=PROMPT, height=32, width=48, num_frames=FRAMES, num_inference_steps=4,
+        guidance_scale=fields["guidance_scale"], guidance_scale_2=fields["guidance_scale_2"], output_type="np",
+        generator=torch.Generator("cpu").manual_seed(SEED),
+    ).frames[0]  # fmt: skip
+    omni = Omni("tiny-wan22-i2v", device="cpu")
+    try:
+        calls = {"transformer": 0, "transformer_2": 0}
+        for name in calls:
+            getattr(omni.pipeline, name).register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+        result = omni.generate(PROMPT, image=picture(48, 32), num_frames=FRAMES, num_inference_steps=4, seed=SEED, **fields)
+        assert np.array_equal(result.raw, expected)
+        assert calls["transformer"] > 0 and calls["transformer_2"] > 0  # both experts ran
+        assert omni.pipeline.config.boundary_ratio == 0.9  # the model's own again after the request
+        own = omni.generate(PROMPT, image=picture(48, 32), num_frames=FRAMES, num_inference_steps=4, seed=SEED)
+        assert not np.array_equal(own.raw, result.raw)  # its own hand-over (999, 900 | 750, 500) makes another video
+    finally:
+        omni.close()

@@ -84,6 +84,16 @@ TINY_MODELS: Mapping[str, TinyModelSpec] = MappingProxyType(
                 builder="build_wan_i2v_components",
             ),
             TinyModelSpec(
+                name="tiny-wan22-i2v",
+                pipeline_class="WanImageToVideoPipeline",
+                kind="video",
+                # Wan 2.2 I2V A14B's structure (two experts, the image as latent channels): as tiny-wan-i2v, the
+                # input image sets the size
+                default_kwargs=_WAN_VIDEO_DEFAULTS,
+                size_multiple=16,
+                builder="build_wan22_i2v_components",
+            ),
+            TinyModelSpec(
                 name="tiny-flux",
                 pipeline_class="FluxPipeline",
                 kind="image",

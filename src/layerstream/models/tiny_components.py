@@ -209,6 +209,38 @@ def build_wan_i2v_components() -> dict[str, Any]:
     }
 
 
+# --- Wan 2.2 A14B image-to-video (two experts, no image encoder) ----------------------------------------------
+
+# Wan 2.2 I2V A14B hands over to its low-noise expert at 0.9 of the timesteps: with flow_shift 3 and 4 steps, the
+# timesteps ~999 and 900 run on the high-noise expert, 750 and 500 on the low-noise one.
+WAN22_I2V_BOUNDARY_RATIO = 0.9
+
+
+def build_wan22_i2v_components() -> dict[str, Any]:
+    """Keyword arguments for a Wan 2.2 I2V A14B-style `WanImageToVideoPipeline`: UMT5 text encoder, two DiT
+    experts that take the input image as latent channels only (16 + 4 + 16 in the real model; no CLIP image
+    encoder, no image cross-attention), Wan VAE."""
+    tokenizer = build_t5_tokenizer()
+    with _seeded(41):
+        text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, len(tokenizer), tokenizer))
+    conditioned = {"in_channels": 2 * LATENT_CHANNELS + WAN_TEMPORAL_COMPRESSION}
+    with _seeded(42):
+        transformer = _wan_transformer(**conditioned)
+    with _seeded(43):
+        transformer_2 = _wan_transformer(**conditioned)
+    with _seeded(44):
+        vae = _wan_vae()
+    return {
+        "tokenizer": tokenizer,
+        "text_encoder": text_encoder,
+        "vae": vae,
+        "scheduler": _wan_scheduler(),
+        "transformer": transformer,
+        "transformer_2": transformer_2,
+        "boundary_ratio": WAN22_I2V_BOUNDARY_RATIO,
+    }
+
+
 # --- Flux.1 (text to image, guidance-distilled) --------------------------------------------------------------
 
 
