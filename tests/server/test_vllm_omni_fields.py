@@ -70,11 +70,13 @@ def _finished(client, job_id: str) -> dict:
     return job
 
 
-@pytest.mark.parametrize("encoding", ["json", "multipart"])
+@pytest.mark.parametrize("encoding", ["json", "multipart", "urlencoded"])
 def test_a_vllm_omni_body_reaches_the_pipeline(served, encoding):
     ratio, shift = served.omni.pipeline.config.boundary_ratio, served.omni.pipeline.scheduler.config.flow_shift
     if encoding == "json":
         made = served.client.post("/v1/videos", json=VLLM_OMNI_BODY)
+    elif encoding == "urlencoded":  # as vllm-omni's serving benchmark sends it (aiohttp's form without files)
+        made = served.client.post("/v1/videos", data={name: str(value) for name, value in VLLM_OMNI_BODY.items()})
     else:  # as vllm-omni's examples send it (curl -F): every field a text part
         parts = {name: (None, str(value)) for name, value in VLLM_OMNI_BODY.items()}
         made = served.client.post("/v1/videos", files=parts)
@@ -120,3 +122,16 @@ def test_a_field_the_pipeline_cannot_take_is_one_error_naming_it(served, body, s
     assert len(served.calls) == before
     refused = served.client.post("/v1/videos", json={"prompt": "fox", "true_cfg_scale": 4.0}).json()["error"]
     assert "WanPipeline" in refused["message"] and "true_cfg_scale" in refused["message"]
+
+
+def test_a_url_encoded_body_gets_the_checks_and_error_bodies_of_the_other_encodings(served):
+    for body, param in ([("prompt", "fox"), ("fps", "0")], "fps"), ([("prompt", "fox"), ("boundary_ratio", "1.5")], "boundary_ratio"):
+        as_json = served.client.post("/v1/videos", json={name: float(v) if name != "prompt" else v for name, v in body})
+        as_form = served.client.post("/v1/videos", files={name: (None, v) for name, v in body})
+        encoded = served.client.post("/v1/videos", content="&".join(f"{k}={v}" for k, v in body), headers={"content-type": "application/x-www-form-urlencoded"})
+        assert as_json.status_code == as_form.status_code == encoded.status_code == 422, encoded.text
+        assert as_form.json()["error"] == encoded.json()["error"] and encoded.json()["error"]["param"] == param
+    twice = served.client.post("/v1/videos", content="prompt=a&prompt=b", headers={"content-type": "application/x-www-form-urlencoded"})
+    assert twice.status_code == 422 and twice.json()["error"]["param"] == "prompt"
+    image = served.client.post("/v1/videos", data={"prompt": "fox", "input_reference": "aGVsbG8="})
+    assert image.status_code == 422 and image.json()["error"]["param"] == "input_reference"

@@ -48,6 +48,32 @@ async def read_body(request: Request, max_bytes: int, limit_flags: str = "--max-
     return b"".join(chunks)
 
 
+def read_urlencoded(
+    body: bytes, image_field: str, *, refused: Mapping[str, str] | None = None
+) -> tuple[dict[str, str], None]:
+    """(the text fields, None) of an ``application/x-www-form-urlencoded`` body (what aiohttp and vllm-omni's
+    serving benchmark send for a form without files), checked as `read_form` checks a multipart one: a field
+    given twice, a part named in `refused`, or the image (which such a body cannot carry as a file) is a 4xx
+    naming it."""
+    from urllib.parse import parse_qsl
+
+    try:
+        pairs = parse_qsl(body.decode("utf-8"), keep_blank_values=True, strict_parsing=bool(body), max_num_fields=MAX_FORM_FIELDS)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ApiError(400, f"the url-encoded body cannot be parsed: {e}", code="invalid_body", param="body") from None
+    fields: dict[str, str] = {}
+    for name, value in pairs:
+        if name in (image_field, image_field + "[]"):
+            message = f"{name} must be a file part of a multipart/form-data body (or base64 in a JSON body), not url-encoded text"
+            raise ApiError(422, message, code="invalid_image", param=image_field)
+        if refused and name in refused:
+            raise ApiError(422, refused[name], code="invalid_request", param=name)
+        if name in fields:
+            raise ApiError(422, f"{name} is given more than once; expected one", code="invalid_request", param=name)
+        fields[name] = value
+    return fields, None
+
+
 async def read_form(
     request: Request, body: bytes, image_field: str, *, model: str, refused: Mapping[str, str] | None = None
 ) -> tuple[dict[str, str], bytes | None]:

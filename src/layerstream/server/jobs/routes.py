@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from layerstream.server.bodies import decode_base64_image, edit_refusals, read_body, read_form
+from layerstream.server.bodies import decode_base64_image, edit_refusals, read_body, read_form, read_urlencoded
 from layerstream.server.errors import ApiError, validation_error
 from layerstream.server.jobs.manager import DEFAULT_PAGE, MAX_PAGE, JobManager
 from layerstream.server.jobs.requests import ImageJobForm, ImageJobRequest, VideoJobForm, VideoJobRequest
@@ -140,11 +140,14 @@ async def _read_job_body(
         fields, image_bytes = await read_form(request, body, image_field, model=model_name, refused=refused)
         model, data = form_model, fields
         parse = form_model.model_validate
+    elif content_type.startswith("application/x-www-form-urlencoded"):  # a form without files (aiohttp's)
+        data, image_bytes = read_urlencoded(body, image_field)
+        model, parse = form_model, form_model.model_validate
     elif content_type.startswith("application/json") or not content_type:
         model, parse = strict_model, strict_model.model_validate_json
         data, image_bytes = body, None
     else:
-        message = f"expected an application/json or multipart/form-data body, got {content_type!r}"
+        message = f"expected an application/json, multipart/form-data or application/x-www-form-urlencoded body, got {content_type!r}"
         raise ApiError(400, message, code="invalid_body", param="body")
     try:
         parsed = await asyncio.to_thread(parse, data)  # a body of up to ~43 MB: parsed off the event loop
