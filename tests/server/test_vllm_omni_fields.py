@@ -8,10 +8,12 @@ read: its class's ``__call__`` is wrapped to record them and the settings in for
 from __future__ import annotations
 
 import functools
+import json
 import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from layerstream.omni import Omni
@@ -135,3 +137,23 @@ def test_a_url_encoded_body_gets_the_checks_and_error_bodies_of_the_other_encodi
     assert twice.status_code == 422 and twice.json()["error"]["param"] == "prompt"
     image = served.client.post("/v1/videos", data={"prompt": "fox", "input_reference": "aGVsbG8="})
     assert image.status_code == 422 and image.json()["error"]["param"] == "input_reference"
+
+
+def test_videos_sync_answers_the_mp4_with_vllm_omnis_headers_and_stores_no_job(served):
+    from jobs_harness import mp4_frames
+
+    listed = len(served.client.get("/v1/videos", params={"limit": 100}).json()["data"])
+    parts = {name: (None, str(value)) for name, value in VLLM_OMNI_BODY.items()}
+    answer = served.client.post("/v1/videos/sync", files=parts)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["content-type"] == "video/mp4"
+    assert answer.headers["x-model"] == "tiny-wan" and len(answer.headers["x-request-id"]) == 32
+    assert float(answer.headers["x-inference-time-s"]) > 0 and float(answer.headers["x-peak-memory-mb"]) > 0
+    assert set(json.loads(answer.headers["x-stage-durations"])) == {"queue", "inference", "total"}
+    assert len(served.client.get("/v1/videos", params={"limit": 100}).json()["data"]) == listed  # no job stored
+    job = _finished(served.client, served.client.post("/v1/videos", files=parts).json()["id"])
+    stored = served.client.get(f"/v1/videos/{job['id']}/content").content
+    assert torch.equal(mp4_frames(answer.content), mp4_frames(stored))  # the job API's video, frame for frame
+    too_long = served.client.post("/v1/videos/sync", json={**VLLM_OMNI_BODY, "num_frames": 10_001})
+    as_job = served.client.post("/v1/videos", json={**VLLM_OMNI_BODY, "num_frames": 10_001})
+    assert too_long.status_code == as_job.status_code and too_long.json()["error"] == as_job.json()["error"]

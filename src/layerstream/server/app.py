@@ -5,6 +5,7 @@
     GET  /v1/images/outputs/NAME  an image answered as a URL (response_format 'url'), kept in memory a while
     POST /v1/videos/generations   the same for video pipelines (MP4, base64), plus num_frames and fps, and an
                                   image (base64) for image-to-video models
+    POST /v1/videos/sync          vllm-omni's: a job's body, answered with the MP4 itself (no job stored)
     /v1/videos, /v1/images/jobs   the job API (see `layerstream.server.jobs.routes`): create, poll, list,
                                   download, delete, and a server-sent event stream of progress and previews
     GET  /health                  model, offload config, device, queue depth, status
@@ -28,8 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import time
+import uuid
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -46,7 +49,9 @@ from layerstream.server.bodies import decode_base64_image, edit_refusals, read_f
 from layerstream.server.bodies import read_body as _read_body
 from layerstream.server.errors import ApiError, validation_error
 from layerstream.server.jobs.manager import JobManager
-from layerstream.server.jobs.routes import add_job_routes
+from layerstream.server.jobs.records import run_figures
+from layerstream.server.jobs.requests import VideoJobForm, VideoJobRequest
+from layerstream.server.jobs.routes import add_job_routes, read_job_body
 from layerstream.server.image_outputs import KeptOutputs
 from layerstream.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from layerstream.server.metrics import ServerMetrics
@@ -79,6 +84,7 @@ logger = logging.getLogger(__name__)
 IMAGES_PATH = "/v1/images/generations"
 EDITS_PATH = "/v1/images/edits"
 VIDEOS_PATH = "/v1/videos/generations"
+VIDEOS_SYNC_PATH = "/v1/videos/sync"
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
 IMAGE_OUTPUTS_PATH = "/v1/images/outputs"
@@ -133,6 +139,8 @@ def create_app(service: GenerationService, jobs: JobManager | None = None, *, ui
         data = [VideoData(b64_json=_base64(f)) for f in output.files]
         return _ok(VideoGenerationResponse(created=int(time.time()), data=data, layerstream=output.usage))
 
+    if service.limits.kind == "video":
+        _add_video_sync_route(app, service)
     if jobs is not None:
         add_job_routes(app, jobs)
     if ui:
@@ -148,6 +156,37 @@ def create_app(service: GenerationService, jobs: JobManager | None = None, *, ui
         return PlainTextResponse(service.render_metrics(), media_type=METRICS_CONTENT_TYPE)
 
     return app
+
+
+def _add_video_sync_route(app: FastAPI, service: GenerationService) -> None:
+    """vllm-omni's ``POST /v1/videos/sync``: the job API's body (JSON, multipart or url-encoded), answered with the
+    MP4 itself and vllm-omni's headers; no job is stored, the request's limits are the job API's, and a client
+    that goes away stops it as it stops a synchronous request."""
+
+    @app.post(
+        VIDEOS_SYNC_PATH,
+        response_class=Response,
+        responses={**binary_response("The video", "video/mp4"), **_GENERATION_ERRORS},
+        openapi_extra=json_request_body(VideoJobRequest),
+    )
+    async def create_video_sync(request: Request) -> Response:
+        started = time.perf_counter()
+        body, image_bytes = await read_job_body(request, service, VideoJobRequest, VideoJobForm)
+        field = VideoJobRequest.image_field
+        how = f"{field} (a file part, or base64 or a data URL in JSON)"
+        service.check_image_presence(has_image=image_bytes is not None, endpoint=f"POST {VIDEOS_SYNC_PATH}", field=field, how=how)
+        image = await asyncio.to_thread(service.read_image, image_bytes, field) if image_bytes is not None else None
+        output = await _submit_and_wait(service, request, service.prepare(body.generation_body(service.limits), image, field))
+        usage, figures = output.usage, run_figures(output.usage)
+        stages = {"queue": round(usage.queue_seconds, 6), "inference": figures["inference_time_s"], "total": round(time.perf_counter() - started, 6)}
+        headers = {
+            "x-request-id": uuid.uuid4().hex,
+            "x-model": service.limits.model,
+            "x-inference-time-s": str(figures["inference_time_s"]),
+            "x-stage-durations": json.dumps(stages),
+            **({"x-peak-memory-mb": str(figures["peak_memory_mb"])} if figures["peak_memory_mb"] is not None else {}),
+        }
+        return Response(output.files[0], media_type="video/mp4", headers=headers)
 
 
 def _add_image_routes(app: FastAPI, service: GenerationService) -> None:

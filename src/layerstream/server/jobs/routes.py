@@ -78,7 +78,7 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
 
     @app.post(path, responses=_CREATE_ERRORS, openapi_extra=json_request_body(strict_model))
     async def create_job(request: Request) -> JSONResponse:
-        body, image_bytes = await _read_job_body(request, jobs, strict_model, form_model)
+        body, image_bytes = await read_job_body(request, jobs.service, strict_model, form_model)
         service = jobs.service
         has_image = image_bytes is not None
         service.check_image_presence(has_image=has_image, endpoint=f"POST {path}", field=image_field, how=how)
@@ -123,20 +123,21 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
         return JSONResponse(await asyncio.to_thread(jobs.delete, job_id))  # a database write and an unlink
 
 
-async def _read_job_body(
-    request: Request, jobs: JobManager, strict_model: type[VideoJobRequest | ImageJobRequest], form_model: type[BaseModel]
+async def read_job_body(
+    request: Request, service: GenerationService, strict_model: type[VideoJobRequest | ImageJobRequest], form_model: type[BaseModel]
 ) -> tuple[Any, bytes | None]:
-    """(the parsed body, the input image's bytes or None) of a JSON or multipart create request."""
+    """(the parsed body, the input image's bytes or None) of a JSON, multipart or url-encoded create request
+    (a job's, or ``POST /v1/videos/sync``'s)."""
     image_field = strict_model.image_field
     content_type = request.headers.get("content-type", "").lower()
-    takes_image = jobs.service.limits.image_input != "none"
-    limit = jobs.service.settings.image_body_bytes if takes_image else jobs.service.settings.max_body_bytes
+    takes_image = service.limits.image_input != "none"
+    limit = service.settings.image_body_bytes if takes_image else service.settings.max_body_bytes
     flags = "--max-body-bytes plus --max-image-bytes" if takes_image else "--max-body-bytes"
     body = await read_body(request, limit, flags)
     if content_type.startswith("multipart/form-data"):
-        model_name = jobs.service.limits.model
+        model_name = service.limits.model
         # an image job with an input image is an edit, and refuses what an edit refuses
-        refused = edit_refusals(model_name) if jobs.kind == "image" and takes_image else None
+        refused = edit_refusals(model_name) if service.limits.kind == "image" and takes_image else None
         fields, image_bytes = await read_form(request, body, image_field, model=model_name, refused=refused)
         model, data = form_model, fields
         parse = form_model.model_validate
