@@ -34,9 +34,10 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
         "outputs": "atomic_write errors request",  # a result encoded once into its file
         "pipeline_runner": "errors models outputs request runtime",  # a request made into one pipeline call
         "distributed": "errors runtime",
-        # the composition root and planning for a machine (each reaches the other inside a function only)
-        "offload": "config distributed errors machine models plan runtime",
-        "machine": "config errors models offload plan runtime timing",
+        "host": "errors models plan",  # the host's free memory and a generation's reserve: below enabling and planning
+        # the composition root, and planning for a machine above it
+        "offload": "config distributed errors host models plan runtime",
+        "machine": "config errors host models offload plan runtime timing",
         # the entry points; only the command line reaches the benchmarks
         "layerstream": "config errors plan",  # the public surface (the rest is imported on first use)
         "omni": "atomic_write config errors models offload outputs pipeline_runner request runtime",
