@@ -48,8 +48,8 @@ class Omni:
         variant: str | None = None,
         requests: RequestSizes | None = None,  # what will be asked for: the host reserve of "auto" is sized to it
     ):
+        from layerstream.distributed.launched_group import join_launched_group
         from layerstream.models.generation_size import generation_size_for
-        from layerstream.models.launched_group import join_launched_group
         from layerstream.models.loaded import load_model  # here: importing layerstream loads no diffusers
 
         # parse before loading: a bad config is reported before any weight is read
