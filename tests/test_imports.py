@@ -168,3 +168,8 @@ def test_the_planner_and_the_library_below_it_import_nothing_from_the_benchmarks
     below_bench = {top for top, allowed in MAY_IMPORT.items() if top not in ("bench", "cli", "__main__")}
     assert all("bench" not in MAY_IMPORT[top] for top in below_bench)
     assert not [t for name, ts in _graph().items() if _top(name) == "machine" for t in ts if _top(t) == "bench"]
+
+
+def test_nothing_below_the_planner_imports_it():
+    """`machine/` (the planner) sits above `enable_offload`; what enabling reads of the host is in `host/`."""
+    assert [top for top, allowed in MAY_IMPORT.items() if "machine" in allowed] == ["cli"]
