@@ -112,6 +112,7 @@ def _untouched(decl: Declarations, modules: Mapping[str, nn.Module]) -> dict[str
 
 
 def absent_component(pipeline_class: str, path: str, declared_in: str, why: str) -> AbsentComponent:
+    """A declared path this instance does not hold (a component, or a resident path), skipped with a debug line."""
     # vllm-omni skips these too: diffusers pipelines hold None for optional components that are not loaded
     logger.debug("%s: %s, declared in %s, is absent (%s): skipped", pipeline_class, path, declared_in, why)
     return AbsentComponent(path, declared_in, why)
