@@ -37,7 +37,7 @@ import torch
 from layerstream import enable_offload
 from layerstream.bench.measure import measure_block_compute, measure_link_gbps
 from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB
-from layerstream.machine.host_reserve import DECODED_BYTES_PER_VALUE, ENCODING_BYTES_PER_VALUE, FLOOR_NBYTES, TEXT_TOKENS
+from layerstream.host.reserve import DECODED_BYTES_PER_VALUE, ENCODING_BYTES_PER_VALUE, FLOOR_NBYTES, TEXT_TOKENS
 from layerstream.machine.planner import CUDA_CONTEXT_GB, DEVICE_DECODE_GBPS, PROCESS_BASELINE_GB, Machine, MachinePlan, plan_for_machine
 from layerstream.timing.block_timer import synchronize
 from layerstream.timing.ideal import ideal_forward_seconds_with_disk, transfer_seconds
@@ -123,7 +123,7 @@ REAL_VIDEO = (720, 1280, 81)
 
 
 def real_host_reserve_gb() -> float:
-    """The planner's host reserve for the real generation (`machine.host_reserve`: its 720p x 81 frames decoded
+    """The planner's host reserve for the real generation (`host.reserve`: its 720p x 81 frames decoded
     and encoded, UMT5-XXL's outputs for the prompt and the negative one); this pipeline has no VAE to read it from."""
     height, width, frames = REAL_VIDEO
     values = height * width * frames * 3

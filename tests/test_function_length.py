@@ -1,4 +1,5 @@
-"""Readable units: no function of the package is longer than 80 lines (argparse definitions aside)."""
+"""Readable units: no function of the package is longer than 80 lines (argparse definitions aside), and no module
+longer than 500."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ pytestmark = pytest.mark.fast
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "src" / "layerstream"
 MAX_LINES = 80
+MAX_MODULE_LINES = 500
 ARGPARSE_DEFINITIONS = {"add_arguments"}
 """The functions that only declare command-line flags (one `add_argument` call after another)."""
 
@@ -24,4 +26,13 @@ def test_no_function_is_longer_than_80_lines():
                 lines = node.end_lineno - node.lineno + 1
                 if lines > MAX_LINES:
                     long.append(f"{path.relative_to(PACKAGE_ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert long == []
+
+
+def test_no_module_is_longer_than_500_lines():
+    long = []
+    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            long.append(f"{path.relative_to(PACKAGE_ROOT)} ({lines} lines)")
     assert long == []

@@ -29,17 +29,18 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
         "plan": "config errors",
         "runtime": "config errors plan",
         # loading and scale-out, over the core
-        "models": "config distributed errors runtime",  # the launched group: torchrun's, joined for allgather
+        "models": "config errors runtime",
         "request": "errors models",
         "outputs": "atomic_write errors request",  # a result encoded once into its file
         "pipeline_runner": "errors models outputs request runtime",  # a request made into one pipeline call
-        "distributed": "errors runtime",
-        # the composition root and planning for a machine (each reaches the other inside a function only)
-        "offload": "config distributed errors machine models plan runtime",
-        "machine": "config errors models offload plan runtime timing",
+        "distributed": "config errors runtime",  # the launched group: torchrun's, joined where a config asks for allgather
+        "host": "errors models plan",  # the host's free memory and a generation's reserve: below enabling and planning
+        # the composition root, and planning for a machine above it
+        "offload": "config distributed errors host models plan runtime",
+        "machine": "config errors host models offload plan runtime timing",
         # the entry points; only the command line reaches the benchmarks
         "layerstream": "config errors plan",  # the public surface (the rest is imported on first use)
-        "omni": "atomic_write config errors models offload outputs pipeline_runner request runtime",
+        "omni": "atomic_write config distributed errors models offload outputs pipeline_runner request runtime",
         "server": "layerstream atomic_write config distributed errors models omni outputs request runtime",
         "bench": "layerstream config distributed errors models offload plan runtime timing",
         "cli": "layerstream atomic_write bench config distributed errors machine models offload omni plan request runtime server",
@@ -167,3 +168,8 @@ def test_the_planner_and_the_library_below_it_import_nothing_from_the_benchmarks
     below_bench = {top for top, allowed in MAY_IMPORT.items() if top not in ("bench", "cli", "__main__")}
     assert all("bench" not in MAY_IMPORT[top] for top in below_bench)
     assert not [t for name, ts in _graph().items() if _top(name) == "machine" for t in ts if _top(t) == "bench"]
+
+
+def test_nothing_below_the_planner_imports_it():
+    """`machine/` (the planner) sits above `enable_offload`; what enabling reads of the host is in `host/`."""
+    assert [top for top, allowed in MAY_IMPORT.items() if "machine" in allowed] == ["cli"]

@@ -22,8 +22,8 @@ from torch import nn
 
 from layerstream.config.offload_config import AUTO, OffloadConfig, parse_offload_config
 from layerstream.errors import LayerstreamError, OffloadError
-from layerstream.machine.host_reserve import host_reserve_for
-from layerstream.machine.memory import read_host_memory
+from layerstream.host.memory import read_host_memory
+from layerstream.host.reserve import host_reserve_for
 from layerstream.plan.host_budget import HostBudgetChoice, choose_host_budget, host_needs
 from layerstream.plan.placement import Placement, needs_device_budget, place_blocks, read_device_budget
 from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan, lookup

@@ -1,8 +1,9 @@
 """`Omni`: load a pipeline on the host, enable offload, and generate (docs/python.md shows it in use).
 
-A facade: loading on the host is `models.loaded` (the whole model is never on the device at once), offload
-`enable_offload`, a request's pipeline call `pipeline_runner.PipelineRunner`, what a model accepts
-`models.model_rules`, the files an output makes `outputs`.
+A facade: loading on the host is `models.loading.load_model` (the whole model is never on the device at once),
+offload `enable_offload`, a request's pipeline call `pipeline_runner.PipelineRunner`, what a model accepts
+`models.model_rules`, the files an output makes `outputs`; torchrun's group is joined where the config asks for
+allgather (`distributed.launched_group`).
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ class Omni:
         variant: str | None = None,
         requests: RequestSizes | None = None,  # what will be asked for: the host reserve of "auto" is sized to it
     ):
+        from layerstream.distributed.launched_group import join_launched_group
         from layerstream.models.generation_size import generation_size_for
-        from layerstream.models.launched_group import join_launched_group
-        from layerstream.models.loaded import load_model  # here: importing layerstream loads no diffusers
+        from layerstream.models.loading import load_model  # here: importing layerstream loads no diffusers
 
         # parse before loading: a bad config is reported before any weight is read
         self.config = parse_offload_config(diffusion_offload_config if diffusion_offload_config is not None else DEFAULT_CONFIG)

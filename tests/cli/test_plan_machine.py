@@ -191,7 +191,7 @@ def test_the_activation_estimate_of_a_wan_block_at_720p():
 
 
 def test_the_host_reserve_is_estimated_for_the_generation_and_host_reserve_gb_overrides_it(capsys, tiny_wan):
-    from layerstream.machine.host_reserve import DECODED_BYTES_PER_VALUE, ENCODING_BYTES_PER_VALUE, FLOOR_NBYTES, estimate_host_reserve
+    from layerstream.host.reserve import DECODED_BYTES_PER_VALUE, ENCODING_BYTES_PER_VALUE, FLOOR_NBYTES, estimate_host_reserve
 
     video = {"height": 720, "width": 1280, "num_frames": 81}
     reserve = estimate_host_reserve(tiny_wan, device_is_host=False, size=video)

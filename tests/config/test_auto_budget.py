@@ -11,7 +11,7 @@ import torch
 from layerstream import enable_offload
 from layerstream.config.offload_config import OffloadConfigError, parse_offload_config
 from layerstream.errors import OffloadError
-from layerstream.machine.memory import HostMemory, read_host_memory
+from layerstream.host.memory import HostMemory, read_host_memory
 from layerstream.plan.host_budget import STAGING_RING, choose_host_budget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
@@ -126,7 +126,7 @@ def test_mapped_pages_under_the_blocks_views_count_as_reclaimable_in_the_cgroup(
 
     from torch import nn
 
-    from layerstream.machine.memory import CgroupLimit
+    from layerstream.host.memory import CgroupLimit
     from layerstream.offload import mapped_view_nbytes
     from layerstream.runtime.packing.file_reads import PAGE_BYTES
 

@@ -331,7 +331,7 @@ def allgather_budget(rank: int, world_size: int, *, device: torch.device, disk_d
 
     import layerstream.offload as offload
     from layerstream.distributed.collectives import shard_nbytes
-    from layerstream.machine.memory import HostMemory
+    from layerstream.host.memory import HostMemory
     from layerstream.runtime.packing.layout import BlockLayout
     from layerstream.models.loading import load_pipeline
 

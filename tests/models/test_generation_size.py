@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from layerstream.machine.host_reserve import FLOOR_NBYTES, host_reserve_for
+from layerstream.host.reserve import FLOOR_NBYTES, host_reserve_for
 from layerstream.models.generation_size import RequestSizes, generation_size_for, server_requests
 from layerstream.models.loading import load_pipeline
 from layerstream.models.model_rules import read_model_rules

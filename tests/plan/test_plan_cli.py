@@ -197,7 +197,7 @@ def test_plan_reports_the_auto_residency_choice_and_reason(capsys):
 
 def test_the_table_says_what_host_budget_auto_chose(capsys, monkeypatch):
     import layerstream.offload as offload
-    from layerstream.machine.memory import HostMemory
+    from layerstream.host.memory import HostMemory
 
     config = json.dumps({"mode": "layer", "components": ["dit"], "host_budget_gb": "auto", "host_reserve_gb": 0})
     code, out, err = run_plan(capsys, "tiny-wan", "--diffusion-offload-config", config)

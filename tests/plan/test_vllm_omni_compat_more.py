@@ -188,7 +188,7 @@ def test_declared_but_absent_components_are_skipped_with_a_debug_line(caplog):
     pipe = StagedPipeline(ABSENT_PLAN, vae=False).eval()  # _vae_modules names "vae", which is None
     inputs = toy_inputs(dim=DIM)
     expected = run(pipe, inputs)
-    with caplog.at_level(logging.DEBUG, logger="layerstream.plan.resolver"):
+    with caplog.at_level(logging.DEBUG, logger="layerstream.plan"):
         plan = resolve_offload_plan(pipe, DIT)
     assert {a.path: a.declared_in for a in plan.absent} == {
         "transformer.language_model": "_offload_plan.block_attrs",  # a dotted path whose middle is missing

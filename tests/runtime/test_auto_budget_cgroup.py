@@ -155,7 +155,7 @@ import json, os, sys
 with open(sys.argv[2], "w") as f:  # the whole process runs in the cgroup: the checkpoint pages it reads are charged to it
     f.write("0")
 from layerstream import Omni
-from layerstream.machine.memory import read_host_memory
+from layerstream.host.memory import read_host_memory
 before = read_host_memory().cgroup.to_dict()
 config = {"mode": "layer", "components": ["dit"], "host_budget_gb": "auto", "host_reserve_gb": float(sys.argv[3])}
 omni = Omni(model=sys.argv[1], diffusion_offload_config=config)  # loading reads the checkpoint: its page cache

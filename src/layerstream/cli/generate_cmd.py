@@ -390,7 +390,8 @@ def _join_ranks(args) -> tuple:
 
     from layerstream.distributed.process_group import backend_for, collective_timeout, init_distributed
     from layerstream.models.hub import looks_like_hub_id
-    from layerstream.models.loading import ModelLoadError, is_tiny_model_name, resolve_model_folder
+    from layerstream.models.loading import ModelLoadError, resolve_model_folder
+    from layerstream.models.tiny import is_tiny_model_name
 
     device = init_distributed(args.device)  # cuda:LOCAL_RANK (NCCL) or cpu (gloo)
     failed = None

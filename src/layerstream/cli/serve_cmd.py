@@ -390,7 +390,8 @@ class _RankModel:
 
     def prepare(self) -> None:  # on rank 0, before the others go on
         from layerstream.models.hub import looks_like_hub_id
-        from layerstream.models.loading import is_tiny_model_name, resolve_model
+        from layerstream.models.loading import resolve_model
+        from layerstream.models.tiny import is_tiny_model_name
 
         args = self.args
         if is_tiny_model_name(args.model) or looks_like_hub_id(args.model):

@@ -104,7 +104,7 @@ class OffloadConfig:
     is no disk tier."""
     host_reserve_gb: float | None = None
     """With `host_budget_gb: "auto"`: host memory (GB) kept free beside the budget for what a generation allocates
-    (None: an estimate for the pipeline's default generation, `layerstream.machine.host_reserve`)."""
+    (None: an estimate for the pipeline's default generation, `layerstream.host.reserve`)."""
     disk_dir: str | None = None
     """With `host_budget_gb`: where blocks that are not backed by checkpoint files are spilled (default: under
     the layerstream cache)."""

@@ -26,8 +26,8 @@ from torch import nn
 
 from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB, parse_offload_config
 from layerstream.errors import LayerstreamError
-from layerstream.machine.generation import block_activation_nbytes, latent_tokens
-from layerstream.machine.host_reserve import HostReserve, host_reserve_for
+from layerstream.host.reserve import HostReserve, host_reserve_for
+from layerstream.models.generation_estimates import block_activation_nbytes, latent_tokens
 from layerstream.plan.host_budget import GB, HostBudgetChoice, choose_host_budget, format_gb, host_needs
 from layerstream.runtime.packing.lossless_code import ESTIMATED_CODED_FRACTION
 from layerstream.plan.placement import Placement
@@ -75,7 +75,7 @@ class Machine:
     """What the process holds before the model: the imports and the device's context."""
     host_reserve_gb: float | None = None
     """Host memory kept free for what a generation allocates (as `host_reserve_gb` in the config); None: the
-    estimate for the generation planned (`machine.host_reserve`)."""
+    estimate for the generation planned (`host.reserve`)."""
     allow_lossy: bool = False
     """Whether float8 storage (lossy, rounded once) may be recommended."""
     forwards_per_step: int = FORWARDS_PER_STEP

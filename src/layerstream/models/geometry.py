@@ -1,9 +1,24 @@
-"""Output geometry a pipeline accepts: the size multiple of height and width, and the frame rule of video."""
+"""Output geometry a pipeline accepts: its kind (image or video), the size multiple of height and width, and the
+frame rule of video."""
 
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Any
+from typing import Any, Literal
+
+PipelineKind = Literal["video", "image"]
+
+
+def pipeline_kind(pipeline: Any) -> PipelineKind:
+    """``"video"`` if the pipeline generates videos, else ``"image"``.
+
+    A diffusers pipeline generates video exactly when its ``__call__`` takes ``num_frames`` (Wan, HunyuanVideo,
+    LTX, CogVideoX, Mochi...), which needs no per-class table.
+    """
+    if not callable(pipeline):
+        raise TypeError(f"{type(pipeline).__name__} is not callable, so it is not a diffusers pipeline")
+    return "video" if "num_frames" in inspect.signature(pipeline.__call__).parameters else "image"
 
 
 def pipeline_size_multiple(pipeline: Any) -> int:

@@ -1,18 +1,20 @@
-"""Loading a pipeline from a tiny model name, a local diffusers-format folder or a Hugging Face Hub id.
+"""Finding and loading a pipeline: a tiny model name, a local diffusers-format folder or a Hugging Face Hub id.
 
-A Hub id is downloaded through huggingface_hub into its cache first (`layerstream.models.hub`); diffusers then
-reads the folder offline. Everything is loaded on the host (CPU); placing modules on the device is the
+`resolve_model` finds its files (a Hub id is downloaded through huggingface_hub into its cache first,
+`layerstream.models.hub`), `load_pipeline` loads them with diffusers reading the folder offline, and
+`load_model` does both and reads what is needed before offload is enabled (a `LoadedModel`: its kind, its
+components' dtypes, its rules). Everything is loaded on the host (CPU); placing modules on the device is the
 offload runtime's job.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,9 +23,11 @@ import torch
 from layerstream.models.cast_on_load import cast_from_files_, components_to_cast
 from layerstream.models.readahead import Readahead
 from layerstream.models.folder_check import MODEL_INDEX, ModelLoadError, check_model_folder
+from layerstream.models.geometry import PipelineKind, pipeline_kind
 from layerstream.models.hub import ModelSource, download_snapshot, looks_like_hub_id, names_hub_repo
+from layerstream.models.model_rules import ModelRules, read_model_rules
 from layerstream.models.saved_dtypes import saved_dtypes
-from layerstream.models.tiny import TINY_MODELS, PipelineKind, ensure_tiny_model
+from layerstream.models.tiny import TINY_MODELS, ensure_tiny_model, is_tiny_model_name
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -31,11 +35,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _WHAT_MODEL_IS = "a tiny model name ({}), a local diffusers-format folder, or a Hugging Face Hub id (org/name)"
-
-
-def is_tiny_model_name(name: object) -> bool:
-    """Whether `name` names an embedded tiny model (``"tiny-wan"``, ``"tiny-flux"``, ``"tiny-qwen-image"``)."""
-    return isinstance(name, str) and name in TINY_MODELS
 
 
 def resolve_model_folder(
@@ -149,6 +148,36 @@ def load_pipeline(
             readahead.stop()
 
 
+@dataclass(frozen=True)
+class LoadedModel:
+    """A pipeline loaded on the host, and what is read of it before offload is enabled."""
+
+    name: str
+    """The model as asked for (a Hub id, a folder, a tiny model's name)."""
+    source: ModelSource
+    """Where its files came from (a Hub id's revision and commit, or the folder)."""
+    pipeline: Any
+    kind: PipelineKind
+    component_dtypes: dict[str, str]
+    """The dtype each component computes in, read before enabling (the streamed blocks still hold weights)."""
+    rules: ModelRules
+    """What the model accepts and its defaults."""
+
+
+def load_model(
+    model: str | ModelSource, *, dtype: torch.dtype | None, revision: str | None = None, variant: str | None = None
+) -> LoadedModel:
+    """Find `model` (`resolve_model`, with `revision` and `variant`; a `ModelSource` as it is) and load it on the
+    host with its rules; its progress bars off (layerstream reports progress itself, per step)."""
+    name = model.model if isinstance(model, ModelSource) else model
+    source = model if isinstance(model, ModelSource) else resolve_model(model, revision=revision, variant=variant)
+    pipeline = load_pipeline(source, dtype=dtype)
+    if hasattr(pipeline, "set_progress_bar_config"):
+        pipeline.set_progress_bar_config(disable=True)
+    kind, dtypes = pipeline_kind(pipeline), component_dtypes(pipeline)
+    return LoadedModel(name, source, pipeline, kind, dtypes, read_model_rules(pipeline, name))
+
+
 def load_skeleton(
     model: str | os.PathLike[str], *, revision: str | None = None, variant: str | None = None
 ) -> tuple[Any, dict[str, Any]]:
@@ -170,17 +199,6 @@ def load_skeleton(
         return build_skeleton(meta.source.folder, meta.tensor_dtypes), origin
     source = resolve_model(model, revision=revision, variant=variant)
     return build_skeleton(source.folder, folder_tensor_dtypes(source.folder, source.variant)), source.to_dict()
-
-
-def pipeline_kind(pipeline: Any) -> PipelineKind:
-    """``"video"`` if the pipeline generates videos, else ``"image"``.
-
-    A diffusers pipeline generates video exactly when its ``__call__`` takes ``num_frames`` (Wan, HunyuanVideo,
-    LTX, CogVideoX, Mochi...), which needs no per-class table.
-    """
-    if not callable(pipeline):
-        raise TypeError(f"{type(pipeline).__name__} is not callable, so it is not a diffusers pipeline")
-    return "video" if "num_frames" in inspect.signature(pipeline.__call__).parameters else "image"
 
 
 def model_kind(model: str | os.PathLike[str]) -> PipelineKind | None:

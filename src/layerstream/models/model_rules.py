@@ -105,7 +105,8 @@ class ModelRules:
 def read_model_rules(pipeline: Any, model: str) -> ModelRules:
     """The rules of `pipeline`, loaded as `model`: an embedded tiny model's from its spec, a real one's from
     the pipeline itself."""
-    from layerstream.models.loading import is_tiny_model_name, pipeline_kind
+    from layerstream.models.geometry import pipeline_kind
+    from layerstream.models.tiny import is_tiny_model_name
 
     kind = pipeline_kind(pipeline)
     call = inspect.signature(pipeline.__call__).parameters

@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
 from layerstream.models.cache import cache_root, discard_folder, publish_folder
+from layerstream.models.geometry import PipelineKind
 from layerstream.models.manifest import CorruptFolderError, verify_manifest, write_manifest
 
 logger = logging.getLogger(__name__)
@@ -29,9 +30,6 @@ logger = logging.getLogger(__name__)
 # Bump when a tiny model's configs, weights or tokenizers change: the folder name changes with it, so a
 # cache built by an older layerstream is never mistaken for the current model.
 TINY_MODEL_VERSION = 1
-
-PipelineKind = Literal["video", "image"]
-
 
 @dataclass(frozen=True, kw_only=True)
 class TinyModelSpec:
@@ -126,6 +124,11 @@ TINY_MODELS: Mapping[str, TinyModelSpec] = MappingProxyType(
         )
     }
 )
+
+
+def is_tiny_model_name(name: object) -> bool:
+    """Whether `name` names an embedded tiny model (``"tiny-wan"``, ``"tiny-flux"``, ``"tiny-qwen-image"``)."""
+    return isinstance(name, str) and name in TINY_MODELS
 
 
 def get_tiny_model_spec(name: str) -> TinyModelSpec:

@@ -1,11 +1,11 @@
 """`host_budget_gb: "auto"`: the host budget a machine allows, decided from figures read elsewhere (pure).
 
 The host store may use what is free for it: the host memory this process may still take (`free_nbytes`: the
-available memory, or less where a memory cgroup binds, read by `layerstream.machine.memory`), plus the streamed
+available memory, or less where a memory cgroup binds, read by `layerstream.host.memory`), plus the streamed
 blocks' bytes the process already holds in memory (packing moves them into the store or to disk and frees
 them), minus what runs beside the store in host memory: the disk tier's staging ring, the slot ring and the
 resident parts where the device is the host itself (the CPU), and a reserve for what a generation allocates
-(`host_reserve_gb`, or `layerstream.machine.host_reserve`'s estimate for the generation).
+(`host_reserve_gb`, or `layerstream.host.reserve`'s estimate for the generation).
 Where every streamed block fits beside the rest (the staging ring then is not needed), there is no disk tier.
 `enable_offload` and `layerstream plan` (for this machine, or for one given by its figures) both decide here.
 """

@@ -2,8 +2,8 @@
 process runs unchanged under ``torchrun --nproc-per-node N``.
 
 `weight_transfer: "allgather"` needs every rank in one process group before enabling. Where torchrun's
-environment says there are several ranks (`WORLD_SIZE` > 1) and nothing has initialized torch.distributed, the
-loading layer joins that group with `init_distributed` (its device from `LOCAL_RANK` where none is given, its
+environment says there are several ranks (`WORLD_SIZE` > 1) and nothing has initialized torch.distributed, `Omni`
+joins that group with `init_distributed` before it loads (its device from `LOCAL_RANK` where none is given, its
 exit teardown as for any group it creates); an explicit `init_distributed` or `dist.init_process_group` before
 loading keeps its own group, and `destroy_distributed()` still leaves it.
 """

@@ -6,8 +6,8 @@ VAE's float32 frames brought to the host, diffusers' per-frame float32 arrays an
 temporaries of the uint8 conversion beside the uint8 frames) and the output's encoding about
 `ENCODING_BYTES_PER_VALUE` (an even-sized uint8 copy; the encoded bytes are fewer); the text encoder's outputs are
 the prompt's and the negative prompt's hidden states; and where the device is the host itself (the CPU) a DiT
-block's activations (`generation.block_activation_nbytes`) and the latents live there too. Never less than
-`FLOOR_NBYTES`: Python objects, the tokenizer, the scheduler.
+block's activations (`models.generation_estimates.block_activation_nbytes`) and the latents live there too.
+Never less than `FLOOR_NBYTES`: Python objects, the tokenizer, the scheduler.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from layerstream.machine.generation import block_activation_nbytes, generation_size, latent_tokens
+from layerstream.models.generation_estimates import block_activation_nbytes, generation_size, latent_tokens
 from layerstream.plan.host_budget import GB, format_gb
 
 FLOOR_NBYTES = round(0.15 * GB)

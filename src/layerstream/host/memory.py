@@ -1,25 +1,13 @@
-"""How much host memory this process may still take: `MemAvailable`, and the memory cgroup's headroom.
+"""How much host memory this process may still take: the smaller of `MemAvailable` (/proc/meminfo) and, for the
+process's memory cgroup and each one above it, its limit minus its working set (`HostMemory.free_nbytes`).
 
 A container, a Slurm job or a systemd unit puts the process in a memory cgroup whose limit is often far below
-the machine's memory, and crossing it gets the process killed without a word. So the free memory is the
-smaller of `MemAvailable` in /proc/meminfo and, for the process's own cgroup and each cgroup above it, its
-limit minus its working set: its usage (cgroup v2 `memory.current`, v1 `memory.usage_in_bytes`) less the page
-cache the kernel reclaims before it kills anything, out of `memory.max` (v1 `memory.limit_in_bytes`) (the
-folder named by /proc/self/cgroup under the mount; a container that shows its own cgroup as the root of the
-mount is read there). A cgroup's usage counts the page cache of every file its processes read (a checkpoint
-just loaded or downloaded), so usage alone leaves a second run in the same container far less room than the
-first. Reclaimable is the file cache that no process maps and that is not dirty (`memory.stat` v2
-`inactive_file + active_file - file_mapped - file_dirty`, v1 the same `total_` figures): the kernel drops it
-before it kills anything, whichever of its lists it is on (a run that read its checkpoint twice leaves it
-active; measured: 49 of a finished run's 110 MB). Docker and Kubernetes leave out the inactive file cache
-alone (`inactive_file`), which also holds mapped pages: measured, a cold cgroup's 14 MB of mapped checkpoint
-pages sat on its inactive list and a warm one's on its active list, so that figure (or the larger of the two)
-gave a warm cgroup a budget 5-6% smaller than a cold one. Mapped file pages (weights used as views of the
-files) and dirty ones stay counted, so the headroom errs low, never high, except those under the views of the
-blocks that enabling packs (`HostMemory.releasing_mapped`): their bytes go to the host store or are read from
-the file and the views are dropped. A warm cgroup maps more of a cached checkpoint than a cold one (the
-kernel maps cached pages around each one touched): 14 MB mapped at enable cold, 15-31 MB warm, which alone
-moved the budget by up to 6%.
+the machine's memory, and crossing it gets the process killed without a word. A cgroup's usage counts the page
+cache of every file its processes read (a checkpoint just loaded), so the working set is its usage (v2
+`memory.current`, v1 `memory.usage_in_bytes`) less the file cache the kernel drops before it kills anything:
+the cache that no process maps and that is not dirty (`memory.stat`), out of `memory.max` (v1
+`memory.limit_in_bytes`). Mapped and dirty pages stay counted, so the headroom errs low, never high, except the
+pages under the views of blocks that enabling packs (`HostMemory.releasing_mapped`).
 """
 
 from __future__ import annotations
@@ -102,7 +90,9 @@ class HostMemory:
         """These figures with `nbytes` of mapped file pages counted as reclaimable in the cgroup (at most its
         mapped pages: a page first read by another cgroup is charged there): pages under the views of blocks
         that enabling packs (their bytes go to the host store or are read from the file, and the views are
-        dropped). `MemAvailable` counts them already."""
+        dropped). `MemAvailable` counts them already. A warm cgroup maps more of a cached checkpoint than a cold
+        one (the kernel maps cached pages around each one touched: 14 MB at enable cold, 15-31 MB warm), which
+        alone moved the budget by up to 6%."""
         if self.cgroup is None or nbytes <= 0:
             return self
         released = min(nbytes, self.cgroup.mapped_file_nbytes)
@@ -183,6 +173,9 @@ def _levels(mount: Path, path: str, files: _Files) -> list[CgroupLimit]:
         limit, usage = _read_int(folder / files.limit), _read_int(folder / files.usage)
         if limit is not None and usage is not None and limit < UNLIMITED_NBYTES:
             inactive, active, mapped, dirty = _read_stat(folder / "memory.stat", files.stat_keys)
+            # the kernel drops unmapped clean file cache whichever list it is on (a run that read its checkpoint
+            # twice leaves it active: 49 of a finished run's 110 MB). Docker's `inactive_file` alone also holds
+            # mapped pages, on a cold cgroup's inactive list and a warm one's active list: a warm budget 5-6% lower
             unused = max(inactive + active - mapped - dirty, 0)
             out.append(CgroupLimit(files.version, str(folder), limit, usage, min(inactive, usage), min(unused, usage), mapped))
         if folder == mount or mount not in folder.parents:
