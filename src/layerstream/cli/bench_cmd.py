@@ -3,7 +3,6 @@
 Everything is measured in one process, round robin; see `layerstream.bench.harness` for the method and
 benchmarks/README.md for measured figures and the command lines that produced them. `--nproc N` instead runs
 N ranks under torchrun and compares rank-local layerwise with allgather (`layerstream.bench.distributed`).
-`--cold-start` instead measures loading real-width checkpoint folders from cold files (`layerstream.bench.cold_start`).
 """
 
 from __future__ import annotations
@@ -70,24 +69,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="compare layerwise (rank-local) with layerwise-allgather in N ranks on this machine (torchrun): host "
         "bytes, link bytes and time per forward of every rank",
-    )
-
-    cold = parser.add_argument_group("cold start")
-    cold.add_argument(
-        "--cold-start",
-        action="store_true",
-        help="measure loading real-width checkpoint folders (written once) from cold files: raw read, diffusers "
-        "from_pretrained, diffusers + group offload, layerstream load + enable, each in a fresh process",
-    )
-    cold.add_argument(
-        "--cold-start-dir", metavar="DIR", default=None, help="where the folders are written once (default: <layerstream cache>/bench/cold-start)"
-    )
-    cold.add_argument("--cold-start-models", default=None, help="comma list of wan, flux (default: both; --smoke: wan)")
-    cold.add_argument(
-        "--read-mechanisms",
-        action="store_true",
-        help="with --cold-start: compare ways of reading the files instead (preadv on 1-8 threads, copy from the "
-        "safetensors mapping, fastsafetensors)",
     )
 
     quality = parser.add_argument_group("quality")
@@ -157,10 +138,6 @@ def run(args: argparse.Namespace) -> int:
         return _run_quality(args)
     if args.quality_model is not None or args.quality_steps is not None:
         raise CliError("--quality-model and --quality-steps need --quality")
-    if args.cold_start:
-        return _run_cold_start(args)
-    if args.read_mechanisms or args.cold_start_dir is not None or args.cold_start_models is not None:
-        raise CliError("--read-mechanisms, --cold-start-dir and --cold-start-models need --cold-start")
     if args.nproc is not None or _launched_world_size() > 1:
         return _run_distributed(args)
     from layerstream.bench.config import BenchConfigError
@@ -206,8 +183,6 @@ def _run_quality(args: argparse.Namespace) -> int:
     for name, flag in _NOT_WITH_QUALITY:
         if getattr(args, name) is not None:
             raise CliError(f"{flag} does not apply with --quality (it measures one pipeline; see --quality-model)")
-    if args.cold_start:
-        raise CliError("--quality and --cold-start are separate benchmarks; give one")
     steps = 4 if args.quality_steps is None else args.quality_steps
     if steps < 1:
         raise CliError(f"--quality-steps = {steps} is not valid; expected an integer >= 1")
@@ -220,54 +195,6 @@ def _run_quality(args: argparse.Namespace) -> int:
         raise CliError(" ".join(str(e).split())) from e
     _print_results(args, json.dumps(result.to_json(), indent=2), result.to_markdown())
     return 0
-
-
-_NOT_WITH_COLD_START = (
-    ("model", "--model"), ("blocks", "--blocks"), ("tokens", "--tokens"), ("context_tokens", "--context-tokens"),
-    ("dtype", "--dtype"), ("warmup", "--warmup"), ("threads", "--threads"), ("link_gbps", "--link-gbps"),
-    ("link_ratio", "--link-ratio"), ("device_budget_gb", "--device-budget-gb"), ("nproc", "--nproc"), ("trace", "--trace"),
-    ("host_budget_gb", "--host-budget-gb"), ("disk_gbps", "--disk-gbps"),
-)  # fmt: skip
-
-
-def _run_cold_start(args: argparse.Namespace) -> int:
-    """--cold-start: the folders are fixed shapes; rows come from --strategies (or --read-mechanisms)."""
-    from layerstream.bench.cold_start import (
-        DEFAULT_ROWS,
-        READ_MECHANISM_ROWS,
-        SMOKE_ROWS,
-        ColdStartConfig,
-        ColdStartConfigError,
-        format_cold_start_report,
-        run_cold_start,
-    )
-
-    for name, flag in _NOT_WITH_COLD_START:
-        if getattr(args, name) is not None:
-            raise CliError(f"{flag} does not apply with --cold-start (the checkpoint folders have fixed shapes)")
-    if args.read_mechanisms and args.strategies is not None:
-        raise CliError("--read-mechanisms names the rows itself; give it or --strategies, not both")
-    if args.strategies is not None:
-        rows = tuple(r.strip() for r in args.strategies.split(",") if r.strip())
-    else:
-        rows = READ_MECHANISM_ROWS if args.read_mechanisms else SMOKE_ROWS if args.smoke else DEFAULT_ROWS
-    models = args.cold_start_models or ("wan" if args.smoke else "wan,flux")
-    try:
-        config = ColdStartConfig(
-            models=tuple(m.strip() for m in models.split(",") if m.strip()),
-            small=args.smoke,
-            rows=rows,
-            device=args.device or ("cpu" if _on_cpu(None) else "cuda"),
-            cache_dir=Path(args.cold_start_dir) if args.cold_start_dir else None,
-            repeats=args.repeats if args.repeats is not None else 1,
-        )
-    except ColdStartConfigError as e:
-        raise CliError(str(e)) from e
-    result = run_cold_start(config, log=lambda line: print(f"bench: {line}", file=sys.stderr, flush=True))
-    _print_results(args, json.dumps(result.to_dict(), indent=2), format_cold_start_report(result))
-    for row in result.failed:
-        print(f"bench: {row.model} {row.row} failed: {row.error}", file=sys.stderr)
-    return 1 if result.failed else 0
 
 
 _NOT_WITH_NPROC = (
