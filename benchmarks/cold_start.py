@@ -44,6 +44,8 @@ from checkpoint_folders import (  # noqa: E402
 )
 from cold_start_rows import is_known_row  # noqa: E402
 
+from layerstream.cli.bench_cmd import print_results  # noqa: E402
+
 MODELS = {"wan": WAN_1_3B_WIDTH, "flux": FLUX_WIDTH}
 SMALL_MODELS = {"wan": SMALL_WAN, "flux": SMALL_FLUX}
 DEFAULT_ROWS = (
@@ -322,13 +324,7 @@ def _default_device() -> str:
 def main(argv: list[str] | None = None) -> int:
     args, config = parse_args(argv)
     result = run_cold_start(config, log=lambda line: print(f"cold start: {line}", file=sys.stderr, flush=True))
-    payload, report = json.dumps(result.to_dict(), indent=2), format_cold_start_report(result)
-    if args.out:
-        folder = Path(args.out)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "results.json").write_text(payload + "\n")
-        (folder / "results.md").write_text(report)
-    print(payload if args.json else report)
+    print_results(args, json.dumps(result.to_dict(), indent=2), format_cold_start_report(result))
     for row in result.failed:
         print(f"cold start: {row.model} {row.row} failed: {row.error}", file=sys.stderr)
     return 1 if result.failed else 0
