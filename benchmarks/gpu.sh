@@ -130,13 +130,13 @@ bench flux12b 120 --model flux12b --blocks 8 --tokens 4096 --context-tokens 512 
 # cache: the raw read (ceiling), DiffusionPipeline.from_pretrained(...).to("cuda") in the saved dtype (bf16) and
 # in float32, diffusers' group offload with streams (pinned copies), and layerstream's load + enable (pinned).
 echo
-echo "== cold-start: layerstream bench --cold-start --device cuda"
+echo "== cold-start: benchmarks/cold_start.py --device cuda"
 COLD_START_DIR=${COLD_START_DIR:-${TMPDIR:-/tmp}/layerstream-cold-start}
 start=$SECONDS
 if ! "$PY" -c "import diffusers" 2>/dev/null; then
     echo "diffusers is not installed: the cold start (which loads diffusers pipelines) is skipped"
-elif ! timeout --kill-after=10 "${BENCH_TIMEOUT_S:-420}" "$PY" -m layerstream bench --cold-start --device cuda \
-    --cold-start-dir "$COLD_START_DIR" --out "$OUT/cold-start"; then
+elif ! timeout --kill-after=10 "${BENCH_TIMEOUT_S:-420}" "$PY" "$ROOT/benchmarks/cold_start.py" --device cuda \
+    --dir "$COLD_START_DIR" --out "$OUT/cold-start"; then
     echo "error: the cold-start benchmark failed or timed out" >&2
     failed+=("cold-start")
 fi

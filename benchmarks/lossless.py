@@ -17,14 +17,20 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from layerstream.bench.checkpoint_folders import WAN_1_3B_WIDTH, wan_transformer
 from layerstream.runtime.packing.layout import BlockLayout
 from layerstream.runtime.packing.stored_form import SlotUnpack
 from layerstream.runtime.stores.lossless_store import LosslessForm
+
+# the cold start's checkpoint shapes, in the module beside this script
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checkpoint_folders import WAN_1_3B_WIDTH, wan_transformer  # noqa: E402
 
 
 def exponent_entropy_bits(block: torch.nn.Module) -> float:

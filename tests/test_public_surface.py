@@ -33,7 +33,6 @@ def test_the_runtime_errors_path_of_the_last_release_still_imports_and_warns():
 @pytest.mark.parametrize(
     "old_path, name, new_path",
     [
-        ("layerstream.bench.ideal", "ideal_forward_seconds_with_disk", "layerstream.timing.ideal"),
         ("layerstream.server.media", "encode_result_b64", "layerstream.outputs"),
     ],
 )

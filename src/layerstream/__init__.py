@@ -41,7 +41,6 @@ _LAZY = {
     "CheckpointChangedError": ("layerstream.runtime.stores.disk.sources", "CheckpointChangedError"),
     "BenchConfigError": ("layerstream.bench.config", "BenchConfigError"),
     "StrategyError": ("layerstream.bench.strategies", "StrategyError"),
-    "ColdStartConfigError": ("layerstream.bench.cold_start", "ColdStartConfigError"),
     "ServeSettingsError": ("layerstream.server.settings", "ServeSettingsError"),
     "RankGroupError": ("layerstream.server.ranks", "RankGroupError"),
     "WaveFailedError": ("layerstream.server.waves", "WaveFailedError"),

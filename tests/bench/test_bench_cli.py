@@ -137,8 +137,6 @@ def test_disk_tier_rows_read_their_disk_blocks_every_forward_and_match_resident(
         (("--disk-gbps", "1"), "--disk-gbps = 1.0 needs --host-budget-gb"),
         (("--host-budget-gb", "0"), "--host-budget-gb = 0.0 is not valid; expected a number > 0"),
         (("--host-budget-gb", "1", "--disk-gbps", "-2"), "--disk-gbps = -2.0 is not valid; expected a number > 0"),
-        (("--host-budget-gb", "1", "--cold-start"), "--host-budget-gb does not apply with --cold-start"),
-        (("--host-budget-gb", "1", "--nproc", "2"), "--host-budget-gb does not apply with --nproc"),
     ],
 )
 def test_disk_tier_flags_are_checked_before_anything_runs(args, message, capsys):

@@ -1,4 +1,4 @@
-"""`layerstream bench --nproc 2` end to end: two ranks under torchrun, rank-local layerwise against allgather.
+"""`benchmarks/distributed.py --nproc 2` end to end: two ranks under torchrun, rank-local layerwise against allgather.
 
 No timing is asserted. What is checked is the shape of the JSON and what does not depend on speed: each
 rank keeps half of every block's bytes on the host and moves half over its link (plus at most the shards'
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,12 +20,13 @@ from layerstream.runtime.packing.layout import ALIGN_BYTES
 pytestmark = pytest.mark.xdist_group("serving_ranks")  # torchrun groups: beside tests/distributed's "ranks", not with them
 
 STREAMED = ("layerwise", "layerwise-allgather")
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "distributed.py"
 
 
 @pytest.fixture(scope="module")
 def two_rank_json() -> dict:
     done = subprocess.run(
-        [sys.executable, "-m", "layerstream", "bench", "--nproc", "2", "--smoke", "--json", "--device", "cpu"],
+        [sys.executable, str(SCRIPT), "--nproc", "2", "--smoke", "--json", "--device", "cpu"],
         capture_output=True,
         text=True,
         timeout=180,  # two ranks of the tiny model take seconds; a rank stuck in a collective must not hang CI
@@ -65,13 +67,19 @@ def test_allgather_halves_host_and_link_bytes_per_rank(two_rank_json):
         assert ratio["median_seconds"] > 0
 
 
-def test_nproc_rejects_what_it_does_not_run():
-    for extra in (["--nproc", "0"], ["--nproc", "2", "--strategies", "resident,naive"]):
-        done = subprocess.run(
-            [sys.executable, "-m", "layerstream", "bench", "--smoke", "--device", "cpu", *extra],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert done.returncode == 2, extra
-        assert done.stderr.strip().splitlines()[-1].startswith("layerstream: error: --")
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--nproc", "0"], "--nproc = 0 is not valid"),
+        (["--nproc", "2", "--strategies", "resident,naive"], "unrecognized arguments: --strategies"),  # every rank runs its own rows
+        (["--nproc", "2", "--host-budget-gb", "1"], "unrecognized arguments: --host-budget-gb"),
+        (["--nproc", "2", "--repeats", "0"], "--repeats"),  # `layerstream bench`'s own checks, before any rank starts
+    ],
+)
+def test_nproc_rejects_what_it_does_not_run(extra, message):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", *extra], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, extra
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("distributed.py: error: ") and message in last, last

@@ -1,8 +1,8 @@
-"""`layerstream bench --cold-start` on the small folders: the output's shape and the facts that do not depend on
+"""`benchmarks/cold_start.py` on the small folders: the output's shape and the facts that do not depend on
 speed (the page cache was dropped, host bytes against the checkpoint's). No timing is asserted.
 
-Every row runs in a process of its own that imports torch (and diffusers): the CLI test keeps to the smoke
-rows on the small Wan folder, written here first so that the command only measures; the other rows are
+Every row runs in a process of its own that imports torch (and diffusers): the script's test keeps to the smoke
+rows on the small Wan folder, written here first so that the script only measures; the other rows are
 measured in this process.
 """
 
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import gc
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,37 +17,33 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from layerstream.bench.checkpoint_folders import SMALL_WAN, cached_checkpoint_folder, checkpoint_files  # noqa: E402
-from layerstream.bench.cold_start import SMOKE_ROWS, ColdStartConfig, ColdStartConfigError  # noqa: E402
-from layerstream.bench.cold_start_rows import measure_row  # noqa: E402
-from layerstream.bench.page_cache import cached_fraction, drop_page_cache  # noqa: E402
+from tests.benchmark_modules import benchmark_module  # noqa: E402
+
+cold_start = benchmark_module("cold_start")
+folders = benchmark_module("checkpoint_folders")
+page_cache = benchmark_module("page_cache")
+SMALL_WAN = folders.SMALL_WAN
 
 
 @pytest.fixture(scope="module")
 def cold_start_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("cold-start")
-    cached_checkpoint_folder(SMALL_WAN, root)
+    folders.cached_checkpoint_folder(SMALL_WAN, root)
     return root
 
 
-def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "layerstream", "bench", *args], capture_output=True, text=True, timeout=timeout
-    )
-
-
-def test_smoke_reports_every_row_from_cold_files(cold_start_dir, tmp_path):
-    done = _bench("--cold-start", "--smoke", "--device", "cpu", "--cold-start-dir", str(cold_start_dir),
-                  "--out", str(tmp_path))  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert "| raw-readinto |" in done.stdout and "| layerstream |" in done.stdout
-    assert "Page cache: dropped before every row" in done.stdout
-    assert (tmp_path / "results.md").read_text() == done.stdout.removesuffix("\n")
+def test_smoke_reports_every_row_from_cold_files(cold_start_dir, tmp_path, capsys):
+    code = cold_start.main(["--smoke", "--device", "cpu", "--dir", str(cold_start_dir), "--out", str(tmp_path)])
+    stdout = capsys.readouterr().out
+    assert code == 0
+    assert "| raw-readinto |" in stdout and "| layerstream |" in stdout
+    assert "Page cache: dropped before every row" in stdout
+    assert (tmp_path / "results.md").read_text() == stdout.removesuffix("\n")
     result = json.loads((tmp_path / "results.json").read_text())
     (model,) = result["models"]
     assert model["model"] == "wan" and model["checkpoint_bytes"] > 0
     rows = {row["row"]: row for row in result["rows"]}
-    assert list(rows) == list(SMOKE_ROWS)
+    assert list(rows) == list(cold_start.SMOKE_ROWS)
     for row in rows.values():
         assert not row["error"], row
         assert row["seconds"] > 0 and row["gbps"] > 0 and row["fraction_of_raw"] > 0
@@ -61,11 +55,18 @@ def test_smoke_reports_every_row_from_cold_files(cold_start_dir, tmp_path):
     assert result["drop_ok"] and result["max_cached_fraction_before"] == 0.0
 
 
-def test_flags_that_do_not_apply_are_refused(layerstream_cli):
-    done = layerstream_cli("bench", "--cold-start", "--model", "wan14b")
-    assert done.returncode == 2 and "--model does not apply with --cold-start" in done.stderr
-    done = layerstream_cli("bench", "--read-mechanisms")
-    assert done.returncode == 2 and "need --cold-start" in done.stderr
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "wan14b"], "unrecognized arguments: --model"),  # the folders have fixed shapes
+        (["--read-mechanisms", "--rows", "raw-readinto"], "--read-mechanisms names the rows itself"),
+        (["--models", "sd3"], "models = "),
+    ],
+)
+def test_flags_that_do_not_apply_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cold_start.main(argv)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -78,14 +79,14 @@ def test_flags_that_do_not_apply_are_refused(layerstream_cli):
     ],
 )
 def test_bad_settings_are_refused_naming_them(settings, message):
-    with pytest.raises(ColdStartConfigError, match=message):
-        ColdStartConfig(**settings)
+    with pytest.raises(cold_start.ColdStartConfigError, match=message):
+        cold_start.ColdStartConfig(**settings)
 
 
 @pytest.mark.parametrize("row", ["raw-preadv-2", "mmap-copy", "fastsafetensors", "diffusers-float32", "diffusers-group"])
 def test_other_rows_measure_in_process(cold_start_dir, row):
     folder = cold_start_dir / SMALL_WAN.folder_name
-    result = measure_row(row, folder, torch.device("cpu"))
+    result = benchmark_module("cold_start_rows").measure_row(row, folder, torch.device("cpu"))
     gc.collect()  # what the row loaded maps the files: let it go before other tests drop the page cache
     if isinstance(result, str):  # a row whose library is missing says so
         assert row == "fastsafetensors" and "not installed" in result
@@ -101,9 +102,9 @@ def test_other_rows_measure_in_process(cold_start_dir, row):
 def test_drop_page_cache_empties_the_cache_for_the_files(cold_start_dir, tmp_path):
     # fresh copies: their pages are dirty (just written) and nothing maps them
     files = []
-    for source in checkpoint_files(cold_start_dir / SMALL_WAN.folder_name):
+    for source in folders.checkpoint_files(cold_start_dir / SMALL_WAN.folder_name):
         files.append(tmp_path / f"{source.parent.name}.safetensors")
         files[-1].write_bytes(source.read_bytes())
-    assert cached_fraction(files) > 0.9
-    assert drop_page_cache(files)
-    assert cached_fraction(files) == 0.0
+    assert page_cache.cached_fraction(files) > 0.9
+    assert page_cache.drop_page_cache(files)
+    assert page_cache.cached_fraction(files) == 0.0

@@ -32,11 +32,12 @@ REQUEST = dict(prompt="a fox", height=32, width=32, num_frames=1, num_inference_
 
 @pytest.fixture(scope="module")
 def wan_folder(tmp_path_factory) -> Path:
-    from layerstream.bench.checkpoint_folders import WAN_1_3B_WIDTH, write_checkpoint_folder
+    from tests.benchmark_modules import benchmark_module
 
+    folders = benchmark_module("checkpoint_folders")
     # 60 MB shards: a block of ~92 MB spans two or three files
-    spec = dataclasses.replace(WAN_1_3B_WIDTH, num_blocks=2, max_shard_size="60MB")
-    return write_checkpoint_folder(spec, tmp_path_factory.mktemp("wan-real-width"))
+    spec = dataclasses.replace(folders.WAN_1_3B_WIDTH, num_blocks=2, max_shard_size="60MB")
+    return folders.write_checkpoint_folder(spec, tmp_path_factory.mktemp("wan-real-width"))
 
 
 def _block_checkpoint_bytes(folder: Path, component: str) -> tuple[int, int]:

@@ -71,10 +71,11 @@ os._exit(0)  # no close(): disable() would read every block back into memory, wh
 
 @pytest.fixture(scope="module")
 def wan_folder(tmp_path_factory) -> Path:
-    from layerstream.bench.checkpoint_folders import WAN_1_3B_WIDTH, write_checkpoint_folder
+    from tests.benchmark_modules import benchmark_module
 
-    spec = dataclasses.replace(WAN_1_3B_WIDTH, num_blocks=NUM_BLOCKS, num_experts=1)
-    return write_checkpoint_folder(spec, tmp_path_factory.mktemp("wan-auto-budget"))
+    folders = benchmark_module("checkpoint_folders")
+    spec = dataclasses.replace(folders.WAN_1_3B_WIDTH, num_blocks=NUM_BLOCKS, num_experts=1)
+    return folders.write_checkpoint_folder(spec, tmp_path_factory.mktemp("wan-auto-budget"))
 
 
 def _streamed_bytes(folder: Path) -> int:

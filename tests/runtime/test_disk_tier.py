@@ -392,10 +392,12 @@ def test_disk_reads_leave_no_pages_in_the_page_cache_unless_the_disk_is_simulate
     """A spill file is dropped from the page cache once written, and the disk tier's reader drops what it read:
     the memory the budget leaves free stays free, and reads reach the disk. A simulated disk keeps the cache
     (the real disk must not be what a CPU measurement times)."""
-    from layerstream.bench.page_cache import cached_fraction
     from layerstream.runtime.stores.disk.disk_store import DiskHostStore
     from layerstream.runtime.stores.disk.sources import SpillSource
     from layerstream.runtime.packing.file_reads import FileReader
+    from tests.benchmark_modules import benchmark_module
+
+    cached_fraction = benchmark_module("page_cache").cached_fraction
 
     payload = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8)
     path = tmp_path / "block"

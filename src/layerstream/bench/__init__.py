@@ -7,9 +7,7 @@
   forward are `layerstream.timing`'s, which the planner shares); `results` and `report`: the output as data and
   as tables;
 - `capture`: one forward's trace (exported by `layerstream.runtime.reporting.trace_export` as Chrome JSON and a PNG timeline).
-- `cold_start` (`--cold-start`): loading real-width checkpoint folders from cold files, row by row in fresh
-  processes (`cold_start_rows`), the folders written once by `checkpoint_folders`, the page cache dropped by
-  `page_cache`.
+- `quality` (`--quality`): how far float8 storage moves a pipeline's output, on the user's model.
 
 Nothing here is imported by the runtime, and nothing runs at import time.
 """

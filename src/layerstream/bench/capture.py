@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from layerstream.runtime.reporting.stats import OffloadTrace
+from layerstream.timing.block_timer import synchronize
 
 DRAIN_TIMEOUT_S = 60.0
 
@@ -27,13 +28,13 @@ def capture_forward_trace(handle, forward: Callable[[], object], device: torch.d
     The trace holds one compute interval per streamed block and one copy per transfer issued during the
     forward (in the steady state one per streamed block, block 0's being the prefetch for the next forward).
     """
-    _synchronize(device)  # earlier copies' timing events must be complete before they are flushed
+    synchronize(device)  # earlier copies' timing events must be complete before they are flushed
     handle.trace()  # flush: resolves the timing events of earlier forwards, which reset_trace then drops
     handle.reset_trace()
     issued_before = handle.stats().num_transfers
     forward()
     issued = handle.stats().num_transfers - issued_before
-    _synchronize(device)  # every copy of this forward has landed and its events can be read
+    synchronize(device)  # every copy of this forward has landed and its events can be read
     deadline = time.perf_counter() + DRAIN_TIMEOUT_S
     while True:
         trace = handle.trace()
@@ -42,7 +43,3 @@ def capture_forward_trace(handle, forward: Callable[[], object], device: torch.d
             return trace
         time.sleep(0.001)
 
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

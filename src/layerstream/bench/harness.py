@@ -9,7 +9,7 @@ The flow:
 5. time forwards round robin: every repetition gives each strategy one turn, so drift (thermal, other
    load) hits all of them alike. A turn runs two forwards back to back and times the second, which starts in
    the steady state of a denoising loop: the last block has just prefetched block 0, rather than block 0
-   having arrived at leisure during other strategies' turns (see `_timed_turn`; a row with blocks on disk runs
+   having arrived at leisure during other strategies' turns (see `timed_turn`; a row with blocks on disk runs
    one more untimed forward first, `disk_settle_forwards`);
 6. optionally capture the trace of one forward of a layerwise strategy.
 """
@@ -50,7 +50,7 @@ from layerstream.timing import ideal
 from layerstream.timing.block_timer import synchronize
 
 @dataclass
-class _Row:
+class StrategyRow:
     """What the run collects for one strategy."""
 
     prepared: PreparedStrategy
@@ -68,7 +68,7 @@ class _Row:
 
 def run_bench(config: BenchConfig, log: Log = lambda message: None) -> BenchResult:
     """Run the benchmark `config` describes; `log` receives progress lines (for stderr)."""
-    device = _device(config)
+    device = bench_device(config)
     run = BenchRun.size(config, device)
     num_blocks = run.num_blocks
 
@@ -87,12 +87,12 @@ def run_bench(config: BenchConfig, log: Log = lambda message: None) -> BenchResu
     forward = run.forward
 
     # --- resident first: the reference output, per-block compute and the link ----------------------------------
-    rows: dict[str, _Row] = {}
+    rows: dict[str, StrategyRow] = {}
     remaining = list(specs)
     resident_spec = remaining.pop(0)
     ctx = StrategyContext(device=device, prefetch_depth=config.prefetch_depth)
-    model = _copy_for(prototype, last=not remaining)
-    rows["resident"] = _prepare_row(resident_spec, model, ctx, config.warmup, forward, log)
+    model = copy_for(prototype, last=not remaining)
+    rows["resident"] = prepare_row(resident_spec, model, ctx, config.warmup, forward, log)
     resident = rows["resident"].prepared
     calibration = measure_block_compute(lambda: forward(resident), list(resident.model.blocks), device)
     block_compute_s = calibration.block_medians()
@@ -120,7 +120,7 @@ def run_bench(config: BenchConfig, log: Log = lambda message: None) -> BenchResu
     # run, not only at its start (the link, chosen before, keeps the first measurement)
     calibration += measure_block_compute(lambda: forward(resident), list(resident.model.blocks), device)
     resident_median = statistics.median(rows["resident"].times_s)
-    block_compute_s = _as_timed(calibration, resident_median)
+    block_compute_s = as_timed(calibration, resident_median)
 
     traced_row = rows.get(traced_name) if traced_name else None
     trace_files, trace_summary = _write_trace(config, traced_row, forward, device, notes, log)
@@ -144,7 +144,7 @@ def run_bench(config: BenchConfig, log: Log = lambda message: None) -> BenchResu
     return BenchResult(run=info, strategies=results)
 
 
-def _prepare_others(remaining, prototype, config: BenchConfig, device, link_gbps, budget_gb, traced_name, forward, log: Log) -> dict[str, _Row]:
+def _prepare_others(remaining, prototype, config: BenchConfig, device, link_gbps, budget_gb, traced_name, forward, log: Log) -> dict[str, StrategyRow]:
     """The rows of every strategy after resident, each on its own copy of the prototype (the last takes it)."""
     rows = {}
     for spec in remaining:
@@ -157,12 +157,12 @@ def _prepare_others(remaining, prototype, config: BenchConfig, device, link_gbps
             host_budget_gb=config.host_budget_gb,
             disk_gbps=config.disk_gbps,
         )
-        model = _copy_for(prototype, last=spec is remaining[-1])
-        rows[spec.name] = _prepare_row(spec, model, ctx, config.warmup, forward, log)
+        model = copy_for(prototype, last=spec is remaining[-1])
+        rows[spec.name] = prepare_row(spec, model, ctx, config.warmup, forward, log)
     return rows
 
 
-def _timed_rounds(rows: dict[str, _Row], repeats: int, forward, device, reference, log: Log) -> None:
+def _timed_rounds(rows: dict[str, StrategyRow], repeats: int, forward, device, reference, log: Log) -> None:
     """The timed forwards, round robin over the strategies: times, transfers, device peaks, whether each matches
     the resident output, and each streamed block's transfers during them."""
     memory = DeviceMemory(device)
@@ -170,7 +170,7 @@ def _timed_rounds(rows: dict[str, _Row], repeats: int, forward, device, referenc
     for rep in range(repeats):
         for row in rows.values():
             settle = disk_settle_forwards(row.prepared)
-            seconds, transfers, peak_over_base, out = _timed_turn(row.prepared, forward, device, memory, settle)
+            seconds, transfers, peak_over_base, out = timed_turn(row.prepared, forward, device, memory, settle)
             row.times_s.append(seconds)
             if transfers is not None:
                 row.transfers.append(transfers)
@@ -186,7 +186,7 @@ def _timed_rounds(rows: dict[str, _Row], repeats: int, forward, device, referenc
             row.block_transfers = {p: n - before.get(p, 0) for p, n in after.items()}
 
 
-def _as_timed(calibration: BlockTimings, resident_median: float) -> list[float]:
+def as_timed(calibration: BlockTimings, resident_median: float) -> list[float]:
     """Per-block compute as it runs in the timed loop: the calibrated blocks' shares, scaled so that with the time
     outside the blocks they add up to the resident's median timed forward.
 
@@ -201,7 +201,7 @@ def _as_timed(calibration: BlockTimings, resident_median: float) -> list[float]:
     return [m * scale for m in medians]
 
 
-def _timed_turn(prepared: PreparedStrategy, forward, device: torch.device, memory: DeviceMemory, num_settle: int = 1):
+def timed_turn(prepared: PreparedStrategy, forward, device: torch.device, memory: DeviceMemory, num_settle: int = 1):
     """One strategy's turn: `num_settle` forwards (one, or more for the disk tier) and one more, timed, back to back.
 
     The first forward puts the strategy in the steady state of a denoising loop: its last block prefetches
@@ -252,7 +252,8 @@ def default_auto_budget_gb(model_bytes: int, block_bytes: list[int], ring_nbytes
     return (non_block + ring_nbytes + keep * max(block_bytes)) / 1e9
 
 
-def _device(config: BenchConfig) -> torch.device:
+def bench_device(config: BenchConfig) -> torch.device:
+    """The device `config` names (cuda:N with its index), or the default one; a bad name is a `BenchConfigError`."""
     if config.device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
@@ -284,12 +285,12 @@ def _skip_unavailable(specs: list[StrategySpec]) -> tuple[list[StrategySpec], li
     return kept, skipped
 
 
-def _copy_for(prototype, *, last: bool):
+def copy_for(prototype, *, last: bool):
     """Each strategy owns its weights; the last one takes the prototype itself (one copy less at peak)."""
     return prototype if last else copy.deepcopy(prototype)
 
 
-def _prepare_row(spec: StrategySpec, model, ctx: StrategyContext, warmup: int, forward, log: Log) -> _Row:
+def prepare_row(spec: StrategySpec, model, ctx: StrategyContext, warmup: int, forward, log: Log) -> StrategyRow:
     log(f"setting up {spec.name}")
     import_dependencies(spec)  # outside the sampler: imported modules are not the strategy's host memory
     with PeakRssSampler() as enable_rss:
@@ -298,7 +299,7 @@ def _prepare_row(spec: StrategySpec, model, ctx: StrategyContext, warmup: int, f
         for _ in range(warmup):
             forward(prepared)
         synchronize(ctx.device)
-    return _Row(
+    return StrategyRow(
         prepared,
         host_rss_peak_bytes=max(enable_rss.peak_bytes, warm_rss.peak_bytes),
         host_enable_delta_bytes=enable_rss.peak_bytes - enable_rss.start_bytes,
@@ -314,7 +315,7 @@ def _traced_strategy(specs: list[StrategySpec]) -> str | None:
 
 
 def _write_trace(
-    config: BenchConfig, row: _Row | None, forward, device, notes: list[str], log: Log
+    config: BenchConfig, row: StrategyRow | None, forward, device, notes: list[str], log: Log
 ) -> tuple[list[str], dict | None]:
     """Capture one forward of the traced strategy and export it; returns the files and the trace's summary."""
     if config.trace_dir is None:
@@ -343,7 +344,7 @@ def _write_trace(
     return files, {"strategy": prepared.name, **summarize_trace(trace)}
 
 
-def _result(row: _Row, info: RunInfo, resident_median: float, block_paths: list[str], activations: int) -> StrategyResult:
+def _result(row: StrategyRow, info: RunInfo, resident_median: float, block_paths: list[str], activations: int) -> StrategyResult:
     p = row.prepared
     median = statistics.median(row.times_s)
     n = len(row.transfers)

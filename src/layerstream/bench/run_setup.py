@@ -1,4 +1,5 @@
-"""`BenchRun`: the sizes, weights and inputs of one benchmark run, shared by `run_bench` and the distributed bench.
+"""`BenchRun`: the sizes, weights and inputs of one benchmark run, shared by `run_bench` and
+benchmarks/distributed.py (`world_size` ranks, each building its own copies).
 
 Sizing (`BenchRun.size`) checks the config and fixes threads, dtype and sizes without building anything;
 `build_` then refuses up front a run whose weight copies cannot fit in host memory, builds the weights once
@@ -172,5 +173,5 @@ def _check_host_memory(weight_bytes: int, num_copies: int) -> None:
         raise BenchConfigError(
             f"{num_copies} copies (strategies x ranks) of {weight_bytes / 1e9:.2f} GB of weights need "
             f"{needed / 1e9:.1f} GB of host memory, but {available / 1e9:.1f} GB is available; lower --blocks, "
-            "--strategies or --nproc, or use --dtype bfloat16"
+            "--strategies (or the ranks), or use --dtype bfloat16"
         )

@@ -67,7 +67,7 @@ class StrategySpec:
     prefetch_depth: int | None = None
     """Layerwise only: overrides the run's prefetch depth."""
     weight_transfer: str = "rank-local"
-    """Layerwise only: `layer_options.dit.weight_transfer`; "allgather" is run by `bench.distributed` (ranks)."""
+    """Layerwise only: `layer_options.dit.weight_transfer`; "allgather" is run by benchmarks/distributed.py (ranks)."""
     storage_dtype: str | None = None
     """Layerwise: `layer_options.dit.storage_dtype`; diffusers-group: the storage dtype of its layerwise casting."""
     compiled: bool = False

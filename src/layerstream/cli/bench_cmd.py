@@ -1,9 +1,8 @@
 """`layerstream bench`: time offload strategies against resident on synthetic DiT block stacks.
 
 Everything is measured in one process, round robin; see `layerstream.bench.harness` for the method and
-benchmarks/README.md for measured figures and the command lines that produced them. `--nproc N` instead runs
-N ranks under torchrun and compares rank-local layerwise with allgather (`layerstream.bench.distributed`).
-`--cold-start` instead measures loading real-width checkpoint folders from cold files (`layerstream.bench.cold_start`).
+benchmarks/README.md for measured figures and the command lines that produced them. `--quality` instead
+measures how far float8 storage moves the output of a pipeline (`layerstream.bench.quality`).
 """
 
 from __future__ import annotations
@@ -21,31 +20,14 @@ SMOKE = {"model": "tiny", "repeats": 3, "warmup": 1, "link_ratio": 0.5}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of the ``bench`` subcommand (no heavy import here: the CLI builds every parser at start)."""
-    model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None, help="tiny, small, wan1.3b, wan14b or flux12b (default: tiny)")
-    model.add_argument("--blocks", type=int, default=None, help="blocks in the stack (default: 8; 3-6 big ones on CPU)")
-    model.add_argument("--tokens", type=int, default=None, help="tokens per sample (default: 64 tiny; 256 CPU, 4096 GPU)")
-    model.add_argument("--context-tokens", type=int, default=None, help="text tokens (default: 0 tiny; 64 CPU, 512 GPU)")
-    model.add_argument("--batch-size", type=int, default=1)
-    model.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU)")
-
-    run = parser.add_argument_group("run")
+    output = add_stack_arguments(parser)
+    output.add_argument("--trace", metavar="DIR", default=None, help="write trace.json and timeline.png of one layerwise forward")
+    run = parser.add_argument_group("strategies")
     run.add_argument(
         "--strategies",
         default=None,
         help="comma list of resident, layerwise, layerwise-resident-N, layerwise-auto (layerwise ones may end in "
         "-depth-D), module, diffusers-group, naive (default: all, with layerwise-resident-1)",
-    )
-    run.add_argument("--repeats", type=int, default=None, help="timed forwards per strategy, round robin (default: 5)")
-    run.add_argument("--warmup", type=int, default=None, help="untimed forwards per strategy after set-up (default: 2)")
-    run.add_argument("--prefetch-depth", type=int, default=1, help="layer_options.dit.prefetch_depth (default: 1)")
-    run.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
-    run.add_argument("--threads", type=int, default=None, help="CPU only: torch threads (default: cores - 1, a core for the copy thread)")
-    run.add_argument("--seed", type=int, default=0)
-    link = run.add_mutually_exclusive_group()
-    link.add_argument("--link-gbps", type=float, default=None, metavar="GBPS", help="CPU only: simulated host link in GB/s")
-    link.add_argument(
-        "--link-ratio", type=float, default=None, metavar="R", help="CPU only: simulated link at which a block's transfer lasts R x its compute"
     )
     run.add_argument(
         "--device-budget-gb", type=float, default=None, help="layerwise-auto budget (default: non-block + slots + half the blocks)"
@@ -62,33 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     disk.add_argument(
         "--disk-gbps", type=float, default=None, metavar="GBPS", help="CPU only, with --host-budget-gb: simulated disk in GB/s"
     )
-    run.add_argument("--smoke", action="store_true", help="a run of a few seconds on the tiny model (CPU: --link-ratio 0.5)")
-    run.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        metavar="N",
-        help="compare layerwise (rank-local) with layerwise-allgather in N ranks on this machine (torchrun): host "
-        "bytes, link bytes and time per forward of every rank",
-    )
-
-    cold = parser.add_argument_group("cold start")
-    cold.add_argument(
-        "--cold-start",
-        action="store_true",
-        help="measure loading real-width checkpoint folders (written once) from cold files: raw read, diffusers "
-        "from_pretrained, diffusers + group offload, layerstream load + enable, each in a fresh process",
-    )
-    cold.add_argument(
-        "--cold-start-dir", metavar="DIR", default=None, help="where the folders are written once (default: <layerstream cache>/bench/cold-start)"
-    )
-    cold.add_argument("--cold-start-models", default=None, help="comma list of wan, flux (default: both; --smoke: wan)")
-    cold.add_argument(
-        "--read-mechanisms",
-        action="store_true",
-        help="with --cold-start: compare ways of reading the files instead (preadv on 1-8 threads, copy from the "
-        "safetensors mapping, fastsafetensors)",
-    )
 
     quality = parser.add_argument_group("quality")
     quality.add_argument(
@@ -102,10 +57,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     quality.add_argument("--quality-steps", type=int, default=None, metavar="N", help="with --quality: denoising steps (default: 4)")
 
+
+def add_stack_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The synthetic stack and how it is timed, and where the results go: the flags `layerstream bench` shares
+    with benchmarks/distributed.py. Returns the output group (for flags of the caller's own)."""
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None, help="tiny, small, wan1.3b, wan14b or flux12b (default: tiny)")
+    model.add_argument("--blocks", type=int, default=None, help="blocks in the stack (default: 8; 3-6 big ones on CPU)")
+    model.add_argument("--tokens", type=int, default=None, help="tokens per sample (default: 64 tiny; 256 CPU, 4096 GPU)")
+    model.add_argument("--context-tokens", type=int, default=None, help="text tokens (default: 0 tiny; 64 CPU, 512 GPU)")
+    model.add_argument("--batch-size", type=int, default=1)
+    model.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU)")
+
+    run = parser.add_argument_group("run")
+    run.add_argument("--repeats", type=int, default=None, help="timed forwards per strategy, round robin (default: 5)")
+    run.add_argument("--warmup", type=int, default=None, help="untimed forwards per strategy after set-up (default: 2)")
+    run.add_argument("--prefetch-depth", type=int, default=1, help="layer_options.dit.prefetch_depth (default: 1)")
+    run.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    run.add_argument("--threads", type=int, default=None, help="CPU only: torch threads (default: cores - 1, a core for the copy thread)")
+    run.add_argument("--seed", type=int, default=0)
+    link = run.add_mutually_exclusive_group()
+    link.add_argument("--link-gbps", type=float, default=None, metavar="GBPS", help="CPU only: simulated host link in GB/s")
+    link.add_argument(
+        "--link-ratio", type=float, default=None, metavar="R", help="CPU only: simulated link at which a block's transfer lasts R x its compute"
+    )
+    run.add_argument("--smoke", action="store_true", help="a run of a few seconds on the tiny model (CPU: --link-ratio 0.5)")
+
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the results as JSON on stdout (and nothing else)")
-    out.add_argument("--trace", metavar="DIR", default=None, help="write trace.json and timeline.png of one layerwise forward")
     out.add_argument("--out", metavar="DIR", default=None, help="also write results.json and results.md to DIR")
+    return out
 
 
 def build_config(args: argparse.Namespace):
@@ -157,12 +138,6 @@ def run(args: argparse.Namespace) -> int:
         return _run_quality(args)
     if args.quality_model is not None or args.quality_steps is not None:
         raise CliError("--quality-model and --quality-steps need --quality")
-    if args.cold_start:
-        return _run_cold_start(args)
-    if args.read_mechanisms or args.cold_start_dir is not None or args.cold_start_models is not None:
-        raise CliError("--read-mechanisms, --cold-start-dir and --cold-start-models need --cold-start")
-    if args.nproc is not None or _launched_world_size() > 1:
-        return _run_distributed(args)
     from layerstream.bench.config import BenchConfigError
     from layerstream.bench.harness import run_bench
     from layerstream.bench.report import format_report
@@ -177,11 +152,12 @@ def run(args: argparse.Namespace) -> int:
     except (BenchConfigError, StrategyError, OffloadConfigError, OffloadPlanResolutionError, OffloadError) as e:
         raise CliError(" ".join(str(e).split())) from e
 
-    _print_results(args, json.dumps(result.to_dict(), indent=2), format_report(result))
+    print_results(args, json.dumps(result.to_dict(), indent=2), format_report(result))
     return 0
 
 
-def _print_results(args: argparse.Namespace, payload: str, report: str) -> None:
+def print_results(args: argparse.Namespace, payload: str, report: str) -> None:
+    """The report on stdout (the JSON `payload` with --json), and both into --out's folder."""
     if args.out:
         folder = Path(args.out)
         folder.mkdir(parents=True, exist_ok=True)
@@ -193,7 +169,7 @@ def _print_results(args: argparse.Namespace, payload: str, report: str) -> None:
 _NOT_WITH_QUALITY = (
     ("model", "--model"), ("blocks", "--blocks"), ("tokens", "--tokens"), ("context_tokens", "--context-tokens"),
     ("strategies", "--strategies"), ("repeats", "--repeats"), ("warmup", "--warmup"), ("link_gbps", "--link-gbps"),
-    ("link_ratio", "--link-ratio"), ("device_budget_gb", "--device-budget-gb"), ("nproc", "--nproc"), ("trace", "--trace"),
+    ("link_ratio", "--link-ratio"), ("device_budget_gb", "--device-budget-gb"), ("trace", "--trace"),
     ("threads", "--threads"), ("host_budget_gb", "--host-budget-gb"), ("disk_gbps", "--disk-gbps"),
 )  # fmt: skip
 
@@ -206,8 +182,6 @@ def _run_quality(args: argparse.Namespace) -> int:
     for name, flag in _NOT_WITH_QUALITY:
         if getattr(args, name) is not None:
             raise CliError(f"{flag} does not apply with --quality (it measures one pipeline; see --quality-model)")
-    if args.cold_start:
-        raise CliError("--quality and --cold-start are separate benchmarks; give one")
     steps = 4 if args.quality_steps is None else args.quality_steps
     if steps < 1:
         raise CliError(f"--quality-steps = {steps} is not valid; expected an integer >= 1")
@@ -218,102 +192,5 @@ def _run_quality(args: argparse.Namespace) -> int:
         result = measure_quality(model, device=args.device, dtype=args.dtype, request=request)
     except (LayerstreamError, ValueError) as e:
         raise CliError(" ".join(str(e).split())) from e
-    _print_results(args, json.dumps(result.to_json(), indent=2), result.to_markdown())
+    print_results(args, json.dumps(result.to_json(), indent=2), result.to_markdown())
     return 0
-
-
-_NOT_WITH_COLD_START = (
-    ("model", "--model"), ("blocks", "--blocks"), ("tokens", "--tokens"), ("context_tokens", "--context-tokens"),
-    ("dtype", "--dtype"), ("warmup", "--warmup"), ("threads", "--threads"), ("link_gbps", "--link-gbps"),
-    ("link_ratio", "--link-ratio"), ("device_budget_gb", "--device-budget-gb"), ("nproc", "--nproc"), ("trace", "--trace"),
-    ("host_budget_gb", "--host-budget-gb"), ("disk_gbps", "--disk-gbps"),
-)  # fmt: skip
-
-
-def _run_cold_start(args: argparse.Namespace) -> int:
-    """--cold-start: the folders are fixed shapes; rows come from --strategies (or --read-mechanisms)."""
-    from layerstream.bench.cold_start import (
-        DEFAULT_ROWS,
-        READ_MECHANISM_ROWS,
-        SMOKE_ROWS,
-        ColdStartConfig,
-        ColdStartConfigError,
-        format_cold_start_report,
-        run_cold_start,
-    )
-
-    for name, flag in _NOT_WITH_COLD_START:
-        if getattr(args, name) is not None:
-            raise CliError(f"{flag} does not apply with --cold-start (the checkpoint folders have fixed shapes)")
-    if args.read_mechanisms and args.strategies is not None:
-        raise CliError("--read-mechanisms names the rows itself; give it or --strategies, not both")
-    if args.strategies is not None:
-        rows = tuple(r.strip() for r in args.strategies.split(",") if r.strip())
-    else:
-        rows = READ_MECHANISM_ROWS if args.read_mechanisms else SMOKE_ROWS if args.smoke else DEFAULT_ROWS
-    models = args.cold_start_models or ("wan" if args.smoke else "wan,flux")
-    try:
-        config = ColdStartConfig(
-            models=tuple(m.strip() for m in models.split(",") if m.strip()),
-            small=args.smoke,
-            rows=rows,
-            device=args.device or ("cpu" if _on_cpu(None) else "cuda"),
-            cache_dir=Path(args.cold_start_dir) if args.cold_start_dir else None,
-            repeats=args.repeats if args.repeats is not None else 1,
-        )
-    except ColdStartConfigError as e:
-        raise CliError(str(e)) from e
-    result = run_cold_start(config, log=lambda line: print(f"bench: {line}", file=sys.stderr, flush=True))
-    _print_results(args, json.dumps(result.to_dict(), indent=2), format_cold_start_report(result))
-    for row in result.failed:
-        print(f"bench: {row.model} {row.row} failed: {row.error}", file=sys.stderr)
-    return 1 if result.failed else 0
-
-
-_NOT_WITH_NPROC = (
-    ("strategies", "--strategies"), ("trace", "--trace"), ("device_budget_gb", "--device-budget-gb"),
-    ("host_budget_gb", "--host-budget-gb"), ("disk_gbps", "--disk-gbps"),
-)  # fmt: skip
-
-
-def _run_distributed(args: argparse.Namespace) -> int:
-    """--nproc N: relaunch this command in N ranks (torchrun); inside them, run the distributed comparison and
-    print its results from rank 0. --nproc 1 runs it in this process (allgather then copies plainly)."""
-    from layerstream.distributed.launch import in_launched_rank, launch_torchrun, without_nproc
-
-    if args.nproc is not None and args.nproc < 1:
-        raise CliError(f"--nproc = {args.nproc} is not valid; expected an integer >= 1")
-    for name, flag in _NOT_WITH_NPROC:
-        if getattr(args, name) is not None:
-            raise CliError(f"{flag} does not apply with --nproc: every rank runs resident, layerwise and layerwise-allgather")
-    config = build_config(args)  # checked here, before any rank starts
-    world_size = _launched_world_size()
-    if args.nproc is not None and args.nproc > 1 and not in_launched_rank():
-        # the same command without --nproc (torchrun's parser would take it for an abbreviated --nproc-per-node);
-        # the ranks know they are ranks from WORLD_SIZE
-        return launch_torchrun(args.nproc, without_nproc(sys.argv[1:]))
-    if args.nproc is not None and world_size != args.nproc:
-        raise CliError(f"--nproc {args.nproc} but this rank was launched in a group of {world_size}")
-
-    from layerstream.bench.config import BenchConfigError
-    from layerstream.bench.distributed import format_distributed_report, run_distributed_bench
-    from layerstream.config.offload_config import OffloadConfigError
-    from layerstream.errors import OffloadError
-
-    try:
-        result = run_distributed_bench(config, log=lambda line: print(f"bench: {line}", file=sys.stderr, flush=True))
-    except (BenchConfigError, OffloadConfigError, OffloadError) as e:
-        raise CliError(" ".join(str(e).split())) from e
-    if result is not None:  # rank 0 reports for every rank
-        _print_results(args, json.dumps(result.to_dict(), indent=2), format_distributed_report(result))
-    return 0
-
-
-def _launched_world_size() -> int:
-    """WORLD_SIZE under torchrun, else 1 (read from the environment: no torch.distributed import)."""
-    import os
-
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError as e:
-        raise CliError(f"WORLD_SIZE = {os.environ['WORLD_SIZE']!r} in the environment is not an integer") from e

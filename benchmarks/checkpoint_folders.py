@@ -1,4 +1,5 @@
-"""Real-width diffusers checkpoint folders with few blocks, written from random weights, for cold-start measurements.
+"""Real-width diffusers checkpoint folders with few blocks, written from random weights, for cold-start
+measurements (`cold_start.py`, `lossless.py`) and the tests that load a real-width checkpoint.
 
 A `CheckpointSpec` names a Wan 2.2 pipeline (two experts, `WanTransformer3DModel`) or a Flux pipeline
 (`FluxTransformer2DModel`) at a given transformer width and block count; everything but the transformers is

@@ -1,18 +1,23 @@
-"""`layerstream bench --cold-start`: from checkpoint files to a pipeline ready to run, against the disk's ceiling.
+"""The cold start, from checkpoint files to a pipeline ready to run, against the disk's ceiling.
 
-Writes real-width checkpoint folders once (`checkpoint_folders`: Wan 2.2 at Wan 1.3B's width, Flux at Flux.1's
-width, a few blocks each), then measures every row in a fresh process with the files dropped from the page
-cache first (`cold_start_rows`, `page_cache`): reading the files raw (the ceiling), diffusers'
-`from_pretrained` (in the saved dtypes and in float32), diffusers plus group offload, and layerstream's load
-plus enable. Each row reports seconds, GB/s (checkpoint bytes / seconds) and that as a fraction of the raw
-read's, the peak anonymous and file-backed RSS while loading, and the host bytes the weights take after.
+Writes real-width checkpoint folders once (`checkpoint_folders.py` beside this script: Wan 2.2 at Wan 1.3B's
+width, Flux at Flux.1's width, a few blocks each), then measures every row in a fresh process with the files
+dropped from the page cache first (`cold_start_rows.py`, `page_cache.py`): reading the files raw (the ceiling),
+diffusers' `from_pretrained` (in the saved dtypes and in float32), diffusers plus group offload, and
+layerstream's load plus enable. Each row reports seconds, GB/s (checkpoint bytes / seconds) and that as a
+fraction of the raw read's, the peak anonymous and file-backed RSS while loading, and the host bytes the
+weights take after.
 
 `--read-mechanisms` measures the ways the host store could read the files instead: layerstream's `FileReader`
 with 1 to 8 threads, copying from safetensors' mapping (what it did before), fastsafetensors (if installed).
+
+    python benchmarks/cold_start.py --repeats 3            # both models, every row (minutes; GB written once)
+    python benchmarks/cold_start.py --smoke --device cpu   # the small Wan folder, raw read and layerstream
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -23,7 +28,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from layerstream.bench.checkpoint_folders import (
+HERE = Path(__file__).resolve().parent
+# the modules beside this script, found also when a test loads it from its file
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+from checkpoint_folders import (  # noqa: E402
     FLUX_WIDTH,
     SMALL_FLUX,
     SMALL_WAN,
@@ -33,8 +42,9 @@ from layerstream.bench.checkpoint_folders import (
     checkpoint_files,
     default_cold_start_dir,
 )
-from layerstream.bench.cold_start_rows import is_known_row
-from layerstream.errors import LayerstreamError
+from cold_start_rows import is_known_row  # noqa: E402
+
+from layerstream.cli.bench_cmd import print_results  # noqa: E402
 
 MODELS = {"wan": WAN_1_3B_WIDTH, "flux": FLUX_WIDTH}
 SMALL_MODELS = {"wan": SMALL_WAN, "flux": SMALL_FLUX}
@@ -50,7 +60,7 @@ diffusers for a pipeline: seconds each on a small machine)."""
 ROW_TIMEOUT_S = 900.0
 
 
-class ColdStartConfigError(LayerstreamError, ValueError):
+class ColdStartConfigError(ValueError):
     """A cold-start setting that cannot run; the message names the setting, the value and what is allowed."""
 
 
@@ -177,7 +187,7 @@ def _run_row_process(row: str, folder: Path, device: str) -> dict[str, Any]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1", TOKENIZERS_PARALLELISM="false")
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "layerstream.bench.cold_start_rows", request],
+            [sys.executable, str(HERE / "cold_start_rows.py"), request],
             capture_output=True, text=True, env=env, timeout=ROW_TIMEOUT_S,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
@@ -266,3 +276,59 @@ def _page_cache_line(result: ColdStartResult) -> str:
 
 def _gb(nbytes: int | None) -> str:
     return "-" if nbytes is None else f"{nbytes / 1e9:.2f} GB"
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, ColdStartConfig]:
+    """The command line and the `ColdStartConfig` it describes (--smoke fills what was not given)."""
+    parser = argparse.ArgumentParser(prog="cold_start.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--models", default=None, help="comma list of wan, flux (default: both; --smoke: wan)")
+    parser.add_argument("--rows", default=None, help=f"comma list of rows (default: {','.join(DEFAULT_ROWS)})")
+    parser.add_argument(
+        "--read-mechanisms", action="store_true",
+        help="compare ways of reading the files instead (preadv on 1-8 threads, copy from the safetensors mapping, fastsafetensors)",
+    )  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every row, round robin (default: 1)")
+    parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    parser.add_argument("--dir", metavar="DIR", default=None, help="where the folders are written once (default: <layerstream cache>/bench/cold-start)")
+    parser.add_argument("--smoke", action="store_true", help="the small Wan folder (a few MB), the raw read and layerstream")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout (and nothing else)")
+    parser.add_argument("--out", metavar="DIR", default=None, help="also write results.json and results.md to DIR")
+    args = parser.parse_args(argv)
+    if args.read_mechanisms and args.rows is not None:
+        parser.error("--read-mechanisms names the rows itself; give it or --rows, not both")
+    if args.rows is not None:
+        rows = tuple(r.strip() for r in args.rows.split(",") if r.strip())
+    else:
+        rows = READ_MECHANISM_ROWS if args.read_mechanisms else SMOKE_ROWS if args.smoke else DEFAULT_ROWS
+    models = args.models or ("wan" if args.smoke else "wan,flux")
+    try:
+        config = ColdStartConfig(
+            models=tuple(m.strip() for m in models.split(",") if m.strip()),
+            small=args.smoke,
+            rows=rows,
+            device=args.device or _default_device(),
+            cache_dir=Path(args.dir) if args.dir else None,
+            repeats=args.repeats,
+        )
+    except ColdStartConfigError as e:
+        parser.error(str(e))
+    return args, config
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, config = parse_args(argv)
+    result = run_cold_start(config, log=lambda line: print(f"cold start: {line}", file=sys.stderr, flush=True))
+    print_results(args, json.dumps(result.to_dict(), indent=2), format_cold_start_report(result))
+    for row in result.failed:
+        print(f"cold start: {row.model} {row.row} failed: {row.error}", file=sys.stderr)
+    return 1 if result.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,7 @@
-"""One row of the cold-start benchmark, measured in the process that runs this module (a fresh one per row).
+"""One row of the cold-start benchmark (`cold_start.py`), measured in the process that runs this script (a fresh
+one per row).
 
-    python -m layerstream.bench.cold_start_rows '{"row": "layerstream", "folder": "...", "device": "cpu"}'
+    python benchmarks/cold_start_rows.py '{"row": "layerstream", "folder": "...", "device": "cpu"}'
 
 imports what the row needs, drops the folder's files from the page cache, then times the row's load from the
 files to weights ready in host (or device) memory while a thread samples anonymous and file-backed RSS. It
@@ -40,9 +41,11 @@ from typing import Any
 
 import torch
 
-from layerstream.bench.checkpoint_folders import checkpoint_files
-from layerstream.bench.page_cache import cached_fraction, drop_page_cache
-from layerstream.errors import LayerstreamError
+# the modules beside this script, found also when a test or `cold_start.py` imports it
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checkpoint_folders import checkpoint_files  # noqa: E402
+from page_cache import cached_fraction, drop_page_cache  # noqa: E402
 
 DIFFUSERS_ROWS = ("diffusers", "diffusers-float32", "diffusers-group", "layerstream", "layerstream-float32")
 """Rows that import diffusers (a few seconds, untimed)."""
@@ -336,7 +339,7 @@ def _layerstream(dtype: str | None) -> Callable[[Path, list[Path], torch.device]
     return row
 
 
-class _RowSkipped(LayerstreamError):
+class _RowSkipped(Exception):
     """The row cannot run here (a library is missing); reported as a note, not as a failure."""
 
 

@@ -1,6 +1,10 @@
-"""`run_distributed_bench`: rank-local layerwise against `weight_transfer: "allgather"`, in N data-parallel ranks.
+"""Rank-local layerwise against `weight_transfer: "allgather"`, in N data-parallel ranks on this machine.
 
-`layerstream bench --nproc N` starts N ranks on this machine with torchrun; each runs `run_distributed_bench`:
+    python benchmarks/distributed.py --nproc 2 --smoke --device cpu     # seconds: the tiny stack, 2 ranks
+    python benchmarks/distributed.py --nproc 2 --model small --link-ratio 2 --repeats 10
+
+The synthetic stack and its flags are `layerstream bench`'s (`add_stack_arguments`). `--nproc N` starts N ranks
+with torchrun, each running this script without `--nproc`; each runs `run_distributed_bench`:
 1. join the group (`init_distributed`: gloo on the CPU, NCCL plus gloo on CUDA) and build the synthetic model
    from the same seed, so that every rank holds identical weights, as data-parallel ranks loading the same
    files do;
@@ -19,31 +23,24 @@ ranks' shards arrive through the gather and are not counted).
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from layerstream.bench.config import BenchConfig
+from layerstream.bench.config import BenchConfig, BenchConfigError
 # the harness's own sizing, set-up and timed turn: these figures are measured as `layerstream bench` measures
-from layerstream.bench.harness import (
-    Log,
-    _as_timed,
-    _Row,
-    _copy_for,
-    _device,
-    _prepare_row,
-    _timed_turn,
-)
-from layerstream.bench.measure import (
-    DeviceMemory,
-    measure_block_compute,
-    measure_link_gbps,
-)
+from layerstream.bench.harness import StrategyRow, as_timed, bench_device, copy_for, prepare_row, timed_turn
+from layerstream.bench.measure import DeviceMemory, measure_block_compute, measure_link_gbps
 from layerstream.bench.report import MIB, run_header
 from layerstream.bench.results import BenchResult, RunInfo
-from layerstream.bench.run_setup import BenchRun
+from layerstream.bench.run_setup import BenchRun, Log
 from layerstream.bench.strategies import StrategyContext, StrategySpec
 from layerstream.timing.block_timer import synchronize
 
@@ -154,7 +151,7 @@ def run_distributed_bench(config: BenchConfig, log: Log = lambda message: None) 
     from layerstream.distributed.launch import gather_objects, rank_info
     from layerstream.distributed.process_group import destroy_distributed, init_distributed
 
-    device = _device(config)  # validates --device before joining anything
+    device = bench_device(config)  # validates --device before joining anything
     joined = False
     if rank_info()[1] > 1 and not dist.is_initialized():
         # each rank computes on its own device: cuda:LOCAL_RANK (NCCL refuses two ranks on one GPU), or the CPU
@@ -188,9 +185,9 @@ def _measure(
     prototype, block_bytes, forward = run.prototype, run.block_bytes, run.forward
 
     resident_spec, *streamed_specs = STRATEGIES
-    rows: dict[str, _Row] = {}
+    rows: dict[str, StrategyRow] = {}
     ctx = StrategyContext(device=device, prefetch_depth=config.prefetch_depth)
-    rows["resident"] = _prepare_row(resident_spec, _copy_for(prototype, last=False), ctx, config.warmup, forward, log)
+    rows["resident"] = prepare_row(resident_spec, copy_for(prototype, last=False), ctx, config.warmup, forward, log)
     resident = rows["resident"].prepared
     _barrier(bench_group)  # every rank calibrates at once: compute as it runs beside the other ranks'
     calibration = measure_block_compute(lambda: forward(resident), list(resident.model.blocks), device)
@@ -204,8 +201,8 @@ def _measure(
 
     for spec in streamed_specs:
         ctx = StrategyContext(device=device, link_gbps=link_gbps, prefetch_depth=config.prefetch_depth)
-        model = _copy_for(prototype, last=spec is streamed_specs[-1])
-        rows[spec.name] = _prepare_row(spec, model, ctx, config.warmup, forward, log)  # allgather: a collective
+        model = copy_for(prototype, last=spec is streamed_specs[-1])
+        rows[spec.name] = prepare_row(spec, model, ctx, config.warmup, forward, log)  # allgather: a collective
     del prototype
 
     memory = DeviceMemory(device)
@@ -213,7 +210,7 @@ def _measure(
         for row in rows.values():
             # every rank starts the turn together: N ranks computing at once, as data-parallel generation runs
             _barrier(bench_group)
-            seconds, transfers, _, out = _timed_turn(row.prepared, forward, device, memory)
+            seconds, transfers, _, out = timed_turn(row.prepared, forward, device, memory)
             row.times_s.append(seconds)
             if transfers is not None:
                 row.transfers.append(transfers)
@@ -225,7 +222,7 @@ def _measure(
     # as the harness does: compute measured at both ends of the run, scaled to the resident's timed forwards
     _barrier(bench_group)
     calibration += measure_block_compute(lambda: forward(resident), list(resident.model.blocks), device)
-    timed_compute = (_as_timed(calibration, resident_median), calibration.other_median())
+    timed_compute = (as_timed(calibration, resident_median), calibration.other_median())
     block_compute_s, other_s = _from_rank_zero(timed_compute, bench_group)
     results = [_rank_row(rank, row, resident_median) for row in rows.values()]
     for row in rows.values():  # in one order on every rank: closing allgather gathers every block back
@@ -242,7 +239,7 @@ def _measure(
     return results, info
 
 
-def _rank_row(rank: int, row: _Row, resident_median: float) -> RankRow:
+def _rank_row(rank: int, row: StrategyRow, resident_median: float) -> RankRow:
     p = row.prepared
     stats = p.handle.stats() if p.handle is not None else None
     n = len(row.transfers)
@@ -342,3 +339,73 @@ def _mib(value: int | None) -> str:
 
 def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+# --- the command line ----------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, BenchConfig]:
+    """The command line and the `BenchConfig` it describes, checked before any rank starts."""
+    from layerstream.cli.bench_cmd import add_stack_arguments, build_config
+    from layerstream.cli.common import CliError
+
+    parser = argparse.ArgumentParser(prog="distributed.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    add_stack_arguments(parser)
+    parser.add_argument(
+        "--nproc", type=int, default=None, metavar="N",
+        help="ranks on this machine, started with torchrun (default: the group this process was launched in, else 1)",
+    )  # fmt: skip
+    # every rank runs `STRATEGIES`, without a trace, a device budget or the disk tier
+    parser.set_defaults(strategies=None, trace=None, device_budget_gb=None, host_budget_gb=None, disk_gbps=None)
+    args = parser.parse_args(argv)
+    if args.nproc is not None and args.nproc < 1:
+        parser.error(f"--nproc = {args.nproc} is not valid; expected an integer >= 1")
+    try:
+        return args, build_config(args)
+    except CliError as e:
+        parser.error(str(e))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """--nproc N: relaunch this script in N ranks (torchrun); inside them, run the comparison and print its
+    results from rank 0. --nproc 1 runs it in this process (allgather then copies plainly)."""
+    from layerstream.cli.bench_cmd import print_results
+    from layerstream.config.offload_config import OffloadConfigError
+    from layerstream.distributed.launch import in_launched_rank, rank_info, without_nproc
+    from layerstream.errors import OffloadError
+
+    argv = sys.argv[1:] if argv is None else argv
+    args, config = parse_args(argv)
+    if args.nproc is not None and args.nproc > 1 and not in_launched_rank():
+        # the same command without --nproc (torchrun's parser would take it for an abbreviated --nproc-per-node);
+        # the ranks know they are ranks from WORLD_SIZE
+        return _launch(args.nproc, without_nproc(argv))
+    world_size = rank_info()[1]
+    if args.nproc is not None and world_size != args.nproc:
+        print(f"distributed.py: error: --nproc {args.nproc} but this rank was launched in a group of {world_size}", file=sys.stderr)
+        return 2
+    try:
+        result = run_distributed_bench(config, log=lambda line: print(f"distributed: {line}", file=sys.stderr, flush=True))
+    except (BenchConfigError, OffloadConfigError, OffloadError) as e:
+        print(f"distributed.py: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    if result is not None:  # rank 0 reports for every rank
+        print_results(args, json.dumps(result.to_dict(), indent=2), format_distributed_report(result))
+    return 0
+
+
+def _launch(nproc: int, argv: list[str]) -> int:
+    """Run this script with `argv` in `nproc` ranks under torchrun; its exit code (0 when every rank exited 0)."""
+    from layerstream.distributed.launch import LAUNCHED_ENV, free_port
+
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), os.path.abspath(__file__), *argv,
+    ]  # fmt: skip
+    env = dict(os.environ, **{LAUNCHED_ENV: str(nproc)})
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))  # the ranks share the cores
+    return subprocess.run(command, env=env).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
