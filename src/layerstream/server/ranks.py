@@ -1,14 +1,15 @@
-"""Serving on several ranks: the groups they talk over, and what every rank runs in a wave.
+"""Serving on several ranks: how they talk, and what every rank runs in a wave.
 
 `layerstream serve --nproc N` (or under torchrun) runs N ranks, one device each, every one holding the same
 pipeline. Rank 0 serves HTTP and hands out waves (`layerstream.server.waves`); every rank, rank 0 included,
 runs its share of a wave through a `RankRuntime`, and the other ranks loop in `serve_follower`.
 
-Three process groups, because a group must see its collectives in one order on every rank:
-- the default group (`init_distributed`): the start (rank 0 builds an embedded model before the others
-  read it) and the leaving barrier;
-- the control group (gloo, CPU objects): rank 0's worker thread broadcasts each `WaveMessage` and gathers each
-  rank's `RankOutcome`; the followers' main threads answer;
+The ranks talk three ways, because a process group must see its collectives in one order on every rank:
+- the default group (`init_distributed`): the start alone (rank 0 builds an embedded model before the others
+  read it);
+- torchrun's key-value store (a TCPStore, a client of each rank's own, under a prefix per run): rank 0's
+  worker thread sets each `WaveMessage` there and reads each rank's `RankOutcome` back, with heartbeats
+  (`ControlChannel`); no collective, so a rank that finished its share first waits without a timeout;
 - the offload group: allgather's block transfers, which its copy thread issues at any time (the last block
   prefetches the first after every forward). It is replaced after a failed wave: a rank that raised inside a
   block leaves its peers' transfers unmatched, and that group cannot be trusted again.
