@@ -28,6 +28,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from layerstream.wording import format_gb
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC = Path("/proc")
 UNLIMITED_NBYTES = 2**62
@@ -64,16 +66,16 @@ class CgroupLimit:
 
     def describe(self) -> str:
         return (
-            f"cgroup v{self.version} {self.folder}: limit {_gb(self.limit_nbytes)} - working set "
-            f"{_gb(self.working_set_nbytes)} (usage {_gb(self.usage_nbytes)} - reclaimable page cache "
-            f"{_gb(self.usage_nbytes - self.working_set_nbytes)}{self._released()}, inactive file "
-            f"{_gb(self.inactive_file_nbytes)})"
+            f"cgroup v{self.version} {self.folder}: limit {format_gb(self.limit_nbytes)} - working set "
+            f"{format_gb(self.working_set_nbytes)} (usage {format_gb(self.usage_nbytes)} - reclaimable page cache "
+            f"{format_gb(self.usage_nbytes - self.working_set_nbytes)}{self._released()}, inactive file "
+            f"{format_gb(self.inactive_file_nbytes)})"
         )
 
     def _released(self) -> str:
         if not self.released_mapped_nbytes:
             return ""
-        return f" with {_gb(self.released_mapped_nbytes)} mapped under the streamed blocks' views"
+        return f" with {format_gb(self.released_mapped_nbytes)} mapped under the streamed blocks' views"
 
     def to_dict(self) -> dict[str, int | str]:
         return {
@@ -111,7 +113,7 @@ class HostMemory:
     def describe(self) -> str:
         parts = []
         if self.available_nbytes is not None:
-            parts.append(f"MemAvailable {_gb(self.available_nbytes)}")
+            parts.append(f"MemAvailable {format_gb(self.available_nbytes)}")
         if self.cgroup is not None:
             parts.append(self.cgroup.describe())
         return "; ".join(parts) if parts else "nothing readable"
@@ -207,7 +209,3 @@ def _read_int(file: Path) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
-
-
-def _gb(nbytes: int) -> str:
-    return f"{nbytes / 1e9:.3g} GB"

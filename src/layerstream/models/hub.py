@@ -23,6 +23,7 @@ from typing import Any, Literal
 from layerstream.errors import LayerstreamError
 from layerstream.models.folder_check import MODEL_INDEX, ModelLoadError, check_model_folder
 from layerstream.models.weight_files import WEIGHT_INDEX, weight_file_key
+from layerstream.wording import first_line, format_gb
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 """``org/name``, as the Hub spells repository ids."""
@@ -272,7 +273,7 @@ def _repo_files(repo_id: str, revision: str | None, settings: HubSettings) -> tu
         info = HfApi(endpoint=settings.endpoint).model_info(repo_id, revision=revision, files_metadata=True)
     except Exception as e:
         if _is_network_error(e):
-            raise _NetworkError(_first_line(e)) from e
+            raise _NetworkError(first_line(e)) from e
         raise
     files = {}
     for sibling in info.siblings or []:
@@ -302,7 +303,7 @@ def _fetch_all(repo_id: str, files: list[RepoFile], commit: str, settings: HubSe
     try:
         for number, f in enumerate(todo, 1):
             if not terminal:
-                print(f"layerstream: downloading {repo_id}/{f.name} ({_gb(f.size)}) [{number}/{len(todo)}]",
+                print(f"layerstream: downloading {repo_id}/{f.name} ({format_gb(f.size)}) [{number}/{len(todo)}]",
                       file=sys.stderr, flush=True)  # fmt: skip
             _fetch(repo_id, f.name, commit, settings)
     finally:
@@ -318,8 +319,8 @@ def _check_free_space(repo_id: str, files: list[RepoFile], settings: HubSettings
     free = shutil.disk_usage(where).free
     if needed > free:
         raise ModelLoadError(
-            f"model {repo_id}: the download needs {_gb(needed)} but the cache's filesystem ({settings.cache_dir}) "
-            f"has {_gb(free)} free; free some space or point HF_HUB_CACHE (or HF_HOME) at a larger disk"
+            f"model {repo_id}: the download needs {format_gb(needed)} but the cache's filesystem ({settings.cache_dir}) "
+            f"has {format_gb(free)} free; free some space or point HF_HUB_CACHE (or HF_HOME) at a larger disk"
         )
 
 
@@ -405,12 +406,12 @@ def _hub_errors(repo_id: str, revision: str | None, settings: HubSettings) -> It
             f"model {repo_id}: revision {revision!r} does not exist; pass a branch, tag or commit of the repository"
         ) from e
     except HfHubHTTPError as e:
-        raise ModelLoadError(f"model {repo_id}: the Hub answered {_first_line(e)}") from e
+        raise ModelLoadError(f"model {repo_id}: the Hub answered {first_line(e)}") from e
     except Exception as e:
         if _is_network_error(e):
             raise ModelLoadError(
                 f"model {repo_id}: the download stopped, the Hub at {settings.endpoint} cannot be reached "
-                f"({_first_line(e)}); run again to resume it"
+                f"({first_line(e)}); run again to resume it"
             ) from e
         raise
 
@@ -422,12 +423,3 @@ def _is_network_error(error: BaseException) -> bool:
         return False
     module = type(error).__module__.split(".")[0]
     return module in {"httpx", "httpx2", "requests", "urllib3"} or isinstance(error, (ConnectionError, TimeoutError))
-
-
-def _gb(num_bytes: int) -> str:
-    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e7 else f"{num_bytes / 1e6:.2f} MB"
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__

@@ -40,6 +40,7 @@ from layerstream.request import GenerationError
 from layerstream.server.output_loop import GroupWork, RequestResult, run_group
 from layerstream.server.served import StepObserver
 from layerstream.server.stopping import GenerationStopped, StopReason
+from layerstream.wording import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ class ControlChannel:
         try:
             return function(*args)
         except Exception as e:  # the store's host (torchrun, or rank 0) is gone
-            raise RankGroupError(f"the serving ranks lost their store: {_first_line(e)}") from e
+            raise RankGroupError(f"the serving ranks lost their store: {first_line(e)}") from e
 
 
 class WaveStop:
@@ -294,7 +295,7 @@ class RankRuntime:
             outcome.error, outcome.refused = str(e), True
             logger.info("rank %d: generation refused: %s", self.setup.rank, e)
         except Exception as e:
-            outcome.error = f"{type(e).__name__}: {_first_line(e)}"
+            outcome.error = first_line(e, with_type=True)
             logger.exception("rank %d: generation of wave %d failed", self.setup.rank, message.wave_id)
         if work.placeholder:
             outcome.num_placeholder_steps = sum(len(run.step_seconds) for r in outcome.results for run in r.runs)
@@ -325,8 +326,3 @@ def serve_follower(runtime: RankRuntime, channel: ControlChannel) -> None:
                 runtime.rebuild()
             outcome = RankOutcome(rank, runtime.host_bytes())
         channel.gather(outcome)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

@@ -42,6 +42,7 @@ from layerstream.server.queue import Job, QueueClosedError, QueueFullError
 from layerstream.server.served import GenerationOutput
 from layerstream.server.service import GenerationService, ServedRequest
 from layerstream.server.stopping import GenerationStopped, StopReason
+from layerstream.wording import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -217,8 +218,7 @@ class JobManager:
             elif isinstance(error, ApiError):  # a serving rank was lost
                 self._fail(live, error.code, error.message)
             else:  # the runner logged the traceback
-                lines = str(error).strip().splitlines()
-                self._fail(live, "generation_failed", f"{type(error).__name__}: {lines[0] if lines else '(no message)'}")
+                self._fail(live, "generation_failed", first_line(error, with_type=True))
         finally:
             with self._lock:
                 self._live.pop(live.record.id, None)
