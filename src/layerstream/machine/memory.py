@@ -28,6 +28,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from layerstream.procfs import mem_available_nbytes
 from layerstream.wording import format_gb
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -128,20 +129,7 @@ class HostMemory:
 
 def read_host_memory(proc: Path = PROC, cgroup_root: Path = CGROUP_ROOT) -> HostMemory:
     """The host memory figures of this process (the roots are parameters so that tests can fake them)."""
-    return HostMemory(_mem_available(proc / "meminfo"), _binding_cgroup(proc / "self" / "cgroup", cgroup_root))
-
-
-def _mem_available(meminfo: Path) -> int | None:
-    try:
-        lines = meminfo.read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        name, _, rest = line.partition(":")
-        if name == "MemAvailable":
-            value, *unit = rest.split()
-            return int(value) * (1024 if unit == ["kB"] else 1)
-    return None
+    return HostMemory(mem_available_nbytes(proc), _binding_cgroup(proc / "self" / "cgroup", cgroup_root))
 
 
 def _binding_cgroup(self_cgroup: Path, root: Path) -> CgroupLimit | None:

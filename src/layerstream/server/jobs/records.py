@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Literal
 
+from layerstream.procfs import peak_rss_nbytes
 from layerstream.request import GenerationRequest
 
 JobKind = Literal["video", "image"]
@@ -197,23 +198,11 @@ def run_figures(usage: Any) -> dict[str, float | None]:
     """vllm-omni's figures of a completed job, from its `GenerationUsage`: ``inference_time_s``, the pipeline
     call's seconds (encoding excluded), and ``peak_memory_mb``, the device's peak allocation during it (MiB);
     on a CPU device, which has no such counter, the process's peak resident memory so far (``VmHWM``)."""
-    peak = usage.peak_device_bytes if usage.peak_device_bytes is not None else process_peak_bytes()
+    peak = usage.peak_device_bytes if usage.peak_device_bytes is not None else peak_rss_nbytes()
     return {
         "inference_time_s": round(usage.seconds, 6),
         "peak_memory_mb": round(peak / 2**20, 3) if peak is not None else None,
     }
-
-
-def process_peak_bytes() -> int | None:
-    """This process's peak resident set (``VmHWM`` of /proc/self/status), or None where there is no /proc."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # the kernel writes kB
-    except OSError:
-        return None
-    return None
 
 
 def job_object(record: JobRecord, live: LiveProgress | None, queue_position: int | None) -> dict[str, Any]:
