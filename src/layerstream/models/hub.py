@@ -5,6 +5,14 @@ Only what the pipeline loads is fetched: ``model_index.json``, each component's 
 and its weights in one format (safetensors before ``.bin``, in the variant asked for). Settings are
 huggingface_hub's own and are read when a model is resolved, not at import: ``HF_ENDPOINT``, ``HF_HOME`` /
 ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE`` and the token (``HF_TOKEN`` or a saved login).
+
+huggingface_hub lists the files, downloads them, names the cache's folders and finds a cached snapshot by
+revision. Three things stay here: reading those settings (``huggingface_hub.constants`` reads them once, at
+its import); writing ``refs/<branch>`` (files are fetched by commit, so that a branch that moves during a
+download cannot mix two commits, and huggingface_hub writes a ref only when it resolves the name itself, its
+writer being private); and the download loop (``snapshot_download`` would resolve the revision a second time,
+after the files were chosen from ``model_index.json``, and only warns where the disk is too small, where this
+module refuses before the first weight byte).
 """
 
 from __future__ import annotations
@@ -94,7 +102,9 @@ class HubSettings:
 
     def repo_dir(self, repo_id: str) -> Path:
         """The repository's folder in the cache (huggingface_hub's layout: ``models--org--name``)."""
-        return self.cache_dir / ("models--" + repo_id.replace("/", "--"))
+        from huggingface_hub.file_download import repo_folder_name
+
+        return self.cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
 
 
 @dataclass(frozen=True)
@@ -331,22 +341,20 @@ def _blob_cached(repo_id: str, f: RepoFile, settings: HubSettings) -> bool:
 def _cached_source(
     repo_id: str, revision: str | None, variant: str | None, settings: HubSettings, *, why: str
 ) -> ModelSource:
-    """The cached snapshot of `revision`, read without a request."""
-    repo_dir = settings.repo_dir(repo_id)
+    """The cached snapshot of `revision` (a branch or tag through the cache's ``refs/``), read without a request."""
+    from huggingface_hub import try_to_load_from_cache
+
     wanted = revision or _DEFAULT_REVISION
-    commit = wanted if _COMMIT.fullmatch(wanted) else None
-    ref = repo_dir / "refs" / wanted
-    if commit is None and ref.is_file():
-        commit = ref.read_text().strip()
-    folder = repo_dir / "snapshots" / commit if commit else None
-    if folder is None or not (folder / MODEL_INDEX).is_file():
+    index = try_to_load_from_cache(repo_id, MODEL_INDEX, cache_dir=settings.cache_dir, revision=wanted)
+    if not isinstance(index, str):  # not cached (None), or cached as missing at that commit
         raise ModelLoadError(
             f"model {repo_id}: {why} and no snapshot of revision {wanted} is cached in {settings.cache_dir}; "
             "connect to the network (and unset HF_HUB_OFFLINE) to download it"
         )
+    folder = Path(index).parent
     check_model_folder(folder)
     _check_weights_present(repo_id, folder)
-    return ModelSource(repo_id, folder, "hub", revision, commit, variant)
+    return ModelSource(repo_id, folder, "hub", revision, folder.name, variant)
 
 
 def _check_weights_present(repo_id: str, folder: Path) -> None:
