@@ -145,9 +145,6 @@ def test_runtime_imports_nothing_above_it():
 def test_runtime_top_level_holds_few_modules():
     top = [p.name for p in (PACKAGE_ROOT / "runtime").glob("*.py")]
     assert len(top) <= 8, top
-    if "errors.py" in top:  # only as the last release's import path, which warns and defines nothing
-        alias = (PACKAGE_ROOT / "runtime" / "errors.py").read_text()
-        assert "DeprecationWarning" in alias and "class " not in alias
 
 
 def _top(name: str) -> str:
