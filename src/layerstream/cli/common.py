@@ -162,11 +162,11 @@ def check_device_arg(flag: str, text: str | None) -> None:
     backend = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, torch.mps ...
     is_available = getattr(backend, "is_available", None)
     if not callable(is_available) or not is_available():
-        raise CliError(f"{flag} {text}: {_unavailable(torch, device.type)}")
+        raise CliError(f"{flag} {text!r}: {_unavailable(torch, device.type)}")
     device_count = getattr(backend, "device_count", None)
     if device.index is not None and callable(device_count) and device.index >= device_count():
         count, kind = device_count(), device.type
-        raise CliError(f"{flag} {text}: there are {count} {kind} device(s); expected {kind}:0 to {kind}:{count - 1}")
+        raise CliError(f"{flag} {text!r}: there are {count} {kind} device(s); expected {kind}:0 to {kind}:{count - 1}")
 
 
 def _unavailable(torch, kind: str) -> str:
