@@ -1,7 +1,9 @@
 """layerstream: layerwise weight offloading for diffusion pipelines.
 
-The core (plans, config, resolver, runtime) needs only torch; `Omni` and the built-in tiny models need the
-``diffusers`` extra and are imported on first use.
+What a user calls (`enable_offload`, `Omni`, the config and the plans) and the errors a user catches. The core
+(plans, config, resolver, runtime) needs only torch; `Omni` needs the ``diffusers`` extra and is imported on
+first use. Every other error is a `LayerstreamError` (the disk tier's spill and checkpoint errors are
+`TransferError`s); the command line's, the server's and the benchmarks' errors stay in their packages.
 """
 
 from layerstream.errors import (
@@ -28,23 +30,11 @@ _LAZY = {
     "enable_offload": ("layerstream.offload", "enable_offload"),
     "OffloadHandle": ("layerstream.runtime.modes.handle", "OffloadHandle"),
     "Omni": ("layerstream.omni", "Omni"),
-    # errors of the optional parts (each a LayerstreamError), importable without loading those parts' extras
-    "GenerationError": ("layerstream.request", "GenerationError"),
     "GenerationRequest": ("layerstream.request", "GenerationRequest"),
-    "ModelLoadError": ("layerstream.models.loading", "ModelLoadError"),
+    # what Omni raises of its own (each a LayerstreamError), importable without loading diffusers
+    "GenerationError": ("layerstream.request", "GenerationError"),
+    "ModelLoadError": ("layerstream.models.folder_check", "ModelLoadError"),
     "InputImageError": ("layerstream.models.input_image", "InputImageError"),
-    "CacheFolderError": ("layerstream.models.cache", "CacheFolderError"),
-    "CorruptFolderError": ("layerstream.models.manifest", "CorruptFolderError"),
-    "SafetensorsHeaderError": ("layerstream.models.saved_dtypes", "SafetensorsHeaderError"),
-    "CastReadError": ("layerstream.models.cast_on_load", "CastReadError"),
-    "SpillFileError": ("layerstream.runtime.stores.disk.sources", "SpillFileError"),
-    "CheckpointChangedError": ("layerstream.runtime.stores.disk.sources", "CheckpointChangedError"),
-    "BenchConfigError": ("layerstream.bench.config", "BenchConfigError"),
-    "StrategyError": ("layerstream.bench.strategies", "StrategyError"),
-    "ServeSettingsError": ("layerstream.server.settings", "ServeSettingsError"),
-    "RankGroupError": ("layerstream.server.ranks", "RankGroupError"),
-    "WaveFailedError": ("layerstream.server.waves", "WaveFailedError"),
-    "MachinePlanError": ("layerstream.machine.planner", "MachinePlanError"),
 }
 
 __all__ = [

@@ -102,7 +102,7 @@ def test_output_in_a_folder_that_refuses_files(run_cli):
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
 def test_cuda_on_a_torch_without_cuda(run_cli, device):
     code, error, cache_used = run_cli("generate", "--device", device)
-    assert code == 2 and f"--device {device}: " in error and "--device cpu" in error and not cache_used
+    assert code == 2 and f"--device '{device}': " in error and "--device cpu" in error and not cache_used
 
 
 @pytest.mark.parametrize(

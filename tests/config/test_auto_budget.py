@@ -146,7 +146,7 @@ def test_mapped_pages_under_the_blocks_views_count_as_reclaimable_in_the_cgroup(
     memory = HostMemory(None, cgroup)
     assert memory.releasing_mapped(5 * MB).free_nbytes == 1000 * MB - (600 - 100 - 5) * MB
     assert memory.releasing_mapped(50 * MB).free_nbytes == 1000 * MB - (600 - 100 - 20) * MB  # at most its mapped pages
-    assert "with 0.005 GB mapped under the streamed blocks' views" in memory.releasing_mapped(5 * MB).describe()
+    assert "with 5 MB mapped under the streamed blocks' views" in memory.releasing_mapped(5 * MB).describe()
     assert HostMemory(7 * MB).releasing_mapped(5 * MB).free_nbytes == 7 * MB  # MemAvailable counts them already
 
 

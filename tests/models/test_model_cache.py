@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from layerstream.models.cache import STALE_BUILD_SECONDS, CacheFolderError, cache_root, discard_folder, publish_folder
+from layerstream.processes import process_space, process_start_ticks
 
 
 def test_cache_root_precedence(monkeypatch, tmp_path):
@@ -87,8 +87,8 @@ def test_foreign_folder_is_not_overwritten(tmp_path):
     assert [p.name for p in folder.iterdir()] == ["notes.txt"]
 
 
-def _scratch_name(folder: Path, host: str, pid: int) -> str:
-    return f".{folder.name}.tmp-{host}-{pid}-0123abcd"
+def _scratch_name(folder: Path, space: str, pid: int, start: int | None) -> str:
+    return f".{folder.name}.tmp-{space}-{pid}-{start or 0}-0123abcd"
 
 
 def _dead_pid() -> int:
@@ -100,19 +100,24 @@ def _dead_pid() -> int:
 
 def test_build_folders_of_dead_processes_are_removed_at_the_next_build(tmp_path):
     folder = tmp_path / "m-v1"
-    host = socket.gethostname()
-    dead = tmp_path / _scratch_name(folder, host, _dead_pid())  # crashed a moment ago: removed though recent
-    live = tmp_path / _scratch_name(folder, host, os.getpid())  # a build running in this process: kept
-    elsewhere = tmp_path / _scratch_name(folder, "another-host.example", 1)  # cannot tell: kept while recent
-    old_elsewhere = tmp_path / _scratch_name(folder, "another-host.example", 2)  # cannot tell, but old: removed
-    old_format = tmp_path / ".m-v1.tmp-2-busy"  # an older layerstream's name: kept while recent
-    for leftover in (dead, live, elsewhere, old_elsewhere, old_format):
+    me, space = os.getpid(), process_space()
+    foreign = "00000000" if space != "00000000" else "11111111"  # another machine or pid namespace
+    dead = tmp_path / _scratch_name(folder, space, _dead_pid(), 123)  # crashed a moment ago: removed though recent
+    live = tmp_path / _scratch_name(folder, space, me, process_start_ticks(me))  # a build running in this process: kept
+    reused = tmp_path / _scratch_name(folder, space, me, (process_start_ticks(me) or 0) + 1)  # this pid, an ended process
+    elsewhere = tmp_path / _scratch_name(folder, foreign, 1, 1)  # cannot tell: kept while recent
+    old_elsewhere = tmp_path / _scratch_name(folder, foreign, 2, 1)  # cannot tell, but old: removed
+    old_format = tmp_path / ".m-v1.tmp-2-busy"  # not a tag: kept while recent
+    for leftover in (dead, live, reused, elsewhere, old_elsewhere, old_format):
         leftover.mkdir()
         (leftover / "half.bin").write_text("x")
     old = time.time() - 2 * STALE_BUILD_SECONDS
     os.utime(old_elsewhere, (old, old))
     publish_folder(folder, _writer([]), marker="index.json")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, elsewhere.name, old_format.name, "m-v1"])
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    if sys.platform.startswith("linux"):  # /proc tells a reused pid apart
+        assert reused.name not in kept
+    assert sorted(set(kept) - {reused.name}) == sorted([live.name, elsewhere.name, old_format.name, "m-v1"])
 
 
 def test_discard_folder_removes_it_whole(tmp_path):

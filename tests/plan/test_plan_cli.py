@@ -151,16 +151,6 @@ def test_json(capsys, fake_loader, tiny):
     assert json.loads(out) == {**expected, "model_source": {"model": "wan", "origin": "folder"}}
 
 
-def test_format_bytes():
-    assert [plan_cmd.format_bytes(n) for n in (0, 1023, 1024, 1536 * 1024, 3 * 2**30)] == [
-        "0 B",
-        "1023 B",
-        "1.0 KiB",
-        "1.5 MiB",
-        "3.0 GiB",
-    ]
-
-
 # --- the embedded tiny models, loaded for real --------------------------------------------------------------
 
 

@@ -355,7 +355,7 @@ def test_enable_removes_spill_folders_of_dead_processes_and_never_a_live_ones(tm
     import subprocess
     import sys
 
-    from layerstream.runtime.stores.disk.sources import process_space, process_start_ticks
+    from layerstream.processes import process_space, process_start_ticks
 
     def folder(name: str) -> Path:
         path = tmp_path / name

@@ -81,14 +81,14 @@ def test_four_compatible_requests_run_as_one_batch_each_with_its_own_outputs_and
         health = client.get("/health").json()
         assert health["max_batch_size"] == 4 and health["batch_wait_ms"] == 2000
         batches, requests = metric(client, "layerstream_batch_size_count"), metric(client, "layerstream_batch_size_sum")
-        streamed = metric(client, "layerstream_bytes_streamed_total")
-        per_request = metric(client, "layerstream_request_bytes_streamed_sum")
+        streamed = metric(client, "layerstream_streamed_bytes_total")
+        per_request = metric(client, "layerstream_request_streamed_bytes_sum")
         first = _send_four(batching_server, client)
         assert metric(client, "layerstream_batch_size_count") == batches + 1  # one pipeline call ...
         assert metric(client, "layerstream_batch_size_sum") == requests + 4  # ... for the four requests
-        call_bytes = int(metric(client, "layerstream_bytes_streamed_total") - streamed)
+        call_bytes = int(metric(client, "layerstream_streamed_bytes_total") - streamed)
         shares = [call_bytes * k // 5 for k in (1, 2, 1, 1)]  # by outputs: 1 + 2 + 1 + 1
-        assert metric(client, "layerstream_request_bytes_streamed_sum") - per_request == sum(shares)
+        assert metric(client, "layerstream_request_streamed_bytes_sum") - per_request == sum(shares)
         second = _send_four(batching_server, client)
     outputs = {key: _pngs(first[key]) for key in sorted(first)}
     usages = [first[key].json()["layerstream"] for key in sorted(first)]

@@ -71,14 +71,14 @@ def test_health(client):
 def test_metrics_count_requests_and_runtime(client):
     ok = 'endpoint="/v1/images/generations",status="200"'
     before = metric(client, "layerstream_requests_total", ok)
-    streamed = metric(client, "layerstream_bytes_streamed_total")
+    streamed = metric(client, "layerstream_streamed_bytes_total")
     assert client.post(IMAGES, json={"prompt": "fox", "seed": 1, **SMALL}).status_code == 200
     assert client.post(IMAGES, json={"prompt": "fox", "n": 0}).status_code == 422
     response = client.get("/metrics")
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
     assert metric(client, "layerstream_requests_total", ok) == before + 1
     assert metric(client, "layerstream_requests_total", 'endpoint="/v1/images/generations",status="422"') >= 1
-    assert metric(client, "layerstream_bytes_streamed_total") > streamed
+    assert metric(client, "layerstream_streamed_bytes_total") > streamed
     assert metric(client, "layerstream_request_duration_seconds_count", 'endpoint="/v1/images/generations"') >= 2
     for name in ("layerstream_stall_seconds_total", "layerstream_device_bytes", "layerstream_host_bytes"):
         assert f"\n{name} " in response.text

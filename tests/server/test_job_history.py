@@ -12,7 +12,8 @@ import torch
 from jobs_harness import IMAGE_JOBS, VIDEOS, mp4_frames, png_pixels, wait_for_job
 from serve_harness import metric, wait_until
 
-from layerstream.server.jobs.outputs import read_settings
+from layerstream.outputs import read_output_metadata
+
 
 FAST = {"size": "32x32", "num_inference_steps": 2}
 
@@ -27,7 +28,7 @@ def test_a_restart_keeps_finished_jobs_and_fails_the_running_one(server_factory,
         running = http.post(VIDEOS, json={"prompt": "cut short", "num_frames": 1, "size": "32x32", "num_inference_steps": 200}).json()
         wait_until(lambda: http.get(f"{VIDEOS}/{running['id']}").json()["status"] == "in_progress", what="the long job")
     assert server.terminate() == 0
-    settings = read_settings(data / "outputs" / f"{done['id']}.mp4")
+    settings = read_output_metadata(data / "outputs" / f"{done['id']}.mp4")
     assert (settings["prompt"], settings["seed"], settings["num_frames"], settings["model"]) == ("kept", 4, 5, "tiny-wan")
     assert settings["offload_config"]["mode"] == "layer" and settings["size"] == "32x32"
 
@@ -101,7 +102,7 @@ def test_retention_removes_the_oldest_finished_jobs_first(retaining, tmp_path):
 
         settings_png = http.get(f"{IMAGE_JOBS}/{made[2]}/content").content
         (tmp_path / "out.png").write_bytes(settings_png)
-        assert read_settings(tmp_path / "out.png")["prompt"] == "fox 2"
+        assert read_output_metadata(tmp_path / "out.png")["prompt"] == "fox 2"
         assert Image.open(tmp_path / "out.png").text["prompt"] == "fox 2"
 
 

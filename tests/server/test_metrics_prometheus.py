@@ -1,5 +1,5 @@
-"""/metrics through prometheus_client: well-formed, named as Prometheus advises, the old names kept as
-deprecated aliases, one registry per app, job states, and each job's own share of a batch call's time."""
+"""/metrics through prometheus_client: well-formed, named as Prometheus advises, one registry per app, job
+states, and each job's own share of a batch call's time."""
 
 from __future__ import annotations
 
@@ -19,13 +19,6 @@ from layerstream.server.service import GenerationService
 from layerstream.server.settings import ServeSettings
 from test_service import StandInOmni
 
-# the names served before prometheus_client, kept one release: old name -> new name
-ALIASES = {
-    "layerstream_bytes_streamed": "layerstream_streamed_bytes",
-    "layerstream_disk_bytes_read": "layerstream_disk_read_bytes",
-    "layerstream_request_bytes_streamed": "layerstream_request_streamed_bytes",
-    "layerstream_generation_duration_seconds": "layerstream_job_duration_seconds",
-}
 OFFLOAD = SimpleNamespace(
     bytes_transferred=10, num_transfers=2, num_sync_loads=0, stall_seconds=0.25, device_bytes=5, host_bytes=7,
     pinned_host_bytes=7, slot_bytes=4, max_materialized_blocks=2, disk_bytes_read=9, disk_stall_seconds=0.125,
@@ -68,9 +61,7 @@ def test_the_served_text_is_well_formed_and_named_as_prometheus_advises(app_clie
     assert served and all(name.startswith("layerstream_") for name in served)
     for name, family in served.items():
         assert family.documentation, name
-        deprecated = name in ALIASES
-        assert deprecated == family.documentation.startswith("Deprecated"), name
-        if not deprecated and ("bytes" in name or "seconds" in name):
+        if "bytes" in name or "seconds" in name:
             assert name.endswith(("_bytes", "_seconds")), f"{name}: the unit goes last"
     # route templates label the requests, never the paths clients sent
     text = response.text
@@ -80,20 +71,19 @@ def test_the_served_text_is_well_formed_and_named_as_prometheus_advises(app_clie
     assert "img_gone" not in text and "/no/such/path" not in text
 
 
-def test_the_old_names_are_served_with_the_same_values():
+def test_the_recorded_and_the_offload_figures_are_served_under_one_name_each():
     metrics = ServerMetrics()
     metrics.observe_job(queue_seconds=0.5, seconds=1.5, num_outputs=2, outcome=JobOutcome.OK)
     metrics.observe_request_bytes(123)
     text = render(metrics)
-    served = families(text)
-    for old, new in ALIASES.items():
-        assert served[old].type == served[new].type
-        assert [(s.name.replace(old, new), s.labels, s.value) for s in served[old].samples] == [
-            (s.name, s.labels, s.value) for s in served[new].samples
-        ]
-        assert new in served[old].documentation
     assert sample(text, "layerstream_streamed_bytes_total") == 10
+    assert sample(text, "layerstream_disk_read_bytes_total") == 9
     assert sample(text, "layerstream_job_duration_seconds_sum") == 1.5
+    assert sample(text, "layerstream_request_streamed_bytes_sum") == 123
+    served = families(text)
+    for old in ("layerstream_bytes_streamed", "layerstream_disk_bytes_read", "layerstream_request_bytes_streamed",
+                "layerstream_generation_duration_seconds"):  # the names of before prometheus_client
+        assert old not in served
 
 
 def test_each_app_has_a_registry_of_its_own():

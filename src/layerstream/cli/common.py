@@ -143,7 +143,7 @@ def _not_allowed(shown: str, allowed: str) -> argparse.ArgumentTypeError:
 
 
 def check_device_arg(flag: str, text: str | None) -> None:
-    """Refuse a device this torch cannot use, in one line naming `flag`, before anything loads.
+    """Refuse a device this torch cannot use, in one line naming `flag`, before anything loads or binds a port.
 
     Without this, ``--device cuda`` on a CPU-only torch fails deep inside the first copy with
     ``AssertionError: Torch not compiled with CUDA enabled``. None (the default device) always works.
@@ -159,22 +159,25 @@ def check_device_arg(flag: str, text: str | None) -> None:
         raise CliError(f"{flag} {text!r} is not a device; expected {expected}") from None
     if device.type == "cpu":
         return
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            built_with_cuda = torch.version.cuda is not None or torch.version.hip is not None
-            why = (
-                "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)"
-                if built_with_cuda
-                else f"this torch ({torch.__version__}) was built without CUDA"
-            )
-            raise CliError(f"{flag} {text}: {why}; use --device cpu, or install a torch build for your CUDA")
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            raise CliError(f"{flag} {text}: there are {count} CUDA device(s); expected cuda:0 to cuda:{count - 1}")
-        return
-    available = getattr(getattr(torch, device.type, None), "is_available", None)
-    if not callable(available) or not available():
-        raise CliError(f"{flag} {text}: this torch cannot run on {device.type}; use cpu or cuda")
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, torch.mps ...
+    is_available = getattr(backend, "is_available", None)
+    if not callable(is_available) or not is_available():
+        raise CliError(f"{flag} {text!r}: {_unavailable(torch, device.type)}")
+    device_count = getattr(backend, "device_count", None)
+    if device.index is not None and callable(device_count) and device.index >= device_count():
+        count, kind = device_count(), device.type
+        raise CliError(f"{flag} {text!r}: there are {count} {kind} device(s); expected {kind}:0 to {kind}:{count - 1}")
+
+
+def _unavailable(torch, kind: str) -> str:
+    """Why this torch cannot run on devices of `kind`, and what to do instead."""
+    if kind != "cuda":
+        return f"this torch cannot run on {kind}; use cpu or cuda"
+    if torch.version.cuda is not None or torch.version.hip is not None:
+        why = "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)"
+    else:
+        why = f"this torch ({torch.__version__}) was built without CUDA"
+    return f"{why}; use --device cpu, or install a torch build for your CUDA"
 
 
 def check_output_path(flag: str, path: Path) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from layerstream.cli.common import CliError, add_hub_arguments, parse_config_arg
 from layerstream.cli.plan_machine import add_machine_arguments, run_machine_plan, wants_machine_plan
 from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan
+from layerstream.wording import format_bytes
 
 _COLUMNS = ("component", "category", "source", "action", "blocks", "max block", "streamed", "resident")
 _NUMERIC = frozenset({"blocks", "max block", "streamed", "resident"})
@@ -273,15 +274,3 @@ def _table(rows: list[dict[str, str]]) -> list[str]:
 
     header = line({c: c for c in _COLUMNS})
     return [header, "-" * len(header), *(line(r) for r in rows[:-1]), "-" * len(header), line(rows[-1])]
-
-
-def format_bytes(num_bytes: int) -> str:
-    """Human-readable bytes in binary units: ``512 B``, ``3.2 KiB``, ``1.5 GiB``."""
-    if num_bytes < 1024:
-        return f"{num_bytes} B"
-    value = float(num_bytes)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if value < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")

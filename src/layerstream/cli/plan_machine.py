@@ -99,7 +99,7 @@ def planned_size(args: argparse.Namespace, pipeline: Any) -> dict[str, int]:
 
 
 def machine_plan_lines(result) -> list[str]:
-    from layerstream.plan.host_budget import format_gb
+    from layerstream.wording import format_gb
 
     m, stages = result.machine, result.stage_seconds_per_step
     lines = [

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from layerstream.cli.common import CliError, add_hub_arguments, fetch_before_ranks, parse_config_arg
+from layerstream.cli.common import CliError, add_hub_arguments, check_device_arg, fetch_before_ranks, parse_config_arg
 from layerstream.server.settings import (  # plain data: no serve extra
     DEFAULT_BATCH_WAIT_MS,
     DEFAULT_HOST,
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--link-gbps = {args.link_gbps!r} is not valid; expected a number > 0")
     settings = _settings(args)
     history = _history_settings(args)
-    _check_device(args.device)
+    check_device_arg("--device", args.device)
     if num_ranks > 1 and args.device is not None and ":" in args.device:
         kind = args.device.split(":")[0]
         raise CliError(
@@ -289,32 +289,6 @@ def _open_history(history):
         return JobStore(history)
     except JobStoreError as e:
         raise CliError(str(e).replace("data_dir = ", "--data-dir ", 1)) from e
-
-
-def _check_device(text: str | None) -> None:
-    """Refuse a --device this torch cannot use, before the port is bound or a weight is read."""
-    if text is None:
-        return
-    import torch
-
-    try:
-        device = torch.device(text)
-    except RuntimeError as e:
-        raise CliError(f"--device {text!r} is not a device: {e}") from e
-    if device.type == "cpu":
-        return
-    backend = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, torch.mps ...
-    is_available = getattr(backend, "is_available", None)
-    if not callable(is_available):
-        raise CliError(f"--device {text!r} is not supported; use cpu or cuda[:N]")
-    if not is_available():
-        if device.type == "cuda" and torch.version.cuda is None:
-            raise CliError(f"--device {text!r}: this torch ({torch.__version__}) is built without CUDA; use --device cpu")
-        raise CliError(f"--device {text!r}: no {device.type} device is available; use --device cpu")
-    device_count = getattr(backend, "device_count", None)
-    if device.index is not None and callable(device_count) and device.index >= device_count():
-        count, kind = device_count(), device.type
-        raise CliError(f"--device {text!r}: this machine has {count} {kind} device(s), {kind}:0 to {kind}:{count - 1}")
 
 
 def _configure_server_logging(verbose: bool, access_log: bool) -> None:

@@ -16,6 +16,9 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from layerstream.procfs import mem_available_nbytes
+from layerstream.wording import format_gb
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC = Path("/proc")
 UNLIMITED_NBYTES = 2**62
@@ -52,16 +55,16 @@ class CgroupLimit:
 
     def describe(self) -> str:
         return (
-            f"cgroup v{self.version} {self.folder}: limit {_gb(self.limit_nbytes)} - working set "
-            f"{_gb(self.working_set_nbytes)} (usage {_gb(self.usage_nbytes)} - reclaimable page cache "
-            f"{_gb(self.usage_nbytes - self.working_set_nbytes)}{self._released()}, inactive file "
-            f"{_gb(self.inactive_file_nbytes)})"
+            f"cgroup v{self.version} {self.folder}: limit {format_gb(self.limit_nbytes)} - working set "
+            f"{format_gb(self.working_set_nbytes)} (usage {format_gb(self.usage_nbytes)} - reclaimable page cache "
+            f"{format_gb(self.usage_nbytes - self.working_set_nbytes)}{self._released()}, inactive file "
+            f"{format_gb(self.inactive_file_nbytes)})"
         )
 
     def _released(self) -> str:
         if not self.released_mapped_nbytes:
             return ""
-        return f" with {_gb(self.released_mapped_nbytes)} mapped under the streamed blocks' views"
+        return f" with {format_gb(self.released_mapped_nbytes)} mapped under the streamed blocks' views"
 
     def to_dict(self) -> dict[str, int | str]:
         return {
@@ -101,7 +104,7 @@ class HostMemory:
     def describe(self) -> str:
         parts = []
         if self.available_nbytes is not None:
-            parts.append(f"MemAvailable {_gb(self.available_nbytes)}")
+            parts.append(f"MemAvailable {format_gb(self.available_nbytes)}")
         if self.cgroup is not None:
             parts.append(self.cgroup.describe())
         return "; ".join(parts) if parts else "nothing readable"
@@ -116,20 +119,7 @@ class HostMemory:
 
 def read_host_memory(proc: Path = PROC, cgroup_root: Path = CGROUP_ROOT) -> HostMemory:
     """The host memory figures of this process (the roots are parameters so that tests can fake them)."""
-    return HostMemory(_mem_available(proc / "meminfo"), _binding_cgroup(proc / "self" / "cgroup", cgroup_root))
-
-
-def _mem_available(meminfo: Path) -> int | None:
-    try:
-        lines = meminfo.read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        name, _, rest = line.partition(":")
-        if name == "MemAvailable":
-            value, *unit = rest.split()
-            return int(value) * (1024 if unit == ["kB"] else 1)
-    return None
+    return HostMemory(mem_available_nbytes(proc), _binding_cgroup(proc / "self" / "cgroup", cgroup_root))
 
 
 def _binding_cgroup(self_cgroup: Path, root: Path) -> CgroupLimit | None:
@@ -200,7 +190,3 @@ def _read_int(file: Path) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
-
-
-def _gb(nbytes: int) -> str:
-    return f"{nbytes / 1e9:.3g} GB"

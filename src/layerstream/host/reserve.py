@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from layerstream.models.generation_estimates import block_activation_nbytes, generation_size, latent_tokens
-from layerstream.plan.host_budget import GB, format_gb
+from layerstream.wording import GB, format_gb
 
 FLOOR_NBYTES = round(0.15 * GB)
 """The least reserve: what a generation allocates whatever its size (Python objects, the tokenizer, the scheduler;

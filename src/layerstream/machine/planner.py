@@ -28,11 +28,12 @@ from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB, par
 from layerstream.errors import LayerstreamError
 from layerstream.host.reserve import HostReserve, host_reserve_for
 from layerstream.models.generation_estimates import block_activation_nbytes, latent_tokens
-from layerstream.plan.host_budget import GB, HostBudgetChoice, choose_host_budget, format_gb, host_needs
+from layerstream.plan.host_budget import HostBudgetChoice, choose_host_budget, host_needs
 from layerstream.runtime.packing.lossless_code import ESTIMATED_CODED_FRACTION
 from layerstream.plan.placement import Placement
 from layerstream.timing import ideal
 from layerstream.timing.block_timer import BlockTimer
+from layerstream.wording import GB, format_gb
 
 PROCESS_BASELINE_GB = 0.41
 """Host memory of a Python process that has imported torch, diffusers, transformers and layerstream, before any

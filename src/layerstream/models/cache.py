@@ -6,12 +6,12 @@ import logging
 import os
 import secrets
 import shutil
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from layerstream.errors import LayerstreamError
+from layerstream.processes import owner_has_ended, owner_tag
 
 logger = logging.getLogger(__name__)
 
@@ -93,47 +93,25 @@ def discard_folder(folder: Path) -> None:
 
 
 def _scratch_sibling(folder: Path) -> Path:
-    """A sibling name unique to this host, process and call; the host and pid tell a later build whether
-    the process that made it is still running."""
-    host = socket.gethostname().replace(os.sep, "_") or "localhost"
-    return folder.parent / f".{folder.name}{_BUILD_SUFFIX}{host}-{os.getpid()}-{secrets.token_hex(4)}"
+    """A sibling name unique to this process and call; its `owner_tag` tells a later build whether the process
+    that made it is still running."""
+    return folder.parent / f".{folder.name}{_BUILD_SUFFIX}{owner_tag()}-{secrets.token_hex(4)}"
 
 
 def _remove_stale_builds(folder: Path) -> None:
     """Delete scratch folders for `folder` that dead processes left behind (best effort).
 
-    A folder whose process is known dead (same host, no such pid) goes at once; one whose owner cannot be
-    told goes only when old, since it may belong to a process that is building right now.
+    A folder whose process is known to have ended (`owner_has_ended`: its pid gone, or reused by a later
+    process) goes at once; one whose owner cannot be told (another machine or pid namespace) goes only when
+    old, since it may belong to a process that is building right now.
     """
     prefix = f".{folder.name}{_BUILD_SUFFIX}"
     now = time.time()
     for leftover in folder.parent.glob(f"{prefix}*"):
         try:
-            dead = _owner_is_dead(leftover.name[len(prefix):])
+            dead = owner_has_ended(leftover.name[len(prefix):].rpartition("-")[0])
             if dead or (dead is None and now - leftover.stat().st_mtime > STALE_BUILD_SECONDS):
                 logger.info("removing stale build folder %s", leftover)
                 shutil.rmtree(leftover, ignore_errors=True)
         except OSError:
             continue  # vanished meanwhile, or not ours to stat: nothing to clean
-
-
-def _owner_is_dead(tag: str) -> bool | None:
-    """True if the scratch folder tagged ``HOST-PID-HEX`` belongs to a process on this host that has ended,
-    False if that process runs, None if it cannot be told (another host, an older name format)."""
-    parts = tag.rsplit("-", 2)
-    if len(parts) != 3 or not parts[1].isdigit():
-        return None
-    host, pid = parts[0], int(parts[1])
-    if host != socket.gethostname().replace(os.sep, "_"):
-        return None
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)  # signal 0 checks existence only
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # alive, another user's
-    except OSError:
-        return None
-    return False

@@ -5,6 +5,14 @@ Only what the pipeline loads is fetched: ``model_index.json``, each component's 
 and its weights in one format (safetensors before ``.bin``, in the variant asked for). Settings are
 huggingface_hub's own and are read when a model is resolved, not at import: ``HF_ENDPOINT``, ``HF_HOME`` /
 ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE`` and the token (``HF_TOKEN`` or a saved login).
+
+huggingface_hub lists the files, downloads them, names the cache's folders and finds a cached snapshot by
+revision. Three things stay here: reading those settings (``huggingface_hub.constants`` reads them once, at
+its import); writing ``refs/<branch>`` (files are fetched by commit, so that a branch that moves during a
+download cannot mix two commits, and huggingface_hub writes a ref only when it resolves the name itself, its
+writer being private); and the download loop (``snapshot_download`` would resolve the revision a second time,
+after the files were chosen from ``model_index.json``, and only warns where the disk is too small, where this
+module refuses before the first weight byte).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from typing import Any, Literal
 from layerstream.errors import LayerstreamError
 from layerstream.models.folder_check import MODEL_INDEX, ModelLoadError, check_model_folder
 from layerstream.models.weight_files import WEIGHT_INDEX, weight_file_key
+from layerstream.wording import first_line, format_gb
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 """``org/name``, as the Hub spells repository ids."""
@@ -93,7 +102,9 @@ class HubSettings:
 
     def repo_dir(self, repo_id: str) -> Path:
         """The repository's folder in the cache (huggingface_hub's layout: ``models--org--name``)."""
-        return self.cache_dir / ("models--" + repo_id.replace("/", "--"))
+        from huggingface_hub.file_download import repo_folder_name
+
+        return self.cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
 
 
 @dataclass(frozen=True)
@@ -272,7 +283,7 @@ def _repo_files(repo_id: str, revision: str | None, settings: HubSettings) -> tu
         info = HfApi(endpoint=settings.endpoint).model_info(repo_id, revision=revision, files_metadata=True)
     except Exception as e:
         if _is_network_error(e):
-            raise _NetworkError(_first_line(e)) from e
+            raise _NetworkError(first_line(e)) from e
         raise
     files = {}
     for sibling in info.siblings or []:
@@ -302,7 +313,7 @@ def _fetch_all(repo_id: str, files: list[RepoFile], commit: str, settings: HubSe
     try:
         for number, f in enumerate(todo, 1):
             if not terminal:
-                print(f"layerstream: downloading {repo_id}/{f.name} ({_gb(f.size)}) [{number}/{len(todo)}]",
+                print(f"layerstream: downloading {repo_id}/{f.name} ({format_gb(f.size)}) [{number}/{len(todo)}]",
                       file=sys.stderr, flush=True)  # fmt: skip
             _fetch(repo_id, f.name, commit, settings)
     finally:
@@ -318,8 +329,8 @@ def _check_free_space(repo_id: str, files: list[RepoFile], settings: HubSettings
     free = shutil.disk_usage(where).free
     if needed > free:
         raise ModelLoadError(
-            f"model {repo_id}: the download needs {_gb(needed)} but the cache's filesystem ({settings.cache_dir}) "
-            f"has {_gb(free)} free; free some space or point HF_HUB_CACHE (or HF_HOME) at a larger disk"
+            f"model {repo_id}: the download needs {format_gb(needed)} but the cache's filesystem ({settings.cache_dir}) "
+            f"has {format_gb(free)} free; free some space or point HF_HUB_CACHE (or HF_HOME) at a larger disk"
         )
 
 
@@ -330,22 +341,20 @@ def _blob_cached(repo_id: str, f: RepoFile, settings: HubSettings) -> bool:
 def _cached_source(
     repo_id: str, revision: str | None, variant: str | None, settings: HubSettings, *, why: str
 ) -> ModelSource:
-    """The cached snapshot of `revision`, read without a request."""
-    repo_dir = settings.repo_dir(repo_id)
+    """The cached snapshot of `revision` (a branch or tag through the cache's ``refs/``), read without a request."""
+    from huggingface_hub import try_to_load_from_cache
+
     wanted = revision or _DEFAULT_REVISION
-    commit = wanted if _COMMIT.fullmatch(wanted) else None
-    ref = repo_dir / "refs" / wanted
-    if commit is None and ref.is_file():
-        commit = ref.read_text().strip()
-    folder = repo_dir / "snapshots" / commit if commit else None
-    if folder is None or not (folder / MODEL_INDEX).is_file():
+    index = try_to_load_from_cache(repo_id, MODEL_INDEX, cache_dir=settings.cache_dir, revision=wanted)
+    if not isinstance(index, str):  # not cached (None), or cached as missing at that commit
         raise ModelLoadError(
             f"model {repo_id}: {why} and no snapshot of revision {wanted} is cached in {settings.cache_dir}; "
             "connect to the network (and unset HF_HUB_OFFLINE) to download it"
         )
+    folder = Path(index).parent
     check_model_folder(folder)
     _check_weights_present(repo_id, folder)
-    return ModelSource(repo_id, folder, "hub", revision, commit, variant)
+    return ModelSource(repo_id, folder, "hub", revision, folder.name, variant)
 
 
 def _check_weights_present(repo_id: str, folder: Path) -> None:
@@ -405,12 +414,12 @@ def _hub_errors(repo_id: str, revision: str | None, settings: HubSettings) -> It
             f"model {repo_id}: revision {revision!r} does not exist; pass a branch, tag or commit of the repository"
         ) from e
     except HfHubHTTPError as e:
-        raise ModelLoadError(f"model {repo_id}: the Hub answered {_first_line(e)}") from e
+        raise ModelLoadError(f"model {repo_id}: the Hub answered {first_line(e)}") from e
     except Exception as e:
         if _is_network_error(e):
             raise ModelLoadError(
                 f"model {repo_id}: the download stopped, the Hub at {settings.endpoint} cannot be reached "
-                f"({_first_line(e)}); run again to resume it"
+                f"({first_line(e)}); run again to resume it"
             ) from e
         raise
 
@@ -422,12 +431,3 @@ def _is_network_error(error: BaseException) -> bool:
         return False
     module = type(error).__module__.split(".")[0]
     return module in {"httpx", "httpx2", "requests", "urllib3"} or isinstance(error, (ConnectionError, TimeoutError))
-
-
-def _gb(num_bytes: int) -> str:
-    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e7 else f"{num_bytes / 1e6:.2f} MB"
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__

@@ -28,6 +28,7 @@ from layerstream.models.hub import ModelSource, download_snapshot, looks_like_hu
 from layerstream.models.model_rules import ModelRules, read_model_rules
 from layerstream.models.saved_dtypes import saved_dtypes
 from layerstream.models.tiny import TINY_MODELS, ensure_tiny_model, is_tiny_model_name
+from layerstream.wording import first_line
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -70,7 +71,7 @@ def resolve_model(
         try:
             return ModelSource(str(model), ensure_tiny_model(model), "tiny", variant=variant)
         except OSError as e:  # unwritable cache, a foreign folder in the way, a full disk
-            raise ModelLoadError(f"cannot build tiny model {model}: {type(e).__name__}: {_first_line(e)}") from e
+            raise ModelLoadError(f"cannot build tiny model {model}: {first_line(e, with_type=True)}") from e
     text = os.fspath(model)
     if not text:
         raise ModelLoadError(f"model is empty: pass {_WHAT_MODEL_IS.format(', '.join(TINY_MODELS))}")
@@ -143,7 +144,7 @@ def load_pipeline(
                 cast_from_files_(getattr(pipeline, name), dtype, what=name)
             return pipeline
         except Exception as e:  # any loader failure becomes one line naming the folder; the cause stays chained
-            raise ModelLoadError(f"cannot load the pipeline in {folder}: {type(e).__name__}: {_first_line(e)}") from e
+            raise ModelLoadError(f"cannot load the pipeline in {folder}: {first_line(e, with_type=True)}") from e
         finally:
             readahead.stop()
 
@@ -252,11 +253,6 @@ def hub_offline() -> Iterator[None]:
             os.environ.pop("HF_HUB_OFFLINE", None)
         else:
             os.environ["HF_HUB_OFFLINE"] = previous_env
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else "(no message)"
 
 
 def component_dtypes(pipeline) -> dict[str, str]:

@@ -14,19 +14,11 @@ import os
 import threading
 from pathlib import Path
 
+from layerstream.procfs import mem_available_nbytes
+
 CHUNK_BYTES = 64 * 2**20
 MAX_BYTES = 4 * 2**30
 """At most this much is read ahead: about what a disk reads while the pipeline is built, and then some."""
-
-
-def _available_bytes() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 class Readahead:
@@ -34,7 +26,7 @@ class Readahead:
 
     def __init__(self, files: list[Path], budget: int | None = None):
         self._files = files
-        self._budget = min(MAX_BYTES, _available_bytes() // 4) if budget is None else budget
+        self._budget = min(MAX_BYTES, (mem_available_nbytes() or 0) // 4) if budget is None else budget
         self._stop = threading.Event()
         self.bytes_requested = 0
         self._thread: threading.Thread | None = None

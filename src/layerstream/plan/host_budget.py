@@ -19,15 +19,10 @@ from typing import Any
 
 from layerstream.errors import OffloadError
 from layerstream.plan.resolved import ResolvedOffloadPlan
+from layerstream.wording import GB, format_gb
 
-GB = 1e9
 STAGING_RING = "disk staging ring"
 """The name of the one need that exists only with a disk tier."""
-
-
-def format_gb(nbytes: int) -> str:
-    """Bytes in decimal units (GB as the config's keys count them), MB below a tenth of a GB."""
-    return f"{nbytes / GB:.3g} GB" if abs(nbytes) >= GB / 10 else f"{nbytes / 1e6:.3g} MB"
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,7 @@ from layerstream.server.schemas import (
 from layerstream.server.service import GenerationOutput, GenerationService, ServedRequest
 from layerstream.server.stopping import GenerationStopped, StopReason
 from layerstream.server.ui import add_web_page
+from layerstream.wording import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -362,7 +363,7 @@ async def _await_job(service: GenerationService, job: Job, request: Request) -> 
     except GenerationError as e:
         raise ApiError(400, str(e), code="invalid_for_model") from None
     except Exception as e:  # the worker logged the traceback; the client gets one line
-        message = f"generation failed: {type(e).__name__}: {_first_line(e)}"
+        message = f"generation failed: {first_line(e, with_type=True)}"
         raise ApiError(500, message, code="generation_failed") from None
     finally:
         client_gone.cancel()
@@ -432,8 +433,3 @@ def _limit_flags(service: GenerationService, endpoint_kind: str) -> str:
 
 def _ok(response: BaseModel) -> JSONResponse:
     return JSONResponse(response.model_dump())
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else "(no message)"

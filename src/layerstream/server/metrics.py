@@ -3,8 +3,7 @@
 `ServerMetrics` holds what the app and the worker record as they go (requests, jobs, batches, job states);
 what the service holds (its queue, the offload runtime's counters) is read when scraped and passed to
 `render`. Names follow Prometheus' advice (base units, ``_total`` counters, ``_bytes`` and ``_seconds``
-suffixes); the few names that did not are still served for one release, with help text that says
-"Deprecated" and names the new one.
+suffixes).
 """
 
 from __future__ import annotations
@@ -52,10 +51,6 @@ class QueueState:
     """Requests in the running pipeline call (more than 1: a batch)."""
 
 
-def _deprecated(new_name: str) -> str:
-    return f"Deprecated: the same as {new_name}, under the name it had before; removed in the next release."
-
-
 class ServerMetrics:
     """What the app records as it answers, in its own `registry`; thread-safe (the worker thread records
     jobs, the event loop requests)."""
@@ -76,13 +71,9 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS, registry=registry,
         )  # fmt: skip
         job_help = "Time the worker spent on a job: a job of a batch, its share (by outputs) of the batch call."
-        self._job_seconds = [
-            Histogram("layerstream_job_duration_seconds", job_help, buckets=LATENCY_BUCKETS, registry=registry),
-            Histogram(
-                "layerstream_generation_duration_seconds", _deprecated("layerstream_job_duration_seconds"),
-                buckets=LATENCY_BUCKETS, registry=registry,
-            ),
-        ]  # fmt: skip
+        self._job_seconds = Histogram(
+            "layerstream_job_duration_seconds", job_help, buckets=LATENCY_BUCKETS, registry=registry
+        )
         self._outputs = Counter(
             "layerstream_generations",
             "Outputs generated (ok), and outputs of jobs that failed (error) or were stopped (stopped).",
@@ -93,13 +84,9 @@ class ServerMetrics:
             buckets=BATCH_SIZE_BUCKETS, registry=registry,
         )  # fmt: skip
         bytes_help = "Bytes copied host to device per request: its share, by outputs, of its batch's."
-        self._request_bytes = [
-            Histogram("layerstream_request_streamed_bytes", bytes_help, buckets=BYTES_BUCKETS, registry=registry),
-            Histogram(
-                "layerstream_request_bytes_streamed", _deprecated("layerstream_request_streamed_bytes"),
-                buckets=BYTES_BUCKETS, registry=registry,
-            ),
-        ]  # fmt: skip
+        self._request_bytes = Histogram(
+            "layerstream_request_streamed_bytes", bytes_help, buckets=BYTES_BUCKETS, registry=registry
+        )
         self._jobs = Gauge(
             "layerstream_jobs", "Jobs of the job API (/v1/videos, /v1/images/jobs) the server holds, by status.",
             ["status"], registry=registry,
@@ -122,8 +109,7 @@ class ServerMetrics:
 
     def observe_job_duration(self, seconds: float) -> None:
         """The worker's time on one job; for a job of a batch, its own share of the call, not the call's time."""
-        for histogram in self._job_seconds:
-            histogram.observe(seconds)
+        self._job_seconds.observe(seconds)
 
     def count_outputs(self, num_outputs: int, outcome: JobOutcome) -> None:
         self._outputs.labels(outcome=str(outcome)).inc(num_outputs)
@@ -143,8 +129,7 @@ class ServerMetrics:
 
     def observe_request_bytes(self, num_bytes: int) -> None:
         """Bytes streamed for one request: its share, by outputs, of what its batch streamed."""
-        for histogram in self._request_bytes:
-            histogram.observe(num_bytes)
+        self._request_bytes.observe(num_bytes)
 
     def record_job_state(self, job_id: str, status: str) -> None:
         """Job `job_id` of the job API is now in `status` (one of `JOB_STATES`): it moves between the series
@@ -211,29 +196,24 @@ def _queue_families(queue: QueueState) -> list[Metric]:
 
 
 def _offload_families(offload: Any) -> Iterator[Metric]:
-    for name, kind, attr, help_text, old_name in _OFFLOAD_METRICS:
-        value = getattr(offload, attr, 0)
+    for name, kind, attr, help_text in _OFFLOAD_METRICS:
         family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-        yield family(name, help_text, value=value)
-        if old_name is not None:
-            yield family(old_name, _deprecated(f"{name}_total" if kind == "counter" else name), value=value)
+        yield family(name, help_text, value=getattr(offload, attr, 0))
 
 
-# name (without _total for counters), type, OffloadStats attribute, help, the name it had before (or None)
+# name (without _total for counters), type, OffloadStats attribute, help
 _OFFLOAD_METRICS = (
-    ("layerstream_streamed_bytes", "counter", "bytes_transferred", "Bytes copied host to device by offload.",
-     "layerstream_bytes_streamed"),
-    ("layerstream_transfers", "counter", "num_transfers", "Block (or module) copies issued.", None),
-    ("layerstream_sync_loads", "counter", "num_sync_loads", "Blocks loaded synchronously (not prefetched).", None),
-    ("layerstream_stall_seconds", "counter", "stall_seconds", "Time compute waited for weight copies.", None),
-    ("layerstream_device_bytes", "gauge", "device_bytes", "Device bytes held: resident tensors plus the slot ring.", None),
-    ("layerstream_host_bytes", "gauge", "host_bytes", "Host bytes held by the store of streamed blocks.", None),
-    ("layerstream_pinned_host_bytes", "gauge", "pinned_host_bytes", "Pinned part of the host store.", None),
-    ("layerstream_slot_bytes", "gauge", "slot_bytes", "Bytes of the device slot ring.", None),
-    ("layerstream_disk_read_bytes", "counter", "disk_bytes_read", "Bytes the disk tier read (host_budget_gb).",
-     "layerstream_disk_bytes_read"),
-    ("layerstream_disk_stall_seconds", "counter", "disk_stall_seconds", "Time compute waited on disk-tier reads.", None),
-    ("layerstream_host_pool_bytes", "gauge", "host_pool_bytes", "Host pool shared by alternating DiTs (in host bytes).", None),
-    ("layerstream_disk_staging_bytes", "gauge", "disk_staging_bytes", "Staging ring of the disk tier (beyond the budget).", None),
-    ("layerstream_max_materialized_blocks", "gauge", "max_materialized_blocks", "Most blocks bound to slots at once.", None),
+    ("layerstream_streamed_bytes", "counter", "bytes_transferred", "Bytes copied host to device by offload."),
+    ("layerstream_transfers", "counter", "num_transfers", "Block (or module) copies issued."),
+    ("layerstream_sync_loads", "counter", "num_sync_loads", "Blocks loaded synchronously (not prefetched)."),
+    ("layerstream_stall_seconds", "counter", "stall_seconds", "Time compute waited for weight copies."),
+    ("layerstream_device_bytes", "gauge", "device_bytes", "Device bytes held: resident tensors plus the slot ring."),
+    ("layerstream_host_bytes", "gauge", "host_bytes", "Host bytes held by the store of streamed blocks."),
+    ("layerstream_pinned_host_bytes", "gauge", "pinned_host_bytes", "Pinned part of the host store."),
+    ("layerstream_slot_bytes", "gauge", "slot_bytes", "Bytes of the device slot ring."),
+    ("layerstream_disk_read_bytes", "counter", "disk_bytes_read", "Bytes the disk tier read (host_budget_gb)."),
+    ("layerstream_disk_stall_seconds", "counter", "disk_stall_seconds", "Time compute waited on disk-tier reads."),
+    ("layerstream_host_pool_bytes", "gauge", "host_pool_bytes", "Host pool shared by alternating DiTs (in host bytes)."),
+    ("layerstream_disk_staging_bytes", "gauge", "disk_staging_bytes", "Staging ring of the disk tier (beyond the budget)."),
+    ("layerstream_max_materialized_blocks", "gauge", "max_materialized_blocks", "Most blocks bound to slots at once."),
 )  # fmt: skip

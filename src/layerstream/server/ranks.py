@@ -1,14 +1,15 @@
-"""Serving on several ranks: the groups they talk over, and what every rank runs in a wave.
+"""Serving on several ranks: how they talk, and what every rank runs in a wave.
 
 `layerstream serve --nproc N` (or under torchrun) runs N ranks, one device each, every one holding the same
 pipeline. Rank 0 serves HTTP and hands out waves (`layerstream.server.waves`); every rank, rank 0 included,
 runs its share of a wave through a `RankRuntime`, and the other ranks loop in `serve_follower`.
 
-Three process groups, because a group must see its collectives in one order on every rank:
-- the default group (`init_distributed`): the start (rank 0 builds an embedded model before the others
-  read it) and the leaving barrier;
-- the control group (gloo, CPU objects): rank 0's worker thread broadcasts each `WaveMessage` and gathers each
-  rank's `RankOutcome`; the followers' main threads answer;
+The ranks talk three ways, because a process group must see its collectives in one order on every rank:
+- the default group (`init_distributed`): the start alone (rank 0 builds an embedded model before the others
+  read it);
+- torchrun's key-value store (a TCPStore, a client of each rank's own, under a prefix per run): rank 0's
+  worker thread sets each `WaveMessage` there and reads each rank's `RankOutcome` back, with heartbeats
+  (`ControlChannel`); no collective, so a rank that finished its share first waits without a timeout;
 - the offload group: allgather's block transfers, which its copy thread issues at any time (the last block
   prefetches the first after every forward). It is replaced after a failed wave: a rank that raised inside a
   block leaves its peers' transfers unmatched, and that group cannot be trusted again.
@@ -39,6 +40,7 @@ from layerstream.request import GenerationError
 from layerstream.server.output_loop import GroupWork, RequestResult, run_group
 from layerstream.server.served import StepObserver
 from layerstream.server.stopping import GenerationStopped, StopReason
+from layerstream.wording import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +206,7 @@ class ControlChannel:
         try:
             return function(*args)
         except Exception as e:  # the store's host (torchrun, or rank 0) is gone
-            raise RankGroupError(f"the serving ranks lost their store: {_first_line(e)}") from e
+            raise RankGroupError(f"the serving ranks lost their store: {first_line(e)}") from e
 
 
 class WaveStop:
@@ -293,7 +295,7 @@ class RankRuntime:
             outcome.error, outcome.refused = str(e), True
             logger.info("rank %d: generation refused: %s", self.setup.rank, e)
         except Exception as e:
-            outcome.error = f"{type(e).__name__}: {_first_line(e)}"
+            outcome.error = first_line(e, with_type=True)
             logger.exception("rank %d: generation of wave %d failed", self.setup.rank, message.wave_id)
         if work.placeholder:
             outcome.num_placeholder_steps = sum(len(run.step_seconds) for r in outcome.results for run in r.runs)
@@ -324,8 +326,3 @@ def serve_follower(runtime: RankRuntime, channel: ControlChannel) -> None:
                 runtime.rebuild()
             outcome = RankOutcome(rank, runtime.host_bytes())
         channel.gather(outcome)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

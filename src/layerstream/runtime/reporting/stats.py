@@ -8,6 +8,8 @@ from dataclasses import asdict, astuple, dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from layerstream.wording import format_bytes
+
 
 @dataclass(frozen=True)
 class ComponentStats:
@@ -77,34 +79,34 @@ class OffloadStats(ComponentStats):
     def __str__(self) -> str:
         """A readable multi-line summary (the dataclass repr stays available through `repr`)."""
         lines = [
-            f"offload ({self.engine or 'none'}): {self.num_slots} slots, {_bytes(self.slot_bytes)} of slots, "
+            f"offload ({self.engine or 'none'}): {self.num_slots} slots, {format_bytes(self.slot_bytes)} of slots, "
             f"at most {self.max_materialized_blocks} blocks bound at once",
-            f"  device {_bytes(self.device_bytes)}, host {_bytes(self.host_bytes)} "
-            f"({_bytes(self.pinned_host_bytes)} pinned)",
-            f"  streamed {_bytes(self.bytes_transferred)} in {self.num_transfers} transfers, "
+            f"  device {format_bytes(self.device_bytes)}, host {format_bytes(self.host_bytes)} "
+            f"({format_bytes(self.pinned_host_bytes)} pinned)",
+            f"  streamed {format_bytes(self.bytes_transferred)} in {self.num_transfers} transfers, "
             f"{self.num_sync_loads} synchronous loads, {self.stall_seconds:.3f} s stalled",
         ]
         if self.disk_bytes_read:
             lines.append(
-                f"  read from disk (blocks beyond host_budget_gb): {_bytes(self.disk_bytes_read)}, "
+                f"  read from disk (blocks beyond host_budget_gb): {format_bytes(self.disk_bytes_read)}, "
                 f"{self.disk_stall_seconds:.3f} s stalled on the disk"
             )
         if self.host_pool_bytes or self.disk_staging_bytes:
             lines.append(
-                f"  host pool of alternating DiTs {_bytes(self.host_pool_bytes)} (in host), disk staging ring "
-                f"{_bytes(self.disk_staging_bytes)}"
+                f"  host pool of alternating DiTs {format_bytes(self.host_pool_bytes)} (in host), disk staging ring "
+                f"{format_bytes(self.disk_staging_bytes)}"
             )
         if self.lossless_decoded_bytes:
             lines.append(
-                f"  lossless: {_bytes(self.lossless_stored_bytes)} stored for {_bytes(self.lossless_decoded_bytes)} "
+                f"  lossless: {format_bytes(self.lossless_stored_bytes)} stored for {format_bytes(self.lossless_decoded_bytes)} "
                 f"decoded ({self.lossless_stored_bytes / self.lossless_decoded_bytes:.3f}x)"
             )
         if self.bytes_written_back:
-            lines.append(f"  buffers written back: {_bytes(self.bytes_written_back)}")
+            lines.append(f"  buffers written back: {format_bytes(self.bytes_written_back)}")
         for path, c in self.per_component.items():
             lines.append(
                 f"  {path}: {c.num_streamed_blocks} streamed + {c.num_resident_blocks} resident blocks, "
-                f"device {_bytes(c.device_bytes)}, host {_bytes(c.host_bytes)}, {c.num_transfers} transfers"
+                f"device {format_bytes(c.device_bytes)}, host {format_bytes(c.host_bytes)}, {c.num_transfers} transfers"
             )
         for path, text in self.residency.items():
             lines.append(f"  residency {path}: {text}")
@@ -176,12 +178,3 @@ class StreamCounters:
 
     def __sub__(self, other: StreamCounters) -> StreamCounters:
         return StreamCounters(*(mine - theirs for mine, theirs in zip(astuple(self), astuple(other))))
-
-
-def _bytes(num_bytes: int) -> str:
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")

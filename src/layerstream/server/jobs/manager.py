@@ -44,6 +44,7 @@ from layerstream.server.queue import Job, QueueClosedError, QueueFullError
 from layerstream.server.served import GenerationOutput
 from layerstream.server.service import GenerationService, ServedRequest
 from layerstream.server.stopping import GenerationStopped, StopReason
+from layerstream.wording import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -240,8 +241,7 @@ class JobManager:
         elif isinstance(error, sqlite3.Error):  # marking it in progress failed: it never ran
             self._fail(live, "database_error", f"the job database refused a write: {error}")
         else:  # the runner logged the traceback
-            lines = str(error).strip().splitlines()
-            self._fail(live, "generation_failed", f"{type(error).__name__}: {lines[0] if lines else '(no message)'}")
+            self._fail(live, "generation_failed", first_line(error, with_type=True))
 
     def _fail_unstored(self, live: _LiveJob, error: Exception) -> None:
         """Fail a job whose outcome could not be stored: in the database if it takes the row, else in memory

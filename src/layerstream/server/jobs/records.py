@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Literal
 
+from layerstream.procfs import peak_rss_nbytes
 from layerstream.request import GenerationRequest
 
 JobKind = Literal["video", "image"]
@@ -32,11 +33,6 @@ STEPS_PERCENT = 90
 DECODED_PERCENT = 95
 
 
-RECORD_VERSION = 2
-"""The form `JobRecord.to_dict` writes: 2, the `GenerationRequest` and the `JobSettings`; 1 (no ``version``
-key), every setting in one flat ``settings`` object, still read (`_request_and_settings_v1`)."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class JobSettings:
     """What only a job has, beside the `GenerationRequest` it runs."""
@@ -49,7 +45,7 @@ class JobSettings:
     """Whether the job had an input image (the request's image is not kept in the history)."""
     model_revision: str | None = None
     """A Hub model's revision as asked (``main``) and the commit it was (`model_commit`); None for a folder or a
-    tiny model, and in records written before these fields existed."""
+    tiny model."""
     model_commit: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -120,10 +116,10 @@ class JobRecord:
         return replace(self, status=status, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """The record as the store keeps it (JSON-ready, `RECORD_VERSION`); `from_dict` reads it back."""
+        """The record as the store keeps it (JSON-ready); `from_dict` reads it back."""
         request = {name: value for name, value in self.request.to_dict().items() if name != "image"}
         return {
-            "version": RECORD_VERSION, "id": self.id, "kind": self.kind, "model": self.model,
+            "id": self.id, "kind": self.kind, "model": self.model,
             "status": str(self.status), "created_at": self.created_at, "request": request,
             "settings": self.settings.to_dict(), "seconds": self.seconds, "progress": self.progress,
             "completed_at": self.completed_at, "error": self.error, "output_name": self.output_name,
@@ -132,35 +128,11 @@ class JobRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobRecord:
-        """A record as `to_dict` writes it, or as version 1 did (one flat ``settings`` object)."""
-        data = dict(data)
-        version = data.pop("version", 1)
-        if version == 1:
-            data["request"], data["settings"] = _request_and_settings_v1(data["kind"], data["settings"])
-        else:
-            data["request"] = GenerationRequest.from_dict(data["request"])
-            data["settings"] = JobSettings.from_dict(data["settings"])
-        return cls(**{**data, "status": JobStatus(data["status"])})
-
-
-def _request_and_settings_v1(kind: JobKind, old: dict[str, Any]) -> tuple[GenerationRequest, JobSettings]:
-    """A version 1 record's flat settings as the request and the job settings they describe (its vllm-omni
-    fields and model revision absent in the oldest of them)."""
-    width, height = (int(side) for side in old["size"].split("x")) if old["size"] != "auto" else (None, None)
-    request = GenerationRequest(
-        prompt=old["prompt"], negative_prompt=old["negative_prompt"], width=width, height=height,
-        num_frames=old["num_frames"], fps=old["fps"], num_inference_steps=old["num_inference_steps"],
-        seed=old["seed"], guidance_scale=old["guidance_scale"], guidance_scale_2=old.get("guidance_scale_2"),
-        true_cfg_scale=old.get("true_cfg_scale"), boundary_ratio=old.get("boundary_ratio"),
-        flow_shift=old.get("flow_shift"),
-    )  # fmt: skip
-    settings = JobSettings(
-        output_format="mp4" if kind == "video" else "png",
-        has_input_image=old["has_input_image"],
-        model_revision=old.get("model_revision"),
-        model_commit=old.get("model_commit"),
-    )
-    return request, settings
+        """A record as `to_dict` writes it."""
+        return cls(**{
+            **data, "status": JobStatus(data["status"]), "request": GenerationRequest.from_dict(data["request"]),
+            "settings": JobSettings.from_dict(data["settings"]),
+        })  # fmt: skip
 
 
 @dataclass
@@ -226,23 +198,11 @@ def run_figures(usage: Any) -> dict[str, float | None]:
     """vllm-omni's figures of a completed job, from its `GenerationUsage`: ``inference_time_s``, the pipeline
     call's seconds (encoding excluded), and ``peak_memory_mb``, the device's peak allocation during it (MiB);
     on a CPU device, which has no such counter, the process's peak resident memory so far (``VmHWM``)."""
-    peak = usage.peak_device_bytes if usage.peak_device_bytes is not None else process_peak_bytes()
+    peak = usage.peak_device_bytes if usage.peak_device_bytes is not None else peak_rss_nbytes()
     return {
         "inference_time_s": round(usage.seconds, 6),
         "peak_memory_mb": round(peak / 2**20, 3) if peak is not None else None,
     }
-
-
-def process_peak_bytes() -> int | None:
-    """This process's peak resident set (``VmHWM`` of /proc/self/status), or None where there is no /proc."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # the kernel writes kB
-    except OSError:
-        return None
-    return None
 
 
 def job_object(record: JobRecord, live: LiveProgress | None, queue_position: int | None) -> dict[str, Any]:

@@ -35,9 +35,9 @@ OUTPUTS_FOLDER = "outputs"
 SERVING_FOLDER = "serving"
 """Hard links to outputs being downloaded (`serve_output`): a job deleted meanwhile keeps sending its bytes."""
 LOCK_NAME = "lock"
-SCHEMA_VERSION = 2
-"""2: records of `RECORD_VERSION` 2 beside those of 1, which are read as they are (a version-1 layerstream,
-which cannot read the new ones, refuses the database)."""
+SCHEMA_VERSION = 3
+"""The form of the table and of its records (`JobRecord.to_dict`); a history of another form is refused (1 and 2:
+those of development versions before 0.1)."""
 # what write_output writes (a job's output, or its temporary file): only these may be removed unasked, since
 # --data-dir may name a folder whose outputs/ also holds other files (another tool's results)
 _JOB_FILE = re.compile(rf"\.?(video|image)_[0-9a-f]+({re.escape(PARTIAL_MARK)}[0-9a-f]+)?\.(mp4|png)")
@@ -90,6 +90,11 @@ class JobStore:
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
             raise sqlite3.DatabaseError(f"schema version {version} is newer than this layerstream's {SCHEMA_VERSION}")
+        if 0 < version < SCHEMA_VERSION:  # 0: a new database
+            raise sqlite3.DatabaseError(
+                f"schema version {version} is a development version's, before this layerstream's {SCHEMA_VERSION}; "
+                "start a new history in another folder"
+            )
         with self._db:
             self._db.execute(_SCHEMA)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from layerstream.errors import TransferError
+from layerstream.processes import OWNER_TAG, owner_has_ended, owner_tag
 from layerstream.runtime.packing.file_reads import FileRange, FileReader, drop_cached_pages
 from layerstream.runtime.packing.layout import ALIGN_BYTES
 
@@ -32,7 +33,7 @@ _HEADER = struct.Struct("<8sQI")  # magic, payload bytes, CRC-32 of the payload
 HEADER_BYTES = ALIGN_BYTES
 """The payload starts here: aligned, so that a read lands at the same residue as the slot."""
 SPILL_FOLDER_PREFIX = "enable-"
-_SPILL_FOLDER = re.compile(r"^enable-(?P<space>[0-9a-f]{8})-(?P<pid>\d+)-(?P<start>\d+)-")
+_SPILL_FOLDER = re.compile(rf"^{SPILL_FOLDER_PREFIX}(?P<owner>{OWNER_TAG})-")
 
 
 class SpillFileError(TransferError):
@@ -43,44 +44,9 @@ class CheckpointChangedError(TransferError):
     """A checkpoint file the disk tier reads blocks from was replaced, truncated or removed since enable."""
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """When process `pid` started (clock ticks since boot, from /proc), 0 where /proc does not say, None if the
-    process does not exist. With the pid it names one process: a pid reused by a later process starts later."""
-    if os.name != "posix":
-        return 0  # no signal 0 to probe with (on Windows os.kill would act on the process): count it as alive
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass  # another user's process: alive
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return 0
-    # the command name (field 2) may hold spaces and parentheses: count fields after its closing parenthesis
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    return int(fields[19])  # field 22, starttime
-
-
-def process_space() -> str:
-    """Where this process's pids mean something: its boot and pid namespace (8 hex digits). A `disk_dir` shared
-    with other machines or containers holds folders whose pids cannot be checked from here."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            key = f.read().strip() + os.readlink("/proc/self/ns/pid")
-    except OSError:
-        import socket
-
-        key = socket.gethostname()
-    return f"{zlib.crc32(key.encode()):08x}"
-
-
 def spill_folder_prefix() -> str:
-    """The name this process's spill folders start with: its pid space, pid and start time."""
-    pid = os.getpid()
-    return f"{SPILL_FOLDER_PREFIX}{process_space()}-{pid}-{process_start_ticks(pid) or 0}-"
+    """The name this process's spill folders start with: its pid space, pid and start time (`owner_tag`)."""
+    return f"{SPILL_FOLDER_PREFIX}{owner_tag()}-"
 
 
 def remove_stale_spill_folders(root: Path) -> list[Path]:
@@ -88,18 +54,14 @@ def remove_stale_spill_folders(root: Path) -> list[Path]:
     process's folder, a folder from another machine or pid namespace (its pid cannot be checked here), and
     anything not named by this module are left alone. Returns the folders removed."""
     removed = []
-    space = process_space()
     try:
         entries = list(root.iterdir())
     except OSError:
         return removed
     for entry in entries:
         match = _SPILL_FOLDER.match(entry.name)
-        if match is None or match["space"] != space or not entry.is_dir():
-            continue
-        started = process_start_ticks(int(match["pid"]))
-        if started is not None and started in (0, int(match["start"])):
-            continue  # alive (or alive without /proc to tell a reused pid apart): never touch it
+        if match is None or not entry.is_dir() or not owner_has_ended(match["owner"]):
+            continue  # alive, or where this process cannot tell: never touch it
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry)
     if removed:
