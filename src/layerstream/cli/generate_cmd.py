@@ -358,9 +358,10 @@ def _read_image_arg(path: str | None):
 def _check_image_input(args: argparse.Namespace, omni) -> None:
     """--image against what the loaded model takes, before the first step."""
     pipeline_name = type(omni.pipeline).__name__
-    if args.image is not None and omni.image_input == "none":
+    problem = omni.rules.image_problem(has_image=args.image is not None)
+    if problem == "takes_none":
         raise CliError(f"--image {args.image}: {args.model} ({pipeline_name}) takes no input image; drop --image")
-    if args.image is None and omni.image_input == "required":
+    if problem == "required":
         raise CliError(f"{args.model} ({pipeline_name}) generates from an input image; pass --image PATH")
 
 
