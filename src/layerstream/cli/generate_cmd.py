@@ -14,11 +14,11 @@ from layerstream.cli.common import (
     check_device_arg,
     check_output_path,
     fetch_before_ranks,
-    non_negative_float,
     parse_config_arg,
     positive_float,
     positive_int,
     prompt_text,
+    request_value,
     seed_int,
 )
 from layerstream.cli.generate_summary import print_table, summary
@@ -31,7 +31,7 @@ from layerstream.models.output_limits import (
     LimitViolation,
     check_output_caps,
 )
-from layerstream.request import GenerationError, GenerationRequest
+from layerstream.request import FIELD_BOUNDS, GenerationError, GenerationRequest
 
 DATA_PARALLEL_CONFIG = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"weight_transfer": "allgather"}}}
 """The default config with --nproc > 1: every rank keeps 1/N of the DiT's blocks and they are all-gathered."""
@@ -67,48 +67,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--width the output takes its size, rounded down to the model's size multiple",
     )
     parser.add_argument(
-        "--height", type=positive_int, default=None,
+        "--height", type=request_value("height"), default=None,
         help="pixels, a multiple of the model's size step (16 for the tiny models), at most --max-size (default: the model's)",
     )
-    parser.add_argument("--width", type=positive_int, default=None, help="pixels, as --height")
+    parser.add_argument("--width", type=request_value("width"), default=None, help="pixels, as --height")
     parser.add_argument(
-        "--num-frames", type=positive_int, default=None, help="video models only; at most --max-frames (default: the model's)"
+        "--num-frames", type=request_value("num_frames"), default=None, help="video models only; at most --max-frames (default: the model's)"
     )
-    parser.add_argument("--steps", type=positive_int, default=None, dest="num_inference_steps", help="denoising steps")
+    parser.add_argument(
+        "--steps", type=request_value("num_inference_steps"), default=None, dest="num_inference_steps",
+        help=f"denoising steps, {FIELD_BOUNDS['num_inference_steps'].allowed()} (default: the model's)",
+    )
     parser.add_argument(
         "--guidance-scale",
-        type=non_negative_float,
+        type=request_value("guidance_scale"),
         default=None,
-        help="classifier-free guidance scale, a number >= 0; 1 or less turns guidance off (default: the model's)",
+        help=f"classifier-free guidance scale, {FIELD_BOUNDS['guidance_scale'].allowed()}; 1 or less turns guidance off (default: the model's)",
     )
     parser.add_argument(
         "--seed", type=seed_int, default=0,
         help=f"random seed, 0 to {MAX_SEED} (2**64 - 1); rank r of --nproc uses seed + r (default: 0)",
     )
     parser.add_argument(
-        "--guidance-scale-2", type=non_negative_float, default=None,
+        "--guidance-scale-2", type=request_value("guidance_scale_2"), default=None,
         help="two-expert models (Wan 2.2 A14B): the low-noise expert's guidance scale (default: --guidance-scale)",
     )
     parser.add_argument(
-        "--true-cfg-scale", type=non_negative_float, default=None,
+        "--true-cfg-scale", type=request_value("true_cfg_scale"), default=None,
         help="models with a true_cfg_scale argument (Flux, Qwen-Image): that argument; --guidance-scale then goes to "
         "the model's own guidance_scale",
     )
     parser.add_argument(
-        "--boundary-ratio", type=non_negative_float, default=None,
+        "--boundary-ratio", type=request_value("boundary_ratio"), default=None,
         help="two-expert models: where the second expert takes over, a fraction of the timesteps from 0 to 1 "
         "(default: the model's config)",
     )
     parser.add_argument(
-        "--flow-shift", type=positive_float, default=None,
+        "--flow-shift", type=request_value("flow_shift"), default=None,
         help="models whose scheduler has a flow_shift (Wan): its value for this run (default: the model's)",
     )
     parser.add_argument(
-        "--fps", type=positive_int, default=None,
-        help="frames per second of saved video (default: the model's: Wan 16, LTX 24)",
+        "--fps", type=request_value("fps"), default=None,
+        help=f"frames per second of saved video, {FIELD_BOUNDS['fps'].allowed()} (default: the model's: Wan 16, LTX 24)",
     )
     parser.add_argument(
-        "--max-size", type=positive_int, default=DEFAULT_MAX_SIDE_PIXELS, dest="max_side_pixels",
+        "--max-size", type=request_value("max_side_pixels"), default=DEFAULT_MAX_SIDE_PIXELS, dest="max_side_pixels",
         help=f"largest --height or --width accepted, as the server's --max-size (default: {DEFAULT_MAX_SIDE_PIXELS})",
     )
     parser.add_argument(
