@@ -3,7 +3,10 @@
 Read once from the pipeline (an embedded tiny model declares its small defaults in its spec instead), and
 used by every entry point: `Omni`, the command line and the server check a request against the same rules,
 fill in the same defaults and only word the refusals for their caller (a flag, a JSON field, an argument).
-So the same request makes the same picture from the library, `generate`, the synchronous endpoint and a job.
+So the same request makes the same picture from the library, `generate`, the synchronous endpoint and a job:
+defaults are filled in one place (`ModelRules.filled`), sizes checked in one (`check_geometry`, with a caller's
+caps), and whether an input image is refused decided in one (`image_problem`); the planner and the host reserve
+size their generation by them too (`models.generation_size`).
 
 What is read:
 - the geometry (`OutputGeometry`: size multiple, frame rule, the reach of the position table);

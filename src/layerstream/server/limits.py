@@ -4,8 +4,10 @@ The schema (`layerstream.server.schemas`) checks types and fixed ranges; this mo
 on the model: the output kind, the size multiple (the VAE's spatial compression times the transformer's
 patch size), the largest grid the transformer can position (Wan's rotary tables), the frame rule of video
 VAEs (``num_frames - 1`` a multiple of the temporal compression; Wan: ``num_frames % 4 == 1``) and the
-server's own caps, the work cap among them. Failing here is a 400 before any work is queued, so a request
-never waits in line only to be refused, and never reaches the pipeline with a shape it would crash on.
+server's own caps, the work cap among them. Each is decided by the model's rules (`ModelRules`: its defaults,
+`check_geometry`, `image_problem`), which this module only words for HTTP. Failing here is a 400 before any work
+is queued, so a request never waits in line only to be refused, and never reaches the pipeline with a shape it
+would crash on.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Requests are strict: a field of the wrong JSON type is an error, never coerced ("3" is not 3, 1.0 is not
 an int, true is not a number), and an unknown field is an error rather than silently ignored, so a typo
 such as ``"num_inference_step"`` is reported instead of quietly running the default. These models check
-what does not depend on the served model; `layerstream.server.limits` checks the rest (size multiple,
-frame rule) against the pipeline.
+what does not depend on the served model, each generation field within `GenerationRequest`'s bounds
+(`request.FIELD_BOUNDS`, through `bounded`); `layerstream.server.limits` checks the rest (size multiple,
+frame rule) by the model's rules.
 
 The JSON schema of every model is frozen in ``tests/server/test_schema.py``: a change here is deliberate.
 """

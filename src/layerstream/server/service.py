@@ -31,9 +31,9 @@ from layerstream.server.limits import (
 )
 from layerstream.server.metrics import QueueState, ServerMetrics, render_families
 from layerstream.server.queue import BatchPolicy, GenerationQueue, Job, TakeOne, TakePolicy
-from layerstream.server.ranks import ControlChannel, RankGroupError, RankRuntime, WaveKind, WaveMessage
+from layerstream.server.ranks import ControlChannel, RankRuntime
 from layerstream.server.schemas import ImageGenerationRequest
-from layerstream.server.served import GenerationOutput, ServedRequest, StepObserver
+from layerstream.server.served import GenerationOutput, ServedRequest, ServingRunner, StepObserver
 from layerstream.server.settings import STOP_WAIT_SECONDS, ServeSettings
 from layerstream.server.stopping import StopReason
 from layerstream.server.waves import RankRunner, WavePolicy
@@ -65,7 +65,7 @@ class GenerationService:
         self.limits: ModelLimits = read_model_limits(omni, settings)
         policy: TakePolicy
         if ranks is None:
-            self.runner: InProcessRunner | RankRunner = InProcessRunner(omni, self.limits, self.metrics)
+            self.runner: ServingRunner = InProcessRunner(omni, self.limits, self.metrics)
             policy = self._batch_policy()
         else:
             policy = WavePolicy(
@@ -75,8 +75,7 @@ class GenerationService:
                 max_cost=self.limits.max_work,
                 idle_seconds=ranks.idle_seconds,
             )
-            self.runner = RankRunner(ranks.runtime, ranks.channel, policy, self.limits, self.metrics)
-            self.runner.on_fatal = self._lose_ranks
+            self.runner = RankRunner(ranks.runtime, ranks.channel, policy, self.limits, self.metrics, on_fatal=self._lose_ranks)
         thread_name = "layerstream-generate" if ranks is None else "layerstream-waves"
         self.queue: GenerationQueue[ServedRequest, GenerationOutput] = GenerationQueue(
             settings.max_queue, runner=self.runner, policy=policy, thread_name=thread_name
@@ -101,9 +100,9 @@ class GenerationService:
         return self.runner.omni
 
     @property
-    def fatal_error(self) -> RankGroupError | None:
+    def fatal_error(self) -> BaseException | None:
         """With several ranks: why the group was lost (then nothing more runs)."""
-        return self.runner.fatal_error if isinstance(self.runner, RankRunner) else None
+        return self.runner.fatal_error
 
     # lifecycle -------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -215,16 +214,7 @@ class GenerationService:
 
     def stop_ranks(self) -> bool:
         """After the worker has exited: tell every other rank to leave (False when the group is lost)."""
-        if self.fatal_error is not None:
-            return False
-        if not isinstance(self.runner, RankRunner):
-            return True
-        try:
-            self.runner.channel.broadcast(WaveMessage(WaveKind.STOP))
-        except RankGroupError as e:
-            logger.error("%s", e)
-            return False
-        return True
+        return self.runner.leave()
 
     # reports ---------------------------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
