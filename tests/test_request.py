@@ -170,5 +170,9 @@ def test_every_edge_takes_the_request_tables_bounds():
         too_large = FIELD_BOUNDS[name].le + 1
         with pytest.raises(SystemExit):
             parser.parse_args(["generate", flag, str(too_large)])
+    from layerstream.cli.generate_cmd import _REQUEST_FLAGS
+
+    fields = {f.name for f in dataclasses.fields(GenerationRequest)}
+    assert set(_REQUEST_FLAGS) == fields - {"image", "n", "timeout"}  # a flag per field (--image reads a file)
     given = set(inspect.signature(Omni.generate).parameters) - {"self", "on_step", "options"}
     assert given <= {f.name for f in dataclasses.fields(GenerationRequest)}  # each keyword is a request field, checked by it

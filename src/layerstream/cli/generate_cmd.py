@@ -36,7 +36,8 @@ from layerstream.request import FIELD_BOUNDS, GenerationError, GenerationRequest
 DATA_PARALLEL_CONFIG = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"weight_transfer": "allgather"}}}
 """The default config with --nproc > 1: every rank keeps 1/N of the DiT's blocks and they are all-gathered."""
 
-# the flag a user types for each generation argument, to name it in errors
+# the flag a user types for each generation argument (every `GenerationRequest` field but image, n and timeout,
+# which tests/test_request.py holds it to), to build the request and to name a flag in errors
 _FLAGS = {"height": "--height", "width": "--width", "num_frames": "--num-frames"}
 _REQUEST_FLAGS = {
     **_FLAGS, "prompt": "--prompt", "negative_prompt": "--negative-prompt", "num_inference_steps": "--steps",
@@ -186,22 +187,10 @@ def _run(args: argparse.Namespace, log: PhaseLog) -> int:
 def request_from_args(args: argparse.Namespace, *, image=None, seed: int | None = None) -> GenerationRequest:
     """The `GenerationRequest` the flags describe (`seed`: this rank's, default --seed; `image`: --image as
     read); a value it refuses is one line naming the flag."""
+    # None (or absent from a namespace built without it): the request's default
+    given = {name: value for name in _REQUEST_FLAGS if (value := getattr(args, name, None)) is not None}
     try:
-        return GenerationRequest(
-            prompt=args.prompt,
-            negative_prompt=args.negative_prompt,
-            image=image,
-            height=args.height,
-            width=args.width,
-            num_frames=args.num_frames,
-            num_inference_steps=args.num_inference_steps,
-            guidance_scale=args.guidance_scale,
-            seed=args.seed if seed is None else seed,
-            fps=args.fps,
-            max_side_pixels=args.max_side_pixels,
-            # vllm-omni's options: absent from a namespace built without them (older callers), as None
-            **{name: getattr(args, name, None) for name in ("guidance_scale_2", "true_cfg_scale", "boundary_ratio", "flow_shift")},
-        )
+        return GenerationRequest(**{**given, "seed": args.seed if seed is None else seed}, image=image)
     except GenerationError as e:
         flag = _REQUEST_FLAGS.get(e.field or "", e.field)
         raise CliError(f"{flag}: {e.value!r} is not allowed ({e.allowed})") from e

@@ -97,22 +97,9 @@ class GenerationBody(RequestFields):
         """The `GenerationRequest` this body asks for, the model's defaults left unfilled (None): `seed` is the
         first output's (the body's own, or one the server drew), `image` the decoded input image."""
         width, height = self.width_height() or (None, None)
+        given = {name: getattr(self, name) for name in RequestFields.model_fields if name not in ("model", "size", "seed")}
         return GenerationRequest(
-            prompt=self.prompt,
-            negative_prompt=self.negative_prompt,
-            image=image,
-            height=height,
-            width=width,
-            num_inference_steps=self.num_inference_steps,
-            guidance_scale=self.guidance_scale,
-            guidance_scale_2=self.guidance_scale_2,
-            true_cfg_scale=self.true_cfg_scale,
-            boundary_ratio=self.boundary_ratio,
-            flow_shift=self.flow_shift,
-            seed=seed,
-            n=self.n,
-            timeout=self.timeout,
-            **self._video_fields(),
+            **given, image=image, height=height, width=width, seed=seed, n=self.n, timeout=self.timeout, **self._video_fields()
         )
 
     def _video_fields(self) -> dict[str, Any]:
