@@ -42,12 +42,6 @@ class ModelLimits:
     kind = property(lambda self: self.rules.kind)
     size_multiple = property(lambda self: self.rules.size_multiple)
     frame_multiple = property(lambda self: self.rules.frame_multiple)
-    default_width = property(lambda self: self.rules.default_width)
-    default_height = property(lambda self: self.rules.default_height)
-    default_num_frames = property(lambda self: self.rules.default_num_frames)
-    default_num_inference_steps = property(lambda self: self.rules.default_num_inference_steps)
-    supports_negative_prompt = property(lambda self: self.rules.supports_negative_prompt)
-    image_input = property(lambda self: self.rules.image_input)
     fps = property(lambda self: self.rules.fps)
 
 
@@ -172,7 +166,7 @@ def check_request(request: GenerationBody, limits: ModelLimits, conditioned: Con
         problems.append(
             ErrorDetail(param="model", message=f"{request.model!r} is not served here", allowed=repr(limits.model))
         )
-    if request.negative_prompt is not None and not limits.supports_negative_prompt:
+    if request.negative_prompt is not None and not limits.rules.supports_negative_prompt:
         problems.append(
             ErrorDetail(param="negative_prompt", message=f"{limits.model} takes no negative prompt", allowed="null")
         )

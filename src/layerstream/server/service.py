@@ -153,7 +153,7 @@ class GenerationService:
 
     def body_limit(self, endpoint_kind: str) -> int:
         """Largest body of a request to this endpoint: more when it may carry an input image."""
-        takes_image = endpoint_kind == "edit" or (endpoint_kind == "video" and self.limits.image_input != "none")
+        takes_image = endpoint_kind == "edit" or (endpoint_kind == "video" and self.limits.rules.image_input != "none")
         return self.settings.image_body_bytes if takes_image else self.settings.max_body_bytes
 
     def read_image(self, data: bytes, field: str = "image") -> Any:
@@ -236,7 +236,7 @@ class GenerationService:
             "max_frames": self.limits.max_frames if self.limits.kind == "video" else None,
             "max_side_pixels": self.limits.max_side_pixels,
             "max_work": self.limits.max_work,
-            "image_input": self.limits.image_input,
+            "image_input": self.limits.rules.image_input,
             "max_image_bytes": self.settings.max_image_bytes,
             "max_image_pixels": self.settings.max_image_pixels,
             "max_batch_size": self.settings.max_batch_size,
@@ -248,15 +248,14 @@ class GenerationService:
     def _page_defaults(self) -> dict[str, Any]:
         """What a page needs to fill its form: the model's defaults, and where its jobs are (the app sets
         ``jobs_path`` when it serves the job API)."""
-        limits = self.limits
-        width, height = limits.default_width, limits.default_height
+        limits, default = self.limits, self.limits.rules.filled()
         is_video = limits.kind == "video"
         return {
-            "default_size": f"{width}x{height}" if width and height else None,
-            "default_num_frames": limits.default_num_frames if is_video else None,
-            "default_steps": limits.default_num_inference_steps,
+            "default_size": f"{default.width}x{default.height}" if default.width and default.height else None,
+            "default_num_frames": default.num_frames if is_video else None,
+            "default_steps": default.num_inference_steps,
             "fps": limits.fps if is_video else None,
-            "takes_image": limits.image_input != "none",
+            "takes_image": limits.rules.image_input != "none",
             "jobs_path": None,
         }
 

@@ -129,7 +129,7 @@ async def _read_job_body(
     """(the parsed body, the input image's bytes or None) of a JSON or multipart create request."""
     image_field = strict_model.image_field
     content_type = request.headers.get("content-type", "").lower()
-    takes_image = jobs.service.limits.image_input != "none"
+    takes_image = jobs.service.limits.rules.image_input != "none"
     limit = jobs.service.settings.image_body_bytes if takes_image else jobs.service.settings.max_body_bytes
     flags = "--max-body-bytes plus --max-image-bytes" if takes_image else "--max-body-bytes"
     body = await read_body(request, limit, flags)
