@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from layerstream.models.model_rules import ModelRules
+from layerstream.models.model_rules import OPTIONAL_FIELDS, ModelRules
 from layerstream.outputs import GenerationResult
 from layerstream.request import GenerationError, GenerationRequest, invalid_field
 from layerstream.runtime.reporting.stats import OffloadStats, StreamCounters
@@ -283,7 +283,7 @@ def _check_batch(requests: list[GenerationRequest]) -> None:
 def request_options(options: dict[str, Any], *, max_side_pixels: int | None = None) -> dict[str, Any]:
     """`generate`'s extra keywords, which must be `GenerationRequest` fields it has no parameter of its own for,
     and `max_side_pixels` where given (None: `GenerationRequest`'s default)."""
-    allowed = {"guidance_scale_2", "true_cfg_scale", "boundary_ratio", "flow_shift"}
+    allowed = set(OPTIONAL_FIELDS) - {"negative_prompt"}  # a parameter of generate's own
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise GenerationError(f"{unknown[0]} is not a generation argument; expected one of {', '.join(sorted(allowed))}", field=unknown[0])

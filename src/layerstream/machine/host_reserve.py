@@ -82,7 +82,7 @@ def estimate_host_reserve(
     """The reserve for one generation of `generation`'s size (the model's rules fill what a caller leaves out:
     `models.generation_size`). Pixels are counted where the pipeline decodes them (it has a `vae`); `dit_blocks`
     (their first blocks) price the activations on a CPU device at the generation's latent tokens (its own
-    `tokens`, else `generation.latent_tokens`)."""
+    `tokens`, else `machine.generation.latent_tokens`)."""
     size, tokens = generation.as_size(), generation.tokens
     parts: dict[str, int] = {}
     if getattr(pipeline, "vae", None) is not None:
