@@ -38,6 +38,7 @@ from layerstream import enable_offload
 from layerstream.bench.measure import measure_block_compute, measure_link_gbps
 from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB
 from layerstream.host.reserve import DECODED_BYTES_PER_VALUE, ENCODING_BYTES_PER_VALUE, FLOOR_NBYTES, TEXT_TOKENS
+from layerstream.models.generation_size import pipeline_generation
 from layerstream.machine.planner import CUDA_CONTEXT_GB, DEVICE_DECODE_GBPS, PROCESS_BASELINE_GB, Machine, MachinePlan, plan_for_machine
 from layerstream.timing.block_timer import synchronize
 from layerstream.timing.ideal import ideal_forward_seconds_with_disk, transfer_seconds
@@ -155,7 +156,9 @@ def machine_plan(
         copy_and_read_share_a_core=bool(costs) and torch.get_num_threads() + 1 >= (os.cpu_count() or 1),
     )  # fmt: skip
     seconds = {f"{path}.blocks.{i}": t * drift for path, c in ctx["compute"].items() for i, t in enumerate(c.block_s)}
-    return plan_for_machine(pipe, machine, block_seconds=seconds, tokens=ctx["scale"].num_tokens, steps=s.steps, lossless=lossless)
+    return plan_for_machine(pipe, machine, block_seconds=seconds, lossless=lossless,
+        generation=pipeline_generation(pipe, tokens=ctx["scale"].num_tokens, num_inference_steps=s.steps),
+    )  # fmt: skip
 
 
 def measure_host_copy_costs(pipe: WanPipeline, inputs: Inputs, rounds: int = 3, forwards: int = 40) -> dict[str, float]:

@@ -122,10 +122,12 @@ def planned_config(host_memory_gb: float, tokens: int, baseline_gb: float) -> tu
     sys.path.insert(0, str(HERE))
     from wan22_scenario import FULL, meta_pipeline
     from layerstream.machine.planner import Machine, plan_for_machine
+    from layerstream.models.generation_size import pipeline_generation
 
     del torch
     machine = Machine(device_memory_gb=DEVICE_MEMORY_GB, host_memory_gb=host_memory_gb, baseline_gb=baseline_gb)
-    plan = plan_for_machine(meta_pipeline(FULL), machine, tokens=tokens)
+    pipe = meta_pipeline(FULL)
+    plan = plan_for_machine(pipe, machine, generation=pipeline_generation(pipe, tokens=tokens))
     return dict(plan.config), plan.host_reserve.describe()
 
 

@@ -25,14 +25,16 @@ def test_a_request_is_frozen():
 @pytest.mark.parametrize(
     ("fields", "named", "allowed"),
     [
-        ({"num_inference_steps": 0}, "num_inference_steps = 0", "a positive integer"),
-        ({"height": 32.0}, "height = 32.0", "a positive integer"),
-        ({"num_frames": True}, "num_frames = True", "a positive integer"),
-        ({"n": 0}, "n = 0", "a positive integer"),
-        ({"fps": -1}, "fps = -1", "a positive integer"),
-        ({"guidance_scale": float("nan")}, "guidance_scale = nan", "a finite number >= 0"),
-        ({"guidance_scale": -1.0}, "guidance_scale = -1.0", "a finite number >= 0"),
-        ({"timeout": 0}, "timeout = 0", "a finite number of seconds > 0"),
+        ({"num_inference_steps": 0}, "num_inference_steps = 0", "an integer from 1 to 1000"),
+        ({"height": 32.0}, "height = 32.0", "an integer >= 1"),
+        ({"num_frames": True}, "num_frames = True", "an integer >= 1"),
+        ({"n": 0}, "n = 0", "an integer >= 1"),
+        ({"fps": -1}, "fps = -1", "an integer from 1 to 120"),
+        ({"fps": 121}, "fps = 121", "an integer from 1 to 120"),
+        ({"guidance_scale": float("nan")}, "guidance_scale = nan", "a number from 0 to 100"),
+        ({"guidance_scale": -1.0}, "guidance_scale = -1.0", "a number from 0 to 100"),
+        ({"guidance_scale": 100.5}, "guidance_scale = 100.5", "a number from 0 to 100"),
+        ({"timeout": 0}, "timeout = 0", "a number of seconds > 0 and at most 86400"),
         ({"seed": -1}, "seed = -1", f"an integer from 0 to {MAX_SEED}"),
         ({"seed": "2"}, "seed = '2'", "an integer"),
         ({"seed": MAX_SEED, "n": 2}, f"seed = {MAX_SEED}", f"from 0 to {MAX_SEED - 1} (output i of n = 2 uses seed + i)"),
@@ -133,3 +135,44 @@ def test_the_cli_names_the_flag_of_a_value_the_request_refuses():
     )  # fmt: skip
     with pytest.raises(CliError, match=r"^--seed: -1 is not allowed \(an integer from 0 to"):
         request_from_args(args)
+
+
+# each body's own caps beyond the request's table, and why: serving policies, not what a request may be
+SERVER_CAPS = {"n": "MAX_IMAGES_PER_REQUEST: outputs per request", "width": "the size's six digits", "height": "the size's six digits"}
+
+
+def _schema_bounds(prop: dict) -> dict:
+    """A body property's bounds as pydantic's `Field` takes them (ge, gt, le), from its JSON schema."""
+    node = next((n for n in prop.get("anyOf", [prop]) if n.get("type") in ("integer", "number")), {})
+    names = {"minimum": "ge", "exclusiveMinimum": "gt", "maximum": "le"}
+    return {names[k]: v for k, v in node.items() if k in names}
+
+
+def test_every_edge_takes_the_request_tables_bounds():
+    """The HTTP bodies (synchronous and job, JSON and form), the command line's flags and `Omni.generate` take
+    each field within `FIELD_BOUNDS`, so a bound cannot differ between edges."""
+    import inspect
+
+    from layerstream.cli.main import build_parser
+    from layerstream.omni import Omni
+    from layerstream.request import FIELD_BOUNDS
+    from layerstream.server.jobs.requests import ImageJobForm, ImageJobRequest, VideoJobForm, VideoJobRequest
+    from layerstream.server.schemas import ImageEditRequest, ImageGenerationRequest, VideoGenerationRequest
+
+    bodies = (ImageGenerationRequest, VideoGenerationRequest, ImageEditRequest, VideoJobRequest, ImageJobRequest, VideoJobForm, ImageJobForm)
+    for body in bodies:
+        for name, prop in body.model_json_schema()["properties"].items():
+            if name in FIELD_BOUNDS and name not in SERVER_CAPS:
+                expected = {k: v for k, v in FIELD_BOUNDS[name].schema().items() if k != "allow_inf_nan"}
+                assert _schema_bounds(prop) == expected, (body.__name__, name)
+    parser = build_parser()
+    for flag, name in (("--steps", "num_inference_steps"), ("--guidance-scale", "guidance_scale"), ("--fps", "fps")):
+        too_large = FIELD_BOUNDS[name].le + 1
+        with pytest.raises(SystemExit):
+            parser.parse_args(["generate", flag, str(too_large)])
+    from layerstream.cli.generate_cmd import _REQUEST_FLAGS
+
+    fields = {f.name for f in dataclasses.fields(GenerationRequest)}
+    assert set(_REQUEST_FLAGS) == fields - {"image", "n", "timeout"}  # a flag per field (--image reads a file)
+    given = set(inspect.signature(Omni.generate).parameters) - {"self", "on_step", "options"}
+    assert given <= {f.name for f in dataclasses.fields(GenerationRequest)}  # each keyword is a request field, checked by it

@@ -85,7 +85,7 @@ def enable_offload(
     replace the copy engine and the host stores (instrumentation: wrap the defaults to observe or inject).
     `generation` is the largest generation the pipeline will run (`models.generation_size`: `Omni` gives its
     model's defaults or the caller's requests): the host reserve of `host_budget_gb: "auto"` is estimated for
-    it (None: for the pipeline's own call defaults).
+    it (None: for the model's defaults, `ModelRules` read from the pipeline).
     Enabling is a transaction: on any error the pipeline is left as it was; out-of-memory errors and
     `KeyboardInterrupt` come out as themselves, other failures while applying as `OffloadError`.
 
@@ -231,6 +231,8 @@ def resolve_host_budget(
     plan as it is, with None. With "allgather" components on a group of several ranks, the budget is this
     rank's: its share of the host's free memory (`_rank_share`), spent in its shard bytes. Reads the host
     memory now; moves nothing, issues no collective."""
+    from layerstream.models.generation_size import pipeline_generation
+
     config = plan.config
     if config.host_budget_gb != AUTO:
         return plan, None
@@ -251,7 +253,10 @@ def resolve_host_budget(
         memory = memory.releasing_mapped(mapped_view_nbytes(pipeline, dropped))
     free_nbytes, free_source, host_nbytes, sharded = _rank_share(unbudgeted, process_group, memory, host_nbytes)
     # the generation's own host allocations, for the largest generation it will run (host_reserve_gb overrides it)
-    reserve = host_reserve_for(pipeline, unbudgeted, config.host_reserve_gb, device_is_host=device.type == "cpu", generation=generation)
+    reserve = host_reserve_for(
+        pipeline, unbudgeted, config.host_reserve_gb, device_is_host=device.type == "cpu",
+        generation=generation if generation is not None else pipeline_generation(pipeline),
+    )  # fmt: skip
     needs = host_needs(
         unbudgeted, placement, device_is_host=device.type == "cpu", reserve_nbytes=reserve.nbytes,
         num_staging_buffers=NUM_STAGING_BUFFERS, block_host_nbytes=host_nbytes, reserve_name=reserve.need_name,

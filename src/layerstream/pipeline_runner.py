@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from layerstream.models.model_rules import ModelRules
+from layerstream.models.model_rules import OPTIONAL_FIELDS, ModelRules
 from layerstream.outputs import GenerationResult
 from layerstream.request import GenerationError, GenerationRequest, invalid_field
 from layerstream.runtime.reporting.stats import OffloadStats, StreamCounters
@@ -105,7 +105,7 @@ class PipelineRunner:
         the whole call's (the same object for all)."""
         requests = list(requests)
         _check_batch(requests)
-        if self.rules.image_input == "required":
+        if self.rules.image_problem(has_image=False) == "required":
             raise GenerationError(f"{self.model} generates from an input image, one per call: use generate(image=...)")
         prompts = [request.prompt for request in requests for _ in request.seeds]
         kwargs, num_inference_steps = self.call_arguments(requests[0], prompts, picture=None)
@@ -130,13 +130,12 @@ class PipelineRunner:
         if refused:
             name = refused[0]
             raise GenerationError(f"{name} is not valid for {self.model}: {rules.why_not(name)}", field=name, value=getattr(request, name))
-        height = request.height if request.height is not None else rules.default_height
-        width = request.width if request.width is not None else rules.default_width
-        num_inference_steps = request.num_inference_steps or rules.default_num_inference_steps
+        shape = rules.filled(
+            height=request.height, width=request.width, num_frames=request.num_frames,
+            num_inference_steps=request.num_inference_steps,
+        )  # fmt: skip
+        height, width, num_frames, num_inference_steps = shape.height, shape.width, shape.num_frames, shape.num_inference_steps
         negative_prompt = request.negative_prompt if request.negative_prompt is not None else rules.default_negative_prompt
-        num_frames = request.num_frames
-        if self.kind == "video" and num_frames is None:
-            num_frames = rules.default_num_frames
         if self.kind != "video" and num_frames is not None:
             raise GenerationError(f"num_frames = {num_frames!r} is not valid: {self.model} makes images, not video")
         self._check_geometry(height, width, num_frames)
@@ -208,18 +207,19 @@ class PipelineRunner:
 
         pipeline_name = type(self.pipeline).__name__
         image = request.image
-        if image is None:
-            if self.rules.image_input == "required":
-                raise GenerationError(
-                    f"image is required: {self.model} ({pipeline_name}) generates from an input image; pass image= "
-                    "(a PIL image, a path or an array)"
-                )
-            return None, None
-        if self.rules.image_input == "none":
+        problem = self.rules.image_problem(has_image=image is not None)
+        if problem == "required":
+            raise GenerationError(
+                f"image is required: {self.model} ({pipeline_name}) generates from an input image; pass image= "
+                "(a PIL image, a path or an array)"
+            )
+        if problem == "takes_none":
             raise GenerationError(
                 f"image is not valid for {self.model}: {pipeline_name} takes no input image (its __call__ has no "
                 "image argument); drop image, or load an image-to-video or image-editing model"
             )
+        if image is None:
+            return None, None
         picture = read_input_image(image)
         model_side = self.rules.geometry.max_side_pixels
         caps = [side for side in (model_side, request.max_side_pixels) if side is not None]
@@ -283,7 +283,7 @@ def _check_batch(requests: list[GenerationRequest]) -> None:
 def request_options(options: dict[str, Any], *, max_side_pixels: int | None = None) -> dict[str, Any]:
     """`generate`'s extra keywords, which must be `GenerationRequest` fields it has no parameter of its own for,
     and `max_side_pixels` where given (None: `GenerationRequest`'s default)."""
-    allowed = {"guidance_scale_2", "true_cfg_scale", "boundary_ratio", "flow_shift"}
+    allowed = set(OPTIONAL_FIELDS) - {"negative_prompt"}  # a parameter of generate's own
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise GenerationError(f"{unknown[0]} is not a generation argument; expected one of {', '.join(sorted(allowed))}", field=unknown[0])

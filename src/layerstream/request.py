@@ -2,9 +2,11 @@
 
 Every entry point builds one (the command line from its flags, the server from an HTTP body, `Omni.generate`
 from its keywords) and everything after it (`Omni.run`, the server's queue, batcher and waves, the rank
-messages) reads this one object. It checks what needs no model (types, ranges, prompt length, seeds); what
-depends on the loaded pipeline (size multiples, frame rule, image input) is checked by `Omni` and the server's
-limits. A bad value raises `GenerationError` naming the field, the value seen and what is allowed.
+messages) reads this one object. It checks what needs no model (types, ranges, prompt length, seeds) against
+`FIELD_BOUNDS`, the one table of each numeric field's bounds, from which the command line's flags and the HTTP
+bodies take theirs; what depends on the loaded pipeline (size multiples, frame rule, image input) is checked
+by the model's rules (`ModelRules`). A bad value raises `GenerationError` naming the field, the value seen and
+what is allowed.
 """
 
 from __future__ import annotations
@@ -36,6 +38,75 @@ def invalid_field(field: str, value: Any, allowed: str, *, shown: str | None = N
     return GenerationError(f"{field} = {text} is not valid; expected {allowed}", field=field, value=value, allowed=allowed)
 
 
+@dataclass(frozen=True)
+class FieldBound:
+    """The values a numeric field of `GenerationRequest` takes: an int or a finite float within its bounds."""
+
+    kind: type[int] | type[float]
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    unit: str = ""
+    """Words after "a number" in the phrase (" of seconds")."""
+
+    def allowed(self) -> str:
+        """What is allowed, as a phrase: ``"an integer from 1 to 1000"``, ``"a number from 0 to 100"``."""
+        noun = "an integer" if self.kind is int else f"a{'' if self.le is not None else ' finite'} number{self.unit}"
+        low = f">= {_shown(self.ge)}" if self.ge is not None else f"> {_shown(self.gt)}"
+        if self.le is None:
+            return f"{noun} {low}"
+        if self.ge is not None:
+            return f"{noun} from {_shown(self.ge)} to {_shown(self.le)}"
+        return f"{noun} {low} and at most {_shown(self.le)}"
+
+    def admits(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int,) if self.kind is int else (int, float)):
+            return False
+        return (
+            math.isfinite(value)
+            and (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+        )
+
+    def check(self, name: str, value: Any) -> None:
+        """Refuse `value` for field `name` unless it is within the bounds."""
+        if not self.admits(value):
+            raise invalid_field(name, value, self.allowed())
+
+    def schema(self) -> dict[str, Any]:
+        """The bounds as pydantic's `Field` takes them (the HTTP bodies' schema)."""
+        bounds = {name: getattr(self, name) for name in ("ge", "gt", "le") if getattr(self, name) is not None}
+        return bounds if self.kind is int else {**bounds, "allow_inf_nan": False}
+
+
+def _shown(bound: float) -> str:
+    return f"{bound:g}" if isinstance(bound, float) else str(bound)
+
+
+MAX_INFERENCE_STEPS = 1000
+MAX_GUIDANCE_SCALE = 100.0
+"""Far above any model's useful guidance (Wan 5, Flux 3.5): a larger one is a typo."""
+MAX_FPS = 120
+MAX_TIMEOUT_SECONDS = 86_400.0
+"""A day: the server answers within it or not at all."""
+_GUIDANCE = FieldBound(float, ge=0.0, le=MAX_GUIDANCE_SCALE)
+FIELD_BOUNDS: dict[str, FieldBound] = {
+    "height": FieldBound(int, ge=1), "width": FieldBound(int, ge=1), "num_frames": FieldBound(int, ge=1),
+    "num_inference_steps": FieldBound(int, ge=1, le=MAX_INFERENCE_STEPS),
+    "guidance_scale": _GUIDANCE, "guidance_scale_2": _GUIDANCE, "true_cfg_scale": _GUIDANCE,
+    "boundary_ratio": FieldBound(float, ge=0.0, le=1.0),
+    "flow_shift": FieldBound(float, gt=0.0, le=100.0),
+    "seed": FieldBound(int, ge=0, le=MAX_SEED), "n": FieldBound(int, ge=1),
+    "fps": FieldBound(int, ge=1, le=MAX_FPS),
+    "max_side_pixels": FieldBound(int, ge=1),
+    "timeout": FieldBound(float, gt=0.0, le=MAX_TIMEOUT_SECONDS, unit=" of seconds"),
+}  # fmt: skip
+"""Each numeric field's bounds, the one statement of them: `GenerationRequest` checks them, the command line's
+flags parse with them (`cli.common.request_value`) and the HTTP bodies declare them (`server.schemas`);
+`tests/test_request.py` holds every edge to them. A seed's upper bound also depends on ``n`` (`_check_seed`)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class GenerationRequest:
     """One generation: ``n`` outputs of `prompt`, output ``i`` from seed ``seed + i``. None: the model's default."""
@@ -53,7 +124,7 @@ class GenerationRequest:
     """Video models only."""
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
-    """The classifier-free guidance scale, a finite number >= 0 (where a pipeline takes classifier-free guidance
+    """The classifier-free guidance scale, from 0 to `MAX_GUIDANCE_SCALE` (where a pipeline takes classifier-free guidance
     through ``true_cfg_scale``, as Qwen-Image does, it goes there unless `true_cfg_scale` is given)."""
     guidance_scale_2: float | None = None
     """Two-expert pipelines (Wan 2.2 A14B): the low-noise expert's guidance scale; None: `guidance_scale`."""
@@ -79,22 +150,10 @@ class GenerationRequest:
     def __post_init__(self) -> None:
         _check_text("prompt", self.prompt, optional=False)
         _check_text("negative_prompt", self.negative_prompt, optional=True)
-        for name in ("height", "width", "num_frames", "num_inference_steps"):
-            if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name))
-        if self.fps is not None:
-            _check_positive_int("fps", self.fps)
-        for name in ("n", "max_side_pixels"):
-            _check_positive_int(name, getattr(self, name))
-        for name in ("guidance_scale", "guidance_scale_2", "true_cfg_scale"):
-            if getattr(self, name) is not None:
-                _check_number(name, getattr(self, name), "a finite number >= 0", lambda v: v >= 0)
-        if self.boundary_ratio is not None:
-            _check_number("boundary_ratio", self.boundary_ratio, "a number from 0 to 1", lambda v: 0 <= v <= 1)
-        if self.flow_shift is not None:
-            _check_number("flow_shift", self.flow_shift, "a finite number > 0", lambda v: v > 0)
-        if self.timeout is not None:
-            _check_number("timeout", self.timeout, "a finite number of seconds > 0", lambda v: v > 0)
+        for name, bound in FIELD_BOUNDS.items():
+            value = getattr(self, name)
+            if name != "seed" and (value is not None or name in ("n", "max_side_pixels")):  # None: the default
+                bound.check(name, value)  # a seed's bound depends on n: `_check_seed`
         _check_seed(self.seed, self.n)
 
     @property
@@ -135,16 +194,6 @@ def _check_text(name: str, value: Any, *, optional: bool) -> None:
     if len(value) > MAX_PROMPT_CHARS:  # the length, not the text: it may be very long
         allowed = f"at most {MAX_PROMPT_CHARS:,} characters"
         raise invalid_field(name, value, allowed, shown=f"a text of {len(value):,} characters")
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise invalid_field(name, value, "a positive integer")
-
-
-def _check_number(name: str, value: Any, allowed: str, within) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not within(value):
-        raise invalid_field(name, value, allowed)
 
 
 def _check_seed(seed: Any, n: int) -> None:

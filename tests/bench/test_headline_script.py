@@ -79,6 +79,7 @@ def test_the_planner_prices_the_pools_reads_and_the_host_copies(module):
     bytes spread over the generation's steps, and on a device that is the host the copy and read threads'
     measured cost per GB is compute time, in proportion to the bytes they move."""
     from layerstream.machine.planner import Machine, plan_for_machine
+    from layerstream.models.generation_size import pipeline_generation
     from wan22_scenario import SMOKE, meta_pipeline
 
     pipe = meta_pipeline(SMOKE)
@@ -86,7 +87,7 @@ def test_the_planner_prices_the_pools_reads_and_the_host_copies(module):
     # room for a few resident blocks and the slots; host memory for the staging ring and about half the blocks
     machine = Machine(device_memory_gb=4.0 + 6 * block / 1e9, host_memory_gb=15 * block / 1e9, baseline_gb=0.0, host_reserve_gb=0.0)
     tokens = 16
-    plain = plan_for_machine(pipe, machine, tokens=tokens, steps=4, lossless=False)  # bfloat16 as it is
+    plain = plan_for_machine(pipe, machine, generation=pipeline_generation(pipe, tokens=tokens, num_inference_steps=4), lossless=False)  # bfloat16 as it is
     tier = plain.placement.host_tier
     assert tier is not None and tier.pool is not None and tier.pool.block_paths  # the experts share a pool
     pooled = sum(block for p in tier.pool.block_paths if p.startswith("transformer."))
@@ -94,10 +95,10 @@ def test_the_planner_prices_the_pools_reads_and_the_host_copies(module):
     on_disk = sum(block for p in tier.disk_block_paths if p.startswith("transformer"))
     # per step: the running expert's disk blocks twice (two forwards), and each expert's pooled blocks once in 4 steps
     assert plain.disk_nbytes_per_step == pytest.approx(2 * on_disk / 2 + (pooled + pooled_2) / 4, abs=2)
-    longer = plan_for_machine(pipe, machine, tokens=tokens, steps=8, lossless=False)
+    longer = plan_for_machine(pipe, machine, generation=pipeline_generation(pipe, tokens=tokens, num_inference_steps=8), lossless=False)
     assert longer.disk_nbytes_per_step < plain.disk_nbytes_per_step  # the same reads spread over more steps
 
-    costly = plan_for_machine(pipe, dataclasses.replace(machine, host_copy_s_per_gb=0.5), tokens=tokens, steps=4, lossless=False)
+    costly = plan_for_machine(pipe, dataclasses.replace(machine, host_copy_s_per_gb=0.5), generation=pipeline_generation(pipe, tokens=tokens, num_inference_steps=4), lossless=False)
     moved = costly.link_nbytes_per_step + costly.disk_nbytes_per_step
     extra = costly.stage_seconds_per_step["compute"] - plain.stage_seconds_per_step["compute"]
     assert extra == pytest.approx(0.5 * moved / 1e9, rel=1e-6) and costly.seconds_per_step > plain.seconds_per_step

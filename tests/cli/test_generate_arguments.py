@@ -52,10 +52,11 @@ def _file(tmp_path: Path) -> Path:
 TOO_LONG = "x" * (MAX_PROMPT_CHARS + 1)
 
 CASES = [
-    (["--steps", "-3"], "layerstream: error: --steps: -3 is not allowed (an integer >= 1)"),
-    (["--steps", "0"], "layerstream: error: --steps: 0 is not allowed (an integer >= 1)"),
-    (["--steps", "many"], "layerstream: error: --steps: 'many' is not allowed (an integer >= 1)"),
-    (["--fps", "0"], "--fps: 0 is not allowed (an integer >= 1)"),
+    (["--steps", "-3"], "layerstream: error: --steps: -3 is not allowed (an integer from 1 to 1000)"),
+    (["--steps", "0"], "layerstream: error: --steps: 0 is not allowed (an integer from 1 to 1000)"),
+    (["--steps", "many"], "layerstream: error: --steps: 'many' is not allowed (an integer from 1 to 1000)"),
+    (["--fps", "0"], "--fps: 0 is not allowed (an integer from 1 to 120)"),
+    (["--fps", "121"], "--fps: 121 is not allowed (an integer from 1 to 120)"),
     (["--nproc", "0"], "--nproc: 0 is not allowed (an integer >= 1)"),
     (["--link-gbps", "-1"], "--link-gbps: -1 is not allowed (a finite number > 0)"),
     (["--stepz", "3"], "unrecognized arguments: --stepz 3 (see layerstream generate --help)"),
@@ -65,7 +66,8 @@ CASES = [
     (["--seed", "18446744073709551617"], f"--seed: 18446744073709551617 is not allowed (an integer from 0 to {MAX_SEED}, 2**64 - 1)"),
     (["--seed", "-1"], "--seed: -1 is not allowed"),
     (["--nproc", "2", "--seed", str(MAX_SEED)], f"--seed {MAX_SEED} is too large for 2 ranks"),
-    (["--guidance-scale", "-1"], "--guidance-scale: -1 is not allowed (a finite number >= 0)"),
+    (["--guidance-scale", "-1"], "--guidance-scale: -1 is not allowed (a number from 0 to 100)"),
+    (["--guidance-scale", "101"], "--guidance-scale: 101 is not allowed (a number from 0 to 100)"),
     (["--guidance-scale", "nan"], "--guidance-scale: nan is not allowed"),
     (["--prompt", TOO_LONG], "--prompt: a text of 10,001 characters is not allowed (at most 10,000 characters, as the server takes)"),
     (["--negative-prompt", TOO_LONG], "--negative-prompt: a text of 10,001 characters is not allowed"),
@@ -131,7 +133,7 @@ def test_help_states_the_seed_and_guidance_rules(capsys):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert f"random seed, 0 to {MAX_SEED} (2**64 - 1)" in text
-    assert "a number >= 0; 1 or less turns guidance off" in text
+    assert "a number from 0 to 100; 1 or less turns guidance off" in text
 
 
 def test_the_prompt_limit_is_the_servers():

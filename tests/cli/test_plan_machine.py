@@ -9,6 +9,7 @@ import pytest
 from layerstream.cli import plan_cmd
 from layerstream.cli.main import main
 from layerstream.machine.planner import Machine, block_flops, latent_tokens, plan_for_machine
+from layerstream.models.generation_size import pipeline_generation
 from layerstream.models.loading import load_pipeline
 
 # a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
@@ -81,12 +82,35 @@ def test_json_gives_the_config_to_paste_and_the_figures(capsys, tiny_wan):
     assert "host_budget_gb" not in config
 
 
+def test_json_states_the_generation_planned_for_and_where_each_figure_came_from(capsys, tiny_wan):
+    """The size, frames and steps planned for: the flags given, the model's rules for the rest (tiny-wan's own
+    steps and size, not its diffusers pipeline's 50 steps at 480x832), with and without a machine."""
+    from layerstream.models.model_rules import read_model_rules
+
+    rules = read_model_rules(tiny_wan, "tiny-wan")
+    code, out, err = run_plan(capsys, "tiny-wan", "--device-memory", "4.0003", "--host-memory", "4", "--json", "--height", "32")
+    assert code == 0, err
+    generation = json.loads(out)["generation"]
+    assert generation["height"] == {"value": 32, "from": "--height"}
+    assert generation["width"] == {"value": rules.default_width, "from": "the model's rules"}
+    assert generation["num_frames"] == {"value": rules.default_num_frames, "from": "the model's rules"}
+    assert generation["num_inference_steps"] == {"value": rules.default_num_inference_steps, "from": "the model's rules"}
+    assert rules.default_num_inference_steps != 50  # the tiny model's own steps, which its pipeline's call does not say
+    code, out, err = run_plan(capsys, "tiny-wan", "--device-memory", "4.0003", "--host-memory", "4", "--json", "--steps", "7")
+    assert code == 0 and json.loads(out)["generation"]["num_inference_steps"] == {"value": 7, "from": "--steps"}
+    code, out, err = run_plan(capsys, "tiny-wan", "--json")
+    assert code == 0, err
+    plain = json.loads(out)["generation"]
+    assert {name: figure["from"] for name, figure in plain.items()} == dict.fromkeys(plain, "the model's rules")
+    assert plain["height"]["value"] == rules.default_height and plain["num_inference_steps"]["value"] == rules.default_num_inference_steps
+
+
 def test_the_prediction_is_the_bench_ideal_of_the_placed_blocks(tiny_wan):
     from layerstream.plan.resolved import lookup
     from layerstream.timing import ideal
 
     machine = Machine(device_memory_gb=4.0003, host_memory_gb=4, device_tflops=1e-3, link_gbps=1e-3)
-    result = plan_for_machine(tiny_wan, machine, size={"height": 32, "width": 32, "num_frames": 5})
+    result = plan_for_machine(tiny_wan, machine, generation=pipeline_generation(tiny_wan, height=32, width=32, num_frames=5))
     tokens = latent_tokens(tiny_wan, {"height": 32, "width": 32, "num_frames": 5})
     assert tokens == 2 * 2 * 2  # 32 px / 16 px per token, squared, times (5 - 1) / 4 + 1 latent frames
     blocks = [p for c in result.placement.chains for p in c.block_paths]
@@ -101,7 +125,7 @@ def test_the_prediction_is_the_bench_ideal_of_the_placed_blocks(tiny_wan):
 
 def test_a_small_host_puts_blocks_on_disk_and_the_disk_shows_in_the_prediction(tiny_wan):
     machine = Machine(device_memory_gb=4.0003, host_memory_gb=1.41 + 2.0 + 0.00025, disk_gbps=1e-4, host_reserve_gb=2.0)  # staging 0.16 MB + two blocks
-    result = plan_for_machine(tiny_wan, machine, size={"height": 32, "width": 32, "num_frames": 5})
+    result = plan_for_machine(tiny_wan, machine, generation=pipeline_generation(tiny_wan, height=32, width=32, num_frames=5))
     tier = result.placement.host_tier
     assert result.config["host_budget_gb"] == pytest.approx(result.host_budget.budget_gb, rel=1e-3)
     assert result.config["host_budget_gb"] <= result.host_budget.budget_gb  # rounded down: pasted back it still fits
@@ -111,9 +135,9 @@ def test_a_small_host_puts_blocks_on_disk_and_the_disk_shows_in_the_prediction(t
 
 def test_allow_lossy_recommends_float8(tiny_wan):
     machine = Machine(device_memory_gb=4.0003, host_memory_gb=8, allow_lossy=True)
-    result = plan_for_machine(tiny_wan, machine, size={"height": 32, "width": 32, "num_frames": 5})
+    result = plan_for_machine(tiny_wan, machine, generation=pipeline_generation(tiny_wan, height=32, width=32, num_frames=5))
     assert result.config["layer_options"]["dit"]["storage_dtype"] == "float8_e4m3fn"
-    lossless = plan_for_machine(tiny_wan, Machine(device_memory_gb=4.0003, host_memory_gb=8), size={"height": 32, "width": 32, "num_frames": 5})
+    lossless = plan_for_machine(tiny_wan, Machine(device_memory_gb=4.0003, host_memory_gb=8), generation=pipeline_generation(tiny_wan, height=32, width=32, num_frames=5))
     assert result.link_nbytes_per_step < lossless.link_nbytes_per_step  # float8 bytes (and the scales) on the link
 
 
@@ -140,10 +164,10 @@ def test_the_lossy_plan_runs_and_keeps_blocks_in_memory_where_a_disk_tier_would_
     from layerstream import Omni
 
     size = {"height": 32, "width": 32, "num_frames": 5}
-    roomy = plan_for_machine(tiny_wan, Machine(device_memory_gb=4.0003, host_memory_gb=8, allow_lossy=True), size=size)
+    roomy = plan_for_machine(tiny_wan, Machine(device_memory_gb=4.0003, host_memory_gb=8, allow_lossy=True), generation=pipeline_generation(tiny_wan, **size))
     block = roomy.host_budget.streamed_nbytes // len(tiny_wan.transformer.blocks)  # float8 bytes and scales
     room = sum(roomy.host_budget.needs.values()) + 5 * block // 2  # two and a half blocks beside the rings
-    result = plan_for_machine(tiny_wan, Machine(device_memory_gb=4.0003, host_memory_gb=1.41 + room / 1e9, allow_lossy=True), size=size)
+    result = plan_for_machine(tiny_wan, Machine(device_memory_gb=4.0003, host_memory_gb=1.41 + room / 1e9, allow_lossy=True), generation=pipeline_generation(tiny_wan, **size))
     # the staging ring a disk tier would need (three float8 blocks, not three slots) and the budget left beside
     # it cost more than holding every block: no disk tier
     staging = result.host_budget.needs["disk staging ring"]
@@ -168,7 +192,7 @@ def test_a_large_video_keeps_its_activations_estimate_free_on_the_device(tiny_wa
     assert small.config["layer_options"]["dit"]["device_budget_gb"] == pytest.approx(24 - DEFAULT_ACTIVATION_RESERVE_GB)
     block = tiny_wan.transformer.blocks[0]
     tokens = int(10e9 // block_activation_nbytes(block, 1))  # about 10 GB of activations in one forward
-    large = plan_for_machine(tiny_wan, machine, tokens=tokens)
+    large = plan_for_machine(tiny_wan, machine, generation=pipeline_generation(tiny_wan, tokens=tokens))
     reserve = block_activation_nbytes(block, tokens) / 1e9
     assert 9.9 < reserve <= 10 and large.activation_reserve_gb == pytest.approx(reserve)
     assert large.config["layer_options"]["dit"]["device_budget_gb"] == pytest.approx(24 - reserve, abs=1e-4)
@@ -194,21 +218,21 @@ def test_the_host_reserve_is_estimated_for_the_generation_and_host_reserve_gb_ov
     from layerstream.host.reserve import DECODED_BYTES_PER_VALUE, ENCODING_BYTES_PER_VALUE, FLOOR_NBYTES, estimate_host_reserve
 
     video = {"height": 720, "width": 1280, "num_frames": 81}
-    reserve = estimate_host_reserve(tiny_wan, device_is_host=False, size=video)
+    reserve = estimate_host_reserve(tiny_wan, device_is_host=False, generation=pipeline_generation(tiny_wan, **video))
     values = 720 * 1280 * 81 * 3
     assert reserve.parts["decoded frames"] == DECODED_BYTES_PER_VALUE * values  # 2.9 GB: more than the old flat 2 GB
     assert reserve.parts["output encoding"] == ENCODING_BYTES_PER_VALUE * values
     assert reserve.nbytes == sum(reserve.parts.values()) > 3e9 and "activations (the device is the host)" not in reserve.parts
-    on_cpu = estimate_host_reserve(tiny_wan, device_is_host=True, size=video, dit_blocks=(tiny_wan.transformer.blocks[0],))
+    on_cpu = estimate_host_reserve(tiny_wan, device_is_host=True, generation=pipeline_generation(tiny_wan, **video), dit_blocks=(tiny_wan.transformer.blocks[0],))
     assert on_cpu.parts["activations (the device is the host)"] > 0 and on_cpu.nbytes > reserve.nbytes
-    small = estimate_host_reserve(tiny_wan, device_is_host=False, size={"height": 32, "width": 32, "num_frames": 5})
+    small = estimate_host_reserve(tiny_wan, device_is_host=False, generation=pipeline_generation(tiny_wan, height=32, width=32, num_frames=5))
     assert small.nbytes == FLOOR_NBYTES > sum(small.parts.values())  # a small generation: the floor
 
     machine = Machine(device_memory_gb=8, host_memory_gb=16)
-    planned = plan_for_machine(tiny_wan, machine, size=video)
+    planned = plan_for_machine(tiny_wan, machine, generation=pipeline_generation(tiny_wan, **video))
     assert planned.host_budget.needs["reserve (estimated)"] == reserve.nbytes
     assert "estimated for 720x1280 x 81 frames: decoded frames 2.91 GB" in planned.host_budget.describe()
-    given = plan_for_machine(tiny_wan, Machine(device_memory_gb=8, host_memory_gb=16, host_reserve_gb=0.5), size=video)
+    given = plan_for_machine(tiny_wan, Machine(device_memory_gb=8, host_memory_gb=16, host_reserve_gb=0.5), generation=pipeline_generation(tiny_wan, **video))
     assert given.host_budget.needs["reserve (host_reserve_gb)"] == 500_000_000 and given.host_reserve.parts == {}
 
     code, out, _ = run_plan(capsys, "tiny-wan", "--device-memory", "8", "--host-memory", "16", "--height", "720", "--width", "1280", "--num-frames", "81")

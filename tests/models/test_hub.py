@@ -223,6 +223,8 @@ def test_plan_from_the_hub_fetches_no_weight_file_and_equals_the_folders_plan(hu
     from_folder = json.loads(capsys.readouterr().out)
     source = from_hub.pop("model_source")
     from_folder.pop("model_source")
+    # the generation planned for is each name's rules: a Hub id's its pipeline's own (50 steps), tiny-wan's its own
+    assert from_hub.pop("generation")["num_inference_steps"]["value"] != from_folder.pop("generation")["num_inference_steps"]["value"]
     assert from_hub == from_folder
     sizes = {f: (ensure_tiny_model("tiny-wan") / f).stat().st_size for f in select_files(_repo_files(hub), _index())}
     assert source["total_download_bytes"] == sum(sizes.values())

@@ -142,3 +142,22 @@ def test_per_request_settings_reach_the_call_and_are_restored_after_it(monkeypat
     assert seen[0].kwargs["guidance_scale_2"] == 2.0
     assert omni.pipeline.config.boundary_ratio == ratio and omni.pipeline.scheduler is scheduler
     assert scheduler.config.flow_shift == shift
+
+
+def test_defaults_geometry_and_image_presence_are_decided_by_the_rules_alone():
+    """The one place each is decided: `filled` (a request's figures, the model's for the rest), `check_geometry`
+    with a caller's caps (the server's), `image_problem` (each entry point only words it)."""
+    from layerstream.models.loading import load_pipeline
+
+    rules = read_model_rules(load_pipeline("tiny-wan"), "tiny-wan")
+    shape = rules.filled(height=64)
+    assert (shape.height, shape.width, shape.num_frames, shape.num_inference_steps) == (
+        64, rules.default_width, rules.default_num_frames, rules.default_num_inference_steps
+    )  # fmt: skip
+    assert rules.check_geometry(height=64, width=64, num_frames=5) == []
+    assert [v.name for v in rules.check_geometry(height=65, width=64, num_frames=6)] == ["height", "num_frames"]
+    capped = rules.check_geometry(height=256, width=64, num_frames=9, max_side_pixels=128, max_frames=5)
+    assert [(v.name, v.allowed) for v in capped] == [("height", "an integer from 1 to 128"), ("num_frames", "an integer from 1 to 5")]
+    assert rules.image_problem(has_image=True) == "takes_none" and rules.image_problem(has_image=False) is None
+    i2v = read_model_rules(load_pipeline("tiny-wan-i2v"), "tiny-wan-i2v")
+    assert i2v.image_problem(has_image=False) == "required" and i2v.image_problem(has_image=True) is None

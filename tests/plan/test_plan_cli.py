@@ -54,7 +54,10 @@ def fake_loader(monkeypatch):
     def load_skeleton(model: str, **_):  # the test's pipeline stands for the skeleton
         return load_pipeline(model), {"model": model, "origin": "folder"}
 
+    from layerstream.models import loading
+
     module.ModelLoadError = ModelLoadError
+    module.is_tiny_model_name, module.pipeline_kind = loading.is_tiny_model_name, loading.pipeline_kind  # the rules read them
     module.load_pipeline = load_pipeline
     module.load_skeleton = load_skeleton
     monkeypatch.setitem(sys.modules, "layerstream.models.loading", module)
@@ -141,13 +144,18 @@ def test_table(capsys, fake_loader, tiny):
 
 
 def test_json(capsys, fake_loader, tiny):
+    from layerstream.models.generation_size import planned_generation
+    from layerstream.models.model_rules import read_model_rules
+
     pipe = tiny.pipeline("WanPipeline", transformer="wan", text_encoder="umt5")
     fake_loader["wan"] = pipe
     config = {"mode": "layer", "components": ["dit", "text_encoder"]}
     code, out, err = run_plan(capsys, "wan", "--json", "--diffusion-offload-config", json.dumps(config))
     assert (code, err) == (0, "")
     plan = resolve_offload_plan(pipe, config)
-    expected = {**plan.to_dict(), "placement": plan_placement(pipe, plan).to_dict(), "residency": {}}
+    generation = planned_generation(read_model_rules(pipe, "wan"))  # the generation planned for: the model's rules
+    placement = plan_placement(pipe, plan, generation=generation).to_dict()
+    expected = {**plan.to_dict(), "generation": generation.to_dict(), "placement": placement, "residency": {}}
     assert json.loads(out) == {**expected, "model_source": {"model": "wan", "origin": "folder"}}
 
 

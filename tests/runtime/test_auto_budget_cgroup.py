@@ -131,13 +131,15 @@ os._exit(0)  # no close(): disable() would read every block back into memory
 
 def test_the_planned_config_finishes_in_a_cgroup_of_the_stated_host_memory(wan_folder, memory_cgroup):
     from layerstream.machine.planner import Machine, plan_for_machine
+    from layerstream.models.generation_size import pipeline_generation
     from layerstream.models.loading import load_pipeline
 
     streamed = _streamed_bytes(wan_folder)
     host_memory_gb = 0.6 * streamed / 1e9 + 0.45 + RESERVE_GB  # below the blocks: a disk tier
     # baseline 0.45: the measured imports, no CUDA context on the CPU; the device's 4 GB activation reserve + 0.3
     machine = Machine(device_memory_gb=4.3, host_memory_gb=host_memory_gb, baseline_gb=0.45, host_reserve_gb=RESERVE_GB)
-    result = plan_for_machine(load_pipeline(str(wan_folder)), machine, size={"height": 16, "width": 16, "num_frames": 1})
+    pipe = load_pipeline(str(wan_folder))
+    result = plan_for_machine(pipe, machine, generation=pipeline_generation(pipe, height=16, width=16, num_frames=1))
     assert "host_budget_gb" in result.config and result.placement.host_tier.disk_block_paths
     # on the CPU the device is the host: the cgroup holds the stated host memory and the plan's device bytes
     limit = round(host_memory_gb * 1e9) + result.device_nbytes

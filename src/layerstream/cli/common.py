@@ -99,6 +99,23 @@ def seed_int(text: str) -> int:
     return value
 
 
+def request_value(name: str):
+    """The argparse type of the flag of `GenerationRequest` field `name`: its bounds, from the request's table
+    (`request.FIELD_BOUNDS`), so a flag takes what `Omni.generate` and the HTTP bodies take."""
+    from layerstream.request import FIELD_BOUNDS
+
+    bound = FIELD_BOUNDS[name]
+
+    def parse(text: str) -> int | float:
+        value = _int(text, bound.allowed()) if bound.kind is int else _float(text, bound.allowed())
+        if not bound.admits(value):
+            raise _not_allowed(text, bound.allowed())
+        return value
+
+    parse.__name__ = name  # argparse names the type in some messages
+    return parse
+
+
 def non_negative_float(text: str) -> float:
     value = _float(text, "a finite number >= 0")
     if not (math.isfinite(value) and value >= 0):

@@ -14,11 +14,11 @@ from layerstream.cli.common import (
     check_device_arg,
     check_output_path,
     fetch_before_ranks,
-    non_negative_float,
     parse_config_arg,
     positive_float,
     positive_int,
     prompt_text,
+    request_value,
     seed_int,
 )
 from layerstream.cli.generate_summary import print_table, summary
@@ -31,12 +31,13 @@ from layerstream.models.output_limits import (
     LimitViolation,
     check_output_caps,
 )
-from layerstream.request import GenerationError, GenerationRequest
+from layerstream.request import FIELD_BOUNDS, GenerationError, GenerationRequest
 
 DATA_PARALLEL_CONFIG = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"weight_transfer": "allgather"}}}
 """The default config with --nproc > 1: every rank keeps 1/N of the DiT's blocks and they are all-gathered."""
 
-# the flag a user types for each generation argument, to name it in errors
+# the flag a user types for each generation argument (every `GenerationRequest` field but image, n and timeout,
+# which tests/test_request.py holds it to), to build the request and to name a flag in errors
 _FLAGS = {"height": "--height", "width": "--width", "num_frames": "--num-frames"}
 _REQUEST_FLAGS = {
     **_FLAGS, "prompt": "--prompt", "negative_prompt": "--negative-prompt", "num_inference_steps": "--steps",
@@ -67,48 +68,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--width the output takes its size, rounded down to the model's size multiple",
     )
     parser.add_argument(
-        "--height", type=positive_int, default=None,
+        "--height", type=request_value("height"), default=None,
         help="pixels, a multiple of the model's size step (16 for the tiny models), at most --max-size (default: the model's)",
     )
-    parser.add_argument("--width", type=positive_int, default=None, help="pixels, as --height")
+    parser.add_argument("--width", type=request_value("width"), default=None, help="pixels, as --height")
     parser.add_argument(
-        "--num-frames", type=positive_int, default=None, help="video models only; at most --max-frames (default: the model's)"
+        "--num-frames", type=request_value("num_frames"), default=None, help="video models only; at most --max-frames (default: the model's)"
     )
-    parser.add_argument("--steps", type=positive_int, default=None, dest="num_inference_steps", help="denoising steps")
+    parser.add_argument(
+        "--steps", type=request_value("num_inference_steps"), default=None, dest="num_inference_steps",
+        help=f"denoising steps, {FIELD_BOUNDS['num_inference_steps'].allowed()} (default: the model's)",
+    )
     parser.add_argument(
         "--guidance-scale",
-        type=non_negative_float,
+        type=request_value("guidance_scale"),
         default=None,
-        help="classifier-free guidance scale, a number >= 0; 1 or less turns guidance off (default: the model's)",
+        help=f"classifier-free guidance scale, {FIELD_BOUNDS['guidance_scale'].allowed()}; 1 or less turns guidance off (default: the model's)",
     )
     parser.add_argument(
         "--seed", type=seed_int, default=0,
         help=f"random seed, 0 to {MAX_SEED} (2**64 - 1); rank r of --nproc uses seed + r (default: 0)",
     )
     parser.add_argument(
-        "--guidance-scale-2", type=non_negative_float, default=None,
+        "--guidance-scale-2", type=request_value("guidance_scale_2"), default=None,
         help="two-expert models (Wan 2.2 A14B): the low-noise expert's guidance scale (default: --guidance-scale)",
     )
     parser.add_argument(
-        "--true-cfg-scale", type=non_negative_float, default=None,
+        "--true-cfg-scale", type=request_value("true_cfg_scale"), default=None,
         help="models with a true_cfg_scale argument (Flux, Qwen-Image): that argument; --guidance-scale then goes to "
         "the model's own guidance_scale",
     )
     parser.add_argument(
-        "--boundary-ratio", type=non_negative_float, default=None,
+        "--boundary-ratio", type=request_value("boundary_ratio"), default=None,
         help="two-expert models: where the second expert takes over, a fraction of the timesteps from 0 to 1 "
         "(default: the model's config)",
     )
     parser.add_argument(
-        "--flow-shift", type=positive_float, default=None,
+        "--flow-shift", type=request_value("flow_shift"), default=None,
         help="models whose scheduler has a flow_shift (Wan): its value for this run (default: the model's)",
     )
     parser.add_argument(
-        "--fps", type=positive_int, default=None,
-        help="frames per second of saved video (default: the model's: Wan 16, LTX 24)",
+        "--fps", type=request_value("fps"), default=None,
+        help=f"frames per second of saved video, {FIELD_BOUNDS['fps'].allowed()} (default: the model's: Wan 16, LTX 24)",
     )
     parser.add_argument(
-        "--max-size", type=positive_int, default=DEFAULT_MAX_SIDE_PIXELS, dest="max_side_pixels",
+        "--max-size", type=request_value("max_side_pixels"), default=DEFAULT_MAX_SIDE_PIXELS, dest="max_side_pixels",
         help=f"largest --height or --width accepted, as the server's --max-size (default: {DEFAULT_MAX_SIDE_PIXELS})",
     )
     parser.add_argument(
@@ -183,22 +187,10 @@ def _run(args: argparse.Namespace, log: PhaseLog) -> int:
 def request_from_args(args: argparse.Namespace, *, image=None, seed: int | None = None) -> GenerationRequest:
     """The `GenerationRequest` the flags describe (`seed`: this rank's, default --seed; `image`: --image as
     read); a value it refuses is one line naming the flag."""
+    # None (or absent from a namespace built without it): the request's default
+    given = {name: value for name in _REQUEST_FLAGS if (value := getattr(args, name, None)) is not None}
     try:
-        return GenerationRequest(
-            prompt=args.prompt,
-            negative_prompt=args.negative_prompt,
-            image=image,
-            height=args.height,
-            width=args.width,
-            num_frames=args.num_frames,
-            num_inference_steps=args.num_inference_steps,
-            guidance_scale=args.guidance_scale,
-            seed=args.seed if seed is None else seed,
-            fps=args.fps,
-            max_side_pixels=args.max_side_pixels,
-            # vllm-omni's options: absent from a namespace built without them (older callers), as None
-            **{name: getattr(args, name, None) for name in ("guidance_scale_2", "true_cfg_scale", "boundary_ratio", "flow_shift")},
-        )
+        return GenerationRequest(**{**given, "seed": args.seed if seed is None else seed}, image=image)
     except GenerationError as e:
         flag = _REQUEST_FLAGS.get(e.field or "", e.field)
         raise CliError(f"{flag}: {e.value!r} is not allowed ({e.allowed})") from e
@@ -358,9 +350,10 @@ def _read_image_arg(path: str | None):
 def _check_image_input(args: argparse.Namespace, omni) -> None:
     """--image against what the loaded model takes, before the first step."""
     pipeline_name = type(omni.pipeline).__name__
-    if args.image is not None and omni.image_input == "none":
+    problem = omni.rules.image_problem(has_image=args.image is not None)
+    if problem == "takes_none":
         raise CliError(f"--image {args.image}: {args.model} ({pipeline_name}) takes no input image; drop --image")
-    if args.image is None and omni.image_input == "required":
+    if problem == "required":
         raise CliError(f"{args.model} ({pipeline_name}) generates from an input image; pass --image PATH")
 
 

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from layerstream.cli.common import CliError, add_hub_arguments, parse_config_arg
-from layerstream.cli.plan_machine import add_machine_arguments, run_machine_plan, wants_machine_plan
+from layerstream.cli.plan_machine import add_machine_arguments, planned_generation_of, run_machine_plan, wants_machine_plan
 from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan
 from layerstream.wording import format_bytes
 
@@ -63,11 +63,13 @@ def run(args: argparse.Namespace) -> int:
         plan = resolve_offload_plan(pipeline, config)
     except (OffloadPlanResolutionError, OffloadPlanError) as e:
         raise CliError(_one_line(e)) from e
-    placement, why_not = _placement(pipeline, plan)
+    generation = planned_generation_of(args, pipeline)  # what host budget "auto" keeps a reserve for
+    placement, why_not = _placement(pipeline, plan, generation)
     residency = residency_lines(plan, placement, why_not)
     if args.json:
         placed = placement.to_dict() if placement is not None else {"undecided": why_not}
-        print(json.dumps({**plan.to_dict(), "placement": placed, "residency": residency, "model_source": origin}, indent=2))
+        document = {**plan.to_dict(), "generation": generation.to_dict(), "placement": placed, "residency": residency}
+        print(json.dumps({**document, "model_source": origin}, indent=2))
     else:
         _print_origin(origin, False)
         print(format_plan(plan, placement))
@@ -82,16 +84,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _placement(pipeline: Any, plan: ResolvedOffloadPlan):
-    """(the placement enabling would use on this machine's default device, None) or (None, why it is only
-    decided at enable time)."""
+def _placement(pipeline: Any, plan: ResolvedOffloadPlan, generation):
+    """(the placement enabling would use on this machine's default device for `generation`, None) or (None, why
+    it is only decided at enable time)."""
     from layerstream.errors import OffloadError
     from layerstream.offload import plan_placement
 
     if plan.config.mode != "layer":
         return None, "module mode streams no blocks"
     try:
-        return plan_placement(pipeline, plan), ""
+        return plan_placement(pipeline, plan, generation=generation), ""
     except OffloadError as e:  # "auto" on a machine without device memory to read and no budget given
         return None, _one_line(e)
 

@@ -18,6 +18,8 @@ _FLAG_OF = {
     "host_reserve_gb": "--host-reserve-gb",
 }  # fmt: skip
 """The planner's field names as the flags that set them."""
+_GENERATION_FLAGS = {"height": "--height", "width": "--width", "num_frames": "--num-frames", "num_inference_steps": "--steps"}
+"""The generation planned for, by the flags that set it."""
 _MACHINE_FLAGS = ("link_gbps", "disk_gbps", "device_tflops", "baseline_gb", "host_reserve_gb", "allow_lossy", "measure")
 
 
@@ -37,13 +39,14 @@ def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--height", type=positive_int, help="pixels, for the tokens per block (default: the model's)")
     group.add_argument("--width", type=positive_int, help="pixels (default: the model's)")
     group.add_argument("--num-frames", type=positive_int, help="video models (default: the model's)")
+    group.add_argument("--steps", type=positive_int, dest="num_inference_steps", help="denoising steps, over which a host pool's reads spread (default: the model's)")
 
 
 def wants_machine_plan(args: argparse.Namespace) -> bool:
     """Whether the machine flags were given; refuses a half-given machine or mixed modes, before loading."""
     memories = {"--device-memory": args.device_memory, "--host-memory": args.host_memory}
     others = [f"--{name.replace('_', '-')}" for name in _MACHINE_FLAGS if getattr(args, name) not in (None, False)]
-    others += [f"--{n.replace('_', '-')}" for n in ("height", "width", "num_frames") if getattr(args, n) is not None]
+    others += [flag for name, flag in _GENERATION_FLAGS.items() if getattr(args, name) is not None]
     given = [flag for flag, value in memories.items() if value is not None]
     if not given:
         if others:
@@ -66,15 +69,15 @@ def run_machine_plan(args: argparse.Namespace, pipeline: Any) -> int:
         device_memory_gb=args.device_memory, host_memory_gb=args.host_memory, allow_lossy=args.allow_lossy,
         **{k: v for k, v in given.items() if v is not None},
     )  # fmt: skip
-    size = planned_size(args, pipeline)
+    generation = planned_generation_of(args, pipeline)
     try:
         check_machine(machine)
-        result = plan_for_machine(pipeline, machine, size=size)
+        result = plan_for_machine(pipeline, machine, generation=generation)
         if args.measure:
             from layerstream.offload import default_device
 
-            seconds = measured_block_seconds(pipeline, result.config, size, default_device())
-            result = plan_for_machine(pipeline, machine, size=size, block_seconds=seconds)
+            seconds = measured_block_seconds(pipeline, result.config, generation.as_size(), default_device())
+            result = plan_for_machine(pipeline, machine, generation=generation, block_seconds=seconds)
     except MachinePlanError as e:  # "host_memory_gb = 3: ..." -> "--host-memory = 3: ..."
         name, _, rest = str(e).partition(" = ")
         raise CliError(f"{_FLAG_OF.get(name, name)} = {rest}" if rest else str(e)) from e
@@ -87,15 +90,15 @@ def run_machine_plan(args: argparse.Namespace, pipeline: Any) -> int:
     return 0
 
 
-def planned_size(args: argparse.Namespace, pipeline: Any) -> dict[str, int]:
-    """--height/--width/--num-frames, each left out taken from the model's defaults (`ModelRules`: an embedded
-    tiny model's own small size, a real model's its pipeline's), as `Omni` would run it."""
-    from layerstream.models.generation_size import RequestSizes, generation_size_for
+def planned_generation_of(args: argparse.Namespace, pipeline: Any):
+    """The generation to plan for: --height/--width/--num-frames/--steps, each left out taken from the model's
+    rules (`ModelRules`, read from the skeleton under the model's name: an embedded tiny model's own small size
+    and steps, a real model's its pipeline's), as `Omni` would run it; each figure says where it came from."""
+    from layerstream.models.generation_size import planned_generation
     from layerstream.models.model_rules import read_model_rules
 
-    given = {k: v for k, v in (("height", args.height), ("width", args.width), ("num_frames", args.num_frames)) if v is not None}
-    generation = generation_size_for(read_model_rules(pipeline, args.model), RequestSizes(**given))
-    return given if generation is None else {**generation.as_size(), **given}
+    given = {name: getattr(args, name, None) for name in _GENERATION_FLAGS}
+    return planned_generation(read_model_rules(pipeline, args.model), **given, sources=_GENERATION_FLAGS)
 
 
 def machine_plan_lines(result) -> list[str]:
@@ -113,6 +116,7 @@ def machine_plan_lines(result) -> list[str]:
         f"  disk:   {format_gb(result.disk_nbytes)} of blocks read from disk",
         f"  per step ({m.forwards_per_step} forwards): {format_gb(result.link_nbytes_per_step)} over the link, "
         f"{format_gb(result.disk_nbytes_per_step)} from disk",
+        f"  generation: {result.generation.describe()}, {result.generation.num_inference_steps} steps",
         f"  predicted: {result.seconds_per_step:.4g} s per step, bound by {result.bound} (compute {stages['compute']:.4g} s, "
         f"link {stages['link']:.4g} s, disk {stages['disk']:.4g} s alone)",
         f"  compute per block: {result.compute_source}",

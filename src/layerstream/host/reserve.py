@@ -15,12 +15,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from layerstream.models.generation_estimates import block_activation_nbytes, generation_size, latent_tokens
+from layerstream.models.generation_estimates import block_activation_nbytes, latent_tokens
 from layerstream.wording import GB, format_gb
+
+if TYPE_CHECKING:
+    from layerstream.models.generation_size import GenerationSize
 
 FLOOR_NBYTES = round(0.15 * GB)
 """The least reserve: what a generation allocates whatever its size (Python objects, the tokenizer, the scheduler;
@@ -73,17 +76,14 @@ def estimate_host_reserve(
     pipeline: Any,
     *,
     device_is_host: bool,
-    size: Mapping[str, int] | None = None,
-    tokens: int | None = None,
+    generation: GenerationSize,
     dit_blocks: tuple[nn.Module, ...] = (),
-    size_source: str | None = None,
 ) -> HostReserve:
-    """The reserve for one generation at `size` (default: the pipeline's own call defaults). Pixels are counted
-    where the pipeline decodes them (it has a `vae`); `dit_blocks` (their first blocks) price the activations on
-    a CPU device at `tokens` latent tokens (default: `generation.latent_tokens`). `size_source` says where the
-    size came from (default: the size given, or the pipeline's call defaults)."""
-    source_of_size = size_source or ("the size planned" if size else "the pipeline's call defaults")
-    size = generation_size(pipeline, size)
+    """The reserve for one generation of `generation`'s size (the model's rules fill what a caller leaves out:
+    `models.generation_size`). Pixels are counted where the pipeline decodes them (it has a `vae`); `dit_blocks`
+    (their first blocks) price the activations on a CPU device at the generation's latent tokens (its own
+    `tokens`, else `models.generation_estimates.latent_tokens`)."""
+    size, tokens = generation.as_size(), generation.tokens
     parts: dict[str, int] = {}
     if getattr(pipeline, "vae", None) is not None:
         values = size["height"] * size["width"] * size["num_frames"] * 3
@@ -98,7 +98,7 @@ def estimate_host_reserve(
     frames = f" x {size['num_frames']} frames" if size["num_frames"] > 1 else ""
     at_tokens = f", {tokens} tokens" if tokens is not None and device_is_host and dit_blocks else ""
     source = f"estimated for {size['height']}x{size['width']}{frames}{at_tokens}"
-    return HostReserve(max(sum(parts.values()), FLOOR_NBYTES), source, MappingProxyType(parts), source_of_size)
+    return HostReserve(max(sum(parts.values()), FLOOR_NBYTES), source, MappingProxyType(parts), generation.source)
 
 
 def text_output_nbytes(pipeline: Any) -> int:
@@ -115,27 +115,14 @@ def text_output_nbytes(pipeline: Any) -> int:
 
 
 def host_reserve_for(
-    pipeline: Any,
-    plan: Any,
-    reserve_gb: float | None,
-    *,
-    device_is_host: bool,
-    size: Mapping[str, int] | None = None,
-    tokens: int | None = None,
-    generation: Any = None,
-) -> HostReserve:
+    pipeline: Any, plan: Any, reserve_gb: float | None, *, device_is_host: bool, generation: GenerationSize,
+) -> HostReserve:  # fmt: skip
     """`reserve_gb` where given, else the estimate for `plan`'s pipeline (a `ResolvedOffloadPlan`: its DiTs' first
-    blocks price the activations on a CPU device) at `generation` (a `models.generation_size.GenerationSize`:
-    the largest generation it will run) or else `size` and `tokens`."""
+    blocks price the activations on a CPU device) at `generation` (the largest generation it will run)."""
     from layerstream.plan.resolved import lookup
 
     if reserve_gb is not None:
         return given_host_reserve(reserve_gb)
-    source = None
-    if generation is not None:
-        size, tokens, source = generation.as_size(), generation.tokens, generation.source
     firsts = [s.block_paths[0] for c in plan.components if c.category == "dit" for s in c.stacks if s.block_paths]
     blocks = tuple(lookup(pipeline, p) for p in firsts)
-    return estimate_host_reserve(
-        pipeline, device_is_host=device_is_host, size=size, tokens=tokens, dit_blocks=blocks, size_source=source,
-    )  # fmt: skip
+    return estimate_host_reserve(pipeline, device_is_host=device_is_host, generation=generation, dit_blocks=blocks)

@@ -19,7 +19,7 @@ import math
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from layerstream.plan.placement import Placement
 from layerstream.timing import ideal
 from layerstream.timing.block_timer import BlockTimer
 from layerstream.wording import GB, format_gb
+
+if TYPE_CHECKING:
+    from layerstream.models.generation_size import GenerationSize
 
 PROCESS_BASELINE_GB = 0.41
 """Host memory of a Python process that has imported torch, diffusers, transformers and layerstream, before any
@@ -126,6 +129,8 @@ class MachinePlan:
     """Device memory left beside the resident parts for a forward's activations (`activation_reserve`)."""
     host_reserve: HostReserve | None = None
     """Host memory kept for what a generation allocates beside the store, and how it was reached."""
+    generation: GenerationSize | None = None
+    """The generation planned for (size, frames, steps, tokens), each figure with where it came from."""
 
     @property
     def bound(self) -> Bound:
@@ -134,6 +139,7 @@ class MachinePlan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "machine": vars(self.machine),
+            "generation": self.generation.to_dict() if self.generation is not None else None,
             "recommended": {
                 "diffusion_offload_config": dict(self.config),
                 "bytes": {"device": self.device_nbytes, "host": self.host_nbytes, "disk": self.disk_nbytes},
@@ -202,22 +208,25 @@ def plan_for_machine(
     pipeline: Any,
     machine: Machine,
     *,
-    size: Mapping[str, int] | None = None,
+    generation: GenerationSize | None = None,
     block_seconds: Mapping[str, float] | None = None,
-    tokens: int | None = None,
-    steps: int | None = None,
     lossless: bool | None = None,
 ) -> MachinePlan:
     """The plan (see `_plan_for_machine`); without `allow_lossy`, where it is bound by the link or the disk, the
     lossless form (`storage_dtype: "lossless"`: fewer bytes, the same bits, a decode on the device) where it
     predicts a faster step. `lossless` True or False asks for the DiT in that form or not, whatever is faster
-    (a benchmark's rows side by side)."""
+    (a benchmark's rows side by side). `generation` (default: the model's rules read from the pipeline,
+    `pipeline_generation`) is the generation planned for: its size or `tokens` give the tokens a block sees, its
+    steps spread the host pool's reads at each change of expert over a generation."""
+    from layerstream.models.generation_size import pipeline_generation
+
+    generation = generation if generation is not None else pipeline_generation(pipeline)
     if lossless is not None:
-        return _plan_for_machine(pipeline, machine, size=size, block_seconds=block_seconds, tokens=tokens, steps=steps, lossless=lossless)
-    plan = _plan_for_machine(pipeline, machine, size=size, block_seconds=block_seconds, tokens=tokens, steps=steps)
+        return _plan_for_machine(pipeline, machine, generation=generation, block_seconds=block_seconds, lossless=lossless)
+    plan = _plan_for_machine(pipeline, machine, generation=generation, block_seconds=block_seconds)
     if machine.allow_lossy or plan.bound == "compute":
         return plan
-    coded = _plan_for_machine(pipeline, machine, size=size, block_seconds=block_seconds, tokens=tokens, steps=steps, lossless=True)
+    coded = _plan_for_machine(pipeline, machine, generation=generation, block_seconds=block_seconds, lossless=True)
     if coded.seconds_per_step >= plan.seconds_per_step:
         return plan
     note = (
@@ -232,17 +241,13 @@ def _plan_for_machine(
     pipeline: Any,
     machine: Machine,
     *,
-    size: Mapping[str, int] | None = None,
+    generation: GenerationSize,
     block_seconds: Mapping[str, float] | None = None,
-    tokens: int | None = None,
-    steps: int | None = None,
     lossless: bool = False,
 ) -> MachinePlan:
-    """The plan (see the module docstring). `size` ({"height", "width", "num_frames"}; default: the pipeline's
-    own defaults) gives the tokens a block sees, or `tokens` gives them itself (a pipeline that is not diffusers');
-    `block_seconds` (block path -> seconds, from `measured_block_seconds`) replaces the FLOPs estimate; `steps`
-    (default: the pipeline's own) spreads the host pool's reads at each change of expert over a generation.
-    Raises `MachinePlanError` where it cannot run."""
+    """The plan (see the module docstring) for `generation` (`plan_for_machine`); `block_seconds` (block path ->
+    seconds, from `measured_block_seconds`) replaces the FLOPs estimate. Raises `MachinePlanError` where it
+    cannot run."""
     from layerstream.offload import plan_placement, priced_placement  # the composition root prices the stores
     from layerstream.plan.resolver import resolve_offload_plan
     from layerstream.runtime.stores.disk.staging import NUM_STAGING_BUFFERS
@@ -250,7 +255,9 @@ def _plan_for_machine(
     check_machine(machine)
     cpu = torch.device("cpu")  # layouts are priced here; their bytes do not depend on the device
     notes: list[str] = []
-    tokens = latent_tokens(pipeline, size) if tokens is None else tokens
+    if generation.num_inference_steps is None:
+        raise MachinePlanError("num_inference_steps = None is not valid; expected the steps planned for (`planned_generation`)")
+    tokens = latent_tokens(pipeline, generation.as_size()) if generation.tokens is None else generation.tokens
     reserve_gb, estimated = activation_reserve(pipeline, tokens)
     if estimated:
         notes.append(
@@ -275,7 +282,9 @@ def _plan_for_machine(
             f"{format_gb(device_nbytes)}; this model does not run on that device"
         )
     streamed = {p: host_nbytes[p] for p in placement.streamed_block_paths}
-    host_reserve = host_reserve_for(pipeline, unbudgeted, machine.host_reserve_gb, device_is_host=False, size=size, tokens=tokens)
+    host_reserve = host_reserve_for(
+        pipeline, unbudgeted, machine.host_reserve_gb, device_is_host=False, generation=dataclasses.replace(generation, tokens=tokens)
+    )
     needs = host_needs(
         unbudgeted, placement, device_is_host=False, reserve_nbytes=host_reserve.nbytes,
         num_staging_buffers=NUM_STAGING_BUFFERS, block_host_nbytes=host_nbytes, reserve_name=host_reserve.need_name,
@@ -295,7 +304,7 @@ def _plan_for_machine(
     plan = resolve_offload_plan(pipeline, parse_offload_config(config))
     placement = plan_placement(pipeline, plan, cpu)
     compute, source = _block_compute(pipeline, placement, block_seconds, tokens, machine)
-    per_step = _per_step(plan, placement, streamed, compute, machine, _generation_steps(pipeline, steps))
+    per_step = _per_step(plan, placement, streamed, compute, machine, generation.num_inference_steps)
     host_total = round(machine.baseline_gb * GB) + sum(needs.values()) - (0 if budget_gb is not None else needs["disk staging ring"])
     host_total += placement.host_tier.host_nbytes if placement.host_tier is not None else sum(streamed.values())
     tier = placement.host_tier
@@ -304,6 +313,7 @@ def _plan_for_machine(
         sum(streamed[p] for p in tier.from_disk_paths) if tier is not None else 0,
         per_step["link_bytes"], per_step["disk_bytes"], per_step["seconds"],
         {k: per_step[k + "_s"] for k in ("compute", "link", "disk")}, source, tokens, tuple(notes), reserve_gb, host_reserve,
+        generation,
     )  # fmt: skip
 
 
@@ -432,14 +442,6 @@ def _decode_rate(machine: Machine) -> str:
     if machine.decode_gbps == DEVICE_DECODE_GBPS:
         return f"an assumed {DEVICE_DECODE_GBPS:g} GB/s"
     return f"{machine.decode_gbps:.3g} GB/s"
-
-
-def _generation_steps(pipeline: Any, steps: int | None) -> int:
-    """`steps`, else the pipeline's own default number of denoising steps (50 where its call names none)."""
-    if steps is not None:
-        return steps
-    default = inspect.signature(pipeline.__call__).parameters.get("num_inference_steps")
-    return default.default if default is not None and isinstance(default.default, int) and default.default > 0 else 50
 
 
 def measured_block_seconds(pipeline: Any, config: Mapping[str, Any], size: Mapping[str, int], device: torch.device) -> dict[str, float]:

@@ -1,9 +1,9 @@
-"""What one generation holds: its size, the latent tokens a DiT block sees, and a block's activations (estimates
-the planner and the host reserve share; pure, nothing runs)."""
+"""What one generation holds: the latent tokens a DiT block sees at its size, and a block's activations (estimates
+the planner and the host reserve share; pure, nothing runs). The size itself is the model's rules' business
+(`models.generation_size`)."""
 
 from __future__ import annotations
 
-import inspect
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -12,26 +12,9 @@ from torch import nn
 
 from layerstream.models.geometry import pipeline_frame_multiple, pipeline_size_multiple
 
-FALLBACK_SIZE = {"height": 1024, "width": 1024, "num_frames": 1}
-"""Where a pipeline's `__call__` names no default (Flux leaves height and width None: 1024 is its own)."""
-
-
-def generation_size(pipeline: Any, size: Mapping[str, int] | None = None) -> dict[str, int]:
-    """`size` ({"height", "width", "num_frames"}) completed with the pipeline's own call defaults; an image
-    pipeline (no `num_frames` in its call) makes one frame."""
-    out = dict(size or {})
-    defaults = inspect.signature(pipeline.__call__).parameters
-    for key, fallback in FALLBACK_SIZE.items():
-        default = defaults[key].default if key in defaults else None
-        out.setdefault(key, default if isinstance(default, int) else fallback)
-    if "num_frames" not in defaults:
-        out["num_frames"] = 1
-    return out
-
-
-def latent_tokens(pipeline: Any, size: Mapping[str, int] | None = None) -> int:
-    """Latent tokens a DiT block sees at `size` (default: the pipeline's own default height, width, frames)."""
-    size = generation_size(pipeline, size)
+def latent_tokens(pipeline: Any, size: Mapping[str, int]) -> int:
+    """Latent tokens a DiT block sees at `size` ({"height", "width", "num_frames"}: a `GenerationSize.as_size()`,
+    the model's rules filling what a caller left out)."""
     side = pipeline_size_multiple(pipeline)
     temporal = pipeline_frame_multiple(pipeline)
     frames = (size["num_frames"] - 1) // temporal + 1 if temporal else 1

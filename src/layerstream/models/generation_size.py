@@ -1,16 +1,21 @@
-"""`GenerationSize`: the largest generation a loaded pipeline will be asked for, which estimates made when
-offload is enabled (the host reserve of `host_budget_gb: "auto"`) are sized to.
+"""`GenerationSize`: the generation a loaded pipeline is planned for: the largest it will be asked for, which
+estimates made when offload is enabled (the host reserve of `host_budget_gb: "auto"`) are sized to, and the
+generation `layerstream plan` prices (its steps too).
 
-Where no request is known it is the model's own default (`ModelRules`: an embedded tiny model's small size, a
-real one's from its pipeline); where the caller knows the requests (`RequestSizes`: the command line's size, the
-server's caps) it is the largest of them. It says where it came from, so the stats can say it.
+Every figure a caller leaves out is the model's (`ModelRules`, the one reader of a model's defaults: an embedded
+tiny model's small size, a real one's from its pipeline); where the caller knows the requests (`RequestSizes`:
+the command line's size, the server's caps) it is the largest of them. It says where each figure came from.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
+
+from layerstream.models.output_limits import DEFAULT_MAX_SIDE_PIXELS
 
 if TYPE_CHECKING:
     from layerstream.models.model_rules import ModelRules
@@ -26,9 +31,23 @@ class GenerationSize:
     tokens: int | None = None
     """Latent tokens a DiT block sees, where the pipeline's geometry cannot count them (a pipeline that is not
     diffusers'); None: counted from the size."""
+    num_inference_steps: int | None = None
+    """Denoising steps (`planned_generation` always says them; the host reserve does not need them)."""
+    sources: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """Where each figure came from, by field ("height": "--height", "num_inference_steps": "the model's rules")."""
 
     def as_size(self) -> dict[str, int]:
         return {"height": self.height, "width": self.width, "num_frames": self.num_frames}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Each figure with where it came from (`layerstream plan --json`'s ``generation``)."""
+        figures = {**self.as_size(), "num_inference_steps": self.num_inference_steps}
+        out: dict[str, Any] = {
+            name: {"value": value, "from": self.sources.get(name, self.source)} for name, value in figures.items() if value is not None
+        }
+        if self.tokens is not None:
+            out["tokens"] = {"value": self.tokens, "from": self.sources.get("tokens", self.source)}
+        return out
 
     def describe(self) -> str:
         frames = f" x {self.num_frames} frames" if self.num_frames > 1 else ""
@@ -51,18 +70,67 @@ class RequestSizes:
     source: str = "the request's size"
 
 
-def generation_size_for(rules: ModelRules, requests: RequestSizes | None = None) -> GenerationSize | None:
-    """The largest generation `rules`' model makes for `requests` (None: its defaults); None where the model
-    names no default size and no cap bounds it (the pipeline then picks, e.g. from an input image)."""
+MODEL_RULES = "the model's rules"
+"""The source of a figure the caller left to the model."""
+
+
+def generation_size_for(rules: ModelRules, requests: RequestSizes | None = None) -> GenerationSize:
+    """The largest generation `rules`' model makes for `requests` (None: its defaults). Where the model names no
+    default size (the pipeline picks, e.g. from an input image) and no cap bounds it: the largest square a
+    request may ask for (`DEFAULT_MAX_SIDE_PIXELS`), which is said as its source."""
     if requests is None or not _has_caps(requests):
-        height = (requests.height if requests else None) or rules.default_height
-        width = (requests.width if requests else None) or rules.default_width
-        frames = ((requests.num_frames if requests else None) or rules.default_num_frames) if rules.kind == "video" else 1
-        if height is None or width is None:
-            return None
-        source = requests.source if requests is not None and (requests.height or requests.width or requests.num_frames) else "the model's defaults"
-        return GenerationSize(height=height, width=width, num_frames=frames or 1, source=source)
+        requests = requests or RequestSizes()
+        shape = rules.filled(height=requests.height, width=requests.width, num_frames=requests.num_frames)
+        asked = requests.height or requests.width or requests.num_frames
+        source = requests.source if asked else "the model's defaults"
+        if shape.height is None or shape.width is None:
+            largest = _largest_within_caps(rules, _NO_DEFAULT_SIZE)
+            shape = rules.filled(height=shape.height or largest.height, width=shape.width or largest.width, num_frames=shape.num_frames)
+            source = largest.source
+        return GenerationSize(height=shape.height, width=shape.width, num_frames=shape.num_frames or 1, source=source)
     return _largest_within_caps(rules, requests)
+
+
+_NO_DEFAULT_SIZE = RequestSizes(
+    max_side_pixels=DEFAULT_MAX_SIDE_PIXELS,
+    source=f"the largest request's side, {DEFAULT_MAX_SIDE_PIXELS} (the model names no default size)",
+)
+
+
+def planned_generation(
+    rules: ModelRules,
+    *,
+    height: int | None = None,
+    width: int | None = None,
+    num_frames: int | None = None,
+    num_inference_steps: int | None = None,
+    tokens: int | None = None,
+    sources: Mapping[str, str] | None = None,
+) -> GenerationSize:
+    """The generation to plan for: the figures given (each from ``sources[name]``, default "given") and the
+    model's rules for the rest, the steps included."""
+    given = {"height": height, "width": width, "num_frames": num_frames, "num_inference_steps": num_inference_steps, "tokens": tokens}
+    size = generation_size_for(rules, RequestSizes(height=height, width=width, num_frames=num_frames, source="the size planned"))
+    # the model's rules, or the fallback where it names no size (`generation_size_for` says which)
+    left = size.source if size.source == _NO_DEFAULT_SIZE.source else MODEL_RULES
+    origin = {"height": left, "width": left, "num_inference_steps": MODEL_RULES}
+    origin["num_frames"] = MODEL_RULES if rules.kind == "video" else "an image model makes one frame"
+    origin.update({name: (sources or {}).get(name, "given") for name, value in given.items() if value is not None})
+    return GenerationSize(
+        height=size.height, width=size.width, num_frames=size.num_frames, tokens=tokens,
+        num_inference_steps=rules.filled(num_inference_steps=num_inference_steps).num_inference_steps,
+        source=size.source, sources=MappingProxyType(origin),
+    )  # fmt: skip
+
+
+def pipeline_generation(pipeline: Any, **given: int | None) -> GenerationSize:
+    """`planned_generation` by the rules read from `pipeline` itself, named by its class: the figures `given`
+    (`height`, `width`, `num_frames`, `num_inference_steps`, `tokens`) and the model's defaults for the rest. A
+    caller that knows the model's name (an embedded tiny model's small defaults come with it) reads its rules with
+    it instead (`Omni.rules`, `layerstream plan`)."""
+    from layerstream.models.model_rules import read_model_rules
+
+    return planned_generation(read_model_rules(pipeline, type(pipeline).__name__), **given)
 
 
 def _has_caps(requests: RequestSizes) -> bool:

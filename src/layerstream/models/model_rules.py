@@ -3,7 +3,10 @@
 Read once from the pipeline (an embedded tiny model declares its small defaults in its spec instead), and
 used by every entry point: `Omni`, the command line and the server check a request against the same rules,
 fill in the same defaults and only word the refusals for their caller (a flag, a JSON field, an argument).
-So the same request makes the same picture from the library, `generate`, the synchronous endpoint and a job.
+So the same request makes the same picture from the library, `generate`, the synchronous endpoint and a job:
+defaults are filled in one place (`ModelRules.filled`), sizes checked in one (`check_geometry`, with a caller's
+caps), and whether an input image is refused decided in one (`image_problem`); the planner and the host reserve
+size their generation by them too (`models.generation_size`).
 
 What is read:
 - the geometry (`OutputGeometry`: size multiple, frame rule, the reach of the position table);
@@ -19,11 +22,18 @@ What is read:
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from layerstream.models.input_image import ImageInputKind, pipeline_image_input
-from layerstream.models.output_limits import LimitViolation, OutputGeometry, check_output_geometry, read_output_geometry
+from layerstream.models.output_limits import (
+    LimitViolation,
+    OutputGeometry,
+    check_output_caps,
+    check_output_geometry,
+    read_output_geometry,
+)
 
 DEFAULT_FPS = 16
 FRAME_RATES = {
@@ -42,6 +52,22 @@ OPTIONAL_FIELDS = ("negative_prompt", "guidance_scale_2", "true_cfg_scale", "bou
 CALL_ARGUMENT_FIELDS = ("negative_prompt", "guidance_scale_2", "true_cfg_scale")
 SETTING_FIELDS = ("boundary_ratio", "flow_shift")
 """Fields that override a pipeline or scheduler setting for one request (restored after it)."""
+
+
+ImageProblem = Literal["takes_none", "required"]
+"""What is wrong with a request's input image, or its absence: the model takes none, or needs one."""
+
+
+@dataclass(frozen=True)
+class GenerationShape:
+    """What a request runs: its own figures, the model's defaults for those it leaves out (`ModelRules.filled`)."""
+
+    height: int | None
+    """None: the pipeline picks (the model names no default, e.g. it sizes from an input image)."""
+    width: int | None
+    num_frames: int | None
+    """Video: the frames; None for an image model (unless the request gave some, which the caller refuses)."""
+    num_inference_steps: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,9 +111,40 @@ class ModelRules:
     def supports_negative_prompt(self) -> bool:
         return "negative_prompt" in self.takes
 
-    def check_geometry(self, *, height: int | None, width: int | None, num_frames: int | None) -> list[LimitViolation]:
-        """What the model cannot make of these sizes (multiples, reach, frame rule); None fields are defaults."""
-        return check_output_geometry(self.geometry, height=height, width=width, num_frames=num_frames)
+    def filled(
+        self, *, height: int | None = None, width: int | None = None, num_frames: int | None = None,
+        num_inference_steps: int | None = None,
+    ) -> GenerationShape:  # fmt: skip
+        """The figures given, the model's defaults for those left out (None): the one place defaults are filled."""
+        return GenerationShape(
+            height=height if height is not None else self.default_height,
+            width=width if width is not None else self.default_width,
+            num_frames=num_frames if num_frames is not None or self.kind != "video" else self.default_num_frames,
+            num_inference_steps=num_inference_steps or self.default_num_inference_steps,
+        )
+
+    def check_geometry(
+        self, *, height: int | None, width: int | None, num_frames: int | None,
+        max_side_pixels: int | None = None, max_frames: int | None = None,
+    ) -> list[LimitViolation]:  # fmt: skip
+        """What the model cannot make of these sizes (multiples, reach, frame rule), and, where given, what lies
+        past a caller's caps (`max_side_pixels`, `max_frames`: a server's); None fields are defaults."""
+        problems = check_output_geometry(self.geometry, height=height, width=width, num_frames=num_frames)
+        if max_side_pixels is not None or max_frames is not None:
+            caps = check_output_caps(
+                height=height, width=width, num_frames=num_frames,
+                max_side_pixels=max_side_pixels or sys.maxsize, max_frames=max_frames or sys.maxsize,  # maxsize: no cap
+            )  # fmt: skip
+            problems += [cap for cap in caps if cap.name not in {p.name for p in problems}]
+        return problems
+
+    def image_problem(self, *, has_image: bool) -> ImageProblem | None:
+        """Whether a request with (or without) an input image is refused, and why; each caller words it."""
+        if has_image and self.image_input == "none":
+            return "takes_none"
+        if not has_image and self.image_input == "required":
+            return "required"
+        return None
 
     def refused_fields(self, given: dict[str, Any]) -> list[str]:
         """Of the optional fields `given` sets (not None), the ones this pipeline cannot take, in order."""

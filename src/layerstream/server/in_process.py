@@ -17,7 +17,7 @@ from layerstream.server.limits import ModelLimits
 from layerstream.server.metrics import JobOutcome, ServerMetrics
 from layerstream.server.output_loop import GroupWork, RequestResult, run_group
 from layerstream.server.queue import Job
-from layerstream.server.served import Answer, GenerationOutput, ServedRequest, request_usage
+from layerstream.server.served import Answer, RunnerBase, ServedRequest, job_output, observe_call
 from layerstream.server.stopping import GenerationStopped
 
 logger = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 ServedJob = Job[ServedRequest]
 
 
-class InProcessRunner:
+class InProcessRunner(RunnerBase):
     """Runs what the queue takes on `omni`: one group per run (the queue's policy takes one at a time)."""
 
     def __init__(self, omni: Any, limits: ModelLimits, metrics: ServerMetrics):
@@ -40,19 +40,10 @@ class InProcessRunner:
         (group,) = groups
         return [self._run_alone(group[0])] if len(group) == 1 else self._run_batch(group)
 
-    def after_run(self) -> None:
-        pass
-
-    def idle(self) -> None:
-        pass
-
     def report(self) -> dict[str, Any]:
         """What /health says of the ranks: one, this process."""
         host_bytes = self.offload_stats.host_bytes if self.offload_stats is not None else None
         return {"world_size": 1, "backend": None, "ranks": [{"rank": 0, "host_bytes": host_bytes}]}
-
-    def metric_families(self) -> list[Any]:
-        return []
 
     # one request alone -----------------------------------------------------------------------------------------
     def _run_alone(self, job: ServedJob) -> Answer:
@@ -62,35 +53,20 @@ class InProcessRunner:
         (`GenerationStopped`); then the job's observer, if any, hears of the step."""
         served = job.served
         started = time.perf_counter()
-        bytes_before = self._bytes_streamed()
-        outcome = JobOutcome.ERROR
         try:
             if job.observer is not None:
                 job.observer.started()
             work = GroupWork((served.request,), batch_call=False, encodings=(served.encoding,))
             (result,) = run_group(self.omni, work, job.stop_signal.raise_if_requested, observer=job.observer)
-            outcome = JobOutcome.OK
-        except GenerationStopped as e:  # asked for: one line, no traceback
-            outcome = JobOutcome.STOPPED
-            logger.info("%s (prompt %r)", e, served.prompt[:80])
-            return e
-        except GenerationError as e:  # arguments the pipeline refused: the client's to fix, answered 400
-            logger.info("generation refused: %s", e)
-            return e
         except Exception as e:
-            logger.exception("generation failed (prompt %r)", served.prompt[:80])
-            return e
+            answer: Answer = e
+            outcome = _failed(e, f"(prompt {served.prompt[:80]!r})")
+        else:
+            answer, outcome = job_output(self.limits, self.metrics, job, result), JobOutcome.OK
         finally:
             self.offload_stats = self.omni.stats()
-            self.metrics.observe_job(
-                queue_seconds=job.queue_seconds, seconds=time.perf_counter() - started,
-                num_outputs=served.num_outputs, outcome=outcome,
-            )  # fmt: skip
-            self.metrics.observe_batch(1)
-            if bytes_before is not None:
-                self.metrics.observe_request_bytes(self._bytes_streamed() - bytes_before)
-        usage = request_usage(self.limits, served, result.runs, result.frames_shape, job.queue_seconds)
-        return GenerationOutput(result.files, usage)
+        observe_call(self.metrics, [job], [outcome], time.perf_counter() - started, [True])
+        return answer
 
     # a batch ---------------------------------------------------------------------------------------------------
     def _run_batch(self, jobs: list[ServedJob]) -> list[Answer]:
@@ -103,31 +79,21 @@ class InProcessRunner:
         runtime is left clean for the next, as after a request run alone.
         """
         started = time.perf_counter()
-        bytes_before = self._bytes_streamed()
         # a request asked to stop before the call starts is left out of it: less work for the others
         running = [job for job in jobs if job.stop_signal.reason is None]
-        outcome = JobOutcome.ERROR
-        results: list[RequestResult] = []
         try:
             results = self._call_batch(running) if running else []
-            outcome = JobOutcome.OK
-        except GenerationStopped as e:  # every request asked to stop: one line, no traceback
-            outcome = JobOutcome.STOPPED
-            logger.info("%s", e)
-            return [e] * len(jobs)
-        except GenerationError as e:
-            logger.info("generation refused: %s", e)
-            return [e] * len(jobs)
         except Exception as e:
-            prompts = [job.served.prompt[:40] for job in running]
-            logger.exception("generation of a batch of %d request(s) failed (prompts %r)", len(running), prompts)
-            return [e] * len(jobs)
+            answers: list[Answer] = [e] * len(jobs)
+            outcome = _failed(e, f"of a batch of {len(running)} request(s) (prompts {[j.served.prompt[:40] for j in running]!r})")
+        else:
+            answers, outcome = self._batch_answers(jobs, running, results), JobOutcome.OK
         finally:
             self.offload_stats = self.omni.stats()
-            bytes_after = self._bytes_streamed()
-            bytes_streamed = None if bytes_after is None or bytes_before is None else bytes_after - bytes_before
-            self._observe_batch(jobs, running, outcome, time.perf_counter() - started, bytes_streamed)
-        return self._batch_answers(jobs, running, results)
+        # a request left out of the call, or asked to stop during it, is stopped whatever the call did
+        outcomes = [JobOutcome.STOPPED if job.stop_signal.reason is not None or job not in running else outcome for job in jobs]
+        observe_call(self.metrics, jobs, outcomes, time.perf_counter() - started, [job in running for job in jobs])
+        return answers
 
     def _call_batch(self, running: list[ServedJob]) -> list[RequestResult]:
         """One `Omni.run_batch` for the outputs of `running`, in order; stops between steps once every one of
@@ -144,27 +110,6 @@ class InProcessRunner:
         # a request asked to stop during the call is answered so: its outputs are not encoded
         return run_group(self.omni, work, stop_if_all_asked, wanted=lambda i: running[i].stop_signal.reason is None)
 
-    def _observe_batch(
-        self, jobs: list[ServedJob], running: list[ServedJob], outcome: JobOutcome, seconds: float,
-        bytes_streamed: int | None,
-    ) -> None:  # fmt: skip
-        self.metrics.observe_batch(len(jobs))
-        num_outputs = sum(job.served.num_outputs for job in running)
-        for job in jobs:
-            num_job_outputs = job.served.num_outputs
-            # a request left out of the call, or asked to stop during it, is stopped whatever the call did
-            stopped = job not in running or job.stop_signal.reason is not None
-            self.metrics.observe_job(
-                queue_seconds=job.queue_seconds,
-                # its own share of the call, by outputs (a batch of 4 taking 61 s adds 61 s, not 244); none if
-                # it was left out of the call
-                seconds=seconds * num_job_outputs / num_outputs if job in running else None,
-                num_outputs=num_job_outputs,
-                outcome=JobOutcome.STOPPED if stopped else outcome,
-            )
-            if bytes_streamed is not None and job in running:
-                self.metrics.observe_request_bytes(bytes_streamed * num_job_outputs // num_outputs)
-
     def _batch_answers(self, jobs: list[ServedJob], running: list[ServedJob], results: list[RequestResult]) -> list[Answer]:
         """Each request's answer: its encoded outputs, or `GenerationStopped`."""
         answers: list[Answer] = []
@@ -173,20 +118,23 @@ class InProcessRunner:
         for job in jobs:
             if job not in by_job:
                 answers.append(stopped_in_batch(job, len(jobs), "before its batch started"))
-                continue
-            if job.stop_signal.reason is not None:
+            elif job.stop_signal.reason is not None:
                 answers.append(stopped_in_batch(job, len(jobs), "during its batch, whose other requests ran on"))
-                continue
-            result, served = by_job[job], job.served
-            usage = request_usage(self.limits, served, result.runs, result.frames_shape, job.queue_seconds, batch_size=len(jobs))
-            # its share, by outputs, of the call's bytes: what a request costs, which batching divides
-            share = result.runs[0].bytes_transferred * served.num_outputs // num_outputs
-            answers.append(GenerationOutput(result.files, usage.model_copy(update={"bytes_streamed": share})))
+            else:
+                answers.append(job_output(self.limits, self.metrics, job, by_job[job], batch_size=len(jobs), call_outputs=num_outputs))
         return answers
 
-    def _bytes_streamed(self) -> int | None:
-        stats = self.omni.stats()
-        return stats.bytes_transferred if stats is not None else None
+
+def _failed(error: Exception, what: str) -> JobOutcome:
+    """Log a run that raised, as what it is; its jobs' outcome."""
+    if isinstance(error, GenerationStopped):  # asked for: one line, no traceback
+        logger.info("%s", error)
+        return JobOutcome.STOPPED
+    if isinstance(error, GenerationError):  # arguments the pipeline refused: the client's to fix, answered 400
+        logger.info("generation refused: %s", error)
+    else:
+        logger.exception("generation %s failed", what)
+    return JobOutcome.ERROR
 
 
 def stopped_in_batch(job: ServedJob, batch_size: int, where: str) -> GenerationStopped:

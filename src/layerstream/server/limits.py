@@ -4,8 +4,10 @@ The schema (`layerstream.server.schemas`) checks types and fixed ranges; this mo
 on the model: the output kind, the size multiple (the VAE's spatial compression times the transformer's
 patch size), the largest grid the transformer can position (Wan's rotary tables), the frame rule of video
 VAEs (``num_frames - 1`` a multiple of the temporal compression; Wan: ``num_frames % 4 == 1``) and the
-server's own caps, the work cap among them. Failing here is a 400 before any work is queued, so a request
-never waits in line only to be refused, and never reaches the pipeline with a shape it would crash on.
+server's own caps, the work cap among them. Each is decided by the model's rules (`ModelRules`: its defaults,
+`check_geometry`, `image_problem`), which this module only words for HTTP. Failing here is a 400 before any work
+is queued, so a request never waits in line only to be refused, and never reaches the pipeline with a shape it
+would crash on.
 """
 
 from __future__ import annotations
@@ -40,12 +42,6 @@ class ModelLimits:
     kind = property(lambda self: self.rules.kind)
     size_multiple = property(lambda self: self.rules.size_multiple)
     frame_multiple = property(lambda self: self.rules.frame_multiple)
-    default_width = property(lambda self: self.rules.default_width)
-    default_height = property(lambda self: self.rules.default_height)
-    default_num_frames = property(lambda self: self.rules.default_num_frames)
-    default_num_inference_steps = property(lambda self: self.rules.default_num_inference_steps)
-    supports_negative_prompt = property(lambda self: self.rules.supports_negative_prompt)
-    image_input = property(lambda self: self.rules.image_input)
     fps = property(lambda self: self.rules.fps)
 
 
@@ -90,16 +86,13 @@ def request_shape(
 ) -> RequestShape:
     """The width, height, frames and steps `request` runs with: its own, else the size its input image leads
     to (`conditioned`), else the model's defaults."""
-    size = request.width_height()
-    if size is not None:
-        width, height = size
-    elif conditioned is not None:
-        width, height = conditioned.width, conditioned.height
-    else:
-        width, height = limits.default_width, limits.default_height
+    size = request.width_height() or ((conditioned.width, conditioned.height) if conditioned is not None else (None, None))
     is_video = isinstance(request, VideoGenerationRequest)
-    num_frames = (request.num_frames or limits.default_num_frames) if is_video else None
-    steps = request.num_inference_steps or limits.default_num_inference_steps
+    shape = limits.rules.filled(
+        width=size[0], height=size[1], num_frames=request.num_frames if is_video else None,
+        num_inference_steps=request.num_inference_steps,
+    )  # fmt: skip
+    width, height, num_frames, steps = shape.width, shape.height, shape.num_frames if is_video else None, shape.num_inference_steps
     return RequestShape(width, height, num_frames, steps, request.n)
 
 
@@ -124,12 +117,13 @@ def check_image_presence(
 ) -> None:
     """A 400 naming `field` if the request sends an image the model does not take, or lacks one it needs; `how`
     says how to send one (by default, as the synchronous endpoints take it)."""
-    if has_image and limits.image_input == "none":
+    problem = limits.rules.image_problem(has_image=has_image)
+    if problem == "takes_none":
         raise ApiError(
             400, f"{limits.model} takes no input image; drop {field}, or use {endpoint} without it",
             code="invalid_for_model", param=field,
         )  # fmt: skip
-    if not has_image and limits.image_input == "required":
+    if problem == "required":
         if how is None:
             how = "POST /v1/images/edits with an image file part" if limits.kind == "image" else "image (base64)"
         raise ApiError(
@@ -145,7 +139,7 @@ def check_endpoint(limits: ModelLimits, endpoint_kind: str) -> None:
         if limits.kind == "video":
             message = f"{limits.model} makes videos; send its input image as image on POST /v1/videos/generations"
             raise ApiError(400, message, code="wrong_endpoint_for_model")
-        if limits.image_input == "none":
+        if limits.rules.image_problem(has_image=True) == "takes_none":
             message = f"{limits.model} takes no input image; use POST /v1/images/generations"
             raise ApiError(400, message, code="wrong_endpoint_for_model")
         return
@@ -172,7 +166,7 @@ def check_request(request: GenerationBody, limits: ModelLimits, conditioned: Con
         problems.append(
             ErrorDetail(param="model", message=f"{request.model!r} is not served here", allowed=repr(limits.model))
         )
-    if request.negative_prompt is not None and not limits.supports_negative_prompt:
+    if request.negative_prompt is not None and not limits.rules.supports_negative_prompt:
         problems.append(
             ErrorDetail(param="negative_prompt", message=f"{limits.model} takes no negative prompt", allowed="null")
         )
@@ -195,22 +189,20 @@ def check_request(request: GenerationBody, limits: ModelLimits, conditioned: Con
 
 def _size_problems(request: GenerationBody, limits: ModelLimits) -> list[ErrorDetail]:
     size = request.width_height()
-    if size is None:
+    if size is None or not _violations(limits, width=size[0], height=size[1], num_frames=None):
         return []
     m, cap = limits.size_multiple, limits.max_side_pixels
     largest = cap - cap % m
     allowed = f"'WIDTHxHEIGHT' with each side a multiple of {m} from {m} to {largest} (e.g. '{4 * m}x{4 * m}')"
     if limits.max_latent_positions is not None:
         allowed += f"; {limits.model}'s transformer positions at most {limits.max_latent_positions} latent tokens per axis"
-    if any(side % m or side > largest for side in size):
-        return [ErrorDetail(param="size", message=f"{request.size!r} is not valid for {limits.model}", allowed=allowed)]
-    return []
+    return [ErrorDetail(param="size", message=f"{request.size!r} is not valid for {limits.model}", allowed=allowed)]
 
 
 def _frame_problems(request: VideoGenerationRequest, limits: ModelLimits) -> list[ErrorDetail]:
-    num_frames = request.num_frames if request.num_frames is not None else limits.default_num_frames
-    if num_frames is None:
-        return []  # the pipeline's own default
+    num_frames = limits.rules.filled(num_frames=request.num_frames).num_frames
+    if num_frames is None or not _violations(limits, width=None, height=None, num_frames=num_frames):
+        return []  # None: the pipeline's own default
     step = limits.frame_multiple or 1
     largest = limits.max_frames - (limits.max_frames - 1) % step
     if step > 1:
@@ -218,11 +210,15 @@ def _frame_problems(request: VideoGenerationRequest, limits: ModelLimits) -> lis
         allowed = f"an integer from 1 to {largest} with num_frames - 1 a multiple of {step} ({examples})"
     else:
         allowed = f"an integer from 1 to {largest}"
-    if num_frames > largest or (num_frames - 1) % step:
-        where = "" if request.num_frames is not None else " (the model's default)"
-        message = f"{num_frames}{where} is not valid for {limits.model}"
-        return [ErrorDetail(param="num_frames", message=message, allowed=allowed)]
-    return []
+    where = "" if request.num_frames is not None else " (the model's default)"
+    return [ErrorDetail(param="num_frames", message=f"{num_frames}{where} is not valid for {limits.model}", allowed=allowed)]
+
+
+def _violations(limits: ModelLimits, *, width: int | None, height: int | None, num_frames: int | None) -> list:
+    """The model's own check (`ModelRules.check_geometry`) with the server's caps; the callers word it for HTTP."""
+    return limits.rules.check_geometry(
+        height=height, width=width, num_frames=num_frames, max_side_pixels=limits.max_side_pixels, max_frames=limits.max_frames
+    )
 
 
 def _work_problems(
@@ -242,10 +238,10 @@ def _work_problems(
 
 def _largest_factor(shape: RequestShape, limits: ModelLimits) -> str:
     """The field that asks for the most beyond the model's defaults: the one to name, and to lower first."""
-    side = limits.max_side_pixels
-    default_pixels = (limits.default_width or side) * (limits.default_height or side)
+    side, default = limits.max_side_pixels, limits.rules.filled()
+    default_pixels = (default.width or side) * (default.height or side)
     ratios = {"n": float(shape.n)} if shape.n > 1 else {}  # n=1 cannot be lowered: never the one to name
-    ratios["num_inference_steps"] = shape.num_inference_steps / limits.default_num_inference_steps
-    ratios["num_frames"] = (shape.num_frames or 1) / (limits.default_num_frames or 1)
+    ratios["num_inference_steps"] = shape.num_inference_steps / default.num_inference_steps
+    ratios["num_frames"] = (shape.num_frames or 1) / (default.num_frames or 1)
     ratios["size"] = (shape.width or side) * (shape.height or side) / default_pixels
     return max(ratios, key=lambda name: ratios[name])  # a tie names the first: the cheapest to lower

@@ -3,8 +3,9 @@
 Requests are strict: a field of the wrong JSON type is an error, never coerced ("3" is not 3, 1.0 is not
 an int, true is not a number), and an unknown field is an error rather than silently ignored, so a typo
 such as ``"num_inference_step"`` is reported instead of quietly running the default. These models check
-what does not depend on the served model; `layerstream.server.limits` checks the rest (size multiple,
-frame rule) against the pipeline.
+what does not depend on the served model, each generation field within `GenerationRequest`'s bounds
+(`request.FIELD_BOUNDS`, through `bounded`); `layerstream.server.limits` checks the rest (size multiple,
+frame rule) by the model's rules.
 
 The JSON schema of every model is frozen in ``tests/server/test_schema.py``: a change here is deliberate.
 """
@@ -18,13 +19,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from layerstream.models.output_limits import MAX_PROMPT_CHARS, MAX_SEED  # the command line's limits too
-from layerstream.request import GenerationRequest
+from layerstream.request import FIELD_BOUNDS, GenerationRequest
 from layerstream.server.image_outputs import MAX_KEPT_OUTPUT_BYTES, MAX_KEPT_OUTPUTS
 
 MAX_IMAGES_PER_REQUEST = 4
-MAX_INFERENCE_STEPS = 1000
-MAX_QUEUE_TIMEOUT_SECONDS = 86_400.0
-MAX_FPS = 120
+"""The server's cap on ``n`` (the library's is only ``n >= 1``): a serving policy, as ``--max-size`` is."""
 
 SIZE_PATTERN = r"^[1-9][0-9]{0,5}x[1-9][0-9]{0,5}$"
 AUTO_SIZE = "auto"
@@ -33,62 +32,58 @@ IMAGE_SIZE_PATTERN = r"^(auto|[1-9][0-9]{0,5}x[1-9][0-9]{0,5})$"
 MAX_USER_CHARS = 256
 
 
+def bounded(name: str, description: str, **field: Any) -> Any:
+    """A body's field for `GenerationRequest` field `name`, default None, with the request's bounds (`FIELD_BOUNDS`)."""
+    return Field(**{"default": None, **field, **FIELD_BOUNDS[name].schema()}, description=description)
+
+
 class _StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-class GenerationBody(_StrictModel):
-    """The fields every generation endpoint takes; `ImageGenerationRequest` and `VideoGenerationRequest` add
-    their own."""
+class RequestFields(_StrictModel):
+    """The generation fields every body takes, the synchronous endpoints' and the jobs'."""
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="What to generate.")
     negative_prompt: str | None = Field(
         default=None, max_length=MAX_PROMPT_CHARS, description="What to steer away from (classifier-free guidance)."
     )
     model: str | None = Field(default=None, description="If given, must name the served model.")
-    n: int = Field(
-        default=1, ge=1, le=MAX_IMAGES_PER_REQUEST, description="Outputs to generate, with seeds seed, seed+1, ..."
-    )
     size: str | None = Field(
         default=None,
         pattern=SIZE_PATTERN,
         description="'WIDTHxHEIGHT' in pixels, each a multiple of the model's size multiple; default: the model's.",
     )
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="Seed of the first output; default: random.")
-    num_inference_steps: int | None = Field(
-        default=None, ge=1, le=MAX_INFERENCE_STEPS, description="Denoising steps; default: the model's."
+    seed: int | None = bounded("seed", "Seed of the first output; default: random (reported).")
+    num_inference_steps: int | None = bounded("num_inference_steps", "Denoising steps; default: the model's.")
+    guidance_scale: float | None = bounded("guidance_scale", "Guidance scale; default: the model's.")
+    guidance_scale_2: float | None = bounded(
+        "guidance_scale_2", "Two-expert models (Wan 2.2 A14B): the low-noise expert's guidance scale; default: guidance_scale."
     )
-    guidance_scale: float | None = Field(
-        default=None, ge=0.0, le=100.0, allow_inf_nan=False, description="Guidance scale; default: the model's."
+    true_cfg_scale: float | None = bounded(
+        "true_cfg_scale",
+        "Models with a true_cfg_scale argument (Flux, Qwen-Image): that argument; guidance_scale then goes to"
+        " the model's own guidance_scale. Default: guidance_scale is the classifier-free scale.",
     )
-    guidance_scale_2: float | None = Field(
-        default=None, ge=0.0, le=100.0, allow_inf_nan=False,
-        description="Two-expert models (Wan 2.2 A14B): the low-noise expert's guidance scale; default: guidance_scale.",
+    boundary_ratio: float | None = bounded(
+        "boundary_ratio", "Two-expert models: where the second expert takes over, a fraction of the timesteps; default: the model's."
     )
-    true_cfg_scale: float | None = Field(
-        default=None, ge=0.0, le=100.0, allow_inf_nan=False,
-        description=(
-            "Models with a true_cfg_scale argument (Flux, Qwen-Image): that argument; guidance_scale then goes to"
-            " the model's own guidance_scale. Default: guidance_scale is the classifier-free scale."
-        ),
+    flow_shift: float | None = bounded(
+        "flow_shift", "Models whose scheduler has a flow_shift (Wan): its value for this request; default: the model's."
     )
-    boundary_ratio: float | None = Field(
-        default=None, ge=0.0, le=1.0, allow_inf_nan=False,
-        description="Two-expert models: where the second expert takes over, a fraction of the timesteps; default: the model's.",
+
+
+class GenerationBody(RequestFields):
+    """The fields every synchronous generation endpoint takes; `ImageGenerationRequest` and
+    `VideoGenerationRequest` add their own."""
+
+    n: int = Field(
+        default=1, ge=1, le=MAX_IMAGES_PER_REQUEST, description="Outputs to generate, with seeds seed, seed+1, ..."
     )
-    flow_shift: float | None = Field(
-        default=None, gt=0.0, le=100.0, allow_inf_nan=False,
-        description="Models whose scheduler has a flow_shift (Wan): its value for this request; default: the model's.",
-    )
-    timeout: float | None = Field(
-        default=None,
-        gt=0.0,
-        le=MAX_QUEUE_TIMEOUT_SECONDS,
-        allow_inf_nan=False,
-        description=(
-            "Seconds from receipt to answer, queue and generation together; past it the request is answered 504"
-            " and its generation stops at the next denoising step."
-        ),
+    timeout: float | None = bounded(
+        "timeout",
+        "Seconds from receipt to answer, queue and generation together; past it the request is answered 504"
+        " and its generation stops at the next denoising step.",
     )
 
     def width_height(self) -> tuple[int, int] | None:
@@ -102,22 +97,9 @@ class GenerationBody(_StrictModel):
         """The `GenerationRequest` this body asks for, the model's defaults left unfilled (None): `seed` is the
         first output's (the body's own, or one the server drew), `image` the decoded input image."""
         width, height = self.width_height() or (None, None)
+        given = {name: getattr(self, name) for name in RequestFields.model_fields if name not in ("model", "size", "seed")}
         return GenerationRequest(
-            prompt=self.prompt,
-            negative_prompt=self.negative_prompt,
-            image=image,
-            height=height,
-            width=width,
-            num_inference_steps=self.num_inference_steps,
-            guidance_scale=self.guidance_scale,
-            guidance_scale_2=self.guidance_scale_2,
-            true_cfg_scale=self.true_cfg_scale,
-            boundary_ratio=self.boundary_ratio,
-            flow_shift=self.flow_shift,
-            seed=seed,
-            n=self.n,
-            timeout=self.timeout,
-            **self._video_fields(),
+            **given, image=image, height=height, width=width, seed=seed, n=self.n, timeout=self.timeout, **self._video_fields()
         )
 
     def _video_fields(self) -> dict[str, Any]:
@@ -172,12 +154,8 @@ class VideoGenerationRequest(GenerationBody):
     response_format: Literal["b64_json"] = Field(
         default="b64_json", description="Only 'b64_json': the MP4 files inline, base64-encoded."
     )
-    num_frames: int | None = Field(
-        default=None, ge=1, description="Frames of each video; at most the server's --max-frames; default: the model's."
-    )
-    fps: int | None = Field(
-        default=None, ge=1, le=MAX_FPS, description="Frame rate of the encoded MP4; default: the model's (Wan 16, LTX 24)."
-    )
+    num_frames: int | None = bounded("num_frames", "Frames of each video; at most the server's --max-frames; default: the model's.")
+    fps: int | None = bounded("fps", "Frame rate of the encoded MP4; default: the model's (Wan 16, LTX 24).")
     image: str | None = Field(
         default=None,
         min_length=1,

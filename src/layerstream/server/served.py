@@ -1,10 +1,12 @@
 """What the server's queue carries and hands back: a request checked against the served model, whoever follows
-it step by step, and the encoded answer with its cost."""
+it step by step, the encoded answer with its cost (`job_output`, the one place an answer, its usage and its
+metrics are made), and the protocol of the runners that make them (`ServingRunner`)."""
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from layerstream.outputs import OutputEncoding
@@ -12,6 +14,7 @@ from layerstream.omni import RunStats
 from layerstream.request import GenerationRequest
 from layerstream.runtime.reporting.stats import OffloadStats
 from layerstream.server.limits import ModelLimits
+from layerstream.server.metrics import JobOutcome, ServerMetrics
 from layerstream.server.schemas import GenerationUsage
 
 
@@ -105,3 +108,80 @@ def request_usage(
         size_note=served.size_note,
         batch_size=batch_size,
     )
+
+
+def job_output(
+    limits: ModelLimits, metrics: ServerMetrics, job: Any, result: Any, *, batch_size: int = 1, call_outputs: int | None = None,
+) -> GenerationOutput:  # fmt: skip
+    """The answer of `job` (a queue `Job` of a `ServedRequest`) from its `result` (an `output_loop.RequestResult`):
+    its files and usage, its bytes observed. `call_outputs`: the outputs of the one batch call it shared, whose
+    bytes it is charged its share of, by outputs (None: it ran alone, its runs are its own)."""
+    usage = request_usage(limits, job.served, result.runs, result.frames_shape, job.queue_seconds, batch_size=batch_size)
+    if call_outputs is not None:  # what a request costs, which batching divides
+        share = result.runs[0].bytes_transferred * len(result.files) // call_outputs
+        usage = usage.model_copy(update={"bytes_streamed": share})
+    metrics.observe_request_bytes(usage.bytes_streamed)
+    return GenerationOutput(result.files, usage)
+
+
+def observe_call(
+    metrics: ServerMetrics, jobs: Sequence[Any], outcomes: Sequence[JobOutcome], seconds: float, ran: Sequence[bool],
+) -> None:  # fmt: skip
+    """One pipeline call (a request alone, a batch, a rank's share of a wave) for `jobs`: each job's wait, its
+    share of the call's `seconds` by outputs (none for a job that did not run in it) and its outcome."""
+    metrics.observe_batch(len(jobs))
+    num_outputs = sum(job.served.num_outputs for job, did in zip(jobs, ran) if did) or 1
+    for job, outcome, did in zip(jobs, outcomes, ran):
+        metrics.observe_job(
+            queue_seconds=job.queue_seconds, num_outputs=job.served.num_outputs, outcome=outcome,
+            # a batch of 4 taking 61 s adds 61 s, not 244
+            seconds=seconds * job.served.num_outputs / num_outputs if did else None,
+        )  # fmt: skip
+
+
+class ServingRunner(Protocol):
+    """What the service asks of its runner (the queue's `Runner`, and the serving side): one process's
+    (`InProcessRunner`) or rank 0's of several (`RankRunner`). `RunnerBase` gives the defaults of one process."""
+
+    omni: Any
+    """The `Omni` it runs on (on ranks, rank 0's, replaced when a failed wave rebuilds it)."""
+    offload_stats: OffloadStats | None
+    """The offload counters after the last run (what /metrics reads, never the live runtime)."""
+    fatal_error: BaseException | None
+    """Why the runner can run nothing more (a rank lost); None while it can."""
+
+    def run(self, groups: list[list[Any]]) -> Sequence[Answer]: ...
+
+    def after_run(self) -> None: ...
+
+    def idle(self) -> None: ...
+
+    def report(self) -> dict[str, Any]:
+        """What /health says of the ranks: world_size, backend, each rank's host bytes."""
+        ...
+
+    def metric_families(self) -> list[Any]:
+        """Its own Prometheus families, beside the service's."""
+        ...
+
+    def leave(self) -> bool:
+        """After the worker has exited: let the other ranks go (False when they could not be told)."""
+        ...
+
+
+class RunnerBase:
+    """`ServingRunner`'s defaults: one process, nothing to do between runs, no families of its own."""
+
+    fatal_error: BaseException | None = None
+
+    def after_run(self) -> None:
+        pass
+
+    def idle(self) -> None:
+        pass
+
+    def metric_families(self) -> list[Any]:
+        return []
+
+    def leave(self) -> bool:
+        return True

@@ -31,9 +31,9 @@ from layerstream.server.limits import (
 )
 from layerstream.server.metrics import QueueState, ServerMetrics, render_families
 from layerstream.server.queue import BatchPolicy, GenerationQueue, Job, TakeOne, TakePolicy
-from layerstream.server.ranks import ControlChannel, RankGroupError, RankRuntime, WaveKind, WaveMessage
+from layerstream.server.ranks import ControlChannel, RankRuntime
 from layerstream.server.schemas import ImageGenerationRequest
-from layerstream.server.served import GenerationOutput, ServedRequest, StepObserver
+from layerstream.server.served import GenerationOutput, ServedRequest, ServingRunner, StepObserver
 from layerstream.server.settings import STOP_WAIT_SECONDS, ServeSettings
 from layerstream.server.stopping import StopReason
 from layerstream.server.waves import RankRunner, WavePolicy
@@ -65,7 +65,7 @@ class GenerationService:
         self.limits: ModelLimits = read_model_limits(omni, settings)
         policy: TakePolicy
         if ranks is None:
-            self.runner: InProcessRunner | RankRunner = InProcessRunner(omni, self.limits, self.metrics)
+            self.runner: ServingRunner = InProcessRunner(omni, self.limits, self.metrics)
             policy = self._batch_policy()
         else:
             policy = WavePolicy(
@@ -75,8 +75,7 @@ class GenerationService:
                 max_cost=self.limits.max_work,
                 idle_seconds=ranks.idle_seconds,
             )
-            self.runner = RankRunner(ranks.runtime, ranks.channel, policy, self.limits, self.metrics)
-            self.runner.on_fatal = self._lose_ranks
+            self.runner = RankRunner(ranks.runtime, ranks.channel, policy, self.limits, self.metrics, on_fatal=self._lose_ranks)
         thread_name = "layerstream-generate" if ranks is None else "layerstream-waves"
         self.queue: GenerationQueue[ServedRequest, GenerationOutput] = GenerationQueue(
             settings.max_queue, runner=self.runner, policy=policy, thread_name=thread_name
@@ -101,9 +100,9 @@ class GenerationService:
         return self.runner.omni
 
     @property
-    def fatal_error(self) -> RankGroupError | None:
+    def fatal_error(self) -> BaseException | None:
         """With several ranks: why the group was lost (then nothing more runs)."""
-        return self.runner.fatal_error if isinstance(self.runner, RankRunner) else None
+        return self.runner.fatal_error
 
     # lifecycle -------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -154,7 +153,7 @@ class GenerationService:
 
     def body_limit(self, endpoint_kind: str) -> int:
         """Largest body of a request to this endpoint: more when it may carry an input image."""
-        takes_image = endpoint_kind == "edit" or (endpoint_kind == "video" and self.limits.image_input != "none")
+        takes_image = endpoint_kind == "edit" or (endpoint_kind == "video" and self.limits.rules.image_input != "none")
         return self.settings.image_body_bytes if takes_image else self.settings.max_body_bytes
 
     def read_image(self, data: bytes, field: str = "image") -> Any:
@@ -215,16 +214,7 @@ class GenerationService:
 
     def stop_ranks(self) -> bool:
         """After the worker has exited: tell every other rank to leave (False when the group is lost)."""
-        if self.fatal_error is not None:
-            return False
-        if not isinstance(self.runner, RankRunner):
-            return True
-        try:
-            self.runner.channel.broadcast(WaveMessage(WaveKind.STOP))
-        except RankGroupError as e:
-            logger.error("%s", e)
-            return False
-        return True
+        return self.runner.leave()
 
     # reports ---------------------------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -246,7 +236,7 @@ class GenerationService:
             "max_frames": self.limits.max_frames if self.limits.kind == "video" else None,
             "max_side_pixels": self.limits.max_side_pixels,
             "max_work": self.limits.max_work,
-            "image_input": self.limits.image_input,
+            "image_input": self.limits.rules.image_input,
             "max_image_bytes": self.settings.max_image_bytes,
             "max_image_pixels": self.settings.max_image_pixels,
             "max_batch_size": self.settings.max_batch_size,
@@ -258,15 +248,14 @@ class GenerationService:
     def _page_defaults(self) -> dict[str, Any]:
         """What a page needs to fill its form: the model's defaults, and where its jobs are (the app sets
         ``jobs_path`` when it serves the job API)."""
-        limits = self.limits
-        width, height = limits.default_width, limits.default_height
+        limits, default = self.limits, self.limits.rules.filled()
         is_video = limits.kind == "video"
         return {
-            "default_size": f"{width}x{height}" if width and height else None,
-            "default_num_frames": limits.default_num_frames if is_video else None,
-            "default_steps": limits.default_num_inference_steps,
+            "default_size": f"{default.width}x{default.height}" if default.width and default.height else None,
+            "default_num_frames": default.num_frames if is_video else None,
+            "default_steps": default.num_inference_steps,
             "fps": limits.fps if is_video else None,
-            "takes_image": limits.image_input != "none",
+            "takes_image": limits.rules.image_input != "none",
             "jobs_path": None,
         }
 

@@ -42,7 +42,7 @@ from layerstream.server.ranks import (
     WaveMessage,
     WaveStop,
 )
-from layerstream.server.served import Answer, GenerationOutput, ServedRequest, StepObserver, request_usage
+from layerstream.server.served import Answer, RunnerBase, ServedRequest, StepObserver, job_output, observe_call
 from layerstream.server.stopping import GenerationStopped, StopReason
 
 logger = logging.getLogger(__name__)
@@ -112,12 +112,13 @@ class WavePolicy:
         return groups, self.num_ranks * per_rank
 
 
-class RankRunner:
+class RankRunner(RunnerBase):
     """The queue's runner on rank 0 of several: each run is a wave, every rank its group (or a placeholder)."""
 
     def __init__(
-        self, runtime: RankRuntime, channel: ControlChannel, policy: WavePolicy, limits: ModelLimits, metrics: ServerMetrics
-    ):
+        self, runtime: RankRuntime, channel: ControlChannel, policy: WavePolicy, limits: ModelLimits, metrics: ServerMetrics,
+        *, on_fatal: Callable[[], None] = lambda: None,
+    ):  # fmt: skip
         self.runtime = runtime
         self.channel = channel
         self.policy = policy
@@ -132,9 +133,10 @@ class RankRunner:
         self.num_idle_rank_waves = 0
         self.num_placeholder_steps = 0
         self.fatal_error: RankGroupError | None = None
-        self.on_fatal: Callable[[], None] = lambda: None
-        """Set by the service: close the queue and stop serving (the process then exits non-zero)."""
+        self.on_fatal: Callable[[], None] = lambda: None  # a rank lost before serving: the service reads fatal_error
         self._exchange(WaveMessage(WaveKind.PING), lambda: None)  # every rank's host bytes, for /health
+        self.on_fatal = on_fatal
+        """The service's: close the queue and stop serving (the process then exits non-zero)."""
 
     @property
     def omni(self) -> Any:
@@ -192,38 +194,24 @@ class RankRunner:
             self._needs_rebuild = self.runtime.shares_weights
         answers: list[Answer] = []
         for group, outcome in zip(groups, outcomes):
-            num_group_outputs = sum(job.served.num_outputs for job in group)  # what its rank made in the wave
+            num_outputs = sum(len(r.files) for r in outcome.results)  # what its rank's call made
+            job_outcomes = []
             for index, job in enumerate(group):
                 # a request asked to stop is answered so, whatever the wave did: its outputs are dropped
                 asked = job.stop_signal.reason or (stopped if failure is None else None)
                 if asked is not None:
                     answer: Answer = GenerationStopped(asked, f"generation stopped ({asked}) during its wave")
-                    job_outcome = JobOutcome.STOPPED
+                    job_outcomes.append(JobOutcome.STOPPED)
                 elif failure is not None:
-                    answer, job_outcome = failure, JobOutcome.ERROR
+                    answer = failure
+                    job_outcomes.append(JobOutcome.ERROR)
                 else:
-                    answer, job_outcome = self._output(job, outcome, index, len(group)), JobOutcome.OK
+                    call_outputs = num_outputs if self.policy.batches(job) else None
+                    answer = job_output(self.limits, self.metrics, job, outcome.results[index], batch_size=len(group), call_outputs=call_outputs)
+                    job_outcomes.append(JobOutcome.OK)
                 answers.append(answer)
-                self.metrics.observe_job(
-                    queue_seconds=job.queue_seconds,
-                    seconds=seconds * job.served.num_outputs / num_group_outputs,  # its share of its rank's call
-                    num_outputs=job.served.num_outputs,
-                    outcome=job_outcome,
-                )
-            self.metrics.observe_batch(len(group))
+            observe_call(self.metrics, group, job_outcomes, seconds, [True] * len(group))  # its share of its rank's call
         return answers
-
-    def _output(self, job: ServedJob, outcome: RankOutcome, index: int, group_size: int) -> GenerationOutput:
-        result = outcome.results[index]
-        usage = request_usage(
-            self.limits, job.served, result.runs, result.frames_shape, job.queue_seconds, batch_size=group_size
-        )
-        if self.policy.batches(job):  # a batch call: this request's share of its bytes, by outputs
-            num_outputs = sum(len(r.files) for r in outcome.results)
-            share = result.runs[0].bytes_transferred * len(result.files) // num_outputs
-            usage = usage.model_copy(update={"bytes_streamed": share})
-        self.metrics.observe_request_bytes(usage.bytes_streamed)
-        return GenerationOutput(result.files, usage)
 
     def after_run(self) -> None:
         """After a failed wave is answered: every rank rebuilds its runtime before the next one."""
@@ -242,6 +230,17 @@ class RankRunner:
                 self.channel.check_alive()
             except RankGroupError as e:
                 self._lose_group(e)
+
+    def leave(self) -> bool:
+        """After the worker has exited: tell every other rank to leave (False when the group is lost)."""
+        if self.fatal_error is not None:
+            return False
+        try:
+            self.channel.broadcast(WaveMessage(WaveKind.STOP))
+        except RankGroupError as e:
+            logger.error("%s", e)
+            return False
+        return True
 
     def _exchange(self, message: WaveMessage, action: Callable[[], None]) -> None:
         try:

@@ -13,20 +13,17 @@ import math
 import re
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from layerstream.server.errors import ApiError
 from layerstream.server.limits import ModelLimits
 from layerstream.server.schemas import (
-    MAX_FPS,
-    MAX_INFERENCE_STEPS,
-    MAX_PROMPT_CHARS,
-    MAX_SEED,
-    SIZE_PATTERN,
     ErrorDetail,
     FormReading,
     ImageGenerationRequest,
+    RequestFields,
     VideoGenerationRequest,
+    bounded,
 )
 
 SECONDS_PATTERN = r"^[0-9]{1,5}(\.[0-9]{1,6})?$"
@@ -44,41 +41,14 @@ def _all_given(*names: str) -> dict[str, Any]:
     return {"required": list(names), "properties": {name: {"not": {"type": "null"}} for name in names}}
 
 
-class _JobFields(BaseModel):
-    """The fields both job bodies share."""
+class _JobFields(RequestFields):
+    """The fields both job bodies share: the synchronous bodies' generation fields, and previews."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="What to generate.")
-    model: str | None = Field(default=None, description="If given, must name the served model.")
-    size: str | None = Field(default=None, pattern=SIZE_PATTERN, description="'WIDTHxHEIGHT'; default: the model's.")
-    negative_prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS, description="What to steer away from.")
-    num_inference_steps: int | None = Field(default=None, ge=1, le=MAX_INFERENCE_STEPS, description="Denoising steps.")
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="Seed; default: random (reported).")
-    guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0, allow_inf_nan=False)
-    guidance_scale_2: float | None = Field(
-        default=None, ge=0.0, le=100.0, allow_inf_nan=False, description="Two-expert models: the second expert's guidance."
-    )
-    true_cfg_scale: float | None = Field(
-        default=None, ge=0.0, le=100.0, allow_inf_nan=False, description="Models with a true_cfg_scale argument: it."
-    )
-    boundary_ratio: float | None = Field(
-        default=None, ge=0.0, le=1.0, allow_inf_nan=False, description="Two-expert models: where the second takes over."
-    )
-    flow_shift: float | None = Field(
-        default=None, gt=0.0, le=100.0, allow_inf_nan=False, description="Schedulers with a flow_shift (Wan): its value."
-    )
     preview: bool = Field(default=False, description="Send preview images on the job's event stream.")
 
     def _shared(self) -> dict[str, Any]:
         """The fields the synchronous endpoints take too, as given."""
-        return {name: getattr(self, name) for name in _SHARED_FIELDS}
-
-
-_SHARED_FIELDS = (
-    "prompt", "model", "size", "negative_prompt", "num_inference_steps", "seed", "guidance_scale",
-    "guidance_scale_2", "true_cfg_scale", "boundary_ratio", "flow_shift",
-)  # fmt: skip
+        return {name: getattr(self, name) for name in RequestFields.model_fields}
 
 
 class VideoJobRequest(_JobFields):
@@ -94,12 +64,10 @@ class VideoJobRequest(_JobFields):
         description="Duration; mapped to frames at the model's frame rate and frame rule.",
         json_schema_extra={"anyOf": SECONDS_SCHEMA},
     )
-    num_frames: int | None = Field(default=None, ge=1, description="Frames; give this or seconds, not both.")
+    num_frames: int | None = bounded("num_frames", "Frames; give this or seconds, not both.")
     width: int | None = Field(default=None, ge=1, le=999_999, description="Pixels, with height (vllm-omni's); or size.")
     height: int | None = Field(default=None, ge=1, le=999_999, description="Pixels, with width; or size.")
-    fps: int | None = Field(
-        default=None, ge=1, le=MAX_FPS, description="Frame rate of the MP4 (and of seconds); default: the model's."
-    )
+    fps: int | None = bounded("fps", "Frame rate of the MP4 (and of seconds); default: the model's.")
     input_reference: str | None = Field(default=None, min_length=1, description="Image-to-video: the input image.")
 
     @field_validator("seconds")

@@ -130,7 +130,7 @@ async def read_job_body(
     (a job's, or ``POST /v1/videos/sync``'s)."""
     image_field = strict_model.image_field
     content_type = request.headers.get("content-type", "").lower()
-    takes_image = service.limits.image_input != "none"
+    takes_image = service.limits.rules.image_input != "none"
     limit = service.settings.image_body_bytes if takes_image else service.settings.max_body_bytes
     flags = "--max-body-bytes plus --max-image-bytes" if takes_image else "--max-body-bytes"
     body = await read_body(request, limit, flags)
