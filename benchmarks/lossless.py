@@ -23,8 +23,8 @@ import torch
 
 from layerstream.bench.checkpoint_folders import WAN_1_3B_WIDTH, wan_transformer
 from layerstream.runtime.packing.layout import BlockLayout
-from layerstream.runtime.packing.stored_form import SlotUnpack
-from layerstream.runtime.stores.lossless_store import LosslessForm
+from layerstream.runtime.forms.lossless import LosslessForm
+from layerstream.runtime.forms.slot import SlotUnpack
 
 
 def exponent_entropy_bits(block: torch.nn.Module) -> float:
@@ -70,7 +70,7 @@ def measure(block: torch.nn.Module, device: torch.device, repeats: int) -> dict[
     assert torch.equal(slot[: form.layout.nbytes].cpu(), expected), "decode is not bit-exact"
     return {
         "ratio": form.stored_nbytes / form.layout.nbytes,
-        "coded_fraction": form.coded_nbytes / form.layout.nbytes,
+        "coded_fraction": form.kept_nbytes / form.layout.nbytes,
         "encode_gbps": form.layout.nbytes / encode_s / 1e9,
         "decode_gbps": form.layout.nbytes / min(times) / 1e9,
         "entropy": exponent_entropy_bits(block),

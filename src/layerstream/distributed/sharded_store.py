@@ -7,9 +7,9 @@ the local shard into chunk r of a device slot and all-gathers the chunks, so the
 packed block and the block's views read it exactly as with a local packed block.
 
 Each block is sharded in its component's form (`form_of`, `contracts.StoredForm`): with `storage_dtype` the
-ranks shard the block's float8 stored bytes, gather them into the slot's staging region (after the compute
-layout) and cast them into the compute layout on the device, as the local float8 store does after its copy.
-The shards then hold 1/N of the float8 bytes.
+ranks shard the block's float8 or lossless stored bytes, gather them into the slot's staging region (after the
+compute layout) and unpack them into the compute layout on the device (cast or decode), as the local store does
+after its copy. The shards then hold 1/N of the stored bytes.
 
 Staging and dropping are separate steps, unlike the local store: a block's shard is staged while the block
 keeps its original weights, and the weights go (`commit_`) only after every rank has staged every shard.
@@ -39,7 +39,8 @@ from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.packing.host_buffer import HostBufferBlock, page_aligned_empty, pin_off_thread
 from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
 from layerstream.runtime.contracts import HostStoreBase, Job, Pinner, StoredBlock, StoredForm, StoreStats
-from layerstream.runtime.packing.stored_form import PackedForm, SlotUnpack
+from layerstream.runtime.forms.packed import PackedForm
+from layerstream.runtime.forms.slot import SlotUnpack
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ class ShardedHostStore(HostStoreBase):
     def __init__(self, gather: BlockGather, form_of: Callable[[BlockLayout], StoredForm] = PackedForm):
         self.gather = gather
         self.form_of = form_of
-        """The form each block is sharded in (float8 for a component with `storage_dtype`; default: packed)."""
+        """The form each block is sharded in (float8 or lossless for a component with `storage_dtype`; default: packed)."""
         self.blocks: dict[str, ShardedBlock] = {}
         self.disk_parts: dict[str, ShardPart] = {}
         """This rank's shards of the blocks the disk tier holds (`host_budget_gb`), by block path."""
@@ -215,11 +216,8 @@ class ShardedHostStore(HostStoreBase):
         return self.form_of(layout)
 
     def stats(self) -> StoreStats:
-        coded = [b for b in self.blocks.values() if b.form.lossless and not b.form.stored_is_packed]
-        return StoreStats(  # the whole blocks' figures (this rank keeps 1/N of their stored bytes)
-            lossless_stored_bytes=sum(b.form.stored_nbytes for b in coded),
-            lossless_decoded_bytes=sum(b.layout.nbytes for b in coded),
-        )
+        # the whole blocks' figures (this rank keeps 1/N of their stored bytes)
+        return StoreStats.of_forms(b.form for b in self.blocks.values())
 
     def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
         # every rank must shard the same layouts, in the same forms, before the first payload collective;
