@@ -79,7 +79,7 @@ class ShardedBlock(HostBufferBlock):
     @property
     def slot_nbytes(self) -> int:
         """Bytes the gathered block occupies in a device slot: the compute layout where the form unpacks there
-        (float8), then one shard per rank."""
+        (float8, lossless), then one shard per rank."""
         return self.form.stored_offset + self.gather.world_size * self.shard_nbytes
 
     def copy_job(self, slot_buffer: torch.Tensor) -> Job:
@@ -90,7 +90,7 @@ class ShardedBlock(HostBufferBlock):
 
         def job() -> int:
             gather.gather_block_(index, nbytes, shard, gathered)
-            # float8: the casts into the compute layout, queued after the gather on the copy stream
+            # float8, lossless: the casts or decodes into the compute layout, after the gather on the copy stream
             unpack.run_(slot_buffer)
             return moved
 
@@ -122,7 +122,7 @@ class ShardedBlock(HostBufferBlock):
     def restore_(self, device: torch.device) -> None:
         """Real tensors again, gathered from every rank (a collective: every rank restores in one order)."""
         full = self.gather.gather_full_(self.index, self.form.stored_nbytes, self.buffer)
-        compute = self.form.compute_bytes(full)  # float8: upcast (exact) from the stored bytes
+        compute = self.form.compute_bytes(full)  # float8, lossless: upcast or decoded (exact) from the stored bytes
         self.binder.bind_(self.layout.separate_copies(compute, device))
         self.release_()
 
@@ -174,7 +174,7 @@ class ShardPart:
         held = torch.empty(self.nbytes, dtype=torch.uint8)
         self.block.read_into_(held)
         full = self.gather.gather_full_(self.index, self.form.stored_nbytes, held)
-        compute = self.form.compute_bytes(full)  # float8: upcast (exact) from the stored bytes
+        compute = self.form.compute_bytes(full)  # float8, lossless: upcast or decoded (exact) from the stored bytes
         self.block.binder.bind_(self.form.layout.separate_copies(compute, device))
 
 
@@ -206,7 +206,7 @@ class ShardedHostStore(HostStoreBase):
         self._gathers_in_issue_order = tier is not None and bool(tier.from_disk_paths)
 
     def slot_nbytes(self, layout: BlockLayout) -> int:
-        form = self.form_of(layout)  # the gathered block (after the compute layout, for float8)
+        form = self.form_of(layout)  # the gathered block (after the compute layout, for float8 and lossless)
         return form.stored_offset + self.gather.world_size * self.gather.shard_nbytes(form.stored_nbytes)
 
     def host_nbytes(self, layout: BlockLayout) -> int:

@@ -67,11 +67,18 @@ class StoreContext:
     def _component_of_block(self) -> dict[str, str]:
         return {p: comp.path for comp in self.plan.streamed for stack in comp.stacks for p in stack.block_paths}
 
-    def form_of(self, layout: BlockLayout) -> StoredForm:
+    @cached_property
+    def form_of(self) -> Callable[[BlockLayout], StoredForm]:
         """The form a block's bytes are kept in: float8 or lossless for a component with `storage_dtype`, else
-        packed."""
-        forms = self.forms.get(self._component_of_block.get(layout.path, ""))
-        return forms.form(layout) if forms is not None else PackedForm(layout)
+        packed. A function that holds the forms only, not the context: the stores keep it, and a store must not
+        keep the components alive (a dropped pipeline is collected)."""
+        forms, component_of_block = self.forms, self._component_of_block
+
+        def form_of(layout: BlockLayout) -> StoredForm:
+            component_forms = forms.get(component_of_block.get(layout.path, ""))
+            return component_forms.form(layout) if component_forms is not None else PackedForm(layout)
+
+        return form_of
 
 
 @dataclass(frozen=True)
