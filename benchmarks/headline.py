@@ -170,9 +170,9 @@ def measure_host_copy_costs(pipe: WanPipeline, inputs: Inputs, rounds: int = 3, 
     lossless block's copy job is its copy and then its decode). Machine figures for the planner
     (`Machine.host_copy_s_per_gb`, `host_cast_s_per_gb`, `host_decode_s_per_gb`, `decode_gbps`)."""
     from layerstream.runtime.packing.layout import BlockLayout
-    from layerstream.runtime.packing.stored_form import SlotUnpack
+    from layerstream.runtime.forms.slot import SlotUnpack
     from layerstream.runtime.packing.upcast import upcast_
-    from layerstream.runtime.stores.lossless_store import LosslessForm
+    from layerstream.runtime.forms.lossless import LosslessForm
 
     block, dim = pipe.transformer.blocks[0], pipe.transformer.shape.dim
     context, _ = pipe.encode(inputs.prompt_ids, inputs.negative_ids)

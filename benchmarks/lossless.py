@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from layerstream.runtime.packing.layout import BlockLayout
-from layerstream.runtime.packing.stored_form import SlotUnpack
-from layerstream.runtime.stores.lossless_store import LosslessForm
+from layerstream.runtime.forms.lossless import LosslessForm
+from layerstream.runtime.forms.slot import SlotUnpack
 
 # the cold start's checkpoint shapes, in the module beside this script
 if str(Path(__file__).resolve().parent) not in sys.path:
@@ -76,7 +76,7 @@ def measure(block: torch.nn.Module, device: torch.device, repeats: int) -> dict[
     assert torch.equal(slot[: form.layout.nbytes].cpu(), expected), "decode is not bit-exact"
     return {
         "ratio": form.stored_nbytes / form.layout.nbytes,
-        "coded_fraction": form.coded_nbytes / form.layout.nbytes,
+        "coded_fraction": form.kept_nbytes / form.layout.nbytes,
         "encode_gbps": form.layout.nbytes / encode_s / 1e9,
         "decode_gbps": form.layout.nbytes / min(times) / 1e9,
         "entropy": exponent_entropy_bits(block),

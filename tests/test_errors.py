@@ -15,7 +15,7 @@ import torch
 import layerstream
 from layerstream import LayerstreamError, enable_offload
 from layerstream.runtime.engines.copy_engine import CpuCopyEngine
-from layerstream.runtime.stores.packed_store import PackedHostStore
+from layerstream.runtime.stores.local_store import LocalHostStore
 from layerstream.runtime.contracts import HostStoreBase
 
 sys.path.insert(0, str(Path(__file__).parent / "runtime"))
@@ -108,7 +108,7 @@ class RaisingStore(HostStoreBase):
     gives the contract's defaults)."""
 
     def __init__(self, error: BaseException, where: str, on_call: int = 1):
-        self.inner = PackedHostStore()
+        self.inner = LocalHostStore()
         self.kind = self.inner.kind
         self.error, self.where, self.on_call = error, where, on_call
         self.calls = {"stage_": 0, "commit_": 0}

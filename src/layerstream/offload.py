@@ -2,7 +2,7 @@
 
 This is the composition root, where the layers meet: the config is read and resolved into a plan (`plan/`),
 the host store of each streamed component is composed from the store kinds (`STORE_KINDS`, through
-`runtime.stores.compose`: float8, sharded allgather from `distributed/`, local packed, and with
+`runtime.stores.compose`: sharded allgather from `distributed/`, or local, and with
 `host_budget_gb` the disk tier around them), every block is laid out once and placed (`plan.placement`, pricing
 blocks in their stores' slot and host bytes), and a mode backend of `runtime/` applies it. The handle it
 returns reports and undoes it.
@@ -36,7 +36,7 @@ from layerstream.runtime.packing.layout import BlockLayout
 from layerstream.runtime.modes.module_mode import apply_module_mode
 from layerstream.runtime.streaming.ownership import own_pipeline_calls_
 from layerstream.runtime.stores.disk.staging import NUM_STAGING_BUFFERS
-from layerstream.runtime.stores.compose import CAST_KIND, LOSSLESS_KIND, PACKED_KIND, ComponentStores, StoreContext, StoreKind, compose_stores
+from layerstream.runtime.stores.compose import LOCAL_KIND, ComponentStores, StoreContext, StoreKind, compose_stores
 from layerstream.runtime.contracts import HostStore
 from layerstream.runtime.torch_contract.guards import guard_module_, guard_pipeline_
 from layerstream.runtime.torch_contract.safety import check_no_foreign_offload, check_no_shared_block_tensors, check_packable_block_tensors
@@ -148,9 +148,10 @@ def _sharded_store(comp: ResolvedComponent, ctx: StoreContext) -> HostStore | No
 
 
 SHARDED_KIND = StoreKind("sharded-allgather", lambda c: c.weight_transfer == "allgather", _sharded_store, shared=True)
-STORE_KINDS: tuple[StoreKind, ...] = (SHARDED_KIND, CAST_KIND, LOSSLESS_KIND, PACKED_KIND)
+STORE_KINDS: tuple[StoreKind, ...] = (SHARDED_KIND, LOCAL_KIND)
 """The host stores, in order of preference: the first whose kind applies to a component and builds serves it
-(allgather before float8: the sharded store keeps a float8 component's blocks in their float8 form)."""
+(allgather before local: the sharded store keeps a component's blocks in their form too; over a group of one it
+declines, and the local store serves)."""
 
 
 def _spill_root(config: OffloadConfig) -> Path:

@@ -12,7 +12,7 @@ from torch import nn
 
 from layerstream import OffloadPlan, enable_offload
 from layerstream.errors import OffloadError
-from layerstream.runtime.stores.packed_store import PackedHostStore
+from layerstream.runtime.stores.local_store import LocalHostStore
 from layerstream.cli.plan_cmd import format_plan
 from layerstream.plan.discovery import defines_own_to
 from layerstream.plan.resolver import resolve_offload_plan
@@ -142,7 +142,7 @@ def test_one_to_per_resident_component_that_defines_it_and_undeclared_children_u
     assert torch.equal(run(pipe, inputs), expected)
 
 
-class FailingStore(PackedHostStore):
+class FailingStore(LocalHostStore):
     """The local store, failing on the second block it stages: after the components were placed."""
 
     def __init__(self):

@@ -137,7 +137,7 @@ def test_float8_storage_computes_cast_weights_where_diffusers_casting_does_and_t
     weights it does not cast stay where they are."""
     from diffusers.hooks import apply_layerwise_casting
 
-    from layerstream.runtime.stores.cast_rule import skip_patterns_for
+    from layerstream.runtime.forms.cast_rule import skip_patterns_for
 
     pipe = load(kind)
     _scatter_residues_(pipe)

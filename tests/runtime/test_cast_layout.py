@@ -1,4 +1,4 @@
-"""The float8 form of a block (`CastLayout`) in a slot and in its host buffer: neighbouring cast spans unpack as
+"""The float8 form of a block (`Float8Form`) in a slot and in its host buffer: neighbouring cast spans unpack as
 one cast with every tensor exact, and the host tensors view the buffer itself when it is a slice of a larger
 allocation."""
 
@@ -9,8 +9,8 @@ import torch
 
 from layerstream.bench.synthetic import ModelShape, build_synthetic_dit
 from layerstream.runtime.packing.layout import BlockLayout
-from layerstream.runtime.packing.stored_form import SlotUnpack
-from layerstream.runtime.stores.cast_store import CastForms, CastLayout
+from layerstream.runtime.forms.float8 import Float8Form, float8_forms
+from layerstream.runtime.forms.slot import SlotUnpack
 
 # a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
 pytestmark = pytest.mark.fast
@@ -18,14 +18,14 @@ pytestmark = pytest.mark.fast
 CPU = torch.device("cpu")
 
 
-def wan_block_form() -> CastLayout:
+def wan_block_form() -> Float8Form:
     shape = ModelShape(name="wan/40", dim=128, num_heads=2, ffn_dim=352, block_kind="wan")
     model = build_synthetic_dit(shape, 1, dtype=torch.bfloat16)
-    return CastForms(model, torch.float8_e4m3fn).form(BlockLayout("blocks.0", model.blocks[0], CPU))
+    return float8_forms(model, torch.float8_e4m3fn).form(BlockLayout("blocks.0", model.blocks[0], CPU))
 
 
 def test_a_blocks_neighbouring_cast_spans_unpack_as_one_cast_and_every_tensor_is_exact() -> None:
-    """`CastLayout.slot_runs`: a Wan-shaped block's weights and biases unpack in a few casts (not one each), and
+    """`Float8Form.slot_runs`: a Wan-shaped block's weights and biases unpack in a few casts (not one each), and
     every tensor of the block reads in the slot what the form's own host upcast gives it (raw spans byte for byte)."""
     form = wan_block_form()
     kinds = [s.kind for s in form.segments]
@@ -42,7 +42,7 @@ def test_a_blocks_neighbouring_cast_spans_unpack_as_one_cast_and_every_tensor_is
 
 def test_stored_tensors_view_a_buffer_that_is_a_slice_of_a_larger_allocation() -> None:
     """Host buffers are page-aligned slices of larger allocations (`page_aligned_empty`): the tensors
-    `state_dict()` gives and `load_state_dict()` writes through (`CastLayout.stored_tensors`) must view the
+    `state_dict()` gives and `load_state_dict()` writes through (`Float8Form.stored_tensors`) must view the
     buffer's own bytes, not the allocation's first ones (they once did: the load wrote outside the buffer and
     `disable()` gave back the old weights)."""
     form = wan_block_form()

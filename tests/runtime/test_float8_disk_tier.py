@@ -12,7 +12,8 @@ import torch
 
 from layerstream import enable_offload
 from layerstream.runtime.packing.layout import BlockLayout
-from layerstream.runtime.stores.cast_store import CastHostStore
+from layerstream.runtime.forms.float8 import float8_forms
+from layerstream.runtime.stores.local_store import LocalBlock, LocalHostStore
 from layerstream.runtime.stores.disk.sources import HEADER_BYTES, SpillFileError
 from runtime_toys import make_my_pipeline, run, snapshot, toy_inputs
 
@@ -35,7 +36,7 @@ def _fp8_config(components, budget_bytes: float | None = None, disk_dir: Path | 
 
 def _stored_nbytes(model, prefix: str) -> dict[str, int]:
     """Each block's float8 stored bytes and its bytes as it is, by path (what the placement prices)."""
-    store = CastHostStore(model, torch.float8_e4m3fn)
+    store = LocalHostStore(float8_forms(model, torch.float8_e4m3fn).form)
     return {f"{prefix}.{i}": store.host_nbytes(BlockLayout(f"{prefix}.{i}", b, CPU)) for i, b in enumerate(model.blocks)}
 
 
@@ -124,9 +125,9 @@ def test_a_float8_dit_and_a_packed_encoder_share_one_budget_and_one_disk(tmp_pat
         assert torch.equal(run(pipe, toy_inputs()), expected)
     stats = handle.stats()
     assert stats.host_bytes == sum(sizes[p] for p in tier.host_block_paths) <= budget
-    kinds = {b.path: type(b.host).__name__ for b in handle.streamer.blocks}
+    kinds = {b.path: type(b.host.form if isinstance(b.host, LocalBlock) else b.host).__name__ for b in handle.streamer.blocks}
     for path in tier.host_block_paths:
-        assert kinds[path] == ("CastBlock" if path.startswith("transformer.") else "PackedBlock")
+        assert kinds[path] == ("Float8Form" if path.startswith("transformer.") else "PackedForm")
     assert all(kinds[p] == "DiskBlock" for p in tier.disk_block_paths)
     disk_links = {b.path: b.host.link_bytes for b in handle.streamer.blocks if b.path in tier.disk_block_paths}
     assert all(disk_links[p] == sizes[p] for p in disk_links)  # float8 bytes from disk, for the DiT's blocks

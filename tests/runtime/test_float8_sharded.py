@@ -10,7 +10,7 @@ import torch
 
 from layerstream import enable_offload
 from layerstream.runtime.packing.layout import BlockLayout
-from layerstream.runtime.stores.cast_store import CastForms
+from layerstream.runtime.forms.float8 import float8_forms
 from runtime_toys import make_my_pipeline, run, snapshot, toy_inputs
 
 # a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
@@ -36,7 +36,7 @@ def test_allgather_over_a_group_of_one_is_the_local_float8_store(gloo_group_of_o
     expected, _ = _float8_in_one_process()
     pipe = make_my_pipeline()
     handle = enable_offload(pipe, _config("allgather"), device="cpu")
-    assert {type(b.host).__name__ for b in handle.streamer.blocks} == {"CastBlock"}
+    assert {(type(b.host).__name__, type(b.host.form).__name__) for b in handle.streamer.blocks} == {("LocalBlock", "Float8Form")}
     assert torch.equal(run(pipe, toy_inputs()), expected)
     handle.disable()
 
@@ -48,7 +48,7 @@ def test_the_sharded_store_gathers_float8_bytes_and_casts_them_in_the_slot(gloo_
 
     expected, expected_weights = _float8_in_one_process()
     pipe = make_my_pipeline()
-    forms = CastForms(pipe.transformer, torch.float8_e4m3fn)
+    forms = float8_forms(pipe.transformer, torch.float8_e4m3fn)
     store = ShardedHostStore(BlockGather("MyPipeline", GroupMembership(None, 0, 1, "gloo", CPU)), forms.form)
     paths = [f"transformer.blocks.{i}" for i in range(len(pipe.transformer.blocks))]
     stored = {p: forms.form(BlockLayout(p, b, CPU)).stored_nbytes for p, b in zip(paths, pipe.transformer.blocks)}
@@ -67,7 +67,7 @@ def test_a_rank_keeps_its_window_of_what_a_forward_writes_in_float8():
     does, each window its own part."""
     pipe = make_my_pipeline()
     block = pipe.transformer.blocks[0]
-    form = CastForms(pipe.transformer, torch.float8_e4m3fn).form(BlockLayout("b", block, CPU))
+    form = float8_forms(pipe.transformer, torch.float8_e4m3fn).form(BlockLayout("b", block, CPU))
     compute = torch.randint(0, 256, (form.layout.nbytes,), dtype=torch.uint8)
     compute.view(torch.float32)[:] = torch.randn(form.layout.nbytes // 4)  # finite values everywhere
     whole = torch.zeros(form.stored_nbytes, dtype=torch.uint8)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from layerstream.runtime.packing.layout import ALIGN_BYTES, BlockLayout
-from layerstream.runtime.stores.packed_store import PackedHostStore
+from layerstream.runtime.stores.local_store import LocalHostStore
 from layerstream.runtime.contracts import HostStore, StoredBlock
 
 # a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
@@ -74,7 +74,7 @@ def _assert_restored(block: nn.Module, before: dict) -> None:
 def make_store(request):
     """Builds a fresh store of the parametrized kind."""
     if request.param == "packed":
-        return PackedHostStore
+        return LocalHostStore
     request.getfixturevalue("gloo_group_of_one")
     from layerstream.distributed.collectives import BlockGather
     from layerstream.distributed.process_group import GroupMembership

@@ -9,9 +9,9 @@ import torch
 
 from layerstream.offload import block_layouts, place_for
 from layerstream.plan.resolver import resolve_offload_plan
-from layerstream.runtime.stores.cast_store import CastHostStore
+from layerstream.runtime.forms.float8 import float8_forms
 from layerstream.runtime.stores.compose import ComponentStores
-from layerstream.runtime.stores.packed_store import PackedHostStore
+from layerstream.runtime.stores.local_store import LocalHostStore
 from tests.runtime.runtime_toys import ToyDiT, make_my_pipeline
 
 # a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
@@ -27,8 +27,8 @@ def test_the_host_tier_is_priced_in_stored_bytes():
     config = {"mode": "layer", "components": ["dit"], "host_budget_gb": 3.5 * block_nbytes / 1e9}
     plan = resolve_offload_plan(pipe, config)
     layouts = block_layouts(pipe, plan, CPU)
-    bf16 = place_for(plan, layouts, ComponentStores({"transformer": PackedHostStore()}), CPU)
-    fp8 = place_for(plan, layouts, ComponentStores({"transformer": CastHostStore(pipe.transformer, torch.float8_e4m3fn)}), CPU)
+    bf16 = place_for(plan, layouts, ComponentStores({"transformer": LocalHostStore()}), CPU)
+    fp8 = place_for(plan, layouts, ComponentStores({"transformer": LocalHostStore(float8_forms(pipe.transformer, torch.float8_e4m3fn).form)}), CPU)
     num_bf16, num_fp8 = len(bf16.host_tier.host_block_paths), len(fp8.host_tier.host_block_paths)
     assert num_bf16 == 3
     assert 1.6 <= num_fp8 / num_bf16 <= 2.4, (num_bf16, num_fp8)

@@ -16,7 +16,8 @@ from layerstream import enable_offload  # noqa: E402
 from layerstream.models.loading import load_pipeline  # noqa: E402
 from layerstream.runtime.packing.layout import BlockLayout  # noqa: E402
 from layerstream.runtime.stores.disk.sources import HEADER_BYTES  # noqa: E402
-from layerstream.runtime.stores.lossless_store import LosslessHostStore  # noqa: E402
+from layerstream.runtime.forms.lossless import lossless_forms  # noqa: E402
+from layerstream.runtime.stores.local_store import LocalHostStore  # noqa: E402
 from tiny_pipelines import generate  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -46,7 +47,7 @@ def _wan(source: str, folder: Path):
 
 
 def _stored(pipe) -> dict[str, int]:
-    store = LosslessHostStore()
+    store = LocalHostStore(lossless_forms().form)
     return {
         f"{name}.blocks.{i}": store.host_nbytes(BlockLayout(f"{name}.blocks.{i}", b, CPU))
         for name in EXPERTS

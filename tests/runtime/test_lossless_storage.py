@@ -13,7 +13,8 @@ pytest.importorskip("diffusers")
 from layerstream import UnsupportedUseError, enable_offload  # noqa: E402
 from layerstream.models.loading import load_pipeline  # noqa: E402
 from layerstream.models.tiny import TINY_MODELS  # noqa: E402
-from layerstream.runtime.stores.lossless_store import LosslessBlock  # noqa: E402
+from layerstream.runtime.forms.lossless import LosslessForm  # noqa: E402
+from layerstream.runtime.stores.local_store import LocalBlock  # noqa: E402
 
 DITS = {"tiny-wan": ("transformer", "transformer_2"), "tiny-flux": ("transformer",), "tiny-qwen-image": ("transformer",)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -80,7 +81,7 @@ def test_lossless_streaming_is_bit_identical_to_resident_and_to_streaming_uncomp
     if model == "tiny-wan" and dtype == "bf16" and len(components) == 1:
         assert torch.equal(_generate(pipe, model), expected)  # steady state too (both experts, learned order)
     assert stats.max_materialized_blocks <= stats.num_slots
-    coded_blocks = [b for b in handle.streamer.blocks if isinstance(b.host, LosslessBlock)]
+    coded_blocks = [b for b in handle.streamer.blocks if isinstance(b.host, LocalBlock) and isinstance(b.host.form, LosslessForm)]
     assert len(coded_blocks) == len(handle.streamer.blocks)  # every streamed block, the encoder's too
     assert stats.lossless_decoded_bytes == sum(b.host.layout.nbytes for b in coded_blocks)
     assert stats.lossless_stored_bytes == sum(b.host.link_bytes for b in coded_blocks)

@@ -8,7 +8,7 @@ from torch import nn
 
 from layerstream import enable_offload
 from layerstream.errors import OffloadError
-from layerstream.runtime.stores.packed_store import PackedHostStore
+from layerstream.runtime.stores.local_store import LocalHostStore
 from runtime_toys import ToyDiT, make_my_pipeline, run, snapshot, toy_inputs
 
 # a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
@@ -34,7 +34,7 @@ def test_shared_weight_between_block_and_resident_module_is_refused_before_anyth
     assert hooks_before == [len(m._forward_pre_hooks) for m in pipe.modules()]
 
 
-class FailingStore(PackedHostStore):
+class FailingStore(LocalHostStore):
     """The local store, failing with `error` on the third block it stages (an injected store, test side)."""
 
     def __init__(self, error: BaseException):

@@ -12,7 +12,8 @@ pytest.importorskip("diffusers")
 from layerstream import OffloadError, UnsupportedUseError, enable_offload  # noqa: E402
 from layerstream.config.offload_config import OffloadConfigError  # noqa: E402
 from layerstream.plan.resolved import lookup  # noqa: E402
-from layerstream.runtime.stores.cast_store import CastHostStore  # noqa: E402
+from layerstream.runtime.forms.float8 import float8_forms  # noqa: E402
+from layerstream.runtime.stores.local_store import LocalHostStore  # noqa: E402
 from tests.runtime.tiny_pipelines import dit_components, generate, load  # noqa: E402
 
 FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
@@ -30,7 +31,7 @@ def _cast_resident(pipe, storage_dtype: torch.dtype, config: dict) -> None:
     from diffusers.hooks import apply_layerwise_casting
 
     from layerstream.plan.resolver import resolve_offload_plan
-    from layerstream.runtime.stores.cast_rule import skip_patterns_for
+    from layerstream.runtime.forms.cast_rule import skip_patterns_for
 
     for comp in resolve_offload_plan(pipe, config).streamed:
         module = lookup(pipe, comp.path)
@@ -132,14 +133,14 @@ def test_a_failed_enable_gives_back_the_original_tensors_exactly():
     first_param = pipe.transformer.blocks[0].attn1.to_q.weight
     first_ptr = first_param.data_ptr()
 
-    class FailingStore(CastHostStore):
+    class FailingStore(LocalHostStore):
         def stage_(self, layout, device, pin):
             if len(self.blocks) == 1:
                 raise RuntimeError("injected staging failure")
             return super().stage_(layout, device, pin)
 
     def stores(path):
-        return FailingStore(lookup(pipe, path), torch.float8_e4m3fn)
+        return FailingStore(float8_forms(lookup(pipe, path), torch.float8_e4m3fn).form)
 
     with pytest.raises(OffloadError, match="injected staging failure"):
         enable_offload(pipe, _config("float8_e4m3fn"), device="cpu", store_factory=stores)

@@ -14,9 +14,10 @@ from layerstream.errors import UnsupportedUseError
 from layerstream.plan.placement import HostPoolChoice, HostTierChoice, Placement, PrefetchChain
 from layerstream.runtime.contracts import HostStore, StoredBlock, StoreStats
 from layerstream.runtime.packing.layout import BlockLayout
-from layerstream.runtime.stores.cast_store import CastHostStore
+from layerstream.runtime.forms.float8 import float8_forms
+from layerstream.runtime.forms.lossless import lossless_forms
 from layerstream.runtime.stores.disk.disk_store import DiskHostStore
-from layerstream.runtime.stores.packed_store import PackedHostStore
+from layerstream.runtime.stores.local_store import LocalHostStore
 from layerstream.runtime.stores.tiered_store import TieredHostStore
 from tests.runtime.runtime_toys import ToyDiT
 
@@ -45,13 +46,11 @@ def _placement(paths: list[str], layouts: list[BlockLayout], kind: str) -> Place
 
 def _store(kind: str, model, tmp_path, request) -> HostStore:
     if kind == "packed":
-        return PackedHostStore()
+        return LocalHostStore()
     if kind == "float8":
-        return CastHostStore(model, torch.float8_e4m3fn)
+        return LocalHostStore(float8_forms(model, torch.float8_e4m3fn).form)
     if kind == "lossless":
-        from layerstream.runtime.stores.lossless_store import LosslessHostStore
-
-        return LosslessHostStore()
+        return LocalHostStore(lossless_forms().form)
     if kind == "sharded":
         request.getfixturevalue("gloo_group_of_one")
         from layerstream.distributed.collectives import BlockGather
@@ -60,7 +59,7 @@ def _store(kind: str, model, tmp_path, request) -> HostStore:
 
         return ShardedHostStore(BlockGather("ToyPipeline", GroupMembership(None, 0, 1, "gloo", CPU)))
     if kind == "tiered":
-        return TieredHostStore(PackedHostStore(), DiskHostStore(tmp_path))
+        return TieredHostStore(LocalHostStore(), DiskHostStore(tmp_path))
     return DiskHostStore(tmp_path)
 
 

@@ -10,7 +10,7 @@ import argparse
 import json
 from typing import Any
 
-from layerstream.cli.common import CliError, non_negative_float, positive_float, positive_int
+from layerstream.cli.common import CliError, non_negative_float, positive_float, positive_int, request_value
 
 _FLAG_OF = {
     "device_memory_gb": "--device-memory", "host_memory_gb": "--host-memory", "link_gbps": "--link-gbps",
@@ -39,7 +39,7 @@ def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--height", type=positive_int, help="pixels, for the tokens per block (default: the model's)")
     group.add_argument("--width", type=positive_int, help="pixels (default: the model's)")
     group.add_argument("--num-frames", type=positive_int, help="video models (default: the model's)")
-    group.add_argument("--steps", type=positive_int, dest="num_inference_steps", help="denoising steps, over which a host pool's reads spread (default: the model's)")
+    group.add_argument("--steps", type=request_value("num_inference_steps"), dest="num_inference_steps", help="denoising steps, over which a host pool's reads spread (default: the model's)")
 
 
 def wants_machine_plan(args: argparse.Namespace) -> bool:

@@ -54,7 +54,7 @@ def shard_nbytes(nbytes: int, world_size: int) -> int:
 
 def layout_digest(forms: Sequence[StoredForm], slot_nbytes: int, world_size: int) -> bytes:
     """sha256 over everything the ranks must agree on before their first payload collective: each block's
-    compute layout and the form its bytes are sharded in (packed, or float8)."""
+    compute layout and the form its bytes are sharded in (packed, float8 or lossless)."""
     h = hashlib.sha256()
     h.update(f"world={world_size};slot={slot_nbytes};blocks={len(forms)}\n".encode())
     for form in forms:

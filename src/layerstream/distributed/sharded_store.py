@@ -7,9 +7,9 @@ the local shard into chunk r of a device slot and all-gathers the chunks, so the
 packed block and the block's views read it exactly as with a local packed block.
 
 Each block is sharded in its component's form (`form_of`, `contracts.StoredForm`): with `storage_dtype` the
-ranks shard the block's float8 stored bytes, gather them into the slot's staging region (after the compute
-layout) and cast them into the compute layout on the device, as the local float8 store does after its copy.
-The shards then hold 1/N of the float8 bytes.
+ranks shard the block's float8 or lossless stored bytes, gather them into the slot's staging region (after the
+compute layout) and unpack them into the compute layout on the device (cast or decode), as the local store does
+after its copy. The shards then hold 1/N of the stored bytes.
 
 Staging and dropping are separate steps, unlike the local store: a block's shard is staged while the block
 keeps its original weights, and the weights go (`commit_`) only after every rank has staged every shard.
@@ -39,7 +39,8 @@ from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.packing.host_buffer import HostBufferBlock, page_aligned_empty, pin_off_thread
 from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
 from layerstream.runtime.contracts import HostStoreBase, Job, Pinner, StoredBlock, StoredForm, StoreStats
-from layerstream.runtime.packing.stored_form import PackedForm, SlotUnpack
+from layerstream.runtime.forms.packed import PackedForm
+from layerstream.runtime.forms.slot import SlotUnpack
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class ShardedBlock(HostBufferBlock):
     @property
     def slot_nbytes(self) -> int:
         """Bytes the gathered block occupies in a device slot: the compute layout where the form unpacks there
-        (float8), then one shard per rank."""
+        (float8, lossless), then one shard per rank."""
         return self.form.stored_offset + self.gather.world_size * self.shard_nbytes
 
     def copy_job(self, slot_buffer: torch.Tensor) -> Job:
@@ -89,7 +90,7 @@ class ShardedBlock(HostBufferBlock):
 
         def job() -> int:
             gather.gather_block_(index, nbytes, shard, gathered)
-            # float8: the casts into the compute layout, queued after the gather on the copy stream
+            # float8, lossless: the casts or decodes into the compute layout, after the gather on the copy stream
             unpack.run_(slot_buffer)
             return moved
 
@@ -121,7 +122,7 @@ class ShardedBlock(HostBufferBlock):
     def restore_(self, device: torch.device) -> None:
         """Real tensors again, gathered from every rank (a collective: every rank restores in one order)."""
         full = self.gather.gather_full_(self.index, self.form.stored_nbytes, self.buffer)
-        compute = self.form.compute_bytes(full)  # float8: upcast (exact) from the stored bytes
+        compute = self.form.compute_bytes(full)  # float8, lossless: upcast or decoded (exact) from the stored bytes
         self.binder.bind_(self.layout.separate_copies(compute, device))
         self.release_()
 
@@ -173,7 +174,7 @@ class ShardPart:
         held = torch.empty(self.nbytes, dtype=torch.uint8)
         self.block.read_into_(held)
         full = self.gather.gather_full_(self.index, self.form.stored_nbytes, held)
-        compute = self.form.compute_bytes(full)  # float8: upcast (exact) from the stored bytes
+        compute = self.form.compute_bytes(full)  # float8, lossless: upcast or decoded (exact) from the stored bytes
         self.block.binder.bind_(self.form.layout.separate_copies(compute, device))
 
 
@@ -185,7 +186,7 @@ class ShardedHostStore(HostStoreBase):
     def __init__(self, gather: BlockGather, form_of: Callable[[BlockLayout], StoredForm] = PackedForm):
         self.gather = gather
         self.form_of = form_of
-        """The form each block is sharded in (float8 for a component with `storage_dtype`; default: packed)."""
+        """The form each block is sharded in (float8 or lossless for a component with `storage_dtype`; default: packed)."""
         self.blocks: dict[str, ShardedBlock] = {}
         self.disk_parts: dict[str, ShardPart] = {}
         """This rank's shards of the blocks the disk tier holds (`host_budget_gb`), by block path."""
@@ -205,7 +206,7 @@ class ShardedHostStore(HostStoreBase):
         self._gathers_in_issue_order = tier is not None and bool(tier.from_disk_paths)
 
     def slot_nbytes(self, layout: BlockLayout) -> int:
-        form = self.form_of(layout)  # the gathered block (after the compute layout, for float8)
+        form = self.form_of(layout)  # the gathered block (after the compute layout, for float8 and lossless)
         return form.stored_offset + self.gather.world_size * self.gather.shard_nbytes(form.stored_nbytes)
 
     def host_nbytes(self, layout: BlockLayout) -> int:
@@ -215,11 +216,8 @@ class ShardedHostStore(HostStoreBase):
         return self.form_of(layout)
 
     def stats(self) -> StoreStats:
-        coded = [b for b in self.blocks.values() if b.form.lossless and not b.form.stored_is_packed]
-        return StoreStats(  # the whole blocks' figures (this rank keeps 1/N of their stored bytes)
-            lossless_stored_bytes=sum(b.form.stored_nbytes for b in coded),
-            lossless_decoded_bytes=sum(b.layout.nbytes for b in coded),
-        )
+        # the whole blocks' figures (this rank keeps 1/N of their stored bytes)
+        return StoreStats.of_forms(b.form for b in self.blocks.values())
 
     def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
         # every rank must shard the same layouts, in the same forms, before the first payload collective;

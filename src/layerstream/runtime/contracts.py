@@ -1,17 +1,17 @@
 """The contracts the streamer and the mode backends talk to: where a block's bytes live (`HostStore`, one
-`StoredBlock` per block) and how they move (`CopyEngine`).
+`StoredBlock` per block), in which form (`StoredForm`), and how they move (`CopyEngine`).
 
 Every capability a caller uses is declared here, with its default in `HostStoreBase` / `StoredBlockBase`: a
 store says how many device bytes a block needs in a slot (`slot_nbytes`) and how many host bytes it keeps for
-it (`host_nbytes`: the two differ for the float8 store, whose slot also holds a staging region, and for the
-sharded store, whose slot holds the gathered block), learns where the placement put each block (`place_`),
-follows the streamer's order (`follow_order_`), says in which form it keeps a block's bytes (`stored_form`: packed
-byte for byte, or float8; the disk tier and the sharded store keep a block in its component's form), says what
-this process keeps of a block the disk tier holds (`disk_part`: the whole stored block, or a rank's shard of it)
-and reports its own figures (`stats()`). The stores live in
-`runtime.stores` (packed, float8, tiered with the disk tier in `runtime.stores.disk`) and `distributed`
-(sharded); `runtime.stores.compose` builds each component's store. A copy engine runs copies beside compute
-with a three-call slot protocol (`runtime.engines`).
+it (`host_nbytes`: the two differ for the float8 and lossless forms, whose slot also holds a staging region, and
+for the sharded store, whose slot holds the gathered block), learns where the placement put each block
+(`place_`), follows the streamer's order (`follow_order_`), says in which form it keeps a block's bytes
+(`stored_form`: packed byte for byte, float8 or lossless, from `runtime.forms`; every store keeps a block in its
+component's form), says what this process keeps of a block the disk tier holds (`disk_part`: the whole stored
+block, or a rank's shard of it) and reports its own figures (`stats()`). The stores live in `runtime.stores`
+(the local store, the tiered store with the disk tier in `runtime.stores.disk`) and `distributed` (sharded);
+`runtime.stores.compose` builds each component's store. A copy engine runs copies beside compute with a
+three-call slot protocol (`runtime.engines`).
 
 Lifecycle of a store, driven by `enable_offload` and the handle:
   `slot_nbytes` / `host_nbytes` (pure, for the placement) -> `place_` (the placement's decisions) ->
@@ -22,7 +22,7 @@ Lifecycle of a store, driven by `enable_offload` and the handle:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -30,7 +30,8 @@ import torch
 
 from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
 from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
-from layerstream.runtime.packing.stored_form import PackedForm, stored_region
+from layerstream.runtime.forms.packed import PackedForm
+from layerstream.runtime.forms.slot import stored_region
 
 if TYPE_CHECKING:
     from layerstream.plan.placement import Placement
@@ -60,9 +61,9 @@ class Pinner(Protocol):
 
 @runtime_checkable
 class StoredForm(Protocol):
-    """How a block's bytes are kept off the device, and how they become its compute layout in a slot: the packed
-    form keeps the compute layout byte for byte (`runtime.packing.stored_form.PackedForm`), the float8 form keeps
-    the cast spans in float8 (`runtime.stores.cast_store.CastLayout`). Pure: reads the layout only."""
+    """How a block's bytes are kept off the device, and how they become its compute layout in a slot
+    (`runtime.forms`): the packed form keeps the compute layout byte for byte, the float8 form keeps the cast
+    spans in float8, the lossless form codes its 16-bit parameter spans. Pure: reads the layout only."""
 
     layout: BlockLayout
     """The compute layout: what a slot holds while the block computes (the streamer binds its views)."""
@@ -72,6 +73,9 @@ class StoredForm(Protocol):
     stored_is_packed: bool
     """Whether the stored bytes are the packed layout byte for byte (the packed form only: a checkpoint's own file
     ranges can serve them, and the original tensors may go as soon as the block is staged)."""
+    coded: bool
+    """Whether the stored bytes are a code no tensor can view (the lossless form: host tensors are decoded copies,
+    coded again when written)."""
 
     @property
     def stored_nbytes(self) -> int:
@@ -80,7 +84,11 @@ class StoredForm(Protocol):
     @property
     def stored_offset(self) -> int:
         """Where in a slot the stored bytes land: 0 for the packed form, after the compute layout where they are
-        unpacked in the slot (so a slot needs `stored_offset + stored_nbytes`)."""
+        unpacked in the slot (so a slot needs `stored_offset + stored_nbytes`: `slot_nbytes`)."""
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes of a slot holding the whole block: the compute layout, and the stored bytes where they differ."""
 
     @property
     def signature(self) -> str:
@@ -95,22 +103,26 @@ class StoredForm(Protocol):
         """Write stored bytes [start, start + out.numel()) into `out`; bytes past the stored block are left as
         they are (a zeroed shard keeps its zero padding)."""
 
-    def slot_ops(self, slot_buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The (destination, source) copies that turn the stored bytes in a slot into the compute layout, in
-        order (views of `slot_buffer`; none for the packed form)."""
-
     def unpack_ops(self, slot_buffer: torch.Tensor) -> list:
         """What turns the stored bytes in a slot into the compute layout, in order: objects whose `run_()` runs on
-        the copy's thread and stream (float8: one `Upcast` per `slot_ops` pair; lossless: one decode per coded
-        span; none for the packed form). Built once per slot (`SlotUnpack`)."""
+        the copy's thread and stream (float8: one `Upcast` per run of cast spans; lossless: one decode per coded
+        span; raw bytes a byte copy each; none for the packed form). Built once per slot (`SlotUnpack`)."""
 
     def compute_bytes(self, stored: torch.Tensor) -> torch.Tensor:
         """The compute layout's bytes made from the stored bytes (for restoring real tensors)."""
 
+    def compute_range(self, stored: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
+        """Bytes [start, start + nbytes) of the compute layout made from the whole stored block (a view of it for
+        the packed form)."""
+
+    def stored_tensors(self, stored: torch.Tensor) -> list[torch.Tensor]:
+        """One tensor per layout entry viewing `stored`, in the dtype the form keeps it in (not for a `coded`
+        form)."""
+
     def write_slot_range_(self, stored: torch.Tensor, stored_start: int, slot_buffer: torch.Tensor, start: int, end: int) -> int:
         """Store bytes [start, end) of the compute layout held in `slot_buffer` into `stored`, which holds stored
         bytes [stored_start, stored_start + stored.numel()) (a whole block, or a rank's shard); returns the
-        stored bytes written."""
+        stored bytes written. Raises `UnsupportedUseError`, before writing, where the values do not fit the form."""
 
 
 @runtime_checkable
@@ -159,7 +171,7 @@ class StoredBlock(Protocol):
         view the store's bytes). A store that gives decoded copies (lossless) codes them again here."""
 
     def check_lora_(self) -> None:
-        """Raise `UnsupportedUseError` where LoRA may not change the block (low precision); default: allowed."""
+        """Raise `UnsupportedUseError` where LoRA may not change the block (a lossy form); default: allowed."""
 
     def count_stall_(self, stall_seconds: float) -> None:
         """Compute just waited `stall_seconds` for this block's copy: a block that reads a source of its own (the
@@ -315,6 +327,13 @@ class StoreStats:
     """Bytes of the blocks kept in the lossless form, as stored (coded: what moves over the link)."""
     lossless_decoded_bytes: int = 0
     """Bytes of the same blocks decoded (their compute layout in a slot)."""
+
+    @classmethod
+    def of_forms(cls, forms: Iterable[StoredForm], **figures) -> StoreStats:
+        """`figures`, with the lossless figures of the blocks held in `forms` (those that are coded)."""
+        coded = [form for form in forms if form.coded]
+        stored, decoded = sum(f.stored_nbytes for f in coded), sum(f.layout.nbytes for f in coded)
+        return cls(lossless_stored_bytes=stored, lossless_decoded_bytes=decoded, **figures)
 
     def __add__(self, other: StoreStats) -> StoreStats:
         return StoreStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})

@@ -206,8 +206,10 @@ class RankRunner(RunnerBase):
                     answer = failure
                     job_outcomes.append(JobOutcome.ERROR)
                 else:
-                    call_outputs = num_outputs if self.policy.batches(job) else None
-                    answer = job_output(self.limits, self.metrics, job, outcome.results[index], batch_size=len(group), call_outputs=call_outputs)
+                    shared = num_outputs if self.policy.batches(job) else None  # a batch call's outputs
+                    answer = job_output(
+                        self.limits, self.metrics, job, outcome.results[index], batch_size=len(group), call_outputs=shared
+                    )
                     job_outcomes.append(JobOutcome.OK)
                 answers.append(answer)
             observe_call(self.metrics, group, job_outcomes, seconds, [True] * len(group))  # its share of its rank's call

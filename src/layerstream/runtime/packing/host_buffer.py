@@ -1,7 +1,7 @@
-"""What the local stores' blocks share: one host buffer per block, page-locked on a thread of its own.
+"""What the blocks held in host buffers share: one host buffer per block, page-locked on a thread of its own.
 
-`HostBufferBlock` is the common part of `PackedBlock` and `CastBlock`: the path, the host bytes, whether the
-buffer is pinned, and releasing it. `PinningThread` page-locks each filled buffer (`cudaHostRegister` costs
+`HostBufferBlock` is the common part of the local and the sharded store's blocks: the path, the host bytes,
+whether the buffer is pinned, and releasing it. `PinningThread` page-locks each filled buffer (`cudaHostRegister` costs
 about as much as reading the bytes) while the store goes on reading the next block; the store waits for it
 before it commits, and before it rolls back (a buffer is unpinned only once its pinning is over).
 """

@@ -344,6 +344,11 @@ class TensorBinder:
         self.bound = False
         """Whether the block holds real bytes (a slot's or the host store's) rather than placeholders."""
 
+    def current_tensors(self) -> list[torch.Tensor]:
+        """The tensors `bind_` would replace, one per entry: a parameter's `.data` (the Parameter object stays), or
+        the buffer (what a store keeps until its commit, to give back at a rollback)."""
+        return [e.module._parameters[e.name].data if e.is_param else e.module._buffers[e.name] for e in self.layout.entries]
+
     def bind_(self, views: list[torch.Tensor]) -> None:
         self.bound = True
         inference = self._inference_entries

@@ -10,10 +10,9 @@ figures and tells the stores its decisions (`place_`). The sharded store of allg
 like the others: the budget is spent in this rank's shard bytes, and the disk store keeps this rank's shard of
 each of its blocks (`HostStore.disk_part`), which then takes part in the all-gather.
 
-float8 storage (`storage_dtype`) is a form, not only a store: a component's blocks have one `CastForms`
-(`StoreContext.cast_forms`), which the float8 store keeps in host memory, the disk tier on disk and in its pool
-(it asks the host side's `stored_form`), and the sharded store shards (`StoreContext.form_of`). The lossless
-form (`storage_dtype: "lossless"`, `LosslessForms`) goes the same way.
+float8 and lossless storage (`storage_dtype`) are forms, not stores: a component's blocks have one set of forms
+(`StoreContext.forms`, from `runtime.forms`), which the local store keeps in host memory, the disk tier on disk
+and in its pool (it asks the host side's `stored_form`), and the sharded store shards (`StoreContext.form_of`).
 """
 
 from __future__ import annotations
@@ -31,11 +30,12 @@ from layerstream.plan.placement import Placement
 from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan
 from layerstream.runtime.contracts import HostStore, StoredForm
 from layerstream.runtime.packing.layout import BlockLayout
-from layerstream.runtime.packing.stored_form import PackedForm
-from layerstream.runtime.stores.cast_store import STORAGE_DTYPES, CastForms, CastHostStore
+from layerstream.runtime.forms.float8 import STORAGE_DTYPES, float8_forms
+from layerstream.runtime.forms.lossless import LOSSLESS, lossless_forms
+from layerstream.runtime.forms.packed import PackedForm
+from layerstream.runtime.forms.segments import FormsByLayout
 from layerstream.runtime.stores.disk.disk_store import DiskHostStore
-from layerstream.runtime.stores.lossless_store import LOSSLESS, LosslessForms, LosslessHostStore
-from layerstream.runtime.stores.packed_store import PackedHostStore
+from layerstream.runtime.stores.local_store import LocalHostStore
 from layerstream.runtime.stores.tiered_store import TieredHostStore
 
 
@@ -52,30 +52,33 @@ class StoreContext:
     simulated_disk_gbps: float | None = None
 
     @cached_property
-    def cast_forms(self) -> dict[str, CastForms]:
-        """The float8 forms of each streamed component with `storage_dtype`, by component path (pure; one per
-        component, shared by every store that keeps its blocks)."""
-        return {
-            comp.path: CastForms(self.components[comp.path], STORAGE_DTYPES[comp.storage_dtype])
-            for comp in self.plan.streamed
-            if comp.storage_dtype in STORAGE_DTYPES
-        }
-
-    @cached_property
-    def lossless_forms(self) -> dict[str, LosslessForms]:
-        """The lossless forms of each streamed component with `storage_dtype: "lossless"` (as `cast_forms`)."""
-        return {comp.path: LosslessForms() for comp in self.plan.streamed if comp.storage_dtype == LOSSLESS}
+    def forms(self) -> dict[str, FormsByLayout]:
+        """The float8 or lossless forms of each streamed component with `storage_dtype`, by component path (pure;
+        one per component, shared by every store that keeps its blocks)."""
+        out = {}
+        for comp in self.plan.streamed:
+            if comp.storage_dtype in STORAGE_DTYPES:
+                out[comp.path] = float8_forms(self.components[comp.path], STORAGE_DTYPES[comp.storage_dtype])
+            elif comp.storage_dtype == LOSSLESS:
+                out[comp.path] = lossless_forms()
+        return out
 
     @cached_property
     def _component_of_block(self) -> dict[str, str]:
         return {p: comp.path for comp in self.plan.streamed for stack in comp.stacks for p in stack.block_paths}
 
-    def form_of(self, layout: BlockLayout) -> StoredForm:
+    @cached_property
+    def form_of(self) -> Callable[[BlockLayout], StoredForm]:
         """The form a block's bytes are kept in: float8 or lossless for a component with `storage_dtype`, else
-        packed."""
-        component = self._component_of_block.get(layout.path, "")
-        forms = self.cast_forms.get(component) or self.lossless_forms.get(component)
-        return forms.form(layout) if forms is not None else PackedForm(layout)
+        packed. A function that holds the forms only, not the context: the stores keep it, and a store must not
+        keep the components alive (a dropped pipeline is collected)."""
+        forms, component_of_block = self.forms, self._component_of_block
+
+        def form_of(layout: BlockLayout) -> StoredForm:
+            component_forms = forms.get(component_of_block.get(layout.path, ""))
+            return component_forms.form(layout) if component_forms is not None else PackedForm(layout)
+
+        return form_of
 
 
 @dataclass(frozen=True)
@@ -89,17 +92,9 @@ class StoreKind:
     """One store for every component of this kind (built for the first one)."""
 
 
-def _build_cast(comp: ResolvedComponent, ctx: StoreContext) -> HostStore:
-    return CastHostStore(ctx.components[comp.path], STORAGE_DTYPES[comp.storage_dtype], ctx.cast_forms[comp.path])
-
-
-CAST_KIND = StoreKind("cast", lambda c: c.storage_dtype in STORAGE_DTYPES, _build_cast)
-"""float8 in this process's memory (after the sharded kind, which keeps float8 blocks sharded over its ranks)."""
-LOSSLESS_KIND = StoreKind(
-    "lossless", lambda c: c.storage_dtype == LOSSLESS, lambda c, ctx: LosslessHostStore(ctx.lossless_forms[c.path])
-)
-"""Losslessly coded in this process's memory (after the sharded kind too)."""
-PACKED_KIND = StoreKind("packed", lambda c: True, lambda c, ctx: PackedHostStore(), shared=True)
+LOCAL_KIND = StoreKind("local", lambda c: True, lambda c, ctx: LocalHostStore(ctx.form_of), shared=True)
+"""Every component's blocks in this process's memory, each in its component's form (after the sharded kind,
+which keeps a component's blocks sharded over its ranks)."""
 
 
 @dataclass
@@ -173,11 +168,11 @@ def _store_for(comp: ResolvedComponent, ctx: StoreContext, kinds: Sequence[Store
         if kind.shared:
             built[kind.name] = store
         return store
-    raise AssertionError(f"no store kind serves {comp.path} (the packed kind serves every component)")
+    raise AssertionError(f"no store kind serves {comp.path} (the local kind serves every component)")
 
 
 def _with_disk_tier(by_component: dict[str, HostStore], ctx: StoreContext) -> dict[str, HostStore]:
-    """Every component's store (packed, float8 or sharded) as the host side of one tiered store over one disk
+    """Every component's store (local or sharded) as the host side of one tiered store over one disk
     store, so the disk store's figures are counted once. The disk store keeps what each block's host store
     says this process keeps of it (`disk_part`: the whole block in its form, or this rank's shard)."""
     assert ctx.spill_root is not None, "host_budget_gb needs a spill folder"

@@ -1,5 +1,5 @@
 """A host store in two tiers, composed with the others when `host_budget_gb` is set: the blocks the placement
-keeps in host memory go to their component's own store (the host side: packed, float8 or sharded), the blocks it puts
+keeps in host memory go to their component's own store (the host side: local or sharded), the blocks it puts
 on disk, and those of the host pool of alternating DiTs, go to the one disk store (`runtime.stores.disk`), which
 keeps each block in its host store's form (`stored_form`: float8 blocks are float8 on disk and in the pool). The
 placement prices blocks in the host side's figures; `place_` tells the tiered store which blocks went where.
@@ -27,7 +27,7 @@ from layerstream.runtime.stores.disk.disk_store import DiskHostStore
 class TieredHostStore(HostStoreBase):
     """`HostStore` splitting blocks between host stores and a disk store as the placement's host tier says.
     `host` is the host side: one store for every block, or each block path's store (components with stores of
-    their own kinds, float8 beside packed, under one budget and one disk store)."""
+    their own kinds, sharded beside local, under one budget and one disk store)."""
 
     kind = "tiered"
 

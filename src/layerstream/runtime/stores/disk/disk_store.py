@@ -13,12 +13,13 @@ the slot (reading synchronously only when the prediction missed). A disk block's
 (`copy_waits_on_host`), so it never runs on the compute thread: the accelerator engine queues it on its issuing
 thread, the CPU engine runs it on its copy thread.
 
-Every block is kept in its host store's form (`form_of`, the tiered store's `stored_form`): a float8 block's
-stored bytes are float8 in its spill file, in the staging ring and in the pool, and its copy job unpacks them
-in the slot (`SlotUnpack`) after copying them into the slot's staging region. A float8 block is always spilled
-(the checkpoint holds the wider dtype), once, at enable: its spill file holds its stored bytes (about half the
-bfloat16 bytes), and the block keeps its original tensors until `commit_`, so that a rollback gives them back
-exactly; a restore reads the stored bytes back and upcasts them (the rounded values, as the float8 store).
+Every block is kept in its host store's form (`form_of`, the tiered store's `stored_form`): a float8 (or
+lossless) block's stored bytes are float8 (or coded) in its spill file, in the staging ring and in the pool, and
+its copy job unpacks them in the slot (`SlotUnpack`) after copying them into the slot's staging region. Such a
+block is always spilled (the checkpoint holds other bytes), once, at enable: its spill file holds its stored
+bytes (about half the bfloat16 bytes for float8), and the block keeps its original tensors until `commit_`, so
+that a rollback gives them back exactly; a restore reads the stored bytes back and unpacks them on the host
+(float8: the rounded values, as the local store).
 
 What the disk tier keeps of a block is its host store's `DiskPart` (`part_of`): the whole stored block, or,
 for `weight_transfer: "allgather"`, this rank's shard of it, which the part's copy into the slot gathers with
@@ -55,8 +56,8 @@ from layerstream.plan.placement import HostPoolChoice, Placement
 from layerstream.runtime.contracts import DiskPart, HostStoreBase, Job, Pinner, StoredBlockBase, StoredForm, StoreStats, WholePart
 from layerstream.runtime.packing.file_reads import FileRange, FileReader, MappedFiles
 from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
-from layerstream.runtime.packing.stored_form import PackedForm, SlotUnpack
-from layerstream.runtime.stores.cast_store import current_tensor
+from layerstream.runtime.forms.packed import PackedForm
+from layerstream.runtime.forms.slot import SlotUnpack
 from layerstream.runtime.stores.disk.host_pool import HostPool
 from layerstream.runtime.stores.disk.sources import (
     CheckpointSource,
@@ -77,6 +78,8 @@ class DiskBlock(StoredBlockBase):
     """One block of the disk tier: no host bytes; its copy job reads it from disk."""
 
     copy_waits_on_host = True  # for its read: an accelerator engine queues the job on a thread of its own
+    entry: int | None = None
+    """Its entry in the host pool (a `PooledBlock`'s); None: it is read through the staging ring."""
 
     def __init__(
         self,
@@ -321,16 +324,14 @@ class DiskHostStore(HostStoreBase):
 
     def stats(self) -> StoreStats:
         pool = self.pool_nbytes
-        coded = [b for b in self.blocks.values() if b.form.lossless and not b.form.stored_is_packed]
-        return StoreStats(
+        return StoreStats.of_forms(
+            (b.form for b in self.blocks.values()),
             host_bytes=pool,
             pinned_host_bytes=pool if self.pool is not None and self.pool.pinned else 0,
             disk_bytes_read=self.disk_bytes_read,
             disk_stall_seconds=self.disk_stall_seconds,
             host_pool_bytes=pool,
             disk_staging_bytes=self.staging_nbytes,
-            lossless_stored_bytes=sum(b.form.stored_nbytes for b in coded),
-            lossless_decoded_bytes=sum(b.layout.nbytes for b in coded),
         )
 
     def stage_(self, layout: BlockLayout, device: torch.device, pin: Pinner | None) -> DiskBlock:
@@ -358,7 +359,7 @@ class DiskHostStore(HostStoreBase):
         binder = TensorBinder(compute, device)
         member = choice.member_of(layout.path) if choice is not None else None
         # the original tensors go now, or stay until the commit for a rollback that reads nothing (lossy, shard)
-        originals = [current_tensor(e.module, e.name, e.is_param) for e in compute.entries] if part.keeps_originals else None
+        originals = binder.current_tensors() if part.keeps_originals else None
         if entry is not None:
             block = PooledBlock(self, part, binder, source, original_device, member, originals, entry=entry)
             self.pool.add_(block, holds_bytes=packed is not None)

@@ -21,35 +21,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
 
 import torch
 
 from layerstream.errors import TransferError
 from layerstream.runtime.contracts import Pinner
 from layerstream.runtime.packing.host_buffer import page_aligned_empty
-from layerstream.runtime.packing.layout import BlockLayout
-from layerstream.runtime.stores.disk.staging import copy_events, pin_all_or_none, unpin_all, wait_copied
-
-
-class PooledBlock(Protocol):
-    """What the pool needs of a pooled block (`disk_store.PooledBlock`): its entry, its DiT and a checked read."""
-
-    layout: BlockLayout
-    entry: int
-    member: str | None
-
-    @property
-    def path(self) -> str: ...
-
-    @property
-    def stored_nbytes(self) -> int:
-        """Bytes a read gives (the block's stored bytes: float8 ones for a float8 block)."""
-
-    def read_into_(self, buffer: torch.Tensor) -> None: ...
-
-    def copy_out_(self, held: torch.Tensor, slot_buffer: torch.Tensor, event) -> int:
-        """Copy (or gather) the bytes in `held` into the slot, recording `event` after it."""
+from layerstream.runtime.stores.disk.staging import DiskRead, copy_events, pin_all_or_none, unpin_all, wait_copied
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +39,11 @@ class HostPool:
         self.buffers = [page_aligned_empty(max(n, 1)) for n in entry_nbytes]  # each can be page-locked
         self._pinner = pin_all_or_none(self.buffers, pin)
         self._copied = copy_events(device, self._pinner, len(self.buffers))
-        self._owner: list[PooledBlock | None] = [None] * len(self.buffers)
+        self._owner: list[DiskRead | None] = [None] * len(self.buffers)
         self._loads: list[Future | None] = [None] * len(self.buffers)
         self._member_order = member_order
         """Member -> its streamed blocks in chain order (which pooled blocks to read first)."""
-        self._pooled: dict[str, list[PooledBlock]] = {m: [] for m in member_order}
+        self._pooled: dict[str, list[DiskRead]] = {m: [] for m in member_order}
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-pool-load")
         self.current: str | None = None
         """The member whose blocks the entries hold or are being read for."""
@@ -81,10 +59,10 @@ class HostPool:
     def pinned(self) -> bool:
         return self._pinner is not None
 
-    def owner(self, entry: int) -> PooledBlock | None:
+    def owner(self, entry: int) -> DiskRead | None:
         return self._owner[entry]
 
-    def add_(self, block: PooledBlock, holds_bytes: bool) -> None:
+    def add_(self, block: DiskRead, holds_bytes: bool) -> None:
         """Register a staged block; `holds_bytes`: staging packed its bytes into its entry, which had no owner
         (the first member staged starts in the pool)."""
         order = self._member_order[block.member]
@@ -100,7 +78,7 @@ class HostPool:
         if member != self.current:
             self._change_to_(member)
 
-    def take_(self, block: PooledBlock) -> int:
+    def take_(self, block: DiskRead) -> int:
         """The entry holding `block`'s bytes, read first when it holds another block's (waits for the read)."""
         entry = block.entry
         if self.current != block.member or self._owner[entry] is not block:
@@ -116,12 +94,12 @@ class HostPool:
                 self._loads[entry] = None
         return entry
 
-    def copy_out_(self, entry: int, block: PooledBlock, slot_buffer: torch.Tensor) -> int:
+    def copy_out_(self, entry: int, block: DiskRead, slot_buffer: torch.Tensor) -> int:
         """Copy `block`'s bytes out of `entry` into the slot (after `take_`); returns the bytes that crossed this
         process's link."""
         return block.copy_out_(self.buffers[entry], slot_buffer, self._copied[entry])
 
-    def _change_to_(self, member: str, first: PooledBlock | None = None) -> None:
+    def _change_to_(self, member: str, first: DiskRead | None = None) -> None:
         if member != self.current:
             self.num_member_changes += 1
         self._drop_loads_(keep=member)
@@ -150,7 +128,7 @@ class HostPool:
             self._owner[entry] = None
             self._loads[entry] = None
 
-    def _load_(self, block: PooledBlock) -> None:
+    def _load_(self, block: DiskRead) -> None:
         entry = block.entry
         wait_copied(self._copied[entry])  # the device copy of the entry's previous owner must be done
         block.read_into_(self.buffers[entry][: block.stored_nbytes])

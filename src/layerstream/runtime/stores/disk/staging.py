@@ -20,14 +20,14 @@ import torch
 from layerstream.errors import TransferError
 from layerstream.runtime.contracts import Pinner
 from layerstream.runtime.packing.host_buffer import page_aligned_empty
-from layerstream.runtime.packing.layout import BlockLayout
 
 
-class DiskBlock(Protocol):
-    """What the ring needs of a disk block (`disk_store.DiskBlock`): its path, layout, a checked read and the
-    move of its bytes out of a buffer into the slot."""
+class DiskRead(Protocol):
+    """What the staging ring and the host pool need of a disk block (`disk_store.DiskBlock`): its path, its DiT
+    and its pool entry where it has one, a checked read and the move of its bytes out of a buffer into the slot."""
 
-    layout: BlockLayout
+    member: str | None
+    entry: int | None
 
     @property
     def path(self) -> str: ...
@@ -41,6 +41,7 @@ class DiskBlock(Protocol):
     def copy_out_(self, held: torch.Tensor, slot_buffer: torch.Tensor, event) -> int:
         """Copy (or gather) the bytes read into `held` into the slot, recording `event` after it; returns the
         bytes that crossed this process's link."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class StagingRing:
     def pinned(self) -> bool:
         return self._pinner is not None
 
-    def copy_(self, block: DiskBlock, slot_buffer: torch.Tensor, upcoming: Sequence[DiskBlock] = ()) -> int:
+    def copy_(self, block: DiskRead, slot_buffer: torch.Tensor, upcoming: Sequence[DiskRead] = ()) -> int:
         """Fill the slot with `block`'s bytes (checked) through a staging buffer, having made sure that the
         blocks expected next (`upcoming`, the first `READ_AHEAD_DEPTH` of them) are being read ahead; the copy
         out is asynchronous where the buffer has an event (CUDA, pinned), else in step. Runs on the thread of
@@ -141,7 +142,7 @@ class StagingRing:
         self._read_ahead_(block, upcoming, i)  # first: the disk reads the next blocks while this one is copied
         return block.copy_out_(self.buffers[i], slot_buffer, self._copied[i])
 
-    def _take_(self, block: DiskBlock) -> int:
+    def _take_(self, block: DiskRead) -> int:
         """The buffer holding `block`'s bytes: the read-ahead's when it read this block, else read now."""
         position = next((k for k, (path, _, _) in enumerate(self._ahead) if path == block.path), None)
         if self._ahead:
@@ -160,7 +161,7 @@ class StagingRing:
         block.read_into_(self.buffers[free][: block.stored_nbytes])  # checked before any byte reaches the slot
         return free
 
-    def _read_ahead_(self, block: DiskBlock, upcoming: Sequence[DiskBlock], current: int) -> None:
+    def _read_ahead_(self, block: DiskRead, upcoming: Sequence[DiskRead], current: int) -> None:
         """Keep reads in flight for the next disk blocks: the ones already issued in the expected order stay, the
         others are dropped, the missing ones are issued into free buffers."""
         wanted = [b for b in upcoming if b is not block][:READ_AHEAD_DEPTH]
@@ -172,7 +173,7 @@ class StagingRing:
         for next_block in wanted[kept:]:
             i = self._free_buffer_(busy=(current,))
 
-            def read(i: int = i, next_block: DiskBlock = next_block) -> None:
+            def read(i: int = i, next_block: DiskRead = next_block) -> None:
                 self._wait_copied_(i)
                 next_block.read_into_(self.buffers[i][: next_block.stored_nbytes])
 
