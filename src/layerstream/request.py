@@ -137,7 +137,7 @@ class GenerationRequest:
     flow_shift: float | None = None
     """Pipelines whose scheduler has a ``flow_shift`` (Wan's UniPC): its value for this request only; > 0."""
     seed: int = 0
-    """The first output's seed, 0 to 2**64 - 1 (what ``torch.Generator.manual_seed`` takes as it is)."""
+    """The first output's seed, 0 to 2**53 - 1 (`MAX_SEED`: what a JSON client holds exactly)."""
     n: int = 1
     """Outputs to make, with seeds seed, seed + 1, ..."""
     fps: int | None = None

@@ -19,7 +19,7 @@ _COMMON_CONTRACT = {
             "anyOf": [{"pattern": "^[1-9][0-9]{0,5}x[1-9][0-9]{0,5}$", "type": "string"}, {"type": "null"}],
             "default": None,
         },
-        "seed": {"anyOf": [{"maximum": 18446744073709551615, "minimum": 0, "type": "integer"}, {"type": "null"}], "default": None},
+        "seed": {"anyOf": [{"maximum": 9007199254740991, "minimum": 0, "type": "integer"}, {"type": "null"}], "default": None},
         "num_inference_steps": {"anyOf": [{"maximum": 1000, "minimum": 1, "type": "integer"}, {"type": "null"}], "default": None},
         "guidance_scale": {"anyOf": [{"maximum": 100.0, "minimum": 0.0, "type": "number"}, {"type": "null"}], "default": None},
         # vllm-omni's fields (each refused with a 422 by a pipeline that cannot take it)

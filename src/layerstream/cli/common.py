@@ -88,11 +88,11 @@ def positive_int(text: str) -> int:
 
 
 def seed_int(text: str) -> int:
-    """A seed: 0 to 2**64 - 1, the values ``torch.Generator.manual_seed`` takes as they are (it would map a
-    negative seed onto a large positive one, so two spellings would name one seed: refused instead)."""
+    """A seed: 0 to 2**53 - 1 (`MAX_SEED`: what a JSON client holds exactly; ``torch.Generator.manual_seed``
+    would map a negative seed onto a large positive one, so two spellings would name one seed: refused instead)."""
     from layerstream.models.output_limits import MAX_SEED
 
-    allowed = f"an integer from 0 to {MAX_SEED}, 2**64 - 1"
+    allowed = f"an integer from 0 to {MAX_SEED}, 2**53 - 1"
     value = _int(text, allowed)
     if not 0 <= value <= MAX_SEED:
         raise _not_allowed(text, allowed)

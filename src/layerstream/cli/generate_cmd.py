@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--seed", type=seed_int, default=0,
-        help=f"random seed, 0 to {MAX_SEED} (2**64 - 1); rank r of --nproc uses seed + r (default: 0)",
+        help=f"random seed, 0 to {MAX_SEED} (2**53 - 1); rank r of --nproc uses seed + r (default: 0)",
     )
     parser.add_argument(
         "--guidance-scale-2", type=request_value("guidance_scale_2"), default=None,

@@ -25,8 +25,10 @@ DEFAULT_MAX_SIDE_PIXELS = 2048
 """Largest height or width by default (the server's ``--max-size`` and the command line's)."""
 DEFAULT_MAX_FRAMES = 129
 """Largest ``num_frames`` of a video by default (the server's ``--max-frames`` and the command line's)."""
-MAX_SEED = 2**64 - 1
-"""Seeds are what ``torch.Generator.manual_seed`` takes without wrapping: integers from 0 to 2**64 - 1."""
+MAX_SEED = 2**53 - 1
+"""Seeds are integers from 0 to 2**53 - 1, on every edge: the largest a JSON client holds exactly (a JavaScript
+number, the web page's "use these settings" included), and all of them ``torch.Generator.manual_seed`` takes as
+they are."""
 MAX_PROMPT_CHARS = 10_000
 """Longest prompt (and negative prompt), in characters, on the command line and the server alike."""
 

@@ -3,8 +3,8 @@ every status each route answers.
 
 FastAPI passes the document it builds through its own `OpenAPI` model, whose ``minimum``, ``maximum``,
 ``exclusiveMinimum``, ``exclusiveMaximum`` and ``multipleOf`` are floats: every integer bound comes out a
-float (``n`` from 1.0 to 4.0) and ``seed``'s 2**64 - 1 is rounded to 2**64, one past what the server takes,
-so tools that validate against the document send requests the server refuses. `apply_exact_openapi_`
+float (``n`` from 1.0 to 4.0, a number bound such as 100 comes out 100.0), so the document no longer states the
+request models as they are (every bound is below 2**53, seeds included, so none is rounded). `apply_exact_openapi_`
 puts the request bodies back, as the request models state them, after that pass, and turns any other
 integer bound back into an integer. FastAPI also documents a 422 of its own shape (``HTTPValidationError``) on
 every route with a parameter; the routes here parse their input themselves and answer every error as an
