@@ -92,16 +92,18 @@ class Omni:
         fps: int | None = None,
         on_step: Callable[[int, int, float], None] | None = None,
         max_side_pixels: int | None = None,
+        keep_raw: bool = False,
         **options: Any,
     ) -> GenerationResult:
         """Run the pipeline once with `GenerationRequest`'s arguments (`options`: the rest of them), checked before
-        the run; `on_step(step, total, seconds)` after every step (docs/python.md)."""
+        the run; `on_step(step, total, seconds)` after every step; `keep_raw`: keep the float output as `raw`
+        (docs/python.md)."""
         request = GenerationRequest(
             prompt=prompt, negative_prompt=negative_prompt, image=image, height=height, width=width,
             num_frames=num_frames, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
             seed=seed, fps=fps, **request_options(options, max_side_pixels=max_side_pixels),
         )  # fmt: skip
-        return self.run(request, on_step=on_step)
+        return self.run(request, on_step=on_step, keep_raw=keep_raw)
 
     def run(
         self,
@@ -109,9 +111,10 @@ class Omni:
         *,
         on_step: Callable[[int, int, float], None] | None = None,
         on_latents: Callable[[int, int, torch.Tensor], None] | None = None,
+        keep_raw: bool = False,
     ) -> GenerationResult:
         """Make the one output of `request` (``n = 1``); see `PipelineRunner.run`."""
-        return self.runner.run(request, on_step=on_step, on_latents=on_latents)
+        return self.runner.run(request, on_step=on_step, on_latents=on_latents, keep_raw=keep_raw)
 
     def generate_batch(
         self,
@@ -126,6 +129,7 @@ class Omni:
         guidance_scale: float | None = None,
         fps: int | None = None,
         on_step: Callable[[int, int, float], None] | None = None,
+        keep_raw: bool = False,
         **options: Any,
     ) -> list[GenerationResult]:
         """One pipeline call for outputs of one shape (output ``i``: ``prompts[i]``, seeded ``seeds[i]``)."""
@@ -133,13 +137,17 @@ class Omni:
             prompt="", negative_prompt=negative_prompt, height=height, width=width, num_frames=num_frames,
             num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, fps=fps, **request_options(options),
         )  # fmt: skip
-        return self.run_batch(batch_requests(shape, prompts, seeds), on_step=on_step)
+        return self.run_batch(batch_requests(shape, prompts, seeds), on_step=on_step, keep_raw=keep_raw)
 
     def run_batch(
-        self, requests: Sequence[GenerationRequest], *, on_step: Callable[[int, int, float], None] | None = None
+        self,
+        requests: Sequence[GenerationRequest],
+        *,
+        on_step: Callable[[int, int, float], None] | None = None,
+        keep_raw: bool = False,
     ) -> list[GenerationResult]:
         """One pipeline call for every output of `requests`; see `generate_batch` and `PipelineRunner.run_batch`."""
-        return self.runner.run_batch(requests, on_step=on_step)
+        return self.runner.run_batch(requests, on_step=on_step, keep_raw=keep_raw)
 
     def component_dtypes(self) -> dict[str, str]:
         """The dtype each component computes in (``"bfloat16"``), as `models.loading.component_dtypes` reads it."""

@@ -43,7 +43,8 @@ class GenerationResult:
     fps: int = 16
     """Video: the frame rate it is saved at (the request's, else the model's)."""
     raw: Any = field(default=None, repr=False)
-    """The pipeline's float output before conversion to uint8 (for exact comparisons)."""
+    """The pipeline's float output before conversion to uint8, where the caller asked for it (``keep_raw=True``:
+    exact comparisons); else None."""
     size_note: str | None = None
     """With an input image: how the output size was reached (``"48x32: the input image's 50x35, rounded down
     to multiples of 16"``); None without one."""

@@ -69,8 +69,11 @@ class PipelineRunner:
         *,
         on_step: Callable[[int, int, float], None] | None = None,
         on_latents: Callable[[int, int, torch.Tensor], None] | None = None,
+        keep_raw: bool = False,
     ) -> GenerationResult:
         """Make the one output of `request` (``n = 1``; run each of `request.outputs()` for more, or `run_batch`).
+        The pipeline's float output is kept as the result's `raw` only with `keep_raw` (exact comparisons): else
+        the result holds its uint8 frames alone, a quarter of the float bytes.
 
         `on_latents(step, total, latents)`, after `on_step`, sees the pipeline's latents after each step (to
         read, never to change: previews). What depends on the model (image input, size multiples, frame rule,
@@ -88,12 +91,18 @@ class PipelineRunner:
         kwargs["generator"] = torch.Generator("cpu").manual_seed(request.seed)
         output, stats = self._call(request, kwargs, num_inference_steps, on_step, on_latents)
         raw = _output_array(output, self.kind)
+        del output  # the pipeline's own copy of the float frames
         note = conditioned.note if conditioned is not None else None
         fps = request.fps or self.rules.fps
-        return GenerationResult(kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=fps, raw=raw, size_note=note)
+        frames = _to_uint8(raw)
+        return GenerationResult(kind=self.kind, frames=frames, stats=stats, fps=fps, raw=raw if keep_raw else None, size_note=note)
 
     def run_batch(
-        self, requests: Sequence[GenerationRequest], *, on_step: Callable[[int, int, float], None] | None = None
+        self,
+        requests: Sequence[GenerationRequest],
+        *,
+        on_step: Callable[[int, int, float], None] | None = None,
+        keep_raw: bool = False,
     ) -> list[GenerationResult]:
         """One pipeline call for every output of `requests`, in order (each request's `n` seeds in turn); they
         must share their `batch_shape()` (everything but prompt, seed, n, fps and timeout), and carry no image
@@ -114,12 +123,17 @@ class PipelineRunner:
         # one generator per output, as diffusers takes them: output i's noise is drawn from generator i alone
         kwargs["generator"] = [torch.Generator("cpu").manual_seed(seed) for request in requests for seed in request.seeds]
         output, stats = self._call(requests[0], kwargs, num_inference_steps, on_step)
-        raws = iter(_output_arrays(output, self.kind, len(prompts)))
-        return [
-            GenerationResult(kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=request.fps or self.rules.fps, raw=raw)
-            for request in requests
-            for raw in (next(raws) for _ in request.seeds)
-        ]
+        raws = _output_arrays(output, self.kind, len(prompts))
+        del output
+        results = []
+        for request in requests:
+            for _ in request.seeds:
+                raw = raws.pop(0)  # each float output goes once its uint8 frames are made (unless kept)
+                frames = _to_uint8(raw)
+                results.append(GenerationResult(
+                    kind=self.kind, frames=frames, stats=stats, fps=request.fps or self.rules.fps, raw=raw if keep_raw else None,
+                ))  # fmt: skip
+        return results
 
     def call_arguments(self, request: GenerationRequest, prompt: str | list[str], *, picture) -> tuple[dict[str, Any], int]:
         """(the pipeline's keyword arguments, the step count) for `request`'s shape and `prompt` (its own, or a

@@ -25,7 +25,7 @@ def main(out: Path) -> None:
     initialized_before = dist.is_initialized()
     omni = Omni(model="tiny-wan", diffusion_offload_config=CONFIG)
     try:
-        raw = np.asarray(omni.generate(**REQUEST).raw)
+        raw = np.asarray(omni.generate(**REQUEST, keep_raw=True).raw)
         run = {
             "initialized_before": initialized_before, "initialized_after": dist.is_initialized(),
             "world_size": dist.get_world_size(), "device": str(omni.device), "host_bytes": omni.stats().host_bytes,

@@ -36,7 +36,7 @@ def test_omni_joins_torchrun_group_by_itself_and_matches_one_process(tmp_path, m
         monkeypatch.delenv(name, raising=False)
     one = Omni(model="tiny-wan", diffusion_offload_config=CONFIG)  # one process: allgather is a plain copy
     try:
-        expected = np.asarray(one.generate(**REQUEST).raw)
+        expected = np.asarray(one.generate(**REQUEST, keep_raw=True).raw)
         one_process_host_bytes = one.stats().host_bytes
     finally:
         one.close()

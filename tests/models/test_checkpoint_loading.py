@@ -61,7 +61,7 @@ def test_a_bf16_folder_loads_in_bf16_and_streams_from_the_files_bit_identically(
     # modulation tables, in float32 on purpose)
     weights = resident.pipeline.transformer.blocks.parameters()
     assert {p.dtype for p in weights if p.dim() == 2} == {torch.bfloat16}
-    expected = resident.generate(**REQUEST)
+    expected = resident.generate(**REQUEST, keep_raw=True)
     resident.close()
     del resident
     gc.collect()  # the resident pipeline's own views of the files go with it
@@ -76,7 +76,7 @@ def test_a_bf16_folder_loads_in_bf16_and_streams_from_the_files_bit_identically(
     # the streamed bytes came from the files, except the few float32 tensors diffusers upcast in memory
     assert stats.host_bytes_from_files >= 0.99 * stats.host_bytes, stats
     assert _mapped_files_under(wan_folder) == []  # nothing of the checkpoint stays mapped
-    got = omni.generate(**REQUEST)
+    got = omni.generate(**REQUEST, keep_raw=True)
     assert np.array_equal(np.asarray(got.raw), np.asarray(expected.raw))
     omni.close()
 
@@ -207,7 +207,7 @@ def test_a_host_budget_of_one_block_reads_the_others_from_the_checkpoint(wan_fol
     every use (no spill file is written), and the picture is bit-identical to the folder loaded resident. The
     two experts share the budget (a host pool of one block: each holds one block while it runs)."""
     resident = Omni(model=str(wan_folder), offload=False)
-    expected = resident.generate(**REQUEST)
+    expected = resident.generate(**REQUEST, keep_raw=True)
     resident.close()
     del resident
     gc.collect()
@@ -220,7 +220,7 @@ def test_a_host_budget_of_one_block_reads_the_others_from_the_checkpoint(wan_fol
     tier = omni.handle.placement.host_tier
     assert [sorted(p.split(".")[0] for p in entry) for entry in tier.pool.entries] == [["transformer", "transformer_2"]]
     assert sorted(p.split(".")[0] for p in tier.disk_block_paths) == ["transformer", "transformer_2"]
-    got = omni.generate(**REQUEST)
+    got = omni.generate(**REQUEST, keep_raw=True)
     stats = omni.stats()
     assert stats.host_bytes <= budget_gb * 1e9, stats  # the pool, and the disk blocks' few float32 norms
     assert stats.disk_bytes_read >= 0.99 * ckpt_bytes / 2  # each disk block read once per forward at least

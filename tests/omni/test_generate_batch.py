@@ -24,9 +24,9 @@ def _shape(omni: Omni) -> dict:
 
 
 def test_a_batch_streams_each_block_once_for_all_outputs_and_repeats_exactly(omni):
-    batch = omni.generate_batch(PROMPTS, seeds=SEEDS, **_shape(omni))
-    again = omni.generate_batch(PROMPTS, seeds=SEEDS, **_shape(omni))
-    alone = [omni.generate(prompt, seed=seed, **_shape(omni)) for prompt, seed in zip(PROMPTS, SEEDS)]
+    batch = omni.generate_batch(PROMPTS, seeds=SEEDS, **_shape(omni), keep_raw=True)
+    again = omni.generate_batch(PROMPTS, seeds=SEEDS, **_shape(omni), keep_raw=True)
+    alone = [omni.generate(prompt, seed=seed, **_shape(omni), keep_raw=True) for prompt, seed in zip(PROMPTS, SEEDS)]
     for b, a, single in zip(batch, again, alone):
         assert b.raw.shape == single.raw.shape and b.frames.dtype == np.uint8
         assert np.array_equal(b.raw, a.raw)  # the same batch, the same seeds: the same bits
@@ -55,11 +55,20 @@ def test_run_batch_takes_requests_with_n_outputs_each_and_refuses_two_shapes(omn
     shape = _shape(omni)
     fox = GenerationRequest(prompt=PROMPTS[0], seed=SEEDS[0], **shape)
     cats = GenerationRequest(prompt=PROMPTS[1], seed=SEEDS[1], n=2, fps=8, **shape)
-    batch = omni.run_batch([fox, cats])
-    expected = omni.generate_batch(PROMPTS, seeds=SEEDS, **shape)
+    batch = omni.run_batch([fox, cats], keep_raw=True)
+    expected = omni.generate_batch(PROMPTS, seeds=SEEDS, **shape, keep_raw=True)
     assert [r.fps for r in batch] == [16, 8, 8]  # each output keeps its own request's frame rate
     assert all(np.array_equal(b.raw, e.raw) for b, e in zip(batch, expected))
     with pytest.raises(GenerationError, match=r"requests\[1\]\.num_inference_steps = 2 differs"):
         omni.run_batch([fox, replace(cats, num_inference_steps=2)])
     with pytest.raises(GenerationError, match="n = 2 is not valid"):
         omni.run(cats)
+
+
+def test_float_outputs_are_kept_only_when_asked_for(omni):
+    """A result holds its uint8 frames; the float output (four times their bytes) only with keep_raw=True."""
+    shape = _shape(omni)
+    assert all(r.raw is None for r in omni.generate_batch(PROMPTS, seeds=SEEDS, **shape))
+    assert omni.generate(PROMPTS[0], seed=SEEDS[0], **shape).raw is None
+    kept = omni.generate(PROMPTS[0], seed=SEEDS[0], **shape, keep_raw=True)
+    assert kept.raw.dtype == np.float32 and kept.raw.shape == kept.frames.shape

@@ -43,7 +43,7 @@ def test_wan_i2v_is_bit_identical_to_the_resident_pipeline(wan_i2v_reference, co
     omni = Omni("tiny-wan-i2v", {"mode": "layer", "components": components}, device="cpu")
     try:
         assert omni.image_input == "required"
-        result = omni.generate(PROMPT, image=picture(48, 32), num_frames=FRAMES, num_inference_steps=STEPS, seed=SEED)
+        result = omni.generate(PROMPT, image=picture(48, 32), num_frames=FRAMES, num_inference_steps=STEPS, seed=SEED, keep_raw=True)
         assert result.raw.shape == (FRAMES, 32, 48, 3)
         assert np.array_equal(result.raw, wan_i2v_reference)
         assert result.stats.bytes_transferred > 0
@@ -52,7 +52,7 @@ def test_wan_i2v_is_bit_identical_to_the_resident_pipeline(wan_i2v_reference, co
         assert "image_encoder" not in {c.path for c in omni.handle.plan.streamed}
         # the same image as an array
         array = np.asarray(picture(48, 32))
-        again = omni.generate(PROMPT, image=array, num_frames=FRAMES, num_inference_steps=STEPS, seed=SEED)
+        again = omni.generate(PROMPT, image=array, num_frames=FRAMES, num_inference_steps=STEPS, seed=SEED, keep_raw=True)
         assert np.array_equal(again.raw, wan_i2v_reference)
     finally:
         omni.close()
@@ -174,7 +174,7 @@ def test_flux_kontext_edits_at_the_input_images_size_bit_identical_to_resident(k
     omni = Omni(str(kontext_folder), {"mode": "layer", "components": ["dit", "text_encoder"]}, device="cpu")
     try:
         assert omni.image_input == "optional"
-        result = omni.generate(PROMPT, image=image, num_inference_steps=STEPS, seed=SEED)
+        result = omni.generate(PROMPT, image=image, num_inference_steps=STEPS, seed=SEED, keep_raw=True)
     finally:
         omni.close()
     width, height = output_size
@@ -209,11 +209,11 @@ def test_two_expert_image_to_video_takes_vllm_omnis_fields_and_matches_the_resid
         calls = {"transformer": 0, "transformer_2": 0}
         for name in calls:
             getattr(omni.pipeline, name).register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
-        result = omni.generate(PROMPT, image=picture(48, 32), num_frames=FRAMES, num_inference_steps=4, seed=SEED, **fields)
+        result = omni.generate(PROMPT, image=picture(48, 32), num_frames=FRAMES, num_inference_steps=4, seed=SEED, **fields, keep_raw=True)
         assert np.array_equal(result.raw, expected)
         assert calls["transformer"] > 0 and calls["transformer_2"] > 0  # both experts ran
         assert omni.pipeline.config.boundary_ratio == 0.9  # the model's own again after the request
-        own = omni.generate(PROMPT, image=picture(48, 32), num_frames=FRAMES, num_inference_steps=4, seed=SEED)
+        own = omni.generate(PROMPT, image=picture(48, 32), num_frames=FRAMES, num_inference_steps=4, seed=SEED, keep_raw=True)
         assert not np.array_equal(own.raw, result.raw)  # its own hand-over (999, 900 | 750, 500) makes another video
     finally:
         omni.close()

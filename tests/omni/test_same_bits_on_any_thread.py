@@ -96,10 +96,10 @@ def test_one_request_gives_the_same_pixels_through_every_edge_and_thread(served,
     request = dict(prompt=PROMPT, seed=SEED, height=HEIGHT, width=WIDTH, num_inference_steps=STEPS)
     body = {"prompt": PROMPT, "seed": SEED, "size": f"{WIDTH}x{HEIGHT}", "num_inference_steps": STEPS}
     with _intra_op_threads(threads):
-        on_main = omni.generate(**request)
+        on_main = omni.generate(**request, keep_raw=True)
         main = on_main.frames[0]
         assert main.std() > 0  # a picture, not a constant
-        on_thread = on_new_thread(lambda: omni.generate(**request))
+        on_thread = on_new_thread(lambda: omni.generate(**request, keep_raw=True))
         assert np.array_equal(on_thread.raw, on_main.raw)  # the float output too, before rounding to pixels
         results = {"Omni on another thread": on_thread.frames[0]}
         output = tmp_path / "fox.png"

@@ -42,7 +42,7 @@ request = dict(prompt="a fox", height=16, width=16, num_frames=1, num_inference_
 expected = None
 if mode == "auto":  # the unbudgeted child is killed before it has an output: it needs no reference
     resident = Omni(model=folder, offload=False)
-    expected = np.asarray(resident.generate(**request).raw)
+    expected = np.asarray(resident.generate(**request, keep_raw=True).raw)
     resident.close()
     del resident
     gc.collect()
@@ -52,7 +52,7 @@ config = {"mode": "layer", "components": ["dit"]}
 if mode == "auto":
     config |= {"host_budget_gb": "auto", "host_reserve_gb": float(sys.argv[4])}
 omni = Omni(model=folder, diffusion_offload_config=config)
-got = np.asarray(omni.generate(**request).raw)
+got = np.asarray(omni.generate(**request, keep_raw=True).raw)
 stats = omni.stats()
 tier = omni.handle.placement.host_tier
 print(json.dumps({

@@ -245,7 +245,7 @@ def _generate(args: argparse.Namespace, omni, request: GenerationRequest, rank: 
     try:
         if omni.handle is not None and args.trace:
             omni.handle.reset_trace()
-        return omni.run(request, on_step=progress.step)
+        return omni.run(request, on_step=progress.step, keep_raw=args.compare_resident)
     except (GenerationError, InputImageError) as e:
         raise CliError(str(e)) from e
     finally:
@@ -264,7 +264,7 @@ def _save_trace(args: argparse.Namespace, omni, log: PhaseLog) -> list[str]:
 def _matches_resident(omni, request: GenerationRequest, result) -> bool:
     """Whether the resident pipeline makes exactly `result` from the same request (--compare-resident)."""
     omni.close()  # disable gives back a fully resident pipeline: the same weights, now all on the device
-    reference = omni.run(request)
+    reference = omni.run(request, keep_raw=True)
     return reference.raw.shape == result.raw.shape and bool((reference.raw == result.raw).all())
 
 
