@@ -158,3 +158,32 @@ def test_metrics_text_is_well_formed():
     assert "layerstream_disk_read_bytes_total 9.0" in text and "layerstream_disk_stall_seconds_total 0.125" in text
     assert "layerstream_host_pool_bytes 3.0" in text and "layerstream_disk_staging_bytes 6.0" in text
     assert 'layerstream_generations_total{outcome="ok"} 2.0' in text and "layerstream_queue_depth 1.0" in text
+
+
+def _served_wan(device: str):
+    """Wan 2.2 T2V A14B's rules (832x480, 81 frames, 50 steps) as `read_model_limits` reads them, on `device`."""
+    from layerstream.server.limits import read_model_limits
+    from layerstream.server.settings import ServeSettings
+
+    rules = dataclasses.replace(
+        _rules("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "video", frame_multiple=4, default_num_frames=81, takes={"negative_prompt"}, size=(832, 480)),
+        default_num_inference_steps=50,
+    )
+    omni = SimpleNamespace(rules=rules, pipeline=None, device=device)  # only read: no CUDA call is made
+    return read_model_limits(omni, ServeSettings())
+
+
+VLLM_OMNI_WAN_CLIENT = {"prompt": "a fox", "size": "832x480", "num_frames": 33, "fps": 16, "num_inference_steps": 40, "seed": 42}
+"""vllm-omni's Wan 2.2 curl client's generation (2 s at 16 fps: 33 frames), as the synchronous body states it."""
+
+
+def test_the_work_cap_fits_the_device_a_gpu_server_takes_the_models_own_generation():
+    gpu, cpu = _served_wan("cuda:0"), _served_wan("cpu")
+    own = VideoGenerationRequest.model_validate({"prompt": "a fox", "size": "832x480", "num_frames": 81, "num_inference_steps": 50})
+    client = VideoGenerationRequest.model_validate(VLLM_OMNI_WAN_CLIENT)
+    for request in (own, client):
+        check_request(request, gpu)  # taken on an accelerator by default
+        with pytest.raises(ApiError) as refused:
+            check_request(request, cpu)  # minutes of a 2-core CPU: refused there, naming --max-work
+        assert "--max-work" in str(refused.value.details or refused.value.message)
+    assert cpu.max_work == 100_000_000 and gpu.max_work == 2048 * 2048 * 129 * 50  # the size and frame caps at 50 steps

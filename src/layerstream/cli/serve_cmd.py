@@ -18,6 +18,8 @@ from pathlib import Path
 
 from layerstream.cli.common import CliError, add_hub_arguments, check_device_arg, fetch_before_ranks, parse_config_arg
 from layerstream.server.settings import (  # plain data: no serve extra
+    ACCELERATOR_STEPS,
+    CPU_MAX_WORK,
     DEFAULT_BATCH_WAIT_MS,
     DEFAULT_HOST,
     DEFAULT_MAX_BATCH_SIZE,
@@ -27,7 +29,6 @@ from layerstream.server.settings import (  # plain data: no serve extra
     DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_SIDE_PIXELS,
-    DEFAULT_MAX_WORK,
     DEFAULT_PORT,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
 )
@@ -80,9 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-work",
         type=int,
-        default=DEFAULT_MAX_WORK,
-        help="largest width x height x frames x steps x n of one request; more is a 400 "
-        f"(default: {DEFAULT_MAX_WORK:,}, sized for a 24 GB host; raise it on a GPU server)",
+        default=None,
+        help="largest width x height x frames x steps x n of one request; more is a 400 (default: from the "
+        f"device: {CPU_MAX_WORK:,} on a CPU, minutes of a 2-core host; on an accelerator whatever --max-size and "
+        f"--max-frames allow at {ACCELERATOR_STEPS} steps, or the model's default steps if more; /health states it)",
     )
     parser.add_argument(
         "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,

@@ -15,12 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from layerstream.models.geometry import pipeline_max_latent_positions
 from layerstream.models.input_image import ConditionedSize, InputImageError, size_from_image
 from layerstream.models.model_rules import ModelRules
 from layerstream.server.errors import ApiError, invalid_fields
 from layerstream.server.schemas import MAX_SEED, ErrorDetail, GenerationBody, VideoGenerationRequest
-from layerstream.server.settings import ServeSettings
+from layerstream.server.settings import ACCELERATOR_STEPS, CPU_MAX_WORK, ServeSettings
 
 @dataclass(frozen=True, kw_only=True)
 class ModelLimits:
@@ -77,8 +79,19 @@ def read_model_limits(omni: Any, settings: ServeSettings) -> ModelLimits:
         max_frames=max_frames,
         max_side_pixels=max_side,
         max_latent_positions=pipeline_max_latent_positions(omni.pipeline) if bound_by_model else None,
-        max_work=settings.max_work,
+        max_work=settings.max_work if settings.max_work is not None else default_max_work(rules, max_side, max_frames, omni.device),
     )
+
+
+def default_max_work(rules: Any, max_side: int, max_frames: int, device: Any) -> int:
+    """The work cap a server has unless --max-work sets one: on a CPU device the small `CPU_MAX_WORK` (minutes
+    of a 2-core CPU); on an accelerator the largest request its size and frame caps allow at `ACCELERATOR_STEPS`
+    steps (or the model's own default, if more), so that the model's own default generation, and every size its
+    rules allow, is taken."""
+    if torch.device(device).type == "cpu":
+        return CPU_MAX_WORK
+    steps = max(ACCELERATOR_STEPS, rules.default_num_inference_steps)
+    return max_side * max_side * (max_frames if rules.kind == "video" else 1) * steps
 
 
 def request_shape(

@@ -63,6 +63,11 @@ class GenerationService:
         self.settings = settings
         self.metrics = metrics or ServerMetrics()
         self.limits: ModelLimits = read_model_limits(omni, settings)
+        work_from = "--max-work" if settings.max_work is not None else f"the default on {omni.device}"
+        logger.info(
+            "request caps: sides up to %d pixels%s, work up to %s (%s)", self.limits.max_side_pixels,
+            f", {self.limits.max_frames} frames" if self.limits.kind == "video" else "", f"{self.limits.max_work:,}", work_from,
+        )  # fmt: skip
         policy: TakePolicy
         if ranks is None:
             self.runner: ServingRunner = InProcessRunner(omni, self.limits, self.metrics)

@@ -12,12 +12,16 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 16
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a prompt and its settings, far below it; an input image comes on top
-# width x height x frames x steps x outputs. 1e8 lets a 2048x2048 image run 23 steps, or a 832x480 video of
-# 81 frames run 3, and bounds the time of a request on a 2-core CPU to minutes. Memory grows with one output's
-# pixels x frames (outputs are made one at a time): tiny-wan at one step peaked at 1.3 GB for 512x512 x 9
-# frames, 1.4 GB for 512x512 x 33 and 2.2 GB for 1024x1024 x 9, so the largest request the cap lets through
-# stays a few GB, well within a 24 GB host. A GPU server for real models raises it with --max-work.
-DEFAULT_MAX_WORK = 100_000_000
+# width x height x frames x steps x outputs, on a CPU device. 1e8 lets a 2048x2048 image run 23 steps, or a
+# 832x480 video of 81 frames run 3, and bounds the time of a request on a 2-core CPU to minutes. Memory grows
+# with one output's pixels x frames (outputs are made one at a time): tiny-wan at one step peaked at 1.3 GB for
+# 512x512 x 9 frames, 1.4 GB for 512x512 x 33 and 2.2 GB for 1024x1024 x 9, so the largest request the cap lets
+# through stays a few GB, well within a 24 GB host. On an accelerator the default is what the size and frame
+# caps allow at ACCELERATOR_STEPS steps (`server.limits.default_max_work`).
+CPU_MAX_WORK = 100_000_000
+ACCELERATOR_STEPS = 50
+"""On an accelerator, the default work cap lets every size and frame count the caps allow run this many steps
+(or the model's own default, if more): Wan 2.2's own 832x480 x 81 frames x 50 steps, and vllm-omni's clients'."""
 DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0  # plus one denoising step, within the 30 s most orchestrators allow
 MAX_SHUTDOWN_TIMEOUT_S = 86_400.0
 DEFAULT_MAX_BATCH_SIZE = 1  # every request runs alone, exactly as without batching
@@ -48,7 +52,8 @@ class ServeSettings:
     """Largest ``num_frames`` a video request may ask for (lowered to what the model can position)."""
     max_side_pixels: int = DEFAULT_MAX_SIDE_PIXELS
     """Largest width or height a request may ask for (lowered to what the model can position)."""
-    max_work: int = DEFAULT_MAX_WORK
+    max_work: int | None = None
+    """None: from the device (`server.limits.default_max_work`)."""
     """Largest width x height x frames x steps x n of one request: bounds its time and, at one step, its memory."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     """Largest request body without an input image; a larger one answers 413 without being parsed. A request
@@ -72,7 +77,8 @@ class ServeSettings:
         _check_int("max_queue", self.max_queue, low=0, high=1_000_000)
         _check_int("max_frames", self.max_frames, low=1, high=100_000)
         _check_int("max_side_pixels", self.max_side_pixels, low=1, high=1_000_000)
-        _check_int("max_work", self.max_work, low=1, high=10**15)
+        if self.max_work is not None:
+            _check_int("max_work", self.max_work, low=1, high=10**15)
         _check_int("max_body_bytes", self.max_body_bytes, low=1024, high=1 << 30)
         _check_int("max_image_bytes", self.max_image_bytes, low=1024, high=1 << 30)
         _check_int("max_image_pixels", self.max_image_pixels, low=1, high=1 << 30)
