@@ -66,7 +66,7 @@ USAGE_KEYS = [
     "host_bytes", "peak_device_bytes", "size_note", "batch_size",
 ]  # fmt: skip
 HEALTH_KEYS = [
-    "status", "model", "model_source", "kind", "device", "dtype", "component_dtypes", "offload_config", "queue_depth", "max_queue",
+    "status", "status_reason", "model", "model_source", "kind", "device", "dtype", "component_dtypes", "offload_config", "queue_depth", "max_queue",
     "running", "size_multiple", "frame_multiple", "max_frames", "max_side_pixels", "max_work", "image_input",
     "max_image_bytes", "max_image_pixels", "max_batch_size", "batch_wait_ms", "world_size", "backend", "ranks",
     "default_size", "default_num_frames", "default_steps", "fps", "takes_image", "jobs_path", "jobs_storage",

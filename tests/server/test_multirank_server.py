@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -115,16 +116,41 @@ def test_health_shows_each_rank_holding_half_the_host_bytes(flux_ranks, flux_sin
 
 
 def test_a_fault_on_rank_1_answers_500_and_the_next_request_runs_on_a_clean_runtime(flux_ranks, flux_single):
+    """The failed wave is answered 500; the rebuild after it is no outage: /health says so (never a 500),
+    /metrics answers, and a job created meanwhile waits in the queue and runs after it."""
+    seen: list[tuple[int, str | None, int]] = []
+    done = threading.Event()
+
+    def watch():
+        with flux_ranks.client() as watcher:
+            while not done.is_set():
+                health = watcher.get("/health")
+                status = health.json().get("status") if health.status_code == 200 else None
+                seen.append((health.status_code, status, watcher.get("/metrics").status_code))
+                time.sleep(0.01)
+
     started = time.monotonic()
+    watching = threading.Thread(target=watch)
     with flux_ranks.client() as client:
-        failed = client.post(IMAGES, json={"prompt": FAULT_PROMPT, "seed": 1, **FLUX})
-        assert failed.status_code == 500, failed.text
-        assert "rank 1: InjectedFault" in failed.json()["error"]["message"]
-        # rank 0 waited for rank 1's transfers up to the collective timeout
-        assert time.monotonic() - started < COLLECTIVE_TIMEOUT_S + 30
-        body = {"prompt": "after the fault", "seed": 4, **FLUX}
-        assert _files(client.post(IMAGES, json=body)) == _single_files(flux_single, IMAGES, [body])[0]
-        assert client.get("/health").json()["status"] == "ok"
+        watching.start()
+        try:
+            failed = client.post(IMAGES, json={"prompt": FAULT_PROMPT, "seed": 1, **FLUX})
+            job = client.post("/v1/images/jobs", json={"prompt": "a job made during the rebuild", "seed": 5, **FLUX})
+            assert job.status_code == 200, job.text  # queued, not refused
+            assert failed.status_code == 500, failed.text
+            assert "rank 1: InjectedFault" in failed.json()["error"]["message"]
+            # rank 0 waited for rank 1's transfers up to the collective timeout
+            assert time.monotonic() - started < COLLECTIVE_TIMEOUT_S + 30
+            body = {"prompt": "after the fault", "seed": 4, **FLUX}
+            assert _files(client.post(IMAGES, json=body)) == _single_files(flux_single, IMAGES, [body])[0]
+            wait_until(lambda: client.get(f"/v1/images/jobs/{job.json()['id']}").json()["status"] == "completed",
+                       what="the job made during the rebuild to complete")  # fmt: skip
+            assert client.get("/health").json()["status"] == "ok"
+        finally:
+            done.set()
+            watching.join(30)
+    assert seen and all(code == 200 and metrics == 200 for code, _, metrics in seen), seen
+    assert {status for _, status, _ in seen} <= {"ok", "rebuilding"}
 
 
 def test_a_hung_rank_answers_503_and_the_server_exits_nonzero(flux_ranks):

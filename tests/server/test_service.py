@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from layerstream.config.offload_config import parse_offload_config
 from layerstream.models.hub import ModelSource
 from layerstream.models.model_rules import read_model_rules
 from layerstream.omni import GenerationResult, RunStats
@@ -33,6 +34,7 @@ class StandInOmni:
 
     model, kind, device, dtype = "stand-in", "image", "cpu", None
     source = ModelSource("stand-in", Path("stand-in"), "folder")
+    config = parse_offload_config({"mode": "layer", "components": ["dit"]})
 
     def __init__(self) -> None:
         self.pipeline = _Pipeline()

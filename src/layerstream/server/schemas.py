@@ -322,7 +322,10 @@ class ModelSourceInfo(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ok", "draining", "failed"] = Field(description="failed: a serving rank was lost; exiting.")
+    status: Literal["ok", "draining", "rebuilding", "failed"] = Field(
+        description="failed: a serving rank was lost; exiting. rebuilding: a failed wave's runtime is being rebuilt on every rank (requests wait)."
+    )
+    status_reason: str | None = Field(None, description="Why the status is not ok, where there is more to say (a rebuild).")
     model: str
     model_source: ModelSourceInfo = Field(description="Where the model's files came from.")
     kind: Literal["image", "video"]

@@ -149,6 +149,8 @@ class ServingRunner(Protocol):
     """The offload counters after the last run (what /metrics reads, never the live runtime)."""
     fatal_error: BaseException | None
     """Why the runner can run nothing more (a rank lost); None while it can."""
+    rebuilding: str | None
+    """Why the runtime is being rebuilt now (a failed wave, on ranks); None when it is not."""
 
     def run(self, groups: list[list[Any]]) -> Sequence[Answer]: ...
 
@@ -173,6 +175,7 @@ class RunnerBase:
     """`ServingRunner`'s defaults: one process, nothing to do between runs, no families of its own."""
 
     fatal_error: BaseException | None = None
+    rebuilding: str | None = None
 
     def after_run(self) -> None:
         pass

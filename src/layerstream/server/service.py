@@ -63,6 +63,15 @@ class GenerationService:
         self.settings = settings
         self.metrics = metrics or ServerMetrics()
         self.limits: ModelLimits = read_model_limits(omni, settings)
+        self.source = omni.source
+        self.facts: dict[str, Any] = {
+            "model_source": omni.source.to_dict(),  # a Hub id's revision and commit, or the folder
+            "device": str(omni.device),
+            "dtype": str(omni.dtype).removeprefix("torch.") if omni.dtype is not None else None,
+            "component_dtypes": omni.component_dtypes(),
+            "offload_config": omni.config.to_dict(),
+        }
+        """What does not change while the server runs, read once: a rebuild replaces rank 0's `Omni`, not these."""
         work_from = "--max-work" if settings.max_work is not None else f"the default on {omni.device}"
         logger.info(
             "request caps: sides up to %d pixels%s, work up to %s (%s)", self.limits.max_side_pixels,
@@ -223,16 +232,18 @@ class GenerationService:
 
     # reports ---------------------------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
-        omni = self.omni
+        rebuilding = self.runner.rebuilding
+        status = "draining" if self.queue.closed else "rebuilding" if rebuilding else "ok"
         return {
-            "status": "draining" if self.queue.closed else "ok",
+            "status": status,
+            "status_reason": rebuilding if status == "rebuilding" else None,
             "model": self.limits.model,
-            "model_source": omni.source.to_dict(),  # a Hub id's revision and commit, or the folder
+            "model_source": self.facts["model_source"],
             "kind": self.limits.kind,
-            "device": str(omni.device),
-            "dtype": str(omni.dtype).removeprefix("torch.") if omni.dtype is not None else None,
-            "component_dtypes": omni.component_dtypes(),
-            "offload_config": omni.config.to_dict(),
+            "device": self.facts["device"],
+            "dtype": self.facts["dtype"],
+            "component_dtypes": self.facts["component_dtypes"],
+            "offload_config": self.facts["offload_config"],
             "queue_depth": self.queue.depth,
             "max_queue": self.queue.max_waiting,
             "running": self.queue.running,
@@ -274,7 +285,7 @@ class GenerationService:
             num_started=queue.num_started,
             num_running=queue.num_running,
         )
-        labels = {"model": self.limits.model, "kind": self.limits.kind, "device": str(self.omni.device)}
+        labels = {"model": self.limits.model, "kind": self.limits.kind, "device": self.facts["device"]}
         text = self.metrics.render(queue=state, offload=self.runner.offload_stats, labels=labels)
         families = self.runner.metric_families()
         return text + render_families(families) if families else text

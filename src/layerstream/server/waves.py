@@ -221,7 +221,11 @@ class RankRunner(RunnerBase):
             return
         self._needs_rebuild = False
         logger.warning("a wave failed: rebuilding the runtime on every rank")
-        self._exchange(WaveMessage(WaveKind.RECOVER), self.runtime.rebuild)
+        self.rebuilding = "the last wave failed: every rank is rebuilding its runtime; requests wait in the queue"
+        try:
+            self._exchange(WaveMessage(WaveKind.RECOVER), self.runtime.rebuild)
+        finally:
+            self.rebuilding = None
         if self.runtime.omni is not None:
             self.offload_stats = self.runtime.omni.stats()
 

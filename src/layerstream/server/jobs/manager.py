@@ -114,7 +114,7 @@ class JobManager:
         metadata = {
             **shown_settings(record.request, record.settings),
             "model": record.model,
-            "offload_config": self.service.omni.config.to_dict(),
+            "offload_config": self.service.facts["offload_config"],
             "job_id": record.id,
         }
         served = replace(served, encoding=OutputEncoding(record.settings.output_format, metadata=metadata))
@@ -336,7 +336,7 @@ class JobManager:
     # views -----------------------------------------------------------------------------------------------------
     def _new_record(self, body: VideoJobRequest | ImageJobRequest, served: ServedRequest) -> JobRecord:
         """The queued job: the request `served` runs (its input image not kept) and what only a job has."""
-        request, source = served.request, self.service.omni.source
+        request, source = served.request, self.service.source
         settings = JobSettings(
             output_format="mp4" if self.kind == "video" else "png",
             preview=body.preview,
