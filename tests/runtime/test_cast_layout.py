@@ -7,7 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layerstream.bench.synthetic import ModelShape, build_synthetic_dit
+from benchmark_modules import benchmark_module
+
+benchmark_module("strategy_bench")  # benchmarks/ on sys.path, as the scripts have it
+
+from strategy_bench.synthetic import ModelShape, build_synthetic_dit  # noqa: E402
 from layerstream.runtime.packing.layout import BlockLayout
 from layerstream.runtime.packing.stored_form import SlotUnpack
 from layerstream.runtime.stores.cast_store import CastForms, CastLayout
