@@ -48,7 +48,7 @@ browser:
 	echo "warning: could not install chromium and chromium-driver (needs root and apt); the web page's browser tests will skip" >&2
 
 bench: venv
-	$(VENV)/bin/layerstream bench --smoke
+	$(VENV)/bin/python benchmarks/strategies.py --smoke
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

@@ -3,7 +3,7 @@
     python benchmarks/distributed.py --nproc 2 --smoke --device cpu     # seconds: the tiny stack, 2 ranks
     python benchmarks/distributed.py --nproc 2 --model small --link-ratio 2 --repeats 10
 
-The synthetic stack and its flags are `layerstream bench`'s (`add_stack_arguments`). `--nproc N` starts N ranks
+The synthetic stack and its flags are benchmarks/strategies.py's (`add_stack_arguments`). `--nproc N` starts N ranks
 with torchrun, each running this script without `--nproc`; each runs `run_distributed_bench`:
 1. join the group (`init_distributed`: gloo on the CPU, NCCL plus gloo on CUDA) and build the synthetic model
    from the same seed, so that every rank holds identical weights, as data-parallel ranks loading the same
@@ -34,14 +34,14 @@ from typing import Any
 
 import torch
 
-from layerstream.bench.config import BenchConfig, BenchConfigError
-# the harness's own sizing, set-up and timed turn: these figures are measured as `layerstream bench` measures
-from layerstream.bench.harness import StrategyRow, as_timed, bench_device, copy_for, prepare_row, timed_turn
-from layerstream.bench.measure import DeviceMemory, measure_block_compute, measure_link_gbps
-from layerstream.bench.report import MIB, run_header
-from layerstream.bench.results import BenchResult, RunInfo
-from layerstream.bench.run_setup import BenchRun, Log
-from layerstream.bench.strategies import StrategyContext, StrategySpec
+from strategy_bench.config import BenchConfig, BenchConfigError
+# the harness's own sizing, set-up and timed turn: these figures are measured as benchmarks/strategies.py measures
+from strategy_bench.harness import StrategyRow, as_timed, bench_device, copy_for, prepare_row, timed_turn
+from strategy_bench.measure import DeviceMemory, measure_block_compute, measure_link_gbps
+from strategy_bench.report import MIB, run_header
+from strategy_bench.results import BenchResult, RunInfo
+from strategy_bench.run_setup import BenchRun, Log
+from strategy_bench.strategies import StrategyContext, StrategySpec
 from layerstream.timing.block_timer import synchronize
 
 SCHEMA = "layerstream.bench.distributed/1"
@@ -346,7 +346,7 @@ def _num(value: float | None) -> str:
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, BenchConfig]:
     """The command line and the `BenchConfig` it describes, checked before any rank starts."""
-    from layerstream.cli.bench_cmd import add_stack_arguments, build_config
+    from strategy_bench.command_line import add_stack_arguments, build_config
     from layerstream.cli.common import CliError
 
     parser = argparse.ArgumentParser(prog="distributed.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)

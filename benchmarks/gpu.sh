@@ -35,7 +35,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 "$PY" -c "import torch; print('torch', torch.__version__, '| cuda', torch.version.cuda, '| python', __import__('sys').version.split()[0])"
 if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "error: torch sees no CUDA device; this script benchmarks a GPU (on a CPU use: PYTHONPATH=src $PY -m layerstream bench --smoke)" >&2
+    echo "error: torch sees no CUDA device; this script benchmarks a GPU (on a CPU use: PYTHONPATH=src $PY benchmarks/strategies.py --smoke)" >&2
     exit 2
 fi
 
@@ -64,9 +64,9 @@ bench() {  # bench NAME TIMEOUT_S ARGS...: one model, every strategy, into $OUT/
     local name=$1 limit=$2
     shift 2
     echo
-    echo "== $name: layerstream bench $*"
+    echo "== $name: benchmarks/strategies.py $*"
     local start=$SECONDS
-    if ! timeout --kill-after=10 "${BENCH_TIMEOUT_S:-$limit}" "$PY" -m layerstream bench --device cuda --out "$OUT/$name" "$@"; then
+    if ! timeout --kill-after=10 "${BENCH_TIMEOUT_S:-$limit}" "$PY" "$ROOT/benchmarks/strategies.py" --device cuda --out "$OUT/$name" "$@"; then
         echo "error: the $name benchmark failed or timed out" >&2
         failed+=("$name")
     fi

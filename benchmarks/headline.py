@@ -35,7 +35,6 @@ from typing import Any
 import torch
 
 from layerstream import enable_offload
-from layerstream.bench.measure import measure_block_compute, measure_link_gbps
 from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB
 from layerstream.host.reserve import DECODED_BYTES_PER_VALUE, ENCODING_BYTES_PER_VALUE, FLOOR_NBYTES, TEXT_TOKENS
 from layerstream.models.generation_size import pipeline_generation
@@ -46,6 +45,7 @@ from layerstream.timing.ideal import ideal_forward_seconds_with_disk, transfer_s
 # the scenario is the module beside this script, found also when a test loads the script from its file
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+from strategy_bench.measure import measure_block_compute, measure_link_gbps  # noqa: E402
 from wan22_scenario import (
     DTYPE, FULL, GB, PUBLISHED_BLOCK_SECONDS, SMOKE, Inputs, Scale, Scenario, WanPipeline, block_bytes, build_pipeline,
     calibrate_tokens, make_inputs, real_streamed_bytes, streamed_blocks,

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from layerstream import OffloadPlan, enable_offload
-from layerstream.bench.synthetic import MODEL_SHAPES, build_synthetic_dit
+from strategy_bench.synthetic import MODEL_SHAPES, build_synthetic_dit
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -30,7 +30,7 @@ from diffusers import UniPCMultistepScheduler
 from torch import nn
 from transformers import UMT5Config, UMT5EncoderModel
 
-from layerstream.bench.synthetic import MODEL_SHAPES, ModelShape, SyntheticDiT, WanLikeBlock, build_synthetic_dit
+from strategy_bench.synthetic import MODEL_SHAPES, ModelShape, SyntheticDiT, WanLikeBlock, build_synthetic_dit
 
 GB = 1e9
 DTYPE = torch.bfloat16

@@ -46,7 +46,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
         "layerstream": "config errors plan",  # the public surface (the rest is imported on first use)
         "omni": "atomic_write config distributed errors models offload outputs pipeline_runner request runtime",
         "server": "layerstream atomic_write config distributed errors models omni outputs request runtime",
-        "bench": "layerstream config distributed errors models offload plan runtime timing",
+        "bench": "layerstream",
         "cli": "layerstream atomic_write bench config distributed errors machine models offload omni plan request runtime server",
         "__main__": "cli",
     }.items()

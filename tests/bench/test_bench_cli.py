@@ -1,5 +1,5 @@
-"""`layerstream bench` end to end: JSON on stdout, a row per strategy, trace files. The smoke run and one
-user error run as subprocesses (the exit status, stderr without a traceback); the rest through `main`.
+"""benchmarks/strategies.py end to end: JSON on stdout, a row per strategy, trace files. The smoke run and one
+user error run as subprocesses (the exit status, stderr without a traceback); the rest through its `main`.
 
 No timing is asserted: the figures depend on the machine. What is checked is the shape of the output and the
 facts that do not depend on speed (bytes streamed, copies per block, outputs equal to resident).
@@ -11,9 +11,13 @@ import json
 import subprocess
 import sys
 
+from dataclasses import dataclass
+
 import pytest
 
-from layerstream.bench.strategies import DEFAULT_STRATEGIES
+from benchmark_modules import BENCHMARKS, benchmark_module
+
+DEFAULT_STRATEGIES = benchmark_module("strategy_bench.strategies").DEFAULT_STRATEGIES
 
 ROW_FIELDS = (
     "strategy",
@@ -35,8 +39,36 @@ ROW_FIELDS = (
 
 def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "layerstream", "bench", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(BENCHMARKS / "strategies.py"), *args], capture_output=True, text=True, timeout=timeout
     )
+
+
+@dataclass(frozen=True)
+class ScriptResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def error_lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.startswith("strategies.py: error:")]
+
+
+@pytest.fixture
+def strategies_cli(capsys):
+    """The script's `main` in this process: exit code, stdout and stderr, as a subprocess would give them."""
+    script = benchmark_module("strategies")
+
+    def run(*argv: str) -> ScriptResult:
+        capsys.readouterr()
+        try:
+            code = script.main(list(argv))
+        except SystemExit as e:  # argparse's --help and usage errors
+            code = e.code if isinstance(e.code, int) else 0
+        out = capsys.readouterr()
+        return ScriptResult(code, out.out, out.err)
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +110,8 @@ def test_smoke_json_layerwise_rows_stream_and_match_resident(smoke_json):
     assert rows["layerwise"]["device_peak_bytes"] < rows["resident"]["device_peak_bytes"]
 
 
-def test_trace_writes_chrome_json_and_png(tmp_path, layerstream_cli):
-    done = layerstream_cli("bench", "--smoke", "--device", "cpu", "--strategies", "resident,layerwise", "--repeats", "1",
+def test_trace_writes_chrome_json_and_png(tmp_path, strategies_cli):
+    done = strategies_cli("--smoke", "--device", "cpu", "--strategies", "resident,layerwise", "--repeats", "1",
                   "--trace", str(tmp_path))
     assert done.returncode == 0, done.stderr
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
@@ -98,20 +130,20 @@ def test_trace_writes_chrome_json_and_png(tmp_path, layerstream_cli):
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
 
 
-def test_help_and_user_errors(layerstream_cli):
-    done = layerstream_cli("bench", "--help")
+def test_help_and_user_errors(strategies_cli):
+    done = strategies_cli("--help")
     assert done.returncode == 0 and "--link-ratio" in done.stdout
     done = _bench("--smoke", "--device", "cpu", "--strategies", "resident,bogus", timeout=60)  # a real process
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines()[-1].startswith("layerstream: error: --strategies: unknown strategy 'bogus'")
-    done = layerstream_cli("bench", "--smoke", "--device", "cpu", "--link-gbps", "1", "--link-ratio", "1")
+    assert done.stderr.strip().splitlines()[-1].startswith("strategies.py: error: --strategies: unknown strategy 'bogus'")
+    done = strategies_cli("--smoke", "--device", "cpu", "--link-gbps", "1", "--link-ratio", "1")
     assert done.returncode == 2 and len(done.error_lines) == 1
 
 
-def test_disk_tier_rows_read_their_disk_blocks_every_forward_and_match_resident(layerstream_cli):
+def test_disk_tier_rows_read_their_disk_blocks_every_forward_and_match_resident(strategies_cli):
     """--host-budget-gb puts the layerwise rows' blocks beyond it in spill files; --disk-gbps simulates the disk.
     Rows report disk bytes per forward, the disk stall and the disk floor, and stay bit-identical to resident."""
-    done = layerstream_cli("bench", "--smoke", "--json", "--device", "cpu", "--strategies", "resident,layerwise,naive", "--repeats", "2",
+    done = strategies_cli("--smoke", "--json", "--device", "cpu", "--strategies", "resident,layerwise,naive", "--repeats", "2",
                   "--host-budget-gb", "0.0006", "--disk-gbps", "0.5")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
@@ -140,12 +172,12 @@ def test_disk_tier_rows_read_their_disk_blocks_every_forward_and_match_resident(
     ],
 )
 def test_disk_tier_flags_are_checked_before_anything_runs(args, message, capsys):
-    from layerstream.cli.main import main
+    main = benchmark_module("strategies").main
 
-    assert main(["bench", "--smoke", "--device", "cpu", *args]) == 2
+    assert main(["--smoke", "--device", "cpu", *args]) == 2
     assert message in capsys.readouterr().err
 
 
-def test_disk_tier_flags_that_the_strategies_cannot_take_exit_2_naming_them(layerstream_cli):
-    done = layerstream_cli("bench", "--smoke", "--device", "cpu", "--host-budget-gb", "1", "--strategies", "resident,naive")
+def test_disk_tier_flags_that_the_strategies_cannot_take_exit_2_naming_them(strategies_cli):
+    done = strategies_cli("--smoke", "--device", "cpu", "--host-budget-gb", "1", "--strategies", "resident,naive")
     assert done.returncode == 2 and "applies to layerwise rows, and --strategies names none" in done.stderr

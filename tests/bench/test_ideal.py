@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from layerstream.bench.harness import default_auto_budget_gb
+from benchmark_modules import benchmark_module
+
+benchmark_module("strategy_bench")  # benchmarks/ on sys.path, as the scripts have it
+
+from strategy_bench.harness import default_auto_budget_gb  # noqa: E402
 from layerstream.timing import ideal
 
 # a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)

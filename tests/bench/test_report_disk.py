@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from layerstream.bench.report import DISK_COLUMNS, format_report
-from layerstream.bench.results import BenchResult, RunInfo, StrategyResult
+from benchmark_modules import benchmark_module
+
+benchmark_module("strategy_bench")  # benchmarks/ on sys.path, as the scripts have it
+
+from strategy_bench.report import DISK_COLUMNS, format_report  # noqa: E402
+from strategy_bench.results import BenchResult, RunInfo, StrategyResult  # noqa: E402
 
 # a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
 pytestmark = pytest.mark.fast

@@ -7,9 +7,13 @@ import copy
 import pytest
 import torch
 
-from layerstream.bench.naive import NaiveBlockLoader
-from layerstream.bench.strategies import StrategyError, StrategySpec, parse_strategies
-from layerstream.bench.synthetic import MODEL_SHAPES, block_param_count, build_synthetic_dit, make_inputs
+from benchmark_modules import benchmark_module
+
+benchmark_module("strategy_bench")  # benchmarks/ on sys.path, as the scripts have it
+
+from strategy_bench.naive import NaiveBlockLoader  # noqa: E402
+from strategy_bench.strategies import StrategyError, StrategySpec, parse_strategies  # noqa: E402
+from strategy_bench.synthetic import MODEL_SHAPES, block_param_count, build_synthetic_dit, make_inputs  # noqa: E402
 from layerstream.plan.resolver import resolve_offload_plan
 
 
@@ -78,7 +82,7 @@ def test_naive_loader_matches_resident_and_counts_every_block(name):
 def test_diffusers_group_is_skipped_with_a_note_when_diffusers_is_missing(monkeypatch):
     import importlib.util
 
-    from layerstream.bench import harness
+    from strategy_bench import harness
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "diffusers" else real_find_spec(name, *a))
@@ -89,7 +93,7 @@ def test_diffusers_group_is_skipped_with_a_note_when_diffusers_is_missing(monkey
 
 
 def test_fp8_rows_parse_into_float8_storage():
-    from layerstream.bench.strategies import StrategyContext, layer_config, parse_strategies
+    from strategy_bench.strategies import StrategyContext, layer_config, parse_strategies
 
     specs = {s.name: s for s in parse_strategies("layerwise-fp8,layerwise-resident-1-depth-2-fp8,diffusers-group-fp8", num_blocks=8)}
     assert specs["layerwise-fp8"].kind == "layerwise" and specs["layerwise-fp8"].storage_dtype == "float8_e4m3fn"
@@ -104,7 +108,7 @@ def test_fp8_rows_parse_into_float8_storage():
 def test_compiled_rows_compile_every_block_and_stream_like_the_compiled_resident_model():
     """`resident-compiled` and `layerwise...-compiled` compile each block in place (regional compilation);
     the compiled layerwise model gives the compiled resident model's output, bit for bit."""
-    from layerstream.bench.strategies import StrategyContext, prepare_strategy
+    from strategy_bench.strategies import StrategyContext, prepare_strategy
 
     specs = {s.name: s for s in parse_strategies("resident-compiled,layerwise-fp8-compiled,layerwise-compiled", num_blocks=4)}
     assert specs["resident-compiled"] == StrategySpec("resident-compiled", "resident", compiled=True)

@@ -7,7 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layerstream.bench.synthetic import ModelShape, build_synthetic_dit
+from benchmark_modules import benchmark_module
+
+benchmark_module("strategy_bench")  # benchmarks/ on sys.path, as the scripts have it
+
+from strategy_bench.synthetic import ModelShape, build_synthetic_dit  # noqa: E402
 from layerstream.runtime.packing.layout import BlockLayout
 from layerstream.runtime.forms.float8 import Float8Form, float8_forms
 from layerstream.runtime.forms.slot import SlotUnpack

@@ -1,13 +1,8 @@
-"""`layerstream bench`: offload strategies timed against resident on synthetic DiT block stacks.
+"""`layerstream bench`: measurements a user runs on their own machine and model.
 
-- `synthetic`: the block stacks (real transformer blocks with Wan and Flux shapes, in plain torch);
-- `strategies`: the strategies compared and how each is set up; `naive`: the load-then-compute baseline;
-- `config`: `BenchConfig`; `harness`: `run_bench`, the round-robin measurement;
-- `measure`: per-block compute over forwards, memory readings, link bandwidth (the block timer and the ideal
-  forward are `layerstream.timing`'s, which the planner shares); `results` and `report`: the output as data and
-  as tables;
-- `capture`: one forward's trace (exported by `layerstream.runtime.reporting.trace_export` as Chrome JSON and a PNG timeline).
-- `quality` (`--quality`): how far float8 storage moves a pipeline's output, on the user's model.
+- `quality`: how far float8 storage moves a pipeline's output (PSNR and largest latent difference against full
+  precision).
 
+The synthetic strategy comparison measures layerstream itself and lives in benchmarks/strategies.py.
 Nothing here is imported by the runtime, and nothing runs at import time.
 """

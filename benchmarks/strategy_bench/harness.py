@@ -26,17 +26,17 @@ from pathlib import Path
 
 import torch
 
-from layerstream.bench.config import BenchConfig, BenchConfigError
-from layerstream.bench.measure import (
+from strategy_bench.config import BenchConfig, BenchConfigError
+from strategy_bench.measure import (
     BlockTimings,
     DeviceMemory,
     PeakRssSampler,
     measure_block_compute,
     measure_link_gbps,
 )
-from layerstream.bench.results import BenchResult, RunInfo, StrategyResult
-from layerstream.bench.run_setup import BenchRun, Log
-from layerstream.bench.strategies import (
+from strategy_bench.results import BenchResult, RunInfo, StrategyResult
+from strategy_bench.run_setup import BenchRun, Log
+from strategy_bench.strategies import (
     PreparedStrategy,
     StrategyContext,
     StrategySpec,
@@ -45,7 +45,7 @@ from layerstream.bench.strategies import (
     parse_strategies,
     prepare_strategy,
 )
-from layerstream.bench.synthetic import activation_bytes_estimate
+from strategy_bench.synthetic import activation_bytes_estimate
 from layerstream.timing import ideal
 from layerstream.timing.block_timer import synchronize
 
@@ -236,7 +236,7 @@ def timed_turn(prepared: PreparedStrategy, forward, device: torch.device, memory
 
 
 def parse_strategies_or_raise(text: str, num_blocks: int) -> tuple[StrategySpec, ...]:
-    from layerstream.bench.strategies import StrategyError
+    from strategy_bench.strategies import StrategyError
 
     try:
         return parse_strategies(text, num_blocks=num_blocks)
@@ -323,7 +323,7 @@ def _write_trace(
     if row is None:
         notes.append("--trace: no layerwise strategy selected, so no trace was written")
         return [], None
-    from layerstream.bench.capture import capture_forward_trace
+    from strategy_bench.capture import capture_forward_trace
     from layerstream.runtime.reporting.trace_export import summarize_trace, write_chrome_trace, write_timeline_png
 
     prepared = row.prepared

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from layerstream.bench.results import BenchResult, StrategyResult
+from strategy_bench.results import BenchResult, StrategyResult
 
 MIB = 2**20
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from layerstream.bench.strategies import DEFAULT_STRATEGIES
-from layerstream.bench.synthetic import MODEL_SHAPES
+from strategy_bench.strategies import DEFAULT_STRATEGIES
+from strategy_bench.synthetic import MODEL_SHAPES
 from layerstream.errors import LayerstreamError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from layerstream.bench.config import DTYPES, HOST_MEMORY_HEADROOM, BenchConfig, BenchConfigError
-from layerstream.bench.measure import available_host_bytes, rss_bytes
-from layerstream.bench.results import RunInfo
-from layerstream.bench.synthetic import MODEL_SHAPES, ModelShape, build_synthetic_dit, default_sizes, make_inputs, model_bytes
+from strategy_bench.config import DTYPES, HOST_MEMORY_HEADROOM, BenchConfig, BenchConfigError
+from strategy_bench.measure import available_host_bytes, rss_bytes
+from strategy_bench.results import RunInfo
+from strategy_bench.synthetic import MODEL_SHAPES, ModelShape, build_synthetic_dit, default_sizes, make_inputs, model_bytes
 from layerstream.timing import ideal
 
 Log = Callable[[str], None]

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerstream.bench.measure import DeviceMemory, tensor_bytes
-from layerstream.bench.naive import NaiveBlockLoader
+from strategy_bench.measure import DeviceMemory, tensor_bytes
+from strategy_bench.naive import NaiveBlockLoader
 from layerstream.errors import LayerstreamError
 from layerstream.timing.block_timer import synchronize
 
