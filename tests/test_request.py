@@ -85,7 +85,7 @@ def test_outputs_and_batch_shape():
 class _CapturingOmni:
     """Stands in for `Omni` as `self`: `generate` builds the request and hands it to `run`, which keeps it."""
 
-    def run(self, request, *, on_step=None):
+    def run(self, request, *, on_step=None, keep_raw=False):
         self.request = request
         return request
 
@@ -174,5 +174,5 @@ def test_every_edge_takes_the_request_tables_bounds():
 
     fields = {f.name for f in dataclasses.fields(GenerationRequest)}
     assert set(_REQUEST_FLAGS) == fields - {"image", "n", "timeout"}  # a flag per field (--image reads a file)
-    given = set(inspect.signature(Omni.generate).parameters) - {"self", "on_step", "options"}
+    given = set(inspect.signature(Omni.generate).parameters) - {"self", "on_step", "keep_raw", "options"}
     assert given <= {f.name for f in dataclasses.fields(GenerationRequest)}  # each keyword is a request field, checked by it
