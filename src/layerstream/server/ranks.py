@@ -236,6 +236,12 @@ class WaveStop:
             reason = self._target[1]
             raise GenerationStopped(reason, f"generation stopped ({reason}) {where}")
 
+    def forget(self) -> None:
+        """Rank 0, once every rank has reported the wave: its stop point, if it set one, leaves the store (no rank
+        reads it any more)."""
+        if self._decide is not None and self._target is not None:
+            self._store.delete_key(self._key)
+
 
 class RankRuntime:
     """This rank's `Omni`, loaded on an offload group of the ranks, and the work of a wave run on it."""

@@ -167,6 +167,7 @@ class RankRunner(RunnerBase):
             self.channel.broadcast(message)
             stop = WaveStop(self.runtime.setup.store, self._wave_id, decide=lambda: _stop_reason(jobs))
             outcomes = self.channel.gather(self.runtime.run(message, stop, _WaveObserver.of(jobs, groups[0])))
+            stop.forget()  # every rank has reported: nothing reads the wave's stop point any more
         except RankGroupError as e:
             self._lose_group(e)
             return [self._unavailable()] * len(jobs)
