@@ -295,6 +295,7 @@ class JobManager:
         if not saved:
             self.store.remove_output(name)  # deleted while its file was written
             return
+        self.storage_problem = None  # its file and its row were written
         logger.info("job %s completed (%d bytes)", record.id, size)
         self._enforce_retention()
 
