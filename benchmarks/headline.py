@@ -36,7 +36,8 @@ import torch
 
 from layerstream import enable_offload
 from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB
-from layerstream.host.reserve import DECODED_BYTES_PER_VALUE, ENCODING_BYTES_PER_VALUE, FLOOR_NBYTES, TEXT_TOKENS
+from layerstream.host.reserve import DECODED_BYTES_PER_VALUE, ENCODING_BYTES_PER_VALUE, FLOOR_NBYTES
+from layerstream.models.generation_estimates import TEXT_TOKENS
 from layerstream.models.generation_size import pipeline_generation
 from layerstream.machine.planner import CUDA_CONTEXT_GB, DEVICE_DECODE_GBPS, PROCESS_BASELINE_GB, Machine, MachinePlan, plan_for_machine
 from layerstream.timing.block_timer import synchronize
@@ -136,9 +137,9 @@ def machine_plan(
     pipe: WanPipeline, ctx: dict[str, Any], disk_gbps: float, lossy: bool, lossless: bool | None = None, *, drift: float = 1.0, host_copy: bool = True,
 ) -> MachinePlan:  # fmt: skip
     """The planner's recommendation for the target machine (`layerstream plan --device-memory 24 --host-memory 32`),
-    asked at the run's scale: memory figures divided by the memory scale (the planner's default 4 GB activation
-    reserve kept whole; at real widths and 75,600 tokens its estimate, about 5.7 GB, is larger and is the one
-    used), the link and the disk as they are, the run's tokens and steps, compute per block as measured on the
+    asked at the run's scale: memory figures divided by the memory scale (an activation reserve of 4 GB given and
+    kept whole, as the rows were measured: the planner's own estimate, the largest phase's transient, is that of
+    the scaled blocks and tokens, not the real ones), the link and the disk as they are, the run's tokens and steps, compute per block as measured on the
     resident pipeline times `drift` (how much slower the resident twin ran beside a row: the shared machine's
     drift), and on the CPU the compute time this CPU loses per GB the copy and read threads move and per float8
     GB they cast or decode, the decode's own rate, and whether the copy thread and the reads share the one core
@@ -150,7 +151,7 @@ def machine_plan(
     machine = Machine(
         device_memory_gb=DEFAULT_ACTIVATION_RESERVE_GB + (s.device_gb - DEFAULT_ACTIVATION_RESERVE_GB) / m,
         host_memory_gb=s.host_gb / m, baseline_gb=(PROCESS_BASELINE_GB + CUDA_CONTEXT_GB) / m,
-        host_reserve_gb=real_host_reserve_gb() / m, link_gbps=ctx["link_gbps"], disk_gbps=disk_gbps, allow_lossy=lossy,
+        host_reserve_gb=real_host_reserve_gb() / m, activation_reserve_gb=DEFAULT_ACTIVATION_RESERVE_GB, link_gbps=ctx["link_gbps"], disk_gbps=disk_gbps, allow_lossy=lossy,
         host_copy_s_per_gb=costs.get("copy_s_per_gb", 0.0), host_cast_s_per_gb=costs.get("cast_s_per_gb", 0.0),
         host_decode_s_per_gb=costs.get("decode_s_per_gb", 0.0), decode_gbps=costs.get("decode_gbps", DEVICE_DECODE_GBPS),
         copy_and_read_share_a_core=bool(costs) and torch.get_num_threads() + 1 >= (os.cpu_count() or 1),

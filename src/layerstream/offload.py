@@ -25,7 +25,9 @@ from layerstream.errors import LayerstreamError, OffloadError
 from layerstream.host.memory import read_host_memory
 from layerstream.host.reserve import host_reserve_for
 from layerstream.plan.host_budget import HostBudgetChoice, choose_host_budget, host_needs
-from layerstream.plan.placement import Placement, needs_device_budget, place_blocks, read_device_budget
+from layerstream.models.generation_estimates import DEVICE_ALLOWANCE_GB, activation_reserve_nbytes, phase_transients
+from layerstream.plan.phase_blocks import phase_blocks
+from layerstream.plan.placement import ActivationReserve, Placement, needs_device_budget, place_blocks, read_device_budget
 from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan, lookup
 from layerstream.runtime.engines.copy_engine import make_copy_engine
 from layerstream.runtime.modes.handle import OffloadHandle
@@ -42,6 +44,7 @@ from layerstream.runtime.torch_contract.guards import guard_module_, guard_pipel
 from layerstream.runtime.torch_contract.safety import check_no_foreign_offload, check_no_shared_block_tensors, check_packable_block_tensors
 from layerstream.runtime.packing.tensors import named_tensors
 from layerstream.runtime.modes.undo import UndoStack
+from layerstream.wording import GB
 
 if TYPE_CHECKING:
     from layerstream.models.generation_size import GenerationSize
@@ -118,7 +121,8 @@ def enable_offload(
     plan, host_budget = resolve_host_budget(pipeline, plan, device, process_group, generation)  # "auto": a number, or no disk tier
     context = StoreContext(plan, device, components, process_group, _spill_root(config), simulated_disk_gbps)
     stores = _stores(plan, context, store_factory)
-    layouts, placement, block_modules = _plan_layer_mode(pipeline, plan, components, stores, device, host_budget)
+    reserve = estimated_activation_reserve(pipeline, generation) if _estimates_reserve(plan, device) else None
+    layouts, placement, block_modules = _plan_layer_mode(pipeline, plan, components, stores, device, host_budget, reserve)
     try:
         backend = apply_layer_mode(
             plan=plan,
@@ -166,12 +170,15 @@ def _stores(plan: ResolvedOffloadPlan, context: StoreContext, store_factory: Sto
     return ComponentStores({comp.path: store_factory(comp.path) for comp in plan.streamed})
 
 
-def _plan_layer_mode(pipeline, plan: ResolvedOffloadPlan, components, stores: ComponentStores, device: torch.device, host_budget=None):
+def _plan_layer_mode(
+    pipeline, plan: ResolvedOffloadPlan, components, stores: ComponentStores, device: torch.device, host_budget=None,
+    reserve: ActivationReserve | None = None,
+):  # fmt: skip
     """Lay out every block once, place it, tell the stores, and check everything before anything changes:
     (layouts, placement, the streamed block modules). A failure here tells the stores' peers."""
     try:
         layouts = block_layouts(pipeline, plan, device)
-        placement = dataclasses.replace(place_for(plan, layouts, stores, device), host_budget=host_budget)
+        placement = dataclasses.replace(place_for(plan, layouts, stores, device, reserve), host_budget=host_budget)
         stores.place_(placement)
         block_modules = {p: lookup(pipeline, p) for p in placement.streamed_block_paths}
         check_no_shared_block_tensors(plan.pipeline_class, components, block_modules)
@@ -195,11 +202,38 @@ def block_layouts(
     return {p: BlockLayout(p, block, device, allow_meta=allow_meta) for p, block in blocks.items()}
 
 
-def place_for(plan: ResolvedOffloadPlan, layouts: Mapping[str, BlockLayout], stores: ComponentStores, device: torch.device) -> Placement:
-    """The placement of `plan` on `device`, pricing each block in its store's slot and host bytes."""
+def place_for(
+    plan: ResolvedOffloadPlan, layouts: Mapping[str, BlockLayout], stores: ComponentStores, device: torch.device,
+    reserve: ActivationReserve | None = None,
+) -> Placement:  # fmt: skip
+    """The placement of `plan` on `device`, pricing each block in its store's slot and host bytes; residency
+    "auto" without a budget or reserve given leaves `reserve` free (the generation's estimate)."""
     slot_nbytes, host_nbytes = stores.slot_and_host_nbytes(plan, layouts)
-    budget = read_device_budget(plan, device, free_device_bytes(device)) if needs_device_budget(plan) else None
+    budget = read_device_budget(plan, device, free_device_bytes(device), reserve) if needs_device_budget(plan) else None
     return place_blocks(plan, slot_nbytes, budget, host_nbytes)
+
+
+def estimated_activation_reserve(pipeline: Any, generation: GenerationSize | None) -> ActivationReserve:
+    """What residency "auto" leaves free on the device when the config gives neither a budget nor a reserve: the
+    largest phase's transient for `generation` (None: the model's defaults) and the allowance, as the planner
+    recommends it (`machine.phases`)."""
+    from layerstream.models.generation_size import pipeline_generation
+
+    generation = generation if generation is not None else pipeline_generation(pipeline)
+    transients = phase_transients(pipeline, generation, phase_blocks(pipeline))
+    largest = max(transients, key=lambda t: t.nbytes)
+    nbytes = activation_reserve_nbytes(transients, round(DEVICE_ALLOWANCE_GB * GB))
+    return ActivationReserve(
+        nbytes, f"estimated for {generation.describe()}: {largest.phase}, {largest.what}, and an allowance of {DEVICE_ALLOWANCE_GB:g} GB"
+    )
+
+
+def _estimates_reserve(plan: ResolvedOffloadPlan, device: torch.device) -> bool:
+    """Whether placing `plan` on `device` reads free device memory less an estimated reserve (residency "auto"
+    with neither `device_budget_gb` nor `activation_reserve_gb`, on a device whose memory can be read)."""
+    options = plan.config.options_for("dit")
+    given = options.device_budget_gb is not None or options.activation_reserve_gb is not None
+    return needs_device_budget(plan) and not given and device.type == "cuda"
 
 
 def plan_placement(

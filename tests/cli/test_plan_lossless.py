@@ -22,7 +22,7 @@ def tiny_wan_bf16():
 
 
 def test_a_link_bound_bfloat16_model_is_recommended_lossless_without_allow_lossy(tiny_wan_bf16):
-    machine = Machine(device_memory_gb=4.0003, host_memory_gb=4, device_tflops=1e3, link_gbps=1e-3)
+    machine = Machine(device_memory_gb=4.0003, activation_reserve_gb=4.0, host_memory_gb=4, device_tflops=1e3, link_gbps=1e-3)
     result = plan_for_machine(tiny_wan_bf16, machine, generation=pipeline_generation(tiny_wan_bf16, **SIZE))
     assert result.config["layer_options"]["dit"]["storage_dtype"] == "lossless"
     assert any("lossless" in note for note in result.notes)
@@ -32,7 +32,7 @@ def test_a_link_bound_bfloat16_model_is_recommended_lossless_without_allow_lossy
 
 
 def test_a_compute_bound_model_keeps_its_bytes(tiny_wan_bf16):
-    machine = Machine(device_memory_gb=4.0003, host_memory_gb=4, device_tflops=1e-6, link_gbps=100)
+    machine = Machine(device_memory_gb=4.0003, activation_reserve_gb=4.0, host_memory_gb=4, device_tflops=1e-6, link_gbps=100)
     result = plan_for_machine(tiny_wan_bf16, machine, generation=pipeline_generation(tiny_wan_bf16, **SIZE))
     assert result.bound == "compute"
     assert "storage_dtype" not in result.config["layer_options"]["dit"]
@@ -42,7 +42,7 @@ def test_the_decode_rate_lengthens_the_link_stage_and_a_shared_core_the_compute(
     from layerstream.machine.planner import DEVICE_DECODE_GBPS, MachinePlanError, check_machine
     from layerstream.runtime.packing.lossless_code import ESTIMATED_CODED_FRACTION
 
-    machine = Machine(device_memory_gb=4.0003, host_memory_gb=4, device_tflops=1e3, link_gbps=1)
+    machine = Machine(device_memory_gb=4.0003, activation_reserve_gb=4.0, host_memory_gb=4, device_tflops=1e3, link_gbps=1)
     fast = plan_for_machine(tiny_wan_bf16, machine, generation=pipeline_generation(tiny_wan_bf16, **SIZE), lossless=True)
     assert machine.decode_gbps == DEVICE_DECODE_GBPS and fast.config["layer_options"]["dit"]["storage_dtype"] == "lossless"
     slow = plan_for_machine(tiny_wan_bf16, dataclasses.replace(machine, decode_gbps=0.01), generation=pipeline_generation(tiny_wan_bf16, **SIZE), lossless=True)
@@ -60,7 +60,7 @@ def test_the_decode_rate_lengthens_the_link_stage_and_a_shared_core_the_compute(
 def test_a_copy_thread_and_reads_on_one_core_add_up(tiny_wan_bf16):
     """With a disk tier: where the copy thread and the reads share a core their times per block add up (the
     transfer stage is the core's busy time); apart, they overlap as a DMA engine and a disk do."""
-    roomy = Machine(device_memory_gb=4.0003, host_memory_gb=4, device_tflops=1e3, link_gbps=1, disk_gbps=0.5, baseline_gb=0, host_reserve_gb=0)
+    roomy = Machine(device_memory_gb=4.0003, activation_reserve_gb=4.0, host_memory_gb=4, device_tflops=1e3, link_gbps=1, disk_gbps=0.5, baseline_gb=0, host_reserve_gb=0)
     choice = plan_for_machine(tiny_wan_bf16, roomy, generation=pipeline_generation(tiny_wan_bf16, **SIZE), lossless=False).host_budget
     # host memory for the staging ring and a quarter of the streamed blocks: the rest on disk
     machine = dataclasses.replace(roomy, host_memory_gb=(sum(choice.needs.values()) + choice.streamed_nbytes // 4) / 1e9)

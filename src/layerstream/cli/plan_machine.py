@@ -15,12 +15,12 @@ from layerstream.cli.common import CliError, non_negative_float, positive_float,
 _FLAG_OF = {
     "device_memory_gb": "--device-memory", "host_memory_gb": "--host-memory", "link_gbps": "--link-gbps",
     "disk_gbps": "--disk-gbps", "device_tflops": "--device-tflops", "baseline_gb": "--baseline-gb",
-    "host_reserve_gb": "--host-reserve-gb",
+    "host_reserve_gb": "--host-reserve-gb", "activation_reserve_gb": "--activation-reserve-gb",
 }  # fmt: skip
 """The planner's field names as the flags that set them."""
 _GENERATION_FLAGS = {"height": "--height", "width": "--width", "num_frames": "--num-frames", "num_inference_steps": "--steps"}
 """The generation planned for, by the flags that set it."""
-_MACHINE_FLAGS = ("link_gbps", "disk_gbps", "device_tflops", "baseline_gb", "host_reserve_gb", "allow_lossy", "measure")
+_MACHINE_FLAGS = ("link_gbps", "disk_gbps", "device_tflops", "baseline_gb", "host_reserve_gb", "activation_reserve_gb", "allow_lossy", "measure")
 
 
 def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +34,7 @@ def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device-tflops", type=positive_float, metavar="T", help="bfloat16 TFLOPS for the compute estimate (default 150)")
     group.add_argument("--baseline-gb", type=non_negative_float, metavar="GB", help="host memory before any model (default 1.41: imports 0.41 + a CUDA context 1.0)")
     group.add_argument("--host-reserve-gb", type=non_negative_float, metavar="GB", help="host memory kept free for a generation (default: estimated for the size planned)")
+    group.add_argument("--activation-reserve-gb", type=non_negative_float, metavar="GB", help="device memory left beside the weights and the slot ring (default: the largest phase's estimate for the size planned)")
     group.add_argument("--allow-lossy", action="store_true", help="float8 storage may be recommended (weights rounded once)")
     group.add_argument("--measure", action="store_true", help="time one step on this machine's device instead of the FLOPs estimate")
     group.add_argument("--height", type=positive_int, help="pixels, for the tokens per block (default: the model's)")
@@ -64,7 +65,7 @@ def run_machine_plan(args: argparse.Namespace, pipeline: Any) -> int:
     from layerstream.errors import LayerstreamError
     from layerstream.machine.planner import Machine, MachinePlanError, check_machine, measured_block_seconds, plan_for_machine
 
-    given = {k: getattr(args, k) for k in ("link_gbps", "disk_gbps", "device_tflops", "baseline_gb", "host_reserve_gb")}
+    given = {k: getattr(args, k) for k in ("link_gbps", "disk_gbps", "device_tflops", "baseline_gb", "host_reserve_gb", "activation_reserve_gb")}
     machine = Machine(
         device_memory_gb=args.device_memory, host_memory_gb=args.host_memory, allow_lossy=args.allow_lossy,
         **{k: v for k, v in given.items() if v is not None},
@@ -105,13 +106,17 @@ def machine_plan_lines(result) -> list[str]:
     from layerstream.wording import format_gb
 
     m, stages = result.machine, result.stage_seconds_per_step
+    device, host = result.device_phases, result.host_phases
     lines = [
         f"on a machine of {m.device_memory_gb:g} GB device, {m.host_memory_gb:g} GB host, link {m.link_gbps:g} GB/s, "
         f"disk {m.disk_gbps:g} GB/s: it runs",
-        f"  device: {format_gb(result.device_nbytes)} (resident parts and blocks, {result.placement.num_slots} slots of "
-        f"{format_gb(result.placement.slot_nbytes)}), {result.activation_reserve_gb:.3g} GB kept for activations",
-        f"  host:   {format_gb(result.host_nbytes)} of {m.host_memory_gb:g} GB (baseline {m.baseline_gb:g} GB, the host store, "
-        f"the staging ring with a disk tier, the reserve)",
+        f"  device: {format_gb(result.device_nbytes)} of {m.device_memory_gb:g} GB at its peak, in {device.peak.phase} "
+        f"({result.placement.num_slots} slots of {format_gb(result.placement.slot_nbytes)}; "
+        f"{result.activation_reserve_gb:.3g} GB left beside the weights and the ring for the largest phase)",
+        *(f"    {phase.describe()}" for phase in device.phases),
+        f"  host:   {format_gb(result.host_nbytes)} of {m.host_memory_gb:g} GB while it generates, "
+        f"{format_gb(host.phase('loading and enabling').nbytes)} while it loads and enables",
+        *(f"    {phase.describe()}" for phase in host.phases),
         f"  host reserve: {result.host_reserve.describe()}",
         f"  disk:   {format_gb(result.disk_nbytes)} of blocks read from disk",
         f"  per step ({m.forwards_per_step} forwards): {format_gb(result.link_nbytes_per_step)} over the link, "

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from layerstream.models.generation_estimates import block_activation_nbytes, latent_tokens
+from layerstream.models.generation_estimates import block_activation_nbytes, latent_tokens, text_output_nbytes
 from layerstream.wording import GB, format_gb
 
 if TYPE_CHECKING:
@@ -32,8 +32,6 @@ DECODED_BYTES_PER_VALUE = 13
 """Host bytes per decoded pixel and channel at the decode's peak: three float32 copies and the uint8 frames."""
 ENCODING_BYTES_PER_VALUE = 1
 """Host bytes per pixel and channel while the output file is encoded (a padded uint8 copy)."""
-TEXT_TOKENS = 512
-"""Text tokens of the prompt's hidden states (UMT5's and T5's maximum in Wan and Flux)."""
 
 
 @dataclass(frozen=True)
@@ -99,19 +97,6 @@ def estimate_host_reserve(
     at_tokens = f", {tokens} tokens" if tokens is not None and device_is_host and dit_blocks else ""
     source = f"estimated for {size['height']}x{size['width']}{frames}{at_tokens}"
     return HostReserve(max(sum(parts.values()), FLOOR_NBYTES), source, MappingProxyType(parts), generation.source)
-
-
-def text_output_nbytes(pipeline: Any) -> int:
-    """The prompt's and the negative prompt's hidden states of every text encoder: 2 x tokens x width x dtype."""
-    total = 0
-    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
-        encoder = getattr(pipeline, name, None)
-        config = getattr(encoder, "config", None)
-        width = getattr(config, "d_model", None) or getattr(config, "hidden_size", None)
-        if isinstance(encoder, nn.Module) and isinstance(width, int):
-            itemsize = next((p.dtype.itemsize for p in encoder.parameters()), 4)
-            total += 2 * TEXT_TOKENS * width * itemsize
-    return total
 
 
 def host_reserve_for(

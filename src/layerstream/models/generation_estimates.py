@@ -1,16 +1,43 @@
-"""What one generation holds: the latent tokens a DiT block sees at its size, and a block's activations (estimates
-the planner and the host reserve share; pure, nothing runs). The size itself is the model's rules' business
-(`models.generation_size`)."""
+"""What one generation holds: the latent tokens a DiT block sees at its size, a block's activations, and each
+phase's own transient on the device (prompt encoding, image encoding, denoising): estimates the planner, the
+residency "auto" of enabling and the host reserve share; pure, nothing runs. The size itself is the model's rules'
+business (`models.generation_size`); the VAE decode's peak is `models.vae_decode`'s."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 from torch import nn
 
 from layerstream.models.geometry import pipeline_frame_multiple, pipeline_size_multiple
+
+if TYPE_CHECKING:
+    from layerstream.models.generation_size import GenerationSize
+
+TEXT_TOKENS = 512
+"""Text tokens a text encoder runs over and a cross-attention attends to (UMT5's and T5's maximum in Wan and Flux)."""
+TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
+DEVICE_ALLOWANCE_GB = 0.5
+"""Device memory beside the estimates in every phase: a CUDA context's own (0.3-0.5 GB on recent drivers; the
+free memory enabling reads has it taken already), the caching allocator's rounding and the kernels' workspaces
+(an allowance, not measured here; 0 for a CPU device)."""
+PhaseName = Literal["prompt encoding", "image encoding", "denoising", "VAE decode"]
+PHASES: tuple[PhaseName, ...] = ("prompt encoding", "image encoding", "denoising", "VAE decode")
+"""A generation's phases in the order they run."""
+
+
+@dataclass(frozen=True)
+class Transient:
+    """What one phase allocates on the device beside the weights that stay there: the phase's own peak."""
+
+    phase: PhaseName
+    what: str
+    """What it is, as a phrase ("a DiT block's forward at 32760 tokens")."""
+    nbytes: int
+
 
 def latent_tokens(pipeline: Any, size: Mapping[str, int]) -> int:
     """Latent tokens a DiT block sees at `size` ({"height", "width", "num_frames"}: a `GenerationSize.as_size()`,
@@ -32,3 +59,54 @@ def block_activation_nbytes(block: nn.Module, tokens: int) -> int:
     hidden = Counter(m.in_features for m in linears).most_common(1)[0][0]
     widest = max(m.out_features for m in linears)
     return tokens * max(6 * hidden, 2 * hidden + 2 * widest) * linears[0].weight.dtype.itemsize
+
+
+def text_output_nbytes(pipeline: Any) -> int:
+    """The prompt's and the negative prompt's hidden states of every text encoder: 2 x tokens x width x dtype."""
+    total = 0
+    for name in TEXT_ENCODER_NAMES:
+        encoder = getattr(pipeline, name, None)
+        config = getattr(encoder, "config", None)
+        width = getattr(config, "d_model", None) or getattr(config, "hidden_size", None)
+        if isinstance(encoder, nn.Module) and isinstance(width, int):
+            itemsize = next((p.dtype.itemsize for p in encoder.parameters()), 4)
+            total += 2 * TEXT_TOKENS * width * itemsize
+    return total
+
+
+def image_encoder_tokens(encoder: nn.Module) -> int:
+    """Tokens a vision tower sees: its patches and a class token (CLIP ViT-H at 224 px, 14 px patches: 257)."""
+    config = getattr(encoder, "config", None)
+    config = getattr(config, "vision_config", None) or config
+    size, patch = getattr(config, "image_size", None), getattr(config, "patch_size", None)
+    if isinstance(size, int) and isinstance(patch, int) and patch > 0:
+        return (size // patch) ** 2 + 1
+    return TEXT_TOKENS  # a tower that does not say: as many as a prompt's
+
+
+def phase_transients(pipeline: Any, generation: GenerationSize, blocks: Any) -> tuple[Transient, ...]:
+    """Each phase's own transient on the device at `generation` (its `tokens`, else counted from its size; the VAE
+    decode aside, `models.vae_decode`): the widest text encoder block's forward at `TEXT_TOKENS` (one encoder runs
+    at a time), the vision tower's where the pipeline has one, and a DiT block's forward at the generation's
+    tokens (the largest first block of a DiT counts); the prompts' hidden states (`text_output_nbytes`) stay on
+    the device from the prompt encoding to the last step. `blocks` holds the modules each phase is priced on
+    (`plan.phase_blocks.PhaseBlocks`: `dit_blocks`, `text_encoder_blocks`)."""
+    tokens = generation.tokens if generation.tokens is not None else latent_tokens(pipeline, generation.as_size())
+    dit_blocks, text_encoder_blocks = blocks.dit_blocks, blocks.text_encoder_blocks
+    prompts = text_output_nbytes(pipeline)
+    text = max((block_activation_nbytes(b, TEXT_TOKENS) for b in text_encoder_blocks), default=0)
+    out = [Transient("prompt encoding", f"a text encoder block's forward at {TEXT_TOKENS} tokens and the prompts' states", text + prompts)]
+    image_encoder = getattr(pipeline, "image_encoder", None)
+    if isinstance(image_encoder, nn.Module):
+        image_tokens = image_encoder_tokens(image_encoder)
+        what = f"the image encoder's forward at {image_tokens} tokens and the prompts' states"
+        out.append(Transient("image encoding", what, block_activation_nbytes(image_encoder, image_tokens) + prompts))
+    dit = max((block_activation_nbytes(b, tokens) for b in dit_blocks), default=0)
+    out.append(Transient("denoising", f"a DiT block's forward at {tokens} tokens and the prompts' states", dit + prompts))
+    return tuple(out)
+
+
+def activation_reserve_nbytes(transients: Sequence[Transient], allowance_nbytes: int) -> int:
+    """The device memory residency "auto" leaves beside the weights kept on the device and the slot ring: the
+    largest phase's transient and the allowance (every phase then fits beside them)."""
+    return max((t.nbytes for t in transients), default=0) + allowance_nbytes

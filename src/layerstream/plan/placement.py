@@ -13,7 +13,9 @@ resident block hides one more transfer; with leading blocks resident, the stream
 back and a transfer-bound model exposes the same gap after each of them.
 
 The device budget is the one input that is not in the plan: `device_budget_gb` from the config, or the free
-memory of the device minus `activation_reserve_gb`, read by the caller (`read_device_budget`).
+memory of the device minus the activation reserve (`activation_reserve_gb`, else the estimate for the generation
+enabling is for: its largest phase's transient and an allowance, `ActivationReserve`), read by the caller
+(`read_device_budget`).
 
 Host tier. With `host_budget_gb`, the streamed blocks that fit in the budget are held in host memory and the
 rest are read from disk every time they run (`HostTierChoice`). The choice is static, made once here: a
@@ -56,6 +58,15 @@ SLOT_ALIGN_BYTES = 64
 @dataclass(frozen=True)
 class DeviceBudget:
     """Device bytes offload may use for resident modules, slots and resident blocks, and where the figure came from."""
+
+    nbytes: int
+    source: str
+
+
+@dataclass(frozen=True)
+class ActivationReserve:
+    """Device memory residency "auto" leaves beside the resident parts, estimated for a generation (the caller's:
+    `offload.estimated_activation_reserve`), and how."""
 
     nbytes: int
     source: str
@@ -219,22 +230,29 @@ def needs_device_budget(plan: ResolvedOffloadPlan) -> bool:
     return any(_wants_auto(c) for c in plan.streamed)
 
 
-def read_device_budget(plan: ResolvedOffloadPlan, device, free_bytes: int | None) -> DeviceBudget:
+def read_device_budget(
+    plan: ResolvedOffloadPlan, device, free_bytes: int | None, estimated: ActivationReserve | None = None,
+) -> DeviceBudget:  # fmt: skip
     """The budget for residency "auto": `device_budget_gb`, else `free_bytes` of the device minus the
-    activation reserve. `free_bytes` is None where there is no device memory to read (the CPU)."""
+    activation reserve: `activation_reserve_gb`, else `estimated` (the generation's), else the default
+    `DEFAULT_ACTIVATION_RESERVE_GB` (no generation to estimate it for). `free_bytes` is None where there is no
+    device memory to read (the CPU)."""
     options = plan.config.options_for("dit")
     if options.device_budget_gb is not None:
         return DeviceBudget(round(options.device_budget_gb * GB), f"device_budget_gb={options.device_budget_gb:g}")
-    reserve_gb = options.activation_reserve_gb if options.activation_reserve_gb is not None else DEFAULT_ACTIVATION_RESERVE_GB
     if free_bytes is None:
         raise OffloadError(
             f'layer_options.dit.resident_layers = "auto" on device {device}: there is no device memory to read; '
             "give layer_options.dit.device_budget_gb"
         )
-    return DeviceBudget(
-        int(free_bytes - reserve_gb * GB),
-        f"free device memory {free_bytes / GB:.3g} GB minus activation_reserve_gb={reserve_gb:g}",
-    )
+    if options.activation_reserve_gb is not None:
+        reserve, why = round(options.activation_reserve_gb * GB), f"activation_reserve_gb={options.activation_reserve_gb:g}"
+    elif estimated is not None:
+        reserve, why = estimated.nbytes, f"the activation reserve {estimated.nbytes / GB:.3g} GB ({estimated.source})"
+    else:
+        reserve = round(DEFAULT_ACTIVATION_RESERVE_GB * GB)
+        why = f"activation_reserve_gb={DEFAULT_ACTIVATION_RESERVE_GB:g} (the default: no generation to estimate it for)"
+    return DeviceBudget(int(free_bytes - reserve), f"free device memory {free_bytes / GB:.3g} GB minus {why}")
 
 
 def place_blocks(
