@@ -70,3 +70,18 @@ def test_an_image_vae_decodes_whole_and_bfloat16_halves_it():
     half = estimate_decode_peak(vae, height=128, width=128, num_frames=None, tiled=False, dtype=torch.bfloat16)
     assert full.latent_shape == (1, 16, 16, 16)
     assert half.nbytes * 2 == pytest.approx(full.nbytes, rel=0.05)
+
+
+def test_replayed_decoder_calls_count_the_same_bytes_as_running_every_op():
+    from layerstream.models.meta_peak import trace_peak_nbytes
+    from layerstream.models.vae_decode import _VaeKey
+
+    vae = _VaeKey.of(_wan_vae(), torch.float32).build_meta()
+    vae.tile_sample_min_height = vae.tile_sample_min_width = 32
+    vae.tile_sample_stride_height = vae.tile_sample_stride_width = 24
+    latents = torch.empty(1, 4, 5, 8, 8, device="meta")  # frames 3 to 5 repeat one call
+    for tiled in (False, True):
+        vae.use_tiling = tiled
+        full, full_ops = trace_peak_nbytes(lambda: vae.decode(latents))
+        replayed, replayed_ops = trace_peak_nbytes(lambda: vae.decode(latents), replayed=[vae.decoder])
+        assert replayed == full and replayed_ops < full_ops

@@ -182,5 +182,7 @@ def _traced_peak(key: _VaeKey, shape: tuple[int, ...], tiled: bool, sliced: bool
     vae.use_tiling = tiled
     vae.use_slicing = sliced
     latents = torch.empty(shape, dtype=key.dtype, device="meta")
-    peak, _ = trace_peak_nbytes(lambda: vae.decode(latents, return_dict=False))
+    # the decoder (and the 1x1 convolution before it) run once per latent frame and tile: replayed, not rerun
+    replayed = [m for m in (vae.decoder, getattr(vae, "post_quant_conv", None)) if isinstance(m, nn.Module)]
+    peak, _ = trace_peak_nbytes(lambda: vae.decode(latents, return_dict=False), replayed=replayed)
     return peak
