@@ -25,7 +25,7 @@ from layerstream.errors import LayerstreamError, OffloadError
 from layerstream.host.memory import read_host_memory
 from layerstream.host.reserve import host_reserve_for
 from layerstream.plan.host_budget import HostBudgetChoice, choose_host_budget, host_needs
-from layerstream.models.generation_estimates import DEVICE_ALLOWANCE_GB, activation_reserve_nbytes, phase_transients
+from layerstream.models.generation_estimates import DEVICE_ALLOWANCE_GB, activation_reserve_nbytes, decode_transient, phase_transients
 from layerstream.plan.phase_blocks import phase_blocks
 from layerstream.plan.placement import ActivationReserve, Placement, needs_device_budget, place_blocks, read_device_budget
 from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan, lookup
@@ -215,12 +215,15 @@ def place_for(
 
 def estimated_activation_reserve(pipeline: Any, generation: GenerationSize | None) -> ActivationReserve:
     """What residency "auto" leaves free on the device when the config gives neither a budget nor a reserve: the
-    largest phase's transient for `generation` (None: the model's defaults) and the allowance, as the planner
-    recommends it (`machine.phases`)."""
+    largest phase's transient for `generation` (None: the model's defaults), the VAE decode untiled, and the
+    allowance, as the planner recommends it (`machine.device_fit`: where even no resident block leaves the untiled
+    decode room, the planner plans it tiled and says so)."""
     from layerstream.models.generation_size import pipeline_generation
 
     generation = generation if generation is not None else pipeline_generation(pipeline)
     transients = phase_transients(pipeline, generation, phase_blocks(pipeline))
+    decode = decode_transient(pipeline, generation, tiled=False)
+    transients += (decode,) if decode is not None else ()
     largest = max(transients, key=lambda t: t.nbytes)
     nbytes = activation_reserve_nbytes(transients, round(DEVICE_ALLOWANCE_GB * GB))
     return ActivationReserve(

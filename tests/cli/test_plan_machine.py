@@ -70,7 +70,8 @@ def test_a_machine_too_small_is_one_line_naming_the_figure(capsys):
     # under the allowance beside the weights (the 4 GB activation reserve this once named is gone: the reserve is
     # the request's own estimate, `tests/cli/test_plan_phases.py`)
     code, _, err = run_plan(capsys, "tiny-wan", "--device-memory", "0.5", "--host-memory", "8")
-    assert code == EXIT_USAGE and err.count("\n") == 1 and "--device-memory = 0.5: prompt encoding 0.501 GB" in err
+    assert code == EXIT_USAGE and err.count("\n") == 1 and "--device-memory = 0.5: VAE decode 0.506 GB" in err
+    assert "the weights kept on the device, the slot ring and the allowance alone need 0.5 GB" in err
 
 
 def test_json_gives_the_config_to_paste_and_the_figures(capsys, tiny_wan):

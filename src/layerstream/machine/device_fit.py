@@ -2,9 +2,10 @@
 config fits, the refusal that names the phase that bounds, its parts and what would make it fit.
 
 Residency "auto" leaves the largest phase's transient free beside the weights kept on the device and the slot
-ring (`models.generation_estimates.activation_reserve_nbytes`), so every phase fits once the weights and the ring do. The candidates
-are tried from the one that changes least: the text encoder resident, then streamed (it runs once a generation:
-its blocks cost a prompt encoding's transfers, not a step's).
+ring (`models.generation_estimates.activation_reserve_nbytes`), so every phase fits once the weights and the ring
+do. The candidates are tried from the one that changes least: the VAE decode untiled before tiled (a tiled decode
+is not bit-identical: tiled only where it must be), and within each the text encoder resident before streamed (it
+runs once a generation: its blocks cost a prompt encoding's transfers, not a step's).
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from layerstream.config.offload_config import parse_offload_config
 from layerstream.machine.figures import Machine, MachinePlanError
 from layerstream.machine.phases import PhasePeaks, device_phase_peaks
-from layerstream.models.generation_estimates import Transient, activation_reserve_nbytes, phase_transients
+from layerstream.models.generation_estimates import Transient, activation_reserve_nbytes, decode_transient, decodes, phase_transients
 from layerstream.plan.phase_blocks import phase_blocks
 from layerstream.plan.placement import Placement
 from layerstream.plan.resolved import ResolvedOffloadPlan
@@ -25,18 +28,24 @@ from layerstream.wording import GB, format_gb
 if TYPE_CHECKING:
     from layerstream.models.generation_size import GenerationSize
 
+TILED_NOTE = "tiles blend at their edges: the output is not bit-identical to an untiled decode"
+
 
 @dataclass(frozen=True)
 class DeviceFit:
     """One candidate config on the device: its plan (no host budget yet), placement and each phase's peak."""
 
     text_encoder_streams: bool
+    decode_tiled: bool | None
+    """Whether the VAE decode was planned tiled (None: no VAE)."""
     reserve_nbytes: int
     """What residency "auto" leaves free: the largest transient and the allowance, or the machine's given reserve."""
     plan: ResolvedOffloadPlan
     placement: Placement
     block_host_nbytes: Mapping[str, int]
     phases: PhasePeaks
+    untiled_decode: Transient | None = None
+    """Where the decode was planned tiled: the untiled decode it replaces (what `plan` says it would have needed)."""
 
 
 def recommended_config(
@@ -57,33 +66,39 @@ def recommended_config(
     return config
 
 
-def generation_transients(pipeline: Any, generation: GenerationSize) -> tuple[Transient, ...]:
-    """Each phase's transient for `pipeline` at `generation` (`models.generation_estimates.phase_transients` on
-    the blocks `plan.phase_blocks` finds)."""
-    return phase_transients(pipeline, generation, phase_blocks(pipeline))
+def generation_transients(pipeline: Any, generation: GenerationSize, *, tiled: bool | None = False) -> tuple[Transient, ...]:
+    """Each phase's transient for `pipeline` at `generation` (`models.generation_estimates`: `phase_transients`
+    on the blocks `plan.phase_blocks` finds, and the VAE decode, tiled or not; `tiled` None leaves it out)."""
+    transients = phase_transients(pipeline, generation, phase_blocks(pipeline))
+    decode = decode_transient(pipeline, generation, tiled=tiled) if tiled is not None else None
+    return transients + ((decode,) if decode is not None else ())
 
 
 def fit_device(
     pipeline: Any, machine: Machine, generation: GenerationSize, *, lossless: bool,
 ) -> tuple[DeviceFit, tuple[str, ...]]:  # fmt: skip
     """The first candidate whose phases all fit the device at `generation`, and the notes that say what was chosen
-    and why. Raises `MachinePlanError` naming the phase that bounds where none fits (`refusal`)."""
-    transients = generation_transients(pipeline, generation)
-    resident = _candidate(pipeline, machine, transients, text_encoder=False, lossless=lossless)
-    if resident.phases.fits:
-        return resident, ()
-    if not any(c.category == "text_encoder" and c.stacks for c in resident.plan.components):
-        raise MachinePlanError(refusal(pipeline, machine, resident, generation))  # no text encoder to stream
-    streamed = _candidate(pipeline, machine, transients, text_encoder=True, lossless=lossless)
-    if streamed.phases.fits:
-        return streamed, (_why_streamed(resident),)
-    raise MachinePlanError(refusal(pipeline, machine, streamed, generation))
+    and why: the VAE decode untiled before tiled (`Machine.vae_use_tiling` "auto": tiled only where it must be; a
+    tiled decode blends its tiles' edges), within each the text encoder resident before streamed. Raises
+    `MachinePlanError` naming the phase that bounds where none fits (`refusal`)."""
+    tilings = {"auto": (False, True), True: (True,), False: (False,)}[machine.vae_use_tiling] if decodes(pipeline) else (None,)
+    tried: list[DeviceFit] = []
+    for tiled in tilings:
+        transients = generation_transients(pipeline, generation, tiled=tiled)
+        for text_encoder in (False, True):
+            fit = _candidate(pipeline, machine, transients, text_encoder=text_encoder, lossless=lossless, tiled=tiled)
+            if fit.phases.fits:
+                untiled = decode_transient(pipeline, generation, tiled=False) if tiled else None
+                return replace(fit, untiled_decode=untiled), _notes(machine, fit, tried)
+            tried.append(fit)
+            if not any(c.category == "text_encoder" and c.stacks for c in fit.plan.components):
+                break  # no text encoder to stream
+    raise MachinePlanError(refusal(pipeline, machine, tried[-1], generation))
 
 
-def _candidate(pipeline, machine: Machine, transients, *, text_encoder: bool, lossless: bool) -> DeviceFit:
+def _candidate(pipeline, machine: Machine, transients, *, text_encoder: bool, lossless: bool, tiled: bool | None) -> DeviceFit:
     from layerstream.offload import priced_placement  # the composition root prices the stores
     from layerstream.plan.resolver import resolve_offload_plan
-    import torch
 
     allowance = round(machine.device_allowance_gb * GB)
     if machine.activation_reserve_gb is not None:
@@ -94,21 +109,38 @@ def _candidate(pipeline, machine: Machine, transients, *, text_encoder: bool, lo
     plan = resolve_offload_plan(pipeline, parse_offload_config(config))
     placement, host_nbytes = priced_placement(pipeline, plan, torch.device("cpu"))  # bytes do not depend on the device
     memory = round(machine.device_memory_gb * GB)
-    phases = device_phase_peaks(plan, placement, transients, memory_nbytes=memory, allowance_nbytes=allowance)
-    return DeviceFit(text_encoder, reserve, plan, placement, host_nbytes, phases)
+    notes = {"VAE decode": TILED_NOTE} if tiled else {}
+    phases = device_phase_peaks(plan, placement, transients, memory_nbytes=memory, allowance_nbytes=allowance, notes=notes)
+    return DeviceFit(text_encoder, tiled, reserve, plan, placement, host_nbytes, phases)
 
 
-def _why_streamed(resident: DeviceFit) -> str:
-    peak = resident.phases.peak
-    return (
-        f"the text encoder streams: kept resident, {peak.phase} would need {format_gb(peak.nbytes)}, more than the "
-        f"device's {format_gb(resident.phases.memory_nbytes)}"
-    )
+def _notes(machine: Machine, fit: DeviceFit, tried: list[DeviceFit]) -> tuple[str, ...]:
+    """What the chosen candidate changed from the first one, and why."""
+    notes = []
+    same_tiling = [f for f in tried if f.decode_tiled == fit.decode_tiled]
+    if fit.text_encoder_streams and same_tiling:
+        peak = same_tiling[0].phases.peak
+        notes.append(
+            f"the text encoder streams: kept resident, {peak.phase} would need {format_gb(peak.nbytes)}, more than "
+            f"the device's {format_gb(fit.phases.memory_nbytes)}"
+        )
+    if fit.decode_tiled:
+        why = "vae_use_tiling true" if machine.vae_use_tiling is True else (
+            f'vae_use_tiling "auto": untiled, {_untiled_phrase(tried)}'
+        )  # fmt: skip
+        notes.append(f"the VAE decode is tiled ({why}); {TILED_NOTE}")
+    return tuple(notes)
+
+
+def _untiled_phrase(tried: list[DeviceFit]) -> str:
+    last = [f for f in tried if f.decode_tiled is False][-1]
+    peak = last.phases.peak
+    return f"{peak.phase} would need {format_gb(peak.nbytes)}, more than the device's {format_gb(last.phases.memory_nbytes)}"
 
 
 def refusal(pipeline: Any, machine: Machine, fit: DeviceFit, generation: GenerationSize) -> str:
     """Why `fit` (the last candidate) does not fit the device: the phase that bounds, its parts, and what would
-    make it fit (a smaller generation that fits, or the device it needs)."""
+    make it fit (a tiled decode where it was refused, a smaller generation, the device it needs)."""
     peak = fit.phases.peak
     streamed = ", with the text encoder streamed" if fit.text_encoder_streams else ""
     resident = sum(len(r.resident_block_paths) for r in fit.placement.residency.values())
@@ -117,21 +149,28 @@ def refusal(pipeline: Any, machine: Machine, fit: DeviceFit, generation: Generat
         f"device_memory_gb = {machine.device_memory_gb:g}: {peak.describe()} is more than the device's "
         f"{format_gb(fit.phases.memory_nbytes)}{streamed}{blocks}"
     )
-    return message + "; " + _what_would_fit(pipeline, fit, generation)
+    return f"{message}; {_what_would_fit(pipeline, fit, generation)}"
 
 
 def _what_would_fit(pipeline: Any, fit: DeviceFit, generation: GenerationSize) -> str:
-    """A smaller generation whose phases fit beside the same weights and ring, or the device memory it needs."""
-    peak = fit.phases.peak
-    kept = sum(n for name, n in peak.parts.items() if name != _transient_name(peak))
-    needs = f"a device of {format_gb(peak.nbytes)} runs it"
-    if kept >= fit.phases.memory_nbytes:
-        return f"the weights kept on the device, the slot ring and the allowance alone need {format_gb(kept)}: {needs}"
+    """A tiled decode (where `vae_use_tiling` false refused it), the largest smaller generation whose phases fit
+    beside the same weights and ring, and the device memory it needs."""
+    peak, memory = fit.phases.peak, fit.phases.memory_nbytes
+    kept = peak.nbytes - peak.parts[_transient_name(peak)]
+    device = f"a device of {format_gb(peak.nbytes)}"
+    if kept >= memory:
+        return f"the weights kept on the device, the slot ring and the allowance alone need {format_gb(kept)}: {device} would run it"
+    ways = []
+    if peak.phase == "VAE decode" and fit.decode_tiled is False:
+        tiled = kept + max(t.nbytes for t in generation_transients(pipeline, generation, tiled=True))
+        if tiled <= memory:
+            ways.append(f'a tiled decode (vae_use_tiling true or "auto": {format_gb(tiled)} at its peak; {TILED_NOTE})')
     for smaller in _smaller_generations(pipeline, generation):
-        largest = max(t.nbytes for t in generation_transients(pipeline, smaller))
-        if kept + largest <= fit.phases.memory_nbytes:
-            return f"it fits at {size_phrase(smaller)} ({format_gb(kept + largest)} at its peak), or {needs}"
-    return needs
+        largest = kept + max(t.nbytes for t in generation_transients(pipeline, smaller, tiled=fit.decode_tiled))
+        if largest <= memory:
+            ways.append(f"{size_phrase(smaller)} ({format_gb(largest)} at its peak)")
+            break
+    return "it would fit with " + ", or ".join([*ways, device])
 
 
 def _transient_name(peak) -> str:

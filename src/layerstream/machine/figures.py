@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from layerstream.errors import LayerstreamError
 from layerstream.models.generation_estimates import DEVICE_ALLOWANCE_GB
@@ -50,6 +51,10 @@ class Machine:
     the allowance (`models.generation_estimates.activation_reserve_nbytes`)."""
     device_allowance_gb: float = DEVICE_ALLOWANCE_GB
     """Device memory beside the estimates in every phase (a CUDA context, the allocator; 0 for a CPU device)."""
+    vae_use_tiling: bool | Literal["auto"] = "auto"
+    """Whether the VAE decode is planned tiled: "auto" only where the untiled decode leaves some phase no room
+    (tiles blend at their edges: the output is not bit-identical), True always, False never (refused where the
+    untiled decode cannot fit)."""
     allow_lossy: bool = False
     """Whether float8 storage (lossy, rounded once) may be recommended."""
     forwards_per_step: int = FORWARDS_PER_STEP
@@ -89,6 +94,8 @@ def check_machine(machine: Machine) -> None:
             raise MachinePlanError(f"{name} = {value!r} is not valid; expected a finite number >= 0 (0: an accelerator's copies)")
     if isinstance(machine.baseline_gb, bool) or not 0 <= machine.baseline_gb < float("inf"):
         raise MachinePlanError(f"baseline_gb = {machine.baseline_gb!r} is not valid; expected a finite number >= 0")
+    if machine.vae_use_tiling not in (True, False, "auto"):
+        raise MachinePlanError(f'vae_use_tiling = {machine.vae_use_tiling!r} is not valid; expected true, false or "auto"')
     if machine.host_memory_gb <= machine.baseline_gb:
         raise MachinePlanError(
             f"host_memory_gb = {machine.host_memory_gb:g} is not valid; expected more than the process's baseline of "

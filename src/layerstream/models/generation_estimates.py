@@ -110,3 +110,26 @@ def activation_reserve_nbytes(transients: Sequence[Transient], allowance_nbytes:
     """The device memory residency "auto" leaves beside the weights kept on the device and the slot ring: the
     largest phase's transient and the allowance (every phase then fits beside them)."""
     return max((t.nbytes for t in transients), default=0) + allowance_nbytes
+
+
+def decode_transient(pipeline: Any, generation: GenerationSize, *, tiled: bool) -> Transient | None:
+    """The VAE decode's transient at `generation`'s size, tiled or not (`models.vae_decode`: traced from the VAE's
+    structure, its weights apart: they stay on the device with the other resident modules); None where the
+    pipeline has no VAE."""
+    from layerstream.models.vae_decode import estimate_decode_peak
+
+    if not decodes(pipeline):
+        return None
+    vae = pipeline.vae
+    dtype = next(p.dtype for p in vae.parameters() if p.is_floating_point())
+    size = generation.as_size()
+    peak = estimate_decode_peak(vae, height=size["height"], width=size["width"], num_frames=size["num_frames"], tiled=tiled, dtype=dtype)
+    frames = f" x {size['num_frames']} frames" if size["num_frames"] > 1 else ""
+    how = "tiled" if tiled else "untiled"
+    return Transient("VAE decode", f"the VAE's decode at {size['height']}x{size['width']}{frames}, {how}", peak.nbytes)
+
+
+def decodes(pipeline: Any) -> bool:
+    """Whether the pipeline decodes its latents with a VAE of its own (floating-point weights to size it by)."""
+    vae = getattr(pipeline, "vae", None)
+    return isinstance(vae, nn.Module) and any(p.is_floating_point() for p in vae.parameters())
