@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from layerstream.config.offload_config import parse_offload_config
-from layerstream.machine.figures import Machine, MachinePlanError
+from layerstream.machine.figures import DeviceTooSmallError, Machine
 from layerstream.machine.phases import PhasePeaks, device_phase_peaks
 from layerstream.models.generation_estimates import Transient, activation_reserve_nbytes, decode_transient, decodes, phase_transients
 from layerstream.plan.phase_blocks import phase_blocks
@@ -75,17 +75,18 @@ def generation_transients(pipeline: Any, generation: GenerationSize, *, tiled: b
 
 
 def fit_device(
-    pipeline: Any, machine: Machine, generation: GenerationSize, *, lossless: bool,
+    pipeline: Any, machine: Machine, generation: GenerationSize, *, lossless: bool, text_encoder_streams: bool = False,
 ) -> tuple[DeviceFit, tuple[str, ...]]:  # fmt: skip
     """The first candidate whose phases all fit the device at `generation`, and the notes that say what was chosen
     and why: the VAE decode untiled before tiled (`Machine.vae_use_tiling` "auto": tiled only where it must be; a
-    tiled decode blends its tiles' edges), within each the text encoder resident before streamed. Raises
-    `MachinePlanError` naming the phase that bounds where none fits (`refusal`)."""
+    tiled decode blends its tiles' edges), within each the text encoder resident before streamed
+    (`text_encoder_streams`: streamed only, where it can stream). Raises `DeviceTooSmallError` naming the phase
+    that bounds where none fits (`refusal`)."""
     tilings = {"auto": (False, True), True: (True,), False: (False,)}[machine.vae_use_tiling] if decodes(pipeline) else (None,)
     tried: list[DeviceFit] = []
     for tiled in tilings:
         transients = generation_transients(pipeline, generation, tiled=tiled)
-        for text_encoder in (False, True):
+        for text_encoder in (True,) if text_encoder_streams else (False, True):
             fit = _candidate(pipeline, machine, transients, text_encoder=text_encoder, lossless=lossless, tiled=tiled)
             if fit.phases.fits:
                 untiled = decode_transient(pipeline, generation, tiled=False) if tiled else None
@@ -93,7 +94,7 @@ def fit_device(
             tried.append(fit)
             if not any(c.category == "text_encoder" and c.stacks for c in fit.plan.components):
                 break  # no text encoder to stream
-    raise MachinePlanError(refusal(pipeline, machine, tried[-1], generation))
+    raise refusal(pipeline, machine, tried[-1], generation)
 
 
 def _candidate(pipeline, machine: Machine, transients, *, text_encoder: bool, lossless: bool, tiled: bool | None) -> DeviceFit:
@@ -138,28 +139,34 @@ def _untiled_phrase(tried: list[DeviceFit]) -> str:
     return f"{peak.phase} would need {format_gb(peak.nbytes)}, more than the device's {format_gb(last.phases.memory_nbytes)}"
 
 
-def refusal(pipeline: Any, machine: Machine, fit: DeviceFit, generation: GenerationSize) -> str:
+def refusal(pipeline: Any, machine: Machine, fit: DeviceFit, generation: GenerationSize) -> DeviceTooSmallError:
     """Why `fit` (the last candidate) does not fit the device: the phase that bounds, its parts, and what would
     make it fit (a tiled decode where it was refused, a smaller generation, the device it needs)."""
     peak = fit.phases.peak
     streamed = ", with the text encoder streamed" if fit.text_encoder_streams else ""
     resident = sum(len(r.resident_block_paths) for r in fit.placement.residency.values())
     blocks = "" if resident else " and no block resident"
+    ways = _what_would_fit(pipeline, fit, generation)
     message = (
         f"device_memory_gb = {machine.device_memory_gb:g}: {peak.describe()} is more than the device's "
-        f"{format_gb(fit.phases.memory_nbytes)}{streamed}{blocks}"
+        f"{format_gb(fit.phases.memory_nbytes)}{streamed}{blocks}; "
     )
-    return f"{message}; {_what_would_fit(pipeline, fit, generation)}"
+    kept = peak.nbytes - peak.parts[_transient_name(peak)]
+    if kept >= fit.phases.memory_nbytes:
+        message += f"the weights kept on the device, the slot ring and the allowance alone need {format_gb(kept)}: {ways[-1]} would run it"
+    else:
+        message += "it would fit with " + ", or ".join(ways)
+    return DeviceTooSmallError(message, peak=peak, memory_nbytes=fit.phases.memory_nbytes, would_fit=ways)
 
 
-def _what_would_fit(pipeline: Any, fit: DeviceFit, generation: GenerationSize) -> str:
+def _what_would_fit(pipeline: Any, fit: DeviceFit, generation: GenerationSize) -> tuple[str, ...]:
     """A tiled decode (where `vae_use_tiling` false refused it), the largest smaller generation whose phases fit
-    beside the same weights and ring, and the device memory it needs."""
+    beside the same weights and ring, and the device memory it needs (always, last)."""
     peak, memory = fit.phases.peak, fit.phases.memory_nbytes
     kept = peak.nbytes - peak.parts[_transient_name(peak)]
     device = f"a device of {format_gb(peak.nbytes)}"
     if kept >= memory:
-        return f"the weights kept on the device, the slot ring and the allowance alone need {format_gb(kept)}: {device} would run it"
+        return (device,)
     ways = []
     if peak.phase == "VAE decode" and fit.decode_tiled is False:
         tiled = kept + max(t.nbytes for t in generation_transients(pipeline, generation, tiled=True))
@@ -170,7 +177,7 @@ def _what_would_fit(pipeline: Any, fit: DeviceFit, generation: GenerationSize) -
         if largest <= memory:
             ways.append(f"{size_phrase(smaller)} ({format_gb(largest)} at its peak)")
             break
-    return "it would fit with " + ", or ".join([*ways, device])
+    return (*ways, device)
 
 
 def _transient_name(peak) -> str:
@@ -183,7 +190,7 @@ def size_phrase(generation: GenerationSize) -> str:
 
 
 def _smaller_generations(pipeline: Any, generation: GenerationSize) -> list[GenerationSize]:
-    """Smaller generations of the same shape, largest first: each side at 3/4 and 1/2 (whole size multiples),
+    """Smaller generations of the same shape, largest first: each side at 3/4, 2/3 and 1/2 (whole size multiples),
     and a video's frames halved (whole frame rule); none where the planned one gives its tokens, not a size."""
     from layerstream.models.geometry import pipeline_frame_multiple, pipeline_size_multiple
 
@@ -194,7 +201,7 @@ def _smaller_generations(pipeline: Any, generation: GenerationSize) -> list[Gene
     if generation.num_frames > 1:
         frames.append(max(1, (generation.num_frames - 1) // 2 // temporal * temporal + 1))
     out = []
-    for scale in (1.0, 0.75, 0.5):
+    for scale in (1.0, 0.75, 2 / 3, 0.5):
         height = max(multiple, int(generation.height * scale) // multiple * multiple)
         width = max(multiple, int(generation.width * scale) // multiple * multiple)
         for f in frames:

@@ -30,6 +30,18 @@ class MachinePlanError(LayerstreamError, ValueError):
     """A machine the model cannot run on, or figures that make no sense; the message says which and why."""
 
 
+class DeviceTooSmallError(MachinePlanError):
+    """A device that cannot hold some phase of the generation: the phase that bounds (`peak`, a
+    `machine.phases.PhasePeak`), the device's bytes and what would make it fit (`would_fit`, phrases), also in
+    the message."""
+
+    def __init__(self, message: str, *, peak, memory_nbytes: int, would_fit: tuple[str, ...]):
+        super().__init__(message)
+        self.peak = peak
+        self.memory_nbytes = memory_nbytes
+        self.would_fit = would_fit
+
+
 @dataclass(frozen=True, kw_only=True)
 class Machine:
     """The machine to plan for (GB are 1e9 bytes, GB/s 1e9 bytes per second)."""

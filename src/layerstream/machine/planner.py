@@ -23,7 +23,15 @@ from layerstream.config.offload_config import parse_offload_config
 from layerstream.errors import LayerstreamError
 from layerstream.host.reserve import HostReserve, host_reserve_for
 from layerstream.machine.device_fit import DeviceFit, fit_device, recommended_config
-from layerstream.machine.figures import CUDA_CONTEXT_GB, DEVICE_DECODE_GBPS, PROCESS_BASELINE_GB, Machine, MachinePlanError, check_machine
+from layerstream.machine.figures import (
+    CUDA_CONTEXT_GB,
+    DEVICE_DECODE_GBPS,
+    PROCESS_BASELINE_GB,
+    DeviceTooSmallError,
+    Machine,
+    MachinePlanError,
+    check_machine,
+)
 from layerstream.machine.phases import PhasePeaks, host_phase_peaks
 from layerstream.machine.step_time import block_compute, decode_rate, measured_block_seconds, step_seconds
 from layerstream.models.generation_estimates import latent_tokens
@@ -36,7 +44,8 @@ if TYPE_CHECKING:
     from layerstream.models.generation_size import GenerationSize
 
 __all__ = [
-    "CUDA_CONTEXT_GB", "DEVICE_DECODE_GBPS", "PROCESS_BASELINE_GB", "Machine", "MachinePlan", "MachinePlanError", "check_machine",
+    "CUDA_CONTEXT_GB", "DEVICE_DECODE_GBPS", "PROCESS_BASELINE_GB", "DeviceTooSmallError", "Machine", "MachinePlan", "MachinePlanError",
+    "check_machine",
     "measured_block_seconds", "plan_for_machine", "recommended_config",
 ]  # fmt: skip
 
@@ -78,6 +87,8 @@ class MachinePlan:
     """Each phase's peak on the device (prompt encoding, image encoding, denoising, VAE decode) from its parts."""
     host_phases: PhasePeaks | None = None
     """The host's peaks: loading and enabling, and generating (`host_nbytes`)."""
+    text_encoder_link_nbytes: int = 0
+    """Bytes a streamed text encoder moves over the link a generation (its blocks, once per prompt)."""
 
     @property
     def bound(self) -> Bound:
@@ -126,12 +137,13 @@ def plan_for_machine(
     from layerstream.models.generation_size import pipeline_generation
 
     generation = generation if generation is not None else pipeline_generation(pipeline)
+    kwargs = {"generation": generation, "block_seconds": block_seconds}
     if lossless is not None:
-        return _plan_for_machine(pipeline, machine, generation=generation, block_seconds=block_seconds, lossless=lossless)
-    plan = _plan_for_machine(pipeline, machine, generation=generation, block_seconds=block_seconds)
+        return _faster_text_encoder(pipeline, machine, lossless=lossless, **kwargs)
+    plan = _faster_text_encoder(pipeline, machine, lossless=False, **kwargs)
     if machine.allow_lossy or plan.bound == "compute":
         return plan
-    coded = _plan_for_machine(pipeline, machine, generation=generation, block_seconds=block_seconds, lossless=True)
+    coded = _faster_text_encoder(pipeline, machine, lossless=True, **kwargs)
     if coded.seconds_per_step >= plan.seconds_per_step:
         return plan
     note = (
@@ -142,6 +154,31 @@ def plan_for_machine(
     return dataclasses.replace(coded, notes=coded.notes + (note,))
 
 
+def _faster_text_encoder(pipeline: Any, machine: Machine, **kwargs: Any) -> MachinePlan:
+    """The plan with the text encoder resident where it fits, or streamed where the device memory that frees for
+    resident DiT blocks saves more per step than streaming it costs (its blocks over the link for each prompt,
+    once a generation, spread over its steps)."""
+    plan = _plan_for_machine(pipeline, machine, **kwargs)
+    if "text_encoder" in plan.config["components"]:
+        return plan
+    try:
+        streamed = _plan_for_machine(pipeline, machine, text_encoder_streams=True, **kwargs)
+    except MachinePlanError:  # its blocks do not fit in the host's memory beside the DiT's
+        return plan
+    if "text_encoder" not in streamed.config["components"]:
+        return plan  # nothing to stream
+    steps = plan.generation.num_inference_steps
+    prompts_s = streamed.text_encoder_link_nbytes / (machine.link_gbps * GB)
+    if streamed.seconds_per_step + prompts_s / steps >= plan.seconds_per_step:
+        return plan
+    note = (
+        f"the text encoder streams: the device memory it frees keeps more DiT blocks resident, {plan.seconds_per_step:.3g} s "
+        f"per step with it resident, {streamed.seconds_per_step:.3g} s streamed, and its blocks cost {prompts_s:.2g} s over "
+        f"the link once a generation"
+    )
+    return dataclasses.replace(streamed, notes=streamed.notes + (note,))
+
+
 def _plan_for_machine(
     pipeline: Any,
     machine: Machine,
@@ -149,10 +186,12 @@ def _plan_for_machine(
     generation: GenerationSize,
     block_seconds: Mapping[str, float] | None = None,
     lossless: bool = False,
+    text_encoder_streams: bool = False,
 ) -> MachinePlan:
     """The plan (see the module docstring) for `generation` (`plan_for_machine`); `block_seconds` (block path ->
-    seconds, from `measured_block_seconds`) replaces the FLOPs estimate. Raises `MachinePlanError` where it
-    cannot run: naming the phase that bounds the device, or the host figure."""
+    seconds, from `measured_block_seconds`) replaces the FLOPs estimate; `text_encoder_streams` streams the text
+    encoder whether or not it would fit resident. Raises `MachinePlanError` where it cannot run: naming the phase
+    that bounds the device (`DeviceTooSmallError`), or the host figure."""
     from layerstream.offload import plan_placement  # the composition root prices the stores
     from layerstream.plan.resolver import resolve_offload_plan
 
@@ -162,7 +201,7 @@ def _plan_for_machine(
     if block_seconds is not None and not block_seconds:
         raise MachinePlanError("the measurement timed no streamed block")
     tokens = latent_tokens(pipeline, generation.as_size()) if generation.tokens is None else generation.tokens
-    fit, notes = fit_device(pipeline, machine, generation, lossless=lossless)
+    fit, notes = fit_device(pipeline, machine, generation, lossless=lossless, text_encoder_streams=text_encoder_streams)
     host = _host_plan(pipeline, machine, fit, dataclasses.replace(generation, tokens=tokens))
     config = recommended_config(
         machine, text_encoder=fit.text_encoder_streams, host_budget_gb=host.budget_gb,
@@ -181,8 +220,16 @@ def _plan_for_machine(
         per_step["link_bytes"], per_step["disk_bytes"], per_step["seconds"],
         {k: per_step[k + "_s"] for k in ("compute", "link", "disk")}, source, tokens, notes,
         activation_reserve_gb=fit.reserve_nbytes / GB, host_reserve=host.reserve, generation=generation,
-        device_phases=fit.phases, host_phases=host_phases,
+        device_phases=fit.phases, host_phases=host_phases, text_encoder_link_nbytes=_text_encoder_link_nbytes(plan, placement, machine),
     )  # fmt: skip
+
+
+def _text_encoder_link_nbytes(plan, placement: Placement, machine: Machine) -> int:
+    """A streamed text encoder's blocks, once for each of the step's forwards' prompts (with classifier-free
+    guidance the prompt and the negative one)."""
+    encoders = {c.path for c in plan.streamed if c.category == "text_encoder"}
+    streamed = sum(placement.block_slot_nbytes[p] for c in placement.chains if c.component in encoders for p in c.block_paths)
+    return machine.forwards_per_step * streamed
 
 
 @dataclass(frozen=True)
