@@ -279,14 +279,12 @@ def _host_phases(machine: Machine, fit: DeviceFit, placement: Placement, host: _
 
 
 def _enabling_transient(fit: DeviceFit) -> dict[str, int]:
-    """What enabling holds beside the filled store until it commits: a stored form's blocks keep their own tensors
-    (an exact rollback: float8, lossless), else the block being packed."""
+    """What enabling holds beside the filled store: the block being packed (its bytes read from the checkpoint,
+    and coded or cast where the DiT is stored in another form). The blocks' own tensors a stored form keeps until
+    enabling commits (an exact rollback) are views of the checkpoint's files, as loading leaves every weight kept
+    in the dtype its checkpoint stores: page cache, which the kernel reclaims (`benchmarks/plan_in_cgroup.py`
+    measured the lossless form's enabling within the store, the rings and one block)."""
     streamed = set(fit.placement.streamed_block_paths)
-    kept_until_commit = sum(
-        n for c in fit.plan.streamed if c.storage_dtype is not None for s in c.stacks for p, n in zip(s.block_paths, s.block_bytes) if p in streamed
-    )  # fmt: skip
-    if kept_until_commit:
-        return {"streamed blocks' own tensors, kept until enabling commits (a stored form's exact rollback)": kept_until_commit}
     largest = max((n for c in fit.plan.streamed for s in c.stacks for p, n in zip(s.block_paths, s.block_bytes) if p in streamed), default=0)
     return {"the block being packed": largest}
 
@@ -295,5 +293,3 @@ def _round_down(gb: float, digits: int = 4) -> float:
     """`gb` to `digits` significant digits, rounded down (a budget pasted back must still fit)."""
     scale = 10 ** (digits - 1 - math.floor(math.log10(gb)))
     return math.floor(gb * scale) / scale
-
-
