@@ -51,22 +51,10 @@ class DecodePeak:
         return self.activation_nbytes + self.latent_nbytes
 
 
-def decode_peak_nbytes(
-    vae: nn.Module,
-    *,
-    height: int,
-    width: int,
-    num_frames: int | None,
-    batch: int = 1,
-    tiled: bool,
-    dtype: torch.dtype,
-    sliced: bool = False,
-) -> int:
-    """The device peak of `vae.decode` for an output of `height` x `width` (and `num_frames` frames for a video
-    VAE; None for an image), beyond the VAE's own weights. `vae` may be a loaded VAE or a meta-device skeleton."""
-    return estimate_decode_peak(
-        vae, height=height, width=width, num_frames=num_frames, batch=batch, tiled=tiled, dtype=dtype, sliced=sliced
-    ).nbytes
+def decode_peak_nbytes(vae: nn.Module, **decode: Any) -> int:
+    """The device peak of `vae.decode`, beyond the VAE's own weights, for the keywords of `estimate_decode_peak`
+    (``height``, ``width``, ``num_frames``, ``batch``, ``tiled``, ``dtype``, ``sliced``)."""
+    return estimate_decode_peak(vae, **decode).nbytes
 
 
 def estimate_decode_peak(
@@ -80,7 +68,9 @@ def estimate_decode_peak(
     dtype: torch.dtype,
     sliced: bool = False,
 ) -> DecodePeak:
-    """`decode_peak_nbytes` with its parts (see `DecodePeak`)."""
+    """The device bytes of `vae.decode` for an output of `height` x `width` (and `num_frames` frames for a
+    video VAE; None for an image), a batch of `batch`, tiled or not, a batch `sliced` one sample at a time or
+    not, computing in `dtype`; in parts (`DecodePeak`). `vae` may be a loaded VAE or a meta-device skeleton."""
     shape = latent_shape(vae, height=height, width=width, num_frames=num_frames, batch=batch)
     key = _VaeKey.of(vae, dtype)
     activation_nbytes = _traced_peak(key, shape, tiled, sliced)
