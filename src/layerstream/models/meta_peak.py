@@ -79,6 +79,12 @@ class MetaPeakTracker(TorchDispatchMode):
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
                 self._count(tensor.untyped_storage())
+        if func is torch.ops.aten.convolution.default and not self.quiet:
+            # the kernel's scratch beside its output, while it runs: oneDNN on the CPU reorders the input or the
+            # output to a blocked layout (a Flux VAE's 64x128x128 convolution: one more buffer of that size at
+            # the decode's peak), cuDNN takes a workspace; counted as the larger of the two
+            scratch = max(args[0].nbytes, out.nbytes)
+            self.peak_nbytes = max(self.peak_nbytes, self.live_nbytes + scratch)
         return out
 
     def _run(self, func, args, kwargs):
