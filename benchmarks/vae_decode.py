@@ -116,7 +116,8 @@ def planned(row: Row) -> dict:
 
     vae = build_vae(row, "meta")
     peak = estimate_decode_peak(
-        vae, height=row.height, width=row.width, num_frames=row.num_frames, tiled=row.tiled, dtype=vae.dtype
+        vae, height=row.height, width=row.width, num_frames=row.num_frames, tiled=row.tiled, dtype=vae.dtype,
+        device_type="cpu",  # this CPU's convolution kernels, as the decode measured here runs them
     )
     return {"planned_nbytes": peak.nbytes, "weight_nbytes": peak.weight_nbytes, "latent_shape": peak.latent_shape}
 
@@ -141,8 +142,8 @@ def measure(row: Row) -> dict:
         rss_peak = proc_nbytes(status, "VmHWM") - before
         del out
         _trim_heap()
-        allocator_peak = _allocator_peak(lambda: vae.decode(latents, return_dict=False))
-    return {"rss_peak_nbytes": rss_peak, "allocator_peak_nbytes": allocator_peak}
+        allocator_nbytes = allocator_peak(lambda: vae.decode(latents, return_dict=False))
+    return {"rss_peak_nbytes": rss_peak, "allocator_peak_nbytes": allocator_nbytes}
 
 
 def _trim_heap() -> None:
@@ -155,7 +156,7 @@ def _trim_heap() -> None:
         pass
 
 
-def _allocator_peak(call) -> int:
+def allocator_peak(call) -> int:
     """The most bytes torch's CPU allocator held at once during `call`, beyond what it held before."""
     import tempfile
 
@@ -203,7 +204,7 @@ def measure_allocator(row: Row) -> int:
     latents = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(getattr(torch, row.dtype))
     with torch.no_grad():
         vae.decode(latents)  # warm: kernels' first-call allocations are not the decode's
-        return _allocator_peak(lambda: vae.decode(latents, return_dict=False))
+        return allocator_peak(lambda: vae.decode(latents, return_dict=False))
 
 
 HEADER = (

@@ -60,7 +60,7 @@ def choose_decode(
     vae = getattr(pipeline, "vae", None)
     if not isinstance(vae, nn.Module) or not callable(getattr(vae, "enable_tiling", None)):
         return None
-    peaks = _Peaks(vae, request)
+    peaks = _Peaks(vae, request, device)
     free = free_decode_nbytes(pipeline, device, settings.device_memory_gb, stats)
     return choose_vae_decode(settings.vae_use_tiling, settings.vae_use_slicing, peaks, free)
 
@@ -89,8 +89,9 @@ class _Peaks(Mapping):
     video takes a second or two; the choice usually stops at the untiled one). A batch of one has no sliced
     ways; a peak that cannot be estimated (a VAE the trace cannot run) is None."""
 
-    def __init__(self, vae: nn.Module, request: DecodeRequest) -> None:
+    def __init__(self, vae: nn.Module, request: DecodeRequest, device: torch.device) -> None:
         self._vae, self._request = vae, request
+        self._device_type = "cpu" if device.type == "cpu" else "cuda"  # whose convolution scratch to count
         self._keys = [(t, s) for t in (False, True) for s in (False, True) if not s or request.batch > 1]
         self._known: dict[tuple[bool, bool], int | None] = {}
 
@@ -116,7 +117,7 @@ class _Peaks(Mapping):
         try:
             return decode_peak_nbytes(
                 self._vae, height=r.height, width=r.width, num_frames=r.num_frames, batch=r.batch,
-                tiled=tiled, sliced=sliced, dtype=self._vae.dtype,
+                tiled=tiled, sliced=sliced, dtype=self._vae.dtype, device_type=self._device_type,
             )  # fmt: skip
         except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as e:
             logger.info("the decode of %s cannot be planned: %s: %s", type(self._vae).__name__, type(e).__name__, e)
