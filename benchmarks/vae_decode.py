@@ -79,15 +79,17 @@ class Row:
 
 
 ROWS = {
+    # three sizes per VAE that tile, each tiled and untiled, and one below a tile (tiling changes nothing there,
+    # which the plan must know too); Wan at its own 256-pixel tiles, Flux at SMALL_TILES
     "default": [
         *(
             Row("wan", h, w, f, tiled)
-            for h, w, f in ((128, 128, 5), (128, 320, 5), (192, 320, 9))
+            for h, w, f in ((128, 128, 5), (128, 320, 5), (192, 320, 9), (128, 448, 5))
             for tiled in (False, True)
         ),
         *(
             Row("flux", h, w, None, tiled, "bfloat16")  # Flux's VAE is stored and run in bfloat16
-            for h, w in ((256, 256), (384, 384), (512, 512))
+            for h, w in ((256, 256), (384, 384), (512, 512), (256, 640))
             for tiled in (False, True)
         ),
     ],

@@ -2,7 +2,8 @@
 
 What the pipeline is called with comes from the request and the model's rules (`ModelRules`: defaults,
 geometry, the optional fields it takes); the call is timed step by step (`on_step`), its latents shown to
-`on_latents`, its per-request settings applied and restored (`boundary_ratio`, `flow_shift`), and its streaming
+`on_latents`, its per-request settings applied and restored (`boundary_ratio`, `flow_shift`, and the VAE decode
+tiled or not: `models.decode_memory`, refused before the first step where it cannot fit), and its streaming
 measured as a difference of the runtime's counters (`StreamCounters`). One call runs at a time.
 """
 
