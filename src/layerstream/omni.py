@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from layerstream.config.offload_config import OffloadConfig, parse_offload_config
+from layerstream.config.offload_config import OffloadConfig, parse_offload_config, with_vae_settings
+from layerstream.models.decode_memory import VaeDecodeSettings
 from layerstream.models.generation_size import RequestSizes
 from layerstream.models.hub import ModelSource
 from layerstream.models.input_image import ImageInputKind, ImageSource
@@ -48,13 +49,16 @@ class Omni:
         revision: str | None = None,
         variant: str | None = None,
         requests: RequestSizes | None = None,  # what will be asked for: the host reserve of "auto" is sized to it
+        vae_use_tiling: bool | str | None = None,  # None: the config's (default "auto"); see docs/configuration.md
+        vae_use_slicing: bool | str | None = None,
     ):
         from layerstream.distributed.launched_group import join_launched_group
         from layerstream.models.generation_size import generation_size_for
         from layerstream.models.loading import load_model  # here: importing layerstream loads no diffusers
 
         # parse before loading: a bad config is reported before any weight is read
-        self.config = parse_offload_config(diffusion_offload_config if diffusion_offload_config is not None else DEFAULT_CONFIG)
+        config = parse_offload_config(diffusion_offload_config if diffusion_offload_config is not None else DEFAULT_CONFIG)
+        self.config = with_vae_settings(config, vae_use_tiling=vae_use_tiling, vae_use_slicing=vae_use_slicing)
         self.device = join_launched_group(self.config, device, process_group) or (torch.device(device) if device is not None else default_device())
         self.dtype = parse_dtype(dtype)
         loaded = load_model(model, dtype=self.dtype, revision=revision, variant=variant)
@@ -66,7 +70,7 @@ class Omni:
         """What the model accepts and its defaults (size, frames, steps, guidance, frame rate)."""
         self.image_input: ImageInputKind = self.rules.image_input
         """Whether the pipeline takes an input image: ``"none"``, ``"optional"`` or ``"required"``."""
-        self.runner = PipelineRunner(self.pipeline, self.rules, self.device, self.stats)
+        self.runner = PipelineRunner(self.pipeline, self.rules, self.device, self.stats, VaeDecodeSettings.of(self.config))
         self.handle: OffloadHandle | None = None
         if not offload:
             self.pipeline.to(self.device)

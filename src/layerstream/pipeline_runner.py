@@ -2,7 +2,8 @@
 
 What the pipeline is called with comes from the request and the model's rules (`ModelRules`: defaults,
 geometry, the optional fields it takes); the call is timed step by step (`on_step`), its latents shown to
-`on_latents`, its per-request settings applied and restored (`boundary_ratio`, `flow_shift`), and its streaming
+`on_latents`, its per-request settings applied and restored (`boundary_ratio`, `flow_shift`, and the VAE decode
+tiled or not: `models.decode_memory`, refused before the first step where it cannot fit), and its streaming
 measured as a difference of the runtime's counters (`StreamCounters`). One call runs at a time.
 """
 
@@ -19,7 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from layerstream.models.decode_memory import DecodeRequest, VaeDecodeSettings, choose_decode
 from layerstream.models.model_rules import OPTIONAL_FIELDS, ModelRules
+from layerstream.models.vae_tiling import VaeDecodeChoice, vae_decode_settings
 from layerstream.outputs import GenerationResult
 from layerstream.request import GenerationError, GenerationRequest, invalid_field
 from layerstream.runtime.reporting.stats import OffloadStats, StreamCounters
@@ -42,6 +45,8 @@ class RunStats:
     """Bytes the disk tier (`host_budget_gb`) read during the call."""
     disk_stall_seconds: float = 0.0
     """Of the stall, the time compute waited on disk reads."""
+    vae_decode: VaeDecodeChoice | None = None
+    """How the VAE decoded (tiled or not, and why); None for a pipeline without a VAE that tiles."""
 
     @property
     def seconds_per_step(self) -> float:
@@ -53,8 +58,17 @@ class PipelineRunner:
     """Runs requests on one loaded pipeline: `model` names it in errors, `read_stats` reads the offload
     counters (None: nothing is offloaded)."""
 
-    def __init__(self, pipeline, rules: ModelRules, device: torch.device, read_stats: Callable[[], OffloadStats | None]):
+    def __init__(
+        self,
+        pipeline,
+        rules: ModelRules,
+        device: torch.device,
+        read_stats: Callable[[], OffloadStats | None],
+        vae_settings: VaeDecodeSettings = VaeDecodeSettings(),
+    ):
         self.pipeline = pipeline
+        self.vae_settings = vae_settings
+        """``vae_use_tiling``, ``vae_use_slicing`` and the device memory they weigh the decode against."""
         self.rules = rules
         self.model = rules.model
         self.kind = rules.kind
@@ -203,16 +217,30 @@ class PipelineRunner:
         # (what ran before this point only read the arguments); the raw pipeline refuses instead of waiting
         with self.lock:
             adopt_process_threads()  # the server's worker computes the same bits as the caller's thread would
-            before = StreamCounters.of(self._read_stats())
+            before_stats = self._read_stats()
+            decode = self._choose_decode(kwargs, before_stats)  # refuses a decode that cannot fit, before step 1
+            before = StreamCounters.of(before_stats)
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
             start = time.perf_counter()
-            with torch.inference_mode(), _settings_for(self.pipeline, request):
+            with torch.inference_mode(), _settings_for(self.pipeline, request), _decode_as(self.pipeline, decode):
                 output = self.pipeline(**kwargs)
             seconds = time.perf_counter() - start
             stats = self._read_stats()
             after = StreamCounters.of(stats)
-        return output, _run_stats(seconds, step_times, after - before, stats, self.device)
+        return output, replace(_run_stats(seconds, step_times, after - before, stats, self.device), vae_decode=decode)
+
+    def _choose_decode(self, kwargs: dict[str, Any], stats: OffloadStats | None) -> VaeDecodeChoice | None:
+        """How this call's VAE decode runs (`decode_memory.choose_decode`); a `GenerationError` if it cannot fit."""
+        prompt = kwargs["prompt"]
+        decode = DecodeRequest(
+            height=kwargs.get("height"), width=kwargs.get("width"), num_frames=kwargs.get("num_frames"),
+            batch=len(prompt) if isinstance(prompt, list) else 1,
+        )  # fmt: skip
+        choice = choose_decode(self.pipeline, self.vae_settings, decode, self.device, stats)
+        if choice is not None and not choice.fits:
+            raise GenerationError(f"{self.model} cannot decode this output on {self.device}: {choice.reason}")
+        return choice
 
     def _input_image(self, request: GenerationRequest):
         """(the RGB image, the size it leads to), or (None, None) without one; refuses an image the pipeline
@@ -326,6 +354,13 @@ def _guidance_arguments(request: GenerationRequest, rules: ModelRules, call) -> 
     if request.guidance_scale_2 is not None:
         out["guidance_scale_2"] = request.guidance_scale_2
     return out
+
+
+def _decode_as(pipeline, choice: VaeDecodeChoice | None):
+    """The pipeline's VAE set to decode as `choice` says for the call (restored after); nothing without a choice."""
+    if choice is None:
+        return contextlib.nullcontext()
+    return vae_decode_settings(pipeline.vae, tiled=choice.tiled, sliced=choice.sliced)
 
 
 @contextlib.contextmanager

@@ -78,6 +78,11 @@ CASES = [
     (["--model", "tiny-flux", "--output", "{tmp}/cat.gif"], "--output {tmp}/cat.gif: tiny-flux makes an image; use a .png file"),
     (["--model", "tiny-flux", "--num-frames", "5"], "--num-frames 5: tiny-flux makes images, not video; drop --num-frames"),
     (["--device", "nosuchdevice"], "--device 'nosuchdevice' is not a device"),
+    (["--vae-use-tiling", "yes"], "--vae-use-tiling: 'yes' is not allowed (true, false or auto)"),
+    (
+        ["--vae-use-slicing", "true", "--diffusion-offload-config", '{{"mode": "layer", "components": ["dit"], "vae_use_slicing": false}}'],  # braces doubled: formatted
+        "--vae-use-slicing: diffusion_offload_config: vae_use_slicing = False is not valid; given otherwise (True)",
+    ),
 ]
 
 

@@ -50,11 +50,13 @@ def test_table_summary_and_image_output(tmp_path, layerstream_cli):
     out = tmp_path / "flux.png"
     result = layerstream_cli("generate", "--model", "tiny-flux", "--steps", "2", "--output", str(out), "--diffusion-offload-config",
                       '{"mode": "layer", "components": ["dit", "text_encoder"]}', "--seed", "7", "--prompt", "a small cat",
-                      "--width", "48")
+                      "--width", "48", "--vae-use-tiling", "auto")
     assert result.returncode == 0, result.stderr
     assert iio.imread(out).shape == (64, 48, 3)
     for label in ("time per step", "device bytes", "host bytes", "bytes streamed", "stall time", str(out)):
         assert label in result.stdout
+    # how the VAE decoded is always said (a tiled decode changes bits); the CPU has no device memory to read
+    assert "untiled (vae_use_tiling auto, vae_use_slicing auto: no device memory to read)" in result.stdout
     rows = {line.split()[0]: " ".join(line.split()[1:]) for line in result.stdout.splitlines()[1:]}
     assert rows["prompt"] == "a small cat" and rows["seed"] == "7" and rows["size"] == "48x64 (width x height)"
 

@@ -204,6 +204,7 @@ def test_config_survives_pickle_and_deepcopy():
 ROUND_TRIP_CASES = [
     DIT,
     {"mode": "module", "components": ["vae", "dit"], "pin_memory": False},
+    {"mode": "layer", "components": ["dit"], "vae_use_tiling": False, "vae_use_slicing": True, "device_memory_gb": 12},
     {"mode": "layer", "components": ["dit", "text_encoder"], "layer_options": {"text_encoder": {"weight_transfer": "allgather"}}},
     with_dit_options(resident_layers="auto", device_budget_gb=12.5, prefetch_depth=2),
     with_dit_options(resident_layers="auto", activation_reserve_gb=3),
@@ -233,6 +234,8 @@ def test_to_dict_fills_defaults():
         "components": ["dit"],
         "pin_memory": True,
         "layer_options": {"dit": {"weight_transfer": "rank-local", "resident_layers": 2, "prefetch_depth": 1}},
+        "vae_use_tiling": "auto",
+        "vae_use_slicing": "auto",
     }
 
 
@@ -495,3 +498,24 @@ def test_float8_storage_combines_with_a_host_budget_and_with_allgather():
         config = parse_offload_config(raw)
         assert config.options_for("dit").storage_dtype == raw["layer_options"]["dit"]["storage_dtype"]
         assert parse_offload_config(config.to_dict()) == config
+
+
+@pytest.mark.parametrize("key", ["vae_use_tiling", "vae_use_slicing"])
+def test_vae_settings_take_true_false_or_auto(key):
+    base = {"mode": "layer", "components": ["dit"]}
+    assert getattr(parse_offload_config(base), key) == "auto"
+    for value in (True, False, "auto"):
+        assert getattr(parse_offload_config({**base, key: value}), key) == value
+    for bad in ("yes", 1, None, "AUTO"):
+        with pytest.raises(OffloadConfigError, match=f'{key} = .* expected true, false or "auto"'):
+            parse_offload_config({**base, key: bad})
+
+
+def test_vae_settings_given_twice_must_agree():
+    from layerstream.config.offload_config import with_vae_settings
+
+    config = parse_offload_config({"mode": "layer", "components": ["dit"], "vae_use_tiling": False, "device_memory_gb": 8})
+    assert with_vae_settings(config, vae_use_tiling=False, vae_use_slicing=None) == config
+    assert with_vae_settings(config, vae_use_slicing=True).vae_use_slicing is True
+    with pytest.raises(OffloadConfigError, match="vae_use_tiling = False .* given otherwise \\(True\\)"):
+        with_vae_settings(config, vae_use_tiling=True)

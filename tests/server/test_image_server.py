@@ -64,7 +64,9 @@ def test_health(client):
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["model"] == "tiny-flux" and health["kind"] == "image"
     assert health["device"] == "cpu" and health["queue_depth"] == 0 and health["max_queue"] == 16
-    assert health["offload_config"] == {"mode": "layer", "components": ["dit"], "pin_memory": True}
+    assert health["offload_config"] == {
+        "mode": "layer", "components": ["dit"], "pin_memory": True, "vae_use_tiling": "auto", "vae_use_slicing": "auto"
+    }
     assert health["size_multiple"] == 16 and health["frame_multiple"] is None
 
 

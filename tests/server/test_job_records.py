@@ -27,6 +27,9 @@ def test_a_record_is_its_request_and_job_settings_and_reads_back_equal(tmp_path)
     assert "image" not in stored["request"]  # the input image is never kept
     assert JobRecord.from_dict(json.loads(json.dumps(stored))) == record
     assert job_object(record, None, 1)["layerstream"]["settings"]["size"] == "16x16"
+    assert job_object(record, None, 1)["layerstream"]["settings"]["vae_decode"] is None  # not run yet
+    done = record.with_status(JobStatus.COMPLETED, figures={"vae_decode": "tiled (vae_use_tiling auto: ...)"})
+    assert job_object(done, None, None)["layerstream"]["settings"]["vae_decode"] == "tiled (vae_use_tiling auto: ...)"
 
 
 @pytest.mark.parametrize(

@@ -101,6 +101,7 @@ def test_a_vllm_omni_body_reaches_the_pipeline(served, encoding):
         "guidance_scale_2": 2.0, "boundary_ratio": 0.5, "flow_shift": 5.0, "fps": 8, "size": "32x48",
     }  # fmt: skip
     assert job["inference_time_s"] > 0 and job["peak_memory_mb"] > 0  # a CPU device: the process's peak
+    assert settings["vae_decode"].startswith("untiled (vae_use_tiling auto")  # how it decoded, said with the settings
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,41 @@ def parse_config_arg(text: str | None, default: dict | None = None):
         raise CliError(f"--diffusion-offload-config: {e}") from e
 
 
+def parse_config_args(args: argparse.Namespace, default: dict | None = None):
+    """--diffusion-offload-config with --vae-use-tiling and --vae-use-slicing folded in (`with_vae_settings`)."""
+    from layerstream.config.offload_config import OffloadConfigError, with_vae_settings
+
+    config = parse_config_arg(args.diffusion_offload_config, default)
+    given = {key: getattr(args, key, None) for key in ("vae_use_tiling", "vae_use_slicing")}
+    try:
+        return with_vae_settings(config, **given)
+    except OffloadConfigError as e:
+        flag = "--" + e.key_path.replace("_", "-")
+        raise CliError(f"{flag}: {e}") from e
+
+
+def add_vae_arguments(parser: argparse.ArgumentParser) -> None:
+    """--vae-use-tiling and --vae-use-slicing (vllm-omni's flags), each true, false or auto."""
+    parser.add_argument(
+        "--vae-use-tiling", type=vae_setting, default=None, metavar="{true,false,auto}",
+        help='decode in tiles: always, never (a decode that cannot fit is refused before the first step), or '
+        '"auto" (the default): only where the untiled decode would not fit the device memory left; tiling blends '
+        "tile edges (not bit-identical), and the summary says which was done and why",
+    )  # fmt: skip
+    parser.add_argument(
+        "--vae-use-slicing", type=vae_setting, default=None, metavar="{true,false,auto}",
+        help='decode a batch one sample at a time: always, never, or "auto" (the default): only a batch that would not fit whole',
+    )  # fmt: skip
+
+
+def vae_setting(text: str) -> bool | str:
+    """true, false or auto, as --vae-use-tiling takes them."""
+    values = {"true": True, "false": False, "auto": "auto"}
+    if text not in values:
+        raise _not_allowed(repr(text), "true, false or auto")
+    return values[text]
+
+
 def add_hub_arguments(parser: argparse.ArgumentParser) -> None:
     """--revision and --variant, for a model given as a Hugging Face Hub id."""
     parser.add_argument(

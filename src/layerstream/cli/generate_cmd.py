@@ -11,10 +11,11 @@ from pathlib import Path
 from layerstream.cli.common import (
     CliError,
     add_hub_arguments,
+    add_vae_arguments,
     check_device_arg,
     check_output_path,
     fetch_before_ranks,
-    parse_config_arg,
+    parse_config_args,
     positive_float,
     positive_int,
     prompt_text,
@@ -54,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "tiny model (default: tiny-wan)",
     )  # fmt: skip
     add_hub_arguments(parser)
+    add_vae_arguments(parser)
     parser.add_argument(
         "--prompt", type=prompt_text, default="a red fox running through fresh snow, cinematic",
         help=f"text prompt, at most {MAX_PROMPT_CHARS:,} characters (as the server takes)",
@@ -156,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, log: PhaseLog) -> int:
     rank, world_size = _rank_info()
     default = DATA_PARALLEL_CONFIG if (args.nproc or world_size) > 1 else None
-    config = parse_config_arg(args.diffusion_offload_config, default)  # before anything loads
+    config = parse_config_args(args, default)  # before anything loads
     _check_arguments(args, world_size)  # every check that needs no model, so a mistake costs no load
     # rank r of several uses seed + r
     request = request_from_args(args, image=_read_image_arg(args.image), seed=args.seed + rank)

@@ -44,6 +44,7 @@ def summary(model, omni, result, output, identical, trace_files, rank, *, prompt
         "stall_seconds": round(s.stall_seconds, 4),
         "disk_bytes_read": s.disk_bytes_read,
         "disk_stall_seconds": round(s.disk_stall_seconds, 4),
+        "vae_decode": s.vae_decode.to_dict() if s.vae_decode is not None else None,
         "identical_to_resident": identical,
         "trace_files": trace_files,
     }
@@ -51,6 +52,13 @@ def summary(model, omni, result, output, identical, trace_files, rank, *, prompt
 
 def _mib(n) -> str:
     return "-" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
+def _decode_line(decode: dict | None) -> str:
+    """How the VAE decoded and why: tiled output is not bit-identical to untiled, so it is never left unsaid."""
+    from layerstream.models.vae_tiling import VaeDecodeChoice
+
+    return "-" if decode is None else VaeDecodeChoice(**decode).summary()
 
 
 def print_table(summaries: list[dict]) -> None:
@@ -68,6 +76,7 @@ def print_table(summaries: list[dict]) -> None:
         ("host bytes", lambda s: _mib(s["host_bytes"])),
         ("bytes streamed", lambda s: f"{_mib(s['bytes_streamed'])} in {s['num_transfers']} transfers ({s['num_sync_loads']} synchronous)"),
         ("stall time", lambda s: f"{s['stall_seconds'] * 1e3:,.1f} ms"),
+        ("VAE decode", lambda s: _decode_line(s["vae_decode"])),
         ("identical to resident", lambda s: "not checked" if s["identical_to_resident"] is None else ("yes" if s["identical_to_resident"] else "NO")),
     ]
     if any(s["disk_bytes_read"] for s in summaries):  # the disk tier (host_budget_gb)

@@ -16,7 +16,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from layerstream.cli.common import CliError, add_hub_arguments, check_device_arg, fetch_before_ranks, parse_config_arg
+from layerstream.cli.common import (
+    CliError,
+    add_hub_arguments,
+    add_vae_arguments,
+    check_device_arg,
+    fetch_before_ranks,
+    parse_config_args,
+)
 from layerstream.server.settings import (  # plain data: no serve extra
     ACCELERATOR_STEPS,
     CPU_MAX_WORK,
@@ -51,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         'tiny model ("tiny-wan", "tiny-flux", ...)',
     )
     add_hub_arguments(parser)
+    add_vae_arguments(parser)
     parser.add_argument(
         "--omni", action="store_true",
         help="accepted for vllm-omni's command line (vllm serve MODEL --omni) and ignored: layerstream always serves "
@@ -167,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     from layerstream.cli.generate_cmd import DATA_PARALLEL_CONFIG
 
     default = DATA_PARALLEL_CONFIG if num_ranks > 1 else None
-    config = parse_config_arg(args.diffusion_offload_config, default)  # before anything loads
+    config = parse_config_args(args, default)  # before anything loads
     if args.link_gbps is not None and not args.link_gbps > 0:
         raise CliError(f"--link-gbps = {args.link_gbps!r} is not valid; expected a number > 0")
     settings = _settings(args)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal, get_args
 
@@ -30,8 +30,10 @@ AUTO = "auto"
 
 _TOP_LEVEL_KEYS = (
     "mode", "components", "layer_options", "pin_memory", "host_budget_gb", "host_reserve_gb", "disk_dir",
-    "lora_exact_unfuse",
+    "lora_exact_unfuse", "vae_use_tiling", "vae_use_slicing", "device_memory_gb",
 )  # fmt: skip
+_VAE_KEYS = ("vae_use_tiling", "vae_use_slicing")
+"""vllm-omni's names: true, false or "auto" (`layerstream.models.vae_tiling`)."""
 _COMMON_OPTION_KEYS = ("weight_transfer", "prefetch_depth", "storage_dtype")
 _DIT_ONLY_OPTION_KEYS = ("resident_layers", "device_budget_gb", "activation_reserve_gb")
 
@@ -108,6 +110,15 @@ class OffloadConfig:
     disk_dir: str | None = None
     """With `host_budget_gb`: where blocks that are not backed by checkpoint files are spilled (default: under
     the layerstream cache)."""
+    vae_use_tiling: bool | Literal["auto"] = AUTO
+    """The VAE decodes in tiles: always (true), never (false: a decode that cannot fit is refused before the first
+    step), or "auto": only where the untiled decode would not fit the device memory left. Tiling blends tile
+    edges, so its output is not bit-identical to an untiled decode; each run says which it did and why."""
+    vae_use_slicing: bool | Literal["auto"] = AUTO
+    """A batch decodes one sample at a time: always, never, or "auto": only a batch that would not fit whole."""
+    device_memory_gb: float | None = None
+    """The device's memory (GB) where it cannot be read (the CPU stand-in), or to plan a smaller card on a larger
+    one: the decode's "auto" weighs it, less what the runtime holds on the device, against the decode's peak."""
     lora_exact_unfuse: bool = False
     """Layer mode: `unfuse_lora` restores the bytes from before the first fuse exactly (a host copy of each fused
     block is kept until then). False (the default): unfusing subtracts the delta again, as diffusers does on a
@@ -123,14 +134,15 @@ class OffloadConfig:
         items = frozenset(self.layer_options.items())
         return hash(
             (self.mode, self.components, items, self.pin_memory, self.host_budget_gb, self.host_reserve_gb, self.disk_dir,
-             self.lora_exact_unfuse)
+             self.lora_exact_unfuse, self.vae_use_tiling, self.vae_use_slicing, self.device_memory_gb)
         )  # fmt: skip
 
     def __reduce__(self):
         # mappingproxy cannot be pickled or deep-copied; rebuild from plain data instead.
         state = {"mode": self.mode, "components": self.components, "pin_memory": self.pin_memory}
         state |= {"host_budget_gb": self.host_budget_gb, "host_reserve_gb": self.host_reserve_gb, "disk_dir": self.disk_dir}
-        state |= {"lora_exact_unfuse": self.lora_exact_unfuse}
+        state |= {"lora_exact_unfuse": self.lora_exact_unfuse, "device_memory_gb": self.device_memory_gb}
+        state |= {"vae_use_tiling": self.vae_use_tiling, "vae_use_slicing": self.vae_use_slicing}
         return (_rebuild, (type(self), {**state, "layer_options": dict(self.layer_options)}))
 
     def options_for(self, component: str) -> LayerOptions:
@@ -150,6 +162,9 @@ class OffloadConfig:
             out["lora_exact_unfuse"] = True
         if self.disk_dir is not None:
             out["disk_dir"] = self.disk_dir
+        out["vae_use_tiling"], out["vae_use_slicing"] = self.vae_use_tiling, self.vae_use_slicing
+        if self.device_memory_gb is not None:
+            out["device_memory_gb"] = self.device_memory_gb
         return out
 
 
@@ -244,7 +259,32 @@ def parse_offload_config(obj: Any) -> OffloadConfig:
         host_reserve_gb=host_reserve_gb,
         disk_dir=disk_dir,
         lora_exact_unfuse=lora_exact_unfuse,
+        **{key: _parse_vae_setting(obj, key) for key in _VAE_KEYS},
+        device_memory_gb=_optional_gb(obj, "device_memory_gb", ""),
     )
+
+
+def with_vae_settings(config: OffloadConfig, **given: bool | str | None) -> OffloadConfig:
+    """`config` with `vae_use_tiling` / `vae_use_slicing` given as arguments (`Omni`'s keywords, the command
+    line's flags; None: the config's own). One the config sets otherwise than "auto" must agree."""
+    changes = {}
+    for key, value in given.items():
+        if value is None:
+            continue
+        parsed = _parse_vae_setting({key: value}, key)
+        own = getattr(config, key)
+        if own != AUTO and own is not parsed:
+            raise OffloadConfigError(key, own, f"given otherwise ({_show(parsed)}) beside the config; give it once")
+        changes[key] = parsed
+    return replace(config, **changes) if changes else config
+
+
+def _parse_vae_setting(obj: Mapping, key: str) -> bool | str:
+    """`vae_use_tiling` / `vae_use_slicing`: true, false or "auto" (the default)."""
+    value = obj.get(key, AUTO)
+    if not (isinstance(value, bool) or value == AUTO):
+        raise OffloadConfigError(key, value, 'expected true, false or "auto"')
+    return value
 
 
 def _parse_host_tier(obj: Mapping, mode: str) -> tuple[float | str | None, str | None]:

@@ -25,6 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from layerstream.models.conv_scratch import DeviceType, convolution_scratch_nbytes
+
 
 @dataclass(frozen=True)
 class _FreshTensor:
@@ -59,8 +61,10 @@ class MetaPeakTracker(TorchDispatchMode):
     Storages alive when tracing starts (the inputs, the module's meta parameters) are not counted: the caller
     adds what it holds itself."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: DeviceType = "cuda") -> None:
         super().__init__()
+        self.device_type = device_type
+        """Whose kernels' scratch to count: the CPU's (oneDNN, or ATen's unfolding kernel) or CUDA's."""
         self.live_nbytes = 0
         self.peak_nbytes = 0
         self.num_ops = 0
@@ -79,6 +83,10 @@ class MetaPeakTracker(TorchDispatchMode):
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
                 self._count(tensor.untyped_storage())
+        if func is torch.ops.aten.convolution.default and not self.quiet:
+            # the kernel's scratch beside its output, while it runs (`conv_scratch`)
+            scratch = convolution_scratch_nbytes(self.device_type, args, out)
+            self.peak_nbytes = max(self.peak_nbytes, self.live_nbytes + scratch)
         return out
 
     def _run(self, func, args, kwargs):
@@ -138,12 +146,15 @@ class FusedAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def trace_peak_nbytes(call: Callable[[], Any], *, replayed: Iterable[nn.Module] = ()) -> tuple[int, int]:
-    """Runs `call` (on meta tensors, under no_grad) and returns (peak live bytes, ops traced).
+def trace_peak_nbytes(
+    call: Callable[[], Any], *, replayed: Iterable[nn.Module] = (), device_type: DeviceType = "cuda"
+) -> tuple[int, int]:
+    """Runs `call` (on meta tensors, under no_grad) and returns (peak live bytes, ops traced) on a device of
+    `device_type`: tensors alike everywhere, the convolutions' scratch as its kernels take it.
 
     Each module of `replayed` has its calls recorded and replayed (`replayed_calls`): only for modules whose
     result depends on their arguments alone."""
-    tracker = MetaPeakTracker()
+    tracker = MetaPeakTracker(device_type)
     with contextlib.ExitStack() as stack:
         for module in replayed:
             stack.enter_context(replayed_calls(module, tracker))

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from layerstream.models.conv_scratch import DeviceType
 from layerstream.models.meta_peak import trace_peak_nbytes
 
 _TILING_ATTRIBUTES = ("tile_", "use_framewise_", "num_sample_frames_", "num_latent_frames_")
@@ -51,22 +52,10 @@ class DecodePeak:
         return self.activation_nbytes + self.latent_nbytes
 
 
-def decode_peak_nbytes(
-    vae: nn.Module,
-    *,
-    height: int,
-    width: int,
-    num_frames: int | None,
-    batch: int = 1,
-    tiled: bool,
-    dtype: torch.dtype,
-    sliced: bool = False,
-) -> int:
-    """The device peak of `vae.decode` for an output of `height` x `width` (and `num_frames` frames for a video
-    VAE; None for an image), beyond the VAE's own weights. `vae` may be a loaded VAE or a meta-device skeleton."""
-    return estimate_decode_peak(
-        vae, height=height, width=width, num_frames=num_frames, batch=batch, tiled=tiled, dtype=dtype, sliced=sliced
-    ).nbytes
+def decode_peak_nbytes(vae: nn.Module, **decode: Any) -> int:
+    """The device peak of `vae.decode`, beyond the VAE's own weights, for the keywords of `estimate_decode_peak`
+    (``height``, ``width``, ``num_frames``, ``batch``, ``tiled``, ``dtype``, ``sliced``, ``device_type``)."""
+    return estimate_decode_peak(vae, **decode).nbytes
 
 
 def estimate_decode_peak(
@@ -79,11 +68,16 @@ def estimate_decode_peak(
     tiled: bool,
     dtype: torch.dtype,
     sliced: bool = False,
+    device_type: DeviceType = "cuda",
 ) -> DecodePeak:
-    """`decode_peak_nbytes` with its parts (see `DecodePeak`)."""
+    """The device bytes of `vae.decode` for an output of `height` x `width` (and `num_frames` frames for a
+    video VAE; None for an image), a batch of `batch`, tiled or not, a batch `sliced` one sample at a time or
+    not, computing in `dtype` on a device of `device_type` (whose convolutions' scratch is counted:
+    `conv_scratch`); in parts (`DecodePeak`). `vae` may be a loaded VAE or a meta-device skeleton."""
     shape = latent_shape(vae, height=height, width=width, num_frames=num_frames, batch=batch)
     key = _VaeKey.of(vae, dtype)
-    activation_nbytes = _traced_peak(key, shape, tiled, sliced)
+    threads = torch.get_num_threads() if device_type == "cpu" else 0  # the CPU's kernel choice reads it
+    activation_nbytes = _traced_peak(key, shape, tiled, sliced, device_type, threads)
     return DecodePeak(
         activation_nbytes=activation_nbytes,
         latent_nbytes=math.prod(shape) * dtype.itemsize,
@@ -177,12 +171,14 @@ class _VaeKey:
 
 
 @functools.lru_cache(maxsize=256)
-def _traced_peak(key: _VaeKey, shape: tuple[int, ...], tiled: bool, sliced: bool) -> int:
+def _traced_peak(
+    key: _VaeKey, shape: tuple[int, ...], tiled: bool, sliced: bool, device_type: DeviceType, threads: int
+) -> int:
     vae = key.build_meta()
     vae.use_tiling = tiled
     vae.use_slicing = sliced
     latents = torch.empty(shape, dtype=key.dtype, device="meta")
     # the decoder (and the 1x1 convolution before it) run once per latent frame and tile: replayed, not rerun
     replayed = [m for m in (vae.decoder, getattr(vae, "post_quant_conv", None)) if isinstance(m, nn.Module)]
-    peak, _ = trace_peak_nbytes(lambda: vae.decode(latents, return_dict=False), replayed=replayed)
+    peak, _ = trace_peak_nbytes(lambda: vae.decode(latents, return_dict=False), replayed=replayed, device_type=device_type)
     return peak

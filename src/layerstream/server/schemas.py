@@ -273,6 +273,11 @@ class GenerationUsage(BaseModel):
     batch_size: int = Field(
         default=1, description="Requests that shared the pipeline call (1: this request ran alone)."
     )
+    vae_decode: str | None = Field(
+        default=None,
+        description="How the VAE decoded and why (vae_use_tiling): a tiled decode blends tile edges, so its "
+        "output is not bit-identical to an untiled one.",
+    )
 
 
 class ImageGenerationResponse(BaseModel):

@@ -107,6 +107,7 @@ def request_usage(
         peak_device_bytes=max(peaks) if peaks else None,
         size_note=served.size_note,
         batch_size=batch_size,
+        vae_decode=runs[-1].vae_decode.summary() if runs[-1].vae_decode is not None else None,
     )
 
 

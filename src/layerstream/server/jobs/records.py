@@ -194,14 +194,16 @@ class LiveProgress:
         }
 
 
-def run_figures(usage: Any) -> dict[str, float | None]:
+def run_figures(usage: Any) -> dict[str, float | str | None]:
     """vllm-omni's figures of a completed job, from its `GenerationUsage`: ``inference_time_s``, the pipeline
     call's seconds (encoding excluded), and ``peak_memory_mb``, the device's peak allocation during it (MiB);
-    on a CPU device, which has no such counter, the process's peak resident memory so far (``VmHWM``)."""
+    on a CPU device, which has no such counter, the process's peak resident memory so far (``VmHWM``). Beside
+    them, ``vae_decode``: how the VAE decoded and why (shown with the job's settings)."""
     peak = usage.peak_device_bytes if usage.peak_device_bytes is not None else peak_rss_nbytes()
     return {
         "inference_time_s": round(usage.seconds, 6),
         "peak_memory_mb": round(peak / 2**20, 3) if peak is not None else None,
+        "vae_decode": usage.vae_decode,
     }
 
 
@@ -229,7 +231,8 @@ def job_object(record: JobRecord, live: LiveProgress | None, queue_position: int
         "inference_time_s": (record.figures or {}).get("inference_time_s"),
         "peak_memory_mb": (record.figures or {}).get("peak_memory_mb"),
         "layerstream": {
-            "settings": settings,
+            # how the decode ran is known once the job ran: tiling changes the output's bits, so it is shown
+            "settings": {**settings, "vae_decode": (record.figures or {}).get("vae_decode")},
             "queue_position": queue_position if record.status is JobStatus.QUEUED else None,
             "step": live.step if running or record.status.finished else 0,
             "total_steps": live.total_steps or record.request.num_inference_steps,

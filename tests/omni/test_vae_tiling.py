@@ -1,0 +1,127 @@
+"""vae_use_tiling / vae_use_slicing: the choice (pure), its application per call, and runs on tiny-wan that
+tile only where the decode would not fit the device memory left (the CPU stand-in's `device_memory_gb`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from layerstream.models.decode_memory import held_on_device
+from layerstream.models.vae_decode import decode_peak_nbytes
+from layerstream.models.vae_tiling import LOSSY_NOTE, choose_vae_decode, choose_vae_tiling, vae_decode_settings
+from layerstream.omni import GenerationError, Omni
+
+MB = 10**6
+SIZE = {"height": 64, "width": 64, "num_frames": 5}
+
+
+@pytest.mark.fast
+def test_auto_tiles_only_what_does_not_fit_and_says_why():
+    fits = choose_vae_tiling("auto", 300 * MB, 100 * MB, 400 * MB)
+    assert (fits.tiled, fits.fits, fits.peak_nbytes) == (False, True, 300 * MB)
+    assert LOSSY_NOTE not in fits.reason
+    tiled = choose_vae_tiling("auto", 300 * MB, 100 * MB, 200 * MB)
+    assert (tiled.tiled, tiled.fits, tiled.peak_nbytes) == (True, True, 100 * MB)
+    assert "286.1 MiB, more than the 190.7 MiB left" in tiled.reason and LOSSY_NOTE in tiled.reason
+    neither = choose_vae_tiling("auto", 300 * MB, 100 * MB, 50 * MB)
+    assert (neither.tiled, neither.fits) == (True, False)
+    unknown = choose_vae_tiling("auto", 300 * MB, 100 * MB, None)
+    assert (unknown.tiled, unknown.fits) == (False, True) and "no device memory to read" in unknown.reason
+
+
+@pytest.mark.fast
+def test_fixed_settings_are_kept_and_a_decode_that_cannot_fit_is_named():
+    refused = choose_vae_tiling(False, 300 * MB, 100 * MB, 200 * MB)
+    assert (refused.tiled, refused.fits) == (False, False)
+    assert "needs 286.1 MiB, more than the 190.7 MiB of device memory left" in refused.reason
+    assert 'set vae_use_tiling to "auto" or true' in refused.reason
+    always = choose_vae_tiling(True, 300 * MB, 100 * MB, 400 * MB)
+    assert (always.tiled, always.fits) == (True, True) and LOSSY_NOTE in always.reason
+
+
+@pytest.mark.fast
+def test_auto_slicing_splits_only_a_batch_that_does_not_fit_whole():
+    peaks = {(False, False): 500 * MB, (False, True): 200 * MB, (True, False): 150 * MB, (True, True): 60 * MB}
+    assert choose_vae_decode("auto", "auto", peaks, 600 * MB).sliced is False
+    sliced = choose_vae_decode("auto", "auto", peaks, 300 * MB)
+    assert (sliced.tiled, sliced.sliced) == (False, True)  # bit-identical ways before tiles
+    assert (choose_vae_decode("auto", False, peaks, 300 * MB).tiled) is True
+    both = choose_vae_decode("auto", "auto", peaks, 100 * MB)
+    assert (both.tiled, both.sliced, both.fits) == (True, True, True)
+
+
+def test_the_vaes_own_setting_is_restored_after_the_call_whatever_happens():
+    from layerstream.models.tiny_components import _wan_vae
+
+    vae = _wan_vae()
+    with vae_decode_settings(vae, tiled=True, sliced=True):
+        assert vae.use_tiling and vae.use_slicing
+    assert not vae.use_tiling and not vae.use_slicing
+    vae.enable_tiling()
+    with pytest.raises(RuntimeError), vae_decode_settings(vae, tiled=False, sliced=False):
+        assert not vae.use_tiling
+        raise RuntimeError("a failed decode")
+    assert vae.use_tiling
+
+
+@pytest.fixture(scope="module")
+def omni():
+    omni = Omni("tiny-wan", device="cpu")
+    vae = omni.pipeline.vae  # tiles smaller than the tiny output, so that tiling has something to save
+    vae.tile_sample_min_height = vae.tile_sample_min_width = 32
+    vae.tile_sample_stride_height = vae.tile_sample_stride_width = 24
+    yield omni
+    omni.close()
+
+
+def _device_memory_gb(omni) -> float:
+    """A stand-in device memory that leaves room for the tiled decode but not for the untiled one."""
+    vae = omni.pipeline.vae
+    peaks = {t: decode_peak_nbytes(vae, **SIZE, tiled=t, dtype=torch.float32, device_type="cpu") for t in (False, True)}
+    assert peaks[True] < peaks[False]
+    held = held_on_device(omni.pipeline, omni.device, omni.stats())
+    return (held + (peaks[True] + peaks[False]) / 2) / 1e9
+
+
+def _measured_decode_peak(omni, *, tiled: bool) -> int:
+    """The CPU allocator's peak while the pipeline's VAE decodes latents of `SIZE`."""
+    from benchmark_modules import benchmark_module
+
+    from layerstream.models.vae_decode import latent_shape
+
+    vae = omni.pipeline.vae
+    latents = torch.randn(latent_shape(vae, **SIZE))
+    with torch.no_grad(), vae_decode_settings(vae, tiled=tiled, sliced=False):
+        return benchmark_module("vae_decode").allocator_peak(lambda: vae.decode(latents))
+
+
+def _run(omni, settings: dict, **kwargs):
+    omni.runner.vae_settings = settings
+    return omni.generate("a red fox", seed=3, num_inference_steps=1, keep_raw=True, **SIZE, **kwargs)
+
+
+def test_auto_leaves_a_decode_that_fits_untiled_and_tiles_under_a_small_budget(omni):
+    from layerstream.models.decode_memory import VaeDecodeSettings
+
+    untiled = _run(omni, VaeDecodeSettings(vae_use_tiling=False))
+    roomy = _run(omni, VaeDecodeSettings(device_memory_gb=100.0))
+    assert not roomy.stats.vae_decode.tiled and np.array_equal(roomy.raw, untiled.raw)  # not a bit changed
+    small = _device_memory_gb(omni)
+    tight = _run(omni, VaeDecodeSettings(device_memory_gb=small))
+    choice = tight.stats.vae_decode
+    assert choice.tiled and choice.fits and LOSSY_NOTE in choice.reason
+    assert choice.peak_nbytes <= choice.free_nbytes  # the tiled decode, as planned, inside what was left
+    assert _measured_decode_peak(omni, tiled=True) <= choice.free_nbytes  # and as the CPU allocator counts it
+    assert not np.array_equal(tight.raw, untiled.raw)  # blended tile edges: why it is never silent
+    assert not omni.pipeline.vae.use_tiling  # nothing leaks into the next request
+
+
+def test_false_refuses_a_decode_that_cannot_fit_before_the_first_step(omni):
+    from layerstream.models.decode_memory import VaeDecodeSettings
+
+    small = _device_memory_gb(omni)
+    steps = []
+    with pytest.raises(GenerationError, match=r"needs .* more than the .* of device memory left"):
+        _run(omni, VaeDecodeSettings(vae_use_tiling=False, device_memory_gb=small), on_step=lambda *a: steps.append(a))
+    assert steps == []
