@@ -121,7 +121,9 @@ def enable_offload(
     plan, host_budget = resolve_host_budget(pipeline, plan, device, process_group, generation)  # "auto": a number, or no disk tier
     context = StoreContext(plan, device, components, process_group, _spill_root(config), simulated_disk_gbps)
     stores = _stores(plan, context, store_factory)
-    reserve = estimated_activation_reserve(pipeline, generation) if _estimates_reserve(plan, device) else None
+    reserve = None
+    if _estimates_reserve(plan, device):  # the decode tiled only where the config says always: "auto" tiles only where it must
+        reserve = estimated_activation_reserve(pipeline, generation, tiled=config.vae_use_tiling is True, device_type=device.type)
     layouts, placement, block_modules = _plan_layer_mode(pipeline, plan, components, stores, device, host_budget, reserve)
     try:
         backend = apply_layer_mode(
@@ -213,16 +215,19 @@ def place_for(
     return place_blocks(plan, slot_nbytes, budget, host_nbytes)
 
 
-def estimated_activation_reserve(pipeline: Any, generation: GenerationSize | None) -> ActivationReserve:
+def estimated_activation_reserve(
+    pipeline: Any, generation: GenerationSize | None, *, tiled: bool = False, device_type: str = "cuda",
+) -> ActivationReserve:  # fmt: skip
     """What residency "auto" leaves free on the device when the config gives neither a budget nor a reserve: the
-    largest phase's transient for `generation` (None: the model's defaults), the VAE decode untiled, and the
-    allowance, as the planner recommends it (`machine.device_fit`: where even no resident block leaves the untiled
-    decode room, the planner plans it tiled and says so)."""
+    largest phase's transient for `generation` (None: the model's defaults), the VAE decode `tiled` or not on a
+    device of `device_type`, and the allowance, as the planner recommends it (`machine.device_fit`: where even
+    no resident block leaves the untiled decode room, the planner plans it tiled and says so, and the decode's
+    "auto" tiles it in the room this leaves)."""
     from layerstream.models.generation_size import pipeline_generation
 
     generation = generation if generation is not None else pipeline_generation(pipeline)
     transients = phase_transients(pipeline, generation, phase_blocks(pipeline))
-    decode = decode_transient(pipeline, generation, tiled=False)
+    decode = decode_transient(pipeline, generation, tiled=tiled, device_type=device_type)
     transients += (decode,) if decode is not None else ()
     largest = max(transients, key=lambda t: t.nbytes)
     nbytes = activation_reserve_nbytes(transients, round(DEVICE_ALLOWANCE_GB * GB))

@@ -110,14 +110,16 @@ def test_a_decode_that_does_not_fit_is_refused_naming_it_and_what_would_fit(tiny
     with pytest.raises(MachinePlanError) as refused:
         plan_for_machine(pipe, tight, generation=video)
     message = str(refused.value)
-    assert message.startswith(f"device_memory_gb = {tight.device_memory_gb:g}: VAE decode {decode.nbytes / 1e9:.3g} GB")
+    peak = refused.value.peak  # the phase that bounds, as data (the machines table prints it)
+    assert peak.phase == "VAE decode" and message.startswith(f"device_memory_gb = {tight.device_memory_gb:g}: {peak.describe()}")
     assert "the VAE's decode at 320x320 x 5 frames, untiled" in message and "more than the device's" in message
     assert 'it would fit with a tiled decode (vae_use_tiling true or "auto": ' in message and "not bit-identical" in message
-    assert ", or 240x240 x 5 frames (" in message and message.endswith(f"or a device of {roomy.device_nbytes / 1e9:.3g} GB")
+    assert ", or 240x240 x 5 frames (" in message and message.endswith(f"or a device of {peak.nbytes / 1e9:.3g} GB")
     tiled = plan_for_machine(pipe, dataclasses.replace(tight, vae_use_tiling="auto"), generation=video)
     phase = tiled.device_phases.phase("VAE decode")
     assert "tiled" in list(phase.parts)[-1] and "not bit-identical" in phase.note and tiled.device_nbytes <= tight.device_memory_gb * 1e9
-    assert any(n.startswith('the VAE decode is tiled (vae_use_tiling "auto": untiled, VAE decode would need') for n in tiled.notes)
+    assert any(n.startswith("the VAE decode is tiled: vae_use_tiling auto") and "the whole decode needs" in n for n in tiled.notes)
+    assert tiled.to_dict()["recommended"]["decode"]["tiled"] is True
     assert "text_encoder" not in tiled.config["components"]
 
 

@@ -145,7 +145,7 @@ def test_the_planned_config_finishes_in_a_cgroup_of_the_stated_host_memory(wan_f
     # baseline 0.45: the measured imports, no CUDA context on the CPU (no device allowance either); a device of
     # 0.6 GB keeps a few blocks resident beside the slots (the activation reserve is the request's own estimate:
     # this once gave 4 GB to its flat reserve and 0.3 beside it)
-    machine = Machine(device_memory_gb=0.6, device_allowance_gb=0, host_memory_gb=host_memory_gb, baseline_gb=0.45, host_reserve_gb=RESERVE_GB)
+    machine = Machine(device_memory_gb=0.6, device_allowance_gb=0, device_type="cpu", host_memory_gb=host_memory_gb, baseline_gb=0.45, host_reserve_gb=RESERVE_GB)
     pipe = load_pipeline(str(wan_folder))
     result = plan_for_machine(pipe, machine, generation=pipeline_generation(pipe, height=16, width=16, num_frames=1))
     assert "host_budget_gb" in result.config and result.placement.host_tier.disk_block_paths

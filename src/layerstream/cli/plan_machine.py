@@ -121,6 +121,7 @@ def machine_plan_lines(result) -> list[str]:
         f"({result.placement.num_slots} slots of {format_gb(result.placement.slot_nbytes)}; "
         f"{result.activation_reserve_gb:.3g} GB left beside the weights and the ring for the largest phase)",
         *(f"    {phase.describe()}" for phase in device.phases),
+        *([f"  VAE decode: {result.decode.summary()}"] if result.decode is not None else []),
         f"  host:   {format_gb(result.host_nbytes)} of {m.host_memory_gb:g} GB while it generates, "
         f"{format_gb(host.phase('loading and enabling').nbytes)} while it loads and enables",
         *(f"    {phase.describe()}" for phase in host.phases),

@@ -20,6 +20,7 @@ from layerstream.config.offload_config import parse_offload_config
 from layerstream.machine.figures import DeviceTooSmallError, Machine
 from layerstream.machine.phases import PhasePeaks, device_phase_peaks
 from layerstream.models.generation_estimates import Transient, activation_reserve_nbytes, decode_transient, decodes, phase_transients
+from layerstream.models.vae_tiling import LOSSY_NOTE, VaeDecodeChoice, choose_vae_tiling
 from layerstream.plan.phase_blocks import phase_blocks
 from layerstream.plan.placement import Placement
 from layerstream.plan.resolved import ResolvedOffloadPlan
@@ -28,7 +29,6 @@ from layerstream.wording import GB, format_gb
 if TYPE_CHECKING:
     from layerstream.models.generation_size import GenerationSize
 
-TILED_NOTE = "tiles blend at their edges: the output is not bit-identical to an untiled decode"
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,10 @@ class DeviceFit:
     placement: Placement
     block_host_nbytes: Mapping[str, int]
     phases: PhasePeaks
-    untiled_decode: Transient | None = None
-    """Where the decode was planned tiled: the untiled decode it replaces (what `plan` says it would have needed)."""
+    device_type: str = "cuda"
+    decode_choice: VaeDecodeChoice | None = None
+    """The decode's choice as a run makes it (`models.vae_tiling.choose_vae_tiling`: its peaks untiled and tiled,
+    and the device memory the fit leaves it), with its reason; None without a VAE."""
 
 
 def recommended_config(
@@ -66,11 +68,14 @@ def recommended_config(
     return config
 
 
-def generation_transients(pipeline: Any, generation: GenerationSize, *, tiled: bool | None = False) -> tuple[Transient, ...]:
+def generation_transients(
+    pipeline: Any, generation: GenerationSize, *, tiled: bool | None = False, device_type: str = "cuda",
+) -> tuple[Transient, ...]:  # fmt: skip
     """Each phase's transient for `pipeline` at `generation` (`models.generation_estimates`: `phase_transients`
-    on the blocks `plan.phase_blocks` finds, and the VAE decode, tiled or not; `tiled` None leaves it out)."""
+    on the blocks `plan.phase_blocks` finds, and the VAE decode on a device of `device_type`, tiled or not;
+    `tiled` None leaves it out)."""
     transients = phase_transients(pipeline, generation, phase_blocks(pipeline))
-    decode = decode_transient(pipeline, generation, tiled=tiled) if tiled is not None else None
+    decode = decode_transient(pipeline, generation, tiled=tiled, device_type=device_type) if tiled is not None else None
     return transients + ((decode,) if decode is not None else ())
 
 
@@ -85,12 +90,12 @@ def fit_device(
     tilings = {"auto": (False, True), True: (True,), False: (False,)}[machine.vae_use_tiling] if decodes(pipeline) else (None,)
     tried: list[DeviceFit] = []
     for tiled in tilings:
-        transients = generation_transients(pipeline, generation, tiled=tiled)
+        transients = generation_transients(pipeline, generation, tiled=tiled, device_type=machine.device_type)
         for text_encoder in (True,) if text_encoder_streams else (False, True):
             fit = _candidate(pipeline, machine, transients, text_encoder=text_encoder, lossless=lossless, tiled=tiled)
             if fit.phases.fits:
-                untiled = decode_transient(pipeline, generation, tiled=False) if tiled else None
-                return replace(fit, untiled_decode=untiled), _notes(machine, fit, tried)
+                fit = _with_decode_choice(pipeline, machine, generation, fit)
+                return fit, _notes(machine, fit, tried)
             tried.append(fit)
             if not any(c.category == "text_encoder" and c.stacks for c in fit.plan.components):
                 break  # no text encoder to stream
@@ -110,9 +115,22 @@ def _candidate(pipeline, machine: Machine, transients, *, text_encoder: bool, lo
     plan = resolve_offload_plan(pipeline, parse_offload_config(config))
     placement, host_nbytes = priced_placement(pipeline, plan, torch.device("cpu"))  # bytes do not depend on the device
     memory = round(machine.device_memory_gb * GB)
-    notes = {"VAE decode": TILED_NOTE} if tiled else {}
+    notes = {"VAE decode": LOSSY_NOTE} if tiled else {}
     phases = device_phase_peaks(plan, placement, transients, memory_nbytes=memory, allowance_nbytes=allowance, notes=notes)
-    return DeviceFit(text_encoder, tiled, reserve, plan, placement, host_nbytes, phases)
+    return DeviceFit(text_encoder, tiled, reserve, plan, placement, host_nbytes, phases, machine.device_type)
+
+
+def _with_decode_choice(pipeline: Any, machine: Machine, generation: GenerationSize, fit: DeviceFit) -> DeviceFit:
+    """`fit` with the decode's choice, made as a run makes it: the device memory left beside what stays on the
+    device (weights, ring, allowance), the decode's peaks untiled and tiled. It is the fit's own choice: an
+    untiled decode that fitted fits what it leaves, and a tiled one was planned because the untiled did not fit
+    even with no block resident."""
+    decode = fit.phases.phase("VAE decode")
+    if decode is None:
+        return fit
+    free = fit.phases.memory_nbytes - (decode.nbytes - decode.parts[_transient_name(decode)])
+    untiled, tiled = (decode_transient(pipeline, generation, tiled=t, device_type=machine.device_type) for t in (False, True))
+    return replace(fit, decode_choice=choose_vae_tiling(machine.vae_use_tiling, untiled.nbytes, tiled.nbytes, free))
 
 
 def _notes(machine: Machine, fit: DeviceFit, tried: list[DeviceFit]) -> tuple[str, ...]:
@@ -125,18 +143,9 @@ def _notes(machine: Machine, fit: DeviceFit, tried: list[DeviceFit]) -> tuple[st
             f"the text encoder streams: kept resident, {peak.phase} would need {format_gb(peak.nbytes)}, more than "
             f"the device's {format_gb(fit.phases.memory_nbytes)}"
         )
-    if fit.decode_tiled:
-        why = "vae_use_tiling true" if machine.vae_use_tiling is True else (
-            f'vae_use_tiling "auto": untiled, {_untiled_phrase(tried)}'
-        )  # fmt: skip
-        notes.append(f"the VAE decode is tiled ({why}); {TILED_NOTE}")
+    if fit.decode_tiled and fit.decode_choice is not None:
+        notes.append(f"the VAE decode is tiled: {fit.decode_choice.reason}")
     return tuple(notes)
-
-
-def _untiled_phrase(tried: list[DeviceFit]) -> str:
-    last = [f for f in tried if f.decode_tiled is False][-1]
-    peak = last.phases.peak
-    return f"{peak.phase} would need {format_gb(peak.nbytes)}, more than the device's {format_gb(last.phases.memory_nbytes)}"
 
 
 def refusal(pipeline: Any, machine: Machine, fit: DeviceFit, generation: GenerationSize) -> DeviceTooSmallError:
@@ -169,11 +178,11 @@ def _what_would_fit(pipeline: Any, fit: DeviceFit, generation: GenerationSize) -
         return (device,)
     ways = []
     if peak.phase == "VAE decode" and fit.decode_tiled is False:
-        tiled = kept + max(t.nbytes for t in generation_transients(pipeline, generation, tiled=True))
+        tiled = kept + max(t.nbytes for t in generation_transients(pipeline, generation, tiled=True, device_type=fit.device_type))
         if tiled <= memory:
-            ways.append(f'a tiled decode (vae_use_tiling true or "auto": {format_gb(tiled)} at its peak; {TILED_NOTE})')
+            ways.append(f'a tiled decode (vae_use_tiling true or "auto": {format_gb(tiled)} at its peak; {LOSSY_NOTE})')
     for smaller in _smaller_generations(pipeline, generation):
-        largest = kept + max(t.nbytes for t in generation_transients(pipeline, smaller, tiled=fit.decode_tiled))
+        largest = kept + max(t.nbytes for t in generation_transients(pipeline, smaller, tiled=fit.decode_tiled, device_type=fit.device_type))
         if largest <= memory:
             ways.append(f"{size_phrase(smaller)} ({format_gb(largest)} at its peak)")
             break

@@ -63,6 +63,9 @@ class Machine:
     the allowance (`models.generation_estimates.activation_reserve_nbytes`)."""
     device_allowance_gb: float = DEVICE_ALLOWANCE_GB
     """Device memory beside the estimates in every phase (a CUDA context, the allocator; 0 for a CPU device)."""
+    device_type: Literal["cuda", "cpu"] = "cuda"
+    """The device's kind, for what its kernels allocate beside their tensors (a VAE decode's convolution scratch,
+    `models.conv_scratch`): "cpu" for the CPU device, where the device is host memory."""
     vae_use_tiling: bool | Literal["auto"] = "auto"
     """Whether the VAE decode is planned tiled: "auto" only where the untiled decode leaves some phase no room
     (tiles blend at their edges: the output is not bit-identical), True always, False never (refused where the
@@ -106,6 +109,8 @@ def check_machine(machine: Machine) -> None:
             raise MachinePlanError(f"{name} = {value!r} is not valid; expected a finite number >= 0 (0: an accelerator's copies)")
     if isinstance(machine.baseline_gb, bool) or not 0 <= machine.baseline_gb < float("inf"):
         raise MachinePlanError(f"baseline_gb = {machine.baseline_gb!r} is not valid; expected a finite number >= 0")
+    if machine.device_type not in ("cuda", "cpu"):
+        raise MachinePlanError(f'device_type = {machine.device_type!r} is not valid; expected "cuda" or "cpu"')
     if machine.vae_use_tiling not in (True, False, "auto"):
         raise MachinePlanError(f'vae_use_tiling = {machine.vae_use_tiling!r} is not valid; expected true, false or "auto"')
     if machine.host_memory_gb <= machine.baseline_gb:

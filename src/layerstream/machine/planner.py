@@ -42,6 +42,7 @@ from layerstream.wording import GB
 
 if TYPE_CHECKING:
     from layerstream.models.generation_size import GenerationSize
+    from layerstream.models.vae_tiling import VaeDecodeChoice
 
 __all__ = [
     "CUDA_CONTEXT_GB", "DEVICE_DECODE_GBPS", "PROCESS_BASELINE_GB", "DeviceTooSmallError", "Machine", "MachinePlan", "MachinePlanError",
@@ -89,6 +90,8 @@ class MachinePlan:
     """The host's peaks: loading and enabling, and generating (`host_nbytes`)."""
     text_encoder_link_nbytes: int = 0
     """Bytes a streamed text encoder moves over the link a generation (its blocks, once per prompt)."""
+    decode: VaeDecodeChoice | None = None
+    """The VAE decode's choice, tiled or not, and why (as a run with `vae_use_tiling` makes it); None: no VAE."""
 
     @property
     def bound(self) -> Bound:
@@ -108,6 +111,7 @@ class MachinePlan:
                 "compute": self.compute_source,
                 "tokens": self.tokens,
                 "activation_reserve_gb": self.activation_reserve_gb,
+                "decode": self.decode.to_dict() if self.decode is not None else None,
                 "phases": {
                     "device": self.device_phases.to_dict() if self.device_phases is not None else None,
                     "host": self.host_phases.to_dict() if self.host_phases is not None else None,
@@ -143,7 +147,10 @@ def plan_for_machine(
     plan = _faster_text_encoder(pipeline, machine, lossless=False, **kwargs)
     if machine.allow_lossy or plan.bound == "compute":
         return plan
-    coded = _faster_text_encoder(pipeline, machine, lossless=True, **kwargs)
+    try:
+        coded = _faster_text_encoder(pipeline, machine, lossless=True, **kwargs)
+    except MachinePlanError:  # its slots (the decoded block beside the coded one) leave some phase no room
+        return plan
     if coded.seconds_per_step >= plan.seconds_per_step:
         return plan
     note = (
@@ -221,6 +228,7 @@ def _plan_for_machine(
         {k: per_step[k + "_s"] for k in ("compute", "link", "disk")}, source, tokens, notes,
         activation_reserve_gb=fit.reserve_nbytes / GB, host_reserve=host.reserve, generation=generation,
         device_phases=fit.phases, host_phases=host_phases, text_encoder_link_nbytes=_text_encoder_link_nbytes(plan, placement, machine),
+        decode=fit.decode_choice,
     )  # fmt: skip
 
 

@@ -112,10 +112,10 @@ def activation_reserve_nbytes(transients: Sequence[Transient], allowance_nbytes:
     return max((t.nbytes for t in transients), default=0) + allowance_nbytes
 
 
-def decode_transient(pipeline: Any, generation: GenerationSize, *, tiled: bool) -> Transient | None:
-    """The VAE decode's transient at `generation`'s size, tiled or not (`models.vae_decode`: traced from the VAE's
-    structure, its weights apart: they stay on the device with the other resident modules); None where the
-    pipeline has no VAE."""
+def decode_transient(pipeline: Any, generation: GenerationSize, *, tiled: bool, device_type: str = "cuda") -> Transient | None:
+    """The VAE decode's transient at `generation`'s size, tiled or not, on a device of `device_type` (its
+    convolutions' scratch; `models.vae_decode`: traced from the VAE's structure, its weights apart: they stay on
+    the device with the other resident modules); None where the pipeline has no VAE."""
     from layerstream.models.vae_decode import estimate_decode_peak
 
     if not decodes(pipeline):
@@ -123,7 +123,9 @@ def decode_transient(pipeline: Any, generation: GenerationSize, *, tiled: bool) 
     vae = pipeline.vae
     dtype = next(p.dtype for p in vae.parameters() if p.is_floating_point())
     size = generation.as_size()
-    peak = estimate_decode_peak(vae, height=size["height"], width=size["width"], num_frames=size["num_frames"], tiled=tiled, dtype=dtype)
+    peak = estimate_decode_peak(
+        vae, height=size["height"], width=size["width"], num_frames=size["num_frames"], tiled=tiled, dtype=dtype, device_type=device_type,
+    )  # fmt: skip
     frames = f" x {size['num_frames']} frames" if size["num_frames"] > 1 else ""
     how = "tiled" if tiled else "untiled"
     return Transient("VAE decode", f"the VAE's decode at {size['height']}x{size['width']}{frames}, {how}", peak.nbytes)
