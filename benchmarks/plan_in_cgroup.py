@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         staging = roomy.host_budget.needs["disk staging ring"] / 1e9  # needed only with a disk tier
         beside = sum(roomy.host_budget.needs.values()) / 1e9 - staging
         hosts = {"every block in host memory": round(baseline_gb + beside + streamed + 0.1, 2),
-                 "most blocks on disk": round(baseline_gb + beside + staging + 0.3 * streamed, 2)}  # fmt: skip
+                 "a disk tier": round(baseline_gb + beside + staging + 0.3 * streamed, 2)}  # fmt: skip
         rows += [{"size": size, "host": name, **check(folder, x, baseline_gb, size)} for name, x in hosts.items()]
     document = {"baseline_bytes": base["phases"]["whole run"]["working_set_bytes"], "device_memory_gb": DEVICE_MEMORY_GB, "rows": rows}
     if args.json:
