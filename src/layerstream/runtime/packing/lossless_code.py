@@ -29,6 +29,7 @@ from layerstream.runtime.packing.lossless_format import (
     VALUE_RANGE,
     CodedDtype,
     SpanCode,
+    best_window,
     choose_windows,
     pack_codes,
     tier_lookup,
@@ -84,18 +85,31 @@ def candidate_widths() -> list[tuple[int, ...]]:
     return [(first,) + rest for first in FIRST_WIDTHS for rest in later]
 
 
+def _layouts(left: list[int], escaping: int, widths: tuple[int, ...] = (), escapes: tuple[int, ...] = ()):
+    """(widths, elements escaping each tier) of every layout of `candidate_widths`, each tier's window the best
+    for what reaches it (`left`: the counts of the values no earlier window holds); shared prefixes found once."""
+    for width in FIRST_WIDTHS if not widths else TIER_WIDTHS:
+        base, inside = best_window(left, window_size(width))
+        grown, after = widths + (width,), escapes + (escaping - inside,)
+        yield grown, after
+        if len(grown) < MAX_TIERS and escaping - inside > 0:
+            yield from _layouts(left[:base] + left[base + window_size(width) :], escaping - inside, grown, after)
+
+
 def plan_code_from_counts(counts: torch.Tensor, num_elements: int, dtype: CodedDtype) -> SpanCode | None:
     """The smallest code of `num_elements` elements with these coded-byte `counts`, or None where no code is
     smaller than the raw bytes: each layout's sizes follow from the counts (what escapes each tier's best window).
-    Ties go to the fewer, narrower tiers (listed first), which decode faster."""
+    Ties go to the layout found first (fewer, narrower tiers first), which decodes faster."""
     values = value_counts(counts, dtype)
-    best: SpanCode | None = None
-    for widths in candidate_widths():
-        escapes = choose_windows(values, widths)[1]
-        code = SpanCode(dtype, num_elements, widths, tuple(escape_capacity(e, num_elements) for e in escapes))
-        if best is None or code.nbytes < best.nbytes:
-            best = code
-    return best if best.nbytes < 2 * num_elements else None
+    first_bits = dtype == "float16"  # float16's sign rides in the first code
+    best, best_bits = None, 0
+    for widths, escapes in _layouts(values, sum(values)):  # sized in bits first: a code is made for the best only
+        capacities = [escape_capacity(e, num_elements) for e in escapes]
+        bits = num_elements * (widths[0] + first_bits) + sum(c * w for c, w in zip(capacities, widths[1:])) + 8 * capacities[-1]
+        if best is None or bits < best_bits:
+            best, best_bits = (widths, tuple(capacities)), bits
+    code = SpanCode(dtype, num_elements, *best)
+    return code if code.nbytes < 2 * num_elements else None
 
 
 def plan_code(x16: torch.Tensor, dtype: CodedDtype) -> SpanCode | None:

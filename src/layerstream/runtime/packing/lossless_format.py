@@ -19,7 +19,10 @@ elements rounded up to a whole group of 16 (the padding codes are zeros, never r
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -79,7 +82,7 @@ class SpanCode:
         """Bits of tier 0's code: its offset, and float16's sign above it."""
         return self.widths[0] + (self.dtype == "float16")
 
-    @property
+    @cached_property
     def fields(self) -> tuple[tuple[int, int, int], ...]:
         """(field bits, the code bit it holds first, byte offset) of each field of tier 0."""
         out, shift, at = [], 0, align(self.num_elements)
@@ -89,12 +92,12 @@ class SpanCode:
             at += align(self.padded_elements * bits // 8)
         return tuple(out)
 
-    @property
+    @cached_property
     def bases_offset(self) -> int:
         bits, _, at = self.fields[-1]
         return at + align(self.padded_elements * bits // 8)
 
-    @property
+    @cached_property
     def tier_offsets(self) -> tuple[int, ...]:
         """Byte offset of each later tier's codes, then of the literals."""
         out, at = [], self.bases_offset + align(8 * len(self.widths))  # a base and an escape count per tier (int32)
@@ -104,7 +107,7 @@ class SpanCode:
         out.append(at)
         return tuple(out)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.tier_offsets[-1] + align(self.capacities[-1])
 
@@ -129,25 +132,28 @@ def window_size(width: int) -> int:
     return (1 << width) - 1
 
 
+def best_window(left: list[int], size: int) -> tuple[int, int]:
+    """(base, elements inside) of the run of `size` consecutive entries of `left` (counts) that holds the most
+    (the first such run)."""
+    sums = [0, *itertools.accumulate(left)]
+    inside = list(map(operator.sub, sums[size:], sums[: len(sums) - size]))
+    base = max(range(len(inside)), key=inside.__getitem__)
+    return base, inside[base]
+
+
 def choose_windows(value_counts: list[int], widths: tuple[int, ...]) -> tuple[list[int], list[int]]:
     """(base of each tier's window, elements escaping each tier) for values counted `value_counts`: each tier takes
     the consecutive run of values, among those no earlier window holds, that holds the most elements (the base is
     counted in that tier's values: the earlier windows taken out)."""
-    left = list(value_counts)  # the values no window holds yet, in order
+    left = list(value_counts)  # the counts of the values no window holds yet, in order
     escaping = sum(left)
     bases, escapes = [], []
     for width in widths:
-        size = window_size(width)
-        run = sum(left[:size])
-        best, best_run = 0, run
-        for base in range(1, len(left) - size + 1):
-            run += left[base + size - 1] - left[base - 1]
-            if run > best_run:
-                best, best_run = base, run
-        bases.append(best)
-        escaping -= best_run
+        base, inside = best_window(left, window_size(width))
+        bases.append(base)
+        escaping -= inside
         escapes.append(escaping)
-        del left[best : best + size]
+        del left[base : base + window_size(width)]
     return bases, escapes
 
 
