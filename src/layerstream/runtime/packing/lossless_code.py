@@ -14,7 +14,11 @@ LoRA fusing or a load) usually fit.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -38,7 +42,9 @@ from layerstream.runtime.packing.lossless_format import (
 
 __all__ = [
     "CODED_DTYPES",
+    "ESTIMATED",
     "ESTIMATED_CODED_FRACTION",
+    "CodedFraction",
     "CodedDtype",
     "SpanCode",
     "SpanDecode",
@@ -48,12 +54,52 @@ __all__ = [
     "estimated_code",
     "plan_code",
     "plan_code_from_counts",
+    "priced_fraction",
+    "pricing_at",
 ]
 
 ESTIMATED_CODED_FRACTION = 0.69
-"""Stored bytes per 16-bit byte assumed where the values are not there to code (a skeleton on the meta device,
-`layerstream plan` without readable weights): an estimate, the ratio measured on seven trained models' weights in
-bfloat16 (`benchmarks/lossless.py --weights`: 0.675 to 0.694 a model) with a little to spare."""
+"""Stored bytes per 16-bit byte assumed where the values are not there to code and no sample of them could be read
+(a skeleton on the meta device: `layerstream plan` of a model whose weights are not on this machine). An
+estimate, from the trained weights measured: 0.673-0.696 a model, 0.680 over seven models in bfloat16
+(`benchmarks/lossless.py --weights`, docs/storage.md), rounded up; initial weights code smaller (0.650)."""
+
+
+@dataclass(frozen=True)
+class CodedFraction:
+    """Stored bytes per 16-bit byte that the lossless form is priced at where the values are not there to code,
+    and where the figure comes from."""
+
+    value: float
+    sampled: bool
+    """True: estimated from a sample of the checkpoint's own weights; False: the fixed estimate."""
+    source: str
+    """How it was reached, in words (a plan's notes say it)."""
+
+    def describe(self) -> str:
+        return f"{self.value:.3f}x, {self.source}"
+
+
+ESTIMATED = CodedFraction(
+    ESTIMATED_CODED_FRACTION, False, "an estimate for weights that could not be read (measured on trained weights)"
+)
+_priced: contextvars.ContextVar[CodedFraction | None] = contextvars.ContextVar("lossless_priced_fraction", default=None)
+
+
+def priced_fraction() -> CodedFraction:
+    """What a lossless span with no values is priced at here: the fraction `pricing_at` set, or `ESTIMATED`."""
+    return _priced.get() or ESTIMATED
+
+
+@contextlib.contextmanager
+def pricing_at(fraction: CodedFraction) -> Iterator[CodedFraction]:
+    """Price the lossless spans that have no values (a skeleton's) at `fraction` inside the block: the planner
+    prices a checkpoint it has sampled at its own figure."""
+    token = _priced.set(fraction)
+    try:
+        yield fraction
+    finally:
+        _priced.reset(token)
 
 def escape_capacity(num_escapes: int, num_elements: int) -> int:
     """Entries kept for a tier that needs `num_escapes`: a little more, so that small changes (a fused LoRA) still
@@ -119,10 +165,14 @@ def plan_code(x16: torch.Tensor, dtype: CodedDtype) -> SpanCode | None:
 
 
 def estimated_code(num_elements: int, dtype: CodedDtype) -> SpanCode:
-    """A code whose size is about `ESTIMATED_CODED_FRACTION` of the raw bytes (for pricing only: it codes nothing)."""
-    bare = SpanCode(dtype, num_elements, (2,), (0,)).nbytes
-    spare = max(0, int(ESTIMATED_CODED_FRACTION * 2 * num_elements) - bare)
-    return SpanCode(dtype, num_elements, (2,), (spare,))
+    """A code whose size is about `priced_fraction()` of the raw bytes (for pricing only: it codes nothing): the
+    widest first tier that fits, then literals up to the size."""
+    target = int(priced_fraction().value * 2 * num_elements)
+    for width in sorted(FIRST_WIDTHS, reverse=True):
+        bare = SpanCode(dtype, num_elements, (width,), (0,)).nbytes
+        if bare <= target or width == min(FIRST_WIDTHS):
+            return SpanCode(dtype, num_elements, (width,), (max(0, target - bare),))
+    raise AssertionError("unreachable: the narrowest width always returns")
 
 
 class _CodeOverflowError(LayerstreamError, ValueError):  # internal: the store turns it into UnsupportedUseError
