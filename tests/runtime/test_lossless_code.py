@@ -128,6 +128,21 @@ def test_any_tier_layout_codes_any_values(dtype, widths, n, seed):
         assert torch.equal(_round_trip(x16, dtype, code, dense), x16)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_escapes_counted_across_steps_find_their_codes(dtype, monkeypatch):
+    """Each step of a span starts where the escapes of the steps before it left each tier (a running count on
+    the host, a device tensor on an accelerator): steps of two blocks over a span of many, the last one short."""
+    monkeypatch.setitem(lossless_decode.CHUNK_ELEMENTS, "cpu", 2 * 8192)
+    g = torch.Generator().manual_seed(5)
+    n = 9 * 8192 + 1000
+    x16 = (torch.randn(n, generator=g) * 0.02 * torch.exp(torch.randn(n, generator=g) * 1.5)).to(DTYPES[dtype]).view(torch.int16)
+    x16[torch.randint(0, n, (300,), generator=g)] = torch.randint(-(1 << 15), 1 << 15, (300,), generator=g, dtype=torch.int32).to(torch.int16)
+    code = plan_code(x16, dtype)
+    assert code is not None and len(code.widths) > 1 and len(code.steps(2 * 8192)) == 6
+    for dense in WAYS.values():
+        assert torch.equal(_round_trip(x16, dtype, code, dense), x16)
+
+
 @pytest.mark.parametrize("width", [1, 2, 4])
 def test_a_later_tier_unpacks_any_run_of_its_codes(width):
     capacity = 1000
