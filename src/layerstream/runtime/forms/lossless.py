@@ -10,7 +10,8 @@ stream (on the copy thread on a CPU device), before the slot is marked ready. Th
 weights uncompressed. Every store keeps a lossless block in this form: the local store, the disk tier (a
 checkpoint-backed block is coded once at enable: the disk reads shrink too) and the sharded store. The form's
 sizes come from the block's values (how many escapes each tensor needs), read once when the form is made; a
-skeleton on the meta device is priced at `ESTIMATED_CODED_FRACTION`.
+skeleton on the meta device is priced at `lossless_code.priced_fraction()` (a checkpoint's sampled figure, else
+`ESTIMATED_CODED_FRACTION`).
 
 Changing a block's values keeps its sizes: `load_state_dict`, LoRA fusing and a write-back code the new values
 again with each tensor's escape capacity (a little more than it needed at enable). Values that need more escapes
