@@ -14,11 +14,8 @@ LoRA fusing or a load) usually fit.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -39,6 +36,13 @@ from layerstream.runtime.packing.lossless_format import (
     tier_lookup,
     window_size,
 )
+from layerstream.runtime.packing.lossless_pricing import (
+    ESTIMATED,
+    ESTIMATED_CODED_FRACTION,
+    CodedFraction,
+    priced_fraction,
+    pricing_at,
+)
 
 __all__ = [
     "CODED_DTYPES",
@@ -58,48 +62,6 @@ __all__ = [
     "pricing_at",
 ]
 
-ESTIMATED_CODED_FRACTION = 0.69
-"""Stored bytes per 16-bit byte assumed where the values are not there to code and no sample of them could be read
-(a skeleton on the meta device: `layerstream plan` of a model whose weights are not on this machine). An
-estimate, from the trained weights measured: 0.673-0.696 a model, 0.680 over seven models in bfloat16
-(`benchmarks/lossless.py --weights`, docs/storage.md), rounded up; initial weights code smaller (0.650)."""
-
-
-@dataclass(frozen=True)
-class CodedFraction:
-    """Stored bytes per 16-bit byte that the lossless form is priced at where the values are not there to code,
-    and where the figure comes from."""
-
-    value: float
-    sampled: bool
-    """True: estimated from a sample of the checkpoint's own weights; False: the fixed estimate."""
-    source: str
-    """How it was reached, in words (a plan's notes say it)."""
-
-    def describe(self) -> str:
-        return f"{self.value:.3f}x, {self.source}"
-
-
-ESTIMATED = CodedFraction(
-    ESTIMATED_CODED_FRACTION, False, "an estimate for weights that could not be read (measured on trained weights)"
-)
-_priced: contextvars.ContextVar[CodedFraction | None] = contextvars.ContextVar("lossless_priced_fraction", default=None)
-
-
-def priced_fraction() -> CodedFraction:
-    """What a lossless span with no values is priced at here: the fraction `pricing_at` set, or `ESTIMATED`."""
-    return _priced.get() or ESTIMATED
-
-
-@contextlib.contextmanager
-def pricing_at(fraction: CodedFraction) -> Iterator[CodedFraction]:
-    """Price the lossless spans that have no values (a skeleton's) at `fraction` inside the block: the planner
-    prices a checkpoint it has sampled at its own figure."""
-    token = _priced.set(fraction)
-    try:
-        yield fraction
-    finally:
-        _priced.reset(token)
 
 def escape_capacity(num_escapes: int, num_elements: int) -> int:
     """Entries kept for a tier that needs `num_escapes`: a little more, so that small changes (a fused LoRA) still
@@ -131,7 +93,9 @@ def candidate_widths() -> list[tuple[int, ...]]:
     return [(first,) + rest for first in FIRST_WIDTHS for rest in later]
 
 
-def _layouts(left: list[int], escaping: int, widths: tuple[int, ...] = (), escapes: tuple[int, ...] = ()):
+def _layouts(
+    left: list[int], escaping: int, widths: tuple[int, ...] = (), escapes: tuple[int, ...] = ()
+) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
     """(widths, elements escaping each tier) of every layout of `candidate_widths`, each tier's window the best
     for what reaches it (`left`: the counts of the values no earlier window holds); shared prefixes found once."""
     for width in FIRST_WIDTHS if not widths else TIER_WIDTHS:
@@ -145,7 +109,7 @@ def _layouts(left: list[int], escaping: int, widths: tuple[int, ...] = (), escap
 def plan_code_from_counts(counts: torch.Tensor, num_elements: int, dtype: CodedDtype) -> SpanCode | None:
     """The smallest code of `num_elements` elements with these coded-byte `counts`, or None where no code is
     smaller than the raw bytes: each layout's sizes follow from the counts (what escapes each tier's best window).
-    Ties go to the layout found first (fewer, narrower tiers first), which decodes faster."""
+    Ties go to the layout found first (a layout comes before its longer ones, which decode slower)."""
     values = value_counts(counts, dtype)
     first_bits = dtype == "float16"  # float16's sign rides in the first code
     best, best_bits = None, 0
@@ -180,7 +144,7 @@ class _CodeOverflowError(LayerstreamError, ValueError):  # internal: the store t
 
 
 class _EncodeScratch:
-    """One encode's buffers for a step of `chunk` elements (the step's work stays in the core's cache)."""
+    """One encode's buffers for a step of `chunk` elements, made once per tensor."""
 
     def __init__(self, chunk: int):
         self.wide = torch.empty(chunk, dtype=torch.int16)
@@ -261,7 +225,8 @@ def encode_into_(code: SpanCode, x16: torch.Tensor, out: torch.Tensor, counts: t
     where a tier needs more entries than the code keeps."""
     n, dtype = code.num_elements, code.dtype
     x16 = x16.reshape(-1).cpu()
-    bases = choose_windows(value_counts(count_coded(x16, dtype) if counts is None else counts, dtype), code.widths)[0]
+    bases, expected = choose_windows(value_counts(count_coded(x16, dtype) if counts is None else counts, dtype), code.widths)
+    share = expected[0] / n  # of the elements escaping tier 0, as the windows' counts say: how to look for them
     chunk = CHUNK_ELEMENTS["cpu"]
     scratch = _EncodeScratch(min(chunk, code.padded_elements))
     fields_at = code.fields[0][2]
@@ -271,7 +236,7 @@ def encode_into_(code: SpanCode, x16: torch.Tensor, out: torch.Tensor, counts: t
         count = blocks * block
         part = x16[first : min(n, first + count)]
         codes, flags = _first_codes(part, code, bases[0], count, scratch)
-        escaped.append(_coded_values(part.index_select(0, escapes_in(flags.view(torch.bool)[: part.numel()], 0.0)), dtype))
+        escaped.append(_coded_values(part.index_select(0, escapes_in(flags.view(torch.bool)[: part.numel()], share)), dtype))
         for bits, shift, at in code.fields:
             start = at - fields_at + first * bits // 8
             packed = fields[start : start + count * bits // 8].view(blocks, block * bits // 8)
