@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 CODED_DTYPES = {"BF16": "bfloat16", "F16": "float16"}
 """Safetensors dtypes the lossless form codes."""
 MIN_ELEMENTS = 2048
-"""Smaller tensors stay raw in the lossless form (`lossless_store.MIN_CODED_BYTES`, 4 KiB)."""
+"""Smaller tensors stay raw in the lossless form (`runtime.forms.lossless.MIN_CODED_BYTES`, 4 KiB)."""
 RUNS = 4
 RUN_ELEMENTS = 1 << 14
 """Each tensor gives `RUNS` runs of this many elements, spread through it (128 KiB of a tensor at most)."""
