@@ -116,7 +116,8 @@ class GenerationRequest:
     negative_prompt: str | None = None
     """What to steer away from (classifier-free guidance); None: the model's default."""
     image: Any = None
-    """The input image of image-to-video and image-editing models (a PIL image, a path or an array)."""
+    """The input image of image-to-video and image-editing models (a PIL image, a path, an array, or an `ImageFile`:
+    the server's requests carry their upload's bytes, decoded where they run)."""
     height: int | None = None
     """Pixels; with an input image and no size, the image's size is used (see `max_side_pixels`)."""
     width: int | None = None

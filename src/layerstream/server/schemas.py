@@ -95,7 +95,7 @@ class GenerationBody(RequestFields):
 
     def generation_request(self, *, seed: int, image: Any = None) -> GenerationRequest:
         """The `GenerationRequest` this body asks for, the model's defaults left unfilled (None): `seed` is the
-        first output's (the body's own, or one the server drew), `image` the decoded input image."""
+        first output's (the body's own, or one the server drew), `image` the input image (its `ImageFile`)."""
         width, height = self.width_height() or (None, None)
         given = {name: getattr(self, name) for name in RequestFields.model_fields if name not in ("model", "size", "seed")}
         return GenerationRequest(
