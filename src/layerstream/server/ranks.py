@@ -90,8 +90,9 @@ class WaveMessage:
         def carried(request: GenerationRequest) -> GenerationRequest:
             if request.image is None or isinstance(request.image, ImageFile):
                 return request
-            file = files.setdefault(id(request.image), image_file(request.image))
-            return replace(request, image=file)
+            if id(request.image) not in files:
+                files[id(request.image)] = image_file(request.image)
+            return replace(request, image=files[id(request.image)])
 
         works = tuple(replace(work, requests=tuple(map(carried, work.requests))) for work in self.works)
         return replace(self, works=works)
