@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -25,14 +26,37 @@ def fail(message: str) -> int:
     return EXIT_USAGE
 
 
+DEFAULT_CONFIG = {"mode": "layer", "components": ["dit"]}
+"""The offload config of a command given no --diffusion-offload-config (and no default of its own)."""
+
+
 def parse_config_arg(text: str | None, default: dict | None = None):
     """Parse --diffusion-offload-config (JSON text) into an OffloadConfig; CliError on any problem."""
     from layerstream.config.offload_config import OffloadConfigError, parse_offload_config
 
     try:
-        return parse_offload_config(text if text is not None else (default or {"mode": "layer", "components": ["dit"]}))
+        return parse_offload_config(text if text is not None else (default or DEFAULT_CONFIG))
     except OffloadConfigError as e:
         raise CliError(f"--diffusion-offload-config: {e}") from e
+
+
+def add_config_argument(parser: argparse.ArgumentParser) -> None:
+    """--diffusion-offload-config, read by `parse_config_arg`."""
+    parser.add_argument(
+        "--diffusion-offload-config", metavar="JSON", default=None,
+        help=f"offload config as JSON text (default: {json.dumps(DEFAULT_CONFIG)})",
+    )  # fmt: skip
+
+
+MODEL_SOURCES = "a Hugging Face Hub id (org/name, downloaded into its cache), a local diffusers folder, or an embedded tiny model"
+"""What a command's model may be, as its help words it."""
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, model_help: str) -> None:
+    """The positional MODEL (`model_help`: what the subcommand does with each kind of model), and the Hub
+    arguments."""
+    parser.add_argument("model", help=model_help)
+    add_hub_arguments(parser)
 
 
 def add_hub_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 
 from layerstream.cli.common import (
+    MODEL_SOURCES,
     CliError,
+    add_config_argument,
     add_hub_arguments,
     check_device_arg,
     check_output_path,
@@ -48,11 +50,7 @@ _REQUEST_FLAGS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default="tiny-wan",
-        help="a Hugging Face Hub id (org/name, downloaded into its cache), a local diffusers folder, or an embedded "
-        "tiny model (default: tiny-wan)",
-    )  # fmt: skip
+    parser.add_argument("--model", default="tiny-wan", help=f"{MODEL_SOURCES} (default: tiny-wan)")
     add_hub_arguments(parser)
     parser.add_argument(
         "--prompt", type=prompt_text, default="a red fox running through fresh snow, cinematic",
@@ -120,12 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"largest --num-frames accepted, as the server's --max-frames (default: {DEFAULT_MAX_FRAMES})",
     )
     parser.add_argument("--output", default=None, help="output file: .png for images, .mp4 or .gif for video")
-    parser.add_argument(
-        "--diffusion-offload-config",
-        default=None,
-        metavar="JSON",
-        help='offload config, e.g. \'{"mode": "layer", "components": ["dit"]}\' (the default)',
-    )
+    add_config_argument(parser)
     parser.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: as saved)")
     parser.add_argument("--link-gbps", type=positive_float, default=None, help="CPU only: simulated host link bandwidth in GB/s")

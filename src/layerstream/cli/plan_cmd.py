@@ -14,7 +14,7 @@ import dataclasses
 import json
 from typing import Any
 
-from layerstream.cli.common import CliError, add_hub_arguments, parse_config_arg
+from layerstream.cli.common import CliError, add_config_argument, add_model_arguments, parse_config_arg
 from layerstream.cli.plan_machine import add_machine_arguments, lossless_fraction, planned_generation_of, run_machine_plan, wants_machine_plan
 from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan
 from layerstream.wording import format_bytes
@@ -25,22 +25,16 @@ _NUMERIC = frozenset({"blocks", "max block", "streamed", "resident"})
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of the ``plan`` subcommand."""
-    parser.add_argument(
-        "model",
-        help='a Hugging Face Hub id (planned from its metadata: nothing is downloaded), a local diffusers-format '
-        'folder, or an embedded tiny model ("tiny-wan")',
+    add_model_arguments(
+        parser,
+        'a Hugging Face Hub id (planned from its metadata: nothing is downloaded), a local diffusers-format folder, '
+        'or an embedded tiny model ("tiny-wan")',
     )
-    add_hub_arguments(parser)
     parser.add_argument(
         "--download", action="store_true",
         help="with a Hub id and --measure: download the model first (--measure runs its weights)",
     )  # fmt: skip
-    parser.add_argument(
-        "--diffusion-offload-config",
-        metavar="JSON",
-        default=None,
-        help='offload config as JSON text (default: {"mode": "layer", "components": ["dit"]})',
-    )
+    add_config_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the resolved plan as JSON instead of a table")
     add_machine_arguments(parser)
 

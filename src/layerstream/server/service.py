@@ -281,16 +281,7 @@ class GenerationService:
         }
 
     def render_metrics(self) -> str:
-        queue = self.queue
-        state = QueueState(
-            depth=queue.depth,
-            max_waiting=queue.max_waiting,
-            running=queue.running,
-            num_submitted=queue.num_submitted,
-            num_started=queue.num_started,
-            num_running=queue.num_running,
-        )
         labels = {"model": self.limits.model, "kind": self.limits.kind, "device": self.facts["device"]}
-        text = self.metrics.render(queue=state, offload=self.runner.offload_stats, labels=labels)
+        text = self.metrics.render(queue=QueueState.of(self.queue), offload=self.runner.offload_stats, labels=labels)
         families = self.runner.metric_families()
         return text + render_families(families) if families else text
