@@ -4,7 +4,8 @@ The plan is made on the pipeline's skeleton (`layerstream.models.skeleton`: mode
 on the meta device, in the dtypes the checkpoint stores), so no weight is read. For a Hub id the configs and
 the safetensors headers come from the Hub and nothing else is downloaded; the plan is the same as for the
 downloaded folder by construction. Only ``--measure`` needs the weights (and a plan that stores the DiT lossless
-reads a sample of them where the folder holds them, to price the code: `models.coded_fraction`).
+reads a sample of them to price the code: from the folder where it holds them, `models.coded_fraction`, else by
+ranged reads of a Hub id's files, `models.hub_sample`).
 """
 
 from __future__ import annotations

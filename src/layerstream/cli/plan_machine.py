@@ -63,11 +63,13 @@ def wants_machine_plan(args: argparse.Namespace) -> bool:
 
 def lossless_fraction(pipeline: Any, origin: dict[str, Any], variant: str | None):
     """What the lossless form is priced at for this model (`CodedFraction`): its DiT's weights sampled where the
-    model's folder (a local one, a downloaded snapshot) holds them, else the fixed estimate."""
+    model's folder (a local one, a downloaded snapshot) holds them, else by ranged reads of a Hub id's files, else
+    the fixed estimate (saying why)."""
     from pathlib import Path
 
     from layerstream.config.offload_config import parse_offload_config
     from layerstream.models.coded_fraction import sample_coded_fraction
+    from layerstream.models.hub_sample import hub_coded_fraction
     from layerstream.plan.resolver import resolve_offload_plan
     from layerstream.runtime.packing.lossless_code import ESTIMATED
 
@@ -76,7 +78,10 @@ def lossless_fraction(pipeline: Any, origin: dict[str, Any], variant: str | None
         return ESTIMATED
     plan = resolve_offload_plan(pipeline, parse_offload_config({"mode": "layer", "components": ["dit"]}))
     components = {c.path.split(".", 1)[0] for c in plan.streamed if c.path}
-    return sample_coded_fraction(Path(folder), components, variant) or ESTIMATED
+    sampled = sample_coded_fraction(Path(folder), components, variant)
+    if sampled is None and origin.get("origin") == "hub":  # planned from the Hub's metadata: its files are not here
+        return hub_coded_fraction(origin["model"], origin["commit"], components, variant)
+    return sampled or ESTIMATED
 
 
 def run_machine_plan(args: argparse.Namespace, pipeline: Any, origin: dict[str, Any] | None = None) -> int:

@@ -1,6 +1,7 @@
 """What the lossless form is priced at where a tensor's values are not there to code (a skeleton's, on the meta
 device): the stored fraction of a checkpoint's own weights where `layerstream plan` sampled them
-(`models.coded_fraction`), else a fixed estimate. `pricing_at` sets it for the planning inside its block.
+(`models.coded_fraction`, `models.hub_sample`), else a fixed estimate. `pricing_at` sets it for the planning
+inside its block.
 """
 
 from __future__ import annotations
