@@ -20,6 +20,7 @@ from typing import Any
 
 from layerstream.errors import LayerstreamError
 from layerstream.json_object import JsonObject, first_non_json
+from layerstream.models.call_arguments import SET_BY_LAYERSTREAM
 from layerstream.models.output_limits import DEFAULT_MAX_SIDE_PIXELS, MAX_PROMPT_CHARS, MAX_SEED
 
 
@@ -196,24 +197,12 @@ class GenerationRequest:
         return cls(**data)
 
 
-_OWN_SEEDS = "n instead (each output with a seed of its own)"
-_OWN_OUTPUT = "no such key: layerstream takes the output as arrays and encodes it itself"
-_OWN_STEPS = "no such key: layerstream follows the steps itself (progress, previews, stopping)"
-_OWN_SIZE = "size (height and width) instead"
-SET_BY_LAYERSTREAM = {
-    "generator": "seed instead (a generator per output is made from it)",
-    "num_videos_per_prompt": _OWN_SEEDS, "num_images_per_prompt": _OWN_SEEDS,
-    "output_type": _OWN_OUTPUT, "return_dict": _OWN_OUTPUT,
-    "callback_on_step_end": _OWN_STEPS, "callback_on_step_end_tensor_inputs": _OWN_STEPS,
-    "max_area": _OWN_SIZE, "_auto_resize": _OWN_SIZE,
-}  # fmt: skip
-"""Call arguments layerstream sets itself, each with what to give instead."""
 EXTRA_PARAMS_REFUSED: Mapping[str, str] = {
     **{f.name: f"the {f.name} field itself, not a key of extra_params" for f in fields(GenerationRequest)},
     **SET_BY_LAYERSTREAM,
 }
 """Keys `extra_params` never takes, each with what to give instead: the request's own fields (one way to say
-each thing, so a value cannot be given twice) and the call arguments layerstream sets."""
+each thing, so a value cannot be given twice) and the call arguments layerstream sets (`SET_BY_LAYERSTREAM`)."""
 
 
 def checked_extra_params(value: Any) -> JsonObject:

@@ -3,11 +3,11 @@
 Read once from the pipeline's ``__call__`` signature (`read_call_arguments`): each parameter's annotation says
 which JSON values it takes (``int``: an integer, ``list[float]``: an array of numbers, ``dict``: an object, a
 union any of its members'). A parameter that takes only tensors, images, generators or callables cannot come
-from JSON and is left out, as are the arguments a request's own fields or layerstream set
-(`request.EXTRA_PARAMS_REFUSED`). Two rules keep a passed argument within what the server prices: a step list
-(``sigmas``, ``timesteps``: the pipeline then runs one step per item) has one item per step, and
-``max_sequence_length`` is at most the call's default (the text encoder's trained length; more pads every
-prompt to it).
+from JSON and is left out, as are the arguments layerstream sets, from a request's fields or itself
+(`FROM_REQUEST_FIELDS`, `SET_BY_LAYERSTREAM`; the request refuses them as keys, `request.EXTRA_PARAMS_REFUSED`).
+Two rules keep a passed argument within what the server prices: a step list (``sigmas``, ``timesteps``: the
+pipeline then runs one step per item) has one item per step, and ``max_sequence_length`` is at most the call's
+default (the text encoder's trained length; more pads every prompt to it).
 """
 
 from __future__ import annotations
@@ -18,6 +18,24 @@ import typing
 from collections.abc import Mapping, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+_OWN_SEEDS = "n instead (each output with a seed of its own)"
+_OWN_OUTPUT = "no such key: layerstream takes the output as arrays and encodes it itself"
+_OWN_STEPS = "no such key: layerstream follows the steps itself (progress, previews, stopping)"
+_OWN_SIZE = "size (height and width) instead"
+SET_BY_LAYERSTREAM = {
+    "generator": "seed instead (a generator per output is made from it)",
+    "num_videos_per_prompt": _OWN_SEEDS, "num_images_per_prompt": _OWN_SEEDS,
+    "output_type": _OWN_OUTPUT, "return_dict": _OWN_OUTPUT,
+    "callback_on_step_end": _OWN_STEPS, "callback_on_step_end_tensor_inputs": _OWN_STEPS,
+    "max_area": _OWN_SIZE, "_auto_resize": _OWN_SIZE,
+}  # fmt: skip
+"""Call arguments layerstream sets itself (from no request field), each with what a request gives instead."""
+FROM_REQUEST_FIELDS = (
+    "prompt", "negative_prompt", "image", "height", "width", "num_frames", "num_inference_steps", "guidance_scale",
+    "guidance_scale_2", "true_cfg_scale",
+)  # fmt: skip
+"""Call arguments layerstream sets from a request's fields of the same names (`pipeline_runner`)."""
 
 JsonKind = Literal["null", "boolean", "integer", "number", "string", "array", "object"]
 _SCALAR_KINDS: dict[Any, JsonKind] = {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string"}
@@ -67,18 +85,16 @@ class JsonArgument:
 ANY_JSON = JsonArgument(frozenset(typing.get_args(JsonKind)))
 
 
-def read_call_arguments(pipeline: Any, refused: Mapping[str, str]) -> dict[str, JsonArgument]:
-    """Each argument of `pipeline`'s ``__call__`` a JSON value can set, but those in `refused`, by name."""
+def read_call_arguments(pipeline: Any) -> dict[str, JsonArgument]:
+    """Each argument of `pipeline`'s ``__call__`` a JSON value can set, by name, but those layerstream sets
+    (`FROM_REQUEST_FIELDS`, `SET_BY_LAYERSTREAM`)."""
+    refused = {*FROM_REQUEST_FIELDS, *SET_BY_LAYERSTREAM}
     call = pipeline.__call__
-    try:
-        hints = typing.get_type_hints(call)
-    except Exception:  # an annotation that does not resolve: its parameter is left out below
-        hints = {}
     arguments = {}
     for name, parameter in inspect.signature(call).parameters.items():
         if name in refused or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             continue
-        annotation = hints.get(name, parameter.annotation)
+        annotation = _resolved(call, parameter.annotation)
         taken = ANY_JSON if annotation is parameter.empty else _from_annotation(annotation)
         if taken is None or taken.kinds <= {"null"}:
             continue  # tensors, images, generators, callables: nothing JSON can give but null
@@ -96,6 +112,17 @@ def argument_problem(name: str, argument: JsonArgument, value: Any, num_inferenc
     if name in STEP_LISTS and isinstance(value, list) and len(value) != num_inference_steps:
         return f"{argument.allowed()}, with one item per step ({num_inference_steps}, num_inference_steps)"
     return None
+
+
+def _resolved(call: Any, annotation: Any) -> Any:
+    """`annotation` as a type: a string one (``from __future__ import annotations``) evaluated in the call's
+    module, as `typing.get_type_hints` does, but one parameter at a time (None: it names what is not there)."""
+    if not isinstance(annotation, str):
+        return annotation
+    try:
+        return eval(annotation, getattr(call, "__globals__", {}))  # the pipeline's own annotation, as get_type_hints does
+    except Exception:
+        return None  # its parameter is left out
 
 
 def _kind_of(value: Any) -> JsonKind | None:

@@ -202,7 +202,6 @@ def read_model_rules(pipeline: Any, model: str) -> ModelRules:
     the pipeline itself."""
     from layerstream.models.geometry import pipeline_kind
     from layerstream.models.tiny import is_tiny_model_name
-    from layerstream.request import EXTRA_PARAMS_REFUSED
 
     kind = pipeline_kind(pipeline)
     call = inspect.signature(pipeline.__call__).parameters
@@ -233,7 +232,7 @@ def read_model_rules(pipeline: Any, model: str) -> ModelRules:
         fps=FRAME_RATES.get(type(pipeline).__name__, DEFAULT_FPS),
         takes=_optional_fields_taken(pipeline, call),
         tiny=tiny,
-        call_arguments=MappingProxyType(read_call_arguments(pipeline, EXTRA_PARAMS_REFUSED)),
+        call_arguments=MappingProxyType(read_call_arguments(pipeline)),
         sample_solvers=MappingProxyType(solvers_for(getattr(pipeline, "scheduler", None))),
     )
 
