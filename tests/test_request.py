@@ -179,19 +179,6 @@ def test_the_cli_names_the_flag_of_a_value_the_request_refuses():
     )  # fmt: skip
     with pytest.raises(CliError, match=r"^--seed: -1 is not allowed \(an integer from 0 to"):
         request_from_args(args)
-    args.seed, args.extra_params = 0, {"num_inference_steps": 30}
-    with pytest.raises(CliError, match=r"^--extra-params num_inference_steps: 30 is not allowed \(give --steps instead\)$"):
-        request_from_args(args)
-
-
-@pytest.mark.parametrize(
-    ("text", "said"),
-    [("{bad", "--extra-params: not valid JSON (Expecting property name"), ("[1]", "--extra-params: '[1]' is not a JSON object")],
-)
-def test_the_cli_refuses_extra_params_that_are_not_a_json_object(capsys, text, said):
-    with pytest.raises(SystemExit):
-        _from_cli(["--extra-params", text])
-    assert said in capsys.readouterr().err
 
 
 # each body's own caps beyond the request's table, and why: serving policies, not what a request may be
