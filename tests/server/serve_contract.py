@@ -27,6 +27,8 @@ _COMMON_CONTRACT = {
         "true_cfg_scale": {"anyOf": [{"maximum": 100.0, "minimum": 0.0, "type": "number"}, {"type": "null"}], "default": None},
         "boundary_ratio": {"anyOf": [{"maximum": 1.0, "minimum": 0.0, "type": "number"}, {"type": "null"}], "default": None},
         "flow_shift": {"anyOf": [{"exclusiveMinimum": 0.0, "maximum": 100.0, "type": "number"}, {"type": "null"}], "default": None},
+        # vllm-omni's extra call arguments (a 400 for a key the model cannot take, or one that is not an object)
+        "extra_params": {"anyOf": [{"additionalProperties": True, "type": "object"}, {"type": "null"}], "default": None},
         "timeout": {"anyOf": [{"exclusiveMinimum": 0.0, "maximum": 86400.0, "type": "number"}, {"type": "null"}], "default": None},
     },
 }

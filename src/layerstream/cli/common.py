@@ -165,6 +165,20 @@ def prompt_text(text: str) -> str:
     return text
 
 
+def json_object_text(text: str) -> dict:
+    """A JSON object given as its text (--extra-params): not JSON, or JSON that is not an object, is refused
+    naming what was wrong, as the server's 400 does."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); expected a JSON object such as '{{\"sample_solver\": \"euler\"}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object; expected one such as '{{\"sample_solver\": \"euler\"}}'")
+    return value
+
+
 def _int(text: str, allowed: str) -> int:
     try:
         return int(text)

@@ -73,6 +73,7 @@ def shown_settings(request: GenerationRequest, settings: JobSettings) -> dict[st
         "true_cfg_scale": request.true_cfg_scale,
         "boundary_ratio": request.boundary_ratio,
         "flow_shift": request.flow_shift,
+        "extra_params": request.extra_params.to_dict(),  # {}: none
         "has_input_image": settings.has_input_image,
         "model_revision": settings.model_revision,
         "model_commit": settings.model_commit,
