@@ -29,8 +29,9 @@ HUB_CONNECTIONS = 8
 """Runs read at once: each is a round trip to the Hub (and a redirect to its CDN), a few KiB to 32 KiB."""
 
 
-class RangeNotServed(LayerstreamError, ConnectionError):
-    """The server did not answer a range request with that range alone (a whole file, another range)."""
+class _RangeNotServed(LayerstreamError, ConnectionError):
+    """The server did not answer a range request with that range alone (a whole file, another range); caught
+    here and worded as why the sample was not read, never met by a caller."""
 
 
 def hub_coded_fraction(repo_id: str, commit: str, components: Collection[str], variant: str | None = None) -> CodedFraction:
@@ -82,7 +83,7 @@ def _why_not_sampled(error: Exception) -> str:
         return "huggingface_hub is offline"
     if isinstance(error, HfHubHTTPError):  # "404 Client Error." then what was not found, for which URL
         return "the Hub answered " + " ".join([line for line in str(error).splitlines() if line.strip()][:2])
-    if isinstance(error, (RangeNotServed, SafetensorsHeaderError)):
+    if isinstance(error, (_RangeNotServed, SafetensorsHeaderError)):
         return str(error)
     if is_network_error(error):
         return f"the Hub cannot be reached ({first_line(error)})"
@@ -104,7 +105,7 @@ class _RangedReader:
         self._headers = {**build_hf_headers(), "Accept-Encoding": "identity"}  # the token; ranges of the file's own bytes
 
     def read(self, filename: str, offset: int, count: int) -> bytes:
-        """`count` bytes from `offset`; raises `RangeNotServed` (having read no body) where the server answers
+        """`count` bytes from `offset`; raises `_RangeNotServed` (having read no body) where the server answers
         with anything but that range, and huggingface_hub's error where it answers an error."""
         from huggingface_hub import constants, hf_hub_url
         from huggingface_hub.utils import get_session, hf_raise_for_status
@@ -121,7 +122,7 @@ class _RangedReader:
             served = response.headers.get("Content-Range", "")
             if response.status_code != 206 or not re.fullmatch(rf"bytes {offset}-{last}/(\d+|\*)", served):
                 # leaving the block closes the connection with the body unread: a whole file is never read
-                raise RangeNotServed(
+                raise _RangeNotServed(
                     f"{self.repo_id}/{filename}: asked for bytes {offset}-{last}, the server answered {response.status_code}"
                     f"{f' with {served}' if served else ' without Content-Range (the whole file)'}; stopped reading"
                 )
@@ -131,7 +132,7 @@ class _RangedReader:
                 if len(data) > count:
                     break
         if len(data) != count:
-            raise RangeNotServed(f"{self.repo_id}/{filename}: asked for {count} bytes at {offset}, the server sent {len(data)}")
+            raise _RangeNotServed(f"{self.repo_id}/{filename}: asked for {count} bytes at {offset}, the server sent {len(data)}")
         with self._lock:
             self.read_bytes += count
         return bytes(data)
