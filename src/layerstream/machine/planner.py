@@ -29,7 +29,7 @@ from layerstream.errors import LayerstreamError
 from layerstream.host.reserve import HostReserve, host_reserve_for
 from layerstream.models.generation_estimates import block_activation_nbytes, latent_tokens
 from layerstream.plan.host_budget import HostBudgetChoice, choose_host_budget, host_needs
-from layerstream.runtime.packing.lossless_code import ESTIMATED_CODED_FRACTION
+from layerstream.runtime.packing.lossless_code import priced_fraction
 from layerstream.plan.placement import Placement
 from layerstream.timing import ideal
 from layerstream.timing.block_timer import BlockTimer
@@ -61,8 +61,9 @@ class MachinePlanError(LayerstreamError, ValueError):
 
 
 DEVICE_DECODE_GBPS = 100.0
-"""Decoded bytes per second the lossless form's decode is assumed to reach on an accelerator (a few passes of
-elementwise torch ops over a block, at memory speed); `benchmarks/gpu.sh` measures it where a GPU is present."""
+"""Decoded bytes per second the lossless form's decode is assumed to reach on an accelerator (elementwise torch
+ops over a block on the copy stream: about 60 small kernels per step of 2^22 elements with three tiers, so launches
+may bound it below this); an assumption until `benchmarks/gpu.sh` measures it where a GPU is present."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +93,7 @@ class Machine:
     lookups, `runtime/packing/upcast.py`; 0 on an accelerator, which casts in a kernel beside compute)."""
     decode_gbps: float = DEVICE_DECODE_GBPS
     """Decoded GB per second of the lossless form's decode, which runs after each copy, before the block is
-    ready (the link stage): on an accelerator a few elementwise kernels (assumed, `DEVICE_DECODE_GBPS`); on a
+    ready (the link stage): on an accelerator elementwise kernels (assumed, `DEVICE_DECODE_GBPS`); on a
     CPU device the copy thread's own rate beside compute, a measured figure of the machine."""
     host_decode_s_per_gb: float = 0.0
     """Compute time lost per decoded GB where the decode shares the compute's cores (a CPU device's copy
@@ -230,7 +231,7 @@ def plan_for_machine(
     if coded.seconds_per_step >= plan.seconds_per_step:
         return plan
     note = (
-        f"the DiT is stored lossless (about {ESTIMATED_CODED_FRACTION:.2f}x the bytes, the same bits, decoded on the "
+        f"the DiT is stored lossless (about {priced_fraction().value:.2f}x the bytes, the same bits, decoded on the "
         f"device at {_decode_rate(machine)}): {plan.bound}-bound, {plan.seconds_per_step:.3g} s per "
         f"step as it is, {coded.seconds_per_step:.3g} s coded"
     )
@@ -418,14 +419,15 @@ def _forward(
     on_disk = [tier is not None and (tier.on_disk(p) or (pooled and tier.pooled(p))) for p in blocks]
     sizes = [streamed.get(p, 0) for p in blocks]
     per_gb = machine.host_copy_s_per_gb + (machine.host_cast_s_per_gb if cast else 0.0)
-    if decode:  # per decoded GB: a coded GB decodes to 1 / ESTIMATED_CODED_FRACTION
-        per_gb += machine.host_decode_s_per_gb / ESTIMATED_CODED_FRACTION
+    fraction = priced_fraction().value  # the checkpoint's sampled figure where `layerstream plan` read it
+    if decode:  # per decoded GB: a coded GB decodes to 1 / fraction
+        per_gb += machine.host_decode_s_per_gb / fraction
     compute_s = [
         compute[p] + (n * per_gb * m + n * machine.host_copy_s_per_gb * d) / GB for p, n, m, d in zip(blocks, sizes, moved, on_disk)
     ]  # fmt: skip
     link_s = ideal.block_transfer_seconds(sizes, moved, machine.link_gbps)
     if decode:
-        link_s = [t + (n / ESTIMATED_CODED_FRACTION / (machine.decode_gbps * GB) if m else 0.0) for t, n, m in zip(link_s, sizes, moved)]
+        link_s = [t + (n / fraction / (machine.decode_gbps * GB) if m else 0.0) for t, n, m in zip(link_s, sizes, moved)]
     disk_s = ideal.block_disk_seconds(sizes, on_disk, machine.disk_gbps)
     disk_stage_s = disk_s
     if machine.copy_and_read_share_a_core:  # one core reads, then copies: the link stage is its busy time
