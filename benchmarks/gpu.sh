@@ -146,7 +146,9 @@ echo
 echo "== lossless decode on the device (one real-width Wan block, bit-exact check included)"
 mkdir -p "$OUT/lossless"
 start=$SECONDS
-if timeout 300 env PYTHONPATH="$ROOT/src" "$PY" "$ROOT/benchmarks/lossless.py" --device cuda --repeats 20 >"$OUT/lossless/results.md"; then
+# LOSSLESS_WEIGHTS: a folder of trained models' safetensors (one model a folder) to decode on the device too
+if timeout 300 env PYTHONPATH="$ROOT/src" "$PY" "$ROOT/benchmarks/lossless.py" --device cuda --repeats 20 \
+    ${LOSSLESS_WEIGHTS:+--weights "$LOSSLESS_WEIGHTS"} >"$OUT/lossless/results.md"; then
     cat "$OUT/lossless/results.md"
 else
     echo "error: the lossless decode benchmark failed or timed out" >&2

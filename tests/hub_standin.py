@@ -1,13 +1,16 @@
 """A stand-in for the Hugging Face Hub on loopback: local folders served as repositories over the endpoints
 huggingface_hub calls (repository info with file metadata, and ``resolve`` with HEAD and ranged GET), with
-every request recorded. Select it with ``HF_ENDPOINT``; no test reaches the internet."""
+every request recorded with the body bytes it was sent. Select it with ``HF_ENDPOINT``; no test reaches the
+internet."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -25,11 +28,13 @@ class StandinRepo:
     gated: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class Request:
     method: str
     path: str
     range: str | None
+    nbytes: int = 0
+    """Body bytes sent in answer (those the client may not have read included)."""
 
 
 @dataclass
@@ -37,6 +42,8 @@ class StandinHub:
     repos: dict[str, StandinRepo] = field(default_factory=dict)
     requests: list[Request] = field(default_factory=list)
     url: str = ""
+    ignore_range: bool = False
+    """Answer every GET with the whole file, as a server that does not serve ranges does."""
 
     def add_repo(self, repo_id: str, folder: Path, *, branch: str = "main", gated: bool = False) -> str:
         """Serve `folder` as `repo_id` at `branch`; returns the commit sha it gets."""
@@ -78,7 +85,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self, body: bool) -> None:
         path = unquote(urlsplit(self.path).path)
-        self.hub.requests.append(Request(self.command, path, self.headers.get("Range")))
+        self._request = Request(self.command, path, self.headers.get("Range"))
+        self.hub.requests.append(self._request)
         info = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/(.+))?", path)
         resolve = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
         if info:
@@ -123,7 +131,7 @@ class _Handler(BaseHTTPRequestHandler):
             headers["ETag"] = f'"{_blob_id(data)}"'
         wanted = self.headers.get("Range")
         match = re.fullmatch(r"bytes=(\d+)-(\d*)", wanted or "")
-        if match:
+        if match and not self.hub.ignore_range:
             start = int(match[1])
             end = min(int(match[2]) if match[2] else len(data) - 1, len(data) - 1)
             headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
@@ -141,7 +149,30 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         if body and self.command != "HEAD":
-            self.wfile.write(payload)
+            self._request.nbytes = len(payload)
+            try:
+                self.wfile.write(payload)
+            except (BrokenPipeError, ConnectionResetError):  # a client that stopped reading (a range not served)
+                self.close_connection = True
+
+
+def select_standin_hub(hub: StandinHub, monkeypatch, tmp_path: Path, *, fresh: bool = True) -> StandinHub:
+    """Point huggingface_hub at `hub` for one test, with an empty cache of the test's own, online (the suite is
+    offline otherwise) and without a token. `fresh`: the hub starts with no repository, no request and ranges
+    served, and the test runs in `tmp_path` ("test-org/..." is certainly not a relative path there)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    if fresh:
+        monkeypatch.chdir(tmp_path)
+        hub.repos.clear()
+        hub.requests.clear()
+        hub.ignore_range = False
+    return hub
 
 
 def start_standin_hub() -> tuple[StandinHub, ThreadingHTTPServer]:
@@ -153,3 +184,14 @@ def start_standin_hub() -> tuple[StandinHub, ThreadingHTTPServer]:
     hub.url = f"http://127.0.0.1:{server.server_address[1]}"
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return hub, server
+
+
+@contextlib.contextmanager
+def serving_standin_hub() -> Iterator[StandinHub]:
+    """A stand-in Hub on loopback for the block, stopped at its end."""
+    hub, server = start_standin_hub()
+    try:
+        yield hub
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hub_standin import start_standin_hub
+from hub_standin import select_standin_hub, serving_standin_hub
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -118,12 +118,10 @@ def test_the_readme_keeps_the_set_up_commands_first_and_stays_short():
 def standin_hub():
     from layerstream.models import ensure_tiny_model
 
-    hub, server = start_standin_hub()
-    for repo_id, tiny in HUB_STANDINS.items():
-        hub.add_repo(repo_id, ensure_tiny_model(tiny))
-    yield hub
-    server.shutdown()
-    server.server_close()
+    with serving_standin_hub() as hub:
+        for repo_id, tiny in HUB_STANDINS.items():
+            hub.add_repo(repo_id, ensure_tiny_model(tiny))
+        yield hub
 
 
 @pytest.fixture
@@ -136,16 +134,6 @@ def block_folder(tmp_path, monkeypatch):
     Image.new("RGB", (64, 64), (90, 90, 90)).save(tmp_path / "cat.png")
     monkeypatch.chdir(tmp_path)
     return tmp_path
-
-
-def _online_against(hub, tmp_path: Path, monkeypatch) -> None:
-    from huggingface_hub import constants
-
-    monkeypatch.setenv("HF_ENDPOINT", hub.url)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
 
 
 def _adapted_python(block: Block) -> str:
@@ -170,7 +158,7 @@ def _few_steps(argv: list[str]) -> list[str]:
 @pytest.mark.parametrize("block", TO_RUN, ids=[b.id for b in TO_RUN])
 def test_the_block_runs(block, block_folder, layerstream_cli, standin_hub, monkeypatch):
     if block.hub_ids():
-        _online_against(standin_hub, block_folder, monkeypatch)
+        select_standin_hub(standin_hub, monkeypatch, block_folder, fresh=False)
     if block.kind == "python":
         code = compile(_adapted_python(block), block.id, "exec")
         exec(code, {"__name__": "__docs__"})

@@ -13,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.fast
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "src" / "layerstream"
-LEAVES = ("processes", "procfs", "wording")
+LEAVES = ("json_object", "lazy", "processes", "procfs", "wording")
 """Modules that import nothing of the package and that every package may import: small helpers with one home."""
 RUNTIME_MAY_IMPORT = ("layerstream.runtime", "layerstream.plan", "layerstream.config", "layerstream.errors",
                       *(f"layerstream.{leaf}" for leaf in LEAVES))

@@ -77,6 +77,46 @@ def test_outputs_and_batch_shape():
     other = GenerationRequest(prompt="a cat", seed=1, fps=8, height=32)
     assert request.batch_shape() == other.batch_shape()  # prompt, seed, n, fps and timeout may differ in a batch
     assert request.batch_shape() != dataclasses.replace(other, height=48).batch_shape()
+    # extra_params is part of the shape (the server's batching key): only equal ones share a pipeline call
+    euler = dataclasses.replace(other, extra_params={"sample_solver": "euler"})
+    assert euler.batch_shape() != other.batch_shape() != dataclasses.replace(other, extra_params={"sample_solver": "unipc"})
+    assert euler.batch_shape() == dataclasses.replace(request, extra_params={"sample_solver": "euler"}).batch_shape()
+    assert {euler.batch_shape(): 1}[dataclasses.replace(euler, seed=5).batch_shape()] == 1  # hashable, by value
+
+
+# --- extra_params: vllm-omni's extra call arguments, a JSON object ---------------------------------------------
+
+
+def test_extra_params_is_a_frozen_json_object_equal_by_value():
+    given = {"attention_kwargs": {"scale": 0.5}, "sigmas": [1.0, 0.5]}
+    request = GenerationRequest(prompt="a fox", extra_params=given)
+    given["sigmas"].append(0.1)  # the request holds its own copy ...
+    handed = request.extra_params["sigmas"]
+    handed.append(0.0)  # ... and hands out fresh ones
+    assert request.extra_params == {"attention_kwargs": {"scale": 0.5}, "sigmas": [1.0, 0.5]}
+    assert GenerationRequest(prompt="a fox", extra_params={}) == GenerationRequest(prompt="a fox", extra_params=None)
+    assert GenerationRequest(prompt="a fox").extra_params == {} and GenerationRequest.from_dict(request.to_dict()) == request
+    assert request.to_dict()["extra_params"] == {"attention_kwargs": {"scale": 0.5}, "sigmas": [1.0, 0.5]}
+
+
+@pytest.mark.parametrize(
+    ("extra_params", "named", "allowed"),
+    [
+        ([["sample_solver", "euler"]], "extra_params", "a JSON object of call arguments"),
+        ({"sigmas": [1.0, float("nan")]}, "extra_params.sigmas[1]", "a JSON value (null, a boolean, a finite number"),
+        ({"attention_kwargs": {1: 2}}, "extra_params.attention_kwargs.1", "an object with text keys"),
+        ({"num_inference_steps": 30}, "extra_params.num_inference_steps", "the num_inference_steps field itself"),
+        ({"flow_shift": 5.0}, "extra_params.flow_shift", "the flow_shift field itself"),
+        ({"generator": 3}, "extra_params.generator", "seed instead"),
+        ({"num_videos_per_prompt": 2}, "extra_params.num_videos_per_prompt", "n instead"),
+        ({"output_type": "pil"}, "extra_params.output_type", "encodes it itself"),
+    ],
+)
+def test_extra_params_refuses_what_is_no_json_object_and_the_keys_the_request_sets(extra_params, named, allowed):
+    with pytest.raises(GenerationError) as raised:
+        GenerationRequest(prompt="a fox", extra_params=extra_params)
+    assert str(raised.value).startswith(f"{named} = ") and allowed in str(raised.value)
+    assert raised.value.field == named
 
 
 # --- the three entry points build one request ----------------------------------------------------------------
@@ -105,21 +145,25 @@ def _from_omni(*args, **kwargs) -> GenerationRequest:
 
 
 def test_the_cli_the_server_and_omni_build_the_same_request():
+    from layerstream.server.jobs.requests import VideoJobForm
     from layerstream.server.schemas import ImageGenerationRequest, VideoGenerationRequest
 
     cli = _from_cli([
         "--prompt", "a fox", "--negative-prompt", "blur", "--width", "48", "--height", "32", "--num-frames", "5",
-        "--steps", "3", "--guidance-scale", "4.5", "--seed", "7", "--fps", "8",
+        "--steps", "3", "--guidance-scale", "4.5", "--seed", "7", "--fps", "8", "--extra-params", '{"sample_solver": "euler"}',
     ])  # fmt: skip
     body = VideoGenerationRequest.model_validate_json(
         '{"prompt": "a fox", "negative_prompt": "blur", "size": "48x32", "num_frames": 5, "num_inference_steps": 3,'
-        ' "guidance_scale": 4.5, "seed": 7, "fps": 8}'
+        ' "guidance_scale": 4.5, "seed": 7, "fps": 8, "extra_params": {"sample_solver": "euler"}}'
     )
     server = body.generation_request(seed=body.seed)
     omni = _from_omni(
-        "a fox", "blur", width=48, height=32, num_frames=5, num_inference_steps=3, guidance_scale=4.5, seed=7, fps=8
-    )
+        "a fox", "blur", width=48, height=32, num_frames=5, num_inference_steps=3, guidance_scale=4.5, seed=7, fps=8,
+        extra_params={"sample_solver": "euler"},
+    )  # fmt: skip
     assert cli == server == omni
+    form = VideoJobForm.model_validate({"prompt": "a fox", "extra_params": '{"sample_solver": "euler"}'})
+    assert form.extra_params == omni.extra_params  # a form's field is the object's JSON text
     # and with every default left to the model
     image_body = ImageGenerationRequest.model_validate_json('{"prompt": "a cat", "seed": 0}')
     assert _from_cli(["--prompt", "a cat"]) == image_body.generation_request(seed=0) == _from_omni("a cat")

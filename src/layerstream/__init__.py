@@ -22,20 +22,24 @@ from layerstream.config.offload_config import (
 )
 from layerstream.plan.offload_plan import OffloadPlan, OffloadPlanError, get_offload_plan
 from layerstream.plan.resolved import OffloadPlanResolutionError, ResolvedOffloadPlan
+from layerstream.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "resolve_offload_plan": ("layerstream.plan.resolver", "resolve_offload_plan"),
-    "enable_offload": ("layerstream.offload", "enable_offload"),
-    "OffloadHandle": ("layerstream.runtime.modes.handle", "OffloadHandle"),
-    "Omni": ("layerstream.omni", "Omni"),
-    "GenerationRequest": ("layerstream.request", "GenerationRequest"),
-    # what Omni raises of its own (each a LayerstreamError), importable without loading diffusers
-    "GenerationError": ("layerstream.request", "GenerationError"),
-    "ModelLoadError": ("layerstream.models.folder_check", "ModelLoadError"),
-    "InputImageError": ("layerstream.models.input_image", "InputImageError"),
-}
+_LAZY, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "layerstream.plan.resolver": ("resolve_offload_plan",),
+        "layerstream.offload": ("enable_offload",),
+        "layerstream.runtime.modes.handle": ("OffloadHandle",),
+        "layerstream.omni": ("Omni",),
+        # GenerationError, ModelLoadError, InputImageError: what Omni raises of its own (each a LayerstreamError),
+        # importable without loading diffusers
+        "layerstream.request": ("GenerationRequest", "GenerationError"),
+        "layerstream.models.folder_check": ("ModelLoadError",),
+        "layerstream.models.input_image": ("InputImageError",),
+    },
+)
 
 __all__ = [
     "ConcurrentUseError",
@@ -55,12 +59,3 @@ __all__ = [
     "parse_offload_config",
     *_LAZY,
 ]
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        module_name, attr = _LAZY[name]
-        return getattr(importlib.import_module(module_name), attr)
-    raise AttributeError(f"module 'layerstream' has no attribute {name!r}")

@@ -1,10 +1,11 @@
 """`PipelineRunner`: a `GenerationRequest` made into one call of a diffusers pipeline, and its cost.
 
 What the pipeline is called with comes from the request and the model's rules (`ModelRules`: defaults,
-geometry, the optional fields it takes); the call is timed step by step (`on_step`), its latents shown to
-`on_latents`, its per-request settings applied and restored (`boundary_ratio`, `flow_shift`, and the VAE decode
-tiled or not: `models.decode_memory`, refused before the first step where it cannot fit), and its streaming
-measured as a difference of the runtime's counters (`StreamCounters`). One call runs at a time.
+geometry, the optional fields it takes, the ``extra_params`` it passes through); the call is timed step by step
+(`on_step`), its latents shown to `on_latents`, its per-request settings applied and restored (`boundary_ratio`,
+`flow_shift`, ``extra_params``' `sample_solver`, and the VAE decode tiled or not: `models.decode_memory`, refused
+before the first step where it cannot fit), and its streaming measured as a difference of the runtime's counters
+(`StreamCounters`). One call runs at a time.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from layerstream.models.decode_memory import DecodeRequest, VaeDecodeSettings, choose_decode
 from layerstream.models.model_rules import OPTIONAL_FIELDS, ModelRules
+from layerstream.models.sample_solvers import SAMPLE_SOLVER, scheduler_for
 from layerstream.models.vae_tiling import VaeDecodeChoice, vae_decode_settings
 from layerstream.outputs import GenerationResult
 from layerstream.request import GenerationError, GenerationRequest, invalid_field
@@ -132,8 +134,9 @@ class PipelineRunner:
             raise GenerationError(f"{self.model} generates from an input image, one per call: use generate(image=...)")
         prompts = [request.prompt for request in requests for _ in request.seeds]
         kwargs, num_inference_steps = self.call_arguments(requests[0], prompts, picture=None)
-        if "negative_prompt" in kwargs:  # one per prompt: pipelines differ in how they broadcast a single one
-            kwargs["negative_prompt"] = [kwargs["negative_prompt"]] * len(prompts)
+        for name in PER_PROMPT_ARGUMENTS:  # one per prompt: pipelines differ in how they broadcast a single one
+            if isinstance(kwargs.get(name), str):
+                kwargs[name] = [kwargs[name]] * len(prompts)
         # one generator per output, as diffusers takes them: output i's noise is drawn from generator i alone
         kwargs["generator"] = [torch.Generator("cpu").manual_seed(seed) for request in requests for seed in request.seeds]
         output, stats = self._call(requests[0], kwargs, num_inference_steps, on_step)
@@ -184,7 +187,18 @@ class PipelineRunner:
         if negative_prompt is not None:
             kwargs["negative_prompt"] = negative_prompt
         kwargs.update(_guidance_arguments(request, rules, call))
+        kwargs.update(self._extra_arguments(request, num_inference_steps))
         return kwargs, num_inference_steps
+
+    def _extra_arguments(self, request: GenerationRequest, num_inference_steps: int) -> dict[str, Any]:
+        """The call arguments `request.extra_params` passes through (fresh values: the call may change them),
+        refused first if the model cannot take one; mapped keys (``sample_solver``) are settings (`_settings_for`)."""
+        problems = self.rules.extra_params_problems(request.extra_params, num_inference_steps=num_inference_steps)
+        if problems:
+            problem = problems[0]
+            raise invalid_field(problem.name, problem.value, f"{problem.allowed} for {self.model}")
+        passed = request.extra_params.to_dict()
+        return {name: value for name, value in passed.items() if name in self.rules.call_arguments}
 
     def _call(
         self,
@@ -325,7 +339,7 @@ def _check_batch(requests: list[GenerationRequest]) -> None:
 def request_options(options: dict[str, Any], *, max_side_pixels: int | None = None) -> dict[str, Any]:
     """`generate`'s extra keywords, which must be `GenerationRequest` fields it has no parameter of its own for,
     and `max_side_pixels` where given (None: `GenerationRequest`'s default)."""
-    allowed = set(OPTIONAL_FIELDS) - {"negative_prompt"}  # a parameter of generate's own
+    allowed = (set(OPTIONAL_FIELDS) - {"negative_prompt"}) | {"extra_params"}  # negative_prompt: generate's own
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise GenerationError(f"{unknown[0]} is not a generation argument; expected one of {', '.join(sorted(allowed))}", field=unknown[0])
@@ -366,21 +380,28 @@ def _decode_as(pipeline, choice: VaeDecodeChoice | None):
 @contextlib.contextmanager
 def _settings_for(pipeline, request: GenerationRequest):
     """The request's per-request settings applied to `pipeline` for the call, and restored after it, whatever
-    happens: ``boundary_ratio`` (the pipeline's config) and ``flow_shift`` (a scheduler built from the served
-    one's config with it; the served scheduler object is put back)."""
+    happens: ``boundary_ratio`` (the pipeline's config), and ``flow_shift`` and ``extra_params``' ``sample_solver``
+    (a scheduler built for the call from the served one's config, `scheduler_for`; the served scheduler object is
+    put back)."""
     ratio_before = pipeline.config["boundary_ratio"] if request.boundary_ratio is not None else None
-    scheduler_before = pipeline.scheduler if request.flow_shift is not None else None
+    served = getattr(pipeline, "scheduler", None)
+    scheduler = scheduler_for(served, solver=request.extra_params.get(SAMPLE_SOLVER), flow_shift=request.flow_shift)
+    scheduler_before = served if scheduler is not served else None
     try:
         if request.boundary_ratio is not None:
             pipeline.register_to_config(boundary_ratio=request.boundary_ratio)
         if scheduler_before is not None:
-            pipeline.scheduler = type(scheduler_before).from_config(scheduler_before.config, flow_shift=request.flow_shift)
+            pipeline.scheduler = scheduler
         yield
     finally:
         if scheduler_before is not None:
             pipeline.scheduler = scheduler_before
         if request.boundary_ratio is not None:
             pipeline.register_to_config(boundary_ratio=ratio_before)
+
+
+PER_PROMPT_ARGUMENTS = ("negative_prompt", "prompt_2", "prompt_3", "negative_prompt_2", "negative_prompt_3")
+"""Call arguments a batch call takes one of per prompt (`run_batch` repeats a single text)."""
 
 
 def _lanczos():

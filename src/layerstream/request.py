@@ -6,16 +6,21 @@ messages) reads this one object. It checks what needs no model (types, ranges, p
 `FIELD_BOUNDS`, the one table of each numeric field's bounds, from which the command line's flags and the HTTP
 bodies take theirs; what depends on the loaded pipeline (size multiples, frame rule, image input) is checked
 by the model's rules (`ModelRules`). A bad value raises `GenerationError` naming the field, the value seen and
-what is allowed.
+what is allowed. ``extra_params`` (vllm-omni's extra call arguments) is checked here for what needs no model
+too: a JSON object, none of its keys a field of the request or an argument layerstream sets itself
+(`EXTRA_PARAMS_REFUSED`); which keys the pipeline's call takes is the model's rules' to say.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from layerstream.errors import LayerstreamError
+from layerstream.json_object import JsonObject, first_non_json
+from layerstream.models.call_arguments import SET_BY_LAYERSTREAM
 from layerstream.models.output_limits import DEFAULT_MAX_SIDE_PIXELS, MAX_PROMPT_CHARS, MAX_SEED
 
 
@@ -116,7 +121,8 @@ class GenerationRequest:
     negative_prompt: str | None = None
     """What to steer away from (classifier-free guidance); None: the model's default."""
     image: Any = None
-    """The input image of image-to-video and image-editing models (a PIL image, a path or an array)."""
+    """The input image of image-to-video and image-editing models (a PIL image, a path, an array, or an `ImageFile`:
+    the server's requests carry their upload's bytes, decoded where they run)."""
     height: int | None = None
     """Pixels; with an input image and no size, the image's size is used (see `max_side_pixels`)."""
     width: int | None = None
@@ -146,8 +152,13 @@ class GenerationRequest:
     """Largest side of an output sized from its input image."""
     timeout: float | None = None
     """Seconds from receipt to answer, which the server enforces (queue and generation); `Omni` does not."""
+    extra_params: Mapping[str, Any] = JsonObject()
+    """Further arguments of the pipeline's call, vllm-omni's ``extra_params``: a JSON object (given as a dict,
+    held as a frozen `JsonObject`; None: none). A key is a call argument the pipeline takes from JSON, or a
+    vllm-omni key the model's rules map (``sample_solver``); never a field of this request (`EXTRA_PARAMS_REFUSED`)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "extra_params", checked_extra_params(self.extra_params))  # frozen: hashable
         _check_text("prompt", self.prompt, optional=False)
         _check_text("negative_prompt", self.negative_prompt, optional=True)
         for name, bound in FIELD_BOUNDS.items():
@@ -167,12 +178,13 @@ class GenerationRequest:
 
     def batch_shape(self) -> GenerationRequest:
         """This request without what may differ between the outputs of one pipeline call (prompt, seed, n, fps,
-        timeout): requests with equal shapes can run as one batch."""
+        timeout): requests with equal shapes (`extra_params` among them) can run as one batch."""
         return replace(self, prompt="", seed=0, n=1, fps=None, timeout=None)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field by name, as it is (the image too); `from_dict` builds the same request back."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Every field by name, as it is (the image too; `extra_params` as a plain dict); `from_dict` builds the
+        same request back."""
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"extra_params": self.extra_params.to_dict()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GenerationRequest:
@@ -184,6 +196,33 @@ class GenerationRequest:
                 f"{unknown[0]} is not a generation argument; expected one of {', '.join(sorted(known))}", field=unknown[0]
             )
         return cls(**data)
+
+
+EXTRA_PARAMS_REFUSED: Mapping[str, str] = {
+    **{f.name: f"the {f.name} field itself, not a key of extra_params" for f in fields(GenerationRequest)},
+    **SET_BY_LAYERSTREAM,
+}
+"""Keys `extra_params` never takes, each with what to give instead: the request's own fields (one way to say
+each thing, so a value cannot be given twice) and the call arguments layerstream sets (`SET_BY_LAYERSTREAM`)."""
+
+
+def checked_extra_params(value: Any) -> JsonObject:
+    """`value` (a mapping, or None for none) as a frozen JSON object; a `GenerationError` naming
+    ``extra_params`` or ``extra_params.<key>`` if it is not a JSON object or a key is refused."""
+    if isinstance(value, JsonObject):
+        return value
+    if value is None:
+        return JsonObject()
+    if not isinstance(value, Mapping):
+        raise invalid_field("extra_params", value, "a JSON object of call arguments (a dict), or None")
+    found = first_non_json(value, "extra_params")
+    if found is not None:
+        allowed = "a JSON value (null, a boolean, a finite number, a text, an array or an object with text keys)"
+        raise invalid_field(found[0], found[1], allowed)
+    for key, item in value.items():
+        if key in EXTRA_PARAMS_REFUSED:
+            raise invalid_field(f"extra_params.{key}", item, EXTRA_PARAMS_REFUSED[key])
+    return JsonObject(value)
 
 
 def _check_text(name: str, value: Any, *, optional: bool) -> None:

@@ -78,9 +78,14 @@ CASES = [
     (["--model", "tiny-flux", "--output", "{tmp}/cat.gif"], "--output {tmp}/cat.gif: tiny-flux makes an image; use a .png file"),
     (["--model", "tiny-flux", "--num-frames", "5"], "--num-frames 5: tiny-flux makes images, not video; drop --num-frames"),
     (["--device", "nosuchdevice"], "--device 'nosuchdevice' is not a device"),
+    # braces doubled: each case is formatted with {file} and {tmp}
+    (["--extra-params", "{{bad"], "--extra-params: not valid JSON (Expecting property name enclosed in double quotes"),
+    (["--extra-params", "[1]"], """--extra-params: '[1]' is not a JSON object; expected one such as '{{"sample_solver": "euler"}}'"""),
+    (["--extra-params", '{{"num_inference_steps": 3}}'], "--extra-params num_inference_steps: 3 is not allowed (give --steps instead)"),
+    (["--extra-params", '{{"generator": 3}}'], "--extra-params generator: 3 is not allowed (seed instead"),
     (["--vae-use-tiling", "yes"], "--vae-use-tiling: 'yes' is not allowed (true, false or auto)"),
     (
-        ["--vae-use-slicing", "true", "--diffusion-offload-config", '{{"mode": "layer", "components": ["dit"], "vae_use_slicing": false}}'],  # braces doubled: formatted
+        ["--vae-use-slicing", "true", "--diffusion-offload-config", '{{"mode": "layer", "components": ["dit"], "vae_use_slicing": false}}'],
         "--vae-use-slicing: diffusion_offload_config: vae_use_slicing = False is not valid; given otherwise (True)",
     ),
 ]
@@ -118,6 +123,8 @@ def test_cuda_on_a_torch_without_cuda(run_cli, device):
         (["--height", "2048", "--width", "2048"], "--height = 2048 is not valid; expected a multiple of 16 up to 1024 for tiny-wan"),
         (["--max-size", "4096", "--height", "4096", "--width", "4096"], "--height = 4096 is not valid; expected a multiple of 16 up to 1024"),
         (["--num-frames", "6"], "--num-frames = 6 is not valid; expected 4 * k + 1"),
+        (["--extra-params", '{"sample_solver": "heun"}'], "--extra-params sample_solver: 'heun' is not valid for tiny-wan; expected one of 'unipc', 'euler', 'dpm++'"),
+        (["--extra-params", '{"latents": null}'], "--extra-params latents: None is not valid for tiny-wan; expected a call argument of WanPipeline that JSON can give"),
     ],
 )
 def test_refused_by_what_the_model_can_make_before_the_first_step(run_cli, capsys, args, message):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hub_standin import start_standin_hub
+from hub_standin import select_standin_hub, serving_standin_hub
 from layerstream.cli.main import main
 from layerstream.models import ModelLoadError, ensure_tiny_model, load_pipeline, resolve_model
 from layerstream.models.hub import select_files
@@ -23,26 +23,15 @@ REPO = "test-org/tiny-wan"
 
 @pytest.fixture(scope="module")
 def standin():
-    hub, server = start_standin_hub()
-    yield hub
-    server.shutdown()
-    server.server_close()
+    with serving_standin_hub() as hub:
+        yield hub
 
 
 @pytest.fixture
 def hub(standin, tmp_path, monkeypatch):
     """The stand-in Hub, selected through HF_ENDPOINT, with an empty cache of this test's own and a clear
     request log; online (the suite is offline otherwise)."""
-    from huggingface_hub import constants
-
-    monkeypatch.setenv("HF_ENDPOINT", standin.url)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.chdir(tmp_path)  # "test-org/..." is certainly not a relative path here
-    standin.repos.clear()
-    standin.requests.clear()
+    select_standin_hub(standin, monkeypatch, tmp_path)
     standin.add_repo(REPO, ensure_tiny_model("tiny-wan"))
     return standin
 

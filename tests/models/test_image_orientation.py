@@ -1,6 +1,7 @@
 """A phone photo conditions upright: the EXIF orientation tag is applied when an input image is read, before its
 size is read, for every form an edge hands in (the server's and the command line's bytes and paths, Python's PIL
-images). What each tag means comes from the EXIF specification, written here with numpy, not from Pillow."""
+images), and for the `ImageFile` a request carries between the server's ranks. What each tag means comes from the
+EXIF specification, written here with numpy, not from Pillow."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import io
 import numpy as np
 import pytest
 
-from layerstream.models.input_image import read_input_image, size_from_image
+from layerstream.models.input_image import image_file, read_image_file, read_input_image, size_from_image
 
 pytestmark = pytest.mark.fast
 
@@ -63,3 +64,21 @@ def test_the_output_size_follows_the_upright_picture():
     upright = read_input_image(_jpeg(_stored(), 6))  # stored 32 wide and 16 high, shown 16 wide and 32 high
     size = size_from_image(upright.size, size_multiple=16, max_side=1024)
     assert (upright.width, upright.height) == (16, 32) and (size.width, size.height) == (16, 32)
+
+
+@pytest.mark.parametrize("orientation", [1, 5, 6])
+def test_an_image_file_decodes_to_exactly_the_picture_its_source_reads_as(orientation, tmp_path):
+    """What crosses to another rank (the upload's bytes, or a decoded picture as PNG) is decoded there to the
+    pixels rank 0 would condition on, turned as its tag says."""
+    from PIL import Image
+
+    data = _jpeg(_stored(), orientation)
+    path = tmp_path / "photo.jpg"
+    path.write_bytes(data)
+    expected = np.asarray(read_input_image(data))
+    uploaded = read_image_file(data)
+    assert uploaded.data == data and image_file(path).data == data  # the file itself, not its pixels
+    for carried in (uploaded, image_file(Image.open(io.BytesIO(data))), image_file(expected)):
+        assert carried.size == (expected.shape[1], expected.shape[0])
+        assert np.array_equal(np.asarray(read_input_image(carried)), expected), carried
+    assert "bytes" in repr(uploaded) and len(repr(uploaded)) < 80  # never the file in a log line

@@ -11,6 +11,7 @@ import argparse
 import functools
 import inspect
 from types import SimpleNamespace
+from typing import Any, Literal
 
 import pytest
 from PIL import Image
@@ -161,3 +162,78 @@ def test_defaults_geometry_and_image_presence_are_decided_by_the_rules_alone():
     assert rules.image_problem(has_image=True) == "takes_none" and rules.image_problem(has_image=False) is None
     i2v = read_model_rules(load_pipeline("tiny-wan-i2v"), "tiny-wan-i2v")
     assert i2v.image_problem(has_image=False) == "required" and i2v.image_problem(has_image=True) is None
+
+
+# --- extra_params: what the call takes from JSON, and vllm-omni's sample_solver ---------------------------------
+
+
+def test_the_call_arguments_json_can_give_are_read_from_the_signature():
+    import torch
+
+    from layerstream.models.call_arguments import read_call_arguments
+
+    def call(
+        self, prompt: str, num_inference_steps: int = 50, max_sequence_length: int = 512, sigmas: list[float] | None = None,
+        attention_kwargs: dict[str, Any] | None = None, decode_timestep: float | list[float] = 0.0, untyped=None,
+        latents: torch.Tensor | None = None, mode: Literal["a", "b"] = "a", generator: torch.Generator | None = None, **kwargs,
+    ):  # fmt: skip
+        pass
+
+    pipeline = type("SomePipeline", (), {"__call__": call})()
+    taken = read_call_arguments(pipeline)
+    assert set(taken) == {"max_sequence_length", "sigmas", "attention_kwargs", "decode_timestep", "untyped", "mode"}
+    assert taken["max_sequence_length"].allowed() == "an integer from 1 to 512"  # the call's default caps it
+    assert taken["sigmas"].allowed() == "null or an array (each item a number)"
+    assert taken["decode_timestep"].admits(0.05) and taken["decode_timestep"].admits([0.05, 1])
+    assert not taken["sigmas"].admits(["1.0"]) and not taken["max_sequence_length"].admits(2.0)
+    assert taken["attention_kwargs"].admits({"scale": 0.5}) and not taken["attention_kwargs"].admits([1])
+    assert taken["mode"].allowed() == "a text" and taken["untyped"].admits([{"any": None}])
+
+
+def test_extra_params_problems_name_the_key_and_what_is_taken():
+    from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
+
+    from layerstream.models.tiny_components import _wan_scheduler
+
+    def call(self, prompt: str, sigmas: list[float] | None = None, max_sequence_length: int = 512):
+        pass
+
+    pipeline = type("SomePipeline", (), {"__call__": call, "scheduler": _wan_scheduler()})()
+    rules = read_model_rules(pipeline, "a/some")
+    assert dict(rules.sample_solvers) == {
+        "unipc": "UniPCMultistepScheduler", "euler": "FlowMatchEulerDiscreteScheduler", "dpm++": "DPMSolverMultistepScheduler"
+    }  # fmt: skip
+    assert rules.extra_params_problems({"sample_solver": " Euler ", "sigmas": [1.0, 0.5]}, num_inference_steps=2) == []
+    problems = rules.extra_params_problems(
+        {"sample_solver": "heun", "sigmas": [1.0], "max_sequence_length": 4096, "shift": 3}, num_inference_steps=2
+    )
+    assert [(p.name, p.allowed) for p in problems] == [
+        ("extra_params.sample_solver", "one of 'unipc', 'euler', 'dpm++' (any case)"),
+        ("extra_params.sigmas", "null or an array (each item a number), with one item per step (2, num_inference_steps)"),
+        ("extra_params.max_sequence_length", "an integer from 1 to 512"),
+        ("extra_params.shift", "a call argument of SomePipeline that JSON can give (not a tensor or an image), or a"
+         " vllm-omni key it maps: max_sequence_length, sample_solver, sigmas"),
+    ]  # fmt: skip
+    pipeline.scheduler = FlowMatchEulerDiscreteScheduler()  # Flux's and Qwen-Image's: only its own name
+    assert dict(read_model_rules(pipeline, "a/some").sample_solvers) == {"euler": "FlowMatchEulerDiscreteScheduler"}
+    pipeline.scheduler = DDIMScheduler()
+    (problem,) = read_model_rules(pipeline, "a/some").extra_params_problems({"sample_solver": "euler"}, num_inference_steps=2)
+    assert problem.allowed.startswith("no sample_solver: SomePipeline's scheduler has no counterpart")
+
+
+def test_extra_params_reach_the_call_and_a_solver_lasts_one_call():
+    """On the tiny Wan: ``{}`` makes the same bits as none; a passed argument and a mapped solver change the
+    output; the served scheduler is back after the call (the next request makes the first one's bits)."""
+    omni = Omni("tiny-wan", offload=False)
+    served = omni.pipeline.scheduler
+    first = omni.generate(PROMPT, keep_raw=True).raw
+    assert (omni.generate(PROMPT, keep_raw=True, extra_params={}).raw == first).all()
+    assert (omni.generate(PROMPT, keep_raw=True, extra_params={"sample_solver": "UniPC"}).raw == first).all()  # the served one
+    for extra_params in ({"sample_solver": "euler"}, {"sample_solver": "dpm++"}, {"max_sequence_length": 8}):
+        assert (omni.generate(PROMPT, keep_raw=True, extra_params=extra_params).raw != first).any(), extra_params
+        assert omni.pipeline.scheduler is served
+    assert (omni.generate(PROMPT, keep_raw=True).raw == first).all()
+    with pytest.raises(GenerationError, match=r"^extra_params.sample_solver = 'heun' is not valid; expected one of 'unipc'"):
+        omni.generate(PROMPT, extra_params={"sample_solver": "heun"})
+    batch = omni.generate_batch([PROMPT, "a cat"], seeds=[0, 1], extra_params={"sample_solver": "euler"}, keep_raw=True)
+    assert len(batch) == 2 and omni.pipeline.scheduler is served

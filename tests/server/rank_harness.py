@@ -26,6 +26,9 @@ RANK_LINE = re.compile(r"layerstream serve: rank (\d+) of \d+ \(pid (\d+)\)")
 
 @dataclass
 class RankServer(ServerProcess):
+    master_port: int | None = None
+    """torchrun's store (under `script`): a test may read it as the ranks do, e.g. count its keys."""
+
     def rank_pids(self) -> dict[int, int]:
         return {int(rank): int(pid) for rank, pid in RANK_LINE.findall(self.log())}
 
@@ -42,6 +45,16 @@ class RankServer(ServerProcess):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def num_store_keys(self) -> int:
+        """Keys in torchrun's store now, every rank's and torchrun's own (a client of its own, as each rank has)."""
+        import datetime
+
+        import torch.distributed as dist
+
+        assert self.master_port is not None, "started without a script: the launcher chose its own port"
+        store = dist.TCPStore("127.0.0.1", self.master_port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        return store.num_keys()
 
     def wait_exit(self, timeout: float) -> int:
         try:
@@ -66,17 +79,18 @@ def start_rank_server(
     args = (*data_dir, *args)
     pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
     full_env = {**os.environ, "PYTHONPATH": pythonpath, **(env or {})}
+    master_port = None if script is None else free_port()
     if script is None:
         command = [sys.executable, "-m", "layerstream", "serve", model, "--port", "0", "--nproc", str(nproc), *args]
     else:
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(HERE / script),
+            "--master-addr", "127.0.0.1", "--master-port", str(master_port), str(HERE / script),
             "serve", model, "--port", "0", *args,
         ]  # fmt: skip
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-    server = RankServer(process, "", log_path)
+    server = RankServer(process, "", log_path, master_port)
     try:
         server.url = _wait_for_ready(process, log_path)
         deadline = time.monotonic() + 30

@@ -27,6 +27,8 @@ _COMMON_CONTRACT = {
         "true_cfg_scale": {"anyOf": [{"maximum": 100.0, "minimum": 0.0, "type": "number"}, {"type": "null"}], "default": None},
         "boundary_ratio": {"anyOf": [{"maximum": 1.0, "minimum": 0.0, "type": "number"}, {"type": "null"}], "default": None},
         "flow_shift": {"anyOf": [{"exclusiveMinimum": 0.0, "maximum": 100.0, "type": "number"}, {"type": "null"}], "default": None},
+        # vllm-omni's extra call arguments (a 400 for a key the model cannot take, or one that is not an object)
+        "extra_params": {"anyOf": [{"additionalProperties": True, "type": "object"}, {"type": "null"}], "default": None},
         "timeout": {"anyOf": [{"exclusiveMinimum": 0.0, "maximum": 86400.0, "type": "number"}, {"type": "null"}], "default": None},
     },
 }
@@ -63,7 +65,7 @@ VIDEO_DATA_KEYS = ["b64_json", "mime_type"]
 USAGE_KEYS = [
     "model", "seeds", "width", "height", "num_frames", "num_inference_steps", "queue_seconds", "seconds",
     "seconds_per_step", "bytes_streamed", "num_transfers", "num_sync_loads", "stall_seconds", "device_bytes",
-    "host_bytes", "peak_device_bytes", "size_note", "batch_size",
+    "host_bytes", "peak_device_bytes", "size_note", "batch_size", "vae_decode",
 ]  # fmt: skip
 HEALTH_KEYS = [
     "status", "status_reason", "model", "model_source", "kind", "device", "dtype", "component_dtypes", "offload_config", "queue_depth", "max_queue",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hub_standin import start_standin_hub
+from hub_standin import serving_standin_hub
 from jobs_harness import VIDEOS, mp4_frames, wait_for_job
 
 from layerstream.models import ensure_tiny_model
@@ -15,11 +15,9 @@ REPO = "test-org/tiny-wan"
 
 @pytest.fixture(scope="module")
 def standin():
-    hub, server = start_standin_hub()
-    hub.add_repo(REPO, ensure_tiny_model("tiny-wan"))
-    yield hub
-    server.shutdown()
-    server.server_close()
+    with serving_standin_hub() as hub:
+        hub.add_repo(REPO, ensure_tiny_model("tiny-wan"))
+        yield hub
 
 
 def test_serve_a_hub_id_with_vllm_omnis_flag_through_a_job(standin, server_factory, tmp_path):

@@ -93,11 +93,14 @@ def test_four_concurrent_flux_requests_match_the_single_process_server(flux_rank
     bodies[3]["n"] = 2  # a wave holds requests of one output count: this one runs beside a placeholder
     with flux_ranks.client() as client:
         waves_before = metric(client, "layerstream_waves_total")
+    num_keys = flux_ranks.num_store_keys()  # between waves: torchrun's, the process groups' and the heartbeats
     responses = _post_all(flux_ranks, IMAGES, bodies)
     assert [_files(r) for r in responses] == _single_files(flux_single, IMAGES, bodies)
     with flux_ranks.client() as client:
         assert metric(client, "layerstream_waves_total") >= waves_before + 2  # 4 requests over 2 ranks
         assert metric(client, "layerstream_world_size") == 2
+    # every key the waves wrote (messages, outcomes) left the store once every rank had read it
+    assert flux_ranks.num_store_keys() == num_keys
 
 
 def test_health_shows_each_rank_holding_half_the_host_bytes(flux_ranks, flux_single):

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.fast
 
 
 class _Pipeline:
-    def __call__(self, prompt, height=None, width=None, num_inference_steps=2):  # what limits read
+    def __call__(self, prompt, height=None, width=None, num_inference_steps=2, max_sequence_length: int = 512):  # what limits read
         raise AssertionError("the stand-in Omni never calls its pipeline")
 
 
@@ -146,6 +146,14 @@ def test_a_batch_answers_each_request_with_its_own_outputs(batching_service):
     assert pixels == [[10, 11], [20], [30]]
     text = batching_service.render_metrics()
     assert "layerstream_batch_size_count 1.0" in text and "layerstream_batch_size_sum 3.0" in text
+
+
+def test_only_requests_with_equal_extra_params_share_a_batch(batching_service):
+    extra = {"extra_params": {"max_sequence_length": 8}}
+    given = [("fox", {}), ("cat", extra), ("owl", {}), ("ant", extra), ("bee", {}), ("yak", extra)]
+    jobs = [_submit(batching_service, prompt, seed, **fields) for seed, (prompt, fields) in enumerate(given)]
+    assert all(len(job.future.result(10).files) == 1 for job in jobs)
+    assert [[prompt for prompt, _ in batch] for batch in batching_service.omni.batches] == [["fox", "owl", "bee"], ["cat", "ant", "yak"]]
 
 
 def test_a_request_stopped_in_a_batch_drops_its_outputs_and_the_others_run_on(batching_service):

@@ -1,5 +1,6 @@
 """vllm-omni's `/v1/videos` fields on the served tiny Wan 2.2 (both experts): each reaches the pipeline where
-it takes it, a field the pipeline cannot take is a 422 naming it, and the job shows what it used.
+it takes it, a field the pipeline cannot take is a 422 naming it, and the job shows what it used; so does
+``extra_params`` in every encoding, and one the model cannot take is a 400 naming its key.
 
 The app runs in this process (FastAPI's test client: no socket), so the pipeline's received arguments can be
 read: its class's ``__call__`` is wrapped to record them and the settings in force during the call.
@@ -50,15 +51,20 @@ def served(tmp_path_factory):
 
     @functools.wraps(original)
     def record(self, *args, **kwargs):
-        calls.append(SimpleNamespace(kwargs=kwargs, ratio=self.config.boundary_ratio, shift=self.scheduler.config.flow_shift))
+        scheduler = self.scheduler
+        calls.append(SimpleNamespace(
+            kwargs=kwargs, ratio=self.config.boundary_ratio, shift=scheduler.config.get("flow_shift"),
+            scheduler=type(scheduler).__name__,
+        ))  # fmt: skip
         return original(self, *args, **kwargs)
 
     pipeline_class.__call__ = record
     service = GenerationService(omni, ServeSettings(port=0, shutdown_timeout=0))
-    jobs = JobManager(service, JobStore(HistorySettings(data_dir=tmp_path_factory.mktemp("data"))))
+    data = tmp_path_factory.mktemp("data")
+    jobs = JobManager(service, JobStore(HistorySettings(data_dir=data)))
     try:
         with TestClient(create_app(service, jobs, ui=False)) as client:
-            yield SimpleNamespace(client=client, calls=calls, omni=omni)
+            yield SimpleNamespace(client=client, calls=calls, omni=omni, data=data)
     finally:
         pipeline_class.__call__ = original
         omni.close()
@@ -158,3 +164,71 @@ def test_videos_sync_answers_the_mp4_with_vllm_omnis_headers_and_stores_no_job(s
     too_long = served.client.post("/v1/videos/sync", json={**VLLM_OMNI_BODY, "num_frames": 10_001})
     as_job = served.client.post("/v1/videos", json={**VLLM_OMNI_BODY, "num_frames": 10_001})
     assert too_long.status_code == as_job.status_code and too_long.json()["error"] == as_job.json()["error"]
+
+
+EXTRA_PARAMS = {"sample_solver": "euler", "max_sequence_length": 16}
+
+
+@pytest.mark.parametrize("encoding", ["json", "multipart", "urlencoded", "generations"])
+def test_extra_params_reach_the_call_in_every_encoding_and_the_job_records_them(served, encoding):
+    from layerstream.outputs import read_output_metadata
+
+    body = {**VLLM_OMNI_BODY, "extra_params": EXTRA_PARAMS}
+    form = {name: json.dumps(value) if name == "extra_params" else str(value) for name, value in body.items()}
+    before = len(served.calls)
+    if encoding == "generations":  # a synchronous endpoint takes it as the jobs do
+        sync = {**{k: v for k, v in body.items() if k not in ("width", "height")}, "size": "32x48"}
+        assert served.client.post("/v1/videos/generations", json=sync).status_code == 200
+    else:
+        made = {
+            "json": lambda: served.client.post("/v1/videos", json=body),
+            "multipart": lambda: served.client.post("/v1/videos", files={k: (None, v) for k, v in form.items()}),
+            "urlencoded": lambda: served.client.post("/v1/videos", data=form),
+        }[encoding]()
+        assert made.status_code == 200, made.text
+        job = _finished(served.client, made.json()["id"])
+        assert job["status"] == "completed", job
+        assert job["layerstream"]["settings"]["extra_params"] == EXTRA_PARAMS
+        assert read_output_metadata(served.data / "outputs" / f"{job['id']}.mp4")["extra_params"] == EXTRA_PARAMS
+    (call,) = served.calls[before:]
+    assert call.kwargs["max_sequence_length"] == 16 and "sample_solver" not in call.kwargs
+    assert (call.scheduler, served.omni.pipeline.scheduler.__class__.__name__) == ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")
+
+
+def test_extra_params_make_another_video_and_an_empty_object_the_same_one(served):
+    from jobs_harness import mp4_frames
+
+    def video(extra: dict) -> bytes:
+        answer = served.client.post("/v1/videos/sync", json={**VLLM_OMNI_BODY, **extra})
+        assert answer.status_code == 200, answer.text
+        return mp4_frames(answer.content)
+
+    plain = video({})
+    assert torch.equal(video({"extra_params": {}}), plain)
+    assert not torch.equal(video({"extra_params": {"sample_solver": "euler"}}), plain)
+
+
+@pytest.mark.parametrize(
+    "extra_params, param, said",
+    [
+        ("{bad", "extra_params", "extra_params is not valid JSON text"),  # a form's text that is no JSON
+        ("[1]", "extra_params", "object"),
+        ({"foo": 1}, "extra_params.foo", "a call argument of WanPipeline that JSON can give"),
+        ({"sample_solver": "heun"}, "extra_params.sample_solver", "one of 'unipc', 'euler', 'dpm++'"),
+        ({"num_inference_steps": 3}, "extra_params.num_inference_steps", "the num_inference_steps field itself"),
+    ],
+)
+def test_extra_params_the_model_cannot_take_are_a_400_naming_the_key(served, extra_params, param, said):
+    as_text = extra_params if isinstance(extra_params, str) else json.dumps(extra_params)
+    before, answers = len(served.calls), []
+    for path in ("/v1/videos", "/v1/videos/sync"):  # the form endpoints: multipart and url-encoded
+        answers.append(served.client.post(path, files={"prompt": (None, "fox"), "extra_params": (None, as_text)}))
+        answers.append(served.client.post(path, data={"prompt": "fox", "extra_params": as_text}))
+    if as_text != "{bad":  # and a JSON body on every endpoint
+        for path in ("/v1/videos", "/v1/videos/sync", "/v1/videos/generations"):
+            answers.append(served.client.post(path, json={"prompt": "fox", "extra_params": json.loads(as_text)}))
+    for answer in answers:
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["param"] == param and said in error["message"], error
+    assert len(served.calls) == before

@@ -143,3 +143,15 @@ def test_a_silent_rank_is_lost_after_the_collective_timeout():
     finally:
         rank0.close()
         rank1.close()
+
+
+def test_a_wave_carries_each_input_image_as_one_file():
+    from PIL import Image
+
+    from layerstream.server.ranks import WaveKind, WaveMessage
+
+    work = GroupWork((replace(BASE, image=Image.new("RGB", (32, 16), (200, 80, 40))),), batch_call=False)
+    message = WaveMessage(WaveKind.RUN, 1, (work, work.as_placeholder())).with_image_files()
+    first, placeholder = (w.requests[0].image for w in message.works)
+    assert first is placeholder and first.data.startswith(b"\x89PNG")  # a decoded picture: one PNG, shared
+    assert message.with_image_files() == message  # files cross as they are

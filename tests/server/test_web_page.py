@@ -177,6 +177,8 @@ def _check_history_card(card, url: str, job_id: str) -> None:
     """The card shows the prompt and the settings, the video, and a download of the job's own file."""
     text = card.text
     assert PROMPT in text and "32x32" in text and "5 frames" in text and "8 steps" in text and f"seed {LARGEST_SEED}" in text
+    took = re.search(r"took ([\d.]+) (ms|s)\b", text)  # the generation's own time, not whole-second stamps
+    assert took and float(took.group(1)) > 0, text
     video = card.find_element("tag name", "video")
     assert video.get_attribute("src") == f"{url}/v1/videos/{job_id}/content"
     download = card.find_element("link text", "Download")

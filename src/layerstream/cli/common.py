@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -25,12 +26,16 @@ def fail(message: str) -> int:
     return EXIT_USAGE
 
 
+DEFAULT_CONFIG = {"mode": "layer", "components": ["dit"]}
+"""The offload config of a command given no --diffusion-offload-config (and no default of its own)."""
+
+
 def parse_config_arg(text: str | None, default: dict | None = None):
     """Parse --diffusion-offload-config (JSON text) into an OffloadConfig; CliError on any problem."""
     from layerstream.config.offload_config import OffloadConfigError, parse_offload_config
 
     try:
-        return parse_offload_config(text if text is not None else (default or {"mode": "layer", "components": ["dit"]}))
+        return parse_offload_config(text if text is not None else (default or DEFAULT_CONFIG))
     except OffloadConfigError as e:
         raise CliError(f"--diffusion-offload-config: {e}") from e
 
@@ -68,6 +73,25 @@ def vae_setting(text: str) -> bool | str:
     if text not in values:
         raise _not_allowed(repr(text), "true, false or auto")
     return values[text]
+
+
+def add_config_argument(parser: argparse.ArgumentParser) -> None:
+    """--diffusion-offload-config, read by `parse_config_arg`."""
+    parser.add_argument(
+        "--diffusion-offload-config", metavar="JSON", default=None,
+        help=f"offload config as JSON text (default: {json.dumps(DEFAULT_CONFIG)})",
+    )  # fmt: skip
+
+
+MODEL_SOURCES = "a Hugging Face Hub id (org/name, downloaded into its cache), a local diffusers folder, or an embedded tiny model"
+"""What a command's model may be, as its help words it."""
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, model_help: str) -> None:
+    """The positional MODEL (`model_help`: what the subcommand does with each kind of model), and the Hub
+    arguments."""
+    parser.add_argument("model", help=model_help)
+    add_hub_arguments(parser)
 
 
 def add_hub_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,6 +198,20 @@ def prompt_text(text: str) -> str:
         allowed = f"at most {MAX_PROMPT_CHARS:,} characters, as the server takes"
         raise argparse.ArgumentTypeError(f"a text of {len(text):,} characters is not allowed ({allowed})")
     return text
+
+
+def json_object_text(text: str) -> dict:
+    """A JSON object given as its text (--extra-params): not JSON, or JSON that is not an object, is refused
+    naming what was wrong, as the server's 400 does."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); expected a JSON object such as '{{\"sample_solver\": \"euler\"}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object; expected one such as '{{\"sample_solver\": \"euler\"}}'")
+    return value
 
 
 def _int(text: str, allowed: str) -> int:

@@ -9,12 +9,15 @@ import time
 from pathlib import Path
 
 from layerstream.cli.common import (
+    MODEL_SOURCES,
     CliError,
+    add_config_argument,
     add_hub_arguments,
     add_vae_arguments,
     check_device_arg,
     check_output_path,
     fetch_before_ranks,
+    json_object_text,
     parse_config_args,
     positive_float,
     positive_int,
@@ -44,16 +47,12 @@ _REQUEST_FLAGS = {
     **_FLAGS, "prompt": "--prompt", "negative_prompt": "--negative-prompt", "num_inference_steps": "--steps",
     "guidance_scale": "--guidance-scale", "seed": "--seed", "fps": "--fps", "max_side_pixels": "--max-size",
     "guidance_scale_2": "--guidance-scale-2", "true_cfg_scale": "--true-cfg-scale",
-    "boundary_ratio": "--boundary-ratio", "flow_shift": "--flow-shift",
+    "boundary_ratio": "--boundary-ratio", "flow_shift": "--flow-shift", "extra_params": "--extra-params",
 }  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default="tiny-wan",
-        help="a Hugging Face Hub id (org/name, downloaded into its cache), a local diffusers folder, or an embedded "
-        "tiny model (default: tiny-wan)",
-    )  # fmt: skip
+    parser.add_argument("--model", default="tiny-wan", help=f"{MODEL_SOURCES} (default: tiny-wan)")
     add_hub_arguments(parser)
     add_vae_arguments(parser)
     parser.add_argument(
@@ -110,6 +109,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="models whose scheduler has a flow_shift (Wan): its value for this run (default: the model's)",
     )
     parser.add_argument(
+        "--extra-params", type=json_object_text, default=None, metavar="JSON",
+        help="vllm-omni's extra call arguments, a JSON object: keys the model's call takes from JSON, and "
+        '"sample_solver" ("unipc", "euler", "dpm++") where its scheduler has the counterpart (docs/serving.md)',
+    )  # fmt: skip
+    parser.add_argument(
         "--fps", type=request_value("fps"), default=None,
         help=f"frames per second of saved video, {FIELD_BOUNDS['fps'].allowed()} (default: the model's: Wan 16, LTX 24)",
     )
@@ -122,12 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"largest --num-frames accepted, as the server's --max-frames (default: {DEFAULT_MAX_FRAMES})",
     )
     parser.add_argument("--output", default=None, help="output file: .png for images, .mp4 or .gif for video")
-    parser.add_argument(
-        "--diffusion-offload-config",
-        default=None,
-        metavar="JSON",
-        help='offload config, e.g. \'{"mode": "layer", "components": ["dit"]}\' (the default)',
-    )
+    add_config_argument(parser)
     parser.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: as saved)")
     parser.add_argument("--link-gbps", type=positive_float, default=None, help="CPU only: simulated host link bandwidth in GB/s")
@@ -194,8 +193,10 @@ def request_from_args(args: argparse.Namespace, *, image=None, seed: int | None 
     try:
         return GenerationRequest(**{**given, "seed": args.seed if seed is None else seed}, image=image)
     except GenerationError as e:
-        flag = _REQUEST_FLAGS.get(e.field or "", e.field)
-        raise CliError(f"{flag}: {e.value!r} is not allowed ({e.allowed})") from e
+        field, _, key = (e.field or "").partition(".")  # extra_params.KEY: --extra-params KEY
+        flag = " ".join(filter(None, (_REQUEST_FLAGS.get(field, e.field), key)))
+        allowed = f"give {_REQUEST_FLAGS[key]} instead" if key in _REQUEST_FLAGS else e.allowed
+        raise CliError(f"{flag}: {e.value!r} is not allowed ({allowed})") from e
 
 
 def _load(args: argparse.Namespace, config, world_size: int):
@@ -368,6 +369,11 @@ def _check_model_geometry(args: argparse.Namespace, omni) -> None:
     refused = rules.refused_fields(vars(args))
     if refused:
         raise CliError(f"{_REQUEST_FLAGS[refused[0]]} is not valid for {args.model}: {rules.why_not(refused[0])}")
+    steps = rules.filled(num_inference_steps=args.num_inference_steps).num_inference_steps
+    problems = rules.extra_params_problems(getattr(args, "extra_params", None) or {}, num_inference_steps=steps)
+    if problems:
+        key, value = problems[0].name.removeprefix("extra_params."), problems[0].value
+        raise CliError(f"--extra-params {key}: {value!r} is not valid for {args.model}; expected {problems[0].allowed}")
 
 
 def _violation_text(violation: LimitViolation) -> str:

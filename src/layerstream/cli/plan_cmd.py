@@ -3,17 +3,20 @@
 The plan is made on the pipeline's skeleton (`layerstream.models.skeleton`: models built from their configs
 on the meta device, in the dtypes the checkpoint stores), so no weight is read. For a Hub id the configs and
 the safetensors headers come from the Hub and nothing else is downloaded; the plan is the same as for the
-downloaded folder by construction. Only ``--measure`` needs the weights.
+downloaded folder by construction. Only ``--measure`` needs the weights (and a plan that stores the DiT lossless
+reads a sample of them to price the code: from the folder where it holds them, `models.coded_fraction`, else by
+ranged reads of a Hub id's files, `models.hub_sample`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
-from layerstream.cli.common import CliError, add_hub_arguments, parse_config_arg
-from layerstream.cli.plan_machine import add_machine_arguments, planned_generation_of, run_machine_plan, wants_machine_plan
+from layerstream.cli.common import CliError, add_config_argument, add_model_arguments, parse_config_arg
+from layerstream.cli.plan_machine import add_machine_arguments, lossless_fraction, planned_generation_of, run_machine_plan, wants_machine_plan
 from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan
 from layerstream.wording import format_bytes
 
@@ -23,22 +26,16 @@ _NUMERIC = frozenset({"blocks", "max block", "streamed", "resident"})
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of the ``plan`` subcommand."""
-    parser.add_argument(
-        "model",
-        help='a Hugging Face Hub id (planned from its metadata: nothing is downloaded), a local diffusers-format '
-        'folder, or an embedded tiny model ("tiny-wan")',
+    add_model_arguments(
+        parser,
+        'a Hugging Face Hub id (planned from its metadata: nothing is downloaded), a local diffusers-format folder, '
+        'or an embedded tiny model ("tiny-wan")',
     )
-    add_hub_arguments(parser)
     parser.add_argument(
         "--download", action="store_true",
         help="with a Hub id and --measure: download the model first (--measure runs its weights)",
     )  # fmt: skip
-    parser.add_argument(
-        "--diffusion-offload-config",
-        metavar="JSON",
-        default=None,
-        help='offload config as JSON text (default: {"mode": "layer", "components": ["dit"]})',
-    )
+    add_config_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the resolved plan as JSON instead of a table")
     add_machine_arguments(parser)
 
@@ -48,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if wants_machine_plan(args):  # --device-memory and --host-memory: the plan for that machine
         pipeline, origin = _weights(args) if args.measure else _skeleton(args)
         _print_origin(origin, args.json)
-        return run_machine_plan(args, pipeline)
+        return run_machine_plan(args, pipeline, origin)
     if args.download:
         raise CliError("--download: only used with --measure (a plan needs no weights; --measure runs them)")
     config = parse_config_arg(args.diffusion_offload_config)  # before loading: a bad config fails fast
@@ -63,16 +60,24 @@ def run(args: argparse.Namespace) -> int:
         plan = resolve_offload_plan(pipeline, config)
     except (OffloadPlanResolutionError, OffloadPlanError) as e:
         raise CliError(_one_line(e)) from e
+    from layerstream.runtime.packing.lossless_code import ESTIMATED, pricing_at
+
     generation = planned_generation_of(args, pipeline)  # what host budget "auto" keeps a reserve for
-    placement, why_not = _placement(pipeline, plan, generation)
+    coded = any(c.storage_dtype == "lossless" for c in plan.streamed)
+    fraction = lossless_fraction(pipeline, origin, args.variant) if coded else ESTIMATED
+    with pricing_at(fraction):  # a skeleton's lossless blocks: the checkpoint's sampled figure where it was read
+        placement, why_not = _placement(pipeline, plan, generation)
     residency = residency_lines(plan, placement, why_not)
     if args.json:
         placed = placement.to_dict() if placement is not None else {"undecided": why_not}
         document = {**plan.to_dict(), "generation": generation.to_dict(), "placement": placed, "residency": residency}
-        print(json.dumps({**document, "model_source": origin}, indent=2))
+        priced = {"lossless_fraction": dataclasses.asdict(fraction)} if coded else {}
+        print(json.dumps({**document, "model_source": origin, **priced}, indent=2))
     else:
         _print_origin(origin, False)
         print(format_plan(plan, placement))
+        if coded:
+            print(f"lossless priced at {fraction.describe()}")
         if residency:
             print("residency:")
             for path, text in residency.items():

@@ -7,6 +7,7 @@ itself is `layerstream.machine.planner`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -66,9 +67,35 @@ def wants_machine_plan(args: argparse.Namespace) -> bool:
     return True
 
 
-def run_machine_plan(args: argparse.Namespace, pipeline: Any) -> int:
+def lossless_fraction(pipeline: Any, origin: dict[str, Any], variant: str | None):
+    """What the lossless form is priced at for this model (`CodedFraction`): its DiT's weights sampled where the
+    model's folder (a local one, a downloaded snapshot) holds them, else by ranged reads of a Hub id's files, else
+    the fixed estimate (saying why)."""
+    from pathlib import Path
+
+    from layerstream.config.offload_config import parse_offload_config
+    from layerstream.models.coded_fraction import sample_coded_fraction
+    from layerstream.models.hub_sample import hub_coded_fraction
+    from layerstream.plan.resolver import resolve_offload_plan
+    from layerstream.runtime.packing.lossless_code import ESTIMATED
+
+    folder = origin.get("folder")
+    if not folder or origin.get("origin") == "tiny":
+        return ESTIMATED
+    plan = resolve_offload_plan(pipeline, parse_offload_config({"mode": "layer", "components": ["dit"]}))
+    components = {c.path.split(".", 1)[0] for c in plan.streamed if c.path}
+    sampled = sample_coded_fraction(Path(folder), components, variant)
+    if sampled is None and origin.get("origin") == "hub":  # planned from the Hub's metadata: its files are not here
+        return hub_coded_fraction(origin["model"], origin["commit"], components, variant)
+    return sampled or ESTIMATED
+
+
+def run_machine_plan(args: argparse.Namespace, pipeline: Any, origin: dict[str, Any] | None = None) -> int:
+    """The plan for the machine of `args`; the lossless form priced at the model's own sampled fraction where
+    `origin` (where the model came from) names a folder holding its weights."""
     from layerstream.errors import LayerstreamError
     from layerstream.machine.planner import Machine, MachinePlanError, check_machine, measured_block_seconds, plan_for_machine
+    from layerstream.runtime.packing.lossless_code import pricing_at
 
     given = {k: getattr(args, k) for k in ("link_gbps", "disk_gbps", "device_tflops", "baseline_gb", "host_reserve_gb", "activation_reserve_gb")}
     if args.vae_use_tiling is not None:
@@ -80,21 +107,26 @@ def run_machine_plan(args: argparse.Namespace, pipeline: Any) -> int:
     generation = planned_generation_of(args, pipeline)
     try:
         check_machine(machine)
-        result = plan_for_machine(pipeline, machine, generation=generation)
-        if args.measure:
-            from layerstream.offload import default_device
+        fraction = lossless_fraction(pipeline, origin or {}, args.variant)
+        with pricing_at(fraction):
+            result = plan_for_machine(pipeline, machine, generation=generation)
+            if args.measure:
+                from layerstream.offload import default_device
 
-            seconds = measured_block_seconds(pipeline, result.config, generation.as_size(), default_device())
-            result = plan_for_machine(pipeline, machine, generation=generation, block_seconds=seconds)
+                seconds = measured_block_seconds(pipeline, result.config, generation.as_size(), default_device())
+                result = plan_for_machine(pipeline, machine, generation=generation, block_seconds=seconds)
     except MachinePlanError as e:  # "host_memory_gb = 3: ..." -> "--host-memory = 3: ..."
         name, _, rest = str(e).partition(" = ")
         raise CliError(f"{_FLAG_OF.get(name, name)} = {rest}" if rest else str(e)) from e
     except LayerstreamError as e:  # the recommended config refused (float8 with a disk tier before its support)
         raise CliError(" ".join(f"the recommended configuration: {e}".split())) from e
+    lossless = any(o.get("storage_dtype") == "lossless" for o in result.config.get("layer_options", {}).values())
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps({**result.to_dict(), **({"lossless_fraction": dataclasses.asdict(fraction)} if lossless else {})}, indent=2))
     else:
         print("\n".join(machine_plan_lines(result)))
+        if lossless:
+            print(f"lossless priced at {fraction.describe()}")
     return 0
 
 

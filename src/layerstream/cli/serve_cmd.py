@@ -17,8 +17,10 @@ import tempfile
 from pathlib import Path
 
 from layerstream.cli.common import (
+    MODEL_SOURCES,
     CliError,
-    add_hub_arguments,
+    add_config_argument,
+    add_model_arguments,
     add_vae_arguments,
     check_device_arg,
     fetch_before_ranks,
@@ -52,24 +54,14 @@ RANK0_PID_ENV = "LAYERSTREAM_SERVE_RANK0_PID_FILE"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of the ``serve`` subcommand."""
-    parser.add_argument(
-        "model",
-        help='a Hugging Face Hub id (org/name, downloaded into its cache), a local diffusers folder, or an embedded '
-        'tiny model ("tiny-wan", "tiny-flux", ...)',
-    )
-    add_hub_arguments(parser)
+    add_model_arguments(parser, f'{MODEL_SOURCES} ("tiny-wan", "tiny-flux", ...)')
     add_vae_arguments(parser)
     parser.add_argument(
         "--omni", action="store_true",
         help="accepted for vllm-omni's command line (vllm serve MODEL --omni) and ignored: layerstream always serves "
         "the offloaded diffusion pipeline",
     )  # fmt: skip
-    parser.add_argument(
-        "--diffusion-offload-config",
-        metavar="JSON",
-        default=None,
-        help='offload config as JSON text (default: {"mode": "layer", "components": ["dit"]})',
-    )
+    add_config_argument(parser)
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST}, loopback only)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default: {DEFAULT_PORT}; 0 picks a free port)")
     parser.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")

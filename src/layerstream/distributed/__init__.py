@@ -7,22 +7,12 @@ component asks for allgather. The public helpers load on first use:
 - `launch_torchrun(nproc, module_args)`, `rank_info()`, `gather_objects(obj)`: data-parallel generation.
 """
 
-_LAZY = {
-    "init_distributed": "layerstream.distributed.process_group",
-    "destroy_distributed": "layerstream.distributed.process_group",
-    "backend_for": "layerstream.distributed.process_group",
-    "launch_torchrun": "layerstream.distributed.launch",
-    "rank_info": "layerstream.distributed.launch",
-    "gather_objects": "layerstream.distributed.launch",
-    "in_launched_rank": "layerstream.distributed.launch",
-}
+from layerstream.lazy import lazy_exports
 
-__all__ = list(_LAZY)
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'layerstream.distributed' has no attribute {name!r}")
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "layerstream.distributed.process_group": ("init_distributed", "destroy_distributed", "backend_for"),
+        "layerstream.distributed.launch": ("launch_torchrun", "rank_info", "gather_objects", "in_launched_rank"),
+    },
+)

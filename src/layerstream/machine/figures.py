@@ -20,8 +20,9 @@ DEFAULT_DISK_GBPS = 3.0
 DEFAULT_DEVICE_TFLOPS = 150.0
 """Dense bfloat16 throughput a 24 GB GPU of the RTX 4090 class sustains in large matmuls (about 165 peak)."""
 DEVICE_DECODE_GBPS = 100.0
-"""Decoded bytes per second the lossless form's decode is assumed to reach on an accelerator (a few passes of
-elementwise torch ops over a block, at memory speed); `benchmarks/gpu.sh` measures it where a GPU is present."""
+"""Decoded bytes per second the lossless form's decode is assumed to reach on an accelerator (elementwise torch
+ops over a block on the copy stream: about 60 small kernels per step of 2^22 elements with three tiers, so launches
+may bound it below this); an assumption until `benchmarks/gpu.sh` measures it where a GPU is present."""
 FORWARDS_PER_STEP = 2
 """Transformer forwards per denoising step: classifier-free guidance runs the model on the prompt and without."""
 
@@ -82,7 +83,7 @@ class Machine:
     lookups, `runtime/packing/upcast.py`; 0 on an accelerator, which casts in a kernel beside compute)."""
     decode_gbps: float = DEVICE_DECODE_GBPS
     """Decoded GB per second of the lossless form's decode, which runs after each copy, before the block is
-    ready (the link stage): on an accelerator a few elementwise kernels (assumed, `DEVICE_DECODE_GBPS`); on a
+    ready (the link stage): on an accelerator elementwise kernels (assumed, `DEVICE_DECODE_GBPS`); on a
     CPU device the copy thread's own rate beside compute, a measured figure of the machine."""
     host_decode_s_per_gb: float = 0.0
     """Compute time lost per decoded GB where the decode shares the compute's cores (a CPU device's copy

@@ -37,7 +37,7 @@ from layerstream.machine.step_time import block_compute, decode_rate, measured_b
 from layerstream.models.generation_estimates import latent_tokens
 from layerstream.plan.host_budget import STAGING_RING, HostBudgetChoice, choose_host_budget, host_needs
 from layerstream.plan.placement import Placement
-from layerstream.runtime.packing.lossless_code import ESTIMATED_CODED_FRACTION
+from layerstream.runtime.packing.lossless_code import priced_fraction
 from layerstream.wording import GB
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ def plan_for_machine(
     if coded.seconds_per_step >= plan.seconds_per_step:
         return plan
     note = (
-        f"the DiT is stored lossless (about {ESTIMATED_CODED_FRACTION:.2f}x the bytes, the same bits, decoded on the "
+        f"the DiT is stored lossless (about {priced_fraction().value:.2f}x the bytes, the same bits, decoded on the "
         f"device at {decode_rate(machine)}): {plan.bound}-bound, {plan.seconds_per_step:.3g} s per "
         f"step as it is, {coded.seconds_per_step:.3g} s coded"
     )

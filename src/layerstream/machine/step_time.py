@@ -15,7 +15,7 @@ from torch import nn
 
 from layerstream.models.generation_estimates import TEXT_TOKENS
 from layerstream.plan.placement import Placement
-from layerstream.runtime.packing.lossless_code import ESTIMATED_CODED_FRACTION
+from layerstream.runtime.packing.lossless_code import priced_fraction
 from layerstream.timing import ideal
 from layerstream.timing.block_timer import BlockTimer
 from layerstream.wording import GB
@@ -87,14 +87,15 @@ def forward_seconds(
     on_disk = [tier is not None and (tier.on_disk(p) or (pooled and tier.pooled(p))) for p in blocks]
     sizes = [streamed.get(p, 0) for p in blocks]
     per_gb = machine.host_copy_s_per_gb + (machine.host_cast_s_per_gb if cast else 0.0)
-    if decode:  # per decoded GB: a coded GB decodes to 1 / ESTIMATED_CODED_FRACTION
-        per_gb += machine.host_decode_s_per_gb / ESTIMATED_CODED_FRACTION
+    fraction = priced_fraction().value  # the checkpoint's sampled figure where `layerstream plan` read it
+    if decode:  # per decoded GB: a coded GB decodes to 1 / fraction
+        per_gb += machine.host_decode_s_per_gb / fraction
     compute_s = [
         compute[p] + (n * per_gb * m + n * machine.host_copy_s_per_gb * d) / GB for p, n, m, d in zip(blocks, sizes, moved, on_disk)
     ]  # fmt: skip
     link_s = ideal.block_transfer_seconds(sizes, moved, machine.link_gbps)
     if decode:
-        link_s = [t + (n / ESTIMATED_CODED_FRACTION / (machine.decode_gbps * GB) if m else 0.0) for t, n, m in zip(link_s, sizes, moved)]
+        link_s = [t + (n / fraction / (machine.decode_gbps * GB) if m else 0.0) for t, n, m in zip(link_s, sizes, moved)]
     disk_s = ideal.block_disk_seconds(sizes, on_disk, machine.disk_gbps)
     disk_stage_s = disk_s
     if machine.copy_and_read_share_a_core:  # one core reads, then copies: the link stage is its busy time

@@ -12,7 +12,9 @@ its import); writing ``refs/<branch>`` (files are fetched by commit, so that a b
 download cannot mix two commits, and huggingface_hub writes a ref only when it resolves the name itself, its
 writer being private); and the download loop (``snapshot_download`` would resolve the revision a second time,
 after the files were chosen from ``model_index.json``, and only warns where the disk is too small, where this
-module refuses before the first weight byte).
+module refuses before the first weight byte). A fourth is in `hub_sample`: a byte range of a weight file, read
+through huggingface_hub's URL, session and headers (its only ranged read, `parse_safetensors_file_metadata`,
+is of a header, and takes a whole answer where a server ignores the range).
 """
 
 from __future__ import annotations
@@ -261,6 +263,15 @@ def fetch_plan_metadata(repo_id: str, *, revision: str | None = None, variant: s
     return HubMetadata(ModelSource(repo_id, folder, "hub", revision, commit, variant), dtypes, wanted, cached)
 
 
+def component_safetensors(repo_id: str, commit: str, components: Iterable[str], variant: str | None = None) -> list[RepoFile]:
+    """The safetensors files the pipeline loads from `components` of `repo_id` at `commit`, in name order, from
+    the Hub's listing (``model_index.json`` from the cache, where planning put it)."""
+    _, wanted = _pipeline_files(repo_id, commit, variant, HubSettings.from_environment())
+    folders = set(components)
+    mine = [f for f in wanted if f.name.endswith(".safetensors") and f.name.split("/", 1)[0] in folders]
+    return sorted(mine, key=lambda f: f.name)
+
+
 class _NetworkError(LayerstreamError, ConnectionError):
     """The Hub could not be reached (no route, refused, timed out)."""
 
@@ -282,7 +293,7 @@ def _repo_files(repo_id: str, revision: str | None, settings: HubSettings) -> tu
     try:
         info = HfApi(endpoint=settings.endpoint).model_info(repo_id, revision=revision, files_metadata=True)
     except Exception as e:
-        if _is_network_error(e):
+        if is_network_error(e):
             raise _NetworkError(first_line(e)) from e
         raise
     files = {}
@@ -416,7 +427,7 @@ def _hub_errors(repo_id: str, revision: str | None, settings: HubSettings) -> It
     except HfHubHTTPError as e:
         raise ModelLoadError(f"model {repo_id}: the Hub answered {first_line(e)}") from e
     except Exception as e:
-        if _is_network_error(e):
+        if is_network_error(e):
             raise ModelLoadError(
                 f"model {repo_id}: the download stopped, the Hub at {settings.endpoint} cannot be reached "
                 f"({first_line(e)}); run again to resume it"
@@ -424,7 +435,7 @@ def _hub_errors(repo_id: str, revision: str | None, settings: HubSettings) -> It
         raise
 
 
-def _is_network_error(error: BaseException) -> bool:
+def is_network_error(error: BaseException) -> bool:
     from huggingface_hub.errors import HfHubHTTPError
 
     if isinstance(error, HfHubHTTPError):

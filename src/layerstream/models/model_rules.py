@@ -16,16 +16,22 @@ What is read:
 - the frame rate the model was trained at (`FRAME_RATES`, by pipeline class);
 - which optional request fields it can take, and how: a call argument (``negative_prompt``,
   ``guidance_scale_2``, ``true_cfg_scale``) or a per-request override of a setting (``boundary_ratio``, a
-  two-expert Wan pipeline's config; ``flow_shift``, its scheduler's config).
+  two-expert Wan pipeline's config; ``flow_shift``, its scheduler's config);
+- what a request's ``extra_params`` may set: the call arguments a JSON value can give (`call_arguments`, read
+  from the ``__call__`` signature), and the ``sample_solver`` values its scheduler has a counterpart for
+  (`sample_solvers`); `extra_params_problems` says what is wrong with a request's.
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
+from layerstream.models.call_arguments import JsonArgument, argument_problem, read_call_arguments
 from layerstream.models.input_image import ImageInputKind, pipeline_image_input
 from layerstream.models.output_limits import (
     LimitViolation,
@@ -34,6 +40,7 @@ from layerstream.models.output_limits import (
     check_output_geometry,
     read_output_geometry,
 )
+from layerstream.models.sample_solvers import SAMPLE_SOLVER, SOLVER_SCHEDULERS, solver_name, solvers_for
 
 DEFAULT_FPS = 16
 FRAME_RATES = {
@@ -98,6 +105,11 @@ class ModelRules:
     """Of `OPTIONAL_FIELDS`, those this pipeline takes."""
     tiny: bool = False
     """An embedded tiny model: its defaults are passed to the pipeline, which has real-size ones of its own."""
+    call_arguments: Mapping[str, JsonArgument] = field(default_factory=lambda: MappingProxyType({}))
+    """The ``__call__`` arguments an ``extra_params`` key passes through, each with the JSON values it takes."""
+    sample_solvers: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """vllm-omni's ``sample_solver`` values its scheduler has a counterpart for, each to the scheduler class it
+    runs (`models.sample_solvers`); empty: none."""
 
     @property
     def size_multiple(self) -> int:
@@ -150,6 +162,32 @@ class ModelRules:
         """Of the optional fields `given` sets (not None), the ones this pipeline cannot take, in order."""
         return [name for name in OPTIONAL_FIELDS if given.get(name) is not None and name not in self.takes]
 
+    def extra_params_problems(self, params: Mapping[str, Any], *, num_inference_steps: int) -> list[LimitViolation]:
+        """Each key of `params` (a request's ``extra_params``, its keys already checked by the request) this
+        pipeline cannot take as given, named ``extra_params.<key>`` with what it takes; `num_inference_steps`:
+        the request's, which a step list must match. Each caller words them."""
+        problems = []
+        for key, value in params.items():
+            if key in self.call_arguments:
+                allowed = argument_problem(key, self.call_arguments[key], value, num_inference_steps)
+            elif key == SAMPLE_SOLVER:
+                allowed = None if isinstance(value, str) and solver_name(value) in self.sample_solvers else self._solvers_taken()
+            else:
+                accepted = sorted({*self.call_arguments, *([SAMPLE_SOLVER] if self.sample_solvers else [])})
+                allowed = (
+                    f"a call argument of {self.pipeline_class} that JSON can give (not a tensor or an image), or a "
+                    f"vllm-omni key it maps: {', '.join(accepted) or 'none'}"
+                )
+            if allowed is not None:
+                problems.append(LimitViolation(f"extra_params.{key}", value, allowed))
+        return problems
+
+    def _solvers_taken(self) -> str:
+        if not self.sample_solvers:
+            known = ", ".join(SOLVER_SCHEDULERS)
+            return f"no sample_solver: {self.pipeline_class}'s scheduler has no counterpart of vllm-omni's ({known})"
+        return f"one of {', '.join(map(repr, self.sample_solvers))} (any case)"
+
     def why_not(self, name: str) -> str:
         """Why this pipeline cannot take optional field `name`, as a phrase (for an error message)."""
         if name in ("boundary_ratio", "guidance_scale_2"):
@@ -194,6 +232,8 @@ def read_model_rules(pipeline: Any, model: str) -> ModelRules:
         fps=FRAME_RATES.get(type(pipeline).__name__, DEFAULT_FPS),
         takes=_optional_fields_taken(pipeline, call),
         tiny=tiny,
+        call_arguments=MappingProxyType(read_call_arguments(pipeline)),
+        sample_solvers=MappingProxyType(solvers_for(getattr(pipeline, "scheduler", None))),
     )
 
 

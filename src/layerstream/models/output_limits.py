@@ -38,8 +38,8 @@ class LimitViolation:
     """One argument a generation cannot take."""
 
     name: str
-    """``"height"``, ``"width"`` or ``"num_frames"``."""
-    value: int
+    """``"height"``, ``"width"`` or ``"num_frames"`` (or ``"extra_params.<key>"``: `ModelRules.extra_params_problems`)."""
+    value: Any
     allowed: str
     """What would be accepted, as a phrase: ``"an integer from 1 to 2048"``."""
 

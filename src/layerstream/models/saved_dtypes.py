@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -37,22 +39,39 @@ class SafetensorsHeaderError(LayerstreamError, ValueError):
 def read_safetensors_header(path: Path) -> dict:
     """The JSON header of a safetensors file: tensor name -> {dtype, shape, data_offsets}, plus metadata."""
     with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise SafetensorsHeaderError(f"{path}: too short to be a safetensors file ({len(raw)} bytes)")
-        (length,) = struct.unpack("<Q", raw)
-        if length > _MAX_HEADER_BYTES:
-            raise SafetensorsHeaderError(f"{path}: header length {length} is not plausible; the file is not safetensors")
-        text = f.read(length)
+        return parse_safetensors_header(file_reader(f), str(path))[0]
+
+
+def parse_safetensors_header(read_at: Callable[[int, int], bytes], where: str) -> tuple[dict, int]:
+    """(the JSON header of a safetensors file, the offset its tensors' data starts at), read by `read_at(offset,
+    count)`, which gives at most `count` bytes (a local file's, or a ranged read of a Hub file's): 8 bytes of
+    length, then the JSON. `where` names the file in errors."""
+    raw = read_at(0, 8)
+    if len(raw) != 8:
+        raise SafetensorsHeaderError(f"{where}: too short to be a safetensors file ({len(raw)} bytes)")
+    (length,) = struct.unpack("<Q", raw)
+    if length > _MAX_HEADER_BYTES:
+        raise SafetensorsHeaderError(f"{where}: header length {length} is not plausible; the file is not safetensors")
+    text = read_at(8, length)
     if len(text) != length:
-        raise SafetensorsHeaderError(f"{path}: truncated header ({len(text)} of {length} bytes)")
+        raise SafetensorsHeaderError(f"{where}: truncated header ({len(text)} of {length} bytes)")
     try:
         header = json.loads(text)
     except ValueError as e:
-        raise SafetensorsHeaderError(f"{path}: the header is not JSON ({e})") from e
+        raise SafetensorsHeaderError(f"{where}: the header is not JSON ({e})") from e
     if not isinstance(header, dict):
-        raise SafetensorsHeaderError(f"{path}: the header is not a JSON object")
-    return header
+        raise SafetensorsHeaderError(f"{where}: the header is not a JSON object")
+    return header, 8 + length
+
+
+def file_reader(f: BinaryIO) -> Callable[[int, int], bytes]:
+    """`read_at(offset, count)` over an open binary file: at most `count` bytes from `offset`."""
+
+    def read_at(offset: int, count: int) -> bytes:
+        f.seek(offset)
+        return f.read(count)
+
+    return read_at
 
 
 def loaded_safetensors(folder: Path, variant: str | None = None) -> list[Path]:

@@ -56,41 +56,24 @@ class TinyModelSpec:
         object.__setattr__(self, "default_kwargs", MappingProxyType(dict(self.default_kwargs)))
 
 
-_WAN_VIDEO_DEFAULTS = {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 4, "guidance_scale": 4.0}
-"""tiny-wan and tiny-wan-i2v: 9 frames at 64x64; 4 steps (on tiny-wan two on each expert, see
-tiny_components.WAN_BOUNDARY_RATIO); guidance > 1 runs classifier-free guidance."""
+def _tiny_wan(name: str, pipeline_class: str, builder: str) -> TinyModelSpec:
+    """A tiny Wan model: 9 frames at 64x64 (with an input image, that image sets the size, rounded down to 16);
+    4 steps (with two experts, two on each: see tiny_components.WAN_BOUNDARY_RATIO); guidance > 1 runs
+    classifier-free guidance."""
+    defaults = {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 4, "guidance_scale": 4.0}
+    return TinyModelSpec(
+        name=name, pipeline_class=pipeline_class, kind="video", default_kwargs=defaults, size_multiple=16, builder=builder
+    )
+
 
 TINY_MODELS: Mapping[str, TinyModelSpec] = MappingProxyType(
     {
         spec.name: spec
         for spec in (
-            TinyModelSpec(
-                name="tiny-wan",
-                pipeline_class="WanPipeline",
-                kind="video",
-                default_kwargs=_WAN_VIDEO_DEFAULTS,
-                size_multiple=16,
-                builder="build_wan_components",
-            ),
-            TinyModelSpec(
-                name="tiny-wan-i2v",
-                pipeline_class="WanImageToVideoPipeline",
-                kind="video",
-                # The size with a 64x64 input image: any other image sets the size itself, rounded down to 16.
-                default_kwargs=_WAN_VIDEO_DEFAULTS,
-                size_multiple=16,
-                builder="build_wan_i2v_components",
-            ),
-            TinyModelSpec(
-                name="tiny-wan22-i2v",
-                pipeline_class="WanImageToVideoPipeline",
-                kind="video",
-                # Wan 2.2 I2V A14B's structure (two experts, the image as latent channels): as tiny-wan-i2v, the
-                # input image sets the size
-                default_kwargs=_WAN_VIDEO_DEFAULTS,
-                size_multiple=16,
-                builder="build_wan22_i2v_components",
-            ),
+            _tiny_wan("tiny-wan", "WanPipeline", "build_wan_components"),
+            _tiny_wan("tiny-wan-i2v", "WanImageToVideoPipeline", "build_wan_i2v_components"),
+            # Wan 2.2 I2V A14B's structure: two experts, the image as latent channels
+            _tiny_wan("tiny-wan22-i2v", "WanImageToVideoPipeline", "build_wan22_i2v_components"),
             TinyModelSpec(
                 name="tiny-flux",
                 pipeline_class="FluxPipeline",

@@ -54,6 +54,22 @@ TEXT_HIDDEN_SIZE = 32
 DIT_HEAD_DIM = 16
 DIT_NUM_HEADS = 2
 LATENT_CHANNELS = 4
+# The (CLIP, Qwen2.5) transformer encoders' toy sizes, in transformers' names (T5 names them its own way).
+_ENCODER_SIZES: dict[str, Any] = {
+    "hidden_size": TEXT_HIDDEN_SIZE,
+    "intermediate_size": 2 * TEXT_HIDDEN_SIZE,
+    "num_hidden_layers": NUM_TEXT_ENCODER_LAYERS,
+    "num_attention_heads": 4,
+}
+# What the Flux and Qwen-Image DiTs share: latents packed into 2x2 patches, joint attention over the text
+# encoder's hidden states, and the toy sizes.
+_PACKED_LATENT_DIT: dict[str, Any] = {
+    "in_channels": 4 * LATENT_CHANNELS,
+    "num_layers": NUM_DIT_BLOCKS,
+    "attention_head_dim": DIT_HEAD_DIM,
+    "num_attention_heads": DIT_NUM_HEADS,
+    "joint_attention_dim": TEXT_HIDDEN_SIZE,
+}
 
 
 @contextlib.contextmanager
@@ -108,9 +124,10 @@ def _wan_transformer(**image_conditioning: Any) -> WanTransformer3DModel:
     )
 
 
-def _wan_vae() -> AutoencoderKLWan:
-    # 8x spatial and 4x temporal compression, as the real Wan 2.1 / 2.2 A14B VAE.
-    return AutoencoderKLWan(
+def _wan_vae(vae_class: type = AutoencoderKLWan) -> Any:
+    # 8x spatial and 4x temporal compression, as the real Wan 2.1 / 2.2 A14B VAE. Qwen-Image's VAE is the same
+    # architecture (its own class), built here at the same toy size.
+    return vae_class(
         base_dim=8,
         z_dim=LATENT_CHANNELS,
         dim_mult=[1, 1, 1, 1],
@@ -131,23 +148,25 @@ def _wan_scheduler() -> UniPCMultistepScheduler:
     )
 
 
+def _wan_shared_components(*, text_encoder_seed: int, vae_seed: int) -> dict[str, Any]:
+    """What every Wan pipeline takes besides its DiTs: the UMT5 text encoder and its tokenizer, the Wan VAE and
+    the scheduler."""
+    tokenizer = build_t5_tokenizer()
+    with _seeded(text_encoder_seed):
+        text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, len(tokenizer), tokenizer))
+    with _seeded(vae_seed):
+        vae = _wan_vae()
+    return {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "scheduler": _wan_scheduler()}
+
+
 def build_wan_components() -> dict[str, Any]:
     """Keyword arguments for a Wan 2.2-style `WanPipeline` (UMT5 text encoder, two experts, Wan VAE)."""
-    tokenizer = build_t5_tokenizer()
-    with _seeded(1):
-        text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, len(tokenizer), tokenizer))
     with _seeded(2):
         transformer = _wan_transformer()
     with _seeded(3):
         transformer_2 = _wan_transformer()
-    with _seeded(4):
-        vae = _wan_vae()
-    scheduler = _wan_scheduler()
     return {
-        "tokenizer": tokenizer,
-        "text_encoder": text_encoder,
-        "vae": vae,
-        "scheduler": scheduler,
+        **_wan_shared_components(text_encoder_seed=1, vae_seed=4),
         "transformer": transformer,
         "transformer_2": transformer_2,
         "boundary_ratio": WAN_BOUNDARY_RATIO,
@@ -170,16 +189,10 @@ def build_wan_i2v_components() -> dict[str, Any]:
     channels (as the real model's 16 + 4 + 16 = 36); the CLIP tower's penultimate hidden states enter every
     block through the added key/value projections.
     """
-    tokenizer = build_t5_tokenizer()
-    with _seeded(31):
-        text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, len(tokenizer), tokenizer))
     with _seeded(32):
         image_encoder = CLIPVisionModel(
             CLIPVisionConfig(
-                hidden_size=TEXT_HIDDEN_SIZE,
-                intermediate_size=2 * TEXT_HIDDEN_SIZE,
-                num_hidden_layers=NUM_TEXT_ENCODER_LAYERS,
-                num_attention_heads=4,
+                **_ENCODER_SIZES,
                 image_size=CLIP_IMAGE_SIZE,
                 patch_size=8,
                 projection_dim=TEXT_HIDDEN_SIZE,
@@ -195,14 +208,8 @@ def build_wan_i2v_components() -> dict[str, Any]:
             image_dim=TEXT_HIDDEN_SIZE,
             added_kv_proj_dim=DIT_NUM_HEADS * DIT_HEAD_DIM,
         )
-    with _seeded(34):
-        vae = _wan_vae()
-    scheduler = _wan_scheduler()
     return {
-        "tokenizer": tokenizer,
-        "text_encoder": text_encoder,
-        "vae": vae,
-        "scheduler": scheduler,
+        **_wan_shared_components(text_encoder_seed=31, vae_seed=34),
         "image_processor": image_processor,
         "image_encoder": image_encoder,
         "transformer": transformer,
@@ -220,21 +227,13 @@ def build_wan22_i2v_components() -> dict[str, Any]:
     """Keyword arguments for a Wan 2.2 I2V A14B-style `WanImageToVideoPipeline`: UMT5 text encoder, two DiT
     experts that take the input image as latent channels only (16 + 4 + 16 in the real model; no CLIP image
     encoder, no image cross-attention), Wan VAE."""
-    tokenizer = build_t5_tokenizer()
-    with _seeded(41):
-        text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, len(tokenizer), tokenizer))
     conditioned = {"in_channels": 2 * LATENT_CHANNELS + WAN_TEMPORAL_COMPRESSION}
     with _seeded(42):
         transformer = _wan_transformer(**conditioned)
     with _seeded(43):
         transformer_2 = _wan_transformer(**conditioned)
-    with _seeded(44):
-        vae = _wan_vae()
     return {
-        "tokenizer": tokenizer,
-        "text_encoder": text_encoder,
-        "vae": vae,
-        "scheduler": _wan_scheduler(),
+        **_wan_shared_components(text_encoder_seed=41, vae_seed=44),
         "transformer": transformer,
         "transformer_2": transformer_2,
         "boundary_ratio": WAN22_I2V_BOUNDARY_RATIO,
@@ -251,11 +250,8 @@ def build_flux_components() -> dict[str, Any]:
     with _seeded(11):
         text_encoder = CLIPTextModel(
             CLIPTextConfig(
+                **_ENCODER_SIZES,
                 vocab_size=len(tokenizer),
-                hidden_size=TEXT_HIDDEN_SIZE,
-                intermediate_size=2 * TEXT_HIDDEN_SIZE,
-                num_hidden_layers=NUM_TEXT_ENCODER_LAYERS,
-                num_attention_heads=4,
                 max_position_embeddings=tokenizer.model_max_length,
                 projection_dim=TEXT_HIDDEN_SIZE,
                 hidden_act="quick_gelu",
@@ -269,13 +265,9 @@ def build_flux_components() -> dict[str, Any]:
         text_encoder_2 = T5EncoderModel(_t5_config(T5Config, len(tokenizer_2), tokenizer_2))
     with _seeded(13):
         transformer = FluxTransformer2DModel(
+            **_PACKED_LATENT_DIT,
             patch_size=1,
-            in_channels=4 * LATENT_CHANNELS,  # latents are packed into 2x2 patches
-            num_layers=NUM_DIT_BLOCKS,
             num_single_layers=NUM_DIT_BLOCKS,
-            attention_head_dim=DIT_HEAD_DIM,
-            num_attention_heads=DIT_NUM_HEADS,
-            joint_attention_dim=TEXT_HIDDEN_SIZE,
             pooled_projection_dim=TEXT_HIDDEN_SIZE,
             guidance_embeds=True,
             axes_dims_rope=(4, 6, 6),
@@ -326,11 +318,8 @@ def build_qwen_image_components() -> dict[str, Any]:
         text_encoder = Qwen2_5_VLForConditionalGeneration(
             Qwen2_5_VLConfig(
                 text_config={
+                    **_ENCODER_SIZES,
                     "vocab_size": len(tokenizer),
-                    "hidden_size": TEXT_HIDDEN_SIZE,
-                    "intermediate_size": 2 * TEXT_HIDDEN_SIZE,
-                    "num_hidden_layers": NUM_TEXT_ENCODER_LAYERS,
-                    "num_attention_heads": 4,
                     "num_key_value_heads": 2,
                     "max_position_embeddings": 2048,
                     # Multimodal RoPE: sections (t, h, w) must add up to half the head size (8 / 2).
@@ -356,25 +345,13 @@ def build_qwen_image_components() -> dict[str, Any]:
         )
     with _seeded(22):
         transformer = QwenImageTransformer2DModel(
+            **_PACKED_LATENT_DIT,
             patch_size=2,
-            in_channels=4 * LATENT_CHANNELS,  # latents are packed into 2x2 patches
             out_channels=LATENT_CHANNELS,
-            num_layers=NUM_DIT_BLOCKS,
-            attention_head_dim=DIT_HEAD_DIM,
-            num_attention_heads=DIT_NUM_HEADS,
-            joint_attention_dim=TEXT_HIDDEN_SIZE,
             axes_dims_rope=(8, 4, 4),
         )
     with _seeded(23):
-        vae = AutoencoderKLQwenImage(
-            base_dim=8,
-            z_dim=LATENT_CHANNELS,
-            dim_mult=[1, 1, 1, 1],  # 8x compression, as the real Qwen-Image VAE
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-            latents_mean=[0.0] * LATENT_CHANNELS,
-            latents_std=[1.0] * LATENT_CHANNELS,
-        )
+        vae = _wan_vae(AutoencoderKLQwenImage)  # 8x compression, as the real Qwen-Image VAE
     # Qwen-Image's scheduler: exponential resolution-dependent shift.
     scheduler = FlowMatchEulerDiscreteScheduler(
         base_image_seq_len=256,

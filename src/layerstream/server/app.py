@@ -129,12 +129,7 @@ def create_app(service: GenerationService, jobs: JobManager | None = None, *, ui
 
     _add_image_routes(app, service)
 
-    @app.post(
-        VIDEOS_PATH,
-        response_model=VideoGenerationResponse,
-        responses=_GENERATION_ERRORS,
-        openapi_extra=json_request_body(VideoGenerationRequest),
-    )
+    @_post_generation(app, VIDEOS_PATH, VideoGenerationResponse, json_request_body(VideoGenerationRequest))
     async def create_videos(request: Request) -> JSONResponse:
         _, output = await _run_generation(service, request, VideoGenerationRequest, "video")
         data = [VideoData(b64_json=_base64(f)) for f in output.files]
@@ -194,22 +189,12 @@ def _add_image_routes(app: FastAPI, service: GenerationService) -> None:
     """The image endpoints, and the route of the files they answer as URLs (response_format 'url')."""
     kept_outputs = KeptOutputs()  # the newest such files, in memory
 
-    @app.post(
-        IMAGES_PATH,
-        response_model=ImageGenerationResponse,
-        responses=_GENERATION_ERRORS,
-        openapi_extra=json_request_body(ImageGenerationRequest),
-    )
+    @_post_generation(app, IMAGES_PATH, ImageGenerationResponse, json_request_body(ImageGenerationRequest))
     async def create_images(request: Request) -> JSONResponse:
         body, output = await _run_generation(service, request, ImageGenerationRequest, "image")
         return _ok(await _image_response(request, body, output, kept_outputs))
 
-    @app.post(
-        EDITS_PATH,
-        response_model=ImageGenerationResponse,
-        responses=_GENERATION_ERRORS,
-        openapi_extra=edit_request_body(),
-    )
+    @_post_generation(app, EDITS_PATH, ImageGenerationResponse, edit_request_body())
     async def create_edits(request: Request) -> JSONResponse:
         body, output = await _run_edit(service, request)
         return _ok(await _image_response(request, body, output, kept_outputs))
@@ -229,6 +214,12 @@ def _add_image_routes(app: FastAPI, service: GenerationService) -> None:
             )
             raise ApiError(404, message, code="not_found", param="name")
         return Response(kept.data, media_type=kept.media_type)
+
+
+def _post_generation(app: FastAPI, path: str, answer: type[BaseModel], request_body: dict[str, Any]):
+    """The route decorator of a generation endpoint that answers JSON `answer`: the OpenAPI document shows its
+    `request_body` (the route reads the body itself) and the errors every generation may answer."""
+    return app.post(path, response_model=answer, responses=_GENERATION_ERRORS, openapi_extra=request_body)
 
 
 def _served_methods(app: FastAPI, scope: Scope) -> set[str]:

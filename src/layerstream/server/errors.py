@@ -70,7 +70,8 @@ def invalid_fields(status: int, details: Sequence[ErrorDetail], *, code: str) ->
 def validation_error(error: ValidationError, model: type[BaseModel]) -> ApiError:
     """A 422 naming each bad field and what it accepts, from pydantic's errors and the model's JSON schema.
 
-    A body that is not JSON at all is a 400.
+    A body that is not JSON at all is a 400, and so is an ``extra_params`` that is not a JSON object (or, in a
+    form, not JSON text), as vllm-omni answers it.
     """
     schema = model.model_json_schema()
     properties: dict[str, Any] = schema.get("properties", {})
@@ -96,6 +97,8 @@ def validation_error(error: ValidationError, model: type[BaseModel]) -> ApiError
             details.append(ErrorDetail(param=param, message=message, allowed=allowed))
     if any(item["type"] == "json_invalid" for item in error.errors()):
         return invalid_fields(400, details, code="invalid_json")  # not JSON at all: malformed, not merely invalid
+    if any(item["loc"][:1] == ("extra_params",) for item in error.errors()):
+        return invalid_fields(400, details, code="invalid_extra_params")
     return invalid_fields(422, details, code="invalid_request_body")
 
 

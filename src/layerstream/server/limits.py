@@ -4,14 +4,16 @@ The schema (`layerstream.server.schemas`) checks types and fixed ranges; this mo
 on the model: the output kind, the size multiple (the VAE's spatial compression times the transformer's
 patch size), the largest grid the transformer can position (Wan's rotary tables), the frame rule of video
 VAEs (``num_frames - 1`` a multiple of the temporal compression; Wan: ``num_frames % 4 == 1``) and the
-server's own caps, the work cap among them. Each is decided by the model's rules (`ModelRules`: its defaults,
-`check_geometry`, `image_problem`), which this module only words for HTTP. Failing here is a 400 before any work
+server's own caps, the work cap among them, and the keys of ``extra_params``. Each is decided by the model's
+rules (`ModelRules`: its defaults, `check_geometry`, `image_problem`, `extra_params_problems`) or the request's
+table (`request.checked_extra_params`), which this module only words for HTTP. Failing here is a 400 before any work
 is queued, so a request never waits in line only to be refused, and never reaches the pipeline with a shape it
 would crash on.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,7 @@ import torch
 from layerstream.models.geometry import pipeline_max_latent_positions
 from layerstream.models.input_image import ConditionedSize, InputImageError, size_from_image
 from layerstream.models.model_rules import ModelRules
+from layerstream.request import GenerationError, checked_extra_params
 from layerstream.server.errors import ApiError, invalid_fields
 from layerstream.server.schemas import MAX_SEED, ErrorDetail, GenerationBody, VideoGenerationRequest
 from layerstream.server.settings import ACCELERATOR_STEPS, CPU_MAX_WORK, ServeSettings
@@ -191,6 +194,7 @@ def check_request(request: GenerationBody, limits: ModelLimits, conditioned: Con
                 allowed=f"at most {MAX_SEED - request.n + 1}",
             )
         )
+    problems += _extra_params_problems(request, limits, conditioned)
     shape_problems = _size_problems(request, limits)
     if isinstance(request, VideoGenerationRequest):
         shape_problems += _frame_problems(request, limits)
@@ -198,6 +202,31 @@ def check_request(request: GenerationBody, limits: ModelLimits, conditioned: Con
     problems += shape_problems or _work_problems(request, limits, conditioned)
     if problems:
         raise invalid_fields(400, problems, code="invalid_for_model")
+
+
+def _extra_params_problems(
+    request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None
+) -> list[ErrorDetail]:
+    """The keys of ``extra_params`` the model cannot take as given (a 400 naming ``extra_params.<key>``); a key
+    the request itself refuses (one of its own fields) is answered at once."""
+    if not request.extra_params:
+        return []
+    try:
+        params = checked_extra_params(request.extra_params)
+    except GenerationError as e:
+        detail = ErrorDetail(param=e.field, message=f"{_json_text(e.value)} is not valid", allowed=e.allowed)
+        raise invalid_fields(400, [detail], code="invalid_extra_params") from None
+    steps = request_shape(request, limits, conditioned).num_inference_steps
+    problems = limits.rules.extra_params_problems(params, num_inference_steps=steps)
+    return [
+        ErrorDetail(param=p.name, message=f"{_json_text(p.value)} is not valid for {limits.model}", allowed=p.allowed)
+        for p in problems
+    ]
+
+
+def _json_text(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _size_problems(request: GenerationBody, limits: ModelLimits) -> list[ErrorDetail]:

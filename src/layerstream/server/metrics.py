@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import Any, Literal, get_args
 
@@ -49,6 +49,11 @@ class QueueState:
     num_started: int
     num_running: int = 0
     """Requests in the running pipeline call (more than 1: a batch)."""
+
+    @classmethod
+    def of(cls, queue: Any) -> QueueState:
+        """The figures of `queue` (a `GenerationQueue`, which has one of each name) now."""
+        return cls(**{f.name: getattr(queue, f.name) for f in fields(cls)})
 
 
 class ServerMetrics:

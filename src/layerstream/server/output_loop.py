@@ -24,7 +24,8 @@ Checkpoint = Callable[[str], None]
 
 @dataclass(frozen=True)
 class GroupWork:
-    """What one pipeline group runs: one request alone or one batch call (pickled to a rank as it is)."""
+    """What one pipeline group runs: one request alone or one batch call (pickled to a rank, its input images as
+    their files: `ranks.WaveMessage.with_image_files`)."""
 
     requests: tuple[GenerationRequest, ...]
     """One request alone, or those of a batch (not checked again on a rank)."""

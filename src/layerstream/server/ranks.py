@@ -17,6 +17,16 @@ The ranks talk three ways, because a process group must see its collectives in o
 Stopping a running wave (every request of it timed out or left, or the shutdown's grace ran out) issues no
 collective: rank 0 writes a stop point into the group's key-value store, a few checkpoints (denoising steps,
 outputs) ahead of where it is, and every rank stops at that checkpoint, so all run the same forwards.
+
+What crosses the store is bytes bounded by what users sent and get back: a wave's requests carry their input
+images as the files sent (`ImageFile`, decoded on each rank by `read_input_image`, as in one process), and
+outcomes carry encoded outputs. Every key a wave writes leaves the store once every rank has read it
+(`lead_wave`), deleted by rank 0, the last reader or the writer:
+- ``message/{n}``: rank 0 sets it, every rank reads it; deleted once every rank has reported on it;
+- ``outcome/{n}/{rank}``: a rank sets it, rank 0 reads it; deleted as it is read;
+- ``stop/{wave}``: rank 0 sets it if it stops the wave, the others read it; deleted once every rank has reported.
+Only ``heartbeat/{rank}`` (one counter a rank, for the group's life) and the last message, which tells the
+ranks to leave, stay: the store ends with the group.
 """
 
 from __future__ import annotations
@@ -29,14 +39,15 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
 import torch
 
 from layerstream.errors import LayerstreamError
-from layerstream.request import GenerationError
+from layerstream.models.input_image import ImageFile, image_file
+from layerstream.request import GenerationError, GenerationRequest
 from layerstream.server.output_loop import GroupWork, RequestResult, run_group
 from layerstream.server.served import StepObserver
 from layerstream.server.stopping import GenerationStopped, StopReason
@@ -70,6 +81,21 @@ class WaveMessage:
     kind: WaveKind
     wave_id: int = 0
     works: tuple[GroupWork, ...] = ()
+
+    def with_image_files(self) -> WaveMessage:
+        """This message with every input image as an `ImageFile`: the file a user sent as it is (the server's
+        requests carry one already), or a decoded picture encoded once as PNG; never pixels."""
+        files: dict[int, ImageFile] = {}  # a placeholder shares its image with the work it copies: one file
+
+        def carried(request: GenerationRequest) -> GenerationRequest:
+            if request.image is None or isinstance(request.image, ImageFile):
+                return request
+            if id(request.image) not in files:
+                files[id(request.image)] = image_file(request.image)
+            return replace(request, image=files[id(request.image)])
+
+        works = tuple(replace(work, requests=tuple(map(carried, work.requests))) for work in self.works)
+        return replace(self, works=works)
 
 
 @dataclass
@@ -314,6 +340,25 @@ class RankRuntime:
         """Whether a component uses allgather: then a failed wave leaves the ranks' transfers out of step."""
         layer_options = self.omni.config.to_dict().get("layer_options", {})
         return any(options.get("weight_transfer") == "allgather" for options in layer_options.values())
+
+
+def lead_wave(
+    channel: ControlChannel,
+    runtime: RankRuntime,
+    message: WaveMessage,
+    decide: Callable[[], StopReason | None],
+    observer: StepObserver | None = None,
+) -> list[RankOutcome]:
+    """Rank 0's side of a RUN wave: send `message` (its images as files), run rank 0's share of what was sent,
+    and gather every rank's outcome; `decide` says when to stop it. When it returns, every key the wave wrote
+    has left the store. Raises `RankGroupError` if a rank is lost."""
+    message = message.with_image_files()
+    channel.broadcast(message)
+    stop = WaveStop(channel.setup.store, message.wave_id, decide=decide)
+    outcomes = channel.gather(runtime.run(message, stop, observer))
+    stop.forget()  # every rank has reported: nothing reads the wave's stop point any more
+    assert outcomes is not None  # rank 0 gathers
+    return outcomes
 
 
 def serve_follower(runtime: RankRuntime, channel: ControlChannel) -> None:

@@ -13,10 +13,12 @@ The JSON schema of every model is frozen in ``tests/server/test_schema.py``: a c
 from __future__ import annotations
 
 import functools
+import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from layerstream.models.output_limits import MAX_PROMPT_CHARS, MAX_SEED  # the command line's limits too
 from layerstream.request import FIELD_BOUNDS, GenerationRequest
@@ -71,6 +73,14 @@ class RequestFields(_StrictModel):
     flow_shift: float | None = bounded(
         "flow_shift", "Models whose scheduler has a flow_shift (Wan): its value for this request; default: the model's."
     )
+    extra_params: dict[str, Any] | None = Field(
+        default=None,
+        description=(
+            "vllm-omni's extra call arguments, a JSON object (in a form, its JSON text): a key the model's call takes"
+            " from JSON passes through, sample_solver ('unipc', 'euler', 'dpm++') picks the matching scheduler where"
+            " the model has one; any other key, or one of this body's own fields, is a 400 naming it."
+        ),
+    )
 
 
 class GenerationBody(RequestFields):
@@ -95,7 +105,7 @@ class GenerationBody(RequestFields):
 
     def generation_request(self, *, seed: int, image: Any = None) -> GenerationRequest:
         """The `GenerationRequest` this body asks for, the model's defaults left unfilled (None): `seed` is the
-        first output's (the body's own, or one the server drew), `image` the decoded input image."""
+        first output's (the body's own, or one the server drew), `image` the input image (its `ImageFile`)."""
         width, height = self.width_height() or (None, None)
         given = {name: getattr(self, name) for name in RequestFields.model_fields if name not in ("model", "size", "seed")}
         return GenerationRequest(
@@ -170,11 +180,21 @@ class VideoGenerationRequest(GenerationBody):
 
 
 class FormReading(BaseModel):
-    """A body read from a multipart form, whose fields arrive as text: numbers are read from it, and ``null``
-    (or empty text where a field takes no empty text, see `form_null_texts`) is absent. Listed first among the
-    bases of a form's model."""
+    """A body read from a multipart form, whose fields arrive as text: numbers are read from it, ``extra_params``
+    is JSON text, and ``null`` (or empty text where a field takes no empty text, see `form_null_texts`) is
+    absent. Listed first among the bases of a form's model."""
 
     model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
+
+    @field_validator("extra_params", mode="before", check_fields=False)
+    @classmethod
+    def _extra_params_from_json_text(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return json.loads(value)
+        except ValueError as e:  # not JSON: a 400, as vllm-omni answers (`errors.validation_error`)
+            raise PydanticCustomError("extra_params_json", "extra_params is not valid JSON text ({error})", {"error": str(e)}) from None
 
     @model_validator(mode="before")
     @classmethod

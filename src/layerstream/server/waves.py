@@ -40,7 +40,7 @@ from layerstream.server.ranks import (
     RankRuntime,
     WaveKind,
     WaveMessage,
-    WaveStop,
+    lead_wave,
 )
 from layerstream.server.served import Answer, RunnerBase, ServedRequest, StepObserver, job_output, observe_call
 from layerstream.server.stopping import GenerationStopped, StopReason
@@ -164,16 +164,13 @@ class RankRunner(RunnerBase):
                 job.observer.started()
         started = time.perf_counter()
         try:
-            self.channel.broadcast(message)
-            stop = WaveStop(self.runtime.setup.store, self._wave_id, decide=lambda: _stop_reason(jobs))
-            outcomes = self.channel.gather(self.runtime.run(message, stop, _WaveObserver.of(jobs, groups[0])))
-            stop.forget()  # every rank has reported: nothing reads the wave's stop point any more
+            observer = _WaveObserver.of(jobs, groups[0])
+            outcomes = lead_wave(self.channel, self.runtime, message, lambda: _stop_reason(jobs), observer)
         except RankGroupError as e:
             self._lose_group(e)
             return [self._unavailable()] * len(jobs)
         finally:
             self.offload_stats = self.runtime.omni.stats()
-        assert outcomes is not None  # rank 0 gathers
         seconds = time.perf_counter() - started
         with self._lock:
             self.num_waves += 1

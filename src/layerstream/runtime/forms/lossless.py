@@ -1,16 +1,17 @@
-"""The lossless form of a block (`layer_options.<component>.storage_dtype: "lossless"`): about 0.75x the bytes of
-a bfloat16 block over the link and in host memory, and the very same bits in the slot.
+"""The lossless form of a block (`layer_options.<component>.storage_dtype: "lossless"`): about 0.68x the bytes of
+a trained bfloat16 block over the link and in host memory, and the very same bits in the slot.
 
 Every bfloat16 and float16 parameter span of a block of at least `MIN_CODED_BYTES` is kept in the code of
 `runtime.packing.lossless_code` (the rest, buffers included, byte for byte); a slot holds the block's compute
 layout (its ordinary `BlockLayout`, at its resident residues) followed by a staging region for the stored bytes,
 and the copy decodes each coded span into its place in the compute layout, on the device and in the copy's
 stream (on the copy thread on a CPU device), before the slot is marked ready. The code is exact by construction
-(every bit of every element is either kept or looked up), so outputs are bit-identical to streaming the same
+(every bit of every element is either kept or computed back), so outputs are bit-identical to streaming the same
 weights uncompressed. Every store keeps a lossless block in this form: the local store, the disk tier (a
 checkpoint-backed block is coded once at enable: the disk reads shrink too) and the sharded store. The form's
 sizes come from the block's values (how many escapes each tensor needs), read once when the form is made; a
-skeleton on the meta device is priced at `ESTIMATED_CODED_FRACTION`.
+skeleton on the meta device is priced at `lossless_code.priced_fraction()` (a checkpoint's sampled figure, else
+`ESTIMATED_CODED_FRACTION`).
 
 Changing a block's values keeps its sizes: `load_state_dict`, LoRA fusing and a write-back code the new values
 again with each tensor's escape capacity (a little more than it needed at enable). Values that need more escapes
@@ -89,7 +90,7 @@ class LosslessForm(SegmentedForm):
 
     @property
     def signature(self) -> str:
-        codes = ",".join(f"{s.code.width}/{s.code.capacity}" if s.code is not None else "r" for s in self.segments)
+        codes = ",".join(s.code.signature if s.code is not None else "r" for s in self.segments)
         return f"lossless {self.stored_nbytes} segments {codes}"
 
     def _store_span_(self, span: int, segment: Segment, source: torch.Tensor, stored: torch.Tensor) -> None:

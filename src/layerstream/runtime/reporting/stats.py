@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, astuple, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
@@ -167,14 +167,7 @@ class StreamCounters:
         """The counters of `stats` (all zero for None: nothing is streamed)."""
         if stats is None:
             return cls()
-        return cls(
-            bytes_transferred=stats.bytes_transferred,
-            num_transfers=stats.num_transfers,
-            num_sync_loads=stats.num_sync_loads,
-            stall_seconds=stats.stall_seconds,
-            disk_bytes_read=stats.disk_bytes_read,
-            disk_stall_seconds=stats.disk_stall_seconds,
-        )
+        return cls(**{f.name: getattr(stats, f.name) for f in fields(cls)})
 
     def __sub__(self, other: StreamCounters) -> StreamCounters:
         return StreamCounters(*(mine - theirs for mine, theirs in zip(astuple(self), astuple(other))))

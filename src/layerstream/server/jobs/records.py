@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -49,13 +49,7 @@ class JobSettings:
     model_commit: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "output_format": self.output_format,
-            "preview": self.preview,
-            "has_input_image": self.has_input_image,
-            "model_revision": self.model_revision,
-            "model_commit": self.model_commit,
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobSettings:
@@ -79,6 +73,7 @@ def shown_settings(request: GenerationRequest, settings: JobSettings) -> dict[st
         "true_cfg_scale": request.true_cfg_scale,
         "boundary_ratio": request.boundary_ratio,
         "flow_shift": request.flow_shift,
+        "extra_params": request.extra_params.to_dict(),  # {}: none
         "has_input_image": settings.has_input_image,
         "model_revision": settings.model_revision,
         "model_commit": settings.model_commit,

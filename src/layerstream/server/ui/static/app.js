@@ -391,7 +391,10 @@ function historyCard(job) {
   } else {
     media = element("img", { class: "media", src: content, alt: job.prompt, loading: "lazy" });
   }
-  const took = job.completed_at ? formatSeconds(job.completed_at - job.created_at) : null;
+  // created_at and completed_at are whole seconds (OpenAI's fields): the generation's own time is exact
+  const waited = job.completed_at ? job.completed_at - job.created_at : null;
+  const took = job.inference_time_s != null ? formatSeconds(job.inference_time_s)
+    : waited === null ? null : waited < 1 ? "under 1 s" : formatSeconds(waited);
   const live = job.layerstream;
   const timings = [
     took ? `took ${took}` : null,

@@ -1,0 +1,53 @@
+"""vllm-omni's ``sample_solver`` (an ``extra_params`` key of its Wan pipelines), mapped to diffusers schedulers.
+
+vllm-omni's Wan takes ``"unipc"`` (its default) and ``"euler"``, and Wan's own code ``"dpm++"`` too; each has a
+diffusers counterpart on the flow-matching sigmas Wan's diffusers scheduler runs on (UniPC with
+``use_flow_sigmas``), at the same shift. A pipeline whose scheduler is in that form takes all three; one whose
+scheduler already is a counterpart (Flux's and Qwen-Image's flow-matching Euler) takes that one's name, which
+changes nothing; any other takes none. The scheduler a value names is built for one call
+(`scheduler_for`) and the served one put back after it, so a request's solver never reaches the next.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SAMPLE_SOLVER = "sample_solver"
+SOLVER_SCHEDULERS = {
+    "unipc": "UniPCMultistepScheduler",
+    "euler": "FlowMatchEulerDiscreteScheduler",
+    "dpm++": "DPMSolverMultistepScheduler",
+}
+"""Each ``sample_solver`` value and the diffusers scheduler class it runs."""
+_FLOW_EULER = "FlowMatchEulerDiscreteScheduler"
+
+
+def solver_name(value: str) -> str:
+    """A ``sample_solver`` value as the table spells it: vllm-omni reads it without case or surrounding spaces."""
+    return value.strip().lower()
+
+
+def solvers_for(scheduler: Any) -> dict[str, str]:
+    """The ``sample_solver`` values a pipeline with `scheduler` takes, each to the scheduler class it runs."""
+    config = getattr(scheduler, "config", None) or {}
+    if config.get("use_flow_sigmas") and config.get("prediction_type") == "flow_prediction" and "flow_shift" in config:
+        return dict(SOLVER_SCHEDULERS)
+    own = type(scheduler).__name__
+    return {name: cls for name, cls in SOLVER_SCHEDULERS.items() if cls == own}
+
+
+def scheduler_for(served: Any, *, solver: str | None, flow_shift: float | None) -> Any:
+    """The scheduler one call runs with: `served` itself unless a request names another solver (one of
+    `solvers_for(served)`) or a `flow_shift`; then a new one from `served`'s config, at `flow_shift` (default:
+    `served`'s)."""
+    target = SOLVER_SCHEDULERS[solver_name(solver)] if solver is not None else type(served).__name__
+    if target == type(served).__name__ and flow_shift is None:
+        return served
+    import diffusers
+
+    config = served.config
+    shift = flow_shift if flow_shift is not None else config.get("flow_shift")
+    scheduler_class = getattr(diffusers, target)
+    if target == _FLOW_EULER and type(served).__name__ != _FLOW_EULER:  # its shift is named shift
+        return scheduler_class(num_train_timesteps=config["num_train_timesteps"], shift=shift)
+    return scheduler_class.from_config(config, flow_shift=shift)
