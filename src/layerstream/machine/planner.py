@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -147,18 +147,16 @@ def plan_for_machine(
     plan = _faster_text_encoder(pipeline, machine, lossless=False, **kwargs)
     if machine.allow_lossy or plan.bound == "compute":
         return plan
-    try:
-        coded = _faster_text_encoder(pipeline, machine, lossless=True, **kwargs)
-    except MachinePlanError:  # its slots (the decoded block beside the coded one) leave some phase no room
-        return plan
-    if coded.seconds_per_step >= plan.seconds_per_step:
-        return plan
-    note = (
-        f"the DiT is stored lossless (about {priced_fraction().value:.2f}x the bytes, the same bits, decoded on the "
-        f"device at {decode_rate(machine)}): {plan.bound}-bound, {plan.seconds_per_step:.3g} s per "
-        f"step as it is, {coded.seconds_per_step:.3g} s coded"
-    )
-    return dataclasses.replace(coded, notes=coded.notes + (note,))
+
+    def coded_note(plan: MachinePlan, coded: MachinePlan) -> str:
+        return (
+            f"the DiT is stored lossless (about {priced_fraction().value:.2f}x the bytes, the same bits, decoded on the "
+            f"device at {decode_rate(machine)}): {plan.bound}-bound, {plan.seconds_per_step:.3g} s per "
+            f"step as it is, {coded.seconds_per_step:.3g} s coded"
+        )
+
+    # its slots (the decoded block beside the coded one) may leave some phase no room: then it is not planned
+    return _if_faster(plan, lambda: _faster_text_encoder(pipeline, machine, lossless=True, **kwargs), coded_note)
 
 
 def _faster_text_encoder(pipeline: Any, machine: Machine, **kwargs: Any) -> MachinePlan:
@@ -168,22 +166,38 @@ def _faster_text_encoder(pipeline: Any, machine: Machine, **kwargs: Any) -> Mach
     plan = _plan_for_machine(pipeline, machine, **kwargs)
     if "text_encoder" in plan.config["components"]:
         return plan
-    try:
-        streamed = _plan_for_machine(pipeline, machine, text_encoder_streams=True, **kwargs)
-    except MachinePlanError:  # its blocks do not fit in the host's memory beside the DiT's
-        return plan
-    if "text_encoder" not in streamed.config["components"]:
-        return plan  # nothing to stream
+
+    def streamed() -> MachinePlan | None:  # its blocks may not fit in the host's memory beside the DiT's
+        streaming = _plan_for_machine(pipeline, machine, text_encoder_streams=True, **kwargs)
+        return streaming if "text_encoder" in streaming.config["components"] else None  # None: nothing to stream
+
+    def prompts_s(streaming: MachinePlan) -> float:
+        return streaming.text_encoder_link_nbytes / (machine.link_gbps * GB)
+
+    def note(plan: MachinePlan, streaming: MachinePlan) -> str:
+        return (
+            f"the text encoder streams: the device memory it frees keeps more DiT blocks resident, {plan.seconds_per_step:.3g} "
+            f"s per step with it resident, {streaming.seconds_per_step:.3g} s streamed, and its blocks cost "
+            f"{prompts_s(streaming):.2g} s over the link once a generation"
+        )
+
     steps = plan.generation.num_inference_steps
-    prompts_s = streamed.text_encoder_link_nbytes / (machine.link_gbps * GB)
-    if streamed.seconds_per_step + prompts_s / steps >= plan.seconds_per_step:
+    return _if_faster(plan, streamed, note, extra_s=lambda streaming: prompts_s(streaming) / steps)
+
+
+def _if_faster(
+    plan: MachinePlan, alternative: Callable[[], MachinePlan | None], note: Callable[[MachinePlan, MachinePlan], str],
+    *, extra_s: Callable[[MachinePlan], float] = lambda _: 0.0,
+) -> MachinePlan:  # fmt: skip
+    """`plan`, or the `alternative` where it can be planned (not None, no `MachinePlanError`) and predicts a faster
+    step, `extra_s` of its own per step added, with the note that says why."""
+    try:
+        other = alternative()
+    except MachinePlanError:
         return plan
-    note = (
-        f"the text encoder streams: the device memory it frees keeps more DiT blocks resident, {plan.seconds_per_step:.3g} s "
-        f"per step with it resident, {streamed.seconds_per_step:.3g} s streamed, and its blocks cost {prompts_s:.2g} s over "
-        f"the link once a generation"
-    )
-    return dataclasses.replace(streamed, notes=streamed.notes + (note,))
+    if other is None or other.seconds_per_step + extra_s(other) >= plan.seconds_per_step:
+        return plan
+    return dataclasses.replace(other, notes=other.notes + (note(plan, other),))
 
 
 def _plan_for_machine(
