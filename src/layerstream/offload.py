@@ -121,9 +121,7 @@ def enable_offload(
     plan, host_budget = resolve_host_budget(pipeline, plan, device, process_group, generation)  # "auto": a number, or no disk tier
     context = StoreContext(plan, device, components, process_group, _spill_root(config), simulated_disk_gbps)
     stores = _stores(plan, context, store_factory)
-    reserve = None
-    if _estimates_reserve(plan, device):  # the decode tiled only where the config says always: "auto" tiles only where it must
-        reserve = estimated_activation_reserve(pipeline, generation, tiled=config.vae_use_tiling is True, device_type=device.type)
+    reserve = _estimated_reserve(pipeline, plan, device, generation)
     layouts, placement, block_modules = _plan_layer_mode(pipeline, plan, components, stores, device, host_budget, reserve)
     try:
         backend = apply_layer_mode(
@@ -218,11 +216,9 @@ def place_for(
 def estimated_activation_reserve(
     pipeline: Any, generation: GenerationSize | None, *, tiled: bool = False, device_type: str = "cuda",
 ) -> ActivationReserve:  # fmt: skip
-    """What residency "auto" leaves free on the device when the config gives neither a budget nor a reserve: the
-    largest phase's transient for `generation` (None: the model's defaults), the VAE decode `tiled` or not on a
-    device of `device_type`, and the allowance, as the planner recommends it (`machine.device_fit`: where even
-    no resident block leaves the untiled decode room, the planner plans it tiled and says so, and the decode's
-    "auto" tiles it in the room this leaves)."""
+    """What residency "auto" leaves free on the device when the config gives neither a budget nor a reserve, as the
+    planner does (`machine.device_fit`): the largest phase's transient for `generation` (None: the model's
+    defaults), the VAE decode `tiled` or not on a device of `device_type`, and the allowance."""
     from layerstream.models.generation_size import pipeline_generation
 
     generation = generation if generation is not None else pipeline_generation(pipeline)
@@ -230,18 +226,19 @@ def estimated_activation_reserve(
     decode = decode_transient(pipeline, generation, tiled=tiled, device_type=device_type)
     transients += (decode,) if decode is not None else ()
     largest = max(transients, key=lambda t: t.nbytes)
-    nbytes = activation_reserve_nbytes(transients, round(DEVICE_ALLOWANCE_GB * GB))
-    return ActivationReserve(
-        nbytes, f"estimated for {generation.describe()}: {largest.phase}, {largest.what}, and an allowance of {DEVICE_ALLOWANCE_GB:g} GB"
-    )
+    why = f"estimated for {generation.describe()}: {largest.phase}, {largest.what}, and an allowance of {DEVICE_ALLOWANCE_GB:g} GB"
+    return ActivationReserve(activation_reserve_nbytes(transients, round(DEVICE_ALLOWANCE_GB * GB)), why)
 
 
-def _estimates_reserve(plan: ResolvedOffloadPlan, device: torch.device) -> bool:
-    """Whether placing `plan` on `device` reads free device memory less an estimated reserve (residency "auto"
-    with neither `device_budget_gb` nor `activation_reserve_gb`, on a device whose memory can be read)."""
+def _estimated_reserve(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device, generation) -> ActivationReserve | None:
+    """The reserve residency "auto" leaves free where the config gives neither `device_budget_gb` nor
+    `activation_reserve_gb` and the device's memory can be read (`estimated_activation_reserve`: the decode tiled
+    only where the config says always; "auto" tiles it only where it must); else None."""
     options = plan.config.options_for("dit")
     given = options.device_budget_gb is not None or options.activation_reserve_gb is not None
-    return needs_device_budget(plan) and not given and device.type == "cuda"
+    if not needs_device_budget(plan) or given or device.type != "cuda":
+        return None
+    return estimated_activation_reserve(pipeline, generation, tiled=plan.config.vae_use_tiling is True, device_type=device.type)
 
 
 def plan_placement(
@@ -252,17 +249,19 @@ def plan_placement(
     read (or host budget "auto" no host memory)."""
     device = _check_device(device, None)
     plan, host_budget = resolve_host_budget(pipeline, plan, device, generation=generation)
-    placement, _ = priced_placement(pipeline, plan, device)
+    placement, _ = priced_placement(pipeline, plan, device, _estimated_reserve(pipeline, plan, device, generation))
     return dataclasses.replace(placement, host_budget=host_budget)
 
 
-def priced_placement(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device) -> tuple[Placement, dict[str, int]]:
+def priced_placement(
+    pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device, reserve: ActivationReserve | None = None,
+) -> tuple[Placement, dict[str, int]]:  # fmt: skip
     """(the placement of `plan` with local stores and no disk tier, each streamable block's host bytes)."""
     components = {c.path: lookup(pipeline, c.path) for c in plan.streamed}
     local_kinds = tuple(kind for kind in STORE_KINDS if kind is not SHARDED_KIND)  # opens no process group
     stores = compose_stores(StoreContext(plan, device, components), local_kinds, disk_tier=False)
     layouts = block_layouts(pipeline, plan, device, allow_meta=True)  # planning may price a skeleton
-    return place_for(plan, layouts, stores, device), stores.slot_and_host_nbytes(plan, layouts)[1]
+    return place_for(plan, layouts, stores, device, reserve), stores.slot_and_host_nbytes(plan, layouts)[1]
 
 
 def resolve_host_budget(

@@ -127,7 +127,7 @@ def test_enabling_leaves_free_the_reserve_the_planner_recommends(tiny_wan):
     """Residency "auto" without a budget or a reserve given leaves the same estimate free as the planner (the
     largest phase's transient and the allowance); a reserve given wins, and without a generation the default."""
     from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB
-    from layerstream.offload import _estimates_reserve, estimated_activation_reserve
+    from layerstream.offload import _estimated_reserve, estimated_activation_reserve
     from layerstream.plan.placement import read_device_budget
     from layerstream.plan.resolver import resolve_offload_plan
 
@@ -136,12 +136,13 @@ def test_enabling_leaves_free_the_reserve_the_planner_recommends(tiny_wan):
     reserve = estimated_activation_reserve(tiny_wan, video)
     assert reserve.nbytes == round(planned.activation_reserve_gb * 1e9)
     auto = resolve_offload_plan(tiny_wan, {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"resident_layers": "auto"}}})
-    assert _estimates_reserve(auto, torch.device("cuda", 0)) and not _estimates_reserve(auto, torch.device("cpu"))
+    assert _estimated_reserve(tiny_wan, auto, torch.device("cuda", 0), video) == reserve
+    assert _estimated_reserve(tiny_wan, auto, torch.device("cpu"), video) is None  # no device memory to read
     budget = read_device_budget(auto, "cuda:0", 8_000_000_000, reserve)
     assert budget.nbytes == 8_000_000_000 - reserve.nbytes
     assert "estimated for 64x64 x 9 frames" in budget.source and "VAE decode, the VAE's decode at 64x64 x 9 frames, untiled" in budget.source
     given = resolve_offload_plan(tiny_wan, {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"resident_layers": "auto", "activation_reserve_gb": 1}}})
-    assert not _estimates_reserve(given, torch.device("cuda", 0))
+    assert _estimated_reserve(tiny_wan, given, torch.device("cuda", 0), video) is None
     assert read_device_budget(given, "cuda:0", 8_000_000_000, reserve).nbytes == 7_000_000_000
     default = read_device_budget(auto, "cuda:0", 8_000_000_000)
     assert default.nbytes == 8e9 - DEFAULT_ACTIVATION_RESERVE_GB * 1e9 and "no generation to estimate it for" in default.source
