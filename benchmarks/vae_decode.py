@@ -1,4 +1,4 @@
-"""The VAE decode's device peak: planned from the VAE's structure (`layerstream.models.vae_decode`, a meta
+"""The VAE decode's device peak: planned from the VAE's structure (`layerstream.models.decode.vae_decode`, a meta
 trace) against the peak a fresh process measures while `vae.decode` runs on this CPU, for real-width VAEs with
 random weights (diffusers' Wan 2.x VAE and Flux.1's AutoencoderKL, their published configs), untiled and tiled.
 
@@ -114,7 +114,7 @@ def build_vae(row: Row, device: str) -> torch.nn.Module:
 
 
 def planned(row: Row) -> dict:
-    from layerstream.models.vae_decode import estimate_decode_peak
+    from layerstream.models.decode.vae_decode import estimate_decode_peak
 
     vae = build_vae(row, "meta")
     peak = estimate_decode_peak(
@@ -126,7 +126,7 @@ def planned(row: Row) -> dict:
 
 def measure(row: Row) -> dict:
     """In this (fresh) process: the resident-set and allocator peaks of one decode, beyond what was there."""
-    from layerstream.models.vae_decode import latent_shape
+    from layerstream.models.decode.vae_decode import latent_shape
     from layerstream.procfs import PROC, proc_nbytes
 
     vae = build_vae(row, "cpu")
@@ -198,7 +198,7 @@ def run_row(row: Row, threads: int, *, fresh: bool = True) -> dict:
 
 def measure_allocator(row: Row) -> int:
     """The allocator's peak of one decode, in this process (after a warm-up decode of the same latents)."""
-    from layerstream.models.vae_decode import latent_shape
+    from layerstream.models.decode.vae_decode import latent_shape
 
     vae = build_vae(row, "cpu")
     vae.use_tiling = row.tiled

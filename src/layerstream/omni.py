@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from layerstream.config.offload_config import OffloadConfig, parse_offload_config, with_vae_settings
-from layerstream.models.decode_memory import VaeDecodeSettings
+from layerstream.models.decode.decode_memory import VaeDecodeSettings
 from layerstream.models.generation_size import RequestSizes
 from layerstream.models.hub import ModelSource
 from layerstream.models.input_image import ImageInputKind, ImageSource

@@ -3,7 +3,7 @@
 What the pipeline is called with comes from the request and the model's rules (`ModelRules`: defaults,
 geometry, the optional fields it takes, the ``extra_params`` it passes through); the call is timed step by step
 (`on_step`), its latents shown to `on_latents`, its per-request settings applied and restored (`boundary_ratio`,
-`flow_shift`, ``extra_params``' `sample_solver`, and the VAE decode tiled or not: `models.decode_memory`, refused
+`flow_shift`, ``extra_params``' `sample_solver`, and the VAE decode tiled or not: `models.decode.decode_memory`, refused
 before the first step where it cannot fit), and its streaming measured as a difference of the runtime's counters
 (`StreamCounters`). One call runs at a time.
 """
@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from layerstream.models.decode_memory import DecodeRequest, VaeDecodeSettings, choose_decode
+from layerstream.models.decode.decode_memory import DecodeRequest, VaeDecodeSettings, choose_decode
 from layerstream.models.model_rules import OPTIONAL_FIELDS, ModelRules
 from layerstream.models.sample_solvers import SAMPLE_SOLVER, scheduler_for
-from layerstream.models.vae_tiling import VaeDecodeChoice, vae_decode_settings
+from layerstream.models.decode.vae_tiling import VaeDecodeChoice, vae_decode_settings
 from layerstream.outputs import GenerationResult
 from layerstream.request import GenerationError, GenerationRequest, invalid_field
 from layerstream.runtime.reporting.stats import OffloadStats, StreamCounters

@@ -7,7 +7,7 @@ import torch
 from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan
 
 from layerstream.models.tiny_components import _wan_vae
-from layerstream.models.vae_decode import decode_peak_nbytes, estimate_decode_peak, latent_shape
+from layerstream.models.decode.vae_decode import decode_peak_nbytes, estimate_decode_peak, latent_shape
 
 pytestmark = pytest.mark.fast
 
@@ -73,8 +73,8 @@ def test_an_image_vae_decodes_whole_and_bfloat16_halves_it():
 
 
 def test_replayed_decoder_calls_count_the_same_bytes_as_running_every_op():
-    from layerstream.models.meta_peak import trace_peak_nbytes
-    from layerstream.models.vae_decode import _VaeKey
+    from layerstream.models.decode.meta_peak import trace_peak_nbytes
+    from layerstream.models.decode.vae_decode import _VaeKey
 
     vae = _VaeKey.of(_wan_vae(), torch.float32).build_meta()
     vae.tile_sample_min_height = vae.tile_sample_min_width = 32

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from layerstream.models.decode_memory import held_on_device
-from layerstream.models.vae_decode import decode_peak_nbytes
-from layerstream.models.vae_tiling import LOSSY_NOTE, choose_vae_decode, choose_vae_tiling, vae_decode_settings
+from layerstream.models.decode.decode_memory import held_on_device
+from layerstream.models.decode.vae_decode import decode_peak_nbytes
+from layerstream.models.decode.vae_tiling import LOSSY_NOTE, choose_vae_decode, choose_vae_tiling, vae_decode_settings
 from layerstream.omni import GenerationError, Omni
 
 MB = 10**6
@@ -88,7 +88,7 @@ def _measured_decode_peak(omni, *, tiled: bool) -> int:
     """The CPU allocator's peak while the pipeline's VAE decodes latents of `SIZE`."""
     from benchmark_modules import benchmark_module
 
-    from layerstream.models.vae_decode import latent_shape
+    from layerstream.models.decode.vae_decode import latent_shape
 
     vae = omni.pipeline.vae
     latents = torch.randn(latent_shape(vae, **SIZE))
@@ -102,7 +102,7 @@ def _run(omni, settings: dict, **kwargs):
 
 
 def test_auto_leaves_a_decode_that_fits_untiled_and_tiles_under_a_small_budget(omni):
-    from layerstream.models.decode_memory import VaeDecodeSettings
+    from layerstream.models.decode.decode_memory import VaeDecodeSettings
 
     untiled = _run(omni, VaeDecodeSettings(vae_use_tiling=False))
     roomy = _run(omni, VaeDecodeSettings(device_memory_gb=100.0))
@@ -118,7 +118,7 @@ def test_auto_leaves_a_decode_that_fits_untiled_and_tiles_under_a_small_budget(o
 
 
 def test_false_refuses_a_decode_that_cannot_fit_before_the_first_step(omni):
-    from layerstream.models.decode_memory import VaeDecodeSettings
+    from layerstream.models.decode.decode_memory import VaeDecodeSettings
 
     small = _device_memory_gb(omni)
     steps = []

@@ -56,7 +56,7 @@ def _mib(n) -> str:
 
 def _decode_line(decode: dict | None) -> str:
     """How the VAE decoded and why: tiled output is not bit-identical to untiled, so it is never left unsaid."""
-    from layerstream.models.vae_tiling import VaeDecodeChoice
+    from layerstream.models.decode.vae_tiling import VaeDecodeChoice
 
     return "-" if decode is None else VaeDecodeChoice(**decode).summary()
 

@@ -33,7 +33,7 @@ _TOP_LEVEL_KEYS = (
     "lora_exact_unfuse", "vae_use_tiling", "vae_use_slicing", "device_memory_gb",
 )  # fmt: skip
 _VAE_KEYS = ("vae_use_tiling", "vae_use_slicing")
-"""vllm-omni's names: true, false or "auto" (`layerstream.models.vae_tiling`)."""
+"""vllm-omni's names: true, false or "auto" (`layerstream.models.decode.vae_tiling`)."""
 _COMMON_OPTION_KEYS = ("weight_transfer", "prefetch_depth", "storage_dtype")
 _DIT_ONLY_OPTION_KEYS = ("resident_layers", "device_budget_gb", "activation_reserve_gb")
 

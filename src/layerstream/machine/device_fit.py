@@ -20,7 +20,7 @@ from layerstream.config.offload_config import parse_offload_config
 from layerstream.machine.figures import DeviceTooSmallError, Machine
 from layerstream.machine.phases import PhasePeaks, device_phase_peaks
 from layerstream.models.generation_estimates import Transient, activation_reserve_nbytes, decode_transient, decodes, phase_transients
-from layerstream.models.vae_tiling import LOSSY_NOTE, VaeDecodeChoice, choose_vae_tiling
+from layerstream.models.decode.vae_tiling import LOSSY_NOTE, VaeDecodeChoice, choose_vae_tiling
 from layerstream.plan.phase_blocks import phase_blocks
 from layerstream.plan.placement import Placement
 from layerstream.plan.resolved import ResolvedOffloadPlan
@@ -46,7 +46,7 @@ class DeviceFit:
     phases: PhasePeaks
     device_type: str = "cuda"
     decode_choice: VaeDecodeChoice | None = None
-    """The decode's choice as a run makes it (`models.vae_tiling.choose_vae_tiling`: its peaks untiled and tiled,
+    """The decode's choice as a run makes it (`models.decode.vae_tiling.choose_vae_tiling`: its peaks untiled and tiled,
     and the device memory the fit leaves it), with its reason; None without a VAE."""
 
 

@@ -66,7 +66,7 @@ class Machine:
     """Device memory beside the estimates in every phase (a CUDA context, the allocator; 0 for a CPU device)."""
     device_type: Literal["cuda", "cpu"] = "cuda"
     """The device's kind, for what its kernels allocate beside their tensors (a VAE decode's convolution scratch,
-    `models.conv_scratch`): "cpu" for the CPU device, where the device is host memory."""
+    `models.decode.conv_scratch`): "cpu" for the CPU device, where the device is host memory."""
     vae_use_tiling: bool | Literal["auto"] = "auto"
     """Whether the VAE decode is planned tiled: "auto" only where the untiled decode leaves some phase no room
     (tiles blend at their edges: the output is not bit-identical), True always, False never (refused where the

@@ -42,7 +42,7 @@ from layerstream.wording import GB
 
 if TYPE_CHECKING:
     from layerstream.models.generation_size import GenerationSize
-    from layerstream.models.vae_tiling import VaeDecodeChoice
+    from layerstream.models.decode.vae_tiling import VaeDecodeChoice
 
 __all__ = [
     "CUDA_CONTEXT_GB", "DEVICE_DECODE_GBPS", "PROCESS_BASELINE_GB", "DeviceTooSmallError", "Machine", "MachinePlan", "MachinePlanError",

@@ -1,7 +1,7 @@
 """What one generation holds: the latent tokens a DiT block sees at its size, a block's activations, and each
 phase's own transient on the device (prompt encoding, image encoding, denoising): estimates the planner, the
 residency "auto" of enabling and the host reserve share; pure, nothing runs. The size itself is the model's rules'
-business (`models.generation_size`); the VAE decode's peak is `models.vae_decode`'s."""
+business (`models.generation_size`); the VAE decode's peak is `models.decode.vae_decode`'s."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def image_encoder_tokens(encoder: nn.Module) -> int:
 
 def phase_transients(pipeline: Any, generation: GenerationSize, blocks: Any) -> tuple[Transient, ...]:
     """Each phase's own transient on the device at `generation` (its `tokens`, else counted from its size; the VAE
-    decode aside, `models.vae_decode`): the widest text encoder block's forward at `TEXT_TOKENS` (one encoder runs
+    decode aside, `models.decode.vae_decode`): the widest text encoder block's forward at `TEXT_TOKENS` (one encoder runs
     at a time), the vision tower's where the pipeline has one, and a DiT block's forward at the generation's
     tokens (the largest first block of a DiT counts); the prompts' hidden states (`text_output_nbytes`) stay on
     the device from the prompt encoding to the last step. `blocks` holds the modules each phase is priced on
@@ -114,9 +114,9 @@ def activation_reserve_nbytes(transients: Sequence[Transient], allowance_nbytes:
 
 def decode_transient(pipeline: Any, generation: GenerationSize, *, tiled: bool, device_type: str = "cuda") -> Transient | None:
     """The VAE decode's transient at `generation`'s size, tiled or not, on a device of `device_type` (its
-    convolutions' scratch; `models.vae_decode`: traced from the VAE's structure, its weights apart: they stay on
+    convolutions' scratch; `models.decode.vae_decode`: traced from the VAE's structure, its weights apart: they stay on
     the device with the other resident modules); None where the pipeline has no VAE."""
-    from layerstream.models.vae_decode import estimate_decode_peak
+    from layerstream.models.decode.vae_decode import estimate_decode_peak
 
     if not decodes(pipeline):
         return None

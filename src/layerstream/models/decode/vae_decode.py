@@ -1,6 +1,6 @@
 """The device peak of a VAE decode, from the VAE's own structure: its decode is run on the meta device (config
 only, no weight read) at the latents of the requested output, and every tensor it allocates is counted while
-alive (`layerstream.models.meta_peak`). Whatever the VAE does, the trace follows it: a causal video VAE decoding
+alive (`layerstream.models.decode.meta_peak`). Whatever the VAE does, the trace follows it: a causal video VAE decoding
 latent frame by frame with its feature cache (Wan 2.x, Qwen-Image), one decoding frames in batches (HunyuanVideo,
 LTX), an image VAE decoding the whole latent at once (Flux's AutoencoderKL), and the tiled decode each offers
 (tiles as diffusers' `enable_tiling()` sets them on that VAE object).
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerstream.models.conv_scratch import DeviceType
-from layerstream.models.meta_peak import trace_peak_nbytes
+from layerstream.models.decode.conv_scratch import DeviceType
+from layerstream.models.decode.meta_peak import trace_peak_nbytes
 
 _TILING_ATTRIBUTES = ("tile_", "use_framewise_", "num_sample_frames_", "num_latent_frames_")
 """Instance attributes (prefixes) that shape a decode besides the config: tile sizes and strides, and the frame

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from layerstream.models.conv_scratch import DeviceType, convolution_scratch_nbytes
+from layerstream.models.decode.conv_scratch import DeviceType, convolution_scratch_nbytes
 
 
 @dataclass(frozen=True)

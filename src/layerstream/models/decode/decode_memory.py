@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from layerstream.config.offload_config import OffloadConfig
-from layerstream.models.vae_tiling import AUTO, VaeDecodeChoice, VaeSetting, choose_vae_decode
+from layerstream.models.decode.vae_tiling import AUTO, VaeDecodeChoice, VaeSetting, choose_vae_decode
 from layerstream.runtime.packing.tensors import device_bytes
 from layerstream.runtime.reporting.stats import OffloadStats
 
@@ -109,7 +109,7 @@ class _Peaks(Mapping):
         return len(self._keys)
 
     def _estimate(self, tiled: bool, sliced: bool) -> int | None:
-        from layerstream.models.vae_decode import decode_peak_nbytes
+        from layerstream.models.decode.vae_decode import decode_peak_nbytes
 
         r = self._request
         if r.height is None or r.width is None:
