@@ -1,11 +1,10 @@
 """`enable_offload`: plan, check, then apply; undo everything if applying fails.
 
-This is the composition root, where the layers meet: the config is read and resolved into a plan (`plan/`),
-the host store of each streamed component is composed from the store kinds (`STORE_KINDS`, through
-`runtime.stores.compose`: sharded allgather from `distributed/`, or local, and with
-`host_budget_gb` the disk tier around them), every block is laid out once and placed (`plan.placement`, pricing
-blocks in their stores' slot and host bytes), and a mode backend of `runtime/` applies it. The handle it
-returns reports and undoes it.
+The composition root, where the layers meet: the config is resolved into a plan (`plan/`), each streamed
+component's host store composed from the store kinds (`STORE_KINDS`, `runtime.stores.compose`: sharded allgather
+from `distributed/` or local, with `host_budget_gb` the disk tier around them), every block laid out once and
+placed (`plan.placement`, in its store's slot and host bytes), and a mode backend of `runtime/` applies it; the
+handle it returns reports and undoes it.
 """
 
 from __future__ import annotations
@@ -238,7 +237,11 @@ def _estimated_reserve(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.d
     given = options.device_budget_gb is not None or options.activation_reserve_gb is not None
     if not needs_device_budget(plan) or given or device.type != "cuda":
         return None
-    return estimated_activation_reserve(pipeline, generation, tiled=plan.config.vae_use_tiling is True, device_type=device.type)
+    try:
+        return estimated_activation_reserve(pipeline, generation, tiled=plan.config.vae_use_tiling is True, device_type=device.type)
+    except (LayerstreamError, RuntimeError, TypeError, AttributeError, NotImplementedError) as e:  # a model it cannot read
+        logger.info("the activation reserve cannot be estimated (%s: %s); the default is kept", type(e).__name__, e)
+        return None
 
 
 def plan_placement(
@@ -392,10 +395,7 @@ def held_host_nbytes(pipeline: Any, block_paths) -> int:
 
 def free_device_bytes(device: torch.device) -> int | None:
     """Free memory of a CUDA device; None where there is none to read."""
-    if device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return free
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
 def _check_device(device, simulated_link_gbps, name: str = "simulated_link_gbps") -> torch.device:

@@ -10,7 +10,7 @@ import io
 import numpy as np
 import pytest
 
-from layerstream.models.input_image import image_file, read_image_file, read_input_image, size_from_image
+from layerstream.models.input_image import InputImageError, image_file, read_image_file, read_input_image, size_from_image
 
 pytestmark = pytest.mark.fast
 
@@ -82,3 +82,11 @@ def test_an_image_file_decodes_to_exactly_the_picture_its_source_reads_as(orient
         assert carried.size == (expected.shape[1], expected.shape[0])
         assert np.array_equal(np.asarray(read_input_image(carried)), expected), carried
     assert "bytes" in repr(uploaded) and len(repr(uploaded)) < 80  # never the file in a log line
+
+
+def test_an_image_file_is_not_held_to_the_pixel_cap_again_where_it_runs():
+    """A server may take more pixels than the default (--max-image-pixels): the file it accepted runs."""
+    accepted = read_image_file(_jpeg(_stored(), 1), max_pixels=1000)  # 32 x 16 pixels
+    assert read_input_image(accepted, max_pixels=100).size == (32, 16)
+    with pytest.raises(InputImageError):  # the same bytes as bytes are checked
+        read_input_image(accepted.data, max_pixels=100)

@@ -125,3 +125,25 @@ def test_false_refuses_a_decode_that_cannot_fit_before_the_first_step(omni):
     with pytest.raises(GenerationError, match=r"needs .* more than the .* of device memory left"):
         _run(omni, VaeDecodeSettings(vae_use_tiling=False, device_memory_gb=small), on_step=lambda *a: steps.append(a))
     assert steps == []
+
+
+def test_slicing_asked_for_a_single_output_decodes_it_whole(omni):
+    """Slicing splits a batch: one output decodes as it would whole, the same bits, and the VAE is left as it was."""
+    from layerstream.models.decode.decode_memory import VaeDecodeSettings
+
+    whole = _run(omni, VaeDecodeSettings(vae_use_tiling=False, device_memory_gb=100.0))
+    sliced = _run(omni, VaeDecodeSettings(vae_use_tiling=False, vae_use_slicing=True, device_memory_gb=100.0))
+    assert sliced.stats.vae_decode.fits and sliced.stats.vae_decode.peak_nbytes == whole.stats.vae_decode.peak_nbytes
+    assert np.array_equal(sliced.raw, whole.raw) and not omni.pipeline.vae.use_slicing
+
+
+@pytest.mark.fast
+def test_the_phases_of_a_pipeline_without_a_text_encoder_are_its_dits():
+    """A caller that passes prompt embeddings drops the text encoder: the reserve is still estimated."""
+    from layerstream.models.tiny import build_tiny_pipeline
+    from layerstream.plan.phase_blocks import phase_blocks
+
+    pipeline = build_tiny_pipeline("tiny-wan")
+    pipeline.text_encoder = None
+    blocks = phase_blocks(pipeline)
+    assert blocks.text_encoder_blocks == () and blocks.dit_blocks == (pipeline.transformer.blocks[0], pipeline.transformer_2.blocks[0])

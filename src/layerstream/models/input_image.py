@@ -61,7 +61,8 @@ class ImageFile:
     server's queue and between its ranks instead of the pixels (a 16.8 MP upload decodes to 50 MB).
 
     `read_input_image` decodes it as it decodes those bytes, EXIF orientation included, so every process that
-    runs the request runs the same picture; the byte cap is not applied again (it was, where the file came in)."""
+    runs the request runs the same picture; neither the byte cap nor the pixel cap is applied again (they were,
+    where the file came in: a server's `--max-image-pixels` may be above the default)."""
 
     data: bytes = field(repr=False)
     size: tuple[int, int]
@@ -138,8 +139,8 @@ def read_input_image(
         return _upright(source).convert("RGB")
     if isinstance(source, np.ndarray):
         return _from_array(name, source, max_pixels)
-    if isinstance(source, ImageFile):
-        return _decode(name, source.data, max_pixels)
+    if isinstance(source, ImageFile):  # checked against its caps where it came in (a server's may be larger)
+        return _decode(name, source.data, max(max_pixels, source.size[0] * source.size[1]))
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
         if len(data) > max_bytes:

@@ -47,7 +47,7 @@ def scheduler_for(served: Any, *, solver: str | None, flow_shift: float | None) 
 
     config = served.config
     shift = flow_shift if flow_shift is not None else config.get("flow_shift")
-    scheduler_class = getattr(diffusers, target)
+    scheduler_class = type(served) if target == type(served).__name__ else getattr(diffusers, target)
     if target == _FLOW_EULER and type(served).__name__ != _FLOW_EULER:  # its shift is named shift
         return scheduler_class(num_train_timesteps=config["num_train_timesteps"], shift=shift)
     return scheduler_class.from_config(config, flow_shift=shift)

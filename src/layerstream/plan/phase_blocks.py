@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 
 from layerstream.config.offload_config import parse_offload_config
-from layerstream.plan.resolved import lookup
+from layerstream.plan.resolved import OffloadPlanResolutionError, lookup
 from layerstream.plan.resolver import resolve_offload_plan
 
 
@@ -21,7 +21,10 @@ class PhaseBlocks:
 
 
 def phase_blocks(pipeline: Any) -> PhaseBlocks:
-    plan = resolve_offload_plan(pipeline, parse_offload_config({"mode": "layer", "components": ["dit", "text_encoder"]}))
+    try:
+        plan = resolve_offload_plan(pipeline, parse_offload_config({"mode": "layer", "components": ["dit", "text_encoder"]}))
+    except OffloadPlanResolutionError:  # no text encoder (a caller that passes prompt embeddings)
+        plan = resolve_offload_plan(pipeline, parse_offload_config({"mode": "layer", "components": ["dit"]}))
     dits = [lookup(pipeline, s.block_paths[0]) for c in plan.streamed if c.category == "dit" for s in c.stacks if s.block_paths]
     texts: list[nn.Module] = []
     for comp in plan.components:

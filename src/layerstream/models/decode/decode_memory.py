@@ -58,7 +58,8 @@ def choose_decode(
 ) -> VaeDecodeChoice | None:
     """How the pipeline's VAE will decode `request` (None: the pipeline has no VAE that can tile)."""
     vae = getattr(pipeline, "vae", None)
-    if not isinstance(vae, nn.Module) or not callable(getattr(vae, "enable_tiling", None)):
+    # diffusers' AutoencoderMixin gives every VAE enable_tiling(), which raises where the VAE has no use_tiling
+    if not isinstance(vae, nn.Module) or not hasattr(vae, "use_tiling"):
         return None
     peaks = _Peaks(vae, request, device)
     free = free_decode_nbytes(pipeline, device, settings.device_memory_gb, stats)
@@ -86,21 +87,28 @@ def held_on_device(pipeline: Any, device: torch.device, stats: OffloadStats | No
 
 class _Peaks(Mapping):
     """(tiled, sliced) -> the decode's planned peak, estimated when first asked for (a tiled trace of a long
-    video takes a second or two; the choice usually stops at the untiled one). A batch of one has no sliced
-    ways; a peak that cannot be estimated (a VAE the trace cannot run) is None."""
+    video takes a second or two; the choice usually stops at the untiled one). A VAE without slicing has no
+    sliced ways; a batch of one decodes sliced as whole (the same peak); a peak that cannot be estimated (a VAE
+    the trace cannot run) is None."""
 
     def __init__(self, vae: nn.Module, request: DecodeRequest, device: torch.device) -> None:
         self._vae, self._request = vae, request
         self._device_type = "cpu" if device.type == "cpu" else "cuda"  # whose convolution scratch to count
-        self._keys = [(t, s) for t in (False, True) for s in (False, True) if not s or request.batch > 1]
+        slices = (False, True) if hasattr(vae, "use_slicing") else (False,)
+        self._keys = [(t, s) for t in (False, True) for s in slices]
         self._known: dict[tuple[bool, bool], int | None] = {}
+
+    def __contains__(self, key: object) -> bool:  # Mapping's would estimate the peak to answer
+        return key in self._keys
 
     def __getitem__(self, key: tuple[bool, bool]) -> int | None:
         if key not in self._keys:
             raise KeyError(key)
-        if key not in self._known:
-            self._known[key] = self._estimate(*key)
-        return self._known[key]
+        tiled, sliced = key
+        sliced = sliced and self._request.batch > 1  # slicing a batch of one changes nothing
+        if (tiled, sliced) not in self._known:
+            self._known[(tiled, sliced)] = self._estimate(tiled, sliced)
+        return self._known[(tiled, sliced)]
 
     def __iter__(self) -> Iterator[tuple[bool, bool]]:
         return iter(self._keys)

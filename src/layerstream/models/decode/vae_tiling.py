@@ -67,14 +67,16 @@ def choose_vae_decode(
     most frugal allowed, marked as not fitting."""
     options = [o for o in ((False, False), (False, True), (True, False), (True, True)) if o in peaks]
     options = [(t, s) for t, s in options if _allows(tiling, t) and _allows(slicing, s)]
-    if not options:
-        raise ValueError(f"no decode in {sorted(peaks)} is allowed by vae_use_tiling {tiling!r}, vae_use_slicing {slicing!r}")
     named = _named(tiling, slicing)
-    whole = peaks.get((False, False))
+    if not options:  # a VAE without slicing, asked to slice
+        ways = ", ".join(f"{'tiled' if t else 'untiled'}{' sliced' if s else ''}" for t, s in peaks)
+        return VaeDecodeChoice(False, False, False, None, free_nbytes, f"{named}: this VAE decodes only {ways}")
+    whole = peaks[(False, False)] if free_nbytes is not None and (False, False) in peaks else None
     if free_nbytes is None or whole is None:
         tiled, sliced = options[0]
         why = "no device memory to read" if free_nbytes is None else "the decode's peak was not estimated"
-        return VaeDecodeChoice(tiled, sliced, True, peaks[options[0]], free_nbytes, _reason(named, why, tiled))
+        peak = peaks[options[0]] if free_nbytes is not None else None  # nothing to compare it with: not traced
+        return VaeDecodeChoice(tiled, sliced, True, peak, free_nbytes, _reason(named, why, tiled))
     for tiled, sliced in options:
         peak = peaks[(tiled, sliced)]
         if peak is not None and peak <= free_nbytes:
