@@ -7,6 +7,7 @@ itself is `layerstream.machine.planner`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 from typing import Any
@@ -107,8 +108,9 @@ def run_machine_plan(args: argparse.Namespace, pipeline: Any, origin: dict[str, 
     generation = planned_generation_of(args, pipeline)
     try:
         check_machine(machine)
-        fraction = lossless_fraction(pipeline, origin or {}, args.variant)
-        with pricing_at(fraction):
+        # lossless is priced (a sample read, a Hub's ranged reads) only where the plan may choose it: not beside float8
+        fraction = None if machine.allow_lossy else lossless_fraction(pipeline, origin or {}, args.variant)
+        with pricing_at(fraction) if fraction is not None else contextlib.nullcontext():
             result = plan_for_machine(pipeline, machine, generation=generation)
             if args.measure:
                 from layerstream.offload import default_device

@@ -70,6 +70,8 @@ def free_decode_nbytes(pipeline: Any, device: torch.device, device_memory_gb: fl
     """Device memory left for the decode (module docstring); None where there is none to read."""
     figures = []
     if device.type == "cuda":
+        if device.index is None:  # tensors name their index: "cuda" alone would match none of them
+            device = torch.device("cuda", torch.cuda.current_device())
         free, _ = torch.cuda.mem_get_info(device)
         figures.append(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
     if device_memory_gb is not None:
