@@ -203,8 +203,6 @@ def prompt_text(text: str) -> str:
 def json_object_text(text: str) -> dict:
     """A JSON object given as its text (--extra-params): not JSON, or JSON that is not an object, is refused
     naming what was wrong, as the server's 400 does."""
-    import json
-
     try:
         value = json.loads(text)
     except ValueError as e:

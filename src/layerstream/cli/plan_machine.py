@@ -12,7 +12,7 @@ import dataclasses
 import json
 from typing import Any
 
-from layerstream.cli.common import CliError, non_negative_float, positive_float, positive_int, request_value
+from layerstream.cli.common import CliError, non_negative_float, positive_float, positive_int, request_value, vae_setting
 
 _FLAG_OF = {
     "device_memory_gb": "--device-memory", "host_memory_gb": "--host-memory", "link_gbps": "--link-gbps",
@@ -26,7 +26,6 @@ _MACHINE_FLAGS = (
     "link_gbps", "disk_gbps", "device_tflops", "baseline_gb", "host_reserve_gb", "activation_reserve_gb", "vae_use_tiling",
     "allow_lossy", "measure",
 )  # fmt: skip
-_TILING = {"true": True, "false": False, "auto": "auto"}
 
 
 def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +40,7 @@ def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--baseline-gb", type=non_negative_float, metavar="GB", help="host memory before any model (default 1.41: imports 0.41 + a CUDA context 1.0)")
     group.add_argument("--host-reserve-gb", type=non_negative_float, metavar="GB", help="host memory kept free for a generation (default: estimated for the size planned)")
     group.add_argument("--activation-reserve-gb", type=non_negative_float, metavar="GB", help="device memory left beside the weights and the slot ring (default: the largest phase's estimate for the size planned)")
-    group.add_argument("--vae-use-tiling", choices=tuple(_TILING), help='plan the VAE decode tiled: "auto" (default) only where the untiled decode does not fit (tiles blend at their edges)')
+    group.add_argument("--vae-use-tiling", type=vae_setting, metavar="{true,false,auto}", help='plan the VAE decode tiled: "auto" (default) only where the untiled decode does not fit (tiles blend at their edges)')
     group.add_argument("--allow-lossy", action="store_true", help="float8 storage may be recommended (weights rounded once)")
     group.add_argument("--measure", action="store_true", help="time one step on this machine's device instead of the FLOPs estimate")
     group.add_argument("--height", type=positive_int, help="pixels, for the tokens per block (default: the model's)")
@@ -100,7 +99,7 @@ def run_machine_plan(args: argparse.Namespace, pipeline: Any, origin: dict[str, 
 
     given = {k: getattr(args, k) for k in ("link_gbps", "disk_gbps", "device_tflops", "baseline_gb", "host_reserve_gb", "activation_reserve_gb")}
     if args.vae_use_tiling is not None:
-        given["vae_use_tiling"] = _TILING[args.vae_use_tiling]
+        given["vae_use_tiling"] = args.vae_use_tiling
     machine = Machine(
         device_memory_gb=args.device_memory, host_memory_gb=args.host_memory, allow_lossy=args.allow_lossy,
         **{k: v for k, v in given.items() if v is not None},

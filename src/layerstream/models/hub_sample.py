@@ -26,7 +26,7 @@ from layerstream.runtime.packing.lossless_code import ESTIMATED, CodedFraction
 from layerstream.wording import first_line, format_bytes
 
 HUB_CONNECTIONS = 8
-"""Runs read at once: each is a round trip to the Hub (and a redirect to its CDN), a few KiB to 32 KiB."""
+"""Runs read at once: each is a round trip to the Hub (and a redirect to its CDN), a few KiB to 64 KiB (a tensor no larger than its runs is read whole)."""
 
 
 class _RangeNotServed(LayerstreamError, ConnectionError):

@@ -4,6 +4,7 @@
 Device memory left: on CUDA, what the driver reports free plus what torch's caching allocator holds unused
 (the decode reuses it); with ``device_memory_gb`` set (the CPU stand-in, or a smaller card simulated on a large
 one), that figure minus what the runtime holds on the device: every module's resident tensors and the slot ring.
+A VAE that is not on the device before it decodes (module mode swaps it in) adds its weights to the decode's peak.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ class _Peaks(Mapping):
     def __init__(self, vae: nn.Module, request: DecodeRequest, device: torch.device) -> None:
         self._vae, self._request = vae, request
         self._device_type = "cpu" if device.type == "cpu" else "cuda"  # whose convolution scratch to count
+        # a VAE that is not on the device now (module mode swaps it in to decode) brings its weights with it
+        self._brings_weights = device.type != "cpu" and device_bytes(vae, device) == 0
         slices = (False, True) if hasattr(vae, "use_slicing") else (False,)
         self._keys = [(t, s) for t in (False, True) for s in slices]
         self._known: dict[tuple[bool, bool], int | None] = {}
@@ -119,16 +122,17 @@ class _Peaks(Mapping):
         return len(self._keys)
 
     def _estimate(self, tiled: bool, sliced: bool) -> int | None:
-        from layerstream.models.decode.vae_decode import decode_peak_nbytes
+        from layerstream.models.decode.vae_decode import estimate_decode_peak
 
         r = self._request
         if r.height is None or r.width is None:
             return None  # the pipeline picks its size: nothing to plan from
         try:
-            return decode_peak_nbytes(
+            peak = estimate_decode_peak(
                 self._vae, height=r.height, width=r.width, num_frames=r.num_frames, batch=r.batch,
                 tiled=tiled, sliced=sliced, dtype=self._vae.dtype, device_type=self._device_type,
             )  # fmt: skip
+            return peak.nbytes + (peak.weight_nbytes if self._brings_weights else 0)
         except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as e:
             logger.info("the decode of %s cannot be planned: %s: %s", type(self._vae).__name__, type(e).__name__, e)
             return None

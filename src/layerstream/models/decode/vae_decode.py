@@ -5,8 +5,10 @@ latent frame by frame with its feature cache (Wan 2.x, Qwen-Image), one decoding
 LTX), an image VAE decoding the whole latent at once (Flux's AutoencoderKL), and the tiled decode each offers
 (tiles as diffusers' `enable_tiling()` sets them on that VAE object).
 
-The figure excludes the VAE's own weights: they sit on the device for the whole run (VAEs stay resident), so
-the planner adds `DecodePeak.weight_nbytes` once, beside the other resident modules.
+The figure excludes the VAE's own weights: in layer mode they sit on the device for the whole run (VAEs stay
+resident), so the planner adds `DecodePeak.weight_nbytes` once, beside the other resident modules; a run whose
+VAE is not on the device before it decodes (module mode swaps it in) adds them to the decode
+(`decode_memory`).
 """
 
 from __future__ import annotations
