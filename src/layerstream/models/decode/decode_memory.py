@@ -62,6 +62,8 @@ def choose_decode(
     # diffusers' AutoencoderMixin gives every VAE enable_tiling(), which raises where the VAE has no use_tiling
     if not isinstance(vae, nn.Module) or not hasattr(vae, "use_tiling"):
         return None
+    if device.type == "cuda" and device.index is None:  # tensors name their index: "cuda" alone matches none
+        device = torch.device("cuda", torch.cuda.current_device())
     peaks = _Peaks(vae, request, device)
     free = free_decode_nbytes(pipeline, device, settings.device_memory_gb, stats)
     return choose_vae_decode(settings.vae_use_tiling, settings.vae_use_slicing, peaks, free)
@@ -71,8 +73,6 @@ def free_decode_nbytes(pipeline: Any, device: torch.device, device_memory_gb: fl
     """Device memory left for the decode (module docstring); None where there is none to read."""
     figures = []
     if device.type == "cuda":
-        if device.index is None:  # tensors name their index: "cuda" alone would match none of them
-            device = torch.device("cuda", torch.cuda.current_device())
         free, _ = torch.cuda.mem_get_info(device)
         figures.append(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
     if device_memory_gb is not None:
