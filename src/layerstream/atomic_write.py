@@ -36,8 +36,13 @@ def write_atomically(path: str | os.PathLike[str]) -> Iterator[Path]:
     if target.is_symlink():
         target = target.resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = _create_partial(target)
+    names = _partial_names(target)
+    partial = next(names)
     try:
+        # created inside the try: a Ctrl-C that lands the moment the file exists (before a helper could hand
+        # its name back) still removes it
+        while not _create_exclusively(partial):
+            partial = next(names)
         yield partial
         _pause_for_tests()
         _fsync(partial)  # the data reaches the disk before the rename makes it the output
@@ -48,19 +53,23 @@ def write_atomically(path: str | os.PathLike[str]) -> Iterator[Path]:
     _fsync_folder(target.parent)  # makes the rename itself survive a power loss
 
 
-def _create_partial(target: Path) -> Path:
-    """Create an empty temporary file beside `target` under a name no other call can have picked.
+def _partial_names(target: Path) -> Iterator[Path]:
+    """Temporary names beside `target`, each new: 2**32 tokens, so a name another call holds is rare."""
+    while True:
+        yield target.with_name(f".{target.stem}{PARTIAL_MARK}{secrets.token_hex(4)}{target.suffix}")
+
+
+def _create_exclusively(partial: Path) -> bool:
+    """Create `partial` empty if no file has that name; False if one has.
 
     Created with os.open rather than mkstemp: mkstemp's private 0600 mode would become the output's mode,
     while this honours the umask as any plain write does.
     """
-    while True:
-        partial = target.with_name(f".{target.stem}{PARTIAL_MARK}{secrets.token_hex(4)}{target.suffix}")
-        try:
-            os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        except FileExistsError:
-            continue  # 2**32 names: a collision is rare, and the next token is as good
-        return partial
+    try:
+        os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _fsync(path: Path) -> None:

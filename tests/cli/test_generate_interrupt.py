@@ -57,6 +57,22 @@ class Run:
         return code, [line.rstrip("\n") for line in self.stderr if not line.startswith("step ")]
 
 
+@pytest.fixture(autouse=True)
+def runs_take_sigint():
+    """A suite started where SIGINT is ignored (a shell's background job, nohup) passes the ignoring on to every
+    process it starts, and a run that ignores Ctrl-C cannot be tested: here the suite's own process handles it
+    while these tests run, so the runs start with Python's handling (exec resets a handled signal, not an
+    ignored one). The runs are sessions of their own, so the SIGINT sent to them never reaches this process."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @pytest.fixture
 def workspace(tmp_path) -> Path:
     folder = tmp_path / "out"

@@ -56,8 +56,8 @@ def publish_folder(folder: Path, write: Callable[[Path], None], *, marker: str) 
     # mkdir (unlike mkdtemp's private 0700) honours the umask, so the published folder gets the same
     # permissions as anything else the user creates.
     build = _scratch_sibling(folder)
-    build.mkdir()
     try:
+        build.mkdir()  # inside the try: a Ctrl-C the moment it exists still removes it
         write(build)
         if not (build / marker).is_file():
             raise CacheFolderError(f"{build}: the build wrote no {marker}")
