@@ -438,6 +438,7 @@ def _serve_rank(args: argparse.Namespace, config, settings, history) -> int:
             print(f"layerstream serve: rank {rank} stopped", file=sys.stderr, flush=True)
             return 0
         assert sock is not None and store is not None
+        channel.wait_for_ranks()
         ranks = RankGroup(runtime, channel, idle_seconds=min(timeout / 4, 5.0))
         service = GenerationService(runtime.omni, settings, ranks=ranks)
         jobs = JobManager(service, store)

@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5
 POLL_S = 0.005
+WAIT_LOG_S = 30.0
 STOP_LAG_CHECKPOINTS = 2
 """How far ahead of rank 0 a stop point is set: ranks that share blocks run at most a few blocks apart."""
 
@@ -163,8 +164,23 @@ class ControlChannel:
         self._sequence = 0
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (its heartbeat count, when it last changed)
         self._stopped = threading.Event()
+        # the first beat before the thread's: a rank's counter is in the store from the moment its channel is
+        self._store_call(setup.store.add, f"heartbeat/{setup.rank}", 1)
         self._heart = threading.Thread(target=self._beat, name="layerstream-heartbeat", daemon=True)
         self._heart.start()
+
+    def wait_for_ranks(self) -> None:
+        """Rank 0, before it answers HTTP: wait until every other rank has opened its channel (it has loaded its
+        model), so that a ready server is one whose every rank takes a wave. A rank that dies while loading ends
+        the group (torchrun stops the others); one still loading is waited for, named every `WAIT_LOG_S`."""
+        started = time.monotonic()
+        logged = started
+        for peer in range(1, self.setup.world_size):
+            while not self._store_call(self.setup.store.check, [f"heartbeat/{peer}"]):
+                if time.monotonic() - logged > WAIT_LOG_S:
+                    logged = time.monotonic()
+                    logger.info("waiting for rank %d to load its model (%.0f s)", peer, logged - started)
+                time.sleep(POLL_S)
 
     def close(self) -> None:
         self._stopped.set()
