@@ -386,6 +386,19 @@ class _RankModel:
                     simulated_link_gbps=args.link_gbps, process_group=group, requests=server_requests(self.settings))  # fmt: skip
 
 
+def _follow(runtime, channel, rank: int) -> int:
+    """A rank other than 0: run the waves rank 0 sends until it says to leave (0) or the group is lost (1)."""
+    from layerstream.server.ranks import RankGroupError, serve_follower
+
+    try:
+        serve_follower(runtime, channel)
+    except RankGroupError as e:
+        print(f"layerstream serve: rank {rank}: {e}", file=sys.stderr, flush=True)
+        return 1
+    print(f"layerstream serve: rank {rank} stopped", file=sys.stderr, flush=True)
+    return 0
+
+
 def _serve_rank(args: argparse.Namespace, config, settings, history) -> int:
     """One rank of several: rank 0 binds, keeps the job history, serves HTTP and runs waves; the others run
     the waves it sends."""
@@ -394,7 +407,7 @@ def _serve_rank(args: argparse.Namespace, config, settings, history) -> int:
     from layerstream.omni import GenerationError
     from layerstream.errors import OffloadError
     from layerstream.server.jobs.manager import JobManager
-    from layerstream.server.ranks import ControlChannel, RankGroupError, RankRuntime, join_serving_ranks, serve_follower
+    from layerstream.server.ranks import ControlChannel, RankRuntime, join_serving_ranks
     from layerstream.server.http_server import bind_socket, run_server
     from layerstream.server.service import GenerationService, RankGroup
 
@@ -430,13 +443,7 @@ def _serve_rank(args: argparse.Namespace, config, settings, history) -> int:
             raise CliError(" ".join(str(e).split())) from e
         channel = ControlChannel(setup)
         if rank != 0:
-            try:
-                serve_follower(runtime, channel)
-            except RankGroupError as e:
-                print(f"layerstream serve: rank {rank}: {e}", file=sys.stderr, flush=True)
-                return 1
-            print(f"layerstream serve: rank {rank} stopped", file=sys.stderr, flush=True)
-            return 0
+            return _follow(runtime, channel, rank)
         assert sock is not None and store is not None
         channel.wait_for_ranks()
         ranks = RankGroup(runtime, channel, idle_seconds=min(timeout / 4, 5.0))
