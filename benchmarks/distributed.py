@@ -30,28 +30,33 @@ import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from strategy_bench.config import BenchConfig, BenchConfigError
-# the harness's own sizing, set-up and timed turn: these figures are measured as benchmarks/strategies.py measures
-from strategy_bench.harness import StrategyRow, as_timed, bench_device, copy_for, prepare_row, timed_turn
-from strategy_bench.measure import DeviceMemory, measure_block_compute, measure_link_gbps
 from strategy_bench.report import MIB, run_header
 from strategy_bench.results import BenchResult, RunInfo
-from strategy_bench.run_setup import BenchRun, Log
-from strategy_bench.strategies import StrategyContext, StrategySpec
-from layerstream.timing.block_timer import synchronize
+
+# torch, and what imports it, is imported where it is used: a command line that argparse refuses is answered
+# without the seconds torch's import takes
+if TYPE_CHECKING:
+    import torch
+
+    from strategy_bench.config import BenchConfig
+    from strategy_bench.harness import StrategyRow
+    from strategy_bench.run_setup import Log
+    from strategy_bench.strategies import StrategySpec
 
 SCHEMA = "layerstream.bench.distributed/1"
 
-STRATEGIES = (
-    StrategySpec("resident", "resident"),
-    StrategySpec("layerwise", "layerwise"),
-    StrategySpec("layerwise-allgather", "layerwise", weight_transfer="allgather"),
-)
-"""What every rank runs, in this order (the set-up and the closing of allgather are collectives)."""
+
+def rank_strategies() -> tuple[StrategySpec, ...]:
+    """What every rank runs, in this order (the set-up and the closing of allgather are collectives)."""
+    from strategy_bench.strategies import StrategySpec
+
+    return (
+        StrategySpec("resident", "resident"),
+        StrategySpec("layerwise", "layerwise"),
+        StrategySpec("layerwise-allgather", "layerwise", weight_transfer="allgather"),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,7 +107,7 @@ class DistributedBenchResult:
     world_size: int
     backend: str
     rows: list[RankRow]
-    """Every rank's rows, in rank order, each rank's in `STRATEGIES` order."""
+    """Every rank's rows, in rank order, each rank's in `rank_strategies()` order."""
 
     def row(self, rank: int, strategy: str) -> RankRow:
         for r in self.rows:
@@ -148,6 +153,7 @@ def run_distributed_bench(config: BenchConfig, log: Log = lambda message: None) 
     result on rank 0, None on the other ranks."""
     import torch.distributed as dist
 
+    from strategy_bench.harness import bench_device
     from layerstream.distributed.launch import gather_objects, rank_info
     from layerstream.distributed.process_group import destroy_distributed, init_distributed
 
@@ -179,12 +185,22 @@ def _measure(
     config: BenchConfig, device: torch.device, rank: int, world_size: int, bench_group, log: Log
 ) -> tuple[list[RankRow], RunInfo]:
     """This rank's rows and the run's facts; `bench_group` carries the bench's own barriers (None: one rank)."""
+    import torch
+
+    # the harness's own sizing, set-up and timed turn: these figures are measured as benchmarks/strategies.py measures
+    from strategy_bench.harness import as_timed, copy_for, prepare_row, timed_turn
+    from strategy_bench.measure import DeviceMemory, measure_block_compute, measure_link_gbps
+    from strategy_bench.run_setup import BenchRun
+    from strategy_bench.strategies import StrategyContext
+    from layerstream.timing.block_timer import synchronize
+
     run = BenchRun.size(config, device, world_size)
+    strategies = rank_strategies()
     # the same seed on every rank: identical weights, which allgather requires (it shards one model's bytes)
-    run.build_(len(STRATEGIES), log)
+    run.build_(len(strategies), log)
     prototype, block_bytes, forward = run.prototype, run.block_bytes, run.forward
 
-    resident_spec, *streamed_specs = STRATEGIES
+    resident_spec, *streamed_specs = strategies
     rows: dict[str, StrategyRow] = {}
     ctx = StrategyContext(device=device, prefetch_depth=config.prefetch_depth)
     rows["resident"] = prepare_row(resident_spec, copy_for(prototype, last=False), ctx, config.warmup, forward, log)
@@ -355,7 +371,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, BenchConfig]:
         "--nproc", type=int, default=None, metavar="N",
         help="ranks on this machine, started with torchrun (default: the group this process was launched in, else 1)",
     )  # fmt: skip
-    # every rank runs `STRATEGIES`, without a trace, a device budget or the disk tier
+    # every rank runs `rank_strategies()`, without a trace, a device budget or the disk tier
     parser.set_defaults(strategies=None, trace=None, device_budget_gb=None, host_budget_gb=None, disk_gbps=None)
     args = parser.parse_args(argv)
     if args.nproc is not None and args.nproc < 1:
@@ -376,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     args, config = parse_args(argv)
+    from strategy_bench.config import BenchConfigError  # with torch: once the command line is accepted
+
     if args.nproc is not None and args.nproc > 1 and not in_launched_rank():
         # the same command without --nproc (torchrun's parser would take it for an abbreviated --nproc-per-node);
         # the ranks know they are ranks from WORLD_SIZE

@@ -70,7 +70,7 @@ class Scenario:
 
 
 FULL = Scenario()
-SMOKE = Scenario(width_divisor=16, blocks_per_expert=12, text_layers=2, steps=4, text_tokens=8)
+SMOKE = Scenario(width_divisor=16, blocks_per_expert=8, text_layers=2, steps=4, text_tokens=8)
 REAL_SIZES = replace(FULL, width_divisor=1)
 """The real model's sizes, which the scale is computed from."""
 
