@@ -40,6 +40,46 @@ def wan_folder(tmp_path_factory) -> Path:
     return folders.write_checkpoint_folder(spec, tmp_path_factory.mktemp("wan-real-width"))
 
 
+@dataclasses.dataclass(frozen=True)
+class ResidentRun:
+    """The folder loaded resident (no offload) and run once on `REQUEST`: what streamed runs must equal."""
+
+    raw: np.ndarray
+    block_weight_dtypes: set[torch.dtype]
+    """The dtypes of the transformer blocks' 2-D weights as loaded."""
+
+
+@pytest.fixture(scope="module")
+def resident_run(wan_folder) -> ResidentRun:
+    """One resident load and generation, shared by the tests that compare a streamed run with it: the same
+    folder and request give the same bits, so a second resident run would only repeat the first."""
+    resident = Omni(model=str(wan_folder), offload=False)
+    dtypes = {p.dtype for p in resident.pipeline.transformer.blocks.parameters() if p.dim() == 2}
+    raw = np.asarray(resident.generate(**REQUEST, keep_raw=True).raw)
+    resident.close()
+    del resident
+    gc.collect()  # the resident pipeline's own views of the files go with it
+    return ResidentRun(raw, dtypes)
+
+
+def _copy_with_one_file_of_its_own(folder: Path, copy: Path, victim: str) -> Path:
+    """`folder` at `copy`, every file a hard link to the original except `victim` (a path inside the folder),
+    which is copied: the test can truncate it without touching the shared folder, and the other ~400 MB are
+    not written again. Returns the victim's path in the copy."""
+    import shutil
+
+    shutil.copytree(folder, copy, copy_function=os.link)
+    own = copy / victim
+    own.unlink()
+    shutil.copyfile(folder / victim, own)
+    return own
+
+
+def _transformer_file(folder: Path, index: int) -> str:
+    """The path, inside the folder, of the transformer's `index`-th safetensors file in sorted order."""
+    return str(sorted((folder / "transformer").glob("*.safetensors"))[index].relative_to(folder))
+
+
 def _block_checkpoint_bytes(folder: Path, component: str) -> tuple[int, int]:
     """(bytes, tensors) the checkpoint stores for the component's blocks."""
     nbytes = count = 0
@@ -55,16 +95,10 @@ def _mapped_files_under(folder: Path) -> list[str]:
     return [line for line in Path("/proc/self/maps").read_text().splitlines() if str(folder) in line]
 
 
-def test_a_bf16_folder_loads_in_bf16_and_streams_from_the_files_bit_identically(wan_folder):
-    resident = Omni(model=str(wan_folder), offload=False)
+def test_a_bf16_folder_loads_in_bf16_and_streams_from_the_files_bit_identically(wan_folder, resident_run):
     # the weights stay bf16 as saved (diffusers keeps the model's few _keep_in_fp32_modules, norms and
     # modulation tables, in float32 on purpose)
-    weights = resident.pipeline.transformer.blocks.parameters()
-    assert {p.dtype for p in weights if p.dim() == 2} == {torch.bfloat16}
-    expected = resident.generate(**REQUEST, keep_raw=True)
-    resident.close()
-    del resident
-    gc.collect()  # the resident pipeline's own views of the files go with it
+    assert resident_run.block_weight_dtypes == {torch.bfloat16}
 
     omni = Omni(model=str(wan_folder), diffusion_offload_config=DIT)
     stats = omni.stats()
@@ -77,7 +111,7 @@ def test_a_bf16_folder_loads_in_bf16_and_streams_from_the_files_bit_identically(
     assert stats.host_bytes_from_files >= 0.99 * stats.host_bytes, stats
     assert _mapped_files_under(wan_folder) == []  # nothing of the checkpoint stays mapped
     got = omni.generate(**REQUEST, keep_raw=True)
-    assert np.array_equal(np.asarray(got.raw), np.asarray(expected.raw))
+    assert np.array_equal(np.asarray(got.raw), resident_run.raw)
     omni.close()
 
 
@@ -156,11 +190,8 @@ def test_peak_memory_of_load_and_enable_stays_near_the_host_store(wan_folder, tm
 
 @pytest.mark.parametrize("dtype", [None, torch.float32])
 def test_a_truncated_checkpoint_file_is_named_and_nothing_is_half_loaded(wan_folder, tmp_path, dtype):
-    import shutil
-
     broken = tmp_path / "broken"
-    shutil.copytree(wan_folder, broken)
-    victim = sorted((broken / "transformer").glob("*.safetensors"))[1]
+    victim = _copy_with_one_file_of_its_own(wan_folder, broken, _transformer_file(wan_folder, 1))
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size // 2)
     with pytest.raises(ModelLoadError, match=victim.name):
@@ -170,16 +201,13 @@ def test_a_truncated_checkpoint_file_is_named_and_nothing_is_half_loaded(wan_fol
 def test_a_file_truncated_before_the_cast_reads_it_is_named(wan_folder, tmp_path):
     """The cast on load reads each weight from its file: a file that shrank after diffusers mapped it fails
     the cast with the file's name (and `load_pipeline` then returns no pipeline at all)."""
-    import shutil
-
     from diffusers import WanTransformer3DModel
 
     from layerstream.models.cast_on_load import CastReadError, cast_from_files_
 
     copy = tmp_path / "copy"
-    shutil.copytree(wan_folder, copy)
+    victim = _copy_with_one_file_of_its_own(wan_folder, copy, _transformer_file(wan_folder, -1))
     model = WanTransformer3DModel.from_pretrained(copy / "transformer", dtype=torch.bfloat16, local_files_only=True)
-    victim = sorted((copy / "transformer").glob("*.safetensors"))[-1]
     os.truncate(victim, 64)
     with pytest.raises(CastReadError, match=victim.name):
         cast_from_files_(model, torch.float32, what="transformer")
@@ -188,13 +216,10 @@ def test_a_file_truncated_before_the_cast_reads_it_is_named(wan_folder, tmp_path
 def test_a_file_truncated_after_loading_fails_enable_cleanly(wan_folder, tmp_path):
     """The weights are lazy views of the files: if a file shrinks between load and enable, enable reads it and
     fails naming it, and rolls back (the pipeline is as it was)."""
-    import shutil
-
     copy = tmp_path / "copy"
-    shutil.copytree(wan_folder, copy)
+    victim = _copy_with_one_file_of_its_own(wan_folder, copy, _transformer_file(wan_folder, -1))
     pipe = load_pipeline(str(copy))
     params = dict(pipe.transformer.named_parameters())
-    victim = sorted((copy / "transformer").glob("*.safetensors"))[-1]
     os.truncate(victim, 64)  # pages not yet read now lie past the end of the file
     with pytest.raises(Exception, match=victim.name):
         enable_offload(pipe, DIT, device="cpu")
@@ -202,16 +227,10 @@ def test_a_file_truncated_after_loading_fails_enable_cleanly(wan_folder, tmp_pat
     assert all(not m._forward_pre_hooks for m in pipe.transformer.modules())
 
 
-def test_a_host_budget_of_one_block_reads_the_others_from_the_checkpoint(wan_folder, tmp_path):
+def test_a_host_budget_of_one_block_reads_the_others_from_the_checkpoint(wan_folder, resident_run, tmp_path):
     """The disk tier on a folder: blocks beyond `host_budget_gb` are read from the checkpoint's own files at
     every use (no spill file is written), and the picture is bit-identical to the folder loaded resident. The
     two experts share the budget (a host pool of one block: each holds one block while it runs)."""
-    resident = Omni(model=str(wan_folder), offload=False)
-    expected = resident.generate(**REQUEST, keep_raw=True)
-    resident.close()
-    del resident
-    gc.collect()
-
     ckpt_bytes, _ = _block_checkpoint_bytes(wan_folder, "transformer")  # two blocks; transformer_2 is the same size
     budget_gb = 1.02 * ckpt_bytes / 2 / 1e9  # one packed block (2% for pads and float32 norms)
     spill_dir = tmp_path / "spill"
@@ -226,4 +245,4 @@ def test_a_host_budget_of_one_block_reads_the_others_from_the_checkpoint(wan_fol
     assert stats.disk_bytes_read >= 0.99 * ckpt_bytes / 2  # each disk block read once per forward at least
     assert not spill_dir.exists() or not any(spill_dir.rglob("*"))  # read from the checkpoint: nothing spilled
     omni.close()
-    assert np.array_equal(np.asarray(got.raw), np.asarray(expected.raw))
+    assert np.array_equal(np.asarray(got.raw), resident_run.raw)
