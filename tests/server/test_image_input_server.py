@@ -119,9 +119,10 @@ EDIT_IMAGE = png_bytes(50, 40)
 
 
 @pytest.fixture(scope="module")
-def edit_client(server_factory, kontext_folder):
-    server = server_factory(str(kontext_folder), "--diffusion-offload-config", '{"mode": "layer", "components": ["dit"]}')
-    with server.client() as client:
+def edit_client(shared_server, kontext_folder):
+    # the default server (its offload config is {"mode": "layer", "components": ["dit"]}): these tests read only
+    # their own answers, so the Kontext server other modules start serves them too
+    with shared_server(str(kontext_folder)).client() as client:
         yield client
 
 

@@ -16,11 +16,14 @@ from layerstream.outputs import read_output_metadata
 
 
 FAST = {"size": "32x32", "num_inference_steps": 2}
+SLOW_LINK = ("--link-gbps", "0.01")
+"""A simulated link that makes a step take some 0.05 s: the 200-step job is still running seconds after the test
+sees it start, when it stops the server; the 2-step jobs before it are quick."""
 
 
 def test_a_restart_keeps_finished_jobs_and_fails_the_running_one(server_factory, tmp_path):
     data = tmp_path / "data"
-    server = server_factory("tiny-wan", "--data-dir", str(data), "--link-gbps", "0.001", "--shutdown-timeout", "0")
+    server = server_factory("tiny-wan", "--data-dir", str(data), *SLOW_LINK, "--shutdown-timeout", "0")
     with server.client() as http:
         done = http.post(VIDEOS, json={"prompt": "kept", "num_frames": 5, "seed": 4, **FAST}).json()
         wait_for_job(http, VIDEOS, done["id"])
@@ -43,7 +46,7 @@ def test_a_restart_keeps_finished_jobs_and_fails_the_running_one(server_factory,
 
 def test_a_kill_9_loses_no_finished_job_and_leaves_the_database_readable(server_factory, tmp_path):
     data = tmp_path / "data"
-    server = server_factory("tiny-flux", "--data-dir", str(data), "--link-gbps", "0.001")
+    server = server_factory("tiny-flux", "--data-dir", str(data), *SLOW_LINK)
     with server.client() as http:
         finished = [http.post(IMAGE_JOBS, json={"prompt": f"fox {i}", "seed": i, **FAST}).json()["id"] for i in range(2)]
         for job_id in finished:

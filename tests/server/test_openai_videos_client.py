@@ -1,7 +1,8 @@
 """OpenAI's official client against `layerstream serve tiny-wan`: the videos job API as its users call it.
 
-``--link-gbps 0.001`` makes each denoising step take a few tenths of a second (the simulated link), so a
-long job is reliably still running when the test cancels it.
+``--link-gbps 0.01`` makes each denoising step take a few hundredths of a second (the simulated link), so a
+long job (60 steps and more) is reliably still running when the test cancels it, and the short ones (2 steps)
+the other tests wait for are quick.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning"
 
 @pytest.fixture(scope="module")
 def server(server_factory):
-    return server_factory("tiny-wan", "--link-gbps", "0.001", "--max-frames", "33")
+    return server_factory("tiny-wan", "--link-gbps", "0.01", "--max-frames", "33")
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ def test_cancel_a_running_job_and_the_next_runs_bit_identical_to_a_fresh_one(ser
 
 
 def test_a_queued_job_deleted_never_runs(server, client):
-    running = client.videos.create(prompt="slow", size="32x32", extra_body={"num_inference_steps": 6, "num_frames": 1})
+    running = client.videos.create(prompt="slow", size="32x32", extra_body={"num_inference_steps": 60, "num_frames": 1})
     queued = client.videos.create(prompt="never", size="32x32", extra_body={**FAST, "num_frames": 1})
     assert client.videos.delete(queued.id).deleted
     with server.client() as http:
