@@ -147,3 +147,15 @@ def test_the_phases_of_a_pipeline_without_a_text_encoder_are_its_dits():
     pipeline.text_encoder = None
     blocks = phase_blocks(pipeline)
     assert blocks.text_encoder_blocks == () and blocks.dit_blocks == (pipeline.transformer.blocks[0], pipeline.transformer_2.blocks[0])
+
+
+@pytest.mark.fast
+def test_a_pipeline_without_a_text_encoder_is_planned_for_a_machine():
+    """The planner weighs streaming the text encoder against keeping it resident: with none, it plans the DiTs."""
+    from layerstream.machine.planner import Machine, plan_for_machine
+    from layerstream.models.tiny import build_tiny_pipeline
+
+    pipeline = build_tiny_pipeline("tiny-wan")
+    pipeline.text_encoder = None
+    plan = plan_for_machine(pipeline, Machine(device_memory_gb=8, host_memory_gb=16))
+    assert "text_encoder" not in plan.config["components"] and "dit" in plan.config["components"]

@@ -37,6 +37,7 @@ from layerstream.machine.step_time import block_compute, decode_rate, measured_b
 from layerstream.models.generation_estimates import latent_tokens
 from layerstream.plan.host_budget import STAGING_RING, HostBudgetChoice, choose_host_budget, host_needs
 from layerstream.plan.placement import Placement
+from layerstream.plan.resolved import OffloadPlanResolutionError
 from layerstream.runtime.packing.lossless_code import priced_fraction
 from layerstream.wording import GB
 
@@ -168,8 +169,10 @@ def _faster_text_encoder(pipeline: Any, machine: Machine, **kwargs: Any) -> Mach
         return plan
 
     def streamed() -> MachinePlan | None:  # its blocks may not fit in the host's memory beside the DiT's
-        streaming = _plan_for_machine(pipeline, machine, text_encoder_streams=True, **kwargs)
-        return streaming if "text_encoder" in streaming.config["components"] else None  # None: nothing to stream
+        try:
+            return _plan_for_machine(pipeline, machine, text_encoder_streams=True, **kwargs)
+        except OffloadPlanResolutionError:  # no text encoder to stream (a caller that passes prompt embeddings)
+            return None
 
     def prompts_s(streaming: MachinePlan) -> float:
         return streaming.text_encoder_link_nbytes / (machine.link_gbps * GB)
