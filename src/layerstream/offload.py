@@ -119,8 +119,8 @@ def enable_offload(
 
     plan, host_budget = resolve_host_budget(pipeline, plan, device, process_group, generation)  # "auto": a number, or no disk tier
     context = StoreContext(plan, device, components, process_group, _spill_root(config), simulated_disk_gbps)
+    reserve = _estimated_reserve(pipeline, plan, device, generation)  # before the stores: a failure here has no peers to tell
     stores = _stores(plan, context, store_factory)
-    reserve = _estimated_reserve(pipeline, plan, device, generation)
     layouts, placement, block_modules = _plan_layer_mode(pipeline, plan, components, stores, device, host_budget, reserve)
     try:
         backend = apply_layer_mode(

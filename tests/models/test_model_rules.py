@@ -190,6 +190,21 @@ def test_the_call_arguments_json_can_give_are_read_from_the_signature():
     assert taken["mode"].allowed() == "a text" and taken["untyped"].admits([{"any": None}])
 
 
+def test_a_call_under_no_grad_has_its_annotations_read_in_its_own_module():
+    """diffusers wraps `__call__` in `torch.no_grad()`: a string annotation (this module's `from __future__ import
+    annotations`) names what this module imports, not what torch's wrapper module does."""
+    import torch
+
+    from layerstream.models.call_arguments import read_call_arguments
+
+    @torch.no_grad()
+    def call(self, prompt: str, mode: Literal["a", "b"] = "a"):
+        pass
+
+    taken = read_call_arguments(type("SomePipeline", (), {"__call__": call})())
+    assert taken["mode"].allowed() == "a text" and not taken["mode"].admits(1)
+
+
 def test_extra_params_problems_name_the_key_and_what_is_taken():
     from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
 

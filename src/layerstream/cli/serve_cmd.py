@@ -445,7 +445,6 @@ def _serve_rank(args: argparse.Namespace, config, settings, history) -> int:
         if rank != 0:
             return _follow(runtime, channel, rank)
         assert sock is not None and store is not None
-        channel.wait_for_ranks()
         ranks = RankGroup(runtime, channel, idle_seconds=min(timeout / 4, 5.0))
         service = GenerationService(runtime.omni, settings, ranks=ranks)
         jobs = JobManager(service, store)

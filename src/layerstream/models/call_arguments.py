@@ -120,7 +120,9 @@ def _resolved(call: Any, annotation: Any) -> Any:
     if not isinstance(annotation, str):
         return annotation
     try:
-        return eval(annotation, getattr(call, "__globals__", {}))  # the pipeline's own annotation, as get_type_hints does
+        # the names of the pipeline's own module, as get_type_hints reads them (unwrapped: torch.no_grad's wrapper
+        # function has torch's)
+        return eval(annotation, getattr(inspect.unwrap(call), "__globals__", {}))
     except Exception:
         return None  # its parameter is left out
 

@@ -180,7 +180,7 @@ class ControlChannel:
                 if time.monotonic() - logged > WAIT_LOG_S:
                     logged = time.monotonic()
                     logger.info("waiting for rank %d to load its model (%.0f s)", peer, logged - started)
-                time.sleep(POLL_S)
+                time.sleep(HEARTBEAT_S)  # a model load takes seconds to minutes: no need to ask the store more often
 
     def close(self) -> None:
         self._stopped.set()

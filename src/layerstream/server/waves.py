@@ -134,6 +134,7 @@ class RankRunner(RunnerBase):
         self.num_placeholder_steps = 0
         self.fatal_error: RankGroupError | None = None
         self.on_fatal: Callable[[], None] = lambda: None  # a rank lost before serving: the service reads fatal_error
+        channel.wait_for_ranks()  # a rank still loading has no heartbeat yet: the exchange would take it for lost
         self._exchange(WaveMessage(WaveKind.PING), lambda: None)  # every rank's host bytes, for /health
         self.on_fatal = on_fatal
         """The service's: close the queue and stop serving (the process then exits non-zero)."""
