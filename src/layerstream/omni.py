@@ -9,6 +9,7 @@ allgather (`distributed.launched_group`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from layerstream.models.hub import ModelSource
 from layerstream.models.input_image import ImageInputKind, ImageSource
 from layerstream.models.model_rules import ModelRules
 from layerstream.offload import default_device, enable_offload
-from layerstream.outputs import IMAGE_SUFFIXES, VIDEO_SUFFIXES, GenerationResult, save_output
+from layerstream.outputs import IMAGE_SUFFIXES, VIDEO_SUFFIXES, GenerationResult, request_settings, save_output
 from layerstream.pipeline_runner import PipelineRunner, RunStats, batch_requests, parse_dtype, request_options
 from layerstream.request import GenerationError, GenerationRequest
 from layerstream.runtime.modes.handle import OffloadHandle
@@ -117,8 +118,10 @@ class Omni:
         on_latents: Callable[[int, int, torch.Tensor], None] | None = None,
         keep_raw: bool = False,
     ) -> GenerationResult:
-        """Make the one output of `request` (``n = 1``); see `PipelineRunner.run`."""
-        return self.runner.run(request, on_step=on_step, on_latents=on_latents, keep_raw=keep_raw)
+        """Make the one output of `request` (``n = 1``), with its `settings`; see `PipelineRunner.run`."""
+        result = self.runner.run(request, on_step=on_step, on_latents=on_latents, keep_raw=keep_raw)
+        result.settings = self._settings(request, result)
+        return result
 
     def generate_batch(
         self,
@@ -151,7 +154,24 @@ class Omni:
         keep_raw: bool = False,
     ) -> list[GenerationResult]:
         """One pipeline call for every output of `requests`; see `generate_batch` and `PipelineRunner.run_batch`."""
-        return self.runner.run_batch(requests, on_step=on_step, keep_raw=keep_raw)
+        results = self.runner.run_batch(requests, on_step=on_step, keep_raw=keep_raw)
+        for result, output in zip(results, [output for request in requests for output in request.outputs()]):
+            result.settings = self._settings(output, result)
+        return results
+
+    def _settings(self, request: GenerationRequest, result: GenerationResult) -> dict[str, Any]:
+        """What makes `result` again, as a job's output carries it: the request with the model's defaults filled
+        in (the size as made: an input image may have set it), the model and the offload config."""
+        shape = self.rules.filled(num_frames=request.num_frames, num_inference_steps=request.num_inference_steps)
+        height, width = result.frames.shape[1:3]
+        video = result.kind == "video"
+        made = replace(
+            request, height=height, width=width, num_frames=shape.num_frames if video else None,
+            num_inference_steps=shape.num_inference_steps, fps=result.fps if video else None,
+        )  # fmt: skip
+        revision = self.source.to_dict().get("revision")
+        settings = request_settings(made, has_input_image=request.image is not None, model_revision=revision, model_commit=self.source.commit)
+        return {**settings, "model": self.model, "offload_config": self.config.to_dict()}
 
     def component_dtypes(self) -> dict[str, str]:
         """The dtype each component computes in (``"bfloat16"``), as `models.loading.component_dtypes` reads it."""

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Literal
 
+from layerstream.outputs import request_settings
 from layerstream.procfs import peak_rss_nbytes
 from layerstream.request import GenerationRequest
 
@@ -58,26 +59,10 @@ class JobSettings:
 
 def shown_settings(request: GenerationRequest, settings: JobSettings) -> dict[str, Any]:
     """Every setting needed to make the result again: the ``layerstream.settings`` of a job object, and what its
-    output file carries. `request` is the job's, the model's defaults filled in."""
-    width, height = request.width, request.height
-    return {
-        "prompt": request.prompt,
-        "negative_prompt": request.negative_prompt,
-        "size": f"{width}x{height}" if width and height else "auto",  # auto: the pipeline picks its size
-        "num_frames": request.num_frames,  # None for images, as fps
-        "fps": request.fps,
-        "num_inference_steps": request.num_inference_steps,
-        "seed": request.seed,
-        "guidance_scale": request.guidance_scale,  # None: the model's default, as the four below
-        "guidance_scale_2": request.guidance_scale_2,
-        "true_cfg_scale": request.true_cfg_scale,
-        "boundary_ratio": request.boundary_ratio,
-        "flow_shift": request.flow_shift,
-        "extra_params": request.extra_params.to_dict(),  # {}: none
-        "has_input_image": settings.has_input_image,
-        "model_revision": settings.model_revision,
-        "model_commit": settings.model_commit,
-    }
+    output file carries (`request_settings`). `request` is the job's, the model's defaults filled in."""
+    return request_settings(
+        request, has_input_image=settings.has_input_image, model_revision=settings.model_revision, model_commit=settings.model_commit
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
