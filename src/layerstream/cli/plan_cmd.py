@@ -175,8 +175,14 @@ def _loading():
 
 
 def _print_origin(origin: dict[str, Any], as_json: bool) -> None:
-    """For a Hub id planned from its metadata: say so, with what a download would fetch."""
-    if as_json or "download_bytes" not in origin:
+    """For a Hub id planned from its metadata: say so, with what a download would fetch; planned from the
+    catalogue (the Hub out of reach): say that, and why."""
+    if as_json:
+        return
+    if origin.get("origin") == "catalogue":
+        print(f"{origin['model']}: planned from {origin['from']}, nothing downloaded")
+        return
+    if "download_bytes" not in origin:
         return
     print(
         f"{origin['model']} @ {origin['revision']} (commit {origin['commit']}): planned from {origin['from']}, nothing "

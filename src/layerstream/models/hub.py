@@ -234,7 +234,7 @@ def fetch_plan_metadata(repo_id: str, *, revision: str | None = None, variant: s
     cache) and the safetensors headers of its weights (by ranged reads of each file's first bytes)."""
     settings = HubSettings.from_environment()
     if settings.offline:
-        raise ModelLoadError(
+        raise HubUnavailableError(
             f"model {repo_id}: planning from the Hub's metadata needs the network and HF_HUB_OFFLINE is set; "
             "unset it, or plan a downloaded folder"
         )
@@ -245,7 +245,7 @@ def fetch_plan_metadata(repo_id: str, *, revision: str | None = None, variant: s
         try:
             commit, wanted = _pipeline_files(repo_id, revision, variant, settings)
         except _NetworkError as e:
-            raise ModelLoadError(
+            raise HubUnavailableError(
                 f"model {repo_id}: cannot reach the Hub at {settings.endpoint} ({e}); planning from its metadata "
                 "needs the network"
             ) from e
@@ -270,6 +270,10 @@ def component_safetensors(repo_id: str, commit: str, components: Iterable[str], 
     folders = set(components)
     mine = [f for f in wanted if f.name.endswith(".safetensors") and f.name.split("/", 1)[0] in folders]
     return sorted(mine, key=lambda f: f.name)
+
+
+class HubUnavailableError(ModelLoadError):
+    """The Hub could not be asked (offline, unreachable) or will not show a gated repository to this machine."""
 
 
 class _NetworkError(LayerstreamError, ConnectionError):
@@ -411,7 +415,7 @@ def _hub_errors(repo_id: str, revision: str | None, settings: HubSettings) -> It
     try:
         yield
     except GatedRepoError as e:
-        raise ModelLoadError(
+        raise HubUnavailableError(
             f"model {repo_id}: the repository is gated and this machine has no access to it; accept its terms at "
             f"{settings.endpoint}/{repo_id}, then log in (hf auth login) or set HF_TOKEN"
         ) from e
@@ -428,7 +432,7 @@ def _hub_errors(repo_id: str, revision: str | None, settings: HubSettings) -> It
         raise ModelLoadError(f"model {repo_id}: the Hub answered {first_line(e)}") from e
     except Exception as e:
         if is_network_error(e):
-            raise ModelLoadError(
+            raise HubUnavailableError(
                 f"model {repo_id}: the download stopped, the Hub at {settings.endpoint} cannot be reached "
                 f"({first_line(e)}); run again to resume it"
             ) from e

@@ -185,12 +185,22 @@ def load_skeleton(
     """(`model`'s pipeline skeleton, where its metadata came from): models built from their configs on the
     meta device in the dtypes the checkpoint stores, for planning; no weight is read. A Hub id that is not a
     local path is described by the Hub's metadata alone (JSON files and safetensors headers), with the bytes a
-    download would fetch; anything else by its folder. Both build the skeleton the same way."""
-    from layerstream.models.hub import fetch_plan_metadata
+    download would fetch, or, where the Hub cannot be asked and `models.published` holds the model (at its main
+    revision), by that catalogue; anything else by its folder. All build the skeleton the same way."""
+    from layerstream.models.hub import HubUnavailableError, fetch_plan_metadata
+    from layerstream.models.published import published_model, published_skeleton
     from layerstream.models.skeleton import build_skeleton, folder_tensor_dtypes
 
     if names_hub_repo(model):
-        meta = fetch_plan_metadata(model, revision=revision, variant=variant)
+        try:
+            meta = fetch_plan_metadata(model, revision=revision, variant=variant)
+        except HubUnavailableError as e:
+            published = published_model(str(model)) if revision is None and variant is None else None
+            if published is None:
+                raise
+            why = first_line(e).removeprefix(f"model {model}: ")
+            origin = {"model": published.hub_id, "origin": "catalogue", "from": f"layerstream's catalogue of its published dimensions ({why})"}
+            return published_skeleton(published), origin
         origin = {
             **meta.source.to_dict(),
             "from": "the Hub's metadata (configs and safetensors headers)",
