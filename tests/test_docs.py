@@ -114,6 +114,13 @@ def test_every_block_runs_or_says_why_not():
         assert block.hub_ids() <= set(HUB_STANDINS), f"{block.id}: no stand-in for {block.hub_ids() - set(HUB_STANDINS)}"
 
 
+def test_no_page_cites_an_issue_or_a_work_item():
+    """The docs describe the product; where a figure came from is a benchmark or a test, not a work item."""
+    for page in PAGES:
+        cited = re.findall(r"\b(?:issue|item|work item) #?\d+", page.read_text(), re.I)
+        assert not cited, f"{page.name}: {cited}"
+
+
 def test_the_readme_keeps_the_set_up_commands_first_and_stays_short():
     readme = (ROOT / "README.md").read_text()
     first = next(b for b in BLOCKS if b.page == "README.md")
