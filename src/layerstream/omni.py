@@ -170,7 +170,8 @@ class Omni:
             num_inference_steps=shape.num_inference_steps, fps=result.fps if video else None,
         )  # fmt: skip
         revision = self.source.to_dict().get("revision")
-        settings = request_settings(made, has_input_image=request.image is not None, model_revision=revision, model_commit=self.source.commit)
+        has_image = request.image is not None
+        settings = request_settings(made, has_input_image=has_image, model_revision=revision, model_commit=self.source.commit)
         return {**settings, "model": self.model, "offload_config": self.config.to_dict()}
 
     def component_dtypes(self) -> dict[str, str]:

@@ -112,7 +112,9 @@ def encode_output(
     return _encode_mp4(_even_frames(result.frames), result.fps, embedded)
 
 
-def request_settings(request: GenerationRequest, *, has_input_image: bool, model_revision: str | None, model_commit: str | None) -> dict[str, Any]:
+def request_settings(
+    request: GenerationRequest, *, has_input_image: bool, model_revision: str | None, model_commit: str | None
+) -> dict[str, Any]:
     """Every setting needed to make the result again, from `request` with the model's defaults filled in: what a
     job object shows as ``layerstream.settings`` and, with `ORIGIN_KEYS`, what an output file carries."""
     width, height = request.width, request.height
@@ -235,7 +237,8 @@ def _encode_mp4(frames: np.ndarray, fps: int, metadata: dict[str, Any] | None) -
     scaled_w, scaled_h = -(-w // 16) * 16, -(-h // 16) * 16
     with tempfile.TemporaryDirectory(prefix="layerstream-mp4-") as folder:
         target = Path(folder) / "out.mp4"
-        command = [_ffmpeg(), "-y", "-nostdin", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{w}x{h}", "-r", str(fps), "-i", "-"]
+        size = f"{w}x{h}"
+        command = [_ffmpeg(), "-y", "-nostdin", "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", size, "-r", str(fps), "-i", "-"]
         if metadata is not None:
             settings_file = Path(folder) / "settings.txt"
             settings_file.write_text(";FFMETADATA1\ncomment=" + _escape_ffmetadata(json.dumps(metadata)) + "\n")

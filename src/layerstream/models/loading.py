@@ -199,7 +199,8 @@ def load_skeleton(
             if published is None:
                 raise
             why = first_line(e).removeprefix(f"model {model}: ")
-            origin = {"model": published.hub_id, "origin": "catalogue", "from": f"layerstream's catalogue of its published dimensions ({why})"}
+            described = f"layerstream's catalogue of its published dimensions ({why})"
+            origin = {"model": published.hub_id, "origin": "catalogue", "from": described}
             return published_skeleton(published), origin
         origin = {
             **meta.source.to_dict(),
