@@ -131,16 +131,26 @@ def edit_refusals(model: str) -> dict[str, str]:
 
 
 def decode_base64_image(text: str, field: str = "image") -> bytes:
-    """The bytes of a base64 image field, plain or as a data URL (``data:image/png;base64,...``); 400 naming
-    `field` if it is neither."""
+    """The bytes of a base64 image field, plain or as a data URL (``data:image/png;base64,...``), line breaks
+    and spaces allowed (what ``base64 FILE`` prints); 400 naming `field` if it is neither. A data URL's declared
+    type is not trusted: an image type or ``application/octet-stream`` (what clients send for a file they cannot
+    name) is read by its bytes (`read_image_file`), any other type is a 415."""
     import base64
     import binascii
 
     if text.startswith("data:"):
         header, _, text = text.partition(",")
-        if not header.endswith(";base64"):
+        media_type, *parameters = header[len("data:") :].split(";")
+        if parameters[-1:] != ["base64"]:
             raise ApiError(400, f"{field} is a data URL that is not base64-encoded", code="invalid_image", param=field)
+        media_type = media_type.strip().lower()
+        if not (media_type.startswith("image/") or media_type == "application/octet-stream"):
+            message = (
+                f"{field} is a data URL of type {media_type or 'text/plain (none given)'!r}; expected an image type"
+                f" (image/png, image/jpeg, image/webp) or application/octet-stream, holding a PNG, JPEG or WebP file"
+            )
+            raise ApiError(415, message, code="unsupported_image_format", param=field)
     try:
-        return base64.b64decode(text, validate=True)
+        return base64.b64decode("".join(text.split()), validate=True)  # without the line breaks `base64` prints
     except (binascii.Error, ValueError):
         raise ApiError(400, f"{field} is not valid base64", code="invalid_image", param=field) from None

@@ -27,6 +27,7 @@ from layerstream.server.errors import ApiError, validation_error
 from layerstream.server.jobs.manager import DEFAULT_PAGE, MAX_PAGE, JobManager
 from layerstream.server.jobs.requests import ImageJobForm, ImageJobRequest, VideoJobForm, VideoJobRequest
 from layerstream.server.openapi import (
+    IMAGE_INPUT_ERRORS,
     QUEUEING_ERRORS,
     binary_response,
     error_responses,
@@ -39,6 +40,9 @@ _CREATE_ERRORS = error_responses({
     400: "The served model cannot take the request (size, frames, work, input image), or the body is neither JSON"
          " nor multipart",
     **QUEUEING_ERRORS,  # nothing is stored
+    **IMAGE_INPUT_ERRORS,
+    503: "The server is shutting down, a serving rank failed, or the job database refused the job's row",
+    507: "The data folder is full: the job cannot be stored",
 })  # fmt: skip
 _LIST_ERRORS = error_responses({400: "after names no job of this server", 422: "A query parameter unknown or invalid"})
 _PAGE_PARAMETERS = [
