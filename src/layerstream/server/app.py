@@ -149,7 +149,7 @@ def create_app(service: GenerationService, jobs: JobManager | None = None, *, ui
 
     @app.get(HEALTH_PATH, response_model=HealthResponse)
     async def health() -> dict[str, Any]:
-        jobs_fields = {"jobs_path": jobs.path, "jobs_storage": jobs.storage_state()} if jobs is not None else {}
+        jobs_fields = {"jobs_path": jobs.path, "jobs_storage": jobs.storage_state(), **jobs.history_state()} if jobs is not None else {}
         return {**service.health(), **jobs_fields}
 
     @app.get(METRICS_PATH, response_class=PlainTextResponse)
