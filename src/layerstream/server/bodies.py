@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Mapping
 
@@ -78,7 +79,19 @@ async def read_form(
     request: Request, body: bytes, image_field: str, *, model: str, refused: Mapping[str, str] | None = None
 ) -> tuple[dict[str, str], bytes | None]:
     """(the text fields, the bytes of the image file part or None) of a multipart form already read as `body`;
-    a 4xx naming the part at fault.
+    a 4xx naming the part at fault. Parsed off the event loop (a body of up to ~43 MB), on a loop of its own in
+    a worker thread: Starlette's parser is a coroutine, though its work is CPU and file writes."""
+
+    def parse() -> tuple[dict[str, str], bytes | None]:
+        return asyncio.run(_parse_form(request.headers, body, image_field, model=model, refused=refused))
+
+    return await asyncio.to_thread(parse)
+
+
+async def _parse_form(
+    headers: Mapping[str, str], body: bytes, image_field: str, *, model: str, refused: Mapping[str, str] | None
+) -> tuple[dict[str, str], bytes | None]:
+    """`read_form`'s parse.
 
     The image comes as `image_field`, or as OpenAI's client sends a list, ``image_field[]``: the served models
     (`model`) take one image, so a list of one is that image and a longer one is refused. A part named in
@@ -92,7 +105,7 @@ async def read_form(
 
     parser = MultiPartParser(
         # files beyond the image are parsed to be refused by name (a mask, a second image), not as "too many"
-        request.headers, read_body_again(), max_files=MAX_FORM_FIELDS, max_fields=MAX_FORM_FIELDS,
+        headers, read_body_again(), max_files=MAX_FORM_FIELDS, max_fields=MAX_FORM_FIELDS,
         max_part_size=len(body) + 1,
     )  # fmt: skip
     try:

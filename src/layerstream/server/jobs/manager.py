@@ -197,7 +197,7 @@ class JobManager:
         self.store.release_served(served)
 
     def stream(self, job_id: str) -> AsyncIterator[str]:
-        self.get(job_id)  # a 404 before the stream starts
+        """The job's event stream; call `get` first (off the event loop) for a 404 before it starts."""
         return stream_events(self.events, job_id, lambda: self._object_or_none(job_id))
 
     # the worker ------------------------------------------------------------------------------------------------

@@ -118,6 +118,7 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
 
     @app.get(path + "/{job_id}/events", response_class=StreamingResponse, responses=events)
     async def job_events(job_id: str) -> StreamingResponse:
+        await asyncio.to_thread(jobs.get, job_id)  # a 404 before the stream starts (a database read)
         # no-cache and no buffering: each event goes out as it happens, through proxies too
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(jobs.stream(job_id), media_type="text/event-stream", headers=headers)
@@ -146,7 +147,7 @@ async def read_job_body(
         model, data = form_model, fields
         parse = form_model.model_validate
     elif content_type.startswith("application/x-www-form-urlencoded"):  # a form without files (aiohttp's)
-        data, image_bytes = read_urlencoded(body, image_field)
+        data, image_bytes = await asyncio.to_thread(read_urlencoded, body, image_field)
         model, parse = form_model, form_model.model_validate
     elif content_type.startswith("application/json") or not content_type:
         model, parse = strict_model, strict_model.model_validate_json
