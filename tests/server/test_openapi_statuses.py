@@ -146,6 +146,12 @@ def _provoke(http, omni, jobs) -> None:
     http.post(JOBS, json=GENERATE)
     http.post("/v1/images/generations", json=GENERATE)
     http.post("/v1/images/edits", data=FORM, files=png)
+    # a database that refuses every read (its connection closed under it): 503 on every job route
+    connection.close()
+    http.get(JOBS)
+    for route in ("", "/content", "/events"):
+        http.get(f"{JOBS}/{running}{route}")
+    http.delete(f"{JOBS}/{running}")
 
 
 def test_every_route_answers_exactly_the_statuses_its_entry_lists(served):
