@@ -117,8 +117,9 @@ def test_a_multipart_form_is_parsed_off_the_loop(app, monkeypatch, path):
 
 
 def test_no_database_call_runs_on_an_event_loop(app, monkeypatch):
-    """A job's whole life on the API (create by JSON and by form, list, get, events, content, delete), and the
-    server's start and stop: every store call is made on a thread without a running event loop."""
+    """A job's whole life on the API (create by JSON and by form, list, get, events, content, delete), a drain
+    (on the event loop, as SIGTERM's) that fails a waiting job, and the server's start and stop: every store call
+    is made on a thread without a running event loop."""
     application, jobs = app
     on_a_loop: list[str] = []
     for name in STORE_CALLS:
@@ -146,4 +147,13 @@ def test_no_database_call_runs_on_an_event_loop(app, monkeypatch):
         assert [job["id"] for job in http.get(JOBS).json()["data"]] == made[::-1]
         assert all(http.delete(f"{JOBS}/{job_id}").status_code == 200 for job_id in made)
         assert http.get(f"{JOBS}/{made[0]}/events").status_code == 404
+        gate = threading.Event()
+        jobs.service.omni.on_call = lambda index: gate.wait(30)
+        running = http.post(JOBS, json=JOB).json()["id"]
+        waiting = http.post(JOBS, json=JOB).json()["id"]
+        http.portal.call(jobs.service.drain)  # on the event loop: the waiting job fails at once
+        with http.stream("GET", f"{JOBS}/{waiting}/events") as stream:
+            assert '"status": "failed"' in stream.read().decode()
+        gate.set()
+        assert http.get(f"{JOBS}/{running}/events").status_code == 200
     assert on_a_loop == []

@@ -14,6 +14,7 @@ else its outputs are dropped) and the worker moves on. The history is kept by th
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import secrets
@@ -21,6 +22,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -84,6 +86,8 @@ class JobManager:
         """Why the data folder refused the last write (None once one succeeds): `/health` says it."""
         self.bookkeeping_problem: str | None = None
         """The last bookkeeping after a job's settled outcome that failed (retention, metrics, events): `/health`."""
+        self._off_loop = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-job-outcomes")
+        """Where the outcomes of jobs a drain fails on the event loop are stored: off the loop, in order."""
         self._projection: LatentProjection | None = None
         self._projection_fitted = False
         self.metrics = service.metrics
@@ -97,7 +101,8 @@ class JobManager:
 
     def close(self) -> None:
         """After the worker stopped: a job still live (a generation left behind by the stop) never finished;
-        say so. (Jobs still queued at the drain were failed then, by `_finished`.)"""
+        say so. (Jobs still queued at the drain were failed then, by `_finished`: waited for first.)"""
+        self._off_loop.shutdown(wait=True)
         with self._lock:
             left = list(self._live.values())
             self._live.clear()
@@ -141,7 +146,7 @@ class JobManager:
             if isinstance(e, QueueFullError):
                 raise ApiError(429, f"{e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
             raise ApiError(503, str(e), code="shutting_down") from None
-        live.queued.future.add_done_callback(lambda future: self._finished(live, future))
+        live.queued.future.add_done_callback(lambda future: self._answered(live, future))
         logger.info("job %s queued (prompt %r)", record.id, record.request.prompt[:80])
         return self._object(record, live)
 
@@ -211,11 +216,20 @@ class JobManager:
         live.stats_before = self.service.omni.stats()
         return self._latent_projection() if live.record.settings.preview else None
 
+    def _answered(self, live: _LiveJob, future: Any) -> None:
+        """The future's callback: `_finished` here on the worker; off the event loop for a job a drain failed there
+        (its row is written and read back: never on the loop)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop runs here: the worker thread
+            self._finished(live, future)
+        else:
+            self._off_loop.submit(self._finished, live, future)
+
     def _finished(self, live: _LiveJob, future: Any) -> None:
-        """The job's future is answered (on the worker, or on the event loop for a job failed by a drain before
-        it started): its output written and the job marked, or its failure recorded; a deleted one is left
-        unrecorded. It runs as the future's callback, where an exception would only be logged: a failure to
-        store the outcome (the file, the row) fails the job instead, so that every job ends."""
+        """The job's future is answered (`_answered`): its output written and the job marked, or its failure
+        recorded; a deleted one is left unrecorded. Nobody awaits it, so an exception would only be logged: a
+        failure to store the outcome (the file, the row) fails the job instead, so that every job ends."""
         try:
             self._record_outcome(live, future)
         except Exception as e:  # noqa: BLE001 - a job must end whatever went wrong in storing it
