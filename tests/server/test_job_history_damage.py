@@ -189,3 +189,16 @@ def test_a_row_damaged_while_the_server_runs_is_set_aside_when_met(tmp_path):
         page = http.get(JOBS, params={"limit": NUM_GOOD - 2}).json()
         assert [job["id"] for job in page["data"]] == ids[2:][::-1] and not page["has_more"]
         assert http.get("/health").json()["jobs_unreadable"] == 2
+
+
+def test_a_table_that_lost_a_column_is_refused_in_one_line_naming_it(tmp_path):
+    from layerstream.server.jobs.store import JobStoreError
+
+    folder = tmp_path / "data"
+    _history(folder)
+    with sqlite3.connect(folder / DATABASE_NAME) as db:
+        db.execute("ALTER TABLE jobs DROP COLUMN output_bytes")
+    db.close()
+    with pytest.raises(JobStoreError, match="no column 'output_bytes'") as refused:
+        JobStore(HistorySettings(data_dir=folder))
+    assert "\n" not in str(refused.value) and "data_dir" in str(refused.value)

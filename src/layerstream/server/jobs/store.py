@@ -106,6 +106,14 @@ class JobStore:
         with self._db:
             self._db.execute(_SCHEMA)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        # a table altered by hand: every query would fail on the column it lost; one line says which, at start
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        missing = [name for name in ("seq", "id", "kind", "status", "output_bytes", "record") if name not in columns]
+        if missing:
+            raise sqlite3.DatabaseError(
+                f"its jobs table has no column {missing[0]!r} (altered outside the server); start a new history in"
+                " another folder"
+            )
 
     def close(self) -> None:
         with self._lock:
