@@ -79,6 +79,22 @@ MUTANTS = (
         "compute never releases a slot after a block, so its next copy never lands",
     ),
     Mutant(
+        "copy-waits-for-release",
+        "runtime/engines/copy_engine.py",
+        "self._released[slot].wait()  # never overwrite a slot compute may still read",
+        "pass",
+        ("tests/runtime/test_copy_engine_contract.py::test_cpu_copy_into_a_held_slot_runs_only_after_release",),
+        "the CPU copy thread overwrites a slot that compute still reads",
+    ),
+    Mutant(
+        "stale-copy-forgotten",
+        "runtime/streaming/streamer.py",
+        "if block.slot is not None and block.copied_version != block.host.host_version:",
+        "if False:",
+        ("tests/runtime/test_write_while_prefetching.py::test_a_write_after_the_prefetch_landed_reaches_the_next_forward_and_costs_one_copy",),
+        "a block whose stored bytes were written after its copy landed runs on the old copy",
+    ),
+    Mutant(
         "thread-adoption",
         "pipeline_runner.py",
         "torch.set_num_threads(torch.get_num_threads())",
