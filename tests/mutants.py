@@ -203,7 +203,8 @@ def check_mutants(mutants=MUTANTS, package: Path = PACKAGE, root: Path = ROOT) -
 @dataclass
 class Outcome:
     verdict: str
-    """"killed", "survived", "skipped" or "broken" (the selection fails unmutated, or selects nothing)."""
+    """"killed", "survived", "skipped" or "broken" (pytest could not run the selection: nothing collected, a usage
+    error, an internal error)."""
     detail: str
     seconds: float
 
