@@ -13,6 +13,7 @@ from layerstream.cli.common import (
     CliError,
     add_config_argument,
     add_hub_arguments,
+    add_model_first_argument,
     add_vae_arguments,
     check_device_arg,
     check_output_path,
@@ -52,7 +53,7 @@ _REQUEST_FLAGS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny-wan", help=f"{MODEL_SOURCES} (default: tiny-wan)")
+    add_model_first_argument(parser, MODEL_SOURCES, "tiny-wan", "--model")
     add_hub_arguments(parser)
     add_vae_arguments(parser)
     parser.add_argument(

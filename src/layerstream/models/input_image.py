@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 import numpy as np
 
 from layerstream.errors import LayerstreamError
+from layerstream.models.output_limits import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -34,10 +35,6 @@ if TYPE_CHECKING:
 ImageInputKind = Literal["none", "optional", "required"]
 ImageSource = Union["Image.Image", str, "os.PathLike[str]", np.ndarray, bytes, "ImageFile"]
 
-DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
-"""Largest input image, in pixels (16.8 megapixels): checked from the file header, before decoding."""
-DEFAULT_MAX_IMAGE_BYTES = 32 << 20
-"""Largest input image file, in bytes."""
 
 # Pipelines whose signature gives `image` a default of None but that read it unconditionally: Qwen-Image-Edit
 # takes `image.size` first thing in __call__. Matched by class name through the MRO (no diffusers import).
