@@ -33,7 +33,7 @@ from typing import Any, Literal
 from layerstream.errors import LayerstreamError
 from layerstream.models.folder_check import MODEL_INDEX, ModelLoadError, check_model_folder
 from layerstream.models.weight_files import WEIGHT_INDEX, weight_file_key
-from layerstream.wording import first_line, format_gb
+from layerstream.wording import first_line, format_bytes
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 """``org/name``, as the Hub spells repository ids."""
@@ -327,7 +327,7 @@ def _fetch_all(repo_id: str, files: list[RepoFile], commit: str, settings: HubSe
     try:
         for number, f in enumerate(todo, 1):
             if not terminal:
-                print(f"layerstream: downloading {repo_id}/{f.name} ({format_gb(f.size)}) [{number}/{len(todo)}]",
+                print(f"layerstream: downloading {repo_id}/{f.name} ({format_bytes(f.size)}) [{number}/{len(todo)}]",
                       file=sys.stderr, flush=True)  # fmt: skip
             _fetch(repo_id, f.name, commit, settings)
     finally:
@@ -343,8 +343,8 @@ def _check_free_space(repo_id: str, files: list[RepoFile], settings: HubSettings
     free = shutil.disk_usage(where).free
     if needed > free:
         raise ModelLoadError(
-            f"model {repo_id}: the download needs {format_gb(needed)} but the cache's filesystem ({settings.cache_dir}) "
-            f"has {format_gb(free)} free; free some space or point HF_HUB_CACHE (or HF_HOME) at a larger disk"
+            f"model {repo_id}: the download needs {format_bytes(needed)} but the cache's filesystem ({settings.cache_dir}) "
+            f"has {format_bytes(free)} free; free some space or point HF_HUB_CACHE (or HF_HOME) at a larger disk"
         )
 
 
