@@ -173,13 +173,13 @@ def test_the_key_is_needed_on_the_api_and_not_on_health_metrics_or_the_page(keye
 def test_the_pages_cookie_opens_its_own_reads_only(keyed):
     """What a browser fetches without headers (the event stream, a video, a download) carries the page's cookie;
     a write never counts it, nor a read another site's page asked for."""
-    cookie = {"cookie": f"other=1; layerstream_api_key_8000={KEY}"}
+    cookie = {"cookie": f"other=1; layerstream_api_key={KEY}"}
     assert keyed.get("/v1/models", headers=cookie).status_code == 200
     assert keyed.get("/v1/models", headers={**cookie, "sec-fetch-site": "same-origin"}).status_code == 200
     for site in ("same-site", "cross-site"):
         assert keyed.get("/v1/models", headers={**cookie, "sec-fetch-site": site}).status_code == 401, site
     assert keyed.post("/v1/images/jobs", json={"prompt": "x"}, headers={**cookie, "origin": LOCAL}).status_code == 401
-    assert keyed.get("/v1/models", headers={"cookie": "layerstream_api_key_8000=wrong"}).status_code == 401
+    assert keyed.get("/v1/models", headers={"cookie": "layerstream_api_key=wrong"}).status_code == 401
 
 
 @HYPOTHESIS
@@ -245,3 +245,4 @@ def test_an_os_error_reaches_a_client_without_its_path(tmp_path: Path):
     line = client_line(error, {str(tmp_path): "--data-dir"})
     assert line == "OSError: No space left on device (in --data-dir)" and str(tmp_path) not in line
     assert client_line(RuntimeError(f"cannot read {tmp_path}/x\nmore"), {str(tmp_path): "--data-dir"}) == "RuntimeError: cannot read --data-dir/x"
+

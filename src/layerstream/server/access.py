@@ -30,8 +30,8 @@ from urllib.parse import unquote
 from layerstream.errors import LayerstreamError
 
 API_KEY_ENV = "LAYERSTREAM_API_KEY"
-KEY_COOKIE_PREFIX = "layerstream_api_key"
-"""The page sets ``layerstream_api_key_PORT`` (cookies ignore the port; two servers on one host keep two)."""
+KEY_COOKIE = "layerstream_api_key"
+"""The cookie the page keeps the key in (cookies ignore the port: servers on one host with one key share it)."""
 OPEN_PATHS = frozenset({"/", "/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 OPEN_PREFIXES = ("/ui/",)
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -217,11 +217,11 @@ def bearer_token(authorization: str | None) -> str | None:
 
 
 def cookie_keys(cookie_header: str | None) -> list[str]:
-    """The values of the page's key cookies (any port's) in a Cookie header."""
+    """The values of the page's key cookie in a Cookie header (a browser may send several of one name)."""
     keys = []
     for part in (cookie_header or "").split(";"):
         name, equals, value = part.strip().partition("=")
-        if equals and name.startswith(KEY_COOKIE_PREFIX):
+        if equals and name == KEY_COOKIE:
             keys.append(unquote(value.strip().strip('"')))
     return keys
 
