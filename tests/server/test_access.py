@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from layerstream.cli.main import build_parser
 from layerstream.cli.serve_access import access_settings
 from layerstream.cli.common import CliError
+from layerstream.config.offload_config import parse_offload_config
 from layerstream.models.hub import ModelSource
 from layerstream.server.access import AccessSettings, AccessSettingsError, HostRule, split_host
 from layerstream.server.app import create_app
@@ -232,10 +233,11 @@ def test_health_names_a_folder_model_by_its_name_not_its_path(tmp_path: Path):
     folder = tmp_path / "wan-local"
     omni = StandInOmni()
     omni.source = ModelSource(str(folder), folder, "folder")
+    omni.config = parse_offload_config({"mode": "layer", "components": ["dit"], "host_budget_gb": 1, "disk_dir": str(tmp_path / "spill")})
     service = GenerationService(omni, ServeSettings(port=0, shutdown_timeout=0))
     with TestClient(create_app(service, access=AccessSettings()), base_url=LOCAL) as client:
         health = client.get("/health")
-        assert str(tmp_path) not in health.text
+        assert str(tmp_path) not in health.text and health.json()["offload_config"]["disk_dir"].startswith("set")
         assert health.json()["model"] == "wan-local" and health.json()["model_source"]["model"] == "wan-local"
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["wan-local"]
 

@@ -71,7 +71,7 @@ class GenerationService:
             "device": str(omni.device),
             "dtype": str(omni.dtype).removeprefix("torch.") if omni.dtype is not None else None,
             "component_dtypes": omni.component_dtypes(),
-            "offload_config": omni.config.to_dict(),
+            "offload_config": _public_config(omni.config.to_dict()),
         }
         """What does not change while the server runs, read once: a rebuild replaces rank 0's `Omni`, not these."""
         work_from = "--max-work" if settings.max_work is not None else f"the default on {omni.device}"
@@ -290,6 +290,15 @@ class GenerationService:
         text = self.metrics.render(queue=QueueState.of(self.queue), offload=self.runner.offload_stats, labels=labels)
         families = self.runner.metric_families()
         return text + render_families(families) if families else text
+
+
+def _public_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The offload config as a client may read it (in `/health`, and in a job's output file): ``disk_dir`` said to
+    be set, not where (the log names it)."""
+    if config.get("disk_dir") is not None:
+        logger.info("offload config: disk_dir %s", config["disk_dir"])
+        config = {**config, "disk_dir": "set (a local folder: the server log names it)"}
+    return config
 
 
 def _public_source(source: dict[str, Any]) -> dict[str, Any]:
