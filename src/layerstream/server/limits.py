@@ -42,10 +42,12 @@ class ModelLimits:
     """Latent tokens per axis the transformer can position, when that is what bounds the two caps above."""
     max_work: int
     """--max-work: width x height x frames x steps x n of one request."""
-    model_names: tuple[str, ...]
-    """--served-model-name: what a request's ``model`` may be; the first is the name answers give (`model`)."""
+    served_names: tuple[str, ...] = ()
+    """--served-model-name: what a request's ``model`` may be; the first is the name answers give (`model`).
+    Empty: the rules' model name alone."""
 
     # the rules' figures, as the checks below read them
+    model_names = property(lambda self: self.served_names or (self.rules.model,))
     model = property(lambda self: self.model_names[0])
     kind = property(lambda self: self.rules.kind)
     size_multiple = property(lambda self: self.rules.size_multiple)
@@ -82,7 +84,7 @@ def read_model_limits(omni: Any, settings: ServeSettings) -> ModelLimits:
     )
     return ModelLimits(
         rules=rules,
-        model_names=settings.served_model_names or (default_served_name(omni.source),),
+        served_names=settings.served_model_names or (default_served_name(omni.source),),
         max_frames=max_frames,
         max_side_pixels=max_side,
         max_latent_positions=pipeline_max_latent_positions(omni.pipeline) if bound_by_model else None,
