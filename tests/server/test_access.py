@@ -138,7 +138,7 @@ def test_the_servers_own_page_and_clients_without_origin_pass(loopback):
 
 
 def test_allowed_origins_may_write_and_read_with_cors():
-    with _client(AccessSettings(allowed_origins=("https://app.example",), api_key=KEY)) as client:
+    with _client(AccessSettings(allowed_origins=("HTTPS://App.Example:443",), api_key=KEY)) as client:
         preflight = client.options("/v1/images/generations", headers={
             "origin": "https://app.example", "access-control-request-method": "POST",
             "access-control-request-headers": "authorization, content-type",

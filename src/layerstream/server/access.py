@@ -185,6 +185,13 @@ def _normal_origin(origin: str) -> str:
     return origin.strip().lower() if split is None else "{}://{}:{}".format(*split)
 
 
+def _browser_origin(origin: str) -> str:
+    """An origin as a browser writes it in ``Origin`` (lower case, no default port), for CORS's exact match."""
+    scheme, host, port = _split_origin(origin) or ("", origin, 0)
+    host = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{host}" + ("" if _DEFAULT_PORTS.get(scheme) == port else f":{port}")
+
+
 def same_origin(origin: str, host_header: str | None) -> bool:
     """Whether `origin` names the server the request reached (its Host, the port the origin's scheme implies)."""
     split, host = _split_origin(origin), split_host(host_header) if host_header else None
@@ -234,7 +241,7 @@ def add_access_checks(app: Any, settings: AccessSettings) -> None:
     if settings.allowed_origins:
         from starlette.middleware.cors import CORSMiddleware
 
-        allow = ["*"] if "*" in settings.allowed_origins else list(settings.allowed_origins)
+        allow = ["*"] if "*" in settings.allowed_origins else [_browser_origin(o) for o in settings.allowed_origins]
         app.add_middleware(
             CORSMiddleware, allow_origins=allow, allow_methods=["GET", "HEAD", "POST", "DELETE"],
             allow_headers=["Authorization", "Content-Type"], max_age=600,
