@@ -126,6 +126,15 @@ def test_another_sites_page_cannot_queue_work(loopback, origin, form):
     assert "access-control-allow-origin" not in answer.headers
 
 
+@HYPOTHESIS
+@given(origin=st.text(alphabet=string.printable.strip() + " ", max_size=60))
+def test_any_origin_text_is_refused_or_passed_never_raises(loopback, origin):
+    answer = loopback.post("/v1/images/generations", json={}, headers={"origin": origin})
+    assert answer.status_code in (403, 422), (origin, answer.status_code)  # 422: it passed, the empty body did not
+    if answer.status_code == 422:
+        assert origin.strip().lower().rstrip("/") in ("http://127.0.0.1:8000",), origin
+
+
 def test_the_servers_own_page_and_clients_without_origin_pass(loopback):
     body = {"prompt": "a fox", "size": "64x64", "num_inference_steps": 1}
     for headers in ({"origin": LOCAL}, {}, {"origin": "http://localhost:8000", "host": "localhost:8000"}):
@@ -201,6 +210,8 @@ def test_the_key_comes_from_the_flag_or_the_environment(monkeypatch):
         access_settings(parse("--api-key", "has space"), "127.0.0.1")
     with pytest.raises(CliError, match=r"^--allowed-origins = 'evil.example' is not valid; expected an origin"):
         access_settings(parse("--allowed-origins", "evil.example"), "127.0.0.1")
+    extension = access_settings(parse("--allowed-origins", "chrome-extension://abcdef"), "127.0.0.1")
+    assert extension.origin_allowed("chrome-extension://abcdef") and not extension.origin_allowed("chrome-extension://other")
     settings = access_settings(parse("--allowed-hosts", "a.example,b.example", "--allowed-origins", "*"), "0.0.0.0")
     assert settings.allowed_hosts == ("a.example", "b.example") and settings.origin_allowed("https://any.example")
 

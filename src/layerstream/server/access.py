@@ -53,14 +53,13 @@ class HostRule:
     domains: tuple[str, ...] = ()
     """``.example.com``: that domain and every name under it."""
     networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
-    any_address: bool = False
     any_host: bool = False
 
     def allows(self, host: str) -> bool:
         """Whether `host` (a Host header's name or address, lower case, no port) is served."""
         address = _address(host)
         if address is not None:
-            return address.is_loopback or self.any_host or self.any_address or any(address in n for n in self.networks)
+            return address.is_loopback or self.any_host or any(address in n for n in self.networks)
         if host == "localhost" or host.endswith(".localhost") or self.any_host or host in self.names:
             return True
         return any(host == d[1:] or host.endswith(d) for d in self.domains)
@@ -123,8 +122,7 @@ def _host_rule(entries: Iterable[str]) -> HostRule:
                 f"allowed_hosts = {entry!r} is not valid; expected a host name (gpu.example.com), a domain with its"
                 " names (.example.com), an IP address or network (10.0.0.0/8), or *"
             )
-    any_address = any(n.prefixlen == 0 for n in networks)
-    return HostRule(frozenset(names), tuple(domains), tuple(networks), any_address, any_host)
+    return HostRule(frozenset(names), tuple(domains), tuple(networks), any_host)
 
 
 _NAME = re.compile(r"(?=.{1,253}$)[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)*")
@@ -176,8 +174,7 @@ def _split_origin(origin: str) -> tuple[str, str, int] | None:
     if split is None:
         return None
     host, port = split
-    port = port if port is not None else _DEFAULT_PORTS.get(scheme)
-    return (scheme, host, port) if port is not None else None
+    return scheme, host, port if port is not None else _DEFAULT_PORTS.get(scheme, 0)
 
 
 def _normal_origin(origin: str) -> str:
@@ -189,7 +186,7 @@ def _browser_origin(origin: str) -> str:
     """An origin as a browser writes it in ``Origin`` (lower case, no default port), for CORS's exact match."""
     scheme, host, port = _split_origin(origin) or ("", origin, 0)
     host = f"[{host}]" if ":" in host else host
-    return f"{scheme}://{host}" + ("" if _DEFAULT_PORTS.get(scheme) == port else f":{port}")
+    return f"{scheme}://{host}" + ("" if port in (0, _DEFAULT_PORTS.get(scheme)) else f":{port}")
 
 
 def same_origin(origin: str, host_header: str | None) -> bool:
@@ -198,6 +195,8 @@ def same_origin(origin: str, host_header: str | None) -> bool:
     if split is None or host is None:
         return False
     scheme, origin_host, origin_port = split
+    if scheme not in _DEFAULT_PORTS:  # a browser extension, a file: never this server's own page
+        return False
     return origin_host == host[0] and origin_port == (host[1] if host[1] is not None else _DEFAULT_PORTS[scheme])
 
 
