@@ -48,7 +48,6 @@ from layerstream import __version__
 from layerstream.request import GenerationError
 from layerstream.server.access import AccessSettings, add_access_checks
 from layerstream.server.bodies import decode_base64_image, edit_refusals, read_form
-from layerstream.server.access import AccessSettings, add_access_checks
 from layerstream.server.bodies import read_body as _read_body
 from layerstream.server.errors import ApiError, client_line, validation_error
 from layerstream.server.jobs.manager import JobManager
@@ -178,8 +177,8 @@ def _add_model_routes(app: FastAPI, service: GenerationService) -> None:
     @app.get(MODELS_PATH + "/{model}", response_model=ModelCard, responses=no_model)
     async def get_model(model: str) -> ModelCard:
         if model not in cards:
-            served = ", ".join(map(repr, cards))
-            raise ApiError(404, f"no model {model!r} is served here; served: {served} (--served-model-name)", code="model_not_found", param="model")
+            message = f"no model {model!r} is served here; served: {', '.join(map(repr, cards))} (--served-model-name)"
+            raise ApiError(404, message, code="model_not_found", param="model")
         return cards[model]
 
 
