@@ -94,6 +94,7 @@ def test_a_job_whose_output_cannot_be_written_fails_saying_so_and_the_server_goe
             assert client.get(f"{JOBS}/{job['id']}").json()["status"] == "failed"  # stored: it stays failed
             assert [p.name for p in outputs.iterdir() if p.name.startswith(job["id"])] == []  # no partial file
             assert "could not be written" in client.get("/health").json()["jobs_storage"]
+            assert str(tmp_path) not in client.get("/health").text + ended["error"]["message"]
             assert client.get("/health").status_code == 200
     finally:
         if mounted:
@@ -141,8 +142,9 @@ def test_a_job_a_full_data_folder_cannot_store_is_refused_and_health_says_so(omn
             refused = client.post(JOBS, json=BODY)
             assert refused.status_code == 507, refused.text
             error = refused.json()["error"]
-            assert error["code"] == "data_folder_full" and "is full" in error["message"] and str(data) in error["message"]
-            assert "is full" in client.get("/health").json()["jobs_storage"]
+            assert error["code"] == "data_folder_full" and "is full" in error["message"] and "--data-dir" in error["message"]
+            assert str(tmp_path) not in refused.text  # the setting is named, the path is in the log only
+            assert "is full" in client.get("/health").json()["jobs_storage"] and str(tmp_path) not in client.get("/health").text
             assert client.get(JOBS).json()["data"] == []  # nothing stored
             filler.unlink()
             job = client.post(JOBS, json=BODY)
