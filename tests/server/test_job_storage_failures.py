@@ -84,7 +84,8 @@ def _unwritable(folder: Path, how: str) -> Iterator[int]:
         return
     why_not = _mount_tmpfs(folder, 4096, *(["ro"] if how == "read-only" else []))
     if why_not:
-        pytest.skip(f"no {how} filesystem to write to here, so no real {'ENOSPC' if how == 'full' else 'EROFS'}: {why_not}")
+        real = "ENOSPC" if how == "full" else "EROFS"
+        pytest.skip(f"no {how} filesystem to write to here, so no real {real}: {why_not}")
     try:
         if how == "full":
             _fill(folder)

@@ -152,7 +152,7 @@ def test_generate_watch_and_find_the_result_again(browser, server_factory, tmp_p
     card = wait.until(lambda d: _history_card(d, job_id))
     _check_history_card(card, server.url, job_id)
 
-    server.terminate()
+    assert server.terminate() == 0, server.log()
     restarted = server_factory("tiny-wan", "--data-dir", str(data_dir))
     browser.get(restarted.url + "/")
     card = wait.until(lambda d: _history_card(d, job_id))
