@@ -66,10 +66,10 @@ def run_ranks(
         result = pickle.loads(path.read_bytes()) if path.exists() else {}
         result["exitcode"] = p.exitcode
         results.append(result)
-    expected = [(exit_codes or {}).get(rank, 0) for rank in range(world_size)]
-    if [r["exitcode"] for r in results] != expected:
+    exited, expected = [r["exitcode"] for r in results], [(exit_codes or {}).get(rank, 0) for rank in range(world_size)]
+    if exited != expected:
         said = "".join(f"\nrank {rank} raised:\n{r['traceback']}" for rank, r in enumerate(results) if "traceback" in r)
-        pytest.fail(f"scenario {scenario!r}: ranks exited {[r['exitcode'] for r in results]}, expected {expected}{said}")
+        pytest.fail(f"scenario {scenario!r}: ranks exited {exited}, expected {expected}{said}")
     return results
 
 

@@ -132,7 +132,8 @@ def _product_a_new_thread_computes_differently() -> tuple[torch.Tensor, torch.Te
     with _intra_op_threads(1):
         for rows, inner, outputs in PRODUCT_SHAPES:
             x, weight = torch.randn(rows, inner, generator=g), torch.randn(outputs, inner, generator=g)
-            if not torch.equal(on_new_thread(lambda: torch.nn.functional.linear(x, weight)), torch.nn.functional.linear(x, weight)):
+            on_main = torch.nn.functional.linear(x, weight)
+            if not torch.equal(on_new_thread(lambda: torch.nn.functional.linear(x, weight)), on_main):
                 return x, weight
     return None
 
@@ -153,8 +154,8 @@ def test_a_new_thread_that_adopts_the_process_threads_computes_the_main_threads_
 
     control = _product_a_new_thread_computes_differently()
     if control is None:
-        pytest.skip(f"on this CPU ({_cpu_name()}, {os.cpu_count()} cores) a new thread "
-                    f"computes every product of {PRODUCT_SHAPES} with the main thread's bits: nothing to adopt here")  # fmt: skip
+        pytest.skip(f"on this CPU ({_cpu_name()}, {os.cpu_count()} cores) a new thread computes every product of "
+                    f"{PRODUCT_SHAPES} with the main thread's bits: the test could not fail here")  # fmt: skip
     rows, weight = control
     for threads in (1, 2):
         with _intra_op_threads(threads):

@@ -137,7 +137,7 @@ def test_random_tensors_round_trip(dtype, n, scale, spread, seed, specials):
     if code is None:
         small = _cheapest_code_bytes(n, dtype) >= 2 * n
         event("raw: small" if small else "raw: incompressible")
-        assert small or one_tier + UNWEIGHED_BYTES >= 2 * n, f"{n} elements left raw, but one tier and literals code them in {one_tier} bytes"
+        assert small or one_tier + UNWEIGHED_BYTES >= 2 * n, f"{n} elements left raw; one tier codes them in {one_tier} bytes"
         return
     event("coded")
     assert code.nbytes < 2 * n
