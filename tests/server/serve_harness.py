@@ -67,22 +67,35 @@ class ServerProcess:
             self.process.kill()
             self.process.wait(10)
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """Fixture teardown: a server no test ended is sent SIGTERM and must drain and exit 0 (a crash between
-        tests, or a stop that fails, shows here); one a test ended is only made sure of."""
+    def begin_stop(self) -> None:
+        """Fixture teardown, first half: SIGTERM to a server no test ended, which drains and exits."""
+        if not self.ended_by_test and self.process.poll() is None:
+            self.send_stop_signal()
+
+    def finish_stop(self, timeout: float = 60.0) -> None:
+        """Fixture teardown, second half: the server must exit 0 (a crash between tests, or a stop that fails,
+        shows here); one a test ended is only made sure of."""
         if self.ended_by_test:
             self.kill()
             return
-        code = self.terminate(timeout)
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
         assert code == 0, f"the server exited {code} at teardown (0 expected after its SIGTERM):\n{self.log()[-6000:]}"
 
 
 def stop_all(servers: Iterable[ServerProcess]) -> None:
-    """`ServerProcess.stop` for each, every one stopped even when one fails; then the first failure is raised."""
-    failures: list[BaseException] = []
+    """Stop every server, all signalled first so that they exit side by side (an idle tiny server takes ~5 s
+    from SIGTERM to its exit, most of it after `serve` returned), each held to exit 0; every one is stopped even
+    when one fails, then the first failure is raised."""
+    servers, failures = list(servers), []
+    for server in servers:
+        server.begin_stop()
     for server in servers:
         try:
-            server.stop()
+            server.finish_stop()
         except BaseException as e:
             server.kill()
             failures.append(e)
