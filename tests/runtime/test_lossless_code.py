@@ -86,10 +86,13 @@ def test_distinct_values_take_the_later_tiers_and_a_single_value_takes_none(dtyp
         assert torch.equal(_round_trip(one, dtype, code, dense), one)
 
 
-UNWEIGHED_BYTES = 64
-"""What the planner's ranking leaves out: it weighs layouts by their codes' bits, not the header (a base and an
-escape count a tier) nor each region's 16-byte alignment; tiny tensors left raw by it were measured up to 34 bytes
-over a one-tier code (none from 2,048 elements on, where the store's `MIN_CODED_BYTES` begins)."""
+UNWEIGHED_BYTES = 120
+"""What the planner's ranking leaves out, so that a layout it ranks first can be this much bigger than another: it
+weighs layouts by their codes' bits, not the header (a base and an escape count a tier: up to 32 bytes, against
+the one-tier code's 16) nor, in each of up to six regions (the raw bytes, two fields, two later tiers, the
+literals), up to 15 bytes of alignment and tier 0's padding to whole groups (under 10 bytes): under 120 in all.
+Tiny tensors it left raw were measured up to 34 bytes over a one-tier code (none from 2,048 elements on, where
+the store's `MIN_CODED_BYTES` begins)."""
 
 
 def _cheapest_code_bytes(n: int, dtype: str) -> int:
