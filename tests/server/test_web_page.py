@@ -156,7 +156,7 @@ def test_generate_watch_and_find_the_result_again(browser, server_factory, tmp_p
     assert not _find(browser, "#key-form").is_displayed()
     _check_history_card(card, server.url, job_id)
 
-    assert server.terminate() == 0
+    assert server.terminate() == 0, server.log()
     restarted = server_factory("tiny-wan", "--data-dir", str(data_dir), "--api-key", API_KEY)
     browser.get(restarted.url + "/")  # the same key on the same host: not asked again
     card = wait.until(lambda d: _history_card(d, job_id))
