@@ -154,8 +154,9 @@ class GenerationRequest:
     """Seconds from receipt to answer, which the server enforces (queue and generation); `Omni` does not."""
     extra_params: Mapping[str, Any] = JsonObject()
     """Further arguments of the pipeline's call, vllm-omni's ``extra_params``: a JSON object (given as a dict,
-    held as a frozen `JsonObject`; None: none). A key is a call argument the pipeline takes from JSON, or a
-    vllm-omni key the model's rules map (``sample_solver``); never a field of this request (`EXTRA_PARAMS_REFUSED`)."""
+    held as a frozen `JsonObject`; None: none). A key is a call argument its pipeline family declares
+    (`models.call_arguments`), or a vllm-omni key the model's rules map (``sample_solver``); never a field of
+    this request (`EXTRA_PARAMS_REFUSED`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extra_params", checked_extra_params(self.extra_params))  # frozen: hashable

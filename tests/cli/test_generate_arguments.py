@@ -124,7 +124,7 @@ def test_cuda_on_a_torch_without_cuda(run_cli, device):
         (["--max-size", "4096", "--height", "4096", "--width", "4096"], "--height = 4096 is not valid; expected a multiple of 16 up to 1024"),
         (["--num-frames", "6"], "--num-frames = 6 is not valid; expected 4 * k + 1"),
         (["--extra-params", '{"sample_solver": "heun"}'], "--extra-params sample_solver: 'heun' is not valid for tiny-wan; expected one of 'unipc', 'euler', 'dpm++'"),
-        (["--extra-params", '{"latents": null}'], "--extra-params latents: None is not valid for tiny-wan; expected a call argument of WanPipeline that JSON can give"),
+        (["--extra-params", '{"latents": null}'], "--extra-params latents: None is not valid for tiny-wan; expected one of the keys WanPipeline takes: attention_kwargs, max_sequence_length, sample_solver"),
     ],
 )
 def test_refused_by_what_the_model_can_make_before_the_first_step(run_cli, capsys, args, message):

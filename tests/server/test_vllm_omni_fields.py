@@ -213,7 +213,7 @@ def test_extra_params_make_another_video_and_an_empty_object_the_same_one(served
     [
         ("{bad", "extra_params", "extra_params is not valid JSON text"),  # a form's text that is no JSON
         ("[1]", "extra_params", "object"),
-        ({"foo": 1}, "extra_params.foo", "a call argument of WanPipeline that JSON can give"),
+        ({"foo": 1}, "extra_params.foo", "one of the keys WanPipeline takes: attention_kwargs, max_sequence_length, sample_solver"),
         ({"sample_solver": "heun"}, "extra_params.sample_solver", "one of 'unipc', 'euler', 'dpm++'"),
         ({"num_inference_steps": 3}, "extra_params.num_inference_steps", "the num_inference_steps field itself"),
     ],
