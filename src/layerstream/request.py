@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from layerstream.errors import LayerstreamError
-from layerstream.json_object import JsonObject, first_non_json
+from layerstream.json_object import MAX_JSON_DEPTH, JsonLimitError, JsonObject, check_json_depth, first_non_json
 from layerstream.models.call_arguments import SET_BY_LAYERSTREAM
 from layerstream.models.output_limits import DEFAULT_MAX_SIDE_PIXELS, MAX_PROMPT_CHARS, MAX_SEED
 
@@ -216,6 +216,11 @@ def checked_extra_params(value: Any) -> JsonObject:
         return JsonObject()
     if not isinstance(value, Mapping):
         raise invalid_field("extra_params", value, "a JSON object of call arguments (a dict), or None")
+    try:
+        check_json_depth(value, "extra_params")
+    except JsonLimitError:  # no repr of the value: it is as deep as the recursion it would need
+        allowed = f"at most {MAX_JSON_DEPTH} levels of nested arrays and objects"
+        raise invalid_field("extra_params", value, allowed, shown=f"a value nested deeper than {MAX_JSON_DEPTH}") from None
     found = first_non_json(value, "extra_params")
     if found is not None:
         allowed = "a JSON value (null, a boolean, a finite number, a text, an array or an object with text keys)"

@@ -83,6 +83,9 @@ CASES = [
     (["--extra-params", "[1]"], """--extra-params: '[1]' is not a JSON object; expected one such as '{{"sample_solver": "euler"}}'"""),
     (["--extra-params", '{{"num_inference_steps": 3}}'], "--extra-params num_inference_steps: 3 is not allowed (give --steps instead)"),
     (["--extra-params", '{{"generator": 3}}'], "--extra-params generator: 3 is not allowed (seed instead"),
+    # nested a few thousand deep: was a RecursionError traceback and exit 1
+    (["--extra-params", "{{" + '"a": ' + "[" * 3000 + "]" * 3000 + "}}"], "--extra-params: JSON text nests arrays and objects deeper than 32 levels"),
+    (["--diffusion-offload-config", "[" * 3000 + "]" * 3000], "deeper than 32 levels, the limit"),
     (["--vae-use-tiling", "yes"], "--vae-use-tiling: 'yes' is not allowed (true, false or auto)"),
     (
         ["--vae-use-slicing", "true", "--diffusion-offload-config", '{{"mode": "layer", "components": ["dit"], "vae_use_slicing": false}}'],
