@@ -367,7 +367,7 @@ class HealthResponse(BaseModel):
     frame_multiple: int | None = Field(description="Video: num_frames - 1 must be a multiple of this.")
     max_frames: int | None = Field(description="Video: most frames a request may ask for.")
     max_side_pixels: int = Field(description="Largest width or height a request may ask for.")
-    max_work: int = Field(description="Largest width x height x num_frames x num_inference_steps x n of a request.")
+    max_work: int = Field(description="Largest price of a request: width x height x num_frames x num_inference_steps x passes x n, plus text tokens.")
     image_input: Literal["none", "optional", "required"] = Field(
         description="Whether the model takes an input image (POST /v1/images/edits, or image on /v1/videos/generations)."
     )
