@@ -249,3 +249,43 @@ def test_extra_params_reach_the_call_and_a_solver_lasts_one_call():
         omni.generate(PROMPT, extra_params={"sample_solver": "heun"})
     batch = omni.generate_batch([PROMPT, "a cat"], seeds=[0, 1], extra_params={"sample_solver": "euler"}, keep_raw=True)
     assert len(batch) == 2 and omni.pipeline.scheduler is served
+
+
+class _Injected(Exception):
+    """The failure injected into a call."""
+
+
+def test_per_request_settings_never_touch_the_served_pipeline_even_when_the_call_fails(monkeypatch):
+    """A request's scheduler (sample_solver, flow_shift) is its call's alone: during the call the served pipeline
+    keeps its own, and a failure at any point (a transformer forward, a scheduler step, the decode) leaves the
+    next request's output bit for bit as before."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    omni = Omni("tiny-wan", offload=False)
+    served, config = omni.pipeline.scheduler, dict(omni.pipeline.config)
+    first = omni.generate(PROMPT, keep_raw=True).raw
+    seen = []
+
+    def forward_hook(module, args):
+        seen.append(omni.pipeline.scheduler is served and dict(omni.pipeline.config) == config)
+
+    omni.pipeline.transformer.register_forward_pre_hook(forward_hook)
+
+    def fail(*args, **kwargs):
+        raise _Injected
+
+    points = {
+        "forward": lambda patch: omni.pipeline.transformer.register_forward_pre_hook(lambda *_: fail()),
+        "scheduler step": lambda patch: patch.setattr(FlowMatchEulerDiscreteScheduler, "step", fail),
+        "decode": lambda patch: patch.setattr(type(omni.pipeline.vae), "decode", fail),
+    }
+    for point, inject in points.items():
+        with monkeypatch.context() as patch:  # the class patches of this point only
+            handle = inject(patch)
+            with pytest.raises(_Injected):
+                omni.generate(PROMPT, flow_shift=3.0, extra_params={"sample_solver": "euler"})
+            if handle is not None:
+                handle.remove()
+        assert omni.pipeline.scheduler is served and dict(omni.pipeline.config) == config, point
+        assert (omni.generate(PROMPT, keep_raw=True).raw == first).all(), point
+    assert seen and all(seen)  # during every call, the served pipeline had its own scheduler and config

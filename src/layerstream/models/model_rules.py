@@ -58,7 +58,7 @@ OPTIONAL_FIELDS = ("negative_prompt", "guidance_scale_2", "true_cfg_scale", "bou
 """Request fields only some pipelines take; a request that gives one its pipeline cannot take is refused."""
 CALL_ARGUMENT_FIELDS = ("negative_prompt", "guidance_scale_2", "true_cfg_scale")
 SETTING_FIELDS = ("boundary_ratio", "flow_shift")
-"""Fields that override a pipeline or scheduler setting for one request (restored after it)."""
+"""Fields that override a pipeline or scheduler setting for one request (on a copy for its call alone)."""
 
 
 ImageProblem = Literal["takes_none", "required"]
