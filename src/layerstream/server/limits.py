@@ -21,7 +21,7 @@ import torch
 
 from layerstream.models.geometry import pipeline_max_latent_positions
 from layerstream.models.input_image import ConditionedSize, InputImageError, size_from_image
-from layerstream.models.model_rules import ModelRules
+from layerstream.models.model_rules import GenerationShape, ModelRules
 from layerstream.models.work import WorkPrice, price_request
 from layerstream.request import GenerationError, GenerationRequest, checked_extra_params
 from layerstream.server.errors import ApiError, invalid_fields
@@ -49,17 +49,6 @@ class ModelLimits:
     size_multiple = property(lambda self: self.rules.size_multiple)
     frame_multiple = property(lambda self: self.rules.frame_multiple)
     fps = property(lambda self: self.rules.fps)
-
-
-@dataclass(frozen=True)
-class RequestShape:
-    """What a request will really run, the model's defaults filled in."""
-
-    width: int | None
-    height: int | None
-    num_frames: int | None
-    num_inference_steps: int
-    n: int
 
 
 
@@ -99,17 +88,15 @@ def default_max_work(rules: Any, max_side: int, max_frames: int, device: Any) ->
 
 def request_shape(
     request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None = None
-) -> RequestShape:
+) -> GenerationShape:
     """The width, height, frames and steps `request` runs with: its own, else the size its input image leads
     to (`conditioned`), else the model's defaults."""
     size = request.width_height() or ((conditioned.width, conditioned.height) if conditioned is not None else (None, None))
     is_video = isinstance(request, VideoGenerationRequest)
-    shape = limits.rules.filled(
+    return limits.rules.filled(
         width=size[0], height=size[1], num_frames=request.num_frames if is_video else None,
         num_inference_steps=request.num_inference_steps,
     )  # fmt: skip
-    width, height, num_frames, steps = shape.width, shape.height, shape.num_frames if is_video else None, shape.num_inference_steps
-    return RequestShape(width, height, num_frames, steps, request.n)
 
 
 def image_size_for(
@@ -286,16 +273,14 @@ def _work_problems(
         "pixels x num_frames x num_inference_steps x passes (2 with classifier-free guidance) x n, plus the text "
         f"tokens, of at most {limits.max_work:,} (--max-work)"
     )
-    shape = request_shape(request, limits, conditioned)
-    return [ErrorDetail(param=_largest_factor(shape, limits), message=message, allowed=allowed)]
+    return [ErrorDetail(param=_largest_factor(price, limits), message=message, allowed=allowed)]
 
 
-def _largest_factor(shape: RequestShape, limits: ModelLimits) -> str:
+def _largest_factor(price: WorkPrice, limits: ModelLimits) -> str:
     """The field that asks for the most beyond the model's defaults: the one to name, and to lower first."""
     side, default = limits.max_side_pixels, limits.rules.filled()
-    default_pixels = (default.width or side) * (default.height or side)
-    ratios = {"n": float(shape.n)} if shape.n > 1 else {}  # n=1 cannot be lowered: never the one to name
-    ratios["num_inference_steps"] = shape.num_inference_steps / default.num_inference_steps
-    ratios["num_frames"] = (shape.num_frames or 1) / (default.num_frames or 1)
-    ratios["size"] = (shape.width or side) * (shape.height or side) / default_pixels
+    ratios = {"n": float(price.n)} if price.n > 1 else {}  # n=1 cannot be lowered: never the one to name
+    ratios["num_inference_steps"] = price.num_inference_steps / default.num_inference_steps
+    ratios["num_frames"] = price.num_frames / (default.num_frames or 1)
+    ratios["size"] = price.pixels / ((default.width or side) * (default.height or side))
     return max(ratios, key=lambda name: ratios[name])  # a tie names the first: the cheapest to lower
