@@ -37,6 +37,20 @@ NOT_TAKEN = ("true_cfg_scale",)
 """Fields tiny-wan cannot take (its call has no true_cfg_scale): any value of them is hostile there."""
 
 
+DEEP = "<nested past the limit>"
+"""Stands for arrays nested 40 deep in a JSON body (within its parser's bound) and 5,000 deep in a form's JSON
+text (a RecursionError, and a 500, in a parser without a depth limit)."""
+
+
+def _deep(value: Any, depth: int) -> Any:
+    if value == DEEP:
+        nested: list = []
+        for _ in range(depth - 1):  # built without recursion: json.loads itself would recurse that deep
+            nested = [nested]
+        return nested
+    return {k: _deep(v, depth) for k, v in value.items()} if isinstance(value, dict) else value
+
+
 def hostile_number(name: str) -> st.SearchStrategy:
     """Values the field's bound refuses: past either end, a text, an array, a boolean, a huge integer."""
     bound = FIELD_BOUNDS[name]
@@ -76,7 +90,7 @@ def extra_params(declared: dict[str, CallArgument], steps: int) -> st.SearchStra
     unknown = st.sampled_from(["latents", "prompt_embeds", "ip_adapter_image_embeds", "shift", "prompt_2"]).map(
         lambda key: ({key: [1]}, f"extra_params.{key}")
     )
-    deep = st.just(({"a": json.loads("[" * 40 + "]" * 40)}, "extra_params"))
+    deep = st.just(({"a": DEEP}, "extra_params"))
     hostile = st.one_of(wrong_value, unknown, deep)
     return st.tuples(valid, st.one_of(st.just(({}, None)), hostile)).map(lambda t: ({**t[0], **t[1][0]}, t[1][1]))
 
@@ -134,7 +148,12 @@ def served(request, tmp_path_factory):
 
 
 def _as_form(fields: dict[str, Any]) -> dict[str, str]:
-    return {k: json.dumps(v) if isinstance(v, (dict, list, bool)) else str(v) for k, v in fields.items()}
+    def text(value: Any) -> str:
+        if isinstance(value, dict):  # extra_params: JSON text, the deep part spliced in as text
+            return json.dumps(value).replace(json.dumps(DEEP), "[" * 5000 + "]" * 5000)
+        return json.dumps(value) if isinstance(value, (list, bool)) else str(value)
+
+    return {k: text(v) for k, v in fields.items()}
 
 
 def _check(answer, hostile: set[str]) -> None:
@@ -162,7 +181,7 @@ def test_the_job_endpoint_refuses_by_name_and_never_answers_5xx(served, encoding
         fields, hostile = drawn
         body = {"prompt": "a fox", **fields}
         post = {
-            "json": lambda: served.client.post("/v1/videos", json=body),
+            "json": lambda: served.client.post("/v1/videos", json=_deep(body, 40)),
             "multipart": lambda: served.client.post("/v1/videos", files={k: (None, v) for k, v in _as_form(body).items()}),
             "urlencoded": lambda: served.client.post("/v1/videos", data=_as_form(body)),
         }[encoding]
@@ -182,10 +201,10 @@ def test_the_synchronous_endpoint_runs_what_it_accepts_within_its_price(served):
     def check(drawn):
         fields, hostile = drawn
         before = served.forwards[0]
-        answer = served.client.post("/v1/videos/sync", json={"prompt": "a fox", **fields})
+        answer = served.client.post("/v1/videos/sync", json=_deep({"prompt": "a fox", **fields}, 40))
         _check(answer, hostile)
         if answer.status_code == 200:
-            price = served.omni.price(GenerationRequest(prompt="a fox", **fields))
+            price = served.omni.price(GenerationRequest(prompt="a fox", **_deep(fields, 40)))
             assert served.forwards[0] - before <= price.forwards
 
     check()
@@ -202,7 +221,7 @@ def test_omni_raises_only_a_named_refusal_and_runs_within_its_price():
         fields = {k: v for k, v in fields.items() if k != "fps" or isinstance(v, int)}
         before = counted[0]
         try:
-            request = GenerationRequest(prompt="a fox", **fields)
+            request = GenerationRequest(prompt="a fox", **_deep(fields, 5000))
             omni.run(request)
         except GenerationError as e:
             assert e.field is not None and _names_one_of({e.field}, hostile), (hostile, str(e))
