@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 from layerstream.cli.common import CliError, configure_logging, fail
 from layerstream.cli.interrupt import EXIT_INTERRUPTED, PhaseLog, report_interrupt
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             return int(args._run(args) or 0)
     except CliError as e:
         return fail(str(e))
-    except KeyboardInterrupt:  # a subcommand without phases of its own (generate reports its own)
+    except KeyboardInterrupt:  # a subcommand without phases of its own (generate words its own, up to its return)
+        print("layerstream: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
 
 

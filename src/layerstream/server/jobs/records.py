@@ -122,12 +122,48 @@ class JobRecord:
         }  # fmt: skip
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> JobRecord:
-        """A record as `to_dict` writes it."""
+    def from_dict(cls, data: Any) -> JobRecord:
+        """A record as `to_dict` writes it; `ValueError` or `TypeError` saying what is wrong with any other data (a
+        row edited by hand, or damaged on disk)."""
+        _check_fields("the record", data, _RECORD_FIELDS)
+        _check_fields("settings", data["settings"], _SETTINGS_FIELDS)
+        _check_fields("figures", data["figures"] or {}, _FIGURES_FIELDS, partial=True)
         return cls(**{
             **data, "status": JobStatus(data["status"]), "request": GenerationRequest.from_dict(data["request"]),
             "settings": JobSettings.from_dict(data["settings"]),
         })  # fmt: skip
+
+
+_NUMBER = (int, float)
+_RECORD_FIELDS: dict[str, tuple[type, ...]] = {
+    "id": (str,), "kind": (str,), "model": (str,), "status": (str,), "created_at": (int,), "request": (dict,),
+    "settings": (dict,), "seconds": (str, type(None)), "progress": (int,), "completed_at": (int, type(None)),
+    "error": (dict, type(None)), "output_name": (str, type(None)), "output_bytes": (int,),
+    "figures": (dict, type(None)),
+}  # fmt: skip
+_SETTINGS_FIELDS: dict[str, tuple[type, ...]] = {
+    "output_format": (str,), "preview": (bool,), "has_input_image": (bool,), "model_revision": (str, type(None)),
+    "model_commit": (str, type(None)),
+}  # fmt: skip
+_FIGURES_FIELDS: dict[str, tuple[type, ...]] = {
+    "step": (int,), "total": (int,), "seconds_per_step": (*_NUMBER, type(None)), "streamed_bytes": (int,),
+    "stall_seconds": _NUMBER, "inference_time_s": (*_NUMBER, type(None)), "peak_memory_mb": (*_NUMBER, type(None)),
+    "vae_decode": (str, type(None)),
+}  # fmt: skip
+
+
+def _check_fields(what: str, data: Any, types: dict[str, tuple[type, ...]], *, partial: bool = False) -> None:
+    """`TypeError`/`ValueError` naming the first field of `data` that is missing, unknown or of another type."""
+    if not isinstance(data, dict):
+        raise TypeError(f"{what} is a {type(data).__name__}; expected an object")
+    names = set(types) if not partial else set(types) & set(data)
+    missing, unknown = sorted(names - set(data)), sorted(set(data) - set(types))
+    if missing or unknown:
+        raise ValueError(f"{what}: {'no ' + missing[0] if missing else 'an unknown field ' + unknown[0]}")
+    for name in names:
+        value = data[name]
+        if not isinstance(value, types[name]) or (isinstance(value, bool) and bool not in types[name]):
+            raise TypeError(f"{what}: {name} is {value!r}; expected {' or '.join(t.__name__ for t in types[name])}")
 
 
 @dataclass
