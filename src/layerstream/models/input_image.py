@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 import numpy as np
 
 from layerstream.errors import LayerstreamError
+from layerstream.models.output_limits import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -35,10 +36,6 @@ if TYPE_CHECKING:
 ImageInputKind = Literal["none", "optional", "required"]
 ImageSource = Union["Image.Image", str, "os.PathLike[str]", np.ndarray, bytes, "ImageFile"]
 
-DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
-"""Largest input image, in pixels (16.8 megapixels): checked from the file header, before decoding."""
-DEFAULT_MAX_IMAGE_BYTES = 32 << 20
-"""Largest input image file, in bytes."""
 IMAGE_FILE_FORMATS = ("PNG", "JPEG", "WEBP")
 """The input image files read (PIL's names): the only decoders a file's bytes ever reach."""
 ALLOWED_FORMATS_TEXT = "PNG, JPEG or WebP"

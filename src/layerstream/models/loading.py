@@ -26,6 +26,7 @@ from layerstream.models.folder_check import MODEL_INDEX, ModelLoadError, check_m
 from layerstream.models.geometry import PipelineKind, pipeline_kind
 from layerstream.models.hub import ModelSource, download_snapshot, looks_like_hub_id, names_hub_repo
 from layerstream.models.model_rules import ModelRules, read_model_rules
+from layerstream.models.optional_imports import quiet_library_noise
 from layerstream.models.saved_dtypes import saved_dtypes
 from layerstream.models.tiny import TINY_MODELS, ensure_tiny_model, is_tiny_model_name
 from layerstream.wording import first_line
@@ -114,14 +115,12 @@ def load_pipeline(
     """
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+    with quiet_library_noise():
+        return _load_pipeline(model, dtype, revision, variant)
+
+
+def _load_pipeline(model, dtype: torch.dtype | None, revision: str | None, variant: str | None) -> DiffusionPipeline:
     from diffusers import DiffusionPipeline
-
-    if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") == "1":  # the command line asks for quiet loading
-        import diffusers.utils.logging
-        import transformers.utils.logging
-
-        diffusers.utils.logging.disable_progress_bar()
-        transformers.utils.logging.disable_progress_bar()
 
     source = model if isinstance(model, ModelSource) else resolve_model(model, revision=revision, variant=variant)
     load_kwargs: dict[str, Any] = {"local_files_only": True}
@@ -171,8 +170,9 @@ def load_model(
     """Find `model` (`resolve_model`, with `revision` and `variant`; a `ModelSource` as it is) and load it on the
     host with its rules; its progress bars off (layerstream reports progress itself, per step)."""
     name = model.model if isinstance(model, ModelSource) else model
-    source = model if isinstance(model, ModelSource) else resolve_model(model, revision=revision, variant=variant)
-    pipeline = load_pipeline(source, dtype=dtype)
+    with quiet_library_noise():  # a tiny model is built with diffusers here, before its load
+        source = model if isinstance(model, ModelSource) else resolve_model(model, revision=revision, variant=variant)
+        pipeline = load_pipeline(source, dtype=dtype)
     if hasattr(pipeline, "set_progress_bar_config"):
         pipeline.set_progress_bar_config(disable=True)
     kind, dtypes = pipeline_kind(pipeline), component_dtypes(pipeline)

@@ -34,6 +34,7 @@ from layerstream.outputs import OutputEncoding
 from layerstream.server.jobs.previews import LatentProjection, fit_latent_projection, preview_data_url
 from layerstream.server.jobs.records import (
     DECODED_PERCENT,
+    AfterStepsRate,
     JobRecord,
     JobSettings,
     JobStatus,
@@ -77,6 +78,7 @@ class JobManager:
         self.service = service
         self.store = store
         self.kind = service.limits.kind
+        self.after_steps = AfterStepsRate()
         self.events = JobEvents()
         self._lock = threading.Lock()
         self._live: dict[str, _LiveJob] = {}
@@ -213,6 +215,7 @@ class JobManager:
         if not self._save(live, live.record.with_status(JobStatus.IN_PROGRESS)):
             return None
         live.progress.total_steps = live.served.request.num_inference_steps or 0
+        live.progress.after_steps_seconds = self.after_steps.estimate(_pixels(live))
         live.stats_before = self.service.omni.stats()
         return self._latent_projection() if live.record.settings.preview else None
 
@@ -302,6 +305,7 @@ class JobManager:
     def _complete(self, live: _LiveJob, data: bytes, usage: Any) -> None:
         """Store the job's file: encoded once by the worker, with the job's settings already inside it."""
         record = live.record
+        self.after_steps.learn(live.progress, _pixels(live))
         name, size = self.store.write_output(record.id, f".{record.settings.output_format}", lambda p: p.write_bytes(data))
         done = record.with_status(
             JobStatus.COMPLETED, progress=100, completed_at=int(time.time()), output_name=name, output_bytes=size,
@@ -435,6 +439,8 @@ class _JobObserver:
         progress, before = self.live.progress, self.live.stats_before
         progress.step, progress.total_steps = step, total
         progress.step_seconds.append(seconds)
+        if step >= total:
+            progress.steps_done_at = time.monotonic()
         if stats is not None and before is not None:
             progress.streamed_bytes = stats.bytes_transferred - before.bytes_transferred
             progress.stall_seconds = stats.stall_seconds - before.stall_seconds
@@ -466,6 +472,14 @@ def _is_full(error: Exception) -> bool:
 
 
 _SQLITE_FULL = getattr(sqlite3, "SQLITE_FULL", 13)
+
+
+def _pixels(live: _LiveJob) -> int | None:
+    """The output's pixels, frames counted; None where the pipeline picks the size."""
+    request = live.record.request
+    if not (request.width and request.height):
+        return None
+    return request.width * request.height * (request.num_frames or 1)
 
 
 def _not_found(kind: str, job_id: str) -> ApiError:

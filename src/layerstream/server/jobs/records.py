@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Literal
@@ -175,16 +176,32 @@ class LiveProgress:
     step_seconds: list[float] = field(default_factory=list)
     streamed_bytes: int = 0
     stall_seconds: float = 0.0
+    after_steps_seconds: float | None = None
+    """What the work after the last step (the VAE decode, encoding the file) is expected to take: the server's
+    last finished job's, scaled by the output's size (`AfterStepsRate`); None before any job finished."""
+    steps_done_at: float | None = None
+    """``time.monotonic()`` when the last step ended."""
 
     @property
     def seconds_per_step(self) -> float | None:
-        # the median: the first step also carries prompt encoding and warm-up
-        return statistics.median(self.step_seconds) if self.step_seconds else None
+        # the median after the first step: the first carries prompt encoding and warm-up
+        steady = self.step_seconds[1:] or self.step_seconds
+        return statistics.median(steady) if steady else None
 
     @property
     def eta_seconds(self) -> float | None:
+        """The steps left and the decode after them; once the steps are done, the decode's part still ahead, or
+        None (not known) where it is not known or overdue: never 0 while the job still runs."""
         per_step = self.seconds_per_step
-        return None if per_step is None else per_step * max(0, self.total_steps - self.step)
+        if per_step is None:
+            return None
+        steps_left = per_step * max(0, self.total_steps - self.step)
+        if self.steps_done_at is None:
+            return steps_left + (self.after_steps_seconds or 0.0)
+        if self.after_steps_seconds is None:
+            return None
+        left = self.after_steps_seconds - (time.monotonic() - self.steps_done_at)
+        return left if left > 0 else None
 
     def figures(self) -> dict[str, Any]:
         """What a finished job keeps of its progress."""
@@ -274,3 +291,18 @@ def job_object(record: JobRecord, live: LiveProgress | None, queue_position: int
         },
     }
     return body
+
+
+@dataclass
+class AfterStepsRate:
+    """Seconds of the work after the last step (mostly the VAE decode) per output pixel (frames counted), from the
+    last job that finished: what a job's ETA adds for it (a decode's time grows with the pixels it makes)."""
+
+    seconds_per_pixel: float | None = None
+
+    def estimate(self, pixels: int | None) -> float | None:
+        return None if self.seconds_per_pixel is None or not pixels else self.seconds_per_pixel * pixels
+
+    def learn(self, progress: LiveProgress, pixels: int | None) -> None:
+        if progress.steps_done_at is not None and pixels:
+            self.seconds_per_pixel = (time.monotonic() - progress.steps_done_at) / pixels
