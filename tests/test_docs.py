@@ -38,7 +38,7 @@ MARKED = {
     "needs a GPU": 1,
     "needs a download": 2,
     "needs torchrun": 4,
-    "starts a server": 4,
+    "starts a server": 5,
     "needs files of your own": 1,
     "too slow": 1,
     "a fragment": 1,

@@ -20,6 +20,7 @@ from layerstream.models.generation_size import RequestSizes
 from layerstream.models.hub import ModelSource
 from layerstream.models.input_image import ImageInputKind, ImageSource
 from layerstream.models.model_rules import ModelRules
+from layerstream.models.work import WorkPrice, price_request
 from layerstream.offload import default_device, enable_offload
 from layerstream.outputs import IMAGE_SUFFIXES, VIDEO_SUFFIXES, GenerationResult, request_settings, save_output
 from layerstream.pipeline_runner import PipelineRunner, RunStats, batch_requests, parse_dtype, request_options
@@ -175,6 +176,11 @@ class Omni:
         has_image = request.image is not None
         settings = request_settings(made, has_input_image=has_image, model_revision=revision, model_commit=self.source.commit)
         return {**settings, "model": self.model, "offload_config": self.config.to_dict()}
+
+    def price(self, request: GenerationRequest) -> WorkPrice:
+        """What `request` costs this model, by the one pricing function (`models.work.price_request`): the price
+        a server's work cap compares."""
+        return price_request(self.rules, request, max_side_pixels=request.max_side_pixels)
 
     def component_dtypes(self) -> dict[str, str]:
         """The dtype each component computes in (``"bfloat16"``), as `models.loading.component_dtypes` reads it."""

@@ -13,13 +13,13 @@ The JSON schema of every model is frozen in ``tests/server/test_schema.py``: a c
 from __future__ import annotations
 
 import functools
-import json
 import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from layerstream.json_object import JsonLimitError, read_json_text
 from layerstream.models.output_limits import MAX_PROMPT_CHARS, MAX_SEED  # the command line's limits too
 from layerstream.request import FIELD_BOUNDS, GenerationRequest
 from layerstream.server.image_outputs import MAX_KEPT_OUTPUT_BYTES, MAX_KEPT_OUTPUTS
@@ -192,7 +192,9 @@ class FormReading(BaseModel):
         if not isinstance(value, str):
             return value
         try:
-            return json.loads(value)
+            return read_json_text(value)
+        except JsonLimitError as e:  # a 400 naming the limit
+            raise PydanticCustomError("extra_params_json", "extra_params is refused: {error}", {"error": str(e)}) from None
         except ValueError as e:  # not JSON: a 400, as vllm-omni answers (`errors.validation_error`)
             raise PydanticCustomError("extra_params_json", "extra_params is not valid JSON text ({error})", {"error": str(e)}) from None
 
@@ -338,12 +340,25 @@ class RankHealth(BaseModel):
 
 
 class ModelSourceInfo(BaseModel):
-    model: str = Field(description="The model as the server was started with it.")
+    model: str = Field(description="The model as the server was started with it (a folder: its name; the log has its path).")
     origin: Literal["tiny", "folder", "hub"]
-    folder: str = Field(description="The folder its files were read from (for a Hub id, the cached snapshot).")
     revision: str | None = Field(default=None, description="Hub ids: the revision asked for (main by default).")
     commit: str | None = Field(default=None, description="Hub ids: the commit the snapshot is of.")
     variant: str | None = Field(default=None, description="The weights variant loaded (fp16...), if one was asked for.")
+
+
+class ModelCard(BaseModel):
+    """OpenAI's model object: one name the served model answers to."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(description="When the server started serving it (Unix seconds).")
+    owned_by: str = "layerstream"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(description="The served model, under each name a request's model may give.")
 
 
 class HealthResponse(BaseModel):
@@ -365,7 +380,7 @@ class HealthResponse(BaseModel):
     frame_multiple: int | None = Field(description="Video: num_frames - 1 must be a multiple of this.")
     max_frames: int | None = Field(description="Video: most frames a request may ask for.")
     max_side_pixels: int = Field(description="Largest width or height a request may ask for.")
-    max_work: int = Field(description="Largest width x height x num_frames x num_inference_steps x n of a request.")
+    max_work: int = Field(description="Largest price of a request: width x height x num_frames x num_inference_steps x passes x n, plus text tokens.")
     image_input: Literal["none", "optional", "required"] = Field(
         description="Whether the model takes an input image (POST /v1/images/edits, or image on /v1/videos/generations)."
     )
