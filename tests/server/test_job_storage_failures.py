@@ -46,7 +46,7 @@ def _served(omni, data_dir: Path):
 
     service = GenerationService(omni, ServeSettings(port=0, shutdown_timeout=0))
     jobs = JobManager(service, JobStore(HistorySettings(data_dir=data_dir)))
-    with TestClient(create_app(service, jobs, ui=False)) as client:
+    with TestClient(create_app(service, jobs, ui=False), base_url="http://127.0.0.1") as client:
         yield client
 
 
