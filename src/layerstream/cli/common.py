@@ -104,6 +104,22 @@ def add_hub_arguments(parser: argparse.ArgumentParser) -> None:
         "--variant", default=None, metavar="NAME",
         help='weights variant as diffusers names it, e.g. "fp16" (default: the plain weights)',
     )  # fmt: skip
+    parser.add_argument(
+        "--component", action="append", default=None, metavar="NAME=FILE",
+        help="load component NAME (transformer, transformer_2) from FILE, a .gguf or .safetensors file or "
+        "hf://owner/repo/path/file.gguf[@revision]; repeatable (docs/python.md, \"A component from a file\")",
+    )  # fmt: skip
+
+
+def component_files(args: argparse.Namespace) -> dict[str, str]:
+    """--component NAME=FILE (repeatable) as `Omni`'s `components`; CliError naming a malformed one."""
+    from layerstream.models.component_files import check_component_specs, parse_component_flags
+    from layerstream.models.folder_check import ModelLoadError
+
+    try:
+        return check_component_specs(parse_component_flags(getattr(args, "component", None)))
+    except ModelLoadError as e:
+        raise CliError(str(e)) from e
 
 
 def fetch_before_ranks(args: argparse.Namespace) -> dict[str, str]:

@@ -16,6 +16,7 @@ from layerstream.cli.common import (
     add_vae_arguments,
     check_device_arg,
     check_output_path,
+    component_files,
     fetch_before_ranks,
     json_object_text,
     parse_config_args,
@@ -221,6 +222,7 @@ def _load(args: argparse.Namespace, config, world_size: int):
             process_group=offload_group,
             revision=args.revision,
             variant=args.variant,
+            components=component_files(args),
             requests=RequestSizes(height=args.height, width=args.width, num_frames=args.num_frames, source="the request's size"),
         )
     except (ModelLoadError, GenerationError, OffloadError) as e:

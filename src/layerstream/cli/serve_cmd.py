@@ -23,6 +23,7 @@ from layerstream.cli.common import (
     add_model_arguments,
     add_vae_arguments,
     check_device_arg,
+    component_files,
     fetch_before_ranks,
     parse_config_args,
 )
@@ -214,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
                 simulated_link_gbps=args.link_gbps,
                 revision=args.revision,
                 variant=args.variant,
+                components=component_files(args),
                 requests=server_requests(settings),  # the host reserve of "auto" is sized to the largest allowed
             )
         except (ModelLoadError, GenerationError, OffloadError) as e:
@@ -383,7 +385,8 @@ class _RankModel:
         if self.source is None and names_hub_repo(args.model):
             model = resolve_model(args.model, revision=args.revision, variant=args.variant, offline=True)
         return Omni(model=model, diffusion_offload_config=self.config, device=setup.device, dtype=args.dtype,
-                    simulated_link_gbps=args.link_gbps, process_group=group, requests=server_requests(self.settings))  # fmt: skip
+                    simulated_link_gbps=args.link_gbps, process_group=group, requests=server_requests(self.settings),
+                    components=component_files(args))  # fmt: skip
 
 
 def _follow(runtime, channel, rank: int) -> int:

@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -102,6 +102,7 @@ def load_pipeline(
     dtype: torch.dtype | None = None,
     revision: str | None = None,
     variant: str | None = None,
+    components: Mapping[str, Any] | None = None,
 ) -> DiffusionPipeline:
     """Load `model` (a tiny model name, a local diffusers-format folder, a Hub id, or a `ModelSource` already
     resolved) as a diffusers pipeline on the host.
@@ -110,12 +111,17 @@ def load_pipeline(
     the Hugging Face Hub client is held in offline mode. `dtype` casts every component; None loads each
     component in the dtype its safetensors files store (a bfloat16 transformer stays bfloat16, a float32 VAE
     float32), which also lets diffusers keep the weights as lazy views of the files.
+    `components` maps component names to files loaded in their place (`models.component_files`): each computes
+    in `dtype`, else in the dtype its folder stores, else bfloat16.
     Raises `ModelLoadError` for a bad `model` and for any failure of diffusers or transformers to load it.
     """
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
     from diffusers import DiffusionPipeline
 
+    from layerstream.models import component_files as files_of
+
+    specs = files_of.check_component_specs(components)  # their form before anything is read
     if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") == "1":  # the command line asks for quiet loading
         import diffusers.utils.logging
         import transformers.utils.logging
@@ -124,6 +130,8 @@ def load_pipeline(
         transformers.utils.logging.disable_progress_bar()
 
     source = model if isinstance(model, ModelSource) else resolve_model(model, revision=revision, variant=variant)
+    classes = files_of.component_classes(source.folder, list(specs))
+    files = files_of.resolve_component_files(specs)
     load_kwargs: dict[str, Any] = {"local_files_only": True}
     if source.variant is not None:
         load_kwargs["variant"] = source.variant
@@ -131,7 +139,7 @@ def load_pipeline(
         folder = source.folder
         # no dtype: each component in the dtype its checkpoint stores (diffusers would upcast to float32)
         saved = saved_dtypes(folder, source.variant)
-        cast_here = components_to_cast(folder, saved, dtype) if dtype is not None else []
+        cast_here = [n for n in components_to_cast(folder, saved, dtype) if n not in files] if dtype is not None else []
         if dtype is None:
             load_kwargs["dtype"] = saved
         else:  # diffusers models saved in one other dtype load as saved, then are cast from the files below
@@ -139,10 +147,19 @@ def load_pipeline(
         logger.info("loading pipeline from %s", folder)
         readahead = Readahead.for_pipeline_folder(folder)  # the disk works while diffusers builds the pipeline
         try:
-            pipeline = DiffusionPipeline.from_pretrained(folder, **load_kwargs)
+            from_files = {
+                name: files_of.load_component_file(name, classes[name], path, folder, dtype or saved.get(name, torch.bfloat16))
+                for name, path in files.items()
+            }  # in place of the folder's weights, which diffusers then leaves unread
+            # the pipeline's own class: DiffusionPipeline itself would load an optional component passed in
+            loader = files_of.pipeline_class(folder) if from_files else DiffusionPipeline
+            pipeline = loader.from_pretrained(folder, **load_kwargs, **from_files)
+            assert all(getattr(pipeline, name) is model for name, model in from_files.items())
             for name in cast_here:
                 cast_from_files_(getattr(pipeline, name), dtype, what=name)
             return pipeline
+        except ModelLoadError:
+            raise
         except Exception as e:  # any loader failure becomes one line naming the folder; the cause stays chained
             raise ModelLoadError(f"cannot load the pipeline in {folder}: {first_line(e, with_type=True)}") from e
         finally:
@@ -166,13 +183,19 @@ class LoadedModel:
 
 
 def load_model(
-    model: str | ModelSource, *, dtype: torch.dtype | None, revision: str | None = None, variant: str | None = None
+    model: str | ModelSource,
+    *,
+    dtype: torch.dtype | None,
+    revision: str | None = None,
+    variant: str | None = None,
+    components: Mapping[str, Any] | None = None,
 ) -> LoadedModel:
     """Find `model` (`resolve_model`, with `revision` and `variant`; a `ModelSource` as it is) and load it on the
-    host with its rules; its progress bars off (layerstream reports progress itself, per step)."""
+    host with its rules, `components` from their files (`load_pipeline`); its progress bars off (layerstream
+    reports progress itself, per step)."""
     name = model.model if isinstance(model, ModelSource) else model
     source = model if isinstance(model, ModelSource) else resolve_model(model, revision=revision, variant=variant)
-    pipeline = load_pipeline(source, dtype=dtype)
+    pipeline = load_pipeline(source, dtype=dtype, components=components)
     if hasattr(pipeline, "set_progress_bar_config"):
         pipeline.set_progress_bar_config(disable=True)
     kind, dtypes = pipeline_kind(pipeline), component_dtypes(pipeline)
