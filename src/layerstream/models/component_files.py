@@ -156,14 +156,15 @@ def load_component_file(name: str, cls: type, path: Path, folder: Path, dtype: t
     from layerstream.models.fp8_scaled import is_float8_file, load_fp8_scaled
 
     options: dict[str, Any] = {"config": str(folder), "subfolder": name, "local_files_only": True, "torch_dtype": dtype}
-    check_file_names(name, cls, path, folder / name)
+    shapes = file_tensor_shapes(name, path)
     try:
+        if path.suffix == ".safetensors" and is_float8_file(path):  # its own checks: its layout, then its names
+            return load_fp8_scaled(name, cls, path, folder / name, dtype)
+        check_file_names(name, cls, path, folder / name, shapes)
         if path.suffix == ".gguf":
             from diffusers import GGUFQuantizationConfig
 
             model = cls.from_single_file(str(path), quantization_config=GGUFQuantizationConfig(compute_dtype=dtype), **options)
-        elif is_float8_file(path):
-            model = load_fp8_scaled(name, cls, path, options)
         else:
             model = cls.from_single_file(str(path), **options)
     except ModelLoadError:
@@ -174,28 +175,27 @@ def load_component_file(name: str, cls: type, path: Path, folder: Path, dtype: t
     return model
 
 
-def file_tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+def file_tensor_shapes(name: str, path: Path) -> dict[str, tuple[int, ...]]:
     """Each tensor's name and shape (the logical one, not a quantized block layout), read from the header of a
     GGUF or safetensors file (a GGUF file is memory-mapped: its data is not read)."""
-    if path.suffix == ".gguf":
-        import gguf
+    try:
+        if path.suffix == ".gguf":
+            import gguf
 
-        return {t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in gguf.GGUFReader(str(path)).tensors}
-    from layerstream.models.saved_dtypes import read_safetensors_header
+            return {t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in gguf.GGUFReader(str(path)).tensors}
+        from layerstream.models.saved_dtypes import read_safetensors_header
 
-    return {k: tuple(v["shape"]) for k, v in read_safetensors_header(path).items() if k != "__metadata__"}
+        return {k: tuple(v["shape"]) for k, v in read_safetensors_header(path).items() if k != "__metadata__"}
+    except Exception as e:  # not a GGUF / safetensors file after all
+        raise ModelLoadError(f"component {name}: cannot read {path}: {first_line(e, with_type=True)}") from e
 
 
-def check_file_names(name: str, cls: type, path: Path, config_folder: Path) -> None:
+def check_file_names(name: str, cls: type, path: Path, config_folder: Path, shapes: dict[str, tuple[int, ...]]) -> None:
     """Refuse, before loading, a file that lacks a weight the model needs: its names, converted as diffusers'
     single-file converter for `cls` converts them (shapes on the meta device), against the model's."""
     from accelerate import init_empty_weights
     from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES, _should_convert_state_dict_to_diffusers
 
-    try:
-        shapes = file_tensor_shapes(path)
-    except Exception as e:  # not a GGUF / safetensors file after all
-        raise ModelLoadError(f"component {name}: cannot read {path}: {first_line(e, with_type=True)}") from e
     config = cls.load_config(config_folder)
     with init_empty_weights():
         wanted = cls.from_config(config).state_dict()
