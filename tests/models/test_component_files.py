@@ -112,3 +112,20 @@ def test_generate_takes_component_flags(layerstream_cli, expert_gguf, tmp_path):
     bad = layerstream_cli("generate", "--model", "tiny-wan", "--component", "transformer", "--output", str(out))
     assert bad.returncode == 2
     assert bad.error_lines == ["layerstream: error: --component 'transformer': expected NAME=FILE, e.g. transformer=wan-high-Q4_K_M.gguf"]
+
+
+def test_plan_prices_a_file_component_at_the_bytes_it_keeps(layerstream_cli, expert_gguf, tmp_path):
+    """`plan --component` reads the file's header: the expert's blocks at their Q8_0 bytes, as enabling keeps them."""
+    import json
+
+    from layerstream import Omni
+
+    path = str(expert_gguf / "high.gguf")
+    result = layerstream_cli("plan", "tiny-wan", "--component", f"transformer={path}", "--json")
+    assert result.returncode == 0, result.stderr
+    planned = {c["path"]: c["block_bytes"] for c in json.loads(result.stdout)["components"]}
+    omni = Omni("tiny-wan", {"mode": "layer", "components": ["dit"]}, device="cpu", components={"transformer": path})
+    kept = omni.handle.stats().per_component
+    assert planned["transformer"] < 0.4 * planned["transformer_2"]  # Q8_0 against float32
+    assert abs(planned["transformer"] - kept["transformer"].host_bytes) < 0.05 * planned["transformer"], (planned, kept["transformer"].host_bytes)
+    assert json.loads(result.stdout)["model_source"]["components"] == {"transformer": path}

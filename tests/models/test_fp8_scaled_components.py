@@ -86,3 +86,17 @@ def test_an_unrecognised_layout_is_refused_naming_the_key(tmp_path, edit, messag
     with pytest.raises(ModelLoadError, match=r"^component transformer: edited\.safetensors: " + message) as info:
         load_pipeline("tiny-wan", components={"transformer": path})
     assert "\n" not in str(info.value)
+
+
+def test_plan_prices_fp8_scaled_blocks_as_enabling_keeps_them(tmp_path, layerstream_cli):
+    import json
+
+    fp8, _ = _files(tmp_path, "tiny-wan", "WanTransformer3DModel", ["transformer_2"], spelling="scale_weight", original_names=True)
+    result = layerstream_cli("plan", "tiny-wan", "--component", f"transformer_2={fp8['transformer_2']}", "--json")
+    assert result.returncode == 0, result.stderr
+    planned = {c["path"]: c["block_bytes"] for c in json.loads(result.stdout)["components"]}
+    omni = Omni("tiny-wan", DIT, device="cpu", components=fp8)
+    kept = omni.handle.stats().per_component["transformer_2"].host_bytes
+    assert planned["transformer_2"] < 0.45 * planned["transformer"]
+    # the store aligns each tensor: the ten 4-byte scales of a toy block take ~1.2 KiB of its ~16 KiB
+    assert abs(planned["transformer_2"] - kept) < 0.1 * kept, (planned, kept)

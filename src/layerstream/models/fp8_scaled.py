@@ -58,6 +58,11 @@ def is_float8_file(path: Path) -> bool:
     )
 
 
+def is_layout_key(key: str) -> bool:
+    """Whether `key` is the marker, a scale or a note rather than a tensor of the model."""
+    return key.rpartition(".")[2] == MARKER or key.endswith(SCALE_SUFFIXES + UNREAD_SUFFIXES)
+
+
 def read_layout(name: str, path: Path, header: dict) -> Fp8ScaledLayout:
     """The layout of the fp8_scaled file at `path` (its safetensors `header`), checked whole."""
     where = f"component {name}: {path.name}"

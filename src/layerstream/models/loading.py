@@ -203,15 +203,23 @@ def load_model(
 
 
 def load_skeleton(
-    model: str | os.PathLike[str], *, revision: str | None = None, variant: str | None = None
+    model: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    variant: str | None = None,
+    components: Mapping[str, Any] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """(`model`'s pipeline skeleton, where its metadata came from): models built from their configs on the
     meta device in the dtypes the checkpoint stores, for planning; no weight is read. A Hub id that is not a
     local path is described by the Hub's metadata alone (JSON files and safetensors headers), with the bytes a
-    download would fetch; anything else by its folder. Both build the skeleton the same way."""
+    download would fetch; anything else by its folder. Both build the skeleton the same way. `components` from
+    their files are priced at the bytes the files store (read from their headers; a Hub file from the cache)."""
+    from layerstream.models import component_files as files_of
+    from layerstream.models.component_skeleton import file_component_skeleton_
     from layerstream.models.hub import fetch_plan_metadata
     from layerstream.models.skeleton import build_skeleton, folder_tensor_dtypes
 
+    specs = files_of.check_component_specs(components)
     if names_hub_repo(model):
         meta = fetch_plan_metadata(model, revision=revision, variant=variant)
         origin = {
@@ -220,9 +228,15 @@ def load_skeleton(
             "total_download_bytes": meta.total_nbytes,
             "download_bytes": meta.download_nbytes,
         }
-        return build_skeleton(meta.source.folder, meta.tensor_dtypes), origin
-    source = resolve_model(model, revision=revision, variant=variant)
-    return build_skeleton(source.folder, folder_tensor_dtypes(source.folder, source.variant)), source.to_dict()
+        folder, skeleton = meta.source.folder, build_skeleton(meta.source.folder, meta.tensor_dtypes)
+    else:
+        source = resolve_model(model, revision=revision, variant=variant)
+        origin, folder = source.to_dict(), source.folder
+        skeleton = build_skeleton(source.folder, folder_tensor_dtypes(source.folder, source.variant))
+    files_of.component_classes(folder, list(specs))
+    for name, path in files_of.resolve_component_files(specs, offline=True).items():
+        file_component_skeleton_(name, getattr(skeleton, name), path)
+    return skeleton, {**origin, **({"components": specs} if specs else {})}
 
 
 def model_kind(model: str | os.PathLike[str]) -> PipelineKind | None:
