@@ -129,3 +129,18 @@ def test_plan_prices_a_file_component_at_the_bytes_it_keeps(layerstream_cli, exp
     assert planned["transformer"] < 0.4 * planned["transformer_2"]  # Q8_0 against float32
     assert abs(planned["transformer"] - kept["transformer"].host_bytes) < 0.05 * planned["transformer"], (planned, kept["transformer"].host_bytes)
     assert json.loads(result.stdout)["model_source"]["components"] == {"transformer": path}
+
+
+def test_a_hub_model_with_a_file_component_downloads_no_weights_of_that_component(standin, expert_gguf, tmp_path, monkeypatch):
+    hub = select_standin_hub(standin, monkeypatch, tmp_path)
+    hub.add_repo("test-org/tiny-wan", ensure_tiny_model("tiny-wan"))
+    pipe = load_pipeline("test-org/tiny-wan", components={"transformer": str(expert_gguf / "high.gguf")})
+    fetched = hub.downloaded()
+    assert "transformer_2/diffusion_pytorch_model.safetensors" in fetched and "transformer/config.json" in fetched
+    assert not [f for f in fetched if f.startswith("transformer/") and f.endswith(".safetensors")], fetched
+    assert pipe.transformer.blocks[0].attn1.to_q.weight.dtype == torch.uint8
+    assert pipe.transformer.blocks[0].norm2.weight.dtype == torch.float32  # as the others are saved (no bfloat16)
+    hub.requests.clear()  # offline, the snapshot without those weights is complete
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    load_pipeline("test-org/tiny-wan", components={"transformer": str(expert_gguf / "high.gguf")})
+    assert hub.requests == []

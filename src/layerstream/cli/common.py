@@ -133,7 +133,7 @@ def fetch_before_ranks(args: argparse.Namespace) -> dict[str, str]:
     from layerstream.models.loading import ModelLoadError, resolve_model
 
     try:
-        resolve_model(args.model, revision=args.revision, variant=args.variant)
+        resolve_model(args.model, revision=args.revision, variant=args.variant, from_files=frozenset(component_files(args)))
     except ModelLoadError as e:
         raise CliError(" ".join(str(e).split())) from e
     return {"HF_HUB_OFFLINE": "1"}

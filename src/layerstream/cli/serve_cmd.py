@@ -373,7 +373,7 @@ class _RankModel:
 
         args = self.args
         if is_tiny_model_name(args.model) or looks_like_hub_id(args.model):
-            self.source = resolve_model(args.model, revision=args.revision, variant=args.variant)
+            self.source = resolve_model(args.model, revision=args.revision, variant=args.variant, from_files=frozenset(component_files(args)))
 
     def load(self, setup, group):
         from layerstream.models.generation_size import server_requests
@@ -383,7 +383,7 @@ class _RankModel:
 
         args, model = self.args, self.source or self.args.model
         if self.source is None and names_hub_repo(args.model):
-            model = resolve_model(args.model, revision=args.revision, variant=args.variant, offline=True)
+            model = resolve_model(args.model, revision=args.revision, variant=args.variant, offline=True, from_files=frozenset(component_files(args)))
         return Omni(model=model, diffusion_offload_config=self.config, device=setup.device, dtype=args.dtype,
                     simulated_link_gbps=args.link_gbps, process_group=group, requests=server_requests(self.settings),
                     components=component_files(args))  # fmt: skip

@@ -51,6 +51,7 @@ def resolve_model(
     revision: str | None = None,
     variant: str | None = None,
     offline: bool | None = None,
+    from_files: frozenset[str] = frozenset(),
 ) -> ModelSource:
     """Where `model`'s files are: a tiny model built on first use, a local folder, or a Hub snapshot
     downloaded into huggingface_hub's cache (only what the pipeline loads, in `variant` where given).
@@ -60,7 +61,8 @@ def resolve_model(
     before it is returned: every component its ``model_index.json`` names has its subfolder, and files match
     the checksums layerstream recorded if it built the folder (see `check_model_folder`). `revision` (a
     branch, tag or commit) applies to Hub ids only; `offline` reads a Hub id from the cache without a request
-    (as ``HF_HUB_OFFLINE=1`` does). Raises `ModelLoadError` with one line saying what to do.
+    (as ``HF_HUB_OFFLINE=1`` does); the components named in `from_files` are fetched without their weights.
+    Raises `ModelLoadError` with one line saying what to do.
     """
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a tiny model name, a folder path or a Hub id, got {type(model).__name__}")
@@ -78,7 +80,7 @@ def resolve_model(
     folder = Path(text).expanduser()
     if not folder.exists():
         if isinstance(model, str) and looks_like_hub_id(text):
-            return download_snapshot(text, revision=revision, variant=variant, offline=offline)
+            return download_snapshot(text, revision=revision, variant=variant, offline=offline, from_files=from_files)
         raise ModelLoadError(
             f"model path {folder} does not exist and is not spelled like a Hub id (org/name); pass "
             f"{_WHAT_MODEL_IS.format(', '.join(TINY_MODELS))}"
@@ -112,7 +114,7 @@ def load_pipeline(
     component in the dtype its safetensors files store (a bfloat16 transformer stays bfloat16, a float32 VAE
     float32), which also lets diffusers keep the weights as lazy views of the files.
     `components` maps component names to files loaded in their place (`models.component_files`): each computes
-    in `dtype`, else in the dtype its folder stores, else bfloat16.
+    in `dtype`, else in the dtype its folder stores, else in the narrowest one the other components store.
     Raises `ModelLoadError` for a bad `model` and for any failure of diffusers or transformers to load it.
     """
     if dtype is not None and not isinstance(dtype, torch.dtype):
@@ -129,7 +131,9 @@ def load_pipeline(
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
 
-    source = model if isinstance(model, ModelSource) else resolve_model(model, revision=revision, variant=variant)
+    if not isinstance(model, ModelSource):
+        model = resolve_model(model, revision=revision, variant=variant, from_files=frozenset(specs))
+    source = model
     classes = files_of.component_classes(source.folder, list(specs))
     files = files_of.resolve_component_files(specs)
     load_kwargs: dict[str, Any] = {"local_files_only": True}
@@ -144,11 +148,14 @@ def load_pipeline(
             load_kwargs["dtype"] = saved
         else:  # diffusers models saved in one other dtype load as saved, then are cast from the files below
             load_kwargs["dtype"] = {"default": dtype, **{name: saved[name] for name in cast_here}}
+        # a component whose folder holds no weights (a Hub download leaves them out) computes in the narrowest
+        # dtype the others are saved in: a DiT is saved as the text encoder is (bfloat16), the VAE is float32
+        narrowest = min(saved.values(), key=lambda d: d.itemsize, default=torch.bfloat16)
         logger.info("loading pipeline from %s", folder)
         readahead = Readahead.for_pipeline_folder(folder)  # the disk works while diffusers builds the pipeline
         try:
             from_files = {
-                name: files_of.load_component_file(name, classes[name], path, folder, dtype or saved.get(name, torch.bfloat16))
+                name: files_of.load_component_file(name, classes[name], path, folder, dtype or saved.get(name, narrowest))
                 for name, path in files.items()
             }  # in place of the folder's weights, which diffusers then leaves unread
             # the pipeline's own class: DiffusionPipeline itself would load an optional component passed in
@@ -194,7 +201,9 @@ def load_model(
     host with its rules, `components` from their files (`load_pipeline`); its progress bars off (layerstream
     reports progress itself, per step)."""
     name = model.model if isinstance(model, ModelSource) else model
-    source = model if isinstance(model, ModelSource) else resolve_model(model, revision=revision, variant=variant)
+    if not isinstance(model, ModelSource):
+        model = resolve_model(model, revision=revision, variant=variant, from_files=frozenset(components or ()))
+    source = model
     pipeline = load_pipeline(source, dtype=dtype, components=components)
     if hasattr(pipeline, "set_progress_bar_config"):
         pipeline.set_progress_bar_config(disable=True)
