@@ -144,3 +144,10 @@ def test_a_hub_model_with_a_file_component_downloads_no_weights_of_that_componen
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     load_pipeline("test-org/tiny-wan", components={"transformer": str(expert_gguf / "high.gguf")})
     assert hub.requests == []
+
+
+def test_serve_and_plan_refuse_a_malformed_component_flag_before_anything_starts(layerstream_cli):
+    for argv in (("serve", "tiny-wan", "--port", "1"), ("plan", "tiny-wan")):
+        result = layerstream_cli(*argv, "--component", "transformer=weights.bin")
+        assert result.returncode == 2
+        assert result.error_lines == ["layerstream: error: component transformer = 'weights.bin': the file must end in .gguf or .safetensors"]

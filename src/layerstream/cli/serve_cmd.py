@@ -169,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
 
     default = DATA_PARALLEL_CONFIG if num_ranks > 1 else None
     config = parse_config_args(args, default)  # before anything loads
+    component_files(args)  # a malformed --component, before binding
     if args.link_gbps is not None and not args.link_gbps > 0:
         raise CliError(f"--link-gbps = {args.link_gbps!r} is not valid; expected a number > 0")
     settings = _settings(args)
