@@ -151,3 +151,12 @@ def test_serve_and_plan_refuse_a_malformed_component_flag_before_anything_starts
         result = layerstream_cli(*argv, "--component", "transformer=weights.bin")
         assert result.returncode == 2
         assert result.error_lines == ["layerstream: error: component transformer = 'weights.bin': the file must end in .gguf or .safetensors"]
+
+
+def test_a_quantized_block_is_priced_at_its_logical_flops(expert_gguf):
+    from layerstream.machine.step_time import block_flops
+
+    gguf = load_pipeline("tiny-wan", components={"transformer": str(expert_gguf / "high.gguf")})
+    plain = load_pipeline("tiny-wan")
+    assert gguf.transformer.blocks[0].attn1.to_q.weight.shape != plain.transformer.blocks[0].attn1.to_q.weight.shape
+    assert block_flops(gguf.transformer.blocks[0], 64) == block_flops(plain.transformer.blocks[0], 64)
