@@ -152,7 +152,7 @@ def load_pipeline(
         # dtype the others are saved in: a DiT is saved as the text encoder is (bfloat16), the VAE is float32
         narrowest = min(saved.values(), key=lambda d: d.itemsize, default=torch.bfloat16)
         logger.info("loading pipeline from %s", folder)
-        readahead = Readahead.for_pipeline_folder(folder)  # the disk works while diffusers builds the pipeline
+        readahead = Readahead.for_pipeline_folder(folder, skip=files)  # the disk works while diffusers builds the pipeline
         try:
             from_files = {
                 name: files_of.load_component_file(name, classes[name], path, folder, dtype or saved.get(name, narrowest))
