@@ -109,3 +109,23 @@ def test_flux_from_a_gguf_file_streams_bit_identically(tmp_path):
     streamed = Omni("tiny-flux", DIT, device="cpu", components=components)
     assert np.array_equal(streamed.generate("a cat", **size).raw, expected)
     assert type(streamed.pipeline.transformer.transformer_blocks[0].ff.net[2].weight).__name__ == "GGUFParameter"
+
+
+def test_gguf_and_fp8_scaled_experts_stream_from_the_disk_tier_bit_identically(tmp_path):
+    """One expert from a GGUF file, the other from an fp8_scaled file, with a host budget that keeps some blocks
+    on disk: the same output as with every block in host memory."""
+    from diffusers import WanTransformer3DModel
+
+    from tests.models.single_files import write_fp8_scaled
+
+    folder = ensure_tiny_model("tiny-wan")
+    gguf_path, fp8_path = tmp_path / "high.gguf", tmp_path / "low.safetensors"
+    write_gguf(gguf_path, wan_original_keys(WanTransformer3DModel.from_pretrained(folder, subfolder="transformer").state_dict()), {"": "Q4_0"})
+    write_fp8_scaled(fp8_path, WanTransformer3DModel.from_pretrained(folder, subfolder="transformer_2").state_dict(), spelling="weight_scale", original_names=True)
+    components = {"transformer": str(gguf_path), "transformer_2": str(fp8_path)}
+    _, expected, _ = _generate("tiny-wan", components, offload=True)
+    tiered = {**DIT, "host_budget_gb": 40_000 / 1e9, "disk_dir": str(tmp_path / "spill")}
+    omni = Omni(model="tiny-wan", diffusion_offload_config=tiered, device="cpu", components=components)
+    assert np.array_equal(omni.generate("a cat", **QUICK).raw, expected)
+    stats = omni.handle.stats()
+    assert stats.disk_bytes_read > 0, stats
