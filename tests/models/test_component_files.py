@@ -160,3 +160,21 @@ def test_a_quantized_block_is_priced_at_its_logical_flops(expert_gguf):
     plain = load_pipeline("tiny-wan")
     assert gguf.transformer.blocks[0].attn1.to_q.weight.shape != plain.transformer.blocks[0].attn1.to_q.weight.shape
     assert block_flops(gguf.transformer.blocks[0], 64) == block_flops(plain.transformer.blocks[0], 64)
+
+
+def test_plan_reads_a_hub_file_header_by_ranges_and_downloads_nothing(standin, expert_gguf, tmp_path, monkeypatch, layerstream_cli):
+    import json
+
+    hub = select_standin_hub(standin, monkeypatch, tmp_path)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "wan-Q8_0.gguf").write_bytes((expert_gguf / "high.gguf").read_bytes())
+    hub.add_repo("test-org/wan-gguf", repo)
+    local = layerstream_cli("plan", "tiny-wan", "--component", f"transformer={expert_gguf / 'high.gguf'}", "--json")
+    remote = layerstream_cli("plan", "tiny-wan", "--component", "transformer=hf://test-org/wan-gguf/wan-Q8_0.gguf", "--json")
+    assert remote.returncode == 0, remote.stderr
+    assert json.loads(remote.stdout)["components"] == json.loads(local.stdout)["components"]
+    reads = hub.weight_requests()
+    assert reads and all(r.range is not None for r in reads), reads
+    assert sum(r.nbytes for r in reads) <= (expert_gguf / "high.gguf").stat().st_size
+    assert hub.downloaded() == [] and not list(tmp_path.rglob("hub-cache/**/*.gguf"))  # nothing fetched whole

@@ -177,17 +177,10 @@ def load_component_file(name: str, cls: type, path: Path, folder: Path, dtype: t
 
 def file_tensor_shapes(name: str, path: Path) -> dict[str, tuple[int, ...]]:
     """Each tensor's name and shape (the logical one, not a quantized block layout), read from the header of a
-    GGUF or safetensors file (a GGUF file is memory-mapped: its data is not read)."""
-    try:
-        if path.suffix == ".gguf":
-            import gguf
+    GGUF or safetensors file."""
+    from layerstream.models.component_headers import header_tensors
 
-            return {t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in gguf.GGUFReader(str(path)).tensors}
-        from layerstream.models.saved_dtypes import read_safetensors_header
-
-        return {k: tuple(v["shape"]) for k, v in read_safetensors_header(path).items() if k != "__metadata__"}
-    except Exception as e:  # not a GGUF / safetensors file after all
-        raise ModelLoadError(f"component {name}: cannot read {path}: {first_line(e, with_type=True)}") from e
+    return {k: t.shape for k, t in header_tensors(name, str(path), path).items()}
 
 
 def check_file_names(name: str, cls: type, path: Path, config_folder: Path, shapes: dict[str, tuple[int, ...]]) -> None:

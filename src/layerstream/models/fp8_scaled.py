@@ -63,9 +63,9 @@ def is_layout_key(key: str) -> bool:
     return key.rpartition(".")[2] == MARKER or key.endswith(SCALE_SUFFIXES + UNREAD_SUFFIXES)
 
 
-def read_layout(name: str, path: Path, header: dict) -> Fp8ScaledLayout:
-    """The layout of the fp8_scaled file at `path` (its safetensors `header`), checked whole."""
-    where = f"component {name}: {path.name}"
+def read_layout(name: str, file_name: str, header: dict) -> Fp8ScaledLayout:
+    """The layout of an fp8_scaled file (its safetensors `header`), checked whole; errors name `file_name`."""
+    where = f"component {name}: {file_name}"
     entries = {k: e for k, e in header.items() if k != "__metadata__" and isinstance(e, dict)}
     scales: dict[str, str] = {}
     unread = []
@@ -102,7 +102,7 @@ def load_fp8_scaled(name: str, cls: type, path: Path, config_folder: Path, dtype
     from accelerate import init_empty_weights
     from safetensors import safe_open
 
-    layout = read_layout(name, path, read_safetensors_header(path))
+    layout = read_layout(name, path.name, read_safetensors_header(path))
     skip = set(layout.unread) | set(layout.scales.values())
     with safe_open(str(path), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys() if k not in skip}

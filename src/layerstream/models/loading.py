@@ -222,8 +222,9 @@ def load_skeleton(
     meta device in the dtypes the checkpoint stores, for planning; no weight is read. A Hub id that is not a
     local path is described by the Hub's metadata alone (JSON files and safetensors headers), with the bytes a
     download would fetch; anything else by its folder. Both build the skeleton the same way. `components` from
-    their files are priced at the bytes the files store (read from their headers; a Hub file from the cache)."""
+    their files are priced at the bytes the files store (read from their headers; a Hub file's by ranged reads)."""
     from layerstream.models import component_files as files_of
+    from layerstream.models.component_headers import header_tensors
     from layerstream.models.component_skeleton import file_component_skeleton_
     from layerstream.models.hub import fetch_plan_metadata
     from layerstream.models.skeleton import build_skeleton, folder_tensor_dtypes
@@ -243,8 +244,10 @@ def load_skeleton(
         origin, folder = source.to_dict(), source.folder
         skeleton = build_skeleton(source.folder, folder_tensor_dtypes(source.folder, source.variant))
     files_of.component_classes(folder, list(specs))
-    for name, path in files_of.resolve_component_files(specs, offline=True).items():
-        file_component_skeleton_(name, getattr(skeleton, name), path)
+    local = files_of.resolve_component_files({n: s for n, s in specs.items() if not s.startswith(files_of.HUB_FILE_PREFIX)})
+    for name, spec in specs.items():  # a Hub file's header by ranged reads: nothing downloaded
+        tensors = header_tensors(name, spec, local.get(name))
+        file_component_skeleton_(name, getattr(skeleton, name), tensors, Path(spec.partition("@")[0]).name)
     return skeleton, {**origin, **({"components": specs} if specs else {})}
 
 
