@@ -9,6 +9,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,16 +37,15 @@ class StoredTensor:
     """The file's own name of its type: ``"Q4_K"``, ``"F8_E4M3"``, ``"BF16"``."""
 
 
-def header_tensors(name: str, spec: str, path: Path | None) -> dict[str, StoredTensor]:
-    """The tensors of component `name`'s file (`spec` as given; `path` where it is on this machine, else a Hub
-    file read by ranges), by the file's names. One line naming the component if it cannot be read."""
-    from layerstream.models.component_files import HubFile
-
+def header_tensors(name: str, spec: str, source: Path | Any) -> dict[str, StoredTensor]:
+    """The tensors of component `name`'s file (`spec` as given; `source` its path on this machine, or the
+    `component_files.HubFile` read by ranges), by the file's names. One line naming the component if it cannot
+    be read."""
     try:
-        if path is not None:
-            with open(path, "rb") as f:
+        if isinstance(source, Path):
+            with open(source, "rb") as f:
                 return _tensors(file_reader(f), spec)
-        return _tensors(_hub_reader(HubFile.parse(name, spec)), spec)
+        return _tensors(_hub_reader(source), spec)
     except ModelLoadError:
         raise
     except Exception as e:  # not a GGUF / safetensors file after all, a network or Hub error

@@ -246,7 +246,7 @@ def load_skeleton(
     files_of.component_classes(folder, list(specs))
     local = files_of.resolve_component_files({n: s for n, s in specs.items() if not s.startswith(files_of.HUB_FILE_PREFIX)})
     for name, spec in specs.items():  # a Hub file's header by ranged reads: nothing downloaded
-        tensors = header_tensors(name, spec, local.get(name))
+        tensors = header_tensors(name, spec, local.get(name) or files_of.HubFile.parse(name, spec))
         file_component_skeleton_(name, getattr(skeleton, name), tensors, Path(spec.partition("@")[0]).name)
     return skeleton, {**origin, **({"components": specs} if specs else {})}
 
