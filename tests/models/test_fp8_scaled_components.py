@@ -100,3 +100,19 @@ def test_plan_prices_fp8_scaled_blocks_as_enabling_keeps_them(tmp_path, layerstr
     assert planned["transformer_2"] < 0.45 * planned["transformer"]
     # the store aligns each tensor: the ten 4-byte scales of a toy block take ~1.2 KiB of its ~16 KiB
     assert abs(planned["transformer_2"] - kept) < 0.1 * kept, (planned, kept)
+
+
+def test_lora_on_float8_blocks_is_refused_before_anything_changes(tmp_path):
+    """PEFT creates a LoRA layer's adapters in its base weight's dtype: float8 adapters cannot compute, so LoRA
+    on a streamed fp8_scaled expert is refused, naming why."""
+    peft = pytest.importorskip("peft")
+    from layerstream import UnsupportedUseError
+
+    fp8, _ = _files(tmp_path, "tiny-wan", "WanTransformer3DModel", ["transformer"], spelling="weight_scale", original_names=True)
+    omni = Omni("tiny-wan", DIT, device="cpu", components=fp8)
+    config = peft.LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k"], init_lora_weights=False)
+    before = {k: v.clone() for k, v in omni.pipeline.transformer.state_dict().items()}
+    with pytest.raises(UnsupportedUseError, match=r"transformer\.blocks\.0: LoRA on a block holding float8 weights \(a Linear's weight, as an fp8_scaled file keeps them\) is not supported \(the adapters would be created in float8\)"):
+        omni.pipeline.transformer.add_adapter(config)
+    after = omni.pipeline.transformer.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())

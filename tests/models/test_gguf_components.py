@@ -129,3 +129,16 @@ def test_gguf_and_fp8_scaled_experts_stream_from_the_disk_tier_bit_identically(t
     assert np.array_equal(omni.generate("a cat", **QUICK).raw, expected)
     stats = omni.handle.stats()
     assert stats.disk_bytes_read > 0, stats
+
+
+def test_a_peft_adapter_on_a_streamed_gguf_expert_matches_resident(tmp_path):
+    peft = pytest.importorskip("peft")
+    files = _expert_files(tmp_path, ensure_tiny_model("tiny-wan"), {"transformer": {"": "Q8_0"}})
+    components = {"transformer": str(files["transformer"][0])}
+    outputs = []
+    for offload in (False, True):
+        omni = Omni(model="tiny-wan", diffusion_offload_config=DIT, device="cpu", components=components, offload=offload)
+        torch.manual_seed(3)
+        omni.pipeline.transformer.add_adapter(peft.LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k"], init_lora_weights=False))
+        outputs.append(omni.generate("a cat", **QUICK).raw)
+    assert np.array_equal(*outputs)
