@@ -156,11 +156,10 @@ def load_component_file(name: str, cls: type, path: Path, folder: Path, dtype: t
     from layerstream.models.fp8_scaled import is_float8_file, load_fp8_scaled
 
     options: dict[str, Any] = {"config": str(folder), "subfolder": name, "local_files_only": True, "torch_dtype": dtype}
-    shapes = file_tensor_shapes(name, path)
     try:
         if path.suffix == ".safetensors" and is_float8_file(path):  # its own checks: its layout, then its names
             return load_fp8_scaled(name, cls, path, folder / name, dtype)
-        check_file_names(name, cls, path, folder / name, shapes)
+        check_file_names(name, cls, path, folder / name)
         if path.suffix == ".gguf":
             from diffusers import GGUFQuantizationConfig
 
@@ -183,7 +182,7 @@ def file_tensor_shapes(name: str, path: Path) -> dict[str, tuple[int, ...]]:
     return {k: t.shape for k, t in header_tensors(name, str(path), path).items()}
 
 
-def check_file_names(name: str, cls: type, path: Path, config_folder: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+def check_file_names(name: str, cls: type, path: Path, config_folder: Path) -> None:
     """Refuse, before loading, a file that lacks a weight the model needs: its names, converted as diffusers'
     single-file converter for `cls` converts them (shapes on the meta device), against the model's."""
     from accelerate import init_empty_weights
@@ -192,7 +191,7 @@ def check_file_names(name: str, cls: type, path: Path, config_folder: Path, shap
     config = cls.load_config(config_folder)
     with init_empty_weights():
         wanted = cls.from_config(config).state_dict()
-    checkpoint = {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}
+    checkpoint = {k: torch.empty(shape, device="meta") for k, shape in file_tensor_shapes(name, path).items()}
     mapping = SINGLE_FILE_LOADABLE_CLASSES.get(cls.__name__, {}).get("checkpoint_mapping_fn")
     if mapping is not None and _should_convert_state_dict_to_diffusers(wanted, checkpoint):
         checkpoint = mapping(checkpoint=checkpoint, config=config)
