@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
-.PHONY: venv demo test test-fast browser plan bench clean
+.PHONY: venv demo test test-fast mutants browser plan bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test: venv browser
 # no process, no socket, no browser (tests/conftest.py holds a `fast` test to that), on the same two workers
 test-fast: venv
 	$(PY) -m pytest -q -m fast $(XDIST)
+
+# named one-line mutants of the central guarantees, each against the tests that should catch it (docs/testing.md)
+mutants: venv
+	$(PY) tests/mutants.py
 
 # The web page's browser test drives Debian's Chromium through its chromedriver: installed here where apt can
 # (as root); anywhere else one line says so, and only the browser tests skip.

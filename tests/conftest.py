@@ -213,3 +213,19 @@ def layerstream_cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monk
         return CliResult(code, out, err)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def real_width_wan_folder(layerstream_cache: Path) -> Path:
+    """A Wan 2.2 pipeline folder whose two transformers have Wan 1.3B's width (12 heads of 128, FFN 8960) with 2
+    blocks each, saved in bfloat16 in 60 MB shards (a block of ~92 MB spans two or three files); the text encoder
+    and VAE are the tiny ones. Built once per run under the shared cache, every worker reading the same folder
+    (published atomically: a racing build is discarded). A test that changes files works on a copy."""
+    import dataclasses
+
+    from tests.benchmark_modules import benchmark_module
+
+    folders = benchmark_module("checkpoint_folders")
+    spec = dataclasses.replace(folders.WAN_1_3B_WIDTH, num_blocks=2, max_shard_size="60MB")
+    folder, _ = folders.cached_checkpoint_folder(spec, layerstream_cache / "real-width")
+    return folder

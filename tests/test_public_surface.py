@@ -18,7 +18,7 @@ PUBLIC = {
     # what a user catches: the base, enable_offload's and the runtime's, the config's and plans', Omni's
     "LayerstreamError", "OffloadError", "UnsupportedTensorError", "UnsupportedUseError", "ConcurrentUseError",
     "TransferError", "OffloadConfigError", "OffloadPlanError", "OffloadPlanResolutionError", "GenerationError",
-    "ModelLoadError", "InputImageError",
+    "ModelLoadError", "InputImageError", "MissingExtraError",
 }  # fmt: skip
 
 

@@ -9,11 +9,13 @@ first use. Every other error is a `LayerstreamError` (the disk tier's spill and 
 from layerstream.errors import (
     ConcurrentUseError,
     LayerstreamError,
+    MissingExtraError,
     OffloadError,
     TransferError,
     UnsupportedTensorError,
     UnsupportedUseError,
 )
+from layerstream.errors import extra_needed as _extra_needed
 from layerstream.config.offload_config import (
     LayerOptions,
     OffloadConfig,
@@ -26,7 +28,7 @@ from layerstream.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-_LAZY, __getattr__ = lazy_exports(
+_LAZY, _import_on_first_use = lazy_exports(
     __name__,
     {
         "layerstream.plan.resolver": ("resolve_offload_plan",),
@@ -41,9 +43,16 @@ _LAZY, __getattr__ = lazy_exports(
     },
 )
 
+
+def __getattr__(name: str):
+    with _extra_needed(name):  # `Omni` on a core install: one error naming the extra, not the import's traceback
+        return _import_on_first_use(name)
+
+
 __all__ = [
     "ConcurrentUseError",
     "LayerstreamError",
+    "MissingExtraError",
     "OffloadError",
     "TransferError",
     "UnsupportedTensorError",

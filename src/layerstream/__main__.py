@@ -1,3 +1,3 @@
-from layerstream.cli.main import main
+from layerstream.cli.interrupt import command_entry
 
-raise SystemExit(main())
+command_entry()

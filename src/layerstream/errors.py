@@ -8,6 +8,9 @@ device or the host) and ``KeyboardInterrupt`` are never wrapped: they come out a
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 
 class LayerstreamError(Exception):
     """Base of every error the layerstream package defines."""
@@ -33,3 +36,47 @@ class TransferError(LayerstreamError, RuntimeError):
 class UnsupportedUseError(LayerstreamError, RuntimeError):
     """A PyTorch operation on a streamed model that layerstream cannot make exact; refused before it changes
     anything (the message says what to do instead, usually `handle.disable()` first)."""
+
+
+class MissingExtraError(LayerstreamError, ModuleNotFoundError):
+    """A feature needs an optional extra (pyproject's ``[project.optional-dependencies]``) that is not
+    installed: a core install (torch alone) says so in one line naming the pip command, never a traceback."""
+
+
+EXTRA_OF_MODULE = {
+    **dict.fromkeys(
+        ("numpy", "diffusers", "transformers", "huggingface_hub", "safetensors", "sentencepiece", "accelerate",
+         "imageio", "imageio_ffmpeg", "PIL", "tqdm", "ftfy", "httpx"),
+        "diffusers",
+    ),
+    **dict.fromkeys(("fastapi", "uvicorn", "pydantic", "multipart", "python_multipart", "prometheus_client"), "serve"),
+    **dict.fromkeys(("matplotlib", "psutil"), "bench"),
+    "peft": "lora",
+    "cache_dit": "cache",
+    "gguf": "gguf",
+    "torchao": "torchao",
+}  # fmt: skip
+"""Top-level module -> the extra that installs it."""
+
+
+def missing_extra(error: ModuleNotFoundError, what: str) -> MissingExtraError | None:
+    """The one-line error for `error` (an import that failed) when an extra provides the missing module, saying
+    that `what` ("generate", "Omni") needs it; None for any other missing module (a bug, not an install)."""
+    extra = EXTRA_OF_MODULE.get((error.name or "").partition(".")[0])
+    if extra is None:
+        return None
+    return MissingExtraError(
+        f'{what} needs the {extra} extra ({error.name} is not installed): pip install "layerstream[{extra}]"', name=error.name
+    )
+
+
+@contextlib.contextmanager
+def extra_needed(what: str) -> Iterator[None]:
+    """Inside, an import of a module an extra provides fails as one `MissingExtraError` saying that `what`
+    needs that extra; the import's own chain, which only repeats which module is missing, is dropped."""
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        if (error := missing_extra(e, what)) is None:
+            raise
+        raise error from None

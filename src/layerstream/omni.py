@@ -22,6 +22,7 @@ from layerstream.models.model_rules import ModelRules
 from layerstream.offload import default_device, enable_offload
 from layerstream.outputs import IMAGE_SUFFIXES, VIDEO_SUFFIXES, GenerationResult, save_output
 from layerstream.pipeline_runner import PipelineRunner, RunStats, batch_requests, parse_dtype, request_options
+from layerstream.errors import extra_needed
 from layerstream.request import GenerationError, GenerationRequest
 from layerstream.runtime.modes.handle import OffloadHandle
 from layerstream.runtime.reporting.stats import OffloadStats
@@ -63,7 +64,8 @@ class Omni:
         self.config = with_vae_settings(config, vae_use_tiling=vae_use_tiling, vae_use_slicing=vae_use_slicing)
         self.device = join_launched_group(self.config, device, process_group) or (torch.device(device) if device is not None else default_device())
         self.dtype = parse_dtype(dtype)
-        loaded = load_model(model, dtype=self.dtype, revision=revision, variant=variant, components=components)
+        with extra_needed("Omni"):  # the core install has no diffusers: one line naming the extra
+            loaded = load_model(model, dtype=self.dtype, revision=revision, variant=variant, components=components)
         self.model, self.pipeline, self.kind = loaded.name, loaded.pipeline, loaded.kind
         self._component_dtypes = loaded.component_dtypes
         self.source: ModelSource = loaded.source

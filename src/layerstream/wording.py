@@ -1,10 +1,10 @@
-"""How messages word an error and a size: `first_line` of an error, and bytes in the config's decimal units
-(`format_gb`) or in the binary units of the runtime's figures (`format_bytes`)."""
+"""How messages word an error, a size and a time: `first_line` of an error, bytes in decimal units
+(`format_bytes`), seconds as people read them (`format_seconds`)."""
 
 from __future__ import annotations
 
 GB = 1e9
-"""A gigabyte as the config's ``*_gb`` keys count it."""
+"""A gigabyte as the config's ``*_gb`` keys, the planner and every message count it."""
 
 
 def first_line(error: BaseException, *, with_type: bool = False) -> str:
@@ -16,18 +16,21 @@ def first_line(error: BaseException, *, with_type: bool = False) -> str:
     return f"{type(error).__name__}: {lines[0]}" if with_type else lines[0]
 
 
-def format_gb(nbytes: float) -> str:
-    """Bytes in decimal units, as the config's keys count them: ``12.3 GB``, or ``450 MB`` below a tenth of a GB."""
-    return f"{nbytes / GB:.3g} GB" if abs(nbytes) >= GB / 10 else f"{nbytes / 1e6:.3g} MB"
+def format_bytes(nbytes: float) -> str:
+    """Bytes as every table and message words them, in decimal units (1 GB = 1e9 bytes, as the config's ``*_gb``
+    keys, the planner and the simulated link count them), three significant figures, each unit from a tenth of
+    it: ``512 B``, ``4.1 kB``, ``0.45 GB``, ``97 MB``, ``12.3 GB``."""
+    if abs(nbytes) < 1000:
+        return f"{nbytes:.0f} B"
+    for unit, scale in (("kB", 1e3), ("MB", 1e6), ("GB", GB)):
+        if abs(nbytes) < scale * 100:  # from a hundred units on: a tenth of the next
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes / 1e12:.3g} TB"
 
 
-def format_bytes(num_bytes: int) -> str:
-    """Bytes in binary units, as the runtime's figures read: ``512 B``, ``3.2 KiB``, ``1.5 GiB``."""
-    if num_bytes < 1024:
-        return f"{num_bytes} B"
-    value = float(num_bytes)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if value < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")
+def format_seconds(seconds: float) -> str:
+    """Seconds as people read them, three significant figures: ``185 ns``, ``7.8 ms``, ``1.23 s``, ``95 s``."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.3g} {unit}" if seconds < 1000 else f"{seconds:,.0f} s"
+    return f"{seconds / 1e-9:.3g} ns" if seconds else "0 s"

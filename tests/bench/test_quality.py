@@ -38,7 +38,7 @@ def test_float8_storage_halves_the_link_bytes_or_better_and_moves_the_output_a_l
 
 
 def test_the_quality_command_prints_json_and_refuses_flags_of_other_benchmarks(tmp_path, layerstream_cli):
-    out = layerstream_cli("bench", "--quality", "--quality-model", "tiny-wan", "--quality-steps", "1", "--json", "--out", str(tmp_path))
+    out = layerstream_cli("bench", "tiny-wan", "--quality-steps", "1", "--json", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr
     payload = json.loads(out.stdout)
     assert [r["storage"] for r in payload["rows"]] == ["full precision", "float8_e4m3fn", "float8_e5m2"]
@@ -47,9 +47,8 @@ def test_the_quality_command_prints_json_and_refuses_flags_of_other_benchmarks(t
     for argv, message in (
         (["--quality", "--blocks", "3"], "unrecognized arguments: --blocks"),  # the strategy comparison's flags
         (["--quality", "--host-budget-gb", "1"], "unrecognized arguments: --host-budget-gb"),  # are benchmarks/strategies.py's
-        ([], "python benchmarks/strategies.py"),
         (["--quality", "--quality-steps", "0"], "--quality-steps = 0 is not valid"),
-        (["--quality-model", "tiny-wan"], "need --quality"),
+        (["tiny-wan", "--quality-model", "tiny-flux"], "the model is given twice ('tiny-wan' and 'tiny-flux')"),
     ):
         bad = layerstream_cli("bench", *argv)
         assert bad.returncode == 2 and message in bad.stderr, (argv, bad.stderr)

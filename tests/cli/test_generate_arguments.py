@@ -59,7 +59,9 @@ CASES = [
     (["--fps", "121"], "--fps: 121 is not allowed (an integer from 1 to 120)"),
     (["--nproc", "0"], "--nproc: 0 is not allowed (an integer >= 1)"),
     (["--link-gbps", "-1"], "--link-gbps: -1 is not allowed (a finite number > 0)"),
-    (["--stepz", "3"], "unrecognized arguments: --stepz 3 (see layerstream generate --help)"),
+    (["tiny-flux", "--model", "tiny-wan"], "--model: the model is given twice ('tiny-flux' and 'tiny-wan'); give it once, as MODEL"),
+    (["tiny-flux", "--num-frames", "9"], "--num-frames 9: tiny-flux makes images, not video"),  # MODEL first, as plan's
+    (["--stepz", "3"], "unrecognized arguments: --stepz (see layerstream generate --help)"),  # 3: taken as MODEL
     (["--height", "100000", "--width", "100000"], "--height = 100000 is not valid; expected an integer from 1 to 2048 (the cap is set by --max-size)"),
     (["--width", "4096"], "--width = 4096 is not valid"),
     (["--num-frames", "1000"], "--num-frames = 1000 is not valid; expected an integer from 1 to 129 (the cap is set by --max-frames)"),

@@ -57,7 +57,7 @@ def _error_line(result) -> str:
     "make, message",
     [
         (lambda tmp: str(tmp / "missing.png"), "does not exist"),
-        (lambda tmp: _write(tmp / "notes.png", b"these are notes"), "is not an image"),
+        (lambda tmp: _write(tmp / "notes.png", b"these are notes"), "is not a PNG, JPEG or WebP file"),
         (lambda tmp: _write(tmp / "empty.png", b""), "is empty (0 bytes)"),
         (lambda tmp: _flat_png(tmp / "huge.png", 5000, 4000), "20,000,000 pixels; expected at most"),
         (lambda tmp: str(tmp), "is not a file"),

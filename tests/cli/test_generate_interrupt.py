@@ -22,6 +22,7 @@ import imageio.v3 as iio
 import pytest
 
 from layerstream.atomic_write import PARTIAL_MARK, PAUSE_ENV_VAR
+from layerstream.cli.interrupt import EXIT_PAUSE_ENV_VAR
 
 OLD_BYTES = b"the output of an earlier run"
 NUM_FRAMES = 9  # tiny-wan's default
@@ -149,3 +150,19 @@ def test_interrupted_after_the_output_is_in_place_says_it_was_written(workspace)
     )
     assert iio.imread(output, index=None).shape[0] == NUM_FRAMES  # the new output, whole
     _assert_only(workspace, output)
+
+
+def test_interrupted_after_the_summary_prints_one_line_and_exits_130(workspace):
+    """Once the command has finished (its summary printed) an interrupt still ends the process with one line and
+    130: never a traceback from an exit hook, never the signal's own ending. The process is held after its
+    command by `EXIT_PAUSE_ENV_VAR`, so that the interrupt surely lands there."""
+    output = workspace / "fox.gif"
+    run = Run("--steps", "1", "--json", "--output", str(output), env=_env(**{EXIT_PAUSE_ENV_VAR: str(HANG_GUARD_SECONDS)}))
+    summary: list[str] = []
+    reader = threading.Thread(target=lambda: summary.extend(run.process.stdout), daemon=True)
+    reader.start()
+    run.interrupt_when(lambda: summary and summary[-1].startswith("}"), "its summary was printed")
+    code, lines = run.finish()
+    assert code == 130
+    assert lines == ["layerstream: interrupted while exiting, after the command had finished"]
+    assert iio.imread(output, index=None).shape[0] == NUM_FRAMES

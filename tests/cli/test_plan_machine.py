@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -67,6 +68,7 @@ def test_a_machine_too_small_is_one_line_naming_the_figure(capsys):
     code, out, err = run_plan(capsys, "tiny-wan", "--device-memory", "24", "--host-memory", "1")
     assert code == EXIT_USAGE and out == "" and err.count("\n") == 1
     assert "--host-memory = 1 is not valid" in err and "baseline of 1.41 GB" in err
+    assert err.endswith("(imports and the device's context; set by --baseline-gb)\n")  # every field as its flag
     # under the allowance beside the weights (the 4 GB activation reserve this once named is gone: the reserve is
     # the request's own estimate, `tests/cli/test_plan_phases.py`)
     code, _, err = run_plan(capsys, "tiny-wan", "--device-memory", "0.5", "--host-memory", "8")
@@ -157,6 +159,9 @@ def test_the_table_names_the_bound_and_the_config_to_paste(capsys):
     code, out, err = run_plan(capsys, "tiny-wan", "--device-memory", "4.0003", "--activation-reserve-gb", "4", "--host-memory", "4", *SMALL)
     assert code == 0, err
     assert "predicted:" in out and "bound by" in out and "--diffusion-offload-config '" in out
+    # seconds and bytes as people read them, in decimal units only: "185 ns per step", not "1.848e-07 s"
+    assert re.search(r"predicted: [\d.]+ (ns|µs|ms|s) per step", out) and "e-0" not in out
+    assert not re.search(r"\b(KiB|MiB|GiB)\b", out)
     pasted = out.split("--diffusion-offload-config '")[1].split("'")[0]
     from layerstream.config.offload_config import parse_offload_config
 

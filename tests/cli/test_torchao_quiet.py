@@ -122,3 +122,18 @@ def test_a_model_saved_quantized_by_torchao_gets_it(tmp_path):
 def test_torchao_is_importable_again_after_the_deferral():
     result = _python(DEFER_THEN_IMPORT)
     assert result.returncode == 0 and result.stdout.strip() == "imported again", result.stderr
+
+
+def test_loading_in_python_prints_nothing_of_the_libraries():
+    """`Omni` loads with torchao installed: torchao's kernel-library failures, torch's deprecation of its enum
+    registrations, diffusers' "Unable to import `torchao` Tensor objects" and the loading progress bars stay
+    unsaid (`quiet_library_noise`), and the caller's logger levels are as they were after."""
+    code = (
+        "import logging\n"
+        "from layerstream import Omni\n"
+        "omni = Omni('tiny-flux')\n"
+        "print('loaded', omni.kind, logging.getLogger('torchao').level, logging.getLogger('torch.utils._pytree').level)\n"
+    )
+    result = _python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "loaded image 0 0\n" and result.stderr == ""

@@ -31,13 +31,8 @@ REQUEST = dict(prompt="a fox", height=32, width=32, num_frames=1, num_inference_
 
 
 @pytest.fixture(scope="module")
-def wan_folder(tmp_path_factory) -> Path:
-    from tests.benchmark_modules import benchmark_module
-
-    folders = benchmark_module("checkpoint_folders")
-    # 60 MB shards: a block of ~92 MB spans two or three files
-    spec = dataclasses.replace(folders.WAN_1_3B_WIDTH, num_blocks=2, max_shard_size="60MB")
-    return folders.write_checkpoint_folder(spec, tmp_path_factory.mktemp("wan-real-width"))
+def wan_folder(real_width_wan_folder) -> Path:
+    return real_width_wan_folder  # tests/conftest.py: shared with the exit tests, never written to here
 
 
 @dataclasses.dataclass(frozen=True)

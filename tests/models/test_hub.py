@@ -178,6 +178,10 @@ def test_no_network_and_no_cache_is_one_line_and_a_cached_copy_still_runs(hub, m
     assert resolve_model(REPO).origin == "hub"  # the cached snapshot, without the network
     line = _one_line_exit_2(capsys, ["generate", "--model", "test-org/never-fetched", "--steps", "1"])
     assert "cannot be reached" in line and "no snapshot of revision main is cached" in line
+    with pytest.raises(ModelLoadError) as error:  # in Python: one exception, no chain of the network's
+        resolve_model("test-org/never-fetched")
+    assert error.value.__cause__ is None and error.value.__context__ is None
+    assert str(error.value).endswith("; connect to the network to download it")  # HF_HUB_OFFLINE is not set
 
 
 def test_too_little_free_space_is_refused_before_any_weight_byte(hub, monkeypatch):

@@ -116,7 +116,7 @@ def test_an_image_for_a_pipeline_that_takes_none_is_refused():
     "make, message",
     [
         (lambda tmp: tmp / "missing.png", "does not exist"),
-        (lambda tmp: _write(tmp / "text.png", b"not an image at all"), "is not an image"),
+        (lambda tmp: _write(tmp / "text.png", b"not an image at all"), "is not a PNG, JPEG or WebP file"),
         (lambda tmp: _write(tmp / "empty.png", b""), "is empty"),
         (lambda tmp: _png(tmp / "huge.png", 5000, 4000), "20,000,000 pixels; expected at most 16,777,216"),
         (lambda tmp: _write(tmp / "cut.png", _png_bytes(64, 64)[:80]), "not a readable image"),

@@ -23,7 +23,7 @@ def test_auto_tiles_only_what_does_not_fit_and_says_why():
     assert LOSSY_NOTE not in fits.reason
     tiled = choose_vae_tiling("auto", 300 * MB, 100 * MB, 200 * MB)
     assert (tiled.tiled, tiled.fits, tiled.peak_nbytes) == (True, True, 100 * MB)
-    assert "286.1 MiB, more than the 190.7 MiB left" in tiled.reason and LOSSY_NOTE in tiled.reason
+    assert "0.3 GB, more than the 0.2 GB left" in tiled.reason and LOSSY_NOTE in tiled.reason
     neither = choose_vae_tiling("auto", 300 * MB, 100 * MB, 50 * MB)
     assert (neither.tiled, neither.fits) == (True, False)
     unknown = choose_vae_tiling("auto", 300 * MB, 100 * MB, None)
@@ -34,7 +34,7 @@ def test_auto_tiles_only_what_does_not_fit_and_says_why():
 def test_fixed_settings_are_kept_and_a_decode_that_cannot_fit_is_named():
     refused = choose_vae_tiling(False, 300 * MB, 100 * MB, 200 * MB)
     assert (refused.tiled, refused.fits) == (False, False)
-    assert "needs 286.1 MiB, more than the 190.7 MiB of device memory left" in refused.reason
+    assert "needs 0.3 GB, more than the 0.2 GB of device memory left" in refused.reason
     assert 'set vae_use_tiling to "auto" or true' in refused.reason
     always = choose_vae_tiling(True, 300 * MB, 100 * MB, 400 * MB)
     assert (always.tiled, always.fits) == (True, True) and LOSSY_NOTE in always.reason

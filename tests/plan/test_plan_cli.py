@@ -140,7 +140,7 @@ def test_table(capsys, fake_loader, tiny):
     assert rows["vae"][:4] == ["vae", "vae", "none", "resident"]
     assert any(line.startswith("total") for line in lines)
     assert any(line.startswith("device estimate: ") and "2 slots" in line for line in lines)
-    assert "KiB" in out
+    assert " kB" in out and "KiB" not in out and "MiB" not in out  # decimal units, as the machine plan's
 
 
 def test_json(capsys, fake_loader, tiny):

@@ -71,6 +71,6 @@ HEALTH_KEYS = [
     "status", "status_reason", "model", "model_source", "kind", "device", "dtype", "component_dtypes", "offload_config", "queue_depth", "max_queue",
     "running", "size_multiple", "frame_multiple", "max_frames", "max_side_pixels", "max_work", "image_input",
     "max_image_bytes", "max_image_pixels", "max_batch_size", "batch_wait_ms", "world_size", "backend", "ranks",
-    "default_size", "default_num_frames", "default_steps", "fps", "takes_image", "jobs_path", "jobs_storage",
+    "default_size", "default_num_frames", "default_steps", "fps", "takes_image", "jobs_path", "jobs_storage", "jobs_unreadable", "jobs_bookkeeping",
 ]  # fmt: skip
 ERROR_KEYS = ["message", "type", "param", "code", "details"]

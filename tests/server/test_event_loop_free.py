@@ -91,4 +91,4 @@ def test_a_jobs_events_arrive_while_another_upload_is_being_decoded(client, monk
     assert events[-1][1]["status"] == "completed", events[-1]
     assert [e for e in events if e[0] == "progress"], "no progress event arrived"
     assert not [e for e in events if e[2]], "an event arrived only after the held decode had ended"
-    assert answers["large"].status_code == 400  # its bytes were no image: answered once decoded, not before
+    assert answers["large"].status_code == 415  # its bytes were no image: answered once decoded, not before

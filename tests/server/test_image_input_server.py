@@ -90,7 +90,7 @@ def test_health_says_the_model_needs_an_image(i2v_client):
         (None, 400, "image is required"),
         ("", 422, None),  # zero bytes: refused by the schema, naming image
         ("!!not base64!!", 400, "not valid base64"),
-        (b64(b"plain text, not an image"), 400, "is not an image"),
+        (b64(b"plain text, not an image"), 415, "is not a PNG, JPEG or WebP file"),
         (b64(png_bytes(64, 64)[:80]), 400, "not a readable image"),
         (b64(flat_png(1200, 1000)), 413, "1,200,000 pixels; expected at most 1,000,000"),
         (b64(png_bytes(10, 10)), 400, "less than 16 pixels"),
@@ -161,7 +161,7 @@ def test_health_says_the_model_takes_an_image(edit_client):
     "kwargs, status, param, message",
     [
         ({"image": None}, 400, "image", "image is required"),
-        ({"image": b"not an image"}, 400, "image", "is not an image"),
+        ({"image": b"not an image"}, 415, "image", "is not a PNG, JPEG or WebP file"),
         ({"image": b""}, 400, "image", "is empty"),
         ({"image": flat_png(5000, 4000)}, 413, "image", "20,000,000 pixels"),
         ({"mask": "x"}, 422, "mask", None),

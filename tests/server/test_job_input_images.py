@@ -108,11 +108,11 @@ def test_a_missing_input_reference_is_one_400_naming_it(i2v_server):
     assert client.videos.list(limit=100).data == jobs_before  # nothing stored
 
 
-def test_an_input_reference_that_is_not_an_image_is_one_400_naming_it(i2v_server):
+def test_an_input_reference_that_is_not_an_image_is_one_4xx_naming_it(i2v_server):
     with i2v_server.client() as http:
         files = {"input_reference": ("notes.txt", b"plain text, not an image", "text/plain")}
         response = http.post(VIDEOS, data={"prompt": PROMPT}, files=files)
-        assert_one_error_naming(response, 400, "input_reference", "not an image")
+        assert_one_error_naming(response, 415, "input_reference", "not a PNG, JPEG or WebP file")
         truncated = {"input_reference": ("fox.png", I2V_IMAGE[:80], "image/png")}
         assert_one_error_naming(http.post(VIDEOS, data={"prompt": PROMPT}, files=truncated), 400, "input_reference", "not a readable image")
         too_small = {"input_reference": ("dot.png", png_bytes(10, 10), "image/png")}
@@ -207,10 +207,10 @@ def test_an_image_job_without_the_image_a_model_needs_is_one_400_naming_image():
     assert raised.value.message == "qwen-image-edit generates from an input image: image is required; send it as image (a file)"
 
 
-def test_an_image_that_is_not_an_image_is_one_400_naming_it(edit_server):
+def test_an_image_that_is_not_an_image_is_one_415_naming_it(edit_server):
     with edit_server.client() as http:
         files = {"image": ("notes.txt", b"plain text, not an image", "text/plain")}
-        assert_one_error_naming(http.post(IMAGE_JOBS, data=EDIT_FIELDS, files=files), 400, "image", "not an image")
+        assert_one_error_naming(http.post(IMAGE_JOBS, data=EDIT_FIELDS, files=files), 415, "image", "not a PNG, JPEG or WebP file")
 
 
 @pytest.mark.parametrize(

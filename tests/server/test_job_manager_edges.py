@@ -207,3 +207,36 @@ def test_links_left_by_a_stopped_server_are_removed_at_start(tmp_path):
     store.recover_()
     store.close()
     assert not left.exists() and other.exists()
+
+
+@pytest.mark.parametrize("refused", ["file", "row"])
+def test_a_job_whose_outcome_cannot_be_stored_still_ends_failed(make_jobs, refused):
+    """Storing a finished job's outcome runs in its future's callback, where an exception would only be logged:
+    the output file refused (a full disk), or its row refused by the database (then its failure too, kept in
+    memory), the job still ends, failed, naming why."""
+    import errno
+    import sqlite3
+
+    jobs = make_jobs()
+    if refused == "file":
+
+        def write_output(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        jobs.store.write_output = write_output
+    else:
+        update = jobs.store.update
+
+        def refuse_finished(record):
+            if record.status.finished:
+                raise sqlite3.OperationalError("database or disk is full")
+            return update(record)
+
+        jobs.store.update = refuse_finished
+    made = jobs.create(BODY, None)["id"]
+    wait_until(lambda: made not in jobs._live, what="the job's outcome to be recorded")  # its callback has run
+    job = jobs.get(made)
+    code = {"file": "output_write_failed", "row": "database_error"}[refused]
+    assert job["status"] == "failed" and job["error"]["code"] == code, job
+    assert job["error"]["message"].startswith({"file": "its output could not be written", "row": "the job database refused its row"}[refused])
+    assert jobs.storage_state() != "ok"

@@ -42,3 +42,27 @@ def test_a_history_of_another_schema_version_is_refused(tmp_path, version, refus
     db.close()
     with pytest.raises(JobStoreError, match=f"schema version {version} {refusal}"):
         JobStore(HistorySettings(data_dir=tmp_path / "data"))
+
+
+def test_the_eta_counts_the_decode_and_is_never_zero_while_the_job_runs(monkeypatch):
+    from layerstream.server.jobs import records
+    from layerstream.server.jobs.records import AfterStepsRate, LiveProgress
+
+    clock = [100.0]
+    monkeypatch.setattr(records.time, "monotonic", lambda: clock[0])
+    rate = AfterStepsRate()
+    first = LiveProgress(step=2, total_steps=4, step_seconds=[0.6, 0.1])
+    assert first.seconds_per_step == 0.1  # the first step's warm-up left out
+    assert first.eta_seconds == pytest.approx(0.2)  # no job has finished: the decode is not known yet
+    first.step, first.step_seconds, first.steps_done_at = 4, [0.6, 0.1, 0.1, 0.1], clock[0]
+    assert first.eta_seconds is None  # decoding, for how long not known: not 0
+    clock[0] += 8.0
+    rate.learn(first, pixels=256 * 256 * 33)  # 8 s after the last step: the decode and the file
+    second = LiveProgress(step=1, total_steps=4, step_seconds=[0.6], after_steps_seconds=rate.estimate(256 * 256 * 33))
+    assert second.eta_seconds == pytest.approx(3 * 0.6 + 8.0)
+    second.step, second.steps_done_at = 4, clock[0]
+    clock[0] += 6.0
+    assert second.eta_seconds == pytest.approx(2.0)  # the decode's part still ahead
+    clock[0] += 3.0
+    assert second.eta_seconds is None  # overdue: not known, never 0
+    assert rate.estimate(128 * 128 * 33) == pytest.approx(2.0) and rate.estimate(None) is None

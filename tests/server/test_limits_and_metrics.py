@@ -92,6 +92,7 @@ def test_a_size_beyond_the_model_grid_names_the_limit():
     [
         ({"num_inference_steps": 1000}, "num_inference_steps"),
         ({"n": 4, "num_inference_steps": 8}, "n"),  # n=4 asks 4x the default, steps 2x
+        ({"n": 2}, "n"),  # n alone: two outputs are twice the work of one
         ({"size": "256x256", "num_inference_steps": 8}, "size"),
         ({"num_frames": 13, "num_inference_steps": 5}, "num_frames"),  # 13/9 of the default frames, 5/4 of the steps
     ],

@@ -155,11 +155,12 @@ def test_every_error_status_is_documented_with_the_error_body(client):
                 assert operation["responses"][str(status)]["content"] == {"application/json": {"schema": error_body}}
             statuses[f"{method.upper()} {path}"] = errors
     jobs = "/v1/images/jobs"
-    assert statuses[f"GET {jobs}/{{job_id}}"] == statuses[f"DELETE {jobs}/{{job_id}}"] == {404}
-    assert statuses[f"GET {jobs}/{{job_id}}/events"] == {404} and statuses[f"GET {jobs}/{{job_id}}/content"] == {404, 409}
-    assert statuses[f"POST {jobs}"] == {400, 413, 422, 429, 503} and statuses[f"GET {jobs}"] == {400, 422}
+    assert statuses[f"GET {jobs}/{{job_id}}"] == statuses[f"DELETE {jobs}/{{job_id}}"] == {404, 503}
+    assert statuses[f"GET {jobs}/{{job_id}}/events"] == {404, 503}
+    assert statuses[f"GET {jobs}/{{job_id}}/content"] == {404, 409, 503}
+    assert statuses[f"POST {jobs}"] == {400, 413, 415, 422, 429, 503, 507} and statuses[f"GET {jobs}"] == {400, 422, 503}
     assert statuses["GET /v1/images/outputs/{name}"] == {404}
-    assert statuses["POST /v1/videos/generations"] == {400, 413, 422, 429, 500, 503, 504}
+    assert statuses["POST /v1/videos/generations"] == {400, 413, 415, 422, 429, 500, 503, 504}
     assert "HTTPValidationError" not in document["components"]["schemas"]  # FastAPI's 422, never answered
     # and what an unknown job and a bodiless create really answer
     assert client.get(f"{jobs}/job_x").status_code == client.delete(f"{jobs}/job_x").status_code == 404

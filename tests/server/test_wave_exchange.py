@@ -153,3 +153,67 @@ def test_a_wave_sends_the_uploaded_file_and_leaves_no_key_behind(two_ranks):
     outcomes = lead_wave(channel, rank0, WaveMessage(WaveKind.RUN, 2, works), decide=lambda: StopReason.TIMEOUT)
     assert [o.stopped for o in outcomes] == [StopReason.TIMEOUT] * 2
     assert "stop/2" in store.sizes and master.num_keys() == num_keys
+
+
+class _CountingStore:
+    """A rank's store, counting the calls made to it while `counting` is set (checks and waits: how a rank looks
+    for a key)."""
+
+    def __init__(self, store):
+        self._store = store
+        self.counting = False
+        self.calls: dict[str, int] = {"check": 0, "wait": 0}
+
+    def check(self, keys):
+        self.calls["check"] += self.counting
+        return self._store.check(keys)
+
+    def wait(self, keys, timeout):
+        self.calls["wait"] += self.counting
+        return self._store.wait(keys, timeout)
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+
+def _channels(timeout_s: float):
+    master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    channels = []
+    for rank in range(2):
+        client = torch.distributed.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timeout)
+        store = _CountingStore(torch.distributed.PrefixStore("layerstream-serve/test/0/", client))
+        channels.append(ControlChannel(RankSetup(rank, 2, torch.device("cpu"), "gloo", timeout, store)))
+    return master, channels
+
+
+def test_a_follower_blocks_on_the_store_until_the_message_comes():
+    """Waiting for rank 0's next message is one wait on the store, woken by the key, not a poll every few ms
+    (a check every 5 ms made some 200 calls in this second)."""
+    master, (rank0, rank1) = _channels(timeout_s=30)
+    received = []
+    follower = threading.Thread(target=lambda: received.append(rank1.broadcast(None)), daemon=True)
+    try:
+        rank1.setup.store.counting = True
+        follower.start()
+        time.sleep(1.0)  # the follower waits: nothing is sent yet
+        assert follower.is_alive() and received == []
+        rank0.broadcast(WaveMessage(WaveKind.PING))
+        follower.join(30)
+        assert [m.kind for m in received] == [WaveKind.PING]  # woken by the key
+        assert rank1.setup.store.calls == {"check": 0, "wait": 1}, rank1.setup.store.calls
+    finally:
+        rank0.close()
+        rank1.close()
+
+
+def test_a_follower_waiting_on_a_silent_rank_0_gives_up_after_the_collective_timeout():
+    from layerstream.server.ranks import RankGroupError
+
+    master, (rank0, rank1) = _channels(timeout_s=1.0)
+    try:
+        rank0.close()  # its heartbeat stops; it sends nothing
+        with pytest.raises(RankGroupError, match="rank 0 has not answered"):
+            rank1.broadcast(None)
+    finally:
+        rank1.close()

@@ -1,4 +1,4 @@
-"""How far float8 storage moves a real pipeline's output: `layerstream bench --quality`.
+"""How far float8 storage moves a real pipeline's output: `layerstream bench MODEL`.
 
 `storage_dtype` float8 is lossy. This measures by how much on a whole pipeline (an embedded tiny model or a
 local diffusers folder): the same request, the same seed, generated once with every streamed weight in its own

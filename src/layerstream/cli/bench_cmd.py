@@ -1,8 +1,8 @@
-"""`layerstream bench`: measurements a user runs on their own machine and model. `--quality` measures how far
-float8 storage moves the output of a pipeline (`layerstream.bench.quality`).
+"""`layerstream bench MODEL`: what float8 storage does to a model's output, measured on the user's machine
+(`layerstream.bench.quality`).
 
-The synthetic strategy comparison measures layerstream itself, not the user's model: it is the script
-benchmarks/strategies.py of a source checkout (benchmarks/README.md).
+The benchmarks of layerstream itself (offload strategies against resident, cold start, the disk tier, several
+ranks) are scripts of a source checkout: benchmarks/README.md lists them.
 """
 
 from __future__ import annotations
@@ -12,28 +12,28 @@ import json
 import sys
 from pathlib import Path
 
-from layerstream.cli.common import CliError
+from layerstream.cli.common import MODEL_SOURCES, CliError, add_model_first_argument
 
 STRATEGY_SCRIPT = "python benchmarks/strategies.py"
-"""Where the synthetic strategy comparison, once `layerstream bench`'s default mode, now runs."""
+"""The synthetic comparison of offload strategies (once `layerstream bench`'s default mode), in a source checkout."""
+
+DESCRIPTION = (
+    "Measure how far float8 storage moves MODEL's output: one generation with full-precision storage and one "
+    "with each float8 storage dtype, with the pictures' PSNR, the largest latent difference and the bytes "
+    f"streamed. The benchmarks of layerstream itself (offload strategies: `{STRATEGY_SCRIPT}`, cold start, the "
+    "disk tier, several ranks) are scripts in a source checkout's benchmarks/ (benchmarks/README.md)."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of the ``bench`` subcommand (no heavy import here: the CLI builds every parser at start)."""
-    quality = parser.add_argument_group("quality")
-    quality.add_argument(
-        "--quality",
-        action="store_true",
-        help="measure how far float8 storage moves a pipeline's output: PSNR of the pictures and largest latent "
-        "difference against full precision, and link bytes, on --quality-model",
-    )
-    quality.add_argument(
-        "--quality-model", metavar="MODEL", default=None, help="with --quality: a Hugging Face Hub id (downloaded into its cache), a tiny model name or a local diffusers folder (default: tiny-flux)"
-    )
-    quality.add_argument("--quality-steps", type=int, default=None, metavar="N", help="with --quality: denoising steps (default: 4)")
-    quality.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
-    quality.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the model's own)")
-    quality.add_argument("--seed", type=int, default=0)
+    parser.description = DESCRIPTION
+    add_model_first_argument(parser, MODEL_SOURCES, "tiny-flux", "--quality-model", "--model")
+    parser.add_argument("--quality", action="store_true", help="what bench measures (accepted, as before; it changes nothing)")
+    parser.add_argument("--quality-steps", "--steps", type=int, default=None, metavar="N", help="denoising steps (default: 4)")
+    parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the model's own)")
+    parser.add_argument("--seed", type=int, default=0)
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the results as JSON on stdout (and nothing else)")
     out.add_argument("--out", metavar="DIR", default=None, help="also write results.json and results.md to DIR")
@@ -41,13 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the measurement and print a table (or JSON); user errors raise `CliError` (exit code 2)."""
-    if not args.quality and (args.quality_model is not None or args.quality_steps is not None):
-        raise CliError("--quality-model and --quality-steps need --quality")
-    if not args.quality:
-        raise CliError(
-            "layerstream bench measures your own model: add --quality (and --quality-model MODEL); the synthetic "
-            f"offload strategy comparison is `{STRATEGY_SCRIPT}` in a source checkout"
-        )
     return _run_quality(args)
 
 
@@ -69,7 +62,7 @@ def _run_quality(args: argparse.Namespace) -> int:
     steps = 4 if args.quality_steps is None else args.quality_steps
     if steps < 1:
         raise CliError(f"--quality-steps = {steps} is not valid; expected an integer >= 1")
-    model = args.quality_model or "tiny-flux"
+    model = args.model
     request = {"prompt": "a red fox in the snow", "num_inference_steps": steps, "seed": args.seed}
     print(f"bench: quality of float8 storage on {model}", file=sys.stderr, flush=True)
     try:

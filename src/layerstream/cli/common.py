@@ -94,6 +94,24 @@ def add_model_arguments(parser: argparse.ArgumentParser, model_help: str) -> Non
     add_hub_arguments(parser)
 
 
+def add_model_first_argument(parser: argparse.ArgumentParser, model_help: str, default: str, *older: str) -> None:
+    """MODEL as the first argument, optional (`default`), as `plan` and `serve` take it; `older` (--model) are
+    earlier spellings still accepted. The model given twice, differently, is refused."""
+    parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, action=_OneModel, metavar="MODEL", help=f"{model_help} (default: {default})")  # fmt: skip
+    parser.add_argument(*older, dest="model", default=default, action=_OneModel, metavar="MODEL", help="the same as MODEL")
+
+
+class _OneModel(argparse.Action):
+    """Stores the model, refusing a second, different one (given both as MODEL and as --model)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, "_model_given", None)
+        if given is not None and given != values:
+            raise argparse.ArgumentError(self, f"the model is given twice ({given!r} and {values!r}); give it once, as MODEL")
+        namespace._model_given = values
+        namespace.model = values
+
+
 def add_hub_arguments(parser: argparse.ArgumentParser) -> None:
     """--revision and --variant, for a model given as a Hugging Face Hub id."""
     parser.add_argument(

@@ -3,6 +3,9 @@ needed to make the output again."""
 
 from __future__ import annotations
 
+from layerstream.cli.resident_compare import ResidentComparison
+from layerstream.wording import format_bytes, format_seconds
+
 SUMMARY_PROMPT_CHARS = 80
 """A longer prompt is shortened in the table (the JSON keeps it whole): one row stays one line."""
 
@@ -14,7 +17,7 @@ def short_prompt(prompt: str) -> str:
     return f"{prompt[:SUMMARY_PROMPT_CHARS]}... ({len(prompt):,} characters)"
 
 
-def summary(model, omni, result, output, identical, trace_files, rank, *, prompt: str, seed: int) -> dict:
+def summary(model, omni, result, output, compared, trace_files, rank, *, prompt: str, seed: int) -> dict:
     """What one rank made and what it cost, as plain data (the `--json` output); the prompt whole."""
     s = result.stats
     # the size actually made, read from the output: the model's defaults fill in whatever was not asked for
@@ -34,6 +37,7 @@ def summary(model, omni, result, output, identical, trace_files, rank, *, prompt
         "dtypes": omni.component_dtypes(),
         "seconds": round(s.seconds, 4),
         "seconds_per_step": round(s.seconds_per_step, 4),
+        "first_step_seconds": round(s.step_seconds[0], 4) if s.step_seconds else None,
         "steps": len(s.step_seconds),
         "device_bytes": s.device_bytes,
         "peak_device_bytes": s.peak_device_bytes,
@@ -45,13 +49,30 @@ def summary(model, omni, result, output, identical, trace_files, rank, *, prompt
         "disk_bytes_read": s.disk_bytes_read,
         "disk_stall_seconds": round(s.disk_stall_seconds, 4),
         "vae_decode": s.vae_decode.to_dict() if s.vae_decode is not None else None,
-        "identical_to_resident": identical,
+        "identical_to_resident": None if compared is None else compared.identical,
+        "resident_comparison": None if compared is None else compared.to_dict(),
         "trace_files": trace_files,
     }
 
 
-def _mib(n) -> str:
-    return "-" if n is None else f"{n / 2**20:,.1f} MiB"
+def as_expected(made: dict) -> bool:
+    """Whether a summary's output is as it should be: not compared, identical to resident, or different only by
+    the lossy storage asked for."""
+    compared = made["resident_comparison"]
+    return compared is None or compared["identical"] or compared["lossy_storage"] is not None
+
+
+def _bytes(n) -> str:
+    return "-" if n is None else format_bytes(n)
+
+
+def _step_time(s: dict) -> str:
+    """The median step after the first (the first carries warm-up), the first apart, and the whole call."""
+    whole = f"{format_seconds(s['seconds'])} in all with prompt encoding and decoding"
+    if s["steps"] < 2:
+        return f"{format_seconds(s['seconds_per_step'])} ({s['steps']} step, warm-up included; {whole})"
+    first = f"first step {format_seconds(s['first_step_seconds'])}"
+    return f"{format_seconds(s['seconds_per_step'])} median after the first step ({first}; {s['steps']} steps, {whole})"
 
 
 def _decode_line(decode: dict | None) -> str:
@@ -71,18 +92,18 @@ def print_table(summaries: list[dict]) -> None:
         ("output", lambda s: s["output"]),
         ("device", lambda s: s["device"]),
         ("dtypes", lambda s: ", ".join(f"{name} {dtype}" for name, dtype in s["dtypes"].items()) or "-"),
-        ("time per step", lambda s: f"{s['seconds_per_step'] * 1e3:,.1f} ms median ({s['steps']} steps, {s['seconds']:.2f} s in all with prompt encoding and decoding)"),
-        ("device bytes", lambda s: _mib(s["device_bytes"]) + (f" (peak {_mib(s['peak_device_bytes'])})" if s["peak_device_bytes"] else "")),
-        ("host bytes", lambda s: _mib(s["host_bytes"])),
-        ("bytes streamed", lambda s: f"{_mib(s['bytes_streamed'])} in {s['num_transfers']} transfers ({s['num_sync_loads']} synchronous)"),
-        ("stall time", lambda s: f"{s['stall_seconds'] * 1e3:,.1f} ms"),
+        ("time per step", _step_time),
+        ("device bytes", lambda s: _bytes(s["device_bytes"]) + (f" (peak {_bytes(s['peak_device_bytes'])})" if s["peak_device_bytes"] else "")),
+        ("host bytes", lambda s: _bytes(s["host_bytes"])),
+        ("bytes streamed", lambda s: f"{_bytes(s['bytes_streamed'])} in {s['num_transfers']} transfers ({s['num_sync_loads']} synchronous)"),
+        ("stall time", lambda s: format_seconds(s["stall_seconds"])),
         ("VAE decode", lambda s: _decode_line(s["vae_decode"])),
-        ("identical to resident", lambda s: "not checked" if s["identical_to_resident"] is None else ("yes" if s["identical_to_resident"] else "NO")),
+        ("identical to resident", lambda s: ResidentComparison.summary(s["resident_comparison"])),
     ]
     if any(s["disk_bytes_read"] for s in summaries):  # the disk tier (host_budget_gb)
         rows.insert(
             -1,
-            ("read from disk", lambda s: f"{_mib(s['disk_bytes_read'])}, {s['disk_stall_seconds'] * 1e3:,.1f} ms stalled on the disk"),
+            ("read from disk", lambda s: f"{_bytes(s['disk_bytes_read'])}, {format_seconds(s['disk_stall_seconds'])} stalled on the disk"),
         )
     if any(s["source"]["origin"] == "hub" for s in summaries):  # the Hub revision the files are of
         rows.insert(1, ("revision", lambda s: f"{s['source']['revision']} (commit {s['source']['commit']})" if s["source"]["origin"] == "hub" else "-"))

@@ -5,14 +5,20 @@ written``) and exit code 130."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import signal
 import sys
+import time
 from collections.abc import Iterator
 from enum import StrEnum
 from pathlib import Path
+from typing import NoReturn
 
 EXIT_INTERRUPTED = 130
 """128 + SIGINT: what a shell reports for a command ended by Ctrl-C."""
+EXIT_PAUSE_ENV_VAR = "LAYERSTREAM_TEST_EXIT_PAUSE_SECONDS"
+"""Tests only: hold the process this long after its command finished, so that an interrupt surely lands there."""
 
 
 class Phase(StrEnum):
@@ -72,3 +78,30 @@ def _identity(path: Path) -> tuple[int, int] | None:
     except OSError:
         return None
     return status.st_dev, status.st_ino
+
+
+def command_entry() -> NoReturn:
+    """The `layerstream` program (the console script and ``python -m layerstream``): `main`, then the process
+    ends itself. A Ctrl-C before `main` returns is the command's to word; one after it (the summary printed, the
+    process ending) prints one line and exits 130. The process ends with `os._exit` once its output is flushed:
+    nothing after the command is its work, and the interpreter's own exit would run other libraries' exit hooks
+    (torch's, where a Ctrl-C printed a traceback and exited 0) and finalise modules (where it ended the process
+    by the signal, with no line). Daemon threads end with the process, safely: `_exit` unwinds no stack."""
+    from layerstream.cli.main import main
+
+    code = main()
+    signal.signal(signal.SIGINT, _interrupted_at_exit)
+    try:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed pipe: nothing more can reach the reader
+        code = code or 1
+    if pause := float(os.environ.get(EXIT_PAUSE_ENV_VAR) or 0):
+        time.sleep(pause)
+    os._exit(code)
+
+
+def _interrupted_at_exit(signum, frame) -> NoReturn:
+    print("layerstream: interrupted while exiting, after the command had finished", file=sys.stderr, flush=True)
+    os._exit(EXIT_INTERRUPTED)

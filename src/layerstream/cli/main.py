@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
+import warnings
 
 from layerstream.cli.common import CliError, configure_logging, fail
+from layerstream.errors import missing_extra
 from layerstream.cli.interrupt import EXIT_INTERRUPTED, PhaseLog, report_interrupt
 from layerstream.models.optional_imports import torchao_deferred
 
@@ -13,7 +16,7 @@ from layerstream.models.optional_imports import torchao_deferred
 SUBCOMMANDS = {
     "generate": ("layerstream.cli.generate_cmd", "Generate images or video with offload enabled (the main job)"),
     "plan": ("layerstream.cli.plan_cmd", "Print what would stream for a model and config"),
-    "bench": ("layerstream.cli.bench_cmd", "Measure offload strategies against resident"),
+    "bench": ("layerstream.cli.bench_cmd", "Measure what float8 storage does to a model's output (benchmarks/ has the others)"),
     "serve": ("layerstream.cli.serve_cmd", "Serve a pipeline with offload over HTTP"),
 }
 
@@ -33,7 +36,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="layerstream", description="Layerwise weight offloading for diffusion pipelines.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--version", action="version", version=_version_text(), help="print the version and exit")
+    parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     parser.subcommand_parsers = {}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
@@ -49,6 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _VersionAction(argparse.Action):
+    """--version, worded only when asked for: building the parser (every --help) imports no torch."""
+
+    def __init__(self, option_strings, dest, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(_version_text())  # on stdout, as argparse's own version action
+        parser.exit()
+
+
 def _version_text() -> str:
     """layerstream's version, and torch's with its CUDA build: the first thing a bug report needs."""
     import torch
@@ -60,8 +74,10 @@ def _version_text() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torch without numpy (a core install) warns on import that numpy is missing: the command names the extra
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     try:
-        parser = build_parser()  # imports torch: Ctrl-C is likely here too
+        parser = build_parser()
         args, unknown = parser.parse_known_args(argv)
     except KeyboardInterrupt:
         return report_interrupt(PhaseLog())
@@ -76,7 +92,12 @@ def main(argv: list[str] | None = None) -> int:
             return int(args._run(args) or 0)
     except CliError as e:
         return fail(str(e))
-    except KeyboardInterrupt:  # a subcommand without phases of its own (generate reports its own)
+    except ModuleNotFoundError as e:  # a core install (torch alone): the command's extra, in one line
+        if (error := missing_extra(e, args.command)) is None:
+            raise
+        return fail(str(error))
+    except KeyboardInterrupt:  # a subcommand without phases of its own (generate words its own, up to its return)
+        print("layerstream: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
 
 

@@ -170,7 +170,7 @@ def _loading():
     except ModuleNotFoundError as e:
         if e.name and e.name.startswith("layerstream"):
             raise CliError("loading models is not available in this build (no layerstream.models.loading)") from e
-        raise CliError(f"loading models needs the diffusers extra (pip install 'layerstream[diffusers]'): {e}") from e
+        raise  # the command line names the extra that provides it
     return loading
 
 

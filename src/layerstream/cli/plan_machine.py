@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import re
 from typing import Any
 
 from layerstream.cli.common import CliError, non_negative_float, positive_float, positive_int, request_value, vae_setting
@@ -20,6 +21,7 @@ _FLAG_OF = {
     "host_reserve_gb": "--host-reserve-gb", "activation_reserve_gb": "--activation-reserve-gb",
 }  # fmt: skip
 """The planner's field names as the flags that set them."""
+_FIELD_NAMES = re.compile(r"\b(" + "|".join(_FLAG_OF) + r")\b")
 _GENERATION_FLAGS = {"height": "--height", "width": "--width", "num_frames": "--num-frames", "num_inference_steps": "--steps"}
 """The generation planned for, by the flags that set it."""
 _MACHINE_FLAGS = (
@@ -116,9 +118,8 @@ def run_machine_plan(args: argparse.Namespace, pipeline: Any, origin: dict[str, 
 
                 seconds = measured_block_seconds(pipeline, result.config, generation.as_size(), default_device())
                 result = plan_for_machine(pipeline, machine, generation=generation, block_seconds=seconds)
-    except MachinePlanError as e:  # "host_memory_gb = 3: ..." -> "--host-memory = 3: ..."
-        name, _, rest = str(e).partition(" = ")
-        raise CliError(f"{_FLAG_OF.get(name, name)} = {rest}" if rest else str(e)) from e
+    except MachinePlanError as e:  # "host_memory_gb = 3: ... (set by baseline_gb)" -> "--host-memory = 3: ... (set by --baseline-gb)"
+        raise CliError(re.sub(_FIELD_NAMES, lambda name: _FLAG_OF[name.group()], str(e))) from e
     except LayerstreamError as e:  # the recommended config refused (float8 with a disk tier before its support)
         raise CliError(" ".join(f"the recommended configuration: {e}".split())) from e
     lossless = any(o.get("storage_dtype") == "lossless" for o in result.config.get("layer_options", {}).values())
@@ -143,28 +144,28 @@ def planned_generation_of(args: argparse.Namespace, pipeline: Any):
 
 
 def machine_plan_lines(result) -> list[str]:
-    from layerstream.wording import format_gb
+    from layerstream.wording import format_bytes, format_seconds
 
     m, stages = result.machine, result.stage_seconds_per_step
     device, host = result.device_phases, result.host_phases
     lines = [
         f"on a machine of {m.device_memory_gb:g} GB device, {m.host_memory_gb:g} GB host, link {m.link_gbps:g} GB/s, "
         f"disk {m.disk_gbps:g} GB/s: it runs",
-        f"  device: {format_gb(result.device_nbytes)} of {m.device_memory_gb:g} GB at its peak, in {device.peak.phase} "
-        f"({result.placement.num_slots} slots of {format_gb(result.placement.slot_nbytes)}; "
+        f"  device: {format_bytes(result.device_nbytes)} of {m.device_memory_gb:g} GB at its peak, in {device.peak.phase} "
+        f"({_slots(result.placement)}; "
         f"{result.activation_reserve_gb:.3g} GB left beside the weights and the ring for the largest phase)",
         *(f"    {phase.describe()}" for phase in device.phases),
         *([f"  VAE decode: {result.decode.summary()}"] if result.decode is not None else []),
-        f"  host:   {format_gb(result.host_nbytes)} of {m.host_memory_gb:g} GB while it generates, "
-        f"{format_gb(host.phase('loading and enabling').nbytes)} while it loads and enables",
+        f"  host:   {format_bytes(result.host_nbytes)} of {m.host_memory_gb:g} GB while it generates, "
+        f"{format_bytes(host.phase('loading and enabling').nbytes)} while it loads and enables",
         *(f"    {phase.describe()}" for phase in host.phases),
         f"  host reserve: {result.host_reserve.describe()}",
-        f"  disk:   {format_gb(result.disk_nbytes)} of blocks read from disk",
-        f"  per step ({m.forwards_per_step} forwards): {format_gb(result.link_nbytes_per_step)} over the link, "
-        f"{format_gb(result.disk_nbytes_per_step)} from disk",
+        f"  disk:   {format_bytes(result.disk_nbytes)} of blocks read from disk",
+        f"  per step ({m.forwards_per_step} forwards): {format_bytes(result.link_nbytes_per_step)} over the link, "
+        f"{format_bytes(result.disk_nbytes_per_step)} from disk",
         f"  generation: {result.generation.describe()}, {result.generation.num_inference_steps} steps",
-        f"  predicted: {result.seconds_per_step:.4g} s per step, bound by {result.bound} (compute {stages['compute']:.4g} s, "
-        f"link {stages['link']:.4g} s, disk {stages['disk']:.4g} s alone)",
+        f"  predicted: {format_seconds(result.seconds_per_step)} per step, bound by {result.bound} (compute "
+        f"{format_seconds(stages['compute'])}, link {format_seconds(stages['link'])}, disk {format_seconds(stages['disk'])} alone)",
         f"  compute per block: {result.compute_source}",
         f"  {result.host_budget.describe()}",
         *(f"  note: {n}" for n in result.notes),
@@ -172,3 +173,12 @@ def machine_plan_lines(result) -> list[str]:
         f"  --diffusion-offload-config '{json.dumps(dict(result.config))}'",
     ]
     return lines
+
+
+def _slots(placement) -> str:
+    """The slot ring, or "no slots" where nothing streams (everything fits on the device)."""
+    from layerstream.wording import format_bytes
+
+    if not placement.num_slots:
+        return "no slots: nothing streams"
+    return f"{placement.num_slots} slots of {format_bytes(placement.slot_nbytes)}"

@@ -186,14 +186,10 @@ def run(args: argparse.Namespace) -> int:
     if world_size > 1:
         return _serve_rank(args, config, settings, history)
 
-    try:  # the server's own modules need the serve extra; say so in one line rather than a traceback
-        from layerstream.server.jobs.manager import JobManager
-        from layerstream.server.http_server import bind_socket, run_server
-        from layerstream.server.service import GenerationService
-    except ModuleNotFoundError as e:
-        if e.name and e.name.startswith("layerstream"):
-            raise
-        raise CliError(f"serving needs the serve extra (pip install 'layerstream[serve]'): {e}") from e
+    # the server's own modules need the serve extra: the command line names it in one line (cli/main.py)
+    from layerstream.server.jobs.manager import JobManager
+    from layerstream.server.http_server import bind_socket, run_server
+    from layerstream.server.service import GenerationService
     from layerstream.models.generation_size import server_requests
     from layerstream.models.loading import ModelLoadError
     from layerstream.omni import GenerationError, Omni

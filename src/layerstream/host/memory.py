@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from layerstream.procfs import mem_available_nbytes
-from layerstream.wording import format_gb
+from layerstream.wording import format_bytes
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC = Path("/proc")
@@ -55,16 +55,16 @@ class CgroupLimit:
 
     def describe(self) -> str:
         return (
-            f"cgroup v{self.version} {self.folder}: limit {format_gb(self.limit_nbytes)} - working set "
-            f"{format_gb(self.working_set_nbytes)} (usage {format_gb(self.usage_nbytes)} - reclaimable page cache "
-            f"{format_gb(self.usage_nbytes - self.working_set_nbytes)}{self._released()}, inactive file "
-            f"{format_gb(self.inactive_file_nbytes)})"
+            f"cgroup v{self.version} {self.folder}: limit {format_bytes(self.limit_nbytes)} - working set "
+            f"{format_bytes(self.working_set_nbytes)} (usage {format_bytes(self.usage_nbytes)} - reclaimable page cache "
+            f"{format_bytes(self.usage_nbytes - self.working_set_nbytes)}{self._released()}, inactive file "
+            f"{format_bytes(self.inactive_file_nbytes)})"
         )
 
     def _released(self) -> str:
         if not self.released_mapped_nbytes:
             return ""
-        return f" with {format_gb(self.released_mapped_nbytes)} mapped under the streamed blocks' views"
+        return f" with {format_bytes(self.released_mapped_nbytes)} mapped under the streamed blocks' views"
 
     def to_dict(self) -> dict[str, int | str]:
         return {
@@ -104,7 +104,7 @@ class HostMemory:
     def describe(self) -> str:
         parts = []
         if self.available_nbytes is not None:
-            parts.append(f"MemAvailable {format_gb(self.available_nbytes)}")
+            parts.append(f"MemAvailable {format_bytes(self.available_nbytes)}")
         if self.cgroup is not None:
             parts.append(self.cgroup.describe())
         return "; ".join(parts) if parts else "nothing readable"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from layerstream.models.generation_estimates import block_activation_nbytes, latent_tokens, text_output_nbytes
-from layerstream.wording import GB, format_gb
+from layerstream.wording import GB, format_bytes
 
 if TYPE_CHECKING:
     from layerstream.models.generation_size import GenerationSize
@@ -53,11 +53,11 @@ class HostReserve:
 
     def describe(self) -> str:
         if not self.parts:
-            return f"{format_gb(self.nbytes)} ({self.source})"
-        parts = " + ".join(f"{name} {format_gb(n)}" for name, n in self.parts.items())
-        floor = f", at least {format_gb(FLOOR_NBYTES)}" if sum(self.parts.values()) < self.nbytes else ""
+            return f"{format_bytes(self.nbytes)} ({self.source})"
+        parts = " + ".join(f"{name} {format_bytes(n)}" for name, n in self.parts.items())
+        floor = f", at least {format_bytes(FLOOR_NBYTES)}" if sum(self.parts.values()) < self.nbytes else ""
         size = f"; size: {self.size_source}" if self.size_source else ""
-        return f"{format_gb(self.nbytes)} ({self.source}: {parts}{floor}{size})"
+        return f"{format_bytes(self.nbytes)} ({self.source}: {parts}{floor}{size})"
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -24,7 +24,7 @@ from layerstream.models.decode.vae_tiling import LOSSY_NOTE, VaeDecodeChoice, ch
 from layerstream.plan.phase_blocks import phase_blocks
 from layerstream.plan.placement import Placement
 from layerstream.plan.resolved import ResolvedOffloadPlan
-from layerstream.wording import GB, format_gb
+from layerstream.wording import GB, format_bytes
 
 if TYPE_CHECKING:
     from layerstream.models.generation_size import GenerationSize
@@ -140,8 +140,8 @@ def _notes(machine: Machine, fit: DeviceFit, tried: list[DeviceFit]) -> tuple[st
     if fit.text_encoder_streams and same_tiling:
         peak = same_tiling[0].phases.peak
         notes.append(
-            f"the text encoder streams: kept resident, {peak.phase} would need {format_gb(peak.nbytes)}, more than "
-            f"the device's {format_gb(fit.phases.memory_nbytes)}"
+            f"the text encoder streams: kept resident, {peak.phase} would need {format_bytes(peak.nbytes)}, more than "
+            f"the device's {format_bytes(fit.phases.memory_nbytes)}"
         )
     if fit.decode_tiled and fit.decode_choice is not None:
         notes.append(f"the VAE decode is tiled: {fit.decode_choice.reason}")
@@ -158,11 +158,11 @@ def refusal(pipeline: Any, machine: Machine, fit: DeviceFit, generation: Generat
     ways = _what_would_fit(pipeline, fit, generation)
     message = (
         f"device_memory_gb = {machine.device_memory_gb:g}: {peak.describe()} is more than the device's "
-        f"{format_gb(fit.phases.memory_nbytes)}{streamed}{blocks}; "
+        f"{format_bytes(fit.phases.memory_nbytes)}{streamed}{blocks}; "
     )
     kept = peak.nbytes - peak.parts[_transient_name(peak)]
     if kept >= fit.phases.memory_nbytes:
-        message += f"the weights kept on the device, the slot ring and the allowance alone need {format_gb(kept)}: {ways[-1]} would run it"
+        message += f"the weights kept on the device, the slot ring and the allowance alone need {format_bytes(kept)}: {ways[-1]} would run it"
     else:
         message += "it would fit with " + ", or ".join(ways)
     return DeviceTooSmallError(message, peak=peak, memory_nbytes=fit.phases.memory_nbytes, would_fit=ways)
@@ -173,18 +173,18 @@ def _what_would_fit(pipeline: Any, fit: DeviceFit, generation: GenerationSize) -
     beside the same weights and ring, and the device memory it needs (always, last)."""
     peak, memory = fit.phases.peak, fit.phases.memory_nbytes
     kept = peak.nbytes - peak.parts[_transient_name(peak)]
-    device = f"a device of {format_gb(peak.nbytes)}"
+    device = f"a device of {format_bytes(peak.nbytes)}"
     if kept >= memory:
         return (device,)
     ways = []
     if peak.phase == "VAE decode" and fit.decode_tiled is False:
         tiled = kept + max(t.nbytes for t in generation_transients(pipeline, generation, tiled=True, device_type=fit.device_type))
         if tiled <= memory:
-            ways.append(f'a tiled decode (vae_use_tiling true or "auto": {format_gb(tiled)} at its peak; {LOSSY_NOTE})')
+            ways.append(f'a tiled decode (vae_use_tiling true or "auto": {format_bytes(tiled)} at its peak; {LOSSY_NOTE})')
     for smaller in _smaller_generations(pipeline, generation):
         largest = kept + max(t.nbytes for t in generation_transients(pipeline, smaller, tiled=fit.decode_tiled, device_type=fit.device_type))
         if largest <= memory:
-            ways.append(f"{size_phrase(smaller)} ({format_gb(largest)} at its peak)")
+            ways.append(f"{size_phrase(smaller)} ({format_bytes(largest)} at its peak)")
             break
     return (*ways, device)
 

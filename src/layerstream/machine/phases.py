@@ -18,7 +18,7 @@ from typing import Any
 
 from layerstream.models.generation_estimates import PHASES, Transient
 from layerstream.plan.placement import Placement
-from layerstream.wording import format_gb
+from layerstream.wording import format_bytes
 
 WEIGHTS = "weights kept on the device"
 SLOT_RING = "slot ring"
@@ -39,9 +39,9 @@ class PhasePeak:
         return sum(self.parts.values())
 
     def describe(self) -> str:
-        parts = " + ".join(f"{name} {format_gb(n)}" for name, n in self.parts.items() if n)
+        parts = " + ".join(f"{name} {format_bytes(n)}" for name, n in self.parts.items() if n)
         note = f"; {self.note}" if self.note else ""
-        return f"{self.phase} {format_gb(self.nbytes)} ({parts}{note})"
+        return f"{self.phase} {format_bytes(self.nbytes)} ({parts}{note})"
 
     def to_dict(self) -> dict[str, Any]:
         return {"bytes": self.nbytes, "parts": dict(self.parts), "note": self.note}

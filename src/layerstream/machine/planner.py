@@ -39,7 +39,7 @@ from layerstream.plan.host_budget import STAGING_RING, HostBudgetChoice, choose_
 from layerstream.plan.placement import Placement
 from layerstream.plan.resolved import OffloadPlanResolutionError
 from layerstream.runtime.packing.lossless_code import priced_fraction
-from layerstream.wording import GB
+from layerstream.wording import GB, format_seconds
 
 if TYPE_CHECKING:
     from layerstream.models.generation_size import GenerationSize
@@ -152,8 +152,8 @@ def plan_for_machine(
     def coded_note(plan: MachinePlan, coded: MachinePlan) -> str:
         return (
             f"the DiT is stored lossless (about {priced_fraction().value:.2f}x the bytes, the same bits, decoded on the "
-            f"device at {decode_rate(machine)}): {plan.bound}-bound, {plan.seconds_per_step:.3g} s per "
-            f"step as it is, {coded.seconds_per_step:.3g} s coded"
+            f"device at {decode_rate(machine)}): {plan.bound}-bound, {format_seconds(plan.seconds_per_step)} per "
+            f"step as it is, {format_seconds(coded.seconds_per_step)} coded"
         )
 
     # its slots (the decoded block beside the coded one) may leave some phase no room: then it is not planned
@@ -179,9 +179,9 @@ def _faster_text_encoder(pipeline: Any, machine: Machine, **kwargs: Any) -> Mach
 
     def note(plan: MachinePlan, streaming: MachinePlan) -> str:
         return (
-            f"the text encoder streams: the device memory it frees keeps more DiT blocks resident, {plan.seconds_per_step:.3g} "
-            f"s per step with it resident, {streaming.seconds_per_step:.3g} s streamed, and its blocks cost "
-            f"{prompts_s(streaming):.2g} s over the link once a generation"
+            f"the text encoder streams: the device memory it frees keeps more DiT blocks resident, "
+            f"{format_seconds(plan.seconds_per_step)} per step with it resident, {format_seconds(streaming.seconds_per_step)} "
+            f"streamed, and its blocks cost {format_seconds(prompts_s(streaming))} over the link once a generation"
         )
 
     steps = plan.generation.num_inference_steps

@@ -17,6 +17,7 @@ import torch
 
 from layerstream.models.saved_dtypes import SafetensorsHeaderError, file_reader, loaded_safetensors, parse_safetensors_header
 from layerstream.runtime.packing.lossless_code import CodedFraction, count_coded, plan_code_from_counts
+from layerstream.wording import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def sample_coded_fraction(
     tally = tally_samples((t, _read_runs(t, budget)) for t in picked)
     if tally.coded_bytes == 0:
         return None
-    source = f"sampled from the checkpoint's weights ({tally.read_bytes / 2**20:.1f} MiB of {tally.which(per_component, components)})"
+    source = f"sampled from the checkpoint's weights ({format_bytes(tally.read_bytes)} of {tally.which(per_component, components)})"
     return CodedFraction(tally.stored_bytes / tally.coded_bytes, True, source)
 
 

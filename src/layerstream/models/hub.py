@@ -33,7 +33,7 @@ from typing import Any, Literal
 from layerstream.errors import LayerstreamError
 from layerstream.models.folder_check import MODEL_INDEX, ModelLoadError, check_model_folder
 from layerstream.models.weight_files import WEIGHT_INDEX, weight_file_key
-from layerstream.wording import first_line, format_gb
+from layerstream.wording import first_line, format_bytes
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 """``org/name``, as the Hub spells repository ids."""
@@ -214,8 +214,11 @@ def download_snapshot(
         try:
             commit, wanted = _pipeline_files(repo_id, revision, variant, settings, from_files)
         except _NetworkError as e:
-            why = f"the Hub at {settings.endpoint} cannot be reached ({e})"
-            return _cached_source(repo_id, revision, variant, settings, why=why, from_files=from_files)
+            unreachable = f"the Hub at {settings.endpoint} cannot be reached ({e})"
+        else:
+            unreachable = None
+        if unreachable is not None:  # outside the handler: the network error is in the message, not a chain
+            return _cached_source(repo_id, revision, variant, settings, why=unreachable, from_files=from_files)
         _check_free_space(repo_id, wanted, settings)
         _fetch_all(repo_id, wanted, commit, settings)
     _write_ref(repo_id, revision, commit, settings)
@@ -333,7 +336,7 @@ def _fetch_all(repo_id: str, files: list[RepoFile], commit: str, settings: HubSe
     try:
         for number, f in enumerate(todo, 1):
             if not terminal:
-                print(f"layerstream: downloading {repo_id}/{f.name} ({format_gb(f.size)}) [{number}/{len(todo)}]",
+                print(f"layerstream: downloading {repo_id}/{f.name} ({format_bytes(f.size)}) [{number}/{len(todo)}]",
                       file=sys.stderr, flush=True)  # fmt: skip
             _fetch(repo_id, f.name, commit, settings)
     finally:
@@ -349,8 +352,8 @@ def _check_free_space(repo_id: str, files: list[RepoFile], settings: HubSettings
     free = shutil.disk_usage(where).free
     if needed > free:
         raise ModelLoadError(
-            f"model {repo_id}: the download needs {format_gb(needed)} but the cache's filesystem ({settings.cache_dir}) "
-            f"has {format_gb(free)} free; free some space or point HF_HUB_CACHE (or HF_HOME) at a larger disk"
+            f"model {repo_id}: the download needs {format_bytes(needed)} but the cache's filesystem ({settings.cache_dir}) "
+            f"has {format_bytes(free)} free; free some space or point HF_HUB_CACHE (or HF_HOME) at a larger disk"
         )
 
 
@@ -367,9 +370,10 @@ def _cached_source(
     wanted = revision or _DEFAULT_REVISION
     index = try_to_load_from_cache(repo_id, MODEL_INDEX, cache_dir=settings.cache_dir, revision=wanted)
     if not isinstance(index, str):  # not cached (None), or cached as missing at that commit
+        todo = "unset HF_HUB_OFFLINE and connect to the network" if settings.offline else "connect to the network"
         raise ModelLoadError(
             f"model {repo_id}: {why} and no snapshot of revision {wanted} is cached in {settings.cache_dir}; "
-            "connect to the network (and unset HF_HUB_OFFLINE) to download it"
+            f"{todo} to download it"
         )
     folder = Path(index).parent
     check_model_folder(folder)
@@ -414,33 +418,34 @@ def _indexed_shards(folder: Path, leaves: list[str]) -> set[str]:
 
 @contextlib.contextmanager
 def _hub_errors(repo_id: str, revision: str | None, settings: HubSettings) -> Iterator[None]:
-    """huggingface_hub's errors as one `ModelLoadError` line naming the repository and what to do."""
+    """huggingface_hub's errors as one `ModelLoadError` line naming the repository and what to do, unchained:
+    the message holds what the cause says (its chain was 100 lines of three tracebacks)."""
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:
         yield
-    except GatedRepoError as e:
+    except GatedRepoError:
         raise ModelLoadError(
             f"model {repo_id}: the repository is gated and this machine has no access to it; accept its terms at "
             f"{settings.endpoint}/{repo_id}, then log in (hf auth login) or set HF_TOKEN"
-        ) from e
-    except RepositoryNotFoundError as e:
+        ) from None
+    except RepositoryNotFoundError:
         raise ModelLoadError(
             f"model {repo_id}: no such repository on the Hub at {settings.endpoint}, or it is private and this "
             "machine is not logged in; check the id, or log in (hf auth login) or set HF_TOKEN"
-        ) from e
-    except RevisionNotFoundError as e:
+        ) from None
+    except RevisionNotFoundError:
         raise ModelLoadError(
             f"model {repo_id}: revision {revision!r} does not exist; pass a branch, tag or commit of the repository"
-        ) from e
+        ) from None
     except HfHubHTTPError as e:
-        raise ModelLoadError(f"model {repo_id}: the Hub answered {first_line(e)}") from e
+        raise ModelLoadError(f"model {repo_id}: the Hub answered {first_line(e)}") from None
     except Exception as e:
         if is_network_error(e):
             raise ModelLoadError(
                 f"model {repo_id}: the download stopped, the Hub at {settings.endpoint} cannot be reached "
                 f"({first_line(e)}); run again to resume it"
-            ) from e
+            ) from None
         raise
 
 

@@ -4,8 +4,9 @@ Three questions every entry point asks the same way:
 - does the pipeline take an image, and must it have one? (`pipeline_image_input`, read from its call
   signature);
 - is what the user gave a usable image? (`read_input_image`: a PIL image, a path, an array, the bytes of
-  a file or an `ImageFile`; refused in one line if it is missing, not an image, empty or larger than the caps,
-  before any pixel is decoded where the header already tells);
+  a file or an `ImageFile`; refused in one line if it is missing, empty, not a PNG, JPEG or WebP file (told by
+  its first bytes, `image_file_format`, before any decoder runs) or larger than the caps, before any pixel is
+  decoded where the header already tells);
 - what does a request carry between threads and processes? (an `ImageFile`: the file's bytes, checked once,
   decoded again where it runs, by `read_input_image`);
 - what size does the output take when the caller names none? (`size_from_image`: the image's own size,
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 import numpy as np
 
 from layerstream.errors import LayerstreamError
+from layerstream.models.output_limits import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -34,10 +36,9 @@ if TYPE_CHECKING:
 ImageInputKind = Literal["none", "optional", "required"]
 ImageSource = Union["Image.Image", str, "os.PathLike[str]", np.ndarray, bytes, "ImageFile"]
 
-DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
-"""Largest input image, in pixels (16.8 megapixels): checked from the file header, before decoding."""
-DEFAULT_MAX_IMAGE_BYTES = 32 << 20
-"""Largest input image file, in bytes."""
+IMAGE_FILE_FORMATS = ("PNG", "JPEG", "WEBP")
+"""The input image files read (PIL's names): the only decoders a file's bytes ever reach."""
+ALLOWED_FORMATS_TEXT = "PNG, JPEG or WebP"
 
 # Pipelines whose signature gives `image` a default of None but that read it unconditionally: Qwen-Image-Edit
 # takes `image.size` first thing in __call__. Matched by class name through the MRO (no diffusers import).
@@ -49,10 +50,12 @@ IMAGE_REQUIRED_PIPELINES = frozenset(
 class InputImageError(LayerstreamError, ValueError):
     """An input image that cannot be used: missing, not an image, empty, or larger than the caps."""
 
-    def __init__(self, message: str, *, too_large: bool = False):
+    def __init__(self, message: str, *, too_large: bool = False, unsupported_format: bool = False):
         super().__init__(message)
         self.too_large = too_large
         """True when the image is refused for its size (a server answers 413 rather than 400)."""
+        self.unsupported_format = unsupported_format
+        """True when the file is not PNG, JPEG or WebP by its first bytes (a server answers 415 rather than 400)."""
 
 
 @dataclass(frozen=True)
@@ -232,24 +235,44 @@ def _read_file(name: str, path: Path, max_bytes: int) -> bytes:
         raise InputImageError(f"{name} {path} cannot be read ({e.strerror or e})") from None
 
 
+def image_file_format(data: bytes) -> str | None:
+    """The format of the image file `data` by its magic number (one of `IMAGE_FILE_FORMATS`), or None for any
+    other bytes. Read before any decoder runs: PIL would otherwise pick among all of its decoders (TIFF, PSD,
+    EPS through Ghostscript ...) by the same bytes. An MPO (a camera's JPEG with a second picture) is a JPEG
+    here, and its first picture, a plain JPEG, is what is read."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "PNG"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "JPEG"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    return None
+
+
 def _decode(name: str, data: bytes, max_pixels: int) -> Image.Image:
     from PIL import Image, UnidentifiedImageError
 
     if not data:
-        raise InputImageError(f"{name} is empty (0 bytes); expected a PNG, JPEG or WebP image")
+        raise InputImageError(f"{name} is empty (0 bytes); expected a {ALLOWED_FORMATS_TEXT} image")
+    file_format = image_file_format(data)
+    if file_format is None:
+        raise InputImageError(
+            f"{name} is not a {ALLOWED_FORMATS_TEXT} file (its first bytes are {data[:8].hex(' ')}); "
+            f"expected one of those formats", unsupported_format=True,
+        )  # fmt: skip
     try:
         with warnings.catch_warnings():
             # PIL warns, then raises, on images past its own bomb limit; ours (below) is lower and is the one reported
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
+            image = Image.open(io.BytesIO(data), formats=[file_format])  # that decoder only
             _check_pixels(name, image.size, max_pixels)  # from the header: nothing decoded yet
             image.load()
     except InputImageError:
         raise
     except Image.DecompressionBombError:
         raise InputImageError(f"{name} has too many pixels; expected at most {max_pixels:,}", too_large=True) from None
-    except UnidentifiedImageError:
-        raise InputImageError(f"{name} is not an image (expected a PNG, JPEG or WebP file)") from None
+    except UnidentifiedImageError:  # its magic number, then a header its decoder cannot read
+        raise InputImageError(f"{name} is not a readable {file_format} image (its header is damaged)") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:  # truncated or corrupt data past a valid header
         raise InputImageError(f"{name} is not a readable image ({type(e).__name__}: {e})") from None
     return _upright(image).convert("RGB")

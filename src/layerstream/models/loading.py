@@ -26,6 +26,7 @@ from layerstream.models.folder_check import MODEL_INDEX, ModelLoadError, check_m
 from layerstream.models.geometry import PipelineKind, pipeline_kind
 from layerstream.models.hub import ModelSource, download_snapshot, looks_like_hub_id, names_hub_repo
 from layerstream.models.model_rules import ModelRules, read_model_rules
+from layerstream.models.optional_imports import quiet_library_noise
 from layerstream.models.saved_dtypes import saved_dtypes
 from layerstream.models.tiny import TINY_MODELS, ensure_tiny_model, is_tiny_model_name
 from layerstream.wording import first_line
@@ -119,17 +120,19 @@ def load_pipeline(
     """
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
-    from diffusers import DiffusionPipeline
-
     from layerstream.models import component_files as files_of
 
     specs = files_of.check_component_specs(components)  # their form before anything is read
-    if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") == "1":  # the command line asks for quiet loading
-        import diffusers.utils.logging
-        import transformers.utils.logging
+    with quiet_library_noise():
+        return _load_pipeline(model, dtype, revision, variant, specs)
 
-        diffusers.utils.logging.disable_progress_bar()
-        transformers.utils.logging.disable_progress_bar()
+
+def _load_pipeline(
+    model, dtype: torch.dtype | None, revision: str | None, variant: str | None, specs: dict[str, str]
+) -> DiffusionPipeline:
+    from diffusers import DiffusionPipeline
+
+    from layerstream.models import component_files as files_of
 
     if not isinstance(model, ModelSource):
         model = resolve_model(model, revision=revision, variant=variant, from_files=frozenset(specs))
@@ -201,10 +204,11 @@ def load_model(
     host with its rules, `components` from their files (`load_pipeline`); its progress bars off (layerstream
     reports progress itself, per step)."""
     name = model.model if isinstance(model, ModelSource) else model
-    if not isinstance(model, ModelSource):
-        model = resolve_model(model, revision=revision, variant=variant, from_files=frozenset(components or ()))
-    source = model
-    pipeline = load_pipeline(source, dtype=dtype, components=components)
+    with quiet_library_noise():  # a tiny model is built with diffusers here, before its load
+        if not isinstance(model, ModelSource):
+            model = resolve_model(model, revision=revision, variant=variant, from_files=frozenset(components or ()))
+        source = model
+        pipeline = load_pipeline(source, dtype=dtype, components=components)
     if hasattr(pipeline, "set_progress_bar_config"):
         pipeline.set_progress_bar_config(disable=True)
     kind, dtypes = pipeline_kind(pipeline), component_dtypes(pipeline)

@@ -1,4 +1,5 @@
-"""torchao, imported only for a model that needs it: diffusers and transformers would import it regardless.
+"""torchao, imported only for a model that needs it: diffusers and transformers would import it regardless;
+and the libraries' import-time advisories quieted while layerstream loads a model (`quiet_library_noise`).
 
 Where torchao is installed, diffusers' and transformers' torchao quantizers import it as soon as any of their
 model classes is imported, whether a model is quantized or not. On a CPU-only machine that import logs five
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -69,3 +71,40 @@ def torchao_deferred(model: str | os.PathLike[str] | None) -> Iterator[None]:
     finally:
         if hide and _TORCHAO in sys.modules and sys.modules[_TORCHAO] is None:
             del sys.modules[_TORCHAO]
+
+
+_NOISY_LOGGERS = (
+    "torchao",  # "Failed to load .../_C_mxfp8...so": each kernel library this machine's torch cannot load
+    "torch.utils._pytree",  # torchao registers its enums with register_constant, deprecated since torch 2.13
+    "diffusers.quantizers.torchao.torchao_quantizer",  # "Unable to import `torchao` Tensor objects" (a torchao
+    # newer than diffusers' list of its classes)
+    "transformers.utils.import_utils",  # "`CLIPImageProcessor` requires torchvision; falling back to ...Pil"
+)
+"""Loggers that speak, at WARNING, about the libraries themselves rather than the model loaded: 4 such lines,
+and 2 more per missing kernel library, before a Python quick start's first line of its own (torchao installed)."""
+
+
+@contextlib.contextmanager
+def quiet_library_noise() -> Iterator[None]:
+    """Inside, `_NOISY_LOGGERS` report errors only, and diffusers' and transformers' loading progress bars are
+    off (layerstream reports a generation's progress itself); both as they were on leaving, so that a caller's
+    own use of those libraries is left as it set it."""
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    bars = []
+    for logger in loggers:  # before diffusers is imported: its import is what speaks
+        logger.setLevel(logging.ERROR)
+    try:
+        import diffusers.utils.logging as diffusers_logging
+        import transformers.utils.logging as transformers_logging
+
+        for lib in (diffusers_logging, transformers_logging):
+            bars.append((lib, lib.is_progress_bar_enabled()))
+            lib.disable_progress_bar()
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+        for lib, was_enabled in bars:
+            if was_enabled:
+                lib.enable_progress_bar()

@@ -31,6 +31,10 @@ number, the web page's "use these settings" included), and all of them ``torch.G
 they are."""
 MAX_PROMPT_CHARS = 10_000
 """Longest prompt (and negative prompt), in characters, on the command line and the server alike."""
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
+"""Largest input image, in pixels (16.8 megapixels): checked from the file header, before decoding."""
+DEFAULT_MAX_IMAGE_BYTES = 32 << 20
+"""Largest input image file, in bytes."""
 
 
 @dataclass(frozen=True)

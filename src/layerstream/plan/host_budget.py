@@ -19,7 +19,7 @@ from typing import Any
 
 from layerstream.errors import OffloadError
 from layerstream.plan.resolved import ResolvedOffloadPlan
-from layerstream.wording import GB, format_gb
+from layerstream.wording import GB, format_bytes
 
 STAGING_RING = "disk staging ring"
 """The name of the one need that exists only with a disk tier."""
@@ -50,18 +50,18 @@ class HostBudgetChoice:
         return None if self.budget_nbytes is None else self.budget_nbytes / GB
 
     def describe(self) -> str:
-        figures = f"{format_gb(self.free_nbytes)} free ({self.free_source})"
+        figures = f"{format_bytes(self.free_nbytes)} free ({self.free_source})"
         if self.held_nbytes:
-            figures += f" + {format_gb(self.held_nbytes)} of streamed blocks already in memory"
+            figures += f" + {format_bytes(self.held_nbytes)} of streamed blocks already in memory"
         needs = [(name, n) for name, n in self.needs.items() if self.budget_nbytes is not None or name != STAGING_RING]
-        figures += "".join(f" - {name} {format_gb(n)}" for name, n in needs)
+        figures += "".join(f" - {name} {format_bytes(n)}" for name, n in needs)
         if self.reserve_reason:
             figures += f" [reserve {self.reserve_reason}]"
-        streamed = format_gb(self.streamed_nbytes)
+        streamed = format_bytes(self.streamed_nbytes)
         if self.budget_nbytes is None:
             return f'host_budget_gb "auto": {figures} holds every streamed block ({streamed}): no disk tier'
         return (
-            f'host_budget_gb "auto": {figures} = a budget of {format_gb(self.budget_nbytes)} for {streamed} of '
+            f'host_budget_gb "auto": {figures} = a budget of {format_bytes(self.budget_nbytes)} for {streamed} of '
             "streamed blocks: the rest is read from disk"
         )
 
@@ -90,10 +90,10 @@ def choose_host_budget(
     if streamed_nbytes <= room + needs.get(STAGING_RING, 0):
         return choice  # everything fits without a disk tier, whose staging ring is then not needed
     if room <= 0:
-        beside = ", ".join(f"{name} {format_gb(n)}" for name, n in needs.items())
+        beside = ", ".join(f"{name} {format_bytes(n)}" for name, n in needs.items())
         reserve = f"; the reserve {reserve_reason}" if reserve_reason else ""
         raise OffloadError(
-            f'host_budget_gb = "auto": {format_gb(free_nbytes)} of host memory is free ({free_source}), less than '
+            f'host_budget_gb = "auto": {format_bytes(free_nbytes)} of host memory is free ({free_source}), less than '
             f"what runs beside the host store even with every block on disk ({beside}{reserve}); free memory, lower "
             "host_reserve_gb, or give host_budget_gb as a number"
         )

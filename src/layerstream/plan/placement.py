@@ -49,8 +49,8 @@ from layerstream.config.offload_config import DEFAULT_ACTIVATION_RESERVE_GB
 from layerstream.errors import OffloadError
 from layerstream.plan.host_budget import HostBudgetChoice
 from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan
+from layerstream.wording import GB
 
-GB = 1e9
 SLOT_ALIGN_BYTES = 64
 """Slots start at this alignment and their size is a multiple of it (the runtime's span alignment)."""
 

@@ -17,7 +17,8 @@ work than --max-work, wrong endpoint, not JSON (no body at all included), an inp
 image, an image the model does not take or a missing one it needs); 404 no such job or kept image output;
 405 a method the path does not serve (``Allow`` lists every one it does); 409 a job's content before it has
 completed; 413 body over --max-body-bytes (plus the image allowance where an image may come), or an image over
---max-image-bytes or --max-image-pixels; 422 a field missing, mistyped, out of range or unknown; 429 queue
+--max-image-bytes or --max-image-pixels; 415 an input image that is not PNG, JPEG or WebP by its bytes (or a
+data URL of another type than an image's); 422 a field missing, mistyped, out of range or unknown; 429 queue
 full; 500 the generation raised (the server stays up); 503 shutting down; 504 past its ``timeout`` (waiting,
 or generating: then it stops at the next denoising step). Each route's OpenAPI entry states the statuses it
 answers, every error with the `ErrorResponse` body. A request whose client disconnects, while it sends its
@@ -56,6 +57,7 @@ from layerstream.server.image_outputs import KeptOutputs
 from layerstream.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from layerstream.server.metrics import ServerMetrics
 from layerstream.server.openapi import (
+    IMAGE_INPUT_ERRORS,
     QUEUEING_ERRORS,
     apply_exact_openapi_,
     binary_response,
@@ -97,6 +99,7 @@ _GENERATION_ERRORS = error_responses({
     500: "The generation raised (the server stays up)",
     504: "The request ran past its timeout (waiting, or generating)",
 })  # fmt: skip
+_IMAGE_INPUT_GENERATION_ERRORS = {**_GENERATION_ERRORS, **error_responses(IMAGE_INPUT_ERRORS)}
 _IMAGE_OUTPUT_ERRORS = error_responses({404: "No kept output of that name (kept in memory, the newest only)"})
 
 
@@ -129,7 +132,9 @@ def create_app(service: GenerationService, jobs: JobManager | None = None, *, ui
 
     _add_image_routes(app, service)
 
-    @_post_generation(app, VIDEOS_PATH, VideoGenerationResponse, json_request_body(VideoGenerationRequest))
+    @_post_generation(
+        app, VIDEOS_PATH, VideoGenerationResponse, json_request_body(VideoGenerationRequest), _IMAGE_INPUT_GENERATION_ERRORS
+    )
     async def create_videos(request: Request) -> JSONResponse:
         _, output = await _run_generation(service, request, VideoGenerationRequest, "video")
         data = [VideoData(b64_json=_base64(f)) for f in output.files]
@@ -144,7 +149,7 @@ def create_app(service: GenerationService, jobs: JobManager | None = None, *, ui
 
     @app.get(HEALTH_PATH, response_model=HealthResponse)
     async def health() -> dict[str, Any]:
-        jobs_fields = {"jobs_path": jobs.path, "jobs_storage": jobs.storage_state()} if jobs is not None else {}
+        jobs_fields = {"jobs_path": jobs.path, "jobs_storage": jobs.storage_state(), **jobs.history_state()} if jobs is not None else {}
         return {**service.health(), **jobs_fields}
 
     @app.get(METRICS_PATH, response_class=PlainTextResponse)
@@ -162,7 +167,7 @@ def _add_video_sync_route(app: FastAPI, service: GenerationService) -> None:
     @app.post(
         VIDEOS_SYNC_PATH,
         response_class=Response,
-        responses={**binary_response("The video", "video/mp4"), **_GENERATION_ERRORS},
+        responses={**binary_response("The video", "video/mp4"), **_IMAGE_INPUT_GENERATION_ERRORS},
         openapi_extra=json_request_body(VideoJobRequest),
     )
     async def create_video_sync(request: Request) -> Response:
@@ -194,7 +199,7 @@ def _add_image_routes(app: FastAPI, service: GenerationService) -> None:
         body, output = await _run_generation(service, request, ImageGenerationRequest, "image")
         return _ok(await _image_response(request, body, output, kept_outputs))
 
-    @_post_generation(app, EDITS_PATH, ImageGenerationResponse, edit_request_body())
+    @_post_generation(app, EDITS_PATH, ImageGenerationResponse, edit_request_body(), _IMAGE_INPUT_GENERATION_ERRORS)
     async def create_edits(request: Request) -> JSONResponse:
         body, output = await _run_edit(service, request)
         return _ok(await _image_response(request, body, output, kept_outputs))
@@ -216,10 +221,13 @@ def _add_image_routes(app: FastAPI, service: GenerationService) -> None:
         return Response(kept.data, media_type=kept.media_type)
 
 
-def _post_generation(app: FastAPI, path: str, answer: type[BaseModel], request_body: dict[str, Any]):
+def _post_generation(
+    app: FastAPI, path: str, answer: type[BaseModel], request_body: dict[str, Any], errors: dict = _GENERATION_ERRORS
+):
     """The route decorator of a generation endpoint that answers JSON `answer`: the OpenAPI document shows its
-    `request_body` (the route reads the body itself) and the errors every generation may answer."""
-    return app.post(path, response_model=answer, responses=_GENERATION_ERRORS, openapi_extra=request_body)
+    `request_body` (the route reads the body itself) and the `errors` it may answer (every generation's, and
+    415 where it takes an input image)."""
+    return app.post(path, response_model=answer, responses=errors, openapi_extra=request_body)
 
 
 def _served_methods(app: FastAPI, scope: Scope) -> set[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Mapping
 
@@ -78,7 +79,19 @@ async def read_form(
     request: Request, body: bytes, image_field: str, *, model: str, refused: Mapping[str, str] | None = None
 ) -> tuple[dict[str, str], bytes | None]:
     """(the text fields, the bytes of the image file part or None) of a multipart form already read as `body`;
-    a 4xx naming the part at fault.
+    a 4xx naming the part at fault. Parsed off the event loop (a body of up to ~43 MB), on a loop of its own in
+    a worker thread: Starlette's parser is a coroutine, though its work is CPU and file writes."""
+
+    def parse() -> tuple[dict[str, str], bytes | None]:
+        return asyncio.run(_parse_form(request.headers, body, image_field, model=model, refused=refused))
+
+    return await asyncio.to_thread(parse)
+
+
+async def _parse_form(
+    headers: Mapping[str, str], body: bytes, image_field: str, *, model: str, refused: Mapping[str, str] | None
+) -> tuple[dict[str, str], bytes | None]:
+    """`read_form`'s parse.
 
     The image comes as `image_field`, or as OpenAI's client sends a list, ``image_field[]``: the served models
     (`model`) take one image, so a list of one is that image and a longer one is refused. A part named in
@@ -92,7 +105,7 @@ async def read_form(
 
     parser = MultiPartParser(
         # files beyond the image are parsed to be refused by name (a mask, a second image), not as "too many"
-        request.headers, read_body_again(), max_files=MAX_FORM_FIELDS, max_fields=MAX_FORM_FIELDS,
+        headers, read_body_again(), max_files=MAX_FORM_FIELDS, max_fields=MAX_FORM_FIELDS,
         max_part_size=len(body) + 1,
     )  # fmt: skip
     try:
@@ -131,16 +144,26 @@ def edit_refusals(model: str) -> dict[str, str]:
 
 
 def decode_base64_image(text: str, field: str = "image") -> bytes:
-    """The bytes of a base64 image field, plain or as a data URL (``data:image/png;base64,...``); 400 naming
-    `field` if it is neither."""
+    """The bytes of a base64 image field, plain or as a data URL (``data:image/png;base64,...``), line breaks
+    and spaces allowed (what ``base64 FILE`` prints); 400 naming `field` if it is neither. A data URL's declared
+    type is not trusted: an image type or ``application/octet-stream`` (what clients send for a file they cannot
+    name) is read by its bytes (`read_image_file`), any other type is a 415."""
     import base64
     import binascii
 
     if text.startswith("data:"):
         header, _, text = text.partition(",")
-        if not header.endswith(";base64"):
+        media_type, *parameters = header[len("data:") :].split(";")
+        if parameters[-1:] != ["base64"]:
             raise ApiError(400, f"{field} is a data URL that is not base64-encoded", code="invalid_image", param=field)
+        media_type = media_type.strip().lower()
+        if not (media_type.startswith("image/") or media_type == "application/octet-stream"):
+            message = (
+                f"{field} is a data URL of type {media_type or 'text/plain (none given)'!r}; expected an image type"
+                f" (image/png, image/jpeg, image/webp) or application/octet-stream, holding a PNG, JPEG or WebP file"
+            )
+            raise ApiError(415, message, code="unsupported_image_format", param=field)
     try:
-        return base64.b64decode(text, validate=True)
+        return base64.b64decode("".join(text.split()), validate=True)  # without the line breaks `base64` prints
     except (binascii.Error, ValueError):
         raise ApiError(400, f"{field} is not valid base64", code="invalid_image", param=field) from None

@@ -36,6 +36,11 @@ QUEUEING_ERRORS = {
     503: "The server is shutting down, or a serving rank failed",
 }
 """The statuses every route that queues a generation (answered at once, or as a job) may answer, besides its 400."""
+IMAGE_INPUT_ERRORS = {
+    415: "The input image is not a PNG, JPEG or WebP file (told by its first bytes), or its data URL declares a type"
+         " that is neither an image type nor application/octet-stream",
+}  # fmt: skip
+"""The status of a route that takes an input image, for an image of another format."""
 
 
 def error_responses(when: dict[int, str]) -> dict[int | str, dict[str, Any]]:

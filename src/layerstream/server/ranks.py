@@ -20,7 +20,8 @@ outputs) ahead of where it is, and every rank stops at that checkpoint, so all r
 
 What crosses the store is bytes bounded by what users sent and get back: a wave's requests carry their input
 images as the files sent (`ImageFile`, decoded on each rank by `read_input_image`, as in one process), and
-outcomes carry encoded outputs. Every key a wave writes leaves the store once every rank has read it
+outcomes carry encoded outputs, pickled: whoever reaches the store's port runs code on every rank, as with
+torch.distributed itself (docs/several-gpus.md says how to keep it private). Every key a wave writes leaves the store once every rank has read it
 (`lead_wave`), deleted by rank 0, the last reader or the writer:
 - ``message/{n}``: rank 0 sets it, every rank reads it; deleted once every rank has reported on it;
 - ``outcome/{n}/{rank}``: a rank sets it, rank 0 reads it; deleted as it is read;
@@ -56,7 +57,6 @@ from layerstream.wording import first_line
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5
-POLL_S = 0.005
 WAIT_LOG_S = 30.0
 STOP_LAG_CHECKPOINTS = 2
 """How far ahead of rank 0 a stop point is set: ranks that share blocks run at most a few blocks apart."""
@@ -218,9 +218,20 @@ class ControlChannel:
                 self._check_peer(peer)
 
     def _wait_for(self, key: str, *, peer: int) -> None:
-        while not self._store_call(self.setup.store.check, [key]):
+        """Block until `key` is in the store (the store wakes us: no polling), checking `peer`'s heartbeat once
+        per collective timeout, the longest it may be silent: a lost peer is noticed as soon as polling would."""
+        from torch.distributed import DistStoreError
+
+        self._check_peer(peer)  # its beat count now: a silence is measured from here
+        while True:
+            try:
+                self.setup.store.wait([key], self.setup.timeout)
+                return
+            except DistStoreError:  # the wait timed out: the key is not there yet
+                pass
+            except Exception as e:  # the store's host (torchrun, or rank 0) is gone
+                raise RankGroupError(f"the serving ranks lost their store: {first_line(e)}") from e
             self._check_peer(peer)
-            time.sleep(POLL_S)
 
     def _check_peer(self, peer: int) -> None:
         count = self._store_call(self.setup.store.add, f"heartbeat/{peer}", 0)

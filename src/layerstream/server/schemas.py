@@ -387,3 +387,11 @@ class HealthResponse(BaseModel):
     jobs_storage: str | None = Field(
         None, description="'ok', or why the data folder refused the job API's last write (full, read-only...)."
     )
+    jobs_unreadable: int | None = Field(
+        None, description="Rows of the job history that cannot be read (edited by hand, damaged): set aside, named in"
+        " the log, left in the database as they are.",
+    )
+    jobs_bookkeeping: str | None = Field(
+        None, description="'ok', or the last bookkeeping after a job's outcome (retention, metrics, events) that"
+        " failed; the outcome stands.",
+    )

@@ -172,7 +172,8 @@ class GenerationService:
         return self.settings.image_body_bytes if takes_image else self.settings.max_body_bytes
 
     def read_image(self, data: bytes, field: str = "image") -> ImageFile:
-        """The input image in `data`, checked against the caps; 400 (413 when too large) naming `field`.
+        """The input image in `data`, checked against the caps; 400 (413 when too large, 415 when not PNG, JPEG or
+        WebP by its bytes) naming `field`.
 
         Called off the event loop: decoding a large image takes a while. The request then carries the file's
         bytes, not its pixels: the queue holds the upload as it came, and wherever the request runs (this
@@ -185,6 +186,8 @@ class GenerationService:
                 data, name=field, max_pixels=self.settings.max_image_pixels, max_bytes=self.settings.max_image_bytes
             )
         except InputImageError as e:
+            if e.unsupported_format:
+                raise ApiError(415, str(e), code="unsupported_image_format", param=field) from None
             raise ApiError(413 if e.too_large else 400, str(e), code="invalid_image", param=field) from None
 
     def prepare(

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from layerstream.errors import LayerstreamError
-from layerstream.models.input_image import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
-from layerstream.models.output_limits import DEFAULT_MAX_FRAMES, DEFAULT_MAX_SIDE_PIXELS
+from layerstream.models.output_limits import DEFAULT_MAX_FRAMES, DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_SIDE_PIXELS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000

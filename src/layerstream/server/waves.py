@@ -145,10 +145,18 @@ class RankRunner(RunnerBase):
 
     # waves -----------------------------------------------------------------------------------------------------
     def run(self, groups: list[list[ServedJob]]) -> list[Answer]:
-        """One wave, every rank its group (or a placeholder); one answer per job."""
+        """One wave, every rank its group (or a placeholder); one answer per job. A job whose observer fails as it
+        starts (the job database refused its status) is answered with that error and left out: the others run."""
         jobs = [job for group in groups for job in group]
         if self.fatal_error is not None:
             return [self._unavailable()] * len(jobs)
+        refused = _start_observers(jobs)
+        running = [group for group in ([job for job in g if id(job) not in refused] for g in groups) if group]
+        answers = iter(self._run_wave(running) if running else [])
+        return [refused[id(job)] if id(job) in refused else next(answers) for job in jobs]
+
+    def _run_wave(self, groups: list[list[ServedJob]]) -> list[Answer]:
+        jobs = [job for group in groups for job in group]
         works = [
             GroupWork(
                 tuple(j.served.request for j in g), batch_call=self.policy.batches(g[0]),
@@ -160,9 +168,6 @@ class RankRunner(RunnerBase):
         works += [works[0].as_placeholder()] * num_idle
         self._wave_id += 1
         message = WaveMessage(WaveKind.RUN, self._wave_id, tuple(works))
-        for job in jobs:
-            if job.observer is not None:
-                job.observer.started()
         started = time.perf_counter()
         try:
             observer = _WaveObserver.of(jobs, groups[0])
@@ -321,6 +326,19 @@ class _WaveObserver:
     def latents(self, step: int, total: int, latents: Any) -> None:
         if self._latents_to is not None:
             self._latents_to.latents(step, total, latents)
+
+
+def _start_observers(jobs: Sequence[ServedJob]) -> dict[int, Exception]:
+    """Tell each job's observer that it starts; the error of each that raised, by the job's id()."""
+    refused: dict[int, Exception] = {}
+    for job in jobs:
+        if job.observer is not None:
+            try:
+                job.observer.started()
+            except Exception as e:  # noqa: BLE001 - its answer: the job manager records it as the job's failure
+                logger.error("a job of the wave could not be marked started (%s); it is failed, the others run", e)
+                refused[id(job)] = e
+    return refused
 
 
 def _stop_reason(jobs: Sequence[Job]) -> StopReason | None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-GB = 1e9
+from layerstream.wording import GB
 
 
 def transfer_seconds(nbytes: int, link_gbps: float) -> float:

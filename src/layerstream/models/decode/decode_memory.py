@@ -21,10 +21,10 @@ from layerstream.config.offload_config import OffloadConfig
 from layerstream.models.decode.vae_tiling import AUTO, VaeDecodeChoice, VaeSetting, choose_vae_decode
 from layerstream.runtime.packing.tensors import device_bytes
 from layerstream.runtime.reporting.stats import OffloadStats
+from layerstream.wording import GB
 
 logger = logging.getLogger(__name__)
 
-GB = 1e9
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,6 +28,7 @@ import torch
 from layerstream.errors import TransferError
 from layerstream.runtime.contracts import CopyRecord, Job
 from layerstream.runtime.engines.accelerator_api import AcceleratorApi
+from layerstream.runtime.engines.at_exit import close_at_exit
 from layerstream.runtime.packing.host_buffer import on_own_thread
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class CpuCopyEngine:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="layerstream-copy", daemon=True)
         self._thread.start()
+        close_at_exit(self)  # its thread may be in a torch op when a script ends without disable()
         self.copies: deque[CopyRecord] = deque(maxlen=MAX_COPY_RECORDS)
 
     # compute side -------------------------------------------------------------------------------------------
@@ -206,6 +208,7 @@ class AcceleratorCopyEngine:
         if timing:
             self._origin = self.api.Event(enable_timing=True)
             self._origin.record(self.api.current_stream(device))
+        close_at_exit(self)  # its issuing thread may be in a disk read when a script ends without disable()
 
     def copy_into(self, slot: int, job: Job, record: CopyRecord | None = None, *, waits_on_host: bool = False) -> None:
         if self._held[slot]:

@@ -34,6 +34,7 @@ from layerstream.runtime.streaming.streamer import BlockCounters, BlockStreamer,
 from layerstream.runtime.packing.tensors import device_bytes, module_device, move_tensors_, unmap_tensors_
 from layerstream.runtime.modes.hooks import PIPELINE, HookSet
 from layerstream.runtime.modes.undo import UndoStack
+from layerstream.wording import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +73,8 @@ def apply_layer_mode(
         if streamer is not None:
             store.follow_order_(streamer.successor, len(streamer.blocks))  # a store that reads ahead follows it
     logger.info(
-        "layerwise offload on %s: %d streamed blocks, %d slots of %.1f MiB",
-        plan.pipeline_class, len(stored), placement.num_slots, placement.slot_nbytes / 2**20,
+        "layerwise offload on %s: %d streamed blocks, %d slots of %s",
+        plan.pipeline_class, len(stored), placement.num_slots, format_bytes(placement.slot_nbytes),
     )
     return LayerModeBackend(
         plan, placement, device, components, streamer, engine, stores, hooks, counters, lora, ownership, moved_by_own_to

@@ -78,8 +78,9 @@ class OffloadStats(ComponentStats):
 
     def __str__(self) -> str:
         """A readable multi-line summary (the dataclass repr stays available through `repr`)."""
+        slots = f"{self.num_slots} slots, {format_bytes(self.slot_bytes)} of slots" if self.num_slots else "no slots"
         lines = [
-            f"offload ({self.engine or 'none'}): {self.num_slots} slots, {format_bytes(self.slot_bytes)} of slots, "
+            f"offload ({self.engine or 'none'}): {slots}, "
             f"at most {self.max_materialized_blocks} blocks bound at once",
             f"  device {format_bytes(self.device_bytes)}, host {format_bytes(self.host_bytes)} "
             f"({format_bytes(self.pinned_host_bytes)} pinned)",

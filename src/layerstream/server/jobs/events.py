@@ -70,10 +70,11 @@ async def stream_events(
     events: JobEvents, job_id: str, snapshot: Callable[[], dict[str, Any] | None]
 ) -> AsyncIterator[str]:
     """The text of a job's event stream: its status now, then its events, until the status event of a
-    finished job. `snapshot()` gives the job object (None once the job is deleted: the stream ends)."""
+    finished job. `snapshot()` gives the job object (None once the job is deleted: the stream ends); it reads the
+    job database, so it runs off the event loop."""
     queue = events.subscribe(job_id)  # before the snapshot: no event between the two is missed
     try:
-        current = snapshot()
+        current = await asyncio.to_thread(snapshot)
         if current is None:
             return
         last_status = current["status"]
@@ -84,7 +85,7 @@ async def stream_events(
             except asyncio.TimeoutError:
                 event = None
             if event is None:
-                if snapshot() is None:
+                if await asyncio.to_thread(snapshot) is None:
                     return  # deleted while nothing happened
                 yield ": keep-alive\n\n"
                 continue

@@ -5,20 +5,24 @@ A job is checked as a synchronous request is (`GenerationService.prepare`), stor
 behind the others with a `StepObserver`, as one request run alone: in process, or on whichever rank its wave
 gives it. When it starts it is marked in progress; its steps become progress and preview events; once its
 future is answered its output, encoded with its settings inside, is written into the data folder and it is
-marked completed (or failed). Deleting a job removes it at once; a running one stops at its next denoising
+marked completed (or failed): once that row is written the outcome is settled, and what follows it (metrics,
+events, retention) may fail without changing it (logged, and `/health`'s ``jobs_bookkeeping``). Deleting a job
+removes it at once (a second DELETE is a 404, as a GET); a running one stops at its next denoising
 step (`StopReason.CANCELLED`; on ranks, at the wave's next stop point once every job of the wave is deleted,
 else its outputs are dropped) and the worker moves on. The history is kept by the process serving HTTP.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +34,7 @@ from layerstream.outputs import OutputEncoding
 from layerstream.server.jobs.previews import LatentProjection, fit_latent_projection, preview_data_url
 from layerstream.server.jobs.records import (
     DECODED_PERCENT,
+    AfterStepsRate,
     JobRecord,
     JobSettings,
     JobStatus,
@@ -73,6 +78,7 @@ class JobManager:
         self.service = service
         self.store = store
         self.kind = service.limits.kind
+        self.after_steps = AfterStepsRate()
         self.events = JobEvents()
         self._lock = threading.Lock()
         self._live: dict[str, _LiveJob] = {}
@@ -80,6 +86,10 @@ class JobManager:
         """Jobs that ended while the database refused their row: their ending, held here so that they still end."""
         self.storage_problem: str | None = None
         """Why the data folder refused the last write (None once one succeeds): `/health` says it."""
+        self.bookkeeping_problem: str | None = None
+        """The last bookkeeping after a job's settled outcome that failed (retention, metrics, events): `/health`."""
+        self._off_loop = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-job-outcomes")
+        """Where the outcomes of jobs a drain fails on the event loop are stored: off the loop, in order."""
         self._projection: LatentProjection | None = None
         self._projection_fitted = False
         self.metrics = service.metrics
@@ -93,7 +103,8 @@ class JobManager:
 
     def close(self) -> None:
         """After the worker stopped: a job still live (a generation left behind by the stop) never finished;
-        say so. (Jobs still queued at the drain were failed then, by `_finished`.)"""
+        say so. (Jobs still queued at the drain were failed then, by `_finished`: waited for first.)"""
+        self._off_loop.shutdown(wait=True)
         with self._lock:
             left = list(self._live.values())
             self._live.clear()
@@ -137,7 +148,7 @@ class JobManager:
             if isinstance(e, QueueFullError):
                 raise ApiError(429, f"{e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
             raise ApiError(503, str(e), code="shutting_down") from None
-        live.queued.future.add_done_callback(lambda future: self._finished(live, future))
+        live.queued.future.add_done_callback(lambda future: self._answered(live, future))
         logger.info("job %s queued (prompt %r)", record.id, record.request.prompt[:80])
         return self._object(record, live)
 
@@ -159,17 +170,16 @@ class JobManager:
 
     def delete(self, job_id: str) -> dict[str, Any]:
         """Remove the job and its output; a queued one never runs, a running one stops at its next step."""
-        with self._lock:
-            live = self._live.get(job_id)
+        with self._lock:  # no longer live for the API: a second DELETE finds nothing, as a GET does
+            live = self._live.pop(job_id, None)
         record = self.store.delete(job_id)
         with self._lock:
             unstored = self._unstored.pop(job_id, None)
         if record is None and live is None and unstored is None:
             raise _not_found(self.kind, job_id)
         if live is not None and live.queued is not None:
-            if self.service.queue.stop(live.queued, StopReason.CANCELLED):  # it was waiting: it never starts
-                with self._lock:
-                    self._live.pop(job_id, None)
+            # waiting: it never starts; running: it stops at its next step (the worker holds `live` till then)
+            self.service.queue.stop(live.queued, StopReason.CANCELLED)
         self.metrics.forget_job(job_id)
         self.events.publish(job_id, JobEvent("status", {"id": job_id, "deleted": True}))
         logger.info("job %s deleted", job_id)
@@ -194,7 +204,7 @@ class JobManager:
         self.store.release_served(served)
 
     def stream(self, job_id: str) -> AsyncIterator[str]:
-        self.get(job_id)  # a 404 before the stream starts
+        """The job's event stream; call `get` first (off the event loop) for a 404 before it starts."""
         return stream_events(self.events, job_id, lambda: self._object_or_none(job_id))
 
     # the worker ------------------------------------------------------------------------------------------------
@@ -205,14 +215,24 @@ class JobManager:
         if not self._save(live, live.record.with_status(JobStatus.IN_PROGRESS)):
             return None
         live.progress.total_steps = live.served.request.num_inference_steps or 0
+        live.progress.after_steps_seconds = self.after_steps.estimate(_pixels(live))
         live.stats_before = self.service.omni.stats()
         return self._latent_projection() if live.record.settings.preview else None
 
+    def _answered(self, live: _LiveJob, future: Any) -> None:
+        """The future's callback: `_finished` here on the worker; off the event loop for a job a drain failed there
+        (its row is written and read back: never on the loop)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop runs here: the worker thread
+            self._finished(live, future)
+        else:
+            self._off_loop.submit(self._finished, live, future)
+
     def _finished(self, live: _LiveJob, future: Any) -> None:
-        """The job's future is answered (on the worker, or on the event loop for a job failed by a drain before
-        it started): its output written and the job marked, or its failure recorded; a deleted one is left
-        unrecorded. It runs as the future's callback, where an exception would only be logged: a failure to
-        store the outcome (the file, the row) fails the job instead, so that every job ends."""
+        """The job's future is answered (`_answered`): its output written and the job marked, or its failure
+        recorded; a deleted one is left unrecorded. Nobody awaits it, so an exception would only be logged: a
+        failure to store the outcome (the file, the row) fails the job instead, so that every job ends."""
         try:
             self._record_outcome(live, future)
         except Exception as e:  # noqa: BLE001 - a job must end whatever went wrong in storing it
@@ -268,8 +288,7 @@ class JobManager:
 
     def _storage_refusal(self, error: Exception) -> ApiError:
         """The answer to a job the data folder cannot store (and what `/health` says until a write succeeds)."""
-        full = isinstance(error, sqlite3.Error) and "full" in str(error) or getattr(error, "errno", None) == errno.ENOSPC
-        if full:
+        if _is_full(error):
             self.storage_problem = f"the data folder {self.store.folder} is full ({error})"
             return ApiError(507, f"{self.storage_problem}: the job cannot be stored; free space there", code="data_folder_full")
         self.storage_problem = f"the data folder {self.store.folder} refused a write ({type(error).__name__}: {error})"
@@ -279,9 +298,14 @@ class JobManager:
         """"ok", or why the data folder refused the last write."""
         return self.storage_problem or "ok"
 
+    def history_state(self) -> dict[str, Any]:
+        """What `/health` says of the history: rows set aside, and the last bookkeeping that failed."""
+        return {"jobs_unreadable": len(self.store.unreadable), "jobs_bookkeeping": self.bookkeeping_problem or "ok"}
+
     def _complete(self, live: _LiveJob, data: bytes, usage: Any) -> None:
         """Store the job's file: encoded once by the worker, with the job's settings already inside it."""
         record = live.record
+        self.after_steps.learn(live.progress, _pixels(live))
         name, size = self.store.write_output(record.id, f".{record.settings.output_format}", lambda p: p.write_bytes(data))
         done = record.with_status(
             JobStatus.COMPLETED, progress=100, completed_at=int(time.time()), output_name=name, output_bytes=size,
@@ -297,7 +321,7 @@ class JobManager:
             return
         self.storage_problem = None  # its file and its row were written
         logger.info("job %s completed (%d bytes)", record.id, size)
-        self._enforce_retention()
+        self._after_outcome(f"retention after job {record.id} completed", self._enforce_retention)
 
     def _fail(self, live: _LiveJob, code: str, message: str) -> None:
         logger.info("job %s failed: %s", live.record.id, message)
@@ -305,24 +329,41 @@ class JobManager:
         failed = live.record.with_status(
             JobStatus.FAILED, error=error, completed_at=int(time.time()), figures=live.progress.figures()
         )
-        if self._save(live, failed):
-            self._enforce_retention()  # failed jobs count against the limits as completed ones do
+        if self._save(live, failed):  # failed jobs count against the limits as completed ones do
+            self._after_outcome(f"retention after job {failed.id} failed", self._enforce_retention)
 
     def _enforce_retention(self) -> None:
         for removed in self.store.enforce_retention_():
             self.metrics.forget_job(removed)
 
     def _save(self, live: _LiveJob, record: JobRecord) -> bool:
-        """Store a new status and announce it; False if the job was deleted meanwhile."""
+        """Store a new status and announce it; False if the job was deleted meanwhile. Once the row is written
+        the status stands: announcing it may fail without changing it (`_after_outcome`)."""
         if not self.store.update(record):
             return False
         live.record = record
+        announced = self._after_outcome(f"announcing job {record.id} as {record.status}", lambda: self._announce(live, record))
+        return announced is not False
+
+    def _announce(self, live: _LiveJob, record: JobRecord) -> bool:
+        """A stored status told to the metrics and the job's event streams; False if the job was deleted."""
         self.metrics.record_job_state(record.id, record.status)
         if self.store.get(record.id) is None:  # deleted between the two: its forget_job may have come first
             self.metrics.forget_job(record.id)
             return False
         self.events.publish(record.id, JobEvent("status", self._object(record, live)))
         return True
+
+    def _after_outcome(self, what: str, action: Callable[[], Any]) -> Any:
+        """`action()`, bookkeeping after a stored status: a failure is logged and shown on `/health`, never raised
+        (the status stands); None then."""
+        try:
+            return action()
+        except Exception as e:  # noqa: BLE001 - the outcome is stored; nothing after it may change it
+            problem = f"{what} raised {first_line(e, with_type=True)}"
+            logger.error("%s (the job's outcome stands)", problem, exc_info=e)
+            self.bookkeeping_problem = problem
+            return None
 
     def _publish_progress(self, live: _LiveJob, percent: int) -> None:
         live.record = live.record.with_status(live.record.status, progress=percent)
@@ -398,6 +439,8 @@ class _JobObserver:
         progress, before = self.live.progress, self.live.stats_before
         progress.step, progress.total_steps = step, total
         progress.step_seconds.append(seconds)
+        if step >= total:
+            progress.steps_done_at = time.monotonic()
         if stats is not None and before is not None:
             progress.streamed_bytes = stats.bytes_transferred - before.bytes_transferred
             progress.stall_seconds = stats.stall_seconds - before.stall_seconds
@@ -413,6 +456,30 @@ class _JobObserver:
             return  # the pipeline picks its size: the packed latents cannot be laid out without it
         png = self.projection.preview_png(latents, width=width, height=height)
         self.manager.events.publish(job_id, JobEvent("preview", {"step": step, "image": preview_data_url(png)}))
+
+
+def _is_full(error: Exception) -> bool:
+    """Whether `error` says the disk or the database is full: SQLite's result code SQLITE_FULL (its extended codes
+    too), as an OS error's errno ENOSPC. Python 3.10 gives no code: there, SQLite's own text for that code."""
+    if isinstance(error, OSError):
+        return error.errno == errno.ENOSPC
+    if not isinstance(error, sqlite3.Error):
+        return False
+    code = getattr(error, "sqlite_errorcode", None)  # Python 3.11 and later
+    if code is None:
+        return str(error) == "database or disk is full"  # sqlite3_errstr(SQLITE_FULL)
+    return code & 0xFF == _SQLITE_FULL  # the primary code is the low byte of an extended one
+
+
+_SQLITE_FULL = getattr(sqlite3, "SQLITE_FULL", 13)
+
+
+def _pixels(live: _LiveJob) -> int | None:
+    """The output's pixels, frames counted; None where the pipeline picks the size."""
+    request = live.record.request
+    if not (request.width and request.height):
+        return None
+    return request.width * request.height * (request.num_frames or 1)
 
 
 def _not_found(kind: str, job_id: str) -> ApiError:

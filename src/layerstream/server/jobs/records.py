@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Literal
@@ -122,12 +123,48 @@ class JobRecord:
         }  # fmt: skip
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> JobRecord:
-        """A record as `to_dict` writes it."""
+    def from_dict(cls, data: Any) -> JobRecord:
+        """A record as `to_dict` writes it; `ValueError` or `TypeError` saying what is wrong with any other data (a
+        row edited by hand, or damaged on disk)."""
+        _check_fields("the record", data, _RECORD_FIELDS)
+        _check_fields("settings", data["settings"], _SETTINGS_FIELDS)
+        _check_fields("figures", data["figures"] or {}, _FIGURES_FIELDS, partial=True)
         return cls(**{
             **data, "status": JobStatus(data["status"]), "request": GenerationRequest.from_dict(data["request"]),
             "settings": JobSettings.from_dict(data["settings"]),
         })  # fmt: skip
+
+
+_NUMBER = (int, float)
+_RECORD_FIELDS: dict[str, tuple[type, ...]] = {
+    "id": (str,), "kind": (str,), "model": (str,), "status": (str,), "created_at": (int,), "request": (dict,),
+    "settings": (dict,), "seconds": (str, type(None)), "progress": (int,), "completed_at": (int, type(None)),
+    "error": (dict, type(None)), "output_name": (str, type(None)), "output_bytes": (int,),
+    "figures": (dict, type(None)),
+}  # fmt: skip
+_SETTINGS_FIELDS: dict[str, tuple[type, ...]] = {
+    "output_format": (str,), "preview": (bool,), "has_input_image": (bool,), "model_revision": (str, type(None)),
+    "model_commit": (str, type(None)),
+}  # fmt: skip
+_FIGURES_FIELDS: dict[str, tuple[type, ...]] = {
+    "step": (int,), "total": (int,), "seconds_per_step": (*_NUMBER, type(None)), "streamed_bytes": (int,),
+    "stall_seconds": _NUMBER, "inference_time_s": (*_NUMBER, type(None)), "peak_memory_mb": (*_NUMBER, type(None)),
+    "vae_decode": (str, type(None)),
+}  # fmt: skip
+
+
+def _check_fields(what: str, data: Any, types: dict[str, tuple[type, ...]], *, partial: bool = False) -> None:
+    """`TypeError`/`ValueError` naming the first field of `data` that is missing, unknown or of another type."""
+    if not isinstance(data, dict):
+        raise TypeError(f"{what} is a {type(data).__name__}; expected an object")
+    names = set(types) if not partial else set(types) & set(data)
+    missing, unknown = sorted(names - set(data)), sorted(set(data) - set(types))
+    if missing or unknown:
+        raise ValueError(f"{what}: {'no ' + missing[0] if missing else 'an unknown field ' + unknown[0]}")
+    for name in names:
+        value = data[name]
+        if not isinstance(value, types[name]) or (isinstance(value, bool) and bool not in types[name]):
+            raise TypeError(f"{what}: {name} is {value!r}; expected {' or '.join(t.__name__ for t in types[name])}")
 
 
 @dataclass
@@ -139,16 +176,32 @@ class LiveProgress:
     step_seconds: list[float] = field(default_factory=list)
     streamed_bytes: int = 0
     stall_seconds: float = 0.0
+    after_steps_seconds: float | None = None
+    """What the work after the last step (the VAE decode, encoding the file) is expected to take: the server's
+    last finished job's, scaled by the output's size (`AfterStepsRate`); None before any job finished."""
+    steps_done_at: float | None = None
+    """``time.monotonic()`` when the last step ended."""
 
     @property
     def seconds_per_step(self) -> float | None:
-        # the median: the first step also carries prompt encoding and warm-up
-        return statistics.median(self.step_seconds) if self.step_seconds else None
+        # the median after the first step: the first carries prompt encoding and warm-up
+        steady = self.step_seconds[1:] or self.step_seconds
+        return statistics.median(steady) if steady else None
 
     @property
     def eta_seconds(self) -> float | None:
+        """The steps left and the decode after them; once the steps are done, the decode's part still ahead, or
+        None (not known) where it is not known or overdue: never 0 while the job still runs."""
         per_step = self.seconds_per_step
-        return None if per_step is None else per_step * max(0, self.total_steps - self.step)
+        if per_step is None:
+            return None
+        steps_left = per_step * max(0, self.total_steps - self.step)
+        if self.steps_done_at is None:
+            return steps_left + (self.after_steps_seconds or 0.0)
+        if self.after_steps_seconds is None:
+            return None
+        left = self.after_steps_seconds - (time.monotonic() - self.steps_done_at)
+        return left if left > 0 else None
 
     def figures(self) -> dict[str, Any]:
         """What a finished job keeps of its progress."""
@@ -238,3 +291,18 @@ def job_object(record: JobRecord, live: LiveProgress | None, queue_position: int
         },
     }
     return body
+
+
+@dataclass
+class AfterStepsRate:
+    """Seconds of the work after the last step (mostly the VAE decode) per output pixel (frames counted), from the
+    last job that finished: what a job's ETA adds for it (a decode's time grows with the pixels it makes)."""
+
+    seconds_per_pixel: float | None = None
+
+    def estimate(self, pixels: int | None) -> float | None:
+        return None if self.seconds_per_pixel is None or not pixels else self.seconds_per_pixel * pixels
+
+    def learn(self, progress: LiveProgress, pixels: int | None) -> None:
+        if progress.steps_done_at is not None and pixels:
+            self.seconds_per_pixel = (time.monotonic() - progress.steps_done_at) / pixels

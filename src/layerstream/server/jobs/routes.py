@@ -7,13 +7,15 @@
     GET    {path}/{id}/events     text/event-stream of status, progress and preview events
     DELETE {path}/{id}            cancel (a running job stops at its next step) and remove
 
-Each route of one job answers 404 for an id that names no job of this server; every route's statuses are
-in its ``responses``, as the OpenAPI document states them.
+Each route of one job answers 404 for an id that names no job of this server, and every route 503 when the job
+database refuses the read (locked past its timeout, a disk error); every route's statuses are in its
+``responses``, as the OpenAPI document states them. Every call into the job database runs off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +29,7 @@ from layerstream.server.errors import ApiError, validation_error
 from layerstream.server.jobs.manager import DEFAULT_PAGE, MAX_PAGE, JobManager
 from layerstream.server.jobs.requests import ImageJobForm, ImageJobRequest, VideoJobForm, VideoJobRequest
 from layerstream.server.openapi import (
+    IMAGE_INPUT_ERRORS,
     QUEUEING_ERRORS,
     binary_response,
     error_responses,
@@ -34,13 +37,19 @@ from layerstream.server.openapi import (
     json_request_body,
 )
 
-_NO_JOB = {404: "No job of this id on this server"}
+_DATABASE_REFUSED = {503: "The job database refused the request (locked past its timeout, a disk error); retry later"}
+_NO_JOB = {404: "No job of this id on this server", **_DATABASE_REFUSED}
 _CREATE_ERRORS = error_responses({
     400: "The served model cannot take the request (size, frames, work, input image), or the body is neither JSON"
          " nor multipart",
     **QUEUEING_ERRORS,  # nothing is stored
+    **IMAGE_INPUT_ERRORS,
+    503: "The server is shutting down, a serving rank failed, or the job database refused the job's row",
+    507: "The data folder is full: the job cannot be stored",
 })  # fmt: skip
-_LIST_ERRORS = error_responses({400: "after names no job of this server", 422: "A query parameter unknown or invalid"})
+_LIST_ERRORS = error_responses(
+    {400: "after names no job of this server", 422: "A query parameter unknown or invalid", **_DATABASE_REFUSED}
+)
 _PAGE_PARAMETERS = [
     {"name": "limit", "in": "query", "required": False,
      "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": DEFAULT_PAGE}},
@@ -88,11 +97,11 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
     @app.get(path, responses=_LIST_ERRORS, openapi_extra={"parameters": _PAGE_PARAMETERS})
     async def list_jobs(request: Request) -> JSONResponse:
         limit, after, order = _page_query(request)
-        return JSONResponse(await asyncio.to_thread(jobs.page, limit=limit, after=after, order=order))
+        return JSONResponse(await _in_database(jobs.page, limit=limit, after=after, order=order))
 
     @app.get(path + "/{job_id}", responses=error_responses(_NO_JOB))
     async def get_job(job_id: str) -> JSONResponse:
-        return JSONResponse(await asyncio.to_thread(jobs.get, job_id))
+        return JSONResponse(await _in_database(jobs.get, job_id))
 
     content_errors = {**_NO_JOB, 409: "The job has not completed", **({422: "variant is not 'video'"} if is_video else {})}
     content = binary_response("The output", "video/mp4" if is_video else "image/png")
@@ -107,20 +116,21 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
         variant = request.query_params.get("variant")
         if is_video and variant not in (None, "video"):
             raise ApiError(422, f"variant = {variant!r} is not served; expected 'video'", code="invalid_request", param="variant")
-        served, media_type, name = await asyncio.to_thread(jobs.content, job_id)  # a read and a hard link
+        served, media_type, name = await _in_database(jobs.content, job_id)  # a read and a hard link
         return _ServedFile(served, media_type=media_type, filename=name, release=jobs.release_content)
 
     events = {**event_stream_response("Status, progress and preview events"), **error_responses(_NO_JOB)}
 
     @app.get(path + "/{job_id}/events", response_class=StreamingResponse, responses=events)
     async def job_events(job_id: str) -> StreamingResponse:
+        await _in_database(jobs.get, job_id)  # a 404 before the stream starts
         # no-cache and no buffering: each event goes out as it happens, through proxies too
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(jobs.stream(job_id), media_type="text/event-stream", headers=headers)
 
     @app.delete(path + "/{job_id}", responses=error_responses(_NO_JOB))
     async def delete_job(job_id: str) -> JSONResponse:
-        return JSONResponse(await asyncio.to_thread(jobs.delete, job_id))  # a database write and an unlink
+        return JSONResponse(await _in_database(jobs.delete, job_id))  # a database write and an unlink
 
 
 async def read_job_body(
@@ -142,7 +152,7 @@ async def read_job_body(
         model, data = form_model, fields
         parse = form_model.model_validate
     elif content_type.startswith("application/x-www-form-urlencoded"):  # a form without files (aiohttp's)
-        data, image_bytes = read_urlencoded(body, image_field)
+        data, image_bytes = await asyncio.to_thread(read_urlencoded, body, image_field)
         model, parse = form_model, form_model.model_validate
     elif content_type.startswith("application/json") or not content_type:
         model, parse = strict_model, strict_model.model_validate_json
@@ -158,6 +168,16 @@ async def read_job_body(
     if inline is not None:
         image_bytes = await asyncio.to_thread(decode_base64_image, inline, image_field)
     return parsed, image_bytes
+
+
+async def _in_database(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`function(*args, **kwargs)`, a call into the job database, off the event loop; a 503 if the database
+    refuses it (the server stays up: the next request may find it well)."""
+    try:
+        return await asyncio.to_thread(function, *args, **kwargs)
+    except sqlite3.Error as e:
+        message = f"the job database refused the request ({type(e).__name__}: {e}); retry later"
+        raise ApiError(503, message, code="database_error") from None
 
 
 def _page_query(request: Request) -> tuple[int, str | None, Literal["asc", "desc"]]:

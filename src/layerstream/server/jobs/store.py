@@ -6,6 +6,10 @@ temporary name and renamed (`write_atomically`) before the row that names it com
 names (a kill between the two, a temporary file) are removed when the store opens, and other files are left.
 Opening also fails the jobs a stopped server left queued or running, with the reason, and takes a lock on the
 folder so that two servers never share one history.
+
+A row that cannot be read (not JSON, a record of another shape, columns that disagree with it: edited by hand,
+or damaged on disk) is set aside: named in the log once, counted (`unreadable`, which `/health` shows), left in
+the database as it is, and skipped by every read, so that the history degrades and never stops.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any, Literal
 
 from layerstream.atomic_write import PARTIAL_MARK, write_atomically
 from layerstream.errors import LayerstreamError
-from layerstream.server.jobs.records import JobKind, JobRecord, JobStatus
+from layerstream.server.jobs.records import JobKind, JobRecord, JobStatus, job_object
 from layerstream.server.jobs.settings import HistorySettings
 
 logger = logging.getLogger(__name__)
@@ -43,6 +47,8 @@ those of development versions before 0.1)."""
 _JOB_FILE = re.compile(rf"\.?(video|image)_[0-9a-f]+({re.escape(PARTIAL_MARK)}[0-9a-f]+)?\.(mp4|png)")
 
 _SERVED_FILE = re.compile(rf"[0-9a-f]{{32}}-{_JOB_FILE.pattern}")
+_ROW = "seq, id, kind, status, record"
+"""The columns `_read_row` reads."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -75,6 +81,8 @@ class JobStore:
             raise JobStoreError(f"data_dir = {str(self.folder)!r} cannot be created: {e.strerror or e}") from e
         self._lock_file = _lock_folder(self.folder)
         self._lock = threading.Lock()  # one connection, used by one thread at a time
+        self.unreadable: dict[int, str] = {}
+        """Rows set aside (their seq -> why), left in the database as they are."""
         try:
             self._db = sqlite3.connect(self.folder / DATABASE_NAME, check_same_thread=False, timeout=10.0)
             self._open_schema()
@@ -98,6 +106,14 @@ class JobStore:
         with self._db:
             self._db.execute(_SCHEMA)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        # a table altered by hand: every query would fail on the column it lost; one line says which, at start
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        missing = [name for name in ("seq", "id", "kind", "status", "output_bytes", "record") if name not in columns]
+        if missing:
+            raise sqlite3.DatabaseError(
+                f"its jobs table has no column {missing[0]!r} (altered outside the server); start a new history in"
+                " another folder"
+            )
 
     def close(self) -> None:
         with self._lock:
@@ -111,16 +127,19 @@ class JobStore:
         now = int(time.time())
         failed = []
         with self._transaction() as db:
-            rows = db.execute("SELECT record FROM jobs WHERE status IN (?, ?)", (JobStatus.QUEUED, JobStatus.IN_PROGRESS))
-            for (text,) in rows.fetchall():
-                record = _record_from_json(text)
+            records = [self._read_row(row) for row in db.execute(f"SELECT {_ROW} FROM jobs").fetchall()]
+            for record in records:  # every row read once: the unreadable ones are set aside (and logged) now
+                if record is None or record.status.finished:
+                    continue
                 error = {
                     "code": "server_restarted",
                     "message": f"the server stopped while the job was {record.status}; it was not finished",
                 }
                 self._write_row(db, record.with_status(JobStatus.FAILED, error=error, completed_at=now))
                 failed.append(record.id)
-            named = {row[0] for row in db.execute("SELECT json_extract(record, '$.output_name') FROM jobs")}
+            # a row that is not JSON names no file (json_extract would refuse the whole query)
+            query = "SELECT CASE WHEN json_valid(record) THEN json_extract(record, '$.output_name') END FROM jobs"
+            named = {row[0] for row in db.execute(query)}
         for path in self.outputs.iterdir():
             if path.name not in named and _JOB_FILE.fullmatch(path.name):
                 path.unlink(missing_ok=True)  # written before a kill, never committed (or a temporary file)
@@ -145,15 +164,16 @@ class JobStore:
             return self._write_row(db, record)
 
     def get(self, job_id: str) -> JobRecord | None:
+        """The job of `job_id`; None if there is none, or its row is set aside."""
         with self._lock:
-            row = self._db.execute("SELECT record FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return _record_from_json(row[0]) if row else None
+            row = self._db.execute(f"SELECT {_ROW} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            return self._read_row(row) if row else None
 
     def statuses(self) -> list[tuple[str, JobStatus]]:
-        """(id, status) of every job kept, oldest first."""
+        """(id, status) of every readable job kept, oldest first."""
         with self._lock:
-            rows = self._db.execute("SELECT id, status FROM jobs ORDER BY seq").fetchall()
-        return [(job_id, JobStatus(status)) for job_id, status in rows]
+            rows = self._db.execute("SELECT seq, id, status FROM jobs ORDER BY seq").fetchall()
+        return [(job_id, JobStatus(status)) for seq, job_id, status in rows if seq not in self.unreadable]
 
     def page(
         self, kind: JobKind, *, limit: int, after: str | None, order: Literal["asc", "desc"]
@@ -161,26 +181,30 @@ class JobStore:
         """(up to `limit` jobs of `kind` after the job `after`, in creation `order`; whether more follow), or
         None if `after` names no job of that kind."""
         sign, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
+        # rows set aside are left out by the query; one found unreadable just now is set aside, and asked again
+        query, args = f"SELECT {_ROW} FROM jobs WHERE kind = ? AND seq NOT IN (SELECT value FROM json_each(?))", [kind]
         with self._lock:
-            query, args = "SELECT record FROM jobs WHERE kind = ?", [kind]
             if after is not None:
                 row = self._db.execute("SELECT seq FROM jobs WHERE id = ? AND kind = ?", (after, kind)).fetchone()
                 if row is None:
                     return None
                 query += f" AND seq {sign} ?"
                 args.append(row[0])
-            rows = self._db.execute(f"{query} ORDER BY seq {direction} LIMIT ?", (*args, limit + 1)).fetchall()
-        records = [_record_from_json(text) for (text,) in rows]
-        return records[:limit], len(records) > limit
+            while True:
+                aside = json.dumps(list(self.unreadable))
+                rows = self._db.execute(f"{query} ORDER BY seq {direction} LIMIT ?", (args[0], aside, *args[1:], limit + 1))
+                records = [self._read_row(row) for row in rows.fetchall()]
+                if None not in records:
+                    return records[:limit], len(records) > limit  # type: ignore[return-value]  # none is None
 
     def delete(self, job_id: str) -> JobRecord | None:
         """Remove the job and its output file; the record removed, or None if there was none."""
         with self._transaction() as db:
-            row = db.execute("SELECT record FROM jobs WHERE id = ?", (job_id,)).fetchone()
-            if row is None:
+            row = db.execute(f"SELECT {_ROW} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            record = self._read_row(row) if row else None
+            if record is None:  # none, or set aside: left as it is
                 return None
             db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
-        record = _record_from_json(row[0])
         self._remove_output(record)
         return record
 
@@ -226,17 +250,16 @@ class JobStore:
             return []
         finished = (JobStatus.COMPLETED, JobStatus.FAILED)
         with self._transaction() as db:
-            rows = db.execute(
-                "SELECT id, output_bytes, record FROM jobs WHERE status IN (?, ?) ORDER BY seq", finished
-            ).fetchall()
-            count, total = len(rows), sum(row[1] for row in rows)
+            rows = db.execute(f"SELECT {_ROW} FROM jobs WHERE status IN (?, ?) ORDER BY seq", finished).fetchall()
+            records = [record for record in map(self._read_row, rows) if record is not None]  # others stay
+            count, total = len(records), sum(record.output_bytes for record in records)
             removed = []
-            for job_id, num_bytes, text in rows[:-1]:
+            for record in records[:-1]:
                 if (max_jobs is None or count <= max_jobs) and (max_bytes is None or total <= max_bytes):
                     break
-                db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
-                removed.append(_record_from_json(text))
-                count, total = count - 1, total - num_bytes
+                db.execute("DELETE FROM jobs WHERE id = ?", (record.id,))
+                removed.append(record)
+                count, total = count - 1, total - record.output_bytes
         for record in removed:
             self._remove_output(record)
         if removed:
@@ -260,6 +283,26 @@ class JobStore:
     def _remove_output(self, record: JobRecord) -> None:
         if record.output_name:
             self.remove_output(record.output_name)
+
+    def _read_row(self, row: tuple[Any, ...]) -> JobRecord | None:
+        """The record of a row (`_ROW`'s columns), or None for one set aside: logged the first time it is met."""
+        seq, job_id, kind, status, text = row
+        try:
+            record = JobRecord.from_dict(json.loads(text))
+            if (record.id, record.kind, str(record.status)) != (job_id, kind, status):
+                raise ValueError(f"its columns (id, kind, status) {(job_id, kind, status)} disagree with its record")
+            if record.output_name is not None and not (
+                _JOB_FILE.fullmatch(record.output_name) and record.output_name.startswith(record.id)
+            ):
+                raise ValueError(f"output_name {record.output_name!r} is not the name of this job's output file")
+            json.dumps(job_object(record, None, None))  # what the API shows of it can be built
+        except Exception as e:  # noqa: BLE001 - whatever a damaged row raises, it is set aside, never raised
+            if seq not in self.unreadable:
+                reason = f"{type(e).__name__}: {e}"[:300]
+                logger.warning("job history: row %s (id %r) cannot be read; set aside, left as it is (%s)", seq, job_id, reason)
+                self.unreadable[seq] = reason
+            return None
+        return record
 
 
 def _lock_folder(folder: Path):
@@ -285,7 +328,3 @@ def _lock_folder(folder: Path):
 
 def _record_to_json(record: JobRecord) -> str:
     return json.dumps(record.to_dict())
-
-
-def _record_from_json(text: str) -> JobRecord:
-    return JobRecord.from_dict(json.loads(text))

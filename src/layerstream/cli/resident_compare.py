@@ -1,0 +1,64 @@
+"""`generate --compare-resident`: the streamed output against the resident model's, bit for bit. A lossy storage
+(float8) rounded the streamed weights once, at enable, so the pipeline that disabling gives back holds the rounded
+weights too: it is compared with the model loaded afresh, resident, in its weights' own dtype, and its difference
+is reported as by design, with its size."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ResidentComparison:
+    identical: bool
+    max_abs_diff: float
+    """The largest absolute difference of the raw outputs (0.0 where identical; inf where the shapes differ)."""
+    lossy_storage: str | None
+    """The lossy storage dtype a component streams in (differs by design), or None."""
+
+    @property
+    def as_expected(self) -> bool:
+        """Identical, or different only by the lossy storage asked for (not an error: exit code 0)."""
+        return self.identical or self.lossy_storage is not None
+
+    def to_dict(self) -> dict:
+        return {"identical": self.identical, "max_abs_diff": self.max_abs_diff, "lossy_storage": self.lossy_storage}
+
+    @staticmethod
+    def summary(compared: dict | None) -> str:
+        """The table's line of `to_dict`'s `compared`."""
+        if compared is None:
+            return "not checked"
+        if compared["identical"]:
+            return "yes"
+        if compared["lossy_storage"] is not None:
+            return f"{compared['lossy_storage']}: differs by design (max abs {compared['max_abs_diff']:.3g})"
+        return f"NO (max abs {compared['max_abs_diff']:.3g})"
+
+
+def lossy_storage_of(config) -> str | None:
+    """The float8 storage dtype a component of `config` streams in, if any (lossless storage keeps every bit)."""
+    dtypes = [options.storage_dtype for options in config.layer_options.values() if options.storage_dtype]
+    return next((dtype for dtype in dtypes if dtype.startswith("float8")), None)
+
+
+def compare_with_resident(args: argparse.Namespace, omni, request, result) -> ResidentComparison:
+    """Run `request` on the resident model and compare its raw output with `result`'s (kept with keep_raw)."""
+    import numpy as np
+
+    from layerstream.omni import Omni
+
+    lossy = lossy_storage_of(omni.config)
+    omni.close()  # disable gives back a fully resident pipeline: the same weights, now all on the device
+    if lossy is None:
+        reference = omni.run(request, keep_raw=True)
+    else:  # its weights were rounded at enable: the model afresh, in the dtype its files (or --dtype) give
+        fresh = Omni(model=args.model, diffusion_offload_config=omni.config, device=omni.device, dtype=args.dtype,
+                     offload=False, revision=args.revision, variant=args.variant)  # fmt: skip
+        reference = fresh.run(request, keep_raw=True)
+    if reference.raw.shape != result.raw.shape:
+        return ResidentComparison(False, float("inf"), lossy)
+    difference = np.abs(np.asarray(reference.raw, np.float64) - np.asarray(result.raw, np.float64))
+    max_abs = float(difference.max()) if difference.size else 0.0
+    return ResidentComparison(bool((reference.raw == result.raw).all()), max_abs, lossy)
