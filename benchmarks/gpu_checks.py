@@ -218,7 +218,10 @@ def check_second_gpu() -> str:
     if torch.cuda.device_count() < 2:
         return "SKIP second GPU: one device"
     done = subprocess.run([sys.executable, __file__, "--second-gpu-child"], capture_output=True, text=True, timeout=300)
-    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else f"FAIL child exited {done.returncode}: {done.stderr[-300:]}"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:  # a verdict printed before an abort at exit is no pass
+        return f"FAIL child exited {done.returncode}: {(lines or ['no verdict'])[-1]}; {done.stderr[-300:]}"
+    return lines[-1]
 
 
 def _second_gpu_child() -> str:

@@ -31,7 +31,7 @@ MARKED = {
     "needs a GPU": 1,
     "needs a download": 3,
     "needs torchrun": 4,
-    "starts a server": 4,
+    "starts a server": 5,
     "needs a running server": 1,
     "needs files of your own": 2,
     "too slow": 1,

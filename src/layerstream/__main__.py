@@ -1,3 +1,3 @@
-from layerstream.cli.interrupt import command_entry
+from layerstream.cli.main import entry
 
-command_entry()
+entry()

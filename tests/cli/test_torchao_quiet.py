@@ -38,6 +38,7 @@ def _cli(*args: str, cwd=None) -> tuple[int, bool, bool, str]:
     )
     probe = result.stdout.strip().splitlines()[-1].split()
     assert probe[0] == "PROBE", (result.stdout, result.stderr)
+    assert result.returncode == 0, result.stderr  # the probe itself ends cleanly after reporting main's code
     return int(probe[1]), probe[2] == "True", probe[3] == "True", result.stderr
 
 

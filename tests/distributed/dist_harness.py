@@ -2,7 +2,8 @@
 
 Each rank is a spawned process that joins the group through `init_distributed` (as a torchrun rank would),
 runs `dist_scenarios.<name>(rank, world_size, **kwargs)` and pickles its result (or its exception) to a file.
-A rank still alive at the deadline is killed and the test fails: a hang can never stall the suite.
+A rank still alive at the deadline is killed and the test fails: a hang can never stall the suite; so does a
+rank that exits other than as its scenario says (0, unless it exits on purpose), an abort at exit included.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ COLLECTIVE_TIMEOUT_S = 3  # short, so that the tests of a stalled peer end quick
 AGREEMENT_TIMEOUT_S = 30
 """For scenarios where no peer stalls: ranks of a loaded 2-core machine can reach a collective seconds apart
 (one still importing), which the short timeout above mistook for a dead peer. A result that came from a timeout
-rather than the ranks' own vote still shows: it takes at least this long."""
+rather than the ranks' own vote still shows: its error is a timeout's, not the vote's."""
 
 
 def run_ranks(
@@ -32,11 +33,13 @@ def run_ranks(
     device: str = "cpu",
     backend: str | None = None,
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    exit_codes: dict[int, int] | None = None,
     **kwargs,
 ) -> list[dict]:
     """`device` is what each rank joins the group for (``"cuda"``: cuda:LOCAL_RANK); `backend` overrides the
     one `init_distributed` picks for it; `collective_timeout_s` is every collective's timeout in the ranks;
-    `kwargs` go to the scenario. `timeout_s` is the hard limit of the whole run (a hang fails the test)."""
+    `kwargs` go to the scenario. `timeout_s` is the hard limit of the whole run (a hang fails the test);
+    `exit_codes` the code of each rank that exits on purpose (every other rank must exit 0)."""
     from layerstream.distributed.launch import free_port
 
     port = free_port()
@@ -63,6 +66,10 @@ def run_ranks(
         result = pickle.loads(path.read_bytes()) if path.exists() else {}
         result["exitcode"] = p.exitcode
         results.append(result)
+    exited, expected = [r["exitcode"] for r in results], [(exit_codes or {}).get(rank, 0) for rank in range(world_size)]
+    if exited != expected:
+        said = "".join(f"\nrank {rank} raised:\n{r['traceback']}" for rank, r in enumerate(results) if "traceback" in r)
+        pytest.fail(f"scenario {scenario!r}: ranks exited {exited}, expected {expected}{said}")
     return results
 
 

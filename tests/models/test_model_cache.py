@@ -94,7 +94,7 @@ def _scratch_name(folder: Path, space: str, pid: int, start: int | None) -> str:
 def _dead_pid() -> int:
     """A pid no process has: a child that has been waited for."""
     child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
+    assert child.wait() == 0
     return child.pid
 
 

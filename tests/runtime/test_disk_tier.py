@@ -364,7 +364,7 @@ def test_enable_removes_spill_folders_of_dead_processes_and_never_a_live_ones(tm
         return path
 
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
-    ended.wait()
+    assert ended.wait() == 0
     live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
         me, space = os.getpid(), process_space()
@@ -386,6 +386,7 @@ def test_enable_removes_spill_folders_of_dead_processes_and_never_a_live_ones(tm
         assert not ours[0].exists() and mine.exists() and other.exists()
     finally:
         live.communicate(b"")
+    assert live.returncode == 0  # it read its input to the end and exited
 
 
 def test_disk_reads_leave_no_pages_in_the_page_cache_unless_the_disk_is_simulated(tmp_path):

@@ -1,5 +1,5 @@
-"""Fixtures of the server tests: servers started per module or shared by every module, always killed in
-teardown; a tiny Kontext folder."""
+"""Fixtures of the server tests: servers started per module or shared by every module, always stopped in
+teardown and held to their exit code there (`serve_harness.stop_all`); a tiny Kontext folder."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_harness import ServerProcess, start_server
+from serve_harness import ServerProcess, start_server, stop_all
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +25,7 @@ def kontext_folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server_factory(tmp_path_factory, layerstream_cache) -> Iterator[Callable[..., ServerProcess]]:
-    """Start servers for one module; all of them are killed when the module is done."""
+    """Start servers for one module; all of them are stopped when the module is done, each exiting 0."""
     started: list[ServerProcess] = []
 
     def start(model: str, *args: str, env: dict[str, str] | None = None, fault_prompt: str | None = None) -> ServerProcess:
@@ -37,15 +37,14 @@ def server_factory(tmp_path_factory, layerstream_cache) -> Iterator[Callable[...
     try:
         yield start
     finally:
-        for server in started:
-            server.kill()
+        stop_all(started)
 
 
 @pytest.fixture(scope="session")
 def shared_server(tmp_path_factory, layerstream_cache) -> Iterator[Callable[[str], ServerProcess]]:
     """``shared_server(MODEL)``: the server ``layerstream serve MODEL`` starts with its defaults, one per model
-    for every module (of this xdist worker) that asks, killed when the session ends. Each start costs an
-    interpreter, torch and a model load; a test on a shared server reads only what its own requests return
+    for every module (of this xdist worker) that asks, stopped when the session ends (each exiting 0). Each start
+    costs an interpreter, torch and a model load; a test on a shared server reads only what its own requests return
     (outputs, errors, how a list changed), never the whole job history or a counter's absolute value."""
     started: dict[str, ServerProcess] = {}
 
@@ -59,5 +58,4 @@ def shared_server(tmp_path_factory, layerstream_cache) -> Iterator[Callable[[str
     try:
         yield get
     finally:
-        for server in started.values():
-            server.kill()
+        stop_all(started.values())

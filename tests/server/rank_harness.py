@@ -28,12 +28,23 @@ RANK_LINE = re.compile(r"layerstream serve: rank (\d+) of \d+ \(pid (\d+)\)")
 class RankServer(ServerProcess):
     master_port: int | None = None
     """torchrun's store (under `script`): a test may read it as the ranks do, e.g. count its keys."""
+    rebuild_gate: Path | None = None
+    """Under `serve_ranks_with_fault.py`, the file whose creation lets a rebuild after a fault go on."""
 
     def rank_pids(self) -> dict[int, int]:
         return {int(rank): int(pid) for rank, pid in RANK_LINE.findall(self.log())}
 
+    def send_stop_signal(self) -> None:
+        """SIGTERM as `layerstream serve --nproc` passes it on: to rank 0 alone, which drains and stops the group
+        (torchrun itself, signalled, would end its ranks and exit nonzero)."""
+        if self.master_port is None:
+            self.process.send_signal(signal.SIGTERM)  # the launcher passes it to rank 0
+        else:
+            os.kill(self.rank_pids()[0], signal.SIGTERM)
+
     def kill(self) -> None:
         """Kill the launcher, torchrun and every rank (all in the server's session)."""
+        self.ended_by_test = True
         if self.process.poll() is None:
             try:
                 os.killpg(self.process.pid, signal.SIGKILL)
@@ -57,6 +68,8 @@ class RankServer(ServerProcess):
         return store.num_keys()
 
     def wait_exit(self, timeout: float) -> int:
+        """The exit code, for the caller to check (after it ended the server some way of its own)."""
+        self.ended_by_test = True
         try:
             return self.process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -90,7 +103,7 @@ def start_rank_server(
         ]  # fmt: skip
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-    server = RankServer(process, "", log_path, master_port)
+    server = RankServer(process, "", log_path, master_port=master_port)
     try:
         server.url = _wait_for_ready(process, log_path)
         deadline = time.monotonic() + 30

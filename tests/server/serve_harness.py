@@ -2,7 +2,8 @@
 
 Servers are started with ``--port 0`` (the kernel picks a free port, so there is no race between finding a
 port and binding it) and found through their ready line. Output goes to a log file, never a pipe: a pipe
-nobody reads fills up and blocks the server. Every fixture kills its process in teardown.
+nobody reads fills up and blocks the server. Every fixture stops its servers in teardown (`stop_all`) and holds
+each to its exit code: 0 after the SIGTERM it sends, unless a test ended the server and checked the code itself.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,8 @@ class ServerProcess:
     process: subprocess.Popen
     url: str
     log_path: Path
+    ended_by_test: bool = False
+    """A test ended the server itself (`terminate`, `kill`, `wait_exit`) and checked its exit code there."""
 
     def client(self, timeout: float = 60.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout)
@@ -44,19 +47,60 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
     def terminate(self, timeout: float = 30.0) -> int:
-        """SIGTERM, then wait for exit; kills it if it does not stop in time (and fails the caller's check)."""
+        """SIGTERM, then wait for exit: the exit code, for the caller to check; kills it if it does not stop in
+        time (and raises)."""
+        self.ended_by_test = True
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.send_stop_signal()
         try:
             return self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             raise
 
+    def send_stop_signal(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+
     def kill(self) -> None:
+        self.ended_by_test = True
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(10)
+
+    def begin_stop(self) -> None:
+        """Fixture teardown, first half: SIGTERM to a server no test ended, which drains and exits."""
+        if not self.ended_by_test and self.process.poll() is None:
+            self.send_stop_signal()
+
+    def finish_stop(self, timeout: float = 60.0) -> None:
+        """Fixture teardown, second half: the server must exit 0 (a crash between tests, or a stop that fails,
+        shows here); one a test ended is only made sure of."""
+        if self.ended_by_test:
+            self.kill()
+            return
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        assert code == 0, f"the server exited {code} at teardown (0 expected after its SIGTERM):\n{self.log()[-6000:]}"
+
+
+def stop_all(servers: Iterable[ServerProcess]) -> None:
+    """Stop every server, all signalled first so that they exit side by side (an idle tiny server takes ~5 s
+    from SIGTERM to its exit, most of it after `serve` returned), each held to exit 0; every one is stopped even
+    when one fails, then the first failure is raised."""
+    servers, failures = list(servers), []
+    for server in servers:
+        server.begin_stop()
+    for server in servers:
+        try:
+            server.finish_stop()
+        except BaseException as e:
+            server.kill()
+            failures.append(e)
+    if failures:
+        raise failures[0]
 
 
 def start_server(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import numpy as np
@@ -230,11 +229,11 @@ def test_bad_input_is_4xx_never_500(client, body):
     assert error["message"] and error["code"]
 
 
-def test_server_is_up_after_the_fuzzing(client):
-    started = time.perf_counter()
+def test_server_is_up_after_the_fuzzing(server, client):
+    # the process lives and answers (a hang meets the client's timeout)
+    assert server.process.poll() is None, server.log()
     assert client.get("/health").status_code == 200
     assert client.post(IMAGES, json={"prompt": "still here", "seed": 2, **SMALL}).status_code == 200
-    assert time.perf_counter() - started < 30
 
 
 def test_the_edit_endpoint_on_a_model_without_an_image_input_is_400(client):

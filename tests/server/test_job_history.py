@@ -4,6 +4,7 @@ settings; the retention limit removes the oldest finished jobs first; one server
 
 from __future__ import annotations
 
+import signal
 import sqlite3
 
 import pytest
@@ -56,6 +57,7 @@ def test_a_kill_9_loses_no_finished_job_and_leaves_the_database_readable(server_
         queued = http.post(IMAGE_JOBS, json={"prompt": "never run", **FAST}).json()["id"]
         wait_until(lambda: http.get(f"{IMAGE_JOBS}/{running}").json()["status"] == "in_progress", what="the long job")
     server.kill()  # SIGKILL: no shutdown code runs
+    assert server.process.returncode == -signal.SIGKILL
 
     with sqlite3.connect(data / "jobs.sqlite3") as db:
         assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)

@@ -1,8 +1,11 @@
 """A job always ends, whatever fails after its generation, and a job that cannot be stored is refused saying why.
 
-Real failures, not mocks: an output folder on a filesystem that has run out of space (a small tmpfs, where the
-test runs as root; a read-only folder otherwise), a job database whose trigger refuses the write, and a data
-folder on a full tmpfs at creation. The app runs in this process (FastAPI's test client) on tiny-flux.
+Real failures, not mocks: an output folder on a filesystem that has run out of space (ENOSPC: a small tmpfs,
+filled) or is read-only (EROFS: a read-only tmpfs; EACCES: the folder's mode, where the test is not root), a job
+database whose trigger refuses the write, and a data folder on a full tmpfs at creation. Mounting needs root
+(CAP_SYS_ADMIN): elsewhere the full-disk tests skip, saying so (no other way makes a real ENOSPC: a file-size
+limit gives EFBIG, /dev/full cannot stand in for a folder). The app runs in this process (FastAPI's test client)
+on tiny-flux.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import sqlite3
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,12 +58,40 @@ def _ended(client, job_id: str) -> dict:
     return job
 
 
-def _mount_tmpfs(path: Path, size_bytes: int) -> bool:
-    """A tmpfs of `size_bytes` at `path`; False where this process may not mount (not root)."""
+def _mount_tmpfs(path: Path, size_bytes: int, *options: str) -> str | None:
+    """Mount a tmpfs of `size_bytes` at `path`: None once mounted, else why it cannot be."""
     if os.geteuid() != 0:
-        return False
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)], capture_output=True)
-    return done.returncode == 0
+        return "not root: mounting a tmpfs needs root (CAP_SYS_ADMIN)"
+    mount = ["mount", "-t", "tmpfs", "-o", ",".join([f"size={size_bytes}", *options]), "tmpfs", str(path)]
+    done = subprocess.run(mount, capture_output=True, text=True)
+    return None if done.returncode == 0 else f"mount exited {done.returncode}: {done.stderr.strip()}"
+
+
+def _unmount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@contextlib.contextmanager
+def _unwritable(folder: Path, how: str) -> Iterator[int]:
+    """`folder` made unwritable for real, "full" (a tmpfs filled: ENOSPC) or "read-only" (a read-only tmpfs as
+    root: EROFS; else the folder's mode: EACCES); yields the errno a write there gets. Skips where it cannot."""
+    if how == "read-only" and os.geteuid() != 0:
+        folder.chmod(0o555)  # root would write through the mode bits
+        try:
+            yield errno.EACCES
+        finally:
+            folder.chmod(0o755)
+        return
+    why_not = _mount_tmpfs(folder, 4096, *(["ro"] if how == "read-only" else []))
+    if why_not:
+        real = "ENOSPC" if how == "full" else "EROFS"
+        pytest.skip(f"no {how} filesystem to write to here, so no real {real}: {why_not}")
+    try:
+        if how == "full":
+            _fill(folder)
+        yield errno.ENOSPC if how == "full" else errno.EROFS
+    finally:
+        _unmount(folder)
 
 
 def _fill(folder: Path) -> Path:
@@ -76,31 +108,23 @@ def _fill(folder: Path) -> Path:
     return filler
 
 
-def test_a_job_whose_output_cannot_be_written_fails_saying_so_and_the_server_goes_on(omni, tmp_path):
+@pytest.mark.parametrize("how", ["full", "read-only"])
+def test_a_job_whose_output_cannot_be_written_fails_saying_so_and_the_server_goes_on(omni, tmp_path, how):
     data = tmp_path / "data"
     outputs = data / "outputs"
     outputs.mkdir(parents=True)
-    mounted = _mount_tmpfs(outputs, 4096)
-    try:
-        if mounted:
-            _fill(outputs)  # the output folder's filesystem is full: writing the PNG fails with ENOSPC
-        else:
-            outputs.chmod(0o555)  # not root: a read-only folder instead
-        with _served(omni, data) as client:
-            job = client.post(JOBS, json=BODY).json()
-            ended = _ended(client, job["id"])
-            assert ended["status"] == "failed" and ended["error"]["code"] == "output_write_failed", ended
-            assert "its output could not be written" in ended["error"]["message"]
-            assert client.get(f"{JOBS}/{job['id']}").json()["status"] == "failed"  # stored: it stays failed
-            assert [p.name for p in outputs.iterdir() if p.name.startswith(job["id"])] == []  # no partial file
-            assert "could not be written" in client.get("/health").json()["jobs_storage"]
-            assert client.get("/health").status_code == 200
-    finally:
-        if mounted:
-            subprocess.run(["umount", "-l", str(outputs)], check=True)
-        else:
-            outputs.chmod(0o755)
-    with _served(omni, data) as client:  # space again: the same server code completes the next job
+    with _unwritable(outputs, how) as error_number, _served(omni, data) as client:
+        job = client.post(JOBS, json=BODY).json()
+        ended = _ended(client, job["id"])
+        assert ended["status"] == "failed" and ended["error"]["code"] == "output_write_failed", ended
+        assert "its output could not be written" in ended["error"]["message"]
+        assert f"[Errno {error_number}]" in ended["error"]["message"]  # the filesystem's own refusal
+        assert client.get(f"{JOBS}/{job['id']}").json()["status"] == "failed"  # stored: it stays failed
+        assert [p.name for p in outputs.iterdir() if p.name.startswith(job["id"])] == []  # no partial file
+        assert "could not be written" in client.get("/health").json()["jobs_storage"]
+        assert str(tmp_path) not in client.get("/health").text + ended["error"]["message"]
+        assert client.get("/health").status_code == 200
+    with _served(omni, data) as client:  # writable again: the same server code completes the next job
         job = client.post(JOBS, json=BODY).json()
         assert _ended(client, job["id"])["status"] == "completed"
         assert client.get("/health").json()["jobs_storage"] == "ok"
@@ -133,16 +157,18 @@ def test_a_job_whose_row_the_database_refuses_fails_and_leaves_no_file(omni, tmp
 def test_a_job_a_full_data_folder_cannot_store_is_refused_and_health_says_so(omni, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
-    if not _mount_tmpfs(data, 1 << 20):
-        pytest.skip("needs root to mount a small tmpfs")
+    why_not = _mount_tmpfs(data, 1 << 20)
+    if why_not:
+        pytest.skip(f"no small filesystem to fill here, so no real ENOSPC: {why_not}")
     try:
         with _served(omni, data) as client:
             filler = _fill(data)
             refused = client.post(JOBS, json=BODY)
             assert refused.status_code == 507, refused.text
             error = refused.json()["error"]
-            assert error["code"] == "data_folder_full" and "is full" in error["message"] and str(data) in error["message"]
-            assert "is full" in client.get("/health").json()["jobs_storage"]
+            assert error["code"] == "data_folder_full" and "is full" in error["message"] and "--data-dir" in error["message"]
+            assert str(tmp_path) not in refused.text  # the setting is named, the path is in the log only
+            assert "is full" in client.get("/health").json()["jobs_storage"] and str(tmp_path) not in client.get("/health").text
             assert client.get(JOBS).json()["data"] == []  # nothing stored
             filler.unlink()
             job = client.post(JOBS, json=BODY)
@@ -150,4 +176,4 @@ def test_a_job_a_full_data_folder_cannot_store_is_refused_and_health_says_so(omn
             assert _ended(client, job.json()["id"])["status"] == "completed"
             assert client.get("/health").json()["jobs_storage"] == "ok"
     finally:
-        subprocess.run(["umount", "-l", str(data)], check=True)
+        _unmount(data)

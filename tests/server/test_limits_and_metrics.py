@@ -170,7 +170,8 @@ def _served_wan(device: str):
         _rules("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "video", frame_multiple=4, default_num_frames=81, takes={"negative_prompt"}, size=(832, 480)),
         default_num_inference_steps=50,
     )
-    omni = SimpleNamespace(rules=rules, pipeline=None, device=device)  # only read: no CUDA call is made
+    source = SimpleNamespace(model=rules.model, origin="hub")
+    omni = SimpleNamespace(rules=rules, pipeline=None, device=device, source=source)  # only read: no CUDA call is made
     return read_model_limits(omni, ServeSettings())
 
 

@@ -1,7 +1,7 @@
 """The web page at ``/``: served from the package (nothing from elsewhere), turned off by --no-ui, and used in a
-real browser (headless Chromium through selenium) against `layerstream serve tiny-wan`: type a prompt, press
-Generate, watch the progress bar, find the result in the history, again after a reload and after a restart
-of the server on the same data folder, then use its settings and delete it."""
+real browser (headless Chromium through selenium) against `layerstream serve tiny-wan --api-key KEY`: give the
+key once, type a prompt, press Generate, watch the progress bar, find the result in the history, again after a
+reload and after a restart of the server on the same data folder, then use its settings and delete it."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ SCREENSHOT_COPY_ENV = "LAYERSTREAM_PAGE_SCREENSHOT"
 """If set, a path where the browser test also leaves its screenshot (to look at it)."""
 LARGEST_SEED = 2**53 - 1  # the largest seed every edge takes: the page must give it back as it came
 PROMPT = "a red fox running through fresh snow"
+API_KEY = "sk-page-test-4f1c"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 STATIC = files("layerstream.server.ui") / "static"
 
 
@@ -120,10 +122,11 @@ def test_generate_watch_and_find_the_result_again(browser, server_factory, tmp_p
     from selenium.webdriver.support.ui import WebDriverWait
 
     data_dir = tmp_path / "data"
-    server = server_factory("tiny-wan", "--data-dir", str(data_dir))
+    server = server_factory("tiny-wan", "--data-dir", str(data_dir), "--api-key", API_KEY)
     wait = WebDriverWait(browser, 120, poll_frequency=0.05)
     browser.get(server.url + "/")
     wait.until(lambda d: _find(d, "#model").text.startswith("tiny-wan"))
+    _give_key(browser, wait, tmp_path / "page-key.png")
     assert _field(browser, "Size").get_attribute("value") == "64x64"  # the model's defaults, from /health
     assert _field(browser, "Length").get_attribute("value") == "9"
     _fill(browser, "Prompt", PROMPT)
@@ -148,14 +151,16 @@ def test_generate_watch_and_find_the_result_again(browser, server_factory, tmp_p
     logs = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert logs == [], logs
 
-    browser.refresh()
+    browser.refresh()  # the key is asked once: a reload keeps it
     card = wait.until(lambda d: _history_card(d, job_id))
+    assert not _find(browser, "#key-form").is_displayed()
     _check_history_card(card, server.url, job_id)
 
-    server.terminate()
-    restarted = server_factory("tiny-wan", "--data-dir", str(data_dir))
-    browser.get(restarted.url + "/")
+    assert server.terminate() == 0, server.log()
+    restarted = server_factory("tiny-wan", "--data-dir", str(data_dir), "--api-key", API_KEY)
+    browser.get(restarted.url + "/")  # the same key on the same host: not asked again
     card = wait.until(lambda d: _history_card(d, job_id))
+    assert not _find(browser, "#key-form").is_displayed()
     _check_history_card(card, restarted.url, job_id)
     wait.until(lambda d: d.execute_script(
         f'return document.querySelector(\'#history li[data-job="{job_id}"] video\').readyState >= 1'
@@ -170,7 +175,23 @@ def test_generate_watch_and_find_the_result_again(browser, server_factory, tmp_p
     assert _field(browser, "Steps").get_attribute("value") == "8"
     card.find_element("xpath", ".//button[normalize-space()='Delete']").click()
     wait.until(lambda d: _history_card(d, job_id) is None)
-    assert httpx.get(f"{restarted.url}/v1/videos/{job_id}").status_code == 404
+    assert httpx.get(f"{restarted.url}/v1/videos/{job_id}", headers=AUTH).status_code == 404
+    assert httpx.get(f"{restarted.url}/v1/videos/{job_id}").status_code == 401
+
+
+def _give_key(browser, wait, screenshot: Path | None = None) -> None:
+    """The page asks for the server's key (its job list answered 401); give it, as a person does."""
+    form = wait.until(lambda d: _find(d, "#key-form") if _find(d, "#key-form").is_displayed() else None)
+    assert not _find(browser, ".layout").is_displayed()
+    if screenshot is not None:
+        _save_screenshot(browser, screenshot)
+    _fill(browser, "API key", "wrong-key")
+    form.find_element("xpath", ".//button[normalize-space()='Use key']").click()
+    wait.until(lambda d: "refused" in _find(d, "#key-error").text)
+    _fill(browser, "API key", API_KEY)
+    form.find_element("xpath", ".//button[normalize-space()='Use key']").click()
+    wait.until(lambda d: _find(d, ".layout").is_displayed() and not _find(d, "#key-form").is_displayed())
+    browser.get_log("browser")  # the 401s that asked for the key are logged as failed loads: expected
 
 
 def _check_history_card(card, url: str, job_id: str) -> None:
@@ -183,7 +204,8 @@ def _check_history_card(card, url: str, job_id: str) -> None:
     assert video.get_attribute("src") == f"{url}/v1/videos/{job_id}/content"
     download = card.find_element("link text", "Download")
     assert download.get_attribute("href") == video.get_attribute("src")
-    content = httpx.get(download.get_attribute("href"))
+    assert httpx.get(download.get_attribute("href")).status_code == 401  # the browser's cookie opened it, not the link
+    content = httpx.get(download.get_attribute("href"), headers=AUTH)
     assert content.status_code == 200 and content.headers["content-type"] == "video/mp4" and content.content[4:8] == b"ftyp"
 
 

@@ -80,16 +80,14 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return status.st_dev, status.st_ino
 
 
-def command_entry() -> NoReturn:
-    """The `layerstream` program (the console script and ``python -m layerstream``): `main`, then the process
-    ends itself. A Ctrl-C before `main` returns is the command's to word; one after it (the summary printed, the
-    process ending) prints one line and exits 130. The process ends with `os._exit` once its output is flushed:
-    nothing after the command is its work, and the interpreter's own exit would run other libraries' exit hooks
-    (torch's, where a Ctrl-C printed a traceback and exited 0) and finalise modules (where it ended the process
-    by the signal, with no line). Daemon threads end with the process, safely: `_exit` unwinds no stack."""
-    from layerstream.cli.main import main
-
-    code = main()
+def exit_after_command(code: int) -> NoReturn:
+    """End the `layerstream` process (the console script, ``python -m layerstream``) once its command returned
+    `code`. A Ctrl-C before the command returns is the command's to word; one from now on (the summary printed,
+    the process ending) prints one line and exits 130. The process ends with `os._exit` once its output is
+    flushed: nothing after the command is its work, and the interpreter's own exit would run other libraries'
+    exit hooks (torch's, where a Ctrl-C printed a traceback and exited 0) and finalise modules (where it ended
+    the process by the signal, with no line). Daemon threads end with the process, safely: `_exit` unwinds
+    no stack."""
     signal.signal(signal.SIGINT, _interrupted_at_exit)
     try:
         logging.shutdown()

@@ -6,10 +6,11 @@ import argparse
 import importlib
 import sys
 import warnings
+from typing import NoReturn
 
 from layerstream.cli.common import CliError, configure_logging, fail
 from layerstream.errors import missing_extra
-from layerstream.cli.interrupt import EXIT_INTERRUPTED, PhaseLog, report_interrupt
+from layerstream.cli.interrupt import EXIT_INTERRUPTED, PhaseLog, exit_after_command, report_interrupt
 from layerstream.models.optional_imports import torchao_deferred
 
 # subcommand -> module exposing add_arguments(parser) and run(args) -> int; imported only when used
@@ -101,5 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def entry() -> NoReturn:
+    """The `layerstream` program: the command, then the process's end in its own hands (`exit_after_command`)."""
+    exit_after_command(main())
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

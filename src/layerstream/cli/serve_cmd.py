@@ -27,6 +27,7 @@ from layerstream.cli.common import (
     fetch_before_ranks,
     parse_config_args,
 )
+from layerstream.cli.serve_access import access_settings, add_access_arguments
 from layerstream.server.settings import (  # plain data: no serve extra
     ACCELERATOR_STEPS,
     CPU_MAX_WORK,
@@ -158,6 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated host link bandwidth in GB/s")
     parser.add_argument("--no-access-log", dest="access_log", action="store_false", help="no log line per request")
     parser.add_argument("--no-ui", dest="ui", action="store_false", help="no web page at / (the API only)")
+    add_access_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -173,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
     if args.link_gbps is not None and not args.link_gbps > 0:
         raise CliError(f"--link-gbps = {args.link_gbps!r} is not valid; expected a number > 0")
     settings = _settings(args)
+    args.access = access_settings(args, settings.host)
     history = _history_settings(args)
     check_device_arg("--device", args.device)
     if num_ranks > 1 and args.device is not None and ":" in args.device:
@@ -224,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         service = GenerationService(omni, settings)
         jobs = JobManager(service, store)
         store = None  # the app closes it, through the manager, when it stops
-        run_server(service, sock, on_ready=_print_ready, access_log=args.access_log, jobs=jobs, ui=args.ui)
+        run_server(service, sock, on_ready=_print_ready, access_log=args.access_log, jobs=jobs, ui=args.ui, access=args.access)
     finally:
         sock.close()
         if store is not None:
@@ -240,7 +243,7 @@ def _settings(args: argparse.Namespace):
              "max_work": "--max-work", "max_body_bytes": "--max-body-bytes", "shutdown_timeout": "--shutdown-timeout",
              "max_image_bytes": "--max-image-bytes", "max_image_pixels": "--max-image-pixels",
              "max_batch_size": "--max-batch-size", "batch_wait_ms": "--batch-wait-ms",
-             "port": "--port", "host": "--host"}  # fmt: skip
+             "port": "--port", "host": "--host", "served_model_names": "--served-model-name"}  # fmt: skip
     try:
         return ServeSettings(
             host=args.host,
@@ -255,6 +258,7 @@ def _settings(args: argparse.Namespace):
             shutdown_timeout=args.shutdown_timeout,
             max_batch_size=args.max_batch_size,
             batch_wait_ms=args.batch_wait_ms,
+            served_model_names=tuple(args.served_model_name),
         )
     except ServeSettingsError as e:
         message = str(e)
@@ -457,7 +461,7 @@ def _serve_rank(args: argparse.Namespace, config, settings, history) -> int:
 
         run_server(
             service, sock, on_ready=_print_ready, access_log=args.access_log, on_stopper=keep_stopper, jobs=jobs,
-            ui=args.ui,
+            ui=args.ui, access=args.access,
         )
         if service.fatal_error is not None or not service.queue.join(0) or not service.stop_ranks():
             print(f"layerstream serve: stopped: {service.fatal_error or 'the ranks could not be stopped'}",

@@ -8,6 +8,7 @@
     POST /v1/videos/sync          vllm-omni's: a job's body, answered with the MP4 itself (no job stored)
     /v1/videos, /v1/images/jobs   the job API (see `layerstream.server.jobs.routes`): create, poll, list,
                                   download, delete, and a server-sent event stream of progress and previews
+    GET  /v1/models               OpenAI's list of models: the served one, under each --served-model-name
     GET  /health                  model, offload config, device, queue depth, status
     GET  /metrics                 Prometheus text format
     GET  /                        the web page (`layerstream.server.ui`), unless --no-ui
@@ -46,9 +47,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from layerstream import __version__
 from layerstream.request import GenerationError
+from layerstream.server.access import AccessSettings, add_access_checks
 from layerstream.server.bodies import decode_base64_image, edit_refusals, read_form
 from layerstream.server.bodies import read_body as _read_body
-from layerstream.server.errors import ApiError, validation_error
+from layerstream.server.errors import ApiError, client_line, validation_error
 from layerstream.server.jobs.manager import JobManager
 from layerstream.server.jobs.records import run_figures
 from layerstream.server.jobs.requests import VideoJobForm, VideoJobRequest
@@ -73,6 +75,8 @@ from layerstream.server.schemas import (
     ImageEditRequest,
     ImageGenerationRequest,
     ImageGenerationResponse,
+    ModelCard,
+    ModelList,
     VideoData,
     VideoGenerationRequest,
     VideoGenerationResponse,
@@ -80,7 +84,6 @@ from layerstream.server.schemas import (
 from layerstream.server.service import GenerationOutput, GenerationService, ServedRequest
 from layerstream.server.stopping import GenerationStopped, StopReason
 from layerstream.server.ui import add_web_page
-from layerstream.wording import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +94,7 @@ VIDEOS_SYNC_PATH = "/v1/videos/sync"
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
 IMAGE_OUTPUTS_PATH = "/v1/images/outputs"
+MODELS_PATH = "/v1/models"
 
 _GENERATION_ERRORS = error_responses({
     400: "The served model cannot take the request (its endpoint, size, frames, work, input image), or the body is not"
@@ -103,12 +107,16 @@ _IMAGE_INPUT_GENERATION_ERRORS = {**_GENERATION_ERRORS, **error_responses(IMAGE_
 _IMAGE_OUTPUT_ERRORS = error_responses({404: "No kept output of that name (kept in memory, the newest only)"})
 
 
-def create_app(service: GenerationService, jobs: JobManager | None = None, *, ui: bool = True) -> FastAPI:
+def create_app(
+    service: GenerationService, jobs: JobManager | None = None, *, ui: bool = True, access: AccessSettings | None = None
+) -> FastAPI:
     """The app serving `service` (and, with `jobs`, its job API, and with `ui` too, the web page at ``/``); see
-    `_lifespan`."""
+    `_lifespan`. With `access`, its Host, Origin and API key checks (`run_server` always gives them)."""
     app = FastAPI(title="layerstream", version=__version__, lifespan=_lifespan(service, jobs))
     apply_exact_openapi_(app)
-    app.add_middleware(RequestMetricsMiddleware, metrics=service.metrics)
+    if access is not None:
+        add_access_checks(app, access)
+    app.add_middleware(RequestMetricsMiddleware, metrics=service.metrics)  # outermost: refusals are counted too
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -147,6 +155,8 @@ def create_app(service: GenerationService, jobs: JobManager | None = None, *, ui
     if ui:
         add_web_page(app)  # without the job API it says so, and its form stays off
 
+    _add_model_routes(app, service)
+
     @app.get(HEALTH_PATH, response_model=HealthResponse)
     async def health() -> dict[str, Any]:
         jobs_fields = {"jobs_path": jobs.path, "jobs_storage": jobs.storage_state(), **jobs.history_state()} if jobs is not None else {}
@@ -157,6 +167,24 @@ def create_app(service: GenerationService, jobs: JobManager | None = None, *, ui
         return PlainTextResponse(service.render_metrics(), media_type=METRICS_CONTENT_TYPE)
 
     return app
+
+
+def _add_model_routes(app: FastAPI, service: GenerationService) -> None:
+    """OpenAI's ``GET /v1/models`` (what OpenAI-compatible clients ask first) and ``GET /v1/models/{model}``."""
+    started = int(time.time())
+    cards = {name: ModelCard(id=name, created=started) for name in service.model_names()}
+    no_model = error_responses({404: "No served model of that name (--served-model-name)"})
+
+    @app.get(MODELS_PATH, response_model=ModelList)
+    async def list_models() -> ModelList:
+        return ModelList(data=list(cards.values()))
+
+    @app.get(MODELS_PATH + "/{model}", response_model=ModelCard, responses=no_model)
+    async def get_model(model: str) -> ModelCard:
+        if model not in cards:
+            message = f"no model {model!r} is served here; served: {', '.join(map(repr, cards))} (--served-model-name)"
+            raise ApiError(404, message, code="model_not_found", param="model")
+        return cards[model]
 
 
 def _add_video_sync_route(app: FastAPI, service: GenerationService) -> None:
@@ -362,7 +390,7 @@ async def _await_job(service: GenerationService, job: Job, request: Request) -> 
     except GenerationError as e:
         raise ApiError(400, str(e), code="invalid_for_model") from None
     except Exception as e:  # the worker logged the traceback; the client gets one line
-        message = f"generation failed: {first_line(e, with_type=True)}"
+        message = f"generation failed: {client_line(e)}"
         raise ApiError(500, message, code="generation_failed") from None
     finally:
         client_gone.cancel()

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from layerstream.errors import LayerstreamError
+from layerstream.wording import first_line
 from layerstream.server.schemas import ErrorDetail, ErrorInfo, ErrorResponse
 
 # status -> OpenAI-style error type
@@ -27,6 +28,22 @@ _ERROR_TYPES = {
     503: "unavailable_error",
     504: "timeout_error",
 }
+
+
+def client_line(error: BaseException, folders: Mapping[str, str] | None = None) -> str:
+    """`error` as one line a client may read: its type and first line, an OSError's file name left out, and each
+    of `folders` (a local path -> the setting that names it, ``"--data-dir"``) named by its setting. The log keeps
+    the whole error."""
+    folders = folders or {}
+    if isinstance(error, OSError) and error.strerror:
+        text = f"{type(error).__name__}: {error.strerror}"
+        where = next((setting for folder, setting in folders.items() if str(error.filename or "").startswith(folder)), None)
+        text += f" (in {where})" if where else ""
+    else:
+        text = first_line(error, with_type=True)
+    for folder, setting in folders.items():
+        text = text.replace(folder, setting)
+    return text
 
 
 class ApiError(LayerstreamError):

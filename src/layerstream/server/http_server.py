@@ -18,7 +18,9 @@ from collections.abc import Callable, Iterator
 
 import uvicorn
 
+from layerstream.server.access import AccessSettings
 from layerstream.server.app import create_app
+from layerstream.server.connections import guarded_h11
 from layerstream.server.jobs.manager import JobManager
 from layerstream.server.service import GenerationService
 from layerstream.server.settings import STOP_WAIT_SECONDS
@@ -76,13 +78,16 @@ def run_server(
     on_stopper: Callable[[Callable[[], None]], None] | None = None,
     jobs: JobManager | None = None,
     ui: bool = True,
+    access: AccessSettings | None = None,
 ) -> None:
     """Serve `service` (and `jobs`, its job API, if given; and the web page, with `ui`) on the bound `sock`
     until SIGTERM or SIGINT; returns after a graceful shutdown.
 
-    `on_stopper`, if given, receives a function that starts the same shutdown from any thread (a lost rank)."""
+    `on_stopper`, if given, receives a function that starts the same shutdown from any thread (a lost rank);
+    `access`: who may talk to it (`layerstream.server.access`; default: loopback Hosts, no key)."""
     config = uvicorn.Config(
-        create_app(service, jobs, ui=ui),
+        create_app(service, jobs, ui=ui, access=access or AccessSettings(bind_host=service.settings.host)),
+        http=guarded_h11(),  # closes connections that never send a whole request head
         log_config=None,  # the command line configured logging; uvicorn's loggers propagate to it
         access_log=access_log,
         # the service stops the running generation after --shutdown-timeout; this bounds the wait for its answer

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,9 +42,13 @@ class ModelLimits:
     """Latent tokens per axis the transformer can position, when that is what bounds the two caps above."""
     max_work: int
     """--max-work: width x height x frames x steps x n of one request."""
+    served_names: tuple[str, ...] = ()
+    """--served-model-name: what a request's ``model`` may be; the first is the name answers give (`model`).
+    Empty: the rules' model name alone."""
 
     # the rules' figures, as the checks below read them
-    model = property(lambda self: self.rules.model)
+    model_names = property(lambda self: self.served_names or (self.rules.model,))
+    model = property(lambda self: self.model_names[0])
     kind = property(lambda self: self.rules.kind)
     size_multiple = property(lambda self: self.rules.size_multiple)
     frame_multiple = property(lambda self: self.rules.frame_multiple)
@@ -79,11 +84,18 @@ def read_model_limits(omni: Any, settings: ServeSettings) -> ModelLimits:
     )
     return ModelLimits(
         rules=rules,
+        served_names=settings.served_model_names or (default_served_name(omni.source),),
         max_frames=max_frames,
         max_side_pixels=max_side,
         max_latent_positions=pipeline_max_latent_positions(omni.pipeline) if bound_by_model else None,
         max_work=settings.max_work if settings.max_work is not None else default_max_work(rules, max_side, max_frames, omni.device),
     )
+
+
+def default_served_name(source: Any) -> str:
+    """The name a model is served under by default: as it was given (a Hub id, a tiny model), a folder by its
+    own name (its path is no client's business)."""
+    return Path(source.model).name if source.origin == "folder" else source.model
 
 
 def default_max_work(rules: Any, max_side: int, max_frames: int, device: Any) -> int:
@@ -178,10 +190,9 @@ def check_request(request: GenerationBody, limits: ModelLimits, conditioned: Con
         details = [ErrorDetail(param=name, message=f"not valid for {limits.model}: {rules.why_not(name)}", allowed="null") for name in refused]
         raise invalid_fields(400, details, code="invalid_for_model")
     problems: list[ErrorDetail] = []
-    if request.model is not None and request.model != limits.model:
-        problems.append(
-            ErrorDetail(param="model", message=f"{request.model!r} is not served here", allowed=repr(limits.model))
-        )
+    if request.model is not None and request.model not in limits.model_names:
+        allowed = " or ".join(map(repr, limits.model_names)) + " (--served-model-name)"
+        problems.append(ErrorDetail(param="model", message=f"{request.model!r} is not served here", allowed=allowed))
     if request.negative_prompt is not None and not limits.rules.supports_negative_prompt:
         problems.append(
             ErrorDetail(param="negative_prompt", message=f"{limits.model} takes no negative prompt", allowed="null")

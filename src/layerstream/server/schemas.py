@@ -338,12 +338,25 @@ class RankHealth(BaseModel):
 
 
 class ModelSourceInfo(BaseModel):
-    model: str = Field(description="The model as the server was started with it.")
+    model: str = Field(description="The model as the server was started with it (a folder: its name; the log has its path).")
     origin: Literal["tiny", "folder", "hub"]
-    folder: str = Field(description="The folder its files were read from (for a Hub id, the cached snapshot).")
     revision: str | None = Field(default=None, description="Hub ids: the revision asked for (main by default).")
     commit: str | None = Field(default=None, description="Hub ids: the commit the snapshot is of.")
     variant: str | None = Field(default=None, description="The weights variant loaded (fp16...), if one was asked for.")
+
+
+class ModelCard(BaseModel):
+    """OpenAI's model object: one name the served model answers to."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(description="When the server started serving it (Unix seconds).")
+    owned_by: str = "layerstream"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(description="The served model, under each name a request's model may give.")
 
 
 class HealthResponse(BaseModel):

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from layerstream.models.input_image import ImageFile
@@ -66,11 +67,11 @@ class GenerationService:
         self.limits: ModelLimits = read_model_limits(omni, settings)
         self.source = omni.source
         self.facts: dict[str, Any] = {
-            "model_source": omni.source.to_dict(),  # a Hub id's revision and commit, or the folder
+            "model_source": _public_source(omni.source.to_dict()),  # a Hub id's revision and commit; no local path
             "device": str(omni.device),
             "dtype": str(omni.dtype).removeprefix("torch.") if omni.dtype is not None else None,
             "component_dtypes": omni.component_dtypes(),
-            "offload_config": omni.config.to_dict(),
+            "offload_config": _public_config(omni.config.to_dict()),
         }
         """What does not change while the server runs, read once: a rebuild replaces rank 0's `Omni`, not these."""
         work_from = "--max-work" if settings.max_work is not None else f"the default on {omni.device}"
@@ -283,8 +284,30 @@ class GenerationService:
             "jobs_path": None,
         }
 
+    def model_names(self) -> tuple[str, ...]:
+        """The names a request's ``model`` may give, the first the one every answer names (--served-model-name)."""
+        return self.limits.model_names
+
     def render_metrics(self) -> str:
         labels = {"model": self.limits.model, "kind": self.limits.kind, "device": self.facts["device"]}
         text = self.metrics.render(queue=QueueState.of(self.queue), offload=self.runner.offload_stats, labels=labels)
         families = self.runner.metric_families()
         return text + render_families(families) if families else text
+
+
+def _public_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The offload config as a client may read it (in `/health`, and in a job's output file): ``disk_dir`` said to
+    be set, not where (the log names it)."""
+    if config.get("disk_dir") is not None:
+        logger.info("offload config: disk_dir %s", config["disk_dir"])
+        config = {**config, "disk_dir": "set (a local folder: the server log names it)"}
+    return config
+
+
+def _public_source(source: dict[str, Any]) -> dict[str, Any]:
+    """Where the model came from, as a client may read it: a folder by its own name, never its path (the log
+    names the path)."""
+    public = {key: value for key, value in source.items() if key != "folder"}
+    if source["origin"] == "folder":
+        public["model"] = Path(source["model"]).name
+    return public

@@ -31,6 +31,7 @@ MAX_BATCH_WAIT_MS = 60_000.0
 # after --shutdown-timeout, how long a stopped generation has to reach its next step boundary and answer
 # before the server stops waiting for it: a SIGTERM always ends the process within the sum of the two
 STOP_WAIT_SECONDS = 10.0
+MAX_MODEL_NAME_CHARS = 256
 
 
 class ServeSettingsError(LayerstreamError, ValueError):
@@ -68,6 +69,9 @@ class ServeSettings:
     no input image); 1 runs every request alone."""
     batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS
     """Longest a request waits, from its arrival, for others to join its batch (with max_batch_size > 1)."""
+    served_model_names: tuple[str, ...] = ()
+    """The names a request's ``model`` may give, the first the one answers and ``GET /v1/models`` name; empty: the
+    model as given (a folder by its own name)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -84,6 +88,12 @@ class ServeSettings:
         _check_number("shutdown_timeout", self.shutdown_timeout, high=MAX_SHUTDOWN_TIMEOUT_S, unit="seconds")
         _check_int("max_batch_size", self.max_batch_size, low=1, high=MAX_BATCH_SIZE)
         _check_number("batch_wait_ms", self.batch_wait_ms, high=MAX_BATCH_WAIT_MS, unit="milliseconds")
+        for name in self.served_model_names:
+            if not isinstance(name, str) or not 0 < len(name) <= MAX_MODEL_NAME_CHARS or not name.isprintable() or name != name.strip():
+                raise ServeSettingsError(
+                    f"served_model_names = {name!r} is not valid; expected printable text of 1 to {MAX_MODEL_NAME_CHARS}"
+                    " characters, without spaces around it"
+                )
 
     @property
     def image_body_bytes(self) -> int:

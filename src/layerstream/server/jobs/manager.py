@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from layerstream.request import GenerationError
-from layerstream.server.errors import ApiError
+from layerstream.server.errors import ApiError, client_line
 from layerstream.server.jobs.events import JobEvent, JobEvents, stream_events
 from layerstream.outputs import OutputEncoding
 from layerstream.server.jobs.previews import LatentProjection, fit_latent_projection, preview_data_url
@@ -49,7 +49,6 @@ from layerstream.server.queue import Job, QueueClosedError, QueueFullError
 from layerstream.server.served import GenerationOutput
 from layerstream.server.service import GenerationService, ServedRequest
 from layerstream.server.stopping import GenerationStopped, StopReason
-from layerstream.wording import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +95,11 @@ class JobManager:
         store.recover_()
         for job_id, status in store.statuses():  # the history's jobs count in layerstream_jobs from the start
             self.metrics.record_job_state(job_id, status)
+
+    @property
+    def _folders(self) -> dict[str, str]:
+        """Local folders an answer names by their setting instead (`client_line`)."""
+        return {str(self.store.folder): "--data-dir"}
 
     @property
     def path(self) -> Literal["/v1/videos", "/v1/images/jobs"]:
@@ -261,14 +265,14 @@ class JobManager:
         elif isinstance(error, sqlite3.Error):  # marking it in progress failed: it never ran
             self._fail(live, "database_error", f"the job database refused a write: {error}")
         else:  # the runner logged the traceback
-            self._fail(live, "generation_failed", first_line(error, with_type=True))
+            self._fail(live, "generation_failed", client_line(error, self._folders))
 
     def _fail_unstored(self, live: _LiveJob, error: Exception) -> None:
         """Fail a job whose outcome could not be stored: in the database if it takes the row, else in memory
         (`_unstored`), so that a client polling it sees it end either way."""
         code = "database_error" if isinstance(error, sqlite3.Error) else "output_write_failed" if isinstance(error, OSError) else "internal_error"
         what = {"database_error": "the job database refused its row", "output_write_failed": "its output could not be written"}
-        message = f"{what.get(code, 'storing its outcome failed')}: {type(error).__name__}: {error}"
+        message = f"{what.get(code, 'storing its outcome failed')}: {client_line(error, self._folders)}"
         logger.error("job %s failed: %s", live.record.id, message, exc_info=error)
         self.storage_problem = message
         try:
@@ -288,10 +292,11 @@ class JobManager:
 
     def _storage_refusal(self, error: Exception) -> ApiError:
         """The answer to a job the data folder cannot store (and what `/health` says until a write succeeds)."""
+        logger.error("the data folder %s refused a write: %s", self.store.folder, error)  # the path: in the log only
         if _is_full(error):
-            self.storage_problem = f"the data folder {self.store.folder} is full ({error})"
+            self.storage_problem = f"the data folder (--data-dir) is full ({client_line(error, self._folders)})"
             return ApiError(507, f"{self.storage_problem}: the job cannot be stored; free space there", code="data_folder_full")
-        self.storage_problem = f"the data folder {self.store.folder} refused a write ({type(error).__name__}: {error})"
+        self.storage_problem = f"the data folder (--data-dir) refused a write ({client_line(error, self._folders)})"
         return ApiError(503, f"{self.storage_problem}: the job was not stored; retry later", code="database_error")
 
     def storage_state(self) -> str:
@@ -360,7 +365,7 @@ class JobManager:
         try:
             return action()
         except Exception as e:  # noqa: BLE001 - the outcome is stored; nothing after it may change it
-            problem = f"{what} raised {first_line(e, with_type=True)}"
+            problem = f"{what} raised {client_line(e, self._folders)}"  # shown on /health: no path
             logger.error("%s (the job's outcome stands)", problem, exc_info=e)
             self.bookkeeping_problem = problem
             return None

@@ -7,6 +7,10 @@ const LIST_LIMIT = 100;
 // a browser opens at most 6 connections to one HTTP/1.1 server and each event stream holds one while its job
 // is unfinished: follow a few (the running job first), and leave the others to the poll and to fetch
 const MAX_STREAMS = 3;
+// a server started with --api-key: the page asks for the key once and keeps it in a cookie of this server. Its
+// own requests send it as a header; what the browser fetches by itself (the event streams, <video> and <img>
+// sources, the download link) carries the cookie, which the server counts on reads from this page only
+const KEY_COOKIE = "layerstream_api_key";
 
 const state = {
   health: null,
@@ -15,6 +19,7 @@ const state = {
   previews: new Map(), // id -> the latest preview image (a data URL)
   streams: new Map(), // id -> its EventSource, while the job is not finished
   historyCards: new Map(), // id -> its <li> in the history (made once: a finished job does not change)
+  poll: null, // the job list's timer, once the list has been read
 };
 
 const $ = (selector) => document.querySelector(selector);
@@ -23,9 +28,23 @@ function isFinished(job) {
   return job.status === "completed" || job.status === "failed";
 }
 
+class KeyNeeded extends Error {}
+
+function savedKey() {
+  const entry = document.cookie.split("; ").find((part) => part.startsWith(`${KEY_COOKIE}=`));
+  return entry ? decodeURIComponent(entry.slice(KEY_COOKIE.length + 1)) : null;
+}
+
+function saveKey(key) {
+  const secure = location.protocol === "https:" ? "; Secure" : "";
+  document.cookie = `${KEY_COOKIE}=${encodeURIComponent(key)}; Path=/; SameSite=Strict${secure}`;
+}
+
 async function api(method, path, body) {
-  const options = { method };
+  const options = { method, headers: {} };
   if (body !== undefined) options.body = body; // a FormData: the browser sets the multipart content type
+  const key = savedKey();
+  if (key) options.headers.Authorization = `Bearer ${key}`;
   const response = await fetch(path, options);
   const text = await response.text();
   let data = null;
@@ -36,6 +55,7 @@ async function api(method, path, body) {
   }
   if (!response.ok) {
     const message = data && data.error ? data.error.message : `${response.status} ${response.statusText}`;
+    if (response.status === 401) throw new KeyNeeded(message);
     throw new Error(message);
   }
   return data;
@@ -157,6 +177,7 @@ async function submitJob(event) {
     track(job);
     render();
   } catch (failure) {
+    if (failure instanceof KeyNeeded) askForKey(failure.message);
     error.textContent = failure.message;
     error.hidden = false;
   } finally {
@@ -255,6 +276,7 @@ async function refreshJobs() {
     $("#server-state").textContent = "";
     render();
   } catch (failure) {
+    if (failure instanceof KeyNeeded) throw failure;
     $("#server-state").textContent = `server unreachable: ${failure.message}`;
   }
 }
@@ -422,8 +444,42 @@ function historyCard(job) {
 
 // --- start --------------------------------------------------------------------------------------------------
 
+function askForKey(message) {
+  $("#key-form").hidden = false;
+  $(".layout").hidden = true;
+  const error = $("#key-error");
+  error.textContent = savedKey() ? `The key was refused: ${message}` : "";
+  error.hidden = !savedKey();
+  $("#api-key").focus();
+}
+
+async function useKey(event) {
+  event.preventDefault();
+  const key = $("#api-key").value.trim();
+  if (!key) return;
+  saveKey(key);
+  $("#api-key").value = "";
+  await showJobs();
+}
+
+// the job list, then every POLL_MS; asks for the key first if the server wants one
+async function showJobs() {
+  try {
+    await refreshJobs();
+  } catch (failure) {
+    askForKey(failure.message);
+    return;
+  }
+  $("#key-form").hidden = true;
+  $(".layout").hidden = false;
+  if (!state.poll) {
+    state.poll = window.setInterval(() => refreshJobs().catch((failure) => askForKey(failure.message)), POLL_MS);
+  }
+}
+
 async function start() {
   $("#job-form").addEventListener("submit", submitJob);
+  $("#key-form").addEventListener("submit", useKey);
   $("#length").addEventListener("input", updateLengthHint);
   $("#length-unit").addEventListener("change", updateLengthHint);
   try {
@@ -439,8 +495,7 @@ async function start() {
     $("#generate").disabled = true;
     return;
   }
-  await refreshJobs();
-  window.setInterval(refreshJobs, POLL_MS);
+  await showJobs();
 }
 
 start();
