@@ -393,14 +393,14 @@ def _join_ranks(args) -> tuple:
 
     from layerstream.distributed.process_group import backend_for, collective_timeout, init_distributed
     from layerstream.models.hub import looks_like_hub_id
-    from layerstream.models.loading import ModelLoadError, resolve_model_folder
+    from layerstream.models.loading import ModelLoadError, resolve_model
     from layerstream.models.tiny import is_tiny_model_name
 
     device = init_distributed(args.device)  # cuda:LOCAL_RANK (NCCL) or cpu (gloo)
     failed = None
     if dist.get_rank() == 0 and (is_tiny_model_name(args.model) or looks_like_hub_id(args.model)):
         try:  # rank 0 builds the tiny model or downloads the Hub snapshot; the others then read it
-            resolve_model_folder(args.model, revision=args.revision, variant=args.variant)
+            resolve_model(args.model, revision=args.revision, variant=args.variant, from_files=frozenset(component_files(args)))
         except ModelLoadError as e:
             failed = e
     dist.barrier()  # every rank waits for the build (a failure is reported by each rank's own load below)
