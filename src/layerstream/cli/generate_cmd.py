@@ -397,10 +397,11 @@ def _join_ranks(args) -> tuple:
     from layerstream.models.tiny import is_tiny_model_name
 
     device = init_distributed(args.device)  # cuda:LOCAL_RANK (NCCL) or cpu (gloo)
+    from_files = frozenset(component_files(args))  # a malformed --component: every rank says so, none waits
     failed = None
     if dist.get_rank() == 0 and (is_tiny_model_name(args.model) or looks_like_hub_id(args.model)):
         try:  # rank 0 builds the tiny model or downloads the Hub snapshot; the others then read it
-            resolve_model(args.model, revision=args.revision, variant=args.variant, from_files=frozenset(component_files(args)))
+            resolve_model(args.model, revision=args.revision, variant=args.variant, from_files=from_files)
         except ModelLoadError as e:
             failed = e
     dist.barrier()  # every rank waits for the build (a failure is reported by each rank's own load below)
