@@ -154,7 +154,9 @@ def _weights(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
     cache_only = names_hub_repo(args.model) and not args.download
     try:  # a Hub id without --download: only what the cache holds, since --measure downloads nothing unasked
-        source = loading.resolve_model(args.model, revision=args.revision, variant=args.variant, offline=cache_only)
+        source = loading.resolve_model(
+            args.model, revision=args.revision, variant=args.variant, offline=cache_only, from_files=frozenset(component_files(args))
+        )
         return loading.load_pipeline(source, components=component_files(args)), source.to_dict()
     except loading.ModelLoadError as e:
         if cache_only:
