@@ -119,6 +119,31 @@ def test_extra_params_refuses_what_is_no_json_object_and_the_keys_the_request_se
     assert raised.value.field == named
 
 
+def test_extra_params_nested_past_the_limit_is_refused_without_recursing():
+    deep: list = []
+    for _ in range(5000):  # a value built in Python: no parser bounded it
+        deep = [deep]
+    with pytest.raises(GenerationError, match=r"^extra_params = a value nested deeper than 32 is not valid; expected at most 32 levels"):
+        GenerationRequest(prompt="a fox", extra_params={"a": deep})
+    within = {"a": [[[1]]]}
+    assert GenerationRequest(prompt="a fox", extra_params=within).extra_params == within
+
+
+def test_json_text_is_read_within_a_depth_and_a_size_limit():
+    from layerstream.json_object import MAX_JSON_CHARS, JsonLimitError, read_json_text
+
+    assert read_json_text('{"a": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}') == {"a": "[" * 36}  # brackets in a text: no depth
+    assert read_json_text(b"[" * 32 + b"]" * 32) == eval("[" * 32 + "]" * 32)
+    with pytest.raises(JsonLimitError, match="deeper than 32 levels, the limit"):
+        read_json_text("[" * 33 + "]" * 33)
+    with pytest.raises(JsonLimitError, match="deeper than 32 levels"):
+        read_json_text("[" * 100_000)  # never closed: refused for its depth before the parser sees it
+    with pytest.raises(JsonLimitError, match=f"too long; at most {MAX_JSON_CHARS:,}"):
+        read_json_text(" " * MAX_JSON_CHARS + "1")
+    with pytest.raises(ValueError, match="Expecting value"):
+        read_json_text("[1,]")
+
+
 # --- the three entry points build one request ----------------------------------------------------------------
 
 

@@ -1,9 +1,13 @@
-"""`JsonObject`: a frozen JSON object (a request's ``extra_params``), and `first_non_json`, what keeps a value out.
+"""`JsonObject`: a frozen JSON object (a request's ``extra_params``), `first_non_json`, what keeps a value out, and
+`read_json_text`, the one reader of JSON text from strangers (form fields, command-line flags, the offload config).
 
 A request is frozen, compared and hashed (its batch shape is the server's batching key), and sent to other
 ranks and into the job history; a plain dict would be none of these safely. So the object is held as its
 canonical JSON text (keys sorted), which is its identity, and handed out as fresh plain values, which a caller
-(or the pipeline that receives them) may change without changing the request.
+(or the pipeline that receives them) may change without changing the request. Python's JSON reader and writer
+recurse once per level (about 1,000 levels raise `RecursionError`), so text is measured before it is parsed and
+a value before it is walked, against `MAX_JSON_DEPTH` and `MAX_JSON_CHARS`; JSON bodies keep their own parser's
+bound (the server's, about 200 levels), and what they hold is measured here too when it becomes a request.
 """
 
 from __future__ import annotations
@@ -11,8 +15,49 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
+
+from layerstream.errors import LayerstreamError
+
+MAX_JSON_DEPTH = 32
+"""Levels of arrays and objects one JSON value may nest (a call argument's object: 2; the offload config: 4)."""
+MAX_JSON_CHARS = 1 << 20
+"""Characters of one JSON text: the server's default body limit (1 MiB); a command line allows less still."""
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+class JsonLimitError(LayerstreamError, ValueError):
+    """JSON text or a value past `MAX_JSON_DEPTH` or `MAX_JSON_CHARS`; the message names the limit."""
+
+
+def read_json_text(text: str | bytes) -> Any:
+    """The value JSON `text` holds; `JsonLimitError` naming the limit if it is longer than `MAX_JSON_CHARS` or
+    nests deeper than `MAX_JSON_DEPTH` (measured before parsing), `json.JSONDecodeError` if it is not JSON."""
+    if isinstance(text, (bytes, bytearray)):
+        text = bytes(text).decode()  # UnicodeDecodeError (a ValueError): not UTF-8
+    if len(text) > MAX_JSON_CHARS:
+        raise JsonLimitError(f"JSON text of {len(text):,} characters is too long; at most {MAX_JSON_CHARS:,}")
+    depth = 0
+    for bracket in _BRACKETS.findall(_STRINGS.sub("", text)):  # brackets outside strings
+        depth += 1 if bracket in "[{" else -1
+        if depth > MAX_JSON_DEPTH:
+            raise JsonLimitError(f"JSON text nests arrays and objects deeper than {MAX_JSON_DEPTH} levels, the limit")
+    return json.loads(text)
+
+
+def check_json_depth(value: Any, path: str) -> None:
+    """`JsonLimitError` naming `path` if `value`'s arrays and objects nest deeper than `MAX_JSON_DEPTH` (walked
+    without recursion: a value built in Python has no parser's bound)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, tuple, Mapping)):
+            if depth >= MAX_JSON_DEPTH:
+                raise JsonLimitError(f"{path} nests arrays and objects deeper than {MAX_JSON_DEPTH} levels, the limit")
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, Mapping) else item))
 
 
 def first_non_json(value: Any, path: str) -> tuple[str, Any] | None:

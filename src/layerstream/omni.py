@@ -19,6 +19,7 @@ from layerstream.models.generation_size import RequestSizes
 from layerstream.models.hub import ModelSource
 from layerstream.models.input_image import ImageInputKind, ImageSource
 from layerstream.models.model_rules import ModelRules
+from layerstream.models.work import WorkPrice, price_request
 from layerstream.offload import default_device, enable_offload
 from layerstream.outputs import IMAGE_SUFFIXES, VIDEO_SUFFIXES, GenerationResult, save_output
 from layerstream.pipeline_runner import PipelineRunner, RunStats, batch_requests, parse_dtype, request_options
@@ -156,6 +157,11 @@ class Omni:
     ) -> list[GenerationResult]:
         """One pipeline call for every output of `requests`; see `generate_batch` and `PipelineRunner.run_batch`."""
         return self.runner.run_batch(requests, on_step=on_step, keep_raw=keep_raw)
+
+    def price(self, request: GenerationRequest) -> WorkPrice:
+        """What `request` costs this model, by the one pricing function (`models.work.price_request`): the price
+        a server's work cap compares."""
+        return price_request(self.rules, request, max_side_pixels=request.max_side_pixels)
 
     def component_dtypes(self) -> dict[str, str]:
         """The dtype each component computes in (``"bfloat16"``), as `models.loading.component_dtypes` reads it."""

@@ -2,9 +2,10 @@
 
 What the pipeline is called with comes from the request and the model's rules (`ModelRules`: defaults,
 geometry, the optional fields it takes, the ``extra_params`` it passes through); the call is timed step by step
-(`on_step`), its latents shown to `on_latents`, its per-request settings applied and restored (`boundary_ratio`,
-`flow_shift`, ``extra_params``' `sample_solver`, and the VAE decode tiled or not: `models.decode.decode_memory`, refused
-before the first step where it cannot fit), and its streaming measured as a difference of the runtime's counters
+(`on_step`), its latents shown to `on_latents`, its per-request settings built for the call (`pipeline_for`: a copy
+with its own `boundary_ratio`, and scheduler for `flow_shift` and ``extra_params``' `sample_solver`), the VAE decode
+tiled or not (`models.decode.decode_memory`, refused before the first step where it cannot fit; set on the shared
+VAE and restored, as offload may wrap its ``decode`` on the instance, where a copy would not reach), and its streaming measured as a difference of the runtime's counters
 (`StreamCounters`). One call runs at a time.
 """
 
@@ -194,7 +195,7 @@ class PipelineRunner:
 
     def _extra_arguments(self, request: GenerationRequest, num_inference_steps: int) -> dict[str, Any]:
         """The call arguments `request.extra_params` passes through (fresh values: the call may change them),
-        refused first if the model cannot take one; mapped keys (``sample_solver``) are settings (`_settings_for`)."""
+        refused first if the model cannot take one; mapped keys (``sample_solver``) are settings (`pipeline_for`)."""
         problems = self.rules.extra_params_problems(request.extra_params, num_inference_steps=num_inference_steps)
         if problems:
             problem = problems[0]
@@ -210,7 +211,7 @@ class PipelineRunner:
         on_step: Callable[[int, int, float], None] | None,
         on_latents: Callable[[int, int, torch.Tensor], None] | None = None,
     ) -> tuple[Any, RunStats]:
-        """Call the pipeline with `kwargs` and `request`'s per-request settings (restored after), timing each step
+        """Call the pipeline with `kwargs` and `request`'s per-request settings (`pipeline_for`), timing each step
         and calling `on_step` after it; (its output, the cost)."""
         call = inspect.signature(self.pipeline.__call__).parameters
         step_times: list[float] = []
@@ -239,8 +240,9 @@ class PipelineRunner:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
             start = time.perf_counter()
-            with torch.inference_mode(), _settings_for(self.pipeline, request), _decode_as(self.pipeline, decode):
-                output = self.pipeline(**kwargs)
+            pipeline = pipeline_for(self.pipeline, request)
+            with torch.inference_mode(), _decode_as(pipeline, decode):
+                output = pipeline(**kwargs)
             seconds = time.perf_counter() - start
             stats = self._read_stats()
             after = StreamCounters.of(stats)
@@ -379,27 +381,24 @@ def _decode_as(pipeline, choice: VaeDecodeChoice | None):
     return vae_decode_settings(pipeline.vae, tiled=choice.tiled, sliced=choice.sliced)
 
 
-@contextlib.contextmanager
-def _settings_for(pipeline, request: GenerationRequest):
-    """The request's per-request settings applied to `pipeline` for the call, and restored after it, whatever
-    happens: ``boundary_ratio`` (the pipeline's config), and ``flow_shift`` and ``extra_params``' ``sample_solver``
-    (a scheduler built for the call from the served one's config, `scheduler_for`; the served scheduler object is
-    put back)."""
-    ratio_before = pipeline.config["boundary_ratio"] if request.boundary_ratio is not None else None
+def pipeline_for(pipeline, request: GenerationRequest):
+    """The pipeline one call of `request` runs: `pipeline` itself, or, where the request sets ``boundary_ratio``,
+    ``flow_shift`` or ``extra_params``' ``sample_solver``, a shallow copy (the modules shared) with its own config
+    and a scheduler built for the call (`scheduler_for`). Nothing is set on the served pipeline, so nothing has
+    to be put back, whatever the call does."""
     served = getattr(pipeline, "scheduler", None)
     scheduler = scheduler_for(served, solver=request.extra_params.get(SAMPLE_SOLVER), flow_shift=request.flow_shift)
-    scheduler_before = served if scheduler is not served else None
-    try:
-        if request.boundary_ratio is not None:
-            pipeline.register_to_config(boundary_ratio=request.boundary_ratio)
-        if scheduler_before is not None:
-            pipeline.scheduler = scheduler
-        yield
-    finally:
-        if scheduler_before is not None:
-            pipeline.scheduler = scheduler_before
-        if request.boundary_ratio is not None:
-            pipeline.register_to_config(boundary_ratio=ratio_before)
+    if scheduler is served and request.boundary_ratio is None:
+        return pipeline
+    # a view sharing every module (offload's guard refuses copy.copy, which is for copies of the weights);
+    # diffusers' __setattr__ and register_to_config then replace the view's config, not the served one's
+    own = object.__new__(type(pipeline))
+    own.__dict__.update(pipeline.__dict__)
+    if scheduler is not served:
+        own.scheduler = scheduler
+    if request.boundary_ratio is not None:
+        own.register_to_config(boundary_ratio=request.boundary_ratio)
+    return own
 
 
 PER_PROMPT_ARGUMENTS = ("negative_prompt", "prompt_2", "prompt_3", "negative_prompt_2", "negative_prompt_3")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from layerstream.errors import LayerstreamError
-from layerstream.json_object import JsonObject, first_non_json
+from layerstream.json_object import MAX_JSON_DEPTH, JsonLimitError, JsonObject, check_json_depth, first_non_json
 from layerstream.models.call_arguments import SET_BY_LAYERSTREAM
 from layerstream.models.output_limits import DEFAULT_MAX_SIDE_PIXELS, MAX_PROMPT_CHARS, MAX_SEED
 
@@ -154,8 +154,9 @@ class GenerationRequest:
     """Seconds from receipt to answer, which the server enforces (queue and generation); `Omni` does not."""
     extra_params: Mapping[str, Any] = JsonObject()
     """Further arguments of the pipeline's call, vllm-omni's ``extra_params``: a JSON object (given as a dict,
-    held as a frozen `JsonObject`; None: none). A key is a call argument the pipeline takes from JSON, or a
-    vllm-omni key the model's rules map (``sample_solver``); never a field of this request (`EXTRA_PARAMS_REFUSED`)."""
+    held as a frozen `JsonObject`; None: none). A key is a call argument its pipeline family declares
+    (`models.call_arguments`), or a vllm-omni key the model's rules map (``sample_solver``); never a field of
+    this request (`EXTRA_PARAMS_REFUSED`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extra_params", checked_extra_params(self.extra_params))  # frozen: hashable
@@ -215,6 +216,11 @@ def checked_extra_params(value: Any) -> JsonObject:
         return JsonObject()
     if not isinstance(value, Mapping):
         raise invalid_field("extra_params", value, "a JSON object of call arguments (a dict), or None")
+    try:
+        check_json_depth(value, "extra_params")
+    except JsonLimitError:  # no repr of the value: it is as deep as the recursion it would need
+        allowed = f"at most {MAX_JSON_DEPTH} levels of nested arrays and objects"
+        raise invalid_field("extra_params", value, allowed, shown=f"a value nested deeper than {MAX_JSON_DEPTH}") from None
     found = first_non_json(value, "extra_params")
     if found is not None:
         allowed = "a JSON value (null, a boolean, a finite number, a text, an array or an object with text keys)"

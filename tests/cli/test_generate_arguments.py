@@ -85,6 +85,9 @@ CASES = [
     (["--extra-params", "[1]"], """--extra-params: '[1]' is not a JSON object; expected one such as '{{"sample_solver": "euler"}}'"""),
     (["--extra-params", '{{"num_inference_steps": 3}}'], "--extra-params num_inference_steps: 3 is not allowed (give --steps instead)"),
     (["--extra-params", '{{"generator": 3}}'], "--extra-params generator: 3 is not allowed (seed instead"),
+    # nested a few thousand deep: was a RecursionError traceback and exit 1
+    (["--extra-params", "{{" + '"a": ' + "[" * 3000 + "]" * 3000 + "}}"], "--extra-params: JSON text nests arrays and objects deeper than 32 levels"),
+    (["--diffusion-offload-config", "[" * 3000 + "]" * 3000], "deeper than 32 levels, the limit"),
     (["--vae-use-tiling", "yes"], "--vae-use-tiling: 'yes' is not allowed (true, false or auto)"),
     (
         ["--vae-use-slicing", "true", "--diffusion-offload-config", '{{"mode": "layer", "components": ["dit"], "vae_use_slicing": false}}'],
@@ -126,7 +129,7 @@ def test_cuda_on_a_torch_without_cuda(run_cli, device):
         (["--max-size", "4096", "--height", "4096", "--width", "4096"], "--height = 4096 is not valid; expected a multiple of 16 up to 1024"),
         (["--num-frames", "6"], "--num-frames = 6 is not valid; expected 4 * k + 1"),
         (["--extra-params", '{"sample_solver": "heun"}'], "--extra-params sample_solver: 'heun' is not valid for tiny-wan; expected one of 'unipc', 'euler', 'dpm++'"),
-        (["--extra-params", '{"latents": null}'], "--extra-params latents: None is not valid for tiny-wan; expected a call argument of WanPipeline that JSON can give"),
+        (["--extra-params", '{"latents": null}'], "--extra-params latents: None is not valid for tiny-wan; expected one of the keys WanPipeline takes: attention_kwargs, max_sequence_length, sample_solver"),
     ],
 )
 def test_refused_by_what_the_model_can_make_before_the_first_step(run_cli, capsys, args, message):

@@ -64,6 +64,16 @@ def test_bad_flags_give_one_line_before_loading(capsys, monkeypatch, argv, fragm
         assert fragment in err
 
 
+def test_a_size_the_model_cannot_make_is_refused_as_generate_refuses_it(capsys, monkeypatch):
+    """--height 1000000 traced the tiled decode tile by tile for over a minute; it is refused before any tracing."""
+    from layerstream.machine import planner
+
+    monkeypatch.setattr(planner, "plan_for_machine", lambda *a, **k: pytest.fail("planned a size the model cannot make"))
+    code, out, err = run_plan(capsys, "tiny-wan", "--device-memory", "24", "--host-memory", "16", "--height", "1000000")
+    assert code == EXIT_USAGE and out == "" and err.count("\n") == 1
+    assert "--height = 1000000 is not valid; expected a multiple of 16 up to 1024 for tiny-wan" in err
+
+
 def test_a_machine_too_small_is_one_line_naming_the_figure(capsys):
     code, out, err = run_plan(capsys, "tiny-wan", "--device-memory", "24", "--host-memory", "1")
     assert code == EXIT_USAGE and out == "" and err.count("\n") == 1

@@ -11,7 +11,7 @@ import argparse
 import functools
 import inspect
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Any
 
 import pytest
 from PIL import Image
@@ -164,45 +164,33 @@ def test_defaults_geometry_and_image_presence_are_decided_by_the_rules_alone():
     assert i2v.image_problem(has_image=False) == "required" and i2v.image_problem(has_image=True) is None
 
 
-# --- extra_params: what the call takes from JSON, and vllm-omni's sample_solver ---------------------------------
+# --- extra_params: what each family declares, and vllm-omni's sample_solver -------------------------------------
 
 
-def test_the_call_arguments_json_can_give_are_read_from_the_signature():
-    import torch
+def _pipeline(class_name: str, scheduler: Any = None):
+    """A stand-in pipeline of `class_name` whose ``__call__`` takes what Flux's does (annotations play no part)."""
 
-    from layerstream.models.call_arguments import read_call_arguments
-
-    def call(
-        self, prompt: str, num_inference_steps: int = 50, max_sequence_length: int = 512, sigmas: list[float] | None = None,
-        attention_kwargs: dict[str, Any] | None = None, decode_timestep: float | list[float] = 0.0, untyped=None,
-        latents: torch.Tensor | None = None, mode: Literal["a", "b"] = "a", generator: torch.Generator | None = None, **kwargs,
-    ):  # fmt: skip
+    def call(self, prompt, prompt_2=None, sigmas=None, max_sequence_length=256, joint_attention_kwargs=None, ip_adapter_image_embeds=None):
         pass
 
-    pipeline = type("SomePipeline", (), {"__call__": call})()
-    taken = read_call_arguments(pipeline)
-    assert set(taken) == {"max_sequence_length", "sigmas", "attention_kwargs", "decode_timestep", "untyped", "mode"}
-    assert taken["max_sequence_length"].allowed() == "an integer from 1 to 512"  # the call's default caps it
-    assert taken["sigmas"].allowed() == "null or an array (each item a number)"
-    assert taken["decode_timestep"].admits(0.05) and taken["decode_timestep"].admits([0.05, 1])
-    assert not taken["sigmas"].admits(["1.0"]) and not taken["max_sequence_length"].admits(2.0)
-    assert taken["attention_kwargs"].admits({"scale": 0.5}) and not taken["attention_kwargs"].admits([1])
-    assert taken["mode"].allowed() == "a text" and taken["untyped"].admits([{"any": None}])
+    return type(class_name, (), {"__call__": call, "scheduler": scheduler})()
 
 
-def test_a_call_under_no_grad_has_its_annotations_read_in_its_own_module():
-    """diffusers wraps `__call__` in `torch.no_grad()`: a string annotation (this module's `from __future__ import
-    annotations`) names what this module imports, not what torch's wrapper module does."""
-    import torch
+def test_extra_params_are_what_the_family_declares_and_the_call_and_scheduler_take():
+    from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
 
-    from layerstream.models.call_arguments import read_call_arguments
+    from layerstream.models.call_arguments import declared_arguments
 
-    @torch.no_grad()
-    def call(self, prompt: str, mode: Literal["a", "b"] = "a"):
-        pass
+    flux = declared_arguments(_pipeline("FluxPipeline", FlowMatchEulerDiscreteScheduler()))
+    # declared and in the call; never ip_adapter_image_embeds (in the call, declared nowhere)
+    assert set(flux) == {"prompt_2", "sigmas", "max_sequence_length", "joint_attention_kwargs"}
+    assert flux["max_sequence_length"].high == 256  # the call's own default caps it
+    assert "sigmas" not in declared_arguments(_pipeline("FluxPipeline", DDIMScheduler()))  # its set_timesteps takes none
+    assert declared_arguments(_pipeline("SomePipeline")) == {}  # no family: nothing
+    from layerstream.models.loading import load_pipeline
 
-    taken = read_call_arguments(type("SomePipeline", (), {"__call__": call})())
-    assert taken["mode"].allowed() == "a text" and not taken["mode"].admits(1)
+    wan = read_model_rules(load_pipeline("tiny-wan"), "tiny-wan")
+    assert set(wan.call_arguments) == {"max_sequence_length", "attention_kwargs"}
 
 
 def test_extra_params_problems_name_the_key_and_what_is_taken():
@@ -210,30 +198,39 @@ def test_extra_params_problems_name_the_key_and_what_is_taken():
 
     from layerstream.models.tiny_components import _wan_scheduler
 
-    def call(self, prompt: str, sigmas: list[float] | None = None, max_sequence_length: int = 512):
-        pass
-
-    pipeline = type("SomePipeline", (), {"__call__": call, "scheduler": _wan_scheduler()})()
-    rules = read_model_rules(pipeline, "a/some")
+    rules = read_model_rules(_pipeline("WanPipeline", _wan_scheduler()), "a/some")
     assert dict(rules.sample_solvers) == {
         "unipc": "UniPCMultistepScheduler", "euler": "FlowMatchEulerDiscreteScheduler", "dpm++": "DPMSolverMultistepScheduler"
     }  # fmt: skip
-    assert rules.extra_params_problems({"sample_solver": " Euler ", "sigmas": [1.0, 0.5]}, num_inference_steps=2) == []
-    problems = rules.extra_params_problems(
-        {"sample_solver": "heun", "sigmas": [1.0], "max_sequence_length": 4096, "shift": 3}, num_inference_steps=2
-    )
+    assert rules.extra_params_problems({"sample_solver": " Euler ", "max_sequence_length": 8}, num_inference_steps=2) == []
+    problems = rules.extra_params_problems({"sample_solver": "heun", "max_sequence_length": 4096, "shift": 3}, num_inference_steps=2)
     assert [(p.name, p.allowed) for p in problems] == [
         ("extra_params.sample_solver", "one of 'unipc', 'euler', 'dpm++' (any case)"),
-        ("extra_params.sigmas", "null or an array (each item a number), with one item per step (2, num_inference_steps)"),
-        ("extra_params.max_sequence_length", "an integer from 1 to 512"),
-        ("extra_params.shift", "a call argument of SomePipeline that JSON can give (not a tensor or an image), or a"
-         " vllm-omni key it maps: max_sequence_length, sample_solver, sigmas"),
+        ("extra_params.max_sequence_length", "an integer from 1 to 256"),
+        ("extra_params.shift", "one of the keys WanPipeline takes: max_sequence_length, sample_solver"),
     ]  # fmt: skip
-    pipeline.scheduler = FlowMatchEulerDiscreteScheduler()  # Flux's and Qwen-Image's: only its own name
-    assert dict(read_model_rules(pipeline, "a/some").sample_solvers) == {"euler": "FlowMatchEulerDiscreteScheduler"}
-    pipeline.scheduler = DDIMScheduler()
-    (problem,) = read_model_rules(pipeline, "a/some").extra_params_problems({"sample_solver": "euler"}, num_inference_steps=2)
-    assert problem.allowed.startswith("no sample_solver: SomePipeline's scheduler has no counterpart")
+    flux = read_model_rules(_pipeline("FluxPipeline", FlowMatchEulerDiscreteScheduler()), "a/some")
+    assert dict(flux.sample_solvers) == {"euler": "FlowMatchEulerDiscreteScheduler"}  # only its own name
+    taken = {"prompt_2": "a fox", "sigmas": [1.0, 0.5], "joint_attention_kwargs": {"scale": 0.5}}
+    assert flux.extra_params_problems(taken, num_inference_steps=2) == []
+    hostile = {
+        "prompt_2": ["a", "b"], "sigmas": [1e308, 0.5], "joint_attention_kwargs": {"hidden_states": 1},
+        "ip_adapter_image_embeds": [1], "attention_mask": [[1, 0]],
+    }  # fmt: skip
+    named = {p.name: p.allowed for p in flux.extra_params_problems(hostile, num_inference_steps=2)}
+    assert named["extra_params.prompt_2"] == "a text of at most 10,000 characters"
+    assert named["extra_params.sigmas"].startswith("an array of 2 numbers (one per step, num_inference_steps), strictly decreasing")
+    assert named["extra_params.joint_attention_kwargs"] == "an object with only the keys scale (a number from 0 to 10)"
+    assert named["extra_params.ip_adapter_image_embeds"].startswith("one of the keys FluxPipeline takes: joint_attention_kwargs,")
+    assert set(named) == {f"extra_params.{key}" for key in hostile}
+    for wrong in ([0.5, 1.0], [1.0, 0.0], [1.0]):  # rising, at zero, one short
+        assert flux.extra_params_problems({"sigmas": wrong}, num_inference_steps=2), wrong
+    assert flux.extra_params_problems({"prompt_2": "x" * 10_001}, num_inference_steps=2)
+    assert flux.extra_params_problems({"joint_attention_kwargs": {"scale": float("inf")}}, num_inference_steps=2)
+    (problem,) = read_model_rules(_pipeline("WanPipeline", DDIMScheduler()), "a/some").extra_params_problems(
+        {"sample_solver": "euler"}, num_inference_steps=2
+    )
+    assert problem.allowed.startswith("no sample_solver: WanPipeline's scheduler has no counterpart")
 
 
 def test_extra_params_reach_the_call_and_a_solver_lasts_one_call():
@@ -252,3 +249,43 @@ def test_extra_params_reach_the_call_and_a_solver_lasts_one_call():
         omni.generate(PROMPT, extra_params={"sample_solver": "heun"})
     batch = omni.generate_batch([PROMPT, "a cat"], seeds=[0, 1], extra_params={"sample_solver": "euler"}, keep_raw=True)
     assert len(batch) == 2 and omni.pipeline.scheduler is served
+
+
+class _Injected(Exception):
+    """The failure injected into a call."""
+
+
+def test_per_request_settings_never_touch_the_served_pipeline_even_when_the_call_fails(monkeypatch):
+    """A request's scheduler (sample_solver, flow_shift) is its call's alone: during the call the served pipeline
+    keeps its own, and a failure at any point (a transformer forward, a scheduler step, the decode) leaves the
+    next request's output bit for bit as before."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    omni = Omni("tiny-wan", offload=False)
+    served, config = omni.pipeline.scheduler, dict(omni.pipeline.config)
+    first = omni.generate(PROMPT, keep_raw=True).raw
+    seen = []
+
+    def forward_hook(module, args):
+        seen.append(omni.pipeline.scheduler is served and dict(omni.pipeline.config) == config)
+
+    omni.pipeline.transformer.register_forward_pre_hook(forward_hook)
+
+    def fail(*args, **kwargs):
+        raise _Injected
+
+    points = {
+        "forward": lambda patch: omni.pipeline.transformer.register_forward_pre_hook(lambda *_: fail()),
+        "scheduler step": lambda patch: patch.setattr(FlowMatchEulerDiscreteScheduler, "step", fail),
+        "decode": lambda patch: patch.setattr(type(omni.pipeline.vae), "decode", fail),
+    }
+    for point, inject in points.items():
+        with monkeypatch.context() as patch:  # the class patches of this point only
+            handle = inject(patch)
+            with pytest.raises(_Injected):
+                omni.generate(PROMPT, flow_shift=3.0, extra_params={"sample_solver": "euler"})
+            if handle is not None:
+                handle.remove()
+        assert omni.pipeline.scheduler is served and dict(omni.pipeline.config) == config, point
+        assert (omni.generate(PROMPT, keep_raw=True).raw == first).all(), point
+    assert seen and all(seen)  # during every call, the served pipeline had its own scheduler and config

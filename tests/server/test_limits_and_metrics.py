@@ -98,13 +98,17 @@ def test_a_size_beyond_the_model_grid_names_the_limit():
     ],
 )
 def test_more_work_than_the_cap_names_the_field_that_asks_most(fields, named):
-    limits = dataclasses.replace(WAN, max_work=64 * 64 * 9 * 4)  # exactly the default request
+    from layerstream.server.limits import request_price
+
+    default = request_price(VideoGenerationRequest(prompt="fox"), WAN)
+    assert (default.pixels, default.num_frames, default.forwards) == (64 * 64, 9, 4 * 2)  # guidance 4: two passes a step
+    limits = dataclasses.replace(WAN, max_work=default.work)  # exactly the default request
     check_request(VideoGenerationRequest(prompt="fox"), limits)
     with pytest.raises(ApiError) as info:
         check_request(VideoGenerationRequest(prompt="fox", **fields), limits)
     detail = info.value.details[0]
     assert info.value.status == 400 and detail.param == named
-    assert "--max-work" in detail.allowed and "147,456" in detail.allowed
+    assert "--max-work" in detail.allowed and f"{default.work:,}" in detail.allowed
 
 
 def test_wrong_endpoint_names_what_the_model_makes():
@@ -188,4 +192,5 @@ def test_the_work_cap_fits_the_device_a_gpu_server_takes_the_models_own_generati
         with pytest.raises(ApiError) as refused:
             check_request(request, cpu)  # minutes of a 2-core CPU: refused there, naming --max-work
         assert "--max-work" in str(refused.value.details or refused.value.message)
-    assert cpu.max_work == 100_000_000 and gpu.max_work == 2048 * 2048 * 129 * 50  # the size and frame caps at 50 steps
+    # the size and frame caps at 50 steps, two passes a step (guidance), two texts (the prompt, the negative one)
+    assert cpu.max_work == 100_000_000 and gpu.max_work == 2048 * 2048 * 129 * 50 * 2 + 2 * 512 * 1024

@@ -29,9 +29,10 @@ from layerstream.server.settings import ServeSettings
 from test_service import StandInOmni
 
 SERVE_CONFIG = {"mode": "layer", "components": ["dit"]}  # `layerstream serve`'s default offload config
-MAX_WORK = {"tiny-wan": 64 * 64 * 9 * 2, "tiny-flux": 64 * 64 * 1 * 2}
-"""--max-work, the one setting not `layerstream serve`'s default: half the work of the model's default generation
-(64x64, 9 frames for tiny-wan, 4 steps). Without it a case at the schema's bounds (999 steps) generates for a
+MAX_WORK = {"tiny-wan": 1_200_000, "tiny-flux": 535_000}
+"""--max-work, the one setting not `layerstream serve`'s default: under the price of the model's default generation
+(64x64, 9 frames for tiny-wan, 4 steps: 1,343,488 and 540,672, most of it the 512-token texts), over the same at 2
+steps. Without it a case at the schema's bounds (999 steps) generates for a
 minute, and the coverage cases at the defaults (some fifty per endpoint) for half a minute; with it those are
 refused 400 before anything is queued (the first deviation below), and the cases under it (1 or 2 steps, 1
 frame) still generate, their answers checked too."""

@@ -24,8 +24,8 @@ from serve_harness import decode_png
 pytestmark = pytest.mark.fast
 
 
-class _Pipeline:
-    def __call__(self, prompt, height=None, width=None, num_inference_steps=2, max_sequence_length: int = 512):  # what limits read
+class QwenImagePipeline:  # a family's name: the extra_params it declares
+    def __call__(self, prompt, height=None, width=None, num_inference_steps=2, max_sequence_length=512):  # what limits read
         raise AssertionError("the stand-in Omni never calls its pipeline")
 
 
@@ -37,7 +37,7 @@ class StandInOmni:
     config = parse_offload_config({"mode": "layer", "components": ["dit"]})
 
     def __init__(self) -> None:
-        self.pipeline = _Pipeline()
+        self.pipeline = QwenImagePipeline()
         self.rules = read_model_rules(self.pipeline, self.model)
         self.outputs: list[weakref.ref] = []
         self.alive_at_start: list[int] = []

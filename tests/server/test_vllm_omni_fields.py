@@ -213,9 +213,10 @@ def test_extra_params_make_another_video_and_an_empty_object_the_same_one(served
     [
         ("{bad", "extra_params", "extra_params is not valid JSON text"),  # a form's text that is no JSON
         ("[1]", "extra_params", "object"),
-        ({"foo": 1}, "extra_params.foo", "a call argument of WanPipeline that JSON can give"),
+        ({"foo": 1}, "extra_params.foo", "one of the keys WanPipeline takes: attention_kwargs, max_sequence_length, sample_solver"),
         ({"sample_solver": "heun"}, "extra_params.sample_solver", "one of 'unipc', 'euler', 'dpm++'"),
         ({"num_inference_steps": 3}, "extra_params.num_inference_steps", "the num_inference_steps field itself"),
+        ('{"a": ' + "[" * 40 + "]" * 40 + "}", "extra_params", "32 levels"),  # past the depth limit
     ],
 )
 def test_extra_params_the_model_cannot_take_are_a_400_naming_the_key(served, extra_params, param, said):
@@ -231,4 +232,22 @@ def test_extra_params_the_model_cannot_take_are_a_400_naming_the_key(served, ext
         assert answer.status_code == 400, answer.text
         error = answer.json()["error"]
         assert error["param"] == param and said in error["message"], error
+    assert len(served.calls) == before
+
+
+def test_json_text_nested_past_any_parser_is_a_400_naming_the_limit(served):
+    """A form's ``extra_params`` nested 5,000 deep (a RecursionError and a 500 from about 500) is refused naming
+    the depth limit before it is parsed; a JSON body that deep stops at its own parser's bound, a 400 too."""
+    deep = '{"a": ' + "[" * 5000 + "]" * 5000 + "}"
+    before, answers = len(served.calls), []
+    for path in ("/v1/videos", "/v1/videos/sync"):
+        answers.append(served.client.post(path, files={"prompt": (None, "fox"), "extra_params": (None, deep)}))
+        answers.append(served.client.post(path, data={"prompt": "fox", "extra_params": deep}))
+    for answer in answers:
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["param"] == "extra_params" and "deeper than 32 levels" in error["message"], error
+    body = b'{"prompt": "fox", "extra_params": ' + deep.encode() + b"}"
+    answer = served.client.post("/v1/videos", content=body, headers={"content-type": "application/json"})
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_json", answer.text
     assert len(served.calls) == before

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from layerstream.errors import LayerstreamError
+from layerstream.json_object import JsonLimitError, read_json_text
 
 EXIT_USAGE = 2
 
@@ -238,7 +239,9 @@ def json_object_text(text: str) -> dict:
     """A JSON object given as its text (--extra-params): not JSON, or JSON that is not an object, is refused
     naming what was wrong, as the server's 400 does."""
     try:
-        value = json.loads(text)
+        value = read_json_text(text)
+    except JsonLimitError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"not valid JSON ({e}); expected a JSON object such as '{{\"sample_solver\": \"euler\"}}'") from None
     if not isinstance(value, dict):

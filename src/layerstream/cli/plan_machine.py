@@ -135,12 +135,18 @@ def run_machine_plan(args: argparse.Namespace, pipeline: Any, origin: dict[str, 
 def planned_generation_of(args: argparse.Namespace, pipeline: Any):
     """The generation to plan for: --height/--width/--num-frames/--steps, each left out taken from the model's
     rules (`ModelRules`, read from the skeleton under the model's name: an embedded tiny model's own small size
-    and steps, a real model's its pipeline's), as `Omni` would run it; each figure says where it came from."""
+    and steps, a real model's its pipeline's), as `Omni` would run it; each figure says where it came from. A size
+    the model cannot make is refused as `generate` refuses it (`ModelRules.check_geometry`), before any tracing."""
     from layerstream.models.generation_size import planned_generation
     from layerstream.models.model_rules import read_model_rules
 
     given = {name: getattr(args, name, None) for name in _GENERATION_FLAGS}
-    return planned_generation(read_model_rules(pipeline, args.model), **given, sources=_GENERATION_FLAGS)
+    rules = read_model_rules(pipeline, args.model)
+    violations = rules.check_geometry(height=given["height"], width=given["width"], num_frames=given["num_frames"])
+    if violations:
+        wrong = violations[0]
+        raise CliError(f"{_GENERATION_FLAGS[wrong.name]} = {wrong.value} is not valid; expected {wrong.allowed} for {args.model}")
+    return planned_generation(rules, **given, sources=_GENERATION_FLAGS)
 
 
 def machine_plan_lines(result) -> list[str]:

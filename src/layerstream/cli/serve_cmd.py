@@ -84,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-work",
         type=int,
         default=None,
-        help="largest width x height x frames x steps x n of one request; more is a 400 (default: from the "
+        help="largest price of one request (width x height x frames x steps x passes x n, plus text tokens, "
+        "docs/serving.md); more is a 400 (default: from the "
         f"device: {CPU_MAX_WORK:,} on a CPU, minutes of a 2-core host; on an accelerator whatever --max-size and "
         f"--max-frames allow at {ACCELERATOR_STEPS} steps, or the model's default steps if more; /health states it)",
     )

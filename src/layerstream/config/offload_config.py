@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Any, Literal, get_args
 
 from layerstream.errors import LayerstreamError
+from layerstream.json_object import read_json_text
 
 Mode = Literal["layer", "module"]
 WeightTransfer = Literal["rank-local", "allgather"]
@@ -188,14 +189,14 @@ def parse_offload_config(obj: Any) -> OffloadConfig:
         return obj
     if isinstance(obj, (str, bytes, bytearray)):
         try:
-            obj = json.loads(obj)
+            obj = read_json_text(obj)
         except json.JSONDecodeError as e:
             raise OffloadConfigError(
                 "<json>", obj, f"the text must be JSON: {e.msg} at line {e.lineno} column {e.colno} (char {e.pos})"
             ) from e
         except UnicodeDecodeError as e:
             raise OffloadConfigError("<json>", obj, f"the text must be UTF-8 JSON: {e}") from e
-        except (ValueError, RecursionError) as e:  # an integer past Python's digit limit, or nesting too deep
+        except ValueError as e:  # an integer past Python's digit limit, or past a limit of `read_json_text`
             raise OffloadConfigError("<json>", obj, f"the text must be a JSON object of the documented keys: {e}") from e
     if not isinstance(obj, Mapping):
         raise OffloadConfigError("<root>", obj, "expected a JSON object with keys mode and components")

@@ -1,23 +1,23 @@
-"""What a pipeline's call takes from JSON: the keys a request's ``extra_params`` may set, and their checks.
+"""The call arguments a request's ``extra_params`` may set, declared per pipeline family (`FAMILY_ARGUMENTS`).
 
-Read once from the pipeline's ``__call__`` signature (`read_call_arguments`): each parameter's annotation says
-which JSON values it takes (``int``: an integer, ``list[float]``: an array of numbers, ``dict``: an object, a
-union any of its members'). A parameter that takes only tensors, images, generators or callables cannot come
-from JSON and is left out, as are the arguments layerstream sets, from a request's fields or itself
-(`FROM_REQUEST_FIELDS`, `SET_BY_LAYERSTREAM`; the request refuses them as keys, `request.EXTRA_PARAMS_REFUSED`).
-Two rules keep a passed argument within what the server prices: a step list (``sigmas``, ``timesteps``: the
-pipeline then runs one step per item) has one item per step, and ``max_sequence_length`` is at most the call's
-default (the text encoder's trained length; more pads every prompt to it).
+A stranger's JSON reaches the pipeline's ``__call__`` only through a declaration: the values the argument takes
+(a number within its bounds, a text under the prompt cap, a step list with one strictly decreasing item per
+step inside the scheduler's range, an object with named keys) and what it adds to the work (`CallArgument.adds`:
+a text encoded once more per prompt, or the tokens each text is padded to). Whatever a family does not declare
+is refused, whatever its annotation: a list ``prompt_2`` runs the text encoder per item, an attention keyword the
+processor also takes is a crash, a ``sigmas`` of 1e308 a silently wrong picture. Arguments layerstream sets
+itself (`SET_BY_LAYERSTREAM`) are refused by the request, with what to give instead.
 """
 
 from __future__ import annotations
 
 import inspect
-import types
-import typing
-from collections.abc import Mapping, MutableSequence, Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any, Literal
+
+from layerstream.models.output_limits import MAX_PROMPT_CHARS
 
 _OWN_SEEDS = "n instead (each output with a seed of its own)"
 _OWN_OUTPUT = "no such key: layerstream takes the output as arrays and encodes it itself"
@@ -31,134 +31,123 @@ SET_BY_LAYERSTREAM = {
     "max_area": _OWN_SIZE, "_auto_resize": _OWN_SIZE,
 }  # fmt: skip
 """Call arguments layerstream sets itself (from no request field), each with what a request gives instead."""
-FROM_REQUEST_FIELDS = (
-    "prompt", "negative_prompt", "image", "height", "width", "num_frames", "num_inference_steps", "guidance_scale",
-    "guidance_scale_2", "true_cfg_scale",
-)  # fmt: skip
-"""Call arguments layerstream sets from a request's fields of the same names (`pipeline_runner`)."""
 
-JsonKind = Literal["null", "boolean", "integer", "number", "string", "array", "object"]
-_SCALAR_KINDS: dict[Any, JsonKind] = {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string"}
-_KIND_WORDS = {
-    "null": "null", "boolean": "a boolean", "integer": "an integer", "number": "a number", "string": "a text",
-    "array": "an array", "object": "a JSON object",
-}  # fmt: skip
-STEP_LISTS = ("sigmas", "timesteps")
-"""Arguments the pipeline runs one step per item of: they must have the request's step count."""
-CAPPED_BY_DEFAULT = ("max_sequence_length",)
-"""Integer arguments at most the call's own default (which is at least 1)."""
+ArgumentKind = Literal["integer", "number", "boolean", "text", "steps", "object"]
 
 
 @dataclass(frozen=True)
-class JsonArgument:
-    """The JSON values one call argument takes."""
+class CallArgument:
+    """The JSON values one declared call argument takes, and what it adds to the work."""
 
-    kinds: frozenset[JsonKind]
-    items: JsonArgument | None = None
-    """Arrays: what each item takes (None: any JSON value)."""
-    most: int | None = None
-    """Integers: the largest taken, from 1 (`CAPPED_BY_DEFAULT`); None: no bound."""
+    kind: ArgumentKind
+    """``"steps"``: an array of numbers, one per step, strictly decreasing, each > `low` and at most `high`."""
+    low: float = 0.0
+    high: float = 1.0
+    """Numbers and integers: from `low` to `high`; step lists: each item above `low`, at most `high`."""
+    keys: Mapping[str, CallArgument] | None = None
+    """Objects: the keys it may hold, each with what it takes."""
+    adds: Literal["text", "tokens"] | None = None
+    """Its work: ``"text"`` one more text the encoder reads per prompt; ``"tokens"`` the tokens every text is
+    padded to (``max_sequence_length``); None: nothing the price counts."""
 
-    def admits(self, value: Any) -> bool:
-        kind = _kind_of(value)
-        if kind not in self.kinds and not (kind == "integer" and "number" in self.kinds):
-            return False
-        if kind == "integer" and self.most is not None and "number" not in self.kinds:
-            return 1 <= value <= self.most
-        if kind == "array" and self.items is not None:
-            return all(self.items.admits(item) for item in value)
-        return True
-
-    def allowed(self) -> str:
-        """What it takes, as a phrase: ``"an integer from 1 to 512"``, ``"a number or an array (each item a number)"``."""
-        words = []
-        for kind in sorted(self.kinds, key=list(_KIND_WORDS).index):
-            word = _KIND_WORDS[kind]
-            if kind == "integer" and self.most is not None:
-                word += f" from 1 to {self.most}"
-            if kind == "array" and self.items is not None:
-                word += f" (each item {self.items.allowed()})"
-            words.append(word)
-        return " or ".join(words)
-
-
-ANY_JSON = JsonArgument(frozenset(typing.get_args(JsonKind)))
-
-
-def read_call_arguments(pipeline: Any) -> dict[str, JsonArgument]:
-    """Each argument of `pipeline`'s ``__call__`` a JSON value can set, by name, but those layerstream sets
-    (`FROM_REQUEST_FIELDS`, `SET_BY_LAYERSTREAM`)."""
-    refused = {*FROM_REQUEST_FIELDS, *SET_BY_LAYERSTREAM}
-    call = pipeline.__call__
-    arguments = {}
-    for name, parameter in inspect.signature(call).parameters.items():
-        if name in refused or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-            continue
-        annotation = _resolved(call, parameter.annotation)
-        taken = ANY_JSON if annotation is parameter.empty else _from_annotation(annotation)
-        if taken is None or taken.kinds <= {"null"}:
-            continue  # tensors, images, generators, callables: nothing JSON can give but null
-        default = parameter.default
-        if name in CAPPED_BY_DEFAULT and isinstance(default, int) and not isinstance(default, bool) and default >= 1:
-            taken = JsonArgument(taken.kinds, taken.items, most=default)
-        arguments[name] = taken
-    return arguments
-
-
-def argument_problem(name: str, argument: JsonArgument, value: Any, num_inference_steps: int) -> str | None:
-    """What `value` should be instead, if `argument` (call argument `name`) cannot take it; else None."""
-    if not argument.admits(value):
-        return argument.allowed()
-    if name in STEP_LISTS and isinstance(value, list) and len(value) != num_inference_steps:
-        return f"{argument.allowed()}, with one item per step ({num_inference_steps}, num_inference_steps)"
-    return None
-
-
-def _resolved(call: Any, annotation: Any) -> Any:
-    """`annotation` as a type: a string one (``from __future__ import annotations``) evaluated in the call's
-    module, as `typing.get_type_hints` does, but one parameter at a time (None: it names what is not there)."""
-    if not isinstance(annotation, str):
-        return annotation
-    try:
-        # the names of the pipeline's own module, as get_type_hints reads them (unwrapped: torch.no_grad's wrapper
-        # function has torch's)
-        return eval(annotation, getattr(inspect.unwrap(call), "__globals__", {}))
-    except Exception:
-        return None  # its parameter is left out
-
-
-def _kind_of(value: Any) -> JsonKind | None:
-    if isinstance(value, bool) or value is None or type(value) in _SCALAR_KINDS:
-        return _SCALAR_KINDS[type(value)]
-    if isinstance(value, (list, tuple)):
-        return "array"
-    return "object" if isinstance(value, Mapping) else None
-
-
-def _from_annotation(annotation: Any) -> JsonArgument | None:
-    """The JSON values an annotation takes (None: none)."""
-    if annotation is Any or annotation is object:
-        return ANY_JSON
-    if annotation in _SCALAR_KINDS:
-        return JsonArgument(frozenset({_SCALAR_KINDS[annotation]}))
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return _union([_from_annotation(arg) for arg in args])
-    if origin is Literal:
-        return _union([JsonArgument(frozenset({kind})) for arg in args if (kind := _kind_of(arg)) is not None])
-    if annotation in (list, tuple) or origin in (list, tuple, Sequence, MutableSequence):
-        items = [arg for arg in args if arg is not Ellipsis]
-        item = _union([_from_annotation(arg) for arg in items]) if items else ANY_JSON
-        return JsonArgument(frozenset({"array"}), item) if item is not None else None
-    if annotation in (dict, Mapping) or origin in (dict, Mapping):
-        return JsonArgument(frozenset({"object"}))
-    return None  # a class of its own: a tensor, an image, a generator, a callable
-
-
-def _union(members: list[JsonArgument | None]) -> JsonArgument | None:
-    taken = [member for member in members if member is not None]
-    if not taken:
+    def problem(self, value: Any, num_inference_steps: int) -> str | None:
+        """What `value` should be instead (a phrase), or None if it is taken."""
+        ok = {
+            "integer": lambda: _is_int(value) and self.low <= value <= self.high,
+            "number": lambda: _is_number(value) and self.low <= value <= self.high,
+            "boolean": lambda: isinstance(value, bool),
+            "text": lambda: isinstance(value, str) and len(value) <= MAX_PROMPT_CHARS,
+            "steps": lambda: self._is_step_list(value, num_inference_steps),
+            "object": lambda: isinstance(value, Mapping) and set(value) <= set(self.keys or {}),
+        }[self.kind]()
+        if not ok:
+            return self.allowed(num_inference_steps)
+        if self.kind == "object":
+            found = ((key, self.keys[key].problem(item, num_inference_steps)) for key, item in value.items())
+            return next((f"{key}: {wrong}" for key, wrong in found if wrong is not None), None)
         return None
-    kinds = frozenset().union(*(member.kinds for member in taken))
-    items = _union([member.items for member in taken if "array" in member.kinds and member.items is not None])
-    return JsonArgument(kinds, items)
+
+    def allowed(self, num_inference_steps: int) -> str:
+        """What it takes, as a phrase: ``"an integer from 1 to 512"``."""
+        return {
+            "integer": lambda: f"an integer from {self.low:g} to {self.high:g}",
+            "number": lambda: f"a number from {self.low:g} to {self.high:g}",
+            "boolean": lambda: "a boolean",
+            "text": lambda: f"a text of at most {MAX_PROMPT_CHARS:,} characters",
+            "steps": lambda: (
+                f"an array of {num_inference_steps} numbers (one per step, num_inference_steps), strictly "
+                f"decreasing, each > {self.low:g} and at most {self.high:g}"
+            ),
+            "object": lambda: "an object with only the keys " + ", ".join(
+                f"{key} ({argument.allowed(num_inference_steps)})" for key, argument in (self.keys or {}).items()
+            ),
+        }[self.kind]()  # fmt: skip
+
+    def _is_step_list(self, value: Any, num_inference_steps: int) -> bool:
+        if not isinstance(value, (list, tuple)) or len(value) != num_inference_steps:
+            return False
+        if not all(_is_number(item) and self.low < item <= self.high for item in value):
+            return False
+        return all(a > b for a, b in zip(value, value[1:]))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+_TOKENS = CallArgument("integer", 1, 512, adds="tokens")  # high: the call's own default, where it names one
+_TEXT = CallArgument("text", adds="text")
+# a loaded LoRA's weight: the one key the attention processors do not also take (hidden_states would clash)
+_ATTENTION = CallArgument("object", keys={"scale": CallArgument("number", 0.0, 10.0)})
+_SIGMAS = CallArgument("steps", 0.0, 1.0)  # flow matching: noise from 1 down towards 0
+_TIMESTEPS = CallArgument("steps", 0.0, 1000.0)  # high: the scheduler's num_train_timesteps
+_FRACTION = CallArgument("number", 0.0, 1.0)
+FAMILY_ARGUMENTS: Mapping[str, Mapping[str, CallArgument]] = {
+    "Wan": {"max_sequence_length": _TOKENS, "attention_kwargs": _ATTENTION},
+    "Flux": {
+        "max_sequence_length": _TOKENS, "prompt_2": _TEXT, "negative_prompt_2": _TEXT, "sigmas": _SIGMAS,
+        "joint_attention_kwargs": _ATTENTION,
+    },
+    "QwenImage": {"max_sequence_length": _TOKENS, "sigmas": _SIGMAS, "attention_kwargs": _ATTENTION},
+    "HunyuanVideo": {
+        "max_sequence_length": _TOKENS, "prompt_2": _TEXT, "negative_prompt_2": _TEXT, "sigmas": _SIGMAS,
+        "attention_kwargs": _ATTENTION,
+    },
+    "LTX": {
+        "max_sequence_length": _TOKENS, "timesteps": _TIMESTEPS, "guidance_rescale": _FRACTION,
+        "decode_timestep": _FRACTION, "decode_noise_scale": _FRACTION, "frame_rate": CallArgument("integer", 1, 120),
+        "attention_kwargs": _ATTENTION,
+    },
+    "CogVideoX": {
+        "max_sequence_length": _TOKENS, "timesteps": _TIMESTEPS, "use_dynamic_cfg": CallArgument("boolean"),
+        "eta": _FRACTION, "attention_kwargs": _ATTENTION,
+    },
+}  # fmt: skip
+"""Per family (the start of the pipeline class's name: ``WanImageToVideoPipeline`` is ``Wan``), the call
+arguments ``extra_params`` may set; a pipeline of no family takes none. docs/serving.md has this table."""
+
+
+def declared_arguments(pipeline: Any) -> dict[str, CallArgument]:
+    """The declared arguments `pipeline` takes: its family's that its ``__call__`` has, ``max_sequence_length``
+    at most the call's default (the encoder's trained length), step lists only where its scheduler's
+    ``set_timesteps`` takes them, timesteps within its ``num_train_timesteps``."""
+    name = type(pipeline).__name__
+    family = max((f for f in FAMILY_ARGUMENTS if name.startswith(f)), key=len, default=None)
+    call = inspect.signature(pipeline.__call__).parameters
+    scheduler = getattr(pipeline, "scheduler", None)
+    set_timesteps = inspect.signature(scheduler.set_timesteps).parameters if hasattr(scheduler, "set_timesteps") else {}
+    declared = {}
+    for key, argument in (FAMILY_ARGUMENTS[family] if family else {}).items():
+        if key not in call or (argument.kind == "steps" and key not in set_timesteps):
+            continue
+        default = call[key].default
+        if argument.adds == "tokens" and _is_int(default) and default >= 1:
+            argument = replace(argument, high=default)
+        if key == "timesteps":
+            argument = replace(argument, high=scheduler.config.get("num_train_timesteps", argument.high))
+        declared[key] = argument
+    return declared

@@ -17,9 +17,9 @@ What is read:
 - which optional request fields it can take, and how: a call argument (``negative_prompt``,
   ``guidance_scale_2``, ``true_cfg_scale``) or a per-request override of a setting (``boundary_ratio``, a
   two-expert Wan pipeline's config; ``flow_shift``, its scheduler's config);
-- what a request's ``extra_params`` may set: the call arguments a JSON value can give (`call_arguments`, read
-  from the ``__call__`` signature), and the ``sample_solver`` values its scheduler has a counterpart for
-  (`sample_solvers`); `extra_params_problems` says what is wrong with a request's.
+- what a request's ``extra_params`` may set: the call arguments its family declares (`call_arguments`), and
+  the ``sample_solver`` values its scheduler has a counterpart for (`sample_solvers`); `extra_params_problems`
+  says what is wrong with a request's.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from layerstream.models.call_arguments import JsonArgument, argument_problem, read_call_arguments
+from layerstream.models.call_arguments import CallArgument, declared_arguments
 from layerstream.models.input_image import ImageInputKind, pipeline_image_input
 from layerstream.models.output_limits import (
     LimitViolation,
@@ -58,7 +58,7 @@ OPTIONAL_FIELDS = ("negative_prompt", "guidance_scale_2", "true_cfg_scale", "bou
 """Request fields only some pipelines take; a request that gives one its pipeline cannot take is refused."""
 CALL_ARGUMENT_FIELDS = ("negative_prompt", "guidance_scale_2", "true_cfg_scale")
 SETTING_FIELDS = ("boundary_ratio", "flow_shift")
-"""Fields that override a pipeline or scheduler setting for one request (restored after it)."""
+"""Fields that override a pipeline or scheduler setting for one request (on a copy for its call alone)."""
 
 
 ImageProblem = Literal["takes_none", "required"]
@@ -105,8 +105,8 @@ class ModelRules:
     """Of `OPTIONAL_FIELDS`, those this pipeline takes."""
     tiny: bool = False
     """An embedded tiny model: its defaults are passed to the pipeline, which has real-size ones of its own."""
-    call_arguments: Mapping[str, JsonArgument] = field(default_factory=lambda: MappingProxyType({}))
-    """The ``__call__`` arguments an ``extra_params`` key passes through, each with the JSON values it takes."""
+    call_arguments: Mapping[str, CallArgument] = field(default_factory=lambda: MappingProxyType({}))
+    """The ``__call__`` arguments an ``extra_params`` key passes through, as its family declares them."""
     sample_solvers: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     """vllm-omni's ``sample_solver`` values its scheduler has a counterpart for, each to the scheduler class it
     runs (`models.sample_solvers`); empty: none."""
@@ -169,15 +169,12 @@ class ModelRules:
         problems = []
         for key, value in params.items():
             if key in self.call_arguments:
-                allowed = argument_problem(key, self.call_arguments[key], value, num_inference_steps)
+                allowed = self.call_arguments[key].problem(value, num_inference_steps)
             elif key == SAMPLE_SOLVER:
                 allowed = None if isinstance(value, str) and solver_name(value) in self.sample_solvers else self._solvers_taken()
             else:
                 accepted = sorted({*self.call_arguments, *([SAMPLE_SOLVER] if self.sample_solvers else [])})
-                allowed = (
-                    f"a call argument of {self.pipeline_class} that JSON can give (not a tensor or an image), or a "
-                    f"vllm-omni key it maps: {', '.join(accepted) or 'none'}"
-                )
+                allowed = f"one of the keys {self.pipeline_class} takes: {', '.join(accepted) or 'none'}"
             if allowed is not None:
                 problems.append(LimitViolation(f"extra_params.{key}", value, allowed))
         return problems
@@ -232,7 +229,7 @@ def read_model_rules(pipeline: Any, model: str) -> ModelRules:
         fps=FRAME_RATES.get(type(pipeline).__name__, DEFAULT_FPS),
         takes=_optional_fields_taken(pipeline, call),
         tiny=tiny,
-        call_arguments=MappingProxyType(read_call_arguments(pipeline)),
+        call_arguments=MappingProxyType(declared_arguments(pipeline)),
         sample_solvers=MappingProxyType(solvers_for(getattr(pipeline, "scheduler", None))),
     )
 

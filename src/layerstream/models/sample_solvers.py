@@ -5,7 +5,7 @@ diffusers counterpart on the flow-matching sigmas Wan's diffusers scheduler runs
 ``use_flow_sigmas``), at the same shift. A pipeline whose scheduler is in that form takes all three; one whose
 scheduler already is a counterpart (Flux's and Qwen-Image's flow-matching Euler) takes that one's name, which
 changes nothing; any other takes none. The scheduler a value names is built for one call
-(`scheduler_for`) and the served one put back after it, so a request's solver never reaches the next.
+(`scheduler_for`) and handed to that call alone (`pipeline_runner.pipeline_for`), so it never reaches the next.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ would crash on.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,9 @@ import torch
 
 from layerstream.models.geometry import pipeline_max_latent_positions
 from layerstream.models.input_image import ConditionedSize, InputImageError, size_from_image
-from layerstream.models.model_rules import ModelRules
-from layerstream.request import GenerationError, checked_extra_params
+from layerstream.models.model_rules import GenerationShape, ModelRules
+from layerstream.models.work import WorkPrice, price_request
+from layerstream.request import GenerationError, GenerationRequest, checked_extra_params
 from layerstream.server.errors import ApiError, invalid_fields
 from layerstream.server.schemas import MAX_SEED, ErrorDetail, GenerationBody, VideoGenerationRequest
 from layerstream.server.settings import ACCELERATOR_STEPS, CPU_MAX_WORK, ServeSettings
@@ -41,7 +42,7 @@ class ModelLimits:
     max_latent_positions: int | None
     """Latent tokens per axis the transformer can position, when that is what bounds the two caps above."""
     max_work: int
-    """--max-work: width x height x frames x steps x n of one request."""
+    """--max-work: the largest price of one request (`models.work.price_request`)."""
     served_names: tuple[str, ...] = ()
     """--served-model-name: what a request's ``model`` may be; the first is the name answers give (`model`).
     Empty: the rules' model name alone."""
@@ -54,22 +55,6 @@ class ModelLimits:
     frame_multiple = property(lambda self: self.rules.frame_multiple)
     fps = property(lambda self: self.rules.fps)
 
-
-@dataclass(frozen=True)
-class RequestShape:
-    """What a request will really run, the model's defaults filled in."""
-
-    width: int | None
-    height: int | None
-    num_frames: int | None
-    num_inference_steps: int
-    n: int
-
-    def work(self, limits: ModelLimits) -> int:
-        """width x height x frames x steps x n; a size the model picks itself counts as the largest allowed."""
-        side = limits.max_side_pixels
-        pixels = (self.width or side) * (self.height or side)
-        return pixels * (self.num_frames or 1) * self.num_inference_steps * self.n
 
 
 def read_model_limits(omni: Any, settings: ServeSettings) -> ModelLimits:
@@ -106,22 +91,24 @@ def default_max_work(rules: Any, max_side: int, max_frames: int, device: Any) ->
     if torch.device(device).type == "cpu":
         return CPU_MAX_WORK
     steps = max(ACCELERATOR_STEPS, rules.default_num_inference_steps)
-    return max_side * max_side * (max_frames if rules.kind == "video" else 1) * steps
+    largest = GenerationRequest(
+        prompt="", height=max_side, width=max_side, num_frames=max_frames if rules.kind == "video" else None,
+        num_inference_steps=steps,
+    )  # fmt: skip
+    return price_request(rules, largest, max_side_pixels=max_side).work
 
 
 def request_shape(
     request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None = None
-) -> RequestShape:
+) -> GenerationShape:
     """The width, height, frames and steps `request` runs with: its own, else the size its input image leads
     to (`conditioned`), else the model's defaults."""
     size = request.width_height() or ((conditioned.width, conditioned.height) if conditioned is not None else (None, None))
     is_video = isinstance(request, VideoGenerationRequest)
-    shape = limits.rules.filled(
+    return limits.rules.filled(
         width=size[0], height=size[1], num_frames=request.num_frames if is_video else None,
         num_inference_steps=request.num_inference_steps,
     )  # fmt: skip
-    width, height, num_frames, steps = shape.width, shape.height, shape.num_frames if is_video else None, shape.num_inference_steps
-    return RequestShape(width, height, num_frames, steps, request.n)
 
 
 def image_size_for(
@@ -274,27 +261,37 @@ def _violations(limits: ModelLimits, *, width: int | None, height: int | None, n
     )
 
 
+def request_price(
+    request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None = None
+) -> WorkPrice:
+    """The price of `request` as it will run (`request_shape`), by the one pricing function."""
+    shape = request_shape(request, limits, conditioned)
+    filled = replace(
+        request.generation_request(seed=0), width=shape.width, height=shape.height, num_frames=shape.num_frames,
+        num_inference_steps=shape.num_inference_steps,
+    )  # fmt: skip
+    return price_request(limits.rules, filled, max_side_pixels=limits.max_side_pixels)
+
+
 def _work_problems(
     request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None
 ) -> list[ErrorDetail]:
-    shape = request_shape(request, limits, conditioned)
-    work = shape.work(limits)
-    if work <= limits.max_work:
+    price = request_price(request, limits, conditioned)
+    if price.work <= limits.max_work:
         return []
-    side = limits.max_side_pixels
-    width, height = shape.width or side, shape.height or side
-    factors = f"{width}x{height} pixels x {shape.num_frames or 1} frame(s) x {shape.num_inference_steps} step(s) x n={shape.n}"
-    message = f"{factors} = {work:,} is more work than this server takes in one request"
-    allowed = f"width x height x num_frames x num_inference_steps x n of at most {limits.max_work:,} (--max-work)"
-    return [ErrorDetail(param=_largest_factor(shape, limits), message=message, allowed=allowed)]
+    message = f"{price.describe()} is more work than this server takes in one request"
+    allowed = (
+        "pixels x num_frames x num_inference_steps x passes (2 with classifier-free guidance) x n, plus the text "
+        f"tokens, of at most {limits.max_work:,} (--max-work)"
+    )
+    return [ErrorDetail(param=_largest_factor(price, limits), message=message, allowed=allowed)]
 
 
-def _largest_factor(shape: RequestShape, limits: ModelLimits) -> str:
+def _largest_factor(price: WorkPrice, limits: ModelLimits) -> str:
     """The field that asks for the most beyond the model's defaults: the one to name, and to lower first."""
     side, default = limits.max_side_pixels, limits.rules.filled()
-    default_pixels = (default.width or side) * (default.height or side)
-    ratios = {"n": float(shape.n)} if shape.n > 1 else {}  # n=1 cannot be lowered: never the one to name
-    ratios["num_inference_steps"] = shape.num_inference_steps / default.num_inference_steps
-    ratios["num_frames"] = (shape.num_frames or 1) / (default.num_frames or 1)
-    ratios["size"] = (shape.width or side) * (shape.height or side) / default_pixels
+    ratios = {"n": float(price.n)} if price.n > 1 else {}  # n=1 cannot be lowered: never the one to name
+    ratios["num_inference_steps"] = price.num_inference_steps / default.num_inference_steps
+    ratios["num_frames"] = price.num_frames / (default.num_frames or 1)
+    ratios["size"] = price.pixels / ((default.width or side) * (default.height or side))
     return max(ratios, key=lambda name: ratios[name])  # a tie names the first: the cheapest to lower

@@ -13,13 +13,13 @@ The JSON schema of every model is frozen in ``tests/server/test_schema.py``: a c
 from __future__ import annotations
 
 import functools
-import json
 import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from layerstream.json_object import JsonLimitError, read_json_text
 from layerstream.models.output_limits import MAX_PROMPT_CHARS, MAX_SEED  # the command line's limits too
 from layerstream.request import FIELD_BOUNDS, GenerationRequest
 from layerstream.server.image_outputs import MAX_KEPT_OUTPUT_BYTES, MAX_KEPT_OUTPUTS
@@ -192,7 +192,9 @@ class FormReading(BaseModel):
         if not isinstance(value, str):
             return value
         try:
-            return json.loads(value)
+            return read_json_text(value)
+        except JsonLimitError as e:  # a 400 naming the limit
+            raise PydanticCustomError("extra_params_json", "extra_params is refused: {error}", {"error": str(e)}) from None
         except ValueError as e:  # not JSON: a 400, as vllm-omni answers (`errors.validation_error`)
             raise PydanticCustomError("extra_params_json", "extra_params is not valid JSON text ({error})", {"error": str(e)}) from None
 
@@ -378,7 +380,7 @@ class HealthResponse(BaseModel):
     frame_multiple: int | None = Field(description="Video: num_frames - 1 must be a multiple of this.")
     max_frames: int | None = Field(description="Video: most frames a request may ask for.")
     max_side_pixels: int = Field(description="Largest width or height a request may ask for.")
-    max_work: int = Field(description="Largest width x height x num_frames x num_inference_steps x n of a request.")
+    max_work: int = Field(description="Largest price of a request: width x height x num_frames x num_inference_steps x passes x n, plus text tokens.")
     image_input: Literal["none", "optional", "required"] = Field(
         description="Whether the model takes an input image (POST /v1/images/edits, or image on /v1/videos/generations)."
     )

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from layerstream.models.input_image import ImageFile
+from layerstream.models.work import price_request
 from layerstream.outputs import OutputEncoding
 from layerstream.server.in_process import InProcessRunner
 from layerstream.server.limits import (
@@ -217,7 +218,8 @@ class GenerationService:
         encoding = None
         if isinstance(body, ImageGenerationRequest):  # the body's format, encoded once on the worker
             encoding = OutputEncoding(body.output_format, body.output_compression)
-        return ServedRequest(request=request, size_note=note, work=shape.work(self.limits), encoding=encoding)
+        work = price_request(self.limits.rules, request, max_side_pixels=self.limits.max_side_pixels).work
+        return ServedRequest(request=request, size_note=note, work=work, encoding=encoding)
 
     def submit(self, served: ServedRequest, observer: StepObserver | None = None) -> Job[ServedRequest]:
         """Queue a generation, with the request's timeout; raises `QueueFullError` or `QueueClosedError` instead
