@@ -113,9 +113,9 @@ MUTANTS = (
     ),
     Mutant(
         "work-cap-product",
-        "server/limits.py",
-        "return pixels * (self.num_frames or 1) * self.num_inference_steps * self.n",
-        "return pixels * (self.num_frames or 1) * self.num_inference_steps",
+        "models/work.py",
+        "return self.num_inference_steps * self.passes * self.n",
+        "return self.num_inference_steps * self.passes",
         ("tests/server/test_limits_and_metrics.py::test_more_work_than_the_cap_names_the_field_that_asks_most",),
         "the work cap ignores n: n outputs cost as much as one",
     ),
