@@ -116,8 +116,8 @@ MUTANTS = (
         "models/work.py",
         "return self.num_inference_steps * self.passes * self.n",
         "return self.num_inference_steps * self.passes",
-        ("tests/server/test_limits_and_metrics.py::test_more_work_than_the_cap_names_the_field_that_asks_most",),
-        "the work cap ignores n: n outputs cost as much as one",
+        ("tests/models/test_work.py::test_the_forwards_of_an_admitted_request_never_exceed_its_price",),
+        "the price ignores n in the forwards: n outputs' forwards priced as one output's",
     ),
     Mutant(
         "lossless-escape-count",
