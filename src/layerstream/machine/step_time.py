@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
 from layerstream.models.generation_estimates import block_flops
 from layerstream.plan.placement import Placement

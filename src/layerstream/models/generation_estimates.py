@@ -141,7 +141,8 @@ def block_flops(block: nn.Module, tokens: int) -> int:
     """An estimate of one forward's FLOPs: two per weight of every linear layer per token, and per attention
     four per query-key pair and head dimension (self-attention over the tokens, cross-attention over
     `TEXT_TOKENS`). Norms, activations and rotary embeddings are left out (a few percent)."""
-    flops = 2 * tokens * sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear))
+    # in x out, not the weight's numel: a GGUF weight is stored as its quantized blocks (uint8, a narrower row)
+    flops = 2 * tokens * sum(m.in_features * m.out_features for m in block.modules() if isinstance(m, nn.Linear))
     for name, m in block.named_modules():
         to_q = getattr(m, "to_q", None)
         if isinstance(to_q, nn.Linear):
