@@ -36,10 +36,10 @@ MARKED = {
     "sets up a machine": 1,
     "installs packages": 1,
     "needs a GPU": 1,
-    "needs a download": 2,
+    "needs a download": 3,
     "needs torchrun": 4,
     "starts a server": 5,
-    "needs files of your own": 1,
+    "needs files of your own": 2,
     "too slow": 1,
     "a fragment": 1,
 }

@@ -36,7 +36,8 @@ DEFAULT_CONFIG = {"mode": "layer", "components": ["dit"]}
 
 class Omni:
     """A pipeline loaded from a Hugging Face Hub id (into its cache first, at `revision`, in weights `variant`),
-    a local diffusers folder or an embedded tiny model, with offload enabled (docs/python.md)."""
+    a local diffusers folder or an embedded tiny model, with `components` from their own files (a GGUF or
+    fp8_scaled transformer), with offload enabled (docs/python.md)."""
 
     def __init__(
         self,
@@ -54,6 +55,7 @@ class Omni:
         requests: RequestSizes | None = None,  # what will be asked for: the host reserve of "auto" is sized to it
         vae_use_tiling: bool | str | None = None,  # None: the config's (default "auto"); see docs/configuration.md
         vae_use_slicing: bool | str | None = None,
+        components: dict[str, str] | None = None,  # component name -> a file loaded in its place (GGUF, fp8_scaled)
     ):
         from layerstream.distributed.launched_group import join_launched_group
         from layerstream.models.generation_size import generation_size_for
@@ -65,7 +67,7 @@ class Omni:
         self.device = join_launched_group(self.config, device, process_group) or (torch.device(device) if device is not None else default_device())
         self.dtype = parse_dtype(dtype)
         with extra_needed("Omni"):  # the core install has no diffusers: one line naming the extra
-            loaded = load_model(model, dtype=self.dtype, revision=revision, variant=variant)
+            loaded = load_model(model, dtype=self.dtype, revision=revision, variant=variant, components=components)
         self.model, self.pipeline, self.kind = loaded.name, loaded.pipeline, loaded.kind
         self._component_dtypes = loaded.component_dtypes
         self.source: ModelSource = loaded.source

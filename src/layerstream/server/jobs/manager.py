@@ -40,6 +40,7 @@ from layerstream.server.jobs.records import (
     JobStatus,
     LiveProgress,
     job_object,
+    planned_decode_steps,
     run_figures,
 )
 from layerstream.server.jobs.requests import ImageJobRequest, VideoJobRequest, seconds_shown
@@ -213,6 +214,8 @@ class JobManager:
             return None
         live.progress.total_steps = live.served.request.num_inference_steps or 0
         live.progress.after_steps_seconds = self.after_steps.estimate(_pixels(live))
+        if live.progress.after_steps_seconds is None:  # no decode timed yet: planned from its traced FLOPs
+            live.progress.decode_steps = planned_decode_steps(getattr(self.service.omni, "pipeline", None), live.served.request)
         live.stats_before = self.service.omni.stats()
         return self._latent_projection() if live.record.settings.preview else None
 
