@@ -21,6 +21,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[all]"
 	touch $@
 
+# the tests of torchao's tensors need torchao, which `all` leaves out (its import prints noise: see the README)
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e ".[all,torchao]"
+	touch $@
+
 venv: $(VENV)/.installed
 
 demo: venv
@@ -30,11 +35,11 @@ demo: venv
 plan: venv
 	$(VENV)/bin/layerstream plan tiny-wan
 
-test: venv browser
+test: $(VENV)/.installed-test browser
 	$(PY) -m pytest -q --durations=15 $(XDIST)
 
 # no process, no socket, no browser (tests/conftest.py holds a `fast` test to that), on the same two workers
-test-fast: venv
+test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -q -m fast $(XDIST)
 
 # named one-line mutants of the central guarantees, each against the tests that should catch it (docs/testing.md)
