@@ -25,6 +25,7 @@ venv: $(VENV)/.installed
 
 demo: venv
 	$(VENV)/bin/layerstream generate --output out/tiny-wan.gif
+	@echo "next: source $(VENV)/bin/activate (once per shell), then the README's quick starts run as written"
 
 plan: venv
 	$(VENV)/bin/layerstream plan tiny-wan

@@ -157,6 +157,17 @@ fi
 echo "(lossless took $((SECONDS - start)) s)"
 
 echo
+echo "== single-file formats: one real-width Wan block's host bytes, dequantise on the device vs the copy it saves"
+mkdir -p "$OUT/quantized-blocks"
+if timeout 300 env PYTHONPATH="$ROOT/src" "$PY" "$ROOT/benchmarks/quantized_blocks.py" --device cuda --repeats 10 \
+    >"$OUT/quantized-blocks/results.md"; then
+    cat "$OUT/quantized-blocks/results.md"
+else
+    echo "error: the quantized-blocks benchmark failed or timed out (it needs diffusers and gguf)" >&2
+    failed+=("quantized-blocks")
+fi
+
+echo
 echo "== combined table: $OUT/table.md"
 {
     echo "# layerstream GPU benchmark"

@@ -6,6 +6,7 @@ peak, the predicted seconds per step for the stated link, disk and compute, or "
     python benchmarks/machines.py                 # the markdown tables of docs/planning.md
     python benchmarks/machines.py --json          # every row as JSON (benchmarks/results/machines.json)
     python benchmarks/machines.py --models "Wan 2.2 T2V-A14B" --devices 8,16 --hosts 32
+    python benchmarks/machines.py --models "Wan 2.2 T2V-A14B" --dit-format Q4_K_M   # the DiTs from GGUF files
 
 Every row is `plan_for_machine`, the code of `layerstream plan --device-memory D --host-memory H --height ...`.
 """
@@ -76,11 +77,48 @@ def plan_components(pipe: Any, config: Any) -> Any:
     return resolve_offload_plan(pipe, parse_offload_config(dict(config))).components
 
 
+DIT_FORMATS = {
+    # bytes a stored weight of each GGUF block type; Q4_K_M: Q6_K for the value and feed-forward-out projections
+    # (as llama.cpp's _M mixes give the most sensitive tensors), Q4_K for the rest: an estimate of published files
+    "Q8_0": {"": 34 / 32},
+    "Q4_K_M": {".to_v.": 210 / 256, ".ffn.net.2.": 210 / 256, "": 144 / 256},
+    "fp8_scaled": {"": 1.0},
+}
+
+
+def with_dit_format_(pipe: Any, fmt: str) -> Any:
+    """`pipe` (a skeleton) with every DiT block's Linear weights at the bytes a `fmt` single file keeps on the host
+    (`models.component_skeleton` reads them from a real file's header): uint8 GGUF blocks, or float8 with a
+    float32 scale; everything else as the skeleton has it."""
+    import torch
+
+    from layerstream.plan.resolver import resolve_offload_plan
+    from layerstream.config.offload_config import parse_offload_config
+
+    plan = resolve_offload_plan(pipe, parse_offload_config({"mode": "layer", "components": ["dit"]}))
+    for component in (c for c in plan.components if c.category == "dit"):
+        root = pipe.components[component.path]
+        for name, linear in root.named_modules():
+            if not isinstance(linear, torch.nn.Linear) or "blocks." not in name:
+                continue
+            rows, cols = linear.weight.shape
+            per_weight = next(b for pattern, b in DIT_FORMATS[fmt].items() if pattern in f".{name}.")
+            dtype = torch.float8_e4m3fn if fmt == "fp8_scaled" else torch.uint8
+            stored = torch.empty(rows, round(cols * per_weight), dtype=dtype, device="meta")
+            linear.weight = torch.nn.Parameter(stored, requires_grad=False)
+            if fmt == "fp8_scaled":
+                linear.register_buffer("weight_scale", torch.empty((), device="meta"))
+    return pipe
+
+
 def model_rows(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     from layerstream.models.model_rules import read_model_rules
 
     model = MODELS[name]
     pipe = skeleton(name)
+    if args.dit_format:
+        pipe = with_dit_format_(pipe, args.dit_format)
+        name = f"{name}, DiTs {args.dit_format}"
     rules = read_model_rules(pipe, model.hub_id)
     rows = []
     for size in model.sizes:
@@ -172,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disk-gbps", type=float, default=DEFAULT_DISK_GBPS)
     parser.add_argument("--device-tflops", type=float, default=DEFAULT_DEVICE_TFLOPS)
     parser.add_argument("--json", action="store_true", help="every row as JSON instead of the markdown tables")
+    parser.add_argument("--dit-format", choices=sorted(DIT_FORMATS), default=None, help="the DiTs as from single files of this format")
     args = parser.parse_args(argv)
     args.devices = [float(x) for x in args.devices.split(",")]
     args.hosts = [float(x) for x in args.hosts.split(",")]

@@ -113,11 +113,11 @@ MUTANTS = (
     ),
     Mutant(
         "work-cap-product",
-        "server/limits.py",
-        "return pixels * (self.num_frames or 1) * self.num_inference_steps * self.n",
-        "return pixels * (self.num_frames or 1) * self.num_inference_steps",
-        ("tests/server/test_limits_and_metrics.py::test_more_work_than_the_cap_names_the_field_that_asks_most",),
-        "the work cap ignores n: n outputs cost as much as one",
+        "models/work.py",
+        "return self.num_inference_steps * self.passes * self.n",
+        "return self.num_inference_steps * self.passes",
+        ("tests/models/test_work.py::test_the_forwards_of_an_admitted_request_never_exceed_its_price",),
+        "the price ignores n in the forwards: n outputs' forwards priced as one output's",
     ),
     Mutant(
         "lossless-escape-count",

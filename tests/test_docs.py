@@ -1,13 +1,20 @@
 """The README and the pages of docs/ run as written: every ``bash`` and ``python`` block, on the tiny models, in
 this process (a Python block in a fresh namespace, a ``layerstream ...`` line through the command line's
 `main`), each in a folder of its own. A Hub id a block names is served by the stand-in Hub on loopback, as a
-copy of the tiny model of its kind. A block that cannot run here carries ``<!-- not run: REASON -->`` on the
-line above it; the marks are counted by reason, so a new one shows in review, and every other block runs."""
+copy of the tiny model of its kind. A block that talks to ``localhost:8000`` (curl in bash, a client in
+Python) talks to ``layerstream serve tiny-wan`` started for them, a shell block run by bash with the venv's
+``python`` first on PATH; each file it writes with ``-o`` must be an MP4. A block that cannot run here carries
+``<!-- not run: REASON -->`` on the line above it; the marks are counted by reason, so a new one shows in
+review, and every other block runs."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
+import sys
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +36,10 @@ MARKED = {
     "sets up a machine": 1,
     "installs packages": 1,
     "needs a GPU": 1,
-    "needs a download": 2,
+    "needs a download": 3,
     "needs torchrun": 4,
     "starts a server": 5,
-    "needs a running server": 1,
-    "needs files of your own": 1,
+    "needs files of your own": 2,
     "too slow": 1,
     "a fragment": 1,
 }
@@ -41,6 +47,8 @@ MARKED = {
 
 HUB_STANDINS = {"Wan-AI/Wan2.2-T2V-A14B-Diffusers": "tiny-wan"}
 """Hub id a runnable block names -> the tiny model the stand-in Hub serves under it."""
+SERVED = re.compile(r"\b(?:localhost|127\.0\.0\.1):8000\b")
+"""How a block names the server it talks to (the port the docs serve on)."""
 HUB_ID = re.compile(r"\b(?:Wan-AI|black-forest-labs|Qwen|tencent|Lightricks|stabilityai)/[\w.-]+")
 
 FEW_STEPS = 2
@@ -106,6 +114,13 @@ def test_every_block_runs_or_says_why_not():
         assert block.hub_ids() <= set(HUB_STANDINS), f"{block.id}: no stand-in for {block.hub_ids() - set(HUB_STANDINS)}"
 
 
+def test_no_page_cites_an_issue_or_a_work_item():
+    """The docs describe the product; where a figure came from is a benchmark or a test, not a work item."""
+    for page in PAGES:
+        cited = re.findall(r"\b(?:issue|item|work item) #?\d+", page.read_text(), re.I)
+        assert not cited, f"{page.name}: {cited}"
+
+
 def test_the_readme_keeps_the_set_up_commands_first_and_stays_short():
     readme = (ROOT / "README.md").read_text()
     first = next(b for b in BLOCKS if b.page == "README.md")
@@ -142,6 +157,34 @@ def _adapted_python(block: Block) -> str:
     return re.sub(r"num_inference_steps=\d+", call, block.source)
 
 
+@pytest.fixture(scope="module")
+def docs_server(tmp_path_factory):
+    """``layerstream serve tiny-wan`` with its defaults, for the blocks that talk to a server (started by the
+    first of them)."""
+    sys.path.insert(0, str(ROOT / "tests" / "server"))
+    from serve_harness import start_server
+
+    server = start_server("tiny-wan", folder=tmp_path_factory.mktemp("docs-serve"))
+    yield server
+    server.kill()
+
+
+def _run_against(server, block: Block, folder: Path) -> None:
+    """Run `block` against `server`: a Python block in this process, a shell block (curl) by bash."""
+    source = SERVED.sub(server.url.removeprefix("http://"), block.source)
+    if block.kind == "python":
+        with warnings.catch_warnings():  # OpenAI's client marks its videos API deprecated: not the docs' concern
+            warnings.simplefilter("ignore", DeprecationWarning)
+            exec(compile(source, block.id, "exec"), {"__name__": "__docs__"})
+        return
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # `python` is the venv's, as activated
+    done = subprocess.run(["bash", "-eo", "pipefail", "-c", source], cwd=folder, env={**os.environ, "PATH": path},
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, f"{block.id}: exit {done.returncode}\n{done.stderr}\n{server.log()[-3000:]}"
+    for name in re.findall(r"-o (\S+)", block.source):
+        assert (folder / name).read_bytes()[4:8] == b"ftyp", f"{block.id}: {name} is not an MP4"
+
+
 def _shell_commands(block: Block) -> list[list[str]]:
     joined = re.sub(r"\\\n\s*", " ", block.source)
     commands = [shlex.split(line, comments=True) for line in joined.splitlines()]
@@ -156,7 +199,10 @@ def _few_steps(argv: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("block", TO_RUN, ids=[b.id for b in TO_RUN])
-def test_the_block_runs(block, block_folder, layerstream_cli, standin_hub, monkeypatch):
+def test_the_block_runs(block, block_folder, layerstream_cli, standin_hub, monkeypatch, request):
+    if SERVED.search(block.source):
+        _run_against(request.getfixturevalue("docs_server"), block, block_folder)
+        return
     if block.hub_ids():
         select_standin_hub(standin_hub, monkeypatch, block_folder, fresh=False)
     if block.kind == "python":

@@ -9,6 +9,7 @@ allgather (`distributed.launched_group`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from layerstream.models.input_image import ImageInputKind, ImageSource
 from layerstream.models.model_rules import ModelRules
 from layerstream.models.work import WorkPrice, price_request
 from layerstream.offload import default_device, enable_offload
-from layerstream.outputs import IMAGE_SUFFIXES, VIDEO_SUFFIXES, GenerationResult, save_output
+from layerstream.outputs import IMAGE_SUFFIXES, VIDEO_SUFFIXES, GenerationResult, request_settings, save_output
 from layerstream.pipeline_runner import PipelineRunner, RunStats, batch_requests, parse_dtype, request_options
 from layerstream.errors import extra_needed
 from layerstream.request import GenerationError, GenerationRequest
@@ -35,7 +36,8 @@ DEFAULT_CONFIG = {"mode": "layer", "components": ["dit"]}
 
 class Omni:
     """A pipeline loaded from a Hugging Face Hub id (into its cache first, at `revision`, in weights `variant`),
-    a local diffusers folder or an embedded tiny model, with offload enabled (docs/python.md)."""
+    a local diffusers folder or an embedded tiny model, with `components` from their own files (a GGUF or
+    fp8_scaled transformer), with offload enabled (docs/python.md)."""
 
     def __init__(
         self,
@@ -53,6 +55,7 @@ class Omni:
         requests: RequestSizes | None = None,  # what will be asked for: the host reserve of "auto" is sized to it
         vae_use_tiling: bool | str | None = None,  # None: the config's (default "auto"); see docs/configuration.md
         vae_use_slicing: bool | str | None = None,
+        components: dict[str, str] | None = None,  # component name -> a file loaded in its place (GGUF, fp8_scaled)
     ):
         from layerstream.distributed.launched_group import join_launched_group
         from layerstream.models.generation_size import generation_size_for
@@ -64,7 +67,7 @@ class Omni:
         self.device = join_launched_group(self.config, device, process_group) or (torch.device(device) if device is not None else default_device())
         self.dtype = parse_dtype(dtype)
         with extra_needed("Omni"):  # the core install has no diffusers: one line naming the extra
-            loaded = load_model(model, dtype=self.dtype, revision=revision, variant=variant)
+            loaded = load_model(model, dtype=self.dtype, revision=revision, variant=variant, components=components)
         self.model, self.pipeline, self.kind = loaded.name, loaded.pipeline, loaded.kind
         self._component_dtypes = loaded.component_dtypes
         self.source: ModelSource = loaded.source
@@ -120,8 +123,10 @@ class Omni:
         on_latents: Callable[[int, int, torch.Tensor], None] | None = None,
         keep_raw: bool = False,
     ) -> GenerationResult:
-        """Make the one output of `request` (``n = 1``); see `PipelineRunner.run`."""
-        return self.runner.run(request, on_step=on_step, on_latents=on_latents, keep_raw=keep_raw)
+        """Make the one output of `request` (``n = 1``), with its `settings`; see `PipelineRunner.run`."""
+        result = self.runner.run(request, on_step=on_step, on_latents=on_latents, keep_raw=keep_raw)
+        result.settings = self._settings(request, result)
+        return result
 
     def generate_batch(
         self,
@@ -154,7 +159,25 @@ class Omni:
         keep_raw: bool = False,
     ) -> list[GenerationResult]:
         """One pipeline call for every output of `requests`; see `generate_batch` and `PipelineRunner.run_batch`."""
-        return self.runner.run_batch(requests, on_step=on_step, keep_raw=keep_raw)
+        results = self.runner.run_batch(requests, on_step=on_step, keep_raw=keep_raw)
+        for result, output in zip(results, [output for request in requests for output in request.outputs()]):
+            result.settings = self._settings(output, result)
+        return results
+
+    def _settings(self, request: GenerationRequest, result: GenerationResult) -> dict[str, Any]:
+        """What makes `result` again, as a job's output carries it: the request with the model's defaults filled
+        in (the size as made: an input image may have set it), the model and the offload config."""
+        shape = self.rules.filled(num_frames=request.num_frames, num_inference_steps=request.num_inference_steps)
+        height, width = result.frames.shape[1:3]
+        video = result.kind == "video"
+        made = replace(
+            request, height=height, width=width, num_frames=shape.num_frames if video else None,
+            num_inference_steps=shape.num_inference_steps, fps=result.fps if video else None,
+        )  # fmt: skip
+        revision = self.source.to_dict().get("revision")
+        has_image = request.image is not None
+        settings = request_settings(made, has_input_image=has_image, model_revision=revision, model_commit=self.source.commit)
+        return {**settings, "model": self.model, "offload_config": self.config.to_dict()}
 
     def price(self, request: GenerationRequest) -> WorkPrice:
         """What `request` costs this model, by the one pricing function (`models.work.price_request`): the price

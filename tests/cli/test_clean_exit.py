@@ -23,7 +23,7 @@ pytest.importorskip("diffusers")
 
 pytestmark = pytest.mark.slow
 
-REQUEST = ["--steps", "2", "--height", "32", "--width", "32", "--num-frames", "5", "--guidance-scale", "3.0", "--seed", "0"]
+REQUEST = ["--steps", "2", "--height", "32", "--width", "32", "--num-frames", "1", "--guidance-scale", "3.0", "--seed", "0"]
 DISK_BUDGET_GB = 0.1
 """A host budget of about one real-width block (92 MB in bfloat16): the other blocks stream from disk."""
 
@@ -42,7 +42,7 @@ def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize(
     "storage, tier",
-    [("bfloat16", "host"), ("float8_e4m3fn", "disk"), ("lossless", "host"), ("lossless", "disk")],
+    [("bfloat16", "host"), ("float8_e4m3fn", "disk"), ("lossless", "disk")],  # every form and tier (and each pair in the script below)
 )
 def test_generate_exits_0_after_writing_its_output(real_width_wan_folder, tmp_path, storage, tier):
     config = _config(storage, tier, tmp_path / "spill")
@@ -76,7 +76,7 @@ folder, cases = sys.argv[1], json.loads(sys.argv[2])
 kept = []
 for name, config in cases.items():
     omni = Omni(model=folder, diffusion_offload_config=config, dtype="bfloat16")
-    result = omni.generate("a fox", height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=3.0, seed=0)
+    result = omni.generate("a fox", height=32, width=32, num_frames=1, num_inference_steps=2, guidance_scale=3.0, seed=0)
     result.save(name + ".gif")
     kept.append(omni)  # never closed: every engine is still open, a copy in flight, when the script ends
     print("done", name, flush=True)

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from layerstream.outputs import read_output_metadata
+
 
 def generate(*args, cwd=None, timeout=300):
     return subprocess.run(
@@ -43,6 +45,11 @@ def test_image_to_video_matches_resident_and_takes_the_images_size(tmp_path, lay
     assert (summary["width"], summary["height"], summary["num_frames"]) == (48, 32, 5)
     assert summary["image"] == image
     assert summary["size_note"] == "48x32: the input image's 50x35, rounded down to multiples of 16"
+    # the file carries what makes it again, as a job's does: the size the image set, the model, the config
+    settings = read_output_metadata(tmp_path / "out.mp4")
+    made = (settings["size"], settings["num_frames"], settings["num_inference_steps"], settings["has_input_image"])
+    assert made == ("48x32", 5, 2, True) and settings["model"] == "tiny-wan-i2v"
+    assert settings["offload_config"]["components"] == components
 
 
 def _error_line(result) -> str:

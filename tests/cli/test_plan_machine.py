@@ -11,7 +11,7 @@ from layerstream.cli import plan_cmd
 from layerstream.cli.main import main
 from layerstream.machine.planner import Machine, plan_for_machine
 from layerstream.machine.step_time import block_flops
-from layerstream.models.generation_estimates import block_activation_nbytes, latent_tokens
+from layerstream.models.generation_estimates import block_activation_nbytes, decode_steps, latent_tokens
 from layerstream.models.generation_size import pipeline_generation
 from layerstream.models.loading import load_pipeline
 
@@ -95,6 +95,7 @@ def test_json_gives_the_config_to_paste_and_the_figures(capsys, tiny_wan):
     assert "storage_dtype" not in config["layer_options"]["dit"]  # lossless unless --allow-lossy
     assert set(recommended["bytes"]) == {"device", "host", "disk"} and recommended["bound"] in ("compute", "link", "disk")
     assert recommended["predicted_seconds_per_step"] > 0 and recommended["per_step"]["disk_bytes"] == 0
+    assert recommended["predicted_decode_seconds"] > 0
     assert recommended["host_budget"]["budget_bytes"] is None  # everything fits: no disk tier, no host_budget_gb
     assert "host_budget_gb" not in config
 
@@ -138,6 +139,9 @@ def test_the_prediction_is_the_bench_ideal_of_the_placed_blocks(tiny_wan):
     link = ideal.block_transfer_seconds(sizes, [p not in resident and p in blocks for p in paths], 1e-3)
     assert result.seconds_per_step == pytest.approx(2 * ideal.ideal_forward_seconds(compute, link))
     assert result.bound == "link" and result.link_nbytes_per_step == 2 * sum(sizes)
+    # the decode: its work in steps (what a server's first job's ETA prices too) at the step's compute seconds
+    planned_decode = decode_steps(tiny_wan, {"height": 32, "width": 32, "num_frames": 5}, 2) * 2 * sum(compute)
+    assert result.decode_seconds == pytest.approx(planned_decode) and result.decode_seconds > 0
 
 
 def test_a_small_host_puts_blocks_on_disk_and_the_disk_shows_in_the_prediction(tiny_wan):
@@ -171,6 +175,7 @@ def test_the_table_names_the_bound_and_the_config_to_paste(capsys):
     assert "predicted:" in out and "bound by" in out and "--diffusion-offload-config '" in out
     # seconds and bytes as people read them, in decimal units only: "185 ns per step", not "1.848e-07 s"
     assert re.search(r"predicted: [\d.]+ (ns|µs|ms|s) per step", out) and "e-0" not in out
+    assert re.search(r"VAE decode: untiled .*, about [\d.]+ (ns|µs|ms|s) \(its convolutions' FLOPs at the step's compute rate\)", out)
     assert not re.search(r"\b(KiB|MiB|GiB)\b", out)
     pasted = out.split("--diffusion-offload-config '")[1].split("'")[0]
     from layerstream.config.offload_config import parse_offload_config
@@ -234,5 +239,8 @@ def test_the_host_reserve_is_estimated_for_the_generation_and_host_reserve_gb_ov
     given = plan_for_machine(tiny_wan, Machine(device_memory_gb=8, host_memory_gb=16, host_reserve_gb=0.5), generation=pipeline_generation(tiny_wan, **video))
     assert given.host_budget.needs["reserve (host_reserve_gb)"] == 500_000_000 and given.host_reserve.parts == {}
 
-    code, out, _ = run_plan(capsys, "tiny-wan", "--device-memory", "8", "--host-memory", "16", "--height", "720", "--width", "1280", "--num-frames", "81")
-    assert code == 0 and "host reserve: 3.14 GB (estimated for 720x1280 x 81 frames: decoded frames 2.91 GB" in out
+    # the command line plans what tiny-wan can make (a side of at most 1024): the same estimate, worded
+    code, out, _ = run_plan(capsys, "tiny-wan", "--device-memory", "8", "--host-memory", "16", "--height", "720", "--width", "1024", "--num-frames", "81")
+    wide = plan_for_machine(tiny_wan, machine, generation=pipeline_generation(tiny_wan, height=720, width=1024, num_frames=81))
+    assert code == 0 and "estimated for 720x1024 x 81 frames: decoded frames" in out
+    assert wide.host_budget.describe().split("estimated for")[1].split(")")[0] in out

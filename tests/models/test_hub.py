@@ -191,7 +191,7 @@ def test_too_little_free_space_is_refused_before_any_weight_byte(hub, monkeypatc
         total, used, free = 10**12, 10**12 - 1000, 1000
 
     monkeypatch.setattr(hub_module.shutil, "disk_usage", lambda path: Usage)
-    with pytest.raises(ModelLoadError, match=r"the download needs [\d.]+ MB but the cache.s filesystem .* has [\d.]+ MB free"):
+    with pytest.raises(ModelLoadError, match=r"the download needs [\d.]+ [kMG]?B but the cache.s filesystem .* has [\d.]+ [kMG]?B free"):
         resolve_model(REPO)
     assert hub.weight_requests() == []
 

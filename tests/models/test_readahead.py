@@ -44,3 +44,9 @@ def test_the_largest_component_is_read_ahead_first_up_to_the_budget(tmp_path):
     requested = many.bytes_requested
     assert many._thread is not None and not many._thread.is_alive()
     assert many.bytes_requested == requested
+
+
+def test_a_component_loaded_from_a_file_of_its_own_is_not_read_ahead(tmp_path):
+    readahead = Readahead.for_pipeline_folder(_folder(tmp_path), skip={"transformer": None})
+    assert [p.parent.name for p in readahead._files] == ["vae"]
+    readahead.stop()

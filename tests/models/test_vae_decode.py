@@ -89,3 +89,16 @@ def test_replayed_decoder_calls_count_the_same_bytes_as_running_every_op():
         full, full_ops = trace_peak_nbytes(lambda: vae.decode(latents))
         replayed, replayed_ops = trace_peak_nbytes(lambda: vae.decode(latents), replayed=[vae.decoder])
         assert replayed == full and replayed_ops < full_ops
+
+
+def test_the_planned_flops_are_the_convolutions_of_the_vaes_own_decode_replays_included():
+    """The decode's work (`DecodePeak.flops`), traced with the decoder's repeated calls replayed, is what torch's
+    own counter finds in the convolutions of a real decode (one call per latent frame, none replayed)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    vae = _wan_vae().eval()
+    planned = estimate_decode_peak(vae, height=64, width=64, num_frames=17, tiled=False, dtype=torch.float32)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        vae.decode(torch.randn(1, 4, 5, 8, 8), return_dict=False)
+    convolutions = counter.get_flop_counts()["Global"][torch.ops.aten.convolution]
+    assert planned.flops == convolutions > 0

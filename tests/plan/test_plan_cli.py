@@ -210,3 +210,18 @@ def test_the_table_says_what_host_budget_auto_chose(capsys, monkeypatch):
     line = next(line for line in out.splitlines() if line.startswith("host budget: "))
     assert "MemAvailable" in line and "a budget of" in line and "the rest is read from disk" in line
     assert "host tier: " in out and "on disk" in out
+
+
+
+def test_a_published_model_is_planned_from_the_catalogue_when_the_hub_cannot_be_asked(capsys):
+    # the suite runs with HF_HUB_OFFLINE=1: the Hub cannot be asked, and the catalogue answers, saying so
+    hub_id = "Wan-AI/Wan2.2-TI2V-5B-Diffusers"  # the smallest; tests/models/test_published.py plans every one
+    code, out, err = run_plan(capsys, hub_id.lower(), "--device-memory", "24", "--host-memory", "64")
+    assert code == 0, err
+    first = out.splitlines()[0]
+    assert first.startswith(f"{hub_id}: planned from layerstream's catalogue of its published dimensions (") and "HF_HUB_OFFLINE" in first
+
+
+def test_a_revision_the_catalogue_does_not_describe_is_the_hub_s_error(capsys):
+    code, out, err = run_plan(capsys, "Qwen/Qwen-Image", "--revision", "v2")
+    assert_one_line_error(code, out, err, "Qwen/Qwen-Image", "HF_HUB_OFFLINE is set")

@@ -33,8 +33,9 @@ HYPOTHESIS = settings(max_examples=60, deadline=None, suppress_health_check=[Hea
 
 
 def _client(access: AccessSettings | None = None, base_url: str = LOCAL, **serve) -> TestClient:
+    """An app with `access`; without, `create_app`'s default (a loopback server's checks: `loopback` tests them)."""
     service = GenerationService(StandInOmni(), ServeSettings(port=0, shutdown_timeout=0, **serve))
-    return TestClient(create_app(service, access=access or AccessSettings()), base_url=base_url)
+    return TestClient(create_app(service, access=access), base_url=base_url)
 
 
 @pytest.fixture(scope="module")

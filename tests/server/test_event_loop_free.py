@@ -35,7 +35,7 @@ def client(tmp_path_factory):
     service = GenerationService(omni, ServeSettings(port=0, shutdown_timeout=0))
     jobs = JobManager(service, JobStore(HistorySettings(data_dir=tmp_path_factory.mktemp("data"))))
     try:
-        with TestClient(create_app(service, jobs, ui=False)) as client:
+        with TestClient(create_app(service, jobs, ui=False), base_url="http://127.0.0.1") as client:
             yield client
     finally:
         omni.close()

@@ -123,7 +123,8 @@ def _served(folder: Path):
     from layerstream.server.settings import ServeSettings
 
     service = GenerationService(StandInOmni(), ServeSettings(port=0, shutdown_timeout=0))
-    return TestClient(create_app(service, JobManager(service, JobStore(HistorySettings(data_dir=folder))), ui=False))
+    jobs = JobManager(service, JobStore(HistorySettings(data_dir=folder)))
+    return TestClient(create_app(service, jobs, ui=False), base_url="http://127.0.0.1")
 
 
 def _every_page(http, order: str) -> list[str]:

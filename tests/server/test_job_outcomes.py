@@ -146,7 +146,7 @@ def client(tmp_path):
 
     service = GenerationService(_Omni(), ServeSettings(port=0, shutdown_timeout=0))
     manager = JobManager(service, JobStore(HistorySettings(data_dir=tmp_path / "data")))
-    with TestClient(create_app(service, manager, ui=False)) as http:
+    with TestClient(create_app(service, manager, ui=False), base_url="http://127.0.0.1") as http:
         yield http, manager
 
 

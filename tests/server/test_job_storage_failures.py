@@ -46,7 +46,7 @@ def _served(omni, data_dir: Path):
 
     service = GenerationService(omni, ServeSettings(port=0, shutdown_timeout=0))
     jobs = JobManager(service, JobStore(HistorySettings(data_dir=data_dir)))
-    with TestClient(create_app(service, jobs, ui=False)) as client:
+    with TestClient(create_app(service, jobs, ui=False), base_url="http://127.0.0.1") as client:
         yield client
 
 
@@ -118,7 +118,7 @@ def test_a_job_whose_output_cannot_be_written_fails_saying_so_and_the_server_goe
         ended = _ended(client, job["id"])
         assert ended["status"] == "failed" and ended["error"]["code"] == "output_write_failed", ended
         assert "its output could not be written" in ended["error"]["message"]
-        assert f"[Errno {error_number}]" in ended["error"]["message"]  # the filesystem's own refusal
+        assert os.strerror(error_number) in ended["error"]["message"]  # the filesystem's own refusal
         assert client.get(f"{JOBS}/{job['id']}").json()["status"] == "failed"  # stored: it stays failed
         assert [p.name for p in outputs.iterdir() if p.name.startswith(job["id"])] == []  # no partial file
         assert "could not be written" in client.get("/health").json()["jobs_storage"]

@@ -46,7 +46,7 @@ def render(metrics: ServerMetrics) -> str:
 @pytest.fixture
 def app_client():
     service = GenerationService(StandInOmni(), ServeSettings(port=0, shutdown_timeout=0))
-    with TestClient(create_app(service)) as client:
+    with TestClient(create_app(service), base_url="http://127.0.0.1") as client:
         yield client
 
 

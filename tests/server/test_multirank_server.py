@@ -8,6 +8,7 @@ tiny-wan runs through the real launcher, `layerstream serve --nproc 2`.
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import threading
@@ -18,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from jobs_harness import mp4_frames, read_events, wait_for_job
+from jobs_harness import mp4_frames, png_pixels, read_events, wait_for_job
 from rank_harness import RankServer, start_rank_server
 from serve_harness import IMAGES, VIDEOS, metric, stop_all, wait_until
 
@@ -81,9 +82,16 @@ def _post_all(server, path: str, bodies: list[dict]) -> list[httpx.Response]:
         return list(pool.map(lambda body: client.post(path, json=body), bodies))
 
 
-def _files(response: httpx.Response) -> list[str]:
+def _files(response: httpx.Response) -> list[tuple[tuple[int, ...], bytes]]:
+    """Each output's pixels (a video's frames), with their shape: the files themselves differ between the servers
+    in the settings they carry (the offload config: allgather on the ranks, rank-local on one process)."""
     assert response.status_code == 200, response.text
-    return [item["b64_json"] for item in response.json()["data"]]
+    return [_pixels(base64.b64decode(item["b64_json"])) for item in response.json()["data"]]
+
+
+def _pixels(data: bytes) -> tuple[tuple[int, ...], bytes]:
+    decoded = png_pixels(data) if data.startswith(b"\x89PNG") else mp4_frames(data)
+    return tuple(decoded.shape), decoded.numpy().tobytes()
 
 
 def _single_files(server, path: str, bodies: list[dict]) -> list[list[str]]:
@@ -266,10 +274,10 @@ def _job_body(prompt: str, seed: int, **fields) -> dict:
 
 def _sync_frames(server, body: dict):
     """The frames of the single-process server's synchronous answer to `body`."""
-    import base64
-
-    ((video,),) = _single_files(server, VIDEOS, [body])
-    return mp4_frames(base64.b64decode(video))
+    with server.client(timeout=120) as client:
+        response = client.post(VIDEOS, json=body)
+    assert response.status_code == 200, response.text
+    return mp4_frames(base64.b64decode(response.json()["data"][0]["b64_json"]))
 
 
 def test_a_job_runs_on_the_ranks_streams_its_events_and_its_content_matches_the_single_process_server(

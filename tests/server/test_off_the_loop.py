@@ -79,7 +79,7 @@ def _png() -> bytes:
 @pytest.mark.parametrize("nth_read", [1, 2], ids=["the-404-check", "the-first-snapshot"])
 def test_an_event_stream_reads_the_database_off_the_loop(app, monkeypatch, nth_read):
     application, jobs = app
-    with TestClient(application) as http:
+    with TestClient(application, base_url="http://127.0.0.1") as http:
         job_id = http.post(JOBS, json=JOB).json()["id"]
         hold, real_get, reads = _Hold(), jobs.store.get, []
 
@@ -111,7 +111,7 @@ def test_a_multipart_form_is_parsed_off_the_loop(app, monkeypatch, path):
         return await real_parse(self)
 
     monkeypatch.setattr(MultiPartParser, "parse", held_parse)
-    with TestClient(application) as http:
+    with TestClient(application, base_url="http://127.0.0.1") as http:
         form = {"prompt": "a fox", "size": "16x16", "num_inference_steps": "1"}
         _answered_while_held(http, hold, lambda: http.post(path, data=form, files={"image": ("in.png", _png(), "image/png")}))
 
@@ -134,7 +134,7 @@ def test_no_database_call_runs_on_an_event_loop(app, monkeypatch):
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(jobs.store, name, checked)
-    with TestClient(application) as http:
+    with TestClient(application, base_url="http://127.0.0.1") as http:
         made = [
             http.post(JOBS, json=JOB).json()["id"],
             http.post(JOBS, data={"prompt": "a fox", "size": "16x16"}, files={"image": ("in.png", _png(), "image/png")}).json()["id"],

@@ -1,6 +1,7 @@
 """The OpenAPI document states every status each route answers, checked against the server: each route of an
 image model's app (generations, edits, kept outputs, the job API, health, metrics) is made to answer every
-status its entry lists, 507 included (a database filled to its page limit, as a full disk fills it), and every
+status its entry lists, 507 included (a database filled to its page limit, as a full disk fills it), and the
+access checks' 403 (a foreign Host; another site's Origin) and 401 (no API key: the app has one), and every
 answer the server gives along the way is one its route's entry lists.
 
 The app runs in this process (FastAPI's test client) on a stand-in model that takes an optional image; its
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
+from starlette.routing import Match
 
 from serve_harness import wait_until
 from test_image_intake import _EditOmni
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.fast
 JOBS = "/v1/images/jobs"
 GENERATE = {"prompt": "a fox", "size": "16x16", "num_inference_steps": 1}
 FORM = {"prompt": "a fox", "size": "16x16", "num_inference_steps": "1"}
+KEY = "sk-statuses"
 
 
 class _GatedOmni(_EditOmni):
@@ -53,11 +56,18 @@ class _Recorder:
     async def __call__(self, scope, receive, send) -> None:
         async def recording(message) -> None:
             if message["type"] == "http.response.start":
-                route = getattr(scope.get("route"), "path", None)
+                route = getattr(scope.get("route"), "path", None) or self._route(scope)
                 self.answered.add((scope["method"], route, message["status"]))
             await send(message)
 
         await self.app(scope, receive, recording if scope["type"] == "http" else send)
+
+    def _route(self, scope) -> str | None:
+        """The route template of a request the access checks answered before routing (none of a 405's or 404's)."""
+        for route in self.app.routes:
+            if route.matches(scope)[0] is Match.FULL:
+                return route.path
+        return None
 
 
 def _file(file_format: str, side: int = 16) -> bytes:
@@ -68,6 +78,7 @@ def _file(file_format: str, side: int = 16) -> bytes:
 
 @pytest.fixture
 def served(tmp_path):
+    from layerstream.server.access import AccessSettings
     from layerstream.server.app import create_app
     from layerstream.server.jobs.manager import JobManager
     from layerstream.server.jobs.settings import HistorySettings
@@ -79,10 +90,28 @@ def served(tmp_path):
     settings = ServeSettings(port=0, shutdown_timeout=0, max_queue=1, max_body_bytes=50_000, max_image_pixels=100_000)
     service = GenerationService(omni, settings)
     jobs = JobManager(service, JobStore(HistorySettings(data_dir=tmp_path / "data")))
-    recorder = _Recorder(create_app(service, jobs, ui=False))
-    with TestClient(recorder) as http:
+    recorder = _Recorder(create_app(service, jobs, ui=False, access=AccessSettings(api_key=KEY)))
+    with TestClient(recorder, base_url="http://127.0.0.1", headers={"Authorization": f"Bearer {KEY}"}) as http:
         yield http, recorder, omni, jobs
     omni.gate.set()
+
+
+def _refuse_access(http, document) -> None:
+    """Every operation of `document` asked from a foreign Host (403), from another site's page when it changes
+    something (403), and without the key (401 where the key is needed)."""
+    for path, operations in document["paths"].items():
+        if path.startswith("/v1/videos"):
+            continue  # no video route on an image model
+        url = path.replace("{", "").replace("}", "")  # a value for each path parameter: its name
+        for method in operations:
+            answer = http.request(method, url, headers={"host": "evil.example"})
+            assert (answer.status_code, answer.json()["error"]["code"]) == (403, "host_not_allowed"), (method, path)
+            if method != "get":
+                answer = http.request(method, url, headers={"origin": "https://evil.example"})
+                assert (answer.status_code, answer.json()["error"]["code"]) == (403, "origin_not_allowed"), (method, path)
+            if path.startswith("/v1/"):
+                answer = http.request(method, url, headers={"authorization": "Bearer sk-wrong"})
+                assert (answer.status_code, answer.json()["error"]["code"]) == (401, "invalid_api_key"), (method, path)
 
 
 def _provoke(http, omni, jobs) -> None:
@@ -118,6 +147,8 @@ def _provoke(http, omni, jobs) -> None:
         http.get(f"{JOBS}/image_none{route}")
     http.get("/health")
     http.get("/metrics")
+    http.get(f"/v1/models/{http.get('/v1/models').json()['data'][0]['id']}")
+    http.get("/v1/models/none")  # 404
     # a held worker: a job not yet completed (409), a full queue (429), a timeout (504)
     omni.gate.clear()
     running = http.post(JOBS, json=GENERATE).json()["id"]
@@ -157,6 +188,7 @@ def _provoke(http, omni, jobs) -> None:
 def test_every_route_answers_exactly_the_statuses_its_entry_lists(served):
     http, recorder, omni, jobs = served
     document = http.get("/openapi.json").json()
+    _refuse_access(http, document)
     _provoke(http, omni, jobs)
     answered: dict[str, set[int]] = {}
     for method, route, status in recorder.answered:
@@ -170,3 +202,5 @@ def test_every_route_answers_exactly_the_statuses_its_entry_lists(served):
     }
     assert answered == documented
     assert 507 in documented[f"POST {JOBS}"]
+    assert all(403 in statuses for statuses in documented.values())
+    assert 401 in documented[f"GET {JOBS}"] and 401 not in documented["GET /health"]

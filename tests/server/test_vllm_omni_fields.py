@@ -63,7 +63,7 @@ def served(tmp_path_factory):
     data = tmp_path_factory.mktemp("data")
     jobs = JobManager(service, JobStore(HistorySettings(data_dir=data)))
     try:
-        with TestClient(create_app(service, jobs, ui=False)) as client:
+        with TestClient(create_app(service, jobs, ui=False), base_url="http://127.0.0.1") as client:
             yield SimpleNamespace(client=client, calls=calls, omni=omni, data=data)
     finally:
         pipeline_class.__call__ = original

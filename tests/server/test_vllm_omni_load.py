@@ -35,7 +35,8 @@ def _served(model: str, data_dir: Path):
 
     omni = Omni(model, device="cpu")
     service = GenerationService(omni, ServeSettings(port=0, shutdown_timeout=0))
-    return omni, TestClient(create_app(service, JobManager(service, JobStore(HistorySettings(data_dir=data_dir))), ui=False))
+    jobs = JobManager(service, JobStore(HistorySettings(data_dir=data_dir)))
+    return omni, TestClient(create_app(service, jobs, ui=False), base_url="http://127.0.0.1")
 
 
 @pytest.mark.parametrize("model, num_requests", [("tiny-wan", 8), ("tiny-flux", 4)])

@@ -36,7 +36,8 @@ STATIC = files("layerstream.server.ui") / "static"
 
 
 def _app(**kwargs) -> TestClient:
-    return TestClient(create_app(GenerationService(StandInOmni(), ServeSettings(port=0, shutdown_timeout=0)), **kwargs))
+    service = GenerationService(StandInOmni(), ServeSettings(port=0, shutdown_timeout=0))
+    return TestClient(create_app(service, **kwargs), base_url="http://127.0.0.1")
 
 
 def test_the_page_and_its_files_are_served_from_the_package():

@@ -123,6 +123,22 @@ def add_hub_arguments(parser: argparse.ArgumentParser) -> None:
         "--variant", default=None, metavar="NAME",
         help='weights variant as diffusers names it, e.g. "fp16" (default: the plain weights)',
     )  # fmt: skip
+    parser.add_argument(
+        "--component", action="append", default=None, metavar="NAME=FILE",
+        help="load component NAME (transformer, transformer_2) from FILE, a .gguf or .safetensors file or "
+        "hf://owner/repo/path/file.gguf[@revision]; repeatable (docs/python.md, \"A component from a file\")",
+    )  # fmt: skip
+
+
+def component_files(args: argparse.Namespace) -> dict[str, str]:
+    """--component NAME=FILE (repeatable) as `Omni`'s `components`; CliError naming a malformed one."""
+    from layerstream.models.component_files import check_component_specs, parse_component_flags
+    from layerstream.models.folder_check import ModelLoadError
+
+    try:
+        return check_component_specs(parse_component_flags(getattr(args, "component", None)))
+    except ModelLoadError as e:
+        raise CliError(str(e)) from e
 
 
 def fetch_before_ranks(args: argparse.Namespace) -> dict[str, str]:
@@ -136,7 +152,7 @@ def fetch_before_ranks(args: argparse.Namespace) -> dict[str, str]:
     from layerstream.models.loading import ModelLoadError, resolve_model
 
     try:
-        resolve_model(args.model, revision=args.revision, variant=args.variant)
+        resolve_model(args.model, revision=args.revision, variant=args.variant, from_files=frozenset(component_files(args)))
     except ModelLoadError as e:
         raise CliError(" ".join(str(e).split())) from e
     return {"HF_HUB_OFFLINE": "1"}

@@ -19,6 +19,7 @@ from layerstream.cli.common import (
     check_device_arg,
     check_output_path,
     check_work,
+    component_files,
     fetch_before_ranks,
     json_object_text,
     parse_config_args,
@@ -234,6 +235,7 @@ def _load(args: argparse.Namespace, config, world_size: int):
             process_group=offload_group,
             revision=args.revision,
             variant=args.variant,
+            components=component_files(args),
             requests=RequestSizes(height=args.height, width=args.width, num_frames=args.num_frames, source="the request's size"),
         )
     except (ModelLoadError, GenerationError, OffloadError) as e:
@@ -398,14 +400,15 @@ def _join_ranks(args) -> tuple:
 
     from layerstream.distributed.process_group import backend_for, collective_timeout, init_distributed
     from layerstream.models.hub import looks_like_hub_id
-    from layerstream.models.loading import ModelLoadError, resolve_model_folder
+    from layerstream.models.loading import ModelLoadError, resolve_model
     from layerstream.models.tiny import is_tiny_model_name
 
     device = init_distributed(args.device)  # cuda:LOCAL_RANK (NCCL) or cpu (gloo)
+    from_files = frozenset(component_files(args))  # a malformed --component: every rank says so, none waits
     failed = None
     if dist.get_rank() == 0 and (is_tiny_model_name(args.model) or looks_like_hub_id(args.model)):
         try:  # rank 0 builds the tiny model or downloads the Hub snapshot; the others then read it
-            resolve_model_folder(args.model, revision=args.revision, variant=args.variant)
+            resolve_model(args.model, revision=args.revision, variant=args.variant, from_files=from_files)
         except ModelLoadError as e:
             failed = e
     dist.barrier()  # every rank waits for the build (a failure is reported by each rank's own load below)

@@ -15,7 +15,7 @@ import dataclasses
 import json
 from typing import Any
 
-from layerstream.cli.common import CliError, add_config_argument, add_work_cap_argument, add_model_arguments, parse_config_arg
+from layerstream.cli.common import CliError, add_config_argument, add_model_arguments, add_work_cap_argument, component_files, parse_config_arg
 from layerstream.cli.plan_machine import add_machine_arguments, lossless_fraction, planned_generation_of, run_machine_plan, wants_machine_plan
 from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan
 from layerstream.wording import format_bytes
@@ -145,7 +145,7 @@ def _skeleton(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """(the pipeline's skeleton, where its metadata came from), by `load_skeleton`."""
     loading = _loading()
     try:
-        return loading.load_skeleton(args.model, revision=args.revision, variant=args.variant)
+        return loading.load_skeleton(args.model, revision=args.revision, variant=args.variant, components=component_files(args))
     except loading.ModelLoadError as e:
         raise CliError(_one_line(e)) from e
 
@@ -158,8 +158,10 @@ def _weights(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
     cache_only = names_hub_repo(args.model) and not args.download
     try:  # a Hub id without --download: only what the cache holds, since --measure downloads nothing unasked
-        source = loading.resolve_model(args.model, revision=args.revision, variant=args.variant, offline=cache_only)
-        return loading.load_pipeline(source), source.to_dict()
+        source = loading.resolve_model(
+            args.model, revision=args.revision, variant=args.variant, offline=cache_only, from_files=frozenset(component_files(args))
+        )
+        return loading.load_pipeline(source, components=component_files(args)), source.to_dict()
     except loading.ModelLoadError as e:
         if cache_only:
             raise CliError(f"--measure runs the model's weights and {args.model} is not downloaded: add --download to fetch it") from e
@@ -179,8 +181,14 @@ def _loading():
 
 
 def _print_origin(origin: dict[str, Any], as_json: bool) -> None:
-    """For a Hub id planned from its metadata: say so, with what a download would fetch."""
-    if as_json or "download_bytes" not in origin:
+    """For a Hub id planned from its metadata: say so, with what a download would fetch; planned from the
+    catalogue (the Hub out of reach): say that, and why."""
+    if as_json:
+        return
+    if origin.get("origin") == "catalogue":
+        print(f"{origin['model']}: planned from {origin['from']}, nothing downloaded")
+        return
+    if "download_bytes" not in origin:
         return
     print(
         f"{origin['model']} @ {origin['revision']} (commit {origin['commit']}): planned from {origin['from']}, nothing "

@@ -180,7 +180,7 @@ def machine_plan_lines(result) -> list[str]:
         f"({_slots(result.placement)}; "
         f"{result.activation_reserve_gb:.3g} GB left beside the weights and the ring for the largest phase)",
         *(f"    {phase.describe()}" for phase in device.phases),
-        *([f"  VAE decode: {result.decode.summary()}"] if result.decode is not None else []),
+        *([f"  VAE decode: {result.decode.summary()}{_decode_time(result)}"] if result.decode is not None else []),
         f"  host:   {format_bytes(result.host_nbytes)} of {m.host_memory_gb:g} GB while it generates, "
         f"{format_bytes(host.phase('loading and enabling').nbytes)} while it loads and enables",
         *(f"    {phase.describe()}" for phase in host.phases),
@@ -198,6 +198,14 @@ def machine_plan_lines(result) -> list[str]:
         f"  --diffusion-offload-config '{json.dumps(dict(result.config))}'",
     ]
     return lines
+
+
+def _decode_time(result) -> str:
+    from layerstream.wording import format_seconds
+
+    if result.decode_seconds is None:
+        return ""
+    return f", about {format_seconds(result.decode_seconds)} (its convolutions' FLOPs at the step's compute rate)"
 
 
 def _slots(placement) -> str:

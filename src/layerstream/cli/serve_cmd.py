@@ -23,6 +23,7 @@ from layerstream.cli.common import (
     add_model_arguments,
     add_vae_arguments,
     check_device_arg,
+    component_files,
     fetch_before_ranks,
     parse_config_args,
 )
@@ -171,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
     default = DATA_PARALLEL_CONFIG if num_ranks > 1 else None
     config = parse_config_args(args, default)  # before anything loads
+    component_files(args)  # a malformed --component, before binding
     if args.link_gbps is not None and not args.link_gbps > 0:
         raise CliError(f"--link-gbps = {args.link_gbps!r} is not valid; expected a number > 0")
     settings = _settings(args)
@@ -214,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
                 simulated_link_gbps=args.link_gbps,
                 revision=args.revision,
                 variant=args.variant,
+                components=component_files(args),
                 requests=server_requests(settings),  # the host reserve of "auto" is sized to the largest allowed
             )
         except (ModelLoadError, GenerationError, OffloadError) as e:
@@ -372,7 +375,7 @@ class _RankModel:
 
         args = self.args
         if is_tiny_model_name(args.model) or looks_like_hub_id(args.model):
-            self.source = resolve_model(args.model, revision=args.revision, variant=args.variant)
+            self.source = resolve_model(args.model, revision=args.revision, variant=args.variant, from_files=frozenset(component_files(args)))
 
     def load(self, setup, group):
         from layerstream.models.generation_size import server_requests
@@ -382,9 +385,10 @@ class _RankModel:
 
         args, model = self.args, self.source or self.args.model
         if self.source is None and names_hub_repo(args.model):
-            model = resolve_model(args.model, revision=args.revision, variant=args.variant, offline=True)
+            model = resolve_model(args.model, revision=args.revision, variant=args.variant, offline=True, from_files=frozenset(component_files(args)))
         return Omni(model=model, diffusion_offload_config=self.config, device=setup.device, dtype=args.dtype,
-                    simulated_link_gbps=args.link_gbps, process_group=group, requests=server_requests(self.settings))  # fmt: skip
+                    simulated_link_gbps=args.link_gbps, process_group=group, requests=server_requests(self.settings),
+                    components=component_files(args))  # fmt: skip
 
 
 def _follow(runtime, channel, rank: int) -> int:

@@ -34,7 +34,7 @@ from layerstream.machine.figures import (
 )
 from layerstream.machine.phases import PhasePeaks, host_phase_peaks
 from layerstream.machine.step_time import block_compute, decode_rate, measured_block_seconds, step_seconds
-from layerstream.models.generation_estimates import latent_tokens
+from layerstream.models.generation_estimates import decode_steps, latent_tokens
 from layerstream.plan.host_budget import STAGING_RING, HostBudgetChoice, choose_host_budget, host_needs
 from layerstream.plan.placement import Placement
 from layerstream.plan.resolved import OffloadPlanResolutionError
@@ -93,6 +93,8 @@ class MachinePlan:
     """Bytes a streamed text encoder moves over the link a generation (its blocks, once per prompt)."""
     decode: VaeDecodeChoice | None = None
     """The VAE decode's choice, tiled or not, and why (as a run with `vae_use_tiling` makes it); None: no VAE."""
+    decode_seconds: float | None = None
+    """The decode's work in steps (`decode_steps`: its traced FLOPs) at the step's compute seconds; None: no VAE."""
 
     @property
     def bound(self) -> Bound:
@@ -113,6 +115,7 @@ class MachinePlan:
                 "tokens": self.tokens,
                 "activation_reserve_gb": self.activation_reserve_gb,
                 "decode": self.decode.to_dict() if self.decode is not None else None,
+                "predicted_decode_seconds": self.decode_seconds,
                 "phases": {
                     "device": self.device_phases.to_dict() if self.device_phases is not None else None,
                     "host": self.host_phases.to_dict() if self.host_phases is not None else None,
@@ -245,8 +248,13 @@ def _plan_for_machine(
         {k: per_step[k + "_s"] for k in ("compute", "link", "disk")}, source, tokens, notes,
         activation_reserve_gb=fit.reserve_nbytes / GB, host_reserve=host.reserve, generation=generation,
         device_phases=fit.phases, host_phases=host_phases, text_encoder_link_nbytes=_text_encoder_link_nbytes(plan, placement, machine),
-        decode=fit.decode_choice,
+        decode=fit.decode_choice, decode_seconds=_decode_seconds(pipeline, generation, machine, per_step["compute_s"]),
     )  # fmt: skip
+
+
+def _decode_seconds(pipeline: Any, generation: GenerationSize, machine: Machine, compute_s: float) -> float | None:
+    steps = decode_steps(pipeline, generation.as_size(), machine.forwards_per_step)
+    return None if steps is None else steps * compute_s
 
 
 def _text_encoder_link_nbytes(plan, placement: Placement, machine: Machine) -> int:

@@ -11,9 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
-from layerstream.models.generation_estimates import TEXT_TOKENS
+from layerstream.models.generation_estimates import block_flops
 from layerstream.plan.placement import Placement
 from layerstream.runtime.packing.lossless_code import priced_fraction
 from layerstream.timing import ideal
@@ -21,19 +20,6 @@ from layerstream.timing.block_timer import BlockTimer
 from layerstream.wording import GB
 
 from layerstream.machine.figures import DEVICE_DECODE_GBPS, Machine
-
-def block_flops(block: nn.Module, tokens: int) -> int:
-    """An estimate of one forward's FLOPs: two per weight of every linear layer per token, and per attention
-    four per query-key pair and head dimension (self-attention over the tokens, cross-attention over
-    `TEXT_TOKENS`). Norms, activations and rotary embeddings are left out (a few percent)."""
-    flops = 2 * tokens * sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear))
-    for name, m in block.named_modules():
-        to_q = getattr(m, "to_q", None)
-        if isinstance(to_q, nn.Linear):
-            cross = bool(getattr(m, "is_cross_attention", False)) or name.endswith("attn2")
-            flops += 4 * tokens * (TEXT_TOKENS if cross else tokens) * to_q.out_features
-    return flops
-
 
 def block_compute(pipeline, placement: Placement, block_seconds, tokens: int, machine: Machine) -> tuple[dict[str, float], str]:
     from layerstream.plan.resolved import lookup

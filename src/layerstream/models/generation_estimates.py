@@ -135,3 +135,35 @@ def decodes(pipeline: Any) -> bool:
     """Whether the pipeline decodes its latents with a VAE of its own (floating-point weights to size it by)."""
     vae = getattr(pipeline, "vae", None)
     return isinstance(vae, nn.Module) and any(p.is_floating_point() for p in vae.parameters())
+
+
+def block_flops(block: nn.Module, tokens: int) -> int:
+    """An estimate of one forward's FLOPs: two per weight of every linear layer per token, and per attention
+    four per query-key pair and head dimension (self-attention over the tokens, cross-attention over
+    `TEXT_TOKENS`). Norms, activations and rotary embeddings are left out (a few percent)."""
+    # in x out, not the weight's numel: a GGUF weight is stored as its quantized blocks (uint8, a narrower row)
+    flops = 2 * tokens * sum(m.in_features * m.out_features for m in block.modules() if isinstance(m, nn.Linear))
+    for name, m in block.named_modules():
+        to_q = getattr(m, "to_q", None)
+        if isinstance(to_q, nn.Linear):
+            cross = bool(getattr(m, "is_cross_attention", False)) or name.endswith("attn2")
+            flops += 4 * tokens * (TEXT_TOKENS if cross else tokens) * to_q.out_features
+    return flops
+
+
+def decode_steps(pipeline: Any, size: Mapping[str, int], forwards: int) -> float | None:
+    """The VAE decode's work in denoising steps at `size` ({"height", "width", "num_frames"}): its convolutions'
+    FLOPs, traced untiled from the VAE's structure (`models.decode.vae_decode`), over a step's, `forwards`
+    forwards of the transformer at the size's tokens (`block_flops`); None where the pipeline has no VAE or no
+    transformer. Times the seconds of a step, it is the decode's seconds at the rate the step computes: the
+    plan's (its compute, the copies apart) and, before a server has timed a decode, a job's ETA (its measured
+    steps, the copies in: a step bound by its copies makes the decode longer than it will be)."""
+    from layerstream.models.decode.vae_decode import estimate_decode_peak
+
+    transformer = getattr(pipeline, "transformer", None)
+    if not decodes(pipeline) or not isinstance(transformer, nn.Module):
+        return None
+    dtype = next(p.dtype for p in pipeline.vae.parameters() if p.is_floating_point())
+    decode = estimate_decode_peak(pipeline.vae, **size, tiled=False, dtype=dtype)
+    step = forwards * block_flops(transformer, latent_tokens(pipeline, size))
+    return decode.flops / step if step else None

@@ -144,10 +144,13 @@ class HubMetadata:
 # --- choosing the files ---------------------------------------------------------------------------------------
 
 
-def select_files(filenames: Iterable[str], index: Mapping[str, Any], variant: str | None = None) -> list[str]:
+def select_files(
+    filenames: Iterable[str], index: Mapping[str, Any], variant: str | None = None, from_files: Iterable[str] = ()
+) -> list[str]:
     """The files of a pipeline repository the pipeline loads: ``model_index.json``, every non-weight file in
     each component's folder, and the component's weights in one format (safetensors, else ``.bin``), in
-    `variant` where the component has it (diffusers falls back to the plain weights where it has not).
+    `variant` where the component has it (diffusers falls back to the plain weights where it has not); none of
+    the weights of the components loaded `from_files` (`models.component_files`).
     Raises `ModelLoadError` where a component has weights only in a variant that was not asked for."""
     by_folder: dict[str, list[str]] = {}
     for name in filenames:
@@ -163,7 +166,7 @@ def select_files(filenames: Iterable[str], index: Mapping[str, Any], variant: st
         fmt, picked_variant = _pick_weights(component, [weight_file_key(leaf) for leaf in weights], variant)
         for leaf in sorted(others + weights):
             key = weight_file_key(leaf)
-            if key is None or key == (fmt, picked_variant):
+            if key is None or (key == (fmt, picked_variant) and component not in from_files):
                 chosen.append(f"{component}/{leaf}")
     return chosen
 
@@ -189,27 +192,33 @@ def _pick_weights(
 
 
 def download_snapshot(
-    repo_id: str, *, revision: str | None = None, variant: str | None = None, offline: bool | None = None
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    variant: str | None = None,
+    offline: bool | None = None,
+    from_files: frozenset[str] = frozenset(),
 ) -> ModelSource:
     """The cached snapshot of `repo_id` at `revision`, downloading what is missing of what the pipeline loads.
 
     Offline (``HF_HUB_OFFLINE=1``, or `offline` True), or where the Hub cannot be reached, a cached snapshot is
     used without a request. Before the first weight byte the missing bytes are checked against the cache's free
-    space. Raises `ModelLoadError` with one line naming the repository and what to do.
+    space. Components loaded `from_files` are fetched without their weights. Raises `ModelLoadError` with one
+    line naming the repository and what to do.
     """
     settings = HubSettings.from_environment()
     if settings.offline or offline:
         why = "HF_HUB_OFFLINE is set" if settings.offline else "it is read from the cache only"
-        return _cached_source(repo_id, revision, variant, settings, why=why)
+        return _cached_source(repo_id, revision, variant, settings, why=why, from_files=from_files)
     with _hub_errors(repo_id, revision, settings):
         try:
-            commit, wanted = _pipeline_files(repo_id, revision, variant, settings)
+            commit, wanted = _pipeline_files(repo_id, revision, variant, settings, from_files)
         except _NetworkError as e:
             unreachable = f"the Hub at {settings.endpoint} cannot be reached ({e})"
         else:
             unreachable = None
         if unreachable is not None:  # outside the handler: the network error is in the message, not a chain
-            return _cached_source(repo_id, revision, variant, settings, why=unreachable)
+            return _cached_source(repo_id, revision, variant, settings, why=unreachable, from_files=from_files)
         _check_free_space(repo_id, wanted, settings)
         _fetch_all(repo_id, wanted, commit, settings)
     _write_ref(repo_id, revision, commit, settings)
@@ -237,7 +246,7 @@ def fetch_plan_metadata(repo_id: str, *, revision: str | None = None, variant: s
     cache) and the safetensors headers of its weights (by ranged reads of each file's first bytes)."""
     settings = HubSettings.from_environment()
     if settings.offline:
-        raise ModelLoadError(
+        raise HubUnavailableError(
             f"model {repo_id}: planning from the Hub's metadata needs the network and HF_HUB_OFFLINE is set; "
             "unset it, or plan a downloaded folder"
         )
@@ -248,7 +257,7 @@ def fetch_plan_metadata(repo_id: str, *, revision: str | None = None, variant: s
         try:
             commit, wanted = _pipeline_files(repo_id, revision, variant, settings)
         except _NetworkError as e:
-            raise ModelLoadError(
+            raise HubUnavailableError(
                 f"model {repo_id}: cannot reach the Hub at {settings.endpoint} ({e}); planning from its metadata "
                 "needs the network"
             ) from e
@@ -275,18 +284,22 @@ def component_safetensors(repo_id: str, commit: str, components: Iterable[str], 
     return sorted(mine, key=lambda f: f.name)
 
 
+class HubUnavailableError(ModelLoadError):
+    """The Hub could not be asked (offline, unreachable) or will not show a gated repository to this machine."""
+
+
 class _NetworkError(LayerstreamError, ConnectionError):
     """The Hub could not be reached (no route, refused, timed out)."""
 
 
 def _pipeline_files(
-    repo_id: str, revision: str | None, variant: str | None, settings: HubSettings
+    repo_id: str, revision: str | None, variant: str | None, settings: HubSettings, from_files: Iterable[str] = ()
 ) -> tuple[str, list[RepoFile]]:
     """(the commit `revision` names, the files of it the pipeline loads), fetching ``model_index.json`` (which
     names the components) and nothing else."""
     commit, files = _repo_files(repo_id, revision, settings)
     index = json.loads(Path(_fetch(repo_id, MODEL_INDEX, commit, settings)).read_text())
-    return commit, [files[name] for name in select_files(files, index, variant)]
+    return commit, [files[name] for name in select_files(files, index, variant, from_files)]
 
 
 def _repo_files(repo_id: str, revision: str | None, settings: HubSettings) -> tuple[str, dict[str, RepoFile]]:
@@ -353,7 +366,7 @@ def _blob_cached(repo_id: str, f: RepoFile, settings: HubSettings) -> bool:
 
 
 def _cached_source(
-    repo_id: str, revision: str | None, variant: str | None, settings: HubSettings, *, why: str
+    repo_id: str, revision: str | None, variant: str | None, settings: HubSettings, *, why: str, from_files: frozenset[str]
 ) -> ModelSource:
     """The cached snapshot of `revision` (a branch or tag through the cache's ``refs/``), read without a request."""
     from huggingface_hub import try_to_load_from_cache
@@ -368,11 +381,11 @@ def _cached_source(
         )
     folder = Path(index).parent
     check_model_folder(folder)
-    _check_weights_present(repo_id, folder)
+    _check_weights_present(repo_id, folder, from_files)
     return ModelSource(repo_id, folder, "hub", revision, folder.name, variant)
 
 
-def _check_weights_present(repo_id: str, folder: Path) -> None:
+def _check_weights_present(repo_id: str, folder: Path, from_files: frozenset[str]) -> None:
     """A snapshot that planning filled with JSON files only, or a download stopped half-way, is refused
     naming the component whose weights are missing."""
     import importlib
@@ -386,7 +399,7 @@ def _check_weights_present(repo_id: str, folder: Path) -> None:
             cls = getattr(importlib.import_module(library), class_name)
         except (ImportError, AttributeError):
             continue  # the load names a class it cannot find
-        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)) or name in from_files:
             continue
         leaves = [p.name for p in (folder / name).iterdir()] if (folder / name).is_dir() else []
         shards = _indexed_shards(folder / name, leaves)
@@ -416,7 +429,7 @@ def _hub_errors(repo_id: str, revision: str | None, settings: HubSettings) -> It
     try:
         yield
     except GatedRepoError:
-        raise ModelLoadError(
+        raise HubUnavailableError(
             f"model {repo_id}: the repository is gated and this machine has no access to it; accept its terms at "
             f"{settings.endpoint}/{repo_id}, then log in (hf auth login) or set HF_TOKEN"
         ) from None
@@ -433,7 +446,7 @@ def _hub_errors(repo_id: str, revision: str | None, settings: HubSettings) -> It
         raise ModelLoadError(f"model {repo_id}: the Hub answered {first_line(e)}") from None
     except Exception as e:
         if is_network_error(e):
-            raise ModelLoadError(
+            raise HubUnavailableError(
                 f"model {repo_id}: the download stopped, the Hub at {settings.endpoint} cannot be reached "
                 f"({first_line(e)}); run again to resume it"
             ) from None

@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,6 +52,7 @@ def resolve_model(
     revision: str | None = None,
     variant: str | None = None,
     offline: bool | None = None,
+    from_files: frozenset[str] = frozenset(),
 ) -> ModelSource:
     """Where `model`'s files are: a tiny model built on first use, a local folder, or a Hub snapshot
     downloaded into huggingface_hub's cache (only what the pipeline loads, in `variant` where given).
@@ -61,7 +62,8 @@ def resolve_model(
     before it is returned: every component its ``model_index.json`` names has its subfolder, and files match
     the checksums layerstream recorded if it built the folder (see `check_model_folder`). `revision` (a
     branch, tag or commit) applies to Hub ids only; `offline` reads a Hub id from the cache without a request
-    (as ``HF_HUB_OFFLINE=1`` does). Raises `ModelLoadError` with one line saying what to do.
+    (as ``HF_HUB_OFFLINE=1`` does); the components named in `from_files` are fetched without their weights.
+    Raises `ModelLoadError` with one line saying what to do.
     """
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a tiny model name, a folder path or a Hub id, got {type(model).__name__}")
@@ -79,7 +81,7 @@ def resolve_model(
     folder = Path(text).expanduser()
     if not folder.exists():
         if isinstance(model, str) and looks_like_hub_id(text):
-            return download_snapshot(text, revision=revision, variant=variant, offline=offline)
+            return download_snapshot(text, revision=revision, variant=variant, offline=offline, from_files=from_files)
         raise ModelLoadError(
             f"model path {folder} does not exist and is not spelled like a Hub id (org/name); pass "
             f"{_WHAT_MODEL_IS.format(', '.join(TINY_MODELS))}"
@@ -103,6 +105,7 @@ def load_pipeline(
     dtype: torch.dtype | None = None,
     revision: str | None = None,
     variant: str | None = None,
+    components: Mapping[str, Any] | None = None,
 ) -> DiffusionPipeline:
     """Load `model` (a tiny model name, a local diffusers-format folder, a Hub id, or a `ModelSource` already
     resolved) as a diffusers pipeline on the host.
@@ -111,18 +114,31 @@ def load_pipeline(
     the Hugging Face Hub client is held in offline mode. `dtype` casts every component; None loads each
     component in the dtype its safetensors files store (a bfloat16 transformer stays bfloat16, a float32 VAE
     float32), which also lets diffusers keep the weights as lazy views of the files.
+    `components` maps component names to files loaded in their place (`models.component_files`): each computes
+    in `dtype`, else in the dtype its folder stores, else in the narrowest one the other components store.
     Raises `ModelLoadError` for a bad `model` and for any failure of diffusers or transformers to load it.
     """
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+    from layerstream.models import component_files as files_of
+
+    specs = files_of.check_component_specs(components)  # their form before anything is read
     with quiet_library_noise():
-        return _load_pipeline(model, dtype, revision, variant)
+        return _load_pipeline(model, dtype, revision, variant, specs)
 
 
-def _load_pipeline(model, dtype: torch.dtype | None, revision: str | None, variant: str | None) -> DiffusionPipeline:
+def _load_pipeline(
+    model, dtype: torch.dtype | None, revision: str | None, variant: str | None, specs: dict[str, str]
+) -> DiffusionPipeline:
     from diffusers import DiffusionPipeline
 
-    source = model if isinstance(model, ModelSource) else resolve_model(model, revision=revision, variant=variant)
+    from layerstream.models import component_files as files_of
+
+    if not isinstance(model, ModelSource):
+        model = resolve_model(model, revision=revision, variant=variant, from_files=frozenset(specs))
+    source = model
+    classes = files_of.component_classes(source.folder, list(specs))
+    files = files_of.resolve_component_files(specs)
     load_kwargs: dict[str, Any] = {"local_files_only": True}
     if source.variant is not None:
         load_kwargs["variant"] = source.variant
@@ -130,18 +146,30 @@ def _load_pipeline(model, dtype: torch.dtype | None, revision: str | None, varia
         folder = source.folder
         # no dtype: each component in the dtype its checkpoint stores (diffusers would upcast to float32)
         saved = saved_dtypes(folder, source.variant)
-        cast_here = components_to_cast(folder, saved, dtype) if dtype is not None else []
+        cast_here = [n for n in components_to_cast(folder, saved, dtype) if n not in files] if dtype is not None else []
         if dtype is None:
             load_kwargs["dtype"] = saved
         else:  # diffusers models saved in one other dtype load as saved, then are cast from the files below
             load_kwargs["dtype"] = {"default": dtype, **{name: saved[name] for name in cast_here}}
+        # a component whose folder holds no weights (a Hub download leaves them out) computes in the narrowest
+        # dtype the others are saved in: a DiT is saved as the text encoder is (bfloat16), the VAE is float32
+        narrowest = min(saved.values(), key=lambda d: d.itemsize, default=torch.bfloat16)
         logger.info("loading pipeline from %s", folder)
-        readahead = Readahead.for_pipeline_folder(folder)  # the disk works while diffusers builds the pipeline
+        readahead = Readahead.for_pipeline_folder(folder, skip=files)  # the disk works while diffusers builds the pipeline
         try:
-            pipeline = DiffusionPipeline.from_pretrained(folder, **load_kwargs)
+            from_files = {
+                name: files_of.load_component_file(name, classes[name], path, folder, dtype or saved.get(name, narrowest))
+                for name, path in files.items()
+            }  # in place of the folder's weights, which diffusers then leaves unread
+            # the pipeline's own class: DiffusionPipeline itself would load an optional component passed in
+            loader = files_of.pipeline_class(folder) if from_files else DiffusionPipeline
+            pipeline = loader.from_pretrained(folder, **load_kwargs, **from_files)
+            assert all(getattr(pipeline, name) is model for name, model in from_files.items())
             for name in cast_here:
                 cast_from_files_(getattr(pipeline, name), dtype, what=name)
             return pipeline
+        except ModelLoadError:
+            raise
         except Exception as e:  # any loader failure becomes one line naming the folder; the cause stays chained
             raise ModelLoadError(f"cannot load the pipeline in {folder}: {first_line(e, with_type=True)}") from e
         finally:
@@ -165,14 +193,22 @@ class LoadedModel:
 
 
 def load_model(
-    model: str | ModelSource, *, dtype: torch.dtype | None, revision: str | None = None, variant: str | None = None
+    model: str | ModelSource,
+    *,
+    dtype: torch.dtype | None,
+    revision: str | None = None,
+    variant: str | None = None,
+    components: Mapping[str, Any] | None = None,
 ) -> LoadedModel:
     """Find `model` (`resolve_model`, with `revision` and `variant`; a `ModelSource` as it is) and load it on the
-    host with its rules; its progress bars off (layerstream reports progress itself, per step)."""
+    host with its rules, `components` from their files (`load_pipeline`); its progress bars off (layerstream
+    reports progress itself, per step)."""
     name = model.model if isinstance(model, ModelSource) else model
     with quiet_library_noise():  # a tiny model is built with diffusers here, before its load
-        source = model if isinstance(model, ModelSource) else resolve_model(model, revision=revision, variant=variant)
-        pipeline = load_pipeline(source, dtype=dtype)
+        if not isinstance(model, ModelSource):
+            model = resolve_model(model, revision=revision, variant=variant, from_files=frozenset(components or ()))
+        source = model
+        pipeline = load_pipeline(source, dtype=dtype, components=components)
     if hasattr(pipeline, "set_progress_bar_config"):
         pipeline.set_progress_bar_config(disable=True)
     kind, dtypes = pipeline_kind(pipeline), component_dtypes(pipeline)
@@ -180,26 +216,56 @@ def load_model(
 
 
 def load_skeleton(
-    model: str | os.PathLike[str], *, revision: str | None = None, variant: str | None = None
+    model: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    variant: str | None = None,
+    components: Mapping[str, Any] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """(`model`'s pipeline skeleton, where its metadata came from): models built from their configs on the
     meta device in the dtypes the checkpoint stores, for planning; no weight is read. A Hub id that is not a
     local path is described by the Hub's metadata alone (JSON files and safetensors headers), with the bytes a
-    download would fetch; anything else by its folder. Both build the skeleton the same way."""
-    from layerstream.models.hub import fetch_plan_metadata
+    download would fetch, or, where the Hub cannot be asked and `models.published` holds the model (at its main
+    revision, without `components`), by that catalogue; anything else by its folder. All build the skeleton the
+    same way. `components` from their files are priced at the bytes the files store (read from their headers; a
+    Hub file's by ranged reads)."""
+    from layerstream.models import component_files as files_of
+    from layerstream.models.component_headers import header_tensors
+    from layerstream.models.component_skeleton import file_component_skeleton_
+    from layerstream.models.hub import HubUnavailableError, fetch_plan_metadata
+    from layerstream.models.published import published_model, published_skeleton
     from layerstream.models.skeleton import build_skeleton, folder_tensor_dtypes
 
+    specs = files_of.check_component_specs(components)
     if names_hub_repo(model):
-        meta = fetch_plan_metadata(model, revision=revision, variant=variant)
+        try:
+            meta = fetch_plan_metadata(model, revision=revision, variant=variant)
+        except HubUnavailableError as e:
+            described_here = revision is None and variant is None and not specs
+            published = published_model(str(model)) if described_here else None
+            if published is None:
+                raise
+            why = first_line(e).removeprefix(f"model {model}: ")
+            described = f"layerstream's catalogue of its published dimensions ({why})"
+            origin = {"model": published.hub_id, "origin": "catalogue", "from": described}
+            return published_skeleton(published), origin
         origin = {
             **meta.source.to_dict(),
             "from": "the Hub's metadata (configs and safetensors headers)",
             "total_download_bytes": meta.total_nbytes,
             "download_bytes": meta.download_nbytes,
         }
-        return build_skeleton(meta.source.folder, meta.tensor_dtypes), origin
-    source = resolve_model(model, revision=revision, variant=variant)
-    return build_skeleton(source.folder, folder_tensor_dtypes(source.folder, source.variant)), source.to_dict()
+        folder, skeleton = meta.source.folder, build_skeleton(meta.source.folder, meta.tensor_dtypes)
+    else:
+        source = resolve_model(model, revision=revision, variant=variant)
+        origin, folder = source.to_dict(), source.folder
+        skeleton = build_skeleton(source.folder, folder_tensor_dtypes(source.folder, source.variant))
+    files_of.component_classes(folder, list(specs))
+    local = files_of.resolve_component_files({n: s for n, s in specs.items() if not s.startswith(files_of.HUB_FILE_PREFIX)})
+    for name, spec in specs.items():  # a Hub file's header by ranged reads: nothing downloaded
+        tensors = header_tensors(name, spec, local.get(name) or files_of.HubFile.parse(name, spec))
+        file_component_skeleton_(name, getattr(skeleton, name), tensors, Path(spec.partition("@")[0]).name)
+    return skeleton, {**origin, **({"components": specs} if specs else {})}
 
 
 def model_kind(model: str | os.PathLike[str]) -> PipelineKind | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 from layerstream.procfs import mem_available_nbytes
@@ -35,9 +36,10 @@ class Readahead:
             self._thread.start()
 
     @classmethod
-    def for_pipeline_folder(cls, folder: Path) -> Readahead:
-        """The safetensors files of the folder's components, largest component first."""
-        components = [d for d in folder.iterdir() if d.is_dir()]
+    def for_pipeline_folder(cls, folder: Path, skip: Iterable[str] = ()) -> Readahead:
+        """The safetensors files of the folder's components (but those named in `skip`: loaded from files of
+        their own), largest component first."""
+        components = [d for d in folder.iterdir() if d.is_dir() and d.name not in skip]
         sizes = {d: sum(f.stat().st_size for f in d.glob("*.safetensors")) for d in components}
         files = [f for d in sorted(components, key=lambda d: -sizes[d]) for f in sorted(d.glob("*.safetensors"))]
         return cls(files)

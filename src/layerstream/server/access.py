@@ -232,6 +232,18 @@ def cookie_keys(cookie_header: str | None) -> list[str]:
     return keys
 
 
+def refusals(settings: AccessSettings, method: str, path: str) -> dict[int, str]:
+    """What the checks below may answer a request for `method` `path` (status -> when), for the OpenAPI document:
+    403 everywhere (the Host; on a state-changing method the Origin too), 401 where the key is needed."""
+    forbidden = "The request's Host is not a name or address this server answers to (--allowed-hosts)"
+    if method.upper() not in SAFE_METHODS and "*" not in settings.allowed_origins:
+        forbidden += ", or a page of another site sent it (its Origin; --allowed-origins)"
+    answers = {403: forbidden}
+    if settings.api_key is not None and not is_open_path(path):
+        answers[401] = f"The API key is missing or wrong (Authorization: Bearer KEY; --api-key or {API_KEY_ENV})"
+    return answers
+
+
 # the ASGI side ----------------------------------------------------------------------------------------------------
 def add_access_checks(app: Any, settings: AccessSettings) -> None:
     """Install the checks on `app` (a Starlette app): the Host check outermost, then CORS if origins are allowed,

@@ -111,11 +111,12 @@ def create_app(
     service: GenerationService, jobs: JobManager | None = None, *, ui: bool = True, access: AccessSettings | None = None
 ) -> FastAPI:
     """The app serving `service` (and, with `jobs`, its job API, and with `ui` too, the web page at ``/``); see
-    `_lifespan`. With `access`, its Host, Origin and API key checks (`run_server` always gives them)."""
+    `_lifespan`. `access`: its Host, Origin and API key checks; without, a loopback server's (loopback Hosts only,
+    no state-changing request from another site, no key)."""
+    access = access if access is not None else AccessSettings()
     app = FastAPI(title="layerstream", version=__version__, lifespan=_lifespan(service, jobs))
-    apply_exact_openapi_(app)
-    if access is not None:
-        add_access_checks(app, access)
+    apply_exact_openapi_(app, access)
+    add_access_checks(app, access)
     app.add_middleware(RequestMetricsMiddleware, metrics=service.metrics)  # outermost: refusals are counted too
 
     @app.exception_handler(ApiError)

@@ -8,7 +8,9 @@ request models as they are (every bound is below 2**53, seeds included, so none 
 puts the request bodies back, as the request models state them, after that pass, and turns any other
 integer bound back into an integer. FastAPI also documents a 422 of its own shape (``HTTPValidationError``) on
 every route with a parameter; the routes here parse their input themselves and answer every error as an
-`ErrorResponse`, each route stating its statuses with `error_responses`, so that 422 is taken out.
+`ErrorResponse`, each route stating its statuses with `error_responses`, so that 422 is taken out. The access
+checks' 403 and 401 (`layerstream.server.access.refusals`) are added to every route, as the server is configured:
+a server without a key lists no 401.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
+from layerstream.server.access import AccessSettings, refusals
 from layerstream.server.schemas import ErrorResponse, ImageEditRequest
 
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
@@ -28,6 +31,8 @@ _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multip
 _EXACT_FLOAT_INTEGERS = 2**53
 _FASTAPI_VALIDATION_SCHEMAS = ("HTTPValidationError", "ValidationError")
 _RETRY_AFTER_HEADER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}}
+_AUTHENTICATE_HEADER = {"WWW-Authenticate": {"description": "How to authenticate: Bearer.", "schema": {"type": "string"}}}
+_HEADERS = {429: _RETRY_AFTER_HEADER, 401: _AUTHENTICATE_HEADER}
 
 QUEUEING_ERRORS = {
     413: "The body, or its image, is over the server's limits (--max-body-bytes, --max-image-bytes or -pixels)",
@@ -49,8 +54,8 @@ def error_responses(when: dict[int, str]) -> dict[int | str, dict[str, Any]]:
     responses: dict[int | str, dict[str, Any]] = {}
     for status, description in when.items():
         responses[status] = {"model": ErrorResponse, "description": description}
-        if status == 429:
-            responses[status]["headers"] = _RETRY_AFTER_HEADER
+        if status in _HEADERS:
+            responses[status]["headers"] = _HEADERS[status]
     return responses
 
 
@@ -78,9 +83,9 @@ def edit_request_body() -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}}}
 
 
-def apply_exact_openapi_(app: FastAPI) -> None:
+def apply_exact_openapi_(app: FastAPI, access: AccessSettings) -> None:
     """Make `app` serve its OpenAPI document with the request bodies of its routes' ``openapi_extra`` as
-    given, and every integer bound an integer."""
+    given, every integer bound an integer, and the refusals of the access checks `access` configures."""
     build = app.openapi  # FastAPI's: builds once per set of routes, then returns the same dict
 
     def openapi() -> dict[str, Any]:
@@ -90,6 +95,7 @@ def apply_exact_openapi_(app: FastAPI) -> None:
             _restore_request_bodies_(document, app)
             _drop_fastapi_validation_errors_(document)
             _restore_integer_bounds_(document)
+            _add_access_refusals_(document, access)
         return document
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the document
@@ -107,6 +113,21 @@ def _restore_request_bodies_(document: dict[str, Any], app: FastAPI) -> None:
         assert route.body_field is None, f"{route.path} has a body parameter and a request body of its own"
         for method in route.methods:
             document["paths"][route.path_format][method.lower()]["requestBody"] = copy.deepcopy(body)
+
+
+def _add_access_refusals_(document: dict[str, Any], access: AccessSettings) -> None:
+    """Each operation's refusals by the access checks, as `ErrorResponse` answers (its own entries kept)."""
+    error_body = {"application/json": {"schema": {"$ref": "#/components/schemas/" + ErrorResponse.__name__}}}
+    assert ErrorResponse.__name__ in document["components"]["schemas"]
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            answers = operation.setdefault("responses", {})
+            for status, description in refusals(access, method, path).items():
+                answer = {"description": description, "content": copy.deepcopy(error_body)}
+                if status in _HEADERS:
+                    answer["headers"] = copy.deepcopy(_HEADERS[status])
+                answers.setdefault(str(status), answer)
+            operation["responses"] = dict(sorted(answers.items()))
 
 
 def _drop_fastapi_validation_errors_(document: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import weakref
 from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Iterator
@@ -68,6 +69,8 @@ class MetaPeakTracker(TorchDispatchMode):
         self.live_nbytes = 0
         self.peak_nbytes = 0
         self.num_ops = 0
+        self.flops = 0
+        """The convolutions' multiply-adds, two FLOPs each (replayed calls included): the decode's work."""
         self.num_storages = 0
         """Storages counted so far: a storage is fresh to a call if its serial number is above the count at the
         call's start."""
@@ -83,6 +86,8 @@ class MetaPeakTracker(TorchDispatchMode):
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
                 self._count(tensor.untyped_storage())
+        if func is torch.ops.aten.convolution.default:
+            self.flops += convolution_flops(args, out)
         if func is torch.ops.aten.convolution.default and not self.quiet:
             # the kernel's scratch beside its output, while it runs (`conv_scratch`)
             scratch = convolution_scratch_nbytes(self.device_type, args, out)
@@ -122,6 +127,13 @@ class MetaPeakTracker(TorchDispatchMode):
         self.live_nbytes -= nbytes
 
 
+def convolution_flops(args: tuple, out: torch.Tensor) -> int:
+    """Two per multiply-add of ``aten.convolution(input, weight, bias, stride, padding, dilation, transposed, ...)``:
+    each output element (each input element, transposed) meets ``weight.shape[1]`` channels times the kernel."""
+    data, weight, transposed = args[0], args[1], args[6]
+    return 2 * (data if transposed else out).numel() * weight.shape[1] * math.prod(weight.shape[2:])
+
+
 def _spec_of(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return _FreshTensor(tuple(value.shape), value.stride(), value.dtype)
@@ -150,7 +162,15 @@ def trace_peak_nbytes(
     call: Callable[[], Any], *, replayed: Iterable[nn.Module] = (), device_type: DeviceType = "cuda"
 ) -> tuple[int, int]:
     """Runs `call` (on meta tensors, under no_grad) and returns (peak live bytes, ops traced) on a device of
-    `device_type`: tensors alike everywhere, the convolutions' scratch as its kernels take it.
+    `device_type`: tensors alike everywhere, the convolutions' scratch as its kernels take it (`trace_call`)."""
+    tracker = trace_call(call, replayed=replayed, device_type=device_type)
+    return tracker.peak_nbytes, tracker.num_ops
+
+
+def trace_call(
+    call: Callable[[], Any], *, replayed: Iterable[nn.Module] = (), device_type: DeviceType = "cuda"
+) -> MetaPeakTracker:
+    """Runs `call` on meta tensors, under no_grad, counted by a `MetaPeakTracker`, which it returns.
 
     Each module of `replayed` has its calls recorded and replayed (`replayed_calls`): only for modules whose
     result depends on their arguments alone."""
@@ -161,7 +181,7 @@ def trace_peak_nbytes(
         with torch.no_grad(), FusedAttention(), tracker:
             result = call()
             del result
-    return tracker.peak_nbytes, tracker.num_ops
+    return tracker
 
 
 _SAME = object()
@@ -178,6 +198,7 @@ class _CallRecord:
     increment_nbytes: int
     result: Any
     lists_after: tuple[tuple[Any, ...], ...]
+    flops: int
 
 
 @contextlib.contextmanager
@@ -224,7 +245,7 @@ def _record(run: Callable, args: tuple, kwargs: dict, tracker: MetaPeakTracker) 
     lists = _list_arguments(args, kwargs)
     # weak references only: holding the old entries would keep alive what the call frees
     before = [[weakref.ref(v) if isinstance(v, torch.Tensor) else None for v in values] for values in lists]
-    first_serial, entry_nbytes, outer_peak = tracker.num_storages, tracker.live_nbytes, tracker.peak_nbytes
+    first_serial, entry_nbytes, outer_peak, entry_flops = tracker.num_storages, tracker.live_nbytes, tracker.peak_nbytes, tracker.flops
     tracker.peak_nbytes = entry_nbytes
     try:
         result = run(*args, **kwargs)
@@ -239,7 +260,7 @@ def _record(run: Callable, args: tuple, kwargs: dict, tracker: MetaPeakTracker) 
     storages = {id(t.untyped_storage()) for t in made}
     if len(storages) != len(made) or not all(_is_whole_fresh(t, tracker, first_serial) for t in made):
         return result, _UNREPLAYABLE
-    return result, _CallRecord(increment, tree_map(_spec_of, result), tree_map(_spec_of, lists_after))
+    return result, _CallRecord(increment, tree_map(_spec_of, result), tree_map(_spec_of, lists_after), tracker.flops - entry_flops)
 
 
 def _is_whole_fresh(tensor: torch.Tensor, tracker: MetaPeakTracker, first_serial: int) -> bool:
@@ -251,6 +272,7 @@ def _is_whole_fresh(tensor: torch.Tensor, tracker: MetaPeakTracker, first_serial
 
 def _replay(record: _CallRecord, lists: list[list], tracker: MetaPeakTracker) -> Any:
     tracker.peak_nbytes = max(tracker.peak_nbytes, tracker.live_nbytes + record.increment_nbytes)
+    tracker.flops += record.flops
     tracker.quiet = True  # the rebuilt tensors replace what the call freed; the peak is set above
     try:
         for values, after in zip(lists, record.lists_after):

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from layerstream.models.decode.conv_scratch import DeviceType
-from layerstream.models.decode.meta_peak import trace_peak_nbytes
+from layerstream.models.decode.meta_peak import trace_call
 
 _TILING_ATTRIBUTES = ("tile_", "use_framewise_", "num_sample_frames_", "num_latent_frames_")
 """Instance attributes (prefixes) that shape a decode besides the config: tile sizes and strides, and the frame
@@ -47,6 +47,8 @@ class DecodePeak:
     """Whether the decode was planned tiled (diffusers tiles only latents larger than one tile)."""
     sliced: bool
     """Whether a batch was planned decoded one sample at a time."""
+    flops: int = 0
+    """The decode's work: its convolutions' FLOPs, two per multiply-add (the rest of a VAE is a few percent)."""
 
     @property
     def nbytes(self) -> int:
@@ -79,7 +81,7 @@ def estimate_decode_peak(
     shape = latent_shape(vae, height=height, width=width, num_frames=num_frames, batch=batch)
     key = _VaeKey.of(vae, dtype)
     threads = torch.get_num_threads() if device_type == "cpu" else 0  # the CPU's kernel choice reads it
-    activation_nbytes = _traced_peak(key, shape, tiled, sliced, device_type, threads)
+    activation_nbytes, flops = _traced_peak(key, shape, tiled, sliced, device_type, threads)
     return DecodePeak(
         activation_nbytes=activation_nbytes,
         latent_nbytes=math.prod(shape) * dtype.itemsize,
@@ -87,6 +89,7 @@ def estimate_decode_peak(
         latent_shape=shape,
         tiled=tiled,
         sliced=sliced,
+        flops=flops,
     )
 
 
@@ -175,12 +178,13 @@ class _VaeKey:
 @functools.lru_cache(maxsize=256)
 def _traced_peak(
     key: _VaeKey, shape: tuple[int, ...], tiled: bool, sliced: bool, device_type: DeviceType, threads: int
-) -> int:
+) -> tuple[int, int]:
+    """(the decode's peak bytes, its FLOPs)."""
     vae = key.build_meta()
     vae.use_tiling = tiled
     vae.use_slicing = sliced
     latents = torch.empty(shape, dtype=key.dtype, device="meta")
     # the decoder (and the 1x1 convolution before it) run once per latent frame and tile: replayed, not rerun
     replayed = [m for m in (vae.decoder, getattr(vae, "post_quant_conv", None)) if isinstance(m, nn.Module)]
-    peak, _ = trace_peak_nbytes(lambda: vae.decode(latents, return_dict=False), replayed=replayed, device_type=device_type)
-    return peak
+    traced = trace_call(lambda: vae.decode(latents, return_dict=False), replayed=replayed, device_type=device_type)
+    return traced.peak_nbytes, traced.flops

@@ -95,6 +95,13 @@ class LocalBlock(HostBufferBlock):
                 "supported (the adapters would be created in the storage dtype); load and fuse LoRA before enabling "
                 "offload, or call handle.disable() first"
             )
+        float8 = next((e for e in self.layout.entries if e.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)), None)
+        if float8 is not None:  # an fp8_scaled checkpoint's weights, kept float8: PEFT would make float8 adapters
+            raise UnsupportedUseError(
+                f"{self.path}: LoRA on a block holding float8 weights (a {type(float8.module).__name__}'s {float8.name}, as an fp8_scaled file keeps "
+                "them) is not supported (the adapters would be created in float8); load the transformer in its own "
+                "dtype to use LoRA"
+            )
 
     def _check_held(self, what: str) -> None:
         if self.buffer.numel() < self.form.stored_nbytes:

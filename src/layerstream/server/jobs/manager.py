@@ -40,8 +40,8 @@ from layerstream.server.jobs.records import (
     JobStatus,
     LiveProgress,
     job_object,
+    planned_decode_steps,
     run_figures,
-    shown_settings,
 )
 from layerstream.server.jobs.requests import ImageJobRequest, VideoJobRequest, seconds_shown
 from layerstream.server.jobs.store import JobStore
@@ -124,15 +124,9 @@ class JobManager:
         Nothing is stored or queued if a check fails (4xx), and a full queue is a 429 with nothing stored."""
         served = self.service.prepare(body.generation_body(self.service.limits), image, body.image_field)
         record = self._new_record(body, served)
-        # the output carries the settings needed to make it again, written as it is encoded (PNG text chunks,
-        # the MP4's comment): nothing is decoded or remuxed afterwards
-        metadata = {
-            **shown_settings(record.request, record.settings),
-            "model": record.model,
-            "offload_config": self.service.facts["offload_config"],
-            "job_id": record.id,
-        }
-        served = replace(served, encoding=OutputEncoding(record.settings.output_format, metadata=metadata))
+        # the output carries the settings that make it again (`Omni`'s) and the job's id, written as it is
+        # encoded (PNG text chunks, the MP4's comment): nothing is decoded or remuxed afterwards
+        served = replace(served, encoding=OutputEncoding(record.settings.output_format, job_id=record.id))
         live = _LiveJob(record=record, served=served)
         try:
             self.store.insert(record)
@@ -220,6 +214,8 @@ class JobManager:
             return None
         live.progress.total_steps = live.served.request.num_inference_steps or 0
         live.progress.after_steps_seconds = self.after_steps.estimate(_pixels(live))
+        if live.progress.after_steps_seconds is None:  # no decode timed yet: planned from its traced FLOPs
+            live.progress.decode_steps = planned_decode_steps(getattr(self.service.omni, "pipeline", None), live.served.request)
         live.stats_before = self.service.omni.stats()
         return self._latent_projection() if live.record.settings.preview else None
 

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Literal
 
+from layerstream.models.generation_estimates import decode_steps
+from layerstream.outputs import request_settings
 from layerstream.procfs import peak_rss_nbytes
 from layerstream.request import GenerationRequest
 
@@ -59,26 +61,10 @@ class JobSettings:
 
 def shown_settings(request: GenerationRequest, settings: JobSettings) -> dict[str, Any]:
     """Every setting needed to make the result again: the ``layerstream.settings`` of a job object, and what its
-    output file carries. `request` is the job's, the model's defaults filled in."""
-    width, height = request.width, request.height
-    return {
-        "prompt": request.prompt,
-        "negative_prompt": request.negative_prompt,
-        "size": f"{width}x{height}" if width and height else "auto",  # auto: the pipeline picks its size
-        "num_frames": request.num_frames,  # None for images, as fps
-        "fps": request.fps,
-        "num_inference_steps": request.num_inference_steps,
-        "seed": request.seed,
-        "guidance_scale": request.guidance_scale,  # None: the model's default, as the four below
-        "guidance_scale_2": request.guidance_scale_2,
-        "true_cfg_scale": request.true_cfg_scale,
-        "boundary_ratio": request.boundary_ratio,
-        "flow_shift": request.flow_shift,
-        "extra_params": request.extra_params.to_dict(),  # {}: none
-        "has_input_image": settings.has_input_image,
-        "model_revision": settings.model_revision,
-        "model_commit": settings.model_commit,
-    }
+    output file carries (`request_settings`). `request` is the job's, the model's defaults filled in."""
+    return request_settings(
+        request, has_input_image=settings.has_input_image, model_revision=settings.model_revision, model_commit=settings.model_commit
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,6 +165,9 @@ class LiveProgress:
     after_steps_seconds: float | None = None
     """What the work after the last step (the VAE decode, encoding the file) is expected to take: the server's
     last finished job's, scaled by the output's size (`AfterStepsRate`); None before any job finished."""
+    decode_steps: float | None = None
+    """Until a job has finished: the decode's work in denoising steps, from its traced FLOPs
+    (`models.generation_estimates.decode_steps`), which the ETA prices at this job's seconds per step."""
     steps_done_at: float | None = None
     """``time.monotonic()`` when the last step ended."""
 
@@ -196,11 +185,14 @@ class LiveProgress:
         if per_step is None:
             return None
         steps_left = per_step * max(0, self.total_steps - self.step)
+        after_steps = self.after_steps_seconds
+        if after_steps is None and self.decode_steps is not None:
+            after_steps = self.decode_steps * per_step
         if self.steps_done_at is None:
-            return steps_left + (self.after_steps_seconds or 0.0)
-        if self.after_steps_seconds is None:
+            return steps_left + (after_steps or 0.0)
+        if after_steps is None:
             return None
-        left = self.after_steps_seconds - (time.monotonic() - self.steps_done_at)
+        left = after_steps - (time.monotonic() - self.steps_done_at)
         return left if left > 0 else None
 
     def figures(self) -> dict[str, Any]:
@@ -240,6 +232,16 @@ class LiveProgress:
             "streamed_bytes": self.streamed_bytes,
             "stall_seconds": self.stall_seconds,
         }
+
+
+def planned_decode_steps(pipeline: Any, request: GenerationRequest) -> float | None:
+    """The decode's work in steps of `request` (None where it has no size or no VAE); classifier-free guidance,
+    two forwards a step, unless its scale is 1 or less."""
+    if not (request.width and request.height):
+        return None
+    forwards = 1 if request.guidance_scale is not None and request.guidance_scale <= 1 else 2
+    size = {"height": request.height, "width": request.width, "num_frames": request.num_frames or 1}
+    return decode_steps(pipeline, size, forwards)
 
 
 def run_figures(usage: Any) -> dict[str, float | str | None]:

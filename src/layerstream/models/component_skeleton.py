@@ -1,0 +1,40 @@
+"""A component from a file (`models.component_files`) as planning sees it: its model on the meta device, each
+tensor at the bytes the loaded component keeps on the host, read from the file's header alone
+(`models.component_headers`: a local file, or a Hub file by ranged reads). GGUF-quantized weights keep their
+blocks (34/32 bytes a weight for Q8_0, 9/16 for Q4_K), fp8_scaled weights 1 byte with a float32 scale; every
+other tensor is loaded in the compute dtype, as the skeleton already has it."""
+
+from __future__ import annotations
+
+import torch
+
+from layerstream.models.component_headers import StoredTensor
+
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def file_component_skeleton_(name: str, model: torch.nn.Module, tensors: dict[str, StoredTensor], file_name: str) -> torch.nn.Module:
+    """`model` (a meta skeleton) with the tensors its file stores quantized or in float8 (`tensors`, from the
+    file's header) put in at their stored size, under the model's names (diffusers' single-file converter for
+    the model's class, where they differ)."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES, _should_convert_state_dict_to_diffusers
+
+    from layerstream.models.fp8_scaled import is_layout_key, read_layout
+
+    if any(t.stored_dtype in FLOAT8 for t in tensors.values()):  # fp8_scaled: its layout checked as loading does
+        read_layout(name, file_name, {k: {"dtype": t.kind, "shape": list(t.shape)} for k, t in tensors.items()})
+    tensors = {k: t for k, t in tensors.items() if not is_layout_key(k)}
+    checkpoint = {k: torch.empty(t.stored_shape, dtype=t.stored_dtype, device="meta") for k, t in tensors.items()}
+    mapping = SINGLE_FILE_LOADABLE_CLASSES.get(type(model).__name__, {}).get("checkpoint_mapping_fn")
+    wanted = model.state_dict()
+    if mapping is not None and _should_convert_state_dict_to_diffusers(wanted, checkpoint):
+        checkpoint = mapping(checkpoint=checkpoint, config=dict(model.config))
+    for key, tensor in checkpoint.items():
+        if key not in wanted or not (tensor.dtype == torch.uint8 or tensor.dtype in FLOAT8):
+            continue  # loaded in the compute dtype, as the skeleton has it
+        module_path, _, leaf = key.rpartition(".")
+        module = model.get_submodule(module_path)
+        setattr(module, leaf, torch.nn.Parameter(tensor, requires_grad=False))
+        if tensor.dtype in FLOAT8:  # every float8 weight has its scale (`read_layout` checked): a float32 buffer
+            module.register_buffer("weight_scale", torch.empty((), device="meta"))
+    return model

@@ -1,0 +1,118 @@
+"""Transformers from fp8_scaled safetensors files (`components=`): recognised by their published layouts, kept
+float8 on the host with their per-tensor scales, and streamed; outputs equal to a reference whose weights are the
+same file's upcast with their scales, bit for bit. A layout that cannot be placed is refused naming the key."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from layerstream import Omni
+from layerstream.models import ModelLoadError, ensure_tiny_model, load_pipeline
+from tests.models.single_files import write_fp8_scaled
+
+DIT = {"mode": "layer", "components": ["dit"]}
+QUICK = dict(num_inference_steps=2, height=32, width=32, seed=3, keep_raw=True)
+
+
+def _files(tmp_path, model, cls_name, names, **layout):
+    """An fp8_scaled file and a float32 reference file (the same weights upcast with their scales) per name."""
+    import diffusers
+
+    fp8, reference = {}, {}
+    for name in names:
+        state = getattr(diffusers, cls_name).from_pretrained(ensure_tiny_model(model), subfolder=name).state_dict()
+        fp8[name] = str(tmp_path / f"{name}-fp8_scaled.safetensors")
+        reference[name] = str(tmp_path / f"{name}-reference.safetensors")
+        save_file(write_fp8_scaled(fp8[name], state, **layout), reference[name])
+    return fp8, reference
+
+
+def _raw(model, components, offload, **size):
+    omni = Omni(model=model, diffusion_offload_config=DIT, device="cpu", components=components, offload=offload)
+    return omni, omni.generate("a cat", **QUICK, **size).raw
+
+
+@pytest.mark.parametrize("spelling", ["scale_weight", "weight_scale"])
+def test_wan22_experts_stream_float8_and_match_the_upcast_reference(tmp_path, spelling):
+    fp8, reference = _files(tmp_path, "tiny-wan", "WanTransformer3DModel", ["transformer", "transformer_2"], spelling=spelling, original_names=True)
+    _, expected = _raw("tiny-wan", reference, offload=False, num_frames=5)
+    resident, raw_resident = _raw("tiny-wan", fp8, offload=False, num_frames=5)
+    streamed, raw = _raw("tiny-wan", fp8, offload=True, num_frames=5)
+    assert np.array_equal(raw_resident, expected) and np.array_equal(raw, expected)
+    q = resident.pipeline.transformer_2.blocks[1].attn1.to_q
+    assert q.weight.dtype == torch.float8_e4m3fn and q.weight_scale.dtype == torch.float32
+    assert resident.pipeline.transformer.dtype == torch.float32  # diffusers reads the compute dtype
+    stats = streamed.handle.stats().per_component
+    for name in fp8:
+        float32_blocks = sum(v.numel() * 4 for k, v in load_file(reference[name]).items() if k.startswith("blocks."))
+        assert stats[name].host_bytes < 0.45 * float32_blocks, (stats[name].host_bytes, float32_blocks)
+
+
+def test_flux_in_diffusers_names(tmp_path):
+    fp8, reference = _files(tmp_path, "tiny-flux", "FluxTransformer2DModel", ["transformer"], spelling="weight_scale", original_names=False)
+    _, expected = _raw("tiny-flux", reference, offload=False)
+    _, raw = _raw("tiny-flux", fp8, offload=True)
+    assert np.array_equal(raw, expected)
+
+
+def _edited(tmp_path, edit):
+    """The tiny Wan's expert as an older-layout fp8_scaled file, with `edit` applied to its tensors."""
+    from diffusers import WanTransformer3DModel
+
+    path = tmp_path / "edited.safetensors"
+    state = WanTransformer3DModel.from_pretrained(ensure_tiny_model("tiny-wan"), subfolder="transformer").state_dict()
+    write_fp8_scaled(path, state, spelling="scale_weight", original_names=True)
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.pop("blocks.1.self_attn.q.scale_weight"), r"float8 tensor blocks\.1\.self_attn\.q\.weight has no scale \(blocks\.1\.self_attn\.q\.scale_weight or blocks\.1\.self_attn\.q\.weight_scale\)"),
+        (lambda t: t.update({"blocks.0.norm3.scale_weight": torch.ones(1)}), r"scale blocks\.0\.norm3\.scale_weight has no float8 weight blocks\.0\.norm3\.weight beside it"),
+        (lambda t: t.update({"blocks.0.self_attn.k.scale_weight": torch.ones(4)}), r"scale blocks\.0\.self_attn\.k\.scale_weight holds 4 values; only per-tensor scales"),
+        (lambda t: t.update({"blocks.0.self_attn.k.weight_scale": torch.ones(())}), r"weight blocks\.0\.self_attn\.k\.weight has two scales"),
+        (lambda t: t.update({"patch_embedding.weight": t["patch_embedding.weight"].to(torch.float8_e4m3fn)}), r"float8 tensor patch_embedding\.weight has no scale"),
+    ],
+)
+def test_an_unrecognised_layout_is_refused_naming_the_key(tmp_path, edit, message):
+    path = _edited(tmp_path, edit)
+    with pytest.raises(ModelLoadError, match=r"^component transformer: edited\.safetensors: " + message) as info:
+        load_pipeline("tiny-wan", components={"transformer": path})
+    assert "\n" not in str(info.value)
+
+
+def test_plan_prices_fp8_scaled_blocks_as_enabling_keeps_them(tmp_path, layerstream_cli):
+    import json
+
+    fp8, _ = _files(tmp_path, "tiny-wan", "WanTransformer3DModel", ["transformer_2"], spelling="scale_weight", original_names=True)
+    result = layerstream_cli("plan", "tiny-wan", "--component", f"transformer_2={fp8['transformer_2']}", "--json")
+    assert result.returncode == 0, result.stderr
+    planned = {c["path"]: c["block_bytes"] for c in json.loads(result.stdout)["components"]}
+    omni = Omni("tiny-wan", DIT, device="cpu", components=fp8)
+    kept = omni.handle.stats().per_component["transformer_2"].host_bytes
+    assert planned["transformer_2"] < 0.45 * planned["transformer"]
+    # the store aligns each tensor: the ten 4-byte scales of a toy block take ~1.2 KiB of its ~16 KiB
+    assert abs(planned["transformer_2"] - kept) < 0.1 * kept, (planned, kept)
+
+
+def test_lora_on_float8_blocks_is_refused_before_anything_changes(tmp_path):
+    """PEFT creates a LoRA layer's adapters in its base weight's dtype: float8 adapters cannot compute, so LoRA
+    on a streamed fp8_scaled expert is refused, naming why."""
+    peft = pytest.importorskip("peft")
+    from layerstream import UnsupportedUseError
+
+    fp8, _ = _files(tmp_path, "tiny-wan", "WanTransformer3DModel", ["transformer"], spelling="weight_scale", original_names=True)
+    omni = Omni("tiny-wan", DIT, device="cpu", components=fp8)
+    config = peft.LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k"], init_lora_weights=False)
+    before = {k: v.clone() for k, v in omni.pipeline.transformer.state_dict().items()}
+    with pytest.raises(UnsupportedUseError, match=r"transformer\.blocks\.0: LoRA on a block holding float8 weights \(a Linear's weight, as an fp8_scaled file keeps them\) is not supported \(the adapters would be created in float8\)"):
+        omni.pipeline.transformer.add_adapter(config)
+    after = omni.pipeline.transformer.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
