@@ -63,9 +63,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(_one_line(e)) from e
     from layerstream.runtime.packing.lossless_code import ESTIMATED, pricing_at
 
-    from layerstream.offload import default_device
-
-    generation, work = planned_generation_of(args, pipeline, default_device())  # what host budget "auto" keeps a reserve for
+    generation, work = planned_generation_of(args, pipeline)  # what host budget "auto" keeps a reserve for
     coded = any(c.storage_dtype == "lossless" for c in plan.streamed)
     fraction = lossless_fraction(pipeline, origin, args.variant) if coded else ESTIMATED
     with pricing_at(fraction):  # a skeleton's lossless blocks: the checkpoint's sampled figure where it was read
