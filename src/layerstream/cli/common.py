@@ -330,3 +330,34 @@ def check_output_path(flag: str, path: Path) -> None:
         os.unlink(probe)
     if path.exists() and not os.access(path, os.W_OK):
         raise CliError(f"{flag} {path} exists and is not writable")
+
+
+def add_work_cap_argument(parser: argparse.ArgumentParser) -> None:
+    """--max-work, as `serve`, `generate` and `plan` take it: the largest price (`models.work.price_request`)."""
+    from layerstream.server.settings import ACCELERATOR_STEPS, CPU_MAX_WORK
+
+    parser.add_argument(
+        "--max-work", type=positive_int, default=None,
+        help="largest price of one request (width x height x frames x steps x passes x n, plus text tokens, "
+        f"docs/serving.md); more is refused (default: from the device: {CPU_MAX_WORK:,} on a CPU, minutes of a "
+        f"2-core host; on an accelerator whatever --max-size and --max-frames allow at {ACCELERATOR_STEPS} steps, "
+        "or the model's default steps if more)",
+    )  # fmt: skip
+
+
+def check_work(price, rules, *, max_work: int | None, max_side: int, max_frames: int, device) -> int:
+    """The cap `price` (a `models.work.WorkPrice`) is held to: --max-work, else the server's default for `device`
+    (`server.limits.default_max_work`, the caps lowered to what the model can position); over it is one line naming
+    the price, the cap and --max-work. Returns the cap."""
+    from layerstream.server.limits import default_max_work
+
+    if max_work is None:
+        side, frames = rules.geometry.max_side_pixels, rules.geometry.max_frames
+        max_side, max_frames = min(max_side, side or max_side), min(max_frames, frames or max_frames)
+        max_work = default_max_work(rules, max_side, max_frames, device)
+    if price.work > max_work:
+        raise CliError(
+            f"the request's work {price.describe()} is more than the cap of {max_work:,}: lower the size, frames, "
+            "steps or n, or raise the cap with --max-work"
+        )
+    return max_work

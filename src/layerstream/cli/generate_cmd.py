@@ -13,10 +13,12 @@ from layerstream.cli.common import (
     CliError,
     add_config_argument,
     add_hub_arguments,
+    add_work_cap_argument,
     add_model_first_argument,
     add_vae_arguments,
     check_device_arg,
     check_output_path,
+    check_work,
     component_files,
     fetch_before_ranks,
     json_object_text,
@@ -128,6 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-frames", type=positive_int, default=DEFAULT_MAX_FRAMES,
         help=f"largest --num-frames accepted, as the server's --max-frames (default: {DEFAULT_MAX_FRAMES})",
     )
+    add_work_cap_argument(parser)
     parser.add_argument("--output", default=None, help="output file: .png for images, .mp4 or .gif for video")
     add_config_argument(parser)
     parser.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")
@@ -176,6 +179,10 @@ def _run(args: argparse.Namespace, log: PhaseLog) -> int:
     output = _output_path(args, omni, request.seed, rank, world_size)
     _check_model_geometry(args, omni)
     _check_image_input(args, omni)
+    check_work(
+        omni.price(request), omni.rules, max_work=args.max_work, max_side=args.max_side_pixels,
+        max_frames=args.max_frames, device=omni.device,
+    )  # fmt: skip
     log.enter(Phase.GENERATING)
     result = _generate(args, omni, request, rank)
     with log.writing(Phase.WRITING_OUTPUT, output):

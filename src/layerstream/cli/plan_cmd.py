@@ -15,7 +15,7 @@ import dataclasses
 import json
 from typing import Any
 
-from layerstream.cli.common import CliError, add_config_argument, add_model_arguments, component_files, parse_config_arg
+from layerstream.cli.common import CliError, add_config_argument, add_model_arguments, add_work_cap_argument, component_files, parse_config_arg
 from layerstream.cli.plan_machine import add_machine_arguments, lossless_fraction, planned_generation_of, run_machine_plan, wants_machine_plan
 from layerstream.plan.resolved import ResolvedComponent, ResolvedOffloadPlan
 from layerstream.wording import format_bytes
@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     add_config_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the resolved plan as JSON instead of a table")
+    add_work_cap_argument(parser)
     add_machine_arguments(parser)
 
 
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(_one_line(e)) from e
     from layerstream.runtime.packing.lossless_code import ESTIMATED, pricing_at
 
-    generation = planned_generation_of(args, pipeline)  # what host budget "auto" keeps a reserve for
+    generation, work = planned_generation_of(args, pipeline)  # what host budget "auto" keeps a reserve for
     coded = any(c.storage_dtype == "lossless" for c in plan.streamed)
     fraction = lossless_fraction(pipeline, origin, args.variant) if coded else ESTIMATED
     with pricing_at(fraction):  # a skeleton's lossless blocks: the checkpoint's sampled figure where it was read
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_plan(plan, placement))
         if coded:
             print(f"lossless priced at {fraction.describe()}")
+        print(work)
         if residency:
             print("residency:")
             for path, text in residency.items():

@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any
 
-from layerstream.cli.common import CliError, non_negative_float, positive_float, positive_int, request_value, vae_setting
+from layerstream.cli.common import CliError, check_work, non_negative_float, positive_float, positive_int, request_value, vae_setting
 
 _FLAG_OF = {
     "device_memory_gb": "--device-memory", "host_memory_gb": "--host-memory", "link_gbps": "--link-gbps",
@@ -106,7 +106,7 @@ def run_machine_plan(args: argparse.Namespace, pipeline: Any, origin: dict[str, 
         device_memory_gb=args.device_memory, host_memory_gb=args.host_memory, allow_lossy=args.allow_lossy,
         **{k: v for k, v in given.items() if v is not None},
     )  # fmt: skip
-    generation = planned_generation_of(args, pipeline)
+    generation, work = planned_generation_of(args, pipeline)
     try:
         check_machine(machine)
         # lossless is priced (a sample read, a Hub's ranged reads) only where the plan may choose it: not beside float8
@@ -127,6 +127,7 @@ def run_machine_plan(args: argparse.Namespace, pipeline: Any, origin: dict[str, 
         print(json.dumps({**result.to_dict(), **({"lossless_fraction": dataclasses.asdict(fraction)} if lossless else {})}, indent=2))
     else:
         print("\n".join(machine_plan_lines(result)))
+        print(work)
         if lossless:
             print(f"lossless priced at {fraction.describe()}")
     return 0
@@ -136,7 +137,8 @@ def planned_generation_of(args: argparse.Namespace, pipeline: Any):
     """The generation to plan for: --height/--width/--num-frames/--steps, each left out taken from the model's
     rules (`ModelRules`, read from the skeleton under the model's name: an embedded tiny model's own small size
     and steps, a real model's its pipeline's), as `Omni` would run it; each figure says where it came from. A size
-    the model cannot make is refused as `generate` refuses it (`ModelRules.check_geometry`), before any tracing."""
+    the model cannot make is refused as `generate` refuses it (`ModelRules.check_geometry`), before any tracing, and
+    so is one over the work cap (`_work_line`). Returns (the generation, its price as a line)."""
     from layerstream.models.generation_size import planned_generation
     from layerstream.models.model_rules import read_model_rules
 
@@ -146,7 +148,25 @@ def planned_generation_of(args: argparse.Namespace, pipeline: Any):
     if violations:
         wrong = violations[0]
         raise CliError(f"{_GENERATION_FLAGS[wrong.name]} = {wrong.value} is not valid; expected {wrong.allowed} for {args.model}")
-    return planned_generation(rules, **given, sources=_GENERATION_FLAGS)
+    return planned_generation(rules, **given, sources=_GENERATION_FLAGS), _work_line(args, rules, given)
+
+
+def _work_line(args: argparse.Namespace, rules: Any, given: dict) -> str:
+    """The planned generation's price (`models.work.price_request`, as `serve` and `generate` price it) against
+    --max-work or an accelerator's default cap (a plan is for one, whatever this machine has), in words; over the
+    cap is refused (exit 2), before any tracing."""
+    from layerstream.models.output_limits import DEFAULT_MAX_FRAMES, DEFAULT_MAX_SIDE_PIXELS
+    from layerstream.models.work import price_request
+    from layerstream.request import GenerationError, GenerationRequest
+
+    try:
+        request = GenerationRequest(prompt="", **given)
+    except GenerationError as e:
+        raise CliError(f"{_GENERATION_FLAGS.get(e.field, e.field)}: {e.value!r} is not allowed ({e.allowed})") from e
+    price = price_request(rules, request, max_side_pixels=DEFAULT_MAX_SIDE_PIXELS)
+    cap = check_work(price, rules, max_work=args.max_work, max_side=DEFAULT_MAX_SIDE_PIXELS, max_frames=DEFAULT_MAX_FRAMES, device="cuda")
+    source = "--max-work" if args.max_work is not None else "an accelerator's default cap, --max-work"
+    return f"work: priced at {price.work:,}, of at most {cap:,} ({source}): {price.describe()}"
 
 
 def machine_plan_lines(result) -> list[str]:

@@ -1,7 +1,7 @@
 """`price_request`: what one request costs its pipeline, priced before it runs, in one unit.
 
-The one price the server's work cap (--max-work), its batches and its default cap compare, and that `Omni.price`
-reports: the transformer's forwards (steps x passes x outputs, two passes a step under classifier-free guidance)
+The one price the work cap (--max-work of `serve`, `generate` and `plan`), the server's batches and its default cap
+compare, and that `Omni.price` reports: the transformer's forwards (steps x passes x outputs, two passes a step under classifier-free guidance)
 over the pixels of every frame, and the tokens the text encoder reads (prompts, the negative one under guidance,
 and each declared text argument of ``extra_params``, each padded to ``max_sequence_length``). A price may exceed a request's cost, never fall short of it (tests count forwards).
 """
