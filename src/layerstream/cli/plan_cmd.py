@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of the ``plan`` subcommand."""
     add_model_arguments(
         parser,
-        'a Hugging Face Hub id (planned from its metadata: nothing is downloaded), a local diffusers-format folder, '
+        'a Hugging Face Hub id (planned from its metadata: nothing is downloaded; without the Hub, a published model '
+        "from layerstream's catalogue of their dimensions), a local diffusers-format folder, "
         'or an embedded tiny model ("tiny-wan")',
     )
     parser.add_argument(
