@@ -345,16 +345,21 @@ def add_work_cap_argument(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def check_work(price, rules, *, max_work: int | None, max_side: int, max_frames: int, device) -> int:
-    """The cap `price` (a `models.work.WorkPrice`) is held to: --max-work, else the server's default for `device`
-    (`server.limits.default_max_work`, the caps lowered to what the model can position); over it is one line naming
-    the price, the cap and --max-work. Returns the cap."""
+def work_cap(rules, *, max_work: int | None, max_side: int, max_frames: int, device) -> int:
+    """--max-work, else the server's default for `device` (`server.limits.default_max_work`, the caps lowered to
+    what the model can position)."""
     from layerstream.server.limits import default_max_work
 
-    if max_work is None:
-        side, frames = rules.geometry.max_side_pixels, rules.geometry.max_frames
-        max_side, max_frames = min(max_side, side or max_side), min(max_frames, frames or max_frames)
-        max_work = default_max_work(rules, max_side, max_frames, device)
+    if max_work is not None:
+        return max_work
+    side, frames = rules.geometry.max_side_pixels, rules.geometry.max_frames
+    return default_max_work(rules, min(max_side, side or max_side), min(max_frames, frames or max_frames), device)
+
+
+def check_work(price, rules, **caps) -> int:
+    """The cap (`work_cap`) `price` (a `models.work.WorkPrice`) is held to; over it is one line naming the price,
+    the cap and --max-work. Returns the cap."""
+    max_work = work_cap(rules, **caps)
     if price.work > max_work:
         raise CliError(
             f"the request's work {price.describe()} is more than the cap of {max_work:,}: lower the size, frames, "

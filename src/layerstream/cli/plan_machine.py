@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any
 
-from layerstream.cli.common import CliError, check_work, non_negative_float, positive_float, positive_int, request_value, vae_setting
+from layerstream.cli.common import CliError, check_work, non_negative_float, positive_float, positive_int, request_value, vae_setting, work_cap
 
 _FLAG_OF = {
     "device_memory_gb": "--device-memory", "host_memory_gb": "--host-memory", "link_gbps": "--link-gbps",
@@ -153,8 +153,8 @@ def planned_generation_of(args: argparse.Namespace, pipeline: Any):
 
 def _work_line(args: argparse.Namespace, rules: Any, given: dict) -> str:
     """The planned generation's price (`models.work.price_request`, as `serve` and `generate` price it) against
-    --max-work or an accelerator's default cap (a plan is for one, whatever this machine has), in words; over the
-    cap is refused (exit 2), before any tracing."""
+    --max-work, which is held (exit 2 over it, before any tracing), or else an accelerator's default cap (a plan is
+    for one, whatever this machine has), which is only compared, in words."""
     from layerstream.models.output_limits import DEFAULT_MAX_FRAMES, DEFAULT_MAX_SIDE_PIXELS
     from layerstream.models.work import price_request
     from layerstream.request import GenerationError, GenerationRequest
@@ -164,9 +164,13 @@ def _work_line(args: argparse.Namespace, rules: Any, given: dict) -> str:
     except GenerationError as e:
         raise CliError(f"{_GENERATION_FLAGS.get(e.field, e.field)}: {e.value!r} is not allowed ({e.allowed})") from e
     price = price_request(rules, request, max_side_pixels=DEFAULT_MAX_SIDE_PIXELS)
-    cap = check_work(price, rules, max_work=args.max_work, max_side=DEFAULT_MAX_SIDE_PIXELS, max_frames=DEFAULT_MAX_FRAMES, device="cuda")
-    source = "--max-work" if args.max_work is not None else "an accelerator's default cap, --max-work"
-    return f"work: priced at {price.work:,}, of at most {cap:,} ({source}): {price.describe()}"
+    caps = dict(max_work=args.max_work, max_side=DEFAULT_MAX_SIDE_PIXELS, max_frames=DEFAULT_MAX_FRAMES, device="cuda")
+    if args.max_work is not None:
+        cap = check_work(price, rules, **caps)  # a cap the user set is held, as generate and serve hold it
+        return f"work: priced at {price.work:,}, of at most {cap:,} (--max-work): {price.describe()}"
+    cap = work_cap(rules, **caps)  # a plan of what a server would refuse still says what it needs
+    within = "within" if price.work <= cap else "over (serve and generate would refuse it without --max-work)"
+    return f"work: priced at {price.work:,}, {within} an accelerator's default cap of {cap:,}: {price.describe()}"
 
 
 def machine_plan_lines(result) -> list[str]:

@@ -56,7 +56,8 @@ class WorkPrice:
 
 def price_request(rules: ModelRules, request: Any, *, max_side_pixels: int) -> WorkPrice:
     """The price of `request` (a `request.GenerationRequest`, which sits above models) on `rules`' model, its
-    defaults filled in as the pipeline's call will have them."""
+    defaults filled in as the pipeline's call will have them; a size the pipeline picks itself is priced at the
+    largest side it may pick (`max_side_pixels`, lowered to the model's own reach), squared."""
     shape = rules.filled(
         height=request.height, width=request.width, num_frames=request.num_frames,
         num_inference_steps=request.num_inference_steps,
@@ -68,8 +69,9 @@ def price_request(rules: ModelRules, request: Any, *, max_side_pixels: int) -> W
     if not isinstance(tokens, int) or tokens < 1:
         length = declared.get("max_sequence_length")
         tokens = int(length.high) if length is not None else DEFAULT_TEXT_TOKENS
+    side = min(max_side_pixels, rules.geometry.max_side_pixels or max_side_pixels)  # what the model can make
     return WorkPrice(
-        pixels=(shape.width or max_side_pixels) * (shape.height or max_side_pixels),
+        pixels=(shape.width or side) * (shape.height or side),
         num_frames=shape.num_frames or 1, num_inference_steps=shape.num_inference_steps, passes=passes, n=request.n,
         texts=texts, tokens_per_text=tokens,
     )  # fmt: skip
