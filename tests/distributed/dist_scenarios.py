@@ -314,7 +314,7 @@ def _wan_with_budget(out: dict, pipe, expected, config: dict, key: str, device) 
     out[f"{key}_restored"] = same_state(state, _wan_state(pipe)) and torch.equal(_generate_wan(pipe), expected)
 
 
-def allgather_budget(rank: int, world_size: int, *, device: torch.device, disk_dir: str) -> dict:
+def allgather_budget(rank: int, world_size: int, *, device: torch.device, disk_dir: str, gguf_expert: str) -> dict:
     """Tiny Wan 2.2 (two alternating DiTs, read from its checkpoint's files) with allgather and a host budget
     of about two shards per rank: the shards beyond it in the host pool and on disk (the checkpoint ranges in
     each rank's shard). Then "auto" (each rank's share of the host's free memory, real and faked), and the toy
@@ -380,6 +380,25 @@ def allgather_budget(rank: int, world_size: int, *, device: torch.device, disk_d
     out["toy_restored"] = same_state(toy_state, snapshot(toy)) and torch.equal(run(toy, inputs), toy_expected)
     out["toy_files_left"] = _files_under(root)
     out["lossless"] = _lossless_with_budget(rank, device, root)  # in the same launch: ranks are slow to start
+    out["gguf"] = _gguf_expert_allgather(gguf_expert, expected, dit, device) if gguf_expert else None
+    return out
+
+
+def _gguf_expert_allgather(gguf_expert: str, folder_output: torch.Tensor, dit: dict, device) -> dict:
+    """Tiny Wan 2.2 with its low-noise expert from a GGUF file, sharded by allgather, against the same pipeline
+    resident in this one process; `folder_output`: the folder's weights' output (the file's must differ)."""
+    from layerstream.models.loading import load_pipeline
+
+    pipe = load_pipeline("tiny-wan", components={"transformer_2": gguf_expert})
+    pipe.set_progress_bar_config(disable=True)
+    expected = _generate_wan(pipe)
+    handle = enable_offload(pipe, dit, device=device)
+    out = {"equal": [torch.equal(_generate_wan(pipe), expected) for _ in range(2)]}
+    out["differs_from_folder"] = not torch.equal(expected, folder_output)
+    out["weight"] = type(pipe.transformer_2.blocks[0].ffn.net[2].weight).__name__  # as the file stores it
+    out["shards"] = {b.path: (type(b.host).__name__, b.host.host_bytes, b.host.layout.nbytes) for b in handle.streamer.blocks}
+    handle.disable()
+    out["restored"] = torch.equal(_generate_wan(pipe), expected)
     return out
 
 

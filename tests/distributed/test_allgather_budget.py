@@ -5,6 +5,8 @@ launch for every check."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from dist_harness import AGREEMENT_TIMEOUT_S, raise_rank_errors, run_ranks
@@ -19,15 +21,28 @@ RSS_SLACK_BYTES = 2 * 2**20
 them on tiny Wan, whose blocks are 52 KB)."""
 
 
+def _gguf_expert(folder, path) -> str:
+    """Tiny Wan 2.2's low-noise expert as a GGUF file (Q4_0 and Q8_0 blocks, the original key names), written
+    once here for both ranks."""
+    from diffusers import WanTransformer3DModel
+
+    from tests.models.single_files import wan_original_keys, write_gguf
+
+    state = WanTransformer3DModel.from_pretrained(folder, subfolder="transformer_2").state_dict()
+    write_gguf(path, wan_original_keys(state), {".ffn.": "Q8_0", "": "Q4_0"})
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     from layerstream.models.tiny import ensure_tiny_model
 
-    ensure_tiny_model("tiny-wan")  # built here, once: two ranks building it into one cache would race
+    folder = ensure_tiny_model("tiny-wan")  # built here, once: two ranks building it into one cache would race
     tmp_path = tmp_path_factory.mktemp("allgather-budget")
+    gguf_expert = _gguf_expert(folder, tmp_path / "low.gguf") if importlib.util.find_spec("gguf") else None
     results = run_ranks(
         tmp_path, "allgather_budget", collective_timeout_s=AGREEMENT_TIMEOUT_S, timeout_s=6 * AGREEMENT_TIMEOUT_S,
-        disk_dir=str(tmp_path / "spill"),
+        disk_dir=str(tmp_path / "spill"), gguf_expert=gguf_expert,
     )  # fmt: skip
     raise_rank_errors(results)
     return results
@@ -102,3 +117,15 @@ def test_lossless_shards_beyond_each_ranks_budget_spill_coded_and_stream_bit_ide
         on_disk = [p for p, (kind, _, _) in parts.items() if kind == "DiskBlock"]
         assert lossless["spill_files"] == len(on_disk) > 0
         assert lossless["restored"] and lossless["files_left"] == []  # disable gives back the originals bit for bit
+
+
+def test_a_gguf_expert_sharded_by_allgather_streams_bit_identically_to_one_process(ranks):
+    """Both ranks load the low-noise expert from one GGUF file; each keeps a shard of its quantized bytes."""
+    if ranks[0]["gguf"] is None:
+        pytest.skip("the gguf package is not installed")
+    for rank, r in enumerate(ranks):
+        gguf = r["gguf"]
+        assert gguf["equal"] == [True, True] and gguf["restored"], rank
+        assert gguf["differs_from_folder"] and gguf["weight"] == "GGUFParameter"
+        shards = {path: s for path, s in gguf["shards"].items() if path.startswith("transformer_2.")}
+        assert shards and all(kind == "ShardedBlock" and 0 < held < whole for kind, held, whole in shards.values()), shards

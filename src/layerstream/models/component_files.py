@@ -164,6 +164,7 @@ def load_component_file(name: str, cls: type, path: Path, folder: Path, dtype: t
             from diffusers import GGUFQuantizationConfig
 
             model = cls.from_single_file(str(path), quantization_config=GGUFQuantizationConfig(compute_dtype=dtype), **options)
+            _own_aligned_storages_(model)
         else:
             model = cls.from_single_file(str(path), **options)
     except ModelLoadError:
@@ -172,6 +173,18 @@ def load_component_file(name: str, cls: type, path: Path, folder: Path, dtype: t
         raise ModelLoadError(f"component {name}: cannot load {path}: {first_line(e, with_type=True)}") from e
     logger.info("component %s loaded from %s", name, path)
     return model
+
+
+def _own_aligned_storages_(model: torch.nn.Module) -> None:
+    """Move each tensor of `model` that diffusers' GGUF loading left in a numpy array (16-byte aligned, at an
+    address each process draws anew) into torch's own 64-byte aligned allocation. A block's layout keeps each
+    tensor's address mod 64, so ranks sharding one file with allgather would otherwise build different layouts."""
+    with torch.no_grad():
+        for module in model.modules():
+            for tensors in (module._parameters, module._buffers):
+                for tensor in tensors.values():
+                    if tensor is not None and tensor.untyped_storage().data_ptr() % 64:
+                        tensor.data = tensor.data.clone()
 
 
 def file_tensor_shapes(name: str, path: Path) -> dict[str, tuple[int, ...]]:
