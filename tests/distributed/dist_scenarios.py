@@ -392,7 +392,10 @@ def _gguf_expert_allgather(gguf_expert: str, folder_output: torch.Tensor, dit: d
     pipe = load_pipeline("tiny-wan", components={"transformer_2": gguf_expert})
     pipe.set_progress_bar_config(disable=True)
     expected = _generate_wan(pipe)
-    handle = enable_offload(pipe, dit, device=device)
+    try:
+        handle = enable_offload(pipe, dit, device=device)
+    except OffloadError as e:  # the ranks disagree (each raises, nothing changed): for its test alone to report
+        return {"error": str(e)}
     out = {"equal": [torch.equal(_generate_wan(pipe), expected) for _ in range(2)]}
     out["differs_from_folder"] = not torch.equal(expected, folder_output)
     out["weight"] = type(pipe.transformer_2.blocks[0].ffn.net[2].weight).__name__  # as the file stores it

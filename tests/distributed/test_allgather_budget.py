@@ -125,6 +125,7 @@ def test_a_gguf_expert_sharded_by_allgather_streams_bit_identically_to_one_proce
         pytest.skip("the gguf package is not installed")
     for rank, r in enumerate(ranks):
         gguf = r["gguf"]
+        assert "error" not in gguf, gguf.get("error")
         assert gguf["equal"] == [True, True] and gguf["restored"], rank
         assert gguf["differs_from_folder"] and gguf["weight"] == "GGUFParameter"
         shards = {path: s for path, s in gguf["shards"].items() if path.startswith("transformer_2.")}
