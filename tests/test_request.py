@@ -245,3 +245,17 @@ def test_every_edge_takes_the_request_tables_bounds():
     assert set(_REQUEST_FLAGS) == fields - {"image", "n", "timeout"}  # a flag per field (--image reads a file)
     given = set(inspect.signature(Omni.generate).parameters) - {"self", "on_step", "keep_raw", "options"}
     assert given <= {f.name for f in dataclasses.fields(GenerationRequest)}  # each keyword is a request field, checked by it
+
+
+@pytest.mark.parametrize("tail", ["", "\\", "x"])
+def test_an_unclosed_string_is_matched_to_the_end_so_the_depth_scan_stays_linear(tail):
+    """A pattern that fails on an unclosed string is retried from every later quote: a 1 MiB body of escaped
+    quotes took hours. Matched to the end instead, every quote is looked at once."""
+    import json
+
+    from layerstream.json_object import _STRINGS, read_json_text
+
+    text = '"' + '\\"' * 1000 + tail
+    assert _STRINGS.match(text).end() == len(text)
+    with pytest.raises(json.JSONDecodeError):
+        read_json_text(text)

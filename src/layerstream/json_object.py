@@ -25,7 +25,9 @@ MAX_JSON_DEPTH = 32
 """Levels of arrays and objects one JSON value may nest (a call argument's object: 2; the offload config: 4)."""
 MAX_JSON_CHARS = 1 << 20
 """Characters of one JSON text: the server's default body limit (1 MiB); a command line allows less still."""
-_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.DOTALL)
+"""A string, or an unclosed one to the end of the text: never a failed match, which would rescan the rest of the
+text from every quote (quadratic: a 1 MiB body of escaped quotes held a worker for hours)."""
 _BRACKETS = re.compile(r"[\[\]{}]")
 
 
