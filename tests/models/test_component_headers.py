@@ -26,7 +26,7 @@ _VALUES = st.one_of(
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(metadata=st.dictionaries(st.from_regex(r"[a-z]{1,8}\.[a-z]{1,8}", fullmatch=True), _VALUES, max_size=6), rows=st.integers(1, 4))
 def test_gguf_tensor_infos_match_the_gguf_reader(tmp_path_factory, metadata, rows):
-    path = tmp_path_factory.mktemp("gguf") / "t.gguf"
+    path = tmp_path_factory.mktemp("local@not-a-revision") / "t.gguf"  # an "@" in a local path names no revision
     writer = gguf.GGUFWriter(str(path), "wan")
     for key, value in metadata.items():
         if isinstance(value, bool):

@@ -44,16 +44,16 @@ def header_tensors(name: str, spec: str, source: Path | Any) -> dict[str, Stored
     try:
         if isinstance(source, Path):
             with open(source, "rb") as f:
-                return _tensors(file_reader(f), spec)
-        return _tensors(_hub_reader(source), spec)
+                return _tensors(file_reader(f), source.name, spec)
+        return _tensors(_hub_reader(source), source.filename, spec)
     except ModelLoadError:
         raise
     except Exception as e:  # not a GGUF / safetensors file after all, a network or Hub error
         raise ModelLoadError(f"component {name} = {spec!r}: cannot read its header: {first_line(e, with_type=True)}") from e
 
 
-def _tensors(read_at: ReadAt, spec: str) -> dict[str, StoredTensor]:
-    if spec.partition("@")[0].endswith(".gguf"):
+def _tensors(read_at: ReadAt, filename: str, spec: str) -> dict[str, StoredTensor]:
+    if filename.endswith(".gguf"):  # the file's own name: a local path may hold an "@" that is no revision
         return gguf_tensors(read_at)
     header, _ = parse_safetensors_header(read_at, spec)
     out = {}
