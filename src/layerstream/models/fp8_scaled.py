@@ -98,7 +98,8 @@ def read_layout(name: str, file_name: str, header: dict) -> Fp8ScaledLayout:
 
 def load_fp8_scaled(name: str, cls: type, path: Path, config_folder: Path, dtype: torch.dtype) -> torch.nn.Module:
     """Component `name` (a `cls` configured by `config_folder`) from the fp8_scaled file at `path`: float8
-    weights kept, every other floating tensor in `dtype`, each scaled Linear computing in `dtype`."""
+    weights kept, every other floating tensor in `dtype` (but float32 for the class's `_keep_in_fp32_modules` when
+    `dtype` is float16, as diffusers loads them), each scaled Linear computing in `dtype`."""
     from accelerate import init_empty_weights
     from safetensors import safe_open
 
@@ -107,11 +108,16 @@ def load_fp8_scaled(name: str, cls: type, path: Path, config_folder: Path, dtype
     with safe_open(str(path), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys() if k not in skip}
         scales = {w: f.get_tensor(s).reshape(()).float() for w, s in layout.scales.items()}
-    tensors = {k: t if k in scales or not t.is_floating_point() else t.to(dtype) for k, t in tensors.items()}
     config = cls.load_config(config_folder)
     with init_empty_weights():
         model = cls.from_config(config)
     tensors, scales = _converted(name, cls, config, model.state_dict(), tensors, scales)
+    # in float16, the modules the class keeps in float32 stay float32, as diffusers' own loading keeps them
+    keep = (getattr(cls, "_keep_in_fp32_modules", None) or []) if dtype == torch.float16 else []
+    tensors = {
+        k: t if k in scales or not t.is_floating_point() else t.to(torch.float32 if any(m in k.split(".") for m in keep) else dtype)
+        for k, t in tensors.items()
+    }
     missing = [k for k in model.state_dict() if k not in tensors]
     unexpected = [k for k in tensors if k not in model.state_dict()]
     if missing or unexpected:
