@@ -49,13 +49,16 @@ def compare_with_resident(args: argparse.Namespace, omni, request, result) -> Re
 
     from layerstream.omni import Omni
 
+    from layerstream.cli.common import component_files
+
     lossy = lossy_storage_of(omni.config)
     omni.close()  # disable gives back a fully resident pipeline: the same weights, now all on the device
     if lossy is None:
         reference = omni.run(request, keep_raw=True)
-    else:  # its weights were rounded at enable: the model afresh, in the dtype its files (or --dtype) give
+    else:  # its weights were rounded at enable: the model afresh (its --component files too), as its files give
         fresh = Omni(model=args.model, diffusion_offload_config=omni.config, device=omni.device, dtype=args.dtype,
-                     offload=False, revision=args.revision, variant=args.variant)  # fmt: skip
+                     offload=False, revision=args.revision, variant=args.variant,
+                     components=component_files(args) or None)  # fmt: skip
         reference = fresh.run(request, keep_raw=True)
     if reference.raw.shape != result.raw.shape:
         return ResidentComparison(False, float("inf"), lossy)
