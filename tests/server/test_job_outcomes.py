@@ -25,6 +25,7 @@ from layerstream.server.jobs.settings import HistorySettings
 from layerstream.server.jobs.store import JobStore
 from layerstream.server.service import GenerationService
 from layerstream.server.settings import ServeSettings
+from layerstream.server.stopping import StopReason
 from serve_harness import wait_until
 from test_service import StandInOmni
 
@@ -111,6 +112,27 @@ def test_a_second_delete_is_a_404_as_a_get_even_while_the_job_still_runs(jobs):
             with pytest.raises(ApiError) as gone:
                 again(job_id)
             assert gone.value.status == 404
+    finally:
+        gate.set()
+    wait_until(lambda: not jobs.service.queue.running, what="the deleted job to stop")
+
+
+def test_a_delete_the_database_refuses_leaves_the_job_live_so_a_retry_stops_it(jobs, monkeypatch):
+    gate = threading.Event()
+    jobs.service.omni.on_call = lambda index: gate.wait(30)
+    try:
+        job_id = jobs.create(BODY, None)["id"]
+        wait_until(lambda: jobs.get(job_id)["status"] == "in_progress", what="the job to start")
+        stop_signal = jobs._live[job_id].queued.stop_signal
+        delete = jobs.store.delete
+        monkeypatch.setattr(jobs.store, "delete", lambda job: (_ for _ in ()).throw(sqlite3.OperationalError("database is locked")))
+        with pytest.raises(sqlite3.OperationalError):
+            jobs.delete(job_id)
+        assert jobs.get(job_id)["status"] == "in_progress"  # still live: its progress, and a way to stop it
+        monkeypatch.setattr(jobs.store, "delete", delete)
+        assert stop_signal.reason is None  # not deleted: not stopped either
+        assert jobs.delete(job_id)["deleted"] is True
+        assert stop_signal.reason is StopReason.CANCELLED  # the retry stops the running job
     finally:
         gate.set()
     wait_until(lambda: not jobs.service.queue.running, what="the deleted job to stop")

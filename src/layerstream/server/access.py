@@ -102,7 +102,8 @@ def _default_hosts(bind_host: str) -> tuple[str, ...]:
     if address is not None and address.is_loopback or bind_host.lower() == "localhost":
         return ()
     names = {socket.gethostname(), socket.getfqdn(), f"{socket.gethostname()}.local", bind_host}
-    return ("0.0.0.0/0", "::/0", *sorted(n.lower().rstrip(".") for n in names if n))
+    # the machine's own names as they come: one a Host header could not carry is skipped, not a refusal to start
+    return ("0.0.0.0/0", "::/0", *sorted(n for n in (n.lower().rstrip(".") for n in names) if _NAME.fullmatch(n) or _address(n)))
 
 
 def _host_rule(entries: Iterable[str]) -> HostRule:

@@ -170,7 +170,13 @@ class JobManager:
         """Remove the job and its output; a queued one never runs, a running one stops at its next step."""
         with self._lock:  # no longer live for the API: a second DELETE finds nothing, as a GET does
             live = self._live.pop(job_id, None)
-        record = self.store.delete(job_id)
+        try:
+            record = self.store.delete(job_id)
+        except BaseException:  # not deleted (a locked or failing database): still live, so a retry can stop it
+            if live is not None:
+                with self._lock:
+                    self._live.setdefault(job_id, live)
+            raise
         with self._lock:
             unstored = self._unstored.pop(job_id, None)
         if record is None and live is None and unstored is None:
