@@ -13,6 +13,7 @@ import io
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -163,6 +164,17 @@ def metric(client: httpx.Client, name: str, labels: str = "") -> float:
     pattern = "^" + re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else "") + r" (\S+)$"
     match = re.search(pattern, text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
+
+
+def closed_by_server(s: socket.socket) -> bool:
+    """Whether the server has closed the client socket `s` (read without waiting)."""
+    s.setblocking(False)
+    try:
+        return s.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:

@@ -12,20 +12,10 @@ import pytest
 
 from layerstream.server.access import AccessSettings
 from layerstream.server.connections import MAX_WAITING_CONNECTIONS
-from serve_harness import wait_until
+from serve_harness import closed_by_server, wait_until
 from test_access import KEY, LOCAL, _client
 
 HALF_OPEN = 300  # what an attacker held open for good before the head deadline existed
-
-
-def _closed_by_server(s: socket.socket) -> bool:
-    s.setblocking(False)
-    try:
-        return s.recv(1) == b""
-    except BlockingIOError:
-        return False
-    except ConnectionResetError:
-        return True
 
 
 def test_half_open_sockets_are_closed_and_clients_still_answered(shared_server):
@@ -39,10 +29,10 @@ def test_half_open_sockets_are_closed_and_clients_still_answered(shared_server):
                 s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # a head that never ends
             sockets.append(s)
         # past the cap the oldest close at once, the rest by the head deadline; meanwhile clients are answered
-        wait_until(lambda: all(_closed_by_server(s) for s in sockets[: HALF_OPEN - MAX_WAITING_CONNECTIONS]), what="cap")
+        wait_until(lambda: all(closed_by_server(s) for s in sockets[: HALF_OPEN - MAX_WAITING_CONNECTIONS]), what="cap")
         with server.client() as client:
             assert client.get("/health").status_code == 200
-        wait_until(lambda: all(_closed_by_server(s) for s in sockets), timeout=120, what="every half-open socket closed")
+        wait_until(lambda: all(closed_by_server(s) for s in sockets), timeout=120, what="every half-open socket closed")
     finally:
         for s in sockets:
             s.close()

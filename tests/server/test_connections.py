@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 
 from layerstream.server.connections import guarded_h11
-from serve_harness import wait_until
+from serve_harness import closed_by_server, wait_until
 
 HEAD_TIMEOUT_S = 0.5
 MAX_WAITING = 20
@@ -65,25 +65,15 @@ def _half_open(url: str, count: int, sent: bytes) -> list[socket.socket]:
     return sockets
 
 
-def _closed_by_server(s: socket.socket) -> bool:
-    s.setblocking(False)
-    try:
-        return s.recv(1) == b""
-    except BlockingIOError:
-        return False
-    except ConnectionResetError:
-        return True
-
-
 def test_past_the_cap_the_oldest_waiting_connections_close_at_once(patient_server):
     partial = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n"  # a head that never ends
     sockets = _half_open(patient_server, MAX_WAITING, b"") + _half_open(patient_server, MAX_WAITING, partial)
     try:
         oldest, newest = sockets[:MAX_WAITING], sockets[MAX_WAITING:]
-        wait_until(lambda: all(_closed_by_server(s) for s in oldest), what="the oldest past the cap closed")
-        assert not any(_closed_by_server(s) for s in newest)
+        wait_until(lambda: all(closed_by_server(s) for s in oldest), what="the oldest past the cap closed")
+        assert not any(closed_by_server(s) for s in newest)
         assert httpx.get(patient_server + "/").text == "hello"  # a whole request is answered meanwhile
-        assert _closed_by_server(newest[0]) and not any(_closed_by_server(s) for s in newest[1:])  # it took a place
+        assert closed_by_server(newest[0]) and not any(closed_by_server(s) for s in newest[1:])  # it took a place
     finally:
         for s in sockets:
             s.close()
@@ -92,7 +82,7 @@ def test_past_the_cap_the_oldest_waiting_connections_close_at_once(patient_serve
 def test_every_half_open_connection_closes_by_the_head_deadline(server):
     sockets = _half_open(server, MAX_WAITING // 2, b"") + _half_open(server, MAX_WAITING // 2, b"POST / HTTP/1.1\r\n")
     try:
-        wait_until(lambda: all(_closed_by_server(s) for s in sockets), what="every half-open connection closed")
+        wait_until(lambda: all(closed_by_server(s) for s in sockets), what="every half-open connection closed")
         assert httpx.get(server + "/").text == "hello"
     finally:
         for s in sockets:
@@ -116,10 +106,10 @@ def test_a_keep_alive_connection_that_trickles_its_next_head_is_closed(server):
                 s.send(b"X")  # one byte of the next head at a time
             except (BrokenPipeError, ConnectionResetError):
                 closed = True
-            if closed or _closed_by_server(s):
+            if closed or closed_by_server(s):
                 break
             time.sleep(0.05)
-        assert closed or _closed_by_server(s)
+        assert closed or closed_by_server(s)
         assert time.monotonic() - started >= HEAD_TIMEOUT_S * 0.9  # by the deadline, not by the first byte
     finally:
         s.close()

@@ -6,6 +6,7 @@ On tiny-wan; the paths that generate draw few examples."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from types import SimpleNamespace
@@ -129,22 +130,32 @@ def _names_one_of(named: set[str], hostile: set[str]) -> bool:
     return any(p == field or p.startswith((f"{field}.", f"{field}[")) or field.startswith(f"{p}.") for p in named for field in hostile)
 
 
-@pytest.fixture(scope="module", params=["jobs", "sync"])
-def served(request, tmp_path_factory):
-    """tiny-wan served in this process with the job API; `forwards` counts its transformers' forwards. One server
-    for the job endpoint's tests, one for the synchronous endpoint's: jobs running in the background would count
-    into the synchronous requests' forwards."""
+@contextlib.contextmanager
+def _served(tmp_path_factory):
+    """tiny-wan served in this process with the job API; `forwards` counts its transformers' forwards."""
     omni = Omni("tiny-wan", device="cpu")
     counted = _forward_counter(omni.pipeline)
     service = GenerationService(omni, ServeSettings(port=0, shutdown_timeout=0))
     jobs = JobManager(service, JobStore(HistorySettings(data_dir=tmp_path_factory.mktemp("data"))))
     try:
         with TestClient(create_app(service, jobs, ui=False), base_url="http://127.0.0.1") as client:
-            yield SimpleNamespace(
-                kind=request.param, client=client, omni=omni, forwards=counted, declared=dict(omni.rules.call_arguments)
-            )
+            yield SimpleNamespace(client=client, omni=omni, forwards=counted, declared=dict(omni.rules.call_arguments))
     finally:
         omni.close()
+
+
+# one server for the job endpoint's tests, one for the synchronous endpoint's: jobs running in the background
+# would count into the synchronous requests' forwards
+@pytest.fixture(scope="module")
+def job_server(tmp_path_factory):
+    with _served(tmp_path_factory) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def sync_server(tmp_path_factory):
+    with _served(tmp_path_factory) as served:
+        yield served
 
 
 def _as_form(fields: dict[str, Any]) -> dict[str, str]:
@@ -170,10 +181,9 @@ def _check(answer, hostile: set[str]) -> None:
 
 
 @pytest.mark.parametrize("encoding", ["json", "multipart", "urlencoded"])
-def test_the_job_endpoint_refuses_by_name_and_never_answers_5xx(served, encoding):
+def test_the_job_endpoint_refuses_by_name_and_never_answers_5xx(job_server, encoding):
     """A job is queued only for a request with nothing hostile (then cancelled)."""
-    if served.kind != "jobs":
-        pytest.skip("the synchronous endpoint's server")
+    served = job_server
 
     @SOME
     @given(drawn=requests(served.declared))
@@ -193,9 +203,8 @@ def test_the_job_endpoint_refuses_by_name_and_never_answers_5xx(served, encoding
     check()
 
 
-def test_the_synchronous_endpoint_runs_what_it_accepts_within_its_price(served):
-    if served.kind != "sync":
-        pytest.skip("the job endpoint's server")
+def test_the_synchronous_endpoint_runs_what_it_accepts_within_its_price(sync_server):
+    served = sync_server
     @FEW
     @given(drawn=requests(served.declared))
     def check(drawn):
