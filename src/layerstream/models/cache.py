@@ -40,15 +40,9 @@ class CacheFolderError(LayerstreamError, OSError):
 
 
 def publish_folder(folder: Path, write: Callable[[Path], None], *, marker: str) -> bool:
-    """Make `folder` exist with the contents `write` produces, atomically.
-
-    `write` fills a temporary sibling folder, which is then renamed onto `folder` in one step, so `folder`
-    is either absent or complete, even if this process dies half-way. Processes racing to build the same
-    folder each write their own sibling; the first rename wins and the others discard their copy. `marker`
-    is a file every complete folder has: a `folder` without it was not built by us and is left untouched.
-
-    Returns True if this call built the folder, False if it was already there (or another process won).
-    """
+    """Make `folder` exist with the contents `write` puts in a scratch sibling, renamed onto it in one step: it
+    is absent or complete, whoever dies, and of racing builders the first rename wins. `marker` is a file every
+    complete folder has. True if this call built the folder, False if it was there (or another process won)."""
     if (folder / marker).is_file():
         return False
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -78,12 +72,8 @@ def publish_folder(folder: Path, write: Callable[[Path], None], *, marker: str) 
 
 
 def discard_folder(folder: Path) -> None:
-    """Remove `folder` (a published build found corrupt) so that it can be built again.
-
-    Renamed away first, in one step, so that other processes see the folder either whole or absent, never
-    half-deleted; the renamed copy is a scratch folder of this process, which the next build cleans up if
-    this process dies before deleting it.
-    """
+    """Remove `folder` (a published build found corrupt), renamed away first to a scratch name of this process
+    so that others see it whole or absent, never half-deleted."""
     trash = _scratch_sibling(folder)
     try:
         os.rename(folder, trash)
@@ -99,12 +89,8 @@ def _scratch_sibling(folder: Path) -> Path:
 
 
 def _remove_stale_builds(folder: Path) -> None:
-    """Delete scratch folders for `folder` that dead processes left behind (best effort).
-
-    A folder whose process is known to have ended (`owner_has_ended`: its pid gone, or reused by a later
-    process) goes at once; one whose owner cannot be told (another machine or pid namespace) goes only when
-    old, since it may belong to a process that is building right now.
-    """
+    """Delete scratch folders for `folder` whose process has ended (`owner_has_ended`), or, where that cannot be
+    told (another machine or pid namespace), that are old."""
     prefix = f".{folder.name}{_BUILD_SUFFIX}"
     now = time.time()
     for leftover in folder.parent.glob(f"{prefix}*"):

@@ -1,18 +1,9 @@
-"""Casting a diffusers model to another dtype while its weights are read from the checkpoint files.
-
-Given a dtype other than the saved one, diffusers casts every tensor at load by faulting the file mapping in
-page by page (a few hundred MB/s), holding each cast copy in memory beside the touched file pages. Instead,
-layerstream loads such a component in the dtype its files store (every weight then a lazy view of the files,
-nothing read yet) and casts it here, tensor by tensor: each weight's bytes are read from its file with large
-`preadv` calls on several threads (`runtime.packing.file_reads`), cast into a fresh tensor of the target dtype, and the
-view is dropped. The next batch of weights is read while one is cast. Nothing of the checkpoint stays mapped
-afterwards, and the host never holds more than the cast model plus two batches of stored bytes in flight.
-
-The result is exactly what diffusers' own cast gives: the same rule decides each tensor's dtype (floating
-tensors saved in the checkpoint go to the target dtype, those under the model's `_keep_in_fp32_modules` to
-float32; integer tensors and buffers the checkpoint does not save keep theirs), and every cast is the same
-`Tensor.to` rounding. Only diffusers models whose files store one floating dtype take this path; anything else
-is cast by diffusers at load as before.
+"""Casting a diffusers model to another dtype while its weights are read from the checkpoint files. diffusers'
+own cast faults the file mapping in page by page (a few hundred MB/s) and holds each copy beside the touched
+pages; here a component loaded in its stored dtype (lazy views of the files) is cast tensor by tensor from large
+`preadv` reads on several threads, the next batch read while one is cast, so the host holds the cast model plus
+two batches. The result is exactly diffusers' (the same dtype rule, `_keep_in_fp32_modules` included, and the
+same `Tensor.to` rounding). Only diffusers models whose files store one floating dtype take this path.
 """
 
 from __future__ import annotations
@@ -83,10 +74,8 @@ def target_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype, keep_in_fp
 
 
 def cast_from_files_(model: nn.Module, dtype: torch.dtype, *, what: str) -> int:
-    """Cast `model` (loaded in its saved dtype) to `dtype` in place, as diffusers' load would have, reading
-    weights that are still unwritten views of their files straight from the files. Returns the bytes read
-    from files. Raises `CastReadError` naming a file that cannot be read; the model is then partly cast and
-    must be dropped (the caller's load fails as a whole)."""
+    """Cast `model` (loaded in its saved dtype) to `dtype` in place, as diffusers' load would have; returns the
+    bytes read from files. On `CastReadError` the model is partly cast and must be dropped."""
     keep_in_fp32 = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
     todo = _tensors_to_cast(model, dtype, keep_in_fp32)
     total = sum(t.nbytes for _, _, _, t, _ in todo)

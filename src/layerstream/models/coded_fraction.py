@@ -1,9 +1,6 @@
-"""The lossless form's stored fraction on a checkpoint's own weights, estimated from a sample of their bytes: what
-`layerstream plan` prices a skeleton's lossless blocks at where the checkpoint's files can be read (a folder, a
-downloaded snapshot; a Hub file by ranged reads is `models.hub_sample`). Each 16-bit tensor picked gives a few
-runs of its elements; their coded bytes' histogram, scaled to the tensor, is planned as the form plans a tensor
-(`plan_code_from_counts`), so the estimate follows the code's tiers and each tensor's own spread.
-"""
+"""The lossless form's stored fraction on a checkpoint's own weights, estimated from a sample of their bytes, for
+`layerstream plan` (a Hub file's by ranged reads: `models.hub_sample`). Each tensor picked gives a few runs;
+their histogram, scaled to the tensor, is planned as the form plans a tensor (`plan_code_from_counts`)."""
 
 from __future__ import annotations
 

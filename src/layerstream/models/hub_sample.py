@@ -1,9 +1,7 @@
 """The lossless form's stored fraction sampled from a Hub repository's weights without downloading them: each DiT
-safetensors file's header (8 bytes of length, then the JSON) and a few runs of its 16-bit tensors are read by
-HTTP Range requests (`coded_fraction.HUB_SAMPLE`: 4 MiB of a component at most) through huggingface_hub's URL,
-session and token, and priced as a local sample is (`models.coded_fraction`). Any failure (offline, an error
-answer, a server that answers a range with the whole file) stops the reading, and the plan keeps its estimate
-with a note saying why: never a whole multi-GB file read for an estimate.
+file's header and a few runs of its 16-bit tensors are read by HTTP Range requests (4 MiB of a component at
+most) through huggingface_hub's session, and priced as `models.coded_fraction` prices a local sample. Any failure
+(offline, an error, a range answered with the whole file) stops the reading; the plan keeps its estimate, why.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ HUB_CONNECTIONS = 8
 
 
 class _RangeNotServed(LayerstreamError, ConnectionError):
-    """The server did not answer a range request with that range alone (a whole file, another range); caught
-    here and worded as why the sample was not read, never met by a caller."""
+    """The server did not answer a range request with that range alone; caught here, never met by a caller."""
 
 
 def hub_coded_fraction(repo_id: str, commit: str, components: Collection[str], variant: str | None = None) -> CodedFraction:

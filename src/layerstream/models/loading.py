@@ -1,11 +1,6 @@
-"""Finding and loading a pipeline: a tiny model name, a local diffusers-format folder or a Hugging Face Hub id.
-
-`resolve_model` finds its files (a Hub id is downloaded through huggingface_hub into its cache first,
-`layerstream.models.hub`), `load_pipeline` loads them with diffusers reading the folder offline, and
-`load_model` does both and reads what is needed before offload is enabled (a `LoadedModel`: its kind, its
-components' dtypes, its rules). Everything is loaded on the host (CPU); placing modules on the device is the
-offload runtime's job.
-"""
+"""Finding and loading a pipeline (a tiny model name, a local diffusers-format folder or a Hub id) on the host:
+`resolve_model` finds its files (downloading a Hub id), `load_pipeline` loads them with diffusers offline, and
+`load_model` does both and reads what is needed before offload is enabled (a `LoadedModel`)."""
 
 from __future__ import annotations
 
@@ -54,17 +49,9 @@ def resolve_model(
     offline: bool | None = None,
     from_files: frozenset[str] = frozenset(),
 ) -> ModelSource:
-    """Where `model`'s files are: a tiny model built on first use, a local folder, or a Hub snapshot
-    downloaded into huggingface_hub's cache (only what the pipeline loads, in `variant` where given).
-
-    Tiny model names come first (pass ``./tiny-wan`` for a folder of that name), then an existing local path
-    (a folder that happens to be spelled ``org/name`` wins over the Hub), then a Hub id. A folder is checked
-    before it is returned: every component its ``model_index.json`` names has its subfolder, and files match
-    the checksums layerstream recorded if it built the folder (see `check_model_folder`). `revision` (a
-    branch, tag or commit) applies to Hub ids only; `offline` reads a Hub id from the cache without a request
-    (as ``HF_HUB_OFFLINE=1`` does); the components named in `from_files` are fetched without their weights.
-    Raises `ModelLoadError` with one line saying what to do.
-    """
+    """Where `model`'s files are: a tiny model built on first use, a local folder (checked by
+    `check_model_folder`), or a Hub snapshot (`hub.download_snapshot`), tried in that order (pass ``./tiny-wan``
+    for a folder of that name). Raises `ModelLoadError` with one line saying what to do."""
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a tiny model name, a folder path or a Hub id, got {type(model).__name__}")
     for name, value in (("revision", revision), ("variant", variant)):
@@ -107,17 +94,10 @@ def load_pipeline(
     variant: str | None = None,
     components: Mapping[str, Any] | None = None,
 ) -> DiffusionPipeline:
-    """Load `model` (a tiny model name, a local diffusers-format folder, a Hub id, or a `ModelSource` already
-    resolved) as a diffusers pipeline on the host.
-
-    A Hub id is downloaded first (`resolve_model`); then files are read with ``local_files_only=True`` while
-    the Hugging Face Hub client is held in offline mode. `dtype` casts every component; None loads each
-    component in the dtype its safetensors files store (a bfloat16 transformer stays bfloat16, a float32 VAE
-    float32), which also lets diffusers keep the weights as lazy views of the files.
-    `components` maps component names to files loaded in their place (`models.component_files`): each computes
-    in `dtype`, else in the dtype its folder stores, else in the narrowest one the other components store.
-    Raises `ModelLoadError` for a bad `model` and for any failure of diffusers or transformers to load it.
-    """
+    """Load `model` (as `resolve_model` takes it, or a `ModelSource`) as a diffusers pipeline on the host, with
+    the Hub client held offline. `dtype` casts every component; None keeps each in the dtype its files store
+    (which keeps the weights lazy views of the files). `components` maps component names to files loaded in
+    their place (`models.component_files`). Raises `ModelLoadError` for a bad `model` or any failed load."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
     from layerstream.models import component_files as files_of
@@ -134,9 +114,9 @@ def _load_pipeline(
 
     from layerstream.models import component_files as files_of
 
-    if not isinstance(model, ModelSource):
-        model = resolve_model(model, revision=revision, variant=variant, from_files=frozenset(specs))
     source = model
+    if not isinstance(source, ModelSource):
+        source = resolve_model(model, revision=revision, variant=variant, from_files=frozenset(specs))
     classes = files_of.component_classes(source.folder, list(specs))
     files = files_of.resolve_component_files(specs)
     load_kwargs: dict[str, Any] = {"local_files_only": True}
@@ -200,14 +180,13 @@ def load_model(
     variant: str | None = None,
     components: Mapping[str, Any] | None = None,
 ) -> LoadedModel:
-    """Find `model` (`resolve_model`, with `revision` and `variant`; a `ModelSource` as it is) and load it on the
-    host with its rules, `components` from their files (`load_pipeline`); its progress bars off (layerstream
+    """`resolve_model` and `load_pipeline`, and what is read before enabling; progress bars off (layerstream
     reports progress itself, per step)."""
     name = model.model if isinstance(model, ModelSource) else model
+    source = model
     with quiet_library_noise():  # a tiny model is built with diffusers here, before its load
-        if not isinstance(model, ModelSource):
-            model = resolve_model(model, revision=revision, variant=variant, from_files=frozenset(components or ()))
-        source = model
+        if not isinstance(source, ModelSource):
+            source = resolve_model(model, revision=revision, variant=variant, from_files=frozenset(components or ()))
         pipeline = load_pipeline(source, dtype=dtype, components=components)
     if hasattr(pipeline, "set_progress_bar_config"):
         pipeline.set_progress_bar_config(disable=True)
@@ -222,13 +201,10 @@ def load_skeleton(
     variant: str | None = None,
     components: Mapping[str, Any] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """(`model`'s pipeline skeleton, where its metadata came from): models built from their configs on the
-    meta device in the dtypes the checkpoint stores, for planning; no weight is read. A Hub id that is not a
-    local path is described by the Hub's metadata alone (JSON files and safetensors headers), with the bytes a
-    download would fetch, or, where the Hub cannot be asked and `models.published` holds the model (at its main
-    revision, without `components`), by that catalogue; anything else by its folder. All build the skeleton the
-    same way. `components` from their files are priced at the bytes the files store (read from their headers; a
-    Hub file's by ranged reads)."""
+    """(`model`'s pipeline skeleton for planning, where its metadata came from); no weight is read. A Hub id is
+    described by the Hub's metadata alone, or where the Hub cannot be asked by `models.published`'s catalogue
+    (main revision, no `components`); anything else by its folder. `components` from their files are priced at
+    the bytes their headers say they store."""
     from layerstream.models import component_files as files_of
     from layerstream.models.component_headers import header_tensors
     from layerstream.models.component_skeleton import file_component_skeleton_
@@ -269,12 +245,8 @@ def load_skeleton(
 
 
 def model_kind(model: str | os.PathLike[str]) -> PipelineKind | None:
-    """What `model` makes, told without loading it: a tiny model's kind, or for a folder the kind of the
-    pipeline class its ``model_index.json`` names (``_class_name``), by `pipeline_kind`'s rule.
-
-    None when it cannot be told (no such folder, an unreadable index, a class diffusers does not have): the
-    load that follows reports what is wrong, and the loaded pipeline tells its kind.
-    """
+    """What `model` makes, told without loading it (a folder: by its ``_class_name``); None when it cannot be
+    told, and then the load that follows reports what is wrong."""
     if is_tiny_model_name(model):
         return TINY_MODELS[model].kind
     try:
@@ -295,12 +267,8 @@ def model_kind(model: str | os.PathLike[str]) -> PipelineKind | None:
 
 @contextlib.contextmanager
 def hub_offline() -> Iterator[None]:
-    """Hold the Hugging Face Hub client offline: any request it would make raises instead of reaching out.
-
-    Sets ``HF_HUB_OFFLINE=1`` and, because huggingface_hub reads that variable once at import, also its
-    module-level flag, which it checks before every request. Both are restored on exit. Process-wide: do not
-    run a load concurrently with code that needs the Hub online.
-    """
+    """Hold the Hub client offline (``HF_HUB_OFFLINE=1``, and its module flag, read once at its import); both
+    restored on exit. Process-wide: do not run a load concurrently with code that needs the Hub online."""
     previous_env = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"
     try:

@@ -1,11 +1,6 @@
-"""Checksums of a folder layerstream built, so that a corrupted file is found before its weights are used.
-
-A bit flip or a NaN written into a cached safetensors file still loads, and the model then draws garbage
-with exit code 0. `write_manifest` records every file's size and SHA-256 when the folder is built;
-`verify_manifest` compares them before the folder is loaded. Hashing reads every byte, which costs
-milliseconds for the tiny models (under 1 MB each); folders without a manifest (downloaded models) are not
-hashed at all.
-"""
+"""Checksums of a folder layerstream built: a bit flip or a NaN in a cached safetensors file still loads, and the
+model then draws garbage with exit code 0. Hashing costs milliseconds for the tiny models (under 1 MB each);
+folders without a manifest (downloaded models) are not hashed at all."""
 
 from __future__ import annotations
 
@@ -54,10 +49,7 @@ def has_manifest(folder: Path) -> bool:
 
 
 def verify_manifest(folder: Path) -> None:
-    """Raise `CorruptFolderError` naming every file that is missing or differs from the manifest.
-
-    Files added after the build are not checked: only what the manifest lists was built by layerstream.
-    """
+    """Raise `CorruptFolderError` naming every file the manifest lists that is missing or differs."""
     if not has_manifest(folder):
         raise CorruptFolderError(folder, [f"it has no {MANIFEST_NAME} (built before checksums were recorded)"])
     try:

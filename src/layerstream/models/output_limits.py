@@ -1,13 +1,6 @@
-"""What one generation may ask for: the caps every entry point applies, and the model's own geometry.
-
-Shared by the command line and the server so that a size one accepts the other accepts too. Checks return
-`LimitViolation`s (the argument, the value, what is allowed) rather than raising, so each entry point words
-them its own way: a flag name on the command line, a JSON field in an HTTP 400.
-
-Caps exist because nothing else stops a typo: ``--height 100000`` ran 76 s and took 15 GB of host memory
-before the model failed. The model's own rules (size multiple, frame rule, the reach of its position
-table) need the loaded pipeline; the caps do not, so they are checked before anything loads.
-"""
+"""What one generation may ask for, shared by every entry point: the caps, checked before anything loads
+(``--height 100000`` ran 76 s and took 15 GB of host memory before the model failed), and the loaded model's own
+geometry. Checks return `LimitViolation`s, which each entry point words its own way (a flag, a JSON field)."""
 
 from __future__ import annotations
 
@@ -81,8 +74,7 @@ def check_output_caps(
     max_side_pixels: int = DEFAULT_MAX_SIDE_PIXELS,
     max_frames: int = DEFAULT_MAX_FRAMES,
 ) -> list[LimitViolation]:
-    """Violations of the caps alone (no model needed): sides from 1 to `max_side_pixels`, frames from 1 to
-    `max_frames`. None means "the model's default", which is always within the caps."""
+    """Violations of the caps alone (no model needed); None means "the model's default", always within them."""
     problems = [
         LimitViolation(name, value, f"an integer from 1 to {max_side_pixels}")
         for name, value in (("height", height), ("width", width))
@@ -96,8 +88,7 @@ def check_output_caps(
 def check_output_geometry(
     geometry: OutputGeometry, *, height: int | None, width: int | None, num_frames: int | None
 ) -> list[LimitViolation]:
-    """Violations of what the model can make: size multiples, its largest side, the frame rule and its
-    largest frame count. Run `check_output_caps` as well: this does not apply the caps."""
+    """Violations of what the model can make (run `check_output_caps` as well: this does not apply the caps)."""
     problems = []
     m, largest = geometry.size_multiple, geometry.max_side_pixels
     for name, value in (("height", height), ("width", width)):

@@ -1,11 +1,7 @@
-"""Reading the checkpoint ahead while diffusers builds the pipeline.
-
-`DiffusionPipeline.from_pretrained` spends its first second or so building model classes, configs and small
-components, reading only file headers: the disk idles. `Readahead` asks the kernel to read the largest model
-files into the page cache meanwhile (`posix_fadvise(POSIX_FADV_WILLNEED)`, in order, on a background thread),
-up to a byte budget well below the memory available, so that the host store's reads that follow find the
-first blocks cached. Page-cache pages are the kernel's, reclaimable and not the process's (RSS): a budget
-keeps them from pushing anything out. Where `posix_fadvise` does not exist it does nothing.
+"""Reading the checkpoint ahead while diffusers builds the pipeline: `from_pretrained` spends its first second or
+so reading only headers, so `Readahead` asks the kernel to read the largest model files into the page cache
+meanwhile (`POSIX_FADV_WILLNEED`, on a thread), up to a budget well below the memory available, so that the
+host store's reads find the first blocks cached. Where `posix_fadvise` does not exist it does nothing.
 """
 
 from __future__ import annotations

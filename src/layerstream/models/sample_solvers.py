@@ -1,11 +1,7 @@
-"""vllm-omni's ``sample_solver`` (an ``extra_params`` key of its Wan pipelines), mapped to diffusers schedulers.
-
-vllm-omni's Wan takes ``"unipc"`` (its default) and ``"euler"``, and Wan's own code ``"dpm++"`` too; each has a
-diffusers counterpart on the flow-matching sigmas Wan's diffusers scheduler runs on (UniPC with
-``use_flow_sigmas``), at the same shift. A pipeline whose scheduler is in that form takes all three; one whose
-scheduler already is a counterpart (Flux's and Qwen-Image's flow-matching Euler) takes that one's name, which
-changes nothing; any other takes none. The scheduler a value names is built for one call
-(`scheduler_for`) and handed to that call alone (`pipeline_runner.pipeline_for`), so it never reaches the next.
+"""vllm-omni's ``sample_solver`` (an ``extra_params`` key of its Wan pipelines: ``"unipc"``, ``"euler"``, and Wan's
+``"dpm++"``), mapped to diffusers schedulers on Wan's flow-matching sigmas at the same shift. A scheduler in that
+form takes all three; one that already is a counterpart (Flux's Euler) takes its own name; any other none. The
+scheduler is built for one call (`scheduler_for`) and handed to that call alone, so it never reaches the next.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The dtype each component of a diffusers-format folder was saved in, read from its safetensors headers.
-
-diffusers loads a model in float32 unless told otherwise, so a bfloat16 checkpoint would take twice its size
-in host memory. Loading each component in the dtype its weights are stored in keeps a bfloat16 transformer in
-bfloat16 and a float32 VAE in float32, and lets diffusers keep the weights as views of the files (read lazily,
-which is what lets the host store read streamed blocks straight from the files).
-
-Only headers are read (8 bytes of length, then JSON): no tensor data.
+"""The dtype each component of a diffusers-format folder was saved in, read from its safetensors headers alone.
+diffusers loads in float32 unless told otherwise (a bfloat16 checkpoint at twice its size); loading each
+component as stored also keeps its weights lazy views of the files, which the host store reads blocks from.
 """
 
 from __future__ import annotations
@@ -43,9 +38,8 @@ def read_safetensors_header(path: Path) -> dict:
 
 
 def parse_safetensors_header(read_at: Callable[[int, int], bytes], where: str) -> tuple[dict, int]:
-    """(the JSON header of a safetensors file, the offset its tensors' data starts at), read by `read_at(offset,
-    count)`, which gives at most `count` bytes (a local file's, or a ranged read of a Hub file's): 8 bytes of
-    length, then the JSON. `where` names the file in errors."""
+    """(the JSON header of a safetensors file, the offset its data starts at), read by `read_at(offset, count)`
+    (a local file's, or a Hub file's ranged read); `where` names the file in errors."""
     raw = read_at(0, 8)
     if len(raw) != 8:
         raise SafetensorsHeaderError(f"{where}: too short to be a safetensors file ({len(raw)} bytes)")

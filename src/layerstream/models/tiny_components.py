@@ -1,12 +1,7 @@
-"""Components of the embedded tiny models: real diffusers / transformers classes at toy sizes.
-
-Each ``build_*_components()`` returns the keyword arguments of its pipeline class, freshly built. Every module
-is built under its own fixed torch seed (without touching the caller's random state), so its weights are the
-same on every machine and do not depend on what was built before it. Sizes are chosen so that a whole
-generation runs in well under a second on a CPU while keeping the structure that offloading cares about:
-several blocks per block list, at least two text-encoder layers, two experts for Wan 2.2, all float32.
-
-This module imports diffusers and transformers; `layerstream.models.tiny` imports it only when building.
+"""Components of the embedded tiny models: real diffusers / transformers classes at toy sizes, each
+``build_*_components()`` the keyword arguments of its pipeline class. Every module is built under its own fixed
+seed, so its weights are the same on every machine. A generation runs in well under a second on a CPU, with the
+structure offloading cares about: several blocks per block list, two text-encoder layers, two Wan 2.2 experts.
 """
 
 from __future__ import annotations
@@ -148,29 +143,34 @@ def _wan_scheduler() -> UniPCMultistepScheduler:
     )
 
 
-def _wan_shared_components(*, text_encoder_seed: int, vae_seed: int) -> dict[str, Any]:
-    """What every Wan pipeline takes besides its DiTs: the UMT5 text encoder and its tokenizer, the Wan VAE and
-    the scheduler."""
+def _wan_shared_components(seed: int) -> dict[str, Any]:
+    """What every Wan pipeline takes besides its DiTs: the UMT5 text encoder (built under `seed`) and its
+    tokenizer, the Wan VAE (under `seed` + 3) and the scheduler."""
     tokenizer = build_t5_tokenizer()
-    with _seeded(text_encoder_seed):
+    with _seeded(seed):
         text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, len(tokenizer), tokenizer))
-    with _seeded(vae_seed):
+    with _seeded(seed + 3):
         vae = _wan_vae()
     return {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "scheduler": _wan_scheduler()}
 
 
-def build_wan_components() -> dict[str, Any]:
-    """Keyword arguments for a Wan 2.2-style `WanPipeline` (UMT5 text encoder, two experts, Wan VAE)."""
-    with _seeded(2):
-        transformer = _wan_transformer()
-    with _seeded(3):
-        transformer_2 = _wan_transformer()
+def _wan_two_experts(seed: int, boundary_ratio: float, **image_conditioning: Any) -> dict[str, Any]:
+    """A Wan 2.2 A14B-style pipeline's keyword arguments: two DiT experts (under `seed` + 1 and + 2)."""
+    with _seeded(seed + 1):
+        transformer = _wan_transformer(**image_conditioning)
+    with _seeded(seed + 2):
+        transformer_2 = _wan_transformer(**image_conditioning)
     return {
-        **_wan_shared_components(text_encoder_seed=1, vae_seed=4),
+        **_wan_shared_components(seed),
         "transformer": transformer,
         "transformer_2": transformer_2,
-        "boundary_ratio": WAN_BOUNDARY_RATIO,
+        "boundary_ratio": boundary_ratio,
     }
+
+
+def build_wan_components() -> dict[str, Any]:
+    """Keyword arguments for a Wan 2.2-style `WanPipeline` (UMT5 text encoder, two experts, Wan VAE)."""
+    return _wan_two_experts(1, WAN_BOUNDARY_RATIO)
 
 
 # --- Wan 2.1 image-to-video (CLIP vision encoder) -----------------------------------------------------------
@@ -182,13 +182,9 @@ WAN_TEMPORAL_COMPRESSION = 4
 
 
 def build_wan_i2v_components() -> dict[str, Any]:
-    """Keyword arguments for a Wan 2.1 I2V-style `WanImageToVideoPipeline`: UMT5 text encoder, CLIP vision
-    image encoder, one DiT with image cross-attention, Wan VAE.
-
-    The DiT's input is the noisy latents, the first-frame mask and the encoded input image, stacked along
-    channels (as the real model's 16 + 4 + 16 = 36); the CLIP tower's penultimate hidden states enter every
-    block through the added key/value projections.
-    """
+    """Keyword arguments for a Wan 2.1 I2V-style `WanImageToVideoPipeline`: UMT5 text encoder, CLIP vision image
+    encoder, one DiT whose input stacks latents, first-frame mask and encoded image (16 + 4 + 16 in the real one)
+    and whose blocks take the CLIP tower's hidden states through the added key/value projections, Wan VAE."""
     with _seeded(32):
         image_encoder = CLIPVisionModel(
             CLIPVisionConfig(
@@ -209,7 +205,7 @@ def build_wan_i2v_components() -> dict[str, Any]:
             added_kv_proj_dim=DIT_NUM_HEADS * DIT_HEAD_DIM,
         )
     return {
-        **_wan_shared_components(text_encoder_seed=31, vae_seed=34),
+        **_wan_shared_components(31),
         "image_processor": image_processor,
         "image_encoder": image_encoder,
         "transformer": transformer,
@@ -224,20 +220,9 @@ WAN22_I2V_BOUNDARY_RATIO = 0.9
 
 
 def build_wan22_i2v_components() -> dict[str, Any]:
-    """Keyword arguments for a Wan 2.2 I2V A14B-style `WanImageToVideoPipeline`: UMT5 text encoder, two DiT
-    experts that take the input image as latent channels only (16 + 4 + 16 in the real model; no CLIP image
-    encoder, no image cross-attention), Wan VAE."""
-    conditioned = {"in_channels": 2 * LATENT_CHANNELS + WAN_TEMPORAL_COMPRESSION}
-    with _seeded(42):
-        transformer = _wan_transformer(**conditioned)
-    with _seeded(43):
-        transformer_2 = _wan_transformer(**conditioned)
-    return {
-        **_wan_shared_components(text_encoder_seed=41, vae_seed=44),
-        "transformer": transformer,
-        "transformer_2": transformer_2,
-        "boundary_ratio": WAN22_I2V_BOUNDARY_RATIO,
-    }
+    """Keyword arguments for a Wan 2.2 I2V A14B-style `WanImageToVideoPipeline`: two experts that take the input
+    image as latent channels only (no CLIP image encoder, no image cross-attention)."""
+    return _wan_two_experts(41, WAN22_I2V_BOUNDARY_RATIO, in_channels=2 * LATENT_CHANNELS + WAN_TEMPORAL_COMPRESSION)
 
 
 # --- Flux.1 (text to image, guidance-distilled) --------------------------------------------------------------
