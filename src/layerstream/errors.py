@@ -1,10 +1,6 @@
-"""The package's error base and the runtime's errors.
-
-Every error layerstream defines derives from `LayerstreamError`, so ``except LayerstreamError`` catches
-everything the package raises on purpose. Errors a user caused also derive from ``ValueError`` or
-``TypeError``; errors of a running transfer from ``RuntimeError``. Resource errors (out of memory on the
-device or the host) and ``KeyboardInterrupt`` are never wrapped: they come out as themselves.
-"""
+"""The package's error base (every error layerstream defines derives from `LayerstreamError`) and the runtime's
+errors. Errors a user caused also derive from ``ValueError`` or ``TypeError``, those of a running transfer from
+``RuntimeError``; out of memory and ``KeyboardInterrupt`` are never wrapped."""
 
 from __future__ import annotations
 

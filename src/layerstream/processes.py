@@ -1,11 +1,6 @@
-"""Naming a process so that a later look can tell whether it still runs: `owner_tag` names this process (where
-its pid means something, its pid, when it started), `owner_has_ended` reads a tag back.
-
-A pid alone does not do: a pid is reused once its process ends, and the later process would keep a dead
-owner's leftovers alive forever. The start time from /proc tells a reused pid apart; the boot and the pid
-namespace tell whether a pid can be checked from here at all (a folder shared with other machines or
-containers holds tags whose pids mean nothing here).
-"""
+"""Naming a process so that a later look can tell whether it still runs (`owner_tag`, `owner_has_ended`). A pid
+alone does not do, as pids are reused: the start time from /proc tells a reused pid apart, and the boot and pid
+namespace whether a pid can be checked from here at all (a shared folder holds other machines' tags)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Every phase of a generation and what it holds at its peak, from its parts: on the device (prompt encoding,
-image encoding, denoising, VAE decode) and on the host (loading and enabling, generating); which phase bounds each.
-
-In layer mode the weights that do not stream (every module but the streamed blocks; the resident blocks) and the
-slot ring stay on the device from enabling to the end of the generation, so every phase holds them, the device's
-allowance (`models.generation_estimates.DEVICE_ALLOWANCE_GB`) and its own transient (`models.generation_estimates.Transient`): the text
-encoders' activations, the vision tower's, a DiT block's forward at the request's tokens, the VAE's decode at the
-request's size. The largest transient is what residency "auto" leaves free (`activation_reserve_nbytes`), so a
-plan whose phases all fit the device fills it with resident blocks only as far as every phase allows.
+"""Every phase of a generation and what it holds at its peak, from its parts, on the device and on the host; which
+phase bounds each. In layer mode every device phase holds the weights that do not stream and the slot ring (kept
+from enabling to the end), the allowance, and its own transient (`models.generation_estimates.Transient`); the
+largest transient is what residency "auto" leaves free, so resident blocks fill only what every phase allows.
 """
 
 from __future__ import annotations
