@@ -52,12 +52,10 @@ EXTRA_OF_MODULE = {
     "gguf": "gguf",
     "torchao": "torchao",
 }  # fmt: skip
-"""Top-level module -> the extra that installs it."""
 
 
 def missing_extra(error: ModuleNotFoundError, what: str) -> MissingExtraError | None:
-    """The one-line error for `error` (an import that failed) when an extra provides the missing module, saying
-    that `what` ("generate", "Omni") needs it; None for any other missing module (a bug, not an install)."""
+    """The one-line error saying that `what` needs the extra of `error`'s module; None if none has it."""
     extra = EXTRA_OF_MODULE.get((error.name or "").partition(".")[0])
     if extra is None:
         return None

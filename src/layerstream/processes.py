@@ -13,8 +13,7 @@ OWNER_TAG = r"(?P<space>[0-9a-f]{8})-(?P<pid>\d+)-(?P<start>\d+)"
 
 
 def process_start_ticks(pid: int) -> int | None:
-    """When process `pid` started (clock ticks since boot, from /proc), 0 where /proc does not say, None if the
-    process does not exist. With the pid it names one process: a pid reused by a later process starts later."""
+    """When `pid` started (ticks since boot), 0 where /proc does not say, None if no such process."""
     if os.name != "posix":
         return 0  # no signal 0 to probe with (on Windows os.kill would act on the process): count it as alive
     try:

@@ -43,8 +43,7 @@ def print_results(args: argparse.Namespace, payload: str, report: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """One generation with full-precision storage and one with each float8 storage dtype, printed as a table (or
-    JSON); user errors raise `CliError` (exit code 2)."""
+    """Measure, print a table (or JSON); user errors raise `CliError` (exit code 2)."""
     from layerstream.bench.quality import measure_quality
     from layerstream.errors import LayerstreamError
 

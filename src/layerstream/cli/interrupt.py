@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import NoReturn
 
 EXIT_INTERRUPTED = 130
-"""128 + SIGINT: what a shell reports for a command ended by Ctrl-C."""
 EXIT_PAUSE_ENV_VAR = "LAYERSTREAM_TEST_EXIT_PAUSE_SECONDS"
 """Tests only: hold the process this long after its command finished, so that an interrupt surely lands there."""
 

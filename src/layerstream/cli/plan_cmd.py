@@ -87,8 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _placement(pipeline: Any, plan: ResolvedOffloadPlan, generation):
-    """(the placement enabling would use on this machine's default device for `generation`, None) or (None, why
-    it is only decided at enable time)."""
+    """(the placement enabling would use for `generation`, ""), or (None, why it is decided later)."""
     from layerstream.errors import OffloadError
     from layerstream.offload import plan_placement
 
@@ -145,8 +144,7 @@ def _skeleton(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
 
 def _weights(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
-    """(the pipeline with its weights, where they came from), for --measure: a Hub id is read from the cache,
-    or downloaded with --download."""
+    """(the pipeline with its weights, where they came from), for --measure."""
     from layerstream.models import loading
     from layerstream.models.hub import names_hub_repo
 
@@ -163,8 +161,7 @@ def _weights(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
 
 def _print_origin(origin: dict[str, Any], as_json: bool) -> None:
-    """For a Hub id planned from its metadata: say so, with what a download would fetch; planned from the
-    catalogue (the Hub out of reach): say that, and why."""
+    """Where a Hub id was planned from its metadata or the catalogue: say so, and what a download is."""
     if as_json:
         return
     if origin.get("origin") == "catalogue":
@@ -187,8 +184,7 @@ def _one_line(error: Exception) -> str:
 
 
 def format_plan(plan: ResolvedOffloadPlan, placement=None) -> str:
-    """A readable table of the resolved plan: one row per component, totals, and the device estimate (from the
-    placement, when it could be decided here)."""
+    """The resolved plan as a table: one row per component, totals, and the device estimate."""
     config = plan.config
     rows = [_row(comp, placement) for comp in plan.components]
     rows += [_skipped_row(a.path, "declared", "declared, absent") for a in plan.absent]  # an optional one left None
@@ -247,8 +243,7 @@ def _skipped_row(path: str, source: str, action: str) -> dict[str, str]:
 
 
 def _split_bytes(comp: ResolvedComponent, placement=None) -> tuple[int, int]:
-    """(streamed, resident) bytes of a component under its action (without a placement, every block of a
-    streamed component counts as streamed)."""
+    """(streamed, resident) bytes of a component (no placement: every block of a stream streams)."""
     if comp.action in ("swap", "on_demand"):
         return comp.total_bytes, 0
     if comp.action != "stream":

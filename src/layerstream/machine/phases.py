@@ -22,8 +22,7 @@ ALLOWANCE = "allowance (CUDA context, allocator)"
 
 @dataclass(frozen=True)
 class PhasePeak:
-    """One phase's peak in one memory: its parts by name (their sum is the peak), and a note where a choice in it
-    is named (a tiled decode)."""
+    """One phase's peak in one memory: its parts by name, and a note naming a choice (a tiled decode)."""
 
     phase: str
     parts: Mapping[str, int]
@@ -76,8 +75,7 @@ class PhasePeaks:
 
 
 def device_weights_by_component(plan, placement: Placement) -> dict[str, int]:
-    """Bytes each component keeps on the device in layer mode: all of a resident one, a streamed one's modules
-    outside its streamed blocks (its resident blocks included)."""
+    """Bytes each component keeps on the device in layer mode (all of it but its streamed blocks)."""
     streamed = set(placement.streamed_block_paths)
     out = {}
     for comp in plan.components:
@@ -91,8 +89,7 @@ def device_phase_peaks(
     plan, placement: Placement, transients: Iterable[Transient], *, memory_nbytes: int, allowance_nbytes: int,
     notes: Mapping[str, str] | None = None,
 ) -> PhasePeaks:  # fmt: skip
-    """Each phase of `transients` on the device: the weights kept there, the slot ring, the allowance and the
-    phase's own transient (`notes`: a phase's named choice, by phase)."""
+    """Each phase of `transients` on the device, with what every phase keeps there."""
     weights = device_weights_by_component(plan, placement)
     kept = {WEIGHTS: sum(weights.values()), SLOT_RING: placement.ring_nbytes, ALLOWANCE: allowance_nbytes}
     ordered = sorted(transients, key=lambda t: PHASES.index(t.phase))

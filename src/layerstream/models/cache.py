@@ -25,8 +25,7 @@ _BUILD_SUFFIX = ".tmp-"
 
 
 def cache_root() -> Path:
-    """The layerstream cache folder: ``$LAYERSTREAM_CACHE``, else ``$XDG_CACHE_HOME/layerstream``, else
-    ``~/.cache/layerstream``. Read on every call, so that a changed environment takes effect at once."""
+    """``$LAYERSTREAM_CACHE``, else ``$XDG_CACHE_HOME/layerstream``, else ``~/.cache/layerstream``."""
     explicit = os.environ.get(CACHE_ENV_VAR)
     if explicit:
         return Path(explicit).expanduser()
@@ -72,8 +71,7 @@ def publish_folder(folder: Path, write: Callable[[Path], None], *, marker: str) 
 
 
 def discard_folder(folder: Path) -> None:
-    """Remove `folder` (a published build found corrupt), renamed away first to a scratch name of this process
-    so that others see it whole or absent, never half-deleted."""
+    """Remove `folder`, renamed away first so that others see it whole or absent, never half-deleted."""
     trash = _scratch_sibling(folder)
     try:
         os.rename(folder, trash)
@@ -83,14 +81,12 @@ def discard_folder(folder: Path) -> None:
 
 
 def _scratch_sibling(folder: Path) -> Path:
-    """A sibling name unique to this process and call; its `owner_tag` tells a later build whether the process
-    that made it is still running."""
+    """A sibling name unique to this call, whose `owner_tag` tells a later build if its maker runs."""
     return folder.parent / f".{folder.name}{_BUILD_SUFFIX}{owner_tag()}-{secrets.token_hex(4)}"
 
 
 def _remove_stale_builds(folder: Path) -> None:
-    """Delete scratch folders for `folder` whose process has ended (`owner_has_ended`), or, where that cannot be
-    told (another machine or pid namespace), that are old."""
+    """Delete scratch folders for `folder` whose process has ended or, where that cannot be told, old."""
     prefix = f".{folder.name}{_BUILD_SUFFIX}"
     now = time.time()
     for leftover in folder.parent.glob(f"{prefix}*"):

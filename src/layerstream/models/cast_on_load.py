@@ -33,8 +33,7 @@ class CastReadError(LayerstreamError, OSError):
 
 
 def components_to_cast(folder: Path, saved: dict[str, torch.dtype], dtype: torch.dtype) -> list[str]:
-    """The components of the pipeline folder that load in their saved dtype and are cast here to `dtype`:
-    diffusers models whose safetensors files store exactly one floating dtype, other than `dtype`."""
+    """The diffusers models of the folder whose files store one floating dtype, other than `dtype`."""
     if dtype not in CASTABLE_DTYPES:
         return []
     index = json.loads((folder / "model_index.json").read_text())
@@ -142,8 +141,7 @@ def _cast_batch(batch, reads, wait, *, what: str, progress: StagingProgress) -> 
 
 
 def _batches(todo, files: MappedFiles):
-    """`todo` with each tensor's file range (None: not an unwritten view of a file), in batches of about
-    `BATCH_BYTES` (one tensor alone may exceed it)."""
+    """`todo` with each tensor's file range (None: not a view of a file), in about `BATCH_BYTES`."""
     batch, nbytes = [], 0
     for module, attr, is_param, tensor, target in todo:
         source = files.file_range(tensor.data_ptr(), tensor.nbytes) if tensor.is_contiguous() else None
@@ -157,8 +155,7 @@ def _batches(todo, files: MappedFiles):
 
 
 def _tensors_to_cast(model: nn.Module, dtype: torch.dtype, keep_in_fp32: tuple[str, ...]):
-    """(owner module, attribute, is_param, tensor, target dtype) for every checkpoint tensor whose dtype
-    changes, each tensor object once (a tied weight is one Parameter, cast once, still tied)."""
+    """(module, attribute, is_param, tensor, target) per tensor to cast, each once (tied stay tied)."""
     seen: set[int] = set()
     out = []
     for module_name, module in model.named_modules(remove_duplicate=False):

@@ -21,8 +21,7 @@ _REDOWNLOAD_HINT = "download the model again (or copy it again from a complete f
 
 
 def check_model_folder(folder: Path) -> None:
-    """Raise ``ModelLoadError`` if `folder`'s ``model_index.json`` is unreadable, names a component with no
-    subfolder, or if a file differs from the checksums layerstream recorded when it built the folder."""
+    """Raise ``ModelLoadError`` for an unreadable index, a component without its folder, a bad checksum."""
     components = pipeline_components(folder)
     missing = [name for name in components if not (folder / name).is_dir()]
     if missing:
@@ -42,8 +41,7 @@ def check_model_folder(folder: Path) -> None:
 
 
 def pipeline_components(folder: Path) -> dict[str, tuple[str, str]]:
-    """Component name -> (library, class name), as ``model_index.json`` lists them (optional components saved as
-    ``[null, null]`` and metadata keys left out)."""
+    """Component name -> (library, class), as ``model_index.json`` lists them (``[null, null]`` left out)."""
     try:
         index = json.loads((folder / MODEL_INDEX).read_text())
     except (OSError, ValueError) as e:

@@ -18,8 +18,7 @@ def pipeline_kind(pipeline: Any) -> PipelineKind:
 
 
 def pipeline_size_multiple(pipeline: Any) -> int:
-    """Pixels per latent token along each side: VAE spatial compression x transformer patch size, and the
-    processor's ``vae_scale_factor`` (where Flux and Qwen-Image, which pack 2x2 patches themselves, declare it)."""
+    """Pixels per latent token along a side: VAE compression x patch, or the processor's (Flux packs 2x2)."""
     processor_multiple = 1
     for name in ("image_processor", "video_processor"):
         processor = getattr(pipeline, name, None)
@@ -70,8 +69,7 @@ def _pixels_per_token(pipeline: Any) -> int:
 
 
 def _patch(pipeline: Any, *, axis: int) -> int:
-    """The transformer's patch size along `axis` of (temporal, height, width); 1 where it declares none (an int
-    patch size patches no time axis)."""
+    """The transformer's patch along `axis` of (time, height, width); 1 if none (an int: no time axis)."""
     config = getattr(getattr(pipeline, "transformer", None), "config", None)
     patch_size = getattr(config, "patch_size", None) if config is not None else None
     if isinstance(patch_size, int):

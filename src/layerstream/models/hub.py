@@ -26,7 +26,6 @@ from layerstream.models.weight_files import WEIGHT_INDEX, weight_file_key
 from layerstream.wording import first_line, format_bytes
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-"""``org/name``, as the Hub spells repository ids."""
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -50,21 +49,13 @@ class ModelSource:
     """Where a model's files come from: an embedded tiny model, a local folder, or a Hub snapshot."""
 
     model: str
-    """The model as the caller named it."""
     folder: Path
     origin: Literal["tiny", "folder", "hub"]
     revision: str | None = None
     """The Hub revision asked for (None: ``main``)."""
     commit: str | None = None
-    """The Hub commit the snapshot is of."""
     variant: str | None = None
     """The weights variant diffusers loads (``"fp16"``); None: the plain weights."""
-
-    def describe(self) -> str:
-        """One line for a summary: the id with its revision and commit, or the folder."""
-        if self.origin != "hub":
-            return self.model if self.origin == "tiny" else str(self.folder)
-        return f"{self.model} @ {self.revision or _DEFAULT_REVISION} (commit {self.commit})"
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model, "origin": self.origin, "folder": str(self.folder)}
@@ -110,8 +101,7 @@ class RepoFile:
 
 @dataclass(frozen=True)
 class HubMetadata:
-    """A pipeline described by the Hub's metadata alone: its JSON files in a partial snapshot, the dtype of
-    every tensor from the safetensors headers, and what a download would fetch."""
+    """A pipeline described by the Hub's metadata alone, and what a download would fetch."""
 
     source: ModelSource
     tensor_dtypes: dict[str, dict[str, str]]
@@ -216,8 +206,7 @@ def _write_ref(repo_id: str, revision: str | None, commit: str, settings: HubSet
 
 
 def fetch_plan_metadata(repo_id: str, *, revision: str | None = None, variant: str | None = None) -> HubMetadata:
-    """What planning needs of `repo_id`, fetching no weight file: the JSON files the pipeline loads (into the
-    cache) and the safetensors headers of its weights (by ranged reads of each file's first bytes)."""
+    """What planning needs of `repo_id`: the pipeline's JSON files and its weights' safetensors headers."""
     settings = HubSettings.from_environment()
     if settings.offline:
         raise HubUnavailableError(
@@ -390,8 +379,7 @@ def _indexed_shards(folder: Path, leaves: list[str]) -> set[str]:
 
 @contextlib.contextmanager
 def _hub_errors(repo_id: str, revision: str | None, settings: HubSettings) -> Iterator[None]:
-    """huggingface_hub's errors as one `ModelLoadError` line naming the repository and what to do, unchained
-    (the chain was 100 lines of three tracebacks)."""
+    """huggingface_hub's errors as one `ModelLoadError` line, unchained (the chain was 100 lines)."""
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:

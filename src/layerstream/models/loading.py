@@ -161,15 +161,12 @@ class LoadedModel:
     """A pipeline loaded on the host, and what is read of it before offload is enabled."""
 
     name: str
-    """The model as asked for (a Hub id, a folder, a tiny model's name)."""
     source: ModelSource
-    """Where its files came from (a Hub id's revision and commit, or the folder)."""
     pipeline: Any
     kind: PipelineKind
     component_dtypes: dict[str, str]
     """The dtype each component computes in, read before enabling (the streamed blocks still hold weights)."""
     rules: ModelRules
-    """What the model accepts and its defaults."""
 
 
 def load_model(
@@ -180,8 +177,7 @@ def load_model(
     variant: str | None = None,
     components: Mapping[str, Any] | None = None,
 ) -> LoadedModel:
-    """`resolve_model` and `load_pipeline`, and what is read before enabling; progress bars off (layerstream
-    reports progress itself, per step)."""
+    """`resolve_model`, `load_pipeline` and what is read before enabling; progress bars off."""
     name = model.model if isinstance(model, ModelSource) else model
     source = model
     with quiet_library_noise():  # a tiny model is built with diffusers here, before its load
@@ -245,8 +241,7 @@ def load_skeleton(
 
 
 def model_kind(model: str | os.PathLike[str]) -> PipelineKind | None:
-    """What `model` makes, told without loading it (a folder: by its ``_class_name``); None when it cannot be
-    told, and then the load that follows reports what is wrong."""
+    """What `model` makes, told without loading it; None where it cannot be told (the load will say)."""
     if is_tiny_model_name(model):
         return TINY_MODELS[model].kind
     try:

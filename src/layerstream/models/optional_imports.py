@@ -20,13 +20,11 @@ from layerstream.models.tiny import TINY_MODELS
 
 _TORCHAO = "torchao"
 _LOOKERS = ("diffusers", "transformers")
-"""The libraries that record whether torchao is installed (at import, or first look): torchao is hidden only
-where none of them has looked yet, or one would later import a torchao it recorded as present."""
+"""The libraries that record whether torchao is installed: it is hidden only where none has looked yet."""
 
 
 def folder_needs_torchao(folder: Path) -> bool:
-    """Whether a component of the diffusers-format `folder` was saved quantized by torchao (its config.json
-    holds a `quantization_config` whose `quant_method` is "torchao", as diffusers and transformers write it)."""
+    """Whether a component of `folder` was saved quantized by torchao (its ``quantization_config``)."""
     for config_path in folder.glob("*/config.json"):
         try:
             config = json.loads(config_path.read_text())
@@ -71,8 +69,7 @@ _NOISY_LOGGERS = (
     # newer than diffusers' list of its classes)
     "transformers.utils.import_utils",  # "`CLIPImageProcessor` requires torchvision; falling back to ...Pil"
 )
-"""Loggers that speak, at WARNING, about the libraries themselves rather than the model loaded: 4 such lines,
-and 2 more per missing kernel library, before a Python quick start's first line of its own (torchao installed)."""
+"""Loggers that speak at WARNING of the libraries, not the model: 4 lines, 2 more per missing kernel library."""
 
 
 @contextlib.contextmanager
@@ -91,8 +88,7 @@ def errors_only(*names: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def quiet_library_noise() -> Iterator[None]:
-    """Inside, `_NOISY_LOGGERS` report errors only, and diffusers' and transformers' progress bars are off
-    (layerstream reports a generation's progress itself); both as they were on leaving."""
+    """Inside, `_NOISY_LOGGERS` say errors only and diffusers' and transformers' progress bars are off."""
     bars = []
     with errors_only(*_NOISY_LOGGERS):  # before diffusers is imported: its import is what speaks
         try:

@@ -19,15 +19,12 @@ DEFAULT_MAX_SIDE_PIXELS = 2048
 DEFAULT_MAX_FRAMES = 129
 """Largest ``num_frames`` of a video by default (the server's ``--max-frames`` and the command line's)."""
 MAX_SEED = 2**53 - 1
-"""Seeds are integers from 0 to 2**53 - 1, on every edge: the largest a JSON client holds exactly (a JavaScript
-number, the web page's "use these settings" included), and all of them ``torch.Generator.manual_seed`` takes as
-they are."""
+"""The largest a JSON client (a JavaScript number) holds exactly; all taken by ``manual_seed`` as they are."""
 MAX_PROMPT_CHARS = 10_000
 """Longest prompt (and negative prompt), in characters, on the command line and the server alike."""
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
 """Largest input image, in pixels (16.8 megapixels): checked from the file header, before decoding."""
 DEFAULT_MAX_IMAGE_BYTES = 32 << 20
-"""Largest input image file, in bytes."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +43,6 @@ class OutputGeometry:
     """The sizes a loaded pipeline can make, read once from the pipeline."""
 
     size_multiple: int
-    """Height and width must be multiples of this."""
     frame_multiple: int | None
     """Video: ``num_frames - 1`` must be a multiple of this (None: any count)."""
     max_side_pixels: int | None

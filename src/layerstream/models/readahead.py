@@ -33,8 +33,7 @@ class Readahead:
 
     @classmethod
     def for_pipeline_folder(cls, folder: Path, skip: Iterable[str] = ()) -> Readahead:
-        """The safetensors files of the folder's components (but those named in `skip`: loaded from files of
-        their own), largest component first."""
+        """The folder's safetensors files (not those of `skip`), largest component first."""
         components = [d for d in folder.iterdir() if d.is_dir() and d.name not in skip]
         sizes = {d: sum(f.stat().st_size for f in d.glob("*.safetensors")) for d in components}
         files = [f for d in sorted(components, key=lambda d: -sizes[d]) for f in sorted(d.glob("*.safetensors"))]

@@ -14,7 +14,6 @@ SOLVER_SCHEDULERS = {
     "euler": "FlowMatchEulerDiscreteScheduler",
     "dpm++": "DPMSolverMultistepScheduler",
 }
-"""Each ``sample_solver`` value and the diffusers scheduler class it runs."""
 _FLOW_EULER = "FlowMatchEulerDiscreteScheduler"
 
 

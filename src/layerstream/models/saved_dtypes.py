@@ -21,8 +21,7 @@ SAFETENSORS_DTYPES = {
     "F16": torch.float16,
     "BF16": torch.bfloat16,
 }
-"""Floating dtypes a component can compute in, as safetensors names them (integer and float8 tensors never
-decide a component's dtype: float8 is a storage format, not a compute dtype)."""
+"""Floating dtypes a component can compute in (float8 is a storage format), as safetensors names them."""
 
 _MAX_HEADER_BYTES = 100 * 2**20
 
@@ -69,8 +68,7 @@ def file_reader(f: BinaryIO) -> Callable[[int, int], bytes]:
 
 
 def loaded_safetensors(folder: Path, variant: str | None = None) -> list[Path]:
-    """The safetensors files of one component folder that diffusers loads: those of `variant` where the folder
-    has them, else the plain ones (a folder may hold both, as a Hub snapshot fetched with two variants does)."""
+    """The component folder's safetensors files diffusers loads: of `variant` where it has them."""
     from layerstream.models.weight_files import weight_file_key
 
     files = sorted(folder.glob("*.safetensors"))
@@ -79,8 +77,7 @@ def loaded_safetensors(folder: Path, variant: str | None = None) -> list[Path]:
 
 
 def stored_dtype(folder: Path, variant: str | None = None) -> torch.dtype | None:
-    """The floating dtype holding most bytes in the safetensors files diffusers loads from one component folder
-    (None: no safetensors files, or no floating tensors)."""
+    """The floating dtype holding most bytes in the component folder's files (None: none)."""
     totals: dict[torch.dtype, int] = {}
     for path in loaded_safetensors(folder, variant):
         for name, entry in read_safetensors_header(path).items():
@@ -94,8 +91,7 @@ def stored_dtype(folder: Path, variant: str | None = None) -> torch.dtype | None
 
 
 def saved_dtypes(folder: Path, variant: str | None = None) -> dict[str, torch.dtype]:
-    """Component name -> the dtype its weights are stored in, for every component of the pipeline folder that
-    has safetensors files (others are left to their library's default)."""
+    """Component name -> the dtype its safetensors files store (others left to their library)."""
     index = json.loads((folder / "model_index.json").read_text())
     out = {}
     for name, value in index.items():

@@ -20,12 +20,10 @@ from layerstream.models.optional_imports import errors_only
 from layerstream.models.saved_dtypes import SAFETENSORS_DTYPES, loaded_safetensors, read_safetensors_header
 
 TensorDtypes = Mapping[str, Mapping[str, str]]
-"""Component name -> tensor name -> the safetensors dtype name its header gives (``"BF16"``)."""
 
 
 def folder_tensor_dtypes(folder: Path, variant: str | None = None) -> dict[str, dict[str, str]]:
-    """The dtype of every tensor in the safetensors files diffusers loads from each component of a local
-    pipeline folder, read from the headers only."""
+    """Component name -> tensor name -> the dtype its safetensors header gives, in a local folder."""
     out: dict[str, dict[str, str]] = {}
     for name in pipeline_components(folder):
         dtypes: dict[str, str] = {}
@@ -96,8 +94,7 @@ def _meta_model(cls: type, folder: Path, name: str) -> torch.nn.Module:
 
 
 def _apply_dtypes_(module: torch.nn.Module, dtypes: Mapping[str, str]) -> None:
-    """Give each floating tensor the dtype its checkpoint entry stores; a tensor the checkpoint does not name
-    (tied, renamed, or computed at construction) takes the component's most common stored dtype."""
+    """Each floating tensor in its stored dtype; one the checkpoint does not name in the commonest."""
     counts: dict[torch.dtype, int] = {}
     for entry in dtypes.values():
         if entry in SAFETENSORS_DTYPES:

@@ -29,15 +29,12 @@ class TinyModelSpec:
     """What a caller needs to know to generate with one tiny model."""
 
     name: str
-    """The name users pass as ``model`` (``"tiny-wan"``)."""
     pipeline_class: str
-    """The diffusers pipeline class the folder loads as (``"WanPipeline"``)."""
     kind: PipelineKind
     """``"video"`` (takes ``num_frames``, returns frames) or ``"image"``."""
     default_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Pipeline call arguments for a quick, representative generation (size, steps, guidance); read-only."""
     size_multiple: int
-    """Height and width must be multiples of this (VAE compression x transformer patch size)."""
     builder: str
     """Name of the function in `layerstream.models.tiny_components` that builds the pipeline's components."""
 

@@ -144,8 +144,7 @@ def _wan_scheduler() -> UniPCMultistepScheduler:
 
 
 def _wan_shared_components(seed: int) -> dict[str, Any]:
-    """What every Wan pipeline takes besides its DiTs: the UMT5 text encoder (built under `seed`) and its
-    tokenizer, the Wan VAE (under `seed` + 3) and the scheduler."""
+    """The UMT5 text encoder (under `seed`), its tokenizer, the Wan VAE (`seed` + 3), the scheduler."""
     tokenizer = build_t5_tokenizer()
     with _seeded(seed):
         text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, len(tokenizer), tokenizer))
@@ -220,8 +219,7 @@ WAN22_I2V_BOUNDARY_RATIO = 0.9
 
 
 def build_wan22_i2v_components() -> dict[str, Any]:
-    """Keyword arguments for a Wan 2.2 I2V A14B-style `WanImageToVideoPipeline`: two experts that take the input
-    image as latent channels only (no CLIP image encoder, no image cross-attention)."""
+    """Wan 2.2 I2V A14B-style: two experts that take the input image as latent channels only."""
     return _wan_two_experts(41, WAN22_I2V_BOUNDARY_RATIO, in_channels=2 * LATENT_CHANNELS + WAN_TEMPORAL_COMPRESSION)
 
 
