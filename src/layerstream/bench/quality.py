@@ -37,7 +37,7 @@ class QualityResult:
         return {
             "model": self.model,
             "request": self.request,
-            "rows": [vars(r) | {"psnr_db": _json_float(r.psnr_db)} for r in self.rows],
+            "rows": [vars(r) | {"psnr_db": "inf" if math.isinf(r.psnr_db) else r.psnr_db} for r in self.rows],
         }
 
     def to_markdown(self) -> str:
@@ -121,7 +121,3 @@ def _capture_decoder_input(pipeline) -> list[torch.Tensor]:
 
     vae.decode = recording_decode  # on this instance only; the pipeline is closed right after
     return seen
-
-
-def _json_float(x: float) -> float | str:
-    return "inf" if math.isinf(x) else x

@@ -180,9 +180,6 @@ def _one_line(error: Exception) -> str:
     return " ".join(str(error).split())
 
 
-# --- the table ---------------------------------------------------------------------------------------------
-
-
 def format_plan(plan: ResolvedOffloadPlan, placement=None) -> str:
     """The resolved plan as a table: one row per component, totals, and the device estimate."""
     config = plan.config

@@ -264,20 +264,15 @@ def model_kind(model: str | os.PathLike[str]) -> PipelineKind | None:
 def hub_offline() -> Iterator[None]:
     """Hold the Hub client offline (``HF_HUB_OFFLINE=1``, and its module flag, read once at its import); both
     restored on exit. Process-wide: do not run a load concurrently with code that needs the Hub online."""
-    previous_env = os.environ.get("HF_HUB_OFFLINE")
+    from huggingface_hub import constants
+
+    previous_env, previous_flag = os.environ.get("HF_HUB_OFFLINE"), constants.HF_HUB_OFFLINE
     os.environ["HF_HUB_OFFLINE"] = "1"
-    try:
-        from huggingface_hub import constants
-    except ImportError:  # no Hub client, nothing can be fetched through it
-        constants = None
-    previous_flag = getattr(constants, "HF_HUB_OFFLINE", None)
-    if constants is not None:
-        constants.HF_HUB_OFFLINE = True
+    constants.HF_HUB_OFFLINE = True
     try:
         yield
     finally:
-        if constants is not None:
-            constants.HF_HUB_OFFLINE = previous_flag
+        constants.HF_HUB_OFFLINE = previous_flag
         if previous_env is None:
             os.environ.pop("HF_HUB_OFFLINE", None)
         else:

@@ -23,9 +23,12 @@ _LOOKERS = ("diffusers", "transformers")
 """The libraries that record whether torchao is installed: it is hidden only where none has looked yet."""
 
 
-def folder_needs_torchao(folder: Path) -> bool:
-    """Whether a component of `folder` was saved quantized by torchao (its ``quantization_config``)."""
-    for config_path in folder.glob("*/config.json"):
+def model_needs_torchao(model: str | os.PathLike[str] | None) -> bool:
+    """Whether a component of `model` (a folder; a tiny model or None never) was saved quantized by torchao."""
+    if model is None or (isinstance(model, str) and model in TINY_MODELS):
+        return False
+    folder = Path(model).expanduser()
+    for config_path in folder.glob("*/config.json") if folder.is_dir() else ():
         try:
             config = json.loads(config_path.read_text())
         except (OSError, ValueError):
@@ -34,14 +37,6 @@ def folder_needs_torchao(folder: Path) -> bool:
         if isinstance(quantization, dict) and quantization.get("quant_method") == _TORCHAO:
             return True
     return False
-
-
-def model_needs_torchao(model: str | os.PathLike[str] | None) -> bool:
-    """Whether loading `model` (a tiny model name, a folder path, or None for none) needs torchao."""
-    if model is None or (isinstance(model, str) and model in TINY_MODELS):
-        return False  # the tiny models are never quantized
-    folder = Path(model).expanduser()
-    return folder.is_dir() and folder_needs_torchao(folder)
 
 
 @contextlib.contextmanager

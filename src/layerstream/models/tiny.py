@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 # cache built by an older layerstream is never mistaken for the current model.
 TINY_MODEL_VERSION = 1
 
+
 @dataclass(frozen=True, kw_only=True)
 class TinyModelSpec:
     """What a caller needs to know to generate with one tiny model."""

@@ -93,8 +93,6 @@ def _t5_config(config_class: type, vocab_size: int, tokenizer: Any) -> Any:
     )
 
 
-# --- Wan 2.2 (text to video, two experts) --------------------------------------------------------------------
-
 # Wan 2.2 A14B switches from the high-noise expert (`transformer`) to the low-noise one (`transformer_2`) at
 # timestep boundary_ratio * 1000. With flow_shift 3 and 4 steps the timesteps are ~999, 900, 750, 500: two each.
 WAN_BOUNDARY_RATIO = 0.875
@@ -172,8 +170,6 @@ def build_wan_components() -> dict[str, Any]:
     return _wan_two_experts(1, WAN_BOUNDARY_RATIO)
 
 
-# --- Wan 2.1 image-to-video (CLIP vision encoder) -----------------------------------------------------------
-
 # The CLIP vision tower sees the input image at this size (the real one at 224): 4x4 patches of 8 pixels.
 CLIP_IMAGE_SIZE = 32
 # The VAE's temporal compression: the conditioning mask has one channel per frame a latent frame covers.
@@ -211,8 +207,6 @@ def build_wan_i2v_components() -> dict[str, Any]:
     }
 
 
-# --- Wan 2.2 A14B image-to-video (two experts, no image encoder) ----------------------------------------------
-
 # Wan 2.2 I2V A14B hands over to its low-noise expert at 0.9 of the timesteps: with flow_shift 3 and 4 steps, the
 # timesteps ~999 and 900 run on the high-noise expert, 750 and 500 on the low-noise one.
 WAN22_I2V_BOUNDARY_RATIO = 0.9
@@ -221,9 +215,6 @@ WAN22_I2V_BOUNDARY_RATIO = 0.9
 def build_wan22_i2v_components() -> dict[str, Any]:
     """Wan 2.2 I2V A14B-style: two experts that take the input image as latent channels only."""
     return _wan_two_experts(41, WAN22_I2V_BOUNDARY_RATIO, in_channels=2 * LATENT_CHANNELS + WAN_TEMPORAL_COMPRESSION)
-
-
-# --- Flux.1 (text to image, guidance-distilled) --------------------------------------------------------------
 
 
 def build_flux_components() -> dict[str, Any]:
@@ -288,9 +279,6 @@ def build_flux_components() -> dict[str, Any]:
         "tokenizer_2": tokenizer_2,
         "transformer": transformer,
     }
-
-
-# --- Qwen-Image (text to image) ------------------------------------------------------------------------------
 
 
 def build_qwen_image_components() -> dict[str, Any]:
