@@ -34,7 +34,8 @@ def write_atomically(path: str | os.PathLike[str]) -> Iterator[Path]:
         while not _create_exclusively(partial):
             partial = next(names)
         yield partial
-        _pause_for_tests()
+        if pause := os.environ.get(PAUSE_ENV_VAR):
+            time.sleep(float(pause))
         _fsync(partial)  # the data reaches the disk before the rename makes it the output
         os.replace(partial, target)
     except BaseException:
@@ -78,9 +79,3 @@ def _fsync_folder(folder: Path) -> None:
         pass  # some file systems refuse fsync on a folder; the file itself is already on the disk
     finally:
         os.close(fd)
-
-
-def _pause_for_tests() -> None:
-    seconds = os.environ.get(PAUSE_ENV_VAR)
-    if seconds:
-        time.sleep(float(seconds))

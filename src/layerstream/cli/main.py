@@ -55,18 +55,14 @@ class _VersionAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(_version_text())  # on stdout, as argparse's own version action
+        """layerstream's version, and torch's with its CUDA build: the first thing a bug report needs."""
+        import torch
+
+        from layerstream import __version__
+
+        cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
+        print(f"layerstream {__version__} (torch {torch.__version__}, {cuda})")  # on stdout, as argparse's own
         parser.exit()
-
-
-def _version_text() -> str:
-    """layerstream's version, and torch's with its CUDA build: the first thing a bug report needs."""
-    import torch
-
-    from layerstream import __version__
-
-    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
-    return f"layerstream {__version__} (torch {torch.__version__}, {cuda})"
 
 
 def main(argv: list[str] | None = None) -> int:

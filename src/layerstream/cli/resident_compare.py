@@ -30,12 +30,6 @@ class ResidentComparison:
         return f"NO (max abs {compared['max_abs_diff']:.3g})"
 
 
-def lossy_storage_of(config) -> str | None:
-    """The float8 storage dtype a component of `config` streams in, if any (lossless storage keeps every bit)."""
-    dtypes = [options.storage_dtype for options in config.layer_options.values() if options.storage_dtype]
-    return next((dtype for dtype in dtypes if dtype.startswith("float8")), None)
-
-
 def compare_with_resident(args: argparse.Namespace, omni, request, result) -> ResidentComparison:
     """Run `request` on the resident model and compare its raw output with `result`'s (kept with keep_raw)."""
     import numpy as np
@@ -44,7 +38,9 @@ def compare_with_resident(args: argparse.Namespace, omni, request, result) -> Re
 
     from layerstream.cli.common import component_files
 
-    lossy = lossy_storage_of(omni.config)
+    # the float8 storage dtype a component streams in, if any (lossless storage keeps every bit)
+    dtypes = [options.storage_dtype for options in omni.config.layer_options.values() if options.storage_dtype]
+    lossy = next((dtype for dtype in dtypes if dtype.startswith("float8")), None)
     omni.close()  # disable gives back a fully resident pipeline: the same weights, now all on the device
     if lossy is None:
         reference = omni.run(request, keep_raw=True)

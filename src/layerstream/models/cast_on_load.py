@@ -1,9 +1,7 @@
-"""Casting a diffusers model to another dtype while its weights are read from the checkpoint files. diffusers'
-own cast faults the file mapping in page by page (a few hundred MB/s) and holds each copy beside the touched
-pages; here a component loaded in its stored dtype (lazy views of the files) is cast tensor by tensor from large
-`preadv` reads on several threads, the next batch read while one is cast, so the host holds the cast model plus
-two batches. The result is exactly diffusers' (the same dtype rule, `_keep_in_fp32_modules` included, and the
-same `Tensor.to` rounding). Only diffusers models whose files store one floating dtype take this path.
+"""Casting a diffusers model to another dtype while its weights are read from the files: diffusers' own cast
+faults the mapping in page by page (a few hundred MB/s); here a component loaded as stored is cast tensor by
+tensor from `preadv` reads on several threads, the next batch read while one is cast. The result is exactly
+diffusers' (its dtype rule, `_keep_in_fp32_modules` included, and `Tensor.to` rounding).
 """
 
 from __future__ import annotations

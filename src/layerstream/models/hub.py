@@ -1,10 +1,7 @@
-"""Models named by a Hugging Face Hub id (``"org/name"``): downloaded into huggingface_hub's cache, or planned
-from the Hub's metadata alone. Only what the pipeline loads is fetched (``model_index.json``, each component's
-config and tokenizer files, its weights in one format and variant). huggingface_hub's settings (``HF_ENDPOINT``,
-``HF_HOME`` / ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``, the token) are read per call: it reads them once, at import.
-Files are fetched by commit, so that a branch that moves during a download cannot mix two commits; hence the
-ref is written here, and the download loop is ours (``snapshot_download`` would resolve the revision again, and
-only warns where the disk is too small, where this refuses before the first weight byte).
+"""Models named by a Hugging Face Hub id (``"org/name"``): downloaded into huggingface_hub's cache (only what the
+pipeline loads), or planned from the Hub's metadata alone. huggingface_hub's settings are read per call (it reads
+them once, at import). Files are fetched by commit, so that a moving branch cannot mix two commits: hence our
+ref and download loop (``snapshot_download`` would resolve the revision again, and not refuse a full disk).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The lossless form's stored fraction sampled from a Hub repository's weights without downloading them: each DiT
-file's header and a few runs of its 16-bit tensors are read by HTTP Range requests (4 MiB of a component at
-most) through huggingface_hub's session, and priced as `models.coded_fraction` prices a local sample. Any failure
-(offline, an error, a range answered with the whole file) stops the reading; the plan keeps its estimate, why.
-"""
+"""The lossless form's stored fraction sampled from a Hub repository's weights by HTTP Range requests (4 MiB of a
+component at most), priced as `models.coded_fraction` prices a local sample. Any failure (offline, an error, a
+range answered with the whole file) stops the reading, and the plan keeps its estimate, saying why."""
 
 from __future__ import annotations
 

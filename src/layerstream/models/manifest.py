@@ -34,7 +34,8 @@ class FileRecord:
 
 def write_manifest(folder: Path) -> Path:
     """Record the size and SHA-256 of every file under `folder` in `folder / MANIFEST_NAME`."""
-    records = {path: _record(folder / path) for path in _relative_files(folder)}
+    files = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST_NAME]
+    records = {p.relative_to(folder).as_posix(): _record(p) for p in files}
     manifest = {
         "format": MANIFEST_FORMAT,
         "files": {path: {"bytes": r.num_bytes, "sha256": r.sha256} for path, r in sorted(records.items())},
@@ -69,10 +70,6 @@ def verify_manifest(folder: Path) -> None:
             problems.append(f"{path} does not match the checksum recorded when it was built")
     if problems:
         raise CorruptFolderError(folder, problems)
-
-
-def _relative_files(folder: Path) -> list[str]:
-    return [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST_NAME]
 
 
 def _record(file: Path) -> FileRecord:

@@ -1,8 +1,6 @@
-"""torchao imported only for a model that needs it, and the libraries' import-time advisories quieted while
-layerstream loads a model (`quiet_library_noise`). Where torchao is installed, diffusers and transformers import
-it with any model class, quantized or not; on a CPU-only machine that logs five warnings and takes over a
-second. So the command line runs each command inside `torchao_deferred(model)`, where torchao's `sys.modules`
-entry is None (Python's way of saying a module is absent) unless the model was saved quantized by torchao.
+"""torchao imported only for a model that needs it (diffusers and transformers import it with any model class:
+on a CPU-only machine five warnings and over a second), and the libraries' import-time advisories quieted
+while layerstream loads a model. Hidden torchao has a `sys.modules` entry of None: Python's "absent".
 """
 
 from __future__ import annotations

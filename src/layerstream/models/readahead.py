@@ -1,8 +1,6 @@
-"""Reading the checkpoint ahead while diffusers builds the pipeline: `from_pretrained` spends its first second or
-so reading only headers, so `Readahead` asks the kernel to read the largest model files into the page cache
-meanwhile (`POSIX_FADV_WILLNEED`, on a thread), up to a budget well below the memory available, so that the
-host store's reads find the first blocks cached. Where `posix_fadvise` does not exist it does nothing.
-"""
+"""Reading the checkpoint ahead while diffusers builds the pipeline (its first second or so reads only headers):
+the kernel is asked to read the largest files into the page cache (`POSIX_FADV_WILLNEED`), up to a budget well
+below the memory available. Where `posix_fadvise` does not exist it does nothing."""
 
 from __future__ import annotations
 
