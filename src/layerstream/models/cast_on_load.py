@@ -84,9 +84,7 @@ def cast_from_files_(model: nn.Module, dtype: torch.dtype, *, what: str) -> int:
     try:
         # the next batch is read on the reader's threads while this one is cast: two scratch buffers in turn
         for i, batch in enumerate(itertools.chain(_batches(todo, files), [None])):
-            started = None
-            if batch is not None:
-                started = _start_batch(batch, scratches, i % 2, reader)
+            started = _start_batch(batch, scratches, i % 2, reader) if batch is not None else None
             if pending is not None:
                 from_files += _cast_batch(*pending, what=what, progress=progress)
             pending = started

@@ -217,6 +217,11 @@ def build_wan22_i2v_components() -> dict[str, Any]:
     return _wan_two_experts(41, WAN22_I2V_BOUNDARY_RATIO, in_channels=2 * LATENT_CHANNELS + WAN_TEMPORAL_COMPRESSION)
 
 
+def _shifted_flow_scheduler(**shift: Any) -> FlowMatchEulerDiscreteScheduler:
+    """Flux.1-dev's and Qwen-Image's scheduler: flow-matching Euler with a resolution-dependent shift."""
+    return FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, base_image_seq_len=256, **shift)
+
+
 def build_flux_components() -> dict[str, Any]:
     """Keyword arguments for a Flux.1-dev-style `FluxPipeline` (CLIP + T5 text encoders, 8x VAE)."""
     tokenizer = build_clip_tokenizer()
@@ -261,17 +266,8 @@ def build_flux_components() -> dict[str, Any]:
             shift_factor=0.0609,
             scaling_factor=1.5035,
         )
-    # Flux.1-dev's scheduler: resolution-dependent shift.
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
     return {
-        "scheduler": scheduler,
+        "scheduler": _shifted_flow_scheduler(shift=3.0, max_shift=1.15, max_image_seq_len=4096),
         "vae": vae,
         "text_encoder": text_encoder,
         "tokenizer": tokenizer,
@@ -323,16 +319,9 @@ def build_qwen_image_components() -> dict[str, Any]:
         )
     with _seeded(23):
         vae = _wan_vae(AutoencoderKLQwenImage)  # 8x compression, as the real Qwen-Image VAE
-    # Qwen-Image's scheduler: exponential resolution-dependent shift.
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        base_image_seq_len=256,
-        base_shift=0.5,
-        max_image_seq_len=8192,
-        max_shift=0.9,
-        shift=1.0,
-        shift_terminal=0.02,
-        time_shift_type="exponential",
-        use_dynamic_shifting=True,
+    # Qwen-Image's scheduler: an exponential shift
+    scheduler = _shifted_flow_scheduler(
+        shift=1.0, max_shift=0.9, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential"
     )
     return {
         "scheduler": scheduler,
