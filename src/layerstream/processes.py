@@ -51,9 +51,8 @@ def owner_tag() -> str:
 
 
 def owner_has_ended(tag: str) -> bool | None:
-    """True if the process `tag` names has ended (its pid is gone, or names a later process), False if it runs
-    (or runs where no /proc tells a reused pid apart), None where this process cannot tell: a tag of another
-    machine or pid namespace, or not a tag at all."""
+    """True if the process `tag` names has ended (its pid gone or reused), False if it runs (or no /proc says),
+    None where this process cannot tell (another machine or pid namespace, or not a tag)."""
     match = re.fullmatch(OWNER_TAG, tag)
     if match is None or match["space"] != process_space():
         return None

@@ -1,8 +1,6 @@
-"""How far float8 storage moves a real pipeline's output (`layerstream bench MODEL`): the same request and seed,
-generated with full-precision storage and with each float8 storage dtype; for each, the bytes over the link, the
-PSNR of the uint8 output and the largest difference of the final latents, against full precision. Tiny models
-have random weights: their PSNR only says that the path works.
-"""
+"""How far float8 storage moves a pipeline's output (`layerstream bench MODEL`): per storage, the bytes over the
+link, the PSNR of the uint8 output and the largest difference of the final latents, against full precision
+(tiny models have random weights: their PSNR only says that the path works)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Ctrl-C on the command line: the phase a command is in and the files it has put in place, so that an
-interrupt ends it with one line saying both (``layerstream: interrupted during generation; nothing was
-written``) and exit code 130."""
+"""Ctrl-C on the command line: one line saying the phase a command was in and the files it had put in place
+(``layerstream: interrupted during generation; nothing was written``), and exit code 130."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Every phase of a generation and what it holds at its peak, from its parts, on the device and on the host; which
-phase bounds each. In layer mode every device phase holds the weights that do not stream and the slot ring (kept
-from enabling to the end), the allowance, and its own transient (`models.generation_estimates.Transient`); the
-largest transient is what residency "auto" leaves free, so resident blocks fill only what every phase allows.
-"""
+"""Every phase of a generation and its peak from its parts, on the device and the host. In layer mode every
+device phase holds the weights that do not stream, the slot ring, the allowance and its own transient; residency
+"auto" leaves the largest transient free, so resident blocks fill only what every phase allows."""
 
 from __future__ import annotations
 

@@ -39,9 +39,8 @@ class CacheFolderError(LayerstreamError, OSError):
 
 
 def publish_folder(folder: Path, write: Callable[[Path], None], *, marker: str) -> bool:
-    """Make `folder` exist with the contents `write` puts in a scratch sibling, renamed onto it in one step: it
-    is absent or complete, whoever dies, and of racing builders the first rename wins. `marker` is a file every
-    complete folder has. True if this call built the folder, False if it was there (or another process won)."""
+    """Make `folder` exist as `write` fills a scratch sibling, renamed onto it in one step (the first of racing
+    builders wins); `marker` is in every complete folder. True if this call built it, False if it was there."""
     if (folder / marker).is_file():
         return False
     folder.parent.mkdir(parents=True, exist_ok=True)

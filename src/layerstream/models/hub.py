@@ -167,9 +167,8 @@ def download_snapshot(
     offline: bool | None = None,
     from_files: frozenset[str] = frozenset(),
 ) -> ModelSource:
-    """The cached snapshot of `repo_id` at `revision`, downloading what the pipeline loads and the cache lacks
-    (once it fits the cache's free space). Offline, or where the Hub cannot be reached, the cached snapshot is
-    used without a request. Raises `ModelLoadError` with one line naming the repository and what to do."""
+    """The snapshot of `repo_id` at `revision`, first downloading what the pipeline loads and the cache lacks
+    (offline or unreachable: the cached one). Raises `ModelLoadError` with one line saying what to do."""
     settings = HubSettings.from_environment()
     if settings.offline or offline:
         why = "HF_HUB_OFFLINE is set" if settings.offline else "it is read from the cache only"

@@ -49,9 +49,8 @@ def resolve_model(
     offline: bool | None = None,
     from_files: frozenset[str] = frozenset(),
 ) -> ModelSource:
-    """Where `model`'s files are: a tiny model built on first use, a local folder (checked by
-    `check_model_folder`), or a Hub snapshot (`hub.download_snapshot`), tried in that order (pass ``./tiny-wan``
-    for a folder of that name). Raises `ModelLoadError` with one line saying what to do."""
+    """Where `model`'s files are: a tiny model built on first use, a local folder (`check_model_folder`), or a
+    Hub snapshot, tried in that order. Raises `ModelLoadError` with one line saying what to do."""
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a tiny model name, a folder path or a Hub id, got {type(model).__name__}")
     for name, value in (("revision", revision), ("variant", variant)):
@@ -94,10 +93,9 @@ def load_pipeline(
     variant: str | None = None,
     components: Mapping[str, Any] | None = None,
 ) -> DiffusionPipeline:
-    """Load `model` (as `resolve_model` takes it, or a `ModelSource`) as a diffusers pipeline on the host, with
-    the Hub client held offline. `dtype` casts every component; None keeps each in the dtype its files store
-    (which keeps the weights lazy views of the files). `components` maps component names to files loaded in
-    their place (`models.component_files`). Raises `ModelLoadError` for a bad `model` or any failed load."""
+    """Load `model` (as `resolve_model` takes it, or a `ModelSource`) on the host, the Hub client offline: in
+    `dtype`, or (None) each component as its files store it, its weights lazy views of them; `components` from
+    their files (`models.component_files`). Raises `ModelLoadError` for a bad `model` or any failed load."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
     from layerstream.models import component_files as files_of
@@ -197,10 +195,9 @@ def load_skeleton(
     variant: str | None = None,
     components: Mapping[str, Any] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """(`model`'s pipeline skeleton for planning, where its metadata came from); no weight is read. A Hub id is
-    described by the Hub's metadata alone, or where the Hub cannot be asked by `models.published`'s catalogue
-    (main revision, no `components`); anything else by its folder. `components` from their files are priced at
-    the bytes their headers say they store."""
+    """(`model`'s pipeline skeleton for planning, where its metadata came from), reading no weight: a Hub id's
+    from its metadata, or where the Hub cannot be asked from `models.published`'s catalogue (main revision, no
+    `components`); `components` from their files at the bytes their headers say they store."""
     from layerstream.models import component_files as files_of
     from layerstream.models.component_headers import header_tensors
     from layerstream.models.component_skeleton import file_component_skeleton_

@@ -1,8 +1,6 @@
-"""vllm-omni's ``sample_solver`` (an ``extra_params`` key of its Wan pipelines: ``"unipc"``, ``"euler"``, and Wan's
-``"dpm++"``), mapped to diffusers schedulers on Wan's flow-matching sigmas at the same shift. A scheduler in that
-form takes all three; one that already is a counterpart (Flux's Euler) takes its own name; any other none. The
-scheduler is built for one call (`scheduler_for`) and handed to that call alone, so it never reaches the next.
-"""
+"""vllm-omni's ``sample_solver`` (``"unipc"``, ``"euler"``, Wan's ``"dpm++"``) mapped to diffusers schedulers on
+Wan's flow-matching sigmas at the same shift (a scheduler already one of them, as Flux's Euler, takes its own
+name). The scheduler is built for one call and handed to that call alone, so it never reaches the next."""
 
 from __future__ import annotations
 
@@ -32,9 +30,8 @@ def solvers_for(scheduler: Any) -> dict[str, str]:
 
 
 def scheduler_for(served: Any, *, solver: str | None, flow_shift: float | None) -> Any:
-    """The scheduler one call runs with: `served` itself unless a request names another solver (one of
-    `solvers_for(served)`) or a `flow_shift`; then a new one from `served`'s config, at `flow_shift` (default:
-    `served`'s)."""
+    """The scheduler one call runs with: `served` itself, or one built from its config where a request names
+    another solver (of `solvers_for(served)`) or a `flow_shift`."""
     target = SOLVER_SCHEDULERS[solver_name(solver)] if solver is not None else type(served).__name__
     if target == type(served).__name__ and flow_shift is None:
         return served

@@ -1,8 +1,6 @@
-"""A pipeline's skeleton for `layerstream plan`: every model component built from its config on the meta device,
-in the dtypes its checkpoint stores, with no weight read. Whether the configs come from a folder or from the
-Hub's metadata, the plans are equal by construction (planning looks only at structure, shapes and dtypes).
-Schedulers are built from their configs; tokenizers and processors are left out, as planning never calls them.
-"""
+"""A pipeline's skeleton for `layerstream plan`: every model built from its config on the meta device, in the
+dtypes its checkpoint stores (from a folder or the Hub's metadata: the plans are equal by construction);
+schedulers from their configs; tokenizers and processors left out, as planning never calls them."""
 
 from __future__ import annotations
 
@@ -37,9 +35,8 @@ def folder_tensor_dtypes(folder: Path, variant: str | None = None) -> dict[str, 
 
 
 def build_skeleton(folder: Path, tensor_dtypes: TensorDtypes) -> Any:
-    """The pipeline class ``model_index.json`` names, holding meta-device models built from each component's
-    config (dtypes from `tensor_dtypes`) and schedulers from theirs. Raises `ModelLoadError` naming the
-    component that cannot be built."""
+    """The pipeline class ``model_index.json`` names, holding its components' skeletons (dtypes from
+    `tensor_dtypes`); `ModelLoadError` naming a component that cannot be built."""
     import diffusers
 
     index = json.loads((folder / MODEL_INDEX).read_text())

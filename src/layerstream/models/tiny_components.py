@@ -1,8 +1,6 @@
-"""Components of the embedded tiny models: real diffusers / transformers classes at toy sizes, each
-``build_*_components()`` the keyword arguments of its pipeline class. Every module is built under its own fixed
-seed, so its weights are the same on every machine. A generation runs in well under a second on a CPU, with the
-structure offloading cares about: several blocks per block list, two text-encoder layers, two Wan 2.2 experts.
-"""
+"""The embedded tiny models' components (``build_*_components()``: a pipeline's keyword arguments), real classes
+at toy sizes, each module under its own fixed seed. A generation takes well under a second on a CPU, with what
+offloading cares about: several blocks per block list, two text-encoder layers, two Wan 2.2 experts."""
 
 from __future__ import annotations
 
@@ -177,9 +175,8 @@ WAN_TEMPORAL_COMPRESSION = 4
 
 
 def build_wan_i2v_components() -> dict[str, Any]:
-    """Keyword arguments for a Wan 2.1 I2V-style `WanImageToVideoPipeline`: UMT5 text encoder, CLIP vision image
-    encoder, one DiT whose input stacks latents, first-frame mask and encoded image (16 + 4 + 16 in the real one)
-    and whose blocks take the CLIP tower's hidden states through the added key/value projections, Wan VAE."""
+    """Wan 2.1 I2V-style: a CLIP vision encoder, one DiT whose input stacks latents, first-frame mask and encoded
+    image (16 + 4 + 16 in the real one) and whose blocks take the CLIP states through added key/value projections."""
     with _seeded(32):
         image_encoder = CLIPVisionModel(
             CLIPVisionConfig(
