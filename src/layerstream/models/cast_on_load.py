@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from layerstream.errors import LayerstreamError
+from layerstream.models.folder_check import pipeline_components
 from layerstream.models.saved_dtypes import SAFETENSORS_DTYPES, SafetensorsHeaderError, read_safetensors_header
 from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
 from layerstream.runtime.reporting.progress import StagingProgress
@@ -34,15 +34,12 @@ def components_to_cast(folder: Path, saved: dict[str, torch.dtype], dtype: torch
     """The diffusers models of the folder whose files store one floating dtype, other than `dtype`."""
     if dtype not in CASTABLE_DTYPES:
         return []
-    index = json.loads((folder / "model_index.json").read_text())
-    out = []
-    for name, stored in saved.items():
-        entry = index.get(name)
-        if not (isinstance(entry, list) and entry and entry[0] == "diffusers") or stored == dtype:
-            continue
-        if _floating_dtypes_in(folder / name) == {stored}:
-            out.append(name)
-    return out
+    library = {name: library for name, (library, _) in pipeline_components(folder).items()}
+    return [
+        name
+        for name, stored in saved.items()
+        if library.get(name) == "diffusers" and stored != dtype and _floating_dtypes_in(folder / name) == {stored}
+    ]
 
 
 def _floating_dtypes_in(component_folder: Path) -> set[torch.dtype]:

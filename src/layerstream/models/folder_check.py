@@ -5,7 +5,9 @@ diffusers happens to trip over first ("no file named config.json found in direct
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from layerstream.errors import LayerstreamError
 from layerstream.models.manifest import MANIFEST_NAME, CorruptFolderError, has_manifest, verify_manifest
@@ -48,6 +50,11 @@ def pipeline_components(folder: Path) -> dict[str, tuple[str, str]]:
         raise ModelLoadError(f"model folder {folder}: cannot read {MODEL_INDEX}: {type(e).__name__}: {e}") from e
     if not isinstance(index, dict):
         raise ModelLoadError(f"model folder {folder}: {MODEL_INDEX} is not a JSON object")
+    return index_components(index)
+
+
+def index_components(index: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
+    """Component name -> (library, class) of a parsed ``model_index.json``."""
     return {
         name: (value[0], value[1])
         for name, value in index.items()

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from layerstream.errors import LayerstreamError
-from layerstream.models.folder_check import MODEL_INDEX, ModelLoadError, check_model_folder, pipeline_components
+from layerstream.models.folder_check import (
+    MODEL_INDEX, ModelLoadError, check_model_folder, index_components, pipeline_components,
+)  # fmt: skip
 from layerstream.models.weight_files import WEIGHT_INDEX, weight_file_key
 from layerstream.wording import first_line, format_bytes
 
@@ -128,9 +130,7 @@ def select_files(
         folder, _, leaf = name.rpartition("/")
         by_folder.setdefault(folder, []).append(leaf)
     chosen = [MODEL_INDEX]
-    for component, value in index.items():
-        if component.startswith("_") or not (isinstance(value, list) and len(value) == 2 and value[0] and value[1]):
-            continue
+    for component in index_components(index):
         leaves = by_folder.get(component, [])
         weights = [leaf for leaf in leaves if weight_file_key(leaf) is not None]
         others = [leaf for leaf in leaves if weight_file_key(leaf) is None]

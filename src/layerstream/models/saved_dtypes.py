@@ -14,6 +14,7 @@ from typing import BinaryIO
 import torch
 
 from layerstream.errors import LayerstreamError
+from layerstream.models.folder_check import pipeline_components
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -92,10 +93,9 @@ def stored_dtype(folder: Path, variant: str | None = None) -> torch.dtype | None
 
 def saved_dtypes(folder: Path, variant: str | None = None) -> dict[str, torch.dtype]:
     """Component name -> the dtype its safetensors files store (others left to their library)."""
-    index = json.loads((folder / "model_index.json").read_text())
     out = {}
-    for name, value in index.items():
-        if name.startswith("_") or not isinstance(value, list) or not (folder / name).is_dir():
+    for name in pipeline_components(folder):
+        if not (folder / name).is_dir():
             continue
         try:
             dtype = stored_dtype(folder / name, variant)
