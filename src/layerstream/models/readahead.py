@@ -44,8 +44,7 @@ class Readahead:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        self.wait()
 
     def _run(self) -> None:
         for path in self._files:
