@@ -12,7 +12,7 @@ SOLVER_SCHEDULERS = {
     "euler": "FlowMatchEulerDiscreteScheduler",
     "dpm++": "DPMSolverMultistepScheduler",
 }
-_FLOW_EULER = "FlowMatchEulerDiscreteScheduler"
+_FLOW_EULER = SOLVER_SCHEDULERS["euler"]
 
 
 def solver_name(value: str) -> str:

@@ -73,10 +73,10 @@ def _seeded(seed: int) -> Iterator[None]:
         yield
 
 
-def _t5_config(config_class: type, vocab_size: int, tokenizer: Any) -> Any:
+def _t5_config(config_class: type, tokenizer: Any) -> Any:
     """A two-layer (U)T5 encoder config with gated-GELU feed-forward, as Wan's UMT5 and Flux's T5 use."""
     return config_class(
-        vocab_size=vocab_size,
+        vocab_size=len(tokenizer),
         d_model=TEXT_HIDDEN_SIZE,
         d_kv=TEXT_HIDDEN_SIZE // 4,
         d_ff=2 * TEXT_HIDDEN_SIZE,
@@ -98,7 +98,6 @@ WAN_BOUNDARY_RATIO = 0.875
 
 def _wan_transformer(**image_conditioning: Any) -> WanTransformer3DModel:
     """A Wan DiT; image-to-video passes its wider input and its image cross-attention (see `build_wan_i2v_components`)."""
-    options: dict[str, Any] = {"in_channels": LATENT_CHANNELS, **image_conditioning}
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=DIT_NUM_HEADS,
@@ -111,7 +110,7 @@ def _wan_transformer(**image_conditioning: Any) -> WanTransformer3DModel:
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=64,
-        **options,
+        **{"in_channels": LATENT_CHANNELS, **image_conditioning},
     )
 
 
@@ -129,24 +128,16 @@ def _wan_vae(vae_class: type = AutoencoderKLWan) -> Any:
     )
 
 
-def _wan_scheduler() -> UniPCMultistepScheduler:
-    """Wan's scheduler (Wan 2.2 T2V and Wan 2.1 I2V alike): UniPC over flow-matching sigmas, shift 3 (480p)."""
-    return UniPCMultistepScheduler(
-        prediction_type="flow_prediction",
-        use_flow_sigmas=True,
-        flow_shift=3.0,
-        num_train_timesteps=1000,
-    )
-
-
 def _wan_shared_components(seed: int) -> dict[str, Any]:
     """The UMT5 text encoder (under `seed`), its tokenizer, the Wan VAE (`seed` + 3), the scheduler."""
     tokenizer = build_t5_tokenizer()
     with _seeded(seed):
-        text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, len(tokenizer), tokenizer))
+        text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, tokenizer))
     with _seeded(seed + 3):
         vae = _wan_vae()
-    return {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "scheduler": _wan_scheduler()}
+    # Wan's scheduler (Wan 2.2 T2V and Wan 2.1 I2V alike): UniPC over flow-matching sigmas, shift 3 (480p)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    return {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "scheduler": scheduler}
 
 
 def _wan_two_experts(seed: int, boundary_ratio: float, **image_conditioning: Any) -> dict[str, Any]:
@@ -238,7 +229,7 @@ def build_flux_components() -> dict[str, Any]:
             )
         )
     with _seeded(12):
-        text_encoder_2 = T5EncoderModel(_t5_config(T5Config, len(tokenizer_2), tokenizer_2))
+        text_encoder_2 = T5EncoderModel(_t5_config(T5Config, tokenizer_2))
     with _seeded(13):
         transformer = FluxTransformer2DModel(
             **_PACKED_LATENT_DIT,
