@@ -15,14 +15,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from layerstream.models import component_files as files_of
 from layerstream.models.cast_on_load import cast_from_files_, components_to_cast
+from layerstream.models.component_headers import header_tensors
+from layerstream.models.component_skeleton import file_component_skeleton_
 from layerstream.models.readahead import Readahead
 from layerstream.models.folder_check import MODEL_INDEX, ModelLoadError, check_model_folder
 from layerstream.models.geometry import PipelineKind, pipeline_kind
-from layerstream.models.hub import ModelSource, download_snapshot, looks_like_hub_id, names_hub_repo
+from layerstream.models.hub import (
+    HubUnavailableError, ModelSource, download_snapshot, fetch_plan_metadata, looks_like_hub_id, names_hub_repo,
+)  # fmt: skip
 from layerstream.models.model_rules import ModelRules, read_model_rules
 from layerstream.models.optional_imports import quiet_library_noise
-from layerstream.models.saved_dtypes import saved_dtypes
+from layerstream.models.published import published_model, published_skeleton
+from layerstream.models.saved_dtypes import module_dtype, saved_dtypes
+from layerstream.models.skeleton import build_skeleton, folder_tensor_dtypes
 from layerstream.models.tiny import TINY_MODELS, ensure_tiny_model, is_tiny_model_name
 from layerstream.wording import first_line
 
@@ -98,8 +105,6 @@ def load_pipeline(
     their files (`models.component_files`). Raises `ModelLoadError` for a bad `model` or any failed load."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
-    from layerstream.models import component_files as files_of
-
     specs = files_of.check_component_specs(components)  # their form before anything is read
     with quiet_library_noise():
         return _load_pipeline(model, dtype, revision, variant, specs)
@@ -109,8 +114,6 @@ def _load_pipeline(
     model, dtype: torch.dtype | None, revision: str | None, variant: str | None, specs: dict[str, str]
 ) -> DiffusionPipeline:
     from diffusers import DiffusionPipeline
-
-    from layerstream.models import component_files as files_of
 
     source = model
     if not isinstance(source, ModelSource):
@@ -198,13 +201,6 @@ def load_skeleton(
     """(`model`'s pipeline skeleton for planning, where its metadata came from), reading no weight: a Hub id's
     from its metadata, or where the Hub cannot be asked from `models.published`'s catalogue (main revision, no
     `components`); `components` from their files at the bytes their headers say they store."""
-    from layerstream.models import component_files as files_of
-    from layerstream.models.component_headers import header_tensors
-    from layerstream.models.component_skeleton import file_component_skeleton_
-    from layerstream.models.hub import HubUnavailableError, fetch_plan_metadata
-    from layerstream.models.published import published_model, published_skeleton
-    from layerstream.models.skeleton import build_skeleton, folder_tensor_dtypes
-
     specs = files_of.check_component_specs(components)
     if names_hub_repo(model):
         try:
@@ -278,8 +274,6 @@ def hub_offline() -> Iterator[None]:
 
 def component_dtypes(pipeline) -> dict[str, str]:
     """The dtype each torch component of `pipeline` computes in (`saved_dtypes.module_dtype`), by name."""
-    from layerstream.models.saved_dtypes import module_dtype
-
     out = {}
     for name, component in getattr(pipeline, "components", {}).items():
         dtype = module_dtype(component) if isinstance(component, torch.nn.Module) else None

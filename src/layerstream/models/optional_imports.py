@@ -14,16 +14,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from layerstream.models.tiny import TINY_MODELS
-
 _TORCHAO = "torchao"
 _LOOKERS = ("diffusers", "transformers")
 """The libraries that record whether torchao is installed: it is hidden only where none has looked yet."""
 
 
 def model_needs_torchao(model: str | os.PathLike[str] | None) -> bool:
-    """Whether a component of `model` (a folder; a tiny model or None never) was saved quantized by torchao."""
-    if model is None or (isinstance(model, str) and model in TINY_MODELS):
+    """Whether a component of `model` (a folder; anything else never) was saved quantized by torchao."""
+    if model is None:
         return False
     folder = Path(model).expanduser()
     for config_path in folder.glob("*/config.json") if folder.is_dir() else ():
