@@ -26,12 +26,10 @@ _BUILD_SUFFIX = ".tmp-"
 
 def cache_root() -> Path:
     """``$LAYERSTREAM_CACHE``, else ``$XDG_CACHE_HOME/layerstream``, else ``~/.cache/layerstream``."""
-    explicit = os.environ.get(CACHE_ENV_VAR)
-    if explicit:
+    if explicit := os.environ.get(CACHE_ENV_VAR):
         return Path(explicit).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "layerstream"
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "layerstream"
 
 
 class CacheFolderError(LayerstreamError, OSError):

@@ -7,6 +7,7 @@ ref and download loop (``snapshot_download`` would resolve the revision again, a
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import re
@@ -343,8 +344,6 @@ def _cached_source(
 
 def _check_weights_present(repo_id: str, folder: Path, from_files: frozenset[str]) -> None:
     """Refuse a snapshot of JSON files only (planning's) or a stopped download, naming the component."""
-    import importlib
-
     import torch
 
     for name, (library, class_name) in pipeline_components(folder).items():

@@ -17,6 +17,7 @@ from typing import Any
 from layerstream.models.cache import cache_root, discard_folder, publish_folder
 from layerstream.models.geometry import PipelineKind
 from layerstream.models.manifest import CorruptFolderError, verify_manifest, write_manifest
+from layerstream.models.optional_imports import quiet_library_noise
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +116,6 @@ def build_tiny_pipeline(name: str) -> Any:
 def ensure_tiny_model(name: str) -> Path:
     """Return the folder of tiny model `name`, building and saving it first if it is not there yet (complete or
     absent: `publish_folder`). A folder that fails its checksums, or has none, is discarded and rebuilt."""
-    from layerstream.models.optional_imports import quiet_library_noise  # it imports this module
-
     folder = tiny_model_dir(name)
 
     def write(build_folder: Path) -> None:
