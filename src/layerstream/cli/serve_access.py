@@ -9,6 +9,13 @@ from layerstream.cli.common import CliError
 from layerstream.server.access import API_KEY_ENV, AccessSettings, AccessSettingsError  # plain data: no serve extra
 
 
+def flag_error(error: Exception, flags: dict[str, str]) -> CliError:
+    """`error` as a `CliError` naming the flag the user typed instead of the settings field it starts with."""
+    message = str(error)
+    field = next((field for field in flags if message.startswith(field + " ")), None)
+    return CliError(message if field is None else flags[field] + message[len(field) :])
+
+
 def add_access_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allowed-hosts", nargs="+", default=None, metavar="HOST",
@@ -46,12 +53,7 @@ def access_settings(args: argparse.Namespace, bind_host: str) -> AccessSettings:
             api_key=api_key,
         )
     except AccessSettingsError as e:
-        message = str(e)
-        for field, flag in flags.items():  # name the flag the user typed, not the settings field
-            if message.startswith(field):
-                message = flag + message[len(field) :]
-                break
-        raise CliError(message) from e
+        raise flag_error(e, flags) from e
 
 
 def _split(values) -> tuple[str, ...]:

@@ -1,17 +1,12 @@
 """Who may talk to the server: the Host a request names, the Origin a browser sends, and the API key.
 
-Three checks, in this order, each refusing with one line that names how to allow what it refused:
-- **Host** (every path): a DNS-rebinding page reaches a loopback server under its own name, so a request naming
-  a host this server does not answer to is a 403. Loopback names and addresses always pass; bound to another
-  address, so do this machine's names and any IP address (an address cannot be rebound); ``--allowed-hosts``
-  replaces that wider set.
-- **Origin** (state-changing methods): a browser sends the page's origin; one other than the server's own, and
-  not in ``--allowed-origins``, is a 403. Clients that are not browsers send none and pass. CORS headers are
-  answered only for ``--allowed-origins`` (Starlette's `CORSMiddleware`), never otherwise.
-- **API key** (``--api-key``): every path but ``/health``, ``/metrics``, the page and its files, and the OpenAPI
-  document needs ``Authorization: Bearer KEY`` (vllm's rule), or, on GET and HEAD from the page's own origin
-  only, the cookie the page sets: what a browser fetches without headers (an event stream, a ``<video>``
-  source, a download link) carries no header.
+- **Host** (every path): a DNS-rebinding page reaches a loopback server under its own name, so a Host the
+  server does not answer to is a 403. Loopback always passes; bound elsewhere, this machine's names and any IP
+  address too (an address cannot be rebound); ``--allowed-hosts`` replaces that wider set.
+- **Origin** (state-changing methods): another site's page is a 403 unless in ``--allowed-origins``, the only
+  origins CORS answers; clients that are not browsers send none.
+- **API key** (``--api-key``): ``Authorization: Bearer KEY`` everywhere but the open paths, or on GET and HEAD
+  from the page itself, its cookie (an event stream, a ``<video>`` or a download carries no header).
 """
 
 from __future__ import annotations
@@ -30,8 +25,7 @@ from urllib.parse import unquote
 from layerstream.errors import LayerstreamError
 
 API_KEY_ENV = "LAYERSTREAM_API_KEY"
-KEY_COOKIE = "layerstream_api_key"
-"""The cookie the page keeps the key in (cookies ignore the port: servers on one host with one key share it)."""
+KEY_COOKIE = "layerstream_api_key"  # cookies ignore the port: servers on one host with one key share it
 OPEN_PATHS = frozenset({"/", "/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 OPEN_PREFIXES = ("/ui/",)
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -50,8 +44,7 @@ class HostRule:
     """Which Host names a request may carry, beyond loopback names and addresses (always served)."""
 
     names: frozenset[str] = frozenset()
-    domains: tuple[str, ...] = ()
-    """``.example.com``: that domain and every name under it."""
+    domains: tuple[str, ...] = ()  # ``.example.com``: that domain and every name under it
     networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
     any_host: bool = False
 
@@ -70,11 +63,8 @@ class AccessSettings:
     """The server's access rules, validated when built (the command line names its own flags in errors)."""
 
     bind_host: str = "127.0.0.1"
-    """The address the server binds: on loopback only loopback Hosts are served unless `allowed_hosts` says more."""
-    allowed_hosts: tuple[str, ...] | None = None
-    """None: the default for `bind_host`. Else names, ``.domain`` suffixes, IP addresses or networks, or ``*``."""
-    allowed_origins: tuple[str, ...] = ()
-    """Origins (``https://app.example``) that may make state-changing requests and get CORS headers; ``*``: any."""
+    allowed_hosts: tuple[str, ...] | None = None  # None: the default for `bind_host`
+    allowed_origins: tuple[str, ...] = ()  # may make state-changing requests and get CORS headers; ``*``: any
     api_key: str | None = None
     hosts: HostRule = field(init=False, repr=False)
 
@@ -234,8 +224,7 @@ def cookie_keys(cookie_header: str | None) -> list[str]:
 
 
 def refusals(settings: AccessSettings, method: str, path: str) -> dict[int, str]:
-    """What the checks below may answer a request for `method` `path` (status -> when), for the OpenAPI document:
-    403 everywhere (the Host; on a state-changing method the Origin too), 401 where the key is needed."""
+    """What the checks may answer `method` `path` (status -> when), for the OpenAPI document."""
     forbidden = "The request's Host is not a name or address this server answers to (--allowed-hosts)"
     if method.upper() not in SAFE_METHODS and "*" not in settings.allowed_origins:
         forbidden += ", or a page of another site sent it (its Origin; --allowed-origins)"
@@ -247,8 +236,8 @@ def refusals(settings: AccessSettings, method: str, path: str) -> dict[int, str]
 
 # the ASGI side ----------------------------------------------------------------------------------------------------
 def add_access_checks(app: Any, settings: AccessSettings) -> None:
-    """Install the checks on `app` (a Starlette app): the Host check outermost, then CORS if origins are allowed,
-    then the Origin and key checks, so that a preflight never needs the key and every refusal carries CORS."""
+    """Install the checks on `app`: Host outermost, then CORS, then Origin and key, so that a preflight never
+    needs the key and every refusal carries CORS."""
     app.add_middleware(RequestGate, settings=settings)
     if settings.allowed_origins:
         from starlette.middleware.cors import CORSMiddleware
@@ -262,7 +251,6 @@ def add_access_checks(app: Any, settings: AccessSettings) -> None:
 
 
 def _headers(scope: dict[str, Any]) -> dict[str, str]:
-    """The request's headers by lower-case name, the first of each (latin-1, as HTTP carries them)."""
     headers: dict[str, str] = {}
     for name, value in scope.get("headers", ()):
         headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))

@@ -1,29 +1,10 @@
 """The FastAPI app: routes, error answers and request metrics around a `GenerationService`.
 
-    POST /v1/images/generations   OpenAI-style image generation (PNG, JPEG or WebP; base64, or a URL)
-    POST /v1/images/edits         OpenAI-style image editing: a multipart form with an image file and a prompt
-    GET  /v1/images/outputs/NAME  an image answered as a URL (response_format 'url'), kept in memory a while
-    POST /v1/videos/generations   the same for video pipelines (MP4, base64), plus num_frames and fps, and an
-                                  image (base64) for image-to-video models
-    POST /v1/videos/sync          vllm-omni's: a job's body, answered with the MP4 itself (no job stored)
-    /v1/videos, /v1/images/jobs   the job API (see `layerstream.server.jobs.routes`): create, poll, list,
-                                  download, delete, and a server-sent event stream of progress and previews
-    GET  /v1/models               OpenAI's list of models: the served one, under each --served-model-name
-    GET  /health                  model, offload config, device, queue depth, status
-    GET  /metrics                 Prometheus text format
-    GET  /                        the web page (`layerstream.server.ui`), unless --no-ui
-
-Statuses: 400 the model cannot take the request (size multiple, largest size or frames, frame rule, more
-work than --max-work, wrong endpoint, not JSON (no body at all included), an input image that is not an
-image, an image the model does not take or a missing one it needs); 404 no such job or kept image output;
-405 a method the path does not serve (``Allow`` lists every one it does); 409 a job's content before it has
-completed; 413 body over --max-body-bytes (plus the image allowance where an image may come), or an image over
---max-image-bytes or --max-image-pixels; 415 an input image that is not PNG, JPEG or WebP by its bytes (or a
-data URL of another type than an image's); 422 a field missing, mistyped, out of range or unknown; 429 queue
-full; 500 the generation raised (the server stays up); 503 shutting down; 504 past its ``timeout`` (waiting,
-or generating: then it stops at the next denoising step). Each route's OpenAPI entry states the statuses it
-answers, every error with the `ErrorResponse` body. A request whose client disconnects, while it sends its
-body, waits or runs, is counted as 499 (no client reads it: not in the document); its job is dropped from the
+OpenAI-style ``/v1/images/generations``, ``/v1/images/edits`` (a multipart form), ``/v1/videos/generations``,
+vllm-omni's ``/v1/videos/sync`` (the MP4 itself), the job API (`layerstream.server.jobs.routes`), the kept
+``/v1/images/outputs/NAME`` of response_format 'url', ``/v1/models``, ``/health``, ``/metrics`` and the web
+page at ``/``. Each route's OpenAPI entry states the statuses it answers. A client that disconnects while it
+sends, waits or runs is counted as 499 (no client reads it: not in the document); its job is dropped from the
 queue or stopped at its next step.
 """
 
@@ -110,9 +91,8 @@ _IMAGE_OUTPUT_ERRORS = error_responses({404: "No kept output of that name (kept 
 def create_app(
     service: GenerationService, jobs: JobManager | None = None, *, ui: bool = True, access: AccessSettings | None = None
 ) -> FastAPI:
-    """The app serving `service` (and, with `jobs`, its job API, and with `ui` too, the web page at ``/``); see
-    `_lifespan`. `access`: its Host, Origin and API key checks; without, a loopback server's (loopback Hosts only,
-    no state-changing request from another site, no key)."""
+    """The app serving `service`, with `jobs` its job API, with `ui` the web page; `access` defaults to a
+    loopback server's checks."""
     access = access if access is not None else AccessSettings()
     app = FastAPI(title="layerstream", version=__version__, lifespan=_lifespan(service, jobs))
     apply_exact_openapi_(app, access)
@@ -141,9 +121,8 @@ def create_app(
 
     _add_image_routes(app, service)
 
-    @_post_generation(
-        app, VIDEOS_PATH, VideoGenerationResponse, json_request_body(VideoGenerationRequest), _IMAGE_INPUT_GENERATION_ERRORS
-    )
+    @app.post(VIDEOS_PATH, response_model=VideoGenerationResponse, responses=_IMAGE_INPUT_GENERATION_ERRORS,
+              openapi_extra=json_request_body(VideoGenerationRequest))  # fmt: skip
     async def create_videos(request: Request) -> JSONResponse:
         _, output = await _run_generation(service, request, VideoGenerationRequest, "video")
         data = [VideoData(b64_json=_base64(f)) for f in output.files]
@@ -189,9 +168,7 @@ def _add_model_routes(app: FastAPI, service: GenerationService) -> None:
 
 
 def _add_video_sync_route(app: FastAPI, service: GenerationService) -> None:
-    """vllm-omni's ``POST /v1/videos/sync``: the job API's body (JSON, multipart or url-encoded), answered with the
-    MP4 itself and vllm-omni's headers; no job is stored, the request's limits are the job API's, and a client
-    that goes away stops it as it stops a synchronous request."""
+    """vllm-omni's ``POST /v1/videos/sync``: the job API's body, answered with the MP4 and vllm-omni's headers."""
 
     @app.post(
         VIDEOS_SYNC_PATH,
@@ -223,12 +200,14 @@ def _add_image_routes(app: FastAPI, service: GenerationService) -> None:
     """The image endpoints, and the route of the files they answer as URLs (response_format 'url')."""
     kept_outputs = KeptOutputs()  # the newest such files, in memory
 
-    @_post_generation(app, IMAGES_PATH, ImageGenerationResponse, json_request_body(ImageGenerationRequest))
+    @app.post(IMAGES_PATH, response_model=ImageGenerationResponse, responses=_GENERATION_ERRORS,
+              openapi_extra=json_request_body(ImageGenerationRequest))  # fmt: skip
     async def create_images(request: Request) -> JSONResponse:
         body, output = await _run_generation(service, request, ImageGenerationRequest, "image")
         return _ok(await _image_response(request, body, output, kept_outputs))
 
-    @_post_generation(app, EDITS_PATH, ImageGenerationResponse, edit_request_body(), _IMAGE_INPUT_GENERATION_ERRORS)
+    @app.post(EDITS_PATH, response_model=ImageGenerationResponse, responses=_IMAGE_INPUT_GENERATION_ERRORS,
+              openapi_extra=edit_request_body())  # fmt: skip
     async def create_edits(request: Request) -> JSONResponse:
         body, output = await _run_edit(service, request)
         return _ok(await _image_response(request, body, output, kept_outputs))
@@ -250,18 +229,8 @@ def _add_image_routes(app: FastAPI, service: GenerationService) -> None:
         return Response(kept.data, media_type=kept.media_type)
 
 
-def _post_generation(
-    app: FastAPI, path: str, answer: type[BaseModel], request_body: dict[str, Any], errors: dict = _GENERATION_ERRORS
-):
-    """The route decorator of a generation endpoint that answers JSON `answer`: the OpenAPI document shows its
-    `request_body` (the route reads the body itself) and the `errors` it may answer (every generation's, and
-    415 where it takes an input image)."""
-    return app.post(path, response_model=answer, responses=errors, openapi_extra=request_body)
-
-
 def _served_methods(app: FastAPI, scope: Scope) -> set[str]:
-    """Every method served on the path of a 405: that of the route Starlette chose (the first whose path matches;
-    ``/v1/videos/generations`` is not read as a job id), by all of its routes (each serves its own methods)."""
+    """Every method of all routes on the path Starlette chose for a 405 (the first route whose path matches)."""
     routes = [route for route in app.router.routes if isinstance(route, Route) and route.methods]
     chosen = next((route for route in routes if route.matches(scope)[0] is not Match.NONE), None)
     if chosen is None:
@@ -287,8 +256,7 @@ def _lifespan(service: GenerationService, jobs: JobManager | None):
 async def _run_generation(
     service: GenerationService, request: Request, model: type[GenerationBody], kind: str
 ) -> tuple[Any, GenerationOutput]:
-    """Parse, check, queue and await one generation request: (its body, its output); every failure becomes an
-    `ApiError`."""
+    """Parse, check, queue and await one generation request: (its body, its output), or an `ApiError`."""
     service.check_endpoint(kind)  # the wrong endpoint is the first thing to say, whatever the body holds
     body = await _read_body(request, service.body_limit(kind), _limit_flags(service, kind))
     try:
@@ -302,8 +270,7 @@ async def _run_generation(
 
 
 async def _run_edit(service: GenerationService, request: Request) -> tuple[ImageEditRequest, GenerationOutput]:
-    """`POST /v1/images/edits`: the multipart form parsed into an `ImageEditRequest` and its image, then as a
-    generation: (the fields, the output)."""
+    """`POST /v1/images/edits`: the multipart form and its image, then as a generation: (the fields, the output)."""
     service.check_endpoint("edit")
     content_type = request.headers.get("content-type", "")
     if content_type.lower().startswith("application/x-www-form-urlencoded"):  # a form, but it cannot hold a file
@@ -356,7 +323,6 @@ def _base64(data: bytes) -> str:
 
 
 async def _submit_and_wait(service: GenerationService, request: Request, served: ServedRequest) -> GenerationOutput:
-    """Queue a checked request and await the outcome."""
     try:
         job = service.submit(served)
     except QueueFullError as e:
@@ -367,11 +333,8 @@ async def _submit_and_wait(service: GenerationService, request: Request, served:
 
 
 async def _await_job(service: GenerationService, job: Job, request: Request) -> GenerationOutput:
-    """The job's output, or its failure as an `ApiError`.
-
-    Its deadline and its client's disconnect are watched here, on the loop: either answers the request at
-    once, drops the job if it has not started, and otherwise asks the worker to stop it at its next step.
-    """
+    """The job's output, or its failure as an `ApiError`. A passed deadline or a disconnect answers at once and
+    drops the job if it has not started, else asks the worker to stop it at its next step."""
     result = asyncio.wrap_future(job.future)
     client_gone = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
