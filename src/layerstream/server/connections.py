@@ -1,12 +1,9 @@
 """Bounds on connections that send no request: a deadline for the request head, and a cap on those waiting.
 
-uvicorn's h11 protocol closes an idle keep-alive connection after ``timeout_keep_alive`` (5 s), but only once a
-response is complete: a connection that never finishes its first request head (or trickles one byte at a time
-after a response, each byte cancelling that timer) is held for ever. `guarded_h11` adds the smallest thing that
-closes them: a connection has `HEADER_TIMEOUT_S` from its opening, or from the end of its last response, to
-deliver a whole request head, and at most `MAX_WAITING_CONNECTIONS` may be waiting for one at a time (a new one
-beyond that closes the one that has waited longest). A head larger than uvicorn's
-``h11_max_incomplete_event_size`` (16 KiB) is refused by h11 itself (400).
+uvicorn's h11 closes an idle keep-alive connection only once a response is complete: one that never finishes
+its first head (or trickles a byte at a time) is held for ever. `guarded_h11` gives a connection
+`HEADER_TIMEOUT_S` from its opening or last response to send a whole head, and lets at most
+`MAX_WAITING_CONNECTIONS` wait (a new one closes the oldest). h11 itself refuses a head over 16 KiB.
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ preconnected; far fewer than the 300 half-open sockets an attacker opened, each 
 
 
 def guarded_h11(header_timeout_s: float = HEADER_TIMEOUT_S, max_waiting: int = MAX_WAITING_CONNECTIONS) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a request-head deadline and a cap on waiting connections, one class per server
-    (the waiting connections are the server's, oldest first)."""
+    """uvicorn's h11 protocol with a request-head deadline and a cap on waiting connections, a class per server."""
     waiting: dict[GuardedH11Protocol, None] = {}  # insertion-ordered: the first has waited longest
 
     class Guarded(GuardedH11Protocol):

@@ -1,11 +1,8 @@
 """Running the app under uvicorn, with a shutdown that drains the queue before waiting on open requests.
 
-On SIGTERM or SIGINT uvicorn stops listening, waits for open requests, then runs the app's shutdown. The
-requests still waiting in the queue are open requests too, so left alone they would all be generated before
-the process exits. `DrainingServer` therefore closes the queue first: waiting requests are answered 503 at
-once, and the running generation has --shutdown-timeout seconds to finish and answer its client. Past that
-it is stopped at its next denoising step (its client gets a 503), and uvicorn waits `STOP_WAIT_SECONDS` more
-at most before it closes what is still open. The process exits 0 within the sum of the two.
+On SIGTERM uvicorn waits for open requests, and queued requests are open too: `DrainingServer` closes the queue
+first (waiting requests answered 503), the running generation has --shutdown-timeout seconds, then is stopped
+at its next step, and uvicorn waits `STOP_WAIT_SECONDS` more at most. The process exits 0 within the sum.
 """
 
 from __future__ import annotations
@@ -47,11 +44,8 @@ class DrainingServer(uvicorn.Server):
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port), not yet listening: connections are refused until the app is up.
-
-    Binding before the model loads makes a busy port a one-line error in seconds, not after a long load.
-    Raises OSError (address in use, unknown host).
-    """
+    """A TCP socket bound to (host, port), not yet listening: bound before the model loads, a busy port is an
+    OSError in seconds."""
     addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, kind, proto, _, address = addresses[0]
     sock = socket.socket(family, kind, proto)
@@ -70,21 +64,12 @@ def socket_url(sock: socket.socket) -> str:
 
 
 def run_server(
-    service: GenerationService,
-    sock: socket.socket,
-    *,
-    on_ready: Callable[[str], None],
-    access_log: bool = True,
-    on_stopper: Callable[[Callable[[], None]], None] | None = None,
-    jobs: JobManager | None = None,
-    ui: bool = True,
+    service: GenerationService, sock: socket.socket, *, on_ready: Callable[[str], None], access_log: bool = True,
+    on_stopper: Callable[[Callable[[], None]], None] | None = None, jobs: JobManager | None = None, ui: bool = True,
     access: AccessSettings | None = None,
 ) -> None:
-    """Serve `service` (and `jobs`, its job API, if given; and the web page, with `ui`) on the bound `sock`
-    until SIGTERM or SIGINT; returns after a graceful shutdown.
-
-    `on_stopper`, if given, receives a function that starts the same shutdown from any thread (a lost rank);
-    `access`: who may talk to it (`layerstream.server.access`; default: loopback Hosts, no key)."""
+    """Serve on the bound `sock` until SIGTERM or SIGINT, then shut down gracefully. `on_stopper` receives a
+    function that starts the same shutdown from any thread (a lost rank)."""
     config = uvicorn.Config(
         create_app(service, jobs, ui=ui, access=access or AccessSettings(bind_host=service.settings.host)),
         http=guarded_h11(),  # closes connections that never send a whole request head
@@ -104,11 +89,7 @@ def run_server(
 
 @contextlib.contextmanager
 def _exit_quietly_after_signal() -> Iterator[None]:
-    """Make the signal uvicorn re-raises after its graceful shutdown a no-op, so the process exits 0.
-
-    uvicorn restores the handlers it found and raises the signal it handled again, so that the default
-    action (death by that signal) follows. Having already drained and stopped, we return normally instead.
-    """
+    """Make the signal uvicorn raises again after its graceful shutdown a no-op, so the process exits 0."""
     handled = (signal.SIGINT, signal.SIGTERM)
     previous = {sig: signal.signal(sig, _ignore_signal) for sig in handled}
     try:

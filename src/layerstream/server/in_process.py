@@ -1,8 +1,7 @@
 """`InProcessRunner`: the server's runner on one process, its one `Omni`, on the queue's worker thread.
 
-A group of one job runs alone (`Omni.run` once per output); a batch (with --max-batch-size above 1, jobs of one
-`batch_shape()`) runs as one `Omni.run_batch` for all their outputs, so that every streamed block is copied
-once per step for the whole batch. Either way through `output_loop.run_group`.
+A job runs alone (`Omni.run` per output); a batch (--max-batch-size) runs as one `Omni.run_batch`, so that every
+streamed block is copied once per step for the whole batch. Either way through `output_loop.run_group`.
 """
 
 from __future__ import annotations
@@ -47,10 +46,6 @@ class InProcessRunner(RunnerBase):
 
     # one request alone -----------------------------------------------------------------------------------------
     def _run_alone(self, job: ServedJob) -> Answer:
-        """Every output of the job's request, one `Omni.run` each, encoded and released before the next.
-
-        Between denoising steps, and before each output, it stops if the event loop asked it to
-        (`GenerationStopped`); then the job's observer, if any, hears of the step."""
         served = job.served
         started = time.perf_counter()
         try:
@@ -70,14 +65,8 @@ class InProcessRunner(RunnerBase):
 
     # a batch ---------------------------------------------------------------------------------------------------
     def _run_batch(self, jobs: list[ServedJob]) -> list[Answer]:
-        """The requests of `jobs` (one batch shape) as one `Omni.run_batch` call, an output per seed of each;
-        then each request's outputs encoded into its own answer.
-
-        A request asked to stop (its timeout, its client gone) does not stop the others: its outputs are
-        dropped and it fails with `GenerationStopped`. The call itself stops at the next step only once every
-        request of the batch has asked to. A call that raises fails every request of the batch, and the
-        runtime is left clean for the next, as after a request run alone.
-        """
+        """The requests of `jobs` as one `Omni.run_batch` call. A request asked to stop does not stop the others:
+        its outputs are dropped; the call stops only once every request has asked to."""
         started = time.perf_counter()
         # a request asked to stop before the call starts is left out of it: less work for the others
         running = [job for job in jobs if job.stop_signal.reason is None]
@@ -96,9 +85,6 @@ class InProcessRunner(RunnerBase):
         return answers
 
     def _call_batch(self, running: list[ServedJob]) -> list[RequestResult]:
-        """One `Omni.run_batch` for the outputs of `running`, in order; stops between steps once every one of
-        them has been asked to."""
-
         def stop_if_all_asked(where: str) -> None:
             if all(job.stop_signal.reason is not None for job in running):
                 running[0].stop_signal.raise_if_requested(where)
@@ -111,7 +97,6 @@ class InProcessRunner(RunnerBase):
         return run_group(self.omni, work, stop_if_all_asked, wanted=lambda i: running[i].stop_signal.reason is None)
 
     def _batch_answers(self, jobs: list[ServedJob], running: list[ServedJob], results: list[RequestResult]) -> list[Answer]:
-        """Each request's answer: its encoded outputs, or `GenerationStopped`."""
         answers: list[Answer] = []
         num_outputs = sum(job.served.num_outputs for job in running)
         by_job = dict(zip(running, results))
@@ -126,7 +111,6 @@ class InProcessRunner(RunnerBase):
 
 
 def _failed(error: Exception, what: str) -> JobOutcome:
-    """Log a run that raised, as what it is; its jobs' outcome."""
     if isinstance(error, GenerationStopped):  # asked for: one line, no traceback
         logger.info("%s", error)
         return JobOutcome.STOPPED

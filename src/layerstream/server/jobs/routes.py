@@ -1,15 +1,6 @@
-"""The job routes: OpenAI's `/v1/videos` job API for video models, its twin `/v1/images/jobs` for image models.
-
-    POST   {path}                 create (JSON, or multipart with the input image as a file part); 200 at once
-    GET    {path}                 list, newest first (limit, after, order)
-    GET    {path}/{id}            the job object
-    GET    {path}/{id}/content    the MP4 or PNG once completed (409 before)
-    GET    {path}/{id}/events     text/event-stream of status, progress and preview events
-    DELETE {path}/{id}            cancel (a running job stops at its next step) and remove
-
-Each route of one job answers 404 for an id that names no job of this server, and every route 503 when the job
-database refuses the read (locked past its timeout, a disk error); every route's statuses are in its
-``responses``, as the OpenAPI document states them. Every call into the job database runs off the event loop.
+"""The job routes: OpenAI's `/v1/videos` job API for video models, its twin `/v1/images/jobs` for image models:
+create, list, get, its content, its event stream (status, progress, previews) and delete. Every call into the
+job database runs off the event loop, and a refusal by it is a 503.
 """
 
 from __future__ import annotations
@@ -61,8 +52,7 @@ _VARIANT_PARAMETER = {"name": "variant", "in": "query", "required": False, "sche
 
 
 class _ServedFile(FileResponse):
-    """A job's output sent from the link made for this download, which goes when the response ends (sent,
-    cut by the client or failed), so a DELETE meanwhile never cuts the bytes being sent."""
+    """A job's output sent from the link made for this download, released when the response ends."""
 
     def __init__(self, path: Path, *, release: Callable[[Path], None], **kwargs: Any):
         super().__init__(path, **kwargs)
@@ -78,7 +68,6 @@ class _ServedFile(FileResponse):
 
 
 def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
-    """Register the job routes of `jobs`' kind (videos or images) on `app`."""
     path = jobs.path
     is_video = jobs.kind == "video"
     strict_model, form_model = (VideoJobRequest, VideoJobForm) if is_video else (ImageJobRequest, ImageJobForm)
@@ -136,8 +125,7 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
 async def read_job_body(
     request: Request, service: GenerationService, strict_model: type[VideoJobRequest | ImageJobRequest], form_model: type[BaseModel]
 ) -> tuple[Any, bytes | None]:
-    """(the parsed body, the input image's bytes or None) of a JSON, multipart or url-encoded create request
-    (a job's, or ``POST /v1/videos/sync``'s)."""
+    """(the parsed body, the input image's bytes or None) of a JSON, multipart or url-encoded create request."""
     image_field = strict_model.image_field
     content_type = request.headers.get("content-type", "").lower()
     takes_image = service.limits.rules.image_input != "none"
@@ -171,8 +159,7 @@ async def read_job_body(
 
 
 async def _in_database(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`function(*args, **kwargs)`, a call into the job database, off the event loop; a 503 if the database
-    refuses it (the server stays up: the next request may find it well)."""
+    """`function(*args, **kwargs)`, a call into the job database, off the event loop; a 503 if it refuses."""
     try:
         return await asyncio.to_thread(function, *args, **kwargs)
     except sqlite3.Error as e:
