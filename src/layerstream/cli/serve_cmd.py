@@ -1,8 +1,6 @@
 """`layerstream serve MODEL`: serve one offloaded pipeline over HTTP (OpenAI-style images and videos APIs).
-
 Every argument is checked and the port bound before the model loads, so that mistakes cost seconds; the ready
-line ("layerstream serve: ready on http://127.0.0.1:8000") goes to stderr once requests are accepted.
-"""
+line ("layerstream serve: ready on http://127.0.0.1:8000") goes to stderr once requests are accepted."""
 
 from __future__ import annotations
 
@@ -82,8 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, default, help_text in (
         ("--max-body-bytes", DEFAULT_MAX_BODY_BYTES,
          f"largest request body, not counting an input image (default: {DEFAULT_MAX_BODY_BYTES >> 20} MiB)"),
-        ("--max-image-bytes", DEFAULT_MAX_IMAGE_BYTES, "largest input image file of /v1/images/edits and image-to-video "
-         f"requests (default: {DEFAULT_MAX_IMAGE_BYTES >> 20} MiB)"),
+        ("--max-image-bytes", DEFAULT_MAX_IMAGE_BYTES, "largest input image file of /v1/images/edits and "
+         f"image-to-video requests (default: {DEFAULT_MAX_IMAGE_BYTES >> 20} MiB)"),
         ("--max-image-pixels", DEFAULT_MAX_IMAGE_PIXELS,
          f"largest input image in pixels, width x height (default: {DEFAULT_MAX_IMAGE_PIXELS:,}, 4096 x 4096)"),
     ):  # fmt: skip
@@ -175,16 +173,11 @@ def run(args: argparse.Namespace) -> int:
         store = _open_history(history)  # a folder in use is one line now, not after a long load
         try:
             omni = Omni(
-                model=args.model,
-                diffusion_offload_config=config,
-                device=args.device,
-                dtype=args.dtype,
-                simulated_link_gbps=args.link_gbps,
-                revision=args.revision,
-                variant=args.variant,
+                model=args.model, diffusion_offload_config=config, device=args.device, dtype=args.dtype,
+                simulated_link_gbps=args.link_gbps, revision=args.revision, variant=args.variant,
                 components=component_files(args),
                 requests=server_requests(settings),  # the host reserve of "auto" is sized to the largest allowed
-            )
+            )  # fmt: skip
         except (ModelLoadError, GenerationError, OffloadError) as e:
             raise CliError(" ".join(str(e).split())) from e
         except RuntimeError as e:
@@ -206,9 +199,10 @@ def run(args: argparse.Namespace) -> int:
 # each setting's flag; every one but the names is read from the argument of its own name
 _SETTINGS_FLAGS = {
     "max_queue": "--max-queue", "max_frames": "--max-frames", "max_side_pixels": "--max-size", "max_work": "--max-work",
-    "max_body_bytes": "--max-body-bytes", "shutdown_timeout": "--shutdown-timeout", "max_image_bytes": "--max-image-bytes",
-    "max_image_pixels": "--max-image-pixels", "max_batch_size": "--max-batch-size", "batch_wait_ms": "--batch-wait-ms",
-    "port": "--port", "host": "--host", "served_model_names": "--served-model-name",
+    "max_body_bytes": "--max-body-bytes", "shutdown_timeout": "--shutdown-timeout",
+    "max_image_bytes": "--max-image-bytes", "max_image_pixels": "--max-image-pixels",
+    "max_batch_size": "--max-batch-size", "batch_wait_ms": "--batch-wait-ms", "port": "--port", "host": "--host",
+    "served_model_names": "--served-model-name",
 }  # fmt: skip
 
 
@@ -266,7 +260,6 @@ def _print_ready(url: str) -> None:
     print(f"{READY_PREFIX}{url}", file=sys.stderr, flush=True)
 
 
-# several ranks ----------------------------------------------------------------------------------------------------
 def _check_rank_flags(args: argparse.Namespace) -> None:
     if args.nproc is not None and not 1 <= args.nproc <= MAX_NPROC:
         raise CliError(f"--nproc = {args.nproc} is not valid; expected an integer from 1 to {MAX_NPROC}")

@@ -6,8 +6,7 @@
 - **Origin** (state-changing methods): another site's page is a 403 unless in ``--allowed-origins``, the only
   origins CORS answers; clients that are not browsers send none.
 - **API key** (``--api-key``): ``Authorization: Bearer KEY`` everywhere but the open paths, or on GET and HEAD
-  from the page itself, its cookie (an event stream, a ``<video>`` or a download carries no header).
-"""
+  from the page itself, its cookie (an event stream, a ``<video>`` or a download carries no header)."""
 
 from __future__ import annotations
 
@@ -196,23 +195,6 @@ def is_open_path(path: str) -> bool:
     return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
-class ApiKey:
-    """The key, kept as its SHA-256 so that every comparison takes the same time whatever is sent (vllm's way)."""
-
-    def __init__(self, key: str):
-        self._digest = hashlib.sha256(key.encode()).digest()
-
-    def matches(self, candidate: str | None) -> bool:
-        if candidate is None:
-            return False
-        return secrets.compare_digest(hashlib.sha256(candidate.encode("utf-8", "replace")).digest(), self._digest)
-
-
-def bearer_token(authorization: str | None) -> str | None:
-    scheme, _, token = (authorization or "").strip().partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
 def cookie_keys(cookie_header: str | None) -> list[str]:
     """The values of the page's key cookie in a Cookie header (a browser may send several of one name)."""
     keys = []
@@ -297,7 +279,8 @@ class RequestGate:
 
     def __init__(self, app: Any, *, settings: AccessSettings):
         self.app, self.settings = app, settings
-        self.key = ApiKey(settings.api_key) if settings.api_key is not None else None
+        # the key as its SHA-256: every comparison takes the same time whatever is sent (vllm's way)
+        self.key = _digest(settings.api_key) if settings.api_key is not None else None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -326,11 +309,19 @@ class RequestGate:
 
     def _has_key(self, headers: dict[str, str], method: str) -> bool:
         assert self.key is not None
-        if self.key.matches(bearer_token(headers.get("authorization"))):
+        scheme, _, token = headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() == "bearer" and self._matches(token.strip() or None):
             return True
         # the page's cookie, on reads only and only from the page itself (Fetch Metadata; browsers that send none
         # still keep a SameSite=Strict cookie from other sites): a write always needs the header, so no other
         # page can make the browser write with it
         if method not in ("GET", "HEAD") or headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
             return False
-        return any(self.key.matches(key) for key in cookie_keys(headers.get("cookie")))
+        return any(self._matches(key) for key in cookie_keys(headers.get("cookie")))
+
+    def _matches(self, candidate: str | None) -> bool:
+        return candidate is not None and secrets.compare_digest(_digest(candidate), self.key)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "replace")).digest()

@@ -1,12 +1,10 @@
 """The FastAPI app: routes, error answers and request metrics around a `GenerationService`.
-
 OpenAI-style ``/v1/images/generations``, ``/v1/images/edits`` (a multipart form), ``/v1/videos/generations``,
 vllm-omni's ``/v1/videos/sync`` (the MP4 itself), the job API (`layerstream.server.jobs.routes`), the kept
 ``/v1/images/outputs/NAME`` of response_format 'url', ``/v1/models``, ``/health``, ``/metrics`` and the web
 page at ``/``. Each route's OpenAPI entry states the statuses it answers. A client that disconnects while it
 sends, waits or runs is counted as 499 (no client reads it: not in the document); its job is dropped from the
-queue or stopped at its next step.
-"""
+queue or stopped at its next step."""
 
 from __future__ import annotations
 
@@ -35,7 +33,7 @@ from layerstream.server.errors import ApiError, client_line, validation_error
 from layerstream.server.jobs.manager import JobManager
 from layerstream.server.jobs.records import run_figures
 from layerstream.server.jobs.requests import VideoJobForm, VideoJobRequest
-from layerstream.server.jobs.routes import add_job_routes, read_job_body
+from layerstream.server.jobs.routes import add_job_routes, read_job_input
 from layerstream.server.image_outputs import KeptOutputs
 from layerstream.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from layerstream.server.metrics import ServerMetrics
@@ -139,8 +137,7 @@ def create_app(
 
     @app.get(HEALTH_PATH, response_model=HealthResponse)
     async def health() -> dict[str, Any]:
-        jobs_fields = {"jobs_path": jobs.path, "jobs_storage": jobs.storage_state(), **jobs.history_state()} if jobs is not None else {}
-        return {**service.health(), **jobs_fields}
+        return {**service.health(), **(jobs.health() if jobs is not None else {})}
 
     @app.get(METRICS_PATH, response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
@@ -169,21 +166,15 @@ def _add_model_routes(app: FastAPI, service: GenerationService) -> None:
 
 def _add_video_sync_route(app: FastAPI, service: GenerationService) -> None:
     """vllm-omni's ``POST /v1/videos/sync``: the job API's body, answered with the MP4 and vllm-omni's headers."""
+    responses = {**binary_response("The video", "video/mp4"), **_IMAGE_INPUT_GENERATION_ERRORS}
+    request_body = json_request_body(VideoJobRequest)
 
-    @app.post(
-        VIDEOS_SYNC_PATH,
-        response_class=Response,
-        responses={**binary_response("The video", "video/mp4"), **_IMAGE_INPUT_GENERATION_ERRORS},
-        openapi_extra=json_request_body(VideoJobRequest),
-    )
+    @app.post(VIDEOS_SYNC_PATH, response_class=Response, responses=responses, openapi_extra=request_body)
     async def create_video_sync(request: Request) -> Response:
         started = time.perf_counter()
-        body, image_bytes = await read_job_body(request, service, VideoJobRequest, VideoJobForm)
-        field = VideoJobRequest.image_field
-        how = f"{field} (a file part, or base64 or a data URL in JSON)"
-        service.check_image_presence(has_image=image_bytes is not None, endpoint=f"POST {VIDEOS_SYNC_PATH}", field=field, how=how)
-        image = await asyncio.to_thread(service.read_image, image_bytes, field) if image_bytes is not None else None
-        output = await _submit_and_wait(service, request, service.prepare(body.generation_body(service.limits), image, field))
+        body, image = await read_job_input(request, service, VideoJobRequest, VideoJobForm, f"POST {VIDEOS_SYNC_PATH}")
+        served = service.prepare(body.generation_body(service.limits), image, VideoJobRequest.image_field)
+        output = await _submit_and_wait(service, request, served)
         usage, figures = output.usage, run_figures(output.usage)
         stages = {"queue": round(usage.queue_seconds, 6), "inference": figures["inference_time_s"], "total": round(time.perf_counter() - started, 6)}
         headers = {
@@ -310,10 +301,7 @@ async def _image_response(
         data = [ImageData(b64_json=_base64(f)) for f in output.files]
     usage = output.usage
     return ImageGenerationResponse(
-        created=int(time.time()),
-        data=data,
-        output_format=body.output_format,
-        size=f"{usage.width}x{usage.height}",
+        created=int(time.time()), data=data, output_format=body.output_format, size=f"{usage.width}x{usage.height}",
         layerstream=usage,
     )
 

@@ -1,10 +1,8 @@
 """Bounds on connections that send no request: a deadline for the request head, and a cap on those waiting.
-
 uvicorn's h11 closes an idle keep-alive connection only once a response is complete: one that never finishes
 its first head (or trickles a byte at a time) is held for ever. `guarded_h11` gives a connection
 `HEADER_TIMEOUT_S` from its opening or last response to send a whole head, and lets at most
-`MAX_WAITING_CONNECTIONS` wait (a new one closes the oldest). h11 itself refuses a head over 16 KiB.
-"""
+`MAX_WAITING_CONNECTIONS` wait (a new one closes the oldest). h11 itself refuses a head over 16 KiB."""
 
 from __future__ import annotations
 

@@ -55,7 +55,10 @@ class ApiError(LayerstreamError):
 
 def invalid_fields(status: int, details: Sequence[ErrorDetail], *, code: str) -> ApiError:
     """One error for several field problems: the message lists them all, `param` is the first field."""
-    message = "; ".join(_detail_line(d) for d in details)
+    message = "; ".join(
+        (f"{d.param}: {d.message}" if d.param else d.message) + (f"; allowed: {d.allowed}" if d.allowed else "")
+        for d in details
+    )
     return ApiError(status, message, code=code, param=details[0].param if details else None, details=details)
 
 
@@ -138,8 +141,3 @@ def _json_type(value: Any) -> str:
     if isinstance(value, str):
         return f"the string {value[:40]!r}" + ("..." if len(value) > 40 else "")
     return {list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
-
-
-def _detail_line(detail: ErrorDetail) -> str:
-    head = f"{detail.param}: {detail.message}" if detail.param else detail.message
-    return f"{head}; allowed: {detail.allowed}" if detail.allowed else head

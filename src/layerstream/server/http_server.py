@@ -1,9 +1,7 @@
 """Running the app under uvicorn, with a shutdown that drains the queue before waiting on open requests.
-
 On SIGTERM uvicorn waits for open requests, and queued requests are open too: `DrainingServer` closes the queue
 first (waiting requests answered 503), the running generation has --shutdown-timeout seconds, then is stopped
-at its next step, and uvicorn waits `STOP_WAIT_SECONDS` more at most. The process exits 0 within the sum.
-"""
+at its next step, and uvicorn waits `STOP_WAIT_SECONDS` more at most. The process exits 0 within the sum."""
 
 from __future__ import annotations
 
@@ -58,11 +56,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def socket_url(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 def run_server(
     service: GenerationService, sock: socket.socket, *, on_ready: Callable[[str], None], access_log: bool = True,
     on_stopper: Callable[[Callable[[], None]], None] | None = None, jobs: JobManager | None = None, ui: bool = True,
@@ -79,7 +72,8 @@ def run_server(
         timeout_graceful_shutdown=service.settings.shutdown_timeout + STOP_WAIT_SECONDS,
         lifespan="on",
     )
-    url = socket_url(sock)
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     server = DrainingServer(config, on_ready=lambda: on_ready(url), on_drain=service.drain)
     if on_stopper is not None:
         on_stopper(lambda: setattr(server, "should_exit", True))  # uvicorn's main loop polls it
@@ -90,14 +84,12 @@ def run_server(
 @contextlib.contextmanager
 def _exit_quietly_after_signal() -> Iterator[None]:
     """Make the signal uvicorn raises again after its graceful shutdown a no-op, so the process exits 0."""
-    handled = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, _ignore_signal) for sig in handled}
+    def ignore(signum: int, frame: object) -> None:
+        logger.debug("signal %d after shutdown: ignored", signum)
+
+    previous = {sig: signal.signal(sig, ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _ignore_signal(signum: int, frame: object) -> None:
-    logger.debug("signal %d after shutdown: ignored", signum)

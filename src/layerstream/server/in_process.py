@@ -1,8 +1,6 @@
 """`InProcessRunner`: the server's runner on one process, its one `Omni`, on the queue's worker thread.
-
 A job runs alone (`Omni.run` per output); a batch (--max-batch-size) runs as one `Omni.run_batch`, so that every
-streamed block is copied once per step for the whole batch. Either way through `output_loop.run_group`.
-"""
+streamed block is copied once per step for the whole batch. Either way through `output_loop.run_group`."""
 
 from __future__ import annotations
 
@@ -44,7 +42,6 @@ class InProcessRunner(RunnerBase):
         host_bytes = self.offload_stats.host_bytes if self.offload_stats is not None else None
         return {"world_size": 1, "backend": None, "ranks": [{"rank": 0, "host_bytes": host_bytes}]}
 
-    # one request alone -----------------------------------------------------------------------------------------
     def _run_alone(self, job: ServedJob) -> Answer:
         served = job.served
         started = time.perf_counter()
@@ -63,7 +60,6 @@ class InProcessRunner(RunnerBase):
         observe_call(self.metrics, [job], [outcome], time.perf_counter() - started, [True])
         return answer
 
-    # a batch ---------------------------------------------------------------------------------------------------
     def _run_batch(self, jobs: list[ServedJob]) -> list[Answer]:
         """The requests of `jobs` as one `Omni.run_batch` call. A request asked to stop does not stop the others:
         its outputs are dropped; the call stops only once every request has asked to."""

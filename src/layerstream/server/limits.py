@@ -1,10 +1,8 @@
 """What the served model accepts, read once at startup, and the checks a request must pass before it queues.
-
 The schema checks types and fixed ranges; this module checks what depends on the model (output kind, size
 multiple, largest grid, frame rule, ``extra_params``) and the server's caps, the work cap among them. The model's
 rules (`ModelRules`) and the request's table decide; this module only words their refusals for HTTP, as a 400
-before anything is queued.
-"""
+before anything is queued."""
 
 from __future__ import annotations
 
@@ -56,13 +54,11 @@ def read_model_limits(omni: Any, settings: ServeSettings) -> ModelLimits:
         model_frames is not None and model_frames < settings.max_frames
     )
     return ModelLimits(
-        rules=rules,
-        served_names=settings.served_model_names or (default_served_name(omni.source),),
-        max_frames=max_frames,
-        max_side_pixels=max_side,
+        rules=rules, served_names=settings.served_model_names or (default_served_name(omni.source),),
+        max_frames=max_frames, max_side_pixels=max_side,
         max_latent_positions=pipeline_max_latent_positions(omni.pipeline) if bound_by_model else None,
         max_work=settings.max_work if settings.max_work is not None else default_max_work(rules, max_side, max_frames, omni.device),
-    )
+    )  # fmt: skip
 
 
 def default_served_name(source: Any) -> str:

@@ -83,7 +83,6 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self._job_states: dict[str, str] = {}
 
-    # recorded as things happen ---------------------------------------------------------------------------------
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
         self._requests.labels(endpoint=endpoint, status=str(status)).inc()
         self._request_seconds.labels(endpoint=endpoint).observe(seconds)
@@ -120,14 +119,22 @@ class ServerMetrics:
             if previous is not None:
                 self._jobs.labels(status=previous).dec()
 
-    # read when scraped -----------------------------------------------------------------------------------------
     def render(self, *, queue: QueueState, offload: Any | None, labels: Mapping[str, str]) -> str:
         """The exposition text: what was recorded, then the service's state now (`offload`: an `OffloadStats`)."""
         families = [
             InfoMetricFamily("layerstream_server", "The served model and device (value always 1).", value=dict(labels)),
-            *_queue_families(queue),
-            *(_offload_families(offload) if offload is not None else ()),
+            CounterMetricFamily("layerstream_jobs_submitted", "Requests queued.", value=queue.num_submitted),
+            CounterMetricFamily("layerstream_jobs_started", "Queued requests whose work started.",
+                                value=queue.num_started),
+            GaugeMetricFamily("layerstream_queue_depth", "Requests waiting behind the running one.", value=queue.depth),
+            GaugeMetricFamily("layerstream_queue_capacity", "Most requests that may wait.", value=queue.max_waiting),
+            GaugeMetricFamily("layerstream_generation_running", "1 while a generation runs.", value=int(queue.running)),
+            GaugeMetricFamily("layerstream_batch_running", "Requests in the running pipeline call.",
+                              value=queue.num_running),
         ]
+        for name, kind, attr, help_text in _OFFLOAD_METRICS if offload is not None else ():
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            families.append(family(name, help_text, value=getattr(offload, attr, 0)))
         return render_families(families, registry=self.registry)
 
 
@@ -150,23 +157,6 @@ class _Scrape:
                 metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
                 yield metric
         yield from self.families
-
-
-def _queue_families(queue: QueueState) -> list[Metric]:
-    return [
-        CounterMetricFamily("layerstream_jobs_submitted", "Requests queued.", value=queue.num_submitted),
-        CounterMetricFamily("layerstream_jobs_started", "Queued requests whose work started.", value=queue.num_started),
-        GaugeMetricFamily("layerstream_queue_depth", "Requests waiting behind the running one.", value=queue.depth),
-        GaugeMetricFamily("layerstream_queue_capacity", "Most requests that may wait.", value=queue.max_waiting),
-        GaugeMetricFamily("layerstream_generation_running", "1 while a generation runs.", value=int(queue.running)),
-        GaugeMetricFamily("layerstream_batch_running", "Requests in the running pipeline call.", value=queue.num_running),
-    ]
-
-
-def _offload_families(offload: Any) -> Iterator[Metric]:
-    for name, kind, attr, help_text in _OFFLOAD_METRICS:
-        family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-        yield family(name, help_text, value=getattr(offload, attr, 0))
 
 
 # name (without _total for counters), type, OffloadStats attribute, help

@@ -4,8 +4,7 @@ every status each route answers.
 FastAPI's own `OpenAPI` model makes every integer bound a float (``n`` from 1.0 to 4.0); `apply_exact_openapi_`
 puts the request bodies back as the models state them and turns other integer bounds back into integers. It
 takes out FastAPI's own 422 (the routes answer every error as an `ErrorResponse`, listed by `error_responses`)
-and adds the access checks' 403 and 401, as the server is configured.
-"""
+and adds the access checks' 403 and 401, as the server is configured."""
 
 from __future__ import annotations
 
@@ -54,11 +53,6 @@ def binary_response(description: str, *media_types: str) -> dict[int | str, dict
     """``responses`` entry of a route whose 200 is a file (an image, a video) of one of `media_types`."""
     content = {media_type: {"schema": {"type": "string", "format": "binary"}} for media_type in media_types}
     return {200: {"description": description, "content": content}}
-
-
-def event_stream_response(description: str) -> dict[int | str, dict[str, Any]]:
-    """``responses`` entry of a route whose 200 is a server-sent event stream."""
-    return {200: {"description": description, "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 def json_request_body(model: type[BaseModel]) -> dict[str, Any]:

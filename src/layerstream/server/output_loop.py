@@ -1,9 +1,7 @@
 """The one loop that makes a group's outputs, in process or on a rank: `run_group`.
-
 A group is one request alone (an `Omni.run` per output, each encoded and released before the next starts) or a
 batch (one `Omni.run_batch`). Between steps, and before each output, `checkpoint(where)` may raise to stop;
-outputs nobody wants (a placeholder's, a request stopped in its batch) are dropped without being encoded.
-"""
+outputs nobody wants (a placeholder's, a request stopped in its batch) are dropped without being encoded."""
 
 from __future__ import annotations
 

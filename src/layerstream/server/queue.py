@@ -1,11 +1,9 @@
 """A bounded FIFO of jobs, run by exactly one worker thread, which hands what it takes to a runner.
-
 One thread, not a pool: the offload runtime refuses a second thread in a streamed model (the blocks share one
 ring of device slots), and one pipeline gains nothing from two generations at once. A `TakePolicy` says what
 the worker takes (one job, a `BatchPolicy` batch, or a wave: `waves.WavePolicy`); a `Runner` runs it and gives
 back one outcome per job. The event loop touches the queue only under a lock held for a few deque operations,
-and stops a job through `stop`: a waiting one is dropped, a started one stops at its next step.
-"""
+and stops a job through `stop`: a waiting one is dropped, a started one stops at its next step."""
 
 from __future__ import annotations
 
@@ -172,7 +170,6 @@ class GenerationQueue(Generic[ServedT, ResultT]):
         self.num_submitted = 0
         self.num_started = 0
 
-    # state -----------------------------------------------------------------------------------------------------
     @property
     def depth(self) -> int:
         """Jobs waiting (the running ones not counted)."""
@@ -193,7 +190,6 @@ class GenerationQueue(Generic[ServedT, ResultT]):
         with self._cond:
             return self._closed
 
-    # lifecycle -------------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the worker thread (once)."""
         with self._cond:
@@ -222,7 +218,6 @@ class GenerationQueue(Generic[ServedT, ResultT]):
         thread.join(timeout)
         return not thread.is_alive()
 
-    # jobs ------------------------------------------------------------------------------------------------------
     def submit(
         self, served: ServedT, *, timeout: float | None = None, batch_key: Hashable | None = None, cost: int = 0,
         observer: object = None,
@@ -280,7 +275,6 @@ class GenerationQueue(Generic[ServedT, ResultT]):
                 return False
             return True
 
-    # worker ----------------------------------------------------------------------------------------------------
     def _run_worker(self) -> None:
         while True:
             taken = self._take_next()

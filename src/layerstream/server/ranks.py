@@ -1,5 +1,4 @@
 """Serving on several ranks: how they talk, and what every rank runs in a wave.
-
 Rank 0 serves HTTP and hands out waves (`layerstream.server.waves`); every rank runs its share through a
 `RankRuntime`, and the others loop in `serve_follower`. A process group must see its collectives in one order
 on every rank, so the ranks talk three ways: the default group at the start alone; torchrun's key-value store
@@ -11,8 +10,7 @@ collective: rank 0 writes a stop point a few checkpoints ahead, where every rank
 What crosses the store is pickled: whoever reaches the store's port runs code on every rank, as with
 torch.distributed itself (docs/several-gpus.md says how to keep it private). Every key a wave writes
 (``message/{n}``, ``outcome/{n}/{rank}``, ``stop/{wave}``) is deleted once every rank has read it; only the
-heartbeats and the last message stay, and the store ends with the group.
-"""
+heartbeats and the last message stay, and the store ends with the group."""
 
 from __future__ import annotations
 

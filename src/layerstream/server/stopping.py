@@ -1,10 +1,8 @@
 """Stopping a started generation between denoising steps: why it stops, the signal, and the error it raises.
-
 Raising in diffusers' ``callback_on_step_end`` (`Omni.generate`'s ``on_step``) unwinds the pipeline where no
 block holds a slot and the only copy in flight is the last block's prefetch of the first: the runtime is as
 clean as after a finished generation, and the next request runs bit-identically. The worker also checks before
-each of a request's ``n`` outputs (the only boundary of a pipeline without that callback).
-"""
+each of a request's ``n`` outputs (the only boundary of a pipeline without that callback)."""
 
 from __future__ import annotations
 

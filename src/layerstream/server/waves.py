@@ -1,12 +1,10 @@
 """Rank 0 of a multi-rank server: waves of requests, one share per rank.
-
 `WavePolicy` takes the head of the queue and the requests that can run beside it, one per rank (or one batch
 per rank), as a wave. Every rank must run the same forwards (allgather gathers each block once per forward on
 every rank), so requests alone share their size, frames, steps, guidance, negative prompt, output count and
 whether they carry an image; batched, their batch shape. A rank without a request runs a placeholder whose
 outputs are dropped. `RankRunner` broadcasts each wave, runs rank 0's share, gathers and answers: a wave that
-raised answers 500 and is followed by a rebuild on every rank; a rank lost answers 503 and stops the server.
-"""
+raised answers 500 and is followed by a rebuild on every rank; a rank lost answers 503 and stops the server."""
 
 from __future__ import annotations
 
@@ -129,7 +127,6 @@ class RankRunner(RunnerBase):
     def omni(self) -> Any:
         return self.runtime.omni
 
-    # waves -----------------------------------------------------------------------------------------------------
     def run(self, groups: list[list[ServedJob]]) -> list[Answer]:
         """One wave; one answer per job. A job whose observer fails as it starts is answered so and left out."""
         jobs = [job for group in groups for job in group]
@@ -260,7 +257,6 @@ class RankRunner(RunnerBase):
     def _unavailable(self) -> ApiError:
         return ApiError(503, f"a serving rank failed: {self.fatal_error}", code="rank_failed")
 
-    # reports ---------------------------------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
         """What /health says of the ranks."""
         setup = self.runtime.setup

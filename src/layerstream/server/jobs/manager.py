@@ -2,8 +2,7 @@
 `StepObserver` (progress and preview events), and their outputs written to the data folder. Once a job's
 row says completed or failed its outcome is settled: the bookkeeping after it (metrics, events, retention)
 may fail without changing it (logged, and `/health`'s ``jobs_bookkeeping``). A deleted job is gone at once;
-a running one stops at its next step (`StopReason.CANCELLED`).
-"""
+a running one stops at its next step (`StopReason.CANCELLED`)."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ from layerstream.request import GenerationError
 from layerstream.server.errors import ApiError, client_line
 from layerstream.server.jobs.events import JobEvent, JobEvents, stream_events
 from layerstream.outputs import OutputEncoding
-from layerstream.server.jobs.previews import LatentProjection, fit_latent_projection, preview_data_url
+from layerstream.server.jobs.previews import LatentProjection, fit_latent_projection
 from layerstream.server.jobs.records import (
     DECODED_PERCENT,
     AfterStepsRate,
@@ -103,7 +102,6 @@ class JobManager:
             self.store.update(live.record.with_status(JobStatus.FAILED, error=error, completed_at=int(time.time())))
         self.store.close()
 
-    # the API ---------------------------------------------------------------------------------------------------
     def create(self, body: VideoJobRequest | ImageJobRequest, image: Any) -> dict[str, Any]:
         """Check `body`, store it as a queued job and queue it; its job object. A refusal stores nothing."""
         served = self.service.prepare(body.generation_body(self.service.limits), image, body.image_field)
@@ -194,7 +192,6 @@ class JobManager:
         """The job's event stream; call `get` first (off the event loop) for a 404 before it starts."""
         return stream_events(self.events, job_id, lambda: self._object_or_none(job_id))
 
-    # the worker ------------------------------------------------------------------------------------------------
     def _started(self, live: _LiveJob) -> LatentProjection | None:
         """On the worker: mark the job in progress; the latent projection of its previews, if any."""
         if not self._save(live, live.record.with_status(JobStatus.IN_PROGRESS)):
@@ -278,12 +275,10 @@ class JobManager:
         self.storage_problem = f"the data folder (--data-dir) refused a write ({client_line(error, self._folders)})"
         return ApiError(503, f"{self.storage_problem}: the job was not stored; retry later", code="database_error")
 
-    def storage_state(self) -> str:
-        return self.storage_problem or "ok"
-
-    def history_state(self) -> dict[str, Any]:
-        """What `/health` says of the history: rows set aside, and the last bookkeeping that failed."""
-        return {"jobs_unreadable": len(self.store.unreadable), "jobs_bookkeeping": self.bookkeeping_problem or "ok"}
+    def health(self) -> dict[str, Any]:
+        """What `/health` says of the job API and its history."""
+        return {"jobs_path": self.path, "jobs_storage": self.storage_problem or "ok",
+                "jobs_unreadable": len(self.store.unreadable), "jobs_bookkeeping": self.bookkeeping_problem or "ok"}
 
     def _complete(self, live: _LiveJob, data: bytes, usage: Any) -> None:
         """Store the job's file: encoded once by the worker, with the job's settings already inside it."""
@@ -356,7 +351,6 @@ class JobManager:
             self._projection_fitted = True
         return self._projection
 
-    # views -----------------------------------------------------------------------------------------------------
     def _new_record(self, body: VideoJobRequest | ImageJobRequest, served: ServedRequest) -> JobRecord:
         """The queued job: the request `served` runs, without its input image."""
         request, source = served.request, self.service.source
@@ -426,8 +420,8 @@ class _JobObserver:
         width, height = self.live.record.request.width, self.live.record.request.height
         if not (width and height):
             return  # the pipeline picks its size: the packed latents cannot be laid out without it
-        png = self.projection.preview_png(latents, width=width, height=height)
-        self.manager.events.publish(job_id, JobEvent("preview", {"step": step, "image": preview_data_url(png)}))
+        image = self.projection.preview_data_url(latents, width=width, height=height)
+        self.manager.events.publish(job_id, JobEvent("preview", {"step": step, "image": image}))
 
 
 def _is_full(error: Exception) -> bool:

@@ -1,10 +1,8 @@
 """Previews of a running job, drawn cheaply from its latents with a linear latent-to-RGB projection.
-
 The projection is fitted once from the model's own VAE: random latents of a small grid are decoded, pooled
 down, and least squares gives per colour a weight per channel and a bias. A preview is then one small matrix
 product, a pixel per latent position (a 1280x720 Wan video: 160x90). The latents are copied, and the fit
-draws its noise from its own generator: the generation is untouched.
-"""
+draws its noise from its own generator: the generation is untouched."""
 
 from __future__ import annotations
 
@@ -35,8 +33,8 @@ class LatentProjection:
     packed: bool
     vae_scale: int  # pixels per latent position along each side
 
-    def preview_png(self, latents: torch.Tensor, *, width: int, height: int) -> bytes:
-        """A PNG of the first output's latents (a video's middle latent frame), a pixel per latent position."""
+    def preview_data_url(self, latents: torch.Tensor, *, width: int, height: int) -> str:
+        """A PNG data URL of the first output's latents (a video's middle frame), a pixel per latent position."""
         grid = latent_grid(latents[:1], packed=self.packed, width=width, height=height, vae_scale=self.vae_scale)[0]
         if grid.ndim == 4:  # [channels, frames, h, w]
             grid = grid[:, grid.shape[1] // 2]
@@ -46,11 +44,7 @@ class LatentProjection:
 
         buffer = io.BytesIO()
         Image.fromarray(pixels).save(buffer, format="PNG")
-        return buffer.getvalue()
-
-
-def preview_data_url(png: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def latent_grid(latents: torch.Tensor, *, packed: bool, width: int, height: int, vae_scale: int) -> torch.Tensor:

@@ -1,7 +1,6 @@
 """The job routes: OpenAI's `/v1/videos` job API for video models, its twin `/v1/images/jobs` for image models:
 create, list, get, its content, its event stream (status, progress, previews) and delete. Every call into the
-job database runs off the event loop, and a refusal by it is a 503.
-"""
+job database runs off the event loop, and a refusal by it is a 503."""
 
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ from layerstream.server.openapi import (
     QUEUEING_ERRORS,
     binary_response,
     error_responses,
-    event_stream_response,
     json_request_body,
 )
 
@@ -71,16 +69,10 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
     path = jobs.path
     is_video = jobs.kind == "video"
     strict_model, form_model = (VideoJobRequest, VideoJobForm) if is_video else (ImageJobRequest, ImageJobForm)
-    image_field = strict_model.image_field
-    how = f"{image_field} (a file part, or base64 or a data URL in JSON)"
 
     @app.post(path, responses=_CREATE_ERRORS, openapi_extra=json_request_body(strict_model))
     async def create_job(request: Request) -> JSONResponse:
-        body, image_bytes = await read_job_body(request, jobs.service, strict_model, form_model)
-        service = jobs.service
-        has_image = image_bytes is not None
-        service.check_image_presence(has_image=has_image, endpoint=f"POST {path}", field=image_field, how=how)
-        image = await asyncio.to_thread(service.read_image, image_bytes, image_field) if has_image else None
+        body, image = await read_job_input(request, jobs.service, strict_model, form_model, f"POST {path}")
         return JSONResponse(await asyncio.to_thread(jobs.create, body, image))  # a database write
 
     @app.get(path, responses=_LIST_ERRORS, openapi_extra={"parameters": _PAGE_PARAMETERS})
@@ -108,7 +100,8 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
         served, media_type, name = await _in_database(jobs.content, job_id)  # a read and a hard link
         return _ServedFile(served, media_type=media_type, filename=name, release=jobs.release_content)
 
-    events = {**event_stream_response("Status, progress and preview events"), **error_responses(_NO_JOB)}
+    sse = {"text/event-stream": {"schema": {"type": "string"}}}
+    events = {200: {"description": "Status, progress and preview events", "content": sse}, **error_responses(_NO_JOB)}
 
     @app.get(path + "/{job_id}/events", response_class=StreamingResponse, responses=events)
     async def job_events(job_id: str) -> StreamingResponse:
@@ -122,10 +115,11 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
         return JSONResponse(await _in_database(jobs.delete, job_id))  # a database write and an unlink
 
 
-async def read_job_body(
-    request: Request, service: GenerationService, strict_model: type[VideoJobRequest | ImageJobRequest], form_model: type[BaseModel]
-) -> tuple[Any, bytes | None]:
-    """(the parsed body, the input image's bytes or None) of a JSON, multipart or url-encoded create request."""
+async def read_job_input(
+    request: Request, service: GenerationService, strict_model: type[VideoJobRequest | ImageJobRequest],
+    form_model: type[BaseModel], endpoint: str,
+) -> tuple[Any, Any]:
+    """(the parsed body, the input image read or None) of a JSON, multipart or url-encoded create request."""
     image_field = strict_model.image_field
     content_type = request.headers.get("content-type", "").lower()
     takes_image = service.limits.rules.image_input != "none"
@@ -155,7 +149,10 @@ async def read_job_body(
     inline = getattr(parsed, image_field, None)  # JSON: the image as base64 or a data URL
     if inline is not None:
         image_bytes = await asyncio.to_thread(decode_base64_image, inline, image_field)
-    return parsed, image_bytes
+    how = f"{image_field} (a file part, or base64 or a data URL in JSON)"
+    service.check_image_presence(has_image=image_bytes is not None, endpoint=endpoint, field=image_field, how=how)
+    image = await asyncio.to_thread(service.read_image, image_bytes, image_field) if image_bytes is not None else None
+    return parsed, image
 
 
 async def _in_database(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -1,11 +1,9 @@
 """`JobStore`: the job history in an embedded SQLite database and output files under the data folder.
-
 WAL mode and one transaction per change: a process killed at any moment (kill -9 included) leaves every
 committed job readable. An output is written whole and renamed (`write_atomically`) before the row naming it
 commits; opening removes job files no row names, fails the jobs a stopped server left unfinished, and locks
 the folder so that two servers never share one history. A row that cannot be read (edited by hand, damaged on
-disk) is set aside: logged once, counted (`unreadable`, on `/health`), left as it is and skipped by every read.
-"""
+disk) is set aside: logged once, counted (`unreadable`, on `/health`), left as it is and skipped by every read."""
 
 from __future__ import annotations
 
@@ -110,7 +108,6 @@ class JobStore:
             self._db.close()
         self._lock_file.close()  # releases the folder lock
 
-    # start-up --------------------------------------------------------------------------------------------------
     def recover_(self) -> list[str]:
         """Fail every job a previous server left unfinished and remove the job files no job names; the ids failed."""
         now = int(time.time())
@@ -137,12 +134,11 @@ class JobStore:
             logger.info("job history: %d job(s) left unfinished by the last server marked failed", len(failed))
         return failed
 
-    # jobs ------------------------------------------------------------------------------------------------------
     def insert(self, record: JobRecord) -> None:
         with self._transaction() as db:
             db.execute(
                 "INSERT INTO jobs (id, kind, status, output_bytes, record) VALUES (?, ?, ?, ?, ?)",
-                (record.id, record.kind, record.status, record.output_bytes, _record_to_json(record)),
+                (record.id, record.kind, record.status, record.output_bytes, json.dumps(record.to_dict())),
             )
 
     def update(self, record: JobRecord) -> bool:
@@ -188,10 +184,9 @@ class JobStore:
             if record is None:  # none, or set aside: left as it is
                 return None
             db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
-        self._remove_output(record)
+        self.remove_output(record.output_name)
         return record
 
-    # outputs ---------------------------------------------------------------------------------------------------
     def output_path(self, record: JobRecord) -> Path | None:
         return self.outputs / record.output_name if record.output_name else None
 
@@ -221,8 +216,9 @@ class JobStore:
         if served.parent == self.serving:
             served.unlink(missing_ok=True)
 
-    def remove_output(self, name: str) -> None:
-        (self.outputs / name).unlink(missing_ok=True)
+    def remove_output(self, name: str | None) -> None:
+        if name:
+            (self.outputs / name).unlink(missing_ok=True)
 
     def enforce_retention_(self) -> list[str]:
         """Remove the oldest finished jobs (never the newest) to fit --max-jobs and --max-output-bytes; their ids."""
@@ -242,12 +238,11 @@ class JobStore:
                 removed.append(record)
                 count, total = count - 1, total - record.output_bytes
         for record in removed:
-            self._remove_output(record)
+            self.remove_output(record.output_name)
         if removed:
             logger.info("job history: removed %d oldest finished job(s) (retention limits)", len(removed))
         return [record.id for record in removed]
 
-    # internals -------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         with self._lock, self._db:  # commits on success, rolls back on an exception
@@ -257,13 +252,9 @@ class JobStore:
     def _write_row(db: sqlite3.Connection, record: JobRecord) -> bool:
         cursor = db.execute(
             "UPDATE jobs SET status = ?, output_bytes = ?, record = ? WHERE id = ?",
-            (record.status, record.output_bytes, _record_to_json(record), record.id),
+            (record.status, record.output_bytes, json.dumps(record.to_dict()), record.id),
         )
         return cursor.rowcount == 1
-
-    def _remove_output(self, record: JobRecord) -> None:
-        if record.output_name:
-            self.remove_output(record.output_name)
 
     def _read_row(self, row: tuple[Any, ...]) -> JobRecord | None:
         """The record of a row, or None for one set aside (logged the first time it is met)."""
@@ -305,7 +296,3 @@ def _lock_folder(folder: Path):
     handle.write(f"{os.getpid()}\n")
     handle.flush()
     return handle
-
-
-def _record_to_json(record: JobRecord) -> str:
-    return json.dumps(record.to_dict())
