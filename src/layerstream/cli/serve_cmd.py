@@ -350,8 +350,7 @@ def _follow(runtime, channel, rank: int) -> int:
 
 
 def _serve_rank(args: argparse.Namespace, config, settings, history) -> int:
-    """One rank of several: rank 0 binds, keeps the job history, serves HTTP and runs waves; the others run
-    the waves it sends."""
+    """One rank of several: rank 0 serves HTTP and the history and leads the waves; the others run them."""
     from layerstream.distributed.process_group import destroy_distributed
     from layerstream.models.loading import ModelLoadError
     from layerstream.omni import GenerationError

@@ -254,8 +254,7 @@ async def _refuse(send: Any, status: int, code: str, message: str, headers: dict
 
 
 class HostGate:
-    """403 to a request whose Host this server does not answer to (DNS rebinding); a request without a Host
-    (HTTP/1.0) names no site and passes."""
+    """403 to a Host this server does not answer to; a request without one (HTTP/1.0) names no site and passes."""
 
     def __init__(self, app: Any, *, settings: AccessSettings):
         self.app, self.rule = app, settings.hosts

@@ -1,10 +1,8 @@
-"""The FastAPI app: routes, error answers and request metrics around a `GenerationService`.
-OpenAI-style ``/v1/images/generations``, ``/v1/images/edits`` (a multipart form), ``/v1/videos/generations``,
-vllm-omni's ``/v1/videos/sync`` (the MP4 itself), the job API (`layerstream.server.jobs.routes`), the kept
-``/v1/images/outputs/NAME`` of response_format 'url', ``/v1/models``, ``/health``, ``/metrics`` and the web
-page at ``/``. Each route's OpenAPI entry states the statuses it answers. A client that disconnects while it
-sends, waits or runs is counted as 499 (no client reads it: not in the document); its job is dropped from the
-queue or stopped at its next step."""
+"""The FastAPI app: routes, error answers and request metrics around a `GenerationService`:
+OpenAI's image, edit and video endpoints, vllm-omni's ``/v1/videos/sync``, the job API (`jobs.routes`),
+``/v1/models``, ``/health``, ``/metrics`` and the web page. A client that disconnects is counted as 499 (no
+client reads it: not in the OpenAPI document); its job is dropped from the queue or stopped at its next step.
+"""
 
 from __future__ import annotations
 
@@ -89,8 +87,7 @@ _IMAGE_OUTPUT_ERRORS = error_responses({404: "No kept output of that name (kept 
 def create_app(
     service: GenerationService, jobs: JobManager | None = None, *, ui: bool = True, access: AccessSettings | None = None
 ) -> FastAPI:
-    """The app serving `service`, with `jobs` its job API, with `ui` the web page; `access` defaults to a
-    loopback server's checks."""
+    """The app serving `service`, with `jobs` its job API, with `ui` the web page (`access`: loopback's checks)."""
     access = access if access is not None else AccessSettings()
     app = FastAPI(title="layerstream", version=__version__, lifespan=_lifespan(service, jobs))
     apply_exact_openapi_(app, access)

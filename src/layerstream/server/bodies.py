@@ -44,11 +44,8 @@ async def read_body(request: Request, max_bytes: int, limit_flags: str = "--max-
     return b"".join(chunks)
 
 
-def read_urlencoded(
-    body: bytes, image_field: str, *, refused: Mapping[str, str] | None = None
-) -> tuple[dict[str, str], None]:
-    """(the text fields, None) of an ``application/x-www-form-urlencoded`` body (what aiohttp sends for a form
-    without files), checked as `read_form` checks a multipart one."""
+def read_urlencoded(body: bytes, image_field: str) -> tuple[dict[str, str], None]:
+    """(the text fields, None) of a url-encoded body (aiohttp's form), checked as `read_form` checks its own."""
     from urllib.parse import parse_qsl
 
     try:
@@ -60,8 +57,6 @@ def read_urlencoded(
         if name in (image_field, image_field + "[]"):
             message = f"{name} must be a file part of a multipart/form-data body (or base64 in a JSON body), not url-encoded text"
             raise ApiError(422, message, code="invalid_image", param=image_field)
-        if refused and name in refused:
-            raise ApiError(422, refused[name], code="invalid_request", param=name)
         if name in fields:
             raise ApiError(422, f"{name} is given more than once; expected one", code="invalid_request", param=name)
         fields[name] = value

@@ -18,8 +18,7 @@ _ERROR_TYPES = {404: "not_found_error", 429: "queue_full_error", 499: "client_cl
 
 
 def client_line(error: BaseException, folders: Mapping[str, str] | None = None) -> str:
-    """`error` as one line a client may read: no file name, each of `folders` (path -> setting) named by its
-    setting. The log keeps the whole error."""
+    """`error` as one line a client may read: no file name, each of `folders` (path -> setting) by its setting."""
     folders = folders or {}
     if isinstance(error, OSError) and error.strerror:
         text = f"{type(error).__name__}: {error.strerror}"
@@ -63,8 +62,7 @@ def invalid_fields(status: int, details: Sequence[ErrorDetail], *, code: str) ->
 
 
 def validation_error(error: ValidationError, model: type[BaseModel]) -> ApiError:
-    """A 422 naming each bad field and what it accepts; a 400 for a body that is not JSON, or a bad
-    ``extra_params`` (as vllm-omni answers it)."""
+    """A 422 naming each bad field and what it accepts; a 400 for a body not JSON, or a bad ``extra_params``."""
     schema = model.model_json_schema()
     properties: dict[str, Any] = schema.get("properties", {})
     details = []

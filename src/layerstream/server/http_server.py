@@ -42,8 +42,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port), not yet listening: bound before the model loads, a busy port is an
-    OSError in seconds."""
+    """A TCP socket bound to (host, port), not yet listening: before the model loads, a busy port costs seconds."""
     addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, kind, proto, _, address = addresses[0]
     sock = socket.socket(family, kind, proto)

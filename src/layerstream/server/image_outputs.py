@@ -23,8 +23,7 @@ class KeptOutput:
 
 
 class KeptOutputs:
-    """The newest image outputs, by name, in memory: at most `max_outputs` of them in `max_bytes`, though the
-    newest is kept even alone over `max_bytes` (its URL must answer once). Thread-safe."""
+    """The newest outputs, at most `max_outputs` in `max_bytes` (the newest always: its URL must answer once)."""
 
     def __init__(self, *, max_outputs: int = MAX_KEPT_OUTPUTS, max_bytes: int = MAX_KEPT_OUTPUT_BYTES):
         self.max_outputs = max_outputs

@@ -48,7 +48,7 @@ class InProcessRunner(RunnerBase):
         try:
             if job.observer is not None:
                 job.observer.started()
-            work = GroupWork((served.request,), batch_call=False, encodings=(served.encoding,))
+            work = GroupWork.of([job], batch_call=False)
             (result,) = run_group(self.omni, work, job.stop_signal.raise_if_requested, observer=job.observer)
         except Exception as e:
             answer: Answer = e
@@ -61,8 +61,7 @@ class InProcessRunner(RunnerBase):
         return answer
 
     def _run_batch(self, jobs: list[ServedJob]) -> list[Answer]:
-        """The requests of `jobs` as one `Omni.run_batch` call. A request asked to stop does not stop the others:
-        its outputs are dropped; the call stops only once every request has asked to."""
+        """`jobs` as one `Omni.run_batch`; a request asked to stop has its outputs dropped, the others run on."""
         started = time.perf_counter()
         # a request asked to stop before the call starts is left out of it: less work for the others
         running = [job for job in jobs if job.stop_signal.reason is None]
@@ -85,11 +84,8 @@ class InProcessRunner(RunnerBase):
             if all(job.stop_signal.reason is not None for job in running):
                 running[0].stop_signal.raise_if_requested(where)
 
-        work = GroupWork(
-            tuple(job.served.request for job in running), batch_call=True,
-            encodings=tuple(job.served.encoding for job in running),
-        )  # fmt: skip
         # a request asked to stop during the call is answered so: its outputs are not encoded
+        work = GroupWork.of(running, batch_call=True)
         return run_group(self.omni, work, stop_if_all_asked, wanted=lambda i: running[i].stop_signal.reason is None)
 
     def _batch_answers(self, jobs: list[ServedJob], running: list[ServedJob], results: list[RequestResult]) -> list[Answer]:

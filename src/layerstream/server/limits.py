@@ -1,8 +1,7 @@
-"""What the served model accepts, read once at startup, and the checks a request must pass before it queues.
-The schema checks types and fixed ranges; this module checks what depends on the model (output kind, size
-multiple, largest grid, frame rule, ``extra_params``) and the server's caps, the work cap among them. The model's
-rules (`ModelRules`) and the request's table decide; this module only words their refusals for HTTP, as a 400
-before anything is queued."""
+"""What the served model accepts, read once at startup, and the checks a request must pass before it queues:
+what depends on the model (its `ModelRules` decide; this module words their refusals as a 400) and the server's
+caps, the work cap among them.
+"""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ from layerstream.server.settings import ACCELERATOR_STEPS, CPU_MAX_WORK, ServeSe
 
 @dataclass(frozen=True, kw_only=True)
 class ModelLimits:
-    """The served model's rules and defaults (`ModelRules`, as `Omni` and the command line read them) and the
-    server's caps, already lowered to what the model can position."""
+    """The served model's rules (`ModelRules`) and the server's caps, lowered to what the model can position."""
 
     rules: ModelRules
     max_frames: int  # the smaller of --max-frames and what the transformer can position

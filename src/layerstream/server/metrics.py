@@ -47,8 +47,7 @@ class QueueState:
 
 
 class ServerMetrics:
-    """What the app records as it answers, in its own `registry`; thread-safe (the worker thread records
-    jobs, the event loop requests)."""
+    """What the app records as it answers, in its own `registry`; thread-safe."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -88,8 +87,7 @@ class ServerMetrics:
         self._request_seconds.labels(endpoint=endpoint).observe(seconds)
 
     def observe_job(self, *, queue_seconds: float, seconds: float | None, num_outputs: int, outcome: JobOutcome):
-        """One job the worker finished with: its wait, its time (None: it never ran; in a batch, its share of the
-        call) and its outputs."""
+        """A finished job's wait, time (None: it never ran; in a batch, its share of the call) and outputs."""
         self._queue_wait.observe(queue_seconds)
         if seconds is not None:
             self._job_seconds.observe(seconds)

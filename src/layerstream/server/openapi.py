@@ -1,10 +1,7 @@
-"""The served OpenAPI document: the request bodies the routes parse themselves, their bounds kept exact, and
-every status each route answers.
-
-FastAPI's own `OpenAPI` model makes every integer bound a float (``n`` from 1.0 to 4.0); `apply_exact_openapi_`
-puts the request bodies back as the models state them and turns other integer bounds back into integers. It
-takes out FastAPI's own 422 (the routes answer every error as an `ErrorResponse`, listed by `error_responses`)
-and adds the access checks' 403 and 401, as the server is configured."""
+"""The served OpenAPI document: the request bodies the routes parse themselves, with exact bounds (FastAPI's
+own model makes every integer bound a float), every status each route answers as an `ErrorResponse` (and
+not FastAPI's own 422), and the access checks' 403 and 401 as the server is configured.
+"""
 
 from __future__ import annotations
 

@@ -19,13 +19,18 @@ Checkpoint = Callable[[str], None]
 
 @dataclass(frozen=True)
 class GroupWork:
-    """What one pipeline group runs: one request alone or one batch call (pickled to a rank, its input images as
-    their files: `ranks.WaveMessage.with_image_files`)."""
+    """What one pipeline group runs: one request alone or one batch call (pickled to a rank)."""
 
     requests: tuple[GenerationRequest, ...]  # one alone, or a batch's (not checked again on a rank)
     batch_call: bool  # one `Omni.run_batch` (else `Omni.run` per output of the one request)
     placeholder: bool = False  # an idle rank's copy of another's work: the same forwards, outputs dropped
     encodings: tuple[OutputEncoding | None, ...] = ()  # per request (None, or missing: the kind's default)
+
+    @classmethod
+    def of(cls, jobs: Any, *, batch_call: bool) -> GroupWork:
+        """The work of queued jobs (their `ServedRequest`s)."""
+        served = [job.served for job in jobs]
+        return cls(tuple(s.request for s in served), batch_call=batch_call, encodings=tuple(s.encoding for s in served))
 
     def as_placeholder(self) -> GroupWork:
         """The cheapest work with the same forwards: a batch call of one output, or the request alone."""

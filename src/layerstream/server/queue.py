@@ -149,8 +149,7 @@ class BatchPolicy:
 
 
 class GenerationQueue(Generic[ServedT, ResultT]):
-    """Bounded FIFO (`max_waiting` jobs not yet started) with one worker thread, taking jobs by `policy` and
-    running them with `runner`."""
+    """Bounded FIFO of `max_waiting` jobs not yet started, with one worker thread running `policy`'s takes."""
 
     def __init__(
         self, max_waiting: int, *, runner: Runner[ServedT, ResultT], policy: TakePolicy | None = None,
@@ -238,8 +237,7 @@ class GenerationQueue(Generic[ServedT, ResultT]):
         return job
 
     def stop(self, job: Job, reason: StopReason) -> bool:
-        """Stop `job` for `reason`; True if it was still waiting (it fails, or is cancelled, at once). A started
-        job is asked to stop at its next denoising step."""
+        """Stop `job`; True if it was waiting (it fails at once), else it is asked to stop at its next step."""
         if not self._remove_waiting(job):
             job.stop_signal.request(reason)  # started or done: the runner reads this between steps
             return False

@@ -1,16 +1,11 @@
 """Serving on several ranks: how they talk, and what every rank runs in a wave.
-Rank 0 serves HTTP and hands out waves (`layerstream.server.waves`); every rank runs its share through a
-`RankRuntime`, and the others loop in `serve_follower`. A process group must see its collectives in one order
-on every rank, so the ranks talk three ways: the default group at the start alone; torchrun's key-value store
-for messages, outcomes, heartbeats and stop points (`ControlChannel`, no collective: a rank that finished
-first waits without a timeout); and the offload group for allgather's transfers, replaced after a failed wave
-(a rank that raised inside a block leaves its peers' transfers unmatched). A wave is stopped without a
-collective: rank 0 writes a stop point a few checkpoints ahead, where every rank stops.
-
-What crosses the store is pickled: whoever reaches the store's port runs code on every rank, as with
-torch.distributed itself (docs/several-gpus.md says how to keep it private). Every key a wave writes
-(``message/{n}``, ``outcome/{n}/{rank}``, ``stop/{wave}``) is deleted once every rank has read it; only the
-heartbeats and the last message stay, and the store ends with the group."""
+A process group must see its collectives in one order on every rank, so the ranks talk three ways: the default
+group at the start alone; torchrun's key-value store for messages, outcomes, heartbeats and stop points
+(`ControlChannel`: a rank that finished first waits without a timeout); and the offload group for allgather,
+replaced after a failed wave. What crosses the store is pickled: whoever reaches its port runs code on every
+rank, as with torch.distributed itself (docs/several-gpus.md says how to keep it private). Every key a wave
+writes is deleted once every rank has read it; the heartbeats and the last message end with the store.
+"""
 
 from __future__ import annotations
 
@@ -101,8 +96,7 @@ class RankSetup:
 
 
 def join_serving_ranks(device: str | None, timeout_s: float, prepare: Callable[[], None]) -> RankSetup:
-    """Join the group torchrun describes, with collectives that time out after `timeout_s`; `prepare` runs on
-    rank 0 before any other rank goes on (it builds an embedded model once, not N times at once)."""
+    """Join torchrun's group; `prepare` runs on rank 0 before the others go on (a model built once, not N times)."""
     import torch.distributed as dist
 
     from layerstream.distributed.process_group import COLLECTIVE_TIMEOUT_ENV, init_distributed
@@ -333,8 +327,7 @@ def lead_wave(
     channel: ControlChannel, runtime: RankRuntime, message: WaveMessage, decide: Callable[[], StopReason | None],
     observer: StepObserver | None = None,
 ) -> list[RankOutcome]:
-    """Rank 0's side of a RUN wave: send `message`, run rank 0's share and gather every rank's outcome;
-    `decide` says when to stop it. Raises `RankGroupError` if a rank is lost."""
+    """Rank 0's side of a RUN wave: send `message`, run its share, gather; `decide` says when to stop it."""
     message = message.with_image_files()
     channel.broadcast(message)
     stop = WaveStop(channel.setup.store, message.wave_id, decide=decide)

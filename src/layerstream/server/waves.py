@@ -1,10 +1,9 @@
 """Rank 0 of a multi-rank server: waves of requests, one share per rank.
-`WavePolicy` takes the head of the queue and the requests that can run beside it, one per rank (or one batch
-per rank), as a wave. Every rank must run the same forwards (allgather gathers each block once per forward on
-every rank), so requests alone share their size, frames, steps, guidance, negative prompt, output count and
-whether they carry an image; batched, their batch shape. A rank without a request runs a placeholder whose
-outputs are dropped. `RankRunner` broadcasts each wave, runs rank 0's share, gathers and answers: a wave that
-raised answers 500 and is followed by a rebuild on every rank; a rank lost answers 503 and stops the server."""
+`WavePolicy` takes the head of the queue and the requests that can run beside it, one (or one batch) per rank:
+every rank must run the same forwards, as allgather gathers each block once per forward on every rank, and a
+rank without a request runs a placeholder whose outputs are dropped. `RankRunner` leads each wave and answers:
+500 for a wave that raised (then every rank rebuilds), 503 for a rank lost (then the server stops).
+"""
 
 from __future__ import annotations
 
@@ -139,13 +138,7 @@ class RankRunner(RunnerBase):
 
     def _run_wave(self, groups: list[list[ServedJob]]) -> list[Answer]:
         jobs = [job for group in groups for job in group]
-        works = [
-            GroupWork(
-                tuple(j.served.request for j in g), batch_call=self.policy.batches(g[0]),
-                encodings=tuple(j.served.encoding for j in g),
-            )
-            for g in groups
-        ]  # fmt: skip
+        works = [GroupWork.of(g, batch_call=self.policy.batches(g[0])) for g in groups]
         num_idle = self.runtime.setup.world_size - len(works)
         works += [works[0].as_placeholder()] * num_idle
         self._wave_id += 1

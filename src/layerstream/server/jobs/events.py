@@ -63,8 +63,7 @@ class JobEvents:
 async def stream_events(
     events: JobEvents, job_id: str, snapshot: Callable[[], dict[str, Any] | None]
 ) -> AsyncIterator[str]:
-    """The text of a job's event stream: its status now, then its events, until it finishes. `snapshot()` gives
-    the job object (None once deleted); it reads the database, so it runs off the event loop."""
+    """A job's event stream: its status now (`snapshot()`, None once deleted), then its events until it ends."""
     queue = events.subscribe(job_id)  # before the snapshot: no event between the two is missed
     try:
         current = await asyncio.to_thread(snapshot)

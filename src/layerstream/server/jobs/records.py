@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -46,13 +46,6 @@ class JobSettings:
     model_revision: str | None = None  # a Hub model's revision as asked (``main``), and the commit it was
     model_commit: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> JobSettings:
-        return cls(**data)
-
 
 def shown_settings(request: GenerationRequest, settings: JobSettings) -> dict[str, Any]:
     """Every setting needed to make the result again: a job object's ``layerstream.settings`` and its file's."""
@@ -86,13 +79,8 @@ class JobRecord:
     def to_dict(self) -> dict[str, Any]:
         """The record as the store keeps it (JSON-ready); `from_dict` reads it back."""
         request = {name: value for name, value in self.request.to_dict().items() if name != "image"}
-        return {
-            "id": self.id, "kind": self.kind, "model": self.model,
-            "status": str(self.status), "created_at": self.created_at, "request": request,
-            "settings": self.settings.to_dict(), "seconds": self.seconds, "progress": self.progress,
-            "completed_at": self.completed_at, "error": self.error, "output_name": self.output_name,
-            "output_bytes": self.output_bytes, "figures": self.figures,
-        }  # fmt: skip
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {**data, "status": str(self.status), "request": request, "settings": asdict(self.settings)}
 
     @classmethod
     def from_dict(cls, data: Any) -> JobRecord:
@@ -102,7 +90,7 @@ class JobRecord:
         _check_fields("figures", data["figures"] or {}, _FIGURES_FIELDS, partial=True)
         return cls(**{
             **data, "status": JobStatus(data["status"]), "request": GenerationRequest.from_dict(data["request"]),
-            "settings": JobSettings.from_dict(data["settings"]),
+            "settings": JobSettings(**data["settings"]),
         })  # fmt: skip
 
 
@@ -253,8 +241,7 @@ def job_object(record: JobRecord, live: LiveProgress | None, queue_position: int
 
 @dataclass
 class AfterStepsRate:
-    """Seconds after the last step (mostly the VAE decode) per output pixel, from the last job that finished:
-    what a job's ETA adds for it (a decode's time grows with its pixels)."""
+    """Seconds after the last step (mostly the VAE decode) per output pixel, from the last job that finished."""
 
     seconds_per_pixel: float | None = None
 

@@ -198,8 +198,7 @@ class JobStore:
         return name, (self.outputs / name).stat().st_size
 
     def serve_output(self, record: JobRecord) -> Path | None:
-        """A hard link to the output for one download, so that a DELETE meanwhile cannot cut it (the output
-        itself where there are no hard links); None if the output is gone."""
+        """A hard link to the output for one download, which a DELETE cannot cut; None if the output is gone."""
         path = self.output_path(record)
         if path is None:
             return None
