@@ -47,11 +47,9 @@ def access_settings(args: argparse.Namespace, bind_host: str) -> AccessSettings:
              "api_key": f"--api-key (or {API_KEY_ENV})"}  # fmt: skip
     try:
         return AccessSettings(
-            bind_host=bind_host,
-            allowed_hosts=_split(args.allowed_hosts) if args.allowed_hosts is not None else None,
-            allowed_origins=_split(args.allowed_origins),
-            api_key=api_key,
-        )
+            bind_host=bind_host, allowed_hosts=_split(args.allowed_hosts) if args.allowed_hosts is not None else None,
+            allowed_origins=_split(args.allowed_origins), api_key=api_key,
+        )  # fmt: skip
     except AccessSettingsError as e:
         raise flag_error(e, flags) from e
 

@@ -51,7 +51,6 @@ RANK0_PID_ENV = "LAYERSTREAM_SERVE_RANK0_PID_FILE"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of the ``serve`` subcommand."""
     add_model_arguments(parser, f'{MODEL_SOURCES} ("tiny-wan", "tiny-flux", ...)')
     add_vae_arguments(parser)
     parser.add_argument(
@@ -148,10 +147,8 @@ def run(args: argparse.Namespace) -> int:
     check_device_arg("--device", args.device)
     if num_ranks > 1 and args.device is not None and ":" in args.device:
         kind = args.device.split(":")[0]
-        raise CliError(
-            f"--device {args.device!r} with {num_ranks} ranks is not valid: each rank takes its own device "
-            f"({kind}:LOCAL_RANK); pass --device {kind}"
-        )
+        message = f"--device {args.device!r} with {num_ranks} ranks is not valid: each rank takes its own device"
+        raise CliError(f"{message} ({kind}:LOCAL_RANK); pass --device {kind}")
     if num_ranks > 1 and world_size == 1:
         return _launch_ranks(args, settings)
     if world_size > 1:

@@ -175,12 +175,10 @@ def _add_video_sync_route(app: FastAPI, service: GenerationService) -> None:
         usage, figures = output.usage, run_figures(output.usage)
         stages = {"queue": round(usage.queue_seconds, 6), "inference": figures["inference_time_s"], "total": round(time.perf_counter() - started, 6)}
         headers = {
-            "x-request-id": uuid.uuid4().hex,
-            "x-model": service.limits.model,
-            "x-inference-time-s": str(figures["inference_time_s"]),
-            "x-stage-durations": json.dumps(stages),
+            "x-request-id": uuid.uuid4().hex, "x-model": service.limits.model,
+            "x-inference-time-s": str(figures["inference_time_s"]), "x-stage-durations": json.dumps(stages),
             **({"x-peak-memory-mb": str(figures["peak_memory_mb"])} if figures["peak_memory_mb"] is not None else {}),
-        }
+        }  # fmt: skip
         return Response(output.files[0], media_type="video/mp4", headers=headers)
 
 
@@ -200,12 +198,10 @@ def _add_image_routes(app: FastAPI, service: GenerationService) -> None:
         body, output = await _run_edit(service, request)
         return _ok(await _image_response(request, body, output, kept_outputs))
 
-    @app.get(
-        IMAGE_OUTPUTS_PATH + "/{name}",
-        name="image_output",
-        response_class=Response,
-        responses={**binary_response("The image", "image/png", "image/jpeg", "image/webp"), **_IMAGE_OUTPUT_ERRORS},
-    )
+    images = binary_response("The image", "image/png", "image/jpeg", "image/webp")
+
+    @app.get(IMAGE_OUTPUTS_PATH + "/{name}", name="image_output", response_class=Response,
+             responses={**images, **_IMAGE_OUTPUT_ERRORS})  # fmt: skip
     async def image_output(name: str) -> Response:
         kept = kept_outputs.get(name)
         if kept is None:
@@ -262,10 +258,8 @@ async def _run_edit(service: GenerationService, request: Request) -> tuple[Image
     service.check_endpoint("edit")
     content_type = request.headers.get("content-type", "")
     if content_type.lower().startswith("application/x-www-form-urlencoded"):  # a form, but it cannot hold a file
-        raise ApiError(
-            400, "image is required: send a multipart/form-data body with the image as a file part named image",
-            code="invalid_image", param="image",
-        )  # fmt: skip
+        message = "image is required: send a multipart/form-data body with the image as a file part named image"
+        raise ApiError(400, message, code="invalid_image", param="image")
     if not content_type.lower().startswith("multipart/form-data"):
         raise ApiError(
             400, f"expected a multipart/form-data body (an image file part and form fields), got {content_type or 'none'!r}",

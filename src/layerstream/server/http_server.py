@@ -66,10 +66,9 @@ def run_server(
         create_app(service, jobs, ui=ui, access=access or AccessSettings(bind_host=service.settings.host)),
         http=guarded_h11(),  # closes connections that never send a whole request head
         log_config=None,  # the command line configured logging; uvicorn's loggers propagate to it
-        access_log=access_log,
+        access_log=access_log, lifespan="on",
         # the service stops the running generation after --shutdown-timeout; this bounds the wait for its answer
         timeout_graceful_shutdown=service.settings.shutdown_timeout + STOP_WAIT_SECONDS,
-        lifespan="on",
     )
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

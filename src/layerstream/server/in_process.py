@@ -37,8 +37,7 @@ class InProcessRunner(RunnerBase):
         (group,) = groups
         return [self._run_alone(group[0])] if len(group) == 1 else self._run_batch(group)
 
-    def report(self) -> dict[str, Any]:
-        """What /health says of the ranks: one, this process."""
+    def report(self) -> dict[str, Any]:  # /health's ranks: one, this process
         host_bytes = self.offload_stats.host_bytes if self.offload_stats is not None else None
         return {"world_size": 1, "backend": None, "ranks": [{"rank": 0, "host_bytes": host_bytes}]}
 

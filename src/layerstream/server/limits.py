@@ -110,17 +110,13 @@ def check_image_presence(
     """A 400 naming `field` for an image the model does not take, or one it needs missing (`how` to send it)."""
     problem = limits.rules.image_problem(has_image=has_image)
     if problem == "takes_none":
-        raise ApiError(
-            400, f"{limits.model} takes no input image; drop {field}, or use {endpoint} without it",
-            code="invalid_for_model", param=field,
-        )  # fmt: skip
+        message = f"{limits.model} takes no input image; drop {field}, or use {endpoint} without it"
+        raise ApiError(400, message, code="invalid_for_model", param=field)
     if problem == "required":
         if how is None:
             how = "POST /v1/images/edits with an image file part" if limits.kind == "image" else "image (base64)"
-        raise ApiError(
-            400, f"{limits.model} generates from an input image: {field} is required; send it as {how}",
-            code="invalid_for_model", param=field,
-        )  # fmt: skip
+        message = f"{limits.model} generates from an input image: {field} is required; send it as {how}"
+        raise ApiError(400, message, code="invalid_for_model", param=field)
 
 
 def check_endpoint(limits: ModelLimits, endpoint_kind: str) -> None:

@@ -170,8 +170,7 @@ class GenerationQueue(Generic[ServedT, ResultT]):
         self.num_started = 0
 
     @property
-    def depth(self) -> int:
-        """Jobs waiting (the running ones not counted)."""
+    def depth(self) -> int:  # waiting, the running not counted
         with self._cond:
             return len(self._waiting)
 
@@ -190,7 +189,6 @@ class GenerationQueue(Generic[ServedT, ResultT]):
             return self._closed
 
     def start(self) -> None:
-        """Start the worker thread (once)."""
         with self._cond:
             if self._thread is not None:
                 return

@@ -71,9 +71,7 @@ class WaveMessage:
 
 
 @dataclass
-class RankOutcome:
-    """What a rank reports after each message."""
-
+class RankOutcome:  # what a rank reports after each message
     rank: int
     host_bytes: int | None
     error: str | None = None  # one line, when the rank's work raised (anything but a requested stop)
@@ -172,7 +170,6 @@ class ControlChannel:
         return outcomes
 
     def check_alive(self) -> None:
-        """Raise `RankGroupError` if a rank's heartbeat has not moved for the collective timeout."""
         for peer in range(self.setup.world_size):
             if peer != self.setup.rank:
                 self._check_peer(peer)
@@ -199,10 +196,9 @@ class ControlChannel:
         if last is None or last[0] != count:
             self._seen[peer] = (count, now)
         elif now - last[1] > self.setup.timeout.total_seconds():
-            raise RankGroupError(
-                f"rank {peer} has not answered for {now - last[1]:.1f} s (the collective timeout is "
-                f"{self.setup.timeout.total_seconds():g} s): it exited or hangs"
-            )
+            silent, timeout = now - last[1], self.setup.timeout.total_seconds()
+            message = f"rank {peer} has not answered for {silent:.1f} s (the collective timeout is {timeout:g} s)"
+            raise RankGroupError(f"{message}: it exited or hangs")
 
     def _beat(self) -> None:
         # several beats per timeout, however short the timeout: a live rank is never taken for a lost one

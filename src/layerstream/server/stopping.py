@@ -13,8 +13,6 @@ from layerstream.errors import LayerstreamError
 
 
 class StopReason(StrEnum):
-    """Why a generation was asked to stop."""
-
     TIMEOUT = "timeout"  # the request's ``timeout`` passed
     CLIENT_GONE = "client_gone"  # nobody is left to read the answer
     SHUTDOWN = "shutdown"  # SIGTERM, and the running generation outlived --shutdown-timeout

@@ -208,8 +208,7 @@ class RankRunner(RunnerBase):
         if self.runtime.omni is not None:
             self.offload_stats = self.runtime.omni.stats()
 
-    def idle(self) -> None:
-        """Idle: check that every rank's heartbeat still moves."""
+    def idle(self) -> None:  # check that every rank's heartbeat still moves
         if self.fatal_error is None:
             try:
                 self.channel.check_alive()
@@ -251,7 +250,6 @@ class RankRunner(RunnerBase):
         return ApiError(503, f"a serving rank failed: {self.fatal_error}", code="rank_failed")
 
     def report(self) -> dict[str, Any]:
-        """What /health says of the ranks."""
         setup = self.runtime.setup
         with self._lock:
             host_bytes = list(self._rank_host_bytes)

@@ -59,6 +59,11 @@ class _LiveJob:
     queued: Job | None = None
     stats_before: Any = None
 
+    def failed(self, code: str, message: str) -> JobRecord:
+        error = {"code": code, "message": message}
+        return self.record.with_status(JobStatus.FAILED, error=error, completed_at=int(time.time()),
+                                       figures=self.progress.figures())  # fmt: skip
+
 
 class JobManager:
     """The job API of one `GenerationService` over one `JobStore`."""
@@ -139,7 +144,6 @@ class JobManager:
         return found
 
     def page(self, *, limit: int, after: str | None, order: Literal["asc", "desc"]) -> dict[str, Any]:
-        """OpenAI's list page of this kind's jobs."""
         found = self.store.page(self.kind, limit=limit, after=after, order=order)
         if found is None:
             raise ApiError(400, f"after = {after!r} names no {self.kind} job of this server", code="invalid_request", param="after")
@@ -256,10 +260,7 @@ class JobManager:
             return
         except Exception as again:  # noqa: BLE001 - the database refuses this write too
             logger.error("job %s: its failure cannot be stored either (%s); it is kept in memory", live.record.id, again)
-        failed = live.record.with_status(
-            JobStatus.FAILED, error={"code": code, "message": message}, completed_at=int(time.time()),
-            figures=live.progress.figures(),
-        )  # fmt: skip
+        failed = live.failed(code, message)
         with self._lock:
             self._unstored[failed.id] = failed
         live.record = failed
@@ -276,7 +277,6 @@ class JobManager:
         return ApiError(503, f"{self.storage_problem}: the job was not stored; retry later", code="database_error")
 
     def health(self) -> dict[str, Any]:
-        """What `/health` says of the job API and its history."""
         return {"jobs_path": self.path, "jobs_storage": self.storage_problem or "ok",
                 "jobs_unreadable": len(self.store.unreadable), "jobs_bookkeeping": self.bookkeeping_problem or "ok"}
 
@@ -303,10 +303,7 @@ class JobManager:
 
     def _fail(self, live: _LiveJob, code: str, message: str) -> None:
         logger.info("job %s failed: %s", live.record.id, message)
-        error = {"code": code, "message": message}
-        failed = live.record.with_status(
-            JobStatus.FAILED, error=error, completed_at=int(time.time()), figures=live.progress.figures()
-        )
+        failed = live.failed(code, message)
         if self._save(live, failed):  # failed jobs count against the limits as completed ones do
             self._after_outcome(f"retention after job {failed.id} failed", self._enforce_retention)
 

@@ -181,8 +181,7 @@ class LiveProgress:
             return 0
         return math.floor(STEPS_PERCENT * self.step / self.total_steps)
 
-    def event(self, progress: int) -> dict[str, Any]:
-        """The data of a ``progress`` event."""
+    def event(self, progress: int) -> dict[str, Any]:  # a ``progress`` event's data
         return {**self.figures(), "progress": progress, "eta_seconds": self.eta_seconds}
 
 
@@ -217,26 +216,20 @@ def job_object(record: JobRecord, live: LiveProgress | None, queue_position: int
     }  # fmt: skip
     if record.kind == "video":
         body["seconds"] = record.seconds
-    running = record.status is JobStatus.IN_PROGRESS
-    body |= {
-        "model": record.model,
-        "prompt": record.request.prompt,
-        "error": record.error,
-        "inference_time_s": (record.figures or {}).get("inference_time_s"),
-        "peak_memory_mb": (record.figures or {}).get("peak_memory_mb"),
+    running, figures = record.status is JobStatus.IN_PROGRESS, record.figures or {}
+    return body | {
+        "model": record.model, "prompt": record.request.prompt, "error": record.error,
+        "inference_time_s": figures.get("inference_time_s"), "peak_memory_mb": figures.get("peak_memory_mb"),
         "layerstream": {
             # how the decode ran is known once the job ran: tiling changes the output's bits, so it is shown
-            "settings": {**settings, "vae_decode": (record.figures or {}).get("vae_decode")},
+            "settings": {**settings, "vae_decode": figures.get("vae_decode")},
             "queue_position": queue_position if record.status is JobStatus.QUEUED else None,
             "step": live.step if running or record.status.finished else 0,
             "total_steps": live.total_steps or record.request.num_inference_steps,
-            "seconds_per_step": live.seconds_per_step,
-            "eta_seconds": live.eta_seconds if running else None,
-            "streamed_bytes": live.streamed_bytes,
-            "stall_seconds": live.stall_seconds,
+            "seconds_per_step": live.seconds_per_step, "eta_seconds": live.eta_seconds if running else None,
+            "streamed_bytes": live.streamed_bytes, "stall_seconds": live.stall_seconds,
         },
-    }
-    return body
+    }  # fmt: skip
 
 
 @dataclass

@@ -287,10 +287,8 @@ def _lock_folder(folder: Path):
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         handle.close()
-        raise JobStoreError(
-            f"data_dir = {str(folder)!r} is in use by another running server (pid in its lock file); "
-            "give each server its own --data-dir"
-        ) from None
+        message = f"data_dir = {str(folder)!r} is in use by another running server (pid in its lock file)"
+        raise JobStoreError(f"{message}; give each server its own --data-dir") from None
     handle.truncate(0)
     handle.write(f"{os.getpid()}\n")
     handle.flush()
