@@ -64,13 +64,7 @@ from layerstream.server.ui import add_web_page
 
 logger = logging.getLogger(__name__)
 
-IMAGES_PATH = "/v1/images/generations"
-EDITS_PATH = "/v1/images/edits"
-VIDEOS_PATH = "/v1/videos/generations"
 VIDEOS_SYNC_PATH = "/v1/videos/sync"
-HEALTH_PATH = "/health"
-METRICS_PATH = "/metrics"
-IMAGE_OUTPUTS_PATH = "/v1/images/outputs"
 MODELS_PATH = "/v1/models"
 
 _GENERATION_ERRORS = error_responses({
@@ -116,8 +110,8 @@ def create_app(
 
     _add_image_routes(app, service)
 
-    @app.post(VIDEOS_PATH, response_model=VideoGenerationResponse, responses=_IMAGE_INPUT_GENERATION_ERRORS,
-              openapi_extra=json_request_body(VideoGenerationRequest))  # fmt: skip
+    @app.post("/v1/videos/generations", response_model=VideoGenerationResponse,
+              responses=_IMAGE_INPUT_GENERATION_ERRORS, openapi_extra=json_request_body(VideoGenerationRequest))
     async def create_videos(request: Request) -> JSONResponse:
         _, output = await _run_generation(service, request, VideoGenerationRequest, "video")
         data = [VideoData(b64_json=_base64(f)) for f in output.files]
@@ -132,11 +126,11 @@ def create_app(
 
     _add_model_routes(app, service)
 
-    @app.get(HEALTH_PATH, response_model=HealthResponse)
+    @app.get("/health", response_model=HealthResponse)
     async def health() -> dict[str, Any]:
         return {**service.health(), **(jobs.health() if jobs is not None else {})}
 
-    @app.get(METRICS_PATH, response_class=PlainTextResponse)
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(service.render_metrics(), media_type=METRICS_CONTENT_TYPE)
 
@@ -186,13 +180,13 @@ def _add_image_routes(app: FastAPI, service: GenerationService) -> None:
     """The image endpoints, and the route of the files they answer as URLs (response_format 'url')."""
     kept_outputs = KeptOutputs()  # the newest such files, in memory
 
-    @app.post(IMAGES_PATH, response_model=ImageGenerationResponse, responses=_GENERATION_ERRORS,
+    @app.post("/v1/images/generations", response_model=ImageGenerationResponse, responses=_GENERATION_ERRORS,
               openapi_extra=json_request_body(ImageGenerationRequest))  # fmt: skip
     async def create_images(request: Request) -> JSONResponse:
         body, output = await _run_generation(service, request, ImageGenerationRequest, "image")
         return _ok(await _image_response(request, body, output, kept_outputs))
 
-    @app.post(EDITS_PATH, response_model=ImageGenerationResponse, responses=_IMAGE_INPUT_GENERATION_ERRORS,
+    @app.post("/v1/images/edits", response_model=ImageGenerationResponse, responses=_IMAGE_INPUT_GENERATION_ERRORS,
               openapi_extra=edit_request_body())  # fmt: skip
     async def create_edits(request: Request) -> JSONResponse:
         body, output = await _run_edit(service, request)
@@ -200,7 +194,7 @@ def _add_image_routes(app: FastAPI, service: GenerationService) -> None:
 
     images = binary_response("The image", "image/png", "image/jpeg", "image/webp")
 
-    @app.get(IMAGE_OUTPUTS_PATH + "/{name}", name="image_output", response_class=Response,
+    @app.get("/v1/images/outputs/{name}", name="image_output", response_class=Response,
              responses={**images, **_IMAGE_OUTPUT_ERRORS})  # fmt: skip
     async def image_output(name: str) -> Response:
         kept = kept_outputs.get(name)
@@ -369,8 +363,7 @@ class RequestMetricsMiddleware:
     """Counts every answer by endpoint and status, with its latency (plain ASGI: it never touches the body)."""
 
     def __init__(self, app: ASGIApp, *, metrics: ServerMetrics):
-        self.app = app
-        self.metrics = metrics
+        self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -96,11 +96,8 @@ def describe_field(schema: Mapping[str, Any]) -> str | None:
     """What a JSON-schema property accepts, in words ("an integer from 1 to 4", "null or a string ...")."""
     if not schema:
         return None
-    if "anyOf" in schema:
-        options = [describe_field(option) for option in schema["anyOf"]]
-        text = " or ".join(o for o in options if o)
-    else:
-        text = _describe_single(schema)
+    options = schema.get("anyOf")
+    text = " or ".join(filter(None, map(describe_field, options))) if options else _describe_single(schema)
     if "description" in schema and text:
         text = f"{text} ({schema['description']})"
     return text or None

@@ -205,11 +205,9 @@ def _frame_problems(request: VideoGenerationRequest, limits: ModelLimits) -> lis
         return []  # None: the pipeline's own default
     step = limits.frame_multiple or 1
     largest = limits.max_frames - (limits.max_frames - 1) % step
+    allowed = f"an integer from 1 to {largest}"
     if step > 1:
-        examples = f"1, {1 + step}, {1 + 2 * step}, ..."
-        allowed = f"an integer from 1 to {largest} with num_frames - 1 a multiple of {step} ({examples})"
-    else:
-        allowed = f"an integer from 1 to {largest}"
+        allowed += f" with num_frames - 1 a multiple of {step} (1, {1 + step}, {1 + 2 * step}, ...)"
     where = "" if request.num_frames is not None else " (the model's default)"
     return [ErrorDetail(param="num_frames", message=f"{num_frames}{where} is not valid for {limits.model}", allowed=allowed)]
 

@@ -236,7 +236,11 @@ class GenerationQueue(Generic[ServedT, ResultT]):
 
     def stop(self, job: Job, reason: StopReason) -> bool:
         """Stop `job`; True if it was waiting (it fails at once), else it is asked to stop at its next step."""
-        if not self._remove_waiting(job):
+        with self._cond:
+            waiting = job in self._waiting
+            if waiting:
+                self._waiting.remove(job)
+        if not waiting:
             job.stop_signal.request(reason)  # started or done: the runner reads this between steps
             return False
         if reason is StopReason.TIMEOUT:
@@ -262,14 +266,6 @@ class GenerationQueue(Generic[ServedT, ResultT]):
                 return self._waiting.index(job) + 1
             except ValueError:
                 return None
-
-    def _remove_waiting(self, job: Job) -> bool:
-        with self._cond:
-            try:
-                self._waiting.remove(job)
-            except ValueError:
-                return False
-            return True
 
     def _run_worker(self) -> None:
         while True:

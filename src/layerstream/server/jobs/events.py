@@ -73,10 +73,8 @@ async def stream_events(
         yield JobEvent("status", current).encode()
         while last_status not in ("completed", "failed"):
             try:
-                event: JobEvent | None = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
+                event: JobEvent = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
             except asyncio.TimeoutError:
-                event = None
-            if event is None:
                 if await asyncio.to_thread(snapshot) is None:
                     return  # deleted while nothing happened
                 yield ": keep-alive\n\n"
