@@ -85,44 +85,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          f"largest input image in pixels, width x height (default: {DEFAULT_MAX_IMAGE_PIXELS:,}, 4096 x 4096)"),
     ):  # fmt: skip
         parser.add_argument(flag, type=int, default=default, help=help_text)
-    parser.add_argument(
-        "--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
-        help="after SIGTERM, how long the running generation may go on before it is stopped at its next step "
-        f"(default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})",
-    )  # fmt: skip
-    parser.add_argument(
-        "--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE, metavar="N",
-        help="run up to N queued requests that share a size, frames, steps, guidance and negative prompt as one "
-        "pipeline call, each streamed block serving all of them (default: 1, every request alone)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--batch-wait-ms", type=float, default=DEFAULT_BATCH_WAIT_MS, metavar="MS",
-        help=f"longest a request waits for others to join its batch (default: {DEFAULT_BATCH_WAIT_MS:g})",
-    )  # fmt: skip
-    parser.add_argument(
-        "--nproc", type=int, default=None, metavar="N",
-        help="serve with N data-parallel ranks on this machine (torchrun), one device each; rank 0 answers HTTP "
-        "and hands out waves of up to N requests. Without a config the DiT uses allgather: each rank keeps 1/N "
-        "of its blocks' host bytes",
-    )  # fmt: skip
-    parser.add_argument(
-        "--collective-timeout-s", type=float, default=DEFAULT_SERVE_COLLECTIVE_TIMEOUT_S, metavar="SECONDS",
-        help="with several ranks: how long a rank waits for the others in one collective before the server "
-        f"answers 503 and exits non-zero (default: {DEFAULT_SERVE_COLLECTIVE_TIMEOUT_S:g})",
-    )  # fmt: skip
-    parser.add_argument(
-        "--data-dir", type=Path, default=None, metavar="FOLDER",
-        help="where the job history (SQLite) and its outputs are kept; one server per folder "
-        "(default: <layerstream cache>/server)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--max-jobs", type=int, default=None, metavar="N",
-        help="keep at most N finished jobs; the oldest go first (default: no limit)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--max-output-bytes", type=int, default=None, metavar="BYTES",
-        help="keep at most BYTES of job outputs; the oldest finished jobs go first (default: no limit)",
-    )  # fmt: skip
+    for flag, kind, default, metavar, help_text in (
+        ("--shutdown-timeout", float, DEFAULT_SHUTDOWN_TIMEOUT_S, "SECONDS", "after SIGTERM, how long the running "
+         f"generation may go on before it is stopped at its next step (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})"),
+        ("--max-batch-size", int, DEFAULT_MAX_BATCH_SIZE, "N", "run up to N queued requests that share a size, "
+         "frames, steps, guidance and negative prompt as one pipeline call, each streamed block serving all of them "
+         "(default: 1, every request alone)"),
+        ("--batch-wait-ms", float, DEFAULT_BATCH_WAIT_MS, "MS",
+         f"longest a request waits for others to join its batch (default: {DEFAULT_BATCH_WAIT_MS:g})"),
+        ("--nproc", int, None, "N", "serve with N data-parallel ranks on this machine (torchrun), one device each; "
+         "rank 0 answers HTTP and hands out waves of up to N requests. Without a config the DiT uses allgather: "
+         "each rank keeps 1/N of its blocks' host bytes"),
+        ("--collective-timeout-s", float, DEFAULT_SERVE_COLLECTIVE_TIMEOUT_S, "SECONDS", "with several ranks: how "
+         "long a rank waits for the others in one collective before the server answers 503 and exits non-zero "
+         f"(default: {DEFAULT_SERVE_COLLECTIVE_TIMEOUT_S:g})"),
+        ("--data-dir", Path, None, "FOLDER", "where the job history (SQLite) and its outputs are kept; one server "
+         "per folder (default: <layerstream cache>/server)"),
+        ("--max-jobs", int, None, "N", "keep at most N finished jobs; the oldest go first (default: no limit)"),
+        ("--max-output-bytes", int, None, "BYTES",
+         "keep at most BYTES of job outputs; the oldest finished jobs go first (default: no limit)"),
+    ):  # fmt: skip
+        parser.add_argument(flag, type=kind, default=default, metavar=metavar, help=help_text)
     parser.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated host link bandwidth in GB/s")
     parser.add_argument("--no-access-log", dest="access_log", action="store_false", help="no log line per request")
     parser.add_argument("--no-ui", dest="ui", action="store_false", help="no web page at / (the API only)")
