@@ -23,6 +23,14 @@ DEVICE_DECODE_GBPS = 100.0
 """Decoded bytes per second the lossless form's decode is assumed to reach on an accelerator (elementwise torch
 ops over a block on the copy stream: about 60 small kernels per step of 2^22 elements with three tiers, so launches
 may bound it below this); an assumption until `benchmarks/gpu.sh` measures it where a GPU is present."""
+DEQUANT_GBPS_CPU: dict[str, float] = {"Q8_0": 0.416, "Q4_K": 0.339, "fp8_scaled": 0.345}
+"""Dequantised bytes (in bfloat16) per second of a weight kept GGUF-quantized or fp8_scaled, which diffusers' GGUF
+layers and the fp8_scaled upcast dequantise at every call of its Linear: `benchmarks/quantized_blocks.py` on a
+shared 2-core Xeon, one thread, per real-width Wan 2.2 A14B block (351 M weights, 703 MB in bfloat16): Q8_0
+1,688 ms, Q4_K 2,071 ms, fp8_scaled 2,039 ms. A GGUF type not measured is priced as the slowest of these."""
+DEQUANT_GBPS_DEVICE = 20.0
+"""The same on an accelerator: not measured yet (`benchmarks/gpu.sh` runs that benchmark where a GPU is present).
+A conservative guess, far below device-memory speed, for diffusers' several elementwise passes per weight."""
 FORWARDS_PER_STEP = 2
 """Transformer forwards per denoising step: classifier-free guidance runs the model on the prompt and without."""
 
