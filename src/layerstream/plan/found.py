@@ -53,11 +53,6 @@ class FoundComponent:
     """(attribute path, number of blocks) of the block lists automatic discovery found in a vision tower the
     pipeline never runs (`hands_encoder_images`): kept out of `stacks`, so they stay on the device."""
 
-    @property
-    def main_blocks(self) -> int:
-        """Blocks on the component's own prefetch chain (``resident_layers`` counts along it)."""
-        return sum(s.num_blocks for s in self.stacks if not s.own_chain)
-
 
 def find_components(
     pipeline: Any, decl: Declarations

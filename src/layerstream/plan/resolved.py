@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from layerstream.config.offload_config import OffloadConfig, WeightTransfer
 from layerstream.errors import LayerstreamError
@@ -13,9 +13,6 @@ Source = Literal["plan", "builtin", "class_attribute", "auto", "none"]
 Action = Literal["stream", "swap", "resident", "on_demand"]
 """What enabling does with a component: stream its blocks, swap it whole (module mode), keep it on the device,
 or leave it to the pipeline (on-demand components)."""
-CATEGORIES: tuple[Category, ...] = get_args(Category)
-SOURCES: tuple[Source, ...] = get_args(Source)
-ACTIONS: tuple[Action, ...] = get_args(Action)
 
 
 class OffloadPlanResolutionError(LayerstreamError, ValueError):
