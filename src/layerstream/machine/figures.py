@@ -104,20 +104,17 @@ class Machine:
 
 def check_machine(machine: Machine) -> None:
     """One clear error for figures that cannot describe a machine (the CLI checks its flags the same way)."""
-    for name in ("device_memory_gb", "host_memory_gb", "link_gbps", "disk_gbps", "device_tflops", "decode_gbps"):
+    positive = ("device_memory_gb", "host_memory_gb", "link_gbps", "disk_gbps", "device_tflops", "decode_gbps")
+    optional = ("host_reserve_gb", "activation_reserve_gb")
+    per_gb = ("host_copy_s_per_gb", "host_cast_s_per_gb", "host_decode_s_per_gb")
+    for name in (*positive, *optional, *per_gb, "device_allowance_gb", "baseline_gb"):
         value = getattr(machine, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-            raise MachinePlanError(f"{name} = {value!r} is not valid; expected a finite number > 0")
-    for name in ("host_reserve_gb", "activation_reserve_gb"):
-        value = getattr(machine, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf")):
-            raise MachinePlanError(f"{name} = {value!r} is not valid; expected a finite number >= 0")
-    for name in ("host_copy_s_per_gb", "host_cast_s_per_gb", "host_decode_s_per_gb", "device_allowance_gb"):
-        value = getattr(machine, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-            raise MachinePlanError(f"{name} = {value!r} is not valid; expected a finite number >= 0 (0: an accelerator's copies)")
-    if isinstance(machine.baseline_gb, bool) or not 0 <= machine.baseline_gb < float("inf"):
-        raise MachinePlanError(f"baseline_gb = {machine.baseline_gb!r} is not valid; expected a finite number >= 0")
+        if value is None and name in optional:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and value < float("inf")
+        if not number or not (value > 0 if name in positive else value >= 0):
+            bound, note = ">" if name in positive else ">=", " (0: an accelerator's copies)" if name in per_gb else ""
+            raise MachinePlanError(f"{name} = {value!r} is not valid; expected a finite number {bound} 0{note}")
     if machine.device_type not in ("cuda", "cpu"):
         raise MachinePlanError(f'device_type = {machine.device_type!r} is not valid; expected "cuda" or "cpu"')
     if machine.vae_use_tiling not in (True, False, "auto"):
