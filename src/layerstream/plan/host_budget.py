@@ -9,7 +9,7 @@ block fits beside the rest there is no disk tier. `enable_offload` and `layerstr
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
@@ -62,16 +62,8 @@ class HostBudgetChoice:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "budget_bytes": self.budget_nbytes,
-            "free_bytes": self.free_nbytes,
-            "free_source": self.free_source,
-            "streamed_bytes": self.streamed_nbytes,
-            "held_bytes": self.held_nbytes,
-            "needs": dict(self.needs),
-            "reserve_reason": self.reserve_reason,
-            "reason": self.describe(),
-        }
+        figures = {f.name.replace("_nbytes", "_bytes"): getattr(self, f.name) for f in fields(self)}
+        return {**figures, "needs": dict(self.needs), "reason": self.describe()}
 
 
 def choose_host_budget(
