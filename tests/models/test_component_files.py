@@ -177,7 +177,8 @@ def test_plan_prices_dequantising_a_file_components_weights_at_every_call(expert
     loaded = load_pipeline("tiny-wan", components=components)
     cpu = Machine(device_memory_gb=8, host_memory_gb=16, device_type="cpu")
     block = loaded.transformer.blocks[0]
-    weights = sum(math.prod(m.weight.quant_shape) for m in block.modules() if hasattr(getattr(m, "weight", None), "quant_type"))
+    quantized = [m.weight for m in block.modules() if hasattr(getattr(m, "weight", None), "quant_type")]
+    weights = sum(math.prod(w.quant_shape) for w in quantized)
     assert weights > 0 and dequant_seconds(skeleton.transformer.blocks[0], cpu) == dequant_seconds(block, cpu)
     assert dequant_seconds(block, cpu) == pytest.approx(2 * weights / (DEQUANT_GBPS_CPU["Q8_0"] * 1e9))
     assert dequant_seconds(loaded.transformer_2.blocks[0], cpu) == 0

@@ -25,21 +25,20 @@ def test_two_queued_requests_on_a_gguf_transformer_share_one_call_with_their_own
 
     state = FluxTransformer2DModel.from_pretrained(ensure_tiny_model("tiny-flux"), subfolder="transformer").state_dict()
     write_gguf(tmp_path / "flux.gguf", state, {"ff": "Q4_0", "": "Q8_0"}, arch="flux")
-    omni = Omni("tiny-flux", {"mode": "layer", "components": ["dit"]}, device="cpu", components={"transformer": str(tmp_path / "flux.gguf")})
+    components = {"transformer": str(tmp_path / "flux.gguf")}
+    omni = Omni("tiny-flux", {"mode": "layer", "components": ["dit"]}, device="cpu", components=components)
     asked = [("a red fox", 1), ("a grey cat", 2)]
     alone = [omni.generate(prompt, seed=seed, **SHAPE).frames[0] for prompt, seed in asked]
     service = GenerationService(omni, ServeSettings(port=0, shutdown_timeout=0, max_batch_size=2, batch_wait_ms=30_000))
     service.start()
     try:
-        jobs = [
-            service.submit(service.prepare(ImageGenerationRequest(prompt=p, size="32x32", num_inference_steps=2, seed=s)))
-            for p, s in asked
-        ]  # the second fills the batch: the call starts at once
+        bodies = [ImageGenerationRequest(prompt=p, size="32x32", num_inference_steps=2, seed=s) for p, s in asked]
+        jobs = [service.submit(service.prepare(body)) for body in bodies]  # the second fills the batch: it starts
         outputs = [job.future.result(120) for job in jobs]
     finally:
-        assert service.stop()
+        stopped = service.stop()
         omni.close()
-    assert [o.usage.batch_size for o in outputs] == [2, 2]
+    assert stopped and [o.usage.batch_size for o in outputs] == [2, 2]
     for output, single in zip(outputs, alone):
         (png,) = output.files
         batched = decode_png(png).astype(int)

@@ -37,8 +37,10 @@ def block_compute(pipeline, placement: Placement, block_seconds, tokens: int, ma
     compute = {p: block_flops(lookup(pipeline, p), tokens) / rate + dequant[p] for p in paths}
     source = f"estimated: the blocks' FLOPs at {tokens} tokens and device_tflops {machine.device_tflops:g}"
     if any(dequant.values()):
-        where = "the CPU's measured rates" if machine.device_type == "cpu" else f"an assumed {DEQUANT_GBPS_DEVICE:g} GB/s"
-        source += f", plus dequantising GGUF and fp8_scaled weights at every call ({format_seconds(max(dequant.values()))} a block at most, {where})"
+        on_device = f"an assumed {DEQUANT_GBPS_DEVICE:g} GB/s"
+        rate = "the CPU's measured rates" if machine.device_type == "cpu" else on_device
+        most = format_seconds(max(dequant.values()))
+        source += f", plus dequantising GGUF and fp8_scaled weights at every call ({most} a block at most, {rate})"
     return compute, source
 
 
@@ -58,7 +60,9 @@ def dequant_seconds(block, machine: Machine) -> float:
             kind, num_weights = "fp8_scaled", weight.numel()
         else:
             continue
-        rate = DEQUANT_GBPS_DEVICE if machine.device_type != "cpu" else DEQUANT_GBPS_CPU.get(kind, min(DEQUANT_GBPS_CPU.values()))
+        rate = DEQUANT_GBPS_CPU.get(kind, min(DEQUANT_GBPS_CPU.values()))  # a type not measured: the slowest
+        if machine.device_type != "cpu":
+            rate = DEQUANT_GBPS_DEVICE
         seconds += 2 * num_weights / (rate * GB)
     return seconds
 

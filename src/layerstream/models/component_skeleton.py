@@ -34,7 +34,9 @@ def file_component_skeleton_(name: str, model: torch.nn.Module, tensors: dict[st
             continue  # loaded in the compute dtype, as the skeleton has it
         module_path, _, leaf = key.rpartition(".")
         module = model.get_submodule(module_path)
-        setattr(module, leaf, tensor if isinstance(tensor, torch.nn.Parameter) else torch.nn.Parameter(tensor, requires_grad=False))
+        if not isinstance(tensor, torch.nn.Parameter):  # a GGUF weight is one already (`_stored`)
+            tensor = torch.nn.Parameter(tensor, requires_grad=False)
+        setattr(module, leaf, tensor)
         if tensor.dtype in FLOAT8:  # every float8 weight has its scale (`read_layout` checked): a float32 buffer
             module.register_buffer("weight_scale", torch.empty((), device="meta"))
     return model

@@ -37,7 +37,9 @@ class PipelineFamily:
     timestep): under `host_budget_gb` they share one host pool. A layerstream extension, outside `OffloadPlan`."""
 
 
-def _family(pipelines: str, blocks: tuple[str, ...], *, encoders: int = 1, dits: tuple[str, ...] = ("transformer",)) -> PipelineFamily:
+def _family(
+    pipelines: str, blocks: tuple[str, ...], *, encoders: int = 1, dits: tuple[str, ...] = ("transformer",)
+) -> PipelineFamily:
     """The family of the space-separated `pipelines`: every built-in DiT runs its block lists front to back, so
     its leading blocks may stay resident; two DiTs are Wan 2.2's alternating experts."""
     dit = OffloadPlan(block_attrs={p: blocks for p in dits}, resident_dit_paths=frozenset(dits))
@@ -76,10 +78,13 @@ FAMILIES: tuple[PipelineFamily, ...] = (
         "HunyuanVideoFramepackPipeline",
         _DUAL_THEN_SINGLE, encoders=2,
     ),  # fmt: skip
-    _family("LTXPipeline LTXImageToVideoPipeline LTXConditionPipeline LTXI2VLongMultiPromptPipeline", _TRANSFORMER_BLOCKS),
     _family(
-        "StableDiffusion3Pipeline StableDiffusion3Img2ImgPipeline StableDiffusion3InpaintPipeline", _TRANSFORMER_BLOCKS, encoders=3
+        "LTXPipeline LTXImageToVideoPipeline LTXConditionPipeline LTXI2VLongMultiPromptPipeline", _TRANSFORMER_BLOCKS
     ),
+    _family(
+        "StableDiffusion3Pipeline StableDiffusion3Img2ImgPipeline StableDiffusion3InpaintPipeline",
+        _TRANSFORMER_BLOCKS, encoders=3,
+    ),  # fmt: skip
     # HiDream wraps each block in a HiDreamBlock; the wrappers are what the transformer calls, so they stream.
     # The double-stream blocks run first, then the single-stream blocks. text_encoder_4 is Llama 3.1.
     _family("HiDreamImagePipeline", ("double_stream_blocks", "single_stream_blocks"), encoders=4),

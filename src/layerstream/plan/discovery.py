@@ -71,10 +71,13 @@ def declared_paths(pipeline: Any, attr: str, pipeline_class: str) -> tuple[str, 
     value = getattr(pipeline, attr, None)
     if value is None:
         return ()
-    return _attribute_paths(pipeline_class, attr, attr, value, (list, tuple, set, frozenset), "a list of attribute paths")
+    kinds = (list, tuple, set, frozenset)
+    return _attribute_paths(pipeline_class, attr, attr, value, kinds, "a list of attribute paths")
 
 
-def _attribute_paths(pipeline_class: str, path: str, name: str, value: Any, kinds: tuple[type, ...], expected: str) -> tuple[str, ...]:
+def _attribute_paths(
+    pipeline_class: str, path: str, name: str, value: Any, kinds: tuple[type, ...], expected: str
+) -> tuple[str, ...]:
     """`value` (the declaration `name`) as a tuple of non-empty attribute paths; a bare string is a common slip."""
     if isinstance(value, str) or not isinstance(value, kinds):
         raise resolution_error(pipeline_class, path, f"{name} = {value!r} is not valid; expected {expected}")

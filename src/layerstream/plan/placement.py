@@ -370,7 +370,8 @@ def _choose_auto(
     sizes = {c.path: {p: n for s in c.stacks for p, n in zip(s.block_paths, s.block_bytes)} for c in auto}
 
     def resident_nbytes(counts: list[int]) -> int:
-        return sum(sizes[c.path][chains[c.path][i]] for c, n in zip(auto, counts) for i in spread_indices(len(chains[c.path]), n))
+        picked = [(c.path, i) for c, n in zip(auto, counts) for i in spread_indices(len(chains[c.path]), n)]
+        return sum(sizes[path][chains[path][i]] for path, i in picked)
 
     fits = _hand_out([len(chains[c.path]) for c in auto], lambda counts: resident_nbytes(counts) <= available)
     counts = {c.path: n for c, n in zip(auto, fits)}
