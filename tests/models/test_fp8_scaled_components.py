@@ -142,7 +142,8 @@ class _ScaledToy(torch.nn.Module):
         super().__init__()
         self.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in scales)
         for i, (block, scale) in enumerate(zip(self.blocks, scales)):
-            block.weight = torch.nn.Parameter((block.weight.detach() / scale).to(torch.float8_e4m3fn), requires_grad=False)
+            float8 = (block.weight.detach() / scale).to(torch.float8_e4m3fn)
+            block.weight = torch.nn.Parameter(float8, requires_grad=False)
             apply_scaled_float8_("toy", block, f"blocks.{i}.weight", torch.tensor(scale), torch.float32)
 
     def forward(self, x):
@@ -162,7 +163,8 @@ def test_a_streamed_scaled_weight_is_scaled_exactly_once():
     def reference(times: int) -> torch.Tensor:
         out = x
         for block in toy.blocks:
-            out = torch.nn.functional.linear(out, block.weight.to(torch.float32) * block.weight_scale**times, block.bias)
+            weight = block.weight.to(torch.float32) * block.weight_scale**times
+            out = torch.nn.functional.linear(out, weight, block.bias)
         return out
 
     with torch.no_grad():
