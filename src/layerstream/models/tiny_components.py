@@ -128,6 +128,11 @@ def _wan_vae(vae_class: type = AutoencoderKLWan) -> Any:
     )
 
 
+def _wan_scheduler() -> UniPCMultistepScheduler:
+    """Wan's scheduler (Wan 2.2 T2V and Wan 2.1 I2V alike): UniPC over flow-matching sigmas, shift 3 (480p)."""
+    return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+
+
 def _wan_shared_components(seed: int) -> dict[str, Any]:
     """The UMT5 text encoder (under `seed`), its tokenizer, the Wan VAE (`seed` + 3), the scheduler."""
     tokenizer = build_t5_tokenizer()
@@ -135,9 +140,7 @@ def _wan_shared_components(seed: int) -> dict[str, Any]:
         text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, tokenizer))
     with _seeded(seed + 3):
         vae = _wan_vae()
-    # Wan's scheduler (Wan 2.2 T2V and Wan 2.1 I2V alike): UniPC over flow-matching sigmas, shift 3 (480p)
-    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
-    return {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "scheduler": scheduler}
+    return {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "scheduler": _wan_scheduler()}
 
 
 def _wan_two_experts(seed: int, boundary_ratio: float, **image_conditioning: Any) -> dict[str, Any]:
