@@ -41,10 +41,6 @@ class TinyModelSpec:
     """Name of the function in `layerstream.models.tiny_components` that builds the pipeline's components."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("video", "image"):
-            raise ValueError(f"{self.name}: kind must be 'video' or 'image', got {self.kind!r}")
-        if self.size_multiple <= 0:
-            raise ValueError(f"{self.name}: size_multiple must be positive, got {self.size_multiple}")
         object.__setattr__(self, "default_kwargs", MappingProxyType(dict(self.default_kwargs)))
 
 

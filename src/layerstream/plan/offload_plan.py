@@ -151,28 +151,19 @@ def _path_tuples(name: str, value: Any) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def _str_set(name: str, value: Any) -> frozenset[str]:
-    if isinstance(value, str) or not isinstance(value, (set, frozenset, tuple, list)):
-        raise _fail(name, value, "a frozenset of str")
+def _strs(name: str, value: Any, types: tuple[type, ...], expected: str) -> Any:
+    if isinstance(value, str) or not isinstance(value, types):
+        raise _fail(name, value, expected)
     for item in value:
         if not isinstance(item, str) or not item:
-            raise _fail(name, value, f"a frozenset of non-empty str (holds {item!r})")
-    return frozenset(value)
+            raise _fail(name, value, f"{expected} (holds {item!r})")
+    return value
 
 
 def _any_tuple(name: str, value: Any) -> tuple[Any, ...]:
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (tuple, list)):
         raise _fail(name, value, "a tuple")
     return tuple(value)
-
-
-def _path_tuple(name: str, value: Any) -> tuple[str, ...]:
-    if isinstance(value, str) or not isinstance(value, (tuple, list)):
-        raise _fail(name, value, "a tuple of module paths")
-    for item in value:
-        if not isinstance(item, str) or not item:
-            raise _fail(name, value, f"a tuple of non-empty str (holds {item!r})")
-    return tuple(dict.fromkeys(value))
 
 
 def _layer_counts(name: str, value: Any) -> Mapping[str, int] | int:
@@ -189,6 +180,10 @@ def _layer_counts(name: str, value: Any) -> Mapping[str, int] | int:
     return _frozen_map(value)
 
 
+def _str_set(name: str, value: Any) -> frozenset[str]:
+    return frozenset(_strs(name, value, (set, frozenset, tuple, list), "a frozenset of non-empty str"))
+
+
 _NORMALIZERS = {
     "block_attrs": lambda n, v: _frozen_map(_path_tuples(n, v)),
     "encoder_block_attrs": lambda n, v: _frozen_map(_path_tuples(n, v)),
@@ -199,7 +194,7 @@ _NORMALIZERS = {
     "encoder_dlo_weight_replication": _str_set,
     "on_demand_component_paths": _str_set,
     "layerwise_resident_layers": _layer_counts,
-    "resident_paths": _path_tuple,
+    "resident_paths": lambda n, v: tuple(dict.fromkeys(_strs(n, v, (tuple, list), "a tuple of non-empty str"))),
     "components": _any_tuple,
     "phases": _any_tuple,
     "legacy_selections": _any_tuple,

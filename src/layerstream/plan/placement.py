@@ -289,10 +289,9 @@ def _choose_host_tier(
         # every block is in host memory and budget is left: take entries out of the pool, from the start of the
         # chains (the blocks a newcomer needs first), so that their blocks stay for the whole run and are not
         # read again at each change of DiT
-        while entries and used + sum(host_nbytes[p] for p in entries[0]) - max(host_nbytes[p] for p in entries[0]) <= budget:
-            entry = entries.pop(0)
-            used += sum(host_nbytes[p] for p in entry) - max(host_nbytes[p] for p in entry)
-            host += entry
+        while entries and used + (extra := sum(sorted(host_nbytes[p] for p in entries[0])[:-1])) <= budget:
+            used += extra
+            host += entries.pop(0)
     on_host = set(host) | {p for e in entries for p in e}
     disk = [p for chain in chains for p in chain.block_paths if p not in on_host]
     host.sort(key=[p for c in chains for p in c.block_paths].index)
