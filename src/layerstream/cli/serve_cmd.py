@@ -63,12 +63,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default: {DEFAULT_PORT}; 0 picks a free port)")
     parser.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: as saved)")
-    for flag, dest, default, help_text in (
-        ("--max-queue", "max_queue", DEFAULT_MAX_QUEUE, "requests that may wait behind the running one; more get 429"),
-        ("--max-frames", "max_frames", DEFAULT_MAX_FRAMES, "largest num_frames of a video request"),
-        ("--max-size", "max_side_pixels", DEFAULT_MAX_SIDE_PIXELS, "largest width or height"),
-    ):
-        parser.add_argument(flag, type=int, default=default, dest=dest, help=f"{help_text} (default: {default})")
     parser.add_argument(
         "--max-work", type=int, default=None,
         help="largest price of one request (width x height x frames x steps x passes x n, plus text tokens, "
@@ -76,16 +70,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"host; on an accelerator whatever --max-size and --max-frames allow at {ACCELERATOR_STEPS} steps, or the "
         "model's default steps if more; /health states it)",
     )  # fmt: skip
-    for flag, default, help_text in (
-        ("--max-body-bytes", DEFAULT_MAX_BODY_BYTES,
-         f"largest request body, not counting an input image (default: {DEFAULT_MAX_BODY_BYTES >> 20} MiB)"),
-        ("--max-image-bytes", DEFAULT_MAX_IMAGE_BYTES, "largest input image file of /v1/images/edits and "
-         f"image-to-video requests (default: {DEFAULT_MAX_IMAGE_BYTES >> 20} MiB)"),
-        ("--max-image-pixels", DEFAULT_MAX_IMAGE_PIXELS,
-         f"largest input image in pixels, width x height (default: {DEFAULT_MAX_IMAGE_PIXELS:,}, 4096 x 4096)"),
-    ):  # fmt: skip
-        parser.add_argument(flag, type=int, default=default, help=help_text)
     for flag, kind, default, metavar, help_text in (
+        ("--max-queue", int, DEFAULT_MAX_QUEUE, None,
+         f"requests that may wait behind the running one; more get 429 (default: {DEFAULT_MAX_QUEUE})"),
+        ("--max-frames", int, DEFAULT_MAX_FRAMES, None,
+         f"largest num_frames of a video request (default: {DEFAULT_MAX_FRAMES})"),
+        ("--max-size", int, DEFAULT_MAX_SIDE_PIXELS, None,
+         f"largest width or height (default: {DEFAULT_MAX_SIDE_PIXELS})"),
+        ("--max-body-bytes", int, DEFAULT_MAX_BODY_BYTES, None,
+         f"largest request body, not counting an input image (default: {DEFAULT_MAX_BODY_BYTES >> 20} MiB)"),
+        ("--max-image-bytes", int, DEFAULT_MAX_IMAGE_BYTES, None, "largest input image file of /v1/images/edits and "
+         f"image-to-video requests (default: {DEFAULT_MAX_IMAGE_BYTES >> 20} MiB)"),
+        ("--max-image-pixels", int, DEFAULT_MAX_IMAGE_PIXELS, None,
+         f"largest input image in pixels, width x height (default: {DEFAULT_MAX_IMAGE_PIXELS:,}, 4096 x 4096)"),
         ("--shutdown-timeout", float, DEFAULT_SHUTDOWN_TIMEOUT_S, "SECONDS", "after SIGTERM, how long the running "
          f"generation may go on before it is stopped at its next step (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})"),
         ("--max-batch-size", int, DEFAULT_MAX_BATCH_SIZE, "N", "run up to N queued requests that share a size, "
@@ -105,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--max-output-bytes", int, None, "BYTES",
          "keep at most BYTES of job outputs; the oldest finished jobs go first (default: no limit)"),
     ):  # fmt: skip
-        parser.add_argument(flag, type=kind, default=default, metavar=metavar, help=help_text)
+        dest = "max_side_pixels" if flag == "--max-size" else None  # the setting's name
+        parser.add_argument(flag, type=kind, default=default, metavar=metavar, dest=dest, help=help_text)
     parser.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated host link bandwidth in GB/s")
     parser.add_argument("--no-access-log", dest="access_log", action="store_false", help="no log line per request")
     parser.add_argument("--no-ui", dest="ui", action="store_false", help="no web page at / (the API only)")

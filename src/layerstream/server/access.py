@@ -216,7 +216,6 @@ def refusals(settings: AccessSettings, method: str, path: str) -> dict[int, str]
     return answers
 
 
-# the ASGI side ----------------------------------------------------------------------------------------------------
 def add_access_checks(app: Any, settings: AccessSettings) -> None:
     """Install the checks on `app`: Host outermost, then CORS, then Origin and key, so that a preflight never
     needs the key and every refusal carries CORS."""
@@ -287,7 +286,8 @@ class RequestGate:
             return
         headers, method = _headers(scope), scope["method"]
         origin = headers.get("origin")
-        if method not in SAFE_METHODS and origin is not None and not self._origin_passes(origin, headers.get("host")):
+        passes = origin is None or same_origin(origin, headers.get("host")) or self.settings.origin_allowed(origin)
+        if method not in SAFE_METHODS and not passes:
             message = (
                 f"{method} from origin {_shown(origin)} is refused: a page of another site may not change this server;"
                 f" allow it with --allowed-origins {origin if _split_origin(origin) else 'ORIGIN'}"
@@ -302,9 +302,6 @@ class RequestGate:
             await _refuse(send, 401, "invalid_api_key", message, {"WWW-Authenticate": "Bearer"})
             return
         await self.app(scope, receive, send)
-
-    def _origin_passes(self, origin: str, host: str | None) -> bool:
-        return same_origin(origin, host) or self.settings.origin_allowed(origin)
 
     def _has_key(self, headers: dict[str, str], method: str) -> bool:
         assert self.key is not None

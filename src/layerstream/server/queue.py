@@ -74,15 +74,12 @@ class Runner(Protocol[ServedT, ResultT]):
 
     def run(self, groups: list[list[Job[ServedT]]]) -> Sequence[Outcome[ResultT]]:
         """Run `groups` (each one pipeline call, or one rank's share); one outcome per job, in order."""
-        ...
 
     def after_run(self) -> None:
         """After the outcomes of a run are answered (a rank group rebuilds here, its clients already told)."""
-        ...
 
     def idle(self) -> None:
         """Nothing ran for the policy's `idle_seconds` (a rank group checks on its ranks here)."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -100,7 +97,6 @@ class TakePolicy(Protocol):
 
     def take(self, waiting: Sequence[Job]) -> Take:
         """The groups headed by ``waiting[0]`` (never empty), oldest first; called under the queue's lock."""
-        ...
 
 
 @dataclass(frozen=True)
