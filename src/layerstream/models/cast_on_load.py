@@ -1,8 +1,7 @@
-"""Casting a diffusers model to another dtype while its weights are read from the files: diffusers' own cast
-faults the mapping in page by page (a few hundred MB/s); here a component loaded as stored is cast tensor by
-tensor from `preadv` reads on several threads, the next batch read while one is cast. The result is exactly
-diffusers' (its dtype rule, `_keep_in_fp32_modules` included, and `Tensor.to` rounding).
-"""
+"""Casting a diffusers model to another dtype while its weights are read from the files: diffusers' own cast faults the
+mapping in page by page (a few hundred MB/s); here a component loaded as stored is cast tensor by tensor from `preadv`
+reads on several threads, the next batch read while one is cast. The result is exactly diffusers' (its dtype rule,
+`_keep_in_fp32_modules` included, and `Tensor.to` rounding)."""
 
 from __future__ import annotations
 

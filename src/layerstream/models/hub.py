@@ -1,8 +1,7 @@
 """Models named by a Hugging Face Hub id (``"org/name"``): downloaded into huggingface_hub's cache (only what the
-pipeline loads), or planned from the Hub's metadata alone. huggingface_hub's settings are read per call (it reads
-them once, at import). Files are fetched by commit, so that a moving branch cannot mix two commits: hence our
-ref and download loop (``snapshot_download`` would resolve the revision again, and not refuse a full disk).
-"""
+pipeline loads), or planned from the Hub's metadata alone. huggingface_hub's settings are read per call (it reads them
+once, at import). Files are fetched by commit, so that a moving branch cannot mix two commits: hence our ref and
+download loop (``snapshot_download`` would resolve the revision again, and not refuse a full disk)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""torchao imported only for a model that needs it (diffusers and transformers import it with any model class:
-on a CPU-only machine five warnings and over a second), and the libraries' import-time advisories quieted
-while layerstream loads a model. Hidden torchao has a `sys.modules` entry of None: Python's "absent".
-"""
+"""torchao imported only for a model that needs it (diffusers and transformers import it with any model class: on a
+CPU-only machine five warnings and over a second), and the libraries' import-time advisories quieted while layerstream
+loads a model. Hidden torchao has a `sys.modules` entry of None: Python's "absent"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The dtype each component of a diffusers-format folder was saved in, read from its safetensors headers alone.
-diffusers loads in float32 unless told otherwise (a bfloat16 checkpoint at twice its size); loading each
-component as stored also keeps its weights lazy views of the files, which the host store reads blocks from.
-"""
+diffusers loads in float32 unless told otherwise (a bfloat16 checkpoint at twice its size); loading each component as
+stored also keeps its weights lazy views of the files, which the host store reads blocks from."""
 
 from __future__ import annotations
 

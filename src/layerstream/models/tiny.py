@@ -1,7 +1,6 @@
-"""The embedded tiny models: real diffusers pipelines at toy sizes, built once per machine from configs in code
-with fixed-seed weights, and saved as a diffusers-format folder under ``<cache>/models/<name>-v<N>/``; from then
-on loaded as any downloaded model is. diffusers and transformers are imported only when a model is built.
-"""
+"""The embedded tiny models: real diffusers pipelines at toy sizes, built once per machine from configs in code with
+fixed-seed weights, and saved as a diffusers-format folder under ``<cache>/models/<name>-v<N>/``; from then on loaded as
+any downloaded model is. diffusers and transformers are imported only when a model is built."""
 
 from __future__ import annotations
 

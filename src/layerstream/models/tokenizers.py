@@ -1,7 +1,6 @@
-"""Tokenizers for the embedded tiny models, built in code: the classes the real checkpoints ship, so a tiny model
-folder reloads like a real one, with small vocabularies (printable ASCII, so any English prompt tokenizes, plus
-whole-word tokens for common prompt words) built in a fixed order, so every machine gets the same token ids.
-"""
+"""Tokenizers for the embedded tiny models, built in code: the classes the real checkpoints ship, so a tiny model folder
+reloads like a real one, with small vocabularies (printable ASCII, so any English prompt tokenizes, plus whole-word
+tokens for common prompt words) built in a fixed order, so every machine gets the same token ids."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""Built-in offload plans for diffusers pipelines that do not declare `_offload_plan` themselves.
-
-Per-model knowledge is data: each `PipelineFamily` names its pipeline classes (by name: no diffusers import),
-the DiT block lists in the order the transformer runs them, and the text encoders, whose block lists depend on
-the encoder's own class (`TEXT_ENCODER_BLOCK_ATTRS`: Flux2 ships a Mistral3 or a Qwen3 encoder). Every path was
-read from diffusers 0.42 and transformers 5.x and is exercised by `tests/plan/test_builtin_plans.py`.
-"""
+"""Built-in offload plans for diffusers pipelines that do not declare `_offload_plan` themselves, as data: each
+`PipelineFamily` names its pipeline classes (by name: no diffusers import), the DiT block lists in the order the
+transformer runs them, and the text encoders, whose block lists depend on the encoder's class
+(`TEXT_ENCODER_BLOCK_ATTRS`: Flux2 ships a Mistral3 or a Qwen3 encoder). Every path was read from diffusers 0.42 and
+transformers 5.x and is exercised by `tests/plan/test_builtin_plans.py`."""
 
 from __future__ import annotations
 

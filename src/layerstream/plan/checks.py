@@ -1,8 +1,7 @@
-"""The resolver's checks: what does not depend on the config (a module claimed by two blocks or components, an
-on-demand component without its two calls) and what the config asks (allgather on tensors that differ by rank,
-resident layers a DiT does not allow, resident paths that would move, a selection that selects nothing or leaves
-nothing to prefetch). Each raises `OffloadPlanResolutionError` naming the pipeline class, the path and a way out.
-"""
+"""The resolver's checks, each raising `OffloadPlanResolutionError` naming the pipeline class, the path and a way
+out: what does not depend on the config (a module claimed twice, an on-demand component without its two calls) and
+what the config asks (allgather on tensors that differ by rank, resident layers a DiT does not allow, resident paths
+that would move, a selection that selects nothing or leaves nothing to prefetch)."""
 
 from __future__ import annotations
 
@@ -21,9 +20,8 @@ ON_DEMAND_METHODS = ("load_to_device", "offload_to_cpu")
 
 
 def check_block_claims(pipeline_class: str, found: list[FoundComponent], untouched: Mapping[str, nn.Module]) -> None:
-    """Every module inside a block belongs to that block only: not to a second stack, and not to another
-    component or an untouched child (an alias such as ``transformer_2 = transformer``). Streaming one would
-    corrupt the other."""
+    """Every module inside a block belongs to that block only: not to a second stack, and not to another component or an
+    untouched child (an alias such as ``transformer_2 = transformer``). Streaming one would corrupt the other."""
     claims: dict[int, tuple[str, str]] = {}  # id(module) -> (block path, component path)
     for item in found:
         for block_path, block in item.blocks.items():

@@ -1,12 +1,11 @@
-"""Pass 3 of the resolver: what the config does with each found component (stream, swap, on demand or stay
-resident), with its stream options, and why, in words `layerstream plan` and the resolved plan's dict show.
-"""
+"""Pass 3 of the resolver: what the config does with each found component (stream, swap, on demand or resident),
+with its stream options, and why, in the words `layerstream plan` and the resolved plan's dict show."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from layerstream.config.offload_config import LayerOptions, OffloadConfig
+from layerstream.config.offload_config import OffloadConfig
 from layerstream.plan.checks import check_stream_options
 from layerstream.plan.declarations import Declarations
 from layerstream.plan.discovery import defines_own_to, resident_parts, tensor_bytes, vision_tower_paths
@@ -26,7 +25,9 @@ def decide_component(
     extra: dict[str, Any] = {}
     if action == "stream":
         options = config.options_for(item.category)
-        resident = _resident_layers(decl, options, item)
+        # the config's resident_layers where it names one, else the count the model declares, else 0
+        declared = decl.resident_counts.get(item.path) if is_dit else None
+        resident = options.resident_layers if options.resident_layers_given or declared is None else declared
         check_stream_options(pipeline_class, item, options, resident, resident_allowed, replicated)
         extra = {
             "weight_transfer": options.weight_transfer,
@@ -62,12 +63,6 @@ def _action(decl: Declarations, config: OffloadConfig, item: FoundComponent) -> 
     if item.stacks:
         return "stream"  # an on-demand one as well, after its offload_to_cpu() (see ResolvedComponent.on_demand)
     return "on_demand" if item.path in decl.on_demand_paths else "resident"
-
-
-def _resident_layers(decl: Declarations, options: LayerOptions, item: FoundComponent) -> int | str:
-    """The config's resident_layers where it names one, else the count the model declares, else 0."""
-    declared = decl.resident_counts.get(item.path) if item.category == "dit" else None
-    return options.resident_layers if options.resident_layers_given or declared is None else declared
 
 
 def _reason(action: str, decl: Declarations, config: OffloadConfig, item: FoundComponent, resident: int | str) -> str:

@@ -1,9 +1,6 @@
-"""`Declarations`: what a pipeline says about its components, read in precedence order for the resolver.
-
-Its own ``_offload_plan`` (the instance's, else its class's), its role lists (``_dit_modules``,
-``_encoder_modules``, ``_vae_modules``), the modules it keeps on the device (``_resident_modules``) and
-layerstream's built-in plan for its class. Only reads attributes.
-"""
+"""`Declarations`: what a pipeline says about its components (its ``_offload_plan``, the instance's else its
+class's; its role lists; its ``_resident_modules``) and layerstream's built-in plan for its class, read in precedence
+order for the resolver. Only reads attributes."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Discovery: which components a pipeline holds, what they are, and where their block lists live.
-
-Everything here only reads modules (attribute lookups, `named_children`, tensor sizes); nothing moves a
-tensor, installs a hook or sets an attribute. The resolver combines these pieces in precedence order.
-"""
+"""Discovery: which components a pipeline holds, what they are, and where their block lists live. Everything here
+only reads modules (attribute lookups, `named_children`, tensor sizes); the resolver combines the pieces in
+precedence order."""
 
 from __future__ import annotations
 

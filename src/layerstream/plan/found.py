@@ -1,8 +1,7 @@
-"""Pass 1 of the resolver: every component of a pipeline found, categorized, with its block lists and where they
-came from, applying `plan.discovery`'s rules in precedence order (pipeline plan, built-in plan, class attribute,
-automatic). Declared components the instance does not hold are reported absent; a pipeline that declares its
-roles leaves the children it does not name untouched. Modules are only read.
-"""
+"""Pass 1 of the resolver: every component of a pipeline found, categorized, with its block lists and where they came
+from, applying `plan.discovery`'s rules in precedence order (pipeline plan, built-in plan, class attribute, automatic).
+Declared components the instance does not hold are reported absent; a pipeline that declares its roles leaves the
+children it does not name untouched. Modules are only read."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""`host_budget_gb: "auto"`: the host budget a machine allows, decided from figures read elsewhere (pure).
-
-The store may use the host memory this process may still take (`free_nbytes`, cgroups included) plus the
-streamed blocks' bytes it already holds (packing frees them), minus what runs beside the store: the staging ring,
-on a CPU device the slot ring and resident parts, and a reserve for what a generation allocates. Where every
-block fits beside the rest there is no disk tier. `enable_offload` and `layerstream plan` both decide here.
-"""
+"""`host_budget_gb: "auto"`: the host budget a machine allows, decided from figures read elsewhere (pure). The store
+may use the host memory this process may still take (`free_nbytes`, cgroups included) plus the streamed blocks'
+bytes it already holds (packing frees them), minus what runs beside it: the staging ring, on a CPU device the slot
+ring and resident parts, and a reserve for what a generation allocates. Where every block fits beside the rest there
+is no disk tier. `enable_offload` and `layerstream plan` both decide here."""
 
 from __future__ import annotations
 

@@ -78,7 +78,8 @@ class OffloadPlan:
 
     def __hash__(self) -> int:
         # Order-free, so that equal plans (dicts given in a different order) hash equal.
-        return hash(tuple(_hashable(getattr(self, f.name)) for f in fields(self)))
+        values = (getattr(self, f.name) for f in fields(self))
+        return hash(tuple(frozenset(v.items()) if isinstance(v, Mapping) else v for v in values))
 
     def __reduce__(self):
         # mappingproxy cannot be pickled or deep-copied; rebuild from plain data instead.
@@ -112,10 +113,6 @@ def declared_resident_layers(plan: OffloadPlan) -> dict[str, int]:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _hashable(value: Any) -> Any:
-    return frozenset(value.items()) if isinstance(value, Mapping) else value
 
 
 def _rebuild(cls: type, kwargs: dict[str, Any]) -> Any:

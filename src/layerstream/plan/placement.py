@@ -1,13 +1,12 @@
-"""Placement: where every streamable block goes, decided once, as plain data that `enable_offload`, `layerstream
-plan`, residency "auto" and the benchmarks read (nothing recomputes it): which DiT blocks stay resident, the
-prefetch chains, the slot ring, and with `host_budget_gb` which streamed blocks the host holds and which are read
-from disk. Resident blocks ("auto": within the device budget, `read_device_budget`) and host blocks are spread
-evenly through each chain rather than leading it: each resident or host block gives the next streamed or disk
-block's transfer time to hide in. The host choice is fixed, not a cache: a denoising loop runs the blocks in the
-same cyclic order every step, and least-recently-used would evict exactly the block needed next. DiTs that run
-one after the other (`ResolvedComponent.alternates`, Wan 2.2's experts) share one host pool: entry j holds the
-j-th host block of whichever ran last (docs/storage.md, the disk tier).
-"""
+"""Placement: where every streamable block goes, decided once, as plain data that `enable_offload`, `layerstream plan`,
+residency "auto" and the benchmarks read (nothing recomputes it): which DiT blocks stay resident, the prefetch chains,
+the slot ring, and with `host_budget_gb` which streamed blocks the host holds and which are read from disk. Resident
+blocks ("auto": within the device budget, `read_device_budget`) and host blocks are spread evenly through each chain
+rather than leading it: each resident or host block gives the next streamed or disk block's transfer time to hide in.
+The host choice is fixed, not a cache: a denoising loop runs the blocks in the same cyclic order every step, and
+least-recently-used would evict exactly the block needed next. DiTs that run one after the other
+(`ResolvedComponent.alternates`, Wan 2.2's experts) share one host pool: entry j holds the j-th host block of whichever
+ran last (docs/storage.md, the disk tier)."""
 
 from __future__ import annotations
 
@@ -200,7 +199,7 @@ def main_chain(comp: ResolvedComponent) -> list[str]:
 
 def needs_device_budget(plan: ResolvedOffloadPlan) -> bool:
     """Whether placing this plan reads a device budget (some DiT asks for `resident_layers: "auto"`)."""
-    return any(_wants_auto(c) for c in plan.streamed)
+    return any(c.category == "dit" and c.resident_layers == "auto" and c.resident_allowed for c in plan.streamed)
 
 
 def read_device_budget(
@@ -234,10 +233,9 @@ def place_blocks(
     budget: DeviceBudget | None = None,
     block_host_nbytes: Mapping[str, int] | None = None,
 ) -> Placement:
-    """Decide residency, chains, the slot ring and the host tier. `block_slot_nbytes` gives every streamable
-    block's slot bytes as its store will lay it out (what the ring is sized in) and `block_host_nbytes` its host
-    bytes (what `host_budget_gb` is spent in; default: the slot bytes); `budget` is needed when a DiT asks for
-    residency "auto"."""
+    """Decide residency, chains, the slot ring and the host tier. `block_slot_nbytes` gives every streamable block's
+    slot bytes as its store will lay it out (what the ring is sized in) and `block_host_nbytes` its host bytes (what
+    `host_budget_gb` is spent in; default: the slot bytes); `budget` is needed when a DiT asks for residency "auto"."""
     host_sizes = block_host_nbytes if block_host_nbytes is not None else block_slot_nbytes
     residency = _choose_residency(plan, block_slot_nbytes, budget)
     chains = []
@@ -324,10 +322,6 @@ def _chains_of(comp: ResolvedComponent) -> list[list[str]]:
     chains = [main] if main else []
     chains += [list(s.block_paths) for s in comp.stacks if s.own_chain]
     return chains
-
-
-def _wants_auto(comp: ResolvedComponent) -> bool:
-    return comp.category == "dit" and comp.resident_layers == "auto" and comp.resident_allowed
 
 
 def _choose_residency(

@@ -1,9 +1,6 @@
-"""`resolve_offload_plan`: the one reader of offload plans; pure, so every backend can trust its answer.
-
-Three passes over plain data, reading modules only: find the components and their block lists (`plan.found`,
-through `plan.declarations`), check what does not depend on the config (`plan.checks`), decide what the config
-does with each (`plan.decisions`).
-"""
+"""`resolve_offload_plan`: the one reader of offload plans; pure, so every backend can trust its answer. Three passes
+over plain data, reading modules only: find the components (`plan.found`, through `plan.declarations`), check what
+does not depend on the config (`plan.checks`), decide what the config does with each (`plan.decisions`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""The FastAPI app: routes, error answers and request metrics around a `GenerationService`:
-OpenAI's image, edit and video endpoints, vllm-omni's ``/v1/videos/sync``, the job API (`jobs.routes`),
-``/v1/models``, ``/health``, ``/metrics`` and the web page. A client that disconnects is counted as 499 (no
-client reads it: not in the OpenAPI document); its job is dropped from the queue or stopped at its next step.
-"""
+"""The FastAPI app: routes, error answers and request metrics around a `GenerationService`: OpenAI's image, edit and
+video endpoints, vllm-omni's ``/v1/videos/sync``, the job API (`jobs.routes`), ``/v1/models``, ``/health``, ``/metrics``
+and the web page. A client that disconnects is counted as 499 (no client reads it: not in the OpenAPI document); its job
+is dropped from the queue or stopped at its next step."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""What the served model accepts, read once at startup, and the checks a request must pass before it queues:
-what depends on the model (its `ModelRules` decide; this module words their refusals as a 400) and the server's
-caps, the work cap among them.
-"""
+"""What the served model accepts, read once at startup, and the checks a request must pass before it queues: what
+depends on the model (its `ModelRules` decide; this module words their refusals as a 400) and the server's caps."""
 
 from __future__ import annotations
 
@@ -20,6 +18,7 @@ from layerstream.request import GenerationError, GenerationRequest, checked_extr
 from layerstream.server.errors import ApiError, invalid_fields
 from layerstream.server.schemas import MAX_SEED, ErrorDetail, GenerationBody, VideoGenerationRequest
 from layerstream.server.settings import ACCELERATOR_STEPS, CPU_MAX_WORK, ServeSettings
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelLimits:

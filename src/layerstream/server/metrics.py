@@ -141,11 +141,10 @@ def render_families(families: Iterable[Metric], *, registry: CollectorRegistry |
     return generate_latest(_Scrape(registry, list(families))).decode("utf-8")
 
 
+@dataclass(frozen=True)
 class _Scrape:
-
-    def __init__(self, registry: CollectorRegistry | None, families: list[Metric]):
-        self.registry = registry
-        self.families = families
+    registry: CollectorRegistry | None
+    families: list[Metric]
 
     def collect(self) -> Iterator[Metric]:
         if self.registry is not None:

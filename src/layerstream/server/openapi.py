@@ -1,7 +1,6 @@
 """The served OpenAPI document: the request bodies the routes parse themselves, with exact bounds (FastAPI's
 own model makes every integer bound a float), every status each route answers as an `ErrorResponse` (and
-not FastAPI's own 422), and the access checks' 403 and 401 as the server is configured.
-"""
+not FastAPI's own 422), and the access checks' 403 and 401 as the server is configured."""
 
 from __future__ import annotations
 

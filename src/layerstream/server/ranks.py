@@ -1,11 +1,10 @@
-"""Serving on several ranks: how they talk, and what every rank runs in a wave.
-A process group must see its collectives in one order on every rank, so the ranks talk three ways: the default
-group at the start alone; torchrun's key-value store for messages, outcomes, heartbeats and stop points
-(`ControlChannel`: a rank that finished first waits without a timeout); and the offload group for allgather,
-replaced after a failed wave. What crosses the store is pickled: whoever reaches its port runs code on every
-rank, as with torch.distributed itself (docs/several-gpus.md says how to keep it private). Every key a wave
-writes is deleted once every rank has read it; the heartbeats and the last message end with the store.
-"""
+"""Serving on several ranks: how they talk, and what every rank runs in a wave. A process group must see its collectives
+in one order on every rank, so the ranks talk three ways: the default group at the start alone; torchrun's key-value
+store for messages, outcomes, heartbeats and stop points (`ControlChannel`: a rank that finished first waits without a
+timeout); and the offload group for allgather, replaced after a failed wave. What crosses the store is pickled: whoever
+reaches its port runs code on every rank, as with torch.distributed itself (docs/several-gpus.md says how to keep it
+private). Every key a wave writes is deleted once every rank has read it; the heartbeats and the last message end with
+the store."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-"""Rank 0 of a multi-rank server: waves of requests, one share per rank.
-`WavePolicy` takes the head of the queue and the requests that can run beside it, one (or one batch) per rank:
-every rank must run the same forwards, as allgather gathers each block once per forward on every rank, and a
-rank without a request runs a placeholder whose outputs are dropped. `RankRunner` leads each wave and answers:
-500 for a wave that raised (then every rank rebuilds), 503 for a rank lost (then the server stops).
-"""
+"""Rank 0 of a multi-rank server: waves of requests, one share per rank. `WavePolicy` takes the head of the queue and
+the requests that can run beside it, one (or one batch) per rank: every rank must run the same forwards, as allgather
+gathers each block once per forward on every rank, and a rank without a request runs a placeholder whose outputs are
+dropped. `RankRunner` leads each wave and answers: 500 for a wave that raised (then every rank rebuilds), 503 for a rank
+lost (then the server stops)."""
 
 from __future__ import annotations
 

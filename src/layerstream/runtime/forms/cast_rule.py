@@ -1,13 +1,9 @@
-"""Which tensors low-precision storage casts: the rule of diffusers' layerwise casting, applied to names.
-
-`storage_dtype` must give the same output as diffusers' `enable_layerwise_casting` on the resident model, so it
-casts exactly the tensors that casting stores in low precision: every floating-point parameter and buffer of the
-convolution, linear and embedding layers of a model, except layers whose name (from the model's root) or an
-ancestor's name matches a skip pattern. The patterns are diffusers' defaults (position and patch embeddings,
-norms, the outermost input and output projections), plus what the model class declares
-(`_keep_in_fp32_modules`, `_skip_layerwise_casting_patterns`) and, when PEFT is installed, the adapter layers'
-names. Everything else (norms, modulation tables, other small tensors) stays in its own dtype.
-"""
+"""Which tensors low-precision storage casts: exactly those diffusers' `enable_layerwise_casting` stores in low
+precision, so that the output matches it on the resident model: every floating-point parameter and buffer of the
+convolution, linear and embedding layers, except layers whose name (from the model's root) or an ancestor's matches
+a skip pattern: diffusers' defaults (position and patch embeddings, norms, the outermost input and output
+projections), what the model class declares (`_keep_in_fp32_modules`, `_skip_layerwise_casting_patterns`) and, with
+PEFT installed, the adapter layers' names."""
 
 from __future__ import annotations
 

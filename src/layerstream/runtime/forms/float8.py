@@ -1,13 +1,10 @@
-"""The float8 form of a block (`layer_options.<component>.storage_dtype`): fewer bytes over the link.
-
-The tensors diffusers' layerwise casting would cast (`forms.cast_rule`) are stored in the storage dtype (1 byte)
-and the rest byte for byte. A slot holds the compute layout, then a staging region for the stored bytes; each
-stored span is cast into its place on the device (`copy_` with a dtype change: no allocation per block). An
-fp8 -> bf16/fp16/fp32 upcast is exact, so the output is bit-identical to the resident model with
+"""The float8 form of a block (`layer_options.<component>.storage_dtype`): fewer bytes over the link. The tensors
+diffusers' layerwise casting would cast (`forms.cast_rule`) are stored in the storage dtype (1 byte), the rest byte
+for byte; each stored span is cast into its place in the slot (`copy_` with a dtype change: no allocation per
+block). An fp8 -> bf16/fp16/fp32 upcast is exact, so the output is bit-identical to the resident model with
 `enable_layerwise_casting`. Lossy once, when staging rounds the weights: `disable()`, `state_dict()` and
 `load_state_dict()` see the rounded values (docs/storage.md); LoRA on a cast block is refused (PEFT would make
-float8 adapters). A store keeps the original tensors until it commits, so that a rollback gives them back.
-"""
+float8 adapters). A store keeps the original tensors until it commits, so that a rollback gives them back."""
 
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
-"""The lossless form of a block (`layer_options.<component>.storage_dtype: "lossless"`): about 0.68x the bytes of
-a trained bfloat16 block over the link and in host memory, and the very same bits in the slot.
-
-Every bfloat16 and float16 parameter span of at least `MIN_CODED_BYTES` is kept in `runtime.packing.lossless_code`'s
-code (the rest byte for byte); the copy decodes each coded span from the slot's staging region into the compute
-layout, in the copy's stream, before the slot is ready. The code is exact by construction. Sizes come from the
-block's values, read once (a meta skeleton is priced at `lossless_code.priced_fraction()`); new values
-(`load_state_dict`, LoRA fusing, a write-back) keep each tensor's escape capacity, and values that need more are
-refused with `UnsupportedUseError` before the store changes (docs/storage.md).
-"""
+"""The lossless form of a block (`layer_options.<component>.storage_dtype: "lossless"`): about 0.68x the bytes of a
+trained bfloat16 block over the link and in host memory, and the very same bits in the slot. Every bfloat16 and
+float16 parameter span of at least `MIN_CODED_BYTES` is kept in `runtime.packing.lossless_code`'s exact code, the
+rest byte for byte; the copy decodes each coded span into the compute layout on the copy's stream, before the slot
+is ready. Sizes come from the block's values, read once (a meta skeleton is priced at `priced_fraction()`); new
+values (`load_state_dict`, LoRA fusing, a write-back) keep each tensor's escape capacity, and values that need more
+are refused with `UnsupportedUseError` before the store changes (docs/storage.md)."""
 
 from __future__ import annotations
 

@@ -36,9 +36,8 @@ class Segment:
 
 
 class SegmentedForm:
-    """The part of a `contracts.StoredForm` that follows from its segments; a form says how it keeps a span
-    (`_kept`), stores one (`_store_span_`, `_stored_bytes_of`) and gives its compute bytes back
-    (`_span_compute_bytes`)."""
+    """The part of a `contracts.StoredForm` that follows from its segments; a form says how it keeps a span (`_kept`),
+    stores one (`_store_span_`, `_stored_bytes_of`) and gives its compute bytes back (`_span_compute_bytes`)."""
 
     lossless: bool
     coded: bool
@@ -145,10 +144,9 @@ class SegmentedForm:
 
     def write_slot_range_(self, stored: torch.Tensor, stored_start: int, slot_buffer: torch.Tensor, start: int, end: int) -> int:
         """Store bytes [start, end) of a compute layout held in `slot_buffer` (a slot, or host compute bytes) into
-        `stored`, which holds stored bytes [stored_start, stored_start + stored.numel()) (the whole block, or a
-        rank's shard): cast spans rounded to the storage dtype, coded spans coded again whole. Every span is made
-        before anything is written (a span whose values do not fit its code raises first). Returns the stored
-        bytes written."""
+        `stored`, which holds stored bytes [stored_start, stored_start + stored.numel()) (the whole block, or a rank's
+        shard): cast spans rounded to the storage dtype, coded spans coded again whole. Every span is made before
+        anything is written (a span whose values do not fit its code raises first). Returns the stored bytes written."""
         writes: list[tuple[torch.Tensor, int]] = []  # (stored bytes, where they start in the stored block)
         for s, lo, hi in self._overlapping(self.segments, start, end):
             if s.kind == "raw":

@@ -130,9 +130,8 @@ async def read_job_input(
         model_name = service.limits.model
         # an image job with an input image is an edit, and refuses what an edit refuses
         refused = edit_refusals(model_name) if service.limits.kind == "image" and takes_image else None
-        fields, image_bytes = await read_form(request, body, image_field, model=model_name, refused=refused)
-        model, data = form_model, fields
-        parse = form_model.model_validate
+        data, image_bytes = await read_form(request, body, image_field, model=model_name, refused=refused)
+        model, parse = form_model, form_model.model_validate
     elif content_type.startswith("application/x-www-form-urlencoded"):  # a form without files (aiohttp's)
         data, image_bytes = await asyncio.to_thread(read_urlencoded, body, image_field)
         model, parse = form_model, form_model.model_validate
