@@ -29,7 +29,6 @@ logger = logging.getLogger(__name__)
 
 HUB_FILE_PREFIX = "hf://"
 FILE_SUFFIXES = (".gguf", ".safetensors")
-"""The formats a component file may have, told by its suffix."""
 
 
 @dataclass(frozen=True)

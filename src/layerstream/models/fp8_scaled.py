@@ -43,7 +43,6 @@ class Fp8ScaledLayout:
     """Where an fp8_scaled file's weights and scales are, by key."""
 
     scales: dict[str, str]
-    """float8 weight key -> its scale's key."""
     unread: tuple[str, ...]
     """The marker, activation scales and notes: not loaded."""
 

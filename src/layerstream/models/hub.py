@@ -105,7 +105,6 @@ class HubMetadata:
     source: ModelSource
     tensor_dtypes: dict[str, dict[str, str]]
     files: list[RepoFile] = field(default_factory=list)
-    """Every file a download of the pipeline fetches."""
     cached: frozenset[str] = frozenset()
     """Of `files`, those whose bytes are already in the cache."""
 

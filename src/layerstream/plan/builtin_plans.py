@@ -118,7 +118,6 @@ def _index_families(families: tuple[PipelineFamily, ...]) -> Mapping[str, Pipeli
 
 
 BUILTIN_FAMILIES: Mapping[str, PipelineFamily] = _index_families(FAMILIES)
-"""Pipeline class name -> its family."""
 
 
 def builtin_family_for(pipeline: Any) -> PipelineFamily | None:
@@ -131,14 +130,12 @@ def builtin_family_for(pipeline: Any) -> PipelineFamily | None:
 
 
 def builtin_plan_for(pipeline: Any) -> OffloadPlan | None:
-    """layerstream's built-in `OffloadPlan` for a known diffusers pipeline, or None for an unknown class.
-
-    The DiT part comes from the pipeline's family. A text encoder enters the plan (typed ``"text_encoder"``,
-    replicated on every rank because each rank loads it whole) when its class is in `TEXT_ENCODER_BLOCK_ATTRS`
-    and the listed paths are block lists on this instance; otherwise the resolver discovers it like any other
-    encoder (class attribute, then automatic), so an unexpected encoder class or library layout never breaks a
-    pipeline that only streams its DiT. Reads attributes only.
-    """
+    """layerstream's built-in `OffloadPlan` for a known diffusers pipeline, or None for an unknown class. The DiT part
+    comes from the pipeline's family. A text encoder enters the plan (typed ``"text_encoder"``, replicated on every rank
+    because each rank loads it whole) when its class is in `TEXT_ENCODER_BLOCK_ATTRS` and the listed paths are block
+    lists on this instance; otherwise the resolver discovers it like any other encoder (class attribute, then
+    automatic), so an unexpected encoder class or library layout never breaks a pipeline that only streams its DiT.
+    Reads attributes only."""
     family = builtin_family_for(pipeline)
     if family is None:
         return None

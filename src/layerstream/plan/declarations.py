@@ -21,15 +21,13 @@ from layerstream.plan.offload_plan import (
 
 
 class Declarations:
-    """The pipeline's own plan and layerstream's built-in plan, read in precedence order.
-
-    The pipeline wins component by component. A component its ``_offload_plan`` describes (``block_attrs``,
-    ``encoder_component_types`` or ``encoder_block_attrs``) is described by the pipeline alone: the built-in
-    plan's entries for it (category, block lists, submodules inside it, resident layers, replication) are set
-    aside, so the two descriptions never mix. A component its role lists (``_dit_modules``, ``_encoder_modules``,
-    ``_vae_modules``) put in another role than the built-in plan does loses its built-in entries too; where the
-    roles agree, the built-in plan still supplies the block lists.
-    """
+    """The pipeline's own plan and layerstream's built-in plan, read in precedence order. The pipeline wins component by
+    component. A component its ``_offload_plan`` describes (``block_attrs``, ``encoder_component_types`` or
+    ``encoder_block_attrs``) is described by the pipeline alone: the built-in plan's entries for it (category, block
+    lists, submodules inside it, resident layers, replication) are set aside, so the two descriptions never mix. A
+    component its role lists (``_dit_modules``, ``_encoder_modules``, ``_vae_modules``) put in another role than the
+    built-in plan does loses its built-in entries too; where the roles agree, the built-in plan still supplies the block
+    lists."""
 
     def __init__(self, pipeline: Any, pipeline_class: str):
         self.pipeline_class = pipeline_class
@@ -127,10 +125,8 @@ class Declarations:
             )
 
     def block_attrs(self, path: str, category: str) -> tuple[tuple[str, ...], str, str] | None:
-        """(attribute paths, source, origin) a plan declares for this component, or None.
-
-        DiTs are read from ``block_attrs``, every other category from ``encoder_block_attrs``.
-        """
+        """(attribute paths, source, origin) a plan declares for this component, or None. DiTs are read from
+        ``block_attrs``, every other category from ``encoder_block_attrs``."""
         field = "block_attrs" if category == "dit" else "encoder_block_attrs"
         for plan, source, owner in (
             (self.plan, "plan", "_offload_plan"),

@@ -22,7 +22,6 @@ ROLE_LISTS = ("_dit_modules", "_encoder_modules", "_vae_modules")
 RESIDENT_LIST = "_resident_modules"
 """Pipeline class attribute (vllm-omni style, optional) naming modules kept on the device while offloading."""
 PIPELINE_MODULE_LISTS = (*ROLE_LISTS, RESIDENT_LIST)
-"""Every pipeline class attribute that names component paths."""
 FORWARDING_TO_CLASSES = frozenset(
     {"diffusers.models.modeling_utils.ModelMixin", "transformers.modeling_utils.PreTrainedModel"}
 )
@@ -93,14 +92,11 @@ def declares_components(pipeline: Any) -> bool:
 def enumerate_components(
     pipeline: Any, declared: Mapping[str, str], pipeline_class: str
 ) -> dict[str, nn.Module]:
-    """Component path -> module, in the pipeline's order.
-
-    The base set is a diffusers pipeline's ``components`` (its nn.Module values), an nn.Module pipeline's
-    named children, or the object itself (path ``""``) when it is a bare model: an nn.Module that declares
-    nothing and holds a discoverable block list of its own. `declared` (path -> who declared it, for error
-    messages) adds dotted paths; a declared path replaces the base component it lies inside. Declared paths
-    the instance does not hold (`declared_absent`) are skipped.
-    """
+    """Component path -> module, in the pipeline's order. The base set is a diffusers pipeline's ``components`` (its
+    nn.Module values), an nn.Module pipeline's named children, or the object itself (path ``""``) when it is a bare
+    model: an nn.Module that declares nothing and holds a discoverable block list of its own. `declared` (path -> who
+    declared it, for error messages) adds dotted paths; a declared path replaces the base component it lies inside.
+    Declared paths the instance does not hold (`declared_absent`) are skipped."""
     registry = getattr(pipeline, "components", None)
     if isinstance(registry, Mapping):
         base = list(registry.items())
@@ -199,10 +195,8 @@ def block_list_at(
     pipeline_class: str, component: nn.Module, component_path: str, attr_path: str, origin: str
 ) -> nn.Module:
     """The declared block list `attr_path` inside `component`, checked to be a non-empty ModuleList/Sequential.
-
-    Properties are refused before they are read: a property may build a new list on each access (hooks
-    installed on it would be lost), and reading it could run arbitrary code.
-    """
+    Properties are refused before they are read: a property may build a new list on each access (hooks installed on it
+    would be lost), and reading it could run arbitrary code."""
     obj: Any = component
     walked = component_path
     for part in attr_path.split("."):
@@ -241,11 +235,9 @@ def class_block_attrs(module: nn.Module, pipeline_class: str, path: str) -> tupl
 
 
 def repeated_block_classes(module: nn.Module) -> frozenset[str]:
-    """Class names the model itself calls its repeated blocks.
-
-    diffusers' ``_repeated_blocks`` is preferred: its ``_no_split_modules`` may also name one-off modules that
-    happen to sit in lists (WanAnimate's motion-encoder blocks). transformers models only have the latter.
-    """
+    """Class names the model itself calls its repeated blocks. diffusers' ``_repeated_blocks`` is preferred: its
+    ``_no_split_modules`` may also name one-off modules that happen to sit in lists (WanAnimate's motion-encoder
+    blocks). transformers models only have the latter."""
     for attr in ("_repeated_blocks", "_no_split_modules"):
         names = getattr(module, attr, None)
         if isinstance(names, (list, tuple, set, frozenset)):
@@ -256,13 +248,11 @@ def repeated_block_classes(module: nn.Module) -> frozenset[str]:
 
 
 def find_block_lists(module: nn.Module, skip: Collection[nn.Module] = ()) -> tuple[str, ...]:
-    """Attribute paths (definition order) of the ModuleLists/Sequentials under `module` whose items are all
-    blocks: instances of `repeated_block_classes(module)`, or wrappers around exactly one such instance.
-    Found lists are not searched inside, nor are `skip` modules.
-
-    Wrappers are streamed whole (HiDream's ``HiDreamBlock`` holds one ``HiDreamImageTransformerBlock``): the
-    model calls the wrapper, so its hooks see every call, and the wrapper's own tensors travel with the block.
-    """
+    """Attribute paths (definition order) of the ModuleLists/Sequentials under `module` whose items are all blocks:
+    instances of `repeated_block_classes(module)`, or wrappers around exactly one such instance. Found lists are not
+    searched inside, nor are `skip` modules. Wrappers are streamed whole (HiDream's ``HiDreamBlock`` holds one
+    ``HiDreamImageTransformerBlock``): the model calls the wrapper, so its hooks see every call, and the wrapper's own
+    tensors travel with the block."""
     names = repeated_block_classes(module)
     if not names:
         return ()
@@ -328,14 +318,12 @@ def vision_tower_paths(module: nn.Module) -> tuple[str, ...]:
 
 
 def hands_encoder_images(pipeline: Any) -> bool:
-    """Whether the pipeline hands its text encoders an image, so that a vision-language encoder runs its vision
-    tower: its ``encode_prompt`` takes one (`IMAGE_ARGUMENTS`); a pipeline without ``encode_prompt`` where its own
-    call does (``forward`` for an nn.Module pipeline, else ``__call__``).
-
-    ``encode_prompt`` decides where there is one, not the call: Qwen-Image img2img and EasyAnimate inpainting take
-    an image but encode the prompt from text alone (their encoders' vision towers never run), Qwen-Image-Edit
-    takes one and hands it to Qwen2.5-VL. Unreadable signatures count as handing one (nothing changes then).
-    """
+    """Whether the pipeline hands its text encoders an image, so that a vision-language encoder runs its vision tower:
+    its ``encode_prompt`` takes one (`IMAGE_ARGUMENTS`); a pipeline without ``encode_prompt`` where its own call does
+    (``forward`` for an nn.Module pipeline, else ``__call__``). ``encode_prompt`` decides where there is one, not the
+    call: Qwen-Image img2img and EasyAnimate inpainting take an image but encode the prompt from text alone (their
+    encoders' vision towers never run), Qwen-Image-Edit takes one and hands it to Qwen2.5-VL. Unreadable signatures
+    count as handing one (nothing changes then)."""
     call = "forward" if isinstance(pipeline, nn.Module) else "__call__"
     for name in ("encode_prompt", call):
         fn = getattr(pipeline, name, None)

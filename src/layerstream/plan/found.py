@@ -44,7 +44,6 @@ class FoundComponent:
     source: str
     stacks: tuple[BlockStack, ...]
     blocks: dict[str, nn.Module]
-    """Block path -> block module, for every stack."""
     idle_lists: tuple[tuple[str, int], ...] = ()
     """(attribute path, number of blocks) of the block lists automatic discovery found in a vision tower the
     pipeline never runs (`hands_encoder_images`): kept out of `stacks`, so they stay on the device."""
@@ -192,15 +191,12 @@ def _find_block_lists(
     decl: Declarations, path: str, module: nn.Module, category: str, skip: Iterable[nn.Module], hands_images: bool
 ) -> tuple[list[_BlockList], str, tuple[tuple[str, int], ...]]:
     """The component's block lists, their source (in precedence order: plan, builtin, class, auto) and the lists
-    automatic discovery keeps out because they never run.
-
-    A plan may describe the block lists of any component; they are checked and reported, but only the
-    streamable categories look further (class attribute, automatic) and only they stream. Automatic discovery
-    finds every list of the model's block classes, a vision-language encoder's vision blocks included (its
-    ``_no_split_modules`` names them); where the pipeline hands its encoders no image (`hands_encoder_images`),
-    the tower never runs, and streaming it would only spend a prefetch and a synchronous load on it each call:
-    those lists stay on the device with the rest of the tower. Declared lists are taken as declared.
-    """
+    automatic discovery keeps out because they never run. A plan may describe the block lists of any component; they are
+    checked and reported, but only the streamable categories look further (class attribute, automatic) and only they
+    stream. Automatic discovery finds every list of the model's block classes, a vision-language encoder's vision blocks
+    included (its ``_no_split_modules`` names them); where the pipeline hands its encoders no image
+    (`hands_encoder_images`), the tower never runs, and streaming it would only spend a prefetch and a synchronous load
+    on it each call: those lists stay on the device with the rest of the tower. Declared lists are taken as declared."""
     cls = decl.pipeline_class
     declared = decl.block_attrs(path, category)
     idle: tuple[tuple[str, int], ...] = ()

@@ -22,13 +22,11 @@ def _frozen_map(value: Mapping) -> Mapping:
 
 @dataclass(frozen=True, kw_only=True)
 class OffloadPlan:
-    """Which modules of a pipeline hold streamable block lists. Every field is optional and given by keyword.
-
-    Paths are attribute paths from the pipeline (``"transformer"``) or, for block lists, from the component
-    (``"blocks"``, ``"encoder.layers"``); dotted paths are allowed. The fields are those of vllm-omni's current
-    `OffloadPlan`; the ones naming a feature layerstream does not have (`UNSUPPORTED_FIELDS`) are accepted here
-    and refused when a plan that sets them is resolved.
-    """
+    """Which modules of a pipeline hold streamable block lists. Every field is optional and given by keyword. Paths are
+    attribute paths from the pipeline (``"transformer"``) or, for block lists, from the component (``"blocks"``,
+    ``"encoder.layers"``); dotted paths are allowed. The fields are those of vllm-omni's current `OffloadPlan`; the ones
+    naming a feature layerstream does not have (`UNSUPPORTED_FIELDS`) are accepted here and refused when a plan that
+    sets them is resolved."""
 
     block_attrs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """DiT path -> block-list attribute paths inside it."""
@@ -196,7 +194,6 @@ _NORMALIZERS = {
     "phases": _any_tuple,
     "legacy_selections": _any_tuple,
 }
-"""How each field is checked and frozen (every field has one)."""
 
 
 def get_offload_plan(pipeline: Any) -> OffloadPlan | None:

@@ -71,7 +71,6 @@ class HostPoolChoice:
     them at a time (see the module docstring)."""
 
     members: tuple[str, ...]
-    """The alternating DiTs sharing the pool (component paths)."""
     entries: tuple[tuple[str, ...], ...]
     """Per entry, the blocks that share it (at most one per member)."""
     entry_nbytes: tuple[int, ...]
@@ -147,7 +146,6 @@ class Placement:
     """Where every streamable block goes (see the module docstring)."""
 
     residency: Mapping[str, ResidencyChoice]
-    """Per streamed component path."""
     chains: tuple[PrefetchChain, ...]
     """Non-empty chains of streamed blocks, in declared order."""
     num_slots: int
@@ -155,7 +153,6 @@ class Placement:
     slot_nbytes: int
     """Bytes of one slot: the largest streamed block as its store lays it out, aligned."""
     block_slot_nbytes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    """Slot bytes of every streamed block."""
     host_tier: HostTierChoice | None = None
     """With `host_budget_gb`: which streamed blocks live in host memory and which on disk (None: all on the host)."""
     host_budget: HostBudgetChoice | None = None

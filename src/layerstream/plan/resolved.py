@@ -30,7 +30,6 @@ class BlockStack:
     block_paths: tuple[str, ...]
     """Full module path of every block, in declared order."""
     block_bytes: tuple[int, ...]
-    """Bytes of parameters and buffers of every block."""
     own_chain: bool = False
     """True for ``offload_submodules`` stacks, which prefetch along a chain of their own."""
 
@@ -60,9 +59,7 @@ class ResolvedComponent:
     stacks: tuple[BlockStack, ...]
     """Streamable block lists (empty for components that cannot stream)."""
     action: Action
-    """What enabling does with this component under the config."""
     total_bytes: int
-    """Bytes of all parameters and buffers of the component."""
     weight_transfer: WeightTransfer = "rank-local"
     prefetch_depth: int = 1
     storage_dtype: str | None = None

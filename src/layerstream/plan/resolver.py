@@ -22,13 +22,11 @@ from layerstream.plan.resolved import ResolvedOffloadPlan, UntouchedComponent
 
 
 def resolve_offload_plan(pipeline: Any, config: OffloadConfig | Mapping | str) -> ResolvedOffloadPlan:
-    """Decide, without touching the pipeline, what offload does with each of its components under `config`.
-
-    `pipeline` is a diffusers pipeline, an nn.Module pipeline (vllm-omni style, with ``_offload_plan`` and
-    ``_dit_modules``/``_encoder_modules``/``_vae_modules``) or a bare model. `config` is an `OffloadConfig` or
-    anything `parse_offload_config` accepts. Raises `OffloadConfigError` for a bad config and
-    `OffloadPlanResolutionError` (naming the pipeline class and the path) when the pipeline and config do not fit.
-    """
+    """Decide, without touching the pipeline, what offload does with each of its components under `config`. `pipeline`
+    is a diffusers pipeline, an nn.Module pipeline (vllm-omni style, with ``_offload_plan`` and
+    ``_dit_modules``/``_encoder_modules``/``_vae_modules``) or a bare model. `config` is an `OffloadConfig` or anything
+    `parse_offload_config` accepts. Raises `OffloadConfigError` for a bad config and `OffloadPlanResolutionError`
+    (naming the pipeline class and the path) when the pipeline and config do not fit."""
     config = parse_offload_config(config)
     pipeline_class = type(pipeline).__name__
     decl = Declarations(pipeline, pipeline_class)

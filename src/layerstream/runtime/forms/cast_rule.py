@@ -38,10 +38,9 @@ def skip_patterns_for(model: nn.Module) -> tuple[str, ...]:
 
 
 def cast_module_ids(model: nn.Module, patterns: Iterable[str] | None = None) -> frozenset[int]:
-    """Ids of the modules of `model` whose floating-point tensors are cast (a cast layer and everything under it).
-
-    A module is skipped, with everything under it, when a pattern matches its dotted name from `model`; the
-    walk stops at the first cast layer on each path."""
+    """Ids of the modules of `model` whose floating-point tensors are cast (a cast layer and everything under it). A
+    module is skipped, with everything under it, when a pattern matches its dotted name from `model`; the walk stops at
+    the first cast layer on each path."""
     patterns = tuple(skip_patterns_for(model) if patterns is None else patterns)
     compiled = [re.compile(p) for p in patterns]
     out: set[int] = set()

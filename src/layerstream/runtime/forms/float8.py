@@ -20,7 +20,6 @@ from layerstream.runtime.packing.layout import BlockLayout, SpanMember
 from layerstream.runtime.packing.upcast import Upcast, upcast_
 
 STORAGE_DTYPES: dict[str, torch.dtype] = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
-"""The config's `storage_dtype` names and their torch dtypes."""
 
 
 def is_cast_tensor(module: nn.Module, dtype: torch.dtype, inner: tuple, cast_ids: frozenset[int], storage_dtype: torch.dtype) -> bool:

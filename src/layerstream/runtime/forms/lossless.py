@@ -27,7 +27,6 @@ from layerstream.runtime.packing.lossless_code import (
 from layerstream.runtime.packing.upcast import Upcast
 
 LOSSLESS = "lossless"
-"""The config's `storage_dtype` value of this form."""
 MIN_CODED_BYTES = 4096
 """Smaller spans stay raw: their header and escape slack would eat what coding them saves."""
 
