@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import secrets
 import sqlite3
@@ -81,8 +82,6 @@ class JobManager:
         self.bookkeeping_problem: str | None = None  # the last bookkeeping after a settled outcome that failed
         # stores the outcomes of jobs a drain fails on the event loop: off the loop, in order
         self._off_loop = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-job-outcomes")
-        self._projection: LatentProjection | None = None
-        self._projection_fitted = False
         self.metrics = service.metrics
         store.recover_()
         for job_id, status in store.statuses():  # the history's jobs count in layerstream_jobs from the start
@@ -205,7 +204,7 @@ class JobManager:
         if live.progress.after_steps_seconds is None:  # no decode timed yet: planned from its traced FLOPs
             live.progress.decode_steps = planned_decode_steps(getattr(self.service.omni, "pipeline", None), live.served.request)
         live.stats_before = self.service.omni.stats()
-        return self._latent_projection() if live.record.settings.preview else None
+        return self._latent_projection if live.record.settings.preview else None
 
     def _answered(self, live: _LiveJob, future: Any) -> None:
         """The future's callback: `_finished` here on the worker, or off the event loop for a job a drain failed."""
@@ -342,11 +341,9 @@ class JobManager:
         live.record = live.record.with_status(live.record.status, progress=percent)
         self.events.publish(live.record.id, JobEvent("progress", live.progress.event(percent)))
 
-    def _latent_projection(self) -> LatentProjection | None:
-        if not self._projection_fitted:  # once, on the worker thread, before the pipeline runs
-            self._projection = fit_latent_projection(self.service.omni.pipeline)
-            self._projection_fitted = True
-        return self._projection
+    @functools.cached_property
+    def _latent_projection(self) -> LatentProjection | None:  # once, on the worker thread, before the pipeline runs
+        return fit_latent_projection(self.service.omni.pipeline)
 
     def _new_record(self, body: VideoJobRequest | ImageJobRequest, served: ServedRequest) -> JobRecord:
         """The queued job: the request `served` runs, without its input image."""
