@@ -20,7 +20,6 @@ _NUMERIC = frozenset({"blocks", "max block", "streamed", "resident"})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of the ``plan`` subcommand."""
     add_model_arguments(
         parser,
         'a Hugging Face Hub id (planned from its metadata: nothing is downloaded; without the Hub, a published model '

@@ -28,7 +28,6 @@ class GroupWork:
 
     @classmethod
     def of(cls, jobs: Any, *, batch_call: bool) -> GroupWork:
-        """The work of queued jobs (their `ServedRequest`s)."""
         served = [job.served for job in jobs]
         return cls(tuple(s.request for s in served), batch_call=batch_call, encodings=tuple(s.encoding for s in served))
 

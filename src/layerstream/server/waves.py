@@ -76,9 +76,7 @@ class WavePolicy:
         key = head.batch_key if batching else wave_key(head.served)
         groups, costs = [[head]], [head.cost]
         for job in waiting:
-            if job is head:
-                continue
-            if (job.batch_key if batching else wave_key(job.served)) != key:
+            if job is head or (job.batch_key if batching else wave_key(job.served)) != key:
                 continue
             if len(groups) < self.num_ranks:  # spread first: ranks run side by side
                 groups.append([job])
