@@ -1,13 +1,10 @@
-"""Pipeline components loaded from one file each instead of the model's folder (``components={"transformer":
-F}``, ``--component transformer=F``): a GGUF file or a safetensors single file (fp8_scaled or not), local or in
-a Hub repository. The rest of the pipeline, and each replaced component's config, come from the model.
-
-A file is named by its local path, or as ``hf://owner/repo/path/in/repo.gguf[@revision]``: that spelling is
-never read as a path, and the file alone is downloaded into huggingface_hub's cache (`revision` a branch, tag
-or commit; default ``main``). Loading is diffusers' own single-file loading (`from_single_file`, its
-converters from the original key names, `GGUFQuantizationConfig` for GGUF); fp8_scaled files are read by
-`layerstream.models.fp8_scaled`.
-"""
+"""Pipeline components loaded from one file each instead of the model's folder (``components={"transformer": F}``,
+``--component transformer=F``): a GGUF file or a safetensors single file (fp8_scaled or not), local or in a Hub
+repository; the rest of the pipeline, and each replaced component's config, come from the model. A file is named
+by its local path, or as ``hf://owner/repo/path/in/repo.gguf[@revision]`` (never read as a path; the file alone is
+downloaded into huggingface_hub's cache; `revision` a branch, tag or commit, default ``main``). Loading is
+diffusers' single-file loading (`from_single_file`, its key converters, `GGUFQuantizationConfig` for GGUF);
+fp8_scaled files are read by `layerstream.models.fp8_scaled`."""
 
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
-"""fp8_scaled safetensors single files: float8 weights, each with a per-tensor scale beside it, as published for
-ComfyUI (Wan 2.x, Flux, Qwen-Image "fp8_scaled" files).
-
-A file is recognised by its layout, read from its header before anything is loaded: the marker tensor
-``scaled_fp8`` (older files), a scale for each float8 weight under ``<layer>.scale_weight`` (older files) or
-``<layer>.weight_scale`` (ComfyUI's newer files), and the activation scales and per-layer notes that only an fp8
-matmul reads (``scale_input``, ``input_scale``, ``comfy_quant``), which are left out. A key it cannot place (a
-scale without its float8 weight, a scale of more than one value, a float8 tensor without its scale) is refused
-naming the key: such a file is never loaded as if unscaled.
-
-The weights stay float8 on the host (a streamed block carries 1 byte a weight and its scales); each scaled Linear
-computes with ``weight.to(compute) * scale.to(compute)`` in diffusers' layerwise-casting hook slot. Original key
-names are converted by diffusers' single-file converter, each scale following its weight.
-"""
+"""fp8_scaled safetensors single files (ComfyUI's "fp8_scaled" Wan 2.x, Flux and Qwen-Image files): float8 weights,
+each with a per-tensor scale (``<layer>.scale_weight`` in older files, beside the marker ``scaled_fp8``;
+``<layer>.weight_scale`` in newer ones), recognised from the header before anything loads. The activation scales
+and per-layer notes only an fp8 matmul reads (``scale_input``, ``input_scale``, ``comfy_quant``) are left out; a key
+that cannot be placed (a scale without its weight, a scale of more than one value, a float8 tensor without its
+scale) is refused by name: such a file is never loaded as if unscaled. The weights stay float8 on the host (a
+streamed block carries 1 byte a weight and its scales); each scaled Linear computes with ``weight.to(compute) *
+scale.to(compute)`` in diffusers' layerwise-casting hook slot, the keys renamed by diffusers' single-file converter
+(each scale following its weight)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
-"""A catalogue of published models' dimensions, so that `layerstream plan` answers for them without the Hub.
-
-Wan 2.2 T2V-A14B and TI2V-5B, Flux.1-dev, Qwen-Image and HunyuanVideo, each as the diffusers-format folder of
-its Hub repository describes it (``model_index.json`` and every component's config, in the dtype its checkpoint
-stores), written here by hand from the published figures: no weight, and no copied file (some repositories are
-gated or licensed against redistribution). `published_skeleton` builds one as `models.skeleton` builds any
-folder; `models.loading.load_skeleton` uses it when the Hub cannot be reached or will not answer.
-
-Sources: the ``config.json`` files of Wan-AI/Wan2.2-T2V-A14B-Diffusers, Wan-AI/Wan2.2-TI2V-5B-Diffusers,
-black-forest-labs/FLUX.1-dev, Qwen/Qwen-Image and hunyuanvideo-community/HunyuanVideo (the text encoders:
-google/umt5-xxl, google/t5-v1_1-xxl, openai/clip-vit-large-patch14, Qwen/Qwen2.5-VL-7B-Instruct,
-xtuner/llava-llama-3-8b-v1_1's language model).
-"""
+"""A catalogue of published models' dimensions, so that `layerstream plan` answers for them without the Hub: Wan 2.2
+T2V-A14B and TI2V-5B, Flux.1-dev, Qwen-Image and HunyuanVideo, each as the diffusers-format folder of its Hub
+repository describes it (``model_index.json`` and every component's config, in the dtype its checkpoint stores),
+written by hand from the ``config.json`` files of those repositories and of their text encoders (google/umt5-xxl,
+google/t5-v1_1-xxl, openai/clip-vit-large-patch14, Qwen/Qwen2.5-VL-7B-Instruct, xtuner/llava-llama-3-8b-v1_1's
+language model): no weight, and no copied file (some repositories are gated or licensed against redistribution).
+`models.loading.load_skeleton` uses it when the Hub cannot be reached or will not answer."""
 
 from __future__ import annotations
 
