@@ -190,13 +190,12 @@ class ControlChannel:
 
     def _check_peer(self, peer: int) -> None:
         count = self._store_call(self.setup.store.add, f"heartbeat/{peer}", 0)
-        now = time.monotonic()
+        now, timeout = time.monotonic(), self.setup.timeout.total_seconds()
         last = self._seen.get(peer)
         if last is None or last[0] != count:
             self._seen[peer] = (count, now)
-        elif now - last[1] > self.setup.timeout.total_seconds():
-            silent, timeout = now - last[1], self.setup.timeout.total_seconds()
-            message = f"rank {peer} has not answered for {silent:.1f} s (the collective timeout is {timeout:g} s)"
+        elif now - last[1] > timeout:
+            message = f"rank {peer} has not answered for {now - last[1]:.1f} s (the collective timeout is {timeout:g} s)"
             raise RankGroupError(f"{message}: it exited or hangs")
 
     def _beat(self) -> None:
