@@ -57,15 +57,6 @@ def _floating_dtypes_in(component_folder: Path) -> set[torch.dtype]:
     return found
 
 
-def target_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype, keep_in_fp32: tuple[str, ...]) -> torch.dtype:
-    """The dtype diffusers' load gives a checkpoint tensor `name` when asked for `dtype`."""
-    if not tensor.is_floating_point():
-        return tensor.dtype
-    if any(module in name.split(".") for module in keep_in_fp32):
-        return torch.float32
-    return dtype
-
-
 def cast_from_files_(model: nn.Module, dtype: torch.dtype, *, what: str) -> int:
     """Cast `model` (loaded in its saved dtype) to `dtype` in place, as diffusers' load would have; returns the
     bytes read from files. On `CastReadError` the model is partly cast and must be dropped."""
@@ -155,10 +146,11 @@ def _tensors_to_cast(model: nn.Module, dtype: torch.dtype, keep_in_fp32: tuple[s
         entries = [(n, t, True) for n, t in module._parameters.items()]
         entries += [(n, t, False) for n, t in module._buffers.items() if n not in module._non_persistent_buffers_set]
         for attr, tensor, is_param in entries:
-            if tensor is None or id(tensor) in seen:
+            if tensor is None or id(tensor) in seen or not tensor.is_floating_point():
                 continue
             seen.add(id(tensor))
-            target = target_dtype(prefix + attr, tensor, dtype, keep_in_fp32)
+            # the dtype diffusers' load gives it: float32 inside `_keep_in_fp32_modules`, else `dtype`
+            target = torch.float32 if any(m in f"{prefix}{attr}".split(".") for m in keep_in_fp32) else dtype
             if target != tensor.dtype:
                 out.append((module, attr, is_param, tensor, target))
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -92,10 +93,7 @@ def _meta_model(cls: type, folder: Path, name: str) -> torch.nn.Module:
 
 def _apply_dtypes_(module: torch.nn.Module, dtypes: Mapping[str, str]) -> None:
     """Each floating tensor in its stored dtype; one the checkpoint does not name in the commonest."""
-    counts: dict[torch.dtype, int] = {}
-    for entry in dtypes.values():
-        if entry in SAFETENSORS_DTYPES:
-            counts[SAFETENSORS_DTYPES[entry]] = counts.get(SAFETENSORS_DTYPES[entry], 0) + 1
+    counts = Counter(SAFETENSORS_DTYPES[entry] for entry in dtypes.values() if entry in SAFETENSORS_DTYPES)
     fallback = max(counts, key=counts.get) if counts else None
     state = dict(module.named_parameters(remove_duplicate=False))
     state.update(dict(module.named_buffers(remove_duplicate=False)))
