@@ -1,21 +1,10 @@
-"""The block streamer: hooks that keep each streamed block in a device slot only while it runs.
-
-Pre-forward makes sure the block's bytes are in a slot (a synchronous load if they were not prefetched), binds
-the block's tensors to views of that slot and starts copying the block predicted to run next. Post-forward
-releases the slot and rebinds the block to empty placeholders. Predictions start from the declared order
-(the last block of a chain predicts the first, for the next step or request) and follow the order blocks
-actually run in, learned from every observed transition.
-
-After compute waited for a block's copy, or queued one itself (`issue_seconds`), the streamer tells the stored
-block how long (`count_stall_`), so that a block with a source of its own (the disk) can count the part spent
-waiting on it. A block whose copy job may wait on the host says so (`copy_waits_on_host`), and the engine keeps
-such a job off the compute thread. A store may read ahead
-further than the slots reach (the disk tier's staging ring): `successor(path)` gives it the same prediction,
-learned order included.
-
-A slot is read for a block only while the store's bytes are those its copy was issued from: each copy notes the
-block's `host_version`, and a block whose store was written since (through a `state_dict()` tensor, a
-write-back) is copied again; writers the version does not see forget the copy themselves (`forget_copy_`).
+"""The block streamer: hooks that keep each streamed block in a device slot only while it runs. Pre-forward
+makes sure the block's bytes are in a slot (a synchronous load if they were not prefetched), binds the block's
+tensors to views of it and starts copying the blocks predicted to run next; post-forward releases the slot and
+rebinds placeholders. Predictions start from the declared order (a chain's last block predicts its first) and
+follow the order blocks actually run in; `successor(path)` hands the same prediction to a store that reads ahead
+further (the disk tier). A slot is read for a block only while the store's bytes are those its copy was issued
+from (`host_version`); writers the version does not see call `forget_copy_`.
 """
 
 from __future__ import annotations
@@ -63,8 +52,7 @@ class BlockCounters:
         self.num_transfers = 0
         self.num_sync_loads = 0
         self.stall_seconds = 0.0
-        self.issue_seconds = 0.0
-        """Host time compute spent handing copies to the engine (an accelerator engine queues most itself)."""
+        self.issue_seconds = 0.0  # host time compute spent handing copies to the engine
         self.bytes_written_back = 0
 
 
@@ -206,33 +194,13 @@ class BlockStreamer:
             self._learn(last, index)
         self._last_index = index
 
-        sync_load = False
         wait_start = self.engine.now()
-        self._forget_outdated_copy_(block)
-        slot = block.slot
-        if slot is None:
-            sync_load = True
-            block.counters.num_sync_loads += 1
-            slot = self._free_slot(keep=())
-            self._issue_copy(block, slot)
-        try:
-            stall = self.engine.wait_ready(slot)
-        except TransferError:
-            # the slot holds no complete copy: forget it, so a later call copies again instead of reading it
-            self.slot_block[slot] = None
-            block.slot = None
-            raise
+        slot, sync_load, stall = self._bind_ready_slot_(block)
         if stall:
             block.counters.stall_seconds += stall
-            block.host.count_stall_(stall)
-        self.slot_in_use[slot] = True
+            block.host.count_stall_(stall)  # a block with a source of its own (the disk) counts its part
         self._tick += 1
         self.slot_tick[slot] = self._tick
-
-        views = block.views.get(slot)
-        if views is None:
-            views = block.views[slot] = block.host.layout.views(self.slot_buffers[slot])
-        block.host.binder.bind_(views)
         self.num_materialized += 1
         if self.num_materialized > self.max_materialized:
             self.max_materialized = self.num_materialized
@@ -247,6 +215,31 @@ class BlockStreamer:
             binding.saved_hooks.__enter__()
 
         self._prefetch_after(block)
+
+    def _bind_ready_slot_(self, block: StreamedBlock) -> tuple[int, bool, float]:
+        """Bind the block to a slot holding its bytes, once its copy is done: (slot, loaded synchronously, stall)."""
+        self._forget_outdated_copy_(block)
+        slot = block.slot
+        sync_load = slot is None
+        if sync_load:
+            block.counters.num_sync_loads += 1
+            slot = self._free_slot(keep=())
+            self._issue_copy(block, slot)
+        try:
+            stall = self.engine.wait_ready(slot)
+        except TransferError:
+            self._drop_copy_(block, slot)  # no complete copy: a later call copies again instead of reading it
+            raise
+        self.slot_in_use[slot] = True
+        views = block.views.get(slot)
+        if views is None:
+            views = block.views[slot] = block.host.layout.views(self.slot_buffers[slot])
+        block.host.binder.bind_(views)
+        return slot, sync_load, stall
+
+    def _drop_copy_(self, block: StreamedBlock, slot: int) -> None:
+        self.slot_block[slot] = None
+        block.slot = None
 
     def post_forward(self, block: StreamedBlock, output, *, failed: bool = False) -> None:
         binding = self._active.pop(block.index, None)
@@ -286,48 +279,27 @@ class BlockStreamer:
         return self.blocks[index].host, t.data_ptr() - self.slot_buffers[slot].data_ptr()
 
     def forget_copy_(self, block: StreamedBlock) -> None:
-        """The block's bytes in the store changed (`load_state_dict`): a slot still holding the old copy must
-        not be read; the next call copies again. A copy still in flight into that slot may go on reading the
-        store while it is written: the slot is never read for this block again, and the new copy is queued after
-        the write (an engine runs a slot's copies in the order they were asked for)."""
+        """The block's bytes in the store changed (`load_state_dict`): the next call copies again. A copy still in
+        flight may read the store while it is written: the slot is never read for this block again, and the new
+        copy is queued after the write (an engine runs a slot's copies in the order they were asked for)."""
         if block.slot is not None and not self.slot_in_use[block.slot]:
-            self.slot_block[block.slot] = None
-            block.slot = None
+            self._drop_copy_(block, block.slot)
 
     def _forget_outdated_copy_(self, block: StreamedBlock) -> None:
-        """Forget the block's slot if the store's bytes were written in place since its copy was issued (through
-        a tensor of `state_dict()`, a write-back): one version read per block and call, a copy only after a write."""
+        # one version read per block and call: a copy again only after a write in place (state_dict, write-back)
         if block.slot is not None and block.copied_version != block.host.host_version:
             self.forget_copy_(block)
 
     # changing weights between calls (LoRA fusing) ------------------------------------------------------------
     def bind_for_update_(self, block: StreamedBlock) -> None:
-        """Bind an idle block to a slot holding its bytes, outside any forward, so that code may change its weights
-        in place on the device the model computes on (the same kernels as on the resident model)."""
+        """Bind an idle block to a slot outside any forward, so that code may change its weights in place on the
+        device the model computes on (the same kernels as on the resident model)."""
         self._check_owner()
         assert block.index not in self._active and block.index not in self._updating, f"{block.path} is bound"
-        self._forget_outdated_copy_(block)
-        slot = block.slot
-        if slot is None:
-            block.counters.num_sync_loads += 1
-            slot = self._free_slot(keep=())
-            self._issue_copy(block, slot)
-        try:
-            self.engine.wait_ready(slot)
-        except TransferError:
-            self.slot_block[slot] = None
-            block.slot = None
-            raise
-        self.slot_in_use[slot] = True
-        views = block.views.get(slot)
-        if views is None:
-            views = block.views[slot] = block.host.layout.views(self.slot_buffers[slot])
-        block.host.binder.bind_(views)
-        self._updating[block.index] = slot
+        self._updating[block.index] = self._bind_ready_slot_(block)[0]
 
     def unbind_after_update_(self, block: StreamedBlock) -> None:
-        """Keep what was written into the block bound by `bind_for_update_` (its whole packed bytes go back into
-        the host store; the slot keeps the same bytes) and evict it."""
+        """Write the block bound by `bind_for_update_` back into the host store (the slot keeps the same bytes)."""
         slot = self._updating.pop(block.index)
         try:
             block.host.binder.keep_replaced_(block.views[slot])
@@ -335,8 +307,7 @@ class BlockStreamer:
             block.host.write_back_(self.slot_buffers[slot], 0, block.host.layout.nbytes)
             block.copied_version = block.host.host_version  # the slot holds exactly the bytes just stored
         except BaseException:
-            self.slot_block[slot] = None  # the slot may hold bytes the store does not: never read it again
-            block.slot = None
+            self._drop_copy_(block, slot)  # the slot may hold bytes the store does not: never read it again
             raise
         finally:
             block.host.binder.evict_()
@@ -345,8 +316,7 @@ class BlockStreamer:
 
     # scheduling ----------------------------------------------------------------------------------------------
     def successor(self, path: str) -> str | None:
-        """The block predicted to run after `path` (learned from the order blocks ran in, else the declared
-        chain order); None for a block this streamer does not hold. Safe to call from another thread."""
+        """The block predicted to run after `path`; None for a block this streamer does not hold. Thread-safe."""
         index = self._index_of.get(path)
         return None if index is None else self.blocks[self.blocks[index].next_index].path
 
@@ -421,10 +391,8 @@ class BlockStreamer:
             job = host.copy_job(self.slot_buffers[slot])
             self.engine.copy_into(slot, job, CopyRecord(block.path, slot, nbytes), waits_on_host=host.copy_waits_on_host)
         except BaseException:
-            # an engine that runs the job in this thread raised (e.g. a failed collective): the slot holds no
-            # complete copy, so forget it and let a later call copy again instead of reading a partial slot
-            self.slot_block[slot] = None
-            block.slot = None
+            # an engine that ran the job in this thread raised (a failed collective): no complete copy in the slot
+            self._drop_copy_(block, slot)
             raise
         issued = time.perf_counter() - issuing
         block.counters.issue_seconds += issued
@@ -433,6 +401,5 @@ class BlockStreamer:
 
 def install_root_hooks(streamer: BlockStreamer, module: nn.Module) -> list:
     """Enter and leave the streamer around every call of a component. A method wrapper, not a pair of hooks:
-    a Ctrl-C inside the model must not leave it owned by a dead call (torch skips hooks on KeyboardInterrupt).
-    The blocks themselves are entered by `runtime.streaming.block_call`."""
+    a Ctrl-C inside the model must not leave it owned by a dead call (torch skips hooks on KeyboardInterrupt)."""
     return [MethodWrapper(module, "forward", streamer.enter, streamer.exit)]
