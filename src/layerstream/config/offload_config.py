@@ -1,7 +1,6 @@
-"""`diffusion_offload_config`: parsing and the immutable config it produces.
-
-The parser is the only place that reads user-supplied offload settings. Every rejection names the key path,
-the value seen and what is allowed, and happens before anything in a pipeline is touched.
+"""`diffusion_offload_config`: parsing and the immutable config it produces. The parser is the only reader of
+user-supplied offload settings; every rejection names the key path, the value seen and what is allowed, and
+happens before anything in a pipeline is touched.
 """
 
 from __future__ import annotations
@@ -77,8 +76,8 @@ class LayerOptions:
     "lossless": every bfloat16 and float16 parameter is stored (and moved) in a lossless code, about 0.68x the
     bytes of trained bfloat16 weights (0.87x of float16), and decoded on the device (bit-exact)."""
     resident_layers_given: bool = False
-    """Whether the config names `resident_layers` (always, for a value other than 0). Where it does not, a DiT's
-    own declared count (`OffloadPlan.layerwise_resident_layers`) applies; an explicit 0 streams every block."""
+    """Whether the config names `resident_layers`; where not, a DiT's own declared count applies (an explicit 0
+    streams every block)."""
 
     def __post_init__(self) -> None:
         if self.resident_layers != 0:
@@ -98,32 +97,26 @@ class OffloadConfig:
     pin_memory: bool = True
     """Pin host buffers when the device supports it."""
     host_budget_gb: float | Literal["auto"] | None = None
-    """Layer mode: host memory (GB) the host store of this process may hold for streamed blocks; the streamed
-    blocks beyond it stay on disk (the checkpoint's files, or spill files under `disk_dir`). None: no limit.
-    With `weight_transfer: "allgather"` it is each rank's budget, spent in the rank's shard bytes (its shards
-    beyond it are on disk). "auto": the budget the machine allows, read when enabling (`plan.host_budget`): the
-    free host memory (and the memory cgroup's headroom; shared equally by the allgather ranks on one host)
-    minus the rings, the host-side resident parts and `host_reserve_gb`; where every streamed block fits, there
-    is no disk tier."""
+    """Layer mode: host memory (GB) this process's host store may hold for streamed blocks (a rank's shard bytes
+    with "allgather"); the blocks beyond it stay on disk. None: no limit. "auto": what the machine allows when
+    enabling (`plan.host_budget`): free host memory and cgroup headroom, less the rings, the host-side resident
+    parts and `host_reserve_gb`."""
     host_reserve_gb: float | None = None
-    """With `host_budget_gb: "auto"`: host memory (GB) kept free beside the budget for what a generation allocates
-    (None: an estimate for the pipeline's default generation, `layerstream.host.reserve`)."""
+    """With `host_budget_gb: "auto"`: host memory (GB) kept free for what a generation allocates (None: an
+    estimate for the pipeline's default generation, `layerstream.host.reserve`)."""
     disk_dir: str | None = None
-    """With `host_budget_gb`: where blocks that are not backed by checkpoint files are spilled (default: under
-    the layerstream cache)."""
+    """With `host_budget_gb`: where blocks not backed by checkpoint files are spilled (default: the cache)."""
     vae_use_tiling: bool | Literal["auto"] = AUTO
-    """The VAE decodes in tiles: always (true), never (false: a decode that cannot fit is refused before the first
-    step), or "auto": only where the untiled decode would not fit the device memory left. Tiling blends tile
-    edges, so its output is not bit-identical to an untiled decode; each run says which it did and why."""
+    """The VAE decodes in tiles: always, never (a decode that cannot fit is refused before the first step), or
+    "auto": only where the untiled decode would not fit. Tiled output is not bit-identical to an untiled decode."""
     vae_use_slicing: bool | Literal["auto"] = AUTO
     """A batch decodes one sample at a time: always, never, or "auto": only a batch that would not fit whole."""
     device_memory_gb: float | None = None
     """The device's memory (GB) where it cannot be read (the CPU stand-in), or to plan a smaller card on a larger
     one: the decode's "auto" weighs it, less what the runtime holds on the device, against the decode's peak."""
     lora_exact_unfuse: bool = False
-    """Layer mode: `unfuse_lora` restores the bytes from before the first fuse exactly (a host copy of each fused
-    block is kept until then). False (the default): unfusing subtracts the delta again, as diffusers does on a
-    resident model, which rounds the same way, so outputs stay equal to the resident pipeline's at every stage."""
+    """Layer mode: `unfuse_lora` restores the bytes from before the first fuse exactly (keeping a host copy of
+    each fused block). False: unfusing subtracts the delta again, rounding as diffusers does on a resident model."""
 
     def __post_init__(self) -> None:
         # Freeze containers handed to the constructor, so no caller keeps a mutable alias into the config.
@@ -150,8 +143,7 @@ class OffloadConfig:
         return self.layer_options.get(component, LayerOptions())
 
     def to_dict(self) -> dict[str, Any]:
-        """The config as plain JSON data (defaults filled in, but `resident_layers` only where given), for reports
-        and round trips."""
+        """The config as plain JSON data that parses back (defaults filled in, `resident_layers` only where given)."""
         out: dict[str, Any] = {"mode": self.mode, "components": list(self.components), "pin_memory": self.pin_memory}
         if self.layer_options:
             out["layer_options"] = {name: _options_dict(name, opts) for name, opts in self.layer_options.items()}
@@ -297,15 +289,8 @@ def _parse_host_tier(obj: Mapping, mode: str) -> tuple[float | str | None, str |
         allowed = f"expected a finite number of GB > 0 or {AUTO!r} (the budget this machine allows)"
         if isinstance(value, str) and value == AUTO:
             budget = AUTO
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise OffloadConfigError("host_budget_gb", value, allowed)
         else:
-            try:
-                budget = float(value)
-            except OverflowError as e:  # an int too large for a float
-                raise OffloadConfigError("host_budget_gb", value, allowed) from e
-            if not math.isfinite(budget) or budget <= 0:
-                raise OffloadConfigError("host_budget_gb", value, allowed)
+            budget = _number_gb(value, "host_budget_gb", allowed, positive=True)
         if mode != "layer":
             raise OffloadConfigError("host_budget_gb", value, 'a host budget applies only to mode "layer"; remove the key')
     disk_dir = None
@@ -349,10 +334,7 @@ def _parse_layer_options(component: str, raw: Any) -> LayerOptions:
         raise OffloadConfigError(f"{base}.prefetch_depth", prefetch_depth, "expected an integer from 1 to 8")
 
     resident_layers = raw.get("resident_layers", 0)
-    if isinstance(resident_layers, str):
-        if resident_layers != "auto":
-            raise OffloadConfigError(f"{base}.resident_layers", resident_layers, 'expected an integer >= 0 or "auto"')
-    elif not _is_int(resident_layers) or resident_layers < 0:
+    if resident_layers != "auto" and (not _is_int(resident_layers) or resident_layers < 0):
         raise OffloadConfigError(f"{base}.resident_layers", resident_layers, 'expected an integer >= 0 or "auto"')
 
     storage_dtype = raw.get("storage_dtype")
@@ -384,15 +366,18 @@ def _parse_layer_options(component: str, raw: Any) -> LayerOptions:
 def _optional_gb(raw: Mapping, key: str, base: str) -> float | None:
     if key not in raw:
         return None
-    value, path = raw[key], _key_path(base, key)
+    return _number_gb(raw[key], _key_path(base, key), "expected a finite number of GB >= 0")
+
+
+def _number_gb(value: Any, path: str, allowed: str, *, positive: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise OffloadConfigError(path, value, "expected a finite number of GB >= 0")
+        raise OffloadConfigError(path, value, allowed)
     try:
         gb = float(value)
     except OverflowError as e:  # an int too large for a float
-        raise OffloadConfigError(path, value, "expected a finite number of GB >= 0") from e
-    if not math.isfinite(gb) or gb < 0:
-        raise OffloadConfigError(path, value, "expected a finite number of GB >= 0")
+        raise OffloadConfigError(path, value, allowed) from e
+    if not math.isfinite(gb) or gb < 0 or (positive and gb == 0):
+        raise OffloadConfigError(path, value, allowed)
     return gb
 
 
