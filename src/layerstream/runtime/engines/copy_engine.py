@@ -1,18 +1,8 @@
-"""Copy engines: move a block's bytes into a device slot beside compute, with one protocol on every device.
-
-The protocol (`runtime.contracts.CopyEngine`), for each slot:
-- `copy_into(slot, job)`: on the copy side, wait until compute has released the slot, run `job` (the copy),
-  then mark the slot ready;
-- `wait_ready(slot)`: compute waits until the slot's latest copy is done; a job that raised surfaces here as
-  `TransferError`;
-- `release(slot)`: compute marks that it is done reading the slot;
-- `close()`: wait for every copy in flight, then stop (host buffers may be freed only afterwards).
-
-`AcceleratorCopyEngine` implements it with a dedicated stream and events (no CPU-side synchronize); it queues a
-copy on the caller's thread, except a copy whose job waits on the host (`waits_on_host`: a disk read), which an
-issuing thread queues, so that compute goes on queuing kernels meanwhile. `CpuCopyEngine` implements it with a
-copy thread and thread events, optionally throttled to a simulated link bandwidth so that scheduling can be
-tested and measured on a machine without an accelerator.
+"""Copy engines: the slot protocol of `runtime.contracts.CopyEngine` on every device. `AcceleratorCopyEngine`
+uses a dedicated stream and events (no CPU-side synchronize) and queues a copy on the caller's thread, except one
+whose job waits on the host (a disk read), which an issuing thread queues so that compute goes on queuing
+kernels. `CpuCopyEngine` uses a copy thread and thread events, optionally throttled to a simulated link, so that
+scheduling can be tested and measured without an accelerator.
 """
 
 from __future__ import annotations
@@ -155,8 +145,7 @@ def _done_event() -> threading.Event:
 
 
 class _Copy:
-    """One copy handed to the accelerator engine: `done` is set once it is queued on the copy stream (None: it
-    was queued before `copy_into` returned), `error` is what its job raised."""
+    """One copy: `done` is set once it is queued on the copy stream (None: queued before `copy_into` returned)."""
 
     __slots__ = ("done", "error")
 
@@ -167,12 +156,9 @@ class _Copy:
 
 class AcceleratorCopyEngine:
     """Stream-and-event engine for CUDA (or another `torch.accelerator`): compute never waits on the CPU for a
-    copy, except for one whose job waits on the host (a disk read) and has not been queued yet.
-
-    `api` is the `AcceleratorApi` it calls (torch.cuda's by default); tests pass a recording stand-in (a
-    subclass) to check the order of calls without a GPU. `issue_thread=False` queues every copy on the caller's
-    thread, host waits included (the behaviour before the issuing thread, kept to measure it against:
-    `benchmarks/gpu_checks.py`).
+    copy, except for one whose job waits on the host and has not been queued yet. Tests pass a recording `api`
+    to check the order of calls without a GPU; `issue_thread=False` queues every copy on the caller's thread
+    (measured against in `benchmarks/gpu_checks.py`).
     """
 
     kind = "accelerator-streams"
@@ -320,10 +306,8 @@ class AcceleratorCopyEngine:
         return self._origin.elapsed_time(mark) / 1e3
 
     def pin_(self, buffer: torch.Tensor) -> bool:
-        """Page-lock a host buffer in place so copies from it are asynchronous DMA. The registration runs on a
-        short-lived thread of its own, with this engine's device current: a refused `cudaHostRegister` leaves
-        CUDA's last error set on the thread that called it (torch's binding neither clears it nor exposes
-        `cudaGetLastError`), and the next kernel launched on that thread would fail with it."""
+        """Page-lock a host buffer in place, on a short-lived thread of its own: a refused `cudaHostRegister`
+        leaves CUDA's last error set on its thread (torch neither clears nor exposes it), failing the next kernel."""
         return on_own_thread(self._register, buffer)
 
     def _register(self, buffer: torch.Tensor) -> bool:
@@ -331,9 +315,7 @@ class AcceleratorCopyEngine:
             return bool(self.api.host_register(buffer))
 
     def unpin_(self, buffer: torch.Tensor) -> None:
-        """Unregister a buffer `pin_` registered, on a thread of its own for the same reason (a teardown may run
-        on the compute thread, or from the garbage collector on any thread)."""
-        on_own_thread(self._unregister, buffer)
+        on_own_thread(self._unregister, buffer)  # for the same reason: a teardown may run on any thread
 
     def _unregister(self, buffer: torch.Tensor) -> None:
         with self._on_device():  # unregistering with another device current would make a context there
@@ -389,8 +371,7 @@ def _transfer_error(slot: int, error: BaseException) -> TransferError:
 
 
 def _accelerator_api(device: torch.device) -> AcceleratorApi:
-    """torch.cuda's API for a CUDA device; for another accelerator, its torch module where it has CUDA's stream
-    calls (`torch.xpu`)."""
+    """torch.cuda's API, or another accelerator's torch module where it has CUDA's stream calls (`torch.xpu`)."""
     if device.type == "cuda":
         return AcceleratorApi()
     accel = getattr(torch, device.type, None)

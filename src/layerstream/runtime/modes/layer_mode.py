@@ -1,11 +1,7 @@
 """Layer mode: stream the placement's blocks through one slot ring, every other tensor on the device.
-
-`apply_layer_mode` is the apply step of `enable_offload` (the plan and the checks ran before it): it allocates
-the slot ring, starts the copy engine, moves every non-streamed tensor to the device (a resident component that
-defines its own `to()` through that `to()`, once), stages every streamed
-block into its host store, hooks the blocks and commits the stores. Each step pushes its undo; on any error
-the undo stack runs in reverse and the error goes on to the caller. `LayerModeBackend` is what the handle
-drives afterwards: stats, trace and teardown.
+`apply_layer_mode`, the apply step of `enable_offload`, opens the ring and the copy engine, moves every
+non-streamed tensor to the device, stages the streamed blocks into their stores, hooks them and commits the
+stores, each step pushing its undo; `LayerModeBackend` is what the handle drives afterwards.
 """
 
 from __future__ import annotations
@@ -39,7 +35,11 @@ from layerstream.wording import format_bytes
 logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[torch.device, int], CopyEngine]
-"""Builds the copy engine for a device and a number of slots."""
+# what the store reports that the totals take as they are
+_STORE_FIGURES = (
+    "disk_bytes_read", "disk_stall_seconds", "host_pool_bytes", "disk_staging_bytes", "lossless_stored_bytes",
+    "lossless_decoded_bytes",
+)  # fmt: skip
 
 
 def apply_layer_mode(
@@ -54,8 +54,7 @@ def apply_layer_mode(
     engine_factory: EngineFactory,
     undo: UndoStack,
 ) -> LayerModeBackend:
-    """Apply the placement (see the module docstring). `stores` gives each streamed component its store;
-    `layouts` and `block_modules` cover every streamed block. Pushes every undo step onto `undo`."""
+    """Apply the placement; `layouts` and `block_modules` cover every streamed block. Undo steps go onto `undo`."""
     slot_buffers, engine = _open_slot_ring(placement, device, engine_factory, undo)
     moved_by_own_to = _place_components_(plan, placement, components, device, undo)
     pin = engine if engine is not None and plan.config.pin_memory else None
@@ -96,9 +95,8 @@ def _place_components_(
     plan, placement: Placement, components, device: torch.device, undo: UndoStack
 ) -> dict[str, torch.device]:
     """Every tensor that does not stream goes to the device; an on-demand component first hears the pipeline's
-    own `offload_to_cpu()` (and, without blocks to stream, is left where that put it). A resident component whose
-    class defines its own `to()` (`ResolvedComponent.own_to`) is moved through it, once: it may stage its weights
-    there, which a tensor-by-tensor move would bypass. Returns those components' paths -> where they were."""
+    `offload_to_cpu()`. A component with its own `to()` is moved through it, once (it may stage its weights
+    there, which a tensor-by-tensor move would bypass). Returns those components' paths -> where they were."""
     streamed_paths = set(placement.streamed_block_paths)
     moved_by_own_to: dict[str, torch.device] = {}
     for comp in plan.components:
@@ -192,39 +190,33 @@ class LayerModeBackend:
     ):  # fmt: skip
         self.plan = plan
         self.ownership: CallOwnership = ownership if ownership is not None else CallOwnership(plan.pipeline_class)
-        """Which thread runs the pipeline (shared with the streamer)."""
         self.placement = placement
         self.device = device
         self.components: Mapping[str, nn.Module] = components
         self._streamer: BlockStreamer | None = streamer
         self._engine: CopyEngine | None = engine
         self._stores: list[HostStore] = list(stores)
-        self.hooks: HookSet = hooks
-        """Everything installed on the pipeline, by name (the handle lists it; disable removes it)."""
+        self.hooks: HookSet = hooks  # everything installed on the pipeline, by name
         self._counters: dict[str, BlockCounters] = counters
         self._lora: LoraSupport | None = lora
-        self.moved_by_own_to: dict[str, torch.device] = dict(moved_by_own_to or {})
-        """Resident components moved through their own `to()` at enable -> where they were: `disable()` moves
-        them back there through it."""
+        self.moved_by_own_to: dict[str, torch.device] = dict(moved_by_own_to or {})  # path -> where enable found it
 
     def wrap_pipeline_(self, pipeline) -> None:
-        """Wrap the pipeline's own LoRA entry points (diffusers' `load_lora_weights`, `fuse_lora` ...), which
-        read and change the streamed components' weights."""
+        """Wrap the pipeline's own LoRA entry points (`load_lora_weights`, `fuse_lora` ...)."""
         if self._lora is None or any(pipeline is m for m in self.components.values()):
             return
         for wrapper in self._lora.wrap_(pipeline):
             self.hooks.add(PIPELINE, f"lora.{wrapper.name}", "binds the blocks' host weights while LoRA changes them", wrapper.remove)
 
     def release_when_dropped(self) -> Callable[[], None]:
-        """What frees this backend's threads and host memory if the pipeline is dropped without `disable()`:
-        a callable holding only the engine, the stores and the slots (nothing that keeps the pipeline alive)."""
+        """What frees the threads and host memory of a pipeline dropped without `disable()` (it holds nothing
+        that keeps the pipeline alive)."""
         slots = self._streamer.slot_buffers if self._streamer is not None else []
         return functools.partial(release_dropped, self._engine, list(self._stores), slots)
 
     @property
     def streamer(self) -> BlockStreamer | None:
-        """The running streamer (None once disabled): its blocks and slots, for inspection."""
-        return self._streamer
+        return self._streamer  # None once disabled
 
     def stats(self) -> OffloadStats:
         streamer = self._streamer
@@ -263,12 +255,7 @@ class LayerModeBackend:
             max_materialized_blocks=streamer.max_materialized if streamer else 0,
             engine=self._engine.kind if self._engine is not None else "",
             host_bytes_from_files=own.bytes_read_from_files,
-            disk_bytes_read=own.disk_bytes_read,
-            disk_stall_seconds=own.disk_stall_seconds,
-            host_pool_bytes=own.host_pool_bytes,
-            disk_staging_bytes=own.disk_staging_bytes,
-            lossless_stored_bytes=own.lossless_stored_bytes,
-            lossless_decoded_bytes=own.lossless_decoded_bytes,
+            **{name: getattr(own, name) for name in _STORE_FIGURES},
             residency=MappingProxyType({self.plan.component(p).display_path: c.describe() for p, c in self.placement.residency.items()}),
             host_budget=self.placement.host_budget.describe() if self.placement.host_budget is not None else "",
         )
@@ -304,10 +291,9 @@ class LayerModeBackend:
             self._streamer.compute_records.clear()
 
     def disable(self) -> None:
-        """Teardown in the only safe order: hooks off, then wait for every copy in flight (closing the engine),
-        then give the blocks their tensors back and free the host stores, then forget the slot ring; last, the
-        on-demand components' `load_to_device()` (once each) hands their residency back to the pipeline, and each
-        component that moves itself goes back through its own `to()` (once) to where enable found it."""
+        """Teardown in the only safe order: hooks off, wait for every copy in flight (closing the engine), give
+        the blocks their tensors back and free the stores, forget the slot ring; last, hand residency back
+        (`load_to_device()`, a component's own `to()`)."""
         self.hooks.remove_all_()
         if self._engine is not None:
             self._engine.close()  # waits for in-flight copies: they read host buffers restore_ frees below
@@ -329,9 +315,9 @@ class LayerModeBackend:
 
 
 def release_dropped(engine: CopyEngine | None, stores: list[HostStore], slot_buffers: list[torch.Tensor]) -> None:
-    """A pipeline was dropped without `disable()`: stop the engine (its copies in flight finish first: they
-    read host buffers and write the slots, which stay referenced here until then), then free every store's host
-    memory and spill files. Runs from the garbage collector: every error is logged, none raised."""
+    """A pipeline was dropped without `disable()`: stop the engine (its copies in flight read host buffers and
+    write the slots, referenced here until then), then free every store. Runs from the garbage collector: every
+    error is logged, none raised."""
     try:
         if engine is not None:
             engine.close()
