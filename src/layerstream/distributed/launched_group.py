@@ -1,11 +1,5 @@
 """Joining torchrun's process group for a pipeline that asks for allgather, so that a script written for one
-process runs unchanged under ``torchrun --nproc-per-node N``.
-
-`weight_transfer: "allgather"` needs every rank in one process group before enabling. Where torchrun's
-environment says there are several ranks (`WORLD_SIZE` > 1) and nothing has initialized torch.distributed, `Omni`
-joins that group with `init_distributed` before it loads (its device from `LOCAL_RANK` where none is given, its
-exit teardown as for any group it creates); an explicit `init_distributed` or `dist.init_process_group` before
-loading keeps its own group, and `destroy_distributed()` still leaves it.
+process runs unchanged under ``torchrun --nproc-per-node N`` (a group initialized before loading is kept).
 """
 
 from __future__ import annotations
