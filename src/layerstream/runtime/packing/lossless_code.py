@@ -1,20 +1,14 @@
 """A lossless code for 16-bit floating-point tensors (bfloat16, float16): on trained bfloat16 weights about 0.68x
-the bytes, within a point or two of the exponent's entropy, bit for bit.
-
-Each element keeps a raw byte as it is and codes the rest, whose values are few and next to each other, in tiers of
-fixed-width codes (`lossless_format` holds the stored form, `lossless_decode` the decode): every element has a
-short code of tier 0, and only the elements it does not hold go on to the next tier, then to the literals. A tier's
-window is the run of values that holds the most of what reaches it, so the tiers follow the tensor's own spread
-(trained exponents spread wider than initial ones: about 2.8 bits of entropy a tensor, where one fixed width
-spent 3 or 4 bits and 6 bytes an escape). Every bit of every element is either kept or computed back by the
-inverse of the encode's integer steps, so the code is exact by construction. Planning (`plan_code`) reads a
-tensor's histogram once; the sizes it fixes keep a little room in every tier, so that values coded again (after
-LoRA fusing or a load) usually fit.
+the bytes, within a point or two of the exponent's entropy, bit for bit. Each element keeps a raw byte and codes
+the rest in tiers of fixed-width codes: tier 0 holds every element, only what its window misses goes on to the
+next tier, then to the literals. A tier's window is the run of values holding the most of what reaches it, so the
+tiers follow the tensor's own spread (trained exponents: about 2.8 bits of entropy, where one fixed width spent 3
+or 4 bits and 6 bytes an escape). Planning reads a tensor's histogram once and keeps a little room in every tier,
+so that values coded again (after LoRA fusing or a load) usually fit.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 
 import torch
@@ -22,45 +16,18 @@ import torch
 from layerstream.errors import LayerstreamError
 from layerstream.runtime.packing.lossless_decode import CHUNK_ELEMENTS, SpanDecode, decode, escapes_in
 from layerstream.runtime.packing.lossless_format import (
-    CODED_DTYPES,
-    FIRST_WIDTHS,
-    MAX_TIERS,
-    SHIFT,
-    TIER_WIDTHS,
-    VALUE_RANGE,
-    CodedDtype,
-    SpanCode,
-    best_window,
-    choose_windows,
-    pack_codes,
-    tier_lookup,
-    window_size,
-)
+    CODED_DTYPES, FIRST_WIDTHS, MAX_TIERS, SHIFT, TIER_WIDTHS, VALUE_RANGE, CodedDtype, SpanCode, best_window,
+    choose_windows, pack_codes, tier_lookup, window_size,
+)  # fmt: skip
 from layerstream.runtime.packing.lossless_pricing import (
-    ESTIMATED,
-    ESTIMATED_CODED_FRACTION,
-    CodedFraction,
-    priced_fraction,
-    pricing_at,
-)
+    ESTIMATED, ESTIMATED_CODED_FRACTION, CodedFraction, priced_fraction, pricing_at,
+)  # fmt: skip
 
 __all__ = [
-    "CODED_DTYPES",
-    "ESTIMATED",
-    "ESTIMATED_CODED_FRACTION",
-    "CodedFraction",
-    "CodedDtype",
-    "SpanCode",
-    "SpanDecode",
-    "count_coded",
-    "decode",
-    "encode_into_",
-    "estimated_code",
-    "plan_code",
-    "plan_code_from_counts",
-    "priced_fraction",
-    "pricing_at",
-]
+    "CODED_DTYPES", "ESTIMATED", "ESTIMATED_CODED_FRACTION", "CodedFraction", "CodedDtype", "SpanCode", "SpanDecode",
+    "count_coded", "decode", "encode_into_", "estimated_code", "plan_code", "plan_code_from_counts",
+    "priced_fraction", "pricing_at",
+]  # fmt: skip
 
 
 def escape_capacity(num_escapes: int, num_elements: int) -> int:
@@ -87,17 +54,11 @@ def value_counts(counts: torch.Tensor, dtype: CodedDtype) -> list[int]:
     return (counts if dtype == "bfloat16" else counts[:128] + counts[128:]).tolist()
 
 
-def candidate_widths() -> list[tuple[int, ...]]:
-    """Every tier layout the planner weighs: a first width, then up to `MAX_TIERS - 1` later widths."""
-    later = [rest for k in range(MAX_TIERS) for rest in itertools.product(TIER_WIDTHS, repeat=k)]
-    return [(first,) + rest for first in FIRST_WIDTHS for rest in later]
-
-
 def _layouts(
     left: list[int], escaping: int, widths: tuple[int, ...] = (), escapes: tuple[int, ...] = ()
 ) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """(widths, elements escaping each tier) of every layout of `candidate_widths`, each tier's window the best
-    for what reaches it (`left`: the counts of the values no earlier window holds); shared prefixes found once."""
+    """(widths, elements escaping each tier) of every layout of up to `MAX_TIERS` widths, each tier's window the
+    best for what reaches it (`left`: the counts no earlier window holds); shared prefixes found once."""
     for width in FIRST_WIDTHS if not widths else TIER_WIDTHS:
         base, inside = best_window(left, window_size(width))
         grown, after = widths + (width,), escapes + (escaping - inside,)
@@ -123,8 +84,7 @@ def plan_code_from_counts(counts: torch.Tensor, num_elements: int, dtype: CodedD
 
 
 def plan_code(x16: torch.Tensor, dtype: CodedDtype) -> SpanCode | None:
-    """The code of these elements (`x16`: int16, flat, on the CPU), or None where no code is smaller than the raw
-    bytes."""
+    """The code of `x16` (int16, flat, on the CPU), or None where no code is smaller than the raw bytes."""
     return plan_code_from_counts(count_coded(x16, dtype), x16.numel(), dtype)
 
 
