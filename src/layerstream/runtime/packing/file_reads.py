@@ -1,15 +1,9 @@
-"""Reading file-backed weights straight from their files, not through the page faults of a mapping.
-
-diffusers (through safetensors) keeps weights loaded in the dtype they are stored in as views of a private
-mapping of the checkpoint files: nothing is read until a tensor is touched. Copying a block out of such a view
-faults the file in page by page (a few hundred MB/s) and leaves every touched page counted in the process
-(file-backed RSS) for as long as anything references the mapping. Reading the same bytes with large `preadv`
-calls on a few threads runs at the disk's speed and maps nothing.
-
-`MappedFiles` tells, for a host address range, which file and offset back it. It reads `/proc/self/maps` (the
-mappings) and `/proc/self/pagemap` (whether each page still holds the file's bytes: a page written since it
-was mapped, copy on write, is anonymous memory now and the file would be wrong, so such a range is copied
-from memory instead). Where /proc is not available (not Linux) every range is copied from memory, as before.
+"""Reading file-backed weights straight from their files, not through the page faults of a mapping: safetensors
+keeps weights as views of a private mapping, and copying out of one faults the file in page by page (a few
+hundred MB/s) and keeps every touched page counted in the process; large `preadv` calls on a few threads run at
+the disk's speed and map nothing. `MappedFiles` tells which file backs an address range, from `/proc/self/maps`
+and `/proc/self/pagemap` (a page written since it was mapped is anonymous memory: such a range is copied from
+memory, as is every range where /proc is not available).
 """
 
 from __future__ import annotations
@@ -31,11 +25,8 @@ READ_CHUNK_BYTES = 16 * 2**20
 NUM_READ_THREADS = 4
 
 
-
 @dataclass(frozen=True)
 class FileRange:
-    """`nbytes` bytes of file `path` from `offset`."""
-
     path: str
     offset: int
     nbytes: int
@@ -156,29 +147,25 @@ class MappedFiles:
 
 class FileReader:
     """Reads file ranges into host tensors with large `preadv` calls on a few threads; keeps files open until
-    `close`. Counts what it read. With `drop_cached`, the pages of every range read are dropped from the page
-    cache after it (`POSIX_FADV_DONTNEED`): bytes read again at every use (the disk tier) do not fill the
-    memory that the host budget keeps free, and every read reaches the disk."""
+    `close`. With `drop_cached`, every range read is dropped from the page cache after it: bytes read again at
+    every use (the disk tier) do not fill the memory the host budget keeps free, and every read reaches the disk."""
 
     def __init__(self, num_threads: int = NUM_READ_THREADS, drop_cached: bool = False):
         self.drop_cached = drop_cached and hasattr(os, "posix_fadvise")
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="layerstream-read")
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
-        self.bytes_read = 0
 
     def read_into_(self, destination: torch.Tensor, source: FileRange) -> None:
-        """Fill `destination` (a contiguous uint8 CPU tensor of `source.nbytes`) with the file's bytes."""
         self.read_all_([(destination, source)])
 
     def read_all_(self, reads: list[tuple[torch.Tensor, FileRange]]) -> None:
-        """Fill every destination with its file range, all chunks of all reads in flight on the threads at once
-        (a block is many tensors of a few MB: read one after the other, most threads would idle)."""
+        """Fill every destination (contiguous uint8) with its file range, all chunks of all reads in flight at
+        once (a block is many tensors of a few MB: read one after the other, most threads would idle)."""
         self.start_reads_(reads)()
 
     def start_reads_(self, reads: list[tuple[torch.Tensor, FileRange]]):
-        """Start `read_all_`'s reads and return a function that waits for them (and raises the first
-        failure). Until it returns, the destinations are being written."""
+        """Start `read_all_`'s reads; return a function that waits for them and raises the first failure."""
         jobs = []
         try:
             for destination, source in reads:
@@ -204,7 +191,6 @@ class FileReader:
                     error = error or e
             if error is not None:
                 raise error
-            self.bytes_read += sum(source.nbytes for _, source in reads)
 
         return wait
 
