@@ -1,13 +1,6 @@
 """The host reserve of `host_budget_gb: "auto"`: what a generation allocates in host memory beside the host store,
-estimated for its size (or `host_reserve_gb`, given), with how it was reached.
-
-Per output pixel and colour channel the decode holds about `DECODED_BYTES_PER_VALUE` bytes on the host (the
-VAE's float32 frames brought to the host, diffusers' per-frame float32 arrays and their stack, the float32
-temporaries of the uint8 conversion beside the uint8 frames) and the output's encoding about
-`ENCODING_BYTES_PER_VALUE` (an even-sized uint8 copy; the encoded bytes are fewer); the text encoder's outputs are
-the prompt's and the negative prompt's hidden states; and where the device is the host itself (the CPU) a DiT
-block's activations (`models.generation_estimates.block_activation_nbytes`) and the latents live there too.
-Never less than `FLOOR_NBYTES`: Python objects, the tokenizer, the scheduler.
+estimated for its size (or `host_reserve_gb`, given): the decoded frames and their encoding, the text encoder's
+outputs, and on a CPU device a DiT block's activations; never less than `FLOOR_NBYTES`.
 """
 
 from __future__ import annotations
@@ -41,14 +34,11 @@ class HostReserve:
     nbytes: int
     source: str
     """'host_reserve_gb' (given) or what the estimate was for ('estimated for 480x832 x 81 frames on cuda')."""
-    parts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    """The estimate's parts by name (empty where the reserve was given)."""
-    size_source: str = ""
-    """Where the estimate's size came from: the model's defaults, the largest request, the size planned."""
+    parts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))  # empty where given
+    size_source: str = ""  # the model's defaults, the largest request, the size planned
 
     @property
     def need_name(self) -> str:
-        """Its name among what runs beside the host store (`plan.host_budget.host_needs`)."""
         return "reserve (host_reserve_gb)" if self.source == "host_reserve_gb" else "reserve (estimated)"
 
     def describe(self) -> str:
@@ -77,10 +67,8 @@ def estimate_host_reserve(
     generation: GenerationSize,
     dit_blocks: tuple[nn.Module, ...] = (),
 ) -> HostReserve:
-    """The reserve for one generation of `generation`'s size (the model's rules fill what a caller leaves out:
-    `models.generation_size`). Pixels are counted where the pipeline decodes them (it has a `vae`); `dit_blocks`
-    (their first blocks) price the activations on a CPU device at the generation's latent tokens (its own
-    `tokens`, else `models.generation_estimates.latent_tokens`)."""
+    """The reserve for one generation of `generation`'s size: pixels where the pipeline decodes them (it has a
+    `vae`); `dit_blocks` (their first blocks) price the activations on a CPU device at its latent tokens."""
     size, tokens = generation.as_size(), generation.tokens
     parts: dict[str, int] = {}
     if getattr(pipeline, "vae", None) is not None:
