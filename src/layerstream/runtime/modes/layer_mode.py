@@ -16,7 +16,7 @@ from torch import nn
 
 from layerstream.plan.placement import Placement
 from layerstream.plan.resolved import ResolvedOffloadPlan
-from layerstream.runtime.streaming.block_call import install_block_call
+from layerstream.runtime.streaming.block_call import BlockCall
 from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
 from layerstream.runtime.packing.layout import BlockLayout
 from layerstream.runtime.torch_contract.lora import LoraSupport, install_lora_support
@@ -166,7 +166,7 @@ def _build_streamer(placement: Placement, stored, block_modules, counters, engin
 def _install_hooks(plan, components, streamer: BlockStreamer, device: torch.device, hooks: HookSet) -> LoraSupport:
     """Block calls, component wrappers, LoRA entry points and state-dict hooks, each recorded by name."""
     for block in streamer.blocks:
-        hooks.add(block.path, "block_call", "binds the block to a device slot around each call", install_block_call(streamer, block).remove)
+        hooks.add(block.path, "block_call", "binds the block to a device slot around each call", BlockCall(streamer, block).remove)
     path_of = {id(components[c.path]): c.display_path for c in plan.streamed}
     for comp in plan.streamed:
         for wrapper in install_root_hooks(streamer, components[comp.path]):
