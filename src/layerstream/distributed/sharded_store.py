@@ -17,7 +17,7 @@ import torch
 
 from layerstream.distributed.collectives import BlockGather
 from layerstream.errors import UnsupportedUseError
-from layerstream.runtime.packing.host_buffer import HostBufferBlock, page_aligned_empty, pin_off_thread
+from layerstream.runtime.packing.host_buffer import HostBufferBlock, on_own_thread, page_aligned_empty
 from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
 from layerstream.runtime.contracts import HostStoreBase, Job, Pinner, StoredBlock, StoredForm, StoreStats
 from layerstream.runtime.forms.packed import PackedForm
@@ -42,7 +42,7 @@ class ShardedBlock(HostBufferBlock):
         if pinner is not None:
             # now, and waited for: a failure must reach the store's collective failure report (off the compute
             # thread all the same, where a failed registration would poison a later kernel)
-            if pin_off_thread(pinner, self.buffer):
+            if on_own_thread(pinner.pin_, self.buffer):
                 self.pinner = pinner
         self.gather = gather
         self.index = index  # in the gather's headers (the same on every rank)
