@@ -1,13 +1,8 @@
-"""Exact upcasts from float8: the float8 form's unpacking in a slot (`SlotUnpack`) and its host restores.
-
-Every float8 value (e4m3fn and e5m2) is exactly a bfloat16, float16 and float32 value, so an upcast is a
-function of the byte alone: a table of 256 entries made by torch's own conversion gives the same bits as
-torch's `copy_` on every CPU (no arithmetic, no rounding, no instruction-set dependence). torch's CPU kernel
-converts one element at a time (about 4 ns an element on a 2-core EPYC: 22 ms for a 1/64-scale Wan block,
-three times that block's compute), so on the CPU the cast is made by lookups instead: two float8 bytes index
-a table of 65,536 pairs (256 KiB, resident in the core's cache) that gives two 2-byte values at once, about
-0.4 ns an element. The indices go through a small per-thread scratch buffer, so no call allocates a block's
-worth. On an accelerator the device's own cast kernel is already at memory speed and `copy_` is used as is.
+"""Exact upcasts from float8, for the float8 form's unpacking in a slot and its host restores. Every float8 value
+is exactly a bfloat16 or float16 value, so a table made by torch's own conversion gives `copy_`'s bits on every
+CPU. torch's CPU kernel takes about 4 ns an element on a 2-core EPYC (22 ms for a 1/64-scale Wan block, three
+times its compute); a table of 65,536 pairs (256 KiB, cache-resident) indexed by two float8 bytes takes about
+0.4. On an accelerator the device's own cast is already at memory speed and `copy_` is used as is.
 """
 
 from __future__ import annotations
@@ -32,9 +27,8 @@ _scratch = threading.local()
 
 
 class Upcast:
-    """`destination.copy_(stored)`, planned once for two tensors that keep their place (a slot's views): for a
-    float8 `stored` on the CPU the lookups of the module docstring, bit for bit; any other case (another device,
-    dtype, a small or non-contiguous tensor) is `copy_` itself."""
+    """`destination.copy_(stored)`, planned once for two tensors that keep their place (a slot's views): table
+    lookups for a float8 `stored` on the CPU, `copy_` itself in any other case."""
 
     __slots__ = ("destination", "stored", "_steps", "_index_numel")
 
@@ -58,8 +52,7 @@ class Upcast:
 
 
 def upcast_(destination: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
-    """`destination.copy_(stored)` for a float8 `stored`, bit for bit, made by table lookups on the CPU (a one-off
-    `Upcast`)."""
+    """`destination.copy_(stored)` for a float8 `stored`, bit for bit (a one-off `Upcast`)."""
     return Upcast(destination, stored).run_()
 
 
