@@ -1,11 +1,6 @@
-"""Wrapping a module's method as an instance attribute, so that work runs around every call.
-
-Hooks cannot do this job everywhere: torch skips even `always_call` forward hooks when a forward ends in
-`KeyboardInterrupt`, and pipelines reach some components through methods other than `forward` (diffusers
-calls `vae.decode(...)`, never `vae(...)`). A wrapper with `try`/`finally` runs in both cases.
-
-The wrapper is opaque to `torch.compile`: on a model compiled whole, `enter` and `leave` run as plain Python
-around the call, and the wrapped method is compiled as a frame of its own.
+"""Wrapping a module's method as an instance attribute, so that work runs around every call: torch skips even
+`always_call` forward hooks on `KeyboardInterrupt`, and pipelines reach some components through other methods
+than `forward` (`vae.decode(...)`). The wrapper is opaque to `torch.compile`; the wrapped method compiles alone.
 """
 
 from __future__ import annotations
