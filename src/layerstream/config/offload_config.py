@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Literal, get_args
 
@@ -125,19 +125,14 @@ class OffloadConfig:
         object.__setattr__(self, "layer_options", MappingProxyType(dict(self.layer_options)))
 
     def __hash__(self) -> int:
-        items = frozenset(self.layer_options.items())
-        return hash(
-            (self.mode, self.components, items, self.pin_memory, self.host_budget_gb, self.host_reserve_gb, self.disk_dir,
-             self.lora_exact_unfuse, self.vae_use_tiling, self.vae_use_slicing, self.device_memory_gb)
-        )  # fmt: skip
+        return hash(tuple(frozenset(v.items()) if isinstance(v, Mapping) else v for v in self._fields().values()))
 
     def __reduce__(self):
         # mappingproxy cannot be pickled or deep-copied; rebuild from plain data instead.
-        state = {"mode": self.mode, "components": self.components, "pin_memory": self.pin_memory}
-        state |= {"host_budget_gb": self.host_budget_gb, "host_reserve_gb": self.host_reserve_gb, "disk_dir": self.disk_dir}
-        state |= {"lora_exact_unfuse": self.lora_exact_unfuse, "device_memory_gb": self.device_memory_gb}
-        state |= {"vae_use_tiling": self.vae_use_tiling, "vae_use_slicing": self.vae_use_slicing}
-        return (_rebuild, (type(self), {**state, "layer_options": dict(self.layer_options)}))
+        return (_rebuild, (type(self), {**self._fields(), "layer_options": dict(self.layer_options)}))
+
+    def _fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def options_for(self, component: str) -> LayerOptions:
         return self.layer_options.get(component, LayerOptions())
