@@ -51,31 +51,24 @@ class StoredForm(Protocol):
     """How a block's bytes are kept off the device (packed byte for byte, float8, lossless-coded), and how they
     become its compute layout in a slot. Pure: reads the layout only."""
 
-    layout: BlockLayout
-    """The compute layout: what a slot holds while the block computes."""
-    lossless: bool
-    """Whether the stored bytes give back the original tensors exactly (float8 rounds)."""
+    layout: BlockLayout  # the compute layout: what a slot holds while the block computes
+    lossless: bool  # the stored bytes give back the original tensors exactly (float8 rounds)
     stored_is_packed: bool
     """The stored bytes are the packed layout byte for byte: checkpoint file ranges can serve them, and the
     original tensors may go as soon as the block is staged."""
-    coded: bool
-    """The stored bytes are a code no tensor can view: host tensors are decoded copies, coded again when written."""
+    coded: bool  # a code no tensor can view: host tensors are decoded copies, coded again when written
 
     @property
-    def stored_nbytes(self) -> int:
-        """Bytes of the stored block (what a store keeps of it, what a whole transfer moves)."""
+    def stored_nbytes(self) -> int: ...  # what a store keeps of the block, what a whole transfer moves
 
     @property
-    def stored_offset(self) -> int:
-        """Where in a slot the stored bytes land: 0 for the packed form, else after the compute layout."""
+    def stored_offset(self) -> int: ...  # where in a slot the stored bytes land: 0 packed, else after the layout
 
     @property
-    def slot_nbytes(self) -> int:
-        """`stored_offset + stored_nbytes`: the compute layout, and the stored bytes where they differ."""
+    def slot_nbytes(self) -> int: ...  # `stored_offset + stored_nbytes`
 
     @property
-    def signature(self) -> str:
-        """A short description of how the bytes are stored, the same wherever the form is (ranks compare it)."""
+    def signature(self) -> str: ...  # how the bytes are stored, in words (ranks compare it)
 
     def fill_(self, stored: torch.Tensor, files: MappedFiles | None = None, reader: FileReader | None = None) -> int:
         """Write the stored bytes from the original tensors (unwritten views of `files` are read by `reader`);
@@ -88,14 +81,11 @@ class StoredForm(Protocol):
         """The ops (`run_()` on the copy's thread and stream) that turn the stored bytes in a slot into the compute
         layout, in order; none for the packed form. Built once per slot (`SlotUnpack`)."""
 
-    def compute_bytes(self, stored: torch.Tensor) -> torch.Tensor:
-        """The compute layout's bytes made from the stored bytes (for restoring real tensors)."""
+    def compute_bytes(self, stored: torch.Tensor) -> torch.Tensor: ...  # for restoring real tensors
 
-    def compute_range(self, stored: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
-        """Bytes [start, start + nbytes) of the compute layout made from the whole stored block."""
+    def compute_range(self, stored: torch.Tensor, start: int, nbytes: int) -> torch.Tensor: ...
 
-    def stored_tensors(self, stored: torch.Tensor) -> list[torch.Tensor]:
-        """One tensor per layout entry viewing `stored`, in the stored dtype (not for a `coded` form)."""
+    def stored_tensors(self, stored: torch.Tensor) -> list[torch.Tensor]: ...  # views, in the stored dtype (uncoded)
 
     def write_slot_range_(self, stored: torch.Tensor, stored_start: int, slot_buffer: torch.Tensor, start: int, end: int) -> int:
         """Store compute-layout bytes [start, end) of `slot_buffer` into `stored` (stored bytes from `stored_start`);
@@ -113,22 +103,19 @@ class StoredBlock(Protocol):
     def path(self) -> str: ...
 
     @property
-    def host_bytes(self) -> int:
-        """Host bytes this process holds for the block."""
+    def host_bytes(self) -> int: ...  # held by this process for the block
 
     @property
     def pinned(self) -> bool: ...
 
     @property
-    def link_bytes(self) -> int:
-        """Bytes one transfer of the block moves over this process's host link."""
+    def link_bytes(self) -> int: ...  # one transfer of the block moves these over this process's host link
 
     copy_waits_on_host: bool
     """The copy job may wait on the host (a disk read): an accelerator engine runs it on a thread of its own, so
     that compute goes on queuing kernels meanwhile."""
 
-    def copy_job(self, slot_buffer: torch.Tensor) -> Job:
-        """A job that fills `slot_buffer` (a whole slot) with the block's packed bytes."""
+    def copy_job(self, slot_buffer: torch.Tensor) -> Job: ...  # fills a whole slot with the block's packed bytes
 
     def host_range(self, start: int, nbytes: int) -> torch.Tensor:
         """Bytes [start, start + nbytes) of the packed block on the host (for a tensor autograd saved); raises
@@ -143,13 +130,11 @@ class StoredBlock(Protocol):
 
     def sync_host_tensors_(self, written: bool) -> None:
         """The caller is done with `host_tensors()`; with `written` the store takes their values (a lossless store
-        codes its decoded copies again). Default: nothing, they view the store's bytes."""
+        codes its decoded copies again)."""
 
-    def check_lora_(self) -> None:
-        """Raise `UnsupportedUseError` where LoRA may not change the block (a lossy form); default: allowed."""
+    def check_lora_(self) -> None: ...  # raises `UnsupportedUseError` where LoRA may not change the block
 
-    def count_stall_(self, stall_seconds: float) -> None:
-        """Compute just waited `stall_seconds` for this block's copy: a disk-read block counts its part of it."""
+    def count_stall_(self, stall_seconds: float) -> None: ...  # compute waited so long: a disk block counts its part
 
     @property
     def host_version(self) -> int | None:
@@ -163,20 +148,15 @@ class HostStore(Protocol):
 
     kind: str
 
-    def slot_nbytes(self, layout: BlockLayout) -> int:
-        """Bytes the block needs in a device slot (pure; the placement sizes the slots from it)."""
+    def slot_nbytes(self, layout: BlockLayout) -> int: ...  # pure; the placement sizes the slots from it
 
-    def host_nbytes(self, layout: BlockLayout) -> int:
-        """Host bytes this process keeps for the block in host memory (pure; the placement prices the host tier)."""
+    def host_nbytes(self, layout: BlockLayout) -> int: ...  # pure; the placement prices the host tier in it
 
-    def stored_form(self, layout: BlockLayout) -> StoredForm:
-        """The form the store keeps the block in (pure); the disk tier keeps it in the same form."""
+    def stored_form(self, layout: BlockLayout) -> StoredForm: ...  # pure; the disk tier keeps the same form
 
-    def disk_part(self, layout: BlockLayout) -> DiskPart:
-        """What this process keeps of the block where the disk tier holds it in the store's stead (pure)."""
+    def disk_part(self, layout: BlockLayout) -> DiskPart: ...  # pure; what it keeps where the disk tier holds it
 
-    def place_(self, placement: Placement) -> None:
-        """The placement's decisions, before `check_layouts_` (the tiered store learns which blocks go to disk)."""
+    def place_(self, placement: Placement) -> None: ...  # the placement's decisions, before `check_layouts_`
 
     def follow_order_(self, successor: Callable[[str], str | None], num_blocks: int) -> None:
         """After the commit: the streamer's prediction of the next block (the disk tier reads ahead along it)."""
@@ -187,17 +167,14 @@ class HostStore(Protocol):
         """Check, before anything changes, that the store can hold these blocks (a collective store checks that
         every rank agrees). Raises `OffloadError`."""
 
-    def report_failure_(self, error: BaseException) -> None:
-        """This process failed before or while staging: let any peer know (a local store has none)."""
+    def report_failure_(self, error: BaseException) -> None: ...  # failed before or while staging: tell any peer
 
     def stage_(self, layout: BlockLayout, device: torch.device, pin: Pinner | None) -> StoredBlock:
         """Take the block's bytes into the store; from now on the block may hold placeholders."""
 
-    def commit_(self) -> None:
-        """Every block is staged: the store's copy becomes the only one (originals may be dropped)."""
+    def commit_(self) -> None: ...  # every block is staged: the store's copy becomes the only one
 
-    def rollback_(self) -> None:
-        """Undo every `stage_` (before the commit): blocks get their original tensors back, host memory goes."""
+    def rollback_(self) -> None: ...  # undo every `stage_` (before the commit): the original tensors come back
 
     def restore_(self, device: torch.device) -> None:
         """Give every block real tensors on `device` again and free the host memory. The caller has closed the
@@ -224,9 +201,7 @@ class DiskPart(Protocol):
     """The block's full bytes exist only across ranks: its host store restores it (a collective) and the disk
     store leaves it alone at restore and at a rollback after the commit."""
 
-    def staged_(self, block: StoredBlock) -> None:
-        """The disk store staged the block as `block`: the sharded store registers it with its gather, in the
-        order blocks are staged on every rank."""
+    def staged_(self, block: StoredBlock) -> None: ...  # the sharded store registers it, in staging order
 
     def fill_(self, out: torch.Tensor, files: MappedFiles | None, reader: FileReader | None) -> int:
         """Write the part (`out` zeroed by the caller) from the original tensors; returns the bytes read from files."""
@@ -235,8 +210,7 @@ class DiskPart(Protocol):
         """Move the part in `held[:nbytes]` into its place in the slot (for a shard, with the all-gather); the
         caller then unpacks a lossy form. Returns the bytes that crossed this process's link."""
 
-    def compute_bytes(self, held: torch.Tensor) -> torch.Tensor:
-        """The compute layout's bytes from the part read back (whole parts only)."""
+    def compute_bytes(self, held: torch.Tensor) -> torch.Tensor: ...  # from the part read back (whole parts only)
 
 
 class WholePart:
@@ -355,18 +329,15 @@ class CopyEngine(Protocol):
     def copy_into(self, slot: int, job: Job, record: CopyRecord | None = None, *, waits_on_host: bool = False) -> None:
         """`waits_on_host`: the job may wait on the host (`StoredBlock.copy_waits_on_host`)."""
 
-    def wait_ready(self, slot: int) -> float:
-        """Returns the seconds compute waited on the host (0 where it waits on the device)."""
+    def wait_ready(self, slot: int) -> float: ...  # the seconds compute waited on the host (0 on the device)
 
     def release(self, slot: int) -> None: ...
 
-    def now(self) -> object:
-        """A time mark on the compute side; `resolve` turns it into seconds after the run."""
+    def now(self) -> object: ...  # a time mark on the compute side; `resolve` makes it seconds after the run
 
     def resolve(self, mark: object) -> float: ...
 
-    def copy_records(self) -> list[CopyRecord]:
-        """Every recorded copy with its times resolved (may synchronize: call after a run)."""
+    def copy_records(self) -> list[CopyRecord]: ...  # times resolved (may synchronize: call after a run)
 
     def clear_records(self) -> None: ...
 
@@ -374,8 +345,7 @@ class CopyEngine(Protocol):
 
     def unpin_(self, buffer: torch.Tensor) -> None: ...
 
-    def capturing(self) -> bool:
-        """Whether the compute stream is being captured into a CUDA graph right now (never on the CPU)."""
+    def capturing(self) -> bool: ...  # the compute stream is being captured into a CUDA graph (never on the CPU)
 
     def guard_slots_(self, slot_buffers: list[torch.Tensor]) -> None:
         """The slot ring, at enable: its memory may not be handed to anyone else while a copy may still write it."""
