@@ -228,19 +228,14 @@ class LayerModeBackend:
             mine = [b for b in streamer.blocks if b.component == comp.path] if streamer else []
             host = [b.host for b in mine]
             pre_fuse = self._lora.pre_fuse_bytes if self._lora is not None else {}
-            c = self._counters.get(comp.path)
+            counters = self._counters.get(comp.path) or BlockCounters()
             per[comp.display_path] = ComponentStats(
-                bytes_transferred=c.bytes_transferred if c else 0,
-                num_transfers=c.num_transfers if c else 0,
-                num_sync_loads=c.num_sync_loads if c else 0,
-                stall_seconds=c.stall_seconds if c else 0.0,
+                **{name: getattr(counters, name) for name in BlockCounters.__slots__},
                 device_bytes=device_bytes(module, self.device),
                 host_bytes=sum(h.host_bytes for h in host) + sum(pre_fuse.get(b.index, 0) for b in mine),
                 pinned_host_bytes=sum(h.host_bytes for h in host if h.pinned),
                 num_streamed_blocks=len(host),
                 num_resident_blocks=len(self.placement.resident_block_paths(comp.path)),
-                bytes_written_back=c.bytes_written_back if c else 0,
-                copy_issue_seconds=c.issue_seconds if c else 0.0,
             )
         totals = {f: sum(getattr(s, f) for s in per.values()) for f in ComponentStats.__dataclass_fields__}
         totals["device_bytes"] += self.placement.ring_nbytes

@@ -43,16 +43,18 @@ class ComputeRecord:
 
 
 class BlockCounters:
-    """Transfer counters of one component (plain ints: updated on the hot path)."""
+    """Transfer counters of one component (plain ints: the hot path), named as the `ComponentStats` fields."""
 
-    __slots__ = ("bytes_transferred", "num_transfers", "num_sync_loads", "stall_seconds", "issue_seconds", "bytes_written_back")
+    __slots__ = (
+        "bytes_transferred", "num_transfers", "num_sync_loads", "stall_seconds", "copy_issue_seconds", "bytes_written_back",
+    )  # fmt: skip
 
     def __init__(self):
         self.bytes_transferred = 0
         self.num_transfers = 0
         self.num_sync_loads = 0
         self.stall_seconds = 0.0
-        self.issue_seconds = 0.0  # host time compute spent handing copies to the engine
+        self.copy_issue_seconds = 0.0  # host time compute spent handing copies to the engine
         self.bytes_written_back = 0
 
 
@@ -395,7 +397,7 @@ class BlockStreamer:
             self._drop_copy_(block, slot)
             raise
         issued = time.perf_counter() - issuing
-        block.counters.issue_seconds += issued
+        block.counters.copy_issue_seconds += issued
         host.count_stall_(issued)  # an engine that ran the job here waited for its source meanwhile
 
 
