@@ -56,10 +56,6 @@ class HostReserve:
         }  # fmt: skip
 
 
-def given_host_reserve(reserve_gb: float) -> HostReserve:
-    return HostReserve(round(reserve_gb * GB), "host_reserve_gb")
-
-
 def estimate_host_reserve(
     pipeline: Any,
     *,
@@ -95,7 +91,7 @@ def host_reserve_for(
     from layerstream.plan.resolved import lookup
 
     if reserve_gb is not None:
-        return given_host_reserve(reserve_gb)
+        return HostReserve(round(reserve_gb * GB), "host_reserve_gb")
     firsts = [s.block_paths[0] for c in plan.components if c.category == "dit" for s in c.stacks if s.block_paths]
     blocks = tuple(lookup(pipeline, p) for p in firsts)
     return estimate_host_reserve(pipeline, device_is_host=device_is_host, generation=generation, dit_blocks=blocks)
