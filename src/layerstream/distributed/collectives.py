@@ -36,14 +36,12 @@ _OK, _FAILED = 1, 0
 
 
 def shard_nbytes(nbytes: int, world_size: int) -> int:
-    """Bytes of one rank's shard of a block of `nbytes`: ceil(nbytes / N), aligned so every chunk of a slot
-    starts at an aligned offset."""
+    """Bytes of one rank's shard: ceil(nbytes / N), aligned so that every chunk of a slot starts aligned."""
     return align_up(-(-nbytes // world_size), ALIGN_BYTES)
 
 
 def layout_digest(forms: Sequence[StoredForm], slot_nbytes: int, world_size: int) -> bytes:
-    """sha256 over everything the ranks must agree on before their first payload collective: each block's
-    compute layout and the form its bytes are sharded in (packed, float8 or lossless)."""
+    """sha256 of what the ranks must agree on before their first payload: each block's layout and form."""
     h = hashlib.sha256()
     h.update(f"world={world_size};slot={slot_nbytes};blocks={len(forms)}\n".encode())
     for form in forms:

@@ -78,8 +78,7 @@ def in_launched_rank() -> bool:
 
 
 def rank_info() -> tuple[int, int]:
-    """(rank, world_size) of this process: from the initialized default group, else torchrun's environment,
-    else (0, 1)."""
+    """(rank, world_size): of the initialized default group, else torchrun's environment, else (0, 1)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -153,8 +153,7 @@ class _GroupTeardown:
                 logger.warning("a teardown callback failed before leaving the process group", exc_info=True)
 
     def at_exit(self) -> None:
-        """Destroy the group if it is still the one `init_distributed` created (a group the user made after
-        destroying ours is theirs to destroy)."""
+        """Destroy the group if it is still the one `init_distributed` created (not one the user made since)."""
         import torch.distributed as dist
 
         self.run_callbacks()
@@ -264,8 +263,7 @@ class HostShare:
 
 
 def offload_host_share(process_group=None) -> HostShare | None:
-    """The share of this host's memory each allgather rank may take; None for a group of one (or without
-    torch.distributed). Issues no collective."""
+    """How allgather ranks share this host's memory; None for a group of one. Issues no collective."""
     import torch.distributed as dist
 
     if not dist.is_available() or (process_group is None and not dist.is_initialized()):

@@ -133,8 +133,7 @@ def _stage_blocks(plan, placement: Placement, layouts, stores: ComponentStores, 
 
 
 def _unmap_resident_(plan, placement: Placement, components, undo: UndoStack) -> None:
-    """Resident weights that still view the checkpoint's mapping get memory of their own: afterwards the process
-    maps nothing of the files (on an accelerator, moving them to the device did the same)."""
+    """Resident weights that still view the checkpoint's mapping get memory of their own (as a move does)."""
     files = MappedFiles.snapshot()
     if not len(files):
         return
@@ -209,8 +208,7 @@ class LayerModeBackend:
             self.hooks.add(PIPELINE, f"lora.{wrapper.name}", "binds the blocks' host weights while LoRA changes them", wrapper.remove)
 
     def release_when_dropped(self) -> Callable[[], None]:
-        """What frees the threads and host memory of a pipeline dropped without `disable()` (it holds nothing
-        that keeps the pipeline alive)."""
+        """What frees a dropped pipeline's threads and host memory (holding nothing that keeps it alive)."""
         slots = self._streamer.slot_buffers if self._streamer is not None else []
         return functools.partial(release_dropped, self._engine, list(self._stores), slots)
 

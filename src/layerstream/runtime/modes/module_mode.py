@@ -112,8 +112,7 @@ class ModuleModeBackend:
 def apply_module_mode(
     plan: ResolvedOffloadPlan, components: Mapping[str, nn.Module], device: torch.device, undo: UndoStack
 ) -> ModuleModeBackend:
-    """Put swapped components on the host and everything else on the device, each through its `to()` once, and
-    wrap the swapped ones."""
+    """Swapped components to the host, the rest to the device (each through its `to()` once); wrap the swapped."""
     backend = ModuleModeBackend(plan, components, device)
     for comp in plan.components:
         module = components[comp.path]

@@ -222,8 +222,7 @@ def _pread_exactly(fd: int, address: int, length: int, offset: int, path: str, d
 
 
 def drop_cached_pages(fd: int, offset: int = 0, length: int = 0) -> None:
-    """Ask the kernel to drop the clean cached pages of a file range (all of the file with `length` 0); pages
-    mapped by anyone stay. A hint: where it cannot be given, nothing happens."""
+    """Ask the kernel to drop a file range's clean cached pages (`length` 0: the whole file); only a hint."""
     if hasattr(os, "posix_fadvise"):
         try:
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)

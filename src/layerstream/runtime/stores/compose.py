@@ -129,8 +129,7 @@ class ComponentStores:
 
 
 def compose_stores(ctx: StoreContext, kinds: Sequence[StoreKind], *, disk_tier: bool = True) -> ComponentStores:
-    """The store of every streamed component of `ctx.plan` (see the module docstring). `disk_tier=False` leaves
-    the tier out (it prices blocks as its host side does: enough for a placement that is only shown)."""
+    """The store of every streamed component; `disk_tier=False` leaves the tier out (for a plan only shown)."""
     built: dict[str, HostStore] = {}  # shared kind -> its store
     by_component: dict[str, HostStore] = {}
     for comp in ctx.plan.streamed:

@@ -17,8 +17,7 @@ from layerstream.runtime.stores.disk.disk_store import DiskHostStore
 
 
 class TieredHostStore(HostStoreBase):
-    """`HostStore` splitting blocks between host stores and a disk store as the placement's host tier says;
-    `host`: one store for every block, or each block path's store."""
+    """Blocks split between host stores (one, or each block path's) and a disk store, as the placement says."""
 
     kind = "tiered"
 
@@ -97,8 +96,7 @@ class TieredHostStore(HostStoreBase):
         self._each_(lambda store: store.restore_(device), (*self.hosts, self.disk))
 
     def _each_(self, step: Callable[[HostStore], None], stores: Sequence[HostStore] | None = None) -> None:
-        """`step` on each of `stores` (default: the disk store, then every host store); the first failure is
-        raised after all of them ran."""
+        """`step` on each store (default: disk, then hosts); the first failure is raised after all of them ran."""
         first_error: BaseException | None = None
         for store in stores if stores is not None else (self.disk, *self.hosts):
             try:

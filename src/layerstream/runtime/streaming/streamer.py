@@ -60,8 +60,7 @@ class BlockCounters:
 
 @dataclass
 class _Binding:
-    """A block bound to a slot for one call: its trace record, the slot's version counter when bound (an
-    in-place write into the slot moves it), and the saved-tensor hooks entered for a grad-mode call."""
+    """A block bound to a slot for one call (the slot's version moves with an in-place write into it)."""
 
     record: ComputeRecord
     slot_version: int
@@ -294,8 +293,7 @@ class BlockStreamer:
 
     # changing weights between calls (LoRA fusing) ------------------------------------------------------------
     def bind_for_update_(self, block: StreamedBlock) -> None:
-        """Bind an idle block to a slot outside any forward, so that code may change its weights in place on the
-        device the model computes on (the same kernels as on the resident model)."""
+        """Bind an idle block to a slot outside any forward, for code that changes its weights in place."""
         self._check_owner()
         assert block.index not in self._active and block.index not in self._updating, f"{block.path} is bound"
         self._updating[block.index] = self._bind_ready_slot_(block)[0]

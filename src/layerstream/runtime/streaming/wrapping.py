@@ -12,8 +12,7 @@ from torch import nn
 
 
 class MethodWrapper:
-    """`module.<name>` replaced by a wrapper calling `enter()` before and `leave()` after (always) the original;
-    `remove()` puts the original back."""
+    """`module.<name>` wrapped in `enter()` and (always) `leave()`; `remove()` puts the original back."""
 
     def __init__(self, module: nn.Module, name: str, enter: Callable[[], None], leave: Callable[[], None]):
         self.module = module

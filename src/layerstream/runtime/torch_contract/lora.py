@@ -31,8 +31,7 @@ def tuner_layers(module: nn.Module) -> Iterator[nn.Module]:
 
 
 class LoraSupport:
-    """Wraps the LoRA entry points of the streamed components (and of the pipeline) so that they see real
-    weights; keeps the pre-fuse bytes of fused blocks."""
+    """Wraps the LoRA entry points so that they see real weights; keeps the pre-fuse bytes of fused blocks."""
 
     def __init__(self, streamer: BlockStreamer, device: torch.device, *, exact_unfuse: bool = False):
         self._streamer = streamer
@@ -183,8 +182,7 @@ def _nothing() -> None:
 def install_lora_support(
     streamer: BlockStreamer, components: Mapping[str, nn.Module], device: torch.device, *, exact_unfuse: bool = False
 ):
-    """LoRA support over `streamer`, with the entry points of every streamed component wrapped; returns
-    (support, wrappers). The pipeline's entry points are wrapped by `support.wrap_(pipeline)`."""
+    """(support, wrappers): the streamed components' entry points wrapped (the pipeline's: `support.wrap_`)."""
     support = LoraSupport(streamer, device, exact_unfuse=exact_unfuse)
     wrappers = []
     for module in components.values():

@@ -35,8 +35,7 @@ def check_no_foreign_offload(pipeline_class: str, components: dict[str, nn.Modul
 def check_no_shared_block_tensors(
     pipeline_class: str, components: dict[str, nn.Module], stream_modules: dict[str, nn.Module]
 ) -> None:
-    """A streamed block's bytes must belong to that block alone: a weight shared with a resident module or
-    with another block would be read through a placeholder (or overwritten in a slot) while the other runs."""
+    """Refuse a weight a streamed block shares with a resident module or another block (read as a placeholder)."""
     intervals: dict[tuple[str, int], list[tuple[int, int, str | None, str]]] = {}
     for comp_path, root in components.items():
         for path, module in _walk(root, comp_path):
@@ -82,8 +81,7 @@ def _walk(root: nn.Module, root_path: str):
 
 
 def _owner(path: str, stream_modules) -> str | None:
-    """The streamed block whose subtree this occurrence sits in (by path, so a module reachable both inside
-    and outside a block counts as outside at its outside occurrence)."""
+    """The streamed block this occurrence sits in, by path (a module also reachable outside counts outside there)."""
     probe = path
     while True:
         if probe in stream_modules:

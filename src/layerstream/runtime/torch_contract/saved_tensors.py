@@ -41,8 +41,7 @@ class SlotAlias:
 
 
 def slot_saved_tensor_hooks(find_slot_owner: Callable[[torch.Tensor], tuple[StoredBlock, int] | None]):
-    """A `saved_tensors_hooks` context: `find_slot_owner(t)` gives (the bound block's store entry, the tensor's
-    byte offset in its slot) for a tensor that aliases a slot, else None."""
+    """A `saved_tensors_hooks` context; `find_slot_owner(t)`: (stored block, offset in its slot) or None."""
 
     def pack(t: torch.Tensor):
         owner = find_slot_owner(t)

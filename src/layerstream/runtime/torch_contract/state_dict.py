@@ -17,8 +17,7 @@ from layerstream.runtime.streaming.streamer import BlockStreamer, StreamedBlock
 
 
 def _entry_keys(block: StreamedBlock) -> list[list[str]]:
-    """For every layout entry, its state_dict keys relative to the block (a module reachable by two names
-    appears under both)."""
+    """For every layout entry, its state_dict keys relative to the block (under each name of its module)."""
     names: dict[int, list[str]] = {}
     for name, module in block.module.named_modules(remove_duplicate=False):
         names.setdefault(id(module), []).append(name)
@@ -34,8 +33,7 @@ def install_state_dict_hooks(
     components: dict[str, nn.Module],
     on_block_loaded: Callable[[StreamedBlock], None] = lambda block: None,
 ) -> list[tuple[str, str, str, object]]:
-    """Hooks on every streamed block (and a load check on each streamed component); returns (module path, hook
-    name, what it does, removable handle) for each."""
+    """Hooks on every streamed block and a load check per component: (module path, name, what, handle) each."""
     handles = []
     bound: set[int] = set()  # blocks bound to their host tensors by a load in progress
     for block in blocks:

@@ -79,8 +79,7 @@ class _DeviceEvent:
 
 
 def wait_copied(event) -> None:
-    """Host-side wait for the device copy out of a buffer before a disk read overwrites it (it was issued a
-    block ago, so it has usually finished)."""
+    """Host-side wait for the device copy out of a buffer before a read overwrites it (usually done already)."""
     if event is not None:
         event.synchronize()
 
@@ -109,8 +108,7 @@ class StagingRing:
         self.last_disk_wait = (0.0, 0.0)  # when the latest `copy_` waited for the disk (perf_counter)
 
     def copy_(self, block: DiskRead, slot_buffer: torch.Tensor, upcoming: Sequence[DiskRead] = ()) -> int:
-        """Fill the slot with `block`'s bytes through a staging buffer, on the copy job's thread and stream;
-        returns the bytes that crossed this process's link."""
+        """Fill the slot with `block`'s bytes through a staging buffer; returns the bytes that crossed the link."""
         waited = time.perf_counter()
         i = self._take_(block)
         self.last_disk_wait = (waited, time.perf_counter())
@@ -138,8 +136,7 @@ class StagingRing:
         return free
 
     def _read_ahead_(self, block: DiskRead, upcoming: Sequence[DiskRead], current: int) -> None:
-        """Keep reads in flight for the next disk blocks: the ones already issued in the expected order stay, the
-        others are dropped, the missing ones are issued into free buffers."""
+        """Keep reads in flight for the next disk blocks: those issued in the expected order stay, others go."""
         wanted = [b for b in upcoming if b is not block][:READ_AHEAD_DEPTH]
         kept = 0
         while kept < min(len(self._ahead), len(wanted)) and self._ahead[kept][0] == wanted[kept].path:
