@@ -21,9 +21,7 @@ MODES: tuple[Mode, ...] = get_args(Mode)
 LAYER_COMPONENTS = ("dit", "text_encoder")
 MODULE_COMPONENTS = ("dit", "text_encoder", "vae")
 WEIGHT_TRANSFERS: tuple[WeightTransfer, ...] = get_args(WeightTransfer)
-STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2", "lossless")
-"""Host storage forms for `storage_dtype`: the float8 dtypes (lossy: weights are rounded to them once, at enable)
-and "lossless" (bfloat16 and float16 weights coded losslessly, decoded on the device: the same bits)."""
+STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2", "lossless")  # float8 rounds once, at enable; lossless is exact
 DEFAULT_ACTIVATION_RESERVE_GB = 4.0
 AUTO = "auto"
 """`host_budget_gb: "auto"` (and `resident_layers: "auto"`): a figure read from the machine when enabling."""
@@ -71,13 +69,10 @@ class LayerOptions:
     activation_reserve_gb: float | None = None
     """DiT only, for "auto" without a budget: free device memory kept back for activations (GB)."""
     storage_dtype: str | None = None
-    """None: blocks stream in their own dtypes. "float8_e4m3fn" / "float8_e5m2": the weights diffusers'
-    layerwise casting would cast are stored (and moved) in that dtype and cast back on the device (lossy).
-    "lossless": every bfloat16 and float16 parameter is stored (and moved) in a lossless code, about 0.68x the
-    bytes of trained bfloat16 weights (0.87x of float16), and decoded on the device (bit-exact)."""
+    """float8: what layerwise casting would cast is stored in it (lossy); "lossless": 16-bit parameters coded,
+    about 0.68x the bytes of trained bfloat16 weights (0.87x of float16), decoded bit-exact on the device."""
     resident_layers_given: bool = False
-    """Whether the config names `resident_layers`; where not, a DiT's own declared count applies (an explicit 0
-    streams every block)."""
+    """Whether the config names `resident_layers` (else a DiT's own declared count applies)."""
 
     def __post_init__(self) -> None:
         if self.resident_layers != 0:
@@ -97,26 +92,20 @@ class OffloadConfig:
     pin_memory: bool = True
     """Pin host buffers when the device supports it."""
     host_budget_gb: float | Literal["auto"] | None = None
-    """Layer mode: host memory (GB) this process's host store may hold for streamed blocks (a rank's shard bytes
-    with "allgather"); the blocks beyond it stay on disk. None: no limit. "auto": what the machine allows when
-    enabling (`plan.host_budget`): free host memory and cgroup headroom, less the rings, the host-side resident
-    parts and `host_reserve_gb`."""
+    """Layer mode: host memory (GB) this process's store may hold for streamed blocks, the rest on disk. "auto":
+    what the machine allows when enabling, less the rings, the resident parts and `host_reserve_gb`."""
     host_reserve_gb: float | None = None
-    """With `host_budget_gb: "auto"`: host memory (GB) kept free for what a generation allocates (None: an
-    estimate for the pipeline's default generation, `layerstream.host.reserve`)."""
+    """With "auto": host memory (GB) kept free for a generation (None: estimated, `layerstream.host.reserve`)."""
     disk_dir: str | None = None
     """With `host_budget_gb`: where blocks not backed by checkpoint files are spilled (default: the cache)."""
     vae_use_tiling: bool | Literal["auto"] = AUTO
-    """The VAE decodes in tiles: always, never (a decode that cannot fit is refused before the first step), or
-    "auto": only where the untiled decode would not fit. Tiled output is not bit-identical to an untiled decode."""
+    """Decode in tiles (not bit-identical to untiled): always, never, or "auto": only where untiled would not fit."""
     vae_use_slicing: bool | Literal["auto"] = AUTO
     """A batch decodes one sample at a time: always, never, or "auto": only a batch that would not fit whole."""
     device_memory_gb: float | None = None
-    """The device's memory (GB) where it cannot be read (the CPU stand-in), or to plan a smaller card on a larger
-    one: the decode's "auto" weighs it, less what the runtime holds on the device, against the decode's peak."""
+    """The device's memory (GB) for the decode's "auto" where it cannot be read, or to plan a smaller card."""
     lora_exact_unfuse: bool = False
-    """Layer mode: `unfuse_lora` restores the bytes from before the first fuse exactly (keeping a host copy of
-    each fused block). False: unfusing subtracts the delta again, rounding as diffusers does on a resident model."""
+    """`unfuse_lora` restores the pre-fuse bytes exactly (a host copy per fused block), not subtracting the delta."""
 
     def __post_init__(self) -> None:
         # Freeze containers handed to the constructor, so no caller keeps a mutable alias into the config.

@@ -1,12 +1,8 @@
-"""`BlockGather`: the collectives of `weight_transfer: "allgather"`, in one order on every rank: at enable a
-layout vote (before anything changes) and a commit vote (before any rank drops its originals); per transfer and
-per block at disable, a header all-gather, then the payload all-gather. The transfers a rank issues depend only
-on the blocks it runs (predictions learn from call order, never timing), so ranks running the same blocks issue
-the same collectives. The header is gathered before each payload: where ranks disagree, every rank sees the same
-headers and raises `TransferError` without issuing the payload (whose sizes could differ and hang the group),
-the gather failed "consistently" (the restore at disable still works). A collective that errors (a peer died, or
-the timeout expired) fails it "inconsistently": no further collective is issued at all. One lock keeps the
-disable path (main thread) from interleaving with a transfer in the copy thread.
+"""`BlockGather`: the collectives of `weight_transfer: "allgather"`, in one order on every rank (a layout vote and
+a commit vote at enable; per transfer, a header all-gather then the payload). A rank's transfers depend only on
+the blocks it runs, never timing, so ranks running the same blocks issue the same collectives; where headers
+disagree every rank raises `TransferError` without the payload (whose sizes could differ and hang the group).
+After a collective errors (a peer died, the timeout expired) no further collective is issued at all.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Sharded host store for `weight_transfer: "allgather"`: each rank keeps 1/N of every streamed block's stored
-bytes (in its component's form; the ranks vote that their layouts agree), bytes [r*S, (r+1)*S) with S =
-ceil(nbytes / N) aligned, the last shard zero-padded. A transfer copies the local shard into chunk r of a slot
-and all-gathers the chunks, then unpacks a float8 or lossless form there. A shard is staged while the block keeps
-its weights, which go (`commit_`) only after every rank staged every shard: host memory peaks at (1 + 1/N) x the
-streamed bytes, and until then a rollback is local. Under `host_budget_gb` a disk block keeps this rank's shard
-on disk (`ShardPart`); every block's gather index is given when it is staged, whichever tier holds it, and where a
-rank has disk blocks all its gathers go through the engine's issuing thread, so that none overtakes a read.
+"""Sharded host store for `weight_transfer: "allgather"`: rank r keeps bytes [r*S, (r+1)*S) of every streamed
+block's stored bytes (S = ceil(nbytes / N), aligned; the ranks vote that their layouts agree); a transfer copies
+the shard into chunk r of a slot and all-gathers the chunks. The weights go only after every rank staged every
+shard (host memory peaks at (1 + 1/N) x the streamed bytes). Under `host_budget_gb` a disk block keeps this
+rank's shard on disk (`ShardPart`), gathered in the same order.
 """
 
 from __future__ import annotations

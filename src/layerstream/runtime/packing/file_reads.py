@@ -1,9 +1,7 @@
-"""Reading file-backed weights straight from their files, not through the page faults of a mapping: safetensors
-keeps weights as views of a private mapping, and copying out of one faults the file in page by page (a few
-hundred MB/s) and keeps every touched page counted in the process; large `preadv` calls on a few threads run at
-the disk's speed and map nothing. `MappedFiles` tells which file backs an address range, from `/proc/self/maps`
-and `/proc/self/pagemap` (a page written since it was mapped is anonymous memory: such a range is copied from
-memory, as is every range where /proc is not available).
+"""Reading file-backed weights straight from their files: copying out of safetensors' private mapping faults the
+file in page by page (a few hundred MB/s) and keeps every touched page counted in the process; large `preadv`
+calls on a few threads run at the disk's speed. `MappedFiles` tells which file backs an address range, from
+/proc (a page written since it was mapped is anonymous memory: that range is copied from memory).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""A lossless code for 16-bit floating-point tensors (bfloat16, float16): on trained bfloat16 weights about 0.68x
-the bytes, within a point or two of the exponent's entropy, bit for bit. Each element keeps a raw byte and codes
-the rest in tiers of fixed-width codes: tier 0 holds every element, only what its window misses goes on to the
-next tier, then to the literals. A tier's window is the run of values holding the most of what reaches it, so the
-tiers follow the tensor's own spread (trained exponents: about 2.8 bits of entropy, where one fixed width spent 3
-or 4 bits and 6 bytes an escape). Planning reads a tensor's histogram once and keeps a little room in every tier,
-so that values coded again (after LoRA fusing or a load) usually fit.
+"""A lossless code for 16-bit floating-point tensors: on trained bfloat16 weights about 0.68x the bytes, within
+a point or two of the exponent's entropy, bit for bit. Each element keeps a raw byte and codes the rest in tiers
+of fixed-width codes, each tier's window the run of values holding the most of what reaches it (trained
+exponents: about 2.8 bits of entropy, where one fixed width spent 3 or 4 bits and 6 bytes an escape); every
+tier keeps a little room, so that values coded again (after LoRA fusing or a load) usually fit.
 """
 
 from __future__ import annotations

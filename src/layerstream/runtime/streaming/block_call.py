@@ -1,10 +1,7 @@
-"""How a call enters a streamed block: bind it to its slot, run it, evict it, outside any compiled graph. Forward
-hooks would be traced into a compiled region with the placeholders (inductor fails on their shapes), and
-`fullgraph=True` forbids the graph break they need; so the block is entered in the slot torch reserves for a
-module's compiled call (`Module.__call__` calls `module._compiled_call_impl` whenever it is set). `BlockCall` is
-opaque to dynamo and not recursive: a model compiled whole breaks its graph at each streamed block and compiles
-the block's own call as a frame of its own (one graph for all the blocks); `module.compile(...)` on a streamed
-block compiles the inner call and leaves the streaming around it.
+"""How a call enters a streamed block: bind it to its slot, run it, evict it, outside any compiled graph. Hooks
+would be traced into a compiled region with the placeholders, so the block is entered in the slot torch keeps
+for a module's compiled call (`module._compiled_call_impl`), opaque to dynamo: a model compiled whole breaks its
+graph at each streamed block; `module.compile(...)` compiles the inner call and leaves the streaming around it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""LoRA on streamed blocks: loading, fusing and unfusing adapters (diffusers and PEFT) while offload is enabled.
-Adapter weights are made on the compute device and stay resident with their block. Between calls a streamed
-block holds placeholders, so loading and adding adapters run with every block bound to its host tensors, and
-each LoRA layer's `merge`/`unmerge` runs with its block bound to a device slot (the resident model's kernels),
-its bytes going back to the host store before the next block is bound. Unfusing runs PEFT's own unmerge, which
-rounds exactly as on the resident model; with ``lora_exact_unfuse`` it restores the pre-fuse bytes, kept on the
-host until the block has no fused adapter left. A block this process does not hold whole (allgather) or holds
-in float8 refuses all of these before anything changes. PEFT's `merge()` called on a layer directly is not covered.
+"""LoRA on streamed blocks while offload is enabled: loading and adding adapters run with every block bound to
+its host tensors (adapters stay resident); each LoRA layer's `merge`/`unmerge` runs with its block bound to a
+device slot, its bytes going back to the store before the next block. Unfusing rounds exactly as resident; with
+``lora_exact_unfuse`` it restores the pre-fuse bytes. A block not held whole, or in float8, refuses all of these.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""`state_dict()` and `load_state_dict()` on a model whose blocks stream, through the host store, which holds the
-real weights (a streamed block holds placeholders between calls). `state_dict()` gives the store's bytes as host
-tensors sharing the buffer's version counter, so an in-place write through them outdates a slot copied before;
-`load_state_dict()` binds each block to its host tensors while torch loads it, then evicts it and forgets its
-slot copy (a block already bound, by a LoRA load, stays bound). Where this process does not hold a block whole,
-or `assign=True` would replace a streamed Parameter, loading is refused before anything is loaded.
+"""`state_dict()` and `load_state_dict()` on a model whose blocks stream, through the host store: `state_dict()`
+gives the store's bytes as host tensors (a write through them outdates a slot copied before); a load binds each
+block to its host tensors, then evicts it and forgets its slot copy. A load that would replace a streamed
+Parameter (`assign=True`), or one into a block this process does not hold whole, is refused first.
 """
 
 from __future__ import annotations

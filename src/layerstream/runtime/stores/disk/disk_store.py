@@ -1,14 +1,9 @@
-"""The disk tier's store: streamed blocks that hold no host memory, read from disk into the slot at every use.
-A block is read from the checkpoint's own file ranges where its spans are unwritten views of a file mapping
-(spans made in memory, up to `MAX_IN_MEMORY_FRACTION`, stay as host bytes), else from a spill file written once
-at enable under `<root>/<one folder per enable>/`. What it keeps of a block is the host store's `DiskPart`, in
-its form: the whole stored block, or this rank's shard (allgather); a float8 or coded block is always spilled and
-keeps its originals until `commit_`, so that a rollback gives them back exactly. Disk, link and compute run as
-three stages: a read-ahead thread fills the `StagingRing` along the streamer's predicted order, and a block's job
-only copies the buffer into the slot (its job may wait on the read, so it never runs on the compute thread).
-Alternating DiTs' pooled blocks stay in a `HostPool` entry while their DiT runs. Reads drop their pages from the
-page cache (the memory the budget leaves free stays free); a simulated disk (`simulated_gbps`) keeps the cache
-and is one disk that every read takes turns on.
+"""The disk tier's store: streamed blocks that hold no host memory, read from disk into the slot at every use,
+from the checkpoint's own file ranges where its spans are unwritten views of a file mapping, else from a spill
+file written once at enable. A float8 or coded block is always spilled and keeps its originals until `commit_`.
+A read-ahead thread fills the `StagingRing` along the streamer's predicted order, so that disk, link and compute
+run as three stages; alternating DiTs' pooled blocks stay in a `HostPool` entry while their DiT runs. Reads drop
+their pages from the page cache (the memory the budget leaves free stays free); a simulated disk keeps the cache.
 """
 
 from __future__ import annotations

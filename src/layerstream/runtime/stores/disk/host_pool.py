@@ -1,9 +1,7 @@
 """The host pool of the disk tier: host memory shared by DiTs that run one after the other (Wan 2.2's experts).
-Entry j holds the bytes of the j-th pooled block of one DiT at a time (its owner). The first copy job of another
-DiT (`prepare_`) queues reads of all its pooled blocks, in chain order, on an I/O thread, cancelling those still
-queued for the DiT before; each job waits only for its own block. At enable the entries take the first DiT
-staged. Only the thread that runs disk-tier copy jobs changes an entry's owner; the I/O thread only fills
-buffers, each read waiting for the device copy out of the entry first.
+Entry j holds the j-th pooled block of one DiT at a time; the first copy job of another DiT queues reads of all
+its pooled blocks on an I/O thread, each job waiting only for its own. Only the copy-job thread changes an
+entry's owner; each read waits for the device copy out of the entry first.
 """
 
 from __future__ import annotations
