@@ -1,8 +1,6 @@
-"""Joining and leaving the process group: the backend a device needs, the collective timeout, the group offload
-uses (`join_offload_group`, for `weight_transfer: "allgather"`). The group `init_distributed` created is
-destroyed by an `atexit` teardown where `destroy_distributed()` was not called: left to interpreter shutdown,
-torch tears it down in C++ static destruction while its threads may still run, and the rank aborts
-(``terminate called without an active exception``, torchrun exit 1).
+"""Joining and leaving the process group, and the group offload uses. The group `init_distributed` created is
+destroyed at exit where `destroy_distributed()` was not called: left to interpreter shutdown, torch tears it
+down while its threads may still run, and the rank aborts (torchrun exit 1).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The contracts the streamer and the mode backends talk to: where a block's bytes live (`HostStore`, one
-`StoredBlock` per block), in which form (`StoredForm`, from `runtime.forms`), and how they move (`CopyEngine`);
-every capability a caller uses is declared here, with its default in `HostStoreBase` / `StoredBlockBase`.
-A store's lifecycle: `slot_nbytes` / `host_nbytes` (pure, for the placement) -> `place_` -> `check_layouts_`
-(before anything changes) -> `stage_` per block -> `commit_` -> `follow_order_` -> copies through
-`StoredBlock.copy_job` -> `restore_` at disable (after the engine is closed); a failure before the commit calls
-`rollback_`, which gives every staged block its original tensors back.
+`StoredBlock` per block), in which form (`StoredForm`), and how they move (`CopyEngine`), with defaults in
+`HostStoreBase` / `StoredBlockBase`. A store's lifecycle: `slot_nbytes` / `host_nbytes` (pure) -> `place_` ->
+`check_layouts_` (before anything changes) -> `stage_` per block -> `commit_` -> `follow_order_` -> copies ->
+`restore_` at disable (after the engine is closed); before the commit, `rollback_` gives the originals back.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""What a perfect streamer would achieve, to judge a measured forward against. A streamed block's copy is issued
-when the previous streamed block starts (cyclically), so it hides behind that block's compute and every resident
-block's in between; for streamed blocks s_0 < s_1 < ...:
+"""What a perfect streamer would achieve, to judge a measured forward against: a streamed block's copy hides
+behind the compute since the previous streamed block started (cyclically), so for streamed blocks s_0 < s_1 < ...
 
     ideal = other + sum_j max(compute[s_(j-1) .. s_j - 1], transfer[s_j])
 
-(every block streaming: other + sum_i max(compute_i, transfer_i); none: the resident time). The transfer floor,
-sum_i transfer_i, is the link's busy time for one forward: measured / floor says how close the link runs to
-saturation, and a forward above `ideal` shows overlap lost.
+The transfer floor, sum_i transfer_i, is the link's busy time: measured / floor says how close it runs to
+saturation.
 """
 
 from __future__ import annotations

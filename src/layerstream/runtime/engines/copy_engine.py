@@ -1,8 +1,6 @@
-"""Copy engines: the slot protocol of `runtime.contracts.CopyEngine` on every device. `AcceleratorCopyEngine`
-uses a dedicated stream and events (no CPU-side synchronize) and queues a copy on the caller's thread, except one
-whose job waits on the host (a disk read), which an issuing thread queues so that compute goes on queuing
-kernels. `CpuCopyEngine` uses a copy thread and thread events, optionally throttled to a simulated link, so that
-scheduling can be tested and measured without an accelerator.
+"""Copy engines: the slot protocol of `runtime.contracts.CopyEngine`. `AcceleratorCopyEngine` uses a stream and
+events (no CPU-side synchronize), with an issuing thread for jobs that wait on the host; `CpuCopyEngine` a copy
+thread, optionally throttled to a simulated link, so that scheduling is tested and measured without a GPU.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""A block's packed layout: where each of its tensors lives inside one contiguous buffer, and how to rebind. The
-byte span of each storage the block uses gets one place in the buffer; shapes, strides, views and tied weights
-are rebuilt from it with `as_strided`, so non-contiguous parameters come back exactly. Pure: computing it reads
-addresses and shapes and moves nothing; every host store and the placement read the same `nbytes`.
+"""A block's packed layout: where each of its tensors lives inside one contiguous buffer (one place per storage
+span), and how to rebind them (`as_strided`: non-contiguous and tied tensors come back exactly). Pure.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Exact upcasts from float8, for the float8 form's unpacking in a slot and its host restores. Every float8 value
-is exactly a bfloat16 or float16 value, so a table made by torch's own conversion gives `copy_`'s bits on every
-CPU. torch's CPU kernel takes about 4 ns an element on a 2-core EPYC (22 ms for a 1/64-scale Wan block, three
-times its compute); a table of 65,536 pairs (256 KiB, cache-resident) indexed by two float8 bytes takes about
-0.4. On an accelerator the device's own cast is already at memory speed and `copy_` is used as is.
+"""Exact upcasts from float8 (each value is exactly a bfloat16 or float16 one, so a table made by torch's own
+conversion gives `copy_`'s bits): torch's CPU kernel takes about 4 ns an element on a 2-core EPYC (three times a
+1/64-scale Wan block's compute), a 256 KiB table indexed by two float8 bytes about 0.4; on an accelerator `copy_`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Composing each streamed component's host store, in one place, from its resolved component. `compose_stores`
-takes the `StoreKind`s in order of preference (`offload.STORE_KINDS`), the first that builds wins (a kind may
-decline: allgather over a group of one is plain copies). With `host_budget_gb` the components' stores become
-the host side of one `TieredHostStore` over one disk store, before the placement prices blocks. float8 and
-lossless storage are forms, not stores: one set per component (`StoreContext.forms`), kept by every store.
+"""Composing each streamed component's host store from its resolved component: the first `StoreKind` that
+builds wins; with `host_budget_gb` the stores become the host side of one `TieredHostStore` over one disk store.
+float8 and lossless storage are forms, not stores: one set per component (`StoreContext.forms`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The local host store: each streamed block's stored bytes, in its component's form, in one contiguous host
-buffer of this process (pinned at the exact size, by a pinning thread, while the next block is read). A packed
-block's original storage is freed before the next block is staged, so host memory never holds two copies of the
-model; a float8 or lossless block keeps its original tensors until `commit_`, so that `rollback_` gives the very
-same tensors back.
+"""The local host store: each streamed block's stored bytes in one contiguous host buffer of this process. A
+packed block's original storage is freed before the next block is staged (never two copies of the model); a
+float8 or lossless block keeps its original tensors until `commit_`, for an exact `rollback_`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""A host store in two tiers, for `host_budget_gb`: the blocks the placement keeps in host memory go to their
-component's own store (local or sharded: the host side, whose figures the placement prices), those it puts on
-disk or in the host pool go to the one disk store, in the host side's form and part. A host store checks every
-block it is the host side of, whichever tier holds it (the sharded ranks vote on all their blocks), and restores
-first, while the spill files are still there."""
+"""A host store in two tiers, for `host_budget_gb`: the placement's host blocks go to their component's store
+(the host side, whose figures it prices), the others to the one disk store, in the host side's form and part.
+"""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The block streamer: hooks that keep each streamed block in a device slot only while it runs. Pre-forward
-makes sure the block's bytes are in a slot (a synchronous load if they were not prefetched), binds the block's
-tensors to views of it and starts copying the blocks predicted to run next; post-forward releases the slot and
-rebinds placeholders. Predictions start from the declared order (a chain's last block predicts its first) and
-follow the order blocks actually run in; `successor(path)` hands the same prediction to a store that reads ahead
-further (the disk tier). A slot is read for a block only while the store's bytes are those its copy was issued
-from (`host_version`); writers the version does not see call `forget_copy_`.
+"""The block streamer: hooks that keep each streamed block in a device slot only while it runs, bound to views of
+it, and prefetch the blocks predicted to run next (the declared order at first, then the order blocks actually
+run in). A slot is read for a block only while the store's bytes are those its copy was issued from
+(`host_version`); writers the version does not see call `forget_copy_`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Autograd through streamed blocks: a saved tensor that aliases a slot would read another block's bytes by the
-time backward runs, so it is saved as a reference into the host store (`SlotAlias`) and made again in backward
-with the same bytes, shape, strides and address residue: gradients bit-identical to resident, for one
-host-to-device copy per saved weight.
+"""Autograd through streamed blocks: a saved tensor that aliases a slot is kept as a reference into the host
+store and made again in backward at the same address residue (gradients bit-identical to resident).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""Where a disk-tier block's bytes come from: the checkpoint's own files, or a spill file of ours, written once,
-atomically, behind a header with its byte count and CRC-32, both checked at every read (a corrupt file is a
-`SpillFileError` naming it, never a wrong picture). Spill folders are named after the process that wrote them,
-so that a later enable removes a dead process's, never a live one's nor another pid namespace's.
+"""Where a disk-tier block's bytes come from: the checkpoint's own files, or a spill file written atomically
+behind a checked header and CRC-32 (a corrupt file is an error naming it, never a wrong picture); spill folders
+are named after their process, so that a later enable removes a dead process's.
 """
 
 from __future__ import annotations
