@@ -265,8 +265,7 @@ def _parse_vae_setting(obj: Mapping, key: str) -> bool | str:
 
 
 def _parse_host_tier(obj: Mapping, mode: str) -> tuple[float | str | None, str | None]:
-    """`host_budget_gb` (a finite number > 0 or "auto", layer mode; per rank with "allgather" components) and
-    `disk_dir` (a path, only with a budget)."""
+    """`host_budget_gb` (a number > 0 or "auto", layer mode) and `disk_dir` (a path, only with a budget)."""
     budget = None
     if "host_budget_gb" in obj:
         value = obj["host_budget_gb"]

@@ -86,8 +86,7 @@ def estimate_host_reserve(
 def host_reserve_for(
     pipeline: Any, plan: Any, reserve_gb: float | None, *, device_is_host: bool, generation: GenerationSize,
 ) -> HostReserve:  # fmt: skip
-    """`reserve_gb` where given, else the estimate for `plan`'s pipeline (a `ResolvedOffloadPlan`: its DiTs' first
-    blocks price the activations on a CPU device) at `generation` (the largest generation it will run)."""
+    """`reserve_gb` where given, else the estimate for `plan`'s pipeline at `generation` (the largest it runs)."""
     from layerstream.plan.resolved import lookup
 
     if reserve_gb is not None:

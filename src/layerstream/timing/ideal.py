@@ -68,8 +68,7 @@ block_disk_seconds = block_transfer_seconds
 def ideal_forward_seconds_with_disk(
     compute_s: Sequence[float], transfer_s: Sequence[float], disk_s: Sequence[float], other_s: float = 0.0
 ) -> float:
-    """The ideal forward with a disk stage (see above); `disk_s[i]` is 0 for a block not read from disk.
-    A block read from disk must stream (`transfer_s[i] > 0`)."""
+    """The ideal forward with a disk stage (see above); a block read from disk (`disk_s[i] > 0`) must stream."""
     if not len(compute_s) == len(transfer_s) == len(disk_s):
         raise ValueError(
             f"{len(compute_s)} compute, {len(transfer_s)} transfer and {len(disk_s)} disk times; expected one per block"

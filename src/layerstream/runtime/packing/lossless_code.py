@@ -29,8 +29,7 @@ __all__ = [
 
 
 def escape_capacity(num_escapes: int, num_elements: int) -> int:
-    """Entries kept for a tier that needs `num_escapes`: a little more, so that small changes (a fused LoRA) still
-    fit when the tensor is coded again."""
+    """Entries kept for a tier that needs `num_escapes`: a little more, so that a fused LoRA still fits."""
     return num_escapes + max(16, num_elements // 1024)
 
 
@@ -66,9 +65,8 @@ def _layouts(
 
 
 def plan_code_from_counts(counts: torch.Tensor, num_elements: int, dtype: CodedDtype) -> SpanCode | None:
-    """The smallest code of `num_elements` elements with these coded-byte `counts`, or None where no code is
-    smaller than the raw bytes: each layout's sizes follow from the counts (what escapes each tier's best window).
-    Ties go to the layout found first (a layout comes before its longer ones, which decode slower)."""
+    """The smallest code for these coded-byte `counts`, or None where none is smaller than the raw bytes; ties go
+    to the layout found first (before its longer ones, which decode slower)."""
     values = value_counts(counts, dtype)
     first_bits = dtype == "float16"  # float16's sign rides in the first code
     best, best_bits = None, 0
@@ -87,8 +85,7 @@ def plan_code(x16: torch.Tensor, dtype: CodedDtype) -> SpanCode | None:
 
 
 def estimated_code(num_elements: int, dtype: CodedDtype) -> SpanCode:
-    """A code whose size is about `priced_fraction()` of the raw bytes (for pricing only: it codes nothing): the
-    widest first tier that fits, then literals up to the size."""
+    """A code of about `priced_fraction()` of the raw bytes, for pricing only (it codes nothing)."""
     target = int(priced_fraction().value * 2 * num_elements)
     for width in sorted(FIRST_WIDTHS, reverse=True):
         bare = SpanCode(dtype, num_elements, (width,), (0,)).nbytes
@@ -113,8 +110,7 @@ class _EncodeScratch:
 
 
 def _first_codes(x16: torch.Tensor, code: SpanCode, base: int, count: int, scratch: _EncodeScratch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tier 0's codes, escape flags) of a run of elements, padded with zero codes to `count`: uint8 each (scratch
-    views), the flag 1 where the value is outside the window."""
+    """(tier 0's codes, escape flags) of a run of elements, padded with zero codes to `count` (scratch views)."""
     real, width = x16.numel(), code.widths[0]
     codes, flags = scratch.codes[:count], scratch.flags[:count]
     offsets = codes[:real]
@@ -133,8 +129,7 @@ def _first_codes(x16: torch.Tensor, code: SpanCode, base: int, count: int, scrat
 
 
 def _raw_into_(x16: torch.Tensor, dtype: CodedDtype, out: torch.Tensor, scratch: _EncodeScratch) -> None:
-    """The raw byte of a run of elements, into `out`: bfloat16's sign and mantissa bits (sign in bit 7), float16's
-    low byte."""
+    """The raw byte of a run of elements into `out`: bfloat16's sign (bit 7) and mantissa, float16's low byte."""
     if dtype == "float16":
         out.copy_(x16)  # the narrowing keeps the low 8 bits
         return
@@ -160,8 +155,7 @@ def _coded_values(x16: torch.Tensor, dtype: CodedDtype) -> torch.Tensor:
 
 
 def _later_tiers(code: SpanCode, bases: list[int], escaped: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
-    """Each later tier's codes, then the literals (uint8 each), of the values that escaped tier 0 (in order), and
-    the escapes of every tier. Raises `_CodeOverflowError` where a tier needs more entries than it keeps."""
+    """Each later tier's codes, then the literals, and every tier's escapes; `_CodeOverflowError` past a capacity."""
     out, escapes = [], [escaped.numel()]
     for tier in range(1, len(code.widths) + 1):
         if escaped.numel() > code.capacities[tier - 1]:
@@ -177,10 +171,8 @@ def _later_tiers(code: SpanCode, bases: list[int], escaped: torch.Tensor) -> tup
 
 
 def encode_into_(code: SpanCode, x16: torch.Tensor, out: torch.Tensor, counts: torch.Tensor | None = None) -> int:
-    """Write the code of `x16` (int16, flat, `code.num_elements`) into `out` (uint8, `code.nbytes`, on the CPU);
-    the windows are the ones of `counts` (where given: made from the same or other values, the code is exact with
-    any windows) or of these values. Returns the escapes of tier 0; raises `_CodeOverflowError` (writing nothing)
-    where a tier needs more entries than the code keeps."""
+    """Write the code of `x16` (int16, flat) into `out` (uint8, on the CPU), with the windows of `counts` where given
+    (exact with any windows). Returns tier 0's escapes; `_CodeOverflowError` (nothing written) past a capacity."""
     n, dtype = code.num_elements, code.dtype
     x16 = x16.reshape(-1).cpu()
     bases, expected = choose_windows(value_counts(count_coded(x16, dtype) if counts is None else counts, dtype), code.widths)

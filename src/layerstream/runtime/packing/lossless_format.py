@@ -114,8 +114,7 @@ def window_size(width: int) -> int:
 
 
 def best_window(left: list[int], size: int) -> tuple[int, int]:
-    """(base, elements inside) of the run of `size` consecutive entries of `left` (counts) that holds the most
-    (the first such run)."""
+    """(base, elements inside) of the first run of `size` consecutive counts of `left` that holds the most."""
     sums = [0, *itertools.accumulate(left)]
     inside = list(map(operator.sub, sums[size:], sums[: len(sums) - size]))
     base = max(range(len(inside)), key=inside.__getitem__)
@@ -138,8 +137,7 @@ def choose_windows(value_counts: list[int], widths: tuple[int, ...]) -> tuple[li
 
 
 def tier_lookup(bases: list[int], widths: tuple[int, ...], tier: int, value_range: int) -> torch.Tensor:
-    """Tier `tier`'s code of each value (uint8, `value_range`): its offset in the tier's window, all ones where the
-    window does not hold it (the values of earlier windows never reach the tier)."""
+    """Tier `tier`'s code of each value: its offset in the tier's window, all ones where the window misses it."""
     left = list(range(value_range))
     for base, width in zip(bases[:tier], widths[:tier]):
         del left[base : base + window_size(width)]

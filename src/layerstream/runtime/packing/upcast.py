@@ -97,8 +97,7 @@ def _takes_lookup(destination: torch.Tensor, stored: torch.Tensor) -> bool:
 
 
 def _tables_for(source: torch.dtype, target: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 256-entry table (int16: the target's bits by byte) and the 65,536-entry table of pairs (int32: the
-    low byte's value in the low half, as a little-endian read of two neighbours gives them)."""
+    """The 256-entry table (int16) and the 65,536-entry table of pairs (int32, the low byte's in the low half)."""
     key = (source, target)
     tables = _tables.get(key)
     if tables is not None:

@@ -164,12 +164,9 @@ class BlockStreamer:
             self.post_forward(self.blocks[index], None)
         self._last_index = None  # do not learn a transition from an aborted forward
 
-    def _check_owner(self) -> None:
-        self.ownership.check()
-
     # hooks ---------------------------------------------------------------------------------------------------
     def pre_forward(self, block: StreamedBlock) -> None:
-        self._check_owner()
+        self.ownership.check()
         if self.engine.capturing():
             raise UnsupportedUseError(
                 f"{block.path}: a streamed block was called while the stream is being captured into a CUDA graph "
@@ -291,7 +288,7 @@ class BlockStreamer:
     # changing weights between calls (LoRA fusing) ------------------------------------------------------------
     def bind_for_update_(self, block: StreamedBlock) -> None:
         """Bind an idle block to a slot outside any forward, for code that changes its weights in place."""
-        self._check_owner()
+        self.ownership.check()
         assert block.index not in self._active and block.index not in self._updating, f"{block.path} is bound"
         self._updating[block.index] = self._bind_ready_slot_(block)[0]
 
