@@ -106,8 +106,7 @@ def destroy_distributed() -> None:
 
     _TEARDOWN.run_callbacks()
     if dist.is_available() and dist.is_initialized():
-        _meet_before_leaving()
-        dist.destroy_process_group()
+        _leave_group()
     _TEARDOWN.forget_group()
 
 
@@ -161,32 +160,29 @@ class _GroupTeardown:
             return
         logger.debug("destroying the process group at exit (destroy_distributed() was not called)")
         try:
-            _meet_before_leaving()
-            dist.destroy_process_group()
+            _leave_group()
         except Exception:  # at exit there is no caller left to raise to; a peer may be gone already
             logger.warning("destroying the process group at exit failed", exc_info=True)
 
 
 _TEARDOWN = _GroupTeardown()
 
-LEAVE_BARRIER_TIMEOUT_S = 30.0
-"""How long a rank waits at the leaving barrier for the others before it leaves anyway."""
+LEAVE_BARRIER_TIMEOUT_S = 30.0  # a rank gone or stuck at the leaving barrier is left behind after this
 
 
-def _meet_before_leaving() -> None:
-    """Every rank reaches this point before any destroys the group (tearing connections down while a peer
-    finishes its last collective makes the peer's gloo threads abort it); a peer gone or stuck is left behind."""
+def _leave_group() -> None:
+    """Destroy the default group once every rank got here: tearing connections down while a peer finishes its
+    last collective makes the peer's gloo threads abort it."""
     import torch.distributed as dist
 
     try:
-        if dist.get_world_size() <= 1:
-            return
-        if "gloo" in str(dist.get_backend()):
+        if dist.get_world_size() > 1 and "gloo" in str(dist.get_backend()):
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=LEAVE_BARRIER_TIMEOUT_S))
-        else:
+        elif dist.get_world_size() > 1:
             dist.barrier()
     except Exception:  # a peer gone already: leave anyway
         logger.warning("not every rank reached the leaving barrier; leaving the group anyway", exc_info=True)
+    dist.destroy_process_group()
 
 
 @dataclass(frozen=True)

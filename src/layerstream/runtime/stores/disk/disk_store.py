@@ -54,7 +54,6 @@ class DiskBlock(StoredBlockBase):
         part: DiskPart,
         binder: TensorBinder,
         source,
-        original_device: torch.device,
         member: str | None = None,
         originals: list[torch.Tensor] | None = None,
     ):
@@ -67,7 +66,7 @@ class DiskBlock(StoredBlockBase):
         self.originals = originals  # kept until the commit where the part cannot give them back (lossy, shard)
         self.binder = binder
         self.source: CheckpointSource | SpillSource = source
-        self.original_device = original_device
+        self.original_device = self.layout.source_device()  # staged before its sources are forgotten
         self.disk_wait = (0.0, 0.0)  # when the latest job waited for the disk (perf_counter): count_stall_
 
     def __repr__(self) -> str:
@@ -286,7 +285,6 @@ class DiskHostStore(HostStoreBase):
         if entry is not None and self.pool.owner(entry) is None:  # the entry starts with this block's bytes
             packed = self.pool.buffers[entry][: part.nbytes].zero_()  # zeroed pads: a spill file's bytes are defined
             part.fill_(packed, self._files, self.reader)
-        original_device = compute.source_device()
         source = self._checkpoint_source(compute, part) if form.stored_is_packed else None  # a float8 or coded form's bytes are not the file's
         if source is None:
             source = self._spill_(part, packed)
@@ -295,10 +293,10 @@ class DiskHostStore(HostStoreBase):
         # the original tensors go now, or stay until the commit for a rollback that reads nothing (lossy, shard)
         originals = binder.current_tensors() if part.keeps_originals else None
         if entry is not None:
-            block = PooledBlock(self, part, binder, source, original_device, member, originals, entry=entry)
+            block = PooledBlock(self, part, binder, source, member, originals, entry=entry)
             self.pool.add_(block, holds_bytes=packed is not None)
         else:
-            block = DiskBlock(self, part, binder, source, original_device, member, originals)
+            block = DiskBlock(self, part, binder, source, member, originals)
         block.binder.evict_()
         if not part.keeps_originals:
             compute.forget_sources()  # the block's memory (or its view of the checkpoint) goes now
