@@ -26,7 +26,8 @@ from layerstream.runtime.contracts import CopyEngine, HostStore, StoredBlock, St
 from layerstream.runtime.stores.compose import ComponentStores
 from layerstream.runtime.torch_contract.state_dict import install_state_dict_hooks
 from layerstream.runtime.reporting.stats import ComponentStats, OffloadStats, OffloadTrace, TraceInterval
-from layerstream.runtime.streaming.streamer import BlockCounters, BlockStreamer, StreamedBlock, install_root_hooks
+from layerstream.runtime.streaming.streamer import BlockCounters, BlockStreamer, StreamedBlock
+from layerstream.runtime.streaming.wrapping import MethodWrapper
 from layerstream.runtime.packing.tensors import device_bytes, module_device, move_tensors_, unmap_tensors_
 from layerstream.runtime.modes.hooks import PIPELINE, HookSet
 from layerstream.runtime.modes.undo import UndoStack
@@ -168,8 +169,9 @@ def _install_hooks(plan, components, streamer: BlockStreamer, device: torch.devi
         hooks.add(block.path, "block_call", "binds the block to a device slot around each call", BlockCall(streamer, block).remove)
     path_of = {id(components[c.path]): c.display_path for c in plan.streamed}
     for comp in plan.streamed:
-        for wrapper in install_root_hooks(streamer, components[comp.path]):
-            hooks.add(comp.display_path, "component_call", "one thread at a time; frees a block a Ctrl-C left bound", wrapper.remove)
+        # a method wrapper, not hooks: a Ctrl-C must not leave the model owned by a dead call (torch skips hooks)
+        wrapper = MethodWrapper(components[comp.path], "forward", streamer.enter, streamer.exit)
+        hooks.add(comp.display_path, "component_call", "one thread at a time; frees a block a Ctrl-C left bound", wrapper.remove)
     streamed_components = {c.path: components[c.path] for c in plan.streamed}
     lora, lora_wrappers = install_lora_support(streamer, streamed_components, device, exact_unfuse=plan.config.lora_exact_unfuse)
     for wrapper in lora_wrappers:

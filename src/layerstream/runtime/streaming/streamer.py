@@ -18,7 +18,6 @@ from layerstream.errors import TransferError, UnsupportedUseError
 from layerstream.runtime.streaming.ownership import CallOwnership
 from layerstream.runtime.contracts import CopyEngine, CopyRecord, StoredBlock
 from layerstream.runtime.torch_contract.saved_tensors import slot_saved_tensor_hooks
-from layerstream.runtime.streaming.wrapping import MethodWrapper
 
 MAX_TRACE_RECORDS = 20_000
 RELEARN_AFTER = 2
@@ -391,9 +390,3 @@ class BlockStreamer:
         issued = time.perf_counter() - issuing
         block.counters.copy_issue_seconds += issued
         host.count_stall_(issued)  # an engine that ran the job here waited for its source meanwhile
-
-
-def install_root_hooks(streamer: BlockStreamer, module: nn.Module) -> list:
-    """Enter and leave the streamer around every call of a component. A method wrapper, not a pair of hooks:
-    a Ctrl-C inside the model must not leave it owned by a dead call (torch skips hooks on KeyboardInterrupt)."""
-    return [MethodWrapper(module, "forward", streamer.enter, streamer.exit)]
