@@ -69,18 +69,13 @@ class MappedFiles:
 
     def covers(self, address: int, nbytes: int) -> bool:
         """Whether [address, address + nbytes) lies in one file mapping (written pages or not)."""
-        mapping = self._find(address) if nbytes > 0 else None
-        return mapping is not None and address + nbytes <= mapping.end
+        return self._mapping_of(address, nbytes) is not None
 
     def file_range(self, address: int, nbytes: int) -> FileRange | None:
         """The file bytes that back [address, address + nbytes), if one private file mapping covers the whole
         range and none of its pages was written since it was mapped; else None."""
-        if nbytes <= 0 or not self._mappings:
-            return None
-        mapping = self._find(address)
-        if mapping is None or address + nbytes > mapping.end:
-            return None
-        if not self._pages_hold_file_bytes(address, nbytes):
+        mapping = self._mapping_of(address, nbytes)
+        if mapping is None or not self._pages_hold_file_bytes(address, nbytes):
             return None
         return FileRange(mapping.path, mapping.offset + address - mapping.start, nbytes)
 
@@ -89,7 +84,8 @@ class MappedFiles:
             os.close(self._pagemap)
             self._pagemap = None
 
-    def _find(self, address: int) -> _Mapping | None:
+    def _mapping_of(self, address: int, nbytes: int) -> _Mapping | None:
+        """The mapping that holds the whole of [address, address + nbytes), if any."""
         lo, hi = 0, len(self._mappings)
         while lo < hi:  # the last mapping starting at or before the address
             mid = (lo + hi) // 2
@@ -97,18 +93,15 @@ class MappedFiles:
                 lo = mid + 1
             else:
                 hi = mid
-        if lo == 0:
+        if lo == 0 or nbytes <= 0:
             return None
         mapping = self._mappings[lo - 1]
-        return mapping if address < mapping.end else None
+        return mapping if address + nbytes <= mapping.end else None
 
     def present_file_nbytes(self, address: int, nbytes: int) -> int:
-        """Bytes of the pages of [address, address + nbytes) that are in memory and still the file's own (clean
-        page cache mapped here, which the kernel can reclaim); 0 outside a file mapping or without pagemap."""
-        mapping = self._find(address) if nbytes > 0 else None
-        if mapping is None or address + nbytes > mapping.end:
-            return 0
-        entries = self._pagemap_entries(address, nbytes)
+        """Bytes of the pages of [address, address + nbytes) in memory and still the file's own (clean page cache
+        mapped here, which the kernel can reclaim); 0 outside a file mapping or without pagemap."""
+        entries = self._pagemap_entries(address, nbytes) if self._mapping_of(address, nbytes) else None
         if entries is None:
             return 0
         return int(((entries < 0) & (((entries >> 61) & 1) == 1)).sum()) * PAGE_BYTES
