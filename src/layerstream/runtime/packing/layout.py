@@ -232,35 +232,12 @@ class BlockLayout:
         self._spans = [(None, s, n, d) for _, s, n, d in self._spans]  # type: ignore[misc]
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """One tensor per entry, viewing `buffer` (uint8, at least `nbytes`) with the original shape and strides.
-        Built outside inference mode and autograd whatever mode the caller runs in: the cached views must look to
-        every kernel like the resident parameters (an inference tensor would change later kernels' paths)."""
-        with torch.inference_mode(False), torch.no_grad():
-            return self._match_inference(self._views(buffer))
-
-    def _match_inference(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        for i, e in enumerate(self.entries):
-            if e.inference_param:
-                tensors[i] = inference_alias(tensors[i])
-        return tensors
-
-    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        typed: dict[torch.dtype, torch.Tensor] = {}
-        out = []
-        for e in self.entries:
-            base = typed.get(e.dtype)
-            if base is None:
-                base = typed[e.dtype] = buffer.view(e.dtype)
-            out.append(torch.as_strided(base, e.shape, e.stride, base.storage_offset() + e.element_offset))
-        return out
+        """One tensor per entry, viewing `buffer` (uint8, at least `nbytes`) with the original shape and strides."""
+        return self._strided([buffer] * len(self._spans), [0] * len(self._spans))
 
     def separate_copies(self, buffer: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
         """Like `views`, but every span gets fresh storage of its own on `device` at the same address residue
         (what `disable()` binds)."""
-        with torch.inference_mode(False), torch.no_grad():
-            return self._match_inference(self._separate_copies(buffer, device))
-
-    def _separate_copies(self, buffer: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
         raws, shifts = [], []
         for (_, _, length, dst), residue in zip(self._spans, self.span_residues):
             raw = torch.empty(align_up(length + ALIGN_BYTES), dtype=torch.uint8, device=device)
@@ -268,17 +245,22 @@ class BlockLayout:
             raw[shift : shift + length].copy_(buffer[dst : dst + length])
             raws.append(raw)
             shifts.append(shift - dst)  # buffer offset -> offset inside raw
-        out = []
-        typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        for e in self.entries:
-            key = (e.span_index, e.dtype)
-            base = typed.get(key)
-            if base is None:
-                base = typed[key] = raws[e.span_index].view(e.dtype)
-            itemsize = base.element_size()
-            out.append(torch.as_strided(base, e.shape, e.stride, e.element_offset + shifts[e.span_index] // itemsize))
-        return out
+        return self._strided(raws, shifts)
 
+    def _strided(self, raws: list[torch.Tensor], shifts: list[int]) -> list[torch.Tensor]:
+        # built outside inference mode and autograd whatever mode the caller runs in: the cached views must look to
+        # every kernel like the resident parameters (an inference tensor would change later kernels' paths)
+        with torch.inference_mode(False), torch.no_grad():
+            typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+            out = []
+            for e in self.entries:
+                base = typed.get((e.span_index, e.dtype))
+                if base is None:
+                    base = typed[e.span_index, e.dtype] = raws[e.span_index].view(e.dtype)
+                offset = base.storage_offset() + e.element_offset + shifts[e.span_index] // base.element_size()
+                tensor = torch.as_strided(base, e.shape, e.stride, offset)
+                out.append(inference_alias(tensor) if e.inference_param else tensor)
+            return out
 
 class TensorBinder:
     """Rebinds a block's tensors: parameters through `.data` (identity kept), buffers by assignment. An inference
