@@ -242,8 +242,7 @@ def parse_offload_config(obj: Any) -> OffloadConfig:
 
 
 def with_vae_settings(config: OffloadConfig, **given: bool | str | None) -> OffloadConfig:
-    """`config` with `vae_use_tiling` / `vae_use_slicing` given as arguments (`Omni`'s keywords, the command
-    line's flags; None: the config's own). One the config sets otherwise than "auto" must agree."""
+    """`config` with the VAE settings given as arguments (None: the config's); a set one must agree."""
     changes = {}
     for key, value in given.items():
         if value is None:

@@ -120,8 +120,7 @@ class BlockGather:
             )
 
     def commit_(self, failure: BaseException | None = None) -> None:
-        """The last step of enable: every rank says whether it applied everything. Raises `OffloadError` on
-        every rank that succeeded if another failed, so all ranks roll back. Only the first call votes."""
+        """The last vote of enable (only the first call votes): where any rank failed, every rank rolls back."""
         if self._committed:
             return
         self._committed = True

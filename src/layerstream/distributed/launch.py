@@ -59,8 +59,7 @@ def launch_torchrun(nproc: int, module_args: list[str], *, extra_env: dict[str, 
 
 
 def start_torchrun(nproc: int, module_args: list[str], *, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start ``python -m layerstream <module_args>`` in `nproc` ranks under torchrun and return at once. Raises
-    ValueError for `nproc` < 1 and RuntimeError inside a rank."""
+    """Start `launch_torchrun`'s ranks and return at once (ValueError for `nproc` < 1, RuntimeError in a rank)."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc = {nproc!r} is not valid; expected an int >= 1")
     if in_launched_rank():

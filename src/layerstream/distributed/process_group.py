@@ -52,9 +52,7 @@ def collective_timeout() -> datetime.timedelta:
 
 
 def init_distributed(device: torch.device | str | None = None, *, backend: str | None = None) -> torch.device:
-    """Join the process group torchrun describes in the environment; return the device this rank computes on
-    (None or a bare ``"cuda"``: ``cuda:LOCAL_RANK`` where CUDA is available). Again in an initialized process,
-    it only returns the device."""
+    """Join torchrun's process group (once) and return this rank's device (default ``cuda:LOCAL_RANK``)."""
     import torch.distributed as dist
 
     missing = [name for name in _TORCHRUN_ENV if not os.environ.get(name)]

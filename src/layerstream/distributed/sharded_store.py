@@ -185,8 +185,7 @@ class ShardedHostStore(HostStoreBase):
         return StoreStats.of_forms(b.form for b in self.blocks.values())
 
     def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
-        # every rank must shard the same layouts, in the same forms, before the first payload collective;
-        # raises on every rank
+        # every rank must shard the same layouts and forms before the first payload; raises on every rank
         self.gather.agree_on_layouts_([self.form_of(l) for l in layouts], slot_nbytes)
 
     def report_failure_(self, error: BaseException) -> None:
@@ -231,9 +230,8 @@ class ShardedHostStore(HostStoreBase):
         self.disk_parts.clear()
 
     def restore_(self, device: torch.device) -> None:
-        # in the gather's order, host and disk-tier shards alike (each rank may hold other blocks on disk), one
-        # block at a time, forgetting each once restored: a restore is a collective that can fail (a peer gone),
-        # and calling disable() again must not restore a block twice. The disk tier stopped reading ahead first
+        # in the gather's order, host and disk shards alike, each forgotten once restored: a restore is a
+        # collective that can fail (a peer gone), and disable() again must not restore a block twice
         pending = sorted([*self.blocks.values(), *self.disk_parts.values()], key=lambda b: b.index)
         for item in pending:
             item.restore_(device)

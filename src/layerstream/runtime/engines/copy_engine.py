@@ -255,8 +255,7 @@ class AcceleratorCopyEngine:
             self._ready[slot].record(self.copy_stream)
 
     def wait_ready(self, slot: int) -> float:
-        """Compute waits on the device for the slot's copy; on the host only while the issuing thread has not
-        queued it yet (its job still waits for the disk): returns those seconds (the stall on the host)."""
+        """Compute waits on the device; on the host (the seconds returned) only for a copy not queued yet."""
         copy = self._latest[slot]
         stall = 0.0
         if copy.done is not None and not copy.done.is_set():
@@ -282,9 +281,8 @@ class AcceleratorCopyEngine:
         return bool(self.api.is_current_stream_capturing())
 
     def guard_slots_(self, slot_buffers: list[torch.Tensor]) -> None:
-        """The copy stream writes into these device buffers, which compute allocated: when they are freed, the
-        caching allocator must wait for the copy stream's work queued until then, not only the compute stream's,
-        before it hands their memory to anyone (`record_stream`; once per slot, at enable)."""
+        """The copy stream writes these buffers compute allocated: once freed, the allocator must wait for the
+        copy stream's queued work too before it hands their memory on (`record_stream`, once per slot)."""
         for buffer in slot_buffers:
             self.api.record_stream(buffer, self.copy_stream)
 

@@ -95,9 +95,8 @@ def _open_slot_ring(placement: Placement, device: torch.device, engine_factory: 
 def _place_components_(
     plan, placement: Placement, components, device: torch.device, undo: UndoStack
 ) -> dict[str, torch.device]:
-    """Every tensor that does not stream goes to the device; an on-demand component first hears the pipeline's
-    `offload_to_cpu()`. A component with its own `to()` is moved through it, once (it may stage its weights
-    there, which a tensor-by-tensor move would bypass). Returns those components' paths -> where they were."""
+    """Every tensor that does not stream to the device; a component with its own `to()` (which may stage weights)
+    through it, once: returns those components' paths -> where they were."""
     streamed_paths = set(placement.streamed_block_paths)
     moved_by_own_to: dict[str, torch.device] = {}
     for comp in plan.components:
@@ -310,9 +309,8 @@ class LayerModeBackend:
 
 
 def release_dropped(engine: CopyEngine | None, stores: list[HostStore], slot_buffers: list[torch.Tensor]) -> None:
-    """A pipeline was dropped without `disable()`: stop the engine (its copies in flight read host buffers and
-    write the slots, referenced here until then), then free every store. Runs from the garbage collector: every
-    error is logged, none raised."""
+    """Stop the engine of a pipeline dropped without `disable()` (its copies read host buffers and write the
+    slots, held here until then), then free every store; from the garbage collector, errors are logged."""
     try:
         if engine is not None:
             engine.close()

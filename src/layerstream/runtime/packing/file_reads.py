@@ -137,9 +137,8 @@ class MappedFiles:
 
 
 class FileReader:
-    """Reads file ranges into host tensors with large `preadv` calls on a few threads; keeps files open until
-    `close`. With `drop_cached`, every range read is dropped from the page cache after it: bytes read again at
-    every use (the disk tier) do not fill the memory the host budget keeps free, and every read reaches the disk."""
+    """Reads file ranges into host tensors with large `preadv` calls on a few threads. `drop_cached` (the disk
+    tier) drops each range from the page cache: the memory the budget keeps free stays free."""
 
     def __init__(self, num_threads: int = NUM_READ_THREADS, drop_cached: bool = False):
         self.drop_cached = drop_cached and hasattr(os, "posix_fadvise")

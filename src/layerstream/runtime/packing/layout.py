@@ -158,8 +158,7 @@ class BlockLayout:
         return BlockLayout(self.path, self.block, self.device, fresh_span)
 
     def copy_sources_into(self, buffer: torch.Tensor, files: MappedFiles | None = None, reader: FileReader | None = None) -> int:
-        """Copy every original span into `buffer` (uint8, `nbytes`); a span that is an unwritten view of a file
-        mapping is read from the file by `reader` instead of faulted in. Returns the bytes read from files."""
+        """Copy every original span into `buffer`, reading unwritten views of a file mapping from the file."""
         reads = []
         for src, src_start, length, dst in self._spans:
             if files is not None and reader is not None and src.device.type == "cpu":
@@ -173,8 +172,7 @@ class BlockLayout:
         return sum(source.nbytes for _, source in reads)
 
     def span_file_ranges(self, files: MappedFiles) -> list[tuple[FileRange | None, int, int]]:
-        """For every span: the file bytes that back it (None where the span is not an unwritten view of a file
-        mapping, e.g. a weight built or changed in memory), its offset in the packed block and its length."""
+        """For every span: (the file bytes that back it, or None), its offset in the packed block, its length."""
         out: list[tuple[FileRange | None, int, int]] = []
         for src, src_start, length, dst in self._spans:
             source = None
@@ -194,8 +192,7 @@ class BlockLayout:
         return _storage_bytes(src, src_start, length)
 
     def copy_range_into(self, buffer: torch.Tensor, start: int) -> None:
-        """Copy bytes [start, start + buffer.numel()) of the packed block into `buffer` from the original
-        storages; padding bytes are left as they are."""
+        """Copy bytes [start, start + buffer.numel()) of the packed block from the originals (padding untouched)."""
         end = start + buffer.numel()
         for src, src_start, length, dst in self._spans:
             lo, hi = max(dst, start), min(dst + length, end)
@@ -236,8 +233,7 @@ class BlockLayout:
         return self._strided([buffer] * len(self._spans), [0] * len(self._spans))
 
     def separate_copies(self, buffer: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
-        """Like `views`, but every span gets fresh storage of its own on `device` at the same address residue
-        (what `disable()` binds)."""
+        """Like `views`, each span in fresh storage on `device` at the same address residue (what disable binds)."""
         raws, shifts = [], []
         for (_, _, length, dst), residue in zip(self._spans, self.span_residues):
             raw = torch.empty(align_up(length + ALIGN_BYTES), dtype=torch.uint8, device=device)

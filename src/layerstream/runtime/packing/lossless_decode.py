@@ -166,8 +166,7 @@ class _CountedEscapes:
 
 
 class _RankedEscapes:
-    """The escapes of one run on an accelerator: every element's place in the next tier is the count of escapes
-    before it, a cumulative sum; the counts so far stay on the device (no host sync)."""
+    """The escapes of one run on an accelerator: places are cumulative counts, kept on the device (no sync)."""
 
     def __init__(self, decode: SpanDecode):
         self.code, self.tiers = decode.code, decode.tiers

@@ -25,8 +25,7 @@ _scratch = threading.local()
 
 
 class Upcast:
-    """`destination.copy_(stored)`, planned once for two tensors that keep their place (a slot's views): table
-    lookups for a float8 `stored` on the CPU, `copy_` itself in any other case."""
+    """`destination.copy_(stored)` planned once for a slot's views: table lookups for float8 on the CPU."""
 
     __slots__ = ("destination", "stored", "_steps", "_index_numel")
 
@@ -55,8 +54,7 @@ def upcast_(destination: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
 
 
 def _plan_steps(destination: torch.Tensor, stored: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(table, indices, out) chunks: pairs where both tensors allow 2-byte reads and 4-byte writes, single bytes
-    for an unaligned head, tail or whole."""
+    """(table, indices, out) chunks: pairs where both tensors align, single bytes for an unaligned head or tail."""
     single, pairs = _tables_for(stored.dtype, destination.dtype)
     codes, out = stored.view(torch.uint8).reshape(-1), destination.view(torch.int16).reshape(-1)
     steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []

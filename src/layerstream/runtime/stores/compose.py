@@ -153,8 +153,7 @@ def _store_for(comp: ResolvedComponent, ctx: StoreContext, kinds: Sequence[Store
 
 
 def _with_disk_tier(by_component: dict[str, HostStore], ctx: StoreContext) -> dict[str, HostStore]:
-    """Every component's store as the host side of one tiered store over one disk store (its figures counted
-    once), which keeps what each block's host store says this process keeps of it (`disk_part`)."""
+    """Every component's store as the host side of one tiered store over one disk store (counted once)."""
     assert ctx.spill_root is not None, "host_budget_gb needs a spill folder"
     host_of = {
         path: by_component[comp.path] for comp in ctx.plan.streamed for stack in comp.stacks for path in stack.block_paths

@@ -61,8 +61,7 @@ def _refusing(message: str) -> Callable[..., NoReturn]:
 
 
 def _shadow_methods_(obj, replaced: dict[str, Callable]) -> Callable[[], None]:
-    """Shadow the class's methods with `replaced` in `obj.__dict__`; the undo it returns leaves alone an entry
-    someone else has replaced since."""
+    """Shadow the class's methods in `obj.__dict__`; the undo leaves an entry someone replaced since alone."""
     previous = {key: obj.__dict__[key] for key in replaced if key in obj.__dict__}
     obj.__dict__.update(replaced)
 

@@ -64,10 +64,8 @@ def install_state_dict_hooks(
             bound.discard(block.index)
             block.host.binder.evict_()
             block.host.sync_host_tensors_(written=True)  # a lossless store codes the loaded values again
-            # the load wrote through Parameters bound by `.data`, which keep version counters of their own (the
-            # buffer's did not move): forget the slot explicitly. The last block of a forward prefetches the
-            # first, so that copy may still be in flight and have read old bytes, or a mix: its slot is never read
-            # for this block again, and the next call's copy is queued after this write, behind it on the engine
+            # the load wrote through Parameters bound by `.data`, whose version counters are their own: forget the
+            # slot (a copy in flight may have read old bytes; the next one is queued behind this write)
             streamer.forget_copy_(block)
             on_block_loaded(block)
 

@@ -177,8 +177,7 @@ class PooledBlock(DiskBlock):
 
 
 class DiskHostStore(HostStoreBase):
-    """`HostStore` for the blocks the placement puts on disk; spill files go under `root`; `part_of` says what
-    this process keeps of each block (default: the whole block, in its `form_of` form)."""
+    """`HostStore` for the blocks the placement puts on disk (spill files under `root`)."""
 
     kind = "disk"
 
@@ -221,8 +220,7 @@ class DiskHostStore(HostStoreBase):
         self._num_streamed = num_blocks
 
     def upcoming_after(self, path: str) -> list[DiskBlock]:
-        """The staged disk blocks (not the pooled ones, which the pool reads) predicted to run after `path`, in
-        order, up to `READ_AHEAD_DEPTH`; none before the streamer gave its predictions (nothing runs before)."""
+        """The staged, unpooled disk blocks predicted to run after `path`, up to `READ_AHEAD_DEPTH`."""
         upcoming: list[DiskBlock] = []
         if self._successor is None:
             return upcoming

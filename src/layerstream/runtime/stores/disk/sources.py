@@ -63,9 +63,8 @@ def remove_stale_spill_folders(root: Path) -> list[Path]:
 
 
 class CheckpointSource:
-    """A block backed by checkpoint file bytes ((range, offset) per span; spans made in memory as host bytes).
-    Each file's size and modification time, noted at staging, are checked before every read: a checkpoint
-    replaced since is an error naming it, not another model's weights."""
+    """A block backed by checkpoint file ranges; each file's size and modification time are checked before every
+    read (a checkpoint replaced since is an error naming it, not another model's weights)."""
 
     def __init__(self, ranges: list[tuple[FileRange, int]], in_memory: list[tuple[torch.Tensor, int]]):
         self.ranges = ranges

@@ -43,8 +43,7 @@ NUM_STAGING_BUFFERS = READ_AHEAD_DEPTH + 1  # the buffers the read-ahead fills, 
 
 
 def pin_all_or_none(buffers: Sequence[torch.Tensor], pin: Pinner | None) -> Pinner | None:
-    """Page-lock every buffer, or none (copies are asynchronous only from pinned memory, and a buffer's copies
-    are all asynchronous or all in step): the pinner that pinned them, or None."""
+    """Page-lock every buffer, or none (a ring's copies are all asynchronous or all in step); the pinner or None."""
     if pin is None:
         return None
     pinned = [b for b in buffers if pin.pin_(b)]  # (the engine registers off this thread: a refusal poisons nothing)
