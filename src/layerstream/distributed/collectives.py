@@ -57,8 +57,7 @@ class BlockGather:
         self.membership = membership
         self.rank = membership.rank
         self.world_size = membership.world_size
-        self.block_paths: list[str] = []
-        """Path of every sharded block, by the index its headers carry."""
+        self.block_paths: list[str] = []  # every sharded block's path, by the index its headers carry
         self._lock = threading.Lock()
         self._sequence = 0
         self._layout_tag = 0
@@ -69,10 +68,6 @@ class BlockGather:
     def __repr__(self) -> str:
         state = "ok" if self._failure is None else ("failed (consistent)" if self._consistent_failure else "failed")
         return f"BlockGather(rank {self.rank} of {self.world_size}, {self.membership.backend}, {len(self.block_paths)} blocks, {state})"
-
-    @property
-    def failure(self) -> str | None:
-        return self._failure
 
     def shard_nbytes(self, nbytes: int) -> int:
         return shard_nbytes(nbytes, self.world_size)
