@@ -131,17 +131,10 @@ class OffloadConfig:
         out: dict[str, Any] = {"mode": self.mode, "components": list(self.components), "pin_memory": self.pin_memory}
         if self.layer_options:
             out["layer_options"] = {name: _options_dict(name, opts) for name, opts in self.layer_options.items()}
-        if self.host_budget_gb is not None:
-            out["host_budget_gb"] = self.host_budget_gb
-        if self.host_reserve_gb is not None:
-            out["host_reserve_gb"] = self.host_reserve_gb
-        if self.lora_exact_unfuse:
-            out["lora_exact_unfuse"] = True
-        if self.disk_dir is not None:
-            out["disk_dir"] = self.disk_dir
-        out["vae_use_tiling"], out["vae_use_slicing"] = self.vae_use_tiling, self.vae_use_slicing
-        if self.device_memory_gb is not None:
-            out["device_memory_gb"] = self.device_memory_gb
+        optional = ("host_budget_gb", "host_reserve_gb", "lora_exact_unfuse", "disk_dir", "vae_use_tiling",
+                    "vae_use_slicing", "device_memory_gb")  # fmt: skip
+        # left out where unset (None; lora_exact_unfuse False), so that the data reads as the user wrote it
+        out |= {k: v for k in optional if (v := getattr(self, k)) is not None and v is not False or "vae" in k}
         return out
 
 
