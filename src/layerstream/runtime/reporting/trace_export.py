@@ -16,11 +16,7 @@ _COLORS = {"copy": "#4C78A8", "compute": "#54A24B", "stall": "#E45756", "sync_lo
 
 
 def _lanes(trace: OffloadTrace) -> list[str]:
-    seen = [lane for lane in LANE_ORDER if trace.lane(lane)]
-    for interval in trace.intervals:
-        if interval.lane not in seen:
-            seen.append(interval.lane)
-    return seen
+    return list(dict.fromkeys([*(lane for lane in LANE_ORDER if trace.lane(lane)), *(i.lane for i in trace.intervals)]))
 
 
 def _origin(trace: OffloadTrace) -> float:
@@ -144,12 +140,7 @@ _COPY_SHADES = ("#4C78A8", "#9E65C8", "#2A9D8F", "#B5893B")
 
 
 def _components(trace: OffloadTrace) -> list[str]:
-    """Components of the streamed blocks, in order of first appearance."""
-    seen: list[str] = []
-    for interval in trace.intervals:
-        if interval.component and interval.component not in seen:
-            seen.append(interval.component)
-    return seen
+    return list(dict.fromkeys(i.component for i in trace.intervals if i.component))  # in order of appearance
 
 
 def _lane_color(interval: TraceInterval, components: list[str]) -> str:
