@@ -23,15 +23,13 @@ MODULE_COMPONENTS = ("dit", "text_encoder", "vae")
 WEIGHT_TRANSFERS: tuple[WeightTransfer, ...] = get_args(WeightTransfer)
 STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2", "lossless")  # float8 rounds once, at enable; lossless is exact
 DEFAULT_ACTIVATION_RESERVE_GB = 4.0
-AUTO = "auto"
-"""`host_budget_gb: "auto"` (and `resident_layers: "auto"`): a figure read from the machine when enabling."""
+AUTO = "auto"  # `host_budget_gb: "auto"` (and `resident_layers: "auto"`): a figure read from the machine when enabling
 
 _TOP_LEVEL_KEYS = (
     "mode", "components", "layer_options", "pin_memory", "host_budget_gb", "host_reserve_gb", "disk_dir",
     "lora_exact_unfuse", "vae_use_tiling", "vae_use_slicing", "device_memory_gb",
 )  # fmt: skip
-_VAE_KEYS = ("vae_use_tiling", "vae_use_slicing")
-"""vllm-omni's names: true, false or "auto" (`layerstream.models.decode.vae_tiling`)."""
+_VAE_KEYS = ("vae_use_tiling", "vae_use_slicing")  # vllm-omni's names: true, false or "auto"
 _COMMON_OPTION_KEYS = ("weight_transfer", "prefetch_depth", "storage_dtype")
 _DIT_ONLY_OPTION_KEYS = ("resident_layers", "device_budget_gb", "activation_reserve_gb")
 

@@ -13,8 +13,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-LAUNCHED_ENV = "LAYERSTREAM_LAUNCHED_NPROC"
-"""Set in every rank `launch_torchrun` starts (to N), so a rank never launches again."""
+LAUNCHED_ENV = "LAYERSTREAM_LAUNCHED_NPROC"  # set (to N) in every rank `launch_torchrun` starts: none launches again
 
 
 def free_port(host: str = "127.0.0.1") -> int:

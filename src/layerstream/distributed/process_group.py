@@ -20,8 +20,7 @@ from layerstream.errors import OffloadError
 logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_ENV = "LAYERSTREAM_COLLECTIVE_TIMEOUT"
-DEFAULT_PROCESS_GROUP_TIMEOUT_S = 300.0
-"""Seconds a rank waits in one collective for the others before it fails (${COLLECTIVE_TIMEOUT_ENV} overrides)."""
+DEFAULT_PROCESS_GROUP_TIMEOUT_S = 300.0  # a rank's wait in one collective before it fails (the env var overrides)
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

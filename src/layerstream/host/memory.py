@@ -15,8 +15,7 @@ from layerstream.wording import format_bytes
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC = Path("/proc")
-UNLIMITED_NBYTES = 2**62
-"""A cgroup v1 limit at or above this is "no limit" (the kernel shows a page-rounded LONG_MAX)."""
+UNLIMITED_NBYTES = 2**62  # a cgroup v1 limit at or above this is "no limit" (the kernel shows a page-rounded LONG_MAX)
 
 
 @dataclass(frozen=True)

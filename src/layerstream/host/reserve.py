@@ -21,10 +21,8 @@ if TYPE_CHECKING:
 FLOOR_NBYTES = round(0.15 * GB)
 """The least reserve: what a generation allocates whatever its size (Python objects, the tokenizer, the scheduler;
 an allowance, not measured). The 0.2 GB the issue found enough at 1/64 scale covers it."""
-DECODED_BYTES_PER_VALUE = 13
-"""Host bytes per decoded pixel and channel at the decode's peak: three float32 copies and the uint8 frames."""
-ENCODING_BYTES_PER_VALUE = 1
-"""Host bytes per pixel and channel while the output file is encoded (a padded uint8 copy)."""
+DECODED_BYTES_PER_VALUE = 13  # host bytes per pixel and channel at the decode's peak: three float32 copies, uint8
+ENCODING_BYTES_PER_VALUE = 1  # host bytes per pixel and channel while the output file is encoded (a padded copy)
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,7 @@ from layerstream.runtime.forms.slot import stored_region
 if TYPE_CHECKING:
     from layerstream.plan.placement import Placement
 
-Job = Callable[[], int]
-"""A copy job: moves one block's bytes into a slot and returns how many bytes crossed this process's link."""
+Job = Callable[[], int]  # moves one block's bytes into a slot; returns the bytes that crossed this process's link
 
 
 @dataclass

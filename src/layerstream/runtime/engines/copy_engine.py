@@ -21,8 +21,7 @@ from layerstream.runtime.packing.host_buffer import on_own_thread
 
 logger = logging.getLogger(__name__)
 
-MAX_COPY_RECORDS = 20_000
-"""Copies kept for `trace()` (the newest; a long-running server must not grow without bound)."""
+MAX_COPY_RECORDS = 20_000  # copies kept for `trace()` (the newest; a long-running server must not grow without bound)
 
 
 class CpuCopyEngine:

@@ -18,8 +18,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-READ_CHUNK_BYTES = 16 * 2**20
-"""Bytes per `preadv` call: large enough for the disk's full speed, small enough to spread over threads."""
+READ_CHUNK_BYTES = 16 * 2**20  # per `preadv`: enough for the disk's full speed, small enough to spread over threads
 NUM_READ_THREADS = 4
 
 

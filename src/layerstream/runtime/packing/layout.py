@@ -15,8 +15,7 @@ from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.packing.file_reads import FileRange, FileReader, MappedFiles
 from layerstream.runtime.packing.subclass_tensors import InnerPath, flatten_inner, get_inner, rebuild, set_inner_
 
-ALIGN_BYTES = 64
-"""Granularity of span placement: slots and buffers start 64-byte aligned, and spans keep their residue mod 64."""
+ALIGN_BYTES = 64  # slots and buffers start 64-byte aligned, and spans keep their residue mod 64
 
 
 def align_up(n: int, alignment: int = ALIGN_BYTES) -> int:

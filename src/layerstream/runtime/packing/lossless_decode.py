@@ -24,8 +24,7 @@ CHUNK_ELEMENTS = {"cpu": 1 << 20, "other": 1 << 22}
 its work (a trained tensor decoded at 0.8-1.1 GB/s in steps of 2^18 elements, 0.9-1.35 in steps of 2^20, on one
 core); on an accelerator a step's scratch (about 20 bytes an element: the ranks and indices) stays small beside
 the slot ring."""
-SPARSE_SHARE = 0.01
-"""Below this share of escapes a chunk's escapes are looked for a 64-bit word at a time (most words hold none)."""
+SPARSE_SHARE = 0.01  # below this share, escapes are looked for a 64-bit word at a time (most words hold none)
 
 _scratch = threading.local()
 

@@ -27,14 +27,10 @@ SHIFT = {"bfloat16": 7, "float16": 8}  # where the coded byte sits in the 16-bit
 RAW_MASK16 = {"bfloat16": -32641, "float16": 0x00FF}  # 0x807F as int16: the sign and the mantissa bits
 VALUE_RANGE = {"bfloat16": 256, "float16": 128}  # coded values (float16's sign rides in the first code)
 FIELDS: dict[int, tuple[int, ...]] = {1: (1,), 2: (2,), 3: (2, 1), 4: (4,), 5: (4, 1)}  # tier 0's code bits
-FIRST_WIDTHS = (1, 2, 3, 4)
-"""Widths of tier 0. Wider ones never code a trained tensor smaller (measured on the benchmark's weights)."""
-TIER_WIDTHS = (1, 2, 4)
-"""Widths of the later tiers: whole codes per byte, so a run of them unpacks with one shift per code of a byte."""
-MAX_TIERS = 3
-"""Tiers before the literals. A fourth gains 0.3 points of the bfloat16 bytes on trained weights."""
-GROUP_ELEMENTS = 16
-"""Tier 0 codes whole groups of 16 elements (the escape search reads 8 flags per 64-bit word)."""
+FIRST_WIDTHS = (1, 2, 3, 4)  # tier 0's; wider ones never code a trained tensor smaller (the benchmark's weights)
+TIER_WIDTHS = (1, 2, 4)  # the later tiers': whole codes per byte, one shift per code of a byte to unpack
+MAX_TIERS = 3  # before the literals; a fourth gains 0.3 points of the bfloat16 bytes on trained weights
+GROUP_ELEMENTS = 16  # tier 0 codes whole groups of 16 elements (the escape search reads 8 flags per 64-bit word)
 BLOCK_ELEMENTS = 1 << 13
 """Elements per planar block (the last block of a tensor is shorter): a plane is 1,024 to 4,096 bytes long."""
 ALIGN = 16

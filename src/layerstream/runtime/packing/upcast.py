@@ -16,8 +16,7 @@ _CHUNK_PAIRS = 1 << 18
 """Pairs converted per lookup: a 1 MiB index buffer per thread, never a block's worth of indices (chunks of
 2^16 to 2^19 pairs measured alike here)."""
 
-MIN_LOOKUP_ELEMENTS = 4096
-"""Below this, torch's `copy_` is quicker than planning lookups (a few microseconds of Python per call)."""
+MIN_LOOKUP_ELEMENTS = 4096  # below this, `copy_` is quicker than planning lookups (microseconds of Python)
 
 _tables: dict[tuple[torch.dtype, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 _tables_lock = threading.Lock()

@@ -24,8 +24,7 @@ logger = logging.getLogger(__name__)
 
 SPILL_MAGIC = b"LSSPILL1"
 _HEADER = struct.Struct("<8sQI")  # magic, payload bytes, CRC-32 of the payload
-HEADER_BYTES = ALIGN_BYTES
-"""The payload starts here: aligned, so that a read lands at the same residue as the slot."""
+HEADER_BYTES = ALIGN_BYTES  # the payload starts here: aligned, so that a read lands at the same residue as the slot
 SPILL_FOLDER_PREFIX = "enable-"
 _SPILL_FOLDER = re.compile(rf"^{SPILL_FOLDER_PREFIX}(?P<owner>{OWNER_TAG})-")
 
