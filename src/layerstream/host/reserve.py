@@ -18,9 +18,7 @@ from layerstream.wording import GB, format_bytes
 if TYPE_CHECKING:
     from layerstream.models.generation_size import GenerationSize
 
-FLOOR_NBYTES = round(0.15 * GB)
-"""The least reserve: what a generation allocates whatever its size (Python objects, the tokenizer, the scheduler;
-an allowance, not measured). The 0.2 GB the issue found enough at 1/64 scale covers it."""
+FLOOR_NBYTES = round(0.15 * GB)  # Python objects, the tokenizer, the scheduler: an allowance, not measured
 DECODED_BYTES_PER_VALUE = 13  # host bytes per pixel and channel at the decode's peak: three float32 copies, uint8
 ENCODING_BYTES_PER_VALUE = 1  # host bytes per pixel and channel while the output file is encoded (a padded copy)
 

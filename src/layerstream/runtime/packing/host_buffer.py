@@ -18,9 +18,7 @@ from layerstream.runtime.contracts import Pinner, StoredBlockBase
 
 T = TypeVar("T")
 
-PAGE_BYTES = mmap.PAGESIZE
-"""Host buffers that may be page-locked start on a page and own their last page whole: CUDA registers whole
-pages, and a page registered twice (two buffers sharing it) fails, leaving the second buffer pageable."""
+PAGE_BYTES = mmap.PAGESIZE  # CUDA registers whole pages, and refuses one registered twice: buffers share none
 
 
 def page_aligned_empty(nbytes: int, *, zeroed: bool = False) -> torch.Tensor:

@@ -12,9 +12,7 @@ import torch
 
 FLOAT8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 
-_CHUNK_PAIRS = 1 << 18
-"""Pairs converted per lookup: a 1 MiB index buffer per thread, never a block's worth of indices (chunks of
-2^16 to 2^19 pairs measured alike here)."""
+_CHUNK_PAIRS = 1 << 18  # per lookup: a 1 MiB index buffer per thread (2^16 to 2^19 pairs measured alike)
 
 MIN_LOOKUP_ELEMENTS = 4096  # below this, `copy_` is quicker than planning lookups (microseconds of Python)
 

@@ -21,9 +21,7 @@ from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
 
 logger = logging.getLogger(__name__)
 
-TRIM_AFTER_BYTES = 16 * 2**20
-"""A block copied from this much host memory or more has its freed originals given back to the system at once
-(a block read from the checkpoint files freed only views of the mapping: nothing to give back)."""
+TRIM_AFTER_BYTES = 16 * 2**20  # a block copied from this much memory gives its freed originals back at once
 
 
 class LocalBlock(HostBufferBlock):

@@ -20,9 +20,7 @@ from layerstream.runtime.contracts import CopyEngine, CopyRecord, StoredBlock
 from layerstream.runtime.torch_contract.saved_tensors import slot_saved_tensor_hooks
 
 MAX_TRACE_RECORDS = 20_000
-RELEARN_AFTER = 2
-"""A learned successor is replaced after the same new successor is seen this many times in a row, so a one-off
-detour (the end of a request, a skipped block) does not unlearn the usual order."""
+RELEARN_AFTER = 2  # times in a row a new successor is seen before it replaces the learned one (a one-off detour)
 
 
 @dataclass

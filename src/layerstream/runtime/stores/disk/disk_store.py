@@ -37,9 +37,7 @@ from layerstream.runtime.stores.disk.staging import READ_AHEAD_DEPTH, StagingRin
 
 logger = logging.getLogger(__name__)
 
-MAX_IN_MEMORY_FRACTION = 1 / 8
-"""A file-backed block may keep this much of its bytes (spans made in memory) in host memory; beyond it the
-whole block is spilled."""
+MAX_IN_MEMORY_FRACTION = 1 / 8  # of a file-backed block's bytes made in memory, kept as host bytes; more: spilled
 
 
 class DiskBlock(StoredBlockBase):

@@ -36,9 +36,7 @@ class DiskRead(Protocol):
 
 logger = logging.getLogger(__name__)
 
-READ_AHEAD_DEPTH = 2
-"""Disk blocks read ahead of the one being copied: the disk goes on to the next block without waiting for the
-copy side to ask for it (one block ahead, the disk idles whenever the copy side is late to ask)."""
+READ_AHEAD_DEPTH = 2  # one block ahead, the disk idles whenever the copy side is late to ask for the next
 NUM_STAGING_BUFFERS = READ_AHEAD_DEPTH + 1  # the buffers the read-ahead fills, and the latest copy's
 
 
