@@ -249,8 +249,7 @@ class HostShare:
     """How the ranks of the group offload uses share this host's memory (for `host_budget_gb: "auto"`)."""
 
     world_size: int
-    ranks_on_host: int
-    """LOCAL_WORLD_SIZE; where it is not set, every rank of the group: the share errs low, never high."""
+    ranks_on_host: int  # LOCAL_WORLD_SIZE; where it is not set, every rank of the group: the share errs low, never high
 
 
 def offload_host_share(process_group=None) -> HostShare | None:

@@ -26,13 +26,10 @@ class CgroupLimit:
     folder: str
     limit_nbytes: int
     usage_nbytes: int
-    inactive_file_nbytes: int = 0
-    """What `docker stats` leaves out of the working set, shown beside the figure used; 0 unread."""
-    reclaimable_nbytes: int = 0
-    """Page cache the kernel can drop: the file cache less its mapped and dirty pages; 0 unread."""
+    inactive_file_nbytes: int = 0  # what `docker stats` leaves out of the working set, shown beside ours
+    reclaimable_nbytes: int = 0  # page cache the kernel can drop: the file cache less mapped and dirty pages
     mapped_file_nbytes: int = 0
-    released_mapped_nbytes: int = 0
-    """Mapped file pages that enabling unmaps, and so are reclaimable too (`releasing_mapped`)."""
+    released_mapped_nbytes: int = 0  # mapped pages that enabling unmaps, and so reclaimable too
 
     @property
     def working_set_nbytes(self) -> int:

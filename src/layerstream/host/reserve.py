@@ -28,8 +28,7 @@ class HostReserve:
     """The reserve (bytes) and how it was reached: the parts of the estimate, or the figure the config gave."""
 
     nbytes: int
-    source: str
-    """'host_reserve_gb' (given) or what the estimate was for ('estimated for 480x832 x 81 frames on cuda')."""
+    source: str  # 'host_reserve_gb' (given) or what the estimate was for ('estimated for 480x832 x 81 frames on cuda')
     parts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))  # empty where given
     size_source: str = ""  # the model's defaults, the largest request, the size planned
 

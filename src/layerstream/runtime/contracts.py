@@ -188,15 +188,12 @@ class DiskPart(Protocol):
     in the staging ring, in the host pool), and how they reach a slot."""
 
     form: StoredForm
-    start: int
-    """The first stored byte of the part (0 for a whole block; rank r's shard starts at r x its size)."""
-    nbytes: int
-    """Bytes of the part (a shard's zero padding past the block's end included)."""
+    start: int  # the first stored byte of the part (0 for a whole block; rank r's shard starts at r x its size)
+    nbytes: int  # bytes of the part (a shard's zero padding past the block's end included)
     keeps_originals: bool
     """The block keeps its original tensors until the commit, so that a rollback need not read the part back."""
     restored_by_host_store: bool
-    """The block's full bytes exist only across ranks: its host store restores it (a collective) and the disk
-    store leaves it alone at restore and at a rollback after the commit."""
+    """The full bytes exist only across ranks: the host store restores the block (a collective), not the disk store."""
 
     def staged_(self, block: StoredBlock) -> None: ...  # the sharded store registers it, in staging order
 
@@ -242,8 +239,7 @@ class WholePart:
 class StoreStats:
     """What a store reports of itself; the backend sums these, counting each store once."""
 
-    host_bytes: int = 0
-    """Host bytes kept beside the blocks' own (`StoredBlock.host_bytes`): the disk tier's pool."""
+    host_bytes: int = 0  # host bytes kept beside the blocks' own (`StoredBlock.host_bytes`): the disk tier's pool
     pinned_host_bytes: int = 0
     bytes_read_from_files: int = 0
     disk_bytes_read: int = 0

@@ -32,14 +32,10 @@ class TensorEntry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     stride: tuple[int, ...]
-    element_offset: int
-    """Offset of the tensor's first element from the start of the block buffer, in elements of `dtype`."""
-    span_index: int
-    """Which storage span of the block the tensor lives in (tensors sharing a span are views of one storage)."""
-    inner: InnerPath = ()
-    """For an inner tensor of a wrapper subclass: its attribute path in `module.<name>`; () for a plain tensor."""
-    inference_param: bool = False
-    """A parameter made under `torch.inference_mode()`: only ever rebound to inference tensors."""
+    element_offset: int  # of its first element in the block buffer, in elements of `dtype`
+    span_index: int  # the storage span it lives in (tensors sharing a span are views of one storage)
+    inner: InnerPath = ()  # an inner tensor's attribute path in the wrapper `module.<name>`; () for a plain one
+    inference_param: bool = False  # made under `torch.inference_mode()`: only ever rebound to inference tensors
 
 
 class SpanMember(NamedTuple):

@@ -46,10 +46,8 @@ class SpanCode:
 
     dtype: CodedDtype
     num_elements: int
-    widths: tuple[int, ...]
-    """Bits per code of each tier: `widths[0]` for every element, `widths[k]` for the escapes of tier k - 1."""
-    capacities: tuple[int, ...]
-    """Codes kept for tiers 1 .. len(widths) - 1, then the literals kept (a little more than the values need)."""
+    widths: tuple[int, ...]  # bits per code: `widths[0]` for every element, `widths[k]` for tier k - 1's escapes
+    capacities: tuple[int, ...]  # codes kept for tiers 1 .. len(widths) - 1, then the literals kept
 
     def __post_init__(self) -> None:
         assert self.widths[0] in FIRST_WIDTHS, f"first width {self.widths[0]}: one of {FIRST_WIDTHS}"

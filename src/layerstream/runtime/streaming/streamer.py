@@ -25,7 +25,7 @@ RELEARN_AFTER = 2  # times in a row a new successor is seen before it replaces t
 
 @dataclass
 class ComputeRecord:
-    """One run of a block: when compute waited, started and ended (seconds on the engine's clock)."""
+    """One run of a block: when compute waited, started and ended (the engine's marks, resolved after the run)."""
 
     label: str
     slot: int
@@ -33,7 +33,6 @@ class ComputeRecord:
     start: object
     end: object = 0.0
     sync_load: bool = False
-    """Times are the engine's marks: host seconds, or accelerator timing events read after the run."""
 
 
 class BlockCounters:
