@@ -68,15 +68,13 @@ class StoredForm(Protocol):
     def signature(self) -> str: ...  # how the bytes are stored, in words (ranks compare it)
 
     def fill_(self, stored: torch.Tensor, files: MappedFiles | None = None, reader: FileReader | None = None) -> int:
-        """Write the stored bytes from the original tensors (unwritten views of `files` are read by `reader`);
-        returns the bytes read from files."""
+        """Write the stored bytes from the originals (file-backed views read by `reader`); returns those bytes."""
 
     def fill_range_(self, out: torch.Tensor, start: int) -> None:
         """Write stored bytes [start, start + out.numel()); bytes past the block stay as they are (zero padding)."""
 
     def unpack_ops(self, slot_buffer: torch.Tensor) -> list:
-        """The ops (`run_()` on the copy's thread and stream) that turn the stored bytes in a slot into the compute
-        layout, in order; none for the packed form. Built once per slot (`SlotUnpack`)."""
+        """The ops (`run_()` on the copy's thread and stream) that make a slot's stored bytes the compute layout."""
 
     def compute_bytes(self, stored: torch.Tensor) -> torch.Tensor: ...  # for restoring real tensors
 
@@ -115,19 +113,16 @@ class StoredBlock(Protocol):
     def copy_job(self, slot_buffer: torch.Tensor) -> Job: ...  # fills a whole slot with the block's packed bytes
 
     def host_range(self, start: int, nbytes: int) -> torch.Tensor:
-        """Bytes [start, start + nbytes) of the packed block on the host (for a tensor autograd saved); raises
-        `UnsupportedUseError` where this process does not hold them."""
+        """Packed bytes [start, start + nbytes) on the host, for autograd (`UnsupportedUseError` where not held)."""
 
     def write_back_(self, slot_buffer: torch.Tensor, start: int, end: int) -> int:
         """Copy bytes [start, end) of a buffer the block wrote in `slot_buffer` back to the store; returns them."""
 
     def host_tensors(self) -> list[torch.Tensor]:
-        """One host tensor per layout entry viewing the store's bytes, in the stored dtype; raises
-        `UnsupportedUseError` where this process does not hold the whole block."""
+        """One host tensor per entry, viewing the store's bytes (`UnsupportedUseError` where not held whole)."""
 
     def sync_host_tensors_(self, written: bool) -> None:
-        """The caller is done with `host_tensors()`; with `written` the store takes their values (a lossless store
-        codes its decoded copies again)."""
+        """The caller is done with `host_tensors()`; with `written` the store takes their values (codes them)."""
 
     def check_lora_(self) -> None: ...  # raises `UnsupportedUseError` where LoRA may not change the block
 
@@ -161,8 +156,7 @@ class HostStore(Protocol):
     def stats(self) -> StoreStats: ...
 
     def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
-        """Check, before anything changes, that the store can hold these blocks (a collective store checks that
-        every rank agrees). Raises `OffloadError`."""
+        """`OffloadError` before anything changes where the store cannot hold these blocks (or the ranks disagree)."""
 
     def report_failure_(self, error: BaseException) -> None: ...  # failed before or while staging: tell any peer
 
@@ -201,8 +195,7 @@ class DiskPart(Protocol):
         """Write the part (`out` zeroed by the caller) from the original tensors; returns the bytes read from files."""
 
     def to_slot_(self, held: torch.Tensor, slot_buffer: torch.Tensor, non_blocking: bool) -> int:
-        """Move the part in `held[:nbytes]` into its place in the slot (for a shard, with the all-gather); the
-        caller then unpacks a lossy form. Returns the bytes that crossed this process's link."""
+        """Move the part in `held[:nbytes]` into the slot (a shard: all-gathered); returns the bytes over the link."""
 
     def compute_bytes(self, held: torch.Tensor) -> torch.Tensor: ...  # from the part read back (whole parts only)
 
