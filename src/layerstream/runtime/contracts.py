@@ -305,10 +305,9 @@ class HostStoreBase:
 
 @runtime_checkable
 class CopyEngine(Protocol):
-    """Moves bytes into device slots beside compute. Per slot: `copy_into(slot, job)` waits (copy side) until
-    compute released the slot, runs `job`, marks the slot ready; `wait_ready(slot)` makes compute wait for the
-    latest copy (a failed job raises `TransferError` here); `release(slot)`: compute is done reading the slot.
-    """
+    """Moves bytes into device slots beside compute. Per slot: `copy_into(slot, job)` waits until compute released
+    it, runs `job`, marks it ready; `wait_ready(slot)` waits for the latest copy (raising `TransferError` for a
+    failed job); `release(slot)`: compute is done reading it."""
 
     kind: str
 

@@ -152,11 +152,8 @@ class _Copy:
 
 
 class AcceleratorCopyEngine:
-    """Stream-and-event engine for CUDA (or another `torch.accelerator`): compute never waits on the CPU for a
-    copy, except for one whose job waits on the host and has not been queued yet. Tests pass a recording `api`
-    to check the order of calls without a GPU; `issue_thread=False` queues every copy on the caller's thread
-    (measured against in `benchmarks/gpu_checks.py`).
-    """
+    """Stream-and-event engine: compute never waits on the CPU for a copy, but for one not queued yet. Tests pass a
+    recording `api`; `issue_thread=False` queues every copy on the caller's thread (`benchmarks/gpu_checks.py`)."""
 
     kind = "accelerator-streams"
 
@@ -202,9 +199,8 @@ class AcceleratorCopyEngine:
         self._issue(slot, job, record, waits_on_host)
 
     def _on_device(self):
-        """The engine's device current for the calls inside: leaving `stream(...)` restores the current device's
-        stream, which in a thread whose current device is another one creates a CUDA context there (0.5 GB on
-        GPU 0 per process)."""
+        """The engine's device current inside: leaving `stream(...)` in a thread with another current device creates
+        a CUDA context there (0.5 GB on GPU 0 per process)."""
         return self.api.device(self.device)
 
     def _issue(self, slot: int, job: Job, record: CopyRecord | None, waits_on_host: bool) -> None:

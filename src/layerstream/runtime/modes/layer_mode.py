@@ -285,9 +285,8 @@ class LayerModeBackend:
             self._streamer.compute_records.clear()
 
     def disable(self) -> None:
-        """Teardown in the only safe order: hooks off, wait for every copy in flight (closing the engine), give
-        the blocks their tensors back and free the stores, forget the slot ring; last, hand residency back
-        (`load_to_device()`, a component's own `to()`)."""
+        """Teardown in the only safe order: hooks off, wait for every copy in flight (closing the engine), give the
+        blocks their tensors back and free the stores, forget the slot ring, then hand residency back."""
         self.hooks.remove_all_()
         if self._engine is not None:
             self._engine.close()  # waits for in-flight copies: they read host buffers restore_ frees below

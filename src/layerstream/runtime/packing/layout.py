@@ -57,9 +57,8 @@ def tensor_byte_extent(t: torch.Tensor) -> tuple[int, int]:
 
 
 def inference_alias(t: torch.Tensor) -> torch.Tensor:
-    """An inference tensor viewing `t`'s bytes with its shape and strides (`t` itself where it is one already).
-    An inference Parameter whose `.data` is set to a normal tensor fails every later use ("Inference tensors do
-    not track version counter"); set to an inference tensor it works everywhere, as resident."""
+    """An inference tensor viewing `t`'s bytes: an inference Parameter whose `.data` is set to a normal tensor fails
+    every later use ("Inference tensors do not track version counter")."""
     if t.is_inference():
         return t
     with torch.inference_mode():  # an empty inference tensor, then pointed at t's storage: a view would be normal
@@ -79,12 +78,9 @@ def iter_block_tensors(block: nn.Module):
 
 
 class BlockLayout:
-    """The packed layout of one block: its entries and the byte spans copied from the original storages. Each
-    span keeps the address residue (mod `ALIGN_BYTES`) it would have resident on `device` (its current one where
-    it lives there, else 0, as is a `fresh_span`: one the resident model computes on as a fresh tensor). CPU BLAS
-    kernels round differently at different alignments (MKL's matrix-vector product on an AMD EPYC: four roundings
-    of one product over the residues mod 64): this keeps streamed outputs bit-identical to the resident model.
-    """
+    """The packed layout of one block. Each span keeps the address residue (mod `ALIGN_BYTES`) it would have resident
+    on `device` (0 for a `fresh_span`): CPU BLAS kernels round differently at different alignments (MKL's
+    matrix-vector product on an AMD EPYC: four roundings over the residues mod 64), and outputs stay bit-identical."""
 
     def __init__(
         self,
@@ -254,9 +250,8 @@ class BlockLayout:
             return out
 
 class TensorBinder:
-    """Rebinds a block's tensors: parameters through `.data` (identity kept), buffers by assignment. An inference
-    parameter is bound to inference tensors only; buffers to normal tensors (an in-place write into one must move
-    the slot's version counter, which an inference tensor has not)."""
+    """Rebinds a block's tensors: parameters through `.data` (identity kept), buffers by assignment, as normal
+    tensors (an in-place write must move the slot's version counter, which an inference tensor has not)."""
 
     def __init__(self, layout: BlockLayout, device: torch.device):
         self.layout = layout

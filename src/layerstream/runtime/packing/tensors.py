@@ -26,9 +26,8 @@ def replace_tensors_(
     convert: Callable[[torch.Tensor], torch.Tensor | None],
     push_undo: Callable[[Callable[[], None]], None],
 ) -> None:
-    """Replace every parameter and buffer under `root` (outside the `skip` paths) by `convert(tensor)` where that
-    is not None, one undo step each. Parameters keep their identity (`.data`), tied ones converted once; an
-    inference parameter gets an inference tensor (`inference_alias`)."""
+    """Replace every parameter and buffer under `root` (outside `skip`) by `convert(tensor)` where not None, one undo
+    step each; parameters keep their identity (`.data`, inference ones aliased), tied ones converted once."""
     seen: set[int] = set()
     stack = [(root_path, root)]
     while stack:

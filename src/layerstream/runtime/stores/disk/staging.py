@@ -88,10 +88,8 @@ def unpin_all(buffers: Sequence[torch.Tensor], pinner: Pinner | None) -> None:
 
 
 class StagingRing:
-    """Host buffers that disk blocks are read into, then copied to the slot. A job for block B takes B's bytes
-    from the buffer the read-ahead filled (else reads B there and then), makes sure the next `READ_AHEAD_DEPTH`
-    disk blocks expected are being read into the other buffers on the I/O thread, then copies B into the slot:
-    the disk never waits for the copy side to ask, and disk, link and compute run as three stages."""
+    """Host buffers disk blocks are read into, then copied to the slot; while a block is copied out, the I/O thread
+    reads the next `READ_AHEAD_DEPTH` expected into the others: disk, link and compute run as three stages."""
 
     def __init__(self, nbytes: int, device: torch.device, pin: Pinner | None):
         self.buffers = [page_aligned_empty(max(nbytes, 1)) for _ in range(NUM_STAGING_BUFFERS)]  # each can be page-locked
