@@ -45,8 +45,7 @@ class Pinner(Protocol):
 
 @runtime_checkable
 class StoredForm(Protocol):
-    """How a block's bytes are kept off the device (packed byte for byte, float8, lossless-coded), and how they
-    become its compute layout in a slot. Pure: reads the layout only."""
+    """How a block's bytes are kept off the device, and how they become its compute layout in a slot. Pure."""
 
     layout: BlockLayout  # the compute layout: what a slot holds while the block computes
     lossless: bool  # the stored bytes give back the original tensors exactly (float8 rounds)
@@ -178,8 +177,7 @@ class HostStore(Protocol):
 
 @runtime_checkable
 class DiskPart(Protocol):
-    """What this process keeps of one disk-tier block: stored bytes [start, start + nbytes) in its form (on disk,
-    in the staging ring, in the host pool), and how they reach a slot."""
+    """What this process keeps of one disk-tier block (stored bytes [start, start + nbytes)), and how to a slot."""
 
     form: StoredForm
     start: int  # the first stored byte of the part (0 for a whole block; rank r's shard starts at r x its size)
@@ -272,8 +270,7 @@ class StoredBlockBase:
 
 
 class HostStoreBase:
-    """Defaults of `HostStore`: a block laid out as it is (slot and host bytes both `layout.nbytes`), nothing to
-    agree on with peers, nothing to learn from the placement or the order, no figures of its own."""
+    """Defaults of `HostStore`: a block laid out as it is, no peers, nothing to learn, no figures of its own."""
 
     def slot_nbytes(self, layout: BlockLayout) -> int:
         return layout.nbytes

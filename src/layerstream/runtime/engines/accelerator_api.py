@@ -15,8 +15,7 @@ CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the c
 
 
 class AcceleratorApi:
-    """torch.cuda's streams and events (or another accelerator module's with the same calls). Building one touches
-    no device; the CUDA-only calls answer "no" where CUDA is not in use."""
+    """torch.cuda's calls (or another accelerator module's); touches no device until used."""
 
     def __init__(self, module: ModuleType | None = None):
         self.module = torch.cuda if module is None else module

@@ -22,8 +22,7 @@ PAGE_BYTES = mmap.PAGESIZE  # CUDA registers whole pages, and refuses one regist
 
 
 def page_aligned_empty(nbytes: int, *, zeroed: bool = False) -> torch.Tensor:
-    """A uint8 host tensor of `nbytes` that starts on a page boundary, in an allocation rounded up to whole pages
-    that no other buffer shares (at most two pages more than asked for)."""
+    """A uint8 host tensor of `nbytes` on pages of its own (at most two pages more than asked for)."""
     rounded = -(-max(nbytes, 1) // PAGE_BYTES) * PAGE_BYTES
     raw = torch.zeros(rounded + PAGE_BYTES, dtype=torch.uint8) if zeroed else torch.empty(rounded + PAGE_BYTES, dtype=torch.uint8)
     shift = -raw.data_ptr() % PAGE_BYTES

@@ -68,8 +68,7 @@ def _nonzero(values: torch.Tensor) -> torch.Tensor:
 
 
 class SpanDecode:
-    """Decodes one span's stored bytes (uint8, 16-byte aligned) into `out` (int16), both views that keep their place
-    in a slot: planned once, run per copy. `dense` (default: off the CPU) takes the accelerator's way."""
+    """Decodes one span's stored bytes into `out` (a slot's views): planned once, run per copy; `dense`: ranked."""
 
     def __init__(self, code: SpanCode, stored: torch.Tensor, out: torch.Tensor, dense: bool | None = None):
         self.code, self.out = code, out

@@ -116,8 +116,7 @@ def best_window(left: list[int], size: int) -> tuple[int, int]:
 
 
 def choose_windows(value_counts: list[int], widths: tuple[int, ...]) -> tuple[list[int], list[int]]:
-    """(base of each tier's window, elements escaping each tier): each tier takes the run of values no earlier
-    window holds that holds the most elements (the base counted with the earlier windows taken out)."""
+    """(base of each tier's window, elements escaping each tier), each window the best of what is left."""
     left = list(value_counts)  # the counts of the values no window holds yet, in order
     escaping = sum(left)
     bases, escapes = [], []

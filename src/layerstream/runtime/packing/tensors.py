@@ -92,8 +92,7 @@ def unmap_tensors_(
     reader: FileReader,
     push_undo: Callable[[Callable[[], None]], None],
 ) -> int:
-    """Give every CPU tensor under `root` (outside the `skip` paths) that still views a file mapping a storage
-    of its own, at the same address residue (so kernels round as before), shared as before; returns the bytes."""
+    """Give every CPU tensor under `root` still viewing a file mapping a storage of its own at the same residue."""
     copies: dict[int, torch.Tensor] = {}
     copied = 0
 

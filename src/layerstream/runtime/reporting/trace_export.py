@@ -78,8 +78,7 @@ def write_chrome_trace(trace: OffloadTrace, path: str | Path) -> Path:
 
 
 def write_timeline_png(trace: OffloadTrace, path: str | Path, *, title: str | None = None) -> Path:
-    """Draw `trace` as a PNG timeline: one row per lane, stalls in red, synchronous loads in orange. Needs
-    matplotlib (the ``bench`` extra), with the Agg canvas directly: no pyplot state or GUI backend is touched."""
+    """Draw `trace` as a PNG timeline (matplotlib's Agg canvas: no pyplot state or GUI backend is touched)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

@@ -56,8 +56,8 @@ class CallOwnership:
 
 
 def own_pipeline_calls_(pipeline, ownership: CallOwnership) -> Callable[[], None]:
-    """Make `pipeline`'s calls (`OWNED_METHODS`) take `ownership` for their whole run; returns the undo. `pipe(...)`
-    looks `__call__` up on the class, so the instance gets a subclass of the same name whose methods wrap these."""
+    """Make `pipeline`'s calls take `ownership` for their whole run, through a subclass (`pipe(...)` looks
+    `__call__` up on the class); returns the undo."""
     cls = type(pipeline)
     overrides: dict[str, object] = {}
     for name in OWNED_METHODS:

@@ -43,8 +43,7 @@ def spill_folder_prefix() -> str:
 
 
 def remove_stale_spill_folders(root: Path) -> list[Path]:
-    """Remove (and return) the spill folders under `root` whose process no longer runs; where that cannot be
-    told (another machine or pid namespace), or a folder is not ours, it is left alone."""
+    """Remove (and return) the spill folders under `root` whose process surely no longer runs."""
     removed = []
     try:
         entries = list(root.iterdir())

@@ -53,8 +53,7 @@ def pin_all_or_none(buffers: Sequence[torch.Tensor], pin: Pinner | None) -> Pinn
 
 
 def copy_events(device: torch.device, pinner: Pinner | None, count: int) -> list:
-    """One CUDA event per buffer, re-recorded for every copy out of it, where those copies are asynchronous
-    (CUDA, pinned); copies in step need none."""
+    """One CUDA event per buffer, re-recorded per copy out of it, where copies are asynchronous (CUDA, pinned)."""
     cuda = device.type == "cuda" and pinner is not None
     return [_DeviceEvent(device) if cuda else None for _ in range(count)]
 
@@ -160,8 +159,7 @@ class StagingRing:
             logger.debug("read-ahead of %s failed; it is read again when it runs", path, exc_info=True)
 
     def _free_buffer_(self, busy: tuple[int, ...]) -> int:
-        """A buffer no read ahead owns and not in `busy`; the one the latest copy came from last (on an
-        accelerator its copy may still be in flight)."""
+        """A buffer no read owns, not in `busy`; the latest copy's last (it may still be in flight)."""
         taken = {i for _, i, _ in self._ahead} | set(busy)
         free = [i for i in range(len(self.buffers)) if i not in taken]
         assert free, "staging ring: more reads ahead than buffers"
