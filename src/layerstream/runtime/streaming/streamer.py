@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -60,41 +60,30 @@ class _Binding:
     saved_hooks: object = None
 
 
+@dataclass(eq=False, repr=False, slots=True)
 class StreamedBlock:
-    __slots__ = (
-        "index",
-        "host",
-        "component",
-        "module",
-        "counters",
-        "next_index",
-        "learned",
-        "candidate",
-        "candidate_hits",
-        "slot",
-        "views",
-        "num_transfers",
-        "depth",
-        "buffer_ranges",
-        "copied_version",
-    )
+    """One streamed block as the streamer schedules it (slotted plain attributes: read on the hot path)."""
 
-    def __init__(self, index: int, host: StoredBlock, component: str, module: nn.Module, counters: BlockCounters, depth: int):
-        self.index = index
-        self.host = host
-        self.component = component
-        self.module = module
-        self.counters = counters
-        self.next_index = index  # set from the chain order, then learned
-        self.learned = False  # whether next_index comes from an observed transition
-        self.candidate = -1  # a different successor seen lately, and how many times in a row
-        self.candidate_hits = 0
-        self.slot: int | None = None  # slot holding (or receiving) this block's bytes
-        self.views: dict[int, list[torch.Tensor]] = {}  # slot -> views of that slot, built once
-        self.num_transfers = 0
-        self.depth = depth
-        self.buffer_ranges = host.layout.buffer_byte_ranges()  # what a forward may write that must be kept
-        self.copied_version = host.host_version  # the store's bytes the latest copy into `slot` was issued from
+    index: int
+    host: StoredBlock
+    component: str
+    module: nn.Module
+    counters: BlockCounters
+    depth: int
+    next_index: int = -1  # set from the chain order, then learned
+    learned: bool = False  # whether next_index comes from an observed transition
+    candidate: int = -1  # a different successor seen lately, and how many times in a row
+    candidate_hits: int = 0
+    slot: int | None = None  # slot holding (or receiving) this block's bytes
+    views: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # slot -> views of that slot, built once
+    num_transfers: int = 0
+    buffer_ranges: list[tuple[int, int]] = field(init=False)  # what a forward may write that must be kept
+    copied_version: int | None = field(init=False)  # the store's bytes the latest copy into `slot` came from
+
+    def __post_init__(self) -> None:
+        self.next_index = self.index
+        self.buffer_ranges = self.host.layout.buffer_byte_ranges()
+        self.copied_version = self.host.host_version
 
     @property
     def path(self) -> str:
