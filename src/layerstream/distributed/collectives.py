@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 import layerstream.distributed.process_group as groups
 from layerstream.distributed.process_group import GroupMembership
@@ -205,8 +206,6 @@ class BlockGather:
         return f"is at #{sequence}: {_KIND_NAMES.get(kind, kind)} of {name}"
 
     def _all_gather_payload(self, gathered: torch.Tensor, chunk: int, index: int) -> None:
-        import torch.distributed as dist
-
         group = self.membership.group
         try:
             if gathered.device.type == "cuda" and "nccl" in self.membership.backend:
@@ -232,8 +231,6 @@ class BlockGather:
         )
 
     def _all_gather_ints(self, values: list[int]) -> list[list[int]]:
-        import torch.distributed as dist
-
         device = self.membership.header_device
         local = torch.tensor(values, dtype=torch.int64, device=device)
         out = torch.empty(self.world_size, len(values), dtype=torch.int64, device=device)
@@ -259,8 +256,6 @@ def open_block_gather(pipeline_class: str, device: torch.device, process_group=N
 
 
 def _all_gather_single(output: torch.Tensor, own: torch.Tensor, group) -> None:
-    import torch.distributed as dist
-
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the older name
     gather(output, own, group=group)
 

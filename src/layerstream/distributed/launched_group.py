@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 from layerstream.config.offload_config import OffloadConfig
 
@@ -14,8 +15,6 @@ from layerstream.config.offload_config import OffloadConfig
 def join_launched_group(config: OffloadConfig, device: torch.device | str | None, process_group=None) -> torch.device | None:
     """The device this rank computes on after joining torchrun's group, where `config` asks for allgather over
     several launched ranks and no group is given or initialized; else None."""
-    import torch.distributed as dist
-
     world_size = os.environ.get("WORLD_SIZE", "1")
     launched = world_size.isdigit() and int(world_size) > 1
     allgather = config.mode == "layer" and any(o.weight_transfer == "allgather" for o in config.layer_options.values())

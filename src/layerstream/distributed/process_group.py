@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from layerstream.errors import OffloadError
 
@@ -52,8 +53,6 @@ def collective_timeout() -> datetime.timedelta:
 
 def init_distributed(device: torch.device | str | None = None, *, backend: str | None = None) -> torch.device:
     """Join torchrun's process group (once) and return this rank's device (default ``cuda:LOCAL_RANK``)."""
-    import torch.distributed as dist
-
     missing = [name for name in _TORCHRUN_ENV if not os.environ.get(name)]
     if missing:
         raise RuntimeError(
@@ -99,8 +98,6 @@ def _import_group_defaults_first() -> None:
 def destroy_distributed() -> None:
     """Leave the default process group, if this process joined one, after the `before_group_teardown` callbacks.
     Disable every offload handle first: `disable()` is a collective itself."""
-    import torch.distributed as dist
-
     _TEARDOWN.run_callbacks()
     if dist.is_available() and dist.is_initialized():
         _leave_group()
@@ -148,8 +145,6 @@ class _GroupTeardown:
 
     def at_exit(self) -> None:
         """Destroy the group if it is still the one `init_distributed` created (not one the user made since)."""
-        import torch.distributed as dist
-
         self.run_callbacks()
         with self._lock:
             ours, self._group = self._group, None
@@ -170,8 +165,6 @@ LEAVE_BARRIER_TIMEOUT_S = 30.0  # a rank gone or stuck at the leaving barrier is
 def _leave_group() -> None:
     """Destroy the default group once every rank got here: tearing connections down while a peer finishes its
     last collective makes the peer's gloo threads abort it."""
-    import torch.distributed as dist
-
     try:
         if dist.get_world_size() > 1 and "gloo" in str(dist.get_backend()):
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=LEAVE_BARRIER_TIMEOUT_S))
@@ -203,8 +196,6 @@ class GroupMembership:
 def join_offload_group(pipeline_class: str, device: torch.device, process_group=None) -> GroupMembership | None:
     """The group `weight_transfer: "allgather"` runs on (`process_group`, else the default), or None for one
     rank. Uninitialized with torchrun's WORLD_SIZE > 1 is an error (each rank would keep a full copy)."""
-    import torch.distributed as dist
-
     prefix = f'{pipeline_class}: weight_transfer "allgather"'
     if not dist.is_available():
         raise OffloadError(f"{prefix} needs torch.distributed, which this torch build lacks; use \"rank-local\"")
@@ -254,8 +245,6 @@ class HostShare:
 
 def offload_host_share(process_group=None) -> HostShare | None:
     """How allgather ranks share this host's memory; None for a group of one. Issues no collective."""
-    import torch.distributed as dist
-
     if not dist.is_available() or (process_group is None and not dist.is_initialized()):
         return None
     world_size = dist.get_world_size(process_group)
