@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from layerstream.config.offload_config import OffloadConfig
+from layerstream.distributed.process_group import init_distributed
 
 
 def join_launched_group(config: OffloadConfig, device: torch.device | str | None, process_group=None) -> torch.device | None:
@@ -20,6 +21,4 @@ def join_launched_group(config: OffloadConfig, device: torch.device | str | None
     allgather = config.mode == "layer" and any(o.weight_transfer == "allgather" for o in config.layer_options.values())
     if not (launched and allgather) or process_group is not None or not dist.is_available() or dist.is_initialized():
         return None
-    from layerstream.distributed.process_group import init_distributed
-
     return init_distributed(device)

@@ -54,8 +54,7 @@ def value_counts(counts: torch.Tensor, dtype: CodedDtype) -> list[int]:
 def _layouts(
     left: list[int], escaping: int, widths: tuple[int, ...] = (), escapes: tuple[int, ...] = ()
 ) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """(widths, elements escaping each tier) of every layout of up to `MAX_TIERS` widths, each tier's window the
-    best for what reaches it (`left`: the counts no earlier window holds); shared prefixes found once."""
+    """(widths, escapes per tier) of every layout of up to `MAX_TIERS` widths, each window the best of `left`."""
     for width in FIRST_WIDTHS if not widths else TIER_WIDTHS:
         base, inside = best_window(left, window_size(width))
         grown, after = widths + (width,), escapes + (escaping - inside,)

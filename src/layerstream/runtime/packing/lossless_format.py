@@ -142,9 +142,8 @@ def tier_lookup(bases: list[int], widths: tuple[int, ...], tier: int, value_rang
 
 
 def restore_values_(values: torch.Tensor, bases: list, widths: tuple[int, ...], tier: int) -> torch.Tensor:
-    """Tier `tier`'s values (uint8, counted with the earlier windows taken out) back to coded values, in place:
-    each earlier window, the last first, is put back below the values at or above its base. `bases` are ints (on
-    the CPU) or one-element tensors (on a device: no host sync)."""
+    """Tier `tier`'s values back to coded values, in place, putting each earlier window back (the last first);
+    `bases` are ints on the CPU, one-element tensors on a device (no host sync)."""
     for k in range(tier - 1, -1, -1):
         base, size = bases[k], window_size(widths[k])
         if not isinstance(base, int):

@@ -139,8 +139,7 @@ class OffloadTrace:
 
 @dataclass(frozen=True)
 class StreamCounters:
-    """The counters of `OffloadStats` that only grow, so that a stretch of time (one generation) is the
-    difference of two readings: ``StreamCounters.of(after) - StreamCounters.of(before)``."""
+    """The growing counters of `OffloadStats`: a stretch of time is ``StreamCounters.of(after) - .of(before)``."""
 
     bytes_transferred: int = 0
     num_transfers: int = 0

@@ -55,8 +55,7 @@ class StoreContext:
 
     @cached_property
     def form_of(self) -> Callable[[BlockLayout], StoredForm]:
-        """The form a block's bytes are kept in. It holds the forms only, not the context: the stores keep it,
-        and must not keep the components alive (a dropped pipeline is collected)."""
+        """The form a block is kept in; holding the forms only, not the components (a dropped pipeline goes)."""
         forms, component_of_block = self.forms, self._component_of_block
 
         def form_of(layout: BlockLayout) -> StoredForm:

@@ -25,8 +25,7 @@ GRAPH_BREAK_REASON = (
 
 
 class BlockCall:
-    """`module._compiled_call_impl` of one streamed block while offload is enabled; `remove()` undoes it. `inner` is
-    what `Module.__call__` would call without layerstream (a `module.compile()`'s callable, or `_call_impl`)."""
+    """`module._compiled_call_impl` of a streamed block; `inner` is what `Module.__call__` would call without it."""
 
     def __init__(self, streamer: BlockStreamer, block: StreamedBlock):
         module = block.module

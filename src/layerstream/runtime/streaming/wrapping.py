@@ -49,8 +49,7 @@ class MethodWrapper:
 
 
 class _Unbindable:
-    """The wrapper as installed: a callable whose `__get__` returns itself. Code that saves `module.forward` and
-    later restores it as `saved.__get__(module)` (cache-dit does) gets this wrapper back, not one bound twice."""
+    """The wrapper as installed, whose `__get__` returns itself: `saved.__get__(module)` (cache-dit) binds it once."""
 
     def __init__(self, fn: Callable, inner: Callable):
         self._fn = fn
