@@ -43,8 +43,7 @@ class AcceleratorApi:
         tensor.record_stream(stream)  # the allocator waits for `stream`'s queued work before reusing the memory
 
     def host_register(self, buffer: torch.Tensor) -> bool:
-        """Page-lock a host buffer in place, at its exact size; True if pinned. The caller makes its device
-        current: a thread of its own would otherwise create a CUDA context on GPU 0 (every rank of a machine)."""
+        """Page-lock a buffer at its exact size; the caller makes its device current (else a context on GPU 0)."""
         if not torch.cuda.is_available():
             return False
         nbytes = buffer.numel() * buffer.element_size()

@@ -139,8 +139,7 @@ def _raw_into_(x16: torch.Tensor, dtype: CodedDtype, out: torch.Tensor, scratch:
 
 
 def _pack_field_(codes: torch.Tensor, out: torch.Tensor, bits: int, shift: int, scratch: torch.Tensor) -> None:
-    """Bits shift .. shift + bits - 1 of `codes` (uint8, blocks x elements) into `out` (uint8, blocks x bytes),
-    planar: byte j holds the bits of elements j, j + P, ... (P = out's bytes a block)."""
+    """Bits shift .. shift + bits - 1 of `codes` into `out`, planar: byte j holds elements j, j + P, ... of a block."""
     length = out.shape[1]
     part = torch.bitwise_right_shift(codes, shift, out=scratch).bitwise_and_((1 << bits) - 1)
     out.copy_(part[:, :length])
@@ -170,8 +169,7 @@ def _later_tiers(code: SpanCode, bases: list[int], escaped: torch.Tensor) -> tup
 
 
 def encode_into_(code: SpanCode, x16: torch.Tensor, out: torch.Tensor, counts: torch.Tensor | None = None) -> int:
-    """Write the code of `x16` (int16, flat) into `out` (uint8, on the CPU), with the windows of `counts` where given
-    (exact with any windows). Returns tier 0's escapes; `_CodeOverflowError` (nothing written) past a capacity."""
+    """Code `x16` into `out` (windows of `counts` where given); tier 0's escapes, or `_CodeOverflowError` first."""
     n, dtype = code.num_elements, code.dtype
     x16 = x16.reshape(-1).cpu()
     bases, expected = choose_windows(value_counts(count_coded(x16, dtype) if counts is None else counts, dtype), code.widths)

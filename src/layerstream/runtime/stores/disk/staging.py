@@ -59,8 +59,7 @@ def copy_events(device: torch.device, pinner: Pinner | None, count: int) -> list
 
 
 class _DeviceEvent:
-    """A CUDA event whose host-side wait runs with its device current: the disk tier's I/O threads never set a
-    device, and a CUDA call there would otherwise create a context on GPU 0."""
+    """A CUDA event waited for with its device current (an I/O thread's CUDA call would make a context on GPU 0)."""
 
     def __init__(self, device: torch.device):
         self.device = device
