@@ -18,14 +18,14 @@ from layerstream.config.offload_config import OffloadConfig, parse_offload_confi
 from layerstream.models.decode.decode_memory import VaeDecodeSettings
 from layerstream.models.generation_size import RequestSizes
 from layerstream.models.hub import ModelSource
-from layerstream.models.input_image import ImageInputKind, ImageSource
+from layerstream.models.input_image import ImageInputKind
 from layerstream.models.model_rules import ModelRules
 from layerstream.models.work import WorkPrice, price_request
 from layerstream.offload import default_device, enable_offload
 from layerstream.outputs import IMAGE_SUFFIXES, VIDEO_SUFFIXES, GenerationResult, request_settings, save_output
-from layerstream.pipeline_runner import PipelineRunner, RunStats, batch_requests, parse_dtype, request_options
+from layerstream.pipeline_runner import PipelineRunner, RunStats, batch_requests, parse_dtype
 from layerstream.errors import extra_needed
-from layerstream.request import GenerationError, GenerationRequest
+from layerstream.request import OMNI_KEYWORDS, GenerationError, GenerationRequest, request_from
 from layerstream.runtime.modes.handle import OffloadHandle
 from layerstream.runtime.reporting.stats import OffloadStats
 
@@ -92,27 +92,14 @@ class Omni:
         prompt: str,
         negative_prompt: str | None = None,
         *,
-        image: ImageSource | None = None,
-        height: int | None = None,
-        width: int | None = None,
-        num_frames: int | None = None,
-        num_inference_steps: int | None = None,
-        guidance_scale: float | None = None,
-        seed: int = 0,
-        fps: int | None = None,
         on_step: Callable[[int, int, float], None] | None = None,
-        max_side_pixels: int | None = None,
         keep_raw: bool = False,
-        **options: Any,
+        **fields: Any,
     ) -> GenerationResult:
-        """Run the pipeline once with `GenerationRequest`'s arguments (`options`: the rest of them), checked before
+        """Run the pipeline once with `GenerationRequest`'s fields as keywords (`OMNI_KEYWORDS`), checked before
         the run; `on_step(step, total, seconds)` after every step; `keep_raw`: keep the float output as `raw`
         (docs/python.md)."""
-        request = GenerationRequest(
-            prompt=prompt, negative_prompt=negative_prompt, image=image, height=height, width=width,
-            num_frames=num_frames, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-            seed=seed, fps=fps, **request_options(options, max_side_pixels=max_side_pixels),
-        )  # fmt: skip
+        request = request_from(fields, OMNI_KEYWORDS, prompt=prompt, negative_prompt=negative_prompt)
         return self.run(request, on_step=on_step, keep_raw=keep_raw)
 
     def run(
@@ -134,21 +121,12 @@ class Omni:
         negative_prompt: str | None = None,
         *,
         seeds: Sequence[int],
-        height: int | None = None,
-        width: int | None = None,
-        num_frames: int | None = None,
-        num_inference_steps: int | None = None,
-        guidance_scale: float | None = None,
-        fps: int | None = None,
         on_step: Callable[[int, int, float], None] | None = None,
         keep_raw: bool = False,
-        **options: Any,
+        **fields: Any,
     ) -> list[GenerationResult]:
         """One pipeline call for outputs of one shape (output ``i``: ``prompts[i]``, seeded ``seeds[i]``)."""
-        shape = GenerationRequest(
-            prompt="", negative_prompt=negative_prompt, height=height, width=width, num_frames=num_frames,
-            num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, fps=fps, **request_options(options),
-        )  # fmt: skip
+        shape = request_from(fields, OMNI_KEYWORDS - {"prompt", "seed"}, prompt="", negative_prompt=negative_prompt)
         return self.run_batch(batch_requests(shape, prompts, seeds), on_step=on_step, keep_raw=keep_raw)
 
     def run_batch(

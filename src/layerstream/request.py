@@ -1,22 +1,18 @@
-"""`GenerationRequest`: the arguments of one generation, validated once when built, then carried unchanged.
+"""`GenerationRequest`, the arguments of one generation, and `REQUEST_FIELDS`, the one table of its fields.
 
-Every entry point builds one (the command line from its flags, the server from an HTTP body, `Omni.generate`
-from its keywords) and everything after it (`Omni.run`, the server's queue, batcher and waves, the rank
-messages) reads this one object. It checks what needs no model (types, ranges, prompt length, seeds) against
-`FIELD_BOUNDS`, the one table of each numeric field's bounds, from which the command line's flags and the HTTP
-bodies take theirs; what depends on the loaded pipeline (size multiples, frame rule, image input) is checked
-by the model's rules (`ModelRules`). A bad value raises `GenerationError` naming the field, the value seen and
-what is allowed. ``extra_params`` (vllm-omni's extra call arguments) is checked here for what needs no model
-too: a JSON object, none of its keys a field of the request or an argument layerstream sets itself
-(`EXTRA_PARAMS_REFUSED`); which keys the pipeline's call takes is the model's rules' to say.
+Every entry point builds a request from the table's spellings (flags, JSON keys, `Omni` keywords), and everything
+after it (`Omni.run`, the server's queue, batches and waves, the rank messages) reads that one object. It checks
+what needs no model (types, the table's bounds, prompt length, seeds, ``extra_params``' keys) when built, raising
+`GenerationError` naming the field, the value seen and what is allowed; what depends on the loaded pipeline (size
+multiples, frame rule, image input, which ``extra_params`` keys its call takes) is the model's rules' to check.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 from layerstream.errors import LayerstreamError
 from layerstream.json_object import MAX_JSON_DEPTH, JsonLimitError, JsonObject, check_json_depth, first_non_json
@@ -75,7 +71,6 @@ class FieldBound:
         )
 
     def check(self, name: str, value: Any) -> None:
-        """Refuse `value` for field `name` unless it is within the bounds."""
         if not self.admits(value):
             raise invalid_field(name, value, self.allowed())
 
@@ -95,68 +90,137 @@ MAX_GUIDANCE_SCALE = 100.0
 MAX_FPS = 120
 MAX_TIMEOUT_SECONDS = 86_400.0
 """A day: the server answers within it or not at all."""
+
+DefaultSource = Literal["required", "model", "constant", "server", "none"]
+"""Where a value left out comes from: none may be left out; the model's rules (`ModelRules.filled`); the
+request's own constant; the server (a seed drawn at random, its --max-size); nowhere (no image, no deadline)."""
+BodyGroup = Literal["every", "synchronous", "video"]
+"""Which HTTP bodies take a field under its name: every one, the synchronous endpoints', the video ones'."""
+
+
+@dataclass(frozen=True)
+class RequestField:
+    """One field of `GenerationRequest`: what it takes, where its default comes from, and how each edge spells
+    it (a form field is spelled as its JSON key; every `Omni` keyword as the field)."""
+
+    values: FieldBound | type
+    """A number within its bounds, or a value of this type."""
+    description: str
+    """One line, as the HTTP schema (and the command line's help) shows it."""
+    default: DefaultSource = "model"
+    body: BodyGroup | None = "every"
+    """None: no body takes it under its name (a size is one text, each body names its image, --max-size is the
+    server's)."""
+    flag: str | None = None
+    omni: bool = True
+    only: Literal["call argument", "setting"] | None = None
+    """Taken only by pipelines whose call has this argument, or that have this setting (a copy of the pipeline's
+    or scheduler's config for the request's call); None: by every pipeline."""
+
+
 _GUIDANCE = FieldBound(float, ge=0.0, le=MAX_GUIDANCE_SCALE)
-FIELD_BOUNDS: dict[str, FieldBound] = {
-    "height": FieldBound(int, ge=1), "width": FieldBound(int, ge=1), "num_frames": FieldBound(int, ge=1),
-    "num_inference_steps": FieldBound(int, ge=1, le=MAX_INFERENCE_STEPS),
-    "guidance_scale": _GUIDANCE, "guidance_scale_2": _GUIDANCE, "true_cfg_scale": _GUIDANCE,
-    "boundary_ratio": FieldBound(float, ge=0.0, le=1.0),
-    "flow_shift": FieldBound(float, gt=0.0, le=100.0),
-    "seed": FieldBound(int, ge=0, le=MAX_SEED), "n": FieldBound(int, ge=1),
-    "fps": FieldBound(int, ge=1, le=MAX_FPS),
-    "max_side_pixels": FieldBound(int, ge=1),
-    "timeout": FieldBound(float, gt=0.0, le=MAX_TIMEOUT_SECONDS, unit=" of seconds"),
+_SIZE = "pixels, a multiple of the model's size multiple, at most max_side_pixels (--max-size)"
+REQUEST_FIELDS: Mapping[str, RequestField] = {
+    "prompt": RequestField(str, "What to generate.", "required", flag="--prompt"),
+    "negative_prompt": RequestField(
+        str, "What to steer away from (classifier-free guidance).", flag="--negative-prompt", only="call argument"
+    ),
+    "image": RequestField(
+        object, "The input image of image-to-video and image-editing models (a PIL image, a path or an array; "
+        "a file on the command line); without a size the output takes its size, rounded down to the model's size multiple.",
+        "none", body=None, flag="--image",
+    ),
+    "height": RequestField(FieldBound(int, ge=1), f"Height in {_SIZE}; default: the model's.", body=None, flag="--height"),
+    "width": RequestField(FieldBound(int, ge=1), f"Width in {_SIZE}; default: the model's.", body=None, flag="--width"),
+    "num_frames": RequestField(
+        FieldBound(int, ge=1), "Frames of each video; at most the server's --max-frames; default: the model's.",
+        body="video", flag="--num-frames",
+    ),
+    "num_inference_steps": RequestField(
+        FieldBound(int, ge=1, le=MAX_INFERENCE_STEPS), "Denoising steps; default: the model's.", flag="--steps"
+    ),
+    "guidance_scale": RequestField(
+        _GUIDANCE, "Classifier-free guidance scale (1 or less turns guidance off); default: the model's.",
+        flag="--guidance-scale",
+    ),
+    "guidance_scale_2": RequestField(
+        _GUIDANCE, "Two-expert models (Wan 2.2 A14B): the low-noise expert's guidance scale; default: guidance_scale.",
+        flag="--guidance-scale-2", only="call argument",
+    ),
+    "true_cfg_scale": RequestField(
+        _GUIDANCE, "Models with a true_cfg_scale argument (Flux, Qwen-Image): that argument; guidance_scale then goes to"
+        " the model's own guidance_scale. Default: guidance_scale is the classifier-free scale.",
+        flag="--true-cfg-scale", only="call argument",
+    ),
+    "boundary_ratio": RequestField(
+        FieldBound(float, ge=0.0, le=1.0),
+        "Two-expert models: where the second expert takes over, a fraction of the timesteps; default: the model's.",
+        flag="--boundary-ratio", only="setting",
+    ),
+    "flow_shift": RequestField(
+        FieldBound(float, gt=0.0, le=100.0),
+        "Models whose scheduler has a flow_shift (Wan): its value for this request; default: the model's.",
+        flag="--flow-shift", only="setting",
+    ),
+    "seed": RequestField(
+        FieldBound(int, ge=0, le=MAX_SEED), "Seed of the first output; default: random (reported).", "server", flag="--seed"
+    ),
+    "n": RequestField(
+        FieldBound(int, ge=1), "Outputs to generate, with seeds seed, seed+1, ...", "constant", body="synchronous", omni=False
+    ),
+    "fps": RequestField(
+        FieldBound(int, ge=1, le=MAX_FPS), "Frame rate of the encoded MP4; default: the model's (Wan 16, LTX 24).",
+        body="video", flag="--fps",
+    ),
+    "max_side_pixels": RequestField(
+        FieldBound(int, ge=1), "The largest --height or --width accepted, and the largest side of an output sized from"
+        " its input image (the server's --max-size).", "server", body=None, flag="--max-size",
+    ),
+    "timeout": RequestField(
+        FieldBound(float, gt=0.0, le=MAX_TIMEOUT_SECONDS, unit=" of seconds"),
+        "Seconds from receipt to answer, queue and generation together; past it the request is answered 504"
+        " and its generation stops at the next denoising step.", "none", body="synchronous", omni=False,
+    ),
+    "extra_params": RequestField(
+        dict, "vllm-omni's extra call arguments, a JSON object (in a form, its JSON text): a key the model's call takes"
+        " from JSON passes through, sample_solver ('unipc', 'euler', 'dpm++') picks the matching scheduler where"
+        " the model has one; any other key, or a field of the request itself, is refused naming it.",
+        "none", flag="--extra-params",
+    ),
 }  # fmt: skip
-"""Each numeric field's bounds, the one statement of them: `GenerationRequest` checks them, the command line's
-flags parse with them (`cli.common.request_value`) and the HTTP bodies declare them (`server.schemas`);
-`tests/test_request.py` holds every edge to them. A seed's upper bound also depends on ``n`` (`_check_seed`)."""
+"""Every field of `GenerationRequest`, in its order; tests/test_request.py holds each edge to it."""
+FIELD_BOUNDS: Mapping[str, FieldBound] = {n: f.values for n, f in REQUEST_FIELDS.items() if isinstance(f.values, FieldBound)}
+OPTIONAL_FIELDS = tuple(name for name, field in REQUEST_FIELDS.items() if field.only)
+CALL_ARGUMENT_FIELDS = tuple(name for name, field in REQUEST_FIELDS.items() if field.only == "call argument")
+OMNI_KEYWORDS = frozenset(name for name, field in REQUEST_FIELDS.items() if field.omni)
 
 
 @dataclass(frozen=True, kw_only=True)
 class GenerationRequest:
-    """One generation: ``n`` outputs of `prompt`, output ``i`` from seed ``seed + i``. None: the model's default."""
+    """One generation: ``n`` outputs of `prompt`, output ``i`` from seed ``seed + i``; each field as
+    `REQUEST_FIELDS` describes it (None: the model's default)."""
 
     prompt: str
-    """What to generate; at most `MAX_PROMPT_CHARS` characters."""
     negative_prompt: str | None = None
-    """What to steer away from (classifier-free guidance); None: the model's default."""
-    image: Any = None
-    """The input image of image-to-video and image-editing models (a PIL image, a path, an array, or an `ImageFile`:
-    the server's requests carry their upload's bytes, decoded where they run)."""
+    image: Any = None  # the server's requests carry their upload's bytes (`ImageFile`), decoded where they run
     height: int | None = None
-    """Pixels; with an input image and no size, the image's size is used (see `max_side_pixels`)."""
     width: int | None = None
     num_frames: int | None = None
-    """Video models only."""
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
-    """The classifier-free guidance scale, from 0 to `MAX_GUIDANCE_SCALE` (where a pipeline takes classifier-free guidance
-    through ``true_cfg_scale``, as Qwen-Image does, it goes there unless `true_cfg_scale` is given)."""
     guidance_scale_2: float | None = None
-    """Two-expert pipelines (Wan 2.2 A14B): the low-noise expert's guidance scale; None: `guidance_scale`."""
     true_cfg_scale: float | None = None
-    """Pipelines with a ``true_cfg_scale`` argument (Flux, Qwen-Image): that argument, as given; `guidance_scale`
-    then goes to the pipeline's own ``guidance_scale`` (a distilled model's guidance input)."""
     boundary_ratio: float | None = None
-    """Two-expert pipelines: where the second expert takes over, as a fraction of the training timesteps (the
-    pipeline's config for this request only); 0 to 1."""
     flow_shift: float | None = None
-    """Pipelines whose scheduler has a ``flow_shift`` (Wan's UniPC): its value for this request only; > 0."""
     seed: int = 0
-    """The first output's seed, 0 to 2**53 - 1 (`MAX_SEED`: what a JSON client holds exactly)."""
     n: int = 1
-    """Outputs to make, with seeds seed, seed + 1, ..."""
     fps: int | None = None
-    """Frame rate of saved or encoded video; None: the model's (`ModelRules.fps`: Wan 16, LTX 24)."""
     max_side_pixels: int = DEFAULT_MAX_SIDE_PIXELS
-    """Largest side of an output sized from its input image."""
-    timeout: float | None = None
-    """Seconds from receipt to answer, which the server enforces (queue and generation); `Omni` does not."""
+    timeout: float | None = None  # enforced by the server (queue and generation), not by `Omni`
     extra_params: Mapping[str, Any] = JsonObject()
-    """Further arguments of the pipeline's call, vllm-omni's ``extra_params``: a JSON object (given as a dict,
-    held as a frozen `JsonObject`; None: none). A key is a call argument its pipeline family declares
-    (`models.call_arguments`), or a vllm-omni key the model's rules map (``sample_solver``); never a field of
-    this request (`EXTRA_PARAMS_REFUSED`)."""
+    """Held as a frozen `JsonObject` (given as a dict; None: none). A key is a call argument its pipeline family
+    declares (`models.call_arguments`) or a vllm-omni key the model's rules map (``sample_solver``); never a
+    field of this request (`EXTRA_PARAMS_REFUSED`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extra_params", checked_extra_params(self.extra_params))  # frozen: hashable
@@ -170,7 +234,6 @@ class GenerationRequest:
 
     @property
     def seeds(self) -> tuple[int, ...]:
-        """One seed per output."""
         return tuple(range(self.seed, self.seed + self.n))
 
     def outputs(self) -> tuple[GenerationRequest, ...]:
@@ -183,24 +246,25 @@ class GenerationRequest:
         return replace(self, prompt="", seed=0, n=1, fps=None, timeout=None)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field by name, as it is (the image too; `extra_params` as a plain dict); `from_dict` builds the
-        same request back."""
+        """Every field by name, as it is (`extra_params` as a plain dict); `from_dict` builds it back."""
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"extra_params": self.extra_params.to_dict()}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> GenerationRequest:
-        """The request `data` describes (as `to_dict` writes it), checked; an unknown key is refused."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise GenerationError(
-                f"{unknown[0]} is not a generation argument; expected one of {', '.join(sorted(known))}", field=unknown[0]
-            )
-        return cls(**data)
+    def from_dict(cls, data: Mapping[str, Any]) -> GenerationRequest:
+        return request_from(data, REQUEST_FIELDS)
+
+
+def request_from(given: Mapping[str, Any], allowed: Collection[str], **fixed: Any) -> GenerationRequest:
+    """The request of `given` and `fixed`, each key of `given` one of `allowed` (another is refused, named)."""
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        expected = ", ".join(sorted(allowed))
+        raise GenerationError(f"{unknown[0]} is not a generation argument; expected one of {expected}", field=unknown[0])
+    return GenerationRequest(**given, **fixed)
 
 
 EXTRA_PARAMS_REFUSED: Mapping[str, str] = {
-    **{f.name: f"the {f.name} field itself, not a key of extra_params" for f in fields(GenerationRequest)},
+    **{name: f"the {name} field itself, not a key of extra_params" for name in REQUEST_FIELDS},
     **SET_BY_LAYERSTREAM,
 }
 """Keys `extra_params` never takes, each with what to give instead: the request's own fields (one way to say

@@ -181,18 +181,6 @@ def positive_int(text: str) -> int:
     return value
 
 
-def seed_int(text: str) -> int:
-    """A seed: 0 to 2**53 - 1 (`MAX_SEED`: what a JSON client holds exactly; ``torch.Generator.manual_seed``
-    would map a negative seed onto a large positive one, so two spellings would name one seed: refused instead)."""
-    from layerstream.models.output_limits import MAX_SEED
-
-    allowed = f"an integer from 0 to {MAX_SEED}, 2**53 - 1"
-    value = _int(text, allowed)
-    if not 0 <= value <= MAX_SEED:
-        raise _not_allowed(text, allowed)
-    return value
-
-
 def request_value(name: str):
     """The argparse type of the flag of `GenerationRequest` field `name`: its bounds, from the request's table
     (`request.FIELD_BOUNDS`), so a flag takes what `Omni.generate` and the HTTP bodies take."""

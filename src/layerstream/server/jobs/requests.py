@@ -23,7 +23,7 @@ from layerstream.server.schemas import (
     ImageGenerationRequest,
     RequestFields,
     VideoGenerationRequest,
-    bounded,
+    generation_fields,
 )
 
 SECONDS_PATTERN = r"^[0-9]{1,5}(\.[0-9]{1,6})?$"
@@ -51,6 +51,11 @@ class _JobFields(RequestFields):
         return {name: getattr(self, name) for name in RequestFields.model_fields}
 
 
+@generation_fields(
+    "video",
+    num_frames={"description": "Frames; give this or seconds, not both."},
+    fps={"description": "Frame rate of the MP4 (and of seconds); default: the model's."},
+)
 class VideoJobRequest(_JobFields):
     """Body of ``POST /v1/videos`` (JSON); `input_reference` here is the image as base64 or a data URL."""
 
@@ -64,10 +69,8 @@ class VideoJobRequest(_JobFields):
         description="Duration; mapped to frames at the model's frame rate and frame rule.",
         json_schema_extra={"anyOf": SECONDS_SCHEMA},
     )
-    num_frames: int | None = bounded("num_frames", "Frames; give this or seconds, not both.")
     width: int | None = Field(default=None, ge=1, le=999_999, description="Pixels, with height (vllm-omni's); or size.")
     height: int | None = Field(default=None, ge=1, le=999_999, description="Pixels, with width; or size.")
-    fps: int | None = bounded("fps", "Frame rate of the MP4 (and of seconds); default: the model's.")
     input_reference: str | None = Field(default=None, min_length=1, description="Image-to-video: the input image.")
 
     @field_validator("seconds")
