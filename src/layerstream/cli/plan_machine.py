@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from layerstream.cli.common import CliError, check_work, non_negative_float, positive_float, positive_int, request_value, vae_setting, work_cap
+from layerstream.request import REQUEST_FIELDS
 
 _FLAG_OF = {
     "device_memory_gb": "--device-memory", "host_memory_gb": "--host-memory", "link_gbps": "--link-gbps",
@@ -22,8 +23,8 @@ _FLAG_OF = {
 }  # fmt: skip
 """The planner's field names as the flags that set them."""
 _FIELD_NAMES = re.compile(r"\b(" + "|".join(_FLAG_OF) + r")\b")
-_GENERATION_FLAGS = {"height": "--height", "width": "--width", "num_frames": "--num-frames", "num_inference_steps": "--steps"}
-"""The generation planned for, by the flags that set it."""
+_GENERATION_FLAGS = {name: REQUEST_FIELDS[name].flag for name in ("height", "width", "num_frames", "num_inference_steps")}
+"""The generation planned for, by the flags that set it (as `generate` spells them)."""
 _MACHINE_FLAGS = (
     "link_gbps", "disk_gbps", "device_tflops", "baseline_gb", "host_reserve_gb", "activation_reserve_gb", "vae_use_tiling",
     "allow_lossy", "measure",
