@@ -1,8 +1,5 @@
-"""`Omni`: load a pipeline on the host, enable offload, and generate (docs/python.md shows it in use).
-
-A facade: loading on the host is `models.loading.load_model` (the whole model is never on the device at once),
-offload `enable_offload`, a request's pipeline call `pipeline_runner.PipelineRunner`, what a model accepts
-`models.model_rules`, the files an output makes `outputs`; torchrun's group is joined where the config asks for
+"""`Omni`, a facade (docs/python.md shows it in use): load a pipeline on the host (`models.loading`), enable
+offload, and generate (`pipeline_runner.PipelineRunner`); torchrun's group is joined where the config asks for
 allgather (`distributed.launched_group`).
 """
 
@@ -70,12 +67,9 @@ class Omni:
             loaded = load_model(model, dtype=self.dtype, revision=revision, variant=variant, components=components)
         self.model, self.pipeline, self.kind = loaded.name, loaded.pipeline, loaded.kind
         self._component_dtypes = loaded.component_dtypes
-        self.source: ModelSource = loaded.source
-        """Where the model's files came from (a Hub id's revision and commit, or the folder)."""
-        self.rules: ModelRules = loaded.rules
-        """What the model accepts and its defaults (size, frames, steps, guidance, frame rate)."""
+        self.source: ModelSource = loaded.source  # a Hub id's revision and commit, or the folder
+        self.rules: ModelRules = loaded.rules  # what the model accepts and its defaults
         self.image_input: ImageInputKind = self.rules.image_input
-        """Whether the pipeline takes an input image: ``"none"``, ``"optional"`` or ``"required"``."""
         self.runner = PipelineRunner(self.pipeline, self.rules, self.device, self.stats, VaeDecodeSettings.of(self.config))
         self.handle: OffloadHandle | None = None
         if not offload:
@@ -158,12 +152,11 @@ class Omni:
         return {**settings, "model": self.model, "offload_config": self.config.to_dict()}
 
     def price(self, request: GenerationRequest) -> WorkPrice:
-        """What `request` costs this model, by the one pricing function (`models.work.price_request`): the price
-        a server's work cap compares."""
+        """What `request` costs this model: the price a server's work cap compares (`models.work`)."""
         return price_request(self.rules, request, max_side_pixels=request.max_side_pixels)
 
     def component_dtypes(self) -> dict[str, str]:
-        """The dtype each component computes in (``"bfloat16"``), as `models.loading.component_dtypes` reads it."""
+        """The dtype each component computes in (``"bfloat16"``)."""
         return dict(self._component_dtypes)
 
     def stats(self) -> OffloadStats | None:

@@ -21,10 +21,8 @@ from layerstream.models.output_limits import DEFAULT_MAX_SIDE_PIXELS, MAX_PROMPT
 
 
 class GenerationError(LayerstreamError, ValueError):
-    """Generation arguments the pipeline cannot take (names the argument, the value and what is allowed).
-
-    Raised for one field, it also carries `field`, `value` and `allowed`, so an entry point can name the field
-    its own way (a flag on the command line, an indexed argument of a batch)."""
+    """Generation arguments the pipeline cannot take; raised for one field, it carries `field`, `value` and
+    `allowed`, so an entry point can name the field its own way (a flag, an indexed argument of a batch)."""
 
     def __init__(self, message: str, *, field: str | None = None, value: Any = None, allowed: str | None = None):
         super().__init__(message)
@@ -255,7 +253,8 @@ class GenerationRequest:
 
 
 def request_from(given: Mapping[str, Any], allowed: Collection[str], **fixed: Any) -> GenerationRequest:
-    """The request of `given` and `fixed`, each key of `given` one of `allowed` (another is refused, named)."""
+    """The request of `given` and `fixed`, each key of `given` one of `allowed` (another is refused, named): the
+    keywords of `Omni.generate`, a request's dict."""
     unknown = sorted(set(given) - set(allowed))
     if unknown:
         expected = ", ".join(sorted(allowed))
@@ -272,8 +271,8 @@ each thing, so a value cannot be given twice) and the call arguments layerstream
 
 
 def checked_extra_params(value: Any) -> JsonObject:
-    """`value` (a mapping, or None for none) as a frozen JSON object; a `GenerationError` naming
-    ``extra_params`` or ``extra_params.<key>`` if it is not a JSON object or a key is refused."""
+    """`value` (a mapping, or None for none) as a frozen JSON object, else a `GenerationError` naming
+    ``extra_params`` or ``extra_params.<key>``."""
     if isinstance(value, JsonObject):
         return value
     if value is None:

@@ -1,4 +1,5 @@
-"""`layerstream generate`: the main job. Check, load a model, enable offload, generate, save, summarize."""
+"""`layerstream generate`: the main job. Check (by the model's rules read from its configs, before any weight),
+load a model, enable offload, generate, save, summarize."""
 
 from __future__ import annotations
 
@@ -116,13 +117,12 @@ def _run(args: argparse.Namespace, log: PhaseLog) -> int:
     _check_arguments(args, world_size)  # every check that needs no model, so a mistake costs no load
     # rank r of several uses seed + r
     request = request_from_args(args, image=_read_image_arg(args.image), seed=args.seed + rank)
+    log.enter(Phase.LOADING)  # its configs first (a tiny model is built), then its weights
     rules = _rules_before_loading(args) if world_size == 1 else None  # ranks: their launcher checked
     if rules is not None:
         _check_for_model(args, request, rules, args.device)
     if args.nproc is not None and args.nproc > 1 and world_size == 1:
         return _launch_ranks(args)
-
-    log.enter(Phase.LOADING)
     omni = _load(args, config, world_size)
     output = _output_path(args, omni, request.seed, rank, world_size)
     if rules is None:
@@ -249,9 +249,8 @@ def _report(args: argparse.Namespace, omni, made: dict, rank: int, world_size: i
 
 
 def _check_arguments(args: argparse.Namespace, world_size: int) -> None:
-    """Checks of the arguments alone, before the model loads: the caps, the seed range across ranks, the
-    device, the output path and its suffix against what the model makes. What needs the loaded model (size
-    multiples, frame rule, image input) follows the load."""
+    """Checks of the arguments alone: the caps, the seed range across ranks, the device, the output path and its
+    suffix against what the model makes (`_check_for_model` follows, by the model's rules)."""
     from layerstream.models.loading import model_kind
     from layerstream.omni import IMAGE_SUFFIXES, VIDEO_SUFFIXES
 

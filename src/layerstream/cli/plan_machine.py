@@ -16,19 +16,16 @@ from typing import Any
 from layerstream.cli.common import CliError, check_work, non_negative_float, positive_float, positive_int, request_value, vae_setting, work_cap
 from layerstream.request import REQUEST_FIELDS
 
+_MACHINE_FIELDS = ("link_gbps", "disk_gbps", "device_tflops", "baseline_gb", "host_reserve_gb", "activation_reserve_gb")
+"""The planner's `Machine` fields each set by the flag of its name (--link-gbps), beside the two memories."""
 _FLAG_OF = {
-    "device_memory_gb": "--device-memory", "host_memory_gb": "--host-memory", "link_gbps": "--link-gbps",
-    "disk_gbps": "--disk-gbps", "device_tflops": "--device-tflops", "baseline_gb": "--baseline-gb",
-    "host_reserve_gb": "--host-reserve-gb", "activation_reserve_gb": "--activation-reserve-gb",
+    "device_memory_gb": "--device-memory", "host_memory_gb": "--host-memory",
+    **{name: "--" + name.replace("_", "-") for name in _MACHINE_FIELDS},
 }  # fmt: skip
-"""The planner's field names as the flags that set them."""
 _FIELD_NAMES = re.compile(r"\b(" + "|".join(_FLAG_OF) + r")\b")
 _GENERATION_FLAGS = {name: REQUEST_FIELDS[name].flag for name in ("height", "width", "num_frames", "num_inference_steps")}
 """The generation planned for, by the flags that set it (as `generate` spells them)."""
-_MACHINE_FLAGS = (
-    "link_gbps", "disk_gbps", "device_tflops", "baseline_gb", "host_reserve_gb", "activation_reserve_gb", "vae_use_tiling",
-    "allow_lossy", "measure",
-)  # fmt: skip
+_MACHINE_FLAGS = (*_MACHINE_FIELDS, "vae_use_tiling", "allow_lossy", "measure")
 
 
 def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,7 +97,7 @@ def run_machine_plan(args: argparse.Namespace, pipeline: Any, origin: dict[str, 
     from layerstream.machine.planner import Machine, MachinePlanError, check_machine, measured_block_seconds, plan_for_machine
     from layerstream.runtime.packing.lossless_code import pricing_at
 
-    given = {k: getattr(args, k) for k in ("link_gbps", "disk_gbps", "device_tflops", "baseline_gb", "host_reserve_gb", "activation_reserve_gb")}
+    given = {name: getattr(args, name) for name in _MACHINE_FIELDS}
     if args.vae_use_tiling is not None:
         given["vae_use_tiling"] = args.vae_use_tiling
     machine = Machine(

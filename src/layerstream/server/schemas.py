@@ -157,9 +157,9 @@ class VideoGenerationRequest(GenerationBody):
 
 
 class FormReading(BaseModel):
-    """A body read from a multipart form, whose fields arrive as text: numbers are read from it, ``extra_params``
-    is JSON text, and ``null`` (or empty text where a field takes no empty text, see `form_null_texts`) is
-    absent. Listed first among the bases of a form's model."""
+    """A body read from a multipart form, whose fields arrive as text: numbers are read from it ("2" is 2),
+    ``extra_params`` is JSON text, and ``null`` (what OpenAPI tools send for null) or empty text (what httpx sends
+    for None) where a field takes no empty text (`form_null_texts`) is absent. Listed first among a form's bases."""
 
     model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
 
@@ -188,15 +188,9 @@ class FormReading(BaseModel):
 
 
 class ImageEditRequest(FormReading, ImageGenerationRequest):
-    """The fields of ``POST /v1/images/edits`` besides its ``image`` file part (a multipart form, as OpenAI's).
-
-    Form fields arrive as text, so numbers are parsed from their text here ("2" is 2). A form has no null: a
-    nullable field sent as the text ``null`` (what OpenAPI tools send for null) is absent, and so is one sent
-    as empty text (what httpx sends for None) where the field takes no empty text: the numbers and size;
-    negative_prompt and model keep empty text as given. Unknown fields are still refused, so an unsupported
-    OpenAI field such as ``background`` is reported rather than ignored (and ``mask``, text or file, is a 422
-    naming it: the models served edit the whole image).
-    """
+    """The fields of ``POST /v1/images/edits`` besides its ``image`` file part (a multipart form, as OpenAI's, read
+    as `FormReading` says). Unknown fields are still refused: an OpenAI field such as ``background`` (or ``mask``,
+    text or file: the models served edit the whole image) is a 422 naming it, never ignored."""
 
     model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
 

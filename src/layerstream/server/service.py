@@ -1,11 +1,6 @@
-"""`GenerationService`: the served model's checks, its queue and the runner the queue hands jobs to, and what
-the HTTP layer asks of them.
-
-The app turns HTTP into calls here and the answers back into HTTP; everything that touches the pipeline runs
-on the queue's single worker thread. The service composes its parts rather than specialising them: on one
-process an `InProcessRunner` with a `BatchPolicy` (or one job at a time), on several ranks a `RankRunner`
-with a `WavePolicy` (`layerstream.server.waves`). The job API (`layerstream.server.jobs`) queues its jobs
-here too, so it is served alike in both.
+"""`GenerationService`: the served model's checks, its queue and the runner the queue hands jobs to (on one
+process an `InProcessRunner` with a `BatchPolicy`, on several ranks a `RankRunner` with a `WavePolicy`), and what
+the HTTP layer and the job API ask of them. Everything that touches the pipeline runs on the queue's one worker.
 """
 
 from __future__ import annotations
@@ -249,12 +244,8 @@ class GenerationService:
             "status": status,
             "status_reason": rebuilding if status == "rebuilding" else None,
             "model": self.limits.model,
-            "model_source": self.facts["model_source"],
             "kind": self.limits.kind,
-            "device": self.facts["device"],
-            "dtype": self.facts["dtype"],
-            "component_dtypes": self.facts["component_dtypes"],
-            "offload_config": self.facts["offload_config"],
+            **self.facts,  # model_source, device, dtype, component_dtypes, offload_config
             "queue_depth": self.queue.depth,
             "max_queue": self.queue.max_waiting,
             "running": self.queue.running,

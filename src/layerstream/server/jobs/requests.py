@@ -1,10 +1,6 @@
-"""The bodies of ``POST /v1/videos`` and ``POST /v1/images/jobs``: OpenAI's fields and layerstream's own.
-
-JSON bodies are strict, as every body of this server (no coercion, unknown fields refused); multipart forms,
-which OpenAI's client sends, arrive as text and are read as `ImageEditRequest` is, through `FormReading`
-(numbers from their text, ``null`` or empty text as absent). A checked job body becomes the synchronous endpoints' request
-(`VideoGenerationRequest` or `ImageGenerationRequest`), so a job is checked against the model exactly as a
-synchronous request is.
+"""The bodies of ``POST /v1/videos`` and ``POST /v1/images/jobs``: OpenAI's fields and layerstream's own, as JSON
+(strict, as every body) or as a multipart form (`FormReading`). A checked job body becomes the synchronous
+endpoints' request, so a job is checked against the model exactly as a synchronous request is.
 """
 
 from __future__ import annotations
@@ -46,8 +42,7 @@ class _JobFields(RequestFields):
 
     preview: bool = Field(default=False, description="Send preview images on the job's event stream.")
 
-    def _shared(self) -> dict[str, Any]:
-        """The fields the synchronous endpoints take too, as given."""
+    def _shared(self) -> dict[str, Any]:  # the fields the synchronous endpoints take too, as given
         return {name: getattr(self, name) for name in RequestFields.model_fields}
 
 
