@@ -221,7 +221,7 @@ def test_every_edge_takes_the_request_tables_bounds():
     """The HTTP bodies (synchronous and job, JSON and form), the command line's flags and `Omni.generate` take
     each field within `FIELD_BOUNDS`, so a bound cannot differ between edges."""
     from layerstream.cli.main import build_parser
-    from layerstream.request import FIELD_BOUNDS
+    from layerstream.models.request_fields import FIELD_BOUNDS
     from layerstream.server.jobs.requests import ImageJobForm, ImageJobRequest, VideoJobForm, VideoJobRequest
     from layerstream.server.schemas import ImageEditRequest, ImageGenerationRequest, VideoGenerationRequest
 
@@ -241,7 +241,7 @@ def test_every_edge_takes_the_request_tables_bounds():
 def test_the_table_has_a_row_per_field_and_each_edge_spells_it_from_there():
     from layerstream.cli.generate_cmd import _FLAGS
     from layerstream.models.model_rules import OPTIONAL_FIELDS
-    from layerstream.request import OMNI_KEYWORDS, REQUEST_FIELDS
+    from layerstream.models.request_fields import OMNI_KEYWORDS, REQUEST_FIELDS
     from layerstream.server.schemas import VideoGenerationRequest
 
     assert list(REQUEST_FIELDS) == [f.name for f in dataclasses.fields(GenerationRequest)]

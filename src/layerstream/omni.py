@@ -22,7 +22,8 @@ from layerstream.offload import default_device, enable_offload
 from layerstream.outputs import IMAGE_SUFFIXES, VIDEO_SUFFIXES, GenerationResult, request_settings, save_output
 from layerstream.pipeline_runner import PipelineRunner, RunStats, batch_requests, parse_dtype
 from layerstream.errors import extra_needed
-from layerstream.request import OMNI_KEYWORDS, GenerationError, GenerationRequest, request_from
+from layerstream.models.request_fields import OMNI_KEYWORDS
+from layerstream.request import GenerationError, GenerationRequest, request_from
 from layerstream.runtime.modes.handle import OffloadHandle
 from layerstream.runtime.reporting.stats import OffloadStats
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from layerstream.errors import LayerstreamError
 from layerstream.json_object import JsonLimitError, read_json_text
-from layerstream.request import FIELD_BOUNDS, FieldBound
+from layerstream.models.request_fields import FIELD_BOUNDS, FieldBound
 
 EXIT_USAGE = 2
 

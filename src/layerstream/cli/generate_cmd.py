@@ -40,7 +40,8 @@ from layerstream.models.output_limits import (
     LimitViolation,
     check_output_caps,
 )
-from layerstream.request import REQUEST_FIELDS, FieldBound, GenerationError, GenerationRequest
+from layerstream.models.request_fields import REQUEST_FIELDS, FieldBound
+from layerstream.request import GenerationError, GenerationRequest
 
 DATA_PARALLEL_CONFIG = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"weight_transfer": "allgather"}}}
 """The default config with --nproc > 1: every rank keeps 1/N of the DiT's blocks and they are all-gathered."""

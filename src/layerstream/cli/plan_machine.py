@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from layerstream.cli.common import CliError, check_work, non_negative_float, positive_float, positive_int, request_value, vae_setting, work_cap
-from layerstream.request import REQUEST_FIELDS
+from layerstream.models.request_fields import REQUEST_FIELDS
 
 _MACHINE_FIELDS = ("link_gbps", "disk_gbps", "device_tflops", "baseline_gb", "host_reserve_gb", "activation_reserve_gb")
 """The planner's `Machine` fields each set by the flag of its name (--link-gbps), beside the two memories."""

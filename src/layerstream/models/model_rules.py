@@ -40,8 +40,8 @@ from layerstream.models.output_limits import (
     check_output_geometry,
     read_output_geometry,
 )
+from layerstream.models.request_fields import CALL_ARGUMENT_FIELDS, OPTIONAL_FIELDS
 from layerstream.models.sample_solvers import SAMPLE_SOLVER, SOLVER_SCHEDULERS, solver_name, solvers_for
-from layerstream.request import CALL_ARGUMENT_FIELDS, OPTIONAL_FIELDS  # the fields only some pipelines take
 
 DEFAULT_FPS = 16
 FRAME_RATES = {
