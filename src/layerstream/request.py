@@ -1,10 +1,10 @@
 """`GenerationRequest`, the arguments of one generation.
 
 Every entry point builds one from the spellings of its field table (`models.request_fields`: flags, JSON keys,
-`Omni` keywords), and everything after it (`Omni.run`, the server's queue, batches and waves, the rank messages) reads that one object. It checks
-what needs no model (types, the table's bounds, prompt length, seeds, ``extra_params``' keys) when built, raising
-`GenerationError` naming the field, the value seen and what is allowed; what depends on the loaded pipeline (size
-multiples, frame rule, image input, which ``extra_params`` keys its call takes) is the model's rules' to check.
+`Omni` keywords), and everything after it (`Omni.run`, the server's queue, batches and waves, the rank messages)
+reads that one object. It checks what needs no model (types, the table's bounds, prompt length, seeds, the keys of
+``extra_params``) when built, raising `GenerationError` naming the field, the value seen and what is allowed; what
+depends on the loaded pipeline (size multiples, frame rule, image input, the call's own keys) is its rules' to check.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def invalid_field(field: str, value: Any, allowed: str, *, shown: str | None = N
 
 @dataclass(frozen=True, kw_only=True)
 class GenerationRequest:
-    """One generation: ``n`` outputs of `prompt`, output ``i`` from seed ``seed + i``; each field as
-    `REQUEST_FIELDS` describes it (None: the model's default)."""
+    """One generation: ``n`` outputs of `prompt`, output ``i`` from seed ``seed + i``; each field as its table
+    (`models.request_fields.REQUEST_FIELDS`) describes it (None: the model's default)."""
 
     prompt: str
     negative_prompt: str | None = None
@@ -103,7 +103,8 @@ def request_from(given: Mapping[str, Any], allowed: Collection[str], **fixed: An
     unknown = sorted(set(given) - set(allowed))
     if unknown:
         expected = ", ".join(sorted(allowed))
-        raise GenerationError(f"{unknown[0]} is not a generation argument; expected one of {expected}", field=unknown[0])
+        message = f"{unknown[0]} is not a generation argument; expected one of {expected}"
+        raise GenerationError(message, field=unknown[0])
     return GenerationRequest(**given, **fixed)
 
 

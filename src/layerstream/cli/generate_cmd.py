@@ -60,9 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_first_argument(parser, MODEL_SOURCES, "tiny-wan", "--model")
     add_hub_arguments(parser)
     add_vae_arguments(parser)
-    defaults = {field.name: field.default for field in dataclasses.fields(GenerationRequest)} | {"prompt": DEFAULT_PROMPT}
+    defaults = {field.name: field.default for field in dataclasses.fields(GenerationRequest)}
     for name, flag in _FLAGS.items():
-        parser.add_argument(flag, dest=name, default=defaults[name], **_flag_options(name))
+        default = DEFAULT_PROMPT if name == "prompt" else defaults[name]
+        parser.add_argument(flag, dest=name, default=default, **_flag_options(name))
     parser.add_argument(
         "--max-frames", type=positive_int, default=DEFAULT_MAX_FRAMES,
         help=f"largest --num-frames accepted, as the server's --max-frames (default: {DEFAULT_MAX_FRAMES})",
@@ -315,7 +316,8 @@ def _rules_before_loading(args: argparse.Namespace):
 
     try:
         with quiet_library_noise():  # as the load: a tiny model is built with diffusers here
-            skeleton, _ = load_skeleton(args.model, revision=args.revision, variant=args.variant, components=component_files(args))
+            files = component_files(args)
+            skeleton, _ = load_skeleton(args.model, revision=args.revision, variant=args.variant, components=files)
     except ModelLoadError:  # the load says what is wrong, or loads what the cache holds
         return None
     return read_model_rules(skeleton, args.model)
@@ -336,11 +338,11 @@ def _check_for_model(args: argparse.Namespace, request: GenerationRequest, rules
     if problems:
         key, value = problems[0].name.removeprefix("extra_params."), problems[0].value
         raise CliError(f"--extra-params {key}: {value!r} is not valid for {args.model}; expected {problems[0].allowed}")
-    problem = rules.image_problem(has_image=args.image is not None)
+    problem, model = rules.image_problem(has_image=args.image is not None), f"{args.model} ({rules.pipeline_class})"
     if problem == "takes_none":
-        raise CliError(f"--image {args.image}: {args.model} ({rules.pipeline_class}) takes no input image; drop --image")
+        raise CliError(f"--image {args.image}: {model} takes no input image; drop --image")
     if problem == "required":
-        raise CliError(f"{args.model} ({rules.pipeline_class}) generates from an input image; pass --image PATH")
+        raise CliError(f"{model} generates from an input image; pass --image PATH")
     check_work(
         price_request(rules, request, max_side_pixels=request.max_side_pixels), rules, max_work=args.max_work,
         max_side=args.max_side_pixels, max_frames=args.max_frames, device=device or default_device(),

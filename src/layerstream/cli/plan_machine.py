@@ -23,7 +23,9 @@ _FLAG_OF = {
     **{name: "--" + name.replace("_", "-") for name in _MACHINE_FIELDS},
 }  # fmt: skip
 _FIELD_NAMES = re.compile(r"\b(" + "|".join(_FLAG_OF) + r")\b")
-_GENERATION_FLAGS = {name: REQUEST_FIELDS[name].flag for name in ("height", "width", "num_frames", "num_inference_steps")}
+_GENERATION_FLAGS = {
+    name: REQUEST_FIELDS[name].flag for name in ("height", "width", "num_frames", "num_inference_steps")
+}
 """The generation planned for, by the flags that set it (as `generate` spells them)."""
 _MACHINE_FLAGS = (*_MACHINE_FIELDS, "vae_use_tiling", "allow_lossy", "measure")
 

@@ -90,19 +90,19 @@ class RequestField:
 
 
 _GUIDANCE = FieldBound(float, ge=0.0, le=MAX_GUIDANCE_SCALE)
-_SIZE = "pixels, a multiple of the model's size multiple, at most max_side_pixels (--max-size)"
+_SIZE = "pixels, a multiple of the model's size multiple, at most max_side_pixels (--max-size); default: the model's"
 REQUEST_FIELDS: Mapping[str, RequestField] = {
     "prompt": RequestField(str, "What to generate.", "required", flag="--prompt"),
     "negative_prompt": RequestField(
         str, "What to steer away from (classifier-free guidance).", flag="--negative-prompt", only="call argument"
     ),
     "image": RequestField(
-        object, "The input image of image-to-video and image-editing models (a PIL image, a path or an array; "
-        "a file on the command line); without a size the output takes its size, rounded down to the model's size multiple.",
+        object, "The input image of image-to-video and image-editing models (a PIL image, a path or an array; a file"
+        " on the command line); without a size the output takes its size, rounded down to the model's size multiple.",
         "none", body=None, flag="--image",
     ),
-    "height": RequestField(FieldBound(int, ge=1), f"Height in {_SIZE}; default: the model's.", body=None, flag="--height"),
-    "width": RequestField(FieldBound(int, ge=1), f"Width in {_SIZE}; default: the model's.", body=None, flag="--width"),
+    "height": RequestField(FieldBound(int, ge=1), f"Height in {_SIZE}.", body=None, flag="--height"),
+    "width": RequestField(FieldBound(int, ge=1), f"Width in {_SIZE}.", body=None, flag="--width"),
     "num_frames": RequestField(
         FieldBound(int, ge=1), "Frames of each video; at most the server's --max-frames; default: the model's.",
         body="video", flag="--num-frames",
@@ -119,8 +119,8 @@ REQUEST_FIELDS: Mapping[str, RequestField] = {
         flag="--guidance-scale-2", only="call argument",
     ),
     "true_cfg_scale": RequestField(
-        _GUIDANCE, "Models with a true_cfg_scale argument (Flux, Qwen-Image): that argument; guidance_scale then goes to"
-        " the model's own guidance_scale. Default: guidance_scale is the classifier-free scale.",
+        _GUIDANCE, "Models with a true_cfg_scale argument (Flux, Qwen-Image): that argument; guidance_scale then goes"
+        " to the model's own guidance_scale. Default: guidance_scale is the classifier-free scale.",
         flag="--true-cfg-scale", only="call argument",
     ),
     "boundary_ratio": RequestField(
@@ -134,10 +134,12 @@ REQUEST_FIELDS: Mapping[str, RequestField] = {
         flag="--flow-shift", only="setting",
     ),
     "seed": RequestField(
-        FieldBound(int, ge=0, le=MAX_SEED), "Seed of the first output; default: random (reported).", "server", flag="--seed"
+        FieldBound(int, ge=0, le=MAX_SEED), "Seed of the first output; default: random (reported).", "server",
+        flag="--seed",
     ),
     "n": RequestField(
-        FieldBound(int, ge=1), "Outputs to generate, with seeds seed, seed+1, ...", "constant", body="synchronous", omni=False
+        FieldBound(int, ge=1), "Outputs to generate, with seeds seed, seed+1, ...", "constant", body="synchronous",
+        omni=False,
     ),
     "fps": RequestField(
         FieldBound(int, ge=1, le=MAX_FPS), "Frame rate of the encoded MP4; default: the model's (Wan 16, LTX 24).",
@@ -160,7 +162,9 @@ REQUEST_FIELDS: Mapping[str, RequestField] = {
     ),
 }  # fmt: skip
 """Every field of `GenerationRequest`, in its order."""
-FIELD_BOUNDS: Mapping[str, FieldBound] = {n: f.values for n, f in REQUEST_FIELDS.items() if isinstance(f.values, FieldBound)}
+FIELD_BOUNDS: Mapping[str, FieldBound] = {
+    name: field.values for name, field in REQUEST_FIELDS.items() if isinstance(field.values, FieldBound)
+}
 OPTIONAL_FIELDS = tuple(name for name, field in REQUEST_FIELDS.items() if field.only)
 CALL_ARGUMENT_FIELDS = tuple(name for name, field in REQUEST_FIELDS.items() if field.only == "call argument")
 OMNI_KEYWORDS = frozenset(name for name, field in REQUEST_FIELDS.items() if field.omni)

@@ -3,9 +3,9 @@
 Requests are strict: a field of the wrong JSON type is an error, never coerced ("3" is not 3, 1.0 is not an int,
 true is not a number), and an unknown field is an error rather than silently ignored (a typo such as
 ``"num_inference_step"`` is reported instead of quietly running the default). Each body's generation fields, with
-their types, bounds and descriptions, are made from the request's field table (`request.REQUEST_FIELDS`,
-`generation_fields`); `layerstream.server.limits` checks what depends on the served model. The JSON schema of every
-model is frozen in ``tests/server/test_schema.py``: a change here is deliberate.
+their types, bounds and descriptions, are made from the request's field table (`generation_fields`, from
+`models.request_fields`); `layerstream.server.limits` checks what depends on the served model. The JSON schema
+of every model is frozen in ``tests/server/test_schema.py``: a change here is deliberate.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def generation_fields(group: BodyGroup, **changes: dict[str, Any]):
     and description), each with its `changes` (a serving cap, a description of this body's own)."""
 
     def add_fields(body: type[BaseModel]) -> Any:
-        added = {name: _body_field(name, f, changes.get(name, {})) for name, f in REQUEST_FIELDS.items() if f.body == group}
+        taken = [name for name, field in REQUEST_FIELDS.items() if field.body == group]
+        added = {name: _body_field(name, REQUEST_FIELDS[name], changes.get(name, {})) for name in taken}
         return create_model(body.__name__, __base__=body, __module__=body.__module__, __doc__=body.__doc__, **added)
 
     return add_fields
@@ -51,7 +52,8 @@ def _body_field(name: str, field: RequestField, changes: dict[str, Any]) -> tupl
     """(annotation, `Field`) of table field `name`: None when left out (the model's or the server's default),
     unless the request's own constant is the default; a required text is not empty."""
     bound = field.values if isinstance(field.values, FieldBound) else None
-    kind = bound.kind if bound is not None else dict[str, Any] if field.values is dict else field.values
+    kind = bound.kind if bound is not None else field.values
+    kind = dict[str, Any] if kind is dict else kind
     spec: dict[str, Any] = {"description": field.description, **(bound.schema() if bound is not None else {})}
     if kind is str:
         spec.update(max_length=MAX_PROMPT_CHARS, **({"min_length": 1} if field.default == "required" else {}))
