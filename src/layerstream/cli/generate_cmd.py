@@ -220,12 +220,23 @@ def _generate(args: argparse.Namespace, omni, request: GenerationRequest, rank: 
 
 
 def _save_trace(args: argparse.Namespace, omni, log: PhaseLog) -> list[str]:
+    """The Chrome trace JSON at --trace and its timeline beside it as a .png (only the .png if --trace is one),
+    each written whole or not at all."""
     if not args.trace or omni.handle is None:
         return []
+    from layerstream.atomic_write import write_atomically
+    from layerstream.runtime.reporting.trace_export import write_chrome_trace, write_timeline_png
+
     path = Path(args.trace)
-    files = dict.fromkeys((path, path if path.suffix.lower() == ".png" else path.with_suffix(".png")))
-    with log.writing(Phase.WRITING_TRACE, *files):
-        return _write_trace(omni.handle, path, title=_trace_title(args, omni))
+    png = path if path.suffix.lower() == ".png" else path.with_suffix(".png")
+    with log.writing(Phase.WRITING_TRACE, *dict.fromkeys((path, png))):
+        trace = omni.handle.trace()
+        if png != path:
+            with write_atomically(path) as partial:
+                write_chrome_trace(trace, partial)
+        with write_atomically(png) as partial:
+            write_timeline_png(trace, partial, title=_trace_title(args, omni))
+    return [str(p) for p in dict.fromkeys((path, png))]
 
 
 def _report(args: argparse.Namespace, omni, made: dict, rank: int, world_size: int) -> int:
@@ -440,19 +451,3 @@ def _trace_title(args: argparse.Namespace, omni) -> str:
 
         link = f"{torch.cuda.get_device_name(device)} host link" if device.type == "cuda" else f"{device} host link"
     return f"{args.model}: layerwise offload on {device}, {link}"
-
-
-def _write_trace(handle, path: Path, *, title: str | None = None) -> list[str]:
-    """The Chrome trace JSON at `path` and its timeline beside it as a .png (only the .png if `path` is one),
-    each written whole or not at all."""
-    from layerstream.atomic_write import write_atomically
-    from layerstream.runtime.reporting.trace_export import write_chrome_trace, write_timeline_png
-
-    trace = handle.trace()
-    png = path if path.suffix.lower() == ".png" else path.with_suffix(".png")
-    if png != path:
-        with write_atomically(path) as partial:
-            write_chrome_trace(trace, partial)
-    with write_atomically(png) as partial:
-        write_timeline_png(trace, partial, title=title)
-    return [str(p) for p in dict.fromkeys((path, png))]
