@@ -64,14 +64,11 @@ def _body_field(name: str, field: RequestField, changes: dict[str, Any]) -> tupl
     return kind | None, Field(default=None, **{**spec, **changes})
 
 
-class _StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
 @generation_fields("every")
-class RequestFields(_StrictModel):
+class RequestFields(BaseModel):
     """The fields every body takes, the synchronous endpoints' and the jobs'."""
 
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
     model: str | None = Field(default=None, description="If given, must name the served model.")
     size: str | None = Field(
         default=None,
