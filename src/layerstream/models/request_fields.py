@@ -16,7 +16,7 @@ from layerstream.models.output_limits import MAX_SEED
 
 @dataclass(frozen=True)
 class FieldBound:
-    """The values a numeric field of `GenerationRequest` takes: an int or a finite float within its bounds."""
+    """The values a number takes (a request field, a flag): an int or a finite float within its bounds."""
 
     kind: type[int] | type[float]
     ge: float | None = None
@@ -71,8 +71,9 @@ BodyGroup = Literal["every", "synchronous", "video"]
 
 @dataclass(frozen=True)
 class RequestField:
-    """One field of `GenerationRequest`: what it takes, where its default comes from, and how each edge spells
-    it (a form field is spelled as its JSON key; every `Omni` keyword as the field)."""
+    """One field of `GenerationRequest`: what it takes, where its default comes from, which pipelines take it, and
+    how each edge spells it: its name as the JSON key (and form field) of the bodies of `body`, `flag` on the
+    command line, its name as an `Omni.generate` keyword where `omni`."""
 
     values: FieldBound | type
     """A number within its bounds, or a value of this type."""
@@ -80,8 +81,8 @@ class RequestField:
     """One line, as the HTTP schema (and the command line's help) shows it."""
     default: DefaultSource = "model"
     body: BodyGroup | None = "every"
-    """None: no body takes it under its name (a size is one text, each body names its image, --max-size is the
-    server's)."""
+    """None: no body takes it under its name (height and width are the text ``size``, each body names its image,
+    --max-size is the server's)."""
     flag: str | None = None
     omni: bool = True
     only: Literal["call argument", "setting"] | None = None
