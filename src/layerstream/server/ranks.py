@@ -195,8 +195,8 @@ class ControlChannel:
         if last is None or last[0] != count:
             self._seen[peer] = (count, now)
         elif now - last[1] > timeout:
-            message = f"rank {peer} has not answered for {now - last[1]:.1f} s (the collective timeout is {timeout:g} s)"
-            raise RankGroupError(f"{message}: it exited or hangs")
+            silence = f"rank {peer} has not answered for {now - last[1]:.1f} s"
+            raise RankGroupError(f"{silence} (the collective timeout is {timeout:g} s): it exited or hangs")
 
     def _beat(self) -> None:
         # several beats per timeout, however short the timeout: a live rank is never taken for a lost one
