@@ -32,6 +32,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--out", metavar="DIR", default=None, help="also write results.json and results.md to DIR")
 
 
+def print_results(args: argparse.Namespace, payload: str, report: str) -> None:
+    """The report on stdout (the JSON `payload` with --json), and both into --out's folder."""
+    if args.out:
+        folder = Path(args.out)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "results.json").write_text(payload + "\n")
+        (folder / "results.md").write_text(report)
+    print(payload if args.json else report)
+
+
 def run(args: argparse.Namespace) -> int:
     """Measure, print a table (or JSON); user errors raise `CliError` (exit code 2)."""
     from layerstream.bench.quality import measure_quality
@@ -40,17 +50,12 @@ def run(args: argparse.Namespace) -> int:
     steps = 4 if args.quality_steps is None else args.quality_steps
     if steps < 1:
         raise CliError(f"--quality-steps = {steps} is not valid; expected an integer >= 1")
+    model = args.model
     request = {"prompt": "a red fox in the snow", "num_inference_steps": steps, "seed": args.seed}
-    print(f"bench: quality of float8 storage on {args.model}", file=sys.stderr, flush=True)
+    print(f"bench: quality of float8 storage on {model}", file=sys.stderr, flush=True)
     try:
-        result = measure_quality(args.model, device=args.device, dtype=args.dtype, request=request)
+        result = measure_quality(model, device=args.device, dtype=args.dtype, request=request)
     except (LayerstreamError, ValueError) as e:
         raise CliError(" ".join(str(e).split())) from e
-    payload, report = json.dumps(result.to_json(), indent=2), result.to_markdown()
-    if args.out:  # both into --out's folder; stdout has the one asked for
-        folder = Path(args.out)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "results.json").write_text(payload + "\n")
-        (folder / "results.md").write_text(report)
-    print(payload if args.json else report)
+    print_results(args, json.dumps(result.to_json(), indent=2), result.to_markdown())
     return 0
