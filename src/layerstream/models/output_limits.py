@@ -88,9 +88,7 @@ def check_output_geometry(
     problems = []
     m, largest = geometry.size_multiple, geometry.max_side_pixels
     for name, value in (("height", height), ("width", width)):
-        if value is None:
-            continue
-        if value % m or (largest is not None and value > largest):
+        if value is not None and (value % m or (largest is not None and value > largest)):
             reach = f" up to {largest - largest % m}" if largest is not None else ""
             problems.append(LimitViolation(name, value, f"a multiple of {m}{reach}"))
     if num_frames is not None:
