@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 from typing import Any
 
@@ -135,7 +134,7 @@ def host_tier_lines(plan: ResolvedOffloadPlan, placement) -> list[str]:
 
 def _skeleton(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """(the pipeline's skeleton, where its metadata came from), by `load_skeleton`."""
-    loading = importlib.import_module("layerstream.models.loading")  # through sys.modules: tests stand in for it
+    from layerstream.models import loading
 
     try:
         return loading.load_skeleton(args.model, revision=args.revision, variant=args.variant, components=component_files(args))
@@ -145,9 +144,8 @@ def _skeleton(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
 def _weights(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """(the pipeline with its weights, where they came from), for --measure."""
+    from layerstream.models import loading
     from layerstream.models.hub import names_hub_repo
-
-    loading = importlib.import_module("layerstream.models.loading")
 
     cache_only = names_hub_repo(args.model) and not args.download
     try:  # a Hub id without --download: only what the cache holds, since --measure downloads nothing unasked
