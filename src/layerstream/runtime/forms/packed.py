@@ -26,9 +26,7 @@ class PackedForm:
     def stored_nbytes(self) -> int:
         return self.layout.nbytes
 
-    @property
-    def slot_nbytes(self) -> int:
-        return self.layout.nbytes
+    slot_nbytes = stored_nbytes  # the slot holds the packed layout alone, nothing to unpack into
 
     @property
     def signature(self) -> str:
