@@ -12,7 +12,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import diffusers.utils  # noqa: F401
 import pytest
+import transformers.utils  # noqa: F401
+
+# diffusers and transformers bind their log handler to the sys.stderr of their first import: imported here, under
+# the session's capture, never first inside a test whose captured stream is closed after it (a later warning then
+# printed "--- Logging error ---" into another test's stderr)
 
 FAST = "fast"
 """The marker of `make test-fast`: unit and contract tests that start no process, open no socket and run no browser."""
