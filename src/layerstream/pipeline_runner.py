@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from layerstream.models.decode.decode_memory import DecodeRequest, VaeDecodeSettings, choose_decode
+from layerstream.models.decode.decode_memory import VaeDecodeSettings, choose_decode
+from layerstream.models.generation_size import GenerationSize
 from layerstream.models.model_rules import OPTIONAL_FIELDS, ModelRules
 from layerstream.models.sample_solvers import SAMPLE_SOLVER, scheduler_for
 from layerstream.models.decode.vae_tiling import VaeDecodeChoice, vae_decode_settings
@@ -111,7 +112,7 @@ class PipelineRunner:
         output, stats = self._call(request, kwargs, num_inference_steps, on_step, on_latents)
         raw = _output_array(output, self.kind)
         del output  # the pipeline's own copy of the float frames
-        note = conditioned.note if conditioned is not None else None
+        note = conditioned.source if conditioned is not None else None
         fps = request.fps or self.rules.fps
         frames = _to_uint8(raw)
         return GenerationResult(kind=self.kind, frames=frames, stats=stats, fps=fps, raw=raw if keep_raw else None, size_note=note)
@@ -251,7 +252,7 @@ class PipelineRunner:
     def _choose_decode(self, kwargs: dict[str, Any], stats: OffloadStats | None) -> VaeDecodeChoice | None:
         """How this call's VAE decode runs (`decode_memory.choose_decode`); a `GenerationError` if it cannot fit."""
         prompt = kwargs["prompt"]
-        decode = DecodeRequest(
+        decode = GenerationSize(
             height=kwargs.get("height"), width=kwargs.get("width"), num_frames=kwargs.get("num_frames"),
             batch=len(prompt) if isinstance(prompt, list) else 1,
         )  # fmt: skip

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 import numpy as np
 
 from layerstream.errors import LayerstreamError
+from layerstream.models.generation_size import GenerationSize
 from layerstream.models.output_limits import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
 
 if TYPE_CHECKING:
@@ -157,17 +158,6 @@ def read_input_image(
     )
 
 
-@dataclass(frozen=True)
-class ConditionedSize:
-    """The output size an input image leads to, and how it was reached (said to the user as `note`)."""
-
-    width: int
-    height: int
-    image_width: int
-    image_height: int
-    note: str
-
-
 def size_from_image(
     image_size: tuple[int, int],
     *,
@@ -176,8 +166,9 @@ def size_from_image(
     width: int | None = None,
     height: int | None = None,
     name: str = "image",
-) -> ConditionedSize:
-    """The output size for an input image of `image_size` (width, height).
+) -> GenerationSize:
+    """The output size for an input image of `image_size` (width, height), and how it was reached as its `source`
+    (said to the user).
 
     A side the caller gives (`width` or `height`) is kept; a missing side follows the image's aspect ratio.
     With neither, the image's own size is used, scaled down (aspect kept) to fit `max_side` if larger, and
@@ -187,7 +178,7 @@ def size_from_image(
     image_width, image_height = image_size
     m = size_multiple
     if width is not None and height is not None:
-        return ConditionedSize(width, height, image_width, image_height, f"{width}x{height}, as asked")
+        return GenerationSize(height=height, width=width, source=f"{width}x{height}, as asked")
     if width is not None or height is not None:
         # one side given: the other follows the image's aspect ratio
         target_w = width if width is not None else height * image_width / image_height
@@ -214,7 +205,7 @@ def size_from_image(
         steps.append(f"the input image's {image_width}x{image_height}")
     if abs(out_w - target_w) > 1e-6 or abs(out_h - target_h) > 1e-6:
         steps.append(f"rounded down to multiples of {m}")
-    return ConditionedSize(out_w, out_h, image_width, image_height, f"{out_w}x{out_h}: " + ", ".join(steps))
+    return GenerationSize(height=out_h, width=out_w, source=f"{out_w}x{out_h}: " + ", ".join(steps))
 
 
 # --- reading ----------------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from layerstream.models.call_arguments import CallArgument, declared_arguments
+from layerstream.models.generation_size import GenerationSize
 from layerstream.models.input_image import ImageInputKind, pipeline_image_input
 from layerstream.models.output_limits import (
     LimitViolation,
@@ -63,18 +64,6 @@ SETTING_FIELDS = ("boundary_ratio", "flow_shift")
 
 ImageProblem = Literal["takes_none", "required"]
 """What is wrong with a request's input image, or its absence: the model takes none, or needs one."""
-
-
-@dataclass(frozen=True)
-class GenerationShape:
-    """What a request runs: its own figures, the model's defaults for those it leaves out (`ModelRules.filled`)."""
-
-    height: int | None
-    """None: the pipeline picks (the model names no default, e.g. it sizes from an input image)."""
-    width: int | None
-    num_frames: int | None
-    """Video: the frames; None for an image model (unless the request gave some, which the caller refuses)."""
-    num_inference_steps: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,9 +115,9 @@ class ModelRules:
     def filled(
         self, *, height: int | None = None, width: int | None = None, num_frames: int | None = None,
         num_inference_steps: int | None = None,
-    ) -> GenerationShape:  # fmt: skip
+    ) -> GenerationSize:  # fmt: skip
         """The figures given, the model's defaults for those left out (None): the one place defaults are filled."""
-        return GenerationShape(
+        return GenerationSize(
             height=height if height is not None else self.default_height,
             width=width if width is not None else self.default_width,
             num_frames=num_frames if num_frames is not None or self.kind != "video" else self.default_num_frames,

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from layerstream.models.geometry import pipeline_max_latent_positions
-from layerstream.models.input_image import ConditionedSize, InputImageError, size_from_image
-from layerstream.models.model_rules import GenerationShape, ModelRules
+from layerstream.models.generation_size import GenerationSize
+from layerstream.models.input_image import InputImageError, size_from_image
+from layerstream.models.model_rules import ModelRules
 from layerstream.models.work import WorkPrice, price_request
 from layerstream.request import GenerationError, GenerationRequest, checked_extra_params
 from layerstream.server.errors import ApiError, invalid_fields
@@ -99,8 +100,8 @@ def default_max_work(rules: Any, max_side: int, max_frames: int, device: Any) ->
 
 
 def request_shape(
-    request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None = None
-) -> GenerationShape:
+    request: GenerationBody, limits: ModelLimits, conditioned: GenerationSize | None = None
+) -> GenerationSize:
     """The width, height, frames and steps `request` runs with: its own, else the size its input image leads
     to (`conditioned`), else the model's defaults."""
     size = request.width_height() or ((conditioned.width, conditioned.height) if conditioned is not None else (None, None))
@@ -113,7 +114,7 @@ def request_shape(
 
 def image_size_for(
     request: GenerationBody, limits: ModelLimits, image_size: tuple[int, int], field: str = "image"
-) -> ConditionedSize:
+) -> GenerationSize:
     """The output size an input image of `image_size` leads to (the request's size, if it gives one); a 400
     naming `field` (the image's field) if the image is too small to leave a whole size multiple."""
     size = request.width_height()
@@ -166,7 +167,7 @@ def check_endpoint(limits: ModelLimits, endpoint_kind: str) -> None:
     raise ApiError(400, f"{limits.model} makes {makes}, not {asked}; use POST {other}", code="wrong_endpoint_for_model")
 
 
-def check_request(request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None = None) -> None:
+def check_request(request: GenerationBody, limits: ModelLimits, conditioned: GenerationSize | None = None) -> None:
     """Raise a 400 `ApiError` naming every field the served model cannot take (`conditioned`: the size the
     request's input image leads to); first a 400 naming each optional field the pipeline cannot take
     (``boundary_ratio`` on Flux), which is never dropped silently (400, as every check against the model: the
@@ -203,7 +204,7 @@ def check_request(request: GenerationBody, limits: ModelLimits, conditioned: Con
 
 
 def _extra_params_problems(
-    request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None
+    request: GenerationBody, limits: ModelLimits, conditioned: GenerationSize | None
 ) -> list[ErrorDetail]:
     """The keys of ``extra_params`` the model cannot take as given (a 400 naming ``extra_params.<key>``); a key
     the request itself refuses (one of its own fields) is answered at once."""
@@ -262,7 +263,7 @@ def _violations(limits: ModelLimits, *, width: int | None, height: int | None, n
 
 
 def request_price(
-    request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None = None
+    request: GenerationBody, limits: ModelLimits, conditioned: GenerationSize | None = None
 ) -> WorkPrice:
     """The price of `request` as it will run (`request_shape`), by the one pricing function."""
     shape = request_shape(request, limits, conditioned)
@@ -274,7 +275,7 @@ def request_price(
 
 
 def _work_problems(
-    request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None
+    request: GenerationBody, limits: ModelLimits, conditioned: GenerationSize | None
 ) -> list[ErrorDetail]:
     price = request_price(request, limits, conditioned)
     if price.work <= limits.max_work:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from layerstream.config.offload_config import OffloadConfig
+from layerstream.models.generation_size import GenerationSize
 from layerstream.models.decode.vae_tiling import AUTO, VaeDecodeChoice, VaeSetting, choose_vae_decode
 from layerstream.runtime.packing.tensors import device_bytes
 from layerstream.runtime.reporting.stats import OffloadStats
@@ -44,18 +45,8 @@ class VaeDecodeSettings:
         )  # fmt: skip
 
 
-@dataclass(frozen=True, kw_only=True)
-class DecodeRequest:
-    """What a pipeline call will decode."""
-
-    height: int | None
-    width: int | None
-    num_frames: int | None
-    batch: int = 1
-
-
 def choose_decode(
-    pipeline: Any, settings: VaeDecodeSettings, request: DecodeRequest, device: torch.device, stats: OffloadStats | None
+    pipeline: Any, settings: VaeDecodeSettings, request: GenerationSize, device: torch.device, stats: OffloadStats | None
 ) -> VaeDecodeChoice | None:
     """How the pipeline's VAE will decode `request` (None: the pipeline has no VAE that can tile)."""
     vae = getattr(pipeline, "vae", None)
@@ -94,7 +85,7 @@ class _Peaks(Mapping):
     sliced ways; a batch of one decodes sliced as whole (the same peak); a peak that cannot be estimated (a VAE
     the trace cannot run) is None."""
 
-    def __init__(self, vae: nn.Module, request: DecodeRequest, device: torch.device) -> None:
+    def __init__(self, vae: nn.Module, request: GenerationSize, device: torch.device) -> None:
         self._vae, self._request = vae, request
         self._device_type = "cpu" if device.type == "cpu" else "cuda"  # whose convolution scratch to count
         # a VAE that is not on the device now (module mode swaps it in to decode) brings its weights with it
