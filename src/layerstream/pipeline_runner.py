@@ -3,15 +3,13 @@
 What the pipeline is called with comes from the request and the model's rules (`ModelRules`: defaults,
 geometry, the optional fields it takes, the ``extra_params`` it passes through); the call is timed step by step
 (`on_step`), its latents shown to `on_latents`, its per-request settings built for the call (`pipeline_for`: a copy
-with its own `boundary_ratio`, and scheduler for `flow_shift` and ``extra_params``' `sample_solver`), the VAE decode
-tiled or not (`models.decode.decode_memory`, refused before the first step where it cannot fit; set on the shared
-VAE and restored, as offload may wrap its ``decode`` on the instance, where a copy would not reach), and its streaming measured as a difference of the runtime's counters
-(`StreamCounters`). One call runs at a time.
+with its own `boundary_ratio`, scheduler for `flow_shift` and ``extra_params``' `sample_solver`, and VAE view decoding
+tiled or not, as `models.decode.decode_memory` chose before the first step, refusing a decode that cannot fit), and
+its streaming measured as a difference of the runtime's counters (`StreamCounters`). One call runs at a time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import threading
 import time
@@ -26,7 +24,7 @@ from layerstream.models.decode.decode_memory import VaeDecodeSettings, choose_de
 from layerstream.models.generation_size import GenerationSize
 from layerstream.models.model_rules import OPTIONAL_FIELDS, ModelRules
 from layerstream.models.sample_solvers import SAMPLE_SOLVER, scheduler_for
-from layerstream.models.decode.vae_tiling import VaeDecodeChoice, vae_decode_settings
+from layerstream.models.decode.vae_tiling import VaeDecodeChoice, vae_for
 from layerstream.outputs import GenerationResult
 from layerstream.request import GenerationError, GenerationRequest, invalid_field
 from layerstream.runtime.reporting.stats import OffloadStats, StreamCounters
@@ -241,9 +239,8 @@ class PipelineRunner:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
             start = time.perf_counter()
-            pipeline = pipeline_for(self.pipeline, request)
-            with torch.inference_mode(), _decode_as(pipeline, decode):
-                output = pipeline(**kwargs)
+            with torch.inference_mode():
+                output = pipeline_for(self.pipeline, request, decode)(**kwargs)
             seconds = time.perf_counter() - start
             stats = self._read_stats()
             after = StreamCounters.of(stats)
@@ -375,21 +372,16 @@ def _guidance_arguments(request: GenerationRequest, rules: ModelRules, call) -> 
     return out
 
 
-def _decode_as(pipeline, choice: VaeDecodeChoice | None):
-    """The pipeline's VAE set to decode as `choice` says for the call (restored after); nothing without a choice."""
-    if choice is None:
-        return contextlib.nullcontext()
-    return vae_decode_settings(pipeline.vae, tiled=choice.tiled, sliced=choice.sliced)
-
-
-def pipeline_for(pipeline, request: GenerationRequest):
+def pipeline_for(pipeline, request: GenerationRequest, decode: VaeDecodeChoice | None = None):
     """The pipeline one call of `request` runs: `pipeline` itself, or, where the request sets ``boundary_ratio``,
-    ``flow_shift`` or ``extra_params``' ``sample_solver``, a shallow copy (the modules shared) with its own config
-    and a scheduler built for the call (`scheduler_for`). Nothing is set on the served pipeline, so nothing has
-    to be put back, whatever the call does."""
-    served = getattr(pipeline, "scheduler", None)
+    ``flow_shift`` or ``extra_params``' ``sample_solver``, or `decode` differs from the VAE's own setting, a
+    shallow copy (the modules shared) with its own config, a scheduler built for the call (`scheduler_for`) and a
+    VAE view that decodes as `decode` says (`vae_for`). Nothing is set on the served pipeline, so nothing has to
+    be put back, whatever the call does."""
+    served, vae = getattr(pipeline, "scheduler", None), getattr(pipeline, "vae", None)
     scheduler = scheduler_for(served, solver=request.extra_params.get(SAMPLE_SOLVER), flow_shift=request.flow_shift)
-    if scheduler is served and request.boundary_ratio is None:
+    own_vae = vae_for(vae, tiled=decode.tiled, sliced=decode.sliced) if decode is not None else vae
+    if scheduler is served and request.boundary_ratio is None and own_vae is vae:
         return pipeline
     # a view sharing every module (offload's guard refuses copy.copy, which is for copies of the weights);
     # diffusers' __setattr__ and register_to_config then replace the view's config, not the served one's
@@ -397,6 +389,8 @@ def pipeline_for(pipeline, request: GenerationRequest):
     own.__dict__.update(pipeline.__dict__)
     if scheduler is not served:
         own.scheduler = scheduler
+    if own_vae is not vae:
+        own.vae = own_vae
     if request.boundary_ratio is not None:
         own.register_to_config(boundary_ratio=request.boundary_ratio)
     return own

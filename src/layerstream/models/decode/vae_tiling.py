@@ -1,6 +1,6 @@
 """Whether a VAE decode is tiled, and a batch decoded one sample at a time: vllm-omni's settings
 ``vae_use_tiling`` and ``vae_use_slicing``, each true, false or "auto"; the choice (pure: the decode's peaks and
-the device memory left in, a decision and its reason out) and its application to one call.
+the device memory left in, a decision and its reason out) and the VAE one call decodes with (`vae_for`).
 
 Tiling blends the edges of overlapping tiles, so a tiled decode is not bit-identical to an untiled one: it is
 chosen only where the untiled decode would not fit, and every choice carries a reason to show. Slicing splits a
@@ -9,13 +9,13 @@ batch only (the same computation per sample), so "auto" slices only a batch that
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 from torch import nn
 
+from layerstream.runtime.streaming.wrapping import wrappers_for_view
 from layerstream.wording import format_bytes
 
 VaeSetting = bool | Literal["auto"]
@@ -113,22 +113,14 @@ def _gb(nbytes: int | None) -> str:
     return "an unknown amount" if nbytes is None else format_bytes(nbytes)
 
 
-@contextlib.contextmanager
-def vae_decode_settings(vae: nn.Module, *, tiled: bool, sliced: bool) -> Iterator[None]:
-    """Within the block, `vae` decodes tiled or not and sliced or not, through its own ``enable_tiling()`` /
-    ``disable_tiling()`` (the tile sizes it holds are kept); what it did before is restored after, whatever
-    happens, so nothing leaks into the next request."""
-    before = (bool(getattr(vae, "use_tiling", False)), bool(getattr(vae, "use_slicing", False)))
-    try:
-        _set(vae, "tiling", tiled)
-        _set(vae, "slicing", sliced)
-        yield
-    finally:
-        _set(vae, "tiling", before[0])
-        _set(vae, "slicing", before[1])
-
-
-def _set(vae: nn.Module, what: str, on: bool) -> None:
-    if bool(getattr(vae, f"use_{what}", False)) == on:
-        return
-    getattr(vae, f"{'enable' if on else 'disable'}_{what}")()
+def vae_for(vae: nn.Module, *, tiled: bool, sliced: bool) -> nn.Module:
+    """`vae` as one call decodes with it, tiled or not and sliced or not: a view sharing its modules, tensors and
+    tile sizes (and offload's swapping around its methods, `wrappers_for_view`) with its own ``use_tiling`` and
+    ``use_slicing``, as its ``enable_tiling()`` would set them. The shared VAE is never written, so nothing leaks
+    into the next request, whatever the call does."""
+    if (bool(getattr(vae, "use_tiling", False)), bool(getattr(vae, "use_slicing", False))) == (tiled, sliced):
+        return vae
+    view = object.__new__(type(vae))
+    view.__dict__.update(vars(vae), use_tiling=tiled, use_slicing=sliced)
+    view.__dict__.update(wrappers_for_view(vae, view))
+    return view
