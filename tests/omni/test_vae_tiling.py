@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from layerstream.models.decode.decode_memory import held_on_device
-from layerstream.models.decode.vae_decode import decode_peak_nbytes
+from layerstream.models.decode.vae_decode import estimate_decode_peak
 from layerstream.models.decode.vae_tiling import LOSSY_NOTE, choose_vae_decode, choose_vae_tiling, vae_for
 from layerstream.omni import GenerationError, Omni
 
@@ -95,7 +95,7 @@ def omni():
 def _device_memory_gb(omni) -> float:
     """A stand-in device memory that leaves room for the tiled decode but not for the untiled one."""
     vae = omni.pipeline.vae
-    peaks = {t: decode_peak_nbytes(vae, **SIZE, tiled=t, dtype=torch.float32, device_type="cpu") for t in (False, True)}
+    peaks = {t: estimate_decode_peak(vae, **SIZE, tiled=t, dtype=torch.float32, device_type="cpu").nbytes for t in (False, True)}
     assert peaks[True] < peaks[False]
     held = held_on_device(omni.pipeline, omni.device, omni.stats())
     return (held + (peaks[True] + peaks[False]) / 2) / 1e9

@@ -158,15 +158,6 @@ class FusedAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def trace_peak_nbytes(
-    call: Callable[[], Any], *, replayed: Iterable[nn.Module] = (), device_type: DeviceType = "cuda"
-) -> tuple[int, int]:
-    """Runs `call` (on meta tensors, under no_grad) and returns (peak live bytes, ops traced) on a device of
-    `device_type`: tensors alike everywhere, the convolutions' scratch as its kernels take it (`trace_call`)."""
-    tracker = trace_call(call, replayed=replayed, device_type=device_type)
-    return tracker.peak_nbytes, tracker.num_ops
-
-
 def trace_call(
     call: Callable[[], Any], *, replayed: Iterable[nn.Module] = (), device_type: DeviceType = "cuda"
 ) -> MetaPeakTracker:

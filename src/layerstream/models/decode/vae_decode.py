@@ -56,12 +56,6 @@ class DecodePeak:
         return self.activation_nbytes + self.latent_nbytes
 
 
-def decode_peak_nbytes(vae: nn.Module, **decode: Any) -> int:
-    """The device peak of `vae.decode`, beyond the VAE's own weights, for the keywords of `estimate_decode_peak`
-    (``height``, ``width``, ``num_frames``, ``batch``, ``tiled``, ``dtype``, ``sliced``, ``device_type``)."""
-    return estimate_decode_peak(vae, **decode).nbytes
-
-
 def estimate_decode_peak(
     vae: nn.Module,
     *,

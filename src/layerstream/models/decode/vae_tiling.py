@@ -51,7 +51,7 @@ def choose_vae_tiling(
     setting: VaeSetting, untiled_peak: int | None, tiled_peak: int | None, free_nbytes: int | None
 ) -> VaeDecodeChoice:
     """Tiled or not, for one sample (the planner's question): `setting` is ``vae_use_tiling``; the peaks are
-    `decode_peak_nbytes` untiled and tiled (None: not estimated); `free_nbytes` the device memory left."""
+    `estimate_decode_peak`'s untiled and tiled (None: not estimated); `free_nbytes` the device memory left."""
     return choose_vae_decode(setting, False, {(False, False): untiled_peak, (True, False): tiled_peak}, free_nbytes)
 
 
