@@ -14,7 +14,7 @@ import inspect
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -107,13 +107,8 @@ class PipelineRunner:
                 picture = picture.resize((request.width, request.height), _lanczos())
         kwargs, num_inference_steps = self.call_arguments(request, request.prompt, picture=picture)
         kwargs["generator"] = torch.Generator("cpu").manual_seed(request.seed)
-        output, stats = self._call(request, kwargs, num_inference_steps, on_step, on_latents)
-        raw = _output_array(output, self.kind)
-        del output  # the pipeline's own copy of the float frames
         note = conditioned.source if conditioned is not None else None
-        fps = request.fps or self.rules.fps
-        frames = _to_uint8(raw)
-        return GenerationResult(kind=self.kind, frames=frames, stats=stats, fps=fps, raw=raw if keep_raw else None, size_note=note)
+        return self._results([request], kwargs, num_inference_steps, on_step, on_latents, keep_raw, note)[0]
 
     def run_batch(
         self,
@@ -141,16 +136,22 @@ class PipelineRunner:
                 kwargs[name] = [kwargs[name]] * len(prompts)
         # one generator per output, as diffusers takes them: output i's noise is drawn from generator i alone
         kwargs["generator"] = [torch.Generator("cpu").manual_seed(seed) for request in requests for seed in request.seeds]
-        output, stats = self._call(requests[0], kwargs, num_inference_steps, on_step)
-        raws = _output_arrays(output, self.kind, len(prompts))
-        del output
+        return self._results(requests, kwargs, num_inference_steps, on_step, None, keep_raw)
+
+    def _results(
+        self, requests, kwargs, num_inference_steps, on_step, on_latents, keep_raw, note=None
+    ) -> list[GenerationResult]:
+        """One result per output of `requests`, from one call of the pipeline with `kwargs`."""
+        output, stats = self._call(requests[0], kwargs, num_inference_steps, on_step, on_latents)
+        raws = _output_arrays(output, self.kind, sum(request.n for request in requests))
+        del output  # the pipeline's own copy of the float frames
         results = []
         for request in requests:
             for _ in request.seeds:
                 raw = raws.pop(0)  # each float output goes once its uint8 frames are made (unless kept)
-                frames = _to_uint8(raw)
                 results.append(GenerationResult(
-                    kind=self.kind, frames=frames, stats=stats, fps=request.fps or self.rules.fps, raw=raw if keep_raw else None,
+                    kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=request.fps or self.rules.fps,
+                    raw=raw if keep_raw else None, size_note=note,
                 ))  # fmt: skip
         return results
 
@@ -244,7 +245,7 @@ class PipelineRunner:
             seconds = time.perf_counter() - start
             stats = self._read_stats()
             after = StreamCounters.of(stats)
-        return output, replace(_run_stats(seconds, step_times, after - before, stats, self.device), vae_decode=decode)
+        return output, _run_stats(seconds, step_times, after - before, stats, self.device, decode)
 
     def _choose_decode(self, kwargs: dict[str, Any], stats: OffloadStats | None) -> VaeDecodeChoice | None:
         """How this call's VAE decode runs (`decode_memory.choose_decode`); a `GenerationError` if it cannot fit."""
@@ -406,52 +407,32 @@ def _lanczos():
     return Image.Resampling.LANCZOS  # what diffusers' image processors resize with
 
 
-def _output_frames(output) -> np.ndarray:
-    """The pipeline's frames (video pipelines) or images, as one array with the batch first."""
-    frames = getattr(output, "frames", None)
-    if frames is None:
-        frames = getattr(output, "images", None)
-    if frames is None and isinstance(output, (tuple, list)):
-        frames = output[0]
-    return np.asarray(frames)
-
-
-def _output_array(output, kind: str) -> np.ndarray:
-    array = _output_frames(output)
-    if kind == "video" and array.ndim == 5:
-        array = array[0]  # [batch, frames, H, W, C] -> one video
-    return array
-
-
 def _output_arrays(output, kind: str, num_outputs: int) -> list[np.ndarray]:
-    """A batched output split into one array per output: [1, H, W, C] images, [F, H, W, C] videos."""
-    array = _output_frames(output)
+    """The pipeline's frames (video pipelines) or images, one array per output: [1, H, W, C] images, [F, H, W, C]
+    videos."""
+    array = getattr(output, "frames", None)
+    if array is None:
+        array = getattr(output, "images", None)
+    if array is None and isinstance(output, (tuple, list)):
+        array = output[0]
+    array = np.asarray(array)
+    if kind == "video" and array.ndim == 4:
+        array = array[None]  # one video without its batch dimension
     if len(array) != num_outputs:
         raise GenerationError(f"the pipeline returned {len(array)} outputs for {num_outputs} prompts")
-    if kind == "video":
-        return [array[i] for i in range(num_outputs)]
-    return [array[i : i + 1] for i in range(num_outputs)]
+    return [array[i] if kind == "video" else array[i : i + 1] for i in range(num_outputs)]
 
 
 def _to_uint8(array: np.ndarray) -> np.ndarray:
     return (np.clip(array, 0.0, 1.0) * 255.0).round().astype(np.uint8)
 
 
-def _run_stats(seconds, step_times, streamed: StreamCounters, now: OffloadStats | None, device) -> RunStats:
+def _run_stats(seconds, step_times, streamed: StreamCounters, now: OffloadStats | None, device, decode) -> RunStats:
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return RunStats(
-        seconds=seconds,
-        step_seconds=step_times,
-        bytes_transferred=streamed.bytes_transferred,
-        num_transfers=streamed.num_transfers,
-        num_sync_loads=streamed.num_sync_loads,
-        stall_seconds=streamed.stall_seconds,
-        device_bytes=now.device_bytes if now else 0,
-        host_bytes=now.host_bytes if now else 0,
-        peak_device_bytes=peak,
-        disk_bytes_read=streamed.disk_bytes_read,
-        disk_stall_seconds=streamed.disk_stall_seconds,
-    )
+        seconds=seconds, step_seconds=step_times, **asdict(streamed), device_bytes=now.device_bytes if now else 0,
+        host_bytes=now.host_bytes if now else 0, peak_device_bytes=peak, vae_decode=decode,
+    )  # fmt: skip
 
 
 def adopt_process_threads() -> None:

@@ -43,11 +43,11 @@ def test_fixed_settings_are_kept_and_a_decode_that_cannot_fit_is_named():
 @pytest.mark.fast
 def test_auto_slicing_splits_only_a_batch_that_does_not_fit_whole():
     peaks = {(False, False): 500 * MB, (False, True): 200 * MB, (True, False): 150 * MB, (True, True): 60 * MB}
-    assert choose_vae_decode("auto", "auto", peaks, 600 * MB).sliced is False
-    sliced = choose_vae_decode("auto", "auto", peaks, 300 * MB)
+    assert choose_vae_decode("auto", "auto", peaks, peaks.get, 600 * MB).sliced is False
+    sliced = choose_vae_decode("auto", "auto", peaks, peaks.get, 300 * MB)
     assert (sliced.tiled, sliced.sliced) == (False, True)  # bit-identical ways before tiles
-    assert (choose_vae_decode("auto", False, peaks, 300 * MB).tiled) is True
-    both = choose_vae_decode("auto", "auto", peaks, 100 * MB)
+    assert (choose_vae_decode("auto", False, peaks, peaks.get, 300 * MB).tiled) is True
+    both = choose_vae_decode("auto", "auto", peaks, peaks.get, 100 * MB)
     assert (both.tiled, both.sliced, both.fits) == (True, True, True)
 
 

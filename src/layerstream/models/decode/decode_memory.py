@@ -9,8 +9,8 @@ A VAE that is not on the device before it decodes (module mode swaps it in) adds
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,9 +55,13 @@ def choose_decode(
         return None
     if device.type == "cuda" and device.index is None:  # tensors name their index: "cuda" alone matches none
         device = torch.device("cuda", torch.cuda.current_device())
-    peaks = _Peaks(vae, request, device)
+    slicings = (False, True) if hasattr(vae, "use_slicing") else (False,)
+    ways = [(tiled, sliced) for tiled in (False, True) for sliced in slicings]
+    # each peak estimated when first asked for (a tiled trace of a long video takes a second or two; the choice
+    # usually stops at the untiled one)
+    peak_of = functools.cache(functools.partial(_planned_peak, vae, request, device))
     free = free_decode_nbytes(pipeline, device, settings.device_memory_gb, stats)
-    return choose_vae_decode(settings.vae_use_tiling, settings.vae_use_slicing, peaks, free)
+    return choose_vae_decode(settings.vae_use_tiling, settings.vae_use_slicing, ways, peak_of, free)
 
 
 def free_decode_nbytes(pipeline: Any, device: torch.device, device_memory_gb: float | None, stats: OffloadStats | None) -> int | None:
@@ -79,51 +83,22 @@ def held_on_device(pipeline: Any, device: torch.device, stats: OffloadStats | No
     return sum(device_bytes(m, device) for m in modules) + (stats.slot_bytes if stats is not None else 0)
 
 
-class _Peaks(Mapping):
-    """(tiled, sliced) -> the decode's planned peak, estimated when first asked for (a tiled trace of a long
-    video takes a second or two; the choice usually stops at the untiled one). A VAE without slicing has no
-    sliced ways; a batch of one decodes sliced as whole (the same peak); a peak that cannot be estimated (a VAE
-    the trace cannot run) is None."""
+def _planned_peak(vae: nn.Module, request: GenerationSize, device: torch.device, way: tuple[bool, bool]) -> int | None:
+    """The planned peak of decoding `request` `way` = (tiled, sliced): a batch of one decodes sliced as whole; a VAE
+    that is not on the device now (module mode swaps it in to decode) brings its weights with it. None where it
+    cannot be estimated: the pipeline picks its size, or the trace cannot run the VAE."""
+    from layerstream.models.decode.vae_decode import estimate_decode_peak
 
-    def __init__(self, vae: nn.Module, request: GenerationSize, device: torch.device) -> None:
-        self._vae, self._request = vae, request
-        self._device_type = "cpu" if device.type == "cpu" else "cuda"  # whose convolution scratch to count
-        # a VAE that is not on the device now (module mode swaps it in to decode) brings its weights with it
-        self._brings_weights = device.type != "cpu" and device_bytes(vae, device) == 0
-        slices = (False, True) if hasattr(vae, "use_slicing") else (False,)
-        self._keys = [(t, s) for t in (False, True) for s in slices]
-        self._known: dict[tuple[bool, bool], int | None] = {}
-
-    def __contains__(self, key: object) -> bool:  # Mapping's would estimate the peak to answer
-        return key in self._keys
-
-    def __getitem__(self, key: tuple[bool, bool]) -> int | None:
-        if key not in self._keys:
-            raise KeyError(key)
-        tiled, sliced = key
-        sliced = sliced and self._request.batch > 1  # slicing a batch of one changes nothing
-        if (tiled, sliced) not in self._known:
-            self._known[(tiled, sliced)] = self._estimate(tiled, sliced)
-        return self._known[(tiled, sliced)]
-
-    def __iter__(self) -> Iterator[tuple[bool, bool]]:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def _estimate(self, tiled: bool, sliced: bool) -> int | None:
-        from layerstream.models.decode.vae_decode import estimate_decode_peak
-
-        r = self._request
-        if r.height is None or r.width is None:
-            return None  # the pipeline picks its size: nothing to plan from
-        try:
-            peak = estimate_decode_peak(
-                self._vae, height=r.height, width=r.width, num_frames=r.num_frames, batch=r.batch,
-                tiled=tiled, sliced=sliced, dtype=self._vae.dtype, device_type=self._device_type,
-            )  # fmt: skip
-            return peak.nbytes + (peak.weight_nbytes if self._brings_weights else 0)
-        except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as e:
-            logger.info("the decode of %s cannot be planned: %s: %s", type(self._vae).__name__, type(e).__name__, e)
-            return None
+    if request.height is None or request.width is None:
+        return None
+    try:
+        peak = estimate_decode_peak(
+            vae, height=request.height, width=request.width, num_frames=request.num_frames, batch=request.batch,
+            tiled=way[0], sliced=way[1] and request.batch > 1, dtype=vae.dtype,
+            device_type="cpu" if device.type == "cpu" else "cuda",  # whose convolution scratch to count
+        )  # fmt: skip
+    except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as e:
+        logger.info("the decode of %s cannot be planned: %s: %s", type(vae).__name__, type(e).__name__, e)
+        return None
+    brings_weights = device.type != "cpu" and device_bytes(vae, device) == 0
+    return peak.nbytes + (peak.weight_nbytes if brings_weights else 0)

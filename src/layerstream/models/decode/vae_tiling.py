@@ -9,7 +9,7 @@ batch only (the same computation per sample), so "auto" slices only a batch that
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -52,33 +52,35 @@ def choose_vae_tiling(
 ) -> VaeDecodeChoice:
     """Tiled or not, for one sample (the planner's question): `setting` is ``vae_use_tiling``; the peaks are
     `estimate_decode_peak`'s untiled and tiled (None: not estimated); `free_nbytes` the device memory left."""
-    return choose_vae_decode(setting, False, {(False, False): untiled_peak, (True, False): tiled_peak}, free_nbytes)
+    peaks = {(False, False): untiled_peak, (True, False): tiled_peak}
+    return choose_vae_decode(setting, False, peaks, peaks.get, free_nbytes)
 
 
 def choose_vae_decode(
     tiling: VaeSetting,
     slicing: VaeSetting,
-    peaks: Mapping[tuple[bool, bool], int | None],
+    ways: Collection[tuple[bool, bool]],
+    peak_of: Callable[[tuple[bool, bool]], int | None],
     free_nbytes: int | None,
 ) -> VaeDecodeChoice:
     """The first decode the settings allow that fits `free_nbytes`, in the order (untiled, whole batch),
-    (untiled, sliced), (tiled, whole), (tiled, sliced): bit-identical ways first. `peaks` maps (tiled, sliced)
-    to that decode's peak (None: not estimated); only the ways it lists are considered. Where none fits, the
-    most frugal allowed, marked as not fitting."""
-    options = [o for o in ((False, False), (False, True), (True, False), (True, True)) if o in peaks]
+    (untiled, sliced), (tiled, whole), (tiled, sliced): bit-identical ways first. Only the `ways` (tiled, sliced)
+    the VAE has are considered; `peak_of(way)` is that decode's peak (None: not estimated), asked for only where
+    needed. Where none fits, the most frugal allowed, marked as not fitting."""
+    options = [o for o in ((False, False), (False, True), (True, False), (True, True)) if o in ways]
     options = [(t, s) for t, s in options if _allows(tiling, t) and _allows(slicing, s)]
     named = _named(tiling, slicing)
     if not options:  # a VAE without slicing, asked to slice
-        ways = ", ".join(f"{'tiled' if t else 'untiled'}{' sliced' if s else ''}" for t, s in peaks)
-        return VaeDecodeChoice(False, False, False, None, free_nbytes, f"{named}: this VAE decodes only {ways}")
-    whole = peaks[(False, False)] if free_nbytes is not None and (False, False) in peaks else None
+        names = ", ".join(f"{'tiled' if t else 'untiled'}{' sliced' if s else ''}" for t, s in ways)
+        return VaeDecodeChoice(False, False, False, None, free_nbytes, f"{named}: this VAE decodes only {names}")
+    whole = peak_of((False, False)) if free_nbytes is not None and (False, False) in ways else None
     if free_nbytes is None or whole is None:
         tiled, sliced = options[0]
         why = "no device memory to read" if free_nbytes is None else "the decode's peak was not estimated"
-        peak = peaks[options[0]] if free_nbytes is not None else None  # nothing to compare it with: not traced
+        peak = peak_of(options[0]) if free_nbytes is not None else None  # nothing to compare it with: not traced
         return VaeDecodeChoice(tiled, sliced, True, peak, free_nbytes, _reason(named, why, tiled))
     for tiled, sliced in options:
-        peak = peaks[(tiled, sliced)]
+        peak = peak_of((tiled, sliced))
         if peak is not None and peak <= free_nbytes:
             if (tiled, sliced) == (False, False) or (tiling is True or not tiled) and (slicing is True or not sliced):
                 why = f"needs {_gb(peak)} of the {_gb(free_nbytes)} left"  # as the settings ask
@@ -86,7 +88,7 @@ def choose_vae_decode(
                 why = f"the whole decode needs {_gb(whole)}, more than the {_gb(free_nbytes)} left; this way it needs {_gb(peak)}"
             return VaeDecodeChoice(tiled, sliced, True, peak, free_nbytes, _reason(named, why, tiled))
     tiled, sliced = options[-1]
-    peak = peaks[options[-1]]
+    peak = peak_of(options[-1])
     why = f"the decode needs {_gb(peak)}, more than the {_gb(free_nbytes)} of device memory left; ask for a smaller size or fewer frames"
     if not tiled:
         why += ', or set vae_use_tiling to "auto" or true'
