@@ -80,16 +80,13 @@ def enable_offload(
 ) -> OffloadHandle:
     """Enable offload on `pipeline` as `config` selects and return the handle that reports and undoes it.
 
-    `device` defaults to the current CUDA device, else the CPU. `simulated_disk_gbps` (CPU only) makes every read
-    of the disk tier (`host_budget_gb`) last as long as it would on a disk of that bandwidth. `simulated_link_gbps` (CPU only) throttles the
-    copy thread to a link of that bandwidth. `trace` records accelerator timing events for `handle.trace()`
-    (the CPU engine always records). `engine_factory(device, num_slots)` and `store_factory(component_path)`
-    replace the copy engine and the host stores (instrumentation: wrap the defaults to observe or inject).
-    `generation` is the largest generation the pipeline will run (`models.generation_size`: `Omni` gives its
-    model's defaults or the caller's requests): the host reserve of `host_budget_gb: "auto"` is estimated for
-    it (None: for the model's defaults, `ModelRules` read from the pipeline).
-    Enabling is a transaction: on any error the pipeline is left as it was; out-of-memory errors and
-    `KeyboardInterrupt` come out as themselves, other failures while applying as `OffloadError`.
+    `device` defaults to the current CUDA device, else the CPU. On the CPU, `simulated_link_gbps` throttles the
+    copy thread and `simulated_disk_gbps` every read of the disk tier to that bandwidth. `trace` records
+    accelerator timing events for `handle.trace()`. `engine_factory(device, num_slots)` and
+    `store_factory(component_path)` replace the copy engine and the host stores (to observe or inject).
+    `generation`: the largest the pipeline will run, which the host reserve of `host_budget_gb: "auto"` is
+    estimated for (None: the model's defaults). Enabling is a transaction: on any error the pipeline is left as
+    it was; out-of-memory errors and `KeyboardInterrupt` come out as themselves, other failures as `OffloadError`.
 
     Components with `weight_transfer: "allgather"` shard their blocks' host bytes over `process_group` (default:
     the default group of torch.distributed); every rank of it must call `enable_offload` (and later `disable`)
@@ -215,9 +212,8 @@ def place_for(
 def estimated_activation_reserve(
     pipeline: Any, generation: GenerationSize | None, *, tiled: bool = False, device_type: str = "cuda",
 ) -> ActivationReserve:  # fmt: skip
-    """What residency "auto" leaves free on the device when the config gives neither a budget nor a reserve, as the
-    planner does (`machine.device_fit`): the largest phase's transient for `generation` (None: the model's
-    defaults), the VAE decode `tiled` or not on a device of `device_type`, and the allowance."""
+    """What residency "auto" leaves free on the device (as the planner does): the largest phase's transient for
+    `generation` (None: the model's defaults), the VAE decode `tiled` or not, and the allowance."""
     from layerstream.models.generation_size import pipeline_generation
 
     generation = generation if generation is not None else pipeline_generation(pipeline)
@@ -230,9 +226,8 @@ def estimated_activation_reserve(
 
 
 def _estimated_reserve(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device, generation) -> ActivationReserve | None:
-    """The reserve residency "auto" leaves free where the config gives neither `device_budget_gb` nor
-    `activation_reserve_gb` and the device's memory can be read (`estimated_activation_reserve`: the decode tiled
-    only where the config says always; "auto" tiles it only where it must); else None."""
+    """`estimated_activation_reserve` where the config gives neither `device_budget_gb` nor `activation_reserve_gb`
+    and the device's memory can be read (the decode tiled only where the config says always); else None."""
     options = plan.config.options_for("dit")
     given = options.device_budget_gb is not None or options.activation_reserve_gb is not None
     if not needs_device_budget(plan) or given or device.type != "cuda":
@@ -247,9 +242,8 @@ def _estimated_reserve(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.d
 def plan_placement(
     pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device | None = None, generation: GenerationSize | None = None,
 ) -> Placement:  # fmt: skip
-    """The placement `enable_offload` would use on `device` (for `generation`, as it), for one process
-    (allgather priced as local); moves nothing. Raises `OffloadError` where residency "auto" has no budget to
-    read (or host budget "auto" no host memory)."""
+    """The placement `enable_offload` would use on `device` for `generation`, for one process (allgather priced
+    as local); moves nothing. `OffloadError` where an "auto" setting has no memory to read."""
     device = _check_device(device, None)
     plan, host_budget = resolve_host_budget(pipeline, plan, device, generation=generation)
     placement, _ = priced_placement(pipeline, plan, device, _estimated_reserve(pipeline, plan, device, generation))
@@ -271,11 +265,9 @@ def resolve_host_budget(
     pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device, process_group=None,
     generation: GenerationSize | None = None,
 ) -> tuple[ResolvedOffloadPlan, HostBudgetChoice | None]:  # fmt: skip
-    """With `host_budget_gb: "auto"`: the plan with the budget this machine allows (a number, or None where
-    every streamed block fits: no disk tier) and the choice with its figures (`plan.host_budget`); any other
-    plan as it is, with None. With "allgather" components on a group of several ranks, the budget is this
-    rank's: its share of the host's free memory (`_rank_share`), spent in its shard bytes. Reads the host
-    memory now; moves nothing, issues no collective."""
+    """With `host_budget_gb: "auto"`: the plan with the budget this machine allows (None where every streamed
+    block fits: no disk tier) and the choice with its figures; any other plan as it is, with None. Allgather
+    ranks budget their share of the host (`_rank_share`). Reads the host memory; moves nothing."""
     from layerstream.models.generation_size import pipeline_generation
 
     config = plan.config
@@ -467,9 +459,8 @@ def _raise_after_rollback(plan: ResolvedOffloadPlan, error: BaseException):
 
 
 def _commit_handle(plan, device, backend, components, block_modules: Mapping[str, nn.Module] | None = None, *, pipeline=None) -> OffloadHandle:
-    """The last step, which cannot fail: mark the components (and guard the streamed ones, their streamed blocks
-    and the pipeline against copying, pickling and converting while enabled; wrap the pipeline's LoRA entry
-    points and its calls) and hand out the handle. Everything installed is recorded on `backend.hooks`."""
+    """The last step, which cannot fail: mark the components, guard the streamed ones, their blocks and the
+    pipeline, wrap the pipeline's LoRA entry points and calls (all recorded on `backend.hooks`); the handle."""
     hooks = backend.hooks
     streamed = {c.display_path: components[c.path] for c in plan.streamed} if plan.config.mode == "layer" else {}
     guarded = {**streamed, **(block_modules or {})}

@@ -1,10 +1,6 @@
-"""`PipelineRunner`: a `GenerationRequest` made into one call of a diffusers pipeline, and its cost.
-
-What the pipeline is called with comes from the request and the model's rules (`ModelRules`: defaults,
-geometry, the optional fields it takes, the ``extra_params`` it passes through); the call is timed step by step
-(`on_step`), its latents shown to `on_latents`, its per-request settings built for the call (`pipeline_for`: a copy
-with its own `boundary_ratio`, scheduler for `flow_shift` and ``extra_params``' `sample_solver`, and VAE view decoding
-tiled or not, as `models.decode.decode_memory` chose before the first step, refusing a decode that cannot fit), and
+"""`PipelineRunner`: a `GenerationRequest` made into one call of a diffusers pipeline, and its cost: the call's
+arguments from the request and the model's rules, its per-request settings built for that call alone
+(`pipeline_for`: its own config, scheduler and VAE view, nothing set on the shared pipeline), each step timed, and
 its streaming measured as a difference of the runtime's counters (`StreamCounters`). One call runs at a time.
 """
 

@@ -1,18 +1,9 @@
-"""Input images of image-conditioned pipelines (image to video, image editing).
-
-Three questions every entry point asks the same way:
-- does the pipeline take an image, and must it have one? (`pipeline_image_input`, read from its call
-  signature);
-- is what the user gave a usable image? (`read_input_image`: a PIL image, a path, an array, the bytes of
-  a file or an `ImageFile`; refused in one line if it is missing, empty, not a PNG, JPEG or WebP file (told by
-  its first bytes, `image_file_format`, before any decoder runs) or larger than the caps, before any pixel is
-  decoded where the header already tells);
-- what does a request carry between threads and processes? (an `ImageFile`: the file's bytes, checked once,
-  decoded again where it runs, by `read_input_image`);
-- what size does the output take when the caller names none? (`size_from_image`: the image's own size,
-  scaled down to fit the model's largest side and rounded down to its size multiple, as diffusers pipelines
-  round, never a jump to a default far from the image).
-"""
+"""Input images of image-conditioned pipelines (image to video, image editing): whether a pipeline takes one
+(`pipeline_image_input`), reading what a user gave, refused in one line before any pixel is decoded where the
+header tells (`read_input_image`: only PNG, JPEG or WebP by their first bytes, within the caps), what a request
+carries between threads and processes (`ImageFile`: the checked file's bytes), and the output size an image
+leads to where the caller names none (`size_from_image`: its own, scaled to the model's largest side and rounded
+down to its size multiple, as diffusers pipelines round)."""
 
 from __future__ import annotations
 

@@ -1,26 +1,10 @@
-"""`ModelRules`: what one loaded pipeline accepts and what it does when a request leaves a field out.
-
-Read once from the pipeline (an embedded tiny model declares its small defaults in its spec instead), and
-used by every entry point: `Omni`, the command line and the server check a request against the same rules,
-fill in the same defaults and only word the refusals for their caller (a flag, a JSON field, an argument).
-So the same request makes the same picture from the library, `generate`, the synchronous endpoint and a job:
-defaults are filled in one place (`ModelRules.filled`), sizes checked in one (`check_geometry`, with a caller's
-caps), and whether an input image is refused decided in one (`image_problem`); the planner and the host reserve
-size their generation by them too (`models.generation_size`).
-
-What is read:
-- the geometry (`OutputGeometry`: size multiple, frame rule, the reach of the position table);
-- whether the pipeline takes an input image;
-- its own defaults: size, frames and steps from its ``__call__`` signature (Wan: 480x832, 81 frames, 50
-  steps; Flux and Qwen-Image size from ``default_sample_size`` latent tokens), guidance the same way;
-- the frame rate the model was trained at (`FRAME_RATES`, by pipeline class);
-- which optional request fields it can take, and how: a call argument (``negative_prompt``,
-  ``guidance_scale_2``, ``true_cfg_scale``) or a per-request override of a setting (``boundary_ratio``, a
-  two-expert Wan pipeline's config; ``flow_shift``, its scheduler's config);
-- what a request's ``extra_params`` may set: the call arguments its family declares (`call_arguments`), and
-  the ``sample_solver`` values its scheduler has a counterpart for (`sample_solvers`); `extra_params_problems`
-  says what is wrong with a request's.
-"""
+"""`ModelRules`: what one loaded pipeline accepts and what it does when a request leaves a field out: its
+geometry (`OutputGeometry`), image input, defaults (size, frames, steps and guidance from its ``__call__``; Flux
+and Qwen-Image size from ``default_sample_size``; a tiny model's from its spec), frame rate (`FRAME_RATES`), the
+optional fields it takes (a call argument, or a setting overridden for one call) and the ``extra_params`` its
+family declares. Read once; `Omni`, the command line, the server and the planner ask it (`filled`,
+`check_geometry`, `image_problem`) and only word its refusals, so the same request makes the same picture
+everywhere."""
 
 from __future__ import annotations
 
@@ -107,10 +91,6 @@ class ModelRules:
     @property
     def frame_multiple(self) -> int | None:
         return self.geometry.frame_multiple
-
-    @property
-    def supports_negative_prompt(self) -> bool:
-        return "negative_prompt" in self.takes
 
     def filled(
         self, *, height: int | None = None, width: int | None = None, num_frames: int | None = None,

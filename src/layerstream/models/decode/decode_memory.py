@@ -1,10 +1,7 @@
-"""The VAE decode of one pipeline call: the device memory left for it, its planned peaks, and how it runs
-(tiled or not, a batch whole or one sample at a time), chosen before the first denoising step.
-
-Device memory left: on CUDA, what the driver reports free plus what torch's caching allocator holds unused
-(the decode reuses it); with ``device_memory_gb`` set (the CPU stand-in, or a smaller card simulated on a large
-one), that figure minus what the runtime holds on the device: every module's resident tensors and the slot ring.
-A VAE that is not on the device before it decodes (module mode swaps it in) adds its weights to the decode's peak.
+"""How one pipeline call's VAE decode runs (tiled or not, a batch whole or one sample at a time), chosen before
+the first denoising step from its planned peaks and the device memory left: on CUDA, what the driver reports free
+plus what torch's caching allocator holds unused (the decode reuses it); with ``device_memory_gb`` (the CPU
+stand-in, or a smaller card simulated on a large one), that figure minus the runtime's resident tensors and slots.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ from layerstream.runtime.reporting.stats import OffloadStats
 from layerstream.wording import GB
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True, kw_only=True)

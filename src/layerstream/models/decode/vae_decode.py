@@ -1,15 +1,8 @@
-"""The device peak of a VAE decode, from the VAE's own structure: its decode is run on the meta device (config
-only, no weight read) at the latents of the requested output, and every tensor it allocates is counted while
-alive (`layerstream.models.decode.meta_peak`). Whatever the VAE does, the trace follows it: a causal video VAE decoding
-latent frame by frame with its feature cache (Wan 2.x, Qwen-Image), one decoding frames in batches (HunyuanVideo,
-LTX), an image VAE decoding the whole latent at once (Flux's AutoencoderKL), and the tiled decode each offers
-(tiles as diffusers' `enable_tiling()` sets them on that VAE object).
-
-The figure excludes the VAE's own weights: in layer mode they sit on the device for the whole run (VAEs stay
-resident), so the planner adds `DecodePeak.weight_nbytes` once, beside the other resident modules; a run whose
-VAE is not on the device before it decodes (module mode swaps it in) adds them to the decode
-(`decode_memory`).
-"""
+"""The device peak of a VAE decode, from the VAE's own structure: its decode runs on the meta device (config
+only, no weight read) at the latents of the requested output, every tensor counted while alive (`meta_peak`), so
+the trace follows whatever the VAE does (frame by frame with a feature cache, frames in batches, a whole image,
+tiled as its ``enable_tiling()`` set it). The VAE's weights are apart (`DecodePeak.weight_nbytes`): resident in
+layer mode, the planner counts them once; module mode swaps them in to decode (`decode_memory` adds them)."""
 
 from __future__ import annotations
 
