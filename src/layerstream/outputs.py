@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -263,15 +264,7 @@ def _escape_ffmetadata(text: str) -> str:
 
 
 def _unescape_ffmetadata(text: str) -> str:
-    # ffmetadata escapes '=', ';', '#', '\\' and newlines with a backslash
-    out, escaped = [], False
-    for char in text:
-        if escaped or char != "\\":
-            out.append(char)
-            escaped = False
-        else:
-            escaped = True
-    return "".join(out)
+    return re.sub(r"\\(.)", r"\1", text, flags=re.DOTALL)  # ffmetadata escapes '=', ';', '#', '\\' and newlines
 
 
 def _ffmpeg() -> str:

@@ -199,14 +199,7 @@ class PipelineRunner:
         passed = request.extra_params.to_dict()
         return {name: value for name, value in passed.items() if name in self.rules.call_arguments}
 
-    def _call(
-        self,
-        request: GenerationRequest,
-        kwargs: dict[str, Any],
-        num_inference_steps: int,
-        on_step: Callable[[int, int, float], None] | None,
-        on_latents: Callable[[int, int, torch.Tensor], None] | None = None,
-    ) -> tuple[Any, RunStats]:
+    def _call(self, request: GenerationRequest, kwargs: dict[str, Any], num_inference_steps: int, on_step, on_latents):
         """Call the pipeline with `kwargs` and `request`'s per-request settings (`pipeline_for`), timing each step
         and calling `on_step` after it; (its output, the cost)."""
         call = inspect.signature(self.pipeline.__call__).parameters
@@ -276,16 +269,11 @@ class PipelineRunner:
         if image is None:
             return None, None
         picture = read_input_image(image)
-        model_side = self.rules.geometry.max_side_pixels
-        caps = [side for side in (model_side, request.max_side_pixels) if side is not None]
-        conditioned = size_from_image(
-            picture.size,
-            size_multiple=self.rules.size_multiple,
-            max_side=min(caps),
-            width=request.width,
-            height=request.height,
-        )
-        return picture, conditioned
+        caps = [side for side in (self.rules.geometry.max_side_pixels, request.max_side_pixels) if side is not None]
+        return picture, size_from_image(
+            picture.size, size_multiple=self.rules.size_multiple, max_side=min(caps),
+            width=request.width, height=request.height,
+        )  # fmt: skip
 
     def _check_geometry(self, height, width, num_frames) -> None:
         """Refuse sizes the pipeline would silently round (diffusers rounds down to its latent grid) or that lie
