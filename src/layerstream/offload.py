@@ -312,10 +312,8 @@ def resolve_host_budget(
 
 
 def _rank_share(plan: ResolvedOffloadPlan, process_group, memory, host_nbytes: Mapping[str, int]):
-    """For "auto" with allgather components on a group of several ranks: (this rank's share of the free host
-    memory: the host's free memory divided by the ranks on this host, where it came from, each block's host
-    bytes with the sharded blocks' as this rank's shard, the sharded block paths). Otherwise the process's own
-    figures and no sharded blocks."""
+    """(free host memory, where it came from, each block's host bytes, the sharded block paths): with allgather
+    components on several ranks, this rank's share of the host and its shards; else the process's own figures."""
     sharded_components = [c for c in plan.streamed if c.weight_transfer == "allgather"]
     share = None
     if sharded_components:

@@ -339,19 +339,13 @@ def _guidance_arguments(request: GenerationRequest, rules: ModelRules, call) -> 
     `guidance_scale` is the classifier-free guidance scale: a pipeline that takes CFG through ``true_cfg_scale``
     (its ``guidance_scale`` is a distilled model's embedding input) gets it there, unless the request gives
     ``true_cfg_scale`` itself (vllm-omni's field), in which case each goes to the argument of its name."""
-    out: dict[str, Any] = {}
-    guidance = request.guidance_scale
-    if guidance is None and request.true_cfg_scale is None:
-        guidance = rules.default_guidance_scale
-    if request.true_cfg_scale is not None:
-        out["true_cfg_scale"] = request.true_cfg_scale
-        if guidance is not None and "guidance_scale" in call:
-            out["guidance_scale"] = guidance
-    elif guidance is not None:
-        if "true_cfg_scale" in call:
-            out["true_cfg_scale"] = guidance
-        elif "guidance_scale" in call:
-            out["guidance_scale"] = guidance
+    out: dict[str, Any] = {} if request.true_cfg_scale is None else {"true_cfg_scale": request.true_cfg_scale}
+    guidance, name = request.guidance_scale, "guidance_scale"
+    if request.true_cfg_scale is None:
+        guidance = guidance if guidance is not None else rules.default_guidance_scale
+        name = "true_cfg_scale" if "true_cfg_scale" in call else "guidance_scale"
+    if guidance is not None and name in call:
+        out[name] = guidance
     if request.guidance_scale_2 is not None:
         out["guidance_scale_2"] = request.guidance_scale_2
     return out

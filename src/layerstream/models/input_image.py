@@ -150,53 +150,37 @@ def read_input_image(
 
 
 def size_from_image(
-    image_size: tuple[int, int],
-    *,
-    size_multiple: int,
-    max_side: int | None,
-    width: int | None = None,
-    height: int | None = None,
-    name: str = "image",
-) -> GenerationSize:
-    """The output size for an input image of `image_size` (width, height), and how it was reached as its `source`
-    (said to the user).
-
-    A side the caller gives (`width` or `height`) is kept; a missing side follows the image's aspect ratio.
-    With neither, the image's own size is used, scaled down (aspect kept) to fit `max_side` if larger, and
+    image_size: tuple[int, int], *, size_multiple: int, max_side: int | None, width: int | None = None,
+    height: int | None = None, name: str = "image",
+) -> GenerationSize:  # fmt: skip
+    """The output size for an input image of `image_size` (width, height), with how it was reached as its
+    `source` (said to the user). A side the caller gives is kept; a missing side follows the image's aspect
+    ratio. With neither, the image's own size is used, scaled down (aspect kept) to fit `max_side` if larger, and
     rounded down to multiples of `size_multiple`, as diffusers pipelines round. An image too small to leave a
-    whole multiple is refused rather than enlarged.
-    """
+    whole multiple is refused rather than enlarged."""
     image_width, image_height = image_size
     m = size_multiple
     if width is not None and height is not None:
         return GenerationSize(height=height, width=width, source=f"{width}x{height}, as asked")
-    if width is not None or height is not None:
-        # one side given: the other follows the image's aspect ratio
+    if width is not None or height is not None:  # one side given: the other follows the image's aspect ratio
         target_w = width if width is not None else height * image_width / image_height
         target_h = height if height is not None else width * image_height / image_width
-        scaled = False
+        how = f"the missing side follows the input image's {image_width}x{image_height}"
     else:
         scale = min(1.0, max_side / max(image_width, image_height)) if max_side else 1.0
         target_w, target_h = image_width * scale, image_height * scale
-        scaled = scale < 1.0
+        how = f"the input image's {image_width}x{image_height}"
+        how += f" scaled to fit {max_side} pixels per side" if scale < 1.0 else ""
     # a hair of tolerance: 100 * 0.48 may come out as 47.99999
-    out_w = math.floor(target_w + 1e-6) // m * m
-    out_h = math.floor(target_h + 1e-6) // m * m
+    out_w, out_h = (math.floor(target + 1e-6) // m * m for target in (target_w, target_h))
     if out_w < m or out_h < m:
         raise InputImageError(
             f"{name} is {image_width}x{image_height} pixels; the output would be less than {m} pixels on a side "
             f"(the model's size multiple); expected an image at least {m}x{m} with a less extreme aspect ratio"
         )
-    steps = []
-    if width is not None or height is not None:
-        steps.append(f"the missing side follows the input image's {image_width}x{image_height}")
-    elif scaled:
-        steps.append(f"the input image's {image_width}x{image_height} scaled to fit {max_side} pixels per side")
-    else:
-        steps.append(f"the input image's {image_width}x{image_height}")
     if abs(out_w - target_w) > 1e-6 or abs(out_h - target_h) > 1e-6:
-        steps.append(f"rounded down to multiples of {m}")
-    return GenerationSize(height=out_h, width=out_w, source=f"{out_w}x{out_h}: " + ", ".join(steps))
+        how += f", rounded down to multiples of {m}"
+    return GenerationSize(height=out_h, width=out_w, source=f"{out_w}x{out_h}: {how}")
 
 
 # --- reading ----------------------------------------------------------------------------------------------------

@@ -92,6 +92,10 @@ class ModelRules:
     def frame_multiple(self) -> int | None:
         return self.geometry.frame_multiple
 
+    @property
+    def supports_negative_prompt(self) -> bool:
+        return "negative_prompt" in self.takes
+
     def filled(
         self, *, height: int | None = None, width: int | None = None, num_frames: int | None = None,
         num_inference_steps: int | None = None,

@@ -161,10 +161,8 @@ class FusedAttention(TorchFunctionMode):
 def trace_call(
     call: Callable[[], Any], *, replayed: Iterable[nn.Module] = (), device_type: DeviceType = "cuda"
 ) -> MetaPeakTracker:
-    """Runs `call` on meta tensors, under no_grad, counted by a `MetaPeakTracker`, which it returns.
-
-    Each module of `replayed` has its calls recorded and replayed (`replayed_calls`): only for modules whose
-    result depends on their arguments alone."""
+    """Runs `call` on meta tensors, under no_grad, counted by the `MetaPeakTracker` it returns; the calls of each
+    module of `replayed` (whose result depends on its arguments alone) are recorded and replayed."""
     tracker = MetaPeakTracker(device_type)
     with contextlib.ExitStack() as stack:
         for module in replayed:
@@ -194,13 +192,10 @@ class _CallRecord:
 
 @contextlib.contextmanager
 def replayed_calls(module: nn.Module, tracker: MetaPeakTracker) -> Iterator[None]:
-    """Within the block, `module.forward` is rebound so that a call with the same argument shapes (list contents included) as an
-    earlier one replays its record: the peak rises by the recorded increment over what is live now, and the
-    results and list contents are rebuilt as fresh meta tensors, without running a single op.
-
-    A decoder called once per latent frame and tile repeats a handful of distinct calls (Wan 2.x at 1280x720,
-    81 frames, tiled: 588 decoder calls, 3 distinct). Only for modules whose result depends on their arguments
-    alone (diffusers' decoders pass their caches in)."""
+    """Within the block, a call of `module` with the argument shapes (list contents included) of an earlier one
+    replays its record: the peak rises by the recorded increment over what is live now, and the results and list
+    contents are rebuilt as fresh meta tensors without running an op. A decoder called once per latent frame and
+    tile repeats a handful of distinct calls (Wan 2.x at 1280x720, 81 frames, tiled: 588 calls, 3 distinct)."""
     run = module.forward
     records: dict[Any, Any] = {}
 

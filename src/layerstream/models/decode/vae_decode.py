@@ -19,9 +19,8 @@ from layerstream.models.decode.conv_scratch import DeviceType
 from layerstream.models.decode.meta_peak import trace_call
 
 _TILING_ATTRIBUTES = ("tile_", "use_framewise_", "num_sample_frames_", "num_latent_frames_")
-"""Instance attributes (prefixes) that shape a decode besides the config: tile sizes and strides, and the frame
-batching of HunyuanVideo and LTX. They are read from the VAE object, so a VAE whose tiles were set by
-``enable_tiling(...)`` is planned with those tiles."""
+"""Instance attributes (prefixes) that shape a decode besides the config (tiles, HunyuanVideo's and LTX's frame
+batching), read from the VAE object: a VAE whose tiles ``enable_tiling(...)`` set is planned with those tiles."""
 
 
 @dataclass(frozen=True)
@@ -61,10 +60,9 @@ def estimate_decode_peak(
     sliced: bool = False,
     device_type: DeviceType = "cuda",
 ) -> DecodePeak:
-    """The device bytes of `vae.decode` for an output of `height` x `width` (and `num_frames` frames for a
-    video VAE; None for an image), a batch of `batch`, tiled or not, a batch `sliced` one sample at a time or
-    not, computing in `dtype` on a device of `device_type` (whose convolutions' scratch is counted:
-    `conv_scratch`); in parts (`DecodePeak`). `vae` may be a loaded VAE or a meta-device skeleton."""
+    """The device bytes of `vae.decode` (a loaded VAE or a meta-device skeleton) for an output of `height` x
+    `width` (x `num_frames` for a video VAE), a batch of `batch`, tiled or not, `sliced` or not, in `dtype` on a
+    device of `device_type` (whose convolutions' scratch is counted: `conv_scratch`)."""
     shape = latent_shape(vae, height=height, width=width, num_frames=num_frames, batch=batch)
     key = _VaeKey.of(vae, dtype)
     threads = torch.get_num_threads() if device_type == "cpu" else 0  # the CPU's kernel choice reads it
@@ -132,8 +130,7 @@ def _config_int(config: Any, *names: str) -> int:
 
 @dataclass(frozen=True)
 class _VaeKey:
-    """What a traced decode depends on: the class, its config, the tiling attributes and the dtype (hashable,
-    so equal VAEs share one trace)."""
+    """What a traced decode depends on (hashable, so equal VAEs share one trace)."""
 
     vae_class: type
     config_json: str
@@ -153,7 +150,6 @@ class _VaeKey:
         return cls(type(vae), config_json, attributes, dtype)
 
     def build_meta(self) -> nn.Module:
-        """A fresh meta-device VAE of this class and config, with the tiling attributes set."""
         with torch.device("meta"):
             vae = self.vae_class.from_config(json.loads(self.config_json))
         vae = vae.to(self.dtype).eval()
