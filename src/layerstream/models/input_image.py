@@ -52,12 +52,10 @@ class InputImageError(LayerstreamError, ValueError):
 
 @dataclass(frozen=True)
 class ImageFile:
-    """An input image as the bytes of its file (PNG, JPEG, WebP), checked: what a request carries through the
-    server's queue and between its ranks instead of the pixels (a 16.8 MP upload decodes to 50 MB).
-
-    `read_input_image` decodes it as it decodes those bytes, EXIF orientation included, so every process that
-    runs the request runs the same picture; neither the byte cap nor the pixel cap is applied again (they were,
-    where the file came in: a server's `--max-image-pixels` may be above the default)."""
+    """An input image as the bytes of its checked file: what a request carries through the server's queue and
+    between its ranks instead of the pixels (a 16.8 MP upload decodes to 50 MB). Every process decodes the same
+    picture from it (`read_input_image`), without the caps again: they were applied where the file came in (a
+    server's `--max-image-pixels` may be above the default)."""
 
     data: bytes = field(repr=False)
     size: tuple[int, int]
@@ -96,11 +94,8 @@ def image_file(source: ImageSource, *, name: str = "image") -> ImageFile:
 
 
 def pipeline_image_input(pipeline: Any) -> ImageInputKind:
-    """Whether `pipeline` takes an input image: ``"none"``, ``"optional"`` or ``"required"``.
-
-    Read from the ``image`` argument of its ``__call__``: absent, with a default, or without one (plus the
-    pipelines of `IMAGE_REQUIRED_PIPELINES`, whose default of None is not really allowed).
-    """
+    """Whether `pipeline` takes an input image, from the ``image`` argument of its ``__call__``: absent, with a
+    default, or without one (or in `IMAGE_REQUIRED_PIPELINES`, whose default of None is not really allowed)."""
     param = inspect.signature(pipeline.__call__).parameters.get("image")
     if param is None:
         return "none"
@@ -118,15 +113,11 @@ def read_input_image(
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
 ) -> Image.Image:
-    """`source` as an RGB PIL image, upright as a viewer shows it, or `InputImageError` naming `name` and what is
-    wrong.
-
-    `source` is a PIL image, a path to an image file, the bytes of one (or an `ImageFile`), or an array (H x W
-    gray, or H x W x 1/3/4 channels; uint8, or floats from 0 to 1). Files are checked for size before they are read
-    and for pixels from their header before they are decoded, so an oversized or hostile file costs nothing.
-    An EXIF orientation (a phone photo's) is applied before anything else reads the size, as diffusers'
-    `load_image` does: the model is conditioned on the picture the user saw.
-    """
+    """`source` (a PIL image, a path to an image file, the bytes of one, an `ImageFile`, or an H x W (x 1/3/4)
+    array of uint8 or floats from 0 to 1) as an RGB PIL image, or `InputImageError` naming `name` and what is
+    wrong. Files are checked for size before they are read and for pixels from their header before they are
+    decoded: an oversized or hostile file costs nothing. An EXIF orientation (a phone photo's) is applied first,
+    as diffusers' `load_image` does: the model is conditioned on the picture the user saw."""
     from PIL import Image
 
     if isinstance(source, Image.Image):

@@ -57,10 +57,8 @@ def _allocates_fresh(func: Any) -> bool:
 
 
 class MetaPeakTracker(TorchDispatchMode):
-    """Counts the bytes of every storage the traced call creates; `peak_nbytes` is the most alive at once.
-
-    Storages alive when tracing starts (the inputs, the module's meta parameters) are not counted: the caller
-    adds what it holds itself."""
+    """Counts the bytes of every storage the traced call creates; `peak_nbytes` is the most alive at once (not
+    counting the storages alive when tracing starts: the inputs, the module's parameters)."""
 
     def __init__(self, device_type: DeviceType = "cuda") -> None:
         super().__init__()
@@ -72,8 +70,7 @@ class MetaPeakTracker(TorchDispatchMode):
         self.flops = 0
         """The convolutions' multiply-adds, two FLOPs each (replayed calls included): the decode's work."""
         self.num_storages = 0
-        """Storages counted so far: a storage is fresh to a call if its serial number is above the count at the
-        call's start."""
+        """Storages counted so far: a storage is fresh to a call if its serial is above the count at its start."""
         self.quiet = False
         """While True, storages are counted live but the peak is left alone (a replayed call sets it itself)."""
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -88,10 +85,9 @@ class MetaPeakTracker(TorchDispatchMode):
                 self._count(tensor.untyped_storage())
         if func is torch.ops.aten.convolution.default:
             self.flops += convolution_flops(args, out)
-        if func is torch.ops.aten.convolution.default and not self.quiet:
-            # the kernel's scratch beside its output, while it runs (`conv_scratch`)
-            scratch = convolution_scratch_nbytes(self.device_type, args, out)
-            self.peak_nbytes = max(self.peak_nbytes, self.live_nbytes + scratch)
+            if not self.quiet:  # the kernel's scratch beside its output, while it runs (`conv_scratch`)
+                scratch = convolution_scratch_nbytes(self.device_type, args, out)
+                self.peak_nbytes = max(self.peak_nbytes, self.live_nbytes + scratch)
         return out
 
     def _run(self, func, args, kwargs):
