@@ -10,6 +10,7 @@ handle it returns reports and undoes it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -105,32 +106,25 @@ def enable_offload(
         def engine_factory(device, num_slots):
             return make_copy_engine(device, num_slots, link_gbps=simulated_link_gbps, timing=trace)
 
-    undo = UndoStack()
+    undo, block_modules = UndoStack(), None
     if config.mode == "module":
-        try:
-            backend = apply_module_mode(plan, components, device, undo)
-        except BaseException as e:
-            undo.unwind()
-            _raise_after_rollback(plan, e)
-        return _commit_handle(plan, device, backend, components, pipeline=pipeline)
-
-    plan, host_budget = resolve_host_budget(pipeline, plan, device, process_group, generation)  # "auto": a number, or no disk tier
-    context = StoreContext(plan, device, components, process_group, _spill_root(config), simulated_disk_gbps)
-    reserve = _estimated_reserve(pipeline, plan, device, generation)  # before the stores: a failure here has no peers to tell
-    stores = _stores(plan, context, store_factory)
-    layouts, placement, block_modules = _plan_layer_mode(pipeline, plan, components, stores, device, host_budget, reserve)
-    try:
-        backend = apply_layer_mode(
-            plan=plan,
-            placement=placement,
-            components=components,
-            block_modules=block_modules,
-            layouts={p: layouts[p] for p in placement.streamed_block_paths},
-            stores=stores,
-            device=device,
-            engine_factory=engine_factory,
-            undo=undo,
+        apply = functools.partial(apply_module_mode, plan, components, device, undo)
+    else:
+        # host budget "auto": a number, or no disk tier; the reserve before the stores: a failure has no peers to tell
+        plan, host_budget = resolve_host_budget(pipeline, plan, device, process_group, generation)
+        context = StoreContext(plan, device, components, process_group, _spill_root(config), simulated_disk_gbps)
+        reserve = _estimated_reserve(pipeline, plan, device, generation)
+        stores = _stores(plan, context, store_factory)
+        layouts, placement, block_modules = _plan_layer_mode(
+            pipeline, plan, components, stores, device, host_budget, reserve
         )
+        apply = functools.partial(
+            apply_layer_mode, plan=plan, placement=placement, components=components, block_modules=block_modules,
+            layouts={p: layouts[p] for p in placement.streamed_block_paths}, stores=stores, device=device,
+            engine_factory=engine_factory, undo=undo,
+        )  # fmt: skip
+    try:
+        backend = apply()
     except BaseException as e:
         undo.unwind()
         _raise_after_rollback(plan, e)
