@@ -369,7 +369,7 @@ def pipeline_for(pipeline, request: GenerationRequest, decode: VaeDecodeChoice |
     if scheduler is not served:
         own.scheduler = scheduler
     if own_vae is not vae:
-        own.vae = own_vae
+        own.__dict__["vae"] = own_vae  # not through setattr: an nn.Module pipeline's would write the shared _modules
     if request.boundary_ratio is not None:
         own.register_to_config(boundary_ratio=request.boundary_ratio)
     return own
