@@ -9,6 +9,7 @@ handle it returns reports and undoes it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -340,8 +341,7 @@ def mapped_view_nbytes(pipeline: Any, block_paths) -> int:
     """Bytes of clean file pages in memory under these blocks' views of mapped files (a page two tensors share
     counted once): packing moves their bytes into the host store or reads them from the file, and drops the
     views."""
-    files = MappedFiles.snapshot()
-    try:
+    with contextlib.closing(MappedFiles.snapshot()) as files:
         spans = []
         for t in _host_tensors(pipeline, block_paths):
             start, nbytes = t.data_ptr(), t.numel() * t.element_size()  # the tensor's own bytes
@@ -354,17 +354,14 @@ def mapped_view_nbytes(pipeline: Any, block_paths) -> int:
                 total += files.present_file_nbytes(start, stop - start)
                 end = -(-stop // PAGE_BYTES) * PAGE_BYTES
         return total
-    finally:
-        files.close()
 
 
 def held_host_nbytes(pipeline: Any, block_paths) -> int:
     """Bytes of these blocks' host storages that are this process's own memory, not views of mapped files
     (packing moves them into the host store or to disk and frees them), each storage counted once."""
-    files = MappedFiles.snapshot()
     seen: set[int] = set()
     total = 0
-    try:
+    with contextlib.closing(MappedFiles.snapshot()) as files:
         for t in _host_tensors(pipeline, block_paths):
             storage = t.untyped_storage()
             if storage.data_ptr() in seen or storage.nbytes() == 0:
@@ -372,8 +369,6 @@ def held_host_nbytes(pipeline: Any, block_paths) -> int:
             seen.add(storage.data_ptr())
             if not files.covers(storage.data_ptr(), storage.nbytes()):
                 total += storage.nbytes()
-    finally:
-        files.close()
     return total
 
 
