@@ -115,7 +115,9 @@ def enable_offload(
         plan, host_budget = resolve_host_budget(pipeline, plan, device, process_group, generation)
         context = StoreContext(plan, device, components, process_group, _spill_root(config), simulated_disk_gbps)
         reserve = _estimated_reserve(pipeline, plan, device, generation)
-        stores = _stores(plan, context, store_factory)
+        stores = compose_stores(context, STORE_KINDS) if store_factory is None else ComponentStores(
+            {comp.path: store_factory(comp.path) for comp in plan.streamed}
+        )
         layouts, placement, block_modules = _plan_layer_mode(
             pipeline, plan, components, stores, device, host_budget, reserve
         )
@@ -153,12 +155,6 @@ def _spill_root(config: OffloadConfig) -> Path:
     from layerstream.models.cache import cache_root  # the cache module reads the environment on every call
 
     return Path(config.disk_dir) if config.disk_dir is not None else cache_root() / "spill"
-
-
-def _stores(plan: ResolvedOffloadPlan, context: StoreContext, store_factory: StoreFactory | None) -> ComponentStores:
-    if store_factory is None:
-        return compose_stores(context, STORE_KINDS)
-    return ComponentStores({comp.path: store_factory(comp.path) for comp in plan.streamed})
 
 
 def _plan_layer_mode(

@@ -224,7 +224,9 @@ class PipelineRunner:
         with self.lock:
             adopt_process_threads()  # the server's worker computes the same bits as the caller's thread would
             before_stats = self._read_stats()
-            decode = self._choose_decode(kwargs, before_stats)  # refuses a decode that cannot fit, before step 1
+            decode = choose_decode(self.pipeline, self.vae_settings, _decoded_size(kwargs), self.device, before_stats)
+            if decode is not None and not decode.fits:  # refused before the first step
+                raise GenerationError(f"{self.model} cannot decode this output on {self.device}: {decode.reason}")
             before = StreamCounters.of(before_stats)
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -235,18 +237,6 @@ class PipelineRunner:
             stats = self._read_stats()
             after = StreamCounters.of(stats)
         return output, _run_stats(seconds, step_times, after - before, stats, self.device, decode)
-
-    def _choose_decode(self, kwargs: dict[str, Any], stats: OffloadStats | None) -> VaeDecodeChoice | None:
-        """How this call's VAE decode runs (`decode_memory.choose_decode`); a `GenerationError` if it cannot fit."""
-        prompt = kwargs["prompt"]
-        decode = GenerationSize(
-            height=kwargs.get("height"), width=kwargs.get("width"), num_frames=kwargs.get("num_frames"),
-            batch=len(prompt) if isinstance(prompt, list) else 1,
-        )  # fmt: skip
-        choice = choose_decode(self.pipeline, self.vae_settings, decode, self.device, stats)
-        if choice is not None and not choice.fits:
-            raise GenerationError(f"{self.model} cannot decode this output on {self.device}: {choice.reason}")
-        return choice
 
     def _input_image(self, request: GenerationRequest):
         """(the RGB image, the size it leads to), or (None, None) without one; refuses an image the pipeline
@@ -373,6 +363,15 @@ def pipeline_for(pipeline, request: GenerationRequest, decode: VaeDecodeChoice |
     if request.boundary_ratio is not None:
         own.register_to_config(boundary_ratio=request.boundary_ratio)
     return own
+
+
+def _decoded_size(kwargs: dict[str, Any]) -> GenerationSize:
+    """What a call with `kwargs` decodes: its size, and a batch of its prompts."""
+    prompt = kwargs["prompt"]
+    batch = len(prompt) if isinstance(prompt, list) else 1
+    return GenerationSize(
+        height=kwargs.get("height"), width=kwargs.get("width"), num_frames=kwargs.get("num_frames"), batch=batch
+    )
 
 
 PER_PROMPT_ARGUMENTS = ("negative_prompt", "prompt_2", "prompt_3", "negative_prompt_2", "negative_prompt_3")

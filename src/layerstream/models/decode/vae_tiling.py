@@ -100,15 +100,12 @@ def _allows(setting: VaeSetting, value: bool) -> bool:
 
 
 def _named(tiling: VaeSetting, slicing: VaeSetting) -> str:
-    return f"vae_use_tiling {_setting(tiling)}, vae_use_slicing {_setting(slicing)}"
+    settings = [value if value == AUTO else str(value).lower() for value in (tiling, slicing)]
+    return f"vae_use_tiling {settings[0]}, vae_use_slicing {settings[1]}"
 
 
 def _reason(named: str, why: str, tiled: bool) -> str:
     return f"{named}: {why}" + (f"; {LOSSY_NOTE}" if tiled else "")
-
-
-def _setting(value: VaeSetting) -> str:
-    return value if value == AUTO else str(value).lower()
 
 
 def _gb(nbytes: int | None) -> str:
