@@ -78,11 +78,11 @@ def plan_components(pipe: Any, config: Any) -> Any:
 
 
 DIT_FORMATS = {
-    # bytes a stored weight of each GGUF block type; Q4_K_M: Q6_K for the value and feed-forward-out projections
-    # (as llama.cpp's _M mixes give the most sensitive tensors), Q4_K for the rest: an estimate of published files
-    "Q8_0": {"": 34 / 32},
-    "Q4_K_M": {".to_v.": 210 / 256, ".ffn.net.2.": 210 / 256, "": 144 / 256},
-    "fp8_scaled": {"": 1.0},
+    # the GGUF block type of each weight; Q4_K_M: Q6_K for the value and feed-forward-out projections (as
+    # llama.cpp's _M mixes give the most sensitive tensors), Q4_K for the rest: an estimate of published files
+    "Q8_0": {"": "Q8_0"},
+    "Q4_K_M": {".to_v.": "Q6_K", ".ffn.net.2.": "Q6_K", "": "Q4_K"},
+    "fp8_scaled": {"": "fp8_scaled"},
 }
 
 
@@ -102,12 +102,19 @@ def with_dit_format_(pipe: Any, fmt: str) -> Any:
             if not isinstance(linear, torch.nn.Linear) or "blocks." not in name:
                 continue
             rows, cols = linear.weight.shape
-            per_weight = next(b for pattern, b in DIT_FORMATS[fmt].items() if pattern in f".{name}.")
-            dtype = torch.float8_e4m3fn if fmt == "fp8_scaled" else torch.uint8
-            stored = torch.empty(rows, round(cols * per_weight), dtype=dtype, device="meta")
-            linear.weight = torch.nn.Parameter(stored, requires_grad=False)
+            kind = next(k for pattern, k in DIT_FORMATS[fmt].items() if pattern in f".{name}.")
             if fmt == "fp8_scaled":
+                stored = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device="meta")
+                linear.weight = torch.nn.Parameter(stored, requires_grad=False)
                 linear.register_buffer("weight_scale", torch.empty((), device="meta"))
+                continue
+            import gguf
+            from diffusers.quantizers.gguf.utils import GGUFParameter
+
+            block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+            stored = torch.empty(rows, cols // block * block_bytes, dtype=torch.uint8, device="meta")
+            # a GGUF weight of its type, as loading a file makes it: the planner prices its dequantisation by type
+            linear.weight = GGUFParameter(stored, quant_type=gguf.GGMLQuantizationType[kind])
     return pipe
 
 

@@ -4,6 +4,8 @@ each kind of bad input, raised before the model is loaded."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -160,6 +162,32 @@ def test_a_quantized_block_is_priced_at_its_logical_flops(expert_gguf):
     plain = load_pipeline("tiny-wan")
     assert gguf.transformer.blocks[0].attn1.to_q.weight.shape != plain.transformer.blocks[0].attn1.to_q.weight.shape
     assert block_flops(gguf.transformer.blocks[0], 64) == block_flops(plain.transformer.blocks[0], 64)
+
+
+def test_plan_prices_dequantising_a_file_components_weights_at_every_call(expert_gguf):
+    """A GGUF block's compute estimate adds its weights' dequantisation at the measured rate (Q8_0 on a CPU device),
+    read from the file's header as from the loaded file; a step's compute counts it in every forward."""
+    from layerstream.machine.figures import DEQUANT_GBPS_CPU, Machine
+    from layerstream.machine.planner import plan_for_machine
+    from layerstream.machine.step_time import dequant_seconds
+    from layerstream.models.loading import load_skeleton
+
+    components = {"transformer": str(expert_gguf / "high.gguf")}
+    skeleton, _ = load_skeleton("tiny-wan", components=components)
+    loaded = load_pipeline("tiny-wan", components=components)
+    cpu = Machine(device_memory_gb=8, host_memory_gb=16, device_type="cpu")
+    block = loaded.transformer.blocks[0]
+    quantized = [m.weight for m in block.modules() if hasattr(getattr(m, "weight", None), "quant_type")]
+    weights = sum(math.prod(w.quant_shape) for w in quantized)
+    assert weights > 0 and dequant_seconds(skeleton.transformer.blocks[0], cpu) == dequant_seconds(block, cpu)
+    assert dequant_seconds(block, cpu) == pytest.approx(2 * weights / (DEQUANT_GBPS_CPU["Q8_0"] * 1e9))
+    assert dequant_seconds(loaded.transformer_2.blocks[0], cpu) == 0
+    plain, _ = load_skeleton("tiny-wan")
+    priced, unpriced = plan_for_machine(skeleton, cpu), plan_for_machine(plain, cpu)
+    dequant = sum(dequant_seconds(b, cpu) for b in skeleton.transformer.blocks)
+    added = priced.stage_seconds_per_step["compute"] - unpriced.stage_seconds_per_step["compute"]
+    assert added == pytest.approx(cpu.forwards_per_step * dequant)
+    assert "plus dequantising GGUF and fp8_scaled weights at every call" in priced.compute_source
 
 
 def test_plan_reads_a_hub_file_header_by_ranges_and_downloads_nothing(standin, expert_gguf, tmp_path, monkeypatch, layerstream_cli):

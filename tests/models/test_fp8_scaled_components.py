@@ -129,3 +129,52 @@ def test_in_float16_the_modules_diffusers_keeps_in_float32_stay_float32(tmp_path
     for key, tensor in pipeline.transformer.state_dict().items():
         if tensor.is_floating_point() and not key.endswith("weight_scale") and tensor.dtype != torch.float8_e4m3fn:
             assert tensor.dtype == (torch.float32 if any(m in key.split(".") for m in kept) else torch.float16), key
+
+
+class _ScaledToy(torch.nn.Module):
+    """Three float8 Linears, each with its own per-tensor scale, as `load_fp8_scaled` leaves them."""
+
+    _layerwise_offload_blocks_attrs = ["blocks"]
+
+    def __init__(self, scales):
+        from layerstream.models.fp8_scaled import apply_scaled_float8_
+
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in scales)
+        for i, (block, scale) in enumerate(zip(self.blocks, scales)):
+            float8 = (block.weight.detach() / scale).to(torch.float8_e4m3fn)
+            block.weight = torch.nn.Parameter(float8, requires_grad=False)
+            apply_scaled_float8_("toy", block, f"blocks.{i}.weight", torch.tensor(scale), torch.float32)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_streamed_scaled_weight_is_scaled_exactly_once():
+    """Streamed or resident, each Linear computes with its float8 weight upcast and scaled once: the output is the
+    reference's bit for bit, and neither the unscaled nor the twice-scaled weights'."""
+    from layerstream import enable_offload
+
+    torch.manual_seed(0)
+    toy, x = _ScaledToy([0.003, 0.0007, 0.02]), torch.randn(4, 64)
+
+    def reference(times: int) -> torch.Tensor:
+        out = x
+        for block in toy.blocks:
+            weight = block.weight.to(torch.float32) * block.weight_scale**times
+            out = torch.nn.functional.linear(out, weight, block.bias)
+        return out
+
+    with torch.no_grad():
+        resident = toy(x)
+        handle = enable_offload(toy, {"mode": "layer", "components": ["dit"]}, device="cpu")
+        try:
+            streamed = toy(x)
+        finally:
+            handle.disable()
+        expected = reference(1)
+    assert torch.equal(resident, expected) and torch.equal(streamed, expected)
+    assert not torch.allclose(streamed, reference(0)) and not torch.allclose(streamed, reference(2))
+    assert toy.blocks[0].weight.dtype == torch.float8_e4m3fn  # disable gives the float8 weights back

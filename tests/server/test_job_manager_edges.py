@@ -239,4 +239,4 @@ def test_a_job_whose_outcome_cannot_be_stored_still_ends_failed(make_jobs, refus
     code = {"file": "output_write_failed", "row": "database_error"}[refused]
     assert job["status"] == "failed" and job["error"]["code"] == code, job
     assert job["error"]["message"].startswith({"file": "its output could not be written", "row": "the job database refused its row"}[refused])
-    assert jobs.storage_state() != "ok"
+    assert jobs.health()["jobs_storage"] != "ok"

@@ -50,8 +50,8 @@ def jobs(tmp_path):
 
 def _bookkeeping(jobs: JobManager) -> str:
     """What /health says of the bookkeeping, once it has run after the job that ended last (it follows the outcome)."""
-    wait_until(lambda: jobs.history_state()["jobs_bookkeeping"] != "ok", what="the bookkeeping after the job")
-    return jobs.history_state()["jobs_bookkeeping"]
+    wait_until(lambda: jobs.health()["jobs_bookkeeping"] != "ok", what="the bookkeeping after the job")
+    return jobs.health()["jobs_bookkeeping"]
 
 
 def _ended(jobs: JobManager, job_id: str) -> dict:

@@ -9,28 +9,26 @@ from layerstream.cli.common import CliError
 from layerstream.server.access import API_KEY_ENV, AccessSettings, AccessSettingsError  # plain data: no serve extra
 
 
+def flag_error(error: Exception, flags: dict[str, str]) -> CliError:
+    """`error` as a `CliError` naming the flag the user typed instead of the settings field it starts with."""
+    message = str(error)
+    field = next((field for field in flags if message.startswith(field + " ")), None)
+    return CliError(message if field is None else flags[field] + message[len(field) :])
+
+
 def add_access_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--allowed-hosts", nargs="+", default=None, metavar="HOST",
-        help="Host names a request may name besides loopback ones (a guard against DNS rebinding): names, .domain for a "
-        "domain and its names, IP addresses or networks, or '*' for any. Default: none bound to loopback; bound to "
-        "another address, this machine's names and any IP address",
-    )  # fmt: skip
-    parser.add_argument(
-        "--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
-        help="origins (https://app.example) whose pages may send POST and DELETE here and read answers (CORS), or '*'. "
-        "Default: none but the server's own page",
-    )  # fmt: skip
-    parser.add_argument(
-        "--api-key", default=None, metavar="KEY",
-        help=f"require Authorization: Bearer KEY on every route but /health, /metrics and the web page (default: the "
-        f"{API_KEY_ENV} environment variable, which ps does not show; unset: no key)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--served-model-name", nargs="+", default=(), metavar="NAME",
-        help="the names a request's model may give; the first is the one answers and GET /v1/models name (default: the "
-        "model as given, a folder by its own name)",
-    )  # fmt: skip
+    for flag, nargs, default, metavar, help_text in (
+        ("--allowed-hosts", "+", None, "HOST", "Host names a request may name besides loopback ones (a guard against "
+         "DNS rebinding): names, .domain for a domain and its names, IP addresses or networks, or '*' for any. "
+         "Default: none bound to loopback; bound to another address, this machine's names and any IP address"),
+        ("--allowed-origins", "+", (), "ORIGIN", "origins (https://app.example) whose pages may send POST and DELETE "
+         "here and read answers (CORS), or '*'. Default: none but the server's own page"),
+        ("--api-key", None, None, "KEY", "require Authorization: Bearer KEY on every route but /health, /metrics and "
+         f"the web page (default: the {API_KEY_ENV} environment variable, which ps does not show; unset: no key)"),
+        ("--served-model-name", "+", (), "NAME", "the names a request's model may give; the first is the one answers "
+         "and GET /v1/models name (default: the model as given, a folder by its own name)"),
+    ):  # fmt: skip
+        parser.add_argument(flag, nargs=nargs, default=default, metavar=metavar, help=help_text)
 
 
 def access_settings(args: argparse.Namespace, bind_host: str) -> AccessSettings:
@@ -40,18 +38,11 @@ def access_settings(args: argparse.Namespace, bind_host: str) -> AccessSettings:
              "api_key": f"--api-key (or {API_KEY_ENV})"}  # fmt: skip
     try:
         return AccessSettings(
-            bind_host=bind_host,
-            allowed_hosts=_split(args.allowed_hosts) if args.allowed_hosts is not None else None,
-            allowed_origins=_split(args.allowed_origins),
-            api_key=api_key,
-        )
+            bind_host=bind_host, allowed_hosts=_split(args.allowed_hosts) if args.allowed_hosts is not None else None,
+            allowed_origins=_split(args.allowed_origins), api_key=api_key,
+        )  # fmt: skip
     except AccessSettingsError as e:
-        message = str(e)
-        for field, flag in flags.items():  # name the flag the user typed, not the settings field
-            if message.startswith(field):
-                message = flag + message[len(field) :]
-                break
-        raise CliError(message) from e
+        raise flag_error(e, flags) from e
 
 
 def _split(values) -> tuple[str, ...]:

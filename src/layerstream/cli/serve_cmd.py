@@ -1,9 +1,6 @@
 """`layerstream serve MODEL`: serve one offloaded pipeline over HTTP (OpenAI-style images and videos APIs).
-
-Order of work, so that mistakes cost seconds, not a model load: parse and check every argument (including
---diffusion-offload-config), bind the port, load the model and enable offload, then serve. The ready line
-("layerstream serve: ready on http://127.0.0.1:8000") goes to stderr once requests are accepted.
-"""
+Every argument is checked and the port bound before the model loads, so that mistakes cost seconds; the ready
+line ("layerstream serve: ready on http://127.0.0.1:8000") goes to stderr once requests are accepted."""
 
 from __future__ import annotations
 
@@ -27,7 +24,7 @@ from layerstream.cli.common import (
     fetch_before_ranks,
     parse_config_args,
 )
-from layerstream.cli.serve_access import access_settings, add_access_arguments
+from layerstream.cli.serve_access import access_settings, add_access_arguments, flag_error
 from layerstream.server.settings import (  # plain data: no serve extra
     ACCELERATOR_STEPS,
     CPU_MAX_WORK,
@@ -46,16 +43,14 @@ from layerstream.server.settings import (  # plain data: no serve extra
 
 READY_PREFIX = "layerstream serve: ready on "
 MAX_NPROC = 64
+# shorter than a process group's 300 s: a lost or stuck rank is answered 503 within a minute (a gather takes far less)
 DEFAULT_SERVE_COLLECTIVE_TIMEOUT_S = 60.0
-"""`serve --collective-timeout-s`'s default, shorter than a process group's (`DEFAULT_PROCESS_GROUP_TIMEOUT_S`,
-300): a lost or stuck rank is answered 503 within a minute (a block's gather takes far less)."""
 MAX_COLLECTIVE_TIMEOUT_S = 86_400.0
+# where rank 0 writes its pid (set by the launcher), so that a SIGTERM to the launcher reaches rank 0 alone
 RANK0_PID_ENV = "LAYERSTREAM_SERVE_RANK0_PID_FILE"
-"""Set by the launcher: where rank 0 writes its pid, so that a SIGTERM to the launcher reaches rank 0 alone."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of the ``serve`` subcommand."""
     add_model_arguments(parser, f'{MODEL_SOURCES} ("tiny-wan", "tiny-flux", ...)')
     add_vae_arguments(parser)
     parser.add_argument(
@@ -68,95 +63,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default: {DEFAULT_PORT}; 0 picks a free port)")
     parser.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: as saved)")
+    for flag, dest, default, help_text in (
+        ("--max-queue", "max_queue", DEFAULT_MAX_QUEUE, "requests that may wait behind the running one; more get 429"),
+        ("--max-frames", "max_frames", DEFAULT_MAX_FRAMES, "largest num_frames of a video request"),
+        ("--max-size", "max_side_pixels", DEFAULT_MAX_SIDE_PIXELS, "largest width or height"),
+    ):
+        parser.add_argument(flag, type=int, default=default, dest=dest, help=f"{help_text} (default: {default})")
     parser.add_argument(
-        "--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
-        help=f"requests that may wait behind the running one; more get 429 (default: {DEFAULT_MAX_QUEUE})",
-    )
-    parser.add_argument(
-        "--max-frames", type=int, default=DEFAULT_MAX_FRAMES,
-        help=f"largest num_frames of a video request (default: {DEFAULT_MAX_FRAMES})",
-    )
-    parser.add_argument(
-        "--max-size", type=int, default=DEFAULT_MAX_SIDE_PIXELS, dest="max_side_pixels",
-        help=f"largest width or height (default: {DEFAULT_MAX_SIDE_PIXELS})",
-    )
-    parser.add_argument(
-        "--max-work",
-        type=int,
-        default=None,
+        "--max-work", type=int, default=None,
         help="largest price of one request (width x height x frames x steps x passes x n, plus text tokens, "
-        "docs/serving.md); more is a 400 (default: from the "
-        f"device: {CPU_MAX_WORK:,} on a CPU, minutes of a 2-core host; on an accelerator whatever --max-size and "
-        f"--max-frames allow at {ACCELERATOR_STEPS} steps, or the model's default steps if more; /health states it)",
-    )
-    parser.add_argument(
-        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-        help=f"largest request body, not counting an input image (default: {DEFAULT_MAX_BODY_BYTES >> 20} MiB)",
-    )
-    parser.add_argument(
-        "--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES,
-        help=f"largest input image file of /v1/images/edits and image-to-video requests (default: {DEFAULT_MAX_IMAGE_BYTES >> 20} MiB)",
-    )
-    parser.add_argument(
-        "--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
-        help=f"largest input image in pixels, width x height (default: {DEFAULT_MAX_IMAGE_PIXELS:,}, 4096 x 4096)",
-    )
-    parser.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-        metavar="SECONDS",
-        help="after SIGTERM, how long the running generation may go on before it is stopped at its next step "
-        f"(default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})",
-    )
-    parser.add_argument(
-        "--max-batch-size",
-        type=int,
-        default=DEFAULT_MAX_BATCH_SIZE,
-        metavar="N",
-        help="run up to N queued requests that share a size, frames, steps, guidance and negative prompt as one "
-        "pipeline call, each streamed block serving all of them (default: 1, every request alone)",
-    )
-    parser.add_argument(
-        "--batch-wait-ms",
-        type=float,
-        default=DEFAULT_BATCH_WAIT_MS,
-        metavar="MS",
-        help=f"longest a request waits for others to join its batch (default: {DEFAULT_BATCH_WAIT_MS:g})",
-    )
-    parser.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        metavar="N",
-        help="serve with N data-parallel ranks on this machine (torchrun), one device each; rank 0 answers HTTP "
-        "and hands out waves of up to N requests. Without a config the DiT uses allgather: each rank keeps 1/N "
-        "of its blocks' host bytes",
-    )
-    parser.add_argument(
-        "--collective-timeout-s",
-        type=float,
-        default=DEFAULT_SERVE_COLLECTIVE_TIMEOUT_S,
-        metavar="SECONDS",
-        help="with several ranks: how long a rank waits for the others in one collective before the server "
-        f"answers 503 and exits non-zero (default: {DEFAULT_SERVE_COLLECTIVE_TIMEOUT_S:g})",
-    )
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        default=None,
-        metavar="FOLDER",
-        help="where the job history (SQLite) and its outputs are kept; one server per folder "
-        "(default: <layerstream cache>/server)",
-    )
-    parser.add_argument(
-        "--max-jobs", type=int, default=None, metavar="N",
-        help="keep at most N finished jobs; the oldest go first (default: no limit)",
+        f"docs/serving.md); more is a 400 (default: from the device: {CPU_MAX_WORK:,} on a CPU, minutes of a 2-core "
+        f"host; on an accelerator whatever --max-size and --max-frames allow at {ACCELERATOR_STEPS} steps, or the "
+        "model's default steps if more; /health states it)",
     )  # fmt: skip
-    parser.add_argument(
-        "--max-output-bytes", type=int, default=None, metavar="BYTES",
-        help="keep at most BYTES of job outputs; the oldest finished jobs go first (default: no limit)",
-    )  # fmt: skip
+    for flag, default, help_text in (
+        ("--max-body-bytes", DEFAULT_MAX_BODY_BYTES,
+         f"largest request body, not counting an input image (default: {DEFAULT_MAX_BODY_BYTES >> 20} MiB)"),
+        ("--max-image-bytes", DEFAULT_MAX_IMAGE_BYTES, "largest input image file of /v1/images/edits and "
+         f"image-to-video requests (default: {DEFAULT_MAX_IMAGE_BYTES >> 20} MiB)"),
+        ("--max-image-pixels", DEFAULT_MAX_IMAGE_PIXELS,
+         f"largest input image in pixels, width x height (default: {DEFAULT_MAX_IMAGE_PIXELS:,}, 4096 x 4096)"),
+    ):  # fmt: skip
+        parser.add_argument(flag, type=int, default=default, help=help_text)
+    for flag, kind, default, metavar, help_text in (
+        ("--shutdown-timeout", float, DEFAULT_SHUTDOWN_TIMEOUT_S, "SECONDS", "after SIGTERM, how long the running "
+         f"generation may go on before it is stopped at its next step (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})"),
+        ("--max-batch-size", int, DEFAULT_MAX_BATCH_SIZE, "N", "run up to N queued requests that share a size, "
+         "frames, steps, guidance and negative prompt as one pipeline call, each streamed block serving all of them "
+         "(default: 1, every request alone)"),
+        ("--batch-wait-ms", float, DEFAULT_BATCH_WAIT_MS, "MS",
+         f"longest a request waits for others to join its batch (default: {DEFAULT_BATCH_WAIT_MS:g})"),
+        ("--nproc", int, None, "N", "serve with N data-parallel ranks on this machine (torchrun), one device each; "
+         "rank 0 answers HTTP and hands out waves of up to N requests. Without a config the DiT uses allgather: "
+         "each rank keeps 1/N of its blocks' host bytes"),
+        ("--collective-timeout-s", float, DEFAULT_SERVE_COLLECTIVE_TIMEOUT_S, "SECONDS", "with several ranks: how "
+         "long a rank waits for the others in one collective before the server answers 503 and exits non-zero "
+         f"(default: {DEFAULT_SERVE_COLLECTIVE_TIMEOUT_S:g})"),
+        ("--data-dir", Path, None, "FOLDER", "where the job history (SQLite) and its outputs are kept; one server "
+         "per folder (default: <layerstream cache>/server)"),
+        ("--max-jobs", int, None, "N", "keep at most N finished jobs; the oldest go first (default: no limit)"),
+        ("--max-output-bytes", int, None, "BYTES",
+         "keep at most BYTES of job outputs; the oldest finished jobs go first (default: no limit)"),
+    ):  # fmt: skip
+        parser.add_argument(flag, type=kind, default=default, metavar=metavar, help=help_text)
     parser.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated host link bandwidth in GB/s")
     parser.add_argument("--no-access-log", dest="access_log", action="store_false", help="no log line per request")
     parser.add_argument("--no-ui", dest="ui", action="store_false", help="no web page at / (the API only)")
@@ -181,10 +130,8 @@ def run(args: argparse.Namespace) -> int:
     check_device_arg("--device", args.device)
     if num_ranks > 1 and args.device is not None and ":" in args.device:
         kind = args.device.split(":")[0]
-        raise CliError(
-            f"--device {args.device!r} with {num_ranks} ranks is not valid: each rank takes its own device "
-            f"({kind}:LOCAL_RANK); pass --device {kind}"
-        )
+        message = f"--device {args.device!r} with {num_ranks} ranks is not valid: each rank takes its own device"
+        raise CliError(f"{message} ({kind}:LOCAL_RANK); pass --device {kind}")
     if num_ranks > 1 and world_size == 1:
         return _launch_ranks(args, settings)
     if world_size > 1:
@@ -192,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
 
     # the server's own modules need the serve extra: the command line names it in one line (cli/main.py)
     from layerstream.server.jobs.manager import JobManager
-    from layerstream.server.http_server import bind_socket, run_server
+    from layerstream.server.http_server import run_server
     from layerstream.server.service import GenerationService
     from layerstream.models.generation_size import server_requests
     from layerstream.models.loading import ModelLoadError
@@ -200,25 +147,17 @@ def run(args: argparse.Namespace) -> int:
     from layerstream.errors import OffloadError
 
     _configure_server_logging(getattr(args, "verbose", False), args.access_log)
-    try:
-        sock = bind_socket(settings.host, settings.port)
-    except OSError as e:
-        raise CliError(f"--host {settings.host} --port {settings.port}: cannot bind: {e.strerror or e}") from e
+    sock = _bind(settings)
     store = None
     try:
         store = _open_history(history)  # a folder in use is one line now, not after a long load
         try:
             omni = Omni(
-                model=args.model,
-                diffusion_offload_config=config,
-                device=args.device,
-                dtype=args.dtype,
-                simulated_link_gbps=args.link_gbps,
-                revision=args.revision,
-                variant=args.variant,
+                model=args.model, diffusion_offload_config=config, device=args.device, dtype=args.dtype,
+                simulated_link_gbps=args.link_gbps, revision=args.revision, variant=args.variant,
                 components=component_files(args),
                 requests=server_requests(settings),  # the host reserve of "auto" is sized to the largest allowed
-            )
+            )  # fmt: skip
         except (ModelLoadError, GenerationError, OffloadError) as e:
             raise CliError(" ".join(str(e).split())) from e
         except RuntimeError as e:
@@ -237,41 +176,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# each setting's flag; every one but the names is read from the argument of its own name
+_SETTINGS_FLAGS = {
+    "max_queue": "--max-queue", "max_frames": "--max-frames", "max_side_pixels": "--max-size", "max_work": "--max-work",
+    "max_body_bytes": "--max-body-bytes", "shutdown_timeout": "--shutdown-timeout",
+    "max_image_bytes": "--max-image-bytes", "max_image_pixels": "--max-image-pixels",
+    "max_batch_size": "--max-batch-size", "batch_wait_ms": "--batch-wait-ms", "port": "--port", "host": "--host",
+    "served_model_names": "--served-model-name",
+}  # fmt: skip
+
+
 def _settings(args: argparse.Namespace):
     from layerstream.server.settings import ServeSettings, ServeSettingsError
 
-    flags = {"max_queue": "--max-queue", "max_frames": "--max-frames", "max_side_pixels": "--max-size",
-             "max_work": "--max-work", "max_body_bytes": "--max-body-bytes", "shutdown_timeout": "--shutdown-timeout",
-             "max_image_bytes": "--max-image-bytes", "max_image_pixels": "--max-image-pixels",
-             "max_batch_size": "--max-batch-size", "batch_wait_ms": "--batch-wait-ms",
-             "port": "--port", "host": "--host", "served_model_names": "--served-model-name"}  # fmt: skip
+    fields = {field: getattr(args, field) for field in _SETTINGS_FLAGS if field != "served_model_names"}
     try:
-        return ServeSettings(
-            host=args.host,
-            port=args.port,
-            max_queue=args.max_queue,
-            max_frames=args.max_frames,
-            max_side_pixels=args.max_side_pixels,
-            max_work=args.max_work,
-            max_body_bytes=args.max_body_bytes,
-            max_image_bytes=args.max_image_bytes,
-            max_image_pixels=args.max_image_pixels,
-            shutdown_timeout=args.shutdown_timeout,
-            max_batch_size=args.max_batch_size,
-            batch_wait_ms=args.batch_wait_ms,
-            served_model_names=tuple(args.served_model_name),
-        )
+        return ServeSettings(**fields, served_model_names=tuple(args.served_model_name))
     except ServeSettingsError as e:
-        message = str(e)
-        for field, flag in flags.items():  # name the flag the user typed, not the settings field
-            if message.startswith(f"{field} = "):
-                message = flag + message[len(field):]
-                break
-        raise CliError(message) from e
+        raise flag_error(e, _SETTINGS_FLAGS) from e
 
 
 def _history_settings(args: argparse.Namespace):
-    """The job history's settings from --data-dir, --max-jobs and --max-output-bytes (checked before loading)."""
     from layerstream.models.cache import cache_root
     from layerstream.server.jobs.settings import HistorySettings, HistorySettingsError
 
@@ -281,11 +206,16 @@ def _history_settings(args: argparse.Namespace):
             data_dir=data_dir.expanduser(), max_jobs=args.max_jobs, max_output_bytes=args.max_output_bytes
         )
     except HistorySettingsError as e:
-        message = str(e)
-        for field, flag in (("max_jobs", "--max-jobs"), ("max_output_bytes", "--max-output-bytes")):
-            if message.startswith(f"{field} = "):
-                message = flag + message[len(field) :]
-        raise CliError(message) from e
+        raise flag_error(e, {"max_jobs": "--max-jobs", "max_output_bytes": "--max-output-bytes"}) from e
+
+
+def _bind(settings):
+    from layerstream.server.http_server import bind_socket
+
+    try:
+        return bind_socket(settings.host, settings.port)
+    except OSError as e:
+        raise CliError(f"--host {settings.host} --port {settings.port}: cannot bind: {e.strerror or e}") from e
 
 
 def _open_history(history):
@@ -310,7 +240,6 @@ def _print_ready(url: str) -> None:
     print(f"{READY_PREFIX}{url}", file=sys.stderr, flush=True)
 
 
-# several ranks ----------------------------------------------------------------------------------------------------
 def _check_rank_flags(args: argparse.Namespace) -> None:
     if args.nproc is not None and not 1 <= args.nproc <= MAX_NPROC:
         raise CliError(f"--nproc = {args.nproc} is not valid; expected an integer from 1 to {MAX_NPROC}")
@@ -333,13 +262,9 @@ def _launch_ranks(args: argparse.Namespace, settings) -> int:
     """Run this command without --nproc in N ranks under torchrun; SIGTERM and SIGINT go to rank 0 alone,
     which drains and stops the others, so that every rank exits 0."""
     from layerstream.distributed.launch import start_torchrun, without_nproc
-    from layerstream.server.http_server import bind_socket
 
     if settings.port != 0:  # a busy port is one line now, not an error in rank 0 after the others started
-        try:
-            bind_socket(settings.host, settings.port).close()
-        except OSError as e:
-            raise CliError(f"--host {settings.host} --port {settings.port}: cannot bind: {e.strerror or e}") from e
+        _bind(settings).close()
     forwarded = without_nproc(sys.argv[1:])
     with tempfile.TemporaryDirectory(prefix="layerstream-serve-") as folder:
         pid_file = Path(folder) / "rank0.pid"
@@ -361,8 +286,8 @@ def _launch_ranks(args: argparse.Namespace, settings) -> int:
 
 
 class _RankModel:
-    """The model of one serving rank: rank 0 builds the tiny model or downloads the Hub snapshot while the others
-    wait; they then read what it fetched from the cache, so every rank loads the same commit."""
+    """The model of one serving rank: rank 0 fetches (or builds) it while the others wait, then each loads
+    what it fetched from the cache, so every rank loads the same commit."""
 
     def __init__(self, args: argparse.Namespace, config, settings):
         self.args, self.config, self.settings = args, config, settings
@@ -405,25 +330,21 @@ def _follow(runtime, channel, rank: int) -> int:
 
 
 def _serve_rank(args: argparse.Namespace, config, settings, history) -> int:
-    """One rank of several: rank 0 binds, keeps the job history, serves HTTP and runs waves; the others run
-    the waves it sends."""
+    """One rank of several: rank 0 serves HTTP and the history and leads the waves; the others run them."""
     from layerstream.distributed.process_group import destroy_distributed
     from layerstream.models.loading import ModelLoadError
     from layerstream.omni import GenerationError
     from layerstream.errors import OffloadError
     from layerstream.server.jobs.manager import JobManager
     from layerstream.server.ranks import ControlChannel, RankRuntime, join_serving_ranks
-    from layerstream.server.http_server import bind_socket, run_server
+    from layerstream.server.http_server import run_server
     from layerstream.server.service import GenerationService, RankGroup
 
     _configure_server_logging(getattr(args, "verbose", False), args.access_log)
     rank = int(os.environ.get("RANK", "0"))
     sock = store = None
     if rank == 0:
-        try:
-            sock = bind_socket(settings.host, settings.port)
-        except OSError as e:
-            raise CliError(f"--host {settings.host} --port {settings.port}: cannot bind: {e.strerror or e}") from e
+        sock = _bind(settings)
         try:
             store = _open_history(history)  # the history lives with the HTTP rank; a folder in use is one line now
         except CliError:

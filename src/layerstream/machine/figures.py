@@ -23,6 +23,14 @@ DEVICE_DECODE_GBPS = 100.0
 """Decoded bytes per second the lossless form's decode is assumed to reach on an accelerator (elementwise torch
 ops over a block on the copy stream: about 60 small kernels per step of 2^22 elements with three tiers, so launches
 may bound it below this); an assumption until `benchmarks/gpu.sh` measures it where a GPU is present."""
+DEQUANT_GBPS_CPU: dict[str, float] = {"Q8_0": 0.416, "Q4_K": 0.339, "fp8_scaled": 0.345}
+"""Dequantised bytes (in bfloat16) per second of a weight kept GGUF-quantized or fp8_scaled, which diffusers' GGUF
+layers and the fp8_scaled upcast dequantise at every call of its Linear: `benchmarks/quantized_blocks.py` on a
+shared 2-core Xeon, one thread, per real-width Wan 2.2 A14B block (351 M weights, 703 MB in bfloat16): Q8_0
+1,688 ms, Q4_K 2,071 ms, fp8_scaled 2,039 ms. A GGUF type not measured is priced as the slowest of these."""
+DEQUANT_GBPS_DEVICE = 20.0
+"""The same on an accelerator: not measured yet (`benchmarks/gpu.sh` runs that benchmark where a GPU is present).
+A conservative guess, far below device-memory speed, for diffusers' several elementwise passes per weight."""
 FORWARDS_PER_STEP = 2
 """Transformer forwards per denoising step: classifier-free guidance runs the model on the prompt and without."""
 
@@ -96,20 +104,17 @@ class Machine:
 
 def check_machine(machine: Machine) -> None:
     """One clear error for figures that cannot describe a machine (the CLI checks its flags the same way)."""
-    for name in ("device_memory_gb", "host_memory_gb", "link_gbps", "disk_gbps", "device_tflops", "decode_gbps"):
+    positive = ("device_memory_gb", "host_memory_gb", "link_gbps", "disk_gbps", "device_tflops", "decode_gbps")
+    optional = ("host_reserve_gb", "activation_reserve_gb")
+    per_gb = ("host_copy_s_per_gb", "host_cast_s_per_gb", "host_decode_s_per_gb")
+    for name in (*positive, *optional, *per_gb, "device_allowance_gb", "baseline_gb"):
         value = getattr(machine, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-            raise MachinePlanError(f"{name} = {value!r} is not valid; expected a finite number > 0")
-    for name in ("host_reserve_gb", "activation_reserve_gb"):
-        value = getattr(machine, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf")):
-            raise MachinePlanError(f"{name} = {value!r} is not valid; expected a finite number >= 0")
-    for name in ("host_copy_s_per_gb", "host_cast_s_per_gb", "host_decode_s_per_gb", "device_allowance_gb"):
-        value = getattr(machine, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-            raise MachinePlanError(f"{name} = {value!r} is not valid; expected a finite number >= 0 (0: an accelerator's copies)")
-    if isinstance(machine.baseline_gb, bool) or not 0 <= machine.baseline_gb < float("inf"):
-        raise MachinePlanError(f"baseline_gb = {machine.baseline_gb!r} is not valid; expected a finite number >= 0")
+        if value is None and name in optional:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and value < float("inf")
+        if not number or not (value > 0 if name in positive else value >= 0):
+            bound, note = ">" if name in positive else ">=", " (0: an accelerator's copies)" if name in per_gb else ""
+            raise MachinePlanError(f"{name} = {value!r} is not valid; expected a finite number {bound} 0{note}")
     if machine.device_type not in ("cuda", "cpu"):
         raise MachinePlanError(f'device_type = {machine.device_type!r} is not valid; expected "cuda" or "cpu"')
     if machine.vae_use_tiling not in (True, False, "auto"):

@@ -17,11 +17,15 @@ from layerstream.plan.placement import Placement
 from layerstream.runtime.packing.lossless_code import priced_fraction
 from layerstream.timing import ideal
 from layerstream.timing.block_timer import BlockTimer
-from layerstream.wording import GB
+from layerstream.wording import GB, format_seconds
 
-from layerstream.machine.figures import DEVICE_DECODE_GBPS, Machine
+from layerstream.machine.figures import DEQUANT_GBPS_CPU, DEQUANT_GBPS_DEVICE, DEVICE_DECODE_GBPS, Machine
+
 
 def block_compute(pipeline, placement: Placement, block_seconds, tokens: int, machine: Machine) -> tuple[dict[str, float], str]:
+    """Each block's compute seconds, and where they come from: measured (the dequantisation of GGUF and fp8_scaled
+    weights included, as it runs in each forward), or its FLOPs at the device's throughput plus that
+    dequantisation at the measured rates (`dequant_seconds`)."""
     from layerstream.plan.resolved import lookup
 
     paths = [p for c in placement.chains for p in c.block_paths] + [p for r in placement.residency.values() for p in r.resident_block_paths]
@@ -29,8 +33,38 @@ def block_compute(pipeline, placement: Placement, block_seconds, tokens: int, ma
         typical = statistics.median(block_seconds.values())  # resident blocks are not in the trace: a DiT's blocks are alike
         return {p: block_seconds.get(p, typical) for p in paths}, "measured on the device: one step, median per block"
     rate = machine.device_tflops * 1e12
-    compute = {p: block_flops(lookup(pipeline, p), tokens) / rate for p in paths}
-    return compute, f"estimated: the blocks' FLOPs at {tokens} tokens and device_tflops {machine.device_tflops:g}"
+    dequant = {p: dequant_seconds(lookup(pipeline, p), machine) for p in paths}
+    compute = {p: block_flops(lookup(pipeline, p), tokens) / rate + dequant[p] for p in paths}
+    source = f"estimated: the blocks' FLOPs at {tokens} tokens and device_tflops {machine.device_tflops:g}"
+    if any(dequant.values()):
+        on_device = f"an assumed {DEQUANT_GBPS_DEVICE:g} GB/s"
+        rate = "the CPU's measured rates" if machine.device_type == "cpu" else on_device
+        most = format_seconds(max(dequant.values()))
+        source += f", plus dequantising GGUF and fp8_scaled weights at every call ({most} a block at most, {rate})"
+    return compute, source
+
+
+def dequant_seconds(block, machine: Machine) -> float:
+    """Seconds one call of `block` spends dequantising its GGUF-quantized and fp8_scaled weights (into bfloat16
+    bytes, the rates' unit): each weight once per call of its Linear."""
+    seconds = 0.0
+    for module in block.modules():
+        weight = getattr(module, "weight", None)
+        quant_type = getattr(weight, "quant_type", None)
+        if quant_type is not None:  # diffusers' GGUFParameter: rows of `type_size`-byte blocks of `block_size` weights
+            import gguf
+
+            block_size, type_size = gguf.GGML_QUANT_SIZES[quant_type]
+            kind, num_weights = quant_type.name, weight.numel() // type_size * block_size
+        elif isinstance(weight, torch.Tensor) and hasattr(module, "weight_scale"):
+            kind, num_weights = "fp8_scaled", weight.numel()
+        else:
+            continue
+        rate = DEQUANT_GBPS_CPU.get(kind, min(DEQUANT_GBPS_CPU.values()))  # a type not measured: the slowest
+        if machine.device_type != "cpu":
+            rate = DEQUANT_GBPS_DEVICE
+        seconds += 2 * num_weights / (rate * GB)
+    return seconds
 
 
 def step_seconds(

@@ -187,24 +187,19 @@ def _own_aligned_storages_(model: torch.nn.Module) -> None:
                         tensor.data = tensor.data.clone()
 
 
-def file_tensor_shapes(name: str, path: Path) -> dict[str, tuple[int, ...]]:
-    """Each tensor's name and shape (the logical one, not a quantized block layout), read from the header of a
-    GGUF or safetensors file."""
-    from layerstream.models.component_headers import header_tensors
-
-    return {k: t.shape for k, t in header_tensors(name, str(path), path).items()}
-
-
 def check_file_names(name: str, cls: type, path: Path, config_folder: Path) -> None:
     """Refuse, before loading, a file that lacks a weight the model needs: its names, converted as diffusers'
     single-file converter for `cls` converts them (shapes on the meta device), against the model's."""
     from accelerate import init_empty_weights
     from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES, _should_convert_state_dict_to_diffusers
 
+    from layerstream.models.component_headers import header_tensors
+
     config = cls.load_config(config_folder)
     with init_empty_weights():
         wanted = cls.from_config(config).state_dict()
-    checkpoint = {k: torch.empty(shape, device="meta") for k, shape in file_tensor_shapes(name, path).items()}
+    # each tensor at its logical shape (not a quantized block layout), from the file's header
+    checkpoint = {k: torch.empty(t.shape, device="meta") for k, t in header_tensors(name, str(path), path).items()}
     mapping = SINGLE_FILE_LOADABLE_CLASSES.get(cls.__name__, {}).get("checkpoint_mapping_fn")
     if mapping is not None and _should_convert_state_dict_to_diffusers(wanted, checkpoint):
         checkpoint = mapping(checkpoint=checkpoint, config=config)

@@ -24,7 +24,7 @@ def file_component_skeleton_(name: str, model: torch.nn.Module, tensors: dict[st
     if any(t.stored_dtype in FLOAT8 for t in tensors.values()):  # fp8_scaled: its layout checked as loading does
         read_layout(name, file_name, {k: {"dtype": t.kind, "shape": list(t.shape)} for k, t in tensors.items()})
     tensors = {k: t for k, t in tensors.items() if not is_layout_key(k)}
-    checkpoint = {k: torch.empty(t.stored_shape, dtype=t.stored_dtype, device="meta") for k, t in tensors.items()}
+    checkpoint = {k: _stored(t) for k, t in tensors.items()}
     mapping = SINGLE_FILE_LOADABLE_CLASSES.get(type(model).__name__, {}).get("checkpoint_mapping_fn")
     wanted = model.state_dict()
     if mapping is not None and _should_convert_state_dict_to_diffusers(wanted, checkpoint):
@@ -34,7 +34,21 @@ def file_component_skeleton_(name: str, model: torch.nn.Module, tensors: dict[st
             continue  # loaded in the compute dtype, as the skeleton has it
         module_path, _, leaf = key.rpartition(".")
         module = model.get_submodule(module_path)
-        setattr(module, leaf, torch.nn.Parameter(tensor, requires_grad=False))
+        if not isinstance(tensor, torch.nn.Parameter):  # a GGUF weight is one already (`_stored`)
+            tensor = torch.nn.Parameter(tensor, requires_grad=False)
+        setattr(module, leaf, tensor)
         if tensor.dtype in FLOAT8:  # every float8 weight has its scale (`read_layout` checked): a float32 buffer
             module.register_buffer("weight_scale", torch.empty((), device="meta"))
     return model
+
+
+def _stored(t: StoredTensor) -> torch.Tensor:
+    """A meta tensor of `t`'s stored bytes; a GGUF-quantized one keeps its type (a `GGUFParameter`, as loading makes
+    it, which the converter's splits and joins keep): the plan prices its dequantisation by type."""
+    empty = torch.empty(t.stored_shape, dtype=t.stored_dtype, device="meta")
+    if t.stored_shape == t.shape:  # not quantized (GGUF's F32, F16, BF16; any safetensors tensor)
+        return empty
+    import gguf
+    from diffusers.quantizers.gguf.utils import GGUFParameter
+
+    return GGUFParameter(empty, quant_type=gguf.GGMLQuantizationType[t.kind])

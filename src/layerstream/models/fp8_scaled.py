@@ -8,11 +8,9 @@ matmul reads (``scale_input``, ``input_scale``, ``comfy_quant``), which are left
 scale without its float8 weight, a scale of more than one value, a float8 tensor without its scale) is refused
 naming the key: such a file is never loaded as if unscaled.
 
-The weights stay float8 on the host, so a streamed block carries 1 byte per weight and its scales; each scaled
-Linear computes with ``weight.to(compute) * scale.to(compute)`` (diffusers' layerwise-casting hook slot, so that
-diffusers reads the model's dtype as the compute dtype and layerstream streams the block as it streams a
-layerwise-cast one). Names in the original checkpoint's spelling are converted by diffusers' single-file
-converter for the model class, each scale following its weight through the conversion.
+The weights stay float8 on the host (a streamed block carries 1 byte a weight and its scales); each scaled Linear
+computes with ``weight.to(compute) * scale.to(compute)`` in diffusers' layerwise-casting hook slot. Original key
+names are converted by diffusers' single-file converter, each scale following its weight.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Built-in offload plans for diffusers pipelines that do not declare `_offload_plan` themselves.
 
-Per-model knowledge is data: each `PipelineFamily` names the pipeline classes it covers, the DiT block lists
-in the order the transformer runs them, and the pipeline's text-encoder components. A text encoder's block
-list depends on the encoder's own class (Flux2 ships a Mistral3 or a Qwen3 encoder), so encoder layouts are
-keyed by transformers class name in `TEXT_ENCODER_BLOCK_ATTRS`.
-
-Every path here was read from the installed sources (diffusers 0.42, transformers 5.x) and is exercised by
-`tests/plan/test_builtin_plans.py`. Looking a class up by name keeps this module free of diffusers imports.
+Per-model knowledge is data: each `PipelineFamily` names its pipeline classes (by name: no diffusers import),
+the DiT block lists in the order the transformer runs them, and the text encoders, whose block lists depend on
+the encoder's own class (`TEXT_ENCODER_BLOCK_ATTRS`: Flux2 ships a Mistral3 or a Qwen3 encoder). Every path was
+read from diffusers 0.42 and transformers 5.x and is exercised by `tests/plan/test_builtin_plans.py`.
 """
 
 from __future__ import annotations
@@ -40,113 +37,60 @@ class PipelineFamily:
     timestep): under `host_budget_gb` they share one host pool. A layerstream extension, outside `OffloadPlan`."""
 
 
-def _dits(*paths: str, blocks: tuple[str, ...]) -> OffloadPlan:
-    # every built-in DiT runs its block lists front to back, so its leading blocks may stay resident
-    return OffloadPlan(block_attrs={p: blocks for p in paths}, resident_dit_paths=frozenset(paths))
+def _family(
+    pipelines: str, blocks: tuple[str, ...], *, encoders: int = 1, dits: tuple[str, ...] = ("transformer",)
+) -> PipelineFamily:
+    """The family of the space-separated `pipelines`: every built-in DiT runs its block lists front to back, so
+    its leading blocks may stay resident; two DiTs are Wan 2.2's alternating experts."""
+    dit = OffloadPlan(block_attrs={p: blocks for p in dits}, resident_dit_paths=frozenset(dits))
+    text_encoders = ("text_encoder",) + tuple(f"text_encoder_{i}" for i in range(2, encoders + 1))
+    return PipelineFamily(tuple(pipelines.split()), dit, text_encoders, dits if len(dits) > 1 else ())
 
 
 _WAN_BLOCKS = ("blocks",)
-# WanVACE runs every vace block (building the control hints) before the main blocks.
-_WAN_VACE_BLOCKS = ("vace_blocks", "blocks")
 # Flux, Flux2 and HunyuanVideo run the dual-stream blocks, then the single-stream blocks.
 _DUAL_THEN_SINGLE = ("transformer_blocks", "single_transformer_blocks")
 _TRANSFORMER_BLOCKS = ("transformer_blocks",)
+_EXPERTS = ("transformer", "transformer_2")
 
 FAMILIES: tuple[PipelineFamily, ...] = (
     # Wan 2.1 has one transformer; Wan 2.2 A14B adds transformer_2 (low-noise expert), None otherwise. A step
     # runs `transformer` at timesteps from the boundary up and `transformer_2` below it, never both.
-    PipelineFamily(
-        pipelines=("WanPipeline", "WanImageToVideoPipeline"),
-        dit=_dits("transformer", "transformer_2", blocks=_WAN_BLOCKS),
-        text_encoders=("text_encoder",),
-        alternating_dits=("transformer", "transformer_2"),
-    ),
-    PipelineFamily(
-        pipelines=("WanVideoToVideoPipeline",),
-        dit=_dits("transformer", blocks=_WAN_BLOCKS),
-        text_encoders=("text_encoder",),
-    ),
-    PipelineFamily(
-        pipelines=("WanVACEPipeline",),
-        dit=_dits("transformer", "transformer_2", blocks=_WAN_VACE_BLOCKS),
-        text_encoders=("text_encoder",),
-        alternating_dits=("transformer", "transformer_2"),
-    ),
+    _family("WanPipeline WanImageToVideoPipeline", _WAN_BLOCKS, dits=_EXPERTS),
+    _family("WanVideoToVideoPipeline", _WAN_BLOCKS),
+    # WanVACE runs every vace block (building the control hints) before the main blocks.
+    _family("WanVACEPipeline", ("vace_blocks", "blocks"), dits=_EXPERTS),
     # WanAnimate's face adapters run between main blocks; they stay resident.
-    PipelineFamily(
-        pipelines=("WanAnimatePipeline",),
-        dit=_dits("transformer", blocks=_WAN_BLOCKS),
-        text_encoders=("text_encoder",),
+    _family("WanAnimatePipeline", _WAN_BLOCKS),
+    _family(
+        "FluxPipeline FluxImg2ImgPipeline FluxInpaintPipeline FluxFillPipeline FluxKontextPipeline "
+        "FluxKontextInpaintPipeline FluxControlPipeline FluxControlImg2ImgPipeline FluxControlInpaintPipeline",
+        _DUAL_THEN_SINGLE, encoders=2,
+    ),  # fmt: skip
+    _family("Flux2Pipeline Flux2KleinPipeline Flux2KleinInpaintPipeline Flux2KleinKVPipeline", _DUAL_THEN_SINGLE),
+    _family(
+        "QwenImagePipeline QwenImageImg2ImgPipeline QwenImageInpaintPipeline QwenImageEditPipeline "
+        "QwenImageEditInpaintPipeline QwenImageEditPlusPipeline QwenImageLayeredPipeline",
+        _TRANSFORMER_BLOCKS,
     ),
-    PipelineFamily(
-        pipelines=(
-            "FluxPipeline",
-            "FluxImg2ImgPipeline",
-            "FluxInpaintPipeline",
-            "FluxFillPipeline",
-            "FluxKontextPipeline",
-            "FluxKontextInpaintPipeline",
-            "FluxControlPipeline",
-            "FluxControlImg2ImgPipeline",
-            "FluxControlInpaintPipeline",
-        ),
-        dit=_dits("transformer", blocks=_DUAL_THEN_SINGLE),
-        text_encoders=("text_encoder", "text_encoder_2"),
+    _family(
+        "HunyuanVideoPipeline HunyuanVideoImageToVideoPipeline HunyuanSkyreelsImageToVideoPipeline "
+        "HunyuanVideoFramepackPipeline",
+        _DUAL_THEN_SINGLE, encoders=2,
+    ),  # fmt: skip
+    _family(
+        "LTXPipeline LTXImageToVideoPipeline LTXConditionPipeline LTXI2VLongMultiPromptPipeline", _TRANSFORMER_BLOCKS
     ),
-    PipelineFamily(
-        pipelines=("Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinInpaintPipeline", "Flux2KleinKVPipeline"),
-        dit=_dits("transformer", blocks=_DUAL_THEN_SINGLE),
-        text_encoders=("text_encoder",),
-    ),
-    PipelineFamily(
-        pipelines=(
-            "QwenImagePipeline",
-            "QwenImageImg2ImgPipeline",
-            "QwenImageInpaintPipeline",
-            "QwenImageEditPipeline",
-            "QwenImageEditInpaintPipeline",
-            "QwenImageEditPlusPipeline",
-            "QwenImageLayeredPipeline",
-        ),
-        dit=_dits("transformer", blocks=_TRANSFORMER_BLOCKS),
-        text_encoders=("text_encoder",),
-    ),
-    PipelineFamily(
-        pipelines=(
-            "HunyuanVideoPipeline",
-            "HunyuanVideoImageToVideoPipeline",
-            "HunyuanSkyreelsImageToVideoPipeline",
-            "HunyuanVideoFramepackPipeline",
-        ),
-        dit=_dits("transformer", blocks=_DUAL_THEN_SINGLE),
-        text_encoders=("text_encoder", "text_encoder_2"),
-    ),
-    PipelineFamily(
-        pipelines=("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline", "LTXI2VLongMultiPromptPipeline"),
-        dit=_dits("transformer", blocks=_TRANSFORMER_BLOCKS),
-        text_encoders=("text_encoder",),
-    ),
-    PipelineFamily(
-        pipelines=("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline"),
-        dit=_dits("transformer", blocks=_TRANSFORMER_BLOCKS),
-        text_encoders=("text_encoder", "text_encoder_2", "text_encoder_3"),
-    ),
+    _family(
+        "StableDiffusion3Pipeline StableDiffusion3Img2ImgPipeline StableDiffusion3InpaintPipeline",
+        _TRANSFORMER_BLOCKS, encoders=3,
+    ),  # fmt: skip
     # HiDream wraps each block in a HiDreamBlock; the wrappers are what the transformer calls, so they stream.
     # The double-stream blocks run first, then the single-stream blocks. text_encoder_4 is Llama 3.1.
-    PipelineFamily(
-        pipelines=("HiDreamImagePipeline",),
-        dit=_dits("transformer", blocks=("double_stream_blocks", "single_stream_blocks")),
-        text_encoders=("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4"),
-    ),
-    PipelineFamily(
-        pipelines=(
-            "CogVideoXPipeline",
-            "CogVideoXImageToVideoPipeline",
-            "CogVideoXVideoToVideoPipeline",
-            "CogVideoXFunControlPipeline",
-        ),
-        dit=_dits("transformer", blocks=_TRANSFORMER_BLOCKS),
-        text_encoders=("text_encoder",),
+    _family("HiDreamImagePipeline", ("double_stream_blocks", "single_stream_blocks"), encoders=4),
+    _family(
+        "CogVideoXPipeline CogVideoXImageToVideoPipeline CogVideoXVideoToVideoPipeline CogVideoXFunControlPipeline",
+        _TRANSFORMER_BLOCKS,
     ),
 )
 

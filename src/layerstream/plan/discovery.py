@@ -35,6 +35,7 @@ IMAGE_ARGUMENTS = ("image", "images", "pixel_values")
 image, ...)`` in Qwen-Image-Edit and HunyuanVideo image-to-video; transformers' ``pixel_values`` for a
 vision-language model handed in by itself)."""
 CLASS_BLOCK_ATTRS = "_layerwise_offload_blocks_attrs"
+"""Model class attribute naming its block lists, e.g. ``["blocks"]``."""
 CLASS_BLOCK_ATTR_SINGULAR = "_layerwise_offload_blocks_attr"
 """The older, deprecated spelling vllm-omni still honours: one attribute name as a string (``"blocks"``)."""
 
@@ -47,7 +48,6 @@ def _declared_block_attrs(module: nn.Module):
         if isinstance(singular, str) and singular:
             return [singular]
     return value
-"""Model class attribute naming its block lists, e.g. ``["blocks"]``."""
 
 
 def resolution_error(pipeline_class: str, path: str, problem: str) -> OffloadPlanResolutionError:
@@ -71,12 +71,19 @@ def declared_paths(pipeline: Any, attr: str, pipeline_class: str) -> tuple[str, 
     value = getattr(pipeline, attr, None)
     if value is None:
         return ()
-    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
-        problem = f"{attr} = {value!r} is not valid; expected a list of attribute paths"
-        raise resolution_error(pipeline_class, attr, problem)
+    kinds = (list, tuple, set, frozenset)
+    return _attribute_paths(pipeline_class, attr, attr, value, kinds, "a list of attribute paths")
+
+
+def _attribute_paths(
+    pipeline_class: str, path: str, name: str, value: Any, kinds: tuple[type, ...], expected: str
+) -> tuple[str, ...]:
+    """`value` (the declaration `name`) as a tuple of non-empty attribute paths; a bare string is a common slip."""
+    if isinstance(value, str) or not isinstance(value, kinds):
+        raise resolution_error(pipeline_class, path, f"{name} = {value!r} is not valid; expected {expected}")
     for item in value:
         if not isinstance(item, str) or not item:
-            raise resolution_error(pipeline_class, attr, f"{attr} holds {item!r}; expected non-empty attribute paths")
+            raise resolution_error(pipeline_class, path, f"{name} holds {item!r}; expected non-empty attribute paths")
     return tuple(value)
 
 
@@ -232,13 +239,7 @@ def class_block_attrs(module: nn.Module, pipeline_class: str, path: str) -> tupl
     if value is None:
         return None
     name = f"{type(module).__name__}.{CLASS_BLOCK_ATTRS}"
-    if isinstance(value, str) or not isinstance(value, (list, tuple)):  # a bare string is a common slip
-        problem = f"{name} = {value!r} is not valid; expected a list such as ['blocks']"
-        raise resolution_error(pipeline_class, path, problem)
-    for item in value:
-        if not isinstance(item, str) or not item:
-            raise resolution_error(pipeline_class, path, f"{name} holds {item!r}; expected non-empty attribute paths")
-    return tuple(value) or None
+    return _attribute_paths(pipeline_class, path, name, value, (list, tuple), "a list such as ['blocks']") or None
 
 
 def repeated_block_classes(module: nn.Module) -> frozenset[str]:

@@ -1,10 +1,7 @@
 """Pass 1 of the resolver: every component of a pipeline found, categorized, with its block lists and where they
-came from (pipeline plan, built-in plan, class attribute, automatic), read through its `Declarations`.
-
-Declared components the instance does not hold are skipped (and reported as absent); a pipeline that declares
-its roles leaves the children it does not name untouched; automatic discovery keeps out a vision tower the
-pipeline never runs. The rules themselves (enumerating components, finding block lists) are `plan.discovery`'s;
-this module applies them in precedence order. Modules are only read.
+came from, applying `plan.discovery`'s rules in precedence order (pipeline plan, built-in plan, class attribute,
+automatic). Declared components the instance does not hold are reported absent; a pipeline that declares its
+roles leaves the children it does not name untouched. Modules are only read.
 """
 
 from __future__ import annotations
@@ -52,11 +49,6 @@ class FoundComponent:
     idle_lists: tuple[tuple[str, int], ...] = ()
     """(attribute path, number of blocks) of the block lists automatic discovery found in a vision tower the
     pipeline never runs (`hands_encoder_images`): kept out of `stacks`, so they stay on the device."""
-
-    @property
-    def main_blocks(self) -> int:
-        """Blocks on the component's own prefetch chain (``resident_layers`` counts along it)."""
-        return sum(s.num_blocks for s in self.stacks if not s.own_chain)
 
 
 def find_components(

@@ -1,19 +1,15 @@
 """`host_budget_gb: "auto"`: the host budget a machine allows, decided from figures read elsewhere (pure).
 
-The host store may use what is free for it: the host memory this process may still take (`free_nbytes`: the
-available memory, or less where a memory cgroup binds, read by `layerstream.host.memory`), plus the streamed
-blocks' bytes the process already holds in memory (packing moves them into the store or to disk and frees
-them), minus what runs beside the store in host memory: the disk tier's staging ring, the slot ring and the
-resident parts where the device is the host itself (the CPU), and a reserve for what a generation allocates
-(`host_reserve_gb`, or `layerstream.host.reserve`'s estimate for the generation).
-Where every streamed block fits beside the rest (the staging ring then is not needed), there is no disk tier.
-`enable_offload` and `layerstream plan` (for this machine, or for one given by its figures) both decide here.
+The store may use the host memory this process may still take (`free_nbytes`, cgroups included) plus the
+streamed blocks' bytes it already holds (packing frees them), minus what runs beside the store: the staging ring,
+on a CPU device the slot ring and resident parts, and a reserve for what a generation allocates. Where every
+block fits beside the rest there is no disk tier. `enable_offload` and `layerstream plan` both decide here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
@@ -66,16 +62,8 @@ class HostBudgetChoice:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "budget_bytes": self.budget_nbytes,
-            "free_bytes": self.free_nbytes,
-            "free_source": self.free_source,
-            "streamed_bytes": self.streamed_nbytes,
-            "held_bytes": self.held_nbytes,
-            "needs": dict(self.needs),
-            "reserve_reason": self.reserve_reason,
-            "reason": self.describe(),
-        }
+        figures = {f.name.replace("_nbytes", "_bytes"): getattr(self, f.name) for f in fields(self)}
+        return {**figures, "needs": dict(self.needs), "reason": self.describe()}
 
 
 def choose_host_budget(

@@ -1,45 +1,18 @@
-"""Placement: where every streamable block goes, decided once, as plain data.
-
-`place_blocks` turns a resolved plan, the slot bytes of each block (as the host store will lay it out) and a
-device budget into a `Placement`: which DiT blocks stay resident, the prefetch chains of the blocks that
-stream, the number of device slots and the bytes of each slot. `enable_offload`, `layerstream plan`,
-residency "auto" and the benchmark harness all read it; nothing recomputes any of it.
-
-Resident blocks. An int `resident_layers` N keeps the first N blocks of the main chain of each DiT declared in
-`resident_dit_paths`. `"auto"` fills a device budget: the non-block modules, the slot ring and the resident
-blocks must fit in it. Auto spreads the resident blocks evenly through the stack rather than keeping the
-leading ones: while a resident block computes, the link already copies the next streamed block, so every
-resident block hides one more transfer; with leading blocks resident, the streamed blocks still run back to
-back and a transfer-bound model exposes the same gap after each of them.
-
-The device budget is the one input that is not in the plan: `device_budget_gb` from the config, or the free
-memory of the device minus the activation reserve (`activation_reserve_gb`, else the estimate for the generation
-enabling is for: its largest phase's transient and an allowance, `ActivationReserve`), read by the caller
-(`read_device_budget`).
-
-Host tier. With `host_budget_gb`, the streamed blocks that fit in the budget are held in host memory and the
-rest are read from disk every time they run (`HostTierChoice`). The choice is static, made once here: a
-denoising loop runs the blocks in the same cyclic order every step, and on a cyclic scan larger than the cache
-least-recently-used evicts exactly the block needed next, so it would miss every block. A fixed host-resident
-subset misses only the disk blocks, every step. The host blocks are spread through each chain, as "auto"
-spreads device-resident blocks, so that every disk read has the compute and link time of the host blocks
-before it to hide in, instead of disk reads bunched back to back at the end of the stack.
-
-Host pool. DiTs that run one after the other (`ResolvedComponent.alternates`: Wan 2.2's two experts, one per
-denoising step) do not hold host memory each: their host blocks share one pool (`HostPoolChoice`), and the
-expert that is not running holds none. Entry j of the pool is the j-th host block of each of them, in chain
-order; it holds whichever of them ran last, and is read again from disk when the other one runs. So each
-expert keeps as many blocks in host memory as the whole budget holds, and a change of expert (twice a
-request) reads the newcomer's pooled blocks once, in its first step. The pool is used only when the streamed
-blocks do not all fit in the budget; when the pool holds every DiT whole and budget is left, entries from the
-start of the chains leave the pool and their blocks stay for the whole run (they are not read again at each
-change).
+"""Placement: where every streamable block goes, decided once, as plain data that `enable_offload`, `layerstream
+plan`, residency "auto" and the benchmarks read (nothing recomputes it): which DiT blocks stay resident, the
+prefetch chains, the slot ring, and with `host_budget_gb` which streamed blocks the host holds and which are read
+from disk. Resident blocks ("auto": within the device budget, `read_device_budget`) and host blocks are spread
+evenly through each chain rather than leading it: each resident or host block gives the next streamed or disk
+block's transfer time to hide in. The host choice is fixed, not a cache: a denoising loop runs the blocks in the
+same cyclic order every step, and least-recently-used would evict exactly the block needed next. DiTs that run
+one after the other (`ResolvedComponent.alternates`, Wan 2.2's experts) share one host pool: entry j holds the
+j-th host block of whichever ran last (docs/storage.md, the disk tier).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from types import MappingProxyType
@@ -292,41 +265,26 @@ def place_blocks(
 def _choose_host_tier(
     chains: list[PrefetchChain], host_nbytes: Mapping[str, int], budget_gb: float, alternating: tuple[str, ...] = ()
 ) -> HostTierChoice:
-    """Hand out host-resident blocks one at a time to the chain with the smallest host fraction, spread through
-    it, while they fit in the budget (see the module docstring for why a fixed, spread subset). The chains of
-    the `alternating` DiTs share a pool when the streamed blocks do not all fit."""
+    """Host blocks spread through each chain while they fit in the budget; the chains of the `alternating` DiTs
+    share a pool when the streamed blocks do not all fit."""
     budget = round(budget_gb * GB)
     total = sum(host_nbytes[p] for c in chains for p in c.block_paths)
     if total <= budget:
         alternating = ()  # every block fits: nothing to share, and nothing read again at a change of expert
-    counts = [0] * len(chains)
-
-    def picked(i: int, count: int) -> list[str]:
-        paths = chains[i].block_paths
-        return [paths[j] for j in spread_indices(len(paths), count)]
 
     def layout(counts: list[int]) -> tuple[int, list[str], list[list[str]]]:
         """(host bytes, blocks held for the whole run, pool entries) of these counts."""
         fixed: list[str] = []
         per_member: dict[str, list[str]] = {m: [] for m in alternating}
-        for i, count in enumerate(counts):
-            (per_member.get(chains[i].component, fixed)).extend(picked(i, count))
+        for chain, count in zip(chains, counts):
+            paths = chain.block_paths
+            (per_member.get(chain.component, fixed)).extend(paths[j] for j in spread_indices(len(paths), count))
         entries = [[p for p in entry if p is not None] for entry in zip_longest(*per_member.values())]
         used = sum(host_nbytes[p] for p in fixed) + sum(max(host_nbytes[p] for p in e) for e in entries)
         return used, fixed, entries
 
-    used = 0
-    while True:
-        candidates = [i for i, c in enumerate(chains) if counts[i] < len(c.block_paths)]
-        if not candidates:
-            break
-        i = min(candidates, key=lambda i: counts[i] / len(chains[i].block_paths))
-        grown = counts[:i] + [counts[i] + 1] + counts[i + 1 :]
-        after = layout(grown)[0]
-        if after > budget:
-            break
-        used, counts = after, grown
-    _, host, entries = layout(counts)
+    counts = _hand_out([len(c.block_paths) for c in chains], lambda counts: layout(counts)[0] <= budget)
+    used, host, entries = layout(counts)
     if entries and all(counts[i] == len(c.block_paths) for i, c in enumerate(chains)):
         # every block is in host memory and budget is left: take entries out of the pool, from the start of the
         # chains (the blocks a newcomer needs first), so that their blocks stay for the whole run and are not
@@ -410,21 +368,13 @@ def _choose_auto(
     available = budget.nbytes - slots_bytes - non_block
     chains = {c.path: main_chain(c) for c in auto}
     sizes = {c.path: {p: n for s in c.stacks for p, n in zip(s.block_paths, s.block_bytes)} for c in auto}
-    counts = {c.path: 0 for c in auto}
-    # hand out blocks one at a time to the DiT with the smallest resident fraction, while they fit
-    remaining = available
-    while True:
-        candidates = [p for p in counts if counts[p] < len(chains[p])]
-        if not candidates:
-            break
-        path = min(candidates, key=lambda p: counts[p] / len(chains[p]))
-        chain = chains[path]
-        grown = spread_indices(len(chain), counts[path] + 1)
-        extra = sum(sizes[path][chain[i]] for i in grown) - sum(sizes[path][chain[i]] for i in spread_indices(len(chain), counts[path]))
-        if extra > remaining:
-            break
-        remaining -= extra
-        counts[path] += 1
+
+    def resident_nbytes(counts: list[int]) -> int:
+        picked = [(c.path, i) for c, n in zip(auto, counts) for i in spread_indices(len(chains[c.path]), n)]
+        return sum(sizes[path][chains[path][i]] for path, i in picked)
+
+    fits = _hand_out([len(chains[c.path]) for c in auto], lambda counts: resident_nbytes(counts) <= available)
+    counts = {c.path: n for c, n in zip(auto, fits)}
     out = {}
     for comp in auto:
         chain = chains[comp.path]
@@ -440,6 +390,20 @@ def _choose_auto(
             reason += f"; keeping one block resident needs a budget of at least {_gb_rounded_up(needed):g} GB ({needed} bytes)"
         out[comp.path] = ResidencyChoice(picked, len(chain), reason)
     return out
+
+
+def _hand_out(lengths: list[int], fits: Callable[[list[int]], bool]) -> list[int]:
+    """Blocks per chain, handed out one at a time to the chain with the smallest fraction while `fits` holds."""
+    counts = [0] * len(lengths)
+    while True:
+        candidates = [i for i, n in enumerate(lengths) if counts[i] < n]
+        if not candidates:
+            return counts
+        i = min(candidates, key=lambda i: counts[i] / lengths[i])
+        grown = counts[:i] + [counts[i] + 1] + counts[i + 1 :]
+        if not fits(grown):
+            return counts
+        counts = grown
 
 
 def _gb_rounded_up(nbytes: int, digits: int = 4) -> float:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from layerstream.config.offload_config import OffloadConfig, WeightTransfer
 from layerstream.errors import LayerstreamError
@@ -13,9 +13,6 @@ Source = Literal["plan", "builtin", "class_attribute", "auto", "none"]
 Action = Literal["stream", "swap", "resident", "on_demand"]
 """What enabling does with a component: stream its blocks, swap it whole (module mode), keep it on the device,
 or leave it to the pipeline (on-demand components)."""
-CATEGORIES: tuple[Category, ...] = get_args(Category)
-SOURCES: tuple[Source, ...] = get_args(Source)
-ACTIONS: tuple[Action, ...] = get_args(Action)
 
 
 class OffloadPlanResolutionError(LayerstreamError, ValueError):
@@ -156,20 +153,8 @@ class ResolvedOffloadPlan:
             "components": [
                 {
                     "path": c.display_path,
-                    "category": c.category,
                     "class": c.module_class,
-                    "source": c.source,
-                    "action": c.action,
-                    "reason": c.reason,
-                    "total_bytes": c.total_bytes,
-                    "block_bytes": c.block_bytes,
-                    "resident_layers": c.resident_layers,
-                    "resident_allowed": c.resident_allowed,
-                    "weight_transfer": c.weight_transfer,
-                    "alternates": c.alternates,
-                    "storage_dtype": c.storage_dtype,
-                    "on_demand": c.on_demand,
-                    "own_to": c.own_to,
+                    **{key: getattr(c, key) for key in _COMPONENT_KEYS},
                     "stacks": [
                         {
                             "name": s.qualified_name,
@@ -187,6 +172,13 @@ class ResolvedOffloadPlan:
                 {"path": u.path, "class": u.module_class, "total_bytes": u.total_bytes} for u in self.untouched
             ],
         }
+
+
+_COMPONENT_KEYS = (
+    "category", "source", "action", "reason", "total_bytes", "block_bytes", "resident_layers", "resident_allowed",
+    "weight_transfer", "alternates", "storage_dtype", "on_demand", "own_to",
+)  # fmt: skip
+"""The fields of a `ResolvedComponent` its dict gives as they are."""
 
 
 def join_path(prefix: str, name: str) -> str:

@@ -1,13 +1,8 @@
 """`resolve_offload_plan`: the one reader of offload plans; pure, so every backend can trust its answer.
 
-Resolution runs in three passes over plain data:
-1. find the components (`plan.found`): enumerate them (skipping declared ones the instance does not hold, and
-   leaving untouched the children a pipeline that declares its roles does not name), categorize them and find
-   their block lists, recording where each list came from; the declarations are read by `plan.declarations`;
-2. check what does not depend on the config (`plan.checks`): declared paths, types, a block claimed twice;
-3. decide what the config does with each component (`plan.decisions`), and reject selections that cannot work
-   (`plan.checks`).
-Modules are only read: no tensor moves, no hook is installed, no attribute changes.
+Three passes over plain data, reading modules only: find the components and their block lists (`plan.found`,
+through `plan.declarations`), check what does not depend on the config (`plan.checks`), decide what the config
+does with each (`plan.decisions`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Who may talk to the server: the Host a request names, the Origin a browser sends, and the API key.
 
-Three checks, in this order, each refusing with one line that names how to allow what it refused:
-- **Host** (every path): a DNS-rebinding page reaches a loopback server under its own name, so a request naming
-  a host this server does not answer to is a 403. Loopback names and addresses always pass; bound to another
-  address, so do this machine's names and any IP address (an address cannot be rebound); ``--allowed-hosts``
-  replaces that wider set.
-- **Origin** (state-changing methods): a browser sends the page's origin; one other than the server's own, and
-  not in ``--allowed-origins``, is a 403. Clients that are not browsers send none and pass. CORS headers are
-  answered only for ``--allowed-origins`` (Starlette's `CORSMiddleware`), never otherwise.
-- **API key** (``--api-key``): every path but ``/health``, ``/metrics``, the page and its files, and the OpenAPI
-  document needs ``Authorization: Bearer KEY`` (vllm's rule), or, on GET and HEAD from the page's own origin
-  only, the cookie the page sets: what a browser fetches without headers (an event stream, a ``<video>``
-  source, a download link) carries no header.
-"""
+- **Host** (every path): a DNS-rebinding page reaches a loopback server under its own name, so a Host the
+  server does not answer to is a 403. Loopback always passes; bound elsewhere, this machine's names and any IP
+  address too (an address cannot be rebound); ``--allowed-hosts`` replaces that wider set.
+- **Origin** (state-changing methods): another site's page is a 403 unless in ``--allowed-origins``, the only
+  origins CORS answers; clients that are not browsers send none.
+- **API key** (``--api-key``): ``Authorization: Bearer KEY`` everywhere but the open paths, or on GET and HEAD
+  from the page itself, its cookie (an event stream, a ``<video>`` or a download carries no header)."""
 
 from __future__ import annotations
 
@@ -30,8 +24,7 @@ from urllib.parse import unquote
 from layerstream.errors import LayerstreamError
 
 API_KEY_ENV = "LAYERSTREAM_API_KEY"
-KEY_COOKIE = "layerstream_api_key"
-"""The cookie the page keeps the key in (cookies ignore the port: servers on one host with one key share it)."""
+KEY_COOKIE = "layerstream_api_key"  # cookies ignore the port: servers on one host with one key share it
 OPEN_PATHS = frozenset({"/", "/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 OPEN_PREFIXES = ("/ui/",)
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -50,8 +43,7 @@ class HostRule:
     """Which Host names a request may carry, beyond loopback names and addresses (always served)."""
 
     names: frozenset[str] = frozenset()
-    domains: tuple[str, ...] = ()
-    """``.example.com``: that domain and every name under it."""
+    domains: tuple[str, ...] = ()  # ``.example.com``: that domain and every name under it
     networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
     any_host: bool = False
 
@@ -70,11 +62,8 @@ class AccessSettings:
     """The server's access rules, validated when built (the command line names its own flags in errors)."""
 
     bind_host: str = "127.0.0.1"
-    """The address the server binds: on loopback only loopback Hosts are served unless `allowed_hosts` says more."""
-    allowed_hosts: tuple[str, ...] | None = None
-    """None: the default for `bind_host`. Else names, ``.domain`` suffixes, IP addresses or networks, or ``*``."""
-    allowed_origins: tuple[str, ...] = ()
-    """Origins (``https://app.example``) that may make state-changing requests and get CORS headers; ``*``: any."""
+    allowed_hosts: tuple[str, ...] | None = None  # None: the default for `bind_host`
+    allowed_origins: tuple[str, ...] = ()  # may make state-changing requests and get CORS headers; ``*``: any
     api_key: str | None = None
     hosts: HostRule = field(init=False, repr=False)
 
@@ -206,23 +195,6 @@ def is_open_path(path: str) -> bool:
     return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
-class ApiKey:
-    """The key, kept as its SHA-256 so that every comparison takes the same time whatever is sent (vllm's way)."""
-
-    def __init__(self, key: str):
-        self._digest = hashlib.sha256(key.encode()).digest()
-
-    def matches(self, candidate: str | None) -> bool:
-        if candidate is None:
-            return False
-        return secrets.compare_digest(hashlib.sha256(candidate.encode("utf-8", "replace")).digest(), self._digest)
-
-
-def bearer_token(authorization: str | None) -> str | None:
-    scheme, _, token = (authorization or "").strip().partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
 def cookie_keys(cookie_header: str | None) -> list[str]:
     """The values of the page's key cookie in a Cookie header (a browser may send several of one name)."""
     keys = []
@@ -234,8 +206,7 @@ def cookie_keys(cookie_header: str | None) -> list[str]:
 
 
 def refusals(settings: AccessSettings, method: str, path: str) -> dict[int, str]:
-    """What the checks below may answer a request for `method` `path` (status -> when), for the OpenAPI document:
-    403 everywhere (the Host; on a state-changing method the Origin too), 401 where the key is needed."""
+    """What the checks may answer `method` `path` (status -> when), for the OpenAPI document."""
     forbidden = "The request's Host is not a name or address this server answers to (--allowed-hosts)"
     if method.upper() not in SAFE_METHODS and "*" not in settings.allowed_origins:
         forbidden += ", or a page of another site sent it (its Origin; --allowed-origins)"
@@ -247,8 +218,8 @@ def refusals(settings: AccessSettings, method: str, path: str) -> dict[int, str]
 
 # the ASGI side ----------------------------------------------------------------------------------------------------
 def add_access_checks(app: Any, settings: AccessSettings) -> None:
-    """Install the checks on `app` (a Starlette app): the Host check outermost, then CORS if origins are allowed,
-    then the Origin and key checks, so that a preflight never needs the key and every refusal carries CORS."""
+    """Install the checks on `app`: Host outermost, then CORS, then Origin and key, so that a preflight never
+    needs the key and every refusal carries CORS."""
     app.add_middleware(RequestGate, settings=settings)
     if settings.allowed_origins:
         from starlette.middleware.cors import CORSMiddleware
@@ -262,7 +233,6 @@ def add_access_checks(app: Any, settings: AccessSettings) -> None:
 
 
 def _headers(scope: dict[str, Any]) -> dict[str, str]:
-    """The request's headers by lower-case name, the first of each (latin-1, as HTTP carries them)."""
     headers: dict[str, str] = {}
     for name, value in scope.get("headers", ()):
         headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
@@ -284,8 +254,7 @@ async def _refuse(send: Any, status: int, code: str, message: str, headers: dict
 
 
 class HostGate:
-    """403 to a request whose Host this server does not answer to (DNS rebinding); a request without a Host
-    (HTTP/1.0) names no site and passes."""
+    """403 to a Host this server does not answer to; a request without one (HTTP/1.0) names no site and passes."""
 
     def __init__(self, app: Any, *, settings: AccessSettings):
         self.app, self.rule = app, settings.hosts
@@ -309,7 +278,8 @@ class RequestGate:
 
     def __init__(self, app: Any, *, settings: AccessSettings):
         self.app, self.settings = app, settings
-        self.key = ApiKey(settings.api_key) if settings.api_key is not None else None
+        # the key as its SHA-256: every comparison takes the same time whatever is sent (vllm's way)
+        self.key = _digest(settings.api_key) if settings.api_key is not None else None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -338,11 +308,19 @@ class RequestGate:
 
     def _has_key(self, headers: dict[str, str], method: str) -> bool:
         assert self.key is not None
-        if self.key.matches(bearer_token(headers.get("authorization"))):
+        scheme, _, token = headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() == "bearer" and self._matches(token.strip() or None):
             return True
         # the page's cookie, on reads only and only from the page itself (Fetch Metadata; browsers that send none
         # still keep a SameSite=Strict cookie from other sites): a write always needs the header, so no other
         # page can make the browser write with it
         if method not in ("GET", "HEAD") or headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
             return False
-        return any(self.key.matches(key) for key in cookie_keys(headers.get("cookie")))
+        return any(self._matches(key) for key in cookie_keys(headers.get("cookie")))
+
+    def _matches(self, candidate: str | None) -> bool:
+        return candidate is not None and secrets.compare_digest(_digest(candidate), self.key)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "replace")).digest()

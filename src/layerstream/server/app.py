@@ -1,30 +1,7 @@
-"""The FastAPI app: routes, error answers and request metrics around a `GenerationService`.
-
-    POST /v1/images/generations   OpenAI-style image generation (PNG, JPEG or WebP; base64, or a URL)
-    POST /v1/images/edits         OpenAI-style image editing: a multipart form with an image file and a prompt
-    GET  /v1/images/outputs/NAME  an image answered as a URL (response_format 'url'), kept in memory a while
-    POST /v1/videos/generations   the same for video pipelines (MP4, base64), plus num_frames and fps, and an
-                                  image (base64) for image-to-video models
-    POST /v1/videos/sync          vllm-omni's: a job's body, answered with the MP4 itself (no job stored)
-    /v1/videos, /v1/images/jobs   the job API (see `layerstream.server.jobs.routes`): create, poll, list,
-                                  download, delete, and a server-sent event stream of progress and previews
-    GET  /v1/models               OpenAI's list of models: the served one, under each --served-model-name
-    GET  /health                  model, offload config, device, queue depth, status
-    GET  /metrics                 Prometheus text format
-    GET  /                        the web page (`layerstream.server.ui`), unless --no-ui
-
-Statuses: 400 the model cannot take the request (size multiple, largest size or frames, frame rule, more
-work than --max-work, wrong endpoint, not JSON (no body at all included), an input image that is not an
-image, an image the model does not take or a missing one it needs); 404 no such job or kept image output;
-405 a method the path does not serve (``Allow`` lists every one it does); 409 a job's content before it has
-completed; 413 body over --max-body-bytes (plus the image allowance where an image may come), or an image over
---max-image-bytes or --max-image-pixels; 415 an input image that is not PNG, JPEG or WebP by its bytes (or a
-data URL of another type than an image's); 422 a field missing, mistyped, out of range or unknown; 429 queue
-full; 500 the generation raised (the server stays up); 503 shutting down; 504 past its ``timeout`` (waiting,
-or generating: then it stops at the next denoising step). Each route's OpenAPI entry states the statuses it
-answers, every error with the `ErrorResponse` body. A request whose client disconnects, while it sends its
-body, waits or runs, is counted as 499 (no client reads it: not in the document); its job is dropped from the
-queue or stopped at its next step.
+"""The FastAPI app: routes, error answers and request metrics around a `GenerationService`:
+OpenAI's image, edit and video endpoints, vllm-omni's ``/v1/videos/sync``, the job API (`jobs.routes`),
+``/v1/models``, ``/health``, ``/metrics`` and the web page. A client that disconnects is counted as 499 (no
+client reads it: not in the OpenAPI document); its job is dropped from the queue or stopped at its next step.
 """
 
 from __future__ import annotations
@@ -54,7 +31,7 @@ from layerstream.server.errors import ApiError, client_line, validation_error
 from layerstream.server.jobs.manager import JobManager
 from layerstream.server.jobs.records import run_figures
 from layerstream.server.jobs.requests import VideoJobForm, VideoJobRequest
-from layerstream.server.jobs.routes import add_job_routes, read_job_body
+from layerstream.server.jobs.routes import add_job_routes, read_job_input
 from layerstream.server.image_outputs import KeptOutputs
 from layerstream.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from layerstream.server.metrics import ServerMetrics
@@ -87,13 +64,7 @@ from layerstream.server.ui import add_web_page
 
 logger = logging.getLogger(__name__)
 
-IMAGES_PATH = "/v1/images/generations"
-EDITS_PATH = "/v1/images/edits"
-VIDEOS_PATH = "/v1/videos/generations"
 VIDEOS_SYNC_PATH = "/v1/videos/sync"
-HEALTH_PATH = "/health"
-METRICS_PATH = "/metrics"
-IMAGE_OUTPUTS_PATH = "/v1/images/outputs"
 MODELS_PATH = "/v1/models"
 
 _GENERATION_ERRORS = error_responses({
@@ -110,9 +81,7 @@ _IMAGE_OUTPUT_ERRORS = error_responses({404: "No kept output of that name (kept 
 def create_app(
     service: GenerationService, jobs: JobManager | None = None, *, ui: bool = True, access: AccessSettings | None = None
 ) -> FastAPI:
-    """The app serving `service` (and, with `jobs`, its job API, and with `ui` too, the web page at ``/``); see
-    `_lifespan`. `access`: its Host, Origin and API key checks; without, a loopback server's (loopback Hosts only,
-    no state-changing request from another site, no key)."""
+    """The app serving `service`, with `jobs` its job API, with `ui` the web page (`access`: loopback's checks)."""
     access = access if access is not None else AccessSettings()
     app = FastAPI(title="layerstream", version=__version__, lifespan=_lifespan(service, jobs))
     apply_exact_openapi_(app, access)
@@ -141,9 +110,8 @@ def create_app(
 
     _add_image_routes(app, service)
 
-    @_post_generation(
-        app, VIDEOS_PATH, VideoGenerationResponse, json_request_body(VideoGenerationRequest), _IMAGE_INPUT_GENERATION_ERRORS
-    )
+    @app.post("/v1/videos/generations", response_model=VideoGenerationResponse,
+              responses=_IMAGE_INPUT_GENERATION_ERRORS, openapi_extra=json_request_body(VideoGenerationRequest))
     async def create_videos(request: Request) -> JSONResponse:
         _, output = await _run_generation(service, request, VideoGenerationRequest, "video")
         data = [VideoData(b64_json=_base64(f)) for f in output.files]
@@ -158,12 +126,11 @@ def create_app(
 
     _add_model_routes(app, service)
 
-    @app.get(HEALTH_PATH, response_model=HealthResponse)
+    @app.get("/health", response_model=HealthResponse)
     async def health() -> dict[str, Any]:
-        jobs_fields = {"jobs_path": jobs.path, "jobs_storage": jobs.storage_state(), **jobs.history_state()} if jobs is not None else {}
-        return {**service.health(), **jobs_fields}
+        return {**service.health(), **(jobs.health() if jobs is not None else {})}
 
-    @app.get(METRICS_PATH, response_class=PlainTextResponse)
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(service.render_metrics(), media_type=METRICS_CONTENT_TYPE)
 
@@ -189,33 +156,23 @@ def _add_model_routes(app: FastAPI, service: GenerationService) -> None:
 
 
 def _add_video_sync_route(app: FastAPI, service: GenerationService) -> None:
-    """vllm-omni's ``POST /v1/videos/sync``: the job API's body (JSON, multipart or url-encoded), answered with the
-    MP4 itself and vllm-omni's headers; no job is stored, the request's limits are the job API's, and a client
-    that goes away stops it as it stops a synchronous request."""
+    """vllm-omni's ``POST /v1/videos/sync``: the job API's body, answered with the MP4 and vllm-omni's headers."""
+    responses = {**binary_response("The video", "video/mp4"), **_IMAGE_INPUT_GENERATION_ERRORS}
+    request_body = json_request_body(VideoJobRequest)
 
-    @app.post(
-        VIDEOS_SYNC_PATH,
-        response_class=Response,
-        responses={**binary_response("The video", "video/mp4"), **_IMAGE_INPUT_GENERATION_ERRORS},
-        openapi_extra=json_request_body(VideoJobRequest),
-    )
+    @app.post(VIDEOS_SYNC_PATH, response_class=Response, responses=responses, openapi_extra=request_body)
     async def create_video_sync(request: Request) -> Response:
         started = time.perf_counter()
-        body, image_bytes = await read_job_body(request, service, VideoJobRequest, VideoJobForm)
-        field = VideoJobRequest.image_field
-        how = f"{field} (a file part, or base64 or a data URL in JSON)"
-        service.check_image_presence(has_image=image_bytes is not None, endpoint=f"POST {VIDEOS_SYNC_PATH}", field=field, how=how)
-        image = await asyncio.to_thread(service.read_image, image_bytes, field) if image_bytes is not None else None
-        output = await _submit_and_wait(service, request, service.prepare(body.generation_body(service.limits), image, field))
+        body, image = await read_job_input(request, service, VideoJobRequest, VideoJobForm, f"POST {VIDEOS_SYNC_PATH}")
+        served = service.prepare(body.generation_body(service.limits), image, VideoJobRequest.image_field)
+        output = await _submit_and_wait(service, request, served)
         usage, figures = output.usage, run_figures(output.usage)
         stages = {"queue": round(usage.queue_seconds, 6), "inference": figures["inference_time_s"], "total": round(time.perf_counter() - started, 6)}
         headers = {
-            "x-request-id": uuid.uuid4().hex,
-            "x-model": service.limits.model,
-            "x-inference-time-s": str(figures["inference_time_s"]),
-            "x-stage-durations": json.dumps(stages),
+            "x-request-id": uuid.uuid4().hex, "x-model": service.limits.model,
+            "x-inference-time-s": str(figures["inference_time_s"]), "x-stage-durations": json.dumps(stages),
             **({"x-peak-memory-mb": str(figures["peak_memory_mb"])} if figures["peak_memory_mb"] is not None else {}),
-        }
+        }  # fmt: skip
         return Response(output.files[0], media_type="video/mp4", headers=headers)
 
 
@@ -223,22 +180,22 @@ def _add_image_routes(app: FastAPI, service: GenerationService) -> None:
     """The image endpoints, and the route of the files they answer as URLs (response_format 'url')."""
     kept_outputs = KeptOutputs()  # the newest such files, in memory
 
-    @_post_generation(app, IMAGES_PATH, ImageGenerationResponse, json_request_body(ImageGenerationRequest))
+    @app.post("/v1/images/generations", response_model=ImageGenerationResponse, responses=_GENERATION_ERRORS,
+              openapi_extra=json_request_body(ImageGenerationRequest))  # fmt: skip
     async def create_images(request: Request) -> JSONResponse:
         body, output = await _run_generation(service, request, ImageGenerationRequest, "image")
         return _ok(await _image_response(request, body, output, kept_outputs))
 
-    @_post_generation(app, EDITS_PATH, ImageGenerationResponse, edit_request_body(), _IMAGE_INPUT_GENERATION_ERRORS)
+    @app.post("/v1/images/edits", response_model=ImageGenerationResponse, responses=_IMAGE_INPUT_GENERATION_ERRORS,
+              openapi_extra=edit_request_body())  # fmt: skip
     async def create_edits(request: Request) -> JSONResponse:
         body, output = await _run_edit(service, request)
         return _ok(await _image_response(request, body, output, kept_outputs))
 
-    @app.get(
-        IMAGE_OUTPUTS_PATH + "/{name}",
-        name="image_output",
-        response_class=Response,
-        responses={**binary_response("The image", "image/png", "image/jpeg", "image/webp"), **_IMAGE_OUTPUT_ERRORS},
-    )
+    images = binary_response("The image", "image/png", "image/jpeg", "image/webp")
+
+    @app.get("/v1/images/outputs/{name}", name="image_output", response_class=Response,
+             responses={**images, **_IMAGE_OUTPUT_ERRORS})  # fmt: skip
     async def image_output(name: str) -> Response:
         kept = kept_outputs.get(name)
         if kept is None:
@@ -250,18 +207,8 @@ def _add_image_routes(app: FastAPI, service: GenerationService) -> None:
         return Response(kept.data, media_type=kept.media_type)
 
 
-def _post_generation(
-    app: FastAPI, path: str, answer: type[BaseModel], request_body: dict[str, Any], errors: dict = _GENERATION_ERRORS
-):
-    """The route decorator of a generation endpoint that answers JSON `answer`: the OpenAPI document shows its
-    `request_body` (the route reads the body itself) and the `errors` it may answer (every generation's, and
-    415 where it takes an input image)."""
-    return app.post(path, response_model=answer, responses=errors, openapi_extra=request_body)
-
-
 def _served_methods(app: FastAPI, scope: Scope) -> set[str]:
-    """Every method served on the path of a 405: that of the route Starlette chose (the first whose path matches;
-    ``/v1/videos/generations`` is not read as a job id), by all of its routes (each serves its own methods)."""
+    """Every method of all routes on the path Starlette chose for a 405 (the first route whose path matches)."""
     routes = [route for route in app.router.routes if isinstance(route, Route) and route.methods]
     chosen = next((route for route in routes if route.matches(scope)[0] is not Match.NONE), None)
     if chosen is None:
@@ -287,8 +234,7 @@ def _lifespan(service: GenerationService, jobs: JobManager | None):
 async def _run_generation(
     service: GenerationService, request: Request, model: type[GenerationBody], kind: str
 ) -> tuple[Any, GenerationOutput]:
-    """Parse, check, queue and await one generation request: (its body, its output); every failure becomes an
-    `ApiError`."""
+    """Parse, check, queue and await one generation request: (its body, its output), or an `ApiError`."""
     service.check_endpoint(kind)  # the wrong endpoint is the first thing to say, whatever the body holds
     body = await _read_body(request, service.body_limit(kind), _limit_flags(service, kind))
     try:
@@ -302,15 +248,12 @@ async def _run_generation(
 
 
 async def _run_edit(service: GenerationService, request: Request) -> tuple[ImageEditRequest, GenerationOutput]:
-    """`POST /v1/images/edits`: the multipart form parsed into an `ImageEditRequest` and its image, then as a
-    generation: (the fields, the output)."""
+    """`POST /v1/images/edits`: the multipart form and its image, then as a generation: (the fields, the output)."""
     service.check_endpoint("edit")
     content_type = request.headers.get("content-type", "")
     if content_type.lower().startswith("application/x-www-form-urlencoded"):  # a form, but it cannot hold a file
-        raise ApiError(
-            400, "image is required: send a multipart/form-data body with the image as a file part named image",
-            code="invalid_image", param="image",
-        )  # fmt: skip
+        message = "image is required: send a multipart/form-data body with the image as a file part named image"
+        raise ApiError(400, message, code="invalid_image", param="image")
     if not content_type.lower().startswith("multipart/form-data"):
         raise ApiError(
             400, f"expected a multipart/form-data body (an image file part and form fields), got {content_type or 'none'!r}",
@@ -343,10 +286,7 @@ async def _image_response(
         data = [ImageData(b64_json=_base64(f)) for f in output.files]
     usage = output.usage
     return ImageGenerationResponse(
-        created=int(time.time()),
-        data=data,
-        output_format=body.output_format,
-        size=f"{usage.width}x{usage.height}",
+        created=int(time.time()), data=data, output_format=body.output_format, size=f"{usage.width}x{usage.height}",
         layerstream=usage,
     )
 
@@ -356,7 +296,6 @@ def _base64(data: bytes) -> str:
 
 
 async def _submit_and_wait(service: GenerationService, request: Request, served: ServedRequest) -> GenerationOutput:
-    """Queue a checked request and await the outcome."""
     try:
         job = service.submit(served)
     except QueueFullError as e:
@@ -367,11 +306,8 @@ async def _submit_and_wait(service: GenerationService, request: Request, served:
 
 
 async def _await_job(service: GenerationService, job: Job, request: Request) -> GenerationOutput:
-    """The job's output, or its failure as an `ApiError`.
-
-    Its deadline and its client's disconnect are watched here, on the loop: either answers the request at
-    once, drops the job if it has not started, and otherwise asks the worker to stop it at its next step.
-    """
+    """The job's output, or its failure as an `ApiError`. A passed deadline or a disconnect answers at once and
+    drops the job if it has not started, else asks the worker to stop it at its next step."""
     result = asyncio.wrap_future(job.future)
     client_gone = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -427,8 +363,7 @@ class RequestMetricsMiddleware:
     """Counts every answer by endpoint and status, with its latency (plain ASGI: it never touches the body)."""
 
     def __init__(self, app: ASGIApp, *, metrics: ServerMetrics):
-        self.app = app
-        self.metrics = metrics
+        self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -15,18 +15,13 @@ logger = logging.getLogger(__name__)
 # An oversized body is read and dropped up to this many bytes before answering 413, so that the client,
 # still sending, reads the answer instead of a reset connection; beyond it the connection is just closed.
 DRAIN_LIMIT_BYTES = 64 << 20
-MAX_FORM_FIELDS = 32
-"""Multipart fields of a request, and files: the form fields OpenAI's endpoints take, and ours."""
+MAX_FORM_FIELDS = 32  # fields, and files, of a form: what OpenAI's endpoints take, and ours
 
 
 async def read_body(request: Request, max_bytes: int, limit_flags: str = "--max-body-bytes") -> bytes:
     """The request body, or a 413 naming the limit once it is known to exceed `max_bytes`."""
-    too_large = ApiError(
-        413,
-        f"the request body is larger than the server's limit of {max_bytes} bytes ({limit_flags})",
-        code="body_too_large",
-        param="body",
-    )
+    message = f"the request body is larger than the server's limit of {max_bytes} bytes ({limit_flags})"
+    too_large = ApiError(413, message, code="body_too_large", param="body")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > DRAIN_LIMIT_BYTES:
         raise too_large
@@ -49,13 +44,8 @@ async def read_body(request: Request, max_bytes: int, limit_flags: str = "--max-
     return b"".join(chunks)
 
 
-def read_urlencoded(
-    body: bytes, image_field: str, *, refused: Mapping[str, str] | None = None
-) -> tuple[dict[str, str], None]:
-    """(the text fields, None) of an ``application/x-www-form-urlencoded`` body (what aiohttp and vllm-omni's
-    serving benchmark send for a form without files), checked as `read_form` checks a multipart one: a field
-    given twice, a part named in `refused`, or the image (which such a body cannot carry as a file) is a 4xx
-    naming it."""
+def read_urlencoded(body: bytes, image_field: str) -> tuple[dict[str, str], None]:
+    """(the text fields, None) of a url-encoded body (aiohttp's form), checked as `read_form` checks its own."""
     from urllib.parse import parse_qsl
 
     try:
@@ -67,8 +57,6 @@ def read_urlencoded(
         if name in (image_field, image_field + "[]"):
             message = f"{name} must be a file part of a multipart/form-data body (or base64 in a JSON body), not url-encoded text"
             raise ApiError(422, message, code="invalid_image", param=image_field)
-        if refused and name in refused:
-            raise ApiError(422, refused[name], code="invalid_request", param=name)
         if name in fields:
             raise ApiError(422, f"{name} is given more than once; expected one", code="invalid_request", param=name)
         fields[name] = value
@@ -78,25 +66,16 @@ def read_urlencoded(
 async def read_form(
     request: Request, body: bytes, image_field: str, *, model: str, refused: Mapping[str, str] | None = None
 ) -> tuple[dict[str, str], bytes | None]:
-    """(the text fields, the bytes of the image file part or None) of a multipart form already read as `body`;
-    a 4xx naming the part at fault. Parsed off the event loop (a body of up to ~43 MB), on a loop of its own in
-    a worker thread: Starlette's parser is a coroutine, though its work is CPU and file writes."""
-
-    def parse() -> tuple[dict[str, str], bytes | None]:
-        return asyncio.run(_parse_form(request.headers, body, image_field, model=model, refused=refused))
-
-    return await asyncio.to_thread(parse)
+    """(the text fields, the image file part's bytes or None) of a multipart `body`; a 4xx naming the part at
+    fault. Parsed in a worker thread on a loop of its own (up to ~43 MB): Starlette's parser is a coroutine."""
+    parse = _parse_form(request.headers, body, image_field, model=model, refused=refused)
+    return await asyncio.to_thread(asyncio.run, parse)
 
 
 async def _parse_form(
     headers: Mapping[str, str], body: bytes, image_field: str, *, model: str, refused: Mapping[str, str] | None
 ) -> tuple[dict[str, str], bytes | None]:
-    """`read_form`'s parse.
-
-    The image comes as `image_field`, or as OpenAI's client sends a list, ``image_field[]``: the served models
-    (`model`) take one image, so a list of one is that image and a longer one is refused. A part named in
-    `refused`, as a file or as text, is a 422 naming it with its message there (the edits' ``mask``); so are
-    a field given twice, a file where text belongs, and text where the image belongs."""
+    """`read_form`'s parse: the image as `image_field` or, as OpenAI's client sends it, a list of one."""
     from starlette.datastructures import UploadFile
     from starlette.formparsers import MultiPartException, MultiPartParser
 
@@ -139,15 +118,12 @@ async def _parse_form(
 
 
 def edit_refusals(model: str) -> dict[str, str]:
-    """The parts an edit form refuses by name (for `read_form`): `model` edits the whole image, so no mask."""
     return {"mask": f"mask is not supported: {model} edits the whole image as the prompt says; send no mask"}
 
 
 def decode_base64_image(text: str, field: str = "image") -> bytes:
-    """The bytes of a base64 image field, plain or as a data URL (``data:image/png;base64,...``), line breaks
-    and spaces allowed (what ``base64 FILE`` prints); 400 naming `field` if it is neither. A data URL's declared
-    type is not trusted: an image type or ``application/octet-stream`` (what clients send for a file they cannot
-    name) is read by its bytes (`read_image_file`), any other type is a 415."""
+    """The bytes of a base64 image field, plain or as a data URL, line breaks allowed; 400 naming `field` if it
+    is neither. An image type or ``application/octet-stream`` is read by its bytes; another type is a 415."""
     import base64
     import binascii
 

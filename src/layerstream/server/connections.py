@@ -1,13 +1,8 @@
 """Bounds on connections that send no request: a deadline for the request head, and a cap on those waiting.
-
-uvicorn's h11 protocol closes an idle keep-alive connection after ``timeout_keep_alive`` (5 s), but only once a
-response is complete: a connection that never finishes its first request head (or trickles one byte at a time
-after a response, each byte cancelling that timer) is held for ever. `guarded_h11` adds the smallest thing that
-closes them: a connection has `HEADER_TIMEOUT_S` from its opening, or from the end of its last response, to
-deliver a whole request head, and at most `MAX_WAITING_CONNECTIONS` may be waiting for one at a time (a new one
-beyond that closes the one that has waited longest). A head larger than uvicorn's
-``h11_max_incomplete_event_size`` (16 KiB) is refused by h11 itself (400).
-"""
+uvicorn's h11 closes an idle keep-alive connection only once a response is complete: one that never finishes
+its first head (or trickles a byte at a time) is held for ever. `guarded_h11` gives a connection
+`HEADER_TIMEOUT_S` from its opening or last response to send a whole head, and lets at most
+`MAX_WAITING_CONNECTIONS` wait (a new one closes the oldest). h11 itself refuses a head over 16 KiB."""
 
 from __future__ import annotations
 
@@ -29,58 +24,48 @@ preconnected; far fewer than the 300 half-open sockets an attacker opened, each 
 
 
 def guarded_h11(header_timeout_s: float = HEADER_TIMEOUT_S, max_waiting: int = MAX_WAITING_CONNECTIONS) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a request-head deadline and a cap on waiting connections, one class per server
-    (the waiting connections are the server's, oldest first)."""
-    waiting: dict[GuardedH11Protocol, None] = {}  # insertion-ordered: the first has waited longest
+    """uvicorn's h11 protocol with a request-head deadline and a cap on waiting connections, a class per server."""
+    waiting: dict[H11Protocol, None] = {}  # insertion-ordered: the first has waited longest
 
-    class Guarded(GuardedH11Protocol):
-        _header_timeout_s = header_timeout_s
-        _max_waiting = max_waiting
-        _waiting = waiting
+    class GuardedH11Protocol(H11Protocol):
+        _head_deadline: asyncio.TimerHandle | None = None
 
-    return Guarded
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._wait_for_head()
 
-
-class GuardedH11Protocol(H11Protocol):
-    _header_timeout_s: float
-    _max_waiting: int
-    _waiting: dict[GuardedH11Protocol, None]
-    _head_deadline: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._wait_for_head()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._stop_waiting()
-        super().connection_lost(exc)
-
-    def handle_events(self) -> None:
-        super().handle_events()
-        if self.conn.their_state is not h11.IDLE:  # a whole request head arrived (or the connection ended)
+        def connection_lost(self, exc: Exception | None) -> None:
             self._stop_waiting()
+            super().connection_lost(exc)
 
-    def on_response_complete(self) -> None:
-        if not self.transport.is_closing():
-            self._wait_for_head()  # before the base class reads a pipelined request, which ends the wait at once
-        super().on_response_complete()
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:  # a whole request head arrived (or the connection ended)
+                self._stop_waiting()
 
-    def _wait_for_head(self) -> None:
-        self._stop_waiting()
-        while len(self._waiting) >= self._max_waiting:
-            oldest = next(iter(self._waiting))
-            logger.debug("closing a connection that sent no request: %d are waiting for one", len(self._waiting))
-            oldest._close_waiting()
-        self._waiting[self] = None
-        self._head_deadline = self.loop.call_later(self._header_timeout_s, self._close_waiting)
+        def on_response_complete(self) -> None:
+            if not self.transport.is_closing():
+                self._wait_for_head()  # before the base class reads a pipelined request, which ends the wait at once
+            super().on_response_complete()
 
-    def _stop_waiting(self) -> None:
-        self._waiting.pop(self, None)
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
-            self._head_deadline = None
+        def _wait_for_head(self) -> None:
+            self._stop_waiting()
+            while len(waiting) >= max_waiting:
+                oldest = next(iter(waiting))
+                logger.debug("closing a connection that sent no request: %d are waiting for one", len(waiting))
+                oldest._close_waiting()
+            waiting[self] = None
+            self._head_deadline = self.loop.call_later(header_timeout_s, self._close_waiting)
 
-    def _close_waiting(self) -> None:
-        self._stop_waiting()
-        if not self.transport.is_closing():
-            self.transport.close()  # nothing was asked, so nothing is answered: as uvicorn's keep-alive timeout does
+        def _stop_waiting(self) -> None:
+            waiting.pop(self, None)
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+                self._head_deadline = None
+
+        def _close_waiting(self) -> None:
+            self._stop_waiting()
+            if not self.transport.is_closing():
+                self.transport.close()  # nothing was asked, nothing is answered: as uvicorn's keep-alive timeout does
+
+    return GuardedH11Protocol

@@ -1,8 +1,5 @@
-"""Error answers: one shape for every status, and clear messages for invalid request bodies.
-
-Every error body is ``{"error": {"message", "type", "param", "code", "details": [...]}}`` (OpenAI's shape
-plus ``details``, one entry per problem, each naming the field and what it accepts).
-"""
+"""Error answers: ``{"error": {"message", "type", "param", "code", "details": [...]}}`` for every status (OpenAI's
+shape plus ``details``, one entry per problem naming the field and what it accepts)."""
 
 from __future__ import annotations
 
@@ -15,25 +12,13 @@ from layerstream.errors import LayerstreamError
 from layerstream.wording import first_line
 from layerstream.server.schemas import ErrorDetail, ErrorInfo, ErrorResponse
 
-# status -> OpenAI-style error type
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "queue_full_error",
-    499: "client_closed_request",
-    500: "server_error",
-    503: "unavailable_error",
-    504: "timeout_error",
-}
+# status -> OpenAI-style error type (others: invalid_request_error below 500, else server_error)
+_ERROR_TYPES = {404: "not_found_error", 429: "queue_full_error", 499: "client_closed_request",
+                503: "unavailable_error", 504: "timeout_error"}  # fmt: skip
 
 
 def client_line(error: BaseException, folders: Mapping[str, str] | None = None) -> str:
-    """`error` as one line a client may read: its type and first line, an OSError's file name left out, and each
-    of `folders` (a local path -> the setting that names it, ``"--data-dir"``) named by its setting. The log keeps
-    the whole error."""
+    """`error` as one line a client may read: no file name, each of `folders` (path -> setting) by its setting."""
     folders = folders or {}
     if isinstance(error, OSError) and error.strerror:
         text = f"{type(error).__name__}: {error.strerror}"
@@ -50,15 +35,9 @@ class ApiError(LayerstreamError):
     """An answer other than 200: the status, a one-line message, and the field at fault if there is one."""
 
     def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        code: str,
-        param: str | None = None,
-        details: Sequence[ErrorDetail] = (),
+        self, status: int, message: str, *, code: str, param: str | None = None, details: Sequence[ErrorDetail] = (),
         headers: Mapping[str, str] | None = None,
-    ):
+    ):  # fmt: skip
         super().__init__(message)
         self.status = status
         self.message = message
@@ -68,28 +47,22 @@ class ApiError(LayerstreamError):
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
-        info = ErrorInfo(
-            message=self.message,
-            type=_ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error"),
-            param=self.param,
-            code=self.code,
-            details=self.details,
-        )
+        kind = _ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        info = ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code, details=self.details)
         return ErrorResponse(error=info).model_dump()
 
 
 def invalid_fields(status: int, details: Sequence[ErrorDetail], *, code: str) -> ApiError:
     """One error for several field problems: the message lists them all, `param` is the first field."""
-    message = "; ".join(_detail_line(d) for d in details)
+    message = "; ".join(
+        (f"{d.param}: {d.message}" if d.param else d.message) + (f"; allowed: {d.allowed}" if d.allowed else "")
+        for d in details
+    )
     return ApiError(status, message, code=code, param=details[0].param if details else None, details=details)
 
 
 def validation_error(error: ValidationError, model: type[BaseModel]) -> ApiError:
-    """A 422 naming each bad field and what it accepts, from pydantic's errors and the model's JSON schema.
-
-    A body that is not JSON at all is a 400, and so is an ``extra_params`` that is not a JSON object (or, in a
-    form, not JSON text), as vllm-omni answers it.
-    """
+    """A 422 naming each bad field and what it accepts; a 400 for a body not JSON, or a bad ``extra_params``."""
     schema = model.model_json_schema()
     properties: dict[str, Any] = schema.get("properties", {})
     details = []
@@ -123,11 +96,8 @@ def describe_field(schema: Mapping[str, Any]) -> str | None:
     """What a JSON-schema property accepts, in words ("an integer from 1 to 4", "null or a string ...")."""
     if not schema:
         return None
-    if "anyOf" in schema:
-        options = [describe_field(option) for option in schema["anyOf"]]
-        text = " or ".join(o for o in options if o)
-    else:
-        text = _describe_single(schema)
+    options = schema.get("anyOf")
+    text = " or ".join(filter(None, map(describe_field, options))) if options else _describe_single(schema)
     if "description" in schema and text:
         text = f"{text} ({schema['description']})"
     return text or None
@@ -150,15 +120,8 @@ def _describe_single(schema: Mapping[str, Any]) -> str:
         return " ".join(parts)
     if kind in ("integer", "number"):
         noun = "an integer" if kind == "integer" else "a number"
-        bounds = []
-        if "minimum" in schema:
-            bounds.append(f">= {schema['minimum']}")
-        if "exclusiveMinimum" in schema:
-            bounds.append(f"> {schema['exclusiveMinimum']}")
-        if "maximum" in schema:
-            bounds.append(f"<= {schema['maximum']}")
-        if "exclusiveMaximum" in schema:
-            bounds.append(f"< {schema['exclusiveMaximum']}")
+        signs = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
+        bounds = [f"{sign} {schema[key]}" for key, sign in signs.items() if key in schema]
         return f"{noun} {' and '.join(bounds)}" if bounds else noun
     return str(kind) if kind else ""
 
@@ -172,13 +135,4 @@ def _json_type(value: Any) -> str:
         return f"the number {value!r}"
     if isinstance(value, str):
         return f"the string {value[:40]!r}" + ("..." if len(value) > 40 else "")
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
-def _detail_line(detail: ErrorDetail) -> str:
-    head = f"{detail.param}: {detail.message}" if detail.param else detail.message
-    return f"{head}; allowed: {detail.allowed}" if detail.allowed else head
+    return {list: "an array", dict: "an object"}.get(type(value), type(value).__name__)

@@ -1,12 +1,7 @@
 """Running the app under uvicorn, with a shutdown that drains the queue before waiting on open requests.
-
-On SIGTERM or SIGINT uvicorn stops listening, waits for open requests, then runs the app's shutdown. The
-requests still waiting in the queue are open requests too, so left alone they would all be generated before
-the process exits. `DrainingServer` therefore closes the queue first: waiting requests are answered 503 at
-once, and the running generation has --shutdown-timeout seconds to finish and answer its client. Past that
-it is stopped at its next denoising step (its client gets a 503), and uvicorn waits `STOP_WAIT_SECONDS` more
-at most before it closes what is still open. The process exits 0 within the sum of the two.
-"""
+On SIGTERM uvicorn waits for open requests, and queued requests are open too: `DrainingServer` closes the queue
+first (waiting requests answered 503), the running generation has --shutdown-timeout seconds, then is stopped
+at its next step, and uvicorn waits `STOP_WAIT_SECONDS` more at most. The process exits 0 within the sum."""
 
 from __future__ import annotations
 
@@ -47,11 +42,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port), not yet listening: connections are refused until the app is up.
-
-    Binding before the model loads makes a busy port a one-line error in seconds, not after a long load.
-    Raises OSError (address in use, unknown host).
-    """
+    """A TCP socket bound to (host, port), not yet listening: before the model loads, a busy port costs seconds."""
     addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, kind, proto, _, address = addresses[0]
     sock = socket.socket(family, kind, proto)
@@ -64,37 +55,23 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def socket_url(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 def run_server(
-    service: GenerationService,
-    sock: socket.socket,
-    *,
-    on_ready: Callable[[str], None],
-    access_log: bool = True,
-    on_stopper: Callable[[Callable[[], None]], None] | None = None,
-    jobs: JobManager | None = None,
-    ui: bool = True,
+    service: GenerationService, sock: socket.socket, *, on_ready: Callable[[str], None], access_log: bool = True,
+    on_stopper: Callable[[Callable[[], None]], None] | None = None, jobs: JobManager | None = None, ui: bool = True,
     access: AccessSettings | None = None,
 ) -> None:
-    """Serve `service` (and `jobs`, its job API, if given; and the web page, with `ui`) on the bound `sock`
-    until SIGTERM or SIGINT; returns after a graceful shutdown.
-
-    `on_stopper`, if given, receives a function that starts the same shutdown from any thread (a lost rank);
-    `access`: who may talk to it (`layerstream.server.access`; default: loopback Hosts, no key)."""
+    """Serve on the bound `sock` until SIGTERM or SIGINT, then shut down gracefully. `on_stopper` receives a
+    function that starts the same shutdown from any thread (a lost rank)."""
     config = uvicorn.Config(
         create_app(service, jobs, ui=ui, access=access or AccessSettings(bind_host=service.settings.host)),
         http=guarded_h11(),  # closes connections that never send a whole request head
         log_config=None,  # the command line configured logging; uvicorn's loggers propagate to it
-        access_log=access_log,
+        access_log=access_log, lifespan="on",
         # the service stops the running generation after --shutdown-timeout; this bounds the wait for its answer
         timeout_graceful_shutdown=service.settings.shutdown_timeout + STOP_WAIT_SECONDS,
-        lifespan="on",
     )
-    url = socket_url(sock)
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     server = DrainingServer(config, on_ready=lambda: on_ready(url), on_drain=service.drain)
     if on_stopper is not None:
         on_stopper(lambda: setattr(server, "should_exit", True))  # uvicorn's main loop polls it
@@ -104,19 +81,13 @@ def run_server(
 
 @contextlib.contextmanager
 def _exit_quietly_after_signal() -> Iterator[None]:
-    """Make the signal uvicorn re-raises after its graceful shutdown a no-op, so the process exits 0.
+    """Make the signal uvicorn raises again after its graceful shutdown a no-op, so the process exits 0."""
+    def ignore(signum: int, frame: object) -> None:
+        logger.debug("signal %d after shutdown: ignored", signum)
 
-    uvicorn restores the handlers it found and raises the signal it handled again, so that the default
-    action (death by that signal) follows. Having already drained and stopped, we return normally instead.
-    """
-    handled = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, _ignore_signal) for sig in handled}
+    previous = {sig: signal.signal(sig, ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _ignore_signal(signum: int, frame: object) -> None:
-    logger.debug("signal %d after shutdown: ignored", signum)

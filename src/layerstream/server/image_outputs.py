@@ -1,8 +1,4 @@
-"""What the image endpoints keep for ``response_format: "url"``: the newest outputs, by name.
-
-The files come encoded in the format a request asks for (`layerstream.outputs`); `KeptOutputs` keeps the
-newest outputs in memory, bounded by count and by bytes, for ``response_format: "url"``.
-"""
+"""What the image endpoints keep for ``response_format: "url"``: the newest encoded outputs, by name."""
 
 from __future__ import annotations
 
@@ -15,10 +11,9 @@ from typing import Literal
 OutputFormat = Literal["png", "jpeg", "webp"]
 
 MEDIA_TYPES: dict[str, str] = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+# past either bound the oldest outputs are dropped (their URLs answer 404)
 MAX_KEPT_OUTPUTS = 256
-"""response_format 'url': how many image outputs the server keeps in memory for their URLs ..."""
 MAX_KEPT_OUTPUT_BYTES = 256 << 20
-"""... and in how many bytes at most: past either, the oldest are dropped (their URLs answer 404)."""
 
 
 @dataclass(frozen=True)
@@ -28,11 +23,7 @@ class KeptOutput:
 
 
 class KeptOutputs:
-    """The newest image outputs, by name, in memory: at most `max_outputs` of them in `max_bytes`.
-
-    The newest output is kept even if it alone is over `max_bytes`: its URL must answer at least once.
-    Thread-safe: outputs are put from worker threads and read from the event loop.
-    """
+    """The newest outputs, at most `max_outputs` in `max_bytes` (the newest always: its URL must answer once)."""
 
     def __init__(self, *, max_outputs: int = MAX_KEPT_OUTPUTS, max_bytes: int = MAX_KEPT_OUTPUT_BYTES):
         self.max_outputs = max_outputs
@@ -57,12 +48,3 @@ class KeptOutputs:
     def get(self, name: str) -> KeptOutput | None:
         with self._lock:
             return self._outputs.get(name)
-
-    @property
-    def num_bytes(self) -> int:
-        with self._lock:
-            return self._num_bytes
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._outputs)

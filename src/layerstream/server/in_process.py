@@ -1,9 +1,6 @@
 """`InProcessRunner`: the server's runner on one process, its one `Omni`, on the queue's worker thread.
-
-A group of one job runs alone (`Omni.run` once per output); a batch (with --max-batch-size above 1, jobs of one
-`batch_shape()`) runs as one `Omni.run_batch` for all their outputs, so that every streamed block is copied
-once per step for the whole batch. Either way through `output_loop.run_group`.
-"""
+A job runs alone (`Omni.run` per output); a batch (--max-batch-size) runs as one `Omni.run_batch`, so that every
+streamed block is copied once per step for the whole batch. Either way through `output_loop.run_group`."""
 
 from __future__ import annotations
 
@@ -29,9 +26,7 @@ class InProcessRunner(RunnerBase):
     """Runs what the queue takes on `omni`: one group per run (the queue's policy takes one at a time)."""
 
     def __init__(self, omni: Any, limits: ModelLimits, metrics: ServerMetrics):
-        self.omni = omni
-        self.limits = limits
-        self.metrics = metrics
+        self.omni, self.limits, self.metrics = omni, limits, metrics
         # /metrics reads this snapshot, refreshed by the worker after each run, rather than the live runtime
         # from the event loop: the counters are then never read halfway through a forward
         self.offload_stats: OffloadStats | None = omni.stats()
@@ -40,23 +35,17 @@ class InProcessRunner(RunnerBase):
         (group,) = groups
         return [self._run_alone(group[0])] if len(group) == 1 else self._run_batch(group)
 
-    def report(self) -> dict[str, Any]:
-        """What /health says of the ranks: one, this process."""
+    def report(self) -> dict[str, Any]:  # /health's ranks: one, this process
         host_bytes = self.offload_stats.host_bytes if self.offload_stats is not None else None
         return {"world_size": 1, "backend": None, "ranks": [{"rank": 0, "host_bytes": host_bytes}]}
 
-    # one request alone -----------------------------------------------------------------------------------------
     def _run_alone(self, job: ServedJob) -> Answer:
-        """Every output of the job's request, one `Omni.run` each, encoded and released before the next.
-
-        Between denoising steps, and before each output, it stops if the event loop asked it to
-        (`GenerationStopped`); then the job's observer, if any, hears of the step."""
         served = job.served
         started = time.perf_counter()
         try:
             if job.observer is not None:
                 job.observer.started()
-            work = GroupWork((served.request,), batch_call=False, encodings=(served.encoding,))
+            work = GroupWork.of([job], batch_call=False)
             (result,) = run_group(self.omni, work, job.stop_signal.raise_if_requested, observer=job.observer)
         except Exception as e:
             answer: Answer = e
@@ -68,16 +57,8 @@ class InProcessRunner(RunnerBase):
         observe_call(self.metrics, [job], [outcome], time.perf_counter() - started, [True])
         return answer
 
-    # a batch ---------------------------------------------------------------------------------------------------
     def _run_batch(self, jobs: list[ServedJob]) -> list[Answer]:
-        """The requests of `jobs` (one batch shape) as one `Omni.run_batch` call, an output per seed of each;
-        then each request's outputs encoded into its own answer.
-
-        A request asked to stop (its timeout, its client gone) does not stop the others: its outputs are
-        dropped and it fails with `GenerationStopped`. The call itself stops at the next step only once every
-        request of the batch has asked to. A call that raises fails every request of the batch, and the
-        runtime is left clean for the next, as after a request run alone.
-        """
+        """`jobs` as one `Omni.run_batch`; a request asked to stop has its outputs dropped, the others run on."""
         started = time.perf_counter()
         # a request asked to stop before the call starts is left out of it: less work for the others
         running = [job for job in jobs if job.stop_signal.reason is None]
@@ -96,22 +77,15 @@ class InProcessRunner(RunnerBase):
         return answers
 
     def _call_batch(self, running: list[ServedJob]) -> list[RequestResult]:
-        """One `Omni.run_batch` for the outputs of `running`, in order; stops between steps once every one of
-        them has been asked to."""
-
         def stop_if_all_asked(where: str) -> None:
             if all(job.stop_signal.reason is not None for job in running):
                 running[0].stop_signal.raise_if_requested(where)
 
-        work = GroupWork(
-            tuple(job.served.request for job in running), batch_call=True,
-            encodings=tuple(job.served.encoding for job in running),
-        )  # fmt: skip
         # a request asked to stop during the call is answered so: its outputs are not encoded
+        work = GroupWork.of(running, batch_call=True)
         return run_group(self.omni, work, stop_if_all_asked, wanted=lambda i: running[i].stop_signal.reason is None)
 
     def _batch_answers(self, jobs: list[ServedJob], running: list[ServedJob], results: list[RequestResult]) -> list[Answer]:
-        """Each request's answer: its encoded outputs, or `GenerationStopped`."""
         answers: list[Answer] = []
         num_outputs = sum(job.served.num_outputs for job in running)
         by_job = dict(zip(running, results))
@@ -126,7 +100,6 @@ class InProcessRunner(RunnerBase):
 
 
 def _failed(error: Exception, what: str) -> JobOutcome:
-    """Log a run that raised, as what it is; its jobs' outcome."""
     if isinstance(error, GenerationStopped):  # asked for: one line, no traceback
         logger.info("%s", error)
         return JobOutcome.STOPPED

@@ -1,14 +1,6 @@
-"""What the served model accepts, read once at startup, and the checks a request must pass before it queues.
-
-The schema (`layerstream.server.schemas`) checks types and fixed ranges; this module checks what depends
-on the model: the output kind, the size multiple (the VAE's spatial compression times the transformer's
-patch size), the largest grid the transformer can position (Wan's rotary tables), the frame rule of video
-VAEs (``num_frames - 1`` a multiple of the temporal compression; Wan: ``num_frames % 4 == 1``) and the
-server's own caps, the work cap among them, and the keys of ``extra_params``. Each is decided by the model's
-rules (`ModelRules`: its defaults, `check_geometry`, `image_problem`, `extra_params_problems`) or the request's
-table (`request.checked_extra_params`), which this module only words for HTTP. Failing here is a 400 before any work
-is queued, so a request never waits in line only to be refused, and never reaches the pipeline with a shape it
-would crash on.
+"""What the served model accepts, read once at startup, and the checks a request must pass before it queues:
+what depends on the model (its `ModelRules` decide; this module words their refusals as a 400) and the server's
+caps, the work cap among them.
 """
 
 from __future__ import annotations
@@ -32,21 +24,14 @@ from layerstream.server.settings import ACCELERATOR_STEPS, CPU_MAX_WORK, ServeSe
 
 @dataclass(frozen=True, kw_only=True)
 class ModelLimits:
-    """The served model's rules and defaults (`ModelRules`, as `Omni` and the command line read them) and the
-    server's caps, already lowered to what the model can position."""
+    """The served model's rules (`ModelRules`) and the server's caps, lowered to what the model can position."""
 
     rules: ModelRules
-    max_frames: int
-    """The smaller of --max-frames and what the transformer can position."""
-    max_side_pixels: int
-    """The smaller of --max-size and what the transformer can position."""
-    max_latent_positions: int | None
-    """Latent tokens per axis the transformer can position, when that is what bounds the two caps above."""
-    max_work: int
-    """--max-work: the largest price of one request (`models.work.price_request`)."""
-    served_names: tuple[str, ...] = ()
-    """--served-model-name: what a request's ``model`` may be; the first is the name answers give (`model`).
-    Empty: the rules' model name alone."""
+    max_frames: int  # the smaller of --max-frames and what the transformer can position
+    max_side_pixels: int  # the smaller of --max-size and what the transformer can position
+    max_latent_positions: int | None  # per axis, when that is what bounds the two caps above
+    max_work: int  # --max-work: the largest price of one request (`models.work.price_request`)
+    served_names: tuple[str, ...] = ()  # --served-model-name; empty: the rules' model name alone
 
     # the rules' figures, as the checks below read them
     model_names = property(lambda self: self.served_names or (self.rules.model,))
@@ -55,7 +40,6 @@ class ModelLimits:
     size_multiple = property(lambda self: self.rules.size_multiple)
     frame_multiple = property(lambda self: self.rules.frame_multiple)
     fps = property(lambda self: self.rules.fps)
-
 
 
 def read_model_limits(omni: Any, settings: ServeSettings) -> ModelLimits:
@@ -69,26 +53,21 @@ def read_model_limits(omni: Any, settings: ServeSettings) -> ModelLimits:
         model_frames is not None and model_frames < settings.max_frames
     )
     return ModelLimits(
-        rules=rules,
-        served_names=settings.served_model_names or (default_served_name(omni.source),),
-        max_frames=max_frames,
-        max_side_pixels=max_side,
+        rules=rules, served_names=settings.served_model_names or (default_served_name(omni.source),),
+        max_frames=max_frames, max_side_pixels=max_side,
         max_latent_positions=pipeline_max_latent_positions(omni.pipeline) if bound_by_model else None,
         max_work=settings.max_work if settings.max_work is not None else default_max_work(rules, max_side, max_frames, omni.device),
-    )
+    )  # fmt: skip
 
 
 def default_served_name(source: Any) -> str:
-    """The name a model is served under by default: as it was given (a Hub id, a tiny model), a folder by its
-    own name (its path is no client's business)."""
+    """The model as given, a folder by its own name (its path is no client's business)."""
     return Path(source.model).name if source.origin == "folder" else source.model
 
 
 def default_max_work(rules: Any, max_side: int, max_frames: int, device: Any) -> int:
-    """The work cap a server has unless --max-work sets one: on a CPU device the small `CPU_MAX_WORK` (minutes
-    of a 2-core CPU); on an accelerator the largest request its size and frame caps allow at `ACCELERATOR_STEPS`
-    steps (or the model's own default, if more), so that the model's own default generation, and every size its
-    rules allow, is taken."""
+    """The work cap without --max-work: `CPU_MAX_WORK` on a CPU; on an accelerator the largest request the size
+    and frame caps allow at `ACCELERATOR_STEPS` steps (or the model's default, if more)."""
     if torch.device(device).type == "cpu":
         return CPU_MAX_WORK
     steps = max(ACCELERATOR_STEPS, rules.default_num_inference_steps)
@@ -102,8 +81,7 @@ def default_max_work(rules: Any, max_side: int, max_frames: int, device: Any) ->
 def request_shape(
     request: GenerationBody, limits: ModelLimits, conditioned: GenerationSize | None = None
 ) -> GenerationSize:
-    """The width, height, frames and steps `request` runs with: its own, else the size its input image leads
-    to (`conditioned`), else the model's defaults."""
+    """The shape `request` runs with: its own, else its input image's (`conditioned`), else the model's defaults."""
     size = request.width_height() or ((conditioned.width, conditioned.height) if conditioned is not None else (None, None))
     is_video = isinstance(request, VideoGenerationRequest)
     return limits.rules.filled(
@@ -115,8 +93,7 @@ def request_shape(
 def image_size_for(
     request: GenerationBody, limits: ModelLimits, image_size: tuple[int, int], field: str = "image"
 ) -> GenerationSize:
-    """The output size an input image of `image_size` leads to (the request's size, if it gives one); a 400
-    naming `field` (the image's field) if the image is too small to leave a whole size multiple."""
+    """The output size an input image of `image_size` leads to; a 400 naming `field` if it is too small."""
     size = request.width_height()
     width, height = size if size is not None else (None, None)
     try:
@@ -131,26 +108,20 @@ def image_size_for(
 def check_image_presence(
     limits: ModelLimits, *, has_image: bool, endpoint: str, field: str = "image", how: str | None = None
 ) -> None:
-    """A 400 naming `field` if the request sends an image the model does not take, or lacks one it needs; `how`
-    says how to send one (by default, as the synchronous endpoints take it)."""
+    """A 400 naming `field` for an image the model does not take, or one it needs missing (`how` to send it)."""
     problem = limits.rules.image_problem(has_image=has_image)
     if problem == "takes_none":
-        raise ApiError(
-            400, f"{limits.model} takes no input image; drop {field}, or use {endpoint} without it",
-            code="invalid_for_model", param=field,
-        )  # fmt: skip
+        message = f"{limits.model} takes no input image; drop {field}, or use {endpoint} without it"
+        raise ApiError(400, message, code="invalid_for_model", param=field)
     if problem == "required":
         if how is None:
             how = "POST /v1/images/edits with an image file part" if limits.kind == "image" else "image (base64)"
-        raise ApiError(
-            400, f"{limits.model} generates from an input image: {field} is required; send it as {how}",
-            code="invalid_for_model", param=field,
-        )  # fmt: skip
+        message = f"{limits.model} generates from an input image: {field} is required; send it as {how}"
+        raise ApiError(400, message, code="invalid_for_model", param=field)
 
 
 def check_endpoint(limits: ModelLimits, endpoint_kind: str) -> None:
-    """Raise a 400 `ApiError` naming what the model makes if the endpoint is for the other kind of output
-    (``"image"``, ``"video"``, or ``"edit"``: images from an input image)."""
+    """A 400 if `endpoint_kind` (``"image"``, ``"video"`` or ``"edit"``) is not for what the model makes."""
     if endpoint_kind == "edit":
         if limits.kind == "video":
             message = f"{limits.model} makes videos; send its input image as image on POST /v1/videos/generations"
@@ -168,10 +139,8 @@ def check_endpoint(limits: ModelLimits, endpoint_kind: str) -> None:
 
 
 def check_request(request: GenerationBody, limits: ModelLimits, conditioned: GenerationSize | None = None) -> None:
-    """Raise a 400 `ApiError` naming every field the served model cannot take (`conditioned`: the size the
-    request's input image leads to); first a 400 naming each optional field the pipeline cannot take
-    (``boundary_ratio`` on Flux), which is never dropped silently (400, as every check against the model: the
-    document is one for every model)."""
+    """A 400 naming every field the served model cannot take; first, alone, each optional field the pipeline
+    has no use for (``boundary_ratio`` on Flux), never dropped silently."""
     rules = limits.rules
     refused = [name for name in rules.refused_fields(request.model_dump()) if name != "negative_prompt"]
     if refused:
@@ -182,17 +151,11 @@ def check_request(request: GenerationBody, limits: ModelLimits, conditioned: Gen
         allowed = " or ".join(map(repr, limits.model_names)) + " (--served-model-name)"
         problems.append(ErrorDetail(param="model", message=f"{request.model!r} is not served here", allowed=allowed))
     if request.negative_prompt is not None and not limits.rules.supports_negative_prompt:
-        problems.append(
-            ErrorDetail(param="negative_prompt", message=f"{limits.model} takes no negative prompt", allowed="null")
-        )
+        message = f"{limits.model} takes no negative prompt"
+        problems.append(ErrorDetail(param="negative_prompt", message=message, allowed="null"))
     if request.seed is not None and request.seed + request.n - 1 > MAX_SEED:
-        problems.append(
-            ErrorDetail(
-                param="seed",
-                message=f"{request.seed} is too large for n = {request.n} (output i uses seed + i)",
-                allowed=f"at most {MAX_SEED - request.n + 1}",
-            )
-        )
+        message = f"{request.seed} is too large for n = {request.n} (output i uses seed + i)"
+        problems.append(ErrorDetail(param="seed", message=message, allowed=f"at most {MAX_SEED - request.n + 1}"))
     problems += _extra_params_problems(request, limits, conditioned)
     shape_problems = _size_problems(request, limits)
     if isinstance(request, VideoGenerationRequest):
@@ -203,11 +166,8 @@ def check_request(request: GenerationBody, limits: ModelLimits, conditioned: Gen
         raise invalid_fields(400, problems, code="invalid_for_model")
 
 
-def _extra_params_problems(
-    request: GenerationBody, limits: ModelLimits, conditioned: GenerationSize | None
-) -> list[ErrorDetail]:
-    """The keys of ``extra_params`` the model cannot take as given (a 400 naming ``extra_params.<key>``); a key
-    the request itself refuses (one of its own fields) is answered at once."""
+def _extra_params_problems(request: GenerationBody, limits: ModelLimits, conditioned: GenerationSize | None) -> list:
+    """The keys of ``extra_params`` the model cannot take; one the request's table refuses is a 400 at once."""
     if not request.extra_params:
         return []
     try:
@@ -246,11 +206,9 @@ def _frame_problems(request: VideoGenerationRequest, limits: ModelLimits) -> lis
         return []  # None: the pipeline's own default
     step = limits.frame_multiple or 1
     largest = limits.max_frames - (limits.max_frames - 1) % step
+    allowed = f"an integer from 1 to {largest}"
     if step > 1:
-        examples = f"1, {1 + step}, {1 + 2 * step}, ..."
-        allowed = f"an integer from 1 to {largest} with num_frames - 1 a multiple of {step} ({examples})"
-    else:
-        allowed = f"an integer from 1 to {largest}"
+        allowed += f" with num_frames - 1 a multiple of {step} (1, {1 + step}, {1 + 2 * step}, ...)"
     where = "" if request.num_frames is not None else " (the model's default)"
     return [ErrorDetail(param="num_frames", message=f"{num_frames}{where} is not valid for {limits.model}", allowed=allowed)]
 
@@ -274,9 +232,7 @@ def request_price(
     return price_request(limits.rules, filled, max_side_pixels=limits.max_side_pixels)
 
 
-def _work_problems(
-    request: GenerationBody, limits: ModelLimits, conditioned: GenerationSize | None
-) -> list[ErrorDetail]:
+def _work_problems(request: GenerationBody, limits: ModelLimits, conditioned: GenerationSize | None) -> list:
     price = request_price(request, limits, conditioned)
     if price.work <= limits.max_work:
         return []

@@ -1,10 +1,5 @@
-"""Server metrics through `prometheus_client`, in a registry of each app's own.
-
-`ServerMetrics` holds what the app and the worker record as they go (requests, jobs, batches, job states);
-what the service holds (its queue, the offload runtime's counters) is read when scraped and passed to
-`render`. Names follow Prometheus' advice (base units, ``_total`` counters, ``_bytes`` and ``_seconds``
-suffixes).
-"""
+"""Server metrics through `prometheus_client`, in a registry of each app's own: what the app and the worker
+record as they go, and what the service holds (its queue, the runtime's counters) read when scraped."""
 
 from __future__ import annotations
 
@@ -18,8 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
-CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
-"""The text format every Prometheus reads (what `generate_latest` writes)."""
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the text format every Prometheus reads
 
 # seconds: a tiny model answers in tens of milliseconds, a 14B video model in minutes
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
@@ -28,16 +22,14 @@ BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # bytes: a tiny model streams about a megabyte per request, a 14B model hundreds of gigabytes
 BYTES_BUCKETS = tuple(10**k for k in range(4, 14))
 
-JobState = Literal["queued", "in_progress", "completed", "failed"]
-"""The statuses of the job API's jobs (OpenAI's video job statuses)."""
+JobState = Literal["queued", "in_progress", "completed", "failed"]  # OpenAI's video job statuses
 JOB_STATES: tuple[str, ...] = get_args(JobState)
 
 
 class JobOutcome(StrEnum):
     OK = "ok"
     ERROR = "error"
-    STOPPED = "stopped"
-    """Stopped between steps: its timeout passed, its client left, it was deleted, or the server shut down."""
+    STOPPED = "stopped"  # between steps: its timeout passed, its client left, it was deleted, or a shutdown
 
 
 @dataclass(frozen=True)
@@ -47,55 +39,42 @@ class QueueState:
     running: bool
     num_submitted: int
     num_started: int
-    num_running: int = 0
-    """Requests in the running pipeline call (more than 1: a batch)."""
+    num_running: int = 0  # requests in the running pipeline call (more than 1: a batch)
 
     @classmethod
-    def of(cls, queue: Any) -> QueueState:
-        """The figures of `queue` (a `GenerationQueue`, which has one of each name) now."""
+    def of(cls, queue: Any) -> QueueState:  # a `GenerationQueue` has one of each name
         return cls(**{f.name: getattr(queue, f.name) for f in fields(cls)})
 
 
 class ServerMetrics:
-    """What the app records as it answers, in its own `registry`; thread-safe (the worker thread records
-    jobs, the event loop requests)."""
+    """What the app records as it answers, in its own `registry`; thread-safe."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        registry = self.registry
-        self._requests = Counter(
-            "layerstream_requests", "HTTP requests answered, by route and status code.",
-            ["endpoint", "status"], registry=registry,
-        )  # fmt: skip
-        self._request_seconds = Histogram(
-            "layerstream_request_duration_seconds", "Time from receiving a request to answering it, by route.",
-            ["endpoint"], buckets=LATENCY_BUCKETS, registry=registry,
-        )  # fmt: skip
-        self._queue_wait = Histogram(
-            "layerstream_queue_wait_seconds", "Time jobs waited in the queue before their work started.",
-            buckets=LATENCY_BUCKETS, registry=registry,
-        )  # fmt: skip
+
+        def metric(kind: type, name: str, help_text: str, labels: tuple[str, ...] = (), **options: Any) -> Any:
+            return kind(name, help_text, list(labels), registry=self.registry, **options)
+
+        self._requests = metric(Counter, "layerstream_requests", "HTTP requests answered, by route and status code.",
+                                ("endpoint", "status"))  # fmt: skip
+        request_help = "Time from receiving a request to answering it, by route."
+        self._request_seconds = metric(
+            Histogram, "layerstream_request_duration_seconds", request_help, ("endpoint",), buckets=LATENCY_BUCKETS
+        )
+        self._queue_wait = metric(Histogram, "layerstream_queue_wait_seconds",
+                                  "Time jobs waited in the queue before their work started.", buckets=LATENCY_BUCKETS)
         job_help = "Time the worker spent on a job: a job of a batch, its share (by outputs) of the batch call."
-        self._job_seconds = Histogram(
-            "layerstream_job_duration_seconds", job_help, buckets=LATENCY_BUCKETS, registry=registry
-        )
-        self._outputs = Counter(
-            "layerstream_generations",
-            "Outputs generated (ok), and outputs of jobs that failed (error) or were stopped (stopped).",
-            ["outcome"], registry=registry,
+        self._job_seconds = metric(Histogram, "layerstream_job_duration_seconds", job_help, buckets=LATENCY_BUCKETS)
+        self._outputs = metric(
+            Counter, "layerstream_generations",
+            "Outputs generated (ok), and outputs of jobs that failed (error) or were stopped (stopped).", ("outcome",),
         )  # fmt: skip
-        self._batch_size = Histogram(
-            "layerstream_batch_size", "Requests per pipeline call (1: run alone; more: a batch sharing every streamed block).",
-            buckets=BATCH_SIZE_BUCKETS, registry=registry,
-        )  # fmt: skip
+        batch_help = "Requests per pipeline call (1: run alone; more: a batch sharing every streamed block)."
+        self._batch_size = metric(Histogram, "layerstream_batch_size", batch_help, buckets=BATCH_SIZE_BUCKETS)
         bytes_help = "Bytes copied host to device per request: its share, by outputs, of its batch's."
-        self._request_bytes = Histogram(
-            "layerstream_request_streamed_bytes", bytes_help, buckets=BYTES_BUCKETS, registry=registry
-        )
-        self._jobs = Gauge(
-            "layerstream_jobs", "Jobs of the job API (/v1/videos, /v1/images/jobs) the server holds, by status.",
-            ["status"], registry=registry,
-        )  # fmt: skip
+        self._request_bytes = metric(Histogram, "layerstream_request_streamed_bytes", bytes_help, buckets=BYTES_BUCKETS)
+        jobs_help = "Jobs of the job API (/v1/videos, /v1/images/jobs) the server holds, by status."
+        self._jobs = metric(Gauge, "layerstream_jobs", jobs_help, ("status",))
         for outcome in JobOutcome:  # every series from the start: a rate over a series that appears late is wrong
             self._outputs.labels(outcome=str(outcome))
         for state in JOB_STATES:
@@ -103,42 +82,25 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self._job_states: dict[str, str] = {}
 
-    # recorded as things happen ---------------------------------------------------------------------------------
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
         self._requests.labels(endpoint=endpoint, status=str(status)).inc()
         self._request_seconds.labels(endpoint=endpoint).observe(seconds)
 
-    def observe_queue_wait(self, seconds: float) -> None:
-        """A job's wait in the queue, from submission to the start of its work."""
-        self._queue_wait.observe(seconds)
-
-    def observe_job_duration(self, seconds: float) -> None:
-        """The worker's time on one job; for a job of a batch, its own share of the call, not the call's time."""
-        self._job_seconds.observe(seconds)
-
-    def count_outputs(self, num_outputs: int, outcome: JobOutcome) -> None:
+    def observe_job(self, *, queue_seconds: float, seconds: float | None, num_outputs: int, outcome: JobOutcome):
+        """A finished job's wait, time (None: it never ran; in a batch, its share of the call) and outputs."""
+        self._queue_wait.observe(queue_seconds)
+        if seconds is not None:
+            self._job_seconds.observe(seconds)
         self._outputs.labels(outcome=str(outcome)).inc(num_outputs)
 
-    def observe_job(
-        self, *, queue_seconds: float, seconds: float | None, num_outputs: int, outcome: JobOutcome
-    ) -> None:
-        """One job the worker finished with: its wait, its time (None: it never ran) and its outputs."""
-        self.observe_queue_wait(queue_seconds)
-        if seconds is not None:
-            self.observe_job_duration(seconds)
-        self.count_outputs(num_outputs, outcome)
-
     def observe_batch(self, num_requests: int) -> None:
-        """One pipeline call the worker made, for `num_requests` requests (1: a request run alone)."""
         self._batch_size.observe(num_requests)
 
     def observe_request_bytes(self, num_bytes: int) -> None:
-        """Bytes streamed for one request: its share, by outputs, of what its batch streamed."""
         self._request_bytes.observe(num_bytes)
 
     def record_job_state(self, job_id: str, status: str) -> None:
-        """Job `job_id` of the job API is now in `status` (one of `JOB_STATES`): it moves between the series
-        of ``layerstream_jobs``. Call it for each job found in the history at start too."""
+        """Job `job_id` is now in `status`: it moves between the series of ``layerstream_jobs``."""
         if status not in JOB_STATES:
             raise ValueError(f"status = {status!r}: expected one of {', '.join(JOB_STATES)}")
         with self._lock:  # the previous state and the gauges change together
@@ -149,21 +111,28 @@ class ServerMetrics:
             self._jobs.labels(status=status).inc()
 
     def forget_job(self, job_id: str) -> None:
-        """Job `job_id` was deleted (or dropped by the retention limit): it leaves ``layerstream_jobs``."""
+        """Job `job_id` was deleted (or dropped by retention): it leaves ``layerstream_jobs``."""
         with self._lock:
             previous = self._job_states.pop(job_id, None)
             if previous is not None:
                 self._jobs.labels(status=previous).dec()
 
-    # read when scraped -----------------------------------------------------------------------------------------
     def render(self, *, queue: QueueState, offload: Any | None, labels: Mapping[str, str]) -> str:
-        """The exposition text: what was recorded, then the service's state now. `offload` is an
-        `OffloadStats` snapshot (or None); `labels` go on ``layerstream_server_info``."""
+        """The exposition text: what was recorded, then the service's state now (`offload`: an `OffloadStats`)."""
         families = [
             InfoMetricFamily("layerstream_server", "The served model and device (value always 1).", value=dict(labels)),
-            *_queue_families(queue),
-            *(_offload_families(offload) if offload is not None else ()),
+            CounterMetricFamily("layerstream_jobs_submitted", "Requests queued.", value=queue.num_submitted),
+            CounterMetricFamily("layerstream_jobs_started", "Queued requests whose work started.",
+                                value=queue.num_started),
+            GaugeMetricFamily("layerstream_queue_depth", "Requests waiting behind the running one.", value=queue.depth),
+            GaugeMetricFamily("layerstream_queue_capacity", "Most requests that may wait.", value=queue.max_waiting),
+            GaugeMetricFamily("layerstream_generation_running", "1 while a generation runs.", value=int(queue.running)),
+            GaugeMetricFamily("layerstream_batch_running", "Requests in the running pipeline call.",
+                              value=queue.num_running),
         ]
+        for name, kind, attr, help_text in _OFFLOAD_METRICS if offload is not None else ():
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            families.append(family(name, help_text, value=getattr(offload, attr, 0)))
         return render_families(families, registry=self.registry)
 
 
@@ -173,7 +142,6 @@ def render_families(families: Iterable[Metric], *, registry: CollectorRegistry |
 
 
 class _Scrape:
-    """A registry's metrics and families made for this scrape, as one collector for `generate_latest`."""
 
     def __init__(self, registry: CollectorRegistry | None, families: list[Metric]):
         self.registry = registry
@@ -187,23 +155,6 @@ class _Scrape:
                 metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
                 yield metric
         yield from self.families
-
-
-def _queue_families(queue: QueueState) -> list[Metric]:
-    return [
-        CounterMetricFamily("layerstream_jobs_submitted", "Requests queued.", value=queue.num_submitted),
-        CounterMetricFamily("layerstream_jobs_started", "Queued requests whose work started.", value=queue.num_started),
-        GaugeMetricFamily("layerstream_queue_depth", "Requests waiting behind the running one.", value=queue.depth),
-        GaugeMetricFamily("layerstream_queue_capacity", "Most requests that may wait.", value=queue.max_waiting),
-        GaugeMetricFamily("layerstream_generation_running", "1 while a generation runs.", value=int(queue.running)),
-        GaugeMetricFamily("layerstream_batch_running", "Requests in the running pipeline call.", value=queue.num_running),
-    ]
-
-
-def _offload_families(offload: Any) -> Iterator[Metric]:
-    for name, kind, attr, help_text in _OFFLOAD_METRICS:
-        family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-        yield family(name, help_text, value=getattr(offload, attr, 0))
 
 
 # name (without _total for counters), type, OffloadStats attribute, help

@@ -1,16 +1,6 @@
-"""The served OpenAPI document: the request bodies the routes parse themselves, their bounds kept exact, and
-every status each route answers.
-
-FastAPI passes the document it builds through its own `OpenAPI` model, whose ``minimum``, ``maximum``,
-``exclusiveMinimum``, ``exclusiveMaximum`` and ``multipleOf`` are floats: every integer bound comes out a
-float (``n`` from 1.0 to 4.0, a number bound such as 100 comes out 100.0), so the document no longer states the
-request models as they are (every bound is below 2**53, seeds included, so none is rounded). `apply_exact_openapi_`
-puts the request bodies back, as the request models state them, after that pass, and turns any other
-integer bound back into an integer. FastAPI also documents a 422 of its own shape (``HTTPValidationError``) on
-every route with a parameter; the routes here parse their input themselves and answer every error as an
-`ErrorResponse`, each route stating its statuses with `error_responses`, so that 422 is taken out. The access
-checks' 403 and 401 (`layerstream.server.access.refusals`) are added to every route, as the server is configured:
-a server without a key lists no 401.
+"""The served OpenAPI document: the request bodies the routes parse themselves, with exact bounds (FastAPI's
+own model makes every integer bound a float), every status each route answers as an `ErrorResponse` (and
+not FastAPI's own 422), and the access checks' 403 and 401 as the server is configured.
 """
 
 from __future__ import annotations
@@ -39,18 +29,15 @@ QUEUEING_ERRORS = {
     422: "A field is missing, mistyped, out of range or unknown",
     429: "The queue is full",
     503: "The server is shutting down, or a serving rank failed",
-}
-"""The statuses every route that queues a generation (answered at once, or as a job) may answer, besides its 400."""
+}  # every route that queues a generation, besides its 400
 IMAGE_INPUT_ERRORS = {
     415: "The input image is not a PNG, JPEG or WebP file (told by its first bytes), or its data URL declares a type"
          " that is neither an image type nor application/octet-stream",
 }  # fmt: skip
-"""The status of a route that takes an input image, for an image of another format."""
 
 
 def error_responses(when: dict[int, str]) -> dict[int | str, dict[str, Any]]:
-    """``responses`` of a route: each error status it answers (status -> when), all with the `ErrorResponse` body;
-    a 429 with its ``Retry-After`` header."""
+    """``responses`` of a route: each error status it answers (status -> when) with the `ErrorResponse` body."""
     responses: dict[int | str, dict[str, Any]] = {}
     for status, description in when.items():
         responses[status] = {"model": ErrorResponse, "description": description}
@@ -63,11 +50,6 @@ def binary_response(description: str, *media_types: str) -> dict[int | str, dict
     """``responses`` entry of a route whose 200 is a file (an image, a video) of one of `media_types`."""
     content = {media_type: {"schema": {"type": "string", "format": "binary"}} for media_type in media_types}
     return {200: {"description": description, "content": content}}
-
-
-def event_stream_response(description: str) -> dict[int | str, dict[str, Any]]:
-    """``responses`` entry of a route whose 200 is a server-sent event stream."""
-    return {200: {"description": description, "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 def json_request_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -84,8 +66,6 @@ def edit_request_body() -> dict[str, Any]:
 
 
 def apply_exact_openapi_(app: FastAPI, access: AccessSettings) -> None:
-    """Make `app` serve its OpenAPI document with the request bodies of its routes' ``openapi_extra`` as
-    given, every integer bound an integer, and the refusals of the access checks `access` configures."""
     build = app.openapi  # FastAPI's: builds once per set of routes, then returns the same dict
 
     def openapi() -> dict[str, Any]:
@@ -131,8 +111,7 @@ def _add_access_refusals_(document: dict[str, Any], access: AccessSettings) -> N
 
 
 def _drop_fastapi_validation_errors_(document: dict[str, Any]) -> None:
-    """FastAPI's own 422 out of every operation (its path parameters are plain strings, which always validate,
-    so it is never answered), and its schemas with it."""
+    """FastAPI's own 422 out of every operation (its path parameters are strings: never answered)."""
     reference = "#/components/schemas/HTTPValidationError"
     for operations in document["paths"].values():
         for operation in operations.values():

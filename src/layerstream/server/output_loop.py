@@ -1,11 +1,7 @@
 """The one loop that makes a group's outputs, in process or on a rank: `run_group`.
-
-A group is one request alone (one `Omni.run` per output, each encoded and released before the next starts) or
-the requests of a batch (one `Omni.run_batch` for every output). Between denoising steps, and before each
-output of a request alone, it calls `checkpoint(where)`, which raises `GenerationStopped` to stop there; an
-observer, if any, hears of each step. Outputs nobody wants (a placeholder's, a request stopped in its batch)
-are dropped without being encoded.
-"""
+A group is one request alone (an `Omni.run` per output, each encoded and released before the next starts) or a
+batch (one `Omni.run_batch`). Between steps, and before each output, `checkpoint(where)` may raise to stop;
+outputs nobody wants (a placeholder's, a request stopped in its batch) are dropped without being encoded."""
 
 from __future__ import annotations
 
@@ -19,26 +15,25 @@ from layerstream.request import GenerationRequest
 from layerstream.server.served import StepObserver
 
 Checkpoint = Callable[[str], None]
-"""Called between steps and before each output with where the generation is; raises to stop it there."""
 
 
 @dataclass(frozen=True)
 class GroupWork:
-    """What one pipeline group runs: one request alone or one batch call (pickled to a rank, its input images as
-    their files: `ranks.WaveMessage.with_image_files`)."""
+    """What one pipeline group runs: one request alone or one batch call (pickled to a rank)."""
 
-    requests: tuple[GenerationRequest, ...]
-    """One request alone, or those of a batch (not checked again on a rank)."""
-    batch_call: bool
-    """One `Omni.run_batch` for every output of `requests` (else `Omni.run` per output of the one request)."""
-    placeholder: bool = False
-    """An idle rank's copy of another rank's work: it runs the same forwards, and its outputs are dropped."""
-    encodings: tuple[OutputEncoding | None, ...] = ()
-    """How each request's outputs become files (None, or missing: the kind's default)."""
+    requests: tuple[GenerationRequest, ...]  # one alone, or a batch's (not checked again on a rank)
+    batch_call: bool  # one `Omni.run_batch` (else `Omni.run` per output of the one request)
+    placeholder: bool = False  # an idle rank's copy of another's work: the same forwards, outputs dropped
+    encodings: tuple[OutputEncoding | None, ...] = ()  # per request (None, or missing: the kind's default)
+
+    @classmethod
+    def of(cls, jobs: Any, *, batch_call: bool) -> GroupWork:
+        """The work of queued jobs (their `ServedRequest`s)."""
+        served = [job.served for job in jobs]
+        return cls(tuple(s.request for s in served), batch_call=batch_call, encodings=tuple(s.encoding for s in served))
 
     def as_placeholder(self) -> GroupWork:
-        """The cheapest work with the same forwards: a batch call of one output, or the request alone (its
-        outputs are separate calls, which all count)."""
+        """The cheapest work with the same forwards: a batch call of one output, or the request alone."""
         first = self.requests[0]
         if self.batch_call:
             return GroupWork((replace(first, n=1),), batch_call=True, placeholder=True)
@@ -59,15 +54,10 @@ class RequestResult:
 
 
 def run_group(
-    omni: Any,
-    work: GroupWork,
-    checkpoint: Checkpoint,
-    *,
-    observer: StepObserver | None = None,
+    omni: Any, work: GroupWork, checkpoint: Checkpoint, *, observer: StepObserver | None = None,
     wanted: Callable[[int], bool] = lambda index: True,
 ) -> list[RequestResult]:
-    """Make every output of `work` on `omni`; one `RequestResult` per request. `wanted(i)` False: request
-    ``i``'s outputs are dropped unencoded (a placeholder wants none)."""
+    """Make every output of `work` on `omni`; one `RequestResult` per request (`wanted(i)` False: unencoded)."""
 
     def steps(where: str) -> Callable[[int, int, float], None]:
         def on_step(step: int, total: int, seconds: float) -> None:

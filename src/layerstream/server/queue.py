@@ -1,19 +1,9 @@
 """A bounded FIFO of jobs, run by exactly one worker thread, which hands what it takes to a runner.
-
-One thread, not a pool: the offload runtime refuses a second thread entering a streamed model while one
-runs it (the blocks share one ring of device slots), and one pipeline gains nothing from running two
-generations at once. Jobs finish in the order they were submitted.
-
-How the worker takes jobs is a `TakePolicy`: one at a time (`TakeOne`), a batch of jobs that share a
-`batch_key` (`BatchPolicy`), or a wave of groups, one per rank (`layerstream.server.waves.WavePolicy`). What
-it does with them is a `Runner`: it gets the groups taken and gives back one outcome per job, a result or the
-exception the job fails with; the queue answers each job's future. The queue knows nothing of models.
-
-The event loop only ever touches this queue under a lock held for a few deque operations, never while a
-job runs, and waits for results through `concurrent.futures.Future` (``asyncio.wrap_future``). It stops a job
-through `stop`: a waiting job is dropped, a started one is signalled (its `stop_signal`, which the runner
-reads between steps) and stops at its next step boundary.
-"""
+One thread, not a pool: the offload runtime refuses a second thread in a streamed model (the blocks share one
+ring of device slots), and one pipeline gains nothing from two generations at once. A `TakePolicy` says what
+the worker takes (one job, a `BatchPolicy` batch, or a wave: `waves.WavePolicy`); a `Runner` runs it and gives
+back one outcome per job. The event loop touches the queue only under a lock held for a few deque operations,
+and stops a job through `stop`: a waiting one is dropped, a started one stops at its next step."""
 
 from __future__ import annotations
 
@@ -52,48 +42,38 @@ ResultT = TypeVar("ResultT")
 class Job(Generic[ServedT]):
     """One submitted unit of work; `future` holds its result or its exception."""
 
-    served: ServedT
-    """What the runner runs (the server's `ServedRequest`)."""
-    timeout: float | None
-    """Seconds from submission to the answer: waiting, generating and encoding (None: no limit)."""
-    batch_key: Hashable | None = None
-    """Jobs with equal keys may run as one batch; None: this job always runs alone."""
-    cost: int = 0
-    """The job's share of a batch's `BatchPolicy.max_cost`."""
-    observer: object = None
-    """Whoever follows the job step by step (the server's `StepObserver` of a job of the job API), or None."""
+    served: ServedT  # what the runner runs (the server's `ServedRequest`)
+    timeout: float | None  # seconds from submission to the answer (None: no limit)
+    batch_key: Hashable | None = None  # jobs with equal keys may run as one batch; None: always alone
+    cost: int = 0  # the job's share of a batch's `BatchPolicy.max_cost`
+    observer: object = None  # the `StepObserver` of a job of the job API, or None
     submitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     future: Future = field(default_factory=Future)
-    stop_signal: StopSignal = field(default_factory=StopSignal)
-    """Set from the event loop to stop the job once started; the runner checks it between steps."""
+    stop_signal: StopSignal = field(default_factory=StopSignal)  # read by the runner between steps
 
     @property
     def deadline(self) -> float | None:
         return None if self.timeout is None else self.submitted_at + self.timeout
 
     def seconds_left(self) -> float | None:
-        """Seconds until the deadline (negative once past), or None without a timeout."""
         deadline = self.deadline
         return None if deadline is None else deadline - time.monotonic()
 
     @property
     def queue_seconds(self) -> float:
-        """Time waited before starting (so far, if not started)."""
         end = self.started_at if self.started_at is not None else time.monotonic()
         return end - self.submitted_at
 
 
-Outcome = ResultT | BaseException
-"""What a runner gives back for one job: its result, or the exception it fails with."""
+Outcome = ResultT | BaseException  # a job's result, or the exception it fails with
 
 
 class Runner(Protocol[ServedT, ResultT]):
     """Runs what the worker takes. Stops are read from each job's `stop_signal` between steps."""
 
     def run(self, groups: list[list[Job[ServedT]]]) -> Sequence[Outcome[ResultT]]:
-        """Run the started jobs of `groups` (each group one pipeline call, or one rank's share); one outcome per
-        job, in order. Raising fails every job of them."""
+        """Run `groups` (each one pipeline call, or one rank's share); one outcome per job, in order."""
         ...
 
     def after_run(self) -> None:
@@ -107,8 +87,7 @@ class Runner(Protocol[ServedT, ResultT]):
 
 @dataclass(frozen=True)
 class Take:
-    """What a policy makes of the waiting jobs: the groups to run, unless the head should wait `wait_seconds`
-    longer for more to join (> 0: wait, then ask again)."""
+    """The groups to run, unless the head should wait `wait_seconds` (> 0) longer for more to join."""
 
     groups: list[list[Job]]
     wait_seconds: float = 0.0
@@ -117,8 +96,7 @@ class Take:
 class TakePolicy(Protocol):
     """Which waiting jobs the worker takes next, and in which groups."""
 
-    idle_seconds: float | None
-    """With nothing waiting this long, the worker calls `Runner.idle` (None: never)."""
+    idle_seconds: float | None  # with nothing waiting this long, the worker calls `Runner.idle` (None: never)
 
     def take(self, waiting: Sequence[Job]) -> Take:
         """The groups headed by ``waiting[0]`` (never empty), oldest first; called under the queue's lock."""
@@ -137,19 +115,13 @@ class TakeOne:
 
 @dataclass(frozen=True, kw_only=True)
 class BatchPolicy:
-    """Which waiting jobs run together, and how long the head of the queue waits for others to join.
+    """The head takes along the waiting jobs with its `batch_key`, oldest first, up to `max_batch_size` of summed
+    `cost` at most `max_cost` (the server's work cap). It waits for more until `wait_seconds` after its own
+    submission, so a head that already waited under load never waits longer."""
 
-    The head takes along the waiting jobs with its `batch_key` (oldest first, up to `max_batch_size` jobs whose
-    `cost` sums to at most `max_cost`). It waits for its batch to fill at most until `wait_seconds` after it was
-    submitted, so a server under load, whose head has already waited, never adds to its wait. Jobs that cannot
-    join keep their order: the oldest of them is the next head."""
-
-    max_batch_size: int
-    """Most jobs in one batch (1: every job runs alone)."""
+    max_batch_size: int  # 1: every job runs alone
     wait_seconds: float
-    """Longest the head waits, from its submission, for its batch to fill."""
     max_cost: int
-    """Most summed `Job.cost` of one batch: a batch that would exceed it is split (the server's work cap)."""
     idle_seconds: float | None = None
 
     def __post_init__(self) -> None:
@@ -177,17 +149,12 @@ class BatchPolicy:
 
 
 class GenerationQueue(Generic[ServedT, ResultT]):
-    """Bounded FIFO with one worker thread, taking jobs by `policy` and running them with `runner`.
-    `max_waiting` counts jobs not yet started."""
+    """Bounded FIFO of `max_waiting` jobs not yet started, with one worker thread running `policy`'s takes."""
 
     def __init__(
-        self,
-        max_waiting: int,
-        *,
-        runner: Runner[ServedT, ResultT],
-        policy: TakePolicy | None = None,
+        self, max_waiting: int, *, runner: Runner[ServedT, ResultT], policy: TakePolicy | None = None,
         thread_name: str = "layerstream-generate",
-    ):
+    ):  # fmt: skip
         if max_waiting < 0:
             raise ValueError(f"max_waiting = {max_waiting!r} is not valid; expected an integer >= 0")
         self.max_waiting = max_waiting
@@ -202,21 +169,17 @@ class GenerationQueue(Generic[ServedT, ResultT]):
         self.num_submitted = 0
         self.num_started = 0
 
-    # state -----------------------------------------------------------------------------------------------------
     @property
-    def depth(self) -> int:
-        """Jobs waiting (the running ones not counted)."""
+    def depth(self) -> int:  # waiting, the running not counted
         with self._cond:
             return len(self._waiting)
 
     @property
     def running(self) -> bool:
-        with self._cond:
-            return bool(self._running)
+        return self.num_running > 0
 
     @property
     def num_running(self) -> int:
-        """Jobs of the running run (1 for a job running alone, 0 when idle)."""
         with self._cond:
             return len(self._running)
 
@@ -225,9 +188,7 @@ class GenerationQueue(Generic[ServedT, ResultT]):
         with self._cond:
             return self._closed
 
-    # lifecycle -------------------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the worker thread (once)."""
         with self._cond:
             if self._thread is not None:
                 return
@@ -236,10 +197,7 @@ class GenerationQueue(Generic[ServedT, ResultT]):
             self._thread.start()
 
     def close(self) -> int:
-        """Take no more jobs and fail every waiting one with `QueueClosedError`; the running jobs go on.
-
-        Returns how many waiting jobs were failed. The worker exits once the running jobs are done.
-        """
+        """Take no more jobs and fail every waiting one (how many) with `QueueClosedError`; the running go on."""
         with self._cond:
             self._closed = True
             dropped = list(self._waiting)
@@ -257,19 +215,11 @@ class GenerationQueue(Generic[ServedT, ResultT]):
         thread.join(timeout)
         return not thread.is_alive()
 
-    # jobs ------------------------------------------------------------------------------------------------------
     def submit(
-        self,
-        served: ServedT,
-        *,
-        timeout: float | None = None,
-        batch_key: Hashable | None = None,
-        cost: int = 0,
+        self, served: ServedT, *, timeout: float | None = None, batch_key: Hashable | None = None, cost: int = 0,
         observer: object = None,
     ) -> Job[ServedT]:
-        """Queue `served` behind the others; raises `QueueFullError` or `QueueClosedError` instead of queueing.
-
-        Jobs with the same `batch_key` may run together (`cost` counted against a batch's `max_cost`)."""
+        """Queue `served` behind the others; raises `QueueFullError` or `QueueClosedError` instead of queueing."""
         job = Job(served=served, timeout=timeout, batch_key=batch_key, cost=cost, observer=observer)
         with self._cond:
             if self._closed:
@@ -285,13 +235,12 @@ class GenerationQueue(Generic[ServedT, ResultT]):
         return job
 
     def stop(self, job: Job, reason: StopReason) -> bool:
-        """Stop `job` for `reason`; True if it was still waiting (it is dropped and never starts).
-
-        A waiting job fails at once: `QueueTimeoutError` for a timeout, `QueueClosedError` for a shutdown, and
-        a cancelled future when its client is gone or its job deleted. A started job is asked to stop at its
-        next denoising step (its future then fails with `GenerationStopped`); a finished one is left as it is.
-        """
-        if not self._remove_waiting(job):
+        """Stop `job`; True if it was waiting (it fails at once), else it is asked to stop at its next step."""
+        with self._cond:
+            waiting = job in self._waiting
+            if waiting:
+                self._waiting.remove(job)
+        if not waiting:
             job.stop_signal.request(reason)  # started or done: the runner reads this between steps
             return False
         if reason is StopReason.TIMEOUT:
@@ -318,15 +267,6 @@ class GenerationQueue(Generic[ServedT, ResultT]):
             except ValueError:
                 return None
 
-    def _remove_waiting(self, job: Job) -> bool:
-        with self._cond:
-            try:
-                self._waiting.remove(job)
-            except ValueError:
-                return False
-            return True
-
-    # worker ----------------------------------------------------------------------------------------------------
     def _run_worker(self) -> None:
         while True:
             taken = self._take_next()
@@ -357,18 +297,15 @@ class GenerationQueue(Generic[ServedT, ResultT]):
             self._bookkeeping(self.runner.after_run)
 
     def _bookkeeping(self, step) -> None:
-        """The runner's `after_run` or `idle`: its clients are already answered (or none waits), so an error there
-        is logged and the worker goes on to the next job (a runner that can no longer run says so in its next
-        `run`)."""
+        """The runner's `after_run` or `idle`: nobody waits on it, so an error is logged and the worker goes on."""
         try:
             step()
         except Exception:  # noqa: BLE001 - logged with its traceback; the worker must outlive it
             logger.exception("the runner's %s failed; the worker goes on", step.__name__)
 
     def _take_next(self) -> tuple[list[list[Job]], list[Job]] | None:
-        """(the groups to run now, started; the taken jobs whose deadline passed while they waited), ([], [])
-        after the policy's `idle_seconds` with nothing waiting, or None once closed and empty. Blocks until a
-        job waits and the policy says its groups may start."""
+        """(the groups to run now, started; the taken jobs whose deadline passed), ([], []) after `idle_seconds`
+        with nothing waiting, or None once closed and empty."""
         idle_seconds = self.policy.idle_seconds
         with self._cond:
             while True:

@@ -1,33 +1,10 @@
 """Serving on several ranks: how they talk, and what every rank runs in a wave.
-
-`layerstream serve --nproc N` (or under torchrun) runs N ranks, one device each, every one holding the same
-pipeline. Rank 0 serves HTTP and hands out waves (`layerstream.server.waves`); every rank, rank 0 included,
-runs its share of a wave through a `RankRuntime`, and the other ranks loop in `serve_follower`.
-
-The ranks talk three ways, because a process group must see its collectives in one order on every rank:
-- the default group (`init_distributed`): the start alone (rank 0 builds an embedded model before the others
-  read it);
-- torchrun's key-value store (a TCPStore, a client of each rank's own, under a prefix per run): rank 0's
-  worker thread sets each `WaveMessage` there and reads each rank's `RankOutcome` back, with heartbeats
-  (`ControlChannel`); no collective, so a rank that finished its share first waits without a timeout;
-- the offload group: allgather's block transfers, which its copy thread issues at any time (the last block
-  prefetches the first after every forward). It is replaced after a failed wave: a rank that raised inside a
-  block leaves its peers' transfers unmatched, and that group cannot be trusted again.
-
-Stopping a running wave (every request of it timed out or left, or the shutdown's grace ran out) issues no
-collective: rank 0 writes a stop point into the group's key-value store, a few checkpoints (denoising steps,
-outputs) ahead of where it is, and every rank stops at that checkpoint, so all run the same forwards.
-
-What crosses the store is bytes bounded by what users sent and get back: a wave's requests carry their input
-images as the files sent (`ImageFile`, decoded on each rank by `read_input_image`, as in one process), and
-outcomes carry encoded outputs, pickled: whoever reaches the store's port runs code on every rank, as with
-torch.distributed itself (docs/several-gpus.md says how to keep it private). Every key a wave writes leaves the store once every rank has read it
-(`lead_wave`), deleted by rank 0, the last reader or the writer:
-- ``message/{n}``: rank 0 sets it, every rank reads it; deleted once every rank has reported on it;
-- ``outcome/{n}/{rank}``: a rank sets it, rank 0 reads it; deleted as it is read;
-- ``stop/{wave}``: rank 0 sets it if it stops the wave, the others read it; deleted once every rank has reported.
-Only ``heartbeat/{rank}`` (one counter a rank, for the group's life) and the last message, which tells the
-ranks to leave, stay: the store ends with the group.
+A process group must see its collectives in one order on every rank, so the ranks talk three ways: the default
+group at the start alone; torchrun's key-value store for messages, outcomes, heartbeats and stop points
+(`ControlChannel`: a rank that finished first waits without a timeout); and the offload group for allgather,
+replaced after a failed wave. What crosses the store is pickled: whoever reaches its port runs code on every
+rank, as with torch.distributed itself (docs/several-gpus.md says how to keep it private). Every key a wave
+writes is deleted once every rank has read it; the heartbeats and the last message end with the store.
 """
 
 from __future__ import annotations
@@ -58,8 +35,7 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5
 WAIT_LOG_S = 30.0
-STOP_LAG_CHECKPOINTS = 2
-"""How far ahead of rank 0 a stop point is set: ranks that share blocks run at most a few blocks apart."""
+STOP_LAG_CHECKPOINTS = 2  # ahead of rank 0: ranks that share blocks run at most a few blocks apart
 
 
 class RankGroupError(LayerstreamError, RuntimeError):
@@ -67,14 +43,10 @@ class RankGroupError(LayerstreamError, RuntimeError):
 
 
 class WaveKind(StrEnum):
-    RUN = "run"
-    """Run `works[rank]` and report."""
-    PING = "ping"
-    """Nothing to run: report (host bytes), so that an idle group notices a lost rank and never times out."""
-    RECOVER = "recover"
-    """The last wave failed on some rank: rebuild the runtime on a fresh offload group, then report."""
-    STOP = "stop"
-    """Leave the loop: the server is stopping."""
+    RUN = "run"  # run `works[rank]` and report
+    PING = "ping"  # report (host bytes): an idle group notices a lost rank and never times out
+    RECOVER = "recover"  # the last wave failed: rebuild the runtime on a fresh offload group, then report
+    STOP = "stop"  # leave the loop: the server is stopping
 
 
 @dataclass(frozen=True)
@@ -84,8 +56,7 @@ class WaveMessage:
     works: tuple[GroupWork, ...] = ()
 
     def with_image_files(self) -> WaveMessage:
-        """This message with every input image as an `ImageFile`: the file a user sent as it is (the server's
-        requests carry one already), or a decoded picture encoded once as PNG; never pixels."""
+        """This message with every input image as an `ImageFile` (a decoded picture encoded once as PNG)."""
         files: dict[int, ImageFile] = {}  # a placeholder shares its image with the work it copies: one file
 
         def carried(request: GenerationRequest) -> GenerationRequest:
@@ -100,15 +71,11 @@ class WaveMessage:
 
 
 @dataclass
-class RankOutcome:
-    """What a rank reports after each message."""
-
+class RankOutcome:  # what a rank reports after each message
     rank: int
     host_bytes: int | None
-    error: str | None = None
-    """One line, when the rank's work raised (anything but a requested stop)."""
-    refused: bool = False
-    """The error was the pipeline refusing the arguments (`GenerationError`): no forward ran."""
+    error: str | None = None  # one line, when the rank's work raised (anything but a requested stop)
+    refused: bool = False  # the error was the pipeline refusing the arguments: no forward ran
     stopped: StopReason | None = None
     results: list[RequestResult] = field(default_factory=list)
     num_placeholder_steps: int = 0
@@ -122,15 +89,12 @@ class RankSetup:
     world_size: int
     device: torch.device
     backend: str
-    timeout: datetime.timedelta
-    """The collective timeout: how long a rank may be silent (or a transfer wait) before it counts as lost."""
-    store: Any
-    """A key-value store every rank reaches: messages, outcomes, heartbeats and stop points."""
+    timeout: datetime.timedelta  # how long a rank may be silent (or a transfer wait) before it counts as lost
+    store: Any  # every rank reaches it: messages, outcomes, heartbeats and stop points
 
 
 def join_serving_ranks(device: str | None, timeout_s: float, prepare: Callable[[], None]) -> RankSetup:
-    """Join the group torchrun describes, with collectives that time out after `timeout_s`; `prepare` runs on
-    rank 0 before any other rank goes on (it builds an embedded model once, not N times at once)."""
+    """Join torchrun's group; `prepare` runs on rank 0 before the others go on (a model built once, not N times)."""
     import torch.distributed as dist
 
     from layerstream.distributed.process_group import COLLECTIVE_TIMEOUT_ENV, init_distributed
@@ -151,13 +115,9 @@ def join_serving_ranks(device: str | None, timeout_s: float, prepare: Callable[[
 
 
 class ControlChannel:
-    """Rank 0's messages to every rank, and every rank's outcome back, through the store.
-
-    Not collectives: a wave's requests may run for minutes, and a rank that finished first must wait for the
-    others without a timeout. Liveness comes from heartbeats instead: every rank bumps a counter every
-    `HEARTBEAT_S` (or a quarter of the timeout, if shorter), and a rank waiting on another gives up
-    (`RankGroupError`) once that rank's counter has not moved for the collective timeout (a rank that exited,
-    or hangs)."""
+    """Rank 0's messages to every rank, and every rank's outcome back, through the store. Liveness comes from
+    heartbeats: a rank waiting on another gives up (`RankGroupError`) once that rank's counter has not moved
+    for the collective timeout."""
 
     def __init__(self, setup: RankSetup):
         self.setup = setup
@@ -170,9 +130,7 @@ class ControlChannel:
         self._heart.start()
 
     def wait_for_ranks(self) -> None:
-        """Rank 0, before it answers HTTP: wait until every other rank has opened its channel (it has loaded its
-        model), so that a ready server is one whose every rank takes a wave. A rank that dies while loading ends
-        the group (torchrun stops the others); one still loading is waited for, named every `WAIT_LOG_S`."""
+        """Rank 0, before it answers HTTP: wait until every other rank has loaded its model and opened its channel."""
         started = time.monotonic()
         logged = started
         for peer in range(1, self.setup.world_size):
@@ -212,14 +170,12 @@ class ControlChannel:
         return outcomes
 
     def check_alive(self) -> None:
-        """Raise `RankGroupError` if a rank's heartbeat has not moved for the collective timeout."""
         for peer in range(self.setup.world_size):
             if peer != self.setup.rank:
                 self._check_peer(peer)
 
     def _wait_for(self, key: str, *, peer: int) -> None:
-        """Block until `key` is in the store (the store wakes us: no polling), checking `peer`'s heartbeat once
-        per collective timeout, the longest it may be silent: a lost peer is noticed as soon as polling would."""
+        """Block until `key` is in the store, checking `peer`'s heartbeat once per collective timeout."""
         from torch.distributed import DistStoreError
 
         self._check_peer(peer)  # its beat count now: a silence is measured from here
@@ -240,10 +196,9 @@ class ControlChannel:
         if last is None or last[0] != count:
             self._seen[peer] = (count, now)
         elif now - last[1] > self.setup.timeout.total_seconds():
-            raise RankGroupError(
-                f"rank {peer} has not answered for {now - last[1]:.1f} s (the collective timeout is "
-                f"{self.setup.timeout.total_seconds():g} s): it exited or hangs"
-            )
+            silent, timeout = now - last[1], self.setup.timeout.total_seconds()
+            message = f"rank {peer} has not answered for {silent:.1f} s (the collective timeout is {timeout:g} s)"
+            raise RankGroupError(f"{message}: it exited or hangs")
 
     def _beat(self) -> None:
         # several beats per timeout, however short the timeout: a live rank is never taken for a lost one
@@ -273,8 +228,7 @@ class WaveStop:
         self._target: tuple[int, StopReason] | None = None
 
     def checkpoint(self, where: str) -> None:
-        """Called at the same points on every rank (each output, each step: `output_loop.Checkpoint`); raises
-        `GenerationStopped` at the stop point."""
+        """Called at the same points on every rank; raises `GenerationStopped` at the stop point."""
         self._count += 1
         if self._target is None:
             if self._decide is not None:  # rank 0: the only rank that knows about clients and deadlines
@@ -290,8 +244,7 @@ class WaveStop:
             raise GenerationStopped(reason, f"generation stopped ({reason}) {where}")
 
     def forget(self) -> None:
-        """Rank 0, once every rank has reported the wave: its stop point, if it set one, leaves the store (no rank
-        reads it any more)."""
+        """Rank 0, once every rank has reported the wave: its stop point, if any, leaves the store."""
         if self._decide is not None and self._target is not None:
             self._store.delete_key(self._key)
 
@@ -300,7 +253,7 @@ class RankRuntime:
     """This rank's `Omni`, loaded on an offload group of the ranks, and the work of a wave run on it."""
 
     def __init__(self, setup: RankSetup, load: Callable[[Any], Any]):
-        """`load(process_group)` builds the `Omni` (every rank at once: enabling allgather is a collective)."""
+        # `load(process_group)` builds the `Omni` on every rank at once: enabling allgather is a collective
         self.setup = setup
         self._load = load
         self._group = self._new_offload_group()
@@ -318,10 +271,8 @@ class RankRuntime:
         return stats.host_bytes if stats is not None else None
 
     def rebuild(self) -> None:
-        """A fresh `Omni` on a fresh offload group, on every rank together (after a wave that failed).
-
-        The old handle is not disabled: giving the blocks back is itself a collective, which a rank that
-        raised inside a block would leave unmatched. Its group is destroyed first, so nothing waits on it."""
+        """A fresh `Omni` on a fresh offload group, on every rank together (after a wave that failed). The old
+        group is destroyed first: giving its blocks back is a collective a failed rank would leave unmatched."""
         import torch.distributed as dist
 
         old_omni, old_group = self.omni, self._group
@@ -341,8 +292,7 @@ class RankRuntime:
         logger.info("rank %d: runtime rebuilt after a failed wave", self.setup.rank)
 
     def run(self, message: WaveMessage, stop: WaveStop, observer: StepObserver | None = None) -> RankOutcome:
-        """Run this rank's work of `message` (`observer`: who hears of its steps, on rank 0); a failure is
-        reported, not raised (the group must still meet)."""
+        """Run this rank's work of `message`; a failure is reported, not raised (the group must still meet)."""
         work = message.works[self.setup.rank]
         outcome = RankOutcome(self.setup.rank, None)
         try:
@@ -370,15 +320,10 @@ class RankRuntime:
 
 
 def lead_wave(
-    channel: ControlChannel,
-    runtime: RankRuntime,
-    message: WaveMessage,
-    decide: Callable[[], StopReason | None],
+    channel: ControlChannel, runtime: RankRuntime, message: WaveMessage, decide: Callable[[], StopReason | None],
     observer: StepObserver | None = None,
 ) -> list[RankOutcome]:
-    """Rank 0's side of a RUN wave: send `message` (its images as files), run rank 0's share of what was sent,
-    and gather every rank's outcome; `decide` says when to stop it. When it returns, every key the wave wrote
-    has left the store. Raises `RankGroupError` if a rank is lost."""
+    """Rank 0's side of a RUN wave: send `message`, run its share, gather; `decide` says when to stop it."""
     message = message.with_image_files()
     channel.broadcast(message)
     stop = WaveStop(channel.setup.store, message.wave_id, decide=decide)
@@ -389,8 +334,7 @@ def lead_wave(
 
 
 def serve_follower(runtime: RankRuntime, channel: ControlChannel) -> None:
-    """A rank other than 0: run every wave rank 0 sends until it says stop. Raises `RankGroupError` when
-    rank 0 is gone (or silent past the collective timeout)."""
+    """A rank other than 0: run every wave rank 0 sends until it says stop; `RankGroupError` if rank 0 is lost."""
     rank = runtime.setup.rank
     while True:
         message = channel.broadcast(None)

@@ -12,15 +12,12 @@ DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 16
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a prompt and its settings, far below it; an input image comes on top
 # width x height x frames x steps x outputs, on a CPU device. 1e8 lets a 2048x2048 image run 23 steps, or a
-# 832x480 video of 81 frames run 3, and bounds the time of a request on a 2-core CPU to minutes. Memory grows
-# with one output's pixels x frames (outputs are made one at a time): tiny-wan at one step peaked at 1.3 GB for
-# 512x512 x 9 frames, 1.4 GB for 512x512 x 33 and 2.2 GB for 1024x1024 x 9, so the largest request the cap lets
-# through stays a few GB, well within a 24 GB host. On an accelerator the default is what the size and frame
-# caps allow at ACCELERATOR_STEPS steps (`server.limits.default_max_work`).
+# 832x480 video of 81 frames run 3: minutes on a 2-core CPU. tiny-wan at one step peaked at 1.3 GB for
+# 512x512 x 9 frames, 1.4 GB for 512x512 x 33 and 2.2 GB for 1024x1024 x 9: a few GB, well within a 24 GB host.
 CPU_MAX_WORK = 100_000_000
+# on an accelerator the default cap lets every size and frame count run this many steps (or the model's default,
+# if more): Wan 2.2's own 832x480 x 81 frames x 50 steps, and vllm-omni's clients'
 ACCELERATOR_STEPS = 50
-"""On an accelerator, the default work cap lets every size and frame count the caps allow run this many steps
-(or the model's own default, if more): Wan 2.2's own 832x480 x 81 frames x 50 steps, and vllm-omni's clients'."""
 DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0  # plus one denoising step, within the 30 s most orchestrators allow
 MAX_SHUTDOWN_TIMEOUT_S = 86_400.0
 DEFAULT_MAX_BATCH_SIZE = 1  # every request runs alone, exactly as without batching
@@ -49,29 +46,25 @@ class ServeSettings:
     max_queue: int = DEFAULT_MAX_QUEUE
     """Requests that may wait behind the running one; one more answers 429."""
     max_frames: int = DEFAULT_MAX_FRAMES
-    """Largest ``num_frames`` a video request may ask for (lowered to what the model can position)."""
+    """Largest ``num_frames`` (lowered to what the model can position)."""
     max_side_pixels: int = DEFAULT_MAX_SIDE_PIXELS
-    """Largest width or height a request may ask for (lowered to what the model can position)."""
+    """Largest width or height (lowered to what the model can position)."""
     max_work: int | None = None
-    """None: from the device (`server.limits.default_max_work`)."""
-    """Largest width x height x frames x steps x n of one request: bounds its time and, at one step, its memory."""
+    """Largest width x height x frames x steps x n of one request; None: from the device."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    """Largest request body without an input image; a larger one answers 413 without being parsed. A request
-    that may carry an image (edits, image-to-video) may be larger by the image: `image_body_bytes`."""
+    """Largest body without an input image (413 unparsed); one that may carry an image: `image_body_bytes`."""
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
-    """Largest input image file, in bytes (a larger one answers 413 naming ``image``)."""
+    """Largest input image file (more answers 413 naming ``image``)."""
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
-    """Largest input image in pixels, read from its header before decoding (more answers 413 naming ``image``)."""
+    """Largest input image in pixels, read from its header before decoding (more answers 413)."""
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
-    """Seconds a running generation may go on after SIGTERM before it is stopped at its next denoising step."""
+    """Seconds a running generation may go on after SIGTERM before it is stopped at its next step."""
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
-    """Most queued requests run as one pipeline call (same size, frames, steps, guidance and negative prompt,
-    no input image); 1 runs every request alone."""
+    """Most queued requests of one batch shape run as one pipeline call; 1 runs every request alone."""
     batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS
-    """Longest a request waits, from its arrival, for others to join its batch (with max_batch_size > 1)."""
+    """Longest a request waits, from its arrival, for others to join its batch."""
     served_model_names: tuple[str, ...] = ()
-    """The names a request's ``model`` may give, the first the one answers and ``GET /v1/models`` name; empty: the
-    model as given (a folder by its own name)."""
+    """The names a request's ``model`` may give, the first the one answers name; empty: the model as given."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -97,8 +90,7 @@ class ServeSettings:
 
     @property
     def image_body_bytes(self) -> int:
-        """Largest body of a request that may carry an image: the other fields' allowance plus the image,
-        base64-encoded (4 characters per 3 bytes) or as a multipart file part."""
+        """`max_body_bytes` plus the image, base64-encoded (4 characters per 3 bytes)."""
         return self.max_body_bytes + -(-self.max_image_bytes // 3) * 4
 
 

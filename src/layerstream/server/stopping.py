@@ -1,16 +1,8 @@
 """Stopping a started generation between denoising steps: why it stops, the signal, and the error it raises.
-
-A generation cannot be interrupted inside a step (a kernel runs, a block sits in a device slot), but diffusers
-calls ``callback_on_step_end`` between steps, and `Omni.generate` hands that call to its ``on_step``. Raising
-there unwinds the pipeline where no block holds a slot and the only copy in flight is the last block's
-prefetch of the first, so the runtime is as clean as after a finished generation: the next request runs, and
-runs bit-identically.
-
-The event loop requests a stop (a deadline passed, the client left, its job was deleted, the server is
-shutting down); the worker
-thread sees it at the next step boundary, or before the next of a request's ``n`` outputs (the only boundary
-of a pipeline whose ``__call__`` takes no ``callback_on_step_end``).
-"""
+Raising in diffusers' ``callback_on_step_end`` (`Omni.generate`'s ``on_step``) unwinds the pipeline where no
+block holds a slot and the only copy in flight is the last block's prefetch of the first: the runtime is as
+clean as after a finished generation, and the next request runs bit-identically. The worker also checks before
+each of a request's ``n`` outputs (the only boundary of a pipeline without that callback)."""
 
 from __future__ import annotations
 
@@ -21,16 +13,10 @@ from layerstream.errors import LayerstreamError
 
 
 class StopReason(StrEnum):
-    """Why a generation was asked to stop."""
-
-    TIMEOUT = "timeout"
-    """The request's ``timeout`` passed."""
-    CLIENT_GONE = "client_gone"
-    """The client closed its connection: nobody is left to read the answer."""
-    SHUTDOWN = "shutdown"
-    """The server got SIGTERM and the running generation outlived --shutdown-timeout."""
-    CANCELLED = "cancelled"
-    """Its job was deleted (``DELETE /v1/videos/{id}``): nobody wants the result any more."""
+    TIMEOUT = "timeout"  # the request's ``timeout`` passed
+    CLIENT_GONE = "client_gone"  # nobody is left to read the answer
+    SHUTDOWN = "shutdown"  # SIGTERM, and the running generation outlived --shutdown-timeout
+    CANCELLED = "cancelled"  # its job was deleted
 
 
 class GenerationStopped(LayerstreamError):

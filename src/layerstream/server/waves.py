@@ -1,18 +1,8 @@
 """Rank 0 of a multi-rank server: waves of requests, one share per rank.
-
-`WavePolicy` is how the server's queue takes jobs with several ranks: the head of the queue and the waiting
-requests that can run beside it, up to one per rank (or one batch per rank with --max-batch-size), become a
-wave. Requests of a wave run the same forwards on every rank (allgather gathers each block once per forward on
-every rank, so every rank must run the same number of them): alone, they share their size, frames, steps,
-guidance, negative prompt, output count and whether they carry an image; batched, their batch shape. A rank
-left without a request runs a placeholder, a copy of another rank's work whose outputs are dropped.
-
-`RankRunner` is the queue's runner with several ranks: it broadcasts each wave, runs rank 0's share, gathers
-every rank's outcome and answers. Rank 0's steps are every job's steps (the ranks run the same forwards), so a
-job's observer hears of them whichever rank runs it; previews come from rank 0's own job only. A wave that
-raised on any rank answers 500 to each of its requests and is followed by a rebuild of the runtime on every
-rank. A rank that is gone or silent past the collective timeout answers 503 and stops the server, which then
-exits non-zero.
+`WavePolicy` takes the head of the queue and the requests that can run beside it, one (or one batch) per rank:
+every rank must run the same forwards, as allgather gathers each block once per forward on every rank, and a
+rank without a request runs a placeholder whose outputs are dropped. `RankRunner` leads each wave and answers:
+500 for a wave that raised (then every rank rebuilds), 503 for a rank lost (then the server stops).
 """
 
 from __future__ import annotations
@@ -55,8 +45,7 @@ class WaveFailedError(LayerstreamError, RuntimeError):
 
 
 def wave_key(served: ServedRequest) -> Hashable:
-    """What requests run alone must share to run side by side in one wave: the same forwards on every rank
-    (their batch shape, output count and whether they carry an image; images may differ)."""
+    """What requests run alone must share to run side by side in one wave (images may differ)."""
     request = served.request
     return replace(request.batch_shape(), image=None), request.n, request.image is not None
 
@@ -66,14 +55,10 @@ class WavePolicy:
     """Takes a wave at a time: groups of jobs, one group per rank (a `queue.TakePolicy`)."""
 
     num_ranks: int
-    max_batch_size: int
-    """Requests of one rank's batch (1: each rank runs one request alone)."""
-    wait_seconds: float
-    """Longest the head waits, from its submission, for its wave to fill."""
-    max_cost: int
-    """Most summed `Job.cost` of one rank's batch."""
-    idle_seconds: float
-    """With nothing to run for this long, the worker checks on the ranks (`RankRunner.idle`)."""
+    max_batch_size: int  # requests of one rank's batch (1: each rank runs one request alone)
+    wait_seconds: float  # longest the head waits, from its submission, for its wave to fill
+    max_cost: int  # most summed `Job.cost` of one rank's batch
+    idle_seconds: float  # with nothing to run this long, the worker checks on the ranks
 
     def take(self, waiting: Sequence[ServedJob]) -> Take:
         head = waiting[0]
@@ -86,8 +71,7 @@ class WavePolicy:
         return self.max_batch_size > 1 and job.batch_key is not None
 
     def _wave_for(self, head: ServedJob, waiting: Sequence[ServedJob]) -> tuple[list[list[ServedJob]], int]:
-        """The groups of a wave headed by `head` (oldest first, spread over the ranks), and the most jobs it
-        could hold."""
+        """The groups of a wave headed by `head` (spread over the ranks first), and the most jobs it could hold."""
         batching = self.batches(head)
         per_rank = self.max_batch_size if batching else 1
         key = head.batch_key if batching else wave_key(head.served)
@@ -119,11 +103,7 @@ class RankRunner(RunnerBase):
         self, runtime: RankRuntime, channel: ControlChannel, policy: WavePolicy, limits: ModelLimits, metrics: ServerMetrics,
         *, on_fatal: Callable[[], None] = lambda: None,
     ):  # fmt: skip
-        self.runtime = runtime
-        self.channel = channel
-        self.policy = policy
-        self.limits = limits
-        self.metrics = metrics
+        self.runtime, self.channel, self.policy, self.limits, self.metrics = runtime, channel, policy, limits, metrics
         self.offload_stats = runtime.omni.stats()
         self._lock = threading.Lock()
         self._wave_id = 0
@@ -136,17 +116,14 @@ class RankRunner(RunnerBase):
         self.on_fatal: Callable[[], None] = lambda: None  # a rank lost before serving: the service reads fatal_error
         channel.wait_for_ranks()  # a rank still loading has no heartbeat yet: the exchange would take it for lost
         self._exchange(WaveMessage(WaveKind.PING), lambda: None)  # every rank's host bytes, for /health
-        self.on_fatal = on_fatal
-        """The service's: close the queue and stop serving (the process then exits non-zero)."""
+        self.on_fatal = on_fatal  # the service's: close the queue and stop serving (the process exits non-zero)
 
     @property
     def omni(self) -> Any:
         return self.runtime.omni
 
-    # waves -----------------------------------------------------------------------------------------------------
     def run(self, groups: list[list[ServedJob]]) -> list[Answer]:
-        """One wave, every rank its group (or a placeholder); one answer per job. A job whose observer fails as it
-        starts (the job database refused its status) is answered with that error and left out: the others run."""
+        """One wave; one answer per job. A job whose observer fails as it starts is answered so and left out."""
         jobs = [job for group in groups for job in group]
         if self.fatal_error is not None:
             return [self._unavailable()] * len(jobs)
@@ -157,13 +134,7 @@ class RankRunner(RunnerBase):
 
     def _run_wave(self, groups: list[list[ServedJob]]) -> list[Answer]:
         jobs = [job for group in groups for job in group]
-        works = [
-            GroupWork(
-                tuple(j.served.request for j in g), batch_call=self.policy.batches(g[0]),
-                encodings=tuple(j.served.encoding for j in g),
-            )
-            for g in groups
-        ]  # fmt: skip
+        works = [GroupWork.of(g, batch_call=self.policy.batches(g[0])) for g in groups]
         num_idle = self.runtime.setup.world_size - len(works)
         works += [works[0].as_placeholder()] * num_idle
         self._wave_id += 1
@@ -233,8 +204,7 @@ class RankRunner(RunnerBase):
         if self.runtime.omni is not None:
             self.offload_stats = self.runtime.omni.stats()
 
-    def idle(self) -> None:
-        """Idle: check that every rank's heartbeat still moves."""
+    def idle(self) -> None:  # check that every rank's heartbeat still moves
         if self.fatal_error is None:
             try:
                 self.channel.check_alive()
@@ -275,9 +245,7 @@ class RankRunner(RunnerBase):
     def _unavailable(self) -> ApiError:
         return ApiError(503, f"a serving rank failed: {self.fatal_error}", code="rank_failed")
 
-    # reports ---------------------------------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
-        """What /health says of the ranks."""
         setup = self.runtime.setup
         with self._lock:
             host_bytes = list(self._rank_host_bytes)
@@ -302,12 +270,12 @@ class RankRunner(RunnerBase):
 
 
 class _WaveObserver:
-    """Rank 0's steps told to every job of the wave that has an observer (the ranks run the same forwards);
-    latents, for previews, only to rank 0's own job when it runs alone (its latents are the ones here)."""
+    """Rank 0's steps told to every followed job of the wave (the ranks run the same forwards); latents, for
+    previews, only to rank 0's own job when it runs alone."""
 
     @classmethod
     def of(cls, jobs: list[ServedJob], rank0_group: list[ServedJob]) -> _WaveObserver | None:
-        """None when no job of the wave is followed: the steps then cost no look at the counters."""
+        # None when no job is followed: the steps then cost no look at the counters
         observers = [job.observer for job in jobs if job.observer is not None]
         return cls(observers, rank0_group[0].observer if len(rank0_group) == 1 else None) if observers else None
 
@@ -329,7 +297,7 @@ class _WaveObserver:
 
 
 def _start_observers(jobs: Sequence[ServedJob]) -> dict[int, Exception]:
-    """Tell each job's observer that it starts; the error of each that raised, by the job's id()."""
+    """Tell each job's observer that it starts; the error of each that raised, by id()."""
     refused: dict[int, Exception] = {}
     for job in jobs:
         if job.observer is not None:

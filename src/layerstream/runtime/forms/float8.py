@@ -1,23 +1,12 @@
 """The float8 form of a block (`layer_options.<component>.storage_dtype`): fewer bytes over the link.
 
-The tensors diffusers' layerwise casting would cast (`forms.cast_rule`) are stored in the storage dtype (float8:
-1 byte) and the rest byte for byte. A slot holds the block's compute layout (the ordinary `BlockLayout`, which
-the streamer binds) followed by a staging region for the stored bytes: the stored bytes are copied into the
-staging region (one host-to-device copy), then each stored span is cast into its place in the compute layout on
-the device (`copy_` with a dtype change: no allocation per block) and the rest copied as bytes. The result is
-exactly what diffusers' casting hook produces resident: an fp8 -> bf16/fp16/fp32 upcast is exact, so the output
-is bit-identical to the resident model with `enable_layerwise_casting`.
-
-Lossy, once: staging rounds the cast weights to the storage dtype.
-- `disable()` gives the model its weights back in their own dtype, with the rounded values.
-- `state_dict()` gives the cast tensors in the storage dtype, as diffusers' layerwise casting does;
-  `load_state_dict()` rounds the new values into it; buffers a block writes in forward are rounded the same way
-  when they belong to a cast layer.
-- Autograd through a cast block works: saved weights are upcast from the stored bytes (exact).
-- LoRA on a cast block is refused (PEFT would create its adapters in the storage dtype).
-A store keeps a float8 block's original tensors until it commits, so that a rollback gives the very same tensors
-back: host memory peaks at the original bytes plus the stored bytes during enable (1.5x a bf16 model), never two
-full copies.
+The tensors diffusers' layerwise casting would cast (`forms.cast_rule`) are stored in the storage dtype (1 byte)
+and the rest byte for byte. A slot holds the compute layout, then a staging region for the stored bytes; each
+stored span is cast into its place on the device (`copy_` with a dtype change: no allocation per block). An
+fp8 -> bf16/fp16/fp32 upcast is exact, so the output is bit-identical to the resident model with
+`enable_layerwise_casting`. Lossy once, when staging rounds the weights: `disable()`, `state_dict()` and
+`load_state_dict()` see the rounded values (docs/storage.md); LoRA on a cast block is refused (PEFT would make
+float8 adapters). A store keeps the original tensors until it commits, so that a rollback gives them back.
 """
 
 from __future__ import annotations

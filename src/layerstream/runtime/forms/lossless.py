@@ -1,22 +1,12 @@
 """The lossless form of a block (`layer_options.<component>.storage_dtype: "lossless"`): about 0.68x the bytes of
 a trained bfloat16 block over the link and in host memory, and the very same bits in the slot.
 
-Every bfloat16 and float16 parameter span of a block of at least `MIN_CODED_BYTES` is kept in the code of
-`runtime.packing.lossless_code` (the rest, buffers included, byte for byte); a slot holds the block's compute
-layout (its ordinary `BlockLayout`, at its resident residues) followed by a staging region for the stored bytes,
-and the copy decodes each coded span into its place in the compute layout, on the device and in the copy's
-stream (on the copy thread on a CPU device), before the slot is marked ready. The code is exact by construction
-(every bit of every element is either kept or computed back), so outputs are bit-identical to streaming the same
-weights uncompressed. Every store keeps a lossless block in this form: the local store, the disk tier (a
-checkpoint-backed block is coded once at enable: the disk reads shrink too) and the sharded store. The form's
-sizes come from the block's values (how many escapes each tensor needs), read once when the form is made; a
-skeleton on the meta device is priced at `lossless_code.priced_fraction()` (a checkpoint's sampled figure, else
-`ESTIMATED_CODED_FRACTION`).
-
-Changing a block's values keeps its sizes: `load_state_dict`, LoRA fusing and a write-back code the new values
-again with each tensor's escape capacity (a little more than it needed at enable). Values that need more escapes
-are refused with `UnsupportedUseError` before the store changes. `state_dict()` gives decoded copies (an in-place
-write into them does not reach the store; `load_state_dict` does); `disable()` gives the original bits back.
+Every bfloat16 and float16 parameter span of at least `MIN_CODED_BYTES` is kept in `runtime.packing.lossless_code`'s
+code (the rest byte for byte); the copy decodes each coded span from the slot's staging region into the compute
+layout, in the copy's stream, before the slot is ready. The code is exact by construction. Sizes come from the
+block's values, read once (a meta skeleton is priced at `lossless_code.priced_fraction()`); new values
+(`load_state_dict`, LoRA fusing, a write-back) keep each tensor's escape capacity, and values that need more are
+refused with `UnsupportedUseError` before the store changes (docs/storage.md).
 """
 
 from __future__ import annotations

@@ -71,8 +71,6 @@ class SegmentedForm:
         self.segments = tuple(segments)
         self.stored_nbytes = max(align_up(offset), ALIGN_BYTES)
         """Bytes of the stored block (what moves over the link per transfer)."""
-        self.kept_nbytes = sum(s.compute_nbytes for s in segments if s.kind != "raw")
-        """Bytes of the compute layout that are cast or coded."""
 
     @property
     def stored_offset(self) -> int:

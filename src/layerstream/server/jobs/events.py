@@ -1,9 +1,5 @@
-"""Server-sent events of a job: published from the worker thread, read by any number of event streams.
-
-Each stream has its own asyncio queue on the event loop; the worker hands events over with
-``call_soon_threadsafe``, which keeps their order. A stream that goes away only drops its own queue: the job
-runs on, whoever watches it.
-"""
+"""Server-sent events of a job: published from the worker thread (``call_soon_threadsafe``, which keeps their
+order) into an asyncio queue per event stream."""
 
 from __future__ import annotations
 
@@ -16,8 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 EventName = Literal["status", "progress", "preview"]
-KEEPALIVE_SECONDS = 15.0
-"""A comment line this often keeps proxies from closing a quiet stream (a long step, a long queue)."""
+KEEPALIVE_SECONDS = 15.0  # a comment line this often keeps proxies from closing a quiet stream
 
 
 @dataclass(frozen=True)
@@ -26,7 +21,6 @@ class JobEvent:
     data: dict[str, Any]
 
     def encode(self) -> str:
-        """The event in the text/event-stream format."""
         return f"event: {self.name}\ndata: {json.dumps(self.data)}\n\n"
 
 
@@ -69,9 +63,7 @@ class JobEvents:
 async def stream_events(
     events: JobEvents, job_id: str, snapshot: Callable[[], dict[str, Any] | None]
 ) -> AsyncIterator[str]:
-    """The text of a job's event stream: its status now, then its events, until the status event of a
-    finished job. `snapshot()` gives the job object (None once the job is deleted: the stream ends); it reads the
-    job database, so it runs off the event loop."""
+    """A job's event stream: its status now (`snapshot()`, None once deleted), then its events until it ends."""
     queue = events.subscribe(job_id)  # before the snapshot: no event between the two is missed
     try:
         current = await asyncio.to_thread(snapshot)
@@ -81,10 +73,8 @@ async def stream_events(
         yield JobEvent("status", current).encode()
         while last_status not in ("completed", "failed"):
             try:
-                event: JobEvent | None = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
+                event: JobEvent = await asyncio.wait_for(queue.get(), KEEPALIVE_SECONDS)
             except asyncio.TimeoutError:
-                event = None
-            if event is None:
                 if await asyncio.to_thread(snapshot) is None:
                     return  # deleted while nothing happened
                 yield ": keep-alive\n\n"

@@ -1,16 +1,8 @@
-"""`JobManager`: jobs queued on the service's worker, followed step by step, and kept in the store.
-
-A job is checked as a synchronous request is (`GenerationService.prepare`), stored as queued (the
-`GenerationRequest` it runs and its `JobSettings`, which is all its record keeps of its body), and queued
-behind the others with a `StepObserver`, as one request run alone: in process, or on whichever rank its wave
-gives it. When it starts it is marked in progress; its steps become progress and preview events; once its
-future is answered its output, encoded with its settings inside, is written into the data folder and it is
-marked completed (or failed): once that row is written the outcome is settled, and what follows it (metrics,
-events, retention) may fail without changing it (logged, and `/health`'s ``jobs_bookkeeping``). Deleting a job
-removes it at once (a second DELETE is a 404, as a GET); a running one stops at its next denoising
-step (`StopReason.CANCELLED`; on ranks, at the wave's next stop point once every job of the wave is deleted,
-else its outputs are dropped) and the worker moves on. The history is kept by the process serving HTTP.
-"""
+"""`JobManager`: jobs checked as synchronous requests are, stored as queued, run on the service's worker with a
+`StepObserver` (progress and preview events), and their outputs written to the data folder. Once a job's
+row says completed or failed its outcome is settled: the bookkeeping after it (metrics, events, retention)
+may fail without changing it (logged, and `/health`'s ``jobs_bookkeeping``). A deleted job is gone at once;
+a running one stops at its next step (`StopReason.CANCELLED`)."""
 
 from __future__ import annotations
 
@@ -31,7 +23,7 @@ from layerstream.request import GenerationError
 from layerstream.server.errors import ApiError, client_line
 from layerstream.server.jobs.events import JobEvent, JobEvents, stream_events
 from layerstream.outputs import OutputEncoding
-from layerstream.server.jobs.previews import LatentProjection, fit_latent_projection, preview_data_url
+from layerstream.server.jobs.previews import LatentProjection, fit_latent_projection
 from layerstream.server.jobs.records import (
     DECODED_PERCENT,
     AfterStepsRate,
@@ -52,8 +44,7 @@ from layerstream.server.stopping import GenerationStopped, StopReason
 
 logger = logging.getLogger(__name__)
 
-PREVIEWS_PER_JOB = 10
-"""About this many previews over a job's steps (every step for 10 steps or fewer)."""
+PREVIEWS_PER_JOB = 10  # about this many previews over a job's steps (every step for 10 steps or fewer)
 MAX_PAGE = 100
 DEFAULT_PAGE = 20
 
@@ -63,11 +54,15 @@ class _LiveJob:
     """A job this server process queued and has not finished: what the worker and the API share."""
 
     record: JobRecord
-    served: ServedRequest
-    """What is queued: `record.request` with its input image, and how its output is encoded."""
+    served: ServedRequest  # `record.request` with its input image, and its output's encoding
     progress: LiveProgress = field(default_factory=LiveProgress)
     queued: Job | None = None
     stats_before: Any = None
+
+    def failed(self, code: str, message: str) -> JobRecord:
+        error = {"code": code, "message": message}
+        return self.record.with_status(JobStatus.FAILED, error=error, completed_at=int(time.time()),
+                                       figures=self.progress.figures())  # fmt: skip
 
 
 class JobManager:
@@ -81,14 +76,11 @@ class JobManager:
         self.events = JobEvents()
         self._lock = threading.Lock()
         self._live: dict[str, _LiveJob] = {}
-        self._unstored: dict[str, JobRecord] = {}
-        """Jobs that ended while the database refused their row: their ending, held here so that they still end."""
-        self.storage_problem: str | None = None
-        """Why the data folder refused the last write (None once one succeeds): `/health` says it."""
-        self.bookkeeping_problem: str | None = None
-        """The last bookkeeping after a job's settled outcome that failed (retention, metrics, events): `/health`."""
+        self._unstored: dict[str, JobRecord] = {}  # ended while the database refused their row
+        self.storage_problem: str | None = None  # the data folder's last refusal, for /health
+        self.bookkeeping_problem: str | None = None  # the last bookkeeping after a settled outcome that failed
+        # stores the outcomes of jobs a drain fails on the event loop: off the loop, in order
         self._off_loop = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-job-outcomes")
-        """Where the outcomes of jobs a drain fails on the event loop are stored: off the loop, in order."""
         self._projection: LatentProjection | None = None
         self._projection_fitted = False
         self.metrics = service.metrics
@@ -97,8 +89,7 @@ class JobManager:
             self.metrics.record_job_state(job_id, status)
 
     @property
-    def _folders(self) -> dict[str, str]:
-        """Local folders an answer names by their setting instead (`client_line`)."""
+    def _folders(self) -> dict[str, str]:  # named by their setting in answers (`client_line`)
         return {str(self.store.folder): "--data-dir"}
 
     @property
@@ -106,8 +97,7 @@ class JobManager:
         return "/v1/videos" if self.kind == "video" else "/v1/images/jobs"
 
     def close(self) -> None:
-        """After the worker stopped: a job still live (a generation left behind by the stop) never finished;
-        say so. (Jobs still queued at the drain were failed then, by `_finished`: waited for first.)"""
+        """After the worker stopped: fail each job still live (left behind by the stop), then close the store."""
         self._off_loop.shutdown(wait=True)
         with self._lock:
             left = list(self._live.values())
@@ -117,11 +107,8 @@ class JobManager:
             self.store.update(live.record.with_status(JobStatus.FAILED, error=error, completed_at=int(time.time())))
         self.store.close()
 
-    # the API ---------------------------------------------------------------------------------------------------
     def create(self, body: VideoJobRequest | ImageJobRequest, image: Any) -> dict[str, Any]:
-        """Check `body` against the model, store it as a queued job and queue it; its job object.
-
-        Nothing is stored or queued if a check fails (4xx), and a full queue is a 429 with nothing stored."""
+        """Check `body`, store it as a queued job and queue it; its job object. A refusal stores nothing."""
         served = self.service.prepare(body.generation_body(self.service.limits), image, body.image_field)
         record = self._new_record(body, served)
         # the output carries the settings that make it again (`Omni`'s) and the job's id, written as it is
@@ -157,7 +144,6 @@ class JobManager:
         return found
 
     def page(self, *, limit: int, after: str | None, order: Literal["asc", "desc"]) -> dict[str, Any]:
-        """OpenAI's list page of this kind's jobs."""
         found = self.store.page(self.kind, limit=limit, after=after, order=order)
         if found is None:
             raise ApiError(400, f"after = {after!r} names no {self.kind} job of this server", code="invalid_request", param="after")
@@ -190,9 +176,8 @@ class JobManager:
         return {"id": job_id, "object": f"{self.kind}.deleted", "deleted": True}
 
     def content(self, job_id: str) -> tuple[Path, str, str]:
-        """(a file to send, its media type, the output's name) of a completed job; 404 for no job, 409 for one not
-        completed. The file is the store's link for this download (`JobStore.serve_output`): the caller gives it
-        back with `release_content` once the response has ended."""
+        """(a link to send, its media type, the output's name) of a completed job; 404, or 409 before it completed.
+        The caller gives the link back with `release_content` once the response has ended."""
         record = self.store.get(job_id)
         if record is None:
             raise _not_found(self.kind, job_id)
@@ -211,11 +196,8 @@ class JobManager:
         """The job's event stream; call `get` first (off the event loop) for a 404 before it starts."""
         return stream_events(self.events, job_id, lambda: self._object_or_none(job_id))
 
-    # the worker ------------------------------------------------------------------------------------------------
     def _started(self, live: _LiveJob) -> LatentProjection | None:
-        """On the worker, as the job starts: mark it in progress; the latent projection of its previews, if any.
-
-        A job deleted just now is left to its stop signal (set by `delete`): it stops before its first output."""
+        """On the worker: mark the job in progress; the latent projection of its previews, if any."""
         if not self._save(live, live.record.with_status(JobStatus.IN_PROGRESS)):
             return None
         live.progress.total_steps = live.served.request.num_inference_steps or 0
@@ -226,8 +208,7 @@ class JobManager:
         return self._latent_projection() if live.record.settings.preview else None
 
     def _answered(self, live: _LiveJob, future: Any) -> None:
-        """The future's callback: `_finished` here on the worker; off the event loop for a job a drain failed there
-        (its row is written and read back: never on the loop)."""
+        """The future's callback: `_finished` here on the worker, or off the event loop for a job a drain failed."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # no loop runs here: the worker thread
@@ -236,9 +217,7 @@ class JobManager:
             self._off_loop.submit(self._finished, live, future)
 
     def _finished(self, live: _LiveJob, future: Any) -> None:
-        """The job's future is answered (`_answered`): its output written and the job marked, or its failure
-        recorded; a deleted one is left unrecorded. Nobody awaits it, so an exception would only be logged: a
-        failure to store the outcome (the file, the row) fails the job instead, so that every job ends."""
+        """Record the job's outcome; a failure to store it fails the job instead, so that every job ends."""
         try:
             self._record_outcome(live, future)
         except Exception as e:  # noqa: BLE001 - a job must end whatever went wrong in storing it
@@ -270,8 +249,7 @@ class JobManager:
             self._fail(live, "generation_failed", client_line(error, self._folders))
 
     def _fail_unstored(self, live: _LiveJob, error: Exception) -> None:
-        """Fail a job whose outcome could not be stored: in the database if it takes the row, else in memory
-        (`_unstored`), so that a client polling it sees it end either way."""
+        """Fail a job whose outcome could not be stored: in the database if it takes the row, else in memory."""
         code = "database_error" if isinstance(error, sqlite3.Error) else "output_write_failed" if isinstance(error, OSError) else "internal_error"
         what = {"database_error": "the job database refused its row", "output_write_failed": "its output could not be written"}
         message = f"{what.get(code, 'storing its outcome failed')}: {client_line(error, self._folders)}"
@@ -282,10 +260,7 @@ class JobManager:
             return
         except Exception as again:  # noqa: BLE001 - the database refuses this write too
             logger.error("job %s: its failure cannot be stored either (%s); it is kept in memory", live.record.id, again)
-        failed = live.record.with_status(
-            JobStatus.FAILED, error={"code": code, "message": message}, completed_at=int(time.time()),
-            figures=live.progress.figures(),
-        )  # fmt: skip
+        failed = live.failed(code, message)
         with self._lock:
             self._unstored[failed.id] = failed
         live.record = failed
@@ -301,13 +276,9 @@ class JobManager:
         self.storage_problem = f"the data folder (--data-dir) refused a write ({client_line(error, self._folders)})"
         return ApiError(503, f"{self.storage_problem}: the job was not stored; retry later", code="database_error")
 
-    def storage_state(self) -> str:
-        """"ok", or why the data folder refused the last write."""
-        return self.storage_problem or "ok"
-
-    def history_state(self) -> dict[str, Any]:
-        """What `/health` says of the history: rows set aside, and the last bookkeeping that failed."""
-        return {"jobs_unreadable": len(self.store.unreadable), "jobs_bookkeeping": self.bookkeeping_problem or "ok"}
+    def health(self) -> dict[str, Any]:
+        return {"jobs_path": self.path, "jobs_storage": self.storage_problem or "ok",
+                "jobs_unreadable": len(self.store.unreadable), "jobs_bookkeeping": self.bookkeeping_problem or "ok"}
 
     def _complete(self, live: _LiveJob, data: bytes, usage: Any) -> None:
         """Store the job's file: encoded once by the worker, with the job's settings already inside it."""
@@ -332,10 +303,7 @@ class JobManager:
 
     def _fail(self, live: _LiveJob, code: str, message: str) -> None:
         logger.info("job %s failed: %s", live.record.id, message)
-        error = {"code": code, "message": message}
-        failed = live.record.with_status(
-            JobStatus.FAILED, error=error, completed_at=int(time.time()), figures=live.progress.figures()
-        )
+        failed = live.failed(code, message)
         if self._save(live, failed):  # failed jobs count against the limits as completed ones do
             self._after_outcome(f"retention after job {failed.id} failed", self._enforce_retention)
 
@@ -344,8 +312,7 @@ class JobManager:
             self.metrics.forget_job(removed)
 
     def _save(self, live: _LiveJob, record: JobRecord) -> bool:
-        """Store a new status and announce it; False if the job was deleted meanwhile. Once the row is written
-        the status stands: announcing it may fail without changing it (`_after_outcome`)."""
+        """Store a new status and announce it; False if the job was deleted meanwhile."""
         if not self.store.update(record):
             return False
         live.record = record
@@ -362,8 +329,7 @@ class JobManager:
         return True
 
     def _after_outcome(self, what: str, action: Callable[[], Any]) -> Any:
-        """`action()`, bookkeeping after a stored status: a failure is logged and shown on `/health`, never raised
-        (the status stands); None then."""
+        """`action()` after a stored status: a failure is logged and shown on `/health`, never raised (None)."""
         try:
             return action()
         except Exception as e:  # noqa: BLE001 - the outcome is stored; nothing after it may change it
@@ -382,30 +348,22 @@ class JobManager:
             self._projection_fitted = True
         return self._projection
 
-    # views -----------------------------------------------------------------------------------------------------
     def _new_record(self, body: VideoJobRequest | ImageJobRequest, served: ServedRequest) -> JobRecord:
-        """The queued job: the request `served` runs (its input image not kept) and what only a job has."""
+        """The queued job: the request `served` runs, without its input image."""
         request, source = served.request, self.service.source
         settings = JobSettings(
-            output_format="mp4" if self.kind == "video" else "png",
-            preview=body.preview,
-            has_input_image=request.image is not None,
-            model_revision=source.to_dict().get("revision"),
+            output_format="mp4" if self.kind == "video" else "png", preview=body.preview,
+            has_input_image=request.image is not None, model_revision=source.to_dict().get("revision"),
             model_commit=source.commit,
-        )
+        )  # fmt: skip
         seconds = None
         if isinstance(body, VideoJobRequest) and request.fps:
             seconds = seconds_shown(body, request.num_frames or 0, request.fps)
         return JobRecord(
-            id=f"{self.kind}_{secrets.token_hex(16)}",
-            kind=self.kind,
-            model=self.service.limits.model,
-            status=JobStatus.QUEUED,
-            created_at=int(time.time()),
-            request=replace(request, image=None),
-            settings=settings,
-            seconds=seconds,
-        )
+            id=f"{self.kind}_{secrets.token_hex(16)}", kind=self.kind, model=self.service.limits.model,
+            status=JobStatus.QUEUED, created_at=int(time.time()), request=replace(request, image=None),
+            settings=settings, seconds=seconds,
+        )  # fmt: skip
 
     def _live_of(self, job_id: str) -> _LiveJob | None:
         with self._lock:
@@ -414,9 +372,7 @@ class JobManager:
     def _object_or_none(self, job_id: str) -> dict[str, Any] | None:
         live = self._live_of(job_id)
         record = self.store.get(job_id)
-        if record is None:
-            return None
-        return self._object(record, live)
+        return None if record is None else self._object(record, live)
 
     def _object(self, record: JobRecord, live: _LiveJob | None) -> dict[str, Any]:
         with self._lock:
@@ -461,13 +417,12 @@ class _JobObserver:
         width, height = self.live.record.request.width, self.live.record.request.height
         if not (width and height):
             return  # the pipeline picks its size: the packed latents cannot be laid out without it
-        png = self.projection.preview_png(latents, width=width, height=height)
-        self.manager.events.publish(job_id, JobEvent("preview", {"step": step, "image": preview_data_url(png)}))
+        image = self.projection.preview_data_url(latents, width=width, height=height)
+        self.manager.events.publish(job_id, JobEvent("preview", {"step": step, "image": image}))
 
 
 def _is_full(error: Exception) -> bool:
-    """Whether `error` says the disk or the database is full: SQLite's result code SQLITE_FULL (its extended codes
-    too), as an OS error's errno ENOSPC. Python 3.10 gives no code: there, SQLite's own text for that code."""
+    """Whether `error` says the disk or the database is full: ENOSPC, or SQLITE_FULL (by its text on Python 3.10)."""
     if isinstance(error, OSError):
         return error.errno == errno.ENOSPC
     if not isinstance(error, sqlite3.Error):
@@ -482,7 +437,6 @@ _SQLITE_FULL = getattr(sqlite3, "SQLITE_FULL", 13)
 
 
 def _pixels(live: _LiveJob) -> int | None:
-    """The output's pixels, frames counted; None where the pipeline picks the size."""
     request = live.record.request
     if not (request.width and request.height):
         return None

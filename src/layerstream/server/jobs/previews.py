@@ -1,14 +1,8 @@
 """Previews of a running job, drawn cheaply from its latents with a linear latent-to-RGB projection.
-
-The projection is fitted from the model's own VAE, once, on the worker thread before the first job that asks
-for previews: random latents of a small grid are decoded, the images pooled down to the latent grid, and
-least squares gives, per colour, a weight per latent channel and a bias. A preview is then one small matrix
-product per step shown, a pixel per latent position (a 1280x720 Wan video: a 160x90 preview). Nothing of the
-generation is touched: the latents are copied, and the fit draws its noise from its own generator.
-
-Per-model knowledge is data: how a pipeline lays out its latents (`PACKED_PIPELINES`), and how its VAE's
-config says latents are scaled (``latents_mean``/``latents_std``, or ``scaling_factor``/``shift_factor``).
-"""
+The projection is fitted once from the model's own VAE: random latents of a small grid are decoded, pooled
+down, and least squares gives per colour a weight per channel and a bias. A preview is then one small matrix
+product, a pixel per latent position (a 1280x720 Wan video: 160x90). The latents are copied, and the fit
+draws its noise from its own generator: the generation is untouched."""
 
 from __future__ import annotations
 
@@ -27,25 +21,20 @@ PACKED_PIPELINES = frozenset({
     "QwenImagePipeline", "QwenImageEditPipeline", "QwenImageImg2ImgPipeline",
 })  # fmt: skip
 """Pipelines whose latents are 2x2 patches packed into tokens, [batch, (h/2)(w/2), channels x 4]."""
-
-FIT_GRID = 16
-"""Latent positions per side of the fit: 256 samples for (channels + 1) unknowns per colour."""
+FIT_GRID = 16  # latent positions per side of the fit: 256 samples for (channels + 1) unknowns per colour
 
 
 @dataclass(frozen=True)
 class LatentProjection:
     """rgb (in [-1, 1]) = latents . weight + bias, per latent position."""
 
-    weight: torch.Tensor
-    """[channels, 3]"""
-    bias: torch.Tensor
-    """[3]"""
+    weight: torch.Tensor  # [channels, 3]
+    bias: torch.Tensor  # [3]
     packed: bool
-    vae_scale: int
-    """Pixels per latent position along each side."""
+    vae_scale: int  # pixels per latent position along each side
 
-    def preview_png(self, latents: torch.Tensor, *, width: int, height: int) -> bytes:
-        """A PNG of the first output's latents (a video's middle latent frame), a pixel per latent position."""
+    def preview_data_url(self, latents: torch.Tensor, *, width: int, height: int) -> str:
+        """A PNG data URL of the first output's latents (a video's middle frame), a pixel per latent position."""
         grid = latent_grid(latents[:1], packed=self.packed, width=width, height=height, vae_scale=self.vae_scale)[0]
         if grid.ndim == 4:  # [channels, frames, h, w]
             grid = grid[:, grid.shape[1] // 2]
@@ -55,11 +44,7 @@ class LatentProjection:
 
         buffer = io.BytesIO()
         Image.fromarray(pixels).save(buffer, format="PNG")
-        return buffer.getvalue()
-
-
-def preview_data_url(png: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def latent_grid(latents: torch.Tensor, *, packed: bool, width: int, height: int, vae_scale: int) -> torch.Tensor:

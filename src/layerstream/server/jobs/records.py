@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -40,28 +40,15 @@ DECODED_PERCENT = 95
 class JobSettings:
     """What only a job has, beside the `GenerationRequest` it runs."""
 
-    output_format: Literal["mp4", "png"]
-    """The output file's format (a video job's MP4, an image job's PNG), encoded with `shown_settings` inside."""
-    preview: bool = False
-    """Whether preview images go out on the job's event stream."""
-    has_input_image: bool = False
-    """Whether the job had an input image (the request's image is not kept in the history)."""
-    model_revision: str | None = None
-    """A Hub model's revision as asked (``main``) and the commit it was (`model_commit`); None for a folder or a
-    tiny model."""
+    output_format: Literal["mp4", "png"]  # encoded with `shown_settings` inside
+    preview: bool = False  # preview images go out on the job's event stream
+    has_input_image: bool = False  # the image itself is not kept in the history
+    model_revision: str | None = None  # a Hub model's revision as asked (``main``), and the commit it was
     model_commit: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> JobSettings:
-        return cls(**data)
 
 
 def shown_settings(request: GenerationRequest, settings: JobSettings) -> dict[str, Any]:
-    """Every setting needed to make the result again: the ``layerstream.settings`` of a job object, and what its
-    output file carries (`request_settings`). `request` is the job's, the model's defaults filled in."""
+    """Every setting needed to make the result again: a job object's ``layerstream.settings`` and its file's."""
     return request_settings(
         request, has_input_image=settings.has_input_image, model_revision=settings.model_revision, model_commit=settings.model_commit
     )
@@ -75,24 +62,16 @@ class JobRecord:
     kind: JobKind
     model: str
     status: JobStatus
-    created_at: int
-    """Unix seconds."""
-    request: GenerationRequest
-    """What the job runs, the model's defaults and its seed filled in (`GenerationService.prepare`); without its
-    input image, which the history does not keep (`JobSettings.has_input_image`)."""
+    created_at: int  # Unix seconds
+    request: GenerationRequest  # defaults and seed filled in, without its input image
     settings: JobSettings
-    seconds: str | None = None
-    """Videos: the duration as OpenAI's `seconds` field shows it (as asked, or frames / fps)."""
+    seconds: str | None = None  # videos: OpenAI's `seconds` (as asked, or frames / fps)
     progress: int = 0
     completed_at: int | None = None
-    error: dict[str, str] | None = None
-    """{"code", "message"} of a failed job."""
-    output_name: str | None = None
-    """The output file's name under the data folder's outputs/, once completed."""
+    error: dict[str, str] | None = None  # {"code", "message"} of a failed job
+    output_name: str | None = None  # under the data folder's outputs/, once completed
     output_bytes: int = 0
-    figures: dict[str, Any] | None = None
-    """A finished job's last progress figures (step, total, seconds_per_step, streamed_bytes, stall_seconds),
-    and a completed one's `run_figures` (inference_time_s, peak_memory_mb)."""
+    figures: dict[str, Any] | None = None  # a finished job's `LiveProgress.figures` and `run_figures`
 
     def with_status(self, status: JobStatus, **changes: Any) -> JobRecord:
         return replace(self, status=status, **changes)
@@ -100,24 +79,18 @@ class JobRecord:
     def to_dict(self) -> dict[str, Any]:
         """The record as the store keeps it (JSON-ready); `from_dict` reads it back."""
         request = {name: value for name, value in self.request.to_dict().items() if name != "image"}
-        return {
-            "id": self.id, "kind": self.kind, "model": self.model,
-            "status": str(self.status), "created_at": self.created_at, "request": request,
-            "settings": self.settings.to_dict(), "seconds": self.seconds, "progress": self.progress,
-            "completed_at": self.completed_at, "error": self.error, "output_name": self.output_name,
-            "output_bytes": self.output_bytes, "figures": self.figures,
-        }  # fmt: skip
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {**data, "status": str(self.status), "request": request, "settings": asdict(self.settings)}
 
     @classmethod
     def from_dict(cls, data: Any) -> JobRecord:
-        """A record as `to_dict` writes it; `ValueError` or `TypeError` saying what is wrong with any other data (a
-        row edited by hand, or damaged on disk)."""
+        """A record as `to_dict` writes it; `ValueError` or `TypeError` saying what is wrong with any other data."""
         _check_fields("the record", data, _RECORD_FIELDS)
         _check_fields("settings", data["settings"], _SETTINGS_FIELDS)
         _check_fields("figures", data["figures"] or {}, _FIGURES_FIELDS, partial=True)
         return cls(**{
             **data, "status": JobStatus(data["status"]), "request": GenerationRequest.from_dict(data["request"]),
-            "settings": JobSettings.from_dict(data["settings"]),
+            "settings": JobSettings(**data["settings"]),
         })  # fmt: skip
 
 
@@ -162,14 +135,9 @@ class LiveProgress:
     step_seconds: list[float] = field(default_factory=list)
     streamed_bytes: int = 0
     stall_seconds: float = 0.0
-    after_steps_seconds: float | None = None
-    """What the work after the last step (the VAE decode, encoding the file) is expected to take: the server's
-    last finished job's, scaled by the output's size (`AfterStepsRate`); None before any job finished."""
-    decode_steps: float | None = None
-    """Until a job has finished: the decode's work in denoising steps, from its traced FLOPs
-    (`models.generation_estimates.decode_steps`), which the ETA prices at this job's seconds per step."""
-    steps_done_at: float | None = None
-    """``time.monotonic()`` when the last step ended."""
+    after_steps_seconds: float | None = None  # the decode and encoding expected, from `AfterStepsRate`
+    decode_steps: float | None = None  # before any job finished: the decode in steps, from its traced FLOPs
+    steps_done_at: float | None = None  # ``time.monotonic()`` when the last step ended
 
     @property
     def seconds_per_step(self) -> float | None:
@@ -179,8 +147,7 @@ class LiveProgress:
 
     @property
     def eta_seconds(self) -> float | None:
-        """The steps left and the decode after them; once the steps are done, the decode's part still ahead, or
-        None (not known) where it is not known or overdue: never 0 while the job still runs."""
+        """The steps left and the decode after them; None where not known or overdue: never 0 while it runs."""
         per_step = self.seconds_per_step
         if per_step is None:
             return None
@@ -197,58 +164,39 @@ class LiveProgress:
 
     def figures(self) -> dict[str, Any]:
         """What a finished job keeps of its progress."""
-        return {
-            "step": self.step,
-            "total": self.total_steps,
-            "seconds_per_step": self.seconds_per_step,
-            "streamed_bytes": self.streamed_bytes,
-            "stall_seconds": self.stall_seconds,
-        }
+        return {"step": self.step, "total": self.total_steps, "seconds_per_step": self.seconds_per_step,
+                "streamed_bytes": self.streamed_bytes, "stall_seconds": self.stall_seconds}  # fmt: skip
 
     @classmethod
     def from_figures(cls, figures: dict[str, Any]) -> LiveProgress:
         per_step = figures.get("seconds_per_step")
         return cls(
-            step=figures.get("step", 0),
-            total_steps=figures.get("total", 0),
-            step_seconds=[per_step] if per_step is not None else [],
-            streamed_bytes=figures.get("streamed_bytes", 0),
+            step=figures.get("step", 0), total_steps=figures.get("total", 0),
+            step_seconds=[per_step] if per_step is not None else [], streamed_bytes=figures.get("streamed_bytes", 0),
             stall_seconds=figures.get("stall_seconds", 0.0),
-        )
+        )  # fmt: skip
 
     def percent(self) -> int:
         if self.total_steps <= 0:
             return 0
         return math.floor(STEPS_PERCENT * self.step / self.total_steps)
 
-    def event(self, progress: int) -> dict[str, Any]:
-        """The data of a ``progress`` event."""
-        return {
-            "step": self.step,
-            "total": self.total_steps,
-            "progress": progress,
-            "seconds_per_step": self.seconds_per_step,
-            "eta_seconds": self.eta_seconds,
-            "streamed_bytes": self.streamed_bytes,
-            "stall_seconds": self.stall_seconds,
-        }
+    def event(self, progress: int) -> dict[str, Any]:  # a ``progress`` event's data
+        return {**self.figures(), "progress": progress, "eta_seconds": self.eta_seconds}
 
 
 def planned_decode_steps(pipeline: Any, request: GenerationRequest) -> float | None:
-    """The decode's work in steps of `request` (None where it has no size or no VAE); classifier-free guidance,
-    two forwards a step, unless its scale is 1 or less."""
+    """The decode's work in steps of `request` (None without a size or a VAE)."""
     if not (request.width and request.height):
         return None
-    forwards = 1 if request.guidance_scale is not None and request.guidance_scale <= 1 else 2
+    forwards = 1 if request.guidance_scale is not None and request.guidance_scale <= 1 else 2  # guidance: 2 a step
     size = {"height": request.height, "width": request.width, "num_frames": request.num_frames or 1}
     return decode_steps(pipeline, size, forwards)
 
 
 def run_figures(usage: Any) -> dict[str, float | str | None]:
-    """vllm-omni's figures of a completed job, from its `GenerationUsage`: ``inference_time_s``, the pipeline
-    call's seconds (encoding excluded), and ``peak_memory_mb``, the device's peak allocation during it (MiB);
-    on a CPU device, which has no such counter, the process's peak resident memory so far (``VmHWM``). Beside
-    them, ``vae_decode``: how the VAE decoded and why (shown with the job's settings)."""
+    """vllm-omni's figures of a completed job: ``inference_time_s`` (the pipeline call, encoding excluded) and
+    ``peak_memory_mb`` (the device's peak; on a CPU, the process's ``VmHWM``); and how the VAE decoded."""
     peak = usage.peak_device_bytes if usage.peak_device_bytes is not None else peak_rss_nbytes()
     return {
         "inference_time_s": round(usage.seconds, 6),
@@ -263,42 +211,30 @@ def job_object(record: JobRecord, live: LiveProgress | None, queue_position: int
         live = LiveProgress.from_figures(record.figures) if record.figures else LiveProgress()
     settings = shown_settings(record.request, record.settings)
     body: dict[str, Any] = {
-        "id": record.id,
-        "object": record.kind,
-        "status": str(record.status),
-        "progress": record.progress,
-        "created_at": record.created_at,
-        "completed_at": record.completed_at,
-        "size": settings["size"],
-    }
+        "id": record.id, "object": record.kind, "status": str(record.status), "progress": record.progress,
+        "created_at": record.created_at, "completed_at": record.completed_at, "size": settings["size"],
+    }  # fmt: skip
     if record.kind == "video":
         body["seconds"] = record.seconds
-    running = record.status is JobStatus.IN_PROGRESS
-    body |= {
-        "model": record.model,
-        "prompt": record.request.prompt,
-        "error": record.error,
-        "inference_time_s": (record.figures or {}).get("inference_time_s"),
-        "peak_memory_mb": (record.figures or {}).get("peak_memory_mb"),
+    running, figures = record.status is JobStatus.IN_PROGRESS, record.figures or {}
+    return body | {
+        "model": record.model, "prompt": record.request.prompt, "error": record.error,
+        "inference_time_s": figures.get("inference_time_s"), "peak_memory_mb": figures.get("peak_memory_mb"),
         "layerstream": {
             # how the decode ran is known once the job ran: tiling changes the output's bits, so it is shown
-            "settings": {**settings, "vae_decode": (record.figures or {}).get("vae_decode")},
+            "settings": {**settings, "vae_decode": figures.get("vae_decode")},
             "queue_position": queue_position if record.status is JobStatus.QUEUED else None,
             "step": live.step if running or record.status.finished else 0,
             "total_steps": live.total_steps or record.request.num_inference_steps,
-            "seconds_per_step": live.seconds_per_step,
-            "eta_seconds": live.eta_seconds if running else None,
-            "streamed_bytes": live.streamed_bytes,
-            "stall_seconds": live.stall_seconds,
+            "seconds_per_step": live.seconds_per_step, "eta_seconds": live.eta_seconds if running else None,
+            "streamed_bytes": live.streamed_bytes, "stall_seconds": live.stall_seconds,
         },
-    }
-    return body
+    }  # fmt: skip
 
 
 @dataclass
 class AfterStepsRate:
-    """Seconds of the work after the last step (mostly the VAE decode) per output pixel (frames counted), from the
-    last job that finished: what a job's ETA adds for it (a decode's time grows with the pixels it makes)."""
+    """Seconds after the last step (mostly the VAE decode) per output pixel, from the last job that finished."""
 
     seconds_per_pixel: float | None = None
 

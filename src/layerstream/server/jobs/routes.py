@@ -1,16 +1,6 @@
-"""The job routes: OpenAI's `/v1/videos` job API for video models, its twin `/v1/images/jobs` for image models.
-
-    POST   {path}                 create (JSON, or multipart with the input image as a file part); 200 at once
-    GET    {path}                 list, newest first (limit, after, order)
-    GET    {path}/{id}            the job object
-    GET    {path}/{id}/content    the MP4 or PNG once completed (409 before)
-    GET    {path}/{id}/events     text/event-stream of status, progress and preview events
-    DELETE {path}/{id}            cancel (a running job stops at its next step) and remove
-
-Each route of one job answers 404 for an id that names no job of this server, and every route 503 when the job
-database refuses the read (locked past its timeout, a disk error); every route's statuses are in its
-``responses``, as the OpenAPI document states them. Every call into the job database runs off the event loop.
-"""
+"""The job routes: OpenAI's `/v1/videos` job API for video models, its twin `/v1/images/jobs` for image models:
+create, list, get, its content, its event stream (status, progress, previews) and delete. Every call into the
+job database runs off the event loop, and a refusal by it is a 503."""
 
 from __future__ import annotations
 
@@ -33,7 +23,6 @@ from layerstream.server.openapi import (
     QUEUEING_ERRORS,
     binary_response,
     error_responses,
-    event_stream_response,
     json_request_body,
 )
 
@@ -61,8 +50,7 @@ _VARIANT_PARAMETER = {"name": "variant", "in": "query", "required": False, "sche
 
 
 class _ServedFile(FileResponse):
-    """A job's output sent from the link made for this download, which goes when the response ends (sent,
-    cut by the client or failed), so a DELETE meanwhile never cuts the bytes being sent."""
+    """A job's output sent from the link made for this download, released when the response ends."""
 
     def __init__(self, path: Path, *, release: Callable[[Path], None], **kwargs: Any):
         super().__init__(path, **kwargs)
@@ -78,20 +66,13 @@ class _ServedFile(FileResponse):
 
 
 def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
-    """Register the job routes of `jobs`' kind (videos or images) on `app`."""
     path = jobs.path
     is_video = jobs.kind == "video"
     strict_model, form_model = (VideoJobRequest, VideoJobForm) if is_video else (ImageJobRequest, ImageJobForm)
-    image_field = strict_model.image_field
-    how = f"{image_field} (a file part, or base64 or a data URL in JSON)"
 
     @app.post(path, responses=_CREATE_ERRORS, openapi_extra=json_request_body(strict_model))
     async def create_job(request: Request) -> JSONResponse:
-        body, image_bytes = await read_job_body(request, jobs.service, strict_model, form_model)
-        service = jobs.service
-        has_image = image_bytes is not None
-        service.check_image_presence(has_image=has_image, endpoint=f"POST {path}", field=image_field, how=how)
-        image = await asyncio.to_thread(service.read_image, image_bytes, image_field) if has_image else None
+        body, image = await read_job_input(request, jobs.service, strict_model, form_model, f"POST {path}")
         return JSONResponse(await asyncio.to_thread(jobs.create, body, image))  # a database write
 
     @app.get(path, responses=_LIST_ERRORS, openapi_extra={"parameters": _PAGE_PARAMETERS})
@@ -119,7 +100,8 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
         served, media_type, name = await _in_database(jobs.content, job_id)  # a read and a hard link
         return _ServedFile(served, media_type=media_type, filename=name, release=jobs.release_content)
 
-    events = {**event_stream_response("Status, progress and preview events"), **error_responses(_NO_JOB)}
+    sse = {"text/event-stream": {"schema": {"type": "string"}}}
+    events = {200: {"description": "Status, progress and preview events", "content": sse}, **error_responses(_NO_JOB)}
 
     @app.get(path + "/{job_id}/events", response_class=StreamingResponse, responses=events)
     async def job_events(job_id: str) -> StreamingResponse:
@@ -133,11 +115,11 @@ def add_job_routes(app: FastAPI, jobs: JobManager) -> None:
         return JSONResponse(await _in_database(jobs.delete, job_id))  # a database write and an unlink
 
 
-async def read_job_body(
-    request: Request, service: GenerationService, strict_model: type[VideoJobRequest | ImageJobRequest], form_model: type[BaseModel]
-) -> tuple[Any, bytes | None]:
-    """(the parsed body, the input image's bytes or None) of a JSON, multipart or url-encoded create request
-    (a job's, or ``POST /v1/videos/sync``'s)."""
+async def read_job_input(
+    request: Request, service: GenerationService, strict_model: type[VideoJobRequest | ImageJobRequest],
+    form_model: type[BaseModel], endpoint: str,
+) -> tuple[Any, Any]:
+    """(the parsed body, the input image read or None) of a JSON, multipart or url-encoded create request."""
     image_field = strict_model.image_field
     content_type = request.headers.get("content-type", "").lower()
     takes_image = service.limits.rules.image_input != "none"
@@ -167,12 +149,14 @@ async def read_job_body(
     inline = getattr(parsed, image_field, None)  # JSON: the image as base64 or a data URL
     if inline is not None:
         image_bytes = await asyncio.to_thread(decode_base64_image, inline, image_field)
-    return parsed, image_bytes
+    how = f"{image_field} (a file part, or base64 or a data URL in JSON)"
+    service.check_image_presence(has_image=image_bytes is not None, endpoint=endpoint, field=image_field, how=how)
+    image = await asyncio.to_thread(service.read_image, image_bytes, image_field) if image_bytes is not None else None
+    return parsed, image
 
 
 async def _in_database(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`function(*args, **kwargs)`, a call into the job database, off the event loop; a 503 if the database
-    refuses it (the server stays up: the next request may find it well)."""
+    """`function(*args, **kwargs)`, a call into the job database, off the event loop; a 503 if it refuses."""
     try:
         return await asyncio.to_thread(function, *args, **kwargs)
     except sqlite3.Error as e:

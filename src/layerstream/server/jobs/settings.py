@@ -22,9 +22,9 @@ class HistorySettings:
     data_dir: Path
     """Holds ``jobs.sqlite3`` and ``outputs/``; created if missing."""
     max_jobs: int | None = None
-    """Most finished jobs kept; beyond it the oldest finished ones go first (None: no limit)."""
+    """Most finished jobs kept, the oldest going first (None: no limit)."""
     max_output_bytes: int | None = None
-    """Most bytes of output files kept; beyond it the oldest finished jobs go first (None: no limit)."""
+    """Most bytes of output files kept, the oldest finished jobs going first (None: no limit)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.data_dir, Path):

@@ -1,16 +1,9 @@
 """`JobStore`: the job history in an embedded SQLite database and output files under the data folder.
-
-The database runs in WAL mode and every change is one transaction, so a process killed at any moment
-(kill -9 included) leaves it readable with every committed job. An output file is written whole under a
-temporary name and renamed (`write_atomically`) before the row that names it commits; job files that no row
-names (a kill between the two, a temporary file) are removed when the store opens, and other files are left.
-Opening also fails the jobs a stopped server left queued or running, with the reason, and takes a lock on the
-folder so that two servers never share one history.
-
-A row that cannot be read (not JSON, a record of another shape, columns that disagree with it: edited by hand,
-or damaged on disk) is set aside: named in the log once, counted (`unreadable`, which `/health` shows), left in
-the database as it is, and skipped by every read, so that the history degrades and never stops.
-"""
+WAL mode and one transaction per change: a process killed at any moment (kill -9 included) leaves every
+committed job readable. An output is written whole and renamed (`write_atomically`) before the row naming it
+commits; opening removes job files no row names, fails the jobs a stopped server left unfinished, and locks
+the folder so that two servers never share one history. A row that cannot be read (edited by hand, damaged on
+disk) is set aside: logged once, counted (`unreadable`, on `/health`), left as it is and skipped by every read."""
 
 from __future__ import annotations
 
@@ -36,19 +29,15 @@ logger = logging.getLogger(__name__)
 
 DATABASE_NAME = "jobs.sqlite3"
 OUTPUTS_FOLDER = "outputs"
-SERVING_FOLDER = "serving"
-"""Hard links to outputs being downloaded (`serve_output`): a job deleted meanwhile keeps sending its bytes."""
+SERVING_FOLDER = "serving"  # hard links to outputs being downloaded (`serve_output`)
 LOCK_NAME = "lock"
-SCHEMA_VERSION = 3
-"""The form of the table and of its records (`JobRecord.to_dict`); a history of another form is refused (1 and 2:
-those of development versions before 0.1)."""
+SCHEMA_VERSION = 3  # of the table and its records; another is refused (1 and 2: development versions before 0.1)
 # what write_output writes (a job's output, or its temporary file): only these may be removed unasked, since
 # --data-dir may name a folder whose outputs/ also holds other files (another tool's results)
 _JOB_FILE = re.compile(rf"\.?(video|image)_[0-9a-f]+({re.escape(PARTIAL_MARK)}[0-9a-f]+)?\.(mp4|png)")
 
 _SERVED_FILE = re.compile(rf"[0-9a-f]{{32}}-{_JOB_FILE.pattern}")
-_ROW = "seq, id, kind, status, record"
-"""The columns `_read_row` reads."""
+_ROW = "seq, id, kind, status, record"  # the columns `_read_row` reads
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -81,8 +70,7 @@ class JobStore:
             raise JobStoreError(f"data_dir = {str(self.folder)!r} cannot be created: {e.strerror or e}") from e
         self._lock_file = _lock_folder(self.folder)
         self._lock = threading.Lock()  # one connection, used by one thread at a time
-        self.unreadable: dict[int, str] = {}
-        """Rows set aside (their seq -> why), left in the database as they are."""
+        self.unreadable: dict[int, str] = {}  # rows set aside (their seq -> why), left in the database as they are
         try:
             self._db = sqlite3.connect(self.folder / DATABASE_NAME, check_same_thread=False, timeout=10.0)
             self._open_schema()
@@ -120,10 +108,8 @@ class JobStore:
             self._db.close()
         self._lock_file.close()  # releases the folder lock
 
-    # start-up --------------------------------------------------------------------------------------------------
     def recover_(self) -> list[str]:
-        """Fail every job a previous server left queued or running (it will never finish) and remove the job
-        files no job names; returns the ids failed."""
+        """Fail every job a previous server left unfinished and remove the job files no job names; the ids failed."""
         now = int(time.time())
         failed = []
         with self._transaction() as db:
@@ -131,10 +117,8 @@ class JobStore:
             for record in records:  # every row read once: the unreadable ones are set aside (and logged) now
                 if record is None or record.status.finished:
                     continue
-                error = {
-                    "code": "server_restarted",
-                    "message": f"the server stopped while the job was {record.status}; it was not finished",
-                }
+                message = f"the server stopped while the job was {record.status}; it was not finished"
+                error = {"code": "server_restarted", "message": message}
                 self._write_row(db, record.with_status(JobStatus.FAILED, error=error, completed_at=now))
                 failed.append(record.id)
             # a row that is not JSON names no file (json_extract would refuse the whole query)
@@ -150,27 +134,24 @@ class JobStore:
             logger.info("job history: %d job(s) left unfinished by the last server marked failed", len(failed))
         return failed
 
-    # jobs ------------------------------------------------------------------------------------------------------
     def insert(self, record: JobRecord) -> None:
         with self._transaction() as db:
             db.execute(
                 "INSERT INTO jobs (id, kind, status, output_bytes, record) VALUES (?, ?, ?, ?, ?)",
-                (record.id, record.kind, record.status, record.output_bytes, _record_to_json(record)),
+                (record.id, record.kind, record.status, record.output_bytes, json.dumps(record.to_dict())),
             )
 
     def update(self, record: JobRecord) -> bool:
-        """Store `record` over the job of its id; False if that job was deleted meanwhile (nothing is written)."""
+        """Store `record` over the job of its id; False if that job was deleted meanwhile."""
         with self._transaction() as db:
             return self._write_row(db, record)
 
     def get(self, job_id: str) -> JobRecord | None:
-        """The job of `job_id`; None if there is none, or its row is set aside."""
         with self._lock:
             row = self._db.execute(f"SELECT {_ROW} FROM jobs WHERE id = ?", (job_id,)).fetchone()
             return self._read_row(row) if row else None
 
     def statuses(self) -> list[tuple[str, JobStatus]]:
-        """(id, status) of every readable job kept, oldest first."""
         with self._lock:
             rows = self._db.execute("SELECT seq, id, status FROM jobs ORDER BY seq").fetchall()
         return [(job_id, JobStatus(status)) for seq, job_id, status in rows if seq not in self.unreadable]
@@ -178,8 +159,7 @@ class JobStore:
     def page(
         self, kind: JobKind, *, limit: int, after: str | None, order: Literal["asc", "desc"]
     ) -> tuple[list[JobRecord], bool] | None:
-        """(up to `limit` jobs of `kind` after the job `after`, in creation `order`; whether more follow), or
-        None if `after` names no job of that kind."""
+        """(up to `limit` jobs of `kind` after `after`; whether more follow), or None if `after` names no job."""
         sign, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
         # rows set aside are left out by the query; one found unreadable just now is set aside, and asked again
         query, args = f"SELECT {_ROW} FROM jobs WHERE kind = ? AND seq NOT IN (SELECT value FROM json_each(?))", [kind]
@@ -198,31 +178,27 @@ class JobStore:
                     return records[:limit], len(records) > limit  # type: ignore[return-value]  # none is None
 
     def delete(self, job_id: str) -> JobRecord | None:
-        """Remove the job and its output file; the record removed, or None if there was none."""
         with self._transaction() as db:
             row = db.execute(f"SELECT {_ROW} FROM jobs WHERE id = ?", (job_id,)).fetchone()
             record = self._read_row(row) if row else None
             if record is None:  # none, or set aside: left as it is
                 return None
             db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
-        self._remove_output(record)
+        self.remove_output(record.output_name)
         return record
 
-    # outputs ---------------------------------------------------------------------------------------------------
     def output_path(self, record: JobRecord) -> Path | None:
         return self.outputs / record.output_name if record.output_name else None
 
     def write_output(self, job_id: str, suffix: str, write: Callable[[Path], None]) -> tuple[str, int]:
-        """Write a job's output with `write(path)` atomically; (its file name, its size in bytes)."""
+        """Write a job's output atomically with `write(path)`; (its file name, its size in bytes)."""
         name = f"{job_id}{suffix}"
         with write_atomically(self.outputs / name) as partial:
             write(partial)
         return name, (self.outputs / name).stat().st_size
 
     def serve_output(self, record: JobRecord) -> Path | None:
-        """A hard link to the job's output for one download (`release_served` removes it), so that a DELETE while
-        the bytes are sent removes the job's file name only; None if the output is already gone. Where the
-        filesystem makes no hard links, the output itself (a DELETE meanwhile can then cut the download)."""
+        """A hard link to the output for one download, which a DELETE cannot cut; None if the output is gone."""
         path = self.output_path(record)
         if path is None:
             return None
@@ -239,12 +215,12 @@ class JobStore:
         if served.parent == self.serving:
             served.unlink(missing_ok=True)
 
-    def remove_output(self, name: str) -> None:
-        (self.outputs / name).unlink(missing_ok=True)
+    def remove_output(self, name: str | None) -> None:
+        if name:
+            (self.outputs / name).unlink(missing_ok=True)
 
     def enforce_retention_(self) -> list[str]:
-        """Remove the oldest finished jobs until the history is within --max-jobs and --max-output-bytes (the
-        newest finished job always stays); returns the ids removed."""
+        """Remove the oldest finished jobs (never the newest) to fit --max-jobs and --max-output-bytes; their ids."""
         max_jobs, max_bytes = self.settings.max_jobs, self.settings.max_output_bytes
         if max_jobs is None and max_bytes is None:
             return []
@@ -261,12 +237,11 @@ class JobStore:
                 removed.append(record)
                 count, total = count - 1, total - record.output_bytes
         for record in removed:
-            self._remove_output(record)
+            self.remove_output(record.output_name)
         if removed:
             logger.info("job history: removed %d oldest finished job(s) (retention limits)", len(removed))
         return [record.id for record in removed]
 
-    # internals -------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         with self._lock, self._db:  # commits on success, rolls back on an exception
@@ -276,16 +251,12 @@ class JobStore:
     def _write_row(db: sqlite3.Connection, record: JobRecord) -> bool:
         cursor = db.execute(
             "UPDATE jobs SET status = ?, output_bytes = ?, record = ? WHERE id = ?",
-            (record.status, record.output_bytes, _record_to_json(record), record.id),
+            (record.status, record.output_bytes, json.dumps(record.to_dict()), record.id),
         )
         return cursor.rowcount == 1
 
-    def _remove_output(self, record: JobRecord) -> None:
-        if record.output_name:
-            self.remove_output(record.output_name)
-
     def _read_row(self, row: tuple[Any, ...]) -> JobRecord | None:
-        """The record of a row (`_ROW`'s columns), or None for one set aside: logged the first time it is met."""
+        """The record of a row, or None for one set aside (logged the first time it is met)."""
         seq, job_id, kind, status, text = row
         try:
             record = JobRecord.from_dict(json.loads(text))
@@ -306,7 +277,7 @@ class JobStore:
 
 
 def _lock_folder(folder: Path):
-    """An open lock file holding an exclusive lock on `folder` until closed; JobStoreError if another holds it."""
+    """An open file locking `folder` until closed; JobStoreError if another server holds it."""
     handle = open(folder / LOCK_NAME, "a+")
     try:
         import fcntl
@@ -316,15 +287,9 @@ def _lock_folder(folder: Path):
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         handle.close()
-        raise JobStoreError(
-            f"data_dir = {str(folder)!r} is in use by another running server (pid in its lock file); "
-            "give each server its own --data-dir"
-        ) from None
+        message = f"data_dir = {str(folder)!r} is in use by another running server (pid in its lock file)"
+        raise JobStoreError(f"{message}; give each server its own --data-dir") from None
     handle.truncate(0)
     handle.write(f"{os.getpid()}\n")
     handle.flush()
     return handle
-
-
-def _record_to_json(record: JobRecord) -> str:
-    return json.dumps(record.to_dict())

@@ -15,7 +15,6 @@ STATIC_PATH = "/ui"
 
 
 def add_web_page(app: FastAPI) -> None:
-    """Serve the page at ``/`` and its script and style sheet under ``/ui/``."""
     static = files(__name__) / "static"
     index = (static / "index.html").read_text(encoding="utf-8")  # read once: it never changes while serving
 
