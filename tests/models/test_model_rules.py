@@ -256,9 +256,9 @@ class _Injected(Exception):
 
 
 def test_per_request_settings_never_touch_the_served_pipeline_even_when_the_call_fails(monkeypatch):
-    """A request's scheduler (sample_solver, flow_shift) is its call's alone: during the call the served pipeline
-    keeps its own (and its VAE its decode setting), and a failure at any point (a transformer forward, a scheduler step, the decode) leaves the
-    next request's output bit for bit as before."""
+    """A request's scheduler (sample_solver, flow_shift) and VAE view are its call's alone: during the call the
+    served pipeline keeps its own (and its VAE its decode setting), and a failure at any point (a transformer
+    forward, a scheduler step, the decode) leaves the next request's output bit for bit as before."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     from layerstream.models.decode.decode_memory import VaeDecodeSettings

@@ -72,12 +72,14 @@ def test_module_mode_swaps_the_calls_vae_view_in_and_decodes_it_tiled_bit_for_bi
     resident = Omni("tiny-wan", offload=False, vae_use_tiling=True)
     config = {"mode": "module", "components": ["dit", "text_encoder", "vae"]}
     swapped = Omni("tiny-wan", device="cpu", diffusion_offload_config=config, vae_use_tiling=True)
-    seen = []
+    seen = []  # the shared VAE's setting while each call decodes
     for omni in (resident, swapped):
-        _tiny_tiles(omni.pipeline.vae)
-        omni.pipeline.vae.decoder.register_forward_pre_hook(lambda *_, vae=omni.pipeline.vae: seen.append(vae.use_tiling))
+        vae = omni.pipeline.vae
+        _tiny_tiles(vae)
+        vae.decoder.register_forward_pre_hook(lambda *_, vae=vae: seen.append(vae.use_tiling))
     before = swapped.stats().per_component["vae"].num_transfers
-    outputs = [omni.generate("a red fox", seed=3, num_inference_steps=1, keep_raw=True, **SIZE) for omni in (resident, swapped)]
+    run = {"seed": 3, "num_inference_steps": 1, "keep_raw": True, **SIZE}
+    outputs = [o.generate("a red fox", **run) for o in (resident, swapped)]
     assert all(o.stats.vae_decode.tiled for o in outputs) and np.array_equal(outputs[0].raw, outputs[1].raw)
     assert swapped.stats().per_component["vae"].num_transfers == before + 1  # swapped in around the view's decode
     assert seen and not any(seen)  # while each decoded tiled, the shared VAE said untiled
@@ -95,7 +97,9 @@ def omni():
 def _device_memory_gb(omni) -> float:
     """A stand-in device memory that leaves room for the tiled decode but not for the untiled one."""
     vae = omni.pipeline.vae
-    peaks = {t: estimate_decode_peak(vae, **SIZE, tiled=t, dtype=torch.float32, device_type="cpu").nbytes for t in (False, True)}
+    peaks = {}
+    for tiled in (False, True):
+        peaks[tiled] = estimate_decode_peak(vae, **SIZE, tiled=tiled, dtype=torch.float32, device_type="cpu").nbytes
     assert peaks[True] < peaks[False]
     held = held_on_device(omni.pipeline, omni.device, omni.stats())
     return (held + (peaks[True] + peaks[False]) / 2) / 1e9
@@ -110,7 +114,8 @@ def _measured_decode_peak(omni, *, tiled: bool) -> int:
     vae = omni.pipeline.vae
     latents = torch.randn(latent_shape(vae, **SIZE))
     with torch.no_grad():
-        return benchmark_module("vae_decode").allocator_peak(lambda: vae_for(vae, tiled=tiled, sliced=False).decode(latents))
+        view = vae_for(vae, tiled=tiled, sliced=False)
+        return benchmark_module("vae_decode").allocator_peak(lambda: view.decode(latents))
 
 
 def _run(omni, settings: dict, **kwargs):

@@ -119,8 +119,8 @@ def decode_transient(pipeline: Any, generation: GenerationSize, *, tiled: bool, 
     dtype = next(p.dtype for p in vae.parameters() if p.is_floating_point())
     peak = estimate_decode_peak(vae, **generation.as_size(), tiled=tiled, dtype=dtype, device_type=device_type)
     frames = f" x {generation.num_frames} frames" if (generation.num_frames or 1) > 1 else ""
-    how = "tiled" if tiled else "untiled"
-    return Transient("VAE decode", f"the VAE's decode at {generation.height}x{generation.width}{frames}, {how}", peak.nbytes)
+    what = f"the VAE's decode at {generation.height}x{generation.width}{frames}, {'tiled' if tiled else 'untiled'}"
+    return Transient("VAE decode", what, peak.nbytes)
 
 
 def decodes(pipeline: Any) -> bool:

@@ -86,7 +86,8 @@ def generation_size_for(rules: ModelRules, requests: GenerationSize | SizeCaps |
     source = asked.source if asked.height or asked.width or asked.num_frames else "the model's defaults"
     if shape.height is None or shape.width is None:
         largest = _largest_within_caps(rules, _NO_DEFAULT_SIZE)
-        shape = rules.filled(height=shape.height or largest.height, width=shape.width or largest.width, num_frames=shape.num_frames)
+        height, width = shape.height or largest.height, shape.width or largest.width
+        shape = rules.filled(height=height, width=width, num_frames=shape.num_frames)
         source = largest.source
     return GenerationSize(height=shape.height, width=shape.width, num_frames=shape.num_frames or 1, source=source)
 
@@ -104,7 +105,8 @@ def planned_generation(
     """The generation to plan for: the figures given (each from ``sources[name]``, default "given") and the
     model's rules for the rest, the steps included."""
     given = {"height": height, "width": width, "num_frames": num_frames, "num_inference_steps": num_inference_steps, "tokens": tokens}
-    size = generation_size_for(rules, GenerationSize(height=height, width=width, num_frames=num_frames, source="the size planned"))
+    asked = GenerationSize(height=height, width=width, num_frames=num_frames, source="the size planned")
+    size = generation_size_for(rules, asked)
     # the model's rules, or the fallback where it names no size (`generation_size_for` says which)
     left = size.source if size.source == _NO_DEFAULT_SIZE.source else MODEL_RULES
     origin = {"height": left, "width": left, "num_inference_steps": MODEL_RULES}

@@ -42,8 +42,9 @@ class VaeDecodeSettings:
 
 
 def choose_decode(
-    pipeline: Any, settings: VaeDecodeSettings, request: GenerationSize, device: torch.device, stats: OffloadStats | None
-) -> VaeDecodeChoice | None:
+    pipeline: Any, settings: VaeDecodeSettings, request: GenerationSize, device: torch.device,
+    stats: OffloadStats | None,
+) -> VaeDecodeChoice | None:  # fmt: skip
     """How the pipeline's VAE will decode `request` (None: the pipeline has no VAE that can tile)."""
     vae = getattr(pipeline, "vae", None)
     # diffusers' AutoencoderMixin gives every VAE enable_tiling(), which raises where the VAE has no use_tiling

@@ -37,7 +37,8 @@ class MethodWrapper:
             finally:
                 leave()
 
-        disabled = torch.compiler.disable(around, recursive=False, reason="layerstream enters and leaves its streamer outside any graph")
+        reason = "layerstream enters and leaves its streamer outside any graph"
+        disabled = torch.compiler.disable(around, recursive=False, reason=reason)
         wrapper = _Unbindable(disabled, inner)
         self.wrapper = wrapper
         module.__dict__[name] = wrapper
