@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from layerstream.models.decode.decode_memory import VaeDecodeSettings, choose_decode
-from layerstream.models.generation_size import GenerationSize
+from layerstream.models.size import GenerationSize
 from layerstream.models.model_rules import OPTIONAL_FIELDS, ModelRules
 from layerstream.models.sample_solvers import SAMPLE_SOLVER, scheduler_for
 from layerstream.models.decode.vae_tiling import VaeDecodeChoice, vae_for

@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from layerstream.models.call_arguments import CallArgument, declared_arguments
-from layerstream.models.generation_size import GenerationSize
+from layerstream.models.size import GenerationSize
 from layerstream.models.input_image import ImageInputKind, pipeline_image_input
 from layerstream.models.output_limits import (
     LimitViolation,

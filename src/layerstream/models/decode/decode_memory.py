@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from layerstream.config.offload_config import OffloadConfig
-from layerstream.models.generation_size import GenerationSize
+from layerstream.models.size import GenerationSize
 from layerstream.models.decode.vae_tiling import AUTO, VaeDecodeChoice, VaeSetting, choose_vae_decode
 from layerstream.runtime.packing.tensors import device_bytes
 from layerstream.runtime.reporting.stats import OffloadStats
