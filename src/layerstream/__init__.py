@@ -1,10 +1,6 @@
-"""layerstream: layerwise weight offloading for diffusion pipelines.
-
-What a user calls (`enable_offload`, `Omni`, the config and the plans) and the errors a user catches. The core
-(plans, config, resolver, runtime) needs only torch; `Omni` needs the ``diffusers`` extra and is imported on
-first use. Every other error is a `LayerstreamError` (the disk tier's spill and checkpoint errors are
-`TransferError`s); the command line's, the server's and the benchmarks' errors stay in their packages.
-"""
+"""layerstream: layerwise weight offloading for diffusion pipelines. What a user calls (`enable_offload`, `Omni`,
+the config and the plans) and the errors a user catches; `Omni` needs the ``diffusers`` extra, imported on first
+use. The command line's, the server's and the benchmarks' errors stay in their packages."""
 
 from layerstream.errors import (
     ConcurrentUseError,

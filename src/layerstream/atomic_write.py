@@ -1,10 +1,5 @@
-"""Writing a file so that it is whole or absent: the one way layerstream writes its outputs (generated images
-and videos, the command line's trace files), whatever interrupts it.
-
-`write_atomically` hands out a temporary path beside the target; the caller's writer fills it, and only a
-complete, flushed file is renamed over the target. A failure or Ctrl-C at any point removes the temporary
-file and leaves whatever was at the target as it was.
-"""
+"""Writing a file so that it is whole or absent, whatever interrupts it: the one way layerstream writes its
+outputs (generated images and videos, the command line's trace files)."""
 
 from __future__ import annotations
 
@@ -19,19 +14,14 @@ PARTIAL_MARK = ".partial-"
 """In every temporary name (``.fox.partial-1a2b3c4d.mp4``): with the leading dot, it cannot pass for an output."""
 
 PAUSE_ENV_VAR = "LAYERSTREAM_TEST_WRITE_PAUSE_SECONDS"
-"""Test hook: seconds to hold a complete temporary file before renaming it, so a test can interrupt a write at
-a known moment (when the temporary file appears) instead of racing the encoder. Unset outside tests."""
+"""Tests only: seconds to hold a complete temporary file before renaming it, so that an interrupt lands there."""
 
 
 @contextlib.contextmanager
 def write_atomically(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary path in the target's folder to write the whole file to; on a clean exit, flush it to
-    the disk and rename it onto `path` in one step. On any exception (KeyboardInterrupt included) the
-    temporary file is removed and `path` is untouched.
-
-    The temporary name keeps the target's suffix, so writers that pick a format by suffix pick the right one.
-    A symlink at `path` is written through, as a plain write would: its target is replaced, not the link.
-    """
+    """Yield a temporary path beside `path` (with its suffix, which writers pick a format by); on a clean exit,
+    flush it to the disk and rename it onto `path` in one step; on any exception (KeyboardInterrupt included)
+    remove it, `path` untouched. A symlink at `path` is written through, as a plain write would."""
     target = Path(path)
     if target.is_symlink():
         target = target.resolve()
@@ -44,7 +34,8 @@ def write_atomically(path: str | os.PathLike[str]) -> Iterator[Path]:
         while not _create_exclusively(partial):
             partial = next(names)
         yield partial
-        _pause_for_tests()
+        if pause := os.environ.get(PAUSE_ENV_VAR):
+            time.sleep(float(pause))
         _fsync(partial)  # the data reaches the disk before the rename makes it the output
         os.replace(partial, target)
     except BaseException:
@@ -60,11 +51,8 @@ def _partial_names(target: Path) -> Iterator[Path]:
 
 
 def _create_exclusively(partial: Path) -> bool:
-    """Create `partial` empty if no file has that name; False if one has.
-
-    Created with os.open rather than mkstemp: mkstemp's private 0600 mode would become the output's mode,
-    while this honours the umask as any plain write does.
-    """
+    """Create `partial` empty if no file has that name; False if one has. Not mkstemp: its private 0600 mode
+    would become the output's, where this honours the umask as any plain write does."""
     try:
         os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     except FileExistsError:
@@ -91,9 +79,3 @@ def _fsync_folder(folder: Path) -> None:
         pass  # some file systems refuse fsync on a folder; the file itself is already on the disk
     finally:
         os.close(fd)
-
-
-def _pause_for_tests() -> None:
-    seconds = os.environ.get(PAUSE_ENV_VAR)
-    if seconds:
-        time.sleep(float(seconds))

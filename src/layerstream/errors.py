@@ -1,10 +1,6 @@
-"""The package's error base and the runtime's errors.
-
-Every error layerstream defines derives from `LayerstreamError`, so ``except LayerstreamError`` catches
-everything the package raises on purpose. Errors a user caused also derive from ``ValueError`` or
-``TypeError``; errors of a running transfer from ``RuntimeError``. Resource errors (out of memory on the
-device or the host) and ``KeyboardInterrupt`` are never wrapped: they come out as themselves.
-"""
+"""The package's error base (every error layerstream defines derives from `LayerstreamError`) and the runtime's
+errors. Errors a user caused also derive from ``ValueError`` or ``TypeError``, those of a running transfer from
+``RuntimeError``; out of memory and ``KeyboardInterrupt`` are never wrapped."""
 
 from __future__ import annotations
 
@@ -56,12 +52,10 @@ EXTRA_OF_MODULE = {
     "gguf": "gguf",
     "torchao": "torchao",
 }  # fmt: skip
-"""Top-level module -> the extra that installs it."""
 
 
 def missing_extra(error: ModuleNotFoundError, what: str) -> MissingExtraError | None:
-    """The one-line error for `error` (an import that failed) when an extra provides the missing module, saying
-    that `what` ("generate", "Omni") needs it; None for any other missing module (a bug, not an install)."""
+    """The one-line error saying that `what` needs the extra of `error`'s module; None if none has it."""
     extra = EXTRA_OF_MODULE.get((error.name or "").partition(".")[0])
     if extra is None:
         return None

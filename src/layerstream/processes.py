@@ -1,11 +1,6 @@
-"""Naming a process so that a later look can tell whether it still runs: `owner_tag` names this process (where
-its pid means something, its pid, when it started), `owner_has_ended` reads a tag back.
-
-A pid alone does not do: a pid is reused once its process ends, and the later process would keep a dead
-owner's leftovers alive forever. The start time from /proc tells a reused pid apart; the boot and the pid
-namespace tell whether a pid can be checked from here at all (a folder shared with other machines or
-containers holds tags whose pids mean nothing here).
-"""
+"""Naming a process so that a later look can tell whether it still runs (`owner_tag`, `owner_has_ended`). A pid
+alone does not do, as pids are reused: the start time from /proc tells a reused pid apart, and the boot and pid
+namespace whether a pid can be checked from here at all (a shared folder holds other machines' tags)."""
 
 from __future__ import annotations
 
@@ -18,8 +13,7 @@ OWNER_TAG = r"(?P<space>[0-9a-f]{8})-(?P<pid>\d+)-(?P<start>\d+)"
 
 
 def process_start_ticks(pid: int) -> int | None:
-    """When process `pid` started (clock ticks since boot, from /proc), 0 where /proc does not say, None if the
-    process does not exist. With the pid it names one process: a pid reused by a later process starts later."""
+    """When `pid` started (ticks since boot), 0 where /proc does not say, None if no such process."""
     if os.name != "posix":
         return 0  # no signal 0 to probe with (on Windows os.kill would act on the process): count it as alive
     try:
@@ -57,9 +51,8 @@ def owner_tag() -> str:
 
 
 def owner_has_ended(tag: str) -> bool | None:
-    """True if the process `tag` names has ended (its pid is gone, or names a later process), False if it runs
-    (or runs where no /proc tells a reused pid apart), None where this process cannot tell: a tag of another
-    machine or pid namespace, or not a tag at all."""
+    """True if the process `tag` names has ended (its pid gone or reused), False if it runs (or no /proc says),
+    None where this process cannot tell (another machine or pid namespace, or not a tag)."""
     match = re.fullmatch(OWNER_TAG, tag)
     if match is None or match["space"] != process_space():
         return None

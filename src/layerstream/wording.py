@@ -17,9 +17,8 @@ def first_line(error: BaseException, *, with_type: bool = False) -> str:
 
 
 def format_bytes(nbytes: float) -> str:
-    """Bytes as every table and message words them, in decimal units (1 GB = 1e9 bytes, as the config's ``*_gb``
-    keys, the planner and the simulated link count them), three significant figures, each unit from a tenth of
-    it: ``512 B``, ``4.1 kB``, ``0.45 GB``, ``97 MB``, ``12.3 GB``."""
+    """Bytes in decimal units (`GB`), three significant figures, each unit from a tenth of it: ``512 B``,
+    ``4.1 kB``, ``0.45 GB``, ``97 MB``, ``12.3 GB``."""
     if abs(nbytes) < 1000:
         return f"{nbytes:.0f} B"
     for unit, scale in (("kB", 1e3), ("MB", 1e6), ("GB", GB)):

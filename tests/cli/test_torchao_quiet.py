@@ -18,7 +18,7 @@ import torch
 if importlib.util.find_spec("torchao") is None:
     pytest.skip("torchao is not installed (the `torchao` extra, part of `all`)", allow_module_level=True)
 
-from layerstream.models.optional_imports import folder_needs_torchao, model_needs_torchao  # noqa: E402
+from layerstream.models.optional_imports import model_needs_torchao  # noqa: E402
 
 PROBE = (
     "import sys\n"
@@ -114,7 +114,7 @@ def _python(code: str, *args: str) -> subprocess.CompletedProcess:
 def test_a_model_saved_quantized_by_torchao_gets_it(tmp_path):
     folder = tmp_path / "tiny-flux-int8"
     _build_torchao_folder(folder)
-    assert folder_needs_torchao(folder) and model_needs_torchao(str(folder))
+    assert model_needs_torchao(folder) and model_needs_torchao(str(folder))
     assert not model_needs_torchao("tiny-flux") and not model_needs_torchao(None)
     code, torchao_imported, _, _ = _cli("plan", str(folder))
     assert code == 0 and torchao_imported

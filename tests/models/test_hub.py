@@ -46,7 +46,7 @@ def _one_line_exit_2(capsys, argv) -> str:
 def test_a_hub_id_downloads_then_loads_offline_with_no_request(hub, monkeypatch):
     source = resolve_model(REPO)
     assert source.origin == "hub" and source.commit == hub.repos[REPO].refs["main"]
-    assert source.describe() == f"{REPO} @ main (commit {source.commit})"
+    assert source.to_dict() == {**source.to_dict(), "model": REPO, "origin": "hub", "revision": "main"}
     wanted = select_files(_repo_files(hub), _index())
     in_snapshot = sorted(p.relative_to(source.folder).as_posix() for p in source.folder.rglob("*") if p.is_file())
     assert in_snapshot == sorted(wanted) and set(hub.downloaded()) <= set(wanted)  # a file of a known blob is linked

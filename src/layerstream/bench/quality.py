@@ -1,17 +1,6 @@
-"""How far float8 storage moves a real pipeline's output: `layerstream bench MODEL`.
-
-`storage_dtype` float8 is lossy. This measures by how much on a whole pipeline (an embedded tiny model or a
-local diffusers folder): the same request, the same seed, generated once with every streamed weight in its own
-dtype and once per float8 storage dtype, every run in one process. For each it reports:
-
-- bytes over the link per generation, and their ratio to the full-precision run (the point of float8);
-- the PSNR of the decoded images or frames (uint8, what a user sees) against the full-precision run, in dB
-  (inf: identical);
-- the largest absolute difference of the final latents (the VAE's input) against the full-precision run.
-
-Tiny models have random weights, so their pictures are noise and their PSNR only says that the path works;
-read the figures of a real checkpoint for quality.
-"""
+"""How far float8 storage moves a pipeline's output (`layerstream bench MODEL`): per storage, the bytes over the
+link, the PSNR of the uint8 output and the largest difference of the final latents, against full precision
+(tiny models have random weights: their PSNR only says that the path works)."""
 
 from __future__ import annotations
 
@@ -46,7 +35,7 @@ class QualityResult:
         return {
             "model": self.model,
             "request": self.request,
-            "rows": [vars(r) | {"psnr_db": _json_float(r.psnr_db)} for r in self.rows],
+            "rows": [vars(r) | {"psnr_db": "inf" if math.isinf(r.psnr_db) else r.psnr_db} for r in self.rows],
         }
 
     def to_markdown(self) -> str:
@@ -130,7 +119,3 @@ def _capture_decoder_input(pipeline) -> list[torch.Tensor]:
 
     vae.decode = recording_decode  # on this instance only; the pipeline is closed right after
     return seen
-
-
-def _json_float(x: float) -> float | str:
-    return "inf" if math.isinf(x) else x

@@ -1,9 +1,5 @@
 """`layerstream bench MODEL`: what float8 storage does to a model's output, measured on the user's machine
-(`layerstream.bench.quality`).
-
-The benchmarks of layerstream itself (offload strategies against resident, cold start, the disk tier, several
-ranks) are scripts of a source checkout: benchmarks/README.md lists them.
-"""
+(`layerstream.bench.quality`); layerstream's own benchmarks are scripts in a source checkout's benchmarks/."""
 
 from __future__ import annotations
 
@@ -14,14 +10,11 @@ from pathlib import Path
 
 from layerstream.cli.common import MODEL_SOURCES, CliError, add_model_first_argument
 
-STRATEGY_SCRIPT = "python benchmarks/strategies.py"
-"""The synthetic comparison of offload strategies (once `layerstream bench`'s default mode), in a source checkout."""
-
 DESCRIPTION = (
     "Measure how far float8 storage moves MODEL's output: one generation with full-precision storage and one "
     "with each float8 storage dtype, with the pictures' PSNR, the largest latent difference and the bytes "
-    f"streamed. The benchmarks of layerstream itself (offload strategies: `{STRATEGY_SCRIPT}`, cold start, the "
-    "disk tier, several ranks) are scripts in a source checkout's benchmarks/ (benchmarks/README.md)."
+    "streamed. The benchmarks of layerstream itself (offload strategies: `python benchmarks/strategies.py`, cold "
+    "start, the disk tier, several ranks) are scripts in a source checkout's benchmarks/ (benchmarks/README.md)."
 )
 
 
@@ -39,11 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--out", metavar="DIR", default=None, help="also write results.json and results.md to DIR")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the measurement and print a table (or JSON); user errors raise `CliError` (exit code 2)."""
-    return _run_quality(args)
-
-
 def print_results(args: argparse.Namespace, payload: str, report: str) -> None:
     """The report on stdout (the JSON `payload` with --json), and both into --out's folder."""
     if args.out:
@@ -54,8 +42,8 @@ def print_results(args: argparse.Namespace, payload: str, report: str) -> None:
     print(payload if args.json else report)
 
 
-def _run_quality(args: argparse.Namespace) -> int:
-    """--quality: one pipeline generated with full-precision storage and with each float8 storage dtype."""
+def run(args: argparse.Namespace) -> int:
+    """Measure, print a table (or JSON); user errors raise `CliError` (exit code 2)."""
     from layerstream.bench.quality import measure_quality
     from layerstream.errors import LayerstreamError
 

@@ -56,8 +56,7 @@ def summary(model, omni, result, output, compared, trace_files, rank, *, prompt:
 
 
 def as_expected(made: dict) -> bool:
-    """Whether a summary's output is as it should be: not compared, identical to resident, or different only by
-    the lossy storage asked for."""
+    """Whether a summary is not compared, identical, or different only by the lossy storage asked for."""
     compared = made["resident_comparison"]
     lossy = compared is not None and compared["lossy_storage"] is not None and compared["max_abs_diff"] != float("inf")
     return compared is None or compared["identical"] or lossy  # inf: the shapes differ, never by design

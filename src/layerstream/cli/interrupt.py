@@ -1,6 +1,5 @@
-"""Ctrl-C on the command line: the phase a command is in and the files it has put in place, so that an
-interrupt ends it with one line saying both (``layerstream: interrupted during generation; nothing was
-written``) and exit code 130."""
+"""Ctrl-C on the command line: one line saying the phase a command was in and the files it had put in place
+(``layerstream: interrupted during generation; nothing was written``), and exit code 130."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from pathlib import Path
 from typing import NoReturn
 
 EXIT_INTERRUPTED = 130
-"""128 + SIGINT: what a shell reports for a command ended by Ctrl-C."""
 EXIT_PAUSE_ENV_VAR = "LAYERSTREAM_TEST_EXIT_PAUSE_SECONDS"
 """Tests only: hold the process this long after its command finished, so that an interrupt surely lands there."""
 
@@ -46,11 +44,8 @@ class PhaseLog:
 
     @contextlib.contextmanager
     def writing(self, phase: Phase, *paths: Path) -> Iterator[None]:
-        """Enter `phase` to write `paths`; they count as written once the block ends.
-
-        An interrupt inside the block may land just after a file was renamed into place: the file system is
-        asked then (a new file, or another one than was there before), never assumed either way.
-        """
+        """Enter `phase` to write `paths`; they count as written once the block ends (an interrupt inside asks
+        the file system whether a file was renamed into place)."""
         self.phase = phase
         self._pending = {path: _identity(path) for path in paths}
         yield
@@ -81,13 +76,9 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 
 def exit_after_command(code: int) -> NoReturn:
-    """End the `layerstream` process (the console script, ``python -m layerstream``) once its command returned
-    `code`. A Ctrl-C before the command returns is the command's to word; one from now on (the summary printed,
-    the process ending) prints one line and exits 130. The process ends with `os._exit` once its output is
-    flushed: nothing after the command is its work, and the interpreter's own exit would run other libraries'
-    exit hooks (torch's, where a Ctrl-C printed a traceback and exited 0) and finalise modules (where it ended
-    the process by the signal, with no line). Daemon threads end with the process, safely: `_exit` unwinds
-    no stack."""
+    """End the `layerstream` process once its command returned `code`: a Ctrl-C from now on prints one line and
+    exits 130. `os._exit` once the output is flushed: the interpreter's own exit would run other libraries' exit
+    hooks (torch's, where a Ctrl-C printed a traceback and exited 0) and finalise modules."""
     signal.signal(signal.SIGINT, _interrupted_at_exit)
     try:
         logging.shutdown()

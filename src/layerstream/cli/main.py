@@ -42,12 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.subcommand_parsers = {}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub_parser = parser.subcommand_parsers[name] = sub.add_parser(name, help=help_text, description=help_text)
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if not e.name or not e.name.startswith("layerstream"):
-                raise
-            continue  # subcommand not built yet
+        module = importlib.import_module(module_name)
         module.add_arguments(sub_parser)
         sub_parser.set_defaults(_run=module.run)
     return parser
@@ -60,18 +55,14 @@ class _VersionAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(_version_text())  # on stdout, as argparse's own version action
+        """layerstream's version, and torch's with its CUDA build: the first thing a bug report needs."""
+        import torch
+
+        from layerstream import __version__
+
+        cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
+        print(f"layerstream {__version__} (torch {torch.__version__}, {cuda})")  # on stdout, as argparse's own
         parser.exit()
-
-
-def _version_text() -> str:
-    """layerstream's version, and torch's with its CUDA build: the first thing a bug report needs."""
-    import torch
-
-    from layerstream import __version__
-
-    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
-    return f"layerstream {__version__} (torch {torch.__version__}, {cuda})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,8 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # argparse would blame the top-level parser; the flags were given to the subcommand
         parser.subcommand_parsers.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     configure_logging(args.verbose)
-    if not hasattr(args, "_run"):
-        return fail(f"the {args.command} subcommand is not available in this build")
     try:
         # stderr holds layerstream's lines: torchao (and its import warnings) only for a model that needs it
         with torchao_deferred(getattr(args, "model", None)):

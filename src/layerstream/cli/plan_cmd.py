@@ -1,12 +1,6 @@
-"""`layerstream plan MODEL`: print what offload would do with each component, without enabling anything.
-
-The plan is made on the pipeline's skeleton (`layerstream.models.skeleton`: models built from their configs
-on the meta device, in the dtypes the checkpoint stores), so no weight is read. For a Hub id the configs and
-the safetensors headers come from the Hub and nothing else is downloaded; the plan is the same as for the
-downloaded folder by construction. Only ``--measure`` needs the weights (and a plan that stores the DiT lossless
-reads a sample of them to price the code: from the folder where it holds them, `models.coded_fraction`, else by
-ranged reads of a Hub id's files, `models.hub_sample`).
-"""
+"""`layerstream plan MODEL`: print what offload would do with each component, without enabling anything. The plan
+is made on the pipeline's skeleton (`layerstream.models.skeleton`), so no weight is read (a Hub id's configs and
+headers come from the Hub); only ``--measure`` needs the weights, and a lossless DiT reads a sample of them."""
 
 from __future__ import annotations
 
@@ -93,8 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _placement(pipeline: Any, plan: ResolvedOffloadPlan, generation):
-    """(the placement enabling would use on this machine's default device for `generation`, None) or (None, why
-    it is only decided at enable time)."""
+    """(the placement enabling would use for `generation`, ""), or (None, why it is decided later)."""
     from layerstream.errors import OffloadError
     from layerstream.offload import plan_placement
 
@@ -142,7 +135,8 @@ def host_tier_lines(plan: ResolvedOffloadPlan, placement) -> list[str]:
 
 def _skeleton(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """(the pipeline's skeleton, where its metadata came from), by `load_skeleton`."""
-    loading = _loading()
+    from layerstream.models import loading
+
     try:
         return loading.load_skeleton(args.model, revision=args.revision, variant=args.variant, components=component_files(args))
     except loading.ModelLoadError as e:
@@ -150,9 +144,8 @@ def _skeleton(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
 
 def _weights(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
-    """(the pipeline with its weights, where they came from), for --measure: a Hub id is read from the cache,
-    or downloaded with --download."""
-    loading = _loading()
+    """(the pipeline with its weights, where they came from), for --measure."""
+    from layerstream.models import loading
     from layerstream.models.hub import names_hub_repo
 
     cache_only = names_hub_repo(args.model) and not args.download
@@ -167,21 +160,8 @@ def _weights(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         raise CliError(_one_line(e)) from e
 
 
-def _loading():
-    import importlib
-
-    try:
-        loading = importlib.import_module("layerstream.models.loading")
-    except ModuleNotFoundError as e:
-        if e.name and e.name.startswith("layerstream"):
-            raise CliError("loading models is not available in this build (no layerstream.models.loading)") from e
-        raise  # the command line names the extra that provides it
-    return loading
-
-
 def _print_origin(origin: dict[str, Any], as_json: bool) -> None:
-    """For a Hub id planned from its metadata: say so, with what a download would fetch; planned from the
-    catalogue (the Hub out of reach): say that, and why."""
+    """Where a Hub id was planned from its metadata or the catalogue: say so, and what a download is."""
     if as_json:
         return
     if origin.get("origin") == "catalogue":
@@ -200,16 +180,12 @@ def _one_line(error: Exception) -> str:
     return " ".join(str(error).split())
 
 
-# --- the table ---------------------------------------------------------------------------------------------
-
-
 def format_plan(plan: ResolvedOffloadPlan, placement=None) -> str:
-    """A readable table of the resolved plan: one row per component, totals, and the device estimate (from the
-    placement, when it could be decided here)."""
+    """The resolved plan as a table: one row per component, totals, and the device estimate."""
     config = plan.config
     rows = [_row(comp, placement) for comp in plan.components]
-    rows += [_absent_row(a) for a in plan.absent]
-    rows += [_untouched_row(u) for u in plan.untouched]
+    rows += [_skipped_row(a.path, "declared", "declared, absent") for a in plan.absent]  # an optional one left None
+    rows += [_skipped_row(u.path, "undeclared", "undeclared, untouched") for u in plan.untouched]  # in no total
     streamed = sum(_split_bytes(c, placement)[0] for c in plan.components)
     resident = sum(_split_bytes(c, placement)[1] for c in plan.components)
     totals = {"component": "total", "streamed": format_bytes(streamed), "resident": format_bytes(resident)}
@@ -259,21 +235,12 @@ def _row(comp: ResolvedComponent, placement=None) -> dict[str, str]:
     }
 
 
-def _absent_row(absent) -> dict[str, str]:
-    """A declared component this pipeline instance does not hold (an optional one left None): skipped."""
-    cells = dict.fromkeys(_COLUMNS, "-")
-    return cells | {"component": absent.path, "source": "declared", "action": "declared, absent"}
-
-
-def _untouched_row(untouched) -> dict[str, str]:
-    """An undeclared child of a pipeline that declares its roles: left where it is, in neither total."""
-    cells = dict.fromkeys(_COLUMNS, "-")
-    return cells | {"component": untouched.path, "source": "undeclared", "action": "undeclared, untouched"}
+def _skipped_row(path: str, source: str, action: str) -> dict[str, str]:
+    return dict.fromkeys(_COLUMNS, "-") | {"component": path, "source": source, "action": action}
 
 
 def _split_bytes(comp: ResolvedComponent, placement=None) -> tuple[int, int]:
-    """(streamed, resident) bytes of a component under its action (without a placement, every block of a
-    streamed component counts as streamed)."""
+    """(streamed, resident) bytes of a component (no placement: every block of a stream streams)."""
     if comp.action in ("swap", "on_demand"):
         return comp.total_bytes, 0
     if comp.action != "stream":

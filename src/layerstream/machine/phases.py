@@ -1,13 +1,6 @@
-"""Every phase of a generation and what it holds at its peak, from its parts: on the device (prompt encoding,
-image encoding, denoising, VAE decode) and on the host (loading and enabling, generating); which phase bounds each.
-
-In layer mode the weights that do not stream (every module but the streamed blocks; the resident blocks) and the
-slot ring stay on the device from enabling to the end of the generation, so every phase holds them, the device's
-allowance (`models.generation_estimates.DEVICE_ALLOWANCE_GB`) and its own transient (`models.generation_estimates.Transient`): the text
-encoders' activations, the vision tower's, a DiT block's forward at the request's tokens, the VAE's decode at the
-request's size. The largest transient is what residency "auto" leaves free (`activation_reserve_nbytes`), so a
-plan whose phases all fit the device fills it with resident blocks only as far as every phase allows.
-"""
+"""Every phase of a generation and its peak from its parts, on the device and the host. In layer mode every
+device phase holds the weights that do not stream, the slot ring, the allowance and its own transient; residency
+"auto" leaves the largest transient free, so resident blocks fill only what every phase allows."""
 
 from __future__ import annotations
 
@@ -27,8 +20,7 @@ ALLOWANCE = "allowance (CUDA context, allocator)"
 
 @dataclass(frozen=True)
 class PhasePeak:
-    """One phase's peak in one memory: its parts by name (their sum is the peak), and a note where a choice in it
-    is named (a tiled decode)."""
+    """One phase's peak in one memory: its parts by name, and a note naming a choice (a tiled decode)."""
 
     phase: str
     parts: Mapping[str, int]
@@ -81,8 +73,7 @@ class PhasePeaks:
 
 
 def device_weights_by_component(plan, placement: Placement) -> dict[str, int]:
-    """Bytes each component keeps on the device in layer mode: all of a resident one, a streamed one's modules
-    outside its streamed blocks (its resident blocks included)."""
+    """Bytes each component keeps on the device in layer mode (all of it but its streamed blocks)."""
     streamed = set(placement.streamed_block_paths)
     out = {}
     for comp in plan.components:
@@ -96,8 +87,7 @@ def device_phase_peaks(
     plan, placement: Placement, transients: Iterable[Transient], *, memory_nbytes: int, allowance_nbytes: int,
     notes: Mapping[str, str] | None = None,
 ) -> PhasePeaks:  # fmt: skip
-    """Each phase of `transients` on the device: the weights kept there, the slot ring, the allowance and the
-    phase's own transient (`notes`: a phase's named choice, by phase)."""
+    """Each phase of `transients` on the device, with what every phase keeps there."""
     weights = device_weights_by_component(plan, placement)
     kept = {WEIGHTS: sum(weights.values()), SLOT_RING: placement.ring_nbytes, ALLOWANCE: allowance_nbytes}
     ordered = sorted(transients, key=lambda t: PHASES.index(t.phase))

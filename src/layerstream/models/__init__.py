@@ -1,8 +1,5 @@
-"""Models layerstream can load: the embedded tiny models, local diffusers-format folders and Hub ids.
-
-Everything here needs the ``diffusers`` extra; names are imported on first use so that importing
-`layerstream.models` stays cheap.
-"""
+"""Models layerstream can load: the embedded tiny models, local diffusers-format folders and Hub ids (the
+``diffusers`` extra); names are imported on first use, so that importing `layerstream.models` stays cheap."""
 
 from layerstream.lazy import lazy_exports
 

@@ -25,14 +25,11 @@ _BUILD_SUFFIX = ".tmp-"
 
 
 def cache_root() -> Path:
-    """The layerstream cache folder: ``$LAYERSTREAM_CACHE``, else ``$XDG_CACHE_HOME/layerstream``, else
-    ``~/.cache/layerstream``. Read on every call, so that a changed environment takes effect at once."""
-    explicit = os.environ.get(CACHE_ENV_VAR)
-    if explicit:
+    """``$LAYERSTREAM_CACHE``, else ``$XDG_CACHE_HOME/layerstream``, else ``~/.cache/layerstream``."""
+    if explicit := os.environ.get(CACHE_ENV_VAR):
         return Path(explicit).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "layerstream"
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "layerstream"
 
 
 class CacheFolderError(LayerstreamError, OSError):
@@ -40,15 +37,8 @@ class CacheFolderError(LayerstreamError, OSError):
 
 
 def publish_folder(folder: Path, write: Callable[[Path], None], *, marker: str) -> bool:
-    """Make `folder` exist with the contents `write` produces, atomically.
-
-    `write` fills a temporary sibling folder, which is then renamed onto `folder` in one step, so `folder`
-    is either absent or complete, even if this process dies half-way. Processes racing to build the same
-    folder each write their own sibling; the first rename wins and the others discard their copy. `marker`
-    is a file every complete folder has: a `folder` without it was not built by us and is left untouched.
-
-    Returns True if this call built the folder, False if it was already there (or another process won).
-    """
+    """Make `folder` exist as `write` fills a scratch sibling, renamed onto it in one step (the first of racing
+    builders wins); `marker` is in every complete folder. True if this call built it, False if it was there."""
     if (folder / marker).is_file():
         return False
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -78,12 +68,7 @@ def publish_folder(folder: Path, write: Callable[[Path], None], *, marker: str) 
 
 
 def discard_folder(folder: Path) -> None:
-    """Remove `folder` (a published build found corrupt) so that it can be built again.
-
-    Renamed away first, in one step, so that other processes see the folder either whole or absent, never
-    half-deleted; the renamed copy is a scratch folder of this process, which the next build cleans up if
-    this process dies before deleting it.
-    """
+    """Remove `folder`, renamed away first so that others see it whole or absent, never half-deleted."""
     trash = _scratch_sibling(folder)
     try:
         os.rename(folder, trash)
@@ -93,18 +78,12 @@ def discard_folder(folder: Path) -> None:
 
 
 def _scratch_sibling(folder: Path) -> Path:
-    """A sibling name unique to this process and call; its `owner_tag` tells a later build whether the process
-    that made it is still running."""
+    """A sibling name unique to this call, whose `owner_tag` tells a later build if its maker runs."""
     return folder.parent / f".{folder.name}{_BUILD_SUFFIX}{owner_tag()}-{secrets.token_hex(4)}"
 
 
 def _remove_stale_builds(folder: Path) -> None:
-    """Delete scratch folders for `folder` that dead processes left behind (best effort).
-
-    A folder whose process is known to have ended (`owner_has_ended`: its pid gone, or reused by a later
-    process) goes at once; one whose owner cannot be told (another machine or pid namespace) goes only when
-    old, since it may belong to a process that is building right now.
-    """
+    """Delete scratch folders for `folder` whose process has ended or, where that cannot be told, old."""
     prefix = f".{folder.name}{_BUILD_SUFFIX}"
     now = time.time()
     for leftover in folder.parent.glob(f"{prefix}*"):

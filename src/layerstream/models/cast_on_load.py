@@ -1,31 +1,20 @@
-"""Casting a diffusers model to another dtype while its weights are read from the checkpoint files.
-
-Given a dtype other than the saved one, diffusers casts every tensor at load by faulting the file mapping in
-page by page (a few hundred MB/s), holding each cast copy in memory beside the touched file pages. Instead,
-layerstream loads such a component in the dtype its files store (every weight then a lazy view of the files,
-nothing read yet) and casts it here, tensor by tensor: each weight's bytes are read from its file with large
-`preadv` calls on several threads (`runtime.packing.file_reads`), cast into a fresh tensor of the target dtype, and the
-view is dropped. The next batch of weights is read while one is cast. Nothing of the checkpoint stays mapped
-afterwards, and the host never holds more than the cast model plus two batches of stored bytes in flight.
-
-The result is exactly what diffusers' own cast gives: the same rule decides each tensor's dtype (floating
-tensors saved in the checkpoint go to the target dtype, those under the model's `_keep_in_fp32_modules` to
-float32; integer tensors and buffers the checkpoint does not save keep theirs), and every cast is the same
-`Tensor.to` rounding. Only diffusers models whose files store one floating dtype take this path; anything else
-is cast by diffusers at load as before.
+"""Casting a diffusers model to another dtype while its weights are read from the files: diffusers' own cast
+faults the mapping in page by page (a few hundred MB/s); here a component loaded as stored is cast tensor by
+tensor from `preadv` reads on several threads, the next batch read while one is cast. The result is exactly
+diffusers' (its dtype rule, `_keep_in_fp32_modules` included, and `Tensor.to` rounding).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from layerstream.errors import LayerstreamError
+from layerstream.models.folder_check import pipeline_components
 from layerstream.models.saved_dtypes import SAFETENSORS_DTYPES, SafetensorsHeaderError, read_safetensors_header
 from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
 from layerstream.runtime.reporting.progress import StagingProgress
@@ -42,19 +31,15 @@ class CastReadError(LayerstreamError, OSError):
 
 
 def components_to_cast(folder: Path, saved: dict[str, torch.dtype], dtype: torch.dtype) -> list[str]:
-    """The components of the pipeline folder that load in their saved dtype and are cast here to `dtype`:
-    diffusers models whose safetensors files store exactly one floating dtype, other than `dtype`."""
+    """The diffusers models of the folder whose files store one floating dtype, other than `dtype`."""
     if dtype not in CASTABLE_DTYPES:
         return []
-    index = json.loads((folder / "model_index.json").read_text())
-    out = []
-    for name, stored in saved.items():
-        entry = index.get(name)
-        if not (isinstance(entry, list) and entry and entry[0] == "diffusers") or stored == dtype:
-            continue
-        if _floating_dtypes_in(folder / name) == {stored}:
-            out.append(name)
-    return out
+    library = {name: library for name, (library, _) in pipeline_components(folder).items()}
+    return [
+        name
+        for name, stored in saved.items()
+        if library.get(name) == "diffusers" and stored != dtype and _floating_dtypes_in(folder / name) == {stored}
+    ]
 
 
 def _floating_dtypes_in(component_folder: Path) -> set[torch.dtype]:
@@ -83,10 +68,8 @@ def target_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype, keep_in_fp
 
 
 def cast_from_files_(model: nn.Module, dtype: torch.dtype, *, what: str) -> int:
-    """Cast `model` (loaded in its saved dtype) to `dtype` in place, as diffusers' load would have, reading
-    weights that are still unwritten views of their files straight from the files. Returns the bytes read
-    from files. Raises `CastReadError` naming a file that cannot be read; the model is then partly cast and
-    must be dropped (the caller's load fails as a whole)."""
+    """Cast `model` (loaded in its saved dtype) to `dtype` in place, as diffusers' load would have; returns the
+    bytes read from files. On `CastReadError` the model is partly cast and must be dropped."""
     keep_in_fp32 = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
     todo = _tensors_to_cast(model, dtype, keep_in_fp32)
     total = sum(t.nbytes for _, _, _, t, _ in todo)
@@ -98,9 +81,7 @@ def cast_from_files_(model: nn.Module, dtype: torch.dtype, *, what: str) -> int:
     try:
         # the next batch is read on the reader's threads while this one is cast: two scratch buffers in turn
         for i, batch in enumerate(itertools.chain(_batches(todo, files), [None])):
-            started = None
-            if batch is not None:
-                started = _start_batch(batch, scratches, i % 2, reader)
+            started = _start_batch(batch, scratches, i % 2, reader) if batch is not None else None
             if pending is not None:
                 from_files += _cast_batch(*pending, what=what, progress=progress)
             pending = started
@@ -153,8 +134,7 @@ def _cast_batch(batch, reads, wait, *, what: str, progress: StagingProgress) -> 
 
 
 def _batches(todo, files: MappedFiles):
-    """`todo` with each tensor's file range (None: not an unwritten view of a file), in batches of about
-    `BATCH_BYTES` (one tensor alone may exceed it)."""
+    """`todo` with each tensor's file range (None: not a view of a file), in about `BATCH_BYTES`."""
     batch, nbytes = [], 0
     for module, attr, is_param, tensor, target in todo:
         source = files.file_range(tensor.data_ptr(), tensor.nbytes) if tensor.is_contiguous() else None
@@ -168,8 +148,7 @@ def _batches(todo, files: MappedFiles):
 
 
 def _tensors_to_cast(model: nn.Module, dtype: torch.dtype, keep_in_fp32: tuple[str, ...]):
-    """(owner module, attribute, is_param, tensor, target dtype) for every checkpoint tensor whose dtype
-    changes, each tensor object once (a tied weight is one Parameter, cast once, still tied)."""
+    """(module, attribute, is_param, tensor, target) per tensor to cast, each once (tied stay tied)."""
     seen: set[int] = set()
     out = []
     for module_name, module in model.named_modules(remove_duplicate=False):

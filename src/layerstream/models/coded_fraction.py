@@ -1,9 +1,6 @@
-"""The lossless form's stored fraction on a checkpoint's own weights, estimated from a sample of their bytes: what
-`layerstream plan` prices a skeleton's lossless blocks at where the checkpoint's files can be read (a folder, a
-downloaded snapshot; a Hub file by ranged reads is `models.hub_sample`). Each 16-bit tensor picked gives a few
-runs of its elements; their coded bytes' histogram, scaled to the tensor, is planned as the form plans a tensor
-(`plan_code_from_counts`), so the estimate follows the code's tiers and each tensor's own spread.
-"""
+"""The lossless form's stored fraction on a checkpoint's own weights, estimated from a sample of their bytes, for
+`layerstream plan` (a Hub file's by ranged reads: `models.hub_sample`). Each tensor picked gives a few runs;
+their histogram, scaled to the tensor, is planned as the form plans a tensor (`plan_code_from_counts`)."""
 
 from __future__ import annotations
 
@@ -22,7 +19,6 @@ from layerstream.wording import format_bytes
 logger = logging.getLogger(__name__)
 
 CODED_DTYPES = {"BF16": "bfloat16", "F16": "float16"}
-"""Safetensors dtypes the lossless form codes."""
 MIN_ELEMENTS = 2048
 """Smaller tensors stay raw in the lossless form (`runtime.forms.lossless.MIN_CODED_BYTES`, 4 KiB)."""
 
@@ -50,7 +46,6 @@ class CodedTensor(NamedTuple):
     file: str
     """The file's path (a local file), or its name in the repository (a Hub file)."""
     start: int
-    """The byte offset of the tensor's data in the file."""
     dtype: str
     num_elements: int
 
@@ -61,7 +56,6 @@ class SampleTally(NamedTuple):
     stored_bytes: int
     coded_bytes: int
     read_bytes: int
-    """The tensors' bytes read (headers aside)."""
     num_sampled: int
 
     def which(self, per_component: list[list[CodedTensor]], components: Collection[str]) -> str:
@@ -72,8 +66,7 @@ class SampleTally(NamedTuple):
 def sample_coded_fraction(
     folder: Path, components: Collection[str], variant: str | None = None, budget: SampleBudget = LOCAL_SAMPLE
 ) -> CodedFraction | None:
-    """The stored fraction of the 16-bit tensors of `components` (folders of the pipeline folder `folder`),
-    estimated from a sample; None where none of their files can be read (then the planner keeps its estimate)."""
+    """The stored fraction of `components`' 16-bit tensors from a sample; None where none is readable."""
     per_component = [_coded_tensors(folder / name, variant) for name in sorted(components)]
     picked = picked_tensors(per_component, budget)
     tally = tally_samples((t, _read_runs(t, budget)) for t in picked)
@@ -84,8 +77,7 @@ def sample_coded_fraction(
 
 
 def coded_entries(header: dict, data_start: int, file_size: int, file: str) -> list[CodedTensor]:
-    """Each tensor of a safetensors header (its data starting at `data_start` in a file of `file_size` bytes) that
-    the lossless form codes: 16-bit, large enough, and with all its bytes in the file."""
+    """The header's tensors the lossless form codes: 16-bit, large enough, all their bytes in the file."""
     out = []
     for entry in header.values():
         dtype = CODED_DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
@@ -103,8 +95,7 @@ def picked_tensors(per_component: Iterable[list[CodedTensor]], budget: SampleBud
 
 
 def run_spans(tensor: CodedTensor, budget: SampleBudget) -> list[tuple[int, int]]:
-    """(byte offset in the file, bytes) of each run the sample reads of `tensor`: `budget.runs` runs spread
-    through it, or all of it where it is no larger than they are."""
+    """(offset, bytes) of each run the sample reads of `tensor`, spread through it (all of a small one)."""
     if tensor.num_elements <= budget.runs * budget.run_elements:
         return [(tensor.start, 2 * tensor.num_elements)]
     step = (tensor.num_elements - budget.run_elements) // max(1, budget.runs - 1)
@@ -133,8 +124,7 @@ def runs_tensor(runs: Iterable[bytes]) -> torch.Tensor:
 
 
 def _coded_tensors(component: Path, variant: str | None) -> list[CodedTensor]:
-    """The tensors the lossless form codes in one component folder, read from the headers (unreadable files are
-    left out)."""
+    """The tensors the lossless form codes in one component folder (unreadable files left out)."""
     out = []
     for path in loaded_safetensors(component, variant) if component.is_dir() else []:
         try:
@@ -149,8 +139,7 @@ def _coded_tensors(component: Path, variant: str | None) -> list[CodedTensor]:
 
 
 def _read_runs(tensor: CodedTensor, budget: SampleBudget) -> torch.Tensor | None:
-    """The runs of `tensor` the sample reads, from its local file; None where they cannot be read (a file that
-    went away or is still downloading: the others are sampled)."""
+    """The runs of `tensor` from its local file; None where they cannot be read (the others are sampled)."""
     try:
         with open(tensor.file, "rb") as f:
             read_at = file_reader(f)

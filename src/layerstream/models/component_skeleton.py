@@ -1,8 +1,6 @@
-"""A component from a file (`models.component_files`) as planning sees it: its model on the meta device, each
-tensor at the bytes the loaded component keeps on the host, read from the file's header alone
-(`models.component_headers`: a local file, or a Hub file by ranged reads). GGUF-quantized weights keep their
-blocks (34/32 bytes a weight for Q8_0, 9/16 for Q4_K), fp8_scaled weights 1 byte with a float32 scale; every
-other tensor is loaded in the compute dtype, as the skeleton already has it."""
+"""A component from a file (`models.component_files`) as planning sees it: its meta model, each tensor at the
+bytes the loaded component keeps, from the file's header. GGUF weights keep their blocks (34/32 bytes a weight
+for Q8_0, 9/16 for Q4_K), fp8_scaled ones 1 byte and a float32 scale; the rest are in the compute dtype."""
 
 from __future__ import annotations
 

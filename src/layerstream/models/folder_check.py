@@ -5,7 +5,9 @@ diffusers happens to trip over first ("no file named config.json found in direct
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from layerstream.errors import LayerstreamError
 from layerstream.models.manifest import MANIFEST_NAME, CorruptFolderError, has_manifest, verify_manifest
@@ -21,15 +23,14 @@ _REDOWNLOAD_HINT = "download the model again (or copy it again from a complete f
 
 
 def check_model_folder(folder: Path) -> None:
-    """Raise ``ModelLoadError`` if `folder`'s ``model_index.json`` is unreadable, names a component with no
-    subfolder, or if a file differs from the checksums layerstream recorded when it built the folder."""
-    missing = missing_components(folder)
+    """Raise ``ModelLoadError`` for an unreadable index, a component without its folder, a bad checksum."""
+    components = pipeline_components(folder)
+    missing = [name for name in components if not (folder / name).is_dir()]
     if missing:
-        names = ", ".join(f"{name} ({library}.{cls})" for name, library, cls in missing)
-        folders = ", ".join(f"{name}/" for name, _, _ in missing)
+        names = ", ".join(f"{name} ({'.'.join(components[name])})" for name in missing)
         raise ModelLoadError(
-            f"model folder {folder}: {MODEL_INDEX} names {names} but there is no {folders} folder beside it; "
-            f"the folder is incomplete: {_REDOWNLOAD_HINT}"
+            f"model folder {folder}: {MODEL_INDEX} names {names} but there is no {', '.join(f'{n}/' for n in missing)} "
+            f"folder beside it; the folder is incomplete: {_REDOWNLOAD_HINT}"
         )
     if has_manifest(folder):  # only folders layerstream built (or copies of them) carry checksums
         try:
@@ -41,31 +42,24 @@ def check_model_folder(folder: Path) -> None:
             ) from e
 
 
-def missing_components(folder: Path) -> list[tuple[str, str, str]]:
-    """(name, library, class) of every component ``model_index.json`` names whose subfolder is absent.
-
-    A component is an entry ``"name": [library, class]`` with both set; ``[null, null]`` marks an optional
-    component the pipeline was saved without, and keys starting with ``_`` are metadata.
-    """
-    index_path = folder / MODEL_INDEX
+def pipeline_components(folder: Path) -> dict[str, tuple[str, str]]:
+    """Component name -> (library, class), as ``model_index.json`` lists them (``[null, null]`` left out)."""
     try:
-        index = json.loads(index_path.read_text())
+        index = json.loads((folder / MODEL_INDEX).read_text())
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"model folder {folder}: cannot read {MODEL_INDEX}: {type(e).__name__}: {e}") from e
     if not isinstance(index, dict):
         raise ModelLoadError(f"model folder {folder}: {MODEL_INDEX} is not a JSON object")
-    missing = []
-    for name, value in index.items():
-        if name.startswith("_") or not _is_component(value):
-            continue
-        if not (folder / name).is_dir():
-            missing.append((name, value[0], value[1]))
-    return missing
+    return index_components(index)
 
 
-def _is_component(value: object) -> bool:
-    return (
-        isinstance(value, list)
+def index_components(index: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
+    """Component name -> (library, class) of a parsed ``model_index.json``."""
+    return {
+        name: (value[0], value[1])
+        for name, value in index.items()
+        if not name.startswith("_")
+        and isinstance(value, list)
         and len(value) == 2
         and all(isinstance(part, str) and part for part in value)
-    )
+    }

@@ -11,23 +11,14 @@ PipelineKind = Literal["video", "image"]
 
 
 def pipeline_kind(pipeline: Any) -> PipelineKind:
-    """``"video"`` if the pipeline generates videos, else ``"image"``.
-
-    A diffusers pipeline generates video exactly when its ``__call__`` takes ``num_frames`` (Wan, HunyuanVideo,
-    LTX, CogVideoX, Mochi...), which needs no per-class table.
-    """
+    """``"video"`` if the pipeline's ``__call__`` takes ``num_frames`` (Wan, HunyuanVideo, LTX...), else ``"image"``."""
     if not callable(pipeline):
         raise TypeError(f"{type(pipeline).__name__} is not callable, so it is not a diffusers pipeline")
     return "video" if "num_frames" in inspect.signature(pipeline.__call__).parameters else "image"
 
 
 def pipeline_size_multiple(pipeline: Any) -> int:
-    """Pixels per latent token along each side: VAE spatial compression x transformer patch size.
-
-    Pipelines that pack latents into 2x2 patches themselves (Flux, Qwen-Image) declare it through their image
-    processor's ``vae_scale_factor`` rather than the transformer's patch size, so the answer is the least
-    common multiple of both readings.
-    """
+    """Pixels per latent token along a side: VAE compression x patch, or the processor's (Flux packs 2x2)."""
     processor_multiple = 1
     for name in ("image_processor", "video_processor"):
         processor = getattr(pipeline, name, None)
@@ -44,12 +35,8 @@ def pipeline_frame_multiple(pipeline: Any) -> int | None:
 
 
 def pipeline_max_latent_positions(pipeline: Any) -> int | None:
-    """Most latent tokens along one axis (frames, height or width) its transformers can position, or None.
-
-    Wan-style rotary embeddings precompute ``rope_max_seq_len`` positions per axis; a larger grid fails deep
-    inside the first block (``view size is not compatible``) after the text encoder has already run. Both
-    experts of a two-expert pipeline count: the smaller table binds.
-    """
+    """Most latent tokens along one axis its transformers (the smaller of two experts) can position, or None:
+    Wan's ``rope_max_seq_len``, past which the first block fails after the text encoder has run."""
     limits = []
     for name in ("transformer", "transformer_2"):
         config = getattr(getattr(pipeline, name, None), "config", None)
@@ -82,10 +69,7 @@ def _pixels_per_token(pipeline: Any) -> int:
 
 
 def _patch(pipeline: Any, *, axis: int) -> int:
-    """The transformer's patch size along `axis` of (temporal, height, width); 1 where it declares none.
-
-    An int patch size is spatial only (image transformers): it patches no time axis.
-    """
+    """The transformer's patch along `axis` of (time, height, width); 1 if none (an int: no time axis)."""
     config = getattr(getattr(pipeline, "transformer", None), "config", None)
     patch_size = getattr(config, "patch_size", None) if config is not None else None
     if isinstance(patch_size, int):

@@ -1,25 +1,13 @@
-"""Models named by a Hugging Face Hub id (``"Wan-AI/Wan2.2-T2V-A14B-Diffusers"``): downloaded through
-huggingface_hub into its standard cache, or planned from the Hub's metadata alone.
-
-Only what the pipeline loads is fetched: ``model_index.json``, each component's config and tokenizer files,
-and its weights in one format (safetensors before ``.bin``, in the variant asked for). Settings are
-huggingface_hub's own and are read when a model is resolved, not at import: ``HF_ENDPOINT``, ``HF_HOME`` /
-``HF_HUB_CACHE``, ``HF_HUB_OFFLINE`` and the token (``HF_TOKEN`` or a saved login).
-
-huggingface_hub lists the files, downloads them, names the cache's folders and finds a cached snapshot by
-revision. Three things stay here: reading those settings (``huggingface_hub.constants`` reads them once, at
-its import); writing ``refs/<branch>`` (files are fetched by commit, so that a branch that moves during a
-download cannot mix two commits, and huggingface_hub writes a ref only when it resolves the name itself, its
-writer being private); and the download loop (``snapshot_download`` would resolve the revision a second time,
-after the files were chosen from ``model_index.json``, and only warns where the disk is too small, where this
-module refuses before the first weight byte). A fourth is in `hub_sample`: a byte range of a weight file, read
-through huggingface_hub's URL, session and headers (its only ranged read, `parse_safetensors_file_metadata`,
-is of a header, and takes a whole answer where a server ignores the range).
+"""Models named by a Hugging Face Hub id (``"org/name"``): downloaded into huggingface_hub's cache (only what the
+pipeline loads), or planned from the Hub's metadata alone. huggingface_hub's settings are read per call (it reads
+them once, at import). Files are fetched by commit, so that a moving branch cannot mix two commits: hence our
+ref and download loop (``snapshot_download`` would resolve the revision again, and not refuse a full disk).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import re
@@ -31,12 +19,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from layerstream.errors import LayerstreamError
-from layerstream.models.folder_check import MODEL_INDEX, ModelLoadError, check_model_folder
+from layerstream.models.folder_check import (
+    MODEL_INDEX, ModelLoadError, check_model_folder, index_components, pipeline_components,
+)  # fmt: skip
 from layerstream.models.weight_files import WEIGHT_INDEX, weight_file_key
 from layerstream.wording import first_line, format_bytes
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-"""``org/name``, as the Hub spells repository ids."""
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -51,8 +40,7 @@ def looks_like_hub_id(model: object) -> bool:
 
 
 def names_hub_repo(model: object) -> bool:
-    """Whether `model` is taken from the Hub: spelled ``org/name`` and not an existing local path (a local
-    folder spelled like a Hub id wins)."""
+    """Whether `model` is spelled ``org/name`` and is not an existing local path (which wins)."""
     return looks_like_hub_id(model) and not Path(model).expanduser().exists()
 
 
@@ -61,21 +49,13 @@ class ModelSource:
     """Where a model's files come from: an embedded tiny model, a local folder, or a Hub snapshot."""
 
     model: str
-    """The model as the caller named it."""
     folder: Path
     origin: Literal["tiny", "folder", "hub"]
     revision: str | None = None
     """The Hub revision asked for (None: ``main``)."""
     commit: str | None = None
-    """The Hub commit the snapshot is of."""
     variant: str | None = None
     """The weights variant diffusers loads (``"fp16"``); None: the plain weights."""
-
-    def describe(self) -> str:
-        """One line for a summary: the id with its revision and commit, or the folder."""
-        if self.origin != "hub":
-            return self.model if self.origin == "tiny" else str(self.folder)
-        return f"{self.model} @ {self.revision or _DEFAULT_REVISION} (commit {self.commit})"
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model, "origin": self.origin, "folder": str(self.folder)}
@@ -121,8 +101,7 @@ class RepoFile:
 
 @dataclass(frozen=True)
 class HubMetadata:
-    """A pipeline described by the Hub's metadata alone: its JSON files in a partial snapshot, the dtype of
-    every tensor from the safetensors headers, and what a download would fetch."""
+    """A pipeline described by the Hub's metadata alone, and what a download would fetch."""
 
     source: ModelSource
     tensor_dtypes: dict[str, dict[str, str]]
@@ -141,25 +120,18 @@ class HubMetadata:
         return sum(f.size for f in self.files if f.name not in self.cached)
 
 
-# --- choosing the files ---------------------------------------------------------------------------------------
-
-
 def select_files(
     filenames: Iterable[str], index: Mapping[str, Any], variant: str | None = None, from_files: Iterable[str] = ()
 ) -> list[str]:
-    """The files of a pipeline repository the pipeline loads: ``model_index.json``, every non-weight file in
-    each component's folder, and the component's weights in one format (safetensors, else ``.bin``), in
-    `variant` where the component has it (diffusers falls back to the plain weights where it has not); none of
-    the weights of the components loaded `from_files` (`models.component_files`).
+    """The files the pipeline loads: ``model_index.json``, each component's non-weight files and its weights in
+    one format (safetensors, else ``.bin``), in `variant` where it has it; no weights for those `from_files`.
     Raises `ModelLoadError` where a component has weights only in a variant that was not asked for."""
     by_folder: dict[str, list[str]] = {}
     for name in filenames:
         folder, _, leaf = name.rpartition("/")
         by_folder.setdefault(folder, []).append(leaf)
     chosen = [MODEL_INDEX]
-    for component, value in index.items():
-        if component.startswith("_") or not (isinstance(value, list) and len(value) == 2 and value[0] and value[1]):
-            continue
+    for component in index_components(index):
         leaves = by_folder.get(component, [])
         weights = [leaf for leaf in leaves if weight_file_key(leaf) is not None]
         others = [leaf for leaf in leaves if weight_file_key(leaf) is None]
@@ -188,9 +160,6 @@ def _pick_weights(
     return None, None  # a component without loadable weights: diffusers reports it when it loads
 
 
-# --- talking to the Hub ----------------------------------------------------------------------------------------
-
-
 def download_snapshot(
     repo_id: str,
     *,
@@ -199,13 +168,8 @@ def download_snapshot(
     offline: bool | None = None,
     from_files: frozenset[str] = frozenset(),
 ) -> ModelSource:
-    """The cached snapshot of `repo_id` at `revision`, downloading what is missing of what the pipeline loads.
-
-    Offline (``HF_HUB_OFFLINE=1``, or `offline` True), or where the Hub cannot be reached, a cached snapshot is
-    used without a request. Before the first weight byte the missing bytes are checked against the cache's free
-    space. Components loaded `from_files` are fetched without their weights. Raises `ModelLoadError` with one
-    line naming the repository and what to do.
-    """
+    """The snapshot of `repo_id` at `revision`, first downloading what the pipeline loads and the cache lacks
+    (offline or unreachable: the cached one). Raises `ModelLoadError` with one line saying what to do."""
     settings = HubSettings.from_environment()
     if settings.offline or offline:
         why = "HF_HUB_OFFLINE is set" if settings.offline else "it is read from the cache only"
@@ -213,10 +177,9 @@ def download_snapshot(
     with _hub_errors(repo_id, revision, settings):
         try:
             commit, wanted = _pipeline_files(repo_id, revision, variant, settings, from_files)
+            unreachable = None
         except _NetworkError as e:
             unreachable = f"the Hub at {settings.endpoint} cannot be reached ({e})"
-        else:
-            unreachable = None
         if unreachable is not None:  # outside the handler: the network error is in the message, not a chain
             return _cached_source(repo_id, revision, variant, settings, why=unreachable, from_files=from_files)
         _check_free_space(repo_id, wanted, settings)
@@ -228,9 +191,7 @@ def download_snapshot(
 
 
 def _write_ref(repo_id: str, revision: str | None, commit: str, settings: HubSettings) -> None:
-    """Record which commit a branch or tag named, as huggingface_hub's cache does (``refs/<name>``), so that an
-    offline run finds the snapshot by the name it was asked by. Files are fetched by commit, so that a branch
-    that moves during the download cannot mix two commits."""
+    """Record which commit a branch or tag named (``refs/<name>``), so that an offline run finds the snapshot."""
     name = revision or _DEFAULT_REVISION
     if _COMMIT.fullmatch(name):
         return
@@ -242,8 +203,7 @@ def _write_ref(repo_id: str, revision: str | None, commit: str, settings: HubSet
 
 
 def fetch_plan_metadata(repo_id: str, *, revision: str | None = None, variant: str | None = None) -> HubMetadata:
-    """What planning needs of `repo_id`, fetching no weight file: the JSON files the pipeline loads (into the
-    cache) and the safetensors headers of its weights (by ranged reads of each file's first bytes)."""
+    """What planning needs of `repo_id`: the pipeline's JSON files and its weights' safetensors headers."""
     settings = HubSettings.from_environment()
     if settings.offline:
         raise HubUnavailableError(
@@ -276,8 +236,7 @@ def fetch_plan_metadata(repo_id: str, *, revision: str | None = None, variant: s
 
 
 def component_safetensors(repo_id: str, commit: str, components: Iterable[str], variant: str | None = None) -> list[RepoFile]:
-    """The safetensors files the pipeline loads from `components` of `repo_id` at `commit`, in name order, from
-    the Hub's listing (``model_index.json`` from the cache, where planning put it)."""
+    """The safetensors files the pipeline loads from `components` of `repo_id` at `commit`, in name order."""
     _, wanted = _pipeline_files(repo_id, commit, variant, HubSettings.from_environment())
     folders = set(components)
     mine = [f for f in wanted if f.name.endswith(".safetensors") and f.name.split("/", 1)[0] in folders]
@@ -295,8 +254,7 @@ class _NetworkError(LayerstreamError, ConnectionError):
 def _pipeline_files(
     repo_id: str, revision: str | None, variant: str | None, settings: HubSettings, from_files: Iterable[str] = ()
 ) -> tuple[str, list[RepoFile]]:
-    """(the commit `revision` names, the files of it the pipeline loads), fetching ``model_index.json`` (which
-    names the components) and nothing else."""
+    """(the commit `revision` names, the files of it the pipeline loads), fetching only ``model_index.json``."""
     commit, files = _repo_files(repo_id, revision, settings)
     index = json.loads(Path(_fetch(repo_id, MODEL_INDEX, commit, settings)).read_text())
     return commit, [files[name] for name in select_files(files, index, variant, from_files)]
@@ -327,8 +285,7 @@ def _fetch(repo_id: str, filename: str, commit: str, settings: HubSettings) -> s
 
 
 def _fetch_all(repo_id: str, files: list[RepoFile], commit: str, settings: HubSettings) -> None:
-    """Download every file not yet in the snapshot: huggingface_hub's progress bars on a terminal, one line a
-    file otherwise (an interrupted file resumes where it stopped, by huggingface_hub's own rule)."""
+    """Download every file not yet in the snapshot: progress bars on a terminal, one line a file otherwise."""
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     snapshot = settings.repo_dir(repo_id) / "snapshots" / commit
@@ -386,13 +343,8 @@ def _cached_source(
 
 
 def _check_weights_present(repo_id: str, folder: Path, from_files: frozenset[str]) -> None:
-    """A snapshot that planning filled with JSON files only, or a download stopped half-way, is refused
-    naming the component whose weights are missing."""
-    import importlib
-
+    """Refuse a snapshot of JSON files only (planning's) or a stopped download, naming the component."""
     import torch
-
-    from layerstream.models.skeleton import pipeline_components
 
     for name, (library, class_name) in pipeline_components(folder).items():
         try:
@@ -422,8 +374,7 @@ def _indexed_shards(folder: Path, leaves: list[str]) -> set[str]:
 
 @contextlib.contextmanager
 def _hub_errors(repo_id: str, revision: str | None, settings: HubSettings) -> Iterator[None]:
-    """huggingface_hub's errors as one `ModelLoadError` line naming the repository and what to do, unchained:
-    the message holds what the cause says (its chain was 100 lines of three tracebacks)."""
+    """huggingface_hub's errors as one `ModelLoadError` line, unchained (the chain was 100 lines)."""
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:

@@ -1,10 +1,6 @@
-"""The lossless form's stored fraction sampled from a Hub repository's weights without downloading them: each DiT
-safetensors file's header (8 bytes of length, then the JSON) and a few runs of its 16-bit tensors are read by
-HTTP Range requests (`coded_fraction.HUB_SAMPLE`: 4 MiB of a component at most) through huggingface_hub's URL,
-session and token, and priced as a local sample is (`models.coded_fraction`). Any failure (offline, an error
-answer, a server that answers a range with the whole file) stops the reading, and the plan keeps its estimate
-with a note saying why: never a whole multi-GB file read for an estimate.
-"""
+"""The lossless form's stored fraction sampled from a Hub repository's weights by HTTP Range requests (4 MiB of a
+component at most), priced as `models.coded_fraction` prices a local sample. Any failure (offline, an error, a
+range answered with the whole file) stops the reading, and the plan keeps its estimate, saying why."""
 
 from __future__ import annotations
 
@@ -26,17 +22,15 @@ from layerstream.runtime.packing.lossless_code import ESTIMATED, CodedFraction
 from layerstream.wording import first_line, format_bytes
 
 HUB_CONNECTIONS = 8
-"""Runs read at once: each is a round trip to the Hub (and a redirect to its CDN), a few KiB to 64 KiB (a tensor no larger than its runs is read whole)."""
+"""Runs read at once: each a round trip to the Hub and a redirect to its CDN, a few KiB to 64 KiB."""
 
 
 class _RangeNotServed(LayerstreamError, ConnectionError):
-    """The server did not answer a range request with that range alone (a whole file, another range); caught
-    here and worded as why the sample was not read, never met by a caller."""
+    """The server did not answer a range request with that range alone; caught here, never met by a caller."""
 
 
 def hub_coded_fraction(repo_id: str, commit: str, components: Collection[str], variant: str | None = None) -> CodedFraction:
-    """The stored fraction of the 16-bit tensors of `components` of `repo_id` at `commit`, estimated from a
-    sample read by ranged requests; the fixed estimate, with why, where the sample cannot be read."""
+    """The stored fraction of `components`' 16-bit tensors from ranged reads; else the estimate, and why."""
     settings = HubSettings.from_environment()
     if settings.offline:
         return _estimate("HF_HUB_OFFLINE is set")
@@ -93,8 +87,7 @@ def _why_not_sampled(error: Exception) -> str:
 
 
 class _RangedReader:
-    """Byte ranges of one repository's files at one commit, by HTTP Range requests through huggingface_hub's
-    session (its token, user agent and offline check); counts what it read."""
+    """Byte ranges of a repository's files by Range requests through huggingface_hub's session."""
 
     def __init__(self, repo_id: str, commit: str, endpoint: str) -> None:
         from huggingface_hub.utils import build_hf_headers
@@ -105,8 +98,7 @@ class _RangedReader:
         self._headers = {**build_hf_headers(), "Accept-Encoding": "identity"}  # the token; ranges of the file's own bytes
 
     def read(self, filename: str, offset: int, count: int) -> bytes:
-        """`count` bytes from `offset`; raises `_RangeNotServed` (having read no body) where the server answers
-        with anything but that range, and huggingface_hub's error where it answers an error."""
+        """`count` bytes from `offset`; `_RangeNotServed` (no body read) where not that range is served."""
         from huggingface_hub import constants, hf_hub_url
         from huggingface_hub.utils import get_session, hf_raise_for_status
 
@@ -138,8 +130,7 @@ class _RangedReader:
         return bytes(data)
 
     def read_runs(self, tensors: list[CodedTensor]) -> list[torch.Tensor]:
-        """Each tensor's runs (`run_spans` of `HUB_SAMPLE`) as int16, read `HUB_CONNECTIONS` at a time; the first
-        failure stops the reading and is raised."""
+        """Each tensor's runs as int16, `HUB_CONNECTIONS` at a time; the first failure stops and is raised."""
         spans = [run_spans(t, HUB_SAMPLE) for t in tensors]
         with ThreadPoolExecutor(HUB_CONNECTIONS, thread_name_prefix="hub-sample") as pool:
             futures = [[pool.submit(self.read, t.file, offset, count) for offset, count in s] for t, s in zip(tensors, spans)]

@@ -1,11 +1,6 @@
-"""Finding and loading a pipeline: a tiny model name, a local diffusers-format folder or a Hugging Face Hub id.
-
-`resolve_model` finds its files (a Hub id is downloaded through huggingface_hub into its cache first,
-`layerstream.models.hub`), `load_pipeline` loads them with diffusers reading the folder offline, and
-`load_model` does both and reads what is needed before offload is enabled (a `LoadedModel`: its kind, its
-components' dtypes, its rules). Everything is loaded on the host (CPU); placing modules on the device is the
-offload runtime's job.
-"""
+"""Finding and loading a pipeline (a tiny model name, a local diffusers-format folder or a Hub id) on the host:
+`resolve_model` finds its files (downloading a Hub id), `load_pipeline` loads them with diffusers offline, and
+`load_model` does both and reads what is needed before offload is enabled (a `LoadedModel`)."""
 
 from __future__ import annotations
 
@@ -20,14 +15,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from layerstream.models import component_files as files_of
 from layerstream.models.cast_on_load import cast_from_files_, components_to_cast
+from layerstream.models.component_headers import header_tensors
+from layerstream.models.component_skeleton import file_component_skeleton_
 from layerstream.models.readahead import Readahead
 from layerstream.models.folder_check import MODEL_INDEX, ModelLoadError, check_model_folder
 from layerstream.models.geometry import PipelineKind, pipeline_kind
-from layerstream.models.hub import ModelSource, download_snapshot, looks_like_hub_id, names_hub_repo
+from layerstream.models.hub import (
+    HubUnavailableError, ModelSource, download_snapshot, fetch_plan_metadata, looks_like_hub_id, names_hub_repo,
+)  # fmt: skip
 from layerstream.models.model_rules import ModelRules, read_model_rules
 from layerstream.models.optional_imports import quiet_library_noise
-from layerstream.models.saved_dtypes import saved_dtypes
+from layerstream.models.published import published_model, published_skeleton
+from layerstream.models.saved_dtypes import module_dtype, saved_dtypes
+from layerstream.models.skeleton import build_skeleton, folder_tensor_dtypes
 from layerstream.models.tiny import TINY_MODELS, ensure_tiny_model, is_tiny_model_name
 from layerstream.wording import first_line
 
@@ -54,17 +56,8 @@ def resolve_model(
     offline: bool | None = None,
     from_files: frozenset[str] = frozenset(),
 ) -> ModelSource:
-    """Where `model`'s files are: a tiny model built on first use, a local folder, or a Hub snapshot
-    downloaded into huggingface_hub's cache (only what the pipeline loads, in `variant` where given).
-
-    Tiny model names come first (pass ``./tiny-wan`` for a folder of that name), then an existing local path
-    (a folder that happens to be spelled ``org/name`` wins over the Hub), then a Hub id. A folder is checked
-    before it is returned: every component its ``model_index.json`` names has its subfolder, and files match
-    the checksums layerstream recorded if it built the folder (see `check_model_folder`). `revision` (a
-    branch, tag or commit) applies to Hub ids only; `offline` reads a Hub id from the cache without a request
-    (as ``HF_HUB_OFFLINE=1`` does); the components named in `from_files` are fetched without their weights.
-    Raises `ModelLoadError` with one line saying what to do.
-    """
+    """Where `model`'s files are: a tiny model built on first use, a local folder (`check_model_folder`), or a
+    Hub snapshot, tried in that order. Raises `ModelLoadError` with one line saying what to do."""
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a tiny model name, a folder path or a Hub id, got {type(model).__name__}")
     for name, value in (("revision", revision), ("variant", variant)):
@@ -107,21 +100,11 @@ def load_pipeline(
     variant: str | None = None,
     components: Mapping[str, Any] | None = None,
 ) -> DiffusionPipeline:
-    """Load `model` (a tiny model name, a local diffusers-format folder, a Hub id, or a `ModelSource` already
-    resolved) as a diffusers pipeline on the host.
-
-    A Hub id is downloaded first (`resolve_model`); then files are read with ``local_files_only=True`` while
-    the Hugging Face Hub client is held in offline mode. `dtype` casts every component; None loads each
-    component in the dtype its safetensors files store (a bfloat16 transformer stays bfloat16, a float32 VAE
-    float32), which also lets diffusers keep the weights as lazy views of the files.
-    `components` maps component names to files loaded in their place (`models.component_files`): each computes
-    in `dtype`, else in the dtype its folder stores, else in the narrowest one the other components store.
-    Raises `ModelLoadError` for a bad `model` and for any failure of diffusers or transformers to load it.
-    """
+    """Load `model` (as `resolve_model` takes it, or a `ModelSource`) on the host, the Hub client offline: in
+    `dtype`, or (None) each component as its files store it, its weights lazy views of them; `components` from
+    their files (`models.component_files`). Raises `ModelLoadError` for a bad `model` or any failed load."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
-    from layerstream.models import component_files as files_of
-
     specs = files_of.check_component_specs(components)  # their form before anything is read
     with quiet_library_noise():
         return _load_pipeline(model, dtype, revision, variant, specs)
@@ -132,11 +115,9 @@ def _load_pipeline(
 ) -> DiffusionPipeline:
     from diffusers import DiffusionPipeline
 
-    from layerstream.models import component_files as files_of
-
-    if not isinstance(model, ModelSource):
-        model = resolve_model(model, revision=revision, variant=variant, from_files=frozenset(specs))
     source = model
+    if not isinstance(source, ModelSource):
+        source = resolve_model(model, revision=revision, variant=variant, from_files=frozenset(specs))
     classes = files_of.component_classes(source.folder, list(specs))
     files = files_of.resolve_component_files(specs)
     load_kwargs: dict[str, Any] = {"local_files_only": True}
@@ -181,15 +162,12 @@ class LoadedModel:
     """A pipeline loaded on the host, and what is read of it before offload is enabled."""
 
     name: str
-    """The model as asked for (a Hub id, a folder, a tiny model's name)."""
     source: ModelSource
-    """Where its files came from (a Hub id's revision and commit, or the folder)."""
     pipeline: Any
     kind: PipelineKind
     component_dtypes: dict[str, str]
     """The dtype each component computes in, read before enabling (the streamed blocks still hold weights)."""
     rules: ModelRules
-    """What the model accepts and its defaults."""
 
 
 def load_model(
@@ -200,14 +178,12 @@ def load_model(
     variant: str | None = None,
     components: Mapping[str, Any] | None = None,
 ) -> LoadedModel:
-    """Find `model` (`resolve_model`, with `revision` and `variant`; a `ModelSource` as it is) and load it on the
-    host with its rules, `components` from their files (`load_pipeline`); its progress bars off (layerstream
-    reports progress itself, per step)."""
+    """`resolve_model`, `load_pipeline` and what is read before enabling; progress bars off."""
     name = model.model if isinstance(model, ModelSource) else model
+    source = model
     with quiet_library_noise():  # a tiny model is built with diffusers here, before its load
-        if not isinstance(model, ModelSource):
-            model = resolve_model(model, revision=revision, variant=variant, from_files=frozenset(components or ()))
-        source = model
+        if not isinstance(source, ModelSource):
+            source = resolve_model(model, revision=revision, variant=variant, from_files=frozenset(components or ()))
         pipeline = load_pipeline(source, dtype=dtype, components=components)
     if hasattr(pipeline, "set_progress_bar_config"):
         pipeline.set_progress_bar_config(disable=True)
@@ -222,20 +198,9 @@ def load_skeleton(
     variant: str | None = None,
     components: Mapping[str, Any] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """(`model`'s pipeline skeleton, where its metadata came from): models built from their configs on the
-    meta device in the dtypes the checkpoint stores, for planning; no weight is read. A Hub id that is not a
-    local path is described by the Hub's metadata alone (JSON files and safetensors headers), with the bytes a
-    download would fetch, or, where the Hub cannot be asked and `models.published` holds the model (at its main
-    revision, without `components`), by that catalogue; anything else by its folder. All build the skeleton the
-    same way. `components` from their files are priced at the bytes the files store (read from their headers; a
-    Hub file's by ranged reads)."""
-    from layerstream.models import component_files as files_of
-    from layerstream.models.component_headers import header_tensors
-    from layerstream.models.component_skeleton import file_component_skeleton_
-    from layerstream.models.hub import HubUnavailableError, fetch_plan_metadata
-    from layerstream.models.published import published_model, published_skeleton
-    from layerstream.models.skeleton import build_skeleton, folder_tensor_dtypes
-
+    """(`model`'s pipeline skeleton for planning, where its metadata came from), reading no weight: a Hub id's
+    from its metadata, or where the Hub cannot be asked from `models.published`'s catalogue (main revision, no
+    `components`); `components` from their files at the bytes their headers say they store."""
     specs = files_of.check_component_specs(components)
     if names_hub_repo(model):
         try:
@@ -269,12 +234,7 @@ def load_skeleton(
 
 
 def model_kind(model: str | os.PathLike[str]) -> PipelineKind | None:
-    """What `model` makes, told without loading it: a tiny model's kind, or for a folder the kind of the
-    pipeline class its ``model_index.json`` names (``_class_name``), by `pipeline_kind`'s rule.
-
-    None when it cannot be told (no such folder, an unreadable index, a class diffusers does not have): the
-    load that follows reports what is wrong, and the loaded pipeline tells its kind.
-    """
+    """What `model` makes, told without loading it; None where it cannot be told (the load will say)."""
     if is_tiny_model_name(model):
         return TINY_MODELS[model].kind
     try:
@@ -295,26 +255,17 @@ def model_kind(model: str | os.PathLike[str]) -> PipelineKind | None:
 
 @contextlib.contextmanager
 def hub_offline() -> Iterator[None]:
-    """Hold the Hugging Face Hub client offline: any request it would make raises instead of reaching out.
+    """Hold the Hub client offline (``HF_HUB_OFFLINE=1``, and its module flag, read once at its import); both
+    restored on exit. Process-wide: do not run a load concurrently with code that needs the Hub online."""
+    from huggingface_hub import constants
 
-    Sets ``HF_HUB_OFFLINE=1`` and, because huggingface_hub reads that variable once at import, also its
-    module-level flag, which it checks before every request. Both are restored on exit. Process-wide: do not
-    run a load concurrently with code that needs the Hub online.
-    """
-    previous_env = os.environ.get("HF_HUB_OFFLINE")
+    previous_env, previous_flag = os.environ.get("HF_HUB_OFFLINE"), constants.HF_HUB_OFFLINE
     os.environ["HF_HUB_OFFLINE"] = "1"
-    try:
-        from huggingface_hub import constants
-    except ImportError:  # no Hub client, nothing can be fetched through it
-        constants = None
-    previous_flag = getattr(constants, "HF_HUB_OFFLINE", None)
-    if constants is not None:
-        constants.HF_HUB_OFFLINE = True
+    constants.HF_HUB_OFFLINE = True
     try:
         yield
     finally:
-        if constants is not None:
-            constants.HF_HUB_OFFLINE = previous_flag
+        constants.HF_HUB_OFFLINE = previous_flag
         if previous_env is None:
             os.environ.pop("HF_HUB_OFFLINE", None)
         else:
@@ -323,8 +274,6 @@ def hub_offline() -> Iterator[None]:
 
 def component_dtypes(pipeline) -> dict[str, str]:
     """The dtype each torch component of `pipeline` computes in (`saved_dtypes.module_dtype`), by name."""
-    from layerstream.models.saved_dtypes import module_dtype
-
     out = {}
     for name, component in getattr(pipeline, "components", {}).items():
         dtype = module_dtype(component) if isinstance(component, torch.nn.Module) else None

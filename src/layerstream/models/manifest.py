@@ -1,11 +1,6 @@
-"""Checksums of a folder layerstream built, so that a corrupted file is found before its weights are used.
-
-A bit flip or a NaN written into a cached safetensors file still loads, and the model then draws garbage
-with exit code 0. `write_manifest` records every file's size and SHA-256 when the folder is built;
-`verify_manifest` compares them before the folder is loaded. Hashing reads every byte, which costs
-milliseconds for the tiny models (under 1 MB each); folders without a manifest (downloaded models) are not
-hashed at all.
-"""
+"""Checksums of a folder layerstream built: a bit flip or a NaN in a cached safetensors file still loads, and the
+model then draws garbage with exit code 0. Hashing costs milliseconds for the tiny models (under 1 MB each);
+folders without a manifest (downloaded models) are not hashed at all."""
 
 from __future__ import annotations
 
@@ -39,7 +34,8 @@ class FileRecord:
 
 def write_manifest(folder: Path) -> Path:
     """Record the size and SHA-256 of every file under `folder` in `folder / MANIFEST_NAME`."""
-    records = {path: _record(folder / path) for path in _relative_files(folder)}
+    files = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST_NAME]
+    records = {p.relative_to(folder).as_posix(): _record(p) for p in files}
     manifest = {
         "format": MANIFEST_FORMAT,
         "files": {path: {"bytes": r.num_bytes, "sha256": r.sha256} for path, r in sorted(records.items())},
@@ -54,10 +50,7 @@ def has_manifest(folder: Path) -> bool:
 
 
 def verify_manifest(folder: Path) -> None:
-    """Raise `CorruptFolderError` naming every file that is missing or differs from the manifest.
-
-    Files added after the build are not checked: only what the manifest lists was built by layerstream.
-    """
+    """Raise `CorruptFolderError` naming every file the manifest lists that is missing or differs."""
     if not has_manifest(folder):
         raise CorruptFolderError(folder, [f"it has no {MANIFEST_NAME} (built before checksums were recorded)"])
     try:
@@ -77,10 +70,6 @@ def verify_manifest(folder: Path) -> None:
             problems.append(f"{path} does not match the checksum recorded when it was built")
     if problems:
         raise CorruptFolderError(folder, problems)
-
-
-def _relative_files(folder: Path) -> list[str]:
-    return [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST_NAME]
 
 
 def _record(file: Path) -> FileRecord:

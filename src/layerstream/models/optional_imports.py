@@ -1,13 +1,6 @@
-"""torchao, imported only for a model that needs it: diffusers and transformers would import it regardless;
-and the libraries' import-time advisories quieted while layerstream loads a model (`quiet_library_noise`).
-
-Where torchao is installed, diffusers' and transformers' torchao quantizers import it as soon as any of their
-model classes is imported, whether a model is quantized or not. On a CPU-only machine that import logs five
-warnings (extensions it cannot load, no triton, torch's pytree deprecations) and takes over a second. The
-command line promises layerstream's own lines on stderr, so it runs each command inside
-`torchao_deferred(model)`: unless the model's folder was saved quantized by torchao, torchao counts as not
-installed for the command's length (its `sys.modules` entry is None, Python's own way of saying a module is
-absent: `importlib.util.find_spec` returns None and an import raises `ImportError`).
+"""torchao imported only for a model that needs it (diffusers and transformers import it with any model class:
+on a CPU-only machine five warnings and over a second), and the libraries' import-time advisories quieted
+while layerstream loads a model. Hidden torchao has a `sys.modules` entry of None: Python's "absent".
 """
 
 from __future__ import annotations
@@ -21,19 +14,17 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from layerstream.models.tiny import TINY_MODELS
-
 _TORCHAO = "torchao"
 _LOOKERS = ("diffusers", "transformers")
-"""The libraries that record whether torchao is installed (diffusers once at import, transformers at its first
-look) and import it by that record: torchao is hidden only from a process where none of them has looked yet,
-or one would later import a torchao it recorded as present."""
+"""The libraries that record whether torchao is installed: it is hidden only where none has looked yet."""
 
 
-def folder_needs_torchao(folder: Path) -> bool:
-    """Whether a component of the diffusers-format `folder` was saved quantized by torchao (its config.json
-    holds a `quantization_config` whose `quant_method` is "torchao", as diffusers and transformers write it)."""
-    for config_path in folder.glob("*/config.json"):
+def model_needs_torchao(model: str | os.PathLike[str] | None) -> bool:
+    """Whether a component of `model` (a folder; anything else never) was saved quantized by torchao."""
+    if model is None:
+        return False
+    folder = Path(model).expanduser()
+    for config_path in folder.glob("*/config.json") if folder.is_dir() else ():
         try:
             config = json.loads(config_path.read_text())
         except (OSError, ValueError):
@@ -44,21 +35,10 @@ def folder_needs_torchao(folder: Path) -> bool:
     return False
 
 
-def model_needs_torchao(model: str | os.PathLike[str] | None) -> bool:
-    """Whether loading `model` (a tiny model name, a folder path, or None for none) needs torchao."""
-    if model is None or (isinstance(model, str) and model in TINY_MODELS):
-        return False  # the tiny models are never quantized
-    folder = Path(model).expanduser()
-    return folder.is_dir() and folder_needs_torchao(folder)
-
-
 @contextlib.contextmanager
 def torchao_deferred(model: str | os.PathLike[str] | None) -> Iterator[None]:
-    """Inside, torchao counts as not installed, unless `model` needs it, or torchao, diffusers or transformers
-    is imported already (see `_LOOKERS`).
-
-    On leaving, torchao can be imported again, but diffusers and transformers imported inside keep what they
-    found (torchao absent) for the process's life: the command line, not the library, uses this."""
+    """Inside, torchao counts as not installed, unless `model` needs it or one of `_LOOKERS` is imported already.
+    Libraries imported inside keep what they found for the process's life: for the command line only."""
     hide = (
         not any(name in sys.modules for name in (_TORCHAO, *_LOOKERS))
         and importlib.util.find_spec(_TORCHAO) is not None
@@ -80,31 +60,37 @@ _NOISY_LOGGERS = (
     # newer than diffusers' list of its classes)
     "transformers.utils.import_utils",  # "`CLIPImageProcessor` requires torchvision; falling back to ...Pil"
 )
-"""Loggers that speak, at WARNING, about the libraries themselves rather than the model loaded: 4 such lines,
-and 2 more per missing kernel library, before a Python quick start's first line of its own (torchao installed)."""
+"""Loggers that speak at WARNING of the libraries, not the model: 4 lines, 2 more per missing kernel library."""
 
 
 @contextlib.contextmanager
-def quiet_library_noise() -> Iterator[None]:
-    """Inside, `_NOISY_LOGGERS` report errors only, and diffusers' and transformers' loading progress bars are
-    off (layerstream reports a generation's progress itself); both as they were on leaving, so that a caller's
-    own use of those libraries is left as it set it."""
-    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+def errors_only(*names: str) -> Iterator[None]:
+    """Inside, the loggers `names` report errors only; as they were on leaving."""
+    loggers = [logging.getLogger(name) for name in names]
     levels = [logger.level for logger in loggers]
-    bars = []
-    for logger in loggers:  # before diffusers is imported: its import is what speaks
+    for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        import diffusers.utils.logging as diffusers_logging
-        import transformers.utils.logging as transformers_logging
-
-        for lib in (diffusers_logging, transformers_logging):
-            bars.append((lib, lib.is_progress_bar_enabled()))
-            lib.disable_progress_bar()
         yield
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
-        for lib, was_enabled in bars:
-            if was_enabled:
-                lib.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def quiet_library_noise() -> Iterator[None]:
+    """Inside, `_NOISY_LOGGERS` say errors only and diffusers' and transformers' progress bars are off."""
+    bars = []
+    with errors_only(*_NOISY_LOGGERS):  # before diffusers is imported: its import is what speaks
+        try:
+            import diffusers.utils.logging as diffusers_logging
+            import transformers.utils.logging as transformers_logging
+
+            for lib in (diffusers_logging, transformers_logging):
+                bars.append((lib, lib.is_progress_bar_enabled()))
+                lib.disable_progress_bar()
+            yield
+        finally:
+            for lib, was_enabled in bars:
+                if was_enabled:
+                    lib.enable_progress_bar()

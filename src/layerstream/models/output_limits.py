@@ -1,13 +1,6 @@
-"""What one generation may ask for: the caps every entry point applies, and the model's own geometry.
-
-Shared by the command line and the server so that a size one accepts the other accepts too. Checks return
-`LimitViolation`s (the argument, the value, what is allowed) rather than raising, so each entry point words
-them its own way: a flag name on the command line, a JSON field in an HTTP 400.
-
-Caps exist because nothing else stops a typo: ``--height 100000`` ran 76 s and took 15 GB of host memory
-before the model failed. The model's own rules (size multiple, frame rule, the reach of its position
-table) need the loaded pipeline; the caps do not, so they are checked before anything loads.
-"""
+"""What one generation may ask for, shared by every entry point: the caps, checked before anything loads
+(``--height 100000`` ran 76 s and took 15 GB of host memory before the model failed), and the loaded model's own
+geometry. Checks return `LimitViolation`s, which each entry point words its own way (a flag, a JSON field)."""
 
 from __future__ import annotations
 
@@ -26,15 +19,12 @@ DEFAULT_MAX_SIDE_PIXELS = 2048
 DEFAULT_MAX_FRAMES = 129
 """Largest ``num_frames`` of a video by default (the server's ``--max-frames`` and the command line's)."""
 MAX_SEED = 2**53 - 1
-"""Seeds are integers from 0 to 2**53 - 1, on every edge: the largest a JSON client holds exactly (a JavaScript
-number, the web page's "use these settings" included), and all of them ``torch.Generator.manual_seed`` takes as
-they are."""
+"""The largest a JSON client (a JavaScript number) holds exactly; all taken by ``manual_seed`` as they are."""
 MAX_PROMPT_CHARS = 10_000
 """Longest prompt (and negative prompt), in characters, on the command line and the server alike."""
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
 """Largest input image, in pixels (16.8 megapixels): checked from the file header, before decoding."""
 DEFAULT_MAX_IMAGE_BYTES = 32 << 20
-"""Largest input image file, in bytes."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +43,6 @@ class OutputGeometry:
     """The sizes a loaded pipeline can make, read once from the pipeline."""
 
     size_multiple: int
-    """Height and width must be multiples of this."""
     frame_multiple: int | None
     """Video: ``num_frames - 1`` must be a multiple of this (None: any count)."""
     max_side_pixels: int | None
@@ -81,8 +70,7 @@ def check_output_caps(
     max_side_pixels: int = DEFAULT_MAX_SIDE_PIXELS,
     max_frames: int = DEFAULT_MAX_FRAMES,
 ) -> list[LimitViolation]:
-    """Violations of the caps alone (no model needed): sides from 1 to `max_side_pixels`, frames from 1 to
-    `max_frames`. None means "the model's default", which is always within the caps."""
+    """Violations of the caps alone (no model needed); None means "the model's default", always within them."""
     problems = [
         LimitViolation(name, value, f"an integer from 1 to {max_side_pixels}")
         for name, value in (("height", height), ("width", width))
@@ -96,8 +84,7 @@ def check_output_caps(
 def check_output_geometry(
     geometry: OutputGeometry, *, height: int | None, width: int | None, num_frames: int | None
 ) -> list[LimitViolation]:
-    """Violations of what the model can make: size multiples, its largest side, the frame rule and its
-    largest frame count. Run `check_output_caps` as well: this does not apply the caps."""
+    """Violations of what the model can make (run `check_output_caps` as well: this does not apply the caps)."""
     problems = []
     m, largest = geometry.size_multiple, geometry.max_side_pixels
     for name, value in (("height", height), ("width", width)):

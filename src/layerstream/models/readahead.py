@@ -1,12 +1,6 @@
-"""Reading the checkpoint ahead while diffusers builds the pipeline.
-
-`DiffusionPipeline.from_pretrained` spends its first second or so building model classes, configs and small
-components, reading only file headers: the disk idles. `Readahead` asks the kernel to read the largest model
-files into the page cache meanwhile (`posix_fadvise(POSIX_FADV_WILLNEED)`, in order, on a background thread),
-up to a byte budget well below the memory available, so that the host store's reads that follow find the
-first blocks cached. Page-cache pages are the kernel's, reclaimable and not the process's (RSS): a budget
-keeps them from pushing anything out. Where `posix_fadvise` does not exist it does nothing.
-"""
+"""Reading the checkpoint ahead while diffusers builds the pipeline (its first second or so reads only headers):
+the kernel is asked to read the largest files into the page cache (`POSIX_FADV_WILLNEED`), up to a budget well
+below the memory available. Where `posix_fadvise` does not exist it does nothing."""
 
 from __future__ import annotations
 
@@ -37,8 +31,7 @@ class Readahead:
 
     @classmethod
     def for_pipeline_folder(cls, folder: Path, skip: Iterable[str] = ()) -> Readahead:
-        """The safetensors files of the folder's components (but those named in `skip`: loaded from files of
-        their own), largest component first."""
+        """The folder's safetensors files (not those of `skip`), largest component first."""
         components = [d for d in folder.iterdir() if d.is_dir() and d.name not in skip]
         sizes = {d: sum(f.stat().st_size for f in d.glob("*.safetensors")) for d in components}
         files = [f for d in sorted(components, key=lambda d: -sizes[d]) for f in sorted(d.glob("*.safetensors"))]
@@ -51,8 +44,7 @@ class Readahead:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        self.wait()
 
     def _run(self) -> None:
         for path in self._files:

@@ -1,12 +1,6 @@
-"""vllm-omni's ``sample_solver`` (an ``extra_params`` key of its Wan pipelines), mapped to diffusers schedulers.
-
-vllm-omni's Wan takes ``"unipc"`` (its default) and ``"euler"``, and Wan's own code ``"dpm++"`` too; each has a
-diffusers counterpart on the flow-matching sigmas Wan's diffusers scheduler runs on (UniPC with
-``use_flow_sigmas``), at the same shift. A pipeline whose scheduler is in that form takes all three; one whose
-scheduler already is a counterpart (Flux's and Qwen-Image's flow-matching Euler) takes that one's name, which
-changes nothing; any other takes none. The scheduler a value names is built for one call
-(`scheduler_for`) and handed to that call alone (`pipeline_runner.pipeline_for`), so it never reaches the next.
-"""
+"""vllm-omni's ``sample_solver`` (``"unipc"``, ``"euler"``, Wan's ``"dpm++"``) mapped to diffusers schedulers on
+Wan's flow-matching sigmas at the same shift (a scheduler already one of them, as Flux's Euler, takes its own
+name). The scheduler is built for one call and handed to that call alone, so it never reaches the next."""
 
 from __future__ import annotations
 
@@ -18,8 +12,7 @@ SOLVER_SCHEDULERS = {
     "euler": "FlowMatchEulerDiscreteScheduler",
     "dpm++": "DPMSolverMultistepScheduler",
 }
-"""Each ``sample_solver`` value and the diffusers scheduler class it runs."""
-_FLOW_EULER = "FlowMatchEulerDiscreteScheduler"
+_FLOW_EULER = SOLVER_SCHEDULERS["euler"]
 
 
 def solver_name(value: str) -> str:
@@ -37,9 +30,8 @@ def solvers_for(scheduler: Any) -> dict[str, str]:
 
 
 def scheduler_for(served: Any, *, solver: str | None, flow_shift: float | None) -> Any:
-    """The scheduler one call runs with: `served` itself unless a request names another solver (one of
-    `solvers_for(served)`) or a `flow_shift`; then a new one from `served`'s config, at `flow_shift` (default:
-    `served`'s)."""
+    """The scheduler one call runs with: `served` itself, or one built from its config where a request names
+    another solver (of `solvers_for(served)`) or a `flow_shift`."""
     target = SOLVER_SCHEDULERS[solver_name(solver)] if solver is not None else type(served).__name__
     if target == type(served).__name__ and flow_shift is None:
         return served

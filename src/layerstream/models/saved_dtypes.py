@@ -1,11 +1,6 @@
-"""The dtype each component of a diffusers-format folder was saved in, read from its safetensors headers.
-
-diffusers loads a model in float32 unless told otherwise, so a bfloat16 checkpoint would take twice its size
-in host memory. Loading each component in the dtype its weights are stored in keeps a bfloat16 transformer in
-bfloat16 and a float32 VAE in float32, and lets diffusers keep the weights as views of the files (read lazily,
-which is what lets the host store read streamed blocks straight from the files).
-
-Only headers are read (8 bytes of length, then JSON): no tensor data.
+"""The dtype each component of a diffusers-format folder was saved in, read from its safetensors headers alone.
+diffusers loads in float32 unless told otherwise (a bfloat16 checkpoint at twice its size); loading each
+component as stored also keeps its weights lazy views of the files, which the host store reads blocks from.
 """
 
 from __future__ import annotations
@@ -19,6 +14,7 @@ from typing import BinaryIO
 import torch
 
 from layerstream.errors import LayerstreamError
+from layerstream.models.folder_check import pipeline_components
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -26,8 +22,7 @@ SAFETENSORS_DTYPES = {
     "F16": torch.float16,
     "BF16": torch.bfloat16,
 }
-"""Floating dtypes a component can compute in, as safetensors names them (integer and float8 tensors never
-decide a component's dtype: float8 is a storage format, not a compute dtype)."""
+"""Floating dtypes a component can compute in (float8 is a storage format), as safetensors names them."""
 
 _MAX_HEADER_BYTES = 100 * 2**20
 
@@ -43,9 +38,8 @@ def read_safetensors_header(path: Path) -> dict:
 
 
 def parse_safetensors_header(read_at: Callable[[int, int], bytes], where: str) -> tuple[dict, int]:
-    """(the JSON header of a safetensors file, the offset its tensors' data starts at), read by `read_at(offset,
-    count)`, which gives at most `count` bytes (a local file's, or a ranged read of a Hub file's): 8 bytes of
-    length, then the JSON. `where` names the file in errors."""
+    """(the JSON header of a safetensors file, the offset its data starts at), read by `read_at(offset, count)`
+    (a local file's, or a Hub file's ranged read); `where` names the file in errors."""
     raw = read_at(0, 8)
     if len(raw) != 8:
         raise SafetensorsHeaderError(f"{where}: too short to be a safetensors file ({len(raw)} bytes)")
@@ -75,8 +69,7 @@ def file_reader(f: BinaryIO) -> Callable[[int, int], bytes]:
 
 
 def loaded_safetensors(folder: Path, variant: str | None = None) -> list[Path]:
-    """The safetensors files of one component folder that diffusers loads: those of `variant` where the folder
-    has them, else the plain ones (a folder may hold both, as a Hub snapshot fetched with two variants does)."""
+    """The component folder's safetensors files diffusers loads: of `variant` where it has them."""
     from layerstream.models.weight_files import weight_file_key
 
     files = sorted(folder.glob("*.safetensors"))
@@ -85,8 +78,7 @@ def loaded_safetensors(folder: Path, variant: str | None = None) -> list[Path]:
 
 
 def stored_dtype(folder: Path, variant: str | None = None) -> torch.dtype | None:
-    """The floating dtype holding most bytes in the safetensors files diffusers loads from one component folder
-    (None: no safetensors files, or no floating tensors)."""
+    """The floating dtype holding most bytes in the component folder's files (None: none)."""
     totals: dict[torch.dtype, int] = {}
     for path in loaded_safetensors(folder, variant):
         for name, entry in read_safetensors_header(path).items():
@@ -100,12 +92,10 @@ def stored_dtype(folder: Path, variant: str | None = None) -> torch.dtype | None
 
 
 def saved_dtypes(folder: Path, variant: str | None = None) -> dict[str, torch.dtype]:
-    """Component name -> the dtype its weights are stored in, for every component of the pipeline folder that
-    has safetensors files (others are left to their library's default)."""
-    index = json.loads((folder / "model_index.json").read_text())
+    """Component name -> the dtype its safetensors files store (others left to their library)."""
     out = {}
-    for name, value in index.items():
-        if name.startswith("_") or not isinstance(value, list) or not (folder / name).is_dir():
+    for name in pipeline_components(folder):
+        if not (folder / name).is_dir():
             continue
         try:
             dtype = stored_dtype(folder / name, variant)

@@ -1,16 +1,9 @@
-"""The embedded tiny models: real diffusers pipelines at toy sizes, built locally so nothing is downloaded.
-
-Each is built once per machine from configs in code, with fixed-seed weights, and saved as an ordinary
-diffusers-format folder under ``<cache>/models/<name>-v<N>/`` (see `layerstream.models.cache.cache_root`).
-From then on it is loaded like any downloaded model, through ``DiffusionPipeline.from_pretrained``, so the
-tiny models exercise the same loading path as real ones.
-
-Importing this module is cheap: diffusers and transformers are imported only when a model is built.
+"""The embedded tiny models: real diffusers pipelines at toy sizes, built once per machine from configs in code
+with fixed-seed weights, and saved as a diffusers-format folder under ``<cache>/models/<name>-v<N>/``; from then
+on loaded as any downloaded model is. diffusers and transformers are imported only when a model is built.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import importlib
 import logging
@@ -24,6 +17,7 @@ from typing import Any
 from layerstream.models.cache import cache_root, discard_folder, publish_folder
 from layerstream.models.geometry import PipelineKind
 from layerstream.models.manifest import CorruptFolderError, verify_manifest, write_manifest
+from layerstream.models.optional_imports import quiet_library_noise
 
 logger = logging.getLogger(__name__)
 
@@ -31,20 +25,18 @@ logger = logging.getLogger(__name__)
 # cache built by an older layerstream is never mistaken for the current model.
 TINY_MODEL_VERSION = 1
 
+
 @dataclass(frozen=True, kw_only=True)
 class TinyModelSpec:
     """What a caller needs to know to generate with one tiny model."""
 
     name: str
-    """The name users pass as ``model`` (``"tiny-wan"``)."""
     pipeline_class: str
-    """The diffusers pipeline class the folder loads as (``"WanPipeline"``)."""
     kind: PipelineKind
     """``"video"`` (takes ``num_frames``, returns frames) or ``"image"``."""
     default_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Pipeline call arguments for a quick, representative generation (size, steps, guidance); read-only."""
     size_multiple: int
-    """Height and width must be multiples of this (VAE compression x transformer patch size)."""
     builder: str
     """Name of the function in `layerstream.models.tiny_components` that builds the pipeline's components."""
 
@@ -56,54 +48,31 @@ class TinyModelSpec:
         object.__setattr__(self, "default_kwargs", MappingProxyType(dict(self.default_kwargs)))
 
 
-def _tiny_wan(name: str, pipeline_class: str, builder: str) -> TinyModelSpec:
-    """A tiny Wan model: 9 frames at 64x64 (with an input image, that image sets the size, rounded down to 16);
-    4 steps (with two experts, two on each: see tiny_components.WAN_BOUNDARY_RATIO); guidance > 1 runs
-    classifier-free guidance."""
-    defaults = {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 4, "guidance_scale": 4.0}
+def _tiny(name: str, pipeline_class: str, builder: str, **defaults: Any) -> TinyModelSpec:
+    """A tiny model: 64x64 (an input image sets the size, rounded down to 16), 4 steps; a video with frames."""
+    kind = "video" if "num_frames" in defaults else "image"
+    defaults = {"height": 64, "width": 64, "num_inference_steps": 4, **defaults}
     return TinyModelSpec(
-        name=name, pipeline_class=pipeline_class, kind="video", default_kwargs=defaults, size_multiple=16, builder=builder
+        name=name, pipeline_class=pipeline_class, kind=kind, default_kwargs=defaults, size_multiple=16, builder=builder
     )
 
 
+# Wan: guidance > 1 runs classifier-free guidance; with two experts, two steps on each (WAN_BOUNDARY_RATIO).
+_WAN_DEFAULTS = {"num_frames": 9, "guidance_scale": 4.0}
+# Qwen-Image's own recipe: classifier-free guidance through true_cfg_scale and a blank negative.
+_QWEN_DEFAULTS = {"true_cfg_scale": 4.0, "negative_prompt": " "}
 TINY_MODELS: Mapping[str, TinyModelSpec] = MappingProxyType(
     {
         spec.name: spec
         for spec in (
-            _tiny_wan("tiny-wan", "WanPipeline", "build_wan_components"),
-            _tiny_wan("tiny-wan-i2v", "WanImageToVideoPipeline", "build_wan_i2v_components"),
+            _tiny("tiny-wan", "WanPipeline", "build_wan_components", **_WAN_DEFAULTS),
+            _tiny("tiny-wan-i2v", "WanImageToVideoPipeline", "build_wan_i2v_components", **_WAN_DEFAULTS),
             # Wan 2.2 I2V A14B's structure: two experts, the image as latent channels
-            _tiny_wan("tiny-wan22-i2v", "WanImageToVideoPipeline", "build_wan22_i2v_components"),
-            TinyModelSpec(
-                name="tiny-flux",
-                pipeline_class="FluxPipeline",
-                kind="image",
-                # Flux.1-dev is guidance-distilled: guidance_scale is an input of the transformer, one pass per
-                # step. Classifier-free guidance is `true_cfg_scale` > 1 with a `negative_prompt`.
-                default_kwargs={
-                    "height": 64,
-                    "width": 64,
-                    "num_inference_steps": 4,
-                    "guidance_scale": 3.5,
-                },
-                size_multiple=16,
-                builder="build_flux_components",
-            ),
-            TinyModelSpec(
-                name="tiny-qwen-image",
-                pipeline_class="QwenImagePipeline",
-                kind="image",
-                # Qwen-Image's own recipe: classifier-free guidance through true_cfg_scale and a blank negative.
-                default_kwargs={
-                    "height": 64,
-                    "width": 64,
-                    "num_inference_steps": 4,
-                    "true_cfg_scale": 4.0,
-                    "negative_prompt": " ",
-                },
-                size_multiple=16,
-                builder="build_qwen_image_components",
-            ),
+            _tiny("tiny-wan22-i2v", "WanImageToVideoPipeline", "build_wan22_i2v_components", **_WAN_DEFAULTS),
+            # Flux.1-dev is guidance-distilled: guidance_scale is an input of the transformer, one pass per step.
+            # Classifier-free guidance is `true_cfg_scale` > 1 with a `negative_prompt`.
+            _tiny("tiny-flux", "FluxPipeline", "build_flux_components", guidance_scale=3.5),
+            _tiny("tiny-qwen-image", "QwenImagePipeline", "build_qwen_image_components", **_QWEN_DEFAULTS),
         )
     }
 )
@@ -145,17 +114,12 @@ def build_tiny_pipeline(name: str) -> Any:
 
 
 def ensure_tiny_model(name: str) -> Path:
-    """Return the folder of tiny model `name`, building and saving it first if it is not there yet.
-
-    Safe against crashes and concurrent builders (see `publish_folder`): the folder is complete or absent.
-    A folder whose files no longer match the checksums recorded at build time (a bit flip, a NaN written
-    into the weights, a file edited or deleted), or that has no checksums at all, is discarded and rebuilt:
-    a tiny model can always be made again, so a damaged one is never used.
-    """
+    """Return the folder of tiny model `name`, building and saving it first if it is not there yet (complete or
+    absent: `publish_folder`). A folder that fails its checksums, or has none, is discarded and rebuilt."""
     folder = tiny_model_dir(name)
 
     def write(build_folder: Path) -> None:
-        with _no_progress_bars():  # a sub-megabyte model: transformers' "Writing model shards" bar is noise
+        with quiet_library_noise():  # a sub-megabyte model: transformers' "Writing model shards" bar is noise
             build_tiny_pipeline(name).save_pretrained(build_folder, safe_serialization=True)
         write_manifest(build_folder)
 
@@ -172,16 +136,3 @@ def ensure_tiny_model(name: str) -> Path:
         verify_manifest(folder)  # what this process (or a racing one) just built must check out
         logger.info("rebuilt tiny model %s in %s (%.2f s)", name, folder, time.perf_counter() - started)
     return folder
-
-
-@contextlib.contextmanager
-def _no_progress_bars():
-    import transformers.utils.logging as transformers_logging
-
-    was_enabled = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            transformers_logging.enable_progress_bar()

@@ -1,13 +1,6 @@
-"""Components of the embedded tiny models: real diffusers / transformers classes at toy sizes.
-
-Each ``build_*_components()`` returns the keyword arguments of its pipeline class, freshly built. Every module
-is built under its own fixed torch seed (without touching the caller's random state), so its weights are the
-same on every machine and do not depend on what was built before it. Sizes are chosen so that a whole
-generation runs in well under a second on a CPU while keeping the structure that offloading cares about:
-several blocks per block list, at least two text-encoder layers, two experts for Wan 2.2, all float32.
-
-This module imports diffusers and transformers; `layerstream.models.tiny` imports it only when building.
-"""
+"""The embedded tiny models' components (``build_*_components()``: a pipeline's keyword arguments), real classes
+at toy sizes, each module under its own fixed seed. A generation takes well under a second on a CPU, with what
+offloading cares about: several blocks per block list, two text-encoder layers, two Wan 2.2 experts."""
 
 from __future__ import annotations
 
@@ -80,10 +73,10 @@ def _seeded(seed: int) -> Iterator[None]:
         yield
 
 
-def _t5_config(config_class: type, vocab_size: int, tokenizer: Any) -> Any:
+def _t5_config(config_class: type, tokenizer: Any) -> Any:
     """A two-layer (U)T5 encoder config with gated-GELU feed-forward, as Wan's UMT5 and Flux's T5 use."""
     return config_class(
-        vocab_size=vocab_size,
+        vocab_size=len(tokenizer),
         d_model=TEXT_HIDDEN_SIZE,
         d_kv=TEXT_HIDDEN_SIZE // 4,
         d_ff=2 * TEXT_HIDDEN_SIZE,
@@ -98,8 +91,6 @@ def _t5_config(config_class: type, vocab_size: int, tokenizer: Any) -> Any:
     )
 
 
-# --- Wan 2.2 (text to video, two experts) --------------------------------------------------------------------
-
 # Wan 2.2 A14B switches from the high-noise expert (`transformer`) to the low-noise one (`transformer_2`) at
 # timestep boundary_ratio * 1000. With flow_shift 3 and 4 steps the timesteps are ~999, 900, 750, 500: two each.
 WAN_BOUNDARY_RATIO = 0.875
@@ -107,7 +98,6 @@ WAN_BOUNDARY_RATIO = 0.875
 
 def _wan_transformer(**image_conditioning: Any) -> WanTransformer3DModel:
     """A Wan DiT; image-to-video passes its wider input and its image cross-attention (see `build_wan_i2v_components`)."""
-    options: dict[str, Any] = {"in_channels": LATENT_CHANNELS, **image_conditioning}
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=DIT_NUM_HEADS,
@@ -120,7 +110,7 @@ def _wan_transformer(**image_conditioning: Any) -> WanTransformer3DModel:
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=64,
-        **options,
+        **{"in_channels": LATENT_CHANNELS, **image_conditioning},
     )
 
 
@@ -140,40 +130,37 @@ def _wan_vae(vae_class: type = AutoencoderKLWan) -> Any:
 
 def _wan_scheduler() -> UniPCMultistepScheduler:
     """Wan's scheduler (Wan 2.2 T2V and Wan 2.1 I2V alike): UniPC over flow-matching sigmas, shift 3 (480p)."""
-    return UniPCMultistepScheduler(
-        prediction_type="flow_prediction",
-        use_flow_sigmas=True,
-        flow_shift=3.0,
-        num_train_timesteps=1000,
-    )
+    return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
 
 
-def _wan_shared_components(*, text_encoder_seed: int, vae_seed: int) -> dict[str, Any]:
-    """What every Wan pipeline takes besides its DiTs: the UMT5 text encoder and its tokenizer, the Wan VAE and
-    the scheduler."""
+def _wan_shared_components(seed: int) -> dict[str, Any]:
+    """The UMT5 text encoder (under `seed`), its tokenizer, the Wan VAE (`seed` + 3), the scheduler."""
     tokenizer = build_t5_tokenizer()
-    with _seeded(text_encoder_seed):
-        text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, len(tokenizer), tokenizer))
-    with _seeded(vae_seed):
+    with _seeded(seed):
+        text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, tokenizer))
+    with _seeded(seed + 3):
         vae = _wan_vae()
     return {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "scheduler": _wan_scheduler()}
 
 
-def build_wan_components() -> dict[str, Any]:
-    """Keyword arguments for a Wan 2.2-style `WanPipeline` (UMT5 text encoder, two experts, Wan VAE)."""
-    with _seeded(2):
-        transformer = _wan_transformer()
-    with _seeded(3):
-        transformer_2 = _wan_transformer()
+def _wan_two_experts(seed: int, boundary_ratio: float, **image_conditioning: Any) -> dict[str, Any]:
+    """A Wan 2.2 A14B-style pipeline's keyword arguments: two DiT experts (under `seed` + 1 and + 2)."""
+    with _seeded(seed + 1):
+        transformer = _wan_transformer(**image_conditioning)
+    with _seeded(seed + 2):
+        transformer_2 = _wan_transformer(**image_conditioning)
     return {
-        **_wan_shared_components(text_encoder_seed=1, vae_seed=4),
+        **_wan_shared_components(seed),
         "transformer": transformer,
         "transformer_2": transformer_2,
-        "boundary_ratio": WAN_BOUNDARY_RATIO,
+        "boundary_ratio": boundary_ratio,
     }
 
 
-# --- Wan 2.1 image-to-video (CLIP vision encoder) -----------------------------------------------------------
+def build_wan_components() -> dict[str, Any]:
+    """Keyword arguments for a Wan 2.2-style `WanPipeline` (UMT5 text encoder, two experts, Wan VAE)."""
+    return _wan_two_experts(1, WAN_BOUNDARY_RATIO)
+
 
 # The CLIP vision tower sees the input image at this size (the real one at 224): 4x4 patches of 8 pixels.
 CLIP_IMAGE_SIZE = 32
@@ -182,13 +169,8 @@ WAN_TEMPORAL_COMPRESSION = 4
 
 
 def build_wan_i2v_components() -> dict[str, Any]:
-    """Keyword arguments for a Wan 2.1 I2V-style `WanImageToVideoPipeline`: UMT5 text encoder, CLIP vision
-    image encoder, one DiT with image cross-attention, Wan VAE.
-
-    The DiT's input is the noisy latents, the first-frame mask and the encoded input image, stacked along
-    channels (as the real model's 16 + 4 + 16 = 36); the CLIP tower's penultimate hidden states enter every
-    block through the added key/value projections.
-    """
+    """Wan 2.1 I2V-style: a CLIP vision encoder, one DiT whose input stacks latents, first-frame mask and encoded
+    image (16 + 4 + 16 in the real one) and whose blocks take the CLIP states through added key/value projections."""
     with _seeded(32):
         image_encoder = CLIPVisionModel(
             CLIPVisionConfig(
@@ -209,14 +191,12 @@ def build_wan_i2v_components() -> dict[str, Any]:
             added_kv_proj_dim=DIT_NUM_HEADS * DIT_HEAD_DIM,
         )
     return {
-        **_wan_shared_components(text_encoder_seed=31, vae_seed=34),
+        **_wan_shared_components(31),
         "image_processor": image_processor,
         "image_encoder": image_encoder,
         "transformer": transformer,
     }
 
-
-# --- Wan 2.2 A14B image-to-video (two experts, no image encoder) ----------------------------------------------
 
 # Wan 2.2 I2V A14B hands over to its low-noise expert at 0.9 of the timesteps: with flow_shift 3 and 4 steps, the
 # timesteps ~999 and 900 run on the high-noise expert, 750 and 500 on the low-noise one.
@@ -224,23 +204,13 @@ WAN22_I2V_BOUNDARY_RATIO = 0.9
 
 
 def build_wan22_i2v_components() -> dict[str, Any]:
-    """Keyword arguments for a Wan 2.2 I2V A14B-style `WanImageToVideoPipeline`: UMT5 text encoder, two DiT
-    experts that take the input image as latent channels only (16 + 4 + 16 in the real model; no CLIP image
-    encoder, no image cross-attention), Wan VAE."""
-    conditioned = {"in_channels": 2 * LATENT_CHANNELS + WAN_TEMPORAL_COMPRESSION}
-    with _seeded(42):
-        transformer = _wan_transformer(**conditioned)
-    with _seeded(43):
-        transformer_2 = _wan_transformer(**conditioned)
-    return {
-        **_wan_shared_components(text_encoder_seed=41, vae_seed=44),
-        "transformer": transformer,
-        "transformer_2": transformer_2,
-        "boundary_ratio": WAN22_I2V_BOUNDARY_RATIO,
-    }
+    """Wan 2.2 I2V A14B-style: two experts that take the input image as latent channels only."""
+    return _wan_two_experts(41, WAN22_I2V_BOUNDARY_RATIO, in_channels=2 * LATENT_CHANNELS + WAN_TEMPORAL_COMPRESSION)
 
 
-# --- Flux.1 (text to image, guidance-distilled) --------------------------------------------------------------
+def _shifted_flow_scheduler(**shift: Any) -> FlowMatchEulerDiscreteScheduler:
+    """Flux.1-dev's and Qwen-Image's scheduler: flow-matching Euler with a resolution-dependent shift."""
+    return FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, base_image_seq_len=256, **shift)
 
 
 def build_flux_components() -> dict[str, Any]:
@@ -262,7 +232,7 @@ def build_flux_components() -> dict[str, Any]:
             )
         )
     with _seeded(12):
-        text_encoder_2 = T5EncoderModel(_t5_config(T5Config, len(tokenizer_2), tokenizer_2))
+        text_encoder_2 = T5EncoderModel(_t5_config(T5Config, tokenizer_2))
     with _seeded(13):
         transformer = FluxTransformer2DModel(
             **_PACKED_LATENT_DIT,
@@ -287,17 +257,8 @@ def build_flux_components() -> dict[str, Any]:
             shift_factor=0.0609,
             scaling_factor=1.5035,
         )
-    # Flux.1-dev's scheduler: resolution-dependent shift.
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
     return {
-        "scheduler": scheduler,
+        "scheduler": _shifted_flow_scheduler(shift=3.0, max_shift=1.15, max_image_seq_len=4096),
         "vae": vae,
         "text_encoder": text_encoder,
         "tokenizer": tokenizer,
@@ -305,9 +266,6 @@ def build_flux_components() -> dict[str, Any]:
         "tokenizer_2": tokenizer_2,
         "transformer": transformer,
     }
-
-
-# --- Qwen-Image (text to image) ------------------------------------------------------------------------------
 
 
 def build_qwen_image_components() -> dict[str, Any]:
@@ -352,16 +310,9 @@ def build_qwen_image_components() -> dict[str, Any]:
         )
     with _seeded(23):
         vae = _wan_vae(AutoencoderKLQwenImage)  # 8x compression, as the real Qwen-Image VAE
-    # Qwen-Image's scheduler: exponential resolution-dependent shift.
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        base_image_seq_len=256,
-        base_shift=0.5,
-        max_image_seq_len=8192,
-        max_shift=0.9,
-        shift=1.0,
-        shift_terminal=0.02,
-        time_shift_type="exponential",
-        use_dynamic_shifting=True,
+    # Qwen-Image's scheduler: an exponential shift
+    scheduler = _shifted_flow_scheduler(
+        shift=1.0, max_shift=0.9, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential"
     )
     return {
         "scheduler": scheduler,

@@ -1,11 +1,6 @@
-"""Tokenizers for the embedded tiny models, built in code so that nothing is ever downloaded.
-
-Each builder returns the tokenizer class the real checkpoint ships (``T5Tokenizer``, ``CLIPTokenizer``,
-``Qwen2Tokenizer``), so a tiny model folder looks and reloads exactly like a real one. The vocabularies are
-small: every printable ASCII character (so any English prompt tokenizes, character by character if need be)
-plus whole-word tokens for a short list of common prompt words.
-
-The vocabularies are built from fixed lists in a fixed order: every machine gets identical token ids.
+"""Tokenizers for the embedded tiny models, built in code: the classes the real checkpoints ship, so a tiny model
+folder reloads like a real one, with small vocabularies (printable ASCII, so any English prompt tokenizes, plus
+whole-word tokens for common prompt words) built in a fixed order, so every machine gets the same token ids.
 """
 
 from __future__ import annotations
@@ -44,12 +39,9 @@ def _byte_level_alphabet() -> list[str]:
 
 
 def _chain_merges(words: list[list[str]], *, right_to_left: bool) -> tuple[list[tuple[str, str]], list[str]]:
-    """BPE merges that assemble each word (given as its initial symbols) into one token.
-
-    A chain grows from the end that carries a marker no other position can have (GPT-2's leading ``Ġ`` for a
-    word after a space, CLIP's trailing ``</w>``), so no merge of one word can fire in the middle of another
-    and steal a symbol its chain needs. Returns the merges in rank order and the new tokens they create.
-    """
+    """(BPE merges in rank order, the tokens they make) that assemble each word (its initial symbols) into one
+    token. A chain grows from the end whose marker no other position has (GPT-2's leading ``Ġ``, CLIP's
+    trailing ``</w>``), so no merge of one word can fire inside another and steal a symbol its chain needs."""
     merges: list[tuple[str, str]] = []
     new_tokens: list[str] = []
     seen: set[tuple[str, str]] = set()
@@ -74,11 +66,8 @@ def _index(tokens: list[str]) -> dict[str, int]:
 
 
 def build_t5_tokenizer(*, model_max_length: int = 512) -> T5Tokenizer:
-    """A T5 (Unigram) tokenizer as UMT5 and T5 encoders use: ``<pad>`` = 0, ``</s>`` = 1, ``<unk>`` = 2.
-
-    Whole words score far better than spelling them out, so listed words become one token and anything else
-    falls back to characters (characters outside `CHARACTERS` become ``<unk>``).
-    """
+    """A T5 (Unigram) tokenizer as UMT5 and T5 encoders use: ``<pad>`` = 0, ``</s>`` = 1, ``<unk>`` = 2; listed
+    words score far better than their spelling, anything else falls back to characters."""
     from transformers import T5Tokenizer
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
@@ -120,12 +109,9 @@ QWEN_BARE_WORDS = ("system", "user", "assistant", "Describe")
 
 
 def build_qwen2_tokenizer(*, model_max_length: int = 32768) -> Qwen2Tokenizer:
-    """A Qwen2 (GPT-2-style byte-level BPE) tokenizer with `PROMPT_WORDS` as single tokens.
-
-    The Qwen-Image pipeline drops a fixed number of leading tokens (its system prompt) from every encoded
-    prompt, counted with the real Qwen tokenizer; because every template word is one token here too, the
-    count matches (`tests/models` checks it against the installed pipeline).
-    """
+    """A Qwen2 (GPT-2-style byte-level BPE) tokenizer with `PROMPT_WORDS` as single tokens: the Qwen-Image
+    pipeline drops as many leading tokens (its system prompt) as the real tokenizer makes of it, and every
+    template word is one token here too (`tests/models` checks the count against the installed pipeline)."""
     from transformers import Qwen2Tokenizer
 
     alphabet = _byte_level_alphabet()

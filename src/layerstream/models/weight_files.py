@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".onnx", ".onnx_data", ".gguf")
-"""Files holding weights; of these only one format per component is fetched."""
 _SHARD = re.compile(r"-\d{5}-of-\d{5}")
 WEIGHT_INDEX = re.compile(r"(?P<stem>.+)\.(?P<format>safetensors|bin)\.index(?:\.(?P<variant>[^.]+))?\.json")
 
