@@ -220,11 +220,8 @@ def _schema_bounds(prop: dict) -> dict:
 def test_every_edge_takes_the_request_tables_bounds():
     """The HTTP bodies (synchronous and job, JSON and form), the command line's flags and `Omni.generate` take
     each field within `FIELD_BOUNDS`, so a bound cannot differ between edges."""
-    import inspect
-
     from layerstream.cli.main import build_parser
-    from layerstream.omni import Omni
-    from layerstream.request import FIELD_BOUNDS
+    from layerstream.models.request_fields import FIELD_BOUNDS
     from layerstream.server.jobs.requests import ImageJobForm, ImageJobRequest, VideoJobForm, VideoJobRequest
     from layerstream.server.schemas import ImageEditRequest, ImageGenerationRequest, VideoGenerationRequest
 
@@ -239,12 +236,22 @@ def test_every_edge_takes_the_request_tables_bounds():
         too_large = FIELD_BOUNDS[name].le + 1
         with pytest.raises(SystemExit):
             parser.parse_args(["generate", flag, str(too_large)])
-    from layerstream.cli.generate_cmd import _REQUEST_FLAGS
 
-    fields = {f.name for f in dataclasses.fields(GenerationRequest)}
-    assert set(_REQUEST_FLAGS) == fields - {"image", "n", "timeout"}  # a flag per field (--image reads a file)
-    given = set(inspect.signature(Omni.generate).parameters) - {"self", "on_step", "keep_raw", "options"}
-    assert given <= {f.name for f in dataclasses.fields(GenerationRequest)}  # each keyword is a request field, checked by it
+
+def test_the_table_has_a_row_per_field_and_each_edge_spells_it_from_there():
+    from layerstream.cli.generate_cmd import _FLAGS
+    from layerstream.models.model_rules import OPTIONAL_FIELDS
+    from layerstream.models.request_fields import OMNI_KEYWORDS, REQUEST_FIELDS
+    from layerstream.server.schemas import VideoGenerationRequest
+
+    assert list(REQUEST_FIELDS) == [f.name for f in dataclasses.fields(GenerationRequest)]
+    assert set(_FLAGS) == set(OMNI_KEYWORDS) == set(REQUEST_FIELDS) - {"n", "timeout"}  # the server's alone
+    assert _FLAGS["num_inference_steps"] == "--steps" and _FLAGS["max_side_pixels"] == "--max-size"
+    body = set(VideoGenerationRequest.model_fields)
+    assert body & set(REQUEST_FIELDS) == set(REQUEST_FIELDS) - {"height", "width", "max_side_pixels"}  # size, --max-size
+    assert OPTIONAL_FIELDS == ("negative_prompt", "guidance_scale_2", "true_cfg_scale", "boundary_ratio", "flow_shift")
+    with pytest.raises(GenerationError, match="^n is not a generation argument; expected one of boundary_ratio"):
+        _from_omni("a fox", n=2)  # Omni makes one output a call: run_batch for more
 
 
 @pytest.mark.parametrize("tail", ["", "\\", "x"])

@@ -1,13 +1,8 @@
-"""`JsonObject`: a frozen JSON object (a request's ``extra_params``), `first_non_json`, what keeps a value out, and
-`read_json_text`, the one reader of JSON text from strangers (form fields, command-line flags, the offload config).
-
-A request is frozen, compared and hashed (its batch shape is the server's batching key), and sent to other
-ranks and into the job history; a plain dict would be none of these safely. So the object is held as its
-canonical JSON text (keys sorted), which is its identity, and handed out as fresh plain values, which a caller
-(or the pipeline that receives them) may change without changing the request. Python's JSON reader and writer
-recurse once per level (about 1,000 levels raise `RecursionError`), so text is measured before it is parsed and
-a value before it is walked, against `MAX_JSON_DEPTH` and `MAX_JSON_CHARS`; JSON bodies keep their own parser's
-bound (the server's, about 200 levels), and what they hold is measured here too when it becomes a request.
+"""`JsonObject`, a frozen JSON object (a request's ``extra_params``: hashed as the server's batching key, sent to
+ranks and into the job history), held as its canonical text and handed out as fresh copies; `first_non_json`; and
+`read_json_text`, the one reader of JSON text from strangers. Python's JSON reader and writer recurse once per
+level (about 1,000 levels raise `RecursionError`), so text is measured before it is parsed and a value before it
+is walked, against `MAX_JSON_DEPTH` and `MAX_JSON_CHARS`.
 """
 
 from __future__ import annotations
@@ -36,8 +31,8 @@ class JsonLimitError(LayerstreamError, ValueError):
 
 
 def read_json_text(text: str | bytes) -> Any:
-    """The value JSON `text` holds; `JsonLimitError` naming the limit if it is longer than `MAX_JSON_CHARS` or
-    nests deeper than `MAX_JSON_DEPTH` (measured before parsing), `json.JSONDecodeError` if it is not JSON."""
+    """The value JSON `text` holds; `JsonLimitError` naming the limit (measured before parsing), or
+    `json.JSONDecodeError`."""
     if isinstance(text, (bytes, bytearray)):
         text = bytes(text).decode()  # UnicodeDecodeError (a ValueError): not UTF-8
     if len(text) > MAX_JSON_CHARS:
@@ -51,8 +46,8 @@ def read_json_text(text: str | bytes) -> Any:
 
 
 def check_json_depth(value: Any, path: str) -> None:
-    """`JsonLimitError` naming `path` if `value`'s arrays and objects nest deeper than `MAX_JSON_DEPTH` (walked
-    without recursion: a value built in Python has no parser's bound)."""
+    """`JsonLimitError` naming `path` past `MAX_JSON_DEPTH`, walked without recursion (a value built in Python has
+    no parser's bound)."""
     stack = [(value, 0)]
     while stack:
         item, depth = stack.pop()
@@ -63,8 +58,7 @@ def check_json_depth(value: Any, path: str) -> None:
 
 
 def first_non_json(value: Any, path: str) -> tuple[str, Any] | None:
-    """(the dotted path, the value) of the first part of `value` that is not a JSON value (null, a boolean, a
-    finite number, a text, an array or an object with text keys), or None if it all is; `path` names `value`."""
+    """(the dotted path, the value) of the first part of `value` (named `path`) that is not a JSON value, or None."""
     if value is None or isinstance(value, (bool, int, str)):
         return None
     if isinstance(value, float):
@@ -82,8 +76,7 @@ def first_non_json(value: Any, path: str) -> tuple[str, Any] | None:
 
 
 class JsonObject(Mapping[str, Any]):
-    """A JSON object that cannot change: equal to another with the same keys and values, hashable, and read as
-    fresh copies (`to_dict`). Build it from values `first_non_json` passes."""
+    """A JSON object that cannot change, equal by value and hashable; build it from values `first_non_json` passes."""
 
     __slots__ = ("_text", "_values")
 
@@ -92,7 +85,6 @@ class JsonObject(Mapping[str, Any]):
         self._values: dict[str, Any] = json.loads(self._text)
 
     def to_dict(self) -> dict[str, Any]:
-        """The object as a new plain dict (nested arrays as lists)."""
         return copy.deepcopy(self._values)
 
     def __getitem__(self, key: str) -> Any:

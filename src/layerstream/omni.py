@@ -1,8 +1,5 @@
-"""`Omni`: load a pipeline on the host, enable offload, and generate (docs/python.md shows it in use).
-
-A facade: loading on the host is `models.loading.load_model` (the whole model is never on the device at once),
-offload `enable_offload`, a request's pipeline call `pipeline_runner.PipelineRunner`, what a model accepts
-`models.model_rules`, the files an output makes `outputs`; torchrun's group is joined where the config asks for
+"""`Omni`, a facade (docs/python.md shows it in use): load a pipeline on the host (`models.loading`), enable
+offload, and generate (`pipeline_runner.PipelineRunner`); torchrun's group is joined where the config asks for
 allgather (`distributed.launched_group`).
 """
 
@@ -18,14 +15,15 @@ from layerstream.config.offload_config import OffloadConfig, parse_offload_confi
 from layerstream.models.decode.decode_memory import VaeDecodeSettings
 from layerstream.models.generation_size import GenerationSize, SizeCaps
 from layerstream.models.hub import ModelSource
-from layerstream.models.input_image import ImageInputKind, ImageSource
+from layerstream.models.input_image import ImageInputKind
 from layerstream.models.model_rules import ModelRules
 from layerstream.models.work import WorkPrice, price_request
 from layerstream.offload import default_device, enable_offload
 from layerstream.outputs import IMAGE_SUFFIXES, VIDEO_SUFFIXES, GenerationResult, request_settings, save_output
-from layerstream.pipeline_runner import PipelineRunner, RunStats, batch_requests, parse_dtype, request_options
+from layerstream.pipeline_runner import PipelineRunner, RunStats, batch_requests, parse_dtype
 from layerstream.errors import extra_needed
-from layerstream.request import GenerationError, GenerationRequest
+from layerstream.models.request_fields import OMNI_KEYWORDS
+from layerstream.request import GenerationError, GenerationRequest, request_from
 from layerstream.runtime.modes.handle import OffloadHandle
 from layerstream.runtime.reporting.stats import OffloadStats
 
@@ -70,12 +68,9 @@ class Omni:
             loaded = load_model(model, dtype=self.dtype, revision=revision, variant=variant, components=components)
         self.model, self.pipeline, self.kind = loaded.name, loaded.pipeline, loaded.kind
         self._component_dtypes = loaded.component_dtypes
-        self.source: ModelSource = loaded.source
-        """Where the model's files came from (a Hub id's revision and commit, or the folder)."""
-        self.rules: ModelRules = loaded.rules
-        """What the model accepts and its defaults (size, frames, steps, guidance, frame rate)."""
+        self.source: ModelSource = loaded.source  # a Hub id's revision and commit, or the folder
+        self.rules: ModelRules = loaded.rules  # what the model accepts and its defaults
         self.image_input: ImageInputKind = self.rules.image_input
-        """Whether the pipeline takes an input image: ``"none"``, ``"optional"`` or ``"required"``."""
         self.runner = PipelineRunner(self.pipeline, self.rules, self.device, self.stats, VaeDecodeSettings.of(self.config))
         self.handle: OffloadHandle | None = None
         if not offload:
@@ -92,27 +87,14 @@ class Omni:
         prompt: str,
         negative_prompt: str | None = None,
         *,
-        image: ImageSource | None = None,
-        height: int | None = None,
-        width: int | None = None,
-        num_frames: int | None = None,
-        num_inference_steps: int | None = None,
-        guidance_scale: float | None = None,
-        seed: int = 0,
-        fps: int | None = None,
         on_step: Callable[[int, int, float], None] | None = None,
-        max_side_pixels: int | None = None,
         keep_raw: bool = False,
-        **options: Any,
+        **fields: Any,
     ) -> GenerationResult:
-        """Run the pipeline once with `GenerationRequest`'s arguments (`options`: the rest of them), checked before
+        """Run the pipeline once with `GenerationRequest`'s fields as keywords (`OMNI_KEYWORDS`), checked before
         the run; `on_step(step, total, seconds)` after every step; `keep_raw`: keep the float output as `raw`
         (docs/python.md)."""
-        request = GenerationRequest(
-            prompt=prompt, negative_prompt=negative_prompt, image=image, height=height, width=width,
-            num_frames=num_frames, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-            seed=seed, fps=fps, **request_options(options, max_side_pixels=max_side_pixels),
-        )  # fmt: skip
+        request = request_from(fields, OMNI_KEYWORDS, prompt=prompt, negative_prompt=negative_prompt)
         return self.run(request, on_step=on_step, keep_raw=keep_raw)
 
     def run(
@@ -134,21 +116,12 @@ class Omni:
         negative_prompt: str | None = None,
         *,
         seeds: Sequence[int],
-        height: int | None = None,
-        width: int | None = None,
-        num_frames: int | None = None,
-        num_inference_steps: int | None = None,
-        guidance_scale: float | None = None,
-        fps: int | None = None,
         on_step: Callable[[int, int, float], None] | None = None,
         keep_raw: bool = False,
-        **options: Any,
+        **fields: Any,
     ) -> list[GenerationResult]:
         """One pipeline call for outputs of one shape (output ``i``: ``prompts[i]``, seeded ``seeds[i]``)."""
-        shape = GenerationRequest(
-            prompt="", negative_prompt=negative_prompt, height=height, width=width, num_frames=num_frames,
-            num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, fps=fps, **request_options(options),
-        )  # fmt: skip
+        shape = request_from(fields, OMNI_KEYWORDS - {"prompt", "seed"}, prompt="", negative_prompt=negative_prompt)
         return self.run_batch(batch_requests(shape, prompts, seeds), on_step=on_step, keep_raw=keep_raw)
 
     def run_batch(
@@ -180,12 +153,11 @@ class Omni:
         return {**settings, "model": self.model, "offload_config": self.config.to_dict()}
 
     def price(self, request: GenerationRequest) -> WorkPrice:
-        """What `request` costs this model, by the one pricing function (`models.work.price_request`): the price
-        a server's work cap compares."""
+        """What `request` costs this model: the price a server's work cap compares (`models.work`)."""
         return price_request(self.rules, request, max_side_pixels=request.max_side_pixels)
 
     def component_dtypes(self) -> dict[str, str]:
-        """The dtype each component computes in (``"bfloat16"``), as `models.loading.component_dtypes` reads it."""
+        """The dtype each component computes in (``"bfloat16"``)."""
         return dict(self._component_dtypes)
 
     def stats(self) -> OffloadStats | None:

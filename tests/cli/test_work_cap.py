@@ -19,7 +19,14 @@ PRICE = 64 * 64 * 9 * 3 * 2 + 2 * 512 * 1024
 MACHINE = ("--device-memory", "24", "--host-memory", "16")
 
 
-def test_generate_refuses_a_request_over_the_cap_naming_the_flag(layerstream_cli, tmp_path):
+def test_generate_refuses_a_request_over_the_cap_naming_the_flag_before_loading_the_model(layerstream_cli, tmp_path, monkeypatch):
+    """Priced by the model's rules read from its configs (its skeleton): no weight is read for a refusal."""
+    from layerstream.models import loading
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded for a request its configs price over the cap")
+
+    monkeypatch.setattr(loading, "load_model", load_model)
     out = tmp_path / "fox.gif"
     result = layerstream_cli("generate", "tiny-wan", "--prompt", "fox", *GENERATION, "--output", str(out), "--max-work", str(PRICE - 1))
     assert result.returncode == 2 and not out.exists()

@@ -5,6 +5,8 @@ tier and the literals, at any size and offset, on the host and through a slot's 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import event, given, settings
@@ -15,17 +17,22 @@ from layerstream.runtime.packing.lossless_code import (
     _CodeOverflowError,
     SpanCode,
     SpanDecode,
-    candidate_widths,
     decode,
     encode_into_,
     escape_capacity,
     estimated_code,
     plan_code,
 )
-from layerstream.runtime.packing.lossless_format import FIRST_WIDTHS, pack_codes, unpack_codes
+from layerstream.runtime.packing.lossless_format import FIRST_WIDTHS, MAX_TIERS, TIER_WIDTHS, pack_codes, unpack_codes
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 WAYS = {"counted": False, "ranked": True}  # SpanDecode's `dense`: the CPU's way, the accelerator's
+
+
+def candidate_widths() -> list[tuple[int, ...]]:
+    """Every tier layout the planner weighs: a first width, then up to `MAX_TIERS - 1` later widths."""
+    later = [rest for k in range(MAX_TIERS) for rest in itertools.product(TIER_WIDTHS, repeat=k)]
+    return [(first,) + rest for first in FIRST_WIDTHS for rest in later]
 
 
 def _round_trip(x16: torch.Tensor, dtype: str, code: SpanCode | None = None, dense: bool = False) -> torch.Tensor:

@@ -9,13 +9,19 @@ import torch
 
 from layerstream import enable_offload
 from layerstream.runtime.engines.copy_engine import CpuCopyEngine
-from layerstream.runtime.packing.host_buffer import PAGE_BYTES, page_span
+from layerstream.runtime.packing.host_buffer import PAGE_BYTES
 from layerstream.runtime.packing.layout import BlockLayout
 from tests.runtime.runtime_toys import ToyDiT, make_my_pipeline
 
 # a unit or contract test: in `make test-fast` (no process, no socket; tests/conftest.py checks)
 pytestmark = pytest.mark.fast
 
+
+def page_span(buffer: torch.Tensor) -> tuple[int, int]:
+    """[first, last] page numbers a buffer touches (what registering it page-locks)."""
+    start = buffer.data_ptr()
+    end = start + max(buffer.numel() * buffer.element_size(), 1) - 1
+    return start // PAGE_BYTES, end // PAGE_BYTES
 
 class PageRegisteringEngine(CpuCopyEngine):
     """The CPU engine, pinning as CUDA does: whole pages, a page already registered fails the registration."""

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from layerstream.models.call_arguments import FAMILY_ARGUMENTS, CallArgument
 from layerstream.omni import Omni
-from layerstream.request import FIELD_BOUNDS, GenerationError, GenerationRequest
+from layerstream.models.request_fields import FIELD_BOUNDS
+from layerstream.request import GenerationError, GenerationRequest
 from layerstream.server.app import create_app
 from layerstream.server.jobs.manager import JobManager
 from layerstream.server.jobs.settings import HistorySettings

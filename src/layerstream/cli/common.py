@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import sys
 import tempfile
@@ -14,6 +13,7 @@ from pathlib import Path
 
 from layerstream.errors import LayerstreamError
 from layerstream.json_object import JsonLimitError, read_json_text
+from layerstream.models.request_fields import FIELD_BOUNDS, FieldBound
 
 EXIT_USAGE = 2
 
@@ -89,8 +89,7 @@ MODEL_SOURCES = "a Hugging Face Hub id (org/name, downloaded into its cache), a 
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, model_help: str) -> None:
-    """The positional MODEL (`model_help`: what the subcommand does with each kind of model), and the Hub
-    arguments."""
+    """The positional MODEL (`model_help`: what the subcommand does with it), and the Hub arguments."""
     parser.add_argument("model", help=model_help)
     add_hub_arguments(parser)
 
@@ -143,8 +142,7 @@ def component_files(args: argparse.Namespace) -> dict[str, str]:
 
 def fetch_before_ranks(args: argparse.Namespace) -> dict[str, str]:
     """With --nproc and a Hub id: download the snapshot here, once, before any rank starts (a download can take
-    far longer than the ranks' collective timeout), and return the environment that makes every rank read
-    that snapshot from the cache without a request, so that all ranks load one commit."""
+    far longer than the ranks' collective timeout); the environment that makes every rank read that one commit."""
     from layerstream.models.hub import names_hub_repo
 
     if not names_hub_repo(args.model):
@@ -159,8 +157,6 @@ def fetch_before_ranks(args: argparse.Namespace) -> dict[str, str]:
 
 
 def configure_logging(verbose: bool = False) -> None:
-    import os
-
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not verbose:
         # the libraries' own load/save progress bars and advisories would drown layerstream's progress lines
@@ -174,54 +170,31 @@ def configure_logging(verbose: bool = False) -> None:
 # with exit code 2, before `run` is reached.
 
 
-def positive_int(text: str) -> int:
-    value = _int(text, "an integer >= 1")
-    if value < 1:
-        raise _not_allowed(text, "an integer >= 1")
-    return value
-
-
-def seed_int(text: str) -> int:
-    """A seed: 0 to 2**53 - 1 (`MAX_SEED`: what a JSON client holds exactly; ``torch.Generator.manual_seed``
-    would map a negative seed onto a large positive one, so two spellings would name one seed: refused instead)."""
-    from layerstream.models.output_limits import MAX_SEED
-
-    allowed = f"an integer from 0 to {MAX_SEED}, 2**53 - 1"
-    value = _int(text, allowed)
-    if not 0 <= value <= MAX_SEED:
-        raise _not_allowed(text, allowed)
-    return value
-
-
-def request_value(name: str):
-    """The argparse type of the flag of `GenerationRequest` field `name`: its bounds, from the request's table
-    (`request.FIELD_BOUNDS`), so a flag takes what `Omni.generate` and the HTTP bodies take."""
-    from layerstream.request import FIELD_BOUNDS
-
-    bound = FIELD_BOUNDS[name]
+def bounded_value(bound: FieldBound, name: str):
+    """The argparse type of a number within `bound` (`name`: what argparse calls the type in some messages)."""
 
     def parse(text: str) -> int | float:
-        value = _int(text, bound.allowed()) if bound.kind is int else _float(text, bound.allowed())
+        try:
+            value = bound.kind(text)
+        except ValueError:
+            raise _not_allowed(repr(text), bound.allowed()) from None
         if not bound.admits(value):
             raise _not_allowed(text, bound.allowed())
         return value
 
-    parse.__name__ = name  # argparse names the type in some messages
+    parse.__name__ = name
     return parse
 
 
-def non_negative_float(text: str) -> float:
-    value = _float(text, "a finite number >= 0")
-    if not (math.isfinite(value) and value >= 0):
-        raise _not_allowed(text, "a finite number >= 0")
-    return value
+positive_int = bounded_value(FieldBound(int, ge=1), "positive_int")
+non_negative_float = bounded_value(FieldBound(float, ge=0.0), "non_negative_float")
+positive_float = bounded_value(FieldBound(float, gt=0.0), "positive_float")
 
 
-def positive_float(text: str) -> float:
-    value = _float(text, "a finite number > 0")
-    if not (math.isfinite(value) and value > 0):
-        raise _not_allowed(text, "a finite number > 0")
-    return value
+def request_value(name: str):
+    """The argparse type of the flag of `GenerationRequest` field `name`: its bounds in the request's table, so a
+    flag takes what `Omni.generate` and the HTTP bodies take."""
+    return bounded_value(FIELD_BOUNDS[name], name)
 
 
 def prompt_text(text: str) -> str:
@@ -249,30 +222,13 @@ def json_object_text(text: str) -> dict:
     return value
 
 
-def _int(text: str, allowed: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise _not_allowed(repr(text), allowed) from None
-
-
-def _float(text: str, allowed: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise _not_allowed(repr(text), allowed) from None
-
-
 def _not_allowed(shown: str, allowed: str) -> argparse.ArgumentTypeError:
     return argparse.ArgumentTypeError(f"{shown} is not allowed ({allowed})")
 
 
 def check_device_arg(flag: str, text: str | None) -> None:
-    """Refuse a device this torch cannot use, in one line naming `flag`, before anything loads or binds a port.
-
-    Without this, ``--device cuda`` on a CPU-only torch fails deep inside the first copy with
-    ``AssertionError: Torch not compiled with CUDA enabled``. None (the default device) always works.
-    """
+    """Refuse a device this torch cannot use, in one line naming `flag`, before anything loads or binds a port
+    (else ``--device cuda`` on a CPU-only torch fails inside the first copy, an ``AssertionError``)."""
     if text is None:
         return
     import torch
@@ -306,12 +262,8 @@ def _unavailable(torch, kind: str) -> str:
 
 
 def check_output_path(flag: str, path: Path) -> None:
-    """Refuse an output file that could not be written, before any work, rather than after every step.
-
-    Catches a folder given as the file, a parent that is a file, and a folder that refuses new files.
-    Writes and deletes a probe file: permission bits do not tell (root passes ``os.access`` everywhere,
-    and virtual file systems such as /proc refuse files whatever the bits say).
-    """
+    """Refuse an output file that could not be written, before any work rather than after every step: by a probe
+    file, since permission bits do not tell (root passes ``os.access`` everywhere; /proc refuses files anyway)."""
     path = path.expanduser().absolute()
     if path.is_dir():
         raise CliError(f"{flag} {path} is a folder; expected a file name inside it")

@@ -1,8 +1,10 @@
-"""`layerstream generate`: the main job. Check, load a model, enable offload, generate, save, summarize."""
+"""`layerstream generate`: the main job. Check (by the model's rules read from its configs, before any weight),
+load a model, enable offload, generate, save, summarize."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -27,105 +29,41 @@ from layerstream.cli.common import (
     positive_int,
     prompt_text,
     request_value,
-    seed_int,
 )
 from layerstream.cli.generate_summary import as_expected, print_table, summary
 from layerstream.cli.resident_compare import compare_with_resident
 from layerstream.cli.interrupt import Phase, PhaseLog, report_interrupt
 from layerstream.models.output_limits import (
     DEFAULT_MAX_FRAMES,
-    DEFAULT_MAX_SIDE_PIXELS,
     MAX_PROMPT_CHARS,
     MAX_SEED,
     LimitViolation,
     check_output_caps,
 )
-from layerstream.request import FIELD_BOUNDS, GenerationError, GenerationRequest
+from layerstream.models.request_fields import REQUEST_FIELDS, FieldBound
+from layerstream.request import GenerationError, GenerationRequest
 
 DATA_PARALLEL_CONFIG = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"weight_transfer": "allgather"}}}
 """The default config with --nproc > 1: every rank keeps 1/N of the DiT's blocks and they are all-gathered."""
-
-# the flag a user types for each generation argument (every `GenerationRequest` field but image, n and timeout,
-# which tests/test_request.py holds it to), to build the request and to name a flag in errors
-_FLAGS = {"height": "--height", "width": "--width", "num_frames": "--num-frames"}
-_REQUEST_FLAGS = {
-    **_FLAGS, "prompt": "--prompt", "negative_prompt": "--negative-prompt", "num_inference_steps": "--steps",
-    "guidance_scale": "--guidance-scale", "seed": "--seed", "fps": "--fps", "max_side_pixels": "--max-size",
-    "guidance_scale_2": "--guidance-scale-2", "true_cfg_scale": "--true-cfg-scale",
-    "boundary_ratio": "--boundary-ratio", "flow_shift": "--flow-shift", "extra_params": "--extra-params",
-}  # fmt: skip
+DEFAULT_PROMPT = "a red fox running through fresh snow, cinematic"
+_FLAGS = {name: field.flag for name, field in REQUEST_FIELDS.items() if field.flag is not None}
+"""The flag of each request field the command line takes (--image reads a file), as the request's table spells it."""
+_HELP = {
+    "prompt": f"text prompt, at most {MAX_PROMPT_CHARS:,} characters (as the server takes)",
+    "num_frames": "video models only; at most --max-frames (default: the model's)",
+    "seed": "random seed of the first output; rank r of --nproc uses seed + r (default: 0)",
+}
+"""Where the command line's help says more than the table's description (which the HTTP schema shows)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_first_argument(parser, MODEL_SOURCES, "tiny-wan", "--model")
     add_hub_arguments(parser)
     add_vae_arguments(parser)
-    parser.add_argument(
-        "--prompt", type=prompt_text, default="a red fox running through fresh snow, cinematic",
-        help=f"text prompt, at most {MAX_PROMPT_CHARS:,} characters (as the server takes)",
-    )
-    parser.add_argument(
-        "--negative-prompt", type=prompt_text, default=None,
-        help="negative prompt (classifier-free guidance), at most as long as --prompt",
-    )
-    parser.add_argument(
-        "--image", default=None, metavar="PATH",
-        help="input image (PNG, JPEG, WebP) for image-to-video and image-editing models; without --height and "
-        "--width the output takes its size, rounded down to the model's size multiple",
-    )
-    parser.add_argument(
-        "--height", type=request_value("height"), default=None,
-        help="pixels, a multiple of the model's size step (16 for the tiny models), at most --max-size (default: the model's)",
-    )
-    parser.add_argument("--width", type=request_value("width"), default=None, help="pixels, as --height")
-    parser.add_argument(
-        "--num-frames", type=request_value("num_frames"), default=None, help="video models only; at most --max-frames (default: the model's)"
-    )
-    parser.add_argument(
-        "--steps", type=request_value("num_inference_steps"), default=None, dest="num_inference_steps",
-        help=f"denoising steps, {FIELD_BOUNDS['num_inference_steps'].allowed()} (default: the model's)",
-    )
-    parser.add_argument(
-        "--guidance-scale",
-        type=request_value("guidance_scale"),
-        default=None,
-        help=f"classifier-free guidance scale, {FIELD_BOUNDS['guidance_scale'].allowed()}; 1 or less turns guidance off (default: the model's)",
-    )
-    parser.add_argument(
-        "--seed", type=seed_int, default=0,
-        help=f"random seed, 0 to {MAX_SEED} (2**53 - 1); rank r of --nproc uses seed + r (default: 0)",
-    )
-    parser.add_argument(
-        "--guidance-scale-2", type=request_value("guidance_scale_2"), default=None,
-        help="two-expert models (Wan 2.2 A14B): the low-noise expert's guidance scale (default: --guidance-scale)",
-    )
-    parser.add_argument(
-        "--true-cfg-scale", type=request_value("true_cfg_scale"), default=None,
-        help="models with a true_cfg_scale argument (Flux, Qwen-Image): that argument; --guidance-scale then goes to "
-        "the model's own guidance_scale",
-    )
-    parser.add_argument(
-        "--boundary-ratio", type=request_value("boundary_ratio"), default=None,
-        help="two-expert models: where the second expert takes over, a fraction of the timesteps from 0 to 1 "
-        "(default: the model's config)",
-    )
-    parser.add_argument(
-        "--flow-shift", type=request_value("flow_shift"), default=None,
-        help="models whose scheduler has a flow_shift (Wan): its value for this run (default: the model's)",
-    )
-    parser.add_argument(
-        "--extra-params", type=json_object_text, default=None, metavar="JSON",
-        help="vllm-omni's extra call arguments, a JSON object: keys the model's call takes from JSON, and "
-        '"sample_solver" ("unipc", "euler", "dpm++") where its scheduler has the counterpart (docs/serving.md)',
-    )  # fmt: skip
-    parser.add_argument(
-        "--fps", type=request_value("fps"), default=None,
-        help=f"frames per second of saved video, {FIELD_BOUNDS['fps'].allowed()} (default: the model's: Wan 16, LTX 24)",
-    )
-    parser.add_argument(
-        "--max-size", type=request_value("max_side_pixels"), default=DEFAULT_MAX_SIDE_PIXELS, dest="max_side_pixels",
-        help=f"largest --height or --width accepted, as the server's --max-size (default: {DEFAULT_MAX_SIDE_PIXELS})",
-    )
+    defaults = {field.name: field.default for field in dataclasses.fields(GenerationRequest)}
+    for name, flag in _FLAGS.items():
+        default = DEFAULT_PROMPT if name == "prompt" else defaults[name]
+        parser.add_argument(flag, dest=name, default=default, **_flag_options(name))
     parser.add_argument(
         "--max-frames", type=positive_int, default=DEFAULT_MAX_FRAMES,
         help=f"largest --num-frames accepted, as the server's --max-frames (default: {DEFAULT_MAX_FRAMES})",
@@ -152,6 +90,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
 
 
+def _flag_options(name: str) -> dict:
+    """How the flag of request field `name` reads its text, and its help: the table's bounds and description."""
+    values, help_text = REQUEST_FIELDS[name].values, _HELP.get(name, REQUEST_FIELDS[name].description)
+    if isinstance(values, FieldBound):
+        return {"type": request_value(name), "help": f"{help_text} ({values.allowed()})"}
+    if values is str:
+        return {"type": prompt_text, "help": help_text}
+    if values is dict:
+        return {"type": json_object_text, "metavar": "JSON", "help": help_text}
+    return {"metavar": "PATH", "help": help_text}  # --image: read once the other flags are checked
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,18 +119,19 @@ def _run(args: argparse.Namespace, log: PhaseLog) -> int:
     _check_arguments(args, world_size)  # every check that needs no model, so a mistake costs no load
     # rank r of several uses seed + r
     request = request_from_args(args, image=_read_image_arg(args.image), seed=args.seed + rank)
+    log.enter(Phase.LOADING)  # its configs first (a tiny model is built), then its weights
+    rules = _rules_before_loading(args) if world_size == 1 else None  # ranks: their launcher checked
+    if rules is not None:
+        _check_for_model(args, request, rules, args.device)
     if args.nproc is not None and args.nproc > 1 and world_size == 1:
         return _launch_ranks(args)
-
-    log.enter(Phase.LOADING)
     omni = _load(args, config, world_size)
     output = _output_path(args, omni, request.seed, rank, world_size)
-    _check_model_geometry(args, omni)
-    _check_image_input(args, omni)
-    check_work(
-        omni.price(request), omni.rules, max_work=args.max_work, max_side=args.max_side_pixels,
-        max_frames=args.max_frames, device=omni.device,
-    )  # fmt: skip
+    if rules is None:
+        _check_for_model(args, request, omni.rules, omni.device)
+    refused = omni.rules.refused_fields(vars(args))  # read from the pipeline's own config, which a skeleton lacks
+    if refused:
+        raise CliError(f"{_FLAGS[refused[0]]} is not valid for {args.model}: {omni.rules.why_not(refused[0])}")
     log.enter(Phase.GENERATING)
     result = _generate(args, omni, request, rank)
     with log.writing(Phase.WRITING_OUTPUT, output):
@@ -203,13 +152,13 @@ def request_from_args(args: argparse.Namespace, *, image=None, seed: int | None 
     """The `GenerationRequest` the flags describe (`seed`: this rank's, default --seed; `image`: --image as
     read); a value it refuses is one line naming the flag."""
     # None (or absent from a namespace built without it): the request's default
-    given = {name: value for name in _REQUEST_FLAGS if (value := getattr(args, name, None)) is not None}
+    given = {name: value for name in _FLAGS if (value := getattr(args, name, None)) is not None}
     try:
-        return GenerationRequest(**{**given, "seed": args.seed if seed is None else seed}, image=image)
+        return GenerationRequest(**{**given, "seed": args.seed if seed is None else seed, "image": image})
     except GenerationError as e:
         field, _, key = (e.field or "").partition(".")  # extra_params.KEY: --extra-params KEY
-        flag = " ".join(filter(None, (_REQUEST_FLAGS.get(field, e.field), key)))
-        allowed = f"give {_REQUEST_FLAGS[key]} instead" if key in _REQUEST_FLAGS else e.allowed
+        flag = " ".join(filter(None, (_FLAGS.get(field, e.field), key)))
+        allowed = f"give {_FLAGS[key]} instead" if key in _FLAGS else e.allowed
         raise CliError(f"{flag}: {e.value!r} is not allowed ({allowed})") from e
 
 
@@ -271,12 +220,23 @@ def _generate(args: argparse.Namespace, omni, request: GenerationRequest, rank: 
 
 
 def _save_trace(args: argparse.Namespace, omni, log: PhaseLog) -> list[str]:
+    """The Chrome trace JSON at --trace and its timeline beside it as a .png (only the .png if --trace is one),
+    each written whole or not at all."""
     if not args.trace or omni.handle is None:
         return []
+    from layerstream.atomic_write import write_atomically
+    from layerstream.runtime.reporting.trace_export import write_chrome_trace, write_timeline_png
+
     path = Path(args.trace)
-    files = dict.fromkeys((path, path if path.suffix.lower() == ".png" else path.with_suffix(".png")))
-    with log.writing(Phase.WRITING_TRACE, *files):
-        return _write_trace(omni.handle, path, title=_trace_title(args, omni))
+    png = path if path.suffix.lower() == ".png" else path.with_suffix(".png")
+    with log.writing(Phase.WRITING_TRACE, *dict.fromkeys((path, png))):
+        trace = omni.handle.trace()
+        if png != path:
+            with write_atomically(path) as partial:
+                write_chrome_trace(trace, partial)
+        with write_atomically(png) as partial:
+            write_timeline_png(trace, partial, title=_trace_title(args, omni))
+    return [str(p) for p in dict.fromkeys((path, png))]
 
 
 def _report(args: argparse.Namespace, omni, made: dict, rank: int, world_size: int) -> int:
@@ -302,9 +262,8 @@ def _report(args: argparse.Namespace, omni, made: dict, rank: int, world_size: i
 
 
 def _check_arguments(args: argparse.Namespace, world_size: int) -> None:
-    """Checks of the arguments alone, before the model loads: the caps, the seed range across ranks, the
-    device, the output path and its suffix against what the model makes. What needs the loaded model (size
-    multiples, frame rule, image input) follows the load."""
+    """Checks of the arguments alone: the caps, the seed range across ranks, the device, the output path and its
+    suffix against what the model makes (`_check_for_model` follows, by the model's rules)."""
     from layerstream.models.loading import model_kind
     from layerstream.omni import IMAGE_SUFFIXES, VIDEO_SUFFIXES
 
@@ -359,30 +318,46 @@ def _read_image_arg(path: str | None):
         raise CliError(str(e)) from e
 
 
-def _check_image_input(args: argparse.Namespace, omni) -> None:
-    """--image against what the loaded model takes, before the first step."""
-    pipeline_name = type(omni.pipeline).__name__
-    problem = omni.rules.image_problem(has_image=args.image is not None)
-    if problem == "takes_none":
-        raise CliError(f"--image {args.image}: {args.model} ({pipeline_name}) takes no input image; drop --image")
-    if problem == "required":
-        raise CliError(f"{args.model} ({pipeline_name}) generates from an input image; pass --image PATH")
+def _rules_before_loading(args: argparse.Namespace):
+    """The model's rules read from its skeleton (`models.loading.load_skeleton`: configs, no weight read), so that
+    what the model refuses costs no load; None where that needs the load (the Hub cannot describe a Hub id now)."""
+    from layerstream.models.loading import ModelLoadError, load_skeleton
+    from layerstream.models.model_rules import read_model_rules
+    from layerstream.models.optional_imports import quiet_library_noise
+
+    try:
+        with quiet_library_noise():  # as the load: a tiny model is built with diffusers here
+            files = component_files(args)
+            skeleton, _ = load_skeleton(args.model, revision=args.revision, variant=args.variant, components=files)
+    except ModelLoadError:  # the load says what is wrong, or loads what the cache holds
+        return None
+    return read_model_rules(skeleton, args.model)
 
 
-def _check_model_geometry(args: argparse.Namespace, omni) -> None:
-    """Sizes and options the loaded model cannot take, named by flag, before the first step."""
-    rules = omni.rules
+def _check_for_model(args: argparse.Namespace, request: GenerationRequest, rules, device) -> None:
+    """What the model's `rules` refuse (the output's kind, sizes, ``extra_params``, the input image) and the work
+    cap, each named by flag."""
+    from layerstream.models.work import price_request
+    from layerstream.offload import default_device
+
+    _check_kind(args, rules.kind, Path(args.output) if args.output else None)
     violations = rules.check_geometry(height=args.height, width=args.width, num_frames=args.num_frames)
     if violations:
         raise CliError(f"{_violation_text(violations[0])} for {args.model}")
-    refused = rules.refused_fields(vars(args))
-    if refused:
-        raise CliError(f"{_REQUEST_FLAGS[refused[0]]} is not valid for {args.model}: {rules.why_not(refused[0])}")
     steps = rules.filled(num_inference_steps=args.num_inference_steps).num_inference_steps
-    problems = rules.extra_params_problems(getattr(args, "extra_params", None) or {}, num_inference_steps=steps)
+    problems = rules.extra_params_problems(request.extra_params, num_inference_steps=steps)
     if problems:
         key, value = problems[0].name.removeprefix("extra_params."), problems[0].value
         raise CliError(f"--extra-params {key}: {value!r} is not valid for {args.model}; expected {problems[0].allowed}")
+    problem, model = rules.image_problem(has_image=args.image is not None), f"{args.model} ({rules.pipeline_class})"
+    if problem == "takes_none":
+        raise CliError(f"--image {args.image}: {model} takes no input image; drop --image")
+    if problem == "required":
+        raise CliError(f"{model} generates from an input image; pass --image PATH")
+    check_work(
+        price_request(rules, request, max_side_pixels=request.max_side_pixels), rules, max_work=args.max_work,
+        max_side=args.max_side_pixels, max_frames=args.max_frames, device=device or default_device(),
+    )  # fmt: skip
 
 
 def _violation_text(violation: LimitViolation) -> str:
@@ -476,19 +451,3 @@ def _trace_title(args: argparse.Namespace, omni) -> str:
 
         link = f"{torch.cuda.get_device_name(device)} host link" if device.type == "cuda" else f"{device} host link"
     return f"{args.model}: layerwise offload on {device}, {link}"
-
-
-def _write_trace(handle, path: Path, *, title: str | None = None) -> list[str]:
-    """The Chrome trace JSON at `path` and its timeline beside it as a .png (only the .png if `path` is one),
-    each written whole or not at all."""
-    from layerstream.atomic_write import write_atomically
-    from layerstream.runtime.reporting.trace_export import write_chrome_trace, write_timeline_png
-
-    trace = handle.trace()
-    png = path if path.suffix.lower() == ".png" else path.with_suffix(".png")
-    if png != path:
-        with write_atomically(path) as partial:
-            write_chrome_trace(trace, partial)
-    with write_atomically(png) as partial:
-        write_timeline_png(trace, partial, title=title)
-    return [str(p) for p in dict.fromkeys((path, png))]

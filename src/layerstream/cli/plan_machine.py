@@ -13,21 +13,29 @@ import json
 import re
 from typing import Any
 
-from layerstream.cli.common import CliError, check_work, non_negative_float, positive_float, positive_int, request_value, vae_setting, work_cap
+from layerstream.cli.common import (
+    CliError,
+    check_work,
+    non_negative_float,
+    positive_float,
+    request_value,
+    vae_setting,
+    work_cap,
+)
+from layerstream.models.request_fields import REQUEST_FIELDS
 
+_MACHINE_FIELDS = ("link_gbps", "disk_gbps", "device_tflops", "baseline_gb", "host_reserve_gb", "activation_reserve_gb")
+"""The planner's `Machine` fields each set by the flag of its name (--link-gbps), beside the two memories."""
 _FLAG_OF = {
-    "device_memory_gb": "--device-memory", "host_memory_gb": "--host-memory", "link_gbps": "--link-gbps",
-    "disk_gbps": "--disk-gbps", "device_tflops": "--device-tflops", "baseline_gb": "--baseline-gb",
-    "host_reserve_gb": "--host-reserve-gb", "activation_reserve_gb": "--activation-reserve-gb",
+    "device_memory_gb": "--device-memory", "host_memory_gb": "--host-memory",
+    **{name: "--" + name.replace("_", "-") for name in _MACHINE_FIELDS},
 }  # fmt: skip
-"""The planner's field names as the flags that set them."""
 _FIELD_NAMES = re.compile(r"\b(" + "|".join(_FLAG_OF) + r")\b")
-_GENERATION_FLAGS = {"height": "--height", "width": "--width", "num_frames": "--num-frames", "num_inference_steps": "--steps"}
-"""The generation planned for, by the flags that set it."""
-_MACHINE_FLAGS = (
-    "link_gbps", "disk_gbps", "device_tflops", "baseline_gb", "host_reserve_gb", "activation_reserve_gb", "vae_use_tiling",
-    "allow_lossy", "measure",
-)  # fmt: skip
+_GENERATION_FLAGS = {
+    name: REQUEST_FIELDS[name].flag for name in ("height", "width", "num_frames", "num_inference_steps")
+}
+"""The generation planned for, by the flags that set it (as `generate` spells them)."""
+_MACHINE_FLAGS = (*_MACHINE_FIELDS, "vae_use_tiling", "allow_lossy", "measure")
 
 
 def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,9 +53,10 @@ def add_machine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--vae-use-tiling", type=vae_setting, metavar="{true,false,auto}", help='plan the VAE decode tiled: "auto" (default) only where the untiled decode does not fit (tiles blend at their edges)')
     group.add_argument("--allow-lossy", action="store_true", help="float8 storage may be recommended (weights rounded once)")
     group.add_argument("--measure", action="store_true", help="time one step on this machine's device instead of the FLOPs estimate")
-    group.add_argument("--height", type=positive_int, help="pixels, for the tokens per block (default: the model's)")
-    group.add_argument("--width", type=positive_int, help="pixels (default: the model's)")
-    group.add_argument("--num-frames", type=positive_int, help="video models (default: the model's)")
+    tokens = "for the tokens per block (default: the model's)"
+    group.add_argument("--height", type=request_value("height"), help=f"pixels, {tokens}")
+    group.add_argument("--width", type=request_value("width"), help="pixels (default: the model's)")
+    group.add_argument("--num-frames", type=request_value("num_frames"), help="video models (default: the model's)")
     group.add_argument("--steps", type=request_value("num_inference_steps"), dest="num_inference_steps", help="denoising steps, over which a host pool's reads spread (default: the model's)")
 
 
@@ -99,7 +108,7 @@ def run_machine_plan(args: argparse.Namespace, pipeline: Any, origin: dict[str, 
     from layerstream.machine.planner import Machine, MachinePlanError, check_machine, measured_block_seconds, plan_for_machine
     from layerstream.runtime.packing.lossless_code import pricing_at
 
-    given = {k: getattr(args, k) for k in ("link_gbps", "disk_gbps", "device_tflops", "baseline_gb", "host_reserve_gb", "activation_reserve_gb")}
+    given = {name: getattr(args, name) for name in _MACHINE_FIELDS}
     if args.vae_use_tiling is not None:
         given["vae_use_tiling"] = args.vae_use_tiling
     machine = Machine(
@@ -157,12 +166,9 @@ def _work_line(args: argparse.Namespace, rules: Any, given: dict) -> str:
     for one, whatever this machine has), which is only compared, in words."""
     from layerstream.models.output_limits import DEFAULT_MAX_FRAMES, DEFAULT_MAX_SIDE_PIXELS
     from layerstream.models.work import price_request
-    from layerstream.request import GenerationError, GenerationRequest
+    from layerstream.request import GenerationRequest
 
-    try:
-        request = GenerationRequest(prompt="", **given)
-    except GenerationError as e:
-        raise CliError(f"{_GENERATION_FLAGS.get(e.field, e.field)}: {e.value!r} is not allowed ({e.allowed})") from e
+    request = GenerationRequest(prompt="", **given)  # each flag parsed within the request's bounds
     price = price_request(rules, request, max_side_pixels=DEFAULT_MAX_SIDE_PIXELS)
     caps = dict(max_work=args.max_work, max_side=DEFAULT_MAX_SIDE_PIXELS, max_frames=DEFAULT_MAX_FRAMES, device="cuda")
     if args.max_work is not None:

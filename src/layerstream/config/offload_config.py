@@ -1,7 +1,6 @@
-"""`diffusion_offload_config`: parsing and the immutable config it produces.
-
-The parser is the only place that reads user-supplied offload settings. Every rejection names the key path,
-the value seen and what is allowed, and happens before anything in a pipeline is touched.
+"""`diffusion_offload_config`: parsing and the immutable config it produces. The parser is the only reader of
+user-supplied offload settings; every rejection names the key path, the value seen and what is allowed, and
+happens before anything in a pipeline is touched.
 """
 
 from __future__ import annotations
@@ -9,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Literal, get_args
 
@@ -22,19 +21,15 @@ MODES: tuple[Mode, ...] = get_args(Mode)
 LAYER_COMPONENTS = ("dit", "text_encoder")
 MODULE_COMPONENTS = ("dit", "text_encoder", "vae")
 WEIGHT_TRANSFERS: tuple[WeightTransfer, ...] = get_args(WeightTransfer)
-STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2", "lossless")
-"""Host storage forms for `storage_dtype`: the float8 dtypes (lossy: weights are rounded to them once, at enable)
-and "lossless" (bfloat16 and float16 weights coded losslessly, decoded on the device: the same bits)."""
+STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2", "lossless")  # float8 rounds once, at enable; lossless is exact
 DEFAULT_ACTIVATION_RESERVE_GB = 4.0
-AUTO = "auto"
-"""`host_budget_gb: "auto"` (and `resident_layers: "auto"`): a figure read from the machine when enabling."""
+AUTO = "auto"  # `host_budget_gb: "auto"` (and `resident_layers: "auto"`): a figure read from the machine when enabling
 
 _TOP_LEVEL_KEYS = (
     "mode", "components", "layer_options", "pin_memory", "host_budget_gb", "host_reserve_gb", "disk_dir",
     "lora_exact_unfuse", "vae_use_tiling", "vae_use_slicing", "device_memory_gb",
 )  # fmt: skip
-_VAE_KEYS = ("vae_use_tiling", "vae_use_slicing")
-"""vllm-omni's names: true, false or "auto" (`layerstream.models.decode.vae_tiling`)."""
+_VAE_KEYS = ("vae_use_tiling", "vae_use_slicing")  # vllm-omni's names: true, false or "auto"
 _COMMON_OPTION_KEYS = ("weight_transfer", "prefetch_depth", "storage_dtype")
 _DIT_ONLY_OPTION_KEYS = ("resident_layers", "device_budget_gb", "activation_reserve_gb")
 
@@ -72,13 +67,10 @@ class LayerOptions:
     activation_reserve_gb: float | None = None
     """DiT only, for "auto" without a budget: free device memory kept back for activations (GB)."""
     storage_dtype: str | None = None
-    """None: blocks stream in their own dtypes. "float8_e4m3fn" / "float8_e5m2": the weights diffusers'
-    layerwise casting would cast are stored (and moved) in that dtype and cast back on the device (lossy).
-    "lossless": every bfloat16 and float16 parameter is stored (and moved) in a lossless code, about 0.68x the
-    bytes of trained bfloat16 weights (0.87x of float16), and decoded on the device (bit-exact)."""
+    """float8: what layerwise casting would cast is stored in it (lossy); "lossless": 16-bit parameters coded,
+    about 0.68x the bytes of trained bfloat16 weights (0.87x of float16), decoded bit-exact on the device."""
     resident_layers_given: bool = False
-    """Whether the config names `resident_layers` (always, for a value other than 0). Where it does not, a DiT's
-    own declared count (`OffloadPlan.layerwise_resident_layers`) applies; an explicit 0 streams every block."""
+    """Whether the config names `resident_layers` (else a DiT's own declared count applies)."""
 
     def __post_init__(self) -> None:
         if self.resident_layers != 0:
@@ -98,32 +90,20 @@ class OffloadConfig:
     pin_memory: bool = True
     """Pin host buffers when the device supports it."""
     host_budget_gb: float | Literal["auto"] | None = None
-    """Layer mode: host memory (GB) the host store of this process may hold for streamed blocks; the streamed
-    blocks beyond it stay on disk (the checkpoint's files, or spill files under `disk_dir`). None: no limit.
-    With `weight_transfer: "allgather"` it is each rank's budget, spent in the rank's shard bytes (its shards
-    beyond it are on disk). "auto": the budget the machine allows, read when enabling (`plan.host_budget`): the
-    free host memory (and the memory cgroup's headroom; shared equally by the allgather ranks on one host)
-    minus the rings, the host-side resident parts and `host_reserve_gb`; where every streamed block fits, there
-    is no disk tier."""
+    """Layer mode: host memory (GB) this process's store may hold for streamed blocks, the rest on disk. "auto":
+    what the machine allows when enabling, less the rings, the resident parts and `host_reserve_gb`."""
     host_reserve_gb: float | None = None
-    """With `host_budget_gb: "auto"`: host memory (GB) kept free beside the budget for what a generation allocates
-    (None: an estimate for the pipeline's default generation, `layerstream.host.reserve`)."""
+    """With "auto": host memory (GB) kept free for a generation (None: estimated, `layerstream.host.reserve`)."""
     disk_dir: str | None = None
-    """With `host_budget_gb`: where blocks that are not backed by checkpoint files are spilled (default: under
-    the layerstream cache)."""
+    """With `host_budget_gb`: where blocks not backed by checkpoint files are spilled (default: the cache)."""
     vae_use_tiling: bool | Literal["auto"] = AUTO
-    """The VAE decodes in tiles: always (true), never (false: a decode that cannot fit is refused before the first
-    step), or "auto": only where the untiled decode would not fit the device memory left. Tiling blends tile
-    edges, so its output is not bit-identical to an untiled decode; each run says which it did and why."""
+    """Decode in tiles (not bit-identical to untiled): always, never, or "auto": only where untiled would not fit."""
     vae_use_slicing: bool | Literal["auto"] = AUTO
     """A batch decodes one sample at a time: always, never, or "auto": only a batch that would not fit whole."""
     device_memory_gb: float | None = None
-    """The device's memory (GB) where it cannot be read (the CPU stand-in), or to plan a smaller card on a larger
-    one: the decode's "auto" weighs it, less what the runtime holds on the device, against the decode's peak."""
+    """The device's memory (GB) for the decode's "auto" where it cannot be read, or to plan a smaller card."""
     lora_exact_unfuse: bool = False
-    """Layer mode: `unfuse_lora` restores the bytes from before the first fuse exactly (a host copy of each fused
-    block is kept until then). False (the default): unfusing subtracts the delta again, as diffusers does on a
-    resident model, which rounds the same way, so outputs stay equal to the resident pipeline's at every stage."""
+    """`unfuse_lora` restores the pre-fuse bytes exactly (a host copy per fused block), not subtracting the delta."""
 
     def __post_init__(self) -> None:
         # Freeze containers handed to the constructor, so no caller keeps a mutable alias into the config.
@@ -132,40 +112,27 @@ class OffloadConfig:
         object.__setattr__(self, "layer_options", MappingProxyType(dict(self.layer_options)))
 
     def __hash__(self) -> int:
-        items = frozenset(self.layer_options.items())
-        return hash(
-            (self.mode, self.components, items, self.pin_memory, self.host_budget_gb, self.host_reserve_gb, self.disk_dir,
-             self.lora_exact_unfuse, self.vae_use_tiling, self.vae_use_slicing, self.device_memory_gb)
-        )  # fmt: skip
+        return hash(tuple(frozenset(v.items()) if isinstance(v, Mapping) else v for v in self._fields().values()))
 
     def __reduce__(self):
         # mappingproxy cannot be pickled or deep-copied; rebuild from plain data instead.
-        state = {"mode": self.mode, "components": self.components, "pin_memory": self.pin_memory}
-        state |= {"host_budget_gb": self.host_budget_gb, "host_reserve_gb": self.host_reserve_gb, "disk_dir": self.disk_dir}
-        state |= {"lora_exact_unfuse": self.lora_exact_unfuse, "device_memory_gb": self.device_memory_gb}
-        state |= {"vae_use_tiling": self.vae_use_tiling, "vae_use_slicing": self.vae_use_slicing}
-        return (_rebuild, (type(self), {**state, "layer_options": dict(self.layer_options)}))
+        return (_rebuild, (type(self), {**self._fields(), "layer_options": dict(self.layer_options)}))
+
+    def _fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def options_for(self, component: str) -> LayerOptions:
         return self.layer_options.get(component, LayerOptions())
 
     def to_dict(self) -> dict[str, Any]:
-        """The config as plain JSON data (defaults filled in, but `resident_layers` only where given), for reports
-        and round trips."""
+        """The config as plain JSON data that parses back (defaults filled in, `resident_layers` only where given)."""
         out: dict[str, Any] = {"mode": self.mode, "components": list(self.components), "pin_memory": self.pin_memory}
         if self.layer_options:
             out["layer_options"] = {name: _options_dict(name, opts) for name, opts in self.layer_options.items()}
-        if self.host_budget_gb is not None:
-            out["host_budget_gb"] = self.host_budget_gb
-        if self.host_reserve_gb is not None:
-            out["host_reserve_gb"] = self.host_reserve_gb
-        if self.lora_exact_unfuse:
-            out["lora_exact_unfuse"] = True
-        if self.disk_dir is not None:
-            out["disk_dir"] = self.disk_dir
-        out["vae_use_tiling"], out["vae_use_slicing"] = self.vae_use_tiling, self.vae_use_slicing
-        if self.device_memory_gb is not None:
-            out["device_memory_gb"] = self.device_memory_gb
+        optional = ("host_budget_gb", "host_reserve_gb", "lora_exact_unfuse", "disk_dir", "vae_use_tiling",
+                    "vae_use_slicing", "device_memory_gb")  # fmt: skip
+        # left out where unset (None; lora_exact_unfuse False), so that the data reads as the user wrote it
+        out |= {k: v for k in optional if (v := getattr(self, k)) is not None and v is not False or "vae" in k}
         return out
 
 
@@ -266,8 +233,7 @@ def parse_offload_config(obj: Any) -> OffloadConfig:
 
 
 def with_vae_settings(config: OffloadConfig, **given: bool | str | None) -> OffloadConfig:
-    """`config` with `vae_use_tiling` / `vae_use_slicing` given as arguments (`Omni`'s keywords, the command
-    line's flags; None: the config's own). One the config sets otherwise than "auto" must agree."""
+    """`config` with the VAE settings given as arguments (None: the config's); a set one must agree."""
     changes = {}
     for key, value in given.items():
         if value is None:
@@ -289,23 +255,15 @@ def _parse_vae_setting(obj: Mapping, key: str) -> bool | str:
 
 
 def _parse_host_tier(obj: Mapping, mode: str) -> tuple[float | str | None, str | None]:
-    """`host_budget_gb` (a finite number > 0 or "auto", layer mode; per rank with "allgather" components) and
-    `disk_dir` (a path, only with a budget)."""
+    """`host_budget_gb` (a number > 0 or "auto", layer mode) and `disk_dir` (a path, only with a budget)."""
     budget = None
     if "host_budget_gb" in obj:
         value = obj["host_budget_gb"]
         allowed = f"expected a finite number of GB > 0 or {AUTO!r} (the budget this machine allows)"
         if isinstance(value, str) and value == AUTO:
             budget = AUTO
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise OffloadConfigError("host_budget_gb", value, allowed)
         else:
-            try:
-                budget = float(value)
-            except OverflowError as e:  # an int too large for a float
-                raise OffloadConfigError("host_budget_gb", value, allowed) from e
-            if not math.isfinite(budget) or budget <= 0:
-                raise OffloadConfigError("host_budget_gb", value, allowed)
+            budget = _number_gb(value, "host_budget_gb", allowed, positive=True)
         if mode != "layer":
             raise OffloadConfigError("host_budget_gb", value, 'a host budget applies only to mode "layer"; remove the key')
     disk_dir = None
@@ -349,10 +307,7 @@ def _parse_layer_options(component: str, raw: Any) -> LayerOptions:
         raise OffloadConfigError(f"{base}.prefetch_depth", prefetch_depth, "expected an integer from 1 to 8")
 
     resident_layers = raw.get("resident_layers", 0)
-    if isinstance(resident_layers, str):
-        if resident_layers != "auto":
-            raise OffloadConfigError(f"{base}.resident_layers", resident_layers, 'expected an integer >= 0 or "auto"')
-    elif not _is_int(resident_layers) or resident_layers < 0:
+    if resident_layers != "auto" and (not _is_int(resident_layers) or resident_layers < 0):
         raise OffloadConfigError(f"{base}.resident_layers", resident_layers, 'expected an integer >= 0 or "auto"')
 
     storage_dtype = raw.get("storage_dtype")
@@ -384,15 +339,18 @@ def _parse_layer_options(component: str, raw: Any) -> LayerOptions:
 def _optional_gb(raw: Mapping, key: str, base: str) -> float | None:
     if key not in raw:
         return None
-    value, path = raw[key], _key_path(base, key)
+    return _number_gb(raw[key], _key_path(base, key), "expected a finite number of GB >= 0")
+
+
+def _number_gb(value: Any, path: str, allowed: str, *, positive: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise OffloadConfigError(path, value, "expected a finite number of GB >= 0")
+        raise OffloadConfigError(path, value, allowed)
     try:
         gb = float(value)
     except OverflowError as e:  # an int too large for a float
-        raise OffloadConfigError(path, value, "expected a finite number of GB >= 0") from e
-    if not math.isfinite(gb) or gb < 0:
-        raise OffloadConfigError(path, value, "expected a finite number of GB >= 0")
+        raise OffloadConfigError(path, value, allowed) from e
+    if not math.isfinite(gb) or gb < 0 or (positive and gb == 0):
+        raise OffloadConfigError(path, value, allowed)
     return gb
 
 

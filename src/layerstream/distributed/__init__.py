@@ -1,10 +1,5 @@
 """Scale-out: `weight_transfer: "allgather"` over torch.distributed, and data-parallel launches with torchrun.
-
-Nothing here is imported by single-process use; `enable_offload` imports the modules it needs only when a
-component asks for allgather. The public helpers load on first use:
-
-- `init_distributed(device)` / `destroy_distributed()`: join / leave the group torchrun describes;
-- `launch_torchrun(nproc, module_args)`, `rank_info()`, `gather_objects(obj)`: data-parallel generation.
+Nothing here is imported by single-process use; the public helpers load on first use.
 """
 
 from layerstream.lazy import lazy_exports

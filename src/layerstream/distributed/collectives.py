@@ -1,24 +1,8 @@
-"""`BlockGather`: the collectives of `weight_transfer: "allgather"`, in one order on every rank.
-
-Every collective offload issues goes through one `BlockGather` per handle:
-- at enable, two votes: the layout vote (a digest of every sharded block's layout, before anything changes)
-  and the commit vote (every rank staged its shards, before any rank drops its original weights);
-- per transfer, a header all-gather, then the payload all-gather of the block into a device slot;
-- at disable, a header and a payload all-gather per block, to give every rank its full weights back.
-
-Order. The transfers a rank issues are a deterministic function of the blocks it runs (the streamer's
-predictions learn from the call order only, never from timing), so ranks that run the same blocks in the same
-order issue the same collectives in the same order. The header (magic, layout tag, sequence number, kind,
-block, bytes) is gathered before each payload: if ranks disagree, every rank sees the same headers, so every
-rank raises `TransferError` naming what each rank asked for, and none issues the payload (whose sizes could
-differ and hang the group). After that the gather is failed "consistently": further transfers raise at once
-without a collective, while the restore at disable still works when every rank calls it.
-
-Failures. A collective that errors (a peer died and closed its connections, or a peer stopped issuing and the
-group's timeout expired) fails the gather "inconsistently": the ranks may be at different points, so no
-further collective is issued at all, transfers and disable raise `TransferError`. A rank never waits longer
-than the group's collective timeout. All collectives of a gather hold one lock, so the disable path (main
-thread) never interleaves with a transfer still running in the copy thread.
+"""`BlockGather`: the collectives of `weight_transfer: "allgather"`, in one order on every rank (a layout vote and
+a commit vote at enable; per transfer, a header all-gather then the payload). A rank's transfers depend only on
+the blocks it runs, never timing, so ranks running the same blocks issue the same collectives; where headers
+disagree every rank raises `TransferError` without the payload (whose sizes could differ and hang the group).
+After a collective errors (a peer died, the timeout expired) no further collective is issued at all.
 """
 
 from __future__ import annotations
@@ -30,7 +14,9 @@ import weakref
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
+import layerstream.distributed.process_group as groups
 from layerstream.distributed.process_group import GroupMembership
 from layerstream.errors import OffloadError, TransferError
 from layerstream.runtime.contracts import StoredForm
@@ -47,14 +33,12 @@ _OK, _FAILED = 1, 0
 
 
 def shard_nbytes(nbytes: int, world_size: int) -> int:
-    """Bytes of one rank's shard of a block of `nbytes`: ceil(nbytes / N), aligned so every chunk of a slot
-    starts at an aligned offset."""
+    """Bytes of one rank's shard: ceil(nbytes / N), aligned so that every chunk of a slot starts aligned."""
     return align_up(-(-nbytes // world_size), ALIGN_BYTES)
 
 
 def layout_digest(forms: Sequence[StoredForm], slot_nbytes: int, world_size: int) -> bytes:
-    """sha256 over everything the ranks must agree on before their first payload collective: each block's
-    compute layout and the form its bytes are sharded in (packed, float8 or lossless)."""
+    """sha256 of what the ranks must agree on before their first payload: each block's layout and form."""
     h = hashlib.sha256()
     h.update(f"world={world_size};slot={slot_nbytes};blocks={len(forms)}\n".encode())
     for form in forms:
@@ -74,8 +58,7 @@ class BlockGather:
         self.membership = membership
         self.rank = membership.rank
         self.world_size = membership.world_size
-        self.block_paths: list[str] = []
-        """Path of every sharded block, by the index its headers carry."""
+        self.block_paths: list[str] = []  # every sharded block's path, by the index its headers carry
         self._lock = threading.Lock()
         self._sequence = 0
         self._layout_tag = 0
@@ -87,16 +70,11 @@ class BlockGather:
         state = "ok" if self._failure is None else ("failed (consistent)" if self._consistent_failure else "failed")
         return f"BlockGather(rank {self.rank} of {self.world_size}, {self.membership.backend}, {len(self.block_paths)} blocks, {state})"
 
-    @property
-    def failure(self) -> str | None:
-        return self._failure
-
     def shard_nbytes(self, nbytes: int) -> int:
         return shard_nbytes(nbytes, self.world_size)
 
     def close_(self, reason: str = "the process group is being destroyed") -> None:
-        """Issue no collective from now on: waits for one in flight (a prefetch in the copy thread; the peers
-        issue the same one), then fails the gather so that later transfers raise without touching the group."""
+        """Issue no collective from now on (after the one in flight, which the peers issue too)."""
         with self._lock:
             if self._failure is None:
                 self._failure = reason
@@ -111,11 +89,8 @@ class BlockGather:
     def agree_on_layouts_(
         self, forms: Sequence[StoredForm] = (), slot_nbytes: int = 0, failure: BaseException | None = None
     ) -> None:
-        """Check that every rank computed the same layouts, in the same forms (`forms`: one per sharded block);
-        raise `OffloadError` on every rank if not.
-
-        A rank whose own checks failed (`failure`) still votes, so the others raise at once instead of waiting
-        for the timeout; it then raises its own error (the caller does)."""
+        """Check that every rank computed the same layouts in the same forms; raise `OffloadError` on every rank
+        if not. A rank whose own checks failed still votes, so that the others raise at once, not at the timeout."""
         digest = layout_digest(forms, slot_nbytes, self.world_size)
         self._layout_tag = int.from_bytes(digest[:7], "little")  # 56 bits: fits an int64 header field
         words = [int.from_bytes(digest[i : i + 7], "little") for i in range(0, 28, 7)]
@@ -141,8 +116,7 @@ class BlockGather:
             )
 
     def commit_(self, failure: BaseException | None = None) -> None:
-        """The last step of enable: every rank says whether it applied everything. Raises `OffloadError` on
-        every rank that succeeded if another failed, so all ranks roll back. Only the first call votes."""
+        """The last vote of enable (only the first call votes): where any rank failed, every rank rolls back."""
         if self._committed:
             return
         self._committed = True
@@ -171,14 +145,9 @@ class BlockGather:
 
     # --- transfers ------------------------------------------------------------------------------------------
     def gather_block_(self, index: int, nbytes: int, shard: torch.Tensor, gathered: torch.Tensor) -> None:
-        """Fill `gathered` (world_size chunks of the shard size) with block `index`: this rank's `shard`
-        crosses the host link into its own chunk, the other chunks arrive from the other ranks."""
+        """Fill `gathered` (world_size chunks) with block `index`: this rank's `shard` crosses the host link."""
         with self._lock:
-            self._check_usable(_PREFETCH, index)
-            self._agree_on_header(_PREFETCH, index, nbytes)
-            chunk = shard.numel()
-            gathered[self.rank * chunk : (self.rank + 1) * chunk].copy_(shard, non_blocking=True)
-            self._all_gather_payload(gathered, chunk, index)
+            self._gather_(_PREFETCH, index, nbytes, shard, gathered, non_blocking=True)
 
     def gather_full_(self, index: int, nbytes: int, shard: torch.Tensor) -> torch.Tensor:
         """Every rank's shard of block `index`, concatenated, on the compute device (for disable)."""
@@ -188,15 +157,18 @@ class BlockGather:
                 "waiting for the other ranks; the full weights cannot be gathered"
             )
         try:
-            self._check_usable(_RESTORE, index)
-            self._agree_on_header(_RESTORE, index, nbytes)
-            chunk = shard.numel()
-            out = torch.empty(self.world_size * chunk, dtype=torch.uint8, device=self.membership.device)
-            out[self.rank * chunk : (self.rank + 1) * chunk].copy_(shard)
-            self._all_gather_payload(out, chunk, index)
+            out = torch.empty(self.world_size * shard.numel(), dtype=torch.uint8, device=self.membership.device)
+            self._gather_(_RESTORE, index, nbytes, shard, out, non_blocking=False)
             return out
         finally:
             self._lock.release()
+
+    def _gather_(self, kind: int, index: int, nbytes: int, shard: torch.Tensor, out: torch.Tensor, non_blocking: bool):
+        self._check_usable(kind, index)
+        self._agree_on_header(kind, index, nbytes)
+        chunk = shard.numel()
+        out[self.rank * chunk : (self.rank + 1) * chunk].copy_(shard, non_blocking=non_blocking)
+        self._all_gather_payload(out, chunk, index)
 
     def _check_usable(self, kind: int, index: int) -> None:
         if self._failure is None or (kind == _RESTORE and self._consistent_failure):
@@ -234,8 +206,6 @@ class BlockGather:
         return f"is at #{sequence}: {_KIND_NAMES.get(kind, kind)} of {name}"
 
     def _all_gather_payload(self, gathered: torch.Tensor, chunk: int, index: int) -> None:
-        import torch.distributed as dist
-
         group = self.membership.group
         try:
             if gathered.device.type == "cuda" and "nccl" in self.membership.backend:
@@ -261,8 +231,6 @@ class BlockGather:
         )
 
     def _all_gather_ints(self, values: list[int]) -> list[list[int]]:
-        import torch.distributed as dist
-
         device = self.membership.header_device
         local = torch.tensor(values, dtype=torch.int64, device=device)
         out = torch.empty(self.world_size, len(values), dtype=torch.int64, device=device)
@@ -276,24 +244,18 @@ class BlockGather:
 
 def open_block_gather(pipeline_class: str, device: torch.device, process_group=None) -> BlockGather | None:
     """A `BlockGather` on the group offload uses, or None for a group of one (plain copies, no collective)."""
-    from layerstream.distributed.process_group import join_offload_group
-
-    membership = join_offload_group(pipeline_class, device, process_group)
+    membership = groups.join_offload_group(pipeline_class, device, process_group)
     if membership is None:
         return None
     gather = BlockGather(pipeline_class, membership)
     # a handle still enabled when the group goes (destroy_distributed, or the exit teardown): its copy thread
     # must not be inside, or start, a collective on a destroyed group (that aborts the process)
-    from layerstream.distributed.process_group import before_group_teardown
-
     alive = weakref.ref(gather)
-    before_group_teardown(lambda: (lambda g: g is not None and g.close_())(alive()))
+    groups.before_group_teardown(lambda: (lambda g: g is not None and g.close_())(alive()))
     return gather
 
 
 def _all_gather_single(output: torch.Tensor, own: torch.Tensor, group) -> None:
-    import torch.distributed as dist
-
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the older name
     gather(output, own, group=group)
 

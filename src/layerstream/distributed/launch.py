@@ -1,10 +1,5 @@
-"""Data-parallel runs on this machine: start N ranks with torchrun, and the helpers those ranks use.
-
-`layerstream generate --nproc N ...` calls `launch_torchrun(N, argv)`, which runs the same command in N
-processes under ``torch.distributed.run``; each rank then reads `rank_info()`, joins the group with
-`init_distributed`, generates with seed + rank, and `gather_objects` brings every rank's summary to rank 0.
-`layerstream serve --nproc N` starts the ranks with `start_torchrun` instead, and keeps waiting on them itself,
-so that it can pass a SIGTERM to rank 0 alone.
+"""Data-parallel runs on this machine: start N ranks with torchrun (`launch_torchrun`; `start_torchrun` for a
+caller that waits itself, as `serve` does to pass SIGTERM to rank 0 alone), and the helpers those ranks use.
 """
 
 from __future__ import annotations
@@ -18,8 +13,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-LAUNCHED_ENV = "LAYERSTREAM_LAUNCHED_NPROC"
-"""Set in every rank `launch_torchrun` starts (to N), so a rank never launches again."""
+LAUNCHED_ENV = "LAYERSTREAM_LAUNCHED_NPROC"  # set (to N) in every rank `launch_torchrun` starts: none launches again
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -32,21 +26,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 def torchrun_command(nproc: int, module_args: list[str], *, master_port: int) -> list[str]:
     """The command `launch_torchrun` runs: N ranks of ``python -m layerstream <module_args>`` on this machine."""
     return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--nnodes",
-        "1",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(master_port),
-        "-m",
-        "layerstream",
-        *module_args,
-    ]
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
+        "--master-addr", "127.0.0.1", "--master-port", str(master_port), "-m", "layerstream", *module_args,
+    ]  # fmt: skip
 
 
 def without_nproc(argv: list[str]) -> list[str]:
@@ -64,11 +46,8 @@ def without_nproc(argv: list[str]) -> list[str]:
 
 
 def launch_torchrun(nproc: int, module_args: list[str], *, extra_env: dict[str, str] | None = None) -> int:
-    """Run ``python -m layerstream <module_args>`` in `nproc` ranks under torchrun; return its exit code.
-
-    torchrun's exit code is 0 when every rank exited 0. Ctrl-C is passed on to torchrun, which stops the
-    ranks; the return is then 130. Raises ValueError for `nproc` < 1 and RuntimeError inside a rank.
-    """
+    """Run ``python -m layerstream <module_args>`` in `nproc` ranks under torchrun; return its exit code (0 when
+    every rank exited 0; 130 after a Ctrl-C, which torchrun passes on to the ranks)."""
     process = start_torchrun(nproc, module_args, extra_env=extra_env)
     try:
         return process.wait()
@@ -79,10 +58,7 @@ def launch_torchrun(nproc: int, module_args: list[str], *, extra_env: dict[str, 
 
 
 def start_torchrun(nproc: int, module_args: list[str], *, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start ``python -m layerstream <module_args>`` in `nproc` ranks under torchrun and return at once (the
-    caller waits, and may signal a rank itself: `layerstream serve` passes SIGTERM to rank 0 alone).
-
-    Raises ValueError for `nproc` < 1 and RuntimeError inside a rank."""
+    """Start `launch_torchrun`'s ranks and return at once (ValueError for `nproc` < 1, RuntimeError in a rank)."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc = {nproc!r} is not valid; expected an int >= 1")
     if in_launched_rank():
@@ -100,8 +76,7 @@ def in_launched_rank() -> bool:
 
 
 def rank_info() -> tuple[int, int]:
-    """(rank, world_size) of this process: from the initialized default group, else torchrun's environment,
-    else (0, 1)."""
+    """(rank, world_size): of the initialized default group, else torchrun's environment, else (0, 1)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -113,9 +88,8 @@ def rank_info() -> tuple[int, int]:
 
 
 def gather_objects(obj: Any) -> list[Any] | None:
-    """Every rank's `obj` (picklable), in rank order, on rank 0; None on the other ranks.
-
-    A collective: every rank must call it. Without an initialized group of several ranks, returns [obj]."""
+    """Every rank's `obj` (picklable), in rank order, on rank 0; None on the others. A collective; without an
+    initialized group of several ranks, returns [obj]."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

@@ -1,11 +1,5 @@
 """Joining torchrun's process group for a pipeline that asks for allgather, so that a script written for one
-process runs unchanged under ``torchrun --nproc-per-node N``.
-
-`weight_transfer: "allgather"` needs every rank in one process group before enabling. Where torchrun's
-environment says there are several ranks (`WORLD_SIZE` > 1) and nothing has initialized torch.distributed, `Omni`
-joins that group with `init_distributed` before it loads (its device from `LOCAL_RANK` where none is given, its
-exit teardown as for any group it creates); an explicit `init_distributed` or `dist.init_process_group` before
-loading keeps its own group, and `destroy_distributed()` still leaves it.
+process runs unchanged under ``torchrun --nproc-per-node N`` (a group initialized before loading is kept).
 """
 
 from __future__ import annotations
@@ -13,25 +7,18 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 from layerstream.config.offload_config import OffloadConfig
-
-
-def wants_allgather(config: OffloadConfig) -> bool:
-    """Whether a layer-mode component of `config` asks for `weight_transfer: "allgather"`."""
-    return config.mode == "layer" and any(o.weight_transfer == "allgather" for o in config.layer_options.values())
+from layerstream.distributed.process_group import init_distributed
 
 
 def join_launched_group(config: OffloadConfig, device: torch.device | str | None, process_group=None) -> torch.device | None:
-    """The device this rank computes on, after joining torchrun's group, where `config` asks for allgather, the
-    environment names more than one rank, no `process_group` is given and none is initialized; else None (the
-    caller picks the device as it would)."""
-    import torch.distributed as dist
-
+    """The device this rank computes on after joining torchrun's group, where `config` asks for allgather over
+    several launched ranks and no group is given or initialized; else None."""
     world_size = os.environ.get("WORLD_SIZE", "1")
     launched = world_size.isdigit() and int(world_size) > 1
-    if not (launched and wants_allgather(config)) or process_group is not None or not dist.is_available() or dist.is_initialized():
+    allgather = config.mode == "layer" and any(o.weight_transfer == "allgather" for o in config.layer_options.values())
+    if not (launched and allgather) or process_group is not None or not dist.is_available() or dist.is_initialized():
         return None
-    from layerstream.distributed.process_group import init_distributed
-
     return init_distributed(device)

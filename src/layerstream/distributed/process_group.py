@@ -1,14 +1,6 @@
-"""Joining the process group: the backend a device needs, the collective timeout, the group offload uses.
-
-`init_distributed(device)` is what the command line and the tests call in each rank that torchrun started;
-library users may initialize torch.distributed themselves and pass a group to `enable_offload`.
-`join_offload_group` is what `enable_offload` calls when a component asks for `weight_transfer: "allgather"`.
-
-Leaving: `destroy_distributed()` leaves the group. A process that forgets it still leaves cleanly: the group
-`init_distributed` created is destroyed by an `atexit` teardown. Left to interpreter shutdown, torch tears the
-group down in C++ static destruction while its threads may still run, and the rank aborts (``terminate called
-without an active exception``, torchrun exit 1). Whatever issues collectives from a thread of its own registers
-a callback with `before_group_teardown`, so that the thread is stopped before the group goes.
+"""Joining and leaving the process group, and the group offload uses. The group `init_distributed` created is
+destroyed at exit where `destroy_distributed()` was not called: left to interpreter shutdown, torch tears it
+down while its threads may still run, and the rank aborts (torchrun exit 1).
 """
 
 from __future__ import annotations
@@ -22,25 +14,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from layerstream.errors import OffloadError
 
 logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_ENV = "LAYERSTREAM_COLLECTIVE_TIMEOUT"
-DEFAULT_PROCESS_GROUP_TIMEOUT_S = 300.0
-"""Seconds a rank of a process group `init_distributed` joins waits in one collective for the others before it
-fails (and offload raises), unless ${COLLECTIVE_TIMEOUT_ENV} says otherwise (`serve` sets its own, shorter one)."""
+DEFAULT_PROCESS_GROUP_TIMEOUT_S = 300.0  # a rank's wait in one collective before it fails (the env var overrides)
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def backend_for(device: torch.device | str) -> str:
-    """The torch.distributed backend for ranks computing on `device`.
-
-    CUDA gets NCCL for its tensors plus gloo for small CPU tensors: offload checks every transfer's header on
-    the CPU, so the check never waits for the GPU. The CPU gets gloo.
-    """
+    """The torch.distributed backend for ranks computing on `device`: CUDA gets NCCL plus gloo for the small
+    header tensors, checked on the CPU so that the check never waits for the GPU."""
     device = torch.device(device)
     if device.type == "cuda":
         return "cpu:gloo,cuda:nccl"
@@ -64,15 +52,7 @@ def collective_timeout() -> datetime.timedelta:
 
 
 def init_distributed(device: torch.device | str | None = None, *, backend: str | None = None) -> torch.device:
-    """Join the process group torchrun describes in the environment; return the device this rank computes on.
-
-    `device` None picks ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU; a bare ``"cuda"`` gets the
-    index LOCAL_RANK. The backend follows the device (`backend_for`) unless `backend` is given; collectives
-    time out after ${LAYERSTREAM_COLLECTIVE_TIMEOUT} seconds. Calling it again in an initialized process
-    only returns the device.
-    """
-    import torch.distributed as dist
-
+    """Join torchrun's process group (once) and return this rank's device (default ``cuda:LOCAL_RANK``)."""
     missing = [name for name in _TORCHRUN_ENV if not os.environ.get(name)]
     if missing:
         raise RuntimeError(
@@ -106,14 +86,9 @@ def init_distributed(device: torch.device | str | None = None, *, backend: str |
 
 
 def _import_group_defaults_first() -> None:
-    """Import `torch.distributed.nn.functional` before the group exists.
-
-    Its functions take the default group as a default argument, bound when the module is first imported (torch
-    imports it lazily, through `torch.distributed._shard`, when a module is used in some ways). Imported after
-    `init_process_group`, ten functions keep the group alive after `destroy_process_group`, so its gloo worker
-    threads are not joined and outlive the interpreter: a worker that drops its last collective's tensors
-    during finalization needs the GIL, gets a thread exit instead, and the process aborts ("terminate called
-    without an active exception"). Imported first, the defaults are None."""
+    """Import `torch.distributed.nn.functional` before the group exists: its functions bind the default group as
+    a default argument at first import, and imported later they keep the group alive past
+    `destroy_process_group`; its gloo threads then outlive the interpreter and the process aborts."""
     try:
         import torch.distributed.nn.functional  # noqa: F401
     except Exception:  # a build without the RPC parts it imports: nothing binds the group then either
@@ -121,27 +96,17 @@ def _import_group_defaults_first() -> None:
 
 
 def destroy_distributed() -> None:
-    """Leave the default process group, if this process joined one.
-
-    First runs the `before_group_teardown` callbacks (newest first), so that no thread is inside a collective
-    when the group goes. Disable every offload handle before calling it: `disable()` is a collective itself.
-    """
-    import torch.distributed as dist
-
+    """Leave the default process group, if this process joined one, after the `before_group_teardown` callbacks.
+    Disable every offload handle first: `disable()` is a collective itself."""
     _TEARDOWN.run_callbacks()
     if dist.is_available() and dist.is_initialized():
-        _meet_before_leaving()
-        dist.destroy_process_group()
+        _leave_group()
     _TEARDOWN.forget_group()
 
 
 def before_group_teardown(callback: Callable[[], None]) -> None:
-    """Run `callback` before the default group is destroyed, by `destroy_distributed` or at interpreter exit.
-
-    For code that issues collectives from a thread of its own (a copy thread all-gathering blocks): the
-    callback stops that thread, waiting for the collective it may be inside. Callbacks run once, newest first;
-    an exception in one is logged and the others still run.
-    """
+    """Run `callback` (once, newest first; a failure is logged) before the default group is destroyed: it stops
+    a thread of its own that issues collectives, so that no thread is inside one when the group goes."""
     _TEARDOWN.add(callback)
 
 
@@ -179,10 +144,7 @@ class _GroupTeardown:
                 logger.warning("a teardown callback failed before leaving the process group", exc_info=True)
 
     def at_exit(self) -> None:
-        """Destroy the group if it is still the one `init_distributed` created (a group the user made after
-        destroying ours is theirs to destroy)."""
-        import torch.distributed as dist
-
+        """Destroy the group if it is still the one `init_distributed` created (not one the user made since)."""
         self.run_callbacks()
         with self._lock:
             ours, self._group = self._group, None
@@ -190,66 +152,50 @@ class _GroupTeardown:
             return
         logger.debug("destroying the process group at exit (destroy_distributed() was not called)")
         try:
-            _meet_before_leaving()
-            dist.destroy_process_group()
+            _leave_group()
         except Exception:  # at exit there is no caller left to raise to; a peer may be gone already
             logger.warning("destroying the process group at exit failed", exc_info=True)
 
 
 _TEARDOWN = _GroupTeardown()
 
-LEAVE_BARRIER_TIMEOUT_S = 30.0
-"""How long a rank waits at the leaving barrier for the others before it leaves anyway."""
+LEAVE_BARRIER_TIMEOUT_S = 30.0  # a rank gone or stuck at the leaving barrier is left behind after this
 
 
-def _meet_before_leaving() -> None:
-    """Every rank reaches this point before any rank destroys the group: a rank that tears its connections down
-    while a peer is still finishing its last collective can make the peer's gloo threads abort the process
-    ("terminate called without an active exception"). Bounded: a peer that is gone or stuck is logged and
-    left behind, never waited for past `LEAVE_BARRIER_TIMEOUT_S`."""
-    import torch.distributed as dist
-
+def _leave_group() -> None:
+    """Destroy the default group once every rank got here: tearing connections down while a peer finishes its
+    last collective makes the peer's gloo threads abort it."""
     try:
-        if dist.get_world_size() <= 1:
-            return
-        if "gloo" in str(dist.get_backend()):
+        if dist.get_world_size() > 1 and "gloo" in str(dist.get_backend()):
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=LEAVE_BARRIER_TIMEOUT_S))
-        else:
+        elif dist.get_world_size() > 1:
             dist.barrier()
     except Exception:  # a peer gone already: leave anyway
         logger.warning("not every rank reached the leaving barrier; leaving the group anyway", exc_info=True)
+    dist.destroy_process_group()
 
 
 @dataclass(frozen=True)
 class GroupMembership:
     """This rank's place in the group that offload's collectives run on."""
 
-    group: object
-    """The process group (None: the default group)."""
+    group: object  # None: the default group
     rank: int
     world_size: int
     backend: str
-    device: torch.device
-    """Where payload all-gathers land: the compute device."""
+    device: torch.device  # where payload all-gathers land
 
     @property
     def header_device(self) -> torch.device:
-        """Where the small header and vote tensors live: the CPU when the group has a CPU backend, so checking
-        them never waits for an accelerator; else the compute device."""
+        """The CPU where the group has a CPU backend (checking headers never waits for an accelerator)."""
         if self.device.type == "cpu" or "gloo" in self.backend or "mpi" in self.backend:
             return torch.device("cpu")
         return self.device
 
 
 def join_offload_group(pipeline_class: str, device: torch.device, process_group=None) -> GroupMembership | None:
-    """The group `weight_transfer: "allgather"` runs on, or None when there is one rank (plain copies).
-
-    The group is `process_group`, else the default group. With torch.distributed not initialized the process
-    is a group of one, unless torchrun's environment says there are more ranks: that is an error (each rank
-    would silently keep a full copy).
-    """
-    import torch.distributed as dist
-
+    """The group `weight_transfer: "allgather"` runs on (`process_group`, else the default), or None for one
+    rank. Uninitialized with torchrun's WORLD_SIZE > 1 is an error (each rank would keep a full copy)."""
     prefix = f'{pipeline_class}: weight_transfer "allgather"'
     if not dist.is_available():
         raise OffloadError(f"{prefix} needs torch.distributed, which this torch build lacks; use \"rank-local\"")
@@ -294,17 +240,11 @@ class HostShare:
     """How the ranks of the group offload uses share this host's memory (for `host_budget_gb: "auto"`)."""
 
     world_size: int
-    """Ranks of the group: each keeps 1/world_size of every sharded block."""
-    ranks_on_host: int
-    """Of them, on this host (torchrun's LOCAL_WORLD_SIZE; where it is not set, every rank of the group: the
-    share then errs low, never high)."""
+    ranks_on_host: int  # LOCAL_WORLD_SIZE; where it is not set, every rank of the group: the share errs low, never high
 
 
 def offload_host_share(process_group=None) -> HostShare | None:
-    """The share of this host's memory each allgather rank may take; None for a group of one (or without
-    torch.distributed). Issues no collective."""
-    import torch.distributed as dist
-
+    """How allgather ranks share this host's memory; None for a group of one. Issues no collective."""
     if not dist.is_available() or (process_group is None and not dist.is_initialized()):
         return None
     world_size = dist.get_world_size(process_group)

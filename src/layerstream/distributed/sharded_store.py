@@ -1,30 +1,8 @@
-"""Sharded host store for `weight_transfer: "allgather"`: each rank keeps 1/N of every streamed block.
-
-Every rank computes the same `BlockLayout` for a block (the ranks load the same model; `check_layouts_` votes
-that the layouts agree), so the packed bytes are the same on every rank. Rank r keeps bytes [r*S, (r+1)*S) of
-them, with S = ceil(nbytes / N) rounded up to `ALIGN_BYTES`; the last shard is zero-padded. A transfer copies
-the local shard into chunk r of a device slot and all-gathers the chunks, so the slot then holds the whole
-packed block and the block's views read it exactly as with a local packed block.
-
-Each block is sharded in its component's form (`form_of`, `contracts.StoredForm`): with `storage_dtype` the
-ranks shard the block's float8 or lossless stored bytes, gather them into the slot's staging region (after the
-compute layout) and unpack them into the compute layout on the device (cast or decode), as the local store does
-after its copy. The shards then hold 1/N of the stored bytes.
-
-Staging and dropping are separate steps, unlike the local store: a block's shard is staged while the block
-keeps its original weights, and the weights go (`commit_`) only after every rank has staged every shard.
-Until then, rolling back is local to each rank; afterwards, the full weights exist only across the ranks.
-Host memory peaks at (1 + 1/N) x the streamed bytes during enable, never at two copies.
-
-With `host_budget_gb` the store is the host side of the disk tier, as a local store is: the budget is spent in
-this rank's shard bytes, and a block the placement puts on disk (or in the host pool of alternating DiTs) keeps
-this rank's shard there (`ShardPart`, the store's `disk_part`): in a spill file of its own, or as the checkpoint
-ranges that fall into the shard, read into the staging ring (or a pool entry) and gathered from there into the
-slot with the other ranks' shards. Each rank places its own blocks within its own budget; the ranks still agree
-on every block (the layout vote covers both tiers) and gather every block in one order: a block's index is
-given when it is staged, whichever tier holds it, and the restore at disable goes by index. Where a rank has
-blocks on disk, its gathers are all issued from the copy engine's issuing thread (`copy_waits_on_host`), so
-that a gather from host memory never overtakes one still waiting for its read.
+"""Sharded host store for `weight_transfer: "allgather"`: rank r keeps bytes [r*S, (r+1)*S) of every streamed
+block's stored bytes (S = ceil(nbytes / N), aligned; the ranks vote that their layouts agree); a transfer copies
+the shard into chunk r of a slot and all-gathers the chunks. The weights go only after every rank staged every
+shard (host memory peaks at (1 + 1/N) x the streamed bytes). Under `host_budget_gb` a disk block keeps this
+rank's shard on disk (`ShardPart`), gathered in the same order.
 """
 
 from __future__ import annotations
@@ -36,7 +14,7 @@ import torch
 
 from layerstream.distributed.collectives import BlockGather
 from layerstream.errors import UnsupportedUseError
-from layerstream.runtime.packing.host_buffer import HostBufferBlock, page_aligned_empty, pin_off_thread
+from layerstream.runtime.packing.host_buffer import HostBufferBlock, on_own_thread, page_aligned_empty
 from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
 from layerstream.runtime.contracts import HostStoreBase, Job, Pinner, StoredBlock, StoredForm, StoreStats
 from layerstream.runtime.forms.packed import PackedForm
@@ -61,11 +39,10 @@ class ShardedBlock(HostBufferBlock):
         if pinner is not None:
             # now, and waited for: a failure must reach the store's collective failure report (off the compute
             # thread all the same, where a failed registration would poison a later kernel)
-            if pin_off_thread(pinner, self.buffer):
+            if on_own_thread(pinner.pin_, self.buffer):
                 self.pinner = pinner
         self.gather = gather
-        self.index = index
-        """The block's index in the gather's headers (the same on every rank)."""
+        self.index = index  # in the gather's headers (the same on every rank)
         self.shard_nbytes = shard.numel()
 
     def __repr__(self) -> str:
@@ -73,13 +50,10 @@ class ShardedBlock(HostBufferBlock):
 
     @property
     def link_bytes(self) -> int:
-        """Bytes one transfer moves over this process's host link: its own shard (the rest arrives from peers)."""
-        return self.shard_nbytes
+        return self.shard_nbytes  # its own shard crosses this link; the rest arrives from peers
 
     @property
     def slot_nbytes(self) -> int:
-        """Bytes the gathered block occupies in a device slot: the compute layout where the form unpacks there
-        (float8, lossless), then one shard per rank."""
         return self.form.stored_offset + self.gather.world_size * self.shard_nbytes
 
     def copy_job(self, slot_buffer: torch.Tensor) -> Job:
@@ -103,8 +77,7 @@ class ShardedBlock(HostBufferBlock):
         )
 
     def write_back_(self, slot_buffer: torch.Tensor, start: int, end: int) -> int:
-        """Keep this rank's shard of what the forward wrote (every rank runs the same forward, so together the
-        ranks keep all of it)."""
+        # this rank's shard of what the forward wrote: every rank runs the same forward
         own_start = self.gather.rank * self.shard_nbytes
         return self.form.write_slot_range_(self.buffer, own_start, slot_buffer, start, end)
 
@@ -115,13 +88,11 @@ class ShardedBlock(HostBufferBlock):
         )
 
     def drop_original_(self) -> None:
-        """Evict the block to placeholders and let its original storage go (after every rank staged)."""
         self.binder.evict_()
         self.layout.forget_sources()
 
     def restore_(self, device: torch.device) -> None:
-        """Real tensors again, gathered from every rank (a collective: every rank restores in one order)."""
-        full = self.gather.gather_full_(self.index, self.form.stored_nbytes, self.buffer)
+        full = self.gather.gather_full_(self.index, self.form.stored_nbytes, self.buffer)  # a collective
         compute = self.form.compute_bytes(full)  # float8, lossless: upcast or decoded (exact) from the stored bytes
         self.binder.bind_(self.layout.separate_copies(compute, device))
         self.release_()
@@ -132,8 +103,7 @@ class ShardedBlock(HostBufferBlock):
 
 
 class ShardPart:
-    """This rank's shard of a block the disk tier holds (a `contracts.DiskPart`): bytes [r*S, (r+1)*S) of the
-    stored block, on disk and in the disk tier's buffers, gathered from there into the slot as a host shard is."""
+    """This rank's shard of a block the disk tier holds (a `contracts.DiskPart`), gathered as a host shard is."""
 
     keeps_originals = True  # after the commit the full weights exist only across the ranks: roll back before it
     restored_by_host_store = True  # a restore is a collective, in the gather's order (`ShardedHostStore.restore_`)
@@ -144,8 +114,7 @@ class ShardPart:
         self.form = form
         self.nbytes = self.gather.shard_nbytes(form.stored_nbytes)
         self.start = self.gather.rank * self.nbytes
-        self.index: int | None = None
-        """The block's index in the gather's headers, given when the disk tier stages it."""
+        self.index: int | None = None  # given when the disk tier stages it
         self.block: StoredBlock | None = None
 
     def __repr__(self) -> str:
@@ -169,9 +138,7 @@ class ShardPart:
         raise AssertionError(f"{self.form.layout.path}: a shard alone has no compute bytes; the sharded store restores it")
 
     def restore_(self, device: torch.device) -> None:
-        """Real tensors again: this rank's shard read back from disk (checked), gathered with every rank's (a
-        collective: every rank restores in the gather's order)."""
-        held = torch.empty(self.nbytes, dtype=torch.uint8)
+        held = torch.empty(self.nbytes, dtype=torch.uint8)  # read back from disk, then gathered (a collective)
         self.block.read_into_(held)
         full = self.gather.gather_full_(self.index, self.form.stored_nbytes, held)
         compute = self.form.compute_bytes(full)  # float8, lossless: upcast or decoded (exact) from the stored bytes
@@ -186,10 +153,8 @@ class ShardedHostStore(HostStoreBase):
     def __init__(self, gather: BlockGather, form_of: Callable[[BlockLayout], StoredForm] = PackedForm):
         self.gather = gather
         self.form_of = form_of
-        """The form each block is sharded in (float8 or lossless for a component with `storage_dtype`; default: packed)."""
         self.blocks: dict[str, ShardedBlock] = {}
-        self.disk_parts: dict[str, ShardPart] = {}
-        """This rank's shards of the blocks the disk tier holds (`host_budget_gb`), by block path."""
+        self.disk_parts: dict[str, ShardPart] = {}  # the disk tier's blocks, by path
         self._gathers_in_issue_order = False
         self._committed = False
 
@@ -220,8 +185,7 @@ class ShardedHostStore(HostStoreBase):
         return StoreStats.of_forms(b.form for b in self.blocks.values())
 
     def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
-        # every rank must shard the same layouts, in the same forms, before the first payload collective;
-        # raises on every rank
+        # every rank must shard the same layouts and forms before the first payload; raises on every rank
         self.gather.agree_on_layouts_([self.form_of(l) for l in layouts], slot_nbytes)
 
     def report_failure_(self, error: BaseException) -> None:
@@ -231,8 +195,7 @@ class ShardedHostStore(HostStoreBase):
             logger.exception("telling the other ranks that enable_offload failed did not work")
 
     def stage_(self, layout: BlockLayout, device: torch.device, pin: Pinner | None) -> ShardedBlock:
-        """Copy this rank's shard of a block into a host buffer of its own; the block keeps its weights for now."""
-        index = self.gather.register_block(layout.path)
+        index = self.gather.register_block(layout.path)  # the block keeps its weights until the commit
         form = self.form_of(layout)
         size = self.gather.shard_nbytes(form.stored_nbytes)
         shard = page_aligned_empty(size, zeroed=True)  # zeros: the padding past the block's end is deterministic
@@ -262,16 +225,13 @@ class ShardedHostStore(HostStoreBase):
         self.disk_parts.clear()  # the disk tier gives those blocks their original weights back
 
     def release_(self) -> None:
-        """The model was dropped without `disable()`: free this rank's shards (no collective: peers may be gone;
-        the disk tier removes the shards on disk)."""
-        for path in list(self.blocks):
+        for path in list(self.blocks):  # no collective: peers may be gone
             self.blocks.pop(path).release_()
         self.disk_parts.clear()
 
     def restore_(self, device: torch.device) -> None:
-        # in the gather's order, host and disk-tier shards alike (each rank may hold other blocks on disk), one
-        # block at a time, forgetting each once restored: a restore is a collective that can fail (a peer gone),
-        # and calling disable() again must not restore a block twice. The disk tier stopped reading ahead first
+        # in the gather's order, host and disk shards alike, each forgotten once restored: a restore is a
+        # collective that can fail (a peer gone), and disable() again must not restore a block twice
         pending = sorted([*self.blocks.values(), *self.disk_parts.values()], key=lambda b: b.index)
         for item in pending:
             item.restore_(device)

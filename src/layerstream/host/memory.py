@@ -1,13 +1,7 @@
-"""How much host memory this process may still take: the smaller of `MemAvailable` (/proc/meminfo) and, for the
-process's memory cgroup and each one above it, its limit minus its working set (`HostMemory.free_nbytes`).
-
-A container, a Slurm job or a systemd unit puts the process in a memory cgroup whose limit is often far below
-the machine's memory, and crossing it gets the process killed without a word. A cgroup's usage counts the page
-cache of every file its processes read (a checkpoint just loaded), so the working set is its usage (v2
-`memory.current`, v1 `memory.usage_in_bytes`) less the file cache the kernel drops before it kills anything:
-the cache that no process maps and that is not dirty (`memory.stat`), out of `memory.max` (v1
-`memory.limit_in_bytes`). Mapped and dirty pages stay counted, so the headroom errs low, never high, except the
-pages under the views of blocks that enabling packs (`HostMemory.releasing_mapped`).
+"""How much host memory this process may still take: the smaller of `MemAvailable` and, for the process's memory
+cgroup and each one above it (a container's, a Slurm job's: crossing it kills the process without a word), its
+limit minus its working set: usage less the file cache the kernel drops before it kills anything (not mapped,
+not dirty). The headroom errs low, never high, but for the pages under the views enabling packs.
 """
 
 from __future__ import annotations
@@ -21,32 +15,24 @@ from layerstream.wording import format_bytes
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC = Path("/proc")
-UNLIMITED_NBYTES = 2**62
-"""A cgroup v1 limit at or above this is "no limit" (the kernel shows a page-rounded LONG_MAX)."""
+UNLIMITED_NBYTES = 2**62  # a cgroup v1 limit at or above this is "no limit" (the kernel shows a page-rounded LONG_MAX)
 
 
 @dataclass(frozen=True)
 class CgroupLimit:
-    """One memory cgroup that limits this process: where it is, its limit, its usage, and the page cache
-    inside that usage that the kernel can reclaim and that is inactive (bytes)."""
+    """One memory cgroup that limits this process (bytes)."""
 
     version: int
     folder: str
     limit_nbytes: int
     usage_nbytes: int
-    inactive_file_nbytes: int = 0
-    """The inactive file cache (v1 `total_inactive_file`, v2 `inactive_file`; what `docker stats` leaves out
-    of the working set), shown beside the figure used; 0 unread."""
-    reclaimable_nbytes: int = 0
-    """Page cache the kernel can drop: the file cache less its mapped and dirty pages; 0 unread."""
+    inactive_file_nbytes: int = 0  # what `docker stats` leaves out of the working set, shown beside ours
+    reclaimable_nbytes: int = 0  # page cache the kernel can drop: the file cache less mapped and dirty pages
     mapped_file_nbytes: int = 0
-    """Its mapped file pages (v1 `total_mapped_file`, v2 `file_mapped`)."""
-    released_mapped_nbytes: int = 0
-    """Mapped file pages that enabling unmaps, and so are reclaimable too (`releasing_mapped`)."""
+    released_mapped_nbytes: int = 0  # mapped pages that enabling unmaps, and so reclaimable too
 
     @property
     def working_set_nbytes(self) -> int:
-        """Usage less its reclaimable page cache."""
         return max(self.usage_nbytes - self.reclaimable_nbytes - self.released_mapped_nbytes, 0)
 
     @property
@@ -90,12 +76,9 @@ class HostMemory:
         return min(figures) if figures else None
 
     def releasing_mapped(self, nbytes: int) -> HostMemory:
-        """These figures with `nbytes` of mapped file pages counted as reclaimable in the cgroup (at most its
-        mapped pages: a page first read by another cgroup is charged there): pages under the views of blocks
-        that enabling packs (their bytes go to the host store or are read from the file, and the views are
-        dropped). `MemAvailable` counts them already. A warm cgroup maps more of a cached checkpoint than a cold
-        one (the kernel maps cached pages around each one touched: 14 MB at enable cold, 15-31 MB warm), which
-        alone moved the budget by up to 6%."""
+        """These figures with `nbytes` of mapped file pages under the views enabling packs counted as reclaimable
+        in the cgroup (at most its mapped pages). A warm cgroup maps more of a cached checkpoint than a cold one
+        (14 MB at enable cold, 15-31 MB warm), which alone moved the budget by up to 6%."""
         if self.cgroup is None or nbytes <= 0:
             return self
         released = min(nbytes, self.cgroup.mapped_file_nbytes)
@@ -144,9 +127,7 @@ class _Files:
     version: int
     limit: str
     usage: str
-    stat_keys: tuple[str, str, str, str]
-    """The keys in `memory.stat` of the inactive and active file cache, its mapped and its dirty pages, within
-    `usage` (v1: the hierarchy's, as its usage is)."""
+    stat_keys: tuple[str, str, str, str]  # inactive and active file cache, mapped and dirty pages
 
 
 _V1 = _Files(1, "memory.limit_in_bytes", "memory.usage_in_bytes", ("total_inactive_file", "total_active_file", "total_mapped_file", "total_dirty"))

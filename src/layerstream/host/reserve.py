@@ -1,13 +1,6 @@
 """The host reserve of `host_budget_gb: "auto"`: what a generation allocates in host memory beside the host store,
-estimated for its size (or `host_reserve_gb`, given), with how it was reached.
-
-Per output pixel and colour channel the decode holds about `DECODED_BYTES_PER_VALUE` bytes on the host (the
-VAE's float32 frames brought to the host, diffusers' per-frame float32 arrays and their stack, the float32
-temporaries of the uint8 conversion beside the uint8 frames) and the output's encoding about
-`ENCODING_BYTES_PER_VALUE` (an even-sized uint8 copy; the encoded bytes are fewer); the text encoder's outputs are
-the prompt's and the negative prompt's hidden states; and where the device is the host itself (the CPU) a DiT
-block's activations (`models.generation_estimates.block_activation_nbytes`) and the latents live there too.
-Never less than `FLOOR_NBYTES`: Python objects, the tokenizer, the scheduler.
+estimated for its size (or `host_reserve_gb`, given): the decoded frames and their encoding, the text encoder's
+outputs, and on a CPU device a DiT block's activations; never less than `FLOOR_NBYTES`.
 """
 
 from __future__ import annotations
@@ -25,13 +18,9 @@ from layerstream.wording import GB, format_bytes
 if TYPE_CHECKING:
     from layerstream.models.generation_size import GenerationSize
 
-FLOOR_NBYTES = round(0.15 * GB)
-"""The least reserve: what a generation allocates whatever its size (Python objects, the tokenizer, the scheduler;
-an allowance, not measured). The 0.2 GB the issue found enough at 1/64 scale covers it."""
-DECODED_BYTES_PER_VALUE = 13
-"""Host bytes per decoded pixel and channel at the decode's peak: three float32 copies and the uint8 frames."""
-ENCODING_BYTES_PER_VALUE = 1
-"""Host bytes per pixel and channel while the output file is encoded (a padded uint8 copy)."""
+FLOOR_NBYTES = round(0.15 * GB)  # Python objects, the tokenizer, the scheduler: an allowance, not measured
+DECODED_BYTES_PER_VALUE = 13  # host bytes per pixel and channel at the decode's peak: three float32 copies, uint8
+ENCODING_BYTES_PER_VALUE = 1  # host bytes per pixel and channel while the output file is encoded (a padded copy)
 
 
 @dataclass(frozen=True)
@@ -39,16 +28,12 @@ class HostReserve:
     """The reserve (bytes) and how it was reached: the parts of the estimate, or the figure the config gave."""
 
     nbytes: int
-    source: str
-    """'host_reserve_gb' (given) or what the estimate was for ('estimated for 480x832 x 81 frames on cuda')."""
-    parts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    """The estimate's parts by name (empty where the reserve was given)."""
-    size_source: str = ""
-    """Where the estimate's size came from: the model's defaults, the largest request, the size planned."""
+    source: str  # 'host_reserve_gb' (given) or what the estimate was for ('estimated for 480x832 x 81 frames on cuda')
+    parts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))  # empty where given
+    size_source: str = ""  # the model's defaults, the largest request, the size planned
 
     @property
     def need_name(self) -> str:
-        """Its name among what runs beside the host store (`plan.host_budget.host_needs`)."""
         return "reserve (host_reserve_gb)" if self.source == "host_reserve_gb" else "reserve (estimated)"
 
     def describe(self) -> str:
@@ -66,10 +51,6 @@ class HostReserve:
         }  # fmt: skip
 
 
-def given_host_reserve(reserve_gb: float) -> HostReserve:
-    return HostReserve(round(reserve_gb * GB), "host_reserve_gb")
-
-
 def estimate_host_reserve(
     pipeline: Any,
     *,
@@ -77,10 +58,8 @@ def estimate_host_reserve(
     generation: GenerationSize,
     dit_blocks: tuple[nn.Module, ...] = (),
 ) -> HostReserve:
-    """The reserve for one generation of `generation`'s size (the model's rules fill what a caller leaves out:
-    `models.generation_size`). Pixels are counted where the pipeline decodes them (it has a `vae`); `dit_blocks`
-    (their first blocks) price the activations on a CPU device at the generation's latent tokens (its own
-    `tokens`, else `models.generation_estimates.latent_tokens`)."""
+    """The reserve for one generation of `generation`'s size: pixels where the pipeline decodes them (it has a
+    `vae`); `dit_blocks` (their first blocks) price the activations on a CPU device at its latent tokens."""
     size, tokens = generation.as_size(), generation.tokens
     parts: dict[str, int] = {}
     if getattr(pipeline, "vae", None) is not None:
@@ -102,12 +81,11 @@ def estimate_host_reserve(
 def host_reserve_for(
     pipeline: Any, plan: Any, reserve_gb: float | None, *, device_is_host: bool, generation: GenerationSize,
 ) -> HostReserve:  # fmt: skip
-    """`reserve_gb` where given, else the estimate for `plan`'s pipeline (a `ResolvedOffloadPlan`: its DiTs' first
-    blocks price the activations on a CPU device) at `generation` (the largest generation it will run)."""
+    """`reserve_gb` where given, else the estimate for `plan`'s pipeline at `generation` (the largest it runs)."""
     from layerstream.plan.resolved import lookup
 
     if reserve_gb is not None:
-        return given_host_reserve(reserve_gb)
+        return HostReserve(round(reserve_gb * GB), "host_reserve_gb")
     firsts = [s.block_paths[0] for c in plan.components if c.category == "dit" for s in c.stacks if s.block_paths]
     blocks = tuple(lookup(pipeline, p) for p in firsts)
     return estimate_host_reserve(pipeline, device_is_host=device_is_host, generation=generation, dit_blocks=blocks)

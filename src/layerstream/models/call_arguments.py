@@ -1,12 +1,9 @@
 """The call arguments a request's ``extra_params`` may set, declared per pipeline family (`FAMILY_ARGUMENTS`).
 
-A stranger's JSON reaches the pipeline's ``__call__`` only through a declaration: the values the argument takes
-(a number within its bounds, a text under the prompt cap, a step list with one strictly decreasing item per
-step inside the scheduler's range, an object with named keys) and what it adds to the work (`CallArgument.adds`:
-a text encoded once more per prompt, or the tokens each text is padded to). Whatever a family does not declare
-is refused, whatever its annotation: a list ``prompt_2`` runs the text encoder per item, an attention keyword the
-processor also takes is a crash, a ``sigmas`` of 1e308 a silently wrong picture. Arguments layerstream sets
-itself (`SET_BY_LAYERSTREAM`) are refused by the request, with what to give instead.
+A stranger's JSON reaches the pipeline's ``__call__`` only through a declaration of the values it takes and what
+it adds to the work. Whatever a family does not declare is refused, whatever its annotation: a list ``prompt_2``
+runs the text encoder per item, an attention keyword the processor also takes is a crash, a ``sigmas`` of 1e308 a
+silently wrong picture.
 """
 
 from __future__ import annotations
@@ -68,7 +65,6 @@ class CallArgument:
         return None
 
     def allowed(self, num_inference_steps: int) -> str:
-        """What it takes, as a phrase: ``"an integer from 1 to 512"``."""
         return {
             "integer": lambda: f"an integer from {self.low:g} to {self.high:g}",
             "number": lambda: f"a number from {self.low:g} to {self.high:g}",
@@ -132,9 +128,8 @@ arguments ``extra_params`` may set; a pipeline of no family takes none. docs/ser
 
 
 def declared_arguments(pipeline: Any) -> dict[str, CallArgument]:
-    """The declared arguments `pipeline` takes: its family's that its ``__call__`` has, ``max_sequence_length``
-    at most the call's default (the encoder's trained length), step lists only where its scheduler's
-    ``set_timesteps`` takes them, timesteps within its ``num_train_timesteps``."""
+    """Of its family's arguments, those `pipeline`'s ``__call__`` has: ``max_sequence_length`` at most the call's
+    default (the encoder's trained length), step lists where its scheduler's ``set_timesteps`` takes them."""
     name = type(pipeline).__name__
     family = max((f for f in FAMILY_ARGUMENTS if name.startswith(f)), key=len, default=None)
     call = inspect.signature(pipeline.__call__).parameters

@@ -25,6 +25,7 @@ from layerstream.models.output_limits import (
     check_output_geometry,
     read_output_geometry,
 )
+from layerstream.models.request_fields import CALL_ARGUMENT_FIELDS, OPTIONAL_FIELDS
 from layerstream.models.sample_solvers import SAMPLE_SOLVER, SOLVER_SCHEDULERS, solver_name, solvers_for
 
 DEFAULT_FPS = 16
@@ -38,12 +39,6 @@ FRAME_RATES = {
 5B TI2V model, trained at 24 fps, loads as `WanPipeline` too and is encoded at 16 unless a request says."""
 FALLBACK_NUM_INFERENCE_STEPS = 50
 """Steps when neither the request nor the pipeline's ``__call__`` names a count (diffusers' usual default)."""
-
-OPTIONAL_FIELDS = ("negative_prompt", "guidance_scale_2", "true_cfg_scale", "boundary_ratio", "flow_shift")
-"""Request fields only some pipelines take; a request that gives one its pipeline cannot take is refused."""
-CALL_ARGUMENT_FIELDS = ("negative_prompt", "guidance_scale_2", "true_cfg_scale")
-SETTING_FIELDS = ("boundary_ratio", "flow_shift")
-"""Fields that override a pipeline or scheduler setting for one request (on a copy for its call alone)."""
 
 
 ImageProblem = Literal["takes_none", "required"]

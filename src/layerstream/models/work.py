@@ -1,9 +1,6 @@
-"""`price_request`: what one request costs its pipeline, priced before it runs, in one unit.
-
-The one price the work cap (--max-work of `serve`, `generate` and `plan`), the server's batches and its default cap
-compare, and that `Omni.price` reports: the transformer's forwards (steps x passes x outputs, two passes a step under classifier-free guidance)
-over the pixels of every frame, and the tokens the text encoder reads (prompts, the negative one under guidance,
-and each declared text argument of ``extra_params``, each padded to ``max_sequence_length``). A price may exceed a request's cost, never fall short of it (tests count forwards).
+"""`price_request`: what one request costs its pipeline, in one unit, priced before it runs: the one price the
+work cap (--max-work), the server's batches and `Omni.price` compare. A price may exceed a request's cost, never
+fall short of it (tests count forwards).
 """
 
 from __future__ import annotations
@@ -23,17 +20,16 @@ DEFAULT_TEXT_TOKENS = 512
 
 @dataclass(frozen=True)
 class WorkPrice:
-    """The figures one request is priced by, and the price (`work`)."""
+    """The figures one request is priced by: the transformer's forwards over the pixels of every frame, and the
+    tokens the text encoder reads (prompts, the negative one under guidance, each declared text argument of
+    ``extra_params``, each padded to ``max_sequence_length``); and the price (`work`)."""
 
     pixels: int
-    """Width x height of one frame (a size the pipeline picks itself: the largest side allowed, squared)."""
     num_frames: int
     num_inference_steps: int
-    passes: int
-    """Transformer forwards per step and output: 2 under classifier-free guidance."""
+    passes: int  # transformer forwards per step and output: 2 under classifier-free guidance
     n: int
-    texts: int
-    """Texts the encoder reads per output."""
+    texts: int  # per output
     tokens_per_text: int
 
     @property
@@ -46,7 +42,6 @@ class WorkPrice:
         return self.pixels * self.num_frames * self.forwards + TEXT_TOKEN_WORK * self.n * self.texts * self.tokens_per_text
 
     def describe(self) -> str:
-        """Each figure and the price, as a phrase for a refusal."""
         return (
             f"{self.pixels:,} pixels x {self.num_frames} frame(s) x {self.num_inference_steps} step(s) x {self.passes}"
             f" pass(es) x n={self.n} + {self.texts} text(s) x {self.tokens_per_text} token(s) x {TEXT_TOKEN_WORK}"
@@ -55,9 +50,8 @@ class WorkPrice:
 
 
 def price_request(rules: ModelRules, request: Any, *, max_side_pixels: int) -> WorkPrice:
-    """The price of `request` (a `request.GenerationRequest`, which sits above models) on `rules`' model, its
-    defaults filled in as the pipeline's call will have them; a size the pipeline picks itself is priced at the
-    largest side it may pick (`max_side_pixels`, lowered to the model's own reach), squared."""
+    """The price of `request` (a `GenerationRequest`) on `rules`' model, its defaults filled in as the call will
+    have them; a size the pipeline picks itself priced at the largest side it may pick, squared."""
     shape = rules.filled(
         height=request.height, width=request.width, num_frames=request.num_frames,
         num_inference_steps=request.num_inference_steps,

@@ -1,23 +1,8 @@
 """The contracts the streamer and the mode backends talk to: where a block's bytes live (`HostStore`, one
-`StoredBlock` per block), in which form (`StoredForm`), and how they move (`CopyEngine`).
-
-Every capability a caller uses is declared here, with its default in `HostStoreBase` / `StoredBlockBase`: a
-store says how many device bytes a block needs in a slot (`slot_nbytes`) and how many host bytes it keeps for
-it (`host_nbytes`: the two differ for the float8 and lossless forms, whose slot also holds a staging region, and
-for the sharded store, whose slot holds the gathered block), learns where the placement put each block
-(`place_`), follows the streamer's order (`follow_order_`), says in which form it keeps a block's bytes
-(`stored_form`: packed byte for byte, float8 or lossless, from `runtime.forms`; every store keeps a block in its
-component's form), says what this process keeps of a block the disk tier holds (`disk_part`: the whole stored
-block, or a rank's shard of it) and reports its own figures (`stats()`). The stores live in `runtime.stores`
-(the local store, the tiered store with the disk tier in `runtime.stores.disk`) and `distributed` (sharded);
-`runtime.stores.compose` builds each component's store. A copy engine runs copies beside compute with a
-three-call slot protocol (`runtime.engines`).
-
-Lifecycle of a store, driven by `enable_offload` and the handle:
-  `slot_nbytes` / `host_nbytes` (pure, for the placement) -> `place_` (the placement's decisions) ->
-  `check_layouts_` (before anything changes) -> `stage_` per block -> `commit_` -> `follow_order_` -> copies
-  through `StoredBlock.copy_job` while enabled -> `restore_` at disable (after the engine is closed). A failure
-  before the commit calls `rollback_`, which gives every staged block its original tensors back.
+`StoredBlock` per block), in which form (`StoredForm`), and how they move (`CopyEngine`), with defaults in
+`HostStoreBase` / `StoredBlockBase`. A store's lifecycle: `slot_nbytes` / `host_nbytes` (pure) -> `place_` ->
+`check_layouts_` (before anything changes) -> `stage_` per block -> `commit_` -> `follow_order_` -> copies ->
+`restore_` at disable (after the engine is closed); before the commit, `rollback_` gives the originals back.
 """
 
 from __future__ import annotations
@@ -36,8 +21,7 @@ from layerstream.runtime.forms.slot import stored_region
 if TYPE_CHECKING:
     from layerstream.plan.placement import Placement
 
-Job = Callable[[], int]
-"""A copy job: moves one block's bytes into a slot and returns how many bytes crossed this process's link."""
+Job = Callable[[], int]  # moves one block's bytes into a slot; returns the bytes that crossed this process's link
 
 
 @dataclass
@@ -61,68 +45,45 @@ class Pinner(Protocol):
 
 @runtime_checkable
 class StoredForm(Protocol):
-    """How a block's bytes are kept off the device, and how they become its compute layout in a slot
-    (`runtime.forms`): the packed form keeps the compute layout byte for byte, the float8 form keeps the cast
-    spans in float8, the lossless form codes its 16-bit parameter spans. Pure: reads the layout only."""
+    """How a block's bytes are kept off the device, and how they become its compute layout in a slot. Pure."""
 
-    layout: BlockLayout
-    """The compute layout: what a slot holds while the block computes (the streamer binds its views)."""
-    lossless: bool
-    """Whether the stored bytes give back the original tensors exactly (the packed and the lossless form; float8
-    rounds)."""
+    layout: BlockLayout  # the compute layout: what a slot holds while the block computes
+    lossless: bool  # the stored bytes give back the original tensors exactly (float8 rounds)
     stored_is_packed: bool
-    """Whether the stored bytes are the packed layout byte for byte (the packed form only: a checkpoint's own file
-    ranges can serve them, and the original tensors may go as soon as the block is staged)."""
-    coded: bool
-    """Whether the stored bytes are a code no tensor can view (the lossless form: host tensors are decoded copies,
-    coded again when written)."""
+    """The stored bytes are the packed layout byte for byte: checkpoint file ranges can serve them, and the
+    original tensors may go as soon as the block is staged."""
+    coded: bool  # a code no tensor can view: host tensors are decoded copies, coded again when written
 
     @property
-    def stored_nbytes(self) -> int:
-        """Bytes of the stored block (what a store keeps of it, what a whole transfer moves)."""
+    def stored_nbytes(self) -> int: ...  # what a store keeps of the block, what a whole transfer moves
 
     @property
-    def stored_offset(self) -> int:
-        """Where in a slot the stored bytes land: 0 for the packed form, after the compute layout where they are
-        unpacked in the slot (so a slot needs `stored_offset + stored_nbytes`: `slot_nbytes`)."""
+    def stored_offset(self) -> int: ...  # where in a slot the stored bytes land: 0 packed, else after the layout
 
     @property
-    def slot_nbytes(self) -> int:
-        """Bytes of a slot holding the whole block: the compute layout, and the stored bytes where they differ."""
+    def slot_nbytes(self) -> int: ...  # `stored_offset + stored_nbytes`
 
     @property
-    def signature(self) -> str:
-        """A short description of how the bytes are stored, the same wherever the form is (ranks compare it)."""
+    def signature(self) -> str: ...  # how the bytes are stored, in words (ranks compare it)
 
     def fill_(self, stored: torch.Tensor, files: MappedFiles | None = None, reader: FileReader | None = None) -> int:
-        """Write the stored bytes (uint8, `stored_nbytes`) from the block's original tensors; spans that are
-        unwritten views of a file mapping (`files`) are read from the file by `reader`. Returns the bytes read
-        from files."""
+        """Write the stored bytes from the originals (file-backed views read by `reader`); returns those bytes."""
 
     def fill_range_(self, out: torch.Tensor, start: int) -> None:
-        """Write stored bytes [start, start + out.numel()) into `out`; bytes past the stored block are left as
-        they are (a zeroed shard keeps its zero padding)."""
+        """Write stored bytes [start, start + out.numel()); bytes past the block stay as they are (zero padding)."""
 
     def unpack_ops(self, slot_buffer: torch.Tensor) -> list:
-        """What turns the stored bytes in a slot into the compute layout, in order: objects whose `run_()` runs on
-        the copy's thread and stream (float8: one `Upcast` per run of cast spans; lossless: one decode per coded
-        span; raw bytes a byte copy each; none for the packed form). Built once per slot (`SlotUnpack`)."""
+        """The ops (`run_()` on the copy's thread and stream) that make a slot's stored bytes the compute layout."""
 
-    def compute_bytes(self, stored: torch.Tensor) -> torch.Tensor:
-        """The compute layout's bytes made from the stored bytes (for restoring real tensors)."""
+    def compute_bytes(self, stored: torch.Tensor) -> torch.Tensor: ...  # for restoring real tensors
 
-    def compute_range(self, stored: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
-        """Bytes [start, start + nbytes) of the compute layout made from the whole stored block (a view of it for
-        the packed form)."""
+    def compute_range(self, stored: torch.Tensor, start: int, nbytes: int) -> torch.Tensor: ...
 
-    def stored_tensors(self, stored: torch.Tensor) -> list[torch.Tensor]:
-        """One tensor per layout entry viewing `stored`, in the dtype the form keeps it in (not for a `coded`
-        form)."""
+    def stored_tensors(self, stored: torch.Tensor) -> list[torch.Tensor]: ...  # views, in the stored dtype (uncoded)
 
     def write_slot_range_(self, stored: torch.Tensor, stored_start: int, slot_buffer: torch.Tensor, start: int, end: int) -> int:
-        """Store bytes [start, end) of the compute layout held in `slot_buffer` into `stored`, which holds stored
-        bytes [stored_start, stored_start + stored.numel()) (a whole block, or a rank's shard); returns the
-        stored bytes written. Raises `UnsupportedUseError`, before writing, where the values do not fit the form."""
+        """Store compute-layout bytes [start, end) of `slot_buffer` into `stored` (stored bytes from `stored_start`);
+        returns the stored bytes written. Raises `UnsupportedUseError`, before writing, where values do not fit."""
 
 
 @runtime_checkable
@@ -136,53 +97,40 @@ class StoredBlock(Protocol):
     def path(self) -> str: ...
 
     @property
-    def host_bytes(self) -> int:
-        """Host bytes this process holds for the block."""
+    def host_bytes(self) -> int: ...  # held by this process for the block
 
     @property
     def pinned(self) -> bool: ...
 
     @property
-    def link_bytes(self) -> int:
-        """Bytes one transfer of the block moves over this process's host link."""
+    def link_bytes(self) -> int: ...  # one transfer of the block moves these over this process's host link
 
     copy_waits_on_host: bool
-    """Whether the block's copy job may wait on the host (a disk read): an accelerator engine queues such a job
-    on a thread of its own, so that compute goes on queuing kernels meanwhile."""
+    """The copy job may wait on the host (a disk read): an accelerator engine runs it on a thread of its own, so
+    that compute goes on queuing kernels meanwhile."""
 
-    def copy_job(self, slot_buffer: torch.Tensor) -> Job:
-        """A job that fills `slot_buffer` (a whole slot) with the block's packed bytes."""
+    def copy_job(self, slot_buffer: torch.Tensor) -> Job: ...  # fills a whole slot with the block's packed bytes
 
     def host_range(self, start: int, nbytes: int) -> torch.Tensor:
-        """Bytes [start, start + nbytes) of the packed block, on the host (for a tensor autograd saved).
-        Raises `UnsupportedUseError` where this process does not hold them."""
+        """Packed bytes [start, start + nbytes) on the host, for autograd (`UnsupportedUseError` where not held)."""
 
     def write_back_(self, slot_buffer: torch.Tensor, start: int, end: int) -> int:
-        """Copy bytes [start, end) of the packed block from `slot_buffer` back into the store (a buffer the
-        block wrote during its forward); returns the bytes written."""
+        """Copy bytes [start, end) of a buffer the block wrote in `slot_buffer` back to the store; returns them."""
 
     def host_tensors(self) -> list[torch.Tensor]:
-        """One host tensor per layout entry, viewing the store's bytes (`state_dict`, `load_state_dict`), in the
-        dtype the store keeps it in. Raises `UnsupportedUseError` where this process does not hold the whole block."""
+        """One host tensor per entry, viewing the store's bytes (`UnsupportedUseError` where not held whole)."""
 
     def sync_host_tensors_(self, written: bool) -> None:
-        """A caller is done with the tensors `host_tensors()` gave: with `written`, something may have written them
-        (a load, LoRA loading) and the store takes their values; the block lets them go. Default: nothing (they
-        view the store's bytes). A store that gives decoded copies (lossless) codes them again here."""
+        """The caller is done with `host_tensors()`; with `written` the store takes their values (codes them)."""
 
-    def check_lora_(self) -> None:
-        """Raise `UnsupportedUseError` where LoRA may not change the block (a lossy form); default: allowed."""
+    def check_lora_(self) -> None: ...  # raises `UnsupportedUseError` where LoRA may not change the block
 
-    def count_stall_(self, stall_seconds: float) -> None:
-        """Compute just waited `stall_seconds` for this block's copy: a block that reads a source of its own (the
-        disk) counts the part spent waiting on it; default: nothing to count."""
+    def count_stall_(self, stall_seconds: float) -> None: ...  # compute waited so long: a disk block counts its part
 
     @property
     def host_version(self) -> int | None:
-        """A number that moves whenever something writes the store's bytes of the block in place (torch's version
-        counter of the host buffer, which every view of it shares: the tensors `state_dict()` gives, a
-        write-back): a slot copied from an older version must be copied again. None where writes are not tracked
-        (every writer then calls `BlockStreamer.forget_copy_`); default: None."""
+        """Torch's version counter of the host buffer (shared by every view): a slot copied from an older version
+        must be copied again. None where writes are not tracked (writers call `BlockStreamer.forget_copy_`)."""
 
 
 @runtime_checkable
@@ -191,90 +139,63 @@ class HostStore(Protocol):
 
     kind: str
 
-    def slot_nbytes(self, layout: BlockLayout) -> int:
-        """Bytes the block needs in a device slot (pure; the placement sizes the slots from it)."""
+    def slot_nbytes(self, layout: BlockLayout) -> int: ...  # pure; the placement sizes the slots from it
 
-    def host_nbytes(self, layout: BlockLayout) -> int:
-        """Host bytes this process keeps for the block when the store holds it in host memory (pure; the placement
-        prices the host tier in it)."""
+    def host_nbytes(self, layout: BlockLayout) -> int: ...  # pure; the placement prices the host tier in it
 
-    def stored_form(self, layout: BlockLayout) -> StoredForm:
-        """The form the store keeps the block's bytes in (pure): the disk tier writes and reads the block's bytes
-        in its host store's form, so float8 blocks are float8 on disk too."""
+    def stored_form(self, layout: BlockLayout) -> StoredForm: ...  # pure; the disk tier keeps the same form
 
-    def disk_part(self, layout: BlockLayout) -> DiskPart:
-        """What this process keeps of the block where the disk tier holds it in the store's stead (pure): the
-        whole stored block (`WholePart`), or this rank's shard of it (the sharded store), on disk and in the disk
-        tier's host buffers, and how those bytes reach a slot."""
+    def disk_part(self, layout: BlockLayout) -> DiskPart: ...  # pure; what it keeps where the disk tier holds it
 
-    def place_(self, placement: Placement) -> None:
-        """The placement's decisions, before `check_layouts_` (the tiered store learns which blocks go to disk)."""
+    def place_(self, placement: Placement) -> None: ...  # the placement's decisions, before `check_layouts_`
 
     def follow_order_(self, successor: Callable[[str], str | None], num_blocks: int) -> None:
-        """After the commit: the streamer's prediction of the block that runs after a block, over all `num_blocks`
-        streamed blocks (a store that reads ahead of the slots follows it: the disk tier)."""
+        """After the commit: the streamer's prediction of the next block (the disk tier reads ahead along it)."""
 
-    def stats(self) -> StoreStats:
-        """The store's own figures (see `StoreStats`)."""
+    def stats(self) -> StoreStats: ...
 
     def check_layouts_(self, layouts: Sequence[BlockLayout], slot_nbytes: int) -> None:
-        """Check, before anything changes, that the store can hold these blocks (a collective store checks that
-        every rank agrees). Raises `OffloadError`."""
+        """`OffloadError` before anything changes where the store cannot hold these blocks (or the ranks disagree)."""
 
-    def report_failure_(self, error: BaseException) -> None:
-        """This process failed before or while staging: let any peer know (a local store has none)."""
+    def report_failure_(self, error: BaseException) -> None: ...  # failed before or while staging: tell any peer
 
     def stage_(self, layout: BlockLayout, device: torch.device, pin: Pinner | None) -> StoredBlock:
         """Take the block's bytes into the store; from now on the block may hold placeholders."""
 
-    def commit_(self) -> None:
-        """Every block is staged: the store's copy becomes the only one (originals may be dropped)."""
+    def commit_(self) -> None: ...  # every block is staged: the store's copy becomes the only one
 
-    def rollback_(self) -> None:
-        """Undo every `stage_` (before the commit): blocks get their original tensors back, host memory goes."""
+    def rollback_(self) -> None: ...  # undo every `stage_` (before the commit): the original tensors come back
 
     def restore_(self, device: torch.device) -> None:
-        """Give every block real tensors on `device` again (fresh storage, same layout) and free the host
-        memory. The caller has closed the copy engine first: no copy may still read a host buffer."""
+        """Give every block real tensors on `device` again and free the host memory. The caller has closed the
+        copy engine first: no copy may still read a host buffer."""
 
     def release_(self) -> None:
-        """The model was dropped without `disable()`: free and unpin the host memory (and remove spill files),
-        restoring nothing and telling no peer. The caller has closed the copy engine first."""
+        """The model was dropped without `disable()`: free host memory and spill files, restoring nothing and
+        telling no peer. The caller has closed the copy engine first."""
 
 
 @runtime_checkable
 class DiskPart(Protocol):
-    """What this process keeps of one block of the disk tier: stored bytes [start, start + nbytes) of the block
-    in its form, on disk (a spill file, or the checkpoint's ranges), in the staging ring and in the host pool;
-    and how they reach a device slot. The disk store asks each block's host store (`HostStore.disk_part`)."""
+    """What this process keeps of one disk-tier block (stored bytes [start, start + nbytes)), and how to a slot."""
 
     form: StoredForm
-    start: int
-    """The first stored byte of the part (0 for a whole block; rank r's shard starts at r x its size)."""
-    nbytes: int
-    """Bytes of the part (a shard's zero padding past the block's end included)."""
+    start: int  # the first stored byte of the part (0 for a whole block; rank r's shard starts at r x its size)
+    nbytes: int  # bytes of the part (a shard's zero padding past the block's end included)
     keeps_originals: bool
-    """The block keeps its original tensors until the store commits, so that a rollback gives them back without
-    reading the part (a lossy form's rounded bytes, or a shard that holds only part of the block)."""
+    """The block keeps its original tensors until the commit, so that a rollback need not read the part back."""
     restored_by_host_store: bool
-    """The block's full bytes exist only across ranks: its host store restores it (`restore_`, a collective in
-    the order of its peers) and the disk store leaves it alone at restore and at a rollback after the commit."""
+    """The full bytes exist only across ranks: the host store restores the block (a collective), not the disk store."""
 
-    def staged_(self, block: StoredBlock) -> None:
-        """The disk store staged the block as `block` (whose `read_into_` reads the part back): the sharded
-        store registers it with its gather, in the order blocks are staged on every rank."""
+    def staged_(self, block: StoredBlock) -> None: ...  # the sharded store registers it, in staging order
 
     def fill_(self, out: torch.Tensor, files: MappedFiles | None, reader: FileReader | None) -> int:
-        """Write the part (uint8, `nbytes`, zeroed by the caller) from the block's original tensors; returns
-        the bytes read from files."""
+        """Write the part (`out` zeroed by the caller) from the original tensors; returns the bytes read from files."""
 
     def to_slot_(self, held: torch.Tensor, slot_buffer: torch.Tensor, non_blocking: bool) -> int:
-        """Move the part, held in `held[:nbytes]` (a staging buffer or a pool entry), into its place in the
-        slot: one copy, or the shard's copy and the all-gather of every rank's shard (the caller then unpacks a
-        lossy form in the slot and records its event). Returns the bytes that crossed this process's link."""
+        """Move the part in `held[:nbytes]` into the slot (a shard: all-gathered); returns the bytes over the link."""
 
-    def compute_bytes(self, held: torch.Tensor) -> torch.Tensor:
-        """The compute layout's bytes from the part read back (a restore by the disk store: whole parts only)."""
+    def compute_bytes(self, held: torch.Tensor) -> torch.Tensor: ...  # from the part read back (whole parts only)
 
 
 class WholePart:
@@ -309,24 +230,16 @@ class WholePart:
 class StoreStats:
     """What a store reports of itself; the backend sums these, counting each store once."""
 
-    host_bytes: int = 0
-    """Host bytes kept beside the blocks' own (`StoredBlock.host_bytes`): the disk tier's pool."""
+    host_bytes: int = 0  # host bytes kept beside the blocks' own (`StoredBlock.host_bytes`): the disk tier's pool
     pinned_host_bytes: int = 0
-    """Of those, page-locked."""
     bytes_read_from_files: int = 0
-    """Bytes staged straight from checkpoint files at enable."""
     disk_bytes_read: int = 0
-    """Bytes read from disk (checkpoint or spill files) since enable."""
     disk_stall_seconds: float = 0.0
-    """Time compute waited for disk reads since enable."""
     host_pool_bytes: int = 0
-    """Host bytes of the disk tier's pool of alternating DiTs (within the budget)."""
     disk_staging_bytes: int = 0
-    """Host bytes of the disk tier's staging ring (beyond the budget)."""
     lossless_stored_bytes: int = 0
-    """Bytes of the blocks kept in the lossless form, as stored (coded: what moves over the link)."""
     lossless_decoded_bytes: int = 0
-    """Bytes of the same blocks decoded (their compute layout in a slot)."""
+    """Of the blocks in the lossless form, coded and decoded (see `OffloadStats` for every figure)."""
 
     @classmethod
     def of_forms(cls, forms: Iterable[StoredForm], **figures) -> StoreStats:
@@ -357,8 +270,7 @@ class StoredBlockBase:
 
 
 class HostStoreBase:
-    """Defaults of `HostStore`: a block laid out as it is (slot and host bytes both `layout.nbytes`), nothing to
-    agree on with peers, nothing to learn from the placement or the order, no figures of its own."""
+    """Defaults of `HostStore`: a block laid out as it is, no peers, nothing to learn, no figures of its own."""
 
     def slot_nbytes(self, layout: BlockLayout) -> int:
         return layout.nbytes
@@ -390,32 +302,24 @@ class HostStoreBase:
 
 @runtime_checkable
 class CopyEngine(Protocol):
-    """Moves bytes into device slots beside compute. For each slot:
-
-    - `copy_into(slot, job)`: on the copy side, wait until compute has released the slot, run `job`, then
-      mark the slot ready;
-    - `wait_ready(slot)`: compute waits until the slot's latest copy is done (a failed job raises
-      `TransferError` here);
-    - `release(slot)`: compute marks that it is done reading the slot.
-    """
+    """Moves bytes into device slots beside compute. Per slot: `copy_into(slot, job)` waits until compute released
+    it, runs `job`, marks it ready; `wait_ready(slot)` waits for the latest copy (raising `TransferError` for a
+    failed job); `release(slot)`: compute is done reading it."""
 
     kind: str
 
     def copy_into(self, slot: int, job: Job, record: CopyRecord | None = None, *, waits_on_host: bool = False) -> None:
         """`waits_on_host`: the job may wait on the host (`StoredBlock.copy_waits_on_host`)."""
 
-    def wait_ready(self, slot: int) -> float:
-        """Returns the seconds compute waited on the host (0 where it waits on the device)."""
+    def wait_ready(self, slot: int) -> float: ...  # the seconds compute waited on the host (0 on the device)
 
     def release(self, slot: int) -> None: ...
 
-    def now(self) -> object:
-        """A time mark on the compute side; `resolve` turns it into seconds after the run."""
+    def now(self) -> object: ...  # a time mark on the compute side; `resolve` makes it seconds after the run
 
     def resolve(self, mark: object) -> float: ...
 
-    def copy_records(self) -> list[CopyRecord]:
-        """Every recorded copy with its times resolved (may synchronize: call after a run)."""
+    def copy_records(self) -> list[CopyRecord]: ...  # times resolved (may synchronize: call after a run)
 
     def clear_records(self) -> None: ...
 
@@ -423,8 +327,7 @@ class CopyEngine(Protocol):
 
     def unpin_(self, buffer: torch.Tensor) -> None: ...
 
-    def capturing(self) -> bool:
-        """Whether the compute stream is being captured into a CUDA graph right now (never on the CPU)."""
+    def capturing(self) -> bool: ...  # the compute stream is being captured into a CUDA graph (never on the CPU)
 
     def guard_slots_(self, slot_buffers: list[torch.Tensor]) -> None:
         """The slot ring, at enable: its memory may not be handed to anyone else while a copy may still write it."""

@@ -1,27 +1,27 @@
 """Request and response bodies of the HTTP API, OpenAI-style.
 
-Requests are strict: a field of the wrong JSON type is an error, never coerced ("3" is not 3, 1.0 is not
-an int, true is not a number), and an unknown field is an error rather than silently ignored, so a typo
-such as ``"num_inference_step"`` is reported instead of quietly running the default. These models check
-what does not depend on the served model, each generation field within `GenerationRequest`'s bounds
-(`request.FIELD_BOUNDS`, through `bounded`); `layerstream.server.limits` checks the rest (size multiple,
-frame rule) by the model's rules.
-
-The JSON schema of every model is frozen in ``tests/server/test_schema.py``: a change here is deliberate.
+Requests are strict: a field of the wrong JSON type is an error, never coerced ("3" is not 3, 1.0 is not an int,
+true is not a number), and an unknown field is an error rather than silently ignored (a typo such as
+``"num_inference_step"`` is reported instead of quietly running the default). Each body's generation fields, with
+their types, bounds and descriptions, are made from the request's field table (`generation_fields`, from
+`models.request_fields`); `layerstream.server.limits` checks what depends on the served model. The JSON schema
+of every model is frozen in ``tests/server/test_schema.py``: a change here is deliberate.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+from dataclasses import fields
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from layerstream.json_object import JsonLimitError, read_json_text
 from layerstream.models.output_limits import MAX_PROMPT_CHARS, MAX_SEED  # the command line's limits too
-from layerstream.request import FIELD_BOUNDS, GenerationRequest
+from layerstream.models.request_fields import REQUEST_FIELDS, BodyGroup, FieldBound, RequestField
+from layerstream.request import GenerationRequest
 from layerstream.server.image_outputs import MAX_KEPT_OUTPUT_BYTES, MAX_KEPT_OUTPUTS
 
 MAX_IMAGES_PER_REQUEST = 4
@@ -32,69 +32,55 @@ AUTO_SIZE = "auto"
 """OpenAI's size meaning the model's default (with an input image: the image's size)."""
 IMAGE_SIZE_PATTERN = r"^(auto|[1-9][0-9]{0,5}x[1-9][0-9]{0,5})$"
 MAX_USER_CHARS = 256
+_BODY_FIELDS = frozenset(name for name, field in REQUEST_FIELDS.items() if field.body is not None)
+_CONSTANTS = {field.name: field.default for field in fields(GenerationRequest)}
 
 
-def bounded(name: str, description: str, **field: Any) -> Any:
-    """A body's field for `GenerationRequest` field `name`, default None, with the request's bounds (`FIELD_BOUNDS`)."""
-    return Field(**{"default": None, **field, **FIELD_BOUNDS[name].schema()}, description=description)
+def generation_fields(group: BodyGroup, **changes: dict[str, Any]):
+    """A class decorator: the body with the table's fields of `group` added (`REQUEST_FIELDS`: type, bounds, default
+    and description), each with its `changes` (a serving cap, a description of this body's own)."""
+
+    def add_fields(body: type[BaseModel]) -> Any:
+        taken = [name for name, field in REQUEST_FIELDS.items() if field.body == group]
+        added = {name: _body_field(name, REQUEST_FIELDS[name], changes.get(name, {})) for name in taken}
+        return create_model(body.__name__, __base__=body, __module__=body.__module__, __doc__=body.__doc__, **added)
+
+    return add_fields
 
 
-class _StrictModel(BaseModel):
+def _body_field(name: str, field: RequestField, changes: dict[str, Any]) -> tuple[Any, Any]:
+    """(annotation, `Field`) of table field `name`: None when left out (the model's or the server's default),
+    unless the request's own constant is the default; a required text is not empty."""
+    bound = field.values if isinstance(field.values, FieldBound) else None
+    kind = bound.kind if bound is not None else field.values
+    kind = dict[str, Any] if kind is dict else kind
+    spec: dict[str, Any] = {"description": field.description, **(bound.schema() if bound is not None else {})}
+    if kind is str:
+        spec.update(max_length=MAX_PROMPT_CHARS, **({"min_length": 1} if field.default == "required" else {}))
+    if field.default == "constant":
+        return kind, Field(default=_CONSTANTS[name], **{**spec, **changes})
+    if field.default == "required":
+        return kind, Field(**{**spec, **changes})
+    return kind | None, Field(default=None, **{**spec, **changes})
+
+
+@generation_fields("every")
+class RequestFields(BaseModel):
+    """The fields every body takes, the synchronous endpoints' and the jobs'."""
+
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
-class RequestFields(_StrictModel):
-    """The generation fields every body takes, the synchronous endpoints' and the jobs'."""
-
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="What to generate.")
-    negative_prompt: str | None = Field(
-        default=None, max_length=MAX_PROMPT_CHARS, description="What to steer away from (classifier-free guidance)."
-    )
     model: str | None = Field(default=None, description="If given, must name the served model.")
     size: str | None = Field(
         default=None,
         pattern=SIZE_PATTERN,
         description="'WIDTHxHEIGHT' in pixels, each a multiple of the model's size multiple; default: the model's.",
     )
-    seed: int | None = bounded("seed", "Seed of the first output; default: random (reported).")
-    num_inference_steps: int | None = bounded("num_inference_steps", "Denoising steps; default: the model's.")
-    guidance_scale: float | None = bounded("guidance_scale", "Guidance scale; default: the model's.")
-    guidance_scale_2: float | None = bounded(
-        "guidance_scale_2", "Two-expert models (Wan 2.2 A14B): the low-noise expert's guidance scale; default: guidance_scale."
-    )
-    true_cfg_scale: float | None = bounded(
-        "true_cfg_scale",
-        "Models with a true_cfg_scale argument (Flux, Qwen-Image): that argument; guidance_scale then goes to"
-        " the model's own guidance_scale. Default: guidance_scale is the classifier-free scale.",
-    )
-    boundary_ratio: float | None = bounded(
-        "boundary_ratio", "Two-expert models: where the second expert takes over, a fraction of the timesteps; default: the model's."
-    )
-    flow_shift: float | None = bounded(
-        "flow_shift", "Models whose scheduler has a flow_shift (Wan): its value for this request; default: the model's."
-    )
-    extra_params: dict[str, Any] | None = Field(
-        default=None,
-        description=(
-            "vllm-omni's extra call arguments, a JSON object (in a form, its JSON text): a key the model's call takes"
-            " from JSON passes through, sample_solver ('unipc', 'euler', 'dpm++') picks the matching scheduler where"
-            " the model has one; any other key, or one of this body's own fields, is a 400 naming it."
-        ),
-    )
 
 
+@generation_fields("synchronous", n={"le": MAX_IMAGES_PER_REQUEST})
 class GenerationBody(RequestFields):
     """The fields every synchronous generation endpoint takes; `ImageGenerationRequest` and
     `VideoGenerationRequest` add their own."""
-
-    n: int = Field(
-        default=1, ge=1, le=MAX_IMAGES_PER_REQUEST, description="Outputs to generate, with seeds seed, seed+1, ..."
-    )
-    timeout: float | None = bounded(
-        "timeout",
-        "Seconds from receipt to answer, queue and generation together; past it the request is answered 504"
-        " and its generation stops at the next denoising step.",
-    )
 
     def width_height(self) -> tuple[int, int] | None:
         """``size`` as (width, height), or None for the model's default (no size, or ``"auto"``)."""
@@ -107,13 +93,8 @@ class GenerationBody(RequestFields):
         """The `GenerationRequest` this body asks for, the model's defaults left unfilled (None): `seed` is the
         first output's (the body's own, or one the server drew), `image` the input image (its `ImageFile`)."""
         width, height = self.width_height() or (None, None)
-        given = {name: getattr(self, name) for name in RequestFields.model_fields if name not in ("model", "size", "seed")}
-        return GenerationRequest(
-            **given, image=image, height=height, width=width, seed=seed, n=self.n, timeout=self.timeout, **self._video_fields()
-        )
-
-    def _video_fields(self) -> dict[str, Any]:
-        return {}
+        given = {name: getattr(self, name) for name in type(self).model_fields if name in _BODY_FIELDS}
+        return GenerationRequest(**{**given, "seed": seed}, image=image, height=height, width=width)
 
 
 class ImageGenerationRequest(GenerationBody):
@@ -158,14 +139,13 @@ class ImageGenerationRequest(GenerationBody):
     )
 
 
+@generation_fields("video")
 class VideoGenerationRequest(GenerationBody):
     """Body of ``POST /v1/videos/generations``: the common fields plus frames, frame rate and input image."""
 
     response_format: Literal["b64_json"] = Field(
         default="b64_json", description="Only 'b64_json': the MP4 files inline, base64-encoded."
     )
-    num_frames: int | None = bounded("num_frames", "Frames of each video; at most the server's --max-frames; default: the model's.")
-    fps: int | None = bounded("fps", "Frame rate of the encoded MP4; default: the model's (Wan 16, LTX 24).")
     image: str | None = Field(
         default=None,
         min_length=1,
@@ -175,14 +155,11 @@ class VideoGenerationRequest(GenerationBody):
         ),
     )
 
-    def _video_fields(self) -> dict[str, Any]:
-        return {"num_frames": self.num_frames, "fps": self.fps}
-
 
 class FormReading(BaseModel):
-    """A body read from a multipart form, whose fields arrive as text: numbers are read from it, ``extra_params``
-    is JSON text, and ``null`` (or empty text where a field takes no empty text, see `form_null_texts`) is
-    absent. Listed first among the bases of a form's model."""
+    """A body read from a multipart form, whose fields arrive as text: numbers are read from it ("2" is 2),
+    ``extra_params`` is JSON text, and ``null`` (what OpenAPI tools send for null) or empty text (what httpx sends
+    for None) where a field takes no empty text (`form_null_texts`) is absent. Listed first among a form's bases."""
 
     model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
 
@@ -211,15 +188,9 @@ class FormReading(BaseModel):
 
 
 class ImageEditRequest(FormReading, ImageGenerationRequest):
-    """The fields of ``POST /v1/images/edits`` besides its ``image`` file part (a multipart form, as OpenAI's).
-
-    Form fields arrive as text, so numbers are parsed from their text here ("2" is 2). A form has no null: a
-    nullable field sent as the text ``null`` (what OpenAPI tools send for null) is absent, and so is one sent
-    as empty text (what httpx sends for None) where the field takes no empty text: the numbers and size;
-    negative_prompt and model keep empty text as given. Unknown fields are still refused, so an unsupported
-    OpenAI field such as ``background`` is reported rather than ignored (and ``mask``, text or file, is a 422
-    naming it: the models served edit the whole image).
-    """
+    """The fields of ``POST /v1/images/edits`` besides its ``image`` file part (a multipart form, as OpenAI's, read
+    as `FormReading` says). Unknown fields are still refused: an OpenAI field such as ``background`` (or ``mask``,
+    text or file: the models served edit the whole image) is a 422 naming it, never ignored."""
 
     model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
 

@@ -24,12 +24,9 @@ class ServedRequest:
     its first seed filled in, the shape its checks priced) and what the checks found."""
 
     request: GenerationRequest
-    size_note: str | None = None
-    """With an input image: how the output size was reached."""
-    work: int = 0
-    """width x height x frames x steps x n, as the work cap priced it."""
-    encoding: OutputEncoding | None = None
-    """How each output becomes its file (None: PNG for images, MP4 for video), encoded once, where it is made."""
+    size_note: str | None = None  # with an input image: how the output size was reached
+    work: int = 0  # its price (`models.work`)
+    encoding: OutputEncoding | None = None  # None: PNG for images, MP4 for video; encoded once, where it is made
 
     @property
     def num_outputs(self) -> int:
@@ -63,7 +60,7 @@ class StepObserver(Protocol):
 
 @dataclass(frozen=True)
 class GenerationOutput:
-    """What the worker hands back: the encoded files, one per seed, and the cost of making them."""
+    """The encoded files, one per seed, and the cost of making them."""
 
     files: list[bytes]
     usage: GenerationUsage
@@ -82,8 +79,7 @@ def request_usage(
     *,
     batch_size: int = 1,
 ) -> GenerationUsage:
-    """The cost of a request, summed over its outputs (`runs`: one per output, or its batch's one call);
-    `frames_shape` is one output's [frames, H, W, 3]."""
+    """The cost of a request, summed over its outputs (`runs`: one per output, or its batch's one call)."""
     step_seconds = [s for run in runs for s in run.step_seconds]
     seconds = sum(run.seconds for run in runs)
     peaks = [run.peak_device_bytes for run in runs if run.peak_device_bytes is not None]
@@ -159,17 +155,11 @@ class ServingRunner(Protocol):
 
     def idle(self) -> None: ...
 
-    def report(self) -> dict[str, Any]:
-        """What /health says of the ranks: world_size, backend, each rank's host bytes."""
-        ...
+    def report(self) -> dict[str, Any]: ...  # what /health says of the ranks (world_size, backend, host bytes)
 
-    def metric_families(self) -> list[Any]:
-        """Its own Prometheus families, beside the service's."""
-        ...
+    def metric_families(self) -> list[Any]: ...  # its own Prometheus families, beside the service's
 
-    def leave(self) -> bool:
-        """After the worker has exited: let the other ranks go (False when they could not be told)."""
-        ...
+    def leave(self) -> bool: ...  # after the worker has exited: let the other ranks go (False: not told)
 
 
 class RunnerBase:

@@ -1,11 +1,6 @@
-"""`GenerationService`: the served model's checks, its queue and the runner the queue hands jobs to, and what
-the HTTP layer asks of them.
-
-The app turns HTTP into calls here and the answers back into HTTP; everything that touches the pipeline runs
-on the queue's single worker thread. The service composes its parts rather than specialising them: on one
-process an `InProcessRunner` with a `BatchPolicy` (or one job at a time), on several ranks a `RankRunner`
-with a `WavePolicy` (`layerstream.server.waves`). The job API (`layerstream.server.jobs`) queues its jobs
-here too, so it is served alike in both.
+"""`GenerationService`: the served model's checks, its queue and the runner the queue hands jobs to (on one
+process an `InProcessRunner` with a `BatchPolicy`, on several ranks a `RankRunner` with a `WavePolicy`), and what
+the HTTP layer and the job API ask of them. Everything that touches the pipeline runs on the queue's one worker.
 """
 
 from __future__ import annotations
@@ -126,10 +121,8 @@ class GenerationService:
         self.queue.start()
 
     def drain(self) -> None:
-        """Stop taking requests, answer the waiting ones 503, and give the running one --shutdown-timeout s.
-
-        Past that grace period the running generation is stopped at its next denoising step (answered 503).
-        """
+        """Stop taking requests, answer the waiting ones 503, and give the running one --shutdown-timeout s, after
+        which it is stopped at its next denoising step (answered 503)."""
         if self.queue.closed:
             return
         self._drained_at = time.monotonic()
@@ -143,12 +136,9 @@ class GenerationService:
         self._grace_timer.start()
 
     def stop(self) -> bool:
-        """Drain, then wait for the worker thread to exit, at most until the stop's bound; True if it did.
-
-        The bound is --shutdown-timeout plus `STOP_WAIT_SECONDS` from the drain: time for a stopped
-        generation to reach its next step boundary. A step longer than that is left behind (the worker is a
-        daemon thread), so the process still exits in bounded time.
-        """
+        """Drain, then wait for the worker thread to exit, True if it did, at most --shutdown-timeout plus
+        `STOP_WAIT_SECONDS` (for a stopped generation to reach its next step); a longer step is left behind (the
+        worker is a daemon thread), so the process still exits in bounded time."""
         self.drain()
         assert self._drained_at is not None  # set by drain()
         deadline = self._drained_at + self.settings.shutdown_timeout + STOP_WAIT_SECONDS
@@ -175,11 +165,8 @@ class GenerationService:
 
     def read_image(self, data: bytes, field: str = "image") -> ImageFile:
         """The input image in `data`, checked against the caps; 400 (413 when too large, 415 when not PNG, JPEG or
-        WebP by its bytes) naming `field`.
-
-        Called off the event loop: decoding a large image takes a while. The request then carries the file's
-        bytes, not its pixels: the queue holds the upload as it came, and wherever the request runs (this
-        process, or any rank) decodes it the same way, again (a 12 MP JPEG: 0.12 s on a 2-core CPU)."""
+        WebP by its bytes) naming `field`. Called off the event loop. The request carries the file's bytes, not its
+        pixels, decoded again wherever it runs, alike (a 12 MP JPEG: 0.12 s on a 2-core CPU)."""
         from layerstream.models.input_image import InputImageError, read_image_file
         from layerstream.server.errors import ApiError
 
@@ -249,12 +236,8 @@ class GenerationService:
             "status": status,
             "status_reason": rebuilding if status == "rebuilding" else None,
             "model": self.limits.model,
-            "model_source": self.facts["model_source"],
             "kind": self.limits.kind,
-            "device": self.facts["device"],
-            "dtype": self.facts["dtype"],
-            "component_dtypes": self.facts["component_dtypes"],
-            "offload_config": self.facts["offload_config"],
+            **self.facts,  # model_source, device, dtype, component_dtypes, offload_config
             "queue_depth": self.queue.depth,
             "max_queue": self.queue.max_waiting,
             "running": self.queue.running,

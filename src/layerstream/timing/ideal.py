@@ -1,27 +1,10 @@
-"""What a perfect streamer would achieve, to judge a measured forward against.
-
-With every block streamed and compute and copies overlapped perfectly, each block costs the longer of its
-compute and the transfer that runs beside it, and the work outside the blocks costs its own time:
-
-    ideal = other + sum_i max(compute_i, transfer_i)
-
-With some blocks resident the same rule applies per streamed block, with the compute that can hide its
-transfer: a streamed block's copy is issued when the previous streamed block starts (the runtime prefetches
-along the chain of streamed blocks, the last one fetching the first), so it overlaps that block's compute and
-the compute of every resident block in between. For streamed blocks s_0 < s_1 < ... (cyclically):
+"""What a perfect streamer would achieve, to judge a measured forward against: a streamed block's copy hides
+behind the compute since the previous streamed block started (cyclically), so for streamed blocks s_0 < s_1 < ...
 
     ideal = other + sum_j max(compute[s_(j-1) .. s_j - 1], transfer[s_j])
 
-which is the formula above when every block streams (each transfer paired with the compute it overlaps), and
-the resident time when none does. Pairing only a block's own compute with its transfer would ignore the
-resident blocks' compute and put the ideal above what the runtime achieves.
-
-The transfer floor is the time the link needs for the bytes of one forward, whatever the compute:
-
-    floor = sum_i transfer_i
-
-A measured forward above `ideal` shows overlap lost (exposed copies, hook and scheduling overhead); when
-transfers dominate, measured / floor says how close the link runs to saturation.
+The transfer floor, sum_i transfer_i, is the link's busy time: measured / floor says how close it runs to
+saturation.
 """
 
 from __future__ import annotations
@@ -39,10 +22,7 @@ def transfer_seconds(nbytes: int, link_gbps: float) -> float:
 
 
 def link_gbps_for_ratio(block_bytes: int, block_compute_s: float, ratio: float) -> float:
-    """The link bandwidth at which one block's transfer lasts `ratio` times its compute.
-
-    `ratio` 0.5 means "the transfer takes half the compute"; 2 means "twice the compute".
-    """
+    """The link bandwidth at which one block's transfer lasts `ratio` times its compute (0.5: half of it)."""
     if not ratio > 0:
         raise ValueError(f"link ratio = {ratio!r} is not valid; expected a number > 0")
     if not block_compute_s > 0:
@@ -61,38 +41,34 @@ def ideal_forward_seconds(compute_s: Sequence[float], transfer_s: Sequence[float
 
 
 def transfer_floor_seconds(transfer_s: Sequence[float]) -> float:
-    """The link's busy time for one forward: every streamed block's transfer, back to back."""
+    """The link's (or, of reads, the disk's) busy time for one forward: every transfer, back to back."""
     return float(sum(transfer_s))
 
 
-def block_transfer_seconds(block_bytes: Sequence[int], streamed: Sequence[bool], link_gbps: float) -> list[float]:
-    """Per block: its transfer time if it streams, else 0."""
-    if len(block_bytes) != len(streamed):
-        raise ValueError(f"{len(block_bytes)} block sizes but {len(streamed)} streamed flags")
-    return [transfer_seconds(n, link_gbps) if s else 0.0 for n, s in zip(block_bytes, streamed)]
+disk_floor_seconds = transfer_floor_seconds
 
 
-# --- the disk tier (`--host-budget-gb`) ----------------------------------------------------------------------
-#
-# With blocks on disk a third stage runs ahead of the link: the disk reads disk block d_k ahead along the chain
-# of disk blocks, beside everything that runs after the previous disk block d_(k-1) started. So the streamed
-# blocks fall into segments, each ending at a disk block (cyclically), and each segment costs the longer of
-# its blocks' compute-and-link terms (the formula above) and its disk block's read:
+def block_transfer_seconds(block_bytes: Sequence[int], moved: Sequence[bool], link_gbps: float) -> list[float]:
+    """Per block: its transfer (or read: `block_disk_seconds`) time where it moves, else 0."""
+    if len(block_bytes) != len(moved):
+        raise ValueError(f"{len(block_bytes)} block sizes but {len(moved)} flags")
+    return [transfer_seconds(n, link_gbps) if s else 0.0 for n, s in zip(block_bytes, moved)]
+
+
+block_disk_seconds = block_transfer_seconds
+
+
+# --- the disk tier: a third stage reads disk block d_k beside everything after d_(k-1) started, so the streamed
+# blocks fall into segments ending at a disk block (cyclically), each costing the longer of its compute-and-link
+# terms and its read; where the disk dominates this is the disk floor, sum_k disk[d_k]:
 #
 #     ideal = other + sum_k max(sum_(j in segment k) max(compute hiding s_j, transfer[s_j]), disk[d_k])
-#
-# With every block on disk each segment is one block: the maximum of its compute, link and disk. With few disk
-# blocks their reads hide behind the host blocks between them. When the disk dominates, the ideal is the disk
-# floor, the disk's busy time for one forward:
-#
-#     disk floor = sum_k disk[d_k] = disk bytes per forward / disk bandwidth
 
 
 def ideal_forward_seconds_with_disk(
     compute_s: Sequence[float], transfer_s: Sequence[float], disk_s: Sequence[float], other_s: float = 0.0
 ) -> float:
-    """The ideal forward with a disk stage (see above); `disk_s[i]` is 0 for a block not read from disk.
-    A block read from disk must stream (`transfer_s[i] > 0`)."""
+    """The ideal forward with a disk stage (see above); a block read from disk (`disk_s[i] > 0`) must stream."""
     if not len(compute_s) == len(transfer_s) == len(disk_s):
         raise ValueError(
             f"{len(compute_s)} compute, {len(transfer_s)} transfer and {len(disk_s)} disk times; expected one per block"
@@ -113,18 +89,6 @@ def ideal_forward_seconds_with_disk(
             total += max(segment, disk_s[streamed[j]])
             segment = 0.0
     return max(other_s, 0.0) + total
-
-
-def disk_floor_seconds(disk_s: Sequence[float]) -> float:
-    """The disk's busy time for one forward: every disk block's read, back to back."""
-    return float(sum(disk_s))
-
-
-def block_disk_seconds(block_bytes: Sequence[int], on_disk: Sequence[bool], disk_gbps: float) -> list[float]:
-    """Per block: its read time if it lives on disk, else 0 (1 GB = 1e9 bytes, as the simulated disk counts)."""
-    if len(block_bytes) != len(on_disk):
-        raise ValueError(f"{len(block_bytes)} block sizes but {len(on_disk)} on-disk flags")
-    return [transfer_seconds(n, disk_gbps) if d else 0.0 for n, d in zip(block_bytes, on_disk)]
 
 
 def _streamed_terms(compute_s: Sequence[float], transfer_s: Sequence[float], streamed: list[int]) -> list[float]:

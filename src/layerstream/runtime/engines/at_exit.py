@@ -1,12 +1,7 @@
-"""Copy engines still open when the interpreter exits are closed before it finalises.
-
-An engine's threads (the CPU copy thread, the accelerator's issuing thread) are daemons, so that a hung copy
-never keeps a process alive. CPython ends a daemon thread that takes the GIL back during finalisation with
-`pthread_exit`, and the forced unwind through PyTorch's C++ frames (a torch op that released the GIL, as a
-lossless decode's do) calls `std::terminate`: the process aborts with exit code 134 after its work is done. The
-last block of a forward always prefetches the first, so a copy is in flight whenever a script ends without
-`disable()`. An `atexit` hook, which runs before finalisation while daemon threads still run, closes every
-open engine: its copies in flight finish, then its threads stop. The host memory is left to the process's end.
+"""Copy engines still open when the interpreter exits are closed before it finalises: CPython ends a daemon
+thread that takes the GIL back then with `pthread_exit`, whose unwind through a torch op's C++ frames calls
+`std::terminate` (exit code 134 after the work is done), and a copy is in flight whenever a script ends without
+`disable()` (the last block prefetches the first).
 """
 
 from __future__ import annotations

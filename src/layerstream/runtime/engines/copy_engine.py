@@ -1,18 +1,6 @@
-"""Copy engines: move a block's bytes into a device slot beside compute, with one protocol on every device.
-
-The protocol (`runtime.contracts.CopyEngine`), for each slot:
-- `copy_into(slot, job)`: on the copy side, wait until compute has released the slot, run `job` (the copy),
-  then mark the slot ready;
-- `wait_ready(slot)`: compute waits until the slot's latest copy is done; a job that raised surfaces here as
-  `TransferError`;
-- `release(slot)`: compute marks that it is done reading the slot;
-- `close()`: wait for every copy in flight, then stop (host buffers may be freed only afterwards).
-
-`AcceleratorCopyEngine` implements it with a dedicated stream and events (no CPU-side synchronize); it queues a
-copy on the caller's thread, except a copy whose job waits on the host (`waits_on_host`: a disk read), which an
-issuing thread queues, so that compute goes on queuing kernels meanwhile. `CpuCopyEngine` implements it with a
-copy thread and thread events, optionally throttled to a simulated link bandwidth so that scheduling can be
-tested and measured on a machine without an accelerator.
+"""Copy engines: the slot protocol of `runtime.contracts.CopyEngine`. `AcceleratorCopyEngine` uses a stream and
+events (no CPU-side synchronize), with an issuing thread for jobs that wait on the host; `CpuCopyEngine` a copy
+thread, optionally throttled to a simulated link, so that scheduling is tested and measured without a GPU.
 """
 
 from __future__ import annotations
@@ -33,8 +21,7 @@ from layerstream.runtime.packing.host_buffer import on_own_thread
 
 logger = logging.getLogger(__name__)
 
-MAX_COPY_RECORDS = 20_000
-"""Copies kept for `trace()` (the newest; a long-running server must not grow without bound)."""
+MAX_COPY_RECORDS = 20_000  # copies kept for `trace()` (the newest; a long-running server must not grow without bound)
 
 
 class CpuCopyEngine:
@@ -155,8 +142,7 @@ def _done_event() -> threading.Event:
 
 
 class _Copy:
-    """One copy handed to the accelerator engine: `done` is set once it is queued on the copy stream (None: it
-    was queued before `copy_into` returned), `error` is what its job raised."""
+    """One copy: `done` is set once it is queued on the copy stream (None: queued before `copy_into` returned)."""
 
     __slots__ = ("done", "error")
 
@@ -166,14 +152,8 @@ class _Copy:
 
 
 class AcceleratorCopyEngine:
-    """Stream-and-event engine for CUDA (or another `torch.accelerator`): compute never waits on the CPU for a
-    copy, except for one whose job waits on the host (a disk read) and has not been queued yet.
-
-    `api` is the `AcceleratorApi` it calls (torch.cuda's by default); tests pass a recording stand-in (a
-    subclass) to check the order of calls without a GPU. `issue_thread=False` queues every copy on the caller's
-    thread, host waits included (the behaviour before the issuing thread, kept to measure it against:
-    `benchmarks/gpu_checks.py`).
-    """
+    """Stream-and-event engine: compute never waits on the CPU for a copy, but for one not queued yet. Tests pass a
+    recording `api`; `issue_thread=False` queues every copy on the caller's thread (`benchmarks/gpu_checks.py`)."""
 
     kind = "accelerator-streams"
 
@@ -219,9 +199,8 @@ class AcceleratorCopyEngine:
         self._issue(slot, job, record, waits_on_host)
 
     def _on_device(self):
-        """The engine's device current for the calls inside: leaving `stream(...)` restores the current device's
-        stream, which in a thread whose current device is another one creates a CUDA context there (0.5 GB on
-        GPU 0 per process)."""
+        """The engine's device current inside: leaving `stream(...)` in a thread with another current device creates
+        a CUDA context there (0.5 GB on GPU 0 per process)."""
         return self.api.device(self.device)
 
     def _issue(self, slot: int, job: Job, record: CopyRecord | None, waits_on_host: bool) -> None:
@@ -271,8 +250,7 @@ class AcceleratorCopyEngine:
             self._ready[slot].record(self.copy_stream)
 
     def wait_ready(self, slot: int) -> float:
-        """Compute waits on the device for the slot's copy; on the host only while the issuing thread has not
-        queued it yet (its job still waits for the disk): returns those seconds (the stall on the host)."""
+        """Compute waits on the device; on the host (the seconds returned) only for a copy not queued yet."""
         copy = self._latest[slot]
         stall = 0.0
         if copy.done is not None and not copy.done.is_set():
@@ -298,9 +276,8 @@ class AcceleratorCopyEngine:
         return bool(self.api.is_current_stream_capturing())
 
     def guard_slots_(self, slot_buffers: list[torch.Tensor]) -> None:
-        """The copy stream writes into these device buffers, which compute allocated: when they are freed, the
-        caching allocator must wait for the copy stream's work queued until then, not only the compute stream's,
-        before it hands their memory to anyone (`record_stream`; once per slot, at enable)."""
+        """The copy stream writes these buffers compute allocated: once freed, the allocator must wait for the
+        copy stream's queued work too before it hands their memory on (`record_stream`, once per slot)."""
         for buffer in slot_buffers:
             self.api.record_stream(buffer, self.copy_stream)
 
@@ -320,10 +297,8 @@ class AcceleratorCopyEngine:
         return self._origin.elapsed_time(mark) / 1e3
 
     def pin_(self, buffer: torch.Tensor) -> bool:
-        """Page-lock a host buffer in place so copies from it are asynchronous DMA. The registration runs on a
-        short-lived thread of its own, with this engine's device current: a refused `cudaHostRegister` leaves
-        CUDA's last error set on the thread that called it (torch's binding neither clears it nor exposes
-        `cudaGetLastError`), and the next kernel launched on that thread would fail with it."""
+        """Page-lock a host buffer in place, on a short-lived thread of its own: a refused `cudaHostRegister`
+        leaves CUDA's last error set on its thread (torch neither clears nor exposes it), failing the next kernel."""
         return on_own_thread(self._register, buffer)
 
     def _register(self, buffer: torch.Tensor) -> bool:
@@ -331,9 +306,7 @@ class AcceleratorCopyEngine:
             return bool(self.api.host_register(buffer))
 
     def unpin_(self, buffer: torch.Tensor) -> None:
-        """Unregister a buffer `pin_` registered, on a thread of its own for the same reason (a teardown may run
-        on the compute thread, or from the garbage collector on any thread)."""
-        on_own_thread(self._unregister, buffer)
+        on_own_thread(self._unregister, buffer)  # for the same reason: a teardown may run on any thread
 
     def _unregister(self, buffer: torch.Tensor) -> None:
         with self._on_device():  # unregistering with another device current would make a context there
@@ -389,8 +362,7 @@ def _transfer_error(slot: int, error: BaseException) -> TransferError:
 
 
 def _accelerator_api(device: torch.device) -> AcceleratorApi:
-    """torch.cuda's API for a CUDA device; for another accelerator, its torch module where it has CUDA's stream
-    calls (`torch.xpu`)."""
+    """torch.cuda's API, or another accelerator's torch module where it has CUDA's stream calls (`torch.xpu`)."""
     if device.type == "cuda":
         return AcceleratorApi()
     accel = getattr(torch, device.type, None)

@@ -1,8 +1,5 @@
-"""`OffloadHandle`: what `enable_offload` returns, built whole over one mode backend.
-
-The backend (layer mode or module mode) does the work; the handle adds the public face: `stats()`,
-`trace()`, `reset_trace()`, `block_transfers()` and `disable()`, and forgets the backend once disabled, so
-nothing reachable from a kept handle holds the slot ring or the host store.
+"""`OffloadHandle`: what `enable_offload` returns, the public face of one mode backend, which it forgets once
+disabled (nothing reachable from a kept handle holds the slot ring or the host store).
 """
 
 from __future__ import annotations
@@ -22,18 +19,10 @@ from layerstream.runtime.reporting.stats import OffloadStats, OffloadTrace
 class OffloadBackend(Protocol):
     """One mode's running state (`runtime.modes.layer_mode.LayerModeBackend`, `runtime.modes.module_mode.ModuleModeBackend`)."""
 
-    ownership: CallOwnership
-    """Which thread runs the pipeline now (one at a time)."""
-    hooks: HookSet
-    """Everything installed on the pipeline, by name (removed by `disable`)."""
-    streamer: object
-    """The running block streamer (None in module mode)."""
-    placement: object
-    """Where every block went (None in module mode)."""
-
-    def hooks(self) -> tuple[HookInfo, ...]:
-        """What enable installed, by module path and name (empty once disabled)."""
-        return self._backend.hooks.listing() if self._backend is not None else ()
+    ownership: CallOwnership  # which thread runs the pipeline now (one at a time)
+    hooks: HookSet  # everything installed on the pipeline, by name
+    streamer: object  # None in module mode
+    placement: object  # None in module mode
 
     def stats(self) -> OffloadStats: ...
 
@@ -75,8 +64,7 @@ class OffloadHandle:
 
     @property
     def backend(self) -> OffloadBackend | None:
-        """The running mode backend (None once disabled)."""
-        return self._backend
+        return self._backend  # None once disabled
 
     @property
     def streamer(self):
@@ -113,9 +101,7 @@ class OffloadHandle:
 
     def disable(self) -> None:
         """Remove every hook and give back a fully resident pipeline (the same Parameter objects, same values).
-
-        Under allgather this is a collective: every rank must call it (each block's bytes are gathered once).
-        If it fails part-way (a peer gone), calling it again continues where it stopped."""
+        Under allgather a collective: every rank must call it; after a failure part-way, calling it again goes on."""
         if self._backend is None:
             return
         ownership = self._backend.ownership

@@ -7,8 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-PIPELINE = "<pipeline>"
-"""The module path shown for hooks on the pipeline object itself."""
+PIPELINE = "<pipeline>"  # the module path shown for hooks on the pipeline object itself
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,6 @@ class HookSet:
         self._installed: list[_Installed] = []
 
     def add(self, module_path: str, name: str, what: str, remove: Callable[[], None]) -> None:
-        """Record a hook and how to remove it (a torch handle's or a wrapper's `remove`, or an undo)."""
         self._installed.append(_Installed(HookInfo(module_path, name, what), remove))
 
     def listing(self) -> tuple[HookInfo, ...]:

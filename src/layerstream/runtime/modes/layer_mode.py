@@ -1,11 +1,7 @@
 """Layer mode: stream the placement's blocks through one slot ring, every other tensor on the device.
-
-`apply_layer_mode` is the apply step of `enable_offload` (the plan and the checks ran before it): it allocates
-the slot ring, starts the copy engine, moves every non-streamed tensor to the device (a resident component that
-defines its own `to()` through that `to()`, once), stages every streamed
-block into its host store, hooks the blocks and commits the stores. Each step pushes its undo; on any error
-the undo stack runs in reverse and the error goes on to the caller. `LayerModeBackend` is what the handle
-drives afterwards: stats, trace and teardown.
+`apply_layer_mode`, the apply step of `enable_offload`, opens the ring and the copy engine, moves every
+non-streamed tensor to the device, stages the streamed blocks into their stores, hooks them and commits the
+stores, each step pushing its undo; `LayerModeBackend` is what the handle drives afterwards.
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ from torch import nn
 
 from layerstream.plan.placement import Placement
 from layerstream.plan.resolved import ResolvedOffloadPlan
-from layerstream.runtime.streaming.block_call import install_block_call
+from layerstream.runtime.streaming.block_call import BlockCall
 from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
 from layerstream.runtime.packing.layout import BlockLayout
 from layerstream.runtime.torch_contract.lora import LoraSupport, install_lora_support
@@ -30,7 +26,8 @@ from layerstream.runtime.contracts import CopyEngine, HostStore, StoredBlock, St
 from layerstream.runtime.stores.compose import ComponentStores
 from layerstream.runtime.torch_contract.state_dict import install_state_dict_hooks
 from layerstream.runtime.reporting.stats import ComponentStats, OffloadStats, OffloadTrace, TraceInterval
-from layerstream.runtime.streaming.streamer import BlockCounters, BlockStreamer, StreamedBlock, install_root_hooks
+from layerstream.runtime.streaming.streamer import BlockCounters, BlockStreamer, StreamedBlock
+from layerstream.runtime.streaming.wrapping import MethodWrapper
 from layerstream.runtime.packing.tensors import device_bytes, module_device, move_tensors_, unmap_tensors_
 from layerstream.runtime.modes.hooks import PIPELINE, HookSet
 from layerstream.runtime.modes.undo import UndoStack
@@ -39,7 +36,11 @@ from layerstream.wording import format_bytes
 logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[torch.device, int], CopyEngine]
-"""Builds the copy engine for a device and a number of slots."""
+# what the store reports that the totals take as they are
+_STORE_FIGURES = (
+    "disk_bytes_read", "disk_stall_seconds", "host_pool_bytes", "disk_staging_bytes", "lossless_stored_bytes",
+    "lossless_decoded_bytes",
+)  # fmt: skip
 
 
 def apply_layer_mode(
@@ -54,8 +55,7 @@ def apply_layer_mode(
     engine_factory: EngineFactory,
     undo: UndoStack,
 ) -> LayerModeBackend:
-    """Apply the placement (see the module docstring). `stores` gives each streamed component its store;
-    `layouts` and `block_modules` cover every streamed block. Pushes every undo step onto `undo`."""
+    """Apply the placement; `layouts` and `block_modules` cover every streamed block. Undo steps go onto `undo`."""
     slot_buffers, engine = _open_slot_ring(placement, device, engine_factory, undo)
     moved_by_own_to = _place_components_(plan, placement, components, device, undo)
     pin = engine if engine is not None and plan.config.pin_memory else None
@@ -95,10 +95,8 @@ def _open_slot_ring(placement: Placement, device: torch.device, engine_factory: 
 def _place_components_(
     plan, placement: Placement, components, device: torch.device, undo: UndoStack
 ) -> dict[str, torch.device]:
-    """Every tensor that does not stream goes to the device; an on-demand component first hears the pipeline's
-    own `offload_to_cpu()` (and, without blocks to stream, is left where that put it). A resident component whose
-    class defines its own `to()` (`ResolvedComponent.own_to`) is moved through it, once: it may stage its weights
-    there, which a tensor-by-tensor move would bypass. Returns those components' paths -> where they were."""
+    """Every tensor that does not stream to the device; a component with its own `to()` (which may stage weights)
+    through it, once: returns those components' paths -> where they were."""
     streamed_paths = set(placement.streamed_block_paths)
     moved_by_own_to: dict[str, torch.device] = {}
     for comp in plan.components:
@@ -135,8 +133,7 @@ def _stage_blocks(plan, placement: Placement, layouts, stores: ComponentStores, 
 
 
 def _unmap_resident_(plan, placement: Placement, components, undo: UndoStack) -> None:
-    """Resident weights that still view the checkpoint's mapping get memory of their own: afterwards the process
-    maps nothing of the files (on an accelerator, moving them to the device did the same)."""
+    """Resident weights that still view the checkpoint's mapping get memory of their own (as a move does)."""
     files = MappedFiles.snapshot()
     if not len(files):
         return
@@ -168,11 +165,12 @@ def _build_streamer(placement: Placement, stored, block_modules, counters, engin
 def _install_hooks(plan, components, streamer: BlockStreamer, device: torch.device, hooks: HookSet) -> LoraSupport:
     """Block calls, component wrappers, LoRA entry points and state-dict hooks, each recorded by name."""
     for block in streamer.blocks:
-        hooks.add(block.path, "block_call", "binds the block to a device slot around each call", install_block_call(streamer, block).remove)
+        hooks.add(block.path, "block_call", "binds the block to a device slot around each call", BlockCall(streamer, block).remove)
     path_of = {id(components[c.path]): c.display_path for c in plan.streamed}
     for comp in plan.streamed:
-        for wrapper in install_root_hooks(streamer, components[comp.path]):
-            hooks.add(comp.display_path, "component_call", "one thread at a time; frees a block a Ctrl-C left bound", wrapper.remove)
+        # a method wrapper, not hooks: a Ctrl-C must not leave the model owned by a dead call (torch skips hooks)
+        wrapper = MethodWrapper(components[comp.path], "forward", streamer.enter, streamer.exit)
+        hooks.add(comp.display_path, "component_call", "one thread at a time; frees a block a Ctrl-C left bound", wrapper.remove)
     streamed_components = {c.path: components[c.path] for c in plan.streamed}
     lora, lora_wrappers = install_lora_support(streamer, streamed_components, device, exact_unfuse=plan.config.lora_exact_unfuse)
     for wrapper in lora_wrappers:
@@ -192,39 +190,32 @@ class LayerModeBackend:
     ):  # fmt: skip
         self.plan = plan
         self.ownership: CallOwnership = ownership if ownership is not None else CallOwnership(plan.pipeline_class)
-        """Which thread runs the pipeline (shared with the streamer)."""
         self.placement = placement
         self.device = device
         self.components: Mapping[str, nn.Module] = components
         self._streamer: BlockStreamer | None = streamer
         self._engine: CopyEngine | None = engine
         self._stores: list[HostStore] = list(stores)
-        self.hooks: HookSet = hooks
-        """Everything installed on the pipeline, by name (the handle lists it; disable removes it)."""
+        self.hooks: HookSet = hooks  # everything installed on the pipeline, by name
         self._counters: dict[str, BlockCounters] = counters
         self._lora: LoraSupport | None = lora
-        self.moved_by_own_to: dict[str, torch.device] = dict(moved_by_own_to or {})
-        """Resident components moved through their own `to()` at enable -> where they were: `disable()` moves
-        them back there through it."""
+        self.moved_by_own_to: dict[str, torch.device] = dict(moved_by_own_to or {})  # path -> where enable found it
 
     def wrap_pipeline_(self, pipeline) -> None:
-        """Wrap the pipeline's own LoRA entry points (diffusers' `load_lora_weights`, `fuse_lora` ...), which
-        read and change the streamed components' weights."""
+        """Wrap the pipeline's own LoRA entry points (`load_lora_weights`, `fuse_lora` ...)."""
         if self._lora is None or any(pipeline is m for m in self.components.values()):
             return
         for wrapper in self._lora.wrap_(pipeline):
             self.hooks.add(PIPELINE, f"lora.{wrapper.name}", "binds the blocks' host weights while LoRA changes them", wrapper.remove)
 
     def release_when_dropped(self) -> Callable[[], None]:
-        """What frees this backend's threads and host memory if the pipeline is dropped without `disable()`:
-        a callable holding only the engine, the stores and the slots (nothing that keeps the pipeline alive)."""
+        """What frees a dropped pipeline's threads and host memory (holding nothing that keeps it alive)."""
         slots = self._streamer.slot_buffers if self._streamer is not None else []
         return functools.partial(release_dropped, self._engine, list(self._stores), slots)
 
     @property
     def streamer(self) -> BlockStreamer | None:
-        """The running streamer (None once disabled): its blocks and slots, for inspection."""
-        return self._streamer
+        return self._streamer  # None once disabled
 
     def stats(self) -> OffloadStats:
         streamer = self._streamer
@@ -236,19 +227,14 @@ class LayerModeBackend:
             mine = [b for b in streamer.blocks if b.component == comp.path] if streamer else []
             host = [b.host for b in mine]
             pre_fuse = self._lora.pre_fuse_bytes if self._lora is not None else {}
-            c = self._counters.get(comp.path)
+            counters = self._counters.get(comp.path) or BlockCounters()
             per[comp.display_path] = ComponentStats(
-                bytes_transferred=c.bytes_transferred if c else 0,
-                num_transfers=c.num_transfers if c else 0,
-                num_sync_loads=c.num_sync_loads if c else 0,
-                stall_seconds=c.stall_seconds if c else 0.0,
+                **{name: getattr(counters, name) for name in BlockCounters.__slots__},
                 device_bytes=device_bytes(module, self.device),
                 host_bytes=sum(h.host_bytes for h in host) + sum(pre_fuse.get(b.index, 0) for b in mine),
                 pinned_host_bytes=sum(h.host_bytes for h in host if h.pinned),
                 num_streamed_blocks=len(host),
                 num_resident_blocks=len(self.placement.resident_block_paths(comp.path)),
-                bytes_written_back=c.bytes_written_back if c else 0,
-                copy_issue_seconds=c.issue_seconds if c else 0.0,
             )
         totals = {f: sum(getattr(s, f) for s in per.values()) for f in ComponentStats.__dataclass_fields__}
         totals["device_bytes"] += self.placement.ring_nbytes
@@ -263,12 +249,7 @@ class LayerModeBackend:
             max_materialized_blocks=streamer.max_materialized if streamer else 0,
             engine=self._engine.kind if self._engine is not None else "",
             host_bytes_from_files=own.bytes_read_from_files,
-            disk_bytes_read=own.disk_bytes_read,
-            disk_stall_seconds=own.disk_stall_seconds,
-            host_pool_bytes=own.host_pool_bytes,
-            disk_staging_bytes=own.disk_staging_bytes,
-            lossless_stored_bytes=own.lossless_stored_bytes,
-            lossless_decoded_bytes=own.lossless_decoded_bytes,
+            **{name: getattr(own, name) for name in _STORE_FIGURES},
             residency=MappingProxyType({self.plan.component(p).display_path: c.describe() for p, c in self.placement.residency.items()}),
             host_budget=self.placement.host_budget.describe() if self.placement.host_budget is not None else "",
         )
@@ -304,10 +285,8 @@ class LayerModeBackend:
             self._streamer.compute_records.clear()
 
     def disable(self) -> None:
-        """Teardown in the only safe order: hooks off, then wait for every copy in flight (closing the engine),
-        then give the blocks their tensors back and free the host stores, then forget the slot ring; last, the
-        on-demand components' `load_to_device()` (once each) hands their residency back to the pipeline, and each
-        component that moves itself goes back through its own `to()` (once) to where enable found it."""
+        """Teardown in the only safe order: hooks off, wait for every copy in flight (closing the engine), give the
+        blocks their tensors back and free the stores, forget the slot ring, then hand residency back."""
         self.hooks.remove_all_()
         if self._engine is not None:
             self._engine.close()  # waits for in-flight copies: they read host buffers restore_ frees below
@@ -329,9 +308,8 @@ class LayerModeBackend:
 
 
 def release_dropped(engine: CopyEngine | None, stores: list[HostStore], slot_buffers: list[torch.Tensor]) -> None:
-    """A pipeline was dropped without `disable()`: stop the engine (its copies in flight finish first: they
-    read host buffers and write the slots, which stay referenced here until then), then free every store's host
-    memory and spill files. Runs from the garbage collector: every error is logged, none raised."""
+    """Stop the engine of a pipeline dropped without `disable()` (its copies read host buffers and write the
+    slots, held here until then), then free every store; from the garbage collector, errors are logged."""
     try:
         if engine is not None:
             engine.close()

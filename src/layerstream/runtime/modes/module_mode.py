@@ -1,8 +1,5 @@
-"""Mode "module": whole components move to the device when a call starts and back to the host when it ends.
-
-This is the familiar model CPU offload, kept as a baseline for the benchmarks and for VAEs. A component is
-swapped in around `forward` and around the other methods pipelines call on it (`encode`, `decode`: diffusers
-calls `vae.decode(...)`, never `vae(...)`); nested calls (decode calling forward) swap once.
+"""Mode "module": whole components move to the device when a call starts and back to the host when it ends (model
+CPU offload, a baseline for the benchmarks and for VAEs); nested calls (decode calling forward) swap once.
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ from layerstream.runtime.reporting.stats import ComponentStats, OffloadStats, Of
 from layerstream.runtime.streaming.wrapping import MethodWrapper
 
 OFFLOAD_DEVICE = torch.device("cpu")
-SWAPPED_METHODS = ("forward", "encode", "decode")
-"""Methods that swap a component in when a pipeline calls them (those the component has)."""
+SWAPPED_METHODS = ("forward", "encode", "decode")  # diffusers calls `vae.decode(...)`, never `vae(...)`
 
 
 def _module_bytes(module: nn.Module) -> int:
@@ -46,15 +42,11 @@ class ModuleModeBackend:
         self.components = components
         self.device = device
         self.hooks = HookSet()
-        """Everything installed on the pipeline, by name (the handle lists it; disable removes it)."""
         self.bytes = {c.path: _module_bytes(components[c.path]) for c in plan.components if c.action == "swap"}
         self.transfers = {path: 0 for path in self.bytes}
         self.depth = {path: 0 for path in self.bytes}
-        self.ownership = CallOwnership(plan.pipeline_class)
-        """Which thread runs the pipeline: a swap from a second thread would move a component under the first."""
-        self.moved_by_own_to: dict[str, torch.device] = {}
-        """Resident components whose class defines its own `to()` -> where enable found them (`disable()` moves
-        them back there through it)."""
+        self.ownership = CallOwnership(plan.pipeline_class)  # a second thread would move a component under the first
+        self.moved_by_own_to: dict[str, torch.device] = {}  # components with their own `to()` -> where they were
 
     def install_(self) -> None:
         display = {c.path: c.display_path for c in self.plan.components}
@@ -108,11 +100,8 @@ class ModuleModeBackend:
     def release_when_dropped(self) -> None:
         return None  # nothing runs beside the model and nothing is held off it: a dropped pipeline frees itself
 
-    def remove_wrappers_(self) -> None:
-        self.hooks.remove_all_()
-
     def disable(self) -> None:
-        self.remove_wrappers_()
+        self.hooks.remove_all_()
         for path in self.bytes:
             self.components[path].to(self.device)
         for path, original in self.moved_by_own_to.items():
@@ -123,8 +112,7 @@ class ModuleModeBackend:
 def apply_module_mode(
     plan: ResolvedOffloadPlan, components: Mapping[str, nn.Module], device: torch.device, undo: UndoStack
 ) -> ModuleModeBackend:
-    """Put swapped components on the host and everything else on the device, each through its `to()` once, and
-    wrap the swapped ones."""
+    """Swapped components to the host, the rest to the device (each through its `to()` once); wrap the swapped."""
     backend = ModuleModeBackend(plan, components, device)
     for comp in plan.components:
         module = components[comp.path]
@@ -133,7 +121,6 @@ def apply_module_mode(
         module.to(OFFLOAD_DEVICE if comp.action == "swap" else device)
         if comp.own_to is not None:
             backend.moved_by_own_to[comp.path] = original
-    undo.push(backend.remove_wrappers_)
+    undo.push(backend.hooks.remove_all_)
     backend.install_()
     return backend
-

@@ -9,8 +9,7 @@ logger = logging.getLogger(__name__)
 
 
 class UndoStack:
-    """Undo steps pushed while applying; `unwind` runs them newest first and reports (not raises) their errors,
-    so the first error, the one that started the rollback, is the one the caller sees."""
+    """Undo steps; `unwind` runs them newest first and logs their errors: the caller sees the first one."""
 
     def __init__(self):
         self._steps: list[Callable[[], None]] = []

@@ -1,15 +1,7 @@
-"""Reading file-backed weights straight from their files, not through the page faults of a mapping.
-
-diffusers (through safetensors) keeps weights loaded in the dtype they are stored in as views of a private
-mapping of the checkpoint files: nothing is read until a tensor is touched. Copying a block out of such a view
-faults the file in page by page (a few hundred MB/s) and leaves every touched page counted in the process
-(file-backed RSS) for as long as anything references the mapping. Reading the same bytes with large `preadv`
-calls on a few threads runs at the disk's speed and maps nothing.
-
-`MappedFiles` tells, for a host address range, which file and offset back it. It reads `/proc/self/maps` (the
-mappings) and `/proc/self/pagemap` (whether each page still holds the file's bytes: a page written since it
-was mapped, copy on write, is anonymous memory now and the file would be wrong, so such a range is copied
-from memory instead). Where /proc is not available (not Linux) every range is copied from memory, as before.
+"""Reading file-backed weights straight from their files: copying out of safetensors' private mapping faults the
+file in page by page (a few hundred MB/s) and keeps every touched page counted in the process; large `preadv`
+calls on a few threads run at the disk's speed. `MappedFiles` tells which file backs an address range, from
+/proc (a page written since it was mapped is anonymous memory: that range is copied from memory).
 """
 
 from __future__ import annotations
@@ -26,16 +18,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-READ_CHUNK_BYTES = 16 * 2**20
-"""Bytes per `preadv` call: large enough for the disk's full speed, small enough to spread over threads."""
+READ_CHUNK_BYTES = 16 * 2**20  # per `preadv`: enough for the disk's full speed, small enough to spread over threads
 NUM_READ_THREADS = 4
-
 
 
 @dataclass(frozen=True)
 class FileRange:
-    """`nbytes` bytes of file `path` from `offset`."""
-
     path: str
     offset: int
     nbytes: int
@@ -80,18 +68,13 @@ class MappedFiles:
 
     def covers(self, address: int, nbytes: int) -> bool:
         """Whether [address, address + nbytes) lies in one file mapping (written pages or not)."""
-        mapping = self._find(address) if nbytes > 0 else None
-        return mapping is not None and address + nbytes <= mapping.end
+        return self._mapping_of(address, nbytes) is not None
 
     def file_range(self, address: int, nbytes: int) -> FileRange | None:
         """The file bytes that back [address, address + nbytes), if one private file mapping covers the whole
         range and none of its pages was written since it was mapped; else None."""
-        if nbytes <= 0 or not self._mappings:
-            return None
-        mapping = self._find(address)
-        if mapping is None or address + nbytes > mapping.end:
-            return None
-        if not self._pages_hold_file_bytes(address, nbytes):
+        mapping = self._mapping_of(address, nbytes)
+        if mapping is None or not self._pages_hold_file_bytes(address, nbytes):
             return None
         return FileRange(mapping.path, mapping.offset + address - mapping.start, nbytes)
 
@@ -100,7 +83,8 @@ class MappedFiles:
             os.close(self._pagemap)
             self._pagemap = None
 
-    def _find(self, address: int) -> _Mapping | None:
+    def _mapping_of(self, address: int, nbytes: int) -> _Mapping | None:
+        """The mapping that holds the whole of [address, address + nbytes), if any."""
         lo, hi = 0, len(self._mappings)
         while lo < hi:  # the last mapping starting at or before the address
             mid = (lo + hi) // 2
@@ -108,18 +92,15 @@ class MappedFiles:
                 lo = mid + 1
             else:
                 hi = mid
-        if lo == 0:
+        if lo == 0 or nbytes <= 0:
             return None
         mapping = self._mappings[lo - 1]
-        return mapping if address < mapping.end else None
+        return mapping if address + nbytes <= mapping.end else None
 
     def present_file_nbytes(self, address: int, nbytes: int) -> int:
-        """Bytes of the pages of [address, address + nbytes) that are in memory and still the file's own (clean
-        page cache mapped here, which the kernel can reclaim); 0 outside a file mapping or without pagemap."""
-        mapping = self._find(address) if nbytes > 0 else None
-        if mapping is None or address + nbytes > mapping.end:
-            return 0
-        entries = self._pagemap_entries(address, nbytes)
+        """Bytes of the pages of [address, address + nbytes) in memory and still the file's own (clean page cache
+        mapped here, which the kernel can reclaim); 0 outside a file mapping or without pagemap."""
+        entries = self._pagemap_entries(address, nbytes) if self._mapping_of(address, nbytes) else None
         if entries is None:
             return 0
         return int(((entries < 0) & (((entries >> 61) & 1) == 1)).sum()) * PAGE_BYTES
@@ -155,30 +136,25 @@ class MappedFiles:
 
 
 class FileReader:
-    """Reads file ranges into host tensors with large `preadv` calls on a few threads; keeps files open until
-    `close`. Counts what it read. With `drop_cached`, the pages of every range read are dropped from the page
-    cache after it (`POSIX_FADV_DONTNEED`): bytes read again at every use (the disk tier) do not fill the
-    memory that the host budget keeps free, and every read reaches the disk."""
+    """Reads file ranges into host tensors with large `preadv` calls on a few threads. `drop_cached` (the disk
+    tier) drops each range from the page cache: the memory the budget keeps free stays free."""
 
     def __init__(self, num_threads: int = NUM_READ_THREADS, drop_cached: bool = False):
         self.drop_cached = drop_cached and hasattr(os, "posix_fadvise")
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="layerstream-read")
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
-        self.bytes_read = 0
 
     def read_into_(self, destination: torch.Tensor, source: FileRange) -> None:
-        """Fill `destination` (a contiguous uint8 CPU tensor of `source.nbytes`) with the file's bytes."""
         self.read_all_([(destination, source)])
 
     def read_all_(self, reads: list[tuple[torch.Tensor, FileRange]]) -> None:
-        """Fill every destination with its file range, all chunks of all reads in flight on the threads at once
-        (a block is many tensors of a few MB: read one after the other, most threads would idle)."""
+        """Fill every destination (contiguous uint8) with its file range, all chunks of all reads in flight at
+        once (a block is many tensors of a few MB: read one after the other, most threads would idle)."""
         self.start_reads_(reads)()
 
     def start_reads_(self, reads: list[tuple[torch.Tensor, FileRange]]):
-        """Start `read_all_`'s reads and return a function that waits for them (and raises the first
-        failure). Until it returns, the destinations are being written."""
+        """Start `read_all_`'s reads; return a function that waits for them and raises the first failure."""
         jobs = []
         try:
             for destination, source in reads:
@@ -204,7 +180,6 @@ class FileReader:
                     error = error or e
             if error is not None:
                 raise error
-            self.bytes_read += sum(source.nbytes for _, source in reads)
 
         return wait
 
@@ -236,8 +211,7 @@ def _pread_exactly(fd: int, address: int, length: int, offset: int, path: str, d
 
 
 def drop_cached_pages(fd: int, offset: int = 0, length: int = 0) -> None:
-    """Ask the kernel to drop the clean cached pages of a file range (all of the file with `length` 0); pages
-    mapped by anyone stay. A hint: where it cannot be given, nothing happens."""
+    """Ask the kernel to drop a file range's clean cached pages (`length` 0: the whole file); only a hint."""
     if hasattr(os, "posix_fadvise"):
         try:
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)

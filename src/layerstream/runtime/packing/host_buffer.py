@@ -1,9 +1,6 @@
-"""What the blocks held in host buffers share: one host buffer per block, page-locked on a thread of its own.
-
-`HostBufferBlock` is the common part of the local and the sharded store's blocks: the path, the host bytes,
-whether the buffer is pinned, and releasing it. `PinningThread` page-locks each filled buffer (`cudaHostRegister` costs
-about as much as reading the bytes) while the store goes on reading the next block; the store waits for it
-before it commits, and before it rolls back (a buffer is unpinned only once its pinning is over).
+"""What the blocks held in host buffers share (`HostBufferBlock`: the local and the sharded store's), and
+`PinningThread`, which page-locks each filled buffer (`cudaHostRegister` costs about as much as reading the
+bytes) while the store reads the next block; the store waits for it before it commits or rolls back.
 """
 
 from __future__ import annotations
@@ -21,40 +18,23 @@ from layerstream.runtime.contracts import Pinner, StoredBlockBase
 
 T = TypeVar("T")
 
-PAGE_BYTES = mmap.PAGESIZE
-"""Host buffers that may be page-locked start on a page and own their last page whole: CUDA registers whole
-pages, and a page registered twice (two buffers sharing it) fails, leaving the second buffer pageable."""
+PAGE_BYTES = mmap.PAGESIZE  # CUDA registers whole pages, and refuses one registered twice: buffers share none
 
 
 def page_aligned_empty(nbytes: int, *, zeroed: bool = False) -> torch.Tensor:
-    """A uint8 host tensor of `nbytes` that starts on a page boundary, in an allocation rounded up to whole pages
-    that no other buffer shares (at most two pages more than asked for)."""
+    """A uint8 host tensor of `nbytes` on pages of its own (at most two pages more than asked for)."""
     rounded = -(-max(nbytes, 1) // PAGE_BYTES) * PAGE_BYTES
     raw = torch.zeros(rounded + PAGE_BYTES, dtype=torch.uint8) if zeroed else torch.empty(rounded + PAGE_BYTES, dtype=torch.uint8)
     shift = -raw.data_ptr() % PAGE_BYTES
     return raw[shift : shift + nbytes]
 
 
-def page_span(buffer: torch.Tensor) -> tuple[int, int]:
-    """[first, last] page numbers a buffer touches (what registering it page-locks)."""
-    start = buffer.data_ptr()
-    end = start + max(buffer.numel() * buffer.element_size(), 1) - 1
-    return start // PAGE_BYTES, end // PAGE_BYTES
-
-
 def on_own_thread(call: Callable[..., T], *args) -> T:
-    """`call(*args)` on a short-lived thread of its own, waited for (its exception raised here). CUDA keeps the
-    error of a failed call per host thread until it is read, and torch reads it after the next kernel launch on
-    that thread: a failed `cudaHostRegister` on the compute thread would fail an unrelated kernel later. On a
-    thread of its own, which launches nothing and ends, a failure only leaves the buffer pageable."""
+    """`call(*args)` on a short-lived thread of its own, waited for. CUDA keeps a failed call's error per host
+    thread, and torch reads it after the next kernel launch there: a failed `cudaHostRegister` on the compute
+    thread would fail an unrelated kernel later; on a thread that launches nothing it only leaves a buffer pageable."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-pin") as pool:
         return pool.submit(call, *args).result()
-
-
-def pin_off_thread(pinner: Pinner, buffer: torch.Tensor) -> bool:
-    """`pinner.pin_(buffer)` on a thread of its own (see `on_own_thread`; the accelerator engine's `pin_`
-    registers on one itself, so this guards any other pinner too)."""
-    return on_own_thread(pinner.pin_, buffer)
 
 
 class HostBufferBlock(StoredBlockBase):
@@ -88,7 +68,6 @@ class HostBufferBlock(StoredBlockBase):
             self.pinner = pinner
 
     def release_buffer_(self) -> None:
-        """Unpin and drop the buffer."""
         if self.pinner is not None:
             self.pinner.unpin_(self.buffer)
             self.pinner = None

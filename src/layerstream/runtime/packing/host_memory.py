@@ -1,9 +1,6 @@
-"""Giving freed host memory back to the operating system while a model is staged.
-
-Weights cast or built in memory are many allocations of a few MB each. glibc serves those from its heap, and
-memory freed there stays counted in the process (RSS) until the heap is trimmed: staging block after block
-would then hold the freed originals beside the packed copies, up to twice the model. `release_freed_memory`
-asks glibc to return every free page (`malloc_trim`); elsewhere (another libc, not Linux) it does nothing.
+"""Giving freed host memory back to the operating system while a model is staged: glibc keeps memory freed in
+its heap counted in the process until the heap is trimmed, so staging would hold the freed originals beside the
+packed copies, up to twice the model. Elsewhere (another libc, not Linux) nothing happens.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""A block's packed layout: where each of its tensors lives inside one contiguous buffer, and how to rebind.
-
-A block's parameters and buffers are grouped by the storage they live in; the byte span of each storage that
-the block uses gets one place in the block's buffer, at an offset with the address residue (mod
-`ALIGN_BYTES`) the span would have if resident on the compute device (see `BlockLayout`). Shapes, strides,
-dtypes, views and weights tied inside the block are rebuilt from that layout with `as_strided`, so transposed
-and non-contiguous parameters come back exactly as they were. The layout is pure: computing it reads tensors'
-addresses and shapes and moves nothing; every host store and the placement read the same `nbytes`.
+"""A block's packed layout: where each of its tensors lives inside one contiguous buffer (one place per storage
+span), and how to rebind them (`as_strided`: non-contiguous and tied tensors come back exactly). Pure.
 """
 
 from __future__ import annotations
@@ -21,8 +15,7 @@ from layerstream.errors import UnsupportedUseError
 from layerstream.runtime.packing.file_reads import FileRange, FileReader, MappedFiles
 from layerstream.runtime.packing.subclass_tensors import InnerPath, flatten_inner, get_inner, rebuild, set_inner_
 
-ALIGN_BYTES = 64
-"""Granularity of span placement: slots and buffers start 64-byte aligned, and spans keep their residue mod 64."""
+ALIGN_BYTES = 64  # slots and buffers start 64-byte aligned, and spans keep their residue mod 64
 
 
 def align_up(n: int, alignment: int = ALIGN_BYTES) -> int:
@@ -39,16 +32,10 @@ class TensorEntry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     stride: tuple[int, ...]
-    element_offset: int
-    """Offset of the tensor's first element from the start of the block buffer, in elements of `dtype`."""
-    span_index: int
-    """Which storage span of the block the tensor lives in (tensors sharing a span are views of one storage)."""
-    inner: InnerPath = ()
-    """For an inner tensor of a wrapper subclass (`runtime.packing.subclass_tensors`): its attribute path in the wrapper
-    `module.<name>`; () for a plain tensor."""
-    inference_param: bool = False
-    """A parameter made under `torch.inference_mode()` (an inference tensor, as loaders and tests often build
-    them): it is only ever rebound to inference tensors (see `inference_alias`)."""
+    element_offset: int  # of its first element in the block buffer, in elements of `dtype`
+    span_index: int  # the storage span it lives in (tensors sharing a span are views of one storage)
+    inner: InnerPath = ()  # an inner tensor's attribute path in the wrapper `module.<name>`; () for a plain one
+    inference_param: bool = False  # made under `torch.inference_mode()`: only ever rebound to inference tensors
 
 
 class SpanMember(NamedTuple):
@@ -70,11 +57,8 @@ def tensor_byte_extent(t: torch.Tensor) -> tuple[int, int]:
 
 
 def inference_alias(t: torch.Tensor) -> torch.Tensor:
-    """An inference tensor viewing `t`'s bytes with its shape and strides (`t` itself where it is one already).
-
-    An inference Parameter has no version counter, and `.data` cannot give it one: once set to a normal tensor
-    it fails every later use ("Inference tensors do not track version counter"), inside inference mode or not.
-    Set to an inference tensor it works everywhere, as on the resident model."""
+    """An inference tensor viewing `t`'s bytes: an inference Parameter whose `.data` is set to a normal tensor fails
+    every later use ("Inference tensors do not track version counter")."""
     if t.is_inference():
         return t
     with torch.inference_mode():  # an empty inference tensor, then pointed at t's storage: a view would be normal
@@ -94,15 +78,9 @@ def iter_block_tensors(block: nn.Module):
 
 
 class BlockLayout:
-    """The packed layout of one block: its entries and the byte spans copied from the original storages.
-
-    Each span keeps the address residue (mod `ALIGN_BYTES`) its tensors would have if the block were resident
-    on `device`: where they already live on `device` that is their current residue, otherwise 0 (a fresh
-    allocation). CPU BLAS kernels round differently at different alignments (MKL's matrix-vector product on
-    an AMD EPYC: four different roundings of one product over the residues mod 64), so this is what keeps
-    streamed outputs bit-identical to the resident model. A span that the resident model would compute on as a
-    fresh tensor every call (a weight upcast from a storage dtype) is marked by `fresh_span` and takes 0 too.
-    """
+    """The packed layout of one block. Each span keeps the address residue (mod `ALIGN_BYTES`) it would have resident
+    on `device` (0 for a `fresh_span`): CPU BLAS kernels round differently at different alignments (MKL's
+    matrix-vector product on an AMD EPYC: four roundings over the residues mod 64), and outputs stay bit-identical."""
 
     def __init__(
         self,
@@ -164,18 +142,14 @@ class BlockLayout:
                     )
                 )
             offset = dst + end - start
-        self.nbytes = max(align_up(offset), ALIGN_BYTES)
-        """Bytes of the block's buffer (padded; every span at its residue)."""
+        self.nbytes = max(align_up(offset), ALIGN_BYTES)  # padded; every span at its residue
 
     def relocated(self, fresh_span: Callable[[list[SpanMember]], bool]) -> BlockLayout:
-        """The same block laid out again with the spans `fresh_span` accepts at residue 0 (before staging: it
-        reads the original tensors)."""
+        """The same block laid out again with the spans `fresh_span` accepts at residue 0 (before staging)."""
         return BlockLayout(self.path, self.block, self.device, fresh_span)
 
     def copy_sources_into(self, buffer: torch.Tensor, files: MappedFiles | None = None, reader: FileReader | None = None) -> int:
-        """Copy every span of the original storages into `buffer` (a uint8 tensor of `nbytes`). A span that is
-        an unwritten view of a file mapping (`files`) is read from the file by `reader` instead of faulted in
-        through the mapping. Returns the bytes read from files."""
+        """Copy every original span into `buffer`, reading unwritten views of a file mapping from the file."""
         reads = []
         for src, src_start, length, dst in self._spans:
             if files is not None and reader is not None and src.device.type == "cpu":
@@ -183,16 +157,13 @@ class BlockLayout:
                 if source is not None:
                     reads.append((buffer[dst : dst + length], source))
                     continue
-            raw = torch.empty(0, dtype=torch.uint8, device=src.device)
-            raw.set_(src.untyped_storage(), src_start, (length,), (1,))
-            buffer[dst : dst + length].copy_(raw)
+            buffer[dst : dst + length].copy_(_storage_bytes(src, src_start, length))
         if reads:
             reader.read_all_(reads)  # every span of the block in flight at once
         return sum(source.nbytes for _, source in reads)
 
     def span_file_ranges(self, files: MappedFiles) -> list[tuple[FileRange | None, int, int]]:
-        """For every span: the file bytes that back it (None where the span is not an unwritten view of a file
-        mapping, e.g. a weight built or changed in memory), its offset in the packed block and its length."""
+        """For every span: (the file bytes that back it, or None), its offset in the packed block, its length."""
         out: list[tuple[FileRange | None, int, int]] = []
         for src, src_start, length, dst in self._spans:
             source = None
@@ -209,21 +180,15 @@ class BlockLayout:
         """The original bytes of span `index` (uint8, viewing the original storage; before `forget_sources`)."""
         src, src_start, length, _ = self._spans[index]
         assert src is not None, f"{self.path}: the sources were forgotten"
-        raw = torch.empty(0, dtype=torch.uint8, device=src.device)
-        raw.set_(src.untyped_storage(), src_start, (length,), (1,))
-        return raw
+        return _storage_bytes(src, src_start, length)
 
     def copy_range_into(self, buffer: torch.Tensor, start: int) -> None:
-        """Copy bytes [start, start + buffer.numel()) of the packed block into `buffer` (uint8), straight from
-        the original storages; bytes of the range that no span covers (padding) are left as they are."""
+        """Copy bytes [start, start + buffer.numel()) of the packed block from the originals (padding untouched)."""
         end = start + buffer.numel()
         for src, src_start, length, dst in self._spans:
             lo, hi = max(dst, start), min(dst + length, end)
-            if lo >= hi:
-                continue
-            raw = torch.empty(0, dtype=torch.uint8, device=src.device)
-            raw.set_(src.untyped_storage(), src_start + lo - dst, (hi - lo,), (1,))
-            buffer[lo - start : hi - start].copy_(raw)
+            if lo < hi:
+                buffer[lo - start : hi - start].copy_(_storage_bytes(src, src_start + lo - dst, hi - lo))
 
     def buffer_byte_ranges(self) -> list[tuple[int, int]]:
         """[start, end) bytes of every buffer (not parameter) entry in the packed block, merged where they touch."""
@@ -255,39 +220,11 @@ class BlockLayout:
         self._spans = [(None, s, n, d) for _, s, n, d in self._spans]  # type: ignore[misc]
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """One tensor per entry, viewing `buffer` (uint8, at least `nbytes`) with the original shape and strides.
-
-        Built outside inference mode and without autograd history, whatever mode the caller runs in: the views
-        are cached and bound as parameters, and must look to every kernel like the resident parameters (an
-        inference tensor bound under `torch.inference_mode()` would change later kernels' paths). A parameter
-        that is an inference tensor resident gets one here too (`inference_alias`)."""
-        with torch.inference_mode(False), torch.no_grad():
-            return self._match_inference(self._views(buffer))
-
-    def _match_inference(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        for i, e in enumerate(self.entries):
-            if e.inference_param:
-                tensors[i] = inference_alias(tensors[i])
-        return tensors
-
-    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        typed: dict[torch.dtype, torch.Tensor] = {}
-        out = []
-        for e in self.entries:
-            base = typed.get(e.dtype)
-            if base is None:
-                base = typed[e.dtype] = buffer.view(e.dtype)
-            out.append(torch.as_strided(base, e.shape, e.stride, base.storage_offset() + e.element_offset))
-        return out
+        """One tensor per entry, viewing `buffer` (uint8, at least `nbytes`) with the original shape and strides."""
+        return self._strided([buffer] * len(self._spans), [0] * len(self._spans))
 
     def separate_copies(self, buffer: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
-        """Like `views`, but every storage span gets fresh storage of its own on `device` (as before packing),
-        at the same address residue as in the buffer (what `disable()` binds: normal tensors whatever mode it is
-        called in, inference tensors for the parameters that were)."""
-        with torch.inference_mode(False), torch.no_grad():
-            return self._match_inference(self._separate_copies(buffer, device))
-
-    def _separate_copies(self, buffer: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+        """Like `views`, each span in fresh storage on `device` at the same address residue (what disable binds)."""
         raws, shifts = [], []
         for (_, _, length, dst), residue in zip(self._spans, self.span_residues):
             raw = torch.empty(align_up(length + ALIGN_BYTES), dtype=torch.uint8, device=device)
@@ -295,27 +232,29 @@ class BlockLayout:
             raw[shift : shift + length].copy_(buffer[dst : dst + length])
             raws.append(raw)
             shifts.append(shift - dst)  # buffer offset -> offset inside raw
-        out = []
-        typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        for e in self.entries:
-            key = (e.span_index, e.dtype)
-            base = typed.get(key)
-            if base is None:
-                base = typed[key] = raws[e.span_index].view(e.dtype)
-            itemsize = base.element_size()
-            out.append(torch.as_strided(base, e.shape, e.stride, e.element_offset + shifts[e.span_index] // itemsize))
-        return out
+        return self._strided(raws, shifts)
 
+    def _strided(self, raws: list[torch.Tensor], shifts: list[int]) -> list[torch.Tensor]:
+        # built outside inference mode and autograd whatever mode the caller runs in: the cached views must look to
+        # every kernel like the resident parameters (an inference tensor would change later kernels' paths)
+        with torch.inference_mode(False), torch.no_grad():
+            typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+            out = []
+            for e in self.entries:
+                base = typed.get((e.span_index, e.dtype))
+                if base is None:
+                    base = typed[e.span_index, e.dtype] = raws[e.span_index].view(e.dtype)
+                offset = base.storage_offset() + e.element_offset + shifts[e.span_index] // base.element_size()
+                tensor = torch.as_strided(base, e.shape, e.stride, offset)
+                out.append(inference_alias(tensor) if e.inference_param else tensor)
+            return out
 
 class TensorBinder:
-    """Rebinds a block's tensors: parameters through `.data` (identity kept), buffers by assignment. A parameter
-    made under `torch.inference_mode()` is bound to inference tensors only (`inference_alias`: the stores' views
-    already are, other tensors are aliased here); buffers are bound as normal tensors (an in-place write into
-    one must move the slot's version counter, which an inference tensor has not)."""
+    """Rebinds a block's tensors: parameters through `.data` (identity kept), buffers by assignment, as normal
+    tensors (an in-place write must move the slot's version counter, which an inference tensor has not)."""
 
     def __init__(self, layout: BlockLayout, device: torch.device):
         self.layout = layout
-        self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         params: dict[int, int] = {}
         self._param_slots: list[tuple[nn.Parameter, int]] = []
         self._buffer_slots: list[tuple[dict, str, int]] = []
@@ -341,12 +280,10 @@ class TensorBinder:
                 with torch.inference_mode(e.inference_param):
                     placeholder_for[e.dtype, e.inference_param] = torch.empty(0, dtype=e.dtype, device=device)
         self._placeholder_list = [placeholder_for[e.dtype, e.inference_param] for e in layout.entries]
-        self.bound = False
-        """Whether the block holds real bytes (a slot's or the host store's) rather than placeholders."""
+        self.bound = False  # real bytes (a slot's or the host store's) rather than placeholders
 
     def current_tensors(self) -> list[torch.Tensor]:
-        """The tensors `bind_` would replace, one per entry: a parameter's `.data` (the Parameter object stays), or
-        the buffer (what a store keeps until its commit, to give back at a rollback)."""
+        """The tensors `bind_` would replace, one per entry (a parameter's `.data`, or the buffer)."""
         return [e.module._parameters[e.name].data if e.is_param else e.module._buffers[e.name] for e in self.layout.entries]
 
     def bind_(self, views: list[torch.Tensor]) -> None:
@@ -365,9 +302,8 @@ class TensorBinder:
                 set_inner_(wrapper, path, views[i])
 
     def public_tensors(self, views: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """Per entry, the tensor the model shows for it when bound to `views`: the view itself (of the parameter's
-        own class where it is a Parameter subclass), or for the first inner tensor of a wrapper subclass a new
-        wrapper of the same type over the views (None for its others)."""
+        """Per entry, the tensor the model shows when bound to `views`: the view (of a Parameter subclass's own
+        class), or for a wrapper subclass's first inner tensor a new wrapper over the views (None for the others)."""
         out: list[torch.Tensor | None] = list(views)
         for param, i in self._param_slots:
             if type(param) is not nn.Parameter and out[i] is not None:
@@ -383,9 +319,8 @@ class TensorBinder:
         return out
 
     def keep_replaced_(self, views: list[torch.Tensor]) -> int:
-        """While bound to `views`, code may have replaced a tensor instead of writing into it (`param.data = new`,
-        as PEFT's safe merge does; `module.buf = new`): copy such values into `views`, so the bytes behind the
-        views keep them. Returns how many were copied. Raises `UnsupportedUseError` for a new shape or dtype."""
+        """Copy into `views` the tensors code replaced while bound instead of writing into them (`param.data = new`,
+        as PEFT's safe merge does); returns how many. Raises `UnsupportedUseError` for a new shape or dtype."""
         replaced = [(param.data, i) for param, i in self._param_slots]
         replaced += [(buffers[name], i) for buffers, name, i in self._buffer_slots]
         replaced += [(get_inner(wrapper, path), i) for wrapper, path, i in self._inner_slots]
@@ -417,6 +352,12 @@ class TensorBinder:
     def evict_(self) -> None:
         self.bind_(self._placeholder_list)
         self.bound = False
+
+
+def _storage_bytes(src: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Bytes [start, start + length) of `src`'s untyped storage, as a uint8 view."""
+    raw = torch.empty(0, dtype=torch.uint8, device=src.device)
+    return raw.set_(src.untyped_storage(), start, (length,), (1,))
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

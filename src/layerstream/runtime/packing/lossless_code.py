@@ -1,20 +1,12 @@
-"""A lossless code for 16-bit floating-point tensors (bfloat16, float16): on trained bfloat16 weights about 0.68x
-the bytes, within a point or two of the exponent's entropy, bit for bit.
-
-Each element keeps a raw byte as it is and codes the rest, whose values are few and next to each other, in tiers of
-fixed-width codes (`lossless_format` holds the stored form, `lossless_decode` the decode): every element has a
-short code of tier 0, and only the elements it does not hold go on to the next tier, then to the literals. A tier's
-window is the run of values that holds the most of what reaches it, so the tiers follow the tensor's own spread
-(trained exponents spread wider than initial ones: about 2.8 bits of entropy a tensor, where one fixed width
-spent 3 or 4 bits and 6 bytes an escape). Every bit of every element is either kept or computed back by the
-inverse of the encode's integer steps, so the code is exact by construction. Planning (`plan_code`) reads a
-tensor's histogram once; the sizes it fixes keep a little room in every tier, so that values coded again (after
-LoRA fusing or a load) usually fit.
+"""A lossless code for 16-bit floating-point tensors: on trained bfloat16 weights about 0.68x the bytes, within
+a point or two of the exponent's entropy, bit for bit. Each element keeps a raw byte and codes the rest in tiers
+of fixed-width codes, each tier's window the run of values holding the most of what reaches it (trained
+exponents: about 2.8 bits of entropy, where one fixed width spent 3 or 4 bits and 6 bytes an escape); every
+tier keeps a little room, so that values coded again (after LoRA fusing or a load) usually fit.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 
 import torch
@@ -22,50 +14,22 @@ import torch
 from layerstream.errors import LayerstreamError
 from layerstream.runtime.packing.lossless_decode import CHUNK_ELEMENTS, SpanDecode, decode, escapes_in
 from layerstream.runtime.packing.lossless_format import (
-    CODED_DTYPES,
-    FIRST_WIDTHS,
-    MAX_TIERS,
-    SHIFT,
-    TIER_WIDTHS,
-    VALUE_RANGE,
-    CodedDtype,
-    SpanCode,
-    best_window,
-    choose_windows,
-    pack_codes,
-    tier_lookup,
-    window_size,
-)
+    CODED_DTYPES, FIRST_WIDTHS, MAX_TIERS, SHIFT, TIER_WIDTHS, VALUE_RANGE, CodedDtype, SpanCode, best_window,
+    choose_windows, pack_codes, tier_lookup, window_size,
+)  # fmt: skip
 from layerstream.runtime.packing.lossless_pricing import (
-    ESTIMATED,
-    ESTIMATED_CODED_FRACTION,
-    CodedFraction,
-    priced_fraction,
-    pricing_at,
-)
+    ESTIMATED, ESTIMATED_CODED_FRACTION, CodedFraction, priced_fraction, pricing_at,
+)  # fmt: skip
 
 __all__ = [
-    "CODED_DTYPES",
-    "ESTIMATED",
-    "ESTIMATED_CODED_FRACTION",
-    "CodedFraction",
-    "CodedDtype",
-    "SpanCode",
-    "SpanDecode",
-    "count_coded",
-    "decode",
-    "encode_into_",
-    "estimated_code",
-    "plan_code",
-    "plan_code_from_counts",
-    "priced_fraction",
-    "pricing_at",
-]
+    "CODED_DTYPES", "ESTIMATED", "ESTIMATED_CODED_FRACTION", "CodedFraction", "CodedDtype", "SpanCode", "SpanDecode",
+    "count_coded", "decode", "encode_into_", "estimated_code", "plan_code", "plan_code_from_counts",
+    "priced_fraction", "pricing_at",
+]  # fmt: skip
 
 
 def escape_capacity(num_escapes: int, num_elements: int) -> int:
-    """Entries kept for a tier that needs `num_escapes`: a little more, so that small changes (a fused LoRA) still
-    fit when the tensor is coded again."""
+    """Entries kept for a tier that needs `num_escapes`: a little more, so that a fused LoRA still fits."""
     return num_escapes + max(16, num_elements // 1024)
 
 
@@ -87,17 +51,10 @@ def value_counts(counts: torch.Tensor, dtype: CodedDtype) -> list[int]:
     return (counts if dtype == "bfloat16" else counts[:128] + counts[128:]).tolist()
 
 
-def candidate_widths() -> list[tuple[int, ...]]:
-    """Every tier layout the planner weighs: a first width, then up to `MAX_TIERS - 1` later widths."""
-    later = [rest for k in range(MAX_TIERS) for rest in itertools.product(TIER_WIDTHS, repeat=k)]
-    return [(first,) + rest for first in FIRST_WIDTHS for rest in later]
-
-
 def _layouts(
     left: list[int], escaping: int, widths: tuple[int, ...] = (), escapes: tuple[int, ...] = ()
 ) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """(widths, elements escaping each tier) of every layout of `candidate_widths`, each tier's window the best
-    for what reaches it (`left`: the counts of the values no earlier window holds); shared prefixes found once."""
+    """(widths, escapes per tier) of every layout of up to `MAX_TIERS` widths, each window the best of `left`."""
     for width in FIRST_WIDTHS if not widths else TIER_WIDTHS:
         base, inside = best_window(left, window_size(width))
         grown, after = widths + (width,), escapes + (escaping - inside,)
@@ -107,9 +64,8 @@ def _layouts(
 
 
 def plan_code_from_counts(counts: torch.Tensor, num_elements: int, dtype: CodedDtype) -> SpanCode | None:
-    """The smallest code of `num_elements` elements with these coded-byte `counts`, or None where no code is
-    smaller than the raw bytes: each layout's sizes follow from the counts (what escapes each tier's best window).
-    Ties go to the layout found first (a layout comes before its longer ones, which decode slower)."""
+    """The smallest code for these coded-byte `counts`, or None where none is smaller than the raw bytes; ties go
+    to the layout found first (before its longer ones, which decode slower)."""
     values = value_counts(counts, dtype)
     first_bits = dtype == "float16"  # float16's sign rides in the first code
     best, best_bits = None, 0
@@ -123,14 +79,12 @@ def plan_code_from_counts(counts: torch.Tensor, num_elements: int, dtype: CodedD
 
 
 def plan_code(x16: torch.Tensor, dtype: CodedDtype) -> SpanCode | None:
-    """The code of these elements (`x16`: int16, flat, on the CPU), or None where no code is smaller than the raw
-    bytes."""
+    """The code of `x16` (int16, flat, on the CPU), or None where no code is smaller than the raw bytes."""
     return plan_code_from_counts(count_coded(x16, dtype), x16.numel(), dtype)
 
 
 def estimated_code(num_elements: int, dtype: CodedDtype) -> SpanCode:
-    """A code whose size is about `priced_fraction()` of the raw bytes (for pricing only: it codes nothing): the
-    widest first tier that fits, then literals up to the size."""
+    """A code of about `priced_fraction()` of the raw bytes, for pricing only (it codes nothing)."""
     target = int(priced_fraction().value * 2 * num_elements)
     for width in sorted(FIRST_WIDTHS, reverse=True):
         bare = SpanCode(dtype, num_elements, (width,), (0,)).nbytes
@@ -155,8 +109,7 @@ class _EncodeScratch:
 
 
 def _first_codes(x16: torch.Tensor, code: SpanCode, base: int, count: int, scratch: _EncodeScratch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tier 0's codes, escape flags) of a run of elements, padded with zero codes to `count`: uint8 each (scratch
-    views), the flag 1 where the value is outside the window."""
+    """(tier 0's codes, escape flags) of a run of elements, padded with zero codes to `count` (scratch views)."""
     real, width = x16.numel(), code.widths[0]
     codes, flags = scratch.codes[:count], scratch.flags[:count]
     offsets = codes[:real]
@@ -175,8 +128,7 @@ def _first_codes(x16: torch.Tensor, code: SpanCode, base: int, count: int, scrat
 
 
 def _raw_into_(x16: torch.Tensor, dtype: CodedDtype, out: torch.Tensor, scratch: _EncodeScratch) -> None:
-    """The raw byte of a run of elements, into `out`: bfloat16's sign and mantissa bits (sign in bit 7), float16's
-    low byte."""
+    """The raw byte of a run of elements into `out`: bfloat16's sign (bit 7) and mantissa, float16's low byte."""
     if dtype == "float16":
         out.copy_(x16)  # the narrowing keeps the low 8 bits
         return
@@ -187,8 +139,7 @@ def _raw_into_(x16: torch.Tensor, dtype: CodedDtype, out: torch.Tensor, scratch:
 
 
 def _pack_field_(codes: torch.Tensor, out: torch.Tensor, bits: int, shift: int, scratch: torch.Tensor) -> None:
-    """Bits shift .. shift + bits - 1 of `codes` (uint8, blocks x elements) into `out` (uint8, blocks x bytes),
-    planar: byte j holds the bits of elements j, j + P, ... (P = out's bytes a block)."""
+    """Bits shift .. shift + bits - 1 of `codes` into `out`, planar: byte j holds elements j, j + P, ... of a block."""
     length = out.shape[1]
     part = torch.bitwise_right_shift(codes, shift, out=scratch).bitwise_and_((1 << bits) - 1)
     out.copy_(part[:, :length])
@@ -202,8 +153,7 @@ def _coded_values(x16: torch.Tensor, dtype: CodedDtype) -> torch.Tensor:
 
 
 def _later_tiers(code: SpanCode, bases: list[int], escaped: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
-    """Each later tier's codes, then the literals (uint8 each), of the values that escaped tier 0 (in order), and
-    the escapes of every tier. Raises `_CodeOverflowError` where a tier needs more entries than it keeps."""
+    """Each later tier's codes, then the literals, and every tier's escapes; `_CodeOverflowError` past a capacity."""
     out, escapes = [], [escaped.numel()]
     for tier in range(1, len(code.widths) + 1):
         if escaped.numel() > code.capacities[tier - 1]:
@@ -219,10 +169,7 @@ def _later_tiers(code: SpanCode, bases: list[int], escaped: torch.Tensor) -> tup
 
 
 def encode_into_(code: SpanCode, x16: torch.Tensor, out: torch.Tensor, counts: torch.Tensor | None = None) -> int:
-    """Write the code of `x16` (int16, flat, `code.num_elements`) into `out` (uint8, `code.nbytes`, on the CPU);
-    the windows are the ones of `counts` (where given: made from the same or other values, the code is exact with
-    any windows) or of these values. Returns the escapes of tier 0; raises `_CodeOverflowError` (writing nothing)
-    where a tier needs more entries than the code keeps."""
+    """Code `x16` into `out` (windows of `counts` where given); tier 0's escapes, or `_CodeOverflowError` first."""
     n, dtype = code.num_elements, code.dtype
     x16 = x16.reshape(-1).cpu()
     bases, expected = choose_windows(value_counts(count_coded(x16, dtype) if counts is None else counts, dtype), code.widths)

@@ -1,11 +1,7 @@
 """Decoding the lossless code (`lossless_format`) with plain torch ops, on any device, with no host sync there.
-
-Per chunk of tier 0's elements: unpack its fields (contiguous shifts and masks), find its escapes, resolve them
-through the later tiers, add the base, widen, shift and `or` the raw bytes in. Where an escaped element's next code
-is follows from the escapes before it. On the CPU the escapes are found and counted (their positions: a scan of
-the flags), and each tier works on those alone; on an accelerator, where a count would wait for the device, every
-element's place in the next tier is its running count of escapes (a cumulative sum) and every tier works on the
-whole chunk, with the counts carried from chunk to chunk as device tensors.
+On the CPU a chunk's escapes are found and counted and each tier works on those alone; on an accelerator, where a
+count would wait for the device, every element's place in the next tier is its running count of escapes (a
+cumulative sum), carried from chunk to chunk as device tensors.
 """
 
 from __future__ import annotations
@@ -20,23 +16,15 @@ except ImportError:  # torch finds the escapes too, slower
     _np = None
 
 from layerstream.runtime.packing.lossless_format import (
-    RAW_MASK16,
-    SHIFT,
-    SpanCode,
-    plane_bytes,
-    restore_values_,
-    unpack_codes,
-)
+    RAW_MASK16, SHIFT, SpanCode, plane_bytes, restore_values_, unpack_codes,
+)  # fmt: skip
 
 CHUNK_ELEMENTS = {"cpu": 1 << 20, "other": 1 << 22}
 """Elements coded or decoded per step (whole blocks): on the CPU a step's few dozen torch calls cost little beside
 its work (a trained tensor decoded at 0.8-1.1 GB/s in steps of 2^18 elements, 0.9-1.35 in steps of 2^20, on one
 core); on an accelerator a step's scratch (about 20 bytes an element: the ranks and indices) stays small beside
 the slot ring."""
-
-
-SPARSE_SHARE = 0.01
-"""Below this share of escapes a chunk's escapes are looked for a 64-bit word at a time (most words hold none)."""
+SPARSE_SHARE = 0.01  # below this share, escapes are looked for a 64-bit word at a time (most words hold none)
 
 _scratch = threading.local()
 
@@ -80,9 +68,7 @@ def _nonzero(values: torch.Tensor) -> torch.Tensor:
 
 
 class SpanDecode:
-    """Decodes one span's stored bytes (`stored`, uint8 `code.nbytes`, 16-byte aligned as the form places them)
-    into `out` (int16, `code.num_elements`), both views that keep their place (a slot's staging region and
-    compute layout): planned once, run per copy. `dense` (default: off the CPU) takes the accelerator's way."""
+    """Decodes one span's stored bytes into `out` (a slot's views): planned once, run per copy; `dense`: ranked."""
 
     def __init__(self, code: SpanCode, stored: torch.Tensor, out: torch.Tensor, dense: bool | None = None):
         self.code, self.out = code, out
@@ -151,8 +137,7 @@ class _CountedEscapes:
         self.counts = decode.counts.tolist()
         self.share = self.counts[0] / self.code.num_elements
         self.possible = self.counts[0] > 0
-        self.cursors = [0] * (len(self.code.widths) + 1)
-        """Codes of each tier read so far (index 1 .. the literals')."""
+        self.cursors = [0] * (len(self.code.widths) + 1)  # codes of each tier read so far
 
     def apply_(self, codes: torch.Tensor, escaped: torch.Tensor) -> None:
         """Tier 0's codes (sign placed) to coded bytes: the base added, the escapes' values written."""
@@ -179,8 +164,7 @@ class _CountedEscapes:
 
 
 class _RankedEscapes:
-    """The escapes of one run on an accelerator: every element's place in the next tier is the count of escapes
-    before it, a cumulative sum; the counts so far stay on the device (no host sync)."""
+    """The escapes of one run on an accelerator: places are cumulative counts, kept on the device (no sync)."""
 
     def __init__(self, decode: SpanDecode):
         self.code, self.tiers = decode.code, decode.tiers
@@ -197,8 +181,7 @@ class _RankedEscapes:
         torch.where(escaped, values, codes, out=codes)
 
     def resolve(self, tier: int, reach: torch.Tensor) -> torch.Tensor:
-        """The coded value (uint8) of every element of a step where `reach` (bool) says it reaches `tier` (any
-        value elsewhere)."""
+        """The coded value (uint8) of every element that reaches `tier` (any value elsewhere)."""
         code = self.code
         index = torch.cumsum(reach, 0, dtype=torch.int32).add_(self.cursors[tier] - 1)
         self.cursors[tier] = index[-1] + 1  # this tier's codes read so far: a device tensor, no sync
@@ -225,8 +208,7 @@ def _all_ones(codes: torch.Tensor, width: int, out: torch.Tensor) -> torch.Tenso
 
 
 def _unpack_planes_(packed: torch.Tensor, target: torch.Tensor, bits: int, shift: int, length: int) -> None:
-    """Code bits shift .. shift + bits - 1 from a planar field into `target` (uint8, blocks x elements), the other
-    bits zero."""
+    """Code bits shift .. shift + bits - 1 from a planar field into `target` (uint8), the other bits zero."""
     for plane in range(8 // bits):
         into = target[:, plane * length : (plane + 1) * length]
         moved = plane * bits - shift  # where the plane's bits are, against where they go

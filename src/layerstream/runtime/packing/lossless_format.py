@@ -1,20 +1,13 @@
 """The stored form of the lossless code of one 16-bit tensor (`SpanCode`) and the tiers of windows it codes in.
-
-Each element is a raw byte, kept as it is (bfloat16: the sign and the seven mantissa bits; float16: the low
-byte), and a coded value of `value_range` values (bfloat16: the exponent byte; float16: the high byte less its
-sign, which rides as the top bit of the element's first code). Tier 0 gives every element a code of
-`widths[0]` bits: the value's offset in the tensor's first window of 2^width - 1 consecutive values, all ones
-marking an escape. Tier k gives the elements that escaped tier k - 1, in element order, a code of `widths[k]` bits
-in a window of the values no earlier window holds (counted as if those were taken out: `restore_values`); the
-elements that escape the last tier are kept as their whole value, a literal, in order. Where an escaped element's
-code is follows from counting the escapes before it, so positions are never stored. The stored bytes:
+Each element is a raw byte (bfloat16: sign and mantissa; float16: the low byte) and a coded value (bfloat16: the
+exponent; float16: the high byte less its sign, which rides atop the first code). Tier 0 gives every element a
+`widths[0]`-bit offset in the first window of 2^width - 1 values, all ones marking an escape; tier k codes the
+escapes of tier k - 1, in order, in a window of the values no earlier window holds; the last tier's escapes are
+literals. Positions are never stored: they follow from counting the escapes before. The stored bytes, each region
+16-byte aligned, tier 0's fields planar within blocks of `BLOCK_ELEMENTS` over whole groups of 16 elements:
 
     raw bytes (n) | tier 0: fields of 4, 2 and 1 bits | window bases, then escape counts (int32, one per tier) |
     tier 1, 2, ...: codes, planar | literals (one byte each)
-
-Every region starts 16-byte aligned. Tier 0's fields are planar within blocks of `BLOCK_ELEMENTS` (byte j of a
-block's field holds the bits of elements j, j + P, j + 2P, ..., P the block's bytes of that field), over the
-elements rounded up to a whole group of 16 (the padding codes are zeros, never read back).
 """
 
 from __future__ import annotations
@@ -30,21 +23,14 @@ import torch
 CodedDtype = Literal["bfloat16", "float16"]
 CODED_DTYPES: dict[torch.dtype, CodedDtype] = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
-SHIFT = {"bfloat16": 7, "float16": 8}
-"""Where the coded byte sits in the 16-bit element."""
+SHIFT = {"bfloat16": 7, "float16": 8}  # where the coded byte sits in the 16-bit element
 RAW_MASK16 = {"bfloat16": -32641, "float16": 0x00FF}  # 0x807F as int16: the sign and the mantissa bits
-VALUE_RANGE = {"bfloat16": 256, "float16": 128}
-"""Coded values of each dtype (float16's sign is not one of its coded values: it rides in the first code)."""
-FIELDS: dict[int, tuple[int, ...]] = {1: (1,), 2: (2,), 3: (2, 1), 4: (4,), 5: (4, 1)}
-"""Tier 0's code bits as fields of 4, 2 and 1 bits (float16 adds its sign bit to the width)."""
-FIRST_WIDTHS = (1, 2, 3, 4)
-"""Widths of tier 0. Wider ones never code a trained tensor smaller (measured on the benchmark's weights)."""
-TIER_WIDTHS = (1, 2, 4)
-"""Widths of the later tiers: whole codes per byte, so a run of them unpacks with one shift per code of a byte."""
-MAX_TIERS = 3
-"""Tiers before the literals. A fourth gains 0.3 points of the bfloat16 bytes on trained weights."""
-GROUP_ELEMENTS = 16
-"""Tier 0 codes whole groups of 16 elements (the escape search reads 8 flags per 64-bit word)."""
+VALUE_RANGE = {"bfloat16": 256, "float16": 128}  # coded values (float16's sign rides in the first code)
+FIELDS: dict[int, tuple[int, ...]] = {1: (1,), 2: (2,), 3: (2, 1), 4: (4,), 5: (4, 1)}  # tier 0's code bits
+FIRST_WIDTHS = (1, 2, 3, 4)  # tier 0's; wider ones never code a trained tensor smaller (the benchmark's weights)
+TIER_WIDTHS = (1, 2, 4)  # the later tiers': whole codes per byte, one shift per code of a byte to unpack
+MAX_TIERS = 3  # before the literals; a fourth gains 0.3 points of the bfloat16 bytes on trained weights
+GROUP_ELEMENTS = 16  # tier 0 codes whole groups of 16 elements (the escape search reads 8 flags per 64-bit word)
 BLOCK_ELEMENTS = 1 << 13
 """Elements per planar block (the last block of a tensor is shorter): a plane is 1,024 to 4,096 bytes long."""
 ALIGN = 16
@@ -56,15 +42,12 @@ def align(n: int) -> int:
 
 @dataclass(frozen=True)
 class SpanCode:
-    """The code of one tensor of `num_elements` 16-bit elements (see the module docstring): the sizes of its
-    stored bytes, fixed when it is planned; the windows are chosen from the values when they are coded."""
+    """The sizes of one tensor's code, fixed when it is planned; the windows are chosen when values are coded."""
 
     dtype: CodedDtype
     num_elements: int
-    widths: tuple[int, ...]
-    """Bits per code of each tier: `widths[0]` for every element, `widths[k]` for the escapes of tier k - 1."""
-    capacities: tuple[int, ...]
-    """Codes kept for tiers 1 .. len(widths) - 1, then the literals kept (a little more than the values need)."""
+    widths: tuple[int, ...]  # bits per code: `widths[0]` for every element, `widths[k]` for tier k - 1's escapes
+    capacities: tuple[int, ...]  # codes kept for tiers 1 .. len(widths) - 1, then the literals kept
 
     def __post_init__(self) -> None:
         assert self.widths[0] in FIRST_WIDTHS, f"first width {self.widths[0]}: one of {FIRST_WIDTHS}"
@@ -74,19 +57,13 @@ class SpanCode:
 
     @property
     def padded_elements(self) -> int:
-        """Elements tier 0 codes: whole groups."""
-        return -(-self.num_elements // GROUP_ELEMENTS) * GROUP_ELEMENTS
-
-    @property
-    def first_code_bits(self) -> int:
-        """Bits of tier 0's code: its offset, and float16's sign above it."""
-        return self.widths[0] + (self.dtype == "float16")
+        return -(-self.num_elements // GROUP_ELEMENTS) * GROUP_ELEMENTS  # tier 0 codes whole groups
 
     @cached_property
     def fields(self) -> tuple[tuple[int, int, int], ...]:
         """(field bits, the code bit it holds first, byte offset) of each field of tier 0."""
         out, shift, at = [], 0, align(self.num_elements)
-        for bits in FIELDS[self.first_code_bits]:
+        for bits in FIELDS[self.widths[0] + (self.dtype == "float16")]:  # float16's sign above the offset
             out.append((bits, shift, at))
             shift += bits
             at += align(self.padded_elements * bits // 8)
@@ -113,12 +90,10 @@ class SpanCode:
 
     @property
     def signature(self) -> str:
-        """The sizes, as text (what two ranks compare)."""
-        return f"{'.'.join(map(str, self.widths))}/{'.'.join(map(str, self.capacities))}"
+        return f"{'.'.join(map(str, self.widths))}/{'.'.join(map(str, self.capacities))}"  # ranks compare it
 
     def steps(self, chunk: int) -> list[tuple[int, int, int]]:
-        """(first element, blocks, elements a block) of each step of at most `chunk` elements over tier 0's
-        elements: whole blocks, then the last, shorter block."""
+        """(first element, blocks, elements a block) of each step of at most `chunk` of tier 0's elements."""
         full, last = divmod(self.padded_elements, BLOCK_ELEMENTS)
         per = max(1, chunk // BLOCK_ELEMENTS)
         out = [(b * BLOCK_ELEMENTS, min(per, full - b), BLOCK_ELEMENTS) for b in range(0, full, per)]
@@ -133,8 +108,7 @@ def window_size(width: int) -> int:
 
 
 def best_window(left: list[int], size: int) -> tuple[int, int]:
-    """(base, elements inside) of the run of `size` consecutive entries of `left` (counts) that holds the most
-    (the first such run)."""
+    """(base, elements inside) of the first run of `size` consecutive counts of `left` that holds the most."""
     sums = [0, *itertools.accumulate(left)]
     inside = list(map(operator.sub, sums[size:], sums[: len(sums) - size]))
     base = max(range(len(inside)), key=inside.__getitem__)
@@ -142,9 +116,7 @@ def best_window(left: list[int], size: int) -> tuple[int, int]:
 
 
 def choose_windows(value_counts: list[int], widths: tuple[int, ...]) -> tuple[list[int], list[int]]:
-    """(base of each tier's window, elements escaping each tier) for values counted `value_counts`: each tier takes
-    the consecutive run of values, among those no earlier window holds, that holds the most elements (the base is
-    counted in that tier's values: the earlier windows taken out)."""
+    """(base of each tier's window, elements escaping each tier), each window the best of what is left."""
     left = list(value_counts)  # the counts of the values no window holds yet, in order
     escaping = sum(left)
     bases, escapes = [], []
@@ -158,8 +130,7 @@ def choose_windows(value_counts: list[int], widths: tuple[int, ...]) -> tuple[li
 
 
 def tier_lookup(bases: list[int], widths: tuple[int, ...], tier: int, value_range: int) -> torch.Tensor:
-    """Tier `tier`'s code of each value (uint8, `value_range`): its offset in the tier's window, all ones where the
-    window does not hold it (the values of earlier windows never reach the tier)."""
+    """Tier `tier`'s code of each value: its offset in the tier's window, all ones where the window misses it."""
     left = list(range(value_range))
     for base, width in zip(bases[:tier], widths[:tier]):
         del left[base : base + window_size(width)]
@@ -171,9 +142,8 @@ def tier_lookup(bases: list[int], widths: tuple[int, ...], tier: int, value_rang
 
 
 def restore_values_(values: torch.Tensor, bases: list, widths: tuple[int, ...], tier: int) -> torch.Tensor:
-    """Tier `tier`'s values (uint8, counted with the earlier windows taken out) back to coded values, in place:
-    each earlier window, the last first, is put back below the values at or above its base. `bases` are ints (on
-    the CPU) or one-element tensors (on a device: no host sync)."""
+    """Tier `tier`'s values back to coded values, in place, putting each earlier window back (the last first);
+    `bases` are ints on the CPU, one-element tensors on a device (no host sync)."""
     for k in range(tier - 1, -1, -1):
         base, size = bases[k], window_size(widths[k])
         if not isinstance(base, int):

@@ -12,22 +12,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 ESTIMATED_CODED_FRACTION = 0.69
-"""Stored bytes per 16-bit byte assumed where the values are not there to code and no sample of them could be read
-(a skeleton on the meta device: `layerstream plan` of a model whose weights are not on this machine). An
-estimate, from the trained weights measured: 0.673-0.696 a model, 0.680 over seven models in bfloat16
-(`benchmarks/lossless.py --weights`, docs/storage.md), rounded up; initial weights code smaller (0.650)."""
+"""Stored bytes per 16-bit byte where no sample could be read: trained weights measured 0.673-0.696 a model,
+0.680 over seven bfloat16 models (`benchmarks/lossless.py --weights`), rounded up; initial weights code 0.650."""
 
 
 @dataclass(frozen=True)
 class CodedFraction:
-    """Stored bytes per 16-bit byte that the lossless form is priced at where the values are not there to code,
-    and where the figure comes from."""
+    """Stored bytes per 16-bit byte that the lossless form is priced at, and where the figure comes from."""
 
     value: float
-    sampled: bool
-    """True: estimated from a sample of the checkpoint's own weights; False: the fixed estimate."""
-    source: str
-    """How it was reached, in words (a plan's notes say it)."""
+    sampled: bool  # from a sample of the checkpoint's own weights, or the fixed estimate
+    source: str  # in words (a plan's notes say it)
 
     def describe(self) -> str:
         return f"{self.value:.3f}x, {self.source}"
@@ -46,8 +41,7 @@ def priced_fraction() -> CodedFraction:
 
 @contextlib.contextmanager
 def pricing_at(fraction: CodedFraction) -> Iterator[CodedFraction]:
-    """Price the lossless spans that have no values (a skeleton's) at `fraction` inside the block: the planner
-    prices a checkpoint it has sampled at its own figure."""
+    """Price the lossless spans that have no values (a skeleton's) at `fraction` inside the block."""
     token = _priced.set(fraction)
     try:
         yield fraction

@@ -1,25 +1,15 @@
-"""Tensor subclasses that wrap inner tensors (torchao's quantized weights): what layerstream packs of them.
-
-A traceable wrapper subclass (`__tensor_flatten__` / `__tensor_unflatten__`) has no storage of its own: its
-bytes are its inner tensors (torchao's int8 weight: `qdata`, `scale`, `zero_point`), held as attributes of the
-wrapper object. Layerstream packs each inner tensor like a plain tensor and binds a block by setting those
-attributes to views of the slot, so the Parameter object (with its metadata: block size, quantization
-settings) stays the same one. Nested wrappers are followed; an inner tensor that is neither plain nor a
-wrapper cannot be packed. Diffusers' GGUF weights are plain Parameter subclasses with storage of their own
-(the quantization type is an attribute of the Parameter) and pack as plain tensors.
+"""Tensor subclasses that wrap inner tensors (torchao's quantized weights): a traceable wrapper has no storage of
+its own, so each (possibly nested) inner tensor is packed like a plain tensor and bound by setting the wrapper's
+attribute to a view of the slot; the Parameter object and its metadata stay the same. (Diffusers' GGUF weights
+have storage of their own and pack as plain tensors.)
 """
 
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass as is_wrapper
 
-InnerPath = tuple[str, ...]
-"""Attribute names from a wrapper down to one of its (possibly nested) inner tensors; () for a plain tensor."""
-
-
-def is_wrapper(t: torch.Tensor) -> bool:
-    return is_traceable_wrapper_subclass(t)
+InnerPath = tuple[str, ...]  # attribute names from a wrapper down to an inner tensor; () for a plain tensor
 
 
 def flatten_inner(t: torch.Tensor, prefix: InnerPath = ()) -> list[tuple[InnerPath, torch.Tensor]]:

@@ -26,11 +26,8 @@ def replace_tensors_(
     convert: Callable[[torch.Tensor], torch.Tensor | None],
     push_undo: Callable[[Callable[[], None]], None],
 ) -> None:
-    """Replace every parameter and buffer under `root` (except inside the modules at `skip` paths) by
-    `convert(tensor)` where that is not None; pushes one undo step per replaced tensor. Parameters keep their
-    identity (they change through `.data`); a parameter tied in several places is converted once. A parameter
-    made under `torch.inference_mode()` gets its new tensor as an inference tensor (`inference_alias`: a
-    normal one as its `.data` would break it), whatever mode `convert` ran in."""
+    """Replace every parameter and buffer under `root` (outside `skip`) by `convert(tensor)` where not None, one undo
+    step each; parameters keep their identity (`.data`, inference ones aliased), tied ones converted once."""
     seen: set[int] = set()
     stack = [(root_path, root)]
     while stack:
@@ -66,8 +63,7 @@ def move_tensors_(
 
 
 def module_device(module: nn.Module) -> torch.device:
-    """Where a module is: the device of its first parameter, else of its first buffer, else the CPU (a module
-    without tensors: where ``.to()`` moves it back to)."""
+    """The device of a module's first parameter, else of its first buffer, else the CPU."""
     for t in chain(module.parameters(), module.buffers()):
         return t.device
     return torch.device("cpu")
@@ -96,11 +92,7 @@ def unmap_tensors_(
     reader: FileReader,
     push_undo: Callable[[Callable[[], None]], None],
 ) -> int:
-    """Give every CPU tensor under `root` (outside the `skip` paths) that still views a file mapping a storage
-    of its own in memory, at the same address residue (so kernels round as before); returns the bytes copied.
-
-    After this the module holds nothing of the checkpoint's mapping, and the mapping goes when its last view
-    does. Tensors sharing a storage keep sharing one copy."""
+    """Give every CPU tensor under `root` still viewing a file mapping a storage of its own at the same residue."""
     copies: dict[int, torch.Tensor] = {}
     copied = 0
 

@@ -1,13 +1,6 @@
-"""Exact upcasts from float8: the float8 form's unpacking in a slot (`SlotUnpack`) and its host restores.
-
-Every float8 value (e4m3fn and e5m2) is exactly a bfloat16, float16 and float32 value, so an upcast is a
-function of the byte alone: a table of 256 entries made by torch's own conversion gives the same bits as
-torch's `copy_` on every CPU (no arithmetic, no rounding, no instruction-set dependence). torch's CPU kernel
-converts one element at a time (about 4 ns an element on a 2-core EPYC: 22 ms for a 1/64-scale Wan block,
-three times that block's compute), so on the CPU the cast is made by lookups instead: two float8 bytes index
-a table of 65,536 pairs (256 KiB, resident in the core's cache) that gives two 2-byte values at once, about
-0.4 ns an element. The indices go through a small per-thread scratch buffer, so no call allocates a block's
-worth. On an accelerator the device's own cast kernel is already at memory speed and `copy_` is used as is.
+"""Exact upcasts from float8 (each value is exactly a bfloat16 or float16 one, so a table made by torch's own
+conversion gives `copy_`'s bits): torch's CPU kernel takes about 4 ns an element on a 2-core EPYC (three times a
+1/64-scale Wan block's compute), a 256 KiB table indexed by two float8 bytes about 0.4; on an accelerator `copy_`.
 """
 
 from __future__ import annotations
@@ -19,12 +12,9 @@ import torch
 
 FLOAT8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 
-_CHUNK_PAIRS = 1 << 18
-"""Pairs converted per lookup: a 1 MiB index buffer per thread, never a block's worth of indices (chunks of
-2^16 to 2^19 pairs measured alike here)."""
+_CHUNK_PAIRS = 1 << 18  # per lookup: a 1 MiB index buffer per thread (2^16 to 2^19 pairs measured alike)
 
-MIN_LOOKUP_ELEMENTS = 4096
-"""Below this, torch's `copy_` is quicker than planning lookups (a few microseconds of Python per call)."""
+MIN_LOOKUP_ELEMENTS = 4096  # below this, `copy_` is quicker than planning lookups (microseconds of Python)
 
 _tables: dict[tuple[torch.dtype, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 _tables_lock = threading.Lock()
@@ -32,9 +22,7 @@ _scratch = threading.local()
 
 
 class Upcast:
-    """`destination.copy_(stored)`, planned once for two tensors that keep their place (a slot's views): for a
-    float8 `stored` on the CPU the lookups of the module docstring, bit for bit; any other case (another device,
-    dtype, a small or non-contiguous tensor) is `copy_` itself."""
+    """`destination.copy_(stored)` planned once for a slot's views: table lookups for float8 on the CPU."""
 
     __slots__ = ("destination", "stored", "_steps", "_index_numel")
 
@@ -58,14 +46,12 @@ class Upcast:
 
 
 def upcast_(destination: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
-    """`destination.copy_(stored)` for a float8 `stored`, bit for bit, made by table lookups on the CPU (a one-off
-    `Upcast`)."""
+    """`destination.copy_(stored)` for a float8 `stored`, bit for bit (a one-off `Upcast`)."""
     return Upcast(destination, stored).run_()
 
 
 def _plan_steps(destination: torch.Tensor, stored: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(table, indices, out) chunks: pairs where both tensors allow 2-byte reads and 4-byte writes, single bytes
-    for an unaligned head, tail or whole."""
+    """(table, indices, out) chunks: pairs where both tensors align, single bytes for an unaligned head or tail."""
     single, pairs = _tables_for(stored.dtype, destination.dtype)
     codes, out = stored.view(torch.uint8).reshape(-1), destination.view(torch.int16).reshape(-1)
     steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -106,8 +92,7 @@ def _takes_lookup(destination: torch.Tensor, stored: torch.Tensor) -> bool:
 
 
 def _tables_for(source: torch.dtype, target: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 256-entry table (int16: the target's bits by byte) and the 65,536-entry table of pairs (int32: the
-    low byte's value in the low half, as a little-endian read of two neighbours gives them)."""
+    """The 256-entry table (int16) and the 65,536-entry table of pairs (int32, the low byte's in the low half)."""
     key = (source, target)
     tables = _tables.get(key)
     if tables is not None:

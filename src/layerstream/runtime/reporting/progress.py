@@ -1,7 +1,5 @@
-"""Progress of staging a model into the host store: a bar on a terminal, one summary line in the log.
-
-Staging a 60 GB model takes minutes; it must never look frozen. On a terminal (stderr is a TTY) and for at
-least `MIN_BAR_BYTES`, a bar shows bytes staged, GB/s and the time left; everywhere, one INFO line sums up.
+"""Progress of staging a model into the host store (minutes for a 60 GB model: it must never look frozen): a bar
+on a terminal, for at least `MIN_BAR_BYTES`, and everywhere one INFO line that sums up.
 """
 
 from __future__ import annotations
@@ -12,8 +10,7 @@ import time
 
 logger = logging.getLogger(__name__)
 
-MIN_BAR_BYTES = 256 * 2**20
-"""Below this, staging is over before a bar would help."""
+MIN_BAR_BYTES = 256 * 2**20  # below this, staging is over before a bar would help
 
 
 class StagingProgress:

@@ -16,30 +16,25 @@ class ComponentStats:
     """Counters of one streamed (or swapped) component, or their totals."""
 
     bytes_transferred: int = 0
-    """Bytes copied host -> device since enable (or the last `reset_stats`)."""
+    """Bytes copied host -> device since enable."""
     num_transfers: int = 0
-    """Block (or module) copies issued."""
     num_sync_loads: int = 0
     """Blocks loaded synchronously because they were not prefetched (skipped blocks, changed order)."""
     stall_seconds: float = 0.0
-    """Host time compute waited for copies: every wait on the CPU engine. On an accelerator compute waits on the
-    GPU, not the host, so this counts only the waits for disk-tier copies not yet queued (their read was late):
-    enable with ``trace=True`` and read the GPU's stalls from ``trace()``."""
+    """Host time compute waited for copies; on an accelerator only the waits for disk-tier copies not yet queued
+    (the GPU's stalls are in ``trace()``, with ``trace=True``)."""
     device_bytes: int = 0
-    """Device bytes: the component's resident tensors; in the totals, plus the slot ring."""
+    """The component's resident tensors; in the totals, plus the slot ring."""
     host_bytes: int = 0
-    """Host bytes held by the store for this component (pinned and pageable), plus the pre-fuse copies of blocks
-    with fused LoRA adapters (kept to restore them exactly at unfuse)."""
+    """Held by the store for this component, plus the pre-fuse copies kept for an exact LoRA unfuse."""
     pinned_host_bytes: int = 0
     num_streamed_blocks: int = 0
     num_resident_blocks: int = 0
     bytes_written_back: int = 0
-    """Bytes of buffers that streamed blocks wrote during forward (running statistics, counters), copied back
-    into the host store so that the next call reads them."""
+    """Buffers that streamed blocks wrote during forward (running statistics), copied back into the host store."""
     copy_issue_seconds: float = 0.0
-    """Host time compute spent handing copies to the copy engine (an accelerator engine queues each copy whose
-    job does not wait on the host right there: microseconds a block). With `stall_seconds`, the time the compute
-    thread was blocked by streaming rather than queuing kernels."""
+    """Host time compute spent handing copies to the engine (microseconds a block on an accelerator); with
+    `stall_seconds`, the time the compute thread was blocked by streaming rather than queuing kernels."""
 
 
 @dataclass(frozen=True)
@@ -48,8 +43,7 @@ class OffloadStats(ComponentStats):
 
     per_component: Mapping[str, ComponentStats] = field(default_factory=lambda: MappingProxyType({}))
     num_slots: int = 0
-    slot_bytes: int = 0
-    """Bytes of the slot ring (all slots)."""
+    slot_bytes: int = 0  # the whole slot ring
     max_materialized_blocks: int = 0
     """Most streamed blocks bound to slots at one time since enable."""
     engine: str = ""
@@ -58,23 +52,19 @@ class OffloadStats(ComponentStats):
     host_bytes_from_files: int = 0
     """Host store bytes read straight from checkpoint files at enable (the rest was copied from memory)."""
     disk_bytes_read: int = 0
-    """Bytes the disk tier (`host_budget_gb`) read from disk since enable: checkpoint files and spill files."""
+    """Read by the disk tier (`host_budget_gb`) since enable: checkpoint files and spill files."""
     disk_stall_seconds: float = 0.0
-    """Of the time compute waited for weights (`stall_seconds`, and `copy_issue_seconds` where compute queued a
-    disk-tier copy itself), the part it waited on the disk tier's reads."""
+    """Of the time compute waited for weights (or queued a disk-tier copy itself), the part spent on disk reads."""
     host_pool_bytes: int = 0
-    """Host bytes of the pool that alternating DiTs (Wan 2.2's experts) share under `host_budget_gb`: counted in
-    the totals' `host_bytes`, not in any component's (it holds the blocks of whichever DiT runs)."""
+    """The pool alternating DiTs (Wan 2.2's experts) share under `host_budget_gb`: in the totals' `host_bytes`."""
     disk_staging_bytes: int = 0
-    """Host bytes of the disk tier's staging ring: beside `host_bytes`, beyond `host_budget_gb`."""
+    """The disk tier's staging ring: beside `host_bytes`, beyond `host_budget_gb`."""
     lossless_stored_bytes: int = 0
-    """Bytes of the streamed blocks kept in the lossless form (`storage_dtype: "lossless"`), as stored: what a
-    transfer of them moves and what host memory or disk keeps."""
+    """The blocks kept in the lossless form, as stored: what a transfer moves and host memory or disk keeps."""
     lossless_decoded_bytes: int = 0
-    """Bytes of the same blocks decoded: their compute layout in a slot (the same bits as streaming them as they are)."""
+    """The same blocks decoded: their compute layout in a slot."""
     host_budget: str = ""
-    """With `host_budget_gb: "auto"`: the budget it chose and the figures it chose from (free host memory and
-    where it was read, what runs beside the store); empty otherwise."""
+    """With `host_budget_gb: "auto"`: the budget it chose and the figures it chose from; empty otherwise."""
 
     def __str__(self) -> str:
         """A readable multi-line summary (the dataclass repr stays available through `repr`)."""
@@ -127,18 +117,14 @@ class OffloadStats(ComponentStats):
 
 @dataclass(frozen=True)
 class TraceInterval:
-    lane: str
-    """"copy" or "compute"."""
-    label: str
-    """Block path."""
+    lane: str  # "copy" or "compute"
+    label: str  # the block path
     start: float
     end: float
     slot: int
-    stall: float = 0.0
-    """Compute only: time the block waited for its copy before starting."""
+    stall: float = 0.0  # compute only: time the block waited for its copy before starting
     sync_load: bool = False
-    component: str = ""
-    """Path of the component the block belongs to (tells the two experts of Wan 2.2 apart)."""
+    component: str = ""  # tells the two experts of Wan 2.2 apart
 
 
 @dataclass(frozen=True)
@@ -153,8 +139,7 @@ class OffloadTrace:
 
 @dataclass(frozen=True)
 class StreamCounters:
-    """The counters of `OffloadStats` that only grow, so that a stretch of time (one generation) is the
-    difference of two readings: ``StreamCounters.of(after) - StreamCounters.of(before)``."""
+    """The growing counters of `OffloadStats`: a stretch of time is ``StreamCounters.of(after) - .of(before)``."""
 
     bytes_transferred: int = 0
     num_transfers: int = 0

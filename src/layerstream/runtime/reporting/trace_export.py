@@ -1,13 +1,5 @@
-"""Export an `OffloadTrace`: Chrome trace JSON (opens in Perfetto / chrome://tracing) and a PNG timeline.
-
-Both are generic over `OffloadTrace`: any lanes, any labels. Times are shifted so the trace starts at 0.
-Compute intervals that waited for their copy carry a stall; the exports draw it as its own interval ending
-where the compute starts (category "stall" in JSON, red in the PNG), so the copy and compute events stay one
-per block.
-
-Where the times come from is the runtime's business (`OffloadHandle.trace()`): `perf_counter` on the CPU; on a
-GPU with `enable_offload(..., trace=True)`, CUDA timing events on the copy stream and on the compute stream,
-so both lanes show when the device ran the work, not when the host launched it.
+"""Export an `OffloadTrace`: Chrome trace JSON (opens in Perfetto / chrome://tracing) and a PNG timeline, both
+over any lanes, shifted to start at 0; a compute's stall is drawn as its own interval ending where it starts.
 """
 
 from __future__ import annotations
@@ -18,18 +10,13 @@ from typing import Any
 
 from layerstream.runtime.reporting.stats import OffloadTrace, TraceInterval
 
-LANE_ORDER = ("copy", "compute")
-"""Lanes drawn first, top to bottom; any other lane follows in order of appearance."""
+LANE_ORDER = ("copy", "compute")  # drawn first, top to bottom; any other lane follows in order of appearance
 _PID = 1
 _COLORS = {"copy": "#4C78A8", "compute": "#54A24B", "stall": "#E45756", "sync_load": "#F58518"}
 
 
 def _lanes(trace: OffloadTrace) -> list[str]:
-    seen = [lane for lane in LANE_ORDER if trace.lane(lane)]
-    for interval in trace.intervals:
-        if interval.lane not in seen:
-            seen.append(interval.lane)
-    return seen
+    return list(dict.fromkeys([*(lane for lane in LANE_ORDER if trace.lane(lane)), *(i.lane for i in trace.intervals)]))
 
 
 def _origin(trace: OffloadTrace) -> float:
@@ -40,7 +27,6 @@ def _origin(trace: OffloadTrace) -> float:
 def summarize_trace(trace: OffloadTrace) -> dict[str, Any]:
     """Counts and busy times of a trace: how many copies and computes, their summed durations, the stalls."""
     copies, computes = trace.lane("copy"), trace.lane("compute")
-    starts = [i.start - i.stall for i in trace.intervals]
     return {
         "num_copies": len(copies),
         "num_computes": len(computes),
@@ -48,7 +34,7 @@ def summarize_trace(trace: OffloadTrace) -> dict[str, Any]:
         "compute_busy_seconds": sum(i.end - i.start for i in computes),
         "stall_seconds": sum(i.stall for i in computes),
         "num_sync_loads": sum(1 for i in computes if i.sync_load),
-        "span_seconds": max((i.end for i in trace.intervals), default=0.0) - min(starts, default=0.0),
+        "span_seconds": max((i.end for i in trace.intervals), default=0.0) - _origin(trace),
     }
 
 
@@ -77,15 +63,9 @@ def chrome_trace_events(trace: OffloadTrace) -> list[dict[str, Any]]:
 
 def _complete(name: str, cat: str, tid: int, start: float, end: float, origin: float, args: dict) -> dict[str, Any]:
     return {
-        "name": name,
-        "cat": cat,
-        "ph": "X",
-        "pid": _PID,
-        "tid": tid,
-        "ts": (start - origin) * 1e6,
-        "dur": max(end - start, 0.0) * 1e6,
-        "args": args,
-    }
+        "name": name, "cat": cat, "ph": "X", "pid": _PID, "tid": tid, "ts": (start - origin) * 1e6,
+        "dur": max(end - start, 0.0) * 1e6, "args": args,
+    }  # fmt: skip
 
 
 def write_chrome_trace(trace: OffloadTrace, path: str | Path) -> Path:
@@ -98,11 +78,7 @@ def write_chrome_trace(trace: OffloadTrace, path: str | Path) -> Path:
 
 
 def write_timeline_png(trace: OffloadTrace, path: str | Path, *, title: str | None = None) -> Path:
-    """Draw `trace` as a PNG timeline: one row per lane, stalls in red, synchronous loads in orange.
-
-    Needs matplotlib (the ``bench`` extra); draws with the Agg canvas directly, so no pyplot state or GUI
-    backend is touched.
-    """
+    """Draw `trace` as a PNG timeline (matplotlib's Agg canvas: no pyplot state or GUI backend is touched)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -163,12 +139,7 @@ _COPY_SHADES = ("#4C78A8", "#9E65C8", "#2A9D8F", "#B5893B")
 
 
 def _components(trace: OffloadTrace) -> list[str]:
-    """Components of the streamed blocks, in order of first appearance."""
-    seen: list[str] = []
-    for interval in trace.intervals:
-        if interval.component and interval.component not in seen:
-            seen.append(interval.component)
-    return seen
+    return list(dict.fromkeys(i.component for i in trace.intervals if i.component))  # in order of appearance
 
 
 def _lane_color(interval: TraceInterval, components: list[str]) -> str:

@@ -1,18 +1,6 @@
-"""Composing each streamed component's host store, in one place, from its resolved component.
-
-A `StoreKind` says which components it serves (`applies`), how to build its store (`build`, which may decline
-with None: allgather over a group of one is plain copies) and whether the components it serves share one store.
-`compose_stores` takes the kinds in order of preference, the first that builds wins; a new store joins by adding
-its kind to the list the composition root passes (`offload.STORE_KINDS`), not by editing a chain of ifs. With
-`host_budget_gb` the tier is part of the composition: the components' stores become the host side of one
-`TieredHostStore` over one disk store, before the placement, which then prices blocks in the host side's
-figures and tells the stores its decisions (`place_`). The sharded store of allgather components is a host side
-like the others: the budget is spent in this rank's shard bytes, and the disk store keeps this rank's shard of
-each of its blocks (`HostStore.disk_part`), which then takes part in the all-gather.
-
-float8 and lossless storage (`storage_dtype`) are forms, not stores: a component's blocks have one set of forms
-(`StoreContext.forms`, from `runtime.forms`), which the local store keeps in host memory, the disk tier on disk
-and in its pool (it asks the host side's `stored_form`), and the sharded store shards (`StoreContext.form_of`).
+"""Composing each streamed component's host store from its resolved component: the first `StoreKind` that
+builds wins; with `host_budget_gb` the stores become the host side of one `TieredHostStore` over one disk store.
+float8 and lossless storage are forms, not stores: one set per component (`StoreContext.forms`).
 """
 
 from __future__ import annotations
@@ -47,14 +35,12 @@ class StoreContext:
     device: torch.device
     components: Mapping[str, nn.Module]
     process_group: Any = None
-    spill_root: Path | None = None
-    """Where the disk tier's spill files go (`disk_dir`, or the cache's folder); needed with `host_budget_gb`."""
+    spill_root: Path | None = None  # `disk_dir`, or the cache's folder; needed with `host_budget_gb`
     simulated_disk_gbps: float | None = None
 
     @cached_property
     def forms(self) -> dict[str, FormsByLayout]:
-        """The float8 or lossless forms of each streamed component with `storage_dtype`, by component path (pure;
-        one per component, shared by every store that keeps its blocks)."""
+        """The float8 or lossless forms of each streamed component with `storage_dtype`, by component path."""
         out = {}
         for comp in self.plan.streamed:
             if comp.storage_dtype in STORAGE_DTYPES:
@@ -69,9 +55,7 @@ class StoreContext:
 
     @cached_property
     def form_of(self) -> Callable[[BlockLayout], StoredForm]:
-        """The form a block's bytes are kept in: float8 or lossless for a component with `storage_dtype`, else
-        packed. A function that holds the forms only, not the context: the stores keep it, and a store must not
-        keep the components alive (a dropped pipeline is collected)."""
+        """The form a block is kept in; holding the forms only, not the components (a dropped pipeline goes)."""
         forms, component_of_block = self.forms, self._component_of_block
 
         def form_of(layout: BlockLayout) -> StoredForm:
@@ -88,13 +72,10 @@ class StoreKind:
     name: str
     applies: Callable[[ResolvedComponent], bool]
     build: Callable[[ResolvedComponent, StoreContext], HostStore | None]
-    shared: bool = False
-    """One store for every component of this kind (built for the first one)."""
+    shared: bool = False  # one store for every component of this kind
 
 
 LOCAL_KIND = StoreKind("local", lambda c: True, lambda c, ctx: LocalHostStore(ctx.form_of), shared=True)
-"""Every component's blocks in this process's memory, each in its component's form (after the sharded kind,
-which keeps a component's blocks sharded over its ranks)."""
 
 
 @dataclass
@@ -145,8 +126,7 @@ class ComponentStores:
 
 
 def compose_stores(ctx: StoreContext, kinds: Sequence[StoreKind], *, disk_tier: bool = True) -> ComponentStores:
-    """The store of every streamed component of `ctx.plan` (see the module docstring). `disk_tier=False` leaves
-    the tier out (it prices blocks as its host side does: enough for a placement that is only shown)."""
+    """The store of every streamed component; `disk_tier=False` leaves the tier out (for a plan only shown)."""
     built: dict[str, HostStore] = {}  # shared kind -> its store
     by_component: dict[str, HostStore] = {}
     for comp in ctx.plan.streamed:
@@ -172,9 +152,7 @@ def _store_for(comp: ResolvedComponent, ctx: StoreContext, kinds: Sequence[Store
 
 
 def _with_disk_tier(by_component: dict[str, HostStore], ctx: StoreContext) -> dict[str, HostStore]:
-    """Every component's store (local or sharded) as the host side of one tiered store over one disk
-    store, so the disk store's figures are counted once. The disk store keeps what each block's host store
-    says this process keeps of it (`disk_part`: the whole block in its form, or this rank's shard)."""
+    """Every component's store as the host side of one tiered store over one disk store (counted once)."""
     assert ctx.spill_root is not None, "host_budget_gb needs a spill folder"
     host_of = {
         path: by_component[comp.path] for comp in ctx.plan.streamed for stack in comp.stacks for path in stack.block_paths

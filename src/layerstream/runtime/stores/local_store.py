@@ -1,13 +1,6 @@
-"""The local host store: each streamed block's stored bytes in one contiguous host buffer of this process, in
-its component's form (`runtime.forms`: packed, float8 or lossless).
-
-Staging fills a block's buffer (pinned at the exact size when the device has a DMA engine: no power-of-two
-rounding; a pinning thread page-locks each filled buffer while the next block is read) and at once rebinds the
-block to empty placeholders. Weights still mapped from their checkpoint files are read from the files. A packed
-block's original storage is freed at once, before the next block is staged, so host memory never holds two
-copies of the model; a float8 or lossless block keeps its original tensors until `commit_`, so that
-`rollback_` gives the very same tensors back (host memory then peaks at the original bytes plus the stored ones).
-Parameter objects keep their identity: parameters are rebound through `.data`, buffers by assignment.
+"""The local host store: each streamed block's stored bytes in one contiguous host buffer of this process. A
+packed block's original storage is freed before the next block is staged (never two copies of the model); a
+float8 or lossless block keeps its original tensors until `commit_`, for an exact `rollback_`.
 """
 
 from __future__ import annotations
@@ -28,9 +21,7 @@ from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
 
 logger = logging.getLogger(__name__)
 
-TRIM_AFTER_BYTES = 16 * 2**20
-"""A block copied from this much host memory or more has its freed originals given back to the system at once
-(a block read from the checkpoint files freed only views of the mapping: nothing to give back)."""
+TRIM_AFTER_BYTES = 16 * 2**20  # a block copied from this much memory gives its freed originals back at once
 
 
 class LocalBlock(HostBufferBlock):
@@ -42,12 +33,9 @@ class LocalBlock(HostBufferBlock):
         self.binder = binder
         self.buffer = buffer
         self.original_device = self.layout.source_device()
-        self.originals = originals
-        """The block's own tensors until the store commits, where the form is not the packed layout (the
-        rollback gives them back, identity kept); None: the buffer is the only copy."""
+        self.originals = originals  # until the commit, where the form is not the packed layout; None: only copy
         self.unpack = SlotUnpack(form)
-        self._decoded: torch.Tensor | None = None
-        """A coded form's decoded compute bytes `host_tensors()` gave views of, until `sync_host_tensors_`."""
+        self._decoded: torch.Tensor | None = None  # a coded form's bytes `host_tensors()` viewed, until synced
 
     def __repr__(self) -> str:
         return f"LocalBlock({self.path!r}, {self.host_bytes} bytes as {self.form!r}{', pinned' if self.pinned else ''})"
@@ -124,8 +112,7 @@ class LocalBlock(HostBufferBlock):
         self.release_()
 
     def restore_(self, device: torch.device) -> None:
-        """Real tensors on `device` again (fresh storage per span, same residues; float8 weights keep the values
-        they were rounded to); the host buffer goes."""
+        # float8 weights keep the values they were rounded to
         self.binder.bind_(self.layout.separate_copies(self.form.compute_bytes(self.buffer), device))
         self.release_()
 
@@ -136,9 +123,7 @@ class LocalBlock(HostBufferBlock):
 
 
 class LocalHostStore(HostStoreBase):
-    """`HostStore` keeping every block whole in this process's memory (`weight_transfer: "rank-local"`), each in
-    its form (`form_of`: one component's float8 or lossless forms, or a function over several components'
-    blocks; default: packed)."""
+    """`HostStore` keeping every block whole in this process's memory (`weight_transfer: "rank-local"`)."""
 
     kind = "local"
 
@@ -207,7 +192,6 @@ class LocalHostStore(HostStoreBase):
             del self.blocks[path]
 
     def release_(self) -> None:
-        """The model was dropped without `disable()`: free (and unpin) every host buffer, restoring nothing."""
         self._pinning.finish(raise_errors=False)  # a buffer is unpinned only once its pinning is over
         for path in list(self.blocks):
             self.blocks.pop(path).release_()

@@ -1,16 +1,6 @@
-"""A host store in two tiers, composed with the others when `host_budget_gb` is set: the blocks the placement
-keeps in host memory go to their component's own store (the host side: local or sharded), the blocks it puts
-on disk, and those of the host pool of alternating DiTs, go to the one disk store (`runtime.stores.disk`), which
-keeps each block in its host store's form (`stored_form`: float8 blocks are float8 on disk and in the pool). The
-placement prices blocks in the host side's figures; `place_` tells the tiered store which blocks went where.
-The streamer sees one `HostStore`; each block's `StoredBlock` comes from its tier.
-
-The disk store keeps what the host store says this process keeps of a block (`disk_part`): with
-`weight_transfer: "allgather"` the sharded store's blocks on disk are this rank's shards, gathered into the slot
-with the other ranks' shards. So a host store checks every block it is the host side of, whichever tier holds
-it (the sharded store's ranks vote on all their blocks: each rank may put other blocks on disk), and restores
-first, while the spill files are still there (the sharded store restores its disk-tier shards itself, in the
-order of its peers)."""
+"""A host store in two tiers, for `host_budget_gb`: the placement's host blocks go to their component's store
+(the host side, whose figures it prices), the others to the one disk store, in the host side's form and part.
+"""
 
 from __future__ import annotations
 
@@ -25,9 +15,7 @@ from layerstream.runtime.stores.disk.disk_store import DiskHostStore
 
 
 class TieredHostStore(HostStoreBase):
-    """`HostStore` splitting blocks between host stores and a disk store as the placement's host tier says.
-    `host` is the host side: one store for every block, or each block path's store (components with stores of
-    their own kinds, sharded beside local, under one budget and one disk store)."""
+    """Blocks split between host stores (one, or each block path's) and a disk store, as the placement says."""
 
     kind = "tiered"
 
@@ -45,7 +33,6 @@ class TieredHostStore(HostStoreBase):
         return f"TieredHostStore(hosts={self.hosts!r}, disk={self.disk!r})"
 
     def host_for(self, layout: BlockLayout) -> HostStore:
-        """The host store of a block (the one it is priced in, and whose form it keeps on disk)."""
         return self.hosts[0] if self._host_of is None else self._host_of[layout.path]
 
     def slot_nbytes(self, layout: BlockLayout) -> int:
@@ -107,8 +94,7 @@ class TieredHostStore(HostStoreBase):
         self._each_(lambda store: store.restore_(device), (*self.hosts, self.disk))
 
     def _each_(self, step: Callable[[HostStore], None], stores: Sequence[HostStore] | None = None) -> None:
-        """`step` on each of `stores` (default: the disk store, then every host store), each even if one before
-        failed; the first failure is raised after all of them ran."""
+        """`step` on each store (default: disk, then hosts); the first failure is raised after all of them ran."""
         first_error: BaseException | None = None
         for store in stores if stores is not None else (self.disk, *self.hosts):
             try:

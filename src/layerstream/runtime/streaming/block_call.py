@@ -1,19 +1,7 @@
-"""How a call enters a streamed block: bind it to its slot, run it, evict it, outside any compiled graph.
-
-A streamed block holds empty placeholders between its calls, so whatever reads its weights must run after the
-streamer has bound them. Forward hooks cannot guarantee that once the model is compiled: a compiled region
-traces the hooks into its graph together with the placeholders (inductor then fails on their shapes), and
-`nn.Module.compile()` (diffusers' `compile_repeated_blocks`) compiles the hooks into the block's own graph,
-where `fullgraph=True` forbids the graph break they need.
-
-So the streamer enters a block one level further out, in the slot torch reserves for a module's compiled call:
-`Module.__call__` calls `module._compiled_call_impl` whenever it is set. Layerstream sets it to `BlockCall`,
-which binds the block, calls the block's real call (its own `_call_impl`, with every user hook, or the
-callable `module.compile()` made of it) and evicts it, always. `BlockCall` is opaque to dynamo and not
-recursive: a model compiled whole breaks its graph at each streamed block and compiles the block's own call as
-a frame of its own, with real weights bound; the blocks share one code object, so one graph serves them all.
-`module.compile(...)` on a streamed block is redirected so that it compiles the inner call and leaves the
-streaming around it (regional compilation, `fullgraph=True` included).
+"""How a call enters a streamed block: bind it to its slot, run it, evict it, outside any compiled graph. Hooks
+would be traced into a compiled region with the placeholders, so the block is entered in the slot torch keeps
+for a module's compiled call (`module._compiled_call_impl`), opaque to dynamo: a model compiled whole breaks its
+graph at each streamed block; `module.compile(...)` compiles the inner call and leaves the streaming around it.
 """
 
 from __future__ import annotations
@@ -37,10 +25,7 @@ GRAPH_BREAK_REASON = (
 
 
 class BlockCall:
-    """`module._compiled_call_impl` of one streamed block while offload is enabled (see the module docstring).
-
-    `inner` is what `Module.__call__` would call without layerstream: the callable a `module.compile()` made
-    (before enabling, or redirected here after), else the module's own `_call_impl`."""
+    """`module._compiled_call_impl` of a streamed block; `inner` is what `Module.__call__` would call without it."""
 
     def __init__(self, streamer: BlockStreamer, block: StreamedBlock):
         module = block.module
@@ -83,7 +68,6 @@ class BlockCall:
 
     @property
     def compiled(self) -> bool:
-        """Whether the block runs a compiled call inside the streaming."""
         return not _is_bound_call_impl(self.inner, self._module)
 
     def remove(self) -> None:
@@ -111,8 +95,3 @@ class BlockCall:
 
 def _is_bound_call_impl(fn, module: nn.Module) -> bool:
     return getattr(fn, "__self__", None) is module and getattr(fn, "__func__", None) is nn.Module._call_impl
-
-
-def install_block_call(streamer: BlockStreamer, block: StreamedBlock) -> BlockCall:
-    """Stream `block` through `streamer` on every call; `remove()` undoes it."""
-    return BlockCall(streamer, block)

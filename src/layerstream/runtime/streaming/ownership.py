@@ -1,10 +1,6 @@
-"""Which thread runs an offloaded pipeline: one at a time, from the entry of its call to the end.
-
-Streamed components share one slot ring, and a pipeline's call changes shared state before its first streamed
-block runs (the scheduler's timesteps and step index, the learned block order). So ownership is taken where a
-call enters: the pipeline's `__call__` and the methods that run a streamed component (`encode_prompt`), and each
-streamed component's forward for callers that skip the pipeline. A second thread is refused there, before it
-reads or writes anything; the owner may re-enter (a pipeline calling its own components).
+"""Which thread runs an offloaded pipeline: one at a time, from the entry of its call to the end (a call changes
+shared state, the scheduler's step and the learned block order, before its first streamed block runs). A second
+thread is refused where a call enters, before it reads or writes anything; the owner may re-enter.
 """
 
 from __future__ import annotations
@@ -15,8 +11,7 @@ from collections.abc import Callable
 
 from layerstream.errors import ConcurrentUseError
 
-OWNED_METHODS = ("__call__", "encode_prompt", "encode_image")
-"""Pipeline methods that take ownership for their whole run (those the pipeline's class has)."""
+OWNED_METHODS = ("__call__", "encode_prompt", "encode_image")  # take ownership for their whole run
 
 
 class CallOwnership:
@@ -61,11 +56,8 @@ class CallOwnership:
 
 
 def own_pipeline_calls_(pipeline, ownership: CallOwnership) -> Callable[[], None]:
-    """Make `pipeline`'s calls (`OWNED_METHODS`) take `ownership` for their whole run; returns the undo.
-
-    `pipe(...)` looks `__call__` up on the class, so the instance gets a class of its own: a subclass with the
-    same name and module whose owned methods wrap the originals (signatures kept, for `inspect.signature`).
-    `disable()` gives the instance its class back."""
+    """Make `pipeline`'s calls take `ownership` for their whole run, through a subclass (`pipe(...)` looks
+    `__call__` up on the class); returns the undo."""
     cls = type(pipeline)
     overrides: dict[str, object] = {}
     for name in OWNED_METHODS:

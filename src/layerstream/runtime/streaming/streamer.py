@@ -1,21 +1,7 @@
-"""The block streamer: hooks that keep each streamed block in a device slot only while it runs.
-
-Pre-forward makes sure the block's bytes are in a slot (a synchronous load if they were not prefetched), binds
-the block's tensors to views of that slot and starts copying the block predicted to run next. Post-forward
-releases the slot and rebinds the block to empty placeholders. Predictions start from the declared order
-(the last block of a chain predicts the first, for the next step or request) and follow the order blocks
-actually run in, learned from every observed transition.
-
-After compute waited for a block's copy, or queued one itself (`issue_seconds`), the streamer tells the stored
-block how long (`count_stall_`), so that a block with a source of its own (the disk) can count the part spent
-waiting on it. A block whose copy job may wait on the host says so (`copy_waits_on_host`), and the engine keeps
-such a job off the compute thread. A store may read ahead
-further than the slots reach (the disk tier's staging ring): `successor(path)` gives it the same prediction,
-learned order included.
-
-A slot is read for a block only while the store's bytes are those its copy was issued from: each copy notes the
-block's `host_version`, and a block whose store was written since (through a `state_dict()` tensor, a
-write-back) is copied again; writers the version does not see forget the copy themselves (`forget_copy_`).
+"""The block streamer: hooks that keep each streamed block in a device slot only while it runs, bound to views of
+it, and prefetch the blocks predicted to run next (the declared order at first, then the order blocks actually
+run in). A slot is read for a block only while the store's bytes are those its copy was issued from
+(`host_version`); writers the version does not see call `forget_copy_`.
 """
 
 from __future__ import annotations
@@ -23,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -32,17 +18,14 @@ from layerstream.errors import TransferError, UnsupportedUseError
 from layerstream.runtime.streaming.ownership import CallOwnership
 from layerstream.runtime.contracts import CopyEngine, CopyRecord, StoredBlock
 from layerstream.runtime.torch_contract.saved_tensors import slot_saved_tensor_hooks
-from layerstream.runtime.streaming.wrapping import MethodWrapper
 
 MAX_TRACE_RECORDS = 20_000
-RELEARN_AFTER = 2
-"""A learned successor is replaced after the same new successor is seen this many times in a row, so a one-off
-detour (the end of a request, a skipped block) does not unlearn the usual order."""
+RELEARN_AFTER = 2  # times in a row a new successor is seen before it replaces the learned one (a one-off detour)
 
 
 @dataclass
 class ComputeRecord:
-    """One run of a block: when compute waited, started and ended (seconds on the engine's clock)."""
+    """One run of a block: when compute waited, started and ended (the engine's marks, resolved after the run)."""
 
     label: str
     slot: int
@@ -50,69 +33,57 @@ class ComputeRecord:
     start: object
     end: object = 0.0
     sync_load: bool = False
-    """Times are the engine's marks: host seconds, or accelerator timing events read after the run."""
 
 
 class BlockCounters:
-    """Transfer counters of one component (plain ints: updated on the hot path)."""
+    """Transfer counters of one component (plain ints: the hot path), named as the `ComponentStats` fields."""
 
-    __slots__ = ("bytes_transferred", "num_transfers", "num_sync_loads", "stall_seconds", "issue_seconds", "bytes_written_back")
+    __slots__ = (
+        "bytes_transferred", "num_transfers", "num_sync_loads", "stall_seconds", "copy_issue_seconds", "bytes_written_back",
+    )  # fmt: skip
 
     def __init__(self):
         self.bytes_transferred = 0
         self.num_transfers = 0
         self.num_sync_loads = 0
         self.stall_seconds = 0.0
-        self.issue_seconds = 0.0
-        """Host time compute spent handing copies to the engine (an accelerator engine queues most itself)."""
+        self.copy_issue_seconds = 0.0  # host time compute spent handing copies to the engine
         self.bytes_written_back = 0
 
 
 @dataclass
 class _Binding:
-    """A block bound to a slot for one call: its trace record, the slot's version counter when bound (an
-    in-place write into the slot moves it), and the saved-tensor hooks entered for a grad-mode call."""
+    """A block bound to a slot for one call (the slot's version moves with an in-place write into it)."""
 
     record: ComputeRecord
     slot_version: int
     saved_hooks: object = None
 
 
+@dataclass(eq=False, repr=False, slots=True)
 class StreamedBlock:
-    __slots__ = (
-        "index",
-        "host",
-        "component",
-        "module",
-        "counters",
-        "next_index",
-        "learned",
-        "candidate",
-        "candidate_hits",
-        "slot",
-        "views",
-        "num_transfers",
-        "depth",
-        "buffer_ranges",
-        "copied_version",
-    )
+    """One streamed block as the streamer schedules it (slotted plain attributes: read on the hot path)."""
 
-    def __init__(self, index: int, host: StoredBlock, component: str, module: nn.Module, counters: BlockCounters, depth: int):
-        self.index = index
-        self.host = host
-        self.component = component
-        self.module = module
-        self.counters = counters
-        self.next_index = index  # set from the chain order, then learned
-        self.learned = False  # whether next_index comes from an observed transition
-        self.candidate = -1  # a different successor seen lately, and how many times in a row
-        self.candidate_hits = 0
-        self.slot: int | None = None  # slot holding (or receiving) this block's bytes
-        self.views: dict[int, list[torch.Tensor]] = {}  # slot -> views of that slot, built once
-        self.num_transfers = 0
-        self.depth = depth
-        self.buffer_ranges = host.layout.buffer_byte_ranges()  # what a forward may write that must be kept
-        self.copied_version = host.host_version  # the store's bytes the latest copy into `slot` was issued from
+    index: int
+    host: StoredBlock
+    component: str
+    module: nn.Module
+    counters: BlockCounters
+    depth: int
+    next_index: int = -1  # set from the chain order, then learned
+    learned: bool = False  # whether next_index comes from an observed transition
+    candidate: int = -1  # a different successor seen lately, and how many times in a row
+    candidate_hits: int = 0
+    slot: int | None = None  # slot holding (or receiving) this block's bytes
+    views: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # slot -> views of that slot, built once
+    num_transfers: int = 0
+    buffer_ranges: list[tuple[int, int]] = field(init=False)  # what a forward may write that must be kept
+    copied_version: int | None = field(init=False)  # the store's bytes the latest copy into `slot` came from
+
+    def __post_init__(self) -> None:
+        self.next_index = self.index
+        self.buffer_ranges = self.host.layout.buffer_byte_ranges()
+        self.copied_version = self.host.host_version
 
     @property
     def path(self) -> str:
@@ -178,12 +149,9 @@ class BlockStreamer:
             self.post_forward(self.blocks[index], None)
         self._last_index = None  # do not learn a transition from an aborted forward
 
-    def _check_owner(self) -> None:
-        self.ownership.check()
-
     # hooks ---------------------------------------------------------------------------------------------------
     def pre_forward(self, block: StreamedBlock) -> None:
-        self._check_owner()
+        self.ownership.check()
         if self.engine.capturing():
             raise UnsupportedUseError(
                 f"{block.path}: a streamed block was called while the stream is being captured into a CUDA graph "
@@ -206,33 +174,13 @@ class BlockStreamer:
             self._learn(last, index)
         self._last_index = index
 
-        sync_load = False
         wait_start = self.engine.now()
-        self._forget_outdated_copy_(block)
-        slot = block.slot
-        if slot is None:
-            sync_load = True
-            block.counters.num_sync_loads += 1
-            slot = self._free_slot(keep=())
-            self._issue_copy(block, slot)
-        try:
-            stall = self.engine.wait_ready(slot)
-        except TransferError:
-            # the slot holds no complete copy: forget it, so a later call copies again instead of reading it
-            self.slot_block[slot] = None
-            block.slot = None
-            raise
+        slot, sync_load, stall = self._bind_ready_slot_(block)
         if stall:
             block.counters.stall_seconds += stall
-            block.host.count_stall_(stall)
-        self.slot_in_use[slot] = True
+            block.host.count_stall_(stall)  # a block with a source of its own (the disk) counts its part
         self._tick += 1
         self.slot_tick[slot] = self._tick
-
-        views = block.views.get(slot)
-        if views is None:
-            views = block.views[slot] = block.host.layout.views(self.slot_buffers[slot])
-        block.host.binder.bind_(views)
         self.num_materialized += 1
         if self.num_materialized > self.max_materialized:
             self.max_materialized = self.num_materialized
@@ -247,6 +195,31 @@ class BlockStreamer:
             binding.saved_hooks.__enter__()
 
         self._prefetch_after(block)
+
+    def _bind_ready_slot_(self, block: StreamedBlock) -> tuple[int, bool, float]:
+        """Bind the block to a slot holding its bytes, once its copy is done: (slot, loaded synchronously, stall)."""
+        self._forget_outdated_copy_(block)
+        slot = block.slot
+        sync_load = slot is None
+        if sync_load:
+            block.counters.num_sync_loads += 1
+            slot = self._free_slot(keep=())
+            self._issue_copy(block, slot)
+        try:
+            stall = self.engine.wait_ready(slot)
+        except TransferError:
+            self._drop_copy_(block, slot)  # no complete copy: a later call copies again instead of reading it
+            raise
+        self.slot_in_use[slot] = True
+        views = block.views.get(slot)
+        if views is None:
+            views = block.views[slot] = block.host.layout.views(self.slot_buffers[slot])
+        block.host.binder.bind_(views)
+        return slot, sync_load, stall
+
+    def _drop_copy_(self, block: StreamedBlock, slot: int) -> None:
+        self.slot_block[slot] = None
+        block.slot = None
 
     def post_forward(self, block: StreamedBlock, output, *, failed: bool = False) -> None:
         binding = self._active.pop(block.index, None)
@@ -286,48 +259,26 @@ class BlockStreamer:
         return self.blocks[index].host, t.data_ptr() - self.slot_buffers[slot].data_ptr()
 
     def forget_copy_(self, block: StreamedBlock) -> None:
-        """The block's bytes in the store changed (`load_state_dict`): a slot still holding the old copy must
-        not be read; the next call copies again. A copy still in flight into that slot may go on reading the
-        store while it is written: the slot is never read for this block again, and the new copy is queued after
-        the write (an engine runs a slot's copies in the order they were asked for)."""
+        """The block's bytes in the store changed (`load_state_dict`): the next call copies again. A copy still in
+        flight may read the store while it is written: the slot is never read for this block again, and the new
+        copy is queued after the write (an engine runs a slot's copies in the order they were asked for)."""
         if block.slot is not None and not self.slot_in_use[block.slot]:
-            self.slot_block[block.slot] = None
-            block.slot = None
+            self._drop_copy_(block, block.slot)
 
     def _forget_outdated_copy_(self, block: StreamedBlock) -> None:
-        """Forget the block's slot if the store's bytes were written in place since its copy was issued (through
-        a tensor of `state_dict()`, a write-back): one version read per block and call, a copy only after a write."""
+        # one version read per block and call: a copy again only after a write in place (state_dict, write-back)
         if block.slot is not None and block.copied_version != block.host.host_version:
             self.forget_copy_(block)
 
     # changing weights between calls (LoRA fusing) ------------------------------------------------------------
     def bind_for_update_(self, block: StreamedBlock) -> None:
-        """Bind an idle block to a slot holding its bytes, outside any forward, so that code may change its weights
-        in place on the device the model computes on (the same kernels as on the resident model)."""
-        self._check_owner()
+        """Bind an idle block to a slot outside any forward, for code that changes its weights in place."""
+        self.ownership.check()
         assert block.index not in self._active and block.index not in self._updating, f"{block.path} is bound"
-        self._forget_outdated_copy_(block)
-        slot = block.slot
-        if slot is None:
-            block.counters.num_sync_loads += 1
-            slot = self._free_slot(keep=())
-            self._issue_copy(block, slot)
-        try:
-            self.engine.wait_ready(slot)
-        except TransferError:
-            self.slot_block[slot] = None
-            block.slot = None
-            raise
-        self.slot_in_use[slot] = True
-        views = block.views.get(slot)
-        if views is None:
-            views = block.views[slot] = block.host.layout.views(self.slot_buffers[slot])
-        block.host.binder.bind_(views)
-        self._updating[block.index] = slot
+        self._updating[block.index] = self._bind_ready_slot_(block)[0]
 
     def unbind_after_update_(self, block: StreamedBlock) -> None:
-        """Keep what was written into the block bound by `bind_for_update_` (its whole packed bytes go back into
-        the host store; the slot keeps the same bytes) and evict it."""
+        """Write the block bound by `bind_for_update_` back into the host store (the slot keeps the same bytes)."""
         slot = self._updating.pop(block.index)
         try:
             block.host.binder.keep_replaced_(block.views[slot])
@@ -335,8 +286,7 @@ class BlockStreamer:
             block.host.write_back_(self.slot_buffers[slot], 0, block.host.layout.nbytes)
             block.copied_version = block.host.host_version  # the slot holds exactly the bytes just stored
         except BaseException:
-            self.slot_block[slot] = None  # the slot may hold bytes the store does not: never read it again
-            block.slot = None
+            self._drop_copy_(block, slot)  # the slot may hold bytes the store does not: never read it again
             raise
         finally:
             block.host.binder.evict_()
@@ -345,8 +295,7 @@ class BlockStreamer:
 
     # scheduling ----------------------------------------------------------------------------------------------
     def successor(self, path: str) -> str | None:
-        """The block predicted to run after `path` (learned from the order blocks ran in, else the declared
-        chain order); None for a block this streamer does not hold. Safe to call from another thread."""
+        """The block predicted to run after `path`; None for a block this streamer does not hold. Thread-safe."""
         index = self._index_of.get(path)
         return None if index is None else self.blocks[self.blocks[index].next_index].path
 
@@ -421,18 +370,9 @@ class BlockStreamer:
             job = host.copy_job(self.slot_buffers[slot])
             self.engine.copy_into(slot, job, CopyRecord(block.path, slot, nbytes), waits_on_host=host.copy_waits_on_host)
         except BaseException:
-            # an engine that runs the job in this thread raised (e.g. a failed collective): the slot holds no
-            # complete copy, so forget it and let a later call copy again instead of reading a partial slot
-            self.slot_block[slot] = None
-            block.slot = None
+            # an engine that ran the job in this thread raised (a failed collective): no complete copy in the slot
+            self._drop_copy_(block, slot)
             raise
         issued = time.perf_counter() - issuing
-        block.counters.issue_seconds += issued
+        block.counters.copy_issue_seconds += issued
         host.count_stall_(issued)  # an engine that ran the job here waited for its source meanwhile
-
-
-def install_root_hooks(streamer: BlockStreamer, module: nn.Module) -> list:
-    """Enter and leave the streamer around every call of a component. A method wrapper, not a pair of hooks:
-    a Ctrl-C inside the model must not leave it owned by a dead call (torch skips hooks on KeyboardInterrupt).
-    The blocks themselves are entered by `runtime.streaming.block_call`."""
-    return [MethodWrapper(module, "forward", streamer.enter, streamer.exit)]

@@ -1,11 +1,6 @@
-"""Wrapping a module's method as an instance attribute, so that work runs around every call.
-
-Hooks cannot do this job everywhere: torch skips even `always_call` forward hooks when a forward ends in
-`KeyboardInterrupt`, and pipelines reach some components through methods other than `forward` (diffusers
-calls `vae.decode(...)`, never `vae(...)`). A wrapper with `try`/`finally` runs in both cases.
-
-The wrapper is opaque to `torch.compile`: on a model compiled whole, `enter` and `leave` run as plain Python
-around the call, and the wrapped method is compiled as a frame of its own.
+"""Wrapping a module's method as an instance attribute, so that work runs around every call: torch skips even
+`always_call` forward hooks on `KeyboardInterrupt`, and pipelines reach some components through other methods
+than `forward` (`vae.decode(...)`). The wrapper is opaque to `torch.compile`; the wrapped method compiles alone.
 """
 
 from __future__ import annotations
@@ -17,8 +12,7 @@ from torch import nn
 
 
 class MethodWrapper:
-    """`module.<name>` replaced by a wrapper calling `enter()` before and `leave()` after (always) the original;
-    `remove()` puts the original back."""
+    """`module.<name>` wrapped in `enter()` and (always) `leave()`; `remove()` puts the original back."""
 
     def __init__(self, module: nn.Module, name: str, enter: Callable[[], None], leave: Callable[[], None]):
         self.module = module
@@ -56,8 +50,7 @@ class MethodWrapper:
 
 
 class _Unbindable:
-    """The wrapper as installed: a callable whose `__get__` returns itself. Code that saves `module.forward` and
-    later restores it as `saved.__get__(module)` (cache-dit does) gets this wrapper back, not one bound twice."""
+    """The wrapper as installed, whose `__get__` returns itself: `saved.__get__(module)` (cache-dit) binds it once."""
 
     def __init__(self, around: Callable, inner: Callable):
         self._around = around

@@ -1,13 +1,6 @@
-"""Refusals installed on offloaded modules and their pipeline: operations that would silently go wrong on a
-streamed model.
-
-While offload is enabled, a streamed block's tensors are empty placeholders between its calls, so copying the
-module (`copy.deepcopy`, pickling, `torch.save(model)`) would copy placeholders, and converting it
-(`.half()`, `.to(dtype)`, `.cuda()`) would convert only the resident parts. Each is refused with one clear
-error before anything changes; `handle.disable()` first makes all of them work again. The pipeline gets the same
-refusals, checked before it converts or moves its first component (diffusers' `pipe.to(...)` would otherwise
-convert the text encoders before reaching the transformer), and so do its other ways of moving components
-(`enable_model_cpu_offload`, `enable_sequential_cpu_offload`, `enable_group_offload`).
+"""Refusals installed on offloaded modules and their pipeline: copying one (deepcopy, pickling, `torch.save`)
+would copy placeholders, converting or moving it would reach only the resident parts. Each is refused with one
+clear error before anything changes (the pipeline's before it moves its first component).
 """
 
 from __future__ import annotations
@@ -40,9 +33,7 @@ _PIPELINE_MOVES = ("to", "cuda", "cpu", "half", "float", "enable_model_cpu_offlo
 
 
 def guard_pipeline_(pipeline, streamed_names: list[str]) -> Callable[[], None]:
-    """Refuse moving, converting, copying and pickling `pipeline` (a diffusers pipeline or any object holding
-    the streamed components) while offload is enabled; returns the undo. An `nn.Module` pipeline gets
-    `guard_module_`."""
+    """Refuse moving, converting, copying and pickling `pipeline` while offload is enabled; returns the undo."""
     if isinstance(pipeline, nn.Module):
         return guard_module_(pipeline)
     name = type(pipeline).__name__
@@ -63,8 +54,6 @@ def guard_pipeline_(pipeline, streamed_names: list[str]) -> Callable[[], None]:
 
 
 def _refusing(message: str) -> Callable[..., NoReturn]:
-    """A stand-in for a method: whatever it is called with, it raises `UnsupportedUseError(message)`."""
-
     def refuse(*args, **kwargs) -> NoReturn:
         raise UnsupportedUseError(message)
 
@@ -72,8 +61,7 @@ def _refusing(message: str) -> Callable[..., NoReturn]:
 
 
 def _shadow_methods_(obj, replaced: dict[str, Callable]) -> Callable[[], None]:
-    """Put `replaced` into `obj.__dict__`, where it shadows the class's methods; returns the undo, which puts back
-    what the instance held before, and leaves alone an entry someone else has replaced since."""
+    """Shadow the class's methods in `obj.__dict__`; the undo leaves an entry someone replaced since alone."""
     previous = {key: obj.__dict__[key] for key in replaced if key in obj.__dict__}
     obj.__dict__.update(replaced)
 

@@ -1,27 +1,7 @@
-"""LoRA on streamed blocks: loading, fusing and unfusing adapters (diffusers and PEFT) while offload is enabled.
-
-PEFT puts a LoRA layer around each targeted `nn.Linear`; the Linear (and its Parameter objects, which the
-streamer rebinds) moves under `base_layer`, and the new `lora_A`/`lora_B` weights are created on the device of
-the base weight: the compute device. They stay resident there, with their block (counted in `stats()`'s
-device bytes); they are not part of the host store and never stream. Between calls a streamed block holds
-placeholders, so the operations that read or write base weights run with the blocks bound to real bytes:
-
-- loading and adding adapters (`load_lora_weights`, `load_lora_adapter`, `add_adapter`) run with every
-  streamed block bound to its host tensors (diffusers checks the base weights' shapes; DoRA reads them); new
-  adapter tensors that landed off the compute device are moved to it afterwards;
-- fusing and unfusing (`fuse_lora`, `unfuse_lora`) change base weights in place: each LoRA layer's
-  `merge`/`unmerge` runs with its block bound to a device slot holding its bytes (the same kernels as on the
-  resident model), and the block's bytes go back into the host store before the next block is bound, so every
-  later forward streams the fused weights;
-- unfusing runs PEFT's own unmerge, which subtracts the delta again and rounds exactly as it does on the
-  resident model (the same arithmetic on the same values in the same order), so every stage of the life cycle
-  gives the resident pipeline's outputs. With ``lora_exact_unfuse`` in the config, unfusing instead restores
-  the bytes from before the first fuse exactly: fusing then keeps a host copy of each block it changes
-  (counted in `stats()`'s host bytes) until the block has no fused adapter left.
-
-Where this process does not hold a block whole (allgather shards), or holds it in a float8 storage dtype
-(`storage_dtype`), each of these is refused before anything changes; a lossless block (`"lossless"`) takes
-them as a bfloat16 one does, coding the block again after a fuse. Only the entry points above are covered: calling PEFT's `merge()` on a layer directly is not.
+"""LoRA on streamed blocks while offload is enabled: loading and adding adapters run with every block bound to
+its host tensors (adapters stay resident); each LoRA layer's `merge`/`unmerge` runs with its block bound to a
+device slot, its bytes going back to the store before the next block. Unfusing rounds exactly as resident; with
+``lora_exact_unfuse`` it restores the pre-fuse bytes. A block not held whole, or in float8, refuses all of these.
 """
 
 from __future__ import annotations
@@ -34,12 +14,9 @@ from torch import nn
 from layerstream.runtime.streaming.streamer import BlockStreamer, StreamedBlock
 from layerstream.runtime.streaming.wrapping import MethodWrapper
 
-HOST_BOUND_METHODS = ("load_lora_weights", "load_lora_adapter", "add_adapter")
-"""Methods (of a pipeline or a streamed component) that run with every streamed block bound to its host tensors."""
-FUSING_METHODS = ("fuse_lora", "unfuse_lora")
-"""Methods that run with each LoRA layer's block bound to a device slot while it merges or unmerges."""
-FORGETTING_METHODS = ("unload_lora_weights", "unload_lora", "delete_adapters")
-"""Methods after which a block without fused adapters no longer needs its pre-fuse bytes."""
+HOST_BOUND_METHODS = ("load_lora_weights", "load_lora_adapter", "add_adapter")  # every block on its host tensors
+FUSING_METHODS = ("fuse_lora", "unfuse_lora")  # each LoRA layer's block in a device slot while it (un)merges
+FORGETTING_METHODS = ("unload_lora_weights", "unload_lora", "delete_adapters")  # pre-fuse bytes may go after
 
 
 def tuner_layers(module: nn.Module) -> Iterator[nn.Module]:
@@ -50,8 +27,7 @@ def tuner_layers(module: nn.Module) -> Iterator[nn.Module]:
 
 
 class LoraSupport:
-    """Wraps the LoRA entry points of the streamed components (and of the pipeline) so that they see real
-    weights; keeps the pre-fuse bytes of fused blocks."""
+    """Wraps the LoRA entry points so that they see real weights; keeps the pre-fuse bytes of fused blocks."""
 
     def __init__(self, streamer: BlockStreamer, device: torch.device, *, exact_unfuse: bool = False):
         self._streamer = streamer
@@ -202,9 +178,7 @@ def _nothing() -> None:
 def install_lora_support(
     streamer: BlockStreamer, components: Mapping[str, nn.Module], device: torch.device, *, exact_unfuse: bool = False
 ):
-    """LoRA support over `streamer`, with the entry points of every streamed component wrapped; returns
-    (support, wrappers). The pipeline's entry points are wrapped by `support.wrap_(pipeline)`. `exact_unfuse`:
-    unfusing restores the pre-fuse bytes instead of subtracting the delta."""
+    """(support, wrappers): the streamed components' entry points wrapped (the pipeline's: `support.wrap_`)."""
     support = LoraSupport(streamer, device, exact_unfuse=exact_unfuse)
     wrappers = []
     for module in components.values():

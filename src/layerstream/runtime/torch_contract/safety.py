@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from layerstream.errors import UnsupportedTensorError
-from layerstream.errors import OffloadError
+from layerstream.errors import OffloadError, UnsupportedTensorError
 from layerstream.runtime.packing.layout import tensor_byte_extent
 from layerstream.runtime.packing.subclass_tensors import plain_tensors, unpackable_reason
 
-
 COMPOSABLE_DIFFUSERS_HOOKS = frozenset({"layerwise_casting", "peft_autocast_disable"})
-"""diffusers hooks that only change dtypes around a leaf module's forward: they run on the device after
-layerstream has bound the block to its slot (casting allocates fresh tensors, so the slot is never written),
-exactly as they do resident. Every other diffusers hook (group offloading, caches that move weights) is
-refused."""
+"""diffusers hooks that only change dtypes around a leaf module's forward, after layerstream bound the block
+(casting allocates fresh tensors: the slot is never written). Every other diffusers hook is refused."""
 
 
 def check_no_foreign_offload(pipeline_class: str, components: dict[str, nn.Module]) -> None:
@@ -39,16 +35,11 @@ def check_no_foreign_offload(pipeline_class: str, components: dict[str, nn.Modul
 def check_no_shared_block_tensors(
     pipeline_class: str, components: dict[str, nn.Module], stream_modules: dict[str, nn.Module]
 ) -> None:
-    """A streamed block's bytes must belong to that block alone: a weight shared with a resident module or
-    with another block would be read through a placeholder (or overwritten in a slot) while the other runs."""
-    owner_of_module: dict[int, str] = {}
-    for path, module in stream_modules.items():
-        for sub in module.modules():
-            owner_of_module[id(sub)] = path
+    """Refuse a weight a streamed block shares with a resident module or another block (read as a placeholder)."""
     intervals: dict[tuple[str, int], list[tuple[int, int, str | None, str]]] = {}
     for comp_path, root in components.items():
-        for path, module in _walk(root, comp_path, owner_of_module):
-            owner = _owner(path, module, stream_modules, owner_of_module)
+        for path, module in _walk(root, comp_path):
+            owner = _owner(path, stream_modules)
             for kind in (module._parameters, module._buffers):
                 for name, t in kind.items():
                     if t is None or t.device.type == "meta" or t.numel() == 0:
@@ -79,7 +70,7 @@ def _owner_label(owner: str | None) -> str:
     return "a resident module" if owner is None else f"streamed block {owner}"
 
 
-def _walk(root: nn.Module, root_path: str, owner_of_module):
+def _walk(root: nn.Module, root_path: str):
     stack = [(root_path, root)]
     while stack:
         path, module = stack.pop()
@@ -89,9 +80,8 @@ def _walk(root: nn.Module, root_path: str, owner_of_module):
                 stack.append((f"{path}.{name}" if path else name, child))
 
 
-def _owner(path: str, module: nn.Module, stream_modules, owner_of_module) -> str | None:
-    """The streamed block whose subtree this occurrence sits in (by path, so a module reachable both inside
-    and outside a block counts as outside at its outside occurrence)."""
+def _owner(path: str, stream_modules) -> str | None:
+    """The streamed block this occurrence sits in, by path (a module also reachable outside counts outside there)."""
     probe = path
     while True:
         if probe in stream_modules:
@@ -102,10 +92,8 @@ def _owner(path: str, module: nn.Module, stream_modules, owner_of_module) -> str
 
 
 def check_packable_block_tensors(pipeline_class: str, block_path: str, block: nn.Module) -> None:
-    """Every parameter and buffer of a streamed block must be packable as bytes: a tensor with storage of its own
-    (plain, or a Parameter subclass such as diffusers' GGUF weights), or a wrapper subclass (torchao's quantized
-    weights) whose inner tensors all have storage of their own. Anything else is refused here, before anything
-    changes, naming the tensor and its type."""
+    """Refuse, naming it, a tensor of a streamed block that cannot be packed as bytes: only one with storage of its
+    own, or a wrapper subclass whose inner tensors all have storage of their own, can."""
     for name, module in block.named_modules(prefix=block_path):
         for kind in (module._parameters, module._buffers):
             for tensor_name, t in kind.items():

@@ -1,12 +1,5 @@
-"""Autograd through streamed blocks: tensors saved for backward that point into a device slot.
-
-A block's weights live in a slot only while the block runs; the next block's copy overwrites them. Autograd
-saves some of them for backward (a `Linear` saves its weight to compute the input's gradient), so by the time
-backward runs, those saved tensors would read another block's bytes. While a block runs with grad enabled,
-`saved_tensors_hooks` replace every saved tensor that aliases a slot by a reference into the host store
-(`SlotAlias`); backward turns it back into a device tensor with the same bytes, shape, strides and address
-residue (so CPU kernels round exactly as on the resident weight). Gradients are bit-identical to resident;
-the cost is one host-to-device copy per saved weight in backward.
+"""Autograd through streamed blocks: a saved tensor that aliases a slot is kept as a reference into the host
+store and made again in backward at the same address residue (gradients bit-identical to resident).
 """
 
 from __future__ import annotations
@@ -46,8 +39,7 @@ class SlotAlias:
 
 
 def slot_saved_tensor_hooks(find_slot_owner: Callable[[torch.Tensor], tuple[StoredBlock, int] | None]):
-    """A `saved_tensors_hooks` context: `find_slot_owner(t)` gives (the bound block's store entry, the tensor's
-    byte offset in its slot) for a tensor that aliases a slot, else None."""
+    """A `saved_tensors_hooks` context; `find_slot_owner(t)`: (stored block, offset in its slot) or None."""
 
     def pack(t: torch.Tensor):
         owner = find_slot_owner(t)

@@ -1,19 +1,7 @@
-"""`state_dict()` and `load_state_dict()` on a model whose blocks stream.
-
-Between calls a streamed block holds empty placeholders, so without help `state_dict()` would save nothing of
-it and `load_state_dict()` would fail on every block weight after overwriting the resident ones. These hooks
-make both work on the host store, which holds the real weights:
-- `state_dict()`: each streamed block's entries are the store's bytes, as host tensors (views: no copy; a
-  lossless store gives decoded copies, `StoredBlock.sync_host_tensors_`). They
-  share the host buffer's version counter, so an in-place write through them outdates a slot copied before it
-  (`StoredBlock.host_version`): the next call copies that block again;
-- `load_state_dict()`: each streamed block is bound to its host tensors while torch loads it, so the new
-  values land in the store (shapes checked by torch as usual), then evicted again; a slot still holding the
-  old bytes is forgotten, so the next call streams the new weights. A block already bound when the load
-  starts stays bound after it: a LoRA load (`load_lora_adapter` loads the adapter's weights this way) has
-  bound every block to the host store, and gets them back in the state it left them.
-Where this process does not hold a block whole (allgather shards), or `assign=True` asks to replace the
-Parameter objects, loading is refused at the component before anything is loaded.
+"""`state_dict()` and `load_state_dict()` on a model whose blocks stream, through the host store: `state_dict()`
+gives the store's bytes as host tensors (a write through them outdates a slot copied before); a load binds each
+block to its host tensors, then evicts it and forgets its slot copy. A load that would replace a streamed
+Parameter (`assign=True`), or one into a block this process does not hold whole, is refused first.
 """
 
 from __future__ import annotations
@@ -27,8 +15,7 @@ from layerstream.runtime.streaming.streamer import BlockStreamer, StreamedBlock
 
 
 def _entry_keys(block: StreamedBlock) -> list[list[str]]:
-    """For every layout entry, its state_dict keys relative to the block (a module reachable by two names
-    appears under both)."""
+    """For every layout entry, its state_dict keys relative to the block (under each name of its module)."""
     names: dict[int, list[str]] = {}
     for name, module in block.module.named_modules(remove_duplicate=False):
         names.setdefault(id(module), []).append(name)
@@ -44,9 +31,7 @@ def install_state_dict_hooks(
     components: dict[str, nn.Module],
     on_block_loaded: Callable[[StreamedBlock], None] = lambda block: None,
 ) -> list[tuple[str, str, str, object]]:
-    """Hooks on every streamed block (and a load check on each streamed component); returns (module path, hook
-    name, what it does, removable handle) for each. `on_block_loaded(block)` runs after new values were loaded
-    into a block's store."""
+    """Hooks on every streamed block and a load check per component: (module path, name, what, handle) each."""
     handles = []
     bound: set[int] = set()  # blocks bound to their host tensors by a load in progress
     for block in blocks:
@@ -79,10 +64,8 @@ def install_state_dict_hooks(
             bound.discard(block.index)
             block.host.binder.evict_()
             block.host.sync_host_tensors_(written=True)  # a lossless store codes the loaded values again
-            # the load wrote through Parameters bound by `.data`, which keep version counters of their own (the
-            # buffer's did not move): forget the slot explicitly. The last block of a forward prefetches the
-            # first, so that copy may still be in flight and have read old bytes, or a mix: its slot is never read
-            # for this block again, and the next call's copy is queued after this write, behind it on the engine
+            # the load wrote through Parameters bound by `.data`, whose version counters are their own: forget the
+            # slot (a copy in flight may have read old bytes; the next one is queued behind this write)
             streamer.forget_copy_(block)
             on_block_loaded(block)
 
@@ -114,8 +97,8 @@ def install_state_dict_hooks(
 
 
 def _refuse_assign_to_streamed(state_dict, blocks: list[StreamedBlock], names: dict[int, str], prefix: str, where: str) -> None:
-    """`load_state_dict(assign=True)` may replace tensors that do not stream; refuse it, before anything is
-    loaded, where it would replace one of a streamed block (`names`: id of each block module -> its name)."""
+    """Refuse `load_state_dict(assign=True)` where it would replace a tensor of a streamed block (`names`: id
+    of each block module -> its name)."""
     for block in blocks:
         block_prefix = prefix + names.get(id(block.module), "")
         for entry_keys in _entry_keys(block):

@@ -1,10 +1,6 @@
-"""The bodies of ``POST /v1/videos`` and ``POST /v1/images/jobs``: OpenAI's fields and layerstream's own.
-
-JSON bodies are strict, as every body of this server (no coercion, unknown fields refused); multipart forms,
-which OpenAI's client sends, arrive as text and are read as `ImageEditRequest` is, through `FormReading`
-(numbers from their text, ``null`` or empty text as absent). A checked job body becomes the synchronous endpoints' request
-(`VideoGenerationRequest` or `ImageGenerationRequest`), so a job is checked against the model exactly as a
-synchronous request is.
+"""The bodies of ``POST /v1/videos`` and ``POST /v1/images/jobs``: OpenAI's fields and layerstream's own, as JSON
+(strict, as every body) or as a multipart form (`FormReading`). A checked job body becomes the synchronous
+endpoints' request, so a job is checked against the model exactly as a synchronous request is.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ from layerstream.server.schemas import (
     ImageGenerationRequest,
     RequestFields,
     VideoGenerationRequest,
-    bounded,
+    generation_fields,
 )
 
 SECONDS_PATTERN = r"^[0-9]{1,5}(\.[0-9]{1,6})?$"
@@ -46,11 +42,15 @@ class _JobFields(RequestFields):
 
     preview: bool = Field(default=False, description="Send preview images on the job's event stream.")
 
-    def _shared(self) -> dict[str, Any]:
-        """The fields the synchronous endpoints take too, as given."""
+    def _shared(self) -> dict[str, Any]:  # the fields the synchronous endpoints take too, as given
         return {name: getattr(self, name) for name in RequestFields.model_fields}
 
 
+@generation_fields(
+    "video",
+    num_frames={"description": "Frames; give this or seconds, not both."},
+    fps={"description": "Frame rate of the MP4 (and of seconds); default: the model's."},
+)
 class VideoJobRequest(_JobFields):
     """Body of ``POST /v1/videos`` (JSON); `input_reference` here is the image as base64 or a data URL."""
 
@@ -64,10 +64,8 @@ class VideoJobRequest(_JobFields):
         description="Duration; mapped to frames at the model's frame rate and frame rule.",
         json_schema_extra={"anyOf": SECONDS_SCHEMA},
     )
-    num_frames: int | None = bounded("num_frames", "Frames; give this or seconds, not both.")
     width: int | None = Field(default=None, ge=1, le=999_999, description="Pixels, with height (vllm-omni's); or size.")
     height: int | None = Field(default=None, ge=1, le=999_999, description="Pixels, with width; or size.")
-    fps: int | None = bounded("fps", "Frame rate of the MP4 (and of seconds); default: the model's.")
     input_reference: str | None = Field(default=None, min_length=1, description="Image-to-video: the input image.")
 
     @field_validator("seconds")

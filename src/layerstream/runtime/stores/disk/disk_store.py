@@ -1,41 +1,9 @@
-"""The disk tier's store: streamed blocks that hold no host memory, read from disk into the slot at every use.
-
-A block placed on disk (`Placement.host_tier`) is read from the checkpoint's own files where its spans are
-unwritten views of a file mapping (a few spans the loader made in memory, up to `MAX_IN_MEMORY_FRACTION` of the
-block, stay in host memory and count as host bytes), else from a spill file written once at enable under
-`<root>/<one folder per enable>/` (`sources`). Every read is checked; `restore_` and `rollback_` read the
-blocks back into real tensors and remove the folder.
-
-Disk, link and compute run as three stages: a `StagingRing` (`staging`) of three host buffers (pinned on an
-accelerator) is filled by a read-ahead I/O thread two disk blocks ahead along the streamer's prediction of the
-order blocks run in (`follow_order_`), and a block's copy job only copies from the buffer already read into
-the slot (reading synchronously only when the prediction missed). A disk block's job may wait for its read
-(`copy_waits_on_host`), so it never runs on the compute thread: the accelerator engine queues it on its issuing
-thread, the CPU engine runs it on its copy thread.
-
-Every block is kept in its host store's form (`form_of`, the tiered store's `stored_form`): a float8 (or
-lossless) block's stored bytes are float8 (or coded) in its spill file, in the staging ring and in the pool, and
-its copy job unpacks them in the slot (`SlotUnpack`) after copying them into the slot's staging region. Such a
-block is always spilled (the checkpoint holds other bytes), once, at enable: its spill file holds its stored
-bytes (about half the bfloat16 bytes for float8), and the block keeps its original tensors until `commit_`, so
-that a rollback gives them back exactly; a restore reads the stored bytes back and unpacks them on the host
-(float8: the rounded values, as the local store).
-
-What the disk tier keeps of a block is its host store's `DiskPart` (`part_of`): the whole stored block, or,
-for `weight_transfer: "allgather"`, this rank's shard of it, which the part's copy into the slot gathers with
-the other ranks' shards (`distributed.sharded_store`). A part's bytes are a window of the stored block: a spill
-file holds the window, a checkpoint-backed part reads the file ranges that fall into it. A part whose full
-bytes exist only across ranks is restored by its host store, in the order of its peers.
-
-The pooled blocks of alternating DiTs (`HostPoolChoice`: Wan 2.2's experts) are disk blocks too, whose bytes
-stay in an entry of a `HostPool` (`host_pool`) while their DiT runs, read from disk only when the other DiT ran
-since.
-
-Disk-tier reads drop their pages from the page cache after them: the memory the budget leaves free stays free.
-A simulated disk (`simulated_gbps`, CPU measurements) keeps the page cache instead and is one disk: the
-read-ahead and the pool's reads take turns on it. `disk_stall_seconds` counts the time compute waited on the
-disk, apart from the link: the part of compute's wait (for a copy, or while it queued one) during which the
-copy job was waiting for the read (`count_stall_`, called by the streamer).
+"""The disk tier's store: streamed blocks that hold no host memory, read from disk into the slot at every use,
+from the checkpoint's own file ranges where its spans are unwritten views of a file mapping, else from a spill
+file written once at enable. A float8 or coded block is always spilled and keeps its originals until `commit_`.
+A read-ahead thread fills the `StagingRing` along the streamer's predicted order, so that disk, link and compute
+run as three stages; alternating DiTs' pooled blocks stay in a `HostPool` entry while their DiT runs. Reads drop
+their pages from the page cache (the memory the budget leaves free stays free); a simulated disk keeps the cache.
 """
 
 from __future__ import annotations
@@ -69,17 +37,14 @@ from layerstream.runtime.stores.disk.staging import READ_AHEAD_DEPTH, StagingRin
 
 logger = logging.getLogger(__name__)
 
-MAX_IN_MEMORY_FRACTION = 1 / 8
-"""A file-backed block may keep this much of its bytes (spans made in memory) in host memory; beyond it the
-whole block is spilled."""
+MAX_IN_MEMORY_FRACTION = 1 / 8  # of a file-backed block's bytes made in memory, kept as host bytes; more: spilled
 
 
 class DiskBlock(StoredBlockBase):
     """One block of the disk tier: no host bytes; its copy job reads it from disk."""
 
     copy_waits_on_host = True  # for its read: an accelerator engine queues the job on a thread of its own
-    entry: int | None = None
-    """Its entry in the host pool (a `PooledBlock`'s); None: it is read through the staging ring."""
+    entry: int | None = None  # its host pool entry (a `PooledBlock`'s); None: read through the staging ring
 
     def __init__(
         self,
@@ -87,26 +52,20 @@ class DiskBlock(StoredBlockBase):
         part: DiskPart,
         binder: TensorBinder,
         source,
-        original_device: torch.device,
         member: str | None = None,
         originals: list[torch.Tensor] | None = None,
     ):
         self.store = store
-        self.member = member
-        """The alternating DiT the block belongs to, where there is a host pool (None otherwise)."""
+        self.member = member  # its alternating DiT, where there is a host pool
         self.part = part
-        """What this process keeps of the block: the whole stored block, or its shard (allgather)."""
         form = self.form = part.form
         self.layout = form.layout
         self.unpack = SlotUnpack(form)
-        self.originals = originals
-        """A lossy form's block (or a shard's) keeps its own tensors until the store commits (the rollback gives
-        them back)."""
+        self.originals = originals  # kept until the commit where the part cannot give them back (lossy, shard)
         self.binder = binder
         self.source: CheckpointSource | SpillSource = source
-        self.original_device = original_device
-        self.disk_wait = (0.0, 0.0)
-        """When the latest copy job waited for this block's bytes to come off the disk (perf_counter seconds)."""
+        self.original_device = self.layout.source_device()  # staged before its sources are forgotten
+        self.disk_wait = (0.0, 0.0)  # when the latest job waited for the disk (perf_counter): count_stall_
 
     def __repr__(self) -> str:
         return f"DiskBlock({self.path!r}, {self.stored_nbytes} bytes from {self.source.describe()})"
@@ -125,17 +84,14 @@ class DiskBlock(StoredBlockBase):
 
     @property
     def stored_nbytes(self) -> int:
-        """Bytes of the block on disk, in the staging ring and in the pool: its part (the form's stored bytes, or
-        this rank's shard of them)."""
-        return self.part.nbytes
+        return self.part.nbytes  # on disk, in the staging ring and in the pool
 
     @property
     def link_bytes(self) -> int:
         return self.part.nbytes
 
     def copy_out_(self, held: torch.Tensor, slot_buffer: torch.Tensor, event) -> int:
-        """Move the block's bytes, read into `held`, into the slot (copied, or gathered with the other ranks'
-        shards) and record `event` after it on the copy stream (where the copy is asynchronous); then unpack."""
+        """Move the bytes read into `held` into the slot, record `event` (an asynchronous copy), then unpack."""
         nbytes = self.part.to_slot_(held, slot_buffer, non_blocking=event is not None)
         if event is not None:
             event.record()  # `held` may be read into again once the copy (or gather) out of it is done
@@ -155,16 +111,13 @@ class DiskBlock(StoredBlockBase):
         return job
 
     def count_stall_(self, stall_seconds: float) -> None:
-        """Compute just spent `stall_seconds` waiting for this block's copy, or queuing it: count the part of
-        that time during which the job was waiting for the disk."""
-        started, ended = self.disk_wait
+        started, ended = self.disk_wait  # the part of compute's wait during which the job waited for the disk
         now = time.perf_counter()
         overlap = min(ended, now) - max(started, now - stall_seconds)
         if overlap > 0:
             self.store.disk_stall_seconds += overlap
 
     def read_into_(self, buffer: torch.Tensor) -> None:
-        """Fill `buffer` (uint8, CPU, `stored_nbytes`) with the block's stored bytes."""
         store = self.store
         gbps = store.simulated_gbps
         if gbps is None:
@@ -222,9 +175,7 @@ class PooledBlock(DiskBlock):
 
 
 class DiskHostStore(HostStoreBase):
-    """`HostStore` for the blocks the placement puts on disk (see the module docstring). `root` is the folder
-    spill files go under (`disk_dir`, or the cache's spill folder: the composition root chooses); `part_of` says
-    what this process keeps of each block (default: the whole block, in its `form_of` form)."""
+    """`HostStore` for the blocks the placement puts on disk (spill files under `root`)."""
 
     kind = "disk"
 
@@ -237,53 +188,37 @@ class DiskHostStore(HostStoreBase):
         part_of: Callable[[BlockLayout], DiskPart] | None = None,
     ):
         self.form_of = form_of
-        """The form each block is kept in (the tiered store's host side says; default: packed)."""
         self.part_of: Callable[[BlockLayout], DiskPart] = part_of or (lambda layout: WholePart(form_of(layout)))
-        """What this process keeps of each block (the host side's `disk_part`; pure)."""
-        self.simulated_gbps = simulated_gbps
-        """CPU measurements: every read lasts at least as long as on a disk of this bandwidth."""
-        self.simulated_disk = threading.Lock()
-        """Held through a simulated read: the read-ahead and the pool share one disk."""
-        self.counting = threading.Lock()
-        """Guards the byte count, which reads on several threads add to."""
-        self.pool_choice: HostPoolChoice | None = pool
-        """The pool entries and members (given, or from `place_`; None: no pool); `stage_` makes a `PooledBlock` of every pooled
-        block."""
+        self.simulated_gbps = simulated_gbps  # CPU measurements: every read lasts as long as on such a disk
+        self.simulated_disk = threading.Lock()  # held through a simulated read: every reader shares one disk
+        self.counting = threading.Lock()  # reads on several threads add to the byte count
+        self.pool_choice: HostPoolChoice | None = pool  # given, or from `place_`; None: no pool
         self.pool: HostPool | None = None
         self.root = Path(root).expanduser()
         self._successor: Callable[[str], str | None] | None = None
-        """The streamer's prediction of the block that runs after a block (`follow_order_`): what the staging
-        ring reads ahead along."""
         self._num_streamed = 0
         self.blocks: dict[str, DiskBlock] = {}
         self.disk_bytes_read = 0
-        """Bytes read from disk (checkpoint files and spill files) since enable."""
         self.disk_stall_seconds = 0.0
-        """Time compute waited for disk reads since enable (see the module docstring)."""
-        self.spill_bytes_written = 0
         # a simulated disk stands for the disk: its reads may come from the page cache, the real disk is not timed
         self.reader = FileReader(drop_cached=simulated_gbps is None)
         self.folder: Path | None = None
         self._files: MappedFiles | None = None
         self._staging_nbytes = 0
         self.staging: StagingRing | None = None
-        """Host buffers the disk blocks are read into (ahead) before their copy into the slot."""
 
     def __repr__(self) -> str:
         spilled = sum(isinstance(b.source, SpillSource) for b in self.blocks.values())
         return f"DiskHostStore({len(self.blocks)} blocks, {spilled} spilled to {self.folder})"
 
     def follow_order_(self, successor: Callable[[str], str | None], num_blocks: int) -> None:
-        """Read ahead along `successor` (the streamer's prediction of the block that runs after a block, learned
-        from the order blocks run in) through all `num_blocks` streamed blocks, host blocks included, instead of
-        each chain's declared order: the read-ahead follows a model that runs its blocks in another order, and
-        reads the next component's first disk blocks where one component hands over to another."""
+        # the learned order over every streamed block, not each chain's declared one: the read-ahead follows a
+        # model that runs its blocks in another order, and reads into the next component at a hand-over
         self._successor = successor
         self._num_streamed = num_blocks
 
     def upcoming_after(self, path: str) -> list[DiskBlock]:
-        """The staged disk blocks (not the pooled ones, which the pool reads) predicted to run after `path`, in
-        order, up to `READ_AHEAD_DEPTH`; none before the streamer gave its predictions (nothing runs before)."""
+        """The staged, unpooled disk blocks predicted to run after `path`, up to `READ_AHEAD_DEPTH`."""
         upcoming: list[DiskBlock] = []
         if self._successor is None:
             return upcoming
@@ -304,13 +239,7 @@ class DiskHostStore(HostStoreBase):
 
     @property
     def staging_nbytes(self) -> int:
-        """Host bytes of the staging ring (beyond the budget)."""
         return sum(b.numel() for b in self.staging.buffers) if self.staging is not None else 0
-
-    @property
-    def pool_nbytes(self) -> int:
-        """Host bytes of the pool (within the budget)."""
-        return self.pool.nbytes if self.pool is not None else 0
 
     def host_nbytes(self, layout: BlockLayout) -> int:
         return 0  # a disk block keeps no host bytes (but for the few spans made in memory, counted by the block)
@@ -323,7 +252,7 @@ class DiskHostStore(HostStoreBase):
         self._staging_nbytes = max((self.part_of(l).nbytes for l in layouts), default=slot_nbytes)
 
     def stats(self) -> StoreStats:
-        pool = self.pool_nbytes
+        pool = self.pool.nbytes if self.pool is not None else 0
         return StoreStats.of_forms(
             (b.form for b in self.blocks.values()),
             host_bytes=pool,
@@ -352,7 +281,6 @@ class DiskHostStore(HostStoreBase):
         if entry is not None and self.pool.owner(entry) is None:  # the entry starts with this block's bytes
             packed = self.pool.buffers[entry][: part.nbytes].zero_()  # zeroed pads: a spill file's bytes are defined
             part.fill_(packed, self._files, self.reader)
-        original_device = compute.source_device()
         source = self._checkpoint_source(compute, part) if form.stored_is_packed else None  # a float8 or coded form's bytes are not the file's
         if source is None:
             source = self._spill_(part, packed)
@@ -361,10 +289,10 @@ class DiskHostStore(HostStoreBase):
         # the original tensors go now, or stay until the commit for a rollback that reads nothing (lossy, shard)
         originals = binder.current_tensors() if part.keeps_originals else None
         if entry is not None:
-            block = PooledBlock(self, part, binder, source, original_device, member, originals, entry=entry)
+            block = PooledBlock(self, part, binder, source, member, originals, entry=entry)
             self.pool.add_(block, holds_bytes=packed is not None)
         else:
-            block = DiskBlock(self, part, binder, source, original_device, member, originals)
+            block = DiskBlock(self, part, binder, source, member, originals)
         block.binder.evict_()
         if not part.keeps_originals:
             compute.forget_sources()  # the block's memory (or its view of the checkpoint) goes now
@@ -373,9 +301,7 @@ class DiskHostStore(HostStoreBase):
         return block
 
     def _checkpoint_source(self, layout: BlockLayout, part: DiskPart) -> CheckpointSource | None:
-        """The checkpoint's own file ranges for a block whose spans are unwritten views of its files (the few
-        spans made in memory kept as host bytes, up to `MAX_IN_MEMORY_FRACTION`), cut to the part's window (a
-        rank's shard reads only the ranges that fall into its shard); None: spill it."""
+        """The checkpoint's own file ranges that fall into the part's window; None: spill the block."""
         spans = layout.span_file_ranges(self._files)
         in_memory = [(dst, length) for source, dst, length in spans if source is None and length > 0]
         if len(in_memory) == len(spans) or sum(n for _, n in in_memory) > MAX_IN_MEMORY_FRACTION * layout.nbytes:
@@ -405,9 +331,7 @@ class DiskHostStore(HostStoreBase):
             part.fill_(buffer, self._files, self.reader)
         path = part.form.layout.path
         name = f"{len(self.blocks):05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', path)}.block"
-        source = SpillSource.write(self.folder / name, buffer)
-        self.spill_bytes_written += part.nbytes
-        return source
+        return SpillSource.write(self.folder / name, buffer)
 
     def commit_(self) -> None:
         self._close_files_()
@@ -423,7 +347,7 @@ class DiskHostStore(HostStoreBase):
 
     def rollback_(self) -> None:
         self._close_files_()
-        self._close_staging_()
+        self.stop_reading_()
         try:
             self._restore_blocks_(lambda block: block.original_device)
         finally:
@@ -437,12 +361,7 @@ class DiskHostStore(HostStoreBase):
             self._release_()
 
     def stop_reading_(self) -> None:
-        """Stop reading ahead and free the staging ring and the pool: before a restore, since a host store that
-        restores its parts itself reads them through the blocks' `read_into_`, with the reader a read-ahead uses."""
-        self._close_staging_()
-
-    def _close_staging_(self) -> None:
-        """Stop reading ahead and free the staging ring and the pool."""
+        """Stop reading ahead and free the staging ring and the pool (before any restore reads with the reader)."""
         try:
             if self.staging is not None:
                 self.staging.close_()
@@ -453,8 +372,7 @@ class DiskHostStore(HostStoreBase):
                 self.pool = None
 
     def _restore_blocks_(self, device_of) -> None:
-        """Every block gets real tensors again, read (and checked) from disk; the first failure is raised after
-        every other block is restored."""
+        """Every block gets real tensors again, read from disk; the first failure is raised after the rest."""
         first_error: BaseException | None = None
         for path in list(self.blocks):
             block = self.blocks.pop(path)
@@ -477,16 +395,13 @@ class DiskHostStore(HostStoreBase):
             raise first_error
 
     def release_(self) -> None:
-        """The model was dropped without `disable()`: stop reading, free the ring and the pool, remove the spill
-        files; the blocks are not read back."""
         for block in self.blocks.values():
             block.unpack.clear_()
         self.blocks.clear()
         self._release_()
 
     def _release_(self) -> None:
-        """Stop reading, free the staging ring and remove the spill files (the engine is closed: nothing reads)."""
-        self._close_staging_()
+        self.stop_reading_()  # the engine is closed: nothing reads any more
         self.reader.close()
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)

@@ -1,19 +1,7 @@
 """The host pool of the disk tier: host memory shared by DiTs that run one after the other (Wan 2.2's experts).
-
-Entry j of the pool (`plan.placement.HostPoolChoice`) is the buffer of the j-th host block of each alternating
-DiT, and holds the bytes of one of them at a time: its owner. A `PooledBlock` is a disk block (its bytes come
-from the checkpoint's files or a spill file, checked, as for every disk block) whose copy job copies from its
-entry rather than from a staging buffer, reading it from disk first when the entry holds another block.
-
-A change of DiT is seen by the copy job of the first block of the newcomer that runs (a pooled block or a disk
-block: `prepare_`): the pool queues disk reads of every pooled block of the newcomer, in its chain's order, on
-an I/O thread of its own, so that they run beside compute and the link, and each job waits only for its own
-block. Reads still queued for the DiT that ran before are cancelled. At enable the entries take the bytes of
-the first DiT staged, so that the first request reads nothing for them.
-
-Only the thread that runs disk-tier copy jobs changes which block owns an entry (the accelerator engine's issuing
-thread, the CPU engine's copy thread); the I/O thread only fills buffers. Before a read overwrites an entry, it
-waits for the device copy out of it (a CUDA event, as in the staging ring).
+Entry j holds the j-th pooled block of one DiT at a time; the first copy job of another DiT queues reads of all
+its pooled blocks on an I/O thread, each job waiting only for its own. Only the copy-job thread changes an
+entry's owner; each read waits for the device copy out of the entry first.
 """
 
 from __future__ import annotations
@@ -41,15 +29,12 @@ class HostPool:
         self._copied = copy_events(device, self._pinner, len(self.buffers))
         self._owner: list[DiskRead | None] = [None] * len(self.buffers)
         self._loads: list[Future | None] = [None] * len(self.buffers)
-        self._member_order = member_order
-        """Member -> its streamed blocks in chain order (which pooled blocks to read first)."""
+        self._member_order = member_order  # member -> its streamed blocks in chain order
         self._pooled: dict[str, list[DiskRead]] = {m: [] for m in member_order}
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-pool-load")
-        self.current: str | None = None
-        """The member whose blocks the entries hold or are being read for."""
+        self.current: str | None = None  # the member whose blocks the entries hold or are being read for
         self.num_member_changes = 0
         self.bytes_loaded = 0
-        """Bytes read from disk into the pool since enable (at changes of member)."""
 
     @property
     def nbytes(self) -> int:
@@ -63,8 +48,7 @@ class HostPool:
         return self._owner[entry]
 
     def add_(self, block: DiskRead, holds_bytes: bool) -> None:
-        """Register a staged block; `holds_bytes`: staging packed its bytes into its entry, which had no owner
-        (the first member staged starts in the pool)."""
+        """Register a staged block; `holds_bytes`: staging packed its bytes into its entry."""
         order = self._member_order[block.member]
         self._pooled[block.member].append(block)
         self._pooled[block.member].sort(key=lambda b: order.index(b.path))
@@ -73,9 +57,7 @@ class HostPool:
             self.current = block.member
 
     def prepare_(self, member: str) -> None:
-        """A block of `member` is about to be copied: when another member ran before, read `member`'s pooled
-        blocks into the pool from now on."""
-        if member != self.current:
+        if member != self.current:  # a block of another member is about to be copied: read its pooled blocks
             self._change_to_(member)
 
     def take_(self, block: DiskRead) -> int:
@@ -95,9 +77,7 @@ class HostPool:
         return entry
 
     def copy_out_(self, entry: int, block: DiskRead, slot_buffer: torch.Tensor) -> int:
-        """Copy `block`'s bytes out of `entry` into the slot (after `take_`); returns the bytes that crossed this
-        process's link."""
-        return block.copy_out_(self.buffers[entry], slot_buffer, self._copied[entry])
+        return block.copy_out_(self.buffers[entry], slot_buffer, self._copied[entry])  # after `take_`
 
     def _change_to_(self, member: str, first: DiskRead | None = None) -> None:
         if member != self.current:

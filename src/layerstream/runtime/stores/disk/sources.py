@@ -1,12 +1,6 @@
-"""Where a disk-tier block's bytes come from: the checkpoint's own files, or a spill file of ours, and the spill
-folders' lifetime (named after the process that wrote them, so a later enable removes a dead process's).
-
-Spill files are written once, atomically (temporary name, fsync, rename), behind a small header with the byte
-count and a CRC-32 of the payload. Every read checks both, so a corrupt or truncated file is a `SpillFileError`
-naming it and never a wrong picture. A checkpoint file replaced since enable is a `CheckpointChangedError`.
-Spill folders are named `enable-<pid space>-<pid>-<start time>-<random>`: the next enable under the same root
-removes the folders of processes that no longer run, never a live process's, nor one from another machine or
-pid namespace sharing the folder (`remove_stale_spill_folders`).
+"""Where a disk-tier block's bytes come from: the checkpoint's own files, or a spill file written atomically
+behind a checked header and CRC-32 (a corrupt file is an error naming it, never a wrong picture); spill folders
+are named after their process, so that a later enable removes a dead process's.
 """
 
 from __future__ import annotations
@@ -30,8 +24,7 @@ logger = logging.getLogger(__name__)
 
 SPILL_MAGIC = b"LSSPILL1"
 _HEADER = struct.Struct("<8sQI")  # magic, payload bytes, CRC-32 of the payload
-HEADER_BYTES = ALIGN_BYTES
-"""The payload starts here: aligned, so that a read lands at the same residue as the slot."""
+HEADER_BYTES = ALIGN_BYTES  # the payload starts here: aligned, so that a read lands at the same residue as the slot
 SPILL_FOLDER_PREFIX = "enable-"
 _SPILL_FOLDER = re.compile(rf"^{SPILL_FOLDER_PREFIX}(?P<owner>{OWNER_TAG})-")
 
@@ -50,9 +43,7 @@ def spill_folder_prefix() -> str:
 
 
 def remove_stale_spill_folders(root: Path) -> list[Path]:
-    """Remove the spill folders under `root` whose process no longer runs (it died before `disable()`); a live
-    process's folder, a folder from another machine or pid namespace (its pid cannot be checked here), and
-    anything not named by this module are left alone. Returns the folders removed."""
+    """Remove (and return) the spill folders under `root` whose process surely no longer runs."""
     removed = []
     try:
         entries = list(root.iterdir())
@@ -70,10 +61,8 @@ def remove_stale_spill_folders(root: Path) -> list[Path]:
 
 
 class CheckpointSource:
-    """A block backed by checkpoint file bytes: (file range, offset in the packed block) per span, and the few
-    spans made in memory as (host bytes, offset). Each file's size and modification time are noted when the
-    block is staged and checked before every read: a checkpoint replaced or truncated since is an error naming
-    it, not another model's weights."""
+    """A block backed by checkpoint file ranges; each file's size and modification time are checked before every
+    read (a checkpoint replaced since is an error naming it, not another model's weights)."""
 
     def __init__(self, ranges: list[tuple[FileRange, int]], in_memory: list[tuple[torch.Tensor, int]]):
         self.ranges = ranges

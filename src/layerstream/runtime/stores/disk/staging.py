@@ -1,10 +1,5 @@
 """The staging ring of the disk tier, and what it shares with the host pool: buffers pinned all or none, and
-events that tell when the copy out of a buffer into a device slot (asynchronous from pinned memory) is done.
-
-Disk, link and compute run as three stages: a `StagingRing` of `NUM_STAGING_BUFFERS` host buffers (pinned on an
-accelerator) is filled by a read-ahead I/O thread along the predicted order of disk blocks, and a block's copy
-job copies from the buffer already read into the slot (see `runtime.stores.disk.disk_store` for where the blocks come
-from)."""
+events that tell when the copy out of a buffer into a device slot (asynchronous from pinned memory) is done."""
 
 from __future__ import annotations
 
@@ -23,8 +18,7 @@ from layerstream.runtime.packing.host_buffer import page_aligned_empty
 
 
 class DiskRead(Protocol):
-    """What the staging ring and the host pool need of a disk block (`disk_store.DiskBlock`): its path, its DiT
-    and its pool entry where it has one, a checked read and the move of its bytes out of a buffer into the slot."""
+    """What the staging ring and the host pool need of a disk block (`disk_store.DiskBlock`)."""
 
     member: str | None
     entry: int | None
@@ -33,28 +27,21 @@ class DiskRead(Protocol):
     def path(self) -> str: ...
 
     @property
-    def stored_nbytes(self) -> int:
-        """Bytes a read gives (the block's stored bytes: float8 ones for a float8 block)."""
+    def stored_nbytes(self) -> int: ...
 
     def read_into_(self, buffer: torch.Tensor) -> None: ...
 
-    def copy_out_(self, held: torch.Tensor, slot_buffer: torch.Tensor, event) -> int:
-        """Copy (or gather) the bytes read into `held` into the slot, recording `event` after it; returns the
-        bytes that crossed this process's link."""
+    def copy_out_(self, held: torch.Tensor, slot_buffer: torch.Tensor, event) -> int: ...
 
 
 logger = logging.getLogger(__name__)
 
-READ_AHEAD_DEPTH = 2
-"""Disk blocks read ahead of the one being copied: the disk goes on to the next block without waiting for the
-copy side to ask for it (one block ahead, the disk idles whenever the copy side is late to ask)."""
-NUM_STAGING_BUFFERS = READ_AHEAD_DEPTH + 1
-"""The buffers the read-ahead fills, and the one the latest copy comes from."""
+READ_AHEAD_DEPTH = 2  # one block ahead, the disk idles whenever the copy side is late to ask for the next
+NUM_STAGING_BUFFERS = READ_AHEAD_DEPTH + 1  # the buffers the read-ahead fills, and the latest copy's
 
 
 def pin_all_or_none(buffers: Sequence[torch.Tensor], pin: Pinner | None) -> Pinner | None:
-    """Page-lock every buffer, or none (copies are asynchronous only from pinned memory, and a buffer's copies
-    are all asynchronous or all in step): the pinner that pinned them, or None."""
+    """Page-lock every buffer, or none (a ring's copies are all asynchronous or all in step); the pinner or None."""
     if pin is None:
         return None
     pinned = [b for b in buffers if pin.pin_(b)]  # (the engine registers off this thread: a refusal poisons nothing)
@@ -66,16 +53,13 @@ def pin_all_or_none(buffers: Sequence[torch.Tensor], pin: Pinner | None) -> Pinn
 
 
 def copy_events(device: torch.device, pinner: Pinner | None, count: int) -> list:
-    """One CUDA event per buffer, re-recorded for every copy out of it (a never-recorded event counts as
-    complete), where those copies are asynchronous (CUDA, pinned); without them the copies are in step and need
-    none."""
+    """One CUDA event per buffer, re-recorded per copy out of it, where copies are asynchronous (CUDA, pinned)."""
     cuda = device.type == "cuda" and pinner is not None
     return [_DeviceEvent(device) if cuda else None for _ in range(count)]
 
 
 class _DeviceEvent:
-    """A CUDA event whose host-side wait runs with its device current: the disk tier's I/O threads never set a
-    device, and a CUDA call there would otherwise create a context on GPU 0."""
+    """A CUDA event waited for with its device current (an I/O thread's CUDA call would make a context on GPU 0)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -90,8 +74,7 @@ class _DeviceEvent:
 
 
 def wait_copied(event) -> None:
-    """Host-side wait for the device copy out of a buffer before a disk read overwrites it (it was issued a
-    block ago, so it has usually finished)."""
+    """Host-side wait for the device copy out of a buffer before a read overwrites it (usually done already)."""
     if event is not None:
         event.synchronize()
 
@@ -103,38 +86,22 @@ def unpin_all(buffers: Sequence[torch.Tensor], pinner: Pinner | None) -> None:
 
 
 class StagingRing:
-    """`READ_AHEAD_DEPTH + 1` host buffers (pinned where the engine can pin) that disk blocks are read into, then
-    copied to the slot (asynchronously from pinned memory on an accelerator), with a read-ahead on an I/O thread.
-
-    A job for block B takes B's bytes from the buffer the read-ahead filled (when it predicted B; else it reads
-    B there and then, synchronously), makes sure the next `READ_AHEAD_DEPTH` disk blocks expected after B
-    (`DiskHostStore.upcoming_after`) are being read into the other buffers, then copies B into the slot. The I/O
-    thread reads them one after another, so the disk never waits for the copy side to ask for the next block:
-    while the blocks between two disk blocks compute (and cross the link), the disk reads the next ones. Disk,
-    link and compute run as three stages."""
+    """Host buffers disk blocks are read into, then copied to the slot; while a block is copied out, the I/O thread
+    reads the next `READ_AHEAD_DEPTH` expected into the others: disk, link and compute run as three stages."""
 
     def __init__(self, nbytes: int, device: torch.device, pin: Pinner | None):
         self.buffers = [page_aligned_empty(max(nbytes, 1)) for _ in range(NUM_STAGING_BUFFERS)]  # each can be page-locked
         self._pinner = pin_all_or_none(self.buffers, pin)
         self._copied = copy_events(device, self._pinner, len(self.buffers))
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerstream-disk-ahead")
-        self._ahead: deque[tuple[str, int, Future]] = deque()
-        """Reads issued ahead, in the order their blocks are expected: (block path, buffer, read)."""
+        self._ahead: deque[tuple[str, int, Future]] = deque()  # (block path, buffer, read), in expected order
         self._last = 0  # the buffer the latest copy came from
         self.num_read_ahead_hits = 0
         self.num_read_ahead_misses = 0
-        self.last_disk_wait = (0.0, 0.0)
-        """When the latest `copy_` waited for its block's bytes to come off the disk (perf_counter seconds)."""
-
-    @property
-    def pinned(self) -> bool:
-        return self._pinner is not None
+        self.last_disk_wait = (0.0, 0.0)  # when the latest `copy_` waited for the disk (perf_counter)
 
     def copy_(self, block: DiskRead, slot_buffer: torch.Tensor, upcoming: Sequence[DiskRead] = ()) -> int:
-        """Fill the slot with `block`'s bytes (checked) through a staging buffer, having made sure that the
-        blocks expected next (`upcoming`, the first `READ_AHEAD_DEPTH` of them) are being read ahead; the copy
-        out is asynchronous where the buffer has an event (CUDA, pinned), else in step. Runs on the thread of
-        the copy job, on its stream; returns the bytes that crossed this process's link."""
+        """Fill the slot with `block`'s bytes through a staging buffer; returns the bytes that crossed the link."""
         waited = time.perf_counter()
         i = self._take_(block)
         self.last_disk_wait = (waited, time.perf_counter())
@@ -157,13 +124,12 @@ class StagingRing:
             return i
         self._drop_ahead_(len(self._ahead))
         free = self._free_buffer_(busy=())
-        self._wait_copied_(free)
+        wait_copied(self._copied[free])
         block.read_into_(self.buffers[free][: block.stored_nbytes])  # checked before any byte reaches the slot
         return free
 
     def _read_ahead_(self, block: DiskRead, upcoming: Sequence[DiskRead], current: int) -> None:
-        """Keep reads in flight for the next disk blocks: the ones already issued in the expected order stay, the
-        others are dropped, the missing ones are issued into free buffers."""
+        """Keep reads in flight for the next disk blocks: those issued in the expected order stay, others go."""
         wanted = [b for b in upcoming if b is not block][:READ_AHEAD_DEPTH]
         kept = 0
         while kept < min(len(self._ahead), len(wanted)) and self._ahead[kept][0] == wanted[kept].path:
@@ -174,7 +140,7 @@ class StagingRing:
             i = self._free_buffer_(busy=(current,))
 
             def read(i: int = i, next_block: DiskRead = next_block) -> None:
-                self._wait_copied_(i)
+                wait_copied(self._copied[i])  # on the I/O thread
                 next_block.read_into_(self.buffers[i][: next_block.stored_nbytes])
 
             self._ahead.append((next_block.path, i, self._io.submit(read)))
@@ -192,16 +158,12 @@ class StagingRing:
             logger.debug("read-ahead of %s failed; it is read again when it runs", path, exc_info=True)
 
     def _free_buffer_(self, busy: tuple[int, ...]) -> int:
-        """A buffer no read ahead owns and not in `busy`; the one the latest copy came from last (on an
-        accelerator its copy may still be in flight)."""
+        """A buffer no read owns, not in `busy`; the latest copy's last (it may still be in flight)."""
         taken = {i for _, i, _ in self._ahead} | set(busy)
         free = [i for i in range(len(self.buffers)) if i not in taken]
         assert free, "staging ring: more reads ahead than buffers"
         others = [i for i in free if i != self._last]
         return others[0] if others else free[0]
-
-    def _wait_copied_(self, i: int) -> None:
-        wait_copied(self._copied[i])  # on the I/O thread for a read-ahead
 
     def close_(self) -> None:
         """Wait for the read-ahead, then free the buffers (the engine is closed: no device copy reads them)."""
