@@ -11,6 +11,7 @@ import types
 import pytest
 from torch import nn
 
+import layerstream.models
 from layerstream import OffloadPlan, enable_offload
 from layerstream.cli.main import main
 from layerstream.offload import plan_placement
@@ -56,6 +57,7 @@ def fake_loader(monkeypatch):
     module.load_pipeline = lambda model, dtype=None: pipelines[model]
     module.load_skeleton = lambda model, **_: (pipelines[model], {"model": model, "origin": "folder"})
     monkeypatch.setitem(sys.modules, "layerstream.models.loading", module)
+    monkeypatch.setattr(layerstream.models, "loading", module)  # `from layerstream.models import loading`
     return pipelines
 
 

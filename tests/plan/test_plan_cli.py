@@ -9,6 +9,7 @@ import types
 import pytest
 from torch import nn
 
+import layerstream.models
 from layerstream.cli import plan_cmd
 from layerstream.cli.main import main
 from layerstream.offload import plan_placement
@@ -61,6 +62,7 @@ def fake_loader(monkeypatch):
     module.load_pipeline = load_pipeline
     module.load_skeleton = load_skeleton
     monkeypatch.setitem(sys.modules, "layerstream.models.loading", module)
+    monkeypatch.setattr(layerstream.models, "loading", module)  # `from layerstream.models import loading`
     return pipelines
 
 
