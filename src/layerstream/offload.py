@@ -9,7 +9,9 @@ handle it returns reports and undoes it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -80,16 +82,13 @@ def enable_offload(
 ) -> OffloadHandle:
     """Enable offload on `pipeline` as `config` selects and return the handle that reports and undoes it.
 
-    `device` defaults to the current CUDA device, else the CPU. `simulated_disk_gbps` (CPU only) makes every read
-    of the disk tier (`host_budget_gb`) last as long as it would on a disk of that bandwidth. `simulated_link_gbps` (CPU only) throttles the
-    copy thread to a link of that bandwidth. `trace` records accelerator timing events for `handle.trace()`
-    (the CPU engine always records). `engine_factory(device, num_slots)` and `store_factory(component_path)`
-    replace the copy engine and the host stores (instrumentation: wrap the defaults to observe or inject).
-    `generation` is the largest generation the pipeline will run (`models.generation_size`: `Omni` gives its
-    model's defaults or the caller's requests): the host reserve of `host_budget_gb: "auto"` is estimated for
-    it (None: for the model's defaults, `ModelRules` read from the pipeline).
-    Enabling is a transaction: on any error the pipeline is left as it was; out-of-memory errors and
-    `KeyboardInterrupt` come out as themselves, other failures while applying as `OffloadError`.
+    `device` defaults to the current CUDA device, else the CPU. On the CPU, `simulated_link_gbps` throttles the
+    copy thread and `simulated_disk_gbps` every read of the disk tier to that bandwidth. `trace` records
+    accelerator timing events for `handle.trace()`. `engine_factory(device, num_slots)` and
+    `store_factory(component_path)` replace the copy engine and the host stores (to observe or inject).
+    `generation`: the largest the pipeline will run, which the host reserve of `host_budget_gb: "auto"` is
+    estimated for (None: the model's defaults). Enabling is a transaction: on any error the pipeline is left as
+    it was; out-of-memory errors and `KeyboardInterrupt` come out as themselves, other failures as `OffloadError`.
 
     Components with `weight_transfer: "allgather"` shard their blocks' host bytes over `process_group` (default:
     the default group of torch.distributed); every rank of it must call `enable_offload` (and later `disable`)
@@ -108,32 +107,27 @@ def enable_offload(
         def engine_factory(device, num_slots):
             return make_copy_engine(device, num_slots, link_gbps=simulated_link_gbps, timing=trace)
 
-    undo = UndoStack()
+    undo, block_modules = UndoStack(), None
     if config.mode == "module":
-        try:
-            backend = apply_module_mode(plan, components, device, undo)
-        except BaseException as e:
-            undo.unwind()
-            _raise_after_rollback(plan, e)
-        return _commit_handle(plan, device, backend, components, pipeline=pipeline)
-
-    plan, host_budget = resolve_host_budget(pipeline, plan, device, process_group, generation)  # "auto": a number, or no disk tier
-    context = StoreContext(plan, device, components, process_group, _spill_root(config), simulated_disk_gbps)
-    reserve = _estimated_reserve(pipeline, plan, device, generation)  # before the stores: a failure here has no peers to tell
-    stores = _stores(plan, context, store_factory)
-    layouts, placement, block_modules = _plan_layer_mode(pipeline, plan, components, stores, device, host_budget, reserve)
-    try:
-        backend = apply_layer_mode(
-            plan=plan,
-            placement=placement,
-            components=components,
-            block_modules=block_modules,
-            layouts={p: layouts[p] for p in placement.streamed_block_paths},
-            stores=stores,
-            device=device,
-            engine_factory=engine_factory,
-            undo=undo,
+        apply = functools.partial(apply_module_mode, plan, components, device, undo)
+    else:
+        # host budget "auto": a number, or no disk tier; the reserve before the stores: a failure has no peers to tell
+        plan, host_budget = resolve_host_budget(pipeline, plan, device, process_group, generation)
+        context = StoreContext(plan, device, components, process_group, _spill_root(config), simulated_disk_gbps)
+        reserve = _estimated_reserve(pipeline, plan, device, generation)
+        stores = compose_stores(context, STORE_KINDS) if store_factory is None else ComponentStores(
+            {comp.path: store_factory(comp.path) for comp in plan.streamed}
         )
+        layouts, placement, block_modules = _plan_layer_mode(
+            pipeline, plan, components, stores, device, host_budget, reserve
+        )
+        apply = functools.partial(
+            apply_layer_mode, plan=plan, placement=placement, components=components, block_modules=block_modules,
+            layouts={p: layouts[p] for p in placement.streamed_block_paths}, stores=stores, device=device,
+            engine_factory=engine_factory, undo=undo,
+        )  # fmt: skip
+    try:
+        backend = apply()
     except BaseException as e:
         undo.unwind()
         _raise_after_rollback(plan, e)
@@ -161,12 +155,6 @@ def _spill_root(config: OffloadConfig) -> Path:
     from layerstream.models.cache import cache_root  # the cache module reads the environment on every call
 
     return Path(config.disk_dir) if config.disk_dir is not None else cache_root() / "spill"
-
-
-def _stores(plan: ResolvedOffloadPlan, context: StoreContext, store_factory: StoreFactory | None) -> ComponentStores:
-    if store_factory is None:
-        return compose_stores(context, STORE_KINDS)
-    return ComponentStores({comp.path: store_factory(comp.path) for comp in plan.streamed})
 
 
 def _plan_layer_mode(
@@ -215,9 +203,8 @@ def place_for(
 def estimated_activation_reserve(
     pipeline: Any, generation: GenerationSize | None, *, tiled: bool = False, device_type: str = "cuda",
 ) -> ActivationReserve:  # fmt: skip
-    """What residency "auto" leaves free on the device when the config gives neither a budget nor a reserve, as the
-    planner does (`machine.device_fit`): the largest phase's transient for `generation` (None: the model's
-    defaults), the VAE decode `tiled` or not on a device of `device_type`, and the allowance."""
+    """What residency "auto" leaves free on the device (as the planner does): the largest phase's transient for
+    `generation` (None: the model's defaults), the VAE decode `tiled` or not, and the allowance."""
     from layerstream.models.generation_size import pipeline_generation
 
     generation = generation if generation is not None else pipeline_generation(pipeline)
@@ -230,9 +217,8 @@ def estimated_activation_reserve(
 
 
 def _estimated_reserve(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device, generation) -> ActivationReserve | None:
-    """The reserve residency "auto" leaves free where the config gives neither `device_budget_gb` nor
-    `activation_reserve_gb` and the device's memory can be read (`estimated_activation_reserve`: the decode tiled
-    only where the config says always; "auto" tiles it only where it must); else None."""
+    """`estimated_activation_reserve` where the config gives neither `device_budget_gb` nor `activation_reserve_gb`
+    and the device's memory can be read (the decode tiled only where the config says always); else None."""
     options = plan.config.options_for("dit")
     given = options.device_budget_gb is not None or options.activation_reserve_gb is not None
     if not needs_device_budget(plan) or given or device.type != "cuda":
@@ -247,9 +233,8 @@ def _estimated_reserve(pipeline: Any, plan: ResolvedOffloadPlan, device: torch.d
 def plan_placement(
     pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device | None = None, generation: GenerationSize | None = None,
 ) -> Placement:  # fmt: skip
-    """The placement `enable_offload` would use on `device` (for `generation`, as it), for one process
-    (allgather priced as local); moves nothing. Raises `OffloadError` where residency "auto" has no budget to
-    read (or host budget "auto" no host memory)."""
+    """The placement `enable_offload` would use on `device` for `generation`, for one process (allgather priced
+    as local); moves nothing. `OffloadError` where an "auto" setting has no memory to read."""
     device = _check_device(device, None)
     plan, host_budget = resolve_host_budget(pipeline, plan, device, generation=generation)
     placement, _ = priced_placement(pipeline, plan, device, _estimated_reserve(pipeline, plan, device, generation))
@@ -271,11 +256,9 @@ def resolve_host_budget(
     pipeline: Any, plan: ResolvedOffloadPlan, device: torch.device, process_group=None,
     generation: GenerationSize | None = None,
 ) -> tuple[ResolvedOffloadPlan, HostBudgetChoice | None]:  # fmt: skip
-    """With `host_budget_gb: "auto"`: the plan with the budget this machine allows (a number, or None where
-    every streamed block fits: no disk tier) and the choice with its figures (`plan.host_budget`); any other
-    plan as it is, with None. With "allgather" components on a group of several ranks, the budget is this
-    rank's: its share of the host's free memory (`_rank_share`), spent in its shard bytes. Reads the host
-    memory now; moves nothing, issues no collective."""
+    """With `host_budget_gb: "auto"`: the plan with the budget this machine allows (None where every streamed
+    block fits: no disk tier) and the choice with its figures; any other plan as it is, with None. Allgather
+    ranks budget their share of the host (`_rank_share`). Reads the host memory; moves nothing."""
     from layerstream.models.generation_size import pipeline_generation
 
     config = plan.config
@@ -320,10 +303,8 @@ def resolve_host_budget(
 
 
 def _rank_share(plan: ResolvedOffloadPlan, process_group, memory, host_nbytes: Mapping[str, int]):
-    """For "auto" with allgather components on a group of several ranks: (this rank's share of the free host
-    memory: the host's free memory divided by the ranks on this host, where it came from, each block's host
-    bytes with the sharded blocks' as this rank's shard, the sharded block paths). Otherwise the process's own
-    figures and no sharded blocks."""
+    """(free host memory, where it came from, each block's host bytes, the sharded block paths): with allgather
+    components on several ranks, this rank's share of the host and its shards; else the process's own figures."""
     sharded_components = [c for c in plan.streamed if c.weight_transfer == "allgather"]
     share = None
     if sharded_components:
@@ -356,8 +337,7 @@ def mapped_view_nbytes(pipeline: Any, block_paths) -> int:
     """Bytes of clean file pages in memory under these blocks' views of mapped files (a page two tensors share
     counted once): packing moves their bytes into the host store or reads them from the file, and drops the
     views."""
-    files = MappedFiles.snapshot()
-    try:
+    with contextlib.closing(MappedFiles.snapshot()) as files:
         spans = []
         for t in _host_tensors(pipeline, block_paths):
             start, nbytes = t.data_ptr(), t.numel() * t.element_size()  # the tensor's own bytes
@@ -370,17 +350,14 @@ def mapped_view_nbytes(pipeline: Any, block_paths) -> int:
                 total += files.present_file_nbytes(start, stop - start)
                 end = -(-stop // PAGE_BYTES) * PAGE_BYTES
         return total
-    finally:
-        files.close()
 
 
 def held_host_nbytes(pipeline: Any, block_paths) -> int:
     """Bytes of these blocks' host storages that are this process's own memory, not views of mapped files
     (packing moves them into the host store or to disk and frees them), each storage counted once."""
-    files = MappedFiles.snapshot()
     seen: set[int] = set()
     total = 0
-    try:
+    with contextlib.closing(MappedFiles.snapshot()) as files:
         for t in _host_tensors(pipeline, block_paths):
             storage = t.untyped_storage()
             if storage.data_ptr() in seen or storage.nbytes() == 0:
@@ -388,8 +365,6 @@ def held_host_nbytes(pipeline: Any, block_paths) -> int:
             seen.add(storage.data_ptr())
             if not files.covers(storage.data_ptr(), storage.nbytes()):
                 total += storage.nbytes()
-    finally:
-        files.close()
     return total
 
 
@@ -467,9 +442,8 @@ def _raise_after_rollback(plan: ResolvedOffloadPlan, error: BaseException):
 
 
 def _commit_handle(plan, device, backend, components, block_modules: Mapping[str, nn.Module] | None = None, *, pipeline=None) -> OffloadHandle:
-    """The last step, which cannot fail: mark the components (and guard the streamed ones, their streamed blocks
-    and the pipeline against copying, pickling and converting while enabled; wrap the pipeline's LoRA entry
-    points and its calls) and hand out the handle. Everything installed is recorded on `backend.hooks`."""
+    """The last step, which cannot fail: mark the components, guard the streamed ones, their blocks and the
+    pipeline, wrap the pipeline's LoRA entry points and calls (all recorded on `backend.hooks`); the handle."""
     hooks = backend.hooks
     streamed = {c.display_path: components[c.path] for c in plan.streamed} if plan.config.mode == "layer" else {}
     guarded = {**streamed, **(block_modules or {})}

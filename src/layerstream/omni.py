@@ -13,7 +13,7 @@ import torch
 
 from layerstream.config.offload_config import OffloadConfig, parse_offload_config, with_vae_settings
 from layerstream.models.decode.decode_memory import VaeDecodeSettings
-from layerstream.models.generation_size import RequestSizes
+from layerstream.models.generation_size import GenerationSize, SizeCaps
 from layerstream.models.hub import ModelSource
 from layerstream.models.input_image import ImageInputKind
 from layerstream.models.model_rules import ModelRules
@@ -50,7 +50,7 @@ class Omni:
         process_group=None,
         revision: str | None = None,
         variant: str | None = None,
-        requests: RequestSizes | None = None,  # what will be asked for: the host reserve of "auto" is sized to it
+        requests: GenerationSize | SizeCaps | None = None,  # what will be asked for: the host reserve of "auto" is sized to it
         vae_use_tiling: bool | str | None = None,  # None: the config's (default "auto"); see docs/configuration.md
         vae_use_slicing: bool | str | None = None,
         components: dict[str, str] | None = None,  # component name -> a file loaded in its place (GGUF, fp8_scaled)

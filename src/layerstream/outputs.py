@@ -1,10 +1,6 @@
-"""Outputs: a generation's frames, and the one place they are encoded (PNG, JPEG, WebP, MP4, GIF).
-
-`encode_output` turns a `GenerationResult` into the bytes of one file, once, with the settings that make it
-again written inside at encode time (PNG text chunks; the MP4's ``comment`` metadata, handed to the encoder as
-a metadata file: a command-line argument is capped at 128 KiB); `save_output` writes those bytes atomically.
-The command line and `Omni` save through it, and the server keeps the bytes as they are until the response
-edge (base64 only in a ``b64_json`` field), so nothing is decoded and encoded again.
+"""Outputs: a generation's frames, and the one place they are encoded (PNG, JPEG, WebP, MP4, GIF): once, with
+the settings that make them again written inside (`encode_output`), bytes that `save_output` writes atomically
+and the server keeps as they are until the response edge, so nothing is decoded and encoded again.
 """
 
 from __future__ import annotations
@@ -12,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -25,10 +22,8 @@ from layerstream.request import GenerationError, GenerationRequest
 OutputFormat = Literal["png", "jpeg", "webp", "mp4", "gif"]
 IMAGE_FORMATS = ("png", "jpeg", "webp")
 VIDEO_FORMATS = ("mp4", "gif")
-IMAGE_SUFFIXES = (".png",)
-"""What `save_output` writes an image as, by the path's suffix ..."""
+IMAGE_SUFFIXES = (".png",)  # what `save_output` writes an image as, by the path's suffix
 VIDEO_SUFFIXES = (".mp4", ".gif")
-"""... and a video."""
 DEFAULT_QUALITY = 100
 """JPEG and WebP quality when none is given (OpenAI's default output_compression)."""
 SETTINGS_KEY = "layerstream"
@@ -156,12 +151,8 @@ def settings_digest(settings: dict[str, Any]) -> tuple[str, int]:
 
 
 def save_output(result: GenerationResult, path: str | Path, *, metadata: dict[str, Any] | None = None) -> Path:
-    """Write an image as PNG and a video as MP4 or GIF, chosen by the file suffix (`metadata` as in
-    `encode_output`).
-
-    The file is written beside `path` under a temporary name and renamed into place once complete (see
-    `write_atomically`): an error or Ctrl-C while writing leaves a file already at `path` as it was.
-    """
+    """Write an image as PNG and a video as MP4 or GIF, by the file suffix (`metadata` as in `encode_output`),
+    atomically (`write_atomically`): an error or Ctrl-C while writing leaves a file already at `path` as it was."""
     from layerstream.atomic_write import write_atomically
 
     path = Path(path)
@@ -232,7 +223,7 @@ def _even_frames(frames: np.ndarray) -> np.ndarray:
 
 def _encode_mp4(frames: np.ndarray, fps: int, metadata: dict[str, Any] | None) -> bytes:
     """H.264 in MP4 as imageio writes it (yuv420p, default quality, sides scaled up to multiples of 16), the metadata
-    read from a file (``-i meta``): no argument grows with the settings."""
+    read from a file: a command-line argument is capped at 128 KiB."""
     _, h, w, _ = frames.shape
     scaled_w, scaled_h = -(-w // 16) * 16, -(-h // 16) * 16
     with tempfile.TemporaryDirectory(prefix="layerstream-mp4-") as folder:
@@ -263,15 +254,7 @@ def _escape_ffmetadata(text: str) -> str:
 
 
 def _unescape_ffmetadata(text: str) -> str:
-    # ffmetadata escapes '=', ';', '#', '\\' and newlines with a backslash
-    out, escaped = [], False
-    for char in text:
-        if escaped or char != "\\":
-            out.append(char)
-            escaped = False
-        else:
-            escaped = True
-    return "".join(out)
+    return re.sub(r"\\(.)", r"\1", text, flags=re.DOTALL)  # ffmetadata escapes '=', ';', '#', '\\' and newlines
 
 
 def _ffmpeg() -> str:

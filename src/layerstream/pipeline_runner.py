@@ -1,31 +1,26 @@
-"""`PipelineRunner`: a `GenerationRequest` made into one call of a diffusers pipeline, and its cost.
-
-What the pipeline is called with comes from the request and the model's rules (`ModelRules`: defaults,
-geometry, the optional fields it takes, the ``extra_params`` it passes through); the call is timed step by step
-(`on_step`), its latents shown to `on_latents`, its per-request settings built for the call (`pipeline_for`: a copy
-with its own `boundary_ratio`, and scheduler for `flow_shift` and ``extra_params``' `sample_solver`), the VAE decode
-tiled or not (`models.decode.decode_memory`, refused before the first step where it cannot fit; set on the shared
-VAE and restored, as offload may wrap its ``decode`` on the instance, where a copy would not reach), and its streaming measured as a difference of the runtime's counters
-(`StreamCounters`). One call runs at a time.
+"""`PipelineRunner`: a `GenerationRequest` made into one call of a diffusers pipeline, and its cost: the call's
+arguments from the request and the model's rules, its per-request settings built for that call alone
+(`pipeline_for`: its own config, scheduler and VAE view, nothing set on the shared pipeline), each step timed, and
+its streaming measured as a difference of the runtime's counters (`StreamCounters`). One call runs at a time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from layerstream.models.decode.decode_memory import DecodeRequest, VaeDecodeSettings, choose_decode
+from layerstream.models.decode.decode_memory import VaeDecodeSettings, choose_decode
+from layerstream.models.size import GenerationSize
 from layerstream.models.model_rules import OPTIONAL_FIELDS, ModelRules
 from layerstream.models.sample_solvers import SAMPLE_SOLVER, scheduler_for
-from layerstream.models.decode.vae_tiling import VaeDecodeChoice, vae_decode_settings
+from layerstream.models.decode.vae_tiling import VaeDecodeChoice, vae_for
 from layerstream.outputs import GenerationResult
 from layerstream.request import GenerationError, GenerationRequest, invalid_field
 from layerstream.runtime.reporting.stats import OffloadStats, StreamCounters
@@ -108,13 +103,8 @@ class PipelineRunner:
                 picture = picture.resize((request.width, request.height), _lanczos())
         kwargs, num_inference_steps = self.call_arguments(request, request.prompt, picture=picture)
         kwargs["generator"] = torch.Generator("cpu").manual_seed(request.seed)
-        output, stats = self._call(request, kwargs, num_inference_steps, on_step, on_latents)
-        raw = _output_array(output, self.kind)
-        del output  # the pipeline's own copy of the float frames
-        note = conditioned.note if conditioned is not None else None
-        fps = request.fps or self.rules.fps
-        frames = _to_uint8(raw)
-        return GenerationResult(kind=self.kind, frames=frames, stats=stats, fps=fps, raw=raw if keep_raw else None, size_note=note)
+        note = conditioned.source if conditioned is not None else None
+        return self._results([request], kwargs, num_inference_steps, on_step, on_latents, keep_raw, note)[0]
 
     def run_batch(
         self,
@@ -142,16 +132,22 @@ class PipelineRunner:
                 kwargs[name] = [kwargs[name]] * len(prompts)
         # one generator per output, as diffusers takes them: output i's noise is drawn from generator i alone
         kwargs["generator"] = [torch.Generator("cpu").manual_seed(seed) for request in requests for seed in request.seeds]
-        output, stats = self._call(requests[0], kwargs, num_inference_steps, on_step)
-        raws = _output_arrays(output, self.kind, len(prompts))
-        del output
+        return self._results(requests, kwargs, num_inference_steps, on_step, None, keep_raw)
+
+    def _results(
+        self, requests, kwargs, num_inference_steps, on_step, on_latents, keep_raw, note=None
+    ) -> list[GenerationResult]:
+        """One result per output of `requests`, from one call of the pipeline with `kwargs`."""
+        output, stats = self._call(requests[0], kwargs, num_inference_steps, on_step, on_latents)
+        raws = _output_arrays(output, self.kind, sum(request.n for request in requests))
+        del output  # the pipeline's own copy of the float frames
         results = []
         for request in requests:
             for _ in request.seeds:
                 raw = raws.pop(0)  # each float output goes once its uint8 frames are made (unless kept)
-                frames = _to_uint8(raw)
                 results.append(GenerationResult(
-                    kind=self.kind, frames=frames, stats=stats, fps=request.fps or self.rules.fps, raw=raw if keep_raw else None,
+                    kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=request.fps or self.rules.fps,
+                    raw=raw if keep_raw else None, size_note=note,
                 ))  # fmt: skip
         return results
 
@@ -203,14 +199,7 @@ class PipelineRunner:
         passed = request.extra_params.to_dict()
         return {name: value for name, value in passed.items() if name in self.rules.call_arguments}
 
-    def _call(
-        self,
-        request: GenerationRequest,
-        kwargs: dict[str, Any],
-        num_inference_steps: int,
-        on_step: Callable[[int, int, float], None] | None,
-        on_latents: Callable[[int, int, torch.Tensor], None] | None = None,
-    ) -> tuple[Any, RunStats]:
+    def _call(self, request: GenerationRequest, kwargs: dict[str, Any], num_inference_steps: int, on_step, on_latents):
         """Call the pipeline with `kwargs` and `request`'s per-request settings (`pipeline_for`), timing each step
         and calling `on_step` after it; (its output, the cost)."""
         call = inspect.signature(self.pipeline.__call__).parameters
@@ -235,30 +224,19 @@ class PipelineRunner:
         with self.lock:
             adopt_process_threads()  # the server's worker computes the same bits as the caller's thread would
             before_stats = self._read_stats()
-            decode = self._choose_decode(kwargs, before_stats)  # refuses a decode that cannot fit, before step 1
+            decode = choose_decode(self.pipeline, self.vae_settings, _decoded_size(kwargs), self.device, before_stats)
+            if decode is not None and not decode.fits:  # refused before the first step
+                raise GenerationError(f"{self.model} cannot decode this output on {self.device}: {decode.reason}")
             before = StreamCounters.of(before_stats)
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
             start = time.perf_counter()
-            pipeline = pipeline_for(self.pipeline, request)
-            with torch.inference_mode(), _decode_as(pipeline, decode):
-                output = pipeline(**kwargs)
+            with torch.inference_mode():
+                output = pipeline_for(self.pipeline, request, decode)(**kwargs)
             seconds = time.perf_counter() - start
             stats = self._read_stats()
             after = StreamCounters.of(stats)
-        return output, replace(_run_stats(seconds, step_times, after - before, stats, self.device), vae_decode=decode)
-
-    def _choose_decode(self, kwargs: dict[str, Any], stats: OffloadStats | None) -> VaeDecodeChoice | None:
-        """How this call's VAE decode runs (`decode_memory.choose_decode`); a `GenerationError` if it cannot fit."""
-        prompt = kwargs["prompt"]
-        decode = DecodeRequest(
-            height=kwargs.get("height"), width=kwargs.get("width"), num_frames=kwargs.get("num_frames"),
-            batch=len(prompt) if isinstance(prompt, list) else 1,
-        )  # fmt: skip
-        choice = choose_decode(self.pipeline, self.vae_settings, decode, self.device, stats)
-        if choice is not None and not choice.fits:
-            raise GenerationError(f"{self.model} cannot decode this output on {self.device}: {choice.reason}")
-        return choice
+        return output, _run_stats(seconds, step_times, after - before, stats, self.device, decode)
 
     def _input_image(self, request: GenerationRequest):
         """(the RGB image, the size it leads to), or (None, None) without one; refuses an image the pipeline
@@ -281,16 +259,11 @@ class PipelineRunner:
         if image is None:
             return None, None
         picture = read_input_image(image)
-        model_side = self.rules.geometry.max_side_pixels
-        caps = [side for side in (model_side, request.max_side_pixels) if side is not None]
-        conditioned = size_from_image(
-            picture.size,
-            size_multiple=self.rules.size_multiple,
-            max_side=min(caps),
-            width=request.width,
-            height=request.height,
-        )
-        return picture, conditioned
+        caps = [side for side in (self.rules.geometry.max_side_pixels, request.max_side_pixels) if side is not None]
+        return picture, size_from_image(
+            picture.size, size_multiple=self.rules.size_multiple, max_side=min(caps),
+            width=request.width, height=request.height,
+        )  # fmt: skip
 
     def _check_geometry(self, height, width, num_frames) -> None:
         """Refuse sizes the pipeline would silently round (diffusers rounds down to its latent grid) or that lie
@@ -356,39 +329,28 @@ def _guidance_arguments(request: GenerationRequest, rules: ModelRules, call) -> 
     `guidance_scale` is the classifier-free guidance scale: a pipeline that takes CFG through ``true_cfg_scale``
     (its ``guidance_scale`` is a distilled model's embedding input) gets it there, unless the request gives
     ``true_cfg_scale`` itself (vllm-omni's field), in which case each goes to the argument of its name."""
-    out: dict[str, Any] = {}
-    guidance = request.guidance_scale
-    if guidance is None and request.true_cfg_scale is None:
-        guidance = rules.default_guidance_scale
-    if request.true_cfg_scale is not None:
-        out["true_cfg_scale"] = request.true_cfg_scale
-        if guidance is not None and "guidance_scale" in call:
-            out["guidance_scale"] = guidance
-    elif guidance is not None:
-        if "true_cfg_scale" in call:
-            out["true_cfg_scale"] = guidance
-        elif "guidance_scale" in call:
-            out["guidance_scale"] = guidance
+    out: dict[str, Any] = {} if request.true_cfg_scale is None else {"true_cfg_scale": request.true_cfg_scale}
+    guidance, name = request.guidance_scale, "guidance_scale"
+    if request.true_cfg_scale is None:
+        guidance = guidance if guidance is not None else rules.default_guidance_scale
+        name = "true_cfg_scale" if "true_cfg_scale" in call else "guidance_scale"
+    if guidance is not None and name in call:
+        out[name] = guidance
     if request.guidance_scale_2 is not None:
         out["guidance_scale_2"] = request.guidance_scale_2
     return out
 
 
-def _decode_as(pipeline, choice: VaeDecodeChoice | None):
-    """The pipeline's VAE set to decode as `choice` says for the call (restored after); nothing without a choice."""
-    if choice is None:
-        return contextlib.nullcontext()
-    return vae_decode_settings(pipeline.vae, tiled=choice.tiled, sliced=choice.sliced)
-
-
-def pipeline_for(pipeline, request: GenerationRequest):
+def pipeline_for(pipeline, request: GenerationRequest, decode: VaeDecodeChoice | None = None):
     """The pipeline one call of `request` runs: `pipeline` itself, or, where the request sets ``boundary_ratio``,
-    ``flow_shift`` or ``extra_params``' ``sample_solver``, a shallow copy (the modules shared) with its own config
-    and a scheduler built for the call (`scheduler_for`). Nothing is set on the served pipeline, so nothing has
-    to be put back, whatever the call does."""
-    served = getattr(pipeline, "scheduler", None)
+    ``flow_shift`` or ``extra_params``' ``sample_solver``, or `decode` differs from the VAE's own setting, a
+    shallow copy (the modules shared) with its own config, a scheduler built for the call (`scheduler_for`) and a
+    VAE view that decodes as `decode` says (`vae_for`). Nothing is set on the served pipeline, so nothing has to
+    be put back, whatever the call does."""
+    served, vae = getattr(pipeline, "scheduler", None), getattr(pipeline, "vae", None)
     scheduler = scheduler_for(served, solver=request.extra_params.get(SAMPLE_SOLVER), flow_shift=request.flow_shift)
-    if scheduler is served and request.boundary_ratio is None:
+    own_vae = vae_for(vae, tiled=decode.tiled, sliced=decode.sliced) if decode is not None else vae
+    if scheduler is served and request.boundary_ratio is None and own_vae is vae:
         return pipeline
     # a view sharing every module (offload's guard refuses copy.copy, which is for copies of the weights);
     # diffusers' __setattr__ and register_to_config then replace the view's config, not the served one's
@@ -396,9 +358,20 @@ def pipeline_for(pipeline, request: GenerationRequest):
     own.__dict__.update(pipeline.__dict__)
     if scheduler is not served:
         own.scheduler = scheduler
+    if own_vae is not vae:
+        own.__dict__["vae"] = own_vae  # not through setattr: an nn.Module pipeline's would write the shared _modules
     if request.boundary_ratio is not None:
         own.register_to_config(boundary_ratio=request.boundary_ratio)
     return own
+
+
+def _decoded_size(kwargs: dict[str, Any]) -> GenerationSize:
+    """What a call with `kwargs` decodes: its size, and a batch of its prompts."""
+    prompt = kwargs["prompt"]
+    batch = len(prompt) if isinstance(prompt, list) else 1
+    return GenerationSize(
+        height=kwargs.get("height"), width=kwargs.get("width"), num_frames=kwargs.get("num_frames"), batch=batch
+    )
 
 
 PER_PROMPT_ARGUMENTS = ("negative_prompt", "prompt_2", "prompt_3", "negative_prompt_2", "negative_prompt_3")
@@ -411,52 +384,32 @@ def _lanczos():
     return Image.Resampling.LANCZOS  # what diffusers' image processors resize with
 
 
-def _output_frames(output) -> np.ndarray:
-    """The pipeline's frames (video pipelines) or images, as one array with the batch first."""
-    frames = getattr(output, "frames", None)
-    if frames is None:
-        frames = getattr(output, "images", None)
-    if frames is None and isinstance(output, (tuple, list)):
-        frames = output[0]
-    return np.asarray(frames)
-
-
-def _output_array(output, kind: str) -> np.ndarray:
-    array = _output_frames(output)
-    if kind == "video" and array.ndim == 5:
-        array = array[0]  # [batch, frames, H, W, C] -> one video
-    return array
-
-
 def _output_arrays(output, kind: str, num_outputs: int) -> list[np.ndarray]:
-    """A batched output split into one array per output: [1, H, W, C] images, [F, H, W, C] videos."""
-    array = _output_frames(output)
+    """The pipeline's frames (video pipelines) or images, one array per output: [1, H, W, C] images, [F, H, W, C]
+    videos."""
+    array = getattr(output, "frames", None)
+    if array is None:
+        array = getattr(output, "images", None)
+    if array is None and isinstance(output, (tuple, list)):
+        array = output[0]
+    array = np.asarray(array)
+    if kind == "video" and array.ndim == 4:
+        array = array[None]  # one video without its batch dimension
     if len(array) != num_outputs:
         raise GenerationError(f"the pipeline returned {len(array)} outputs for {num_outputs} prompts")
-    if kind == "video":
-        return [array[i] for i in range(num_outputs)]
-    return [array[i : i + 1] for i in range(num_outputs)]
+    return [array[i] if kind == "video" else array[i : i + 1] for i in range(num_outputs)]
 
 
 def _to_uint8(array: np.ndarray) -> np.ndarray:
     return (np.clip(array, 0.0, 1.0) * 255.0).round().astype(np.uint8)
 
 
-def _run_stats(seconds, step_times, streamed: StreamCounters, now: OffloadStats | None, device) -> RunStats:
+def _run_stats(seconds, step_times, streamed: StreamCounters, now: OffloadStats | None, device, decode) -> RunStats:
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return RunStats(
-        seconds=seconds,
-        step_seconds=step_times,
-        bytes_transferred=streamed.bytes_transferred,
-        num_transfers=streamed.num_transfers,
-        num_sync_loads=streamed.num_sync_loads,
-        stall_seconds=streamed.stall_seconds,
-        device_bytes=now.device_bytes if now else 0,
-        host_bytes=now.host_bytes if now else 0,
-        peak_device_bytes=peak,
-        disk_bytes_read=streamed.disk_bytes_read,
-        disk_stall_seconds=streamed.disk_stall_seconds,
-    )
+        seconds=seconds, step_seconds=step_times, **asdict(streamed), device_bytes=now.device_bytes if now else 0,
+        host_bytes=now.host_bytes if now else 0, peak_device_bytes=peak, vae_decode=decode,
+    )  # fmt: skip
 
 
 def adopt_process_threads() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from benchmark_modules import benchmark_module
 
-from layerstream.models.decode.meta_peak import trace_peak_nbytes
+from layerstream.models.decode.meta_peak import trace_call
 
 pytestmark = pytest.mark.fast
 
@@ -25,7 +25,7 @@ def test_a_convolutions_planned_peak_covers_the_allocators_and_its_scratch_is_re
         conv(x)  # warm: a kernel's first-call allocations are not the convolution's
         measured = benchmark_module("vae_decode").allocator_peak(lambda: conv(x))
     skeleton, latents = torch.nn.Conv2d(8, 8, 3, padding=1, device="meta"), torch.empty(shape, device="meta")
-    planned, _ = trace_peak_nbytes(lambda: skeleton(latents), device_type="cpu")
+    planned = trace_call(lambda: skeleton(latents), device_type="cpu").peak_nbytes
     assert planned >= measured, (planned, measured)  # never short
     if unfolding:  # ATen's own kernel, the same on every CPU: its unfolded input (9 times it) is the peak
         output_nbytes = x.nbytes  # 8 channels in, 8 out, same size

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from layerstream.host.reserve import FLOOR_NBYTES, host_reserve_for
-from layerstream.models.generation_size import RequestSizes, generation_size_for, server_requests
+from layerstream.models.generation_size import GenerationSize, generation_size_for, server_requests
 from layerstream.models.loading import load_pipeline
 from layerstream.models.model_rules import read_model_rules
 from layerstream.omni import Omni
@@ -32,7 +32,7 @@ def test_without_a_request_it_is_the_models_defaults(tiny_wan):
 
 def test_a_request_gives_its_own_size_and_the_model_the_rest(tiny_wan):
     rules = read_model_rules(tiny_wan, "tiny-wan")
-    size = generation_size_for(rules, RequestSizes(height=128, source="the request's size"))
+    size = generation_size_for(rules, GenerationSize(height=128, source="the request's size"))
     assert (size.height, size.width, size.num_frames) == (128, rules.default_width, rules.default_num_frames)
     assert size.source == "the request's size"
 
@@ -52,7 +52,8 @@ def test_the_reserve_grows_with_the_generation_it_is_sized_to(tiny_wan):
     rules = read_model_rules(tiny_wan, "tiny-wan")
     plan = resolve_offload_plan(tiny_wan, parse_offload_config(AUTO))
     default = host_reserve_for(tiny_wan, plan, None, device_is_host=True, generation=generation_size_for(rules))
-    large = generation_size_for(rules, RequestSizes(height=720, width=1280, num_frames=81, source="the request's size"))
+    asked = GenerationSize(height=720, width=1280, num_frames=81, source="the request's size")
+    large = generation_size_for(rules, asked)
     served = host_reserve_for(tiny_wan, plan, None, device_is_host=True, generation=large)
     assert default.nbytes == FLOOR_NBYTES and "size: the model's defaults" in default.describe()
     assert served.nbytes > 3e9 and "720x1280 x 81 frames" in served.describe() and "size: the request's size" in served.describe()

@@ -256,10 +256,12 @@ class _Injected(Exception):
 
 
 def test_per_request_settings_never_touch_the_served_pipeline_even_when_the_call_fails(monkeypatch):
-    """A request's scheduler (sample_solver, flow_shift) is its call's alone: during the call the served pipeline
-    keeps its own, and a failure at any point (a transformer forward, a scheduler step, the decode) leaves the
-    next request's output bit for bit as before."""
+    """A request's scheduler (sample_solver, flow_shift) and VAE view are its call's alone: during the call the
+    served pipeline keeps its own (and its VAE its decode setting), and a failure at any point (a transformer
+    forward, a scheduler step, the decode) leaves the next request's output bit for bit as before."""
     from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from layerstream.models.decode.decode_memory import VaeDecodeSettings
 
     omni = Omni("tiny-wan", offload=False)
     served, config = omni.pipeline.scheduler, dict(omni.pipeline.config)
@@ -281,11 +283,13 @@ def test_per_request_settings_never_touch_the_served_pipeline_even_when_the_call
     }
     for point, inject in points.items():
         with monkeypatch.context() as patch:  # the class patches of this point only
+            patch.setattr(omni.runner, "vae_settings", VaeDecodeSettings(vae_use_tiling=True))  # a VAE view too
             handle = inject(patch)
             with pytest.raises(_Injected):
                 omni.generate(PROMPT, flow_shift=3.0, extra_params={"sample_solver": "euler"})
             if handle is not None:
                 handle.remove()
         assert omni.pipeline.scheduler is served and dict(omni.pipeline.config) == config, point
+        assert not omni.pipeline.vae.use_tiling, point
         assert (omni.generate(PROMPT, keep_raw=True).raw == first).all(), point
     assert seen and all(seen)  # during every call, the served pipeline had its own scheduler and config

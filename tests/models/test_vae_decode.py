@@ -7,8 +7,8 @@ import torch
 from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan
 
 from layerstream.models.tiny_components import _wan_vae
-from layerstream.models.decode.meta_peak import trace_peak_nbytes
-from layerstream.models.decode.vae_decode import decode_peak_nbytes, estimate_decode_peak, latent_shape
+from layerstream.models.decode.meta_peak import trace_call
+from layerstream.models.decode.vae_decode import estimate_decode_peak, latent_shape
 
 pytestmark = pytest.mark.fast
 
@@ -48,7 +48,7 @@ def test_a_loaded_vae_and_its_meta_skeleton_plan_the_same_peak():
     assert planned.weight_nbytes == sum(p.numel() * 4 for p in loaded.parameters())
     latents = torch.empty(1, 4, 3, 8, 8, device="meta")  # 4 channels, 9 frames as 1 + 2 latent, 8x spatial
     loaded.to("meta")  # its own modules and attributes, without the weights' bytes (the trace reads shapes)
-    traced, _ = trace_peak_nbytes(lambda: loaded.decode(latents, return_dict=False))
+    traced = trace_call(lambda: loaded.decode(latents, return_dict=False)).peak_nbytes
     assert planned.activation_nbytes == traced
     assert planned.nbytes == traced + latents.numel() * 4
     output_nbytes = 3 * 9 * 64 * 64 * 4
@@ -60,9 +60,9 @@ def test_more_frames_and_larger_sizes_need_more_and_tiles_need_less():
     vae.tile_sample_min_height = vae.tile_sample_min_width = 32  # tiles smaller than the output
     vae.tile_sample_stride_height = vae.tile_sample_stride_width = 24
     peak = {
-        (size, frames, tiled): decode_peak_nbytes(
+        (size, frames, tiled): estimate_decode_peak(
             vae, height=size, width=size, num_frames=frames, tiled=tiled, dtype=torch.float32
-        )
+        ).nbytes
         for size, frames, tiled in [(64, 5, False), (64, 9, False), (96, 9, False), (96, 9, True)]
     }
     assert peak[64, 5, False] < peak[64, 9, False] < peak[96, 9, False]
@@ -86,9 +86,9 @@ def test_replayed_decoder_calls_count_the_same_bytes_as_running_every_op():
     latents = torch.empty(1, 4, 5, 8, 8, device="meta")  # frames 3 to 5 repeat one call
     for tiled in (False, True):
         vae.use_tiling = tiled
-        full, full_ops = trace_peak_nbytes(lambda: vae.decode(latents))
-        replayed, replayed_ops = trace_peak_nbytes(lambda: vae.decode(latents), replayed=[vae.decoder])
-        assert replayed == full and replayed_ops < full_ops
+        full = trace_call(lambda: vae.decode(latents))
+        replayed = trace_call(lambda: vae.decode(latents), replayed=[vae.decoder])
+        assert replayed.peak_nbytes == full.peak_nbytes and replayed.num_ops < full.num_ops
 
 
 def test_the_planned_flops_are_the_convolutions_of_the_vaes_own_decode_replays_included():

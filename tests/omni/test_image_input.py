@@ -81,7 +81,7 @@ def test_an_image_larger_than_the_model_reaches_is_scaled_to_fit():
 
     size = size_from_image((4000, 3000), size_multiple=16, max_side=1024)
     assert (size.width, size.height) == (1024, 768)
-    assert "scaled to fit 1024 pixels per side" in size.note
+    assert "scaled to fit 1024 pixels per side" in size.source
     assert (size_from_image((1000, 30), size_multiple=16, max_side=2048).height) == 16
     with pytest.raises(InputImageError, match="less than 16 pixels"):
         size_from_image((2000, 10), size_multiple=16, max_side=1024)

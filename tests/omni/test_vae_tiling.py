@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from layerstream.models.decode.decode_memory import held_on_device
-from layerstream.models.decode.vae_decode import decode_peak_nbytes
-from layerstream.models.decode.vae_tiling import LOSSY_NOTE, choose_vae_decode, choose_vae_tiling, vae_decode_settings
+from layerstream.models.decode.vae_decode import estimate_decode_peak
+from layerstream.models.decode.vae_tiling import LOSSY_NOTE, choose_vae_decode, choose_vae_tiling, vae_for
 from layerstream.omni import GenerationError, Omni
 
 MB = 10**6
@@ -43,34 +43,53 @@ def test_fixed_settings_are_kept_and_a_decode_that_cannot_fit_is_named():
 @pytest.mark.fast
 def test_auto_slicing_splits_only_a_batch_that_does_not_fit_whole():
     peaks = {(False, False): 500 * MB, (False, True): 200 * MB, (True, False): 150 * MB, (True, True): 60 * MB}
-    assert choose_vae_decode("auto", "auto", peaks, 600 * MB).sliced is False
-    sliced = choose_vae_decode("auto", "auto", peaks, 300 * MB)
+    assert choose_vae_decode("auto", "auto", peaks, peaks.get, 600 * MB).sliced is False
+    sliced = choose_vae_decode("auto", "auto", peaks, peaks.get, 300 * MB)
     assert (sliced.tiled, sliced.sliced) == (False, True)  # bit-identical ways before tiles
-    assert (choose_vae_decode("auto", False, peaks, 300 * MB).tiled) is True
-    both = choose_vae_decode("auto", "auto", peaks, 100 * MB)
+    assert (choose_vae_decode("auto", False, peaks, peaks.get, 300 * MB).tiled) is True
+    both = choose_vae_decode("auto", "auto", peaks, peaks.get, 100 * MB)
     assert (both.tiled, both.sliced, both.fits) == (True, True, True)
 
 
-def test_the_vaes_own_setting_is_restored_after_the_call_whatever_happens():
+def test_a_calls_vae_decodes_as_chosen_and_the_shared_vae_is_never_written():
     from layerstream.models.tiny_components import _wan_vae
 
     vae = _wan_vae()
-    with vae_decode_settings(vae, tiled=True, sliced=True):
-        assert vae.use_tiling and vae.use_slicing
-    assert not vae.use_tiling and not vae.use_slicing
-    vae.enable_tiling()
-    with pytest.raises(RuntimeError), vae_decode_settings(vae, tiled=False, sliced=False):
-        assert not vae.use_tiling
-        raise RuntimeError("a failed decode")
-    assert vae.use_tiling
+    view = vae_for(vae, tiled=True, sliced=True)
+    assert view.use_tiling and view.use_slicing and not vae.use_tiling and not vae.use_slicing
+    assert view.decoder is vae.decoder and vae_for(vae, tiled=False, sliced=False) is vae
+
+
+def _tiny_tiles(vae) -> None:
+    """Tiles smaller than the tiny output, so that tiling has something to save."""
+    vae.tile_sample_min_height = vae.tile_sample_min_width = 32
+    vae.tile_sample_stride_height = vae.tile_sample_stride_width = 24
+
+
+def test_module_mode_swaps_the_calls_vae_view_in_and_decodes_it_tiled_bit_for_bit():
+    """Module mode wraps the VAE's ``decode`` on the instance: a call's view is swapped in by the same wrapper,
+    and decodes tiled while the shared VAE keeps its own setting throughout."""
+    resident = Omni("tiny-wan", offload=False, vae_use_tiling=True)
+    config = {"mode": "module", "components": ["dit", "text_encoder", "vae"]}
+    swapped = Omni("tiny-wan", device="cpu", diffusion_offload_config=config, vae_use_tiling=True)
+    seen = []  # the shared VAE's setting while each call decodes
+    for omni in (resident, swapped):
+        vae = omni.pipeline.vae
+        _tiny_tiles(vae)
+        vae.decoder.register_forward_pre_hook(lambda *_, vae=vae: seen.append(vae.use_tiling))
+    before = swapped.stats().per_component["vae"].num_transfers
+    run = {"seed": 3, "num_inference_steps": 1, "keep_raw": True, **SIZE}
+    outputs = [o.generate("a red fox", **run) for o in (resident, swapped)]
+    assert all(o.stats.vae_decode.tiled for o in outputs) and np.array_equal(outputs[0].raw, outputs[1].raw)
+    assert swapped.stats().per_component["vae"].num_transfers == before + 1  # swapped in around the view's decode
+    assert seen and not any(seen)  # while each decoded tiled, the shared VAE said untiled
+    swapped.close()
 
 
 @pytest.fixture(scope="module")
 def omni():
     omni = Omni("tiny-wan", device="cpu")
-    vae = omni.pipeline.vae  # tiles smaller than the tiny output, so that tiling has something to save
-    vae.tile_sample_min_height = vae.tile_sample_min_width = 32
-    vae.tile_sample_stride_height = vae.tile_sample_stride_width = 24
+    _tiny_tiles(omni.pipeline.vae)
     yield omni
     omni.close()
 
@@ -78,7 +97,9 @@ def omni():
 def _device_memory_gb(omni) -> float:
     """A stand-in device memory that leaves room for the tiled decode but not for the untiled one."""
     vae = omni.pipeline.vae
-    peaks = {t: decode_peak_nbytes(vae, **SIZE, tiled=t, dtype=torch.float32, device_type="cpu") for t in (False, True)}
+    peaks = {}
+    for tiled in (False, True):
+        peaks[tiled] = estimate_decode_peak(vae, **SIZE, tiled=tiled, dtype=torch.float32, device_type="cpu").nbytes
     assert peaks[True] < peaks[False]
     held = held_on_device(omni.pipeline, omni.device, omni.stats())
     return (held + (peaks[True] + peaks[False]) / 2) / 1e9
@@ -92,8 +113,9 @@ def _measured_decode_peak(omni, *, tiled: bool) -> int:
 
     vae = omni.pipeline.vae
     latents = torch.randn(latent_shape(vae, **SIZE))
-    with torch.no_grad(), vae_decode_settings(vae, tiled=tiled, sliced=False):
-        return benchmark_module("vae_decode").allocator_peak(lambda: vae.decode(latents))
+    with torch.no_grad():
+        view = vae_for(vae, tiled=tiled, sliced=False)
+        return benchmark_module("vae_decode").allocator_peak(lambda: view.decode(latents))
 
 
 def _run(omni, settings: dict, **kwargs):
@@ -108,13 +130,16 @@ def test_auto_leaves_a_decode_that_fits_untiled_and_tiles_under_a_small_budget(o
     roomy = _run(omni, VaeDecodeSettings(device_memory_gb=100.0))
     assert not roomy.stats.vae_decode.tiled and np.array_equal(roomy.raw, untiled.raw)  # not a bit changed
     small = _device_memory_gb(omni)
+    shared = []  # the shared VAE's setting while the call decodes
+    hook = omni.pipeline.vae.decoder.register_forward_pre_hook(lambda *_: shared.append(omni.pipeline.vae.use_tiling))
     tight = _run(omni, VaeDecodeSettings(device_memory_gb=small))
+    hook.remove()
     choice = tight.stats.vae_decode
     assert choice.tiled and choice.fits and LOSSY_NOTE in choice.reason
     assert choice.peak_nbytes <= choice.free_nbytes  # the tiled decode, as planned, inside what was left
     assert _measured_decode_peak(omni, tiled=True) <= choice.free_nbytes  # and as the CPU allocator counts it
     assert not np.array_equal(tight.raw, untiled.raw)  # blended tile edges: why it is never silent
-    assert not omni.pipeline.vae.use_tiling  # nothing leaks into the next request
+    assert shared and not any(shared)  # the call decoded tiled through its own view: the shared VAE never changed
 
 
 def test_false_refuses_a_decode_that_cannot_fit_before_the_first_step(omni):

@@ -165,7 +165,7 @@ def request_from_args(args: argparse.Namespace, *, image=None, seed: int | None 
 def _load(args: argparse.Namespace, config, world_size: int):
     """The model loaded with offload enabled (joining the other ranks first under torchrun), as an `Omni`."""
     from layerstream.errors import OffloadError
-    from layerstream.models.generation_size import RequestSizes
+    from layerstream.models.generation_size import GenerationSize
     from layerstream.models.loading import ModelLoadError
     from layerstream.omni import Omni
 
@@ -185,7 +185,7 @@ def _load(args: argparse.Namespace, config, world_size: int):
             revision=args.revision,
             variant=args.variant,
             components=component_files(args),
-            requests=RequestSizes(height=args.height, width=args.width, num_frames=args.num_frames, source="the request's size"),
+            requests=GenerationSize(height=args.height, width=args.width, num_frames=args.num_frames, source="the request's size"),
         )
     except (ModelLoadError, GenerationError, OffloadError) as e:
         raise CliError(str(e)) from e

@@ -1,7 +1,6 @@
 """What one generation holds: the latent tokens a DiT block sees at its size, a block's activations, and each
-phase's own transient on the device (prompt encoding, image encoding, denoising): estimates the planner, the
-residency "auto" of enabling and the host reserve share; pure, nothing runs. The size itself is the model's rules'
-business (`models.generation_size`); the VAE decode's peak is `models.decode.vae_decode`'s."""
+phase's own transient on the device: estimates the planner, residency "auto" and the host reserve share (pure,
+nothing runs; the VAE decode's peak is `models.decode.vae_decode`'s)."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ class Transient:
 
 
 def latent_tokens(pipeline: Any, size: Mapping[str, int]) -> int:
-    """Latent tokens a DiT block sees at `size` ({"height", "width", "num_frames"}: a `GenerationSize.as_size()`,
-    the model's rules filling what a caller left out)."""
+    """Latent tokens a DiT block sees at `size` ({"height", "width", "num_frames"}: `GenerationSize.as_size()`)."""
     side = pipeline_size_multiple(pipeline)
     temporal = pipeline_frame_multiple(pipeline)
     frames = (size["num_frames"] - 1) // temporal + 1 if temporal else 1
@@ -85,12 +83,10 @@ def image_encoder_tokens(encoder: nn.Module) -> int:
 
 
 def phase_transients(pipeline: Any, generation: GenerationSize, blocks: Any) -> tuple[Transient, ...]:
-    """Each phase's own transient on the device at `generation` (its `tokens`, else counted from its size; the VAE
-    decode aside, `models.decode.vae_decode`): the widest text encoder block's forward at `TEXT_TOKENS` (one encoder runs
-    at a time), the vision tower's where the pipeline has one, and a DiT block's forward at the generation's
-    tokens (the largest first block of a DiT counts); the prompts' hidden states (`text_output_nbytes`) stay on
-    the device from the prompt encoding to the last step. `blocks` holds the modules each phase is priced on
-    (`plan.phase_blocks.PhaseBlocks`: `dit_blocks`, `text_encoder_blocks`)."""
+    """Each phase's own transient on the device at `generation` (its `tokens`, else counted from its size; the
+    decode aside): the widest text encoder block's forward at `TEXT_TOKENS` (one encoder runs at a time), the
+    vision tower's, and the largest DiT block's forward at the generation's tokens; the prompts' hidden states
+    stay on the device throughout. `blocks`: `plan.phase_blocks.PhaseBlocks`, the modules each phase is priced on."""
     tokens = generation.tokens if generation.tokens is not None else latent_tokens(pipeline, generation.as_size())
     dit_blocks, text_encoder_blocks = blocks.dit_blocks, blocks.text_encoder_blocks
     prompts = text_output_nbytes(pipeline)
@@ -113,22 +109,18 @@ def activation_reserve_nbytes(transients: Sequence[Transient], allowance_nbytes:
 
 
 def decode_transient(pipeline: Any, generation: GenerationSize, *, tiled: bool, device_type: str = "cuda") -> Transient | None:
-    """The VAE decode's transient at `generation`'s size, tiled or not, on a device of `device_type` (its
-    convolutions' scratch; `models.decode.vae_decode`: traced from the VAE's structure, its weights apart: they stay on
-    the device with the other resident modules); None where the pipeline has no VAE."""
+    """The VAE decode's transient at `generation`'s size, tiled or not, on a device of `device_type`, its weights
+    apart (they stay on the device with the other resident modules); None where the pipeline has no VAE."""
     from layerstream.models.decode.vae_decode import estimate_decode_peak
 
     if not decodes(pipeline):
         return None
     vae = pipeline.vae
     dtype = next(p.dtype for p in vae.parameters() if p.is_floating_point())
-    size = generation.as_size()
-    peak = estimate_decode_peak(
-        vae, height=size["height"], width=size["width"], num_frames=size["num_frames"], tiled=tiled, dtype=dtype, device_type=device_type,
-    )  # fmt: skip
-    frames = f" x {size['num_frames']} frames" if size["num_frames"] > 1 else ""
-    how = "tiled" if tiled else "untiled"
-    return Transient("VAE decode", f"the VAE's decode at {size['height']}x{size['width']}{frames}, {how}", peak.nbytes)
+    peak = estimate_decode_peak(vae, **generation.as_size(), tiled=tiled, dtype=dtype, device_type=device_type)
+    frames = f" x {generation.num_frames} frames" if (generation.num_frames or 1) > 1 else ""
+    what = f"the VAE's decode at {generation.height}x{generation.width}{frames}, {'tiled' if tiled else 'untiled'}"
+    return Transient("VAE decode", what, peak.nbytes)
 
 
 def decodes(pipeline: Any) -> bool:
@@ -153,11 +145,9 @@ def block_flops(block: nn.Module, tokens: int) -> int:
 
 def decode_steps(pipeline: Any, size: Mapping[str, int], forwards: int) -> float | None:
     """The VAE decode's work in denoising steps at `size` ({"height", "width", "num_frames"}): its convolutions'
-    FLOPs, traced untiled from the VAE's structure (`models.decode.vae_decode`), over a step's, `forwards`
-    forwards of the transformer at the size's tokens (`block_flops`); None where the pipeline has no VAE or no
-    transformer. Times the seconds of a step, it is the decode's seconds at the rate the step computes: the
-    plan's (its compute, the copies apart) and, before a server has timed a decode, a job's ETA (its measured
-    steps, the copies in: a step bound by its copies makes the decode longer than it will be)."""
+    FLOPs (traced untiled) over a step's, `forwards` forwards of the transformer at the size's tokens; None
+    without a VAE or a transformer. Times a step's seconds it is the decode's: the plan's, and a job's ETA before
+    a server has timed a decode (with a step's copies in: longer than it will be)."""
     from layerstream.models.decode.vae_decode import estimate_decode_peak
 
     transformer = getattr(pipeline, "transformer", None)

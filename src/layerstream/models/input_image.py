@@ -1,18 +1,9 @@
-"""Input images of image-conditioned pipelines (image to video, image editing).
-
-Three questions every entry point asks the same way:
-- does the pipeline take an image, and must it have one? (`pipeline_image_input`, read from its call
-  signature);
-- is what the user gave a usable image? (`read_input_image`: a PIL image, a path, an array, the bytes of
-  a file or an `ImageFile`; refused in one line if it is missing, empty, not a PNG, JPEG or WebP file (told by
-  its first bytes, `image_file_format`, before any decoder runs) or larger than the caps, before any pixel is
-  decoded where the header already tells);
-- what does a request carry between threads and processes? (an `ImageFile`: the file's bytes, checked once,
-  decoded again where it runs, by `read_input_image`);
-- what size does the output take when the caller names none? (`size_from_image`: the image's own size,
-  scaled down to fit the model's largest side and rounded down to its size multiple, as diffusers pipelines
-  round, never a jump to a default far from the image).
-"""
+"""Input images of image-conditioned pipelines (image to video, image editing): whether a pipeline takes one
+(`pipeline_image_input`), reading what a user gave, refused in one line before any pixel is decoded where the
+header tells (`read_input_image`: only PNG, JPEG or WebP by their first bytes, within the caps), what a request
+carries between threads and processes (`ImageFile`: the checked file's bytes), and the output size an image
+leads to where the caller names none (`size_from_image`: its own, scaled to the model's largest side and rounded
+down to its size multiple, as diffusers pipelines round)."""
 
 from __future__ import annotations
 
@@ -28,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 import numpy as np
 
 from layerstream.errors import LayerstreamError
+from layerstream.models.size import GenerationSize
 from layerstream.models.output_limits import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
 
 if TYPE_CHECKING:
@@ -60,12 +52,10 @@ class InputImageError(LayerstreamError, ValueError):
 
 @dataclass(frozen=True)
 class ImageFile:
-    """An input image as the bytes of its file (PNG, JPEG, WebP), checked: what a request carries through the
-    server's queue and between its ranks instead of the pixels (a 16.8 MP upload decodes to 50 MB).
-
-    `read_input_image` decodes it as it decodes those bytes, EXIF orientation included, so every process that
-    runs the request runs the same picture; neither the byte cap nor the pixel cap is applied again (they were,
-    where the file came in: a server's `--max-image-pixels` may be above the default)."""
+    """An input image as the bytes of its checked file: what a request carries through the server's queue and
+    between its ranks instead of the pixels (a 16.8 MP upload decodes to 50 MB). Every process decodes the same
+    picture from it (`read_input_image`), without the caps again: they were applied where the file came in (a
+    server's `--max-image-pixels` may be above the default)."""
 
     data: bytes = field(repr=False)
     size: tuple[int, int]
@@ -104,11 +94,8 @@ def image_file(source: ImageSource, *, name: str = "image") -> ImageFile:
 
 
 def pipeline_image_input(pipeline: Any) -> ImageInputKind:
-    """Whether `pipeline` takes an input image: ``"none"``, ``"optional"`` or ``"required"``.
-
-    Read from the ``image`` argument of its ``__call__``: absent, with a default, or without one (plus the
-    pipelines of `IMAGE_REQUIRED_PIPELINES`, whose default of None is not really allowed).
-    """
+    """Whether `pipeline` takes an input image, from the ``image`` argument of its ``__call__``: absent, with a
+    default, or without one (or in `IMAGE_REQUIRED_PIPELINES`, whose default of None is not really allowed)."""
     param = inspect.signature(pipeline.__call__).parameters.get("image")
     if param is None:
         return "none"
@@ -126,15 +113,11 @@ def read_input_image(
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
 ) -> Image.Image:
-    """`source` as an RGB PIL image, upright as a viewer shows it, or `InputImageError` naming `name` and what is
-    wrong.
-
-    `source` is a PIL image, a path to an image file, the bytes of one (or an `ImageFile`), or an array (H x W
-    gray, or H x W x 1/3/4 channels; uint8, or floats from 0 to 1). Files are checked for size before they are read
-    and for pixels from their header before they are decoded, so an oversized or hostile file costs nothing.
-    An EXIF orientation (a phone photo's) is applied before anything else reads the size, as diffusers'
-    `load_image` does: the model is conditioned on the picture the user saw.
-    """
+    """`source` (a PIL image, a path to an image file, the bytes of one, an `ImageFile`, or an H x W (x 1/3/4)
+    array of uint8 or floats from 0 to 1) as an RGB PIL image, or `InputImageError` naming `name` and what is
+    wrong. Files are checked for size before they are read and for pixels from their header before they are
+    decoded: an oversized or hostile file costs nothing. An EXIF orientation (a phone photo's) is applied first,
+    as diffusers' `load_image` does: the model is conditioned on the picture the user saw."""
     from PIL import Image
 
     if isinstance(source, Image.Image):
@@ -157,64 +140,38 @@ def read_input_image(
     )
 
 
-@dataclass(frozen=True)
-class ConditionedSize:
-    """The output size an input image leads to, and how it was reached (said to the user as `note`)."""
-
-    width: int
-    height: int
-    image_width: int
-    image_height: int
-    note: str
-
-
 def size_from_image(
-    image_size: tuple[int, int],
-    *,
-    size_multiple: int,
-    max_side: int | None,
-    width: int | None = None,
-    height: int | None = None,
-    name: str = "image",
-) -> ConditionedSize:
-    """The output size for an input image of `image_size` (width, height).
-
-    A side the caller gives (`width` or `height`) is kept; a missing side follows the image's aspect ratio.
-    With neither, the image's own size is used, scaled down (aspect kept) to fit `max_side` if larger, and
+    image_size: tuple[int, int], *, size_multiple: int, max_side: int | None, width: int | None = None,
+    height: int | None = None, name: str = "image",
+) -> GenerationSize:  # fmt: skip
+    """The output size for an input image of `image_size` (width, height), with how it was reached as its
+    `source` (said to the user). A side the caller gives is kept; a missing side follows the image's aspect
+    ratio. With neither, the image's own size is used, scaled down (aspect kept) to fit `max_side` if larger, and
     rounded down to multiples of `size_multiple`, as diffusers pipelines round. An image too small to leave a
-    whole multiple is refused rather than enlarged.
-    """
+    whole multiple is refused rather than enlarged."""
     image_width, image_height = image_size
     m = size_multiple
     if width is not None and height is not None:
-        return ConditionedSize(width, height, image_width, image_height, f"{width}x{height}, as asked")
-    if width is not None or height is not None:
-        # one side given: the other follows the image's aspect ratio
+        return GenerationSize(height=height, width=width, source=f"{width}x{height}, as asked")
+    if width is not None or height is not None:  # one side given: the other follows the image's aspect ratio
         target_w = width if width is not None else height * image_width / image_height
         target_h = height if height is not None else width * image_height / image_width
-        scaled = False
+        how = f"the missing side follows the input image's {image_width}x{image_height}"
     else:
         scale = min(1.0, max_side / max(image_width, image_height)) if max_side else 1.0
         target_w, target_h = image_width * scale, image_height * scale
-        scaled = scale < 1.0
+        how = f"the input image's {image_width}x{image_height}"
+        how += f" scaled to fit {max_side} pixels per side" if scale < 1.0 else ""
     # a hair of tolerance: 100 * 0.48 may come out as 47.99999
-    out_w = math.floor(target_w + 1e-6) // m * m
-    out_h = math.floor(target_h + 1e-6) // m * m
+    out_w, out_h = (math.floor(target + 1e-6) // m * m for target in (target_w, target_h))
     if out_w < m or out_h < m:
         raise InputImageError(
             f"{name} is {image_width}x{image_height} pixels; the output would be less than {m} pixels on a side "
             f"(the model's size multiple); expected an image at least {m}x{m} with a less extreme aspect ratio"
         )
-    steps = []
-    if width is not None or height is not None:
-        steps.append(f"the missing side follows the input image's {image_width}x{image_height}")
-    elif scaled:
-        steps.append(f"the input image's {image_width}x{image_height} scaled to fit {max_side} pixels per side")
-    else:
-        steps.append(f"the input image's {image_width}x{image_height}")
     if abs(out_w - target_w) > 1e-6 or abs(out_h - target_h) > 1e-6:
-        steps.append(f"rounded down to multiples of {m}")
-    return ConditionedSize(out_w, out_h, image_width, image_height, f"{out_w}x{out_h}: " + ", ".join(steps))
+        how += f", rounded down to multiples of {m}"
+    return GenerationSize(height=out_h, width=out_w, source=f"{out_w}x{out_h}: {how}")
 
 
 # --- reading ----------------------------------------------------------------------------------------------------

@@ -1,26 +1,10 @@
-"""`ModelRules`: what one loaded pipeline accepts and what it does when a request leaves a field out.
-
-Read once from the pipeline (an embedded tiny model declares its small defaults in its spec instead), and
-used by every entry point: `Omni`, the command line and the server check a request against the same rules,
-fill in the same defaults and only word the refusals for their caller (a flag, a JSON field, an argument).
-So the same request makes the same picture from the library, `generate`, the synchronous endpoint and a job:
-defaults are filled in one place (`ModelRules.filled`), sizes checked in one (`check_geometry`, with a caller's
-caps), and whether an input image is refused decided in one (`image_problem`); the planner and the host reserve
-size their generation by them too (`models.generation_size`).
-
-What is read:
-- the geometry (`OutputGeometry`: size multiple, frame rule, the reach of the position table);
-- whether the pipeline takes an input image;
-- its own defaults: size, frames and steps from its ``__call__`` signature (Wan: 480x832, 81 frames, 50
-  steps; Flux and Qwen-Image size from ``default_sample_size`` latent tokens), guidance the same way;
-- the frame rate the model was trained at (`FRAME_RATES`, by pipeline class);
-- which optional request fields it can take, and how: a call argument (``negative_prompt``,
-  ``guidance_scale_2``, ``true_cfg_scale``) or a per-request override of a setting (``boundary_ratio``, a
-  two-expert Wan pipeline's config; ``flow_shift``, its scheduler's config);
-- what a request's ``extra_params`` may set: the call arguments its family declares (`call_arguments`), and
-  the ``sample_solver`` values its scheduler has a counterpart for (`sample_solvers`); `extra_params_problems`
-  says what is wrong with a request's.
-"""
+"""`ModelRules`: what one loaded pipeline accepts and what it does when a request leaves a field out: its
+geometry (`OutputGeometry`), image input, defaults (size, frames, steps and guidance from its ``__call__``; Flux
+and Qwen-Image size from ``default_sample_size``; a tiny model's from its spec), frame rate (`FRAME_RATES`), the
+optional fields it takes (a call argument, or a setting overridden for one call) and the ``extra_params`` its
+family declares. Read once; `Omni`, the command line, the server and the planner ask it (`filled`,
+`check_geometry`, `image_problem`) and only word its refusals, so the same request makes the same picture
+everywhere."""
 
 from __future__ import annotations
 
@@ -32,6 +16,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from layerstream.models.call_arguments import CallArgument, declared_arguments
+from layerstream.models.size import GenerationSize
 from layerstream.models.input_image import ImageInputKind, pipeline_image_input
 from layerstream.models.output_limits import (
     LimitViolation,
@@ -58,18 +43,6 @@ FALLBACK_NUM_INFERENCE_STEPS = 50
 
 ImageProblem = Literal["takes_none", "required"]
 """What is wrong with a request's input image, or its absence: the model takes none, or needs one."""
-
-
-@dataclass(frozen=True)
-class GenerationShape:
-    """What a request runs: its own figures, the model's defaults for those it leaves out (`ModelRules.filled`)."""
-
-    height: int | None
-    """None: the pipeline picks (the model names no default, e.g. it sizes from an input image)."""
-    width: int | None
-    num_frames: int | None
-    """Video: the frames; None for an image model (unless the request gave some, which the caller refuses)."""
-    num_inference_steps: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,9 +94,9 @@ class ModelRules:
     def filled(
         self, *, height: int | None = None, width: int | None = None, num_frames: int | None = None,
         num_inference_steps: int | None = None,
-    ) -> GenerationShape:  # fmt: skip
+    ) -> GenerationSize:  # fmt: skip
         """The figures given, the model's defaults for those left out (None): the one place defaults are filled."""
-        return GenerationShape(
+        return GenerationSize(
             height=height if height is not None else self.default_height,
             width=width if width is not None else self.default_width,
             num_frames=num_frames if num_frames is not None or self.kind != "video" else self.default_num_frames,

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from layerstream.models.geometry import pipeline_max_latent_positions
-from layerstream.models.input_image import ConditionedSize, InputImageError, size_from_image
-from layerstream.models.model_rules import GenerationShape, ModelRules
+from layerstream.models.generation_size import GenerationSize
+from layerstream.models.input_image import InputImageError, size_from_image
+from layerstream.models.model_rules import ModelRules
 from layerstream.models.work import WorkPrice, price_request
 from layerstream.request import GenerationError, GenerationRequest, checked_extra_params
 from layerstream.server.errors import ApiError, invalid_fields
@@ -77,8 +78,8 @@ def default_max_work(rules: Any, max_side: int, max_frames: int, device: Any) ->
 
 
 def request_shape(
-    request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None = None
-) -> GenerationShape:
+    request: GenerationBody, limits: ModelLimits, conditioned: GenerationSize | None = None
+) -> GenerationSize:
     """The shape `request` runs with: its own, else its input image's (`conditioned`), else the model's defaults."""
     size = request.width_height() or ((conditioned.width, conditioned.height) if conditioned is not None else (None, None))
     is_video = isinstance(request, VideoGenerationRequest)
@@ -90,7 +91,7 @@ def request_shape(
 
 def image_size_for(
     request: GenerationBody, limits: ModelLimits, image_size: tuple[int, int], field: str = "image"
-) -> ConditionedSize:
+) -> GenerationSize:
     """The output size an input image of `image_size` leads to; a 400 naming `field` if it is too small."""
     size = request.width_height()
     width, height = size if size is not None else (None, None)
@@ -136,7 +137,7 @@ def check_endpoint(limits: ModelLimits, endpoint_kind: str) -> None:
     raise ApiError(400, f"{limits.model} makes {makes}, not {asked}; use POST {other}", code="wrong_endpoint_for_model")
 
 
-def check_request(request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None = None) -> None:
+def check_request(request: GenerationBody, limits: ModelLimits, conditioned: GenerationSize | None = None) -> None:
     """A 400 naming every field the served model cannot take; first, alone, each optional field the pipeline
     has no use for (``boundary_ratio`` on Flux), never dropped silently."""
     rules = limits.rules
@@ -164,7 +165,7 @@ def check_request(request: GenerationBody, limits: ModelLimits, conditioned: Con
         raise invalid_fields(400, problems, code="invalid_for_model")
 
 
-def _extra_params_problems(request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None) -> list:
+def _extra_params_problems(request: GenerationBody, limits: ModelLimits, conditioned: GenerationSize | None) -> list:
     """The keys of ``extra_params`` the model cannot take; one the request's table refuses is a 400 at once."""
     if not request.extra_params:
         return []
@@ -219,7 +220,7 @@ def _violations(limits: ModelLimits, *, width: int | None, height: int | None, n
 
 
 def request_price(
-    request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None = None
+    request: GenerationBody, limits: ModelLimits, conditioned: GenerationSize | None = None
 ) -> WorkPrice:
     """The price of `request` as it will run (`request_shape`), by the one pricing function."""
     shape = request_shape(request, limits, conditioned)
@@ -230,7 +231,7 @@ def request_price(
     return price_request(limits.rules, filled, max_side_pixels=limits.max_side_pixels)
 
 
-def _work_problems(request: GenerationBody, limits: ModelLimits, conditioned: ConditionedSize | None) -> list:
+def _work_problems(request: GenerationBody, limits: ModelLimits, conditioned: GenerationSize | None) -> list:
     price = request_price(request, limits, conditioned)
     if price.work <= limits.max_work:
         return []

@@ -201,7 +201,7 @@ class GenerationService:
         )
         if self.limits.kind == "video" and request.fps is None:
             request = replace(request, fps=self.limits.fps)  # what the MP4 is encoded at, shown in the job's settings
-        note = conditioned.note if conditioned is not None else None
+        note = conditioned.source if conditioned is not None else None
         encoding = None
         if isinstance(body, ImageGenerationRequest):  # the body's format, encoded once on the worker
             encoding = OutputEncoding(body.output_format, body.output_compression)

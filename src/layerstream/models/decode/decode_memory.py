@@ -1,16 +1,13 @@
-"""The VAE decode of one pipeline call: the device memory left for it, its planned peaks, and how it runs
-(tiled or not, a batch whole or one sample at a time), chosen before the first denoising step.
-
-Device memory left: on CUDA, what the driver reports free plus what torch's caching allocator holds unused
-(the decode reuses it); with ``device_memory_gb`` set (the CPU stand-in, or a smaller card simulated on a large
-one), that figure minus what the runtime holds on the device: every module's resident tensors and the slot ring.
-A VAE that is not on the device before it decodes (module mode swaps it in) adds its weights to the decode's peak.
+"""How one pipeline call's VAE decode runs (tiled or not, a batch whole or one sample at a time), chosen before
+the first denoising step from its planned peaks and the device memory left: on CUDA, what the driver reports free
+plus what torch's caching allocator holds unused (the decode reuses it); with ``device_memory_gb`` (the CPU
+stand-in, or a smaller card simulated on a large one), that figure minus the runtime's resident tensors and slots.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,13 +15,13 @@ import torch
 from torch import nn
 
 from layerstream.config.offload_config import OffloadConfig
+from layerstream.models.size import GenerationSize
 from layerstream.models.decode.vae_tiling import AUTO, VaeDecodeChoice, VaeSetting, choose_vae_decode
 from layerstream.runtime.packing.tensors import device_bytes
 from layerstream.runtime.reporting.stats import OffloadStats
 from layerstream.wording import GB
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,19 +41,10 @@ class VaeDecodeSettings:
         )  # fmt: skip
 
 
-@dataclass(frozen=True, kw_only=True)
-class DecodeRequest:
-    """What a pipeline call will decode."""
-
-    height: int | None
-    width: int | None
-    num_frames: int | None
-    batch: int = 1
-
-
 def choose_decode(
-    pipeline: Any, settings: VaeDecodeSettings, request: DecodeRequest, device: torch.device, stats: OffloadStats | None
-) -> VaeDecodeChoice | None:
+    pipeline: Any, settings: VaeDecodeSettings, request: GenerationSize, device: torch.device,
+    stats: OffloadStats | None,
+) -> VaeDecodeChoice | None:  # fmt: skip
     """How the pipeline's VAE will decode `request` (None: the pipeline has no VAE that can tile)."""
     vae = getattr(pipeline, "vae", None)
     # diffusers' AutoencoderMixin gives every VAE enable_tiling(), which raises where the VAE has no use_tiling
@@ -64,9 +52,13 @@ def choose_decode(
         return None
     if device.type == "cuda" and device.index is None:  # tensors name their index: "cuda" alone matches none
         device = torch.device("cuda", torch.cuda.current_device())
-    peaks = _Peaks(vae, request, device)
+    slicings = (False, True) if hasattr(vae, "use_slicing") else (False,)
+    ways = [(tiled, sliced) for tiled in (False, True) for sliced in slicings]
+    # each peak estimated when first asked for (a tiled trace of a long video takes a second or two; the choice
+    # usually stops at the untiled one)
+    peak_of = functools.cache(functools.partial(_planned_peak, vae, request, device))
     free = free_decode_nbytes(pipeline, device, settings.device_memory_gb, stats)
-    return choose_vae_decode(settings.vae_use_tiling, settings.vae_use_slicing, peaks, free)
+    return choose_vae_decode(settings.vae_use_tiling, settings.vae_use_slicing, ways, peak_of, free)
 
 
 def free_decode_nbytes(pipeline: Any, device: torch.device, device_memory_gb: float | None, stats: OffloadStats | None) -> int | None:
@@ -88,51 +80,22 @@ def held_on_device(pipeline: Any, device: torch.device, stats: OffloadStats | No
     return sum(device_bytes(m, device) for m in modules) + (stats.slot_bytes if stats is not None else 0)
 
 
-class _Peaks(Mapping):
-    """(tiled, sliced) -> the decode's planned peak, estimated when first asked for (a tiled trace of a long
-    video takes a second or two; the choice usually stops at the untiled one). A VAE without slicing has no
-    sliced ways; a batch of one decodes sliced as whole (the same peak); a peak that cannot be estimated (a VAE
-    the trace cannot run) is None."""
+def _planned_peak(vae: nn.Module, request: GenerationSize, device: torch.device, way: tuple[bool, bool]) -> int | None:
+    """The planned peak of decoding `request` `way` = (tiled, sliced): a batch of one decodes sliced as whole; a VAE
+    that is not on the device now (module mode swaps it in to decode) brings its weights with it. None where it
+    cannot be estimated: the pipeline picks its size, or the trace cannot run the VAE."""
+    from layerstream.models.decode.vae_decode import estimate_decode_peak
 
-    def __init__(self, vae: nn.Module, request: DecodeRequest, device: torch.device) -> None:
-        self._vae, self._request = vae, request
-        self._device_type = "cpu" if device.type == "cpu" else "cuda"  # whose convolution scratch to count
-        # a VAE that is not on the device now (module mode swaps it in to decode) brings its weights with it
-        self._brings_weights = device.type != "cpu" and device_bytes(vae, device) == 0
-        slices = (False, True) if hasattr(vae, "use_slicing") else (False,)
-        self._keys = [(t, s) for t in (False, True) for s in slices]
-        self._known: dict[tuple[bool, bool], int | None] = {}
-
-    def __contains__(self, key: object) -> bool:  # Mapping's would estimate the peak to answer
-        return key in self._keys
-
-    def __getitem__(self, key: tuple[bool, bool]) -> int | None:
-        if key not in self._keys:
-            raise KeyError(key)
-        tiled, sliced = key
-        sliced = sliced and self._request.batch > 1  # slicing a batch of one changes nothing
-        if (tiled, sliced) not in self._known:
-            self._known[(tiled, sliced)] = self._estimate(tiled, sliced)
-        return self._known[(tiled, sliced)]
-
-    def __iter__(self) -> Iterator[tuple[bool, bool]]:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def _estimate(self, tiled: bool, sliced: bool) -> int | None:
-        from layerstream.models.decode.vae_decode import estimate_decode_peak
-
-        r = self._request
-        if r.height is None or r.width is None:
-            return None  # the pipeline picks its size: nothing to plan from
-        try:
-            peak = estimate_decode_peak(
-                self._vae, height=r.height, width=r.width, num_frames=r.num_frames, batch=r.batch,
-                tiled=tiled, sliced=sliced, dtype=self._vae.dtype, device_type=self._device_type,
-            )  # fmt: skip
-            return peak.nbytes + (peak.weight_nbytes if self._brings_weights else 0)
-        except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as e:
-            logger.info("the decode of %s cannot be planned: %s: %s", type(self._vae).__name__, type(e).__name__, e)
-            return None
+    if request.height is None or request.width is None:
+        return None
+    try:
+        peak = estimate_decode_peak(
+            vae, height=request.height, width=request.width, num_frames=request.num_frames, batch=request.batch,
+            tiled=way[0], sliced=way[1] and request.batch > 1, dtype=vae.dtype,
+            device_type="cpu" if device.type == "cpu" else "cuda",  # whose convolution scratch to count
+        )  # fmt: skip
+    except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as e:
+        logger.info("the decode of %s cannot be planned: %s: %s", type(vae).__name__, type(e).__name__, e)
+        return None
+    brings_weights = device.type != "cpu" and device_bytes(vae, device) == 0
+    return peak.nbytes + (peak.weight_nbytes if brings_weights else 0)

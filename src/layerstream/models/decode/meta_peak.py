@@ -57,10 +57,8 @@ def _allocates_fresh(func: Any) -> bool:
 
 
 class MetaPeakTracker(TorchDispatchMode):
-    """Counts the bytes of every storage the traced call creates; `peak_nbytes` is the most alive at once.
-
-    Storages alive when tracing starts (the inputs, the module's meta parameters) are not counted: the caller
-    adds what it holds itself."""
+    """Counts the bytes of every storage the traced call creates; `peak_nbytes` is the most alive at once (not
+    counting the storages alive when tracing starts: the inputs, the module's parameters)."""
 
     def __init__(self, device_type: DeviceType = "cuda") -> None:
         super().__init__()
@@ -72,8 +70,7 @@ class MetaPeakTracker(TorchDispatchMode):
         self.flops = 0
         """The convolutions' multiply-adds, two FLOPs each (replayed calls included): the decode's work."""
         self.num_storages = 0
-        """Storages counted so far: a storage is fresh to a call if its serial number is above the count at the
-        call's start."""
+        """Storages counted so far: a storage is fresh to a call if its serial is above the count at its start."""
         self.quiet = False
         """While True, storages are counted live but the peak is left alone (a replayed call sets it itself)."""
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -88,10 +85,9 @@ class MetaPeakTracker(TorchDispatchMode):
                 self._count(tensor.untyped_storage())
         if func is torch.ops.aten.convolution.default:
             self.flops += convolution_flops(args, out)
-        if func is torch.ops.aten.convolution.default and not self.quiet:
-            # the kernel's scratch beside its output, while it runs (`conv_scratch`)
-            scratch = convolution_scratch_nbytes(self.device_type, args, out)
-            self.peak_nbytes = max(self.peak_nbytes, self.live_nbytes + scratch)
+            if not self.quiet:  # the kernel's scratch beside its output, while it runs (`conv_scratch`)
+                scratch = convolution_scratch_nbytes(self.device_type, args, out)
+                self.peak_nbytes = max(self.peak_nbytes, self.live_nbytes + scratch)
         return out
 
     def _run(self, func, args, kwargs):
@@ -158,22 +154,11 @@ class FusedAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def trace_peak_nbytes(
-    call: Callable[[], Any], *, replayed: Iterable[nn.Module] = (), device_type: DeviceType = "cuda"
-) -> tuple[int, int]:
-    """Runs `call` (on meta tensors, under no_grad) and returns (peak live bytes, ops traced) on a device of
-    `device_type`: tensors alike everywhere, the convolutions' scratch as its kernels take it (`trace_call`)."""
-    tracker = trace_call(call, replayed=replayed, device_type=device_type)
-    return tracker.peak_nbytes, tracker.num_ops
-
-
 def trace_call(
     call: Callable[[], Any], *, replayed: Iterable[nn.Module] = (), device_type: DeviceType = "cuda"
 ) -> MetaPeakTracker:
-    """Runs `call` on meta tensors, under no_grad, counted by a `MetaPeakTracker`, which it returns.
-
-    Each module of `replayed` has its calls recorded and replayed (`replayed_calls`): only for modules whose
-    result depends on their arguments alone."""
+    """Runs `call` on meta tensors, under no_grad, counted by the `MetaPeakTracker` it returns; the calls of each
+    module of `replayed` (whose result depends on its arguments alone) are recorded and replayed."""
     tracker = MetaPeakTracker(device_type)
     with contextlib.ExitStack() as stack:
         for module in replayed:
@@ -203,13 +188,10 @@ class _CallRecord:
 
 @contextlib.contextmanager
 def replayed_calls(module: nn.Module, tracker: MetaPeakTracker) -> Iterator[None]:
-    """Within the block, `module.forward` is rebound so that a call with the same argument shapes (list contents included) as an
-    earlier one replays its record: the peak rises by the recorded increment over what is live now, and the
-    results and list contents are rebuilt as fresh meta tensors, without running a single op.
-
-    A decoder called once per latent frame and tile repeats a handful of distinct calls (Wan 2.x at 1280x720,
-    81 frames, tiled: 588 decoder calls, 3 distinct). Only for modules whose result depends on their arguments
-    alone (diffusers' decoders pass their caches in)."""
+    """Within the block, a call of `module` with the argument shapes (list contents included) of an earlier one
+    replays its record: the peak rises by the recorded increment over what is live now, and the results and list
+    contents are rebuilt as fresh meta tensors without running an op. A decoder called once per latent frame and
+    tile repeats a handful of distinct calls (Wan 2.x at 1280x720, 81 frames, tiled: 588 calls, 3 distinct)."""
     run = module.forward
     records: dict[Any, Any] = {}
 

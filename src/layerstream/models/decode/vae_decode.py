@@ -1,15 +1,8 @@
-"""The device peak of a VAE decode, from the VAE's own structure: its decode is run on the meta device (config
-only, no weight read) at the latents of the requested output, and every tensor it allocates is counted while
-alive (`layerstream.models.decode.meta_peak`). Whatever the VAE does, the trace follows it: a causal video VAE decoding
-latent frame by frame with its feature cache (Wan 2.x, Qwen-Image), one decoding frames in batches (HunyuanVideo,
-LTX), an image VAE decoding the whole latent at once (Flux's AutoencoderKL), and the tiled decode each offers
-(tiles as diffusers' `enable_tiling()` sets them on that VAE object).
-
-The figure excludes the VAE's own weights: in layer mode they sit on the device for the whole run (VAEs stay
-resident), so the planner adds `DecodePeak.weight_nbytes` once, beside the other resident modules; a run whose
-VAE is not on the device before it decodes (module mode swaps it in) adds them to the decode
-(`decode_memory`).
-"""
+"""The device peak of a VAE decode, from the VAE's own structure: its decode runs on the meta device (config
+only, no weight read) at the latents of the requested output, every tensor counted while alive (`meta_peak`), so
+the trace follows whatever the VAE does (frame by frame with a feature cache, frames in batches, a whole image,
+tiled as its ``enable_tiling()`` set it). The VAE's weights are apart (`DecodePeak.weight_nbytes`): resident in
+layer mode, the planner counts them once; module mode swaps them in to decode (`decode_memory` adds them)."""
 
 from __future__ import annotations
 
@@ -26,9 +19,8 @@ from layerstream.models.decode.conv_scratch import DeviceType
 from layerstream.models.decode.meta_peak import trace_call
 
 _TILING_ATTRIBUTES = ("tile_", "use_framewise_", "num_sample_frames_", "num_latent_frames_")
-"""Instance attributes (prefixes) that shape a decode besides the config: tile sizes and strides, and the frame
-batching of HunyuanVideo and LTX. They are read from the VAE object, so a VAE whose tiles were set by
-``enable_tiling(...)`` is planned with those tiles."""
+"""Instance attributes (prefixes) that shape a decode besides the config (tiles, HunyuanVideo's and LTX's frame
+batching), read from the VAE object: a VAE whose tiles ``enable_tiling(...)`` set is planned with those tiles."""
 
 
 @dataclass(frozen=True)
@@ -56,12 +48,6 @@ class DecodePeak:
         return self.activation_nbytes + self.latent_nbytes
 
 
-def decode_peak_nbytes(vae: nn.Module, **decode: Any) -> int:
-    """The device peak of `vae.decode`, beyond the VAE's own weights, for the keywords of `estimate_decode_peak`
-    (``height``, ``width``, ``num_frames``, ``batch``, ``tiled``, ``dtype``, ``sliced``, ``device_type``)."""
-    return estimate_decode_peak(vae, **decode).nbytes
-
-
 def estimate_decode_peak(
     vae: nn.Module,
     *,
@@ -74,10 +60,9 @@ def estimate_decode_peak(
     sliced: bool = False,
     device_type: DeviceType = "cuda",
 ) -> DecodePeak:
-    """The device bytes of `vae.decode` for an output of `height` x `width` (and `num_frames` frames for a
-    video VAE; None for an image), a batch of `batch`, tiled or not, a batch `sliced` one sample at a time or
-    not, computing in `dtype` on a device of `device_type` (whose convolutions' scratch is counted:
-    `conv_scratch`); in parts (`DecodePeak`). `vae` may be a loaded VAE or a meta-device skeleton."""
+    """The device bytes of `vae.decode` (a loaded VAE or a meta-device skeleton) for an output of `height` x
+    `width` (x `num_frames` for a video VAE), a batch of `batch`, tiled or not, `sliced` or not, in `dtype` on a
+    device of `device_type` (whose convolutions' scratch is counted: `conv_scratch`)."""
     shape = latent_shape(vae, height=height, width=width, num_frames=num_frames, batch=batch)
     key = _VaeKey.of(vae, dtype)
     threads = torch.get_num_threads() if device_type == "cpu" else 0  # the CPU's kernel choice reads it
@@ -145,8 +130,7 @@ def _config_int(config: Any, *names: str) -> int:
 
 @dataclass(frozen=True)
 class _VaeKey:
-    """What a traced decode depends on: the class, its config, the tiling attributes and the dtype (hashable,
-    so equal VAEs share one trace)."""
+    """What a traced decode depends on (hashable, so equal VAEs share one trace)."""
 
     vae_class: type
     config_json: str
@@ -166,7 +150,6 @@ class _VaeKey:
         return cls(type(vae), config_json, attributes, dtype)
 
     def build_meta(self) -> nn.Module:
-        """A fresh meta-device VAE of this class and config, with the tiling attributes set."""
         with torch.device("meta"):
             vae = self.vae_class.from_config(json.loads(self.config_json))
         vae = vae.to(self.dtype).eval()

@@ -24,14 +24,15 @@ class MethodWrapper:
         enter = torch.compiler.disable(enter, reason="layerstream bookkeeping around a call")
         leave = torch.compiler.disable(leave, reason="layerstream bookkeeping around a call")
 
-        def wrapper(*args, **kwargs):
+        def around(method, *args, **kwargs):
             enter()
             try:
-                return inner(*args, **kwargs)
+                return method(*args, **kwargs)
             finally:
                 leave()
 
-        disabled = torch.compiler.disable(wrapper, recursive=False, reason="layerstream enters and leaves its streamer outside any graph")
+        reason = "layerstream enters and leaves its streamer outside any graph"
+        disabled = torch.compiler.disable(around, recursive=False, reason=reason)
         wrapper = _Unbindable(disabled, inner)
         self.wrapper = wrapper
         module.__dict__[name] = wrapper
@@ -51,14 +52,24 @@ class MethodWrapper:
 class _Unbindable:
     """The wrapper as installed, whose `__get__` returns itself: `saved.__get__(module)` (cache-dit) binds it once."""
 
-    def __init__(self, fn: Callable, inner: Callable):
-        self._fn = fn
+    def __init__(self, around: Callable, inner: Callable):
+        self._around = around
         self.__wrapped__ = inner
         self.__doc__ = getattr(inner, "__doc__", None)
         self.__name__ = getattr(inner, "__name__", "wrapper")
 
     def __call__(self, *args, **kwargs):
-        return self._fn(*args, **kwargs)
+        return self._around(self.__wrapped__, *args, **kwargs)
 
     def __get__(self, obj, objtype=None):
         return self
+
+
+def wrappers_for_view(module: nn.Module, view: nn.Module) -> dict[str, Callable]:
+    """The wrappers installed on `module`, each running the same work around its method bound to `view` (an object
+    sharing `module`'s state, with settings of its own for one call): by name, for `view`'s ``__dict__``."""
+    return {
+        name: _Unbindable(wrapper._around, wrapper.__wrapped__.__func__.__get__(view))
+        for name, wrapper in vars(module).items()
+        if isinstance(wrapper, _Unbindable) and getattr(wrapper.__wrapped__, "__self__", None) is module
+    }
