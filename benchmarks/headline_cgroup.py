@@ -44,7 +44,7 @@ from dataclasses import replace
 import torch
 from wan22_scenario import FULL, build_pipeline, make_inputs
 from layerstream.offload import enable_offload
-from layerstream.models.generation_size import GenerationSize
+from layerstream.models.size import GenerationSize
 def usage(what):  # progress, with the cgroup's own figures
     folder = os.path.dirname(sys.argv[1])
     read = lambda name: int(open(os.path.join(folder, name)).read()) / 1e9

@@ -16,9 +16,10 @@ import diffusers.utils  # noqa: F401
 import pytest
 import transformers.utils  # noqa: F401
 
-# diffusers and transformers bind their log handler to the sys.stderr of their first import: imported here, under
-# the session's capture, never first inside a test whose captured stream is closed after it (a later warning then
-# printed "--- Logging error ---" into another test's stderr)
+# diffusers and transformers imported here, under the session's capture: they bind their log handler to the
+# sys.stderr of their first import, and a test's captured stream is closed after it (a later warning then printed
+# "--- Logging error ---" into another test's stderr); and torchao_deferred hides torchao from a process where they
+# have not looked for it yet, an answer they keep: looked for now, a command run in process changes nothing later
 
 FAST = "fast"
 """The marker of `make test-fast`: unit and contract tests that start no process, open no socket and run no browser."""
@@ -187,11 +188,6 @@ def layerstream_cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monk
 
     ``cwd=`` runs it in another folder. The variables `main` sets with ``setdefault`` are restored after.
     """
-    # torchao_deferred hides torchao from a process where diffusers and transformers have not looked for it
-    # yet, and they keep that answer: looked for now, so that a command run here changes nothing for later tests
-    import diffusers.utils  # noqa: F401
-    import transformers.utils  # noqa: F401
-
     from layerstream.cli.main import main
 
     def run(*argv: str, cwd: Path | None = None) -> CliResult:

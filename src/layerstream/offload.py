@@ -48,7 +48,7 @@ from layerstream.runtime.modes.undo import UndoStack
 from layerstream.wording import GB
 
 if TYPE_CHECKING:
-    from layerstream.models.generation_size import GenerationSize
+    from layerstream.models.size import GenerationSize
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import torch
 
 from layerstream.config.offload_config import OffloadConfig, parse_offload_config, with_vae_settings
 from layerstream.models.decode.decode_memory import VaeDecodeSettings
-from layerstream.models.generation_size import GenerationSize, SizeCaps
+from layerstream.models.size import GenerationSize, SizeCaps
 from layerstream.models.hub import ModelSource
 from layerstream.models.input_image import ImageInputKind
 from layerstream.models.model_rules import ModelRules

@@ -18,7 +18,7 @@ import torch
 
 from layerstream.models.decode.decode_memory import VaeDecodeSettings, choose_decode
 from layerstream.models.size import GenerationSize
-from layerstream.models.model_rules import OPTIONAL_FIELDS, ModelRules
+from layerstream.models.model_rules import ModelRules
 from layerstream.models.sample_solvers import SAMPLE_SOLVER, scheduler_for
 from layerstream.models.decode.vae_tiling import VaeDecodeChoice, vae_for
 from layerstream.outputs import GenerationResult
@@ -311,16 +311,6 @@ def _check_batch(requests: list[GenerationRequest]) -> None:
                 f"requests[{index}].{differ} = {getattr(request, differ)!r} differs from requests[0]'s "
                 f"{getattr(requests[0], differ)!r}; expected one shape per batch (everything but prompt, seed, n, fps, timeout)"
             )
-
-
-def request_options(options: dict[str, Any], *, max_side_pixels: int | None = None) -> dict[str, Any]:
-    """`generate`'s extra keywords, which must be `GenerationRequest` fields it has no parameter of its own for,
-    and `max_side_pixels` where given (None: `GenerationRequest`'s default)."""
-    allowed = (set(OPTIONAL_FIELDS) - {"negative_prompt"}) | {"extra_params"}  # negative_prompt: generate's own
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise GenerationError(f"{unknown[0]} is not a generation argument; expected one of {', '.join(sorted(allowed))}", field=unknown[0])
-    return options if max_side_pixels is None else {**options, "max_side_pixels": max_side_pixels}
 
 
 def _guidance_arguments(request: GenerationRequest, rules: ModelRules, call) -> dict[str, Any]:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from layerstream.host.reserve import FLOOR_NBYTES, host_reserve_for
-from layerstream.models.generation_size import GenerationSize, generation_size_for, server_requests
+from layerstream.models.generation_size import generation_size_for, server_requests
+from layerstream.models.size import GenerationSize
 from layerstream.models.loading import load_pipeline
 from layerstream.models.model_rules import read_model_rules
 from layerstream.omni import Omni

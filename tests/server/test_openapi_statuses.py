@@ -10,7 +10,6 @@ document by tests/server/test_openapi_contract.py (schemathesis, on tiny-wan).""
 
 from __future__ import annotations
 
-import base64
 import io
 import threading
 

@@ -165,7 +165,7 @@ def request_from_args(args: argparse.Namespace, *, image=None, seed: int | None 
 def _load(args: argparse.Namespace, config, world_size: int):
     """The model loaded with offload enabled (joining the other ranks first under torchrun), as an `Omni`."""
     from layerstream.errors import OffloadError
-    from layerstream.models.generation_size import GenerationSize
+    from layerstream.models.size import GenerationSize
     from layerstream.models.loading import ModelLoadError
     from layerstream.omni import Omni
 

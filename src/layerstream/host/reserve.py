@@ -16,7 +16,7 @@ from layerstream.models.generation_estimates import block_activation_nbytes, lat
 from layerstream.wording import GB, format_bytes
 
 if TYPE_CHECKING:
-    from layerstream.models.generation_size import GenerationSize
+    from layerstream.models.size import GenerationSize
 
 FLOOR_NBYTES = round(0.15 * GB)  # Python objects, the tokenizer, the scheduler: an allowance, not measured
 DECODED_BYTES_PER_VALUE = 13  # host bytes per pixel and channel at the decode's peak: three float32 copies, uint8

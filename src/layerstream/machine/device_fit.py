@@ -27,7 +27,7 @@ from layerstream.plan.resolved import ResolvedOffloadPlan
 from layerstream.wording import GB, format_bytes
 
 if TYPE_CHECKING:
-    from layerstream.models.generation_size import GenerationSize
+    from layerstream.models.size import GenerationSize
 
 
 

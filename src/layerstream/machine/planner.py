@@ -42,7 +42,7 @@ from layerstream.runtime.packing.lossless_code import priced_fraction
 from layerstream.wording import GB, format_seconds
 
 if TYPE_CHECKING:
-    from layerstream.models.generation_size import GenerationSize
+    from layerstream.models.size import GenerationSize
     from layerstream.models.decode.vae_tiling import VaeDecodeChoice
 
 __all__ = [

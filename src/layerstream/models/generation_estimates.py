@@ -14,7 +14,7 @@ from torch import nn
 from layerstream.models.geometry import pipeline_frame_multiple, pipeline_size_multiple
 
 if TYPE_CHECKING:
-    from layerstream.models.generation_size import GenerationSize
+    from layerstream.models.size import GenerationSize
 
 TEXT_TOKENS = 512
 """Text tokens a text encoder runs over and a cross-attention attends to (UMT5's and T5's maximum in Wan and Flux)."""

@@ -11,7 +11,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from layerstream.models.output_limits import DEFAULT_MAX_SIDE_PIXELS
-from layerstream.models.size import GenerationSize, SizeCaps  # a module of its own: model_rules builds them
+from layerstream.models.size import GenerationSize, SizeCaps
 
 if TYPE_CHECKING:
     from layerstream.models.model_rules import ModelRules

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from layerstream.models.geometry import pipeline_max_latent_positions
-from layerstream.models.generation_size import GenerationSize
+from layerstream.models.size import GenerationSize
 from layerstream.models.input_image import InputImageError, size_from_image
 from layerstream.models.model_rules import ModelRules
 from layerstream.models.work import WorkPrice, price_request

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from pydantic_core import PydanticCustomError
 
 from layerstream.json_object import JsonLimitError, read_json_text
-from layerstream.models.output_limits import MAX_PROMPT_CHARS, MAX_SEED  # the command line's limits too
+from layerstream.models.output_limits import MAX_PROMPT_CHARS  # the command line's limits too
 from layerstream.models.request_fields import REQUEST_FIELDS, BodyGroup, FieldBound, RequestField
 from layerstream.request import GenerationRequest
 from layerstream.server.image_outputs import MAX_KEPT_OUTPUT_BYTES, MAX_KEPT_OUTPUTS

@@ -8,7 +8,7 @@ import asyncio
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
@@ -25,6 +25,9 @@ from layerstream.server.openapi import (
     error_responses,
     json_request_body,
 )
+
+if TYPE_CHECKING:
+    from layerstream.server.service import GenerationService
 
 _DATABASE_REFUSED = {503: "The job database refused the request (locked past its timeout, a disk error); retry later"}
 _NO_JOB = {404: "No job of this id on this server", **_DATABASE_REFUSED}
