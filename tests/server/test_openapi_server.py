@@ -20,8 +20,9 @@ from jsonschema import Draft202012Validator
 from PIL import Image
 from pydantic import ValidationError
 
+from layerstream.models.output_limits import MAX_SEED
 from layerstream.server.errors import validation_error
-from layerstream.server.schemas import MAX_SEED, ImageEditRequest, ImageGenerationRequest, VideoGenerationRequest
+from layerstream.server.schemas import ImageEditRequest, ImageGenerationRequest, VideoGenerationRequest
 from serve_harness import EDITS, IMAGES, VIDEOS
 
 NOT_SERVED = "not-the-served-model"

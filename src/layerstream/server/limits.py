@@ -11,13 +11,14 @@ from typing import Any
 import torch
 
 from layerstream.models.geometry import pipeline_max_latent_positions
-from layerstream.models.size import GenerationSize
 from layerstream.models.input_image import InputImageError, size_from_image
 from layerstream.models.model_rules import ModelRules
+from layerstream.models.output_limits import MAX_SEED
+from layerstream.models.size import GenerationSize
 from layerstream.models.work import WorkPrice, price_request
 from layerstream.request import GenerationError, GenerationRequest, checked_extra_params
 from layerstream.server.errors import ApiError, invalid_fields
-from layerstream.server.schemas import MAX_SEED, ErrorDetail, GenerationBody, VideoGenerationRequest
+from layerstream.server.schemas import ErrorDetail, GenerationBody, VideoGenerationRequest
 from layerstream.server.settings import ACCELERATOR_STEPS, CPU_MAX_WORK, ServeSettings
 
 
