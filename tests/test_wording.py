@@ -27,3 +27,21 @@ def test_format_bytes_counts_in_decimal_units_from_a_tenth_of_each():
 def test_format_seconds_reads_as_people_write_times():
     times = (0, 1.848e-07, 2e-5, 7.8e-3, 0.6282, 1.234, 95.2, 12_345.6)
     assert [format_seconds(s) for s in times] == ["0 s", "185 ns", "20 µs", "7.8 ms", "628 ms", "1.23 s", "95.2 s", "12,346 s"]
+
+
+def test_no_message_of_the_package_words_a_size_in_binary_units():
+    """One unit family: every text the package shows (not its docstrings) counts bytes in decimal units."""
+    import ast
+    import re
+    from pathlib import Path
+
+    binary = re.compile(r"\b(KiB|MiB|GiB)\b")
+    found = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "src" / "layerstream").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                if binary.search(node.value):
+                    found.append(f"{path.name}:{node.lineno}")
+    assert found == []

@@ -40,6 +40,7 @@ from layerstream.server.settings import (  # plain data: no serve extra
     DEFAULT_PORT,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
 )
+from layerstream.wording import format_bytes
 
 READY_PREFIX = "layerstream serve: ready on "
 MAX_NPROC = 64
@@ -78,9 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--max-size", int, DEFAULT_MAX_SIDE_PIXELS, None,
          f"largest width or height (default: {DEFAULT_MAX_SIDE_PIXELS})"),
         ("--max-body-bytes", int, DEFAULT_MAX_BODY_BYTES, None,
-         f"largest request body, not counting an input image (default: {DEFAULT_MAX_BODY_BYTES >> 20} MiB)"),
+         f"largest request body, not counting an input image (default: {format_bytes(DEFAULT_MAX_BODY_BYTES)})"),
         ("--max-image-bytes", int, DEFAULT_MAX_IMAGE_BYTES, None, "largest input image file of /v1/images/edits and "
-         f"image-to-video requests (default: {DEFAULT_MAX_IMAGE_BYTES >> 20} MiB)"),
+         f"image-to-video requests (default: {format_bytes(DEFAULT_MAX_IMAGE_BYTES)})"),
         ("--max-image-pixels", int, DEFAULT_MAX_IMAGE_PIXELS, None,
          f"largest input image in pixels, width x height (default: {DEFAULT_MAX_IMAGE_PIXELS:,}, 4096 x 4096)"),
         ("--shutdown-timeout", float, DEFAULT_SHUTDOWN_TIMEOUT_S, "SECONDS", "after SIGTERM, how long the running "

@@ -15,7 +15,7 @@ import torch
 
 from layerstream.models.folder_check import ModelLoadError
 from layerstream.models.saved_dtypes import SAFETENSORS_DTYPES, file_reader, parse_safetensors_header
-from layerstream.wording import first_line
+from layerstream.wording import first_line, format_bytes
 
 ReadAt = Callable[[int, int], bytes]
 
@@ -104,7 +104,7 @@ class _Stream:
 
     def take(self, count: int) -> bytes:
         if self._pos + count > MAX_HEADER_BYTES:  # a length no real header has: never read a whole file for it
-            raise ValueError(f"the header would be longer than {MAX_HEADER_BYTES >> 20} MiB")
+            raise ValueError(f"the header would be longer than {format_bytes(MAX_HEADER_BYTES)}")
         while self._pos + count > len(self._data):
             more = self._read_at(len(self._data), self._chunk)
             if not more:

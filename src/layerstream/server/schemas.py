@@ -23,6 +23,7 @@ from layerstream.models.output_limits import MAX_PROMPT_CHARS  # the command lin
 from layerstream.models.request_fields import REQUEST_FIELDS, BodyGroup, FieldBound, RequestField
 from layerstream.request import GenerationRequest
 from layerstream.server.image_outputs import MAX_KEPT_OUTPUT_BYTES, MAX_KEPT_OUTPUTS
+from layerstream.wording import format_bytes
 
 MAX_IMAGES_PER_REQUEST = 4
 """The server's cap on ``n`` (the library's is only ``n >= 1``): a serving policy, as ``--max-size`` is."""
@@ -112,7 +113,7 @@ class ImageGenerationRequest(GenerationBody):
         default="b64_json",
         description=(
             "'b64_json': the files inline, base64-encoded; 'url': a URL on this server for each file, kept in"
-            f" memory for the newest {MAX_KEPT_OUTPUTS} outputs (at most {MAX_KEPT_OUTPUT_BYTES >> 20} MiB) until"
+            f" memory for the newest {MAX_KEPT_OUTPUTS} outputs (at most {format_bytes(MAX_KEPT_OUTPUT_BYTES)}) until"
             " the server restarts."
         ),
     )
