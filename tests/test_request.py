@@ -266,3 +266,14 @@ def test_an_unclosed_string_is_matched_to_the_end_so_the_depth_scan_stays_linear
     assert _STRINGS.match(text).end() == len(text)
     with pytest.raises(json.JSONDecodeError):
         read_json_text(text)
+
+
+def test_an_integer_past_a_floats_range_is_weighed_never_an_overflow():
+    from layerstream.cli.common import positive_int
+    from layerstream.models.request_fields import FieldBound
+
+    huge = 10**400  # math.isfinite(huge) raises OverflowError
+    assert not FieldBound(int, ge=1, le=1000).admits(huge) and FieldBound(int, ge=1).admits(huge)
+    with pytest.raises(GenerationError, match="num_inference_steps"):
+        GenerationRequest(prompt="x", num_inference_steps=huge)
+    assert positive_int("1" * 400) == int("1" * 400)  # a flag's value: parsed, the model's rules weigh it later

@@ -94,6 +94,8 @@ class Omni:
         """Run the pipeline once with `GenerationRequest`'s fields as keywords (`OMNI_KEYWORDS`), checked before
         the run; `on_step(step, total, seconds)` after every step; `keep_raw`: keep the float output as `raw`
         (docs/python.md)."""
+        if fields.get("max_side_pixels", 0) is None:  # None: the request's default, as the keyword always meant
+            del fields["max_side_pixels"]
         request = request_from(fields, OMNI_KEYWORDS, prompt=prompt, negative_prompt=negative_prompt)
         return self.run(request, on_step=on_step, keep_raw=keep_raw)
 
@@ -121,7 +123,8 @@ class Omni:
         **fields: Any,
     ) -> list[GenerationResult]:
         """One pipeline call for outputs of one shape (output ``i``: ``prompts[i]``, seeded ``seeds[i]``)."""
-        shape = request_from(fields, OMNI_KEYWORDS - {"prompt", "seed"}, prompt="", negative_prompt=negative_prompt)
+        per_output = {"prompt", "seed", "image", "max_side_pixels"}  # a batch takes no input image (`run` does)
+        shape = request_from(fields, OMNI_KEYWORDS - per_output, prompt="", negative_prompt=negative_prompt)
         return self.run_batch(batch_requests(shape, prompts, seeds), on_step=on_step, keep_raw=keep_raw)
 
     def run_batch(

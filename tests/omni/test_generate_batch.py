@@ -45,6 +45,9 @@ def test_bad_batches_are_refused_before_any_work(omni):
         omni.generate_batch(PROMPTS[:2], seeds=[1, "2"])
     with pytest.raises(GenerationError, match="height = 33"):
         omni.generate_batch(PROMPTS, seeds=SEEDS, height=33, width=32)
+    for per_output in ("image", "max_side_pixels", "seed"):  # a batch's outputs differ by prompt and seed alone
+        with pytest.raises(GenerationError, match=f"^{per_output} is not a generation argument"):
+            omni.generate_batch(PROMPTS, seeds=SEEDS, **{per_output: 1})
 
 
 def test_run_batch_takes_requests_with_n_outputs_each_and_refuses_two_shapes(omni):
@@ -72,3 +75,9 @@ def test_float_outputs_are_kept_only_when_asked_for(omni):
     assert omni.generate(PROMPTS[0], seed=SEEDS[0], **shape).raw is None
     kept = omni.generate(PROMPTS[0], seed=SEEDS[0], **shape, keep_raw=True)
     assert kept.raw.dtype == np.float32 and kept.raw.shape == kept.frames.shape
+
+
+def test_generate_takes_max_side_pixels_none_as_its_default(omni):
+    default = omni.generate(PROMPTS[0], seed=1, **_shape(omni), keep_raw=True)
+    given_none = omni.generate(PROMPTS[0], seed=1, max_side_pixels=None, **_shape(omni), keep_raw=True)
+    assert np.array_equal(given_none.raw, default.raw)

@@ -184,3 +184,15 @@ def test_a_pipeline_without_a_text_encoder_is_planned_for_a_machine():
     pipeline.text_encoder = None
     plan = plan_for_machine(pipeline, Machine(device_memory_gb=8, host_memory_gb=16))
     assert "text_encoder" not in plan.config["components"] and "dit" in plan.config["components"]
+
+
+def test_a_decode_of_one_output_traces_each_tiling_once_sliced_or_not(omni, monkeypatch):
+    """A batch of one decodes sliced as whole: the choice under a small budget traces untiled and tiled once each."""
+    from layerstream.models.decode import decode_memory
+
+    traced = []
+    planned = decode_memory._planned_peak
+    monkeypatch.setattr(decode_memory, "_planned_peak", lambda *a: traced.append(a[-1]) or planned(*a))
+    settings = decode_memory.VaeDecodeSettings(device_memory_gb=_device_memory_gb(omni))
+    assert _run(omni, settings).stats.vae_decode.tiled
+    assert sorted(traced) == [(False, False), (True, False)]

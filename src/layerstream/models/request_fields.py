@@ -39,7 +39,7 @@ class FieldBound:
         if isinstance(value, bool) or not isinstance(value, (int,) if self.kind is int else (int, float)):
             return False
         return (
-            math.isfinite(value)
+            (isinstance(value, int) or math.isfinite(value))  # isfinite overflows on an int past a float's range
             and (self.ge is None or value >= self.ge)
             and (self.gt is None or value > self.gt)
             and (self.le is None or value <= self.le)

@@ -56,7 +56,11 @@ def choose_decode(
     ways = [(tiled, sliced) for tiled in (False, True) for sliced in slicings]
     # each peak estimated when first asked for (a tiled trace of a long video takes a second or two; the choice
     # usually stops at the untiled one)
-    peak_of = functools.cache(functools.partial(_planned_peak, vae, request, device))
+    planned = functools.cache(functools.partial(_planned_peak, vae, request, device))
+
+    def peak_of(way: tuple[bool, bool]) -> int | None:  # a batch of one decodes sliced as whole: one trace for both
+        return planned((way[0], way[1] and request.batch > 1))
+
     free = free_decode_nbytes(pipeline, device, settings.device_memory_gb, stats)
     return choose_vae_decode(settings.vae_use_tiling, settings.vae_use_slicing, ways, peak_of, free)
 
@@ -81,9 +85,9 @@ def held_on_device(pipeline: Any, device: torch.device, stats: OffloadStats | No
 
 
 def _planned_peak(vae: nn.Module, request: GenerationSize, device: torch.device, way: tuple[bool, bool]) -> int | None:
-    """The planned peak of decoding `request` `way` = (tiled, sliced): a batch of one decodes sliced as whole; a VAE
-    that is not on the device now (module mode swaps it in to decode) brings its weights with it. None where it
-    cannot be estimated: the pipeline picks its size, or the trace cannot run the VAE."""
+    """The planned peak of decoding `request` `way` = (tiled, sliced); a VAE that is not on the device now (module
+    mode swaps it in to decode) brings its weights with it. None where it cannot be estimated: the pipeline picks
+    its size, or the trace cannot run the VAE."""
     from layerstream.models.decode.vae_decode import estimate_decode_peak
 
     if request.height is None or request.width is None:
@@ -91,7 +95,7 @@ def _planned_peak(vae: nn.Module, request: GenerationSize, device: torch.device,
     try:
         peak = estimate_decode_peak(
             vae, height=request.height, width=request.width, num_frames=request.num_frames, batch=request.batch,
-            tiled=way[0], sliced=way[1] and request.batch > 1, dtype=vae.dtype,
+            tiled=way[0], sliced=way[1], dtype=vae.dtype,
             device_type="cpu" if device.type == "cpu" else "cuda",  # whose convolution scratch to count
         )  # fmt: skip
     except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as e:
