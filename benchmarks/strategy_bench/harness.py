@@ -448,7 +448,7 @@ def _disk_figures(p: PreparedStrategy, per_forward: TransferSnapshot | None, dis
         "disk_stall_seconds_per_forward": per_forward.disk_stall_seconds if per_forward else None,
     }
     if disk_s is not None:
-        floor = ideal.disk_floor_seconds(disk_s)
+        floor = ideal.transfer_floor_seconds(disk_s)
         figures |= {"disk_gbps": p.disk_gbps, "disk_floor_seconds": floor, "measured_over_disk_floor": median / floor if floor else None}
     return figures
 
@@ -460,7 +460,7 @@ def _block_disk_seconds(p: PreparedStrategy, block_paths: list[str]) -> list[flo
         return None
     on_disk = set(p.disk_block_paths())
     packed = {b.path: b.host.layout.nbytes for b in p.handle.streamer.blocks}  # one read: the packed bytes
-    return ideal.block_disk_seconds([packed.get(path, 0) for path in block_paths], [path in on_disk for path in block_paths], p.disk_gbps)
+    return ideal.block_transfer_seconds([packed.get(path, 0) for path in block_paths], [path in on_disk for path in block_paths], p.disk_gbps)
 
 
 def _link_block_bytes(p: PreparedStrategy, block_bytes: list[int], streamed: list[bool]) -> list[int]:

@@ -50,7 +50,8 @@ class Omni:
         process_group=None,
         revision: str | None = None,
         variant: str | None = None,
-        requests: GenerationSize | SizeCaps | None = None,  # what will be asked for: the host reserve of "auto" is sized to it
+        # what will be asked for: the host reserve of "auto" is sized to it
+        requests: GenerationSize | SizeCaps | None = None,
         vae_use_tiling: bool | str | None = None,  # None: the config's (default "auto"); see docs/configuration.md
         vae_use_slicing: bool | str | None = None,
         components: dict[str, str] | None = None,  # component name -> a file loaded in its place (GGUF, fp8_scaled)

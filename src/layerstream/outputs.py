@@ -254,7 +254,8 @@ def _escape_ffmetadata(text: str) -> str:
 
 
 def _unescape_ffmetadata(text: str) -> str:
-    return re.sub(r"\\(.)", r"\1", text, flags=re.DOTALL)  # ffmetadata escapes '=', ';', '#', '\\' and newlines
+    # ffmetadata escapes '=', ';', '#', '\\' and newlines; a lone trailing backslash escapes nothing: dropped
+    return re.sub(r"\\(.)|\\$", lambda m: m.group(1) or "", text, flags=re.DOTALL)
 
 
 def _ffmpeg() -> str:

@@ -383,8 +383,8 @@ def _output_arrays(output, kind: str, num_outputs: int) -> list[np.ndarray]:
     if array is None and isinstance(output, (tuple, list)):
         array = output[0]
     array = np.asarray(array)
-    if kind == "video" and array.ndim == 4:
-        array = array[None]  # one video without its batch dimension
+    if array.ndim == (4 if kind == "video" else 3):
+        array = array[None]  # one output without its batch dimension
     if len(array) != num_outputs:
         raise GenerationError(f"the pipeline returned {len(array)} outputs for {num_outputs} prompts")
     return [array[i] if kind == "video" else array[i : i + 1] for i in range(num_outputs)]

@@ -88,7 +88,7 @@ def test_disk_reads_hide_behind_the_host_blocks_since_the_previous_disk_block():
     # block 1's read runs beside blocks 0 and 1 (segment 3 -> 1), block 3's beside blocks 2 and 3
     expected = 0.25 + max(1.0 + 1.0, 1.5) + max(1.0 + 1.0, 2.5)
     assert ideal.ideal_forward_seconds_with_disk(compute, transfer, disk, other_s=0.25) == pytest.approx(expected)
-    assert ideal.disk_floor_seconds(disk) == pytest.approx(4.0)
+    assert ideal.transfer_floor_seconds(disk) == pytest.approx(4.0)
 
 
 def test_every_block_on_disk_costs_the_longest_of_its_three_stages():
@@ -103,17 +103,17 @@ def test_every_block_on_disk_costs_the_longest_of_its_three_stages():
 def test_a_slow_disk_makes_the_ideal_its_floor_and_no_disk_block_the_plain_ideal():
     compute, transfer = [0.01] * 8, [0.002] * 8
     half = [0.0, 0.04] * 4  # every other block on disk, each read twice the compute of the two blocks it hides behind
-    assert ideal.ideal_forward_seconds_with_disk(compute, transfer, half) == pytest.approx(ideal.disk_floor_seconds(half))
+    assert ideal.ideal_forward_seconds_with_disk(compute, transfer, half) == pytest.approx(ideal.transfer_floor_seconds(half))
     fast = [0.0, 0.005] * 4
     assert ideal.ideal_forward_seconds_with_disk(compute, transfer, fast) == pytest.approx(0.08)  # resident time
     assert ideal.ideal_forward_seconds_with_disk(compute, transfer, [0.0] * 8) == ideal.ideal_forward_seconds(compute, transfer)
 
 
 def test_disk_seconds_and_invalid_disk_inputs():
-    assert ideal.block_disk_seconds([2_000_000, 4_000_000], [False, True], 2.0) == [0.0, pytest.approx(0.002)]
+    assert ideal.block_transfer_seconds([2_000_000, 4_000_000], [False, True], 2.0) == [0.0, pytest.approx(0.002)]
     with pytest.raises(ValueError, match="must stream"):
         ideal.ideal_forward_seconds_with_disk([1.0, 1.0], [0.0, 1.0], [1.0, 0.0])
     with pytest.raises(ValueError, match="one per block"):
         ideal.ideal_forward_seconds_with_disk([1.0], [1.0], [1.0, 1.0])
     with pytest.raises(ValueError):
-        ideal.block_disk_seconds([1], [True], 0.0)
+        ideal.block_transfer_seconds([1], [True], 0.0)

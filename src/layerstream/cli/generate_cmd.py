@@ -185,7 +185,9 @@ def _load(args: argparse.Namespace, config, world_size: int):
             revision=args.revision,
             variant=args.variant,
             components=component_files(args),
-            requests=GenerationSize(height=args.height, width=args.width, num_frames=args.num_frames, source="the request's size"),
+            requests=GenerationSize(
+                height=args.height, width=args.width, num_frames=args.num_frames, source="the request's size"
+            ),
         )
     except (ModelLoadError, GenerationError, OffloadError) as e:
         raise CliError(str(e)) from e

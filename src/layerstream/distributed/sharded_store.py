@@ -231,7 +231,8 @@ class ShardedHostStore(HostStoreBase):
 
     def restore_(self, device: torch.device) -> None:
         # in the gather's order, host and disk shards alike, each forgotten once restored: a restore is a
-        # collective that can fail (a peer gone), and disable() again must not restore a block twice
+        # collective that can fail (a peer gone), and disable() again must not restore a block twice. The disk tier
+        # stopped reading ahead first
         pending = sorted([*self.blocks.values(), *self.disk_parts.values()], key=lambda b: b.index)
         for item in pending:
             item.restore_(device)

@@ -116,7 +116,7 @@ def forward_seconds(
     link_s = ideal.block_transfer_seconds(sizes, moved, machine.link_gbps)
     if decode:
         link_s = [t + (n / fraction / (machine.decode_gbps * GB) if m else 0.0) for t, n, m in zip(link_s, sizes, moved)]
-    disk_s = ideal.block_disk_seconds(sizes, on_disk, machine.disk_gbps)
+    disk_s = ideal.block_transfer_seconds(sizes, on_disk, machine.disk_gbps)
     disk_stage_s = disk_s
     if machine.copy_and_read_share_a_core:  # one core reads, then copies: the link stage is its busy time
         link_s, disk_stage_s = [t + d for t, d in zip(link_s, disk_s)], [0.0] * len(disk_s)

@@ -284,7 +284,10 @@ def _choose_host_tier(
         # every block is in host memory and budget is left: take entries out of the pool, from the start of the
         # chains (the blocks a newcomer needs first), so that their blocks stay for the whole run and are not
         # read again at each change of DiT
-        while entries and used + (extra := sum(sorted(host_nbytes[p] for p in entries[0])[:-1])) <= budget:
+        while entries:
+            extra = sum(sorted(host_nbytes[p] for p in entries[0])[:-1])
+            if used + extra > budget:
+                break
             used += extra
             host += entries.pop(0)
     on_host = set(host) | {p for e in entries for p in e}
@@ -383,7 +386,8 @@ def _choose_auto(
 
 
 def _hand_out(lengths: list[int], fits: Callable[[list[int]], bool]) -> list[int]:
-    """Blocks per chain, handed out one at a time to the chain with the smallest fraction while `fits` holds."""
+    """Blocks per chain, handed out one at a time to the chain with the smallest fraction, until one does not fit
+    (`fits`): that stops the hand-out, though a smaller block of another chain might still fit."""
     counts = [0] * len(lengths)
     while True:
         candidates = [i for i, n in enumerate(lengths) if counts[i] < n]

@@ -201,7 +201,8 @@ def _add_image_routes(app: FastAPI, service: GenerationService) -> None:
         if kept is None:
             message = (
                 f"no image output {name!r}: response_format 'url' outputs are kept in memory, the newest"
-                f" {kept_outputs.max_outputs} (at most {format_bytes(kept_outputs.max_bytes)}), until the server restarts"
+                f" {kept_outputs.max_outputs} (at most {format_bytes(kept_outputs.max_bytes)}),"
+                " until the server restarts"
             )
             raise ApiError(404, message, code="not_found", param="name")
         return Response(kept.data, media_type=kept.media_type)

@@ -68,8 +68,10 @@ async def read_form(
 ) -> tuple[dict[str, str], bytes | None]:
     """(the text fields, the image file part's bytes or None) of a multipart `body`; a 4xx naming the part at
     fault. Parsed in a worker thread on a loop of its own (up to ~43 MB): Starlette's parser is a coroutine."""
-    parse = _parse_form(request.headers, body, image_field, model=model, refused=refused)
-    return await asyncio.to_thread(asyncio.run, parse)
+    def parse() -> tuple[dict[str, str], bytes | None]:  # the coroutine made on the thread: a cancelled wait leaves none
+        return asyncio.run(_parse_form(request.headers, body, image_field, model=model, refused=refused))
+
+    return await asyncio.to_thread(parse)
 
 
 async def _parse_form(

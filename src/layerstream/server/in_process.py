@@ -26,7 +26,9 @@ class InProcessRunner(RunnerBase):
     """Runs what the queue takes on `omni`: one group per run (the queue's policy takes one at a time)."""
 
     def __init__(self, omni: Any, limits: ModelLimits, metrics: ServerMetrics):
-        self.omni, self.limits, self.metrics = omni, limits, metrics
+        self.omni = omni
+        self.limits = limits
+        self.metrics = metrics
         # /metrics reads this snapshot, refreshed by the worker after each run, rather than the live runtime
         # from the event loop: the counters are then never read halfway through a forward
         self.offload_stats: OffloadStats | None = omni.stats()

@@ -216,7 +216,9 @@ class ControlChannel:
 
 
 class WaveStop:
-    """Checkpoints of one wave on one rank: where every rank stops, once rank 0 has decided to stop it."""
+    """Checkpoints of one wave on one rank: where every rank stops, once rank 0 has decided to stop it. No
+    collective: rank 0 writes ``stop/{wave}`` a few checkpoints (`STOP_LAG_CHECKPOINTS`) ahead of its own, and every
+    rank stops at that checkpoint, so all run the same forwards."""
 
     def __init__(self, store: Any, wave_id: int, decide: Callable[[], StopReason | None] | None = None):
         self._store = store

@@ -100,7 +100,11 @@ class RankRunner(RunnerBase):
         self, runtime: RankRuntime, channel: ControlChannel, policy: WavePolicy, limits: ModelLimits, metrics: ServerMetrics,
         *, on_fatal: Callable[[], None] = lambda: None,
     ):  # fmt: skip
-        self.runtime, self.channel, self.policy, self.limits, self.metrics = runtime, channel, policy, limits, metrics
+        self.runtime = runtime
+        self.channel = channel
+        self.policy = policy
+        self.limits = limits
+        self.metrics = metrics
         self.offload_stats = runtime.omni.stats()
         self._lock = threading.Lock()
         self._wave_id = 0

@@ -165,12 +165,14 @@ def _build_streamer(placement: Placement, stored, block_modules, counters, engin
 def _install_hooks(plan, components, streamer: BlockStreamer, device: torch.device, hooks: HookSet) -> LoraSupport:
     """Block calls, component wrappers, LoRA entry points and state-dict hooks, each recorded by name."""
     for block in streamer.blocks:
-        hooks.add(block.path, "block_call", "binds the block to a device slot around each call", BlockCall(streamer, block).remove)
+        binding = BlockCall(streamer, block)
+        hooks.add(block.path, "block_call", "binds the block to a device slot around each call", binding.remove)
     path_of = {id(components[c.path]): c.display_path for c in plan.streamed}
     for comp in plan.streamed:
         # a method wrapper, not hooks: a Ctrl-C must not leave the model owned by a dead call (torch skips hooks)
         wrapper = MethodWrapper(components[comp.path], "forward", streamer.enter, streamer.exit)
-        hooks.add(comp.display_path, "component_call", "one thread at a time; frees a block a Ctrl-C left bound", wrapper.remove)
+        why = "one thread at a time; frees a block a Ctrl-C left bound"
+        hooks.add(comp.display_path, "component_call", why, wrapper.remove)
     streamed_components = {c.path: components[c.path] for c in plan.streamed}
     lora, lora_wrappers = install_lora_support(streamer, streamed_components, device, exact_unfuse=plan.config.lora_exact_unfuse)
     for wrapper in lora_wrappers:

@@ -249,6 +249,7 @@ class BlockLayout:
                 out.append(inference_alias(tensor) if e.inference_param else tensor)
             return out
 
+
 class TensorBinder:
     """Rebinds a block's tensors: parameters through `.data` (identity kept), buffers by assignment, as normal
     tensors (an in-place write must move the slot's version counter, which an inference tensor has not)."""

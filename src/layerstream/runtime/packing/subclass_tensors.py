@@ -7,14 +7,14 @@ have storage of their own and pack as plain tensors.)
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass as is_wrapper
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 InnerPath = tuple[str, ...]  # attribute names from a wrapper down to an inner tensor; () for a plain tensor
 
 
 def flatten_inner(t: torch.Tensor, prefix: InnerPath = ()) -> list[tuple[InnerPath, torch.Tensor]]:
     """(path, plain tensor) for every inner tensor of `t` (`[((), t)]` for a plain tensor)."""
-    if not is_wrapper(t):
+    if not is_traceable_wrapper_subclass(t):
         return [(prefix, t)]
     names, _ = t.__tensor_flatten__()
     out: list[tuple[InnerPath, torch.Tensor]] = []
@@ -37,7 +37,7 @@ def set_inner_(t: torch.Tensor, path: InnerPath, value: torch.Tensor) -> None:
 
 def rebuild(t: torch.Tensor, values: dict[InnerPath, torch.Tensor], prefix: InnerPath = ()) -> torch.Tensor:
     """A new wrapper like `t` (same type and metadata) whose inner tensors are `values` (by path)."""
-    if not is_wrapper(t):
+    if not is_traceable_wrapper_subclass(t):
         return values[prefix]
     names, meta = t.__tensor_flatten__()
     inner = {name: rebuild(getattr(t, name), values, prefix + (name,)) for name in names}

@@ -7,10 +7,11 @@ from itertools import chain
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
 from layerstream.runtime.packing.layout import inference_alias
-from layerstream.runtime.packing.subclass_tensors import is_wrapper, plain_tensors
+from layerstream.runtime.packing.subclass_tensors import plain_tensors
 
 
 def named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -40,7 +41,7 @@ def replace_tensors_(
             seen.add(id(param))
             new = convert(param.data)
             if new is not None:
-                if param.is_inference() and not is_wrapper(new):
+                if param.is_inference() and not is_traceable_wrapper_subclass(new):
                     new = inference_alias(new)
                 old = param.data
                 param.data = new
@@ -98,7 +99,8 @@ def unmap_tensors_(
 
     def moved(t: torch.Tensor) -> torch.Tensor | None:
         nonlocal copied
-        if t.device.type != "cpu" or t.numel() == 0 or is_wrapper(t):  # wrapper subclasses: left as they are
+        # wrapper subclasses: left as they are
+        if t.device.type != "cpu" or t.numel() == 0 or is_traceable_wrapper_subclass(t):
             return None
         storage = t.untyped_storage()
         address, nbytes = storage.data_ptr(), storage.nbytes()

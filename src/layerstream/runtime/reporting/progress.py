@@ -28,7 +28,7 @@ class StagingProgress:
             except ModuleNotFoundError:
                 tqdm = None
             if tqdm is not None:
-                self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc=what, leave=False)
+                self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=what, leave=False)  # decimal units
 
     def advance(self, nbytes: int) -> None:
         self.done_bytes += nbytes

@@ -39,8 +39,13 @@ class BlockCounters:
     """Transfer counters of one component (plain ints: the hot path), named as the `ComponentStats` fields."""
 
     __slots__ = (
-        "bytes_transferred", "num_transfers", "num_sync_loads", "stall_seconds", "copy_issue_seconds", "bytes_written_back",
-    )  # fmt: skip
+        "bytes_transferred",
+        "num_transfers",
+        "num_sync_loads",
+        "stall_seconds",
+        "copy_issue_seconds",
+        "bytes_written_back",
+    )
 
     def __init__(self):
         self.bytes_transferred = 0

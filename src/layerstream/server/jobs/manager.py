@@ -97,7 +97,7 @@ class JobManager:
 
     def close(self) -> None:
         """After the worker stopped: fail each job still live (left behind by the stop), then close the store."""
-        self._off_loop.shutdown(wait=True)
+        self._off_loop.shutdown(wait=True)  # first: the jobs the drain failed are stored off the loop
         with self._lock:
             left = list(self._live.values())
             self._live.clear()

@@ -124,7 +124,7 @@ class StagingRing:
             return i
         self._drop_ahead_(len(self._ahead))
         free = self._free_buffer_(busy=())
-        wait_copied(self._copied[free])
+        wait_copied(self._copied[free])  # the device copy out of this buffer finishes before the read overwrites it
         block.read_into_(self.buffers[free][: block.stored_nbytes])  # checked before any byte reaches the slot
         return free
 
