@@ -52,6 +52,19 @@ _HELP = {
     "prompt": f"text prompt, at most {MAX_PROMPT_CHARS:,} characters (as the server takes)",
     "num_frames": "video models only; at most --max-frames (default: the model's)",
     "seed": "random seed of the first output; rank r of --nproc uses seed + r (default: 0)",
+    "negative_prompt": "negative prompt (classifier-free guidance), at most as long as --prompt",
+    "image": "input image (PNG, JPEG, WebP) of image-to-video and image-editing models; without --height and"
+    " --width the output takes its size, rounded down to the model's size multiple",
+    "height": "pixels, a multiple of the model's size multiple, at most --max-size (default: the model's)",
+    "width": "pixels, as --height",
+    "guidance_scale_2": "two-expert models (Wan 2.2 A14B): the low-noise expert's scale (default: --guidance-scale)",
+    "true_cfg_scale": "models with a true_cfg_scale argument (Flux, Qwen-Image): that argument; --guidance-scale"
+    " then goes to the model's own guidance_scale",
+    "fps": "frames per second of saved video (default: the model's: Wan 16, LTX 24)",
+    "max_side_pixels": "largest --height or --width accepted, and the largest side of an output sized from --image,"
+    " as the server's --max-size (default: %(default)s)",
+    "extra_params": "vllm-omni's extra call arguments, a JSON object: the keys the model's family declares"
+    " (docs/serving.md) and sample_solver ('unipc', 'euler', 'dpm++'); another key is refused naming it",
 }
 """Where the command line's help says more than the table's description (which the HTTP schema shows)."""
 
