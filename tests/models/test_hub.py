@@ -145,7 +145,9 @@ def test_a_revision_is_pinned_and_reported(hub, tmp_path, capsys):
 
     out = tmp_path / "fox.gif"
     small = ["--height", "32", "--width", "32", "--num-frames", "5", "--guidance-scale", "1"]
+    hub.requests.clear()
     assert main(["generate", "--model", REPO, "--revision", "v1", "--steps", "1", *small, "--output", str(out), "--json"]) == 0
+    assert [r.path for r in hub.requests if r.range is not None] == []  # checked on the cached snapshot: no header read
     summary = json.loads(capsys.readouterr().out)
     summary = summary[0] if isinstance(summary, list) else summary
     assert summary["source"] == {"model": REPO, "origin": "hub", "folder": str(source.folder), "revision": "v1", "commit": commit}

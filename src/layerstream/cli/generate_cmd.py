@@ -336,14 +336,21 @@ def _read_image_arg(path: str | None):
 def _rules_before_loading(args: argparse.Namespace):
     """The model's rules read from its skeleton (`models.loading.load_skeleton`: configs, no weight read), so that
     what the model refuses costs no load; None where that needs the load (the Hub cannot describe a Hub id now)."""
-    from layerstream.models.loading import ModelLoadError, load_skeleton
+    from layerstream.models.hub import names_hub_repo
+    from layerstream.models.loading import ModelLoadError, load_skeleton, resolve_model
     from layerstream.models.model_rules import read_model_rules
     from layerstream.models.optional_imports import quiet_library_noise
 
+    model = args.model
+    if names_hub_repo(model):  # a snapshot the cache holds is read there: the Hub is asked only before a download
+        try:
+            model = resolve_model(model, revision=args.revision, variant=args.variant, offline=True).folder
+        except ModelLoadError:
+            pass
     try:
         with quiet_library_noise():  # as the load: a tiny model is built with diffusers here
             files = component_files(args)
-            skeleton, _ = load_skeleton(args.model, revision=args.revision, variant=args.variant, components=files)
+            skeleton, _ = load_skeleton(model, revision=args.revision, variant=args.variant, components=files)
     except ModelLoadError:  # the load says what is wrong, or loads what the cache holds
         return None
     return read_model_rules(skeleton, args.model)
