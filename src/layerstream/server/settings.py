@@ -12,7 +12,8 @@ DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 16
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a prompt and its settings, far below it; an input image comes on top
 # width x height x frames x steps x outputs, on a CPU device. 1e8 lets a 2048x2048 image run 23 steps, or a
-# 832x480 video of 81 frames run 3: minutes on a 2-core CPU. tiny-wan at one step peaked at 1.3 GB for
+# 832x480 video of 81 frames run 3: minutes on a 2-core CPU. Memory grows with one output's pixels x frames
+# (outputs are made one at a time): tiny-wan at one step peaked at 1.3 GB for
 # 512x512 x 9 frames, 1.4 GB for 512x512 x 33 and 2.2 GB for 1024x1024 x 9: a few GB, well within a 24 GB host.
 CPU_MAX_WORK = 100_000_000
 # on an accelerator the default cap lets every size and frame count run this many steps (or the model's default,
