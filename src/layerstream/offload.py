@@ -85,7 +85,8 @@ def enable_offload(
     `device` defaults to the current CUDA device, else the CPU. On the CPU, `simulated_link_gbps` throttles the
     copy thread and `simulated_disk_gbps` every read of the disk tier to that bandwidth. `trace` records
     accelerator timing events for `handle.trace()` (the CPU engine always records).
-    `engine_factory(device, num_slots)` and `store_factory(component_path)` replace the copy engine and the host stores (to observe or inject).
+    `engine_factory(device, num_slots)` and `store_factory(component_path)` replace the copy engine and the host
+    stores (to observe or inject).
     `generation`: the largest the pipeline will run, which the host reserve of `host_budget_gb: "auto"` is
     estimated for (None: the model's defaults). Enabling is a transaction: on any error the pipeline is left as
     it was; out-of-memory errors and `KeyboardInterrupt` come out as themselves, other failures as `OffloadError`.
