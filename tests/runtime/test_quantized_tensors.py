@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("diffusers")
 
 from layerstream import OffloadError, UnsupportedTensorError, enable_offload  # noqa: E402
+from tests.models.single_files import write_gguf  # noqa: E402
 from tests.runtime.tiny_pipelines import DIT, load  # noqa: E402
 
 
@@ -94,40 +95,6 @@ def test_torchao_weight_only_blocks_stream_bit_identically(scheme):
     assert stats.host_bytes < 0.5 * float32_block_bytes  # one byte per weight, plus scales, biases and norms
 
 
-def _write_gguf(path, state_dict) -> dict[str, int]:
-    """A diffusers-format GGUF file of `state_dict`: block Linear weights quantized (Q8_0 for the key and value
-    projections, Q4_K for the others where a row holds whole 256-value super-blocks), everything else float32.
-    Returns the quantized keys and their types."""
-    gguf = pytest.importorskip("gguf")
-    import numpy as np
-
-    quant = gguf.GGMLQuantizationType
-    rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(str(path), "flux")
-    kinds = {}
-    for key, value in state_dict.items():
-        array = value.float().numpy()
-        q8 = ".to_k." in key or ".to_v." in key
-        if key.endswith(".weight") and array.ndim == 2 and "blocks." in key and array.shape[1] % 256 == 0 and not q8:
-            # gguf-py cannot quantize to Q4_K: random super-blocks with small finite scales (d, dmin) decode fine
-            blocks = rng.integers(0, 256, size=(array.shape[0], array.shape[1] // 256, 144), dtype=np.uint8)
-            blocks[:, :, :4] = np.array([0.01, 0.002], dtype=np.float16).view(np.uint8)
-            data = blocks.reshape(array.shape[0], -1)
-            writer.add_tensor(key, data, raw_shape=data.shape, raw_dtype=quant.Q4_K)
-            kinds[key] = int(quant.Q4_K)
-        elif key.endswith(".weight") and array.ndim == 2 and "blocks." in key and array.shape[1] % 32 == 0:
-            data = gguf.quants.quantize(array, quant.Q8_0)
-            writer.add_tensor(key, data, raw_shape=data.shape, raw_dtype=quant.Q8_0)
-            kinds[key] = int(quant.Q8_0)
-        else:
-            writer.add_tensor(key, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return kinds
-
-
 FLUX_256 = dict(
     patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=64, num_attention_heads=4,
     joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(16, 24, 24),
@@ -165,8 +132,11 @@ def test_gguf_q8_0_and_q4_k_blocks_stream_bit_identically(tmp_path):
     folder = tmp_path / "transformer"
     FluxTransformer2DModel(**FLUX_256).save_pretrained(folder)
     path = tmp_path / "tiny-flux-transformer.gguf"
-    kinds = _write_gguf(path, FluxTransformer2DModel.from_pretrained(folder).state_dict())
-    assert {12, 8} <= set(kinds.values()), kinds  # Q4_K and Q8_0 both present
+    pytest.importorskip("gguf")
+    # Q8_0 for the key and value projections, Q4_K for the other block Linears (rows of whole 256-value blocks)
+    state = FluxTransformer2DModel.from_pretrained(folder).state_dict()
+    kinds = write_gguf(path, state, {".to_k.": "Q8_0", ".to_v.": "Q8_0", "": "Q4_K"}, arch="flux")
+    assert {"Q4_K", "Q8_0"} <= set(kinds.values()), kinds  # both present
     resident, streamed = _gguf_transformer(path, folder), _gguf_transformer(path, folder)
     q4k = streamed.transformer_blocks[0].ff.net[2].weight
     assert type(q4k).__name__ == "GGUFParameter" and int(q4k.quant_type) == 12

@@ -20,23 +20,15 @@ from fastapi.testclient import TestClient
 from layerstream.request import GenerationRequest
 from layerstream.server.errors import ApiError
 from layerstream.server.jobs.manager import JobManager, _is_full
-from layerstream.server.jobs.requests import ImageJobRequest
 from layerstream.server.jobs.settings import HistorySettings
 from layerstream.server.jobs.store import JobStore
 from layerstream.server.service import GenerationService
 from layerstream.server.settings import ServeSettings
 from layerstream.server.stopping import StopReason
 from serve_harness import wait_until
-from test_service import StandInOmni
+from test_job_manager_edges import BODY, _Omni
 
 pytestmark = pytest.mark.fast
-
-BODY = ImageJobRequest(prompt="a red fox", size="16x16", num_inference_steps=2)
-
-
-class _Omni(StandInOmni):
-    config = SimpleNamespace(to_dict=lambda: {"mode": "layer", "components": ["dit"]})
-
 
 @pytest.fixture
 def jobs(tmp_path):

@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from layerstream.errors import LayerstreamError
@@ -284,16 +285,20 @@ def check_output_path(flag: str, path: Path) -> None:
         raise CliError(f"{flag} {path} exists and is not writable")
 
 
-def add_work_cap_argument(parser: argparse.ArgumentParser) -> None:
-    """--max-work, as `serve`, `generate` and `plan` take it: the largest price (`models.work.price_request`)."""
+def add_work_cap_argument(
+    parser: argparse.ArgumentParser, *, value_type: Callable[[str], int] = positive_int, refusal: str = "refused",
+    note: str = "",
+) -> None:  # fmt: skip
+    """--max-work, as `serve`, `generate` and `plan` take it: the largest price (`models.work.price_request`);
+    `serve` parses a plain int, its settings naming the flag, and words its refusal as its answer."""
     from layerstream.server.settings import ACCELERATOR_STEPS, CPU_MAX_WORK
 
     parser.add_argument(
-        "--max-work", type=positive_int, default=None,
+        "--max-work", type=value_type, default=None,
         help="largest price of one request (width x height x frames x steps x passes x n, plus text tokens, "
-        f"docs/serving.md); more is refused (default: from the device: {CPU_MAX_WORK:,} on a CPU, minutes of a "
+        f"docs/serving.md); more is {refusal} (default: from the device: {CPU_MAX_WORK:,} on a CPU, minutes of a "
         f"2-core host; on an accelerator whatever --max-size and --max-frames allow at {ACCELERATOR_STEPS} steps, "
-        "or the model's default steps if more)",
+        f"or the model's default steps if more{note})",
     )  # fmt: skip
 
 

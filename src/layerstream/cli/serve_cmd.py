@@ -19,6 +19,7 @@ from layerstream.cli.common import (
     add_config_argument,
     add_model_arguments,
     add_vae_arguments,
+    add_work_cap_argument,
     check_device_arg,
     component_files,
     fetch_before_ranks,
@@ -26,8 +27,6 @@ from layerstream.cli.common import (
 )
 from layerstream.cli.serve_access import access_settings, add_access_arguments, flag_error
 from layerstream.server.settings import (  # plain data: no serve extra
-    ACCELERATOR_STEPS,
-    CPU_MAX_WORK,
     DEFAULT_BATCH_WAIT_MS,
     DEFAULT_HOST,
     DEFAULT_MAX_BATCH_SIZE,
@@ -64,13 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default: {DEFAULT_PORT}; 0 picks a free port)")
     parser.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: as saved)")
-    parser.add_argument(
-        "--max-work", type=int, default=None,
-        help="largest price of one request (width x height x frames x steps x passes x n, plus text tokens, "
-        f"docs/serving.md); more is a 400 (default: from the device: {CPU_MAX_WORK:,} on a CPU, minutes of a 2-core "
-        f"host; on an accelerator whatever --max-size and --max-frames allow at {ACCELERATOR_STEPS} steps, or the "
-        "model's default steps if more; /health states it)",
-    )  # fmt: skip
+    add_work_cap_argument(parser, value_type=int, refusal="a 400", note="; /health states it")
     for flag, kind, default, metavar, help_text in (
         ("--max-queue", int, DEFAULT_MAX_QUEUE, None,
          f"requests that may wait behind the running one; more get 429 (default: {DEFAULT_MAX_QUEUE})"),
