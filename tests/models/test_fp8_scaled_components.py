@@ -178,3 +178,19 @@ def test_a_streamed_scaled_weight_is_scaled_exactly_once():
     assert torch.equal(resident, expected) and torch.equal(streamed, expected)
     assert not torch.allclose(streamed, reference(0)) and not torch.allclose(streamed, reference(2))
     assert toy.blocks[0].weight.dtype == torch.float8_e4m3fn  # disable gives the float8 weights back
+
+
+def test_float8_storage_keeps_a_scaled_layer_as_the_file_has_it(tmp_path):
+    """The float8 form on an fp8_scaled expert: a scaled Linear's float8 weight streams as it is and its per-tensor
+    scale is never rounded to float8 (a rounded scale would bias the whole layer); every block Linear of the tiny
+    files is scaled, so the output is the upcast reference's bit for bit and the blocks are kept packed, as
+    without a storage form."""
+    fp8, reference = _files(tmp_path, "tiny-flux", "FluxTransformer2DModel", ["transformer"], spelling="weight_scale", original_names=False)
+    _, expected = _raw("tiny-flux", reference, offload=False)
+    float8 = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"storage_dtype": "float8_e4m3fn"}}}
+    packed, _ = _raw("tiny-flux", fp8, offload=True)
+    omni = Omni(model="tiny-flux", diffusion_offload_config=float8, device="cpu", components=fp8)
+    assert np.array_equal(omni.generate("a cat", **QUICK).raw, expected)
+    stats = [o.handle.stats() for o in (packed, omni)]
+    assert stats[1].per_component["transformer"].host_bytes == stats[0].per_component["transformer"].host_bytes
+    assert stats[1].slot_bytes == stats[0].slot_bytes  # nothing cast: kept packed, no staging copy in the slot

@@ -3,7 +3,9 @@ precision, so that the output matches it on the resident model: every floating-p
 convolution, linear and embedding layers, except layers whose name (from the model's root) or an ancestor's matches
 a skip pattern: diffusers' defaults (position and patch embeddings, norms, the outermost input and output
 projections), what the model class declares (`_keep_in_fp32_modules`, `_skip_layerwise_casting_patterns`) and, with
-PEFT installed, the adapter layers' names."""
+PEFT installed, the adapter layers' names. A layer whose weight is float8 already (an fp8_scaled file's scaled Linear,
+`models.fp8_scaled`) is stored as it is: its weight streams as the file's bytes and its per-tensor scale is never
+rounded (a rounded scale would bias the whole layer's output)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import re
 from collections.abc import Iterable
 
 from torch import nn
+
+from layerstream.runtime.packing.upcast import FLOAT8_DTYPES
 
 CAST_LAYER_TYPES: tuple[type[nn.Module], ...] = (
     nn.Conv1d,
@@ -50,6 +54,8 @@ def cast_module_ids(model: nn.Module, patterns: Iterable[str] | None = None) -> 
         if any(p.search(name) for p in compiled):
             continue
         if isinstance(module, CAST_LAYER_TYPES):
+            if getattr(module, "weight", None) is not None and module.weight.dtype in FLOAT8_DTYPES:
+                continue  # scaled float8: kept as it is
             out.update(id(m) for m in module.modules())
             continue
         for child_name, child in module.named_children():

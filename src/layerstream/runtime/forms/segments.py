@@ -11,6 +11,7 @@ from typing import Literal
 
 import torch
 
+from layerstream.runtime.forms.packed import PackedForm
 from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
 from layerstream.runtime.packing.layout import ALIGN_BYTES, BlockLayout, align_up
 from layerstream.runtime.packing.lossless_code import SpanCode
@@ -168,16 +169,20 @@ def copy_window_(stored: torch.Tensor, stored_start: int, data: torch.Tensor, at
 
 class FormsByLayout:
     """The form of each block of one component, made once per layout; the stores that keep the component's
-    blocks (local, disk tier, sharded) share it."""
+    blocks (local, disk tier, sharded) share it. A block the form would keep all raw (nothing to cast or code: an
+    fp8_scaled block under float8, a float32 one under lossless) is kept packed, its slot the compute layout alone
+    instead of that plus a staging copy of the same bytes."""
 
     def __init__(self, make: Callable[[BlockLayout], SegmentedForm]):
         self._make = make
-        self._known: dict[int, tuple[BlockLayout, SegmentedForm]] = {}  # id(layout) -> (layout, its form)
+        self._known: dict[int, tuple[BlockLayout, SegmentedForm | PackedForm]] = {}  # id(layout) -> (layout, its form)
 
-    def form(self, layout: BlockLayout) -> SegmentedForm:
+    def form(self, layout: BlockLayout) -> SegmentedForm | PackedForm:
         known = self._known.get(id(layout))
         if known is not None and known[0] is layout:
             return known[1]
-        form = self._make(layout)
+        form: SegmentedForm | PackedForm = self._make(layout)
+        if all(s.kind == "raw" for s in form.segments):
+            form = PackedForm(layout)
         self._known[id(layout)] = (layout, form)
         return form

@@ -18,6 +18,7 @@ from layerstream.runtime.packing.file_reads import FileReader, MappedFiles
 from layerstream.runtime.packing.host_buffer import HostBufferBlock, PinningThread, page_aligned_empty
 from layerstream.runtime.packing.host_memory import release_freed_memory
 from layerstream.runtime.packing.layout import BlockLayout, TensorBinder
+from layerstream.runtime.packing.upcast import FLOAT8_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class LocalBlock(HostBufferBlock):
                 "supported (the adapters would be created in the storage dtype); load and fuse LoRA before enabling "
                 "offload, or call handle.disable() first"
             )
-        float8 = next((e for e in self.layout.entries if e.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)), None)
+        float8 = next((e for e in self.layout.entries if e.dtype in FLOAT8_DTYPES), None)
         if float8 is not None:  # an fp8_scaled checkpoint's weights, kept float8: PEFT would make float8 adapters
             raise UnsupportedUseError(
                 f"{self.path}: LoRA on a block holding float8 weights (a {type(float8.module).__name__}'s {float8.name}, as an fp8_scaled file keeps "
