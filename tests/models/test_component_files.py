@@ -4,6 +4,7 @@ each kind of bad input, raised before the model is loaded."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -104,13 +105,18 @@ def test_a_hub_file_is_downloaded_alone_at_its_revision(standin, expert_gguf, tm
 
 
 def test_generate_takes_component_flags(layerstream_cli, expert_gguf, tmp_path):
-    out = tmp_path / "out.mp4"
-    result = layerstream_cli(
-        "generate", "--model", "tiny-wan", "--component", f"transformer={expert_gguf / 'high.gguf'}", "--steps", "2",
-        "--height", "32", "--width", "32", "--num-frames", "5", "--output", str(out), "--device", "cpu",
-    )  # fmt: skip
+    """The summary records the file each component came from: the table names it, the JSON keeps it to make the
+    output again."""
+    out, high = tmp_path / "out.mp4", str(expert_gguf / "high.gguf")
+    args = ("generate", "--model", "tiny-wan", "--component", f"transformer={high}", "--steps", "2", "--height", "32")
+    args += ("--width", "32", "--num-frames", "5", "--output", str(out), "--device", "cpu")
+    result = layerstream_cli(*args)
     assert result.returncode == 0, result.stderr
     assert out.stat().st_size > 0
+    assert f"  from files             transformer {high}" in result.stdout.splitlines()
+    as_json = layerstream_cli(*args, "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout)["source"]["components"] == {"transformer": high}
     bad = layerstream_cli("generate", "--model", "tiny-wan", "--component", "transformer", "--output", str(out))
     assert bad.returncode == 2
     assert bad.error_lines == ["layerstream: error: --component 'transformer': expected NAME=FILE, e.g. transformer=wan-high-Q4_K_M.gguf"]
@@ -118,8 +124,6 @@ def test_generate_takes_component_flags(layerstream_cli, expert_gguf, tmp_path):
 
 def test_plan_prices_a_file_component_at_the_bytes_it_keeps(layerstream_cli, expert_gguf, tmp_path):
     """`plan --component` reads the file's header: the expert's blocks at their Q8_0 bytes, as enabling keeps them."""
-    import json
-
     from layerstream import Omni
 
     path = str(expert_gguf / "high.gguf")
@@ -191,8 +195,6 @@ def test_plan_prices_dequantising_a_file_components_weights_at_every_call(expert
 
 
 def test_plan_reads_a_hub_file_header_by_ranges_and_downloads_nothing(standin, expert_gguf, tmp_path, monkeypatch, layerstream_cli):
-    import json
-
     hub = select_standin_hub(standin, monkeypatch, tmp_path)
     repo = tmp_path / "repo"
     repo.mkdir()

@@ -1,6 +1,7 @@
 """The server's batching with a transformer from a GGUF file (`components=`): two queued requests run as one
 pipeline call, each answered with its own PNG, equal to `Omni` generating each alone up to the last bits of a
-batched matmul (`tests/omni/test_generate_batch.py`'s tolerance), served in this process."""
+batched matmul (`tests/omni/test_generate_batch.py`'s tolerance), served in this process; /health names the file
+by its name alone."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def test_two_queued_requests_on_a_gguf_transformer_share_one_call_with_their_own
     asked = [("a red fox", 1), ("a grey cat", 2)]
     alone = [omni.generate(prompt, seed=seed, **SHAPE).frames[0] for prompt, seed in asked]
     service = GenerationService(omni, ServeSettings(port=0, shutdown_timeout=0, max_batch_size=2, batch_wait_ms=30_000))
+    assert service.facts["model_source"]["components"] == {"transformer": "flux.gguf"}  # its name, never its path
     service.start()
     try:
         bodies = [ImageGenerationRequest(prompt=p, size="32x32", num_inference_steps=2, seed=s) for p, s in asked]

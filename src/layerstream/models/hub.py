@@ -55,6 +55,8 @@ class ModelSource:
     commit: str | None = None
     variant: str | None = None
     """The weights variant diffusers loads (``"fp16"``); None: the plain weights."""
+    components: tuple[tuple[str, str], ...] = ()
+    """(name, file) of each component loaded from its own file instead (``--component``), the file as given."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model, "origin": self.origin, "folder": str(self.folder)}
@@ -62,6 +64,8 @@ class ModelSource:
             out.update(revision=self.revision or _DEFAULT_REVISION, commit=self.commit)
         if self.variant is not None:
             out["variant"] = self.variant
+        if self.components:
+            out["components"] = dict(self.components)
         return out
 
 

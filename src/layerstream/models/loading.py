@@ -9,7 +9,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -185,6 +185,7 @@ def load_model(
         if not isinstance(source, ModelSource):
             source = resolve_model(model, revision=revision, variant=variant, from_files=frozenset(components or ()))
         pipeline = load_pipeline(source, dtype=dtype, components=components)
+    source = replace(source, components=tuple(files_of.check_component_specs(components).items()))
     if hasattr(pipeline, "set_progress_bar_config"):
         pipeline.set_progress_bar_config(disable=True)
     kind, dtypes = pipeline_kind(pipeline), component_dtypes(pipeline)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from layerstream.models.component_files import HUB_FILE_PREFIX
 from layerstream.models.input_image import ImageFile
 from layerstream.models.work import price_request
 from layerstream.outputs import OutputEncoding
@@ -290,9 +291,11 @@ def _public_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _public_source(source: dict[str, Any]) -> dict[str, Any]:
-    """Where the model came from, as a client may read it: a folder by its own name, never its path (the log
-    names the path)."""
+    """Where the model came from, as a client may read it: a folder or a component's local file by its own name,
+    never its path (the log names the path)."""
     public = {key: value for key, value in source.items() if key != "folder"}
     if source["origin"] == "folder":
         public["model"] = Path(source["model"]).name
+    if "components" in source:
+        public["components"] = {n: f if f.startswith(HUB_FILE_PREFIX) else Path(f).name for n, f in source["components"].items()}
     return public
