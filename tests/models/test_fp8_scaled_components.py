@@ -185,7 +185,9 @@ def test_float8_storage_keeps_a_scaled_layer_as_the_file_has_it(tmp_path):
     scale is never rounded to float8 (a rounded scale would bias the whole layer); every block Linear of the tiny
     files is scaled, so the output is the upcast reference's bit for bit and the blocks are kept packed, as
     without a storage form."""
-    fp8, reference = _files(tmp_path, "tiny-flux", "FluxTransformer2DModel", ["transformer"], spelling="weight_scale", original_names=False)
+    fp8, reference = _files(
+        tmp_path, "tiny-flux", "FluxTransformer2DModel", ["transformer"], spelling="weight_scale", original_names=False
+    )
     _, expected = _raw("tiny-flux", reference, offload=False)
     float8 = {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"storage_dtype": "float8_e4m3fn"}}}
     packed, _ = _raw("tiny-flux", fp8, offload=True)

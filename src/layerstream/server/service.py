@@ -297,5 +297,6 @@ def _public_source(source: dict[str, Any]) -> dict[str, Any]:
     if source["origin"] == "folder":
         public["model"] = Path(source["model"]).name
     if "components" in source:
-        public["components"] = {n: f if f.startswith(HUB_FILE_PREFIX) else Path(f).name for n, f in source["components"].items()}
+        files = source["components"].items()
+        public["components"] = {n: f if f.startswith(HUB_FILE_PREFIX) else Path(f).name for n, f in files}
     return public
