@@ -1,6 +1,7 @@
 """Connections that never send a whole request head are closed (`layerstream.server.connections`): the oldest at
-once past the cap on waiting ones, every one by the head deadline, while complete requests are answered. Here on
-uvicorn in this process with small figures (a tiny app, no model); `test_access_server` holds the defaults on
+once past the cap on waiting ones, every one by the head deadline, while complete requests are answered; a body
+that falls behind its pace gets a 408 where the app reads it, and its connection is closed either way. Here on
+uvicorn in this process with small figures (tiny apps, no model); `test_access_server` holds the defaults on
 `layerstream serve`."""
 
 from __future__ import annotations
@@ -14,11 +15,16 @@ import httpx
 import pytest
 import uvicorn
 
-from layerstream.server.connections import guarded_h11
+from starlette.requests import Request
+
+from layerstream.server.bodies import read_body
+from layerstream.server.connections import BodyPace, guarded_h11
+from layerstream.server.errors import ApiError
 from serve_harness import closed_by_server, wait_until
 
 HEAD_TIMEOUT_S = 0.5
 MAX_WAITING = 20
+PACE = BodyPace(timeout_s=0.5, min_rate=2000, close_grace_s=0.3)
 
 
 async def _hello(scope, receive, send):
@@ -27,10 +33,20 @@ async def _hello(scope, receive, send):
     await send({"type": "http.response.body", "body": b"hello"})
 
 
-def _serve(head_timeout_s: float):
+async def _body_length(scope, receive, send):
+    """The length of the body `read_body` reads at `PACE`, or its refusal."""
+    try:
+        status, text = 200, str(len(await read_body(Request(scope, receive), 10**6, pace=PACE)))
+    except ApiError as e:
+        status, text = e.status, e.message
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": text.encode()})
+
+
+def _serve(head_timeout_s: float, app=_hello):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(_hello, http=guarded_h11(head_timeout_s, MAX_WAITING), lifespan="off", log_config=None)
+    config = uvicorn.Config(app, http=guarded_h11(head_timeout_s, MAX_WAITING, PACE), lifespan="off", log_config=None)
     instance = uvicorn.Server(config)
     thread = threading.Thread(target=instance.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -46,6 +62,11 @@ def _serve(head_timeout_s: float):
 @pytest.fixture(scope="module")
 def server():
     yield from _serve(HEAD_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def reading_server():
+    yield from _serve(HEAD_TIMEOUT_S, _body_length)
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +141,64 @@ def test_requests_keep_working_on_a_kept_alive_connection(server):
         for _ in range(3):
             assert client.get("/").text == "hello"
             asyncio.run(asyncio.sleep(HEAD_TIMEOUT_S / 5))
+
+
+def _send_body_at(url: str, total: int, chunk: int, every_s: float) -> tuple[socket.socket, bytes, float]:
+    """A POST declaring `total` bytes, its body sent `chunk` bytes every `every_s` until the server answers or
+    closes: (the socket, the whole answer, seconds from the head to the answer)."""
+    (s,) = _half_open(url, 1, f"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {total}\r\n\r\n".encode())
+    s.setblocking(False)
+    started, sent, answer = time.monotonic(), 0, b""
+    while time.monotonic() - started < 30:  # the test's own bound
+        try:
+            answer += s.recv(4096)
+        except BlockingIOError:
+            pass
+        if answer.endswith(b"\r\n0\r\n\r\n"):
+            break  # the last chunk: these apps answer chunked
+        if sent < total:
+            try:
+                sent += s.send(b"x" * min(chunk, total - sent))
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        time.sleep(every_s)
+    return s, answer, time.monotonic() - started
+
+
+def test_a_body_that_keeps_its_pace_is_read_whole(reading_server):
+    """4,000 bytes at 4 kB/s: past the pace's first 0.5 s, kept going by the second each 2,000 bytes add."""
+    s, answer, _ = _send_body_at(reading_server, 4000, 200, 0.05)
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 200") and b"\r\n4000\r\n" in answer, answer
+
+
+def test_a_body_that_falls_behind_is_answered_408_then_closed(reading_server):
+    s, answer, seconds = _send_body_at(reading_server, 100_000, 10, 0.05)  # 200 B/s, a tenth of the pace
+    try:
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert b"the request body came too slowly: " in answer
+        assert b"a body has 0.5 s, and 1 s more for every 2000" in answer
+        assert seconds >= PACE.timeout_s * 0.9
+        wait_until(lambda: closed_by_server(s), what="the connection closed after its 408")
+    finally:
+        s.close()
+
+
+def test_a_trickled_body_the_app_never_reads_is_closed(server):
+    """The app answers without reading the body; the bytes that keep coming after the answer hold no connection
+    open (each cancels uvicorn's keep-alive timer, and no head deadline runs while a body is being sent)."""
+    s, answer, _ = _send_body_at(server, 100_000, 10, 0.05)
+    started = time.monotonic()
+    try:
+        assert answer.startswith(b"HTTP/1.1 200") and b"\r\nhello\r\n" in answer, answer
+        closed = False
+        while not closed and time.monotonic() - started < 30:
+            try:
+                s.send(b"x")
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+            closed = closed or closed_by_server(s)
+            time.sleep(0.05)
+        assert closed
+    finally:
+        s.close()

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Mapping
 
 from starlette.requests import ClientDisconnect, Request
 
+from layerstream.server.connections import BODY_PACE, BodyPace
 from layerstream.server.errors import ApiError
 
 logger = logging.getLogger(__name__)
@@ -18,8 +19,11 @@ DRAIN_LIMIT_BYTES = 64 << 20
 MAX_FORM_FIELDS = 32  # fields, and files, of a form: what OpenAI's endpoints take, and ours
 
 
-async def read_body(request: Request, max_bytes: int, limit_flags: str = "--max-body-bytes") -> bytes:
-    """The request body, or a 413 naming the limit once it is known to exceed `max_bytes`."""
+async def read_body(
+    request: Request, max_bytes: int, limit_flags: str = "--max-body-bytes", pace: BodyPace = BODY_PACE
+) -> bytes:
+    """The request body, or a 413 naming the limit once it is known to exceed `max_bytes`, or a 408 once it falls
+    behind `pace` (the connection closes just after: `connections.guarded_h11`)."""
     message = f"the request body is larger than the server's limit of {max_bytes} bytes ({limit_flags})"
     too_large = ApiError(413, message, code="body_too_large", param="body")
     declared = request.headers.get("content-length")
@@ -27,8 +31,19 @@ async def read_body(request: Request, max_bytes: int, limit_flags: str = "--max-
         raise too_large
     chunks: list[bytes] = []
     size = 0
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    stream = request.stream().__aiter__()
     try:
-        async for chunk in request.stream():
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(stream), max(pace.deadline(started, size) - loop.time(), 0.0))
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                elapsed = loop.time() - started
+                message = f"the request body came too slowly: {size} bytes in {elapsed:.1f} s ({pace.refusal()})"
+                raise ApiError(408, message, code="body_timeout", param="body") from None
             size += len(chunk)
             if size <= max_bytes:
                 chunks.append(chunk)
