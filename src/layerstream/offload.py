@@ -197,8 +197,10 @@ def place_for(
     """The placement of `plan` on `device`, pricing each block in its store's slot and host bytes; residency
     "auto" without a budget or reserve given leaves `reserve` free (the generation's estimate)."""
     slot_nbytes, host_nbytes = stores.slot_and_host_nbytes(plan, layouts)
-    budget = read_device_budget(plan, device, free_device_bytes(device), reserve) if needs_device_budget(plan) else None
-    return place_blocks(plan, slot_nbytes, budget, host_nbytes)
+    if not needs_device_budget(plan):
+        return place_blocks(plan, slot_nbytes, None, host_nbytes)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None  # None: no free memory to read
+    return place_blocks(plan, slot_nbytes, read_device_budget(plan, device, free, reserve), host_nbytes)
 
 
 def estimated_activation_reserve(
@@ -367,11 +369,6 @@ def held_host_nbytes(pipeline: Any, block_paths) -> int:
             if not files.covers(storage.data_ptr(), storage.nbytes()):
                 total += storage.nbytes()
     return total
-
-
-def free_device_bytes(device: torch.device) -> int | None:
-    """Free memory of a CUDA device; None where there is none to read."""
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
 def _check_device(device, simulated_link_gbps, name: str = "simulated_link_gbps") -> torch.device:

@@ -98,9 +98,12 @@ class PipelineRunner:
         if conditioned is not None:
             request = replace(request, height=conditioned.height, width=conditioned.width)
             if (picture.width, picture.height) != (request.width, request.height):
+                from PIL import Image
+
                 # condition on the image at the output size, as image-to-video pipelines do themselves: an
-                # editing pipeline would otherwise encode a large input at its full size
-                picture = picture.resize((request.width, request.height), _lanczos())
+                # editing pipeline would otherwise encode a large input at its full size; with Lanczos, as
+                # diffusers' image processors resize
+                picture = picture.resize((request.width, request.height), Image.Resampling.LANCZOS)
         kwargs, num_inference_steps = self.call_arguments(request, request.prompt, picture=picture)
         kwargs["generator"] = torch.Generator("cpu").manual_seed(request.seed)
         note = conditioned.source if conditioned is not None else None
@@ -366,12 +369,6 @@ def _decoded_size(kwargs: dict[str, Any]) -> GenerationSize:
 
 PER_PROMPT_ARGUMENTS = ("negative_prompt", "prompt_2", "prompt_3", "negative_prompt_2", "negative_prompt_3")
 """Call arguments a batch call takes one of per prompt (`run_batch` repeats a single text)."""
-
-
-def _lanczos():
-    from PIL import Image
-
-    return Image.Resampling.LANCZOS  # what diffusers' image processors resize with
 
 
 def _output_arrays(output, kind: str, num_outputs: int) -> list[np.ndarray]:

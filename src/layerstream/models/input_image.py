@@ -28,8 +28,6 @@ if TYPE_CHECKING:
 ImageInputKind = Literal["none", "optional", "required"]
 ImageSource = Union["Image.Image", str, "os.PathLike[str]", np.ndarray, bytes, "ImageFile"]
 
-IMAGE_FILE_FORMATS = ("PNG", "JPEG", "WEBP")
-"""The input image files read (PIL's names): the only decoders a file's bytes ever reach."""
 ALLOWED_FORMATS_TEXT = "PNG, JPEG or WebP"
 
 # Pipelines whose signature gives `image` a default of None but that read it unconditionally: Qwen-Image-Edit
@@ -193,9 +191,9 @@ def _read_file(name: str, path: Path, max_bytes: int) -> bytes:
 
 
 def image_file_format(data: bytes) -> str | None:
-    """The format of the image file `data` by its magic number (one of `IMAGE_FILE_FORMATS`), or None for any
-    other bytes. Read before any decoder runs: PIL would otherwise pick among all of its decoders (TIFF, PSD,
-    EPS through Ghostscript ...) by the same bytes. An MPO (a camera's JPEG with a second picture) is a JPEG
+    """The format of the image file `data` by its magic number (PIL's "PNG", "JPEG" or "WEBP"), or None for any
+    other bytes. Read before any decoder runs, as the only decoders a file's bytes ever reach: PIL would otherwise
+    pick among all of its decoders (TIFF, PSD, EPS through Ghostscript ...) by the same bytes. An MPO (a camera's JPEG with a second picture) is a JPEG
     here, and its first picture, a plain JPEG, is what is read."""
     if data.startswith(b"\x89PNG\r\n\x1a\n"):
         return "PNG"

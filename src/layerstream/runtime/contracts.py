@@ -255,6 +255,10 @@ class StoreStats:
 class StoredBlockBase:
     """Defaults of the optional parts of `StoredBlock`."""
 
+    @property
+    def path(self) -> str:
+        return self.layout.path
+
     copy_waits_on_host = False  # the bytes are in host memory: the job only queues a copy
 
     def check_lora_(self) -> None:

@@ -45,10 +45,6 @@ class HostBufferBlock(StoredBlockBase):
     pinner: Pinner | None = None
 
     @property
-    def path(self) -> str:
-        return self.layout.path
-
-    @property
     def host_bytes(self) -> int:
         return self.buffer.numel()
 

@@ -6,6 +6,7 @@ device slot, its bytes going back to the store before the next block. Unfusing r
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
@@ -120,9 +121,8 @@ class LoraSupport:
         for block in self._streamer.blocks:
             for layer in tuner_layers(block.module):
                 for name in ("merge", "unmerge"):
-                    self._layer_wrappers.append(
-                        MethodWrapper(layer, name, lambda block=block, name=name: self._bind_block_(block, name), _nothing)
-                    )
+                    bind = functools.partial(self._bind_block_, block, name)
+                    self._layer_wrappers.append(MethodWrapper(layer, name, bind, lambda: None))
 
     def _bind_block_(self, block: StreamedBlock, operation: str) -> None:
         if self._bound is not block:
@@ -169,10 +169,6 @@ class LoraSupport:
 
 def _any_merged(block: StreamedBlock) -> bool:
     return any(layer.merged_adapters for layer in tuner_layers(block.module))
-
-
-def _nothing() -> None:
-    pass
 
 
 def install_lora_support(

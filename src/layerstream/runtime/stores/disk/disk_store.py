@@ -71,10 +71,6 @@ class DiskBlock(StoredBlockBase):
         return f"DiskBlock({self.path!r}, {self.stored_nbytes} bytes from {self.source.describe()})"
 
     @property
-    def path(self) -> str:
-        return self.layout.path
-
-    @property
     def host_bytes(self) -> int:
         return self.source.host_bytes  # at most the few spans made in memory (the staging ring is the store's)
 
