@@ -114,7 +114,10 @@ def enable_offload(
     else:
         # host budget "auto": a number, or no disk tier; the reserve before the stores: a failure has no peers to tell
         plan, host_budget = resolve_host_budget(pipeline, plan, device, process_group, generation)
-        context = StoreContext(plan, device, components, process_group, _spill_root(config), simulated_disk_gbps)
+        from layerstream.models.cache import cache_root  # the cache module reads the environment on every call
+
+        spill_root = Path(config.disk_dir) if config.disk_dir is not None else cache_root() / "spill"
+        context = StoreContext(plan, device, components, process_group, spill_root, simulated_disk_gbps)
         reserve = _estimated_reserve(pipeline, plan, device, generation)
         stores = compose_stores(context, STORE_KINDS) if store_factory is None else ComponentStores(
             {comp.path: store_factory(comp.path) for comp in plan.streamed}
@@ -150,12 +153,6 @@ STORE_KINDS: tuple[StoreKind, ...] = (SHARDED_KIND, LOCAL_KIND)
 """The host stores, in order of preference: the first whose kind applies to a component and builds serves it
 (allgather before local: the sharded store keeps a component's blocks in their form too; over a group of one it
 declines, and the local store serves)."""
-
-
-def _spill_root(config: OffloadConfig) -> Path:
-    from layerstream.models.cache import cache_root  # the cache module reads the environment on every call
-
-    return Path(config.disk_dir) if config.disk_dir is not None else cache_root() / "spill"
 
 
 def _plan_layer_mode(

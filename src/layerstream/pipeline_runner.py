@@ -148,8 +148,9 @@ class PipelineRunner:
         for request in requests:
             for _ in request.seeds:
                 raw = raws.pop(0)  # each float output goes once its uint8 frames are made (unless kept)
+                frames = (np.clip(raw, 0.0, 1.0) * 255.0).round().astype(np.uint8)
                 results.append(GenerationResult(
-                    kind=self.kind, frames=_to_uint8(raw), stats=stats, fps=request.fps or self.rules.fps,
+                    kind=self.kind, frames=frames, stats=stats, fps=request.fps or self.rules.fps,
                     raw=raw if keep_raw else None, size_note=note,
                 ))  # fmt: skip
         return results
@@ -171,7 +172,9 @@ class PipelineRunner:
         negative_prompt = request.negative_prompt if request.negative_prompt is not None else rules.default_negative_prompt
         if self.kind != "video" and num_frames is not None:
             raise GenerationError(f"num_frames = {num_frames!r} is not valid: {self.model} makes images, not video")
-        self._check_geometry(height, width, num_frames)
+        # sizes the pipeline would silently round (diffusers rounds down to its latent grid) or that lie past the
+        # reach of its position table (the model would fail deep inside: "view size is not compatible")
+        self._refuse_first(self.rules.check_geometry(height=height, width=width, num_frames=num_frames))
 
         call = inspect.signature(self.pipeline.__call__).parameters
         kwargs: dict[str, Any] = {"prompt": prompt, "num_inference_steps": num_inference_steps, "output_type": "np"}
@@ -195,11 +198,9 @@ class PipelineRunner:
     def _extra_arguments(self, request: GenerationRequest, num_inference_steps: int) -> dict[str, Any]:
         """The call arguments `request.extra_params` passes through (fresh values: the call may change them),
         refused first if the model cannot take one; mapped keys (``sample_solver``) are settings (`pipeline_for`)."""
-        problems = self.rules.extra_params_problems(request.extra_params, num_inference_steps=num_inference_steps)
-        if problems:
-            problem = problems[0]
-            raise invalid_field(problem.name, problem.value, f"{problem.allowed} for {self.model}")
-        passed = request.extra_params.to_dict()
+        params = request.extra_params
+        self._refuse_first(self.rules.extra_params_problems(params, num_inference_steps=num_inference_steps))
+        passed = params.to_dict()
         return {name: value for name, value in passed.items() if name in self.rules.call_arguments}
 
     def _call(self, request: GenerationRequest, kwargs: dict[str, Any], num_inference_steps: int, on_step, on_latents):
@@ -268,13 +269,10 @@ class PipelineRunner:
             width=request.width, height=request.height,
         )  # fmt: skip
 
-    def _check_geometry(self, height, width, num_frames) -> None:
-        """Refuse sizes the pipeline would silently round (diffusers rounds down to its latent grid) or that lie
-        past the reach of its position table (the model would fail deep inside: "view size is not compatible")."""
-        violations = self.rules.check_geometry(height=height, width=width, num_frames=num_frames)
-        if violations:
-            problem = violations[0]
-            raise invalid_field(problem.name, problem.value, f"{problem.allowed} for {self.model}")
+    def _refuse_first(self, problems: list) -> None:
+        """Raise the first of `problems` (the model's `LimitViolation`s), naming the model."""
+        if problems:
+            raise invalid_field(problems[0].name, problems[0].value, f"{problems[0].allowed} for {self.model}")
 
 
 def batch_requests(shape: GenerationRequest, prompts: Sequence[str], seeds: Sequence[int]) -> list[GenerationRequest]:
@@ -385,10 +383,6 @@ def _output_arrays(output, kind: str, num_outputs: int) -> list[np.ndarray]:
     if len(array) != num_outputs:
         raise GenerationError(f"the pipeline returned {len(array)} outputs for {num_outputs} prompts")
     return [array[i] if kind == "video" else array[i : i + 1] for i in range(num_outputs)]
-
-
-def _to_uint8(array: np.ndarray) -> np.ndarray:
-    return (np.clip(array, 0.0, 1.0) * 255.0).round().astype(np.uint8)
 
 
 def _run_stats(seconds, step_times, streamed: StreamCounters, now: OffloadStats | None, device, decode) -> RunStats:

@@ -377,7 +377,7 @@ def _serve_rank(args: argparse.Namespace, config, settings, history) -> int:
             service, sock, on_ready=_print_ready, access_log=args.access_log, on_stopper=keep_stopper, jobs=jobs,
             ui=args.ui, access=args.access,
         )
-        if service.fatal_error is not None or not service.queue.join(0) or not service.stop_ranks():
+        if service.fatal_error is not None or not service.queue.join(0) or not service.runner.leave():
             print(f"layerstream serve: stopped: {service.fatal_error or 'the ranks could not be stopped'}",
                   file=sys.stderr, flush=True)  # fmt: skip
             return 1

@@ -140,7 +140,7 @@ def create_app(
 def _add_model_routes(app: FastAPI, service: GenerationService) -> None:
     """OpenAI's ``GET /v1/models`` (what OpenAI-compatible clients ask first) and ``GET /v1/models/{model}``."""
     started = int(time.time())
-    cards = {name: ModelCard(id=name, created=started) for name in service.model_names()}
+    cards = {name: ModelCard(id=name, created=started) for name in service.limits.model_names}
     no_model = error_responses({404: "No served model of that name (--served-model-name)"})
 
     @app.get(MODELS_PATH, response_model=ModelList)

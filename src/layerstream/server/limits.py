@@ -44,7 +44,9 @@ class ModelLimits:
 
 def read_model_limits(omni: Any, settings: ServeSettings) -> ModelLimits:
     """The limits of `omni`'s model: its rules (`omni.rules`) and the server's caps lowered to its reach."""
-    rules = omni.rules
+    rules, source = omni.rules, omni.source
+    # the model as given; a folder by its own name (its path is no client's business)
+    given_name = Path(source.model).name if source.origin == "folder" else source.model
     is_video = rules.kind == "video"
     model_side, model_frames = rules.geometry.max_side_pixels, rules.geometry.max_frames if is_video else None
     max_side = min(settings.max_side_pixels, model_side) if model_side else settings.max_side_pixels
@@ -53,16 +55,11 @@ def read_model_limits(omni: Any, settings: ServeSettings) -> ModelLimits:
         model_frames is not None and model_frames < settings.max_frames
     )
     return ModelLimits(
-        rules=rules, served_names=settings.served_model_names or (default_served_name(omni.source),),
+        rules=rules, served_names=settings.served_model_names or (given_name,),
         max_frames=max_frames, max_side_pixels=max_side,
         max_latent_positions=pipeline_max_latent_positions(omni.pipeline) if bound_by_model else None,
         max_work=settings.max_work if settings.max_work is not None else default_max_work(rules, max_side, max_frames, omni.device),
     )  # fmt: skip
-
-
-def default_served_name(source: Any) -> str:
-    """The model as given, a folder by its own name (its path is no client's business)."""
-    return Path(source.model).name if source.origin == "folder" else source.model
 
 
 def default_max_work(rules: Any, max_side: int, max_frames: int, device: Any) -> int:

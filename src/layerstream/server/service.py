@@ -225,10 +225,6 @@ class GenerationService:
         logger.info("%d waiting request(s) answered 503", dropped)
         self.on_fatal()
 
-    def stop_ranks(self) -> bool:
-        """After the worker has exited: tell every other rank to leave (False when the group is lost)."""
-        return self.runner.leave()
-
     # reports ---------------------------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
         rebuilding = self.runner.rebuilding
@@ -269,10 +265,6 @@ class GenerationService:
             "takes_image": limits.rules.image_input != "none",
             "jobs_path": None,
         }
-
-    def model_names(self) -> tuple[str, ...]:
-        """The names a request's ``model`` may give, the first the one every answer names (--served-model-name)."""
-        return self.limits.model_names
 
     def render_metrics(self) -> str:
         labels = {"model": self.limits.model, "kind": self.limits.kind, "device": self.facts["device"]}

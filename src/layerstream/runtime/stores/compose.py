@@ -50,13 +50,10 @@ class StoreContext:
         return out
 
     @cached_property
-    def _component_of_block(self) -> dict[str, str]:
-        return {p: comp.path for comp in self.plan.streamed for stack in comp.stacks for p in stack.block_paths}
-
-    @cached_property
     def form_of(self) -> Callable[[BlockLayout], StoredForm]:
         """The form a block is kept in; holding the forms only, not the components (a dropped pipeline goes)."""
-        forms, component_of_block = self.forms, self._component_of_block
+        forms = self.forms
+        component_of_block = {p: c.path for c in self.plan.streamed for stack in c.stacks for p in stack.block_paths}
 
         def form_of(layout: BlockLayout) -> StoredForm:
             component_forms = forms.get(component_of_block.get(layout.path, ""))
