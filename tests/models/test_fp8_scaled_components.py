@@ -84,8 +84,9 @@ def _edited(tmp_path, edit):
 def _drop_scales(tensors, *, and_marker: bool):
     """Every scale of an older-layout file taken out, and its marker with `and_marker` (without, the file still
     says it is scaled)."""
-    for key in [k for k in tensors if k.endswith((".scale_weight", ".scale_input")) or (and_marker and k == "scaled_fp8")]:
-        del tensors[key]
+    for key in list(tensors):
+        if key.endswith((".scale_weight", ".scale_input")) or (and_marker and key == "scaled_fp8"):
+            del tensors[key]
 
 
 def _plain_with_a_float8_bias(tensors):

@@ -83,13 +83,12 @@ def read_layout(name: str, file_name: str, header: dict) -> Fp8ScaledLayout:
                 "(one value) are read"
             )
         scales[weight] = key
-    unscaled = [k for k, e in entries.items() if e.get("dtype") in FLOAT8_DTYPES and k not in scales and k not in unread]
+    float8 = [k for k, e in entries.items() if e.get("dtype") in FLOAT8_DTYPES]
+    unscaled = [k for k in float8 if k not in scales and k not in unread]
     if unscaled and (scales or unread):  # a scaled file: every float8 weight has its scale
         key = unscaled[0]
-        raise Fp8LayoutError(
-            f"{where}: float8 tensor {key} has no scale ({' or '.join(key.removesuffix('.weight') + s for s in SCALE_SUFFIXES)}); "
-            "it is not loaded as if unscaled"
-        )
+        spellings = " or ".join(key.removesuffix(".weight") + s for s in SCALE_SUFFIXES)
+        raise Fp8LayoutError(f"{where}: float8 tensor {key} has no scale ({spellings}); it is not loaded as if unscaled")
     if any(not k.endswith(".weight") for k in unscaled):  # a plain float8 cast
         key = next(k for k in unscaled if not k.endswith(".weight"))
         raise Fp8LayoutError(f"{where}: float8 tensor {key} is not a weight; only Linear weights are read from float8")
