@@ -94,25 +94,27 @@ def stored_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def write_fp8_scaled(
-    path: Path, state_dict: dict[str, torch.Tensor], *, spelling: str, original_names: bool
+    path: Path, state_dict: dict[str, torch.Tensor], *, spelling: str | None, original_names: bool
 ) -> dict[str, torch.Tensor]:
     """`state_dict` (diffusers names) as an fp8_scaled safetensors file in a published layout: each 2-D block weight
     float8 (e4m3) with a per-tensor scale; ``spelling="scale_weight"``: the older layout (the ``scaled_fp8`` marker,
     ``<layer>.scale_weight`` and ``<layer>.scale_input`` of shape [1]); ``"weight_scale"``: the newer one
-    (``<layer>.weight_scale`` and ``<layer>.input_scale``, 0-dim). Returns the reference: the state dict with each
-    scaled weight upcast as ``weight.to(float32) * scale``."""
+    (``<layer>.weight_scale`` and ``<layer>.input_scale``, 0-dim); None: a plain float8 cast, no scale and no
+    marker (the ``fp8_e4m3fn`` files published for ComfyUI). Returns the reference: the state dict with each
+    float8 weight upcast as ``weight.to(float32) * scale`` (a scale of 1 for a plain cast)."""
     from safetensors.torch import save_file
 
     out, reference = {}, dict(state_dict)
     shape = (1,) if spelling == "scale_weight" else ()
     for key, value in state_dict.items():
         if "blocks." in key and key.endswith(".weight") and value.ndim == 2:
-            scale = value.abs().amax().float() / 448.0
+            scale = value.abs().amax().float() / 448.0 if spelling else torch.tensor(1.0)
             weight = (value.float() / scale).to(torch.float8_e4m3fn)
             layer = key.removesuffix(".weight")
             out[key] = weight
-            out[f"{layer}.{spelling}"] = scale.reshape(shape)
-            out[f"{layer}.{'scale_input' if spelling == 'scale_weight' else 'input_scale'}"] = torch.ones(shape)
+            if spelling:
+                out[f"{layer}.{spelling}"] = scale.reshape(shape)
+                out[f"{layer}.{'scale_input' if spelling == 'scale_weight' else 'input_scale'}"] = torch.ones(shape)
             reference[key] = weight.to(torch.float32) * scale.to(torch.float32)
         else:
             out[key] = value.contiguous()

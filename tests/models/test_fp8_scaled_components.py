@@ -51,6 +51,16 @@ def test_wan22_experts_stream_float8_and_match_the_upcast_reference(tmp_path, sp
         assert stats[name].host_bytes < 0.45 * float32_blocks, (stats[name].host_bytes, float32_blocks)
 
 
+def test_a_plain_float8_file_reads_each_weight_with_a_scale_of_one(tmp_path):
+    """float8 weights with no scale and no marker anywhere: a plain cast, each weight upcast as it is."""
+    names = ["transformer", "transformer_2"]
+    fp8, reference = _files(tmp_path, "tiny-wan", "WanTransformer3DModel", names, spelling=None, original_names=True)
+    _, expected = _raw("tiny-wan", reference, offload=False, num_frames=5)
+    streamed, raw = _raw("tiny-wan", fp8, offload=True, num_frames=5)
+    assert np.array_equal(raw, expected)
+    assert streamed.pipeline.transformer.blocks[0].ffn.net[2].weight.dtype == torch.float8_e4m3fn
+
+
 def test_flux_in_diffusers_names(tmp_path):
     fp8, reference = _files(tmp_path, "tiny-flux", "FluxTransformer2DModel", ["transformer"], spelling="weight_scale", original_names=False)
     _, expected = _raw("tiny-flux", reference, offload=False)
@@ -71,6 +81,19 @@ def _edited(tmp_path, edit):
     return str(path)
 
 
+def _drop_scales(tensors, *, and_marker: bool):
+    """Every scale of an older-layout file taken out, and its marker with `and_marker` (without, the file still
+    says it is scaled)."""
+    for key in list(tensors):
+        if key.endswith((".scale_weight", ".scale_input")) or (and_marker and key == "scaled_fp8"):
+            del tensors[key]
+
+
+def _plain_with_a_float8_bias(tensors):
+    _drop_scales(tensors, and_marker=True)
+    tensors["blocks.0.norm3.bias"] = tensors["blocks.0.norm3.bias"].to(torch.float8_e4m3fn)
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -78,6 +101,8 @@ def _edited(tmp_path, edit):
         (lambda t: t.update({"blocks.0.norm3.scale_weight": torch.ones(1)}), r"scale blocks\.0\.norm3\.scale_weight has no float8 weight blocks\.0\.norm3\.weight beside it"),
         (lambda t: t.update({"blocks.0.self_attn.k.scale_weight": torch.ones(4)}), r"scale blocks\.0\.self_attn\.k\.scale_weight holds 4 values; only per-tensor scales"),
         (lambda t: t.update({"blocks.0.self_attn.k.weight_scale": torch.ones(())}), r"weight blocks\.0\.self_attn\.k\.weight has two scales"),
+        (lambda t: _drop_scales(t, and_marker=False), r"float8 tensor blocks\.0\.\S+\.weight has no scale"),
+        (_plain_with_a_float8_bias, r"float8 tensor blocks\.0\.norm3\.bias is not a weight; only Linear weights"),
         (lambda t: t.update({"patch_embedding.weight": t["patch_embedding.weight"].to(torch.float8_e4m3fn)}), r"float8 tensor patch_embedding\.weight has no scale"),
     ],
 )

@@ -3,7 +3,9 @@ each with a per-tensor scale (``<layer>.scale_weight`` in older files, beside th
 ``<layer>.weight_scale`` in newer ones), recognised from the header before anything loads. The activation scales
 and per-layer notes only an fp8 matmul reads (``scale_input``, ``input_scale``, ``comfy_quant``) are left out; a key
 that cannot be placed (a scale without its weight, a scale of more than one value, a float8 tensor without its
-scale) is refused by name: such a file is never loaded as if unscaled. The weights stay float8 on the host (a
+scale) is refused by name: such a file is never loaded as if unscaled. A file of float8 weights with no scale and
+no marker at all is a plain cast (the ``fp8_e4m3fn`` files published for ComfyUI): each weight reads with a scale
+of 1. The weights stay float8 on the host (a
 streamed block carries 1 byte a weight and its scales); each scaled Linear computes with ``weight.to(compute) *
 scale.to(compute)`` in diffusers' layerwise-casting hook slot, the keys renamed by diffusers' single-file converter
 (each scale following its weight)."""
@@ -40,6 +42,8 @@ class Fp8ScaledLayout:
     scales: dict[str, str]
     unread: tuple[str, ...]
     """The marker, activation scales and notes: not loaded."""
+    unscaled: tuple[str, ...] = ()
+    """The weights of a plain float8 file (no scale, no marker): each computed with a scale of 1."""
 
 
 def is_float8_file(path: Path) -> bool:
@@ -79,13 +83,16 @@ def read_layout(name: str, file_name: str, header: dict) -> Fp8ScaledLayout:
                 "(one value) are read"
             )
         scales[weight] = key
-    for key, entry in entries.items():
-        if entry.get("dtype") in FLOAT8_DTYPES and key not in scales and key not in unread:
-            raise Fp8LayoutError(
-                f"{where}: float8 tensor {key} has no scale ({' or '.join(key.removesuffix('.weight') + s for s in SCALE_SUFFIXES)}); "
-                "it is not loaded as if unscaled"
-            )
-    return Fp8ScaledLayout(scales, tuple(unread))
+    float8 = [k for k, e in entries.items() if e.get("dtype") in FLOAT8_DTYPES]
+    unscaled = [k for k in float8 if k not in scales and k not in unread]
+    if unscaled and (scales or unread):  # a scaled file: every float8 weight has its scale
+        key = unscaled[0]
+        spellings = " or ".join(key.removesuffix(".weight") + s for s in SCALE_SUFFIXES)
+        raise Fp8LayoutError(f"{where}: float8 tensor {key} has no scale ({spellings}); it is not loaded as if unscaled")
+    if any(not k.endswith(".weight") for k in unscaled):  # a plain float8 cast
+        key = next(k for k in unscaled if not k.endswith(".weight"))
+        raise Fp8LayoutError(f"{where}: float8 tensor {key} is not a weight; only Linear weights are read from float8")
+    return Fp8ScaledLayout(scales, tuple(unread), tuple(unscaled))
 
 
 def load_fp8_scaled(name: str, cls: type, path: Path, config_folder: Path, dtype: torch.dtype) -> torch.nn.Module:
@@ -100,6 +107,7 @@ def load_fp8_scaled(name: str, cls: type, path: Path, config_folder: Path, dtype
     with safe_open(str(path), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys() if k not in skip}
         scales = {w: f.get_tensor(s).reshape(()).float() for w, s in layout.scales.items()}
+    scales.update({w: torch.tensor(1.0) for w in layout.unscaled})  # a plain cast: the weight as it is
     config = cls.load_config(config_folder)
     with init_empty_weights():
         model = cls.from_config(config)
