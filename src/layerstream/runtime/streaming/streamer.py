@@ -35,25 +35,16 @@ class ComputeRecord:
     sync_load: bool = False
 
 
+@dataclass(slots=True, eq=False)
 class BlockCounters:
     """Transfer counters of one component (plain ints: the hot path), named as the `ComponentStats` fields."""
 
-    __slots__ = (
-        "bytes_transferred",
-        "num_transfers",
-        "num_sync_loads",
-        "stall_seconds",
-        "copy_issue_seconds",
-        "bytes_written_back",
-    )
-
-    def __init__(self):
-        self.bytes_transferred = 0
-        self.num_transfers = 0
-        self.num_sync_loads = 0
-        self.stall_seconds = 0.0
-        self.copy_issue_seconds = 0.0  # host time compute spent handing copies to the engine
-        self.bytes_written_back = 0
+    bytes_transferred: int = 0
+    num_transfers: int = 0
+    num_sync_loads: int = 0
+    stall_seconds: float = 0.0
+    copy_issue_seconds: float = 0.0  # host time compute spent handing copies to the engine
+    bytes_written_back: int = 0
 
 
 @dataclass
