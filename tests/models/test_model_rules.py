@@ -122,6 +122,33 @@ def test_wan22_takes_vllm_omnis_fields_and_flux_refuses_them_naming_the_pipeline
         flux.generate(PROMPT, flow_shift=3.0)
 
 
+@pytest.mark.parametrize("model", ["tiny-wan", "tiny-flux", "tiny-wan-i2v"])
+def test_the_skeleton_reads_the_optional_fields_as_the_loaded_pipeline_does(model):
+    """The skeleton carries the pipeline's own settings from model_index.json (Wan 2.2's boundary_ratio), so
+    `generate` refuses a field the model cannot take before any weight is read."""
+    from layerstream.models.loading import load_skeleton
+
+    skeleton, _ = load_skeleton(model)
+    assert read_model_rules(skeleton, model).takes == Omni(model, offload=False).rules.takes
+
+
+def test_generate_refuses_a_second_experts_field_before_loading(layerstream_cli, tmp_path, monkeypatch):
+    from layerstream.models import loading
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded for a field its configs refuse")
+
+    monkeypatch.setattr(loading, "load_model", load_model)
+    Image.new("RGB", (48, 32), (200, 40, 40)).save(tmp_path / "input.png")
+    image = str(tmp_path / "input.png")
+    result = layerstream_cli("generate", "tiny-wan-i2v", "--image", image, "--guidance-scale-2", "2")
+    assert result.returncode == 2, result.stderr
+    assert result.error_lines == [
+        "layerstream: error: --guidance-scale-2 is not valid for tiny-wan-i2v: WanImageToVideoPipeline has no second "
+        "expert (a boundary_ratio in its config and a transformer_2)"
+    ]
+
+
 def test_per_request_settings_reach_the_call_and_are_restored_after_it(monkeypatch):
     omni = Omni("tiny-wan", offload=False)
     seen = []

@@ -229,6 +229,19 @@ def test_bad_input_is_4xx_never_500(client, body):
     assert error["message"] and error["code"]
 
 
+def test_a_json_body_may_open_with_a_utf8_byte_order_mark_and_utf16_is_named(client):
+    """RFC 8259 lets a parser ignore a UTF-8 byte order mark (Windows tools write one); UTF-16 is refused by name."""
+    body, as_json = {"prompt": "a red fox", "seed": 4, **SMALL}, {"content-type": "application/json"}
+    plain = client.post(IMAGES, content=json.dumps(body).encode(), headers=as_json)
+    marked = client.post(IMAGES, content=b"\xef\xbb\xbf" + json.dumps(body).encode(), headers=as_json)
+    assert plain.status_code == marked.status_code == 200, marked.text
+    assert plain.json()["data"][0]["b64_json"] == marked.json()["data"][0]["b64_json"]
+    for encoding in ("utf-16", "utf-16-le", "utf-16-be"):
+        answer = client.post(IMAGES, content=json.dumps(body).encode(encoding), headers=as_json)
+        assert answer.status_code == 400, (encoding, answer.text)
+        assert answer.json()["error"]["message"].startswith("the JSON body is not UTF-8 (it looks like UTF-16 or UTF-32)")
+
+
 def test_server_is_up_after_the_fuzzing(server, client):
     # the process lives and answers (a hang meets the client's timeout)
     assert server.process.poll() is None, server.log()

@@ -142,9 +142,6 @@ def _run(args: argparse.Namespace, log: PhaseLog) -> int:
     output = _output_path(args, omni, request.seed, rank, world_size)
     if rules is None:
         _check_for_model(args, request, omni.rules, omni.device)
-    refused = omni.rules.refused_fields(vars(args))  # read from the pipeline's own config, which a skeleton lacks
-    if refused:
-        raise CliError(f"{_FLAGS[refused[0]]} is not valid for {args.model}: {omni.rules.why_not(refused[0])}")
     log.enter(Phase.GENERATING)
     result = _generate(args, omni, request, rank)
     with log.writing(Phase.WRITING_OUTPUT, output):
@@ -363,6 +360,9 @@ def _check_for_model(args: argparse.Namespace, request: GenerationRequest, rules
     from layerstream.offload import default_device
 
     _check_kind(args, rules.kind, Path(args.output) if args.output else None)
+    refused = rules.refused_fields(vars(args))
+    if refused:
+        raise CliError(f"{_FLAGS[refused[0]]} is not valid for {args.model}: {rules.why_not(refused[0])}")
     violations = rules.check_geometry(height=args.height, width=args.width, num_frames=args.num_frames)
     if violations:
         raise CliError(f"{_violation_text(violations[0])} for {args.model}")

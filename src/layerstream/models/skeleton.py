@@ -47,12 +47,15 @@ def build_skeleton(folder: Path, tensor_dtypes: TensorDtypes) -> Any:
     components: dict[str, Any] = {}
     for name, (library, class_name) in pipeline_components(folder).items():
         components[name] = _build_component(folder / name, name, library, class_name, tensor_dtypes.get(name, {}))
+    parameters = inspect.signature(pipeline_class.__init__).parameters
     # what the pipeline's __init__ requires and the folder left out (optional components saved as [null, null])
-    for name, parameter in inspect.signature(pipeline_class.__init__).parameters.items():
+    for name, parameter in parameters.items():
         if name != "self" and parameter.default is parameter.empty and parameter.kind is not parameter.VAR_KEYWORD:
             components.setdefault(name, None)
+    # the pipeline's own settings, as loading passes them (Wan 2.2's boundary_ratio: whether it has two experts)
+    settings = {k: v for k, v in index.items() if k in parameters and k not in components and not isinstance(v, list)}
     try:
-        return pipeline_class(**components)
+        return pipeline_class(**components, **settings)
     except Exception as e:  # a pipeline whose __init__ needs what a skeleton leaves out (a tokenizer)
         raise ModelLoadError(
             f"model folder {folder}: cannot build a {pipeline_class.__name__} skeleton for planning: "

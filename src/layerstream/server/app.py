@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from layerstream import __version__
 from layerstream.request import GenerationError
 from layerstream.server.access import AccessSettings, add_access_checks
-from layerstream.server.bodies import decode_base64_image, edit_refusals, read_form
+from layerstream.server.bodies import decode_base64_image, edit_refusals, json_body, read_form
 from layerstream.server.bodies import read_body as _read_body
 from layerstream.server.errors import ApiError, client_line, validation_error
 from layerstream.server.jobs.manager import JobManager
@@ -239,7 +239,7 @@ async def _run_generation(
     service.check_endpoint(kind)  # the wrong endpoint is the first thing to say, whatever the body holds
     body = await _read_body(request, service.body_limit(kind), _limit_flags(service, kind))
     try:
-        parsed = await asyncio.to_thread(model.model_validate_json, body)  # up to ~43 MB: off the event loop
+        parsed = await asyncio.to_thread(model.model_validate_json, json_body(body))  # up to ~43 MB: off the event loop
     except ValidationError as e:
         raise validation_error(e, model) from None
     image_b64 = getattr(parsed, "image", None)

@@ -14,7 +14,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from layerstream.server.bodies import decode_base64_image, edit_refusals, read_body, read_form, read_urlencoded
+from layerstream.server.bodies import (
+    decode_base64_image, edit_refusals, json_body, read_body, read_form, read_urlencoded,
+)  # fmt: skip
 from layerstream.server.errors import ApiError, validation_error
 from layerstream.server.jobs.manager import DEFAULT_PAGE, MAX_PAGE, JobManager
 from layerstream.server.jobs.requests import ImageJobForm, ImageJobRequest, VideoJobForm, VideoJobRequest
@@ -140,7 +142,7 @@ async def read_job_input(
         model, parse = form_model, form_model.model_validate
     elif content_type.startswith("application/json") or not content_type:
         model, parse = strict_model, strict_model.model_validate_json
-        data, image_bytes = body, None
+        data, image_bytes = json_body(body), None
     else:
         message = f"expected an application/json, multipart/form-data or application/x-www-form-urlencoded body, got {content_type!r}"
         raise ApiError(400, message, code="invalid_body", param="body")
