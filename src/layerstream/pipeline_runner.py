@@ -164,10 +164,7 @@ class PipelineRunner:
         if refused:
             name = refused[0]
             raise GenerationError(f"{name} is not valid for {self.model}: {rules.why_not(name)}", field=name, value=getattr(request, name))
-        shape = rules.filled(
-            height=request.height, width=request.width, num_frames=request.num_frames,
-            num_inference_steps=request.num_inference_steps,
-        )  # fmt: skip
+        shape = rules.filled_for(request)
         height, width, num_frames, num_inference_steps = shape.height, shape.width, shape.num_frames, shape.num_inference_steps
         negative_prompt = request.negative_prompt if request.negative_prompt is not None else rules.default_negative_prompt
         if self.kind != "video" and num_frames is not None:

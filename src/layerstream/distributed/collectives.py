@@ -105,8 +105,9 @@ class BlockGather:
                 "was changed on any rank"
             )
         if any(row != rows[0] for row in rows):
+            digests = ["".join(w.to_bytes(7, "little").hex() for w in row[5:])[:12] for row in rows]
             described = "; ".join(
-                f"rank {r}: {row[2]} sharded blocks, {row[3]} bytes, slot {row[4]} bytes, digest {_hex(row[5:])}"
+                f"rank {r}: {row[2]} sharded blocks, {row[3]} bytes, slot {row[4]} bytes, digest {digests[r]}"
                 for r, row in enumerate(rows)
             )
             raise OffloadError(
@@ -212,7 +213,8 @@ class BlockGather:
                 # one in-place all-gather into the slot. NCCL runs it after the work queued on the current
                 # (copy) stream, and the copy stream waits for it: the slot's ready event follows the gather
                 own = gathered[self.rank * chunk : (self.rank + 1) * chunk]
-                _all_gather_single(gathered[: self.world_size * chunk], own, group)
+                gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the older name
+                gather(gathered[: self.world_size * chunk], own, group=group)
             else:
                 # gloo gathers into a list of views; each rank's own chunk is both input and output. On CUDA
                 # tensors gloo orders itself after the current stream and makes it wait, as NCCL does
@@ -255,14 +257,6 @@ def open_block_gather(pipeline_class: str, device: torch.device, process_group=N
     return gather
 
 
-def _all_gather_single(output: torch.Tensor, own: torch.Tensor, group) -> None:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the older name
-    gather(output, own, group=group)
-
-
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks)
 
-
-def _hex(words: list[int]) -> str:
-    return "".join(w.to_bytes(7, "little").hex() for w in words)[:12]

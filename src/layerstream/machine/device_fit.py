@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from layerstream.models.size import GenerationSize
 
 
-
 @dataclass(frozen=True)
 class DeviceFit:
     """One candidate config on the device: its plan (no host budget yet), placement and each phase's peak."""

@@ -89,8 +89,7 @@ def read_layout(name: str, file_name: str, header: dict) -> Fp8ScaledLayout:
         key = unscaled[0]
         spellings = " or ".join(key.removesuffix(".weight") + s for s in SCALE_SUFFIXES)
         raise Fp8LayoutError(f"{where}: float8 tensor {key} has no scale ({spellings}); it is not loaded as if unscaled")
-    if any(not k.endswith(".weight") for k in unscaled):  # a plain float8 cast
-        key = next(k for k in unscaled if not k.endswith(".weight"))
+    for key in (k for k in unscaled if not k.endswith(".weight")):  # a plain float8 cast: weights only
         raise Fp8LayoutError(f"{where}: float8 tensor {key} is not a weight; only Linear weights are read from float8")
     return Fp8ScaledLayout(scales, tuple(unread), tuple(unscaled))
 

@@ -103,6 +103,11 @@ class ModelRules:
             num_inference_steps=num_inference_steps or self.default_num_inference_steps,
         )
 
+    def filled_for(self, request: Any) -> GenerationSize:
+        """`filled` with a `GenerationRequest`'s own figures."""
+        given = {k: getattr(request, k) for k in ("height", "width", "num_frames", "num_inference_steps")}
+        return self.filled(**given)
+
     def check_geometry(
         self, *, height: int | None, width: int | None, num_frames: int | None,
         max_side_pixels: int | None = None, max_frames: int | None = None,

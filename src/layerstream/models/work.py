@@ -52,10 +52,7 @@ class WorkPrice:
 def price_request(rules: ModelRules, request: Any, *, max_side_pixels: int) -> WorkPrice:
     """The price of `request` (a `GenerationRequest`) on `rules`' model, its defaults filled in as the call will
     have them; a size the pipeline picks itself priced at the largest side it may pick, squared."""
-    shape = rules.filled(
-        height=request.height, width=request.width, num_frames=request.num_frames,
-        num_inference_steps=request.num_inference_steps,
-    )  # fmt: skip
+    shape = rules.filled_for(request)
     passes = 2 if _guided(rules, request) else 1
     declared = rules.call_arguments
     texts = passes + sum(1 for key in request.extra_params if key in declared and declared[key].adds == "text")

@@ -42,7 +42,8 @@ async def read_body(
                 break
             except asyncio.TimeoutError:
                 elapsed = loop.time() - started
-                message = f"the request body came too slowly: {size} bytes in {elapsed:.1f} s ({pace.refusal()})"
+                message = f"the request body came too slowly: {size} bytes in {elapsed:.1f} s (a body has "
+                message += f"{pace.timeout_s:g} s, and 1 s more for every {pace.min_rate:g} bytes received)"
                 raise ApiError(408, message, code="body_timeout", param="body") from None
             size += len(chunk)
             if size <= max_bytes:

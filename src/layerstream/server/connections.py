@@ -1,10 +1,8 @@
-"""Bounds on connections that send no request, or send it too slowly: a deadline for the request head, a cap on
-connections waiting for one, and a pace for the body. uvicorn's h11 closes an idle keep-alive connection only once
-a response is complete: one that never finishes its first head (or trickles a byte at a time) is held for ever,
-and so is one whose body trickles (each byte cancels uvicorn's keep-alive timer). `guarded_h11` gives a connection
-`HEADER_TIMEOUT_S` from its opening or last response to send a whole head, lets at most
-`MAX_WAITING_CONNECTIONS` wait (a new one closes the oldest), and closes one whose body falls behind its
-`BodyPace` (`bodies.read_body` answers a 408 first, at the pace itself). h11 itself refuses a head over 16 KiB."""
+"""Bounds on connections that send no request, or send it too slowly. uvicorn's h11 holds for ever a connection
+whose first head never ends (or trickles a byte at a time), and one whose body trickles (each byte cancels its
+keep-alive timer). `guarded_h11` gives a connection `HEADER_TIMEOUT_S` from its opening or last response to send
+a whole head, lets at most `MAX_WAITING_CONNECTIONS` wait (a new one closes the oldest), and closes one whose body
+falls behind its `BodyPace` (`bodies.read_body` answers 408 first). h11 itself refuses a head over 16 KiB."""
 
 from __future__ import annotations
 
@@ -28,9 +26,8 @@ preconnected; far fewer than the 300 half-open sockets an attacker opened, each 
 
 @dataclass(frozen=True)
 class BodyPace:
-    """How fast a request body must arrive: `timeout_s` from the end of its head, one second more for every
-    `min_rate` bytes received (Apache's mod_reqtimeout defaults, ``body=20,MinRate=500``): a 20 MB image needs
-    about 500 B/s on average, a stalled or trickling body is cut within 20 s of falling behind."""
+    """How fast a request body must arrive: `timeout_s` from the end of its head, 1 s more for every `min_rate`
+    bytes received (Apache's mod_reqtimeout defaults, ``body=20,MinRate=500``)."""
 
     timeout_s: float = 20.0
     min_rate: float = 500.0
@@ -40,11 +37,29 @@ class BodyPace:
     def deadline(self, start: float, received: int) -> float:
         return start + self.timeout_s + received / self.min_rate
 
-    def refusal(self) -> str:
-        return f"a body has {self.timeout_s:g} s, and 1 s more for every {self.min_rate:g} bytes received"
-
 
 BODY_PACE = BodyPace()
+
+
+class _BodyWatch:
+    """One request body's pace on a connection: closes it once the body is `close_grace_s` behind its deadline."""
+
+    def __init__(self, protocol: H11Protocol, pace: BodyPace):
+        self.protocol, self.pace, self.received = protocol, pace, 0
+        self.started = protocol.loop.time()
+        self.timer = protocol.loop.call_later(pace.timeout_s + pace.close_grace_s, self.check)
+
+    def check(self) -> None:
+        protocol, now = self.protocol, self.protocol.loop.time()
+        if protocol.conn.their_state is not h11.SEND_BODY or protocol.transport.is_closing():
+            return
+        due = self.pace.deadline(self.started, self.received) + self.pace.close_grace_s
+        if now < due:  # bytes came meanwhile: check again at the deadline they moved
+            self.timer = protocol.loop.call_later(due - now, self.check)
+            return
+        message = "closing a connection whose request body came too slowly: %d bytes in %.1f s"
+        logger.info(message, self.received, now - self.started)
+        protocol.transport.close()
 
 
 def guarded_h11(
@@ -55,9 +70,7 @@ def guarded_h11(
 
     class GuardedH11Protocol(H11Protocol):
         _head_deadline: asyncio.TimerHandle | None = None
-        _body_check: asyncio.TimerHandle | None = None
-        _body_started = 0.0
-        _body_received = 0
+        _body: _BodyWatch | None = None
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -65,42 +78,26 @@ def guarded_h11(
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_waiting()
-            self._stop_watching_body()
+            self._watch_body(sending=False)
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            if self._body_check is not None:
-                self._body_received += len(data)
+            if self._body is not None:
+                self._body.received += len(data)
             super().data_received(data)
 
         def handle_events(self) -> None:
             super().handle_events()
             if self.conn.their_state is not h11.IDLE:  # a whole request head arrived (or the connection ended)
                 self._stop_waiting()
-            if self.conn.their_state is not h11.SEND_BODY:
-                self._stop_watching_body()
-            elif self._body_check is None:  # a head with a body to come: from now on the body's pace holds
-                self._body_started, self._body_received = self.loop.time(), 0
-                self._body_check = self.loop.call_later(body.timeout_s + body.close_grace_s, self._check_body)
+            self._watch_body(sending=self.conn.their_state is h11.SEND_BODY)
 
-        def _check_body(self) -> None:
-            self._body_check = None
-            if self.conn.their_state is not h11.SEND_BODY or self.transport.is_closing():
-                return
-            due = body.deadline(self._body_started, self._body_received) + body.close_grace_s
-            if self.loop.time() < due:  # bytes came meanwhile: check again at the deadline they moved
-                self._body_check = self.loop.call_later(due - self.loop.time(), self._check_body)
-                return
-            logger.info(
-                "closing a connection whose request body came too slowly: %d bytes in %.1f s (%s)",
-                self._body_received, self.loop.time() - self._body_started, body.refusal(),
-            )  # fmt: skip
-            self.transport.close()
-
-        def _stop_watching_body(self) -> None:
-            if self._body_check is not None:
-                self._body_check.cancel()
-                self._body_check = None
+        def _watch_body(self, *, sending: bool) -> None:
+            if sending and self._body is None:  # a head with a body to come: from now on the body's pace holds
+                self._body = _BodyWatch(self, body)
+            elif not sending and self._body is not None:
+                self._body.timer.cancel()
+                self._body = None
 
         def on_response_complete(self) -> None:
             if not self.transport.is_closing():

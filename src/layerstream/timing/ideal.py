@@ -45,14 +45,12 @@ def transfer_floor_seconds(transfer_s: Sequence[float]) -> float:
     return float(sum(transfer_s))
 
 
-
 def block_transfer_seconds(block_bytes: Sequence[int], moved: Sequence[bool], link_gbps: float) -> list[float]:
     """Per block: its transfer (or, of a disk, read) time where it moves, else 0 (1 GB = 1e9 bytes, as the simulated
     link and disk count)."""
     if len(block_bytes) != len(moved):
         raise ValueError(f"{len(block_bytes)} block sizes but {len(moved)} flags")
     return [transfer_seconds(n, link_gbps) if s else 0.0 for n, s in zip(block_bytes, moved)]
-
 
 
 # --- the disk tier: a third stage reads disk block d_k beside everything after d_(k-1) started, so the streamed
