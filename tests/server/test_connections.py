@@ -202,3 +202,38 @@ def test_a_trickled_body_the_app_never_reads_is_closed(server):
         assert closed
     finally:
         s.close()
+
+
+def test_body_bytes_that_come_with_the_head_count_toward_the_pace(reading_server):
+    """The head and 4,000 bytes of body in one send, then a stall: the app's 408 comes first (at 0.5 s + 2 s), not
+    a close at the head's 0.5 s as if the first bytes had not come."""
+    head = b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n\r\n"
+    (s,) = _half_open(reading_server, 1, head + b"x" * 4000)
+    try:
+        s.settimeout(30)
+        answer = b""
+        while not answer.endswith(b"\r\n0\r\n\r\n"):
+            more = s.recv(4096)
+            if not more:
+                break
+            answer += more
+        assert answer.startswith(b"HTTP/1.1 408") and b"4000 bytes" in answer, answer
+    finally:
+        s.close()
+
+
+def test_a_body_left_unread_that_ends_after_the_answer_leaves_no_idle_connection(server):
+    """The app answers without reading the body, whose bytes then come in two sends: once the body is whole the
+    connection waits for a next head under the head deadline, as after any response."""
+    (s,) = _half_open(server, 1, b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n")
+    try:
+        s.settimeout(30)
+        answer = b""
+        while not answer.endswith(b"\r\n0\r\n\r\n"):
+            answer += s.recv(4096)
+        s.sendall(b"x" * 50)
+        time.sleep(0.1)
+        s.sendall(b"x" * 50)
+        wait_until(lambda: closed_by_server(s), timeout=10 * HEAD_TIMEOUT_S, what="the idle connection closed")
+    finally:
+        s.close()

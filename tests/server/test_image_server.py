@@ -239,7 +239,7 @@ def test_a_json_body_may_open_with_a_utf8_byte_order_mark_and_utf16_is_named(cli
     for encoding in ("utf-16", "utf-16-le", "utf-16-be"):
         answer = client.post(IMAGES, content=json.dumps(body).encode(encoding), headers=as_json)
         assert answer.status_code == 400, (encoding, answer.text)
-        assert answer.json()["error"]["message"].startswith("the JSON body is not UTF-8 (it looks like UTF-16 or UTF-32)")
+        assert answer.json()["error"]["message"].startswith("the JSON body is not UTF-8 (it looks like UTF-16")
 
 
 def test_server_is_up_after_the_fuzzing(server, client):

@@ -165,10 +165,10 @@ def test_every_error_status_is_documented_with_the_error_body(client):
     assert statuses[f"GET {jobs}/{{job_id}}"] == statuses[f"DELETE {jobs}/{{job_id}}"] == {403, 404, 503}
     assert statuses[f"GET {jobs}/{{job_id}}/events"] == {403, 404, 503}
     assert statuses[f"GET {jobs}/{{job_id}}/content"] == {403, 404, 409, 503}
-    assert statuses[f"POST {jobs}"] == {400, 403, 413, 415, 422, 429, 503, 507}
+    assert statuses[f"POST {jobs}"] == {400, 403, 408, 413, 415, 422, 429, 503, 507}
     assert statuses[f"GET {jobs}"] == {400, 403, 422, 503}
     assert statuses["GET /v1/images/outputs/{name}"] == {403, 404}
-    assert statuses["POST /v1/videos/generations"] == {400, 403, 413, 415, 422, 429, 500, 503, 504}
+    assert statuses["POST /v1/videos/generations"] == {400, 403, 408, 413, 415, 422, 429, 500, 503, 504}
     assert statuses["GET /health"] == statuses["GET /v1/models"] == {403}
     assert "HTTPValidationError" not in document["components"]["schemas"]  # FastAPI's 422, never answered
     # and what an unknown job and a bodiless create really answer

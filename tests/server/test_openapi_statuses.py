@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import threading
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -19,6 +20,8 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from starlette.routing import Match
 
+from layerstream.server import bodies
+from layerstream.server.connections import BodyPace
 from serve_harness import wait_until
 from test_image_intake import _EditOmni
 
@@ -144,6 +147,10 @@ def _provoke(http, omni, jobs) -> None:
     for route in ("", "/content", "/events"):
         http.get(f"{JOBS}/{job_id}{route}")
         http.get(f"{JOBS}/image_none{route}")
+    with mock.patch.object(bodies, "BODY_PACE", BodyPace(timeout_s=0.0)):  # 408: every body comes too slowly
+        http.post("/v1/images/generations", json=GENERATE)
+        http.post("/v1/images/edits", data=FORM, files=png)
+        http.post(JOBS, json=GENERATE)
     http.get("/health")
     http.get("/metrics")
     http.get(f"/v1/models/{http.get('/v1/models').json()['data'][0]['id']}")

@@ -360,7 +360,7 @@ def _check_for_model(args: argparse.Namespace, request: GenerationRequest, rules
     from layerstream.offload import default_device
 
     _check_kind(args, rules.kind, Path(args.output) if args.output else None)
-    refused = rules.refused_fields(vars(args))
+    refused = rules.refused_fields(vars(args))  # a skeleton reads its settings too; the runner refuses again
     if refused:
         raise CliError(f"{_FLAGS[refused[0]]} is not valid for {args.model}: {rules.why_not(refused[0])}")
     violations = rules.check_geometry(height=args.height, width=args.width, num_frames=args.num_frames)

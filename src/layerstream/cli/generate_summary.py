@@ -110,9 +110,8 @@ def print_table(summaries: list[dict]) -> None:
     if any(s.get("image") for s in summaries):
         rows.insert(4, ("input image", lambda s: f"{s['image']} (size {s['size_note']})"))
     if any(s["source"].get("components") for s in summaries):  # components loaded from their own files
-        at = [name for name, _ in rows].index("dtypes") + 1
-        files = lambda s: ", ".join(f"{n} {f}" for n, f in s["source"].get("components", {}).items()) or "-"  # noqa: E731
-        rows.insert(at, ("from files", files))
+        files = lambda s: ", ".join(f"{n} {f}" for n, f in s["source"].get("components", {}).items())  # noqa: E731
+        rows.insert([name for name, _ in rows].index("dtypes") + 1, ("from files", files))
     if any(s["trace_files"] for s in summaries):
         rows.append(("trace", lambda s: ", ".join(s["trace_files"])))
     if len(summaries) == 1:

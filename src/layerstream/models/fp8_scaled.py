@@ -5,10 +5,9 @@ and per-layer notes only an fp8 matmul reads (``scale_input``, ``input_scale``, 
 that cannot be placed (a scale without its weight, a scale of more than one value, a float8 tensor without its
 scale) is refused by name: such a file is never loaded as if unscaled. A file of float8 weights with no scale and
 no marker at all is a plain cast (the ``fp8_e4m3fn`` files published for ComfyUI): each weight reads with a scale
-of 1. The weights stay float8 on the host (a
-streamed block carries 1 byte a weight and its scales); each scaled Linear computes with ``weight.to(compute) *
-scale.to(compute)`` in diffusers' layerwise-casting hook slot, the keys renamed by diffusers' single-file converter
-(each scale following its weight)."""
+of 1. The weights stay float8 on the host (a streamed block carries 1 byte a weight and its scales); each scaled
+Linear computes with ``weight.to(compute) * scale.to(compute)`` in diffusers' layerwise-casting hook slot, the keys
+renamed by diffusers' single-file converter (each scale following its weight)."""
 
 from __future__ import annotations
 
@@ -88,7 +87,7 @@ def read_layout(name: str, file_name: str, header: dict) -> Fp8ScaledLayout:
     if unscaled and (scales or unread):  # a scaled file: every float8 weight has its scale
         key = unscaled[0]
         spellings = " or ".join(key.removesuffix(".weight") + s for s in SCALE_SUFFIXES)
-        raise Fp8LayoutError(f"{where}: float8 tensor {key} has no scale ({spellings}); it is not loaded as if unscaled")
+        raise Fp8LayoutError(f"{where}: float8 tensor {key} has no scale ({spellings}); not loaded as if unscaled")
     for key in (k for k in unscaled if not k.endswith(".weight")):  # a plain float8 cast: weights only
         raise Fp8LayoutError(f"{where}: float8 tensor {key} is not a weight; only Linear weights are read from float8")
     return Fp8ScaledLayout(scales, tuple(unread), tuple(unscaled))

@@ -192,7 +192,7 @@ def _read_file(name: str, path: Path, max_bytes: int) -> bytes:
 
 def image_file_format(data: bytes) -> str | None:
     """The format of the image file `data` by its magic number (PIL's "PNG", "JPEG" or "WEBP"), or None for any
-    other bytes. Read before any decoder runs, as the only decoders a file's bytes ever reach: PIL would otherwise
+    other bytes. Read before any decoder runs: these three are the only decoders a file's bytes reach, where PIL would
     pick among all of its decoders (TIFF, PSD, EPS through Ghostscript ...) by the same bytes. An MPO (a camera's
     JPEG with a second picture) is a JPEG here, and its first picture, a plain JPEG, is what is read."""
     if data.startswith(b"\x89PNG\r\n\x1a\n"):

@@ -20,10 +20,11 @@ MAX_FORM_FIELDS = 32  # fields, and files, of a form: what OpenAI's endpoints ta
 
 
 async def read_body(
-    request: Request, max_bytes: int, limit_flags: str = "--max-body-bytes", pace: BodyPace = BODY_PACE
+    request: Request, max_bytes: int, limit_flags: str = "--max-body-bytes", pace: BodyPace | None = None
 ) -> bytes:
     """The request body, or a 413 naming the limit once it is known to exceed `max_bytes`, or a 408 once it falls
-    behind `pace` (the connection closes just after: `connections.guarded_h11`)."""
+    behind `pace` (default `BODY_PACE`; the connection closes just after: `connections.guarded_h11`)."""
+    pace = pace or BODY_PACE
     message = f"the request body is larger than the server's limit of {max_bytes} bytes ({limit_flags})"
     too_large = ApiError(413, message, code="body_too_large", param="body")
     declared = request.headers.get("content-length")
@@ -31,9 +32,8 @@ async def read_body(
         raise too_large
     chunks: list[bytes] = []
     size = 0
-    loop = asyncio.get_running_loop()
+    loop, stream = asyncio.get_running_loop(), request.stream().__aiter__()
     started = loop.time()
-    stream = request.stream().__aiter__()
     try:
         while True:
             try:
@@ -63,7 +63,7 @@ async def read_body(
 def json_body(body: bytes) -> bytes:
     """A JSON body as the parser takes it: a UTF-8 byte order mark dropped (RFC 8259 lets a parser ignore one, and
     Windows tools write one), UTF-16 and UTF-32 refused in one line (JSON between systems is UTF-8)."""
-    if body[:2] in (b"\xff\xfe", b"\xfe\xff") or (len(body) >= 2 and 0 in body[:2]):
+    if 0 in body[:4]:  # UTF-16 and UTF-32 put a NUL byte in the first four (JSON text in UTF-8 has none)
         message = "the JSON body is not UTF-8 (it looks like UTF-16 or UTF-32): send it encoded as UTF-8"
         raise ApiError(400, message, code="invalid_body", param="body")
     return body.removeprefix(b"\xef\xbb\xbf")

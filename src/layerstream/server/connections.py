@@ -45,8 +45,8 @@ class _BodyWatch:
     """One request body's pace on a connection: closes it once the body is `close_grace_s` behind its deadline."""
 
     def __init__(self, protocol: H11Protocol, pace: BodyPace):
-        self.protocol, self.pace, self.received = protocol, pace, 0
-        self.started = protocol.loop.time()
+        self.protocol, self.pace, self.started = protocol, pace, protocol.loop.time()
+        self.received = len(getattr(protocol.cycle, "body", b""))  # what came in the head's read: the app counts it
         self.timer = protocol.loop.call_later(pace.timeout_s + pace.close_grace_s, self.check)
 
     def check(self) -> None:
@@ -57,15 +57,14 @@ class _BodyWatch:
         if now < due:  # bytes came meanwhile: check again at the deadline they moved
             self.timer = protocol.loop.call_later(due - now, self.check)
             return
-        message = "closing a connection whose request body came too slowly: %d bytes in %.1f s"
-        logger.info(message, self.received, now - self.started)
+        logger.debug("a request body too slow: closing after %d bytes in %.1f s", self.received, now - self.started)
         protocol.transport.close()
 
 
 def guarded_h11(
     header_timeout_s: float = HEADER_TIMEOUT_S, max_waiting: int = MAX_WAITING_CONNECTIONS, body: BodyPace = BODY_PACE
 ) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a head deadline, a cap on waiting connections and a body pace, a class a server."""
+    """uvicorn's h11 protocol with a head deadline, a cap on waiting connections and a body pace; a class per server."""
     waiting: dict[H11Protocol, None] = {}  # insertion-ordered: the first has waited longest
 
     class GuardedH11Protocol(H11Protocol):
@@ -91,6 +90,9 @@ def guarded_h11(
             if self.conn.their_state is not h11.IDLE:  # a whole request head arrived (or the connection ended)
                 self._stop_waiting()
             self._watch_body(sending=self.conn.their_state is h11.SEND_BODY)
+            if self.conn.states == {h11.CLIENT: h11.IDLE, h11.SERVER: h11.IDLE} and self not in waiting:
+                if not self.transport.is_closing():  # a body the route left unread ended after its answer
+                    self._wait_for_head()
 
         def _watch_body(self, *, sending: bool) -> None:
             if sending and self._body is None:  # a head with a body to come: from now on the body's pace holds

@@ -24,6 +24,7 @@ _AUTHENTICATE_HEADER = {"WWW-Authenticate": {"description": "How to authenticate
 _HEADERS = {429: _RETRY_AFTER_HEADER, 401: _AUTHENTICATE_HEADER}
 
 QUEUEING_ERRORS = {
+    408: "The body came too slowly: 20 s from the end of the head, and 1 s more for every 500 bytes received",
     413: "The body, or its image, is over the server's limits (--max-body-bytes, --max-image-bytes or -pixels)",
     422: "A field is missing, mistyped, out of range or unknown",
     429: "The queue is full",
