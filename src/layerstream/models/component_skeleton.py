@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 
 from layerstream.models.component_headers import StoredTensor
-
-FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+from layerstream.runtime.packing.upcast import FLOAT8_DTYPES
 
 
 def file_component_skeleton_(name: str, model: torch.nn.Module, tensors: dict[str, StoredTensor], file_name: str) -> torch.nn.Module:
@@ -19,7 +18,7 @@ def file_component_skeleton_(name: str, model: torch.nn.Module, tensors: dict[st
 
     from layerstream.models.fp8_scaled import is_layout_key, read_layout
 
-    if any(t.stored_dtype in FLOAT8 for t in tensors.values()):  # fp8_scaled: its layout checked as loading does
+    if any(t.stored_dtype in FLOAT8_DTYPES for t in tensors.values()):  # fp8_scaled: its layout checked as loading does
         read_layout(name, file_name, {k: {"dtype": t.kind, "shape": list(t.shape)} for k, t in tensors.items()})
     tensors = {k: t for k, t in tensors.items() if not is_layout_key(k)}
     checkpoint = {k: _stored(t) for k, t in tensors.items()}
@@ -28,14 +27,14 @@ def file_component_skeleton_(name: str, model: torch.nn.Module, tensors: dict[st
     if mapping is not None and _should_convert_state_dict_to_diffusers(wanted, checkpoint):
         checkpoint = mapping(checkpoint=checkpoint, config=dict(model.config))
     for key, tensor in checkpoint.items():
-        if key not in wanted or not (tensor.dtype == torch.uint8 or tensor.dtype in FLOAT8):
+        if key not in wanted or not (tensor.dtype == torch.uint8 or tensor.dtype in FLOAT8_DTYPES):
             continue  # loaded in the compute dtype, as the skeleton has it
         module_path, _, leaf = key.rpartition(".")
         module = model.get_submodule(module_path)
         if not isinstance(tensor, torch.nn.Parameter):  # a GGUF weight is one already (`_stored`)
             tensor = torch.nn.Parameter(tensor, requires_grad=False)
         setattr(module, leaf, tensor)
-        if tensor.dtype in FLOAT8:  # every float8 weight has its scale (`read_layout` checked): a float32 buffer
+        if tensor.dtype in FLOAT8_DTYPES:  # every float8 weight has its scale (`read_layout` checked): a float32 buffer
             module.register_buffer("weight_scale", torch.empty((), device="meta"))
     return model
 

@@ -58,6 +58,11 @@ class ModelSource:
     components: tuple[tuple[str, str], ...] = ()
     """(name, file) of each component loaded from its own file instead (``--component``), the file as given."""
 
+    @property
+    def shown_name(self) -> str:
+        """The model as a client may read it: as given, a folder by its own name (its path is no client's business)."""
+        return Path(self.model).name if self.origin == "folder" else self.model
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model, "origin": self.origin, "folder": str(self.folder)}
         if self.origin == "hub":

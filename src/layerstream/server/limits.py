@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,9 +43,7 @@ class ModelLimits:
 
 def read_model_limits(omni: Any, settings: ServeSettings) -> ModelLimits:
     """The limits of `omni`'s model: its rules (`omni.rules`) and the server's caps lowered to its reach."""
-    rules, source = omni.rules, omni.source
-    # the model as given; a folder by its own name (its path is no client's business)
-    given_name = Path(source.model).name if source.origin == "folder" else source.model
+    rules = omni.rules
     is_video = rules.kind == "video"
     model_side, model_frames = rules.geometry.max_side_pixels, rules.geometry.max_frames if is_video else None
     max_side = min(settings.max_side_pixels, model_side) if model_side else settings.max_side_pixels
@@ -55,7 +52,7 @@ def read_model_limits(omni: Any, settings: ServeSettings) -> ModelLimits:
         model_frames is not None and model_frames < settings.max_frames
     )
     return ModelLimits(
-        rules=rules, served_names=settings.served_model_names or (given_name,),
+        rules=rules, served_names=settings.served_model_names or (omni.source.shown_name,),
         max_frames=max_frames, max_side_pixels=max_side,
         max_latent_positions=pipeline_max_latent_positions(omni.pipeline) if bound_by_model else None,
         max_work=settings.max_work if settings.max_work is not None else default_max_work(rules, max_side, max_frames, omni.device),

@@ -64,7 +64,7 @@ class GenerationService:
         self.limits: ModelLimits = read_model_limits(omni, settings)
         self.source = omni.source
         self.facts: dict[str, Any] = {
-            "model_source": _public_source(omni.source.to_dict()),  # a Hub id's revision and commit; no local path
+            "model_source": _public_source(omni.source),  # a Hub id's revision and commit; no local path
             "device": str(omni.device),
             "dtype": str(omni.dtype).removeprefix("torch.") if omni.dtype is not None else None,
             "component_dtypes": omni.component_dtypes(),
@@ -282,13 +282,10 @@ def _public_config(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def _public_source(source: dict[str, Any]) -> dict[str, Any]:
-    """Where the model came from, as a client may read it: a folder or a component's local file by its own name,
-    never its path (the log names the path)."""
-    public = {key: value for key, value in source.items() if key != "folder"}
-    if source["origin"] == "folder":
-        public["model"] = Path(source["model"]).name
-    if "components" in source:
-        files = source["components"].items()
-        public["components"] = {n: f if f.startswith(HUB_FILE_PREFIX) else Path(f).name for n, f in files}
+def _public_source(source: Any) -> dict[str, Any]:
+    """Where the model (a `ModelSource`) came from, as a client may read it: a folder or a component's local file
+    by its own name, never its path (the log names the path)."""
+    public = {key: value for key, value in source.to_dict().items() if key != "folder"} | {"model": source.shown_name}
+    if source.components:
+        public["components"] = {n: f if f.startswith(HUB_FILE_PREFIX) else Path(f).name for n, f in source.components}
     return public
