@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -174,7 +175,9 @@ def _served_wan(device: str):
         _rules("Wan-AI/Wan2.2-T2V-A14B-Diffusers", "video", frame_multiple=4, default_num_frames=81, takes={"negative_prompt"}, size=(832, 480)),
         default_num_inference_steps=50,
     )
-    source = SimpleNamespace(model=rules.model, origin="hub")
+    from layerstream.models.hub import ModelSource
+
+    source = ModelSource(rules.model, Path("unused"), "hub")
     omni = SimpleNamespace(rules=rules, pipeline=None, device=device, source=source)  # only read: no CUDA call is made
     return read_model_limits(omni, ServeSettings())
 
